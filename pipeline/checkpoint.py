@@ -1,0 +1,266 @@
+"""Sharded, atomic, self-describing checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under `<run_dir>/checkpoints/`:
+
+    step_00000120/            a complete checkpoint (published by rename)
+        .metadata             DCP's index of every stored tensor and its chunks (rank 0)
+        __0_0.distcp ...      one shard file per rank
+        trainserve.json       step, config, model_args, labels, train state (rank 0)
+        COMPLETE              the marker: every file's name and size, written last
+    .tmp-step_00000140/       a save in progress; never loaded, removed by the next save
+
+Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever the strategy),
+`optim.state.<fqn>.<name>`, `optim.param_groups...`, and `rng.rank<r>.*` per rank.
+Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it
+is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+from pipeline.distributed import DistInfo, barrier, broadcast_object
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+META = "trainserve.json"
+FORMAT = "trainserve-dcp/1"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that can't be used; the message names the file or keys at fault."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_durably(path: Path, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- finding checkpoints --------------------------------------------------------------------
+
+
+def verify_complete(path: Path) -> dict:
+    """Returns the marker if `path` is a complete checkpoint, else raises naming what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' does not exist or is not a directory")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint '{path}' has no {MARKER} marker: the save did not finish; "
+                              "use another checkpoint or `latest`")
+    try:
+        listing = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"checkpoint '{path}': {MARKER} marker is corrupt") from None
+    for name, size in listing["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' has {f.stat().st_size} bytes, "
+                                  f"the marker says {size}: truncated or overwritten")
+    if ".metadata" not in listing["files"]:
+        raise CheckpointError(f"checkpoint '{path}' has no .metadata: not a DCP checkpoint")
+    return listing
+
+
+def list_complete(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in sorted(root.iterdir()):
+        if not STEP_DIR.match(child.name):
+            continue
+        try:
+            verify_complete(child)
+            found.append(child)
+        except CheckpointError as exc:
+            log.warning("skipping %s", exc)
+    return found
+
+
+def latest(root: Path) -> Path | None:
+    complete = list_complete(root)
+    return complete[-1] if complete else None
+
+
+def read_meta(path: Path) -> dict:
+    verify_complete(path)
+    return json.loads((Path(path) / META).read_text())
+
+
+# --- state ----------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
+        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
+        **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss = (int(v) for v in state["numpy_pos"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
+                         float(state["numpy_gauss"][0])))
+    random.setstate((3, tuple(int(v) for v in state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         meta: dict, info: DistInfo, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the published directory."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if info.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crash: never part of a checkpoint
+            shutil.rmtree(tmp)
+    barrier(info)
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
+    dcp.save(state, checkpoint_id=str(tmp))
+    barrier(info)
+
+    if info.is_main:
+        _write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        _write_json_durably(tmp / MARKER, {"step": step, "files": files})
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step (e.g. after a restart): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in list_complete(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", final)
+    barrier(info)
+    return final
+
+
+def check_compatible(path: Path, model_sd: dict[str, Any]) -> None:
+    """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    stored = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    shapes = sorted(k for k in set(wanted) & set(stored) if wanted[k] != stored[k])
+    if missing or extra or shapes:
+        lines = [f"checkpoint '{path}' does not match the model being built:"]
+        lines += [f"  missing in checkpoint: {k} {list(wanted[k])}" for k in missing[:20]]
+        lines += [f"  not in model: {k} {list(stored[k])}" for k in extra[:20]]
+        lines += [f"  shape differs: {k} checkpoint {list(stored[k])} vs model {list(wanted[k])}" for k in shapes[:20]]
+        lines.append("  check that model.* and data.* match the config the checkpoint was trained with "
+                     f"(see {Path(path) / META})")
+        raise CheckpointError("\n".join(lines))
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo) -> dict:
+    """Collective. Loads model (+ optimizer, + this rank's RNG when present) in place; returns the meta.
+
+    DCP reshards on load, so a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
+        get_state_dict(model, [])[0], None)
+    check_compatible(path, model_sd)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    state: dict[str, Any] = {"model": model_sd}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
+    rng_key = f"rank{info.rank}"
+    has_rng = any(k.startswith(f"rng.{rng_key}.") for k in metadata.state_dict_metadata)
+    if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
+        state["rng"] = {rng_key: _rng_state()}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # DCP wraps reader errors; name the checkpoint and the cause
+        raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}") from exc
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}),
+                   options=StateDictOptions(strict=True))
+    if has_rng:
+        _set_rng_state(state["rng"][rng_key])
+    return meta
+
+
+def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path | None:
+    """`latest`, a checkpoint path, a run directory, or an MLflow run id -> a complete checkpoint.
+
+    Rank 0 resolves (and downloads, for a run id); every rank gets the same answer.
+    """
+    answer: str | None = None
+    error: str | None = None
+    if info.is_main:
+        try:
+            answer = str(_resolve_on_main(resume, Path(checkpoint_root)) or "")
+        except CheckpointError as exc:
+            error = str(exc)
+    answer, error = broadcast_object((answer, error), info)
+    if error:
+        raise CheckpointError(error)
+    return Path(answer) if answer else None
+
+
+def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
+    if resume == "latest":
+        return latest(checkpoint_root)
+    p = Path(resume)
+    if p.exists():
+        if (p / MARKER).exists() or (p / ".metadata").exists():
+            verify_complete(p)
+            return p
+        found = latest(p / "checkpoints") or latest(p)
+        if found is None:
+            raise CheckpointError(f"--resume {resume}: no complete checkpoint in that directory "
+                                  "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
+        return found
+    if re.fullmatch(r"[0-9a-f]{32}", resume):
+        from pipeline.tracking import download_checkpoint
+
+        return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
+    raise CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")

@@ -1,0 +1,294 @@
+"""The typed configuration tree shared by every stage.
+
+Precedence, lowest to highest: the defaults written here < the YAML file < `key=value`
+overrides on the command line. Unknown keys and wrong types are refused with a message that
+names the key and what is allowed; cross-field rules are checked at load time.
+
+Each stage receives only its own section (`cfg.train`, `cfg.data`, ...), never the root.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration the user has to fix; the message says what and how."""
+
+
+class Section(BaseModel):
+    # extra="forbid" is what turns a typo such as `optim.lrr` into an error instead of a no-op.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    name: Literal["digits", "fashion_mnist", "synthetic"] = Field(
+        "digits", description="Data set: scikit-learn's 8x8 digits (offline), Fashion-MNIST IDX files, or random tensors.")
+    path: str | None = Field(
+        None, description="Directory with the Fashion-MNIST IDX files (gzipped or not); unused by the others.")
+    val_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Share of the digits held out for validation (fixed, seeded split).")
+    split_seed: int = Field(0, description="Seed of the digits train/validation split; independent of train.seed.")
+    synthetic_channels: int = Field(1, ge=1, description="Synthetic data: image channels.")
+    synthetic_size: int = Field(28, ge=4, description="Synthetic data: image height = width.")
+    synthetic_classes: int = Field(10, ge=2, description="Synthetic data: number of classes.")
+    synthetic_samples: int = Field(1024, ge=8, description="Synthetic data: number of training samples.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank (0 = load in the training process).")
+
+
+class ModelConfig(Section):
+    name: Literal["resnet18", "mlp"] = Field("resnet18", description="Architecture.")
+    width: float = Field(
+        1.0, gt=0, description="ResNet-18 channel multiplier: 1.0 gives 64/128/256/512; 0.125 gives 8/16/32/64 for tiny tests.")
+    hidden: list[int] = Field([256, 128], description="MLP hidden layer sizes.")
+
+
+class OptimConfig(Section):
+    name: Literal["sgd", "adamw"] = Field("sgd", description="Optimizer.")
+    lr: float = Field(0.1, gt=0, description="Peak learning rate, reached at the end of the warm-up.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (Nesterov).")
+    weight_decay: float = Field(5e-4, ge=0, description="Decoupled (AdamW) or L2 (SGD) weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to `lr` over this many optimizer steps.")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="Learning-rate shape after the warm-up.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of `lr`.")
+
+
+class TrainConfig(Section):
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present, else CPU.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = bf16 on CUDA with bf16 support, fp16 on older CUDA, bf16 on a CPU with native bf16 matmul (AMX/AVX512-BF16), else fp32.")
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, summed over ranks and accumulation steps.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
+    max_steps: int = Field(0, ge=0, description="Optimizer steps to train; 0 = use `epochs`.")
+    epochs: int = Field(10, ge=1, description="Passes over the training set when max_steps is 0.")
+    clip_grad_norm: float = Field(0.0, ge=0, description="Clip the global gradient norm to this (after unscaling); 0 = off.")
+    sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (statistics over all ranks).")
+    seed: int = Field(0, description="Seed for model init, shuffling and augmentation; same seed, same losses.")
+    log_every: int = Field(10, ge=1, description="Log training metrics every N optimizer steps.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch end. Always at the end.")
+    consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
+    threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
+    cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
+    channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores).")
+    output_dir: str = Field("outputs", description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
+    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <config stem>-<timestamp>.")
+
+
+class CheckpointConfig(Section):
+    every_n_steps: int = Field(0, ge=0, description="Save a sharded checkpoint every N optimizer steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk; older ones are deleted after a newer one completes.")
+    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints are uploaded to the MLflow run.")
+
+
+class TrackingConfig(Section):
+    tracking_uri: str = Field(
+        "", description="MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project root.")
+    experiment: str = Field("trainserve", description="MLflow experiment name.")
+    system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, GPU) during training.")
+
+
+class ExportConfig(Section):
+    opset: int = Field(18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively.")
+    registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> (e.g. resnet18-digits).")
+    alias: str = Field("champion", description="Alias set on the new version only when every gate passes.")
+    atol: float = Field(1e-4, gt=0, description="Parity gate: max absolute difference of logits, ONNX vs PyTorch (fp32).")
+    rtol: float = Field(1e-3, gt=0, description="Parity gate: max relative difference of logits, ONNX vs PyTorch (fp32).")
+    accuracy_tolerance_pp: float = Field(0.1, ge=0, description="Accuracy gate: ONNX accuracy within this many percentage points of PyTorch's.")
+    ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
+    fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
+
+
+class ServeConfig(Section):
+    host: str = Field("127.0.0.1", description="Bind address; 127.0.0.1 unless the server must be reachable from outside.")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Execution provider: CUDA when present and asked for, else CPU.")
+    max_batch_size: int = Field(32, ge=1, description="Rows per onnxruntime call at most.")
+    max_delay_ms: float = Field(0.0, ge=0, description="How long a partial batch may wait for more rows; 0 = never wait.")
+
+
+class Config(Section):
+    data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and learning-rate schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop and its distribution.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="ONNX export and its gates.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "Config":
+        if self.train.precision == "fp16" and self.train.device == "cpu":
+            raise ValueError(
+                "train.precision=fp16 needs CUDA (GradScaler and fp16 kernels); on CPU use "
+                "train.precision=bf16 or train.precision=auto")
+        if self.data.name == "fashion_mnist" and not self.data.path:
+            raise ValueError(
+                "data.name=fashion_mnist needs data.path=<directory with the IDX files>")
+        return self
+
+
+def check_runtime(cfg: Config, world_size: int, cuda_available: bool) -> None:
+    """Rules that depend on the launch, checked before any work starts."""
+    t = cfg.train
+    if t.precision == "fp16" and not (cuda_available and t.device != "cpu"):
+        raise ConfigError(
+            "train.precision=fp16 needs a CUDA device and none is in use; "
+            "use train.precision=bf16 (CPU autocast) or train.precision=auto")
+    if t.device == "cuda" and not cuda_available:
+        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu")
+    per_step = world_size * t.grad_accum_steps
+    if t.global_batch_size % per_step:
+        lower = (t.global_batch_size // per_step) * per_step or per_step
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must divide by world size ({world_size}) x "
+            f"train.grad_accum_steps ({t.grad_accum_steps}) = {per_step}; "
+            f"try train.global_batch_size={lower} or {lower + per_step}")
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
+    return sorted(model_cls.model_fields)
+
+
+def _section_class(path: list[str]) -> type[BaseModel]:
+    cls: type[BaseModel] = Config
+    for part in path:
+        annotation = cls.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        cls = annotation
+    return cls
+
+
+def _unknown_key_message(dotted: str) -> str:
+    parts = dotted.split(".")
+    cls: type[BaseModel] = Config
+    for i, part in enumerate(parts):
+        fields = cls.model_fields
+        if part not in fields:
+            prefix = ".".join(parts[:i])
+            allowed = _allowed_keys(cls)
+            close = difflib.get_close_matches(part, allowed, n=1)
+            hint = f" Did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            where = f"in section '{prefix}'" if prefix else "at the top level"
+            return f"unknown config key '{dotted}' {where}.{hint} Allowed: {', '.join(allowed)}"
+        annotation = fields[part].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            cls = annotation
+    return f"unknown config key '{dotted}'"
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        dotted = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(_unknown_key_message(dotted))
+        elif e["type"] == "value_error":
+            lines.append(str(e["ctx"]["error"]) if "ctx" in e else e["msg"])
+        else:
+            got = e.get("input")
+            lines.append(f"{dotted}: {e['msg']} (got {got!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`optim.lr=0.05` -> (['optim', 'lr'], 0.05). The value is read as YAML, so types follow."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form section.key=value (e.g. optim.lr=0.05)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override '{text}' has an empty key; write section.key=value (e.g. optim.lr=0.05)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({exc.problem})") from None
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict, path: list[str], value: Any, original: str) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{original}': '{'.'.join(path[:i + 1])}' is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults < YAML file < overrides. Raises ConfigError with a message meant for a human."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            available = sorted(str(p) for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
+            hint = f"; available: {', '.join(available)}" if available else ""
+            raise ConfigError(f"config file '{path}' does not exist{hint}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(tree).__name__}")
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value, text)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Rebuild a config saved with a run or a checkpoint (same validation as a file)."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """{'optim.lr': 0.1, ...}: the form MLflow params take."""
+    out: dict[str, Any] = {}
+    for name in type(cfg).model_fields:
+        value = getattr(cfg, name)
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def describe() -> str:
+    """Every field with its default and comment, for `pipeline config --describe` and the README."""
+    lines = []
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                lines.append(f"\n[{prefix}{name}] {field.description}")
+                walk(ann, f"{prefix}{name}.")
+            else:
+                default = field.default_factory() if field.default_factory else field.default
+                lines.append(f"  {prefix}{name} = {default!r}  # {field.description}")
+
+    walk(Config, "")
+    return "\n".join(lines).lstrip()

@@ -1,0 +1,152 @@
+"""Every MLflow call the stages make, in one place.
+
+Embedded default: tracking in `sqlite:///<cwd>/mlflow.db` and artifacts in `<cwd>/mlartifacts`,
+nothing to start. A remote server (`http://...`) works the same way; it is checked before any
+work starts so a wrong URI fails in seconds, not after an hour of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DB = "mlflow.db"
+DEFAULT_ARTIFACTS = "mlartifacts"
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class TrackingError(RuntimeError):
+    """The tracking store or a run in it can't be used; the message says which and why."""
+
+
+def resolve_tracking_uri(configured: str = "") -> str:
+    """Config > $MLFLOW_TRACKING_URI > the embedded SQLite file in the current directory."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        uri = f"sqlite:///{Path.cwd() / DEFAULT_DB}"
+    return uri
+
+
+def default_artifact_root() -> str:
+    return (Path.cwd() / DEFAULT_ARTIFACTS).as_uri()
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fails fast, with the URI and the fix in the message, when the store can't be used."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        import requests
+
+        try:
+            r = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+            if r.status_code >= 500:
+                raise TrackingError(f"MLflow tracking server {uri} answered {r.status_code} on /health")
+        except requests.RequestException as exc:
+            raise TrackingError(
+                f"MLflow tracking server {uri} cannot be reached ({type(exc).__name__}). Start it "
+                "(`pipeline ui` or `mlflow server`), fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, "
+                "or leave both empty for the embedded SQLite store") from None
+    elif parsed.scheme == "sqlite":
+        db = Path(uri[len("sqlite:///"):])
+        if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
+            raise TrackingError(f"MLflow store {uri}: directory {db.parent} does not exist or is not writable")
+    elif parsed.scheme in ("", "file"):
+        path = Path(parsed.path if parsed.scheme else uri)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise TrackingError(f"MLflow store {uri} is not writable")
+    # Other schemes (databricks, postgresql, ...) are checked by MLflow on first use.
+
+
+def setup(tracking_cfg) -> str:
+    """Points MLflow at the configured store and makes sure the experiment exists."""
+    import mlflow
+
+    uri = resolve_tracking_uri(tracking_cfg.tracking_uri)
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    # Retries on a dead server would hide the failure for minutes.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    experiment = mlflow.get_experiment_by_name(tracking_cfg.experiment)
+    if experiment is None:
+        # With a local database, keep artifacts beside it rather than in ./mlruns.
+        location = default_artifact_root() if uri.startswith("sqlite:") else None
+        mlflow.create_experiment(tracking_cfg.experiment, artifact_location=location)
+    mlflow.set_experiment(tracking_cfg.experiment)
+    return uri
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def get_run(run_id: str):
+    """The run, or a TrackingError saying the id is malformed or unknown to this store."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if not RUN_ID.match(run_id or ""):
+        raise TrackingError(f"'{run_id}' is not an MLflow run id (32 lowercase hex digits)")
+    try:
+        return mlflow.MlflowClient().get_run(run_id)
+    except MlflowException as exc:
+        raise TrackingError(f"run {run_id} not found in {mlflow.get_tracking_uri()} "
+                            f"({exc.error_code}); check the id and tracking.tracking_uri") from None
+
+
+def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    get_run(run_id)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path,
+                                                        dst_path=str(dest)))
+    except (MlflowException, OSError) as exc:
+        raise TrackingError(f"run {run_id} has no artifact '{artifact_path}' (or it can't be downloaded): {exc}") from None
+
+
+def download_checkpoint(run_id: str, dest: Path) -> Path:
+    """The newest complete checkpoint logged to a run, downloaded under `dest`."""
+    import mlflow
+
+    from pipeline import checkpoint
+
+    get_run(run_id)
+    entries = mlflow.MlflowClient().list_artifacts(run_id, "checkpoints")
+    steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
+    if not steps:
+        raise checkpoint.CheckpointError(f"run {run_id} has no checkpoints logged (checkpoints/step_*); "
+                                         "was it trained with checkpoint.log_to_mlflow=none?")
+    local = download_artifacts(run_id, steps[-1], dest / run_id)
+    checkpoint.verify_complete(local)
+    return local
+
+
+def log_params(flat: dict[str, Any]) -> None:
+    import mlflow
+
+    # MLflow caps a value at 6000 chars and a batch at 100 params.
+    items = [(k, str(v)[:6000]) for k, v in flat.items()]
+    for i in range(0, len(items), 100):
+        mlflow.log_params(dict(items[i:i + 100]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
