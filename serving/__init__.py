@@ -1,0 +1,15 @@
+"""trainserve's inference server: ONNX models on onnxruntime behind HTTP.
+
+    loader.py   where the model comes from (a file, the MLflow registry: lazy import) and its name
+    engine.py   the onnxruntime session: providers, threads, warm-up, `run(feeds)`; no HTTP
+    batcher.py  dynamic batching of concurrent requests; knows neither HTTP nor onnxruntime
+    codec.py    request bodies -> arrays and arrays -> response bodies (KServe V2, MLflow); pure
+    metrics.py  Prometheus metrics of one server
+    app.py      the Starlette app: routes, auth, limits, model reload
+    config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> uvicorn
+
+Entry points: `python -m serving ...`, and `serving.cli.main(argv)` for `pipeline serve`.
+This package imports neither torch nor `pipeline`: a server needs the ONNX file, not the trainer.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,112 @@
+"""`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
+
+    main(argv) -> exit code: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad flags or a model
+    that cannot be loaded, 1 if the server could not start (e.g. the port is taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from serving.config import Settings
+
+log = logging.getLogger("serving")
+ENV_PREFIX = "TRAINSERVE_"
+
+# flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
+FLAGS: dict[str, tuple[type, str]] = {
+    "model": (str, "path/to/model.onnx, models:/name@alias, models:/name/<version>, models:/<model id> "
+                   "or runs:/<run id>/<path>"),
+    "model-name": (str, "name clients use in /v2/models/{name} (default: registered name, ONNX metadata "
+                        "trainserve.model_name, or the file stem)"),
+    "host": (str, "interface to bind (default 127.0.0.1: private)"),
+    "port": (int, "port (default 8080)"),
+    "device": (str, "auto|cpu|cuda (default auto: CUDA when a GPU and the CUDA provider exist)"),
+    "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
+    "max-batch-size": (int, "most rows per model run (default 32)"),
+    "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
+    "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
+    "max-body-bytes": (int, "largest request body (default 16 MiB)"),
+    "max-rows-per-request": (int, "most rows in one request (default 256)"),
+    "auth-token": (str, "require 'Authorization: Bearer <token>' (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
+    "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
+    "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
+    "log-level": (str, "debug|info|warning|error (default info)"),
+}
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(
+        prog="python -m serving", description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
+                                               "Prometheus metrics). Every flag can also be set as "
+                                               "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.")
+    for flag, (kind, help_text) in FLAGS.items():
+        env = ENV_PREFIX + flag.upper().replace("-", "_")
+        parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
+    args = parser.parse_args(argv)
+    values = {}
+    for flag, (kind, _) in FLAGS.items():
+        key = flag.replace("-", "_")
+        value = getattr(args, key)
+        env = ENV_PREFIX + key.upper()
+        if value is None and os.environ.get(env):
+            try:
+                value = kind(os.environ[env])
+            except ValueError:
+                parser.error(f"{env}={os.environ[env]!r} is not a valid {kind.__name__}")
+        if value is not None:
+            values[key] = value
+    if "model" not in values:
+        parser.error("--model is required (or TRAINSERVE_MODEL)")
+    settings = Settings(**values)
+    try:
+        settings.check()
+        from serving.app import check_reload
+
+        check_reload(settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for `python -m serving` and `pipeline serve`; returns the process exit code."""
+    try:
+        settings = parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on errors; hand back its code instead
+        return int(exc.code or 0)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from serving.app import create_app, warm_up
+    from serving.engine import EngineError
+    from serving.loader import SourceError, load_model
+
+    try:
+        model = load_model(settings.model, device=settings.device, threads=settings.threads,
+                           name=settings.model_name)
+        warm_up(model, settings.max_batch_size)
+    except (SourceError, EngineError) as exc:
+        log.error("cannot serve %s: %s", settings.model, exc)
+        return 2
+    app = create_app(settings, model)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", lifespan="on",
+        access_log=False, log_config=None, timeout_graceful_shutdown=settings.graceful_timeout,
+        # Stop accepting past this many open connections (503) instead of growing without bound.
+        limit_concurrency=4 * settings.max_queue_rows + 64)
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        model.discard()
+        log.error("the server did not start (see above)")
+        return 1
+    return 0

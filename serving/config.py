@@ -1,0 +1,64 @@
+"""Server settings: one typed place, with defaults in code.
+
+Precedence: command-line flag > environment variable TRAINSERVE_<FLAG> (e.g. TRAINSERVE_PORT,
+TRAINSERVE_MAX_BATCH_SIZE) > default. The auth token is read from TRAINSERVE_AUTH_TOKEN rather than
+a flag where possible, so that it does not show in `ps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    # The model: a path to an .onnx file, models:/name@alias, models:/name/3, runs:/<id>/<path>.
+    model: str
+    # Name clients use in /v2/models/{name}; default: registered name, ONNX metadata, file stem.
+    model_name: str | None = None
+    # Interface to bind; 127.0.0.1 keeps the server private unless asked otherwise.
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist, else CPU.
+    device: str = "auto"
+    # onnxruntime intra-op threads; default: the CPUs this process may use.
+    threads: int | None = None
+    # Most rows one model run gathers from concurrent requests.
+    max_batch_size: int = 32
+    # How long a partial batch may wait for more rows; 0: never wait, run what is queued.
+    max_delay_ms: float = 0.0
+    # Rows allowed to wait; beyond it requests get 503 with Retry-After. Bounds memory.
+    max_queue_rows: int = 1024
+    # Largest request body, in bytes (after decompression too); beyond it 413.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Most rows (samples) in one request; beyond it 400.
+    max_rows_per_request: int = 256
+    # Bearer token required on every endpoint except health checks; None: no auth.
+    auth_token: str | None = None
+    # Seconds between polls of a models:/name@alias source for a new version; None: never.
+    reload_interval: float | None = None
+    # Seconds uvicorn waits for in-flight requests after SIGTERM before closing them.
+    graceful_timeout: float = 30.0
+    log_level: str = "info"
+
+    def check(self) -> None:
+        """Cross-field rules; ValueError says how to fix."""
+        positive = {"--port": self.port, "--max-batch-size": self.max_batch_size,
+                    "--max-queue-rows": self.max_queue_rows, "--max-body-bytes": self.max_body_bytes,
+                    "--max-rows-per-request": self.max_rows_per_request}
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"--threads must be positive, got {self.threads}")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"--max-delay-ms must be >= 0, got {self.max_delay_ms}")
+        if self.max_rows_per_request > self.max_queue_rows:
+            raise ValueError(f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
+                             f"({self.max_queue_rows}): such a request could never be queued")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.reload_interval is not None and self.reload_interval <= 0:
+            raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("the auth token is empty; unset it or give a non-empty one")

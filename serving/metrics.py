@@ -1,0 +1,50 @@
+"""Prometheus metrics of one server, in their own registry (not the process-global one)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
+
+disable_created_metrics()  # the *_created series double the output and nobody graphs them
+
+LATENCY_BUCKETS = (.001, .002, .004, .006, .008, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1, 2, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_rows: Callable[[], float]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("trainserve_requests", "HTTP requests by route template and status",
+                                ["route", "status"], registry=r)
+        self.latency = Histogram("trainserve_request_duration_seconds", "HTTP request latency, seconds",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("trainserve_batch_size", "Rows per model run", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.inference = Histogram("trainserve_inference_duration_seconds", "Seconds per model run",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge("trainserve_queue_rows", "Rows waiting for a model run", registry=r)
+        self.queue.set_function(queue_rows)
+        self.model_info = Gauge("trainserve_model_info", "The model being served (value 1)",
+                                ["name", "version", "provider", "source"], registry=r)
+        self.reloads = Counter("trainserve_model_reloads", "Model swaps after the registry alias moved",
+                               registry=r)
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def observe_batch(self, rows: int, seconds: float) -> None:
+        self.batch_size.observe(rows)
+        self.inference.observe(seconds)
+
+    def set_model(self, name: str, version: str, provider: str, source: str) -> None:
+        self.model_info.clear()
+        self.model_info.labels(name, version, provider, source).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
