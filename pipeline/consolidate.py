@@ -1,0 +1,443 @@
+"""`pipeline consolidate`: a sharded DCP checkpoint -> one `model.safetensors` + `model.json`.
+
+One process, no process group, bounded memory. The model's tensors are streamed out of the shards a
+few at a time, guided by DCP's metadata, and written straight into a safetensors file whose header
+was written first. The optimizer state is never read.
+
+Peak memory (beyond the process baseline) is about the tensors being loaded in one `dcp.load`
+call plus the stored chunk DCP's reader materializes before copying it: ~2x the largest tensor
+for a DDP checkpoint (each tensor stored whole), ~1.5x for FSDP (stored in halves).
+
+Outputs in `<out_dir>/`:
+    model.safetensors   keys = the plain model's state_dict() keys, buffers included; floating
+                        tensors in --dtype, integer ones (num_batches_tracked) as stored
+    model.json          format "trainserve-weights/1", config, model_args, labels,
+                        tensors {name: {shape, dtype}}, sha256, dtype, source {checkpoint, step,
+                        world_size, strategy, mlflow_run_id}
+Invariant: both are published by rename, model.json last; a model.json on disk describes the
+model.safetensors beside it (its sha256 says so), and an interrupted run leaves the previous pair
+(or nothing) in place, never a half-written file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from pipeline import checkpoint
+from pipeline.checkpoint import CheckpointError
+from pipeline.models import build_model
+from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
+                                         total_size)
+from pipeline.tracking import TrackingError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "trainserve-weights/1"
+WEIGHTS = "model.safetensors"
+DESCRIPTION = "model.json"
+ARTIFACT_PATH = "consolidated"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Tensors smaller than this share one dcp.load call (each call plans and opens files anew); a
+# larger tensor gets a call of its own so that at most one big tensor is in memory at a time.
+BATCH_BYTES = 32 << 20
+OUTPUTS = Path("outputs")  # where --run-id downloads and writes, like train.output_dir's default
+
+
+class ConsolidateError(RuntimeError):
+    """Consolidation can't go on; the message says what is wrong and how to fix it."""
+
+
+def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run_id: str | None = None,
+         output: str | Path | None = None, dtype: str = "fp32", tracking_uri: str = "",
+         log_to_mlflow: bool = True) -> Path:
+    """Consolidates one checkpoint; returns the path of model.safetensors.
+
+    `checkpoint_path` is a checkpoint directory (step_*/), or with `latest=True` a run directory
+    (its newest complete checkpoint). Without a path, `run_id` downloads the run's newest
+    checkpoint from MLflow. Outputs go to `output`, else `<run_dir>/consolidated`, else (run id)
+    `outputs/<run_id>/consolidated`; they are logged to the source's MLflow run unless told not to.
+    """
+    started = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ConsolidateError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if checkpoint_path is None and run_id is None:
+        raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory "
+                               "with --latest, or --run-id")
+    if checkpoint_path is None:
+        _use_tracking(tracking_uri)
+        ckpt = _download(run_id)
+    else:
+        ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
+    meta = checkpoint.read_meta(ckpt)
+    run_id = run_id or meta.get("mlflow_run_id")
+    if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
+        _use_tracking(tracking_uri or meta.get("config", {}).get("tracking", {}).get("tracking_uri", ""))
+        _check_run(run_id)
+    out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
+
+    reader = CachedMetadataReader(ckpt)
+    specs = plan_tensors(ckpt, reader.metadata, meta, DTYPES[dtype])
+    weights = out_dir / WEIGHTS
+    tmp = _prepare_output(out_dir, total_size(specs))
+    try:
+        sha = write_weights(tmp, reader, specs, ckpt)
+        verify_file(tmp, specs, sha, meta["model_args"])
+        description = describe(meta, ckpt, specs, sha, dtype)
+        _publish(out_dir, tmp, description)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+    log.info("consolidated %d tensors (%.1f MB, %s) from %s in %.1f s -> %s (sha256 %s)", len(specs),
+             sum(s.nbytes for s in specs) / 1e6, dtype, ckpt, time.perf_counter() - started, weights, sha[:12])
+    if log_to_mlflow and run_id:
+        log_to_run(run_id, out_dir, sha)
+    elif log_to_mlflow:
+        log.info("the checkpoint names no MLflow run (mlflow_run_id) and no --run-id was given: not logged")
+    return weights
+
+
+# --- input ----------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: Path, latest: bool) -> Path:
+    """A checkpoint directory as given, or the newest complete one of a run directory (`latest`)."""
+    if not path.exists():
+        raise CheckpointError(f"'{path}' does not exist")
+    if (path / checkpoint.MARKER).exists() or (path / ".metadata").exists():
+        checkpoint.verify_complete(path)
+        return path
+    if path.is_dir() and checkpoint.STEP_DIR.match(path.name):
+        checkpoint.verify_complete(path)  # names what is missing: no marker, no .metadata
+    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
+    if not latest:
+        hint = f"; its newest complete checkpoint is {found}" if found else ""
+        raise CheckpointError(f"'{path}' is not a checkpoint directory (no {checkpoint.MARKER} marker nor "
+                              f".metadata); to consolidate a run directory's newest checkpoint, add --latest{hint}")
+    if found is None:
+        raise CheckpointError(f"'{path}' holds no complete checkpoint (expected checkpoints/step_*/ "
+                              f"with a {checkpoint.MARKER} marker): was training interrupted before the first save?")
+    return found
+
+
+def default_output_dir(ckpt: Path, downloaded_run_id: str | None) -> Path:
+    if downloaded_run_id:
+        return OUTPUTS / downloaded_run_id / "consolidated"
+    ckpt = ckpt.resolve()
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run_dir / "consolidated"
+
+
+def _download(run_id: str) -> Path:
+    log.info("downloading the newest checkpoint of run %s", run_id)
+    from pipeline.tracking import download_checkpoint
+
+    return download_checkpoint(run_id, OUTPUTS / "downloaded")
+
+
+class CachedMetadataReader(FileSystemReader):
+    """A FileSystemReader that unpickles `.metadata` once. `dcp.load` reads it on every call, and
+    with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        try:
+            self.metadata: Metadata = super().read_metadata()
+        except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
+            raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        return self.metadata
+
+
+def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype) -> list[TensorSpec]:
+    """What the file will hold, in file order, after checking the checkpoint against the model
+    rebuilt from its own model_args: same keys, same shapes, floating where the model is floating.
+
+    The model is built on the meta device: its shapes without its memory.
+    """
+    if "model_args" not in meta:
+        raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} has no model_args; it can't be "
+                              "checked against a model")
+    try:
+        with torch.device("meta"):
+            model = build_model(meta["model_args"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint '{ckpt}': the model_args in {checkpoint.META} don't build a "
+                              f"model ({type(exc).__name__}: {exc})") from None
+    expected = model.state_dict()
+    checkpoint.check_compatible(ckpt, expected)  # keys and shapes; lists every difference
+
+    specs = []
+    for name, want in expected.items():
+        md = metadata.state_dict_metadata[f"model.{name}"]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as bytes, not a tensor")
+        stored = md.properties.dtype
+        if stored.is_floating_point != want.dtype.is_floating_point:
+            raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as {stored}, the model "
+                                  f"has {want.dtype}: metadata from another model?")
+        specs.append(TensorSpec(name, tuple(md.size), dtype if stored.is_floating_point else stored))
+    return file_order(specs)
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _prepare_output(out_dir: Path, size: int) -> Path:
+    """Creates `out_dir`, checks it can take `size` bytes, and returns the temporary file's path."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConsolidateError(f"output directory '{out_dir}' can't be written ({exc.strerror or exc}); "
+                               "choose another with --output") from None
+    _remove_stale_temporaries(out_dir)
+    free = shutil.disk_usage(out_dir).free
+    if free < size:
+        raise ConsolidateError(f"not enough disk space in '{out_dir}': {WEIGHTS} needs {size / 1e6:.1f} MB, "
+                               f"{free / 1e6:.1f} MB free; free some space or choose another --output")
+    return out_dir / f".{WEIGHTS}.tmp-{os.getpid()}"
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Temporaries left by a consolidation that was killed (SIGKILL skips every `finally`)."""
+    for stale in out_dir.glob(f".{WEIGHTS}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
+    batches: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if batches[-1] and size + s.nbytes > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(s)
+        size += s.nbytes
+    return [b for b in batches if b]
+
+
+def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path) -> str:
+    """Streams the model's tensors into `tmp`, a few per `dcp.load` call; returns the file's sha256."""
+    stored = reader.metadata.state_dict_metadata
+    try:
+        writer = StreamingWriter(tmp, specs, {"format": "pt"})
+    except OSError as exc:
+        raise _write_error(exc, tmp) from None
+    try:
+        for batch in _batches(specs):
+            # Empty tensors built from the metadata: DCP loads into them in place, and it reads only
+            # the chunks they need, from whichever shard files hold them (any world size, DDP or FSDP).
+            state = {f"model.{s.name}": torch.empty(stored[f"model.{s.name}"].size,
+                                                    dtype=stored[f"model.{s.name}"].properties.dtype)
+                     for s in batch}
+            _load(state, reader, ckpt)
+            for s in batch:
+                tensor = state.pop(f"model.{s.name}")
+                _check_finite(s.name, tensor, ckpt)
+                writer.write(s.name, tensor.to(s.dtype))
+                del tensor  # before the next one: one big tensor at a time
+        return writer.close()
+    except OSError as exc:
+        writer.abort()
+        raise _write_error(exc, tmp) from None
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as exc:
+        files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
+                        if index.fqn in state})
+        raise CheckpointError(f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
+                              f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
+                              f"file corrupt or truncated? ({type(exc).__name__}: {_first_line(exc)})") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf "
+                               "values; training diverged before this checkpoint, consolidate an earlier one")
+
+
+def _write_error(exc: OSError, path: Path) -> ConsolidateError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConsolidateError(f"disk full while writing '{path.parent / WEIGHTS}' ({exc.strerror}); "
+                                "nothing was published; free some space or choose another --output")
+    return ConsolidateError(f"can't write '{path}' ({exc.strerror or exc}); choose another --output")
+
+
+def verify_file(path: Path, specs: list[TensorSpec], sha: str, model_args: dict) -> None:
+    """Re-reads the written file: same bytes as streamed (sha256), a header safetensors accepts,
+    and keys/shapes that a fresh model loads with strict=True. The fresh model lives on the meta
+    device, so this check costs no memory; the tests compare real outputs."""
+    from safetensors import safe_open
+
+    if file_sha256(path) != sha:
+        raise ConsolidateError(f"'{path}' changed on disk while it was written (sha256 differs); try again")
+    with safe_open(str(path), framework="pt") as f:
+        state = {}
+        for name in f.keys():
+            view = f.get_slice(name)
+            state[name] = torch.empty(view.get_shape(), dtype=_torch_dtype(view.get_dtype()), device="meta")
+    if set(state) != {s.name for s in specs}:
+        raise ConsolidateError(f"'{path}': written keys differ from the planned ones")
+    with torch.device("meta"):
+        model = build_model(model_args)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ConsolidateError(f"'{path}' does not load into a fresh model: {exc}") from None
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from pipeline.safetensors_writer import DTYPE_NAMES
+
+    return {v: k for k, v in DTYPE_NAMES.items()}[name]
+
+
+def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
+    """model.json: everything export needs besides the weights."""
+    return {
+        "format": FORMAT,
+        "config": meta.get("config"),
+        "model_args": meta["model_args"],
+        "labels": meta.get("labels"),
+        "tensors": {s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
+                    for s in sorted(specs, key=lambda s: s.name)},
+        "sha256": sha,
+        "dtype": dtype,
+        "source": {"checkpoint": str(ckpt.resolve()), "step": meta.get("step"),
+                   "world_size": meta.get("world_size"), "strategy": meta.get("strategy"),
+                   "mlflow_run_id": meta.get("mlflow_run_id")},
+    }
+
+
+def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
+    """Renames the weights into place, then writes model.json: an old model.json is removed first
+    so that it never sits beside weights it does not describe."""
+    weights, desc = out_dir / WEIGHTS, out_dir / DESCRIPTION
+    tmp_desc = out_dir / f".{DESCRIPTION}.tmp-{os.getpid()}"
+    try:
+        with open(tmp_desc, "w") as f:
+            json.dump(description, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        desc.unlink(missing_ok=True)
+        os.replace(tmp_weights, weights)
+        os.replace(tmp_desc, desc)
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _write_error(exc, tmp_desc) from None
+    finally:
+        tmp_desc.unlink(missing_ok=True)
+
+
+# --- MLflow ---------------------------------------------------------------------------------
+
+
+def _use_tracking(uri: str) -> None:
+    import mlflow
+
+    from pipeline.tracking import check_reachable, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(uri)
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+
+
+def _check_run(run_id: str) -> None:
+    from pipeline.tracking import get_run
+
+    get_run(run_id)
+
+
+def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
+    """Both files under `consolidated/` of the source run, its sha256 and the stage as tags."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    for name in (WEIGHTS, DESCRIPTION):
+        client.log_artifact(run_id, str(out_dir / name), ARTIFACT_PATH)
+    client.set_tag(run_id, "trainserve.consolidated.sha256", sha)
+    client.set_tag(run_id, "trainserve.stage.consolidate", "done")
+    log.info("logged %s and %s to run %s under %s/", WEIGHTS, DESCRIPTION, run_id, ARTIFACT_PATH)
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", nargs="?", metavar="CHECKPOINT_DIR | RUN_DIR",
+                        help="a checkpoint directory (step_*/), or a run directory with --latest")
+    parser.add_argument("--latest", action="store_true",
+                        help="use the newest complete checkpoint of the run directory given")
+    parser.add_argument("--run-id", help="MLflow run: without a path, download its newest checkpoint; "
+                        "with one, the run to log to (default: the checkpoint's own run)")
+    parser.add_argument("--output", help="output directory (default: <run_dir>/consolidated, "
+                        "or outputs/<run_id>/consolidated with --run-id)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="dtype of the floating tensors in the file (integer buffers stay as they are)")
+    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: the checkpoint's "
+                        "config, else $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    parser.add_argument("--no-log", action="store_true", help="don't log the result to MLflow")
+
+
+def cli(args: argparse.Namespace) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S")
+    try:
+        path = main(args.source, latest=args.latest, run_id=args.run_id, output=args.output, dtype=args.dtype,
+                    tracking_uri=args.tracking_uri, log_to_mlflow=not args.no_log)
+    except (CheckpointError, TrackingError, ConsolidateError) as exc:
+        print(f"pipeline consolidate: error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
