@@ -160,7 +160,7 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
     barrier(info)
 
     if info.is_main:
@@ -217,7 +217,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
         state["rng"] = {rng_key: _rng_state()}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=not info.distributed)
     except Exception as exc:  # DCP wraps reader errors; name the checkpoint and the cause
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,8 +177,10 @@ def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world
     if len(sampler) < batch_size_per_rank:
         raise DataError(f"the training set has {len(dataset)} samples, fewer than one global batch "
                         f"({batch_size_per_rank * world_size}); lower train.global_batch_size")
-    return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
-                              num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_batch)
+    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
+                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_batch)
 
 
 def val_shard(splits: Splits, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,3 +150,59 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- the training run -------------------------------------------------------------------------
+
+
+def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool) -> str:
+    """Starts a run, or continues `run_id` (a resume keeps one run, not two)."""
+    import mlflow
+
+    if system_metrics:
+        # Short runs would log no sample at the default 10 s interval.
+        mlflow.set_system_metrics_sampling_interval(2)
+        mlflow.set_system_metrics_samples_before_logging(1)
+    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name,
+                           log_system_metrics=system_metrics)
+    mlflow.set_tags(tags)
+    return run.info.run_id
+
+
+def log_metrics(metrics: dict[str, float], step: int) -> None:
+    import mlflow
+
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+def log_artifact(path: Path, artifact_path: str | None = None) -> None:
+    import mlflow
+
+    if Path(path).is_dir():
+        mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+    else:
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+
+def log_text(text: str, artifact_file: str) -> None:
+    import mlflow
+
+    mlflow.log_text(text, artifact_file)
+
+
+def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
+    import mlflow
+
+    if run_id is None:
+        mlflow.set_tags(tags)
+    else:
+        client = mlflow.MlflowClient()
+        for k, v in tags.items():
+            client.set_tag(run_id, k, v)
+
+
+def end_run(status: str = "FINISHED") -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.end_run(status=status)

@@ -1,0 +1,35 @@
+"""Figures logged with runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    counts = confusion.numpy().astype(int)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(labels), 0.8 + 0.55 * len(labels)))
+    ax.imshow(counts, cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    accuracy = counts.trace() / max(1, counts.sum())
+    ax.set_title(f"validation: {accuracy:.2%} of {counts.sum()}")
+    threshold = counts.max() / 2
+    for i in range(len(labels)):
+        for j in range(len(labels)):
+            if counts[i, j]:
+                ax.text(j, i, counts[i, j], ha="center", va="center", fontsize=7,
+                        color="white" if counts[i, j] > threshold else "black")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

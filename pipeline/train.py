@@ -1,0 +1,398 @@
+"""The train stage: `pipeline train --config configs/X.yaml [--nproc-per-node N] [key=value ...]`.
+
+Runs on every rank under torchrun (or alone as a world of one). `main(cfg)` reads top to bottom;
+the pieces it uses live in their own modules (data, models, amp, optim, checkpoint, tracking).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pipeline import amp, checkpoint, distributed, replicas, tracking
+from pipeline.config import Config, ConfigError, check_runtime, flatten, load_config, to_yaml
+from pipeline.data import DataError, Splits, load_splits, make_train_loader, val_shard
+from pipeline.distributed import DistInfo
+from pipeline.models import build_model, model_args_for
+from pipeline.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("pipeline.train")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    run_id: str | None
+    checkpoint: Path
+    losses: list[float] = field(default_factory=list)
+    val_accuracy: float = 0.0
+
+
+def main(cfg: Config, resume: str | None = None) -> TrainResult:
+    info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
+    distributed.configure_logging(info.rank)
+    run_started = False
+    try:
+        check_runtime(cfg, info.world_size, torch.cuda.is_available())
+        precision = amp.resolve_precision(cfg.train.precision, info.device)
+        run_dir = Path(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
+        ckpt_root = run_dir / "checkpoints"
+        resume = resume or auto_resume(ckpt_root, info)
+        log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
+                 info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
+
+        seed_everything(cfg.train.seed)  # same seed on every rank: identical initial replicas
+        splits = load_splits(cfg.data)
+        data_info = splits.info()
+        model_args = model_args_for(cfg.model, data_info)
+        model = wrap_model(build_model(model_args), cfg.train, precision, info)
+        optimizer = build_optimizer(model.parameters(), cfg.optim)
+        batch_per_rank = cfg.train.global_batch_size // (info.world_size * cfg.train.grad_accum_steps)
+        loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, cfg.train.seed,
+                                   cfg.data.num_workers, pin_memory=info.device.type == "cuda")
+        steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
+        total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+        scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+        scaler = amp.grad_scaler(precision, info.device)
+
+        step, epoch, run_id = 0, 0, read_run_id(run_dir)
+        resume_path = checkpoint.resolve_resume(resume, ckpt_root, info) if resume else None
+        if resume_path:
+            meta = checkpoint.load(resume_path, model, optimizer, info)
+            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader)
+            run_id = meta.get("mlflow_run_id") or run_id
+            log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
+        elif ckpt_root.exists() and checkpoint.latest(ckpt_root):
+            raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
+                              "or start a new run with another train.run_name")
+
+        if info.is_main:
+            run_id = start_tracking(cfg, run_dir, run_id, info, precision)
+            run_started = True
+        meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
+                "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
+
+        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg, info, precision,
+                            step, epoch, total_steps, ckpt_root, meta)
+        final = checkpoint.latest(ckpt_root) if info.is_main else None
+        final = Path(distributed.broadcast_object(str(final), info))
+        accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps)
+        if info.is_main:
+            finish_tracking(cfg, final, accuracy, confusion, splits.labels, total_steps)
+        return TrainResult(run_dir, run_id, final, losses, accuracy)
+    except BaseException:
+        if run_started:
+            tracking.end_run("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+        raise
+    finally:
+        distributed.teardown()
+
+
+def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,
+               precision: str, step: int, epoch: int, total_steps: int, ckpt_root: Path,
+               meta: dict) -> list[float]:
+    t = cfg.train
+    losses: list[float] = []
+    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    progress = make_progress(info, total_steps, step)
+    while step < total_steps:
+        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for micro_batches in chunked(loader, t.grad_accum_steps):
+            log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
+            loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
+                                    t.clip_grad_norm, want_norm=log_now)
+            scheduler.step()
+            step += 1
+            window_loss += loss
+            window_steps += 1
+            progress.update(1)
+            if log_now:
+                mean_loss = distributed.all_reduce_sum([window_loss], info)[0] / (window_steps * info.world_size)
+                elapsed = time.perf_counter() - window_start
+                metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": norm,
+                           "train/samples_per_s": window_steps * t.global_batch_size / elapsed, "train/epoch": epoch}
+                if scaler.is_enabled():
+                    metrics["train/loss_scale"] = scaler.get_scale()
+                losses.append(mean_loss)
+                if info.is_main:
+                    tracking.log_metrics(metrics, step)
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if t.eval_every and step % t.eval_every == 0 and step != total_steps:
+                evaluate(model, splits, info, precision, len(splits.labels), step)
+            if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
+                replicas.sync_buffers(model)
+                replicas.check(model, step)  # the final weights are what every later stage uses
+            every = cfg.checkpoint.every_n_steps
+            if (every and step % every == 0) or step == total_steps:
+                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader)
+                path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
+                if info.is_main and cfg.checkpoint.log_to_mlflow == "all":
+                    tracking.log_artifact(path, f"checkpoints/{path.name}")
+            if step >= total_steps:
+                break
+        else:  # the epoch ran out (or a resume landed exactly on its end)
+            epoch += 1
+            if not t.eval_every:
+                evaluate(model, splits, info, precision, len(splits.labels), step)
+    progress.close()
+    return losses
+
+
+def chunked(loader, size: int):
+    """Groups of `size` micro-batches; a trailing incomplete group is dropped (drop_last semantics)."""
+    batches = iter(loader)
+    while True:
+        group = list(itertools.islice(batches, size))
+        if len(group) < size:
+            return
+        yield group
+
+
+def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
+               clip_grad_norm: float, want_norm: bool) -> tuple[float, float]:
+    """One optimizer step over the micro-batches; returns this rank's loss and the global grad norm
+    (NaN unless clipping or asked for, since the norm costs a pass over every gradient)."""
+    accum = len(micro_batches)
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        x = x.to(info.device, non_blocking=True)
+        y = y.to(info.device, non_blocking=True)
+        # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
+        with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
+            loss = F.cross_entropy(model(x), y) / accum
+        scaler.scale(loss).backward()
+        total += loss.item()
+    norm = float("nan")
+    if clip_grad_norm or want_norm:
+        scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
+        total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm or float("inf"))
+        norm = (total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm).item()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def sync_context(model, last_micro_batch: bool):
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last_micro_batch)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, splits: Splits, info: DistInfo, precision: str, num_classes: int,
+             step: int | None = None) -> tuple[float, torch.Tensor]:
+    """Accuracy and confusion matrix over the whole validation split, counted on all ranks."""
+    model.eval()
+    x_all, y_all = val_shard(splits, info.rank, info.world_size)
+    batch = 256
+    # Every rank runs the same number of forwards (FSDP all-gathers inside each one).
+    per_rank = -(-len(splits.val_y) // info.world_size)
+    n_batches = max(1, -(-per_rank // batch))
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=info.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+    for b in range(n_batches):
+        x = x_all[b * batch:(b + 1) * batch].to(info.device)
+        y = y_all[b * batch:(b + 1) * batch].to(info.device)
+        empty = len(y) == 0
+        if empty:
+            x = splits.val_x[:1].to(info.device)
+        with amp.autocast(precision, info.device):
+            logits = model(x).float()
+        if empty:
+            continue
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        confusion.index_put_((y, logits.argmax(1)), torch.ones_like(y, dtype=torch.float64), accumulate=True)
+    if info.distributed:
+        dist.all_reduce(confusion)
+        dist.all_reduce(loss_sum)
+    total = confusion.sum().item()
+    accuracy = confusion.diagonal().sum().item() / total
+    if info.is_main and step is not None:
+        tracking.log_metrics({"val/accuracy": accuracy, "val/loss": loss_sum.item() / total}, step)
+        log.info("step %d: val accuracy %.4f, val loss %.4f", step, accuracy, loss_sum.item() / total)
+    model.train()
+    return accuracy, confusion.cpu()
+
+
+# --- pieces main() uses ------------------------------------------------------------------------
+
+
+def default_run_name(cfg: Config) -> str:
+    """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their checkpoints."""
+    if cfg.train.run_name:
+        return cfg.train.run_name
+    stem = f"{cfg.model.name}-{cfg.data.name}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"{stem}-{run_id[:8]}"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def auto_resume(ckpt_root: Path, info: DistInfo) -> str | None:
+    """After torchrun restarts the workers, continue from the newest complete checkpoint."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts > 0:
+        log.info("torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts)
+        return "latest"
+    return None
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    """The MLflow run of this run directory, kept so a restart before the first checkpoint continues it."""
+    f = run_dir / "mlflow_run.json"
+    return json.loads(f.read_text())["run_id"] if f.is_file() else None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def wrap_model(model: torch.nn.Module, train_cfg, precision: str, info: DistInfo) -> torch.nn.Module:
+    if train_cfg.sync_batchnorm and info.distributed:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(info.device)
+    if info.device.type == "cuda":
+        torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
+        if train_cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+    if train_cfg.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP2 casts parameters itself; gradients are reduced in fp32 for accuracy.
+        mp = MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32) \
+            if precision != "fp32" else MixedPrecisionPolicy()
+        for block in [m for m in model.modules() if m.__class__.__name__ == "BasicBlock"]:
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+    if info.distributed:
+        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    return model
+
+
+def train_state(step: int, epoch: int, scheduler, scaler, loader) -> dict:
+    return {"step": step, "epoch": epoch, "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict()}
+
+
+def restore_train_state(state: dict, scheduler, scaler, loader) -> tuple[int, int]:
+    scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"] and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
+    loader.sampler.set_epoch(state["epoch"])  # the loader's position is within this epoch's shuffle
+    loader.load_state_dict(state["dataloader"])
+    return state["step"], state["epoch"]
+
+
+def make_progress(info: DistInfo, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not info.is_main,
+                mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
+
+
+def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str) -> str:
+    tracking.setup(cfg.tracking)
+    tags = {"trainserve.stage.train": "running", "trainserve.git_commit": tracking.git_commit(),
+            "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
+            "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
+            "trainserve.run_dir": str(run_dir.resolve())}
+    resumed = run_id is not None
+    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics)
+    if not resumed:
+        tracking.log_params(flatten(cfg))
+        tracking.log_text(to_yaml(cfg), "config/resolved.yaml")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run_id}))
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_id
+
+
+def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.Tensor, labels: list[str],
+                    step: int) -> None:
+    from pipeline.plots import confusion_matrix_png
+
+    tracking.log_artifact(confusion_matrix_png(confusion, labels, final.parent.parent / "confusion_matrix.png"))
+    if cfg.checkpoint.log_to_mlflow == "last":
+        tracking.log_artifact(final, f"checkpoints/{final.name}")
+    tracking.set_tags({"trainserve.stage.train": "done", "trainserve.checkpoint": str(final.resolve())})
+    tracking.end_run("FINISHED")
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply to what it omits")
+    parser.add_argument("--nproc-per-node", type=int, default=0,
+                        help="start torchrun with this many processes on this machine (omit under torchrun)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --nproc-per-node: let torchrun restart failed workers; they resume "
+                             "from the newest complete checkpoint")
+    parser.add_argument("--resume", help="latest | a checkpoint or run directory | an MLflow run id")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=0.05")
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def launch_torchrun(args, cfg: Config) -> int:
+    """Re-runs this stage under torchrun on this machine, with the run name fixed once for all ranks."""
+    import subprocess
+
+    run_name = cfg.train.run_name or default_run_name(cfg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
+           "-m", "pipeline.train"]
+    if args.config:
+        cmd += ["--config", args.config]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    cmd += [*args.overrides, f"train.run_name={run_name}"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(cmd, env=env).returncode
+
+
+def cli(args) -> int:
+    rank = os.environ.get("RANK", "0")
+    prefix = f"pipeline train: [rank{rank}] error:" if rank != "0" or under_torchrun() else "pipeline train: error:"
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.nproc_per_node and not under_torchrun():
+            check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available())  # fail before spawning
+            return launch_torchrun(args, cfg)
+        main(cfg, resume=args.resume)
+        return 0
+    except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError) as exc:
+        print(f"{prefix} {exc}", file=sys.stderr)
+        return 2
+    except replicas.ReplicaDivergence as exc:
+        print(f"{prefix} {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pipeline train")
+    add_arguments(parser)
+    sys.exit(cli(parser.parse_args()))
