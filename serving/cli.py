@@ -1,6 +1,6 @@
 """`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
 
-    main(argv) -> exit code: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad flags or a model
+    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad flags or a model
     that cannot be loaded, 1 if the server could not start (e.g. the port is taken).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from serving.config import Settings
@@ -38,49 +39,61 @@ FLAGS: dict[str, tuple[type, str]] = {
 }
 
 
-def parse_args(argv: list[str] | None) -> Settings:
-    parser = argparse.ArgumentParser(
-        prog="python -m serving", description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
-                                               "Prometheus metrics). Every flag can also be set as "
-                                               "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags, for `python -m serving` and for `pipeline serve` to reuse."""
     for flag, (kind, help_text) in FLAGS.items():
         env = ENV_PREFIX + flag.upper().replace("-", "_")
         parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
-    args = parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags > TRAINSERVE_* environment > defaults; ValueError names the bad value and the fix."""
     values = {}
     for flag, (kind, _) in FLAGS.items():
         key = flag.replace("-", "_")
-        value = getattr(args, key)
+        value = getattr(args, key, None)
         env = ENV_PREFIX + key.upper()
         if value is None and os.environ.get(env):
             try:
                 value = kind(os.environ[env])
             except ValueError:
-                parser.error(f"{env}={os.environ[env]!r} is not a valid {kind.__name__}")
+                raise ValueError(f"{env}={os.environ[env]!r} is not a valid {kind.__name__}") from None
         if value is not None:
             values[key] = value
     if "model" not in values:
-        parser.error("--model is required (or TRAINSERVE_MODEL)")
+        raise ValueError("--model is required (or TRAINSERVE_MODEL)")
     settings = Settings(**values)
-    try:
-        settings.check()
-        from serving.app import check_reload
+    settings.check()
+    from serving.app import check_reload
 
-        check_reload(settings)
-    except ValueError as exc:
-        parser.error(str(exc))
+    check_reload(settings)
     return settings
+
+
+def cli(args: argparse.Namespace) -> int:
+    """Run the server from parsed flags (the `pipeline` stage-module interface)."""
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"serving: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(settings)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python -m serving` and `pipeline serve`; returns the process exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m serving", description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
+                                               "Prometheus metrics). Every flag can also be set as "
+                                               "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.")
+    add_arguments(parser)
     try:
-        settings = parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on errors; hand back its code instead
         return int(exc.code or 0)
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(settings)
+    return cli(args)
 
 
 def serve(settings: Settings) -> int:
@@ -104,7 +117,15 @@ def serve(settings: Settings) -> int:
         # Stop accepting past this many open connections (503) instead of growing without bound.
         limit_concurrency=4 * settings.max_queue_rows + 64)
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever handler
+    # was there before it; with the default one the process would die by the signal (exit -15)
+    # after a clean shutdown. A no-op handler makes a graceful stop exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits this way when it cannot bind; it logged why
+        server.started = False
     if not server.started:
         model.discard()
         log.error("the server did not start (see above)")

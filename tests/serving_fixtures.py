@@ -1,0 +1,147 @@
+"""Helpers for the serving tests: small real ONNX models and a real server process on a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import requests
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(path: Path, *, seed: int = 0, name: str | None = "tiny", labels: list[str] | None = None,
+               size: int = 8, classes: int = 3) -> Path:
+    """Flatten -> Gemm -> Softmax over [batch, 1, size, size] FP32, with the exporter's names and metadata."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(size * size, classes)).astype(np.float32)
+    b = rng.normal(size=classes).astype(np.float32)
+    nodes = [helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+             helper.make_node("Gemm", ["flat", "W", "b"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1)]
+    return _save(path, nodes, [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")],
+                 size, classes, name, labels)
+
+
+def heavy_model(path: Path, *, size: int = 28, channels: int = 48, layers: int = 3, classes: int = 10) -> Path:
+    """A few 3x3 convolutions: milliseconds per sample, so concurrent requests really queue up."""
+    rng = np.random.default_rng(1)
+    inits, nodes, x, cin = [], [], "input", 1
+    for i in range(layers):
+        w = (rng.normal(size=(channels, cin, 3, 3)) / np.sqrt(9 * cin)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"conv{i}"))
+        nodes += [helper.make_node("Conv", [x, f"conv{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        x, cin = f"r{i}", channels
+    fc = (rng.normal(size=(channels, classes)) / np.sqrt(channels)).astype(np.float32)
+    inits.append(numpy_helper.from_array(fc, "fc"))
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["pool"]),
+              helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
+              helper.make_node("MatMul", ["flat", "fc"], ["logits"]),
+              helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1)]
+    return _save(path, nodes, inits, size, classes, "heavy", None)
+
+
+def _save(path, nodes, inits, size, classes, name, labels) -> Path:
+    graph = helper.make_graph(
+        nodes, "test",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes]),
+         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", classes])],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    props = {}
+    if name:
+        props["trainserve.model_name"] = name
+    if labels is not None:
+        import json
+        props["trainserve.labels"] = json.dumps(labels)
+    helper.set_model_props(model, props)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return Path(path)
+
+
+def run_onnx(path: Path, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The reference: the same file run directly with onnxruntime."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"input": x})))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m serving` in a subprocess; `with` waits until ready and always kills it by PID."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path | None = None,
+                 ready_timeout: float = 90.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), "--threads", "1", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "serving", *self.args], cwd=ROOT, env=self.env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server not ready after {self.ready_timeout} s:\n{self.log()}")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; returns the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+def metric(text: str, sample_name: str, /, **labels: str) -> float:
+    """The value of one Prometheus sample in an exposition text (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(sample_name):
+            continue
+        head, _, value = line.rpartition(" ")
+        sample, _, rest = head.partition("{")
+        if sample != sample_name:
+            continue
+        found = dict(p.split("=", 1) for p in rest.rstrip("}").split(",") if p) if rest else {}
+        found = {k: v.strip('"') for k, v in found.items()}
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(value)
+    return 0.0
