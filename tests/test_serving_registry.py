@@ -1,0 +1,118 @@
+"""Registry models: a real MLflow SQLite store in a temp dir, models logged with mlflow.onnx,
+served as models:/name@alias, and a reload when the alias moves."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+import requests
+
+from serving_fixtures import ServerProcess, metric, run_onnx, tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Two versions of 'digits' (different weights), alias 'champion' -> 1. Yields (env, paths, run ids)."""
+    import mlflow
+
+    tmp = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    paths = [tiny_model(tmp / f"v{i}.onnx", seed=i, name="tiny") for i in (1, 2)]
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        experiment = mlflow.create_experiment("serving-test", artifact_location=(tmp / "artifacts").as_uri())
+        runs = []
+        for path in paths:
+            with mlflow.start_run(experiment_id=experiment) as run:
+                mlflow.onnx.log_model(onnx.load(str(path)), name="model", registered_model_name="digits",
+                                      pip_requirements=["onnxruntime"])
+                runs.append(run.info.run_id)
+        mlflow.MlflowClient().set_registered_model_alias("digits", "champion", "1")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    yield {"MLFLOW_TRACKING_URI": uri}, paths, runs
+
+
+def infer(url: str, name: str, x: np.ndarray) -> dict:
+    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    r = requests.post(f"{url}/v2/models/{name}/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def probabilities(body: dict) -> np.ndarray:
+    out = {o["name"]: o for o in body["outputs"]}["probabilities"]
+    return np.asarray(out["data"], np.float32).reshape(out["shape"])
+
+
+def test_alias_is_served_and_reloaded_when_it_moves(registry, tmp_path):
+    import mlflow
+
+    env, paths, _ = registry
+    x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
+    want = [run_onnx(p, x)["probabilities"] for p in paths]
+    assert not np.allclose(want[0], want[1])
+    args = ("--model", "models:/digits@champion", "--reload-interval", "0.3", "--max-delay-ms", "1500")
+    with ServerProcess(*args, env=env, log_path=tmp_path / "log") as srv:
+        meta = requests.get(srv.url + "/v2/models/digits").json()
+        assert meta["versions"] == ["1"], meta  # the registered name, not the ONNX metadata's
+        body = infer(srv.url, "digits", x)
+        assert body["model_version"] == "1"
+        np.testing.assert_allclose(probabilities(body), want[0], rtol=1e-5, atol=1e-6)
+
+        # A request waiting in the batch queue when the alias moves finishes on the old model.
+        held: list[dict] = []
+        waiting = threading.Thread(target=lambda: held.append(infer(srv.url, "digits", x)))
+        waiting.start()
+        time.sleep(0.2)
+        client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        client.set_registered_model_alias("digits", "champion", "2")
+        waiting.join(30)
+        assert held and held[0]["model_version"] == "1"
+        np.testing.assert_allclose(probabilities(held[0]), want[0], rtol=1e-5, atol=1e-6)
+
+        deadline = time.monotonic() + 60
+        while requests.get(srv.url + "/v2/models/digits").json()["versions"] != ["2"]:
+            assert time.monotonic() < deadline, "the server never switched to version 2:\n" + srv.log()
+            time.sleep(0.2)
+        body = infer(srv.url, "digits", x)
+        assert body["model_version"] == "2"
+        np.testing.assert_allclose(probabilities(body), want[1], rtol=1e-5, atol=1e-6)
+        text = requests.get(srv.url + "/metrics").text
+        assert metric(text, "trainserve_model_reloads_total") == 1
+        assert metric(text, "trainserve_model_info", name="digits", version="2") == 1
+        assert srv.terminate() == 0
+
+
+def test_version_and_run_sources(registry, tmp_path):
+    env, paths, runs = registry
+    x = np.random.default_rng(6).random((1, 1, 8, 8), dtype=np.float32)
+    with ServerProcess("--model", "models:/digits/2", env=env, log_path=tmp_path / "a.log") as srv:
+        body = infer(srv.url, "digits", x)
+        assert body["model_version"] == "2"
+        np.testing.assert_allclose(probabilities(body), run_onnx(paths[1], x)["probabilities"], rtol=1e-5)
+    # a run artifact has no registered name: the ONNX metadata names it
+    with ServerProcess("--model", f"runs:/{runs[0]}/model", env=env, log_path=tmp_path / "b.log") as srv:
+        body = infer(srv.url, "tiny", x)
+        np.testing.assert_allclose(probabilities(body), run_onnx(paths[0], x)["probabilities"], rtol=1e-5)
+
+
+def test_unknown_alias_fails_clearly(registry, tmp_path):
+    import subprocess
+    import sys
+    import os
+
+    from serving_fixtures import ROOT
+
+    env, _, _ = registry
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", "models:/digits@nope"], cwd=ROOT,
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "cannot resolve models:/digits@nope" in r.stderr
