@@ -1,0 +1,157 @@
+"""The batcher alone, with a real (slow) run function and a real thread: no HTTP, no onnxruntime."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from serving.batcher import Batcher, BatcherClosed, QueueFull
+
+
+class Engine:
+    """Doubles its input; each run holds the thread for `seconds` and records its batch size."""
+
+    def __init__(self, seconds: float = 0.05, fail_on: float | None = None):
+        self.seconds = seconds
+        self.fail_on = fail_on
+        self.batches: list[int] = []
+        self.started = threading.Event()
+
+    def run(self, feeds):
+        self.started.set()
+        x = feeds["x"]
+        self.batches.append(len(x))
+        time.sleep(self.seconds)
+        if self.fail_on is not None and (x == self.fail_on).any():
+            raise RuntimeError("model failed")
+        return {"y": x * 2}
+
+
+def rows(*values: float) -> dict[str, np.ndarray]:
+    return {"x": np.array(values, dtype=np.float32)}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make(engine: Engine, executor, **kw) -> Batcher:
+    kw = {"max_batch_size": 8, "max_delay_ms": 0, "max_queue_rows": 64, **kw}
+    return Batcher(engine.run, executor, **kw)
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(executor):
+    engine = Engine(seconds=0.2)
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        first = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.05)  # the first run is under way
+        rest = [asyncio.create_task(b.submit(rows(v, v), 2)) for v in (2, 3, 4)]
+        outs = await asyncio.gather(first, *rest)
+        await b.close()
+        return outs
+
+    outs = run(main())
+    assert engine.batches == [1, 6]  # nobody waited for the first; the next three went together
+    assert [o["y"].tolist() for o in outs] == [[2], [4, 4], [6, 6], [8, 8]]
+
+
+def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
+    engine = Engine(seconds=0.05)
+
+    async def main():
+        b = make(engine, executor, max_batch_size=4)
+        b.start()
+        blocker = asyncio.create_task(b.submit(rows(0), 1))
+        await asyncio.sleep(0.02)
+        jobs = [asyncio.create_task(b.submit(rows(*[v] * n), n)) for v, n in ((1, 3), (2, 2), (3, 6), (4, 1))]
+        outs = await asyncio.gather(blocker, *jobs)
+        await b.close()
+        return outs
+
+    outs = run(main())
+    assert engine.batches == [1, 3, 2, 6, 1]  # order kept; 3+2 > 4; the 6-row job alone
+    assert outs[3]["y"].tolist() == [6] * 6
+
+
+def test_max_delay_gathers_a_partial_batch(executor):
+    engine = Engine(seconds=0.0)
+
+    async def main():
+        b = make(engine, executor, max_delay_ms=300, max_batch_size=3)
+        b.start()
+        a = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.05)
+        c = asyncio.create_task(b.submit(rows(2), 1))
+        d = asyncio.create_task(b.submit(rows(3), 1))  # fills the batch: runs before the delay ends
+        await asyncio.gather(a, c, d)
+        await b.close()
+
+    run(main())
+    assert engine.batches == [3]
+
+
+def test_full_queue_refuses_and_close_drains(executor):
+    engine = Engine(seconds=0.1)
+
+    async def main():
+        b = make(engine, executor, max_queue_rows=4)
+        b.start()
+        running = asyncio.create_task(b.submit(rows(9), 1))
+        await asyncio.sleep(0.02)  # taken off the queue, running
+        queued = [asyncio.create_task(b.submit(rows(1, 1), 2)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull):
+            await b.submit(rows(1), 1)
+        await b.close()
+        with pytest.raises(BatcherClosed):
+            await b.submit(rows(1), 1)
+        return await asyncio.gather(running, *queued)
+
+    outs = run(main())
+    assert len(outs) == 3 and outs[1]["y"].tolist() == [2, 2]
+
+
+def test_a_failed_run_fails_its_requests_and_the_next_batch_still_runs(executor):
+    engine = Engine(seconds=0.05, fail_on=7)
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        blocker = asyncio.create_task(b.submit(rows(0), 1))
+        await asyncio.sleep(0.02)
+        bad = [asyncio.create_task(b.submit(rows(v), 1)) for v in (7, 1)]
+        results = await asyncio.gather(blocker, *bad, return_exceptions=True)
+        after = await b.submit(rows(5), 1)
+        await b.close()
+        return results, after
+
+    results, after = run(main())
+    assert isinstance(results[1], RuntimeError) and isinstance(results[2], RuntimeError)
+    assert after["y"].tolist() == [10]
+
+
+def test_unbatchable_model_runs_jobs_one_by_one(executor):
+    engine = Engine(seconds=0.05)
+
+    async def main():
+        b = make(engine, executor, merge=False)
+        b.start()
+        await asyncio.gather(*[b.submit(rows(v), 1) for v in range(4)])
+        await b.close()
+
+    run(main())
+    assert engine.batches == [1, 1, 1, 1]
