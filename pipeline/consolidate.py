@@ -22,6 +22,8 @@ model.safetensors beside it (its sha256 says so), and an interrupted run leaves 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import errno
 import json
 import logging
@@ -52,9 +54,9 @@ WEIGHTS = "model.safetensors"
 DESCRIPTION = "model.json"
 ARTIFACT_PATH = "consolidated"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Tensors smaller than this share one dcp.load call (each call plans and opens files anew); a
-# larger tensor gets a call of its own so that at most one big tensor is in memory at a time.
-BATCH_BYTES = 32 << 20
+# NaN/Inf are counted this many elements at a time: torch.isfinite on a whole tensor would
+# allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
+FINITE_BLOCK = 1 << 20
 OUTPUTS = Path("outputs")  # where --run-id downloads and writes, like train.output_dir's default
 
 
@@ -237,10 +239,15 @@ def _alive(pid: int) -> bool:
 
 
 def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
+    """Groups of tensors loaded by one `dcp.load` call. Each call plans and opens files anew, so
+    small tensors share one, up to half the largest tensor in total; a tensor above that gets a
+    call of its own. No call then holds more than the largest tensor's load (itself plus the
+    chunk DCP's reader materializes before copying it)."""
+    budget = max(max((s.nbytes for s in specs), default=0) // 2, 1 << 20)
     batches: list[list[TensorSpec]] = [[]]
     size = 0
     for s in specs:
-        if batches[-1] and size + s.nbytes > BATCH_BYTES:
+        if batches[-1] and size + s.nbytes > budget:
             batches.append([])
             size = 0
         batches[-1].append(s)
@@ -268,6 +275,7 @@ def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpe
                 _check_finite(s.name, tensor, ckpt)
                 writer.write(s.name, tensor.to(s.dtype))
                 del tensor  # before the next one: one big tensor at a time
+            _return_freed_memory()
         return writer.close()
     except OSError as exc:
         writer.abort()
@@ -275,6 +283,23 @@ def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpe
     except BaseException:
         writer.abort()
         raise
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed blocks under its adaptive mmap threshold (up to 32 MB) in the heap, where
+    they stay resident: a batch of small tensors would add its size to the next big tensor's peak."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
@@ -296,8 +321,14 @@ def _first_line(exc: Exception) -> str:
 
 
 def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.reshape(-1)
+    if all(bool(torch.isfinite(block).all()) for block in flat.split(FINITE_BLOCK)):
+        return
+    nan = sum(int(torch.isnan(block).sum()) for block in flat.split(FINITE_BLOCK))
+    inf = sum(int(torch.isinf(block).sum()) for block in flat.split(FINITE_BLOCK))
+    if nan or inf:
         raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf "
                                "values; training diverged before this checkpoint, consolidate an earlier one")
 

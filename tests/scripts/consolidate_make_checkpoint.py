@@ -1,0 +1,91 @@
+"""Run under torchrun (gloo, CPU): train a few AdamW steps with DDP or FSDP2, save a trainserve
+checkpoint through `pipeline.checkpoint.save`, and with --live write what the live model holds:
+
+    <out>/run/checkpoints/step_XXXXXXXX/   the sharded checkpoint
+    <out>/live.safetensors                 the model's full state dict (gathered for FSDP)
+    <out>/live_outputs.safetensors         {"input", "output"}: the model's outputs on a fixed input
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 consolidate_make_checkpoint.py \
+        --strategy fsdp --model-args '{"name": "resnet18", ...}' --out DIR [--live]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeline import checkpoint
+from pipeline.config import Config
+from pipeline.distributed import setup, teardown
+from pipeline.models import build_model, input_shape
+
+
+def wrap(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
+    if strategy == "ddp":
+        return DistributedDataParallel(model)
+    for child in model.children():  # one FSDP unit per top-level block that has parameters
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    return fully_shard(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
+    parser.add_argument("--model-args", required=True, help="JSON dict for build_model")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--live", action="store_true")
+    args = parser.parse_args()
+    model_args = json.loads(args.model_args)
+    out = Path(args.out)
+
+    info = setup("cpu", 1)
+    try:
+        torch.manual_seed(0)
+        model = wrap(build_model(model_args), args.strategy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1 + info.rank)  # each rank its own batches, as a DistributedSampler gives
+        for _ in range(args.steps):
+            x = torch.rand(8, *input_shape(model_args))
+            y = torch.randint(0, model_args["num_classes"], (8,))
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        # Without SyncBatchNorm each rank's BatchNorm statistics drift apart, and DCP stores each
+        # replicated buffer from one rank, not necessarily rank 0: make them agree before saving.
+        with torch.no_grad():
+            for buf in model.buffers():
+                dist.broadcast(buf, 0)
+
+        config = Config().model_dump(mode="json")
+        meta = {"config": config, "model_args": model_args, "labels": [str(i) for i in range(model_args["num_classes"])],
+                "strategy": args.strategy, "mlflow_run_id": None, "train_state": {"epoch": 0}}
+        checkpoint.save(out / "run" / "checkpoints", args.steps, model, optimizer, meta, info, keep_last=2)
+
+        if args.live:
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            model.eval()
+            torch.manual_seed(123)
+            x = torch.rand(16, *input_shape(model_args))
+            with torch.no_grad():
+                y = model(x)  # collective under FSDP: every rank runs it
+            if info.is_main:
+                save_file({k: v.contiguous() for k, v in full.items()}, str(out / "live.safetensors"))
+                save_file({"input": x, "output": y.contiguous()}, str(out / "live_outputs.safetensors"))
+        dist.barrier()
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()
