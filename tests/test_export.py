@@ -1,0 +1,208 @@
+"""`pipeline export` on a briefly trained tiny ResNet, a real onnxruntime and a real MLflow SQLite store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import onnx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline import cli, gates, onnx_export
+from pipeline.config import load_config
+from pipeline.data import load_splits
+from pipeline.export import ExportResult, load_model, main, read_weights, sha256_file
+from pipeline.models import build_model, model_args_for
+from pipeline.tracking import free_port
+
+EXPERIMENT = "trainserve"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """A SQLite tracking store whose experiment keeps its artifacts in the temp dir, not the cwd."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.create_experiment(EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
+    return uri
+
+
+def write_weights(directory: Path, model: torch.nn.Module, cfg, model_args: dict, labels, run_id: str | None) -> Path:
+    """What `pipeline consolidate` writes: model.safetensors and model.json (trainserve-weights/1)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(directory / "model.safetensors"))
+    meta = {
+        "format": "trainserve-weights/1", "config": cfg.model_dump(mode="json"), "model_args": model_args,
+        "labels": labels, "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sd.items()},
+        "sha256": sha256_file(directory / "model.safetensors"), "dtype": "float32",
+        "source": {"checkpoint": str(directory.parent / "checkpoints" / "step_000030"), "step": 30,
+                   "world_size": 1, "strategy": "ddp", "mlflow_run_id": run_id},
+    }
+    (directory / "model.json").write_text(json.dumps(meta))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, store):
+    """A width-0.125 ResNet-18 trained 30 steps on digits, consolidated, with its MLflow run."""
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_config(overrides=["model.width=0.125", f"tracking.tracking_uri={store}",
+                                 f"train.output_dir={run_dir.parent}"])
+    splits = load_splits(cfg.data)
+    args = model_args_for(cfg.model, splits.info())
+    torch.manual_seed(0)
+    model = build_model(args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(30):
+        idx = torch.randint(0, len(splits.train_y), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(splits.train_x[idx]), splits.train_y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # BatchNorm statistics over the whole training set: 30 steps of EMA are not enough
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.reset_running_stats()
+                m.momentum = None
+        model(splits.train_x)
+    model.eval()
+    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id,
+                          run_name=run_dir.name) as run:
+        mlflow.log_param("train.output_dir", str(run_dir.parent))
+    weights_dir = write_weights(run_dir / "consolidated", model, cfg, args, splits.labels, run.info.run_id)
+    return {"dir": weights_dir, "run_id": run.info.run_id, "cfg": cfg, "args": args, "splits": splits}
+
+
+@pytest.fixture(scope="module")
+def exported(trained, store) -> ExportResult:
+    return main(trained["dir"], tracking_uri=store)
+
+
+def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
+    report = exported.report
+    assert exported.passed and report["passed"] and report["failed_gates"] == []
+    assert report["exporter"]["used"] == "dynamo" and report["exporter"]["fallback_reason"] == ""
+    assert report["gates"]["checker"]["passed"]
+    for size in (1, 7, 64):
+        gate = report["gates"][f"parity.b{size}"]
+        assert gate["passed"] and gate["samples"] == size
+        assert gate["max_abs"] <= 1e-4 and gate["max_rel"] <= 1e-3 and gate["argmax_agreement"] == 1.0
+    assert report["gates"]["parity.val"]["samples"] == len(trained["splits"].val_y)
+    acc = report["gates"]["accuracy"]
+    assert acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50  # trained: well above chance (10%)
+    assert json.loads(exported.report_path.read_text())["model_version"] == exported.model_version
+    assert exported.onnx_path == trained["dir"].parent / "onnx" / "model.onnx"
+
+
+def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
+    model = onnx.load(str(exported.onnx_path))
+    (inp,) = model.graph.input
+    dims = inp.type.tensor_type.shape.dim
+    assert inp.name == "input" and dims[0].dim_param and [d.dim_value for d in dims[1:]] == [1, 8, 8]
+    assert [o.name for o in model.graph.output] == ["logits", "probabilities"]
+    assert {op.domain: op.version for op in model.opset_import}[""] == 18
+    props = {p.key: p.value for p in model.metadata_props}
+    assert props["trainserve.model_name"] == "resnet18-digits"
+    assert json.loads(props["trainserve.labels"]) == [str(d) for d in range(10)]
+
+
+def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):
+    reference = load_model(read_weights(trained["dir"]))
+    sess = gates.session(exported.onnx_path)
+    val_x = trained["splits"].val_x.numpy()
+    for size in (1, 33, 64, 100):
+        x = gates.batch_of(val_x, size)
+        out = gates.compare(gates.run_onnx(sess, x, size), gates.run_torch(reference, x), atol=1e-4, rtol=1e-3)
+        assert out["passed"], (size, out["message"])
+        # Probabilities come from the softmax inside the graph.
+        assert np.allclose(gates.run_onnx(sess, x, size)[1].sum(1), 1.0, atol=1e-5)
+
+
+def test_registered_version_has_alias_and_lineage(exported, trained):
+    client = mlflow.MlflowClient()
+    version = client.get_model_version_by_alias("resnet18-digits", "champion")
+    assert str(version.version) == exported.model_version
+    meta = json.loads((trained["dir"] / "model.json").read_text())
+    tags = version.tags
+    assert tags["trainserve.run_id"] == trained["run_id"]
+    assert tags["trainserve.weights_sha256"] == meta["sha256"]
+    assert tags["trainserve.checkpoint"] == meta["source"]["checkpoint"] and tags["trainserve.step"] == "30"
+    assert tags["trainserve.config_sha256"] == exported.report["weights"]["config_sha256"]
+    assert tags["trainserve.exporter"] == "dynamo"
+    # From the version back to the training run: its metrics and the stage tag.
+    run = client.get_run(tags["trainserve.run_id"])
+    assert run.data.tags["trainserve.stage.export"] == "done"
+    assert run.data.metrics["export.parity.b7.passed"] == 1.0 and "export.parity.b64.max_abs" in run.data.metrics
+    assert run.data.metrics["export.passed"] == 1.0
+    # What a server does with models:/name@alias: the registered files load and give the same numbers.
+    local = Path(mlflow.artifacts.download_artifacts("models:/resnet18-digits@champion"))
+    served = gates.session(local / "model.onnx")
+    x = trained["splits"].val_x[:5].numpy()
+    assert np.array_equal(gates.run_onnx(served, x, 5)[0], gates.run_onnx(gates.session(exported.onnx_path), x, 5)[0])
+
+
+def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
+    reference = load_model(read_weights(trained["dir"]))
+    with torch.no_grad():
+        reference.fc.weight.add_(0.05 * torch.randn_like(reference.fc.weight, generator=torch.Generator().manual_seed(1)))
+    sess = gates.session(exported.onnx_path)
+    results = gates.parity(sess, reference, trained["splits"].val_x.numpy(), atol=1e-4, rtol=1e-3)
+    assert not any(g["passed"] for g in results.values())
+    assert "max_abs" in results["parity.b7"]["message"] and "> atol" in results["parity.b7"]["message"]
+    assert results["parity.b7"]["max_abs"] > 1e-3
+
+
+def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, capsys, tmp_path):
+    # A tolerance no float computation meets: the parity gates fail on real numbers.
+    code = cli.main(["export", str(trained["dir"]), "--output", str(tmp_path), "--tracking-uri", store,
+                     "export.atol=1e-12", "export.registered_model_name=never-registered"])
+    err = capsys.readouterr().err
+    assert code == 1 and "gate failed" in err and str(tmp_path / "export_report.json") in err
+    report = json.loads((tmp_path / "export_report.json").read_text())
+    assert not report["passed"] and "parity.val" in report["failed_gates"]
+    assert "> atol 1e-12 (by" in report["failures"]["parity.val"]
+    assert report["model_version"] is None
+    assert mlflow.MlflowClient().search_registered_models("name='never-registered'") == []
+
+
+def test_weights_that_do_not_match_their_config_are_refused_with_the_keys(trained, store, tmp_path, capsys):
+    meta = json.loads((trained["dir"] / "model.json").read_text())
+    bad = dict(trained["args"], width=0.25)  # the config now describes a wider model than the file holds
+    model = build_model(trained["args"])
+    model.load_state_dict(load_model(read_weights(trained["dir"])).state_dict())
+    weights = write_weights(tmp_path / "consolidated", model, trained["cfg"], bad, meta["labels"], None)
+    code = cli.main(["export", str(weights), "--tracking-uri", store])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("pipeline export: error:")
+    assert "does not match the model" in err and "conv1.weight: file [8, 1, 3, 3], model [16, 1, 3, 3]" in err
+
+
+def test_bad_inputs_each_get_one_clear_error(trained, store, tmp_path, capsys):
+    cases = [
+        (["--run-id", "0" * 32, "--tracking-uri", store], "run 00000000000000000000000000000000 not found"),
+        ([str(tmp_path), "--tracking-uri", store], "missing model.safetensors, model.json"),
+        ([str(trained["dir"]), "--tracking-uri", f"http://127.0.0.1:{free_port()}"], "cannot be reached"),
+        ([str(trained["dir"]), "--tracking-uri", store, "export.atoll=1"], "export.atoll"),
+    ]
+    for argv, expected in cases:
+        code = cli.main(["export", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("pipeline export: error:") and expected in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_operator_no_exporter_handles_is_named():
+    class Zeta(torch.nn.Module):
+        def forward(self, x):
+            return torch.special.zeta(x.flatten(1) + 2, x.flatten(1) + 1)[:, :10]
+
+    with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
+        onnx_export.export(Zeta(), torch.rand(2, 1, 8, 8), 18, {})
