@@ -115,6 +115,9 @@ class Engine:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle pool threads spin by default, burning the cores the event loop needs to parse the
+        # next request: with it on, the ResNet served at half the rate on 2 busy cores.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # errors only: the placement warnings are noise here
         providers: list = ["CPUExecutionProvider"]
         if self.provider == "CUDAExecutionProvider":
