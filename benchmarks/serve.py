@@ -228,9 +228,10 @@ def run_model(name: str, work: Path, seconds: float, concurrencies: tuple[int, .
         import onnx
 
         flavors = {"(c) mlflow models serve, pytorch flavor":
-                   lambda p: mlflow.pytorch.save_model(model, p, pip_requirements=["torch"]),
+                   lambda p: mlflow.pytorch.save_model(model, p, input_example=x, pip_requirements=["torch"]),
                    "(c) mlflow models serve, onnx flavor":
-                   lambda p: mlflow.onnx.save_model(onnx.load(str(onnx_path)), p, pip_requirements=["onnxruntime"])}
+                   lambda p: mlflow.onnx.save_model(onnx.load(str(onnx_path)), p, input_example=x,
+                                                   pip_requirements=["onnxruntime"])}
         for system, save in flavors.items():
             path = work / f"mlflow-{name}-{system.split(',')[1].split()[0]}"
             save(str(path))
