@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(STAGES[stage][0])
     parser = argparse.ArgumentParser(prog=f"pipeline {stage}", description=STAGES[stage][1])
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    args = parser.parse_intermixed_args(rest)
     return module.cli(args) or 0
 
 

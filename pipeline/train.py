@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -32,6 +33,10 @@ from pipeline.models import build_model, model_args_for
 from pipeline.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("pipeline.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss went NaN or infinite: nothing more can be learned from this run."""
 
 
 @dataclass
@@ -178,6 +183,9 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
             loss = F.cross_entropy(model(x), y) / accum
         scaler.scale(loss).backward()
         total += loss.item()
+    if not math.isfinite(total):
+        raise TrainingDiverged(f"the training loss is {total} on rank {info.rank}; lower optim.lr, "
+                               "set train.clip_grad_norm, or use train.precision=fp32")
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
@@ -387,7 +395,7 @@ def cli(args) -> int:
     except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 2
-    except replicas.ReplicaDivergence as exc:
+    except (replicas.ReplicaDivergence, TrainingDiverged) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 3
 
@@ -395,4 +403,4 @@ def cli(args) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="pipeline train")
     add_arguments(parser)
-    sys.exit(cli(parser.parse_args()))
+    sys.exit(cli(parser.parse_intermixed_args()))

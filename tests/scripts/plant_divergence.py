@@ -1,0 +1,30 @@
+"""Run under torchrun with 2 processes: replicas agree, then rank 1's weights are perturbed and
+the check must name the tensor. Exit 0 only if the divergence was caught."""
+
+import sys
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pipeline import distributed, replicas
+from pipeline.models import build_model
+
+info = distributed.setup("cpu", 1)
+try:
+    torch.manual_seed(0)
+    args = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0,
+            "hidden": [16], "mean": [0.3], "std": [0.4]}
+    model = DDP(build_model(args))
+    replicas.check(model, step=1)  # identical replicas pass
+    if info.rank == 1:
+        with torch.no_grad():
+            model.module.head.weight[3, 5] += 1e-6  # a tiny, silent corruption on one rank
+    try:
+        replicas.check(model, step=2)
+    except replicas.ReplicaDivergence as exc:
+        print(f"rank {info.rank} caught: {exc}", flush=True)
+        sys.exit(0)
+    print(f"rank {info.rank}: divergence NOT caught", flush=True)
+    sys.exit(1)
+finally:
+    distributed.teardown()

@@ -1,0 +1,180 @@
+"""The train stage as users run it: the CLI, real torchrun processes, a real MLflow store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline import checkpoint
+from pipeline.config import flatten, load_config
+from pipeline.distributed import DistInfo
+from pipeline.models import build_model
+
+from conftest import REPO, TINY, cli_env, only_run, run_cli
+
+pytestmark = pytest.mark.slow
+CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+
+
+def final_weights(run_dir):
+    """The model state of a run's newest checkpoint, loaded the way training resumes it."""
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    meta = checkpoint.read_meta(ckpt)
+    model = build_model(meta["model_args"])
+    checkpoint.load(ckpt, model, None, CPU1)
+    return model.state_dict()
+
+
+def metric_history(client, run, key):
+    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+
+def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir):
+    """The README's main job: 2 processes, digits, real MLflow store in the working directory."""
+    run_cli(["train", "--config", str(REPO / "configs/digits_resnet18.yaml"), "--nproc-per-node", "2",
+             "train.run_name=demo"], cwd=workdir)
+    client, run = only_run(workdir, "trainserve-digits")
+    assert run.info.status == "FINISHED"
+    accuracy = metric_history(client, run, "val/accuracy")
+    assert accuracy[-1] >= 0.95, accuracy
+    loss = metric_history(client, run, "train/loss")
+    assert loss[-1] < 0.5 * loss[0], loss
+    cfg = load_config(REPO / "configs/digits_resnet18.yaml", ["train.run_name=demo"])
+    assert run.data.params["optim.lr"] == "0.1"
+    assert set(run.data.params) == set(flatten(cfg))
+    for key in ("train/lr", "train/grad_norm", "train/samples_per_s", "val/loss"):
+        assert key in run.data.metrics, key
+    assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)
+    tags = run.data.tags
+    assert tags["trainserve.world_size"] == "2" and tags["trainserve.precision"] == "fp32"
+    assert tags["trainserve.device"] == "cpu" and tags["trainserve.stage.train"] == "done"
+    assert len(tags["trainserve.git_commit"]) == 40
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config", "confusion_matrix.png", "checkpoints"} <= artifacts
+    ckpts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert ckpts == ["checkpoints/step_00000132"]
+    files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, ckpts[0])}
+    assert {".metadata", "COMPLETE", "trainserve.json", "__0_0.distcp", "__1_0.distcp"} <= files
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """The same global batches three ways: 1 process, 2 processes x 2 micro-batches, 1 process x 2.
+
+    An MLP (no BatchNorm, whose per-rank statistics would legitimately differ) isolates the
+    gradient math: DDP's averaging and no_sync accumulation must give the 1-process update.
+    """
+    workdir = tmp_path_factory.mktemp("tiny")
+    common = ["--config", str(TINY), "model.name=mlp", "model.hidden=[64]", "train.max_steps=8",
+              "train.eval_every=0", "checkpoint.every_n_steps=0"]
+    run_cli(["train", *common, "train.run_name=one"], cwd=workdir)
+    run_cli(["train", *common, "--nproc-per-node", "2", "train.grad_accum_steps=2", "train.run_name=two_accum"],
+            cwd=workdir)
+    run_cli(["train", *common, "train.grad_accum_steps=2", "train.run_name=one_accum"], cwd=workdir)
+    return workdir, common
+
+
+def assert_close_state(a, b, atol, rtol):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
+
+
+def test_ddp_two_processes_equal_one_process_over_the_same_global_batches(tiny_runs):
+    workdir, _ = tiny_runs
+    one = final_weights(workdir / "outputs/one")
+    two = final_weights(workdir / "outputs/two_accum")
+    assert_close_state(one, two, atol=2e-6, rtol=1e-5)
+    # And the test can fail: a different run is not close.
+    assert not torch.allclose(one["head.weight"], build_model(checkpoint.read_meta(
+        checkpoint.latest(workdir / "outputs/one/checkpoints"))["model_args"]).state_dict()["head.weight"])
+
+
+def test_two_micro_batches_equal_one_double_batch(tiny_runs):
+    workdir, _ = tiny_runs
+    assert_close_state(final_weights(workdir / "outputs/one"), final_weights(workdir / "outputs/one_accum"),
+                       atol=2e-6, rtol=1e-5)
+
+
+def test_same_seed_same_losses_bit_for_bit(tiny_runs):
+    workdir, common = tiny_runs
+    run_cli(["train", *common, "train.run_name=one_again"], cwd=workdir)
+    a, b = final_weights(workdir / "outputs/one"), final_weights(workdir / "outputs/one_again")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
+    assert metric_history(client, runs["one"], "train/loss") == metric_history(client, runs["one_again"], "train/loss")
+
+
+def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
+    """Multi-node as on a cluster, on one machine: two launchers, one process each, c10d on 127.0.0.1."""
+    from pipeline.tracking import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=trainserve-test",
+           "-m", "pipeline.train", "--config", str(TINY), "train.run_name=multinode", "train.max_steps=4"]
+    nodes = [subprocess.Popen(cmd, cwd=workdir, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    try:
+        outs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    joined = "\n".join(outs)
+    assert "[rank0]" in joined and "[rank1]" in joined and "world size 2" in joined
+    client, run = only_run(workdir, "tiny")
+    assert run.info.status == "FINISHED" and run.data.tags["trainserve.world_size"] == "2"
+
+
+def test_replica_check_catches_a_planted_divergence(workdir):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests/scripts/plant_divergence.py")], cwd=workdir, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("caught: replicas diverged at step 2: 'head.weight' differs between ranks") == 2
+
+
+def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
+    accuracy = {}
+    for precision in ("fp32", "bf16"):
+        run_cli(["train", "--config", str(TINY), f"train.precision={precision}", "model.width=0.25",
+                 "train.max_steps=0", "train.epochs=3", "train.eval_every=0", "checkpoint.every_n_steps=0",
+                 f"train.run_name={precision}"], cwd=workdir)
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    for run in client.search_runs([client.get_experiment_by_name("tiny").experiment_id]):
+        accuracy[run.data.tags["trainserve.precision"]] = run.data.metrics["val/accuracy"]
+    assert accuracy["fp32"] >= 0.9, accuracy
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.03, accuracy  # the stated margin: 3 points
+
+
+def test_unreachable_tracking_server_fails_fast_before_training(workdir):
+    start = time.monotonic()
+    proc = run_cli(["train", "--config", str(TINY), "tracking.tracking_uri=http://127.0.0.1:9"], cwd=workdir,
+                   check=False)
+    assert proc.returncode == 2
+    assert "http://127.0.0.1:9 cannot be reached" in proc.stderr
+    assert time.monotonic() - start < 60
+    assert not (workdir / "outputs").exists() or not any((workdir / "outputs").rglob("COMPLETE"))
+
+
+def test_diverging_training_stops_and_leaves_its_run_failed(workdir):
+    proc = run_cli(["train", "--config", str(TINY), "optim.lr=1e20", "train.run_name=boom"], cwd=workdir,
+                   check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "the training loss is nan" in proc.stderr
+    _, run = only_run(workdir, "tiny")
+    assert run.info.status == "FAILED"
