@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline import checkpoint
@@ -307,17 +308,20 @@ def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Pa
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
                         if index.fqn in state})
         raise CheckpointError(f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
                               f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
-                              f"file corrupt or truncated? ({type(exc).__name__}: {_first_line(exc)})") from exc
+                              f"file corrupt or truncated? ({_cause(exc)})") from exc
 
 
-def _first_line(exc: Exception) -> str:
+def _cause(exc: BaseException) -> str:
+    """The reader's own error, not DCP's per-rank wrapper around it."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
     text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
