@@ -36,6 +36,7 @@ WEIGHTS_FORMAT = "trainserve-weights/1"
 REPORT_FORMAT = "trainserve-export-report/1"
 WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
 STAGE_TAG = "trainserve.stage.export"
+DOWNLOADS = Path("outputs")  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
 
 
 class WeightsError(ValueError):
@@ -113,6 +114,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     variants = {}
     if cfg.ort_optimize:
         variants["optimized"] = gates.ort_optimize(onnx_path, out / "model.optimized.onnx")
+        results["optimized.checker"] = gates.check_model(variants["optimized"])
         opt = gates.session(variants["optimized"])
         results.update({f"optimized.{k}": v for k, v in gates.parity(opt, reference, val_x, cfg.atol, cfg.rtol).items()})
         results["optimized.accuracy"] = gates.accuracy(opt, reference, val_x, val_y, cfg.accuracy_tolerance_pp)
@@ -153,7 +155,7 @@ def read_weights(directory: Path) -> Weights:
     if not isinstance(meta, dict) or meta.get("format") != WEIGHTS_FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}")
-    absent = [k for k in ("config", "model_args", "labels", "sha256") if k not in meta]
+    absent = [k for k in ("config", "model_args", "labels", "sha256") if not meta.get(k)]
     if absent:
         raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
     digest = sha256_file(weights_path)
@@ -193,11 +195,9 @@ def load_model(weights: Weights) -> torch.nn.Module:
 
 
 def _download_weights(run_id: str) -> Path:
-    """The run's consolidated/ artifacts, into <train.output_dir>/<run name>/ as on the training machine."""
-    run = tracking.get_run(run_id)
-    root = Path(run.data.params.get("train.output_dir", "outputs")) / (run.info.run_name or run_id)
-    local = tracking.download_artifacts(run_id, "consolidated", root)
-    log.info("downloaded consolidated weights of run %s to %s", run_id, local)
+    """The run's consolidated/ artifacts, into outputs/<run_id>/ (where `pipeline consolidate --run-id` writes)."""
+    local = tracking.download_artifacts(run_id, "consolidated", DOWNLOADS / run_id)
+    log.info("downloaded the consolidated weights of run %s to %s", run_id, local)
     return local
 
 
@@ -326,6 +326,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
                 exported.model, name="model",
                 signature=mlflow.models.infer_signature({"input": example}, {"logits": logits, "probabilities": probs}),
                 input_example={"input": example}, onnx_execution_providers=providers,
+                # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
+                pip_requirements=mlflow.onnx.get_default_pip_requirements(),
                 save_as_external_data=False, metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
             report["model_uri"] = info.model_uri
             if register:

@@ -146,9 +146,15 @@ def ort_optimize(source: Path, destination: Path) -> Path:
 
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """fp16 weights and compute for GPU serving; inputs and outputs stay fp32 (casts at the edges)."""
+    import onnx_ir as ir
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    return convert_float_to_float16(model, keep_io_types=True)
+    converted = convert_float_to_float16(model, keep_io_types=True)
+    # The converter appends its input casts at the end of the node list; onnxruntime tolerates that,
+    # onnx.checker (rightly) does not: sort the graph topologically.
+    graph = ir.from_proto(converted)
+    graph.graph.sort()
+    return ir.to_proto(graph)
 
 
 def metrics(gates: dict[str, dict]) -> dict[str, float]:

@@ -82,8 +82,15 @@ def trained(tmp_path_factory, store):
 
 
 @pytest.fixture(scope="module")
-def exported(trained, store) -> ExportResult:
-    return main(trained["dir"], tracking_uri=store)
+def exported(trained, store, tmp_path_factory) -> ExportResult:
+    """The whole stage once, as on another machine: weights from the run, both variants on."""
+    client = mlflow.MlflowClient()
+    for name in ("model.safetensors", "model.json"):  # what `pipeline consolidate` logs to the run
+        client.log_artifact(trained["run_id"], str(trained["dir"] / name), "consolidated")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("elsewhere"))  # --run-id downloads into ./outputs/<run_id>/
+        return main(run_id=trained["run_id"], tracking_uri=store,
+                    overrides=["export.ort_optimize=true", "export.fp16=true"])
 
 
 def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
@@ -99,7 +106,7 @@ def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
     acc = report["gates"]["accuracy"]
     assert acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50  # trained: well above chance (10%)
     assert json.loads(exported.report_path.read_text())["model_version"] == exported.model_version
-    assert exported.onnx_path == trained["dir"].parent / "onnx" / "model.onnx"
+    assert exported.onnx_path.resolve().parts[-4:] == ("outputs", trained["run_id"], "onnx", "model.onnx")
 
 
 def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
@@ -162,11 +169,12 @@ def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
 
 def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, capsys, tmp_path):
     # A tolerance no float computation meets: the parity gates fail on real numbers.
-    code = cli.main(["export", str(trained["dir"]), "--output", str(tmp_path), "--tracking-uri", store,
+    code = cli.main(["export", str(trained["dir"]), "--tracking-uri", store,
                      "export.atol=1e-12", "export.registered_model_name=never-registered"])
     err = capsys.readouterr().err
-    assert code == 1 and "gate failed" in err and str(tmp_path / "export_report.json") in err
-    report = json.loads((tmp_path / "export_report.json").read_text())
+    report_path = trained["dir"].parent / "onnx" / "export_report.json"  # default: <run_dir>/onnx
+    assert code == 1 and "gate failed" in err and str(report_path) in err
+    report = json.loads(report_path.read_text())
     assert not report["passed"] and "parity.val" in report["failed_gates"]
     assert "> atol 1e-12 (by" in report["failures"]["parity.val"]
     assert report["model_version"] is None
@@ -206,3 +214,19 @@ def test_an_operator_no_exporter_handles_is_named():
 
     with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
         onnx_export.export(Zeta(), torch.rand(2, 1, 8, 8), 18, {})
+
+
+def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained):
+    report = exported.report
+    for gate in ("optimized.checker", "optimized.parity.b7", "optimized.accuracy", "fp16.checker",
+                 "fp16.parity.b1", "fp16.parity.b64", "fp16.parity.val", "fp16.accuracy"):
+        assert report["gates"][gate]["passed"], (gate, report["gates"][gate])
+    assert report["gates"]["fp16.parity.val"]["prob_atol"] == gates.FP16_PROB_ATOL
+    onnx_dir = exported.onnx_path.parent
+    fp16 = onnx.load(str(onnx_dir / "model.fp16.onnx"))
+    assert [i.type.tensor_type.elem_type for i in fp16.graph.input] == [onnx.TensorProto.FLOAT]
+    assert {o.type.tensor_type.elem_type for o in fp16.graph.output} == {onnx.TensorProto.FLOAT}
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in fp16.graph.initializer)
+    assert (onnx_dir / "model.optimized.onnx").is_file()
+    logged = {a.path for a in mlflow.MlflowClient().list_artifacts(trained["run_id"], "onnx")}
+    assert {"onnx/model.fp16.onnx", "onnx/model.optimized.onnx", "onnx/export_report.json"} <= logged
