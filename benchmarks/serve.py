@@ -122,7 +122,9 @@ class Server:
 
     def __init__(self, cmd: list[str], port: int, ready_path: str, log: Path, env: dict | None = None):
         self.cmd, self.port, self.ready_path, self.log = cmd, port, ready_path, log
-        self.env = {**os.environ, **(env or {})}
+        # mlflow serve execs `uvicorn` from PATH: the venv's bin must be on it
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        self.env = {**os.environ, "PATH": path, **(env or {})}
 
     def __enter__(self):
         self.out = open(self.log, "wb")

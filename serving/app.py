@@ -34,7 +34,8 @@ from serving import codec
 from serving.batcher import Batcher, BatcherClosed, QueueFull
 from serving.codec import BadRequest
 from serving.config import Settings
-from serving.loader import LoadedModel, alias_version, check_source, load_model
+from serving.engine import EngineError
+from serving.loader import LoadedModel, SourceError, alias_version, check_source, load_model
 from serving.metrics import Metrics
 
 log = logging.getLogger("serving.app")
@@ -117,6 +118,9 @@ class Server:
                     continue
                 log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
                 model = await asyncio.to_thread(self._load_warm, version)
+            except (SourceError, EngineError) as exc:  # the registry is away, the new file is bad
+                log.warning("reload of %s failed; still serving version %s: %s", s.model, current, exc)
+                continue
             except Exception:
                 log.exception("reload of %s failed; still serving version %s", s.model, current)
                 continue

@@ -60,5 +60,7 @@ class Settings:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.reload_interval is not None and self.reload_interval <= 0:
             raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("the auth token is empty; unset it or give a non-empty one")
