@@ -23,6 +23,8 @@ PARITY_BATCHES = (1, 7, 64)
 # judged on probabilities and on decisions, with its own limits.
 FP16_PROB_ATOL = 1e-2
 FP16_MIN_AGREEMENT = 0.99
+FP16_ACCURACY_PP = 1.0     # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
+FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 logits
 
 
 def session(model: onnx.ModelProto | str | Path, providers: list[str] | None = None, threads: int = 0):
