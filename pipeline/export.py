@@ -314,6 +314,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
 
     report = result.report
     try:
+        if run_id:  # resuming a run outside the active experiment is refused: follow the run
+            mlflow.set_experiment(experiment_id=tracking.get_run(run_id).info.experiment_id)
         run_ctx = (mlflow.start_run(run_id=run_id) if run_id
                    else mlflow.start_run(run_name=f"export-{result.registered_model_name}"))
         with run_ctx as run:

@@ -64,13 +64,13 @@ def export(model: nn.Module, sample: torch.Tensor, opset: int, metadata: dict[st
     example = sample[:1].expand(EXPORT_BATCH, *sample.shape[1:]).contiguous().float()
     start = time.perf_counter()
     try:
-        proto = _export_dynamo(wrapped, example, opset)
+        proto = _check_opset(_export_dynamo(wrapped, example, opset), opset, "dynamo")
         exporter, reason = "dynamo", ""
     except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
         log.warning("dynamo exporter failed (%s); falling back to the TorchScript exporter", reason)
         try:
-            proto = _export_torchscript(wrapped, example, opset)
+            proto = _check_opset(_export_torchscript(wrapped, example, opset), opset, "TorchScript")
             exporter = "torchscript"
         except Exception as legacy_exc:  # noqa: BLE001
             ops = sorted(set(unsupported_ops(dynamo_exc)) | set(unsupported_ops(legacy_exc)))
@@ -88,6 +88,20 @@ def export(model: nn.Module, sample: torch.Tensor, opset: int, metadata: dict[st
 
 def metadata_for(model_name: str, labels: list[str], extra: dict[str, str] | None = None) -> dict[str, str]:
     return {META_MODEL_NAME: model_name, META_LABELS: json.dumps(list(labels)), **(extra or {})}
+
+
+class OpsetMismatch(ExportError):
+    pass
+
+
+def _check_opset(proto: onnx.ModelProto, opset: int, which: str) -> onnx.ModelProto:
+    """The dynamo exporter builds opset 18 and converts down; when the converter fails it logs an
+    error and returns the opset-18 graph anyway. An opset chosen on purpose must be the one we get."""
+    got = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if got != opset:
+        raise OpsetMismatch(f"the {which} exporter produced opset {got}, not the requested {opset} "
+                            "(onnx's version converter could not convert the graph)")
+    return proto
 
 
 def _export_dynamo(wrapped: nn.Module, example: torch.Tensor, opset: int) -> onnx.ModelProto:

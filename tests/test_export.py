@@ -19,7 +19,7 @@ from pipeline.export import ExportResult, load_model, main, read_weights, sha256
 from pipeline.models import build_model, model_args_for
 from pipeline.tracking import free_port
 
-EXPERIMENT = "trainserve"
+EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def write_weights(directory: Path, model: torch.nn.Module, cfg, model_args: dict
 def trained(tmp_path_factory, store):
     """A width-0.125 ResNet-18 trained 30 steps on digits, consolidated, with its MLflow run."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(overrides=["model.width=0.125", f"tracking.tracking_uri={store}",
+    cfg = load_config(overrides=["model.width=0.125", f"tracking.tracking_uri={store}", f"tracking.experiment={EXPERIMENT}",
                                  f"train.output_dir={run_dir.parent}"])
     splits = load_splits(cfg.data)
     args = model_args_for(cfg.model, splits.info())
@@ -230,3 +230,12 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
     assert (onnx_dir / "model.optimized.onnx").is_file()
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(trained["run_id"], "onnx")}
     assert {"onnx/model.fp16.onnx", "onnx/model.optimized.onnx", "onnx/export_report.json"} <= logged
+
+
+def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained):
+    # Dynamo builds opset 18 and converts down; for 17 onnx's converter fails on this graph and
+    # torch returns opset 18 anyway. That counts as a failure: the TorchScript exporter takes over.
+    exported = onnx_export.export(build_model(trained["args"]).eval(), trained["splits"].val_x[:2], 17, {})
+    assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
+    assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
+    assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic
