@@ -109,20 +109,24 @@ class Server:
 
     async def _reload_loop(self) -> None:
         s = self.settings
+        broken = None  # a version that failed to load: not fetched again until the alias moves on
         while True:
             await asyncio.sleep(s.reload_interval)
             current = self.slot.model.info.version
+            version = None
             try:
                 version = await asyncio.to_thread(alias_version, s.model)
-                if version == current:
+                if version in (current, broken):
                     continue
                 log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
                 model = await asyncio.to_thread(self._load_warm, version)
             except (SourceError, EngineError) as exc:  # the registry is away, the new file is bad
                 log.warning("reload of %s failed; still serving version %s: %s", s.model, current, exc)
+                broken = version
                 continue
             except Exception:
                 log.exception("reload of %s failed; still serving version %s", s.model, current)
+                broken = version
                 continue
             await self.swap(model)
 

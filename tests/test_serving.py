@@ -20,6 +20,7 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+import serving.engine as serving_engine
 from serving_fixtures import ROOT, ServerProcess, heavy_model, metric, run_onnx, tiny_model
 
 TOKEN = "s3cret-token"
@@ -247,6 +248,18 @@ def test_cli_refuses_bad_flags_and_missing_model(tmp_path):
     assert r.returncode == 2 and "models:/<name>@<alias>" in r.stderr
     r = run("--model", "x.onnx", "--reload-interval", "5")
     assert r.returncode == 2 and "alias" in r.stderr
+    if not serving_engine.cuda_device_present():
+        r = run("--model", str(tiny_model(tmp_path / "m.onnx")), "--device", "cuda")
+        assert r.returncode == 2 and "--device cuda asked for" in r.stderr
+
+
+def test_log_says_once_which_provider_runs_and_no_cuda_noise(server):
+    log = server.log()
+    provider_lines = [line for line in log.splitlines() if "ExecutionProvider" in line]
+    assert len(provider_lines) == 1, log
+    if not serving_engine.cuda_device_present():
+        assert "CPUExecutionProvider" in provider_lines[0]
+        assert "cuda" not in log.lower().replace(provider_lines[0].lower(), ""), log
 
 
 # ---- batching, queue limit, shutdown ----------------------------------------------------------
