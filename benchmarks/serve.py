@@ -8,16 +8,18 @@ server's /invocations, at concurrency 1 and 32. Reports requests/s and p50/p99 l
   (c) `mlflow models serve --env-manager local` of the same model saved with the PyTorch flavor and
       with the ONNX flavor.
 
-    python benchmarks/serve.py            # ~6 min on 2 cores
-    python benchmarks/serve.py --quick    # ~2 min: shorter runs, the ResNet only
+    python benchmarks/serve.py            # ~7 min on 2 cores: 3 rounds, medians
+    python benchmarks/serve.py --quick    # ~1.5 min: one round of short runs, the ResNet only
 
-Everything runs on this machine at once (wrk takes CPU too): compare rows within one run, never with
-numbers from another machine.
+All servers run at once and are measured in turns, round after round, so that other work on the
+machine hits every system alike; wrk takes CPU too. Compare rows within one run, never with numbers
+from another machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -195,8 +197,11 @@ def check_prediction(port: int, body: bytes, want: np.ndarray) -> None:
 
 # ---- main -------------------------------------------------------------------------------------
 
-def run_model(name: str, work: Path, seconds: float, concurrencies: tuple[int, ...], mlflow_servers: bool) -> list:
+def run_model(name: str, work: Path, seconds: float, rounds: int, mlflow_servers: bool) -> list:
+    """All servers up at once, then `rounds` rounds that measure every system in turn; the median
+    of each is reported. On a machine shared with other work, noise then hits every system alike."""
     import mlflow
+    import onnx
     import torch
 
     model, onnx_path = build_and_export(MODELS[name], work)
@@ -205,34 +210,14 @@ def run_model(name: str, work: Path, seconds: float, concurrencies: tuple[int, .
     body.write_bytes(json.dumps({"inputs": x.tolist()}).encode())
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
-    rows = []
 
-    for batch in (1, MAX_BATCH):
-        r = bench_inprocess(onnx_path, batch, seconds)
-        rows.append((name, f"(a) onnxruntime in-process, batch {batch}", "-", r, "images/s; latency per run"))
-
-    def load(system: str, port: int, ours: bool = False):
-        for c in concurrencies:
-            before = batch_stats(port) if ours else None
-            r = wrk(f"http://127.0.0.1:{port}/invocations", body, c, seconds)
-            note = ""
-            if ours:
-                after = batch_stats(port)
-                note = f"mean batch {(after[0] - before[0]) / max(after[1] - before[1], 1):.1f}"
-            rows.append((name, system, c, r, note))
-            print(f"  {name:8s} {system:38s} c={c:<3d} {r['rps']:8.1f} req/s  p50 {r['p50']:7.2f} ms  "
-                  f"p99 {r['p99']:7.2f} ms", file=sys.stderr, flush=True)
-
+    servers = {}  # system -> (Server, port)
     port = free_port()
-    cmd = [sys.executable, "-m", "serving", "--model", str(onnx_path), "--port", str(port),
-           "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"]
-    with Server(cmd, port, "/v2/health/ready", work / f"ours-{name}.log"):
-        check_prediction(port, body.read_bytes(), want)
-        load("(b) trainserve (python -m serving)", port, ours=True)
-
+    servers["(b) trainserve (python -m serving)"] = (Server(
+        [sys.executable, "-m", "serving", "--model", str(onnx_path), "--port", str(port),
+         "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"],
+        port, "/v2/health/ready", work / f"ours-{name}.log"), port)
     if mlflow_servers:
-        import onnx
-
         flavors = {"(c) mlflow models serve, pytorch flavor":
                    lambda p: mlflow.pytorch.save_model(model, p, input_example=x, pip_requirements=["torch"]),
                    "(c) mlflow models serve, onnx flavor":
@@ -242,11 +227,39 @@ def run_model(name: str, work: Path, seconds: float, concurrencies: tuple[int, .
             path = work / f"mlflow-{name}-{system.split(',')[1].split()[0]}"
             save(str(path))
             port = free_port()
-            cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(path), "--env-manager", "local",
-                   "-h", "127.0.0.1", "-p", str(port)]
-            with Server(cmd, port, "/ping", work / f"{path.name}.log"):
-                check_prediction(port, body.read_bytes(), want)
-                load(system, port)
+            servers[system] = (Server(
+                [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(path), "--env-manager", "local",
+                 "-h", "127.0.0.1", "-p", str(port)], port, "/ping", work / f"{path.name}.log"), port)
+
+    samples: dict[tuple[str, object], list[dict]] = {}
+    notes: dict[tuple[str, object], list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        for system, (server, port) in servers.items():
+            stack.enter_context(server)
+            check_prediction(port, body.read_bytes(), want)
+        for round_ in range(rounds):
+            for batch in (1, MAX_BATCH):
+                key = (f"(a) onnxruntime in-process, batch {batch}", "-")
+                samples.setdefault(key, []).append(bench_inprocess(onnx_path, batch, seconds))
+            for system, (_, port) in servers.items():
+                ours = system.startswith("(b)")
+                for c in (1, 32):
+                    before = batch_stats(port) if ours else None
+                    r = wrk(f"http://127.0.0.1:{port}/invocations", body, c, seconds)
+                    samples.setdefault((system, c), []).append(r)
+                    if ours:
+                        after = batch_stats(port)
+                        notes.setdefault((system, c), []).append((after[0] - before[0]) / max(after[1] - before[1], 1))
+                    print(f"  round {round_ + 1}/{rounds} {name:8s} {system:40s} c={c:<3d} {r['rps']:8.1f} req/s  "
+                          f"p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms", file=sys.stderr, flush=True)
+    rows = []
+    for (system, c), runs in samples.items():
+        median = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "p50", "p99")}
+        median["errors"] = sum(r["errors"] for r in runs)
+        note = "images/s; latency per run" if c == "-" else ""
+        if (system, c) in notes:
+            note = f"mean batch {np.mean(notes[(system, c)]):.1f}"
+        rows.append((name, system, c, median, note))
     return rows
 
 
@@ -284,21 +297,24 @@ def print_targets(rows: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 s runs, the ResNet only")
-    parser.add_argument("--seconds", type=float, default=None, help="seconds per measurement (default 10, quick 3)")
+    parser.add_argument("--quick", action="store_true", help="one round of 3 s runs, the ResNet only")
+    parser.add_argument("--seconds", type=float, default=None, help="seconds per measurement (default 5, quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds over all systems; medians reported "
+                                                                  "(default 3, quick 1)")
     parser.add_argument("--models", default=None, help="comma-separated: resnet18,mlp (default both; quick: resnet18)")
     parser.add_argument("--no-mlflow", action="store_true", help="skip (c), the mlflow servers")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk not found: apt-get install -y wrk", file=sys.stderr)
         return 2
-    seconds = args.seconds or (3.0 if args.quick else 10.0)
+    seconds = args.seconds or (3.0 if args.quick else 5.0)
+    rounds = args.rounds or (1 if args.quick else 3)
     models = (args.models or ("resnet18" if args.quick else "resnet18,mlp")).split(",")
     work = Path(tempfile.mkdtemp(prefix="trainserve-bench-"))
     rows = []
     try:
         for name in models:
-            rows += run_model(name, work, seconds, (1, 32), not args.no_mlflow)
+            rows += run_model(name, work, seconds, rounds, not args.no_mlflow)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(rows)
