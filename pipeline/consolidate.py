@@ -89,7 +89,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
-        _use_tracking(tracking_uri or meta.get("config", {}).get("tracking", {}).get("tracking_uri", ""))
+        _use_tracking(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
         _check_run(run_id)
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
 
@@ -436,12 +436,17 @@ def _check_run(run_id: str) -> None:
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
     """Both files under `consolidated/` of the source run, its sha256 and the stage as tags."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
-    for name in (WEIGHTS, DESCRIPTION):
-        client.log_artifact(run_id, str(out_dir / name), ARTIFACT_PATH)
-    client.set_tag(run_id, "trainserve.consolidated.sha256", sha)
-    client.set_tag(run_id, "trainserve.stage.consolidate", "done")
+    try:
+        for name in (WEIGHTS, DESCRIPTION):
+            client.log_artifact(run_id, str(out_dir / name), ARTIFACT_PATH)
+        client.set_tag(run_id, "trainserve.consolidated.sha256", sha)
+        client.set_tag(run_id, "trainserve.stage.consolidate", "done")
+    except (MlflowException, OSError) as exc:
+        raise TrackingError(f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
+                            f"failed ({exc}); rerun, or pass --no-log to keep them local") from None
     log.info("logged %s and %s to run %s under %s/", WEIGHTS, DESCRIPTION, run_id, ARTIFACT_PATH)
 
 

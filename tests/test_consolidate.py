@@ -343,7 +343,7 @@ BIG = {"name": "mlp", "in_channels": 1, "num_classes": 10, "image_size": 32, "wi
 
 
 def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
-    """Peak resident memory over the process baseline, in bytes, measured in a fresh process."""
+    """Peak resident memory over the process baseline, in bytes, measured in a fresh process (VmHWM)."""
     proc = subprocess.run([sys.executable, str(SCRIPTS / "consolidate_peak_rss.py"), mode, str(ckpt), str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -371,3 +371,34 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path)
     assert theirs > bound, f"dcp_to_torch_save peaked {theirs / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
     weights = load_file(str(tmp_path / "ours" / "model.safetensors"))
     assert set(weights) == set(build_model(BIG).state_dict())
+
+
+# --- end to end: the CLI after a real training run -------------------------------------------
+
+
+@pytest.mark.slow
+def test_consolidate_after_pipeline_train_logs_to_the_same_run(workdir):
+    from conftest import TINY as TINY_CONFIG
+    from conftest import only_run, run_cli
+
+    run_cli(["train", "--config", str(TINY_CONFIG), "--nproc-per-node", "2", "train.strategy=fsdp",
+             "train.run_name=fsdp_run", "train.max_steps=6"], cwd=workdir)
+    run_dir = workdir / "outputs" / "fsdp_run"
+    proc = run_cli(["consolidate", str(run_dir), "--latest"], cwd=workdir)
+    weights = Path(proc.stdout.strip().splitlines()[-1])
+    assert weights == run_dir.resolve() / "consolidated" / "model.safetensors"
+
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    model = build_model(checkpoint.read_meta(ckpt)["model_args"])
+    checkpoint.load(ckpt, model, None, ONE_PROCESS)  # how training itself reads its checkpoint
+    got = load_file(str(weights))
+    assert sorted(got) == sorted(model.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+    client, run = only_run(workdir, "tiny")
+    meta = json.loads((weights.parent / "model.json").read_text())
+    assert meta["source"]["mlflow_run_id"] == run.info.run_id and meta["source"]["strategy"] == "fsdp"
+    assert run.data.tags["trainserve.consolidated.sha256"] == meta["sha256"] == sha256(weights)
+    assert run.data.tags["trainserve.stage.consolidate"] == "done"
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "consolidated")) == [
+        "consolidated/model.json", "consolidated/model.safetensors"]
