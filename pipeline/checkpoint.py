@@ -17,12 +17,14 @@ is not a checkpoint; a crash at any point of a save leaves the previous checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
 from pipeline.distributed import DistInfo, barrier, broadcast_object
+from pipeline.faults import inject_fault
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,14 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that one process without a process group is 'assumed' single-process; it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -160,8 +172,10 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
     barrier(info)
+    inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
 
     if info.is_main:
         _write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
@@ -217,8 +231,9 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
         state["rng"] = {rng_key: _rng_state()}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not info.distributed)
-    except Exception as exc:  # DCP wraps reader errors; name the checkpoint and the cause
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not info.distributed)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}),

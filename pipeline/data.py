@@ -8,6 +8,7 @@ Nothing is downloaded: digits ship with scikit-learn, Fashion-MNIST is read from
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 import warnings
 from dataclasses import dataclass
@@ -187,3 +188,22 @@ def val_shard(splits: Splits, rank: int, world_size: int) -> tuple[torch.Tensor,
     """Rank r evaluates samples r, r+W, ...: disjoint and complete, unlike DistributedSampler,
     which pads with repeats; the all-reduced counts are then exact."""
     return splits.val_x[rank::world_size], splits.val_y[rank::world_size]
+
+
+def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
+    """The loader position saved by `saved_world` ranks, for `world` ranks.
+
+    torchdata counts the samples each rank consumed; the global position is that count times the
+    world size. With the world-size-invariant global batches above, `n * saved_world / world`
+    samples per rank is exactly the same global position.
+    """
+    if saved_world == world:
+        return state
+    state = json.loads(json.dumps(state))  # a copy
+    inner = state.get("_sampler_iter_state") or {}
+    if "samples_yielded" not in inner:
+        raise DataError("cannot move this data loader position to another world size: the saved loader "
+                        "state has no samples_yielded (torchdata changed its format); resume with "
+                        f"{saved_world} processes")
+    inner["samples_yielded"] = inner["samples_yielded"] * saved_world // world
+    return state

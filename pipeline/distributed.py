@@ -30,7 +30,7 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return dist.is_available() and dist.is_initialized()
 
 
 def usable_cpus() -> int:
@@ -61,12 +61,28 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
+    # Under torchrun always a process group, even of one: FSDP2 needs its device mesh.
+    if (world_size > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         # device_id binds NCCL to this rank's GPU eagerly, avoiding a hang on the first collective.
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10),
+        dist.init_process_group(backend=backend, store=attempt_store(rank, world_size), rank=rank,
+                                world_size=world_size, timeout=timedelta(minutes=10),
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
+
+
+def attempt_store(rank: int, world_size: int) -> dist.Store:
+    """torchrun's store, with a key prefix per restart attempt.
+
+    The agent's store outlives the workers, and `env://` shares it across torchrun restarts
+    unprefixed: a restarted rank can read the dead attempt's gloo address of a peer before the
+    peer re-registers, and fail with "Connection refused" (seen here when rank 0 was killed).
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timedelta(minutes=10),
+                          multi_tenant=True)
+    return dist.PrefixStore(f"trainserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

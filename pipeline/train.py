@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import amp, checkpoint, distributed, replicas, tracking
+from pipeline.faults import inject_fault
 from pipeline.config import Config, ConfigError, check_runtime, flatten, load_config, to_yaml
-from pipeline.data import DataError, Splits, load_splits, make_train_loader, val_shard
+from pipeline.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model, model_args_for
 from pipeline.optim import build_optimizer, build_scheduler
@@ -51,7 +52,7 @@ class TrainResult:
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
-    run_started = False
+    run_started, model, optimizer, scheduler = False, None, None, None
     try:
         check_runtime(cfg, info.world_size, torch.cuda.is_available())
         precision = amp.resolve_precision(cfg.train.precision, info.device)
@@ -79,7 +80,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         resume_path = checkpoint.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
             meta = checkpoint.load(resume_path, model, optimizer, info)
-            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader)
+            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
         elif ckpt_root.exists() and checkpoint.latest(ckpt_root):
@@ -105,6 +106,10 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             tracking.end_run("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
         raise
     finally:
+        # Drop DDP (its reducer holds the process group) before destroying the group: if the
+        # reducer held the last reference, gloo's destructor would join its worker threads with
+        # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
+        model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown()
 
 
@@ -143,9 +148,11 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
             if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
+            inject_fault("step", step, info)
             every = cfg.checkpoint.every_n_steps
             if (every and step % every == 0) or step == total_steps:
-                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader)
+                replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
+                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info)
                 path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
                 if info.is_main and cfg.checkpoint.log_to_mlflow == "all":
                     tracking.log_artifact(path, f"checkpoints/{path.name}")
@@ -209,6 +216,7 @@ def sync_context(model, last_micro_batch: bool):
 def evaluate(model, splits: Splits, info: DistInfo, precision: str, num_classes: int,
              step: int | None = None) -> tuple[float, torch.Tensor]:
     """Accuracy and confusion matrix over the whole validation split, counted on all ranks."""
+    replicas.sync_buffers(model)  # every rank evaluates with the same BatchNorm statistics
     model.eval()
     x_all, y_all = val_shard(splits, info.rank, info.world_size)
     batch = 256
@@ -278,7 +286,11 @@ def seed_everything(seed: int) -> None:
 
 def wrap_model(model: torch.nn.Module, train_cfg, precision: str, info: DistInfo) -> torch.nn.Module:
     if train_cfg.sync_batchnorm and info.distributed:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if info.device.type == "cuda":
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            log.warning("train.sync_batchnorm ignored: torch's SyncBatchNorm has no CPU kernel; "
+                        "BatchNorm statistics stay per rank")
     model = model.to(info.device)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
@@ -298,17 +310,19 @@ def wrap_model(model: torch.nn.Module, train_cfg, precision: str, info: DistInfo
     return model
 
 
-def train_state(step: int, epoch: int, scheduler, scaler, loader) -> dict:
-    return {"step": step, "epoch": epoch, "scheduler": scheduler.state_dict(),
+def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo) -> dict:
+    """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
+    ranks: they are at the same place of the same epoch's shuffle."""
+    return {"step": step, "epoch": epoch, "world_size": info.world_size, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict()}
 
 
-def restore_train_state(state: dict, scheduler, scaler, loader) -> tuple[int, int]:
+def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) -> tuple[int, int]:
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
     loader.sampler.set_epoch(state["epoch"])  # the loader's position is within this epoch's shuffle
-    loader.load_state_dict(state["dataloader"])
+    loader.load_state_dict(rescale_loader_state(state["dataloader"], state["world_size"], info.world_size))
     return state["step"], state["epoch"]
 
 
@@ -365,21 +379,31 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def torchrun_command(nproc_per_node: int, max_restarts: int, config: str | None, resume: str | None,
+                     overrides: list[str]) -> list[str]:
+    """This stage under torchrun on this machine (`--standalone`: a private rendezvous)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+           f"--max-restarts={max_restarts}", "-m", "pipeline.train"]
+    if config:
+        cmd += ["--config", config]
+    if resume:
+        cmd += ["--resume", resume]
+    return cmd + list(overrides)
+
+
+def torchrun_env() -> dict[str, str]:
+    # torchrun sets OMP_NUM_THREADS=1 with a warning; we set each rank's threads ourselves anyway.
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+
+
 def launch_torchrun(args, cfg: Config) -> int:
-    """Re-runs this stage under torchrun on this machine, with the run name fixed once for all ranks."""
+    """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts."""
     import subprocess
 
     run_name = cfg.train.run_name or default_run_name(cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
-           "-m", "pipeline.train"]
-    if args.config:
-        cmd += ["--config", args.config]
-    if args.resume:
-        cmd += ["--resume", args.resume]
-    cmd += [*args.overrides, f"train.run_name={run_name}"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run(cmd, env=env).returncode
+    cmd = torchrun_command(args.nproc_per_node, args.max_restarts, args.config, args.resume,
+                           [*args.overrides, f"train.run_name={run_name}"])
+    return subprocess.run(cmd, env=torchrun_env()).returncode
 
 
 def cli(args) -> int:

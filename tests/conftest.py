@@ -7,6 +7,7 @@ store (./mlflow.db, ./mlartifacts) and ./outputs land there and are removed with
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,24 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """`pipeline <args>` as a user types it, in `cwd`."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_killing_group([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(env), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"pipeline {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_killing_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills torchrun's workers too, not only the launcher."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n--- stderr\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture

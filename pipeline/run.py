@@ -1,0 +1,230 @@
+"""`pipeline run`: every stage in order for one config, the server last if asked.
+
+    train -> consolidate -> export (gates, registry alias) -> [serve + a sample request]
+
+A stage whose result is already there for this run (same `train.run_name`) is skipped unless
+`--force`: a finished training, weights consolidated from its newest checkpoint, an export of
+those exact weights that passed its gates. Each stage leaves its tag on the MLflow run, and the
+run's description (the note the MLflow UI shows) links the stages' outputs together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline import checkpoint, tracking
+from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
+
+log = logging.getLogger("pipeline.run")
+
+
+def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check: bool = False,
+         force: bool = False) -> int:
+    from pipeline import consolidate, export, train
+
+    cfg.train.run_name = cfg.train.run_name or train.default_run_name(cfg)
+    run_dir = Path(cfg.train.output_dir) / cfg.train.run_name
+    tracking.setup(cfg.tracking)  # fail in seconds on a bad store, before any stage
+
+    if force or not train_done(run_dir):
+        code = run_train(cfg, run_dir, nproc_per_node)
+        if code:
+            log.error("train failed (exit %d); see its log above", code)
+            return code
+    else:
+        log.info("train: already done for %s (--force to redo)", run_dir)
+    run_id = train.read_run_id(run_dir)
+
+    weights = run_dir / "consolidated" / "model.safetensors"
+    if force or not consolidated_from_latest(run_dir):
+        weights = consolidate.main(run_dir, latest=True, tracking_uri=cfg.tracking.tracking_uri)
+    else:
+        log.info("consolidate: %s is already from the newest checkpoint (--force to redo)", weights)
+
+    report = passed_export(run_dir, weights)
+    if force or report is None:
+        result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri)
+        if not result.passed:
+            log.error("export gates failed: %s; see %s", ", ".join(result.failed), result.report_path)
+            return 1
+        report = result.report
+    else:
+        log.info("export: version %s of %s already passed its gates for these weights (--force to redo)",
+                 report["model_version"], report["registered_model_name"])
+
+    model_uri = f"models:/{report['registered_model_name']}@{report['alias']}"
+    write_run_note(run_id, run_dir, weights, report, model_uri)
+    log.info("done: %s -> %s (MLflow run %s)", run_dir, model_uri, run_id)
+    if serve or serve_check:
+        return serve_with_sample(cfg, model_uri, keep_serving=not serve_check)
+    return 0
+
+
+# --- what is done already --------------------------------------------------------------------
+
+
+def train_done(run_dir: Path) -> bool:
+    from pipeline.train import read_run_id
+
+    run_id = read_run_id(run_dir)
+    if run_id is None or checkpoint.latest(run_dir / "checkpoints") is None:
+        return False
+    return tracking.get_run(run_id).data.tags.get("trainserve.stage.train") == "done"
+
+
+def consolidated_from_latest(run_dir: Path) -> bool:
+    meta_file = run_dir / "consolidated" / "model.json"
+    newest = checkpoint.latest(run_dir / "checkpoints")
+    if not meta_file.is_file() or newest is None:
+        return False
+    source = json.loads(meta_file.read_text()).get("source", {})
+    return Path(source.get("checkpoint", "")) == newest.resolve()
+
+
+def passed_export(run_dir: Path, weights: Path) -> dict | None:
+    """The export report, if it passed for exactly these weights and registered a version."""
+    report_file = run_dir / "onnx" / "export_report.json"
+    meta_file = weights.parent / "model.json"
+    if not report_file.is_file() or not meta_file.is_file():
+        return None
+    report = json.loads(report_file.read_text())
+    same_weights = report.get("weights", {}).get("sha256") == json.loads(meta_file.read_text()).get("sha256")
+    return report if report.get("passed") and report.get("model_version") and same_weights else None
+
+
+# --- stages ------------------------------------------------------------------------------------
+
+
+def run_train(cfg: Config, run_dir: Path, nproc_per_node: int) -> int:
+    """Under torchrun when asked for processes, else in this process. The resolved config is
+    written once and handed to every rank, so all of them train exactly what was resolved here."""
+    from pipeline import train
+
+    if not nproc_per_node:
+        train.main(cfg)
+        return 0
+    check_runtime(cfg, nproc_per_node, False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = run_dir / "requested_config.yaml"
+    resolved.write_text(to_yaml(cfg))
+    cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), None, [])
+    return subprocess.run(cmd, env=train.torchrun_env()).returncode
+
+
+def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dict, model_uri: str) -> None:
+    """The run's description in the MLflow UI: each stage's outcome and where its output is."""
+    if not run_id:
+        return
+    sha = report.get("weights", {}).get("sha256", "")
+    note = "\n".join([
+        "**trainserve pipeline**",
+        "",
+        f"- train: done, checkpoints in `{run_dir.resolve() / 'checkpoints'}` (artifacts: `checkpoints/`)",
+        f"- consolidate: `{weights.resolve()}` sha256 `{sha[:16]}…` (artifacts: `consolidated/`)",
+        f"- export: gates passed ({report['exporter']['used']} exporter, opset {report['exporter']['opset']}); "
+        f"registered **{report['registered_model_name']}** version {report['model_version']} as "
+        f"`@{report['alias']}` (artifacts: `onnx/`, `model/`)",
+        f"- serve: `pipeline serve --model {model_uri}`",
+    ])
+    tracking.set_tags({"mlflow.note.content": note, "trainserve.model_uri": model_uri,
+                       "trainserve.stage.pipeline": "done"}, run_id=run_id)
+
+
+def serve_with_sample(cfg: Config, model_uri: str, keep_serving: bool) -> int:
+    """Starts the server, proves it with one real validation digit, then serves (or stops)."""
+    from pipeline.data import load_splits
+
+    s = cfg.serve
+    port = s.port or tracking.free_port()
+    cmd = [sys.executable, "-m", "serving", "--model", model_uri, "--host", s.host, "--port", str(port),
+           "--device", s.device, "--max-batch-size", str(s.max_batch_size), "--max-delay-ms", str(s.max_delay_ms)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)}
+    server = subprocess.Popen(cmd, env=env)
+    try:
+        base = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{port}"
+        wait_ready(base, server)
+        splits = load_splits(cfg.data)
+        name = model_uri.split("/")[1].split("@")[0]  # a registry model is served under its registered name
+        correct = sample_request(base, name, splits.val_x[0], int(splits.val_y[0]), splits.labels)
+        if not keep_serving:
+            return 0 if correct else 1
+        log.info("serving %s at %s (Ctrl-C to stop)", model_uri, base)
+        return server.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def wait_ready(base: str, server: subprocess.Popen, timeout: float = 120) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
+        try:
+            if requests.get(f"{base}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"the server at {base} was not ready after {timeout:.0f} s")
+
+
+def sample_request(base: str, name: str, image, label: int, labels: list[str]) -> bool:
+    """One Open Inference Protocol request with a real validation image; prints what came back."""
+    import requests
+
+    body = {"inputs": [{"name": "input", "shape": [1, *image.shape], "datatype": "FP32",
+                        "data": image.flatten().tolist()}]}
+    answer = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30).json()
+    outputs = {o["name"]: o["data"] for o in answer["outputs"]}
+    probabilities = outputs["probabilities"]
+    predicted = max(range(len(probabilities)), key=probabilities.__getitem__)
+    verdict = "correct" if predicted == label else "WRONG"
+    print(f"sample request: a real '{labels[label]}' from the validation split -> predicted '{labels[predicted]}' "
+          f"(p={probabilities[predicted]:.3f}), {verdict}\n"
+          f"  POST {base}/v2/models/{name}/infer", flush=True)
+    return predicted == label
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config (configs/*.yaml)")
+    parser.add_argument("--nproc-per-node", type=int, default=0, help="train under torchrun with N processes")
+    parser.add_argument("--serve", action="store_true",
+                        help="then serve the registered alias, prove it with a sample request, keep serving")
+    parser.add_argument("--serve-check", action="store_true",
+                        help="then serve, send the sample request, stop; exit 0 only if it was predicted right")
+    parser.add_argument("--force", action="store_true", help="redo stages already done for this run")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def cli(args) -> int:
+    from pipeline.consolidate import ConsolidateError
+    from pipeline.data import DataError
+    from pipeline.export import ExportError, WeightsError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("alembic", "mlflow.store", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return main(cfg, args.nproc_per_node, args.serve, args.serve_check, args.force)
+    except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, ConsolidateError,
+            WeightsError, ExportError, RuntimeError) as exc:
+        print(f"pipeline run: error: {exc}", file=sys.stderr)
+        return 2

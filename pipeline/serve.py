@@ -1,0 +1,7 @@
+"""`pipeline serve`: the inference server, exactly as `python -m serving` runs it.
+
+The server lives in `serving/` and imports neither torch nor this package; this module only
+hands it the command line.
+"""
+
+from serving.cli import add_arguments, cli  # noqa: F401  (the stage interface pipeline.cli expects)

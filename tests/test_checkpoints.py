@@ -1,0 +1,191 @@
+"""Sharded DCP checkpoints: exact resume after kill -9, crashes mid-save, FSDP2 shards, world-size
+changes, and clear refusals of checkpoints that can't be used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline import checkpoint
+from pipeline.checkpoint import CheckpointError
+from pipeline.distributed import DistInfo
+from pipeline.models import build_model
+
+from conftest import REPO, TINY, cli_env, mlflow_client, run_cli
+
+CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
+         "train.eval_every=0"]
+MLP = ["model.name=mlp", "model.hidden=[64]"]
+
+
+def weights(ckpt):
+    meta = checkpoint.read_meta(ckpt)
+    model = build_model(meta["model_args"])
+    checkpoint.load(ckpt, model, None, CPU1)
+    return model.state_dict()
+
+
+def final(workdir, name):
+    return checkpoint.latest(workdir / "outputs" / name / "checkpoints")
+
+
+def losses(workdir, run_name):
+    client = mlflow_client(workdir)
+    run = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                             filter_string=f"attributes.run_name = '{run_name}'")[0]
+    by_step: dict[int, set[float]] = {}
+    for m in client.get_metric_history(run.info.run_id, "train/loss"):
+        by_step.setdefault(m.step, set()).add(m.value)
+    return run, by_step
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k].double() - b[k].double()).abs().max()}"
+
+
+def torchrun(workdir, args, env=None, max_restarts=0):
+    return run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", f"--max-restarts={max_restarts}",
+                    *args], cwd=workdir, env=env)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A 2-process DDP run straight through: 16 steps, checkpoints at 6, 12, 16."""
+    workdir = tmp_path_factory.mktemp("ckpt")
+    torchrun(workdir, [*STEPS, "train.run_name=straight"])
+    return workdir
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
+    workdir = straight
+    proc = torchrun(workdir, [*STEPS, "train.run_name=killed"], env={"TRAINSERVE_FAULT": "step:9:1"},
+                    max_restarts=1)
+    assert "killing rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
+    assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr
+    assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "killed")))
+    run_a, loss_a = losses(workdir, "straight")
+    run_b, loss_b = losses(workdir, "killed")
+    # One MLflow run across the restart; steps 7-9 were logged twice, with the same values.
+    assert run_b.info.status == "FINISHED"
+    assert sorted(loss_b) == list(range(1, 17))
+    for step in range(7, 17):
+        assert loss_b[step] == loss_a[step], step
+
+
+@pytest.mark.slow
+def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straight):
+    workdir = straight
+    proc = torchrun(workdir, [*STEPS, "train.run_name=crash_in_save"], env={"TRAINSERVE_FAULT": "save:12:0"},
+                    max_restarts=1)
+    assert "killing rank 0 at save 12" in proc.stderr
+    assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr  # not the half-written 12
+    assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "crash_in_save")))
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fsdp")
+    torchrun(workdir, [*STEPS, *MLP, "train.strategy=fsdp", "train.run_name=fsdp"])
+    return workdir
+
+
+@pytest.mark.slow
+def test_fsdp_shards_hold_different_slices_and_resume_exactly(fsdp_straight):
+    workdir = fsdp_straight
+    ckpt6 = workdir / "outputs/fsdp/checkpoints/step_00000006"
+    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
+    chunks = metadata.state_dict_metadata["model.body.0.weight"].chunks
+    assert len(chunks) == 2 and chunks[0].offsets != chunks[1].offsets  # two ranks, two slices
+    files = {metadata.storage_data[idx].relative_path for idx in metadata.storage_data
+             if idx.fqn == "model.body.0.weight"}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}
+    run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", *STEPS, *MLP, "train.strategy=fsdp",
+             "train.run_name=fsdp_resumed", "--resume", str(ckpt6)], cwd=workdir)
+    assert_bitwise_equal(weights(final(workdir, "fsdp")), weights(final(workdir, "fsdp_resumed")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_on_one_process_from_a_two_process_checkpoint(fsdp_straight, strategy):
+    workdir = fsdp_straight
+    source = "fsdp"
+    if strategy == "ddp":
+        torchrun(workdir, [*STEPS, *MLP, "train.run_name=ddp_mlp"])
+        source = "ddp_mlp"
+    ckpt6 = workdir / f"outputs/{source}/checkpoints/step_00000006"
+    run_cli(["train", "--config", str(TINY), "--nproc-per-node", "1", *STEPS, *MLP, f"train.strategy={strategy}",
+             f"train.run_name={source}_on_one", "--resume", str(ckpt6)], cwd=workdir)
+    a, b = weights(final(workdir, source)), weights(final(workdir, f"{source}_on_one"))
+    for k in a:  # same global batches, so equal up to the order of floating-point sums
+        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=1e-5)
+
+
+# --- refusals, in one process -----------------------------------------------------------------
+
+ARGS = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0, "hidden": [16],
+        "mean": [0.3], "std": [0.4]}
+
+
+def save_one(root, step, args=ARGS):
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.rand(2, 1, 8, 8)).sum().backward()
+    opt.step()
+    return checkpoint.save(root, step, model, opt, {"model_args": args}, CPU1, keep_last=5)
+
+
+def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
+    good = save_one(tmp_path, 1)
+    newer = save_one(tmp_path, 2)
+    (newer / checkpoint.MARKER).unlink()  # as if the save never finished
+    assert checkpoint.latest(tmp_path) == good
+    with pytest.raises(CheckpointError, match="no COMPLETE marker"):
+        checkpoint.verify_complete(newer)
+    shard = next(good.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=f"file '{shard.name}' has .* bytes, the marker says"):
+        checkpoint.load(good, build_model(ARGS), None, CPU1)
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_missing_metadata_and_missing_directory_are_named(tmp_path):
+    ckpt = save_one(tmp_path, 1)
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="file '.metadata' is missing"):
+        checkpoint.verify_complete(ckpt)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.verify_complete(tmp_path / "nope")
+
+
+def test_checkpoint_of_another_model_lists_keys_and_shapes(tmp_path):
+    ckpt = save_one(tmp_path, 1)
+    other = build_model({**ARGS, "hidden": [32, 8]})
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(ckpt, other, None, CPU1)
+    msg = str(err.value)
+    assert "shape differs: body.0.weight checkpoint [16, 64] vs model [32, 64]" in msg
+    assert "missing in checkpoint: body.2.weight [8, 32]" in msg
+
+
+def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    ckpt = save_one(tmp_path / "run/checkpoints", 4)
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(ckpt), f"checkpoints/{ckpt.name}")
+    found = checkpoint.resolve_resume(run.info.run_id, tmp_path / "new/checkpoints", CPU1)
+    assert found.name == "step_00000004" and found != ckpt
+    checkpoint.load(found, build_model(ARGS), None, CPU1)
+    with pytest.raises(CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"):
+        checkpoint.resolve_resume("no-such-thing", tmp_path, CPU1)
