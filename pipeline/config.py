@@ -160,16 +160,6 @@ def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
     return sorted(model_cls.model_fields)
 
 
-def _section_class(path: list[str]) -> type[BaseModel]:
-    cls: type[BaseModel] = Config
-    for part in path:
-        annotation = cls.model_fields[part].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            break
-        cls = annotation
-    return cls
-
-
 def _unknown_key_message(dotted: str) -> str:
     parts = dotted.split(".")
     cls: type[BaseModel] = Config

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipeline import checkpoint
+from pipeline import checkpoint, logs
 from pipeline.checkpoint import CheckpointError
 from pipeline.models import build_model
 from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
@@ -470,9 +470,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S")
+    logs.configure()
     try:
         path = main(args.source, latest=args.latest, run_id=args.run_id, output=args.output, dtype=args.dtype,
                     tracking_uri=args.tracking_uri, log_to_mlflow=not args.no_log)

@@ -7,7 +7,6 @@ plain `python -m pipeline train` works too.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -112,25 +111,7 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
-class RankFilter(logging.Filter):
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
+def configure_logging(rank: int) -> None:
+    from pipeline import logs
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return True
-
-
-def configure_logging(rank: int, level: int = logging.INFO) -> None:
-    """One line per event, rank-prefixed: `[rank1] 12:00:01 INFO pipeline.train: ...`."""
-    handler = logging.StreamHandler()
-    handler.addFilter(RankFilter(rank))
-    handler.setFormatter(logging.Formatter("[rank%(rank)s] %(asctime)s %(levelname)s %(name)s: %(message)s",
-                                           datefmt="%H:%M:%S"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    # MLflow and alembic are chatty at INFO on every store open.
-    for noisy in ("alembic", "mlflow.store", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure(rank)

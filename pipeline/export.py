@@ -25,10 +25,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline import gates, onnx_export, tracking
+from pipeline import gates, logs, onnx_export, tracking
 from pipeline.config import Config, ConfigError, ExportConfig, config_from_dict, parse_override
 from pipeline.data import DataError, load_splits
-from pipeline.models import build_model, input_shape
+from pipeline.models import build_model
 
 log = logging.getLogger("pipeline.export")
 
@@ -373,9 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("onnxscript", "onnx_ir"):  # a line per optimization pass
-        logging.getLogger(chatty).setLevel(logging.WARNING)
+    logs.configure()
     weights_dir, overrides = args.weights_dir, list(args.overrides)
     if weights_dir and "=" in weights_dir:  # argparse can't tell `export.x=1` from a path on its own
         overrides.insert(0, weights_dir)

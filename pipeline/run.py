@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import checkpoint, tracking
+from pipeline import checkpoint, logs, tracking
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
 
 log = logging.getLogger("pipeline.run")
@@ -215,12 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args) -> int:
     from pipeline.consolidate import ConsolidateError
     from pipeline.data import DataError
-    from pipeline.export import ExportError, WeightsError
+    from pipeline.export import WeightsError
+    from pipeline.onnx_export import ExportError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("alembic", "mlflow.store", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure()
     try:
         cfg = load_config(args.config, args.overrides)
         return main(cfg, args.nproc_per_node, args.serve, args.serve_check, args.force)

@@ -3,10 +3,6 @@ changes, and clear refusals of checkpoints that can't be used."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +12,7 @@ from pipeline.checkpoint import CheckpointError
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model
 
-from conftest import REPO, TINY, cli_env, mlflow_client, run_cli
+from conftest import TINY, mlflow_client, run_cli
 
 CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
