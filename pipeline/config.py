@@ -70,7 +70,7 @@ class TrainConfig(Section):
     epochs: int = Field(10, ge=1, description="Passes over the training set when max_steps is 0.")
     clip_grad_norm: float = Field(0.0, ge=0, description="Clip the global gradient norm to this (after unscaling); 0 = off.")
     sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (statistics over all ranks).")
-    seed: int = Field(0, description="Seed for model init, shuffling and augmentation; same seed, same losses.")
+    seed: int = Field(0, description="Seed for model init and shuffling; same seed, same losses (bit for bit on CPU).")
     log_every: int = Field(10, ge=1, description="Log training metrics every N optimizer steps.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch end. Always at the end.")
     consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
@@ -78,7 +78,7 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
     channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores).")
     output_dir: str = Field("outputs", description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
-    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <config stem>-<timestamp>.")
+    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id).")
 
 
 class CheckpointConfig(Section):
@@ -89,7 +89,7 @@ class CheckpointConfig(Section):
 
 class TrackingConfig(Section):
     tracking_uri: str = Field(
-        "", description="MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project root.")
+        "", description="MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite) with artifacts in ./mlartifacts.")
     experiment: str = Field("trainserve", description="MLflow experiment name.")
     system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, GPU) during training.")
 
@@ -107,7 +107,7 @@ class ExportConfig(Section):
 
 class ServeConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address; 127.0.0.1 unless the server must be reachable from outside.")
-    port: int = Field(8080, ge=0, le=65535, description="HTTP port.")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port (`pipeline run --serve`); 0 = any free port.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Execution provider: CUDA when present and asked for, else CPU.")
     max_batch_size: int = Field(32, ge=1, description="Rows per onnxruntime call at most.")
     max_delay_ms: float = Field(0.0, ge=0, description="How long a partial batch may wait for more rows; 0 = never wait.")

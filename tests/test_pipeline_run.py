@@ -1,0 +1,137 @@
+"""`pipeline run` as the README tells users to run it, and against a real remote tracking server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, cli_env, mlflow_client, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def readme_command(prefix: str) -> str:
+    """The README's quick-start line that starts with `prefix`."""
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"README has no line starting with {prefix!r}")
+
+
+def test_readme_commands_are_what_ci_runs():
+    assert readme_command("scripts/test") == "scripts/test"
+    assert "scripts/test" in (REPO / ".ci/run").read_text()
+    setup_line = readme_command("scripts/setup && ")
+    assert setup_line.startswith("scripts/setup && .venv/bin/pipeline run ")
+
+
+def test_readme_quick_start_in_a_tiny_variant(tmp_path):
+    """The README's main job, verbatim but shorter, ending with a correct prediction of a real digit."""
+    command = shlex.split(readme_command("scripts/setup && ").split("&&", 1)[1])
+    assert command[0] == ".venv/bin/pipeline"
+    (tmp_path / "configs").symlink_to(REPO / "configs")  # the README's relative config path
+    argv = [sys.executable, "-m", "pipeline", *command[1:], "train.epochs=3", "serve.port=0", "train.run_name=quick"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 420
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("sample request:"):
+                assert line.rstrip().endswith("correct") and "WRONG" not in line, line
+                break
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+        else:
+            raise AssertionError("no sample request line:\n" + "".join(lines[-80:]))
+        os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, "".join(lines[-40:])
+
+    client = mlflow_client(tmp_path)
+    version = client.get_model_version_by_alias("resnet18-digits", "champion")
+    run = client.get_run(version.run_id)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    for stage in ("train", "consolidate", "export", "pipeline"):
+        assert tags[f"trainserve.stage.{stage}"] == "done", stage
+    assert "registered **resnet18-digits** version 1" in tags["mlflow.note.content"]
+
+    again = run_cli(["run", "--config", "configs/digits_resnet18.yaml", "--nproc-per-node", "2", "train.epochs=3",
+                     "train.run_name=quick"], cwd=tmp_path)
+    for stage in ("train: already done", "consolidate: ", "export: version 1 of resnet18-digits already passed"):
+        assert stage in again.stderr, again.stderr[-3000:]
+
+
+@pytest.fixture
+def tracking_server(tmp_path):
+    """A real `mlflow server` on 127.0.0.1: SQLite backend, artifacts served over HTTP."""
+    from pipeline.tracking import free_port
+
+    port = free_port()
+    store = tmp_path / "server"
+    store.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            cwd=store, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    import requests
+
+    try:
+        for _ in range(240):
+            try:
+                if requests.get(f"{uri}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("mlflow server did not start")
+        yield uri, store
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_pipeline_against_a_remote_tracking_server(tracking_server, tmp_path):
+    uri, store = tracking_server
+    trainer, other_machine = tmp_path / "trainer", tmp_path / "other"
+    trainer.mkdir()
+    other_machine.mkdir()
+    proc = run_cli(["run", "--config", str(TINY), "--nproc-per-node", "2", "--serve-check", "serve.port=0",
+                    "train.run_name=remote", f"tracking.tracking_uri={uri}", "train.max_steps=30",
+                    "export.registered_model_name=tiny-remote"], cwd=trainer, timeout=420)
+    run_id = re.search(r"\(MLflow run ([0-9a-f]{32})\)", proc.stderr).group(1)
+    assert "sample request:" in proc.stdout
+    # Nothing tracked locally: the stages wrote to the server, artifacts included.
+    assert not (trainer / "mlflow.db").exists() and not (trainer / "mlartifacts").exists()
+    assert any((store / "artifacts").rglob("model.safetensors")) and any((store / "artifacts").rglob("*.distcp"))
+
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    version = client.get_model_version_by_alias("tiny-remote", "champion")
+    assert version.run_id == run_id and version.tags["trainserve.run_id"] == run_id
+    # Another machine needs only the run id: the checkpoint comes down from the server.
+    run_cli(["consolidate", "--run-id", run_id, "--tracking-uri", uri], cwd=other_machine)
+    local = list((other_machine / "outputs").rglob("model.safetensors"))
+    assert local, list(other_machine.rglob("*"))
+    import json
+
+    ours = json.loads((local[0].parent / "model.json").read_text())["sha256"]
+    assert client.get_run(run_id).data.tags["trainserve.consolidated.sha256"] == ours
