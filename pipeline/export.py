@@ -122,6 +122,13 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants)
+    if not report["passed"]:
+        # Kept for debugging under a name no one serves by accident; a stale model.onnx would be.
+        onnx_path = onnx_path.replace(out / "model.rejected.onnx")
+        for variant, path in list(variants.items()):
+            variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
+        report["variants"] = {k: str(v) for k, v in variants.items()}
+        report["rejected_model"] = str(onnx_path)
     report_path = out / "export_report.json"
     report_path.write_text(json.dumps(report, indent=2))
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])

@@ -412,7 +412,9 @@ def cli(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.nproc_per_node and not under_torchrun():
-            check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available())  # fail before spawning
+            # Fail before spawning: one clear line instead of one per rank and torchrun's report.
+            check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available())
+            tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0

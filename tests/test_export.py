@@ -179,6 +179,9 @@ def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, 
     assert "> atol 1e-12 (by" in report["failures"]["parity.val"]
     assert report["model_version"] is None
     assert mlflow.MlflowClient().search_registered_models("name='never-registered'") == []
+    # The rejected graph is kept for debugging, but not where a server would pick it up.
+    assert not (report_path.parent / "model.onnx").exists()
+    assert (report_path.parent / "model.rejected.onnx").is_file()
 
 
 def test_weights_that_do_not_match_their_config_are_refused_with_the_keys(trained, store, tmp_path, capsys):
