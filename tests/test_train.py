@@ -147,8 +147,8 @@ def test_replica_check_catches_a_planted_divergence(workdir):
 def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
     accuracy = {}
     for precision in ("fp32", "bf16"):
-        run_cli(["train", "--config", str(TINY), f"train.precision={precision}", "model.width=0.25",
-                 "train.max_steps=0", "train.epochs=3", "train.eval_every=0", "checkpoint.every_n_steps=0",
+        run_cli(["train", "--config", str(TINY), f"train.precision={precision}",
+                 "train.max_steps=0", "train.epochs=2", "train.eval_every=0", "checkpoint.every_n_steps=0",
                  f"train.run_name={precision}"], cwd=workdir)
     import mlflow
 
@@ -156,7 +156,8 @@ def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
     for run in client.search_runs([client.get_experiment_by_name("tiny").experiment_id]):
         accuracy[run.data.tags["trainserve.precision"]] = run.data.metrics["val/accuracy"]
     assert accuracy["fp32"] >= 0.9, accuracy
-    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.03, accuracy  # the stated margin: 3 points
+    # The stated margin: bf16 autocast may cost at most 3 points of validation accuracy.
+    assert accuracy["bf16"] >= accuracy["fp32"] - 0.03, accuracy
 
 
 def test_unreachable_tracking_server_fails_fast_before_training(workdir):
