@@ -182,10 +182,12 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         _write_json_durably(tmp / MARKER, {"step": step, "files": files})
         _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after a restart): replace it whole
-            shutil.rmtree(final)
+        trash = root / f".old-{step_dir_name(step)}"
+        if final.exists():  # a re-save of the same step (after a restart): never a moment without it
+            os.replace(final, trash)
         os.replace(tmp, final)
         _fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
         for old in list_complete(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
@@ -262,8 +264,15 @@ def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path |
 
 
 def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
-    if resume == "latest":
+    if resume == "auto":  # after a torchrun restart: the newest, or none yet (start over)
         return latest(checkpoint_root)
+    if resume == "latest":
+        found = latest(checkpoint_root)
+        if found is None:
+            runs = sorted(p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints"))
+            raise CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
+                                  "train.run_name=<the run to resume>" + (f" (runs here: {', '.join(runs)})" if runs else ""))
+        return found
     p = Path(resume)
     if p.exists():
         if (p / MARKER).exists() or (p / ".metadata").exists():

@@ -98,8 +98,8 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively.")
     registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> (e.g. resnet18-digits).")
     alias: str = Field("champion", description="Alias set on the new version only when every gate passes.")
-    atol: float = Field(1e-4, gt=0, description="Parity gate: max absolute difference of logits, ONNX vs PyTorch (fp32).")
-    rtol: float = Field(1e-3, gt=0, description="Parity gate: max relative difference of logits, ONNX vs PyTorch (fp32).")
+    atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| logits <= atol + rtol x the sample's largest |logit| (fp32).")
+    rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
     accuracy_tolerance_pp: float = Field(0.1, ge=0, description="Accuracy gate: ONNX accuracy within this many percentage points of PyTorch's.")
     ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
     fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
@@ -135,9 +135,17 @@ class Config(Section):
         return self
 
 
-def check_runtime(cfg: Config, world_size: int, cuda_available: bool) -> None:
+def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1,
+                  cuda_devices: int | None = None) -> None:
     """Rules that depend on the launch, checked before any work starts."""
     t = cfg.train
+    if cuda_available and t.device != "cpu":
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+        if local_world_size > cuda_devices:
+            raise ConfigError(f"{local_world_size} processes per node but {cuda_devices} visible GPU(s): one GPU "
+                              f"per rank; use --nproc-per-node {cuda_devices} or train.device=cpu")
     if t.precision == "fp16" and not (cuda_available and t.device != "cpu"):
         raise ConfigError(
             "train.precision=fp16 needs a CUDA device and none is in use; "

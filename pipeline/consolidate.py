@@ -272,9 +272,9 @@ def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpe
                      for s in batch}
             _load(state, reader, ckpt)
             for s in batch:
-                tensor = state.pop(f"model.{s.name}")
-                _check_finite(s.name, tensor, ckpt)
-                writer.write(s.name, tensor.to(s.dtype))
+                tensor = state.pop(f"model.{s.name}").to(s.dtype)
+                _check_finite(s.name, tensor, ckpt)  # after the cast: fp16 overflows to Inf past 65504
+                writer.write(s.name, tensor)
                 del tensor  # before the next one: one big tensor at a time
             _return_freed_memory()
         return writer.close()
@@ -333,8 +333,11 @@ def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
     nan = sum(int(torch.isnan(block).sum()) for block in flat.split(FINITE_BLOCK))
     inf = sum(int(torch.isinf(block).sum()) for block in flat.split(FINITE_BLOCK))
     if nan or inf:
-        raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf "
-                               "values; training diverged before this checkpoint, consolidate an earlier one")
+        hint = ("values outside fp16's range (±65504) became Inf: use --dtype bf16 or fp32"
+                if tensor.dtype == torch.float16 else
+                "training diverged before this checkpoint, consolidate an earlier one")
+        raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf values "
+                               f"as {str(tensor.dtype).removeprefix('torch.')}; {hint}")
 
 
 def _write_error(exc: OSError, path: Path) -> ConsolidateError:

@@ -161,7 +161,7 @@ def load_splits(data_cfg) -> Splits:
 
 
 def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world_size: int, seed: int,
-                      num_workers: int, pin_memory: bool):
+                      num_workers: int, pin_memory: bool, grad_accum_steps: int = 1):
     """A stateful loader over this rank's shard of the training set.
 
     DistributedSampler gives rank r the indices perm[r::world] of one seeded permutation per epoch,
@@ -175,9 +175,10 @@ def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world
     dataset = InMemoryDataset(splits.train_x, splits.train_y)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
-    if len(sampler) < batch_size_per_rank:
+    global_batch = batch_size_per_rank * world_size * grad_accum_steps
+    if len(sampler) < batch_size_per_rank * grad_accum_steps:  # not one optimizer step per epoch
         raise DataError(f"the training set has {len(dataset)} samples, fewer than one global batch "
-                        f"({batch_size_per_rank * world_size}); lower train.global_batch_size")
+                        f"({global_batch}); lower train.global_batch_size")
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,

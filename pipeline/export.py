@@ -102,7 +102,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     metadata = onnx_export.metadata_for(name, weights.meta["labels"], {
         "trainserve.weights_sha256": weights.meta["sha256"], "trainserve.opset": str(cfg.opset)})
     exported = onnx_export.export(load_model(weights), torch.from_numpy(val_x[:2]), cfg.opset, metadata)
-    onnx_path = out / "model.onnx"
+    # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
+    onnx_path = out / "model.candidate.onnx"
     _save(exported.model, onnx_path)
     log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
 
@@ -122,8 +123,10 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants)
-    if not report["passed"]:
-        # Kept for debugging under a name no one serves by accident; a stale model.onnx would be.
+    if report["passed"]:
+        onnx_path = onnx_path.replace(out / "model.onnx")
+    else:
+        # Kept for debugging under a name no one serves by accident.
         onnx_path = onnx_path.replace(out / "model.rejected.onnx")
         for variant, path in list(variants.items()):
             variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
@@ -320,45 +323,57 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
     from mlflow.exceptions import MlflowException
 
     report = result.report
+    # Logging into the training run re-opens it; its own status (FINISHED, or FAILED) is put back after.
+    status_before = tracking.get_run(run_id).info.status if run_id else None
     try:
-        if run_id:  # resuming a run outside the active experiment is refused: follow the run
-            mlflow.set_experiment(experiment_id=tracking.get_run(run_id).info.experiment_id)
-        run_ctx = (mlflow.start_run(run_id=run_id) if run_id
-                   else mlflow.start_run(run_name=f"export-{result.registered_model_name}"))
-        with run_ctx as run:
-            mlflow.log_metrics(gates.metrics(report["gates"]))
-            mlflow.set_tags({"trainserve.export.exporter": exported.exporter,
-                             "trainserve.weights_sha256": weights.meta["sha256"],
-                             "trainserve.config_sha256": report["weights"]["config_sha256"]})
-            mlflow.log_artifact(str(result.report_path), "onnx")
-            if not result.passed:
-                mlflow.set_tag(STAGE_TAG, "failed")
-                return
-            for path in variants.values():
-                mlflow.log_artifact(str(path), "onnx")
-            example = gates.batch_of(val_x, 2)
-            logits, probs = sess.run(["logits", "probabilities"], {"input": example})
-            providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"])
-            info = mlflow.onnx.log_model(
-                exported.model, name="model",
-                signature=mlflow.models.infer_signature({"input": example}, {"logits": logits, "probabilities": probs}),
-                input_example={"input": example}, onnx_execution_providers=providers,
-                # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
-                pip_requirements=mlflow.onnx.get_default_pip_requirements(),
-                save_as_external_data=False, metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
-            report["model_uri"] = info.model_uri
-            if register:
-                tags = lineage_tags(weights, report)
-                tags["trainserve.run_id"] = run.info.run_id
-                version = mlflow.register_model(info.model_uri, result.registered_model_name, tags=tags)
-                mlflow.MlflowClient().set_registered_model_alias(result.registered_model_name, cfg.alias, version.version)
-                result.model_version = str(version.version)
-                report["model_version"] = result.model_version
-                report["alias"] = cfg.alias
-                log.info("registered %s version %s as @%s", result.registered_model_name, version.version, cfg.alias)
-            mlflow.set_tag(STAGE_TAG, "done")
+        _log_and_register(result, weights, run_id, cfg, exported, val_x, sess, variants, register, report)
     except MlflowException as exc:
         raise tracking.TrackingError(f"MLflow at {mlflow.get_tracking_uri()} refused the export's records: {exc}") from None
+    finally:
+        if status_before and status_before != "RUNNING":
+            mlflow.MlflowClient().set_terminated(run_id, status_before)
+
+
+def _log_and_register(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
+                      val_x: np.ndarray, sess, variants: dict, register: bool, report: dict) -> None:
+    import mlflow
+
+    if run_id:  # resuming a run outside the active experiment is refused: follow the run
+        mlflow.set_experiment(experiment_id=tracking.get_run(run_id).info.experiment_id)
+    run_ctx = (mlflow.start_run(run_id=run_id) if run_id
+               else mlflow.start_run(run_name=f"export-{result.registered_model_name}"))
+    with run_ctx as run:
+        mlflow.log_metrics(gates.metrics(report["gates"]))
+        mlflow.set_tags({"trainserve.export.exporter": exported.exporter,
+                         "trainserve.weights_sha256": weights.meta["sha256"],
+                         "trainserve.config_sha256": report["weights"]["config_sha256"]})
+        mlflow.log_artifact(str(result.report_path), "onnx")
+        if not result.passed:
+            mlflow.set_tag(STAGE_TAG, "failed")
+            return
+        for path in variants.values():
+            mlflow.log_artifact(str(path), "onnx")
+        example = gates.batch_of(val_x, 2)
+        logits, probs = sess.run(["logits", "probabilities"], {"input": example})
+        providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"])
+        info = mlflow.onnx.log_model(
+            exported.model, name="model",
+            signature=mlflow.models.infer_signature({"input": example}, {"logits": logits, "probabilities": probs}),
+            input_example={"input": example}, onnx_execution_providers=providers,
+            # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
+            pip_requirements=mlflow.onnx.get_default_pip_requirements(),
+            save_as_external_data=False, metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
+        report["model_uri"] = info.model_uri
+        if register:
+            tags = lineage_tags(weights, report)
+            tags["trainserve.run_id"] = run.info.run_id
+            version = mlflow.register_model(info.model_uri, result.registered_model_name, tags=tags)
+            mlflow.MlflowClient().set_registered_model_alias(result.registered_model_name, cfg.alias, version.version)
+            result.model_version = str(version.version)
+            report["model_version"] = result.model_version
+            report["alias"] = cfg.alias
+            log.info("registered %s version %s as @%s", result.registered_model_name, version.version, cfg.alias)
+        mlflow.set_tag(STAGE_TAG, "done")
 
 
 # ---------------------------------------------------------------------------------------------

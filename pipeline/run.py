@@ -25,6 +25,10 @@ from pipeline.config import Config, ConfigError, check_runtime, load_config, to_
 log = logging.getLogger("pipeline.run")
 
 
+class ServeCheckError(RuntimeError):
+    """The freshly started server did not come up, or did not answer the sample request."""
+
+
 def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check: bool = False,
          force: bool = False) -> int:
     from pipeline import consolidate, export, train
@@ -34,7 +38,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     tracking.setup(cfg.tracking)  # fail in seconds on a bad store, before any stage
 
     if force or not train_done(run_dir):
-        code = run_train(cfg, run_dir, nproc_per_node)
+        code = run_train(cfg, run_dir, nproc_per_node, force)
         if code:
             log.error("train failed (exit %d); see its log above", code)
             return code
@@ -102,19 +106,32 @@ def passed_export(run_dir: Path, weights: Path) -> dict | None:
 # --- stages ------------------------------------------------------------------------------------
 
 
-def run_train(cfg: Config, run_dir: Path, nproc_per_node: int) -> int:
+def run_train(cfg: Config, run_dir: Path, nproc_per_node: int, force: bool) -> int:
     """Under torchrun when asked for processes, else in this process. The resolved config is
-    written once and handed to every rank, so all of them train exactly what was resolved here."""
+    written once and handed to every rank, so all of them train exactly what was resolved here.
+
+    An interrupted training of this run continues from its newest checkpoint; with --force the old
+    run directory is set aside (renamed, nothing deleted) and training starts over.
+    """
+    import torch
+
     from pipeline import train
 
+    if force and run_dir.exists():
+        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        log.info("--force: the previous %s is kept as %s", run_dir, aside)
+    resume = "latest" if checkpoint.latest(run_dir / "checkpoints") else None
+    if resume:
+        log.info("train: continuing %s from its newest checkpoint", run_dir)
     if not nproc_per_node:
-        train.main(cfg)
+        train.main(cfg, resume=resume)
         return 0
-    check_runtime(cfg, nproc_per_node, False)
+    check_runtime(cfg, nproc_per_node, torch.cuda.is_available(), nproc_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "requested_config.yaml"
     resolved.write_text(to_yaml(cfg))
-    cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), None, [])
+    cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), resume, [])
     return subprocess.run(cmd, env=train.torchrun_env()).returncode
 
 
@@ -130,7 +147,7 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
         f"- consolidate: `{weights.resolve()}` sha256 `{sha[:16]}…` (artifacts: `consolidated/`)",
         f"- export: gates passed ({report['exporter']['used']} exporter, opset {report['exporter']['opset']}); "
         f"registered **{report['registered_model_name']}** version {report['model_version']} as "
-        f"`@{report['alias']}` (artifacts: `onnx/`, `model/`)",
+        f"`@{report['alias']}` (the logged model `model`; report in artifacts `onnx/`)",
         f"- serve: `pipeline serve --model {model_uri}`",
     ])
     tracking.set_tags({"mlflow.note.content": note, "trainserve.model_uri": model_uri,
@@ -171,14 +188,14 @@ def wait_ready(base: str, server: subprocess.Popen, timeout: float = 120) -> Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
+            raise ServeCheckError(f"the server exited with code {server.returncode} before it was ready")
         try:
             if requests.get(f"{base}/v2/health/ready", timeout=2).status_code == 200:
                 return
         except requests.RequestException:
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"the server at {base} was not ready after {timeout:.0f} s")
+    raise ServeCheckError(f"the server at {base} was not ready after {timeout:.0f} s")
 
 
 def sample_request(base: str, name: str, image, label: int, labels: list[str]) -> bool:
@@ -187,7 +204,10 @@ def sample_request(base: str, name: str, image, label: int, labels: list[str]) -
 
     body = {"inputs": [{"name": "input", "shape": [1, *image.shape], "datatype": "FP32",
                         "data": image.flatten().tolist()}]}
-    answer = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30).json()
+    response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
+    if response.status_code != 200:
+        raise ServeCheckError(f"the sample request got HTTP {response.status_code}: {response.text[:500]}")
+    answer = response.json()
     outputs = {o["name"]: o["data"] for o in answer["outputs"]}
     probabilities = outputs["probabilities"]
     predicted = max(range(len(probabilities)), key=probabilities.__getitem__)
@@ -204,12 +224,13 @@ def sample_request(base: str, name: str, image, label: int, labels: list[str]) -
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (configs/*.yaml)")
     parser.add_argument("--nproc-per-node", type=int, default=0, help="train under torchrun with N processes")
-    parser.add_argument("--serve", action="store_true",
-                        help="then serve the registered alias, prove it with a sample request, keep serving")
-    parser.add_argument("--serve-check", action="store_true",
-                        help="then serve, send the sample request, stop; exit 0 only if it was predicted right")
+    serve = parser.add_mutually_exclusive_group()
+    serve.add_argument("--serve", action="store_true",
+                       help="then serve the registered alias, prove it with a sample request, keep serving")
+    serve.add_argument("--serve-check", action="store_true",
+                       help="then serve, send the sample request, stop; exit 0 only if it was predicted right")
     parser.add_argument("--force", action="store_true", help="redo stages already done for this run")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.epochs=3")
 
 
 def cli(args) -> int:
@@ -223,6 +244,6 @@ def cli(args) -> int:
         cfg = load_config(args.config, args.overrides)
         return main(cfg, args.nproc_per_node, args.serve, args.serve_check, args.force)
     except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, ConsolidateError,
-            WeightsError, ExportError, RuntimeError) as exc:
+            WeightsError, ExportError, ServeCheckError) as exc:
         print(f"pipeline run: error: {exc}", file=sys.stderr)
         return 2

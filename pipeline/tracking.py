@@ -79,7 +79,9 @@ def setup(tracking_cfg) -> str:
     if experiment is None:
         # With a local database, keep artifacts beside it rather than in ./mlruns.
         location = default_artifact_root() if uri.startswith("sqlite:") else None
-        mlflow.create_experiment(tracking_cfg.experiment, artifact_location=location)
+        # The kind makes MLflow 3's UI open the experiment on its runs, not on GenAI traces.
+        mlflow.create_experiment(tracking_cfg.experiment, artifact_location=location,
+                                 tags={"mlflow.experimentKind": "custom_model_development"})
     mlflow.set_experiment(tracking_cfg.experiment)
     return uri
 
@@ -163,8 +165,15 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
         # Short runs would log no sample at the default 10 s interval.
         mlflow.set_system_metrics_sampling_interval(2)
         mlflow.set_system_metrics_samples_before_logging(1)
-    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name,
-                           log_system_metrics=system_metrics)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name,
+                               log_system_metrics=system_metrics)
+    except MlflowException as exc:
+        raise TrackingError(f"cannot continue MLflow run {run_id} in {mlflow.get_tracking_uri()} ({exc.error_code}): "
+                            "a checkpoint resumed from another store? Point tracking.tracking_uri at the "
+                            "store it was trained with") from None
     mlflow.set_tags(tags)
     return run.info.run_id
 

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,15 +51,19 @@ class TrainResult:
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
+    check_runtime(cfg, int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available(),
+                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    # torchrun stops the other ranks with SIGTERM when one fails (so do preemption and docker stop):
+    # as an exception it reaches the handler below, which marks the MLflow run FAILED.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
     run_started, model, optimizer, scheduler = False, None, None, None
     try:
-        check_runtime(cfg, info.world_size, torch.cuda.is_available())
         precision = amp.resolve_precision(cfg.train.precision, info.device)
         run_dir = Path(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
         ckpt_root = run_dir / "checkpoints"
-        resume = resume or auto_resume(ckpt_root, info)
+        resume = choose_resume(resume, ckpt_root)
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
                  info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
 
@@ -70,7 +75,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         batch_per_rank = cfg.train.global_batch_size // (info.world_size * cfg.train.grad_accum_steps)
         loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, cfg.train.seed,
-                                   cfg.data.num_workers, pin_memory=info.device.type == "cuda")
+                                   cfg.data.num_workers, pin_memory=info.device.type == "cuda",
+                                   grad_accum_steps=cfg.train.grad_accum_steps)
         steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
         total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -97,7 +103,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                             step, epoch, total_steps, ckpt_root, meta)
         final = checkpoint.latest(ckpt_root) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
-        accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps)
+        accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps,
+                                       uses_channels_last(cfg.train, info))
         if info.is_main:
             finish_tracking(cfg, final, accuracy, confusion, splits.labels, total_steps)
         return TrainResult(run_dir, run_id, final, losses, accuracy)
@@ -125,7 +132,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
-                                    t.clip_grad_norm, want_norm=log_now)
+                                    t.clip_grad_norm, want_norm=log_now, channels_last=uses_channels_last(t, info))
             scheduler.step()
             step += 1
             window_loss += loss
@@ -144,7 +151,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
                     progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if t.eval_every and step % t.eval_every == 0 and step != total_steps:
-                evaluate(model, splits, info, precision, len(splits.labels), step)
+                evaluate(model, splits, info, precision, len(splits.labels), step, uses_channels_last(t, info))
             if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
@@ -161,7 +168,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
         else:  # the epoch ran out (or a resume landed exactly on its end)
             epoch += 1
             if not t.eval_every:
-                evaluate(model, splits, info, precision, len(splits.labels), step)
+                evaluate(model, splits, info, precision, len(splits.labels), step, uses_channels_last(t, info))
     progress.close()
     return losses
 
@@ -177,13 +184,13 @@ def chunked(loader, size: int):
 
 
 def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
-               clip_grad_norm: float, want_norm: bool) -> tuple[float, float]:
+               clip_grad_norm: float, want_norm: bool, channels_last: bool = False) -> tuple[float, float]:
     """One optimizer step over the micro-batches; returns this rank's loss and the global grad norm
     (NaN unless clipping or asked for, since the norm costs a pass over every gradient)."""
     accum = len(micro_batches)
     total = 0.0
     for i, (x, y) in enumerate(micro_batches):
-        x = x.to(info.device, non_blocking=True)
+        x = to_device(x, info.device, channels_last)
         y = y.to(info.device, non_blocking=True)
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
         with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
@@ -196,12 +203,25 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
-        total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm or float("inf"))
+        if clip_grad_norm:
+            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
+            total_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         norm = (total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm).item()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total, norm
+
+
+def to_device(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """Images go NHWC when the model is channels_last, or every conv would convert them."""
+    fmt = torch.channels_last if channels_last and x.dim() == 4 else torch.preserve_format
+    return x.to(device, memory_format=fmt, non_blocking=True)
+
+
+def uses_channels_last(train_cfg, info: DistInfo) -> bool:
+    return train_cfg.channels_last and info.device.type == "cuda"
 
 
 def sync_context(model, last_micro_batch: bool):
@@ -214,7 +234,7 @@ def sync_context(model, last_micro_batch: bool):
 
 @torch.no_grad()
 def evaluate(model, splits: Splits, info: DistInfo, precision: str, num_classes: int,
-             step: int | None = None) -> tuple[float, torch.Tensor]:
+             step: int | None = None, channels_last: bool = False) -> tuple[float, torch.Tensor]:
     """Accuracy and confusion matrix over the whole validation split, counted on all ranks."""
     replicas.sync_buffers(model)  # every rank evaluates with the same BatchNorm statistics
     model.eval()
@@ -226,7 +246,7 @@ def evaluate(model, splits: Splits, info: DistInfo, precision: str, num_classes:
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=info.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     for b in range(n_batches):
-        x = x_all[b * batch:(b + 1) * batch].to(info.device)
+        x = to_device(x_all[b * batch:(b + 1) * batch], info.device, channels_last)
         y = y_all[b * batch:(b + 1) * batch].to(info.device)
         empty = len(y) == 0
         if empty:
@@ -263,13 +283,14 @@ def default_run_name(cfg: Config) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def auto_resume(ckpt_root: Path, info: DistInfo) -> str | None:
-    """After torchrun restarts the workers, continue from the newest complete checkpoint."""
+def choose_resume(requested: str | None, ckpt_root: Path) -> str | None:
+    """After torchrun restarts the workers, continue from the run's newest complete checkpoint, even
+    when the first attempt was itself resumed from elsewhere (that one is older)."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts > 0:
+    if restarts > 0 and (requested is None or checkpoint.latest(ckpt_root) is not None):
         log.info("torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts)
-        return "latest"
-    return None
+        return "auto"
+    return requested
 
 
 def read_run_id(run_dir: Path) -> str | None:

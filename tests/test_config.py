@@ -78,3 +78,7 @@ def test_flatten_and_describe_cover_every_field():
     for key in flat:
         assert key in text, key
     assert "#  " not in text  # every field has a comment
+
+
+def test_readme_lists_every_field_exactly_as_describe_prints_it():
+    assert describe().strip() in (REPO / "README.md").read_text()

@@ -86,3 +86,30 @@ def test_loader_resumes_mid_epoch_without_repeating_or_skipping():
     assert len(seen) + len(rest) == len(expected)
     for a, b in zip(seen + rest, expected):
         assert torch.equal(a, b)
+
+
+def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch():
+    """Stronger than labels: the images of 2 ranks' k-th batches, put together, are the 1-process
+    k-th batch, batch after batch, into the next epoch's shuffle."""
+    s = load_digits_splits(0.2, 0)
+
+    def batches(world, epoch):
+        loaders = [make_train_loader(s, 32 // world, r, world, seed=5, num_workers=0, pin_memory=False)
+                   for r in range(world)]
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch)
+        return [torch.cat([x for x, _ in parts]) for parts in zip(*loaders)]
+
+    for epoch in (0, 1):
+        one, two = batches(1, epoch), batches(2, epoch)
+        assert len(one) == len(two) == 1438 // 32
+        for a, b in zip(one, two):
+            key = lambda t: sorted(map(tuple, t.flatten(1).tolist()))  # noqa: E731  (order within a batch is free)
+            assert key(a) == key(b)
+    assert not torch.equal(batches(1, 0)[0], batches(1, 1)[0])  # and each epoch reshuffles
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_refused():
+    s = load_digits_splits(0.2, 0)
+    with pytest.raises(DataError, match="fewer than one global batch \\(2048\\)"):
+        make_train_loader(s, 512, 0, 2, seed=0, num_workers=0, pin_memory=False, grad_accum_steps=2)

@@ -163,20 +163,20 @@ def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
     sess = gates.session(exported.onnx_path)
     results = gates.parity(sess, reference, trained["splits"].val_x.numpy(), atol=1e-4, rtol=1e-3)
     assert not any(g["passed"] for g in results.values())
-    assert "max_abs" in results["parity.b7"]["message"] and "> atol" in results["parity.b7"]["message"]
+    assert "max_abs" in results["parity.b7"]["message"] and "exceeds atol" in results["parity.b7"]["message"]
     assert results["parity.b7"]["max_abs"] > 1e-3
 
 
 def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, capsys, tmp_path):
     # A tolerance no float computation meets: the parity gates fail on real numbers.
     code = cli.main(["export", str(trained["dir"]), "--tracking-uri", store,
-                     "export.atol=1e-12", "export.registered_model_name=never-registered"])
+                     "export.atol=1e-12", "export.rtol=1e-12", "export.registered_model_name=never-registered"])
     err = capsys.readouterr().err
     report_path = trained["dir"].parent / "onnx" / "export_report.json"  # default: <run_dir>/onnx
     assert code == 1 and "gate failed" in err and str(report_path) in err
     report = json.loads(report_path.read_text())
     assert not report["passed"] and "parity.val" in report["failed_gates"]
-    assert "> atol 1e-12 (by" in report["failures"]["parity.val"]
+    assert "exceeds atol 1e-12 + rtol 1e-12" in report["failures"]["parity.val"]
     assert report["model_version"] is None
     assert mlflow.MlflowClient().search_registered_models("name='never-registered'") == []
     # The rejected graph is kept for debugging, but not where a server would pick it up.

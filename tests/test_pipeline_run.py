@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,16 +76,58 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
         assert stage in again.stderr, again.stderr[-3000:]
 
 
+POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def as_postgres(cmd: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root; CI runs as root, developers usually don't."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+
 @pytest.fixture
-def tracking_server(tmp_path):
-    """A real `mlflow server` on 127.0.0.1: SQLite backend, artifacts served over HTTP."""
+def postgres(tmp_path):
+    """A throwaway PostgreSQL server on 127.0.0.1 (Debian's postgresql-15, part of the machine image)."""
+    from pipeline.tracking import free_port
+
+    if not (POSTGRES_BIN / "initdb").exists():
+        pytest.skip(f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)")
+    # Not under tmp_path: pytest's base directory is private to its user, and the server runs as postgres.
+    data = Path(tempfile.mkdtemp(prefix="trainserve-pg-"))
+    if os.geteuid() == 0:
+        shutil.chown(data, "postgres")
+    port = free_port()
+    subprocess.run(as_postgres([str(POSTGRES_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]),
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "log"),
+                                "-o", f"-p {port} -k {data} -h 127.0.0.1", "start"]),
+                   check=True, capture_output=True, timeout=120)
+    try:
+        subprocess.run(as_postgres([str(POSTGRES_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port),
+                                    "-U", "postgres", "mlflow"]), check=True, capture_output=True, timeout=60)
+        yield f"postgresql://postgres@127.0.0.1:{port}/mlflow"
+    finally:
+        subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"]),
+                       capture_output=True, timeout=120)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend_store(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'server.db'}"
+    return request.getfixturevalue("postgres")
+
+
+@pytest.fixture
+def tracking_server(tmp_path, backend_store):
+    """A real `mlflow server` on 127.0.0.1 (SQLite or PostgreSQL backend), artifacts served over HTTP."""
     from pipeline.tracking import free_port
 
     port = free_port()
     store = tmp_path / "server"
     store.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                             f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "artifacts"),
+                             backend_store, "--artifacts-destination", str(store / "artifacts"),
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                             cwd=store, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -345,3 +345,41 @@ def test_tritonclient_error_is_readable(server):
             client.infer("tiny", [inp], headers=dict(AUTH))
     finally:
         client.close()
+
+
+def test_ready_turns_503_if_the_batcher_loop_dies(model_path):
+    # In process, through the ASGI interface (no httpx here for Starlette's TestClient): a server
+    # whose batcher loop has ended must not tell a load balancer it is ready.
+    import asyncio
+
+    from serving.app import create_app
+    from serving.config import Settings
+    from serving.loader import load_model
+
+    app = create_app(Settings(model=str(model_path)), load_model(str(model_path), device="cpu", threads=1))
+    server = app.state.server
+
+    async def get(path: str) -> int:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    async def main():
+        async with server.lifespan(app):
+            assert server.ready and await get("/v2/health/ready") == 200
+            server.slot.batcher._task.cancel()  # the loop task ends, however it happens
+            await asyncio.sleep(0.01)
+            return server.ready, [await get(p) for p in ("/v2/health/ready", "/v2/models/tiny/ready", "/ping")]
+
+    ready, statuses = asyncio.run(main())
+    assert not ready and statuses == [503, 503, 503]

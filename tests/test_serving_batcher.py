@@ -155,3 +155,59 @@ def test_unbatchable_model_runs_jobs_one_by_one(executor):
 
     run(main())
     assert engine.batches == [1, 1, 1, 1]
+
+
+def test_mixed_trailing_shapes_never_merge_and_the_batcher_keeps_serving(executor):
+    # A model with a dynamic axis besides the batch one (image size, sequence length): requests of
+    # different trailing shapes cannot be concatenated. They must run in separate batches, never
+    # kill the loop.
+    engine = Engine(seconds=0.05)
+
+    def x(shape, value, dtype=np.float32):
+        return {"x": np.full(shape, value, dtype=dtype)}
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        blocker = asyncio.create_task(b.submit(x((1, 2), 0), 1))
+        await asyncio.sleep(0.02)  # under way: the next three queue up together
+        mixed = [asyncio.create_task(b.submit(feeds, 1))
+                 for feeds in (x((1, 2), 1), x((1, 3), 2), x((1, 2), 3), x((1, 2), 4, np.float64))]
+        outs = await asyncio.wait_for(asyncio.gather(blocker, *mixed), 5)
+        later = await asyncio.wait_for(b.submit(x((2, 5), 5), 2), 5)
+        assert b.alive and b.queued_rows == 0
+        await b.close()
+        return outs, later
+
+    outs, later = run(main())
+    # (1,2) float32 rows merge (skipping the others, which keep their order); then (1,3); then float64.
+    assert engine.batches == [1, 2, 1, 1, 2]
+    for out, (shape, value, dtype) in zip(outs, [((1, 2), 0, np.float32), ((1, 2), 1, np.float32),
+                                                 ((1, 3), 2, np.float32), ((1, 2), 3, np.float32),
+                                                 ((1, 2), 4, np.float64)]):
+        np.testing.assert_array_equal(out["y"], np.full(shape, 2 * value, dtype=dtype))
+        assert out["y"].dtype == dtype
+    np.testing.assert_array_equal(later["y"], np.full((2, 5), 10, dtype=np.float32))
+
+
+def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(executor):
+    engine = Engine(seconds=0.05)
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        assert b.alive
+        running = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.02)
+        waiting = asyncio.create_task(b.submit(rows(2), 1))
+        await asyncio.sleep(0)
+        b._task.cancel()  # what no exception can do any more: the loop task ends
+        results = await asyncio.wait_for(asyncio.gather(running, waiting, return_exceptions=True), 5)
+        assert not b.alive and b.queued_rows == 0
+        with pytest.raises(BatcherClosed):
+            await b.submit(rows(3), 1)
+        await b.close()  # returns, does not raise
+        return results
+
+    results = run(main())
+    assert all(isinstance(r, BatcherClosed) for r in results)

@@ -177,3 +177,12 @@ def test_diverging_training_stops_and_leaves_its_run_failed(workdir):
     assert "the training loss is nan" in proc.stderr
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
+
+
+def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdir):
+    """torchrun answers a dead worker by SIGTERMing the others; rank 0 must still close its run."""
+    proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
+                   cwd=workdir, env={"TRAINSERVE_FAULT": "step:3:1"}, check=False)
+    assert proc.returncode != 0
+    _, run = only_run(workdir, "tiny")
+    assert run.info.status == "FAILED"
