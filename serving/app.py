@@ -67,9 +67,14 @@ class Server:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.metrics = Metrics(queue_rows=lambda: self.slot.batcher.queued_rows)
         self.slot = Slot(model, self._batcher(model))
-        self.ready = False
+        self._serving = False  # between startup and shutdown
         self._token = settings.auth_token.encode() if settings.auth_token else None
         self._reloader: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Started, not shutting down, and the current batcher's loop is running."""
+        return self._serving and self.slot.batcher.alive
 
     def _batcher(self, model: LoadedModel) -> Batcher:
         s = self.settings
@@ -85,13 +90,13 @@ class Server:
         self._announce(self.slot.model)
         if self.settings.reload_interval:
             self._reloader = asyncio.create_task(self._reload_loop(), name="reloader")
-        self.ready = True
+        self._serving = True
         try:
             yield
         finally:
             # uvicorn gets here after SIGTERM, once it stopped accepting and in-flight requests
             # were answered; drain what is still queued anyway.
-            self.ready = False
+            self._serving = False
             if self._reloader is not None:
                 self._reloader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -132,7 +137,8 @@ class Server:
 
     def _load_warm(self, version: str) -> LoadedModel:
         s = self.settings
-        model = load_model(s.model, device=s.device, threads=s.threads, name=s.model_name, version=version)
+        model = load_model(s.model, device=s.device, threads=s.threads, name=s.model_name, version=version,
+                           device_id=s.device_id)
         warm_up(model, s.max_batch_size)
         return model
 

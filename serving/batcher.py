@@ -7,12 +7,19 @@ Policy (measured, see DESIGN.md): never wait while the engine is idle. What is q
 engine becomes free runs at once, as one batch of up to `max_batch_size` rows; requests that arrive
 during a run form the next batch. `max_delay_ms` > 0 lets a partial batch wait at most that long
 (from its oldest request) for more rows, for models where a bigger batch pays.
+
+Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
+a model with another dynamic axis (image size, sequence length) gets requests of different shapes,
+and those wait, in order, for a batch of their own. A failure anywhere in a batch fails that
+batch's requests and the loop goes on; should the loop task end anyway, `alive` turns False (the
+server reports not ready), waiting requests fail and new ones are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -21,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 Feeds = dict[str, np.ndarray]
+log = logging.getLogger("serving.batcher")
 
 
 class QueueFull(Exception):
@@ -47,7 +55,11 @@ class Batcher:
     - the queue never holds more than `max_queue_rows` rows (a job is refused, never truncated);
     - a job larger than `max_batch_size` rows runs alone, never split; the caller caps rows per
       request;
-    - with `merge=False` (a model without a dynamic batch axis), every job runs alone.
+    - with `merge=False` (a model without a dynamic batch axis), every job runs alone;
+    - a batch only holds jobs with the same input names, trailing shapes and dtypes as its first
+      job; jobs skipped for that keep their order and lead a later batch;
+    - every job's future is resolved: with its outputs, with the batch's error, or with
+      BatcherClosed if the loop task ends.
     """
 
     def __init__(self, run: Callable[[Feeds], Feeds], executor: Executor, *, max_batch_size: int,
@@ -65,14 +77,23 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task | None = None
+        self._batch: list[_Job] = []  # taken off the queue, not all answered yet
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+        self._task.add_done_callback(self._loop_ended)
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop task runs (from `start` until `close` returns, unless it died)."""
+        return self._task is not None and not self._task.done()
 
     async def submit(self, feeds: Feeds, rows: int) -> Feeds:
         """Queue `rows` rows and wait for their outputs (same row order)."""
         if self._closing:
             raise BatcherClosed("the server is shutting down or switching models")
+        if self._task is not None and self._task.done():
+            raise BatcherClosed("the batcher has stopped (see the server log)")
         if self.queued_rows + rows > self.max_queue_rows:
             raise QueueFull(f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)")
         job = _Job(feeds, rows, asyncio.get_running_loop().create_future())
@@ -86,7 +107,21 @@ class Batcher:
         self._closing = True
         self._wakeup.set()
         if self._task is not None:
-            await self._task
+            await asyncio.wait({self._task})  # never raises: a loop that died was logged by _loop_ended
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop task ended: normal after `close`; otherwise fail what waits, refuse what comes."""
+        if task.cancelled() or task.exception() is not None:
+            why = "was cancelled" if task.cancelled() else f"died: {task.exception()!r}"
+            log.error("the batcher loop %s; failing %d waiting request(s), refusing new ones", why,
+                      len(self._batch) + len(self._queue),
+                      exc_info=None if task.cancelled() else task.exception())
+        for job in [*self._batch, *self._queue]:
+            if not job.future.done():
+                job.future.set_exception(BatcherClosed("the batcher has stopped (see the server log)"))
+        self._batch = []
+        self._queue.clear()
+        self.queued_rows = 0
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -96,27 +131,32 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self.max_delay > 0:
-                await self._wait_for_rows(loop)
-            jobs = self._take()
-            feeds = _concat([j.feeds for j in jobs])
-            rows = sum(j.rows for j in jobs)
-            started = time.perf_counter()
+            self._batch = []
             try:
-                outputs = await loop.run_in_executor(self._executor, self._run, feeds)
-            except Exception as exc:  # the model failed: every request of the batch learns why
-                for job in jobs:
-                    if not job.future.done():
+                if self.max_delay > 0:
+                    await self._wait_for_rows(loop)
+                self._batch = self._take()
+                await self._run_batch(loop, self._batch)
+            except Exception as exc:  # the model (or anything else) failed: the batch learns why
+                if not self._batch:
+                    log.exception("the batcher failed before taking a batch")
+                for job in self._batch:
+                    if not job.future.done():  # the caller may have gone away
                         job.future.set_exception(exc)
-                continue
-            if self._on_batch is not None:
-                self._on_batch(rows, time.perf_counter() - started)
-            start = 0
-            for job in jobs:
-                if not job.future.done():  # the caller may have gone away
-                    job.future.set_result({k: v[start:start + job.rows] for k, v in outputs.items()}
-                                          if len(jobs) > 1 else outputs)
-                start += job.rows
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
+        feeds = _concat([j.feeds for j in jobs])
+        rows = sum(j.rows for j in jobs)
+        started = time.perf_counter()
+        outputs = await loop.run_in_executor(self._executor, self._run, feeds)
+        if self._on_batch is not None:
+            self._on_batch(rows, time.perf_counter() - started)
+        start = 0
+        for job in jobs:
+            if not job.future.done():  # the caller may have gone away
+                job.future.set_result({k: v[start:start + job.rows] for k, v in outputs.items()}
+                                      if len(jobs) > 1 else outputs)
+            start += job.rows
 
     async def _wait_for_rows(self, loop: asyncio.AbstractEventLoop) -> None:
         """Let a partial batch wait for more rows until its oldest job is `max_delay` old."""
@@ -132,14 +172,36 @@ class Batcher:
                 return
 
     def _take(self) -> list[_Job]:
-        jobs = [self._queue.popleft()]
-        rows = jobs[0].rows
-        while self.merge and self._queue and rows + self._queue[0].rows <= self.max_batch_size:
-            job = self._queue.popleft()
-            jobs.append(job)
-            rows += job.rows
+        """The next batch: the oldest job, then following jobs of the same layout while they fit.
+
+        A job of another layout is skipped and keeps its place; the first one of the right layout
+        that does not fit ends the batch (it must not be overtaken by smaller ones behind it).
+        """
+        first = self._queue.popleft()
+        jobs, rows = [first], first.rows
+        if self.merge:
+            layout = _layout(first.feeds)
+            skipped: list[_Job] = []
+            while self._queue and rows < self.max_batch_size:
+                job = self._queue[0]
+                if _layout(job.feeds) != layout:
+                    skipped.append(self._queue.popleft())
+                    continue
+                if rows + job.rows > self.max_batch_size:
+                    break
+                jobs.append(self._queue.popleft())
+                rows += job.rows
+            self._queue.extendleft(reversed(skipped))
         self.queued_rows -= rows
         return jobs
+
+
+def _layout(feeds: Feeds) -> tuple:
+    """What must match for arrays to be concatenated along the row axis: names, trailing shapes, dtypes."""
+    try:
+        return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in feeds.items()))
+    except (AttributeError, TypeError):  # not arrays (a caller's bug): merged with nothing, fails alone
+        return object()
 
 
 def _concat(feeds: list[Feeds]) -> Feeds:

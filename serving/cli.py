@@ -26,6 +26,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "host": (str, "interface to bind (default 127.0.0.1: private)"),
     "port": (int, "port (default 8080)"),
     "device": (str, "auto|cpu|cuda (default auto: CUDA when a GPU and the CUDA provider exist)"),
+    "device-id": (int, "CUDA device among the visible ones (default 0; prefer CUDA_VISIBLE_DEVICES)"),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
     "max-batch-size": (int, "most rows per model run (default 32)"),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
@@ -105,7 +106,7 @@ def serve(settings: Settings) -> int:
 
     try:
         model = load_model(settings.model, device=settings.device, threads=settings.threads,
-                           name=settings.model_name)
+                           name=settings.model_name, device_id=settings.device_id)
         warm_up(model, settings.max_batch_size)
     except (SourceError, EngineError) as exc:
         log.error("cannot serve %s: %s", settings.model, exc)

@@ -21,6 +21,8 @@ class Settings:
     port: int = 8080
     # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist, else CPU.
     device: str = "auto"
+    # CUDA device index among those visible; CUDA_VISIBLE_DEVICES=N makes GPU N device 0 (preferred).
+    device_id: int = 0
     # onnxruntime intra-op threads; default: the CPUs this process may use.
     threads: int | None = None
     # Most rows one model run gathers from concurrent requests.
@@ -49,6 +51,8 @@ class Settings:
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.device_id < 0:
+            raise ValueError(f"--device-id must be >= 0, got {self.device_id}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"--threads must be positive, got {self.threads}")
         if self.max_delay_ms < 0:

@@ -102,11 +102,15 @@ class Engine:
 
     `batchable` is True when every input has a dynamic first axis: then rows of different requests
     can be concatenated into one run. Otherwise each request runs alone.
+
+    `device_id` is the CUDA device among those the process sees: CUDA_VISIBLE_DEVICES=2 makes
+    the host's third GPU device 0, which is the usual way to pick one. Ignored on CPU.
     """
 
-    def __init__(self, path: str, device: str = "auto", threads: int | None = None):
+    def __init__(self, path: str, device: str = "auto", threads: int | None = None, device_id: int = 0):
         self.provider = choose_provider(device)
         self.threads = threads or usable_cpus()
+        self.device_id = device_id
 
         options = ort.SessionOptions()
         # onnxruntime sizes its pool to the host, and pinning does not confine its threads; the
@@ -121,7 +125,7 @@ class Engine:
         options.log_severity_level = 3  # errors only: the placement warnings are noise here
         providers: list = ["CPUExecutionProvider"]
         if self.provider == "CUDAExecutionProvider":
-            providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+            providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
         try:
             self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types for bad files
@@ -138,13 +142,14 @@ class Engine:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run. feeds: input name -> array, already validated against `inputs`."""
         if self._io_binding:
-            # Inputs are copied to the device once and outputs allocated by onnxruntime, instead of
-            # the per-call staging `session.run` does.
+            # CUDA: inputs are copied host -> device once; outputs are allocated by onnxruntime on
+            # the device (no device -> host copy inside the run) and copied back once, here.
+            # Not executed by the test suite (no GPU there).
             binding = self.session.io_binding()
             for name, array in feeds.items():
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
             for name in self.output_names:
-                binding.bind_output(name)
+                binding.bind_output(name, "cuda", self.device_id)
             self.session.run_with_iobinding(binding)
             return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
@@ -169,5 +174,6 @@ class Engine:
     def describe(self) -> str:
         ins = ", ".join(f"{s.name} {list(s.shape)} {s.datatype}" for s in self.inputs)
         return (f"{self.provider}"
-                f"{' with IO binding' if self._io_binding else ''}, {self.threads} intra-op threads "
+                f"{f' device {self.device_id} with IO binding' if self._io_binding else ''}, "
+                f"{self.threads} intra-op threads "
                 f"(onnxruntime {ort.__version__}); inputs: {ins}")

@@ -78,7 +78,7 @@ def alias_version(uri: str) -> str:
 
 
 def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
-               version: str | None = None) -> LoadedModel:
+               version: str | None = None, device_id: int = 0) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's
@@ -101,7 +101,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
             else:
                 fetch_uri, version = uri, version or "1"
             path = _find_onnx(Path(_download(fetch_uri, workdir)))
-        engine = Engine(str(path), device=device, threads=threads)
+        engine = Engine(str(path), device=device, threads=threads, device_id=device_id)
     except BaseException:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
