@@ -84,8 +84,14 @@ def attempt_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"trainserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def teardown() -> None:
+def teardown(clean: bool = True) -> None:
+    """Destroys the process group. `clean`: every rank got here normally, so wait for all of them
+    first: destroying a gloo group while a peer still talks to it aborted a rank now and then
+    ("terminate called without an active exception"). On an error path, never wait: the peers
+    may be gone or still training, and torchrun is about to stop them anyway."""
     if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

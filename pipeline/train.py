@@ -116,8 +116,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with
         # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
+        clean = sys.exc_info()[0] is None
         model = optimizer = scheduler = None  # noqa: F841
-        distributed.teardown()
+        distributed.teardown(clean)
 
 
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,

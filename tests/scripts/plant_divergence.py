@@ -9,22 +9,30 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline import distributed, replicas
 from pipeline.models import build_model
 
-info = distributed.setup("cpu", 1)
-try:
+
+def caught_divergence(rank: int) -> bool:
     torch.manual_seed(0)
     args = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0,
             "hidden": [16], "mean": [0.3], "std": [0.4]}
     model = DDP(build_model(args))
     replicas.check(model, step=1)  # identical replicas pass
-    if info.rank == 1:
+    if rank == 1:
         with torch.no_grad():
             model.module.head.weight[3, 5] += 1e-6  # a tiny, silent corruption on one rank
     try:
         replicas.check(model, step=2)
     except replicas.ReplicaDivergence as exc:
-        print(f"rank {info.rank} caught: {exc}", flush=True)
-        sys.exit(0)
-    print(f"rank {info.rank}: divergence NOT caught", flush=True)
-    sys.exit(1)
+        print(f"rank {rank} caught: {exc}", flush=True)
+        return True
+    print(f"rank {rank}: divergence NOT caught", flush=True)
+    return False
+    # DDP (and its hold on the process group) is gone when this returns: before teardown, as in train.main.
+
+
+info = distributed.setup("cpu", 1)
+ok = False
+try:
+    ok = caught_divergence(info.rank)
 finally:
-    distributed.teardown()
+    distributed.teardown(clean=ok)
+sys.exit(0 if ok else 1)
