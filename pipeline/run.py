@@ -52,7 +52,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     else:
         log.info("consolidate: %s is already from the newest checkpoint (--force to redo)", weights)
 
-    report = passed_export(run_dir, weights)
+    report = passed_export(run_dir, weights, cfg.export)
     if force or report is None:
         result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri)
         if not result.passed:
@@ -92,15 +92,22 @@ def consolidated_from_latest(run_dir: Path) -> bool:
     return Path(source.get("checkpoint", "")) == newest.resolve()
 
 
-def passed_export(run_dir: Path, weights: Path) -> dict | None:
-    """The export report, if it passed for exactly these weights and registered a version."""
+def passed_export(run_dir: Path, weights: Path, export_cfg) -> dict | None:
+    """The export report, if it passed for exactly these weights and export settings, and the
+    registry alias still points at the version it registered."""
     report_file = run_dir / "onnx" / "export_report.json"
     meta_file = weights.parent / "model.json"
     if not report_file.is_file() or not meta_file.is_file():
         return None
     report = json.loads(report_file.read_text())
     same_weights = report.get("weights", {}).get("sha256") == json.loads(meta_file.read_text()).get("sha256")
-    return report if report.get("passed") and report.get("model_version") and same_weights else None
+    wanted = export_cfg.model_dump(mode="json")
+    same_settings = all(report.get("export_config", {}).get(k) == v for k, v in wanted.items()
+                        if k != "registered_model_name" or v)  # empty name = the default, resolved in the report
+    if not (report.get("passed") and report.get("model_version") and same_weights and same_settings):
+        return None
+    return report if tracking.alias_version(report["registered_model_name"], report["alias"]) == \
+        str(report["model_version"]) else None
 
 
 # --- stages ------------------------------------------------------------------------------------

@@ -139,6 +139,17 @@ def download_checkpoint(run_id: str, dest: Path) -> Path:
     return local
 
 
+def alias_version(name: str, alias: str) -> str | None:
+    """The version a registry alias points at now, or None when the model or alias is gone."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
 def log_params(flat: dict[str, Any]) -> None:
     import mlflow
 
