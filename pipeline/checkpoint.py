@@ -63,7 +63,7 @@ def _single_process_quiet():
         yield
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -71,7 +71,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json_durably(path: Path, payload: dict) -> None:
+def write_json_durably(path: Path, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
         f.flush()
@@ -178,15 +178,15 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
 
     if info.is_main:
-        _write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+        write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        _write_json_durably(tmp / MARKER, {"step": step, "files": files})
-        _fsync_dir(tmp)
+        write_json_durably(tmp / MARKER, {"step": step, "files": files})
+        fsync_dir(tmp)
         trash = root / f".old-{step_dir_name(step)}"
         if final.exists():  # a re-save of the same step (after a restart): never a moment without it
             os.replace(final, trash)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(trash, ignore_errors=True)
         for old in list_complete(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -195,9 +195,9 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     return final
 
 
-def check_compatible(path: Path, model_sd: dict[str, Any]) -> None:
+def check_compatible(path: Path, model_sd: dict[str, Any], metadata=None) -> None:
     """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = metadata or FileSystemReader(str(path)).read_metadata()
     stored = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
@@ -223,8 +223,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     meta = read_meta(path)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
         get_state_dict(model, [])[0], None)
-    check_compatible(path, model_sd)
     metadata = FileSystemReader(str(path)).read_metadata()
+    check_compatible(path, model_sd, metadata)
     state: dict[str, Any] = {"model": model_sd}
     if optim_sd is not None:
         state["optim"] = optim_sd

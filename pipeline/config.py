@@ -17,6 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
+
+
 class ConfigError(ValueError):
     """A configuration the user has to fix; the message says what and how."""
 
@@ -77,7 +80,7 @@ class TrainConfig(Section):
     threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
     channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores).")
-    output_dir: str = Field("outputs", description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
+    output_dir: str = Field(DEFAULT_OUTPUT_DIR, description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
     run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id).")
 
 

@@ -25,7 +25,6 @@ import argparse
 import ctypes
 import ctypes.util
 import errno
-import json
 import logging
 import os
 import shutil
@@ -42,6 +41,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline import checkpoint, logs
+from pipeline.amp import DTYPES
+from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.checkpoint import CheckpointError
 from pipeline.models import build_model
 from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
@@ -54,11 +55,10 @@ FORMAT = "trainserve-weights/1"
 WEIGHTS = "model.safetensors"
 DESCRIPTION = "model.json"
 ARTIFACT_PATH = "consolidated"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # NaN/Inf are counted this many elements at a time: torch.isfinite on a whole tensor would
 # allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
 FINITE_BLOCK = 1 << 20
-OUTPUTS = Path("outputs")  # where --run-id downloads and writes, like train.output_dir's default
+OUTPUTS = Path(DEFAULT_OUTPUT_DIR)  # where --run-id downloads and writes
 
 
 class ConsolidateError(RuntimeError):
@@ -185,7 +185,7 @@ def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype)
         raise CheckpointError(f"checkpoint '{ckpt}': the model_args in {checkpoint.META} don't build a "
                               f"model ({type(exc).__name__}: {exc})") from None
     expected = model.state_dict()
-    checkpoint.check_compatible(ckpt, expected)  # keys and shapes; lists every difference
+    checkpoint.check_compatible(ckpt, expected, metadata)  # keys and shapes; lists every difference
 
     specs = []
     for name, want in expected.items():
@@ -399,18 +399,11 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
     weights, desc = out_dir / WEIGHTS, out_dir / DESCRIPTION
     tmp_desc = out_dir / f".{DESCRIPTION}.tmp-{os.getpid()}"
     try:
-        with open(tmp_desc, "w") as f:
-            json.dump(description, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        checkpoint.write_json_durably(tmp_desc, description)
         desc.unlink(missing_ok=True)
         os.replace(tmp_weights, weights)
         os.replace(tmp_desc, desc)
-        fd = os.open(out_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        checkpoint.fsync_dir(out_dir)
     except OSError as exc:
         raise _write_error(exc, tmp_desc) from None
     finally:
@@ -421,13 +414,9 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
 
 
 def _use_tracking(uri: str) -> None:
-    import mlflow
+    from pipeline.tracking import use_store
 
-    from pipeline.tracking import check_reachable, resolve_tracking_uri
-
-    uri = resolve_tracking_uri(uri)
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
+    use_store(uri)
 
 
 def _check_run(run_id: str) -> None:

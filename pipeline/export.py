@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 from pipeline import gates, logs, onnx_export, tracking
-from pipeline.config import Config, ConfigError, ExportConfig, config_from_dict, parse_override
+from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
+                             parse_override)
 from pipeline.data import DataError, load_splits
 from pipeline.models import build_model
+from pipeline.safetensors_writer import file_sha256
 
 log = logging.getLogger("pipeline.export")
 
@@ -36,7 +38,7 @@ WEIGHTS_FORMAT = "trainserve-weights/1"
 REPORT_FORMAT = "trainserve-export-report/1"
 WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
 STAGE_TAG = "trainserve.stage.export"
-DOWNLOADS = Path("outputs")  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
+DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
 
 
 class WeightsError(ValueError):
@@ -164,7 +166,7 @@ def read_weights(directory: Path) -> Weights:
     absent = [k for k in ("config", "model_args", "labels", "sha256") if not meta.get(k)]
     if absent:
         raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
-    digest = sha256_file(weights_path)
+    digest = file_sha256(weights_path)
     if digest != meta["sha256"]:
         raise WeightsError(f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
                            "the file was changed or truncated after consolidation")
@@ -222,14 +224,6 @@ def _export_settings(config: Config, export_cfg: ExportConfig | None, overrides:
 
 def _tracking_cfg(tracking_cfg, uri: str):
     return tracking_cfg.model_copy(update={"tracking_uri": uri}) if uri else tracking_cfg
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def config_digest(config_tree: dict) -> str:

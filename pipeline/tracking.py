@@ -65,13 +65,21 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
     # Other schemes (databricks, postgresql, ...) are checked by MLflow on first use.
 
 
+def use_store(configured: str = "") -> str:
+    """Points MLflow at the store (config > env > embedded default), after checking it answers."""
+    import mlflow
+
+    uri = resolve_tracking_uri(configured)
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
 def setup(tracking_cfg) -> str:
     """Points MLflow at the configured store and makes sure the experiment exists."""
     import mlflow
 
-    uri = resolve_tracking_uri(tracking_cfg.tracking_uri)
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
+    uri = use_store(tracking_cfg.tracking_uri)
     # Retries on a dead server would hide the failure for minutes.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")

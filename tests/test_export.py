@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from pipeline import cli, gates, onnx_export
 from pipeline.config import load_config
 from pipeline.data import load_splits
-from pipeline.export import ExportResult, load_model, main, read_weights, sha256_file
+from pipeline.export import ExportResult, load_model, main, read_weights
+from pipeline.safetensors_writer import file_sha256 as sha256_file
 from pipeline.models import build_model, model_args_for
 from pipeline.tracking import free_port
 
