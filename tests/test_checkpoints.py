@@ -177,6 +177,7 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("resume")  # not an experiment id another test left active in this process
     ckpt = save_one(tmp_path / "run/checkpoints", 4)
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(ckpt), f"checkpoints/{ckpt.name}")
