@@ -1,5 +1,7 @@
 """Every MLflow call the stages make, in one place.
 
+Calls that write run state are `uninterrupted`: a SIGTERM waits for them to finish (see stopping.py).
+
 Embedded default: tracking in `sqlite:///<cwd>/mlflow.db` and artifacts in `<cwd>/mlartifacts`,
 nothing to start. A remote server (`http://...`) works the same way; it is checked before any
 work starts so a wrong URI fails in seconds, not after an hour of training.
@@ -15,6 +17,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from pipeline.stopping import uninterrupted
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ def use_store(configured: str = "") -> str:
     return uri
 
 
+@uninterrupted
 def setup(tracking_cfg) -> str:
     """Points MLflow at the configured store and makes sure the experiment exists."""
     import mlflow
@@ -158,6 +163,7 @@ def alias_version(name: str, alias: str) -> str | None:
         return None
 
 
+@uninterrupted
 def log_params(flat: dict[str, Any]) -> None:
     import mlflow
 
@@ -176,6 +182,7 @@ def free_port() -> int:
 # --- the training run -------------------------------------------------------------------------
 
 
+@uninterrupted
 def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool) -> str:
     """Starts a run, or continues `run_id` (a resume keeps one run, not two)."""
     import mlflow
@@ -197,12 +204,14 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
     return run.info.run_id
 
 
+@uninterrupted
 def log_metrics(metrics: dict[str, float], step: int) -> None:
     import mlflow
 
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
+@uninterrupted
 def log_artifact(path: Path, artifact_path: str | None = None) -> None:
     import mlflow
 
@@ -212,12 +221,14 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
+@uninterrupted
 def log_text(text: str, artifact_file: str) -> None:
     import mlflow
 
     mlflow.log_text(text, artifact_file)
 
 
+@uninterrupted
 def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
     import mlflow
 
@@ -229,6 +240,7 @@ def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
             client.set_tag(run_id, k, v)
 
 
+@uninterrupted
 def end_run(status: str = "FINISHED") -> None:
     import mlflow
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline import amp, checkpoint, distributed, replicas, tracking
+from pipeline import amp, checkpoint, distributed, replicas, stopping, tracking
 from pipeline.faults import inject_fault
 from pipeline.config import Config, ConfigError, check_runtime, flatten, load_config, to_yaml
 from pipeline.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
@@ -53,12 +53,10 @@ class TrainResult:
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
     check_runtime(cfg, int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available(),
                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    # torchrun stops the other ranks with SIGTERM when one fails (so do preemption and docker stop):
-    # as an exception it reaches the handler below, which marks the MLflow run FAILED.
-    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    previous_sigterm = stopping.exit_on_sigterm()
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
-    run_started, model, optimizer, scheduler = False, None, None, None
+    model, optimizer, scheduler = None, None, None
     try:
         precision = amp.resolve_precision(cfg.train.precision, info.device)
         run_dir = Path(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
@@ -95,7 +93,6 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         if info.is_main:
             run_id = start_tracking(cfg, run_dir, run_id, info, precision)
-            run_started = True
         meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
@@ -109,16 +106,31 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             finish_tracking(cfg, final, accuracy, confusion, splits.labels, total_steps)
         return TrainResult(run_dir, run_id, final, losses, accuracy)
     except BaseException:
-        if run_started:
-            tracking.end_run("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+        end_run_after_failure("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
         raise
     finally:
+        clean = sys.exc_info()[0] is None
+        if not clean:
+            end_run_after_failure("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with
         # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
-        clean = sys.exc_info()[0] is None
         model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown(clean)
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def end_run_after_failure(status: str) -> None:
+    """Close this process's MLflow run (if it has one) with `status`, even if SIGTERM arrives meanwhile.
+
+    When a peer rank dies, this rank's collective fails at once and torchrun's SIGTERM follows within
+    milliseconds. SIGTERM is ignored from here on (torchrun still escalates to SIGKILL after 30 s).
+    `main` calls this twice, from `except` and from `finally`, because the one SIGTERM can still land
+    before the first call ignores it; the second call then runs with SIGTERM ignored. Ending an ended
+    run is a no-op.
+    """
+    stopping.ignore_sigterm()
+    tracking.end_run(status)
 
 
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,
@@ -161,7 +173,10 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
             if (every and step % every == 0) or step == total_steps:
                 replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
                 meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info)
-                path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
+                # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the
+                # exit in a CheckpointException, and a stop right after a complete save loses nothing.
+                with stopping.deferred():
+                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
                 if info.is_main and cfg.checkpoint.log_to_mlflow == "all":
                     tracking.log_artifact(path, f"checkpoints/{path.name}")
             if step >= total_steps:

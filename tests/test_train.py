@@ -186,3 +186,47 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     assert proc.returncode != 0
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
+
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
+def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir, monkeypatch, delay):
+    """The race behind a red CI run: a peer dies, this rank's collective fails, and torchrun's SIGTERM
+    lands while the run is being marked FAILED. Here SIGTERMs rain on an in-process `train.main`
+    from `delay` seconds after its run appears until it returns; whatever they interrupt, the run ends
+    FAILED and the stage exits 143."""
+    import os
+    import signal
+    import threading
+
+    from conftest import mlflow_client
+    from pipeline import train
+
+    monkeypatch.chdir(workdir)
+    cfg = load_config(TINY, ["train.max_steps=400", "train.run_name=rained-on"])
+    client = mlflow_client(workdir)
+    stop = threading.Event()
+
+    def rain():
+        while not stop.is_set() and not client.search_runs(
+                [e.experiment_id for e in client.search_experiments()] or ["0"]):
+            time.sleep(0.005)
+        time.sleep(delay)
+        while not stop.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.0005)
+
+    previous, threads = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    rainer = threading.Thread(target=rain, daemon=True)
+    rainer.start()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            train.main(cfg)
+    finally:
+        stop.set()
+        rainer.join()
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)
+    assert exited.value.code == 143
+    _, run = only_run(workdir, "tiny")
+    assert run.info.status == "FAILED"

@@ -1,0 +1,60 @@
+"""SIGTERM as a clean exit that never lands in the middle of a write to the tracking store.
+
+torchrun stops the surviving ranks with SIGTERM when one dies; preemption and `docker stop` do the
+same. The train stage turns the signal into `SystemExit` so its failure path marks the MLflow run
+FAILED. An exception raised at an arbitrary bytecode is dangerous inside MLflow, though: landing in
+a SQLAlchemy transaction it left the SQLite store locked, the FAILED status could not be written,
+and the run stayed RUNNING (a red CI run). So inside `deferred()` the exit waits for the block to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import sys
+
+_depth = 0  # how many deferred() blocks the main thread is in
+_pending: int | None = None  # a signal that arrived inside one
+
+
+def exit_on_sigterm():
+    """Installs the handler; returns the previous one, for `signal.signal` to put back."""
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, _frame) -> None:
+    global _pending
+    # One exit is enough: a second SIGTERM must not cut short the failure path the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _depth:
+        _pending = signum
+        return
+    sys.exit(128 + signum)
+
+
+def ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def deferred():
+    """A SIGTERM arriving inside this block exits when the block ends, not in the middle of it."""
+    global _depth, _pending
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth and _pending is not None:
+            signum, _pending = _pending, None
+            sys.exit(128 + signum)
+
+
+def uninterrupted(fn):
+    """Decorator: the whole call runs inside `deferred()`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with deferred():
+            return fn(*args, **kwargs)
+    return wrapper
