@@ -69,6 +69,10 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     for stage in ("train", "consolidate", "export", "pipeline"):
         assert tags[f"trainserve.stage.{stage}"] == "done", stage
     assert "registered **resnet18-digits** version 1" in tags["mlflow.note.content"]
+    # Two ranks evaluated disjoint halves of the split during training; export evaluated the
+    # consolidated weights in one process over all of it. The counts must add up exactly.
+    metrics = run.data.metrics
+    assert metrics["val/accuracy"] * 100 == pytest.approx(metrics["export.accuracy.torch_accuracy_pct"], abs=1e-9)
 
     again = run_cli(["run", "--config", "configs/digits_resnet18.yaml", "--nproc-per-node", "2", "train.epochs=3",
                      "train.run_name=quick"], cwd=tmp_path)
