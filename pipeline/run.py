@@ -139,7 +139,7 @@ def run_train(cfg: Config, run_dir: Path, nproc_per_node: int, force: bool) -> i
     resolved = run_dir / "requested_config.yaml"
     resolved.write_text(to_yaml(cfg))
     cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), resume, [])
-    return subprocess.run(cmd, env=train.torchrun_env()).returncode
+    return train.run_torchrun(cmd, cfg, run_dir)
 
 
 def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dict, model_uri: str) -> None:

@@ -241,8 +241,25 @@ def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
 
 
 @uninterrupted
-def end_run(status: str = "FINISHED") -> None:
+def end_run(status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+    """Ends this process's active run, if any, after setting `tags` on it."""
     import mlflow
 
     if mlflow.active_run() is not None:
+        if tags:
+            mlflow.set_tags(tags)
         mlflow.end_run(status=status)
+
+
+@uninterrupted
+def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
+    """Marks another process's run FAILED (with `tags`) if it is still RUNNING; True if it was."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    if client.get_run(run_id).info.status != "RUNNING":
+        return False
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    client.set_terminated(run_id, "FAILED")
+    return True

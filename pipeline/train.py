@@ -35,6 +35,7 @@ from pipeline.models import build_model, model_args_for
 from pipeline.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("pipeline.train")
+STAGE_TAG = "trainserve.stage.train"  # running | done | failed, on the training run
 
 
 class TrainingDiverged(RuntimeError):
@@ -130,7 +131,7 @@ def end_run_after_failure(status: str) -> None:
     run is a no-op.
     """
     stopping.ignore_sigterm()
-    tracking.end_run(status)
+    tracking.end_run(status, {STAGE_TAG: "failed"})
 
 
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,
@@ -372,7 +373,7 @@ def make_progress(info: DistInfo, total: int, initial: int):
 
 def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str) -> str:
     tracking.setup(cfg.tracking)
-    tags = {"trainserve.stage.train": "running", "trainserve.git_commit": tracking.git_commit(),
+    tags = {STAGE_TAG: "running", "trainserve.git_commit": tracking.git_commit(),
             "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
             "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
             "trainserve.run_dir": str(run_dir.resolve())}
@@ -394,7 +395,7 @@ def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.
     tracking.log_artifact(confusion_matrix_png(confusion, labels, final.parent.parent / "confusion_matrix.png"))
     if cfg.checkpoint.log_to_mlflow == "last":
         tracking.log_artifact(final, f"checkpoints/{final.name}")
-    tracking.set_tags({"trainserve.stage.train": "done", "trainserve.checkpoint": str(final.resolve())})
+    tracking.set_tags({STAGE_TAG: "done", "trainserve.checkpoint": str(final.resolve())})
     tracking.end_run("FINISHED")
 
 
@@ -435,12 +436,28 @@ def torchrun_env() -> dict[str, str]:
 
 def launch_torchrun(args, cfg: Config) -> int:
     """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts."""
-    import subprocess
-
     run_name = cfg.train.run_name or default_run_name(cfg)
     cmd = torchrun_command(args.nproc_per_node, args.max_restarts, args.config, args.resume,
                            [*args.overrides, f"train.run_name={run_name}"])
-    return subprocess.run(cmd, env=torchrun_env()).returncode
+    return run_torchrun(cmd, cfg, Path(cfg.train.output_dir) / run_name)
+
+
+def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
+    """torchrun's exit code. When it failed, also closes an MLflow run that rank 0 left RUNNING:
+    a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
+    import subprocess
+
+    code = subprocess.run(cmd, env=torchrun_env()).returncode
+    run_id = read_run_id(run_dir) if code else None
+    if run_id:
+        try:
+            tracking.use_store(cfg.tracking.tracking_uri)
+            if tracking.fail_if_running(run_id, {STAGE_TAG: "failed"}):
+                print(f"pipeline train: torchrun exited {code} and left the run RUNNING; "
+                      f"marked MLflow run {run_id} FAILED", file=sys.stderr)
+        except Exception as exc:  # the workers' failure is the news; don't bury it under this one
+            print(f"pipeline train: could not close MLflow run {run_id}: {exc}", file=sys.stderr)
+    return code
 
 
 def cli(args) -> int:

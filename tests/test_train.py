@@ -188,6 +188,16 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     assert run.info.status == "FAILED"
 
 
+def test_rank_0_killed_outright_still_leaves_the_run_failed(workdir):
+    """SIGKILL (the OOM killer) gives rank 0 no chance to close its run; the launcher closes it."""
+    proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=oom"],
+                   cwd=workdir, env={"TRAINSERVE_FAULT": "step:3:0"}, check=False)
+    assert proc.returncode != 0
+    _, run = only_run(workdir, "tiny")
+    assert run.info.status == "FAILED"
+    assert run.data.tags["trainserve.stage.train"] == "failed"
+    assert f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr, proc.stderr[-2000:]
+
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
 def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir, monkeypatch, delay):
@@ -230,3 +240,4 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir
     assert exited.value.code == 143
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
+    assert run.data.tags["trainserve.stage.train"] == "failed"
