@@ -87,7 +87,7 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_n_steps: int = Field(0, ge=0, description="Save a sharded checkpoint every N optimizer steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk; older ones are deleted after a newer one completes.")
-    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints are uploaded to the MLflow run.")
+    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one, or each as it is written (uploaded in the background).")
 
 
 class TrackingConfig(Section):

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import signal
 import sys
+import threading
 
 _depth = 0  # how many deferred() blocks the main thread is in
 _pending: int | None = None  # a signal that arrived inside one
@@ -39,8 +40,13 @@ def ignore_sigterm() -> None:
 
 @contextlib.contextmanager
 def deferred():
-    """A SIGTERM arriving inside this block exits when the block ends, not in the middle of it."""
+    """A SIGTERM arriving inside this block exits when the block ends, not in the middle of it.
+
+    Signals reach the main thread only; in another thread (background uploads) this does nothing."""
     global _depth, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _depth += 1
     try:
         yield

@@ -136,18 +136,27 @@ def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
 
 
 def download_checkpoint(run_id: str, dest: Path) -> Path:
-    """The newest complete checkpoint logged to a run, downloaded under `dest`."""
+    """The newest complete checkpoint logged to a run, downloaded under `dest`.
+
+    Complete means its marker was uploaded: `log_checkpoint` sends the marker last, so an upload cut
+    short (a rank killed mid-upload) is passed over for the one before it."""
     import mlflow
 
     from pipeline import checkpoint
 
     get_run(run_id)
-    entries = mlflow.MlflowClient().list_artifacts(run_id, "checkpoints")
+    client = mlflow.MlflowClient()
+    entries = client.list_artifacts(run_id, "checkpoints")
     steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
-    if not steps:
-        raise checkpoint.CheckpointError(f"run {run_id} has no checkpoints logged (checkpoints/step_*); "
+    complete = [s for s in steps
+                if any(Path(f.path).name == checkpoint.MARKER for f in client.list_artifacts(run_id, s))]
+    if not complete:
+        found = f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
+        raise checkpoint.CheckpointError(f"run {run_id} has no complete checkpoint logged: {found}; "
                                          "was it trained with checkpoint.log_to_mlflow=none?")
-    local = download_artifacts(run_id, steps[-1], dest / run_id)
+    if complete[-1] != steps[-1]:
+        log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
+    local = download_artifacts(run_id, complete[-1], dest / run_id)
     checkpoint.verify_complete(local)
     return local
 
@@ -219,6 +228,22 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifacts(str(path), artifact_path=artifact_path)
     else:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+
+@uninterrupted
+def log_checkpoint(path: Path, run_id: str) -> None:
+    """A checkpoint directory to `checkpoints/<name>` of the run, its completeness marker last.
+
+    Takes an explicit run id: background uploads run in a thread without MLflow's active run."""
+    import mlflow
+
+    from pipeline.checkpoint import MARKER
+
+    client = mlflow.MlflowClient()
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    for f in sorted(files, key=lambda f: f.name == MARKER):  # False < True: the marker goes last
+        parent = f.parent.relative_to(path)
+        client.log_artifact(run_id, str(f), "/".join(["checkpoints", Path(path).name, *parent.parts]))
 
 
 @uninterrupted

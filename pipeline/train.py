@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import amp, checkpoint, distributed, replicas, stopping, tracking
+from pipeline.checkpoint_uploads import BackgroundUploads
 from pipeline.faults import inject_fault
 from pipeline.config import Config, ConfigError, check_runtime, flatten, load_config, to_yaml
 from pipeline.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
@@ -92,19 +93,22 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
                               "or start a new run with another train.run_name")
 
+        uploads = None
         if info.is_main:
             run_id = start_tracking(cfg, run_dir, run_id, info, precision)
+            if cfg.checkpoint.log_to_mlflow == "all":
+                uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
         meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
         losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg, info, precision,
-                            step, epoch, total_steps, ckpt_root, meta)
+                            step, epoch, total_steps, ckpt_root, meta, uploads)
         final = checkpoint.latest(ckpt_root) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
         accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps,
                                        uses_channels_last(cfg.train, info))
         if info.is_main:
-            finish_tracking(cfg, final, accuracy, confusion, splits.labels, total_steps)
+            finish_tracking(cfg, final, accuracy, confusion, splits.labels, run_id, uploads)
         return TrainResult(run_dir, run_id, final, losses, accuracy)
     except BaseException:
         end_run_after_failure("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
@@ -136,7 +140,7 @@ def end_run_after_failure(status: str) -> None:
 
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,
                precision: str, step: int, epoch: int, total_steps: int, ckpt_root: Path,
-               meta: dict) -> list[float]:
+               meta: dict, uploads: BackgroundUploads | None) -> list[float]:
     t = cfg.train
     losses: list[float] = []
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
@@ -178,8 +182,8 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
                 # exit in a CheckpointException, and a stop right after a complete save loses nothing.
                 with stopping.deferred():
                     path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
-                if info.is_main and cfg.checkpoint.log_to_mlflow == "all":
-                    tracking.log_artifact(path, f"checkpoints/{path.name}")
+                if uploads:
+                    uploads.submit(path)
             if step >= total_steps:
                 break
         else:  # the epoch ran out (or a resume landed exactly on its end)
@@ -389,12 +393,21 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
 
 
 def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.Tensor, labels: list[str],
-                    step: int) -> None:
+                    run_id: str, uploads: BackgroundUploads | None) -> None:
     from pipeline.plots import confusion_matrix_png
 
     tracking.log_artifact(confusion_matrix_png(confusion, labels, final.parent.parent / "confusion_matrix.png"))
     if cfg.checkpoint.log_to_mlflow == "last":
-        tracking.log_artifact(final, f"checkpoints/{final.name}")
+        tracking.log_checkpoint(final, run_id)
+    if uploads:
+        failed = uploads.finish()
+        if failed:
+            tracking.set_tags({"trainserve.checkpoint_upload_failures": ", ".join(sorted(failed))})
+        if final.name in failed:  # a later stage on another machine would silently take an older one
+            raise tracking.TrackingError(
+                f"the final checkpoint could not be uploaded to MLflow run {run_id} ({failed[final.name]}); "
+                f"it is intact at {final}: consolidate it by path, or fix the store and upload it with "
+                f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`")
     tracking.set_tags({STAGE_TAG: "done", "trainserve.checkpoint": str(final.resolve())})
     tracking.end_run("FINISHED")
 

@@ -4,6 +4,8 @@ changes, and clear refusals of checkpoints that can't be used."""
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -186,3 +188,56 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
     checkpoint.load(found, build_model(ARGS), None, CPU1)
     with pytest.raises(CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"):
         checkpoint.resolve_resume("no-such-thing", tmp_path, CPU1)
+
+
+@pytest.mark.slow
+def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pruning(tmp_path):
+    """keep_last=1 deletes each checkpoint as the next one lands, while it may still be uploading."""
+    import json
+
+    from conftest import only_run
+
+    torchrun(tmp_path, ["train.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=1",
+                        "checkpoint.log_to_mlflow=all", "train.run_name=all"])
+    run_dir = tmp_path / "outputs" / "all"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000012"]
+    assert not (run_dir / "checkpoints-uploading").exists()
+    client, run = only_run(tmp_path, "tiny")
+    assert "trainserve.checkpoint_upload_failures" not in run.data.tags
+    uploaded = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert uploaded == [f"checkpoints/step_{s:08d}" for s in (4, 8, 12)]
+    for step_dir in uploaded:  # each upload is whole: the sizes its marker records
+        local = client.download_artifacts(run.info.run_id, step_dir, str(tmp_path / "dl"))
+        checkpoint.verify_complete(local)
+
+    # An upload cut short (no marker) is passed over for the newest complete one.
+    partial = tmp_path / "step_00000099"
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"half")
+    client.log_artifacts(run.info.run_id, str(partial), "checkpoints/step_00000099")
+    proc = run_cli(["consolidate", "--run-id", run.info.run_id], cwd=tmp_path)
+    assert "checkpoints/step_00000099 was not uploaded completely; using checkpoints/step_00000012" in proc.stderr
+    weights = tmp_path / proc.stdout.strip().splitlines()[-1]
+    assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == 12
+
+
+def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_failures(tmp_path):
+    import shutil
+
+    from pipeline.checkpoint_uploads import BackgroundUploads
+
+    client = mlflow_client(tmp_path)
+    run_id = client.create_run(client.create_experiment("uploads", str(tmp_path / "artifacts"))).info.run_id
+    ckpt = save_one(tmp_path / "run/checkpoints", 4)
+    uploads = BackgroundUploads(run_id, tmp_path / "run/checkpoints-uploading")
+    uploads.submit(ckpt)
+    shutil.rmtree(ckpt)  # pruned by keep_last the moment the next checkpoint lands
+    assert uploads.finish() == {}
+    local = client.download_artifacts(run_id, "checkpoints/step_00000004", str(tmp_path / "dl"))
+    checkpoint.verify_complete(local)
+    assert not (tmp_path / "run/checkpoints-uploading").exists()
+
+    to_nowhere = BackgroundUploads("0" * 32, tmp_path / "run/checkpoints-uploading")  # a run the store lacks
+    to_nowhere.submit(save_one(tmp_path / "run/checkpoints", 8))
+    failed = to_nowhere.finish()
+    assert list(failed) == ["step_00000008"] and "0" * 32 in failed["step_00000008"]
