@@ -264,7 +264,7 @@ def run_model(name: str, work: Path, seconds: float, rounds: int, mlflow_servers
 
 
 def print_table(rows: list) -> None:
-    print(f"\n| model | system | concurrency | req/s | p50 ms | p99 ms | errors | note |")
+    print("\n| model | system | concurrency | req/s | p50 ms | p99 ms | errors | note |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for model, system, c, r, note in rows:
         print(f"| {model} | {system} | {c} | {r['rps']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['errors']} | {note} |")

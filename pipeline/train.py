@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline import amp, checkpoint, distributed, replicas, stopping, tracking
 from pipeline.checkpoint_uploads import BackgroundUploads
 from pipeline.faults import inject_fault
-from pipeline.config import Config, ConfigError, check_runtime, flatten, load_config, to_yaml
+from pipeline.config import (CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config,
+                             to_yaml)
 from pipeline.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model, model_args_for
@@ -101,8 +102,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
-        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg, info, precision,
-                            step, epoch, total_steps, ckpt_root, meta, uploads)
+        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg.train, cfg.checkpoint, info,
+                            precision, step, epoch, total_steps, ckpt_root, meta, uploads)
         final = checkpoint.latest(ckpt_root) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
         accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps,
@@ -138,10 +139,9 @@ def end_run_after_failure(status: str) -> None:
     tracking.end_run(status, {STAGE_TAG: "failed"})
 
 
-def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg: Config, info: DistInfo,
-               precision: str, step: int, epoch: int, total_steps: int, ckpt_root: Path,
-               meta: dict, uploads: BackgroundUploads | None) -> list[float]:
-    t = cfg.train
+def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: TrainConfig,
+               ckpt_cfg: CheckpointConfig, info: DistInfo, precision: str, step: int, epoch: int,
+               total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None) -> list[float]:
     losses: list[float] = []
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
@@ -174,14 +174,14 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, cfg:
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
             inject_fault("step", step, info)
-            every = cfg.checkpoint.every_n_steps
+            every = ckpt_cfg.every_n_steps
             if (every and step % every == 0) or step == total_steps:
                 replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
                 meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info)
                 # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the
                 # exit in a CheckpointException, and a stop right after a complete save loses nothing.
                 with stopping.deferred():
-                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, cfg.checkpoint.keep_last)
+                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, ckpt_cfg.keep_last)
                 if uploads:
                     uploads.submit(path)
             if step >= total_steps:

@@ -3,9 +3,6 @@ changes, and clear refusals of checkpoints that can't be used."""
 
 from __future__ import annotations
 
-
-from pathlib import Path
-
 import pytest
 import torch
 
