@@ -47,7 +47,7 @@ from pipeline.checkpoint import CheckpointError
 from pipeline.models import build_model
 from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
-from pipeline.tracking import TrackingError
+from pipeline.tracking import TrackingError, log_consolidated
 
 log = logging.getLogger(__name__)
 
@@ -427,18 +427,8 @@ def _check_run(run_id: str) -> None:
 
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
     """Both files under `consolidated/` of the source run, its sha256 and the stage as tags."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    client = mlflow.MlflowClient()
-    try:
-        for name in (WEIGHTS, DESCRIPTION):
-            client.log_artifact(run_id, str(out_dir / name), ARTIFACT_PATH)
-        client.set_tag(run_id, "trainserve.consolidated.sha256", sha)
-        client.set_tag(run_id, "trainserve.stage.consolidate", "done")
-    except (MlflowException, OSError) as exc:
-        raise TrackingError(f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
-                            f"failed ({exc}); rerun, or pass --no-log to keep them local") from None
+    log_consolidated(run_id, out_dir, (WEIGHTS, DESCRIPTION), ARTIFACT_PATH,
+                     {"trainserve.consolidated.sha256": sha, "trainserve.stage.consolidate": "done"})
     log.info("logged %s and %s to run %s under %s/", WEIGHTS, DESCRIPTION, run_id, ARTIFACT_PATH)
 
 

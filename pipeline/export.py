@@ -313,61 +313,33 @@ def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
              val_x: np.ndarray, sess, variants: dict, register: bool) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
     report = result.report
-    # Logging into the training run re-opens it; its own status (FINISHED, or FAILED) is put back after.
-    status_before = tracking.get_run(run_id).info.status if run_id else None
-    try:
-        _log_and_register(result, weights, run_id, cfg, exported, val_x, sess, variants, register, report)
-    except MlflowException as exc:
-        raise tracking.TrackingError(f"MLflow at {mlflow.get_tracking_uri()} refused the export's records: {exc}") from None
-    finally:
-        if status_before and status_before != "RUNNING":
-            mlflow.MlflowClient().set_terminated(run_id, status_before)
-
-
-def _log_and_register(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
-                      val_x: np.ndarray, sess, variants: dict, register: bool, report: dict) -> None:
-    import mlflow
-
-    if run_id:  # resuming a run outside the active experiment is refused: follow the run
-        mlflow.set_experiment(experiment_id=tracking.get_run(run_id).info.experiment_id)
-    run_ctx = (mlflow.start_run(run_id=run_id) if run_id
-               else mlflow.start_run(run_name=f"export-{result.registered_model_name}"))
-    with run_ctx as run:
-        mlflow.log_metrics(gates.metrics(report["gates"]))
-        mlflow.set_tags({"trainserve.export.exporter": exported.exporter,
-                         "trainserve.weights_sha256": weights.meta["sha256"],
-                         "trainserve.config_sha256": report["weights"]["config_sha256"]})
-        mlflow.log_artifact(str(result.report_path), "onnx")
+    with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
+        tracking.log_metrics(gates.metrics(report["gates"]))
+        tracking.set_tags({"trainserve.export.exporter": exported.exporter,
+                           "trainserve.weights_sha256": weights.meta["sha256"],
+                           "trainserve.config_sha256": report["weights"]["config_sha256"]})
+        tracking.log_artifact(result.report_path, "onnx")
         if not result.passed:
-            mlflow.set_tag(STAGE_TAG, "failed")
+            tracking.set_tags({STAGE_TAG: "failed"})
             return
         for path in variants.values():
-            mlflow.log_artifact(str(path), "onnx")
-        example = gates.batch_of(val_x, 2)
-        logits, probs = sess.run(["logits", "probabilities"], {"input": example})
+            tracking.log_artifact(path, "onnx")
+        example = {"input": gates.batch_of(val_x, 2)}
+        logits, probs = sess.run(["logits", "probabilities"], example)
         providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"])
-        info = mlflow.onnx.log_model(
-            exported.model, name="model",
-            signature=mlflow.models.infer_signature({"input": example}, {"logits": logits, "probabilities": probs}),
-            input_example={"input": example}, onnx_execution_providers=providers,
-            # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
-            pip_requirements=mlflow.onnx.get_default_pip_requirements(),
-            save_as_external_data=False, metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
-        report["model_uri"] = info.model_uri
+        report["model_uri"] = tracking.log_onnx_model(
+            exported.model, example, {"logits": logits, "probabilities": probs}, providers,
+            metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
         if register:
             tags = lineage_tags(weights, report)
-            tags["trainserve.run_id"] = run.info.run_id
-            version = mlflow.register_model(info.model_uri, result.registered_model_name, tags=tags)
-            mlflow.MlflowClient().set_registered_model_alias(result.registered_model_name, cfg.alias, version.version)
-            result.model_version = str(version.version)
+            tags["trainserve.run_id"] = logged_to
+            result.model_version = tracking.register_version(report["model_uri"], result.registered_model_name,
+                                                             cfg.alias, tags)
             report["model_version"] = result.model_version
             report["alias"] = cfg.alias
-            log.info("registered %s version %s as @%s", result.registered_model_name, version.version, cfg.alias)
-        mlflow.set_tag(STAGE_TAG, "done")
+            log.info("registered %s version %s as @%s", result.registered_model_name, result.model_version, cfg.alias)
+        tracking.set_tags({STAGE_TAG: "done"})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,13 +9,14 @@ work starts so a wrong URI fails in seconds, not after an hour of training.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from pipeline.stopping import uninterrupted
@@ -214,7 +215,7 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
 
 
 @uninterrupted
-def log_metrics(metrics: dict[str, float], step: int) -> None:
+def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
     import mlflow
 
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
@@ -288,3 +289,91 @@ def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
         client.set_tag(run_id, key, value)
     client.set_terminated(run_id, "FAILED")
     return True
+
+
+# --- later stages: consolidate and export ------------------------------------------------------
+
+
+@uninterrupted
+def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_path: str,
+                     tags: dict[str, str]) -> None:
+    """`files` of `out_dir` under `artifact_path` of the source run, then `tags` on it."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    try:
+        for name in files:
+            client.log_artifact(run_id, str(out_dir / name), artifact_path)
+        set_tags(tags, run_id)
+    except (MlflowException, OSError) as exc:
+        raise TrackingError(f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
+                            f"failed ({exc}); rerun, or pass --no-log to keep them local") from None
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, run_id: str | None, run_name: str):
+    """The active run a later stage logs to, as its id: `run_id` re-opened, else a new run `run_name`.
+
+    Re-opening a training run marks it RUNNING; its own status (FINISHED, or FAILED) is put back on
+    the way out, whatever happened inside. MLflow refusing a record becomes a TrackingError."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    run = get_run(run_id) if run_id else None
+    try:
+        active = _open_run(run, run_name)
+        try:
+            yield active
+        except BaseException:
+            end_run("FAILED")
+            raise
+        end_run("FINISHED")
+    except MlflowException as exc:
+        raise TrackingError(f"MLflow at {mlflow.get_tracking_uri()} refused the {stage}'s records: {exc}") from None
+    finally:
+        if run is not None and run.info.status != "RUNNING":
+            _set_terminated(run.info.run_id, run.info.status)
+
+
+@uninterrupted
+def _open_run(run, run_name: str) -> str:
+    import mlflow
+
+    if run is None:
+        return mlflow.start_run(run_name=run_name).info.run_id
+    # MLflow refuses to resume a run outside the active experiment: follow the run.
+    mlflow.set_experiment(experiment_id=run.info.experiment_id)
+    return mlflow.start_run(run_id=run.info.run_id).info.run_id
+
+
+@uninterrupted
+def _set_terminated(run_id: str, status: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().set_terminated(run_id, status)
+
+
+@uninterrupted
+def log_onnx_model(model, inputs: dict[str, Any], outputs: dict[str, Any], providers: list[str],
+                   metadata: dict[str, str]) -> str:
+    """The ONNX model as `model` of the active run, its signature taken from one example; returns its URI."""
+    import mlflow
+
+    info = mlflow.onnx.log_model(
+        model, name="model", signature=mlflow.models.infer_signature(inputs, outputs),
+        input_example=inputs, onnx_execution_providers=providers,
+        # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
+        pip_requirements=mlflow.onnx.get_default_pip_requirements(),
+        save_as_external_data=False, metadata=metadata)
+    return info.model_uri
+
+
+@uninterrupted
+def register_version(model_uri: str, name: str, alias: str, tags: dict[str, str]) -> str:
+    """A new version of registered model `name`, with `tags`, and `alias` moved to it; returns the version."""
+    import mlflow
+
+    version = mlflow.register_model(model_uri, name, tags=tags)
+    mlflow.MlflowClient().set_registered_model_alias(name, alias, version.version)
+    return str(version.version)
