@@ -211,13 +211,34 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
                             "a checkpoint resumed from another store? Point tracking.tracking_uri at the "
                             "store it was trained with") from None
     mlflow.set_tags(tags)
+    global _logged_through
+    _logged_through = last_training_step_logged(run.info.run_id) if run_id else None
+    if _logged_through is not None:
+        log.info("run %s already holds metrics up to step %d; the replay of those steps is not logged again",
+                 run_id, _logged_through)
     return run.info.run_id
+
+
+# A resume replays the steps between its checkpoint and the crash (bit-identically on CPU): logged
+# again, each would appear twice in the run's history. `start_run` sets this when it continues a run.
+_logged_through: int | None = None
+
+
+def last_training_step_logged(run_id: str) -> int | None:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(("train/", "val/"))]
+    return max((m.step for k in keys for m in client.get_metric_history(run_id, k)), default=None)
 
 
 @uninterrupted
 def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
+    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`)."""
     import mlflow
 
+    if step is not None and _logged_through is not None and step <= _logged_through:
+        return
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
@@ -271,6 +292,8 @@ def end_run(status: str = "FINISHED", tags: dict[str, str] | None = None) -> Non
     """Ends this process's active run, if any, after setting `tags` on it."""
     import mlflow
 
+    global _logged_through
+    _logged_through = None
     if mlflow.active_run() is not None:
         if tags:
             mlflow.set_tags(tags)
