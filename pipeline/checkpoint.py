@@ -36,8 +36,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from pipeline import distributed
 from pipeline.distributed import DistInfo, barrier, broadcast_object
 from pipeline.faults import inject_fault
+from pipeline.safetensors_writer import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,22 @@ def verify_complete(path: Path) -> dict:
     if ".metadata" not in listing["files"]:
         raise CheckpointError(f"checkpoint '{path}' has no .metadata: not a DCP checkpoint")
     return listing
+
+
+def verify_checksums(path: Path) -> None:
+    """Reads every file of a complete checkpoint and compares it with the sha256 its marker recorded
+    at save: catches what keeps the size (a flipped bit on disk or in transfer). A full read, so it
+    runs where everything is read or fetched anyway (consolidation, a download), not on resume."""
+    listing = verify_complete(path)
+    recorded = listing.get("sha256")
+    if recorded is None:
+        log.warning("checkpoint %s records no checksums (saved by an older trainserve): sizes checked only", path)
+        return
+    for name, digest in sorted(recorded.items()):
+        if file_sha256(path / name) != digest:
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' differs from what was saved (its sha256 "
+                                  "does not match the marker's): corrupted on disk or in transfer; use another "
+                                  "checkpoint, or download it again")
 
 
 def list_complete(root: Path) -> list[Path]:
@@ -177,10 +195,15 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     barrier(info)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
 
+    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), all at once.
+    digests = distributed.all_gather_object(
+        {p.name: file_sha256(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}, info)
     if info.is_main:
         write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        write_json_durably(tmp / MARKER, {"step": step, "files": files})
+        sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
+        sha256.update({name: file_sha256(tmp / name) for name in files if name not in sha256})
+        write_json_durably(tmp / MARKER, {"step": step, "files": files, "sha256": sha256})
         fsync_dir(tmp)
         trash = root / f".old-{step_dir_name(step)}"
         if final.exists():  # a re-save of the same step (after a restart): never a moment without it

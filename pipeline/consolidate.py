@@ -86,6 +86,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         ckpt = _download(run_id)
     else:
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
+    checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work

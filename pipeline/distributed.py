@@ -109,6 +109,15 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def all_gather_object(obj, info: DistInfo) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if not info.distributed:
+        return [obj]
+    box = [None] * info.world_size
+    dist.all_gather_object(box, obj)
+    return box
+
+
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     if not info.distributed:
         return list(values)

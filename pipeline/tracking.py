@@ -158,7 +158,7 @@ def download_checkpoint(run_id: str, dest: Path) -> Path:
     if complete[-1] != steps[-1]:
         log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
     local = download_artifacts(run_id, complete[-1], dest / run_id)
-    checkpoint.verify_complete(local)
+    checkpoint.verify_checksums(local)
     return local
 
 

@@ -62,7 +62,14 @@ def rewrite(ckpt: Path, name: str, data: bytes) -> None:
     (ckpt / name).write_bytes(data)
     marker = json.loads((ckpt / checkpoint.MARKER).read_text())
     marker["files"][name] = len(data)
+    marker["sha256"][name] = hashlib.sha256(data).hexdigest()
     (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
 
 
 def run_consolidate(args: list[str], capsys) -> tuple[int, str, str]:
@@ -156,6 +163,8 @@ DAMAGE = {
                                           "has no COMPLETE marker"),
     "shard file missing": (lambda c: (c / "__0_0.distcp").unlink(), "file '__0_0.distcp' is missing"),
     "shard file truncated": (lambda c: _truncate(c / "__0_0.distcp", 1000), "truncated or overwritten"),
+    "a bit flipped in a shard": (lambda c: _flip_a_bit(c / "__0_0.distcp"),
+                                 "file '__0_0.distcp' differs from what was saved (its sha256 does not match"),
     "shard truncated, marker rewritten to match": (
         lambda c: rewrite(c, "__0_0.distcp", (c / "__0_0.distcp").read_bytes()[:1000]),
         "__0_0.distcp failed: shard file corrupt or truncated?"),
