@@ -40,12 +40,14 @@ class BackgroundUploads:
         self.run_id, self.staging = run_id, staging
         shutil.rmtree(staging, ignore_errors=True)  # snapshots a killed attempt left behind
         self.failed: dict[str, str] = {}  # checkpoint name -> error
+        self.submitted: set[str] = set()
         self._todo: queue.Queue[Path | None] = queue.Queue()
         # A daemon: a failing rank exits without waiting for uploads (the marker goes up last).
         self._thread = threading.Thread(target=self._upload_in_order, name="checkpoint-uploads", daemon=True)
         self._thread.start()
 
     def submit(self, checkpoint: Path) -> None:
+        self.submitted.add(checkpoint.name)
         self._todo.put(snapshot(checkpoint, self.staging / checkpoint.name))
 
     def finish(self) -> dict[str, str]:

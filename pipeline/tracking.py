@@ -193,8 +193,10 @@ def free_port() -> int:
 
 
 @uninterrupted
-def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool) -> str:
-    """Starts a run, or continues `run_id` (a resume keeps one run, not two)."""
+def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool,
+              skip_logged_steps: bool = False) -> str:
+    """Starts a run, or continues `run_id` (a resume keeps one run, not two); `skip_logged_steps`:
+    don't log again the steps it already holds (see `_logged_through`)."""
     import mlflow
 
     if system_metrics:
@@ -212,15 +214,15 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
                             "store it was trained with") from None
     mlflow.set_tags(tags)
     global _logged_through
-    _logged_through = last_training_step_logged(run.info.run_id) if run_id else None
+    _logged_through = last_training_step_logged(run.info.run_id) if run_id and skip_logged_steps else None
     if _logged_through is not None:
         log.info("run %s already holds metrics up to step %d; the replay of those steps is not logged again",
                  run_id, _logged_through)
     return run.info.run_id
 
 
-# A resume replays the steps between its checkpoint and the crash (bit-identically on CPU): logged
-# again, each would appear twice in the run's history. `start_run` sets this when it continues a run.
+# A torchrun restart replays the steps between its checkpoint and the crash (bit-identically on CPU):
+# logged again, each would appear twice in the run's history. `start_run` sets this on such a restart.
 _logged_through: int | None = None
 
 
@@ -252,11 +254,11 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
-@uninterrupted
 def log_checkpoint(path: Path, run_id: str) -> None:
     """A checkpoint directory to `checkpoints/<name>` of the run, its completeness marker last.
 
-    Takes an explicit run id: background uploads run in a thread without MLflow's active run."""
+    Takes an explicit run id: background uploads run in a thread without MLflow's active run. Not
+    `uninterrupted`: an upload writes no run state, and may outlast the grace before SIGKILL."""
     import mlflow
 
     from pipeline.checkpoint import MARKER

@@ -96,7 +96,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         uploads = None
         if info.is_main:
-            run_id = start_tracking(cfg, run_dir, run_id, info, precision)
+            run_id = start_tracking(cfg, run_dir, run_id, info, precision, replaying=resume == "auto")
             if cfg.checkpoint.log_to_mlflow == "all":
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
         meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
@@ -104,10 +104,14 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg.train, cfg.checkpoint, info,
                             precision, step, epoch, total_steps, ckpt_root, meta, uploads)
-        final = checkpoint.latest(ckpt_root) if info.is_main else None
+        final = final_checkpoint(ckpt_root, total_steps) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
         accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps,
                                        uses_channels_last(cfg.train, info))
+        # Leave the process group before rank 0's final uploads, which can outlast the group's
+        # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
+        model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
+        distributed.teardown(clean=True)
         if info.is_main:
             finish_tracking(cfg, final, accuracy, confusion, splits.labels, run_id, uploads)
         return TrainResult(run_dir, run_id, final, losses, accuracy)
@@ -126,6 +130,13 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         signal.signal(signal.SIGTERM, previous_sigterm)
 
 
+def final_checkpoint(ckpt_root: Path, total_steps: int) -> Path | None:
+    """The loop's save at the last step, not merely the newest: a resume from an older checkpoint
+    with fewer steps would otherwise report a step the weights never reached."""
+    exact = ckpt_root / checkpoint.step_dir_name(total_steps)
+    return exact if exact.is_dir() else checkpoint.latest(ckpt_root)
+
+
 def end_run_after_failure(status: str) -> None:
     """Close this process's MLflow run (if it has one) with `status`, even if SIGTERM arrives meanwhile.
 
@@ -136,7 +147,10 @@ def end_run_after_failure(status: str) -> None:
     run is a no-op.
     """
     stopping.ignore_sigterm()
-    tracking.end_run(status, {STAGE_TAG: "failed"})
+    try:
+        tracking.end_run(status, {STAGE_TAG: "failed"})
+    except Exception as exc:  # the failure being handled is the news; don't replace it with this one
+        log.error("could not mark the MLflow run %s: %s", status, exc)
 
 
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: TrainConfig,
@@ -375,14 +389,17 @@ def make_progress(info: DistInfo, total: int, initial: int):
                 mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
 
 
-def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str) -> str:
+def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str,
+                   replaying: bool) -> str:
+    """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
+    the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
     tags = {STAGE_TAG: "running", "trainserve.git_commit": tracking.git_commit(),
             "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
             "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
             "trainserve.run_dir": str(run_dir.resolve())}
     resumed = run_id is not None
-    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics)
+    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying)
     if not resumed:
         tracking.log_params(flatten(cfg))
         tracking.log_text(to_yaml(cfg), "config/resolved.yaml")
@@ -400,6 +417,8 @@ def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.
     if cfg.checkpoint.log_to_mlflow == "last":
         tracking.log_checkpoint(final, run_id)
     if uploads:
+        if final.name not in uploads.submitted:  # saved by an attempt that died before uploading it
+            uploads.submit(final)
         failed = uploads.finish()
         if failed:
             tracking.set_tags({"trainserve.checkpoint_upload_failures": ", ".join(sorted(failed))})
@@ -460,7 +479,16 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
     a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
     import subprocess
 
-    code = subprocess.run(cmd, env=torchrun_env()).returncode
+    torchrun = subprocess.Popen(cmd, env=torchrun_env())
+    # docker stop / a scheduler's SIGTERM reaches only this launcher: pass it on, so torchrun stops
+    # the workers gracefully (each closes its run) rather than losing them with this process.
+    previous = signal.signal(signal.SIGTERM, lambda *_: torchrun.send_signal(signal.SIGTERM))
+    try:
+        code = torchrun.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached torchrun too (same process group): let it finish
+        code = torchrun.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     run_id = read_run_id(run_dir) if code else None
     if run_id:
         try:

@@ -221,6 +221,9 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir
             time.sleep(0.0005)
 
     previous, threads = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    # `main` puts back the handler it found when it returns, while SIGTERMs still rain: that one
+    # must not be the default, which would kill pytest itself.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     rainer = threading.Thread(target=rain, daemon=True)
     rainer.start()
     try:
@@ -251,3 +254,30 @@ def test_the_cpu_training_loop_does_not_page_fault_every_step(workdir):
 
     per_step = (child_faults(120) - child_faults(20)) / 100
     assert per_step < 100, f"{per_step:.0f} page faults per training step"
+
+
+def test_sigterm_to_the_launcher_alone_stops_the_workers_and_fails_the_run(workdir):
+    """`docker stop` (tini without -g) or a scheduler signals only `pipeline train`; torchrun and
+    its workers must hear of it, stop, and leave the run FAILED, not orphaned and RUNNING."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import cli_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
+                             "train.max_steps=100000", "train.run_name=stopped"], cwd=workdir, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until training runs: its run exists and steps are logged
+            if "checkpoint saved" in line:
+                break
+        proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
+        rest = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, rest[-3000:]
+    _, run = only_run(workdir, "tiny")
+    assert run.info.status == "FAILED", rest[-3000:]
+    assert subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout == b"", "workers left behind"
