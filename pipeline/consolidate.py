@@ -86,12 +86,13 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         ckpt = _download(run_id)
     else:
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
-    checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
         _use_tracking(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
         _check_run(run_id)
+    if checkpoint_path is not None:  # a download was verified as it arrived
+        checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
 
     reader = CachedMetadataReader(ckpt)

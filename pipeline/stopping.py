@@ -27,7 +27,7 @@ def exit_on_sigterm():
 def _on_sigterm(signum, _frame) -> None:
     global _pending
     # One exit is enough: a second SIGTERM must not cut short the failure path the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_sigterm()
     if _depth:
         _pending = signum
         return

@@ -264,10 +264,9 @@ def log_checkpoint(path: Path, run_id: str) -> None:
     from pipeline.checkpoint import MARKER
 
     client = mlflow.MlflowClient()
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
-    for f in sorted(files, key=lambda f: f.name == MARKER):  # False < True: the marker goes last
-        parent = f.parent.relative_to(path)
-        client.log_artifact(run_id, str(f), "/".join(["checkpoints", Path(path).name, *parent.parts]))
+    path = Path(path)
+    for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == MARKER, p)):
+        client.log_artifact(run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts]))
 
 
 @uninterrupted
@@ -298,7 +297,7 @@ def end_run(status: str = "FINISHED", tags: dict[str, str] | None = None) -> Non
     _logged_through = None
     if mlflow.active_run() is not None:
         if tags:
-            mlflow.set_tags(tags)
+            set_tags(tags)
         mlflow.end_run(status=status)
 
 
@@ -310,8 +309,7 @@ def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
     client = mlflow.MlflowClient()
     if client.get_run(run_id).info.status != "RUNNING":
         return False
-    for key, value in tags.items():
-        client.set_tag(run_id, key, value)
+    set_tags(tags, run_id)
     client.set_terminated(run_id, "FAILED")
     return True
 

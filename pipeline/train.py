@@ -116,12 +116,12 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             finish_tracking(cfg, final, accuracy, confusion, splits.labels, run_id, uploads)
         return TrainResult(run_dir, run_id, final, losses, accuracy)
     except BaseException:
-        end_run_after_failure("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+        end_run_after_failure()
         raise
     finally:
         clean = sys.exc_info()[0] is None
         if not clean:
-            end_run_after_failure("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+            end_run_after_failure()
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with
         # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
@@ -137,8 +137,9 @@ def final_checkpoint(ckpt_root: Path, total_steps: int) -> Path | None:
     return exact if exact.is_dir() else checkpoint.latest(ckpt_root)
 
 
-def end_run_after_failure(status: str) -> None:
-    """Close this process's MLflow run (if it has one) with `status`, even if SIGTERM arrives meanwhile.
+def end_run_after_failure() -> None:
+    """Close this process's MLflow run (if it has one) as KILLED (Ctrl-C) or FAILED (any other
+    exception being handled), even if SIGTERM arrives meanwhile.
 
     When a peer rank dies, this rank's collective fails at once and torchrun's SIGTERM follows within
     milliseconds. SIGTERM is ignored from here on (torchrun still escalates to SIGKILL after 30 s).
@@ -147,6 +148,7 @@ def end_run_after_failure(status: str) -> None:
     run is a no-op.
     """
     stopping.ignore_sigterm()
+    status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
         tracking.end_run(status, {STAGE_TAG: "failed"})
     except Exception as exc:  # the failure being handled is the news; don't replace it with this one
