@@ -226,7 +226,7 @@ def worker_ddp(a) -> None:
         # DDP's reducer holds the group: drop it (and the stepper that holds it) first, or gloo's
         # destructor can hang the rank at exit (see pipeline.train.main).
         model = step_fn = None  # noqa: F841
-        distributed.teardown()
+        distributed.teardown(clean=sys.exc_info()[0] is None)  # never wait for peers on an error path
 
 
 def worker_stage(a) -> None:

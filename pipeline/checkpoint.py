@@ -33,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -58,7 +59,7 @@ def step_dir_name(step: int) -> str:
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def single_process_quiet():
     """DCP warns that one process without a process group is 'assumed' single-process; it is meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -190,7 +191,7 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
     barrier(info)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
@@ -218,9 +219,25 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     return final
 
 
-def check_compatible(path: Path, model_sd: dict[str, Any], metadata=None) -> None:
+class CachedMetadataReader(FileSystemReader):
+    """A FileSystemReader that unpickles `.metadata` once. `dcp.load` reads it on every call, and
+    with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        try:
+            self.metadata: Metadata = super().read_metadata()
+        except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
+            raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        return self.metadata
+
+
+def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata) -> None:
     """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load."""
-    metadata = metadata or FileSystemReader(str(path)).read_metadata()
     stored = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
@@ -246,7 +263,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     meta = read_meta(path)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
         get_state_dict(model, [])[0], None)
-    metadata = FileSystemReader(str(path)).read_metadata()
+    reader = CachedMetadataReader(path)  # .metadata unpickled once, for the check and for the load
+    metadata = reader.metadata
     check_compatible(path, model_sd, metadata)
     state: dict[str, Any] = {"model": model_sd}
     if optim_sd is not None:
@@ -256,8 +274,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
         state["rng"] = {rng_key: _rng_state()}
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not info.distributed)
+        with single_process_quiet():
+            dcp.load(state, storage_reader=reader, no_dist=not info.distributed)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],

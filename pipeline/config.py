@@ -138,14 +138,13 @@ class Config(Section):
         return self
 
 
-def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1,
-                  cuda_devices: int | None = None) -> None:
+def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1) -> None:
     """Rules that depend on the launch, checked before any work starts."""
     t = cfg.train
     if cuda_available and t.device != "cpu":
         import torch
 
-        cuda_devices = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+        cuda_devices = torch.cuda.device_count()
         if local_world_size > cuda_devices:
             raise ConfigError(f"{local_world_size} processes per node but {cuda_devices} visible GPU(s): one GPU "
                               f"per rank; use --nproc-per-node {cuda_devices} or train.device=cpu")

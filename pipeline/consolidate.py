@@ -30,24 +30,21 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline import checkpoint, logs
 from pipeline.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
-from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint import CachedMetadataReader, CheckpointError
 from pipeline.models import build_model
 from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
-from pipeline.tracking import TrackingError, log_consolidated
+from pipeline.tracking import TrackingError, get_run, log_consolidated, use_store
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +79,15 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory "
                                "with --latest, or --run-id")
     if checkpoint_path is None:
-        _use_tracking(tracking_uri)
+        use_store(tracking_uri)
         ckpt = _download(run_id)
     else:
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
-        _use_tracking(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
-        _check_run(run_id)
+        use_store(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
+        get_run(run_id)
     if checkpoint_path is not None:  # a download was verified as it arrived
         checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
@@ -152,23 +149,6 @@ def _download(run_id: str) -> Path:
     from pipeline.tracking import download_checkpoint
 
     return download_checkpoint(run_id, OUTPUTS / "downloaded")
-
-
-class CachedMetadataReader(FileSystemReader):
-    """A FileSystemReader that unpickles `.metadata` once. `dcp.load` reads it on every call, and
-    with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
-
-    def __init__(self, path: Path):
-        super().__init__(str(path))
-        try:
-            self.metadata: Metadata = super().read_metadata()
-        except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
-            raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            return super().read_metadata(*args, **kwargs)
-        return self.metadata
 
 
 def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype) -> list[TensorSpec]:
@@ -307,8 +287,7 @@ _malloc_trim = _find_malloc_trim()
 
 def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        with checkpoint.single_process_quiet():
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
@@ -415,16 +394,6 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
 # --- MLflow ---------------------------------------------------------------------------------
 
 
-def _use_tracking(uri: str) -> None:
-    from pipeline.tracking import use_store
-
-    use_store(uri)
-
-
-def _check_run(run_id: str) -> None:
-    from pipeline.tracking import get_run
-
-    get_run(run_id)
 
 
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:

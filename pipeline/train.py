@@ -158,6 +158,7 @@ def end_run_after_failure() -> None:
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: TrainConfig,
                ckpt_cfg: CheckpointConfig, info: DistInfo, precision: str, step: int, epoch: int,
                total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None) -> list[float]:
+    channels_last = uses_channels_last(t, info)
     losses: list[float] = []
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
@@ -166,7 +167,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
-                                    t.clip_grad_norm, want_norm=log_now, channels_last=uses_channels_last(t, info))
+                                    t.clip_grad_norm, want_norm=log_now, channels_last=channels_last)
             scheduler.step()
             step += 1
             window_loss += loss
@@ -185,7 +186,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
                     progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if t.eval_every and step % t.eval_every == 0 and step != total_steps:
-                evaluate(model, splits, info, precision, len(splits.labels), step, uses_channels_last(t, info))
+                evaluate(model, splits, info, precision, len(splits.labels), step, channels_last)
             if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
@@ -205,7 +206,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
         else:  # the epoch ran out (or a resume landed exactly on its end)
             epoch += 1
             if not t.eval_every:
-                evaluate(model, splits, info, precision, len(splits.labels), step, uses_channels_last(t, info))
+                evaluate(model, splits, info, precision, len(splits.labels), step, channels_last)
     progress.close()
     return losses
 
@@ -510,7 +511,7 @@ def cli(args) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.nproc_per_node and not under_torchrun():
             # Fail before spawning: one clear line instead of one per rank and torchrun's report.
-            check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available())
+            check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available(), args.nproc_per_node)
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
