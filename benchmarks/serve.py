@@ -60,7 +60,7 @@ def build_and_export(model_args: dict, out_dir: Path):
     path = out_dir / f"{model_args['name']}.onnx"
     metadata = {"trainserve.model_name": model_args["name"]}
     try:
-        from pipeline.onnx_export import export
+        from pipeline.components.onnx_export import export
 
         proto = export(model, sample, 18, metadata).model
     except ImportError:  # the exporter module is not there: the same graph by hand

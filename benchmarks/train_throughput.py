@@ -73,7 +73,7 @@ RESULT = "RESULT "
 # ---- pieces every worker uses ------------------------------------------------------------------
 
 def load_inputs(size: int):
-    from pipeline.data import load_digits_splits, load_synthetic_splits
+    from pipeline.components.data import load_digits_splits, load_synthetic_splits
 
     if INPUTS[size]["data"] == "digits":
         return load_digits_splits(0.2, 0)
@@ -96,9 +96,9 @@ def optim_cfg():
 def our_stepper(model, splits, precision: str, info, batch_per_rank: int):
     """One call = one iteration of `train_loop` minus its logging: next batch from our loader,
     `train_step` (grad norm on logging steps), scheduler step."""
-    from pipeline import amp
-    from pipeline.data import make_train_loader
-    from pipeline.optim import build_optimizer, build_scheduler
+    from pipeline.components import amp
+    from pipeline.components.data import make_train_loader
+    from pipeline.components.optim import build_optimizer, build_scheduler
     from pipeline.train import chunked, train_step
 
     optimizer = build_optimizer(model.parameters(), optim_cfg())
@@ -396,7 +396,7 @@ def main() -> None:
 
     import torch
 
-    from pipeline import amp
+    from pipeline.components import amp
 
     plan = PLANS["quick" if a.quick else "default"]
     width = {size: INPUTS[size]["width"] / (8 if a.quick else 1) for size in INPUTS}

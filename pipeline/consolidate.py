@@ -37,14 +37,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipeline import checkpoint, logs
-from pipeline.amp import DTYPES
+from pipeline.components import checkpoint
+from pipeline.tools import logs
+from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
-from pipeline.checkpoint import CachedMetadataReader, CheckpointError
+from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
 from pipeline.models import build_model
-from pipeline.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
+from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
-from pipeline.tracking import TrackingError, get_run, log_consolidated, use_store
+from pipeline.components.tracking import TrackingError, get_run, log_consolidated, use_store
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def default_output_dir(ckpt: Path, downloaded_run_id: str | None) -> Path:
 
 def _download(run_id: str) -> Path:
     log.info("downloading the newest checkpoint of run %s", run_id)
-    from pipeline.tracking import download_checkpoint
+    from pipeline.components.tracking import download_checkpoint
 
     return download_checkpoint(run_id, OUTPUTS / "downloaded")
 
@@ -352,7 +353,7 @@ def verify_file(path: Path, specs: list[TensorSpec], sha: str, model_args: dict)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    from pipeline.safetensors_writer import DTYPE_NAMES
+    from pipeline.components.safetensors_writer import DTYPE_NAMES
 
     return {v: k for k, v in DTYPE_NAMES.items()}[name]
 

@@ -25,12 +25,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline import gates, logs, onnx_export, tracking
+from pipeline.components import gates, onnx_export, tracking
+from pipeline.tools import logs
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
-from pipeline.data import DataError, load_splits
+from pipeline.components.data import DataError, load_splits
 from pipeline.models import build_model
-from pipeline.safetensors_writer import file_sha256
+from pipeline.components.safetensors_writer import file_sha256
 
 log = logging.getLogger("pipeline.export")
 

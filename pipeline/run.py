@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import checkpoint, logs, tracking
+from pipeline.components import checkpoint, tracking
+from pipeline.tools import logs
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
 
 log = logging.getLogger("pipeline.run")
@@ -163,7 +164,7 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
 
 def serve_with_sample(cfg: Config, model_uri: str, keep_serving: bool) -> int:
     """Starts the server, proves it with one real validation digit, then serves (or stops)."""
-    from pipeline.data import load_splits
+    from pipeline.components.data import load_splits
 
     s = cfg.serve
     port = s.port or tracking.free_port()
@@ -242,9 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args) -> int:
     from pipeline.consolidate import ConsolidateError
-    from pipeline.data import DataError
+    from pipeline.components.data import DataError
     from pipeline.export import WeightsError
-    from pipeline.onnx_export import ExportError
+    from pipeline.components.onnx_export import ExportError
 
     logs.configure()
     try:

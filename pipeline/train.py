@@ -26,15 +26,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline import amp, checkpoint, distributed, replicas, stopping, tracking
-from pipeline.checkpoint_uploads import BackgroundUploads
-from pipeline.faults import inject_fault
+from pipeline.components import amp, checkpoint, tracking
+from pipeline import distributed
+from pipeline.distributed import replicas
+from pipeline.tools import stopping
+from pipeline.components.checkpoint_uploads import BackgroundUploads
+from pipeline.tools.faults import inject_fault
 from pipeline.config import (CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config,
                              to_yaml)
-from pipeline.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
+from pipeline.components.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model, model_args_for
-from pipeline.optim import build_optimizer, build_scheduler
+from pipeline.components.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("pipeline.train")
 STAGE_TAG = "trainserve.stage.train"  # running | done | failed, on the training run
@@ -414,7 +417,7 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
 
 def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.Tensor, labels: list[str],
                     run_id: str, uploads: BackgroundUploads | None) -> None:
-    from pipeline.plots import confusion_matrix_png
+    from pipeline.components.plots import confusion_matrix_png
 
     tracking.log_artifact(confusion_matrix_png(confusion, labels, final.parent.parent / "confusion_matrix.png"))
     if cfg.checkpoint.log_to_mlflow == "last":

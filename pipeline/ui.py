@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from pipeline import tracking
+from pipeline.components import tracking
 
 
 def command(tracking_uri: str, host: str, port: int) -> list[str]:

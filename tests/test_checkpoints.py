@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import checkpoint
-from pipeline.checkpoint import CheckpointError
+from pipeline.components import checkpoint
+from pipeline.components.checkpoint import CheckpointError
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model
 
@@ -224,7 +224,7 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
 def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_failures(tmp_path):
     import shutil
 
-    from pipeline.checkpoint_uploads import BackgroundUploads
+    from pipeline.components.checkpoint_uploads import BackgroundUploads
 
     client = mlflow_client(tmp_path)
     run_id = client.create_run(client.create_experiment("uploads", str(tmp_path / "artifacts"))).info.run_id

@@ -20,12 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import checkpoint, consolidate
+from pipeline.components import checkpoint
+from pipeline import consolidate
 from pipeline.cli import main as pipeline_cli
 from pipeline.config import Config
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model, input_shape
-from pipeline.safetensors_writer import StreamingWriter, TensorSpec
+from pipeline.components.safetensors_writer import StreamingWriter, TensorSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"

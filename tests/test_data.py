@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import DataError, load_digits_splits, load_fashion_mnist_splits, make_train_loader
+from pipeline.components.data import DataError, load_digits_splits, load_fashion_mnist_splits, make_train_loader
 
 
 def write_idx(path, array: np.ndarray, gz: bool):

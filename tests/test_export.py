@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline import cli, gates, onnx_export
+from pipeline import cli
+from pipeline.components import gates, onnx_export
 from pipeline.config import load_config
-from pipeline.data import load_splits
+from pipeline.components.data import load_splits
 from pipeline.export import ExportResult, load_model, main, read_weights
-from pipeline.safetensors_writer import file_sha256 as sha256_file
+from pipeline.components.safetensors_writer import file_sha256 as sha256_file
 from pipeline.models import build_model, model_args_for
-from pipeline.tracking import free_port
+from pipeline.components.tracking import free_port
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 

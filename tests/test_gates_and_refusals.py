@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import checkpoint, consolidate, gates
-from pipeline.checkpoint import CheckpointError
+from pipeline.components import checkpoint, gates
+from pipeline import consolidate
+from pipeline.components.checkpoint import CheckpointError
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model
 

@@ -91,7 +91,7 @@ def as_postgres(cmd: list[str]) -> list[str]:
 @pytest.fixture
 def postgres(tmp_path):
     """A throwaway PostgreSQL server on 127.0.0.1 (Debian's postgresql-15, part of the machine image)."""
-    from pipeline.tracking import free_port
+    from pipeline.components.tracking import free_port
 
     if not (POSTGRES_BIN / "initdb").exists():
         pytest.skip(f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)")
@@ -125,7 +125,7 @@ def backend_store(request, tmp_path):
 @pytest.fixture
 def tracking_server(tmp_path, backend_store):
     """A real `mlflow server` on 127.0.0.1 (SQLite or PostgreSQL backend), artifacts served over HTTP."""
-    from pipeline.tracking import free_port
+    from pipeline.components.tracking import free_port
 
     port = free_port()
     store = tmp_path / "server"

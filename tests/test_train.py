@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pipeline import checkpoint
+from pipeline.components import checkpoint
 from pipeline.config import flatten, load_config
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model
@@ -115,7 +115,7 @@ def test_same_seed_same_losses_bit_for_bit(tiny_runs):
 
 def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
     """Multi-node as on a cluster, on one machine: two launchers, one process each, c10d on 127.0.0.1."""
-    from pipeline.tracking import free_port
+    from pipeline.components.tracking import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",

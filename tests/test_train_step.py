@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from pipeline import amp
+from pipeline.components import amp
 from pipeline.distributed import DistInfo
 from pipeline.models import build_model
 from pipeline.train import train_step

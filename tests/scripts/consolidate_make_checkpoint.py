@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline import checkpoint
+from pipeline.components import checkpoint
 from pipeline.config import Config
 from pipeline.distributed import setup, teardown
 from pipeline.models import build_model, input_shape

@@ -6,7 +6,8 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline import distributed, replicas
+from pipeline import distributed
+from pipeline.distributed import replicas
 from pipeline.models import build_model
 
 

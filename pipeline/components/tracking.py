@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
-from pipeline.stopping import uninterrupted
+from pipeline.tools.stopping import uninterrupted
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def download_checkpoint(run_id: str, dest: Path) -> Path:
     short (a rank killed mid-upload) is passed over for the one before it."""
     import mlflow
 
-    from pipeline import checkpoint
+    from pipeline.components import checkpoint
 
     get_run(run_id)
     client = mlflow.MlflowClient()
@@ -261,7 +261,7 @@ def log_checkpoint(path: Path, run_id: str) -> None:
     `uninterrupted`: an upload writes no run state, and may outlast the grace before SIGKILL."""
     import mlflow
 
-    from pipeline.checkpoint import MARKER
+    from pipeline.components.checkpoint import MARKER
 
     client = mlflow.MlflowClient()
     path = Path(path)

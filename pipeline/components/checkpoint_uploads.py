@@ -16,7 +16,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from pipeline import tracking
+from pipeline.components import tracking
 
 log = logging.getLogger(__name__)
 

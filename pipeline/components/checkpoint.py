@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from pipeline import distributed
 from pipeline.distributed import DistInfo, barrier, broadcast_object
-from pipeline.faults import inject_fault
-from pipeline.safetensors_writer import file_sha256
+from pipeline.tools.faults import inject_fault
+from pipeline.components.safetensors_writer import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
                                   "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
         return found
     if re.fullmatch(r"[0-9a-f]{32}", resume):
-        from pipeline.tracking import download_checkpoint
+        from pipeline.components.tracking import download_checkpoint
 
         return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
     raise CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")

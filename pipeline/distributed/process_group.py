@@ -158,6 +158,6 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
 
 
 def configure_logging(rank: int) -> None:
-    from pipeline import logs
+    from pipeline.tools import logs
 
     logs.configure(rank)

@@ -1,0 +1,1 @@
+"""Process-level helpers: logging, SIGTERM handling, and fault injection for the crash tests."""
