@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
@@ -29,26 +29,106 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class DataConfig(Section):
-    name: Literal["digits", "fashion_mnist", "synthetic"] = Field(
-        "digits", description="Data set: scikit-learn's 8x8 digits (offline), Fashion-MNIST IDX files, or random tensors.")
-    path: str | None = Field(
-        None, description="Directory with the Fashion-MNIST IDX files (gzipped or not); unused by the others.")
-    val_fraction: float = Field(
-        0.2, gt=0, lt=1, description="Share of the digits held out for validation (fixed, seeded split).")
-    split_seed: int = Field(0, description="Seed of the digits train/validation split; independent of train.seed.")
-    synthetic_channels: int = Field(1, ge=1, description="Synthetic data: image channels.")
-    synthetic_size: int = Field(28, ge=4, description="Synthetic data: image height = width.")
-    synthetic_classes: int = Field(10, ge=2, description="Synthetic data: number of classes.")
-    synthetic_samples: int = Field(1024, ge=8, description="Synthetic data: number of training samples.")
+# `model.name` / `data.name` shorthands for the built-in components (pipeline/models, pipeline/datasets).
+BUILTIN_MODELS = {"resnet18": "pipeline.models:resnet18", "mlp": "pipeline.models:mlp"}
+BUILTIN_DATA = {"digits": "pipeline.datasets:digits", "fashion_mnist": "pipeline.datasets:fashion_mnist",
+                "synthetic": "pipeline.datasets:synthetic"}
+
+
+class ComponentSection(Section):
+    """A `component: "module.path:attribute"` reference and the keyword `args` it is called with."""
+    KEY: ClassVar[str] = ""
+
+    @field_validator("component", check_fields=False)
+    @classmethod
+    def _reference(cls, value: str | None) -> str | None:
+        if value:
+            from pipeline.components.reference import split_reference
+
+            split_reference(cls.KEY, value)
+        return value
+
+
+def _shorthand(data: Any, key: str, builtin: dict[str, str]) -> Any:
+    """`name: X` stands for `component: <built-in X>`; naming another component as well contradicts it."""
+    if not isinstance(data, dict) or data.get("name") is None or data["name"] not in builtin:
+        return data  # an unknown name is refused by the field's Literal, with the allowed ones
+    wanted = builtin[data["name"]]
+    if data.get("component") not in (None, wanted):
+        raise ValueError(f"{key}.name={data['name']} means {key}.component={wanted}, but {key}.component="
+                         f"{data['component']} is set too; keep one of them")
+    return {**data, "component": wanted}
+
+
+class DataConfig(ComponentSection):
+    KEY: ClassVar[str] = "data"
+    component: str = Field(
+        "pipeline.datasets:digits",
+        description="'module.path:attribute' of a callable(**args) -> {'train': Dataset, 'val': Dataset}.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the data component.")
+    name: Literal["digits", "fashion_mnist", "synthetic"] | None = Field(
+        None, description="Shorthand for a built-in data set: digits (offline), fashion_mnist (IDX files in args.path), synthetic.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank (0 = load in the training process).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name(cls, data: Any) -> Any:
+        return _shorthand(data, "data", BUILTIN_DATA)
 
-class ModelConfig(Section):
-    name: Literal["resnet18", "mlp"] = Field("resnet18", description="Architecture.")
-    width: float = Field(
-        1.0, gt=0, description="ResNet-18 channel multiplier: 1.0 gives 64/128/256/512; 0.125 gives 8/16/32/64 for tiny tests.")
-    hidden: list[int] = Field([256, 128], description="MLP hidden layer sizes.")
+
+class ModelConfig(ComponentSection):
+    KEY: ClassVar[str] = "model"
+    component: str = Field(
+        "pipeline.models:resnet18", description="'module.path:attribute' of a callable(**args) -> torch.nn.Module.")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the model; those it takes and args omits come "
+                                          "from the training set (num_classes from `classes`, its `model_args`).")
+    name: Literal["resnet18", "mlp"] | None = Field(None, description="Shorthand for a built-in model: resnet18, mlp.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name(cls, data: Any) -> Any:
+        return _shorthand(data, "model", BUILTIN_MODELS)
+
+
+class ComponentConfig(ComponentSection):
+    component: str = Field(description="'module.path:attribute': a class (instantiated with args) or a function "
+                                       "(called with args on every use).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
+
+
+class LossConfig(ComponentConfig):
+    KEY: ClassVar[str] = "task.loss"
+
+
+class MetricConfig(ComponentConfig):
+    KEY: ClassVar[str] = "task.metric"
+
+
+class TaskConfig(Section):
+    name: Literal["classification", "regression", "custom"] = Field(
+        "classification", description="classification (cross-entropy; accuracy, top-k; outputs logits, probabilities), "
+                                      "regression (MSE; RMSE, MAE, R2; output prediction), or custom (task.loss, task.metric; the model's tensor as output).")
+    loss: LossConfig | None = Field(
+        None, description="A loss component (outputs, target) -> scalar: required for custom, replaces the built-in loss otherwise.")
+    metric: MetricConfig | None = Field(
+        None, description="custom only: a metric component (outputs, targets) -> float or {name: float}, the first being the one gated.")
+    metric_mode: Literal["max", "min"] | None = Field(None, description="custom only: whether a larger metric is better (max) or a smaller one (min).")
+    top_k: int = Field(5, ge=2, description="classification: also report top-k accuracy when k is below the number of classes.")
+
+    @model_validator(mode="after")
+    def _custom_needs_its_parts(self) -> "TaskConfig":
+        if self.name == "custom":
+            missing = [k for k in ("loss", "metric", "metric_mode") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"task.name=custom needs {', '.join('task.' + k for k in missing)}: a loss component, "
+                                 "a metric component and whether the metric is better high (max) or low (min)")
+        else:
+            given = [k for k in ("metric", "metric_mode") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{', '.join('task.' + k for k in given)} only apply to task.name=custom; "
+                                 f"{self.name} has its own metrics (set task.name=custom to use yours)")
+        return self
 
 
 class OptimConfig(Section):
@@ -80,8 +160,11 @@ class TrainConfig(Section):
     threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
     channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores).")
+    fsdp_wrap: list[str] = Field(
+        default_factory=list, description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
+                                          "empty = the class repeated most in the largest ModuleList/Sequential.")
     output_dir: str = Field(DEFAULT_OUTPUT_DIR, description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
-    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id).")
+    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id), named after the components.")
 
 
 class CheckpointConfig(Section):
@@ -99,11 +182,14 @@ class TrackingConfig(Section):
 
 class ExportConfig(Section):
     opset: int = Field(18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively.")
-    registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> (e.g. resnet18-digits).")
+    registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> from the components' names (e.g. resnet18-digits).")
     alias: str = Field("champion", description="Alias set on the new version only when every gate passes.")
-    atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| logits <= atol + rtol x the sample's largest |logit| (fp32).")
+    atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| outputs <= atol + rtol x the sample's largest |output| (fp32).")
     rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
-    accuracy_tolerance_pp: float = Field(0.1, ge=0, description="Accuracy gate: ONNX accuracy within this many percentage points of PyTorch's.")
+    accuracy_tolerance_pp: float = Field(0.1, ge=0, description="classification: ONNX accuracy within this many percentage points of PyTorch's.")
+    metric_rtol: float = Field(1e-3, ge=0, description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_rtol x |PyTorch|.")
+    dynamic_axes: dict[str, list[int]] = Field(
+        default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")
     ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
     fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
 
@@ -119,6 +205,7 @@ class ServeConfig(Section):
 class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="What is learned: loss, metrics, exported outputs.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop and its distribution.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints.")
@@ -132,9 +219,12 @@ class Config(Section):
             raise ValueError(
                 "train.precision=fp16 needs CUDA (GradScaler and fp16 kernels); on CPU use "
                 "train.precision=bf16 or train.precision=auto")
-        if self.data.name == "fashion_mnist" and not self.data.path:
-            raise ValueError(
-                "data.name=fashion_mnist needs data.path=<directory with the IDX files>")
+        if self.data.component == "pipeline.datasets:fashion_mnist" and not self.data.args.get("path"):
+            raise ValueError("the fashion_mnist data set needs data.args.path=<directory with the four IDX files>")
+        unknown_axes = [k for k, axes in self.export.dynamic_axes.items() if any(a < 1 for a in axes)]
+        if unknown_axes:
+            raise ValueError(f"export.dynamic_axes: axes must be >= 1 (axis 0, the batch, is always dynamic); "
+                             f"see {', '.join(unknown_axes)}")
         return self
 
 
@@ -180,6 +270,8 @@ def _unknown_key_message(dotted: str) -> str:
             allowed = _allowed_keys(cls)
             close = difflib.get_close_matches(part, allowed, n=1)
             hint = f" Did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            if not close and "args" in fields:  # a component's own arguments live under args
+                hint = f" Did you mean '{prefix}.args.{part}' (the component's keyword arguments go under args)?"
             where = f"in section '{prefix}'" if prefix else "at the top level"
             return f"unknown config key '{dotted}' {where}.{hint} Allowed: {', '.join(allowed)}"
         annotation = fields[part].annotation
@@ -259,13 +351,13 @@ def config_from_dict(tree: dict) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """{'optim.lr': 0.1, ...}: the form MLflow params take."""
+def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
+    """{'optim.lr': 0.1, 'model.args.width': 0.5, ...}: the form MLflow params take."""
     out: dict[str, Any] = {}
-    for name in type(cfg).model_fields:
-        value = getattr(cfg, name)
+    items = cfg.items() if isinstance(cfg, dict) else ((n, getattr(cfg, n)) for n in type(cfg).model_fields)
+    for name, value in items:
         key = f"{prefix}{name}"
-        if isinstance(value, BaseModel):
+        if isinstance(value, (BaseModel, dict)) and value:
             out.update(flatten(value, key + "."))
         else:
             out[key] = value

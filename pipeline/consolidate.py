@@ -11,9 +11,13 @@ for a DDP checkpoint (each tensor stored whole), ~1.5x for FSDP (stored in halve
 Outputs in `<out_dir>/`:
     model.safetensors   keys = the plain model's state_dict() keys, buffers included; floating
                         tensors in --dtype, integer ones (num_batches_tracked) as stored
-    model.json          format "trainserve-weights/1", config, model_args, labels,
-                        tensors {name: {shape, dtype}}, sha256, dtype, source {checkpoint, step,
-                        world_size, strategy, mlflow_run_id}
+    model.json          format "trainserve-weights/2", config, model {component, args}, data,
+                        task, labels, inputs, code, tensors {name: {shape, dtype}}, sha256, dtype,
+                        source {checkpoint, step, world_size, strategy, mlflow_run_id}
+
+No user code is imported: the checkpoint records its model's state manifest (every key, shape and
+dtype of the plain model's state_dict), and the shards and the output are checked against it. So
+consolidation runs on any machine, and a checkpoint from a shared store can name nothing to import.
 Invariant: both are published by rename, model.json last; a model.json on disk describes the
 model.safetensors beside it (its sha256 says so), and an interrupted run leaves the previous pair
 (or nothing) in place, never a half-written file.
@@ -42,14 +46,13 @@ from pipeline.tools import logs
 from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
-from pipeline.models import build_model
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
 from pipeline.components.tracking import TrackingError, get_run, log_consolidated, use_store
 
 log = logging.getLogger(__name__)
 
-FORMAT = "trainserve-weights/1"
+FORMAT = "trainserve-weights/2"
 WEIGHTS = "model.safetensors"
 DESCRIPTION = "model.json"
 ARTIFACT_PATH = "consolidated"
@@ -99,7 +102,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     tmp = _prepare_output(out_dir, total_size(specs))
     try:
         sha = write_weights(tmp, reader, specs, ckpt)
-        verify_file(tmp, specs, sha, meta["model_args"])
+        verify_file(tmp, specs, sha, manifest_of(ckpt, meta))
         description = describe(meta, ckpt, specs, sha, dtype)
         _publish(out_dir, tmp, description)
     finally:
@@ -153,34 +156,47 @@ def _download(run_id: str) -> Path:
 
 
 def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype) -> list[TensorSpec]:
-    """What the file will hold, in file order, after checking the checkpoint against the model
-    rebuilt from its own model_args: same keys, same shapes, floating where the model is floating.
-
-    The model is built on the meta device: its shapes without its memory.
-    """
-    if "model_args" not in meta:
-        raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} has no model_args; it can't be "
-                              "checked against a model")
-    try:
-        with torch.device("meta"):
-            model = build_model(meta["model_args"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint '{ckpt}': the model_args in {checkpoint.META} don't build a "
-                              f"model ({type(exc).__name__}: {exc})") from None
-    expected = model.state_dict()
-    checkpoint.check_compatible(ckpt, expected, metadata)  # keys and shapes; lists every difference
-
+    """What the file will hold, in file order, after checking the checkpoint against the model's state
+    manifest recorded at save: same keys, same shapes, floating where the model is floating."""
+    expected = manifest_of(ckpt, meta)
+    checkpoint.check_compatible(ckpt, {k: _Shape(v["shape"]) for k, v in expected.items()}, metadata)
     specs = []
     for name, want in expected.items():
         md = metadata.state_dict_metadata[f"model.{name}"]
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as bytes, not a tensor")
         stored = md.properties.dtype
-        if stored.is_floating_point != want.dtype.is_floating_point:
+        if stored.is_floating_point != _DTYPES[want["dtype"]].is_floating_point:
             raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as {stored}, the model "
-                                  f"has {want.dtype}: metadata from another model?")
+                                  f"has {want['dtype']}: metadata from another model?")
         specs.append(TensorSpec(name, tuple(md.size), dtype if stored.is_floating_point else stored))
     return file_order(specs)
+
+
+class _Shape:
+    """What check_compatible reads of a model tensor: its shape."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def manifest_of(ckpt: Path, meta: dict) -> dict[str, dict]:
+    manifest = meta.get("model_state")
+    if not isinstance(manifest, dict) or not manifest:
+        fmt = meta.get("format", "unknown")
+        raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} (format {fmt}) records no model_state "
+                              f"manifest; it was saved by a trainserve before components ({checkpoint.FORMAT} has "
+                              "it): retrain, or consolidate it with the trainserve that saved it")
+    for name, entry in manifest.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and entry.get("dtype") in _DTYPES):
+            raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} model_state entry {name!r} is malformed "
+                                  f"(expected {{shape: [...], dtype: one of {sorted(_DTYPES)}}})")
+    return manifest
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -329,33 +345,21 @@ def _write_error(exc: OSError, path: Path) -> ConsolidateError:
     return ConsolidateError(f"can't write '{path}' ({exc.strerror or exc}); choose another --output")
 
 
-def verify_file(path: Path, specs: list[TensorSpec], sha: str, model_args: dict) -> None:
-    """Re-reads the written file: same bytes as streamed (sha256), a header safetensors accepts,
-    and keys/shapes that a fresh model loads with strict=True. The fresh model lives on the meta
-    device, so this check costs no memory; the tests compare real outputs."""
+def verify_file(path: Path, specs: list[TensorSpec], sha: str, manifest: dict[str, dict]) -> None:
+    """Re-reads the written file: same bytes as streamed (sha256), a header safetensors accepts, and
+    exactly the manifest's keys and shapes (so the model loads it with strict=True; the tests load it)."""
     from safetensors import safe_open
 
     if file_sha256(path) != sha:
         raise ConsolidateError(f"'{path}' changed on disk while it was written (sha256 differs); try again")
     with safe_open(str(path), framework="pt") as f:
-        state = {}
-        for name in f.keys():
-            view = f.get_slice(name)
-            state[name] = torch.empty(view.get_shape(), dtype=_torch_dtype(view.get_dtype()), device="meta")
-    if set(state) != {s.name for s in specs}:
+        written = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    if set(written) != {s.name for s in specs}:
         raise ConsolidateError(f"'{path}': written keys differ from the planned ones")
-    with torch.device("meta"):
-        model = build_model(model_args)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ConsolidateError(f"'{path}' does not load into a fresh model: {exc}") from None
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from pipeline.components.safetensors_writer import DTYPE_NAMES
-
-    return {v: k for k, v in DTYPE_NAMES.items()}[name]
+    wrong = [n for n, shape in written.items() if manifest[n]["shape"] != shape]
+    if set(written) != set(manifest) or wrong:
+        raise ConsolidateError(f"'{path}' does not match the model's state manifest: keys "
+                               f"{sorted(set(written) ^ set(manifest))[:5]}, shapes {wrong[:5]}")
 
 
 def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
@@ -363,8 +367,13 @@ def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: s
     return {
         "format": FORMAT,
         "config": meta.get("config"),
-        "model_args": meta["model_args"],
+        "model": meta.get("model"),
+        "data": meta.get("data"),
+        "task": meta.get("task"),
         "labels": meta.get("labels"),
+        "inputs": meta.get("inputs"),
+        "single_input": meta.get("single_input", True),
+        "code": meta.get("code"),
         "tensors": {s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
                     for s in sorted(specs, key=lambda s: s.name)},
         "sha256": sha,

@@ -1,9 +1,14 @@
 """`pipeline export`: consolidated weights -> model.onnx behind gates -> MLflow model version + alias.
 
-Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/1, written
+Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
 optional variants `model.optimized.onnx` / `model.fp16.onnx`.
+
+The model, its data and its task are rebuilt from the components model.json records; those are
+imported only when trusted (built in, $TRAINSERVE_TRUSTED_COMPONENTS, --trust, or the config
+`pipeline run` was given): model.json may come from a shared store. The graph's inputs are the
+validation data's (names, dtypes, shapes), its outputs the task's.
 
 Every gate is measured and written to the report and to MLflow metrics; a model reaches the
 registry only when all of them pass, and the alias (the one serving loads) moves with it. A failed
@@ -26,16 +31,19 @@ import numpy as np
 import torch
 
 from pipeline.components import gates, onnx_export, tracking
-from pipeline.tools import logs
+from pipeline.components.build import ModelSpec, build_data, instantiate_model
+from pipeline.components.code_capture import missing_code_hint
+from pipeline.components.data import DataError, Splits, first_batch, named
+from pipeline.components.reference import ArtifactSource, short_name
+from pipeline.components.safetensors_writer import file_sha256
+from pipeline.components.tasks import build_task
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
-from pipeline.components.data import DataError, load_splits
-from pipeline.models import build_model
-from pipeline.components.safetensors_writer import file_sha256
+from pipeline.tools import logs
 
 log = logging.getLogger("pipeline.export")
 
-WEIGHTS_FORMAT = "trainserve-weights/1"
+WEIGHTS_FORMAT = "trainserve-weights/2"
 REPORT_FORMAT = "trainserve-export-report/1"
 WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
 STAGE_TAG = "trainserve.stage.export"
@@ -71,12 +79,14 @@ class ExportResult:
 
 def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
          export_cfg: ExportConfig | None = None, overrides: Sequence[str] = (),
-         output_dir: str | Path | None = None, tracking_uri: str = "", register: bool = True) -> ExportResult:
+         output_dir: str | Path | None = None, tracking_uri: str = "", register: bool = True,
+         trusted: Sequence[str] = ()) -> ExportResult:
     """Exports and gates one model; registers it when every gate passes.
 
     `weights_dir` or `run_id` (its `consolidated/` artifacts) names the input. The export settings
     are the weights' own config section unless `export_cfg` is given; `overrides` ("export.atol=1e-5")
-    apply on top. Raises WeightsError, TrackingError, ConfigError, DataError or ExportError on bad input.
+    apply on top. `trusted`: component patterns to import besides the built-in and environment ones.
+    Raises WeightsError, TrackingError, ConfigError, DataError or ExportError on bad input.
     """
     # 1. Input: where the weights are, and which run they belong to. The store is checked first:
     #    an unreachable registry or a wrong run id fails in seconds, not after the export.
@@ -94,38 +104,46 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
             tracking.get_run(run_id)
     out = Path(output_dir) if output_dir else weights.directory.parent / "onnx"
     out.mkdir(parents=True, exist_ok=True)
-    name = cfg.registered_model_name or f"{weights.meta['model_args']['name']}-{weights.config.data.name}"
+    name = cfg.registered_model_name or default_model_name(weights)
 
-    # 2. The reference PyTorch model and the validation split it is judged on.
-    reference = load_model(weights)
-    splits = load_splits(weights.config.data)
-    val_x, val_y = splits.val_x.float().numpy(), splits.val_y.numpy()
+    # 2. The reference PyTorch model, its task, and the validation split it is judged on, all rebuilt
+    #    from the components model.json records (once trusted).
+    source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
+    hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
+    reference = load_model(weights, source, hint)
+    splits = build_data(weights.config.data, weights.config.task.name, source, hint)
+    check_inputs(weights, splits)
+    task = build_task(weights.config.task, splits.classes, source, (weights.meta.get("task") or {}).get("num_classes"))
+    head = onnx_export.ExportHead(reference, task, splits.input_names, splits.single_input)
+    example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
-    metadata = onnx_export.metadata_for(name, weights.meta["labels"], {
+    metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
         "trainserve.weights_sha256": weights.meta["sha256"], "trainserve.opset": str(cfg.opset)})
-    exported = onnx_export.export(load_model(weights), torch.from_numpy(val_x[:2]), cfg.opset, metadata)
+    copy = onnx_export.ExportHead(load_model(weights, source, hint), task, splits.input_names, splits.single_input)
+    exported = onnx_export.export(copy, example, task.output_names, cfg.dynamic_axes, cfg.opset, metadata)
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"
     _save(exported.model, onnx_path)
     log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
 
     # 4. Gates, then the optional variants, each with its own limits.
+    batches = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
     results = {"checker": gates.check_model(onnx_path)}
-    sess = gates.session(onnx_path)
-    results.update(gates.parity(sess, reference, val_x, cfg.atol, cfg.rtol))
-    results["accuracy"] = gates.accuracy(sess, reference, val_x, val_y, cfg.accuracy_tolerance_pp)
+    results.update(_gate(gates.session(onnx_path), head, splits, task, batches, cfg))
     variants: dict[str, Path] = {}
     if cfg.ort_optimize:
         variants["optimized"] = gates.ort_optimize(onnx_path, out / "model.optimized.onnx")
-        results.update(_optimized_gates(variants["optimized"], reference, val_x, val_y, cfg))
+        results["optimized.checker"] = gates.check_model(variants["optimized"])
+        sess = gates.session(variants["optimized"])
+        results.update({f"optimized.{k}": v for k, v in _gate(sess, head, splits, task, batches, cfg).items()})
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
         _save(gates.to_fp16(exported.model), variants["fp16"])
-        results.update(_fp16_gates(variants["fp16"], reference, val_x, val_y, cfg))
+        results.update(_fp16_gates(variants["fp16"], head, splits, task, batches, cfg))
 
     # 5. Report, MLflow, registry.
-    report = _report(weights, cfg, name, exported, results, variants)
+    report = _report(weights, cfg, name, exported, results, variants, task, splits)
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
     else:
@@ -138,9 +156,32 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     report_path = out / "export_report.json"
     report_path.write_text(json.dumps(report, indent=2))
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
-    _publish(result, weights, run_id, cfg, exported, val_x, sess, variants, register)
+    _publish(result, weights, run_id, cfg, exported, example, variants, register)
     report_path.write_text(json.dumps(report, indent=2))  # now with the model version, if any
     return result
+
+
+def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, **limits) -> dict[str, dict]:
+    """Parity on the prepared batches, then parity and the task's metric over the whole split."""
+    atol, rtol = limits.pop("atol", cfg.atol), limits.pop("rtol", cfg.rtol)
+    tolerance = limits.pop("tolerance", cfg.accuracy_tolerance_pp if task.name == "classification" else cfg.metric_rtol)
+    results = gates.parity(sess, head, batches, task.output_names, atol, rtol, **limits)
+    results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, **limits))
+    return results
+
+
+def default_model_name(weights: "Weights") -> str:
+    """<model>-<data> from the components' names, e.g. resnet18-digits."""
+    return f"{short_name(weights.meta['model']['component'])}-{short_name(weights.config.data.component)}"
+
+
+def check_inputs(weights: "Weights", splits: Splits) -> None:
+    """The data the export is gated on has the inputs the model was trained on."""
+    trained = [(i["name"], i["dtype"]) for i in weights.meta.get("inputs") or []]
+    now = [(s.name, str(s.dtype).removeprefix("torch.")) for s in splits.inputs]
+    if trained and trained != now:
+        raise DataError(f"the validation data now gives inputs {now}, but the model was trained on {trained} "
+                        f"(see {weights.directory / META_FILE}); export with the data it was trained on")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +204,13 @@ def read_weights(directory: Path) -> Weights:
         raise WeightsError(f"{meta_path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != WEIGHTS_FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}")
-    absent = [k for k in ("config", "model_args", "labels", "sha256") if not meta.get(k)]
+        raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}"
+                           + ("; consolidate the checkpoint again with this trainserve" if got else ""))
+    absent = [k for k in ("config", "model", "sha256") if not meta.get(k)]
+    model = meta.get("model")
+    if not absent and not (isinstance(model, dict) and isinstance(model.get("component"), str)
+                           and isinstance(model.get("args"), dict)):
+        absent = ["model {component, args}"]
     if absent:
         raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
     digest = file_sha256(weights_path)
@@ -176,18 +222,17 @@ def read_weights(directory: Path) -> Weights:
         state_dict = load_file(str(weights_path))
     except (SafetensorError, OSError) as exc:
         raise WeightsError(f"{weights_path}: cannot be read as safetensors ({exc})") from None
-    if len(meta["labels"]) != meta["model_args"].get("num_classes"):
-        raise WeightsError(f"{meta_path}: {len(meta['labels'])} labels for a model with "
-                           f"{meta['model_args'].get('num_classes')} classes")
+    labels, classes = meta.get("labels"), (meta.get("task") or {}).get("num_classes")
+    if labels is not None and classes is not None and len(labels) != classes:
+        raise WeightsError(f"{meta_path}: {len(labels)} labels for a model with {classes} classes")
     return Weights(directory, meta, config, state_dict)
 
 
-def load_model(weights: Weights) -> torch.nn.Module:
-    """The model rebuilt from model_args, with the weights checked key by key and shape by shape."""
-    try:
-        model = build_model(weights.meta["model_args"])
-    except (KeyError, ValueError, TypeError) as exc:
-        raise WeightsError(f"model_args in model.json cannot build a model: {exc}") from None
+def load_model(weights: Weights, source: ArtifactSource | None = None, missing_hint: str = "") -> torch.nn.Module:
+    """The model rebuilt from its recorded component and args, with the weights checked key by key and
+    shape by shape."""
+    spec = ModelSpec(**weights.meta["model"])
+    model = instantiate_model(spec, source, missing_hint)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.state_dict.items()}
     problems = [f"missing {k} {list(s)}" for k, s in expected.items() if k not in got]
@@ -195,12 +240,16 @@ def load_model(weights: Weights) -> torch.nn.Module:
     problems += [f"{k}: file {list(got[k])}, model {list(s)}" for k, s in expected.items() if k in got and got[k] != s]
     if problems:
         shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        args = weights.meta["model_args"]
-        raise WeightsError(
-            f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
-            f"({args.get('name')}, width {args.get('width')}, {args.get('num_classes')} classes): {shown}")
-    model.load_state_dict({k: v.float() for k, v in weights.state_dict.items()}, strict=True)
+        raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
+                           f"({spec.component} with args {_brief(spec.args)}): {shown}")
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.state_dict.items()},
+                          strict=True)
     return model.float().eval()
+
+
+def _brief(args: dict) -> str:
+    text = json.dumps(args)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _download_weights(run_id: str) -> Path:
@@ -243,16 +292,7 @@ def _save(model, path: Path) -> None:
     onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
 
 
-def _optimized_gates(path: Path, reference, val_x, val_y, cfg: ExportConfig) -> dict[str, dict]:
-    """The optimized graph must compute what the plain one does: the same fp32 limits."""
-    res = {"optimized.checker": gates.check_model(path)}
-    sess = gates.session(path)
-    res.update({f"optimized.{k}": v for k, v in gates.parity(sess, reference, val_x, cfg.atol, cfg.rtol).items()})
-    res["optimized.accuracy"] = gates.accuracy(sess, reference, val_x, val_y, cfg.accuracy_tolerance_pp)
-    return res
-
-
-def _fp16_gates(path: Path, reference, val_x, val_y, cfg: ExportConfig) -> dict[str, dict]:
+def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConfig) -> dict[str, dict]:
     """fp16 runs where it is meant to: CUDA when a device exists; else the CPU provider, if it can."""
     res = {"fp16.checker": gates.check_model(path)}
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"]
@@ -261,12 +301,13 @@ def _fp16_gates(path: Path, reference, val_x, val_y, cfg: ExportConfig) -> dict[
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own untyped errors
         res["fp16.parity"] = {"passed": False, "message": f"onnxruntime cannot run the fp16 model on {providers[0]}: {exc}"}
         return res
-    limits = {"prob_atol": gates.FP16_PROB_ATOL, "min_agreement": gates.FP16_MIN_AGREEMENT}
-    # Logits are checked with limits scaled for fp16's precision; probabilities and decisions carry the gate.
-    atol, rtol = cfg.atol * gates.FP16_LOGIT_SCALE[0], cfg.rtol * gates.FP16_LOGIT_SCALE[1]
-    res |= {f"fp16.{k}": v for k, v in gates.parity(sess, reference, val_x, atol, rtol, **limits).items()}
-    res["fp16.accuracy"] = gates.accuracy(sess, reference, val_x, val_y, max(cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP))
-    return res
+    limits: dict[str, Any] = {"atol": cfg.atol * gates.FP16_LOGIT_SCALE[0], "rtol": cfg.rtol * gates.FP16_LOGIT_SCALE[1]}
+    if task.name == "classification":  # probabilities and decisions carry the gate
+        limits |= {"prob_atol": gates.FP16_PROB_ATOL, "min_agreement": gates.FP16_MIN_AGREEMENT,
+                   "tolerance": max(cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP)}
+    else:
+        limits["tolerance"] = max(cfg.metric_rtol, gates.FP16_METRIC_RTOL)
+    return res | {f"fp16.{k}": v for k, v in _gate(sess, head, splits, task, batches, cfg, **limits).items()}
 
 
 def _cuda() -> bool:
@@ -275,7 +316,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: dict, variants: dict) -> dict:
+def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: dict, variants: dict, task,
+            splits: Splits) -> dict:
     failed = [k for k, v in results.items() if not v["passed"]]
     return {
         "format": REPORT_FORMAT,
@@ -286,6 +328,10 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
         "model_version": None,
         "exporter": {"used": exported.exporter, "fallback_reason": exported.fallback_reason,
                      "opset": cfg.opset, "seconds": round(exported.seconds, 2), "torch": torch.__version__},
+        "task": task.facts(),
+        "inputs": [s.to_json() for s in splits.inputs],
+        "outputs": list(task.output_names),
+        "dynamic_axes": cfg.dynamic_axes,
         "gates": results,
         "variants": {k: str(v) for k, v in variants.items()},
         "export_config": cfg.model_dump(mode="json"),
@@ -307,12 +353,15 @@ def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
         "trainserve.weights_sha256": weights.meta["sha256"],
         "trainserve.config_sha256": report["weights"]["config_sha256"],
         "trainserve.exporter": report["exporter"]["used"],
+        "trainserve.task": report["task"]["name"],
+        "trainserve.model_component": weights.meta["model"]["component"],
+        "trainserve.data_component": weights.config.data.component,
         "trainserve.opset": str(report["exporter"]["opset"]),
     }
 
 
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
-             val_x: np.ndarray, sess, variants: dict, register: bool) -> None:
+             example: dict[str, torch.Tensor], variants: dict, register: bool) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
@@ -326,11 +375,10 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             return
         for path in variants.values():
             tracking.log_artifact(path, "onnx")
-        example = {"input": gates.batch_of(val_x, 2)}
-        logits, probs = sess.run(["logits", "probabilities"], example)
+        inputs = {k: np.ascontiguousarray(v[:2].numpy()) for k, v in example.items()}
         providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"])
         report["model_uri"] = tracking.log_onnx_model(
-            exported.model, example, {"logits": logits, "probabilities": probs}, providers,
+            exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
         if register:
             tags = lineage_tags(weights, report)
@@ -341,6 +389,21 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             report["alias"] = cfg.alias
             log.info("registered %s version %s as @%s", result.registered_model_name, result.model_version, cfg.alias)
         tracking.set_tags({STAGE_TAG: "done"})
+
+
+def signature(model):
+    """The MLflow signature of the graph itself: every named input and output, its dtype, and -1 on
+    each dynamic axis (an inferred signature would fix a sequence axis at the example's length)."""
+    import onnx
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    def specs(values):
+        return Schema([TensorSpec(onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type),
+                                  tuple(d.dim_value if d.HasField("dim_value") else -1
+                                        for d in v.type.tensor_type.shape.dim), v.name) for v in values])
+
+    return ModelSignature(inputs=specs(model.graph.input), outputs=specs(model.graph.output))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +417,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: the weights' config, "
                         "$MLFLOW_TRACKING_URI, then sqlite:///mlflow.db)")
     parser.add_argument("--no-register", action="store_true", help="log to the run but register no version")
+    parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
+                        help="import components model.json names that match this pattern (e.g. 'my_project.*'), "
+                             "besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; repeatable")
     parser.add_argument("overrides", nargs="*", default=[], metavar="export.key=value",
                         help="override the export settings, e.g. export.opset=17 export.fp16=true")
     # `DIR --output X export.atol=1e-5`: plain parse_args stops matching positionals after the first
@@ -369,7 +435,7 @@ def cli(args: argparse.Namespace) -> int:
         weights_dir = None
     try:
         result = main(weights_dir, run_id=args.run_id, overrides=overrides, output_dir=args.output,
-                      tracking_uri=args.tracking_uri, register=not args.no_register)
+                      tracking_uri=args.tracking_uri, register=not args.no_register, trusted=args.trust)
     except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError) as exc:
         one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"pipeline export: error: {one_line}", file=sys.stderr)

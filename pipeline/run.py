@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.components import checkpoint, tracking
 from pipeline.tools import logs
+from pipeline.components.build import preflight
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
 
 log = logging.getLogger("pipeline.run")
@@ -39,6 +40,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     tracking.setup(cfg.tracking)  # fail in seconds on a bad store, before any stage
 
     if force or not train_done(run_dir):
+        preflight(cfg)  # a bad data, task or model component stops here, before any process is spawned
         code = run_train(cfg, run_dir, nproc_per_node, force)
         if code:
             log.error("train failed (exit %d); see its log above", code)
@@ -55,7 +57,9 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
 
     report = passed_export(run_dir, weights, cfg.export)
     if force or report is None:
-        result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri)
+        # The components the user's own config names are trusted when model.json names them back.
+        result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri,
+                             trusted=own_components(cfg))
         if not result.passed:
             log.error("export gates failed: %s; see %s", ", ".join(result.failed), result.report_path)
             return 1
@@ -68,8 +72,12 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     write_run_note(run_id, run_dir, weights, report, model_uri)
     log.info("done: %s -> %s (MLflow run %s)", run_dir, model_uri, run_id)
     if serve or serve_check:
-        return serve_with_sample(cfg, model_uri, keep_serving=not serve_check)
+        return serve_with_sample(cfg, model_uri, weights.parent, keep_serving=not serve_check)
     return 0
+
+
+def own_components(cfg: Config) -> tuple[str, ...]:
+    return (cfg.model.component, cfg.data.component, *(c.component for c in (cfg.task.loss, cfg.task.metric) if c))
 
 
 # --- what is done already --------------------------------------------------------------------
@@ -162,10 +170,9 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
                        "trainserve.stage.pipeline": "done"}, run_id=run_id)
 
 
-def serve_with_sample(cfg: Config, model_uri: str, keep_serving: bool) -> int:
-    """Starts the server, proves it with one real validation digit, then serves (or stops)."""
-    from pipeline.components.data import load_splits
-
+def serve_with_sample(cfg: Config, model_uri: str, weights_dir: Path, keep_serving: bool) -> int:
+    """Starts the server and proves it with a real validation sample: the served answer must equal the
+    PyTorch model's on the same inputs. Then serves (or stops)."""
     s = cfg.serve
     port = s.port or tracking.free_port()
     cmd = [sys.executable, "-m", "serving", "--model", model_uri, "--host", s.host, "--port", str(port),
@@ -174,12 +181,12 @@ def serve_with_sample(cfg: Config, model_uri: str, keep_serving: bool) -> int:
     server = subprocess.Popen(cmd, env=env)
     try:
         base = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{port}"
+        sample = ServeSample.prepare(cfg, weights_dir)
         wait_ready(base, server)
-        splits = load_splits(cfg.data)
         name = model_uri.split("/")[1].split("@")[0]  # a registry model is served under its registered name
-        correct = sample_request(base, name, splits.val_x[0], int(splits.val_y[0]), splits.labels)
+        matches = sample.check(base, name)
         if not keep_serving:
-            return 0 if correct else 1
+            return 0 if matches else 1
         log.info("serving %s at %s (Ctrl-C to stop)", model_uri, base)
         return server.wait()
     except KeyboardInterrupt:
@@ -188,6 +195,75 @@ def serve_with_sample(cfg: Config, model_uri: str, keep_serving: bool) -> int:
         if server.poll() is None:
             server.terminate()
             server.wait(timeout=60)
+
+
+class ServeSample:
+    """One real validation sample, and what the PyTorch model answers for it."""
+
+    def __init__(self, feeds, target, expected, task, atol: float, rtol: float):
+        self.feeds, self.target, self.expected, self.task = feeds, target, expected, task
+        self.atol, self.rtol = atol, rtol
+
+    @classmethod
+    def prepare(cls, cfg: Config, weights_dir: Path) -> "ServeSample":
+        from pipeline import export
+        from pipeline.components import gates
+        from pipeline.components.build import build_data
+        from pipeline.components.data import first_batch
+        from pipeline.components.onnx_export import ExportHead
+        from pipeline.components.tasks import build_task
+
+        weights = export.read_weights(weights_dir)
+        splits = build_data(cfg.data, cfg.task.name)
+        task = build_task(cfg.task, splits.classes, num_classes=(weights.meta.get("task") or {}).get("num_classes"))
+        head = ExportHead(export.load_model(weights), task, splits.input_names, splits.single_input)
+        inputs, target = first_batch(splits.val, 1)
+        feeds = gates.feeds_of(inputs)
+        return cls(feeds, target, gates.run_torch(head, feeds, task.output_names), task, cfg.export.atol,
+                   cfg.export.rtol)
+
+    def check(self, base: str, name: str) -> bool:
+        """One Open Inference Protocol request with every named input; prints what came back."""
+        import numpy as np
+        import requests
+
+        from pipeline.components import gates
+
+        body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": V2_DATATYPES[a.dtype.str[1:]],
+                            "data": a.reshape(-1).tolist()} for n, a in self.feeds.items()]}
+        response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
+        if response.status_code != 200:
+            raise ServeCheckError(f"the sample request got HTTP {response.status_code}: {response.text[:500]}")
+        answer = {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"])
+                  for o in response.json()["outputs"]}
+        parity = gates.compare(answer, self.expected, self.atol, self.rtol)
+        print(f"sample request: {self._verdict(answer)}\n"
+              f"  the server's answer {'equals' if parity['passed'] else 'DIFFERS FROM'} the PyTorch model's "
+              f"({parity['message']})\n  POST {base}/v2/models/{name}/infer", flush=True)
+        return parity["passed"]
+
+    def _verdict(self, answer) -> str:
+        task = self.task
+        if task.name == "classification":
+            probabilities = answer["probabilities"][0]
+            label, predicted = int(self.target[0]), int(probabilities.argmax())
+            return (f"a real '{task.labels[label]}' from the validation split -> predicted '{task.labels[predicted]}' "
+                    f"(p={probabilities[predicted]:.3f}), {'correct' if predicted == label else 'WRONG'}")
+        output = task.output_names[0]
+        return (f"a real validation sample (target {_values(self.target[0])}) -> {output} {_values(answer[output][0])}")
+
+
+# numpy dtype (as `dtype.str` without byte order) -> KServe V2 datatype
+V2_DATATYPES = {"f4": "FP32", "f8": "FP64", "f2": "FP16", "i8": "INT64", "i4": "INT32", "i2": "INT16", "i1": "INT8",
+                "u1": "UINT8", "b1": "BOOL", "u2": "UINT16", "u4": "UINT32", "u8": "UINT64"}
+
+
+def _values(value) -> str:
+    import numpy as np
+
+    flat = np.asarray(value, dtype=np.float64).reshape(-1)
+    shown = ", ".join(f"{v:.4g}" for v in flat[:4]) + (", ..." if len(flat) > 4 else "")
+    return shown if len(flat) == 1 else f"[{shown}]"
 
 
 def wait_ready(base: str, server: subprocess.Popen, timeout: float = 120) -> None:
@@ -204,26 +280,6 @@ def wait_ready(base: str, server: subprocess.Popen, timeout: float = 120) -> Non
             pass
         time.sleep(0.25)
     raise ServeCheckError(f"the server at {base} was not ready after {timeout:.0f} s")
-
-
-def sample_request(base: str, name: str, image, label: int, labels: list[str]) -> bool:
-    """One Open Inference Protocol request with a real validation image; prints what came back."""
-    import requests
-
-    body = {"inputs": [{"name": "input", "shape": [1, *image.shape], "datatype": "FP32",
-                        "data": image.flatten().tolist()}]}
-    response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
-    if response.status_code != 200:
-        raise ServeCheckError(f"the sample request got HTTP {response.status_code}: {response.text[:500]}")
-    answer = response.json()
-    outputs = {o["name"]: o["data"] for o in answer["outputs"]}
-    probabilities = outputs["probabilities"]
-    predicted = max(range(len(probabilities)), key=probabilities.__getitem__)
-    verdict = "correct" if predicted == label else "WRONG"
-    print(f"sample request: a real '{labels[label]}' from the validation split -> predicted '{labels[predicted]}' "
-          f"(p={probabilities[predicted]:.3f}), {verdict}\n"
-          f"  POST {base}/v2/models/{name}/infer", flush=True)
-    return predicted == label
 
 
 # --- CLI -----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The train stage: `pipeline train --config configs/X.yaml [--nproc-per-node N] [key=value ...]`.
 
 Runs on every rank under torchrun (or alone as a world of one). `main(cfg)` reads top to bottom;
-the pieces it uses live in their own modules (data, models, amp, optim, checkpoint, tracking).
+the pieces it uses live in their own modules (components/: build, data, tasks, checkpoint, tracking;
+distributed/: process group, parallelize, replicas).
 """
 
 from __future__ import annotations
@@ -19,25 +20,28 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline.components import amp, checkpoint, tracking
 from pipeline import distributed
-from pipeline.distributed import replicas
-from pipeline.tools import stopping
+from pipeline.components import amp, checkpoint, tracking
+from pipeline.components.build import (build_data, instantiate_model, model_spec, preflight, probe,
+                                       state_manifest)
 from pipeline.components.checkpoint_uploads import BackgroundUploads
-from pipeline.tools.faults import inject_fault
-from pipeline.config import (CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config,
-                             to_yaml)
-from pipeline.components.data import DataError, Splits, load_splits, make_train_loader, rescale_loader_state, val_shard
-from pipeline.distributed import DistInfo
-from pipeline.models import build_model, model_args_for
+from pipeline.components.code_capture import capture
+from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
+                                      make_train_loader, rescale_loader_state, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
+from pipeline.components.reference import short_name
+from pipeline.components.tasks import build_task
+from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
+from pipeline.distributed import DistInfo, replicas
+from pipeline.distributed.parallelize import wrap_model
+from pipeline.tools import stopping
+from pipeline.tools.faults import inject_fault
 
 log = logging.getLogger("pipeline.train")
 STAGE_TAG = "trainserve.stage.train"  # running | done | failed, on the training run
@@ -53,7 +57,7 @@ class TrainResult:
     run_id: str | None
     checkpoint: Path
     losses: list[float] = field(default_factory=list)
-    val_accuracy: float = 0.0
+    val_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
@@ -71,14 +75,18 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
                  info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
 
+        # The data, the task and the model, each checked on real samples before training starts.
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial replicas
-        splits = load_splits(cfg.data)
-        data_info = splits.info()
-        model_args = model_args_for(cfg.model, data_info)
-        model = wrap_model(build_model(model_args), cfg.train, precision, info)
+        splits = build_data(cfg.data, cfg.task.name)
+        task = build_task(cfg.task, splits.classes)
+        spec, from_data = model_spec(cfg.model, splits, task)
+        plain_model = instantiate_model(spec)
+        probe(plain_model, splits, task, spec.component)
+        manifest = state_manifest(plain_model)
+        model = wrap_model(plain_model, cfg.train, precision, info)
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         batch_per_rank = cfg.train.global_batch_size // (info.world_size * cfg.train.grad_accum_steps)
-        loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, cfg.train.seed,
+        loader = make_train_loader(splits.train, batch_per_rank, info.rank, info.world_size, cfg.train.seed,
                                    cfg.data.num_workers, pin_memory=info.device.type == "cuda",
                                    grad_accum_steps=cfg.train.grad_accum_steps)
         steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
@@ -90,6 +98,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         resume_path = checkpoint.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
             meta = checkpoint.load(resume_path, model, optimizer, info)
+            check_same_model(meta, spec, resume_path)
             step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
@@ -97,27 +106,35 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
                               "or start a new run with another train.run_name")
 
-        uploads = None
+        uploads, code = None, None
         if info.is_main:
-            run_id = start_tracking(cfg, run_dir, run_id, info, precision, replaying=resume == "auto")
+            code = capture([cfg.model.component, cfg.data.component,
+                            *(c.component for c in (cfg.task.loss, cfg.task.metric) if c)])
+            run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
+                                    replaying=resume == "auto")
             if cfg.checkpoint.log_to_mlflow == "all":
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
-        meta = {"config": cfg.model_dump(mode="json"), "model_args": model_args, "labels": splits.labels,
+        # What every checkpoint says about itself: enough to rebuild and check the model elsewhere.
+        meta = {"config": cfg.model_dump(mode="json"), "model": spec.to_json(),
+                "data": {"component": cfg.data.component, "args": cfg.data.args}, "task": task.facts(),
+                "labels": task.facts().get("labels"), "inputs": [s.to_json() for s in splits.inputs],
+                "single_input": splits.single_input, "model_state": manifest,
+                "code": code.describe() if code else None,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
-        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, cfg.train, cfg.checkpoint, info,
-                            precision, step, epoch, total_steps, ckpt_root, meta, uploads)
+        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, task, cfg.train, cfg.checkpoint,
+                            info, precision, step, epoch, total_steps, ckpt_root, meta, uploads, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, total_steps) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
-        accuracy, confusion = evaluate(model, splits, info, precision, len(splits.labels), total_steps,
-                                       uses_channels_last(cfg.train, info))
+        metrics, state = evaluate(model, splits, task, info, precision, cfg.data.num_workers, total_steps,
+                                  uses_channels_last(cfg.train, info))
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
         distributed.teardown(clean=True)
         if info.is_main:
-            finish_tracking(cfg, final, accuracy, confusion, splits.labels, run_id, uploads)
-        return TrainResult(run_dir, run_id, final, losses, accuracy)
+            finish_tracking(cfg, final, task, state, run_id, uploads)
+        return TrainResult(run_dir, run_id, final, losses, metrics)
     except BaseException:
         end_run_after_failure()
         raise
@@ -131,6 +148,18 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown(clean)
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def check_same_model(meta: dict, spec, path: Path) -> None:
+    """A resume continues the model it saved: another component is refused (same shapes or not)."""
+    saved = (meta.get("model") or {}).get("component")
+    if saved and saved != spec.component:
+        raise checkpoint.CheckpointError(f"checkpoint '{path}' was trained with model.component '{saved}', this "
+                                         f"config names '{spec.component}'; resume with the config it was trained "
+                                         f"with ({Path(path) / checkpoint.META})")
+    if saved and meta["model"].get("args") != spec.args:
+        log.warning("resuming %s with other model args than it was saved with: %s (saved) vs %s", path,
+                    meta["model"].get("args"), spec.args)
 
 
 def final_checkpoint(ckpt_root: Path, total_steps: int) -> Path | None:
@@ -158,9 +187,10 @@ def end_run_after_failure() -> None:
         log.error("could not mark the MLflow run %s: %s", status, exc)
 
 
-def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: TrainConfig,
+def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task, t: TrainConfig,
                ckpt_cfg: CheckpointConfig, info: DistInfo, precision: str, step: int, epoch: int,
-               total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None) -> list[float]:
+               total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None,
+               num_workers: int = 0) -> list[float]:
     channels_last = uses_channels_last(t, info)
     losses: list[float] = []
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
@@ -170,7 +200,8 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
-                                    t.clip_grad_norm, want_norm=log_now, channels_last=channels_last)
+                                    t.clip_grad_norm, want_norm=log_now, channels_last=channels_last,
+                                    loss_fn=task.loss)
             scheduler.step()
             step += 1
             window_loss += loss
@@ -189,7 +220,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
                     progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if t.eval_every and step % t.eval_every == 0 and step != total_steps:
-                evaluate(model, splits, info, precision, len(splits.labels), step, channels_last)
+                evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
             if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
@@ -209,7 +240,7 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, t: T
         else:  # the epoch ran out (or a resume landed exactly on its end)
             epoch += 1
             if not t.eval_every:
-                evaluate(model, splits, info, precision, len(splits.labels), step, channels_last)
+                evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
     progress.close()
     return losses
 
@@ -225,17 +256,18 @@ def chunked(loader, size: int):
 
 
 def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
-               clip_grad_norm: float, want_norm: bool, channels_last: bool = False) -> tuple[float, float]:
-    """One optimizer step over the micro-batches; returns this rank's loss and the global grad norm
-    (NaN unless clipping or asked for, since the norm costs a pass over every gradient)."""
+               clip_grad_norm: float, want_norm: bool, *, loss_fn: Callable, channels_last: bool = False
+               ) -> tuple[float, float]:
+    """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss and the
+    global grad norm (NaN unless clipping or asked for, since the norm costs a pass over every gradient)."""
     accum = len(micro_batches)
     total = 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        x = to_device(x, info.device, channels_last)
-        y = y.to(info.device, non_blocking=True)
+    for i, (inputs, target) in enumerate(micro_batches):
+        inputs = to_device(inputs, info.device, channels_last)
+        target = target.to(info.device, non_blocking=True)
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
         with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
-            loss = F.cross_entropy(model(x), y) / accum
+            loss = loss_fn(forward(model, inputs), target) / accum
         scaler.scale(loss).backward()
         total += loss.item()
     if not math.isfinite(total):
@@ -255,12 +287,6 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
     return total, norm
 
 
-def to_device(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """Images go NHWC when the model is channels_last, or every conv would convert them."""
-    fmt = torch.channels_last if channels_last and x.dim() == 4 else torch.preserve_format
-    return x.to(device, memory_format=fmt, non_blocking=True)
-
-
 def uses_channels_last(train_cfg, info: DistInfo) -> bool:
     return train_cfg.channels_last and info.device.type == "cuda"
 
@@ -274,50 +300,40 @@ def sync_context(model, last_micro_batch: bool):
 
 
 @torch.no_grad()
-def evaluate(model, splits: Splits, info: DistInfo, precision: str, num_classes: int,
-             step: int | None = None, channels_last: bool = False) -> tuple[float, torch.Tensor]:
-    """Accuracy and confusion matrix over the whole validation split, counted on all ranks."""
+def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_workers: int = 0,
+             step: int | None = None, channels_last: bool = False) -> tuple[dict[str, float], dict]:
+    """The task's metrics over the whole validation split, each rank on its own disjoint shard; returns
+    them and the reduced state (for the plot). Logged as val/<metric> at `step`."""
     replicas.sync_buffers(model)  # every rank evaluates with the same BatchNorm statistics
     model.eval()
-    x_all, y_all = val_shard(splits, info.rank, info.world_size)
-    batch = 256
+    shard = eval_shard(splits.val, info.rank, info.world_size)
     # Every rank runs the same number of forwards (FSDP all-gathers inside each one).
-    per_rank = -(-len(splits.val_y) // info.world_size)
-    n_batches = max(1, -(-per_rank // batch))
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=info.device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-    for b in range(n_batches):
-        x = to_device(x_all[b * batch:(b + 1) * batch], info.device, channels_last)
-        y = y_all[b * batch:(b + 1) * batch].to(info.device)
-        empty = len(y) == 0
-        if empty:
-            x = splits.val_x[:1].to(info.device)
+    per_rank = -(-len(splits.val) // info.world_size)
+    n_batches = max(1, -(-per_rank // EVAL_BATCH))
+    batches = iter(eval_loader(shard, EVAL_BATCH, num_workers, pin_memory=info.device.type == "cuda"))
+    state = task.new_state(info.device)
+    for _ in range(n_batches):
+        batch = next(batches, None)
+        filler = batch is None  # this rank's shard ran out: a forward all the same, its output unused
+        inputs, target = first_batch(splits.val, 1) if filler else batch
         with amp.autocast(precision, info.device):
-            logits = model(x).float()
-        if empty:
-            continue
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
-        confusion.index_put_((y, logits.argmax(1)), torch.ones_like(y, dtype=torch.float64), accumulate=True)
-    if info.distributed:
-        dist.all_reduce(confusion)
-        dist.all_reduce(loss_sum)
-    total = confusion.sum().item()
-    accuracy = confusion.diagonal().sum().item() / total
+            output = forward(model, to_device(inputs, info.device, channels_last))
+        if not filler:
+            task.update(state, output.float(), target.to(info.device))
+    task.reduce(state, info)
+    metrics = task.metrics(state)
     if info.is_main and step is not None:
-        tracking.log_metrics({"val/accuracy": accuracy, "val/loss": loss_sum.item() / total}, step)
-        log.info("step %d: val accuracy %.4f, val loss %.4f", step, accuracy, loss_sum.item() / total)
+        tracking.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step)
+        log.info("step %d: %s", step, ", ".join(f"val {k} {v:.4f}" for k, v in metrics.items()))
     model.train()
-    return accuracy, confusion.cpu()
-
-
-# --- pieces main() uses ------------------------------------------------------------------------
+    return metrics, state
 
 
 def default_run_name(cfg: Config) -> str:
     """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their checkpoints."""
     if cfg.train.run_name:
         return cfg.train.run_name
-    stem = f"{cfg.model.name}-{cfg.data.name}"
+    stem = f"{short_name(cfg.model.component)}-{short_name(cfg.data.component)}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return f"{stem}-{run_id[:8]}"
@@ -346,32 +362,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def wrap_model(model: torch.nn.Module, train_cfg, precision: str, info: DistInfo) -> torch.nn.Module:
-    if train_cfg.sync_batchnorm and info.distributed:
-        if info.device.type == "cuda":
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            log.warning("train.sync_batchnorm ignored: torch's SyncBatchNorm has no CPU kernel; "
-                        "BatchNorm statistics stay per rank")
-    model = model.to(info.device)
-    if info.device.type == "cuda":
-        torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
-        if train_cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-    if train_cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # FSDP2 casts parameters itself; gradients are reduced in fp32 for accuracy.
-        mp = MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32) \
-            if precision != "fp32" else MixedPrecisionPolicy()
-        for block in [m for m in model.modules() if m.__class__.__name__ == "BasicBlock"]:
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
-    if info.distributed:
-        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    return model
-
-
 def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
     ranks: they are at the same place of the same epoch's shuffle."""
@@ -395,31 +385,43 @@ def make_progress(info: DistInfo, total: int, initial: int):
                 mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
 
 
-def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str,
-                   replaying: bool) -> str:
+def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str, spec,
+                   from_data: dict, code, replaying: bool) -> str:
     """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
     the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
     tags = {STAGE_TAG: "running", "trainserve.git_commit": tracking.git_commit(),
             "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
             "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
-            "trainserve.run_dir": str(run_dir.resolve())}
+            "trainserve.run_dir": str(run_dir.resolve()), "trainserve.task": cfg.task.name,
+            "trainserve.component.model": cfg.model.component, "trainserve.component.data": cfg.data.component}
     resumed = run_id is not None
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying)
     if not resumed:
-        tracking.log_params(flatten(cfg))
+        # The config as given, and the model's arguments as built (those the data suggested included).
+        tracking.log_params({**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}})
         tracking.log_text(to_yaml(cfg), "config/resolved.yaml")
+        tracking.log_text(json.dumps(spec.to_json(), indent=2), "config/model.json")
+        tracking.log_code(code.files, code.describe()["packages"])
+    if from_data:
+        log.info("model args from the data: %s", ", ".join(f"{k}={_short(v)}" for k, v in from_data.items()))
+    for why in code.skipped:
+        log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run_id}))
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_id
 
 
-def finish_tracking(cfg: Config, final: Path, accuracy: float, confusion: torch.Tensor, labels: list[str],
-                    run_id: str, uploads: BackgroundUploads | None) -> None:
-    from pipeline.components.plots import confusion_matrix_png
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
-    tracking.log_artifact(confusion_matrix_png(confusion, labels, final.parent.parent / "confusion_matrix.png"))
+
+def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None) -> None:
+    figure = task.plot(state, final.parent.parent / "validation.png")
+    if figure:
+        tracking.log_artifact(figure)
     if cfg.checkpoint.log_to_mlflow == "last":
         tracking.log_checkpoint(final, run_id)
     if uploads:
@@ -516,6 +518,7 @@ def cli(args) -> int:
             # Fail before spawning: one clear line instead of one per rank and torchrun's report.
             check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available(), args.nproc_per_node)
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
+            preflight(cfg)  # the data, task and model components, checked on real samples
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0

@@ -17,7 +17,7 @@ from pipeline.components import tracking
 def command(tracking_uri: str, host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri,
             # New experiments created from the UI keep their artifacts beside the database too.
-            "--default-artifact-root", tracking.default_artifact_root(),
+            "--default-artifact-root", tracking.default_artifact_root(tracking_uri),
             "--host", host, "--port", str(port), "--workers", "1"]
 
 

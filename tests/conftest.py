@@ -13,9 +13,38 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from pipeline.components import checkpoint
+from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
+from pipeline.distributed import DistInfo
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "configs" / "tiny.yaml"
+CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+
+
+def mlp_spec(hidden=(16,), classes: int = 10, image_size: int = 8) -> ModelSpec:
+    """The built-in MLP on 8x8 one-channel images, with the args the digits data set would fill in."""
+    return ModelSpec("pipeline.models:mlp", {"num_classes": classes, "in_channels": 1, "image_size": image_size,
+                                             "hidden": list(hidden), "mean": [0.3], "std": [0.4]})
+
+
+def resnet_spec(width: float = 0.125, classes: int = 10) -> ModelSpec:
+    return ModelSpec("pipeline.models:resnet18", {"num_classes": classes, "in_channels": 1, "width": width,
+                                                  "mean": [0.5], "std": [0.25]})
+
+
+def checkpoint_meta(model: torch.nn.Module, spec: ModelSpec, **extra) -> dict:
+    """What training writes into a checkpoint's trainserve.json about its model."""
+    return {"model": spec.to_json(), "model_state": state_manifest(model), **extra}
+
+
+def model_from_checkpoint(ckpt: Path) -> torch.nn.Module:
+    """The model a checkpoint records, its weights loaded the way training resumes them."""
+    model = instantiate_model(ModelSpec(**checkpoint.read_meta(ckpt)["model"]))
+    checkpoint.load(ckpt, model, None, CPU1)
+    return model
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,23 +7,18 @@ import pytest
 import torch
 
 from pipeline.components import checkpoint
+from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
-from pipeline.distributed import DistInfo
-from pipeline.models import build_model
 
-from conftest import TINY, mlflow_client, run_cli
+from conftest import CPU1, TINY, checkpoint_meta, mlflow_client, mlp_spec, model_from_checkpoint, run_cli
 
-CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
          "train.eval_every=0"]
-MLP = ["model.name=mlp", "model.hidden=[64]"]
+MLP = ["model.name=mlp", "model.args={hidden: [64]}"]
 
 
 def weights(ckpt):
-    meta = checkpoint.read_meta(ckpt)
-    model = build_model(meta["model_args"])
-    checkpoint.load(ckpt, model, None, CPU1)
-    return model.state_dict()
+    return model_from_checkpoint(ckpt).state_dict()
 
 
 def final(workdir, name):
@@ -129,16 +124,15 @@ def test_resume_on_one_process_from_a_two_process_checkpoint(fsdp_straight, stra
 
 # --- refusals, in one process -----------------------------------------------------------------
 
-ARGS = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0, "hidden": [16],
-        "mean": [0.3], "std": [0.4]}
+SPEC = mlp_spec()
 
 
-def save_one(root, step, args=ARGS):
-    model = build_model(args)
+def save_one(root, step, spec=SPEC):
+    model = instantiate_model(spec)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.rand(2, 1, 8, 8)).sum().backward()
     opt.step()
-    return checkpoint.save(root, step, model, opt, {"model_args": args}, CPU1, keep_last=5)
+    return checkpoint.save(root, step, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=5)
 
 
 def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
@@ -151,7 +145,7 @@ def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
     shard = next(good.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=f"file '{shard.name}' has .* bytes, the marker says"):
-        checkpoint.load(good, build_model(ARGS), None, CPU1)
+        checkpoint.load(good, instantiate_model(SPEC), None, CPU1)
     assert checkpoint.latest(tmp_path) is None
 
 
@@ -166,7 +160,7 @@ def test_missing_metadata_and_missing_directory_are_named(tmp_path):
 
 def test_checkpoint_of_another_model_lists_keys_and_shapes(tmp_path):
     ckpt = save_one(tmp_path, 1)
-    other = build_model({**ARGS, "hidden": [32, 8]})
+    other = instantiate_model(mlp_spec(hidden=[32, 8]))
     with pytest.raises(CheckpointError) as err:
         checkpoint.load(ckpt, other, None, CPU1)
     msg = str(err.value)
@@ -185,7 +179,7 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
         mlflow.log_artifacts(str(ckpt), f"checkpoints/{ckpt.name}")
     found = checkpoint.resolve_resume(run.info.run_id, tmp_path / "new/checkpoints", CPU1)
     assert found.name == "step_00000004" and found != ckpt
-    checkpoint.load(found, build_model(ARGS), None, CPU1)
+    checkpoint.load(found, instantiate_model(SPEC), None, CPU1)
     with pytest.raises(CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"):
         checkpoint.resolve_resume("no-such-thing", tmp_path, CPU1)
 

@@ -8,11 +8,11 @@ from conftest import REPO, TINY
 
 
 def test_defaults_file_and_overrides_in_that_order():
-    cfg = load_config(TINY, ["optim.lr=0.5", "train.max_steps=3", "model.hidden=[8, 4]"])
+    cfg = load_config(TINY, ["optim.lr=0.5", "train.max_steps=3", "model.args.hidden=[8, 4]"])
     assert cfg.optim.lr == 0.5  # override beats the file's 0.05
     assert cfg.train.max_steps == 3
-    assert cfg.model.hidden == [8, 4]
-    assert cfg.model.width == 0.125  # from the file
+    assert cfg.model.args["hidden"] == [8, 4]
+    assert cfg.model.args["width"] == 0.125  # from the file
     assert cfg.optim.momentum == Config().optim.momentum  # default
 
 
@@ -82,3 +82,42 @@ def test_flatten_and_describe_cover_every_field():
 
 def test_readme_lists_every_field_exactly_as_describe_prints_it():
     assert describe().strip() in (REPO / "README.md").read_text()
+
+
+def test_built_in_names_are_shorthands_for_their_components():
+    cfg = load_config(TINY, ["model.name=mlp", "data.name=synthetic"])
+    assert cfg.model.component == "pipeline.models:mlp" and cfg.data.component == "pipeline.datasets:synthetic"
+    assert load_config(None).model.component == "pipeline.models:resnet18"  # the defaults
+    with pytest.raises(ConfigError, match="model.name=mlp means model.component=pipeline.models:mlp, but "
+                                          "model.component=my.models:Net is set too"):
+        load_config(None, ["model.name=mlp", "model.component=my.models:Net"])
+
+
+def test_a_component_reference_must_be_module_colon_attribute():
+    with pytest.raises(ConfigError, match="model.component 'my_project.models.Net' is not a reference of the form "
+                                          "'module.path:attribute'.*did you mean 'my_project.models:Net'"):
+        load_config(None, ["model.component=my_project.models.Net"])
+    with pytest.raises(ConfigError, match="task.loss.component 'x y:z' is not a reference"):
+        load_config(None, ["task.name=custom", "task.loss.component=x y:z", "task.metric.component=m:f",
+                           "task.metric_mode=min"])
+
+
+def test_a_components_own_arguments_are_pointed_to_args():
+    with pytest.raises(ConfigError, match="unknown config key 'model.width'.*Did you mean 'model.args.width'"):
+        load_config(TINY, ["model.width=0.5"])
+
+
+def test_custom_tasks_need_their_parts_and_others_refuse_them():
+    with pytest.raises(ConfigError, match="task.name=custom needs task.loss, task.metric, task.metric_mode"):
+        load_config(None, ["task.name=custom"])
+    with pytest.raises(ConfigError, match="task.metric_mode only apply to task.name=custom"):
+        load_config(None, ["task.metric_mode=max"])
+    cfg = load_config(None, ["task.name=custom", "task.loss.component=torch.nn:L1Loss", "task.metric.component=m:f",
+                             "task.metric_mode=min"])
+    assert cfg.task.loss.args == {} and cfg.task.metric.component == "m:f"
+
+
+def test_dynamic_axes_never_name_the_batch_axis():
+    with pytest.raises(ConfigError, match="export.dynamic_axes: axes must be >= 1"):
+        load_config(None, ["export.dynamic_axes={tokens: [0]}"])
+    assert load_config(None, ["export.dynamic_axes.tokens=[1]"]).export.dynamic_axes == {"tokens": [1]}

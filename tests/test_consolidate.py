@@ -25,13 +25,13 @@ from pipeline import consolidate
 from pipeline.cli import main as pipeline_cli
 from pipeline.config import Config
 from pipeline.distributed import DistInfo
-from pipeline.models import build_model, input_shape
+from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.components.safetensors_writer import StreamingWriter, TensorSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-TINY = {"name": "resnet18", "in_channels": 1, "num_classes": 10, "image_size": 8, "width": 0.125,
-        "hidden": [], "mean": [0.5], "std": [0.25]}
+TINY = ModelSpec("pipeline.models:resnet18", {"num_classes": 10, "in_channels": 1, "width": 0.125,
+                                              "mean": [0.5], "std": [0.25]})
 ONE_PROCESS = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
 
@@ -39,20 +39,20 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_checkpoint(run_dir: Path, step: int = 3, model_args: dict = TINY, poison: str | None = None,
+def save_checkpoint(run_dir: Path, step: int = 3, spec: ModelSpec = TINY, poison: str | None = None,
                     run_id: str | None = None) -> tuple[Path, torch.nn.Module]:
     """A model after one AdamW step (so optimizer state exists), saved as training saves it."""
     torch.manual_seed(step)
-    model = build_model(model_args)
+    model = instantiate_model(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.rand(8, *input_shape(model_args))
-    torch.nn.functional.cross_entropy(model(x), torch.randint(0, model_args["num_classes"], (8,))).backward()
+    x = torch.rand(8, 1, 8, 8)
+    torch.nn.functional.cross_entropy(model(x), torch.randint(0, spec.args["num_classes"], (8,))).backward()
     optimizer.step()
     if poison:
         with torch.no_grad():
             model.state_dict()[poison].view(-1)[0] = float("nan")
-    meta = {"config": Config().model_dump(mode="json"), "model_args": model_args,
-            "labels": [str(i) for i in range(model_args["num_classes"])], "strategy": "ddp",
+    meta = {"config": Config().model_dump(mode="json"), "model": spec.to_json(), "model_state": state_manifest(model),
+            "labels": [str(i) for i in range(spec.args["num_classes"])], "strategy": "ddp",
             "mlflow_run_id": run_id, "train_state": {"epoch": 0}}
     path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, meta, ONE_PROCESS, keep_last=5)
     return path, model
@@ -110,9 +110,9 @@ def test_one_process_checkpoint_gives_the_models_state_dict_and_describes_it(ckp
     assert got["bn1.num_batches_tracked"].dtype == torch.int64
 
     meta = json.loads((weights.parent / "model.json").read_text())
-    assert meta["format"] == "trainserve-weights/1"
+    assert meta["format"] == "trainserve-weights/2"
     assert meta["sha256"] == sha256(weights)
-    assert meta["dtype"] == "fp32" and meta["model_args"] == TINY and meta["labels"][0] == "0"
+    assert meta["dtype"] == "fp32" and meta["model"] == TINY.to_json() and meta["labels"][0] == "0"
     assert meta["config"] == Config().model_dump(mode="json")
     assert meta["tensors"]["fc.weight"] == {"shape": [10, 64], "dtype": "float32"}
     assert set(meta["tensors"]) == set(live)
@@ -154,8 +154,17 @@ def _truncate(path: Path, size: int) -> None:
 
 
 def _other_model(ckpt: Path) -> None:
+    """The trainserve.json of a wider model with 5 classes beside these shards."""
     meta = json.loads((ckpt / checkpoint.META).read_text())
-    meta["model_args"] = {**meta["model_args"], "num_classes": 5, "width": 0.25}
+    other = ModelSpec(TINY.component, {**TINY.args, "num_classes": 5, "width": 0.25})
+    meta["model"], meta["model_state"] = other.to_json(), state_manifest(instantiate_model(other))
+    rewrite(ckpt, checkpoint.META, json.dumps(meta).encode())
+
+
+def _no_manifest(ckpt: Path) -> None:
+    """What a trainserve before components saved: no model_state manifest."""
+    meta = json.loads((ckpt / checkpoint.META).read_text())
+    del meta["model_state"]
     rewrite(ckpt, checkpoint.META, json.dumps(meta).encode())
 
 
@@ -172,6 +181,7 @@ DAMAGE = {
     ".metadata truncated, marker rewritten to match": (
         lambda c: rewrite(c, ".metadata", (c / ".metadata").read_bytes()[:500]), ".metadata can't be read"),
     "metadata from another model": (_other_model, "shape differs: fc.weight checkpoint [10, 64] vs model [5, 128]"),
+    "saved before components (no manifest)": (_no_manifest, "records no model_state manifest"),
 }
 
 
@@ -315,7 +325,7 @@ def torchrun(script: str, *args: str, timeout: float = 300) -> None:
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def two_process(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp(request.param)
-    torchrun("consolidate_make_checkpoint.py", "--strategy", request.param, "--model-args", json.dumps(TINY),
+    torchrun("consolidate_make_checkpoint.py", "--strategy", request.param, "--model", json.dumps(TINY.to_json()),
              "--out", str(out), "--live")
     return request.param, out
 
@@ -337,7 +347,7 @@ def test_two_process_checkpoint_gives_the_live_models_weights_and_outputs(two_pr
     assert sorted(got) == sorted(live)
     for name in live:
         assert torch.equal(got[name], live[name]), name
-    model = build_model(TINY)
+    model = instantiate_model(TINY)
     model.load_state_dict(got, strict=True)
     model.eval()
     recorded = load_file(str(out / "live_outputs.safetensors"))
@@ -348,8 +358,8 @@ def test_two_process_checkpoint_gives_the_live_models_weights_and_outputs(two_pr
 
 
 # A checkpoint of ~450 MB: MLP weights (~150 MB, largest tensor 4096x4096 fp32 = 64 MiB) + AdamW.
-BIG = {"name": "mlp", "in_channels": 1, "num_classes": 10, "image_size": 32, "width": 1.0,
-       "hidden": [4096, 4096, 4096], "mean": [0.5], "std": [0.25]}
+BIG = ModelSpec("pipeline.models:mlp", {"num_classes": 10, "in_channels": 1, "image_size": 32,
+                                        "hidden": [4096, 4096, 4096], "mean": [0.5], "std": [0.25]})
 
 
 def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
@@ -366,8 +376,8 @@ def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
 def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path, strategy):
     """Bound: 1.5x the largest tensor + the tensor being written (the largest, in fp32). Under FSDP
     every tensor is split between the two shard files and reassembled."""
-    torchrun("consolidate_make_checkpoint.py", "--strategy", strategy, "--steps", "1", "--model-args",
-             json.dumps(BIG), "--out", str(tmp_path))
+    torchrun("consolidate_make_checkpoint.py", "--strategy", strategy, "--steps", "1", "--model",
+             json.dumps(BIG.to_json()), "--out", str(tmp_path))
     ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
     metadata = consolidate.CachedMetadataReader(ckpt).metadata
     sizes = [md.size.numel() * md.properties.dtype.itemsize for key, md in metadata.state_dict_metadata.items()
@@ -382,7 +392,8 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path,
     assert ours < bound, f"ours peaked {ours / 2**20:.0f} MiB over baseline, bound {bound / 2**20:.0f} MiB"
     assert theirs > bound, f"dcp_to_torch_save peaked {theirs / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
     weights = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    assert set(weights) == set(build_model(BIG).state_dict())
+    with torch.device("meta"):
+        assert set(weights) == set(instantiate_model(BIG).state_dict())
 
 
 # --- end to end: the CLI after a real training run -------------------------------------------
@@ -400,9 +411,9 @@ def test_consolidate_after_pipeline_train_logs_to_the_same_run(workdir):
     weights = Path(proc.stdout.strip().splitlines()[-1])
     assert weights == run_dir.resolve() / "consolidated" / "model.safetensors"
 
-    ckpt = checkpoint.latest(run_dir / "checkpoints")
-    model = build_model(checkpoint.read_meta(ckpt)["model_args"])
-    checkpoint.load(ckpt, model, None, ONE_PROCESS)  # how training itself reads its checkpoint
+    from conftest import model_from_checkpoint
+
+    model = model_from_checkpoint(checkpoint.latest(run_dir / "checkpoints"))  # as training reads it
     got = load_file(str(weights))
     assert sorted(got) == sorted(model.state_dict())
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())

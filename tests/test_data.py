@@ -1,4 +1,5 @@
-"""Data loaders: digits offline, Fashion-MNIST IDX files the test writes, clear errors."""
+"""Data: the built-in data sets (digits offline, Fashion-MNIST IDX files the test writes), the loaders
+that shard them, and clear errors."""
 
 import gzip
 import struct
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.components.data import DataError, load_digits_splits, load_fashion_mnist_splits, make_train_loader
+from pipeline.components.data import DataError, make_train_loader, rescale_loader_state
+from pipeline.datasets import digits, fashion_mnist
 
 
 def write_idx(path, array: np.ndarray, gz: bool):
@@ -29,24 +31,28 @@ def write_fashion(tmp_path, gz: bool, n_train=20, n_val=10):
 
 
 def test_digits_split_is_fixed_and_scaled():
-    a, b = load_digits_splits(0.2, 0), load_digits_splits(0.2, 0)
-    assert torch.equal(a.val_y, b.val_y) and len(a.val_y) == 359 and len(a.train_y) == 1438
-    assert a.train_x.shape[1:] == (1, 8, 8) and 0 <= a.train_x.min() and a.train_x.max() <= 1
-    info = a.info()
-    assert info["num_classes"] == 10 and info["channels"] == 1 and info["size"] == 8
+    a, b = digits(0.2, 0), digits(0.2, 0)
+    assert torch.equal(a["val"].y, b["val"].y) and len(a["val"]) == 359 and len(a["train"]) == 1438
+    x = a["train"].x
+    assert x.shape[1:] == (1, 8, 8) and 0 <= x.min() and x.max() <= 1
+    assert a["train"].classes == [str(d) for d in range(10)]
+    # What the training set suggests for the built-in models: input shape and its own statistics.
+    hints = a["train"].model_args
+    assert hints["in_channels"] == 1 and hints["image_size"] == 8
+    assert hints["mean"] == pytest.approx([x.mean().item()]) and hints["std"] == pytest.approx([x.std().item()])
 
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_fashion_mnist_reads_idx_files(tmp_path, gz):
     write_fashion(tmp_path, gz)
-    s = load_fashion_mnist_splits(str(tmp_path))
-    assert s.train_x.shape == (20, 1, 28, 28) and s.val_x.shape == (10, 1, 28, 28)
-    assert s.train_x.max() <= 1 and s.labels[9] == "Ankle boot"
+    s = fashion_mnist(str(tmp_path))
+    assert s["train"].x.shape == (20, 1, 28, 28) and s["val"].x.shape == (10, 1, 28, 28)
+    assert s["train"].x.max() <= 1 and s["train"].classes[9] == "Ankle boot"
 
 
 def test_fashion_mnist_missing_files_are_listed(tmp_path):
     with pytest.raises(DataError) as err:
-        load_fashion_mnist_splits(str(tmp_path))
+        fashion_mnist(str(tmp_path))
     msg = str(err.value)
     for name in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         assert name in msg
@@ -58,19 +64,19 @@ def test_fashion_mnist_truncated_file_is_named(tmp_path):
     f = tmp_path / "train-images-idx3-ubyte"
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(DataError, match="train-images-idx3-ubyte.*truncated"):
-        load_fashion_mnist_splits(str(tmp_path))
+        fashion_mnist(str(tmp_path))
 
 
 def test_global_batches_do_not_depend_on_world_size():
     """Rank batches of a 2-process run, put together, are the 1-process run's batches."""
-    s = load_digits_splits(0.2, 0)
+    s = digits(0.2, 0)["train"]
     one = next(iter(make_train_loader(s, 32, 0, 1, seed=3, num_workers=0, pin_memory=False)))[1]
     two = [next(iter(make_train_loader(s, 16, r, 2, seed=3, num_workers=0, pin_memory=False)))[1] for r in (0, 1)]
     assert sorted(one.tolist()) == sorted(torch.cat(two).tolist())
 
 
 def test_loader_resumes_mid_epoch_without_repeating_or_skipping():
-    s = load_digits_splits(0.2, 0)
+    s = digits(0.2, 0)["train"]
     full = make_train_loader(s, 16, 0, 1, seed=1, num_workers=0, pin_memory=False)
     full.sampler.set_epoch(2)
     expected = [y for _, y in full]
@@ -91,7 +97,7 @@ def test_loader_resumes_mid_epoch_without_repeating_or_skipping():
 def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch():
     """Stronger than labels: the images of 2 ranks' k-th batches, put together, are the 1-process
     k-th batch, batch after batch, into the next epoch's shuffle."""
-    s = load_digits_splits(0.2, 0)
+    s = digits(0.2, 0)["train"]
 
     def batches(world, epoch):
         loaders = [make_train_loader(s, 32 // world, r, world, seed=5, num_workers=0, pin_memory=False)
@@ -110,6 +116,28 @@ def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch()
 
 
 def test_a_training_set_smaller_than_one_global_batch_is_refused():
-    s = load_digits_splits(0.2, 0)
+    s = digits(0.2, 0)["train"]
     with pytest.raises(DataError, match="fewer than one global batch \\(2048\\)"):
         make_train_loader(s, 512, 0, 2, seed=0, num_workers=0, pin_memory=False, grad_accum_steps=2)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(workers):
+    """2 ranks stop after 3 batches; 1 rank resumed from rank 0's state (rescaled) continues with exactly
+    the samples the 2 ranks had not seen. With workers, torchdata nests the position in a snapshot."""
+    s = digits(0.2, 0)["train"]
+    loaders = [make_train_loader(s, 8, r, 2, seed=4, num_workers=workers, pin_memory=False) for r in (0, 1)]
+    seen = []
+    for loader in loaders:
+        it = iter(loader)
+        seen += [x for _ in range(3) for x in next(it)[0]]
+    state = loaders[0].state_dict()
+
+    one = make_train_loader(s, 16, 0, 1, seed=4, num_workers=workers, pin_memory=False)
+    one.load_state_dict(rescale_loader_state(state, saved_world=2, world=1))
+    rest = [x for batch, _ in one for x in batch]
+    reference = [x for batch, _ in make_train_loader(s, 16, 0, 1, seed=4, num_workers=0, pin_memory=False)
+                 for x in batch]
+    key = lambda xs: sorted(tuple(x.flatten().tolist()) for x in xs)  # noqa: E731
+    assert len(seen) == 48 and len(seen) + len(rest) == len(reference)
+    assert key(seen + rest) == key(reference)

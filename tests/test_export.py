@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 
 from pipeline import cli
 from pipeline.components import gates, onnx_export
-from pipeline.config import load_config
-from pipeline.components.data import load_splits
-from pipeline.export import ExportResult, load_model, main, read_weights
+from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
 from pipeline.components.safetensors_writer import file_sha256 as sha256_file
-from pipeline.models import build_model, model_args_for
+from pipeline.components.tasks import Classification, Regression, build_task
 from pipeline.components.tracking import free_port
+from pipeline.config import load_config
+from pipeline.export import ExportResult, load_model, main, read_weights
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
@@ -34,14 +34,17 @@ def store(tmp_path_factory) -> str:
     return uri
 
 
-def write_weights(directory: Path, model: torch.nn.Module, cfg, model_args: dict, labels, run_id: str | None) -> Path:
-    """What `pipeline consolidate` writes: model.safetensors and model.json (trainserve-weights/1)."""
+def write_weights(directory: Path, model: torch.nn.Module, cfg, spec: ModelSpec, labels, run_id: str | None) -> Path:
+    """What `pipeline consolidate` writes: model.safetensors and model.json (trainserve-weights/2)."""
     directory.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(directory / "model.safetensors"))
     meta = {
-        "format": "trainserve-weights/1", "config": cfg.model_dump(mode="json"), "model_args": model_args,
-        "labels": labels, "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sd.items()},
+        "format": "trainserve-weights/2", "config": cfg.model_dump(mode="json"), "model": spec.to_json(),
+        "data": {"component": cfg.data.component, "args": cfg.data.args},
+        "task": {"name": "classification", "num_classes": len(labels), "labels": labels}, "labels": labels,
+        "inputs": [{"name": "input", "dtype": "float32", "shape": [1, 8, 8]}], "single_input": True,
+        "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sd.items()},
         "sha256": sha256_file(directory / "model.safetensors"), "dtype": "float32",
         "source": {"checkpoint": str(directory.parent / "checkpoints" / "step_000030"), "step": 30,
                    "world_size": 1, "strategy": "ddp", "mlflow_run_id": run_id},
@@ -50,22 +53,28 @@ def write_weights(directory: Path, model: torch.nn.Module, cfg, model_args: dict
     return directory
 
 
+def head_of(model: torch.nn.Module) -> onnx_export.ExportHead:
+    """The digits classifier as the graph runs it: `input` -> logits, probabilities."""
+    return onnx_export.ExportHead(model, Classification([str(d) for d in range(10)], top_k=5), ["input"], True)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, store):
     """A width-0.125 ResNet-18 trained 30 steps on digits, consolidated, with its MLflow run."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(overrides=["model.width=0.125", f"tracking.tracking_uri={store}", f"tracking.experiment={EXPERIMENT}",
-                                 f"train.output_dir={run_dir.parent}"])
-    splits = load_splits(cfg.data)
-    args = model_args_for(cfg.model, splits.info())
+    cfg = load_config(overrides=["model.args.width=0.125", f"tracking.tracking_uri={store}",
+                                 f"tracking.experiment={EXPERIMENT}", f"train.output_dir={run_dir.parent}"])
+    splits = build_data(cfg.data, cfg.task.name)
+    spec, _ = model_spec(cfg.model, splits, build_task(cfg.task, splits.classes))
     torch.manual_seed(0)
-    model = build_model(args)
+    model = instantiate_model(spec)
+    train_x, train_y = splits.train.x, splits.train.y
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     model.train()
     for _ in range(30):
-        idx = torch.randint(0, len(splits.train_y), (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(splits.train_x[idx]), splits.train_y[idx])
+        idx = torch.randint(0, len(train_y), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -74,13 +83,14 @@ def trained(tmp_path_factory, store):
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.reset_running_stats()
                 m.momentum = None
-        model(splits.train_x)
+        model(train_x)
     model.eval()
     with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id,
                           run_name=run_dir.name) as run:
         mlflow.log_param("train.output_dir", str(run_dir.parent))
-    weights_dir = write_weights(run_dir / "consolidated", model, cfg, args, splits.labels, run.info.run_id)
-    return {"dir": weights_dir, "run_id": run.info.run_id, "cfg": cfg, "args": args, "splits": splits}
+    weights_dir = write_weights(run_dir / "consolidated", model, cfg, spec, splits.classes, run.info.run_id)
+    return {"dir": weights_dir, "run_id": run.info.run_id, "cfg": cfg, "spec": spec, "splits": splits,
+            "val_x": splits.val.x.numpy()}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +114,7 @@ def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
         gate = report["gates"][f"parity.b{size}"]
         assert gate["passed"] and gate["samples"] == size
         assert gate["max_abs"] <= 1e-4 and gate["max_rel"] <= 1e-3 and gate["argmax_agreement"] == 1.0
-    assert report["gates"]["parity.val"]["samples"] == len(trained["splits"].val_y)
+    assert report["gates"]["parity.val"]["samples"] == len(trained["splits"].val)
     acc = report["gates"]["accuracy"]
     assert acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50  # trained: well above chance (10%)
     assert json.loads(exported.report_path.read_text())["model_version"] == exported.model_version
@@ -124,15 +134,16 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
 
 
 def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):
-    reference = load_model(read_weights(trained["dir"]))
+    head = head_of(load_model(read_weights(trained["dir"])))
     sess = gates.session(exported.onnx_path)
-    val_x = trained["splits"].val_x.numpy()
+    val_x = trained["val_x"]
     for size in (1, 33, 64, 100):
-        x = gates.batch_of(val_x, size)
-        out = gates.compare(gates.run_onnx(sess, x, size), gates.run_torch(reference, x), atol=1e-4, rtol=1e-3)
+        feeds = {"input": val_x[np.arange(size) % len(val_x)]}
+        got = gates.run_onnx(sess, feeds)
+        out = gates.compare(got, gates.run_torch(head, feeds, head.task.output_names), atol=1e-4, rtol=1e-3)
         assert out["passed"], (size, out["message"])
         # Probabilities come from the softmax inside the graph.
-        assert np.allclose(gates.run_onnx(sess, x, size)[1].sum(1), 1.0, atol=1e-5)
+        assert np.allclose(got["probabilities"].sum(1), 1.0, atol=1e-5)
 
 
 def test_registered_version_has_alias_and_lineage(exported, trained):
@@ -154,16 +165,21 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     # What a server does with models:/name@alias: the registered files load and give the same numbers.
     local = Path(mlflow.artifacts.download_artifacts("models:/resnet18-digits@champion"))
     served = gates.session(local / "model.onnx")
-    x = trained["splits"].val_x[:5].numpy()
-    assert np.array_equal(gates.run_onnx(served, x, 5)[0], gates.run_onnx(gates.session(exported.onnx_path), x, 5)[0])
+    feeds = {"input": trained["val_x"][:5]}
+    assert np.array_equal(gates.run_onnx(served, feeds)["logits"],
+                          gates.run_onnx(gates.session(exported.onnx_path), feeds)["logits"])
+    assert tags["trainserve.model_component"] == "pipeline.models:resnet18"
+    assert tags["trainserve.data_component"] == "pipeline.datasets:digits"
 
 
 def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
     reference = load_model(read_weights(trained["dir"]))
     with torch.no_grad():
         reference.fc.weight.add_(0.05 * torch.randn_like(reference.fc.weight, generator=torch.Generator().manual_seed(1)))
+    head = head_of(reference)
     sess = gates.session(exported.onnx_path)
-    results = gates.parity(sess, reference, trained["splits"].val_x.numpy(), atol=1e-4, rtol=1e-3)
+    batches = gates.parity_batches(trained["splits"].val, {}, head, head.task.output_names)
+    results = gates.parity(sess, head, batches, head.task.output_names, atol=1e-4, rtol=1e-3)
     assert not any(g["passed"] for g in results.values())
     assert "max_abs" in results["parity.b7"]["message"] and "exceeds atol" in results["parity.b7"]["message"]
     assert results["parity.b7"]["max_abs"] > 1e-3
@@ -178,7 +194,7 @@ def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, 
     assert code == 1 and "gate failed" in err and str(report_path) in err
     report = json.loads(report_path.read_text())
     assert not report["passed"] and "parity.val" in report["failed_gates"]
-    assert "exceeds atol 1e-12 + rtol 1e-12" in report["failures"]["parity.val"]
+    assert "of logits exceeds atol 1e-12 + rtol 1e-12" in report["failures"]["parity.val"]
     assert report["model_version"] is None
     assert mlflow.MlflowClient().search_registered_models("name='never-registered'") == []
     # The rejected graph is kept for debugging, but not where a server would pick it up.
@@ -188,9 +204,9 @@ def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, 
 
 def test_weights_that_do_not_match_their_config_are_refused_with_the_keys(trained, store, tmp_path, capsys):
     meta = json.loads((trained["dir"] / "model.json").read_text())
-    bad = dict(trained["args"], width=0.25)  # the config now describes a wider model than the file holds
-    model = build_model(trained["args"])
-    model.load_state_dict(load_model(read_weights(trained["dir"])).state_dict())
+    # The recorded args now describe a wider model than the file holds.
+    bad = ModelSpec(trained["spec"].component, {**trained["spec"].args, "width": 0.25})
+    model = load_model(read_weights(trained["dir"]))
     weights = write_weights(tmp_path / "consolidated", model, trained["cfg"], bad, meta["labels"], None)
     code = cli.main(["export", str(weights), "--tracking-uri", store])
     err = capsys.readouterr().err
@@ -217,8 +233,9 @@ def test_an_operator_no_exporter_handles_is_named():
         def forward(self, x):
             return torch.special.zeta(x.flatten(1) + 2, x.flatten(1) + 1)[:, :10]
 
+    head = onnx_export.ExportHead(Zeta(), Regression(), ["input"], True)
     with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
-        onnx_export.export(Zeta(), torch.rand(2, 1, 8, 8), 18, {})
+        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, ("prediction",), {}, 18, {})
 
 
 def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained):
@@ -240,7 +257,9 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
 def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained):
     # Dynamo builds opset 18 and converts down; for 17 onnx's converter fails on this graph and
     # torch returns opset 18 anyway. That counts as a failure: the TorchScript exporter takes over.
-    exported = onnx_export.export(build_model(trained["args"]).eval(), trained["splits"].val_x[:2], 17, {})
+    head = head_of(instantiate_model(trained["spec"]).eval())
+    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, ("logits", "probabilities"),
+                                  {}, 17, {})
     assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
     assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic

@@ -5,15 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.components import checkpoint, gates
 from pipeline import consolidate
+from pipeline.components import checkpoint, gates
+from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
-from pipeline.distributed import DistInfo
-from pipeline.models import build_model
 
-CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
-ARGS = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0, "hidden": [16],
-        "mean": [0.3], "std": [0.4]}
+from conftest import CPU1, checkpoint_meta, mlp_spec
 
 
 def test_parity_fails_on_nan_outputs_even_where_argmax_agrees():
@@ -22,19 +19,23 @@ def test_parity_fails_on_nan_outputs_even_where_argmax_agrees():
     logits = ref_logits.copy()
     logits[2] = np.nan
     probs = np.full((4, 10), 0.1, np.float32)
-    result = gates.compare((logits, probs), (ref_logits, probs), atol=1e-4, rtol=1e-3)
+    result = gates.compare({"logits": logits, "probabilities": probs},
+                           {"logits": ref_logits, "probabilities": probs}, atol=1e-4, rtol=1e-3)
     assert not result["passed"]
     assert "1 samples with NaN/Inf outputs" in result["message"]
-    ok = gates.compare((ref_logits, probs), (ref_logits, probs), atol=1e-4, rtol=1e-3)
+    ok = gates.compare({"logits": ref_logits, "probabilities": probs},
+                       {"logits": ref_logits, "probabilities": probs}, atol=1e-4, rtol=1e-3)
     assert ok["passed"], ok["message"]
 
 
 def test_fp16_consolidation_refuses_values_that_overflow(tmp_path):
-    model = build_model(ARGS)
+    spec = mlp_spec()
+    model = instantiate_model(spec)
     with torch.no_grad():
         model.head.weight[0, 0] = 1e5  # fine in fp32 and bf16, Inf in fp16
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = checkpoint.save(tmp_path / "run/checkpoints", 1, model, opt, {"model_args": ARGS}, CPU1, keep_last=1)
+    ckpt = checkpoint.save(tmp_path / "run/checkpoints", 1, model, opt, checkpoint_meta(model, spec), CPU1,
+                           keep_last=1)
     with pytest.raises(consolidate.ConsolidateError, match="head.weight.*Inf.*float16.*--dtype bf16"):
         consolidate.main(ckpt, dtype="fp16", log_to_mlflow=False)
     assert not (tmp_path / "run/consolidated/model.safetensors").exists()

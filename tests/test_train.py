@@ -10,23 +10,17 @@ import pytest
 import torch
 
 from pipeline.components import checkpoint
+from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.config import flatten, load_config
-from pipeline.distributed import DistInfo
-from pipeline.models import build_model
 
-from conftest import REPO, TINY, cli_env, only_run, run_cli
+from conftest import REPO, TINY, cli_env, model_from_checkpoint, only_run, run_cli
 
 pytestmark = pytest.mark.slow
-CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
 
 def final_weights(run_dir):
     """The model state of a run's newest checkpoint, loaded the way training resumes it."""
-    ckpt = checkpoint.latest(run_dir / "checkpoints")
-    meta = checkpoint.read_meta(ckpt)
-    model = build_model(meta["model_args"])
-    checkpoint.load(ckpt, model, None, CPU1)
-    return model.state_dict()
+    return model_from_checkpoint(checkpoint.latest(run_dir / "checkpoints")).state_dict()
 
 
 def metric_history(client, run, key):
@@ -45,7 +39,9 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert loss[-1] < 0.5 * loss[0], loss
     cfg = load_config(REPO / "configs/digits_resnet18.yaml", ["train.run_name=demo"])
     assert run.data.params["optim.lr"] == "0.1"
-    assert set(run.data.params) == set(flatten(cfg))
+    # The config's keys, and the model's arguments as built: the data filled in num_classes and the input stats.
+    assert set(flatten(cfg)) <= set(run.data.params)
+    assert run.data.params["model.args.width"] == "0.5" and run.data.params["model.args.num_classes"] == "10"
     for key in ("train/lr", "train/grad_norm", "train/samples_per_s", "val/loss"):
         assert key in run.data.metrics, key
     assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)
@@ -55,6 +51,8 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert len(tags["trainserve.git_commit"]) == 40
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "confusion_matrix.png", "checkpoints"} <= artifacts
+    assert "code" not in artifacts  # built-in components: nothing of the user's to keep
+    assert tags["trainserve.component.model"] == "pipeline.models:resnet18"
     ckpts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert ckpts == ["checkpoints/step_00000132"]
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, ckpts[0])}
@@ -69,7 +67,7 @@ def tiny_runs(tmp_path_factory):
     gradient math: DDP's averaging and no_sync accumulation must give the 1-process update.
     """
     workdir = tmp_path_factory.mktemp("tiny")
-    common = ["--config", str(TINY), "model.name=mlp", "model.hidden=[64]", "train.max_steps=8",
+    common = ["--config", str(TINY), "model.name=mlp", "model.args={hidden: [64]}", "train.max_steps=8",
               "train.eval_every=0", "checkpoint.every_n_steps=0"]
     run_cli(["train", *common, "train.run_name=one"], cwd=workdir)
     run_cli(["train", *common, "--nproc-per-node", "2", "train.grad_accum_steps=2", "train.run_name=two_accum"],
@@ -90,8 +88,8 @@ def test_ddp_two_processes_equal_one_process_over_the_same_global_batches(tiny_r
     two = final_weights(workdir / "outputs/two_accum")
     assert_close_state(one, two, atol=2e-6, rtol=1e-5)
     # And the test can fail: a different run is not close.
-    assert not torch.allclose(one["head.weight"], build_model(checkpoint.read_meta(
-        checkpoint.latest(workdir / "outputs/one/checkpoints"))["model_args"]).state_dict()["head.weight"])
+    meta = checkpoint.read_meta(checkpoint.latest(workdir / "outputs/one/checkpoints"))
+    assert not torch.allclose(one["head.weight"], instantiate_model(ModelSpec(**meta["model"])).state_dict()["head.weight"])
 
 
 def test_two_micro_batches_equal_one_double_batch(tiny_runs):

@@ -4,22 +4,23 @@ on CPU with the CPU GradScaler, and clipping of the true (unscaled) gradients.""
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.components import amp
-from pipeline.distributed import DistInfo
-from pipeline.models import build_model
+from pipeline.components.build import instantiate_model
 from pipeline.train import train_step
 
-CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
-ARGS = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0, "hidden": [32],
-        "mean": [0.3], "std": [0.4]}
+from conftest import CPU1, mlp_spec
+
+SPEC = mlp_spec(hidden=[32])
 
 
 def one_step(scaler, clip: float, micro_batches):
     torch.manual_seed(0)
-    model = build_model(ARGS)
+    model = instantiate_model(SPEC)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss, norm = train_step(model, opt, scaler, micro_batches, CPU1, "fp32", clip, want_norm=True)
+    loss, norm = train_step(model, opt, scaler, micro_batches, CPU1, "fp32", clip, want_norm=True,
+                            loss_fn=F.cross_entropy)
     return model, loss, norm
 
 
@@ -42,7 +43,7 @@ def test_loss_scaling_changes_nothing_but_the_scale():
 def test_clipping_bounds_the_true_gradient_norm_under_loss_scaling():
     data = batches()
     torch.manual_seed(0)
-    start = build_model(ARGS)
+    start = instantiate_model(SPEC)
     _, _, norm = one_step(torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), clip=0.0, micro_batches=data)
     clip = norm / 4
     clipped, _, reported = one_step(torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), clip=clip,

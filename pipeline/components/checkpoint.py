@@ -5,7 +5,8 @@ Layout under `<run_dir>/checkpoints/`:
     step_00000120/            a complete checkpoint (published by rename)
         .metadata             DCP's index of every stored tensor and its chunks (rank 0)
         __0_0.distcp ...      one shard file per rank
-        trainserve.json       step, config, model_args, labels, train state (rank 0)
+        trainserve.json       step, config, model/data/task components, inputs, the model's state
+                              manifest (keys, shapes, dtypes), code, train state (rank 0)
         COMPLETE              the marker: every file's name and size, written last
     .tmp-step_00000140/       a save in progress; never loaded, removed by the next save
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 META = "trainserve.json"
-FORMAT = "trainserve-dcp/1"
+FORMAT = "trainserve-dcp/2"  # /2: components (model/data/task references, state manifest)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 

@@ -1,166 +1,252 @@
-"""Data sets, held in memory as float tensors in [0, 1] (N, C, H, W) and int64 labels.
+"""Data: the splits a data component returns, checked once, and the loaders every stage reads them with.
 
-Every loader returns a `Splits`: train and validation tensors plus the facts the model needs
-(channels, size, classes, per-channel mean/std for the normalization inside the model).
-Nothing is downloaded: digits ship with scikit-learn, Fashion-MNIST is read from a local path.
+The contract (README, "Train your own model"): `data.component(**data.args)` returns
+`{"train": Dataset, "val": Dataset}` of map-style data sets whose items are `(inputs, target)`:
+`inputs` a tensor or a dict of named tensors (any dtype), `target` an int64 class index
+(classification), a float tensor (regression), or anything the task's loss takes (custom). The
+training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
+the model: input sizes, normalization statistics). Data sets need not fit in memory: every stage
+reads them through a DataLoader with the default collate and `data.num_workers`.
+
+A lone tensor input is named `input` wherever a name is needed (the ONNX graph, the server); dict
+inputs keep their keys and reach the model as keyword arguments, `model(**inputs)`.
 """
 
 from __future__ import annotations
 
-import gzip
+import difflib
 import json
-import struct
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-FASHION_MNIST_FILES = {
-    "train_images": "train-images-idx3-ubyte",
-    "train_labels": "train-labels-idx1-ubyte",
-    "val_images": "t10k-images-idx3-ubyte",
-    "val_labels": "t10k-labels-idx1-ubyte",
-}
-FASHION_MNIST_URL = "https://github.com/zalandoresearch/fashion-mnist#get-the-data"
-FASHION_MNIST_LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                        "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+INPUT_NAME = "input"
+EVAL_BATCH = 256
 
 
 class DataError(ValueError):
-    """Data the user pointed at is missing or malformed; the message says which file and why."""
+    """Data the user pointed at is missing or malformed; the message says which and why."""
+
+
+class PreBatched(tuple):
+    """What a data set's `__getitems__` returns when it gathered the batch itself (one index operation
+    instead of collating single samples): `collate` passes it through."""
+
+
+def collate(batch):
+    return tuple(batch) if isinstance(batch, PreBatched) else default_collate(batch)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One named model input as a sample of the validation set has it (shape without the batch axis)."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.shape)}
 
 
 @dataclass
 class Splits:
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    val_x: torch.Tensor
-    val_y: torch.Tensor
-    labels: list[str]
+    """The checked splits, and the facts the model and the task take from them."""
+    train: Dataset
+    val: Dataset
+    classes: list[str] | None = None
+    model_hints: dict[str, Any] = field(default_factory=dict)  # the training set's `model_args`
+    inputs: list[InputSpec] = field(default_factory=list)
+    single_input: bool = True  # a lone tensor (named `input`), not a dict
 
-    def info(self) -> dict:
-        """What the model is built from: shape, classes and the training set's statistics."""
-        c, h = self.train_x.shape[1], self.train_x.shape[2]
-        mean = self.train_x.mean(dim=(0, 2, 3)).tolist()
-        std = self.train_x.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist()
-        return {"channels": c, "size": h, "num_classes": len(self.labels), "mean": mean, "std": std,
-                "labels": self.labels}
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs]
 
 
-class InMemoryDataset(Dataset):
-    """A tensor pair with a batched `__getitems__`, so the DataLoader gathers a batch with one
-    index operation instead of collating 64 single samples."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def __getitems__(self, indices: list[int]):
-        idx = torch.as_tensor(indices)
-        return self.x[idx], self.y[idx]
+# --- the contract ------------------------------------------------------------------------------
 
 
-def collate_batch(batch):
-    """The batch is already stacked by `__getitems__`."""
-    return batch
+def check_splits(returned: Any, reference: str, task_name: str) -> Splits:
+    """What the data component returned, checked against the contract; DataError names the fault."""
+    where = f"data.component '{reference}'"
+    if not isinstance(returned, dict):
+        raise DataError(f"{where} returned a {type(returned).__name__}; it must return a dict "
+                        '{"train": Dataset, "val": Dataset}')
+    keys = set(returned)
+    if keys != {"train", "val"}:
+        wrong = sorted(keys - {"train", "val"}, key=str)
+        hints = [f"'{k}' (did you mean '{difflib.get_close_matches(str(k), ['train', 'val'], n=1)[0]}'?)"
+                 if difflib.get_close_matches(str(k), ["train", "val"], n=1) else repr(k) for k in wrong]
+        raise DataError(f"{where} returned the keys {sorted(map(str, keys))}; it must return exactly 'train' and 'val'"
+                        + (f"; unexpected: {', '.join(hints)}" if hints else ""))
+    for split, ds in returned.items():
+        _check_dataset(ds, f"{where} split '{split}'")
+    train, val = returned["train"], returned["val"]
+    classes = getattr(train, "classes", None)
+    if classes is not None:
+        if task_name == "regression":
+            raise DataError(f"{where}: the training set has classes ({_preview(classes)}) but task.name=regression; "
+                            "set task.name=classification, or drop the data set's `classes` attribute")
+        if not isinstance(classes, (list, tuple)) or not classes:
+            raise DataError(f"{where}: the training set's `classes` must be a non-empty list of class names, "
+                            f"got {type(classes).__name__}")
+        classes = [str(c) for c in classes]
+    hints = getattr(train, "model_args", {}) or {}
+    if not isinstance(hints, dict):
+        raise DataError(f"{where}: the training set's `model_args` must be a dict of keyword arguments for the "
+                        f"model, got {type(hints).__name__}")
+
+    first_inputs = None
+    for split, ds in (("train", train), ("val", val)):
+        for index in sorted({0, len(ds) - 1}):
+            inputs, target = _check_item(ds, index, f"{where} split '{split}' item {index}")
+            check_target(target, task_name, classes, f"{where} split '{split}' item {index}")
+            if first_inputs is None:
+                first_inputs = inputs
+            else:
+                _check_same_inputs(first_inputs, inputs, f"{where} split '{split}' item {index}")
+    val_inputs = _check_item(val, 0, f"{where} split 'val' item 0")[0]
+    single = torch.is_tensor(val_inputs)
+    named = {INPUT_NAME: val_inputs} if single else val_inputs
+    specs = [InputSpec(name, t.dtype, tuple(t.shape)) for name, t in named.items()]
+    return Splits(train, val, classes, dict(hints), specs, single)
 
 
-def load_digits_splits(val_fraction: float, split_seed: int) -> Splits:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)  # 0..16 -> [0, 1]
-    y = torch.from_numpy(digits.target.astype(np.int64))
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
-    n_val = int(round(len(y) * val_fraction))
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    return Splits(x[train_idx], y[train_idx], x[val_idx], y[val_idx], [str(d) for d in range(10)])
-
-
-def _open_idx(directory: Path, stem: str):
-    """Opens `stem` or `stem.gz` in `directory`."""
-    for candidate in (directory / stem, directory / f"{stem}.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """Reads one IDX file (the MNIST format), gzipped or not, checking its header against its size."""
-    opener = gzip.open if path.suffix == ".gz" else open
+def _check_dataset(ds: Any, where: str) -> None:
+    if isinstance(ds, IterableDataset):
+        raise DataError(f"{where} is an IterableDataset; it must be map-style (indexable, with len()): exact resume "
+                        "and sharding across ranks address samples by index")
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+        raise DataError(f"{where} is a {type(ds).__name__}, not a map-style torch.utils.data.Dataset "
+                        "(it needs __getitem__ and __len__)")
     try:
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: cannot be read as {'gzip' if opener is gzip.open else 'IDX'} ({exc})") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise DataError(f"{path}: not an IDX file of unsigned bytes (magic {raw[:4].hex() or 'missing'}, expected 0000080N)")
-    ndim = raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path}: truncated IDX header")
-    dims = struct.unpack(f">{ndim}I", raw[4:header])
-    expected = int(np.prod(dims))
-    if len(raw) - header != expected:
-        raise DataError(f"{path}: header says {dims} = {expected} bytes of data, file has {len(raw) - header}; "
-                        "the file is truncated or corrupt")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+        n = len(ds)
+    except Exception as exc:
+        raise DataError(f"{where}: len() raised {type(exc).__name__}: {exc}") from exc
+    if n == 0:
+        raise DataError(f"{where} is empty")
 
 
-def load_fashion_mnist_splits(path: str) -> Splits:
-    directory = Path(path)
-    found = {key: _open_idx(directory, stem) for key, stem in FASHION_MNIST_FILES.items()}
-    missing = [FASHION_MNIST_FILES[k] for k, v in found.items() if v is None]
-    if missing:
-        raise DataError(
-            f"data.path={path}: missing {', '.join(missing)} (each may also end in .gz). "
-            f"Expected the four Fashion-MNIST files {', '.join(FASHION_MNIST_FILES.values())}; "
-            f"get them from {FASHION_MNIST_URL} and put them in that directory.")
-    arrays = {key: read_idx(p) for key, p in found.items()}
-    for split in ("train", "val"):
-        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
-        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise DataError(f"data.path={path}: {split} images {images.shape} and labels {labels.shape} do not pair up "
-                            "(expected (N, 28, 28) and (N,))")
-        if labels.max(initial=0) >= len(FASHION_MNIST_LABELS):
-            raise DataError(f"data.path={path}: {split} labels go up to {labels.max()}, expected 0..9")
-
-    def to_tensors(images, labels):
-        x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
-        return x, torch.from_numpy(labels.astype(np.int64))
-
-    tx, ty = to_tensors(arrays["train_images"], arrays["train_labels"])
-    vx, vy = to_tensors(arrays["val_images"], arrays["val_labels"])
-    return Splits(tx, ty, vx, vy, FASHION_MNIST_LABELS)
-
-
-def load_synthetic_splits(channels: int, size: int, classes: int, samples: int, seed: int = 0) -> Splits:
-    g = torch.Generator().manual_seed(seed)
-    n_val = max(classes, samples // 8)
-    x = torch.rand(samples + n_val, channels, size, size, generator=g)
-    y = torch.randint(0, classes, (samples + n_val,), generator=g)
-    return Splits(x[:samples], y[:samples], x[samples:], y[samples:], [str(c) for c in range(classes)])
+def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
+    try:
+        item = ds[index]
+    except Exception as exc:
+        raise DataError(f"{where}: reading it raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        got = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+        raise DataError(f"{where} is {got}; items must be (inputs, target) pairs")
+    inputs, target = item
+    if torch.is_tensor(inputs):
+        return inputs, target
+    if isinstance(inputs, dict) and inputs:
+        for name, value in inputs.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise DataError(f"{where}: input name {name!r} must be a Python identifier: dict inputs reach the "
+                                "model as keyword arguments, model(**inputs), and name the ONNX inputs")
+            if name in RESERVED_NAMES:
+                raise DataError(f"{where}: input name '{name}' is also an output name of the exported model "
+                                f"({', '.join(sorted(RESERVED_NAMES))}); rename it")
+            if not torch.is_tensor(value):
+                raise DataError(f"{where}: input '{name}' is a {type(value).__name__}, not a tensor; convert it "
+                                "with torch.as_tensor(...)")
+        return inputs, target
+    raise DataError(f"{where}: inputs are a {type(inputs).__name__}; they must be a tensor or a non-empty dict of "
+                    "named tensors")
 
 
-def load_splits(data_cfg) -> Splits:
-    if data_cfg.name == "digits":
-        return load_digits_splits(data_cfg.val_fraction, data_cfg.split_seed)
-    if data_cfg.name == "fashion_mnist":
-        return load_fashion_mnist_splits(data_cfg.path)
-    return load_synthetic_splits(data_cfg.synthetic_channels, data_cfg.synthetic_size,
-                                 data_cfg.synthetic_classes, data_cfg.synthetic_samples)
+# Output names of the exported graph (tasks.py); an input may not take one of them.
+RESERVED_NAMES = {"logits", "probabilities", "prediction", "output"}
 
 
-def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world_size: int, seed: int,
+def check_target(target: Any, task_name: str, classes: list[str] | None, where: str) -> None:
+    """The target's kind fits the task: an int64 class index, or a float tensor for regression."""
+    if task_name == "classification":
+        if isinstance(target, bool) or not (isinstance(target, int) or (
+                torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 0)):
+            got = _describe(target)
+            fix = ("; for regression targets set task.name=regression" if torch.is_tensor(target)
+                   and target.is_floating_point() else "; use torch.tensor(label, dtype=torch.long)")
+            raise DataError(f"{where}: the target is {got}; classification needs an int64 class index "
+                            f"(a 0-d torch.long tensor or an int){fix}")
+        value = int(target)
+        if value < 0 or (classes is not None and value >= len(classes)):
+            raise DataError(f"{where}: class index {value} is outside 0..{len(classes) - 1 if classes else 'N-1'}"
+                            + (f" (the training set has {len(classes)} classes)" if classes else ""))
+    elif task_name == "regression":
+        if isinstance(target, float):
+            return
+        if not (torch.is_tensor(target) and target.is_floating_point() and target.dim() <= 1):
+            fix = ("; for class indices set task.name=classification" if torch.is_tensor(target)
+                   and not target.is_floating_point() else "")
+            raise DataError(f"{where}: the target is {_describe(target)}; regression needs a float tensor "
+                            f"(0-d for one value, 1-d for several){fix}")
+
+
+def _check_same_inputs(a: Any, b: Any, where: str) -> None:
+    """Every item has the same input names and dtypes (shapes may differ along dynamic axes)."""
+    sig_a, sig_b = _signature(a), _signature(b)
+    if sig_a != sig_b:
+        raise DataError(f"{where} has inputs {sig_b}, the first item has {sig_a}: every item needs the same "
+                        "input names and dtypes")
+
+
+def _signature(inputs: Any) -> dict[str, str]:
+    named = {INPUT_NAME: inputs} if torch.is_tensor(inputs) else inputs
+    return {k: f"{str(v.dtype).removeprefix('torch.')} ({v.dim()}-d)" for k, v in named.items()}
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__} ({value!r:.40})"
+
+
+def _preview(items) -> str:
+    items = list(items)
+    return ", ".join(map(str, items[:5])) + (" ..." if len(items) > 5 else "")
+
+
+# --- batches and the model ---------------------------------------------------------------------
+
+
+def to_device(inputs, device: torch.device, channels_last: bool = False):
+    """A batch's inputs on `device`; 4-d float inputs go NHWC when the model is channels_last, or every
+    conv would convert them."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        fmt = torch.channels_last if channels_last and t.dim() == 4 and t.is_floating_point() else torch.preserve_format
+        return t.to(device, memory_format=fmt, non_blocking=True)
+
+    return {k: move(v) for k, v in inputs.items()} if isinstance(inputs, dict) else move(inputs)
+
+
+def forward(model: torch.nn.Module, inputs):
+    """The model on a batch: a tensor positionally, a dict as keyword arguments."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def batch_rows(inputs) -> int:
+    return len(next(iter(inputs.values())) if isinstance(inputs, dict) else inputs)
+
+
+def take_rows(inputs, index):
+    """Rows `index` (a slice or index tensor) of every input."""
+    return {k: v[index] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[index]
+
+
+def named(inputs) -> dict[str, torch.Tensor]:
+    """Inputs by the names the exported graph gives them."""
+    return dict(inputs) if isinstance(inputs, dict) else {INPUT_NAME: inputs}
+
+
+# --- loaders -----------------------------------------------------------------------------------
+
+
+def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, world_size: int, seed: int,
                       num_workers: int, pin_memory: bool, grad_accum_steps: int = 1):
     """A stateful loader over this rank's shard of the training set.
 
@@ -172,7 +258,6 @@ def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    dataset = InMemoryDataset(splits.train_x, splits.train_y)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
     global_batch = batch_size_per_rank * world_size * grad_accum_steps
@@ -182,13 +267,26 @@ def make_train_loader(splits: Splits, batch_size_per_rank: int, rank: int, world
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
-                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_batch)
+                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate)
 
 
-def val_shard(splits: Splits, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank r evaluates samples r, r+W, ...: disjoint and complete, unlike DistributedSampler,
-    which pads with repeats; the all-reduced counts are then exact."""
-    return splits.val_x[rank::world_size], splits.val_y[rank::world_size]
+def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
+    """Rank r evaluates samples r, r+W, ...: disjoint and complete, unlike DistributedSampler, which
+    pads with repeats; the all-reduced sums are then exact."""
+    return Subset(dataset, range(rank, len(dataset), world_size))
+
+
+def eval_loader(dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0,
+                pin_memory: bool = False) -> DataLoader:
+    """In order, every sample once, the last batch partial."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
+                      pin_memory=pin_memory)
+
+
+def first_batch(dataset: Dataset, rows: int):
+    """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
+    indices = [i % len(dataset) for i in range(rows)]
+    return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate)))
 
 
 def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
@@ -196,12 +294,14 @@ def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
 
     torchdata counts the samples each rank consumed; the global position is that count times the
     world size. With the world-size-invariant global batches above, `n * saved_world / world`
-    samples per rank is exactly the same global position.
+    samples per rank is exactly the same global position. With worker processes the count sits in
+    the main process's snapshot (`_snapshot._main_snapshot`), not at the top.
     """
     if saved_world == world:
         return state
     state = json.loads(json.dumps(state))  # a copy
-    inner = state.get("_sampler_iter_state") or {}
+    main = (state.get("_snapshot") or {}).get("_main_snapshot") or state
+    inner = main.get("_sampler_iter_state") or {}
     if "samples_yielded" not in inner:
         raise DataError("cannot move this data loader position to another world size: the saved loader "
                         "state has no samples_yielded (torchdata changed its format); resume with "

@@ -5,26 +5,39 @@ Each gate returns a dict that goes as-is into `export_report.json`:
 and `metrics(report)` flattens the numbers for MLflow. A gate never raises on a bad model: it
 measures and says by how much it missed, so the report explains every failure.
 
-Parity is measured on real validation inputs in fp32 against a PyTorch reference model. The
-relative difference is taken per sample against the largest logit magnitude of that sample:
-an element-wise ratio explodes on logits that happen to sit near zero and would fail for nothing.
+Parity is measured on real validation inputs against the PyTorch model, through the same `ExportHead`
+the graph was exported from. The first output (`logits`, `prediction`, `output`) is held to an
+allclose-style limit whose relative part is taken per sample against that sample's largest magnitude:
+an element-wise ratio explodes on values that happen to sit near zero and would fail for nothing.
+For classification, `probabilities` are reported (and limited for the fp16 variant) and the decisions
+(argmax of the logits) must agree.
+
+The task's primary metric is computed on the whole validation split twice, through onnxruntime and
+through PyTorch, streaming batch by batch (the split need not fit in memory), and the two must agree
+within the export's tolerance.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
 
+from pipeline.components.data import first_batch, named
+from pipeline.distributed.process_group import DistInfo
+
 PARITY_BATCHES = (1, 7, 64)
-# fp16 keeps ~3 decimal digits: logits of magnitude ~10 move by ~1e-2, so the fp16 variant is
-# judged on probabilities and on decisions, with its own limits.
+VAL_BATCH = 64
+# fp16 keeps ~3 decimal digits: outputs of magnitude ~10 move by ~1e-2, so the fp16 variant's first
+# output is held to scaled limits; a classifier's probabilities and decisions carry its gate.
 FP16_PROB_ATOL = 1e-2
 FP16_MIN_AGREEMENT = 0.99
 FP16_ACCURACY_PP = 1.0     # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
-FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 logits
+FP16_METRIC_RTOL = 1e-2    # at least this much room on another task's metric (export.metric_rtol if larger)
+FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 outputs
 
 
 def session(model: onnx.ModelProto | str | Path, providers: list[str] | None = None, threads: int = 0):
@@ -48,98 +61,206 @@ def check_model(path: Path) -> dict:
     return {"passed": True, "message": "onnx.checker.check_model(full_check=True) passed"}
 
 
-def run_onnx(sess, x: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(logits, probabilities) for all of `x`, fed in batches of `batch_size`."""
-    logits, probs = [], []
-    for i in range(0, len(x), batch_size):
-        lo, pr = sess.run(["logits", "probabilities"], {"input": x[i:i + batch_size]})
-        logits.append(lo)
-        probs.append(pr)
-    return np.concatenate(logits), np.concatenate(probs)
+def feeds_of(inputs) -> dict[str, np.ndarray]:
+    """A collated batch's inputs as onnxruntime takes them: numpy arrays by input name."""
+    return {name: np.ascontiguousarray(t.numpy()) for name, t in named(inputs).items()}
+
+
+def run_onnx(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
 
 
 @torch.no_grad()
-def run_torch(model: torch.nn.Module, x: np.ndarray, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    model.eval()
-    logits = torch.cat([model(torch.from_numpy(x[i:i + batch_size])) for i in range(0, len(x), batch_size)])
-    return logits.numpy(), torch.softmax(logits, dim=1).numpy()
+def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
+    head.eval()
+    outputs = head(*(torch.from_numpy(np.array(feeds[n])) for n in head.input_names))
+    return {name: out.float().numpy() for name, out in zip(output_names, outputs)}
 
 
-def batch_of(x: np.ndarray, size: int) -> np.ndarray:
-    """The first `size` validation samples, cycling when the split is smaller than the batch."""
-    idx = np.arange(size) % len(x)
-    return np.ascontiguousarray(x[idx])
+class ParityStats:
+    """Differences between ONNX and PyTorch outputs, accumulated over batches."""
+
+    def __init__(self, checked: str):
+        self.checked = checked  # the output held to atol/rtol
+        self.samples = self.nonfinite = self.disagree = 0
+        self.max_abs = self.max_rel = self.prob_max_abs = 0.0
+        self.max_excess = -np.inf
+        self.worst = 0
+        self.has_decisions = False
+        self._parts: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float) -> None:
+        got, ref = _rows(onnx_out[self.checked]), _rows(ref_out[self.checked])
+        n = len(ref)
+        self.nonfinite += int(sum((~np.isfinite(_rows(v))).any(axis=1).sum() for v in onnx_out.values()))
+        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+        scale = np.maximum(np.abs(ref).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(np.nanmax(diff)) if np.isfinite(diff).any() else np.inf)
+            self.max_rel = max(self.max_rel, float(np.nanmax(diff / scale)) if np.isfinite(diff).any() else np.inf)
+            # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|). Either
+            # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
+            # values make any relative measure explode. NaN counts as a miss (it compares false).
+            excess = np.where(np.isnan(diff), np.inf, diff - (atol + rtol * scale))
+            batch_worst = float(excess.max())
+            if batch_worst > self.max_excess:
+                self.max_excess, self.worst = batch_worst, self.samples + int(np.unravel_index(excess.argmax(),
+                                                                                               excess.shape)[0])
+        if "probabilities" in ref_out:
+            self.prob_max_abs = max(self.prob_max_abs, float(np.abs(
+                onnx_out["probabilities"].astype(np.float64) - ref_out["probabilities"]).max(initial=0.0)))
+        if self.checked == "logits":
+            self.has_decisions = True
+            self.disagree += int((got.argmax(1) != ref.argmax(1)).sum())
+        self.samples += n
+
+    def result(self, atol: float, rtol: float, prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
+        out: dict[str, Any] = {"samples": self.samples, "output": self.checked, "max_abs": self.max_abs,
+                               "max_rel": self.max_rel, "atol": atol, "rtol": rtol,
+                               "max_excess": self.max_excess if self.samples else 0.0}
+        misses = []
+        if self.nonfinite:
+            misses.append(f"{self.nonfinite} samples with NaN/Inf outputs")
+        if not out["max_excess"] <= 0:
+            misses.append(f"|diff| of {self.checked} exceeds atol {atol:.3g} + rtol {rtol:.3g} x |{self.checked}| by "
+                          f"{out['max_excess']:.3g} (max_abs {self.max_abs:.3g}, max_rel {self.max_rel:.3g}; worst at "
+                          f"sample {self.worst})")
+        if self.has_decisions:
+            agreement = 1 - self.disagree / self.samples if self.samples else 1.0
+            out.update(prob_max_abs=self.prob_max_abs, argmax_agreement=agreement, min_agreement=min_agreement)
+            if prob_atol is not None:
+                out["prob_atol"] = prob_atol
+                if not self.prob_max_abs <= prob_atol:
+                    misses.append(f"prob_max_abs {self.prob_max_abs:.3g} > {prob_atol:.3g}")
+            if agreement < min_agreement:
+                misses.append(f"argmax agreement {agreement:.2%} < {min_agreement:.2%} "
+                              f"({self.disagree} of {self.samples} differ)")
+        out["passed"] = not misses
+        out["message"] = "; ".join(misses) if misses else (
+            f"max_abs {self.max_abs:.3g}, max_rel {self.max_rel:.3g}"
+            + (f", argmax agreement {out['argmax_agreement']:.2%}" if self.has_decisions else ""))
+        return out
 
 
-def compare(onnx_out: tuple[np.ndarray, np.ndarray], ref_out: tuple[np.ndarray, np.ndarray],
-            atol: float, rtol: float, prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
-    """Differences between two (logits, probabilities) pairs, and whether they are within limits.
-
-    fp32 parity limits logits (atol, rtol); `prob_atol` adds a limit on probabilities (fp16 variant,
-    where logits are only checked loosely); decisions must agree on at least `min_agreement`.
-    """
-    (lo, pr), (rlo, rpr) = onnx_out, ref_out
-    diff = np.abs(lo.astype(np.float64) - rlo.astype(np.float64))
-    scale = np.maximum(np.abs(rlo).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
-    out = {
-        "samples": int(len(lo)),
-        "max_abs": float(diff.max(initial=0.0)),
-        "max_rel": float((diff / scale).max(initial=0.0)),
-        "prob_max_abs": float(np.abs(pr.astype(np.float64) - rpr).max(initial=0.0)),
-        "argmax_agreement": float((lo.argmax(1) == rlo.argmax(1)).mean()) if len(lo) else 1.0,
-        "atol": atol, "rtol": rtol, "min_agreement": min_agreement,
-    }
-    misses = []
-    nonfinite = int((~np.isfinite(lo)).any(axis=1).sum() + (~np.isfinite(pr)).any(axis=1).sum())
-    if nonfinite:  # NaN compares false with everything: without this, NaN outputs would pass
-        misses.append(f"{nonfinite} samples with NaN/Inf outputs")
-    # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |logit|). Either
-    # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
-    # logits make any relative measure explode.
-    excess = diff - (atol + rtol * scale)
-    out["max_excess"] = float(excess.max(initial=-np.inf)) if diff.size else 0.0
-    if not out["max_excess"] <= 0:
-        worst = np.unravel_index(np.nanargmax(excess), excess.shape) if np.isfinite(excess).any() else (0, 0)
-        misses.append(f"|diff| exceeds atol {atol:.3g} + rtol {rtol:.3g} x |logits| by {out['max_excess']:.3g} "
-                      f"(max_abs {out['max_abs']:.3g}, max_rel {out['max_rel']:.3g}; worst at sample {worst[0]})")
-    if prob_atol is not None:
-        out["prob_atol"] = prob_atol
-        if not out["prob_max_abs"] <= prob_atol:
-            misses.append(f"prob_max_abs {out['prob_max_abs']:.3g} > {prob_atol:.3g}")
-    if out["argmax_agreement"] < min_agreement:
-        misses.append(f"argmax agreement {out['argmax_agreement']:.2%} < {min_agreement:.2%} "
-                      f"({round((1 - out['argmax_agreement']) * out['samples'])} of {out['samples']} differ)")
-    out["passed"] = not misses
-    out["message"] = "; ".join(misses) if misses else (
-        f"max_abs {out['max_abs']:.3g}, max_rel {out['max_rel']:.3g}, argmax agreement {out['argmax_agreement']:.2%}")
-    return out
+def _rows(a: np.ndarray) -> np.ndarray:
+    return a.reshape(len(a), -1)
 
 
-def parity(sess, reference: torch.nn.Module, val_x: np.ndarray, atol: float, rtol: float,
-           batches=PARITY_BATCHES, **limits) -> dict[str, dict]:
-    """One gate per batch size (each fed as a single run), plus the whole split in batches of 64."""
+def compare(onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float,
+            prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
+    """One batch's outputs against the reference's (see ParityStats)."""
+    stats = ParityStats(next(iter(ref_out)))
+    stats.add(onnx_out, ref_out, atol, rtol)
+    return stats.result(atol, rtol, prob_atol, min_agreement)
+
+
+def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module, output_names,
+                   sizes=PARITY_BATCHES) -> dict[str, dict[str, np.ndarray]]:
+    """The inputs parity is checked on, by gate name: the first validation samples at each batch size
+    (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7 cut to a
+    shorter length and tiled to a longer one (axes of equal length change together: a token axis and its
+    mask). A length the PyTorch model itself can't run (positions past its maximum) is replaced by
+    another shorter one."""
+    batches = {f"b{size}": feeds_of(first_batch(val, size)[0]) for size in sizes}
+    base = batches.get("b7") or next(iter(batches.values()))
+    covered: set[tuple[str, int]] = set()
+    for name, axes in dynamic_axes.items():
+        for axis in axes:
+            if (name, axis) in covered:
+                continue
+            length = base[name].shape[axis]
+            together = [(n, a) for n, ax in dynamic_axes.items() for a in ax if base[n].shape[a] == length]
+            covered.update(together)
+            shorter = [x for x in dict.fromkeys((length // 2, length - 1, (3 * length) // 4)) if 0 < x < length]
+            candidates = [length + length // 2 + 1, *shorter]
+            found = 0
+            for other in candidates:
+                feeds = {n: _resized(v, [a for m, a in together if m == n], other) for n, v in base.items()}
+                try:
+                    run_torch(head, feeds, output_names)
+                except Exception:  # noqa: BLE001 - the model's own limit (max positions): try another length
+                    continue
+                batches[f"{name}_{axis}.len{other}"] = feeds
+                found += 1
+                if found == 2:
+                    break
+    return batches
+
+
+def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:
+    """`array` cut or tiled along `axes` to `length`: real values, only their count changes."""
+    for axis in axes:
+        reps = -(-length // array.shape[axis])
+        array = np.take(np.concatenate([array] * reps, axis=axis), range(length), axis=axis)
+    return np.ascontiguousarray(array)
+
+
+def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]], output_names, atol: float,
+           rtol: float, **limits) -> dict[str, dict]:
+    """One gate per prepared batch, each fed as a single run."""
     gates = {}
-    for size in batches:
-        x = batch_of(val_x, size)
-        gates[f"parity.b{size}"] = compare(run_onnx(sess, x, size), run_torch(reference, x), atol, rtol, **limits)
-    gates["parity.val"] = compare(run_onnx(sess, val_x, 64), run_torch(reference, val_x), atol, rtol, **limits)
+    for label, feeds in batches.items():
+        try:
+            got = run_onnx(sess, feeds)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are untyped: a failing gate
+            gates[f"parity.{label}"] = {"passed": False, "message": _ort_failure(exc, feeds)}
+            continue
+        gates[f"parity.{label}"] = compare(got, run_torch(head, feeds, output_names), atol, rtol, **limits)
     return gates
 
 
-def accuracy(sess, reference: torch.nn.Module, val_x: np.ndarray, val_y: np.ndarray, tolerance_pp: float) -> dict:
-    """Accuracy through onnxruntime on the whole split vs the PyTorch model's, in percentage points."""
-    onnx_pred = run_onnx(sess, val_x, 64)[0].argmax(1)
-    torch_pred = run_torch(reference, val_x)[0].argmax(1)
-    onnx_acc = float((onnx_pred == val_y).mean() * 100)
-    torch_acc = float((torch_pred == val_y).mean() * 100)
-    gap = abs(onnx_acc - torch_acc)
-    passed = gap <= tolerance_pp + 1e-9
-    return {
-        "passed": passed, "samples": int(len(val_y)),
-        "onnx_accuracy_pct": onnx_acc, "torch_accuracy_pct": torch_acc, "gap_pp": gap, "tolerance_pp": tolerance_pp,
-        "message": (f"ONNX {onnx_acc:.2f}% vs PyTorch {torch_acc:.2f}%: gap {gap:.3f} pp"
-                    + ("" if passed else f" > {tolerance_pp} pp (by {gap - tolerance_pp:.3f} pp)")),
-    }
+def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float, metric_tolerance: float,
+               **limits) -> dict[str, dict]:
+    """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
+    a batch at a time."""
+    from pipeline.components.data import eval_loader
+
+    stats = ParityStats(task.output_names[0])
+    onnx_state, torch_state = task.new_state(torch.device("cpu")), task.new_state(torch.device("cpu"))
+    for inputs, target in eval_loader(val, VAL_BATCH):
+        feeds = feeds_of(inputs)
+        try:
+            got = run_onnx(sess, feeds)
+        except Exception as exc:  # noqa: BLE001
+            failure = {"passed": False, "message": _ort_failure(exc, feeds)}
+            return {"parity.val": failure, task.primary: dict(failure)}
+        ref = run_torch(head, feeds, task.output_names)
+        stats.add(got, ref, atol, rtol)
+        first = task.output_names[0]
+        task.update(onnx_state, torch.from_numpy(got[first]).float(), target)
+        task.update(torch_state, torch.from_numpy(ref[first]).float(), target)
+    one = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    task.reduce(onnx_state, one)
+    task.reduce(torch_state, one)
+    gate = metric_gate(task, task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance)
+    return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
+
+
+def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, float], tolerance: float) -> dict:
+    """The primary metric through onnxruntime vs PyTorch: within `tolerance` percentage points for a
+    classifier's accuracy, within `tolerance` x |PyTorch's| for any other metric."""
+    name = task.primary
+    got, ref = onnx_metrics[name], torch_metrics[name]
+    if task.name == "classification":
+        gap = abs(got - ref) * 100
+        passed = gap <= tolerance + 1e-9
+        return {"passed": passed, "onnx_accuracy_pct": got * 100, "torch_accuracy_pct": ref * 100,
+                "gap_pp": gap, "tolerance_pp": tolerance,
+                "message": (f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
+                            + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)"))}
+    difference = abs(got - ref)
+    limit = tolerance * abs(ref)
+    passed = bool(difference <= limit + 1e-12 and np.isfinite(got))
+    return {"passed": passed, "metric": name, f"onnx_{name}": got, f"torch_{name}": ref, "difference": difference,
+            "rtol": tolerance, "message": (f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
+                                           + ("" if passed else f" > {tolerance:g} x {abs(ref):.6g}"))}
+
+
+def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feeds.items())
+    return (f"onnxruntime could not run inputs {shapes}: {str(exc).strip().splitlines()[0][:300]}; an axis that "
+            "varies in the data but is fixed in the graph needs export.dynamic_axes")
 
 
 def ort_optimize(source: Path, destination: Path) -> Path:

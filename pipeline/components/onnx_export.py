@@ -1,9 +1,10 @@
 """PyTorch module -> ONNX graph: the exporter part of `pipeline export`, nothing about gates or MLflow.
 
-The graph has one input `input` (B, C, H, W) float32 in [0, 1] and two outputs, `logits` and
-`probabilities` (softmax inside the graph, so clients need no post-processing), with a dynamic
-batch axis. Normalization is already inside the model (buffers), so the graph carries its own
-preprocessing.
+The graph takes the model's named inputs (`input` for a lone tensor, the dict keys otherwise) with
+the dtypes and sample shapes of the validation data, a dynamic batch axis, and the dynamic axes
+`export.dynamic_axes` names; it returns the task's outputs (`logits` and `probabilities` for
+classification, with the softmax inside the graph; `prediction`; `output`). Preprocessing that lives
+in the model (the built-ins' normalization buffers) is in the graph too.
 """
 
 from __future__ import annotations
@@ -19,31 +20,37 @@ import onnx
 import torch
 from torch import nn
 
+from pipeline.components.data import forward
+
 log = logging.getLogger(__name__)
 
-INPUT_NAME = "input"
-OUTPUT_NAMES = ("logits", "probabilities")
 # Exporting with a batch of 1 lets torch.export specialize the batch dimension to the constant 1
 # (the "0/1 specialization"): the graph would then only accept batch 1. Any size > 1 avoids it.
 EXPORT_BATCH = 2
 META_MODEL_NAME = "trainserve.model_name"
 META_LABELS = "trainserve.labels"
+META_TASK = "trainserve.task"
 
 
 class ExportError(RuntimeError):
     """The model could not be turned into ONNX; the message names the operator(s) when known."""
 
 
-class WithProbabilities(nn.Module):
-    """The classifier plus a softmax, so the graph returns both logits and probabilities."""
+class ExportHead(nn.Module):
+    """The model as the graph runs it: one positional argument per named input, in `input_names`
+    order (a lone tensor, or the dict the model takes as keyword arguments), returning the task's
+    outputs (for classification the logits and their softmax)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, task, input_names: list[str], single_input: bool):
         super().__init__()
         self.model = model
+        self.task = task
+        self.input_names = list(input_names)
+        self.single_input = single_input
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(x)
-        return logits, torch.softmax(logits, dim=1)
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = inputs[0] if self.single_input else dict(zip(self.input_names, inputs))
+        return self.task.outputs(forward(self.model, batch))
 
 
 @dataclass
@@ -54,23 +61,28 @@ class Exported:
     seconds: float
 
 
-def export(model: nn.Module, sample: torch.Tensor, opset: int, metadata: dict[str, str]) -> Exported:
-    """Exports `model` (eval mode, fp32) with the dynamo exporter, the legacy one only if that fails.
+def export(head: ExportHead, example: dict[str, torch.Tensor], output_names: tuple[str, ...],
+           dynamic_axes: dict[str, list[int]], opset: int, metadata: dict[str, str]) -> Exported:
+    """Exports `head` (eval mode, fp32) with the dynamo exporter, the legacy one only if that fails.
 
-    `sample` is one example input batch; only its shape beyond the batch axis and dtype matter.
+    `example`: one batch of real inputs by name; only dtypes and the sizes of fixed axes matter.
+    `dynamic_axes`: input name -> axes besides the batch that vary (checked against the inputs).
     `metadata` goes into the graph's metadata_props (the server reads the model name and labels).
     """
-    wrapped = WithProbabilities(model).eval()
-    example = sample[:1].expand(EXPORT_BATCH, *sample.shape[1:]).contiguous().float()
+    names = head.input_names
+    check_dynamic_axes(dynamic_axes, example)
+    args = tuple(example_batch(example, dynamic_axes)[n] for n in names)
+    head = head.eval()
     start = time.perf_counter()
     try:
-        proto = _check_opset(_export_dynamo(wrapped, example, opset), opset, "dynamo")
+        proto = _check_opset(_export_dynamo(head, args, names, output_names, dynamic_axes, opset), opset, "dynamo")
         exporter, reason = "dynamo", ""
     except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
         log.warning("dynamo exporter failed (%s); falling back to the TorchScript exporter", reason)
         try:
-            proto = _check_opset(_export_torchscript(wrapped, example, opset), opset, "TorchScript")
+            proto = _check_opset(_export_torchscript(head, args, names, output_names, dynamic_axes, opset),
+                                 opset, "TorchScript")
             exporter = "torchscript"
         except Exception as legacy_exc:  # noqa: BLE001
             ops = sorted(set(unsupported_ops(dynamo_exc)) | set(unsupported_ops(legacy_exc)))
@@ -81,13 +93,42 @@ def export(model: nn.Module, sample: torch.Tensor, opset: int, metadata: dict[st
                 "Replace the operator with supported ones, or register a translation for it "
                 "(torch.onnx.export custom_translation_table)") from None
     seconds = time.perf_counter() - start
+    _name_dynamic_dims(proto, names, dynamic_axes)
     for key, value in metadata.items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     return Exported(proto, exporter, reason, seconds)
 
 
-def metadata_for(model_name: str, labels: list[str], extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {META_MODEL_NAME: model_name, META_LABELS: json.dumps(list(labels)), **(extra or {})}
+def check_dynamic_axes(dynamic_axes: dict[str, list[int]], example: dict[str, torch.Tensor]) -> None:
+    from pipeline.config import ConfigError
+
+    for name, axes in dynamic_axes.items():
+        if name not in example:
+            raise ConfigError(f"export.dynamic_axes names input '{name}'; the model's inputs are "
+                              f"{', '.join(example)} (a lone tensor input is named input)")
+        rank = example[name].dim()
+        bad = [a for a in axes if not 1 <= a < rank]
+        if bad:
+            raise ConfigError(f"export.dynamic_axes.{name}: axes {bad} don't exist besides the batch axis; "
+                              f"'{name}' has {rank} axes, so 1..{rank - 1}")
+
+
+def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Rows of `example` as the export's example: EXPORT_BATCH rows or more, a count no dynamic axis
+    has as its length (torch.export assumes dynamic sizes that are equal in the example are equal)."""
+    lengths = {example[n].shape[a] for n, axes in dynamic_axes.items() for a in axes}
+    rows = EXPORT_BATCH
+    while rows in lengths:
+        rows += 1
+    return {n: t[torch.arange(rows) % len(t)].contiguous() for n, t in example.items()}
+
+
+def metadata_for(model_name: str, task_name: str, labels: list[str] | None,
+                 extra: dict[str, str] | None = None) -> dict[str, str]:
+    meta = {META_MODEL_NAME: model_name, META_TASK: task_name, **(extra or {})}
+    if labels is not None:
+        meta[META_LABELS] = json.dumps(list(labels))
+    return meta
 
 
 class OpsetMismatch(ExportError):
@@ -104,26 +145,47 @@ def _check_opset(proto: onnx.ModelProto, opset: int, which: str) -> onnx.ModelPr
     return proto
 
 
-def _export_dynamo(wrapped: nn.Module, example: torch.Tensor, opset: int) -> onnx.ModelProto:
-    batch = torch.export.Dim("batch", min=1)
+def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],
+                   dynamic_axes: dict[str, list[int]], opset: int) -> onnx.ModelProto:
+    # Dim.DYNAMIC: torch.export works out which dynamic sizes are equal (tokens and their mask).
+    dynamic = torch.export.Dim.DYNAMIC
+    shapes = tuple({0: dynamic, **{a: dynamic for a in dynamic_axes.get(n, [])}} for n in names)
     program = torch.onnx.export(
-        wrapped, (example,), dynamo=True, verbose=False, opset_version=opset,
-        input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
-        dynamic_shapes=({0: batch},), optimize=True)
+        head, args, dynamo=True, verbose=False, opset_version=opset, input_names=names,
+        output_names=list(output_names), dynamic_shapes=(shapes,),  # one entry: forward's *inputs
+        optimize=True)
     return program.model_proto
 
 
-def _export_torchscript(wrapped: nn.Module, example: torch.Tensor, opset: int) -> onnx.ModelProto:
+def _export_torchscript(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],
+                        dynamic_axes: dict[str, list[int]], opset: int) -> onnx.ModelProto:
     import io
 
+    axes = {n: {0: "batch", **{a: f"{n}_{a}" for a in dynamic_axes.get(n, [])}} for n in names}
+    axes.update({o: {0: "batch"} for o in output_names})
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # we know it's the legacy path: that is the point
-        torch.onnx.export(
-            wrapped, (example,), buffer, dynamo=False, opset_version=opset,
-            input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
-            dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)})
+        torch.onnx.export(head, args, buffer, dynamo=False, opset_version=opset, input_names=names,
+                          output_names=list(output_names), dynamic_axes=axes)
     return onnx.load_from_string(buffer.getvalue())
+
+
+def _name_dynamic_dims(proto: onnx.ModelProto, names: list[str], dynamic_axes: dict[str, list[int]]) -> None:
+    """Readable names for the exporter's symbols (s0, s17): `batch`, and `<input>_<axis>` for the
+    dynamic axes, everywhere the same symbol appears."""
+    rename: dict[str, str] = {}
+    for value in proto.graph.input:
+        if value.name not in names:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        for axis, dim in enumerate(dims):
+            if dim.dim_param and dim.dim_param not in rename:
+                rename[dim.dim_param] = "batch" if axis == 0 else f"{value.name}_{axis}"
+    for value in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in rename:
+                dim.dim_param = rename[dim.dim_param]
 
 
 _OP_PATTERNS = (

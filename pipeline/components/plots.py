@@ -33,3 +33,27 @@ def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def predicted_vs_actual_png(predicted: torch.Tensor, actual: torch.Tensor, path: Path) -> Path:
+    """Regression: each validation sample (up to a few thousand) as a point; the diagonal is perfect."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p, a = predicted.double().numpy(), actual.double().numpy()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(a, p, s=8, alpha=0.6)
+    if len(a):
+        lo, hi = float(min(a.min(), p.min())), float(max(a.max(), p.max()))
+        ax.plot([lo, hi], [lo, hi], color="gray", linewidth=1)
+        rmse = float(((p - a) ** 2).mean() ** 0.5)
+        ax.set_title(f"validation: RMSE {rmse:.4g} over {len(a)} samples")
+    ax.set_xlabel("actual")
+    ax.set_ylabel("predicted")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -40,7 +40,11 @@ def resolve_tracking_uri(configured: str = "") -> str:
     return uri
 
 
-def default_artifact_root() -> str:
+def default_artifact_root(tracking_uri: str = "") -> str:
+    """Artifacts beside a SQLite store's file (./mlartifacts for the embedded default), not wherever
+    the command happens to run."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri[len("sqlite:///"):]).parent / DEFAULT_ARTIFACTS).as_uri()
     return (Path.cwd() / DEFAULT_ARTIFACTS).as_uri()
 
 
@@ -92,7 +96,7 @@ def setup(tracking_cfg) -> str:
     experiment = mlflow.get_experiment_by_name(tracking_cfg.experiment)
     if experiment is None:
         # With a local database, keep artifacts beside it rather than in ./mlruns.
-        location = default_artifact_root() if uri.startswith("sqlite:") else None
+        location = default_artifact_root(uri) if uri.startswith("sqlite:") else None
         # The kind makes MLflow 3's UI open the experiment on its runs, not on GenAI traces.
         mlflow.create_experiment(tracking_cfg.experiment, artifact_location=location,
                                  tags={"mlflow.experimentKind": "custom_model_development"})
@@ -270,6 +274,18 @@ def log_checkpoint(path: Path, run_id: str) -> None:
 
 
 @uninterrupted
+def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
+    """The run's component source under `code/` (see code_capture.py) and what it was installed with."""
+    import mlflow
+
+    for name, path in files.items():
+        parent = str(Path(name).parent)
+        mlflow.log_artifact(str(path), artifact_path="code" + ("" if parent == "." else f"/{parent}"))
+    if packages:
+        mlflow.log_text("".join(f"{k}=={v}\n" for k, v in packages.items()), "code/requirements.txt")
+
+
+@uninterrupted
 def log_text(text: str, artifact_file: str) -> None:
     import mlflow
 
@@ -378,13 +394,12 @@ def _set_terminated(run_id: str, status: str) -> None:
 
 
 @uninterrupted
-def log_onnx_model(model, inputs: dict[str, Any], outputs: dict[str, Any], providers: list[str],
-                   metadata: dict[str, str]) -> str:
-    """The ONNX model as `model` of the active run, its signature taken from one example; returns its URI."""
+def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str], metadata: dict[str, str]) -> str:
+    """The ONNX model as `model` of the active run, with its signature and one example; returns its URI."""
     import mlflow
 
     info = mlflow.onnx.log_model(
-        model, name="model", signature=mlflow.models.infer_signature(inputs, outputs),
+        model, name="model", signature=signature,
         input_example=inputs, onnx_execution_providers=providers,
         # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
         pip_requirements=mlflow.onnx.get_default_pip_requirements(),

@@ -6,7 +6,7 @@ checkpoint through `pipeline.checkpoint.save`, and with --live write what the li
     <out>/live_outputs.safetensors         {"input", "output"}: the model's outputs on a fixed input
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 consolidate_make_checkpoint.py \
-        --strategy fsdp --model-args '{"name": "resnet18", ...}' --out DIR [--live]
+        --strategy fsdp --model '{"component": "pipeline.models:resnet18", "args": {...}}' --out DIR [--live]
 """
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.components import checkpoint
+from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.config import Config
 from pipeline.distributed import setup, teardown
-from pipeline.models import build_model, input_shape
+
+
+def input_shape(spec: ModelSpec) -> tuple[int, int, int]:
+    """(C, H, W) of the built-in image models' inputs (8x8 unless the args say otherwise)."""
+    size = spec.args.get("image_size", 8)
+    return (spec.args["in_channels"], size, size)
 
 
 def wrap(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
@@ -41,23 +47,25 @@ def wrap(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
-    parser.add_argument("--model-args", required=True, help="JSON dict for build_model")
+    parser.add_argument("--model", required=True, help='JSON {"component": ..., "args": {...}}')
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--live", action="store_true")
     args = parser.parse_args()
-    model_args = json.loads(args.model_args)
+    spec = ModelSpec(**json.loads(args.model))
     out = Path(args.out)
 
     info = setup("cpu", 1)
     try:
         torch.manual_seed(0)
-        model = wrap(build_model(model_args), args.strategy)
+        plain = instantiate_model(spec)
+        manifest = state_manifest(plain)
+        model = wrap(plain, args.strategy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(1 + info.rank)  # each rank its own batches, as a DistributedSampler gives
         for _ in range(args.steps):
-            x = torch.rand(8, *input_shape(model_args))
-            y = torch.randint(0, model_args["num_classes"], (8,))
+            x = torch.rand(8, *input_shape(spec))
+            y = torch.randint(0, spec.args["num_classes"], (8,))
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -68,15 +76,16 @@ def main() -> None:
                 dist.broadcast(buf, 0)
 
         config = Config().model_dump(mode="json")
-        meta = {"config": config, "model_args": model_args, "labels": [str(i) for i in range(model_args["num_classes"])],
-                "strategy": args.strategy, "mlflow_run_id": None, "train_state": {"epoch": 0}}
+        meta = {"config": config, "model": spec.to_json(), "model_state": manifest,
+                "labels": [str(i) for i in range(spec.args["num_classes"])], "strategy": args.strategy,
+                "mlflow_run_id": None, "train_state": {"epoch": 0}}
         checkpoint.save(out / "run" / "checkpoints", args.steps, model, optimizer, meta, info, keep_last=2)
 
         if args.live:
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             model.eval()
             torch.manual_seed(123)
-            x = torch.rand(16, *input_shape(model_args))
+            x = torch.rand(16, *input_shape(spec))
             with torch.no_grad():
                 y = model(x)  # collective under FSDP: every rank runs it
             if info.is_main:

@@ -8,14 +8,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
 from pipeline.distributed import replicas
-from pipeline.models import build_model
+from pipeline.components.build import ModelSpec, instantiate_model
 
 
 def caught_divergence(rank: int) -> bool:
     torch.manual_seed(0)
-    args = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "width": 1.0,
-            "hidden": [16], "mean": [0.3], "std": [0.4]}
-    model = DDP(build_model(args))
+    spec = ModelSpec("pipeline.models:mlp", {"num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]})
+    model = DDP(instantiate_model(spec))
     replicas.check(model, step=1)  # identical replicas pass
     if rank == 1:
         with torch.no_grad():

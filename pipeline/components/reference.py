@@ -1,0 +1,166 @@
+"""Component references: how a config's `component: "module.path:attribute"` becomes an object.
+
+A reference names a callable the ordinary Python way: `module.path` is imported (from the user's
+installed package, PYTHONPATH, or the working directory) and `attribute` looked up in it (dotted for
+a nested one, e.g. `my_project.models:Net.small`). It is then called with the section's keyword
+`args`. Nothing is evaluated from a string, and the working directory is never changed.
+
+Every failure is a `ComponentError` naming the config key, the reference, the Python error and what
+would be right: a module that can't be imported, a missing attribute, something not callable, args the
+callable's signature does not take, or an exception raised while it runs.
+
+Trust. A reference in the user's own config is imported as asked. A reference read back from an
+artifact (a checkpoint's `trainserve.json` or a `model.json`, which a shared MLflow store lets others
+write) is imported only when it is built in or matches a pattern in $TRAINSERVE_TRUSTED_COMPONENTS:
+importing and calling what a store names runs code (`os:system` with args `{"command": ...}`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from pipeline.config import ConfigError
+
+REFERENCE = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+BUILTIN_PATTERNS = ("pipeline.models:*", "pipeline.datasets:*")
+TRUST_ENV = "TRAINSERVE_TRUSTED_COMPONENTS"
+
+
+class ComponentError(ConfigError):
+    """A component that can't be imported, called or used; the message names the key and the fix."""
+
+
+def split_reference(key: str, reference: str) -> tuple[str, str]:
+    """('module.path', 'attribute') of a well-formed reference, else a ComponentError with an example."""
+    match = REFERENCE.match(reference or "")
+    if match:
+        return match["module"], match["attribute"]
+    hint = ""
+    if reference and ":" not in reference and "." in reference:
+        module, _, attribute = reference.rpartition(".")
+        hint = f"; did you mean '{module}:{attribute}'?"
+    raise ComponentError(f"{key}.component {reference!r} is not a reference of the form 'module.path:attribute' "
+                         f"(e.g. my_project.models:TabularNet){hint}")
+
+
+def resolve(key: str, reference: str, missing_hint: str = "") -> Any:
+    """The object `reference` names, imported the ordinary way; `missing_hint` is added when its
+    module can't be found (e.g. where the run logged the code)."""
+    module_name, attribute = split_reference(key, reference)
+    _make_working_directory_importable()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ComponentError(
+                f"{key}.component '{reference}': cannot import module '{module_name}' (ModuleNotFoundError: {exc}). "
+                f"Install your package (pip install -e <project>), add its directory to PYTHONPATH, or run from "
+                f"the directory that holds it{missing_hint}") from None
+        raise ComponentError(f"{key}.component '{reference}': importing '{module_name}' failed inside it "
+                             f"(ModuleNotFoundError: {exc})") from exc
+    except Exception as exc:  # a syntax error or an exception raised at import time in the user's module
+        raise ComponentError(f"{key}.component '{reference}': importing '{module_name}' raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for depth, part in enumerate(attribute.split(".")):
+        if not hasattr(obj, part):
+            owner = ".".join([module_name, *attribute.split(".")[:depth]])
+            public = sorted(n for n in dir(obj) if not n.startswith("_"))
+            close = difflib.get_close_matches(part, public, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (
+                f"; it has: {', '.join(public[:15])}{' ...' if len(public) > 15 else ''}" if public else "")
+            raise ComponentError(f"{key}.component '{reference}': '{owner}' has no attribute '{part}'{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ComponentError(f"{key}.component '{reference}' is a {type(obj).__name__}, not callable; name a class "
+                             "or a function")
+    return obj
+
+
+def call(key: str, reference: str, fn: Any, args: dict[str, Any]) -> Any:
+    """`fn(**args)`: arguments its signature does not take, and exceptions it raises, become one
+    ComponentError naming the key and the reference."""
+    check_arguments(key, reference, fn, args)
+    try:
+        return fn(**args)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ComponentError(f"{key}.component '{reference}' raised {type(exc).__name__}: {exc}") from exc
+
+
+def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any]) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: let the call speak
+        return
+    try:
+        signature.bind(**args)
+    except TypeError as exc:
+        given = ", ".join(sorted(args)) or "none"
+        raise ComponentError(f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc} (given: {given}); "
+                             f"set {key}.args to what it takes") from None
+
+
+def plain_signature(signature: inspect.Signature) -> inspect.Signature:
+    """The parameters without annotations: what a message needs, and readable."""
+    return signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                             return_annotation=signature.empty)
+
+
+def accepted_parameters(fn: Any) -> set[str]:
+    """Names `fn` takes as keywords (empty when it has no inspectable signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+@dataclass(frozen=True)
+class ArtifactSource:
+    """Where references were read back from (a checkpoint, a model.json), and the patterns this process
+    trusts besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS (e.g. the config `pipeline run` was given)."""
+    where: str
+    trusted: tuple[str, ...] = ()
+
+
+def trusted_patterns(extra: Iterable[str] = ()) -> list[str]:
+    from_env = [p.strip() for p in os.environ.get(TRUST_ENV, "").split(",") if p.strip()]
+    return [*BUILTIN_PATTERNS, *from_env, *extra]
+
+
+def check_trusted(key: str, reference: str, source: ArtifactSource | None) -> None:
+    """Refuses a reference read from an artifact unless built in or explicitly trusted; `source` None
+    means the reference came from the user's own config."""
+    if source is None or any(fnmatch.fnmatchcase(reference, p) for p in trusted_patterns(source.trusted)):
+        return
+    module, _, _ = reference.partition(":")
+    suggestion = f"{module.split('.')[0]}.*" if "." in module else f"{module}:*"
+    raise ComponentError(
+        f"{source.where} names {key}.component '{reference}', which is not trusted here: a component named by an "
+        f"artifact is imported and run only when it is built in or matches ${TRUST_ENV} (comma-separated "
+        f"patterns) or --trust, because a shared store could name any callable. If you trust the run that "
+        f"wrote it: {TRUST_ENV}='{suggestion}' (or --trust '{suggestion}')")
+
+
+def short_name(reference: str) -> str:
+    """`my_project.models:TabularNet` -> `tabularnet`: a name for runs and registered models."""
+    attribute = reference.rpartition(":")[2].rpartition(".")[2]
+    return re.sub(r"[^a-z0-9]+", "-", attribute.lower()).strip("-") or "model"
+
+
+def _make_working_directory_importable() -> None:
+    """`python -m` puts the working directory first on sys.path, a console script (`pipeline`) does
+    not; the contract says a component may live there. Appended, so it shadows no installed package."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
