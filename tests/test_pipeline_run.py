@@ -183,3 +183,39 @@ def test_pipeline_against_a_remote_tracking_server(tracking_server, tmp_path):
 
     ours = json.loads((local[0].parent / "model.json").read_text())["sha256"]
     assert client.get_run(run_id).data.tags["trainserve.consolidated.sha256"] == ours
+
+
+def readme_block(after: str, lang: str) -> str:
+    """The README's first ```lang block after the text `after`."""
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"```{lang}\n", text.index(after)) + len(lang) + 4
+    return text[start:text.index("```", start)]
+
+
+def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
+    """The README's complete example: its module and config written as it says, in a directory trainserve
+    has never seen, run with its command (shorter), then the first errors it lists, verbatim."""
+    (tmp_path / "my_project").mkdir()
+    (tmp_path / "my_project" / "tabular.py").write_text(readme_block("`my_project/tabular.py` in any directory", "python"))
+    (tmp_path / "mine.yaml").write_text(readme_block("this as `mine.yaml`", "yaml"))
+    command = shlex.split(readme_block("one command trains it", "bash").strip())
+    assert command[0].endswith("/.venv/bin/pipeline") and command[1:] == ["run", "--config", "mine.yaml",
+                                                                           "--nproc-per-node", "2", "--serve-check"]
+    proc = run_cli([*command[1:], "train.epochs=1", "serve.port=0"], cwd=tmp_path)
+    assert "sample request: a real validation sample (target" in proc.stdout, proc.stdout
+    assert "the server's answer equals the PyTorch model's" in proc.stdout
+    client = mlflow_client(tmp_path)
+    version = client.get_model_version_by_alias("my-tabular-net", "champion")
+    assert version.tags["trainserve.model_component"] == "my_project.tabular:TabularNet"
+    run = client.get_run(version.run_id)
+    assert {"code/my_project/tabular.py"} <= {a.path for a in client.list_artifacts(run.info.run_id, "code/my_project")}
+
+    errors = readme_block("The errors you will meet", "").strip().splitlines()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text())
+    missing = run_cli(["run", "--config", "mine.yaml", "--nproc-per-node", "2"], cwd=elsewhere, check=False)
+    assert missing.returncode == 2 and missing.stderr.strip() == errors[0]
+    typo = run_cli(["run", "--config", "mine.yaml", "--nproc-per-node", "2", "model.args={hiden: 64}"], cwd=tmp_path,
+                   check=False)
+    assert typo.returncode == 2 and typo.stderr.strip() == errors[1]

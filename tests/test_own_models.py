@@ -1,0 +1,195 @@
+"""A user's own model, data and task through every stage, the way the README tells a user to run them:
+the example projects in examples/ (trainserve never imports them itself), found on PYTHONPATH by the
+CLI and by every torchrun worker, under real torchrun, a real MLflow store and a real server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+import torch
+
+from pipeline.components import checkpoint
+from pipeline.components.build import build_data
+from pipeline.components.data import first_batch
+from pipeline.config import load_config
+
+from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
+from serving_fixtures import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+TINY = ["train.max_steps=12", "train.eval_every=6", "train.log_every=2", "checkpoint.every_n_steps=6",
+        "tracking.system_metrics=false", "serve.port=0"]
+EXAMPLES = {  # config -> (experiment, registered name, the task's validation metric)
+    "diabetes_mlp": ("trainserve-diabetes", "diabetes-mlp", "val/rmse"),
+    "diabetes_mixed_inputs": ("trainserve-diabetes", "diabetes-mixed", "val/mae"),
+    "digit_sequences_transformer": ("trainserve-digit-sequences", "digit-sequences", "val/accuracy"),
+}
+ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
+
+
+@pytest.fixture(scope="module", params=list(EXAMPLES))
+def example(request, tmp_path_factory):
+    """`pipeline run --nproc-per-node 2 --serve-check` on an example, in a directory of its own."""
+    name = request.param
+    workdir = tmp_path_factory.mktemp(name)
+    proc = run_cli(["run", "--config", str(REPO / f"configs/{name}.yaml"), "--nproc-per-node", "2", "--serve-check",
+                    "train.run_name=mine", *TINY], cwd=workdir, env=ON_PATH, timeout=600)
+    return name, workdir, proc
+
+
+def test_an_example_goes_through_every_stage_with_one_command(example):
+    name, workdir, proc = example
+    experiment, registered, metric = EXAMPLES[name]
+    assert "sample request: a real" in proc.stdout, proc.stdout[-2000:]
+    assert "the server's answer equals the PyTorch model's" in proc.stdout, proc.stdout[-2000:]
+
+    client = mlflow_client(workdir)
+    version = client.get_model_version_by_alias(registered, "champion")
+    run = client.get_run(version.run_id)
+    cfg = load_config(REPO / f"configs/{name}.yaml")
+    assert run.info.status == "FINISHED" and run.data.tags["trainserve.stage.export"] == "done"
+    assert version.tags["trainserve.model_component"] == cfg.model.component
+    assert version.tags["trainserve.data_component"] == cfg.data.component
+    assert metric in run.data.metrics and run.data.metrics["export.passed"] == 1.0
+    # The user's component modules are logged with the run, as MLflow's code_paths would.
+    package = cfg.model.component.split(":")[0].split(".")[1]
+    code = {a.path for a in client.list_artifacts(run.info.run_id, f"code/examples/{package}")}
+    assert f"code/examples/{package}/{cfg.model.component.split(':')[0].split('.')[-1]}.py" in code, code
+    # The model's arguments as built: what the data suggested is in the params and the checkpoint.
+    ckpt = checkpoint.latest(workdir / "outputs/mine/checkpoints")
+    recorded = checkpoint.read_meta(ckpt)["model"]
+    for key, value in recorded["args"].items():
+        assert run.data.params[f"model.args.{key}"] == str(value)[:6000]
+    report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
+    assert report["passed"] and report["task"]["name"] == cfg.task.name
+    assert [i["name"] for i in report["inputs"]] == [s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]]
+    if name == "diabetes_mlp":
+        assert "predicted_vs_actual.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert report["gates"]["rmse"]["passed"] and report["outputs"] == ["prediction"]
+    if name == "digit_sequences_transformer":  # two more lengths of the dynamic token axis were gated
+        assert sum(1 for g in report["gates"] if g.startswith("parity.tokens_1.len")) == 2
+
+
+def validation_requests(name: str, rows: int) -> list[dict[str, np.ndarray]]:
+    """Real validation samples of the example, one request each, as numpy inputs by name."""
+    cfg = load_config(REPO / f"configs/{name}.yaml")
+    splits = build_data(cfg.data, cfg.task.name)  # examples/ is importable here: pytest runs from the repository
+    inputs, _ = first_batch(splits.val, rows)
+    named = inputs if isinstance(inputs, dict) else {"input": inputs}
+    return [{k: v[i:i + 1].numpy() for k, v in named.items()} for i in range(rows)]
+
+
+V2 = {"float32": "FP32", "int64": "INT64", "bool": "BOOL"}
+
+
+def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
+    """KServe V2 JSON and binary (tritonclient), and /invocations with named inputs; for the sequence model,
+    concurrent requests of different lengths, which the batcher must never merge."""
+    import tritonclient.http as triton
+
+    name, workdir, _ = example
+    onnx_path = workdir / "outputs/mine/onnx/model.onnx"
+    direct = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in direct.get_outputs()]
+    samples = validation_requests(name, 6)
+    if name == "digit_sequences_transformer":  # other lengths than training's 64, up to the model's 128
+        samples += [{k: np.ascontiguousarray(np.resize(v, (1, length))) for k, v in s.items()}
+                    for s in samples[:3] for length in (17, 90)]
+
+    def expected(feeds):
+        return dict(zip(outputs, direct.run(outputs, feeds)))
+
+    with ServerProcess("--model", str(onnx_path), log_path=tmp_path / "server.log") as server:
+        model = requests.get(f"{server.url}/v2/models/{EXAMPLES[name][1]}", timeout=5).json()
+        assert [i["name"] for i in model["inputs"]] == list(samples[0])
+
+        def v2_json(feeds):
+            body = {"inputs": [{"name": k, "shape": list(v.shape), "datatype": V2[str(v.dtype)],
+                                "data": v.reshape(-1).tolist()} for k, v in feeds.items()]}
+            answer = requests.post(f"{server.url}/v2/models/{EXAMPLES[name][1]}/infer", json=body, timeout=30)
+            assert answer.status_code == 200, answer.text
+            return {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.json()["outputs"]}
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # concurrent: the batcher merges what fits
+            answers = list(pool.map(v2_json, samples))
+        for feeds, answer in zip(samples, answers):
+            for key, value in expected(feeds).items():
+                np.testing.assert_allclose(answer[key], value, rtol=1e-5, atol=1e-5)
+
+        client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+        for feeds in samples[:3]:
+            infer_inputs = []
+            for key, value in feeds.items():
+                item = triton.InferInput(key, list(value.shape), V2[str(value.dtype)])
+                item.set_data_from_numpy(value, binary_data=True)
+                infer_inputs.append(item)
+            result = client.infer(EXAMPLES[name][1], infer_inputs,
+                                  outputs=[triton.InferRequestedOutput(o, binary_data=True) for o in outputs])
+            for key, value in expected(feeds).items():
+                np.testing.assert_allclose(result.as_numpy(key), value, rtol=1e-5, atol=1e-5)
+
+        batch = {k: np.concatenate([s[k] for s in samples[:4]]) for k in samples[0]}
+        answer = requests.post(f"{server.url}/invocations", timeout=30,
+                               json={"inputs": {k: v.tolist() for k, v in batch.items()}})
+        assert answer.status_code == 200, answer.text
+        for key, value in expected(batch).items():
+            np.testing.assert_allclose(np.asarray(answer.json()["predictions"][key]), value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("example", ["diabetes_mlp"], indirect=True)
+def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(example, tmp_path):
+    """`pipeline export` of a user's weights on its own: model.json names the user's components, which are
+    imported only when trusted (pipeline run trusted its own config's)."""
+    _, workdir, _ = example
+    weights = workdir / "outputs/mine/consolidated"
+    proc = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"], cwd=workdir,
+                   env=ON_PATH, check=False)
+    assert proc.returncode == 2 and "examples.diabetes.models:TabularMLP', which is not trusted here" in proc.stderr
+    assert not (tmp_path / "onnx" / "model.onnx").exists()
+    run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust", "examples.*"],
+            cwd=workdir, env=ON_PATH)
+    assert (tmp_path / "onnx" / "model.onnx").is_file()
+
+
+def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path):
+    """Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica checks:
+    a rank SIGKILLed at step 9 under torchrun restarts, and the final weights are bit for bit the straight run's."""
+    common = ["train", "--config", str(REPO / "configs/diabetes_mixed_inputs.yaml"), "--nproc-per-node", "2",
+              "train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.eval_every=0",
+              "train.log_every=4", "train.precision=bf16", "train.grad_accum_steps=2", "train.consistency_every=4",
+              "tracking.system_metrics=false"]
+    run_cli([*common, "train.run_name=straight"], cwd=tmp_path, env=ON_PATH)
+    proc = run_cli([*common, "--max-restarts=1", "train.run_name=killed"], cwd=tmp_path,
+                   env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"})
+    assert "killing rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
+    a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/straight/checkpoints")).state_dict()
+    b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/killed/checkpoints")).state_dict()
+    assert a.keys() == b.keys() and "embed.weight" in a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_another_world_size(tmp_path):
+    # SGD, not the config's AdamW: Adam divides by the gradients' running size, so the last-bit differences
+    # of another summation order grow into ~1e-5 within a few steps and blur what the comparison checks.
+    common = ["train", "--config", str(REPO / "configs/digit_sequences_transformer.yaml"), "train.strategy=fsdp",
+              "train.max_steps=12", "checkpoint.every_n_steps=6", "train.eval_every=0", "train.log_every=4",
+              "optim.name=sgd", "optim.lr=0.05", "tracking.system_metrics=false"]
+    proc = run_cli([*common, "--nproc-per-node", "2", "train.run_name=fsdp"], cwd=tmp_path, env=ON_PATH)
+    assert "FSDP2 units: 2 x TransformerEncoderLayer, and the root" in proc.stderr
+    ckpt6 = tmp_path / "outputs/fsdp/checkpoints/step_00000006"
+    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
+    chunks = metadata.state_dict_metadata["model.encoder.layers.0.linear1.weight"].chunks
+    assert len(chunks) == 2  # each rank holds half of a layer's weight
+    run_cli([*common, "--nproc-per-node", "1", "train.run_name=fsdp_on_one", "--resume", str(ckpt6)],
+            cwd=tmp_path, env=ON_PATH)
+    a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp/checkpoints")).state_dict()
+    b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")).state_dict()
+    for key in a:  # same global batches; sums in another order
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
