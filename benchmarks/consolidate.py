@@ -29,18 +29,18 @@ LAYERS = 6  # hidden layers of the MLP: a handful of big tensors, as in a real m
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def model_args_for_size(gigabytes: float) -> dict:
-    """An MLP whose checkpoint (weights + AdamW's two moments) is about `gigabytes` GB."""
+def model_for_size(gigabytes: float) -> dict:
+    """The built-in MLP whose checkpoint (weights + AdamW's two moments) is about `gigabytes` GB."""
     weights = gigabytes * 1e9 / 3
     hidden = int(math.sqrt(weights / (LAYERS * 4)))
     side = max(4, round(math.sqrt(hidden)))
-    return {"name": "mlp", "in_channels": 1, "num_classes": 10, "image_size": side, "width": 1.0,
-            "hidden": [hidden] * LAYERS, "mean": [0.5], "std": [0.25]}
+    return {"component": "pipeline.models:mlp", "args": {"in_channels": 1, "num_classes": 10, "image_size": side,
+                                                        "hidden": [hidden] * LAYERS, "mean": [0.5], "std": [0.25]}}
 
 
 def make_checkpoint(gigabytes: float, strategy: str, root: Path) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(MAKE),
-           "--strategy", strategy, "--steps", "1", "--model-args", json.dumps(model_args_for_size(gigabytes)),
+           "--strategy", strategy, "--steps", "1", "--model", json.dumps(model_for_size(gigabytes)),
            "--out", str(root)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     if proc.returncode != 0:

@@ -36,33 +36,35 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {
-    "resnet18": {"name": "resnet18", "in_channels": 1, "image_size": 28, "num_classes": 10, "width": 1.0,
-                 "hidden": [], "mean": [0.286], "std": [0.353]},
-    "mlp": {"name": "mlp", "in_channels": 1, "image_size": 28, "num_classes": 10, "width": 1.0,
-            "hidden": [64], "mean": [0.286], "std": [0.353]},
+MODELS = {  # name -> (the built-in model component, its args): 28x28 one-channel images, 10 classes
+    "resnet18": ("pipeline.models:resnet18", {"num_classes": 10, "in_channels": 1, "width": 1.0,
+                                              "mean": [0.286], "std": [0.353]}),
+    "mlp": ("pipeline.models:mlp", {"num_classes": 10, "in_channels": 1, "image_size": 28, "hidden": [64],
+                                    "mean": [0.286], "std": [0.353]}),
 }
 MAX_BATCH = 32
 
 
 # ---- models -----------------------------------------------------------------------------------
 
-def build_and_export(model_args: dict, out_dir: Path):
+def build_and_export(name: str, out_dir: Path):
     """The torch module (eval) and its ONNX file, exported the way `pipeline export` does."""
     import onnx
     import torch
 
-    from pipeline.models import build_model
+    from pipeline.components.build import ModelSpec, instantiate_model
 
     torch.manual_seed(0)
-    model = build_model(model_args).eval()
+    model = instantiate_model(ModelSpec(*MODELS[name])).eval()
     sample = torch.rand(2, 1, 28, 28)
-    path = out_dir / f"{model_args['name']}.onnx"
-    metadata = {"trainserve.model_name": model_args["name"]}
+    path = out_dir / f"{name}.onnx"
+    metadata = {"trainserve.model_name": name}
     try:
-        from pipeline.components.onnx_export import export
+        from pipeline.components.onnx_export import ExportHead, export
+        from pipeline.components.tasks import Classification
 
-        proto = export(model, sample, 18, metadata).model
+        head = ExportHead(model, Classification(None, 5, num_classes=10), ["input"], True)
+        proto = export(head, {"input": sample}, ("logits", "probabilities"), {}, 18, metadata).model
     except ImportError:  # the exporter module is not there: the same graph by hand
         proto = _export_locally(model, sample, metadata)
     onnx.save(proto, str(path))
@@ -204,7 +206,7 @@ def run_model(name: str, work: Path, seconds: float, rounds: int, mlflow_servers
     import onnx
     import torch
 
-    model, onnx_path = build_and_export(MODELS[name], work)
+    model, onnx_path = build_and_export(name, work)
     x = np.random.default_rng(1).random((1, 1, 28, 28), dtype=np.float32)
     body = work / f"{name}.json"
     body.write_bytes(json.dumps({"inputs": x.tolist()}).encode())

@@ -73,18 +73,20 @@ RESULT = "RESULT "
 # ---- pieces every worker uses ------------------------------------------------------------------
 
 def load_inputs(size: int):
-    from pipeline.components.data import load_digits_splits, load_synthetic_splits
+    """The training set (in memory, batched by one index operation) of the built-in data set."""
+    from pipeline.datasets import digits, synthetic
 
     if INPUTS[size]["data"] == "digits":
-        return load_digits_splits(0.2, 0)
-    return load_synthetic_splits(1, 28, 10, 1024)
+        return digits(0.2, 0)["train"]
+    return synthetic(1, 28, 10, 1024)["train"]
 
 
-def args_for(size: int, splits, width: float) -> dict:
-    from pipeline.config import ModelConfig
-    from pipeline.models import model_args_for
+def build(train, width: float):
+    """The built-in ResNet-18 with the arguments the training set suggests, as `pipeline train` builds it."""
+    from pipeline.components.build import ModelSpec, instantiate_model
 
-    return model_args_for(ModelConfig(name="resnet18", width=width), splits.info())
+    return instantiate_model(ModelSpec("pipeline.models:resnet18", {
+        "num_classes": len(train.classes), "width": width, **{k: train.model_args[k] for k in ("in_channels", "mean", "std")}}))
 
 
 def optim_cfg():
@@ -96,6 +98,8 @@ def optim_cfg():
 def our_stepper(model, splits, precision: str, info, batch_per_rank: int):
     """One call = one iteration of `train_loop` minus its logging: next batch from our loader,
     `train_step` (grad norm on logging steps), scheduler step."""
+    import torch.nn.functional as F
+
     from pipeline.components import amp
     from pipeline.components.data import make_train_loader
     from pipeline.components.optim import build_optimizer, build_scheduler
@@ -120,7 +124,7 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int):
         nonlocal step
         step += 1
         loss, _ = train_step(model, optimizer, scaler, next(it), info, precision, 0.0,
-                             want_norm=step % LOG_EVERY == 0)
+                             want_norm=step % LOG_EVERY == 0, loss_fn=F.cross_entropy)
         scheduler.step()
         return loss
 
@@ -132,7 +136,7 @@ def bare_stepper(model, splits, precision: str, batch: int):
     import torch
     import torch.nn.functional as F
 
-    x_all, y_all = splits.train_x, splits.train_y
+    x_all, y_all = splits.x, splits.y
     n = len(y_all) // batch
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, nesterov=True, weight_decay=5e-4)
     i = 0
@@ -171,12 +175,11 @@ def worker_loop(a) -> None:
     import torch
 
     from pipeline import distributed
-    from pipeline.models import build_model
 
     info = distributed.setup("cpu", a.threads)
     splits = load_inputs(a.size)
     torch.manual_seed(0)
-    base = build_model(args_for(a.size, splits, a.width)).train()
+    base = build(splits, a.width).train()
     steppers = {}
     for precision in ("fp32", "bf16"):
         steppers[f"ours/{precision}"] = our_stepper(copy.deepcopy(base), splits, precision, info, BATCH)
@@ -201,15 +204,14 @@ def worker_ddp(a) -> None:
 
     from pipeline import distributed
     from pipeline.config import TrainConfig
-    from pipeline.models import build_model
-    from pipeline.train import wrap_model
+    from pipeline.distributed.parallelize import wrap_model
 
     info = distributed.setup("cpu", a.threads)
     model = step_fn = None
     try:
         splits = load_inputs(a.size)
         torch.manual_seed(0)
-        model = wrap_model(build_model(args_for(a.size, splits, a.width)), TrainConfig(), a.precision, info)
+        model = wrap_model(build(splits, a.width), TrainConfig(), a.precision, info)
         step_fn = our_stepper(model, splits, a.precision, info, BATCH // info.world_size)
         timed(step_fn, a.warmup)
         if info.is_main:
@@ -235,13 +237,13 @@ def worker_stage(a) -> None:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.models import build_model
     from pipeline.train import main
 
     def stage() -> list[float]:
         spec = INPUTS[a.size]
-        overrides = [f"data.name={spec['data']}", "data.synthetic_size=28", "data.synthetic_samples=1024",
-                     "model.name=resnet18", f"model.width={a.width}", "optim.name=sgd", f"optim.lr={LR}",
+        data_args = ["data.args.size=28", "data.args.samples=1024"] if spec["data"] == "synthetic" else []
+        overrides = [f"data.name={spec['data']}", *data_args,
+                     "model.name=resnet18", f"model.args.width={a.width}", "optim.name=sgd", f"optim.lr={LR}",
                      "optim.schedule=constant", "train.device=cpu", "train.precision=fp32",
                      f"train.global_batch_size={BATCH}", f"train.max_steps={a.steps}", f"train.log_every={a.warmup}",
                      f"train.eval_every={10**6}", "train.consistency_every=0", f"train.output_dir={a.workdir}/outputs",
@@ -255,7 +257,7 @@ def worker_stage(a) -> None:
     def bare() -> list[float]:
         splits = load_inputs(a.size)
         torch.manual_seed(0)
-        step_fn = bare_stepper(build_model(args_for(a.size, splits, a.width)).train(), splits, "fp32", BATCH)
+        step_fn = bare_stepper(build(splits, a.width).train(), splits, "fp32", BATCH)
         windows = [a.warmup * BATCH / timed(step_fn, a.warmup) for _ in range(a.steps // a.warmup)]
         return windows[1:]
 
