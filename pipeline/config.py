@@ -187,7 +187,8 @@ class ExportConfig(Section):
     atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| outputs <= atol + rtol x the sample's largest |output| (fp32).")
     rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
     accuracy_tolerance_pp: float = Field(0.1, ge=0, description="classification: ONNX accuracy within this many percentage points of PyTorch's.")
-    metric_rtol: float = Field(1e-3, ge=0, description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_rtol x |PyTorch|.")
+    metric_rtol: float = Field(1e-3, ge=0, description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_atol + metric_rtol x |PyTorch|.")
+    metric_atol: float = Field(1e-6, ge=0, description="The absolute part of that limit, for a metric near 0.")
     dynamic_axes: dict[str, list[int]] = Field(
         default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")
     ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
@@ -337,6 +338,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for text in overrides:
         keys, value = parse_override(text)
         _set_dotted(tree, keys, value, text)
+        if len(keys) == 2 and keys[1] in ("name", "component") and isinstance(tree.get(keys[0]), dict):
+            # `model.component=...` on the command line replaces the file's `model.name` shorthand (and
+            # the other way round): the command line wins, as everywhere else.
+            tree[keys[0]].pop("component" if keys[1] == "name" else "name", None)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

@@ -113,7 +113,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     reference = load_model(weights, source, hint)
     splits = build_data(weights.config.data, weights.config.task.name, source, hint)
     check_inputs(weights, splits)
-    task = build_task(weights.config.task, splits.classes, source, (weights.meta.get("task") or {}).get("num_classes"))
+    task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
     head = onnx_export.ExportHead(reference, task, splits.input_names, splits.single_input)
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
 
@@ -128,8 +128,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
 
     # 4. Gates, then the optional variants, each with its own limits.
-    batches = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
-    results = {"checker": gates.check_model(onnx_path)}
+    batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
+    results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results.update(_gate(gates.session(onnx_path), head, splits, task, batches, cfg))
     variants: dict[str, Path] = {}
     if cfg.ort_optimize:
@@ -166,7 +166,7 @@ def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, **limits
     atol, rtol = limits.pop("atol", cfg.atol), limits.pop("rtol", cfg.rtol)
     tolerance = limits.pop("tolerance", cfg.accuracy_tolerance_pp if task.name == "classification" else cfg.metric_rtol)
     results = gates.parity(sess, head, batches, task.output_names, atol, rtol, **limits)
-    results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, **limits))
+    results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, cfg.metric_atol, **limits))
     return results
 
 
@@ -242,9 +242,11 @@ def load_model(weights: Weights, source: ArtifactSource | None = None, missing_h
         shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
                            f"({spec.component} with args {_brief(spec.args)}): {shown}")
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.state_dict.items()},
-                          strict=True)
-    return model.float().eval()
+    # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
+    # the graph and its gates run at the precision the model was defined in.
+    own = model.state_dict()
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True)
+    return model.eval()
 
 
 def _brief(args: dict) -> str:

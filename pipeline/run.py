@@ -19,9 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from serving.codec import V2_DTYPES
+
 from pipeline.components import checkpoint, tracking
 from pipeline.tools import logs
-from pipeline.components.build import preflight
+from pipeline.components.build import component_references, preflight
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
 
 log = logging.getLogger("pipeline.run")
@@ -40,7 +44,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     tracking.setup(cfg.tracking)  # fail in seconds on a bad store, before any stage
 
     if force or not train_done(run_dir):
-        preflight(cfg)  # a bad data, task or model component stops here, before any process is spawned
+        preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # a bad data, task or model component stops here, before any process is spawned
         code = run_train(cfg, run_dir, nproc_per_node, force)
         if code:
             log.error("train failed (exit %d); see its log above", code)
@@ -59,7 +63,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     if force or report is None:
         # The components the user's own config names are trusted when model.json names them back.
         result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri,
-                             trusted=own_components(cfg))
+                             trusted=component_references(cfg.model, cfg.data, cfg.task))
         if not result.passed:
             log.error("export gates failed: %s; see %s", ", ".join(result.failed), result.report_path)
             return 1
@@ -75,9 +79,6 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
         return serve_with_sample(cfg, model_uri, weights.parent, keep_serving=not serve_check)
     return 0
 
-
-def own_components(cfg: Config) -> tuple[str, ...]:
-    return (cfg.model.component, cfg.data.component, *(c.component for c in (cfg.task.loss, cfg.task.metric) if c))
 
 
 # --- what is done already --------------------------------------------------------------------
@@ -181,7 +182,8 @@ def serve_with_sample(cfg: Config, model_uri: str, weights_dir: Path, keep_servi
     server = subprocess.Popen(cmd, env=env)
     try:
         base = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{port}"
-        sample = ServeSample.prepare(cfg, weights_dir)
+        sample = ServeSample.prepare(cfg.data, cfg.task, cfg.export, weights_dir,
+                                     component_references(cfg.model, cfg.data, cfg.task))
         wait_ready(base, server)
         name = model_uri.split("/")[1].split("@")[0]  # a registry model is served under its registered name
         matches = sample.check(base, name)
@@ -205,22 +207,26 @@ class ServeSample:
         self.atol, self.rtol = atol, rtol
 
     @classmethod
-    def prepare(cls, cfg: Config, weights_dir: Path) -> "ServeSample":
+    def prepare(cls, data_cfg, task_cfg, export_cfg, weights_dir: Path, trusted: list[str]) -> "ServeSample":
+        """The first validation sample, and the PyTorch model's answer (rebuilt from model.json, whose
+        components are imported when they are the config's own or otherwise trusted)."""
         from pipeline import export
         from pipeline.components import gates
         from pipeline.components.build import build_data
         from pipeline.components.data import first_batch
         from pipeline.components.onnx_export import ExportHead
+        from pipeline.components.reference import ArtifactSource
         from pipeline.components.tasks import build_task
 
         weights = export.read_weights(weights_dir)
-        splits = build_data(cfg.data, cfg.task.name)
-        task = build_task(cfg.task, splits.classes, num_classes=(weights.meta.get("task") or {}).get("num_classes"))
-        head = ExportHead(export.load_model(weights), task, splits.input_names, splits.single_input)
+        splits = build_data(data_cfg, task_cfg.name)
+        task = build_task(task_cfg, splits.classes, recorded=weights.meta.get("task"))
+        model = export.load_model(weights, ArtifactSource(str(weights_dir / "model.json"), tuple(trusted)))
+        head = ExportHead(model, task, splits.input_names, splits.single_input)
         inputs, target = first_batch(splits.val, 1)
         feeds = gates.feeds_of(inputs)
-        return cls(feeds, target, gates.run_torch(head, feeds, task.output_names), task, cfg.export.atol,
-                   cfg.export.rtol)
+        return cls(feeds, target, gates.run_torch(head, feeds, task.output_names), task, export_cfg.atol,
+                   export_cfg.rtol)
 
     def check(self, base: str, name: str) -> bool:
         """One Open Inference Protocol request with every named input; prints what came back."""
@@ -229,7 +235,7 @@ class ServeSample:
 
         from pipeline.components import gates
 
-        body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": V2_DATATYPES[a.dtype.str[1:]],
+        body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": V2_DATATYPES[a.dtype],
                             "data": a.reshape(-1).tolist()} for n, a in self.feeds.items()]}
         response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
         if response.status_code != 200:
@@ -253,9 +259,7 @@ class ServeSample:
         return (f"a real validation sample (target {_values(self.target[0])}) -> {output} {_values(answer[output][0])}")
 
 
-# numpy dtype (as `dtype.str` without byte order) -> KServe V2 datatype
-V2_DATATYPES = {"f4": "FP32", "f8": "FP64", "f2": "FP16", "i8": "INT64", "i4": "INT32", "i2": "INT16", "i1": "INT8",
-                "u1": "UINT8", "b1": "BOOL", "u2": "UINT16", "u4": "UINT32", "u8": "UINT64"}
+V2_DATATYPES = {np.dtype(t): name for name, t in V2_DTYPES.items()}  # numpy dtype -> KServe V2 datatype
 
 
 def _values(value) -> str:
@@ -292,7 +296,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--serve", action="store_true",
                        help="then serve the registered alias, prove it with a sample request, keep serving")
     serve.add_argument("--serve-check", action="store_true",
-                       help="then serve, send the sample request, stop; exit 0 only if it was predicted right")
+                       help="then serve, send the sample request, stop; exit 0 only if the served answer equals "
+                            "the PyTorch model's")
     parser.add_argument("--force", action="store_true", help="redo stages already done for this run")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.epochs=3")
 

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
 from pipeline.components import amp, checkpoint, tracking
-from pipeline.components.build import (build_data, instantiate_model, model_spec, preflight, probe,
-                                       state_manifest)
+from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
+                                       probe, state_manifest)
 from pipeline.components.checkpoint_uploads import BackgroundUploads
 from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
@@ -97,8 +97,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         step, epoch, run_id = 0, 0, read_run_id(run_dir)
         resume_path = checkpoint.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
+            check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info)
-            check_same_model(meta, spec, resume_path)
             step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
@@ -108,8 +108,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         uploads, code = None, None
         if info.is_main:
-            code = capture([cfg.model.component, cfg.data.component,
-                            *(c.component for c in (cfg.task.loss, cfg.task.metric) if c)])
+            code = capture(component_references(cfg.model, cfg.data, cfg.task))
             run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
                                     replaying=resume == "auto")
             if cfg.checkpoint.log_to_mlflow == "all":
@@ -518,7 +517,7 @@ def cli(args) -> int:
             # Fail before spawning: one clear line instead of one per rank and torchrun's report.
             check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available(), args.nproc_per_node)
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
-            preflight(cfg)  # the data, task and model components, checked on real samples
+            preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # the data, task and model components, checked on real samples
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0

@@ -112,6 +112,19 @@ def numpy_inputs():
     return {"train": Pairs(4, lambda i: (np.zeros(2, np.float32), torch.tensor(0))), "val": Pairs(4, lambda i: (1, 2))}
 
 
+def verdict(outputs, targets):
+    return "good"
+
+
+def strict_auc(outputs, targets):
+    raise ValueError("Only one class present in y_true")
+
+
+def bf16_inputs():
+    return {"train": Pairs(4, lambda i: (torch.zeros(2, dtype=torch.bfloat16), torch.tensor(0))),
+            "val": Pairs(4, lambda i: (torch.zeros(2, dtype=torch.bfloat16), torch.tensor(0)))}
+
+
 def with_tensor_hint():
     splits = tabular(inputs="tensor")
     splits["train"].model_args = {"in_features": 4, "scale": object()}
@@ -140,26 +153,32 @@ def project(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
-def cfg(*overrides):
+def check(*overrides):
+    """`preflight` of the user project's config with these overrides, as the launcher runs it."""
     base = ["data.component=userproj:tabular", "model.component=userproj:Net"]
-    return load_config(None, [*base, *overrides])
+    cfg = load_config(None, [*base, *overrides])
+    return preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
 
 
 def refused(*overrides) -> str:
     with pytest.raises((ConfigError, DataError)) as err:
-        preflight(cfg(*overrides))
+        check(*overrides)
     return str(err.value)
 
 
 def test_a_users_model_data_and_task_pass_and_the_data_fills_in_what_the_model_needs(project):
-    built = preflight(cfg())
+    built = check()
     assert built.model_spec == ModelSpec("userproj:Net", {"in_features": 4, "num_classes": 2})
     assert built.suggested == {"in_features": 4, "num_classes": 2}
     assert [(s.name, s.dtype, s.shape) for s in built.splits.inputs] == [("features", torch.float32, (4,)),
                                                                          ("code", torch.int64, ())]
     assert built.task.num_classes == 2 and built.task.labels == ["no", "yes"]
     # model.args wins over what the data suggests
-    assert preflight(cfg("model.args.num_classes=2", "model.args.hidden=4")).model_spec.args["hidden"] == 4
+    assert check("model.args.num_classes=2", "model.args.hidden=4").model_spec.args["hidden"] == 4
+
+
+CUSTOM = ["task.name=custom", "task.loss.component=torch.nn:L1Loss", "task.metric_mode=min", "data.args.target=vector",
+          "data.args.classes=null", "data.args.inputs=tensor", "model.component=userproj:Flat", "model.args.out=3"]
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -182,6 +201,11 @@ def test_a_users_model_data_and_task_pass_and_the_data_fills_in_what_the_model_n
     (["data.component=userproj:iterable"], "is an IterableDataset; it must be map-style"),
     (["data.component=userproj:triples"], "split 'train' item 0 is a tuple of 3; items must be (inputs, target) pairs"),
     (["data.component=userproj:numpy_inputs"], "inputs are a ndarray; they must be a tensor or a non-empty dict"),
+    (["data.component=userproj:bf16_inputs"], "input 'input' is bfloat16, which a served model can't take"),
+    (CUSTOM + ["task.metric.component=userproj:verdict"],
+     "on 8 validation samples: task.metric must return a number or a dict of numbers, got 'good'"),
+    (CUSTOM + ["task.metric.component=userproj:strict_auc"],
+     "on 8 validation samples: task.metric raised ValueError: Only one class present in y_true"),
     (["data.args.target=float"], "the target is a float32 tensor of shape []; classification needs an int64 class "
                                  "index (a 0-d torch.long tensor or an int); for regression targets set task.name=regression"),
     (["data.args.target=int"], "the target is a int32 tensor of shape []; classification needs an int64 class index"),
@@ -209,8 +233,8 @@ def test_every_bad_component_gets_one_clear_error(project, overrides, expected):
 
 
 def test_a_regression_task_on_a_users_model_passes(project):
-    built = preflight(cfg("task.name=regression", "data.args.target=float", "data.args.classes=null",
-                          "data.args.inputs=tensor", "model.component=userproj:Flat"))
+    built = check("task.name=regression", "data.args.target=float", "data.args.classes=null",
+                  "data.args.inputs=tensor", "model.component=userproj:Flat")
     assert built.task.columns == 1 and built.model_spec.args == {"in_features": 4}
 
 
@@ -225,13 +249,30 @@ def test_a_component_named_by_an_artifact_is_not_imported_unless_trusted(project
             check_trusted("model", reference, source)
     with pytest.raises(ComponentError) as err:
         instantiate_model(ModelSpec("sideeffect:Net", {}), source)
-    assert "TRAINSERVE_TRUSTED_COMPONENTS='sideeffect:*'" in str(err.value) and not marker.exists()
+    # The suggestion trusts that one reference, not a whole package (`torch.*` would trust torch:load).
+    assert "TRAINSERVE_TRUSTED_COMPONENTS='sideeffect:Net'" in str(err.value) and not marker.exists()
     check_trusted("model", "pipeline.models:resnet18", source)  # built in
     check_trusted("model", "userproj:Net", ArtifactSource("x", ("userproj:*",)))  # --trust / pipeline run's config
     monkeypatch.setenv("TRAINSERVE_TRUSTED_COMPONENTS", "other.*, userproj:*")
     check_trusted("model", "userproj:Net", source)
     with pytest.raises(ComponentError):
         check_trusted("model", "os:system", source)
+
+
+@pytest.mark.parametrize("reference, why", [
+    ("pipeline.models:resnet.torch.os.system", "must be a public class or function of the module it names"),
+    ("pipeline.models:resnet", "which is a module, not a class or function of 'pipeline.models'"),
+    ("pipeline.models.resnet:nn", "which is a module"),
+    ("pipeline.models.resnet:Normalize", "which is defined in 'pipeline.models.layers'"),  # imported, not defined
+    ("pipeline.models:_private", "must be a public class or function"),
+    ("pipeline.models:*", "is not a reference of the form"),
+    ("pipeline.modelsx:resnet18", "which is not trusted here"),
+])
+def test_trusting_a_module_trusts_its_own_classes_and_functions_not_what_it_reaches(reference, why):
+    """A trusted pattern matches the module alone, and the reference must name what that module itself
+    defines: through `pipeline.models:resnet.torch.os.system` a model.json reached os.system before."""
+    with pytest.raises(ComponentError, match=why.replace("(", "\\(")):
+        instantiate_model(ModelSpec(reference, {"command": "echo owned > /tmp/owned"}), ArtifactSource("model.json"))
 
 
 def test_fsdp_units_follow_train_fsdp_wrap_or_the_repeated_block(project):

@@ -84,13 +84,17 @@ def test_readme_lists_every_field_exactly_as_describe_prints_it():
     assert describe().strip() in (REPO / "README.md").read_text()
 
 
-def test_built_in_names_are_shorthands_for_their_components():
+def test_built_in_names_are_shorthands_for_their_components(tmp_path):
     cfg = load_config(TINY, ["model.name=mlp", "data.name=synthetic"])
     assert cfg.model.component == "pipeline.models:mlp" and cfg.data.component == "pipeline.datasets:synthetic"
     assert load_config(None).model.component == "pipeline.models:resnet18"  # the defaults
+    # In one file both is a contradiction; on the command line the later setting wins over the file's.
+    (tmp_path / "both.yaml").write_text("model: {name: mlp, component: 'my.models:Net'}\n")
     with pytest.raises(ConfigError, match="model.name=mlp means model.component=pipeline.models:mlp, but "
                                           "model.component=my.models:Net is set too"):
-        load_config(None, ["model.name=mlp", "model.component=my.models:Net"])
+        load_config(tmp_path / "both.yaml")
+    assert load_config(TINY, ["model.component=my.models:Net"]).model.component == "my.models:Net"
+    assert load_config(REPO / "configs/digits_resnet18.yaml", ["model.name=mlp"]).model.component == "pipeline.models:mlp"
 
 
 def test_a_component_reference_must_be_module_colon_attribute():

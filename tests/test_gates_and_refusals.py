@@ -46,3 +46,57 @@ def test_resume_latest_with_nothing_to_resume_says_so(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint under .*train.run_name"):
         checkpoint.resolve_resume("latest", tmp_path / "outputs/new-run/checkpoints", CPU1)
     assert checkpoint.resolve_resume("auto", tmp_path / "outputs/new-run/checkpoints", CPU1) is None
+
+
+class Rows(torch.utils.data.Dataset):
+    """(inputs, target) pairs from two tensors, for the gates' own checks."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
+    """A weight of fixed length 16 along the 'dynamic' axis: the exporter may still mark it dynamic, but
+    no other length can run, so the gate must fail instead of there being no gate at all."""
+    from pipeline.components.onnx_export import ExportHead
+    from pipeline.components.tasks import Regression
+
+    class FixedLength(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return (x * self.w).sum(1)
+
+    class AnyLength(torch.nn.Module):
+        def forward(self, x):
+            return x.mean(1)
+
+    val = Rows(torch.rand(10, 16), torch.rand(10))
+    for model, failed_gate in ((FixedLength(), True), (AnyLength(), False)):
+        head = ExportHead(model, Regression(), ["input"], True)
+        batches, failed = gates.parity_batches(val, {"input": [1]}, head, ("prediction",))
+        lengths = sorted(k for k in batches if k.startswith("input_1.len"))
+        if failed_gate:
+            assert lengths == [] and not failed["parity.input_1"]["passed"]
+            assert "declares input axis 1 dynamic (length 16 in the data), but the PyTorch model itself runs it at 0" \
+                in failed["parity.input_1"]["message"]
+        else:
+            assert failed == {} and lengths == ["input_1.len25", "input_1.len8"]
+            assert batches["input_1.len25"]["input"].shape == (7, 25)
+
+
+def test_the_metric_gate_has_an_absolute_floor_for_a_metric_near_zero():
+    from pipeline.components.tasks import Custom
+
+    task = Custom(lambda o, t: (o - t).abs().mean(), lambda o, t: {"mae": 0.0}, "min", "mae")
+    assert gates.metric_gate(task, {"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=1e-6)["passed"]
+    assert not gates.metric_gate(task, {"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=0.0)["passed"]
+    assert not gates.metric_gate(task, {"mae": 2.0}, {"mae": 1.0}, tolerance=1e-3, atol=1e-6)["passed"]

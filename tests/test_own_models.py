@@ -66,6 +66,15 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     recorded = checkpoint.read_meta(ckpt)["model"]
     for key, value in recorded["args"].items():
         assert run.data.params[f"model.args.{key}"] == str(value)[:6000]
+    # The registered MLflow model's signature names every input, -1 on the batch and dynamic axes.
+    import mlflow
+
+    signature = mlflow.models.get_model_info(f"models:/{registered}@champion").signature
+    inputs = {s.name: s for s in signature.inputs.inputs}
+    assert list(inputs) == [s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]]
+    assert all(s.shape[0] == -1 for s in inputs.values())
+    if name == "digit_sequences_transformer":
+        assert inputs["tokens"].shape == (-1, -1) and str(inputs["mask"].type) == "bool"
     report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == cfg.task.name
     assert [i["name"] for i in report["inputs"]] == [s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]]
@@ -152,9 +161,14 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
                    env=ON_PATH, check=False)
     assert proc.returncode == 2 and "examples.diabetes.models:TabularMLP', which is not trusted here" in proc.stderr
     assert not (tmp_path / "onnx" / "model.onnx").exists()
-    run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust", "examples.*"],
-            cwd=workdir, env=ON_PATH)
-    assert (tmp_path / "onnx" / "model.onnx").is_file()
+    # Trusted but not installed here (no PYTHONPATH, run from elsewhere): the error says what the run logged.
+    run_id = json.loads((weights / "model.json").read_text())["source"]["mlflow_run_id"]
+    lacking = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust",
+                       "examples.*", "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
+    assert lacking.returncode == 2 and "No module named 'examples'" in lacking.stderr
+    assert f"the training run logged that code: `mlflow artifacts download -r {run_id} -a code -d .`" in lacking.stderr
+    assert "examples/diabetes/models.py" in lacking.stderr
+    assert not (tmp_path / "onnx" / "model.onnx").exists()  # trusted and importable, it exports: pipeline run did
 
 
 def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path):

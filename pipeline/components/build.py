@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from pipeline.components.data import Splits, check_splits, first_batch, forward
-from pipeline.components.reference import (ArtifactSource, ComponentError, accepted_parameters, call,
-                                           check_trusted, resolve)
+from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve
 from pipeline.components.tasks import TaskError, build_task
-from pipeline.config import Config, DataConfig, ModelConfig
+from pipeline.config import ConfigError
+from pipeline.config import DataConfig, ExportConfig, ModelConfig, TaskConfig, TrainConfig
+from pipeline.distributed.parallelize import fsdp_units
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ class Built:
 def build_data(data_cfg: DataConfig, task_name: str, source: ArtifactSource | None = None,
                missing_hint: str = "") -> Splits:
     """`source`: the artifact the config was read back from, if it was (see reference.py on trust)."""
-    check_trusted("data", data_cfg.component, source)
-    fn = resolve("data", data_cfg.component, missing_hint)
+    fn = resolve("data", data_cfg.component, missing_hint, source)
     returned = call("data", data_cfg.component, fn, data_cfg.args)
     return check_splits(returned, data_cfg.component, task_name)
 
@@ -91,8 +91,7 @@ def plain_args(args: dict[str, Any]) -> dict[str, Any]:
 
 def instantiate_model(spec: ModelSpec, source: ArtifactSource | None = None,
                       missing_hint: str = "") -> torch.nn.Module:
-    check_trusted("model", spec.component, source)
-    fn = resolve("model", spec.component, missing_hint)
+    fn = resolve("model", spec.component, missing_hint, source)
     model = call("model", spec.component, fn, spec.args)
     if not isinstance(model, torch.nn.Module):
         raise ComponentError(f"model.component '{spec.component}' returned a {type(model).__name__}; it must return "
@@ -102,17 +101,19 @@ def instantiate_model(spec: ModelSpec, source: ArtifactSource | None = None,
 
 def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
     """One forward of a few real validation samples (eval mode, no grad): the model takes the inputs,
-    its output fits the task, and the loss is a finite number. Teaches a classification task without
-    `classes` its number of classes."""
-    inputs, target = first_batch(splits.val, PROBE_ROWS)
+    its output fits the task, the loss is a finite number, and a custom metric gives numbers. Teaches
+    a classification task without `classes` its number of classes, a custom task its primary metric."""
+    rows = min(len(splits.val), task.probe_rows)
+    inputs, target = first_batch(splits.val, rows)
     was_training = model.training
     model.eval()
-    where = f"model.component '{component}' on {PROBE_ROWS} validation samples"
+    where = f"model.component '{component}' on {rows} validation samples"
     try:
         with torch.no_grad():
             output = forward(model, inputs)
             task.check_output(output, target, where)
             loss = task.loss(output.float(), target)
+            task.check_metric(output.float(), target, where)
     except TaskError:
         raise
     except Exception as exc:
@@ -127,22 +128,47 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
         raise TaskError(f"{where}: the loss is {loss!r}, not a finite scalar")
 
 
-def preflight(cfg: Config) -> Built:
+def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig, train_cfg: TrainConfig,
+              export_cfg: ExportConfig) -> Built:
     """Everything a training rank builds, checked in the launcher before any process is spawned: a bad
-    component is one message here instead of one per rank after torchrun started."""
-    splits = build_data(cfg.data, cfg.task.name)
-    task = build_task(cfg.task, splits.classes)
-    spec, suggested = model_spec(cfg.model, splits, task)
+    component is one message here instead of one per rank after torchrun started. Settings that name
+    parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here too, not
+    after training."""
+    splits = build_data(data_cfg, task_cfg.name)
+    task = build_task(task_cfg, splits.classes)
+    spec, suggested = model_spec(model_cfg, splits, task)
+    check_dynamic_axes(export_cfg.dynamic_axes, {s.name: len(s.shape) + 1 for s in splits.inputs})
     try:
         with torch.device("meta"):  # shapes without memory: the size decides whether to probe here
-            size = sum(p.numel() for p in instantiate_model(spec).parameters())
+            shapes_only = instantiate_model(spec)
+        size = sum(p.numel() for p in shapes_only.parameters())
     except ComponentError:
-        size = 0  # some constructors can't run on the meta device; the real one below says what is wrong
+        shapes_only, size = None, 0  # some constructors can't run on the meta device; the real one below says why
+    if train_cfg.fsdp_wrap and shapes_only is not None:
+        fsdp_units(shapes_only, train_cfg.fsdp_wrap)  # names classes the model has
     if size <= PROBE_MAX_PARAMETERS:
         probe(instantiate_model(spec), splits, task, spec.component)
     else:
         log.info("model has %.0fM parameters: its test forward runs on each rank, not in the launcher", size / 1e6)
     return Built(splits, task, spec, suggested)
+
+
+def check_dynamic_axes(dynamic_axes: dict[str, list[int]], ranks: dict[str, int]) -> None:
+    """export.dynamic_axes names inputs the data has, and axes they have besides the batch axis."""
+    for name, axes in dynamic_axes.items():
+        if name not in ranks:
+            raise ConfigError(f"export.dynamic_axes names input '{name}'; the model's inputs are "
+                              f"{', '.join(ranks)} (a lone tensor input is named input)")
+        bad = [a for a in axes if not 1 <= a < ranks[name]]
+        if bad:
+            raise ConfigError(f"export.dynamic_axes.{name}: axes {bad} don't exist besides the batch axis; "
+                              f"'{name}' has {ranks[name]} axes, so 1..{ranks[name] - 1}")
+
+
+def component_references(model_cfg: ModelConfig, data_cfg: DataConfig, task_cfg: TaskConfig) -> list[str]:
+    """Every component a config names: what a run logs the code of, and what `pipeline run` trusts when
+    its own model.json names them back."""
+    return [model_cfg.component, data_cfg.component, *(c.component for c in (task_cfg.loss, task_cfg.metric) if c)]
 
 
 def state_manifest(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

@@ -42,37 +42,48 @@ class CodeSnapshot:
 
 
 def capture(references: list[str]) -> CodeSnapshot:
-    """What to log for the modules `references` name (already imported by the run)."""
+    """What to log for the modules `references` name (already imported by the run), and for the other
+    local modules the run imported from the same directories (a helper package beside the model's)."""
     snapshot = CodeSnapshot()
     installed = _installed_roots()
+    bases: set[Path] = set()
     for reference in dict.fromkeys(references):
-        module_name = reference.partition(":")[0]
-        top = module_name.split(".")[0]
-        if top in ("pipeline", "serving"):
+        top = reference.partition(":")[0].split(".")[0]
+        origin = _origin(top)
+        if top in OWN:
             continue
-        module = sys.modules.get(top)
-        paths = list(getattr(module, "__path__", []) or [])  # a package, namespace packages included
-        origin = Path(paths[0]) if paths else Path(getattr(module, "__file__", "") or "")
-        if module is None or not origin.name:
-            snapshot.skipped.append(f"{module_name}: no source file")
-            continue
-        if any(_is_under(origin, root) for root in installed):
+        if origin is None:
+            snapshot.skipped.append(f"{top}: no source file")
+        elif any(_is_under(origin, root) for root in installed):
             dist = _distribution_of(top)
             if dist:
                 snapshot.packages[dist[0]] = dist[1]
-            continue
-        if paths:  # all of the package's .py files
-            files = sorted(p for p in origin.rglob("*.py") if "__pycache__" not in p.parts)
-            base = origin.parent
         else:
-            files, base = [origin], origin.parent
-        if len(files) > MAX_FILES or sum(p.stat().st_size for p in files) > MAX_BYTES:
-            own = Path(getattr(sys.modules.get(module_name), "__file__", "") or origin)
-            snapshot.skipped.append(f"{top}: more than {MAX_FILES} files or {MAX_BYTES >> 20} MB; only {own.name} kept")
-            files = [own]
+            bases.add(origin.parent)
+    tops = sorted({name.split(".")[0] for name in list(sys.modules)} - OWN)
+    local = [(top, origin) for top in tops if (origin := _origin(top)) is not None and origin.parent in bases]
+    for top, origin in local:
+        files = sorted(p for p in origin.rglob("*.py") if "__pycache__" not in p.parts) if origin.is_dir() else [origin]
+        if len(snapshot.files) + len(files) > MAX_FILES or \
+                sum(p.stat().st_size for p in [*snapshot.files.values(), *files]) > MAX_BYTES:
+            snapshot.skipped.append(f"{top}: past {MAX_FILES} files or {MAX_BYTES >> 20} MB of code in all")
+            continue
         for path in files:
-            snapshot.files[path.relative_to(base).as_posix()] = path
+            snapshot.files[path.relative_to(origin.parent).as_posix()] = path
     return snapshot
+
+
+OWN = {"pipeline", "serving", "__main__"}  # trainserve's own code, and the script that runs it
+
+
+def _origin(top: str) -> Path | None:
+    """A top-level module's directory (a package, namespace packages included) or file."""
+    module = sys.modules.get(top)
+    if module is None:
+        return None
+    paths = list(getattr(module, "__path__", []) or [])
+    origin = paths[0] if paths else getattr(module, "__file__", None)
+    return Path(origin).resolve() if origin else None
 
 
 def _installed_roots() -> list[Path]:

@@ -142,6 +142,7 @@ def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
         raise DataError(f"{where} is {got}; items must be (inputs, target) pairs")
     inputs, target = item
     if torch.is_tensor(inputs):
+        _check_dtype(INPUT_NAME, inputs, where)
         return inputs, target
     if isinstance(inputs, dict) and inputs:
         for name, value in inputs.items():
@@ -154,9 +155,22 @@ def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
             if not torch.is_tensor(value):
                 raise DataError(f"{where}: input '{name}' is a {type(value).__name__}, not a tensor; convert it "
                                 "with torch.as_tensor(...)")
+            _check_dtype(name, value, where)
         return inputs, target
     raise DataError(f"{where}: inputs are a {type(inputs).__name__}; they must be a tensor or a non-empty dict of "
                     "named tensors")
+
+
+# Input dtypes that numpy, the ONNX graph and the server's protocols all carry.
+INPUT_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.uint8, torch.bool)
+
+
+def _check_dtype(name: str, value: torch.Tensor, where: str) -> None:
+    if value.dtype not in INPUT_DTYPES:
+        raise DataError(f"{where}: input '{name}' is {str(value.dtype).removeprefix('torch.')}, which a served model "
+                        f"can't take (numpy has no such dtype); give {', '.join(str(d).removeprefix('torch.') for d in INPUT_DTYPES)}"
+                        " (train.precision=bf16 computes in bfloat16 from float32 inputs)")
 
 
 # Output names of the exported graph (tasks.py); an input may not take one of them.

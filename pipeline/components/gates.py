@@ -156,13 +156,15 @@ def compare(onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], ato
 
 
 def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module, output_names,
-                   sizes=PARITY_BATCHES) -> dict[str, dict[str, np.ndarray]]:
+                   sizes=PARITY_BATCHES) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict]]:
     """The inputs parity is checked on, by gate name: the first validation samples at each batch size
     (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7 cut to a
     shorter length and tiled to a longer one (axes of equal length change together: a token axis and its
     mask). A length the PyTorch model itself can't run (positions past its maximum) is replaced by
-    another shorter one."""
+    another shorter one. An axis declared dynamic that the PyTorch model can't run at two other lengths
+    is a failed gate (returned second): the graph would claim to take lengths it was never checked on."""
     batches = {f"b{size}": feeds_of(first_batch(val, size)[0]) for size in sizes}
+    failed: dict[str, dict] = {}
     base = batches.get("b7") or next(iter(batches.values()))
     covered: set[tuple[str, int]] = set()
     for name, axes in dynamic_axes.items():
@@ -174,18 +176,27 @@ def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Modul
             covered.update(together)
             shorter = [x for x in dict.fromkeys((length // 2, length - 1, (3 * length) // 4)) if 0 < x < length]
             candidates = [length + length // 2 + 1, *shorter]
-            found = 0
+            found, errors = 0, []
             for other in candidates:
                 feeds = {n: _resized(v, [a for m, a in together if m == n], other) for n, v in base.items()}
                 try:
                     run_torch(head, feeds, output_names)
-                except Exception:  # noqa: BLE001 - the model's own limit (max positions): try another length
+                except Exception as exc:  # noqa: BLE001 - the model's own limit (max positions): try another length
+                    errors.append(f"{other}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc)
+                                  else f"{other}: {type(exc).__name__}")
                     continue
                 batches[f"{name}_{axis}.len{other}"] = feeds
                 found += 1
                 if found == 2:
                     break
-    return batches
+            if found < 2:
+                axes_named = ", ".join(f"{n} axis {a}" for n, a in together)
+                failed[f"parity.{name}_{axis}"] = {
+                    "passed": False, "message": f"export.dynamic_axes declares {axes_named} dynamic (length {length} in "
+                    f"the data), but the PyTorch model itself runs it at {found} of the other lengths tried "
+                    f"({'; '.join(errors) or 'none besides it'}): the axis does not vary, or must change together "
+                    "with another one (same length in the data)"}
+    return batches, failed
 
 
 def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:
@@ -211,7 +222,7 @@ def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]
 
 
 def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float, metric_tolerance: float,
-               **limits) -> dict[str, dict]:
+               metric_atol: float = 0.0, **limits) -> dict[str, dict]:
     """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
     a batch at a time."""
     from pipeline.components.data import eval_loader
@@ -233,13 +244,14 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
     one = DistInfo(0, 1, 0, 1, torch.device("cpu"))
     task.reduce(onnx_state, one)
     task.reduce(torch_state, one)
-    gate = metric_gate(task, task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance)
+    gate = metric_gate(task, task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
     return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
 
 
-def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, float], tolerance: float) -> dict:
+def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, float], tolerance: float,
+                atol: float = 0.0) -> dict:
     """The primary metric through onnxruntime vs PyTorch: within `tolerance` percentage points for a
-    classifier's accuracy, within `tolerance` x |PyTorch's| for any other metric."""
+    classifier's accuracy, within `atol` + `tolerance` x |PyTorch's| for any other metric."""
     name = task.primary
     got, ref = onnx_metrics[name], torch_metrics[name]
     if task.name == "classification":
@@ -250,17 +262,20 @@ def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, f
                 "message": (f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
                             + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)"))}
     difference = abs(got - ref)
-    limit = tolerance * abs(ref)
-    passed = bool(difference <= limit + 1e-12 and np.isfinite(got))
+    limit = atol + tolerance * abs(ref)
+    passed = bool(difference <= limit and np.isfinite(got))
     return {"passed": passed, "metric": name, f"onnx_{name}": got, f"torch_{name}": ref, "difference": difference,
-            "rtol": tolerance, "message": (f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
-                                           + ("" if passed else f" > {tolerance:g} x {abs(ref):.6g}"))}
+            "rtol": tolerance, "atol": atol,
+            "message": (f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
+                        + ("" if passed else f" > {atol:g} + {tolerance:g} x {abs(ref):.6g}"))}
 
 
 def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
-    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feeds.items())
-    return (f"onnxruntime could not run inputs {shapes}: {str(exc).strip().splitlines()[0][:300]}; an axis that "
-            "varies in the data but is fixed in the graph needs export.dynamic_axes")
+    shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    hint = ("; an axis that varies in the data but is fixed in the graph needs export.dynamic_axes"
+            if "dimension" in first.lower() else "")
+    return f"onnxruntime could not run inputs {shapes}: {first}{hint}"
 
 
 def ort_optimize(source: Path, destination: Path) -> Path:

@@ -69,8 +69,10 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], output_names: tup
     `dynamic_axes`: input name -> axes besides the batch that vary (checked against the inputs).
     `metadata` goes into the graph's metadata_props (the server reads the model name and labels).
     """
+    from pipeline.components.build import check_dynamic_axes
+
     names = head.input_names
-    check_dynamic_axes(dynamic_axes, example)
+    check_dynamic_axes(dynamic_axes, {name: t.dim() for name, t in example.items()})
     args = tuple(example_batch(example, dynamic_axes)[n] for n in names)
     head = head.eval()
     start = time.perf_counter()
@@ -97,20 +99,6 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], output_names: tup
     for key, value in metadata.items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     return Exported(proto, exporter, reason, seconds)
-
-
-def check_dynamic_axes(dynamic_axes: dict[str, list[int]], example: dict[str, torch.Tensor]) -> None:
-    from pipeline.config import ConfigError
-
-    for name, axes in dynamic_axes.items():
-        if name not in example:
-            raise ConfigError(f"export.dynamic_axes names input '{name}'; the model's inputs are "
-                              f"{', '.join(example)} (a lone tensor input is named input)")
-        rank = example[name].dim()
-        bad = [a for a in axes if not 1 <= a < rank]
-        if bad:
-            raise ConfigError(f"export.dynamic_axes.{name}: axes {bad} don't exist besides the batch axis; "
-                              f"'{name}' has {rank} axes, so 1..{rank - 1}")
 
 
 def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:

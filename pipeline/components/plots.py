@@ -35,8 +35,8 @@ def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path)
     return path
 
 
-def predicted_vs_actual_png(predicted: torch.Tensor, actual: torch.Tensor, path: Path) -> Path:
-    """Regression: each validation sample (up to a few thousand) as a point; the diagonal is perfect."""
+def predicted_vs_actual_png(predicted: torch.Tensor, actual: torch.Tensor, path: Path, title: str) -> Path:
+    """Regression: validation samples (the first few thousand) as points; the diagonal is perfect."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,8 +48,7 @@ def predicted_vs_actual_png(predicted: torch.Tensor, actual: torch.Tensor, path:
     if len(a):
         lo, hi = float(min(a.min(), p.min())), float(max(a.max(), p.max()))
         ax.plot([lo, hi], [lo, hi], color="gray", linewidth=1)
-        rmse = float(((p - a) ** 2).mean() ** 0.5)
-        ax.set_title(f"validation: RMSE {rmse:.4g} over {len(a)} samples")
+    ax.set_title(f"{title} ({len(a)} shown)", fontsize=9)
     ax.set_xlabel("actual")
     ax.set_ylabel("predicted")
     fig.tight_layout()

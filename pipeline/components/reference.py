@@ -11,8 +11,12 @@ callable's signature does not take, or an exception raised while it runs.
 
 Trust. A reference in the user's own config is imported as asked. A reference read back from an
 artifact (a checkpoint's `trainserve.json` or a `model.json`, which a shared MLflow store lets others
-write) is imported only when it is built in or matches a pattern in $TRAINSERVE_TRUSTED_COMPONENTS:
-importing and calling what a store names runs code (`os:system` with args `{"command": ...}`).
+write) is imported only when its module matches a trusted pattern (the built-ins, $TRAINSERVE_TRUSTED_COMPONENTS,
+--trust, the components of the config `pipeline run` was given): importing and calling what a store
+names runs code (`os:system` with args `{"command": ...}`). And it must name what that module defines:
+an attribute path through another module (`pipeline.models:resnet.torch.os.system`), a private
+name, or a name the module merely imported from elsewhere is refused, so that trusting a module
+trusts its own classes and functions, not everything reachable from it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Iterable
 from pipeline.config import ConfigError
 
 REFERENCE = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
-BUILTIN_PATTERNS = ("pipeline.models:*", "pipeline.datasets:*")
+BUILTIN_PATTERNS = ("pipeline.models.*", "pipeline.datasets.*")
 TRUST_ENV = "TRAINSERVE_TRUSTED_COMPONENTS"
 
 
@@ -51,10 +55,12 @@ def split_reference(key: str, reference: str) -> tuple[str, str]:
                          f"(e.g. my_project.models:TabularNet){hint}")
 
 
-def resolve(key: str, reference: str, missing_hint: str = "") -> Any:
+def resolve(key: str, reference: str, missing_hint: str = "", source: "ArtifactSource | None" = None) -> Any:
     """The object `reference` names, imported the ordinary way; `missing_hint` is added when its
-    module can't be found (e.g. where the run logged the code)."""
+    module can't be found (e.g. where the run logged the code). `source`: the artifact the reference was
+    read from, if it was: then it must be trusted before anything is imported (see the module docstring)."""
     module_name, attribute = split_reference(key, reference)
+    check_trusted(key, reference, source)
     _make_working_directory_importable()
     try:
         module = importlib.import_module(module_name)
@@ -71,6 +77,9 @@ def resolve(key: str, reference: str, missing_hint: str = "") -> Any:
                              f"{type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for depth, part in enumerate(attribute.split(".")):
+        if source is not None and (part.startswith("_") or (depth and inspect.ismodule(obj))):
+            raise ComponentError(f"{source.where} names {key}.component '{reference}': a component read from an "
+                                 "artifact must be a public class or function of the module it names")
         if not hasattr(obj, part):
             owner = ".".join([module_name, *attribute.split(".")[:depth]])
             public = sorted(n for n in dir(obj) if not n.startswith("_"))
@@ -79,10 +88,23 @@ def resolve(key: str, reference: str, missing_hint: str = "") -> Any:
                 f"; it has: {', '.join(public[:15])}{' ...' if len(public) > 15 else ''}" if public else "")
             raise ComponentError(f"{key}.component '{reference}': '{owner}' has no attribute '{part}'{hint}")
         obj = getattr(obj, part)
+    if source is not None and not _defined_under(obj, module_name):
+        what = "a module" if inspect.ismodule(obj) else f"defined in '{getattr(obj, '__module__', '?')}'"
+        raise ComponentError(f"{source.where} names {key}.component '{reference}', which is {what}, not a class or "
+                             f"function of '{module_name}'; a component read from an artifact must be defined in the "
+                             "module it names")
     if not callable(obj):
         raise ComponentError(f"{key}.component '{reference}' is a {type(obj).__name__}, not callable; name a class "
                              "or a function")
     return obj
+
+
+def _defined_under(obj: Any, module_name: str) -> bool:
+    """`obj` is a class or function defined in `module_name` or a module below it."""
+    if inspect.ismodule(obj):
+        return False
+    owner = getattr(obj, "__module__", None) or ""
+    return owner == module_name or owner.startswith(module_name + ".")
 
 
 def call(key: str, reference: str, fn: Any, args: dict[str, Any]) -> Any:
@@ -138,18 +160,25 @@ def trusted_patterns(extra: Iterable[str] = ()) -> list[str]:
     return [*BUILTIN_PATTERNS, *from_env, *extra]
 
 
+def matches(reference: str, pattern: str) -> bool:
+    """`pattern` is `module-glob` or `module-glob:attribute-glob`; the module glob is matched against the
+    module alone (`my_project.*` is any module below my_project), never across the colon."""
+    module, _, attribute = reference.partition(":")
+    module_glob, _, attribute_glob = pattern.partition(":")
+    return (fnmatch.fnmatchcase(module, module_glob) or (module_glob.endswith(".*") and module == module_glob[:-2])) \
+        and fnmatch.fnmatchcase(attribute, attribute_glob or "*")
+
+
 def check_trusted(key: str, reference: str, source: ArtifactSource | None) -> None:
-    """Refuses a reference read from an artifact unless built in or explicitly trusted; `source` None
-    means the reference came from the user's own config."""
-    if source is None or any(fnmatch.fnmatchcase(reference, p) for p in trusted_patterns(source.trusted)):
+    """Refuses a reference read from an artifact unless its module is built in or explicitly trusted;
+    `source` None means the reference came from the user's own config."""
+    if source is None or any(matches(reference, p) for p in trusted_patterns(source.trusted)):
         return
-    module, _, _ = reference.partition(":")
-    suggestion = f"{module.split('.')[0]}.*" if "." in module else f"{module}:*"
     raise ComponentError(
         f"{source.where} names {key}.component '{reference}', which is not trusted here: a component named by an "
-        f"artifact is imported and run only when it is built in or matches ${TRUST_ENV} (comma-separated "
-        f"patterns) or --trust, because a shared store could name any callable. If you trust the run that "
-        f"wrote it: {TRUST_ENV}='{suggestion}' (or --trust '{suggestion}')")
+        f"artifact is imported and run only when it is built in or matches ${TRUST_ENV} or --trust "
+        f"(comma-separated patterns such as 'my_project.*'), because a shared store could name any callable. "
+        f"If you trust the run that wrote it: {TRUST_ENV}='{reference}' (or --trust '{reference}')")
 
 
 def short_name(reference: str) -> str:

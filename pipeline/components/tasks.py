@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.components.reference import (ArtifactSource, ComponentError, call, check_trusted, plain_signature,
-                                           resolve, short_name)
+from pipeline.components.reference import ArtifactSource, ComponentError, call, plain_signature, resolve, short_name
 from pipeline.config import ComponentConfig, TaskConfig
 
 PLOT_POINTS = 2000  # predicted-vs-actual points kept for the plot, over all ranks
@@ -42,23 +41,25 @@ class TaskError(ComponentError):
 
 
 def build_task(task_cfg: TaskConfig, classes: list[str] | None, source: ArtifactSource | None = None,
-               num_classes: int | None = None):
+               recorded: dict | None = None):
     """The task a config names. `source`: the artifact the config was read back from, if it was (its
-    loss and metric components must then be trusted, see reference.py); `num_classes` as recorded there."""
+    loss and metric components must then be trusted, see reference.py); `recorded`: the task's facts as
+    training recorded them (`facts()`: number of classes, target columns, the primary metric)."""
+    recorded = recorded or {}
     loss = _callable(task_cfg.loss, 2, source) if task_cfg.loss else None
     if task_cfg.name == "classification":
-        return Classification(classes, task_cfg.top_k, loss, num_classes)
+        return Classification(classes, task_cfg.top_k, loss, recorded.get("num_classes"))
     if task_cfg.name == "regression":
-        return Regression(loss)
+        return Regression(loss, recorded.get("columns"))
     metric = _callable(task_cfg.metric, 2, source)
-    return Custom(loss, metric, task_cfg.metric_mode, short_name(task_cfg.metric.component).replace("-", "_"))
+    primary = recorded.get("primary") or short_name(task_cfg.metric.component).replace("-", "_")
+    return Custom(loss, metric, task_cfg.metric_mode, primary)
 
 
 def _callable(section: ComponentConfig, arity: int, source: ArtifactSource | None) -> Callable:
     """A loss or metric: a class is instantiated with args; a function gets args on every call."""
     key = section.KEY
-    check_trusted(key, section.component, source)
-    obj = resolve(key, section.component)
+    obj = resolve(key, section.component, source=source)
     if inspect.isclass(obj):
         instance = call(key, section.component, obj, section.args)
         if not callable(instance):
@@ -103,6 +104,7 @@ class Classification:
     name = "classification"
     output_names = ("logits", "probabilities")
     primary, mode = "accuracy", "max"
+    probe_rows = 2  # validation samples a first forward checks the model on
 
     def __init__(self, classes: list[str] | None, top_k: int, loss: Callable | None = None,
                  num_classes: int | None = None):
@@ -135,6 +137,9 @@ class Classification:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(output, target) if self._loss else F.cross_entropy(output, target)
+
+    def check_metric(self, output: torch.Tensor, target: torch.Tensor, where: str) -> None:
+        """Built-in metrics need no check."""
 
     def new_state(self, device: torch.device) -> dict:
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
@@ -179,10 +184,11 @@ class Regression:
     name = "regression"
     output_names = ("prediction",)
     primary, mode = "rmse", "min"
+    probe_rows = 2
 
-    def __init__(self, loss: Callable | None = None):
+    def __init__(self, loss: Callable | None = None, columns: int | None = None):
         self._loss = loss
-        self.columns: int | None = None  # target values per sample, learned from the data
+        self.columns = columns  # target values per sample: learned from the data by the probe, or recorded
 
     def facts(self) -> dict[str, Any]:
         return {"name": self.name, "columns": self.columns}
@@ -201,6 +207,9 @@ class Regression:
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         prediction = _aligned(output, target)
         return self._loss(prediction, target) if self._loss else F.mse_loss(prediction.float(), target.float())
+
+    def check_metric(self, output: torch.Tensor, target: torch.Tensor, where: str) -> None:
+        """Built-in metrics need no check."""
 
     def new_state(self, device: torch.device) -> dict:
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
@@ -237,7 +246,8 @@ class Regression:
         from pipeline.components.plots import predicted_vs_actual_png
 
         points = state["points"][0] if state["points"] else torch.empty(0, 2)
-        return predicted_vs_actual_png(points[:, 0], points[:, 1], path.with_name("predicted_vs_actual.png"))
+        title = f"validation: RMSE {self.metrics(state)['rmse']:.4g} over {int(state['n'].item())} samples"
+        return predicted_vs_actual_png(points[:, 0], points[:, 1], path.with_name("predicted_vs_actual.png"), title)
 
     def outputs(self, output: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (output,)
@@ -255,6 +265,7 @@ def _aligned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Custom:
     name = "custom"
     output_names = ("output",)
+    probe_rows = 16  # a metric may need more than a couple of samples (an AUC needs both classes)
 
     def __init__(self, loss: Callable, metric: Callable, mode: str, metric_name: str):
         self._loss, self._metric = loss, metric
@@ -277,6 +288,16 @@ class Custom:
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(output, target)
 
+    def check_metric(self, output: torch.Tensor, target: torch.Tensor, where: str) -> None:
+        """The metric runs on the probe's outputs and gives numbers; its first name becomes the primary."""
+        self._named(self._call_metric(output.detach().float(), target, where), where)
+
+    def _call_metric(self, outputs: torch.Tensor, targets: torch.Tensor, where: str):
+        try:
+            return self._metric(outputs, targets)
+        except Exception as exc:
+            raise TaskError(f"{where}: task.metric raised {type(exc).__name__}: {exc}") from exc
+
     def new_state(self, device: torch.device) -> dict:
         return {"n": torch.zeros((), dtype=torch.float64, device=device),
                 "loss": torch.zeros((), dtype=torch.float64, device=device), "outputs": [], "targets": []}
@@ -293,22 +314,21 @@ class Custom:
         state["targets"] = [_gather_in_order(state["targets"], info)]
 
     def metrics(self, state: dict) -> dict[str, float]:
-        try:
-            value = self._metric(state["outputs"][0], state["targets"][0])
-        except Exception as exc:
-            raise TaskError(f"task.metric raised {type(exc).__name__} on the validation outputs: {exc}") from exc
-        values = self._named(value, "task.metric")
+        value = self._call_metric(state["outputs"][0], state["targets"][0], "the validation split")
+        values = self._named(value, "the validation split")
         return {**values, "loss": state["loss"].item() / state["n"].item()}
 
     def _named(self, value: Any, where: str) -> dict[str, float]:
-        if isinstance(value, dict) and value:
-            self.primary = str(next(iter(value)))
-            return {str(k): float(v) for k, v in value.items()}
+        """{name: float} of what the metric returned; its first name becomes the primary metric."""
         try:
+            if isinstance(value, dict) and value:
+                named = {str(k): float(v) for k, v in value.items()}
+                self.primary = next(iter(named))
+                return named
             return {self.primary: float(value)}
         except (TypeError, ValueError):
             raise TaskError(f"{where}: task.metric must return a number or a dict of numbers, got "
-                            f"{type(value).__name__}") from None
+                            f"{_shape_of(value) if torch.is_tensor(value) else repr(value)[:80]}") from None
 
     def plot(self, state: dict, path: Path) -> Path | None:
         return None

@@ -44,7 +44,7 @@ def default_artifact_root(tracking_uri: str = "") -> str:
     """Artifacts beside a SQLite store's file (./mlartifacts for the embedded default), not wherever
     the command happens to run."""
     if tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri[len("sqlite:///"):]).parent / DEFAULT_ARTIFACTS).as_uri()
+        return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / DEFAULT_ARTIFACTS).as_uri()
     return (Path.cwd() / DEFAULT_ARTIFACTS).as_uri()
 
 
