@@ -41,10 +41,14 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
 
     cfg.train.run_name = cfg.train.run_name or train.default_run_name(cfg)
     run_dir = Path(cfg.train.output_dir) / cfg.train.run_name
-    tracking.setup(cfg.tracking)  # fail in seconds on a bad store, before any stage
+    # Fail in seconds, before any stage and before anything is written: a bad component (checked on
+    # real samples), a taken port, a store that can't be reached.
+    preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
+    if (serve or serve_check) and cfg.serve.port:
+        check_port_free(cfg.serve.host, cfg.serve.port)
+    tracking.setup(cfg.tracking)
 
     if force or not train_done(run_dir):
-        preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # a bad data, task or model component stops here, before any process is spawned
         code = run_train(cfg, run_dir, nproc_per_node, force)
         if code:
             log.error("train failed (exit %d); see its log above", code)
@@ -268,6 +272,19 @@ def _values(value) -> str:
     flat = np.asarray(value, dtype=np.float64).reshape(-1)
     shown = ", ".join(f"{v:.4g}" for v in flat[:4]) + (", ..." if len(flat) > 4 else "")
     return shown if len(flat) == 1 else f"[{shown}]"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The server would find its port taken only after training, exporting and registering."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ServeCheckError(f"serve.port={port} on {host} is taken ({exc.strerror}); choose another with "
+                                  "serve.port=<port>, or serve.port=0 for any free one") from None
 
 
 def wait_ready(base: str, server: subprocess.Popen, timeout: float = 120) -> None:

@@ -66,11 +66,23 @@ def check_source(uri: str) -> str:
     return "file"
 
 
+def _check_store() -> None:
+    """An embedded store (sqlite file) that isn't there is the wrong working directory, not an empty
+    registry: say so, instead of letting MLflow create an empty mlflow.db and report the model missing."""
+    import mlflow
+
+    uri = mlflow.get_registry_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise SourceError(f"no MLflow store at {uri[len('sqlite:///'):]}: run from the directory where the pipeline "
+                          "wrote mlflow.db, or set MLFLOW_TRACKING_URI to the store that holds the model")
+
+
 def alias_version(uri: str) -> str:
     """The version a models:/name@alias URI points at now (one registry call)."""
     name, alias = _ALIAS.match(uri).groups()
     import mlflow
 
+    _check_store()
     try:
         return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
     except Exception as exc:  # MlflowException for an unknown name or alias, connection errors
@@ -115,6 +127,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
 def _download(uri: str, dst: str) -> str:
     import mlflow
 
+    _check_store()
     try:
         return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
     except Exception as exc:  # mlflow raises MlflowException, OSError, ... depending on the store

@@ -112,6 +112,17 @@ def numpy_inputs():
     return {"train": Pairs(4, lambda i: (np.zeros(2, np.float32), torch.tensor(0))), "val": Pairs(4, lambda i: (1, 2))}
 
 
+class NeedsClasses(nn.Module):
+    def __init__(self, in_features, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(in_features, num_classes)
+
+
+def float64_features():
+    return {"train": Pairs(8, lambda i: (torch.rand(4, dtype=torch.float64), torch.tensor(i % 2))),
+            "val": Pairs(8, lambda i: (torch.rand(4, dtype=torch.float64), torch.tensor(i % 2)))}
+
+
 def verdict(outputs, targets):
     return "good"
 
@@ -192,6 +203,11 @@ CUSTOM = ["task.name=custom", "task.loss.component=torch.nn:L1Loss", "task.metri
     (["model.component=userproj:NOT_CALLABLE"], "model.component 'userproj:NOT_CALLABLE' is a int, not callable"),
     (["model.args.hiden=4"], "model.args do not fit userproj:Net(in_features, num_classes=2, hidden=8): got an "
                              "unexpected keyword argument 'hiden'"),
+    (["data.args.classes=null", "model.args.in_features=4", "model.component=userproj:NeedsClasses"],
+     "missing a required argument: 'num_classes' (given: in_features); set model.args to what it takes (or let the "
+     "training set suggest them: num_classes follows from its `classes`"),
+    (["data.component=userproj:float64_features", "model.component=userproj:Flat", "model.args={in_features: 4, out: 2}"],
+     "input(s) input are float64 and the model's parameters float32: give float32 tensors"),
     (["model.component=userproj:returns_dict"],
      "model.component 'userproj:returns_dict' returned a dict; it must return a torch.nn.Module"),
     (["model.component=userproj:raises"], "model.component 'userproj:raises' raised ValueError: hidden must be positive"),
@@ -302,7 +318,8 @@ def test_a_bad_component_stops_the_launcher_before_torchrun_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert lines == ["pipeline train: error: model.args do not fit userproj:Net(in_features, num_classes=2, hidden=8): "
-                     "got an unexpected keyword argument 'hiden' (given: hiden, in_features, num_classes); set "
+                     "got an unexpected keyword argument 'hiden'; did you mean 'hidden'? (given: hiden, in_features, "
+                     "num_classes); set "
                      "model.args to what it takes"], proc.stderr
     assert "[rank" not in proc.stderr and not (tmp_path / "outputs").exists()
     assert time.monotonic() - start < 60

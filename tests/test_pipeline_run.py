@@ -219,3 +219,17 @@ def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
     typo = run_cli(["run", "--config", "mine.yaml", "--nproc-per-node", "2", "model.args={hiden: 64}"], cwd=tmp_path,
                    check=False)
     assert typo.returncode == 2 and typo.stderr.strip() == errors[1]
+
+
+def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
+    """Found only after training, exporting and registering, it cost a whole run (and moved the alias)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli(["run", "--config", str(TINY), "--serve-check", f"serve.port={port}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"serve.port={port} on 127.0.0.1 is taken" in proc.stderr and "serve.port=0 for any free one" in proc.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()

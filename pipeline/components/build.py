@@ -92,7 +92,8 @@ def plain_args(args: dict[str, Any]) -> dict[str, Any]:
 def instantiate_model(spec: ModelSpec, source: ArtifactSource | None = None,
                       missing_hint: str = "") -> torch.nn.Module:
     fn = resolve("model", spec.component, missing_hint, source)
-    model = call("model", spec.component, fn, spec.args)
+    model = call("model", spec.component, fn, spec.args, hint=" (or let the training set suggest them: num_classes "
+                 "follows from its `classes`, any other argument from its `model_args` dict)")
     if not isinstance(model, torch.nn.Module):
         raise ComponentError(f"model.component '{spec.component}' returned a {type(model).__name__}; it must return "
                              "a torch.nn.Module")
@@ -121,7 +122,11 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
         if isinstance(inputs, dict) and isinstance(exc, TypeError):
             hint = (f"; dict inputs are passed as keyword arguments, model(**inputs): forward() must take "
                     f"{', '.join(inputs)}")
-        raise ComponentError(f"{where}: {type(exc).__name__}: {exc}{hint}") from exc
+        doubles = [s.name for s in splits.inputs if s.dtype == torch.float64]
+        if doubles and any(p.dtype == torch.float32 for p in model.parameters()):
+            hint += (f"; input(s) {', '.join(doubles)} are float64 and the model's parameters float32: give float32 "
+                     "tensors (torch.tensor(x, dtype=torch.float32))")
+        raise ComponentError(f"{where}: {type(exc).__name__}: {str(exc).strip()}{hint}") from exc
     finally:
         model.train(was_training)
     if not torch.is_tensor(loss) or loss.dim() != 0 or not torch.isfinite(loss):

@@ -138,10 +138,12 @@ def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names:
     # Dim.DYNAMIC: torch.export works out which dynamic sizes are equal (tokens and their mask).
     dynamic = torch.export.Dim.DYNAMIC
     shapes = tuple({0: dynamic, **{a: dynamic for a in dynamic_axes.get(n, [])}} for n in names)
-    program = torch.onnx.export(
-        head, args, dynamo=True, verbose=False, opset_version=opset, input_names=names,
-        output_names=list(output_names), dynamic_shapes=(shapes,),  # one entry: forward's *inputs
-        optimize=True)
+    with warnings.catch_warnings():  # torch's own exporter trips a deprecation inside torch: not ours to fix
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning)
+        program = torch.onnx.export(
+            head, args, dynamo=True, verbose=False, opset_version=opset, input_names=names,
+            output_names=list(output_names), dynamic_shapes=(shapes,),  # one entry: forward's *inputs
+            optimize=True)
     return program.model_proto
 
 

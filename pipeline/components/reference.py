@@ -107,10 +107,10 @@ def _defined_under(obj: Any, module_name: str) -> bool:
     return owner == module_name or owner.startswith(module_name + ".")
 
 
-def call(key: str, reference: str, fn: Any, args: dict[str, Any]) -> Any:
-    """`fn(**args)`: arguments its signature does not take, and exceptions it raises, become one
-    ComponentError naming the key and the reference."""
-    check_arguments(key, reference, fn, args)
+def call(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = "") -> Any:
+    """`fn(**args)`: arguments its signature does not take (the message ends with `hint`), and exceptions
+    it raises, become one ComponentError naming the key and the reference."""
+    check_arguments(key, reference, fn, args, hint)
     try:
         return fn(**args)
     except ConfigError:
@@ -119,7 +119,7 @@ def call(key: str, reference: str, fn: Any, args: dict[str, Any]) -> Any:
         raise ComponentError(f"{key}.component '{reference}' raised {type(exc).__name__}: {exc}") from exc
 
 
-def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any]) -> None:
+def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = "") -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature: let the call speak
@@ -128,8 +128,17 @@ def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any]) -> 
         signature.bind(**args)
     except TypeError as exc:
         given = ", ".join(sorted(args)) or "none"
-        raise ComponentError(f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc} (given: {given}); "
-                             f"set {key}.args to what it takes") from None
+        missing = "missing" in str(exc)  # a required parameter: the data may be what should give it
+        raise ComponentError(f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc}"
+                             f"{_closest(args, signature)} (given: {given}); set {key}.args to what it takes"
+                             f"{hint if missing else ''}") from None
+
+
+def _closest(args: dict[str, Any], signature: inspect.Signature) -> str:
+    """"; did you mean 'hidden'?" for an argument name close to a parameter's."""
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    close = [c for given in args if given not in names for c in difflib.get_close_matches(given, names, n=1)]
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def plain_signature(signature: inspect.Signature) -> inspect.Signature:
