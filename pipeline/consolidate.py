@@ -17,7 +17,8 @@ Outputs in `<out_dir>/`:
 
 No user code is imported: the checkpoint records its model's state manifest (every key, shape and
 dtype of the plain model's state_dict), and the shards and the output are checked against it. So
-consolidation runs on any machine, and a checkpoint from a shared store can name nothing to import.
+consolidation runs on any machine, and a checkpoint from a shared store can name nothing to import;
+its `.metadata` is read by checkpoint.py's restricted unpickler.
 Invariant: both are published by rename, model.json last; a model.json on disk describes the
 model.safetensors beside it (its sha256 says so), and an interrupted run leaves the previous pair
 (or nothing) in place, never a half-written file.
@@ -305,21 +306,14 @@ _malloc_trim = _find_malloc_trim()
 def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
     try:
         with checkpoint.single_process_quiet():
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=checkpoint.WeightsOnlyLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
                         if index.fqn in state})
         raise CheckpointError(f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
                               f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
-                              f"file corrupt or truncated? ({_cause(exc)})") from exc
+                              f"file corrupt or truncated? ({checkpoint.first_failure(exc)})") from exc
 
-
-def _cause(exc: BaseException) -> str:
-    """The reader's own error, not DCP's per-rank wrapper around it."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:

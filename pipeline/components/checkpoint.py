@@ -14,14 +14,22 @@ Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever th
 `optim.state.<fqn>.<name>`, `optim.param_groups...`, and `rng.rank<r>.*` per rank.
 Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it
 is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact.
+
+Checkpoints are untrusted input (a shared MLflow store lets others write them, and the marker's
+checksums are written by whoever wrote the files): nothing in one is unpickled with arbitrary
+globals. DCP's `.metadata` goes through an unpickler that admits only DCP's metadata types, and its
+non-tensor entries (optimizer hyperparameters) through torch.load(weights_only=True); DCP's own
+reader already loads tensors that way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -34,7 +42,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -220,21 +229,73 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     return final
 
 
+# What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the layout
+# helper, the checkpoint's path), and nothing else: any other global is a foreign or hostile file.
+_METADATA_TYPES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file names something a checkpoint never holds; it was refused before running it."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_TYPES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"it names {module}.{name}, which a DCP checkpoint's metadata never holds")
+
+
+def read_metadata_safely(path: Path) -> Metadata:
+    """DCP's index of a checkpoint, unpickled with only DCP's metadata types admitted."""
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(f"checkpoint '{path}': .metadata refused, nothing in it was run: {exc} (a foreign or "
+                              "hostile file; use a checkpoint your own training wrote)") from None
+    except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
+        raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
 class CachedMetadataReader(FileSystemReader):
-    """A FileSystemReader that unpickles `.metadata` once. `dcp.load` reads it on every call, and
-    with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
+    """A FileSystemReader that reads `.metadata` once, safely (see read_metadata_safely). `dcp.load`
+    reads it on every call, and with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
-        try:
-            self.metadata: Metadata = super().read_metadata()
-        except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
-            raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
+        self.metadata: Metadata = read_metadata_safely(Path(path))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            return super().read_metadata(*args, **kwargs)
+        self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a non-tensor entry (an optimizer hyperparameter) must first load
+    with torch.load(weights_only=True), which refuses any global a plain state dict never holds. DCP's
+    own planner unpickles these with weights_only=False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} refused, nothing in it was run: {first}") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata) -> None:
@@ -276,15 +337,24 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         state["rng"] = {rng_key: _rng_state()}
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=reader, no_dist=not info.distributed)
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=not info.distributed)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
-        raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}") from exc
+        raise CheckpointError(f"checkpoint '{path}' could not be read: {first_failure(exc)}") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}),
                    options=StateDictOptions(strict=True))
     if has_rng:
         _set_rng_state(state["rng"][rng_key])
     return meta
+
+
+def first_failure(exc: BaseException) -> str:
+    """The reader's own error, not DCP's per-rank wrapper around it."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))
+        exc = exc[0] if isinstance(exc, tuple) else exc
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path | None:
