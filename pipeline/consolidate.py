@@ -43,13 +43,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline.components import checkpoint
-from pipeline.tools import logs
+from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
-from pipeline.components.tracking import TrackingError, get_run, log_consolidated, use_store
+from pipeline.components.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
         use_store(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
         get_run(run_id)
+        close_if_orphaned(run_id)  # a training killed outright (plain torchrun) left it RUNNING
     if checkpoint_path is not None:  # a download was verified as it arrived
         checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
@@ -428,6 +429,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     logs.configure()
+    stopping.exit_on_sigterm()  # a stop runs the `finally`s that remove temporaries
     try:
         path = main(args.source, latest=args.latest, run_id=args.run_id, output=args.output, dtype=args.dtype,
                     tracking_uri=args.tracking_uri, log_to_mlflow=not args.no_log)

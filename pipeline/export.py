@@ -39,7 +39,8 @@ from pipeline.components.safetensors_writer import file_sha256
 from pipeline.components.tasks import build_task
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
-from pipeline.tools import logs
+from pipeline.tools import logs, stopping
+from pipeline.tools.files import write_json
 
 log = logging.getLogger("pipeline.export")
 
@@ -154,10 +155,10 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
     report_path = out / "export_report.json"
-    report_path.write_text(json.dumps(report, indent=2))
+    write_json(report_path, report)
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
     _publish(result, weights, run_id, cfg, exported, example, variants, register)
-    report_path.write_text(json.dumps(report, indent=2))  # now with the model version, if any
+    write_json(report_path, report)  # now with the model version, if any
     return result
 
 
@@ -431,6 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     logs.configure()
+    stopping.exit_on_sigterm()  # a stop mid-way closes the reopened run with its own status (tracking.stage_run)
     weights_dir, overrides = args.weights_dir, list(args.overrides)
     if weights_dir and "=" in weights_dir:  # argparse can't tell `export.x=1` from a path on its own
         overrides.insert(0, weights_dir)

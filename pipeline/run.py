@@ -11,9 +11,9 @@ run's description (the note the MLflow UI shows) links the stages' outputs toget
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +24,9 @@ import numpy as np
 from serving.codec import V2_DTYPES
 
 from pipeline.components import checkpoint, tracking
-from pipeline.tools import logs
+from pipeline.components import run_dir as run_dir_owner
+from pipeline.tools import logs, stopping
+from pipeline.tools.files import StateFileError, read_json, write_atomically
 from pipeline.components.build import component_references, preflight
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
 
@@ -46,7 +48,10 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
     if (serve or serve_check) and cfg.serve.port:
         check_port_free(cfg.serve.host, cfg.serve.port)
+    run_dir_owner.claim(run_dir)  # this process owns the run directory through every stage
     tracking.setup(cfg.tracking)
+    if train.read_run_id(run_dir):  # left RUNNING by a process that died (SIGKILL, a rank 0 under torchrun)?
+        tracking.close_if_orphaned(train.read_run_id(run_dir))
 
     if force or not train_done(run_dir):
         code = run_train(cfg, run_dir, nproc_per_node, force)
@@ -102,7 +107,7 @@ def consolidated_from_latest(run_dir: Path) -> bool:
     newest = checkpoint.latest(run_dir / "checkpoints")
     if not meta_file.is_file() or newest is None:
         return False
-    source = json.loads(meta_file.read_text()).get("source", {})
+    source = read_json(meta_file, "consolidate again with --force").get("source", {})
     return Path(source.get("checkpoint", "")) == newest.resolve()
 
 
@@ -113,8 +118,8 @@ def passed_export(run_dir: Path, weights: Path, export_cfg) -> dict | None:
     meta_file = weights.parent / "model.json"
     if not report_file.is_file() or not meta_file.is_file():
         return None
-    report = json.loads(report_file.read_text())
-    same_weights = report.get("weights", {}).get("sha256") == json.loads(meta_file.read_text()).get("sha256")
+    report = read_json(report_file, "export again with --force")
+    same_weights = report.get("weights", {}).get("sha256") == read_json(meta_file).get("sha256")
     wanted = export_cfg.model_dump(mode="json")
     same_settings = all(report.get("export_config", {}).get(k) == v for k, v in wanted.items()
                         if k != "registered_model_name" or v)  # empty name = the default, resolved in the report
@@ -151,7 +156,7 @@ def run_train(cfg: Config, run_dir: Path, nproc_per_node: int, force: bool) -> i
     check_runtime(cfg, nproc_per_node, torch.cuda.is_available(), nproc_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "requested_config.yaml"
-    resolved.write_text(to_yaml(cfg))
+    write_atomically(resolved, to_yaml(cfg))
     cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), resume, [])
     return train.run_torchrun(cmd, cfg, run_dir)
 
@@ -326,10 +331,15 @@ def cli(args) -> int:
     from pipeline.components.onnx_export import ExportError
 
     logs.configure()
+    # SIGTERM (docker stop, a scheduler) exits through every stage's failure path: runs are closed,
+    # the server is stopped, the run directory released.
+    previous = stopping.exit_on_sigterm()
     try:
         cfg = load_config(args.config, args.overrides)
         return main(cfg, args.nproc_per_node, args.serve, args.serve_check, args.force)
     except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, ConsolidateError,
-            WeightsError, ExportError, ServeCheckError) as exc:
+            WeightsError, ExportError, ServeCheckError, run_dir_owner.RunDirBusy, StateFileError) as exc:
         print(f"pipeline run: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import time
@@ -40,8 +41,10 @@ from pipeline.components.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
 from pipeline.distributed import DistInfo, replicas
 from pipeline.distributed.parallelize import wrap_model
+from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import stopping
 from pipeline.tools.faults import inject_fault
+from pipeline.tools.files import StateFileError, read_json, write_atomically, write_json
 
 log = logging.getLogger("pipeline.train")
 STAGE_TAG = "trainserve.stage.train"  # running | done | failed, on the training run
@@ -70,6 +73,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
     try:
         precision = amp.resolve_precision(cfg.train.precision, info.device)
         run_dir = Path(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
+        claim_run_dir(run_dir, info)  # before anything is written there
         ckpt_root = run_dir / "checkpoints"
         resume = choose_resume(resume, ckpt_root)
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
@@ -100,6 +104,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info)
             step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
+            if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
+                checkpoint.set_aside_after(ckpt_root, step)
+            distributed.barrier(info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
         elif ckpt_root.exists() and checkpoint.latest(ckpt_root):
@@ -147,6 +154,19 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown(clean)
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
+    """Rank 0 owns the run directory (see run_dir.py); every rank stops together if another run does."""
+    error = None
+    if info.is_main:
+        try:
+            run_dir_owner.claim(run_dir)
+        except run_dir_owner.RunDirBusy as exc:
+            error = str(exc)
+    error = distributed.broadcast_object(error, info)
+    if error:
+        raise run_dir_owner.RunDirBusy(error)
 
 
 def check_same_model(meta: dict, spec, path: Path) -> None:
@@ -336,7 +356,8 @@ def default_run_name(cfg: Config) -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return f"{stem}-{run_id[:8]}"
-    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # A random suffix: two runs started in the same second (a sweep) once shared one directory.
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def choose_resume(requested: str | None, ckpt_root: Path) -> str | None:
@@ -352,7 +373,13 @@ def choose_resume(requested: str | None, ckpt_root: Path) -> str | None:
 def read_run_id(run_dir: Path) -> str | None:
     """The MLflow run of this run directory, kept so a restart before the first checkpoint continues it."""
     f = run_dir / "mlflow_run.json"
-    return json.loads(f.read_text())["run_id"] if f.is_file() else None
+    if not f.exists():
+        return None
+    record = read_json(f, f"it should hold {{\"run_id\": <the MLflow run of {run_dir}>}}; restore it, or delete it to "
+                          "start a new MLflow run for this directory")
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+        raise StateFileError(f"{f} holds {str(record)[:80]}, not {{\"run_id\": ...}}")
+    return record["run_id"]
 
 
 def seed_everything(seed: int) -> None:
@@ -393,7 +420,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
             "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
             "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
             "trainserve.run_dir": str(run_dir.resolve()), "trainserve.task": cfg.task.name,
-            "trainserve.component.model": cfg.model.component, "trainserve.component.data": cfg.data.component}
+            "trainserve.component.model": cfg.model.component, "trainserve.component.data": cfg.data.component,
+            **tracking.owner_tags(), tracking.STATUS_BEFORE_TAG: ""}
     resumed = run_id is not None
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying)
     if not resumed:
@@ -407,8 +435,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     for why in code.skipped:
         log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run_id}))
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    write_json(run_dir / "mlflow_run.json", {"run_id": run_id})
+    write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     return run_id
 
 
@@ -474,8 +502,10 @@ def torchrun_env() -> dict[str, str]:
 
 
 def launch_torchrun(args, cfg: Config) -> int:
-    """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts."""
+    """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts. This
+    launcher owns the run directory throughout, torchrun's restarts included."""
     run_name = cfg.train.run_name or default_run_name(cfg)
+    run_dir_owner.claim(Path(cfg.train.output_dir) / run_name)
     cmd = torchrun_command(args.nproc_per_node, args.max_restarts, args.config, args.resume,
                            [*args.overrides, f"train.run_name={run_name}"])
     return run_torchrun(cmd, cfg, Path(cfg.train.output_dir) / run_name)
@@ -521,7 +551,8 @@ def cli(args) -> int:
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0
-    except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError) as exc:
+    except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, run_dir_owner.RunDirBusy,
+            StateFileError) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 2
     except (replicas.ReplicaDivergence, TrainingDiverged) as exc:

@@ -59,7 +59,7 @@ def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
     workdir = straight
     proc = torchrun(workdir, [*STEPS, "train.run_name=killed"], env={"TRAINSERVE_FAULT": "step:9:1"},
                     max_restarts=1)
-    assert "killing rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
+    assert "SIGKILL to rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
     assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr
     assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "killed")))
     run_a, loss_a = losses(workdir, "straight")
@@ -79,7 +79,7 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straig
     workdir = straight
     proc = torchrun(workdir, [*STEPS, "train.run_name=crash_in_save"], env={"TRAINSERVE_FAULT": "save:12:0"},
                     max_restarts=1)
-    assert "killing rank 0 at save 12" in proc.stderr
+    assert "SIGKILL to rank 0 at save 12" in proc.stderr
     assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr  # not the half-written 12
     assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "crash_in_save")))
 

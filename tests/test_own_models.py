@@ -181,7 +181,7 @@ def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path
     run_cli([*common, "train.run_name=straight"], cwd=tmp_path, env=ON_PATH)
     proc = run_cli([*common, "--max-restarts=1", "train.run_name=killed"], cwd=tmp_path,
                    env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"})
-    assert "killing rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
+    assert "SIGKILL to rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
     a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/straight/checkpoints")).state_dict()
     b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/killed/checkpoints")).state_dict()
     assert a.keys() == b.keys() and "embed.weight" in a

@@ -33,6 +33,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,13 +137,18 @@ def verify_checksums(path: Path) -> None:
 
 
 def list_complete(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning."""
+    """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning. A
+    re-save that died between its two renames (where RENAME_EXCHANGE is missing) left `.old-step_N` and
+    no `step_N`: that one is a checkpoint of step N and counts."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
-    for child in sorted(root.iterdir()):
-        if not STEP_DIR.match(child.name):
+    for child in sorted(root.iterdir(), key=lambda c: c.name.removeprefix(OLD)):
+        if child.name.startswith(OLD) and STEP_DIR.match(child.name[len(OLD):]) \
+                and not (root / child.name[len(OLD):]).exists():
+            pass  # the previous save of a step whose re-save did not finish
+        elif not STEP_DIR.match(child.name):
             continue
         try:
             verify_complete(child)
@@ -152,6 +158,55 @@ def list_complete(root: Path) -> list[Path]:
     return found
 
 
+OLD = ".old-"  # a step directory on its way out during a re-save
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """`tmp` becomes `final` with no moment where neither is a complete checkpoint of that step: a
+    first save is one rename; a re-save (after a restart) swaps the two atomically (renameat2
+    RENAME_EXCHANGE), or, where the filesystem can't, moves the old one aside first (list_complete
+    still finds it if a crash comes in between)."""
+    root = final.parent
+    if final.exists():
+        if not _exchange(tmp, final):
+            os.replace(final, root / f"{OLD}{final.name}")
+            os.replace(tmp, final)
+            tmp = root / f"{OLD}{final.name}"
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint
+    shutil.rmtree(root / f"{OLD}{final.name}", ignore_errors=True)  # one a crashed re-save left behind
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def set_aside_after(root: Path, step: int) -> list[Path]:
+    """A resume from step `step` into a directory that holds later steps starts another timeline:
+    those later checkpoints move to `<run dir>/checkpoints.abandoned/<time>/`, so that `latest` (a
+    torchrun restart, --resume latest) and pruning by step follow the timeline being trained."""
+    later = [p for p in list_complete(root) if int(STEP_DIR.match(p.name.removeprefix(OLD)).group(1)) > step]
+    if not later:
+        return []
+    aside = Path(root).parent / "checkpoints.abandoned" / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in later:
+        os.replace(path, aside / path.name.removeprefix(OLD))
+    log.warning("resumed from step %d: the later checkpoints %s are set aside in %s",
+                step, ", ".join(p.name for p in later), aside)
+    return later
+
+
 def latest(root: Path) -> Path | None:
     complete = list_complete(root)
     return complete[-1] if complete else None
@@ -159,7 +214,13 @@ def latest(root: Path) -> Path | None:
 
 def read_meta(path: Path) -> dict:
     verify_complete(path)
-    return json.loads((Path(path) / META).read_text())
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint '{path}': {META} can't be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint '{path}': {META} holds a {type(meta).__name__}, not a JSON object")
+    return meta
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -216,13 +277,8 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         sha256.update({name: file_sha256(tmp / name) for name in files if name not in sha256})
         write_json_durably(tmp / MARKER, {"step": step, "files": files, "sha256": sha256})
         fsync_dir(tmp)
-        trash = root / f".old-{step_dir_name(step)}"
-        if final.exists():  # a re-save of the same step (after a restart): never a moment without it
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        shutil.rmtree(trash, ignore_errors=True)
-        for old in list_complete(root)[:-keep_last]:
+        publish(tmp, final)
+        for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
     barrier(info)

@@ -10,6 +10,7 @@ work starts so a wrong URI fails in seconds, not after an hour of training.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from pipeline.tools.faults import inject_fault
 from pipeline.tools.stopping import uninterrupted
 
 log = logging.getLogger(__name__)
@@ -159,9 +161,13 @@ def download_checkpoint(run_id: str, dest: Path) -> Path:
         found = f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
         raise checkpoint.CheckpointError(f"run {run_id} has no complete checkpoint logged: {found}; "
                                          "was it trained with checkpoint.log_to_mlflow=none?")
-    if complete[-1] != steps[-1]:
+    # The run's final checkpoint when it names one: after a resume from an older step, a higher step
+    # uploaded earlier belongs to the abandoned timeline.
+    final = f"checkpoints/{Path(get_run(run_id).data.tags.get('trainserve.checkpoint', '')).name}"
+    chosen = final if final in complete else complete[-1]
+    if chosen == complete[-1] and complete[-1] != steps[-1]:
         log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
-    local = download_artifacts(run_id, complete[-1], dest / run_id)
+    local = download_artifacts(run_id, chosen, dest / run_id)
     checkpoint.verify_checksums(local)
     return local
 
@@ -317,6 +323,45 @@ def end_run(status: str = "FINISHED", tags: dict[str, str] | None = None) -> Non
         mlflow.end_run(status=status)
 
 
+OWNER_TAG = "trainserve.owner"  # the process that made the run RUNNING: host, pid, start time, command
+STATUS_BEFORE_TAG = "trainserve.status_before"  # what a later stage's reopening found, to put back
+
+
+def owner_tags() -> dict[str, str]:
+    from pipeline.components.run_dir import this_process
+
+    return {OWNER_TAG: json.dumps(this_process())}
+
+
+@uninterrupted
+def close_if_orphaned(run_id: str) -> str | None:
+    """A run left RUNNING by a process that is gone (SIGKILL, the OOM killer, rank 0 under a plain
+    torchrun, an export stopped mid-way): puts back the status a later stage found before reopening
+    it, else FAILED, and marks its running stage failed. Returns the status set, or None when the run
+    is not RUNNING or its owner is alive (or on another host, where nothing can be told)."""
+    import mlflow
+
+    from pipeline.components.run_dir import alive, describe
+
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    if run.info.status != "RUNNING":
+        return None
+    try:
+        owner = json.loads(run.data.tags.get(OWNER_TAG, ""))
+    except ValueError:
+        return None
+    if not isinstance(owner, dict) or alive(owner) is not False:
+        return None
+    status = run.data.tags.get(STATUS_BEFORE_TAG) or "FAILED"
+    stages = {k: "failed" for k, v in run.data.tags.items() if k.startswith("trainserve.stage.") and v == "running"}
+    set_tags({**stages, "trainserve.closed": f"{status}: the process that ran it, {describe(owner)}, is gone",
+              STATUS_BEFORE_TAG: ""}, run_id)
+    client.set_terminated(run_id, status)
+    log.warning("MLflow run %s was left RUNNING by %s, which is gone: marked %s", run_id, describe(owner), status)
+    return status
+
+
 @uninterrupted
 def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
     """Marks another process's run FAILED (with `tags`) if it is still RUNNING; True if it was."""
@@ -360,11 +405,18 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
     from mlflow.exceptions import MlflowException
 
     run = get_run(run_id) if run_id else None
+    if run is not None and close_if_orphaned(run.info.run_id):
+        run = get_run(run_id)
     try:
         active = _open_run(run, run_name)
+        # Who reopened it, and what to put back should this process die before its `finally`.
+        set_tags({**owner_tags(), STATUS_BEFORE_TAG: run.info.status if run is not None else "FAILED",
+                  f"trainserve.stage.{stage}": "running"})
         try:
+            inject_fault(f"stage_{stage}", 0)  # test hook: a stop while the run is reopened
             yield active
         except BaseException:
+            set_tags({f"trainserve.stage.{stage}": "failed"})
             end_run("FAILED")
             raise
         end_run("FINISHED")

@@ -9,13 +9,15 @@ import signal
 log = logging.getLogger(__name__)
 
 
-def inject_fault(where: str, step: int, info) -> None:
-    """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank> makes that rank die by
-    SIGKILL (a real kill -9, nothing caught) at that point, on the first attempt only."""
+def inject_fault(where: str, step: int, info=None) -> None:
+    """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank>[:TERM] makes that rank die by
+    SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point, on the first attempt only."""
     fault = os.environ.get("TRAINSERVE_FAULT", "")
     if not fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    f_where, f_step, f_rank = fault.split(":")
-    if f_where == where and int(f_step) == step and int(f_rank) == info.rank:
-        log.warning("TRAINSERVE_FAULT: killing rank %d at %s %d", info.rank, where, step)
-        os.kill(os.getpid(), signal.SIGKILL)
+    f_where, f_step, f_rank, *how = fault.split(":")
+    rank = info.rank if info is not None else 0
+    if f_where == where and int(f_step) == step and int(f_rank) == rank:
+        sig = signal.SIGTERM if how == ["TERM"] else signal.SIGKILL
+        log.warning("TRAINSERVE_FAULT: %s to rank %d at %s %d", sig.name, rank, where, step)
+        os.kill(os.getpid(), sig)
