@@ -105,7 +105,9 @@ USER ${UID}:${UID}
 
 # The server reads TRAINSERVE_* (every flag of `python -m serving` has one). Its default bind address
 # is 127.0.0.1, which inside a container is unreachable from outside it, even with -p: bind every
-# interface here and let `docker run -p` / compose decide what is published.
+# interface here and let `docker run -p` / compose decide what is published. Bound so, the server
+# refuses to start without TRAINSERVE_AUTH_TOKEN (or TRAINSERVE_ALLOW_UNAUTHENTICATED=1 behind a proxy
+# that authenticates).
 # MLFLOW_TRACKING_URI is left unset: the embedded SQLite store in /work unless you point at a server.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

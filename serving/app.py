@@ -9,15 +9,26 @@ Routes (every one needs the bearer token when one is set, except the health chec
 
 The served model and its batcher live together in a `Slot`. A reload builds a new slot and swaps
 the reference in one assignment on the event loop; requests that already hold the old slot finish
-on the old model, whose batcher is then drained and dropped.
+on the old model, whose batcher is then drained and dropped. A reload that fails is tried again with
+backoff, and /metrics and /v2/models/{name} say when the server is behind its alias.
+
+Every client mistake is a 4xx, checked before work where a limit applies: a client that goes away
+mid-upload is a 499 (nginx's code; nothing is sent), never a 500 or a traceback. Bodies over 64 KiB
+are decoded in a thread (two at a time), not on the event loop. Cross-site requests: Host is checked
+against the loopback names when bound to loopback (DNS rebinding), a request carrying a browser
+Origin not in --allowed-origins gets 403, and inference refuses the content types a web page can send
+without a preflight (text/plain, forms). Health checks skip auth and these checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import hmac
 import logging
+import re
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -25,22 +36,25 @@ from dataclasses import dataclass
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 import serving
 from serving import codec
-from serving.batcher import Batcher, BatcherClosed, QueueFull
-from serving.codec import BadRequest
+from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
+from serving.codec import BadRequest, Limits
 from serving.config import Settings
-from serving.engine import EngineError
+from serving.engine import ModelInputError
 from serving.loader import LoadedModel, SourceError, alias_version, check_source, load_model
 from serving.metrics import Metrics
 
 log = logging.getLogger("serving.app")
 JSON = "application/json"
 RETRY_AFTER = {"Retry-After": "1"}
+BIG_BODY = 64 * 1024  # decoded in a thread above this
+# What a web page can POST cross-site without a CORS preflight: never an inference request.
+SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class HTTPError(Exception):
@@ -70,17 +84,22 @@ class Server:
         self._serving = False  # between startup and shutdown
         self._token = settings.auth_token.encode() if settings.auth_token else None
         self._reloader: asyncio.Task | None = None
+        self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
+        self._decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
+        self._hosts = settings.host_patterns()
+        self._origins = settings.origins()
+        self.alias_version: str | None = None  # what the followed alias points at, when known
 
     @property
     def ready(self) -> bool:
-        """Started, not shutting down, and the current batcher's loop is running."""
-        return self._serving and self.slot.batcher.alive
+        """Started, not shutting down, the current batcher's loop running, and no model run past its deadline."""
+        return self._serving and self.slot.batcher.alive and not self.slot.batcher.stalled
 
     def _batcher(self, model: LoadedModel) -> Batcher:
         s = self.settings
         return Batcher(model.engine.run, self.executor, max_batch_size=s.max_batch_size,
                        max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
-                       merge=model.engine.batchable, on_batch=self.metrics.observe_batch)
+                       merge=model.engine.batchable, on_batch=self.metrics.observe_batch, run_timeout=s.run_timeout)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -106,6 +125,13 @@ class Server:
             self.slot.model.discard()
             log.info("stopped")
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM: report not ready at once (load balancers stop sending), and let queued requests run now
+        instead of waiting out --max-delay-ms, so that uvicorn's wait for in-flight requests ends with them
+        answered, not cut at --graceful-timeout."""
+        self._serving = False
+        self.slot.batcher.flush()
+
     def _announce(self, model: LoadedModel) -> None:
         info = model.info
         log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
@@ -113,27 +139,38 @@ class Server:
         self.metrics.set_model(info.name, info.version, model.engine.provider, info.source)
 
     async def _reload_loop(self) -> None:
+        """Follows the alias. A version that fails to load (the registry or the store away for a moment,
+        no room for two models) is tried again after interval x 2^failures (at most 10 min); /metrics
+        counts the failures and says the server is behind the alias meanwhile."""
         s = self.settings
-        broken = None  # a version that failed to load: not fetched again until the alias moves on
+        failures: dict[str, int] = {}
+        retry_at: dict[str, float] = {}
         while True:
             await asyncio.sleep(s.reload_interval)
             current = self.slot.model.info.version
-            version = None
             try:
-                version = await asyncio.to_thread(alias_version, s.model)
-                if version in (current, broken):
-                    continue
-                log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
-                model = await asyncio.to_thread(self._load_warm, version)
-            except (SourceError, EngineError) as exc:  # the registry is away, the new file is bad
-                log.warning("reload of %s failed; still serving version %s: %s", s.model, current, exc)
-                broken = version
+                version = await off_loop(alias_version, s.model)
+            except SourceError as exc:
+                log.warning("cannot read alias %s; still serving version %s: %s", s.model, current, exc)
                 continue
-            except Exception:
-                log.exception("reload of %s failed; still serving version %s", s.model, current)
-                broken = version
+            self.alias_version = version
+            self.metrics.set_alias(version, behind=version != current)
+            if version == current or time.monotonic() < retry_at.get(version, 0.0):
                 continue
+            log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
+            try:
+                model = await off_loop(self._load_warm, version)
+            except Exception as exc:  # noqa: BLE001 - any failure of a load: keep serving, try again later
+                failures[version] = failures.get(version, 0) + 1
+                delay = min(s.reload_interval * 2 ** failures[version], 600.0)
+                retry_at[version] = time.monotonic() + delay
+                self.metrics.reload_failures.labels(version).inc()
+                log.warning("loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
+                            version, failures[version], delay, current, exc)
+                continue
+            failures.pop(version, None)
             await self.swap(model)
+            self.metrics.set_alias(version, behind=False)
 
     def _load_warm(self, version: str) -> LoadedModel:
         s = self.settings
@@ -153,6 +190,17 @@ class Server:
         old.model.discard()
 
     # ---- helpers for routes --------------------------------------------------------------------
+
+    def check_origin(self, request: Request) -> None:
+        """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
+        host = request.headers.get("host", "")  # absent only without HTTP/1.1 (never from a browser)
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if host and not any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in self._hosts):
+            raise HTTPError(403, f"Host {host!r} is not one this server answers; add it with --allowed-hosts")
+        origin = request.headers.get("origin")
+        if origin is not None and origin.rstrip("/") not in self._origins:
+            raise HTTPError(403, f"cross-site requests from {origin!r} are refused; allow an origin with "
+                                 "--allowed-origins")
 
     def authorize(self, request: Request) -> None:
         if self._token is None:
@@ -201,17 +249,66 @@ class Server:
             raise HTTPError(400, f"the {encoding} body is truncated")
         return data
 
+    async def decode(self, decoder, data: bytes, *args):
+        """A codec decoder on the body: in a thread for a big body (two at a time), inline for a small one.
+        An exception the decoder did not foresee is still the client's malformed request: a 400."""
+        def safely():
+            try:
+                return decoder(data, *args)
+            except BadRequest:
+                raise
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+                log.debug("a request the decoder did not foresee", exc_info=True)
+                raise BadRequest(f"malformed request: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+        if len(data) <= BIG_BODY:
+            return safely()
+        async with self._decoding:
+            return await asyncio.to_thread(safely)
+
     async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         limit = self.settings.max_rows_per_request
         if rows > limit:
             raise HTTPError(400, f"the request has {rows} rows; this server takes at most {limit} per request "
                                  "(--max-rows-per-request): split it")
+        timeout = self.settings.request_timeout
         try:
-            return await slot.batcher.submit(feeds, rows)
+            return await asyncio.wait_for(slot.batcher.submit(feeds, rows), timeout)
+        except asyncio.TimeoutError:
+            raise HTTPError(504, f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
+                                 "a model run is stuck") from None
+        except RunTimedOut as exc:
+            raise HTTPError(504, str(exc)) from None
+        except ModelInputError as exc:
+            raise HTTPError(400, str(exc)) from None
         except QueueFull as exc:
             raise HTTPError(503, f"{exc}; retry later", RETRY_AFTER) from None
         except BatcherClosed as exc:
             raise HTTPError(503, f"{exc}; retry later", RETRY_AFTER) from None
+
+
+async def off_loop(fn, *args):
+    """`fn(*args)` in a daemon thread: unlike asyncio.to_thread's executor, nothing waits for it at exit
+    (a registry call stuck at shutdown held SIGTERM up past the container's grace period)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value):
+        if not future.done():
+            setter(value)
+
+    def work():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody is waiting
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=work, name=f"off-loop-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 def warm_up(model: LoadedModel, max_batch_size: int) -> None:
@@ -237,12 +334,17 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
             started = time.perf_counter()
             try:
                 if not open_:
+                    server.check_origin(request)
                     server.authorize(request)
                 response = await handler(request)
             except HTTPError as exc:
                 response = error(exc.status, str(exc), exc.headers)
             except BadRequest as exc:
                 response = error(exc.status, str(exc))
+            except ClientDisconnect:  # the client went away mid-upload: its event, not our error
+                log.debug("%s %s: the client disconnected before its request arrived", request.method,
+                          request.url.path)
+                response = error(499, "client closed the request")
             except Exception as exc:
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = error(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -276,8 +378,12 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
                            for s in engine.inputs],
                 "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
                             for s in engine.outputs]}
-        if info.labels is not None:
-            body["parameters"] = {"labels": list(info.labels)}
+        parameters = {"labels": list(info.labels)} if info.labels is not None else {}
+        if server.settings.reload_interval:  # following an alias: what it points at, and whether this serves it
+            parameters["alias"] = {"source": info.source, "version": server.alias_version or info.version,
+                                   "behind": (server.alias_version or info.version) != info.version}
+        if parameters:
+            body["parameters"] = parameters
         return json(body)
 
     async def model_ready(request: Request) -> Response:
@@ -301,15 +407,20 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
 
     async def v2_infer(request: Request) -> Response:
         _slot(request)  # 404 before reading a body for an unknown model
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type in SIMPLE_TYPES:
+            raise HTTPError(415, f"Content-Type {content_type} is not taken for inference (a web page can send it "
+                                 "cross-site); send application/json, or application/octet-stream with binary data")
         data = await server.body(request)
         header_length = request.headers.get("inference-header-content-length")
         if header_length is not None:
-            if not header_length.isdigit():
-                raise HTTPError(400, f"Inference-Header-Content-Length must be a byte count, got {header_length!r}")
+            if not re.fullmatch(r"[0-9]{1,19}", header_length):
+                raise HTTPError(400, f"Inference-Header-Content-Length must be a byte count, got {header_length!r:.40}")
             header_length = int(header_length)
         slot = _slot(request)  # after the await: a reload may have swapped the model meanwhile
         engine = slot.model.engine
-        req = codec.decode_v2(data, header_length, engine.inputs, engine.output_names)
+        req = await server.decode(codec.decode_v2, data, header_length, engine.inputs, engine.output_names,
+                                  server.limits)
         results = await server.infer(slot, req.feeds, req.rows)
         info = slot.model.info
         body, json_length = codec.encode_v2(info.name, info.version, req.request_id, results, req.outputs,
@@ -327,7 +438,7 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
             raise HTTPError(415, f"Content-Type {content_type} is not supported; send application/json")
         data = await server.body(request)
         slot = server.slot
-        req = codec.decode_mlflow(data, slot.model.engine.inputs)
+        req = await server.decode(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits)
         results = await server.infer(slot, req.feeds, req.rows)
         return Response(codec.encode_mlflow(results, req.records), media_type=JSON)
 

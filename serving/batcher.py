@@ -10,9 +10,15 @@ during a run form the next batch. `max_delay_ms` > 0 lets a partial batch wait a
 
 Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
 a model with another dynamic axis (image size, sequence length) gets requests of different shapes,
-and those wait, in order, for a batch of their own. A failure anywhere in a batch fails that
-batch's requests and the loop goes on; should the loop task end anyway, `alive` turns False (the
-server reports not ready), waiting requests fail and new ones are refused.
+and those wait, in order, for a batch of their own. When a merged batch fails, each of its jobs runs
+alone: one client's values (an index past an embedding's size) fail that client's request only. A
+failure anywhere else fails that batch's requests and the loop goes on; should the loop task end
+anyway, `alive` turns False (the server reports not ready), waiting requests fail and new ones are
+refused.
+
+A run that takes longer than `run_timeout` fails its batch with RunTimedOut and `stalled` turns True
+(the server reports not ready) until the run returns: the one engine thread is still inside it, so
+the next batch waits for it. Jobs whose callers gave up (a request deadline) are dropped, not run.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ class QueueFull(Exception):
 
 class BatcherClosed(Exception):
     """The batcher is shutting down (or was replaced by a new model) and takes no new work."""
+
+
+class RunTimedOut(Exception):
+    """A model run took longer than the batcher's run_timeout; it may still be running."""
 
 
 @dataclass
@@ -64,7 +74,7 @@ class Batcher:
 
     def __init__(self, run: Callable[[Feeds], Feeds], executor: Executor, *, max_batch_size: int,
                  max_delay_ms: float, max_queue_rows: int, merge: bool = True,
-                 on_batch: Callable[[int, float], None] | None = None):
+                 on_batch: Callable[[int, float], None] | None = None, run_timeout: float | None = None):
         self._run = run
         self._executor = executor
         self.max_batch_size = max_batch_size
@@ -78,6 +88,8 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task | None = None
         self._batch: list[_Job] = []  # taken off the queue, not all answered yet
+        self.run_timeout = run_timeout
+        self.stalled = False  # a run is past run_timeout and still inside the engine
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
@@ -101,6 +113,11 @@ class Batcher:
         self.queued_rows += rows
         self._wakeup.set()
         return await job.future
+
+    def flush(self) -> None:
+        """From now on, never let a partial batch wait for more rows (shutdown has begun: run what is queued)."""
+        self.max_delay = 0.0
+        self._wakeup.set()
 
     async def close(self) -> None:
         """Take no new jobs, run every queued one (without waiting out any delay), then stop."""
@@ -136,7 +153,8 @@ class Batcher:
                 if self.max_delay > 0:
                     await self._wait_for_rows(loop)
                 self._batch = self._take()
-                await self._run_batch(loop, self._batch)
+                if self._batch:
+                    await self._run_batch(loop, self._batch)
             except Exception as exc:  # the model (or anything else) failed: the batch learns why
                 if not self._batch:
                     log.exception("the batcher failed before taking a batch")
@@ -145,12 +163,26 @@ class Batcher:
                         job.future.set_exception(exc)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
-        feeds = _concat([j.feeds for j in jobs])
-        rows = sum(j.rows for j in jobs)
-        started = time.perf_counter()
-        outputs = await loop.run_in_executor(self._executor, self._run, feeds)
-        if self._on_batch is not None:
-            self._on_batch(rows, time.perf_counter() - started)
+        try:
+            outputs = await self._timed_run(loop, jobs)
+        except RunTimedOut:
+            raise
+        except Exception:
+            if len(jobs) == 1:
+                raise
+            # Whose values made the merged batch fail? Each alone answers: the others' requests succeed.
+            for job in jobs:
+                try:
+                    result = await self._timed_run(loop, [job])
+                except RunTimedOut:
+                    raise
+                except Exception as exc:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+                else:
+                    if not job.future.done():
+                        job.future.set_result(result)
+            return
         start = 0
         for job in jobs:
             if not job.future.done():  # the caller may have gone away
@@ -158,11 +190,34 @@ class Batcher:
                                       if len(jobs) > 1 else outputs)
             start += job.rows
 
+    async def _timed_run(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> Feeds:
+        feeds = _concat([j.feeds for j in jobs])
+        rows = sum(j.rows for j in jobs)
+        started = time.perf_counter()
+        running = loop.run_in_executor(self._executor, self._run, feeds)
+        try:
+            outputs = await asyncio.wait_for(asyncio.shield(running), self.run_timeout)
+        except asyncio.TimeoutError:
+            self.stalled = True
+            log.error("a model run of %d rows has taken over %.0f s (--run-timeout); failing its requests, "
+                      "not ready until it returns", rows, self.run_timeout)
+            error = RunTimedOut(f"the model run took longer than {self.run_timeout:g} s (--run-timeout)")
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(error)
+            await asyncio.wait({running})  # the engine thread is busy until then: the next batch waits
+            self.stalled = False
+            log.warning("the stalled model run returned after %.1f s; ready again", time.perf_counter() - started)
+            raise error from None
+        if self._on_batch is not None:
+            self._on_batch(rows, time.perf_counter() - started)
+        return outputs
+
     async def _wait_for_rows(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Let a partial batch wait for more rows until its oldest job is `max_delay` old."""
-        deadline = self._queue[0].arrived + self.max_delay
+        """Let a partial batch wait for more rows until its oldest job is `max_delay` old (re-read on every
+        wake-up: `flush` sets it to 0)."""
         while self.queued_rows < self.max_batch_size and not self._closing:
-            remaining = deadline - time.monotonic()
+            remaining = self._queue[0].arrived + self.max_delay - time.monotonic()
             if remaining <= 0:
                 return
             self._wakeup.clear()
@@ -177,6 +232,10 @@ class Batcher:
         A job of another layout is skipped and keeps its place; the first one of the right layout
         that does not fit ends the batch (it must not be overtaken by smaller ones behind it).
         """
+        while self._queue and self._queue[0].future.done():  # its caller gave up: don't run it
+            self.queued_rows -= self._queue.popleft().rows
+        if not self._queue:
+            return []
         first = self._queue.popleft()
         jobs, rows = [first], first.rows
         if self.merge:
@@ -184,6 +243,9 @@ class Batcher:
             skipped: list[_Job] = []
             while self._queue and rows < self.max_batch_size:
                 job = self._queue[0]
+                if job.future.done():  # its caller gave up
+                    self.queued_rows -= self._queue.popleft().rows
+                    continue
                 if _layout(job.feeds) != layout:
                     skipped.append(self._queue.popleft())
                     continue

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -36,6 +37,16 @@ FLAGS: dict[str, tuple[type, str]] = {
     "auth-token": (str, "require 'Authorization: Bearer <token>' (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
     "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
     "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
+    "read-timeout": (float, "seconds a connection has to deliver a whole request; slower or idle ones are "
+                            "closed (default 30)"),
+    "request-timeout": (float, "seconds a request may wait for and run the model before 504 (default 60)"),
+    "run-timeout": (float, "seconds one model run may take before its requests get 504 and the server "
+                           "reports not ready until it returns (default 60)"),
+    "allowed-hosts": (str, "Host header patterns accepted besides loopback names (bound to loopback) or "
+                           "any (bound to all interfaces), comma-separated"),
+    "allowed-origins": (str, "browser Origins allowed, comma-separated (default none: cross-site requests "
+                             "get 403)"),
+    "allow-unauthenticated": (bool, "serve without a token on a non-loopback address"),
     "log-level": (str, "debug|info|warning|error (default info)"),
 }
 
@@ -44,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags, for `python -m serving` and for `pipeline serve` to reuse."""
     for flag, (kind, help_text) in FLAGS.items():
         env = ENV_PREFIX + flag.upper().replace("-", "_")
-        parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
+        if kind is bool:
+            parser.add_argument(f"--{flag}", action="store_const", const=True, default=None,
+                                help=f"{help_text} [env {env}=1]")
+        else:
+            parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -55,10 +70,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = getattr(args, key, None)
         env = ENV_PREFIX + key.upper()
         if value is None and os.environ.get(env):
-            try:
-                value = kind(os.environ[env])
-            except ValueError:
-                raise ValueError(f"{env}={os.environ[env]!r} is not a valid {kind.__name__}") from None
+            raw = os.environ[env]
+            if kind is bool:
+                if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"{env}={raw!r}: use 1 or 0")
+                value = raw.lower() in ("1", "true", "yes")
+            else:
+                try:
+                    value = kind(raw)
+                except ValueError:
+                    raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
         if value is not None:
             values[key] = value
     if "model" not in values:
@@ -97,10 +118,45 @@ def main(argv: list[str] | None = None) -> int:
     return cli(args)
 
 
+def _uvicorn_server():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, which tells ours when shutdown begins (before it waits for requests in flight)."""
+
+        def __init__(self, config, app_server):
+            super().__init__(config)
+            self.app_server = app_server
+
+        async def shutdown(self, sockets=None):
+            self.app_server.begin_shutdown()
+            await super().shutdown(sockets)
+
+    return DrainingServer
+
+
+def raise_open_files_limit() -> None:
+    """Each client connection is a file descriptor: take the hard limit, not the soft 1024, so a burst of
+    connections (each closed by the read deadline if idle) does not starve new ones."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
     from serving.app import create_app, warm_up
+    from serving.protocol import with_read_deadline
+
+    DrainingServer = _uvicorn_server()
+
+    # Registry calls (loading, following the alias) fail in seconds, not after MLflow's minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from serving.engine import EngineError
     from serving.loader import SourceError, load_model
 
@@ -112,12 +168,14 @@ def serve(settings: Settings) -> int:
         log.error("cannot serve %s: %s", settings.model, exc)
         return 2
     app = create_app(settings, model)
+    raise_open_files_limit()
+    # No limit_concurrency: uvicorn counts open connections against it and answers 503 to everything past
+    # it, health checks included, so idle clients could hold the server off. The read deadline closes
+    # connections that don't deliver a request; the queue bounds the work (503 + Retry-After).
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", lifespan="on",
-        access_log=False, log_config=None, timeout_graceful_shutdown=settings.graceful_timeout,
-        # Stop accepting past this many open connections (503) instead of growing without bound.
-        limit_concurrency=4 * settings.max_queue_rows + 64)
-    server = uvicorn.Server(config)
+        app, host=settings.host, port=settings.port, loop="uvloop", http=with_read_deadline(settings.read_timeout),
+        lifespan="on", access_log=False, log_config=None, timeout_graceful_shutdown=settings.graceful_timeout)
+    server = DrainingServer(config, app.state.server)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever handler
     # was there before it; with the default one the process would die by the signal (exit -15)
     # after a clean shutdown. A no-op handler makes a graceful stop exit 0.

@@ -9,9 +9,13 @@ Two protocols:
   `instances` (a list of rows), `dataframe_split` / `dataframe_records` (one row per sample, either a
   column per model input holding a tensor, or the sample's values flattened into columns).
 
-Every input is checked against the model: names, datatype, rank and fixed dimensions, the same
-number of rows in every input, and finite values. NaN/Inf policy: refused with a 400. JSON cannot
-carry them, but binary data can, and a too-large JSON number becomes Inf in FP32.
+Every client mistake is a BadRequest (a 4xx) naming the field, never an exception of ours; as strict as
+Triton: objects where objects belong (`parameters`), JSON numbers for numeric datatypes (no strings,
+booleans or null coerced; whole numbers for integer types, in range), booleans for BOOL, an integer
+`binary_data_size`, never both `data` and binary data, no repeated inputs or outputs, a string `id`.
+Limits are checked before work: the declared rows and element count of every input (Python ints:
+no overflow) before any data is converted. NaN/Inf policy: refused with a 400. JSON cannot carry
+them, but binary data can, and a too-large JSON number becomes Inf in FP32.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ V2_DTYPES = {
     "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
     "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
 }
+KNOWN_DATATYPES = (*V2_DTYPES, "BF16", "BYTES")  # the protocol's names; the last two this server can't take
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
+MAX_DIM = 2 ** 31  # no model dimension is larger; numpy refuses some that are (a 500 once)
 
 
 class BadRequest(Exception):
@@ -38,6 +44,13 @@ class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, checked before its data is converted."""
+    max_rows: int  # rows (samples) per request
+    max_body_bytes: int  # the body's own limit: no input can declare more elements than it could carry
 
 
 @dataclass
@@ -66,18 +79,38 @@ def parse_json(data: bytes):
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
 
 
+def _object(value, where: str) -> dict:
+    """`value` if it is a JSON object (absent counts as empty), else the field is named."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} must be a JSON object, got {_kind(value)}")
+    return value
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
 # ---- KServe V2 ---------------------------------------------------------------------------------
 
-def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec],
-              output_names: list[str]) -> V2Request:
+def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], output_names: list[str],
+              limits: Limits) -> V2Request:
     if header_length is not None and not 0 <= header_length <= len(body):
         raise BadRequest(f"Inference-Header-Content-Length is {header_length}, but the body has "
                          f"{len(body)} bytes")
     end = len(body) if header_length is None else header_length
     request = parse_json(body[:end])
-    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise BadRequest('expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
                          f"this model takes {expected(inputs)}")
+    if len(request["inputs"]) > len(inputs):
+        raise BadRequest(f"the request has {len(request['inputs'])} inputs; this model takes {expected(inputs)}")
+    parameters = _object(request.get("parameters"), '"parameters"')
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest(f'"id" must be a string, got {_kind(request_id)}')
     by_name = {s.name: s for s in inputs}
     feeds: dict[str, np.ndarray] = {}
     offset = end
@@ -92,17 +125,26 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec],
         if name in feeds:
             raise BadRequest(f"input '{name}' is given twice")
         shape = item.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise BadRequest(f"input '{name}': shape must be a list of non-negative integers, "
-                             f"got {shape!r}; expected {spec.describe()}")
+        if not isinstance(shape, list) or len(shape) > 32 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape):
+            raise BadRequest(f"input '{name}': shape must be a list of non-negative integers below {MAX_DIM}, "
+                             f"got {shape!r:.100}; expected {spec.describe()}")
         datatype = item.get("datatype")
+        if datatype not in KNOWN_DATATYPES:
+            raise BadRequest(f"input '{name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
+                             f"({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
         if datatype != spec.datatype:
             raise BadRequest(f"input '{name}': datatype {datatype!r}, expected {spec.describe()}")
         _check_shape(spec, shape)
-        count = math.prod(shape)
-        binary_size = (item.get("parameters") or {}).get("binary_data_size")
+        count = _check_size(name, shape, spec, limits)
+        item_parameters = _object(item.get("parameters"), f"input '{name}': parameters")
+        binary_size = item_parameters.get("binary_data_size")
         if binary_size is not None:
+            if not isinstance(binary_size, int) or isinstance(binary_size, bool):
+                raise BadRequest(f"input '{name}': binary_data_size must be an integer byte count, got "
+                                 f"{binary_size!r:.40}")
+            if "data" in item:
+                raise BadRequest(f"input '{name}' has both data and parameters.binary_data_size; send one")
             if header_length is None:
                 raise BadRequest(f"input '{name}' has binary_data_size but the request has no "
                                  "Inference-Header-Content-Length header")
@@ -113,11 +155,13 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec],
             if offset + want > len(body):
                 raise BadRequest(f"input '{name}': the body ends before its {want} bytes of binary data")
             array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<"), count=count, offset=offset)
+            if spec.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
+                raise BadRequest(f"input '{name}': BOOL binary data must be bytes 0 or 1")
             offset += want
         else:
             if "data" not in item:
                 raise BadRequest(f"input '{name}' has neither data nor parameters.binary_data_size")
-            array = _json_tensor(item["data"], spec, where=f"input '{name}'")
+            array = _json_tensor(item["data"], spec, where=f"input '{name}'", count=count)
             if array.size != count:
                 raise BadRequest(f"input '{name}': shape {shape} needs {count} values, data has {array.size}")
         feeds[name] = _finite(array.reshape(shape).astype(spec.dtype, copy=False), name)
@@ -125,7 +169,9 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec],
         raise BadRequest(f"{len(body) - offset} bytes of binary data follow the inputs that no input claims")
     rows = _rows(feeds, inputs)
 
-    binary_all = bool((request.get("parameters") or {}).get("binary_data_output", False))
+    binary_all = parameters.get("binary_data_output", False)
+    if not isinstance(binary_all, bool):
+        raise BadRequest(f'parameters.binary_data_output must be true or false, got {binary_all!r:.40}')
     wanted = request.get("outputs")
     if wanted is None:
         outputs = [(n, binary_all) for n in output_names]
@@ -135,10 +181,28 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec],
         outputs = []
         for out in wanted:
             if not isinstance(out, dict) or out.get("name") not in output_names:
-                raise BadRequest(f"unknown output {out!r}; this model has outputs {output_names}")
-            outputs.append((out["name"], bool((out.get("parameters") or {}).get("binary_data", binary_all))))
-    request_id = request.get("id")
-    return V2Request(feeds, rows, str(request_id) if request_id is not None else None, outputs)
+                raise BadRequest(f"unknown output {out!r:.100}; this model has outputs {output_names}")
+            if any(out["name"] == known for known, _ in outputs):
+                raise BadRequest(f"output '{out['name']}' is requested twice")
+            binary = _object(out.get("parameters"), f"output '{out['name']}': parameters").get("binary_data", binary_all)
+            if not isinstance(binary, bool):
+                raise BadRequest(f"output '{out['name']}': parameters.binary_data must be true or false")
+            outputs.append((out["name"], binary))
+    return V2Request(feeds, rows, request_id, outputs)
+
+
+def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -> int:
+    """The declared element count, refused before any data is touched when it can't be right: more rows
+    than a request may have, or more values than the body could carry."""
+    if shape and spec.shape and spec.shape[0] == -1 and shape[0] > limits.max_rows:
+        raise BadRequest(f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
+                         "(--max-rows-per-request): split it")
+    count = math.prod(shape)
+    ceiling = limits.max_body_bytes // min(spec.dtype.itemsize, 2)  # JSON takes 2 bytes a value at the least
+    if count > ceiling:
+        raise BadRequest(f"input '{name}': shape {shape} declares {count} values, more than a body of at most "
+                         f"{limits.max_body_bytes} bytes can carry")
+    return count
 
 
 def encode_v2(model_name: str, model_version: str, request_id: str | None,
@@ -168,38 +232,46 @@ def encode_v2(model_name: str, model_version: str, request_id: str | None,
 
 # ---- MLflow scoring ----------------------------------------------------------------------------
 
-def decode_mlflow(body: bytes, inputs: list[TensorSpec]) -> MlflowRequest:
+def decode_mlflow(body: bytes, inputs: list[TensorSpec], limits: Limits) -> MlflowRequest:
     request = parse_json(body)
     keys = [k for k in MLFLOW_KEYS if isinstance(request, dict) and k in request]
     if len(keys) != 1:
         raise BadRequest(f"expected a JSON object with exactly one of {list(MLFLOW_KEYS)}, "
                          f"e.g. {{\"inputs\": <tensor {inputs[0].describe()}>}}; got "
-                         f"{list(request) if isinstance(request, dict) else type(request).__name__}")
+                         f"{list(request)[:10] if isinstance(request, dict) else _kind(request)}")
     if request.get("params"):
         raise BadRequest("this model takes no params")
     key = keys[0]
     value = request[key]
     if key == "inputs":
-        feeds = _named_tensors(value, inputs, key)
+        feeds = _named_tensors(value, inputs, key, limits)
     elif key == "instances":
         if not isinstance(value, list):
             raise BadRequest('"instances" must be a list with one entry per sample')
+        _check_rows(len(value), key, limits)
         if value and all(isinstance(v, dict) for v in value):
             feeds = _stack_records(value, inputs, key)
         else:
-            feeds = _named_tensors(value, inputs, key)
+            feeds = _named_tensors(value, inputs, key, limits)
     elif key == "dataframe_split":
         if not isinstance(value, dict) or not isinstance(value.get("data"), list):
             raise BadRequest('"dataframe_split" must be {"columns": [...], "data": [[...], ...]}')
-        columns = value.get("columns")
-        if isinstance(columns, list) and set(columns) == {s.name for s in inputs} and value["data"]:
-            records = [dict(zip(columns, row)) if isinstance(row, list) else row for row in value["data"]]
-            feeds = _stack_records(records, inputs, key)
+        columns, data = value.get("columns"), value["data"]
+        if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+            raise BadRequest('"dataframe_split": columns must be a list of column names (strings)')
+        if not all(isinstance(row, list) for row in data):
+            raise BadRequest('"dataframe_split": every entry of data must be a row (a list of values)')
+        _check_rows(len(data), key, limits)
+        if columns is not None and set(columns) == {s.name for s in inputs} and data:
+            if not all(len(row) == len(columns) for row in data):
+                raise BadRequest(f'"dataframe_split": every row must have {len(columns)} values, one per column')
+            feeds = _stack_records([dict(zip(columns, row)) for row in data], inputs, key)
         else:
-            feeds = _flat_rows(value["data"], inputs, key)
+            feeds = _flat_rows(data, inputs, key)
     else:  # dataframe_records
         if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
             raise BadRequest('"dataframe_records" must be a list of {column: value} objects')
+        _check_rows(len(value), key, limits)
         names = {s.name for s in inputs}
         if value and set(value[0]) == names:
             feeds = _stack_records(value, inputs, key)
@@ -221,25 +293,36 @@ def encode_mlflow(results: dict[str, np.ndarray], records: bool) -> bytes:
     return dumps({"predictions": {k: np.ascontiguousarray(v) for k, v in results.items()}})
 
 
-def _named_tensors(value, inputs: list[TensorSpec], key: str) -> dict[str, np.ndarray]:
+def _check_rows(rows: int, key: str, limits: Limits) -> None:
+    if rows > limits.max_rows:
+        raise BadRequest(f'"{key}" has {rows} rows; this server takes at most {limits.max_rows} per request '
+                         "(--max-rows-per-request): split it")
+
+
+def _named_tensors(value, inputs: list[TensorSpec], key: str, limits: Limits) -> dict[str, np.ndarray]:
     if isinstance(value, dict):
         unknown = set(value) - {s.name for s in inputs}
         missing = {s.name for s in inputs} - set(value)
         if unknown or missing:
-            raise BadRequest(f'"{key}" names {sorted(value)}; this model takes {expected(inputs)}')
+            raise BadRequest(f'"{key}" names {sorted(value)[:10]}; this model takes {expected(inputs)}')
+        for s in inputs:
+            if isinstance(value[s.name], list):
+                _check_rows(len(value[s.name]), f"{key}.{s.name}", limits)
         return {s.name: _json_tensor(value[s.name], s, where=f"{key} '{s.name}'") for s in inputs}
     if len(inputs) != 1:
         raise BadRequest(f'this model has {len(inputs)} inputs; send "{key}" as {{name: tensor}} for '
                          f"{expected(inputs)}")
+    if isinstance(value, list):
+        _check_rows(len(value), key, limits)
     return {inputs[0].name: _json_tensor(value, inputs[0], where=f'"{key}"')}
 
 
 def _stack_records(records: list[dict], inputs: list[TensorSpec], key: str) -> dict[str, np.ndarray]:
     names = {s.name for s in inputs}
     for record in records:
-        if set(record) != names:
-            raise BadRequest(f'every row of "{key}" must name exactly the model inputs {sorted(names)}, '
-                             f"got {sorted(record)}")
+        if not isinstance(record, dict) or set(record) != names:
+            got = sorted(record)[:10] if isinstance(record, dict) else _kind(record)
+            raise BadRequest(f'every row of "{key}" must name exactly the model inputs {sorted(names)}, got {got}')
     return {s.name: _json_tensor([r[s.name] for r in records], s, where=f"{key} '{s.name}'")
             for s in inputs}
 
@@ -262,14 +345,51 @@ def _flat_rows(data: list, inputs: list[TensorSpec], key: str) -> dict[str, np.n
 
 # ---- shared checks -----------------------------------------------------------------------------
 
-def _json_tensor(data, spec: TensorSpec, where: str) -> np.ndarray:
-    if not isinstance(data, list):
-        data = [data]
+def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -> np.ndarray:
+    """A JSON array (nested or flat) as `spec`'s dtype; its elements must be of the datatype's JSON kind.
+    `count`: the values the declared shape needs (V2), checked before any array is built."""
+    values = _leaves(data if isinstance(data, list) else [data], f"{where}: {spec.datatype} data", spec)
+    if count is not None and len(values) != count:
+        raise BadRequest(f"{where}: the declared shape needs {count} values, data has {len(values)}")
+    kind = spec.dtype.kind
+    if kind == "b":
+        bad = next((v for v in values if not isinstance(v, bool)), _NONE)
+        want = "true or false"
+    elif kind in "iu":
+        bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), _NONE)
+        want = "whole numbers"
+    else:
+        bad = next((v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool)), _NONE)
+        want = "numbers"
+    if bad is not _NONE:
+        raise BadRequest(f"{where}: {spec.datatype} data must be {want}, got {bad!r:.40}; expected {spec.describe()}")
     try:
-        return np.asarray(data, dtype=spec.dtype)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise BadRequest(f"{where}: data is not a regular array of {spec.datatype} numbers ({exc}); "
+        return np.asarray(data if isinstance(data, list) else [data], dtype=spec.dtype)
+    except OverflowError as exc:
+        raise BadRequest(f"{where}: a value is out of range for {spec.datatype} ({exc})") from None
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"{where}: data is not a regular array ({str(exc).splitlines()[0][:120]}); "
                          f"expected {spec.describe()}") from None
+
+
+_NONE = object()
+
+
+def _leaves(data: list, where: str, spec: TensorSpec) -> list:
+    """Every value of a nested JSON array, in order (objects, strings and nulls are refused on the way)."""
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                stack.append(iter(value))
+                break
+            if isinstance(value, dict) or value is None or isinstance(value, str):
+                raise BadRequest(f"{where} holds {_kind(value)} ({value!r:.40}), not a value; expected {spec.describe()}")
+            out.append(value)
+        else:
+            stack.pop()
+    return out
 
 
 def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -> None:

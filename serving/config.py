@@ -41,6 +41,24 @@ class Settings:
     reload_interval: float | None = None
     # Seconds uvicorn waits for in-flight requests after SIGTERM before closing them.
     graceful_timeout: float = 30.0
+    # Seconds a connection has to deliver a whole request (headers and body) from its first byte or from
+    # opening; a slower or idle one is closed (408 when a request had begun), so idle clients can't hold
+    # the server's connections. Keep-alive connections between requests close after 5 s (uvicorn's).
+    read_timeout: float = 30.0
+    # Seconds a request may wait in the queue and run; past it: 504.
+    request_timeout: float = 60.0
+    # Seconds one model run may take; past it its requests get 504 and the server reports not ready
+    # until the run returns (a wedged GPU, a hung kernel).
+    run_timeout: float = 60.0
+    # Host header patterns accepted besides the defaults: loopback names when bound to a loopback
+    # address (against DNS rebinding), anything when bound to all interfaces. Comma-separated.
+    allowed_hosts: str | None = None
+    # Browser Origins allowed to call the server, comma-separated; default none: a request that carries
+    # another Origin header (a web page's cross-site request) gets 403. Clients other than browsers
+    # send no Origin.
+    allowed_origins: str | None = None
+    # Serve without a token on a non-loopback address (refused otherwise: anyone who can reach it could call it).
+    allow_unauthenticated: bool = False
     log_level: str = "info"
 
     def check(self) -> None:
@@ -68,3 +86,28 @@ class Settings:
             raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("the auth token is empty; unset it or give a non-empty one")
+        if self.auth_token is not None and not self.auth_token.isascii():
+            raise ValueError("the auth token must be ASCII (HTTP headers are latin-1: a non-ASCII one never matches)")
+        for flag, value in {"--read-timeout": self.read_timeout, "--request-timeout": self.request_timeout,
+                            "--run-timeout": self.run_timeout, "--graceful-timeout": self.graceful_timeout}.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if not self.loopback and self.auth_token is None and not self.allow_unauthenticated:
+            raise ValueError(f"--host {self.host} makes the server reachable from other machines, and no token is "
+                             "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
+                             "pass --allow-unauthenticated if something in front of it authenticates")
+
+    @property
+    def loopback(self) -> bool:
+        """Bound to this machine only (127.0.0.0/8, ::1, localhost)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
+
+    def host_patterns(self) -> list[str]:
+        """Host header patterns (fnmatch, port stripped) the server answers."""
+        extra = [h.strip() for h in (self.allowed_hosts or "").split(",") if h.strip()]
+        if not self.loopback:
+            return ["*"] if not extra else extra
+        return ["localhost", "127.*", "[::1]", "::1", self.host, *extra]
+
+    def origins(self) -> set[str]:
+        return {o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()}

@@ -37,6 +37,12 @@ class EngineError(Exception):
     """The model cannot be served as asked (unsupported types, no CUDA device, broken file)."""
 
 
+class ModelInputError(EngineError):
+    """onnxruntime could not compute the model on these input values (an index past an embedding's size,
+    a value a Reshape can't take): the request's values, since inputs were validated against the model's
+    names, types and shapes before, and warm-up ran it on zeros."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One model input or output. `shape` uses -1 for a dynamic axis."""
@@ -141,6 +147,18 @@ class Engine:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run. feeds: input name -> array, already validated against `inputs`."""
+        try:
+            return self._run(feeds)
+        except Exception as exc:
+            # onnxruntime's InvalidArgument and RuntimeException are what bad values give; out of memory
+            # and everything else is the server's problem.
+            text = str(exc).strip()
+            if type(exc).__name__ in ("InvalidArgument", "RuntimeException") and "memory" not in text.lower():
+                first = text.splitlines()[0] if text else type(exc).__name__
+                raise ModelInputError(f"the model cannot compute on these input values: {first[:400]}") from exc
+            raise
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._io_binding:
             # CUDA: inputs are copied host -> device once; outputs are allocated by onnxruntime on
             # the device (no device -> host copy inside the run) and copied back once, here.

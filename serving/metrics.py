@@ -33,6 +33,13 @@ class Metrics:
                                 ["name", "version", "provider", "source"], registry=r)
         self.reloads = Counter("trainserve_model_reloads", "Model swaps after the registry alias moved",
                                registry=r)
+        self.reload_failures = Counter("trainserve_model_reload_failures",
+                                       "Failed loads of the version the registry alias points at", ["version"],
+                                       registry=r)
+        self.alias = Gauge("trainserve_model_alias_info", "The version the followed registry alias points at "
+                           "(value 1)", ["version"], registry=r)
+        self.behind = Gauge("trainserve_model_behind_alias", "1 while the alias points at a version this server "
+                            "has not loaded (it serves an older one)", registry=r)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -45,6 +52,11 @@ class Metrics:
     def set_model(self, name: str, version: str, provider: str, source: str) -> None:
         self.model_info.clear()
         self.model_info.labels(name, version, provider, source).set(1)
+
+    def set_alias(self, version: str, behind: bool) -> None:
+        self.alias.clear()
+        self.alias.labels(version).set(1)
+        self.behind.set(1 if behind else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

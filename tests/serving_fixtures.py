@@ -50,6 +50,46 @@ def heavy_model(path: Path, *, size: int = 28, channels: int = 48, layers: int =
     return _save(path, nodes, inits, size, classes, "heavy", None)
 
 
+def gather_model(path):
+    """`ids` INT64 [batch] -> `vectors` [batch, 3]: an embedding of 5 rows. An id past 4 makes onnxruntime
+    raise at run time, as a token id past a vocabulary does."""
+    table = np.arange(15, dtype=np.float32).reshape(5, 3)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)], "gather",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
+                              [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["batch", 3])],
+                              [numpy_helper.from_array(table, "table")])
+    return _save_graph(path, graph, 17)
+
+
+def two_axes_model(path):
+    """`x` FP32 [batch, n] -> `total` [batch]: two dynamic axes, as the review's dyn.onnx."""
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0, axes=[1])], "dyn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, ["batch"])])
+    return _save_graph(path, graph, 12)
+
+
+def two_input_model(path):
+    """`features` FP32 [batch, 4] and `code` INT64 [batch] -> `output` [batch, 4]: mixed dtypes."""
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["code"], ["code_f"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["code_f", "axis"], ["code_col"]),
+         helper.make_node("Add", ["features", "code_col"], ["output"])], "two",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("code", TensorProto.INT64, ["batch"])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("axis", TensorProto.INT64, [1], [1])])
+    return _save_graph(path, graph, 17)
+
+
+def _save_graph(path, graph, opset: int) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return Path(path)
+
+
 def _save(path, nodes, inits, size, classes, name, labels) -> Path:
     graph = helper.make_graph(
         nodes, "test",

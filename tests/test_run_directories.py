@@ -3,7 +3,6 @@ trained, and MLflow runs are never left RUNNING by a process that is gone."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ from pipeline.components.build import instantiate_model
 from pipeline.config import load_config
 from pipeline.train import default_run_name
 
-from conftest import CPU1, TINY, checkpoint_meta, cli_env, mlflow_client, mlp_spec, model_from_checkpoint, only_run, run_cli
+from conftest import CPU1, TINY, checkpoint_meta, cli_env, mlp_spec, only_run, run_cli
 
 HOLD = textwrap.dedent("""
     import sys, time

@@ -295,10 +295,12 @@ def test_concurrent_requests_are_batched(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_answers_requests_in_flight_and_queue_limit_gives_503(tmp_path, model_path):
-    """Requests wait in the queue (a long max delay holds the partial batch); SIGTERM must still
-    answer every one of them and exit 0. One request beyond the queue's rows gets 503 + Retry-After."""
-    args = ("--model", str(model_path), "--max-batch-size", "64", "--max-delay-ms", "3000",
-            "--max-queue-rows", "8", "--max-rows-per-request", "8")
+    """Requests wait in the queue: a max delay of 60 s, far past the 10 s graceful timeout, holds the
+    partial batch. SIGTERM must answer every one of them at once (the batch stops waiting when shutdown
+    begins) and exit 0; before, they waited out the graceful timeout and were cut. One request beyond
+    the queue's rows gets 503 + Retry-After."""
+    args = ("--model", str(model_path), "--max-batch-size", "64", "--max-delay-ms", "60000",
+            "--max-queue-rows", "8", "--max-rows-per-request", "8", "--graceful-timeout", "10")
     with ServerProcess(*args, log_path=tmp_path / "log") as srv:
         x = images(1)
         results: list[int] = []
@@ -319,11 +321,13 @@ def test_sigterm_answers_requests_in_flight_and_queue_limit_gives_503(tmp_path, 
         r = requests.post(srv.url + "/invocations", json={"inputs": x.tolist()})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "queue is full" in r.json()["error"]
 
+        stopped = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
         assert srv.proc.wait(60) == 0, srv.log()
         assert results == [200] * 8, srv.log()
+        assert time.monotonic() - stopped < 5, "the queued batch waited out the graceful timeout"
         with pytest.raises(requests.ConnectionError):
             requests.get(srv.url + "/v2/health/live", timeout=2)
 

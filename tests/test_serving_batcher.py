@@ -125,7 +125,9 @@ def test_full_queue_refuses_and_close_drains(executor):
     assert len(outs) == 3 and outs[1]["y"].tolist() == [2, 2]
 
 
-def test_a_failed_run_fails_its_requests_and_the_next_batch_still_runs(executor):
+def test_a_request_whose_values_fail_the_model_fails_alone_and_the_next_batch_still_runs(executor):
+    """7 and 1 are merged into one batch; 7 makes the model raise (as an index past an embedding's size
+    does): the batch runs again job by job, and only the request that carried 7 fails."""
     engine = Engine(seconds=0.05, fail_on=7)
 
     async def main():
@@ -140,7 +142,7 @@ def test_a_failed_run_fails_its_requests_and_the_next_batch_still_runs(executor)
         return results, after
 
     results, after = run(main())
-    assert isinstance(results[1], RuntimeError) and isinstance(results[2], RuntimeError)
+    assert isinstance(results[1], RuntimeError) and results[2]["y"].tolist() == [2]
     assert after["y"].tolist() == [10]
 
 
@@ -211,3 +213,52 @@ def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(ex
 
     results = run(main())
     assert all(isinstance(r, BatcherClosed) for r in results)
+
+
+def test_a_run_past_its_deadline_fails_its_requests_and_stalls_until_it_returns(executor):
+    """A wedged run (a hung GPU kernel): its requests get RunTimedOut at once, `stalled` says so while the
+    engine thread is still inside it, and the next request runs after it returns."""
+    from serving.batcher import RunTimedOut
+
+    engine = Engine(seconds=0.6)
+
+    async def main():
+        b = make(engine, executor, run_timeout=0.2)
+        b.start()
+        started = time.perf_counter()
+        first = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.35)
+        stalled_meanwhile = b.stalled
+        with pytest.raises(RunTimedOut):
+            await first
+        failed_after = time.perf_counter() - started
+        engine.seconds = 0.01
+        second = await b.submit(rows(3), 1)  # waits for the stalled run to return, then runs
+        await b.close()
+        return stalled_meanwhile, failed_after, second, b.stalled
+
+    stalled_meanwhile, failed_after, second, stalled_at_end = run(main())
+    assert stalled_meanwhile and failed_after < 0.5 and not stalled_at_end
+    assert second["y"].tolist() == [6]
+
+
+def test_a_request_whose_caller_gave_up_is_not_run(executor):
+    engine = Engine(seconds=0.2)
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        blocker = asyncio.create_task(b.submit(rows(0), 1))
+        await asyncio.sleep(0.05)
+        gave_up = asyncio.create_task(b.submit(rows(9, 9, 9), 3))
+        await asyncio.sleep(0.01)
+        gave_up.cancel()  # what a request deadline does
+        kept = asyncio.create_task(b.submit(rows(2), 1))
+        await blocker
+        out = await kept
+        await b.close()
+        return out, b.queued_rows
+
+    out, queued = run(main())
+    assert out["y"].tolist() == [4] and queued == 0
+    assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -59,7 +60,9 @@ def test_alias_is_served_and_reloaded_when_it_moves(registry, tmp_path):
     x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
     want = [run_onnx(p, x)["probabilities"] for p in paths]
     assert not np.allclose(want[0], want[1])
-    args = ("--model", "models:/digits@champion", "--reload-interval", "0.3", "--max-delay-ms", "1500")
+    # A one-row request waits up to 10 s for a second row (a batch is 2); two-row requests run at once.
+    args = ("--model", "models:/digits@champion", "--reload-interval", "0.3", "--max-batch-size", "2",
+            "--max-delay-ms", "10000")
     with ServerProcess(*args, env=env, log_path=tmp_path / "log") as srv:
         meta = requests.get(srv.url + "/v2/models/digits").json()
         assert meta["versions"] == ["1"], meta  # the registered name, not the ONNX metadata's
@@ -67,16 +70,20 @@ def test_alias_is_served_and_reloaded_when_it_moves(registry, tmp_path):
         assert body["model_version"] == "1"
         np.testing.assert_allclose(probabilities(body), want[0], rtol=1e-5, atol=1e-6)
 
-        # A request waiting in the batch queue when the alias moves finishes on the old model.
+        # A request waiting in the batch queue when the alias moves finishes on the old model: it waits
+        # for a second row for 10 s, so only the swap (which drains the old batcher) can release it early.
         held: list[dict] = []
-        waiting = threading.Thread(target=lambda: held.append(infer(srv.url, "digits", x)))
+        waiting = threading.Thread(target=lambda: held.append(infer(srv.url, "digits", x[:1])))
         waiting.start()
         time.sleep(0.2)
+        started = time.monotonic()
         client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
         client.set_registered_model_alias("digits", "champion", "2")
         waiting.join(30)
         assert held and held[0]["model_version"] == "1"
-        np.testing.assert_allclose(probabilities(held[0]), want[0], rtol=1e-5, atol=1e-6)
+        assert time.monotonic() - started < 8, "released by its delay, not by the swap"
+        assert metric(requests.get(srv.url + "/metrics").text, "trainserve_model_reloads_total") == 1
+        np.testing.assert_allclose(probabilities(held[0]), want[0][:1], rtol=1e-5, atol=1e-6)
 
         deadline = time.monotonic() + 60
         while requests.get(srv.url + "/v2/models/digits").json()["versions"] != ["2"]:
@@ -116,3 +123,44 @@ def test_unknown_alias_fails_clearly(registry, tmp_path):
                        env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "cannot resolve models:/digits@nope" in r.stderr
+
+
+def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
+    """The alias moves to a version whose files can't be fetched for a while (the store away): the server
+    keeps serving the old one, says it is behind, counts the failures, and loads it once it can."""
+    import shutil
+
+    import mlflow
+
+    env, _, _ = registry
+    client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    client.set_registered_model_alias("digits", "champion", "1")
+    model_id = client.get_model_version("digits", "2").source.removeprefix("models:/")
+    files = Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+    aside = tmp_path / "aside"
+    x = np.random.default_rng(7).random((1, 1, 8, 8), dtype=np.float32)
+    with ServerProcess("--model", "models:/digits@champion", "--reload-interval", "0.3", env=env,
+                       log_path=tmp_path / "log") as srv:
+        shutil.move(files, aside)  # version 2's files are gone for now
+        try:
+            client.set_registered_model_alias("digits", "champion", "2")
+            deadline = time.monotonic() + 30
+            while metric(requests.get(srv.url + "/metrics").text, "trainserve_model_reload_failures_total",
+                         version="2") < 1:
+                assert time.monotonic() < deadline, srv.log()
+                time.sleep(0.2)
+            text = requests.get(srv.url + "/metrics").text
+            assert metric(text, "trainserve_model_behind_alias") == 1
+            assert metric(text, "trainserve_model_alias_info", version="2") == 1
+            meta = requests.get(srv.url + "/v2/models/digits").json()
+            assert meta["versions"] == ["1"] and meta["parameters"]["alias"] == {
+                "source": "models:/digits@champion", "version": "2", "behind": True}
+            assert infer(srv.url, "digits", x)["model_version"] == "1"
+        finally:
+            shutil.move(aside, files)
+        deadline = time.monotonic() + 60
+        while requests.get(srv.url + "/v2/models/digits").json()["versions"] != ["2"]:
+            assert time.monotonic() < deadline, "the failed version was never tried again:\n" + srv.log()
+            time.sleep(0.2)
+        assert metric(requests.get(srv.url + "/metrics").text, "trainserve_model_behind_alias") == 0
+        assert infer(srv.url, "digits", x)["model_version"] == "2"
