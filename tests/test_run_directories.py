@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import pytest
 import torch
@@ -123,13 +123,14 @@ def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        watchdog = threading.Timer(180, lambda: os.killpg(first.pid, signal.SIGKILL))  # should the line never come
+        watchdog.start()
         for line in first.stdout:
-            if "checkpoint saved" in line or time.monotonic() > deadline:
+            if "checkpoint saved" in line:
                 break
+        watchdog.cancel()
         for argv in (["train", "--config", str(TINY), "--resume", "latest", "train.run_name=busy"],
-                     ["run", "--config", str(TINY), "train.run_name=busy"],
-                     ["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=busy"]):
+                     ["run", "--config", str(TINY), "train.run_name=busy"]):
             second = run_cli(argv, cwd=tmp_path, check=False, timeout=120)
             assert second.returncode == 2, second.stderr[-2000:]
             assert "outputs/busy is in use by pid" in second.stderr, second.stderr[-2000:]
