@@ -142,6 +142,11 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of `lr`.")
 
 
+class EarlyStoppingConfig(Section):
+    patience: int = Field(0, ge=0, description="Stop after this many evaluations without an improvement of checkpoint.monitor by more than min_delta; 0 = never stop early.")
+    min_delta: float = Field(0.0, ge=0, description="The smallest change of the monitored metric that counts as an improvement.")
+
+
 class TrainConfig(Section):
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present, else CPU.")
@@ -155,7 +160,8 @@ class TrainConfig(Section):
     sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (statistics over all ranks).")
     seed: int = Field(0, description="Seed for model init and shuffling; same seed, same losses (bit for bit on CPU).")
     log_every: int = Field(10, ge=1, description="Log training metrics every N optimizer steps.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch end. Always at the end.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = once per epoch (every steps-per-epoch steps). Always at the end.")
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig, description="Stop every rank together when the monitored validation metric stops improving.")
     consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
     threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
@@ -170,7 +176,9 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_n_steps: int = Field(0, ge=0, description="Save a sharded checkpoint every N optimizer steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk; older ones are deleted after a newer one completes.")
-    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one, or each as it is written (uploaded in the background).")
+    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one (and the best, when another), or each as it is written (uploaded in the background).")
+    monitor: str = Field("", description="The validation metric that picks the best checkpoint (e.g. accuracy, val/loss); empty = the task's primary metric. The best is saved when it is reached, never pruned, and what consolidate/export take.")
+    mode: Literal["auto", "max", "min"] = Field("auto", description="Whether a larger monitored metric is better (max) or a smaller one (min); auto = known for the task's metrics.")
 
 
 class TrackingConfig(Section):
@@ -183,7 +191,11 @@ class TrackingConfig(Section):
 class ExportConfig(Section):
     opset: int = Field(18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively.")
     registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> from the components' names (e.g. resnet18-digits).")
-    alias: str = Field("champion", description="Alias set on the new version only when every gate passes.")
+    alias: str = Field("champion", description="Alias set on the new version when every gate passes and `promote` allows it.")
+    promote: Literal["if_better", "if_not_worse", "always"] = Field(
+        "if_not_worse", description="Move `alias` to the new version when its metric (the task's primary, through onnxruntime on the validation split) beats the current holder's (if_better), is no worse (if_not_worse), or always.")
+    promote_tolerance: float = Field(0.0, ge=0, description="In the metric's units: if_better needs a gain larger than this; if_not_worse allows a loss up to this.")
+    challenger_alias: str = Field("challenger", description="Alias set on a version that passed its gates but was not promoted.")
     atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| outputs <= atol + rtol x the sample's largest |output| (fp32).")
     rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
     accuracy_tolerance_pp: float = Field(0.1, ge=0, description="classification: ONNX accuracy within this many percentage points of PyTorch's.")

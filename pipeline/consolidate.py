@@ -47,6 +47,7 @@ from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
+from pipeline.components.monitor import read_best
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
 from pipeline.components.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
@@ -72,20 +73,19 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
          log_to_mlflow: bool = True) -> Path:
     """Consolidates one checkpoint; returns the path of model.safetensors.
 
-    `checkpoint_path` is a checkpoint directory (step_*/), or with `latest=True` a run directory
-    (its newest complete checkpoint). Without a path, `run_id` downloads the run's newest
-    checkpoint from MLflow. Outputs go to `output`, else `<run_dir>/consolidated`, else (run id)
+    `checkpoint_path` is a checkpoint directory (step_*/), or a run directory: its best checkpoint
+    (checkpoints/best.json), or with `latest=True` its newest complete one. Without a path, `run_id`
+    downloads the run's best checkpoint from MLflow (`latest`: its final one). Outputs go to `output`, else `<run_dir>/consolidated`, else (run id)
     `outputs/<run_id>/consolidated`; they are logged to the source's MLflow run unless told not to.
     """
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise ConsolidateError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if checkpoint_path is None and run_id is None:
-        raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory "
-                               "with --latest, or --run-id")
+        raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory, or --run-id")
     if checkpoint_path is None:
         use_store(tracking_uri)
-        ckpt = _download(run_id)
+        ckpt = _download(run_id, latest)
     else:
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
     meta = checkpoint.read_meta(ckpt)
@@ -122,8 +122,9 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
 # --- input ----------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path: Path, latest: bool) -> Path:
-    """A checkpoint directory as given, or the newest complete one of a run directory (`latest`)."""
+def resolve_checkpoint(path: Path, latest: bool = False) -> Path:
+    """A checkpoint directory as given; of a run directory, its best checkpoint (best.json), or the
+    newest complete one with `latest` or when the run recorded no best."""
     if not path.exists():
         raise CheckpointError(f"'{path}' does not exist")
     if (path / checkpoint.MARKER).exists() or (path / ".metadata").exists():
@@ -131,14 +132,19 @@ def resolve_checkpoint(path: Path, latest: bool) -> Path:
         return path
     if path.is_dir() and checkpoint.STEP_DIR.match(path.name):
         checkpoint.verify_complete(path)  # names what is missing: no marker, no .metadata
-    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
-    if not latest:
-        hint = f"; its newest complete checkpoint is {found}" if found else ""
-        raise CheckpointError(f"'{path}' is not a checkpoint directory (no {checkpoint.MARKER} marker nor "
-                              f".metadata); to consolidate a run directory's newest checkpoint, add --latest{hint}")
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = checkpoint.latest(root)
     if found is None:
         raise CheckpointError(f"'{path}' holds no complete checkpoint (expected checkpoints/step_*/ "
                               f"with a {checkpoint.MARKER} marker): was training interrupted before the first save?")
+    best = None if latest else read_best(root)
+    if best:
+        chosen = root / best["checkpoint"]
+        checkpoint.verify_complete(chosen)
+        log.info("taking the best checkpoint %s (%s %.6g at step %s); the newest is %s (--latest to take it)",
+                 chosen.name, best["metric"], best["value"], best["step"], found.name)
+        return chosen
+    log.info("taking the newest checkpoint %s%s", found.name, "" if latest else " (the run recorded no best)")
     return found
 
 
@@ -150,11 +156,10 @@ def default_output_dir(ckpt: Path, downloaded_run_id: str | None) -> Path:
     return run_dir / "consolidated"
 
 
-def _download(run_id: str) -> Path:
-    log.info("downloading the newest checkpoint of run %s", run_id)
+def _download(run_id: str, latest: bool) -> Path:
     from pipeline.components.tracking import download_checkpoint
 
-    return download_checkpoint(run_id, OUTPUTS / "downloaded")
+    return download_checkpoint(run_id, OUTPUTS / "downloaded", latest)
 
 
 def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype) -> list[TensorSpec]:
@@ -375,7 +380,9 @@ def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: s
         "dtype": dtype,
         "source": {"checkpoint": str(ckpt.resolve()), "step": meta.get("step"),
                    "world_size": meta.get("world_size"), "strategy": meta.get("strategy"),
-                   "mlflow_run_id": meta.get("mlflow_run_id")},
+                   "mlflow_run_id": meta.get("mlflow_run_id"),
+                   "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
+                   "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step") == meta.get("step")},
     }
 
 
@@ -413,10 +420,10 @@ def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", nargs="?", metavar="CHECKPOINT_DIR | RUN_DIR",
-                        help="a checkpoint directory (step_*/), or a run directory with --latest")
+                        help="a checkpoint directory (step_*/), or a run directory (its best checkpoint)")
     parser.add_argument("--latest", action="store_true",
-                        help="use the newest complete checkpoint of the run directory given")
-    parser.add_argument("--run-id", help="MLflow run: without a path, download its newest checkpoint; "
+                        help="take the run's newest complete checkpoint instead of its best")
+    parser.add_argument("--run-id", help="MLflow run: without a path, download its best checkpoint; "
                         "with one, the run to log to (default: the checkpoint's own run)")
     parser.add_argument("--output", help="output directory (default: <run_dir>/consolidated, "
                         "or outputs/<run_id>/consolidated with --run-id)")

@@ -63,10 +63,10 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     run_id = train.read_run_id(run_dir)
 
     weights = run_dir / "consolidated" / "model.safetensors"
-    if force or not consolidated_from_latest(run_dir):
-        weights = consolidate.main(run_dir, latest=True, tracking_uri=cfg.tracking.tracking_uri)
+    if force or not consolidated_from_chosen(run_dir):
+        weights = consolidate.main(run_dir, tracking_uri=cfg.tracking.tracking_uri)  # the best checkpoint
     else:
-        log.info("consolidate: %s is already from the newest checkpoint (--force to redo)", weights)
+        log.info("consolidate: %s is already from the run's best checkpoint (--force to redo)", weights)
 
     report = passed_export(run_dir, weights, cfg.export)
     if force or report is None:
@@ -81,6 +81,11 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
         log.info("export: version %s of %s already passed its gates for these weights (--force to redo)",
                  report["model_version"], report["registered_model_name"])
 
+    decision = report.get("promotion") or {}
+    if decision and not decision["promote"]:
+        log.warning("not promoted: %s; %s v%s is @%s, @%s stays at v%s", decision["reason"],
+                    report["registered_model_name"], report["model_version"], report["alias"], decision["alias"],
+                    (decision.get("champion") or {}).get("version"))
     model_uri = f"models:/{report['registered_model_name']}@{report['alias']}"
     write_run_note(run_id, run_dir, weights, report, model_uri)
     log.info("done: %s -> %s (MLflow run %s)", run_dir, model_uri, run_id)
@@ -102,13 +107,15 @@ def train_done(run_dir: Path) -> bool:
     return tracking.get_run(run_id).data.tags.get("trainserve.stage.train") == "done"
 
 
-def consolidated_from_latest(run_dir: Path) -> bool:
+def consolidated_from_chosen(run_dir: Path) -> bool:
+    """Whether consolidated/ holds the checkpoint consolidate would take now: the best (or newest)."""
+    from pipeline.consolidate import resolve_checkpoint
+
     meta_file = run_dir / "consolidated" / "model.json"
-    newest = checkpoint.latest(run_dir / "checkpoints")
-    if not meta_file.is_file() or newest is None:
+    if not meta_file.is_file() or checkpoint.latest(run_dir / "checkpoints") is None:
         return False
     source = read_json(meta_file, "consolidate again with --force").get("source", {})
-    return Path(source.get("checkpoint", "")) == newest.resolve()
+    return Path(source.get("checkpoint", "")) == resolve_checkpoint(run_dir).resolve()
 
 
 def passed_export(run_dir: Path, weights: Path, export_cfg) -> dict | None:
@@ -174,7 +181,9 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
         f"- export: gates passed ({report['exporter']['used']} exporter, opset {report['exporter']['opset']}); "
         f"registered **{report['registered_model_name']}** version {report['model_version']} as "
         f"`@{report['alias']}` (the logged model `model`; report in artifacts `onnx/`)",
-        f"- serve: `pipeline serve --model {model_uri}`",
+        *([f"- promotion: {'promoted' if report['promotion']['promote'] else 'not promoted'}: "
+           f"{report['promotion']['reason']}"] if report.get("promotion") else []),
+        f"- serve: `pipeline serve --model {model_uri}`; verify: `pipeline verify {model_uri}`",
     ])
     tracking.set_tags({"mlflow.note.content": note, "trainserve.model_uri": model_uri,
                        "trainserve.stage.pipeline": "done"}, run_id=run_id)

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
 from pipeline.components import amp, checkpoint, tracking
+from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
 from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
                                        probe, state_manifest)
 from pipeline.components.checkpoint_uploads import BackgroundUploads
@@ -60,7 +61,8 @@ class TrainResult:
     run_id: str | None
     checkpoint: Path
     losses: list[float] = field(default_factory=list)
-    val_metrics: dict[str, float] = field(default_factory=dict)
+    val_metrics: dict[str, float] = field(default_factory=dict)  # at the final step
+    best: dict = field(default_factory=dict)  # the monitor's state: best step and value, early stop reason
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
@@ -86,6 +88,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         spec, from_data = model_spec(cfg.model, splits, task)
         plain_model = instantiate_model(spec)
         probe(plain_model, splits, task, spec.component)
+        monitor = build_monitor(cfg.checkpoint, cfg.train, task)  # after the probe: it names a custom metric
         manifest = state_manifest(plain_model)
         model = wrap_model(plain_model, cfg.train, precision, info)
         optimizer = build_optimizer(model.parameters(), cfg.optim)
@@ -104,8 +107,10 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info)
             step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
+            monitor.restore(meta["train_state"].get("monitor"))
             if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
                 checkpoint.set_aside_after(ckpt_root, step)
+                sync_best_file(ckpt_root, monitor)
             distributed.barrier(info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
@@ -128,19 +133,22 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "code": code.describe() if code else None,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
-        losses = train_loop(model, optimizer, scheduler, scaler, loader, splits, task, cfg.train, cfg.checkpoint,
-                            info, precision, step, epoch, total_steps, ckpt_root, meta, uploads, cfg.data.num_workers)
-        final = final_checkpoint(ckpt_root, total_steps) if info.is_main else None
+        eval_every = cfg.train.eval_every or steps_per_epoch
+        loop = train_loop(model, optimizer, scheduler, scaler, loader, splits, task, cfg.train, cfg.checkpoint,
+                          info, precision, step, epoch, total_steps, ckpt_root, meta, uploads, monitor,
+                          eval_every, cfg.data.num_workers)
+        final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
-        metrics, state = evaluate(model, splits, task, info, precision, cfg.data.num_workers, total_steps,
-                                  uses_channels_last(cfg.train, info))
+        # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
+        metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
+                                                    loop.step, uses_channels_last(cfg.train, info))
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
         distributed.teardown(clean=True)
         if info.is_main:
-            finish_tracking(cfg, final, task, state, run_id, uploads)
-        return TrainResult(run_dir, run_id, final, losses, metrics)
+            finish_tracking(cfg, final, task, state, run_id, uploads, monitor)
+        return TrainResult(run_dir, run_id, final, loop.losses, metrics, monitor.state())
     except BaseException:
         end_run_after_failure()
         raise
@@ -181,10 +189,10 @@ def check_same_model(meta: dict, spec, path: Path) -> None:
                     meta["model"].get("args"), spec.args)
 
 
-def final_checkpoint(ckpt_root: Path, total_steps: int) -> Path | None:
-    """The loop's save at the last step, not merely the newest: a resume from an older checkpoint
+def final_checkpoint(ckpt_root: Path, last_step: int) -> Path | None:
+    """The loop's save at its last step, not merely the newest: a resume from an older checkpoint
     with fewer steps would otherwise report a step the weights never reached."""
-    exact = ckpt_root / checkpoint.step_dir_name(total_steps)
+    exact = ckpt_root / checkpoint.step_dir_name(last_step)
     return exact if exact.is_dir() else checkpoint.latest(ckpt_root)
 
 
@@ -206,15 +214,25 @@ def end_run_after_failure() -> None:
         log.error("could not mark the MLflow run %s: %s", status, exc)
 
 
+@dataclass
+class LoopResult:
+    losses: list[float]
+    step: int                     # the last step trained: total_steps, or where early stopping stopped
+    evaluated: tuple | None       # (metrics, state) of the last step's evaluation; None if no step ran
+
+
 def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task, t: TrainConfig,
                ckpt_cfg: CheckpointConfig, info: DistInfo, precision: str, step: int, epoch: int,
                total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None,
-               num_workers: int = 0) -> list[float]:
+               monitor: Monitor, eval_every: int, num_workers: int = 0) -> LoopResult:
+    """Trains to `total_steps` or until the monitor stops early; evaluates every `eval_every` steps and
+    at the last, saves every `checkpoint.every_n_steps`, at each new best and at the last step."""
     channels_last = uses_channels_last(t, info)
     losses: list[float] = []
+    evaluated = None
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
-    while step < total_steps:
+    while step < total_steps and not monitor.stopped:
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
@@ -238,30 +256,47 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task
                     tracking.log_metrics(metrics, step)
                     progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-            if t.eval_every and step % t.eval_every == 0 and step != total_steps:
-                evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
+            evaluated, best = None, False
+            if step % eval_every == 0 or step == total_steps:
+                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
+                best = judge(monitor, evaluated[0], step, info)
             if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
             inject_fault("step", step, info)
             every = ckpt_cfg.every_n_steps
-            if (every and step % every == 0) or step == total_steps:
+            if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
                 replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
-                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info)
+                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor)
+                meta["val_metrics"] = evaluated[0] if evaluated else None
                 # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the
                 # exit in a CheckpointException, and a stop right after a complete save loses nothing.
                 with stopping.deferred():
-                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, ckpt_cfg.keep_last)
+                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, ckpt_cfg.keep_last,
+                                           protect=(monitor.best_step,))
+                if best and info.is_main:
+                    write_best(ckpt_root, monitor, path)
                 if uploads:
                     uploads.submit(path)
-            if step >= total_steps:
+            if step >= total_steps or monitor.stopped:
                 break
         else:  # the epoch ran out (or a resume landed exactly on its end)
             epoch += 1
-            if not t.eval_every:
-                evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
     progress.close()
-    return losses
+    if monitor.stopped:
+        log.warning("%s", monitor.stopped)
+    return LoopResult(losses, step, evaluated)
+
+
+def judge(monitor: Monitor, metrics: dict[str, float], step: int, info: DistInfo) -> bool:
+    """One evaluation for the monitor; True at a new best. Rank 0's verdict is every rank's, so all
+    ranks save and stop together whatever a custom metric computes on each."""
+    best = monitor.update(metrics, step)
+    state, best = distributed.broadcast_object((monitor.state(), best), info)
+    monitor.restore(state)
+    if best and info.is_main:
+        tracking.log_metrics({f"best/val_{monitor.metric}": monitor.best_value, "best/step": step}, step)
+    return best
 
 
 def chunked(loader, size: int):
@@ -388,11 +423,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo) -> dict:
+def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo, monitor: Monitor) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
     ranks: they are at the same place of the same epoch's shuffle."""
     return {"step": step, "epoch": epoch, "world_size": info.world_size, "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict()}
+            "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict(),
+            "monitor": monitor.state()}
 
 
 def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) -> tuple[int, int]:
@@ -445,12 +481,16 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None) -> None:
+def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None,
+                    monitor: Monitor) -> None:
     figure = task.plot(state, final.parent.parent / "validation.png")
     if figure:
         tracking.log_artifact(figure)
+    best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None
     if cfg.checkpoint.log_to_mlflow == "last":
         tracking.log_checkpoint(final, run_id)
+        if best is not None and best != final and best.is_dir():
+            tracking.log_checkpoint(best, run_id)
     if uploads:
         if final.name not in uploads.submitted:  # saved by an attempt that died before uploading it
             uploads.submit(final)
@@ -462,7 +502,14 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
                 f"the final checkpoint could not be uploaded to MLflow run {run_id} ({failed[final.name]}); "
                 f"it is intact at {final}: consolidate it by path, or fix the store and upload it with "
                 f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`")
-    tracking.set_tags({STAGE_TAG: "done", "trainserve.checkpoint": str(final.resolve())})
+    tags = {STAGE_TAG: "done", "trainserve.checkpoint": str(final.resolve()),
+            "trainserve.monitor": f"val/{monitor.metric} ({monitor.mode})"}
+    if best is not None:
+        tags |= {"trainserve.best_checkpoint": best.name, "trainserve.best_step": str(monitor.best_step),
+                 f"trainserve.best.val_{monitor.metric}": f"{monitor.best_value:.6g}"}
+    if monitor.stopped:
+        tags["trainserve.early_stopping"] = monitor.stopped
+    tracking.set_tags(tags)
     tracking.end_run("FINISHED")
 
 

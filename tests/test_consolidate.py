@@ -117,7 +117,8 @@ def test_one_process_checkpoint_gives_the_models_state_dict_and_describes_it(ckp
     assert meta["tensors"]["fc.weight"] == {"shape": [10, 64], "dtype": "float32"}
     assert set(meta["tensors"]) == set(live)
     assert meta["source"] == {"checkpoint": str(ckpt.resolve()), "step": 3, "world_size": 1,
-                              "strategy": "ddp", "mlflow_run_id": None}
+                              "strategy": "ddp", "mlflow_run_id": None,
+                              "val_metrics": None, "best": False}
     assert temporaries(weights.parent) == []
 
 
@@ -130,19 +131,27 @@ def test_bf16_casts_floating_tensors_and_keeps_integer_buffers(ckpt, saved, tmp_
     assert json.loads((tmp_path / "bf16" / "model.json").read_text())["dtype"] == "bf16"
 
 
-def test_a_run_directory_needs_latest_and_latest_takes_the_newest_complete(tmp_path, capsys):
+def test_a_run_directory_gives_its_best_checkpoint_and_latest_its_newest_complete(tmp_path, capsys):
     run = tmp_path / "run"
     save_checkpoint(run, step=3)
     save_checkpoint(run, step=5)
     shutil.copytree(run / "checkpoints" / "step_00000005", run / "checkpoints" / "step_00000007")
     (run / "checkpoints" / "step_00000007" / checkpoint.MARKER).unlink()  # a save that never finished
 
-    code, _, err = run_consolidate([str(run), "--no-log"], capsys)
-    assert code == 2 and "add --latest" in err and "step_00000005" in err
-
-    code, out, _ = run_consolidate([str(run), "--latest", "--no-log"], capsys)
+    code, out, _ = run_consolidate([str(run), "--no-log"], capsys)  # no best.json: the newest complete
     assert code == 0 and out.strip() == str(run.resolve() / "consolidated" / "model.safetensors")
     assert json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
+
+    (run / "checkpoints" / "best.json").write_text(json.dumps(
+        {"checkpoint": "step_00000003", "step": 3, "metric": "val/accuracy", "value": 0.9, "mode": "max"}))
+    code, _, err = run_consolidate([str(run), "--no-log"], capsys)
+    assert code == 0 and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 3
+    code, _, err = run_consolidate([str(run), "--latest", "--no-log"], capsys)
+    assert code == 0 and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
+
+    (run / "checkpoints" / "best.json").write_text("{not json")
+    code, _, err = run_consolidate([str(run), "--no-log"], capsys)
+    assert code == 2 and "best.json" in err and "--latest" in err
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -54,7 +54,10 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert "code" not in artifacts  # built-in components: nothing of the user's to keep
     assert tags["trainserve.component.model"] == "pipeline.models:resnet18"
     ckpts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
-    assert ckpts == ["checkpoints/step_00000132"]
+    # The final checkpoint, and the best one when it is another (checkpoint.log_to_mlflow=last).
+    best = f"checkpoints/{tags['trainserve.best_checkpoint']}"
+    assert ckpts == sorted({best, "checkpoints/step_00000132"}) and tags["trainserve.monitor"] == "val/accuracy (max)"
+    assert float(tags["trainserve.best.val_accuracy"]) == pytest.approx(max(accuracy), abs=1e-6)
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, ckpts[0])}
     assert {".metadata", "COMPLETE", "trainserve.json", "__0_0.distcp", "__1_0.distcp"} <= files
 

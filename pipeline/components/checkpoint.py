@@ -6,7 +6,9 @@ Layout under `<run_dir>/checkpoints/`:
         .metadata             DCP's index of every stored tensor and its chunks (rank 0)
         __0_0.distcp ...      one shard file per rank
         trainserve.json       step, config, model/data/task components, inputs, the model's state
-                              manifest (keys, shapes, dtypes), code, train state (rank 0)
+                              manifest (keys, shapes, dtypes), code, train state (rank 0), and
+                              the validation metrics of this step when it was evaluated
+    best.json                 the best checkpoint so far (see monitor.py): never pruned
         COMPLETE              the marker: every file's name and size, written last
     .tmp-step_00000140/       a save in progress; never loaded, removed by the next save
 
@@ -249,8 +251,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         meta: dict, info: DistInfo, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the published directory."""
+         meta: dict, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = ()) -> Path:
+    """Collective: every rank calls it. Returns the published directory. Keeps the newest `keep_last`
+    checkpoints and those of the steps in `protect` (the best one)."""
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -278,8 +281,10 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         write_json_durably(tmp / MARKER, {"step": step, "files": files, "sha256": sha256})
         fsync_dir(tmp)
         publish(tmp, final)
+        kept = {step_dir_name(s) for s in protect if s is not None}
         for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name.removeprefix(OLD) not in kept:
+                shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
     barrier(info)
     return final

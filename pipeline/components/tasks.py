@@ -118,7 +118,8 @@ class Classification:
         return self.classes or [str(i) for i in range(self.num_classes)]
 
     def facts(self) -> dict[str, Any]:
-        return {"name": self.name, "num_classes": self.num_classes, "labels": self.labels}
+        return {"name": self.name, "num_classes": self.num_classes, "labels": self.labels, "primary": self.primary,
+                "mode": self.mode}
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
         """After one forward on real samples: logits (batch, classes) that fit the data's classes."""
@@ -191,7 +192,7 @@ class Regression:
         self.columns = columns  # target values per sample: learned from the data by the probe, or recorded
 
     def facts(self) -> dict[str, Any]:
-        return {"name": self.name, "columns": self.columns}
+        return {"name": self.name, "columns": self.columns, "primary": self.primary, "mode": self.mode}
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
         if not torch.is_tensor(output) or not output.is_floating_point():

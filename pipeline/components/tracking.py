@@ -142,8 +142,9 @@ def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
         raise TrackingError(f"run {run_id} has no artifact '{artifact_path}' (or it can't be downloaded): {exc}") from None
 
 
-def download_checkpoint(run_id: str, dest: Path) -> Path:
-    """The newest complete checkpoint logged to a run, downloaded under `dest`.
+def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
+    """The run's best checkpoint (its `trainserve.best_checkpoint` tag), else with `latest` or when
+    the best was not uploaded its final one, else the newest complete one, downloaded under `dest`.
 
     Complete means its marker was uploaded: `log_checkpoint` sends the marker last, so an upload cut
     short (a rank killed mid-upload) is passed over for the one before it."""
@@ -163,8 +164,17 @@ def download_checkpoint(run_id: str, dest: Path) -> Path:
                                          "was it trained with checkpoint.log_to_mlflow=none?")
     # The run's final checkpoint when it names one: after a resume from an older step, a higher step
     # uploaded earlier belongs to the abandoned timeline.
-    final = f"checkpoints/{Path(get_run(run_id).data.tags.get('trainserve.checkpoint', '')).name}"
+    tags = get_run(run_id).data.tags
+    final = f"checkpoints/{Path(tags.get('trainserve.checkpoint', '')).name}"
+    best = f"checkpoints/{tags.get('trainserve.best_checkpoint', '')}"
     chosen = final if final in complete else complete[-1]
+    if not latest and best in complete:
+        chosen = best
+    elif not latest and tags.get("trainserve.best_checkpoint"):
+        log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
+                    run_id, best, chosen)
+    log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else
+             "the final" if chosen == final else "the newest complete")
     if chosen == complete[-1] and complete[-1] != steps[-1]:
         log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
     local = download_artifacts(run_id, chosen, dest / run_id)
@@ -465,5 +475,34 @@ def register_version(model_uri: str, name: str, alias: str, tags: dict[str, str]
     import mlflow
 
     version = mlflow.register_model(model_uri, name, tags=tags)
-    mlflow.MlflowClient().set_registered_model_alias(name, alias, version.version)
+    move_alias(name, alias, version.version)
     return str(version.version)
+
+
+def download_version_onnx(name: str, version: str, dest: Path) -> Path:
+    """The ONNX file of a registered model version, downloaded under `dest`."""
+    import mlflow
+
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dest)))
+    found = sorted(local.rglob("*.onnx")) if local.is_dir() else [local]
+    if not found:
+        raise TrackingError(f"models:/{name}/{version} holds no .onnx file")
+    return next((p for p in found if p.name == "model.onnx"), found[0])
+
+
+def move_alias(name: str, alias: str, version: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    import mlflow
+
+    return dict(mlflow.MlflowClient().get_model_version(name, version).tags)
+
+
+def current_uri() -> str:
+    import mlflow
+
+    return mlflow.get_tracking_uri()
