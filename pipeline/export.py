@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, onnx_export, tracking
+from pipeline.components import gates, onnx_export, promotion, tracking
 from pipeline.components.build import ModelSpec, build_data, instantiate_model
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import DataError, Splits, first_batch, named
@@ -120,7 +120,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
-        "trainserve.weights_sha256": weights.meta["sha256"], "trainserve.opset": str(cfg.opset)})
+        **lineage_metadata(weights), "trainserve.opset": str(cfg.opset)})
     copy = onnx_export.ExportHead(load_model(weights, source, hint), task, splits.input_names, splits.single_input)
     exported = onnx_export.export(copy, example, task.output_names, cfg.dynamic_axes, cfg.opset, metadata)
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
@@ -154,12 +154,33 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
             variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
+    if report["passed"] and register:  # champion vs challenger, on the same split, the same way
+        report["promotion"] = promotion.decide(onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
+                                               cfg.promote_tolerance)
+        log.info("%s: %s", "promote" if report["promotion"]["promote"] else "not promoted",
+                 report["promotion"]["reason"])
     report_path = out / "export_report.json"
     write_json(report_path, report)
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
     _publish(result, weights, run_id, cfg, exported, example, variants, register)
     write_json(report_path, report)  # now with the model version, if any
     return result
+
+
+def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> dict[str, dict]:
+    """The gates of an export, run again on an ONNX file against the weights it was exported from
+    (with the export settings those weights recorded): `pipeline verify` on a registered model."""
+    weights = read_weights(Path(weights_dir))
+    cfg = weights.config.export
+    source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
+    hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
+    splits = build_data(weights.config.data, weights.config.task.name, source, hint)
+    check_inputs(weights, splits)
+    task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
+    head = onnx_export.ExportHead(load_model(weights, source, hint), task, splits.input_names, splits.single_input)
+    batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
+    results = {"checker": gates.check_model(onnx_path), **axes_failed}
+    return results | _gate(gates.session(onnx_path), head, splits, task, batches, cfg)
 
 
 def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, **limits) -> dict[str, dict]:
@@ -344,6 +365,20 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
     }
 
 
+def lineage_metadata(weights: Weights) -> dict[str, str]:
+    """What the ONNX file itself says of where it came from: a server reads it from the bytes it serves
+    (prediction receipts, /v2/models parameters), and `pipeline verify` checks it against model.json."""
+    src = weights.source
+    return {"trainserve.weights_sha256": weights.meta["sha256"],
+            "trainserve.weights_meta_sha256": file_sha256(weights.directory / META_FILE),
+            "trainserve.run_id": str(src.get("mlflow_run_id") or ""),
+            "trainserve.checkpoint": Path(str(src.get("checkpoint") or "")).name,
+            "trainserve.checkpoint_step": str(src.get("step", "")),
+            "trainserve.config_sha256": config_digest(weights.meta["config"]),
+            "trainserve.model_component": weights.meta["model"]["component"],
+            "trainserve.data_component": weights.config.data.component}
+
+
 def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
     """Tags that walk a model version back to its run, checkpoint, weights and config."""
     src = weights.source
@@ -368,7 +403,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
-        tracking.log_metrics(gates.metrics(report["gates"]))
+        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion")))
         tracking.set_tags({"trainserve.export.exporter": exported.exporter,
                            "trainserve.weights_sha256": weights.meta["sha256"],
                            "trainserve.config_sha256": report["weights"]["config_sha256"]})
@@ -386,12 +421,36 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         if register:
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
+            tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
+            decision = report["promotion"]
+            if decision["promote"] and (decision["champion"] or {}).get("version") != \
+                    tracking.alias_version(result.registered_model_name, cfg.alias):
+                decision |= {"promote": False, "reason": f"@{cfg.alias} moved to another version while this export "
+                                                         "compared against it; export again to compare with it"}
+            alias = cfg.alias if decision["promote"] else cfg.challenger_alias
+            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
+                     "trainserve.promotion.reason": decision["reason"][:5000]}
             result.model_version = tracking.register_version(report["model_uri"], result.registered_model_name,
-                                                             cfg.alias, tags)
+                                                             alias, tags)
             report["model_version"] = result.model_version
-            report["alias"] = cfg.alias
-            log.info("registered %s version %s as @%s", result.registered_model_name, result.model_version, cfg.alias)
+            report["alias"] = alias
+            tracking.set_tags({"trainserve.promotion": tags["trainserve.promotion"],
+                               "trainserve.promotion.reason": tags["trainserve.promotion.reason"]})
+            log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
+                     "" if decision["promote"] else f" (@{cfg.alias} stays at v{decision['champion']['version']})")
         tracking.set_tags({STAGE_TAG: "done"})
+
+
+def promotion_metrics(decision: dict | None) -> dict[str, float]:
+    """compare.<candidate|champion>.<metric, latency, memory> and compare.gain, for the MLflow run."""
+    if not decision:
+        return {}
+    out = {"compare.gain": decision["gain"]} if "gain" in decision else {}
+    for who in ("candidate", "champion"):
+        for key, value in (decision.get(who) or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "version":
+                out[f"compare.{who}.{key}"] = float(value)
+    return out
 
 
 def signature(model):
@@ -451,6 +510,9 @@ def cli(args: argparse.Namespace) -> int:
         return 1
     where = (f"registered {result.registered_model_name} v{result.model_version} @{result.report.get('alias')}"
              if result.model_version else "not registered")
+    decision = result.report.get("promotion")
+    if decision:
+        where += f" ({'promoted' if decision['promote'] else 'not promoted'}: {decision['reason']})"
     print(f"{result.onnx_path} ({result.report['exporter']['used']} exporter, opset "
           f"{result.report['exporter']['opset']}): every gate passed; {where}. Report: {result.report_path}")
     return 0

@@ -263,3 +263,93 @@ def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(traine
     assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
     assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic
+
+
+# --- champion vs challenger --------------------------------------------------------------------
+
+
+def perturbed_weights(trained, directory: Path, scale: float) -> Path:
+    """The trained model with noise on its classifier: still exports and passes parity, but less accurate."""
+    model = load_model(read_weights(trained["dir"]))
+    with torch.no_grad():
+        noise = torch.randn_like(model.fc.weight, generator=torch.Generator().manual_seed(7))
+        model.fc.weight.add_(scale * noise * model.fc.weight.abs().mean())
+    meta = json.loads((trained["dir"] / "model.json").read_text())
+    return write_weights(directory, model, trained["cfg"], trained["spec"], meta["labels"], trained["run_id"])
+
+
+def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(trained, store, tmp_path, capsys):
+    name = "promotion-digits"
+    client = mlflow.MlflowClient()
+    worse = perturbed_weights(trained, tmp_path / "worse" / "consolidated", scale=3.0)
+
+    def export(weights: Path, *overrides: str) -> dict:
+        code = cli.main(["export", str(weights), "--tracking-uri", store, f"export.registered_model_name={name}",
+                         *overrides])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return json.loads((weights.parent / "onnx" / "export_report.json").read_text()) | {"stdout": out.out}
+
+    def champion() -> str:
+        return str(client.get_model_version_by_alias(name, "champion").version)
+
+    first = export(worse)  # no champion yet: the first model takes the alias, and the report says so
+    assert first["promotion"]["promote"] and first["promotion"]["reason"].startswith(f"first model: {name}")
+    assert champion() == first["model_version"] == "1"
+
+    better = export(trained["dir"])
+    decision = better["promotion"]
+    assert decision["promote"] and decision["champion"]["version"] == "1" and champion() == "2"
+    assert decision["candidate"]["accuracy"] > decision["champion"]["accuracy"] and decision["gain"] > 0
+    # Both measured the same way, in their own process: latency and peak memory of each.
+    for who in ("candidate", "champion"):
+        assert decision[who]["latency_ms_p50"] > 0 and decision[who]["peak_rss_mb"] > decision[who]["model_rss_mb"] > 0
+    # The candidate's accuracy through onnxruntime is the one its gate measured.
+    assert decision["candidate"]["accuracy"] * 100 == pytest.approx(better["gates"]["accuracy"]["onnx_accuracy_pct"])
+
+    again = export(worse)  # a worse retrain: registered, gated, but not promoted
+    decision = again["promotion"]
+    assert not decision["promote"] and again["alias"] == "challenger" and champion() == "2"
+    assert str(client.get_model_version_by_alias(name, "challenger").version) == again["model_version"] == "3"
+    assert "candidate" in decision["reason"] and "worse" in decision["reason"] and "if_not_worse" in decision["reason"]
+    assert "not promoted" in again["stdout"] and "@challenger" in again["stdout"]
+    version = client.get_model_version(name, "3")
+    assert version.tags["trainserve.promotion"] == "not promoted"
+    run = client.get_run(trained["run_id"])
+    assert run.data.metrics["compare.champion.accuracy"] == pytest.approx(decision["champion"]["accuracy"])
+    assert run.data.metrics["compare.gain"] < 0 and run.data.tags["trainserve.promotion"] == "not promoted"
+
+    forced = export(worse, "export.promote=always")
+    assert forced["promotion"]["promote"] and champion() == forced["model_version"] == "4"
+
+    # A champion that no longer loads: said so, and the candidate (which passed every gate) replaces it.
+    source = Path(client.get_model_version(name, "4").source)
+    broken = next(p for p in Path(mlflow.artifacts.download_artifacts(f"models:/{name}/4")).rglob("model.onnx"))
+    stored = [p for p in (Path(store.removeprefix("sqlite:///")).parent / "artifacts").rglob("model.onnx")
+              if p.read_bytes() == broken.read_bytes()]
+    assert stored, source
+    for p in stored:
+        p.write_bytes(b"not an onnx file")
+    rescued = export(trained["dir"])
+    assert rescued["promotion"]["promote"] and "can't be loaded or run" in rescued["promotion"]["reason"]
+    assert champion() == rescued["model_version"] == "5"
+
+
+def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
+    from onnx import TensorProto, helper
+
+    from pipeline.components.promotion import not_comparable
+
+    def graph(path: Path, task: str, input_name: str) -> Path:
+        g = helper.make_graph([helper.make_node("Identity", [input_name], ["output"])], "g",
+                              [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])])
+        m = helper.make_model(g)
+        helper.set_model_props(m, {"trainserve.task": task})
+        onnx.save(m, str(path))
+        return path
+
+    mine = graph(tmp_path / "a.onnx", "regression", "x")
+    assert not_comparable(mine, graph(tmp_path / "b.onnx", "regression", "x")) == ""
+    assert "its task is classification" in not_comparable(mine, graph(tmp_path / "c.onnx", "classification", "x"))
+    assert "its inputs are ['tokens']" in not_comparable(mine, graph(tmp_path / "d.onnx", "regression", "tokens"))

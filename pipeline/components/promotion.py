@@ -1,0 +1,171 @@
+"""Champion vs challenger: the alias moves only to a model at least as good as the one holding it.
+
+Export calls `decide` after every gate passed. The candidate and the alias holder are measured the
+same way: each ONNX file runs over the same validation inputs in its own fresh process (so that peak
+memory is the model's alone), with onnxruntime's CPU provider and the same thread count; the task's
+metric is then computed here from their outputs and the split's targets. The report says what was
+measured and why the alias moved or did not.
+
+Explicit cases: no holder yet (the first model: promoted); a holder that can't be fetched or run
+(promoted, since a server following the alias can't load it either, and the reason says so); a
+holder of another task or other inputs/outputs (not comparable: promoted only with promote=always).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MEASURE_THREADS = 2   # the same for both models: a fair latency comparison on any machine
+MEASURE_TIMEOUT_S = 600
+
+
+def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tolerance: float) -> dict[str, Any]:
+    """The comparison for export_report.json: {"promote": bool, "reason", "metric", "candidate", "champion", ...}."""
+    from pipeline.components import tracking
+
+    metric, mode = task.primary, task.mode
+    result: dict[str, Any] = {"policy": promote, "tolerance": tolerance, "metric": metric, "mode": mode,
+                              "alias": alias, "champion": None}
+    with tempfile.TemporaryDirectory(prefix="trainserve-compare-") as tmp:
+        inputs, targets = _write_inputs(val, Path(tmp) / "inputs.npz")
+        result["candidate"] = measure(candidate, inputs, targets, task)
+        holder = tracking.alias_version(name, alias)
+        if holder is None:
+            return result | {"promote": True, "reason": f"first model: {name} has no @{alias} yet"}
+        result["champion"] = {"version": holder}
+        try:
+            champion = tracking.download_version_onnx(name, holder, Path(tmp) / "champion")
+            mismatch = not_comparable(candidate, champion)
+            if not mismatch:
+                result["champion"] |= measure(champion, inputs, targets, task)
+        except Exception as exc:  # noqa: BLE001 - a download, a file onnxruntime refuses, a crashed measurement
+            why = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            log.warning("the current @%s (v%s) can't be evaluated: %s", alias, holder, why)
+            return result | {"promote": True, "champion": {"version": holder, "error": why},
+                             "reason": f"@{alias} v{holder} can't be loaded or run ({why}); a champion that can't "
+                                       "be served can't be compared, so the candidate, which passed every gate, "
+                                       "takes the alias"}
+    if mismatch:
+        result["champion"]["not_comparable"] = mismatch
+        return result | {"promote": promote == "always",
+                         "reason": f"@{alias} v{holder} is not comparable ({mismatch})" +
+                                   ("; promoted because export.promote=always" if promote == "always" else
+                                    "; not promoted: set export.promote=always, or export.registered_model_name "
+                                    "to register this model under its own name")}
+    mine, theirs = result["candidate"][metric], result["champion"][metric]
+    gain = (mine - theirs) if mode == "max" else (theirs - mine)
+    result["gain"] = gain
+    moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[promote]
+    word = "better" if gain > 0 else "worse" if gain < 0 else "equal"
+    rule = {"always": "always", "if_better": f"needs a gain > {tolerance:g}",
+            "if_not_worse": f"allows a loss <= {tolerance:g}"}[promote]
+    reason = (f"{metric}: candidate {mine:.6g} vs @{alias} v{holder} {theirs:.6g} ({word}, gain {gain:+.6g}; "
+              f"{promote} {rule})")
+    return result | {"promote": moves, "reason": reason}
+
+
+def not_comparable(candidate: Path, champion: Path) -> str:
+    """Why two models can't be judged on the same inputs by the same metric ('' when they can)."""
+    import onnx
+
+    def signature(path: Path):
+        m = onnx.load(str(path), load_external_data=False)
+        props = {p.key: p.value for p in m.metadata_props}
+        ios = [(v.name, v.type.tensor_type.elem_type) for v in m.graph.input]
+        return props.get("trainserve.task", "?"), ios, [v.name for v in m.graph.output]
+
+    (t1, in1, out1), (t2, in2, out2) = signature(candidate), signature(champion)
+    if t1 != t2:
+        return f"its task is {t2}, this model's is {t1}"
+    if in1 != in2:
+        return f"its inputs are {[n for n, _ in in2]}, this model's are {[n for n, _ in in1]} (names or dtypes differ)"
+    if out1 != out2:
+        return f"its outputs are {out2}, this model's are {out1}"
+    return ""
+
+
+def _write_inputs(val, path: Path) -> tuple[Path, list]:
+    """The validation split's inputs, batch by batch, for the measuring processes; its targets stay here."""
+    from pipeline.components.data import eval_loader
+    from pipeline.components.gates import VAL_BATCH, feeds_of
+
+    arrays, targets = {}, []
+    for i, (inputs, target) in enumerate(eval_loader(val, VAL_BATCH)):
+        arrays.update({f"{i}/{k}": v for k, v in feeds_of(inputs).items()})
+        targets.append(target)
+    np.savez(path, **arrays)
+    return path, targets
+
+
+def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any]:
+    """The task's metrics of one ONNX file on the split, with its latency and peak memory, measured in a
+    fresh process."""
+    with tempfile.TemporaryDirectory(prefix="trainserve-measure-") as tmp:
+        out = Path(tmp) / "outputs.npz"
+        proc = subprocess.run([sys.executable, "-m", "pipeline.components.promotion", str(onnx_path), str(inputs),
+                               str(out)], capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S,
+                              env=dict(os.environ, OMP_NUM_THREADS=str(MEASURE_THREADS)))
+        if proc.returncode != 0:
+            raise RuntimeError(f"measuring {onnx_path.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        stats = json.loads(proc.stdout.strip().splitlines()[-1])
+        with np.load(out) as outputs:
+            state = task.new_state(torch.device("cpu"))
+            for i, target in enumerate(targets):
+                task.update(state, torch.from_numpy(outputs[str(i)]).float(), target)
+    from pipeline.distributed import DistInfo
+
+    task.reduce(state, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+    return {**task.metrics(state), **stats}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
+    """In the measuring process: load, warm up on the first batch, then time every batch once."""
+    import onnxruntime as ort
+
+    before = _rss_mb()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = MEASURE_THREADS
+    sess = ort.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    first_output = sess.get_outputs()[0].name
+    with np.load(inputs_path) as data:
+        batches: dict[int, dict[str, np.ndarray]] = {}
+        for key in data.files:
+            i, name = key.split("/", 1)
+            batches.setdefault(int(i), {})[name] = data[key]
+    sess.run([first_output], batches[0])  # warm-up: first-run allocations are not latency
+    outputs, times, rows = {}, [], 0
+    for i in sorted(batches):
+        start = time.perf_counter()
+        outputs[str(i)] = sess.run([first_output], batches[i])[0]
+        times.append(time.perf_counter() - start)
+        rows += len(next(iter(batches[i].values())))
+    np.savez(outputs_path, **outputs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"latency_ms_p50": round(float(np.median(times)) * 1e3, 3),
+            "latency_ms_p90": round(float(np.quantile(times, 0.9)) * 1e3, 3),
+            "batch_rows": len(next(iter(batches[0].values()))), "rows_per_s": round(rows / sum(times), 1),
+            "peak_rss_mb": round(peak, 1), "model_rss_mb": round(peak - before, 1),
+            "threads": MEASURE_THREADS}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure_here(*sys.argv[1:4])))
