@@ -5,6 +5,7 @@
     batcher.py  dynamic batching of concurrent requests; knows neither HTTP nor onnxruntime
     codec.py    request bodies -> arrays and arrays -> response bodies (KServe V2, MLflow); pure
     metrics.py  Prometheus metrics of one server
+    payload_log.py  the opt-in sampled log of requests and answers (JSONL, rotated, capped)
     app.py      the Starlette app: routes, auth, limits, model reload
     config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> uvicorn
 

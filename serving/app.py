@@ -12,6 +12,12 @@ the reference in one assignment on the event loop; requests that already hold th
 on the old model, whose batcher is then drained and dropped. A reload that fails is tried again with
 backoff, and /metrics and /v2/models/{name} say when the server is behind its alias.
 
+Every inference response (V2 JSON or binary, /invocations; errors too once the model is known) carries a
+receipt: X-Request-Id (the client's X-Request-Id, else the V2 body's "id", else a fresh one) and the
+X-Model-Name, -Version, -Run-Id and -Weights-Sha256 of the model that ran it: the slot the request was
+queued on, never "the current model" at answer time, which a reload may have changed meanwhile. When a
+payload log is on, a sample of requests is handed to it (serving/payload_log.py) without waiting.
+
 Every client mistake is a 4xx, checked before work where a limit applies: a client that goes away
 mid-upload is a 499 (nginx's code; nothing is sent), never a 500 or a traceback. Bodies over 64 KiB
 are decoded in a thread (two at a time), not on the event loop. Cross-site requests: Host is checked
@@ -30,9 +36,10 @@ import logging
 import re
 import threading
 import time
+import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from starlette.applications import Starlette
@@ -46,8 +53,16 @@ from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits
 from serving.config import Settings
 from serving.engine import ModelInputError
-from serving.loader import LoadedModel, SourceError, alias_version, check_source, load_model
+from serving.loader import (
+    LoadedModel,
+    ModelInfo,
+    SourceError,
+    alias_version,
+    check_source,
+    load_model,
+)
 from serving.metrics import Metrics
+from serving.payload_log import PayloadLog, Record
 
 log = logging.getLogger("serving.app")
 JSON = "application/json"
@@ -55,6 +70,8 @@ RETRY_AFTER = {"Retry-After": "1"}
 BIG_BODY = 64 * 1024  # decoded in a thread above this
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+# What may go into a response header as is: printable ASCII (no CR/LF to split a response with).
+HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")
 
 
 class HTTPError(Exception):
@@ -66,15 +83,45 @@ class HTTPError(Exception):
 
 @dataclass
 class Slot:
-    """A loaded model and the batcher in front of it: swapped as one."""
+    """A loaded model and the batcher in front of it: swapped as one. `headers` are the receipt headers
+    naming this model, for every answer it computed."""
     model: LoadedModel
     batcher: Batcher
+    headers: dict[str, str] = field(init=False)
+
+    def __post_init__(self):
+        self.headers = receipt_headers(self.model.info)
+
+
+def receipt_headers(info: ModelInfo) -> dict[str, str]:
+    """X-Model-* headers naming a model; a value that is empty, or unsafe in a header, is left out."""
+    return {k: v for k, v in _receipt_values(info).items() if v and HEADER_SAFE.fullmatch(v)}
+
+
+def _receipt_values(info: ModelInfo) -> dict[str, str]:
+    return {"X-Model-Name": info.name, "X-Model-Version": info.version,
+            "X-Model-Run-Id": info.lineage.get("run_id", ""),
+            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", "")}
+
+
+def model_summary(info: ModelInfo) -> dict:
+    """The model as a payload record names it."""
+    return {"name": info.name, "version": info.version, "run_id": info.lineage.get("run_id"),
+            "weights_sha256": info.lineage.get("weights_sha256")}
+
+
+def check_request_id(value: str, where: str) -> str:
+    """A client's request id, which is echoed in a header: 1 to 128 printable ASCII characters."""
+    if not HEADER_SAFE.fullmatch(value):
+        raise HTTPError(400, f"{where} must be 1 to 128 printable ASCII characters (it is echoed in the "
+                             f"X-Request-Id response header), got {value!r:.60}")
+    return value
 
 
 class Server:
     """The state behind the routes: settings, the current slot, the engine thread, metrics."""
 
-    def __init__(self, settings: Settings, model: LoadedModel):
+    def __init__(self, settings: Settings, model: LoadedModel, payload_log: PayloadLog | None = None):
         self.settings = settings
         # One thread runs every model run: onnxruntime parallelizes inside a run, and two runs
         # at once on the same cores only fight (also across a reload's old and new model).
@@ -89,6 +136,9 @@ class Server:
         self._hosts = settings.host_patterns()
         self._origins = settings.origins()
         self.alias_version: str | None = None  # what the followed alias points at, when known
+        self.payload_log = payload_log  # started and closed with the server
+        if payload_log is not None:
+            self.metrics.watch_payload_log(payload_log.stats)
 
     @property
     def ready(self) -> bool:
@@ -107,6 +157,11 @@ class Server:
     async def lifespan(self, app: Starlette):
         self.slot.batcher.start()
         self._announce(self.slot.model)
+        if self.payload_log is not None:
+            self.payload_log.start()
+            log.info("payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
+                     self.payload_log.sample * 100, self.payload_log.directory, self.payload_log.max_bytes,
+                     self.payload_log.file_bytes)
         if self.settings.reload_interval:
             self._reloader = asyncio.create_task(self._reload_loop(), name="reloader")
         self._serving = True
@@ -121,6 +176,8 @@ class Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._reloader
             await self.slot.batcher.close()
+            if self.payload_log is not None:  # every request was answered: its records are all queued
+                await asyncio.to_thread(self.payload_log.close)
             self.executor.shutdown(wait=True)
             self.slot.model.discard()
             log.info("stopped")
@@ -136,6 +193,9 @@ class Server:
         info = model.info
         log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
                  model.engine.describe())
+        unsafe = [h for h, v in _receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
+        if unsafe:
+            log.warning("not sending %s: the values are not 1 to 128 printable ASCII characters", ", ".join(unsafe))
         self.metrics.set_model(info.name, info.version, model.engine.provider, info.source)
 
     async def _reload_loop(self) -> None:
@@ -266,14 +326,17 @@ class Server:
         async with self._decoding:
             return await asyncio.to_thread(safely)
 
-    async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
+                    follow_swap: bool = True) -> tuple[dict[str, np.ndarray], Slot]:
+        """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
+        named no version) the one a reload put in its place before the request could be queued."""
         limit = self.settings.max_rows_per_request
         if rows > limit:
             raise HTTPError(400, f"the request has {rows} rows; this server takes at most {limit} per request "
                                  "(--max-rows-per-request): split it")
         timeout = self.settings.request_timeout
         try:
-            return await asyncio.wait_for(slot.batcher.submit(feeds, rows), timeout)
+            return await asyncio.wait_for(self._submit(slot, feeds, rows, follow_swap), timeout)
         except asyncio.TimeoutError:
             raise HTTPError(504, f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
                                  "a model run is stuck") from None
@@ -285,6 +348,26 @@ class Server:
             raise HTTPError(503, f"{exc}; retry later", RETRY_AFTER) from None
         except BatcherClosed as exc:
             raise HTTPError(503, f"{exc}; retry later", RETRY_AFTER) from None
+
+    async def _submit(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
+                      follow_swap: bool) -> tuple[dict[str, np.ndarray], Slot]:
+        try:
+            return await slot.batcher.submit(feeds, rows), slot
+        except BatcherClosed:
+            # A reload swapped the model between choosing this slot and queueing on it (decoding a big body,
+            # or wait_for's task start, lies in between): the new model takes it if its inputs are the same.
+            current = self.slot
+            if (not follow_swap or current is slot or not self._serving
+                    or current.model.engine.inputs != slot.model.engine.inputs):
+                raise
+            return await current.batcher.submit(feeds, rows), current
+
+    def log_payload(self, request_id: str, endpoint: str, slot: Slot, feeds: dict[str, np.ndarray],
+                    results: dict[str, np.ndarray] | None, status: int = 200, error: str | None = None) -> None:
+        """Hand a request of the sample to the payload log (queued, never waited for)."""
+        if self.payload_log is not None and self.payload_log.sampled(request_id):
+            self.payload_log.submit(Record(request_id, time.time(), endpoint, status,
+                                           model_summary(slot.model.info), feeds, results, error))
 
 
 async def off_loop(fn, *args):
@@ -324,9 +407,10 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> R
     return Response(codec.dumps({"error": message}), status, headers=headers, media_type=JSON)
 
 
-def create_app(settings: Settings, model: LoadedModel) -> Starlette:
-    """The ASGI app serving `model` (already loaded and warmed up)."""
-    server = Server(settings, model)
+def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog | None = None) -> Starlette:
+    """The ASGI app serving `model` (already loaded and warmed up), with an optional payload log (not yet
+    started: the app's lifespan starts and closes it)."""
+    server = Server(settings, model, payload_log)
 
     def endpoint(route: str, handler, open_: bool = False):
         """Wraps a handler with auth, error mapping and metrics: cheaper than middleware."""
@@ -348,6 +432,9 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
             except Exception as exc:
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = error(500, f"internal error: {type(exc).__name__}: {exc}")
+            receipt = getattr(request.state, "receipt", None)
+            if receipt:  # an inference request: the model that answered, and the request's id
+                response.headers.update(receipt)
             server.metrics.observe_request(route, response.status_code, time.perf_counter() - started)
             return response
         return wrapped
@@ -379,6 +466,8 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
                 "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
                             for s in engine.outputs]}
         parameters = {"labels": list(info.labels)} if info.labels is not None else {}
+        parameters.update(info.lineage)  # the version's lineage, from the file's metadata
+        parameters["source"] = info.source
         if server.settings.reload_interval:  # following an alias: what it points at, and whether this serves it
             parameters["alias"] = {"source": info.source, "version": server.alias_version or info.version,
                                    "behind": (server.alias_version or info.version) != info.version}
@@ -405,8 +494,18 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
                      "output": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
                                 for s in engine.outputs]})
 
+    def request_id(request: Request) -> str | None:
+        given = request.headers.get("x-request-id")
+        return None if given is None else check_request_id(given, "the X-Request-Id header")
+
+    def receipt(request: Request, slot: Slot, rid: str | None) -> None:
+        """The headers of this request's answer, as far as known (also sent with an error)."""
+        request.state.receipt = {**slot.headers, **({"X-Request-Id": rid} if rid is not None else {})}
+
     async def v2_infer(request: Request) -> Response:
-        _slot(request)  # 404 before reading a body for an unknown model
+        slot = _slot(request)  # 404 before reading a body for an unknown model
+        receipt(request, slot, None)
+        rid = request_id(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type in SIMPLE_TYPES:
             raise HTTPError(415, f"Content-Type {content_type} is not taken for inference (a web page can send it "
@@ -418,13 +517,26 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
                 raise HTTPError(400, f"Inference-Header-Content-Length must be a byte count, got {header_length!r:.40}")
             header_length = int(header_length)
         slot = _slot(request)  # after the await: a reload may have swapped the model meanwhile
+        receipt(request, slot, rid)
         engine = slot.model.engine
         req = await server.decode(codec.decode_v2, data, header_length, engine.inputs, engine.output_names,
                                   server.limits)
-        results = await server.infer(slot, req.feeds, req.rows)
-        info = slot.model.info
-        body, json_length = codec.encode_v2(info.name, info.version, req.request_id, results, req.outputs,
-                                            engine.outputs)
+        if rid is None:
+            rid = check_request_id(req.request_id, 'the "id" of the request') if req.request_id is not None \
+                else uuid.uuid4().hex
+        receipt(request, slot, rid)
+        endpoint = "/v2/models/{name}" + ("/versions/{version}" if "version" in request.path_params else "") + "/infer"
+        try:
+            results, slot = await server.infer(slot, req.feeds, req.rows, "version" not in request.path_params)
+        except HTTPError as exc:
+            server.log_payload(rid, endpoint, slot, req.feeds, None, exc.status, str(exc))
+            raise
+        receipt(request, slot, rid)  # the model that ran it, whatever the server serves by now
+        server.log_payload(rid, endpoint, slot, req.feeds, results)
+        info, engine = slot.model.info, slot.model.engine
+        # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
+        v2_id = rid if req.request_id is None else req.request_id
+        body, json_length = codec.encode_v2(info.name, info.version, v2_id, results, req.outputs, engine.outputs)
         if json_length is None:
             return Response(body, media_type=JSON)
         return Response(body, media_type="application/octet-stream",
@@ -433,13 +545,23 @@ def create_app(settings: Settings, model: LoadedModel) -> Starlette:
     # ---- MLflow scoring ----
 
     async def invocations(request: Request) -> Response:
+        receipt(request, server.slot, None)
+        rid = request_id(request) or uuid.uuid4().hex
+        receipt(request, server.slot, rid)
         content_type = request.headers.get("content-type", JSON).split(";")[0].strip().lower()
         if content_type != JSON:
             raise HTTPError(415, f"Content-Type {content_type} is not supported; send application/json")
         data = await server.body(request)
         slot = server.slot
+        receipt(request, slot, rid)
         req = await server.decode(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits)
-        results = await server.infer(slot, req.feeds, req.rows)
+        try:
+            results, slot = await server.infer(slot, req.feeds, req.rows)
+        except HTTPError as exc:
+            server.log_payload(rid, "/invocations", slot, req.feeds, None, exc.status, str(exc))
+            raise
+        receipt(request, slot, rid)  # the model that ran it, whatever the server serves by now
+        server.log_payload(rid, "/invocations", slot, req.feeds, results)
         return Response(codec.encode_mlflow(results, req.records), media_type=JSON)
 
     async def ping(request: Request) -> Response:

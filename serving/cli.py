@@ -48,6 +48,11 @@ FLAGS: dict[str, tuple[type, str]] = {
                              "get 403)"),
     "allow-unauthenticated": (bool, "serve without a token on a non-loopback address"),
     "log-level": (str, "debug|info|warning|error (default info)"),
+    "payload-log": (str, "directory for the payload log: sampled requests and answers as JSON Lines (default: none)"),
+    "payload-log-sample": (float, "fraction of requests logged, chosen by a hash of the request id (default 1)"),
+    "payload-log-max-mb": (float, "MiB all payload files may take together; the oldest go first (default 100)"),
+    "payload-log-file-mb": (float, "MiB per payload file before the next one is begun (default 10)"),
+    "payload-log-mlflow": (bool, "log each closed payload file to the model's training run, under payloads/"),
 }
 
 
@@ -146,6 +151,18 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
+def open_payload_log(settings: Settings):
+    """The payload log the settings ask for (not started), or None; PayloadLogError if DIR can't be used."""
+    if settings.payload_log is None:
+        return None
+    from serving.payload_log import PayloadLog
+
+    mib = 1 << 20
+    return PayloadLog(settings.payload_log, sample=settings.payload_log_sample,
+                      max_bytes=int(settings.payload_log_max_mb * mib),
+                      file_bytes=int(settings.payload_log_file_mb * mib), mlflow=settings.payload_log_mlflow)
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
@@ -159,7 +176,13 @@ def serve(settings: Settings) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from serving.engine import EngineError
     from serving.loader import SourceError, load_model
+    from serving.payload_log import PayloadLogError
 
+    try:  # before the model: a directory we can't write is found in a second, not after a long load
+        payload_log = open_payload_log(settings)
+    except PayloadLogError as exc:
+        log.error("%s", exc)
+        return 2
     try:
         model = load_model(settings.model, device=settings.device, threads=settings.threads,
                            name=settings.model_name, device_id=settings.device_id)
@@ -167,7 +190,7 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError) as exc:
         log.error("cannot serve %s: %s", settings.model, exc)
         return 2
-    app = create_app(settings, model)
+    app = create_app(settings, model, payload_log)
     raise_open_files_limit()
     # No limit_concurrency: uvicorn counts open connections against it and answers 503 to everything past
     # it, health checks included, so idle clients could hold the server off. The read deadline closes

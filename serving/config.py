@@ -7,7 +7,7 @@ a flag where possible, so that it does not show in `ps`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,16 @@ class Settings:
     # Serve without a token on a non-loopback address (refused otherwise: anyone who can reach it could call it).
     allow_unauthenticated: bool = False
     log_level: str = "info"
+    # Directory of the payload log (JSON Lines of sampled requests and answers); None: no payload log.
+    payload_log: str | None = None
+    # Fraction of requests logged, chosen by a hash of the request id (so a reader can tell which are in).
+    payload_log_sample: float = 1.0
+    # Most MiB all payload files in the directory may take together; the oldest are deleted first.
+    payload_log_max_mb: float = 100.0
+    # A new payload file is begun when the current one would pass this many MiB.
+    payload_log_file_mb: float = 10.0
+    # Log each closed payload file to the answering model's training run (trainserve.run_id) in MLflow.
+    payload_log_mlflow: bool = False
 
     def check(self) -> None:
         """Cross-field rules; ValueError says how to fix."""
@@ -92,10 +102,34 @@ class Settings:
                             "--run-timeout": self.run_timeout, "--graceful-timeout": self.graceful_timeout}.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        self._check_payload_log()
         if not self.loopback and self.auth_token is None and not self.allow_unauthenticated:
             raise ValueError(f"--host {self.host} makes the server reachable from other machines, and no token is "
                              "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
                              "pass --allow-unauthenticated if something in front of it authenticates")
+
+    def _check_payload_log(self) -> None:
+        if self.payload_log is None:
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"--{key.replace('_', '-')}" for key in ("payload_log_sample", "payload_log_max_mb",
+                                                              "payload_log_file_mb", "payload_log_mlflow")
+                     if getattr(self, key) != defaults[key]]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to a payload log: add --payload-log DIR")
+            return
+        if not self.payload_log.strip():
+            raise ValueError("--payload-log is empty; give a directory")
+        if not 0.0 <= self.payload_log_sample <= 1.0:
+            raise ValueError(f"--payload-log-sample is the fraction of requests logged, between 0 and 1; got "
+                             f"{self.payload_log_sample}")
+        for flag, value in {"--payload-log-max-mb": self.payload_log_max_mb,
+                            "--payload-log-file-mb": self.payload_log_file_mb}.items():
+            if not 1 / 1024 <= value < float("inf"):  # a file must hold a record: 1 KiB at the least
+                raise ValueError(f"{flag} is a number of MiB, at least 1/1024 (1 KiB); got {value}")
+        if self.payload_log_file_mb > self.payload_log_max_mb:
+            raise ValueError(f"--payload-log-file-mb ({self.payload_log_file_mb:g}) exceeds --payload-log-max-mb "
+                             f"({self.payload_log_max_mb:g}), the cap on all payload files together: one file "
+                             "could not fit; make the file size at most the cap")
 
     @property
     def loopback(self) -> bool:

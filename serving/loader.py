@@ -18,7 +18,7 @@ import logging
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.engine import Engine
@@ -29,6 +29,18 @@ _ALIAS = re.compile(r"^models:/([^/@]+)@([^/@]+)$")
 _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
+
+# Where the model came from, as the exporter writes it into the ONNX file's metadata_props: lineage key ->
+# metadata key. Read from the loaded file itself, so that every answer names the file that computed it.
+LINEAGE_KEYS = {
+    "run_id": "trainserve.run_id",  # the MLflow training run
+    "checkpoint_step": "trainserve.checkpoint_step",
+    "checkpoint": "trainserve.checkpoint",  # the checkpoint directory the weights were consolidated from
+    "config_sha256": "trainserve.config_sha256",
+    "weights_sha256": "trainserve.weights_sha256",  # of the consolidated model.safetensors
+    "model_component": "trainserve.model_component",
+    "data_component": "trainserve.data_component",
+}
 
 
 class SourceError(Exception):
@@ -42,6 +54,8 @@ class ModelInfo:
     version: str
     source: str  # the path or URI it was loaded from
     labels: tuple[str, ...] | None = None
+    # LINEAGE_KEYS found in the file's metadata with a non-empty value (none for a hand-made ONNX file).
+    lineage: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,7 +134,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         raise
     info = ModelInfo(
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
-        version=str(version), source=uri, labels=_labels(engine.metadata))
+        version=str(version), source=uri, labels=_labels(engine.metadata), lineage=lineage(engine.metadata))
     return LoadedModel(engine, info, workdir)
 
 
@@ -151,6 +165,12 @@ def _find_onnx(path: Path) -> Path:
                               "point --model at one of them")
         return named[0]
     return found[0]
+
+
+def lineage(metadata: dict[str, str]) -> dict[str, str]:
+    """The LINEAGE_KEYS present in ONNX metadata, empty values left out."""
+    return {key: str(metadata[prop]).strip() for key, prop in LINEAGE_KEYS.items()
+            if str(metadata.get(prop) or "").strip()}
 
 
 def _labels(metadata: dict[str, str]) -> tuple[str, ...] | None:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # the *_created series double the output and nobody graphs them
 
@@ -41,6 +49,10 @@ class Metrics:
         self.behind = Gauge("trainserve_model_behind_alias", "1 while the alias points at a version this server "
                             "has not loaded (it serves an older one)", registry=r)
 
+    def watch_payload_log(self, stats: Callable[[], dict]) -> None:
+        """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
+        self.registry.register(_PayloadLogCollector(stats))
+
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
@@ -60,3 +72,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PayloadLogCollector:
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        yield CounterMetricFamily("trainserve_payload_log_written", "Records written to the payload log",
+                                  value=stats["written"])
+        dropped = CounterMetricFamily("trainserve_payload_log_dropped", "Records of the sample not logged: the "
+                                      "queue was full, a record was larger than a file may be, or a write failed",
+                                      labels=["reason"])
+        for reason, count in stats["dropped"].items():
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield GaugeMetricFamily("trainserve_payload_log_bytes", "Bytes in the payload log directory's files",
+                                value=stats["bytes"])
