@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -50,10 +51,17 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
             lines.append(line)
             if line.startswith("sample request:"):
                 assert line.rstrip().endswith("correct") and "WRONG" not in line, line
+            if line.strip().startswith("POST http://"):
+                url = line.split()[1].split("/v2/")[0]
                 break
             assert time.monotonic() < deadline, "".join(lines[-50:])
         else:
             raise AssertionError("no sample request line:\n" + "".join(lines[-80:]))
+        # The README's next step: re-prove the chain behind what the live server serves.
+        verified = run_cli(["verify", "models:/resnet18-digits@champion", "--server", url], cwd=tmp_path)
+        assert [line.split()[:2] for line in verified.stdout.splitlines()[:-1]] == [
+            ["ok", link] for link in ("registry", "onnx", "lineage", "weights", "checkpoint", "gates", "server")]
+        assert verified.stdout.splitlines()[-1] == "verified: models:/resnet18-digits@champion"
         os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C
         proc.wait(timeout=60)
     finally:
@@ -78,6 +86,29 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
                      "train.run_name=quick"], cwd=tmp_path)
     for stage in ("train: already done", "consolidate: ", "export: version 1 of resnet18-digits already passed"):
         assert stage in again.stderr, again.stderr[-3000:]
+
+    # One flipped byte in any artifact of the chain breaks `pipeline verify` at that link, and only there.
+    from pipeline import verify
+
+    artifacts = tmp_path / "mlartifacts"
+    consolidated = next(artifacts.rglob("consolidated/model.safetensors")).parent
+    best = json.loads((tmp_path / "outputs/quick/checkpoints/best.json").read_text())["checkpoint"]
+    tampered = [("onnx", next(p for p in artifacts.rglob("model.onnx") if "models" in p.parts)),
+                ("weights", consolidated / "model.safetensors"), ("weights", consolidated / "model.json"),
+                ("checkpoint", tmp_path / "outputs/quick/checkpoints" / best / "__1_0.distcp")]
+    for link, path in tampered:
+        original = path.read_bytes()
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.chdir(tmp_path)
+                links = verify.main("models:/resnet18-digits@champion", echo=lambda _: None)
+        finally:
+            path.write_bytes(original)
+        failed = [k.name for k in links if k.status == "FAIL"]
+        assert link in failed, (path.name, [k.line() for k in links])
 
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")

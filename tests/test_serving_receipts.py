@@ -324,3 +324,13 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
                 assert by_id[rid]["model"]["version"] == str(version) and rid not in logged
                 logged[rid] = version
     assert len(logged) == len(answers)
+
+    # `pipeline trace` walks the held request (answered by version 1 after the swap) back to version 1's run.
+    from conftest import run_cli
+
+    traced = run_cli(["trace", "held", "--payload-log", str(payloads), "--tracking-uri", env["MLFLOW_TRACKING_URI"]],
+                     cwd=tmp_path).stdout
+    assert "model       affine v1, weights sha256 " + lineage_metadata(1, runs[1])["trainserve.weights_sha256"] in traced
+    assert f"run         {runs[1]} " in traced and "models:/affine/1" in traced, traced
+    missing = run_cli(["trace", "never-sent", "--payload-log", str(payloads)], cwd=tmp_path, check=False)
+    assert missing.returncode == 2 and "request never-sent is not in the payload log" in missing.stderr

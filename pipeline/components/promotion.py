@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,9 @@ def _write_inputs(val, path: Path) -> tuple[Path, list]:
 
 def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any]:
     """The task's metrics of one ONNX file on the split, with its latency and peak memory, measured in a
-    fresh process."""
+    fresh process (which imports no torch: its memory is onnxruntime's and the model's)."""
+    import torch
+
     with tempfile.TemporaryDirectory(prefix="trainserve-measure-") as tmp:
         out = Path(tmp) / "outputs.npz"
         proc = subprocess.run([sys.executable, "-m", "pipeline.components.promotion", str(onnx_path), str(inputs),
@@ -135,6 +136,16 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    """This process image's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    exec from the forking parent, so it would report the exporting process's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no /proc: an upper bound
 
 
 def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
@@ -159,7 +170,7 @@ def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[s
         times.append(time.perf_counter() - start)
         rows += len(next(iter(batches[i].values())))
     np.savez(outputs_path, **outputs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = _peak_rss_mb()
     return {"latency_ms_p50": round(float(np.median(times)) * 1e3, 3),
             "latency_ms_p90": round(float(np.quantile(times, 0.9)) * 1e3, 3),
             "batch_rows": len(next(iter(batches[0].values()))), "rows_per_s": round(rows / sum(times), 1),

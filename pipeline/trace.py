@@ -1,0 +1,118 @@
+"""`pipeline trace REQUEST_ID --payload-log DIR`: from one served prediction back to what made it.
+
+The server's payload log (`--payload-log DIR`) records each sampled request with the request id its
+response carried in `X-Request-Id`, and the model version, run and weights hash that answered. This
+finds that record and walks on through the registry and the MLflow run: the version (its aliases and
+promotion), the training run, the checkpoint, the config and the data. Links it can't reach are said,
+not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.tools import logs
+
+log = logging.getLogger("pipeline.trace")
+
+
+class TraceError(RuntimeError):
+    """The request can't be found, or the log can't be read."""
+
+
+def find_request(log_dir: Path, request_id: str) -> dict:
+    """The payload log's record of `request_id` (the newest, if a client reused an id)."""
+    log_dir = Path(log_dir)
+    files = sorted(log_dir.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if log_dir.is_dir() else []
+    if not files:
+        raise TraceError(f"no payload log files (*.jsonl) in {log_dir}: start the server with --payload-log "
+                         f"{log_dir} (requests are logged only while it is on, and only those sampled)")
+    needle = json.dumps(request_id)  # as it appears in the JSON line
+    found = None
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if needle in line:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by a crash
+                    if record.get("request_id") == request_id:
+                        found = record
+    if found is None:
+        raise TraceError(f"request {request_id} is not in the payload log {log_dir} ({len(files)} files): not "
+                         "sampled (--payload-log-sample), rotated out by the size cap, or served elsewhere")
+    return found
+
+
+def main(request_id: str, log_dir: Path, tracking_uri: str = "", echo=print) -> dict:
+    record = find_request(log_dir, request_id)
+    model = record.get("model") or {}
+    name, version = model.get("name", "?"), str(model.get("version", "?"))
+    echo(f"request     {request_id} at {record.get('time')} on {record.get('endpoint')}: status {record.get('status')}")
+    echo(f"model       {name} v{version}, weights sha256 {model.get('weights_sha256') or '(unknown)'}")
+    echo(f"io          inputs {_shapes(record.get('inputs'))} -> outputs {_shapes(record.get('outputs'))}")
+    trail = {"record": record}
+    try:
+        trail |= walk_registry(name, version, model, tracking_uri, echo)
+    except Exception as exc:  # noqa: BLE001 - the store is gone or another one: say so, keep the record's facts
+        echo(f"registry    not reachable ({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc}); "
+             f"the record names run {model.get('run_id') or '(none)'}")
+    return trail
+
+
+def walk_registry(name: str, version: str, model: dict, tracking_uri: str, echo) -> dict:
+    import mlflow
+
+    from pipeline.components import tracking
+
+    tracking.use_store(tracking_uri)
+    client = mlflow.MlflowClient()
+    v = client.get_model_version(name, version)
+    tags = dict(v.tags)
+    aliases = ", ".join(f"@{a}" for a in v.aliases) or "no alias now"
+    echo(f"version     models:/{name}/{version} ({aliases}); {tags.get('trainserve.promotion', 'promotion not recorded')}"
+         + (f": {tags['trainserve.promotion.reason']}" if tags.get("trainserve.promotion.reason") else ""))
+    if model.get("weights_sha256") and tags.get("trainserve.weights_sha256") not in (None, model["weights_sha256"]):
+        echo(f"WARNING     the version's weights tag {tags['trainserve.weights_sha256'][:16]} differs from what "
+             f"answered ({model['weights_sha256'][:16]}): run `pipeline verify models:/{name}/...`")
+    run_id = tags.get("trainserve.run_id") or model.get("run_id")
+    run = client.get_run(run_id)
+    echo(f"run         {run_id} '{run.info.run_name}' {run.info.status}, experiment {run.info.experiment_id}, "
+         f"git {run.data.tags.get('trainserve.git_commit', '?')[:12]}")
+    best = run.data.tags.get("trainserve.best_checkpoint")
+    echo(f"checkpoint  {Path(tags.get('trainserve.checkpoint', '?')).name} (step {tags.get('trainserve.step', '?')})"
+         + (f"; the run's best is {best} ({run.data.tags.get('trainserve.monitor', '')})" if best else ""))
+    echo(f"config      sha256 {tags.get('trainserve.config_sha256', '?')[:16]}; the run's config/resolved.yaml and "
+         f"params hold it")
+    data_args = {k.removeprefix("data.args."): v for k, v in run.data.params.items() if k.startswith("data.args.")}
+    echo(f"data        {tags.get('trainserve.data_component', run.data.params.get('data.component', '?'))} {data_args or ''}".rstrip())
+    return {"version": tags, "run_id": run_id}
+
+
+def _shapes(tensors) -> str:
+    if not isinstance(tensors, dict):
+        return "?"
+    return ", ".join(f"{k} {v.get('shape')} {v.get('datatype', v.get('dtype', ''))}".rstrip()
+                     for k, v in tensors.items() if isinstance(v, dict)) or "?"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("request_id", help="the X-Request-Id of a response")
+    parser.add_argument("--payload-log", required=True, metavar="DIR", help="the server's --payload-log directory")
+    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
+                        "then ./mlflow.db)")
+
+
+def cli(args: argparse.Namespace) -> int:
+    logs.configure(level=logging.WARNING)
+    try:
+        main(args.request_id, Path(args.payload_log), args.tracking_uri)
+    except TraceError as exc:
+        print(f"pipeline trace: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

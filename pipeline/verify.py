@@ -1,0 +1,307 @@
+"""`pipeline verify models:/<name>@<alias> [--server URL]`: re-proves the chain behind the served bytes.
+
+One line per link, `ok`, `FAIL` or `skip` (a link whose artifact can't be reached is skipped, not
+failed, and says why); exit 1 on any FAIL:
+
+    registry     the alias -> a version, with the lineage tags export wrote
+    onnx         the registered ONNX file's sha256 equals the version's recorded one
+    lineage      the ONNX's own metadata (weights and model.json hashes, run) equals the version's tags
+    weights      the run's model.safetensors hashes to what its model.json says, and model.json to what
+                 the ONNX recorded
+    checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file), and
+                 consolidating it again gives byte-identical weights
+    gates        export's gates, run again on the registered ONNX against those weights, all pass
+    server       (--server) the live server serves this version, with these weights, and says so in
+                 its model metadata and in the receipt headers of a real inference
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.tools import logs
+
+log = logging.getLogger("pipeline.verify")
+
+
+class VerifyError(RuntimeError):
+    """The model URI or the store can't be used at all (not a broken link: bad input)."""
+
+
+@dataclass
+class Link:
+    name: str
+    status: str   # ok | FAIL | skip
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:<5} {self.name:<11} {self.detail}"
+
+
+def main(model_uri: str, server: str | None = None, tracking_uri: str = "", token: str = "",
+         trusted: tuple[str, ...] = (), echo=print) -> list[Link]:
+    from pipeline.components import tracking
+
+    name, alias = parse_uri(model_uri)
+    uri = tracking.resolve_tracking_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise VerifyError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run where the pipeline wrote "
+                          "mlflow.db, or give --tracking-uri")
+    tracking.use_store(uri)
+    links: list[Link] = []
+
+    def report(link: Link) -> Link:
+        links.append(link)
+        echo(link.line())
+        return link
+
+    with tempfile.TemporaryDirectory(prefix="trainserve-verify-") as tmp:
+        tmp = Path(tmp)
+        version, tags = registry_link(name, alias, report)
+        onnx_path, props = onnx_link(name, version, tags, tmp, report)
+        weights_dir = weights_link(tags, props, tmp, report)
+        if weights_dir:
+            checkpoint_link(weights_dir, tmp, report)
+            gates_link(weights_dir, onnx_path, trusted, report)
+        else:
+            report(Link("checkpoint", "skip", "no weights to trace it from"))
+            report(Link("gates", "skip", "no weights to run them against"))
+        if server:
+            server_link(server, name, version, props, token, report)
+    return links
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    import re
+
+    match = re.fullmatch(r"models:/([^/@]+)@([^/@]+)", uri)
+    if not match:
+        raise VerifyError(f"'{uri}' is not a registry alias: give models:/<name>@<alias>, e.g. "
+                          "models:/resnet18-digits@champion")
+    return match.group(1), match.group(2)
+
+
+def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
+    from pipeline.components import tracking
+
+    version = tracking.alias_version(name, alias)
+    if version is None:
+        raise VerifyError(f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}")
+    tags = tracking.version_tags(name, version)
+    missing = [k for k in ("trainserve.run_id", "trainserve.weights_sha256", "trainserve.onnx_sha256") if not tags.get(k)]
+    report(Link("registry", "FAIL" if missing else "ok",
+                f"models:/{name}@{alias} -> version {version}" + (f"; lacks tags {missing} (not registered by this "
+                                                                  "trainserve's export)" if missing else
+                                                                  f" (run {tags['trainserve.run_id']})")))
+    return version, tags
+
+
+def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[Path | None, dict]:
+    import onnx
+
+    from pipeline.components import tracking
+    from pipeline.components.safetensors_writer import file_sha256
+
+    try:
+        path = tracking.download_version_onnx(name, version, tmp / "onnx")
+    except Exception as exc:  # noqa: BLE001 - whatever the store raises
+        report(Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}"))
+        return None, {}
+    digest = file_sha256(path)
+    recorded = tags.get("trainserve.onnx_sha256", "")
+    report(Link("onnx", "ok" if digest == recorded else "FAIL",
+                f"{path.name} sha256 {digest[:16]}" + ("" if digest == recorded else
+                                                       f" != the version's recorded {recorded[:16] or '(none)'}")))
+    try:
+        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    except Exception as exc:  # noqa: BLE001 - a damaged file
+        report(Link("lineage", "FAIL", f"the ONNX file can't be parsed: {first_line(exc)}"))
+        return path, {}
+    differs = [k for k in ("trainserve.weights_sha256", "trainserve.run_id", "trainserve.config_sha256")
+               if props.get(k, "") != tags.get(k, "") and not (k == "trainserve.run_id" and not props.get(k))]
+    report(Link("lineage", "FAIL" if differs else "ok",
+                f"the ONNX's metadata differs from the version's tags in {differs}" if differs else
+                f"weights {props.get('trainserve.weights_sha256', '')[:16]}, config "
+                f"{props.get('trainserve.config_sha256', '')[:16]}, checkpoint step {props.get('trainserve.checkpoint_step')}"))
+    return path, props
+
+
+def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
+    """model.safetensors + model.json from the training run's consolidated/ artifacts (else the local
+    run directory), checked against each other and against what the ONNX recorded."""
+    from pipeline.components import tracking
+    from pipeline.components.safetensors_writer import file_sha256
+
+    run_id = props.get("trainserve.run_id") or tags.get("trainserve.run_id", "")
+    directory, where = None, ""
+    try:
+        directory = tracking.download_artifacts(run_id, "consolidated", tmp / "weights")
+        where = f"run {run_id} consolidated/"
+    except Exception as exc:  # noqa: BLE001
+        local = Path(tags.get("trainserve.checkpoint", "")).parent.parent / "consolidated"
+        if (local / "model.json").is_file():
+            directory, where = local, str(local)
+        else:
+            report(Link("weights", "skip", f"neither run {run_id}'s consolidated/ ({first_line(exc)}) nor {local} "
+                                           "is reachable"))
+            return None
+    problems = []
+    meta_digest = file_sha256(directory / "model.json") if (directory / "model.json").is_file() else ""
+    if meta_digest != props.get("trainserve.weights_meta_sha256", meta_digest):
+        problems.append("model.json differs from the one the ONNX was exported from")
+    try:
+        recorded = json.loads((directory / "model.json").read_text()).get("sha256", "")
+    except (OSError, ValueError) as exc:
+        recorded = ""
+        problems.append(f"model.json can't be read ({first_line(exc)})")
+    weights = directory / "model.safetensors"
+    digest = file_sha256(weights) if weights.is_file() else "(missing)"
+    if digest != recorded:
+        problems.append(f"model.safetensors sha256 {digest[:16]} != model.json's {recorded[:16]}")
+    if recorded and recorded != props.get("trainserve.weights_sha256", recorded):
+        problems.append("model.json names other weights than the ONNX was exported from")
+    report(Link("weights", "FAIL" if problems else "ok",
+                "; ".join(problems) if problems else f"{where}: model.safetensors sha256 {digest[:16]} = model.json "
+                                                      "= the ONNX's record"))
+    return None if problems else directory
+
+
+def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
+    """Where the checkpoint is reachable (its local path, else the run's uploaded copy): intact, and it
+    consolidates again to the very same bytes."""
+    from pipeline import consolidate
+    from pipeline.components import checkpoint, tracking
+    from pipeline.components.safetensors_writer import file_sha256
+
+    meta = json.loads((weights_dir / "model.json").read_text())
+    source = meta.get("source") or {}
+    ckpt = Path(source.get("checkpoint") or "")
+    if not (ckpt / checkpoint.MARKER).is_file():
+        try:
+            ckpt = tracking.download_artifacts(source.get("mlflow_run_id") or "", f"checkpoints/{ckpt.name}",
+                                               tmp / "checkpoint")
+        except Exception as exc:  # noqa: BLE001
+            report(Link("checkpoint", "skip", f"{ckpt} is not here and the run holds no upload of it "
+                                              f"({first_line(exc)})"))
+            return
+    try:
+        checkpoint.verify_checksums(ckpt)
+        again = consolidate.main(ckpt, output=tmp / "reconsolidated", dtype=meta.get("dtype", "fp32"),
+                                 log_to_mlflow=False)
+    except Exception as exc:  # noqa: BLE001 - CheckpointError names the file at fault
+        report(Link("checkpoint", "FAIL", first_line(exc)))
+        return
+    digest = file_sha256(again)
+    same = digest == meta.get("sha256")
+    report(Link("checkpoint", "ok" if same else "FAIL",
+                f"{ckpt.name}: every file matches its marker's sha256; consolidated again -> "
+                + ("the same bytes" if same else f"sha256 {digest[:16]}, not model.json's {meta.get('sha256', '')[:16]}")))
+
+
+def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ...], report) -> None:
+    from pipeline import export
+
+    if onnx_path is None:
+        report(Link("gates", "skip", "no ONNX file"))
+        return
+    try:
+        results = export.regate(weights_dir, onnx_path, trusted)
+    except Exception as exc:  # noqa: BLE001 - a broken file fails the gates with the reason
+        report(Link("gates", "FAIL", f"could not run: {first_line(exc)}"))
+        return
+    failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
+    report(Link("gates", "FAIL" if failed else "ok",
+                "; ".join(failed)[:600] if failed else f"{len(results)} gates pass again on the registered ONNX"))
+
+
+def server_link(url: str, name: str, version: str, props: dict, token: str, report) -> None:
+    """The server's own word (model metadata) and its receipts on a real inference, against the registry."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base = url.rstrip("/")
+    try:
+        meta = _get_json(f"{base}/v2/models/{name}", headers)
+        receipt = _infer_receipt(base, name, meta, headers)
+    except Exception as exc:  # noqa: BLE001 - connection refused, 4xx, a non-JSON answer
+        report(Link("server", "FAIL", f"{base}: {first_line(exc)}"))
+        return
+    served = {"version": receipt.get("x-model-version", ""),
+              "weights": receipt.get("x-model-weights-sha256", "")}
+    params = meta.get("parameters") or {}
+    problems = []
+    if served["version"] != version or version not in [str(v) for v in meta.get("versions", [])]:
+        problems.append(f"serves version {served['version'] or meta.get('versions')}, the alias is at {version}")
+    if served["weights"] != props.get("trainserve.weights_sha256") or \
+            params.get("weights_sha256") != props.get("trainserve.weights_sha256"):
+        problems.append(f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
+                        f"{props.get('trainserve.weights_sha256', '')[:16]}")
+    report(Link("server", "FAIL" if problems else "ok",
+                "; ".join(problems) if problems else f"{base} serves {name} v{version}, weights "
+                                                     f"{served['weights'][:16]} (request {receipt.get('x-request-id')})"))
+
+
+def _get_json(url: str, headers: dict) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str, str]:
+    """One V2 inference of zeros in the shapes the server declares; returns its response headers."""
+    import numpy as np
+
+    inputs = []
+    for spec in meta.get("inputs", []):
+        shape = [1 if d < 0 else d for d in spec["shape"]]
+        inputs.append({"name": spec["name"], "datatype": spec["datatype"], "shape": shape,
+                       "data": np.zeros(shape).astype(_numpy(spec["datatype"])).ravel().tolist()})
+    body = json.dumps({"id": "pipeline-verify", "inputs": inputs}).encode()
+    request = urllib.request.Request(f"{base}/v2/models/{name}/infer", data=body, method="POST",
+                                     headers={**headers, "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return {k.lower(): v for k, v in r.headers.items()}
+
+
+def _numpy(datatype: str) -> str:
+    return {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT64": "int64", "INT32": "int32",
+            "BOOL": "bool", "UINT8": "uint8", "INT8": "int8"}.get(datatype, "float32")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:300] if text else type(exc).__name__)
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_uri", metavar="models:/NAME@ALIAS", help="the registry alias to verify")
+    parser.add_argument("--server", help="also check the live server at this URL (e.g. http://127.0.0.1:8080)")
+    parser.add_argument("--token", default=os.environ.get("TRAINSERVE_AUTH_TOKEN", ""),
+                        help="the server's bearer token (default: $TRAINSERVE_AUTH_TOKEN)")
+    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
+                        "then ./mlflow.db)")
+    parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
+                        help="import the components model.json names that match this pattern, to re-run the gates")
+
+
+def cli(args: argparse.Namespace) -> int:
+    logs.configure(level=logging.WARNING)  # the links are the output
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from pipeline.components.tracking import TrackingError
+
+    try:
+        links = main(args.model_uri, args.server, args.tracking_uri, args.token, tuple(args.trust))
+    except (VerifyError, TrackingError) as exc:
+        print(f"pipeline verify: error: {exc}", file=sys.stderr)
+        return 2
+    broken = [link.name for link in links if link.status == "FAIL"]
+    print(f"{'BROKEN: ' + ', '.join(broken) if broken else 'verified'}: {args.model_uri}")
+    return 1 if broken else 0
