@@ -353,3 +353,22 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
     assert not_comparable(mine, graph(tmp_path / "b.onnx", "regression", "x")) == ""
     assert "its task is classification" in not_comparable(mine, graph(tmp_path / "c.onnx", "classification", "x"))
     assert "its inputs are ['tokens']" in not_comparable(mine, graph(tmp_path / "d.onnx", "regression", "tokens"))
+
+
+@pytest.mark.parametrize("mine, theirs, mode, promote, tolerance, moves", [
+    (0.90, 0.90, "max", "if_not_worse", 0.0, True),     # equal: not worse
+    (0.89, 0.90, "max", "if_not_worse", 0.0, False),
+    (0.89, 0.90, "max", "if_not_worse", 0.02, True),    # within the tolerance
+    (0.90, 0.90, "max", "if_better", 0.0, False),       # equal is not better
+    (0.91, 0.90, "max", "if_better", 0.02, False),      # better, but not by more than the tolerance
+    (0.93, 0.90, "max", "if_better", 0.02, True),
+    (1.5, 2.0, "min", "if_better", 0.0, True),          # a loss or RMSE: lower is better
+    (2.5, 2.0, "min", "if_not_worse", 0.0, False),
+    (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),  # a metric that failed never wins
+    (0.1, 0.9, "max", "always", 0.0, True),
+])
+def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
+    from pipeline.components.promotion import verdict
+
+    got, gain, reason = verdict(mine, theirs, mode, promote, tolerance)
+    assert got is moves and promote in reason and "{}" in reason

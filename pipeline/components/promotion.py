@@ -65,16 +65,21 @@ def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tole
                                    ("; promoted because export.promote=always" if promote == "always" else
                                     "; not promoted: set export.promote=always, or export.registered_model_name "
                                     "to register this model under its own name")}
-    mine, theirs = result["candidate"][metric], result["champion"][metric]
+    moves, gain, why = verdict(result["candidate"][metric], result["champion"][metric], mode, promote, tolerance)
+    return result | {"promote": moves, "gain": gain, "reason": f"{metric}: candidate {why.format(f'@{alias} v{holder}')}"}
+
+
+def verdict(mine: float, theirs: float, mode: str, promote: str, tolerance: float) -> tuple[bool, float, str]:
+    """Whether the candidate's metric `mine` beats the champion's `theirs` as `promote` asks; the gain
+    (positive = better, in the metric's units) and the reason, with {} where the champion is named."""
     gain = (mine - theirs) if mode == "max" else (theirs - mine)
-    result["gain"] = gain
+    if gain != gain:  # NaN: a metric that could not be computed never wins
+        gain = float("-inf")
     moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[promote]
     word = "better" if gain > 0 else "worse" if gain < 0 else "equal"
     rule = {"always": "always", "if_better": f"needs a gain > {tolerance:g}",
             "if_not_worse": f"allows a loss <= {tolerance:g}"}[promote]
-    reason = (f"{metric}: candidate {mine:.6g} vs @{alias} v{holder} {theirs:.6g} ({word}, gain {gain:+.6g}; "
-              f"{promote} {rule})")
-    return result | {"promote": moves, "reason": reason}
+    return moves, gain, f"{mine:.6g} vs {{}} {theirs:.6g} ({word}, gain {gain:+.6g}; {promote} {rule})"
 
 
 def not_comparable(candidate: Path, champion: Path) -> str:
