@@ -194,12 +194,15 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     torchrun(tmp_path, ["train.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=1",
                         "checkpoint.log_to_mlflow=all", "train.run_name=all"])
     run_dir = tmp_path / "outputs" / "all"
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000012"]
+    best = json.loads((run_dir / "checkpoints" / "best.json").read_text())["step"]
+    # keep_last=1 keeps the newest, and the best (saved when it was reached, never pruned).
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == sorted(
+        {f"step_{best:08d}", "step_00000012"})
     assert not (run_dir / "checkpoints-uploading").exists()
     client, run = only_run(tmp_path, "tiny")
     assert "trainserve.checkpoint_upload_failures" not in run.data.tags
     uploaded = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
-    assert uploaded == [f"checkpoints/step_{s:08d}" for s in (4, 8, 12)]
+    assert uploaded == [f"checkpoints/step_{s:08d}" for s in sorted({4, best, 8, 12})]
     for step_dir in uploaded:  # each upload is whole: the sizes its marker records
         local = client.download_artifacts(run.info.run_id, step_dir, str(tmp_path / "dl"))
         checkpoint.verify_complete(local)
@@ -209,10 +212,13 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     partial.mkdir()
     (partial / ".metadata").write_bytes(b"half")
     client.log_artifacts(run.info.run_id, str(partial), "checkpoints/step_00000099")
-    proc = run_cli(["consolidate", "--run-id", run.info.run_id], cwd=tmp_path)
+    proc = run_cli(["consolidate", "--run-id", run.info.run_id, "--latest"], cwd=tmp_path)
     assert "checkpoints/step_00000099 was not uploaded completely; using checkpoints/step_00000012" in proc.stderr
     weights = tmp_path / proc.stdout.strip().splitlines()[-1]
     assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == 12
+    proc = run_cli(["consolidate", "--run-id", run.info.run_id], cwd=tmp_path)  # the best, by default
+    assert f"downloading checkpoints/step_{best:08d} (the best)" in proc.stderr
+    assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == best
 
 
 def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_failures(tmp_path):
