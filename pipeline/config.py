@@ -165,7 +165,8 @@ class TrainConfig(Section):
     consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
     threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
-    channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores).")
+    channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous).")
+    compile: bool = Field(False, description="torch.compile the model (in place: DDP as a whole, FSDP2 per unit); the first steps compile. On CUDA it needs a C compiler for Triton.")
     fsdp_wrap: list[str] = Field(
         default_factory=list, description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
                                           "empty = the class repeated most in the largest ModuleList/Sequential.")

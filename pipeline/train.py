@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import random
 import secrets
@@ -41,7 +40,7 @@ from pipeline.components.reference import short_name
 from pipeline.components.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
 from pipeline.distributed import DistInfo, replicas
-from pipeline.distributed.parallelize import wrap_model
+from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import stopping
 from pipeline.tools.faults import inject_fault
@@ -200,8 +199,9 @@ def end_run_after_failure() -> None:
     """Close this process's MLflow run (if it has one) as KILLED (Ctrl-C) or FAILED (any other
     exception being handled), even if SIGTERM arrives meanwhile.
 
-    When a peer rank dies, this rank's collective fails at once and torchrun's SIGTERM follows within
-    milliseconds. SIGTERM is ignored from here on (torchrun still escalates to SIGKILL after 30 s).
+    When a peer rank dies, this rank's collective fails at once (gloo; NCCL blocks until its timeout,
+    where only torchrun's SIGKILL ends the rank and the launcher closes the run) and torchrun's
+    SIGTERM follows within milliseconds. SIGTERM is ignored from here on (torchrun still escalates to SIGKILL after 30 s).
     `main` calls this twice, from `except` and from `finally`, because the one SIGTERM can still land
     before the first call ignores it; the second call then runs with SIGTERM ignored. Ending an ended
     run is a no-op.
@@ -230,7 +230,8 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task
     channels_last = uses_channels_last(t, info)
     losses: list[float] = []
     evaluated = None
-    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    # The loss stays on the device between reads: a .item() per step would be a host sync per step on CUDA.
+    window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
     while step < total_steps and not monitor.stopped:
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -244,8 +245,15 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task
             window_loss += loss
             window_steps += 1
             progress.update(1)
+            every = ckpt_cfg.every_n_steps
+            eval_now = step % eval_every == 0 or step == total_steps
+            check_now = t.strategy == "ddp" and (step == total_steps
+                                                 or (t.consistency_every and step % t.consistency_every == 0))
+            if log_now or eval_now or check_now or (every and step % every == 0):
+                # Also before anything reads the weights (an evaluation, the replica check, a save), not
+                # only at log steps: diverged weights must not be judged, compared, or saved for a resume.
+                mean_loss = mean_loss_over_ranks(window_loss, window_steps, step, info)
             if log_now:
-                mean_loss = distributed.all_reduce_sum([window_loss], info)[0] / (window_steps * info.world_size)
                 elapsed = time.perf_counter() - window_start
                 metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": norm,
                            "train/samples_per_s": window_steps * t.global_batch_size / elapsed, "train/epoch": epoch}
@@ -255,16 +263,15 @@ def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task
                 if info.is_main:
                     tracking.log_metrics(metrics, step)
                     progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
-                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+                window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
             evaluated, best = None, False
-            if step % eval_every == 0 or step == total_steps:
+            if eval_now:
                 evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
                 best = judge(monitor, evaluated[0], step, info)
-            if t.strategy == "ddp" and (step == total_steps or (t.consistency_every and step % t.consistency_every == 0)):
+            if check_now:
                 replicas.sync_buffers(model)
                 replicas.check(model, step)  # the final weights are what every later stage uses
             inject_fault("step", step, info)
-            every = ckpt_cfg.every_n_steps
             if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
                 replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
                 meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor)
@@ -299,6 +306,31 @@ def judge(monitor: Monitor, metrics: dict[str, float], step: int, info: DistInfo
     return best
 
 
+def new_window(info: DistInfo) -> torch.Tensor:
+    """The sum of the training losses since the last log, kept on the device (float64, as Python's
+    sum of floats was: the logged means are the same to the bit)."""
+    return torch.zeros((), dtype=torch.float64, device=info.device)
+
+
+def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int, info: DistInfo) -> float:
+    """The mean training loss over the window's steps and every rank: collective, and the loop's one
+    read of the loss. Every rank raises TrainingDiverged here, at the same step, when any rank's loss
+    was NaN or infinite: a rank raising alone would leave its peers blocked in their next collective,
+    which under NCCL waits out the 10-minute timeout, beyond the reach of a SIGTERM handler, until
+    torchrun's SIGKILL ends them with their MLflow run still RUNNING."""
+    values = torch.zeros(1 + info.world_size, dtype=torch.float64, device=info.device)
+    values[0] = window_loss
+    values[1 + info.rank] = (~torch.isfinite(window_loss)).double()  # which ranks, for the message
+    total, *flags = distributed.sum_over_ranks(values, info).tolist()
+    mean = total / (window_steps * info.world_size)
+    bad = [rank for rank, flag in enumerate(flags) if flag]
+    if bad:
+        raise TrainingDiverged(f"the training loss is {mean} (not finite on rank {', '.join(map(str, bad))}, between "
+                               f"steps {step - window_steps + 1} and {step}); lower optim.lr, set "
+                               "train.clip_grad_norm, or use train.precision=fp32")
+    return mean
+
+
 def chunked(loader, size: int):
     """Groups of `size` micro-batches; a trailing incomplete group is dropped (drop_last semantics)."""
     batches = iter(loader)
@@ -311,11 +343,13 @@ def chunked(loader, size: int):
 
 def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
                clip_grad_norm: float, want_norm: bool, *, loss_fn: Callable, channels_last: bool = False
-               ) -> tuple[float, float]:
-    """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss and the
-    global grad norm (NaN unless clipping or asked for, since the norm costs a pass over every gradient)."""
+               ) -> tuple[torch.Tensor, float]:
+    """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss, a 0-d
+    float64 tensor on the device, and the global grad norm (NaN unless asked for: reading it, like
+    reading the loss, waits for the GPU; the loop reads both only when it logs, and checks there that
+    the loss is finite, see `mean_loss_over_ranks`)."""
     accum = len(micro_batches)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, (inputs, target) in enumerate(micro_batches):
         inputs = to_device(inputs, info.device, channels_last)
         target = target.to(info.device, non_blocking=True)
@@ -323,10 +357,7 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
         with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
             loss = loss_fn(forward(model, inputs), target) / accum
         scaler.scale(loss).backward()
-        total += loss.item()
-    if not math.isfinite(total):
-        raise TrainingDiverged(f"the training loss is {total} on rank {info.rank}; lower optim.lr, "
-                               "set train.clip_grad_norm, or use train.precision=fp32")
+        total += loss.detach()
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
@@ -334,15 +365,12 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
             total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
             total_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        norm = (total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm).item()
+        if want_norm:
+            norm = (total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm).item()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total, norm
-
-
-def uses_channels_last(train_cfg, info: DistInfo) -> bool:
-    return train_cfg.channels_last and info.device.type == "cuda"
 
 
 def sync_context(model, last_micro_batch: bool):
@@ -459,7 +487,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
             "trainserve.component.model": cfg.model.component, "trainserve.component.data": cfg.data.component,
             **tracking.owner_tags(), tracking.STATUS_BEFORE_TAG: ""}
     resumed = run_id is not None
-    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying)
+    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
+                                gpu=info.device.type == "cuda")
     if not resumed:
         # The config as given, and the model's arguments as built (those the data suggested included).
         tracking.log_params({**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}})

@@ -14,11 +14,19 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def cuda_has_native_bf16(device: torch.device) -> bool:
+    """Ampere (compute capability 8.0) or newer, or ROCm: bf16 tensor cores. Not
+    `torch.cuda.is_bf16_supported()`, which by default also says yes on Volta and Turing (sm 7.x)
+    because a bf16 tensor can be allocated there: bf16 is emulated, slowly, and cuDNN lacks bf16
+    kernels for them; fp16 with loss scaling is what those GPUs run fast."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if cuda_has_native_bf16(device) else "fp16"
     return "bf16" if cpu_has_native_bf16() else "fp32"
 
 

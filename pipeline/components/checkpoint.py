@@ -393,9 +393,12 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if optim_sd is not None:
         state["optim"] = optim_sd
     rng_key = f"rank{info.rank}"
-    has_rng = any(k.startswith(f"rng.{rng_key}.") for k in metadata.state_dict_metadata)
+    # Only the generators the checkpoint holds: DCP refuses to load a key it lacks, and a checkpoint
+    # written on CPU has no `cuda` state for a resume on a GPU node (which then keeps its fresh CUDA seed).
+    stored = {k.removeprefix(f"rng.{rng_key}.") for k in metadata.state_dict_metadata if k.startswith(f"rng.{rng_key}.")}
+    has_rng = bool(stored)
     if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
-        state["rng"] = {rng_key: _rng_state()}
+        state["rng"] = {rng_key: {name: t for name, t in _rng_state().items() if name in stored}}
     try:
         with single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=not info.distributed)

@@ -280,8 +280,11 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
                         f"({global_batch}); lower train.global_batch_size")
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
         warnings.filterwarnings("ignore", message=".*set_vital.*")
+        # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
+        # would fork (and warm up) the workers anew.
         return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
-                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate)
+                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+                                  persistent_workers=num_workers > 0)
 
 
 def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:

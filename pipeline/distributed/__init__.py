@@ -15,6 +15,7 @@ from pipeline.distributed.process_group import (  # noqa: F401
                                                 keep_freed_memory,
                                                 pick_device,
                                                 setup,
+                                                sum_over_ranks,
                                                 teardown,
                                                 usable_cpus,
 )

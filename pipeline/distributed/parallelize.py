@@ -10,10 +10,12 @@ module of that class anywhere in the model. The root is always a unit too (whate
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.components import amp
@@ -23,6 +25,11 @@ from pipeline.distributed.process_group import DistInfo
 log = logging.getLogger(__name__)
 
 
+def uses_channels_last(train_cfg, info: DistInfo) -> bool:
+    """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want it."""
+    return train_cfg.channels_last and info.device.type == "cuda"
+
+
 def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> nn.Module:
     if train_cfg.sync_batchnorm and info.distributed:
         if info.device.type == "cuda":
@@ -30,26 +37,69 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
         else:
             log.warning("train.sync_batchnorm ignored: torch's SyncBatchNorm has no CPU kernel; "
                         "BatchNorm statistics stay per rank")
+    if train_cfg.compile:
+        check_compiler(info.device.type)
     model = model.to(info.device)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
-        if train_cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
     if train_cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # FSDP2 casts parameters itself; gradients are reduced in fp32 for accuracy.
-        mp = MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32) \
-            if precision != "fp32" else MixedPrecisionPolicy()
-        units = fsdp_units(model, train_cfg.fsdp_wrap)
-        log.info("FSDP2 units: %d x %s, and the root", len(units),
-                 ", ".join(sorted({type(u).__name__ for u in units})) or "none")
-        for unit in units:  # innermost first: a unit inside another is sharded before its parent
-            fully_shard(unit, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        # FSDP2 refuses non-contiguous parameters (NotImplementedError in fully_shard), and its
+        # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
+        # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
+        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile)
+    if uses_channels_last(train_cfg, info):
+        model = model.to(memory_format=torch.channels_last)
     if info.distributed:
-        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    if train_cfg.compile:
+        # In place (the parameter names stay those of the checkpoints) and after DDP: compiling the
+        # DDP module lets TorchDynamo's DDPOptimizer split the graph at the gradient buckets, so the
+        # all-reduces still overlap the backward; a model compiled inside DDP reduces only at the end.
+        model.compile()
     return model
+
+
+def check_compiler(device_type: str) -> None:
+    """torch.compile builds native code at the first step: Triton's launcher with a C compiler on CUDA,
+    Inductor's kernels with a C++ compiler on CPU. Without one it fails deep inside the first step."""
+    import shutil
+
+    names = ("cc", "gcc", "clang") if device_type == "cuda" else ("c++", "g++", "clang++")
+    chosen = os.environ.get("CC" if device_type == "cuda" else "CXX")
+    if not any(shutil.which(n) for n in ((chosen,) if chosen else names)):
+        raise ConfigError(f"train.compile=true on {device_type} needs a {'C' if device_type == 'cuda' else 'C++'} "
+                          f"compiler ({chosen or ', '.join(names)}) on PATH, and none is there: install one "
+                          "(e.g. apt-get install gcc g++) or set train.compile=false")
+
+
+def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False) -> nn.Module:
+    """FSDP2: every unit (see the module docstring) and the root, innermost first.
+
+    With bf16/fp16, each BatchNorm (SyncBatchNorm included) is a unit of its own with an fp32 policy,
+    sharded before the blocks that hold it: under the blocks' policy its weight would be cast to
+    bf16 while its running statistics stay fp32, and batch_norm refuses the mix ("expected scalar
+    type BFloat16 but found Float"), on CUDA and CPU alike (torchtitan #674). It computes on the
+    blocks' low-precision activations all the same, as autocast's BatchNorm does.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FSDP2 casts parameters itself; gradients are reduced in fp32 for accuracy.
+    mp = MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32) \
+        if precision != "fp32" else MixedPrecisionPolicy()
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)] if precision != "fp32" else []
+    units = [u for u in fsdp_units(model, fsdp_wrap) if not any(u is n for n in norms)]
+    log.info("FSDP2 units: %d x %s, and the root%s", len(units),
+             ", ".join(sorted({type(u).__name__ for u in units})) or "none",
+             f"; {len(norms)} BatchNorm kept in fp32" if norms else "")
+    for norm in norms:
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy())
+    for unit in units:  # innermost first: a unit inside another is sharded before its parent
+        if compile_units:  # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
+            unit.compile()
+        fully_shard(unit, mp_policy=mp)
+    if compile_units and not units:
+        model.compile()
+    return fully_shard(model, mp_policy=mp)
 
 
 def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:

@@ -157,6 +157,13 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """`t` summed over every rank, in place, on its device (no host sync: read it when needed)."""
+    if info.distributed:
+        dist.all_reduce(t)
+    return t
+
+
 def configure_logging(rank: int) -> None:
     from pipeline.tools import logs
 
