@@ -12,8 +12,10 @@
 #   - onnxruntime-gpu 1.31.1 on PyPI is built for CUDA 13.0 and cuDNN 9 (its build info says
 #     cuda_version 13.0; its extras ask for nvidia-cuda-runtime~=13.0, nvidia-cudnn-cu13~=9.0).
 #   - torch 2.13.0 publishes CUDA 12.6 and 13.0 builds (13.2 experimental); cu130 ships cuDNN 9.20.
-#   - So: CUDA 13.0 + cuDNN 9 everywhere. The server never imports torch, so onnxruntime loads the
-#     base image's CUDA 13 and cuDNN 9 libraries; torch loads the nvidia-* wheels it depends on.
+#   - So: CUDA 13.0 + cuDNN 9 everywhere. The server never imports torch; it calls
+#     onnxruntime.preload_dlls() before a CUDA session (nvidia-* wheels first, then the system loader
+#     path, where the base image's CUDA 13 and cuDNN 9 are), and `--device cuda` refuses to start if
+#     the CUDA provider did not load. torch loads the nvidia-* wheels it depends on.
 #   - CUDA 13 runs on Turing (sm 7.5) and newer with a driver >= 580. For Volta or older GPUs, build
 #     with TORCH_CUDA=cu126 and a 12.x base, and an onnxruntime-gpu built for CUDA 12.
 
@@ -84,15 +86,21 @@ RUN uv pip install --requirement pyproject.toml
 
 # The code, then the project itself without dependencies (all present above). The build fails here,
 # not on a GPU node, if the wheels don't fit: broken requirements, a torch built for another CUDA
-# than TORCH_CUDA (or none), or an onnxruntime without the CUDA execution provider.
+# than TORCH_CUDA (or none), or an onnxruntime whose CUDA provider could not load here. That is
+# checked on the libraries, not with get_available_providers() (which lists CUDA for any
+# onnxruntime-gpu wheel, whatever is installed): `ldd` on the provider library must find every
+# library it links (libcuda.so.1 excepted: the driver's, mounted when a GPU container starts) and
+# ldconfig's cache must hold cuDNN 9, which the provider dlopen()s (serving.engine.system_cuda_libraries_missing).
 COPY pipeline/ pipeline/
 COPY serving/ serving/
 COPY configs/ configs/
 RUN uv pip install --no-deps . \
     && uv pip check \
-    && TORCH_CUDA="${TORCH_CUDA}" python -c "import os, onnxruntime as ort, torch; \
-assert 'cu' + (torch.version.cuda or 'none').replace('.', '') == os.environ['TORCH_CUDA'], torch.version.cuda; \
-assert 'CUDAExecutionProvider' in ort.get_available_providers(), ort.get_available_providers()" \
+    && TORCH_CUDA="${TORCH_CUDA}" python -c "import os, torch; \
+assert 'cu' + (torch.version.cuda or 'none').replace('.', '') == os.environ['TORCH_CUDA'], torch.version.cuda" \
+    && python -c "import sys; from serving.engine import system_cuda_libraries_missing; \
+missing = system_cuda_libraries_missing(); \
+sys.exit(f'onnxruntime CUDA provider: libraries not found: {missing}' if missing else 0)" \
     && rm -rf build ./*.egg-info \
     && ln -s /opt/trainserve/configs /work/configs
 

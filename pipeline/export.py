@@ -3,7 +3,12 @@
 Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
-optional variants `model.optimized.onnx` / `model.fp16.onnx`.
+optional variants `model.optimized.onnx` / `model.fp16.onnx`. The fp16 one is also logged inside the
+registered MLflow model, beside model.onnx: `python -m serving --variant fp16` serves it.
+
+Gates run on the CPU provider, and on the CUDA provider too (with the server's default options: TF32 off)
+when it really loads here; each gate records the provider it ran on, and fails if onnxruntime fell back
+to another one. The report's `providers` says which were gated, or why not.
 
 The model, its data and its task are rebuilt from the components model.json records; those are
 imported only when trusted (built in, $TRAINSERVE_TRUSTED_COMPONENTS, --trust, or the config
@@ -47,6 +52,7 @@ log = logging.getLogger("pipeline.export")
 WEIGHTS_FORMAT = "trainserve-weights/2"
 REPORT_FORMAT = "trainserve-export-report/1"
 WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 STAGE_TAG = "trainserve.stage.export"
 DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
 
@@ -128,10 +134,17 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     _save(exported.model, onnx_path)
     log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
 
-    # 4. Gates, then the optional variants, each with its own limits.
+    # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
+    #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results.update(_gate(gates.session(onnx_path), head, splits, task, batches, cfg))
+    cuda_sess, not_on_cuda = _cuda_session(onnx_path)
+    if cuda_sess is not None:
+        results.update({f"cuda.{k}": v for k, v in _gate(cuda_sess, head, splits, task, batches, cfg,
+                                                          provider=CUDA).items()})
+    providers = {CPU: "gated", CUDA: f"gated with {_cuda_options()}" if cuda_sess is not None else
+                 f"not gated: {not_on_cuda}"}
     variants: dict[str, Path] = {}
     if cfg.ort_optimize:
         variants["optimized"] = gates.ort_optimize(onnx_path, out / "model.optimized.onnx")
@@ -141,10 +154,11 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
         _save(gates.to_fp16(exported.model), variants["fp16"])
-        results.update(_fp16_gates(variants["fp16"], head, splits, task, batches, cfg))
+        results.update(_fp16_gates(variants["fp16"], head, splits, task, batches, cfg, cuda_sess is not None))
 
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants, task, splits)
+    report["providers"] = providers
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
     else:
@@ -183,13 +197,18 @@ def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> d
     return results | _gate(gates.session(onnx_path), head, splits, task, batches, cfg)
 
 
-def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, **limits) -> dict[str, dict]:
-    """Parity on the prepared batches, then parity and the task's metric over the whole split."""
+def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, provider: str = "CPUExecutionProvider",
+          **limits) -> dict[str, dict]:
+    """Parity on the prepared batches, then parity and the task's metric over the whole split, each gate
+    recording the provider it ran on; a single failed `provider` gate if `sess` does not run on `provider`."""
+    check = gates.provider_gate(sess, provider)
+    if not check["passed"]:
+        return {"provider": check}
     atol, rtol = limits.pop("atol", cfg.atol), limits.pop("rtol", cfg.rtol)
     tolerance = limits.pop("tolerance", cfg.accuracy_tolerance_pp if task.name == "classification" else cfg.metric_rtol)
     results = gates.parity(sess, head, batches, task.output_names, atol, rtol, **limits)
     results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, cfg.metric_atol, **limits))
-    return results
+    return {name: {**gate, "provider": check["provider"]} for name, gate in results.items()}
 
 
 def default_model_name(weights: "Weights") -> str:
@@ -316,14 +335,17 @@ def _save(model, path: Path) -> None:
     onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
 
 
-def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConfig) -> dict[str, dict]:
-    """fp16 runs where it is meant to: CUDA when a device exists; else the CPU provider, if it can."""
+def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
+    """fp16 runs where it is meant to: the CUDA provider (the server's options) when it runs here; else the CPU
+    provider, which runs fp16 nodes through casts to fp32 (so that gate mostly checks the conversion)."""
     res = {"fp16.checker": gates.check_model(path)}
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"]
+    provider = CUDA if on_cuda else CPU
+    providers = [(CUDA, _cuda_options()), CPU] if on_cuda else [CPU]
     try:
         sess = gates.session(path, providers)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own untyped errors
-        res["fp16.parity"] = {"passed": False, "message": f"onnxruntime cannot run the fp16 model on {providers[0]}: {exc}"}
+        res["fp16.parity"] = {"passed": False, "provider": provider,
+                              "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}"}
         return res
     limits: dict[str, Any] = {"atol": cfg.atol * gates.FP16_LOGIT_SCALE[0], "rtol": cfg.rtol * gates.FP16_LOGIT_SCALE[1]}
     if task.name == "classification":  # probabilities and decisions carry the gate
@@ -331,13 +353,43 @@ def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConf
                    "tolerance": max(cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP)}
     else:
         limits["tolerance"] = max(cfg.metric_rtol, gates.FP16_METRIC_RTOL)
-    return res | {f"fp16.{k}": v for k, v in _gate(sess, head, splits, task, batches, cfg, **limits).items()}
+    gated = _gate(sess, head, splits, task, batches, cfg, provider=provider, **limits)
+    return res | {f"fp16.{k}": v for k, v in gated.items()}
 
 
 def _cuda() -> bool:
     import onnxruntime as ort
 
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+    return torch.cuda.is_available() and CUDA in ort.get_available_providers()
+
+
+def _cuda_options() -> dict[str, str]:
+    """The CUDA provider's options a server runs with by default (serving.engine.GpuOptions): TF32 off, so
+    the CUDA gates hold it to the fp32 limits."""
+    from serving.engine import GpuOptions
+
+    return GpuOptions().cuda()
+
+
+def _cuda_session(path: Path):
+    """(a session of `path` on the CUDA provider with the server's default options, "") when that provider
+    really runs here, else (None, why not). A GPU and onnxruntime-gpu are not enough: the provider's library
+    loads only when the CUDA and cuDNN libraries it was built for are found."""
+    if not _cuda():
+        return None, ("no CUDA device here" if not torch.cuda.is_available() else
+                      "this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
+    from serving.engine import preload_cuda_libraries
+
+    said = preload_cuda_libraries()
+    sess = gates.session(path, [(CUDA, _cuda_options()), CPU])
+    ran = sess.get_providers()[0]
+    if ran != CUDA:
+        why = (f"a CUDA device and onnxruntime-gpu are here, but its CUDA provider did not load (the session ran "
+               f"on {ran}): the CUDA and cuDNN libraries it was built for were not found"
+               + (f" (onnxruntime: {said[:300]})" if said else ""))
+        log.warning("the CUDA gates are skipped: %s", why)
+        return None, why
+    return sess, ""
 
 
 def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: dict, variants: dict, task,
@@ -414,14 +466,18 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         for path in variants.values():
             tracking.log_artifact(path, "onnx")
         inputs = {k: np.ascontiguousarray(v[:2].numpy()) for k, v in example.items()}
-        providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if _cuda() else ["CPUExecutionProvider"])
+        providers = [CUDA, CPU] if _cuda() else [CPU]
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
+        if "fp16" in variants:  # servable: a server of this version picks it with --variant fp16
+            tracking.log_beside_model(report["model_uri"], variants["fp16"])
         if register:
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
+            if "fp16" in variants:
+                tags["trainserve.onnx_fp16_sha256"] = report["onnx_fp16_sha256"] = file_sha256(variants["fp16"])
             decision = report["promotion"]
             if decision["promote"] and (decision["champion"] or {}).get("version") != \
                     tracking.alias_version(result.registered_model_name, cfg.alias):

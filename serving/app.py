@@ -52,7 +52,7 @@ from serving import codec
 from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits
 from serving.config import Settings
-from serving.engine import ModelInputError
+from serving.engine import GPU_PROVIDERS, ModelInputError
 from serving.loader import (
     LoadedModel,
     ModelInfo,
@@ -197,6 +197,7 @@ class Server:
         if unsafe:
             log.warning("not sending %s: the values are not 1 to 128 printable ASCII characters", ", ".join(unsafe))
         self.metrics.set_model(info.name, info.version, model.engine.provider, info.source)
+        self.metrics.set_engine(model.engine.provider, model.variant, model.engine.options_text())
 
     async def _reload_loop(self) -> None:
         """Follows the alias. A version that fails to load (the registry or the store away for a moment,
@@ -219,7 +220,7 @@ class Server:
                 continue
             log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
             try:
-                model = await off_loop(self._load_warm, version)
+                model = await self._load_warm(version)
             except Exception as exc:  # noqa: BLE001 - any failure of a load: keep serving, try again later
                 failures[version] = failures.get(version, 0) + 1
                 delay = min(s.reload_interval * 2 ** failures[version], 600.0)
@@ -232,12 +233,29 @@ class Server:
             await self.swap(model)
             self.metrics.set_alias(version, behind=False)
 
-    def _load_warm(self, version: str) -> LoadedModel:
-        s = self.settings
-        model = load_model(s.model, device=s.device, threads=s.threads, name=s.model_name, version=version,
-                           device_id=s.device_id)
-        warm_up(model, s.max_batch_size)
+    async def _load_warm(self, version: str) -> LoadedModel:
+        """The new version, loaded off the event loop and warmed up on the engine thread."""
+        model = await off_loop(load, self.settings, version)
+        try:
+            await self.warm_up_between_batches(model)
+        except BaseException:
+            model.discard()
+            raise
         return model
+
+    async def warm_up_between_batches(self, model: LoadedModel) -> None:
+        """A reload's warm-up, one run per batch size on the engine thread, queued between the live model's
+        batches: never two runs at once on the device (on a GPU, cuDNN picking algorithms for the new model
+        while live traffic runs would time them on a busy device and slow the requests in flight). A live
+        batch waits for at most one warm-up run."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        sizes = warm_up_sizes(model.engine.provider, self.settings.max_batch_size)
+        for n in sizes:
+            if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
+                log.info("no warm-up: an input has a dynamic axis besides the batch axis")
+                return
+        log.info("warm-up of %d batch sizes done in %.2f s", len(sizes), time.perf_counter() - started)
 
     async def swap(self, model: LoadedModel) -> None:
         old = self.slot
@@ -394,11 +412,35 @@ async def off_loop(fn, *args):
     return await future
 
 
+def load(settings: Settings, version: str | None = None) -> LoadedModel:
+    """The model the settings name (pinned at `version` for an alias), on the provider and variant they ask."""
+    s = settings
+    return load_model(s.model, device=s.device, threads=s.threads, name=s.model_name, version=version,
+                      device_id=s.device_id, variant=s.variant, gpu=s.gpu_options())
+
+
+def warm_up_sizes(provider: str, max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes to run before serving.
+
+    GPU: every size the batcher forms from requests (1 to max_batch_size): each new input shape costs the
+    CUDA provider a cuDNN algorithm choice and allocations, and TensorRT an engine rebuild if the shape is
+    outside the range it has seen, so none of that may land on a request. The largest first, then 1:
+    TensorRT's profile then spans every size in between. A single request larger than max_batch_size runs
+    alone at its own size, unwarmed (bound it with --max-rows-per-request).
+    CPU: 1 and the largest; the CPU provider chooses no algorithm per shape, and the largest batch sizes
+    its memory arena.
+    """
+    if provider in GPU_PROVIDERS:
+        return (max_batch_size, *range(1, max_batch_size))
+    return tuple(dict.fromkeys((1, max_batch_size)))
+
+
 def warm_up(model: LoadedModel, max_batch_size: int) -> None:
-    """Run the model at batch 1 and at the largest batch before the server says it is ready."""
+    """Run the model at the warm-up sizes (warm_up_sizes) before the server says it is ready."""
     started = time.perf_counter()
-    if model.engine.warm_up((1, max_batch_size)):
-        log.info("warm-up done in %.2f s", time.perf_counter() - started)
+    sizes = warm_up_sizes(model.engine.provider, max_batch_size)
+    if model.engine.warm_up(sizes):
+        log.info("warm-up of %d batch sizes done in %.2f s", len(sizes), time.perf_counter() - started)
     else:
         log.info("no warm-up: an input has a dynamic axis besides the batch axis")
 

@@ -26,8 +26,18 @@ FLAGS: dict[str, tuple[type, str]] = {
                         "trainserve.model_name, or the file stem)"),
     "host": (str, "interface to bind (default 127.0.0.1: private)"),
     "port": (int, "port (default 8080)"),
-    "device": (str, "auto|cpu|cuda (default auto: CUDA when a GPU and the CUDA provider exist)"),
+    "device": (str, "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
+                    "loads, else CPU with a warning; cuda and tensorrt refuse to start without it)"),
     "device-id": (int, "CUDA device among the visible ones (default 0; prefer CUDA_VISIBLE_DEVICES)"),
+    "variant": (str, "fp32|fp16: the file of a model directory served, model.onnx or model.fp16.onnx "
+                     "(default fp32; fp16 only on a GPU)"),
+    "cudnn-conv-algo-search": (str, "HEURISTIC|EXHAUSTIVE|DEFAULT: how cuDNN picks convolution algorithms per "
+                                    "input shape (default HEURISTIC: no benchmarking on the request path)"),
+    "allow-tf32": (bool, "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "
+                         "export gates certify)"),
+    "gpu-mem-limit-mb": (float, "cap on onnxruntime's CUDA memory arena, MiB (default: none)"),
+    "trt-cache-dir": (str, "--device tensorrt: directory for built engines and timing caches "
+                           "(default ~/.cache/trainserve/tensorrt)"),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
     "max-batch-size": (int, "most rows per model run (default 32)"),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
@@ -166,7 +176,7 @@ def open_payload_log(settings: Settings):
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from serving.app import create_app, warm_up
+    from serving.app import create_app, load, warm_up
     from serving.protocol import with_read_deadline
 
     DrainingServer = _uvicorn_server()
@@ -175,7 +185,7 @@ def serve(settings: Settings) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from serving.engine import EngineError
-    from serving.loader import SourceError, load_model
+    from serving.loader import SourceError
     from serving.payload_log import PayloadLogError
 
     try:  # before the model: a directory we can't write is found in a second, not after a long load
@@ -184,8 +194,7 @@ def serve(settings: Settings) -> int:
         log.error("%s", exc)
         return 2
     try:
-        model = load_model(settings.model, device=settings.device, threads=settings.threads,
-                           name=settings.model_name, device_id=settings.device_id)
+        model = load(settings)
         warm_up(model, settings.max_batch_size)
     except (SourceError, EngineError) as exc:
         log.error("cannot serve %s: %s", settings.model, exc)

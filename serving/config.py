@@ -19,10 +19,22 @@ class Settings:
     # Interface to bind; 127.0.0.1 keeps the server private unless asked otherwise.
     host: str = "127.0.0.1"
     port: int = 8080
-    # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist, else CPU.
+    # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist and it loads, else CPU (with a
+    # warning); cpu; cuda: CUDA or refuse to start; tensorrt: TensorRT (needs TensorRT 10) or refuse.
     device: str = "auto"
     # CUDA device index among those visible; CUDA_VISIBLE_DEVICES=N makes GPU N device 0 (preferred).
     device_id: int = 0
+    # Which file of a model directory is served: fp32 (model.onnx) or fp16 (model.fp16.onnx, GPU only).
+    variant: str = "fp32"
+    # How cuDNN picks convolution algorithms for each new input shape: HEURISTIC (no benchmark on the
+    # request path), EXHAUSTIVE (onnxruntime's default: benchmarks each new shape), DEFAULT.
+    cudnn_conv_algo_search: str = "HEURISTIC"
+    # Let CUDA run fp32 GEMMs and convolutions in TF32 (faster on Ampere+; the export gates certify fp32).
+    allow_tf32: bool = False
+    # Cap on onnxruntime's CUDA memory arena, in MiB; None: no cap.
+    gpu_mem_limit_mb: float | None = None
+    # --device tensorrt: directory of the TensorRT engine and timing caches; None: ~/.cache/trainserve/tensorrt.
+    trt_cache_dir: str | None = None
     # onnxruntime intra-op threads; default: the CPUs this process may use.
     threads: int | None = None
     # Most rows one model run gathers from concurrent requests.
@@ -88,8 +100,7 @@ class Settings:
         if self.max_rows_per_request > self.max_queue_rows:
             raise ValueError(f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
                              f"({self.max_queue_rows}): such a request could never be queued")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        self._check_device()
         if self.reload_interval is not None and self.reload_interval <= 0:
             raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -107,6 +118,38 @@ class Settings:
             raise ValueError(f"--host {self.host} makes the server reachable from other machines, and no token is "
                              "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
                              "pass --allow-unauthenticated if something in front of it authenticates")
+
+    def _check_device(self) -> None:
+        from serving.engine import CONV_ALGO_SEARCH, DEVICES  # onnxruntime: not for `--help`
+
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")
+        if self.variant not in ("fp32", "fp16"):
+            raise ValueError(f"--variant must be fp32 or fp16, got {self.variant!r}")
+        if self.variant == "fp16" and self.device == "cpu":
+            raise ValueError("--variant fp16 is for the CUDA provider: onnxruntime's CPU provider runs fp16 nodes "
+                             "through casts to fp32 (slower than the fp32 model, not faster): "
+                             "serve --variant fp32 on the CPU, or use --device cuda")
+        if self.cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
+            raise ValueError(f"--cudnn-conv-algo-search must be {', '.join(CONV_ALGO_SEARCH)}, "
+                             f"got {self.cudnn_conv_algo_search!r}")
+        if self.gpu_mem_limit_mb is not None and not 0 < self.gpu_mem_limit_mb < float("inf"):
+            raise ValueError(f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}")
+        if self.trt_cache_dir is not None and self.device != "tensorrt":
+            raise ValueError("--trt-cache-dir only applies to --device tensorrt")
+        if self.device == "cpu":
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"--{key.replace('_', '-')}" for key in ("cudnn_conv_algo_search", "allow_tf32", "gpu_mem_limit_mb")
+                     if getattr(self, key) != defaults[key]]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to a GPU: use --device cuda (or auto) or drop them")
+
+    def gpu_options(self):
+        """The CUDA / TensorRT provider options these settings ask for (a serving.engine.GpuOptions)."""
+        from serving.engine import GpuOptions
+
+        return GpuOptions(conv_algo_search=self.cudnn_conv_algo_search, tf32=self.allow_tf32,
+                          gpu_mem_limit_mb=self.gpu_mem_limit_mb, trt_cache_dir=self.trt_cache_dir)
 
     def _check_payload_log(self) -> None:
         if self.payload_log is None:

@@ -6,15 +6,30 @@ so the engine holds no lock.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import glob
+import importlib.util
+import io
 import logging
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
+
+CPU, CUDA, TENSORRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
+GPU_PROVIDERS = (CUDA, TENSORRT)
+DEVICES = ("auto", "cpu", "cuda", "tensorrt")
+CONV_ALGO_SEARCH = ("HEURISTIC", "EXHAUSTIVE", "DEFAULT")
+# What the TensorRT provider of onnxruntime-gpu 1.31 links against (readelf -d): TensorRT 10.
+TENSORRT_LIBRARIES = ("libnvinfer.so.10", "libnvonnxparser.so.10")
 
 # ONNX tensor element types as onnxruntime names them -> (numpy dtype, KServe V2 datatype).
 _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
@@ -70,20 +85,167 @@ def cuda_device_present() -> bool:
 
 
 def choose_provider(device: str) -> str:
-    """The execution provider for `device` (auto|cpu|cuda), or EngineError if cuda can't be had."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise EngineError(f"unknown device '{device}'; expected auto, cpu or cuda")
+    """The execution provider for `device` (auto|cpu|cuda|tensorrt), or EngineError if a GPU one can't be had.
+
+    This is what the build and the machine offer; whether the provider really loads is only known once a
+    session exists (see Engine)."""
+    if device not in DEVICES:
+        raise EngineError(f"unknown device '{device}'; expected {', '.join(DEVICES)}")
     if device == "cpu":
-        return "CPUExecutionProvider"
-    has_provider = "CUDAExecutionProvider" in ort.get_available_providers()
+        return CPU
+    wanted = TENSORRT if device == "tensorrt" else CUDA
+    has_provider = wanted in ort.get_available_providers()
     has_device = cuda_device_present()
     if has_provider and has_device:
-        return "CUDAExecutionProvider"
+        return wanted
     if device == "cuda":
         why = "no CUDA device found" if has_provider else (
             "this onnxruntime build has no CUDAExecutionProvider (install onnxruntime-gpu)")
         raise EngineError(f"--device cuda asked for, but {why}; use --device auto or cpu")
-    return "CPUExecutionProvider"
+    if device == "tensorrt":
+        why = "no CUDA device found" if has_provider else (
+            "this onnxruntime build has no TensorrtExecutionProvider (install onnxruntime-gpu)")
+        raise EngineError(f"--device tensorrt asked for, but {why}; use --device cuda, auto or cpu")
+    return CPU
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """How the CUDA provider (and TensorRT) runs, chosen here rather than left to onnxruntime's defaults.
+
+    `conv_algo_search`: onnxruntime's default, EXHAUSTIVE, benchmarks every cuDNN algorithm the first time
+    each input shape is seen, and the batcher forms up to --max-batch-size shapes: that search would land on
+    the request path. HEURISTIC asks cuDNN's heuristics instead (no benchmark, maybe a slower algorithm).
+    `tf32`: onnxruntime turns TF32 on by default for fp32 GEMM and convolutions on Ampere and newer (10-bit
+    mantissa). Off serves the fp32 numbers the export gates certify (they run the CUDA provider with these
+    defaults); on is faster and was not gated.
+    `gpu_mem_limit_mb`: cap on the CUDA memory arena (None: none), for a GPU shared with training. The arena
+    grows by what is asked (kSameAsRequested), not in powers of two, for the same reason.
+    `trt_cache_dir`: where the TensorRT provider keeps built engines and timing caches (building one takes
+    minutes); None: ~/.cache/trainserve/tensorrt. Engines are per GPU model and TensorRT version.
+    """
+    conv_algo_search: str = "HEURISTIC"
+    tf32: bool = False
+    gpu_mem_limit_mb: float | None = None
+    trt_cache_dir: str | None = None
+
+    def cuda(self, device_id: int = 0) -> dict[str, str]:
+        """The CUDAExecutionProvider options (onnxruntime takes strings)."""
+        if self.conv_algo_search not in CONV_ALGO_SEARCH:
+            raise EngineError(f"cudnn_conv_algo_search must be one of {', '.join(CONV_ALGO_SEARCH)}, "
+                              f"got {self.conv_algo_search!r}")
+        options = {"device_id": str(device_id), "cudnn_conv_algo_search": self.conv_algo_search,
+                   "use_tf32": "1" if self.tf32 else "0", "arena_extend_strategy": "kSameAsRequested"}
+        if self.gpu_mem_limit_mb:
+            options["gpu_mem_limit"] = str(int(self.gpu_mem_limit_mb * (1 << 20)))
+        return options
+
+    def tensorrt(self, device_id: int = 0) -> dict[str, str]:
+        """The TensorrtExecutionProvider options: engines and timings cached on disk, so that a restart
+        does not build them again."""
+        cache = self.trt_cache_dir or str(Path.home() / ".cache" / "trainserve" / "tensorrt")
+        return {"device_id": str(device_id), "trt_engine_cache_enable": "1", "trt_engine_cache_path": cache,
+                "trt_timing_cache_enable": "1", "trt_timing_cache_path": cache}
+
+
+def preload_cuda_libraries() -> str:
+    """Loads the CUDA and cuDNN libraries onnxruntime's CUDA provider links against, from the nvidia-* pip
+    packages when they are installed, else from the system loader path; returns what onnxruntime reported
+    (its failures), "" when all loaded. Once per process.
+
+    The CUDA provider library has no RPATH: without this, a pip-only setup (no system CUDA) makes onnxruntime
+    fall back to the CPU provider. Not needed after `import torch` with a torch of the same CUDA major, but
+    the server never imports torch. onnxruntime prints its findings to stdout; they are captured here.
+    """
+    global _preload_report
+    if _preload_report is None:
+        preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+        if preload is None:
+            _preload_report = (f"onnxruntime {ort.__version__} has no preload_dlls(): the CUDA libraries must be "
+                               "on the system loader path")
+        else:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                try:
+                    preload()  # directory=None: the nvidia-* site packages, then the default loader paths
+                except Exception as exc:  # noqa: BLE001 - a bad install must not stop a fallback to CPU
+                    print(f"onnxruntime.preload_dlls() failed: {exc}")
+            _preload_report = " ".join(printed.getvalue().split())
+        if _preload_report:
+            log.debug("loading the CUDA libraries: %s", _preload_report)
+    return _preload_report
+
+
+_preload_report: str | None = None
+
+
+def tensorrt_libraries_missing() -> list[str]:
+    """The TensorRT libraries the TensorRT provider needs that cannot be loaded (from the loader path, or
+    from the tensorrt_libs pip package)."""
+    spec = importlib.util.find_spec("tensorrt_libs")
+    package_dir = Path(spec.origin).parent if spec and spec.origin else None
+    missing = []
+    for name in TENSORRT_LIBRARIES:
+        for candidate in ([name] + ([str(package_dir / name)] if package_dir else [])):
+            try:
+                ctypes.CDLL(candidate)
+                break
+            except OSError:
+                continue
+        else:
+            missing.append(name)
+    return missing
+
+
+def system_cuda_libraries_missing() -> list[str]:
+    """The libraries onnxruntime's CUDA provider needs that the system loader cannot find: what an image
+    that serves on CUDA without pip's nvidia-* packages must carry (the Dockerfile checks it at build time,
+    where get_available_providers() would list CUDA whatever is installed)."""
+    library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    if not library.is_file():
+        return [f"{library.name} (this onnxruntime has no CUDA provider: install onnxruntime-gpu)"]
+    ldd = subprocess.run(["ldd", str(library)], capture_output=True, text=True, check=False).stdout
+    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
+    cache = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, check=False).stdout
+    return missing_libraries(ldd, cache)
+
+
+def missing_libraries(ldd_output: str, ldconfig_cache: str) -> list[str]:
+    """From `ldd <CUDA provider library>` and `ldconfig -p`: the linked libraries "not found", except the
+    driver's libcuda.so.1 (the NVIDIA container runtime mounts it when the container starts, so a build never
+    has it), then cuDNN 9 if the loader cache lacks it (the provider dlopen()s it: ldd does not list it)."""
+    missing = [line.split("=>")[0].strip() for line in ldd_output.splitlines() if "not found" in line]
+    missing = [name for name in missing if not name.startswith("libcuda.so")]
+    if not re.search(r"^\s*libcudnn\.so\.9\s", ldconfig_cache, re.MULTILINE):
+        missing.append("libcudnn.so.9")
+    return missing
+
+
+def _cuda_major() -> str:
+    try:
+        from onnxruntime.capi import build_and_package_info
+        return str(getattr(build_and_package_info, "cuda_version", "") or "13").split(".")[0]
+    except ImportError:
+        return "13"
+
+
+def _not_on_gpu(device: str, wanted: str, ran: str, preload_report: str, printed: str) -> str:
+    """Why a session asked for on `wanted` ended up on `ran`, and how to fix it."""
+    major = _cuda_major()
+    if wanted == TENSORRT:
+        cause = (f"the TensorRT provider could not initialize (TensorRT 10 with CUDA {major}); fix the TensorRT "
+                 "install or use --device cuda")
+    else:
+        cause = (f"its CUDA provider could not load. Likely cause: the CUDA {major} and cuDNN 9 libraries "
+                 f"onnxruntime-gpu {ort.__version__} is built for were not found, neither in nvidia-* pip packages "
+                 "nor on the system loader path. Fix: pip install 'onnxruntime-gpu[cuda,cudnn]' nvidia-cublas "
+                 f"(CUDA {major} wheels, which onnxruntime.preload_dlls() finds), or install CUDA {major} and cuDNN 9 "
+                 "system-wide (ldconfig or LD_LIBRARY_PATH), or use the Docker image; "
+                 "`python -c 'import onnxruntime; onnxruntime.print_debug_info()'` lists what is found")
+    said = "; ".join(x.rstrip(". ") for x in (preload_report, printed) if x)
+    return (f"--device {device}: onnxruntime created the session on {ran}, not {wanted}: {cause}"
+            + (f". onnxruntime said: {said[:600]}" if said else "")
+            + (". --device auto would serve on the CPU instead" if device != "auto" else ""))
 
 
 def usable_cpus() -> int:
@@ -111,12 +273,20 @@ class Engine:
 
     `device_id` is the CUDA device among those the process sees: CUDA_VISIBLE_DEVICES=2 makes
     the host's third GPU device 0, which is the usual way to pick one. Ignored on CPU.
+
+    Invariant: `provider` is the provider the session really runs on. onnxruntime falls back to the CPU
+    when a GPU provider fails to load (missing libraries), printing a note nobody reads; here --device
+    cuda|tensorrt then raises EngineError, and auto goes on on the CPU with a warning. The session's own
+    run-time fallback (a provider error in a run retried on the CPU for good) is switched off: such a run
+    fails its requests instead of silently moving the server to the CPU.
     """
 
-    def __init__(self, path: str, device: str = "auto", threads: int | None = None, device_id: int = 0):
-        self.provider = choose_provider(device)
+    def __init__(self, path: str, device: str = "auto", threads: int | None = None, device_id: int = 0,
+                 gpu: GpuOptions | None = None):
+        wanted = choose_provider(device)
         self.threads = threads or usable_cpus()
         self.device_id = device_id
+        self.gpu = gpu or GpuOptions()
 
         options = ort.SessionOptions()
         # onnxruntime sizes its pool to the host, and pinning does not confine its threads; the
@@ -129,26 +299,49 @@ class Engine:
         # next request: with it on, the ResNet served at half the rate on 2 busy cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # errors only: the placement warnings are noise here
-        providers: list = ["CPUExecutionProvider"]
-        if self.provider == "CUDAExecutionProvider":
-            providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+        providers: list = [CPU]
+        preload_report = ""
+        if wanted in GPU_PROVIDERS:
+            preload_report = preload_cuda_libraries()  # before the session: the provider library needs them
+            providers = [(CUDA, self.gpu.cuda(device_id)), CPU]
+            if wanted == TENSORRT:
+                missing = tensorrt_libraries_missing()
+                if missing:
+                    raise EngineError(f"--device tensorrt asked for, but the TensorRT 10 libraries {', '.join(missing)} "
+                                      "cannot be loaded: install TensorRT 10 for CUDA 13 (its lib directory on "
+                                      "LD_LIBRARY_PATH, or the tensorrt-cu13-libs 10.x pip package), or use --device cuda")
+                providers.insert(0, (TENSORRT, self.gpu.tensorrt(device_id)))
+        printed = io.StringIO()
         try:
-            self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
+            with contextlib.redirect_stdout(printed):  # onnxruntime prints its provider fallback on stdout
+                self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types for bad files
             raise EngineError(f"onnxruntime cannot load {path}: {exc}") from exc
-        # Report what actually runs: onnxruntime falls back to CPU when CUDA fails to initialize.
+        self.session.disable_fallback()
         self.provider = self.session.get_providers()[0]
+        if self.provider != wanted:
+            message = _not_on_gpu(device, wanted, self.provider, preload_report, " ".join(printed.getvalue().split()))
+            if device != "auto":
+                raise EngineError(message)
+            log.warning("%s", message)
+        # The options of the provider that runs, as onnxruntime took them: for the log and /metrics.
+        self.provider_options: dict[str, str] = {}
+        if self.provider in GPU_PROVIDERS:
+            asked = dict(p for p in providers if isinstance(p, tuple))[self.provider]
+            given = self.session.get_provider_options().get(self.provider, {})
+            self.provider_options = {k: str(given.get(k, v)) for k, v in asked.items()}
         self.inputs = [_spec(a) for a in self.session.get_inputs()]
         self.outputs = [_spec(a) for a in self.session.get_outputs()]
         self.output_names = [o.name for o in self.outputs]
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs)
-        self._io_binding = self.provider == "CUDAExecutionProvider"
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run. feeds: input name -> array, already validated against `inputs`."""
         try:
-            return self._run(feeds)
+            # No IO binding: binding a host array and copying the outputs back is the same host->device and
+            # device->host traffic session.run does (see the README's GPU section for what would gain).
+            return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
         except Exception as exc:
             # onnxruntime's InvalidArgument and RuntimeException are what bad values give; out of memory
             # and everything else is the server's problem.
@@ -158,22 +351,9 @@ class Engine:
                 raise ModelInputError(f"the model cannot compute on these input values: {first[:400]}") from exc
             raise
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self._io_binding:
-            # CUDA: inputs are copied host -> device once; outputs are allocated by onnxruntime on
-            # the device (no device -> host copy inside the run) and copied back once, here.
-            # Not executed by the test suite (no GPU there).
-            binding = self.session.io_binding()
-            for name, array in feeds.items():
-                binding.bind_cpu_input(name, np.ascontiguousarray(array))
-            for name in self.output_names:
-                binding.bind_output(name, "cuda", self.device_id)
-            self.session.run_with_iobinding(binding)
-            return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
-
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> bool:
-        """Run zeros through the model so that the first real request does not pay for allocation.
+        """Run zeros through the model so that the first real request does not pay for allocation (and, on
+        a GPU, for cuDNN's choice of algorithms for that input shape).
 
         Returns False (and runs nothing) when an input has a dynamic axis other than the batch one:
         no size can be guessed for it safely.
@@ -189,9 +369,12 @@ class Engine:
             self.run(feeds)
         return True
 
+    def options_text(self) -> str:
+        """The provider's options, `key=value` comma-separated ("" on the CPU)."""
+        return ",".join(f"{k}={v}" for k, v in sorted(self.provider_options.items()))
+
     def describe(self) -> str:
         ins = ", ".join(f"{s.name} {list(s.shape)} {s.datatype}" for s in self.inputs)
-        return (f"{self.provider}"
-                f"{f' device {self.device_id} with IO binding' if self._io_binding else ''}, "
-                f"{self.threads} intra-op threads "
+        gpu = f" device {self.device_id} ({self.options_text()})" if self.provider in GPU_PROVIDERS else ""
+        return (f"{self.provider}{gpu}, {self.threads} intra-op threads "
                 f"(onnxruntime {ort.__version__}); inputs: {ins}")

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.engine import Engine
+from serving.engine import CPU, GPU_PROVIDERS, Engine, EngineError, GpuOptions, choose_provider
 
 log = logging.getLogger("serving.loader")
 
@@ -29,6 +29,8 @@ _ALIAS = re.compile(r"^models:/([^/@]+)@([^/@]+)$")
 _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
+# The file of each variant in a model directory (the export logs both into the registered model).
+VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx"}
 
 # Where the model came from, as the exporter writes it into the ONNX file's metadata_props: lineage key ->
 # metadata key. Read from the loaded file itself, so that every answer names the file that computed it.
@@ -63,6 +65,7 @@ class LoadedModel:
     engine: Engine
     info: ModelInfo
     workdir: str | None = None  # a download directory to delete when the model is dropped
+    variant: str = "fp32"  # which file of the model directory runs (VARIANT_FILES)
 
     def discard(self) -> None:
         if self.workdir:
@@ -104,18 +107,22 @@ def alias_version(uri: str) -> str:
 
 
 def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
-               version: str | None = None, device_id: int = 0) -> LoadedModel:
+               version: str | None = None, device_id: int = 0, variant: str = "fp32",
+               gpu: GpuOptions | None = None) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's
-    `trainserve.model_name` metadata, else the file stem.
+    `trainserve.model_name` metadata, else the file stem. `variant` picks the file of a model directory
+    (VARIANT_FILES); fp16 is served on a GPU provider only (EngineError otherwise, before any download).
     """
     kind = check_source(uri)
+    if variant == "fp16" and choose_provider(device) == CPU:
+        raise EngineError(_FP16_ON_CPU)
     workdir = None
     registered = None
     try:
         if kind == "file":
-            path, version = _find_onnx(Path(uri)), version or "1"
+            path, version = _find_onnx(Path(uri), variant), version or "1"
         else:
             workdir = tempfile.mkdtemp(prefix="trainserve-model-")
             if kind in ("alias", "version"):
@@ -126,8 +133,10 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
                 fetch_uri = f"models:/{registered}/{version}"
             else:
                 fetch_uri, version = uri, version or "1"
-            path = _find_onnx(Path(_download(fetch_uri, workdir)))
-        engine = Engine(str(path), device=device, threads=threads, device_id=device_id)
+            path = _find_onnx(Path(_download(fetch_uri, workdir)), variant)
+        engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu)
+        if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
+            raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
     except BaseException:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -135,7 +144,11 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
     info = ModelInfo(
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
         version=str(version), source=uri, labels=_labels(engine.metadata), lineage=lineage(engine.metadata))
-    return LoadedModel(engine, info, workdir)
+    return LoadedModel(engine, info, workdir, variant)
+
+
+_FP16_ON_CPU = ("--variant fp16 is served on the CUDA provider only (on the CPU onnxruntime runs fp16 nodes through "
+                "casts to fp32: slower than the fp32 model); use --device cuda on a GPU, or --variant fp32")
 
 
 def _download(uri: str, dst: str) -> str:
@@ -149,8 +162,13 @@ def _download(uri: str, dst: str) -> str:
                           f"(tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
 
 
-def _find_onnx(path: Path) -> Path:
-    """The .onnx file at `path`: the file itself, or the one inside a (model) directory."""
+def _find_onnx(path: Path, variant: str = "fp32") -> Path:
+    """The .onnx file at `path`: the file itself, or the `variant`'s one inside a (model) directory.
+
+    A directory holding one model (a downloaded MLflow model: model.onnx, and model.fp16.onnx when the export
+    made one; a run's onnx/ also has model.optimized.onnx) serves model.onnx for fp32 and model.fp16.onnx for
+    fp16. A directory with a single .onnx file of another name serves it as fp32.
+    """
     if path.is_file():
         return path
     if not path.exists():
@@ -158,13 +176,22 @@ def _find_onnx(path: Path) -> Path:
     found = sorted(path.rglob("*.onnx"))
     if not found:
         raise SourceError(f"no .onnx file under {path}")
-    if len(found) > 1:
-        named = [p for p in found if p.name == "model.onnx"]
-        if len(named) != 1:
-            raise SourceError(f"several .onnx files under {path}: {[str(p) for p in found]}; "
-                              "point --model at one of them")
+    wanted = VARIANT_FILES[variant]
+    named = [p for p in found if p.name == wanted]
+    if len(named) == 1:
         return named[0]
-    return found[0]
+    if len(named) > 1:
+        raise SourceError(f"several {wanted} files under {path}: {[str(p) for p in named]}; point --model at one")
+    if variant == "fp16":
+        raise SourceError(f"no {wanted} under {path} (found {[p.name for p in found]}): export with export.fp16=true "
+                          "to log the fp16 variant with the model, or serve --variant fp32")
+    others = [p for p in found if p.name != VARIANT_FILES["fp16"]]
+    if len(others) == 1:
+        return others[0]
+    if not others:
+        raise SourceError(f"only an fp16 model under {path} ({[p.name for p in found]}): serve it with --variant fp16")
+    raise SourceError(f"several .onnx files under {path}: {[str(p) for p in found]}; "
+                      "point --model at one of them")
 
 
 def lineage(metadata: dict[str, str]) -> dict[str, str]:

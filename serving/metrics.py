@@ -39,6 +39,9 @@ class Metrics:
         self.queue.set_function(queue_rows)
         self.model_info = Gauge("trainserve_model_info", "The model being served (value 1)",
                                 ["name", "version", "provider", "source"], registry=r)
+        self.engine_info = Gauge("trainserve_engine_info", "How the model runs (value 1): the execution provider "
+                                 "that really runs it, the variant served (fp32, fp16) and the provider's options",
+                                 ["provider", "variant", "options"], registry=r)
         self.reloads = Counter("trainserve_model_reloads", "Model swaps after the registry alias moved",
                                registry=r)
         self.reload_failures = Counter("trainserve_model_reload_failures",
@@ -64,6 +67,10 @@ class Metrics:
     def set_model(self, name: str, version: str, provider: str, source: str) -> None:
         self.model_info.clear()
         self.model_info.labels(name, version, provider, source).set(1)
+
+    def set_engine(self, provider: str, variant: str, options: str) -> None:
+        self.engine_info.clear()
+        self.engine_info.labels(provider, variant, options).set(1)
 
     def set_alias(self, version: str, behind: bool) -> None:
         self.alias.clear()

@@ -252,6 +252,13 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
     assert (onnx_dir / "model.optimized.onnx").is_file()
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(trained["run_id"], "onnx")}
     assert {"onnx/model.fp16.onnx", "onnx/model.optimized.onnx", "onnx/export_report.json"} <= logged
+    # Servable: inside the registered model beside model.onnx (`serving --variant fp16` picks it), and each
+    # gate names the provider it ran on (CUDA for fp16 only where the CUDA provider really loads).
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/resnet18-digits/{exported.model_version}"))
+    assert (local / "model.fp16.onnx").read_bytes() == (onnx_dir / "model.fp16.onnx").read_bytes()
+    on_cuda = report["providers"]["CUDAExecutionProvider"].startswith("gated")
+    assert {g["provider"] for k, g in report["gates"].items() if k.startswith("fp16.parity")} == \
+        {"CUDAExecutionProvider" if on_cuda else "CPUExecutionProvider"}
 
 
 def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained):

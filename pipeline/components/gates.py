@@ -40,15 +40,33 @@ FP16_METRIC_RTOL = 1e-2    # at least this much room on another task's metric (e
 FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 outputs
 
 
-def session(model: onnx.ModelProto | str | Path, providers: list[str] | None = None, threads: int = 0):
-    """An onnxruntime session; CPU unless told otherwise (parity is proven on the CPU provider)."""
+def session(model: onnx.ModelProto | str | Path, providers: list | None = None, threads: int = 0):
+    """An onnxruntime session; CPU unless told otherwise. `providers` as onnxruntime takes them: names, or
+    (name, options) pairs.
+
+    onnxruntime creates the session on the next provider when one fails to load, and retries a run that
+    fails in a provider on the CPU for good; a gate must know what it measured, so the second is switched
+    off here and the first is checked by `provider_gate`."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
+    sess = ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
+    sess.disable_fallback()
+    return sess
+
+
+def provider_gate(sess, asked: str) -> dict:
+    """Whether `sess` runs on the provider `asked` for (its `get_providers()[0]`): a gate, which fails when
+    onnxruntime fell back to another provider: numbers measured there would certify nothing about `asked`."""
+    ran = sess.get_providers()[0]
+    if ran != asked:
+        return {"passed": False, "provider": ran, "asked": asked,
+                "message": f"asked for {asked}, but onnxruntime created the session on {ran} (the provider did not "
+                           f"load here): nothing was measured on {asked}"}
+    return {"passed": True, "provider": ran, "asked": asked, "message": f"runs on {ran}"}
 
 
 def check_model(path: Path) -> dict:

@@ -212,13 +212,27 @@ def free_port() -> int:
 # --- the training run -------------------------------------------------------------------------
 
 
+def warn_without_gpu_metrics() -> bool:
+    """MLflow samples NVIDIA GPUs only through pynvml (the nvidia-ml-py package) and otherwise skips
+    them with an INFO line nobody sees: say it once, as a warning, and how to get them. True if warned."""
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        log.warning("MLflow system metrics will have no GPU utilization or memory: pynvml is not installed; "
+                    "pip install 'trainserve[gpu]' (nvidia-ml-py)")
+        return True
+    return False
+
+
 @uninterrupted
 def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool,
-              skip_logged_steps: bool = False) -> str:
+              skip_logged_steps: bool = False, gpu: bool = False) -> str:
     """Starts a run, or continues `run_id` (a resume keeps one run, not two); `skip_logged_steps`:
-    don't log again the steps it already holds (see `_logged_through`)."""
+    don't log again the steps it already holds (see `_logged_through`); `gpu`: training runs on CUDA."""
     import mlflow
 
+    if system_metrics and gpu:
+        warn_without_gpu_metrics()
     if system_metrics:
         # Short runs would log no sample at the default 10 s interval.
         mlflow.set_system_metrics_sampling_interval(2)
@@ -506,3 +520,11 @@ def current_uri() -> str:
     import mlflow
 
     return mlflow.get_tracking_uri()
+
+
+def log_beside_model(model_uri: str, path: Path) -> None:
+    """`path` into the artifacts of the logged model `model_uri` (models:/<model id>), beside its model.onnx:
+    registered and downloaded with it (serving.loader picks a variant's file by name)."""
+    import mlflow
+
+    mlflow.MlflowClient().log_model_artifact(model_uri.removeprefix("models:/"), str(path))

@@ -1,0 +1,447 @@
+"""The GPU paths of serving and of the export gates, checked on a machine without a GPU.
+
+Where onnxruntime's own behaviour can be had here, it is the real one: asked for the CUDA provider on this
+CPU-only machine, onnxruntime-gpu really fails to load it (its CUDA 13 libraries are absent) and creates
+the session on the CPU provider, exactly what a GPU host without those libraries does. What only a GPU
+would show (a session that does come up on CUDA, the options it took) goes through a fake session that
+records what it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import yaml
+from onnx import TensorProto, helper
+
+from serving import app as serving_app
+from serving import engine as serving_engine
+from serving.cli import FLAGS, add_arguments, settings_from_args
+from serving.config import Settings
+from serving.engine import CPU, CUDA, TENSORRT, Engine, EngineError, GpuOptions
+from serving.loader import LoadedModel, ModelInfo, SourceError, _find_onnx, load_model
+
+from serving_fixtures import ROOT, tiny_model
+
+REAL_GPU = serving_engine.cuda_device_present()
+REAL_SESSION = ort.InferenceSession
+no_real_gpu = pytest.mark.skipif(REAL_GPU, reason="a real GPU is here: the CUDA provider may well load")
+
+
+class FakeSession:
+    """Stands in for onnxruntime.InferenceSession: records what it was given, runs on `runs_on`."""
+
+    runs_on: list[str] = [CUDA, CPU]
+    created: list[dict] = []
+
+    def __init__(self, path, sess_options=None, providers=None):
+        self.providers = providers
+        self.fallback = True
+        type(self).created.append({"path": path, "providers": providers, "options": sess_options})
+        self._real = REAL_SESSION(path, providers=[CPU])  # for the model's inputs and outputs
+
+    def disable_fallback(self):
+        self.fallback = False
+
+    def get_providers(self):
+        asked = [p[0] if isinstance(p, tuple) else p for p in self.providers]
+        return [p for p in self.runs_on if p in asked]
+
+    def get_provider_options(self):
+        return {name: dict(opts) for name, opts in (p for p in self.providers if isinstance(p, tuple))
+                if name in self.runs_on}
+
+    def __getattr__(self, name):  # get_inputs, get_outputs, get_modelmeta, run
+        return getattr(self._real, name)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU as choose_provider sees it, preload_dlls recorded, sessions faked (on CUDA unless told)."""
+    events: list[str] = []
+    monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [TENSORRT, CUDA, CPU])
+    monkeypatch.setattr(serving_engine, "_preload_report", None)
+    monkeypatch.setattr(ort, "preload_dlls", lambda **kw: events.append("preload"), raising=False)
+
+    class Recording(FakeSession):
+        runs_on = [CUDA, CPU]
+        created = []
+
+        def __init__(self, *args, **kwargs):
+            events.append("session")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Recording)
+    return SimpleNamespace(events=events, session=Recording)
+
+
+# ---- A.3: --device cuda is enforced; the CUDA libraries are preloaded ---------------------------
+
+
+@no_real_gpu
+def test_device_cuda_whose_provider_does_not_load_refuses_naming_provider_cause_and_fix(tmp_path, monkeypatch):
+    """The real onnxruntime-gpu on a host that has a GPU but not CUDA 13 / cuDNN 9 where it looks: the
+    session comes up on the CPU. Before the fix this served on the CPU with --device cuda."""
+    monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider")
+    with pytest.raises(EngineError) as caught:
+        Engine(str(tiny_model(tmp_path / "m.onnx")), device="cuda", threads=1)
+    message = str(caught.value)
+    assert "onnxruntime created the session on CPUExecutionProvider, not CUDAExecutionProvider" in message
+    assert "CUDA 13 and cuDNN 9" in message and "pip install 'onnxruntime-gpu[cuda,cudnn]'" in message
+    assert "libcublasLt.so.13" in message  # what preload_dlls could not find, as onnxruntime said it
+
+
+@no_real_gpu
+def test_device_auto_falls_back_to_the_cpu_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider")
+    engine = Engine(str(tiny_model(tmp_path / "m.onnx")), device="auto", threads=1)
+    assert engine.provider == CPU and engine.provider_options == {}
+    assert any(r.levelname == "WARNING" and "not CUDAExecutionProvider" in r.getMessage() for r in caplog.records)
+
+
+def test_cuda_session_is_created_after_preload_with_explicit_options(tmp_path, fake_gpu):
+    engine = Engine(str(tiny_model(tmp_path / "m.onnx")), device="cuda", threads=1, device_id=1)
+    assert fake_gpu.events == ["preload", "session"]
+    (created,) = fake_gpu.session.created
+    assert created["providers"] == [(CUDA, {"device_id": "1", "cudnn_conv_algo_search": "HEURISTIC",
+                                            "use_tf32": "0", "arena_extend_strategy": "kSameAsRequested"}), CPU]
+    assert engine.provider == CUDA and engine.session.fallback is False
+    assert "use_tf32=0" in engine.describe() and "cudnn_conv_algo_search=HEURISTIC" in engine.describe()
+    # The flags reach the options.
+    gpu = GpuOptions(conv_algo_search="EXHAUSTIVE", tf32=True, gpu_mem_limit_mb=512)
+    Engine(str(tmp_path / "m.onnx"), device="cuda", threads=1, gpu=gpu)
+    assert fake_gpu.session.created[-1]["providers"][0] == (CUDA, {
+        "device_id": "0", "cudnn_conv_algo_search": "EXHAUSTIVE", "use_tf32": "1",
+        "arena_extend_strategy": "kSameAsRequested", "gpu_mem_limit": str(512 << 20)})
+    assert fake_gpu.events.count("preload") == 1  # once per process
+
+
+def test_cpu_never_preloads_and_a_missing_preload_dlls_is_tolerated(tmp_path, fake_gpu, monkeypatch):
+    engine = Engine(str(tiny_model(tmp_path / "m.onnx")), device="cpu", threads=1)
+    assert fake_gpu.events == ["session"] and fake_gpu.session.created[0]["providers"] == [CPU]
+    assert engine.describe().startswith("CPUExecutionProvider, 1 intra-op threads")
+    monkeypatch.delattr(ort, "preload_dlls")
+    Engine(str(tmp_path / "m.onnx"), device="cuda", threads=1)
+    assert "has no preload_dlls()" in serving_engine._preload_report
+
+
+def test_flags_and_environment_reach_the_provider_options(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("TRAINSERVE_ALLOW_TF32", "1")
+    args = parser.parse_args(["--model", "m.onnx", "--cudnn-conv-algo-search", "EXHAUSTIVE",
+                              "--gpu-mem-limit-mb", "256", "--variant", "fp16", "--device", "cuda"])
+    settings = settings_from_args(args)
+    assert settings.variant == "fp16"
+    assert settings.gpu_options().cuda() == {"device_id": "0", "cudnn_conv_algo_search": "EXHAUSTIVE",
+                                             "use_tf32": "1", "arena_extend_strategy": "kSameAsRequested",
+                                             "gpu_mem_limit": str(256 << 20)}
+    assert {"variant", "cudnn-conv-algo-search", "allow-tf32", "gpu-mem-limit-mb", "trt-cache-dir"} <= set(FLAGS)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"variant": "fp16", "device": "cpu"}, "--variant fp16 is for the CUDA provider"),
+    ({"variant": "int8"}, "--variant must be fp32 or fp16"),
+    ({"allow_tf32": True, "device": "cpu"}, "--allow-tf32 only apply to a GPU"),
+    ({"cudnn_conv_algo_search": "FAST"}, "--cudnn-conv-algo-search must be HEURISTIC, EXHAUSTIVE, DEFAULT"),
+    ({"trt_cache_dir": "/tmp/x", "device": "cuda"}, "--trt-cache-dir only applies to --device tensorrt"),
+    ({"device": "gpu"}, "--device must be auto, cpu, cuda, tensorrt"),
+])
+def test_gpu_settings_are_checked_at_load_time(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(model="m.onnx", **values).check()
+
+
+def test_compose_gpu_server_asks_for_cuda():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose["services"]["server"]["environment"]["TRAINSERVE_DEVICE"] == "${SERVE_DEVICE:-cuda}"
+
+
+# ---- TensorRT -------------------------------------------------------------------------------------
+
+
+def test_tensorrt_without_a_gpu_is_refused(tmp_path):
+    if REAL_GPU:
+        pytest.skip("a real GPU is here")
+    with pytest.raises(EngineError, match="--device tensorrt asked for, but no CUDA device found"):
+        Engine(str(tiny_model(tmp_path / "m.onnx")), device="tensorrt")
+
+
+def test_tensorrt_without_its_libraries_is_refused_naming_them(tmp_path, fake_gpu):
+    if not serving_engine.tensorrt_libraries_missing():
+        pytest.skip("TensorRT is installed here")
+    with pytest.raises(EngineError, match=r"TensorRT 10 libraries libnvinfer\.so\.10, libnvonnxparser\.so\.10"):
+        Engine(str(tiny_model(tmp_path / "m.onnx")), device="tensorrt")
+    assert fake_gpu.session.created == []  # refused before any session
+
+
+def test_tensorrt_session_caches_its_engines(tmp_path, fake_gpu, monkeypatch):
+    monkeypatch.setattr(serving_engine, "tensorrt_libraries_missing", lambda: [])
+    fake_gpu.session.runs_on = [TENSORRT, CUDA, CPU]
+    cache = str(tmp_path / "trt")
+    engine = Engine(str(tiny_model(tmp_path / "m.onnx")), device="tensorrt", gpu=GpuOptions(trt_cache_dir=cache))
+    providers = fake_gpu.session.created[0]["providers"]
+    assert [p[0] if isinstance(p, tuple) else p for p in providers] == [TENSORRT, CUDA, CPU]
+    assert providers[0][1] == {"device_id": "0", "trt_engine_cache_enable": "1", "trt_engine_cache_path": cache,
+                               "trt_timing_cache_enable": "1", "trt_timing_cache_path": cache}
+    assert engine.provider == TENSORRT
+    fake_gpu.session.runs_on = [CUDA, CPU]  # TensorRT did not come up: refused, not served on plain CUDA
+    with pytest.raises(EngineError, match="created the session on CUDAExecutionProvider, not TensorrtExecutionProvider"):
+        Engine(str(tmp_path / "m.onnx"), device="tensorrt")
+
+
+# ---- A.6: the fp16 variant is servable ------------------------------------------------------------
+
+
+def model_dir(tmp_path: Path, *names: str) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir(parents=True)
+    for name in names:
+        tiny_model(directory / name)
+    return directory
+
+
+def test_loader_picks_each_variants_file(tmp_path):
+    both = model_dir(tmp_path, "model.onnx", "model.fp16.onnx", "model.optimized.onnx")
+    assert _find_onnx(both).name == "model.onnx"
+    assert _find_onnx(both, "fp16").name == "model.fp16.onnx"
+    only_fp32 = model_dir(tmp_path / "a", "model.onnx")
+    with pytest.raises(SourceError, match=r"no model\.fp16\.onnx under .*export\.fp16=true"):
+        _find_onnx(only_fp32, "fp16")
+    only_fp16 = model_dir(tmp_path / "b", "model.fp16.onnx")
+    with pytest.raises(SourceError, match="only an fp16 model .* --variant fp16"):
+        _find_onnx(only_fp16)
+    custom = model_dir(tmp_path / "c", "net.onnx")
+    assert _find_onnx(custom).name == "net.onnx"
+
+
+def test_fp16_variant_is_refused_on_the_cpu_with_a_clear_message(tmp_path):
+    directory = model_dir(tmp_path, "model.onnx", "model.fp16.onnx")
+    if not REAL_GPU:
+        with pytest.raises(EngineError, match="--variant fp16 is served on the CUDA provider only"):
+            load_model(str(directory), device="auto", threads=1, variant="fp16")
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(directory), "--variant", "fp16",
+                        "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--variant fp16 is for the CUDA provider" in r.stderr
+
+
+@no_real_gpu
+def test_fp16_variant_whose_gpu_provider_did_not_load_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider")
+    directory = model_dir(tmp_path, "model.onnx", "model.fp16.onnx")
+    with pytest.raises(EngineError, match="CUDA provider only .*runs on CPUExecutionProvider here"):
+        load_model(str(directory), device="auto", threads=1, variant="fp16")
+
+
+def test_fp16_variant_on_cuda_loads_model_fp16(tmp_path, fake_gpu):
+    directory = model_dir(tmp_path, "model.onnx", "model.fp16.onnx")
+    model = load_model(str(directory), device="cuda", threads=1, variant="fp16")
+    assert Path(fake_gpu.session.created[0]["path"]).name == "model.fp16.onnx" and model.variant == "fp16"
+
+
+def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypatch):
+    import mlflow
+
+    from pipeline.components import tracking
+    from pipeline.components.tracking import log_beside_model
+
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    fp32, fp16 = tiny_model(tmp_path / "model.onnx"), tiny_model(tmp_path / "model.fp16.onnx", seed=1)
+    try:
+        with mlflow.start_run():
+            uri = tracking.log_onnx_model(onnx.load(str(fp32)), {"input": np.zeros((1, 1, 8, 8), np.float32)},
+                                          None, [CPU], metadata={})
+            log_beside_model(uri, fp16)
+        version = mlflow.register_model(uri, "tiny-variants").version
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/tiny-variants/{version}",
+                                                         dst_path=str(tmp_path / "down")))
+    finally:
+        mlflow.set_tracking_uri("")
+    assert _find_onnx(local).read_bytes() == fp32.read_bytes()
+    assert _find_onnx(local, "fp16").read_bytes() == fp16.read_bytes()
+
+
+# ---- A.5 / A.6: every export gate records the provider it ran on ----------------------------------
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Mean(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+@pytest.fixture
+def mean_export(tmp_path):
+    """x.mean(1) as a PyTorch head and as a hand-made ONNX graph, on 20 validation rows."""
+    from pipeline.components import gates
+    from pipeline.components.onnx_export import ExportHead
+    from pipeline.components.tasks import Regression
+    from pipeline.config import ExportConfig
+
+    graph = helper.make_graph([helper.make_node("ReduceMean", ["input"], ["prediction"], axes=[1], keepdims=0)],
+                              "mean", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 6])],
+                              [helper.make_tensor_value_info("prediction", TensorProto.FLOAT, ["batch"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    path = tmp_path / "mean.onnx"
+    onnx.save(model, str(path))
+    x = torch.rand(20, 6, generator=torch.Generator().manual_seed(0))
+    val = Rows(x, x.mean(1))
+    task = Regression()
+    head = ExportHead(Mean(), task, ["input"], True)
+    batches, _ = gates.parity_batches(val, {}, head, task.output_names, sizes=(1, 7))
+    return SimpleNamespace(path=path, model=model, head=head, task=task, batches=batches,
+                           splits=SimpleNamespace(val=val), cfg=ExportConfig())
+
+
+def test_every_gate_records_the_provider_it_ran_on(mean_export):
+    from pipeline import export
+    from pipeline.components import gates
+
+    e = mean_export
+    results = export._gate(gates.session(e.path), e.head, e.splits, e.task, e.batches, e.cfg)
+    assert set(results) == {"parity.b1", "parity.b7", "parity.val", "rmse"}
+    assert all(g["passed"] and g["provider"] == CPU for g in results.values()), results
+
+
+@no_real_gpu
+def test_a_gate_asked_for_cuda_that_onnxruntime_ran_on_the_cpu_fails_naming_it(mean_export):
+    """The real fallback: onnxruntime-gpu asked for [CUDA, CPU] here creates a CPU session. Before the fix
+    the gate measured the CPU and called it CUDA."""
+    from pipeline import export
+    from pipeline.components import gates
+
+    e = mean_export
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider")
+    sess = gates.session(e.path, [(CUDA, export._cuda_options()), CPU])
+    results = export._gate(sess, e.head, e.splits, e.task, e.batches, e.cfg, provider=CUDA)
+    assert list(results) == ["provider"] and not results["provider"]["passed"]
+    assert results["provider"]["provider"] == CPU
+    assert "asked for CUDAExecutionProvider, but onnxruntime created the session on CPUExecutionProvider" \
+        in results["provider"]["message"]
+
+
+@no_real_gpu
+def test_fp16_gate_asserts_and_records_its_provider(mean_export, tmp_path):
+    from pipeline import export
+    from pipeline.components import gates
+
+    e = mean_export
+    fp16 = tmp_path / "mean.fp16.onnx"
+    onnx.save(gates.to_fp16(e.model), str(fp16))
+    on_cpu = export._fp16_gates(fp16, e.head, e.splits, e.task, e.batches, e.cfg, on_cuda=False)
+    assert all(g["passed"] for g in on_cpu.values()), on_cpu
+    assert {g["provider"] for k, g in on_cpu.items() if k != "fp16.checker"} == {CPU}
+    if CUDA in ort.get_available_providers():  # asked for CUDA, ran on the CPU: fails, naming it
+        on_cuda = export._fp16_gates(fp16, e.head, e.splits, e.task, e.batches, e.cfg, on_cuda=True)
+        assert not on_cuda["fp16.provider"]["passed"] and on_cuda["fp16.provider"]["provider"] == CPU
+
+
+def test_export_gates_cuda_only_where_a_cuda_provider_really_runs(mean_export, monkeypatch):
+    from pipeline import export
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert export._cuda_session(mean_export.path) == (None, "no CUDA device here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if CUDA in ort.get_available_providers() and not REAL_GPU:
+        sess, why = export._cuda_session(mean_export.path)
+        assert sess is None and "CUDA provider did not load (the session ran on CPUExecutionProvider)" in why
+
+
+# ---- A.7: warm-up ---------------------------------------------------------------------------------
+
+
+class RecordingEngine:
+    def __init__(self, provider: str):
+        self.provider = provider
+        self.calls: list[tuple[tuple[int, ...], str]] = []
+        self.batchable = True
+        self.inputs = self.outputs = []
+        self.output_names = []
+
+    def warm_up(self, sizes):
+        self.calls.append((tuple(sizes), threading.current_thread().name))
+        return True
+
+    def options_text(self):
+        return ""
+
+    def describe(self):
+        return self.provider
+
+
+def test_warm_up_covers_every_batch_size_on_a_gpu_and_two_on_the_cpu():
+    for provider in (CUDA, TENSORRT):
+        engine = RecordingEngine(provider)
+        serving_app.warm_up(LoadedModel(engine, ModelInfo("m", "1", "m.onnx")), 32)
+        (sizes, _), = engine.calls
+        assert sorted(sizes) == list(range(1, 33)) and sizes[:2] == (32, 1)
+    engine = RecordingEngine(CPU)
+    serving_app.warm_up(LoadedModel(engine, ModelInfo("m", "1", "m.onnx")), 32)
+    assert engine.calls[0][0] == (1, 32)
+
+
+def test_a_reloads_warm_up_runs_on_the_engine_thread_one_size_at_a_time(tmp_path):
+    current = load_model(str(tiny_model(tmp_path / "m.onnx")), device="cpu", threads=1)
+    server = serving_app.Server(Settings(model="models:/m@champion", max_batch_size=4), current)
+    new = RecordingEngine(CUDA)
+    try:
+        asyncio.run(server.warm_up_between_batches(LoadedModel(new, ModelInfo("m", "2", "x"))))
+    finally:
+        server.executor.shutdown(wait=True)
+    assert [sizes for sizes, _ in new.calls] == [(4,), (1,), (2,), (3,)]
+    assert {thread for _, thread in new.calls} == {"engine_0"}  # the thread every live batch runs on
+
+
+# ---- A.11: the image's build-time check looks at the libraries ------------------------------------
+
+
+def test_missing_cuda_libraries_are_read_from_ldd_and_the_loader_cache():
+    ldd = ("\tlinux-vdso.so.1 (0x00007f)\n\tlibcublasLt.so.13 => not found\n"
+           "\tlibcudart.so.13 => /usr/local/cuda/lib64/libcudart.so.13 (0x00007f)\n\tlibcuda.so.1 => not found\n")
+    assert serving_engine.missing_libraries(ldd, "") == ["libcublasLt.so.13", "libcudnn.so.9"]
+    cache = "\tlibcudnn.so.9 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcudnn.so.9\n"
+    assert serving_engine.missing_libraries(ldd.replace("libcublasLt.so.13 => not found", ""), cache) == []
+
+
+def test_the_dockerfile_checks_the_libraries_not_the_provider_list():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "system_cuda_libraries_missing" in text and "get_available_providers()," not in text
+    if CUDA in ort.get_available_providers() and serving_engine.system_cuda_libraries_missing():
+        # Here the old check (the provider list) passes while the provider cannot load: the new one fails.
+        code = re.search(r'&& (python -c "import sys; from serving\.engine import .*?)" \\\n    && rm', text, re.S)
+        command = code.group(1).replace("\\\n", "") + '"'
+        proc = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and "libraries not found" in proc.stderr and "libcublasLt.so.13" in proc.stderr
