@@ -189,7 +189,7 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
         p.check("export.cuda_gates", export, started, expect=[], detail="")
         return
     report = json.loads(report_path.read_text())
-    providers = sorted({g.get("provider", "?") for g in report["gates"].values() if isinstance(g, dict)})
+    providers = sorted({g["provider"] for g in report["gates"].values() if isinstance(g, dict) and "provider" in g})
     if why_not:
         p.add("export.cuda_gates", "skip", started, f"{why_not}; gated on {providers} only")
     elif "CUDAExecutionProvider" in providers and report["passed"]:
