@@ -267,9 +267,11 @@ def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # Not the experiment id another test left active in this process (it does not exist in this store).
+    experiment = mlflow.create_experiment("fp16-beside", artifact_location=(tmp_path / "artifacts").as_uri())
     fp32, fp16 = tiny_model(tmp_path / "model.onnx"), tiny_model(tmp_path / "model.fp16.onnx", seed=1)
     try:
-        with mlflow.start_run():
+        with mlflow.start_run(experiment_id=experiment):
             uri = tracking.log_onnx_model(onnx.load(str(fp32)), {"input": np.zeros((1, 1, 8, 8), np.float32)},
                                           None, [CPU], metadata={})
             log_beside_model(uri, fp16)

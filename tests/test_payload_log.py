@@ -101,7 +101,8 @@ def test_the_directory_stays_within_its_cap_under_load(model, tmp_path):
             watcher.join()
         assert statuses == [200] * 400
         assert metric(text, "trainserve_payload_log_dropped_total", reason="queue_full") == 0
-        assert len(seen) > 50 and max(seen) <= cap, (len(seen), max(seen))
+        # Sampled every 2 ms while the load ran (how many times depends on how fast it ran: ~50 on 2 cores).
+        assert len(seen) >= 10 and max(seen) <= cap, (len(seen), max(seen))
         assert metric(text, "trainserve_payload_log_bytes") <= cap
         assert srv.terminate() == 0, srv.log()
     files = payload_files(directory)
