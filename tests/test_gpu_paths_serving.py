@@ -287,17 +287,6 @@ def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypat
 # ---- A.5 / A.6: every export gate records the provider it ran on ----------------------------------
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
 class Mean(torch.nn.Module):
     def forward(self, x):
         return x.mean(1)
@@ -318,7 +307,7 @@ def mean_export(tmp_path):
     path = tmp_path / "mean.onnx"
     onnx.save(model, str(path))
     x = torch.rand(20, 6, generator=torch.Generator().manual_seed(0))
-    val = Rows(x, x.mean(1))
+    val = torch.utils.data.TensorDataset(x, x.mean(1))  # (inputs, target) pairs
     task = Regression()
     head = ExportHead(Mean(), task, ["input"], True)
     batches, _ = gates.parity_batches(val, {}, head, task.output_names, sizes=(1, 7))
