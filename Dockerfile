@@ -82,7 +82,8 @@ ENV UV_CONSTRAINT=/opt/constraints.txt
 # long description; the wildcard lets a checkout without it still build.)
 WORKDIR /opt/trainserve
 COPY pyproject.toml README.md* ./
-RUN uv pip install --requirement pyproject.toml
+# --extra gpu: nvidia-ml-py, through which MLflow samples the GPUs for its system metrics.
+RUN uv pip install --requirement pyproject.toml --extra gpu
 
 # The code, then the project itself without dependencies (all present above). The build fails here,
 # not on a GPU node, if the wheels don't fit: broken requirements, a torch built for another CUDA
