@@ -103,6 +103,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     elif weights_dir is None:
         raise WeightsError("give a weights directory (with model.safetensors and model.json) or --run-id")
     weights = read_weights(Path(weights_dir))
+    log.info("exporting %s", describe_source(weights.source))
     cfg = _export_settings(weights.config, export_cfg, overrides)
     if not run_id:
         tracking.setup(_tracking_cfg(weights.config.tracking, tracking_uri))
@@ -209,6 +210,15 @@ def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, provider
     results = gates.parity(sess, head, batches, task.output_names, atol, rtol, **limits)
     results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, cfg.metric_atol, **limits))
     return {name: {**gate, "provider": check["provider"]} for name, gate in results.items()}
+
+
+def describe_source(source: dict) -> str:
+    """Which checkpoint the weights are, as consolidate recorded it: the run's best, or which step."""
+    name = Path(str(source.get("checkpoint") or "?")).name
+    metrics = source.get("val_metrics") or {}
+    shown = ", ".join(f"val/{k} {v:.6g}" for k, v in list(metrics.items())[:2])
+    kind = "the run's best checkpoint" if source.get("best") else "checkpoint"
+    return f"{kind} {name} (step {source.get('step', '?')}{', ' + shown if shown else ''})"
 
 
 def default_model_name(weights: "Weights") -> str:

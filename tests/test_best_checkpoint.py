@@ -82,3 +82,13 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_the_best_survives_
     assert f"resumed from outputs/es/checkpoints/step_{last:08d} at step {last}" in again.stderr
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == last
     assert sorted(p.name for p in ckpts.glob("step_*")) == sorted({f"step_{best_step:08d}", f"step_{last:08d}"})
+
+
+def test_export_says_which_checkpoint_its_weights_are():
+    from pipeline.export import describe_source
+
+    source = {"checkpoint": "/r/checkpoints/step_00000110", "step": 110, "best": True,
+              "val_metrics": {"accuracy": 0.983287, "loss": 0.12}}
+    assert describe_source(source) == "the run's best checkpoint step_00000110 (step 110, val/accuracy 0.983287, val/loss 0.12)"
+    assert describe_source({"checkpoint": "/r/checkpoints/step_00000132", "step": 132, "best": False}) == \
+        "checkpoint step_00000132 (step 132)"
