@@ -103,7 +103,6 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     elif weights_dir is None:
         raise WeightsError("give a weights directory (with model.safetensors and model.json) or --run-id")
     weights = read_weights(Path(weights_dir))
-    log.info("exporting %s", describe_source(weights.source))
     cfg = _export_settings(weights.config, export_cfg, overrides)
     if not run_id:
         tracking.setup(_tracking_cfg(weights.config.tracking, tracking_uri))
@@ -124,6 +123,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
     head = onnx_export.ExportHead(reference, task, splits.input_names, splits.single_input)
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
+    log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
