@@ -132,7 +132,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "code": code.describe() if code else None,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
-        eval_every = cfg.train.eval_every or steps_per_epoch
+        eval_every = cfg.train.eval_every or max(1, steps_per_epoch)
         loop = train_loop(model, optimizer, scheduler, scaler, loader, splits, task, cfg.train, cfg.checkpoint,
                           info, precision, step, epoch, total_steps, ckpt_root, meta, uploads, monitor,
                           eval_every, cfg.data.num_workers)

@@ -24,6 +24,9 @@ def test_the_monitor_keeps_the_best_and_counts_evaluations_without_a_real_improv
     resumed = Monitor("rmse", "min", patience=2, min_delta=0.1)
     resumed.restore(m.state())
     assert resumed.state() == m.state()
+    first_nan = Monitor("accuracy", "max", patience=3)
+    assert not first_nan.update({"accuracy": float("nan")}, 1) and first_nan.best_step is None
+    assert first_nan.update({"accuracy": 0.5}, 2) and (first_nan.best_step, first_nan.bad_evals) == (2, 0)
     other = Monitor("mae", "min")
     other.restore(m.state())  # another metric's record starts fresh
     assert other.best_step is None

@@ -45,8 +45,9 @@ class Monitor:
             raise ConfigError(f"checkpoint.monitor={self.metric}: the task reports no such validation metric; "
                               f"it reports {', '.join(sorted(metrics))}")
         value = float(metrics[self.metric])
-        best = self.best_value is None or self._better(value, self.best_value, 0.0)
-        if self.best_value is None or self._better(value, self.best_value, self.min_delta):
+        # A NaN is never the best, not even the first: it would compare worse than nothing ever after.
+        best = not math.isnan(value) and (self.best_value is None or self._better(value, self.best_value, 0.0))
+        if best and (self.best_value is None or self._better(value, self.best_value, self.min_delta)):
             self.bad_evals = 0
         else:
             self.bad_evals += 1
