@@ -372,6 +372,7 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
     (1.5, 2.0, "min", "if_better", 0.0, True),          # a loss or RMSE: lower is better
     (2.5, 2.0, "min", "if_not_worse", 0.0, False),
     (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),  # a metric that failed never wins
+    (2.0, float("nan"), "min", "if_better", 0.0, True),        # ...and a champion's that failed always loses
     (0.1, 0.9, "max", "always", 0.0, True),
 ])
 def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):

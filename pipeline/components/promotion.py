@@ -73,8 +73,8 @@ def verdict(mine: float, theirs: float, mode: str, promote: str, tolerance: floa
     """Whether the candidate's metric `mine` beats the champion's `theirs` as `promote` asks; the gain
     (positive = better, in the metric's units) and the reason, with {} where the champion is named."""
     gain = (mine - theirs) if mode == "max" else (theirs - mine)
-    if gain != gain:  # NaN: a metric that could not be computed never wins
-        gain = float("-inf")
+    if gain != gain:  # a metric that could not be computed (NaN) never wins, and always loses
+        gain = float("-inf") if mine != mine else float("inf")
     moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[promote]
     word = "better" if gain > 0 else "worse" if gain < 0 else "equal"
     rule = {"always": "always", "if_better": f"needs a gain > {tolerance:g}",
