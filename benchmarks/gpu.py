@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -149,16 +148,15 @@ def _metric(p: Proofs, run_name: str, key: str) -> float | None:
 def cuda_provider_loads() -> str:
     """'' when onnxruntime's CUDA provider really runs a session here, else why not."""
     try:
-        import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper
     except ImportError as exc:
         return f"onnxruntime is not installed ({exc})"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return f"this onnxruntime has no CUDA provider (providers: {ort.get_available_providers()}): pip install onnxruntime-gpu"
-    if hasattr(ort, "preload_dlls"):
-        with contextlib.suppress(Exception):
-            ort.preload_dlls()
+    from serving.engine import preload_cuda_libraries
+
+    preload_cuda_libraries()
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
@@ -169,7 +167,6 @@ def cuda_provider_loads() -> str:
         return f"the CUDA provider fails to create a session: {exc}"
     if sess.get_providers()[0] != "CUDAExecutionProvider":
         return "the CUDA provider is listed but does not load (CUDA 13 / cuDNN 9 libraries not found)"
-    del onnx
     return ""
 
 
@@ -224,16 +221,12 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
     print_table(table)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str], quick: bool, table: list) -> dict | None:
     """Starts the server, reads its provider, asks 8 rows for parity, then measures concurrency 1 and 32."""
     import numpy as np
     import requests
+
+    from pipeline.components.tracking import free_port
 
     port = free_port()
     label = " ".join([device, *extra])

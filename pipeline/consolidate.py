@@ -48,6 +48,7 @@ from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
 from pipeline.components.monitor import read_best
+from pipeline.components.run_dir import pid_alive
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
 from pipeline.components.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
@@ -231,18 +232,8 @@ def _remove_stale_temporaries(out_dir: Path) -> None:
     """Temporaries left by a consolidation that was killed (SIGKILL skips every `finally`)."""
     for stale in out_dir.glob(f".{WEIGHTS}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.tools import logs
+from pipeline.tools.logs import first_line
 
 log = logging.getLogger("pipeline.verify")
 
@@ -256,26 +257,18 @@ def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str,
     """One V2 inference of zeros in the shapes the server declares; returns its response headers."""
     import numpy as np
 
+    from serving.codec import V2_DTYPES
+
     inputs = []
     for spec in meta.get("inputs", []):
         shape = [1 if d < 0 else d for d in spec["shape"]]
         inputs.append({"name": spec["name"], "datatype": spec["datatype"], "shape": shape,
-                       "data": np.zeros(shape).astype(_numpy(spec["datatype"])).ravel().tolist()})
+                       "data": np.zeros(shape, V2_DTYPES.get(spec["datatype"], np.float32)).ravel().tolist()})
     body = json.dumps({"id": "pipeline-verify", "inputs": inputs}).encode()
     request = urllib.request.Request(f"{base}/v2/models/{name}/infer", data=body, method="POST",
                                      headers={**headers, "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as r:
         return {k.lower(): v for k, v in r.headers.items()}
-
-
-def _numpy(datatype: str) -> str:
-    return {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT64": "int64", "INT32": "int32",
-            "BOOL": "bool", "UINT8": "uint8", "INT8": "int8"}.get(datatype, "float32")
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0][:300] if text else type(exc).__name__)
 
 
 # --- CLI -------------------------------------------------------------------------------------

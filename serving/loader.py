@@ -122,7 +122,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
     registered = None
     try:
         if kind == "file":
-            path, version = _find_onnx(Path(uri), variant), version or "1"
+            path, version = find_onnx(Path(uri), variant), version or "1"
         else:
             workdir = tempfile.mkdtemp(prefix="trainserve-model-")
             if kind in ("alias", "version"):
@@ -133,7 +133,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
                 fetch_uri = f"models:/{registered}/{version}"
             else:
                 fetch_uri, version = uri, version or "1"
-            path = _find_onnx(Path(_download(fetch_uri, workdir)), variant)
+            path = find_onnx(Path(_download(fetch_uri, workdir)), variant)
         engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu)
         if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
             raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
@@ -162,7 +162,7 @@ def _download(uri: str, dst: str) -> str:
                           f"(tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
 
 
-def _find_onnx(path: Path, variant: str = "fp32") -> Path:
+def find_onnx(path: Path, variant: str = "fp32") -> Path:
     """The .onnx file at `path`: the file itself, or the `variant`'s one inside a (model) directory.
 
     A directory holding one model (a downloaded MLflow model: model.onnx, and model.fp16.onnx when the export

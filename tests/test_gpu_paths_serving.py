@@ -30,7 +30,7 @@ from serving import engine as serving_engine
 from serving.cli import FLAGS, add_arguments, settings_from_args
 from serving.config import Settings
 from serving.engine import CPU, CUDA, TENSORRT, Engine, EngineError, GpuOptions
-from serving.loader import LoadedModel, ModelInfo, SourceError, _find_onnx, load_model
+from serving.loader import LoadedModel, ModelInfo, SourceError, find_onnx, load_model
 
 from serving_fixtures import ROOT, tiny_model
 
@@ -221,16 +221,16 @@ def model_dir(tmp_path: Path, *names: str) -> Path:
 
 def test_loader_picks_each_variants_file(tmp_path):
     both = model_dir(tmp_path, "model.onnx", "model.fp16.onnx", "model.optimized.onnx")
-    assert _find_onnx(both).name == "model.onnx"
-    assert _find_onnx(both, "fp16").name == "model.fp16.onnx"
+    assert find_onnx(both).name == "model.onnx"
+    assert find_onnx(both, "fp16").name == "model.fp16.onnx"
     only_fp32 = model_dir(tmp_path / "a", "model.onnx")
     with pytest.raises(SourceError, match=r"no model\.fp16\.onnx under .*export\.fp16=true"):
-        _find_onnx(only_fp32, "fp16")
+        find_onnx(only_fp32, "fp16")
     only_fp16 = model_dir(tmp_path / "b", "model.fp16.onnx")
     with pytest.raises(SourceError, match="only an fp16 model .* --variant fp16"):
-        _find_onnx(only_fp16)
+        find_onnx(only_fp16)
     custom = model_dir(tmp_path / "c", "net.onnx")
-    assert _find_onnx(custom).name == "net.onnx"
+    assert find_onnx(custom).name == "net.onnx"
 
 
 def test_fp16_variant_is_refused_on_the_cpu_with_a_clear_message(tmp_path):
@@ -280,8 +280,8 @@ def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypat
                                                          dst_path=str(tmp_path / "down")))
     finally:
         mlflow.set_tracking_uri("")
-    assert _find_onnx(local).read_bytes() == fp32.read_bytes()
-    assert _find_onnx(local, "fp16").read_bytes() == fp16.read_bytes()
+    assert find_onnx(local).read_bytes() == fp32.read_bytes()
+    assert find_onnx(local, "fp16").read_bytes() == fp16.read_bytes()
 
 
 # ---- A.5 / A.6: every export gate records the provider it ran on ----------------------------------

@@ -28,6 +28,7 @@ import torch
 
 from pipeline.components.data import first_batch, named
 from pipeline.distributed.process_group import DistInfo
+from pipeline.tools.logs import first_line
 
 PARITY_BATCHES = (1, 7, 64)
 VAL_BATCH = 64
@@ -259,7 +260,7 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
         first = task.output_names[0]
         task.update(onnx_state, torch.from_numpy(got[first]).float(), target)
         task.update(torch_state, torch.from_numpy(ref[first]).float(), target)
-    one = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    one = DistInfo.cpu_alone()
     task.reduce(onnx_state, one)
     task.reduce(torch_state, one)
     gate = metric_gate(task, task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
@@ -290,7 +291,7 @@ def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, f
 
 def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
     shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
-    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     hint = ("; an axis that varies in the data but is fixed in the graph needs export.dynamic_axes"
             if "dimension" in first.lower() else "")
     return f"onnxruntime could not run inputs {shapes}: {first}{hint}"

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.tools.logs import first_line
+
 log = logging.getLogger(__name__)
 
 MEASURE_THREADS = 2   # the same for both models: a fair latency comparison on any machine
@@ -52,7 +54,7 @@ def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tole
             if not mismatch:
                 result["champion"] |= measure(champion, inputs, targets, task)
         except Exception as exc:  # noqa: BLE001 - a download, a file onnxruntime refuses, a crashed measurement
-            why = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            why = first_line(exc)
             log.warning("the current @%s (v%s) can't be evaluated: %s", alias, holder, why)
             return result | {"promote": True, "champion": {"version": holder, "error": why},
                              "reason": f"@{alias} v{holder} can't be loaded or run ({why}); a champion that can't "
@@ -134,7 +136,7 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
                 task.update(state, torch.from_numpy(outputs[str(i)]).float(), target)
     from pipeline.distributed import DistInfo
 
-    task.reduce(state, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+    task.reduce(state, DistInfo.cpu_alone())
     return {**task.metrics(state), **stats}
 
 

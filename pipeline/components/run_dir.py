@@ -61,14 +61,21 @@ def alive(owner: dict) -> bool | None:
         return False
     started = process_start(pid)
     if started is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             return False
-        except PermissionError:
-            return True
         return owner.get("started") is None  # no /proc: trust a live pid only when no start time was recorded
     return owner.get("started") in (None, started)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def describe(owner: dict | None) -> str:

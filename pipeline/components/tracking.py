@@ -497,11 +497,13 @@ def download_version_onnx(name: str, version: str, dest: Path) -> Path:
     """The ONNX file of a registered model version, downloaded under `dest`."""
     import mlflow
 
+    from serving.loader import SourceError, find_onnx
+
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dest)))
-    found = sorted(local.rglob("*.onnx")) if local.is_dir() else [local]
-    if not found:
-        raise TrackingError(f"models:/{name}/{version} holds no .onnx file")
-    return next((p for p in found if p.name == "model.onnx"), found[0])
+    try:
+        return find_onnx(local)  # the file a server of this version loads
+    except SourceError as exc:
+        raise TrackingError(f"models:/{name}/{version}: {exc}") from None
 
 
 def move_alias(name: str, alias: str, version: str) -> None:

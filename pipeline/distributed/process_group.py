@@ -23,6 +23,11 @@ class DistInfo:
     local_world_size: int
     device: torch.device
 
+    @classmethod
+    def cpu_alone(cls) -> "DistInfo":
+        """A world of one process on the CPU: for reductions done outside training (export, promotion)."""
+        return cls(0, 1, 0, 1, torch.device("cpu"))
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

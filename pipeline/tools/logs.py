@@ -20,6 +20,12 @@ class RankFilter(logging.Filter):
         return True
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line for a message: its text's first line (at most `limit` chars), else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 def configure(rank: int | None = None, level: int = logging.INFO) -> None:
     """`[rank1] 12:00:01 INFO pipeline.train: ...` under torchrun, `12:00:01 INFO ...` otherwise."""
     handler = logging.StreamHandler()
