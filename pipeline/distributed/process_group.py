@@ -8,6 +8,7 @@ plain `python -m pipeline train` works too.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -120,15 +121,30 @@ def attempt_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"trainserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+# How long the main thread hands the GIL to gloo's worker threads before the interpreter exits.
+GLOO_DRAIN_SECONDS = 0.25
+
+
 def teardown(clean: bool = True) -> None:
     """Destroys the process group. `clean`: every rank got here normally, so wait for all of them
-    first: destroying a gloo group while a peer still talks to it aborted a rank now and then
-    ("terminate called without an active exception"). On an error path, never wait: the peers
-    may be gone or still training, and torchrun is about to stop them anyway."""
+    first. On an error path, never wait: the peers may be gone or still training, and torchrun is
+    about to stop them anyway.
+
+    Then a short sleep, for a torch defect seen under load (3-4 exits in 30 on 2 busy cores,
+    SIGABRT "terminate called without an active exception", a run that finished reported as
+    failed): a DistributedDataParallel reducer keeps the gloo group alive after
+    destroy_process_group, so its worker threads outlive it, and one of them still drops the last
+    collectives' tensors, which needs the GIL. If the interpreter is already finalizing, that
+    thread is unwound and the process aborts (gdb: pt_gloo_runloop in ~AsyncBarrierWork ->
+    decref_pyobject -> take_gil -> pthread_exit). Sleeping releases the GIL so those threads finish
+    first; pytorch/pytorch#179291 tried an atexit fix upstream and was abandoned."""
     if dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+        if backend == "gloo":
+            time.sleep(GLOO_DRAIN_SECONDS)
 
 
 def barrier(info: DistInfo) -> None:
