@@ -1,0 +1,242 @@
+"""ModelInferRequest -> validated arrays, and arrays -> ModelInferResponse. Pure, no gRPC server.
+
+The gRPC twin of serving/codec.py's decode_v2/encode_v2, as strict and built on the same checks
+(shape, size limits before data, NaN/Inf, rows). Every client mistake is a BadRequest naming the
+field and what it should be; nothing else is raised, whatever the message holds.
+
+An input's data comes one of two ways, never both:
+- `raw_input_contents`: one blob per input, for every input or for none, in the order of
+  `inputs`; little-endian, exactly count * itemsize bytes. What tritonclient sends, and the only
+  way for FP16 (the protocol has no typed field for it).
+- the input's `contents`, in the one field of its datatype (FP32 -> fp32_contents, INT8/16/32 ->
+  int_contents, ...), as many values as the shape has elements, in range of the datatype.
+
+The answer always carries outputs as `raw_output_contents`, in the order of `outputs`: what Triton
+does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position).
+Client parameters that would change what comes back, which this server can't do (shared memory,
+classification), are refused; the rest (binary_data, request-level priority, timeout, ...) are
+ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from serving.codec import (
+    KNOWN_DATATYPES,
+    MAX_DIM,
+    BadRequest,
+    Limits,
+    V2Request,
+    _check_shape,
+    _check_size,
+    _finite,
+    _rows,
+    expected,
+)
+from serving.engine import TensorSpec
+from serving.grpc.schema import (
+    InferParameter,
+    InferTensorContents,
+    ModelInferRequest,
+    ModelInferResponse,
+)
+
+MAX_RANK = 32  # as over HTTP
+
+# V2 datatype -> the InferTensorContents field that carries it typed, and that field's own
+# numpy type (narrower ints travel in the 32-bit fields and are range-checked). FP16 has no
+# field in the protocol: raw only. BF16 and BYTES never reach here (no model input has them).
+_CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int32),
+    "INT16": ("int_contents", np.int32),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint32),
+    "UINT16": ("uint_contents", np.uint32),
+    "UINT32": ("uint_contents", np.uint32),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+}
+
+# Tensor parameters asking for what this server does not do: answering as if they weren't
+# there would hand the client something other than it asked for (an unwritten shared memory
+# region, a tensor instead of top-k labels).
+_UNSUPPORTED_INPUT_PARAMETERS = {"shared_memory_region": "shared memory"}
+_UNSUPPORTED_OUTPUT_PARAMETERS = {"shared_memory_region": "shared memory",
+                                  "classification": "classification (top-k labels)"}
+
+
+def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_names: list[str],
+                 limits: Limits) -> V2Request:
+    """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
+    `limits`; its requested outputs (all of the model's when none are named)."""
+    given = request.inputs
+    if not given:
+        raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
+    if len(given) > len(inputs):
+        raise BadRequest(f"the request has {len(given)} inputs; this model takes "
+                         f"{expected(inputs)}")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(given):
+        raise BadRequest(f"the request has {len(raw)} raw_input_contents for {len(given)} "
+                         "inputs; send raw data for every input, in the order of inputs, or "
+                         "for none (typed contents)")
+    by_name = {s.name: s for s in inputs}
+    feeds: dict[str, np.ndarray] = {}
+    for index, item in enumerate(given):
+        spec = by_name.get(item.name)
+        if spec is None:
+            raise BadRequest(f"unknown input {_quote(item.name)}; this model takes "
+                             f"{expected(inputs)}")
+        name = spec.name
+        if name in feeds:
+            raise BadRequest(f"input '{name}' is given twice")
+        shape = _checked_shape(item, spec)
+        count = _check_size(name, shape, spec, limits)
+        _refuse_unsupported(item.parameters, _UNSUPPORTED_INPUT_PARAMETERS, f"input '{name}'")
+        if raw:
+            if item.contents.ListFields():
+                raise BadRequest(f"input '{name}' has both contents and "
+                                 f"raw_input_contents[{index}]; send one")
+            array = _raw_tensor(raw[index], index, spec, shape, count)
+        else:
+            array = _typed_tensor(item.contents, spec, shape, count)
+        feeds[name] = _finite(_reshaped(array, shape, name), name)
+    rows = _rows(feeds, inputs)
+    outputs = _requested_outputs(request.outputs, output_names)
+    return V2Request(feeds, rows, request.id or None, outputs)
+
+
+def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -> list[int]:
+    """The input's shape, after the same checks and in the same order as over HTTP: a valid
+    shape, a known datatype, the model's datatype, then a shape the model takes."""
+    name, shape = spec.name, list(item.shape)
+    if len(shape) > MAX_RANK or not all(0 <= d < MAX_DIM for d in shape):
+        raise BadRequest(f"input '{name}': shape must be at most {MAX_RANK} non-negative "
+                         f"integers below {MAX_DIM}, got {shape!r:.100}; expected "
+                         f"{spec.describe()}")
+    datatype = item.datatype
+    if datatype not in KNOWN_DATATYPES:
+        raise BadRequest(f"input '{name}': datatype {datatype!r:.40} is not a KServe V2 "
+                         f"datatype ({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
+    if datatype != spec.datatype:
+        raise BadRequest(f"input '{name}': datatype {datatype!r}, expected {spec.describe()}")
+    _check_shape(spec, shape)
+    return shape
+
+
+def _raw_tensor(blob: bytes, index: int, spec: TensorSpec, shape: list[int],
+                count: int) -> np.ndarray:
+    """raw_input_contents[index] as `spec`'s dtype, without copying (read-only, like the HTTP
+    path's binary data)."""
+    want = count * spec.dtype.itemsize
+    if len(blob) != want:
+        raise BadRequest(f"input '{spec.name}': raw_input_contents[{index}] has {len(blob)} "
+                         f"bytes, but shape {shape} {spec.datatype} takes {want} bytes")
+    array = np.frombuffer(blob, dtype=spec.dtype.newbyteorder("<"), count=count)
+    if spec.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
+        raise BadRequest(f"input '{spec.name}': BOOL raw data must be bytes 0 or 1")
+    return array.astype(spec.dtype, copy=False)  # a no-op on little-endian machines
+
+
+def _typed_tensor(contents: InferTensorContents, spec: TensorSpec, shape: list[int],
+                  count: int) -> np.ndarray:
+    """The input's `contents` as `spec`'s dtype: only the datatype's own field set, one value
+    per element, each in range of the datatype."""
+    name = spec.name
+    present = [field.name for field, _ in contents.ListFields()]
+    if spec.datatype not in _CONTENTS:
+        raise BadRequest(f"input '{name}': {spec.datatype} data can only come as "
+                         "raw_input_contents (little-endian), the protocol has no typed "
+                         f"contents field for it; got {_fields(present) or 'no data'}")
+    field, field_dtype = _CONTENTS[spec.datatype]
+    strangers = [f for f in present if f != field]
+    if strangers:
+        raise BadRequest(f"input '{name}': {spec.datatype} data goes in contents.{field}, "
+                         f"got {_fields(strangers)}")
+    values = getattr(contents, field)
+    if len(values) != count:
+        if not values:
+            raise BadRequest(f"input '{name}' has no data: send it as raw_input_contents or "
+                             f"contents.{field} ({count} values for shape {shape})")
+        raise BadRequest(f"input '{name}': shape {shape} needs {count} values, contents.{field} "
+                         f"has {len(values)}")
+    array = np.asarray(list(values), dtype=field_dtype)
+    if spec.dtype.kind in "iu" and spec.dtype != array.dtype and array.size:
+        info = np.iinfo(spec.dtype)
+        outside = array[(array < info.min) | (array > info.max)]
+        if outside.size:
+            raise BadRequest(f"input '{name}': value {outside[0]} in contents.{field} is out "
+                             f"of range for {spec.datatype} ({info.min}..{info.max})")
+    return array.astype(spec.dtype, copy=False)
+
+
+def _reshaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
+    """`array` in the declared shape. Its element count is right by now, but numpy still
+    refuses a shape whose non-zero dimensions multiply past what it can index (an empty
+    [1, 0, 2**31-1, 2**31-1, 2**31-1]), a shape no model computes on either."""
+    try:
+        return array.reshape(shape)
+    except ValueError:
+        raise BadRequest(f"input '{name}': shape {shape} is too large for an array, even "
+                         "empty") from None
+
+
+def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutputTensor],
+                       output_names: list[str]) -> list[tuple[str, bool]]:
+    """(name, True) per requested output in the order asked, or every output when none are:
+    the answer always carries raw data, so Triton's binary_data has nothing to choose."""
+    if not requested:
+        return [(name, True) for name in output_names]
+    outputs: list[tuple[str, bool]] = []
+    for out in requested:
+        if out.name not in output_names:
+            raise BadRequest(f"unknown output {_quote(out.name)}; this model has outputs "
+                             f"{output_names}")
+        if any(out.name == known for known, _ in outputs):
+            raise BadRequest(f"output '{out.name}' is requested twice")
+        _refuse_unsupported(out.parameters, _UNSUPPORTED_OUTPUT_PARAMETERS,
+                            f"output '{out.name}'")
+        outputs.append((out.name, True))
+    return outputs
+
+
+def _refuse_unsupported(parameters: Mapping[str, InferParameter], unsupported: dict[str, str],
+                        where: str) -> None:
+    for key, what in unsupported.items():
+        if key in parameters:
+            raise BadRequest(f"{where}: parameters.{key} asks for {what}, which this server "
+                             "does not offer; send and receive tensors in the message itself")
+
+
+def _fields(names: list[str]) -> str:
+    return ", ".join(f"contents.{n}" for n in names)
+
+
+def _quote(text: str, limit: int = 80) -> str:
+    """A client's string in a message, cut short: gRPC carries the message in a trailer, and
+    an oversized trailer loses the status for the client."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}..."
+
+
+def encode_infer(model_name: str, model_version: str, request_id: str | None,
+                 results: dict[str, np.ndarray], outputs: list[tuple[str, bool]],
+                 specs: list[TensorSpec]) -> ModelInferResponse:
+    """The answer: each output in the order of `outputs` with the model's datatype and the
+    result's shape, its data little-endian in raw_output_contents at the same position."""
+    datatypes = {s.name: s.datatype for s in specs}
+    response = ModelInferResponse(model_name=model_name, model_version=model_version)
+    if request_id is not None:
+        response.id = request_id
+    blobs = []
+    for name, _binary in outputs:
+        array = np.ascontiguousarray(results[name])
+        response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
+        blobs.append(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+    response.raw_output_contents.extend(blobs)
+    return response

@@ -1,0 +1,188 @@
+"""The KServe V2 gRPC protocol's messages (package `inference`), without generated code.
+
+The messages are declared below as a table, turned into a FileDescriptorProto at import and added
+to a descriptor pool of our own; the classes come from `message_factory.GetMessageClass`. Why not
+protoc's `*_pb2.py`:
+- generated modules are tied to the protobuf runtime that generated them (they refuse to import
+  under an older one, and warn or break under much newer ones); a descriptor built at run time
+  works with whatever protobuf is installed, and no grpcio-tools is needed to build or run;
+- a private pool, never the default one: tritonclient (and KServe's own package) register the
+  same full names (`inference.ModelInferRequest`, ...) in the default pool, and one pool can't
+  hold two definitions of a name. Separate pools let them coexist in one process (the tests
+  use tritonclient as the reference client). The wire format depends only on field numbers and
+  types, so their messages and ours read each other's bytes.
+
+Fields and numbers are KServe's `grpc_predict_v2.proto` exactly (Triton's `grpc_service.proto`
+is a superset: more RPCs, and `double_param`/`uint64_param` in InferParameter, which parse here
+as unknown fields). proto3: repeated scalars are packed, as both of theirs are.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+PACKAGE = "inference"
+FILE_NAME = "trainserve/grpc_predict_v2.proto"
+SERVICE = f"{PACKAGE}.GRPCInferenceService"
+
+# Every message's fields as "[repeated] <type> <name> = <number>". <type> is a scalar, a message
+# of this file by its name inside the package (nested: Outer.Inner), or map<string,Message>.
+# A dotted key is a nested message: it is placed inside its outer one, listed before it.
+_MESSAGES: dict[str, tuple[str, ...]] = {
+    "ServerLiveRequest": (),
+    "ServerLiveResponse": ("bool live = 1",),
+    "ServerReadyRequest": (),
+    "ServerReadyResponse": ("bool ready = 1",),
+    "ModelReadyRequest": ("string name = 1", "string version = 2"),
+    "ModelReadyResponse": ("bool ready = 1",),
+    "ServerMetadataRequest": (),
+    "ServerMetadataResponse": (
+        "string name = 1", "string version = 2", "repeated string extensions = 3"),
+    "ModelMetadataRequest": ("string name = 1", "string version = 2"),
+    "ModelMetadataResponse": (
+        "string name = 1",
+        "repeated string versions = 2",
+        "string platform = 3",
+        "repeated ModelMetadataResponse.TensorMetadata inputs = 4",
+        "repeated ModelMetadataResponse.TensorMetadata outputs = 5",
+    ),
+    "ModelMetadataResponse.TensorMetadata": (
+        "string name = 1", "string datatype = 2", "repeated int64 shape = 3"),
+    "ModelInferRequest": (
+        "string model_name = 1",
+        "string model_version = 2",
+        "string id = 3",
+        "map<string,InferParameter> parameters = 4",
+        "repeated ModelInferRequest.InferInputTensor inputs = 5",
+        "repeated ModelInferRequest.InferRequestedOutputTensor outputs = 6",
+        "repeated bytes raw_input_contents = 7",
+    ),
+    "ModelInferRequest.InferInputTensor": (
+        "string name = 1",
+        "string datatype = 2",
+        "repeated int64 shape = 3",
+        "map<string,InferParameter> parameters = 4",
+        "InferTensorContents contents = 5",
+    ),
+    "ModelInferRequest.InferRequestedOutputTensor": (
+        "string name = 1", "map<string,InferParameter> parameters = 2"),
+    "ModelInferResponse": (
+        "string model_name = 1",
+        "string model_version = 2",
+        "string id = 3",
+        "map<string,InferParameter> parameters = 4",
+        "repeated ModelInferResponse.InferOutputTensor outputs = 5",
+        "repeated bytes raw_output_contents = 6",
+    ),
+    "ModelInferResponse.InferOutputTensor": (
+        "string name = 1",
+        "string datatype = 2",
+        "repeated int64 shape = 3",
+        "map<string,InferParameter> parameters = 4",
+        "InferTensorContents contents = 5",
+    ),
+    "InferParameter": (
+        "bool bool_param = 1", "int64 int64_param = 2", "string string_param = 3"),
+    "InferTensorContents": (
+        "repeated bool bool_contents = 1",
+        "repeated int32 int_contents = 2",
+        "repeated int64 int64_contents = 3",
+        "repeated uint32 uint_contents = 4",
+        "repeated uint64 uint64_contents = 5",
+        "repeated float fp32_contents = 6",
+        "repeated double fp64_contents = 7",
+        "repeated bytes bytes_contents = 8",
+    ),
+}
+# Messages whose fields all belong to one oneof, by the oneof's name.
+_ONEOFS = {"InferParameter": "parameter_choice"}
+# The RPCs this server answers; each takes <name>Request and returns <name>Response.
+_RPCS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+         "ModelInfer")
+
+_F = descriptor_pb2.FieldDescriptorProto
+_SCALARS = {
+    "bool": _F.TYPE_BOOL, "string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES,
+    "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64, "uint32": _F.TYPE_UINT32,
+    "uint64": _F.TYPE_UINT64, "float": _F.TYPE_FLOAT, "double": _F.TYPE_DOUBLE,
+}
+
+
+def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
+    """The protocol's .proto file as a descriptor, built from the tables above."""
+    file = descriptor_pb2.FileDescriptorProto(name=FILE_NAME, package=PACKAGE, syntax="proto3")
+    protos: dict[str, descriptor_pb2.DescriptorProto] = {}
+    for full_name in _MESSAGES:
+        outer, _, name = full_name.rpartition(".")
+        siblings = protos[outer].nested_type if outer else file.message_type
+        protos[full_name] = siblings.add(name=name)
+    for full_name, fields in _MESSAGES.items():
+        for declaration in fields:
+            _add_field(protos[full_name], full_name, declaration)
+    for full_name, oneof in _ONEOFS.items():
+        message = protos[full_name]
+        message.oneof_decl.add(name=oneof)
+        for field in message.field:
+            field.oneof_index = 0
+    service = file.service.add(name=SERVICE.rpartition(".")[2])
+    for rpc in _RPCS:
+        service.method.add(name=rpc, input_type=f".{PACKAGE}.{rpc}Request",
+                           output_type=f".{PACKAGE}.{rpc}Response")
+    return file
+
+
+def _add_field(message: descriptor_pb2.DescriptorProto, full_name: str,
+               declaration: str) -> None:
+    """One "[repeated] <type> <name> = <number>" line as a field of `message`."""
+    words, _, number = declaration.partition(" = ")
+    *qualifiers, kind, name = words.split()
+    label = _F.LABEL_REPEATED if qualifiers == ["repeated"] else _F.LABEL_OPTIONAL
+    if kind.startswith("map<string,"):
+        # A map is a repeated nested <Name>Entry{key = 1; value = 2} marked map_entry: what
+        # protoc generates for it, and what makes the runtime give a dict-like field.
+        entry = message.nested_type.add(name=_camel(name) + "Entry")
+        entry.options.map_entry = True
+        entry.field.add(name="key", number=1, label=_F.LABEL_OPTIONAL, type=_F.TYPE_STRING)
+        value = kind.removeprefix("map<string,").removesuffix(">")
+        entry.field.add(name="value", number=2, label=_F.LABEL_OPTIONAL, type=_F.TYPE_MESSAGE,
+                        type_name=f".{PACKAGE}.{value}")
+        message.field.add(name=name, number=int(number), label=_F.LABEL_REPEATED,
+                          type=_F.TYPE_MESSAGE,
+                          type_name=f".{PACKAGE}.{full_name}.{entry.name}")
+    elif kind in _SCALARS:
+        message.field.add(name=name, number=int(number), label=label, type=_SCALARS[kind])
+    else:
+        message.field.add(name=name, number=int(number), label=label, type=_F.TYPE_MESSAGE,
+                          type_name=f".{PACKAGE}.{kind}")
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+POOL = descriptor_pool.DescriptorPool()  # ours alone: see the module docstring
+FILE = POOL.AddSerializedFile(file_descriptor_proto().SerializeToString())
+
+
+def _message(name: str) -> type:
+    return message_factory.GetMessageClass(POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))
+
+
+ServerLiveRequest = _message("ServerLiveRequest")
+ServerLiveResponse = _message("ServerLiveResponse")
+ServerReadyRequest = _message("ServerReadyRequest")
+ServerReadyResponse = _message("ServerReadyResponse")
+ModelReadyRequest = _message("ModelReadyRequest")
+ModelReadyResponse = _message("ModelReadyResponse")
+ServerMetadataRequest = _message("ServerMetadataRequest")
+ServerMetadataResponse = _message("ServerMetadataResponse")
+ModelMetadataRequest = _message("ModelMetadataRequest")
+ModelMetadataResponse = _message("ModelMetadataResponse")
+ModelInferRequest = _message("ModelInferRequest")
+ModelInferResponse = _message("ModelInferResponse")
+InferParameter = _message("InferParameter")
+InferTensorContents = _message("InferTensorContents")
+
+# RPC name -> (request class, response class), for the server's method handlers.
+METHODS: dict[str, tuple[type, type]] = {
+    rpc: (_message(f"{rpc}Request"), _message(f"{rpc}Response")) for rpc in _RPCS}
