@@ -1,12 +1,14 @@
-"""trainserve's inference server: ONNX models on onnxruntime behind HTTP.
+"""trainserve's inference server: ONNX models on onnxruntime behind HTTP and gRPC (KServe V2).
 
-    loader.py   where the model comes from (a file, the MLflow registry: lazy import) and its name
+    loader.py   where a model comes from (a file, the MLflow registry: lazy import) and its name
+    repository.py  the models and versions served: sources, version policy, load/unload, alias following
     engine.py   the onnxruntime session: providers, threads, warm-up, `run(feeds)`; no HTTP
     batcher.py  dynamic batching of concurrent requests; knows neither HTTP nor onnxruntime
     codec.py    request bodies -> arrays and arrays -> response bodies (KServe V2, MLflow); pure
     metrics.py  Prometheus metrics of one server
     payload_log.py  the opt-in sampled log of requests and answers (JSONL, rotated, capped)
-    app.py      the Starlette app: routes, auth, limits, model reload
+    app.py      the Starlette app: routes, auth, limits, the repository API
+    grpc/       KServe V2 over gRPC: schema.py (messages), codec.py (messages <-> arrays), service.py
     config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> uvicorn
 
 Entry points: `python -m serving ...`, and `serving.cli.main(argv)` for `pipeline serve`.

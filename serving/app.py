@@ -34,12 +34,11 @@ import fnmatch
 import hmac
 import logging
 import re
-import threading
 import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from starlette.applications import Starlette
@@ -53,16 +52,20 @@ from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits
 from serving.config import Settings
 from serving.engine import GPU_PROVIDERS, ModelInputError
-from serving.loader import (
-    LoadedModel,
-    ModelInfo,
-    SourceError,
-    alias_version,
-    check_source,
-    load_model,
-)
+from serving.loader import LoadedModel, ModelInfo, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record
+from serving.repository import (
+    HEADER_SAFE,
+    READY,
+    Model,
+    Repository,
+    RepositoryError,
+    Slot,
+    Source,
+    receipt_values,
+    version_key,
+)
 
 log = logging.getLogger("serving.app")
 JSON = "application/json"
@@ -70,8 +73,6 @@ RETRY_AFTER = {"Retry-After": "1"}
 BIG_BODY = 64 * 1024  # decoded in a thread above this
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
-# What may go into a response header as is: printable ASCII (no CR/LF to split a response with).
-HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")
 
 
 class HTTPError(Exception):
@@ -79,29 +80,6 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers
-
-
-@dataclass
-class Slot:
-    """A loaded model and the batcher in front of it: swapped as one. `headers` are the receipt headers
-    naming this model, for every answer it computed."""
-    model: LoadedModel
-    batcher: Batcher
-    headers: dict[str, str] = field(init=False)
-
-    def __post_init__(self):
-        self.headers = receipt_headers(self.model.info)
-
-
-def receipt_headers(info: ModelInfo) -> dict[str, str]:
-    """X-Model-* headers naming a model; a value that is empty, or unsafe in a header, is left out."""
-    return {k: v for k, v in _receipt_values(info).items() if v and HEADER_SAFE.fullmatch(v)}
-
-
-def _receipt_values(info: ModelInfo) -> dict[str, str]:
-    return {"X-Model-Name": info.name, "X-Model-Version": info.version,
-            "X-Model-Run-Id": info.lineage.get("run_id", ""),
-            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", "")}
 
 
 def model_summary(info: ModelInfo) -> dict:
@@ -119,51 +97,90 @@ def check_request_id(value: str, where: str) -> str:
 
 
 class Server:
-    """The state behind the routes: settings, the current slot, the engine thread, metrics."""
+    """The state behind the routes (HTTP and gRPC): settings, the model repository, the engine thread, metrics."""
 
-    def __init__(self, settings: Settings, model: LoadedModel, payload_log: PayloadLog | None = None):
+    def __init__(self, settings: Settings, models: LoadedModel | list[tuple[Source, LoadedModel]],
+                 payload_log: PayloadLog | None = None):
         self.settings = settings
-        # One thread runs every model run: onnxruntime parallelizes inside a run, and two runs
-        # at once on the same cores only fight (also across a reload's old and new model).
+        # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
+        # at once on the same cores only fight. Each batcher queues at most one run on it at a time, so the
+        # thread's FIFO order takes the models' runs in turn (see serving/repository.py).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.metrics = Metrics(queue_rows=lambda: self.slot.batcher.queued_rows)
-        self.slot = Slot(model, self._batcher(model))
+        self.metrics = Metrics(queue_rows=self._queued_rows)
+        self.repository = Repository(partial(open_source, settings), self._batcher, self.warm_up_between_batches,
+                                     directory=settings.repository, policy=settings.policy(),
+                                     default_model=settings.default_model)
+        self.repository.on_change = self._announce
+        if isinstance(models, LoadedModel):  # one model, opened by the caller (tests, tools)
+            models = [(settings.sources()[0] if settings.sources() else Source(models.info.source), models)]
+        self.repository.place(models)
+        self.repository.add_repository_models()  # the rest of the repository: listed, loadable, not loaded
+        if settings.default_model is not None and settings.default_model not in self.repository.models:
+            raise RepositoryError(f"--default-model {settings.default_model}: no such model (this server has "
+                                  f"{self.repository.describe()})")
         self._serving = False  # between startup and shutdown
         self._token = settings.auth_token.encode() if settings.auth_token else None
-        self._reloader: asyncio.Task | None = None
+        self._followers: list[asyncio.Task] = []
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
         self._decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
         self._hosts = settings.host_patterns()
         self._origins = settings.origins()
-        self.alias_version: str | None = None  # what the followed alias points at, when known
         self.payload_log = payload_log  # started and closed with the server
         if payload_log is not None:
             self.metrics.watch_payload_log(payload_log.stats)
+        self.grpc = None  # the gRPC server, when --grpc-port is given (started with the app)
 
     @property
     def ready(self) -> bool:
-        """Started, not shutting down, the current batcher's loop running, and no model run past its deadline."""
-        return self._serving and self.slot.batcher.alive and not self.slot.batcher.stalled
+        """Started, not shutting down, and every loaded version's batcher running with no model run past its
+        deadline. A model unloaded or still loading does not make the server unready (its own ready says so)."""
+        return self._serving and all(slot.healthy for _, slot in self.repository.slots())
+
+    def model_ready(self, model: Model) -> bool:
+        return self._serving and model.ready
+
+    @property
+    def slot(self) -> Slot:
+        """The default model's default version (what /invocations serves)."""
+        return self.repository.slot(self.repository.default_model().name, None)
+
+    def _queued_rows(self) -> list[tuple[str, str, float]]:
+        return [(name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()]
 
     def _batcher(self, model: LoadedModel) -> Batcher:
         s = self.settings
+        name, version = model.info.name, model.info.version
+
+        def observe(rows: int, seconds: float, waits: list[float]) -> None:
+            self.metrics.observe_batch(name, version, rows, seconds, waits)
+
         return Batcher(model.engine.run, self.executor, max_batch_size=s.max_batch_size,
                        max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
-                       merge=model.engine.batchable, on_batch=self.metrics.observe_batch, run_timeout=s.run_timeout)
+                       merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
-        self.slot.batcher.start()
-        self._announce(self.slot.model)
+        self.repository.start()
+        self._announce()
+        for _, slot in self.repository.slots():
+            info = slot.model.info
+            log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
+                     slot.model.engine.describe())
         if self.payload_log is not None:
             self.payload_log.start()
             log.info("payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
                      self.payload_log.sample * 100, self.payload_log.directory, self.payload_log.max_bytes,
                      self.payload_log.file_bytes)
         if self.settings.reload_interval:
-            self._reloader = asyncio.create_task(self._reload_loop(), name="reloader")
+            self._followers = [asyncio.create_task(
+                self.repository.follow(name, alias, self.settings.reload_interval, self._alias_event),
+                name=f"follow {alias}") for name, alias in self.repository.aliases()]
+        if self.settings.grpc_port is not None:
+            from serving.grpc.service import start_grpc
+
+            self.grpc = await start_grpc(self)
         self._serving = True
         try:
             yield
@@ -171,15 +188,16 @@ class Server:
             # uvicorn gets here after SIGTERM, once it stopped accepting and in-flight requests
             # were answered; drain what is still queued anyway.
             self._serving = False
-            if self._reloader is not None:
-                self._reloader.cancel()
+            if self.grpc is not None:
+                await self.grpc.stop(self.settings.graceful_timeout)
+            for task in self._followers:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._reloader
-            await self.slot.batcher.close()
+                    await task
+            await self.repository.close()
             if self.payload_log is not None:  # every request was answered: its records are all queued
                 await asyncio.to_thread(self.payload_log.close)
             self.executor.shutdown(wait=True)
-            self.slot.model.discard()
             log.info("stopped")
 
     def begin_shutdown(self) -> None:
@@ -187,64 +205,33 @@ class Server:
         instead of waiting out --max-delay-ms, so that uvicorn's wait for in-flight requests ends with them
         answered, not cut at --graceful-timeout."""
         self._serving = False
-        self.slot.batcher.flush()
+        for _, slot in self.repository.slots():
+            slot.batcher.flush()
 
-    def _announce(self, model: LoadedModel) -> None:
-        info = model.info
-        log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
-                 model.engine.describe())
-        unsafe = [h for h, v in _receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
-        if unsafe:
-            log.warning("not sending %s: the values are not 1 to 128 printable ASCII characters", ", ".join(unsafe))
-        self.metrics.set_model(info.name, info.version, model.engine.provider, info.source)
-        self.metrics.set_engine(model.engine.provider, model.variant, model.engine.options_text())
+    def _announce(self) -> None:
+        """Metrics of what is loaded now (after every load, unload and alias move)."""
+        served = []
+        for name, slot in self.repository.slots():
+            model, info = slot.model, slot.model.info
+            served.append((name, info.version, model.engine.provider, info.source, model.variant,
+                           model.engine.options_text()))
+            unsafe = [h for h, v in receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
+            if unsafe:
+                log.warning("%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
+                            name, info.version, ", ".join(unsafe))
+        self.metrics.set_models(served)
 
-    async def _reload_loop(self) -> None:
-        """Follows the alias. A version that fails to load (the registry or the store away for a moment,
-        no room for two models) is tried again after interval x 2^failures (at most 10 min); /metrics
-        counts the failures and says the server is behind the alias meanwhile."""
-        s = self.settings
-        failures: dict[str, int] = {}
-        retry_at: dict[str, float] = {}
-        while True:
-            await asyncio.sleep(s.reload_interval)
-            current = self.slot.model.info.version
-            try:
-                version = await off_loop(alias_version, s.model)
-            except SourceError as exc:
-                log.warning("cannot read alias %s; still serving version %s: %s", s.model, current, exc)
-                continue
-            self.alias_version = version
-            self.metrics.set_alias(version, behind=version != current)
-            if version == current or time.monotonic() < retry_at.get(version, 0.0):
-                continue
-            log.info("alias %s moved from version %s to %s; loading it", s.model, current, version)
-            try:
-                model = await self._load_warm(version)
-            except Exception as exc:  # noqa: BLE001 - any failure of a load: keep serving, try again later
-                failures[version] = failures.get(version, 0) + 1
-                delay = min(s.reload_interval * 2 ** failures[version], 600.0)
-                retry_at[version] = time.monotonic() + delay
-                self.metrics.reload_failures.labels(version).inc()
-                log.warning("loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
-                            version, failures[version], delay, current, exc)
-                continue
-            failures.pop(version, None)
-            await self.swap(model)
-            self.metrics.set_alias(version, behind=False)
-
-    async def _load_warm(self, version: str) -> LoadedModel:
-        """The new version, loaded off the event loop and warmed up on the engine thread."""
-        model = await off_loop(load, self.settings, version)
-        try:
-            await self.warm_up_between_batches(model)
-        except BaseException:
-            model.discard()
-            raise
-        return model
+    def _alias_event(self, name: str, alias: str, event: str, version: str) -> None:
+        model = self.repository.models.get(name)
+        self.metrics.set_alias(name, alias, version, behind=model is None or model.behind(alias))
+        if event == "failed":
+            self.metrics.reload_failures.labels(name, version).inc()
+        elif event == "moved":
+            self.metrics.reloads.labels(name).inc()
+            log.info("serving %s version %s (alias %s)", name, version, alias)
 
     async def warm_up_between_batches(self, model: LoadedModel) -> None:
-        """A reload's warm-up, one run per batch size on the engine thread, queued between the live model's
+        """A loaded version's warm-up, one run per batch size on the engine thread, queued between live
         batches: never two runs at once on the device (on a GPU, cuDNN picking algorithms for the new model
         while live traffic runs would time them on a busy device and slow the requests in flight). A live
         batch waits for at most one warm-up run."""
@@ -255,17 +242,8 @@ class Server:
             if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
                 log.info("no warm-up: an input has a dynamic axis besides the batch axis")
                 return
-        log.info("warm-up of %d batch sizes done in %.2f s", len(sizes), time.perf_counter() - started)
-
-    async def swap(self, model: LoadedModel) -> None:
-        old = self.slot
-        new = Slot(model, self._batcher(model))
-        new.batcher.start()
-        self.slot = new  # from here on, requests go to the new model
-        self.metrics.reloads.inc()
-        self._announce(model)
-        await old.batcher.close()  # requests already queued on the old model finish there
-        old.model.discard()
+        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
+                 len(sizes), time.perf_counter() - started)
 
     # ---- helpers for routes --------------------------------------------------------------------
 
@@ -281,21 +259,28 @@ class Server:
                                  "--allowed-origins")
 
     def authorize(self, request: Request) -> None:
+        self.check_token(request.headers.get("authorization", ""))
+
+    def check_token(self, header: str) -> None:
+        """An `Authorization` value (HTTP header or gRPC metadata) against the token, when one is set."""
         if self._token is None:
             return
-        header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
             raise HTTPError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                             {"WWW-Authenticate": "Bearer"})
 
     def model_slot(self, name: str, version: str | None) -> Slot:
-        slot = self.slot
-        info = slot.model.info
-        if name != info.name or (version is not None and version != info.version):
-            asked = f"'{name}'" + (f" version {version}" if version is not None else "")
-            raise HTTPError(404, f"unknown model {asked}; this server serves '{info.name}' version {info.version}")
-        return slot
+        try:
+            return self.repository.slot(name, version)
+        except RepositoryError as exc:
+            raise HTTPError(exc.status, str(exc)) from None
+
+    def invocations_slot(self) -> Slot:
+        try:
+            return self.repository.slot(self.repository.default_model().name, None)
+        except RepositoryError as exc:
+            raise HTTPError(exc.status, f"/invocations serves the default model: {exc}") from None
 
     async def body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -374,8 +359,9 @@ class Server:
         except BatcherClosed:
             # A reload swapped the model between choosing this slot and queueing on it (decoding a big body,
             # or wait_for's task start, lies in between): the new model takes it if its inputs are the same.
-            current = self.slot
-            if (not follow_swap or current is slot or not self._serving
+            model = self.repository.models.get(slot.model.info.name)
+            current = model.default_slot() if model is not None else None
+            if (not follow_swap or current is None or current is slot or not self._serving
                     or current.model.engine.inputs != slot.model.engine.inputs):
                 raise
             return await current.batcher.submit(feeds, rows), current
@@ -388,34 +374,12 @@ class Server:
                                            model_summary(slot.model.info), feeds, results, error))
 
 
-async def off_loop(fn, *args):
-    """`fn(*args)` in a daemon thread: unlike asyncio.to_thread's executor, nothing waits for it at exit
-    (a registry call stuck at shutdown held SIGTERM up past the container's grace period)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(setter, value):
-        if not future.done():
-            setter(value)
-
-    def work():
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            outcome = (future.set_exception, exc)
-        else:
-            outcome = (future.set_result, result)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody is waiting
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=work, name=f"off-loop-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return await future
-
-
-def load(settings: Settings, version: str | None = None) -> LoadedModel:
-    """The model the settings name (pinned at `version` for an alias), on the provider and variant they ask."""
+def open_source(settings: Settings, source: Source, version: str | None = None) -> LoadedModel:
+    """One model source on the provider and variant the settings ask (an alias pinned at `version` when given).
+    A repository version directory is that version of its model."""
     s = settings
-    return load_model(s.model, device=s.device, threads=s.threads, name=s.model_name, version=version,
+    name = source.name or (s.model_name if len(s.sources()) <= 1 else None)
+    return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
                       device_id=s.device_id, variant=s.variant, gpu=s.gpu_options())
 
 
@@ -440,19 +404,40 @@ def warm_up(model: LoadedModel, max_batch_size: int) -> None:
     started = time.perf_counter()
     sizes = warm_up_sizes(model.engine.provider, max_batch_size)
     if model.engine.warm_up(sizes):
-        log.info("warm-up of %d batch sizes done in %.2f s", len(sizes), time.perf_counter() - started)
+        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
+                 len(sizes), time.perf_counter() - started)
     else:
-        log.info("no warm-up: an input has a dynamic axis besides the batch axis")
+        log.info("%s: no warm-up: an input has a dynamic axis besides the batch axis", model.info.name)
+
+
+def open_models(settings: Settings) -> list[tuple[Source, LoadedModel]]:
+    """Every model the settings load at start, opened and warmed up (blocking, before the server starts).
+    Raises the first failure: a server does not start half-loaded."""
+    repository = Repository(partial(open_source, settings), None, None, directory=settings.repository,
+                            policy=settings.policy())
+    opened = repository.open_at_start(settings.sources(), settings.load_model_names())
+    try:
+        for _, model in opened:
+            warm_up(model, settings.max_batch_size)
+    except BaseException:
+        for _, model in opened:
+            model.discard()
+        raise
+    return opened
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(codec.dumps({"error": message}), status, headers=headers, media_type=JSON)
 
 
-def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog | None = None) -> Starlette:
-    """The ASGI app serving `model` (already loaded and warmed up), with an optional payload log (not yet
-    started: the app's lifespan starts and closes it)."""
-    server = Server(settings, model, payload_log)
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "grpc"]
+
+
+def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, LoadedModel]],
+               payload_log: PayloadLog | None = None) -> Starlette:
+    """The ASGI app serving `models` (already loaded and warmed up: one LoadedModel, or (source, model) pairs),
+    with an optional payload log (not yet started: the app's lifespan starts and closes it)."""
+    server = Server(settings, models, payload_log)
 
     def endpoint(route: str, handler, open_: bool = False):
         """Wraps a handler with auth, error mapping and metrics: cheaper than middleware."""
@@ -465,7 +450,7 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
                 response = await handler(request)
             except HTTPError as exc:
                 response = error(exc.status, str(exc), exc.headers)
-            except BadRequest as exc:
+            except (BadRequest, RepositoryError) as exc:
                 response = error(exc.status, str(exc))
             except ClientDisconnect:  # the client went away mid-upload: its event, not our error
                 log.debug("%s %s: the client disconnected before its request arrived", request.method,
@@ -477,7 +462,8 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
             receipt = getattr(request.state, "receipt", None)
             if receipt:  # an inference request: the model that answered, and the request's id
                 response.headers.update(receipt)
-            server.metrics.observe_request(route, response.status_code, time.perf_counter() - started)
+            name, version = getattr(request.state, "model", ("", ""))
+            server.metrics.observe_request(route, response.status_code, time.perf_counter() - started, name, version)
             return response
         return wrapped
 
@@ -487,8 +473,8 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
     # ---- KServe V2 ----
 
     async def v2_server(request: Request) -> Response:
-        return json({"name": "trainserve", "version": serving.__version__,
-                     "extensions": ["binary_tensor_data", "model_configuration"]})
+        extensions = [e for e in EXTENSIONS if e != "grpc" or settings.grpc_port is not None]
+        return json({"name": "trainserve", "version": serving.__version__, "extensions": extensions})
 
     async def live(request: Request) -> Response:
         return json({"live": True})
@@ -501,25 +487,34 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
 
     async def model_metadata(request: Request) -> Response:
         slot = _slot(request)
+        model = server.repository.models[slot.model.info.name]
         engine, info = slot.model.engine, slot.model.info
-        body = {"name": info.name, "versions": [info.version], "platform": "onnxruntime_onnx",
+        body = {"name": info.name, "versions": sorted(model.slots, key=version_key), "platform": "onnxruntime_onnx",
                 "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
                            for s in engine.inputs],
                 "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
                             for s in engine.outputs]}
+        if "version" in request.path_params:
+            body["versions"] = [info.version]
         parameters = {"labels": list(info.labels)} if info.labels is not None else {}
         parameters.update(info.lineage)  # the version's lineage, from the file's metadata
         parameters["source"] = info.source
-        if server.settings.reload_interval:  # following an alias: what it points at, and whether this serves it
-            parameters["alias"] = {"source": info.source, "version": server.alias_version or info.version,
-                                   "behind": (server.alias_version or info.version) != info.version}
-        if parameters:
-            body["parameters"] = parameters
+        alias = slot.source.alias
+        if alias is not None and settings.reload_interval:  # following an alias: what it names, and whether served
+            named = model.alias_versions.get(alias, info.version)
+            parameters["alias"] = {"source": alias, "version": named, "behind": model.behind(alias)}
+        body["parameters"] = parameters
         return json(body)
 
     async def model_ready(request: Request) -> Response:
-        slot = _slot(request)
-        return json({"name": slot.model.info.name, "ready": server.ready}, 200 if server.ready else 503)
+        name = request.path_params["name"]
+        model = server.repository.models.get(name)
+        if model is None:
+            _slot(request)  # the 404, worded as for every other model route
+        if "version" in request.path_params:
+            _slot(request)
+        ok = server.model_ready(model)
+        return json({"name": name, "ready": ok}, 200 if ok else 503)
 
     async def model_config(request: Request) -> Response:
         slot = _slot(request)
@@ -543,6 +538,7 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
     def receipt(request: Request, slot: Slot, rid: str | None) -> None:
         """The headers of this request's answer, as far as known (also sent with an error)."""
         request.state.receipt = {**slot.headers, **({"X-Request-Id": rid} if rid is not None else {})}
+        request.state.model = (slot.model.info.name, slot.version)
 
     async def v2_infer(request: Request) -> Response:
         slot = _slot(request)  # 404 before reading a body for an unknown model
@@ -587,14 +583,15 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
     # ---- MLflow scoring ----
 
     async def invocations(request: Request) -> Response:
-        receipt(request, server.slot, None)
+        slot = server.invocations_slot()
+        receipt(request, slot, None)
         rid = request_id(request) or uuid.uuid4().hex
-        receipt(request, server.slot, rid)
+        receipt(request, slot, rid)
         content_type = request.headers.get("content-type", JSON).split(";")[0].strip().lower()
         if content_type != JSON:
             raise HTTPError(415, f"Content-Type {content_type} is not supported; send application/json")
         data = await server.body(request)
-        slot = server.slot
+        slot = server.invocations_slot()
         receipt(request, slot, rid)
         req = await server.decode(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits)
         try:
@@ -610,9 +607,55 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
         return Response(b"\n", 200 if server.ready else 503, media_type=JSON)
 
     async def version(request: Request) -> Response:
-        info = server.slot.model.info
+        info = server.invocations_slot().model.info
         return json({"server": "trainserve", "version": serving.__version__, "model_name": info.name,
                      "model_version": info.version})
+
+    # ---- V2 repository extension ----
+
+    async def repository_index(request: Request) -> Response:
+        body = await control_body(request)
+        only_ready = body.get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise HTTPError(400, f'"ready" must be true or false, got {only_ready!r:.40}')
+        if settings.repository:  # models added to the directory since are listed (not loaded)
+            with contextlib.suppress(Exception):
+                server.repository.add_repository_models()
+        rows = server.repository.index()
+        return json([r for r in rows if r["state"] == READY] if only_ready else rows)
+
+    async def repository_load(request: Request) -> Response:
+        body = await control_body(request)
+        parameters = body.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise HTTPError(400, '"parameters" must be a JSON object')
+        refused = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+        if refused:
+            raise HTTPError(400, f"load parameters {refused} are not taken: this server loads a model only from its "
+                                 "--model flags or --repository directory, never from files or a config a client sends")
+        name = request.path_params["name"]
+        try:
+            await server.repository.load(name)
+        except RepositoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded: the client named it
+            raise HTTPError(400, f"failed to load '{name}': {exc}") from None
+        return json({})
+
+    async def repository_unload(request: Request) -> Response:
+        await control_body(request)
+        await server.repository.unload(request.path_params["name"])
+        return json({})
+
+    async def control_body(request: Request) -> dict:
+        """The optional JSON object of a repository request."""
+        data = await server.body(request)
+        if not data.strip():
+            return {}
+        parsed = codec.parse_json(data)
+        if not isinstance(parsed, dict):
+            raise HTTPError(400, "the body must be a JSON object (or empty)")
+        return parsed
 
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
@@ -630,6 +673,9 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
         add(prefix + "/ready", model_ready)
         add(prefix + "/config", model_config)
         add(prefix + "/infer", v2_infer, methods=("POST",))
+    add("/v2/repository/index", repository_index, methods=("POST",))
+    add("/v2/repository/models/{name}/load", repository_load, methods=("POST",))
+    add("/v2/repository/models/{name}/unload", repository_unload, methods=("POST",))
     add("/invocations", invocations, methods=("POST",))
     add("/ping", ping, open_=True)
     add("/health", ping, open_=True)
@@ -651,6 +697,7 @@ def create_app(settings: Settings, model: LoadedModel, payload_log: PayloadLog |
 
 def check_reload(settings: Settings) -> None:
     """--reload-interval only makes sense for an alias; ValueError otherwise."""
-    if settings.reload_interval and check_source(settings.model) != "alias":
-        raise ValueError(f"--reload-interval polls a registry alias; '{settings.model}' is not "
-                         "models:/<name>@<alias>")
+    if settings.reload_interval and not any(source.alias for source in settings.sources()):
+        given = ", ".join(s.uri for s in settings.sources()) or "none"
+        raise ValueError(f"--reload-interval polls a registry alias; no --model is models:/<name>@<alias> "
+                         f"(given: {given})")

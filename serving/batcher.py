@@ -27,9 +27,9 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class Batcher:
 
     def __init__(self, run: Callable[[Feeds], Feeds], executor: Executor, *, max_batch_size: int,
                  max_delay_ms: float, max_queue_rows: int, merge: bool = True,
-                 on_batch: Callable[[int, float], None] | None = None, run_timeout: float | None = None):
+                 on_batch: Callable[[int, float, list[float]], None] | None = None, run_timeout: float | None = None):
         self._run = run
         self._executor = executor
         self.max_batch_size = max_batch_size
@@ -94,6 +94,10 @@ class Batcher:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
         self._task.add_done_callback(self._loop_ended)
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
 
     @property
     def alive(self) -> bool:
@@ -194,9 +198,9 @@ class Batcher:
         feeds = _concat([j.feeds for j in jobs])
         rows = sum(j.rows for j in jobs)
         started = time.perf_counter()
-        running = loop.run_in_executor(self._executor, self._run, feeds)
+        running = loop.run_in_executor(self._executor, self._timed, feeds)
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(running), self.run_timeout)
+            outputs, began, ended = await asyncio.wait_for(asyncio.shield(running), self.run_timeout)
         except asyncio.TimeoutError:
             self.stalled = True
             log.error("a model run of %d rows has taken over %.0f s (--run-timeout); failing its requests, "
@@ -210,8 +214,16 @@ class Batcher:
             log.warning("the stalled model run returned after %.1f s; ready again", time.perf_counter() - started)
             raise error from None
         if self._on_batch is not None:
-            self._on_batch(rows, time.perf_counter() - started)
+            # Queue time runs until the engine thread began this run (other models' runs may go first);
+            # compute time is the run itself.
+            self._on_batch(rows, ended - began, [began - j.arrived for j in jobs])
         return outputs
+
+    def _timed(self, feeds: Feeds) -> tuple[Feeds, float, float]:
+        """The run, on the engine thread, with when it began and ended (time.monotonic)."""
+        began = time.monotonic()
+        outputs = self._run(feeds)
+        return outputs, began, time.monotonic()
 
     async def _wait_for_rows(self, loop: asyncio.AbstractEventLoop) -> None:
         """Let a partial batch wait for more rows until its oldest job is `max_delay` old (re-read on every

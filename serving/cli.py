@@ -17,13 +17,21 @@ from serving.config import Settings
 
 log = logging.getLogger("serving")
 ENV_PREFIX = "TRAINSERVE_"
+REPEATABLE = {"model"}  # flags that may be given several times
 
 # flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
 FLAGS: dict[str, tuple[type, str]] = {
-    "model": (str, "path/to/model.onnx, models:/name@alias, models:/name/<version>, models:/<model id> "
-                   "or runs:/<run id>/<path>"),
-    "model-name": (str, "name clients use in /v2/models/{name} (default: registered name, ONNX metadata "
-                        "trainserve.model_name, or the file stem)"),
+    "model": (str, "[NAME=]URI, repeatable: URI is path/to/model.onnx, models:/name@alias, models:/name/<version>, "
+                   "models:/<model id> or runs:/<run id>/<path>; a NAME given twice is one model with two versions"),
+    "model-name": (str, "name clients use in /v2/models/{name} for a single --model URI (default: registered "
+                        "name, ONNX metadata trainserve.model_name, or the file stem)"),
+    "repository": (str, "a model repository DIR/NAME/VERSION/model.onnx (Triton's layout)"),
+    "load-model": (str, "repository models loaded at start, comma-separated (default: all); the others can be "
+                        "loaded with POST /v2/repository/models/NAME/load"),
+    "version-policy": (str, "versions of each repository model loaded: latest:N, all or specific:V[,V] "
+                            "(default latest:1)"),
+    "default-model": (str, "the model /invocations serves (default: the first --model)"),
+    "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "host": (str, "interface to bind (default 127.0.0.1: private)"),
     "port": (int, "port (default 8080)"),
     "device": (str, "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
@@ -73,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(f"--{flag}", action="store_const", const=True, default=None,
                                 help=f"{help_text} [env {env}=1]")
+        elif flag in REPEATABLE:
+            parser.add_argument(f"--{flag}", type=kind, action="append", default=None,
+                                help=f"{help_text} [env {env}: one]")
         else:
             parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
 
@@ -96,9 +107,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 except ValueError:
                     raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
         if value is not None:
-            values[key] = value
-    if "model" not in values:
-        raise ValueError("--model is required (or TRAINSERVE_MODEL)")
+            values[key] = tuple(value) if isinstance(value, list) else value
+    if "model" not in values and "repository" not in values:
+        raise ValueError("--model [NAME=]URI or --repository DIR is required (or TRAINSERVE_MODEL)")
     settings = Settings(**values)
     settings.check()
     from serving.app import check_reload
@@ -176,7 +187,7 @@ def open_payload_log(settings: Settings):
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from serving.app import create_app, load, warm_up
+    from serving.app import create_app, open_models
     from serving.protocol import with_read_deadline
 
     DrainingServer = _uvicorn_server()
@@ -187,6 +198,7 @@ def serve(settings: Settings) -> int:
     from serving.engine import EngineError
     from serving.loader import SourceError
     from serving.payload_log import PayloadLogError
+    from serving.repository import RepositoryError
 
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
@@ -194,12 +206,17 @@ def serve(settings: Settings) -> int:
         log.error("%s", exc)
         return 2
     try:
-        model = load(settings)
-        warm_up(model, settings.max_batch_size)
-    except (SourceError, EngineError) as exc:
-        log.error("cannot serve %s: %s", settings.model, exc)
+        models = open_models(settings)
+    except (SourceError, EngineError, RepositoryError) as exc:
+        log.error("cannot serve: %s", exc)
         return 2
-    app = create_app(settings, model, payload_log)
+    try:
+        app = create_app(settings, models, payload_log)
+    except RepositoryError as exc:
+        for _, model in models:
+            model.discard()
+        log.error("cannot serve: %s", exc)
+        return 2
     raise_open_files_limit()
     # No limit_concurrency: uvicorn counts open connections against it and answers 503 to everything past
     # it, health checks included, so idle clients could hold the server off. The read deadline closes
@@ -218,7 +235,8 @@ def serve(settings: Settings) -> int:
     except SystemExit:  # uvicorn exits this way when it cannot bind; it logged why
         server.started = False
     if not server.started:
-        model.discard()
+        for _, model in models:
+            model.discard()
         log.error("the server did not start (see above)")
         return 1
     return 0

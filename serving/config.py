@@ -12,10 +12,22 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class Settings:
-    # The model: a path to an .onnx file, models:/name@alias, models:/name/3, runs:/<id>/<path>.
-    model: str
-    # Name clients use in /v2/models/{name}; default: registered name, ONNX metadata, file stem.
+    # The models: each `[NAME=]URI`, URI a path to an .onnx file, models:/name@alias, models:/name/3,
+    # runs:/<id>/<path>. A NAME given more than once is one model with several versions.
+    model: str | tuple[str, ...] = ()
+    # Name clients use in /v2/models/{name} for a single --model without NAME=; default: registered name,
+    # ONNX metadata, file stem.
     model_name: str | None = None
+    # A Triton-style model repository, DIR/NAME/VERSION/model.onnx.
+    repository: str | None = None
+    # Repository models loaded at start, comma-separated; None: all of them.
+    load_model: str | None = None
+    # Which versions of a repository model are loaded: latest:N, all, specific:V,V.
+    version_policy: str = "latest:1"
+    # The model /invocations serves; None: the first --model (or the repository's first model).
+    default_model: str | None = None
+    # Port of the KServe V2 gRPC endpoint; None: no gRPC.
+    grpc_port: int | None = None
     # Interface to bind; 127.0.0.1 keeps the server private unless asked otherwise.
     host: str = "127.0.0.1"
     port: int = 8080
@@ -83,8 +95,21 @@ class Settings:
     # Log each closed payload file to the answering model's training run (trainserve.run_id) in MLflow.
     payload_log_mlflow: bool = False
 
+    def sources(self):
+        """The --model flags as repository Sources (ValueError for a malformed one)."""
+        from serving.repository import parse_model_flag
+
+        specs = (self.model,) if isinstance(self.model, str) else tuple(self.model)
+        return [parse_model_flag(spec) for spec in specs]
+
+    def policy(self):
+        from serving.repository import parse_version_policy
+
+        return parse_version_policy(self.version_policy)
+
     def check(self) -> None:
         """Cross-field rules; ValueError says how to fix."""
+        self._check_models()
         positive = {"--port": self.port, "--max-batch-size": self.max_batch_size,
                     "--max-queue-rows": self.max_queue_rows, "--max-body-bytes": self.max_body_bytes,
                     "--max-rows-per-request": self.max_rows_per_request}
@@ -119,8 +144,37 @@ class Settings:
                              "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
                              "pass --allow-unauthenticated if something in front of it authenticates")
 
+    def _check_models(self) -> None:
+        from serving.loader import SourceError
+
+        try:
+            sources = self.sources()
+        except SourceError as exc:
+            raise ValueError(str(exc)) from None
+        if not sources and self.repository is None:
+            raise ValueError("no model to serve: give --model [NAME=]URI (repeatable) or --repository DIR")
+        if self.model_name is not None and (len(sources) != 1 or sources[0].name is not None):
+            raise ValueError("--model-name names a single --model; with several, name each as --model NAME=URI")
+        self.policy()
+        if self.repository is None:
+            for flag, value in {"--load-model": self.load_model, "--version-policy":
+                                None if self.version_policy == "latest:1" else self.version_policy}.items():
+                if value is not None:
+                    raise ValueError(f"{flag} applies to --repository models: add --repository DIR or drop it")
+        if self.grpc_port is not None and not (0 < self.grpc_port < 65536 and self.grpc_port != self.port):
+            raise ValueError(f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}")
+
+    def load_model_names(self) -> list[str] | None:
+        """--load-model as a list of names (None: every repository model)."""
+        if self.load_model is None:
+            return None
+        return [n.strip() for n in self.load_model.split(",") if n.strip()]
+
     def _check_device(self) -> None:
-        from serving.engine import CONV_ALGO_SEARCH, DEVICES  # onnxruntime: not for `--help`
+        from serving.engine import (  # onnxruntime: not for `--help`
+            CONV_ALGO_SEARCH,
+            DEVICES,
+        )
 
         if self.device not in DEVICES:
             raise ValueError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")

@@ -336,8 +336,15 @@ class Engine:
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs)
 
+    def close(self) -> None:
+        """Drop the onnxruntime session (its weights and memory arena) now, not when the last reference to this
+        engine goes: an unloaded model must give its memory back even while a late request still holds it."""
+        self.session = None
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run. feeds: input name -> array, already validated against `inputs`."""
+        if self.session is None:
+            raise EngineError("the model was unloaded")
         try:
             # No IO binding: binding a host array and copying the outputs back is the same host->device and
             # device->host traffic session.run does (see the README's GPU section for what would gain).

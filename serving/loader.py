@@ -21,7 +21,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.engine import CPU, GPU_PROVIDERS, Engine, EngineError, GpuOptions, choose_provider
+from serving.engine import (
+    CPU,
+    GPU_PROVIDERS,
+    Engine,
+    EngineError,
+    GpuOptions,
+    choose_provider,
+)
 
 log = logging.getLogger("serving.loader")
 

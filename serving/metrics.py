@@ -22,63 +22,86 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
+    """Every series of a model is labelled by `model` and `version` (model_info: `name`, `version`), so that one
+    server of many models can be read model by model; a request's time splits into queue time (waiting for its
+    batch to start: Triton's queue_duration) and compute time (the model run: compute_infer)."""
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_rows: Callable[[], float]):
+    def __init__(self, queue_rows: Callable[[], list[tuple[str, str, float]]]):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("trainserve_requests", "HTTP requests by route template and status",
-                                ["route", "status"], registry=r)
-        self.latency = Histogram("trainserve_request_duration_seconds", "HTTP request latency, seconds",
-                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("trainserve_batch_size", "Rows per model run", buckets=BATCH_BUCKETS,
-                                    registry=r)
-        self.inference = Histogram("trainserve_inference_duration_seconds", "Seconds per model run",
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Gauge("trainserve_queue_rows", "Rows waiting for a model run", registry=r)
-        self.queue.set_function(queue_rows)
-        self.model_info = Gauge("trainserve_model_info", "The model being served (value 1)",
+        self.requests = Counter("trainserve_requests", "Requests by route template (HTTP) or method (gRPC), status "
+                                "and the model version that answered", ["route", "status", "model", "version"],
+                                registry=r)
+        self.latency = Histogram("trainserve_request_duration_seconds", "Request latency, seconds",
+                                 ["route", "model", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("trainserve_batch_size", "Rows per model run", ["model", "version"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.inference = Histogram("trainserve_inference_duration_seconds", "Seconds per model run (compute time)",
+                                   ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("trainserve_queue_duration_seconds", "Seconds a request waited for its batch "
+                                    "to start (queue time)", ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.model_info = Gauge("trainserve_model_info", "The model versions being served (value 1)",
                                 ["name", "version", "provider", "source"], registry=r)
-        self.engine_info = Gauge("trainserve_engine_info", "How the model runs (value 1): the execution provider "
-                                 "that really runs it, the variant served (fp32, fp16) and the provider's options",
-                                 ["provider", "variant", "options"], registry=r)
-        self.reloads = Counter("trainserve_model_reloads", "Model swaps after the registry alias moved",
+        self.engine_info = Gauge("trainserve_engine_info", "How each model version runs (value 1): the execution "
+                                 "provider that really runs it, the variant served (fp32, fp16) and the provider's "
+                                 "options", ["model", "version", "provider", "variant", "options"], registry=r)
+        self.reloads = Counter("trainserve_model_reloads", "Model swaps after a registry alias moved", ["model"],
                                registry=r)
         self.reload_failures = Counter("trainserve_model_reload_failures",
-                                       "Failed loads of the version the registry alias points at", ["version"],
+                                       "Failed loads of the version a registry alias points at", ["model", "version"],
                                        registry=r)
-        self.alias = Gauge("trainserve_model_alias_info", "The version the followed registry alias points at "
-                           "(value 1)", ["version"], registry=r)
+        self.alias = Gauge("trainserve_model_alias_info", "The version a followed registry alias points at "
+                           "(value 1)", ["model", "alias", "version"], registry=r)
         self.behind = Gauge("trainserve_model_behind_alias", "1 while the alias points at a version this server "
-                            "has not loaded (it serves an older one)", registry=r)
+                            "has not loaded (it serves an older one)", ["model", "alias"], registry=r)
+        self.registry.register(_QueueCollector(queue_rows))
 
     def watch_payload_log(self, stats: Callable[[], dict]) -> None:
         """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
         self.registry.register(_PayloadLogCollector(stats))
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+    def observe_request(self, route: str, status: int | str, seconds: float, model: str = "", version: str = "") -> None:
+        self.requests.labels(route, str(status), model, version).inc()
+        self.latency.labels(route, model, version).observe(seconds)
 
-    def observe_batch(self, rows: int, seconds: float) -> None:
-        self.batch_size.observe(rows)
-        self.inference.observe(seconds)
+    def observe_batch(self, model: str, version: str, rows: int, seconds: float, waits: list[float]) -> None:
+        self.batch_size.labels(model, version).observe(rows)
+        self.inference.labels(model, version).observe(seconds)
+        queue = self.queue_time.labels(model, version)
+        for wait in waits:
+            queue.observe(wait)
 
-    def set_model(self, name: str, version: str, provider: str, source: str) -> None:
+    def set_models(self, served: list[tuple[str, str, str, str, str, str]]) -> None:
+        """What is loaded now: (name, version, provider, source, variant, options) per version."""
         self.model_info.clear()
-        self.model_info.labels(name, version, provider, source).set(1)
-
-    def set_engine(self, provider: str, variant: str, options: str) -> None:
         self.engine_info.clear()
-        self.engine_info.labels(provider, variant, options).set(1)
+        for name, version, provider, source, variant, options in served:
+            self.model_info.labels(name, version, provider, source).set(1)
+            self.engine_info.labels(name, version, provider, variant, options).set(1)
 
-    def set_alias(self, version: str, behind: bool) -> None:
-        self.alias.clear()
-        self.alias.labels(version).set(1)
-        self.behind.set(1 if behind else 0)
+    def set_alias(self, model: str, alias: str, version: str, behind: bool) -> None:
+        for labels in list(self.alias._metrics):  # one series per alias: the version it names now
+            if labels[:2] == (model, alias):
+                self.alias.remove(*labels)
+        self.alias.labels(model, alias, version).set(1)
+        self.behind.labels(model, alias).set(1 if behind else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _QueueCollector:
+    """trainserve_queue_rows{model,version}, read from the batchers at each scrape."""
+
+    def __init__(self, rows: Callable[[], list[tuple[str, str, float]]]):
+        self.rows = rows
+
+    def collect(self):
+        family = GaugeMetricFamily("trainserve_queue_rows", "Rows waiting for a model run", labels=["model", "version"])
+        for model, version, rows in self.rows():
+            family.add_metric([model, version], rows)
+        yield family
 
 
 class _PayloadLogCollector:

@@ -262,3 +262,42 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
     out, queued = run(main())
     assert out["y"].tolist() == [4] and queued == 0
     assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
+
+
+def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
+    # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO: while
+    # model A is flooded, a request to model B waits for at most the one A run ahead of it.
+    order: list[str] = []
+
+    def engine(label):
+        def run_(feeds):
+            order.append(label)
+            time.sleep(0.01)
+            return {"y": feeds["x"]}
+        return run_
+
+    async def main():
+        executor = ThreadPoolExecutor(max_workers=1)
+        waits = []
+        flooded = Batcher(engine("A"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000)
+        probed = Batcher(engine("B"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000,
+                         on_batch=lambda rows_, seconds, queue: waits.extend(queue))
+        flooded.start()
+        probed.start()
+        flood = [asyncio.ensure_future(flooded.submit(rows(i), 1)) for i in range(40)]
+        await asyncio.sleep(0.05)  # the flood is running
+        started = time.monotonic()
+        await probed.submit(rows(1.0), 1)
+        probe_seconds = time.monotonic() - started
+        await asyncio.gather(*flood)
+        await flooded.close()
+        await probed.close()
+        executor.shutdown()
+        return probe_seconds, waits
+
+    probe_seconds, waits = run(main())
+    b = order.index("B")
+    assert order[:b].count("A") < 40 and "B" not in order[b + 1:]
+    assert order[b - 1] == "A" and (b + 1 == len(order) or order[b + 1] == "A")  # A resumes right after
+    assert probe_seconds < 0.1, probe_seconds  # one A run ahead (10 ms), not the flood's remaining 300+ ms
+    assert len(waits) == 1 and waits[0] < 0.1  # its queue time, until the engine thread began its run

@@ -1,0 +1,185 @@
+"""KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, sharing the HTTP server's models.
+
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, on grpc.aio in the same
+event loop as the HTTP server: a ModelInfer request is decoded (serving/grpc/codec.py) and queued on the
+same batcher as an HTTP request for the same model version, so the two protocols share batches, limits,
+metrics and the payload log. An unmodified `tritonclient.grpc` client works.
+
+As over HTTP: the bearer token (metadata `authorization: Bearer <token>`) on all but ServerLive and
+ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
+RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the receipt (x-request-id,
+x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256) comes back as initial metadata, and
+the response's `id` echoes the request's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+from google.protobuf.message import DecodeError
+
+import serving
+from serving.codec import BadRequest
+from serving.grpc import codec, schema
+from serving.repository import RepositoryError, version_key
+
+log = logging.getLogger("serving.grpc")
+
+# The HTTP status each refusal has on the HTTP side -> its gRPC status code.
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                415: grpc.StatusCode.INVALID_ARGUMENT, 499: grpc.StatusCode.CANCELLED,
+                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
+
+
+class Refused(Exception):
+    """A request answered with a gRPC status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def refusal(exc: Exception) -> Refused:
+    """Our HTTP-side errors as gRPC statuses."""
+    from serving.app import HTTPError
+
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, (HTTPError, BadRequest, RepositoryError)):
+        return Refused(STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+    return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class Service:
+    """The RPCs, over the HTTP app's Server (its repository, batchers, limits, metrics, payload log)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    # ---- health and metadata ----
+
+    async def ServerLive(self, request, context):
+        return schema.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return schema.ServerReadyResponse(ready=self.server.ready)
+
+    async def ModelReady(self, request, context):
+        model = self.server.repository.model(request.name)
+        if request.version:
+            self.server.model_slot(request.name, request.version)
+        return schema.ModelReadyResponse(ready=self.server.model_ready(model))
+
+    async def ServerMetadata(self, request, context):
+        from serving.app import EXTENSIONS
+
+        return schema.ServerMetadataResponse(name="trainserve", version=serving.__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        slot = self.server.model_slot(request.name, request.version or None)
+        model = self.server.repository.models[slot.model.info.name]
+        engine = slot.model.engine
+        versions = [slot.version] if request.version else sorted(model.slots, key=version_key)
+        response = schema.ModelMetadataResponse(name=slot.model.info.name, versions=versions,
+                                                platform="onnxruntime_onnx")
+        for specs, field in ((engine.inputs, response.inputs), (engine.outputs, response.outputs)):
+            for spec in specs:
+                field.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
+        return response
+
+    # ---- inference ----
+
+    async def ModelInfer(self, request, context):
+        server = self.server
+        slot = server.model_slot(request.model_name, request.model_version or None)
+        context.model = (slot.model.info.name, slot.version)
+        engine = slot.model.engine
+        req = codec.decode_infer(request, engine.inputs, engine.output_names, server.limits)
+        rid = _request_id(request.id or context.metadata.get("x-request-id"))
+        results, slot = await server.infer(slot, req.feeds, req.rows, follow_swap=not request.model_version)
+        context.model = (slot.model.info.name, slot.version)
+        server.log_payload(rid, "grpc ModelInfer", slot, req.feeds, results)
+        info = slot.model.info
+        context.receipt = {**{k.lower(): v for k, v in slot.headers.items()}, "x-request-id": rid}
+        return codec.encode_infer(info.name, info.version, request.id or None, results, req.outputs,
+                                  slot.model.engine.outputs)
+
+
+def _request_id(given: str | None) -> str:
+    from serving.app import check_request_id
+
+    return uuid.uuid4().hex if not given else check_request_id(given, "the request id")
+
+
+class _Call:
+    """What a handler learns about its call: metadata in, the model that answered and the receipt out."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self.metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        self.model = ("", "")
+        self.receipt: dict[str, str] = {}
+
+
+def _handler(server, service: Service, method: str, request_class):
+    """One RPC: bytes in (parsed here, so a malformed message is INVALID_ARGUMENT, not INTERNAL), auth,
+    errors mapped to statuses, metrics, the receipt as initial metadata."""
+    call = getattr(service, method)
+
+    async def handle(data: bytes, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        info = _Call(context)
+        refused = None
+        try:
+            if method not in OPEN:
+                server.check_token(info.metadata.get("authorization", ""))
+            try:
+                request = request_class.FromString(data)
+            except DecodeError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
+            response = await call(request, info)
+            status = grpc.StatusCode.OK
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
+            refused = refusal(exc)
+            if refused.code == grpc.StatusCode.INTERNAL:
+                log.exception("gRPC %s failed", method)
+            status, response = refused.code, None
+        if info.receipt:
+            await context.send_initial_metadata(tuple(info.receipt.items()))
+        server.metrics.observe_request(f"grpc {method}", status.name, time.perf_counter() - started, *info.model)
+        if refused is not None:
+            await context.abort(status, str(refused))
+        return response.SerializeToString()
+
+    return grpc.unary_unary_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
+
+
+async def start_grpc(server) -> grpc.aio.Server:
+    """The gRPC server on --host:--grpc-port, started; `await it.stop(grace)` at shutdown. OSError if the
+    port cannot be bound."""
+    settings = server.settings
+    aio = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", settings.max_body_bytes),  # past it: RESOURCE_EXHAUSTED
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
+    ])
+    service = Service(server)
+    handlers = {method: _handler(server, service, method, request_class)
+                for method, (request_class, _) in schema.METHODS.items()}
+    aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
+    address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
+    try:
+        bound = aio.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
+    if not bound:
+        raise OSError(f"cannot serve gRPC on {address}: the port is taken or the address is not this machine's")
+    await aio.start()
+    log.info("KServe V2 gRPC on %s", address)
+    return aio

@@ -1,0 +1,564 @@
+"""The models one server serves: where each comes from, which versions are loaded, loading and unloading.
+
+Sources (flags):
+    --model URI               one model, named as before (registered name, ONNX metadata, file stem)
+    --model NAME=URI          a model named NAME; NAME repeated with other URIs gives it more versions:
+                              `--model digits=models:/digits@champion --model digits=models:/digits@challenger`
+                              keeps the version behind every alias named loaded
+    --repository DIR          DIR/NAME/VERSION/model.onnx, as Triton lays a repository out; which
+                              versions of each model are loaded is the --version-policy
+                              (latest:N, all, specific:V,V)
+
+Every loaded version is a `Slot`: its model and the batcher in front of it, made and dropped as one.
+All slots share one engine thread (onnxruntime parallelizes inside a run; two runs at once on the same
+cores only fight), and a batcher has at most one run queued on that thread at a time, so the thread's
+FIFO queue takes the models' runs in turn: a flooded model gets every other run, never all of them
+(benchmarks/serve.py measures a probed model's p99 with and without a flood on its neighbour).
+
+Loading (at start, or `POST /v2/repository/models/{name}/load`) runs off the event loop; a version is
+warmed up on the engine thread, between live batches, before any request can reach it. A reload
+serves the old versions until the new ones are ready. Unloading stops routing to the model, answers
+what is queued, drops the sessions and hands the freed memory back to the system.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serving.batcher import Batcher
+from serving.loader import (
+    LoadedModel,
+    ModelInfo,
+    SourceError,
+    alias_version,
+    check_source,
+)
+
+log = logging.getLogger("serving.repository")
+
+# A model name as it may appear in a URL and as a directory name.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# Model states, as the V2 repository extension (and Triton) reports them.
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")  # printable ASCII: safe in a response header
+
+
+class RepositoryError(Exception):
+    """A model a client named that this server cannot find, load or unload; `status` is the HTTP answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+# ---- where models come from ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """One `--model`, or one version directory of the repository."""
+    uri: str
+    name: str | None = None  # NAME= given (or the repository's directory name); else resolved when loaded
+    version: str | None = None  # a repository version directory's number
+
+    @property
+    def alias(self) -> str | None:
+        """The models:/name@alias this source follows, if it is one."""
+        return self.uri if check_source(self.uri) == "alias" else None
+
+
+def parse_model_flag(value: str) -> Source:
+    """`NAME=URI` or `URI`. A NAME= prefix is a model name before the first '=' (no '/' or ':' in it), so a
+    path or URI with an '=' further on is still a plain URI."""
+    head, sep, rest = value.partition("=")
+    if sep and "/" not in head and ":" not in head:
+        if not NAME.fullmatch(head):
+            raise ValueError(f"--model {value!r}: {head!r} is not a model name (a letter or digit, then letters, "
+                             "digits, '_', '.', '-'; at most 128); give NAME=URI")
+        if not rest:
+            raise ValueError(f"--model {value!r}: nothing after '='; give NAME=URI, e.g. digits=models:/digits@champion")
+        check_source(rest)
+        return Source(rest, head)
+    check_source(value)
+    return Source(value)
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a repository model are loaded (Triton's version_policy)."""
+    kind: str  # latest | all | specific
+    count: int = 1
+    versions: tuple[str, ...] = ()
+
+    def select(self, available: list[str]) -> list[str]:
+        ordered = sorted(available, key=int)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "latest":
+            return ordered[-self.count:]
+        return [v for v in ordered if v in self.versions]
+
+    def __str__(self) -> str:
+        return {"all": "all", "latest": f"latest:{self.count}"}.get(self.kind, f"specific:{','.join(self.versions)}")
+
+
+def parse_version_policy(text: str) -> VersionPolicy:
+    kind, _, arg = text.strip().partition(":")
+    if kind == "all" and not arg:
+        return VersionPolicy("all")
+    if kind == "latest" and re.fullmatch(r"[1-9][0-9]{0,5}", arg):
+        return VersionPolicy("latest", int(arg))
+    if kind == "specific" and re.fullmatch(r"[0-9]{1,18}(,[0-9]{1,18})*", arg):
+        return VersionPolicy("specific", versions=tuple(str(int(v)) for v in arg.split(",")))
+    raise ValueError(f"--version-policy {text!r}: expected latest:N (the N highest versions), all, or "
+                     "specific:V[,V...] (those versions)")
+
+
+def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
+    """{name: {version: version directory}} of DIR/NAME/VERSION/ directories holding an .onnx file. What is not
+    a model name or a version number is skipped with a warning, never guessed at."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise SourceError(f"--repository {directory}: not a directory (expected DIR/NAME/VERSION/model.onnx)")
+    found: dict[str, dict[str, Path]] = {}
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if not NAME.fullmatch(model_dir.name):
+            log.warning("repository: skipping %s: not a model name (letters, digits, '_', '.', '-')", model_dir)
+            continue
+        versions = {}
+        for version_dir in sorted(model_dir.iterdir()):
+            if not version_dir.is_dir():
+                continue
+            if not re.fullmatch(r"[0-9]{1,18}", version_dir.name):
+                log.warning("repository: skipping %s: a version directory is named by a number", version_dir)
+            elif any(version_dir.rglob("*.onnx")):
+                versions[str(int(version_dir.name))] = version_dir
+        if versions:
+            found[model_dir.name] = versions
+        else:
+            log.warning("repository: skipping %s: no VERSION/ directory with an .onnx file in it", model_dir)
+    return found
+
+
+# ---- what is loaded -----------------------------------------------------------------------------
+
+@dataclass
+class Slot:
+    """A loaded version and the batcher in front of it. `headers`: the receipt naming this version, for every
+    answer it computed."""
+    model: LoadedModel
+    batcher: Batcher
+    source: Source
+    headers: dict[str, str] = field(init=False)
+
+    def __post_init__(self):
+        self.headers = receipt_headers(self.model.info)
+
+    @property
+    def version(self) -> str:
+        return self.model.info.version
+
+    @property
+    def healthy(self) -> bool:
+        """The batcher's loop runs and no model run is past its deadline."""
+        return self.batcher.alive and not self.batcher.stalled
+
+
+def receipt_values(info: ModelInfo) -> dict[str, str]:
+    return {"X-Model-Name": info.name, "X-Model-Version": info.version,
+            "X-Model-Run-Id": info.lineage.get("run_id", ""),
+            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", "")}
+
+
+def receipt_headers(info: ModelInfo) -> dict[str, str]:
+    """X-Model-* headers naming a model; a value that is empty, or unsafe in a header, is left out."""
+    return {k: v for k, v in receipt_values(info).items() if v and HEADER_SAFE.fullmatch(v)}
+
+
+@dataclass
+class Model:
+    """One model name: where it comes from, its loaded versions, its state."""
+    name: str
+    sources: list[Source] = field(default_factory=list)  # its --model flags; empty for a repository model
+    slots: dict[str, Slot] = field(default_factory=dict)  # version -> slot
+    state: str = UNAVAILABLE
+    reason: str = "not loaded"
+    alias_versions: dict[str, str] = field(default_factory=dict)  # alias -> the version it names, as last read
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY and bool(self.slots) and all(s.healthy for s in self.slots.values())
+
+    def default_slot(self) -> Slot | None:
+        """The version a request naming none gets: the first --model's (the first alias named, e.g.
+        @champion), else the highest version number."""
+        if not self.slots:
+            return None
+        if self.sources:
+            for slot in self.slots.values():
+                if slot.source == self.sources[0]:
+                    return slot
+        return max(self.slots.values(), key=lambda s: version_key(s.version))
+
+    def behind(self, alias: str) -> bool:
+        """The alias names a version this server has not loaded (a failed or pending reload)."""
+        named = self.alias_versions.get(alias)
+        return named is not None and named not in self.slots
+
+
+def version_key(version: str) -> tuple:
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+class Repository:
+    """Every model of one server, by name. Its coroutines run on the server's event loop; loads in threads.
+
+    open_source(source) -> LoadedModel: blocking, opens one source (pinned at a version for an alias).
+    make_batcher(model) -> Batcher: the batcher in front of a version.
+    warm_up(model): awaited before a version takes requests.
+    on_change(): called whenever what is loaded changed (the server updates its metrics).
+    """
+
+    def __init__(self, open_source: Callable[[Source, str | None], LoadedModel],
+                 make_batcher: Callable[[LoadedModel], Batcher],
+                 warm_up: Callable[[LoadedModel], Awaitable[None]], *, directory: str | None = None,
+                 policy: VersionPolicy | None = None, default_model: str | None = None):
+        self.open_source = open_source
+        self.make_batcher = make_batcher
+        self.warm_up = warm_up
+        self.directory = directory
+        self.policy = policy or VersionPolicy("latest", 1)
+        self.default_name = default_model
+        self.models: dict[str, Model] = {}
+        self.on_change: Callable[[], None] = lambda: None
+
+    # ---- lookups ----
+
+    def model(self, name: str) -> Model:
+        model = self.models.get(name)
+        if model is None:
+            raise RepositoryError(f"unknown model '{name[:128]}'; this server has {self.describe()}", 404)
+        return model
+
+    def describe(self) -> str:
+        names = [f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})") for n, m in self.models.items()]
+        return ", ".join(names) if names else "no models"
+
+    def slot(self, name: str, version: str | None) -> Slot:
+        """`name` at `version` (None: its default version); RepositoryError 404 when it is not loaded."""
+        model = self.model(name)
+        if version is None:
+            slot = model.default_slot()
+            if slot is None:
+                raise RepositoryError(f"model '{name}' is {model.state.lower()} ({model.reason}); load it with "
+                                      f"POST /v2/repository/models/{name}/load", 404)
+            return slot
+        slot = model.slots.get(version)
+        if slot is None:
+            loaded = ", ".join(sorted(model.slots, key=version_key)) or "none"
+            raise RepositoryError(f"model '{name}' has no version {version[:40]} loaded (loaded: {loaded})", 404)
+        return slot
+
+    def default_model(self) -> Model:
+        """The model /invocations serves: --default-model, else the first one."""
+        name = self.default_name or next(iter(self.models), None)
+        if name is None or name not in self.models:
+            raise RepositoryError("this server has no default model for /invocations; use /v2/models/{name}/infer", 404)
+        return self.models[name]
+
+    def slots(self):
+        """(model name, slot) of every loaded version."""
+        for model in list(self.models.values()):
+            for slot in list(model.slots.values()):
+                yield model.name, slot
+
+    def index(self) -> list[dict]:
+        """The V2 repository index: a row per loaded version, and one per model with none loaded."""
+        rows = []
+        for name, model in sorted(self.models.items()):
+            if model.slots:
+                rows += [{"name": name, "version": v, "state": model.state, "reason": model.reason}
+                         for v in sorted(model.slots, key=version_key)]
+            else:
+                rows.append({"name": name, "version": "", "state": model.state, "reason": model.reason})
+        return rows
+
+    # ---- what to load ----
+
+    def add_repository_models(self) -> dict[str, dict[str, Path]]:
+        """(Re)read the repository directory: its models are registered, unloaded until loaded."""
+        if self.directory is None:
+            return {}
+        found = scan_repository(self.directory)
+        for name in found:
+            model = self.models.setdefault(name, Model(name))
+            if model.sources:
+                raise SourceError(f"model '{name}' is both a --model and a directory of --repository "
+                                  f"{self.directory}; rename one")
+        return found
+
+    def sources_of(self, name: str) -> list[Source]:
+        """What loading `name` opens: its --model sources, or its repository versions the policy selects."""
+        model = self.models.get(name)
+        if model is not None and model.sources:
+            return model.sources
+        found = self.add_repository_models().get(name) if self.directory else None
+        if not found:
+            where = f" or in --repository {self.directory}" if self.directory else ""
+            raise RepositoryError(f"no model '{name[:128]}' among the --model flags{where}; this server has "
+                                  f"{self.describe()}", 404)
+        versions = self.policy.select(list(found))
+        if not versions:
+            raise RepositoryError(f"model '{name}': --version-policy {self.policy} selects none of its versions "
+                                  f"({', '.join(sorted(found, key=int))})")
+        return [Source(str(found[v]), name, v) for v in versions]
+
+    def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
+        """Open every source (blocking). All or nothing: on a failure those already open are dropped."""
+        opened: list[tuple[Source, LoadedModel]] = []
+        try:
+            for source in sources:
+                opened.append((source, self.open_source(source, None)))
+        except BaseException:
+            for _, loaded in opened:
+                close_model(loaded)
+            raise
+        return opened
+
+    def place(self, opened: list[tuple[Source, LoadedModel]]) -> list[Slot]:
+        """Opened (and warmed) versions become the versions of their models, replacing what those served;
+        returns the replaced slots for the caller to close. A model's versions must differ."""
+        by_name: dict[str, list[tuple[Source, LoadedModel]]] = {}
+        for source, loaded in opened:
+            by_name.setdefault(loaded.info.name, []).append((source, loaded))
+        replaced: list[Slot] = []
+        for name, pairs in by_name.items():
+            versions = [loaded.info.version for _, loaded in pairs]
+            if len(set(versions)) < len(versions):
+                raise SourceError(f"model '{name}': several sources give the same version ({', '.join(versions)}): "
+                                  f"{', '.join(s.uri for s, _ in pairs)}; give each version of a model its own "
+                                  "version (a registry version, an alias, or --repository DIR/NAME/VERSION)")
+        for name, pairs in by_name.items():
+            model = self.models.setdefault(name, Model(name))
+            if pairs[0][0].version is None:  # --model sources: remembered, a later load reopens them
+                model.sources = [s for s, _ in pairs]
+            replaced += model.slots.values()
+            model.slots = {loaded.info.version: Slot(loaded, self.make_batcher(loaded), source)
+                           for source, loaded in pairs}
+            model.alias_versions = {s.alias: v for s, v in ((s, lm.info.version) for s, lm in pairs) if s.alias}
+            model.state, model.reason = READY, ""
+        return replaced
+
+    # ---- at start (before the loop serves) ----
+
+    def open_at_start(self, sources: list[Source], repository_names: list[str] | None) -> list[tuple[Source, LoadedModel]]:
+        """Open the --model sources and the repository models named (None: all of them), blocking, for `place`.
+        Raises the first failure: the server does not start half-loaded."""
+        found = self.add_repository_models()
+        names = list(found) if repository_names is None else repository_names
+        unknown = [n for n in names if n not in found]
+        if unknown:
+            raise SourceError(f"--load-model {', '.join(unknown)}: not a model of --repository {self.directory} "
+                              f"(it has {', '.join(found) or 'none'})")
+        opened = self.open_all(list(sources) + [s for n in names for s in self.sources_of(n)])
+        clash = sorted({lm.info.name for s, lm in opened if s.version is None} & set(found))
+        if clash:
+            for _, loaded in opened:
+                close_model(loaded)
+            raise SourceError(f"--model {', '.join(clash)}: also a model of --repository {self.directory}; give the "
+                              "--model another name with NAME=URI")
+        return opened
+
+    def start(self) -> None:
+        """Start every batcher (on the running loop)."""
+        for _, slot in self.slots():
+            if not slot.batcher.alive:
+                slot.batcher.start()
+
+    # ---- while serving ----
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
+        requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
+        if not NAME.fullmatch(name):
+            raise RepositoryError(f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
+                                  "'_', '.', '-')")
+        sources = self.sources_of(name)
+        model = self.models[name]
+        async with model.lock:
+            if not model.slots:
+                model.state, model.reason = LOADING, "loading"
+            started = time.perf_counter()
+            try:
+                opened = await off_loop(self.open_all, sources)
+                try:
+                    others = {lm.info.name for _, lm in opened} - {name}
+                    if others:
+                        raise SourceError(f"loading '{name}' gave a model named {', '.join(sorted(others))}")
+                    for _, loaded in opened:
+                        await self.warm_up(loaded)
+                    replaced = self.place(opened)
+                except BaseException:
+                    for _, loaded in opened:
+                        close_model(loaded)
+                    raise
+            except BaseException as exc:
+                if not model.slots:
+                    model.state, model.reason = UNAVAILABLE, f"load failed: {exc}"[:500]
+                raise
+            self.start()
+            log.info("loaded %s version(s) %s in %.2f s", name, ", ".join(model.slots), time.perf_counter() - started)
+            self.on_change()
+            await close_slots(replaced)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name`: new requests get 404, queued ones are answered, then its memory is freed."""
+        model = self.model(name)
+        async with model.lock:
+            if not model.slots:
+                model.state, model.reason = UNAVAILABLE, "unloaded"
+                return
+            model.state, model.reason = UNLOADING, "unloading"
+            slots, model.slots = list(model.slots.values()), {}
+            self.on_change()
+            try:
+                await close_slots(slots)
+            finally:
+                model.state, model.reason = UNAVAILABLE, "unloaded"
+                model.alias_versions = {}
+                self.on_change()
+        log.info("unloaded %s", name)
+
+    async def move_alias(self, name: str, alias: str, loaded: LoadedModel) -> None:
+        """`alias` of `name` now names `loaded` (warmed up): it joins the model's versions, and the version the
+        alias named before leaves unless another alias still names it."""
+        model = self.models[name]
+        async with model.lock:
+            if not model.slots:  # unloaded meanwhile
+                close_model(loaded)
+                return
+            source = next(s for s in model.sources if s.alias == alias)
+            previous = next((s for s in model.slots.values() if s.source == source), None)
+            slot = Slot(loaded, self.make_batcher(loaded), source)
+            slot.batcher.start()
+            displaced = model.slots.get(loaded.info.version)
+            model.slots[loaded.info.version] = slot
+            model.alias_versions[alias] = loaded.info.version
+            stale = [displaced] if displaced is not None else []
+            if (previous is not None and previous.version != loaded.info.version
+                    and previous.version not in model.alias_versions.values()):
+                stale.append(model.slots.pop(previous.version))
+            self.on_change()
+        await close_slots(stale)
+
+    async def close(self) -> None:
+        slots = [slot for _, slot in self.slots()]
+        for model in self.models.values():
+            model.slots = {}
+        await close_slots(slots)
+
+    # ---- alias following ----
+
+    def aliases(self) -> list[tuple[str, str]]:
+        """(model name, alias) of every --model that is a registry alias."""
+        return [(m.name, s.alias) for m in self.models.values() for s in m.sources if s.alias]
+
+    async def follow(self, name: str, alias: str, interval: float, report: Callable[[str, str, str, str], None]) -> None:
+        """Poll one alias every `interval` s. A new version is opened, warmed up and served; then the old one
+        leaves. A failed load is retried after interval x 2^failures (at most 10 min). `report(name, alias,
+        event, version)` with event "poll", "failed" or "moved" (for metrics)."""
+        failures: dict[str, int] = {}
+        retry_at: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(interval)
+            model = self.models.get(name)
+            if model is None or not model.slots:  # unloaded: nothing to follow until loaded again
+                continue
+            source = next(s for s in model.sources if s.alias == alias)
+            current = next((s.version for s in model.slots.values() if s.source == source), None)
+            try:
+                version = await off_loop(alias_version, alias)
+            except SourceError as exc:
+                log.warning("cannot read alias %s; still serving version %s: %s", alias, current, exc)
+                continue
+            model.alias_versions[alias] = version
+            report(name, alias, "poll", version)
+            if version == current or time.monotonic() < retry_at.get(version, 0.0):
+                continue
+            log.info("alias %s moved from version %s to %s; loading it", alias, current, version)
+            try:
+                loaded = await off_loop(self.open_source, source, version)
+                try:
+                    await self.warm_up(loaded)
+                except BaseException:
+                    close_model(loaded)
+                    raise
+            except Exception as exc:  # noqa: BLE001 - any failure of a load: keep serving, try again later
+                failures[version] = failures.get(version, 0) + 1
+                delay = min(interval * 2 ** failures[version], 600.0)
+                retry_at[version] = time.monotonic() + delay
+                report(name, alias, "failed", version)
+                log.warning("loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
+                            version, failures[version], delay, current, exc)
+                continue
+            failures.pop(version, None)
+            await self.move_alias(name, alias, loaded)
+            report(name, alias, "moved", version)
+
+
+def close_model(model: LoadedModel) -> None:
+    """Drop a model's session and its download directory."""
+    model.engine.close()
+    model.discard()
+
+
+async def close_slots(slots: list[Slot]) -> None:
+    """Drain each slot's batcher (what is queued is answered), drop its session, and give the freed memory back
+    to the system: onnxruntime's weights and arena go back to the C heap, which glibc keeps unless trimmed."""
+    for slot in slots:
+        await slot.batcher.close()
+        close_model(slot.model)
+    if slots:
+        gc.collect()
+        release_free_memory()
+
+
+def release_free_memory() -> bool:
+    """malloc_trim(0): freed heap pages back to the kernel (glibc; elsewhere nothing happens)."""
+    with contextlib.suppress(OSError, AttributeError):
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    return False
+
+
+async def off_loop(fn, *args):
+    """`fn(*args)` in a daemon thread: unlike asyncio.to_thread's executor, nothing waits for it at exit
+    (a registry call stuck at shutdown held SIGTERM up past the container's grace period)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value):
+        if not future.done():
+            setter(value)
+
+    def work():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody is waiting
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=work, name=f"off-loop-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future

@@ -1,0 +1,239 @@
+"""One server, many models, two protocols: a real `python -m serving` process with a model repository and a
+named --model, reached with unmodified tritonclient.http and tritonclient.grpc clients.
+
+The server: `--repository` holding tiny/1, tiny/2, tiny/3 (three versions of an image classifier, the latest
+two loaded) and heavy/1 (not loaded at start: --load-model tiny), plus `--model mixed=...`, a model with two
+inputs of two dtypes as a user's own model has; a token; gRPC on a second port.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import requests
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from onnx import TensorProto, helper, numpy_helper
+from tritonclient.utils import InferenceServerException
+
+from serving_fixtures import ROOT, ServerProcess, free_port, heavy_model, metric, run_onnx, tiny_model, two_input_model
+
+TOKEN = "repo-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}  # lower case: gRPC metadata keys must be
+
+
+def auth() -> dict[str, str]:
+    """A fresh copy for each call: tritonclient.http adds its own headers to the dict it is given."""
+    return dict(AUTH)
+
+
+def big_model(path: Path, megabytes: int = 64) -> Path:
+    """`ids` INT64 [batch] -> `vectors` [batch, 8]: rows of a 64 MiB embedding table, memory that loading takes
+    and unloading must give back (a Gather of an input: onnxruntime cannot fold the table away)."""
+    table = np.random.default_rng(0).normal(size=(megabytes * (1 << 20) // 32, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)], "big",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
+        [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["batch", 8])],
+        [numpy_helper.from_array(table, "table")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repository")
+    for version in (1, 2, 3):
+        (root / "tiny" / str(version)).mkdir(parents=True)
+        tiny_model(root / "tiny" / str(version) / "model.onnx", seed=version)
+    (root / "heavy" / "1").mkdir(parents=True)
+    heavy_model(root / "heavy" / "1" / "model.onnx")
+    (root / "big" / "1").mkdir(parents=True)
+    big_model(root / "big" / "1" / "model.onnx")
+    (root / "not a name").mkdir()  # skipped with a warning, never served
+    mixed = two_input_model(tmp_path_factory.mktemp("own") / "mixed.onnx")
+    return root, mixed
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    root, mixed = repo
+    grpc_port = free_port()
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with ServerProcess("--repository", str(root), "--load-model", "tiny", "--version-policy", "latest:2",
+                       "--model", f"mixed={mixed}", "--grpc-port", str(grpc_port), "--threads", "1",
+                       env={"TRAINSERVE_AUTH_TOKEN": TOKEN}, log_path=log) as proc:
+        proc.grpc = f"127.0.0.1:{grpc_port}"
+        yield proc
+
+
+def images(n: int = 3, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random((n, 1, 8, 8), dtype=np.float32)
+
+
+def mixed_inputs(module):
+    features = np.arange(12, dtype=np.float32).reshape(3, 4)
+    code = np.array([1, 2, 3], dtype=np.int64)
+    a = module.InferInput("features", [3, 4], "FP32")
+    a.set_data_from_numpy(features)
+    b = module.InferInput("code", [3], "INT64")
+    b.set_data_from_numpy(code)
+    return [a, b], features + code[:, None]
+
+
+def test_two_models_side_by_side_over_http_and_grpc_with_unmodified_triton_clients(server, repo):
+    root, _ = repo
+    http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    grpc = triton_grpc.InferenceServerClient(server.grpc)
+    x = images()
+    for module, client in ((triton_http, http), (triton_grpc, grpc)):
+        image = module.InferInput("input", list(x.shape), "FP32")
+        image.set_data_from_numpy(x)
+        # No version: the highest loaded (3); a version: that one.
+        for version, want in (("", 3), ("2", 2), ("3", 3)):
+            got = client.infer("tiny", [image], model_version=version, headers=auth()).as_numpy("probabilities")
+            reference = run_onnx(root / "tiny" / str(want) / "model.onnx", x)["probabilities"]
+            np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+        inputs, want = mixed_inputs(module)
+        result = client.infer("mixed", inputs, headers=auth(), request_id="req-42")
+        np.testing.assert_allclose(result.as_numpy("output"), want)
+        assert result.get_response(**({"as_json": True} if module is triton_grpc else {}))["id"] == "req-42"
+        assert client.is_model_ready("tiny", headers=auth()) and client.is_model_ready("mixed", headers=auth())
+        assert client.is_server_ready() and client.is_server_live()  # health: no token
+    metadata = grpc.get_model_metadata("tiny", headers=auth(), as_json=True)
+    assert metadata["versions"] == ["2", "3"] and metadata["inputs"][0]["shape"] == ["-1", "1", "8", "8"]
+    assert "grpc" in grpc.get_server_metadata(headers=auth(), as_json=True)["extensions"]
+    # Version 1 exists in the repository, but the policy (latest:2) did not load it.
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.infer("tiny", [image], model_version="1", headers=auth())
+    assert refused.value.status() == "StatusCode.NOT_FOUND" and "no version 1 loaded (loaded: 2, 3)" in str(refused.value)
+    # /invocations serves the first --model, with the receipt naming it.
+    response = requests.post(server.url + "/invocations", headers=auth(),
+                             json={"inputs": {"features": [[0.0] * 4], "code": [5]}})
+    assert response.status_code == 200 and response.json()["predictions"] == {"output": [[5.0] * 4]}
+    assert response.headers["X-Model-Name"] == "mixed"
+
+
+def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
+    grpc = triton_grpc.InferenceServerClient(server.grpc)
+    x = triton_grpc.InferInput("input", [1, 1, 8, 8], "FP32")
+    x.set_data_from_numpy(images(1))
+    wrong = triton_grpc.InferInput("input", [1, 1, 4, 8], "FP32")
+    wrong.set_data_from_numpy(np.zeros((1, 1, 4, 8), np.float32))
+    huge = triton_grpc.InferInput("input", [300, 1, 8, 8], "FP32")  # 300 rows: over the server's 256
+    huge.set_data_from_numpy(np.zeros((300, 1, 8, 8), np.float32))
+    cases = [
+        (dict(model_name="tiny", inputs=[x]), "UNAUTHENTICATED", "bearer token"),
+        (dict(model_name="nope", inputs=[x], headers=auth()), "NOT_FOUND", "unknown model 'nope'"),
+        (dict(model_name="heavy", inputs=[x], headers=auth()), "NOT_FOUND", "load it with POST"),
+        (dict(model_name="tiny", inputs=[wrong], headers=auth()), "INVALID_ARGUMENT", "does not fit"),
+        (dict(model_name="tiny", inputs=[huge], headers=auth()), "INVALID_ARGUMENT", "300 rows"),
+    ]
+    for kwargs, status, words in cases:
+        with pytest.raises(InferenceServerException) as refused:
+            grpc.infer(**kwargs)
+        assert refused.value.status() == f"StatusCode.{status}" and words in refused.value.message(), (kwargs, refused.value)
+    # Bytes that are not a ModelInferRequest: INVALID_ARGUMENT from our parse, not INTERNAL from grpc's.
+    import grpc as grpc_lib
+
+    with grpc_lib.insecure_channel(server.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc_lib.RpcError) as raw:
+            call(b"\xff\xff\xff", metadata=(("authorization", f"Bearer {TOKEN}"),))
+    assert raw.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT
+    text = requests.get(server.url + "/metrics", headers=auth()).text
+    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
+    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT",
+                  model="tiny", version="3") >= 2  # labelled by the model once known
+    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT", model="") == 1
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(server):
+    http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    index = {(r["name"], r.get("version", "")): r["state"] for r in http.get_model_repository_index(headers=auth())}
+    assert index == {("big", ""): "UNAVAILABLE", ("heavy", ""): "UNAVAILABLE", ("mixed", "1"): "READY",
+                     ("tiny", "2"): "READY", ("tiny", "3"): "READY"}
+    # Loading is guarded by the token, takes only names this server knows, and never client files.
+    assert requests.post(server.url + "/v2/repository/models/heavy/load").status_code == 401
+    assert requests.post(server.url + "/v2/repository/models/nope/load", headers=auth()).status_code == 404
+    refused = requests.post(server.url + "/v2/repository/models/heavy/load", headers=auth(),
+                            json={"parameters": {"file:1/model.onnx": "AAAA"}})
+    assert refused.status_code == 400 and "never from files" in refused.json()["error"]
+
+    http.load_model("heavy", headers=auth())  # returns once loaded and warmed up
+    assert http.is_model_ready("heavy", headers=auth())
+    x = triton_http.InferInput("input", [2, 1, 28, 28], "FP32")
+    x.set_data_from_numpy(np.zeros((2, 1, 28, 28), np.float32))
+    assert http.infer("heavy", [x], headers=auth()).as_numpy("probabilities").shape == (2, 10)
+    http.unload_model("heavy", headers=auth())
+    assert not requests.get(server.url + "/v2/models/heavy/ready", headers=auth()).ok
+    with pytest.raises(InferenceServerException, match="unloaded"):
+        http.infer("heavy", [x], headers=auth())
+    rows = [r for r in http.get_model_repository_index(headers=auth()) if r["name"] == "heavy"]
+    assert rows == [{"name": "heavy", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}]
+
+    # Memory: a 64 MiB model, loaded and unloaded; the process gives back what the load took.
+    pid = server.proc.pid
+    before = rss_mib(pid)
+    http.load_model("big", headers=auth())
+    loaded = rss_mib(pid)
+    y = triton_http.InferInput("ids", [2], "INT64")
+    y.set_data_from_numpy(np.array([0, 7], np.int64))
+    http.infer("big", [y], headers=auth())
+    http.unload_model("big", headers=auth())
+    after = rss_mib(pid)
+    print(f"RSS MiB: before load {before:.0f}, loaded {loaded:.0f}, after unload {after:.0f}")
+    assert loaded - before > 50, (before, loaded)
+    assert after - before < 0.25 * (loaded - before), (before, loaded, after)
+
+
+def test_every_series_is_labelled_by_model_and_version_with_queue_and_compute_time(server):
+    http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    inputs, _ = mixed_inputs(triton_http)
+    http.infer("mixed", inputs, headers=auth())
+    x = triton_http.InferInput("input", [1, 1, 8, 8], "FP32")
+    x.set_data_from_numpy(images(1))
+    http.infer("tiny", [x], model_version="2", headers=auth())
+    text = requests.get(server.url + "/metrics", headers=auth()).text
+    for model, version in (("mixed", "1"), ("tiny", "2")):
+        labels = dict(model=model, version=version)
+        assert metric(text, "trainserve_requests_total", status="200", **labels) >= 1, labels
+        assert metric(text, "trainserve_queue_duration_seconds_count", **labels) >= 1, labels
+        assert metric(text, "trainserve_inference_duration_seconds_count", **labels) >= 1, labels
+        assert metric(text, "trainserve_batch_size_count", **labels) >= 1, labels
+    assert metric(text, "trainserve_model_info", name="tiny", version="3") == 1
+    assert metric(text, "trainserve_queue_rows", model="tiny", version="2") == 0
+    assert requests.get(server.url + "/v2", headers=auth()).json()["extensions"] == [
+        "binary_tensor_data", "model_configuration", "model_repository", "grpc"]
+
+
+def test_bad_model_flags_stop_the_server_with_a_message_naming_the_fix(tmp_path, repo):
+    root, mixed = repo
+    cases = [
+        (["--model", "bad name=x.onnx"], "is not a model name"),
+        (["--model", f"a={mixed}", "--model", f"b={mixed}", "--model-name", "c"], "name each as --model NAME=URI"),
+        (["--model", str(mixed), "--load-model", "tiny"], "--load-model applies to --repository"),
+        (["--repository", str(root), "--version-policy", "newest"], "expected latest:N"),
+        (["--repository", str(root), "--load-model", "nope"], "--load-model nope: not a model of --repository"),
+        (["--repository", str(tmp_path / "missing")], "not a directory"),
+        (["--model", f"tiny={mixed}", "--repository", str(root)], "also a model of --repository"),
+        (["--model", f"a={mixed}", "--default-model", "b"], "--default-model b: no such model"),
+    ]
+    for args, words in cases:
+        proc = subprocess.run([sys.executable, "-m", "serving", "--port", str(free_port()), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr[-2000:])
