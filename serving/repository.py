@@ -193,6 +193,7 @@ class Model:
     state: str = UNAVAILABLE
     reason: str = "not loaded"
     alias_versions: dict[str, str] = field(default_factory=dict)  # alias -> the version it names, as last read
+    alias_served: dict[str, str] = field(default_factory=dict)  # alias -> the version served for it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -205,15 +206,18 @@ class Model:
         if not self.slots:
             return None
         if self.sources:
+            first = self.sources[0]
+            if first.alias is not None and self.alias_served.get(first.alias) in self.slots:
+                return self.slots[self.alias_served[first.alias]]
             for slot in self.slots.values():
-                if slot.source == self.sources[0]:
+                if slot.source == first:
                     return slot
         return max(self.slots.values(), key=lambda s: version_key(s.version))
 
     def behind(self, alias: str) -> bool:
-        """The alias names a version this server has not loaded (a failed or pending reload)."""
+        """The alias names a version not served for it (a failed or pending reload)."""
         named = self.alias_versions.get(alias)
-        return named is not None and named not in self.slots
+        return named is not None and named != self.alias_served.get(alias)
 
 
 def version_key(version: str) -> tuple:
@@ -341,21 +345,28 @@ class Repository:
         by_name: dict[str, list[tuple[Source, LoadedModel]]] = {}
         for source, loaded in opened:
             by_name.setdefault(loaded.info.name, []).append((source, loaded))
-        replaced: list[Slot] = []
         for name, pairs in by_name.items():
-            versions = [loaded.info.version for _, loaded in pairs]
-            if len(set(versions)) < len(versions):
-                raise SourceError(f"model '{name}': several sources give the same version ({', '.join(versions)}): "
-                                  f"{', '.join(s.uri for s, _ in pairs)}; give each version of a model its own "
-                                  "version (a registry version, an alias, or --repository DIR/NAME/VERSION)")
+            seen: dict[str, Source] = {}
+            for source, loaded in pairs:
+                other = seen.setdefault(loaded.info.version, source)
+                if other is not source and not (other.alias and source.alias):  # two aliases may name one version
+                    raise SourceError(f"model '{name}': {other.uri} and {source.uri} are both version "
+                                      f"{loaded.info.version}; give each version of a model its own source (a "
+                                      "registry version, an alias, or --repository DIR/NAME/VERSION)")
+        replaced: list[Slot] = []
         for name, pairs in by_name.items():
             model = self.models.setdefault(name, Model(name))
             if pairs[0][0].version is None:  # --model sources: remembered, a later load reopens them
                 model.sources = [s for s, _ in pairs]
             replaced += model.slots.values()
-            model.slots = {loaded.info.version: Slot(loaded, self.make_batcher(loaded), source)
-                           for source, loaded in pairs}
-            model.alias_versions = {s.alias: v for s, v in ((s, lm.info.version) for s, lm in pairs) if s.alias}
+            model.slots = {}
+            for source, loaded in pairs:
+                if loaded.info.version in model.slots:  # a second alias naming a loaded version: one copy
+                    close_model(loaded)
+                else:
+                    model.slots[loaded.info.version] = Slot(loaded, self.make_batcher(loaded), source)
+            model.alias_versions = {s.alias: lm.info.version for s, lm in pairs if s.alias}
+            model.alias_served = dict(model.alias_versions)
             model.state, model.reason = READY, ""
         return replaced
 
@@ -435,29 +446,34 @@ class Repository:
                 await close_slots(slots)
             finally:
                 model.state, model.reason = UNAVAILABLE, "unloaded"
-                model.alias_versions = {}
+                model.alias_versions, model.alias_served = {}, {}
                 self.on_change()
         log.info("unloaded %s", name)
 
-    async def move_alias(self, name: str, alias: str, loaded: LoadedModel) -> None:
-        """`alias` of `name` now names `loaded` (warmed up): it joins the model's versions, and the version the
-        alias named before leaves unless another alias still names it."""
+    async def move_alias(self, name: str, alias: str, version: str, loaded: LoadedModel | None) -> None:
+        """`alias` of `name` now names `version`: `loaded` (warmed up) joins the model's versions, or None when
+        that version is already loaded for another alias. The version the alias served before leaves unless
+        another alias still serves it."""
         model = self.models[name]
         async with model.lock:
             if not model.slots:  # unloaded meanwhile
-                close_model(loaded)
+                if loaded is not None:
+                    close_model(loaded)
                 return
-            source = next(s for s in model.sources if s.alias == alias)
-            previous = next((s for s in model.slots.values() if s.source == source), None)
-            slot = Slot(loaded, self.make_batcher(loaded), source)
-            slot.batcher.start()
-            displaced = model.slots.get(loaded.info.version)
-            model.slots[loaded.info.version] = slot
-            model.alias_versions[alias] = loaded.info.version
-            stale = [displaced] if displaced is not None else []
-            if (previous is not None and previous.version != loaded.info.version
-                    and previous.version not in model.alias_versions.values()):
-                stale.append(model.slots.pop(previous.version))
+            stale = []
+            if loaded is not None:
+                source = next(s for s in model.sources if s.alias == alias)
+                slot = Slot(loaded, self.make_batcher(loaded), source)
+                slot.batcher.start()
+                if version in model.slots:  # loaded meanwhile for another alias: keep that one
+                    stale.append(slot)
+                else:
+                    model.slots[version] = slot
+            previous = model.alias_served.get(alias)
+            model.alias_served[alias] = version
+            if (previous is not None and previous != version and previous in model.slots
+                    and previous not in model.alias_served.values()):
+                stale.append(model.slots.pop(previous))
             self.on_change()
         await close_slots(stale)
 
@@ -485,7 +501,7 @@ class Repository:
             if model is None or not model.slots:  # unloaded: nothing to follow until loaded again
                 continue
             source = next(s for s in model.sources if s.alias == alias)
-            current = next((s.version for s in model.slots.values() if s.source == source), None)
+            current = model.alias_served.get(alias)
             try:
                 version = await off_loop(alias_version, alias)
             except SourceError as exc:
@@ -494,6 +510,11 @@ class Repository:
             model.alias_versions[alias] = version
             report(name, alias, "poll", version)
             if version == current or time.monotonic() < retry_at.get(version, 0.0):
+                continue
+            if version in model.slots:  # already served for another alias: no second copy
+                log.info("alias %s moved from version %s to %s, which is loaded", alias, current, version)
+                await self.move_alias(name, alias, version, None)
+                report(name, alias, "moved", version)
                 continue
             log.info("alias %s moved from version %s to %s; loading it", alias, current, version)
             try:
@@ -512,7 +533,7 @@ class Repository:
                             version, failures[version], delay, current, exc)
                 continue
             failures.pop(version, None)
-            await self.move_alias(name, alias, loaded)
+            await self.move_alias(name, alias, version, loaded)
             report(name, alias, "moved", version)
 
 

@@ -164,3 +164,39 @@ def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
             time.sleep(0.2)
         assert metric(requests.get(srv.url + "/metrics").text, "trainserve_model_behind_alias") == 0
         assert infer(srv.url, "digits", x)["model_version"] == "2"
+
+
+def test_every_alias_named_keeps_its_version_loaded_under_one_model_name(registry, tmp_path):
+    # The version policy for registry models: `NAME=models:/m@a` repeated keeps the version behind every alias
+    # loaded; the first alias named is the default. When both aliases name one version, the other leaves.
+    import mlflow
+
+    env, paths, _ = registry
+    client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    client.set_registered_model_alias("digits", "gold", "1")
+    client.set_registered_model_alias("digits", "silver", "2")
+    x = np.random.default_rng(6).random((2, 1, 8, 8), dtype=np.float32)
+    want = [run_onnx(p, x)["probabilities"] for p in paths]
+    args = ("--model", "digits=models:/digits@gold", "--model", "digits=models:/digits@silver",
+            "--reload-interval", "0.3")
+    with ServerProcess(*args, env=env, log_path=tmp_path / "log") as srv:
+        assert requests.get(srv.url + "/v2/models/digits").json()["versions"] == ["1", "2"]
+        assert infer(srv.url, "digits", x)["model_version"] == "1"  # no version: the first alias's
+        for version in ("1", "2"):
+            body = infer(srv.url, f"digits/versions/{version}", x)
+            np.testing.assert_allclose(probabilities(body), want[int(version) - 1], rtol=1e-5, atol=1e-6)
+        client.set_registered_model_alias("digits", "silver", "1")
+        deadline = time.monotonic() + 30
+        while requests.get(srv.url + "/v2/models/digits").json()["versions"] != ["1"]:
+            assert time.monotonic() < deadline, requests.get(srv.url + "/v2/models/digits").json()
+            time.sleep(0.2)
+        assert requests.post(f"{srv.url}/v2/models/digits/versions/2/infer", json={}).status_code == 404
+        text = requests.get(srv.url + "/metrics").text
+        assert metric(text, "trainserve_model_alias_info", model="digits", alias="models:/digits@silver",
+                      version="1") == 1
+        assert metric(text, "trainserve_model_reloads_total", model="digits") == 1
+        assert "which is loaded" in srv.log()  # one copy of version 1, not a second load
+    # Two aliases naming one version at start: one copy, both served.
+    with ServerProcess(*args, env=env, log_path=tmp_path / "log2") as srv:
+        assert requests.get(srv.url + "/v2/models/digits").json()["versions"] == ["1"]
+        assert infer(srv.url, "digits", x)["model_version"] == "1"
