@@ -73,12 +73,18 @@ class Metrics:
             queue.observe(wait)
 
     def set_models(self, served: list[tuple[str, str, str, str, str, str]]) -> None:
-        """What is loaded now: (name, version, provider, source, variant, options) per version."""
+        """What is loaded now: (name, version, provider, source, variant, options) per version. The run series of
+        a version no longer loaded go (an unloaded model leaves no stale histograms behind)."""
         self.model_info.clear()
         self.engine_info.clear()
         for name, version, provider, source, variant, options in served:
             self.model_info.labels(name, version, provider, source).set(1)
             self.engine_info.labels(name, version, provider, variant, options).set(1)
+        loaded = {(name, version) for name, version, *_ in served}
+        for family in (self.batch_size, self.inference, self.queue_time):
+            for labels in list(family._metrics):
+                if labels not in loaded:
+                    family.remove(*labels)
 
     def set_alias(self, model: str, alias: str, version: str, behind: bool) -> None:
         for labels in list(self.alias._metrics):  # one series per alias: the version it names now

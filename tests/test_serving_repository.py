@@ -179,8 +179,12 @@ def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(serv
     x = triton_http.InferInput("input", [2, 1, 28, 28], "FP32")
     x.set_data_from_numpy(np.zeros((2, 1, 28, 28), np.float32))
     assert http.infer("heavy", [x], headers=auth()).as_numpy("probabilities").shape == (2, 10)
+    assert metric(requests.get(server.url + "/metrics", headers=auth()).text, "trainserve_inference_duration_seconds_count",
+                  model="heavy") >= 1
     http.unload_model("heavy", headers=auth())
     assert not requests.get(server.url + "/v2/models/heavy/ready", headers=auth()).ok
+    text = requests.get(server.url + "/metrics", headers=auth()).text
+    assert metric(text, "trainserve_inference_duration_seconds_count", model="heavy") == 0  # no stale series
     with pytest.raises(InferenceServerException, match="unloaded"):
         http.infer("heavy", [x], headers=auth())
     rows = [r for r in http.get_model_repository_index(headers=auth()) if r["name"] == "heavy"]
