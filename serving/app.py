@@ -52,7 +52,7 @@ from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits
 from serving.config import Settings
 from serving.engine import GPU_PROVIDERS, ModelInputError
-from serving.loader import LoadedModel, ModelInfo, load_model
+from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record
 from serving.repository import (
@@ -63,6 +63,7 @@ from serving.repository import (
     RepositoryError,
     Slot,
     Source,
+    off_loop,
     receipt_values,
     version_key,
 )
@@ -129,12 +130,15 @@ class Server:
         if payload_log is not None:
             self.metrics.watch_payload_log(payload_log.stats)
         self.grpc = None  # the gRPC server, when --grpc-port is given (started with the app)
+        self._grpc_stopped: asyncio.Future | None = None
 
     @property
     def ready(self) -> bool:
-        """Started, not shutting down, and every loaded version's batcher running with no model run past its
-        deadline. A model unloaded or still loading does not make the server unready (its own ready says so)."""
-        return self._serving and all(slot.healthy for _, slot in self.repository.slots())
+        """Started, not shutting down, at least one version loaded, and every loaded version's batcher running with
+        no model run past its deadline. A model unloaded or still loading does not make the server unready (its
+        own ready says so); a server with nothing loaded is not ready."""
+        slots = [slot for _, slot in self.repository.slots()]
+        return self._serving and bool(slots) and all(slot.healthy for slot in slots)
 
     def model_ready(self, model: Model) -> bool:
         return self._serving and model.ready
@@ -189,7 +193,9 @@ class Server:
             # were answered; drain what is still queued anyway.
             self._serving = False
             if self.grpc is not None:
-                await self.grpc.stop(self.settings.graceful_timeout)
+                if self._grpc_stopped is None:
+                    self._grpc_stopped = asyncio.ensure_future(self.grpc.stop(self.settings.graceful_timeout))
+                await self._grpc_stopped
             for task in self._followers:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -207,6 +213,8 @@ class Server:
         self._serving = False
         for _, slot in self.repository.slots():
             slot.batcher.flush()
+        if self.grpc is not None and self._grpc_stopped is None:  # gRPC drains alongside HTTP, not after it
+            self._grpc_stopped = asyncio.ensure_future(self.grpc.stop(self.settings.graceful_timeout))
 
     def _announce(self) -> None:
         """Metrics of what is loaded now (after every load, unload and alias move)."""
@@ -220,6 +228,8 @@ class Server:
                 log.warning("%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
                             name, info.version, ", ".join(unsafe))
         self.metrics.set_models(served)
+        loaded = {name for name, _ in self.repository.slots()}
+        self.metrics.forget_aliases(lambda model: model not in loaded)
 
     def _alias_event(self, name: str, alias: str, event: str, version: str) -> None:
         model = self.repository.models.get(name)
@@ -359,10 +369,16 @@ class Server:
         except BatcherClosed:
             # A reload swapped the model between choosing this slot and queueing on it (decoding a big body,
             # or wait_for's task start, lies in between): the new model takes it if its inputs are the same.
-            model = self.repository.models.get(slot.model.info.name)
-            current = model.default_slot() if model is not None else None
-            if (not follow_swap or current is None or current is slot or not self._serving
-                    or current.model.engine.inputs != slot.model.engine.inputs):
+            # Named a version: the same version's new slot (a reload of it). Unloaded meanwhile: a 404.
+            name = slot.model.info.name
+            model = self.repository.models.get(name)
+            if model is None or not self._serving:
+                raise
+            current = model.default_slot() if follow_swap else model.slots.get(slot.version)
+            if current is None:
+                raise HTTPError(404, f"model '{name}' version {slot.version} was unloaded while the request "
+                                     f"waited ({model.state.lower()})") from None
+            if current is slot or current.model.engine.inputs != slot.model.engine.inputs:
                 raise
             return await current.batcher.submit(feeds, rows), current
 
@@ -619,12 +635,20 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         if not isinstance(only_ready, bool):
             raise HTTPError(400, f'"ready" must be true or false, got {only_ready!r:.40}')
         if settings.repository:  # models added to the directory since are listed (not loaded)
-            with contextlib.suppress(Exception):
-                server.repository.add_repository_models()
+            try:
+                await off_loop(server.repository.add_repository_models)
+            except SourceError as exc:
+                log.warning("reading --repository: %s", exc)
         rows = server.repository.index()
         return json([r for r in rows if r["state"] == READY] if only_ready else rows)
 
+    def check_control() -> None:
+        if settings.control() != "explicit":
+            raise HTTPError(403, "loading and unloading models is off on this server; start it with "
+                                 "--model-control explicit to allow it")
+
     async def repository_load(request: Request) -> Response:
+        check_control()
         body = await control_body(request)
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict):
@@ -643,6 +667,7 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         return json({})
 
     async def repository_unload(request: Request) -> Response:
+        check_control()
         await control_body(request)
         await server.repository.unload(request.path_params["name"])
         return json({})

@@ -32,6 +32,8 @@ FLAGS: dict[str, tuple[type, str]] = {
                             "(default latest:1)"),
     "default-model": (str, "the model /invocations serves (default: the first --model)"),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
+    "model-control": (str, "explicit|none: whether clients may load and unload models with the V2 repository API "
+                           "(default: explicit with --repository, else none)"),
     "host": (str, "interface to bind (default 127.0.0.1: private)"),
     "port": (int, "port (default 8080)"),
     "device": (str, "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
@@ -212,7 +214,7 @@ def serve(settings: Settings) -> int:
         return 2
     try:
         app = create_app(settings, models, payload_log)
-    except RepositoryError as exc:
+    except (RepositoryError, SourceError) as exc:
         for _, model in models:
             model.discard()
         log.error("cannot serve: %s", exc)

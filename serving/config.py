@@ -28,6 +28,9 @@ class Settings:
     default_model: str | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
+    # Whether clients may load and unload models (the V2 repository API): explicit, or none; None: explicit
+    # with --repository, none without (a server of fixed --model flags keeps them).
+    model_control: str | None = None
     # Interface to bind; 127.0.0.1 keeps the server private unless asked otherwise.
     host: str = "127.0.0.1"
     port: int = 8080
@@ -161,8 +164,14 @@ class Settings:
                                 None if self.version_policy == "latest:1" else self.version_policy}.items():
                 if value is not None:
                     raise ValueError(f"{flag} applies to --repository models: add --repository DIR or drop it")
+        if self.model_control not in (None, "none", "explicit"):
+            raise ValueError(f"--model-control must be none or explicit, got {self.model_control!r}")
         if self.grpc_port is not None and not (0 < self.grpc_port < 65536 and self.grpc_port != self.port):
             raise ValueError(f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}")
+
+    def control(self) -> str:
+        """explicit (load/unload allowed) or none."""
+        return self.model_control or ("explicit" if self.repository else "none")
 
     def load_model_names(self) -> list[str] | None:
         """--load-model as a list of names (None: every repository model)."""

@@ -93,6 +93,13 @@ class Metrics:
         self.alias.labels(model, alias, version).set(1)
         self.behind.labels(model, alias).set(1 if behind else 0)
 
+    def forget_aliases(self, gone) -> None:
+        """Drop the alias series of models `gone(model)` says are no longer loaded."""
+        for gauge in (self.alias, self.behind):
+            for labels in list(gauge._metrics):
+                if gone(labels[0]):
+                    gauge.remove(*labels)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -245,6 +245,7 @@ class Repository:
         self.default_name = default_model
         self.models: dict[str, Model] = {}
         self.on_change: Callable[[], None] = lambda: None
+        self._warned: set[str] = set()
 
     # ---- lookups ----
 
@@ -299,16 +300,26 @@ class Repository:
 
     # ---- what to load ----
 
-    def add_repository_models(self) -> dict[str, dict[str, Path]]:
-        """(Re)read the repository directory: its models are registered, unloaded until loaded."""
+    def add_repository_models(self, strict: bool = False) -> dict[str, dict[str, Path]]:
+        """(Re)read the repository directory (blocking: call it off the loop while serving): its models are
+        registered, unloaded until loaded. A directory named as a --model is an error at start (`strict`) and
+        skipped later, with one warning: a stray directory must not break loading every other model."""
         if self.directory is None:
             return {}
         found = scan_repository(self.directory)
-        for name in found:
-            model = self.models.setdefault(name, Model(name))
-            if model.sources:
-                raise SourceError(f"model '{name}' is both a --model and a directory of --repository "
-                                  f"{self.directory}; rename one")
+        for name in list(found):
+            model = self.models.get(name)
+            if model is not None and model.sources:
+                message = (f"model '{name}' is both a --model and a directory of --repository {self.directory}; "
+                           "rename one")
+                if strict:
+                    raise SourceError(message)
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("%s (the directory is skipped)", message)
+                del found[name]
+            else:
+                self.models.setdefault(name, Model(name))
         return found
 
     def sources_of(self, name: str) -> list[Source]:
@@ -349,7 +360,7 @@ class Repository:
             seen: dict[str, Source] = {}
             for source, loaded in pairs:
                 other = seen.setdefault(loaded.info.version, source)
-                if other is not source and not (other.alias and source.alias):  # two aliases may name one version
+                if other is not source and not (other.alias or source.alias):  # an alias may name a loaded version
                     raise SourceError(f"model '{name}': {other.uri} and {source.uri} are both version "
                                       f"{loaded.info.version}; give each version of a model its own source (a "
                                       "registry version, an alias, or --repository DIR/NAME/VERSION)")
@@ -361,8 +372,11 @@ class Repository:
             replaced += model.slots.values()
             model.slots = {}
             for source, loaded in pairs:
-                if loaded.info.version in model.slots:  # a second alias naming a loaded version: one copy
+                slot = model.slots.get(loaded.info.version)
+                if slot is not None:  # an alias naming a version already loaded: one copy
                     close_model(loaded)
+                    if source.alias is None:
+                        slot.source = source  # pinned by a plain source: no alias move may drop it
                 else:
                     model.slots[loaded.info.version] = Slot(loaded, self.make_batcher(loaded), source)
             model.alias_versions = {s.alias: lm.info.version for s, lm in pairs if s.alias}
@@ -375,7 +389,7 @@ class Repository:
     def open_at_start(self, sources: list[Source], repository_names: list[str] | None) -> list[tuple[Source, LoadedModel]]:
         """Open the --model sources and the repository models named (None: all of them), blocking, for `place`.
         Raises the first failure: the server does not start half-loaded."""
-        found = self.add_repository_models()
+        found = self.add_repository_models(strict=True)
         names = list(found) if repository_names is None else repository_names
         unknown = [n for n in names if n not in found]
         if unknown:
@@ -404,7 +418,7 @@ class Repository:
         if not NAME.fullmatch(name):
             raise RepositoryError(f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
                                   "'_', '.', '-')")
-        sources = self.sources_of(name)
+        sources = await off_loop(self.sources_of, name)  # may read the repository directory
         model = self.models[name]
         async with model.lock:
             if not model.slots:
@@ -429,8 +443,10 @@ class Repository:
                 raise
             self.start()
             log.info("loaded %s version(s) %s in %.2f s", name, ", ".join(model.slots), time.perf_counter() - started)
-            self.on_change()
+            self.on_change()  # the new versions are announced now; the replaced ones drain, then leave
             await close_slots(replaced)
+            if replaced:
+                self.on_change()
 
     async def unload(self, name: str) -> None:
         """Stop serving `name`: new requests get 404, queued ones are answered, then its memory is freed."""
@@ -472,10 +488,11 @@ class Repository:
             previous = model.alias_served.get(alias)
             model.alias_served[alias] = version
             if (previous is not None and previous != version and previous in model.slots
-                    and previous not in model.alias_served.values()):
+                    and previous not in model.alias_served.values()
+                    and model.slots[previous].source.alias is not None):  # a pinned version stays
                 stale.append(model.slots.pop(previous))
+            await close_slots(stale)
             self.on_change()
-        await close_slots(stale)
 
     async def close(self) -> None:
         slots = [slot for _, slot in self.slots()]

@@ -129,13 +129,14 @@ class ServerProcess:
     """`python -m serving` in a subprocess; `with` waits until ready and always kills it by PID."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 ready_timeout: float = 90.0):
+                 ready_timeout: float = 90.0, wait_ready: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), "--threads", "1", *args]
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.ready_timeout = ready_timeout
+        self.wait_ready = wait_ready  # False: until it answers at all (live), for a server not ready by design
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
@@ -147,7 +148,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before ready:\n{self.log()}")
             try:
-                if requests.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                path = "/v2/health/ready" if self.wait_ready else "/v2/health/live"
+                if requests.get(self.url + path, timeout=1).status_code == 200:
                     return self
             except requests.ConnectionError:
                 pass

@@ -109,7 +109,7 @@ def test_two_models_side_by_side_over_http_and_grpc_with_unmodified_triton_clien
         assert client.is_server_ready() and client.is_server_live()  # health: no token
     metadata = grpc.get_model_metadata("tiny", headers=auth(), as_json=True)
     assert metadata["versions"] == ["2", "3"] and metadata["inputs"][0]["shape"] == ["-1", "1", "8", "8"]
-    assert "grpc" in grpc.get_server_metadata(headers=auth(), as_json=True)["extensions"]
+    assert grpc.get_server_metadata(headers=auth(), as_json=True)["name"] == "trainserve"
     # Version 1 exists in the repository, but the policy (latest:2) did not load it.
     with pytest.raises(InferenceServerException) as refused:
         grpc.infer("tiny", [image], model_version="1", headers=auth())
@@ -236,8 +236,30 @@ def test_bad_model_flags_stop_the_server_with_a_message_naming_the_fix(tmp_path,
         (["--repository", str(tmp_path / "missing")], "not a directory"),
         (["--model", f"tiny={mixed}", "--repository", str(root)], "also a model of --repository"),
         (["--model", f"a={mixed}", "--default-model", "b"], "--default-model b: no such model"),
+        (["--model", f"a={mixed}", "--model", f"a={mixed}"], "are both version 1"),
+        (["--model", str(mixed), "--model-control", "always"], "--model-control must be none or explicit"),
     ]
     for args, words in cases:
         proc = subprocess.run([sys.executable, "-m", "serving", "--port", str(free_port()), *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr[-2000:])
+
+
+def test_a_server_with_nothing_loaded_is_not_ready_until_a_model_is(repo, tmp_path):
+    root, _ = repo
+    with ServerProcess("--repository", str(root), "--load-model", "", "--version-policy", "latest:1",
+                       log_path=tmp_path / "log", wait_ready=False) as srv:
+        assert requests.get(srv.url + "/v2/health/ready").status_code == 503
+        assert requests.post(srv.url + "/v2/repository/models/tiny/load").status_code == 200
+        assert requests.get(srv.url + "/v2/health/ready").status_code == 200
+        assert requests.get(srv.url + "/v2/models/tiny").json()["versions"] == ["3"]
+
+
+def test_without_a_repository_clients_cannot_load_or_unload(repo, tmp_path):
+    _, mixed = repo
+    with ServerProcess("--model", f"mixed={mixed}", log_path=tmp_path / "log") as srv:
+        for action in ("load", "unload"):
+            refused = requests.post(f"{srv.url}/v2/repository/models/mixed/{action}")
+            assert refused.status_code == 403 and "--model-control explicit" in refused.json()["error"]
+        assert requests.post(srv.url + "/v2/repository/index").json() == [
+            {"name": "mixed", "version": "1", "state": "READY", "reason": ""}]

@@ -77,9 +77,9 @@ class Service:
         return schema.ModelReadyResponse(ready=self.server.model_ready(model))
 
     async def ServerMetadata(self, request, context):
-        from serving.app import EXTENSIONS
-
-        return schema.ServerMetadataResponse(name="trainserve", version=serving.__version__, extensions=EXTENSIONS)
+        # The V2 extensions (repository control, model configuration) are HTTP routes here; over gRPC the
+        # six methods of the protocol are all there is, so none is claimed (GET /v2 lists the HTTP ones).
+        return schema.ServerMetadataResponse(name="trainserve", version=serving.__version__, extensions=[])
 
     async def ModelMetadata(self, request, context):
         slot = self.server.model_slot(request.name, request.version or None)
@@ -98,15 +98,19 @@ class Service:
     async def ModelInfer(self, request, context):
         server = self.server
         slot = server.model_slot(request.model_name, request.model_version or None)
-        context.model = (slot.model.info.name, slot.version)
+        rid = _request_id(request.id or context.metadata.get("x-request-id"))
+        context.answered_by(slot, rid)  # the receipt goes with a refusal too, as over HTTP
         engine = slot.model.engine
         req = codec.decode_infer(request, engine.inputs, engine.output_names, server.limits)
-        rid = _request_id(request.id or context.metadata.get("x-request-id"))
-        results, slot = await server.infer(slot, req.feeds, req.rows, follow_swap=not request.model_version)
-        context.model = (slot.model.info.name, slot.version)
+        try:
+            results, slot = await server.infer(slot, req.feeds, req.rows, follow_swap=not request.model_version)
+        except Exception as exc:
+            status = getattr(exc, "status", 500)
+            server.log_payload(rid, "grpc ModelInfer", slot, req.feeds, None, status, str(exc))
+            raise
+        context.answered_by(slot, rid)  # the version that ran it, whatever is served by now
         server.log_payload(rid, "grpc ModelInfer", slot, req.feeds, results)
         info = slot.model.info
-        context.receipt = {**{k.lower(): v for k, v in slot.headers.items()}, "x-request-id": rid}
         return codec.encode_infer(info.name, info.version, request.id or None, results, req.outputs,
                                   slot.model.engine.outputs)
 
@@ -124,6 +128,10 @@ class _Call:
         self.metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         self.model = ("", "")
         self.receipt: dict[str, str] = {}
+
+    def answered_by(self, slot, request_id: str) -> None:
+        self.model = (slot.model.info.name, slot.version)
+        self.receipt = {**{k.lower(): v for k, v in slot.headers.items()}, "x-request-id": request_id}
 
 
 def _handler(server, service: Service, method: str, request_class):
