@@ -1,24 +1,61 @@
-"""Serving benchmark: our server against in-process onnxruntime and `mlflow models serve`.
+"""Serving benchmarks: our server against others, its three protocols, one model under another's flood.
 
-Same models (the 28x28 small-image ResNet-18 and a tiny MLP, random weights), same load generator
-(wrk, Debian package `wrk`), the same JSON request of one image ({"inputs": [1x1x28x28]}) to every
-server's /invocations, at concurrency 1 and 32. Reports requests/s and p50/p99 latency of:
+Three measurements, chosen by flag: our server against in-process onnxruntime and `mlflow models serve`;
+our server's three protocols against each other; what one model's flood does to another model's latency.
+
+--servers (the default when no other measurement is asked). Same models (the 28x28 small-image ResNet-18
+and a tiny MLP, random weights), same load generator (wrk, Debian package `wrk`), the same JSON request of
+one image ({"inputs": [1x1x28x28]}) to every server's /invocations, at concurrency 1 and 32. Reports
+requests/s and p50/p99 latency of:
   (a) onnxruntime in-process, at batch 1 and at the server's max batch size (a call is one batch);
   (b) our server (python -m serving);
   (c) `mlflow models serve --env-manager local` of the same model saved with the PyTorch flavor and
       with the ONNX flavor.
 
-    python benchmarks/serve.py            # ~7 min on 2 cores: 3 rounds, medians
-    python benchmarks/serve.py --quick    # ~1.5 min: one round of short runs, the ResNet only
+--protocols. The ResNet (--protocol-models) on one server that also serves gRPC (--grpc-port), one
+image a request, at concurrency 1 and 32, over (b) V2 JSON over HTTP, V2 binary over HTTP (Triton's
+binary tensor extension, binary outputs too) and V2 over gRPC (ModelInfer, raw_input_contents); (a)
+in-process onnxruntime at batch 1 and 32 is the reference. Every request asks for all outputs. All three
+protocols are driven by ONE load generator, so that the client's cost is alike: a Python asyncio closed
+loop of N workers for S seconds; over HTTP each worker is one raw keep-alive HTTP/1.1 connection
+(prebuilt request bytes; the status line and headers read up to the blank line, then Content-Length
+bytes), over gRPC the N workers share one grpc.aio channel (HTTP/2 streams, as a gRPC client does) and
+send prebuilt serialized ModelInferRequest bytes (no serializers). Each protocol's first answer is
+checked against the torch model's output; the note gives the mean batch and the CPU ms per request of
+the generator and of the server. The Python generator costs much more CPU per request than wrk and runs
+on the same 2 cores as the server: its numbers are lower than wrk's, and only rows of one run compare.
+The ResNet's run dwarfs what a protocol costs; `--protocol-models resnet18,mlp` adds the tiny MLP,
+where the protocols' own costs show.
 
-All servers run at once and are measured in turns, round after round, so that other work on the
-machine hits every system alike; wrk takes CPU too. Compare rows within one run, never with numbers
-from another machine.
+--two-models. One server with `--model flooded=resnet18.onnx --model probed=mlp.onnx` (each model its
+own batcher; the one engine thread takes the models' runs in turn). A probe of single-image binary V2
+HTTP requests (sequential: the Python generator at concurrency 1, --probes of them) measures p50/p99 of
+  (a) `probed` with no other load;
+  (b) `probed` while wrk floods `flooded` at concurrency 32 (JSON V2 POSTs to /v2/models/flooded/infer);
+  (c) the baseline, what per-model batchers and turn-taking buy: the probe sent to `flooded` itself
+      during the same flood, where it waits in the flood's queue; (a') is that probe with no load.
+The flood's own req/s (wrk's, over the probe's time) is printed with (b) and (c); after a flood the
+server drains before the next scenario. From the server's histograms: the probed model's mean queue time
+(until the engine thread began its run; in (a') and (c) those requests are mostly the flood's) and the
+flooded model's mean run time and rows: in (b) a probe waits for at most the flooded model's run in
+progress, and a sequential probe, sent just after its last answer, tends to arrive as one begins.
+
+    python benchmarks/serve.py                          # --servers: ~7 min on 2 cores, 3 rounds, medians
+    python benchmarks/serve.py --quick                  # ~1 min: one round of short runs, the ResNet only
+    python benchmarks/serve.py --protocols              # ~2.5 min: 3 rounds of 5 s runs, medians
+    python benchmarks/serve.py --two-models             # ~4.5 min: 3 rounds of 300 probes a scenario
+    python benchmarks/serve.py --protocols --two-models --quick   # ~2-3 min: one round, 3 s runs, 200 probes
+    python benchmarks/serve.py --servers --protocols --protocol-models resnet18,mlp   # any combination
+
+All systems of a measurement run at once and are measured in turns, round after round, so that other
+work on the machine hits every system alike; wrk and the Python generator take CPU too. Compare rows
+within one run, never with numbers from another machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -159,12 +196,44 @@ class Server:
 
 
 def wrk(url: str, body_path: Path, concurrency: int, seconds: float) -> dict:
+    out = subprocess.run(wrk_command(url, body_path, concurrency, seconds), capture_output=True, text=True,
+                         check=True).stdout
+    return parse_wrk(out)
+
+
+@contextlib.contextmanager
+def flood(url: str, body_path: Path, concurrency: int, limit_s: float = 600):
+    """wrk in the background for as long as the block runs (at most limit_s): SIGINT stops it and it prints
+    its summary, parsed into the yielded dict once the block ends."""
+    proc = subprocess.Popen(wrk_command(url, body_path, concurrency, limit_s), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    result: dict = {}
+    try:
+        yield result
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    if proc.returncode != 0 and "Requests/sec" not in out:
+        raise RuntimeError(f"wrk exited {proc.returncode}: {err[-2000:]}")
+    result.update(parse_wrk(out))
+
+
+def wrk_command(url: str, body_path: Path, concurrency: int, seconds: float) -> list[str]:
+    """wrk POSTing the JSON file body_path to url (a lua script beside it says so)."""
     script = body_path.with_suffix(".lua")
     script.write_text(f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.body = io.open("{body_path}", "rb"):read("*a")\n')
     threads = min(concurrency, 2)
-    out = subprocess.run(["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-                          "--latency", "-s", str(script), url], capture_output=True, text=True, check=True).stdout
+    return ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+            "--latency", "-s", str(script), url]
+
+
+def parse_wrk(out: str) -> dict:
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0
     if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out):
@@ -177,12 +246,45 @@ def _latency(out: str, pct: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def batch_stats(port: int) -> tuple[float, float]:
-    """(rows, model runs) so far, from the server's batch-size histogram."""
+def batch_stats(port: int, model: str | None = None) -> tuple[float, float]:
+    """(rows, model runs) so far, from the server's batch-size histogram: summed over every model and
+    version, or over one model's versions."""
+    return histogram(port, "trainserve_batch_size", model)
+
+
+def histogram(port: int, name: str, model: str | None = None) -> tuple[float, float]:
+    """(sum, count) of one of the server's histograms, over all its label sets ({model="...",version="...",
+    ...}) or those of one model."""
     text = requests.get(f"http://127.0.0.1:{port}/metrics").text
-    total = float(re.search(r"^trainserve_batch_size_sum ([\d.e+]+)", text, re.M).group(1))
-    count = float(re.search(r"^trainserve_batch_size_count ([\d.e+]+)", text, re.M).group(1))
-    return total, count
+    return series_total(text, f"{name}_sum", model), series_total(text, f"{name}_count", model)
+
+
+def series_total(text: str, series: str, model: str | None = None) -> float:
+    """One series of a /metrics text summed over its label sets, or over those of one model."""
+    found = re.findall(rf"^{series}(\{{.*\}})? ([\d.e+-]+)$", text, re.M)
+    return sum(float(value) for labels, value in found if model is None or f'model="{model}"' in labels)
+
+
+def wait_until_idle(port: int, quiet: float = 0.5, timeout: float = 60) -> None:
+    """Until nothing is queued and no model ran for `quiet` seconds: the requests a stopped flood left in the
+    server are answered before the next measurement begins."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics").text
+        now = (series_total(text, "trainserve_batch_size_count"), series_total(text, "trainserve_queue_rows"))
+        if now == last and now[1] == 0:
+            return
+        last = now
+        time.sleep(quiet)
+    raise RuntimeError(f"the server is still busy {timeout:g} s after the load stopped")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def check_prediction(port: int, body: bytes, want: np.ndarray) -> None:
@@ -195,6 +297,194 @@ def check_prediction(port: int, body: bytes, want: np.ndarray) -> None:
     got = r.json()["predictions"]
     got = got["logits"] if isinstance(got, dict) else got
     np.testing.assert_allclose(np.asarray(got, np.float32).reshape(want.shape), want, rtol=1e-3, atol=1e-4)
+
+
+# ---- the Python load generator (--protocols, --two-models) -------------------------------------
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class CallFailed(Exception):
+    """An answer that is an error: an HTTP status other than 200, a gRPC status other than OK."""
+
+
+class HttpConnection:
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams that sends one prebuilt request over and over:
+    the status line and headers are read up to the blank line, then Content-Length bytes of body. The
+    connection is opened on the first call, and again after a failure or a `Connection: close`."""
+
+    def __init__(self, port: int, request: bytes):
+        self.port, self.request = port, request
+        self.reader = self.writer = None
+
+    async def call(self) -> tuple[bytes, bytes]:
+        """(status line and headers, body) of one answer."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            self.writer.write(self.request)
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"\r\ncontent-length:[ \t]*(\d+)", head, re.I)
+            body = await self.reader.readexactly(int(length.group(1)) if length else 0)
+        except BaseException:
+            self.close()
+            raise
+        if re.search(rb"\r\nconnection:[ \t]*close", head, re.I):
+            self.close()
+        if not head.startswith((b"HTTP/1.1 200 ", b"HTTP/1.0 200 ")):
+            status = head.split(b"\r\n", 1)[0].decode("latin-1")
+            raise CallFailed(f"{status}: {body[:300].decode('latin-1')}")
+        return head, body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
+
+
+class GrpcCall:
+    """ModelInfer with one prebuilt serialized request, on a shared grpc.aio channel (no serializers:
+    bytes in and out)."""
+
+    def __init__(self, channel, request: bytes):
+        self.infer = channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)
+        self.request = request
+
+    async def call(self) -> tuple[bytes, bytes]:
+        """(b"", the serialized ModelInferResponse) of one answer."""
+        import grpc
+
+        try:
+            return b"", await self.infer(self.request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            raise CallFailed(f"gRPC {exc.code().name}: {exc.details()}") from None
+
+
+async def closed_loop(clients: list, seconds: float | None = None, count: int | None = None) -> dict:
+    """Each client is one worker that sends its next request as soon as its last answer came, for `seconds`
+    or until `count` answers in all: answers/s, p50/p99 ms of the good answers, errors (and the first), and
+    this process's CPU ms per request (the generator's cost, gRPC's own threads included)."""
+    times: list[float] = []
+    errors: list[str] = []
+    cpu = time.process_time()
+    start = time.perf_counter()
+    deadline = start + (seconds if seconds is not None else float("inf"))
+    budget = count if count is not None else float("inf")
+
+    async def worker(client) -> None:
+        while time.perf_counter() < deadline and len(times) + len(errors) < budget:
+            t = time.perf_counter()
+            try:
+                await client.call()
+            except (CallFailed, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            times.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(worker(c) for c in clients))
+    elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    ms = np.asarray(times or [float("nan")]) * 1e3
+    return {"rps": len(times) / elapsed, "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+            "errors": len(errors), "n": len(times), "first_error": errors[0] if errors else None,
+            "client_cpu_ms": cpu * 1e3 / max(len(times) + len(errors), 1)}
+
+
+@contextlib.asynccontextmanager
+async def open_clients(protocol: str, request: bytes, port: int, grpc_port: int | None, n: int):
+    """n workers' clients for one protocol: n HTTP connections, or n calls on one gRPC channel."""
+    if protocol == GRPC:
+        import grpc
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            yield [GrpcCall(channel, request) for _ in range(n)]
+        return
+    connections = [HttpConnection(port, request) for _ in range(n)]
+    try:
+        yield connections
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+# ---- requests and answers of the three protocols ----------------------------------------------
+
+JSON_HTTP, BINARY_HTTP, GRPC = "V2 JSON over HTTP", "V2 binary over HTTP", "V2 over gRPC"
+PROTOCOLS = (JSON_HTTP, BINARY_HTTP, GRPC)
+
+
+def http_request(port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {len(body)}",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
+
+
+def v2_json_body(x: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}).encode()
+
+
+def v2_request(protocol: str, model: str, x: np.ndarray, port: int) -> bytes:
+    """The bytes of one request for `model` of one image x: an HTTP request, or a serialized
+    ModelInferRequest (serving/grpc/schema.py's message; the wire format is KServe's)."""
+    if protocol == JSON_HTTP:
+        return http_request(port, f"/v2/models/{model}/infer", v2_json_body(x), {"Content-Type": "application/json"})
+    raw = np.ascontiguousarray(x, "<f4").tobytes()
+    if protocol == BINARY_HTTP:
+        header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                         "parameters": {"binary_data_size": len(raw)}}],
+                             "parameters": {"binary_data_output": True}}).encode()
+        return http_request(port, f"/v2/models/{model}/infer", header + raw,
+                            {"Content-Type": "application/octet-stream",
+                             "Inference-Header-Content-Length": str(len(header))})
+    from serving.grpc import schema
+
+    request = schema.ModelInferRequest(model_name=model)
+    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+def answer_logits(protocol: str, head: bytes, body: bytes) -> np.ndarray:
+    """The `logits` output of one answer of the protocol."""
+    if protocol == JSON_HTTP:
+        out = next(o for o in json.loads(body)["outputs"] if o["name"] == "logits")
+        return np.asarray(out["data"], np.float32).reshape(out["shape"])
+    if protocol == BINARY_HTTP:
+        length = int(re.search(rb"\r\ninference-header-content-length:[ \t]*(\d+)", head, re.I).group(1))
+        offset = length
+        for out in json.loads(body[:length])["outputs"]:
+            size = out["parameters"]["binary_data_size"]
+            if out["name"] == "logits":
+                return np.frombuffer(body[offset:offset + size], "<f4").reshape(out["shape"])
+            offset += size
+        raise KeyError("no logits output")
+    from serving.grpc import schema
+
+    response = schema.ModelInferResponse.FromString(body)
+    for i, out in enumerate(response.outputs):
+        if out.name == "logits":
+            data = (np.frombuffer(response.raw_output_contents[i], "<f4") if response.raw_output_contents
+                    else np.asarray(out.contents.fp32_contents, np.float32))
+            return data.reshape(list(out.shape))
+    raise KeyError("no logits output")
+
+
+async def check_answer(protocol: str, client, want: np.ndarray, warm: int = 5) -> str:
+    """The first answer against the torch model's output (as check_prediction), then `warm` more requests to
+    warm the path up; what was found, in words (a failure is reported, not raised)."""
+    try:
+        head, body = await client.call()
+        got = answer_logits(protocol, head, body)
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-3, atol=1e-4)
+    except AssertionError:
+        return f"answer != torch (max abs diff {np.abs(got.reshape(want.shape) - want).max():.2g})"
+    except Exception as exc:  # noqa: BLE001 - reported in the table; the run goes on
+        return f"first request failed: {type(exc).__name__}: {exc}"[:300]
+    for _ in range(warm):
+        with contextlib.suppress(CallFailed):
+            await client.call()
+    return "answer == torch"
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -265,11 +555,189 @@ def run_model(name: str, work: Path, seconds: float, rounds: int, mlflow_servers
     return rows
 
 
+async def measure(protocol: str, request: bytes, port: int, grpc_port: int | None, concurrency: int,
+                  seconds: float | None = None, count: int | None = None) -> dict:
+    """The closed loop over fresh clients of one protocol."""
+    async with open_clients(protocol, request, port, grpc_port, concurrency) as clients:
+        return await closed_loop(clients, seconds, count)
+
+
+async def first_answer(protocol: str, request: bytes, port: int, grpc_port: int | None, want: np.ndarray) -> str:
+    async with open_clients(protocol, request, port, grpc_port, 1) as (client,):
+        return await check_answer(protocol, client, want)
+
+
+def two_free_ports() -> tuple[int, int]:
+    while (ports := (free_port(), free_port()))[0] == ports[1]:
+        pass
+    return ports
+
+
+def medians(runs: list[dict], keys: tuple[str, ...] = ("rps", "p50", "p99")) -> dict:
+    median = {k: float(np.median([r[k] for r in runs])) for k in keys}
+    median["errors"] = sum(r["errors"] for r in runs)
+    return median
+
+
+def tell_errors(r: dict, log: Path) -> None:
+    """A run's first error and the server's log tail, on stderr."""
+    if r.get("first_error"):
+        print(f"    {r['errors']} errors; the first: {r['first_error'][:500]}\n    server log tail:\n"
+              f"{log.read_text(errors='replace')[-2000:]}", file=sys.stderr, flush=True)
+
+
+def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
+    """One model over V2 JSON/HTTP, V2 binary/HTTP and V2/gRPC of one server, all driven by the Python
+    generator, and in-process onnxruntime; `rounds` rounds over all of them, medians reported."""
+    import torch
+
+    model, onnx_path = build_and_export(name, work)
+    x = np.random.default_rng(1).random((1, 1, 28, 28), dtype=np.float32)
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    port, grpc_port = two_free_ports()
+    log = work / f"ours-protocols-{name}.log"
+    server = Server([sys.executable, "-m", "serving", "--model", f"{name}={onnx_path}", "--port", str(port),
+                     "--grpc-port", str(grpc_port), "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"],
+                    port, "/v2/health/ready", log)
+    wire = {protocol: v2_request(protocol, name, x, port) for protocol in PROTOCOLS}
+    samples: dict[tuple[str, object], list[dict]] = {}
+    checks: dict[str, str] = {}
+    loop = asyncio.new_event_loop()
+    with server, contextlib.closing(loop):
+        for protocol in PROTOCOLS:
+            checks[protocol] = loop.run_until_complete(first_answer(protocol, wire[protocol], port, grpc_port, want))
+            print(f"  {name:8s} {protocol:22s} first answer: {checks[protocol]}", file=sys.stderr, flush=True)
+        for round_ in range(rounds):
+            for batch in (1, MAX_BATCH):
+                key = (f"(a) onnxruntime in-process, batch {batch}", "-")
+                samples.setdefault(key, []).append(bench_inprocess(onnx_path, batch, seconds))
+            for protocol in PROTOCOLS:
+                for c in (1, 32):
+                    before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
+                    r = loop.run_until_complete(measure(protocol, wire[protocol], port, grpc_port, c, seconds))
+                    after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
+                    r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
+                             server_cpu_ms=server_cpu * 1e3 / max(r["n"] + r["errors"], 1))
+                    samples.setdefault((f"(b) {protocol}", c), []).append(r)
+                    print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol:22s} c={c:<3d} {r['rps']:8.1f} req/s  "
+                          f"p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  errors {r['errors']}",
+                          file=sys.stderr, flush=True)
+                    tell_errors(r, log)
+    rows = []
+    for (system, c), runs in samples.items():
+        note = "images/s; latency per run"
+        if c != "-":
+            m = medians(runs, ("batch", "client_cpu_ms", "server_cpu_ms"))
+            note = (f"{checks[system[4:]]}; mean batch {m['batch']:.1f}; CPU ms/request: generator "
+                    f"{m['client_cpu_ms']:.2f}, server {m['server_cpu_ms']:.2f}")
+        rows.append((name, system, c, medians(runs), note))
+    return rows
+
+
+TWO_MODEL_SCENARIOS = (  # (scenario, the model probed, whether wrk floods `flooded` meanwhile)
+    ("(a) probe `probed` (mlp), no other load", "probed", False),
+    ("(b) probe `probed` (mlp) while wrk floods `flooded` (resnet18) at c=32", "probed", True),
+    ("(a') probe `flooded` (resnet18), no other load", "flooded", False),
+    ("(c) baseline: probe `flooded` itself during the same flood", "flooded", True),
+)
+
+
+def probe(loop, request: bytes, port: int, probes: int, flood_url: str | None = None,
+          flood_body: Path | None = None) -> dict:
+    """`probes` sequential requests (the Python generator, concurrency 1), alone or while wrk floods
+    flood_url at concurrency 32 (from a second before the first probe to the last; then the server drains)."""
+    if flood_url is None:
+        return {**loop.run_until_complete(measure(BINARY_HTTP, request, port, None, 1, count=probes)),
+                "flood_rps": float("nan"), "flood_errors": 0}
+    with flood(flood_url, flood_body, 32) as flooding:
+        time.sleep(1)  # wrk's connections are open and the flood's queue is full
+        r = loop.run_until_complete(measure(BINARY_HTTP, request, port, None, 1, count=probes))
+    wait_until_idle(port)  # the flood's last requests are not the next scenario's load
+    return {**r, "flood_rps": flooding["rps"], "flood_errors": flooding["errors"]}
+
+
+def scenario_histograms(port: int, probed: str) -> dict[str, tuple[float, float]]:
+    """The server's own view of a two-model scenario so far, (sum, count) each: the probed model's queue time
+    (until the engine thread began its run), the flooded model's run time and batch size."""
+    return {"probe_queue_ms": histogram(port, "trainserve_queue_duration_seconds", probed),
+            "flood_run_ms": histogram(port, "trainserve_inference_duration_seconds", "flooded"),
+            "flood_batch": histogram(port, "trainserve_batch_size", "flooded")}
+
+
+def histogram_means(before: dict, after: dict) -> dict[str, float]:
+    """Each histogram's mean between two readings (*_ms in milliseconds); NaN where nothing was observed."""
+    means = {}
+    for key, (total, count) in before.items():
+        mean = (after[key][0] - total) / (after[key][1] - count) if after[key][1] > count else float("nan")
+        means[key] = mean * 1e3 if key.endswith("_ms") else mean
+    return means
+
+
+def run_two_models(work: Path, probes: int, rounds: int) -> list:
+    """One server of two models; the probe's latency to one while wrk floods the other, against no flood
+    and against probing the flooded model itself; `rounds` rounds over the scenarios, medians reported."""
+    import torch
+
+    nets = {"flooded": build_and_export("resnet18", work), "probed": build_and_export("mlp", work)}
+    x = np.random.default_rng(1).random((1, 1, 28, 28), dtype=np.float32)
+    with torch.no_grad():
+        want = {name: net(torch.from_numpy(x)).numpy() for name, (net, _) in nets.items()}
+    port = free_port()
+    log = work / "ours-two-models.log"
+    server = Server([sys.executable, "-m", "serving", *(f for name, (_, path) in nets.items()
+                                                        for f in ("--model", f"{name}={path}")),
+                     "--port", str(port), "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"],
+                    port, "/v2/health/ready", log)
+    flood_url = f"http://127.0.0.1:{port}/v2/models/flooded/infer"
+    flood_body = work / "flooded-v2.json"
+    flood_body.write_bytes(v2_json_body(x))
+    wire = {name: v2_request(BINARY_HTTP, name, x, port) for name in nets}
+    samples: dict[str, list[dict]] = {}
+    loop = asyncio.new_event_loop()
+    with server, contextlib.closing(loop):
+        for name in nets:
+            check = loop.run_until_complete(first_answer(BINARY_HTTP, wire[name], port, None, want[name]))
+            print(f"  probe of {name:8s} first answer: {check}", file=sys.stderr, flush=True)
+        for round_ in range(rounds):
+            for scenario, name, flooding in TWO_MODEL_SCENARIOS:
+                before = scenario_histograms(port, name)
+                r = probe(loop, wire[name], port, probes, *((flood_url, flood_body) if flooding else ()))
+                r.update(histogram_means(before, scenario_histograms(port, name)))
+                samples.setdefault(scenario, []).append(r)
+                print(f"  round {round_ + 1}/{rounds} {scenario[:4]:4s} probe of {name:8s} {r['n']:5d} answers  "
+                      f"p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  errors {r['errors']}  server: queue "
+                      f"{r['probe_queue_ms']:.1f} ms, `flooded` runs {r['flood_run_ms']:.1f} ms of "
+                      f"{r['flood_batch']:.1f} rows"
+                      + (f"   flood {r['flood_rps']:7.1f} req/s, errors {r['flood_errors']}" if flooding else ""),
+                      file=sys.stderr, flush=True)
+                tell_errors(r, log)
+    rows = []
+    for scenario, runs in samples.items():
+        median = medians(runs, ("p50", "p99", "flood_rps", "probe_queue_ms", "flood_run_ms", "flood_batch"))
+        median.update(n=sum(r["n"] for r in runs), flood_errors=sum(r["flood_errors"] for r in runs))
+        rows.append((scenario, median))
+    return rows
+
+
 def print_table(rows: list) -> None:
     print("\n| model | system | concurrency | req/s | p50 ms | p99 ms | errors | note |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for model, system, c, r, note in rows:
         print(f"| {model} | {system} | {c} | {r['rps']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['errors']} | {note} |")
+
+
+def print_probe_table(rows: list) -> None:
+    def number(value: float, digits: int = 1) -> str:
+        return "-" if np.isnan(value) else f"{value:.{digits}f}"
+
+    print("\n| scenario | probe p50 ms | probe p99 ms | flood req/s | server: probed model's queue ms | "
+          "server: `flooded` run ms (rows) | probes | errors (probe/flood) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for scenario, r in rows:
+        run = "-" if np.isnan(r["flood_run_ms"]) else f"{r['flood_run_ms']:.1f} ({r['flood_batch']:.1f})"
+        print(f"| {scenario} | {r['p50']:.2f} | {r['p99']:.2f} | {number(r['flood_rps'])} | "
+              f"{number(r['probe_queue_ms'], 2)} | {run} | {r['n']} | {r['errors']}/{r['flood_errors']} |")
 
 
 def print_targets(rows: list) -> None:
@@ -299,28 +767,55 @@ def print_targets(rows: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one round of 3 s runs, the ResNet only")
+    parser.add_argument("--servers", action="store_true", help="ours against in-process and mlflow serve (what a "
+                                                               "run without --protocols or --two-models does)")
+    parser.add_argument("--protocols", action="store_true", help="V2 JSON/HTTP, binary/HTTP and gRPC of one server")
+    parser.add_argument("--two-models", action="store_true", help="one model's latency while another is flooded")
+    parser.add_argument("--quick", action="store_true", help="one round of 3 s runs (200 probes), the ResNet only")
     parser.add_argument("--seconds", type=float, default=None, help="seconds per measurement (default 5, quick 3)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds over all systems; medians reported "
                                                                   "(default 3, quick 1)")
-    parser.add_argument("--models", default=None, help="comma-separated: resnet18,mlp (default both; quick: resnet18)")
-    parser.add_argument("--no-mlflow", action="store_true", help="skip (c), the mlflow servers")
+    parser.add_argument("--probes", type=int, default=None, help="--two-models: probe requests per scenario "
+                                                                 "(default 300, quick 200)")
+    parser.add_argument("--models", default=None, help="--servers: comma-separated: resnet18,mlp (default both; "
+                                                       "quick: resnet18)")
+    parser.add_argument("--no-mlflow", action="store_true", help="--servers: skip (c), the mlflow servers")
+    parser.add_argument("--protocol-models", default="resnet18", help="--protocols: comma-separated: resnet18,mlp "
+                                                                      "(default resnet18; the MLP's run is so short "
+                                                                      "that the protocols' own costs show)")
     args = parser.parse_args(argv)
-    if shutil.which("wrk") is None:
+    servers = args.servers or not (args.protocols or args.two_models)
+    if (servers or args.two_models) and shutil.which("wrk") is None:
         print("wrk not found: apt-get install -y wrk", file=sys.stderr)
         return 2
     seconds = args.seconds or (3.0 if args.quick else 5.0)
     rounds = args.rounds or (1 if args.quick else 3)
+    probes = args.probes or (200 if args.quick else 300)
     models = (args.models or ("resnet18" if args.quick else "resnet18,mlp")).split(",")
     work = Path(tempfile.mkdtemp(prefix="trainserve-bench-"))
-    rows = []
+    rows, protocol_rows, probe_rows = [], [], []
     try:
-        for name in models:
-            rows += run_model(name, work, seconds, rounds, not args.no_mlflow)
+        if servers:
+            for name in models:
+                rows += run_model(name, work, seconds, rounds, not args.no_mlflow)
+        if args.protocols:
+            for name in args.protocol_models.split(","):
+                protocol_rows += run_protocols(name, work, seconds, rounds)
+        if args.two_models:
+            probe_rows = run_two_models(work, probes, rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print_table(rows)
-    print_targets(rows)
+    if servers:
+        print_table(rows)
+        print_targets(rows)
+    if protocol_rows:
+        print(f"\nProtocols: one server, one image a request, the Python generator "
+              f"({rounds} round(s) of {seconds:g} s, medians)")
+        print_table(protocol_rows)
+    if probe_rows:
+        print(f"\nTwo models: `flooded` (resnet18) and `probed` (mlp) on one server; probes are sequential "
+              f"single-image binary V2 HTTP requests ({probes} a scenario, {rounds} round(s), medians)")
+        print_probe_table(probe_rows)
     return 0
 
 
