@@ -129,12 +129,7 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape):
             raise BadRequest(f"input '{name}': shape must be a list of non-negative integers below {MAX_DIM}, "
                              f"got {shape!r:.100}; expected {spec.describe()}")
-        datatype = item.get("datatype")
-        if datatype not in KNOWN_DATATYPES:
-            raise BadRequest(f"input '{name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
-                             f"({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
-        if datatype != spec.datatype:
-            raise BadRequest(f"input '{name}': datatype {datatype!r}, expected {spec.describe()}")
+        check_datatype(item.get("datatype"), spec)
         _check_shape(spec, shape)
         count = _check_size(name, shape, spec, limits)
         item_parameters = _object(item.get("parameters"), f"input '{name}': parameters")
@@ -151,7 +146,7 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
             want = count * spec.dtype.itemsize
             if binary_size != want:
                 raise BadRequest(f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
-                                 f"{datatype} takes {want} bytes")
+                                 f"{spec.datatype} takes {want} bytes")
             if offset + want > len(body):
                 raise BadRequest(f"input '{name}': the body ends before its {want} bytes of binary data")
             array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<"), count=count, offset=offset)
@@ -189,6 +184,15 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
                 raise BadRequest(f"output '{out['name']}': parameters.binary_data must be true or false")
             outputs.append((out["name"], binary))
     return V2Request(feeds, rows, request_id, outputs)
+
+
+def check_datatype(datatype, spec: TensorSpec) -> None:
+    """An input's declared datatype: one of the protocol's, and the model's (HTTP and gRPC alike)."""
+    if datatype not in KNOWN_DATATYPES:
+        raise BadRequest(f"input '{spec.name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
+                         f"({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
+    if datatype != spec.datatype:
+        raise BadRequest(f"input '{spec.name}': datatype {datatype!r}, expected {spec.describe()}")
 
 
 def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -> int:

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from serving.codec import (
-    KNOWN_DATATYPES,
     MAX_DIM,
     BadRequest,
     Limits,
@@ -34,6 +33,7 @@ from serving.codec import (
     _check_size,
     _finite,
     _rows,
+    check_datatype,
     expected,
 )
 from serving.engine import TensorSpec
@@ -120,12 +120,7 @@ def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -
         raise BadRequest(f"input '{name}': shape must be at most {MAX_RANK} non-negative "
                          f"integers below {MAX_DIM}, got {shape!r:.100}; expected "
                          f"{spec.describe()}")
-    datatype = item.datatype
-    if datatype not in KNOWN_DATATYPES:
-        raise BadRequest(f"input '{name}': datatype {datatype!r:.40} is not a KServe V2 "
-                         f"datatype ({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
-    if datatype != spec.datatype:
-        raise BadRequest(f"input '{name}': datatype {datatype!r}, expected {spec.describe()}")
+    check_datatype(item.datatype, spec)
     _check_shape(spec, shape)
     return shape
 
