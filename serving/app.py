@@ -123,7 +123,7 @@ class Server:
         self._token = settings.auth_token.encode() if settings.auth_token else None
         self._followers: list[asyncio.Task] = []
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
-        self._decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
+        self.decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
         self._hosts = settings.host_patterns()
         self._origins = settings.origins()
         self.payload_log = payload_log  # started and closed with the server
@@ -336,7 +336,7 @@ class Server:
 
         if len(data) <= BIG_BODY:
             return safely()
-        async with self._decoding:
+        async with self.decoding:
             return await asyncio.to_thread(safely)
 
     async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,

@@ -440,6 +440,8 @@ class Repository:
             except BaseException as exc:
                 if not model.slots:
                     model.state, model.reason = UNAVAILABLE, f"load failed: {exc}"[:500]
+                else:  # still serving what it served: READY, and the index says the reload failed
+                    model.reason = f"reload failed: {exc}"[:500]
                 raise
             self.start()
             log.info("loaded %s version(s) %s in %.2f s", name, ", ".join(model.slots), time.perf_counter() - started)

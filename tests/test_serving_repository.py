@@ -107,6 +107,11 @@ def test_two_models_side_by_side_over_http_and_grpc_with_unmodified_triton_clien
         assert result.get_response(**({"as_json": True} if module is triton_grpc else {}))["id"] == "req-42"
         assert client.is_model_ready("tiny", headers=auth()) and client.is_model_ready("mixed", headers=auth())
         assert client.is_server_ready() and client.is_server_live()  # health: no token
+    big = images(256, seed=3)  # 64 KiB of data: decoded in a thread, as a big HTTP body is
+    image = triton_grpc.InferInput("input", list(big.shape), "FP32")
+    image.set_data_from_numpy(big)
+    np.testing.assert_allclose(grpc.infer("tiny", [image], headers=auth()).as_numpy("probabilities"),
+                               run_onnx(root / "tiny" / "3" / "model.onnx", big)["probabilities"], rtol=1e-5, atol=1e-6)
     metadata = grpc.get_model_metadata("tiny", headers=auth(), as_json=True)
     assert metadata["versions"] == ["2", "3"] and metadata["inputs"][0]["shape"] == ["-1", "1", "8", "8"]
     assert grpc.get_server_metadata(headers=auth(), as_json=True)["name"] == "trainserve"

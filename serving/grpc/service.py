@@ -14,9 +14,11 @@ the response's `id` echoes the request's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,6 +37,7 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 415: grpc.StatusCode.INVALID_ARGUMENT, 499: grpc.StatusCode.CANCELLED,
                 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
+BIG_MESSAGE = 64 * 1024  # decoded in a thread above this, as HTTP bodies are
 
 
 class Refused(Exception):
@@ -101,7 +104,12 @@ class Service:
         rid = _request_id(request.id or context.metadata.get("x-request-id"))
         context.answered_by(slot, rid)  # the receipt goes with a refusal too, as over HTTP
         engine = slot.model.engine
-        req = codec.decode_infer(request, engine.inputs, engine.output_names, server.limits)
+        decode = partial(codec.decode_infer, request, engine.inputs, engine.output_names, server.limits)
+        if request.ByteSize() <= BIG_MESSAGE:
+            req = decode()
+        else:  # as over HTTP: a big message is decoded in a thread (two at a time), not on the event loop
+            async with server.decoding:
+                req = await asyncio.to_thread(decode)
         try:
             results, slot = await server.infer(slot, req.feeds, req.rows, follow_swap=not request.model_version)
         except Exception as exc:
