@@ -394,7 +394,7 @@ def open_source(settings: Settings, source: Source, version: str | None = None) 
     """One model source on the provider and variant the settings ask (an alias pinned at `version` when given).
     A repository version directory is that version of its model."""
     s = settings
-    name = source.name or (s.model_name if len(s.sources()) <= 1 else None)
+    name = source.name or s.model_name  # Settings.check: --model-name only beside a single unnamed --model
     return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
                       device_id=s.device_id, variant=s.variant, gpu=s.gpu_options())
 
@@ -466,7 +466,7 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
                 response = await handler(request)
             except HTTPError as exc:
                 response = error(exc.status, str(exc), exc.headers)
-            except (BadRequest, RepositoryError) as exc:
+            except BadRequest as exc:  # RepositoryError too
                 response = error(exc.status, str(exc))
             except ClientDisconnect:  # the client went away mid-upload: its event, not our error
                 log.debug("%s %s: the client disconnected before its request arrived", request.method,

@@ -33,9 +33,11 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from serving.batcher import Batcher
+from serving.codec import BadRequest
 from serving.loader import (
     LoadedModel,
     ModelInfo,
@@ -53,12 +55,9 @@ READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVA
 HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")  # printable ASCII: safe in a response header
 
 
-class RepositoryError(Exception):
-    """A model a client named that this server cannot find, load or unload; `status` is the HTTP answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+class RepositoryError(BadRequest):
+    """A model a client named that this server cannot find, load or unload; `status` is the HTTP answer
+    (a client's mistake like any other BadRequest: answered as one over HTTP and gRPC)."""
 
 
 # ---- where models come from ---------------------------------------------------------------------
@@ -70,9 +69,9 @@ class Source:
     name: str | None = None  # NAME= given (or the repository's directory name); else resolved when loaded
     version: str | None = None  # a repository version directory's number
 
-    @property
+    @cached_property
     def alias(self) -> str | None:
-        """The models:/name@alias this source follows, if it is one."""
+        """The models:/name@alias this source follows, if it is one (read per request: parsed once)."""
         return self.uri if check_source(self.uri) == "alias" else None
 
 
@@ -405,9 +404,10 @@ class Repository:
         return opened
 
     def start(self) -> None:
-        """Start every batcher (on the running loop)."""
+        """Start the batchers not started yet (on the running loop); one whose loop died stays down, so that
+        readiness keeps saying so."""
         for _, slot in self.slots():
-            if not slot.batcher.alive:
+            if not slot.batcher.started:
                 slot.batcher.start()
 
     # ---- while serving ----

@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 import serving
 from serving.codec import BadRequest
 from serving.grpc import codec, schema
-from serving.repository import RepositoryError, version_key
+from serving.repository import version_key
 
 log = logging.getLogger("serving.grpc")
 
@@ -54,7 +54,7 @@ def refusal(exc: Exception) -> Refused:
 
     if isinstance(exc, Refused):
         return exc
-    if isinstance(exc, (HTTPError, BadRequest, RepositoryError)):
+    if isinstance(exc, (HTTPError, BadRequest)):  # RepositoryError is a BadRequest
         return Refused(STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
     return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
