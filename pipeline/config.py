@@ -16,12 +16,11 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.errors import ConfigError  # noqa: F401 - raised here, defined with the others
+from pipeline.tasks import TASKS, task_class
+
 
 DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
-
-
-class ConfigError(ValueError):
-    """A configuration the user has to fix; the message says what and how."""
 
 
 class Section(BaseModel):
@@ -106,9 +105,14 @@ class MetricConfig(ComponentConfig):
 
 
 class TaskConfig(Section):
-    name: Literal["classification", "regression", "custom"] = Field(
-        "classification", description="classification (cross-entropy; accuracy, top-k; outputs logits, probabilities), "
-                                      "regression (MSE; RMSE, MAE, R2; output prediction), or custom (task.loss, task.metric; the model's tensor as output).")
+    name: str = Field(
+        "classification", description="The task (pipeline/tasks): classification (cross-entropy; accuracy, top-k; exports "
+                                      "the model's outputs and probabilities), regression (MSE; RMSE, MAE, R2), "
+                                      "segmentation (per-pixel cross-entropy; mean IoU, pixel accuracy; N x C x H x W "
+                                      "logits), or custom (task.loss, task.metric on the outputs and targets as they are).")
+    output: str = Field("", description="The model output that carries the prediction, when the model returns several "
+                                        "(a dict key, a ModelOutput field, output_<i> of a tuple); empty = the only one, "
+                                        "else `logits` for the tasks that predict classes.")
     loss: LossConfig | None = Field(
         None, description="A loss component (outputs, target) -> scalar: required for custom, replaces the built-in loss otherwise.")
     metric: MetricConfig | None = Field(
@@ -116,18 +120,18 @@ class TaskConfig(Section):
     metric_mode: Literal["max", "min"] | None = Field(None, description="custom only: whether a larger metric is better (max) or a smaller one (min).")
     top_k: int = Field(5, ge=2, description="classification: also report top-k accuracy when k is below the number of classes.")
 
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in TASKS:
+            close = difflib.get_close_matches(value, list(TASKS), n=1)
+            raise ValueError(f"'{value}' is not a task; choose one of {', '.join(TASKS)}"
+                             + (f" (did you mean '{close[0]}'?)" if close else ""))
+        return value
+
     @model_validator(mode="after")
-    def _custom_needs_its_parts(self) -> "TaskConfig":
-        if self.name == "custom":
-            missing = [k for k in ("loss", "metric", "metric_mode") if getattr(self, k) is None]
-            if missing:
-                raise ValueError(f"task.name=custom needs {', '.join('task.' + k for k in missing)}: a loss component, "
-                                 "a metric component and whether the metric is better high (max) or low (min)")
-        else:
-            given = [k for k in ("metric", "metric_mode") if getattr(self, k) is not None]
-            if given:
-                raise ValueError(f"{', '.join('task.' + k for k in given)} only apply to task.name=custom; "
-                                 f"{self.name} has its own metrics (set task.name=custom to use yours)")
+    def _task_rules(self) -> "TaskConfig":
+        task_class(self.name).check_config(self)  # each task's own cross-field rules
         return self
 
 

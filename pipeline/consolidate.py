@@ -52,6 +52,7 @@ from pipeline.components.run_dir import pid_alive
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
 from pipeline.components.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
+from pipeline.errors import ConsolidateError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,6 @@ ARTIFACT_PATH = "consolidated"
 # allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
 FINITE_BLOCK = 1 << 20
 OUTPUTS = Path(DEFAULT_OUTPUT_DIR)  # where --run-id downloads and writes
-
-
-class ConsolidateError(RuntimeError):
-    """Consolidation can't go on; the message says what is wrong and how to fix it."""
 
 
 def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run_id: str | None = None,
@@ -158,7 +155,7 @@ def default_output_dir(ckpt: Path, downloaded_run_id: str | None) -> Path:
 
 
 def _download(run_id: str, latest: bool) -> Path:
-    from pipeline.components.tracking import download_checkpoint
+    from pipeline.components.checkpoint_store import download_checkpoint
 
     return download_checkpoint(run_id, OUTPUTS / "downloaded", latest)
 

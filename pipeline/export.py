@@ -36,41 +36,23 @@ import numpy as np
 import torch
 
 from pipeline.components import gates, onnx_export, promotion, tracking
-from pipeline.components.build import ModelSpec, build_data, instantiate_model
-from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import DataError, Splits, first_batch, named
-from pipeline.components.reference import ArtifactSource, short_name
+from pipeline.components.rebuild import gate_file, rebuild, run_gates
+from pipeline.components.reference import short_name
 from pipeline.components.safetensors_writer import file_sha256
-from pipeline.components.tasks import build_task
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
+from pipeline.components.weights import META_FILE, Weights, read_weights
+from pipeline.errors import WeightsError
 
 log = logging.getLogger("pipeline.export")
 
-WEIGHTS_FORMAT = "trainserve-weights/2"
 REPORT_FORMAT = "trainserve-export-report/1"
-WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 STAGE_TAG = "trainserve.stage.export"
 DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
-
-
-class WeightsError(ValueError):
-    """The consolidated weights can't be used; the message says what is wrong and what was expected."""
-
-
-@dataclass
-class Weights:
-    directory: Path
-    meta: dict[str, Any]
-    config: Config
-    state_dict: dict[str, torch.Tensor]
-
-    @property
-    def source(self) -> dict[str, Any]:
-        return self.meta.get("source") or {}
 
 
 @dataclass
@@ -115,21 +97,15 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 2. The reference PyTorch model, its task, and the validation split it is judged on, all rebuilt
     #    from the components model.json records (once trusted).
-    source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
-    hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
-    reference = load_model(weights, source, hint)
-    splits = build_data(weights.config.data, weights.config.task.name, source, hint)
-    check_inputs(weights, splits)
-    task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
-    head = onnx_export.ExportHead(reference, task, splits.input_names, splits.single_input)
+    ref = rebuild(weights, trusted)
+    task, splits = ref.task, ref.splits
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
     log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
         **lineage_metadata(weights), "trainserve.opset": str(cfg.opset)})
-    copy = onnx_export.ExportHead(load_model(weights, source, hint), task, splits.input_names, splits.single_input)
-    exported = onnx_export.export(copy, example, task.output_names, cfg.dynamic_axes, cfg.opset, metadata)
+    exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata)
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"
     _save(exported.model, onnx_path)
@@ -137,13 +113,12 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
-    batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
+    batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
-    results.update(_gate(gates.session(onnx_path), head, splits, task, batches, cfg))
+    results.update(run_gates(gates.session(onnx_path), ref, batches, cfg))
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
-        results.update({f"cuda.{k}": v for k, v in _gate(cuda_sess, head, splits, task, batches, cfg,
-                                                          provider=CUDA).items()})
+        results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
     providers = {CPU: "gated", CUDA: f"gated with {_cuda_options()}" if cuda_sess is not None else
                  f"not gated: {not_on_cuda}"}
     variants: dict[str, Path] = {}
@@ -151,14 +126,14 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         variants["optimized"] = gates.ort_optimize(onnx_path, out / "model.optimized.onnx")
         results["optimized.checker"] = gates.check_model(variants["optimized"])
         sess = gates.session(variants["optimized"])
-        results.update({f"optimized.{k}": v for k, v in _gate(sess, head, splits, task, batches, cfg).items()})
+        results.update({f"optimized.{k}": v for k, v in run_gates(sess, ref, batches, cfg).items()})
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
         _save(gates.to_fp16(exported.model), variants["fp16"])
-        results.update(_fp16_gates(variants["fp16"], head, splits, task, batches, cfg, cuda_sess is not None))
+        results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
 
     # 5. Report, MLflow, registry.
-    report = _report(weights, cfg, name, exported, results, variants, task, splits)
+    report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
     report["providers"] = providers
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
@@ -186,30 +161,7 @@ def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> d
     """The gates of an export, run again on an ONNX file against the weights it was exported from
     (with the export settings those weights recorded): `pipeline verify` on a registered model."""
     weights = read_weights(Path(weights_dir))
-    cfg = weights.config.export
-    source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
-    hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
-    splits = build_data(weights.config.data, weights.config.task.name, source, hint)
-    check_inputs(weights, splits)
-    task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
-    head = onnx_export.ExportHead(load_model(weights, source, hint), task, splits.input_names, splits.single_input)
-    batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
-    results = {"checker": gates.check_model(onnx_path), **axes_failed}
-    return results | _gate(gates.session(onnx_path), head, splits, task, batches, cfg)
-
-
-def _gate(sess, head, splits: Splits, task, batches, cfg: ExportConfig, provider: str = "CPUExecutionProvider",
-          **limits) -> dict[str, dict]:
-    """Parity on the prepared batches, then parity and the task's metric over the whole split, each gate
-    recording the provider it ran on; a single failed `provider` gate if `sess` does not run on `provider`."""
-    check = gates.provider_gate(sess, provider)
-    if not check["passed"]:
-        return {"provider": check}
-    atol, rtol = limits.pop("atol", cfg.atol), limits.pop("rtol", cfg.rtol)
-    tolerance = limits.pop("tolerance", cfg.accuracy_tolerance_pp if task.name == "classification" else cfg.metric_rtol)
-    results = gates.parity(sess, head, batches, task.output_names, atol, rtol, **limits)
-    results.update(gates.validation(sess, head, splits.val, task, atol, rtol, tolerance, cfg.metric_atol, **limits))
-    return {name: {**gate, "provider": check["provider"]} for name, gate in results.items()}
+    return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
 
 
 def describe_source(source: dict) -> str:
@@ -226,83 +178,8 @@ def default_model_name(weights: "Weights") -> str:
     return f"{short_name(weights.meta['model']['component'])}-{short_name(weights.config.data.component)}"
 
 
-def check_inputs(weights: "Weights", splits: Splits) -> None:
-    """The data the export is gated on has the inputs the model was trained on."""
-    trained = [(i["name"], i["dtype"]) for i in weights.meta.get("inputs") or []]
-    now = [(s.name, str(s.dtype).removeprefix("torch.")) for s in splits.inputs]
-    if trained and trained != now:
-        raise DataError(f"the validation data now gives inputs {now}, but the model was trained on {trained} "
-                        f"(see {weights.directory / META_FILE}); export with the data it was trained on")
-
-
 # ---------------------------------------------------------------------------------------------
 # Input
-
-
-def read_weights(directory: Path) -> Weights:
-    """Reads and checks model.json + model.safetensors (format, checksum, config); loads tensors safely."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    meta_path, weights_path = directory / META_FILE, directory / WEIGHTS_FILE
-    missing = [p.name for p in (weights_path, meta_path) if not p.is_file()]
-    if missing:
-        raise WeightsError(f"{directory}: missing {', '.join(missing)}; expected the output of "
-                           "`pipeline consolidate` (model.safetensors and model.json)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise WeightsError(f"{meta_path}: not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != WEIGHTS_FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}"
-                           + ("; consolidate the checkpoint again with this trainserve" if got else ""))
-    absent = [k for k in ("config", "model", "sha256") if not meta.get(k)]
-    model = meta.get("model")
-    if not absent and not (isinstance(model, dict) and isinstance(model.get("component"), str)
-                           and isinstance(model.get("args"), dict)):
-        absent = ["model {component, args}"]
-    if absent:
-        raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
-    digest = file_sha256(weights_path)
-    if digest != meta["sha256"]:
-        raise WeightsError(f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
-                           "the file was changed or truncated after consolidation")
-    config = config_from_dict(meta["config"])
-    try:
-        state_dict = load_file(str(weights_path))
-    except (SafetensorError, OSError) as exc:
-        raise WeightsError(f"{weights_path}: cannot be read as safetensors ({exc})") from None
-    labels, classes = meta.get("labels"), (meta.get("task") or {}).get("num_classes")
-    if labels is not None and classes is not None and len(labels) != classes:
-        raise WeightsError(f"{meta_path}: {len(labels)} labels for a model with {classes} classes")
-    return Weights(directory, meta, config, state_dict)
-
-
-def load_model(weights: Weights, source: ArtifactSource | None = None, missing_hint: str = "") -> torch.nn.Module:
-    """The model rebuilt from its recorded component and args, with the weights checked key by key and
-    shape by shape."""
-    spec = ModelSpec(**weights.meta["model"])
-    model = instantiate_model(spec, source, missing_hint)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in weights.state_dict.items()}
-    problems = [f"missing {k} {list(s)}" for k, s in expected.items() if k not in got]
-    problems += [f"unexpected {k} {list(s)}" for k, s in got.items() if k not in expected]
-    problems += [f"{k}: file {list(got[k])}, model {list(s)}" for k, s in expected.items() if k in got and got[k] != s]
-    if problems:
-        shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
-                           f"({spec.component} with args {_brief(spec.args)}): {shown}")
-    # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
-    # the graph and its gates run at the precision the model was defined in.
-    own = model.state_dict()
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True)
-    return model.eval()
-
-
-def _brief(args: dict) -> str:
-    text = json.dumps(args)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _download_weights(run_id: str) -> Path:
@@ -345,7 +222,7 @@ def _save(model, path: Path) -> None:
     onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
 
 
-def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
+def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
     """fp16 runs where it is meant to: the CUDA provider (the server's options) when it runs here; else the CPU
     provider, which runs fp16 nodes through casts to fp32 (so that gate mostly checks the conversion)."""
     res = {"fp16.checker": gates.check_model(path)}
@@ -357,13 +234,7 @@ def _fp16_gates(path: Path, head, splits: Splits, task, batches, cfg: ExportConf
         res["fp16.parity"] = {"passed": False, "provider": provider,
                               "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}"}
         return res
-    limits: dict[str, Any] = {"atol": cfg.atol * gates.FP16_LOGIT_SCALE[0], "rtol": cfg.rtol * gates.FP16_LOGIT_SCALE[1]}
-    if task.name == "classification":  # probabilities and decisions carry the gate
-        limits |= {"prob_atol": gates.FP16_PROB_ATOL, "min_agreement": gates.FP16_MIN_AGREEMENT,
-                   "tolerance": max(cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP)}
-    else:
-        limits["tolerance"] = max(cfg.metric_rtol, gates.FP16_METRIC_RTOL)
-    gated = _gate(sess, head, splits, task, batches, cfg, provider=provider, **limits)
+    gated = run_gates(sess, ref, batches, cfg, provider=provider, fp16=True)
     return res | {f"fp16.{k}": v for k, v in gated.items()}
 
 
@@ -403,7 +274,7 @@ def _cuda_session(path: Path):
 
 
 def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: dict, variants: dict, task,
-            splits: Splits) -> dict:
+            splits: Splits, output_names: list[str]) -> dict:
     failed = [k for k, v in results.items() if not v["passed"]]
     return {
         "format": REPORT_FORMAT,
@@ -416,7 +287,7 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
                      "opset": cfg.opset, "seconds": round(exported.seconds, 2), "torch": torch.__version__},
         "task": task.facts(),
         "inputs": [s.to_json() for s in splits.inputs],
-        "outputs": list(task.output_names),
+        "outputs": list(output_names),
         "dynamic_axes": cfg.dynamic_axes,
         "gates": results,
         "variants": {k: str(v) for k, v in variants.items()},

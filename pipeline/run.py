@@ -29,12 +29,9 @@ from pipeline.tools import logs, stopping
 from pipeline.tools.files import StateFileError, read_json, write_atomically
 from pipeline.components.build import component_references, preflight
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
+from pipeline.errors import ServeCheckError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger("pipeline.run")
-
-
-class ServeCheckError(RuntimeError):
-    """The freshly started server did not come up, or did not answer the sample request."""
 
 
 def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check: bool = False,
@@ -228,23 +225,15 @@ class ServeSample:
     def prepare(cls, data_cfg, task_cfg, export_cfg, weights_dir: Path, trusted: list[str]) -> "ServeSample":
         """The first validation sample, and the PyTorch model's answer (rebuilt from model.json, whose
         components are imported when they are the config's own or otherwise trusted)."""
-        from pipeline import export
         from pipeline.components import gates
-        from pipeline.components.build import build_data
         from pipeline.components.data import first_batch
-        from pipeline.components.onnx_export import ExportHead
-        from pipeline.components.reference import ArtifactSource
-        from pipeline.components.tasks import build_task
+        from pipeline.components.rebuild import rebuild
+        from pipeline.components.weights import read_weights
 
-        weights = export.read_weights(weights_dir)
-        splits = build_data(data_cfg, task_cfg.name)
-        task = build_task(task_cfg, splits.classes, recorded=weights.meta.get("task"))
-        model = export.load_model(weights, ArtifactSource(str(weights_dir / "model.json"), tuple(trusted)))
-        head = ExportHead(model, task, splits.input_names, splits.single_input)
-        inputs, target = first_batch(splits.val, 1)
+        ref = rebuild(read_weights(weights_dir), trusted, data_cfg, task_cfg)
+        inputs, target = first_batch(ref.splits.val, 1)
         feeds = gates.feeds_of(inputs)
-        return cls(feeds, target, gates.run_torch(head, feeds, task.output_names), task, export_cfg.atol,
-                   export_cfg.rtol)
+        return cls(feeds, target, gates.run_torch(ref.head, feeds), ref.task, export_cfg.atol, export_cfg.rtol)
 
     def check(self, base: str, name: str) -> bool:
         """One Open Inference Protocol request with every named input; prints what came back."""
@@ -258,34 +247,20 @@ class ServeSample:
         response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
         if response.status_code != 200:
             raise ServeCheckError(f"the sample request got HTTP {response.status_code}: {response.text[:500]}")
-        answer = {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"])
+        answer = {o["name"]: np.asarray(o["data"], dtype=self.expected[o["name"]].dtype).reshape(o["shape"])
                   for o in response.json()["outputs"]}
-        parity = gates.compare(answer, self.expected, self.atol, self.rtol)
+        parity = gates.compare(answer, self.expected, self.atol, self.rtol, derived=self.task.derived,
+                               decision=self.task.decision)
         print(f"sample request: {self._verdict(answer)}\n"
               f"  the server's answer {'equals' if parity['passed'] else 'DIFFERS FROM'} the PyTorch model's "
               f"({parity['message']})\n  POST {base}/v2/models/{name}/infer", flush=True)
         return parity["passed"]
 
     def _verdict(self, answer) -> str:
-        task = self.task
-        if task.name == "classification":
-            probabilities = answer["probabilities"][0]
-            label, predicted = int(self.target[0]), int(probabilities.argmax())
-            return (f"a real '{task.labels[label]}' from the validation split -> predicted '{task.labels[predicted]}' "
-                    f"(p={probabilities[predicted]:.3f}), {'correct' if predicted == label else 'WRONG'}")
-        output = task.output_names[0]
-        return (f"a real validation sample (target {_values(self.target[0])}) -> {output} {_values(answer[output][0])}")
+        return self.task.describe(answer, self.target)
 
 
 V2_DATATYPES = {np.dtype(t): name for name, t in V2_DTYPES.items()}  # numpy dtype -> KServe V2 datatype
-
-
-def _values(value) -> str:
-    import numpy as np
-
-    flat = np.asarray(value, dtype=np.float64).reshape(-1)
-    shown = ", ".join(f"{v:.4g}" for v in flat[:4]) + (", ..." if len(flat) > 4 else "")
-    return shown if len(flat) == 1 else f"[{shown}]"
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -17,12 +17,9 @@ from pathlib import Path
 
 from pipeline.tools import logs
 from pipeline.tools.logs import first_line
+from pipeline.errors import TraceError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger("pipeline.trace")
-
-
-class TraceError(RuntimeError):
-    """The request can't be found, or the log can't be read."""
 
 
 def find_request(log_dir: Path, request_id: str) -> dict:

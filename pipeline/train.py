@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
-from pipeline.components import amp, checkpoint, tracking
+from pipeline.components import amp, checkpoint, checkpoint_store, tracking
 from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
 from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
                                        probe, state_manifest)
@@ -37,9 +37,9 @@ from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader
                                       make_train_loader, rescale_loader_state, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.components.reference import short_name
-from pipeline.components.tasks import build_task
+from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
-from pipeline.distributed import DistInfo, replicas
+from pipeline.distributed import DistInfo, launch, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import stopping
@@ -101,7 +101,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         scaler = amp.grad_scaler(precision, info.device)
 
         step, epoch, run_id = 0, 0, read_run_id(run_dir)
-        resume_path = checkpoint.resolve_resume(resume, ckpt_root, info) if resume else None
+        resume_path = checkpoint_store.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info)
@@ -352,7 +352,7 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
     total = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, (inputs, target) in enumerate(micro_batches):
         inputs = to_device(inputs, info.device, channels_last)
-        target = target.to(info.device, non_blocking=True)
+        target = to_device(target, info.device)  # a tensor, or a dict/tuple of them (custom tasks)
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
         with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
             loss = loss_fn(forward(model, inputs), target) / accum
@@ -401,7 +401,7 @@ def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_wo
         with amp.autocast(precision, info.device):
             output = forward(model, to_device(inputs, info.device, channels_last))
         if not filler:
-            task.update(state, output.float(), target.to(info.device))
+            task.update(state, task.named(output), to_device(target, info.device))
     task.reduce(state, info)
     metrics = task.metrics(state)
     if info.is_main and step is not None:
@@ -517,9 +517,9 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
         tracking.log_artifact(figure)
     best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None
     if cfg.checkpoint.log_to_mlflow == "last":
-        tracking.log_checkpoint(final, run_id)
+        checkpoint_store.log_checkpoint(final, run_id)
         if best is not None and best != final and best.is_dir():
-            tracking.log_checkpoint(best, run_id)
+            checkpoint_store.log_checkpoint(best, run_id)
     if uploads:
         if final.name not in uploads.submitted:  # saved by an attempt that died before uploading it
             uploads.submit(final)
@@ -556,25 +556,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=0.05")
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
 def torchrun_command(nproc_per_node: int, max_restarts: int, config: str | None, resume: str | None,
                      overrides: list[str]) -> list[str]:
-    """This stage under torchrun on this machine (`--standalone`: a private rendezvous)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-           f"--max-restarts={max_restarts}", "-m", "pipeline.train"]
-    if config:
-        cmd += ["--config", config]
-    if resume:
-        cmd += ["--resume", resume]
-    return cmd + list(overrides)
-
-
-def torchrun_env() -> dict[str, str]:
-    # torchrun sets OMP_NUM_THREADS=1 with a warning; we set each rank's threads ourselves anyway.
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    """This stage under torchrun on this machine."""
+    arguments = (["--config", config] if config else []) + (["--resume", resume] if resume else [])
+    return launch.torchrun_command("pipeline.train", nproc_per_node, max_restarts, [*arguments, *overrides])
 
 
 def launch_torchrun(args, cfg: Config) -> int:
@@ -590,18 +576,7 @@ def launch_torchrun(args, cfg: Config) -> int:
 def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
     """torchrun's exit code. When it failed, also closes an MLflow run that rank 0 left RUNNING:
     a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
-    import subprocess
-
-    torchrun = subprocess.Popen(cmd, env=torchrun_env())
-    # docker stop / a scheduler's SIGTERM reaches only this launcher: pass it on, so torchrun stops
-    # the workers gracefully (each closes its run) rather than losing them with this process.
-    previous = signal.signal(signal.SIGTERM, lambda *_: torchrun.send_signal(signal.SIGTERM))
-    try:
-        code = torchrun.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached torchrun too (same process group): let it finish
-        code = torchrun.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = launch.run_torchrun(cmd)
     run_id = read_run_id(run_dir) if code else None
     if run_id:
         try:
@@ -616,10 +591,10 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
 
 def cli(args) -> int:
     rank = os.environ.get("RANK", "0")
-    prefix = f"pipeline train: [rank{rank}] error:" if rank != "0" or under_torchrun() else "pipeline train: error:"
+    prefix = f"pipeline train: [rank{rank}] error:" if rank != "0" or launch.under_torchrun() else "pipeline train: error:"
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.nproc_per_node and not under_torchrun():
+        if args.nproc_per_node and not launch.under_torchrun():
             # Fail before spawning: one clear line instead of one per rank and torchrun's report.
             check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available(), args.nproc_per_node)
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))

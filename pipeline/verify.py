@@ -29,12 +29,9 @@ from pathlib import Path
 
 from pipeline.tools import logs
 from pipeline.tools.logs import first_line
+from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger("pipeline.verify")
-
-
-class VerifyError(RuntimeError):
-    """The model URI or the store can't be used at all (not a broken link: bad input)."""
 
 
 @dataclass

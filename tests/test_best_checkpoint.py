@@ -10,7 +10,8 @@ import pytest
 
 from conftest import TINY, only_run, run_cli
 from pipeline.components.monitor import Monitor, build_monitor
-from pipeline.components.tasks import Classification, Regression
+from pipeline.tasks.classification import Classification
+from pipeline.tasks.regression import Regression
 from pipeline.config import CheckpointConfig, ConfigError, TrainConfig
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.components import checkpoint
+from pipeline.components import checkpoint, checkpoint_store
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
 
@@ -177,11 +177,11 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
     ckpt = save_one(tmp_path / "run/checkpoints", 4)
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(ckpt), f"checkpoints/{ckpt.name}")
-    found = checkpoint.resolve_resume(run.info.run_id, tmp_path / "new/checkpoints", CPU1)
+    found = checkpoint_store.resolve_resume(run.info.run_id, tmp_path / "new/checkpoints", CPU1)
     assert found.name == "step_00000004" and found != ckpt
     checkpoint.load(found, instantiate_model(SPEC), None, CPU1)
     with pytest.raises(CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"):
-        checkpoint.resolve_resume("no-such-thing", tmp_path, CPU1)
+        checkpoint_store.resolve_resume("no-such-thing", tmp_path, CPU1)
 
 
 @pytest.mark.slow

@@ -16,10 +16,13 @@ from pipeline import cli
 from pipeline.components import gates, onnx_export
 from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
 from pipeline.components.safetensors_writer import file_sha256 as sha256_file
-from pipeline.components.tasks import Classification, Regression, build_task
+from pipeline.tasks import build_task
+from pipeline.tasks.classification import Classification
+from pipeline.tasks.regression import Regression
 from pipeline.components.tracking import free_port
 from pipeline.config import load_config
-from pipeline.export import ExportResult, load_model, main, read_weights
+from pipeline.components.weights import load_model, read_weights
+from pipeline.export import ExportResult, main
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
@@ -140,7 +143,7 @@ def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):
     for size in (1, 33, 64, 100):
         feeds = {"input": val_x[np.arange(size) % len(val_x)]}
         got = gates.run_onnx(sess, feeds)
-        out = gates.compare(got, gates.run_torch(head, feeds, head.task.output_names), atol=1e-4, rtol=1e-3)
+        out = gates.compare(got, gates.run_torch(head, feeds), atol=1e-4, rtol=1e-3)
         assert out["passed"], (size, out["message"])
         # Probabilities come from the softmax inside the graph.
         assert np.allclose(got["probabilities"].sum(1), 1.0, atol=1e-5)
@@ -178,8 +181,8 @@ def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
         reference.fc.weight.add_(0.05 * torch.randn_like(reference.fc.weight, generator=torch.Generator().manual_seed(1)))
     head = head_of(reference)
     sess = gates.session(exported.onnx_path)
-    batches, _ = gates.parity_batches(trained["splits"].val, {}, head, head.task.output_names)
-    results = gates.parity(sess, head, batches, head.task.output_names, atol=1e-4, rtol=1e-3)
+    batches, _ = gates.parity_batches(trained["splits"].val, {}, head)
+    results = gates.parity(sess, head, batches, head.task, atol=1e-4, rtol=1e-3)
     assert not any(g["passed"] for g in results.values())
     assert "max_abs" in results["parity.b7"]["message"] and "exceeds atol" in results["parity.b7"]["message"]
     assert results["parity.b7"]["max_abs"] > 1e-3
@@ -235,7 +238,7 @@ def test_an_operator_no_exporter_handles_is_named():
 
     head = onnx_export.ExportHead(Zeta(), Regression(), ["input"], True)
     with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
-        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, ("prediction",), {}, 18, {})
+        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, {}, 18, {})
 
 
 def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained):
@@ -265,8 +268,7 @@ def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(traine
     # Dynamo builds opset 18 and converts down; for 17 onnx's converter fails on this graph and
     # torch returns opset 18 anyway. That counts as a failure: the TorchScript exporter takes over.
     head = head_of(instantiate_model(trained["spec"]).eval())
-    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, ("logits", "probabilities"),
-                                  {}, 17, {})
+    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, {}, 17, {})
     assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
     assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic

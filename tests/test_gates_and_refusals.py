@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline import consolidate
-from pipeline.components import checkpoint, gates
+from pipeline.components import checkpoint, checkpoint_store, gates
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
 
@@ -44,8 +44,8 @@ def test_fp16_consolidation_refuses_values_that_overflow(tmp_path):
 
 def test_resume_latest_with_nothing_to_resume_says_so(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint under .*train.run_name"):
-        checkpoint.resolve_resume("latest", tmp_path / "outputs/new-run/checkpoints", CPU1)
-    assert checkpoint.resolve_resume("auto", tmp_path / "outputs/new-run/checkpoints", CPU1) is None
+        checkpoint_store.resolve_resume("latest", tmp_path / "outputs/new-run/checkpoints", CPU1)
+    assert checkpoint_store.resolve_resume("auto", tmp_path / "outputs/new-run/checkpoints", CPU1) is None
 
 
 class Rows(torch.utils.data.Dataset):
@@ -65,7 +65,7 @@ def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
     """A weight of fixed length 16 along the 'dynamic' axis: the exporter may still mark it dynamic, but
     no other length can run, so the gate must fail instead of there being no gate at all."""
     from pipeline.components.onnx_export import ExportHead
-    from pipeline.components.tasks import Regression
+    from pipeline.tasks.regression import Regression
 
     class FixedLength(torch.nn.Module):
         def __init__(self):
@@ -82,7 +82,7 @@ def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
     val = Rows(torch.rand(10, 16), torch.rand(10))
     for model, failed_gate in ((FixedLength(), True), (AnyLength(), False)):
         head = ExportHead(model, Regression(), ["input"], True)
-        batches, failed = gates.parity_batches(val, {"input": [1]}, head, ("prediction",))
+        batches, failed = gates.parity_batches(val, {"input": [1]}, head)
         lengths = sorted(k for k in batches if k.startswith("input_1.len"))
         if failed_gate:
             assert lengths == [] and not failed["parity.input_1"]["passed"]
@@ -94,9 +94,9 @@ def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
 
 
 def test_the_metric_gate_has_an_absolute_floor_for_a_metric_near_zero():
-    from pipeline.components.tasks import Custom
+    from pipeline.tasks.custom import Custom
 
     task = Custom(lambda o, t: (o - t).abs().mean(), lambda o, t: {"mae": 0.0}, "min", "mae")
-    assert gates.metric_gate(task, {"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=1e-6)["passed"]
-    assert not gates.metric_gate(task, {"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=0.0)["passed"]
-    assert not gates.metric_gate(task, {"mae": 2.0}, {"mae": 1.0}, tolerance=1e-3, atol=1e-6)["passed"]
+    assert task.metric_gate({"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=1e-6)["passed"]
+    assert not task.metric_gate({"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=0.0)["passed"]
+    assert not task.metric_gate({"mae": 2.0}, {"mae": 1.0}, tolerance=1e-3, atol=1e-6)["passed"]

@@ -297,7 +297,7 @@ def mean_export(tmp_path):
     """x.mean(1) as a PyTorch head and as a hand-made ONNX graph, on 20 validation rows."""
     from pipeline.components import gates
     from pipeline.components.onnx_export import ExportHead
-    from pipeline.components.tasks import Regression
+    from pipeline.tasks.regression import Regression
     from pipeline.config import ExportConfig
 
     graph = helper.make_graph([helper.make_node("ReduceMean", ["input"], ["prediction"], axes=[1], keepdims=0)],
@@ -310,17 +310,17 @@ def mean_export(tmp_path):
     val = torch.utils.data.TensorDataset(x, x.mean(1))  # (inputs, target) pairs
     task = Regression()
     head = ExportHead(Mean(), task, ["input"], True)
-    batches, _ = gates.parity_batches(val, {}, head, task.output_names, sizes=(1, 7))
-    return SimpleNamespace(path=path, model=model, head=head, task=task, batches=batches,
-                           splits=SimpleNamespace(val=val), cfg=ExportConfig())
+    batches, _ = gates.parity_batches(val, {}, head, sizes=(1, 7))
+    ref = SimpleNamespace(head=head, task=task, splits=SimpleNamespace(val=val))  # what rebuild() gives export
+    return SimpleNamespace(path=path, model=model, ref=ref, batches=batches, cfg=ExportConfig())
 
 
 def test_every_gate_records_the_provider_it_ran_on(mean_export):
-    from pipeline import export
     from pipeline.components import gates
+    from pipeline.components.rebuild import run_gates
 
     e = mean_export
-    results = export._gate(gates.session(e.path), e.head, e.splits, e.task, e.batches, e.cfg)
+    results = run_gates(gates.session(e.path), e.ref, e.batches, e.cfg)
     assert set(results) == {"parity.b1", "parity.b7", "parity.val", "rmse"}
     assert all(g["passed"] and g["provider"] == CPU for g in results.values()), results
 
@@ -331,12 +331,13 @@ def test_a_gate_asked_for_cuda_that_onnxruntime_ran_on_the_cpu_fails_naming_it(m
     the gate measured the CPU and called it CUDA."""
     from pipeline import export
     from pipeline.components import gates
+    from pipeline.components.rebuild import run_gates
 
     e = mean_export
     if CUDA not in ort.get_available_providers():
         pytest.skip("this onnxruntime has no CUDA provider")
     sess = gates.session(e.path, [(CUDA, export._cuda_options()), CPU])
-    results = export._gate(sess, e.head, e.splits, e.task, e.batches, e.cfg, provider=CUDA)
+    results = run_gates(sess, e.ref, e.batches, e.cfg, provider=CUDA)
     assert list(results) == ["provider"] and not results["provider"]["passed"]
     assert results["provider"]["provider"] == CPU
     assert "asked for CUDAExecutionProvider, but onnxruntime created the session on CPUExecutionProvider" \
@@ -351,11 +352,11 @@ def test_fp16_gate_asserts_and_records_its_provider(mean_export, tmp_path):
     e = mean_export
     fp16 = tmp_path / "mean.fp16.onnx"
     onnx.save(gates.to_fp16(e.model), str(fp16))
-    on_cpu = export._fp16_gates(fp16, e.head, e.splits, e.task, e.batches, e.cfg, on_cuda=False)
+    on_cpu = export._fp16_gates(fp16, e.ref, e.batches, e.cfg, on_cuda=False)
     assert all(g["passed"] for g in on_cpu.values()), on_cpu
     assert {g["provider"] for k, g in on_cpu.items() if k != "fp16.checker"} == {CPU}
     if CUDA in ort.get_available_providers():  # asked for CUDA, ran on the CPU: fails, naming it
-        on_cuda = export._fp16_gates(fp16, e.head, e.splits, e.task, e.batches, e.cfg, on_cuda=True)
+        on_cuda = export._fp16_gates(fp16, e.ref, e.batches, e.cfg, on_cuda=True)
         assert not on_cuda["fp16.provider"]["passed"] and on_cuda["fp16.provider"]["provider"] == CPU
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pipeline import consolidate
 from pipeline.cli import main as pipeline_cli
-from pipeline.components import checkpoint
+from pipeline.components import checkpoint, checkpoint_store
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
 
@@ -90,7 +90,7 @@ def test_a_hostile_checkpoint_in_the_store_is_refused_by_run_id(planted, tmp_pat
     client.log_artifacts(run_id, str(ckpt), f"checkpoints/{ckpt.name}")
     with pytest.raises(CheckpointError, match=REFUSED):
         consolidate.main(run_id=run_id, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    found = checkpoint.resolve_resume(run_id, tmp_path / "new" / "checkpoints", CPU1)
+    found = checkpoint_store.resolve_resume(run_id, tmp_path / "new" / "checkpoints", CPU1)
     model = instantiate_model(spec)
     with pytest.raises(CheckpointError, match=REFUSED):
         checkpoint.load(found, model, torch.optim.SGD(model.parameters(), lr=0.1), CPU1)

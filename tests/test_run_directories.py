@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from pipeline.components import checkpoint, run_dir
+from pipeline.components import checkpoint, checkpoint_store, run_dir
 from pipeline.components.build import instantiate_model
 from pipeline.config import load_config
 from pipeline.train import default_run_name
@@ -100,7 +100,7 @@ def test_a_resume_from_an_older_step_sets_the_later_timeline_aside(tmp_path):
     client, run = only_run(tmp_path, "tiny")
     assert run.data.tags["trainserve.checkpoint"].endswith("step_00000010")
     # The run's artifacts hold step 16 (the first attempt's final upload) and step 10: a download takes 10.
-    found = checkpoint.resolve_resume(run.info.run_id, tmp_path / "elsewhere" / "checkpoints", CPU1)
+    found = checkpoint_store.resolve_resume(run.info.run_id, tmp_path / "elsewhere" / "checkpoints", CPU1)
     assert found.name == "step_00000010"
 
 

@@ -6,8 +6,9 @@ A model is rebuilt from its `ModelSpec` alone: the reference and the explicit ar
 the ones the data suggested included, recorded with every checkpoint and `model.json`.
 
 The model's arguments: `model.args`, plus, for parameters the model's callable takes and args omits,
-what the training set suggests: `num_classes` from its `classes` (classification), and its
-`model_args` dict (input sizes, normalization statistics). They must be plain values (numbers,
+what the training set suggests: what its task derives from it (`num_classes` from its `classes`,
+for any task that predicts classes, and for a factory that takes `**kwargs` as timm's `create_model`
+does), and its `model_args` dict (input sizes, normalization statistics). They must be plain values (numbers,
 strings, lists, dicts): they travel as JSON, and the model is built from the JSON form, so training
 and every rebuild see the same values.
 """
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from pipeline.components.data import Splits, check_splits, first_batch, forward
-from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve
-from pipeline.components.tasks import TaskError, build_task
+from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve, takes_kwargs
+from pipeline.tasks import build_task, task_class
+from pipeline.tasks.base import TaskError
 from pipeline.config import ConfigError
 from pipeline.config import DataConfig, ExportConfig, ModelConfig, TaskConfig, TrainConfig
 from pipeline.distributed.parallelize import fsdp_units
@@ -57,17 +59,18 @@ def build_data(data_cfg: DataConfig, task_name: str, source: ArtifactSource | No
     """`source`: the artifact the config was read back from, if it was (see reference.py on trust)."""
     fn = resolve("data", data_cfg.component, missing_hint, source)
     returned = call("data", data_cfg.component, fn, data_cfg.args)
-    return check_splits(returned, data_cfg.component, task_name)
+    return check_splits(returned, data_cfg.component, task_class(task_name))
 
 
 def model_spec(model_cfg: ModelConfig, splits: Splits, task) -> tuple[ModelSpec, dict[str, Any]]:
     """The model's explicit arguments: model.args, plus what the data suggests for parameters the
     callable takes and args omits; and which ones came from the data."""
     fn = resolve("model", model_cfg.component)
-    suggested = dict(splits.model_hints)
-    if task.name == "classification" and splits.classes:
-        suggested["num_classes"] = len(splits.classes)
+    from_task = task.suggest(splits.classes)
+    suggested = {**splits.model_hints, **from_task}
     accepted = accepted_parameters(fn)
+    if takes_kwargs(fn):  # a factory such as timm.create_model(name, **kwargs) passes num_classes on
+        accepted |= set(from_task)
     from_data = {k: v for k, v in suggested.items() if k in accepted and k not in model_cfg.args}
     args = plain_args({**from_data, **model_cfg.args})
     return ModelSpec(model_cfg.component, args), from_data
@@ -113,8 +116,8 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
         with torch.no_grad():
             output = forward(model, inputs)
             task.check_output(output, target, where)
-            loss = task.loss(output.float(), target)
-            task.check_metric(output.float(), target, where)
+            loss = task.loss(output, target)
+            task.check_metric(output, target, where)
     except TaskError:
         raise
     except Exception as exc:
@@ -131,6 +134,10 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
         model.train(was_training)
     if not torch.is_tensor(loss) or loss.dim() != 0 or not torch.isfinite(loss):
         raise TaskError(f"{where}: the loss is {loss!r}, not a finite scalar")
+    clash = sorted(set(task.output_names) & set(splits.input_names))
+    if clash:
+        raise TaskError(f"{where}: '{clash[0]}' names both an input and an output of the model; the exported graph "
+                        "and the server need them apart: rename the input in the data or the output in the model")
 
 
 def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig, train_cfg: TrainConfig,

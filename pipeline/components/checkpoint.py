@@ -51,9 +51,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from pipeline import distributed
-from pipeline.distributed import DistInfo, barrier, broadcast_object
+from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
 from pipeline.components.safetensors_writer import file_sha256
+from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,6 @@ MARKER = "COMPLETE"
 META = "trainserve.json"
 FORMAT = "trainserve-dcp/2"  # /2: components (model/data/task references, state manifest)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that can't be used; the message names the file or keys at fault."""
 
 
 def step_dir_name(step: int) -> str:
@@ -419,48 +416,3 @@ def first_failure(exc: BaseException) -> str:
         exc = exc[0] if isinstance(exc, tuple) else exc
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path | None:
-    """`latest`, a checkpoint path, a run directory, or an MLflow run id -> a complete checkpoint.
-
-    Rank 0 resolves (and downloads, for a run id); every rank gets the same answer.
-    """
-    answer: str | None = None
-    error: str | None = None
-    if info.is_main:
-        try:
-            answer = str(_resolve_on_main(resume, Path(checkpoint_root)) or "")
-        except CheckpointError as exc:
-            error = str(exc)
-    answer, error = broadcast_object((answer, error), info)
-    if error:
-        raise CheckpointError(error)
-    return Path(answer) if answer else None
-
-
-def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
-    if resume == "auto":  # after a torchrun restart: the newest, or none yet (start over)
-        return latest(checkpoint_root)
-    if resume == "latest":
-        found = latest(checkpoint_root)
-        if found is None:
-            runs = sorted(p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints"))
-            raise CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
-                                  "train.run_name=<the run to resume>" + (f" (runs here: {', '.join(runs)})" if runs else ""))
-        return found
-    p = Path(resume)
-    if p.exists():
-        if (p / MARKER).exists() or (p / ".metadata").exists():
-            verify_complete(p)
-            return p
-        found = latest(p / "checkpoints") or latest(p)
-        if found is None:
-            raise CheckpointError(f"--resume {resume}: no complete checkpoint in that directory "
-                                  "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
-        return found
-    if re.fullmatch(r"[0-9a-f]{32}", resume):
-        from pipeline.components.tracking import download_checkpoint
-
-        return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
-    raise CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")

@@ -4,7 +4,7 @@ Uploading a large checkpoint takes minutes. Done on rank 0 inside the loop it wo
 and, past the process group's 10-minute timeout, abort the job. So rank 0 snapshots each new
 checkpoint by hard links (pruning by `keep_last` may delete the original while it uploads) and one
 daemon thread uploads the snapshots in order. A rank that dies mid-upload leaves a checkpoint without
-its marker in MLflow, which `tracking.download_checkpoint` never takes for a complete one.
+its marker in MLflow, which `checkpoint_store.download_checkpoint` never takes for a complete one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from pipeline.components import tracking
+from pipeline.components import checkpoint_store
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class BackgroundUploads:
     def _upload_in_order(self) -> None:
         while (snap := self._todo.get()) is not None:
             try:
-                tracking.log_checkpoint(snap, self.run_id)
+                checkpoint_store.log_checkpoint(snap, self.run_id)
                 log.info("uploaded checkpoint %s to MLflow run %s", snap.name, self.run_id)
             except Exception as exc:  # the next checkpoint may well go up; the caller decides at the end
                 self.failed[snap.name] = f"{type(exc).__name__}: {exc}"

@@ -2,8 +2,9 @@
 
 The contract (README, "Train your own model"): `data.component(**data.args)` returns
 `{"train": Dataset, "val": Dataset}` of map-style data sets whose items are `(inputs, target)`:
-`inputs` a tensor or a dict of named tensors (any dtype), `target` an int64 class index
-(classification), a float tensor (regression), or anything the task's loss takes (custom). The
+`inputs` a tensor or a dict of named tensors (any dtype), `target` what the task takes (its
+`check_target`: an int64 class index for classification, a float tensor for regression, an H x W
+mask for segmentation, a tensor or a dict/tuple of tensors for custom). The
 training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
 the model: input sizes, normalization statistics). Data sets need not fit in memory: every stage
 reads them through a DataLoader with the default collate and `data.num_workers`.
@@ -25,12 +26,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
+
 INPUT_NAME = "input"
 EVAL_BATCH = 256
-
-
-class DataError(ValueError):
-    """Data the user pointed at is missing or malformed; the message says which and why."""
 
 
 class PreBatched(tuple):
@@ -71,8 +70,9 @@ class Splits:
 # --- the contract ------------------------------------------------------------------------------
 
 
-def check_splits(returned: Any, reference: str, task_name: str) -> Splits:
-    """What the data component returned, checked against the contract; DataError names the fault."""
+def check_splits(returned: Any, reference: str, task) -> Splits:
+    """What the data component returned, checked against the contract and the task (its class:
+    `check_data` on the classes, `check_target` on samples); DataError names the fault."""
     where = f"data.component '{reference}'"
     if not isinstance(returned, dict):
         raise DataError(f"{where} returned a {type(returned).__name__}; it must return a dict "
@@ -88,10 +88,8 @@ def check_splits(returned: Any, reference: str, task_name: str) -> Splits:
         _check_dataset(ds, f"{where} split '{split}'")
     train, val = returned["train"], returned["val"]
     classes = getattr(train, "classes", None)
+    task.check_data(classes, where)
     if classes is not None:
-        if task_name == "regression":
-            raise DataError(f"{where}: the training set has classes ({_preview(classes)}) but task.name=regression; "
-                            "set task.name=classification, or drop the data set's `classes` attribute")
         if not isinstance(classes, (list, tuple)) or not classes:
             raise DataError(f"{where}: the training set's `classes` must be a non-empty list of class names, "
                             f"got {type(classes).__name__}")
@@ -105,7 +103,7 @@ def check_splits(returned: Any, reference: str, task_name: str) -> Splits:
     for split, ds in (("train", train), ("val", val)):
         for index in sorted({0, len(ds) - 1}):
             inputs, target = _check_item(ds, index, f"{where} split '{split}' item {index}")
-            check_target(target, task_name, classes, f"{where} split '{split}' item {index}")
+            task.check_target(target, classes, f"{where} split '{split}' item {index}")
             if first_inputs is None:
                 first_inputs = inputs
             else:
@@ -149,9 +147,6 @@ def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
             if not isinstance(name, str) or not name.isidentifier():
                 raise DataError(f"{where}: input name {name!r} must be a Python identifier: dict inputs reach the "
                                 "model as keyword arguments, model(**inputs), and name the ONNX inputs")
-            if name in RESERVED_NAMES:
-                raise DataError(f"{where}: input name '{name}' is also an output name of the exported model "
-                                f"({', '.join(sorted(RESERVED_NAMES))}); rename it")
             if not torch.is_tensor(value):
                 raise DataError(f"{where}: input '{name}' is a {type(value).__name__}, not a tensor; convert it "
                                 "with torch.as_tensor(...)")
@@ -173,34 +168,6 @@ def _check_dtype(name: str, value: torch.Tensor, where: str) -> None:
                         " (train.precision=bf16 computes in bfloat16 from float32 inputs)")
 
 
-# Output names of the exported graph (tasks.py); an input may not take one of them.
-RESERVED_NAMES = {"logits", "probabilities", "prediction", "output"}
-
-
-def check_target(target: Any, task_name: str, classes: list[str] | None, where: str) -> None:
-    """The target's kind fits the task: an int64 class index, or a float tensor for regression."""
-    if task_name == "classification":
-        if isinstance(target, bool) or not (isinstance(target, int) or (
-                torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 0)):
-            got = _describe(target)
-            fix = ("; for regression targets set task.name=regression" if torch.is_tensor(target)
-                   and target.is_floating_point() else "; use torch.tensor(label, dtype=torch.long)")
-            raise DataError(f"{where}: the target is {got}; classification needs an int64 class index "
-                            f"(a 0-d torch.long tensor or an int){fix}")
-        value = int(target)
-        if value < 0 or (classes is not None and value >= len(classes)):
-            raise DataError(f"{where}: class index {value} is outside 0..{len(classes) - 1 if classes else 'N-1'}"
-                            + (f" (the training set has {len(classes)} classes)" if classes else ""))
-    elif task_name == "regression":
-        if isinstance(target, float):
-            return
-        if not (torch.is_tensor(target) and target.is_floating_point() and target.dim() <= 1):
-            fix = ("; for class indices set task.name=classification" if torch.is_tensor(target)
-                   and not target.is_floating_point() else "")
-            raise DataError(f"{where}: the target is {_describe(target)}; regression needs a float tensor "
-                            f"(0-d for one value, 1-d for several){fix}")
-
-
 def _check_same_inputs(a: Any, b: Any, where: str) -> None:
     """Every item has the same input names and dtypes (shapes may differ along dynamic axes)."""
     sig_a, sig_b = _signature(a), _signature(b)
@@ -214,28 +181,23 @@ def _signature(inputs: Any) -> dict[str, str]:
     return {k: f"{str(v.dtype).removeprefix('torch.')} ({v.dim()}-d)" for k, v in named.items()}
 
 
-def _describe(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
-    return f"a {type(value).__name__} ({value!r:.40})"
-
-
-def _preview(items) -> str:
-    items = list(items)
-    return ", ".join(map(str, items[:5])) + (" ..." if len(items) > 5 else "")
-
-
 # --- batches and the model ---------------------------------------------------------------------
 
 
 def to_device(inputs, device: torch.device, channels_last: bool = False):
-    """A batch's inputs on `device`; 4-d float inputs go NHWC when the model is channels_last, or every
-    conv would convert them."""
-    def move(t: torch.Tensor) -> torch.Tensor:
+    """A batch's inputs (or targets: a tensor, or a dict/tuple of them) on `device`; 4-d float inputs go
+    NHWC when the model is channels_last, or every conv would convert them."""
+    def move(t):
+        if isinstance(t, dict):
+            return {k: move(v) for k, v in t.items()}
+        if isinstance(t, (tuple, list)):
+            return type(t)(move(v) for v in t)
+        if not torch.is_tensor(t):
+            return t
         fmt = torch.channels_last if channels_last and t.dim() == 4 and t.is_floating_point() else torch.preserve_format
         return t.to(device, memory_format=fmt, non_blocking=True)
 
-    return {k: move(v) for k, v in inputs.items()} if isinstance(inputs, dict) else move(inputs)
+    return move(inputs)
 
 
 def forward(model: torch.nn.Module, inputs):

@@ -6,11 +6,12 @@ and `metrics(report)` flattens the numbers for MLflow. A gate never raises on a 
 measures and says by how much it missed, so the report explains every failure.
 
 Parity is measured on real validation inputs against the PyTorch model, through the same `ExportHead`
-the graph was exported from. The first output (`logits`, `prediction`, `output`) is held to an
-allclose-style limit whose relative part is taken per sample against that sample's largest magnitude:
-an element-wise ratio explodes on values that happen to sit near zero and would fail for nothing.
-For classification, `probabilities` are reported (and limited for the fp16 variant) and the decisions
-(argmax of the logits) must agree.
+the graph was exported from. Every output the model returns (each named: `logits`, `prediction`, a
+dict's keys, `output_0`...) is held to an allclose-style limit whose relative part is taken per sample
+against that sample's largest magnitude: an element-wise ratio explodes on values that happen to sit
+near zero and would fail for nothing. Outputs a task adds (`probabilities`) are reported (and limited
+for the fp16 variant), and where the task decides by an argmax over axis 1 (a class per sample or
+per pixel) the decisions must agree.
 
 The task's primary metric is computed on the whole validation split twice, through onnxruntime and
 through PyTorch, streaming batch by batch (the split need not fit in memory), and the two must agree
@@ -91,74 +92,96 @@ def run_onnx(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 @torch.no_grad()
-def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
+def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The PyTorch reference on `feeds`: every output of the graph (`head.output_names`), as numpy."""
     head.eval()
     outputs = head(*(torch.from_numpy(np.array(feeds[n])) for n in head.input_names))
-    return {name: out.float().numpy() for name, out in zip(output_names, outputs)}
+    return {name: (out.float() if out.is_floating_point() else out).numpy()
+            for name, out in zip(head.output_names, outputs)}
 
 
 class ParityStats:
-    """Differences between ONNX and PyTorch outputs, accumulated over batches."""
+    """Differences between ONNX and PyTorch outputs, per output, accumulated over batches.
 
-    def __init__(self, checked: str):
-        self.checked = checked  # the output held to atol/rtol
-        self.samples = self.nonfinite = self.disagree = 0
-        self.max_abs = self.max_rel = self.prob_max_abs = 0.0
-        self.max_excess = -np.inf
-        self.worst = 0
-        self.has_decisions = False
-        self._parts: list[tuple[np.ndarray, np.ndarray]] = []
+    Every output the model returns is held to atol/rtol; the ones a task derives in the graph (`derived`:
+    probabilities) are reported and limited by `prob_atol` only; the decision output's argmax over axis 1
+    (a class per sample, or per pixel) must agree on at least `min_agreement` of its positions."""
+
+    def __init__(self, names, derived=(), decision: str | None = None):
+        self.derived = [n for n in derived if n in names]
+        self.checked = [n for n in names if n not in self.derived]
+        self.decision = decision
+        self.per = {n: {"max_abs": 0.0, "max_rel": 0.0, "max_excess": -np.inf, "worst": 0} for n in self.checked}
+        self.samples = self.nonfinite = self.disagree = self.decided = 0
+        self.prob_max_abs = 0.0
 
     def add(self, onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float) -> None:
-        got, ref = _rows(onnx_out[self.checked]), _rows(ref_out[self.checked])
-        n = len(ref)
-        self.nonfinite += int(sum((~np.isfinite(_rows(v))).any(axis=1).sum() for v in onnx_out.values()))
-        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-        scale = np.maximum(np.abs(ref).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
-        if diff.size:
-            self.max_abs = max(self.max_abs, float(np.nanmax(diff)) if np.isfinite(diff).any() else np.inf)
-            self.max_rel = max(self.max_rel, float(np.nanmax(diff / scale)) if np.isfinite(diff).any() else np.inf)
-            # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|). Either
-            # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
-            # values make any relative measure explode. NaN counts as a miss (it compares false).
-            excess = np.where(np.isnan(diff), np.inf, diff - (atol + rtol * scale))
-            batch_worst = float(excess.max())
-            if batch_worst > self.max_excess:
-                self.max_excess, self.worst = batch_worst, self.samples + int(np.unravel_index(excess.argmax(),
-                                                                                               excess.shape)[0])
-        if "probabilities" in ref_out:
+        n = len(next(iter(ref_out.values())))
+        self.nonfinite += int(sum((~np.isfinite(_rows(v))).any(axis=1).sum() for v in onnx_out.values()
+                                  if np.issubdtype(v.dtype, np.floating)))
+        for name in self.checked:
+            self._add_one(self.per[name], _rows(onnx_out[name]), _rows(ref_out[name]), atol, rtol)
+        for name in self.derived:
             self.prob_max_abs = max(self.prob_max_abs, float(np.abs(
-                onnx_out["probabilities"].astype(np.float64) - ref_out["probabilities"]).max(initial=0.0)))
-        if self.checked == "logits":
-            self.has_decisions = True
-            self.disagree += int((got.argmax(1) != ref.argmax(1)).sum())
+                onnx_out[name].astype(np.float64) - ref_out[name]).max(initial=0.0)))
+        if self.decision:
+            got, ref = onnx_out[self.decision].argmax(1), ref_out[self.decision].argmax(1)
+            self.disagree += int((got != ref).sum())
+            self.decided += got.size
         self.samples += n
 
+    def _add_one(self, stats: dict, got: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> None:
+        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+        scale = np.maximum(np.abs(ref.astype(np.float64)).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
+        if not diff.size:
+            return
+        finite = np.isfinite(diff).any()
+        stats["max_abs"] = max(stats["max_abs"], float(np.nanmax(diff)) if finite else np.inf)
+        stats["max_rel"] = max(stats["max_rel"], float(np.nanmax(diff / scale)) if finite else np.inf)
+        # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|). Either
+        # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
+        # values make any relative measure explode. NaN counts as a miss (it compares false).
+        excess = np.where(np.isnan(diff), np.inf, diff - (atol + rtol * scale))
+        batch_worst = float(excess.max())
+        if batch_worst > stats["max_excess"]:
+            stats["max_excess"] = batch_worst
+            stats["worst"] = self.samples + int(np.unravel_index(excess.argmax(), excess.shape)[0])
+
     def result(self, atol: float, rtol: float, prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
-        out: dict[str, Any] = {"samples": self.samples, "output": self.checked, "max_abs": self.max_abs,
-                               "max_rel": self.max_rel, "atol": atol, "rtol": rtol,
-                               "max_excess": self.max_excess if self.samples else 0.0}
+        per = {name: {k: (v if self.samples else 0.0) if k == "max_excess" else v for k, v in stats.items()}
+               for name, stats in self.per.items()}
+        worst = max(per, key=lambda name: per[name]["max_excess"]) if per else None
+        out: dict[str, Any] = {"samples": self.samples, "output": worst, "atol": atol, "rtol": rtol,
+                               "max_abs": max((p["max_abs"] for p in per.values()), default=0.0),
+                               "max_rel": max((p["max_rel"] for p in per.values()), default=0.0),
+                               "max_excess": per[worst]["max_excess"] if worst else 0.0}
+        if len(per) > 1:
+            out["outputs"] = {name: {k: p[k] for k in ("max_abs", "max_rel", "max_excess")} for name, p in per.items()}
         misses = []
         if self.nonfinite:
             misses.append(f"{self.nonfinite} samples with NaN/Inf outputs")
-        if not out["max_excess"] <= 0:
-            misses.append(f"|diff| of {self.checked} exceeds atol {atol:.3g} + rtol {rtol:.3g} x |{self.checked}| by "
-                          f"{out['max_excess']:.3g} (max_abs {self.max_abs:.3g}, max_rel {self.max_rel:.3g}; worst at "
-                          f"sample {self.worst})")
-        if self.has_decisions:
-            agreement = 1 - self.disagree / self.samples if self.samples else 1.0
-            out.update(prob_max_abs=self.prob_max_abs, argmax_agreement=agreement, min_agreement=min_agreement)
+        for name, p in per.items():
+            if not p["max_excess"] <= 0:
+                misses.append(f"|diff| of {name} exceeds atol {atol:.3g} + rtol {rtol:.3g} x |{name}| by "
+                              f"{p['max_excess']:.3g} (max_abs {p['max_abs']:.3g}, max_rel {p['max_rel']:.3g}; worst at "
+                              f"sample {p['worst']})")
+        if self.derived:
+            out["prob_max_abs"] = self.prob_max_abs
             if prob_atol is not None:
                 out["prob_atol"] = prob_atol
                 if not self.prob_max_abs <= prob_atol:
                     misses.append(f"prob_max_abs {self.prob_max_abs:.3g} > {prob_atol:.3g}")
+        if self.decision:
+            agreement = 1 - self.disagree / self.decided if self.decided else 1.0
+            out.update(argmax_agreement=agreement, min_agreement=min_agreement)
             if agreement < min_agreement:
                 misses.append(f"argmax agreement {agreement:.2%} < {min_agreement:.2%} "
-                              f"({self.disagree} of {self.samples} differ)")
+                              f"({self.disagree} of {self.decided} differ)")
         out["passed"] = not misses
-        out["message"] = "; ".join(misses) if misses else (
-            f"max_abs {self.max_abs:.3g}, max_rel {self.max_rel:.3g}"
-            + (f", argmax agreement {out['argmax_agreement']:.2%}" if self.has_decisions else ""))
+        shown = (f"max_abs {out['max_abs']:.3g}, max_rel {out['max_rel']:.3g}"
+                 + (f" over {len(per)} outputs" if len(per) > 1 else "")
+                 + (f", argmax agreement {out['argmax_agreement']:.2%}" if self.decision else ""))
+        out["message"] = "; ".join(misses) if misses else shown
         return out
 
 
@@ -167,14 +190,15 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 
 def compare(onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float,
-            prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
+            prob_atol: float | None = None, min_agreement: float = 1.0, *, derived=(),
+            decision: str | None = None) -> dict:
     """One batch's outputs against the reference's (see ParityStats)."""
-    stats = ParityStats(next(iter(ref_out)))
+    stats = ParityStats(list(ref_out), derived, decision)
     stats.add(onnx_out, ref_out, atol, rtol)
     return stats.result(atol, rtol, prob_atol, min_agreement)
 
 
-def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module, output_names,
+def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module,
                    sizes=PARITY_BATCHES) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict]]:
     """The inputs parity is checked on, by gate name: the first validation samples at each batch size
     (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7 cut to a
@@ -199,7 +223,7 @@ def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Modul
             for other in candidates:
                 feeds = {n: _resized(v, [a for m, a in together if m == n], other) for n, v in base.items()}
                 try:
-                    run_torch(head, feeds, output_names)
+                    run_torch(head, feeds)
                 except Exception as exc:  # noqa: BLE001 - the model's own limit (max positions): try another length
                     errors.append(f"{other}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc)
                                   else f"{other}: {type(exc).__name__}")
@@ -226,9 +250,9 @@ def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]], output_names, atol: float,
+def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]], task, atol: float,
            rtol: float, **limits) -> dict[str, dict]:
-    """One gate per prepared batch, each fed as a single run."""
+    """One gate per prepared batch, each fed as a single run; every output compared."""
     gates = {}
     for label, feeds in batches.items():
         try:
@@ -236,18 +260,20 @@ def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]
         except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are untyped: a failing gate
             gates[f"parity.{label}"] = {"passed": False, "message": _ort_failure(exc, feeds)}
             continue
-        gates[f"parity.{label}"] = compare(got, run_torch(head, feeds, output_names), atol, rtol, **limits)
+        gates[f"parity.{label}"] = compare(got, run_torch(head, feeds), atol, rtol, derived=task.derived,
+                                           decision=task.decision, **limits)
     return gates
 
 
 def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float, metric_tolerance: float,
                metric_atol: float = 0.0, **limits) -> dict[str, dict]:
     """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
-    a batch at a time."""
+    a batch at a time, the task's metrics computed from each side's outputs."""
     from pipeline.components.data import eval_loader
 
-    stats = ParityStats(task.output_names[0])
+    stats = ParityStats(head.output_names, task.derived, task.decision)
     onnx_state, torch_state = task.new_state(torch.device("cpu")), task.new_state(torch.device("cpu"))
+    model_outputs = [n for n in head.output_names if n not in task.derived]
     for inputs, target in eval_loader(val, VAL_BATCH):
         feeds = feeds_of(inputs)
         try:
@@ -255,31 +281,29 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
         except Exception as exc:  # noqa: BLE001
             failure = {"passed": False, "message": _ort_failure(exc, feeds)}
             return {"parity.val": failure, task.primary: dict(failure)}
-        ref = run_torch(head, feeds, task.output_names)
+        ref = run_torch(head, feeds)
         stats.add(got, ref, atol, rtol)
-        first = task.output_names[0]
-        task.update(onnx_state, torch.from_numpy(got[first]).float(), target)
-        task.update(torch_state, torch.from_numpy(ref[first]).float(), target)
+        task.update(onnx_state, {n: torch.from_numpy(got[n]) for n in model_outputs}, target)
+        task.update(torch_state, {n: torch.from_numpy(ref[n]) for n in model_outputs}, target)
     one = DistInfo.cpu_alone()
     task.reduce(onnx_state, one)
     task.reduce(torch_state, one)
-    gate = metric_gate(task, task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
+    gate = task.metric_gate(task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
     return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
 
 
-def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, float], tolerance: float,
-                atol: float = 0.0) -> dict:
-    """The primary metric through onnxruntime vs PyTorch: within `tolerance` percentage points for a
-    classifier's accuracy, within `atol` + `tolerance` x |PyTorch's| for any other metric."""
-    name = task.primary
-    got, ref = onnx_metrics[name], torch_metrics[name]
-    if task.name == "classification":
-        gap = abs(got - ref) * 100
-        passed = gap <= tolerance + 1e-9
-        return {"passed": passed, "onnx_accuracy_pct": got * 100, "torch_accuracy_pct": ref * 100,
-                "gap_pp": gap, "tolerance_pp": tolerance,
-                "message": (f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
-                            + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)"))}
+def points_gate(name: str, got: float, ref: float, tolerance: float) -> dict:
+    """A fraction (accuracy, mean IoU) through onnxruntime vs PyTorch, within `tolerance` percentage points."""
+    gap = abs(got - ref) * 100
+    passed = gap <= tolerance + 1e-9
+    return {"passed": passed, "metric": name, f"onnx_{name}_pct": got * 100, f"torch_{name}_pct": ref * 100,
+            "gap_pp": gap, "tolerance_pp": tolerance,
+            "message": (f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
+                        + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)"))}
+
+
+def relative_gate(name: str, got: float, ref: float, tolerance: float, atol: float = 0.0) -> dict:
+    """Any other metric through onnxruntime vs PyTorch, within `atol` + `tolerance` x |PyTorch's|."""
     difference = abs(got - ref)
     limit = atol + tolerance * abs(ref)
     passed = bool(difference <= limit and np.isfinite(got))
@@ -287,6 +311,13 @@ def metric_gate(task, onnx_metrics: dict[str, float], torch_metrics: dict[str, f
             "rtol": tolerance, "atol": atol,
             "message": (f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
                         + ("" if passed else f" > {atol:g} + {tolerance:g} x {abs(ref):.6g}"))}
+
+
+def values_text(value) -> str:
+    """A few numbers of one sample's output or target, for a line of text."""
+    flat = np.asarray(value, dtype=np.float64).reshape(-1)
+    shown = ", ".join(f"{v:.4g}" for v in flat[:4]) + (", ..." if len(flat) > 4 else "")
+    return shown if len(flat) == 1 else f"[{shown}]"
 
 
 def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
@@ -330,5 +361,7 @@ def metrics(gates: dict[str, dict]) -> dict[str, float]:
         for key, value in gate.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"export.{name}.{key}"] = float(value)
+        for output, numbers in (gate.get("outputs") or {}).items():  # per output, when there are several
+            out.update({f"export.{name}.{output}.{k}": float(v) for k, v in numbers.items()})
     out["export.passed"] = float(all(g["passed"] for g in gates.values()))
     return out

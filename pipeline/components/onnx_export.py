@@ -2,9 +2,10 @@
 
 The graph takes the model's named inputs (`input` for a lone tensor, the dict keys otherwise) with
 the dtypes and sample shapes of the validation data, a dynamic batch axis, and the dynamic axes
-`export.dynamic_axes` names; it returns the task's outputs (`logits` and `probabilities` for
-classification, with the softmax inside the graph; `prediction`; `output`). Preprocessing that lives
-in the model (the built-ins' normalization buffers) is in the graph too.
+`export.dynamic_axes` names; it returns every output of the model by name (a lone tensor as the task
+names it: `logits`, `prediction`, `output`; dict keys and ModelOutput fields as they are; tuples as
+`output_0`, `output_1`, ...) and the outputs the task adds (`probabilities`, the softmax inside the
+graph). Preprocessing that lives in the model (the built-ins' normalization buffers) is in the graph too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from pipeline.components.data import forward
+from pipeline.errors import ExportError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +34,11 @@ META_LABELS = "trainserve.labels"
 META_TASK = "trainserve.task"
 
 
-class ExportError(RuntimeError):
-    """The model could not be turned into ONNX; the message names the operator(s) when known."""
-
-
 class ExportHead(nn.Module):
     """The model as the graph runs it: one positional argument per named input, in `input_names`
-    order (a lone tensor, or the dict the model takes as keyword arguments), returning the task's
-    outputs (for classification the logits and their softmax)."""
+    order (a lone tensor, or the dict the model takes as keyword arguments), returning the graph's
+    outputs in `output_names` order (the task's `exported`: the model's, then the task's own). The task
+    must have seen the model's outputs (its probe) first."""
 
     def __init__(self, model: nn.Module, task, input_names: list[str], single_input: bool):
         super().__init__()
@@ -48,9 +47,14 @@ class ExportHead(nn.Module):
         self.input_names = list(input_names)
         self.single_input = single_input
 
+    @property
+    def output_names(self) -> list[str]:
+        return self.task.output_names
+
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = inputs[0] if self.single_input else dict(zip(self.input_names, inputs))
-        return self.task.outputs(forward(self.model, batch))
+        exported = self.task.exported(forward(self.model, batch))
+        return tuple(exported[name] for name in self.output_names)
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Exported:
     seconds: float
 
 
-def export(head: ExportHead, example: dict[str, torch.Tensor], output_names: tuple[str, ...],
+def export(head: ExportHead, example: dict[str, torch.Tensor],
            dynamic_axes: dict[str, list[int]], opset: int, metadata: dict[str, str]) -> Exported:
     """Exports `head` (eval mode, fp32) with the dynamo exporter, the legacy one only if that fails.
 
@@ -71,7 +75,7 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], output_names: tup
     """
     from pipeline.components.build import check_dynamic_axes
 
-    names = head.input_names
+    names, output_names = head.input_names, tuple(head.output_names)
     check_dynamic_axes(dynamic_axes, {name: t.dim() for name, t in example.items()})
     args = tuple(example_batch(example, dynamic_axes)[n] for n in names)
     head = head.eval()

@@ -133,7 +133,9 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
         with np.load(out) as outputs:
             state = task.new_state(torch.device("cpu"))
             for i, target in enumerate(targets):
-                task.update(state, torch.from_numpy(outputs[str(i)]).float(), target)
+                named = {key.split("/", 1)[1]: torch.from_numpy(outputs[key]) for key in outputs.files
+                         if key.startswith(f"{i}/")}
+                task.update(state, {k: v for k, v in named.items() if k not in task.derived}, target)
     from pipeline.distributed import DistInfo
 
     task.reduce(state, DistInfo.cpu_alone())
@@ -163,18 +165,19 @@ def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[s
     options = ort.SessionOptions()
     options.intra_op_num_threads = MEASURE_THREADS
     sess = ort.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
-    first_output = sess.get_outputs()[0].name
+    names = [o.name for o in sess.get_outputs()]
     with np.load(inputs_path) as data:
         batches: dict[int, dict[str, np.ndarray]] = {}
         for key in data.files:
             i, name = key.split("/", 1)
             batches.setdefault(int(i), {})[name] = data[key]
-    sess.run([first_output], batches[0])  # warm-up: first-run allocations are not latency
+    sess.run(names, batches[0])  # warm-up: first-run allocations are not latency
     outputs, times, rows = {}, [], 0
     for i in sorted(batches):
         start = time.perf_counter()
-        outputs[str(i)] = sess.run([first_output], batches[i])[0]
+        got = sess.run(names, batches[i])
         times.append(time.perf_counter() - start)
+        outputs.update({f"{i}/{name}": value for name, value in zip(names, got)})
         rows += len(next(iter(batches[i].values())))
     np.savez(outputs_path, **outputs)
     peak = _peak_rss_mb()

@@ -31,15 +31,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from pipeline.config import ConfigError
+from pipeline.errors import ComponentError, ConfigError  # noqa: F401 - raised here, defined with the others
 
 REFERENCE = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 BUILTIN_PATTERNS = ("pipeline.models.*", "pipeline.datasets.*")
 TRUST_ENV = "TRAINSERVE_TRUSTED_COMPONENTS"
-
-
-class ComponentError(ConfigError):
-    """A component that can't be imported, called or used; the message names the key and the fix."""
 
 
 def split_reference(key: str, reference: str) -> tuple[str, str]:
@@ -154,6 +150,14 @@ def accepted_parameters(fn: Any) -> set[str]:
     except (TypeError, ValueError):
         return set()
     return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def takes_kwargs(fn: Any) -> bool:
+    """Whether `fn` takes **kwargs (and so keywords it does not name)."""
+    try:
+        return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,13 @@ from urllib.parse import urlparse
 
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.stopping import uninterrupted
+from pipeline.errors import TrackingError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-class TrackingError(RuntimeError):
-    """The tracking store or a run in it can't be used; the message says which and why."""
 
 
 def resolve_tracking_uri(configured: str = "") -> str:
@@ -142,46 +139,6 @@ def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
         raise TrackingError(f"run {run_id} has no artifact '{artifact_path}' (or it can't be downloaded): {exc}") from None
 
 
-def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
-    """The run's best checkpoint (its `trainserve.best_checkpoint` tag), else with `latest` or when
-    the best was not uploaded its final one, else the newest complete one, downloaded under `dest`.
-
-    Complete means its marker was uploaded: `log_checkpoint` sends the marker last, so an upload cut
-    short (a rank killed mid-upload) is passed over for the one before it."""
-    import mlflow
-
-    from pipeline.components import checkpoint
-
-    get_run(run_id)
-    client = mlflow.MlflowClient()
-    entries = client.list_artifacts(run_id, "checkpoints")
-    steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
-    complete = [s for s in steps
-                if any(Path(f.path).name == checkpoint.MARKER for f in client.list_artifacts(run_id, s))]
-    if not complete:
-        found = f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
-        raise checkpoint.CheckpointError(f"run {run_id} has no complete checkpoint logged: {found}; "
-                                         "was it trained with checkpoint.log_to_mlflow=none?")
-    # The run's final checkpoint when it names one: after a resume from an older step, a higher step
-    # uploaded earlier belongs to the abandoned timeline.
-    tags = get_run(run_id).data.tags
-    final = f"checkpoints/{Path(tags.get('trainserve.checkpoint', '')).name}"
-    best = f"checkpoints/{tags.get('trainserve.best_checkpoint', '')}"
-    chosen = final if final in complete else complete[-1]
-    if not latest and best in complete:
-        chosen = best
-    elif not latest and tags.get("trainserve.best_checkpoint"):
-        log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
-                    run_id, best, chosen)
-    log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else
-             "the final" if chosen == final else "the newest complete")
-    if chosen == complete[-1] and complete[-1] != steps[-1]:
-        log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
-    local = download_artifacts(run_id, chosen, dest / run_id)
-    checkpoint.verify_checksums(local)
-    return local
-
-
 def alias_version(name: str, alias: str) -> str | None:
     """The version a registry alias points at now, or None when the model or alias is gone."""
     import mlflow
@@ -286,21 +243,6 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifacts(str(path), artifact_path=artifact_path)
     else:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
-
-
-def log_checkpoint(path: Path, run_id: str) -> None:
-    """A checkpoint directory to `checkpoints/<name>` of the run, its completeness marker last.
-
-    Takes an explicit run id: background uploads run in a thread without MLflow's active run. Not
-    `uninterrupted`: an upload writes no run state, and may outlast the grace before SIGKILL."""
-    import mlflow
-
-    from pipeline.components.checkpoint import MARKER
-
-    client = mlflow.MlflowClient()
-    path = Path(path)
-    for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == MARKER, p)):
-        client.log_artifact(run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts]))
 
 
 @uninterrupted

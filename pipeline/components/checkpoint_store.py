@@ -1,0 +1,112 @@
+"""Where a checkpoint comes from and goes besides the run directory: the tracking server. Uploads a
+checkpoint to a run's `checkpoints/` artifacts (marker last), finds and downloads a run's complete one,
+and resolves `--resume` (latest, a path, a run directory, or a run id) to a local checkpoint.
+
+Kept apart from checkpoint.py (the DCP format on disk) and tracking.py (MLflow runs, metrics, the
+registry): this is the one module that knows both.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from pipeline.components import checkpoint, tracking
+from pipeline.distributed import DistInfo, broadcast_object
+
+log = logging.getLogger(__name__)
+
+
+def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path | None:
+    """`latest`, a checkpoint path, a run directory, or an MLflow run id -> a complete checkpoint.
+
+    Rank 0 resolves (and downloads, for a run id); every rank gets the same answer.
+    """
+    answer: str | None = None
+    error: str | None = None
+    if info.is_main:
+        try:
+            answer = str(_resolve_on_main(resume, Path(checkpoint_root)) or "")
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+    answer, error = broadcast_object((answer, error), info)
+    if error:
+        raise checkpoint.CheckpointError(error)
+    return Path(answer) if answer else None
+
+
+def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
+    if resume == "auto":  # after a torchrun restart: the newest, or none yet (start over)
+        return checkpoint.latest(checkpoint_root)
+    if resume == "latest":
+        found = checkpoint.latest(checkpoint_root)
+        if found is None:
+            runs = sorted(p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints"))
+            raise checkpoint.CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
+                                  "train.run_name=<the run to resume>" + (f" (runs here: {', '.join(runs)})" if runs else ""))
+        return found
+    p = Path(resume)
+    if p.exists():
+        if (p / checkpoint.MARKER).exists() or (p / ".metadata").exists():
+            checkpoint.verify_complete(p)
+            return p
+        found = checkpoint.latest(p / "checkpoints") or checkpoint.latest(p)
+        if found is None:
+            raise checkpoint.CheckpointError(f"--resume {resume}: no complete checkpoint in that directory "
+                                  "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
+        return found
+    if re.fullmatch(r"[0-9a-f]{32}", resume):
+        return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
+    raise checkpoint.CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")
+
+
+def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
+    """The run's best checkpoint (its `trainserve.best_checkpoint` tag), else with `latest` or when
+    the best was not uploaded its final one, else the newest complete one, downloaded under `dest`.
+
+    Complete means its marker was uploaded: `log_checkpoint` sends the marker last, so an upload cut
+    short (a rank killed mid-upload) is passed over for the one before it."""
+    import mlflow
+
+    tracking.get_run(run_id)
+    client = mlflow.MlflowClient()
+    entries = client.list_artifacts(run_id, "checkpoints")
+    steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
+    complete = [s for s in steps
+                if any(Path(f.path).name == checkpoint.MARKER for f in client.list_artifacts(run_id, s))]
+    if not complete:
+        found = f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
+        raise checkpoint.CheckpointError(f"run {run_id} has no complete checkpoint logged: {found}; "
+                                         "was it trained with checkpoint.log_to_mlflow=none?")
+    # The run's final checkpoint when it names one: after a resume from an older step, a higher step
+    # uploaded earlier belongs to the abandoned timeline.
+    tags = tracking.get_run(run_id).data.tags
+    final = f"checkpoints/{Path(tags.get('trainserve.checkpoint', '')).name}"
+    best = f"checkpoints/{tags.get('trainserve.best_checkpoint', '')}"
+    chosen = final if final in complete else complete[-1]
+    if not latest and best in complete:
+        chosen = best
+    elif not latest and tags.get("trainserve.best_checkpoint"):
+        log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
+                    run_id, best, chosen)
+    log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else
+             "the final" if chosen == final else "the newest complete")
+    if chosen == complete[-1] and complete[-1] != steps[-1]:
+        log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
+    local = tracking.download_artifacts(run_id, chosen, dest / run_id)
+    checkpoint.verify_checksums(local)
+    return local
+
+
+def log_checkpoint(path: Path, run_id: str) -> None:
+    """A checkpoint directory to `checkpoints/<name>` of the run, its completeness marker last.
+
+    Takes an explicit run id: background uploads run in a thread without MLflow's active run. Not
+    `uninterrupted`: an upload writes no run state, and may outlast the grace before SIGKILL."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    path = Path(path)
+    for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == checkpoint.MARKER, p)):
+        client.log_artifact(run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts]))

@@ -1,0 +1,105 @@
+"""The weights bundle: `model.safetensors` + `model.json` (format trainserve-weights/2), as `pipeline
+consolidate` writes them; read and checked here for every stage that takes them (export, verify, the
+serve check), and the model rebuilt from them.
+
+model.json holds the config, the model's component and args, the task's facts, the data's inputs,
+the checkpoint it came from (`source`), and the sha256 of model.safetensors, which is checked on read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.components.build import ModelSpec, instantiate_model
+from pipeline.components.reference import ArtifactSource
+from pipeline.components.safetensors_writer import file_sha256
+from pipeline.config import Config, config_from_dict
+from pipeline.errors import WeightsError
+
+WEIGHTS_FORMAT = "trainserve-weights/2"
+WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
+
+
+@dataclass
+class Weights:
+    directory: Path
+    meta: dict[str, Any]
+    config: Config
+    state_dict: dict[str, torch.Tensor]
+
+    @property
+    def source(self) -> dict[str, Any]:
+        return self.meta.get("source") or {}
+
+
+def read_weights(directory: Path) -> Weights:
+    """Reads and checks model.json + model.safetensors (format, checksum, config); loads tensors safely."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    meta_path, weights_path = directory / META_FILE, directory / WEIGHTS_FILE
+    missing = [p.name for p in (weights_path, meta_path) if not p.is_file()]
+    if missing:
+        raise WeightsError(f"{directory}: missing {', '.join(missing)}; expected the output of "
+                           "`pipeline consolidate` (model.safetensors and model.json)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise WeightsError(f"{meta_path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != WEIGHTS_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}"
+                           + ("; consolidate the checkpoint again with this trainserve" if got else ""))
+    absent = [k for k in ("config", "model", "sha256") if not meta.get(k)]
+    model = meta.get("model")
+    if not absent and not (isinstance(model, dict) and isinstance(model.get("component"), str)
+                           and isinstance(model.get("args"), dict)):
+        absent = ["model {component, args}"]
+    if absent:
+        raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
+    digest = file_sha256(weights_path)
+    if digest != meta["sha256"]:
+        raise WeightsError(f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
+                           "the file was changed or truncated after consolidation")
+    config = config_from_dict(meta["config"])
+    try:
+        state_dict = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise WeightsError(f"{weights_path}: cannot be read as safetensors ({exc})") from None
+    labels, classes = meta.get("labels"), (meta.get("task") or {}).get("num_classes")
+    if labels is not None and classes is not None and len(labels) != classes:
+        raise WeightsError(f"{meta_path}: {len(labels)} labels for a model with {classes} classes")
+    return Weights(directory, meta, config, state_dict)
+
+
+def load_model(weights: Weights, source: ArtifactSource | None = None, missing_hint: str = "") -> torch.nn.Module:
+    """The model rebuilt from its recorded component and args, with the weights checked key by key and
+    shape by shape."""
+    spec = ModelSpec(**weights.meta["model"])
+    model = instantiate_model(spec, source, missing_hint)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in weights.state_dict.items()}
+    problems = [f"missing {k} {list(s)}" for k, s in expected.items() if k not in got]
+    problems += [f"unexpected {k} {list(s)}" for k, s in got.items() if k not in expected]
+    problems += [f"{k}: file {list(got[k])}, model {list(s)}" for k, s in expected.items() if k in got and got[k] != s]
+    if problems:
+        shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
+                           f"({spec.component} with args {_brief(spec.args)}): {shown}")
+    # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
+    # the graph and its gates run at the precision the model was defined in.
+    own = model.state_dict()
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True)
+    return model.eval()
+
+
+def _brief(args: dict) -> str:
+    text = json.dumps(args)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
