@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -133,9 +133,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
         eval_every = cfg.train.eval_every or max(1, steps_per_epoch)
-        loop = train_loop(model, optimizer, scheduler, scaler, loader, splits, task, cfg.train, cfg.checkpoint,
-                          info, precision, step, epoch, total_steps, ckpt_root, meta, uploads, monitor,
-                          eval_every, cfg.data.num_workers)
+        run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
+                       meta, uploads, total_steps, eval_every, step, epoch)
+        loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = Path(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
@@ -215,18 +215,42 @@ def end_run_after_failure() -> None:
 
 
 @dataclass
+class Training:
+    """What the training loop works on, built once by `main`: the model and its optimizer state, the data,
+    the task and its monitor, where checkpoints go, and where the loop starts (a resume's step and epoch)."""
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    loader: Any
+    splits: Splits
+    task: Any
+    monitor: Monitor
+    info: DistInfo
+    precision: str
+    ckpt_root: Path
+    meta: dict                    # what every checkpoint says about itself (train_state is added per save)
+    uploads: BackgroundUploads | None
+    total_steps: int
+    eval_every: int
+    step: int = 0
+    epoch: int = 0
+
+
+@dataclass
 class LoopResult:
     losses: list[float]
     step: int                     # the last step trained: total_steps, or where early stopping stopped
     evaluated: tuple | None       # (metrics, state) of the last step's evaluation; None if no step ran
 
 
-def train_loop(model, optimizer, scheduler, scaler, loader, splits: Splits, task, t: TrainConfig,
-               ckpt_cfg: CheckpointConfig, info: DistInfo, precision: str, step: int, epoch: int,
-               total_steps: int, ckpt_root: Path, meta: dict, uploads: BackgroundUploads | None,
-               monitor: Monitor, eval_every: int, num_workers: int = 0) -> LoopResult:
-    """Trains to `total_steps` or until the monitor stops early; evaluates every `eval_every` steps and
-    at the last, saves every `checkpoint.every_n_steps`, at each new best and at the last step."""
+def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_workers: int = 0) -> LoopResult:
+    """Trains to `run.total_steps` or until the monitor stops early; evaluates every `run.eval_every` steps
+    and at the last, saves every `checkpoint.every_n_steps`, at each new best and at the last step."""
+    model, optimizer, scheduler, scaler, loader = run.model, run.optimizer, run.scheduler, run.scaler, run.loader
+    splits, task, monitor, info, precision = run.splits, run.task, run.monitor, run.info, run.precision
+    step, epoch, total_steps, eval_every = run.step, run.epoch, run.total_steps, run.eval_every
+    ckpt_root, meta, uploads = run.ckpt_root, run.meta, run.uploads
     channels_last = uses_channels_last(t, info)
     losses: list[float] = []
     evaluated = None

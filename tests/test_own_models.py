@@ -19,7 +19,7 @@ from pipeline.components.data import first_batch
 from pipeline.config import load_config
 
 from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
-from serving_fixtures import ServerProcess
+from serving_fixtures import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,19 @@ EXAMPLES = {  # config -> (experiment, registered name, the task's validation me
     "diabetes_mlp": ("trainserve-diabetes", "diabetes-mlp", "val/rmse"),
     "diabetes_mixed_inputs": ("trainserve-diabetes", "diabetes-mixed", "val/mae"),
     "digit_sequences_transformer": ("trainserve-digit-sequences", "digit-sequences", "val/accuracy"),
+    # The model contract: two heads and a dict target; a transformers model as it is; a timm-shaped
+    # factory given num_classes through **kwargs; per-pixel segmentation.
+    "wine_two_heads": ("trainserve-wine", "wine-two-heads", "val/alcohol_rmse"),
+    "digit_sequences_bert": ("trainserve-digit-sequences", "digit-sequences-bert", "val/accuracy"),
+    "digits_image_zoo": ("trainserve-digits", "digits-image-zoo", "val/accuracy"),
+    "digits_segmentation": ("trainserve-digit-masks", "digit-masks", "val/mean_iou"),
 }
+# Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts included); the
+# examples that only add a model or task shape run on one to keep the suite short.
+RUN_ARGS = {"wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
+            "digit_sequences_bert": ["--nproc-per-node", "1"], "digits_image_zoo": ["--nproc-per-node", "1"],
+            "digits_segmentation": ["--nproc-per-node", "1"]}
+DYNAMIC_LENGTH = {"digit_sequences_transformer", "digit_sequences_bert"}
 ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
 
 
@@ -38,8 +50,8 @@ def example(request, tmp_path_factory):
     """`pipeline run --nproc-per-node 2 --serve-check` on an example, in a directory of its own."""
     name = request.param
     workdir = tmp_path_factory.mktemp(name)
-    proc = run_cli(["run", "--config", str(REPO / f"configs/{name}.yaml"), "--nproc-per-node", "2", "--serve-check",
-                    "train.run_name=mine", *TINY], cwd=workdir, env=ON_PATH, timeout=600)
+    proc = run_cli(["run", "--config", str(REPO / f"configs/{name}.yaml"), "--serve-check", "train.run_name=mine",
+                    *RUN_ARGS.get(name, ["--nproc-per-node", "2"]), *TINY], cwd=workdir, env=ON_PATH, timeout=600)
     return name, workdir, proc
 
 
@@ -58,9 +70,10 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     assert version.tags["trainserve.data_component"] == cfg.data.component
     assert metric in run.data.metrics and run.data.metrics["export.passed"] == 1.0
     # The user's component modules are logged with the run, as MLflow's code_paths would.
-    package = cfg.model.component.split(":")[0].split(".")[1]
+    module = next(c for c in (cfg.model.component, cfg.data.component) if c.startswith("examples.")).split(":")[0]
+    package = module.split(".")[1]
     code = {a.path for a in client.list_artifacts(run.info.run_id, f"code/examples/{package}")}
-    assert f"code/examples/{package}/{cfg.model.component.split(':')[0].split('.')[-1]}.py" in code, code
+    assert f"code/{module.replace('.', '/')}.py" in code or f"code/{module.replace('.', '/')}/__init__.py" in code, code
     # The model's arguments as built: what the data suggested is in the params and the checkpoint.
     ckpt = checkpoint.latest(workdir / "outputs/mine/checkpoints")
     recorded = checkpoint.read_meta(ckpt)["model"]
@@ -75,6 +88,8 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     assert all(s.shape[0] == -1 for s in inputs.values())
     if name == "digit_sequences_transformer":
         assert inputs["tokens"].shape == (-1, -1) and str(inputs["mask"].type) == "bool"
+    if name == "digit_sequences_bert":  # the transformers model's forward takes these names as they are
+        assert list(inputs) == ["input_ids", "attention_mask"] and inputs["input_ids"].shape == (-1, -1)
     report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == cfg.task.name
     assert [i["name"] for i in report["inputs"]] == [s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]]
@@ -83,6 +98,22 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         assert report["gates"]["rmse"]["passed"] and report["outputs"] == ["prediction"]
     if name == "digit_sequences_transformer":  # two more lengths of the dynamic token axis were gated
         assert sum(1 for g in report["gates"] if g.startswith("parity.tokens_1.len")) == 2
+    outputs = {o.name for o in signature.outputs.inputs}
+    if name == "wine_two_heads":  # both heads exported by the dict's keys, each one gated
+        assert report["outputs"] == ["cultivar_logits", "alcohol"] == sorted(outputs, reverse=True)
+        assert set(report["gates"]["parity.val"]["outputs"]) == {"cultivar_logits", "alcohol"}
+        assert "export.parity.b7.alcohol.max_abs" in run.data.metrics and "val/cultivar_accuracy" in run.data.metrics
+        best = json.loads((workdir / "outputs/mine/checkpoints/best.json").read_text())
+        assert best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"  # checkpoint.monitor picks the 2nd
+    if name in ("digit_sequences_bert", "digits_image_zoo"):  # no wrapper, no num_classes in model.args
+        assert run.data.params["model.args.num_classes"] == "10" and "num_classes" not in cfg.model.args
+        assert report["outputs"] == ["logits", "probabilities"] and report["task"]["prediction"] == "logits"
+    if name == "digit_sequences_bert":  # its SequenceClassifierOutput, read by the field that carries logits
+        assert report["task"]["layout"] == {"kind": "mapping", "names": ["logits"]}
+        assert sum(1 for g in report["gates"] if g.startswith("parity.input_ids_1.len")) == 2
+    if name == "digits_segmentation":
+        assert report["gates"]["mean_iou"]["passed"] and "val/pixel_accuracy" in run.data.metrics
+        assert report["outputs"] == ["logits", "probabilities"] and report["gates"]["parity.val"]["argmax_agreement"] == 1
 
 
 def validation_requests(name: str, rows: int) -> list[dict[str, np.ndarray]]:
@@ -98,8 +129,10 @@ V2 = {"float32": "FP32", "int64": "INT64", "bool": "BOOL"}
 
 
 def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
-    """KServe V2 JSON and binary (tritonclient), and /invocations with named inputs; for the sequence model,
-    concurrent requests of different lengths, which the batcher must never merge."""
+    """Every output by name over KServe V2 JSON, binary (tritonclient.http) and gRPC (tritonclient.grpc), and
+    /invocations with named inputs; for the sequence models, concurrent requests of different lengths, which
+    the batcher must never merge."""
+    import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton
 
     name, workdir, _ = example
@@ -107,16 +140,19 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     direct = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in direct.get_outputs()]
     samples = validation_requests(name, 6)
-    if name == "digit_sequences_transformer":  # other lengths than training's 64, up to the model's 128
+    if name in DYNAMIC_LENGTH:  # other lengths than training's 64, up to the model's 128
         samples += [{k: np.ascontiguousarray(np.resize(v, (1, length))) for k, v in s.items()}
                     for s in samples[:3] for length in (17, 90)]
 
     def expected(feeds):
         return dict(zip(outputs, direct.run(outputs, feeds)))
 
-    with ServerProcess("--model", str(onnx_path), log_path=tmp_path / "server.log") as server:
+    grpc_port = free_port()
+    with ServerProcess("--model", str(onnx_path), "--grpc-port", str(grpc_port),
+                       log_path=tmp_path / "server.log") as server:
         model = requests.get(f"{server.url}/v2/models/{EXAMPLES[name][1]}", timeout=5).json()
         assert [i["name"] for i in model["inputs"]] == list(samples[0])
+        assert [o["name"] for o in model["outputs"]] == outputs  # the metadata lists every output
 
         def v2_json(feeds):
             body = {"inputs": [{"name": k, "shape": list(v.shape), "datatype": V2[str(v.dtype)],
@@ -142,6 +178,18 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
                                   outputs=[triton.InferRequestedOutput(o, binary_data=True) for o in outputs])
             for key, value in expected(feeds).items():
                 np.testing.assert_allclose(result.as_numpy(key), value, rtol=1e-5, atol=1e-5)
+
+        over_grpc = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        for feeds in samples[:3]:
+            infer_inputs = []
+            for key, value in feeds.items():
+                item = triton_grpc.InferInput(key, list(value.shape), V2[str(value.dtype)])
+                item.set_data_from_numpy(value)
+                infer_inputs.append(item)
+            result = over_grpc.infer(EXAMPLES[name][1], infer_inputs)
+            for key, value in expected(feeds).items():
+                np.testing.assert_allclose(result.as_numpy(key), value, rtol=1e-5, atol=1e-5)
+        over_grpc.close()
 
         batch = {k: np.concatenate([s[k] for s in samples[:4]]) for k in samples[0]}
         answer = requests.post(f"{server.url}/invocations", timeout=30,
