@@ -42,17 +42,19 @@ from pipeline.components.reference import short_name
 from pipeline.components.safetensors_writer import file_sha256
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
-from pipeline.tools import logs, stopping
-from pipeline.tools.files import write_json
 from pipeline.components.weights import META_FILE, Weights, read_weights
 from pipeline.errors import WeightsError
+from pipeline.tools import logs, stopping
+from pipeline.tools.files import write_json
+from serving import drift
 
 log = logging.getLogger("pipeline.export")
 
 REPORT_FORMAT = "trainserve-export-report/1"
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 STAGE_TAG = "trainserve.stage.export"
-DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
+DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)
+DRIFT_SAMPLES = 2000  # training samples the drift baseline is computed on (quantiles settle well before)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
 
 
 @dataclass
@@ -137,6 +139,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     report["providers"] = providers
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
+        report["drift_reference"] = str(drift_reference(onnx_path, splits.train, out / drift.FILE))
     else:
         # Kept for debugging under a name no one serves by accident.
         onnx_path = onnx_path.replace(out / "model.rejected.onnx")
@@ -162,6 +165,24 @@ def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> d
     (with the export settings those weights recorded): `pipeline verify` on a registered model."""
     weights = read_weights(Path(weights_dir))
     return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
+
+
+def drift_reference(onnx_path: Path, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
+    """The drift baseline the server compares its traffic with (serving/drift.py): features of every input
+    and of every output of this ONNX file (what the server will answer), on evenly spaced samples of the
+    training split."""
+    from torch.utils.data import Subset
+
+    from pipeline.components.data import eval_loader
+
+    sess = gates.session(onnx_path)
+    step = max(1, len(train) // samples)
+    builder = drift.ReferenceBuilder()
+    for inputs, _ in eval_loader(Subset(train, range(0, len(train), step)), gates.VAL_BATCH):
+        feeds = gates.feeds_of(inputs)
+        builder.add("inputs", feeds)
+        builder.add("outputs", gates.run_onnx(sess, feeds))
+    return drift.write(builder.build(f"training split, every {step} of {len(train)} samples"), path)
 
 
 def describe_source(source: dict) -> str:
@@ -309,7 +330,14 @@ def lineage_metadata(weights: Weights) -> dict[str, str]:
             "trainserve.checkpoint_step": str(src.get("step", "")),
             "trainserve.config_sha256": config_digest(weights.meta["config"]),
             "trainserve.model_component": weights.meta["model"]["component"],
-            "trainserve.data_component": weights.config.data.component}
+            "trainserve.data_component": weights.config.data.component,
+            **data_digests(weights)}
+
+
+def data_digests(weights: Weights) -> dict[str, str]:
+    """The content digests of the splits the model was trained and validated on, as training logged them."""
+    digests = (weights.meta.get("data") or {}).get("digests") or {}
+    return {f"trainserve.data.{split}_sha256": found["sha256"] for split, found in digests.items()}
 
 
 def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
@@ -328,6 +356,7 @@ def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
         "trainserve.model_component": weights.meta["model"]["component"],
         "trainserve.data_component": weights.config.data.component,
         "trainserve.opset": str(report["exporter"]["opset"]),
+        **data_digests(weights),
     }
 
 
@@ -353,12 +382,14 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
         if "fp16" in variants:  # servable: a server of this version picks it with --variant fp16
             tracking.log_beside_model(report["model_uri"], variants["fp16"])
+        tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
         if register:
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
             if "fp16" in variants:
                 tags["trainserve.onnx_fp16_sha256"] = report["onnx_fp16_sha256"] = file_sha256(variants["fp16"])
+            tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))
             decision = report["promotion"]
             if decision["promote"] and (decision["champion"] or {}).get("version") != \
                     tracking.alias_version(result.registered_model_name, cfg.alias):

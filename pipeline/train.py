@@ -34,7 +34,7 @@ from pipeline.components.build import (build_data, component_references, instant
 from pipeline.components.checkpoint_uploads import BackgroundUploads
 from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
-                                      make_train_loader, rescale_loader_state, to_device)
+                                      make_train_loader, rescale_loader_state, split_digest, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.components.reference import short_name
 from pipeline.tasks import build_task
@@ -117,16 +117,21 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
                               "or start a new run with another train.run_name")
 
-        uploads, code = None, None
+        uploads, code, digests = None, None, None
         if info.is_main:
             code = capture(component_references(cfg.model, cfg.data, cfg.task))
             run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
                                     replaying=resume == "auto")
+            # Which data trained it: a content digest of each split, as the run's MLflow datasets.
+            digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers) for split in ("train", "val")}
+            tracking.log_datasets(cfg.data.component, cfg.data.args, digests, [s.to_json() for s in splits.inputs])
             if cfg.checkpoint.log_to_mlflow == "all":
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
+        digests = distributed.broadcast_object(digests, info)
         # What every checkpoint says about itself: enough to rebuild and check the model elsewhere.
         meta = {"config": cfg.model_dump(mode="json"), "model": spec.to_json(),
-                "data": {"component": cfg.data.component, "args": cfg.data.args}, "task": task.facts(),
+                "data": {"component": cfg.data.component, "args": cfg.data.args, "digests": digests},
+                "task": task.facts(),
                 "labels": task.facts().get("labels"), "inputs": [s.to_json() for s in splits.inputs],
                 "single_input": splits.single_input, "model_state": manifest,
                 "code": code.describe() if code else None,

@@ -268,6 +268,31 @@ def first_batch(dataset: Dataset, rows: int):
     return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate)))
 
 
+def split_digest(dataset: Dataset, num_workers: int = 0) -> dict[str, Any]:
+    """{"sha256", "samples"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
+    in order: the same data gives the same digest on any machine; a changed sample, another one."""
+    import hashlib
+
+    digest, samples = hashlib.sha256(), 0
+    for inputs, target in eval_loader(dataset, EVAL_BATCH, num_workers):
+        for name, tensor in [*sorted(named(inputs).items()), *(
+                (f"target.{i}", t) for i, t in enumerate(_leaves(target)))]:
+            digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
+            digest.update(tensor.contiguous().numpy().tobytes())
+        samples += batch_rows(inputs)
+    return {"sha256": digest.hexdigest(), "samples": samples}
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in _leaves(value[k])]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
 def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
     """The loader position saved by `saved_world` ranks, for `world` ranks.
 

@@ -246,6 +246,24 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
 
 
 @uninterrupted
+def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: list[dict]) -> None:
+    """The run's training and validation splits as MLflow datasets (the run page's "Datasets"): the data
+    component and its args as the source, the content digest (MLflow keeps 36 characters of it; the whole
+    sha256 is the input's `trainserve.sha256` tag) and the sample count."""
+    import mlflow
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    source = CodeDatasetSource({"component": component, "args": json.dumps(args, sort_keys=True)})
+    for split, found in digests.items():
+        name = f"{component.rpartition(':')[2]}-{split}"
+        dataset = MetaDataset(source, name=name, digest=found["sha256"][:32])
+        mlflow.log_input(dataset, context="training" if split == "train" else "validation",
+                         tags={"trainserve.sha256": found["sha256"], "trainserve.samples": str(found["samples"]),
+                               "trainserve.inputs": json.dumps(inputs)[:5000]})
+
+
+@uninterrupted
 def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
     """The run's component source under `code/` (see code_capture.py) and what it was installed with."""
     import mlflow

@@ -1,0 +1,195 @@
+"""Drift: how far the traffic a model version serves has moved from the data it was trained on.
+
+The reference (`drift_reference.json`, written at export beside model.onnx inside the registered model,
+its sha256 a version tag that `pipeline verify` checks) holds, for every input and every output, the
+distribution of a few features of each sample on the training split:
+
+    float tensors       one feature per channel (axis 1; the mean over any further axes: an image's
+                        per-channel intensity, a sequence's mean value), at most MAX_FEATURES of them,
+                        each cut into BINS bins at the training split's quantiles
+    integer / bool      the frequency of each value (tokens, categories), the MAX_CATEGORIES most
+                        frequent kept and the rest pooled as "other"; every position of the sample counts
+
+The server keeps the bin of each of the last `window` samples per feature (`DriftWindow`) and reports
+the population stability index of each input and output, the largest over its features:
+
+    PSI = sum over bins of (p_live - p_ref) * ln(p_live / p_ref)      (both floored at EPSILON)
+
+< 0.1: no shift worth a look; 0.1-0.2: a moderate one; > 0.2: a shift. With BINS = 10 and a window
+of 500 samples, data drawn like the training split stays near 0.02 (the statistic's own noise is about
+(BINS - 1) / window), and a feature moved by half its standard deviation reaches about 0.25.
+
+This module is the one that writes and reads the format; it needs numpy only (the server has no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+FORMAT = "trainserve-drift/1"
+FILE = "drift_reference.json"
+BINS = 10
+MAX_FEATURES = 64
+MAX_CATEGORIES = 50
+EPSILON = 1e-4
+DEFAULT_WINDOW = 500
+DEFAULT_THRESHOLD = 0.2
+
+
+def features(array: np.ndarray) -> np.ndarray:
+    """(samples, features) float64 of one float tensor batch: channel means (axis 1, the rest averaged)."""
+    a = np.asarray(array, dtype=np.float64)
+    if a.ndim == 1:
+        return a[:, None]
+    if a.ndim > 2:
+        a = a.reshape(a.shape[0], a.shape[1], -1).mean(axis=2)
+    return a[:, :MAX_FEATURES]
+
+
+def is_categorical(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_)
+
+
+class ReferenceBuilder:
+    """Collects a sample of the training split, batch by batch, and makes the reference of each tensor."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], list[np.ndarray]] = {}
+
+    def add(self, kind: str, arrays: dict[str, np.ndarray]) -> None:
+        """`kind`: "inputs" or "outputs"; `arrays`: one batch by tensor name."""
+        for name, array in arrays.items():
+            self._parts.setdefault((kind, name), []).append(np.asarray(array))
+
+    def build(self, samples_note: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT, "bins": BINS, "inputs": {}, "outputs": {}, "samples": 0,
+                               "source": samples_note}
+        for (kind, name), parts in self._parts.items():
+            array = np.concatenate(parts)
+            out["samples"] = max(out["samples"], len(array))
+            out[kind][name] = _categorical_reference(array) if is_categorical(array.dtype) else _numeric_reference(array)
+        return out
+
+
+def _numeric_reference(array: np.ndarray) -> dict[str, Any]:
+    feats = features(array)
+    qs = np.linspace(0, 1, BINS + 1)[1:-1]
+    edges, proportions = [], []
+    for column in feats.T:
+        cut = np.unique(np.quantile(column, qs))  # ties (a constant feature) give fewer bins
+        edges.append(cut.tolist())
+        counts = np.bincount(np.searchsorted(cut, column, side="right"), minlength=len(cut) + 1)
+        proportions.append((counts / counts.sum()).tolist())
+    return {"kind": "numeric", "edges": edges, "proportions": proportions}
+
+
+def _categorical_reference(array: np.ndarray) -> dict[str, Any]:
+    values, counts = np.unique(np.asarray(array).astype(np.int64).reshape(-1), return_counts=True)
+    order = np.argsort(-counts)[:MAX_CATEGORIES]
+    kept = values[order]
+    share = counts[order] / counts.sum()
+    return {"kind": "categorical", "values": kept.tolist(),
+            "proportions": [*share.tolist(), float(max(0.0, 1.0 - share.sum()))]}  # the last: every other value
+
+
+def write(reference: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(reference, separators=(",", ":")))
+    return path
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """The reference beside a model file, or None when the model has none (exported without it)."""
+    if not path.is_file():
+        return None
+    reference = json.loads(path.read_text())
+    if not isinstance(reference, dict) or reference.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} drift reference")
+    return reference
+
+
+def psi(live: np.ndarray, reference: np.ndarray) -> float:
+    p = np.maximum(np.asarray(live, dtype=np.float64), EPSILON)
+    q = np.maximum(np.asarray(reference, dtype=np.float64), EPSILON)
+    return float(np.sum((p - q) * np.log(p / q)))
+
+
+class _Tensor:
+    """One input's or output's features: each sample's bin per feature in a ring of the last `window`."""
+
+    def __init__(self, spec: dict[str, Any], window: int):
+        self.kind = spec["kind"]
+        if self.kind == "numeric":
+            self.edges = [np.asarray(e) for e in spec["edges"]]
+            self.reference = [np.asarray(p) for p in spec["proportions"]]
+            self.recent: deque = deque(maxlen=window)  # rows of bin indices, one per sample
+        else:
+            self.values = np.asarray(spec["values"], dtype=np.int64)
+            self.reference = [np.asarray(spec["proportions"])]
+            self.recent = deque(maxlen=window)  # per sample: counts per category (+ other)
+
+    def observe(self, array: np.ndarray) -> None:
+        if self.kind == "numeric":
+            feats = features(array)[:, :len(self.edges)]
+            bins = np.stack([np.searchsorted(e, feats[:, j], side="right") for j, e in enumerate(self.edges)], 1)
+            self.recent.extend(bins)
+        else:
+            flat = np.asarray(array).astype(np.int64).reshape(len(array), -1)
+            hits = flat[:, :, None] == self.values[None, None, :]      # sample x position x kept value
+            counts = np.concatenate([hits.sum(1), (~hits.any(2)).sum(1, keepdims=True)], axis=1)
+            self.recent.extend(counts.astype(np.float64))
+
+    def psi(self) -> float | None:
+        if not self.recent:
+            return None
+        if self.kind == "numeric":
+            rows = np.stack(self.recent)
+            worst = 0.0
+            for j, ref in enumerate(self.reference):
+                live = np.bincount(rows[:, j], minlength=len(ref))[:len(ref)] / len(rows)
+                worst = max(worst, psi(live, ref))
+            return worst
+        counts = np.sum(np.stack(self.recent), axis=0)
+        return psi(counts / counts.sum(), self.reference[0])
+
+    def __len__(self) -> int:
+        return len(self.recent)
+
+
+class DriftWindow:
+    """The last `window` samples of one model version against its reference; thread-safe (the engine thread
+    observes, the metrics scrape reads)."""
+
+    def __init__(self, reference: dict[str, Any], window: int = DEFAULT_WINDOW):
+        self.window = window
+        self._lock = threading.Lock()
+        self._tensors = {(kind, name): _Tensor(spec, window)
+                         for kind in ("inputs", "outputs") for name, spec in reference.get(kind, {}).items()}
+
+    def observe(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            for kind, arrays in (("inputs", inputs), ("outputs", outputs)):
+                for name, array in arrays.items():
+                    tensor = self._tensors.get((kind, name))
+                    if tensor is not None:
+                        tensor.observe(array)
+
+    def scores(self) -> dict[tuple[str, str], tuple[float, int]]:
+        """{(kind, name): (PSI, samples in the window)} for every tensor that has seen a sample."""
+        with self._lock:
+            out = {}
+            for key, tensor in self._tensors.items():
+                value = tensor.psi()
+                if value is not None and math.isfinite(value):
+                    out[key] = (value, len(tensor))
+            return out
+
+
+def names(reference: dict[str, Any]) -> Iterable[tuple[str, str]]:
+    return [(kind, name) for kind in ("inputs", "outputs") for name in reference.get(kind, {})]
