@@ -1,0 +1,227 @@
+"""The challenger judged on live traffic: pairs of answers (the champion's, which the client got, and
+the challenger's, computed off the request path), labels that arrive later, and a verdict.
+
+What a pair compares depends on what the model's metadata says it answers (never on a task's name):
+    a decision output (`trainserve.decision`: its argmax over axis 1 is the answer, a class per
+        sample or per pixel)   top-1 agreement of the two
+    every other output         the mean |champion - challenger| per output
+Both latencies are kept (the champion's as the client saw it, the challenger's run), and the
+challenger's errors are counted. Labels posted later (`feedback`) are joined by request id with what
+both answered, within a bounded window, into live metrics for each: accuracy on the decision output,
+RMSE on the prediction output.
+
+The verdict, under `Rule` (the user's thresholds):
+    undecided  fewer than `min_pairs` pairs (or, judging on labels, fewer than `min_labels` of them)
+    reject     any challenger error; with labels, a live metric worse than the champion's by more than
+               `tolerance`; without, agreement below `min_agreement` (or a mean difference above
+               `max_difference`); a challenger p50 above `max_latency_ratio` x the champion's
+    promote    otherwise
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+LATENCIES_KEPT = 2000     # per side, for the percentiles
+ANSWERS_KEPT = 10000      # request ids whose answers wait for a label
+
+
+@dataclass
+class Rule:
+    min_pairs: int = 200
+    min_agreement: float = 0.95      # decision outputs: top-1 agreement at least this
+    max_difference: float = math.inf  # other outputs: mean |difference| at most this (per output)
+    min_labels: int = 100            # labels needed before they decide
+    tolerance: float = 0.01          # labels: the challenger's live metric may be this much worse
+    max_latency_ratio: float = math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Live:
+    """Live metrics of one side from the labels joined so far."""
+    hits: int = 0
+    decided: int = 0
+    squared: float = 0.0
+    values: int = 0
+
+    def add(self, answer: dict[str, np.ndarray], label: np.ndarray, decision: str | None, prediction: str | None):
+        if decision and decision in answer:
+            predicted = np.asarray(answer[decision]).argmax(axis=1)
+            truth = np.asarray(label).reshape(predicted.shape)
+            self.hits += int((predicted == truth).sum())
+            self.decided += int(predicted.size)
+        elif prediction and prediction in answer:
+            error = np.asarray(answer[prediction], dtype=np.float64).reshape(-1) - \
+                np.asarray(label, dtype=np.float64).reshape(-1)
+            self.squared += float((error * error).sum())
+            self.values += int(error.size)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        if self.decided:
+            out["accuracy"] = self.hits / self.decided
+        if self.values:
+            out["rmse"] = math.sqrt(self.squared / self.values)
+        return out
+
+
+@dataclass
+class ShadowState:
+    """Everything one champion/challenger pairing has seen; reset when either side's version changes."""
+    champion_version: str
+    challenger_version: str
+    decision: str | None
+    prediction: str | None
+    pairs: int = 0
+    dropped: int = 0
+    errors: int = 0
+    agree: int = 0
+    decided: int = 0
+    difference_sums: dict[str, float] = field(default_factory=dict)
+    difference_counts: dict[str, int] = field(default_factory=dict)
+    champion_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
+    challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
+    answers: OrderedDict = field(default_factory=OrderedDict)  # request id -> (champion's, challenger's)
+    labels: int = 0
+    live: dict[str, _Live] = field(default_factory=lambda: {"champion": _Live(), "challenger": _Live()})
+
+
+class Shadow:
+    """The comparison of one model's champion and challenger; thread-safe."""
+
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self._lock = threading.Lock()
+        self.state: ShadowState | None = None
+
+    def pairing(self, champion_version: str, challenger_version: str, decision: str | None,
+                prediction: str | None) -> None:
+        """The versions compared now; a change of either starts the comparison afresh."""
+        with self._lock:
+            s = self.state
+            if s is None or (s.champion_version, s.challenger_version) != (champion_version, challenger_version):
+                self.state = ShadowState(champion_version, challenger_version, decision, prediction)
+
+    def dropped(self) -> None:
+        with self._lock:
+            if self.state is not None:
+                self.state.dropped += 1
+
+    def error(self) -> None:
+        with self._lock:
+            if self.state is not None:
+                self.state.errors += 1
+
+    def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
+             champion_ms: float, challenger_ms: float, versions: tuple[str, str]) -> None:
+        with self._lock:
+            s = self.state
+            if s is None or (s.champion_version, s.challenger_version) != versions:
+                return  # a pair of a pairing that has since changed
+            s.pairs += 1
+            s.champion_ms.append(champion_ms)
+            s.challenger_ms.append(challenger_ms)
+            if s.decision and s.decision in champion and s.decision in challenger:
+                a, b = np.asarray(champion[s.decision]).argmax(1), np.asarray(challenger[s.decision]).argmax(1)
+                s.agree += int((a == b).sum())
+                s.decided += int(a.size)
+            else:
+                for name, value in champion.items():
+                    if name in challenger and np.issubdtype(np.asarray(value).dtype, np.number):
+                        diff = np.abs(np.asarray(value, dtype=np.float64) - np.asarray(challenger[name], np.float64))
+                        s.difference_sums[name] = s.difference_sums.get(name, 0.0) + float(diff.sum())
+                        s.difference_counts[name] = s.difference_counts.get(name, 0) + int(diff.size)
+            s.answers[request_id] = (champion, challenger)
+            while len(s.answers) > ANSWERS_KEPT:
+                s.answers.popitem(last=False)
+
+    def feedback(self, labels: dict[str, np.ndarray]) -> dict[str, int]:
+        """True targets by request id; joined with the pairs still in the window. Returns the counts."""
+        joined = unknown = 0
+        with self._lock:
+            s = self.state
+            for request_id, label in labels.items():
+                answers = s.answers.pop(request_id, None) if s is not None else None
+                if answers is None:
+                    unknown += 1
+                    continue
+                for side, answer in zip(("champion", "challenger"), answers):
+                    s.live[side].add(answer, label, s.decision, s.prediction)
+                s.labels += 1
+                joined += 1
+        return {"joined": joined, "unknown": unknown}
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.state
+            if s is None:
+                return {"challenger_version": None, "pairs": 0, "dropped": 0, "verdict": "undecided",
+                        "reason": "no challenger is being shadowed", "rule": self.rule.to_json()}
+            out: dict[str, Any] = {
+                "champion_version": s.champion_version, "challenger_version": s.challenger_version,
+                "pairs": s.pairs, "dropped": s.dropped, "challenger_errors": s.errors,
+                "latency_ms": {"champion_p50": _pct(s.champion_ms, 50), "champion_p99": _pct(s.champion_ms, 99),
+                               "challenger_p50": _pct(s.challenger_ms, 50),
+                               "challenger_p99": _pct(s.challenger_ms, 99)},
+                "labels": s.labels,
+                "live": {side: live.metrics() for side, live in s.live.items()},
+                "rule": self.rule.to_json()}
+            if s.decided:
+                out["agreement"] = s.agree / s.decided
+            if s.difference_counts:
+                out["mean_abs_difference"] = {k: s.difference_sums[k] / s.difference_counts[k]
+                                              for k in s.difference_counts}
+            out["verdict"], out["reason"] = self._verdict(out)
+            return out
+
+    def _verdict(self, r: dict[str, Any]) -> tuple[str, str]:
+        rule = self.rule
+        if r["challenger_errors"]:
+            return "reject", f"the challenger failed {r['challenger_errors']} of the mirrored requests"
+        if r["pairs"] < rule.min_pairs:
+            return "undecided", f"{r['pairs']} pairs so far; the rule needs {rule.min_pairs}"
+        latency = r["latency_ms"]
+        if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
+            return "reject", (f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
+                              f"champion's {latency['champion_p50']:.2f} ms")
+        if r["labels"] >= rule.min_labels:
+            return _by_labels(r["live"], rule.tolerance, r["labels"])
+        if "agreement" in r:
+            if r["agreement"] < rule.min_agreement:
+                return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
+                                  "pairs (no labels yet)")
+            return "promote", (f"top-1 agreement {r['agreement']:.1%} >= {rule.min_agreement:.1%} over {r['pairs']} "
+                               "pairs, no challenger errors (no labels yet)")
+        worst = max((r.get("mean_abs_difference") or {"-": 0.0}).items(), key=lambda kv: kv[1])
+        if worst[1] > rule.max_difference:
+            return "reject", f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g}"
+        return "promote", (f"mean |difference| at most {worst[1]:.4g} over {r['pairs']} pairs, no challenger errors"
+                           " (no labels yet)")
+
+
+def _by_labels(live: dict[str, dict[str, float]], tolerance: float, labels: int) -> tuple[str, str]:
+    champion, challenger = live["champion"], live["challenger"]
+    if "accuracy" in champion and "accuracy" in challenger:
+        a, b = champion["accuracy"], challenger["accuracy"]
+        if b < a - tolerance:
+            return "reject", f"live accuracy {b:.1%} vs the champion's {a:.1%} on {labels} labels (tolerance {tolerance:g})"
+        return "promote", f"live accuracy {b:.1%} vs the champion's {a:.1%} on {labels} labels"
+    if "rmse" in champion and "rmse" in challenger:
+        a, b = champion["rmse"], challenger["rmse"]
+        if b > a * (1 + tolerance):
+            return "reject", f"live RMSE {b:.4g} vs the champion's {a:.4g} on {labels} labels (tolerance {tolerance:g})"
+        return "promote", f"live RMSE {b:.4g} vs the champion's {a:.4g} on {labels} labels"
+    return "undecided", f"{labels} labels, but the model declares no decision or prediction output to score"
+
+
+def _pct(values, q: float) -> float:
+    return round(float(np.percentile(np.asarray(values), q)), 3) if values else 0.0
