@@ -77,6 +77,12 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     for stage in ("train", "consolidate", "export", "pipeline"):
         assert tags[f"trainserve.stage.{stage}"] == "done", stage
     assert "registered **resnet18-digits** version 1" in tags["mlflow.note.content"]
+    # The data behind the run: both splits as MLflow datasets, whose digests the registered version names.
+    datasets = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run.inputs.dataset_inputs}
+    assert set(datasets) == {"digits-train", "digits-val"}
+    assert datasets["digits-train"]["mlflow.data.context"] == "training" and datasets["digits-train"]["trainserve.samples"] == "1438"
+    for split in ("train", "val"):
+        assert version.tags[f"trainserve.data.{split}_sha256"] == datasets[f"digits-{split}"]["trainserve.sha256"]
     # Two ranks evaluated disjoint halves of the split during training; export evaluated the
     # consolidated weights in one process over all of it. The counts must add up exactly.
     metrics = run.data.metrics
