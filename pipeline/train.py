@@ -469,10 +469,9 @@ def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) 
 
 
 def make_progress(info: DistInfo, total: int, initial: int):
-    from tqdm import tqdm
+    from serving.console import Progress
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not info.is_main,
-                mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
+    return Progress(total, initial, desc="train", enabled=info.is_main, logger=log)
 
 
 def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str, spec,

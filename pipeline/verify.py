@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.tools import logs
-from pipeline.tools.logs import first_line
+from pipeline.tools.logs import clip, first_line
 
 log = logging.getLogger("pipeline.verify")
 
@@ -220,7 +220,7 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
         return
     failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
     report(Link("gates", "FAIL" if failed else "ok",
-                "; ".join(failed)[:600] if failed else f"{len(results)} gates pass again on the registered ONNX"))
+                clip("; ".join(failed), 600) if failed else f"{len(results)} gates pass again on the registered ONNX"))
 
 
 def server_link(url: str, name: str, version: str, props: dict, token: str, report) -> None:
