@@ -39,7 +39,7 @@ from pipeline.components import gates, onnx_export, promotion, tracking
 from pipeline.components.build import ModelSpec, build_data, instantiate_model
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import DataError, Splits, first_batch, named
-from pipeline.components.reference import ArtifactSource, short_name
+from pipeline.components.reference import ArtifactSource, check_all_trusted, recorded_components, short_name
 from pipeline.components.safetensors_writer import file_sha256
 from pipeline.components.tasks import build_task
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
@@ -116,6 +116,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     # 2. The reference PyTorch model, its task, and the validation split it is judged on, all rebuilt
     #    from the components model.json records (once trusted).
     source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
+    check_all_trusted(recorded_components(*_components(weights)), source)  # all at once, not one per refusal
     hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
     reference = load_model(weights, source, hint)
     splits = build_data(weights.config.data, weights.config.task.name, source, hint)
@@ -188,6 +189,7 @@ def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> d
     weights = read_weights(Path(weights_dir))
     cfg = weights.config.export
     source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
+    check_all_trusted(recorded_components(*_components(weights)), source)
     hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
     splits = build_data(weights.config.data, weights.config.task.name, source, hint)
     check_inputs(weights, splits)
@@ -219,6 +221,12 @@ def describe_source(source: dict) -> str:
     shown = ", ".join(f"val/{k} {v:.6g}" for k, v in list(metrics.items())[:2])
     kind = "the run's best checkpoint" if source.get("best") else "checkpoint"
     return f"{kind} {name} (step {source.get('step', '?')}{', ' + shown if shown else ''})"
+
+
+def _components(weights: "Weights") -> tuple:
+    """The config sections whose components model.json names."""
+    task = weights.config.task
+    return weights.config.model, weights.config.data, task.loss, task.metric
 
 
 def default_model_name(weights: "Weights") -> str:
@@ -396,7 +404,7 @@ def _cuda_session(path: Path):
     if ran != CUDA:
         why = (f"a CUDA device and onnxruntime-gpu are here, but its CUDA provider did not load (the session ran "
                f"on {ran}): the CUDA and cuDNN libraries it was built for were not found"
-               + (f" (onnxruntime: {said[:300]})" if said else ""))
+               + (f" (onnxruntime: {logs.clip(said, 300)})" if said else ""))
         log.warning("the CUDA gates are skipped: %s", why)
         return None, why
     return sess, ""

@@ -159,12 +159,18 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
     weights = workdir / "outputs/mine/consolidated"
     proc = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"], cwd=workdir,
                    env=ON_PATH, check=False)
-    assert proc.returncode == 2 and "examples.diabetes.models:TabularMLP', which is not trusted here" in proc.stderr
+    # Every untrusted component in one refusal, one line, with one --trust that covers them all.
+    both = "examples.diabetes.models:TabularMLP,examples.diabetes.data:features"
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model.component 'examples.diabetes.models:TabularMLP', data.component 'examples.diabetes.data:features', " \
+           "which are not trusted here" in proc.stderr and proc.stderr.rstrip().endswith(f"--trust '{both}' "
+                                                                                         f"(or TRAINSERVE_TRUSTED_COMPONENTS='{both}')")
     assert not (tmp_path / "onnx" / "model.onnx").exists()
-    # Trusted but not installed here (no PYTHONPATH, run from elsewhere): the error says what the run logged.
+    # Trusted with that --trust, copied as it is, but not installed here (no PYTHONPATH, run from elsewhere):
+    # the next error is not about trust; it says what the run logged.
     run_id = json.loads((weights / "model.json").read_text())["source"]["mlflow_run_id"]
     lacking = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust",
-                       "examples.*", "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
+                       both, "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
     assert lacking.returncode == 2 and "No module named 'examples'" in lacking.stderr
     assert f"the training run logged that code: `mlflow artifacts download -r {run_id} -a code -d .`" in lacking.stderr
     assert "examples/diabetes/models.py" in lacking.stderr
