@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, onnx_export, promotion, tracking
+from pipeline.components import gates, length_limits, onnx_export, promotion, tracking
 from pipeline.components.build import ModelSpec, build_data, instantiate_model
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import DataError, Splits, first_batch, named
@@ -124,6 +124,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     task = build_task(weights.config.task, splits.classes, source, weights.meta.get("task"))
     head = onnx_export.ExportHead(reference, task, splits.input_names, splits.single_input)
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
+    length_limits.warn_fixed_lengths(splits.val, cfg.dynamic_axes)
     log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
@@ -139,6 +140,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, head, task.output_names)
+    if length_limits.record(exported.model, reference, batches, cfg.dynamic_axes):
+        _save(exported.model, onnx_path)  # the longest token inputs in its metadata: the server's 400 past them
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results.update(_gate(gates.session(onnx_path), head, splits, task, batches, cfg))
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
