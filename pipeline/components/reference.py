@@ -214,6 +214,22 @@ def recorded_components(*sections: Any) -> dict[str, str]:
     return {s.KEY: s.component for s in sections if s is not None and getattr(s, "component", None)}
 
 
+# Arguments by which a factory names the model it builds: timm's create_model(model_name=...), Hugging
+# Face's from_pretrained(pretrained_model_name_or_path=...), torchvision's get_model(name=...).
+NAMING_ARGS = ("model_name", "pretrained_model_name_or_path", "arch", "architecture", "name")
+FACTORY = re.compile(r"^(create|make|build|get|load|new)(_|$)")
+
+
+def model_short_name(reference: str, args: dict[str, Any] | None = None) -> str:
+    """A name for runs: the model a factory builds (`timm:create_model` with model_name resnet10t ->
+    `resnet10t`, `transformers:AutoModel.from_pretrained` with a path -> its last part), else `short_name`."""
+    attribute = reference.rpartition(":")[2].rpartition(".")[2]
+    named = next((v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None)
+    if named and (FACTORY.match(attribute.lower()) or attribute.startswith("from_")):
+        return re.sub(r"[^a-z0-9]+", "-", named.rstrip("/").rpartition("/")[2].lower()).strip("-") or short_name(reference)
+    return short_name(reference)
+
+
 def short_name(reference: str) -> str:
     """`my_project.models:TabularNet` -> `tabularnet`: a name for runs and registered models."""
     attribute = reference.rpartition(":")[2].rpartition(".")[2]
