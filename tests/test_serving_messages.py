@@ -116,3 +116,14 @@ def test_serve_refuses_in_one_line_and_exit_2_like_every_stage(command, tmp_path
         assert words in proc.stderr and lines[-1].startswith(f"{prog}: error: "), proc.stderr
         if words != "invalid int value":  # argparse's own usage line comes first for a malformed flag
             assert len(lines) == 1, proc.stderr
+
+
+def test_verbose_lets_the_libraries_speak(tmp_path):
+    """Quiet by default (the fixture's log above holds only our lines); --verbose brings uvicorn's back."""
+    model = tiny_model(tmp_path / "tiny.onnx")
+    for flags, heard in (([], False), (["--verbose"], True)):
+        with ServerProcess("--model", str(model), *flags, log_path=tmp_path / "server.log") as srv:
+            srv.terminate()
+            log = srv.log()
+        assert ("Application startup complete" in log) is heard, log
+        assert "listening on http://127.0.0.1:" in log
