@@ -213,3 +213,24 @@ def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_anoth
     b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")).state_dict()
     for key in a:  # same global batches; sums in another order
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
+def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
+    """Export recorded the model's position limit (max_len 128; the data is 64 long); the server shows it and
+    answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid expand shape"."""
+    import onnx
+
+    _, workdir, _ = example
+    exported = workdir / "outputs/mine/onnx/model.onnx"
+    meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
+    assert json.loads(meta["trainserve.max_lengths"]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
+    with ServerProcess("--model", str(exported), "--model-name", "seq") as server:
+        assert requests.get(f"{server.url}/v2/models/seq", timeout=10).json()["parameters"]["max_lengths"] == \
+            {"mask": {"1": 128}, "tokens": {"1": 128}}
+        for length, status in ((128, 200), (129, 400)):
+            body = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, length], "data": [1] * length},
+                               {"name": "mask", "datatype": "BOOL", "shape": [1, length], "data": [True] * length}]}
+            answer = requests.post(f"{server.url}/v2/models/seq/infer", json=body, timeout=30)
+            assert answer.status_code == status, answer.text
+        assert "model 'seq' was exported for at most 128" in answer.json()["error"]
