@@ -13,9 +13,11 @@ import numpy as np
 import onnx
 import pytest
 import requests
+import tritonclient.grpc as triton_grpc
 from onnx import TensorProto, helper, numpy_helper
+from tritonclient.utils import InferenceServerException
 
-from serving_fixtures import ROOT, ServerProcess, _save_graph, gather_model, tiny_model
+from serving_fixtures import ROOT, ServerProcess, _save_graph, free_port, gather_model, tiny_model
 
 LIMIT = 8
 
@@ -49,7 +51,10 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("messages")
     models = [f"tokens={positions_model(tmp / 'tokens.onnx')}", f"tiny={tiny_model(tmp / 'tiny.onnx')}",
               f"gather={gather_model(tmp / 'gather.onnx')}"]
-    with ServerProcess(*[a for m in models for a in ("--model", m)], log_path=tmp / "server.log") as srv:
+    grpc_port = free_port()
+    with ServerProcess(*[a for m in models for a in ("--model", m)], "--grpc-port", str(grpc_port),
+                       log_path=tmp / "server.log") as srv:
+        srv.grpc = f"127.0.0.1:{grpc_port}"
         yield srv
 
 
@@ -96,11 +101,18 @@ def test_client_errors_are_logged_once_in_our_format_never_by_onnxruntime(server
     assert past_vocabulary.status_code == 400  # onnxruntime itself fails: its own error line must stay quiet
     too_long = infer(server, "tokens", np.ones((1, LIMIT + 3), np.int64))
     assert too_long.status_code == 400
+    ids = triton_grpc.InferInput("ids", [1, LIMIT + 4], "INT64")
+    ids.set_data_from_numpy(np.ones((1, LIMIT + 4), np.int64))
+    with pytest.raises(InferenceServerException) as refused:  # the same refusal over gRPC, logged the same way
+        triton_grpc.InferenceServerClient(server.grpc).infer("tokens", [ids])
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
     log = server.log()
     assert "[E:onnxruntime" not in log and "Traceback" not in log, log
     ours = re.compile(r"^\d\d:\d\d:\d\d WARNING serving\.app: POST /v2/models/(\w+)/infer -> 400: ", re.M)
     assert [m.group(1) for m in ours.finditer(log)].count("gather") == 1, log
     assert len([line for line in log.splitlines() if f"length {LIMIT + 3} on axis 1" in line]) == 1, log
+    assert re.search(rf"^\d\d:\d\d:\d\d WARNING serving\.grpc: gRPC ModelInfer -> INVALID_ARGUMENT: input 'ids' has "
+                     rf"length {LIMIT + 4}", log, re.M), log
     assert all(re.match(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) serving[\w.]*: ", line) for line in log.splitlines()), log
 
 
