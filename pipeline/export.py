@@ -557,8 +557,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "$MLFLOW_TRACKING_URI, then sqlite:///mlflow.db)")
     parser.add_argument("--no-register", action="store_true", help="log to the run but register no version")
     parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import components model.json names that match this pattern (e.g. 'my_project.*'), "
-                             "besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; repeatable")
+                        help="import components model.json names that match these comma-separated patterns (e.g. "
+                             "'my_project.*,timm.*'), besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; "
+                             "repeatable")
     parser.add_argument("overrides", nargs="*", default=[], metavar="export.key=value",
                         help="override the export settings, e.g. export.opset=17 export.fp16=true")
     # `DIR --output X export.atol=1e-5`: plain parse_args stops matching positionals after the first

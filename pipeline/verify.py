@@ -282,7 +282,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
                         "then ./mlflow.db)")
     parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import the components model.json names that match this pattern, to re-run the gates")
+                        help="import the components model.json names that match these comma-separated patterns (e.g. "
+                             "'my_project.*,timm.*'), to re-run the gates; repeatable")
 
 
 def cli(args: argparse.Namespace) -> int:
