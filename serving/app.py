@@ -535,7 +535,8 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         parameters.update(info.lineage)  # the version's lineage, from the file's metadata
         parameters["source"] = info.source
         if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
-            parameters["max_lengths"] = {name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()}
+            parameters["max_lengths"] = {name: {str(a): n for a, n in axes.items()}
+                                         for name, axes in info.max_lengths.items()}
         alias = slot.source.alias
         if alias is not None and settings.reload_interval:  # following an alias: what it names, and whether served
             named = model.alias_versions.get(alias, info.version)

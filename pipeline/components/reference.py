@@ -226,7 +226,8 @@ def model_short_name(reference: str, args: dict[str, Any] | None = None) -> str:
     attribute = reference.rpartition(":")[2].rpartition(".")[2]
     named = next((v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None)
     if named and (FACTORY.match(attribute.lower()) or attribute.startswith("from_")):
-        return re.sub(r"[^a-z0-9]+", "-", named.rstrip("/").rpartition("/")[2].lower()).strip("-") or short_name(reference)
+        last = named.rstrip("/").rpartition("/")[2].lower()
+        return re.sub(r"[^a-z0-9]+", "-", last).strip("-") or short_name(reference)
     return short_name(reference)
 
 
