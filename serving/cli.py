@@ -1,7 +1,8 @@
 """`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
 
-    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad flags or a model
-    that cannot be loaded, 1 if the server could not start (e.g. the port is taken).
+    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a
+    clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags, a port already taken
+    or a model that cannot be loaded; 1 if the server could not start otherwise.
 """
 
 from __future__ import annotations
@@ -188,6 +189,20 @@ def _uvicorn_server():
     return DrainingServer
 
 
+def check_ports_free(host: str, ports: list[int | None]) -> None:
+    """ServeError for a port another process holds: found in a second, said in one line."""
+    import socket
+
+    for port in (p for p in ports if p):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ServeError(f"port {port} on {host} is taken ({exc.strerror}); choose another with --port "
+                                 f"(or --grpc-port)") from None
+
+
 def raise_open_files_limit() -> None:
     """Each client connection is a file descriptor: take the hard limit, not the soft 1024, so a burst of
     connections (each closed by the read deadline if idle) does not starve new ones."""
@@ -227,6 +242,7 @@ def serve(settings: Settings) -> int:
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
+    check_ports_free(settings.host, [settings.port, settings.grpc_port])  # before a model download, not after
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
