@@ -49,7 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(STAGES[stage][0])
     parser = argparse.ArgumentParser(prog=f"pipeline {stage}", description=STAGES[stage][1])
     module.add_arguments(parser)
+    if "--verbose" not in parser._option_string_actions:  # `pipeline serve` has its own, the server's
+        parser.add_argument("--verbose", action="store_true", help="let the libraries (MLflow, torch's exporter, "
+                            "onnxruntime) speak for themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]")
     args = parser.parse_intermixed_args(rest)
+    from serving.console import set_verbose
+
+    set_verbose(args.verbose)  # before the stage sets up logging; its child processes inherit it
     return module.cli(args) or 0
 
 

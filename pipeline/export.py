@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, onnx_export, promotion, tracking
+from pipeline.components import gates, length_limits, onnx_export, promotion, tracking
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
@@ -102,6 +102,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     ref = rebuild(weights, trusted)
     task, splits = ref.task, ref.splits
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
+    length_limits.warn_fixed_lengths(splits.val, cfg.dynamic_axes)
     log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
@@ -116,6 +117,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
+    if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
+        _save(exported.model, onnx_path)  # the longest token inputs in its metadata: the server's 400 past them
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results.update(run_gates(gates.session(onnx_path), ref, batches, cfg))
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
@@ -288,7 +291,7 @@ def _cuda_session(path: Path):
     if ran != CUDA:
         why = (f"a CUDA device and onnxruntime-gpu are here, but its CUDA provider did not load (the session ran "
                f"on {ran}): the CUDA and cuDNN libraries it was built for were not found"
-               + (f" (onnxruntime: {said[:300]})" if said else ""))
+               + (f" (onnxruntime: {logs.clip(said, 300)})" if said else ""))
         log.warning("the CUDA gates are skipped: %s", why)
         return None, why
     return sess, ""
@@ -448,8 +451,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "$MLFLOW_TRACKING_URI, then sqlite:///mlflow.db)")
     parser.add_argument("--no-register", action="store_true", help="log to the run but register no version")
     parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import components model.json names that match this pattern (e.g. 'my_project.*'), "
-                             "besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; repeatable")
+                        help="import components model.json names that match these comma-separated patterns (e.g. "
+                             "'my_project.*,timm.*'), besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; "
+                             "repeatable")
     parser.add_argument("overrides", nargs="*", default=[], metavar="export.key=value",
                         help="override the export settings, e.g. export.opset=17 export.fp16=true")
     # `DIR --output X export.atol=1e-5`: plain parse_args stops matching positionals after the first

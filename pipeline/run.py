@@ -246,7 +246,8 @@ class ServeSample:
                             "data": a.reshape(-1).tolist()} for n, a in self.feeds.items()]}
         response = requests.post(f"{base}/v2/models/{name}/infer", json=body, timeout=30)
         if response.status_code != 200:
-            raise ServeCheckError(f"the sample request got HTTP {response.status_code}: {response.text[:500]}")
+            raise ServeCheckError(f"the sample request got HTTP {response.status_code}: "
+                                  f"{logs.clip(response.text, 500)}")
         answer = {o["name"]: np.asarray(o["data"], dtype=self.expected[o["name"]].dtype).reshape(o["shape"])
                   for o in response.json()["outputs"]}
         parity = gates.compare(answer, self.expected, self.atol, self.rtol, derived=self.task.derived,

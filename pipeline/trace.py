@@ -58,7 +58,7 @@ def main(request_id: str, log_dir: Path, tracking_uri: str = "", echo=print) -> 
     try:
         trail |= walk_registry(name, version, model, tracking_uri, echo)
     except Exception as exc:  # noqa: BLE001 - the store is gone or another one: say so, keep the record's facts
-        echo(f"registry    not reachable ({first_line(exc, 200)}); "
+        echo(f"registry    not reachable ({first_line(exc)}); "
              f"the record names run {model.get('run_id') or '(none)'}")
     return trail
 

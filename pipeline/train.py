@@ -36,7 +36,7 @@ from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
                                       make_train_loader, rescale_loader_state, split_digest, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
-from pipeline.components.reference import short_name
+from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
 from pipeline.distributed import DistInfo, launch, replicas
@@ -444,7 +444,7 @@ def default_run_name(cfg: Config) -> str:
     """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their checkpoints."""
     if cfg.train.run_name:
         return cfg.train.run_name
-    stem = f"{short_name(cfg.model.component)}-{short_name(cfg.data.component)}"
+    stem = f"{model_short_name(cfg.model.component, cfg.model.args)}-{short_name(cfg.data.component)}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return f"{stem}-{run_id[:8]}"
@@ -498,10 +498,9 @@ def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) 
 
 
 def make_progress(info: DistInfo, total: int, initial: int):
-    from tqdm import tqdm
+    from serving.console import Progress
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not info.is_main,
-                mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
+    return Progress(total, initial, desc="train", enabled=info.is_main, logger=log)
 
 
 def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str, spec,

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from pipeline.components import tracking
 
@@ -38,7 +40,49 @@ def cli(args) -> int:
         print(f"pipeline ui: error: {exc}", file=sys.stderr)
         return 2
     print(f"MLflow UI on http://{args.host}:{args.port} over {uri} (Ctrl-C to stop)", flush=True)
+    return run_until_stopped(command(uri, args.host, args.port))
+
+
+def run_until_stopped(cmd: list[str]) -> int:
+    """`mlflow server` starts gunicorn or uvicorn, which start workers: stopping only the process we started
+    left them serving the port. So it runs in a process group of its own, and SIGINT or SIGTERM to us stops
+    the whole group (SIGKILL for what is still there after 10 s)."""
+    proc = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return subprocess.run(command(uri, args.host, args.port), env=dict(os.environ)).returncode
+        return proc.wait()
     except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop_group(proc)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the group, SIGKILL to whatever is left of it after `grace` seconds."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        proc.poll()  # reap mlflow itself: a zombie leader still counts as a member of its group
+        time.sleep(0.1)
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)  # the group outlives its leader: signal it even when mlflow itself is gone
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

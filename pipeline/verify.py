@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.tools import logs
-from pipeline.tools.logs import first_line
+from pipeline.tools.logs import clip, first_line
 from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger("pipeline.verify")
@@ -217,7 +217,7 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
         return
     failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
     report(Link("gates", "FAIL" if failed else "ok",
-                "; ".join(failed)[:600] if failed else f"{len(results)} gates pass again on the registered ONNX"))
+                clip("; ".join(failed), 600) if failed else f"{len(results)} gates pass again on the registered ONNX"))
 
 
 def server_link(url: str, name: str, version: str, props: dict, token: str, report) -> None:
@@ -279,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
                         "then ./mlflow.db)")
     parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import the components model.json names that match this pattern, to re-run the gates")
+                        help="import the components model.json names that match these comma-separated patterns (e.g. "
+                             "'my_project.*,timm.*'), to re-run the gates; repeatable")
 
 
 def cli(args: argparse.Namespace) -> int:

@@ -47,7 +47,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import serving
-from serving import codec
+from serving.console import clip
+from serving import codec, lengths
 from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits
 from serving.config import Settings
@@ -292,6 +293,16 @@ class Server:
         except RepositoryError as exc:
             raise HTTPError(exc.status, f"/invocations serves the default model: {exc}") from None
 
+    def invocations_hint(self, slot: Slot) -> str:
+        """On a server of several models, a refusal on /invocations says which one it serves and how to reach
+        the others: a client sending another model's inputs would otherwise not know why they don't fit."""
+        others = sorted(n for n in self.repository.models if n != slot.model.info.name)
+        if not others:
+            return ""
+        return (f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+                f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
+                f"--default-model NAME)")
+
     async def body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
         too_large = f"the body exceeds the limit of {limit} bytes (--max-body-bytes)"
@@ -332,7 +343,7 @@ class Server:
                 raise
             except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
                 log.debug("a request the decoder did not foresee", exc_info=True)
-                raise BadRequest(f"malformed request: {type(exc).__name__}: {str(exc)[:200]}") from None
+                raise BadRequest(f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}") from None
 
         if len(data) <= BIG_BODY:
             return safely()
@@ -343,6 +354,7 @@ class Server:
                     follow_swap: bool = True) -> tuple[dict[str, np.ndarray], Slot]:
         """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
         named no version) the one a reload put in its place before the request could be queued."""
+        lengths.check(slot.model.info.max_lengths, feeds, slot.model.info.name)  # a 400 naming the limit, not ORT's
         limit = self.settings.max_rows_per_request
         if rows > limit:
             raise HTTPError(400, f"the request has {rows} rows; this server takes at most {limit} per request "
@@ -455,6 +467,11 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
     with an optional payload log (not yet started: the app's lifespan starts and closes it)."""
     server = Server(settings, models, payload_log)
 
+    def client_error(request: Request, status: int, message: str) -> None:
+        """A client's mistake, once, in our format (onnxruntime's own error line is switched off: see console)."""
+        if 400 <= status < 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, status, message)
+
     def endpoint(route: str, handler, open_: bool = False):
         """Wraps a handler with auth, error mapping and metrics: cheaper than middleware."""
         async def wrapped(request: Request) -> Response:
@@ -466,8 +483,10 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
                 response = await handler(request)
             except HTTPError as exc:
                 response = error(exc.status, str(exc), exc.headers)
+                client_error(request, exc.status, str(exc))
             except BadRequest as exc:  # RepositoryError too
                 response = error(exc.status, str(exc))
+                client_error(request, exc.status, str(exc))
             except ClientDisconnect:  # the client went away mid-upload: its event, not our error
                 log.debug("%s %s: the client disconnected before its request arrived", request.method,
                           request.url.path)
@@ -515,6 +534,9 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         parameters = {"labels": list(info.labels)} if info.labels is not None else {}
         parameters.update(info.lineage)  # the version's lineage, from the file's metadata
         parameters["source"] = info.source
+        if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
+            parameters["max_lengths"] = {name: {str(a): n for a, n in axes.items()}
+                                         for name, axes in info.max_lengths.items()}
         alias = slot.source.alias
         if alias is not None and settings.reload_interval:  # following an alias: what it names, and whether served
             named = model.alias_versions.get(alias, info.version)
@@ -609,11 +631,16 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         data = await server.body(request)
         slot = server.invocations_slot()
         receipt(request, slot, rid)
-        req = await server.decode(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits)
+        try:
+            req = await server.decode(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits)
+        except BadRequest as exc:
+            raise BadRequest(f"{exc}{server.invocations_hint(slot)}", exc.status) from None
         try:
             results, slot = await server.infer(slot, req.feeds, req.rows)
         except HTTPError as exc:
             server.log_payload(rid, "/invocations", slot, req.feeds, None, exc.status, str(exc))
+            if exc.status == 400:
+                raise HTTPError(400, f"{exc}{server.invocations_hint(slot)}", exc.headers) from None
             raise
         receipt(request, slot, rid)  # the model that ran it, whatever the server serves by now
         server.log_payload(rid, "/invocations", slot, req.feeds, results)

@@ -1,7 +1,8 @@
 """`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
 
-    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad flags or a model
-    that cannot be loaded, 1 if the server could not start (e.g. the port is taken).
+    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a
+    clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags, a port already taken
+    or a model that cannot be loaded; 1 if the server could not start otherwise.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{help_text} [env {env}: one]")
         else:
             parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
+    parser.add_argument("--verbose", action="store_true", help="let onnxruntime, uvicorn and MLflow speak for "
+                        "themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]")
+    # Refusals start with the command the user typed: `pipeline serve: error: ...` or `python -m serving: ...`.
+    parser.set_defaults(prog=parser.prog)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -122,14 +127,29 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def cli(args: argparse.Namespace) -> int:
     """Run the server from parsed flags (the `pipeline` stage-module interface)."""
+    from serving import console
+
+    console.set_verbose(getattr(args, "verbose", False))
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
-        print(f"serving: error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(settings)
+        return refuse(args, exc)
+    console.configure(level=settings.log_level)
+    try:
+        return serve(settings)
+    except ServeError as exc:
+        return refuse(args, exc)
+
+
+class ServeError(Exception):
+    """The server can't start with these settings (a model that can't be loaded, a payload log directory
+    that can't be written): said in one line, exit 2, as every pipeline stage says a refusal."""
+
+
+def refuse(args: argparse.Namespace, exc: Exception) -> int:
+    one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    print(f"{getattr(args, 'prog', 'python -m serving')}: error: {one_line}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +176,31 @@ def _uvicorn_server():
             super().__init__(config)
             self.app_server = app_server
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # in our words: uvicorn's own start-up lines are quiet unless --verbose
+                bound = [s.getsockname() for server in self.servers for s in server.sockets]
+                log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
+
         async def shutdown(self, sockets=None):
             self.app_server.begin_shutdown()
             await super().shutdown(sockets)
 
     return DrainingServer
+
+
+def check_ports_free(host: str, ports: list[int | None]) -> None:
+    """ServeError for a port another process holds: found in a second, said in one line."""
+    import socket
+
+    for port in (p for p in ports if p):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ServeError(f"port {port} on {host} is taken ({exc.strerror}); choose another with --port "
+                                 f"(or --grpc-port)") from None
 
 
 def raise_open_files_limit() -> None:
@@ -202,23 +242,21 @@ def serve(settings: Settings) -> int:
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
+    check_ports_free(settings.host, [settings.port, settings.grpc_port])  # before a model download, not after
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
-        log.error("%s", exc)
-        return 2
+        raise ServeError(exc) from None
     try:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:
-        log.error("cannot serve: %s", exc)
-        return 2
+        raise ServeError(f"cannot serve: {exc}") from None
     try:
         app = create_app(settings, models, payload_log)
     except (RepositoryError, SourceError) as exc:
         for _, model in models:
             model.discard()
-        log.error("cannot serve: %s", exc)
-        return 2
+        raise ServeError(f"cannot serve: {exc}") from None
     raise_open_files_limit()
     # No limit_concurrency: uvicorn counts open connections against it and answers 503 to everything past
     # it, health checks included, so idle clients could hold the server off. The read deadline closes

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from serving.console import clip
 from serving.engine import TensorSpec
 
 V2_DTYPES = {
@@ -372,7 +373,7 @@ def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -
     except OverflowError as exc:
         raise BadRequest(f"{where}: a value is out of range for {spec.datatype} ({exc})") from None
     except (ValueError, TypeError) as exc:
-        raise BadRequest(f"{where}: data is not a regular array ({str(exc).splitlines()[0][:120]}); "
+        raise BadRequest(f"{where}: data is not a regular array ({clip(str(exc).splitlines()[0], 120)}); "
                          f"expected {spec.describe()}") from None
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from serving.console import clip, ort_severity
 import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
@@ -244,7 +245,7 @@ def _not_on_gpu(device: str, wanted: str, ran: str, preload_report: str, printed
                  "`python -c 'import onnxruntime; onnxruntime.print_debug_info()'` lists what is found")
     said = "; ".join(x.rstrip(". ") for x in (preload_report, printed) if x)
     return (f"--device {device}: onnxruntime created the session on {ran}, not {wanted}: {cause}"
-            + (f". onnxruntime said: {said[:600]}" if said else "")
+            + (f". onnxruntime said: {clip(said, 600)}" if said else "")
             + (". --device auto would serve on the CPU instead" if device != "auto" else ""))
 
 
@@ -298,7 +299,9 @@ class Engine:
         # Idle pool threads spin by default, burning the cores the event loop needs to parse the
         # next request: with it on, the ResNet served at half the rate on 2 busy cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3  # errors only: the placement warnings are noise here
+        # Quiet unless --verbose: the placement warnings are noise, and a run's error is a client's 400,
+        # which the app logs once in our format.
+        options.log_severity_level = ort_severity()
         providers: list = [CPU]
         preload_report = ""
         if wanted in GPU_PROVIDERS:
@@ -355,7 +358,7 @@ class Engine:
             text = str(exc).strip()
             if type(exc).__name__ in ("InvalidArgument", "RuntimeException") and "memory" not in text.lower():
                 first = text.splitlines()[0] if text else type(exc).__name__
-                raise ModelInputError(f"the model cannot compute on these input values: {first[:400]}") from exc
+                raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
             raise
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> bool:

@@ -18,9 +18,11 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving import lengths
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -65,6 +67,8 @@ class ModelInfo:
     labels: tuple[str, ...] | None = None
     # LINEAGE_KEYS found in the file's metadata with a non-empty value (none for a hand-made ONNX file).
     lineage: dict[str, str] = field(default_factory=dict)
+    # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
+    max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,7 +154,8 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         raise
     info = ModelInfo(
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
-        version=str(version), source=uri, labels=_labels(engine.metadata), lineage=lineage(engine.metadata))
+        version=str(version), source=uri, labels=_labels(engine.metadata), lineage=lineage(engine.metadata),
+        max_lengths=lengths.read(engine.metadata))
     return LoadedModel(engine, info, workdir, variant)
 
 
@@ -162,11 +167,17 @@ def _download(uri: str, dst: str) -> str:
     import mlflow
 
     _check_store()
+    started = time.perf_counter()
     try:
-        return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
+        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
     except Exception as exc:  # mlflow raises MlflowException, OSError, ... depending on the store
         raise SourceError(f"cannot fetch {uri} from MLflow "
                           f"(tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
+    # Said once here: MLflow's own progress bar is off outside a terminal (see serving/console.py).
+    files = [p for p in Path(local).rglob("*") if p.is_file()]
+    log.info("downloaded %s: %d files, %.1f MB in %.1f s", uri, len(files),
+             sum(p.stat().st_size for p in files) / 1e6, time.perf_counter() - started)
+    return local
 
 
 def find_onnx(path: Path, variant: str = "fp32") -> Path:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from serving.batcher import Batcher
 from serving.codec import BadRequest
+from serving.console import clip
 from serving.loader import (
     LoadedModel,
     ModelInfo,
@@ -439,9 +440,9 @@ class Repository:
                     raise
             except BaseException as exc:
                 if not model.slots:
-                    model.state, model.reason = UNAVAILABLE, f"load failed: {exc}"[:500]
+                    model.state, model.reason = UNAVAILABLE, clip(f"load failed: {exc}", 500)
                 else:  # still serving what it served: READY, and the index says the reload failed
-                    model.reason = f"reload failed: {exc}"[:500]
+                    model.reason = clip(f"reload failed: {exc}", 500)
                 raise
             self.start()
             log.info("loaded %s version(s) %s in %.2f s", name, ", ".join(model.slots), time.perf_counter() - started)

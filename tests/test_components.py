@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pipeline.components.build import ModelSpec, instantiate_model, preflight
-from pipeline.components.reference import ArtifactSource, ComponentError, check_trusted
+from pipeline.components.reference import ArtifactSource, ComponentError, check_all_trusted, check_trusted
+from pipeline.tools.logs import first_line
 from pipeline.components.data import DataError
 from pipeline.config import ConfigError, load_config
 from pipeline.distributed.parallelize import fsdp_units, repeated_block
@@ -323,3 +324,30 @@ def test_a_bad_component_stops_the_launcher_before_torchrun_starts(tmp_path):
                      "model.args to what it takes"], proc.stderr
     assert "[rank" not in proc.stderr and not (tmp_path / "outputs").exists()
     assert time.monotonic() - start < 60
+
+
+def test_trust_splits_on_commas_like_the_environment_variable(monkeypatch):
+    """`--trust 'a.*,b.*'` is two patterns, as TRAINSERVE_TRUSTED_COMPONENTS='a.*,b.*' is."""
+    monkeypatch.delenv("TRAINSERVE_TRUSTED_COMPONENTS", raising=False)
+    source = ArtifactSource("model.json", ("my_project.*, timm.*",))
+    check_trusted("model", "my_project.models:Net", source)
+    check_trusted("model", "timm:create_model", source)
+    with pytest.raises(ComponentError):
+        check_trusted("model", "os:system", source)
+
+
+def test_every_untrusted_component_is_named_in_one_refusal_with_one_trust_to_copy(monkeypatch):
+    monkeypatch.delenv("TRAINSERVE_TRUSTED_COMPONENTS", raising=False)
+    source = ArtifactSource("/store/run/consolidated/model.json")
+    references = {"model": "my_project.models:Net", "data": "my_project.data:load", "task.loss": "pipeline.models:mlp",
+                  "task.metric": "my_project.metrics:score"}
+    with pytest.raises(ComponentError) as err:
+        check_all_trusted(references, source)
+    message = str(err.value)
+    them = "my_project.models:Net,my_project.data:load,my_project.metrics:score"
+    assert "model.component 'my_project.models:Net', data.component 'my_project.data:load', task.metric.component " \
+           "'my_project.metrics:score', which are not trusted here" in message
+    assert message.endswith(f"--trust '{them}' (or TRAINSERVE_TRUSTED_COMPONENTS='{them}')")
+    # What verify and every stage print of it: the whole refusal, the fix at its end included.
+    assert first_line(err.value) == message and len(message) > 300
+    check_all_trusted(references, ArtifactSource("model.json", (them,)))  # the fix, pasted as it is, is enough

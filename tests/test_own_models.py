@@ -207,12 +207,18 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
     weights = workdir / "outputs/mine/consolidated"
     proc = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"], cwd=workdir,
                    env=ON_PATH, check=False)
-    assert proc.returncode == 2 and "examples.diabetes.models:TabularMLP', which is not trusted here" in proc.stderr
+    # Every untrusted component in one refusal, one line, with one --trust that covers them all.
+    both = "examples.diabetes.models:TabularMLP,examples.diabetes.data:features"
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model.component 'examples.diabetes.models:TabularMLP', data.component 'examples.diabetes.data:features', " \
+           "which are not trusted here" in proc.stderr and proc.stderr.rstrip().endswith(f"--trust '{both}' "
+                                                                                         f"(or TRAINSERVE_TRUSTED_COMPONENTS='{both}')")
     assert not (tmp_path / "onnx" / "model.onnx").exists()
-    # Trusted but not installed here (no PYTHONPATH, run from elsewhere): the error says what the run logged.
+    # Trusted with that --trust, copied as it is, but not installed here (no PYTHONPATH, run from elsewhere):
+    # the next error is not about trust; it says what the run logged.
     run_id = json.loads((weights / "model.json").read_text())["source"]["mlflow_run_id"]
     lacking = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust",
-                       "examples.*", "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
+                       both, "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
     assert lacking.returncode == 2 and "No module named 'examples'" in lacking.stderr
     assert f"the training run logged that code: `mlflow artifacts download -r {run_id} -a code -d .`" in lacking.stderr
     assert "examples/diabetes/models.py" in lacking.stderr
@@ -255,3 +261,24 @@ def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_anoth
     b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")).state_dict()
     for key in a:  # same global batches; sums in another order
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
+def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
+    """Export recorded the model's position limit (max_len 128; the data is 64 long); the server shows it and
+    answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid expand shape"."""
+    import onnx
+
+    _, workdir, _ = example
+    exported = workdir / "outputs/mine/onnx/model.onnx"
+    meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
+    assert json.loads(meta["trainserve.max_lengths"]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
+    with ServerProcess("--model", str(exported), "--model-name", "seq") as server:
+        assert requests.get(f"{server.url}/v2/models/seq", timeout=10).json()["parameters"]["max_lengths"] == \
+            {"mask": {"1": 128}, "tokens": {"1": 128}}
+        for length, status in ((128, 200), (129, 400)):
+            body = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, length], "data": [1] * length},
+                               {"name": "mask", "datatype": "BOOL", "shape": [1, length], "data": [True] * length}]}
+            answer = requests.post(f"{server.url}/v2/models/seq/infer", json=body, timeout=30)
+            assert answer.status_code == status, answer.text
+        assert "model 'seq' was exported for at most 128" in answer.json()["error"]

@@ -185,3 +185,17 @@ def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_runni
         client, run = only_run(workdir, "tiny")
     assert run.info.status == "FINISHED", how  # the training's own status, not FAILED, not RUNNING
     assert run.data.tags["trainserve.stage.export"] == "failed" and run.data.tags["trainserve.stage.train"] == "done"
+
+
+@pytest.mark.parametrize("component, args, stem", [
+    ("timm:create_model", {"model_name": "resnet10t", "num_classes": 10}, "resnet10t-digits"),
+    ("transformers:AutoModelForSequenceClassification.from_pretrained",
+     {"pretrained_model_name_or_path": "/models/bert-tiny/"}, "bert-tiny-digits"),
+    ("my_project.models:create_model", {"hidden": 8}, "create-model-digits"),  # nothing names the model: as written
+    ("pipeline.models:resnet18", {"name": "ignored"}, "resnet18-digits"),  # a class, not a factory
+])
+def test_run_names_come_from_the_model_a_factory_builds_and_the_data(component, args, stem):
+    """The review's `create-model-digits32-...` for timm's resnet10t: a run is named after its model."""
+    cfg = load_config(None)
+    cfg.model.component, cfg.model.args = component, args
+    assert default_run_name(cfg).startswith(stem + "-")

@@ -336,7 +336,9 @@ def test_server_refuses_a_busy_port(model_path, tmp_path):
     with ServerProcess("--model", str(model_path), log_path=tmp_path / "a.log") as srv:
         r = subprocess.run([sys.executable, "-m", "serving", "--model", str(model_path), "--port", str(srv.port)],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            f"python -m serving: error: port {srv.port} on 127.0.0.1 is taken (Address already in use); choose "
+            "another with --port (or --grpc-port)"], r.stderr
         assert requests.get(srv.url + "/v2/health/live").status_code == 200
 
 

@@ -29,7 +29,7 @@ import torch
 
 from pipeline.components.data import first_batch, named
 from pipeline.distributed.process_group import DistInfo
-from pipeline.tools.logs import first_line
+from pipeline.tools.logs import clip, first_line
 
 PARITY_BATCHES = (1, 7, 64)
 VAL_BATCH = 64
@@ -225,7 +225,7 @@ def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Modul
                 try:
                     run_torch(head, feeds)
                 except Exception as exc:  # noqa: BLE001 - the model's own limit (max positions): try another length
-                    errors.append(f"{other}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc)
+                    errors.append(f"{other}: {type(exc).__name__}: {clip(str(exc).splitlines()[0], 120)}" if str(exc)
                                   else f"{other}: {type(exc).__name__}")
                     continue
                 batches[f"{name}_{axis}.len{other}"] = feeds

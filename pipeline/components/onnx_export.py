@@ -23,6 +23,7 @@ from torch import nn
 
 from pipeline.components.data import forward
 from pipeline.errors import ExportError  # noqa: F401 - raised here, defined with the others
+from pipeline.tools.logs import clip
 
 log = logging.getLogger(__name__)
 
@@ -216,4 +217,4 @@ def _summary(exc: BaseException) -> str:
         lines = lines[lines.index("## Exception summary") + 1:]
     head = lines[0] if lines else ""
     suffix = f" [operators: {', '.join(ops)}]" if ops else ""
-    return f"{type(exc).__name__}: {head[:300]}{suffix}"
+    return f"{type(exc).__name__}: {clip(head, 300)}{suffix}"

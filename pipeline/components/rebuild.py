@@ -18,7 +18,7 @@ from pipeline.components.build import build_data, probe
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import Splits
 from pipeline.components.onnx_export import ExportHead
-from pipeline.components.reference import ArtifactSource
+from pipeline.components.reference import ArtifactSource, check_all_trusted, recorded_components
 from pipeline.components.weights import META_FILE, Weights, load_model
 from pipeline.errors import DataError
 from pipeline.tasks import build_task
@@ -46,6 +46,8 @@ def rebuild(weights: Weights, trusted: Sequence[str] = (), data_cfg=None, task_c
     config unless given: `pipeline run` passes the config it was run with)."""
     data_cfg, task_cfg = data_cfg or weights.config.data, task_cfg or weights.config.task
     source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
+    task = weights.config.task  # every component model.json names, refused all at once rather than one per try
+    check_all_trusted(recorded_components(weights.config.model, weights.config.data, task.loss, task.metric), source)
     hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
     model = load_model(weights, source, hint)
     splits = build_data(data_cfg, task_cfg.name, source, hint)

@@ -169,8 +169,14 @@ class ArtifactSource:
 
 
 def trusted_patterns(extra: Iterable[str] = ()) -> list[str]:
-    from_env = [p.strip() for p in os.environ.get(TRUST_ENV, "").split(",") if p.strip()]
-    return [*BUILTIN_PATTERNS, *from_env, *extra]
+    """The built-ins, $TRAINSERVE_TRUSTED_COMPONENTS and `extra` (--trust, each repeatable): all of them
+    comma-separated lists, read the same way."""
+    return [*BUILTIN_PATTERNS, *split_patterns(os.environ.get(TRUST_ENV, "")), *split_patterns(*extra)]
+
+
+def split_patterns(*texts: str) -> list[str]:
+    """`'my_project.*, timm.*'` -> ['my_project.*', 'timm.*']."""
+    return [p.strip() for text in texts for p in text.split(",") if p.strip()]
 
 
 def matches(reference: str, pattern: str) -> bool:
@@ -185,13 +191,48 @@ def matches(reference: str, pattern: str) -> bool:
 def check_trusted(key: str, reference: str, source: ArtifactSource | None) -> None:
     """Refuses a reference read from an artifact unless its module is built in or explicitly trusted;
     `source` None means the reference came from the user's own config."""
-    if source is None or any(matches(reference, p) for p in trusted_patterns(source.trusted)):
+    check_all_trusted({key: reference}, source)
+
+
+def check_all_trusted(references: dict[str, str], source: ArtifactSource | None) -> None:
+    """`check_trusted` for every component an artifact names ({key: reference}) at once: the refusal lists
+    all the untrusted ones with one `--trust` that covers them, so the next refusal does not follow the fix."""
+    if source is None:
         return
+    patterns = trusted_patterns(source.trusted)
+    untrusted = {k: r for k, r in references.items() if r and not any(matches(r, p) for p in patterns)}
+    if not untrusted:
+        return
+    named = ", ".join(f"{key}.component '{reference}'" for key, reference in untrusted.items())
+    them = ",".join(dict.fromkeys(untrusted.values()))
     raise ComponentError(
-        f"{source.where} names {key}.component '{reference}', which is not trusted here: a component named by an "
-        f"artifact is imported and run only when it is built in or matches ${TRUST_ENV} or --trust "
-        f"(comma-separated patterns such as 'my_project.*'), because a shared store could name any callable. "
-        f"If you trust the run that wrote it: {TRUST_ENV}='{reference}' (or --trust '{reference}')")
+        f"{source.where} names {named}, which {'is' if len(untrusted) == 1 else 'are'} not trusted here: a "
+        f"component named by an artifact is imported and run only when it is built in or matches ${TRUST_ENV} or "
+        f"--trust (comma-separated patterns such as 'my_project.*'), because a shared store could name any "
+        f"callable. If you trust the run that wrote {'it' if len(untrusted) == 1 else 'them'}: "
+        f"--trust '{them}' (or {TRUST_ENV}='{them}')")
+
+
+def recorded_components(*sections: Any) -> dict[str, str]:
+    """{key: reference} of config sections that name a component (each has KEY and component; None skipped)."""
+    return {s.KEY: s.component for s in sections if s is not None and getattr(s, "component", None)}
+
+
+# Arguments by which a factory names the model it builds: timm's create_model(model_name=...), Hugging
+# Face's from_pretrained(pretrained_model_name_or_path=...), torchvision's get_model(name=...).
+NAMING_ARGS = ("model_name", "pretrained_model_name_or_path", "arch", "architecture", "name")
+FACTORY = re.compile(r"^(create|make|build|get|load|new)(_|$)")
+
+
+def model_short_name(reference: str, args: dict[str, Any] | None = None) -> str:
+    """A name for runs: the model a factory builds (`timm:create_model` with model_name resnet10t ->
+    `resnet10t`, `transformers:AutoModel.from_pretrained` with a path -> its last part), else `short_name`."""
+    attribute = reference.rpartition(":")[2].rpartition(".")[2]
+    named = next((v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None)
+    if named and (FACTORY.match(attribute.lower()) or attribute.startswith("from_")):
+        last = named.rstrip("/").rpartition("/")[2].lower()
+        return re.sub(r"[^a-z0-9]+", "-", last).strip("-") or short_name(reference)
+    return short_name(reference)
 
 
 def short_name(reference: str) -> str:

@@ -10,6 +10,7 @@ work starts so a wrong URI fails in seconds, not after an hour of training.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -204,6 +205,9 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
                             "a checkpoint resumed from another store? Point tracking.tracking_uri at the "
                             "store it was trained with") from None
     mlflow.set_tags(tags)
+    # MLflow's own monitor lines are quiet (serving/console.py): said once here instead.
+    log.info("MLflow run %s: system metrics %s", run.info.run_id,
+             "on (CPU, memory, disk, network; every 2 s)" if system_metrics else "off (tracking.system_metrics)")
     global _logged_through
     _logged_through = last_training_step_logged(run.info.run_id) if run_id and skip_logged_steps else None
     if _logged_through is not None:
@@ -448,7 +452,10 @@ def register_version(model_uri: str, name: str, alias: str, tags: dict[str, str]
     """A new version of registered model `name`, with `tags`, and `alias` moved to it; returns the version."""
     import mlflow
 
-    version = mlflow.register_model(model_uri, name, tags=tags)
+    # MLflow prints "Successfully registered model"/"Created version" itself, past logging; export says
+    # it once in its own words ("registered NAME version N as @alias").
+    with contextlib.redirect_stderr(io.StringIO()):
+        version = mlflow.register_model(model_uri, name, tags=tags)
     move_alias(name, alias, version.version)
     return str(version.version)
 

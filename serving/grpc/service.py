@@ -165,6 +165,8 @@ def _handler(server, service: Service, method: str, request_class):
             refused = refusal(exc)
             if refused.code == grpc.StatusCode.INTERNAL:
                 log.exception("gRPC %s failed", method)
+            else:  # a client's mistake: once, in our format, as HTTP logs its 4xx
+                log.warning("gRPC %s -> %s: %s", method, refused.code.name, refused)
             status, response = refused.code, None
         if info.receipt:
             await context.send_initial_metadata(tuple(info.receipt.items()))
