@@ -19,6 +19,7 @@ STAGES = {
     "serve": ("pipeline.serve", "serve an ONNX model over HTTP with onnxruntime (delegates to `python -m serving`)"),
     "run": ("pipeline.run", "every stage in order for one config: train, consolidate, export, [serve]"),
     "verify": ("pipeline.verify", "re-prove a registered model's chain: registry, ONNX, weights, checkpoint, gates, server"),
+    "promote": ("pipeline.promote", "move @champion to the @challenger a server's shadow comparison says to promote"),
     "trace": ("pipeline.trace", "walk a logged request (its request id) back to the model version, run and data"),
     "ui": ("pipeline.ui", "the MLflow UI over the store the stages write to"),
     "config": ("pipeline.config_cli", "print the resolved config, or every field with its meaning"),

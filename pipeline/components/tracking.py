@@ -479,6 +479,22 @@ def move_alias(name: str, alias: str, version: str) -> None:
     mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
 
 
+@uninterrupted
+def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+
+
+@uninterrupted
+def delete_alias(name: str, alias: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().delete_registered_model_alias(name, alias)
+
+
 def version_tags(name: str, version: str) -> dict[str, str]:
     import mlflow
 

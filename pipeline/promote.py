@@ -1,0 +1,114 @@
+"""`pipeline promote NAME --server URL`: the challenger judged on live traffic becomes the champion.
+
+A server run with `--shadow FRACTION` mirrors a model's traffic to the version behind `@challenger` and
+judges the pair (`GET /v2/models/NAME/shadow`, serving/shadow.py). This command reads that verdict and,
+when it says `promote` for the very version the registry's `@challenger` names now, moves `@champion`
+to it, records the figures it was judged on as that version's tags (`trainserve.shadow.*`), and drops
+`@challenger` (nothing is left to shadow). Any other verdict changes nothing and says why (exit 1);
+`--force` moves the alias whatever the verdict, recording it as forced.
+
+The move is checked after it is made: if another promotion moved `@champion` meanwhile, the command says
+so (exit 1) instead of reporting a promotion that did not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import requests
+
+from pipeline.components import tracking
+from pipeline.errors import TrackingError
+from pipeline.tools import logs
+
+log = logging.getLogger("pipeline.promote")
+
+
+class PromoteError(RuntimeError):
+    """The verdict can't be read, or is not for the version the registry names."""
+
+
+def main(name: str, server: str, token: str = "", tracking_uri: str = "", champion: str = "champion",
+         challenger: str = "challenger", force: bool = False) -> dict[str, Any]:
+    """{"promoted": bool, "version", "reason", "shadow": the server's report}."""
+    tracking.use_store(tracking_uri)
+    report = shadow_report(server, name, token)
+    behind = tracking.alias_version(name, challenger)
+    if behind is None:
+        raise PromoteError(f"{name} has no @{challenger}; export a candidate first (it gets @{challenger} when it "
+                           "does not win at export)")
+    if str(report.get("challenger_version")) != behind:
+        raise PromoteError(f"the server shadows version {report.get('challenger_version')} but @{challenger} names "
+                           f"version {behind} now; wait for the server to follow the alias (--reload-interval) and "
+                           "judge it")
+    verdict, reason = report.get("verdict"), report.get("reason", "")
+    if verdict != "promote" and not force:
+        return {"promoted": False, "version": behind, "reason": f"the shadow verdict is {verdict}: {reason}",
+                "shadow": report}
+    tracking.set_version_tags(name, behind, shadow_tags(report, forced=verdict != "promote"))
+    tracking.move_alias(name, champion, behind)
+    now = tracking.alias_version(name, champion)
+    if now != behind:
+        return {"promoted": False, "version": behind, "shadow": report,
+                "reason": f"@{champion} moved to version {now} while this promotion moved it to {behind}"}
+    tracking.delete_alias(name, challenger)
+    return {"promoted": True, "version": behind, "shadow": report,
+            "reason": f"{'forced past a ' + str(verdict) + ' verdict' if verdict != 'promote' else reason}"}
+
+
+def shadow_report(server: str, name: str, token: str = "") -> dict[str, Any]:
+    url = f"{server.rstrip('/')}/v2/models/{name}/shadow"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = requests.get(url, headers=headers, timeout=10)
+    except requests.RequestException as exc:
+        raise PromoteError(f"GET {url}: {logs.first_line(exc)}") from None
+    if answer.status_code != 200:
+        raise PromoteError(f"GET {url}: HTTP {answer.status_code}: {logs.clip(answer.text, 300)}"
+                           + ("; start the server with --shadow FRACTION" if answer.status_code == 404 else ""))
+    return answer.json()
+
+
+def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
+    """The figures the version was judged on, as registry tags."""
+    tags = {"trainserve.shadow.verdict": str(report.get("verdict")) + (" (forced)" if forced else ""),
+            "trainserve.shadow.reason": logs.clip(str(report.get("reason", "")), 5000),
+            "trainserve.shadow.pairs": str(report.get("pairs", 0)),
+            "trainserve.shadow.dropped": str(report.get("dropped", 0)),
+            "trainserve.shadow.champion_version": str(report.get("champion_version")),
+            "trainserve.shadow.latency_ms": json.dumps(report.get("latency_ms") or {}),
+            "trainserve.shadow.labels": str(report.get("labels", 0))}
+    if "agreement" in report:
+        tags["trainserve.shadow.agreement"] = f"{report['agreement']:.6f}"
+    if report.get("mean_abs_difference"):
+        tags["trainserve.shadow.mean_abs_difference"] = json.dumps(report["mean_abs_difference"])
+    if any(report.get("live", {}).values()):
+        tags["trainserve.shadow.live"] = json.dumps(report["live"])
+    return tags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the registered model whose @challenger the server shadows")
+    parser.add_argument("--server", required=True, help="the server's base URL (started with --shadow FRACTION)")
+    parser.add_argument("--token", default="", help="the server's bearer token, if it has one")
+    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, then "
+                                                           "sqlite:///mlflow.db)")
+    parser.add_argument("--force", action="store_true", help="move @champion whatever the verdict (recorded as forced)")
+
+
+def cli(args: argparse.Namespace) -> int:
+    logs.configure()
+    try:
+        result = main(args.name, args.server, args.token, args.tracking_uri, force=args.force)
+    except (PromoteError, TrackingError) as exc:
+        print(f"pipeline promote: error: {exc}", file=sys.stderr)
+        return 2
+    if not result["promoted"]:
+        print(f"pipeline promote: not promoted: version {result['version']}: {result['reason']}", file=sys.stderr)
+        return 1
+    print(f"promoted {args.name} version {result['version']} to @champion: {result['reason']}")
+    return 0
