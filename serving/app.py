@@ -202,7 +202,7 @@ class Server:
                     await task
             await self.repository.close()
             if self.payload_log is not None:  # every request was answered: its records are all queued
-                await asyncio.to_thread(self.payload_log.close)
+                await asyncio.to_thread(self.payload_log.close, self.settings.graceful_timeout)
             self.executor.shutdown(wait=True)
             log.info("stopped")
 
