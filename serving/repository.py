@@ -254,8 +254,12 @@ class Repository:
             raise RepositoryError(f"unknown model '{name[:128]}'; this server has {self.describe()}", 404)
         return model
 
-    def describe(self) -> str:
+    def describe(self, limit: int = 10) -> str:
+        """The models, the first `limit` named: a refusal carries this, and gRPC sends it in a trailer that a
+        client refuses past 8 KiB (300 names made NOT_FOUND arrive as RESOURCE_EXHAUSTED)."""
         names = [f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})") for n, m in self.models.items()]
+        if len(names) > limit:
+            return ", ".join(names[:limit]) + f" and {len(names) - limit} more (GET or POST /v2/repository/index)"
         return ", ".join(names) if names else "no models"
 
     def slot(self, name: str, version: str | None) -> Slot:
