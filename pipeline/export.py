@@ -486,8 +486,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
-            if "fp16" in variants:
-                tags["trainserve.onnx_fp16_sha256"] = report["onnx_fp16_sha256"] = file_sha256(variants["fp16"])
+            for variant, path in variants.items():  # every file a version carries: the server checks them all
+                tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
             decision = report["promotion"]
             if decision["promote"] and (decision["champion"] or {}).get("version") != \
                     tracking.alias_version(result.registered_model_name, cfg.alias):

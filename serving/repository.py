@@ -175,7 +175,9 @@ class Slot:
 def receipt_values(info: ModelInfo) -> dict[str, str]:
     return {"X-Model-Name": info.name, "X-Model-Version": info.version,
             "X-Model-Run-Id": info.lineage.get("run_id", ""),
-            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", "")}
+            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", ""),
+            # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the fact
+            "X-Model-Onnx-Sha256": info.lineage.get("onnx_sha256", "")}
 
 
 def receipt_headers(info: ModelInfo) -> dict[str, str]:

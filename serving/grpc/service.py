@@ -8,7 +8,7 @@ metrics and the payload log. An unmodified `tritonclient.grpc` client works.
 As over HTTP: the bearer token (metadata `authorization: Bearer <token>`) on all but ServerLive and
 ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
 RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the receipt (x-request-id,
-x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256) comes back as initial metadata, and
+x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256, x-model-onnx-sha256) comes back as initial metadata, and
 the response's `id` echoes the request's.
 """
 
