@@ -29,6 +29,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -169,15 +170,17 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
             variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
-    if report["passed"] and register:  # champion vs challenger, on the same split, the same way
-        report["promotion"] = promotion.decide(onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
-                                               cfg.promote_tolerance)
+    # champion vs challenger, on the same split, the same way (again at registration if the champion moved)
+    compare = partial(promotion.decide, onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
+                      cfg.promote_tolerance)
+    if report["passed"] and register:
+        report["promotion"] = compare()
         log.info("%s: %s", "promote" if report["promotion"]["promote"] else "not promoted",
                  report["promotion"]["reason"])
     report_path = out / "export_report.json"
     write_json(report_path, report)
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
-    _publish(result, weights, run_id, cfg, exported, example, variants, register)
+    _publish(result, weights, run_id, cfg, exported, example, variants, register, compare)
     write_json(report_path, report)  # now with the model version, if any
     return result
 
@@ -461,7 +464,7 @@ def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
 
 
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
-             example: dict[str, torch.Tensor], variants: dict, register: bool) -> None:
+             example: dict[str, torch.Tensor], variants: dict, register: bool, compare=None) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
@@ -488,18 +491,17 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
             for variant, path in variants.items():  # every file a version carries: the server checks them all
                 tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
-            decision = report["promotion"]
-            if decision["promote"] and (decision["champion"] or {}).get("version") != \
-                    tracking.alias_version(result.registered_model_name, cfg.alias):
-                decision |= {"promote": False, "reason": f"@{cfg.alias} moved to another version while this export "
-                                                         "compared against it; export again to compare with it"}
-            alias = cfg.alias if decision["promote"] else cfg.challenger_alias
-            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
-                     "trainserve.promotion.reason": decision["reason"][:5000]}
-            result.model_version = tracking.register_version(report["model_uri"], result.registered_model_name,
-                                                             alias, tags)
+            # One decision at a time per registered model, each against the holder at its turn (promotion.py).
+            result.model_version, alias, decision = promotion.promote_in_turn(
+                report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,
+                report["promotion"], compare)
+            if "compared_again" in decision:
+                tracking.log_metrics(promotion_metrics(decision))
+            report["promotion"] = decision
             report["model_version"] = result.model_version
             report["alias"] = alias
+            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
+                     "trainserve.promotion.reason": decision["reason"][:5000]}
             tracking.set_tags({"trainserve.promotion": tags["trainserve.promotion"],
                                "trainserve.promotion.reason": tags["trainserve.promotion.reason"]})
             log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
