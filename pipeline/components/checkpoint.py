@@ -326,9 +326,26 @@ def read_metadata_safely(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    _check_storage_paths(Path(path), metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def _check_storage_paths(path: Path, metadata: Metadata) -> None:
+    """Every tensor's data is read from a file inside the checkpoint. DCP writes its shard files there and
+    names them relative to it; the unpickler admits any string, and DCP's reader joins it to the directory, so
+    an absolute or `../` relative_path would read another run's (or any) file, which the marker's checksums,
+    covering only the checkpoint's own files, never see."""
+    root = path.resolve()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        relative = getattr(info, "relative_path", None)
+        where = getattr(index, "fqn", index)
+        if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or \
+                ".." in Path(relative).parts or not (root / relative).resolve().is_relative_to(root):
+            raise CheckpointError(f"checkpoint '{path}': .metadata reads '{where}' from {relative!r:.200}, outside the "
+                                  "checkpoint directory; DCP stores data in files inside it (e.g. '__0_0.distcp'). "
+                                  "A foreign or hostile file: use a checkpoint your own training wrote")
 
 
 class CachedMetadataReader(FileSystemReader):
