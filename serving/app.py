@@ -86,7 +86,8 @@ class HTTPError(Exception):
 def model_summary(info: ModelInfo) -> dict:
     """The model as a payload record names it."""
     return {"name": info.name, "version": info.version, "run_id": info.lineage.get("run_id"),
-            "weights_sha256": info.lineage.get("weights_sha256")}
+            "weights_sha256": info.lineage.get("weights_sha256"), "onnx_sha256": info.lineage.get("onnx_sha256"),
+            "source": info.resolved_source}  # `pipeline trace` follows this, not the served name
 
 
 def check_request_id(value: str, where: str) -> str:

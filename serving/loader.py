@@ -80,6 +80,13 @@ class ModelInfo:
     labels: tuple[str, ...] | None = None
     # LINEAGE_KEYS found in the file's metadata with a non-empty value (none for a hand-made ONNX file).
     lineage: dict[str, str] = field(default_factory=dict)
+    registered: str | None = None  # the registered model's name, for a registry source (the served name may differ)
+
+    @property
+    def resolved_source(self) -> str:
+        """Where this version's bytes came from, pinned: models:/<registered>/<version> for a registry source
+        (an alias moves; this does not), else the source as given."""
+        return f"models:/{self.registered}/{self.version}" if self.registered else self.source
 
 
 @dataclass
@@ -170,7 +177,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
     info = ModelInfo(
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
         version=str(version), source=uri, labels=_labels(engine.metadata),
-        lineage={**lineage(engine.metadata), "onnx_sha256": digest})
+        lineage={**lineage(engine.metadata), "onnx_sha256": digest}, registered=registered)
     return LoadedModel(engine, info, workdir, variant)
 
 

@@ -13,7 +13,8 @@ One record per line:
     {"request_id": str, "time": "2025-01-31T12:00:00.123Z" (UTC, when answered),
      "endpoint": "/v2/models/{name}/infer" | "/v2/models/{name}/versions/{version}/infer" | "/invocations",
      "status": 200 | the 4xx/5xx of a request that failed at the model,
-     "model": {"name": str, "version": str, "run_id": str | null, "weights_sha256": str | null},
+     "model": {"name": str, "version": str, "run_id": str | null, "weights_sha256": str | null,
+               "onnx_sha256": str, "source": "models:/<registered name>/<version>" | the file or URI served},
      "inputs": {name: {"dtype": numpy dtype name, "shape": [int, ...], "data": nested lists}},
      "outputs": {name: {...the same}} | null (failed), "error": str (only when failed)}
 

@@ -124,3 +124,30 @@ def test_verify_is_incomplete_when_a_link_could_not_run(capsys):
     assert capsys.readouterr().out.strip() == "INCOMPLETE: weights, gates could not be checked (see why above): models:/m@a"
     assert verify.verdict(links[:1], "models:/m@a") == 0
     assert verify.verdict([*links, verify.Link("onnx", "FAIL", "")], "models:/m@a") == 1
+
+
+def test_trace_follows_the_resolved_source_and_every_record_of_a_reused_id(registry, tmp_path):
+    """The review's M3: `pipeline trace` took the served name for the registered one (so `--model
+    other=models:/digits@champion` could not be traced, and a file served as `digits` was traced to the
+    registry's digits), and of two requests sharing an X-Request-Id only the newest was found. Here the record
+    names the pinned source, trace follows it, and both records of a reused id are traced."""
+    from conftest import run_cli
+
+    env, client = registry
+    here = tiny_model(tmp_path / "local.onnx", seed=9)
+    payloads = tmp_path / "payloads"
+    with ServerProcess("--model", "other=models:/digits@champion", "--model", f"digits={here}", "--payload-log",
+                       str(payloads), env=env, log_path=tmp_path / "server.log") as srv:
+        x = np.full(64, 0.5).tolist()
+        for name in ("other", "digits"):
+            r = requests.post(f"{srv.url}/v2/models/{name}/infer", headers={"X-Request-Id": "reused"}, timeout=30,
+                              json={"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]})
+            assert r.status_code == 200
+        assert srv.terminate() == 0
+    traced = run_cli(["trace", "reused", "--payload-log", str(payloads), "--tracking-uri", env["MLFLOW_TRACKING_URI"]],
+                     cwd=tmp_path).stdout
+    assert "2 records carry request id reused" in traced, traced
+    first, second = traced.split("request     reused")[1:]
+    assert "model       other v1" in first and "version     models:/digits/1 (@champion)" in first, traced
+    assert "model       digits v1" in second and f"source      {here}: not a registry version" in second, traced
+    assert "models:/digits/1" not in second, traced

@@ -311,7 +311,9 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
     for x, y, rid, version in answers:
         rec = by_id[rid]
         assert rec["model"] == {"name": "affine", "version": str(version), "run_id": runs[version],
-                                "weights_sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"]}
+                                "weights_sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"],
+                                "onnx_sha256": rec["model"]["onnx_sha256"], "source": f"models:/affine/{version}"}
+        assert len(rec["model"]["onnx_sha256"]) == 64
         np.testing.assert_array_equal(np.asarray(rec["outputs"]["y"]["data"], np.float32), y)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)
     # Each file went to the training run of the version that answered its requests (a file holds one version).
