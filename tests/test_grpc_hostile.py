@@ -156,7 +156,8 @@ def test_not_found_stays_small_with_hundreds_of_models(model, tmp_path):
     for i in range(300):
         (root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1").mkdir(parents=True)
         shutil.copy(model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx")
-    with grpc_server("--repository", str(root), tmp_path=tmp_path, wait_ready=False) as srv:
+    with grpc_server("--repository", str(root), "--load-model", "model-with-a-fairly-descriptive-name-000",
+                     tmp_path=tmp_path) as srv:
         for method, message in (("ModelInfer", infer_request("nosuch")),
                                 ("ModelReady", schema.ModelReadyRequest(name="nosuch"))):
             code, details = call(srv.grpc, method, message)
