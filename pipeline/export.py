@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from pipeline.components import gates, onnx_export, promotion, tracking
+from pipeline.components import run_dir as run_dir_owner
 from pipeline.components.build import ModelSpec, build_data, instantiate_model
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import DataError, Splits, first_batch, named
@@ -111,6 +112,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         if run_id:
             tracking.get_run(run_id)
     out = Path(output_dir) if output_dir else weights.directory.parent / "onnx"
+    run_dir_owner.claim_for_output(out)  # as consolidate: not under a live training's or run's feet
     out.mkdir(parents=True, exist_ok=True)
     name = cfg.registered_model_name or default_model_name(weights)
 
@@ -567,7 +569,8 @@ def cli(args: argparse.Namespace) -> int:
     try:
         result = main(weights_dir, run_id=args.run_id, overrides=overrides, output_dir=args.output,
                       tracking_uri=args.tracking_uri, register=not args.no_register, trusted=args.trust)
-    except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError) as exc:
+    except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError,
+            run_dir_owner.RunDirBusy) as exc:
         one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"pipeline export: error: {one_line}", file=sys.stderr)
         return 2
