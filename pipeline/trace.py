@@ -101,7 +101,8 @@ def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
         v = client.get_model_version(name, version)
         tags = dict(v.tags)
         aliases = ", ".join(f"@{a}" for a in v.aliases) or "no alias now"
-        echo(f"version     models:/{name}/{version} ({aliases}); {tags.get('trainserve.promotion', 'promotion not recorded')}"
+        promotion = tags.get("trainserve.promotion", "promotion not recorded")
+        echo(f"version     models:/{name}/{version} ({aliases}); {promotion}"
              + (f": {tags['trainserve.promotion.reason']}" if tags.get("trainserve.promotion.reason") else ""))
         for key, what in (("weights_sha256", "weights"), ("onnx_sha256", "ONNX")):
             if model.get(key) and tags.get(f"trainserve.{key}") not in (None, model[key]):

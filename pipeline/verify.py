@@ -249,8 +249,9 @@ def server_link(url: str, name: str, version: str, tags: dict, props: dict, toke
         problems.append(f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
                         f"{props.get('trainserve.weights_sha256', '')[:16]}")
     if served["onnx"] not in recorded or params.get("onnx_sha256") != served["onnx"]:
-        problems.append(f"serves ONNX bytes with sha256 {served['onnx'][:16] or '(unnamed: X-Model-Onnx-Sha256 missing)'}"
-                        f", the version records {', '.join(sorted(r[:16] for r in recorded)) or '(none)'}")
+        named = served["onnx"][:16] or "(unnamed: X-Model-Onnx-Sha256 missing)"
+        problems.append(f"serves ONNX bytes with sha256 {named}, the version records "
+                        f"{', '.join(sorted(r[:16] for r in recorded)) or '(none)'}")
     report(Link("server", "FAIL" if problems else "ok",
                 "; ".join(problems) if problems else f"{base} serves {name} v{version}, weights "
                                                      f"{served['weights'][:16]}, ONNX {served['onnx'][:16]} "

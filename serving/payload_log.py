@@ -3,11 +3,12 @@
 Opt-in (`--payload-log DIR`). The request path only decides whether a request is in the sample (a hash
 of its id) and hands the record's arrays to a bounded queue without waiting; a full queue drops the
 record and counts it. One writer thread turns records into JSON (the costly part, off the event loop),
-appends them to DIR/payloads-<UTC time>-<n>.jsonl (one open file per model version, at most MAX_OPEN_FILES,
-so that versions answering in turn do not start a file each), starts a new file past
+appends them to DIR/payloads-<UTC time>-<n>.jsonl (one open file per model version, at most
+MAX_OPEN_FILES, so that versions answering in turn do not start a file each), starts a new file past
 --payload-log-file-mb, and deletes the oldest payload files before a write would take the directory past
---payload-log-max-mb. The directory is made 0700 and the files 0600: they hold what clients sent. With `mlflow=True`, each file is logged, once closed, as an
-artifact under `payloads/` of the training run of the model that answered its requests.
+--payload-log-max-mb. The directory is made 0700 and the files 0600: they hold what clients sent. With
+`mlflow=True`, each file is logged, once closed, as an artifact under `payloads/` of the training run of
+the model that answered its requests.
 
 One record per line:
     {"request_id": str, "time": "2025-01-31T12:00:00.123Z" (UTC, when answered),
