@@ -140,7 +140,8 @@ def test_every_request_of_the_sample_is_logged_once_and_no_other(model, tmp_path
         assert rec["status"] == 200 and rec["endpoint"] == ("/invocations" if kind == "invocations"
                                                             else "/v2/models/{name}/infer")
         assert rec["model"] == {"name": "affine", "version": "1", "run_id": "run-payloads",
-                                "weights_sha256": lineage_metadata(1, "run-payloads")["trainserve.weights_sha256"]}
+                                "weights_sha256": lineage_metadata(1, "run-payloads")["trainserve.weights_sha256"],
+                                "onnx_sha256": hashlib.sha256(model.read_bytes()).hexdigest(), "source": str(model)}
         assert rec["inputs"]["input"]["dtype"] == "float32" and rec["inputs"]["input"]["shape"] == list(x.shape)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)
         assert rec["outputs"]["y"]["shape"] == list(y.shape)
