@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline.components import checkpoint
+from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
@@ -95,6 +96,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     if checkpoint_path is not None:  # a download was verified as it arrived
         checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
+    run_dir_owner.claim_for_output(out_dir)  # a training (or run) still writing there stops us, by name
 
     reader = CachedMetadataReader(ckpt)
     specs = plan_tensors(ckpt, reader.metadata, meta, DTYPES[dtype])
@@ -428,7 +430,7 @@ def cli(args: argparse.Namespace) -> int:
     try:
         path = main(args.source, latest=args.latest, run_id=args.run_id, output=args.output, dtype=args.dtype,
                     tracking_uri=args.tracking_uri, log_to_mlflow=not args.no_log)
-    except (CheckpointError, TrackingError, ConsolidateError) as exc:
+    except (CheckpointError, TrackingError, ConsolidateError, run_dir_owner.RunDirBusy) as exc:
         print(f"pipeline consolidate: error: {exc}", file=sys.stderr)
         return 2
     print(path)

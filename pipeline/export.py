@@ -29,6 +29,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from pipeline.components import gates, length_limits, onnx_export, promotion, tracking
+from pipeline.components import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
@@ -94,6 +96,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         if run_id:
             tracking.get_run(run_id)
     out = Path(output_dir) if output_dir else weights.directory.parent / "onnx"
+    run_dir_owner.claim_for_output(out)  # as consolidate: not under a live training's or run's feet
     out.mkdir(parents=True, exist_ok=True)
     name = cfg.registered_model_name or default_model_name(weights)
 
@@ -150,15 +153,17 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
             variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
-    if report["passed"] and register:  # champion vs challenger, on the same split, the same way
-        report["promotion"] = promotion.decide(onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
-                                               cfg.promote_tolerance)
+    # champion vs challenger, on the same split, the same way (again at registration if the champion moved)
+    compare = partial(promotion.decide, onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
+                      cfg.promote_tolerance)
+    if report["passed"] and register:
+        report["promotion"] = compare()
         log.info("%s: %s", "promote" if report["promotion"]["promote"] else "not promoted",
                  report["promotion"]["reason"])
     report_path = out / "export_report.json"
     write_json(report_path, report)
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
-    _publish(result, weights, run_id, cfg, exported, example, variants, register)
+    _publish(result, weights, run_id, cfg, exported, example, variants, register, compare)
     write_json(report_path, report)  # now with the model version, if any
     return result
 
@@ -364,7 +369,7 @@ def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
 
 
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
-             example: dict[str, torch.Tensor], variants: dict, register: bool) -> None:
+             example: dict[str, torch.Tensor], variants: dict, register: bool, compare=None) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
@@ -390,21 +395,20 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
-            if "fp16" in variants:
-                tags["trainserve.onnx_fp16_sha256"] = report["onnx_fp16_sha256"] = file_sha256(variants["fp16"])
+            for variant, path in variants.items():  # every file a version carries: the server checks them all
+                tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
             tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))
-            decision = report["promotion"]
-            if decision["promote"] and (decision["champion"] or {}).get("version") != \
-                    tracking.alias_version(result.registered_model_name, cfg.alias):
-                decision |= {"promote": False, "reason": f"@{cfg.alias} moved to another version while this export "
-                                                         "compared against it; export again to compare with it"}
-            alias = cfg.alias if decision["promote"] else cfg.challenger_alias
-            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
-                     "trainserve.promotion.reason": decision["reason"][:5000]}
-            result.model_version = tracking.register_version(report["model_uri"], result.registered_model_name,
-                                                             alias, tags)
+            # One decision at a time per registered model, each against the holder at its turn (promotion.py).
+            result.model_version, alias, decision = promotion.promote_in_turn(
+                report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,
+                report["promotion"], compare)
+            if "compared_again" in decision:
+                tracking.log_metrics(promotion_metrics(decision))
+            report["promotion"] = decision
             report["model_version"] = result.model_version
             report["alias"] = alias
+            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
+                     "trainserve.promotion.reason": decision["reason"][:5000]}
             tracking.set_tags({"trainserve.promotion": tags["trainserve.promotion"],
                                "trainserve.promotion.reason": tags["trainserve.promotion.reason"]})
             log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
@@ -471,7 +475,8 @@ def cli(args: argparse.Namespace) -> int:
     try:
         result = main(weights_dir, run_id=args.run_id, overrides=overrides, output_dir=args.output,
                       tracking_uri=args.tracking_uri, register=not args.no_register, trusted=args.trust)
-    except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError) as exc:
+    except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError,
+            run_dir_owner.RunDirBusy) as exc:
         one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"pipeline export: error: {one_line}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -22,15 +23,16 @@ from pipeline.errors import TraceError  # noqa: F401 - raised here, defined with
 log = logging.getLogger("pipeline.trace")
 
 
-def find_request(log_dir: Path, request_id: str) -> dict:
-    """The payload log's record of `request_id` (the newest, if a client reused an id)."""
+def find_requests(log_dir: Path, request_id: str) -> list[dict]:
+    """Every payload log record of `request_id`, oldest first. Clients choose their ids: one reused is found
+    as several records, and each is traced, never one silently in place of another."""
     log_dir = Path(log_dir)
-    files = sorted(log_dir.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if log_dir.is_dir() else []
+    files = sorted(log_dir.glob("*.jsonl")) if log_dir.is_dir() else []
     if not files:
         raise TraceError(f"no payload log files (*.jsonl) in {log_dir}: start the server with --payload-log "
                          f"{log_dir} (requests are logged only while it is on, and only those sampled)")
     needle = json.dumps(request_id)  # as it appears in the JSON line
-    found = None
+    found = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -40,15 +42,22 @@ def find_request(log_dir: Path, request_id: str) -> dict:
                     except ValueError:
                         continue  # a line cut short by a crash
                     if record.get("request_id") == request_id:
-                        found = record
-    if found is None:
+                        found.append(record)
+    if not found:
         raise TraceError(f"request {request_id} is not in the payload log {log_dir} ({len(files)} files): not "
                          "sampled (--payload-log-sample), rotated out by the size cap, or served elsewhere")
-    return found
+    return sorted(found, key=lambda r: str(r.get("time", "")))
 
 
-def main(request_id: str, log_dir: Path, tracking_uri: str = "", echo=print) -> dict:
-    record = find_request(log_dir, request_id)
+def main(request_id: str, log_dir: Path, tracking_uri: str = "", echo=print) -> list[dict]:
+    records = find_requests(log_dir, request_id)
+    if len(records) > 1:
+        echo(f"NOTE        {len(records)} records carry request id {request_id} (a client reused it); each is "
+             "traced below, oldest first")
+    return [trace_record(request_id, record, tracking_uri, echo) for record in records]
+
+
+def trace_record(request_id: str, record: dict, tracking_uri: str, echo) -> dict:
     model = record.get("model") or {}
     name, version = model.get("name", "?"), str(model.get("version", "?"))
     echo(f"request     {request_id} at {record.get('time')} on {record.get('endpoint')}: status {record.get('status')}")
@@ -56,29 +65,54 @@ def main(request_id: str, log_dir: Path, tracking_uri: str = "", echo=print) -> 
     echo(f"io          inputs {_shapes(record.get('inputs'))} -> outputs {_shapes(record.get('outputs'))}")
     trail = {"record": record}
     try:
-        trail |= walk_registry(name, version, model, tracking_uri, echo)
+        trail |= walk_registry(model, tracking_uri, echo)
     except Exception as exc:  # noqa: BLE001 - the store is gone or another one: say so, keep the record's facts
         echo(f"registry    not reachable ({first_line(exc)}); "
              f"the record names run {model.get('run_id') or '(none)'}")
     return trail
 
 
-def walk_registry(name: str, version: str, model: dict, tracking_uri: str, echo) -> dict:
+def registry_version(model: dict) -> tuple[str, str] | None:
+    """(registered name, version) the record's model was loaded from, or None when it was not a registry
+    version. A record of an older server names no source: its served name is taken as the registered one."""
+    source = model.get("source")
+    if source is None:
+        return model.get("name", "?"), str(model.get("version", "?"))
+    match = re.fullmatch(r"models:/([^/@]+)/(\d+)", source)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
     import mlflow
 
     from pipeline.components import tracking
 
     tracking.use_store(tracking_uri)
     client = mlflow.MlflowClient()
-    v = client.get_model_version(name, version)
-    tags = dict(v.tags)
-    aliases = ", ".join(f"@{a}" for a in v.aliases) or "no alias now"
-    echo(f"version     models:/{name}/{version} ({aliases}); {tags.get('trainserve.promotion', 'promotion not recorded')}"
-         + (f": {tags['trainserve.promotion.reason']}" if tags.get("trainserve.promotion.reason") else ""))
-    if model.get("weights_sha256") and tags.get("trainserve.weights_sha256") not in (None, model["weights_sha256"]):
-        echo(f"WARNING     the version's weights tag {tags['trainserve.weights_sha256'][:16]} differs from what "
-             f"answered ({model['weights_sha256'][:16]}): run `pipeline verify models:/{name}/...`")
-    run_id = tags.get("trainserve.run_id") or model.get("run_id")
+    registered = registry_version(model)
+    tags: dict = {}
+    if registered is None:
+        echo(f"source      {model.get('source')}: not a registry version, so no registry entry is followed")
+    else:
+        name, version = registered
+        v = client.get_model_version(name, version)
+        tags = dict(v.tags)
+        aliases = ", ".join(f"@{a}" for a in v.aliases) or "no alias now"
+        promotion = tags.get("trainserve.promotion", "promotion not recorded")
+        echo(f"version     models:/{name}/{version} ({aliases}); {promotion}"
+             + (f": {tags['trainserve.promotion.reason']}" if tags.get("trainserve.promotion.reason") else ""))
+        for key, what in (("weights_sha256", "weights"), ("onnx_sha256", "ONNX")):
+            if model.get(key) and tags.get(f"trainserve.{key}") not in (None, model[key]):
+                echo(f"WARNING     the version's {what} tag {tags[f'trainserve.{key}'][:16]} differs from what "
+                     f"answered ({model[key][:16]}): run `pipeline verify models:/{name}@<alias>`")
+    # The record's run is the one whose file answered; the registry's tag is what it should have been.
+    run_id = model.get("run_id") or tags.get("trainserve.run_id")
+    if tags.get("trainserve.run_id") and model.get("run_id") and tags["trainserve.run_id"] != model["run_id"]:
+        echo(f"WARNING     the version's run tag {tags['trainserve.run_id']} differs from the run the answering file "
+             f"names ({model['run_id']}); following the file's")
+    if not run_id:
+        echo("run         none recorded (a file without trainserve lineage)")
+        return {"version": tags, "run_id": None}
     run = client.get_run(run_id)
     echo(f"run         {run_id} '{run.info.run_name}' {run.info.status}, experiment {run.info.experiment_id}, "
          f"git {run.data.tags.get('trainserve.git_commit', '?')[:12]}")

@@ -1,7 +1,8 @@
 """`pipeline verify models:/<name>@<alias> [--server URL]`: re-proves the chain behind the served bytes.
 
 One line per link, `ok`, `FAIL` or `skip` (a link whose artifact can't be reached is skipped, not
-failed, and says why); exit 1 on any FAIL:
+failed, and says why); exit 1 on any FAIL, else 3 when a link was skipped (the chain is incomplete: not
+proven, not broken), 0 only when every link was checked:
 
     registry     the alias -> a version, with the lineage tags export wrote
     onnx         the registered ONNX file's sha256 equals the version's recorded one
@@ -12,7 +13,8 @@ failed, and says why); exit 1 on any FAIL:
                  consolidating it again gives byte-identical weights
     gates        export's gates, run again on the registered ONNX against those weights, all pass
     server       (--server) the live server serves this version, with these weights, and says so in
-                 its model metadata and in the receipt headers of a real inference
+                 its model metadata and in the receipt headers of a real inference; the sha256 of the ONNX
+                 bytes it loaded (X-Model-Onnx-Sha256) is one the version records
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def main(model_uri: str, server: str | None = None, tracking_uri: str = "", toke
             report(Link("checkpoint", "skip", "no weights to trace it from"))
             report(Link("gates", "skip", "no weights to run them against"))
         if server:
-            server_link(server, name, version, props, token, report)
+            server_link(server, name, version, tags, props, token, report)
     return links
 
 
@@ -220,8 +222,10 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
                 clip("; ".join(failed), 600) if failed else f"{len(results)} gates pass again on the registered ONNX"))
 
 
-def server_link(url: str, name: str, version: str, props: dict, token: str, report) -> None:
-    """The server's own word (model metadata) and its receipts on a real inference, against the registry."""
+def server_link(url: str, name: str, version: str, tags: dict, props: dict, token: str, report) -> None:
+    """The server's own word (model metadata) and its receipts on a real inference, against the registry: the
+    weights the file claims, and the hash of the bytes the server loaded against the ones the version records
+    (model.onnx's or a variant's), since a file's claims are only as good as its bytes."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = url.rstrip("/")
     try:
@@ -231,7 +235,8 @@ def server_link(url: str, name: str, version: str, props: dict, token: str, repo
         report(Link("server", "FAIL", f"{base}: {first_line(exc)}"))
         return
     served = {"version": receipt.get("x-model-version", ""),
-              "weights": receipt.get("x-model-weights-sha256", "")}
+              "weights": receipt.get("x-model-weights-sha256", ""), "onnx": receipt.get("x-model-onnx-sha256", "")}
+    recorded = {v for k, v in tags.items() if k.startswith("trainserve.onnx") and k.endswith("_sha256") and v}
     params = meta.get("parameters") or {}
     problems = []
     if served["version"] != version or version not in [str(v) for v in meta.get("versions", [])]:
@@ -240,9 +245,14 @@ def server_link(url: str, name: str, version: str, props: dict, token: str, repo
             params.get("weights_sha256") != props.get("trainserve.weights_sha256"):
         problems.append(f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
                         f"{props.get('trainserve.weights_sha256', '')[:16]}")
+    if served["onnx"] not in recorded or params.get("onnx_sha256") != served["onnx"]:
+        named = served["onnx"][:16] or "(unnamed: X-Model-Onnx-Sha256 missing)"
+        problems.append(f"serves ONNX bytes with sha256 {named}, the version records "
+                        f"{', '.join(sorted(r[:16] for r in recorded)) or '(none)'}")
     report(Link("server", "FAIL" if problems else "ok",
                 "; ".join(problems) if problems else f"{base} serves {name} v{version}, weights "
-                                                     f"{served['weights'][:16]} (request {receipt.get('x-request-id')})"))
+                                                     f"{served['weights'][:16]}, ONNX {served['onnx'][:16]} "
+                                                     f"(request {receipt.get('x-request-id')})"))
 
 
 def _get_json(url: str, headers: dict) -> dict:
@@ -293,6 +303,18 @@ def cli(args: argparse.Namespace) -> int:
     except (VerifyError, TrackingError) as exc:
         print(f"pipeline verify: error: {exc}", file=sys.stderr)
         return 2
+    return verdict(links, args.model_uri)
+
+
+def verdict(links: list[Link], model_uri: str) -> int:
+    """The last line and the exit code: a skipped link is no proof, so 'verified' needs every one checked."""
     broken = [link.name for link in links if link.status == "FAIL"]
-    print(f"{'BROKEN: ' + ', '.join(broken) if broken else 'verified'}: {args.model_uri}")
-    return 1 if broken else 0
+    skipped = [link.name for link in links if link.status == "skip"]
+    if broken:
+        print(f"BROKEN: {', '.join(broken)}: {model_uri}")
+        return 1
+    if skipped:
+        print(f"INCOMPLETE: {', '.join(skipped)} could not be checked (see why above): {model_uri}")
+        return 3
+    print(f"verified: {model_uri}")
+    return 0

@@ -73,6 +73,7 @@ log = logging.getLogger("serving.app")
 JSON = "application/json"
 RETRY_AFTER = {"Retry-After": "1"}
 BIG_BODY = 64 * 1024  # decoded in a thread above this
+INDEX_MAX_AGE_S = 1.0  # the repository index reuses a directory scan this recent; a load always scans afresh
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
@@ -87,7 +88,8 @@ class HTTPError(Exception):
 def model_summary(info: ModelInfo) -> dict:
     """The model as a payload record names it."""
     return {"name": info.name, "version": info.version, "run_id": info.lineage.get("run_id"),
-            "weights_sha256": info.lineage.get("weights_sha256")}
+            "weights_sha256": info.lineage.get("weights_sha256"), "onnx_sha256": info.lineage.get("onnx_sha256"),
+            "source": info.resolved_source}  # `pipeline trace` follows this, not the served name
 
 
 def check_request_id(value: str, where: str) -> str:
@@ -203,7 +205,7 @@ class Server:
                     await task
             await self.repository.close()
             if self.payload_log is not None:  # every request was answered: its records are all queued
-                await asyncio.to_thread(self.payload_log.close)
+                await asyncio.to_thread(self.payload_log.close, self.settings.graceful_timeout)
             self.executor.shutdown(wait=True)
             log.info("stopped")
 
@@ -663,7 +665,7 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
             raise HTTPError(400, f'"ready" must be true or false, got {only_ready!r:.40}')
         if settings.repository:  # models added to the directory since are listed (not loaded)
             try:
-                await off_loop(server.repository.add_repository_models)
+                await off_loop(partial(server.repository.add_repository_models, max_age=INDEX_MAX_AGE_S))
             except SourceError as exc:
                 log.warning("reading --repository: %s", exc)
         rows = server.repository.index()
@@ -680,10 +682,10 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict):
             raise HTTPError(400, '"parameters" must be a JSON object')
-        refused = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
-        if refused:
-            raise HTTPError(400, f"load parameters {refused} are not taken: this server loads a model only from its "
-                                 "--model flags or --repository directory, never from files or a config a client sends")
+        if parameters:  # Triton's are `config` and `file:<path>`; answering 200 to ignore them would mislead
+            raise HTTPError(400, f"load parameters {sorted(parameters)[:10]} are not taken: this server takes none; it "
+                                 "loads a model only from its --model flags or --repository directory (with "
+                                 "--version-policy), never from files, a config or options a client sends")
         name = request.path_params["name"]
         try:
             await server.repository.load(name)

@@ -13,6 +13,7 @@ The tracking and registry servers come from MLflow's own environment (MLFLOW_TRA
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -55,7 +56,21 @@ LINEAGE_KEYS = {
 
 
 class SourceError(Exception):
-    """The model source cannot be parsed, found or fetched."""
+    """The model source cannot be parsed, found or fetched, or is not the file its registry version records."""
+
+
+def recorded_hash_tag(variant: str) -> str:
+    """The registry version tag holding the sha256 of a variant's file, as the export records it for every
+    file it logs (model.onnx: trainserve.onnx_sha256; model.<variant>.onnx: trainserve.onnx_<variant>_sha256)."""
+    return "trainserve.onnx_sha256" if variant == "fp32" else f"trainserve.onnx_{variant}_sha256"
+
+
+def file_sha256(path: Path, block: int = 1 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,13 @@ class ModelInfo:
     lineage: dict[str, str] = field(default_factory=dict)
     # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
     max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
+    registered: str | None = None  # the registered model's name, for a registry source (the served name may differ)
+
+    @property
+    def resolved_source(self) -> str:
+        """Where this version's bytes came from, pinned: models:/<registered>/<version> for a registry source
+        (an alias moves; this does not), else the source as given."""
+        return f"models:/{self.registered}/{self.version}" if self.registered else self.source
 
 
 @dataclass
@@ -145,6 +167,10 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
             else:
                 fetch_uri, version = uri, version or "1"
             path = find_onnx(Path(_download(fetch_uri, workdir)), variant)
+        # Hashed before onnxruntime reads it, and the hash is what the receipts name: the bytes that compute.
+        digest = file_sha256(path)
+        if registered is not None:
+            _check_recorded_hash(registered, version, variant, path, digest)
         engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu)
         if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
             raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
@@ -154,9 +180,30 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         raise
     info = ModelInfo(
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
-        version=str(version), source=uri, labels=_labels(engine.metadata), lineage=lineage(engine.metadata),
+        version=str(version), source=uri, labels=_labels(engine.metadata),
+        lineage={**lineage(engine.metadata), "onnx_sha256": digest}, registered=registered,
         max_lengths=lengths.read(engine.metadata))
     return LoadedModel(engine, info, workdir, variant)
+
+
+def _check_recorded_hash(registered: str, version: str, variant: str, path: Path, digest: str) -> None:
+    """Refuse a registry file whose sha256 is not the one its version records: the file's own metadata (its
+    lineage, what receipts name) is no proof, anyone who can write the store can change weights and keep it.
+    A version that records none (registered by hand, not by `pipeline export`) is served with a warning."""
+    import mlflow
+
+    tag = recorded_hash_tag(variant)
+    try:
+        recorded = mlflow.MlflowClient().get_model_version(registered, version).tags.get(tag, "")
+    except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors
+        raise SourceError(f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}") from exc
+    if not recorded:
+        log.warning("models:/%s/%s records no %s: serving %s (sha256 %s) unchecked; versions registered by "
+                    "`pipeline export` record it", registered, version, tag, path.name, digest)
+    elif recorded != digest:
+        raise SourceError(f"{path.name} of models:/{registered}/{version} has sha256 {digest}, but the version "
+                          f"records {recorded} ({tag}): the stored file was changed after export; refusing to "
+                          "serve it (export the model again, or restore the file)")
 
 
 _FP16_ON_CPU = ("--variant fp16 is served on the CUDA provider only (on the CPU onnxruntime runs fp16 nodes through "

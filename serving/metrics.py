@@ -73,8 +73,9 @@ class Metrics:
             queue.observe(wait)
 
     def set_models(self, served: list[tuple[str, str, str, str, str, str]]) -> None:
-        """What is loaded now: (name, version, provider, source, variant, options) per version. The run series of
-        a version no longer loaded go (an unloaded model leaves no stale histograms behind)."""
+        """What is loaded now: (name, version, provider, source, variant, options) per version. The run and request
+        series of a version no longer loaded go (an unloaded model or a replaced version leaves no stale series:
+        19 replaced versions left 19x20)."""
         self.model_info.clear()
         self.engine_info.clear()
         for name, version, provider, source, variant, options in served:
@@ -84,6 +85,11 @@ class Metrics:
         for family in (self.batch_size, self.inference, self.queue_time):
             for labels in list(family._metrics):
                 if labels not in loaded:
+                    family.remove(*labels)
+        # Request series end in (model, version); those of no model ("", "": health, refusals) stay.
+        for family in (self.requests, self.latency):
+            for labels in list(family._metrics):
+                if labels[-2] and tuple(labels[-2:]) not in loaded:
                     family.remove(*labels)
 
     def set_alias(self, model: str, alias: str, version: str, behind: bool) -> None:

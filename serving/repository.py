@@ -129,6 +129,7 @@ def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
     root = Path(directory)
     if not root.is_dir():
         raise SourceError(f"--repository {directory}: not a directory (expected DIR/NAME/VERSION/model.onnx)")
+    inside = root.resolve()
     found: dict[str, dict[str, Path]] = {}
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         if not NAME.fullmatch(model_dir.name):
@@ -140,7 +141,15 @@ def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
                 continue
             if not re.fullmatch(r"[0-9]{1,18}", version_dir.name):
                 log.warning("repository: skipping %s: a version directory is named by a number", version_dir)
-            elif any(version_dir.rglob("*.onnx")):
+                continue
+            files = list(version_dir.rglob("*.onnx"))
+            # A symlink out of the repository would serve whatever file it names: the repository is what the
+            # operator vetted, so nothing outside it is loaded through it.
+            outside = [f for f in [model_dir, version_dir, *files] if not f.resolve().is_relative_to(inside)]
+            if outside:
+                log.warning("repository: skipping %s: %s leads outside --repository %s (a symlink); copy the model "
+                            "into the repository instead", version_dir, outside[0], directory)
+            elif files:
                 versions[str(int(version_dir.name))] = version_dir
         if versions:
             found[model_dir.name] = versions
@@ -176,7 +185,9 @@ class Slot:
 def receipt_values(info: ModelInfo) -> dict[str, str]:
     return {"X-Model-Name": info.name, "X-Model-Version": info.version,
             "X-Model-Run-Id": info.lineage.get("run_id", ""),
-            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", "")}
+            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", ""),
+            # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the fact
+            "X-Model-Onnx-Sha256": info.lineage.get("onnx_sha256", "")}
 
 
 def receipt_headers(info: ModelInfo) -> dict[str, str]:
@@ -246,6 +257,8 @@ class Repository:
         self.models: dict[str, Model] = {}
         self.on_change: Callable[[], None] = lambda: None
         self._warned: set[str] = set()
+        self._scan_lock = threading.Lock()
+        self._last_scan: tuple[float, dict | None] = (0.0, None)
 
     # ---- lookups ----
 
@@ -255,8 +268,12 @@ class Repository:
             raise RepositoryError(f"unknown model '{name[:128]}'; this server has {self.describe()}", 404)
         return model
 
-    def describe(self) -> str:
+    def describe(self, limit: int = 10) -> str:
+        """The models, the first `limit` named: a refusal carries this, and gRPC sends it in a trailer that a
+        client refuses past 8 KiB (300 names made NOT_FOUND arrive as RESOURCE_EXHAUSTED)."""
         names = [f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})") for n, m in self.models.items()]
+        if len(names) > limit:
+            return ", ".join(names[:limit]) + f" and {len(names) - limit} more (GET or POST /v2/repository/index)"
         return ", ".join(names) if names else "no models"
 
     def slot(self, name: str, version: str | None) -> Slot:
@@ -300,13 +317,14 @@ class Repository:
 
     # ---- what to load ----
 
-    def add_repository_models(self, strict: bool = False) -> dict[str, dict[str, Path]]:
+    def add_repository_models(self, strict: bool = False, max_age: float = 0.0) -> dict[str, dict[str, Path]]:
         """(Re)read the repository directory (blocking: call it off the loop while serving): its models are
         registered, unloaded until loaded. A directory named as a --model is an error at start (`strict`) and
-        skipped later, with one warning: a stray directory must not break loading every other model."""
+        skipped later, with one warning: a stray directory must not break loading every other model.
+        `max_age`: a scan at most that many seconds old will do (the index); loads always read it afresh."""
         if self.directory is None:
             return {}
-        found = scan_repository(self.directory)
+        found = self._scan(max_age)
         for name in list(found):
             model = self.models.get(name)
             if model is not None and model.sources:
@@ -321,6 +339,17 @@ class Repository:
             else:
                 self.models.setdefault(name, Model(name))
         return found
+
+    def _scan(self, max_age: float) -> dict[str, dict[str, Path]]:
+        """scan_repository, or its last result when younger than `max_age` s. One scan at a time: callers
+        arriving during one wait for it and take its result (300 models: ~20 ms a scan, 1,000 index calls made
+        1,000 scans and held liveness off for seconds)."""
+        with self._scan_lock:
+            at, found = self._last_scan
+            if found is None or time.monotonic() - at > max_age:
+                found = scan_repository(self.directory)
+                self._last_scan = (time.monotonic(), found)
+            return {name: dict(versions) for name, versions in found.items()}
 
     def sources_of(self, name: str) -> list[Source]:
         """What loading `name` opens: its --model sources, or its repository versions the policy selects."""

@@ -113,3 +113,30 @@ def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
     optimizer.param_groups[0]["momentum_note"] = 0.0
     checkpoint.load(good, model, optimizer, CPU1)
     assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["momentum_note"] == 0.5
+
+
+@pytest.mark.parametrize("escape", ["../", "absolute", "symlink"])
+def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path, escape, capsys):
+    """The review's M2: every model tensor's relative_path set to another run's shard (`../...`), marker
+    rewritten: the restricted unpickler admits it (DCP types only) and consolidate produced the other run's
+    weights byte for byte. Here consolidate and resume refuse it, naming the tensor and the path."""
+    ckpt, spec = saved(tmp_path / "run" / "checkpoints")
+    other, _ = saved(tmp_path / "other" / "checkpoints")
+    shard = next(other.glob("*.distcp"))
+    if escape == "symlink":
+        (ckpt / "link.distcp").symlink_to(shard)
+    target = {"../": os.path.relpath(shard, ckpt), "absolute": str(shard), "symlink": "link.distcp"}[escape]
+    metadata = checkpoint.read_metadata_safely(ckpt)
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            info.relative_path = target
+    metadata.storage_meta = None
+    as_the_attacker_rewrites(ckpt, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"\.metadata reads 'model\..+' from .+ outside the checkpoint"):
+        consolidate.main(ckpt, log_to_mlflow=False)
+    assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 2
+    assert "outside the checkpoint directory" in capsys.readouterr().err
+    model = instantiate_model(spec)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        checkpoint.load(ckpt, model, torch.optim.SGD(model.parameters(), lr=0.1), CPU1)
+    assert not (ckpt.parent.parent / "consolidated" / "model.safetensors").exists()

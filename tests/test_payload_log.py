@@ -140,7 +140,8 @@ def test_every_request_of_the_sample_is_logged_once_and_no_other(model, tmp_path
         assert rec["status"] == 200 and rec["endpoint"] == ("/invocations" if kind == "invocations"
                                                             else "/v2/models/{name}/infer")
         assert rec["model"] == {"name": "affine", "version": "1", "run_id": "run-payloads",
-                                "weights_sha256": lineage_metadata(1, "run-payloads")["trainserve.weights_sha256"]}
+                                "weights_sha256": lineage_metadata(1, "run-payloads")["trainserve.weights_sha256"],
+                                "onnx_sha256": hashlib.sha256(model.read_bytes()).hexdigest(), "source": str(model)}
         assert rec["inputs"]["input"]["dtype"] == "float32" and rec["inputs"]["input"]["shape"] == list(x.shape)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)
         assert rec["outputs"]["y"]["shape"] == list(y.shape)
@@ -207,3 +208,89 @@ def test_earlier_files_count_against_the_cap_and_a_version_gets_its_own_file(tmp
     log.submit(record(9, rows=100))
     log.close()
     assert log.stats()["dropped"]["too_large"] == 1 and log.stats()["written"] == 0
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs (root only), unmounted after the test."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=False,
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_drops_and_counts_and_never_holds_off_shutdown(model, tiny_disk, tmp_path):
+    """The review's H1: on a 64 KiB tmpfs the writer thread died on ENOSPC, nothing was counted as an error, and
+    SIGTERM hung past 90 s. Here the writer counts each failed record, keeps going, logs the streak once (not a
+    traceback a record), and the server exits at once on SIGTERM; the files hold whole lines only."""
+    args = ("--model", str(model), "--payload-log", str(tiny_disk), "--payload-log-max-mb", "1",
+            "--payload-log-file-mb", "0.5")
+    with ServerProcess(*args, log_path=tmp_path / "server.log") as srv, requests.Session() as http:
+        statuses = [ask(http, srv.url, "v2-json", inputs(8, seed=i))[0].status_code for i in range(150)]
+        deadline = time.monotonic() + 10
+        while metric(text := http.get(srv.url + "/metrics").text, "trainserve_payload_log_written_total") + \
+                metric(text, "trainserve_payload_log_dropped_total", reason="error") < 150:
+            assert time.monotonic() < deadline, text
+            time.sleep(0.05)
+        assert statuses == [200] * 150
+        assert metric(text, "trainserve_payload_log_dropped_total", reason="error") > 0, text
+        assert http.get(srv.url + "/v2/health/ready").status_code == 200
+        # the writer is alive: after space is freed, records are written again
+        for f in payload_files(tiny_disk):
+            f.unlink()
+        written = metric(text, "trainserve_payload_log_written_total")
+        ask(http, srv.url, "v2-json", inputs(1, seed=1000))
+        assert wait_for_written(srv, written + 1)
+        started = time.monotonic()
+        assert srv.terminate(timeout=15) == 0, srv.log()
+        assert time.monotonic() - started < 10
+    server_log = srv.log()
+    assert "Traceback" not in server_log and "the disk is full" in server_log, server_log
+    assert server_log.count("cannot write payload record") <= 2, server_log
+    records(tiny_disk)  # every line parses: no partial line left behind
+
+
+def test_a_removed_directory_is_made_again_and_files_are_private(model, tmp_path):
+    """The review's M4: after `rm -rf DIR` records went on being counted as written into the deleted file, then
+    every record failed with a traceback and the directory never came back; the files were 0644. Here the next
+    write notices, makes DIR again (0700) and writes there; files are 0600."""
+    import stat
+
+    directory = tmp_path / "payloads"
+    with ServerProcess("--model", str(model), "--payload-log", str(directory),
+                       log_path=tmp_path / "server.log") as srv, requests.Session() as http:
+        for i in range(5):
+            ask(http, srv.url, "v2-json", inputs(1, seed=i))
+        wait_for_written(srv, 5)
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert [stat.S_IMODE(f.stat().st_mode) for f in payload_files(directory)] == [0o600]
+        subprocess.run(["rm", "-rf", str(directory)], check=True)
+        for i in range(20):
+            ask(http, srv.url, "v2-json", inputs(1, seed=100 + i), header_id=f"after-{i}")
+        wait_for_written(srv, 25)
+        assert [r["request_id"] for r in records(directory)] == [f"after-{i}" for i in range(20)]
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert srv.terminate() == 0
+    assert "was removed while the server ran: made it again" in srv.log() and "Traceback" not in srv.log()
+
+
+def test_versions_answering_in_turn_share_one_file_each(tmp_path):
+    """The review's M4: 2,000 requests alternating two models made 1,024 files (a new one at each switch)."""
+    log = PayloadLog(tmp_path, sample=1.0, max_bytes=1 << 20, file_bytes=1 << 18)
+    log.start()
+    for i in range(200):
+        log.submit(record(i, version=str(1 + i % 2)))
+    log.close()
+    files = payload_files(tmp_path)
+    assert len(files) == 2 and log.stats()["written"] == 200
+    assert [{json.loads(line)["model"]["version"] for line in f.read_text().splitlines()} for f in files] == [{"1"}, {"2"}]

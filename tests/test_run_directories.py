@@ -199,3 +199,29 @@ def test_run_names_come_from_the_model_a_factory_builds_and_the_data(component, 
     cfg = load_config(None)
     cfg.model.component, cfg.model.args = component, args
     assert default_run_name(cfg).startswith(stem + "-")
+
+
+def test_consolidate_and_export_respect_a_live_owner_of_the_run_directory(tmp_path, capsys):
+    """The review: consolidate and export ignored the run-directory owner (only run and train took it), so
+    they could rewrite consolidated/ and onnx/ under a live training's feet. Here both stop, naming the owner;
+    once it is gone, consolidate goes ahead."""
+    from pipeline.cli import main as pipeline_cli
+
+    spec = mlp_spec()
+    model = instantiate_model(spec)
+    ckpt = checkpoint.save(tmp_path / "run" / "checkpoints", 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           checkpoint_meta(model, spec, config=load_config(TINY).model_dump(mode="json")), CPU1,
+                           keep_last=5)
+    assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 0  # no owner record yet: nobody's directory
+    capsys.readouterr()
+    other = holder(tmp_path / "run")
+    try:
+        assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 2
+        assert f"run is in use by pid {other.pid}" in capsys.readouterr().err
+        assert pipeline_cli(["export", str(tmp_path / "run" / "consolidated"), "--no-register"]) == 2
+        assert f"run is in use by pid {other.pid}" in capsys.readouterr().err
+        assert not (tmp_path / "run" / "onnx").exists()
+    finally:
+        other.kill()
+        other.wait()
+    assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 0

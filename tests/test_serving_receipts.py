@@ -167,13 +167,15 @@ def test_model_metadata_shows_the_lineage_of_the_served_file(served, tmp_path):
     srv, meta, path = served
     want = {"run_id": "run-abc123", "checkpoint_step": "100", "checkpoint": "/runs/run-abc123/checkpoints/step-100",
             "config_sha256": meta["trainserve.config_sha256"], "weights_sha256": meta["trainserve.weights_sha256"],
-            "model_component": "pipeline.models:mlp", "data_component": "pipeline.data:digits", "source": str(path)}
+            "model_component": "pipeline.models:mlp", "data_component": "pipeline.data:digits", "source": str(path),
+            "onnx_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}  # the bytes loaded, not a claim of theirs
     for url in ("/v2/models/affine", "/v2/models/affine/versions/1"):
         assert requests.get(srv.url + url).json()["parameters"] == want
     # A hand-made file carries no lineage: only the source, and no empty headers.
     bare = tiny_model(tmp_path / "bare.onnx")
     with ServerProcess("--model", str(bare), log_path=tmp_path / "bare.log") as other:
-        assert requests.get(other.url + "/v2/models/tiny").json()["parameters"] == {"source": str(bare)}
+        assert requests.get(other.url + "/v2/models/tiny").json()["parameters"] == {
+            "source": str(bare), "onnx_sha256": hashlib.sha256(bare.read_bytes()).hexdigest()}
         x = np.zeros((1, 1, 8, 8), np.float32)
         r = requests.post(other.url + "/invocations", json={"inputs": x.tolist()})
         assert r.status_code == 200
@@ -309,7 +311,9 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
     for x, y, rid, version in answers:
         rec = by_id[rid]
         assert rec["model"] == {"name": "affine", "version": str(version), "run_id": runs[version],
-                                "weights_sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"]}
+                                "weights_sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"],
+                                "onnx_sha256": rec["model"]["onnx_sha256"], "source": f"models:/affine/{version}"}
+        assert len(rec["model"]["onnx_sha256"]) == 64
         np.testing.assert_array_equal(np.asarray(rec["outputs"]["y"]["data"], np.float32), y)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)
     # Each file went to the training run of the version that answered its requests (a file holds one version).

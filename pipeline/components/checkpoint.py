@@ -27,6 +27,7 @@ reader already loads tensors that way.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -262,8 +263,11 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
-    with single_process_quiet():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+    try:
+        with single_process_quiet():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise _save_failed(exc, root, tmp, step, _tensor_bytes(state), info) from None
     barrier(info)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
 
@@ -271,12 +275,15 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     digests = distributed.all_gather_object(
         {p.name: file_sha256(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}, info)
     if info.is_main:
-        write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
-        sha256.update({name: file_sha256(tmp / name) for name in files if name not in sha256})
-        write_json_durably(tmp / MARKER, {"step": step, "files": files, "sha256": sha256})
-        fsync_dir(tmp)
+        try:
+            write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+            sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
+            sha256.update({name: file_sha256(tmp / name) for name in files if name not in sha256})
+            write_json_durably(tmp / MARKER, {"step": step, "files": files, "sha256": sha256})
+            fsync_dir(tmp)
+        except OSError as exc:
+            raise _save_failed(exc, root, tmp, step, 0, info) from None
         publish(tmp, final)
         kept = {step_dir_name(s) for s in protect if s is not None}
         for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
@@ -285,6 +292,52 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         log.info("checkpoint saved: %s", final)
     barrier(info)
     return final
+
+
+def _tensor_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _save_failed(exc: BaseException, root: Path, tmp: Path, step: int, needed: int, info: DistInfo) -> BaseException:
+    """What a failed save raises: on a full disk, one line that says so (DCP reports it as torch.save's
+    "unexpected pos 704 vs 598" inside a 65-line CheckpointException, no errno); else the error itself. The
+    partial directory goes either way: it was never published, and it holds the space a retry needs."""
+    try:
+        free = shutil.disk_usage(root).free  # before the partial files go: what the failed write left
+    except OSError:
+        free = None
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+               for e in _chain(exc)) or (free is not None and free < needed)
+    if not full:
+        return exc
+    last = list_complete(root)
+    return CheckpointError(
+        f"saving checkpoint step {step} to {root} failed: the disk is full ({(free or 0) / 2**20:.1f} MiB free on "
+        f"its filesystem, the checkpoint takes ~{needed / 2**20:.1f} MiB per rank); free space or set "
+        "train.output_dir to a larger disk. "
+        + (f"The last complete checkpoint, {last[-1].name}, is intact" if last else "No earlier checkpoint exists"))
+
+
+def _chain(exc: BaseException):
+    """`exc`, its causes and contexts, and the per-rank failures a CheckpointException carries."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [getattr(e, "__cause__", None), getattr(e, "__context__", None)]
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
 
 
 # What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the layout
@@ -323,9 +376,26 @@ def read_metadata_safely(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    _check_storage_paths(Path(path), metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def _check_storage_paths(path: Path, metadata: Metadata) -> None:
+    """Every tensor's data is read from a file inside the checkpoint. DCP writes its shard files there and
+    names them relative to it; the unpickler admits any string, and DCP's reader joins it to the directory, so
+    an absolute or `../` relative_path would read another run's (or any) file, which the marker's checksums,
+    covering only the checkpoint's own files, never see."""
+    root = path.resolve()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        relative = getattr(info, "relative_path", None)
+        where = getattr(index, "fqn", index)
+        if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or \
+                ".." in Path(relative).parts or not (root / relative).resolve().is_relative_to(root):
+            raise CheckpointError(f"checkpoint '{path}': .metadata reads '{where}' from {relative!r:.200}, outside the "
+                                  "checkpoint directory; DCP stores data in files inside it (e.g. '__0_0.distcp'). "
+                                  "A foreign or hostile file: use a checkpoint your own training wrote")
 
 
 class CachedMetadataReader(FileSystemReader):

@@ -6,6 +6,12 @@ memory is the model's alone), with onnxruntime's CPU provider and the same threa
 metric is then computed here from their outputs and the split's targets. The report says what was
 measured and why the alias moved or did not.
 
+One decision at a time per registered model: MLflow has no lock, but it numbers versions atomically. So
+the candidate is registered first (no alias, tagged trainserve.promotion=pending), waits until every
+lower-numbered pending version has decided, and only then compares against whoever holds the alias now
+(again, if it moved since the first comparison) and moves it. Two exports at once are thus compared with
+each other, never both promoted over a champion only one of them saw (`promote_in_turn`).
+
 Explicit cases: no holder yet (the first model: promoted); a holder that can't be fetched or run
 (promoted, since a server following the alias can't load it either, and the reason says so); a
 holder of another task or other inputs/outputs (not comparable: promoted only with promote=always).
@@ -22,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +39,12 @@ log = logging.getLogger(__name__)
 
 MEASURE_THREADS = 2   # the same for both models: a fair latency comparison on any machine
 MEASURE_TIMEOUT_S = 600
+TAG = "trainserve.promotion"  # on a version: pending | promoted | not promoted
+PENDING = "pending"
+# A pending version older than this is an export that died mid-decision: its turn passes (two measurements
+# and the registry calls fit well within it).
+PENDING_STALE_S = 2 * MEASURE_TIMEOUT_S + 300
+TURN_POLL_S = 0.5
 
 
 def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tolerance: float) -> dict[str, Any]:
@@ -69,6 +82,52 @@ def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tole
                                     "to register this model under its own name")}
     moves, gain, why = verdict(result["candidate"][metric], result["champion"][metric], mode, promote, tolerance)
     return result | {"promote": moves, "gain": gain, "reason": f"{metric}: candidate {why.format(f'@{alias} v{holder}')}"}
+
+
+def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str, tags: dict[str, str],
+                    decision: dict[str, Any], compare: Callable[[], dict[str, Any]]) -> tuple[str, str, dict]:
+    """Register `model_uri` as a new version of `name` and move `alias` to it if it wins against the holder at
+    its turn (else `challenger_alias`). `decision` is the comparison made before registering; `compare` makes
+    it again, against whoever holds the alias then. Returns (version, the alias it got, the decision)."""
+    from pipeline.components import tracking
+
+    version = tracking.register_version(model_uri, name, None,
+                                        tags | {TAG: PENDING, f"{TAG}.reason": "waiting for its turn to compare"})
+    try:
+        _wait_for_turn(name, version)
+        holder = tracking.alias_version(name, alias)
+        compared = (decision.get("champion") or {}).get("version")
+        if holder != compared:
+            log.info("@%s is at %s now, not %s as when this export compared: comparing again", alias,
+                     f"v{holder}" if holder else "no version", f"v{compared}" if compared else "no version")
+            decision = compare() | {"compared_again": {"before": compared, "now": holder}}
+            decision["reason"] += (f" (compared again: another export moved @{alias} from "
+                                   f"{f'v{compared}' if compared else 'nowhere'} to v{holder} meanwhile)")
+        won = alias if decision["promote"] else challenger_alias
+        tracking.move_alias(name, won, version)
+    except BaseException as exc:
+        tracking.set_version_tags(name, version, {TAG: "not promoted", f"{TAG}.reason": f"export failed: {exc}"[:5000]})
+        raise
+    tracking.set_version_tags(name, version, {TAG: "promoted" if decision["promote"] else "not promoted",
+                                              f"{TAG}.reason": decision["reason"][:5000]})
+    return version, won, decision
+
+
+def _wait_for_turn(name: str, version: str) -> None:
+    """Until no lower-numbered version of `name` is pending (stale ones, of a dead export, don't count)."""
+    from pipeline.components import tracking
+
+    said = False
+    while True:
+        now_ms = time.time() * 1000
+        ahead = [v for v, created in tracking.versions_tagged(name, TAG, PENDING)
+                 if int(v) < int(version) and now_ms - created < PENDING_STALE_S * 1000]
+        if not ahead:
+            return
+        if not said:
+            log.info("%s v%s waits for v%s to decide its promotion first", name, version, ", v".join(sorted(ahead)))
+            said = True
+        time.sleep(TURN_POLL_S)
 
 
 def verdict(mine: float, theirs: float, mode: str, promote: str, tolerance: float) -> tuple[bool, float, str]:

@@ -111,6 +111,15 @@ def claim(run_dir: Path) -> dict | None:
     return previous
 
 
+def claim_for_output(out_dir: Path) -> None:
+    """A stage writing into a run directory (`<run_dir>/consolidated`, `<run_dir>/onnx`) owns it while it writes,
+    as train and run do: RunDirBusy if a live process owns it. A run directory is one with an owner record
+    (every training run leaves one); an output anywhere else is nobody's to claim."""
+    run_dir = Path(out_dir).parent
+    if (run_dir / OWNER_FILE).exists():
+        claim(run_dir)
+
+
 def owner_of(run_dir: Path) -> dict | None:
     """The live owner of `run_dir` (its record), or None when no process holds it."""
     path = Path(run_dir) / OWNER_FILE

@@ -448,16 +448,34 @@ def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str
 
 
 @uninterrupted
-def register_version(model_uri: str, name: str, alias: str, tags: dict[str, str]) -> str:
-    """A new version of registered model `name`, with `tags`, and `alias` moved to it; returns the version."""
+def register_version(model_uri: str, name: str, alias: str | None, tags: dict[str, str]) -> str:
+    """A new version of registered model `name`, with `tags`, and `alias` (if any) moved to it; returns the
+    version. Version numbers are handed out atomically by the registry: promotion orders its decisions by them."""
     import mlflow
 
     # MLflow prints "Successfully registered model"/"Created version" itself, past logging; export says
     # it once in its own words ("registered NAME version N as @alias").
     with contextlib.redirect_stderr(io.StringIO()):
         version = mlflow.register_model(model_uri, name, tags=tags)
-    move_alias(name, alias, version.version)
+    if alias:
+        move_alias(name, alias, version.version)
     return str(version.version)
+
+
+def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+
+
+def versions_tagged(name: str, key: str, value: str) -> list[tuple[str, int]]:
+    """(version, creation time in ms) of `name`'s versions whose tag `key` is `value`."""
+    import mlflow
+
+    found = mlflow.MlflowClient().search_model_versions(f"name='{name}' and tags.`{key}`='{value}'")
+    return [(str(v.version), int(v.creation_timestamp or 0)) for v in found]
 
 
 def download_version_onnx(name: str, version: str, dest: Path) -> Path:

@@ -8,8 +8,8 @@ metrics and the payload log. An unmodified `tritonclient.grpc` client works.
 As over HTTP: the bearer token (metadata `authorization: Bearer <token>`) on all but ServerLive and
 ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
 RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the receipt (x-request-id,
-x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256) comes back as initial metadata, and
-the response's `id` echoes the request's.
+x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256, x-model-onnx-sha256) comes back as
+initial metadata, and the response's `id` echoes the request's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 415: grpc.StatusCode.INVALID_ARGUMENT, 499: grpc.StatusCode.CANCELLED,
                 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
-BIG_MESSAGE = 64 * 1024  # decoded in a thread above this, as HTTP bodies are
+BIG_MESSAGE = 64 * 1024  # parsed and decoded in a thread above this, two at a time, as HTTP bodies are
+# Connections: HTTP closes one idle for --read-timeout; gRPC's own options do the same here (a GOAWAY and the
+# close: 250 silent connections were all closed 2.2 s after opening with --read-timeout 2), and bound what one
+# connection may hold.
+MAX_CONNECTION_AGE_S = 3600  # then a GOAWAY: clients reconnect, so no connection is held for ever
+# Concurrent RPCs on one connection; a client queues the rest itself. Unbounded, a burst of 2,000 on one
+# channel had ~150 of them CANCELLED before reaching the service.
+MAX_STREAMS_PER_CONNECTION = 128
+MAX_CONCURRENT_RPCS = 4096  # over all connections; past it RESOURCE_EXHAUSTED at once
 
 
 class Refused(Exception):
@@ -105,7 +113,7 @@ class Service:
         context.answered_by(slot, rid)  # the receipt goes with a refusal too, as over HTTP
         engine = slot.model.engine
         decode = partial(codec.decode_infer, request, engine.inputs, engine.output_names, server.limits)
-        if request.ByteSize() <= BIG_MESSAGE:
+        if context.size <= BIG_MESSAGE:  # its wire size: ByteSize() would walk the whole message on the loop
             req = decode()
         else:  # as over HTTP: a big message is decoded in a thread (two at a time), not on the event loop
             async with server.decoding:
@@ -132,8 +140,9 @@ def _request_id(given: str | None) -> str:
 class _Call:
     """What a handler learns about its call: metadata in, the model that answered and the receipt out."""
 
-    def __init__(self, context: grpc.aio.ServicerContext):
+    def __init__(self, context: grpc.aio.ServicerContext, size: int):
         self.metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        self.size = size  # of the message on the wire
         self.model = ("", "")
         self.receipt: dict[str, str] = {}
 
@@ -147,18 +156,27 @@ def _handler(server, service: Service, method: str, request_class):
     errors mapped to statuses, metrics, the receipt as initial metadata."""
     call = getattr(service, method)
 
+    def parse(data: bytes):
+        if request_class is schema.ModelInferRequest:
+            codec.check_field_count(data)  # before any message is built: their count is the cost
+        try:
+            return request_class.FromString(data)
+        except DecodeError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
+
     async def handle(data: bytes, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
-        info = _Call(context)
+        info = _Call(context, len(data))
         refused = None
         try:
             if method not in OPEN:
                 server.check_token(info.metadata.get("authorization", ""))
-            try:
-                request = request_class.FromString(data)
-            except DecodeError as exc:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
+            if len(data) <= BIG_MESSAGE:
+                request = parse(data)
+            else:  # as an HTTP body: parsed in a thread, two at a time, never on the event loop
+                async with server.decoding:
+                    request = await asyncio.to_thread(parse, data)
             response = await call(request, info)
             status = grpc.StatusCode.OK
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
@@ -182,10 +200,18 @@ async def start_grpc(server) -> grpc.aio.Server:
     """The gRPC server on --host:--grpc-port, started; `await it.stop(grace)` at shutdown. OSError if the
     port cannot be bound."""
     settings = server.settings
-    aio = grpc.aio.server(options=[
+    idle_ms = int(settings.read_timeout * 1000)
+    aio = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, options=[
         ("grpc.max_receive_message_length", settings.max_body_bytes),  # past it: RESOURCE_EXHAUSTED
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
+        # Without these a silent client keeps a connection (a file descriptor) for ever: 20,000 of them
+        # took every descriptor, HTTP's included. Idle = no RPC in flight, as HTTP's --read-timeout.
+        ("grpc.max_connection_idle_ms", idle_ms),
+        ("grpc.server_handshake_timeout_ms", idle_ms),  # one that never finishes its HTTP/2 handshake
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", int(settings.graceful_timeout * 1000)),  # in-flight RPCs finish
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ])
     service = Service(server)
     handlers = {method: _handler(server, service, method, request_class)

@@ -1,0 +1,199 @@
+"""The gRPC port under hostile or careless clients, as test_serving_hostile.py does for HTTP: silent connections
+are closed, a message built to cost memory is refused before it is parsed, a refusal stays small, a burst on one
+channel gets answers, not CANCELLED. A real `python -m serving` process, real sockets, real grpc clients, all on
+127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import select
+import shutil
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+from serving.grpc import schema
+from serving_fixtures import ServerProcess, free_port, heavy_model, metric, tiny_model
+
+pytestmark = pytest.mark.slow
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + an empty SETTINGS
+SETTINGS_ACK = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+METHOD = "/inference.GRPCInferenceService/"
+
+
+def grpc_server(*args: str, tmp_path, **kwargs) -> ServerProcess:
+    port = free_port()
+    srv = ServerProcess(*args, "--grpc-port", str(port), log_path=tmp_path / "server.log", **kwargs)
+    srv.grpc = f"127.0.0.1:{port}"
+    srv.grpc_port = port
+    return srv
+
+
+def infer_request(model: str = "tiny", rows: int = 1) -> schema.ModelInferRequest:
+    r = schema.ModelInferRequest(model_name=model)
+    r.inputs.add(name="input", datatype="FP32", shape=[rows, 1, 8, 8])
+    r.raw_input_contents.append(np.full(rows * 64, 0.1, np.float32).tobytes())
+    return r
+
+
+def call(target: str, method: str, message, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", -1)]) as channel:
+        try:
+            channel.unary_unary(METHOD + method)(message.SerializeToString() if hasattr(message, "SerializeToString")
+                                                 else message, timeout=timeout)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+
+
+def closed_by_server(sockets: list[socket.socket], deadline: float) -> int:
+    """Wait until the server has closed every socket (EOF or reset) or `deadline`; how many it closed."""
+    open_ = {s.fileno(): s for s in sockets}
+    closed = 0
+    while open_ and time.monotonic() < deadline:
+        readable, _, _ = select.select(list(open_), [], [], 0.5)
+        for fd in readable:
+            try:
+                while open_[fd].recv(65536):  # the server's SETTINGS, PINGs and GOAWAY, then EOF
+                    pass
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            closed += 1
+            del open_[fd]
+    return closed
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("models") / "tiny.onnx")
+
+
+def test_silent_grpc_connections_are_closed_like_http_ones(model, tmp_path):
+    """The review's H2: 2,000 handshaken silent gRPC connections were never closed (150 s), and ~20,000 took
+    every file descriptor. Here 200 of them (and 50 that never send a byte) are held; health and inference
+    answer at once over both protocols, and the server closes every one within --read-timeout plus gRPC's
+    GOAWAY grace."""
+    with grpc_server("--model", str(model), "--read-timeout", "2", tmp_path=tmp_path) as srv:
+        handshaken = []
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5)
+            s.sendall(PREFACE)
+            s.recv(65536)  # the server's SETTINGS
+            s.sendall(SETTINGS_ACK)  # a finished HTTP/2 handshake, then silence
+            s.setblocking(False)
+            handshaken.append(s)
+        silent = [socket.create_connection(("127.0.0.1", srv.grpc_port)) for _ in range(50)]
+        for s in silent:
+            s.setblocking(False)
+        started = time.monotonic()
+        try:
+            assert requests.get(srv.url + "/v2/health/live", timeout=5).status_code == 200
+            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+            assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
+            assert time.monotonic() - started < 2.0
+            assert closed_by_server(handshaken + silent, started + 40) == 250
+            print(f"all 250 closed {time.monotonic() - started:.1f} s after they were opened")
+        finally:
+            for s in handshaken + silent:
+                s.close()
+        assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+
+
+def vm_hwm(pid: int) -> float:
+    """The process's peak resident memory so far, MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(model, tmp_path):
+    """The review's H3: a 16 MiB ModelInferRequest of 8 million empty `inputs` was parsed on the event loop
+    (liveness stalled 1.33 s) and took ~730 MiB; four at once peaked at 3.96 GB. Here four at once are refused
+    (INVALID_ARGUMENT naming the limit) from a count of their fields, in a thread; liveness stays prompt and the
+    server's peak memory grows by little more than the messages' own bytes."""
+    message = b"\x0a\x04tiny" + b"\x2a\x00" * ((8 << 20) - 512)  # model_name, then empty InferInputTensors
+    with grpc_server("--model", str(model), "--max-body-bytes", str(17 << 20), tmp_path=tmp_path) as srv:
+        before = vm_hwm(srv.proc.pid)
+        results: dict[int, tuple] = {}
+        senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, call(srv.grpc, "ModelInfer", message,
+                                                                                     timeout=60)))
+                   for i in range(4)]
+        latencies = []
+        for t in senders:
+            t.start()
+        while any(t.is_alive() for t in senders):
+            started = time.perf_counter()
+            assert requests.get(srv.url + "/v2/health/live", timeout=30).status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+        for t in senders:
+            t.join()
+        grown = vm_hwm(srv.proc.pid) - before
+        print(f"liveness max {max(latencies):.3f} s over {len(latencies)} probes; peak memory +{grown:.0f} MiB")
+        assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "more than 4096 fields" in details
+                   for code, details in results.values()), results
+        assert max(latencies) < 0.5 and grown < 300, (latencies, grown)
+        # a real request still works, and so does one with a few thousand parameters short of the limit
+        request = infer_request()
+        for i in range(1000):
+            request.parameters[f"p{i}"].int64_param = i
+        assert call(srv.grpc, "ModelInfer", request)[0] == grpc.StatusCode.OK
+
+
+def test_not_found_stays_small_with_hundreds_of_models(model, tmp_path):
+    """The review: NOT_FOUND listed all 300 models, and the client got RESOURCE_EXHAUSTED (its metadata limit)
+    instead; the HTTP 404 was 17 KB. Here both name ten models and say how many more there are."""
+    root = tmp_path / "repository"
+    for i in range(300):
+        (root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1").mkdir(parents=True)
+        shutil.copy(model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx")
+    with grpc_server("--repository", str(root), "--load-model", "model-with-a-fairly-descriptive-name-000",
+                     tmp_path=tmp_path) as srv:
+        for method, message in (("ModelInfer", infer_request("nosuch")),
+                                ("ModelReady", schema.ModelReadyRequest(name="nosuch"))):
+            code, details = call(srv.grpc, method, message)
+            assert code == grpc.StatusCode.NOT_FOUND and "and 290 more" in details and len(details) < 1000, \
+                (method, code, details[:200])
+        r = requests.post(srv.url + "/v2/models/nosuch/infer", json={"inputs": []}, timeout=10)
+        assert r.status_code == 404 and len(r.content) < 1000
+
+
+def test_a_burst_of_rpcs_on_one_channel_is_answered_not_cancelled(tmp_path):
+    """The review: 2,000 concurrent RPCs on one channel, three rounds: ~540 of 6,000 CANCELLED without reaching
+    the service. Here every RPC of a 2,000 burst is answered: OK, or UNAVAILABLE when the queue is full."""
+    heavy = heavy_model(tmp_path / "heavy.onnx")
+    with grpc_server("--model", str(heavy), tmp_path=tmp_path) as srv:
+        r = schema.ModelInferRequest(model_name="heavy")
+        r.inputs.add(name="input", datatype="FP32", shape=[1, 1, 28, 28])
+        r.raw_input_contents.append(np.full(28 * 28, 0.1, np.float32).tobytes())
+        data = r.SerializeToString()
+
+        async def burst() -> collections.Counter:
+            codes: collections.Counter = collections.Counter()
+            async with grpc.aio.insecure_channel(srv.grpc) as channel:
+                infer = channel.unary_unary(METHOD + "ModelInfer")
+
+                async def one():
+                    try:
+                        await infer(data, timeout=60)
+                        codes["OK"] += 1
+                    except grpc.aio.AioRpcError as exc:
+                        codes[exc.code().name] += 1
+
+                await asyncio.gather(*(one() for _ in range(2000)))
+            return codes
+
+        codes = asyncio.run(burst())
+        print(dict(codes))
+        assert set(codes) <= {"OK", "UNAVAILABLE"} and codes["OK"] > 0, dict(codes)
+        text = requests.get(srv.url + "/metrics", timeout=10).text
+        assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
