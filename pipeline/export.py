@@ -110,7 +110,9 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
-        **lineage_metadata(weights), "trainserve.opset": str(cfg.opset)})
+        **lineage_metadata(weights), "trainserve.opset": str(cfg.opset),
+        # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
+        "trainserve.decision": task.decision or "", "trainserve.prediction": task.prediction or ""})
     exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata)
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"

@@ -74,6 +74,20 @@ FLAGS: dict[str, tuple[type, str]] = {
     "payload-log-max-mb": (float, "MiB all payload files may take together; the oldest go first (default 100)"),
     "payload-log-file-mb": (float, "MiB per payload file before the next one is begun (default 10)"),
     "payload-log-mlflow": (bool, "log each closed payload file to the model's training run, under payloads/"),
+    "drift-window": (int, "samples per model version compared with the training data's statistics (PSI in "
+                          "/metrics as trainserve_input_drift / trainserve_output_drift; 0: off; default 500)"),
+    "drift-threshold": (float, "PSI above which a log line says a version's input or output drifted (default 0.2)"),
+    "shadow": (float, "fraction of a models:/NAME@alias model's requests also run on the version behind "
+                      "--shadow-alias, off the request path, and compared (GET /v2/models/NAME/shadow; default 0)"),
+    "shadow-alias": (str, "the alias whose version is shadowed (default challenger)"),
+    "shadow-min-pairs": (int, "pairs the shadow verdict needs before it decides (default 200)"),
+    "shadow-min-agreement": (float, "top-1 agreement the challenger needs without labels (default 0.95)"),
+    "shadow-max-difference": (float, "largest mean |difference| per output, for outputs without a decision "
+                                     "(default: no limit)"),
+    "shadow-min-labels": (int, "labelled pairs (POST /v2/models/NAME/feedback) before labels decide (default 100)"),
+    "shadow-tolerance": (float, "how much worse the challenger's live accuracy (points/100) or RMSE (relative) "
+                                "may be (default 0.01)"),
+    "shadow-max-latency-ratio": (float, "largest challenger/champion p50 latency ratio (default: no limit)"),
 }
 
 
@@ -119,7 +133,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--model [NAME=]URI or --repository DIR is required (or TRAINSERVE_MODEL)")
     settings = Settings(**values)
     settings.check()
-    from serving.app import check_reload
+    from serving.core import check_reload
 
     check_reload(settings)
     return settings
@@ -229,7 +243,8 @@ def open_payload_log(settings: Settings):
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from serving.app import create_app, open_models
+    from serving.app import create_app
+    from serving.core import open_models
     from serving.protocol import with_read_deadline
 
     DrainingServer = _uvicorn_server()

@@ -97,6 +97,23 @@ class Settings:
     payload_log_file_mb: float = 10.0
     # Log each closed payload file to the answering model's training run (trainserve.run_id) in MLflow.
     payload_log_mlflow: bool = False
+    # Drift: samples per model version whose input and output features are compared with the training data's
+    # (the reference export stored beside the model); 0: off. And the PSI above which a log line says so.
+    drift_window: int = 500
+    drift_threshold: float = 0.2
+    # Shadow: the fraction of a models:/NAME@alias model's requests mirrored to the version behind
+    # --shadow-alias (loaded and followed as the alias moves), off the request path; 0: off.
+    shadow: float = 0.0
+    shadow_alias: str = "challenger"
+    # The shadow verdict's rule: pairs needed, top-1 agreement needed (decision outputs), the largest mean
+    # |difference| per output (others), labels needed before they decide, how much worse a live metric may
+    # be, and the largest challenger/champion p50 ratio.
+    shadow_min_pairs: int = 200
+    shadow_min_agreement: float = 0.95
+    shadow_max_difference: float = float("inf")
+    shadow_min_labels: int = 100
+    shadow_tolerance: float = 0.01
+    shadow_max_latency_ratio: float = float("inf")
 
     def sources(self):
         """The --model flags as repository Sources (ValueError for a malformed one)."""
@@ -104,6 +121,23 @@ class Settings:
 
         specs = (self.model,) if isinstance(self.model, str) else tuple(self.model)
         return [parse_model_flag(spec) for spec in specs]
+
+    def shadow_sources(self):
+        """The --shadow-alias source of every --model that is a registry alias: the challengers to load."""
+        from serving.repository import Source
+
+        found = []
+        for source in self.sources():
+            if source.alias is not None and source.alias != self.shadow_alias:
+                registered = source.uri.split("@", 1)[0]
+                name = source.name or self.model_name or registered.removeprefix("models:/")
+                found.append(Source(f"{registered}@{self.shadow_alias}", name))
+        return found
+
+    def shadow_rule(self) -> dict:
+        return {"min_pairs": self.shadow_min_pairs, "min_agreement": self.shadow_min_agreement,
+                "max_difference": self.shadow_max_difference, "min_labels": self.shadow_min_labels,
+                "tolerance": self.shadow_tolerance, "max_latency_ratio": self.shadow_max_latency_ratio}
 
     def policy(self):
         from serving.repository import parse_version_policy
@@ -142,6 +176,7 @@ class Settings:
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         self._check_payload_log()
+        self._check_drift_and_shadow()
         if not self.loopback and self.auth_token is None and not self.allow_unauthenticated:
             raise ValueError(f"--host {self.host} makes the server reachable from other machines, and no token is "
                              "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
@@ -168,6 +203,26 @@ class Settings:
             raise ValueError(f"--model-control must be none or explicit, got {self.model_control!r}")
         if self.grpc_port is not None and not (0 < self.grpc_port < 65536 and self.grpc_port != self.port):
             raise ValueError(f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}")
+
+    def _check_drift_and_shadow(self) -> None:
+        if self.drift_window < 0:
+            raise ValueError(f"--drift-window must be >= 0 samples (0: off), got {self.drift_window}")
+        if not self.drift_threshold > 0:
+            raise ValueError(f"--drift-threshold must be a positive PSI (0.2: a shift), got {self.drift_threshold}")
+        if not 0 <= self.shadow <= 1:
+            raise ValueError(f"--shadow must be a fraction of requests between 0 and 1, got {self.shadow}")
+        if self.shadow and not self.shadow_sources():
+            raise ValueError("--shadow mirrors a registry alias's traffic to the version behind --shadow-alias "
+                             f"(@{self.shadow_alias}): serve a --model models:/NAME@champion (an alias other than "
+                             f"@{self.shadow_alias})")
+        if self.shadow_min_pairs < 1 or self.shadow_min_labels < 1:
+            raise ValueError("--shadow-min-pairs and --shadow-min-labels must be at least 1")
+        if not 0 <= self.shadow_min_agreement <= 1:
+            raise ValueError(f"--shadow-min-agreement must be between 0 and 1, got {self.shadow_min_agreement}")
+        for flag, value in {"--shadow-max-difference": self.shadow_max_difference, "--shadow-tolerance":
+                            self.shadow_tolerance, "--shadow-max-latency-ratio": self.shadow_max_latency_ratio}.items():
+            if not value >= 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
 
     def control(self) -> str:
         """explicit (load/unload allowed) or none."""

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving import lengths
+from serving import drift, lengths
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -59,6 +59,9 @@ class SourceError(Exception):
     """The model source cannot be parsed, found or fetched, or is not the file its registry version records."""
 
 
+META_DECISION, META_PREDICTION = "trainserve.decision", "trainserve.prediction"
+
+
 def recorded_hash_tag(variant: str) -> str:
     """The registry version tag holding the sha256 of a variant's file, as the export records it for every
     file it logs (model.onnx: trainserve.onnx_sha256; model.<variant>.onnx: trainserve.onnx_<variant>_sha256)."""
@@ -85,6 +88,10 @@ class ModelInfo:
     # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
     max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
     registered: str | None = None  # the registered model's name, for a registry source (the served name may differ)
+    # What the model's outputs mean, as export recorded it (never a task's name): the output whose argmax
+    # over axis 1 is its answer, and the one that carries its prediction; None when not recorded.
+    decision: str | None = None
+    prediction: str | None = None
 
     @property
     def resolved_source(self) -> str:
@@ -99,6 +106,7 @@ class LoadedModel:
     info: ModelInfo
     workdir: str | None = None  # a download directory to delete when the model is dropped
     variant: str = "fp32"  # which file of the model directory runs (VARIANT_FILES)
+    drift_reference: dict | None = None  # the training data's statistics beside the file (serving/drift.py)
 
     def discard(self) -> None:
         if self.workdir:
@@ -182,8 +190,19 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
         version=str(version), source=uri, labels=_labels(engine.metadata),
         lineage={**lineage(engine.metadata), "onnx_sha256": digest}, registered=registered,
-        max_lengths=lengths.read(engine.metadata))
-    return LoadedModel(engine, info, workdir, variant)
+        max_lengths=lengths.read(engine.metadata), decision=engine.metadata.get(META_DECISION) or None,
+        prediction=engine.metadata.get(META_PREDICTION) or None)
+    return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
+
+
+def _drift_reference(path: Path) -> dict | None:
+    """The drift reference export put beside the model file, if any; a broken one is said and skipped (drift
+    is then not measured): it must not keep a model from serving."""
+    try:
+        return drift.read(path.parent / drift.FILE)
+    except (OSError, ValueError) as exc:
+        log.warning("%s: no drift statistics: %s", path.parent / drift.FILE, exc)
+        return None
 
 
 def _check_recorded_hash(registered: str, version: str, variant: str, path: Path, digest: str) -> None:

@@ -57,6 +57,16 @@ class Metrics:
                             "has not loaded (it serves an older one)", ["model", "alias"], registry=r)
         self.registry.register(_QueueCollector(queue_rows))
 
+    def watch_drift(self, scores: Callable[[], dict[tuple[str, str, str, str], float]]) -> None:
+        """trainserve_input_drift / trainserve_output_drift{model,version,input|output}: the PSI of each tensor
+        over the version's sliding window, read at each scrape."""
+        self.registry.register(_DriftCollector(scores))
+
+    def watch_shadows(self, reports: Callable[[], dict[str, dict]]) -> None:
+        """trainserve_shadow_*{model}: pairs, dropped mirrors, challenger errors, agreement, latencies, the
+        verdict (one series with value 1), read at each scrape."""
+        self.registry.register(_ShadowCollector(reports))
+
     def watch_payload_log(self, stats: Callable[[], dict]) -> None:
         """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
         self.registry.register(_PayloadLogCollector(stats))
@@ -139,3 +149,47 @@ class _PayloadLogCollector:
         yield dropped
         yield GaugeMetricFamily("trainserve_payload_log_bytes", "Bytes in the payload log directory's files",
                                 value=stats["bytes"])
+
+
+class _DriftCollector:
+    def __init__(self, scores: Callable[[], dict[tuple[str, str, str, str], float]]):
+        self.scores = scores
+
+    def collect(self):
+        families = {kind: GaugeMetricFamily(f"trainserve_{kind[:-1]}_drift", f"Population stability index of each "
+                                            f"{kind[:-1]} over the version's last requests against the training data "
+                                            "(< 0.1 none, > 0.2 a shift)", labels=["model", "version", kind[:-1]])
+                    for kind in ("inputs", "outputs")}
+        for (model, version, kind, name), value in self.scores().items():
+            families[kind].add_metric([model, version, name], value)
+        yield from families.values()
+
+
+class _ShadowCollector:
+    def __init__(self, reports: Callable[[], dict[str, dict]]):
+        self.reports = reports
+
+    def collect(self):
+        reports = self.reports()
+        counters = {key: CounterMetricFamily(f"trainserve_shadow_{key}", text, labels=["model", "challenger_version"])
+                    for key, text in (("pairs", "Requests answered by both the champion and the challenger"),
+                                      ("dropped", "Mirrored requests shed (queue full or the champion busy)"),
+                                      ("challenger_errors", "Mirrored requests the challenger failed"),
+                                      ("labels", "Labels joined with a shadowed answer"))}
+        agreement = GaugeMetricFamily("trainserve_shadow_agreement", "Top-1 agreement of challenger and champion",
+                                      labels=["model", "challenger_version"])
+        latency = GaugeMetricFamily("trainserve_shadow_latency_ms", "p50 and p99 latency of each side, ms",
+                                    labels=["model", "challenger_version", "side", "quantile"])
+        verdict = GaugeMetricFamily("trainserve_shadow_verdict", "The shadow verdict (value 1): promote, reject or "
+                                    "undecided", labels=["model", "challenger_version", "verdict"])
+        for model, report in reports.items():
+            version = str(report.get("challenger_version"))
+            for key, family in counters.items():
+                family.add_metric([model, version], report.get(key, 0))
+            if "agreement" in report:
+                agreement.add_metric([model, version], report["agreement"])
+            for key, value in (report.get("latency_ms") or {}).items():
+                side, _, quantile = key.partition("_")
+                latency.add_metric([model, version, side, quantile], value)
+            verdict.add_metric([model, version, report["verdict"]], 1)
+        yield from (*counters.values(), agreement, latency, verdict)

@@ -48,12 +48,14 @@ class Rule:
 @dataclass
 class _Live:
     """Live metrics of one side from the labels joined so far."""
+    samples: int = 0
     hits: int = 0
     decided: int = 0
     squared: float = 0.0
     values: int = 0
 
     def add(self, answer: dict[str, np.ndarray], label: np.ndarray, decision: str | None, prediction: str | None):
+        self.samples += 1
         if decision and decision in answer:
             predicted = np.asarray(answer[decision]).argmax(axis=1)
             truth = np.asarray(label).reshape(predicted.shape)
@@ -92,7 +94,9 @@ class ShadowState:
     challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     answers: OrderedDict = field(default_factory=OrderedDict)  # request id -> (champion's, challenger's)
     labels: int = 0
-    live: dict[str, _Live] = field(default_factory=lambda: {"champion": _Live(), "challenger": _Live()})
+    # the champion on every labelled request; the challenger, and the champion again, on the labelled pairs
+    live: dict[str, _Live] = field(default_factory=lambda: {"champion": _Live(), "challenger": _Live(),
+                                                            "champion_on_pairs": _Live()})
 
 
 class Shadow:
@@ -120,6 +124,15 @@ class Shadow:
         with self._lock:
             if self.state is not None:
                 self.state.errors += 1
+
+    def answered(self, request_id: str, champion: dict[str, np.ndarray]) -> None:
+        """The champion's answer to a request, kept (a bounded window) for a label that may come later."""
+        with self._lock:
+            s = self.state
+            if s is not None:
+                s.answers[request_id] = (champion, None)
+                while len(s.answers) > ANSWERS_KEPT:
+                    s.answers.popitem(last=False)
 
     def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
              champion_ms: float, challenger_ms: float, versions: tuple[str, str]) -> None:
@@ -154,8 +167,11 @@ class Shadow:
                 if answers is None:
                     unknown += 1
                     continue
-                for side, answer in zip(("champion", "challenger"), answers):
-                    s.live[side].add(answer, label, s.decision, s.prediction)
+                champion, challenger = answers
+                s.live["champion"].add(champion, label, s.decision, s.prediction)
+                if challenger is not None:  # the challenger answered only the mirrored sample
+                    s.live["challenger"].add(challenger, label, s.decision, s.prediction)
+                    s.live["champion_on_pairs"].add(champion, label, s.decision, s.prediction)
                 s.labels += 1
                 joined += 1
         return {"joined": joined, "unknown": unknown}
@@ -172,7 +188,7 @@ class Shadow:
                 "latency_ms": {"champion_p50": _pct(s.champion_ms, 50), "champion_p99": _pct(s.champion_ms, 99),
                                "challenger_p50": _pct(s.challenger_ms, 50),
                                "challenger_p99": _pct(s.challenger_ms, 99)},
-                "labels": s.labels,
+                "labels": s.labels, "labelled_pairs": s.live["challenger"].samples,
                 "live": {side: live.metrics() for side, live in s.live.items()},
                 "rule": self.rule.to_json()}
             if s.decided:
@@ -193,8 +209,9 @@ class Shadow:
         if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
             return "reject", (f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
                               f"champion's {latency['champion_p50']:.2f} ms")
-        if r["labels"] >= rule.min_labels:
-            return _by_labels(r["live"], rule.tolerance, r["labels"])
+        if r["labelled_pairs"] >= rule.min_labels:  # both judged on the same requests
+            live = {"champion": r["live"]["champion_on_pairs"], "challenger": r["live"]["challenger"]}
+            return _by_labels(live, rule.tolerance, r["labelled_pairs"])
         if "agreement" in r:
             if r["agreement"] < rule.min_agreement:
                 return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "

@@ -25,7 +25,7 @@ import torch
 import yaml
 from onnx import TensorProto, helper
 
-from serving import app as serving_app
+from serving import core as serving_app
 from serving import engine as serving_engine
 from serving.cli import FLAGS, add_arguments, settings_from_args
 from serving.config import Settings

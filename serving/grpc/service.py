@@ -1,9 +1,10 @@
-"""KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, sharing the HTTP server's models.
+"""KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, a front end of the server's core.
 
 ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, on grpc.aio in the same
-event loop as the HTTP server: a ModelInfer request is decoded (serving/grpc/codec.py) and queued on the
-same batcher as an HTTP request for the same model version, so the two protocols share batches, limits,
-metrics and the payload log. An unmodified `tritonclient.grpc` client works.
+event loop as the HTTP server: a ModelInfer request becomes a call of the core's one inference path
+(serving/core.py: version, receipt, decode with serving/grpc/codec.py, infer on the same batcher as HTTP,
+payload log, shadow), so the protocols share batches, limits, metrics and the payload log. An unmodified
+`tritonclient.grpc` client works.
 
 As over HTTP: the bearer token (metadata `authorization: Bearer <token>`) on all but ServerLive and
 ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
@@ -18,12 +19,12 @@ import asyncio
 import logging
 import time
 import uuid
-from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
 
 import serving
+from serving import core
 from serving.codec import BadRequest
 from serving.grpc import codec, schema
 from serving.repository import version_key
@@ -48,7 +49,7 @@ MAX_STREAMS_PER_CONNECTION = 128
 MAX_CONCURRENT_RPCS = 4096  # over all connections; past it RESOURCE_EXHAUSTED at once
 
 
-class Refused(Exception):
+class Status(Exception):
     """A request answered with a gRPC status other than OK."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
@@ -56,15 +57,13 @@ class Refused(Exception):
         self.code = code
 
 
-def refusal(exc: Exception) -> Refused:
-    """Our HTTP-side errors as gRPC statuses."""
-    from serving.app import HTTPError
-
-    if isinstance(exc, Refused):
+def refusal(exc: Exception) -> Status:
+    """The core's refusals (an HTTP status each) as gRPC statuses."""
+    if isinstance(exc, Status):
         return exc
-    if isinstance(exc, (HTTPError, BadRequest)):  # RepositoryError is a BadRequest
-        return Refused(STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
-    return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    if isinstance(exc, (core.Refused, BadRequest)):  # RepositoryError is a BadRequest
+        return Status(STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+    return Status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
 class Service:
@@ -108,33 +107,20 @@ class Service:
 
     async def ModelInfer(self, request, context):
         server = self.server
-        slot = server.model_slot(request.model_name, request.model_version or None)
         rid = _request_id(request.id or context.metadata.get("x-request-id"))
-        context.answered_by(slot, rid)  # the receipt goes with a refusal too, as over HTTP
-        engine = slot.model.engine
-        decode = partial(codec.decode_infer, request, engine.inputs, engine.output_names, server.limits)
-        if context.size <= BIG_MESSAGE:  # its wire size: ByteSize() would walk the whole message on the loop
-            req = decode()
-        else:  # as over HTTP: a big message is decoded in a thread (two at a time), not on the event loop
-            async with server.decoding:
-                req = await asyncio.to_thread(decode)
-        try:
-            results, slot = await server.infer(slot, req.feeds, req.rows, follow_swap=not request.model_version)
-        except Exception as exc:
-            status = getattr(exc, "status", 500)
-            server.log_payload(rid, "grpc ModelInfer", slot, req.feeds, None, status, str(exc))
-            raise
-        context.answered_by(slot, rid)  # the version that ran it, whatever is served by now
-        server.log_payload(rid, "grpc ModelInfer", slot, req.feeds, results)
-        info = slot.model.info
-        return codec.encode_infer(info.name, info.version, request.id or None, results, req.outputs,
-                                  slot.model.engine.outputs)
+        answer = await server.answer(core.Call(
+            pick=lambda: server.model_slot(request.model_name, request.model_version or None),
+            follow_swap=not request.model_version, request_id=rid, endpoint="grpc ModelInfer",
+            size=context.size,  # its wire size: ByteSize() would walk the whole message on the loop
+            decode=lambda engine: codec.decode_infer(request, engine.inputs, engine.output_names, server.limits),
+            receipt=lambda slot, rid: context.answered_by(slot, rid)))  # with a refusal too, as over HTTP
+        info = answer.slot.model.info
+        return codec.encode_infer(info.name, info.version, request.id or None, answer.results, answer.request.outputs,
+                                  answer.slot.model.engine.outputs)
 
 
 def _request_id(given: str | None) -> str:
-    from serving.app import check_request_id
-
-    return uuid.uuid4().hex if not given else check_request_id(given, "the request id")
+    return uuid.uuid4().hex if not given else core.check_request_id(given, "the request id")
 
 
 class _Call:
@@ -162,7 +148,7 @@ def _handler(server, service: Service, method: str, request_class):
         try:
             return request_class.FromString(data)
         except DecodeError as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
 
     async def handle(data: bytes, context: grpc.aio.ServicerContext):

@@ -1,0 +1,588 @@
+"""The server's protocol-neutral core: the models it serves, and the one inference path every front end
+calls (KServe V2 over HTTP, MLflow's /invocations, KServe V2 over gRPC, and the shadow's mirror).
+
+    `Server.answer(call)`   pick the version -> receipt -> decode (big messages in a thread, two at a time)
+                            -> infer (the batcher, following a reload that swapped the version meanwhile)
+                            -> payload log -> shadow mirror; the front end encodes what it returns
+    `Refused`               a refusal with an HTTP status; the gRPC front end maps the status to its codes
+
+A front end (serving/app.py for HTTP, serving/grpc/service.py for gRPC) only turns its protocol into a
+`Call` and the answer back into its protocol: decoders and encoders live in codec.py and grpc/codec.py.
+Front ends that listen on their own port (gRPC) are started and stopped by the server's lifespan, which
+is handed their start functions: this module imports none of them.
+
+Also here: opening and warming up models at start (`open_models`), the drift window of every loaded
+version (serving/drift.py; observed on the engine thread, a batch at a time), and the shadow
+comparison of each model that has a challenger (serving/shadow.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from serving import drift, lengths
+from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
+from serving.codec import BadRequest, Limits
+from serving.config import Settings
+from serving.console import clip
+from serving.engine import GPU_PROVIDERS, ModelInputError
+from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
+from serving.metrics import Metrics
+from serving.payload_log import PayloadLog, Record
+from serving.repository import (
+    HEADER_SAFE,
+    Model,
+    Repository,
+    RepositoryError,
+    Slot,
+    Source,
+    receipt_values,
+)
+from serving.shadow import Rule, Shadow
+
+log = logging.getLogger("serving.core")
+RETRY_AFTER = {"Retry-After": "1"}
+BIG_BODY = 64 * 1024  # a request bigger than this is decoded in a thread
+SHADOW_QUEUE = 64     # mirrored requests waiting for the challenger, per model: past it they are dropped
+DRIFT_CHECK_EVERY = 50  # batches between two looks at a version's drift (a log line when it crosses the threshold)
+
+
+class Refused(Exception):
+    """A request refused, with the HTTP status that says why (4xx the client's, 5xx ours); gRPC maps it."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+
+
+def model_summary(info: ModelInfo) -> dict:
+    """The model as a payload record names it."""
+    return {"name": info.name, "version": info.version, "run_id": info.lineage.get("run_id"),
+            "weights_sha256": info.lineage.get("weights_sha256"), "onnx_sha256": info.lineage.get("onnx_sha256"),
+            "source": info.resolved_source}  # `pipeline trace` follows this, not the served name
+
+
+def check_request_id(value: str, where: str) -> str:
+    """A client's request id, which is echoed in a header: 1 to 128 printable ASCII characters."""
+    if not HEADER_SAFE.fullmatch(value):
+        raise Refused(400, f"{where} must be 1 to 128 printable ASCII characters (it is echoed in the "
+                             f"X-Request-Id response header), got {value!r:.60}")
+    return value
+
+
+@dataclass
+class Call:
+    """One inference request as a front end hands it to the core."""
+    pick: Callable[[], Slot]                 # the version it names (raises Refused/RepositoryError)
+    follow_swap: bool                        # named no version: follow a reload that swapped it
+    request_id: str | None                   # the client's, checked; None: the decoded request's, else a new one
+    endpoint: str                            # for the payload log
+    size: int                                # bytes on the wire: a big request is decoded in a thread
+    decode: Callable[[Any], Any]             # the protocol's decoder on its body, given the version's engine;
+                                             # returns .feeds, .rows and .request_id (None if the body has none)
+    receipt: Callable[[Slot, str | None], None] = lambda slot, rid: None  # the front end's receipt headers
+
+
+@dataclass
+class Answer:
+    slot: Slot                               # the version that computed it (after a reload swap too)
+    request_id: str
+    request: Any                             # what decode returned
+    results: dict[str, np.ndarray]
+
+
+class Server:
+    """The state behind the routes (HTTP and gRPC): settings, the model repository, the engine thread, metrics."""
+
+    def __init__(self, settings: Settings, models: LoadedModel | list[tuple[Source, LoadedModel]],
+                 payload_log: PayloadLog | None = None,
+                 front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = ()):
+        self.settings = settings
+        # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
+        # at once on the same cores only fight. Each batcher queues at most one run on it at a time, so the
+        # thread's FIFO order takes the models' runs in turn (see serving/repository.py).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.metrics = Metrics(queue_rows=self._queued_rows)
+        self.repository = Repository(partial(open_source, settings), self._batcher, self.warm_up_between_batches,
+                                     directory=settings.repository, policy=settings.policy(),
+                                     default_model=settings.default_model)
+        self.repository.on_change = self._announce
+        if isinstance(models, LoadedModel):  # one model, opened by the caller (tests, tools)
+            models = [(settings.sources()[0] if settings.sources() else Source(models.info.source), models)]
+        self.repository.place(models)
+        self.repository.add_repository_models()  # the rest of the repository: listed, loadable, not loaded
+        if settings.default_model is not None and settings.default_model not in self.repository.models:
+            raise RepositoryError(f"--default-model {settings.default_model}: no such model (this server has "
+                                  f"{self.repository.describe()})")
+        self._serving = False  # between startup and shutdown
+        self._token = settings.auth_token.encode() if settings.auth_token else None
+        self._followers: list[asyncio.Task] = []
+        self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
+        self.decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
+        self._hosts = settings.host_patterns()
+        self._origins = settings.origins()
+        self.payload_log = payload_log  # started and closed with the server
+        if payload_log is not None:
+            self.metrics.watch_payload_log(payload_log.stats)
+        self.front_ends = front_ends  # started with the server (gRPC), each returning something with stop(grace)
+        self._listening: list[Any] = []
+        self._stopping: list[asyncio.Future] = []
+        self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
+        self._drift_high: set[tuple[str, str, str, str]] = set()  # (model, version, kind, name) above the threshold
+        self.shadows: dict[str, Shadow] = {}  # model -> its champion/challenger comparison (--shadow)
+        self._mirrors: dict[str, asyncio.Queue] = {}
+        self._mirror_tasks: list[asyncio.Task] = []
+        if settings.shadow:
+            rule = Rule(**settings.shadow_rule())
+            self.shadows = {name: Shadow(rule) for name, alias in self.repository.aliases()
+                            if alias == settings.shadow_alias}
+        self.metrics.watch_drift(self._drift_scores)
+        self.metrics.watch_shadows(lambda: {name: shadow.report() for name, shadow in self.shadows.items()})
+
+    @property
+    def ready(self) -> bool:
+        """Started, not shutting down, at least one version loaded, and every loaded version's batcher running with
+        no model run past its deadline. A model unloaded or still loading does not make the server unready (its
+        own ready says so); a server with nothing loaded is not ready."""
+        slots = [slot for _, slot in self.repository.slots()]
+        return self._serving and bool(slots) and all(slot.healthy for slot in slots)
+
+    def model_ready(self, model: Model) -> bool:
+        return self._serving and model.ready
+
+    @property
+    def slot(self) -> Slot:
+        """The default model's default version (what /invocations serves)."""
+        return self.repository.slot(self.repository.default_model().name, None)
+
+    def _queued_rows(self) -> list[tuple[str, str, float]]:
+        return [(name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()]
+
+    def _batcher(self, model: LoadedModel) -> Batcher:
+        s = self.settings
+        name, version = model.info.name, model.info.version
+
+        def observe(rows: int, seconds: float, waits: list[float]) -> None:
+            self.metrics.observe_batch(name, version, rows, seconds, waits)
+
+        return Batcher(self._observed(model), self.executor, max_batch_size=s.max_batch_size,
+                       max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
+                       merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout)
+
+    # ---- drift -----------------------------------------------------------------------------------
+
+    def _observed(self, model: LoadedModel) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """The engine's run, with the batch's inputs and outputs added to the version's drift window: on the
+        engine thread, once per batch (not per request, and never on the event loop)."""
+        reference, window = model.drift_reference, self.settings.drift_window
+        if reference is None or not window:
+            return model.engine.run
+        key = (model.info.name, model.info.version)
+        self.drift[key] = tracker = drift.DriftWindow(reference, window)
+        batches = 0
+
+        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            nonlocal batches
+            outputs = model.engine.run(feeds)
+            try:
+                tracker.observe(feeds, outputs)
+                batches += 1
+                if batches % DRIFT_CHECK_EVERY == 0:
+                    self._say_drift(key, tracker)
+            except Exception:  # noqa: BLE001 - a statistic must never fail an answer
+                log.exception("drift statistics of %s version %s failed", *key)
+            return outputs
+        return run
+
+    def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
+        """One log line when a tensor's PSI crosses the threshold (and one when it is back under)."""
+        threshold = self.settings.drift_threshold
+        for (kind, name), (value, samples) in tracker.scores().items():
+            if samples < tracker.window // 2:
+                continue  # too few samples to say
+            flag = (*key, kind, name)
+            if value > threshold and flag not in self._drift_high:
+                self._drift_high.add(flag)
+                log.warning("drift: %s version %s %s '%s': PSI %.3f > %.2f over the last %d samples",
+                            key[0], key[1], kind[:-1], name, value, threshold, samples)
+            elif value <= threshold and flag in self._drift_high:
+                self._drift_high.discard(flag)
+                log.info("drift: %s version %s %s '%s' back under %.2f (PSI %.3f)", key[0], key[1], kind[:-1], name,
+                         threshold, value)
+
+    def _drift_scores(self) -> dict[tuple[str, str, str, str], float]:
+        """{(model, version, "inputs"|"outputs", tensor): PSI} of the loaded versions, for /metrics."""
+        loaded = {(name, slot.version) for name, slot in self.repository.slots()}
+        return {(*key, kind, name): value for key, tracker in list(self.drift.items()) if key in loaded
+                for (kind, name), (value, _) in tracker.scores().items()}
+
+    # ---- the shadow --------------------------------------------------------------------------------
+
+    def challenger_slot(self, name: str) -> Slot | None:
+        """The version behind the shadowed alias, when loaded and not the champion itself."""
+        model = self.repository.models.get(name)
+        if model is None:
+            return None
+        version = model.alias_served.get(self.settings.shadow_alias)
+        slot = model.slots.get(version) if version is not None else None
+        champion = model.default_slot()
+        return slot if slot is not None and slot is not champion else None
+
+    def mirror(self, slot: Slot, request_id: str, request, results: dict[str, np.ndarray],
+               champion_ms: float) -> None:
+        """Hands a sample of a model's answered requests to its challenger (never waited for). Shed first
+        under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
+        counted; the champion's answer is never held up by it."""
+        name = slot.model.info.name
+        shadow = self.shadows.get(name)
+        if shadow is None:
+            return
+        challenger = self.challenger_slot(name)
+        if challenger is None or slot is challenger:
+            return
+        info = slot.model.info
+        shadow.pairing(slot.version, challenger.version, info.decision, info.prediction)
+        shadow.answered(request_id, results)
+        if not sampled(request_id, self.settings.shadow):
+            return
+        queue = self._mirrors.get(name)
+        if queue is None or queue.full() or slot.batcher.queued_rows > 0:
+            shadow.dropped()
+            return
+        queue.put_nowait((challenger, slot.version, request_id, request.feeds, request.rows, results, champion_ms))
+
+    async def _mirror_worker(self, name: str) -> None:
+        """One model's mirrored requests, one at a time, on its challenger's batcher."""
+        queue, shadow = self._mirrors[name], self.shadows[name]
+        while True:
+            challenger, champion_version, rid, feeds, rows, champion, champion_ms = await queue.get()
+            started = time.perf_counter()
+            try:
+                answer = await asyncio.wait_for(challenger.batcher.submit(feeds, rows), self.settings.request_timeout)
+            except (QueueFull, BatcherClosed):
+                shadow.dropped()
+                continue
+            except Exception as exc:  # noqa: BLE001 - the challenger failing is what the comparison counts
+                log.warning("shadow: %s version %s failed request %s: %s", name, challenger.version, rid,
+                            clip(str(exc) or type(exc).__name__, 200))
+                shadow.error()
+                continue
+            shadow.pair(rid, champion, answer, champion_ms, (time.perf_counter() - started) * 1e3,
+                        (champion_version, challenger.version))
+
+    def shadow(self, name: str) -> Shadow:
+        self.repository.model(name)  # a 404 naming the models for an unknown one
+        shadow = self.shadows.get(name)
+        if shadow is None:
+            raise Refused(404, f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
+                               f"and the model as models:/<name>@<alias> with an @{self.settings.shadow_alias}")
+        return shadow
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app=None):
+        self.repository.start()
+        self._announce()
+        for _, slot in self.repository.slots():
+            info = slot.model.info
+            log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
+                     slot.model.engine.describe())
+        if self.payload_log is not None:
+            self.payload_log.start()
+            log.info("payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
+                     self.payload_log.sample * 100, self.payload_log.directory, self.payload_log.max_bytes,
+                     self.payload_log.file_bytes)
+        if self.settings.reload_interval:
+            self._followers = [asyncio.create_task(
+                self.repository.follow(name, alias, self.settings.reload_interval, self._alias_event),
+                name=f"follow {alias}") for name, alias in self.repository.aliases()]
+        for start in self.front_ends:
+            self._listening.append(await start(self))
+        for name in self.shadows:
+            self._mirrors[name] = asyncio.Queue(SHADOW_QUEUE)
+            self._mirror_tasks.append(asyncio.create_task(self._mirror_worker(name), name=f"shadow {name}"))
+        self._serving = True
+        try:
+            yield
+        finally:
+            # uvicorn gets here after SIGTERM, once it stopped accepting and in-flight requests
+            # were answered; drain what is still queued anyway.
+            self._serving = False
+            self._stop_front_ends()
+            for stopping in self._stopping:
+                await stopping
+            for task in self._mirror_tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for task in self._followers:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.repository.close()
+            if self.payload_log is not None:  # every request was answered: its records are all queued
+                await asyncio.to_thread(self.payload_log.close, self.settings.graceful_timeout)
+            self.executor.shutdown(wait=True)
+            log.info("stopped")
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: report not ready at once (load balancers stop sending), and let queued requests run now
+        instead of waiting out --max-delay-ms, so that uvicorn's wait for in-flight requests ends with them
+        answered, not cut at --graceful-timeout."""
+        self._serving = False
+        for _, slot in self.repository.slots():
+            slot.batcher.flush()
+        self._stop_front_ends()  # gRPC drains alongside HTTP, not after it
+
+    def _stop_front_ends(self) -> None:
+        if not self._stopping:
+            self._stopping = [asyncio.ensure_future(f.stop(self.settings.graceful_timeout)) for f in self._listening]
+
+    def _announce(self) -> None:
+        """Metrics of what is loaded now (after every load, unload and alias move)."""
+        served = []
+        for name, slot in self.repository.slots():
+            model, info = slot.model, slot.model.info
+            served.append((name, info.version, model.engine.provider, info.source, model.variant,
+                           model.engine.options_text()))
+            unsafe = [h for h, v in receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
+            if unsafe:
+                log.warning("%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
+                            name, info.version, ", ".join(unsafe))
+        self.metrics.set_models(served)
+        loaded = {name for name, _ in self.repository.slots()}
+        self.metrics.forget_aliases(lambda model: model not in loaded)
+
+    def _alias_event(self, name: str, alias: str, event: str, version: str) -> None:
+        model = self.repository.models.get(name)
+        self.metrics.set_alias(name, alias, version, behind=model is None or model.behind(alias))
+        if event == "failed":
+            self.metrics.reload_failures.labels(name, version).inc()
+        elif event == "moved":
+            self.metrics.reloads.labels(name).inc()
+            log.info("serving %s version %s (alias %s)", name, version, alias)
+
+    async def warm_up_between_batches(self, model: LoadedModel) -> None:
+        """A loaded version's warm-up, one run per batch size on the engine thread, queued between live
+        batches: never two runs at once on the device (on a GPU, cuDNN picking algorithms for the new model
+        while live traffic runs would time them on a busy device and slow the requests in flight). A live
+        batch waits for at most one warm-up run."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        sizes = warm_up_sizes(model.engine.provider, self.settings.max_batch_size)
+        for n in sizes:
+            if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
+                log.info("no warm-up: an input has a dynamic axis besides the batch axis")
+                return
+        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
+                 len(sizes), time.perf_counter() - started)
+
+    # ---- the one inference path ------------------------------------------------------------------
+    def check_token(self, header: str) -> None:
+        """An `Authorization` value (HTTP header or gRPC metadata) against the token, when one is set."""
+        if self._token is None:
+            return
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+            raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                            {"WWW-Authenticate": "Bearer"})
+
+    def model_slot(self, name: str, version: str | None) -> Slot:
+        try:
+            return self.repository.slot(name, version)
+        except RepositoryError as exc:
+            raise Refused(exc.status, str(exc)) from None
+
+    def invocations_slot(self) -> Slot:
+        try:
+            return self.repository.slot(self.repository.default_model().name, None)
+        except RepositoryError as exc:
+            raise Refused(exc.status, f"/invocations serves the default model: {exc}") from None
+
+    def invocations_hint(self, slot: Slot) -> str:
+        """On a server of several models, a refusal on /invocations says which one it serves and how to reach
+        the others: a client sending another model's inputs would otherwise not know why they don't fit."""
+        others = sorted(n for n in self.repository.models if n != slot.model.info.name)
+        if not others:
+            return ""
+        return (f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+                f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
+                f"--default-model NAME)")
+    async def decode(self, decode: Callable[[], Any], size: int):
+        """A protocol's decoder on its request: in a thread for a big one (two at a time), inline for a small
+        one. An exception the decoder did not foresee is still the client's malformed request: a 400."""
+        def safely():
+            try:
+                return decode()
+            except BadRequest:
+                raise
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+                log.debug("a request the decoder did not foresee", exc_info=True)
+                raise BadRequest(f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}") from None
+
+        if size <= BIG_BODY:
+            return safely()
+        async with self.decoding:
+            return await asyncio.to_thread(safely)
+
+    async def answer(self, call: Call) -> Answer:
+        """The one inference path (see the module's docstring). Refusals raise Refused or BadRequest, with the
+        receipt already given to the front end when the version was known."""
+        slot = call.pick()
+        call.receipt(slot, call.request_id)
+        request = await self.decode(partial(call.decode, slot.model.engine), call.size)
+        rid = call.request_id
+        if rid is None:
+            given = getattr(request, "request_id", None)
+            rid = check_request_id(given, 'the "id" of the request') if given is not None else uuid.uuid4().hex
+        call.receipt(slot, rid)
+        started = time.perf_counter()
+        try:
+            results, slot = await self.infer(slot, request.feeds, request.rows, call.follow_swap)
+        except (Refused, BadRequest) as exc:
+            self.log_payload(rid, call.endpoint, slot, request.feeds, None, exc.status, str(exc))
+            raise
+        call.receipt(slot, rid)  # the version that ran it, whatever the server serves by now
+        self.log_payload(rid, call.endpoint, slot, request.feeds, results)
+        self.mirror(slot, rid, request, results, (time.perf_counter() - started) * 1e3)
+        return Answer(slot, rid, request, results)
+
+    async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
+                    follow_swap: bool = True) -> tuple[dict[str, np.ndarray], Slot]:
+        """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
+        named no version) the one a reload put in its place before the request could be queued."""
+        lengths.check(slot.model.info.max_lengths, feeds, slot.model.info.name)  # a 400 naming the limit, not ORT's
+        limit = self.settings.max_rows_per_request
+        if rows > limit:
+            raise Refused(400, f"the request has {rows} rows; this server takes at most {limit} per request "
+                                 "(--max-rows-per-request): split it")
+        timeout = self.settings.request_timeout
+        try:
+            return await asyncio.wait_for(self._submit(slot, feeds, rows, follow_swap), timeout)
+        except asyncio.TimeoutError:
+            raise Refused(504, f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
+                                 "a model run is stuck") from None
+        except RunTimedOut as exc:
+            raise Refused(504, str(exc)) from None
+        except ModelInputError as exc:
+            raise Refused(400, str(exc)) from None
+        except QueueFull as exc:
+            raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
+        except BatcherClosed as exc:
+            raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
+
+    async def _submit(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
+                      follow_swap: bool) -> tuple[dict[str, np.ndarray], Slot]:
+        try:
+            return await slot.batcher.submit(feeds, rows), slot
+        except BatcherClosed:
+            # A reload swapped the model between choosing this slot and queueing on it (decoding a big body,
+            # or wait_for's task start, lies in between): the new model takes it if its inputs are the same.
+            # Named a version: the same version's new slot (a reload of it). Unloaded meanwhile: a 404.
+            name = slot.model.info.name
+            model = self.repository.models.get(name)
+            if model is None or not self._serving:
+                raise
+            current = model.default_slot() if follow_swap else model.slots.get(slot.version)
+            if current is None:
+                raise Refused(404, f"model '{name}' version {slot.version} was unloaded while the request "
+                                     f"waited ({model.state.lower()})") from None
+            if current is slot or current.model.engine.inputs != slot.model.engine.inputs:
+                raise
+            return await current.batcher.submit(feeds, rows), current
+
+    def log_payload(self, request_id: str, endpoint: str, slot: Slot, feeds: dict[str, np.ndarray],
+                    results: dict[str, np.ndarray] | None, status: int = 200, error: str | None = None) -> None:
+        """Hand a request of the sample to the payload log (queued, never waited for)."""
+        if self.payload_log is not None and self.payload_log.sampled(request_id):
+            self.payload_log.submit(Record(request_id, time.time(), endpoint, status,
+                                           model_summary(slot.model.info), feeds, results, error))
+
+
+def open_source(settings: Settings, source: Source, version: str | None = None) -> LoadedModel:
+    """One model source on the provider and variant the settings ask (an alias pinned at `version` when given).
+    A repository version directory is that version of its model."""
+    s = settings
+    name = source.name or s.model_name  # Settings.check: --model-name only beside a single unnamed --model
+    return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
+                      device_id=s.device_id, variant=s.variant, gpu=s.gpu_options())
+
+
+def warm_up_sizes(provider: str, max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes to run before serving.
+
+    GPU: every size the batcher forms from requests (1 to max_batch_size): each new input shape costs the
+    CUDA provider a cuDNN algorithm choice and allocations, and TensorRT an engine rebuild if the shape is
+    outside the range it has seen, so none of that may land on a request. The largest first, then 1:
+    TensorRT's profile then spans every size in between. A single request larger than max_batch_size runs
+    alone at its own size, unwarmed (bound it with --max-rows-per-request).
+    CPU: 1 and the largest; the CPU provider chooses no algorithm per shape, and the largest batch sizes
+    its memory arena.
+    """
+    if provider in GPU_PROVIDERS:
+        return (max_batch_size, *range(1, max_batch_size))
+    return tuple(dict.fromkeys((1, max_batch_size)))
+
+
+def warm_up(model: LoadedModel, max_batch_size: int) -> None:
+    """Run the model at the warm-up sizes (warm_up_sizes) before the server says it is ready."""
+    started = time.perf_counter()
+    sizes = warm_up_sizes(model.engine.provider, max_batch_size)
+    if model.engine.warm_up(sizes):
+        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
+                 len(sizes), time.perf_counter() - started)
+    else:
+        log.info("%s: no warm-up: an input has a dynamic axis besides the batch axis", model.info.name)
+
+
+def open_models(settings: Settings) -> list[tuple[Source, LoadedModel]]:
+    """Every model the settings load at start, opened and warmed up (blocking, before the server starts).
+    Raises the first failure: a server does not start half-loaded."""
+    repository = Repository(partial(open_source, settings), None, None, directory=settings.repository,
+                            policy=settings.policy())
+    shadowed = settings.shadow_sources() if settings.shadow else []
+    try:
+        opened = repository.open_at_start(settings.sources() + shadowed, settings.load_model_names())
+    except SourceError as exc:
+        if any(s.uri in str(exc) for s in shadowed):
+            raise SourceError(f"--shadow: {exc}; a model gets @{settings.shadow_alias} from an export that does not "
+                              "win against the champion (or set it in the registry); or serve without --shadow") from None
+        raise
+    try:
+        for _, model in opened:
+            warm_up(model, settings.max_batch_size)
+    except BaseException:
+        for _, model in opened:
+            model.discard()
+        raise
+    return opened
+
+
+def check_reload(settings: Settings) -> None:
+    """--reload-interval only makes sense for an alias; ValueError otherwise."""
+    if settings.reload_interval and not any(source.alias for source in settings.sources()):
+        given = ", ".join(s.uri for s in settings.sources()) or "none"
+        raise ValueError(f"--reload-interval polls a registry alias; no --model is models:/<name>@<alias> "
+                         f"(given: {given})")
+
+
+def sampled(request_id: str, fraction: float) -> bool:
+    """Whether a request is in a `fraction` sample: by its id, so a retried request is sampled the same way."""
+    if fraction >= 1:
+        return True
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") < fraction * 2 ** 64
