@@ -128,7 +128,7 @@ class Settings:
 
         found = []
         for source in self.sources():
-            if source.alias is not None and source.alias != self.shadow_alias:
+            if source.alias is not None and source.alias.rpartition("@")[2] != self.shadow_alias:
                 registered = source.uri.split("@", 1)[0]
                 name = source.name or self.model_name or registered.removeprefix("models:/")
                 found.append(Source(f"{registered}@{self.shadow_alias}", name))

@@ -112,6 +112,8 @@ class Server:
                  payload_log: PayloadLog | None = None,
                  front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = ()):
         self.settings = settings
+        self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
+        self._drift_high: set[tuple[str, str, str, str]] = set()  # (model, version, kind, name) above the threshold
         # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
         # at once on the same cores only fight. Each batcher queues at most one run on it at a time, so the
         # thread's FIFO order takes the models' runs in turn (see serving/repository.py).
@@ -141,17 +143,16 @@ class Server:
         self.front_ends = front_ends  # started with the server (gRPC), each returning something with stop(grace)
         self._listening: list[Any] = []
         self._stopping: list[asyncio.Future] = []
-        self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
-        self._drift_high: set[tuple[str, str, str, str]] = set()  # (model, version, kind, name) above the threshold
         self.shadows: dict[str, Shadow] = {}  # model -> its champion/challenger comparison (--shadow)
         self._mirrors: dict[str, asyncio.Queue] = {}
         self._mirror_tasks: list[asyncio.Task] = []
         if settings.shadow:
             rule = Rule(**settings.shadow_rule())
             self.shadows = {name: Shadow(rule) for name, alias in self.repository.aliases()
-                            if alias == settings.shadow_alias}
+                            if alias.rpartition("@")[2] == settings.shadow_alias}
         self.metrics.watch_drift(self._drift_scores)
-        self.metrics.watch_shadows(lambda: {name: shadow.report() for name, shadow in self.shadows.items()})
+        self.metrics.watch_shadows(lambda: {name: self.shadow(name).report() for name in self.shadows
+                                            if name in self.repository.models})
 
     @property
     def ready(self) -> bool:
@@ -237,7 +238,8 @@ class Server:
         model = self.repository.models.get(name)
         if model is None:
             return None
-        version = model.alias_served.get(self.settings.shadow_alias)
+        shadowed = [a for a in model.alias_served if a.rpartition("@")[2] == self.settings.shadow_alias]
+        version = model.alias_served.get(shadowed[0]) if shadowed else None
         slot = model.slots.get(version) if version is not None else None
         champion = model.default_slot()
         return slot if slot is not None and slot is not champion else None
@@ -251,11 +253,9 @@ class Server:
         shadow = self.shadows.get(name)
         if shadow is None:
             return
-        challenger = self.challenger_slot(name)
+        challenger = self._pair(name, shadow)
         if challenger is None or slot is challenger:
             return
-        info = slot.model.info
-        shadow.pairing(slot.version, challenger.version, info.decision, info.prediction)
         shadow.answered(request_id, results)
         if not sampled(request_id, self.settings.shadow):
             return
@@ -284,12 +284,24 @@ class Server:
             shadow.pair(rid, champion, answer, champion_ms, (time.perf_counter() - started) * 1e3,
                         (champion_version, challenger.version))
 
+    def _pair(self, name: str, shadow: Shadow) -> Slot | None:
+        """The challenger now served for the shadowed alias, and the comparison set to that pairing (a new
+        one starts afresh when the alias moved)."""
+        challenger = self.challenger_slot(name)
+        champion = self.repository.models[name].default_slot() if name in self.repository.models else None
+        if challenger is not None and champion is not None:
+            info = champion.model.info
+            shadow.pairing(champion.version, challenger.version, info.decision, info.prediction)
+        return challenger
+
     def shadow(self, name: str) -> Shadow:
+        """The comparison of `name`, paired with the versions served now; Refused 404 when there is none."""
         self.repository.model(name)  # a 404 naming the models for an unknown one
         shadow = self.shadows.get(name)
         if shadow is None:
             raise Refused(404, f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
                                f"and the model as models:/<name>@<alias> with an @{self.settings.shadow_alias}")
+        self._pair(name, shadow)
         return shadow
 
     # ---- lifecycle -----------------------------------------------------------------------------
