@@ -123,6 +123,10 @@ def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
          f"params hold it")
     data_args = {k.removeprefix("data.args."): v for k, v in run.data.params.items() if k.startswith("data.args.")}
     echo(f"data        {tags.get('trainserve.data_component', run.data.params.get('data.component', '?'))} {data_args or ''}".rstrip())
+    digests = {split: tags.get(f"trainserve.data.{split}_sha256") for split in ("train", "val")}
+    if all(digests.values()):  # the run's MLflow datasets carry the same digests (pipeline verify checks it)
+        echo(f"datasets    train sha256 {digests['train'][:16]}, val sha256 {digests['val'][:16]} (the run's "
+             "MLflow datasets)")
     return {"version": tags, "run_id": run_id}
 
 

@@ -12,6 +12,9 @@ proven, not broken), 0 only when every link was checked:
     checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file), and
                  consolidating it again gives byte-identical weights
     gates        export's gates, run again on the registered ONNX against those weights, all pass
+    data         the content digests of the training and validation splits the version names are the ones its
+                 training run logged as its MLflow datasets, and the drift baseline registered beside the ONNX
+                 hashes to the version's recorded sha256
     server       (--server) the live server serves this version, with these weights, and says so in
                  its model metadata and in the receipt headers of a real inference; the sha256 of the ONNX
                  bytes it loaded (X-Model-Onnx-Sha256) is one the version records
@@ -74,6 +77,7 @@ def main(model_uri: str, server: str | None = None, tracking_uri: str = "", toke
         else:
             report(Link("checkpoint", "skip", "no weights to trace it from"))
             report(Link("gates", "skip", "no weights to run them against"))
+        data_link(tags, onnx_path, report)
         if server:
             server_link(server, name, version, tags, props, token, report)
     return links
@@ -220,6 +224,35 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
     failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
     report(Link("gates", "FAIL" if failed else "ok",
                 clip("; ".join(failed), 600) if failed else f"{len(results)} gates pass again on the registered ONNX"))
+
+
+def data_link(tags: dict, onnx_path: Path | None, report) -> None:
+    """The data behind the version: its split digests against the run's logged datasets; the drift baseline
+    (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
+    from pipeline.components import tracking
+    from pipeline.components.safetensors_writer import file_sha256
+
+    recorded = {split: tags.get(f"trainserve.data.{split}_sha256", "") for split in ("train", "val")}
+    if not all(recorded.values()):
+        report(Link("data", "skip", "the version names no data digests (exported before datasets were logged)"))
+        return
+    try:
+        logged = tracking.dataset_digests(tags["trainserve.run_id"])
+    except Exception as exc:  # noqa: BLE001 - whatever the store raises
+        report(Link("data", "skip", f"the run's datasets can't be read: {first_line(exc)}"))
+        return
+    problems = [f"{split} {digest[:16]} != the run's {logged.get(split, '(none)')[:16]}"
+                for split, digest in recorded.items() if logged.get(split) != digest]
+    baseline = onnx_path.parent / "drift_reference.json" if onnx_path is not None else None
+    if tags.get("trainserve.drift_sha256"):
+        if baseline is None or not baseline.is_file():
+            problems.append("drift_reference.json is not beside the registered ONNX")
+        elif file_sha256(baseline) != tags["trainserve.drift_sha256"]:
+            problems.append(f"drift_reference.json sha256 {file_sha256(baseline)[:16]} != the version's "
+                            f"{tags['trainserve.drift_sha256'][:16]}")
+    report(Link("data", "FAIL" if problems else "ok", "; ".join(problems) if problems else
+                f"train {recorded['train'][:16]}, val {recorded['val'][:16]} = the run's datasets"
+                + (", drift baseline intact" if tags.get("trainserve.drift_sha256") else "")))
 
 
 def server_link(url: str, name: str, version: str, tags: dict, props: dict, token: str, report) -> None:

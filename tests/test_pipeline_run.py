@@ -86,7 +86,7 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
         # The README's next step: re-prove the chain behind what the live server serves.
         verified = run_cli(["verify", "models:/resnet18-digits@champion", "--server", url], cwd=tmp_path)
         assert [line.split()[:2] for line in verified.stdout.splitlines()[:-1]] == [
-            ["ok", link] for link in ("registry", "onnx", "lineage", "weights", "checkpoint", "gates", "server")]
+            ["ok", link] for link in ("registry", "onnx", "lineage", "weights", "checkpoint", "gates", "data", "server")]
         assert verified.stdout.splitlines()[-1] == "verified: models:/resnet18-digits@champion"
         os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C
         proc.wait(timeout=60)

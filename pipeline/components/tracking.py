@@ -267,6 +267,18 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
                                "trainserve.inputs": json.dumps(inputs)[:5000]})
 
 
+def dataset_digests(run_id: str) -> dict[str, str]:
+    """{"train"|"val": sha256} of the datasets a run logged (`log_datasets`)."""
+    contexts = {"training": "train", "validation": "val"}
+    found = {}
+    for item in get_run(run_id).inputs.dataset_inputs:
+        tags = {t.key: t.value for t in item.tags}
+        split = contexts.get(tags.get("mlflow.data.context", ""))
+        if split and tags.get("trainserve.sha256"):
+            found[split] = tags["trainserve.sha256"]
+    return found
+
+
 @uninterrupted
 def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
     """The run's component source under `code/` (see code_capture.py) and what it was installed with."""
