@@ -45,6 +45,10 @@ def main(name: str, server: str, token: str = "", tracking_uri: str = "", champi
         raise PromoteError(f"the server shadows version {report.get('challenger_version')} but @{challenger} names "
                            f"version {behind} now; wait for the server to follow the alias (--reload-interval) and "
                            "judge it")
+    holder = tracking.alias_version(name, champion)
+    if str(report.get("champion_version")) != holder:
+        raise PromoteError(f"the server judged against version {report.get('champion_version')} but @{champion} "
+                           f"names version {holder} now; wait for the server to follow it and judge again")
     verdict, reason = report.get("verdict"), report.get("reason", "")
     if verdict != "promote" and not force:
         return {"promoted": False, "version": behind, "reason": f"the shadow verdict is {verdict}: {reason}",
@@ -97,18 +101,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default="", help="the server's bearer token, if it has one")
     parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, then "
                                                            "sqlite:///mlflow.db)")
+    parser.add_argument("--champion", default="champion", help="the alias the server serves (default champion)")
+    parser.add_argument("--challenger", default="challenger", help="the alias it shadows, its --shadow-alias "
+                                                                   "(default challenger)")
     parser.add_argument("--force", action="store_true", help="move @champion whatever the verdict (recorded as forced)")
 
 
 def cli(args: argparse.Namespace) -> int:
     logs.configure()
     try:
-        result = main(args.name, args.server, args.token, args.tracking_uri, force=args.force)
+        result = main(args.name, args.server, args.token, args.tracking_uri, args.champion, args.challenger,
+                      force=args.force)
     except (PromoteError, TrackingError) as exc:
         print(f"pipeline promote: error: {exc}", file=sys.stderr)
         return 2
     if not result["promoted"]:
         print(f"pipeline promote: not promoted: version {result['version']}: {result['reason']}", file=sys.stderr)
         return 1
-    print(f"promoted {args.name} version {result['version']} to @champion: {result['reason']}")
+    print(f"promoted {args.name} version {result['version']} to @{args.champion}: {result['reason']}")
     return 0

@@ -117,17 +117,17 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
                               "or start a new run with another train.run_name")
 
-        uploads, code, digests = None, None, None
+        uploads, code = None, None
+        # Which data trained it: a content digest of each split (every rank hashes its share), logged by rank 0
+        # as the run's MLflow datasets.
+        digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers, info) for split in ("train", "val")}
         if info.is_main:
             code = capture(component_references(cfg.model, cfg.data, cfg.task))
             run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
                                     replaying=resume == "auto")
-            # Which data trained it: a content digest of each split, as the run's MLflow datasets.
-            digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers) for split in ("train", "val")}
             tracking.log_datasets(cfg.data.component, cfg.data.args, digests, [s.to_json() for s in splits.inputs])
             if cfg.checkpoint.log_to_mlflow == "all":
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
-        digests = distributed.broadcast_object(digests, info)
         # What every checkpoint says about itself: enough to rebuild and check the model elsewhere.
         meta = {"config": cfg.model_dump(mode="json"), "model": spec.to_json(),
                 "data": {"component": cfg.data.component, "args": cfg.data.args, "digests": digests},

@@ -30,6 +30,7 @@ without a preflight (text/plain, forms). Health checks skip auth and these check
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import re
@@ -316,7 +317,11 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
                 labels[item["id"]] = np.asarray(item["target"], dtype=np.float64)
             except (TypeError, ValueError):
                 raise Refused(400, f"labels[{i}].target must be a number or a (nested) list of numbers") from None
-        return json(shadow.feedback(labels) | {"report": shadow.report()})
+        try:  # off the loop: thousands of per-pixel labels are real work
+            joined = await asyncio.to_thread(shadow.feedback, labels)
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from None
+        return json(joined | {"report": await asyncio.to_thread(shadow.report)})
 
     async def ping(request: Request) -> Response:
         return Response(b"\n", 200 if server.ready else 503, media_type=JSON)

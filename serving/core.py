@@ -254,14 +254,15 @@ class Server:
         if shadow is None:
             return
         challenger = self._pair(name, shadow)
-        if challenger is None or slot is challenger:
-            return
+        model = self.repository.models.get(name)
+        if challenger is None or model is None or slot is not model.default_slot():
+            return  # a request that named another version: not the champion's traffic
         shadow.answered(request_id, results)
         if not sampled(request_id, self.settings.shadow):
             return
         queue = self._mirrors.get(name)
         if queue is None or queue.full() or slot.batcher.queued_rows > 0:
-            shadow.dropped()
+            shadow.dropped((slot.version, challenger.version))
             return
         queue.put_nowait((challenger, slot.version, request_id, request.feeds, request.rows, results, champion_ms))
 
@@ -270,16 +271,17 @@ class Server:
         queue, shadow = self._mirrors[name], self.shadows[name]
         while True:
             challenger, champion_version, rid, feeds, rows, champion, champion_ms = await queue.get()
+            versions = (champion_version, challenger.version)
             started = time.perf_counter()
             try:
                 answer = await asyncio.wait_for(challenger.batcher.submit(feeds, rows), self.settings.request_timeout)
-            except (QueueFull, BatcherClosed):
-                shadow.dropped()
+            except (QueueFull, BatcherClosed, RunTimedOut, asyncio.TimeoutError):
+                shadow.dropped(versions)  # the server's load, not the challenger's fault
                 continue
             except Exception as exc:  # noqa: BLE001 - the challenger failing is what the comparison counts
                 log.warning("shadow: %s version %s failed request %s: %s", name, challenger.version, rid,
                             clip(str(exc) or type(exc).__name__, 200))
-                shadow.error()
+                shadow.error(versions)
                 continue
             shadow.pair(rid, champion, answer, champion_ms, (time.perf_counter() - started) * 1e3,
                         (champion_version, challenger.version))
@@ -377,6 +379,8 @@ class Server:
                 log.warning("%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
                             name, info.version, ", ".join(unsafe))
         self.metrics.set_models(served)
+        versions = {(name, slot.version) for name, slot in self.repository.slots()}
+        self.drift = {key: window for key, window in self.drift.items() if key in versions}  # unloaded: gone
         loaded = {name for name, _ in self.repository.slots()}
         self.metrics.forget_aliases(lambda model: model not in loaded)
 

@@ -136,14 +136,25 @@ class _Tensor:
 
     def observe(self, array: np.ndarray) -> None:
         if self.kind == "numeric":
-            feats = features(array)[:, :len(self.edges)]
-            bins = np.stack([np.searchsorted(e, feats[:, j], side="right") for j, e in enumerate(self.edges)], 1)
+            feats = features(array)
+            n = min(len(self.edges), feats.shape[1])  # a dynamic axis 1 may be shorter than the reference's
+            if n < len(self.edges):
+                return  # a sample with fewer channels than the reference's: not comparable, not counted
+            bins = np.stack([np.searchsorted(self.edges[j], feats[:, j], side="right") for j in range(n)], 1)
             self.recent.extend(bins)
         else:
             flat = np.asarray(array).astype(np.int64).reshape(len(array), -1)
-            hits = flat[:, :, None] == self.values[None, None, :]      # sample x position x kept value
-            counts = np.concatenate([hits.sum(1), (~hits.any(2)).sum(1, keepdims=True)], axis=1)
-            self.recent.extend(counts.astype(np.float64))
+            # Each position's category by a sorted lookup (no sample x position x category array): the index
+            # of its value among the kept ones, or the last bin, "other".
+            order = np.argsort(self.values)
+            ranked = self.values[order]
+            at = np.clip(np.searchsorted(ranked, flat), 0, len(ranked) - 1)
+            found = ranked[at] == flat
+            category = np.where(found, order[at], len(self.values))
+            rows = np.arange(len(flat))[:, None].repeat(flat.shape[1], 1)
+            counts = np.zeros((len(flat), len(self.values) + 1))
+            np.add.at(counts, (rows, category), 1)
+            self.recent.extend(counts)
 
     def psi(self) -> float | None:
         if not self.recent:

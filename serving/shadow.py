@@ -30,6 +30,7 @@ import numpy as np
 
 LATENCIES_KEPT = 2000     # per side, for the percentiles
 ANSWERS_KEPT = 10000      # request ids whose answers wait for a label
+ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
 
 
 @dataclass
@@ -54,16 +55,15 @@ class _Live:
     squared: float = 0.0
     values: int = 0
 
-    def add(self, answer: dict[str, np.ndarray], label: np.ndarray, decision: str | None, prediction: str | None):
+    def add(self, answer: np.ndarray, label: np.ndarray, decides: bool) -> None:
+        """`answer`: the compact form `compact` keeps (decisions, or the prediction), as `label` is shaped."""
         self.samples += 1
-        if decision and decision in answer:
-            predicted = np.asarray(answer[decision]).argmax(axis=1)
-            truth = np.asarray(label).reshape(predicted.shape)
-            self.hits += int((predicted == truth).sum())
-            self.decided += int(predicted.size)
-        elif prediction and prediction in answer:
-            error = np.asarray(answer[prediction], dtype=np.float64).reshape(-1) - \
-                np.asarray(label, dtype=np.float64).reshape(-1)
+        truth = np.asarray(label).reshape(answer.shape)
+        if decides:
+            self.hits += int((answer == truth).sum())
+            self.decided += int(answer.size)
+        else:
+            error = answer.astype(np.float64) - truth.astype(np.float64)
             self.squared += float((error * error).sum())
             self.values += int(error.size)
 
@@ -92,7 +92,9 @@ class ShadowState:
     difference_counts: dict[str, int] = field(default_factory=dict)
     champion_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
-    answers: OrderedDict = field(default_factory=OrderedDict)  # request id -> (champion's, challenger's)
+    answers: OrderedDict = field(default_factory=OrderedDict)  # request id -> (champion's, challenger's) compact
+    answer_bytes: int = 0
+    labelled: OrderedDict = field(default_factory=OrderedDict)  # request ids already labelled (a late pair skips)
     labels: int = 0
     # the champion on every labelled request; the challenger, and the champion again, on the labelled pairs
     live: dict[str, _Live] = field(default_factory=lambda: {"champion": _Live(), "challenger": _Live(),
@@ -115,30 +117,58 @@ class Shadow:
             if s is None or (s.champion_version, s.challenger_version) != (champion_version, challenger_version):
                 self.state = ShadowState(champion_version, challenger_version, decision, prediction)
 
-    def dropped(self) -> None:
-        with self._lock:
-            if self.state is not None:
-                self.state.dropped += 1
+    def _current(self, versions: tuple[str, str] | None) -> ShadowState | None:
+        s = self.state
+        if s is None or (versions is not None and (s.champion_version, s.challenger_version) != versions):
+            return None  # news of a pairing that has since changed: not this one's
+        return s
 
-    def error(self) -> None:
+    def dropped(self, versions: tuple[str, str] | None = None) -> None:
         with self._lock:
-            if self.state is not None:
-                self.state.errors += 1
+            if (s := self._current(versions)) is not None:
+                s.dropped += 1
+
+    def error(self, versions: tuple[str, str] | None = None) -> None:
+        with self._lock:
+            if (s := self._current(versions)) is not None:
+                s.errors += 1
+
+    def compact(self, answer: dict[str, np.ndarray]) -> np.ndarray | None:
+        """What a label is scored against, kept small: the decision output's argmax (a class per sample or
+        per pixel), else the prediction output; None when the model declares neither."""
+        s = self.state
+        if s is None:
+            return None
+        if s.decision and s.decision in answer:
+            decided = np.asarray(answer[s.decision]).argmax(axis=1)
+            return decided.astype(np.int32 if decided.max(initial=0) > 32767 else np.int16)
+        if s.prediction and s.prediction in answer:
+            return np.asarray(answer[s.prediction], dtype=np.float32)
+        return None
+
+    def _keep(self, s: ShadowState, request_id: str, pair: tuple) -> None:
+        old = s.answers.pop(request_id, None)
+        if old is not None:
+            s.answer_bytes -= sum(a.nbytes for a in old if a is not None)
+        s.answers[request_id] = pair
+        s.answer_bytes += sum(a.nbytes for a in pair if a is not None)
+        while s.answers and (len(s.answers) > ANSWERS_KEPT or s.answer_bytes > ANSWER_BYTES_KEPT):
+            _, gone = s.answers.popitem(last=False)
+            s.answer_bytes -= sum(a.nbytes for a in gone if a is not None)
 
     def answered(self, request_id: str, champion: dict[str, np.ndarray]) -> None:
-        """The champion's answer to a request, kept (a bounded window) for a label that may come later."""
+        """The champion's answer to a request, kept (bounded in count and bytes) for a label that may come."""
         with self._lock:
             s = self.state
-            if s is not None:
-                s.answers[request_id] = (champion, None)
-                while len(s.answers) > ANSWERS_KEPT:
-                    s.answers.popitem(last=False)
+            kept = self.compact(champion)
+            if s is not None and kept is not None:
+                self._keep(s, request_id, (kept, None))
 
     def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
              champion_ms: float, challenger_ms: float, versions: tuple[str, str]) -> None:
         with self._lock:
-            s = self.state
-            if s is None or (s.champion_version, s.challenger_version) != versions:
+            s = self._current(versions)
+            if s is None:
                 return  # a pair of a pairing that has since changed
             s.pairs += 1
             s.champion_ms.append(champion_ms)
@@ -153,25 +183,40 @@ class Shadow:
                         diff = np.abs(np.asarray(value, dtype=np.float64) - np.asarray(challenger[name], np.float64))
                         s.difference_sums[name] = s.difference_sums.get(name, 0.0) + float(diff.sum())
                         s.difference_counts[name] = s.difference_counts.get(name, 0) + int(diff.size)
-            s.answers[request_id] = (champion, challenger)
-            while len(s.answers) > ANSWERS_KEPT:
-                s.answers.popitem(last=False)
+            kept = self.compact(champion), self.compact(challenger)
+            if kept[0] is not None and request_id not in s.labelled:  # labelled already: nothing left to join
+                self._keep(s, request_id, kept)
 
     def feedback(self, labels: dict[str, np.ndarray]) -> dict[str, int]:
-        """True targets by request id; joined with the pairs still in the window. Returns the counts."""
-        joined = unknown = 0
+        """True targets by request id, joined with the answers still in the window; returns the counts.
+        ValueError, before anything is counted, when a label's size is not its answer's."""
         with self._lock:
             s = self.state
+            if s is None:
+                return {"joined": 0, "unknown": len(labels)}
             for request_id, label in labels.items():
-                answers = s.answers.pop(request_id, None) if s is not None else None
-                if answers is None:
+                kept = s.answers.get(request_id)
+                if kept is not None and np.asarray(label).size != kept[0].size:
+                    raise ValueError(f"the label of {request_id!r} has {np.asarray(label).size} values; its answer "
+                                     f"has {kept[0].size} ({'a class' if s.decision else 'a value'} per "
+                                     f"{'position' if kept[0].ndim > 1 else 'row'}): send the true target as the "
+                                     f"answer is shaped, {list(kept[0].shape)}")
+            joined = unknown = 0
+            decides = bool(s.decision)
+            for request_id, label in labels.items():
+                kept = s.answers.pop(request_id, None)
+                if kept is None:
                     unknown += 1
                     continue
-                champion, challenger = answers
-                s.live["champion"].add(champion, label, s.decision, s.prediction)
+                s.answer_bytes -= sum(a.nbytes for a in kept if a is not None)
+                s.labelled[request_id] = True
+                while len(s.labelled) > ANSWERS_KEPT:
+                    s.labelled.popitem(last=False)
+                champion, challenger = kept
+                s.live["champion"].add(champion, label, decides)
                 if challenger is not None:  # the challenger answered only the mirrored sample
-                    s.live["challenger"].add(challenger, label, s.decision, s.prediction)
-                    s.live["champion_on_pairs"].add(champion, label, s.decision, s.prediction)
+                    s.live["challenger"].add(challenger, label, decides)
+                    s.live["champion_on_pairs"].add(champion, label, decides)
                 s.labels += 1
                 joined += 1
         return {"joined": joined, "unknown": unknown}

@@ -26,6 +26,12 @@ WHERE = "model.component 'm' on 2 validation samples"
 
 
 @dataclasses.dataclass
+class Classified:  # a ModelOutput-like output: read as outputs.logits by a transformers-style loss
+    logits: torch.Tensor
+    embedding: torch.Tensor
+
+
+@dataclasses.dataclass
 class Heads:  # a dataclass output, as some libraries return
     score: torch.Tensor
     box: torch.Tensor
@@ -185,3 +191,26 @@ def test_each_task_checks_its_own_data():
         Regression.check_data(["a"], "data")
     with pytest.raises(DataError, match="classification needs an int64 class index"):
         Classification.check_target(torch.tensor(0.5), None, "item 0")
+
+
+def test_a_loss_reading_fields_as_attributes_works_in_training_and_in_evaluation(tmp_path, monkeypatch):
+    """A transformers-style loss (`outputs.logits`) gets the ModelOutput in training and, in evaluation and the
+    export gates, the outputs rebuilt by name: both read the same way."""
+    import sys
+    import types
+
+    module = types.ModuleType("attr_loss_project")
+    module.loss = lambda outputs, target: torch.nn.functional.cross_entropy(outputs.logits, target)
+    module.metric = lambda outputs, target: float((outputs.logits.argmax(1) == target).float().mean())
+    monkeypatch.setitem(sys.modules, "attr_loss_project", module)
+    monkeypatch.setenv("TRAINSERVE_TRUSTED_COMPONENTS", "attr_loss_project.*")
+    cfg = config_from_dict({"task": {"name": "custom", "loss": {"component": "attr_loss_project:loss"},
+                                     "metric": {"component": "attr_loss_project:metric"}, "metric_mode": "max"}}).task
+    task = build_task(cfg, None)
+    output, target = Classified(torch.tensor([[3.0, 0.0], [0.0, 3.0]]), torch.zeros(2, 4)), torch.tensor([0, 1])
+    task.check_output(output, target, WHERE)
+    task.check_metric(output, target, WHERE)
+    state = task.new_state(torch.device("cpu"))
+    task.update(state, task.named(output), target)
+    task.reduce(state, DistInfo.cpu_alone())
+    assert task.metrics(state)["metric"] == 1.0

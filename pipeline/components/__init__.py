@@ -15,6 +15,9 @@
     reference.py           'module:attribute' references, resolved and trusted
     run_dir.py             one owner per run directory
     safetensors_writer.py  a safetensors file written tensor by tensor
-    tasks.py               classification, regression, custom: loss, metrics, exported outputs
+    checkpoint_store.py    checkpoints to and from the tracking server; --resume resolved
+    rebuild.py             the PyTorch reference of a weights bundle, and the gate runner export and verify share
+    weights.py             the weights bundle (model.safetensors + model.json): read, checked, the model rebuilt
+(the tasks live in pipeline/tasks/: one module each and a registry)
     tracking.py            every MLflow call the stages make
 """

@@ -268,19 +268,31 @@ def first_batch(dataset: Dataset, rows: int):
     return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate)))
 
 
-def split_digest(dataset: Dataset, num_workers: int = 0) -> dict[str, Any]:
-    """{"sha256", "samples"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
-    in order: the same data gives the same digest on any machine; a changed sample, another one."""
+def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str, Any]:
+    """{"sha256", "samples"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes).
+    Each rank hashes its own samples (r, r+W, ..., as `eval_shard` deals them), one digest per sample; the
+    split's is the sha256 of them all in the split's order: the same data gives the same digest on any
+    machine and any number of ranks, and no rank reads the whole split alone (`info`: the process group)."""
     import hashlib
 
-    digest, samples = hashlib.sha256(), 0
-    for inputs, target in eval_loader(dataset, EVAL_BATCH, num_workers):
-        for name, tensor in [*sorted(named(inputs).items()), *(
-                (f"target.{i}", t) for i, t in enumerate(_leaves(target)))]:
-            digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
-            digest.update(tensor.contiguous().numpy().tobytes())
-        samples += batch_rows(inputs)
-    return {"sha256": digest.hexdigest(), "samples": samples}
+    from pipeline.distributed import DistInfo, all_gather_object
+
+    info = info or DistInfo.cpu_alone()
+    mine: list[bytes] = []
+    for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), EVAL_BATCH, num_workers):
+        tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(_leaves(target)))]
+        for row in range(batch_rows(inputs)):
+            sample = hashlib.sha256()
+            for name, tensor in tensors:
+                value = tensor[row].contiguous()
+                sample.update(f"{name}:{str(value.dtype).removeprefix('torch.')}:{list(value.shape)};".encode())
+                sample.update(value.numpy().tobytes())
+            mine.append(sample.digest())
+    shards = all_gather_object(mine, info)
+    digest = hashlib.sha256()
+    for index in range(len(dataset)):
+        digest.update(shards[index % len(shards)][index // len(shards)])
+    return {"sha256": digest.hexdigest(), "samples": len(dataset)}
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:

@@ -117,8 +117,11 @@ class ParityStats:
 
     def add(self, onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float) -> None:
         n = len(next(iter(ref_out.values())))
-        self.nonfinite += int(sum((~np.isfinite(_rows(v))).any(axis=1).sum() for v in onnx_out.values()
-                                  if np.issubdtype(v.dtype, np.floating)))
+        bad = np.zeros(n, dtype=bool)  # a sample counts once, however many of its outputs are NaN/Inf
+        for v in onnx_out.values():
+            if np.issubdtype(v.dtype, np.floating):
+                bad |= (~np.isfinite(_rows(v))).any(axis=1)
+        self.nonfinite += int(bad.sum())
         for name in self.checked:
             self._add_one(self.per[name], _rows(onnx_out[name]), _rows(ref_out[name]), atol, rtol)
         for name in self.derived:

@@ -42,13 +42,14 @@ class OutputLayout:
         return {name: fields[name] for name in self.names}
 
     def rebuild(self, named: Mapping[str, Any]) -> Any:
-        """The model's structure again from {name: value}: a tensor, a tuple, or a dict (for a mapping or
-        dataclass output: what a loss or metric written against `outputs["logits"]` reads)."""
+        """The model's structure again from {name: value}: a tensor, a tuple, or for a mapping or dataclass
+        output `Fields`, which reads as both `outputs["logits"]` and `outputs.logits`, as a transformers
+        ModelOutput does: a loss written either way works in training and in evaluation alike."""
         if self.kind == TENSOR:
             return named[self.names[0]]
         if self.kind == SEQUENCE:
             return tuple(named[n] for n in self.names)
-        return {n: named[n] for n in self.names}
+        return Fields({n: named[n] for n in self.names})
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "names": list(self.names)}
@@ -56,6 +57,16 @@ class OutputLayout:
     @classmethod
     def from_json(cls, value: dict | None) -> "OutputLayout | None":
         return cls(value["kind"], tuple(value["names"])) if value else None
+
+
+class Fields(dict):
+    """A dict whose keys also read as attributes (`outputs.logits`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the model's outputs have no field {name!r}; they are {list(self)}") from None
 
 
 def layout_of(output: Any, single_name: str, where: str) -> OutputLayout:

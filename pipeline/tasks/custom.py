@@ -60,10 +60,16 @@ class Custom(ModelOutputs):
         if not leaves(target):
             raise TaskError(f"{where}: the target is a {type(target).__name__}; custom tasks take a tensor or a "
                             "dict/tuple of tensors (the default collate makes them from numbers and arrays)")
-        self.learn_outputs(output, target, where)
+        named = self.learn_outputs(output, target, where)
         value = self._loss(output, target)
         if not (torch.is_tensor(value) and value.dim() == 0):
             raise TaskError(f"{where}: task.loss must return a scalar tensor, got {shape_of(value)}")
+        try:  # as evaluation and the export gates will call it: on outputs rebuilt from their names
+            self._loss(self.layout.rebuild(_float32(named)), target)
+        except Exception as exc:
+            raise TaskError(f"{where}: task.loss works on the model's own output but not on the same outputs "
+                            f"rebuilt by name (as evaluation passes them: {type(exc).__name__}: {exc}); read them "
+                            "as outputs['name'] or outputs.name") from exc
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         return self._loss(output, target)

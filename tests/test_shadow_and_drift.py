@@ -1,0 +1,100 @@
+"""The pure pieces of live judgement: the shadow comparison's pairs, labels and verdict, and the drift
+statistic (the end-to-end story, with a real server and registry, is tests/test_live_judgement.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving import drift
+from serving.shadow import Rule, Shadow
+
+RNG = np.random.default_rng(0)
+
+
+def logits(classes: np.ndarray, n_classes: int = 3) -> dict[str, np.ndarray]:
+    out = np.zeros((len(classes), n_classes), np.float32)
+    out[np.arange(len(classes)), classes] = 5
+    return {"logits": out, "probabilities": out / 5}
+
+
+def shadow_with_pairs(agree: int, disagree: int, rule: Rule | None = None) -> Shadow:
+    shadow = Shadow(rule or Rule(min_pairs=10, min_labels=5))
+    shadow.pairing("1", "2", "logits", None)
+    for i in range(agree + disagree):
+        champion = logits(np.array([i % 3]))
+        challenger = champion if i < agree else logits(np.array([(i + 1) % 3]))
+        shadow.answered(f"r{i}", champion)
+        shadow.pair(f"r{i}", champion, challenger, 1.0, 2.0, ("1", "2"))
+    return shadow
+
+
+def test_the_verdict_waits_for_pairs_then_judges_agreement_then_labels():
+    assert shadow_with_pairs(5, 0).report()["verdict"] == "undecided"
+    assert shadow_with_pairs(20, 0).report()["verdict"] == "promote"
+    rejected = shadow_with_pairs(10, 10).report()
+    assert rejected["verdict"] == "reject" and rejected["agreement"] == 0.5
+    # Labels decide once there are enough: here the champion is always right and the challenger half wrong.
+    shadow = shadow_with_pairs(10, 10)
+    joined = shadow.feedback({f"r{i}": np.array([i % 3]) for i in range(20)} | {"nobody": np.array([0])})
+    assert joined == {"joined": 20, "unknown": 1}
+    report = shadow.report()
+    assert report["live"]["champion"]["accuracy"] == 1.0 and report["live"]["challenger"]["accuracy"] == 0.5
+    assert report["verdict"] == "reject" and "live accuracy 50.0%" in report["reason"]
+
+
+def test_a_label_of_the_wrong_size_is_refused_and_counts_nothing():
+    shadow = shadow_with_pairs(20, 0)
+    with pytest.raises(ValueError, match="the label of 'r3' has 2 values; its answer has 1"):
+        shadow.feedback({"r1": np.array([1]), "r3": np.array([1, 2])})
+    assert shadow.report()["labels"] == 0
+    assert shadow.feedback({"r1": np.array([1]), "r3": np.array([0])})["joined"] == 2  # nothing was lost
+
+
+def test_news_of_an_old_pairing_does_not_count_against_a_new_challenger():
+    shadow = shadow_with_pairs(20, 0)
+    shadow.pairing("1", "3", "logits", None)  # the alias moved on: a fresh comparison
+    shadow.error(("1", "2"))  # the old challenger's late failure
+    shadow.dropped(("1", "2"))
+    shadow.pair("late", logits(np.array([0])), logits(np.array([1])), 1.0, 1.0, ("1", "2"))
+    report = shadow.report()
+    assert report["challenger_version"] == "3" and report["pairs"] == 0 and report["challenger_errors"] == 0
+    assert report["dropped"] == 0
+
+
+def test_answers_are_kept_small_and_bounded():
+    """Per-pixel answers would be megabytes each: only the decisions are kept, and the window is capped."""
+    shadow = Shadow(Rule())
+    shadow.pairing("1", "2", "logits", None)
+    big = {"logits": RNG.normal(size=(1, 11, 64, 64)).astype(np.float32)}
+    for i in range(50):
+        shadow.answered(f"r{i}", big)
+    kept = shadow.state.answers["r0"][0]
+    assert kept.shape == (1, 64, 64) and kept.dtype == np.int16 and shadow.state.answer_bytes == 50 * kept.nbytes
+
+
+def reference(train: dict[str, np.ndarray]) -> dict:
+    builder = drift.ReferenceBuilder()
+    builder.add("inputs", train)
+    return builder.build()
+
+
+def test_drift_stays_low_for_the_same_data_and_rises_for_a_half_sigma_shift():
+    ref = reference({"x": RNG.normal(size=(2000, 6)), "tokens": RNG.integers(0, 20, size=(2000, 32))})
+    same, shifted = drift.DriftWindow(ref, 500), drift.DriftWindow(ref, 500)
+    for _ in range(500):
+        same.observe({"x": RNG.normal(size=(1, 6)), "tokens": RNG.integers(0, 20, size=(1, 32))}, {})
+        x = RNG.normal(size=(1, 6))
+        x[:, 2] += 0.5  # one feature moved by half its standard deviation
+        shifted.observe({"x": x, "tokens": RNG.integers(0, 10, size=(1, 32))}, {})
+    calm, moved = same.scores(), shifted.scores()
+    assert calm[("inputs", "x")][0] < 0.1 and calm[("inputs", "tokens")][0] < 0.1, calm
+    assert moved[("inputs", "x")][0] > 0.2 and moved[("inputs", "tokens")][0] > 0.2, moved
+
+
+def test_drift_skips_what_it_cannot_compare_instead_of_failing():
+    ref = reference({"x": RNG.normal(size=(500, 8))})
+    window = drift.DriftWindow(ref, 100)
+    window.observe({"x": RNG.normal(size=(4, 5)), "unknown": np.zeros((4, 2))}, {"out": np.zeros((4, 1))})
+    assert window.scores() == {}
+    assert drift.psi(np.array([0.5, 0.5]), np.array([0.5, 0.5])) == 0.0
