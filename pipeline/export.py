@@ -3,8 +3,14 @@
 Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
-optional variants `model.optimized.onnx` / `model.fp16.onnx`. The fp16 one is also logged inside the
-registered MLflow model, beside model.onnx: `python -m serving --variant fp16` serves it.
+optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx`. fp16 and int8 are also
+logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant fp16|int8` serves
+one, and `--variant auto` the fastest for the server's provider, as export measured them here
+(`variants_measured` in the report, the version's tag `trainserve.fastest_variants`).
+
+The int8 variant (export.int8, pipeline/components/int8.py) is gated like the others, with its own limits;
+unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not the export: it is
+an optional speed-up of a model that passed.
 
 Gates run on the CPU provider, and on the CUDA provider too (with the server's default options: TF32 off)
 when it really loads here; each gate records the provider it ran on, and fails if onnxruntime fell back
@@ -35,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, onnx_export, promotion, tracking
+from pipeline.components import gates, int8, onnx_export, promotion, tracking
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
@@ -131,10 +137,21 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         variants["fp16"] = out / "model.fp16.onnx"
         _save(gates.to_fp16(exported.model), variants["fp16"])
         results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
+    int8_report = None
+    if cfg.int8 != "off":
+        int8_report = int8.make_variant(onnx_path, out, ref, batches, cfg, metadata)
+        if int8_report["passed"]:
+            variants["int8"] = Path(int8_report["path"])
+    measured = _measure_variants(onnx_path, variants, splits.val, cuda_sess is not None)
 
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
     report["providers"] = providers
+    if int8_report is not None:
+        report["int8"] = int8_report
+    if measured:
+        report["variants_measured"] = measured
+        report["fastest_variants"] = {provider: int8.fastest(m) for provider, m in measured.items()}
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
     else:
@@ -234,8 +251,35 @@ def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> d
         res["fp16.parity"] = {"passed": False, "provider": provider,
                               "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}"}
         return res
-    gated = run_gates(sess, ref, batches, cfg, provider=provider, fp16=True)
+    gated = run_gates(sess, ref, batches, cfg, provider=provider, variant="fp16")
     return res | {f"fp16.{k}": v for k, v in gated.items()}
+
+
+def _measure_variants(fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool) -> dict[str, dict]:
+    """Samples/s at batch 1 and 32, in this process, of each servable variant that passed, on each provider
+    that serves it (fp32 and int8 on the CPU; fp32 and fp16 on CUDA when it runs here): what `serve --variant
+    auto` chooses by. Nothing when there is no variant to choose between."""
+    servable = {k: v for k, v in variants.items() if k in ("fp16", "int8")}
+    if not servable:
+        return {}
+    feeds = {b: gates.feeds_of(first_batch(val, b)[0]) for b in (1, 32)}
+    measured = {CPU: int8.measure({"fp32": fp32_path} | {k: v for k, v in servable.items() if k != "fp16"}, feeds)}
+    if on_cuda:
+        on_gpu = {"fp32": fp32_path} | {k: v for k, v in servable.items() if k == "fp16"}
+        measured[CUDA] = int8.measure(on_gpu, feeds, [(CUDA, _cuda_options()), CPU])
+    log.info("variants measured (samples/s at batch 1, 32): %s", "; ".join(
+        f"{p.removesuffix('ExecutionProvider')} {v} {m['batch1_per_s']:.0f}, {m['batch32_per_s']:.0f}"
+        for p, per in measured.items() for v, m in per.items()))
+    return measured
+
+
+def int8_metrics(int8_report: dict | None) -> dict[str, float]:
+    """export.int8.* gate metrics (not part of export.passed: a failed int8 drops only itself)."""
+    if not int8_report:
+        return {}
+    out = {k: v for k, v in gates.metrics(int8_report["gates"]).items() if k != "export.passed"}
+    return out | {"export.int8.passed": float(int8_report["passed"]),
+                  "export.int8.excluded_nodes": float(len(int8_report["excluded"]))}
 
 
 def _cuda() -> bool:
@@ -336,7 +380,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
-        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion")))
+        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion"))
+                             | int8_metrics(report.get("int8")))
         tracking.set_tags({"trainserve.export.exporter": exported.exporter,
                            "trainserve.weights_sha256": weights.meta["sha256"],
                            "trainserve.config_sha256": report["weights"]["config_sha256"]})
@@ -351,14 +396,19 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
-        if "fp16" in variants:  # servable: a server of this version picks it with --variant fp16
-            tracking.log_beside_model(report["model_uri"], variants["fp16"])
+        for variant in ("fp16", "int8"):  # servable: a server of this version picks one with --variant
+            if variant in variants:
+                tracking.log_beside_model(report["model_uri"], variants[variant])
         if register:
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
-            if "fp16" in variants:
-                tags["trainserve.onnx_fp16_sha256"] = report["onnx_fp16_sha256"] = file_sha256(variants["fp16"])
+            for variant in ("fp16", "int8"):
+                if variant in variants:
+                    tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = \
+                        file_sha256(variants[variant])
+            if report.get("fastest_variants"):  # what `serve --variant auto` reads
+                tags["trainserve.fastest_variants"] = json.dumps(report["fastest_variants"], sort_keys=True)
             decision = report["promotion"]
             if decision["promote"] and (decision["champion"] or {}).get("version") != \
                     tracking.alias_version(result.registered_model_name, cfg.alias):
