@@ -184,6 +184,7 @@ class CheckpointConfig(Section):
     log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one (and the best, when another), or each as it is written (uploaded in the background).")
     monitor: str = Field("", description="The validation metric that picks the best checkpoint (e.g. accuracy, val/loss); empty = the task's primary metric. The best is saved when it is reached, never pruned, and what consolidate/export take.")
     mode: Literal["auto", "max", "min"] = Field("auto", description="Whether a larger monitored metric is better (max) or a smaller one (min); auto = known for the task's metrics.")
+    async_save: bool = Field(False, description="Write checkpoints in the background (DCP async_save): training goes on once the state is copied to CPU memory (pinned on CUDA); the checkpoint is published, atomically as ever, once every rank's write is done.")
 
 
 class TrackingConfig(Section):

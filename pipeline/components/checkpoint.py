@@ -37,6 +37,8 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,23 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
          meta: dict, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = ()) -> Path:
     """Collective: every rank calls it. Returns the published directory. Keeps the newest `keep_last`
     checkpoints and those of the steps in `protect` (the best one)."""
+    return finish_save(start_save(root, step, model, optimizer, meta, info), info, keep_last, protect)
+
+
+@dataclass
+class PendingSave:
+    """A save whose shards are being written (`written` not yet done, when asynchronous) into `tmp`."""
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict
+    written: Future | None = None  # dcp.async_save's: done when this rank's shards are on disk
+
+
+def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+               info: DistInfo, background: "AsyncWriter | None" = None) -> PendingSave:
+    """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
+    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it."""
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -262,8 +281,22 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
+    pending = PendingSave(step, tmp, final, dict(meta))
     with single_process_quiet():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+        if background is None:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+        else:
+            pending.written = background.write(state, tmp, info)
+    inject_fault("save_started", step, info)  # test hook: a crash while the shards are being written
+    return pending
+
+
+def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = ()) -> Path:
+    """Collective. Once every rank's shards are written (an asynchronous write waited for here, on each rank,
+    before the barrier): hashes, trainserve.json, the COMPLETE marker last, the atomic publish, pruning."""
+    tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
+    if pending.written is not None:
+        pending.written.result()  # raises what the write raised
     barrier(info)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
 
@@ -271,6 +304,7 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     digests = distributed.all_gather_object(
         {p.name: file_sha256(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}, info)
     if info.is_main:
+        root = final.parent
         write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
@@ -285,6 +319,31 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         log.info("checkpoint saved: %s", final)
     barrier(info)
     return final
+
+
+class AsyncWriter:
+    """DCP's asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory, pinned on
+    CUDA, before `write` returns, so training may change it at once; the shard files are written by a thread.
+
+    That thread's collectives (DCP's planning and metadata exchange) run on a process group of their own:
+    collectives from two threads on the training's group could interleave with DDP's all-reduces and pair
+    the wrong calls across ranks. Created collectively (every rank), closed at the end of training."""
+
+    def __init__(self, info: DistInfo):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.group = torch.distributed.new_group(backend="gloo") if info.distributed else None
+        cuda = info.device.type == "cuda"
+        # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+
+    def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
+        return dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
+                              async_stager=self.stager, no_dist=not info.distributed)
+
+    def close(self) -> None:
+        self.stager.close()
 
 
 # What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the layout
