@@ -126,12 +126,17 @@ def verify_checksums(path: Path) -> None:
     at save: catches what keeps the size (a flipped bit on disk or in transfer). A full read, so it
     runs where everything is read or fetched anyway (consolidation, a download), not on resume."""
     listing = verify_complete(path)
+    check_digests(path, listing, {name: file_sha256(path / name) for name in sorted(listing.get("sha256") or {})})
+
+
+def check_digests(path: Path, listing: dict, digests: dict[str, str]) -> None:
+    """The files' sha256 `digests` (however they were computed) against the marker `listing` recorded."""
     recorded = listing.get("sha256")
     if recorded is None:
         log.warning("checkpoint %s records no checksums (saved by an older trainserve): sizes checked only", path)
         return
     for name, digest in sorted(recorded.items()):
-        if file_sha256(path / name) != digest:
+        if digests.get(name) != digest:
             raise CheckpointError(f"checkpoint '{path}': file '{name}' differs from what was saved (its sha256 "
                                   "does not match the marker's): corrupted on disk or in transfer; use another "
                                   "checkpoint, or download it again")
