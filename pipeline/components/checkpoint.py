@@ -37,7 +37,7 @@ import re
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,7 +268,7 @@ class PendingSave:
     tmp: Path
     final: Path
     meta: dict
-    written: Future | None = None  # dcp.async_save's: done when this rank's shards are on disk
+    written: Future | None = None  # asynchronous: done when this rank's shards are on disk and hashed
 
 
 def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
@@ -291,7 +291,7 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
         if background is None:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
         else:
-            pending.written = background.write(state, tmp, info)
+            pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
     inject_fault("save_started", step, info)  # test hook: a crash while the shards are being written
     return pending
 
@@ -300,14 +300,11 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
     """Collective. Once every rank's shards are written (an asynchronous write waited for here, on each rank,
     before the barrier): hashes, trainserve.json, the COMPLETE marker last, the atomic publish, pruning."""
     tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
-    if pending.written is not None:
-        pending.written.result()  # raises what the write raised
+    # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its thread).
+    mine = pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
     barrier(info)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
-
-    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), all at once.
-    digests = distributed.all_gather_object(
-        {p.name: file_sha256(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}, info)
+    digests = distributed.all_gather_object(mine, info)
     if info.is_main:
         root = final.parent
         write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
@@ -326,6 +323,11 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
     return final
 
 
+def shard_digests(directory: Path, rank: int) -> dict[str, str]:
+    """sha256 of the shard files `rank` wrote (DCP names them __<rank>_<n>.distcp)."""
+    return {p.name: file_sha256(p) for p in sorted(Path(directory).glob(f"__{rank}_*.distcp"))}
+
+
 class AsyncWriter:
     """DCP's asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory, pinned on
     CUDA, before `write` returns, so training may change it at once; the shard files are written by a thread.
@@ -342,12 +344,17 @@ class AsyncWriter:
         # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
+        # Hashing the shards is part of the background work: on the training thread it would cost a step.
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
-        return dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
-                              async_stager=self.stager, no_dist=not info.distributed)
+        """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
+        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
+                                 async_stager=self.stager, no_dist=not info.distributed)
+        return self.hasher.submit(lambda: (written.result(), shard_digests(directory, info.rank))[1])
 
     def close(self) -> None:
+        self.hasher.shutdown()
         self.stager.close()
 
 
