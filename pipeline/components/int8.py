@@ -11,9 +11,10 @@ activations, int8 weights per channel, weights in 7 bits (`reduce_range`): AVX2'
 (vpmaddubsw) saturates its int16 sums with full-range weights, and 7 bits rule that out. QDQ format: the CPU
 provider fuses each DequantizeLinear -> op -> QuantizeLinear into one int8 kernel.
 
-When a gate fails, `sensitivity` ranks the quantized nodes by the error each adds (its output's error
-against fp32, less its input's), and the export keeps the worst ones in float (`nodes_to_exclude`) and tries
-again, a bounded number of rounds; the report names what was kept in float and why.
+When a gate fails, `sensitivity` ranks the quantized nodes by the error each adds (its output's error against
+fp32, per channel, less its nearest quantized ancestors'), and the export keeps the worst ones in float with
+the nodes that produce their inputs (`nodes_to_exclude`: in QDQ a producer quantizes its output for every
+consumer) and tries again, a bounded number of rounds; the report names what was kept in float.
 """
 
 from __future__ import annotations
@@ -95,19 +96,16 @@ def candidates(prepared: onnx.ModelProto, exclude: list[str]) -> list[onnx.NodeP
 
 def sensitivity(prepared_path: Path, quantized_path: Path, feeds: dict[str, np.ndarray],
                 exclude: list[str]) -> list[dict]:
-    """The quantized nodes, most harmful first: for each, the relative error (L2, against fp32 on `feeds`) of
-    its output less the largest of its nearest quantized ancestors'. Errors compound down the graph; the
-    difference is what this node's own quantization (its input's and its weights') added."""
+    """The quantized nodes, most harmful first: for each, the error (`channel_error`, against fp32 on `feeds`) of
+    its output as the next nodes see it, less the largest of its nearest quantized ancestors'. Errors compound
+    down the graph; the difference is what this node's own quantization added."""
     prepared, quantized = onnx.load(str(prepared_path)), onnx.load(str(quantized_path))
     nodes = candidates(prepared, exclude)
     pairs = _measured(nodes, prepared, quantized)
     ref = _intermediates(prepared, [r for r, _ in pairs.values()], feeds)
     got = _intermediates(quantized, [q for _, q in pairs.values()], feeds)
-    error = {}
-    for node, (r_name, q_name) in pairs.items():
-        if r_name in ref and q_name in got and ref[r_name].shape == got[q_name].shape:
-            r = ref[r_name].astype(np.float64)
-            error[node] = float(np.linalg.norm(got[q_name] - r) / max(np.linalg.norm(r), 1e-12))
+    error = {node: channel_error(got[q], ref[r]) for node, (r, q) in pairs.items()
+             if r in ref and q in got and ref[r].shape == got[q].shape}
     ancestors = _nearest(prepared, {n.name for n in nodes})
     ranked = []
     for n in nodes:
@@ -116,6 +114,43 @@ def sensitivity(prepared_path: Path, quantized_path: Path, feeds: dict[str, np.n
             ranked.append({"node": n.name, "op": n.op_type, "output_error": round(error[n.name], 5),
                            "added_error": round(error[n.name] - before, 5)})
     return sorted(ranked, key=lambda r: -r["added_error"])
+
+
+def channel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """The mean over channels (axis 1) of each channel's relative L2 error. Per channel, not over the whole
+    tensor: one channel of large values (an outlier) sets the tensor's one quantization scale and dominates
+    its norm, while every other channel is rounded away: a whole-tensor error would call that small."""
+    ref = ref.astype(np.float64)
+    got = got.astype(np.float64)
+    if ref.ndim < 2:
+        return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12))
+    axes = (0, *range(2, ref.ndim))
+    floor = 1e-6 * max(np.linalg.norm(ref), 1e-12)  # a dead channel (all 0) is not infinitely wrong
+    per = np.sqrt(((got - ref) ** 2).sum(axis=axes)) / np.maximum(np.sqrt((ref ** 2).sum(axis=axes)), floor)
+    return float(per.mean())
+
+
+def with_producers(prepared: onnx.ModelProto, nodes: list[str], quantized: set[str]) -> list[str]:
+    """`nodes` and the nearest quantized nodes that produce their inputs (through ops that are not quantized
+    here: a Relu, a Reshape). In QDQ a producer quantizes its output for every consumer: a node's input stays
+    float only when its producer is kept in float too."""
+    producer = {o: n for n in prepared.graph.node for o in n.output}
+    by_name = {n.name: n for n in prepared.graph.node}
+    out = list(nodes)
+    for name in nodes:
+        stack, seen = list(by_name[name].input), set()
+        while stack:
+            tensor = stack.pop()
+            if tensor in seen or tensor not in producer:
+                continue
+            seen.add(tensor)
+            p = producer[tensor]
+            if p.name in quantized:
+                if p.name not in out:
+                    out.append(p.name)
+            elif p.op_type not in QUANTIZED_OPS:
+                stack.extend(p.input)
+    return out
 
 
 def _measured(nodes, prepared: onnx.ModelProto, quantized: onnx.ModelProto) -> dict[str, tuple[str, str]]:
@@ -178,16 +213,13 @@ def _intermediates(model: onnx.ModelProto, names: list[str], feeds: dict[str, np
     return dict(zip(wanted, sess.run(wanted, feeds)))
 
 
-def images_per_second(path: Path, feeds: dict[str, np.ndarray], providers: list | None = None,
-                      seconds: float = 1.0) -> float:
-    """Samples per second of one session on `feeds` (one batch), in this process: a warm-up run, then runs
-    for about `seconds`. What a server's engine does per batch, without the HTTP around it."""
-    sess = session(path, providers)
+def images_per_second(engine, feeds: dict[str, np.ndarray], seconds: float) -> float:
+    """Samples per second of `engine` on `feeds` (one batch), run back to back for about `seconds`."""
     rows = len(next(iter(feeds.values())))
-    sess.run(None, feeds)
+    engine.run(feeds)
     runs, start = 0, time.perf_counter()
     while runs < 3 or time.perf_counter() - start < seconds:
-        sess.run(None, feeds)
+        engine.run(feeds)
         runs += 1
     return runs * rows / (time.perf_counter() - start)
 
@@ -217,7 +249,10 @@ def make_variant(fp32_path: Path, out: Path, ref, batches, cfg, metadata: dict[s
             if not failed or attempt == cfg.int8_exclusion_rounds:
                 break
             ranking = sensitivity(prepared, path, feeds[0] if feeds else _first_feeds(ref), excluded)
-            more = [r["node"] for r in ranking[:2 ** attempt]]
+            worst = [r["node"] for r in ranking[:2 ** attempt]]
+            graph = onnx.load(str(prepared))
+            quantized = {n.name for n in candidates(graph, excluded)}
+            more = [n for n in with_producers(graph, worst, quantized) if n not in excluded]
             if not more:
                 break
             log.info("int8: %s failed; keeping %s in float (most error added: %s)", ", ".join(failed),
@@ -239,10 +274,22 @@ def _first_feeds(ref) -> dict[str, np.ndarray]:
     return calibration_feeds(ref.splits.train, CALIBRATION_BATCH)[0]
 
 
-def measure(paths: dict[str, Path], feeds_by_batch: dict[int, dict[str, np.ndarray]], providers=None) -> dict:
-    """{variant: {"batch<N>_per_s": samples/s}} for each file, in this process, one provider."""
-    return {variant: {f"batch{b}_per_s": round(images_per_second(path, feeds, providers), 1)
-                      for b, feeds in feeds_by_batch.items()} for variant, path in paths.items()}
+def measure(paths: dict[str, Path], feeds_by_batch: dict[int, dict[str, np.ndarray]], device: str = "cpu",
+            rounds: int = 3, seconds: float = 0.3) -> dict:
+    """{variant: {"batch<N>_per_s": samples/s}} for each file on one device, in this process, through the server's
+    own Engine (its session options: threads, no spinning) since the server is what `--variant auto` picks for.
+    Variants are measured in turns, `rounds` times, and the medians kept: other work on the machine then hits
+    each alike."""
+    from serving.engine import Engine, GpuOptions
+
+    engines = {v: Engine(str(p), device=device, gpu=GpuOptions() if device == "cuda" else None)
+               for v, p in paths.items()}
+    runs: dict[str, dict[int, list[float]]] = {v: {b: [] for b in feeds_by_batch} for v in paths}
+    for _ in range(rounds):
+        for variant, engine in engines.items():
+            for batch, feeds in feeds_by_batch.items():
+                runs[variant][batch].append(images_per_second(engine, feeds, seconds))
+    return {v: {f"batch{b}_per_s": round(float(np.median(r)), 1) for b, r in per.items()} for v, per in runs.items()}
 
 
 def fastest(measured: dict[str, dict[str, float]], batch: int = 32) -> str:

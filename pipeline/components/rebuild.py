@@ -79,7 +79,10 @@ def run_gates(sess, ref: Reference, batches, cfg, provider: str = CPU, variant: 
         atol, rtol = atol * gates.FP16_LOGIT_SCALE[0], rtol * gates.FP16_LOGIT_SCALE[1]
     atol, rtol = limits.pop("atol", atol), limits.pop("rtol", rtol)
     tolerance = limits.pop("tolerance")
-    results = gates.parity(sess, ref.head, batches, ref.task, atol, rtol, **limits)
+    # int8 flips a decision that sits near a tie: its agreement is a rate, held over the whole split (parity.val);
+    # on the batches of 1, 7 or 64 samples one flip would fail it, so those check the graph runs, finite.
+    on_batches = dict(limits, min_agreement=0.0) if variant == "int8" and "min_agreement" in limits else limits
+    results = gates.parity(sess, ref.head, batches, ref.task, atol, rtol, **on_batches)
     results.update(gates.validation(sess, ref.head, ref.splits.val, ref.task, atol, rtol, tolerance, cfg.metric_atol,
                                     **limits))
     return {name: {**gate, "provider": check["provider"]} for name, gate in results.items()}
