@@ -1,7 +1,7 @@
 """What a checkpoint save costs the training step: synchronous vs `checkpoint.async_save`, in the same run.
 
 A real 2-process torchrun (gloo, CPU, 1 thread per rank) trains the ResNet-18 of configs/digits_resnet18.yaml
-(11 M parameters, AdamW: a ~135 MB state) with DDP on random batches, and saves through the trainer's own
+(width 0.5: 2.8 M parameters, with AdamW's moments a ~34 MB state; --width 1: ~135 MB) with DDP on random batches, and saves through the trainer's own
 Saver (pipeline/components/saver.py) in turns: a synchronous save, then an asynchronous one, round after
 round. Reported (rank 0, medians over rounds):
   - a step without a save;
@@ -11,7 +11,7 @@ round. Reported (rank 0, medians over rounds):
     2 cores), and the step that publishes it (marker, rename);
   - how many steps the asynchronous save stayed in flight.
 
-    .venv/bin/python benchmarks/checkpoint_async.py [--image-size 8] [--batch 32] [--rounds 3]
+    .venv/bin/python benchmarks/checkpoint_async.py [--image-size 8] [--width 0.5] [--batch 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     info = DistInfo(rank, world, rank, world, torch.device("cpu"))
     torch.manual_seed(0)
-    model = DistributedDataParallel(resnet18(num_classes=10, in_channels=1, width=1.0, mean=[0.5], std=[0.25]))
+    model = DistributedDataParallel(resnet18(num_classes=10, in_channels=1, width=args.width, mean=[0.5], std=[0.25]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.rand(args.batch, 1, args.image_size, args.image_size)
     y = torch.randint(0, 10, (args.batch,))
@@ -93,6 +93,7 @@ def worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image-size", type=int, default=8, help="8 = digits (the demo config), 28 = 28x28 images")
+    parser.add_argument("--width", type=float, default=0.5, help="the ResNet's width (0.5: the demo config)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plain-steps", type=int, default=6, help="steps without a save before each save")
@@ -103,7 +104,7 @@ def main() -> None:
         return worker(args)
     with tempfile.TemporaryDirectory(prefix="ckpt-async-bench-") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--worker", "--out", tmp, "--image-size", str(args.image_size), "--batch", str(args.batch),
+               "--worker", "--out", tmp, "--image-size", str(args.image_size), "--width", str(args.width), "--batch", str(args.batch),
                "--rounds", str(args.rounds), "--plain-steps", str(args.plain_steps)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
@@ -111,7 +112,7 @@ def main() -> None:
             raise SystemExit(proc.stderr[-4000:])
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     plain = r["plain"]
-    print(f"\nResNet-18 + AdamW, DDP 2 ranks x 1 thread (gloo), {args.image_size}x{args.image_size} images, batch "
+    print(f"\nResNet-18 (width {args.width}) + AdamW, DDP 2 ranks x 1 thread (gloo), {args.image_size}x{args.image_size} images, batch "
           f"{args.batch} per rank; medians of {args.rounds} rounds\n")
     print("| step | ms | x a step without a save |")
     print("|---|---|---|")

@@ -296,15 +296,17 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     return pending
 
 
-def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = ()) -> Path:
-    """Collective. Once every rank's shards are written (an asynchronous write waited for here, on each rank,
-    before the barrier): hashes, trainserve.json, the COMPLETE marker last, the atomic publish, pruning."""
+def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = (),
+                group=None) -> Path:
+    """Collective (on `group`, default the training's). Once every rank's shards are written (an asynchronous
+    write waited for here, on each rank, before the barrier): hashes, trainserve.json, the COMPLETE marker last,
+    the atomic publish, pruning."""
     tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
     # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its thread).
     mine = pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
-    barrier(info)
+    _barrier(info, group)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
-    digests = distributed.all_gather_object(mine, info)
+    digests = _all_gather(mine, info, group)
     if info.is_main:
         root = final.parent
         write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
@@ -319,8 +321,21 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
             if old.name.removeprefix(OLD) not in kept:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
-    barrier(info)
+    _barrier(info, group)
     return final
+
+
+def _barrier(info: DistInfo, group) -> None:
+    if info.distributed:
+        torch.distributed.barrier(group=group)
+
+
+def _all_gather(obj, info: DistInfo, group) -> list:
+    if not info.distributed:
+        return [obj]
+    box = [None] * info.world_size
+    torch.distributed.all_gather_object(box, obj, group=group)
+    return box
 
 
 def shard_digests(directory: Path, rank: int) -> dict[str, str]:
@@ -330,11 +345,13 @@ def shard_digests(directory: Path, rank: int) -> dict[str, str]:
 
 class AsyncWriter:
     """DCP's asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory, pinned on
-    CUDA, before `write` returns, so training may change it at once; the shard files are written by a thread.
+    CUDA, before `write` returns, so training may change it at once; the shard files are written by a thread,
+    and another (`publish`) hashes them and, once every rank's are written, publishes the checkpoint.
 
-    That thread's collectives (DCP's planning and metadata exchange) run on a process group of their own:
-    collectives from two threads on the training's group could interleave with DDP's all-reduces and pair
-    the wrong calls across ranks. Created collectively (every rank), closed at the end of training."""
+    Those threads' collectives (DCP's planning and metadata exchange, the publish's barrier and digests) run on
+    a process group of their own: collectives from two threads on the training's group could interleave with
+    DDP's all-reduces and pair the wrong calls across ranks. Created collectively (every rank), closed at the
+    end of training."""
 
     def __init__(self, info: DistInfo):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -344,14 +361,19 @@ class AsyncWriter:
         # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
-        # Hashing the shards is part of the background work: on the training thread it would cost a step.
-        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        # Hashing and publishing are background work too: on the training thread they would cost a step. One
+        # thread, so a save's publish runs after its write, and saves publish in order.
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-publish")
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
         """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
         written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
                                  async_stager=self.stager, no_dist=not info.distributed)
         return self.hasher.submit(lambda: (written.result(), shard_digests(directory, info.rank))[1])
+
+    def publish(self, pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple) -> Future:
+        """The publish of `pending` (finish_save on this writer's group), in the background: a future of its path."""
+        return self.hasher.submit(finish_save, pending, info, keep_last, protect, self.group)
 
     def close(self) -> None:
         self.hasher.shutdown()

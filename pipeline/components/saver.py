@@ -1,21 +1,20 @@
-"""The training loop's checkpoint saves: synchronous, or asynchronous (checkpoint.async_save) with one write in
+"""The training loop's checkpoint saves: synchronous, or asynchronous (checkpoint.async_save) with one save in
 flight at a time.
 
-Asynchronous: a save returns once the state is staged in CPU memory; the shards are written by a thread while
-training goes on. Each step (`poll`, collective) the ranks agree whether every rank's write is done; then, and
-only then, the save is published as a synchronous one is (hashes, COMPLETE marker, atomic rename:
-checkpoint.finish_save), and what follows a publish (best.json, the MLflow upload) runs. A save waits for the
-one before it, and `close` for the last. A crash before the publish leaves the previous checkpoint, as it would
-mid-way through a synchronous save.
+Asynchronous: a save returns once the state is staged in CPU memory; the shards are written, hashed and, once
+every rank's are written, published as a synchronous save is (COMPLETE marker, atomic rename:
+checkpoint.finish_save) by background threads with their own process group. Each step `poll` looks (no
+collective) whether this rank's publish is done, and runs what follows a publish (best.json, the MLflow
+upload). A save waits for the one before it, and `close` for the last. A crash before the publish leaves the
+previous checkpoint, as it would mid-way through a synchronous save.
 """
 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from pipeline.components import checkpoint
 from pipeline.distributed import DistInfo
@@ -26,7 +25,7 @@ class Saver:
     def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
         self.root, self.info, self.keep_last = Path(root), info, keep_last
         self.writer = checkpoint.AsyncWriter(info) if asynchronous else None
-        self.pending: tuple[checkpoint.PendingSave, tuple, Callable[[Path], None]] | None = None
+        self.pending: tuple[Future, Callable[[Path], None]] | None = None
 
     def save(self, step: int, model, optimizer, meta: dict, protect: tuple[int | None, ...],
              then: Callable[[Path], None]) -> None:
@@ -36,34 +35,29 @@ class Saver:
         # CheckpointException, and a stop right after a complete save loses nothing.
         with stopping.deferred():
             pending = checkpoint.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
-        self.pending = (pending, protect, then)
-        if self.writer is None:
-            self.finish()
+            if self.writer is None:
+                then(checkpoint.finish_save(pending, self.info, self.keep_last, protect))
+                return
+        self.pending = (self.writer.publish(pending, self.info, self.keep_last, protect), then)
 
     def poll(self) -> None:
-        """Collective, each step: publishes the save in flight once every rank's write is done."""
-        if self.pending is None:
-            return
-        written = self.pending[0].written
-        done = torch.tensor([int(written is None or written.done())], device=self.info.device)
-        if self.info.distributed:
-            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-        if done.item():
+        """Each step: what follows the publish of the save in flight, once it is done (a local look)."""
+        if self.pending is not None and self.pending[0].done():
             self.finish()
 
     def finish(self) -> Path | None:
-        """Collective: waits for the save in flight, if any, and publishes it."""
+        """Waits for the save in flight, if any: its publish, then what follows it."""
         if self.pending is None:
             return None
-        pending, protect, then = self.pending
+        published, then = self.pending
         self.pending = None
         with stopping.deferred():
-            path = checkpoint.finish_save(pending, self.info, self.keep_last, protect)
+            path = published.result()  # raises what the write or the publish raised
         then(path)
         return path
 
     def close(self) -> None:
-        """Collective: the last save published, the staging buffers freed."""
+        """Collective: the last save published, the background threads and staging buffers freed."""
         try:
             self.finish()
         finally:
