@@ -274,7 +274,7 @@ def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Pat
     try:
         os.ftruncate(fd, len(header) + sum(s.nbytes for s in specs))
         digests = shard_stream.copy_hashed(ckpt, header, pieces, fd,
-                                           lambda name, tensor: _check_finite(name, tensor, ckpt))
+                                           lambda name, tensor: _check_finite(name, tensor, ckpt), _return_freed_memory)
         os.fsync(fd)
     except OSError as exc:
         raise _write_error(exc, tmp) from None

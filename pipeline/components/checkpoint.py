@@ -15,7 +15,9 @@ Layout under `<run_dir>/checkpoints/`:
 Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever the strategy),
 `optim.state.<fqn>.<name>`, `optim.param_groups...`, and `rng.rank<r>.*` per rank.
 Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it
-is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact.
+is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact. An
+asynchronous save (checkpoint.async_save, AsyncWriter) keeps it the same way: its publish runs, in a
+background thread, only once every rank's write has finished.
 
 Checkpoints are untrusted input (a shared MLflow store lets others write them, and the marker's
 checksums are written by whoever wrote the files): nothing in one is unpickled with arbitrary
@@ -52,7 +54,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from pipeline import distributed
 from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
 from pipeline.components.safetensors_writer import file_sha256

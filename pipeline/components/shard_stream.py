@@ -77,9 +77,10 @@ def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tu
     return header, pieces
 
 
-def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, check) -> dict[str, str]:
+def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, check, release=None) -> dict[str, str]:
     """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor
-    (after `check(name, tensor)`, in the output dtype) at its place in `out_fd`. Returns {file: sha256}."""
+    (after `check(name, tensor)`, in the output dtype) at its place in `out_fd`; `release()` after each piece
+    (returns its freed buffer to the OS). Returns {file: sha256}."""
     os.pwrite(out_fd, header, 0)
     by_file: dict[str, list[Piece]] = {}
     for p in pieces:
@@ -98,6 +99,8 @@ def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, che
                 sha.update(buf)
                 _write_piece(out_fd, piece, buf, check, ckpt)
                 del buf
+                if release is not None:
+                    release()
                 at = piece.offset + piece.length
             _hash_span(f, sha, None)
         digests[path.name] = sha.hexdigest()
