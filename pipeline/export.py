@@ -258,15 +258,16 @@ def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> d
 def _measure_variants(fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool) -> dict[str, dict]:
     """Samples/s at batch 1 and 32, in this process through the server's Engine, of each servable variant that
     passed, on each provider that serves it (fp32 and int8 on the CPU; fp32 and fp16 on CUDA when it runs here):
-    what `serve --variant auto` chooses by. Nothing when there is no variant to choose between."""
-    servable = {k: v for k, v in variants.items() if k in ("fp16", "int8")}
-    if not servable:
+    what `serve --variant auto` chooses by. A provider with nothing to choose between is not measured."""
+    choices = {CPU: {"fp32": fp32_path} | ({"int8": variants["int8"]} if "int8" in variants else {})}
+    if on_cuda:
+        choices[CUDA] = {"fp32": fp32_path} | ({"fp16": variants["fp16"]} if "fp16" in variants else {})
+    choices = {provider: paths for provider, paths in choices.items() if len(paths) > 1}
+    if not choices:
         return {}
     feeds = {b: gates.feeds_of(first_batch(val, b)[0]) for b in (1, 32)}
-    measured = {CPU: int8.measure({"fp32": fp32_path} | {k: v for k, v in servable.items() if k != "fp16"}, feeds)}
-    if on_cuda:
-        on_gpu = {"fp32": fp32_path} | {k: v for k, v in servable.items() if k == "fp16"}
-        measured[CUDA] = int8.measure(on_gpu, feeds, device="cuda")
+    measured = {provider: int8.measure(paths, feeds, device="cuda" if provider == CUDA else "cpu")
+                for provider, paths in choices.items()}
     log.info("variants measured (samples/s at batch 1, 32): %s", "; ".join(
         f"{p.removesuffix('ExecutionProvider')} {v} {m['batch1_per_s']:.0f}, {m['batch32_per_s']:.0f}"
         for p, per in measured.items() for v, m in per.items()))
