@@ -184,6 +184,7 @@ class CheckpointConfig(Section):
     log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one (and the best, when another), or each as it is written (uploaded in the background).")
     monitor: str = Field("", description="The validation metric that picks the best checkpoint (e.g. accuracy, val/loss); empty = the task's primary metric. The best is saved when it is reached, never pruned, and what consolidate/export take.")
     mode: Literal["auto", "max", "min"] = Field("auto", description="Whether a larger monitored metric is better (max) or a smaller one (min); auto = known for the task's metrics.")
+    async_save: bool = Field(False, description="Write checkpoints in the background (DCP async_save): training goes on once the state is copied to CPU memory (pinned on CUDA); the checkpoint is published, atomically as ever, once every rank's write is done.")
 
 
 class TrackingConfig(Section):
@@ -210,6 +211,20 @@ class ExportConfig(Section):
         default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")
     ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
     fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
+    int8: Literal["off", "auto", "static", "dynamic"] = Field(
+        "off", description="Also save an int8 variant for CPU serving (gated separately, and only that variant is dropped when it fails): static = activations calibrated on training samples (convolutions), dynamic = activations quantized per batch at run time (linear-heavy models: transformers, MLPs), auto (or true) = static when the graph has a Conv, else dynamic; false = off.")
+    int8_accuracy_tolerance_pp: float = Field(1.0, ge=0, description="int8, class-predicting tasks: its accuracy (mean IoU) within this many percentage points of PyTorch's.")
+    int8_metric_rtol: float = Field(0.02, ge=0, description="int8, other tasks: |int8 - PyTorch| metric <= metric_atol + this x |PyTorch|.")
+    int8_min_agreement: float = Field(0.98, ge=0, le=1, description="int8, class-predicting tasks: the share of argmax decisions that must equal PyTorch's.")
+    int8_calibration_samples: int = Field(256, ge=1, description="int8 static: training samples its activation ranges are calibrated on.")
+    int8_exclusion_rounds: int = Field(3, ge=0, description="int8: when a gate fails, rounds of measuring each quantized node's error and keeping the worst in float (the report names them); 0 = reject at once.")
+
+
+    @field_validator("int8", mode="before")
+    @classmethod
+    def _int8_bool(cls, value):
+        # YAML and `export.int8=true` give a bool: true asks for the variant, the graph picks the kind.
+        return {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class ServeConfig(Section):

@@ -1,12 +1,13 @@
 """`pipeline consolidate`: a sharded DCP checkpoint -> one `model.safetensors` + `model.json`.
 
-One process, no process group, bounded memory. The model's tensors are streamed out of the shards a
-few at a time, guided by DCP's metadata, and written straight into a safetensors file whose header
-was written first. The optimizer state is never read.
+One process, no process group, bounded memory, one pass: every shard file is read front to back once and
+hashed as it is read (checked against the COMPLETE marker before anything is published), and the model's
+chunks, located by DCP's metadata, are written from the read buffer straight to their places in a
+safetensors file whose header was written first (components/shard_stream.py). The optimizer's bytes are
+hashed, never decoded. Peak memory (beyond the process baseline): about the largest stored chunk.
 
-Peak memory (beyond the process baseline) is about the tensors being loaded in one `dcp.load`
-call plus the stored chunk DCP's reader materializes before copying it: ~2x the largest tensor
-for a DDP checkpoint (each tensor stored whole), ~1.5x for FSDP (stored in halves).
+Chunks stored other than as dim-0 slices (no layout trainserve writes) take the older path: the shards
+hashed first, then the tensors loaded a few per `dcp.load` call (~2x the largest tensor for DDP).
 
 Outputs in `<out_dir>/`:
     model.safetensors   keys = the plain model's state_dict() keys, buffers included; floating
@@ -42,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipeline.components import checkpoint
+from pipeline.components import checkpoint, shard_stream
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
@@ -93,8 +94,6 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         use_store(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
         get_run(run_id)
         close_if_orphaned(run_id)  # a training killed outright (plain torchrun) left it RUNNING
-    if checkpoint_path is not None:  # a download was verified as it arrived
-        checkpoint.verify_checksums(ckpt)  # the one file every later stage trusts starts from intact shards
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
     run_dir_owner.claim_for_output(out_dir)  # a training (or run) still writing there stops us, by name
 
@@ -103,8 +102,10 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     weights = out_dir / WEIGHTS
     tmp = _prepare_output(out_dir, total_size(specs))
     try:
+        # The one file every later stage trusts starts from intact shards: each is hashed against its marker
+        # (while it is read, in the one pass; a download was also verified as it arrived).
         sha = write_weights(tmp, reader, specs, ckpt)
-        verify_file(tmp, specs, sha, manifest_of(ckpt, meta))
+        verify_file(tmp, specs, manifest_of(ckpt, meta))
         description = describe(meta, ckpt, specs, sha, dtype)
         _publish(out_dir, tmp, description)
     finally:
@@ -253,6 +254,39 @@ def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
 
 
 def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path) -> str:
+    """The model's tensors into `tmp`, every shard file verified against its marker's sha256; returns the
+    output's sha256. One pass over the shards (shard_stream) where the layout allows, else the dcp.load path."""
+    layout = shard_stream.plan(reader.metadata, specs, {"format": "pt"})
+    if layout is None:
+        log.info("chunks not stored as dim-0 slices: reading through dcp.load after verifying the shards")
+        checkpoint.verify_checksums(ckpt)
+        return write_weights_via_dcp(tmp, reader, specs, ckpt)
+    return write_weights_one_pass(tmp, layout, specs, ckpt)
+
+
+def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Path) -> str:
+    """Each shard file read and hashed once, the model's chunks written to their places in `tmp` on the way;
+    then the shards' digests checked against the marker (before anything is published) and the output hashed."""
+    header, pieces = layout
+    listing = checkpoint.verify_complete(ckpt)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        raise _write_error(exc, tmp) from None
+    try:
+        os.ftruncate(fd, len(header) + sum(s.nbytes for s in specs))
+        digests = shard_stream.copy_hashed(ckpt, header, pieces, fd,
+                                           lambda name, tensor: _check_finite(name, tensor, ckpt), _return_freed_memory)
+        os.fsync(fd)
+    except OSError as exc:
+        raise _write_error(exc, tmp) from None
+    finally:
+        os.close(fd)
+    checkpoint.check_digests(ckpt, listing, digests)
+    return file_sha256(tmp)
+
+
+def write_weights_via_dcp(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path) -> str:
     """Streams the model's tensors into `tmp`, a few per `dcp.load` call; returns the file's sha256."""
     stored = reader.metadata.state_dict_metadata
     try:
@@ -273,13 +307,16 @@ def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpe
                 writer.write(s.name, tensor)
                 del tensor  # before the next one: one big tensor at a time
             _return_freed_memory()
-        return writer.close()
+        sha = writer.close()
     except OSError as exc:
         writer.abort()
         raise _write_error(exc, tmp) from None
     except BaseException:
         writer.abort()
         raise
+    if file_sha256(tmp) != sha:  # what was streamed is what is on disk
+        raise ConsolidateError(f"'{tmp}' changed on disk while it was written (sha256 differs); try again")
+    return sha
 
 
 def _return_freed_memory() -> None:
@@ -335,13 +372,11 @@ def _write_error(exc: OSError, path: Path) -> ConsolidateError:
     return ConsolidateError(f"can't write '{path}' ({exc.strerror or exc}); choose another --output")
 
 
-def verify_file(path: Path, specs: list[TensorSpec], sha: str, manifest: dict[str, dict]) -> None:
-    """Re-reads the written file: same bytes as streamed (sha256), a header safetensors accepts, and
-    exactly the manifest's keys and shapes (so the model loads it with strict=True; the tests load it)."""
+def verify_file(path: Path, specs: list[TensorSpec], manifest: dict[str, dict]) -> None:
+    """Re-reads the written file's header: one safetensors accepts, and exactly the manifest's keys and shapes
+    (so the model loads it with strict=True; the tests load it). Its sha256 was taken from the disk already."""
     from safetensors import safe_open
 
-    if file_sha256(path) != sha:
-        raise ConsolidateError(f"'{path}' changed on disk while it was written (sha256 differs); try again")
     with safe_open(str(path), framework="pt") as f:
         written = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     if set(written) != {s.name for s in specs}:

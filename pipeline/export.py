@@ -3,8 +3,14 @@
 Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
-optional variants `model.optimized.onnx` / `model.fp16.onnx`. The fp16 one is also logged inside the
-registered MLflow model, beside model.onnx: `python -m serving --variant fp16` serves it.
+optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx`. fp16 and int8 are also
+logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant fp16|int8` serves
+one, and `--variant auto` the fastest for the server's provider, as export measured them here
+(`variants_measured` in the report, the version's tag `trainserve.fastest_variants`).
+
+The int8 variant (export.int8, pipeline/components/int8.py) is gated like the others, with its own limits;
+unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not the export: it is
+an optional speed-up of a model that passed.
 
 Gates run on the CPU provider, and on the CUDA provider too (with the server's default options: TF32 off)
 when it really loads here; each gate records the provider it ran on, and fails if onnxruntime fell back
@@ -36,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, length_limits, onnx_export, promotion, tracking
+from pipeline.components import gates, int8, length_limits, onnx_export, promotion, tracking
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
@@ -141,10 +147,21 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         variants["fp16"] = out / "model.fp16.onnx"
         _save(gates.to_fp16(exported.model), variants["fp16"])
         results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
+    int8_report = None
+    if cfg.int8 != "off":
+        int8_report = int8.make_variant(onnx_path, out, ref, batches, cfg, metadata)
+        if int8_report["passed"]:
+            variants["int8"] = Path(int8_report["path"])
+    measured = _measure_variants(onnx_path, variants, splits.val, cuda_sess is not None)
 
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
     report["providers"] = providers
+    if int8_report is not None:
+        report["int8"] = int8_report
+    if measured:
+        report["variants_measured"] = measured
+        report["fastest_variants"] = {provider: int8.fastest(m) for provider, m in measured.items()}
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
         report["drift_reference"] = str(drift_reference(onnx_path, splits.train, out / drift.FILE))
@@ -265,8 +282,36 @@ def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> d
         res["fp16.parity"] = {"passed": False, "provider": provider,
                               "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}"}
         return res
-    gated = run_gates(sess, ref, batches, cfg, provider=provider, fp16=True)
+    gated = run_gates(sess, ref, batches, cfg, provider=provider, variant="fp16")
     return res | {f"fp16.{k}": v for k, v in gated.items()}
+
+
+def _measure_variants(fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool) -> dict[str, dict]:
+    """Samples/s at batch 1 and 32, in this process through the server's Engine, of each servable variant that
+    passed, on each provider that serves it (fp32 and int8 on the CPU; fp32 and fp16 on CUDA when it runs here):
+    what `serve --variant auto` chooses by. A provider with nothing to choose between is not measured."""
+    choices = {CPU: {"fp32": fp32_path} | ({"int8": variants["int8"]} if "int8" in variants else {})}
+    if on_cuda:
+        choices[CUDA] = {"fp32": fp32_path} | ({"fp16": variants["fp16"]} if "fp16" in variants else {})
+    choices = {provider: paths for provider, paths in choices.items() if len(paths) > 1}
+    if not choices:
+        return {}
+    feeds = {b: gates.feeds_of(first_batch(val, b)[0]) for b in (1, 32)}
+    measured = {provider: int8.measure(paths, feeds, device="cuda" if provider == CUDA else "cpu")
+                for provider, paths in choices.items()}
+    log.info("variants measured (samples/s at batch 1, 32): %s", "; ".join(
+        f"{p.removesuffix('ExecutionProvider')} {v} {m['batch1_per_s']:.0f}, {m['batch32_per_s']:.0f}"
+        for p, per in measured.items() for v, m in per.items()))
+    return measured
+
+
+def int8_metrics(int8_report: dict | None) -> dict[str, float]:
+    """export.int8.* gate metrics (not part of export.passed: a failed int8 drops only itself)."""
+    if not int8_report:
+        return {}
+    out = {k: v for k, v in gates.metrics(int8_report["gates"]).items() if k != "export.passed"}
+    return out | {"export.int8.passed": float(int8_report["passed"]),
+                  "export.int8.excluded_nodes": float(len(int8_report["excluded"]))}
 
 
 def _cuda() -> bool:
@@ -375,7 +420,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
-        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion")))
+        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion"))
+                             | int8_metrics(report.get("int8")))
         tracking.set_tags({"trainserve.export.exporter": exported.exporter,
                            "trainserve.weights_sha256": weights.meta["sha256"],
                            "trainserve.config_sha256": report["weights"]["config_sha256"]})
@@ -390,8 +436,9 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
-        if "fp16" in variants:  # servable: a server of this version picks it with --variant fp16
-            tracking.log_beside_model(report["model_uri"], variants["fp16"])
+        for variant in ("fp16", "int8"):  # servable: a server of this version picks one with --variant
+            if variant in variants:
+                tracking.log_beside_model(report["model_uri"], variants[variant])
         tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
         if register:
             tags = lineage_tags(weights, report)
@@ -400,6 +447,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             for variant, path in variants.items():  # every file a version carries: the server checks them all
                 tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
             tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))
+            if report.get("fastest_variants"):  # what `serve --variant auto` reads
+                tags["trainserve.fastest_variants"] = json.dumps(report["fastest_variants"], sort_keys=True)
             # One decision at a time per registered model, each against the holder at its turn (promotion.py).
             result.model_version, alias, decision = promotion.promote_in_turn(
                 report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,

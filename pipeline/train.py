@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline import distributed
 from pipeline.components import amp, checkpoint, checkpoint_store, tracking
 from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
+from pipeline.components.saver import Saver, snapshot
 from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
                                        probe, state_manifest)
 from pipeline.components.checkpoint_uploads import BackgroundUploads
@@ -259,6 +261,14 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
     channels_last = uses_channels_last(t, info)
     losses: list[float] = []
     evaluated = None
+    saver = Saver(ckpt_root, info, ckpt_cfg.keep_last, ckpt_cfg.async_save)
+
+    def published(path: Path, best: bool, monitor: Monitor) -> None:
+        if best and info.is_main:
+            write_best(ckpt_root, monitor, path)
+        if uploads:
+            uploads.submit(path)
+
     # The loss stays on the device between reads: a .item() per step would be a host sync per step on CUDA.
     window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
@@ -305,19 +315,15 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
                 replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
                 meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor)
                 meta["val_metrics"] = evaluated[0] if evaluated else None
-                # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the
-                # exit in a CheckpointException, and a stop right after a complete save loses nothing.
-                with stopping.deferred():
-                    path = checkpoint.save(ckpt_root, step, model, optimizer, meta, info, ckpt_cfg.keep_last,
-                                           protect=(monitor.best_step,))
-                if best and info.is_main:
-                    write_best(ckpt_root, monitor, path)
-                if uploads:
-                    uploads.submit(path)
+                saver.save(step, model, optimizer, meta, (monitor.best_step,),
+                           functools.partial(published, best=best, monitor=snapshot(monitor)))
+            else:
+                saver.poll()  # an asynchronous save is published once every rank has written it
             if step >= total_steps or monitor.stopped:
                 break
         else:  # the epoch ran out (or a resume landed exactly on its end)
             epoch += 1
+    saver.close()
     progress.close()
     if monitor.stopped:
         log.warning("%s", monitor.stopped)

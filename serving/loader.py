@@ -39,8 +39,10 @@ _ALIAS = re.compile(r"^models:/([^/@]+)@([^/@]+)$")
 _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
-# The file of each variant in a model directory (the export logs both into the registered model).
-VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx"}
+# The file of each variant in a model directory (the export logs them into the registered model).
+VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx"}
+# The registered version's record of its fastest gated variant per provider (JSON), for --variant auto.
+FASTEST_TAG = "trainserve.fastest_variants"
 
 # Where the model came from, as the exporter writes it into the ONNX file's metadata_props: lineage key ->
 # metadata key. Read from the loaded file itself, so that every answer names the file that computed it.
@@ -154,9 +156,12 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
 
     Name: `name` if given, else the registered name for registry models, else the model's
     `trainserve.model_name` metadata, else the file stem. `variant` picks the file of a model directory
-    (VARIANT_FILES); fp16 is served on a GPU provider only (EngineError otherwise, before any download).
+    (VARIANT_FILES), or `auto` the fastest the export measured for the provider (_auto_variant); fp16 is served
+    on a GPU provider only (EngineError otherwise, before any download).
     """
     kind = check_source(uri)
+    if variant == "auto":
+        variant = _auto_variant(uri, kind, version, choose_provider(device))
     if variant == "fp16" and choose_provider(device) == CPU:
         raise EngineError(_FP16_ON_CPU)
     workdir = None
@@ -229,6 +234,31 @@ _FP16_ON_CPU = ("--variant fp16 is served on the CUDA provider only (on the CPU 
                 "casts to fp32: slower than the fp32 model); use --device cuda on a GPU, or --variant fp32")
 
 
+def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> str:
+    """--variant auto: the variant the export measured fastest on `provider` among those that passed their gates
+    (the version's FASTEST_TAG); fp32 where nothing was measured (not a registered version, or no variant)."""
+    if kind not in ("alias", "version"):
+        log.info("--variant auto: %s is not a registered version (no measurements to choose by): serving fp32", uri)
+        return "fp32"
+    import mlflow
+
+    name = (_ALIAS.match(uri) or _VERSION.match(uri)).group(1)
+    version = version or (_VERSION.match(uri).group(2) if kind == "version" else alias_version(uri))
+    try:
+        tags = mlflow.MlflowClient().get_model_version(name, version).tags
+    except Exception as exc:  # MlflowException, connection errors
+        raise SourceError(f"cannot read {name} version {version} (registry {mlflow.get_registry_uri()}): {exc}") from exc
+    try:
+        chosen = json.loads(tags.get(FASTEST_TAG) or "{}").get(provider, "fp32")
+    except (ValueError, AttributeError):
+        chosen = "fp32"
+    if chosen not in VARIANT_FILES:
+        chosen = "fp32"
+    log.info("--variant auto: %s v%s on %s -> %s (%s)", name, version, provider, chosen,
+             "the fastest the export measured" if FASTEST_TAG in tags else "no variant measured")
+    return chosen
+
+
 def _download(uri: str, dst: str) -> str:
     import mlflow
 
@@ -266,14 +296,15 @@ def find_onnx(path: Path, variant: str = "fp32") -> Path:
         return named[0]
     if len(named) > 1:
         raise SourceError(f"several {wanted} files under {path}: {[str(p) for p in named]}; point --model at one")
-    if variant == "fp16":
-        raise SourceError(f"no {wanted} under {path} (found {[p.name for p in found]}): export with export.fp16=true "
-                          "to log the fp16 variant with the model, or serve --variant fp32")
-    others = [p for p in found if p.name != VARIANT_FILES["fp16"]]
+    if variant != "fp32":
+        raise SourceError(f"no {wanted} under {path} (found {[p.name for p in found]}): export with "
+                          f"export.{variant}=true to log the {variant} variant with the model, or serve --variant fp32")
+    others = [p for p in found if p.name not in (VARIANT_FILES["fp16"], VARIANT_FILES["int8"])]
     if len(others) == 1:
         return others[0]
     if not others:
-        raise SourceError(f"only an fp16 model under {path} ({[p.name for p in found]}): serve it with --variant fp16")
+        raise SourceError(f"only variant models under {path} ({[p.name for p in found]}): serve one with --variant "
+                          "fp16 or int8")
     raise SourceError(f"several .onnx files under {path}: {[str(p) for p in found]}; "
                       "point --model at one of them")
 

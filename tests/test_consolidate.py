@@ -383,8 +383,8 @@ def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path, strategy):
-    """Bound: 1.5x the largest tensor + the tensor being written (the largest, in fp32). Under FSDP
-    every tensor is split between the two shard files and reassembled."""
+    """Bound: 1.5x the largest tensor (the one pass holds one stored chunk at a time; dcp_to_torch_save holds
+    the whole checkpoint). Under FSDP every tensor is split between the two shard files and reassembled."""
     torchrun("consolidate_make_checkpoint.py", "--strategy", strategy, "--steps", "1", "--model",
              json.dumps(BIG.to_json()), "--out", str(tmp_path))
     ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
@@ -393,7 +393,7 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path,
              if key.startswith("model.")]
     largest = max(sizes)
     assert largest == 4096 * 4096 * 4 and sum(sizes) > 2 * largest
-    bound = 1.5 * largest + largest
+    bound = 1.5 * largest
 
     ours = peak_rss("ours", ckpt, tmp_path / "ours")
     theirs = peak_rss("dcp_to_torch_save", ckpt, tmp_path / "theirs")

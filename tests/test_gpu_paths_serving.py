@@ -159,7 +159,7 @@ def test_flags_and_environment_reach_the_provider_options(monkeypatch):
 
 @pytest.mark.parametrize("values, message", [
     ({"variant": "fp16", "device": "cpu"}, "--variant fp16 is for the CUDA provider"),
-    ({"variant": "int8"}, "--variant must be fp32 or fp16"),
+    ({"variant": "bf16"}, "--variant must be fp32, fp16, int8 or auto"),
     ({"allow_tf32": True, "device": "cpu"}, "--allow-tf32 only apply to a GPU"),
     ({"cudnn_conv_algo_search": "FAST"}, "--cudnn-conv-algo-search must be HEURISTIC, EXHAUSTIVE, DEFAULT"),
     ({"trt_cache_dir": "/tmp/x", "device": "cuda"}, "--trt-cache-dir only applies to --device tensorrt"),
@@ -220,15 +220,18 @@ def model_dir(tmp_path: Path, *names: str) -> Path:
 
 
 def test_loader_picks_each_variants_file(tmp_path):
-    both = model_dir(tmp_path, "model.onnx", "model.fp16.onnx", "model.optimized.onnx")
+    both = model_dir(tmp_path, "model.onnx", "model.fp16.onnx", "model.int8.onnx", "model.optimized.onnx")
     assert find_onnx(both).name == "model.onnx"
     assert find_onnx(both, "fp16").name == "model.fp16.onnx"
+    assert find_onnx(both, "int8").name == "model.int8.onnx"
     only_fp32 = model_dir(tmp_path / "a", "model.onnx")
     with pytest.raises(SourceError, match=r"no model\.fp16\.onnx under .*export\.fp16=true"):
         find_onnx(only_fp32, "fp16")
     only_fp16 = model_dir(tmp_path / "b", "model.fp16.onnx")
-    with pytest.raises(SourceError, match="only an fp16 model .* --variant fp16"):
+    with pytest.raises(SourceError, match="only variant models .* --variant fp16 or int8"):
         find_onnx(only_fp16)
+    with pytest.raises(SourceError, match=r"no model\.int8\.onnx under .*export\.int8=true"):
+        find_onnx(only_fp32, "int8")
     custom = model_dir(tmp_path / "c", "net.onnx")
     assert find_onnx(custom).name == "net.onnx"
 

@@ -15,7 +15,9 @@ Layout under `<run_dir>/checkpoints/`:
 Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever the strategy),
 `optim.state.<fqn>.<name>`, `optim.param_groups...`, and `rng.rank<r>.*` per rank.
 Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it
-is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact.
+is not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact. An
+asynchronous save (checkpoint.async_save, AsyncWriter) keeps it the same way: its publish runs, in a
+background thread, only once every rank's write has finished.
 
 Checkpoints are untrusted input (a shared MLflow store lets others write them, and the marker's
 checksums are written by whoever wrote the files): nothing in one is unpickled with arbitrary
@@ -38,6 +40,8 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from pipeline import distributed
 from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
 from pipeline.components.safetensors_writer import file_sha256
@@ -125,12 +128,17 @@ def verify_checksums(path: Path) -> None:
     at save: catches what keeps the size (a flipped bit on disk or in transfer). A full read, so it
     runs where everything is read or fetched anyway (consolidation, a download), not on resume."""
     listing = verify_complete(path)
+    check_digests(path, listing, {name: file_sha256(path / name) for name in sorted(listing.get("sha256") or {})})
+
+
+def check_digests(path: Path, listing: dict, digests: dict[str, str]) -> None:
+    """The files' sha256 `digests` (however they were computed) against the marker `listing` recorded."""
     recorded = listing.get("sha256")
     if recorded is None:
         log.warning("checkpoint %s records no checksums (saved by an older trainserve): sizes checked only", path)
         return
     for name, digest in sorted(recorded.items()):
-        if file_sha256(path / name) != digest:
+        if digests.get(name) != digest:
             raise CheckpointError(f"checkpoint '{path}': file '{name}' differs from what was saved (its sha256 "
                                   "does not match the marker's): corrupted on disk or in transfer; use another "
                                   "checkpoint, or download it again")
@@ -252,6 +260,23 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
          meta: dict, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = ()) -> Path:
     """Collective: every rank calls it. Returns the published directory. Keeps the newest `keep_last`
     checkpoints and those of the steps in `protect` (the best one)."""
+    return finish_save(start_save(root, step, model, optimizer, meta, info), info, keep_last, protect)
+
+
+@dataclass
+class PendingSave:
+    """A save whose shards are being written (`written` not yet done, when asynchronous) into `tmp`."""
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict
+    written: Future | None = None  # asynchronous: done when this rank's shards are on disk and hashed
+
+
+def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+               info: DistInfo, background: "AsyncWriter | None" = None) -> PendingSave:
+    """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
+    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it."""
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -263,18 +288,32 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": _rng_state()}}
+    pending = PendingSave(step, tmp, final, dict(meta))
     try:
         with single_process_quiet():
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+            if background is None:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+            else:
+                pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise _save_failed(exc, root, tmp, step, _tensor_bytes(state), info) from None
-    barrier(info)
-    inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
+    inject_fault("save_started", step, info)  # test hook: a crash while the shards are being written
+    return pending
 
-    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), all at once.
-    digests = distributed.all_gather_object(
-        {p.name: file_sha256(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}, info)
+
+def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = (),
+                group=None) -> Path:
+    """Collective (on `group`, default the training's). Once every rank's shards are written (an asynchronous
+    write waited for here, on each rank, before the barrier): hashes, trainserve.json, the COMPLETE marker last,
+    the atomic publish, pruning."""
+    tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
+    # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its thread).
+    mine = pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
+    _barrier(info, group)
+    inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
+    digests = _all_gather(mine, info, group)
     if info.is_main:
+        root = final.parent
         try:
             write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
@@ -290,7 +329,7 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
             if old.name.removeprefix(OLD) not in kept:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
-    barrier(info)
+    _barrier(info, group)
     return final
 
 
@@ -338,6 +377,61 @@ def _chain(exc: BaseException):
         todo += [getattr(e, "__cause__", None), getattr(e, "__context__", None)]
         if isinstance(e, CheckpointException):
             todo += [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+
+
+def _barrier(info: DistInfo, group) -> None:
+    if info.distributed:
+        torch.distributed.barrier(group=group)
+
+
+def _all_gather(obj, info: DistInfo, group) -> list:
+    if not info.distributed:
+        return [obj]
+    box = [None] * info.world_size
+    torch.distributed.all_gather_object(box, obj, group=group)
+    return box
+
+
+def shard_digests(directory: Path, rank: int) -> dict[str, str]:
+    """sha256 of the shard files `rank` wrote (DCP names them __<rank>_<n>.distcp)."""
+    return {p.name: file_sha256(p) for p in sorted(Path(directory).glob(f"__{rank}_*.distcp"))}
+
+
+class AsyncWriter:
+    """DCP's asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory, pinned on
+    CUDA, before `write` returns, so training may change it at once; the shard files are written by a thread,
+    and another (`publish`) hashes them and, once every rank's are written, publishes the checkpoint.
+
+    Those threads' collectives (DCP's planning and metadata exchange, the publish's barrier and digests) run on
+    a process group of their own: collectives from two threads on the training's group could interleave with
+    DDP's all-reduces and pair the wrong calls across ranks. Created collectively (every rank), closed at the
+    end of training."""
+
+    def __init__(self, info: DistInfo):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.group = torch.distributed.new_group(backend="gloo") if info.distributed else None
+        cuda = info.device.type == "cuda"
+        # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+        # Hashing and publishing are background work too: on the training thread they would cost a step. One
+        # thread, so a save's publish runs after its write, and saves publish in order.
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-publish")
+
+    def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
+        """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
+        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
+                                 async_stager=self.stager, no_dist=not info.distributed)
+        return self.hasher.submit(lambda: (written.result(), shard_digests(directory, info.rank))[1])
+
+    def publish(self, pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple) -> Future:
+        """The publish of `pending` (finish_save on this writer's group), in the background: a future of its path."""
+        return self.hasher.submit(finish_save, pending, info, keep_last, protect, self.group)
+
+    def close(self) -> None:
+        self.hasher.shutdown()
+        self.stager.close()
 
 
 # What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the layout

@@ -40,6 +40,9 @@ FP16_MIN_AGREEMENT = 0.99
 FP16_ACCURACY_PP = 1.0     # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
 FP16_METRIC_RTOL = 1e-2    # at least this much room on another task's metric (export.metric_rtol if larger)
 FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 outputs
+# int8 moves every output by whole quantization steps (~1% of a tensor's range per layer, compounding): outputs
+# are held to these multiples of export.atol/rtol, and the task's metric to its own int8 tolerance.
+INT8_LOGIT_SCALE = (1000, 100)
 
 
 def session(model: onnx.ModelProto | str | Path, providers: list | None = None, threads: int = 0):
@@ -293,6 +296,17 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
     task.reduce(torch_state, one)
     gate = task.metric_gate(task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
     return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
+
+
+def metric_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:
+    """The limits of a task gated on a relative metric (regression, custom): export.metric_rtol, at least
+    FP16_METRIC_RTOL for fp16, export.int8_metric_rtol for int8 (outputs within INT8_LOGIT_SCALE x atol/rtol)."""
+    if variant == "int8":
+        return {"atol": export_cfg.atol * INT8_LOGIT_SCALE[0], "rtol": export_cfg.rtol * INT8_LOGIT_SCALE[1],
+                "tolerance": export_cfg.int8_metric_rtol}
+    if variant == "fp16":
+        return {"tolerance": max(export_cfg.metric_rtol, FP16_METRIC_RTOL)}
+    return {"tolerance": export_cfg.metric_rtol}
 
 
 def points_gate(name: str, got: float, ref: float, tolerance: float) -> dict:

@@ -474,6 +474,7 @@ def register_version(model_uri: str, name: str, alias: str | None, tags: dict[st
     return str(version.version)
 
 
+@uninterrupted
 def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
     import mlflow
 
@@ -507,15 +508,6 @@ def move_alias(name: str, alias: str, version: str) -> None:
     import mlflow
 
     mlflow.MlflowClient().set_registered_model_alias(name, alias, version)
-
-
-@uninterrupted
-def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, value)
 
 
 @uninterrupted

@@ -21,7 +21,7 @@ The contract a task class keeps (`Task` below; the built-ins are the examples):
   `plot`; `facts()` is what a checkpoint records of the task, given back as `recorded`;
 - export and serving: `exported(outputs)` (the graph's outputs by name), `derived` (outputs the task
   adds, held to `prob_atol` instead of the model's limits), `decision` (the output whose argmax over
-  axis 1 is the answer: gates count agreement on it), `gate_limits(export_cfg, fp16)`,
+  axis 1 is the answer: gates count agreement on it), `gate_limits(export_cfg, variant)` (fp32, fp16, int8),
   `metric_gate(...)`, and `describe(answer, target)` for the served sample a run prints.
 """
 

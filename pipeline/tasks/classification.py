@@ -128,8 +128,8 @@ class Classification(ModelOutputs):
 
     # --- export and serving --------------------------------------------------------------------
 
-    def gate_limits(self, export_cfg, fp16: bool) -> dict[str, Any]:
-        return class_gate_limits(export_cfg, fp16)
+    def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
+        return class_gate_limits(export_cfg, variant)
 
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.points_gate("accuracy", onnx_metrics["accuracy"], torch_metrics["accuracy"], tolerance)
@@ -179,9 +179,14 @@ def confusion_plot(state: dict, labels: list[str], path: Path) -> Path | None:
     return confusion_matrix_png(state["confusion"].cpu(), labels, path.with_name("confusion_matrix.png"))
 
 
-def class_gate_limits(export_cfg, fp16: bool) -> dict[str, Any]:
-    """Accuracy within export.accuracy_tolerance_pp; for fp16, probabilities and decisions carry the gate."""
-    if not fp16:
+def class_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:
+    """Accuracy within export.accuracy_tolerance_pp; for fp16, probabilities and decisions carry the gate; for
+    int8, decisions alone (logits move by whole quantization steps, so no element-wise limit: atol is infinite)
+    and accuracy within export.int8_accuracy_tolerance_pp."""
+    if variant == "int8":
+        return {"atol": float("inf"), "min_agreement": export_cfg.int8_min_agreement,
+                "tolerance": export_cfg.int8_accuracy_tolerance_pp}
+    if variant != "fp16":
         return {"tolerance": export_cfg.accuracy_tolerance_pp}
     return {"prob_atol": gates.FP16_PROB_ATOL, "min_agreement": gates.FP16_MIN_AGREEMENT,
             "tolerance": max(export_cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP)}

@@ -122,8 +122,8 @@ class Custom(ModelOutputs):
     def plot(self, state: dict, path) -> None:
         return None
 
-    def gate_limits(self, export_cfg, fp16: bool) -> dict[str, Any]:
-        return {"tolerance": max(export_cfg.metric_rtol, gates.FP16_METRIC_RTOL) if fp16 else export_cfg.metric_rtol}
+    def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
+        return gates.metric_gate_limits(export_cfg, variant)
 
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)

@@ -113,8 +113,8 @@ class Segmentation(ModelOutputs):
     def plot(self, state: dict, path: Path) -> Path | None:
         return confusion_plot(state, self.labels, path)
 
-    def gate_limits(self, export_cfg, fp16: bool) -> dict[str, Any]:
-        return class_gate_limits(export_cfg, fp16)
+    def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
+        return class_gate_limits(export_cfg, variant)
 
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.points_gate("mean_iou", onnx_metrics["mean_iou"], torch_metrics["mean_iou"], tolerance)

@@ -1,0 +1,71 @@
+"""The training loop's checkpoint saves: synchronous, or asynchronous (checkpoint.async_save) with one save in
+flight at a time.
+
+Asynchronous: a save returns once the state is staged in CPU memory; the shards are written, hashed and, once
+every rank's are written, published as a synchronous save is (COMPLETE marker, atomic rename:
+checkpoint.finish_save) by background threads with their own process group. Each step `poll` looks (no
+collective) whether this rank's publish is done, and runs what follows a publish (best.json, the MLflow
+upload). A save waits for the one before it, and `close` for the last. A crash before the publish leaves the
+previous checkpoint, as it would mid-way through a synchronous save.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+from pipeline.components import checkpoint
+from pipeline.distributed import DistInfo
+from pipeline.tools import stopping
+
+
+class Saver:
+    def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
+        self.root, self.info, self.keep_last = Path(root), info, keep_last
+        self.writer = checkpoint.AsyncWriter(info) if asynchronous else None
+        self.pending: tuple[Future, Callable[[Path], None]] | None = None
+
+    def save(self, step: int, model, optimizer, meta: dict, protect: tuple[int | None, ...],
+             then: Callable[[Path], None]) -> None:
+        """Collective. Saves the state of `step`; `then(path)` once it is published (at once when synchronous)."""
+        self.finish()
+        # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the exit in a
+        # CheckpointException, and a stop right after a complete save loses nothing.
+        with stopping.deferred():
+            pending = checkpoint.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
+            if self.writer is None:
+                then(checkpoint.finish_save(pending, self.info, self.keep_last, protect))
+                return
+        self.pending = (self.writer.publish(pending, self.info, self.keep_last, protect), then)
+
+    def poll(self) -> None:
+        """Each step: what follows the publish of the save in flight, once it is done (a local look)."""
+        if self.pending is not None and self.pending[0].done():
+            self.finish()
+
+    def finish(self) -> Path | None:
+        """Waits for the save in flight, if any: its publish, then what follows it."""
+        if self.pending is None:
+            return None
+        published, then = self.pending
+        self.pending = None
+        with stopping.deferred():
+            path = published.result()  # raises what the write or the publish raised
+        then(path)
+        return path
+
+    def close(self) -> None:
+        """Collective: the last save published, the background threads and staging buffers freed."""
+        try:
+            self.finish()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+
+
+def snapshot(obj):
+    """A shallow copy, for a callback that runs after the save is published: what it records must be the
+    state of the step saved, not of a later one."""
+    return copy.copy(obj)

@@ -1,0 +1,216 @@
+"""One pass over a DCP checkpoint's files: every byte read and hashed once, the model's tensors copied into a
+safetensors file on the way.
+
+The I/O floor of a consolidation that verifies its input is reading and hashing every shard byte once and
+writing the output once. DCP's own reader (dcp.load) re-reads what verification already read, materializes
+each stored chunk and then copies it into the destination tensor. Here each shard file is read front to
+back, hashed as it is read; the byte ranges DCP's metadata names for model tensors are read into one buffer,
+and the tensor found inside (a `torch.save` blob: a zip whose stored, uncompressed `data/<key>` entry holds the
+raw bytes) is written from that buffer straight to its place in the output with `pwrite`: no tensor in
+between for a contiguous chunk, one copy for a non-contiguous one or a dtype cast. Peak memory: about the
+largest stored chunk.
+
+Handled layouts: chunks that are slices along dim 0 (DDP's whole tensors, FSDP2's row shards), stored with no
+storage transforms. `plan` returns None for anything else and the caller takes the dcp.load path.
+
+The blob's pickle is read by an unpickler that admits only what a saved tensor's pickle names (its rebuild
+function, a storage class, an OrderedDict of hooks): a checkpoint is untrusted input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.components.safetensors_writer import TensorSpec, header_bytes
+from pipeline.errors import CheckpointError
+
+BLOCK = 1 << 20  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored chunk of a model tensor: where it is in its shard file and where its bytes go."""
+    name: str            # the tensor's key in the output
+    file: str            # the shard file, relative to the checkpoint
+    offset: int          # of the chunk's blob in that file
+    length: int
+    sizes: tuple[int, ...]   # the chunk's shape
+    stored: torch.dtype
+    out_dtype: torch.dtype
+    out_position: int    # byte offset in the output file
+
+
+def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tuple[bytes, list[Piece]] | None:
+    """(the output's header, every chunk to copy), or None when a chunk is not a dim-0 slice of a plain stored
+    tensor. `specs` in file order, as the header lays them out."""
+    header = header_bytes(specs, file_metadata)
+    by_chunk = {(idx.fqn, tuple(idx.offset)): info for idx, info in metadata.storage_data.items()
+                if idx.offset is not None}  # None: a non-tensor entry (an optimizer hyperparameter)
+    pieces, position = [], len(header)
+    for spec in specs:
+        md = metadata.state_dict_metadata[f"model.{spec.name}"]
+        size = tuple(md.size)
+        row_bytes = math.prod(size[1:]) * spec.dtype.itemsize
+        rows = 0
+        for chunk in md.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            info = by_chunk.get((f"model.{spec.name}", offsets))
+            if info is None or getattr(info, "transform_descriptors", None) or \
+                    any(offsets[1:]) or sizes[1:] != size[1:]:
+                return None
+            pieces.append(Piece(spec.name, info.relative_path, info.offset, info.length, sizes,
+                                md.properties.dtype, spec.dtype, position + (offsets[0] if offsets else 0) * row_bytes))
+            rows += sizes[0] if sizes else 1
+        if rows != (size[0] if size else 1):  # the chunks must cover the tensor exactly once
+            return None
+        position += spec.nbytes
+    return header, pieces
+
+
+def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, check, release=None) -> dict[str, str]:
+    """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor
+    (after `check(name, tensor)`, in the output dtype) at its place in `out_fd`; `release()` after each piece
+    (returns its freed buffer to the OS). Returns {file: sha256}."""
+    os.pwrite(out_fd, header, 0)
+    by_file: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_file.setdefault(p.file, []).append(p)
+    digests = {}
+    for path in sorted(f for f in Path(ckpt).iterdir() if f.is_file()):
+        sha = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            at = 0
+            for piece in sorted(by_file.pop(path.name, []), key=lambda p: p.offset):
+                if not _hash_span(f, sha, piece.offset - at):
+                    raise _truncated(ckpt, path.name, f"it ends before tensor '{piece.name}'")
+                buf = bytearray(piece.length)
+                if f.readinto(buf) != piece.length:
+                    raise _truncated(ckpt, path.name, f"it ends inside tensor '{piece.name}'")
+                sha.update(buf)
+                _write_piece(out_fd, piece, buf, check, ckpt)
+                del buf
+                if release is not None:
+                    release()
+                at = piece.offset + piece.length
+            _hash_span(f, sha, None)
+        digests[path.name] = sha.hexdigest()
+    if by_file:
+        raise CheckpointError(f"checkpoint '{ckpt}': the metadata names shard files that are not there: "
+                              f"{sorted(by_file)}")
+    return digests
+
+
+def _hash_span(f, sha, length: int | None) -> bool:
+    """Hashes the next `length` bytes of `f` (None: to its end) in BLOCK-sized reads into one buffer; False
+    when the file ends first."""
+    view = memoryview(bytearray(min(BLOCK, length) if length is not None else BLOCK))
+    left = length
+    while left is None or left > 0:
+        n = f.readinto(view if left is None or left >= len(view) else view[:left])
+        if not n:
+            return left is None
+        sha.update(view[:n])
+        if left is not None:
+            left -= n
+    return True
+
+
+def _truncated(ckpt: Path, name: str, how: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint '{ckpt}': reading {name} failed: shard file corrupt or truncated? ({how}, "
+                           "short of what its metadata says)")
+
+
+def _write_piece(out_fd: int, piece: Piece, buf: bytearray, check, ckpt: Path) -> None:
+    tensor = tensor_in_blob(buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}")
+    if tuple(tensor.shape) != piece.sizes:
+        raise CheckpointError(f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file} holds "
+                              f"{list(tensor.shape)}, the metadata says {list(piece.sizes)}")
+    tensor = tensor.to(piece.out_dtype).contiguous()  # no copy when it already is both
+    check(piece.name, tensor)
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+    written = 0
+    while written < len(data):  # pwrite may write less than asked
+        written += os.pwrite(out_fd, data[written:], piece.out_position + written)
+
+
+class _Admitted(pickle.Unpickler):
+    """What `torch.save` of one tensor pickles, and nothing else: `_rebuild_tensor_v2(storage, offset, size,
+    stride, requires_grad, hooks[, metadata])`, the storage as a persistent id, an OrderedDict of hooks."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a saved tensor never holds")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """The tensor a `torch.save` blob holds, as a view of `buf` (no copy)."""
+    view = memoryview(buf)
+    try:
+        archive = zipfile.ZipFile(_Reader(view))
+        pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+        kind, storage, offset, size, stride = _Admitted(io.BytesIO(archive.read(pkl))).load()
+        member = archive.getinfo(f"{pkl[:-len('data.pkl')]}data/{storage[2]}")
+    except (zipfile.BadZipFile, StopIteration, KeyError, ValueError, TypeError, IndexError,
+            pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"{where}: not a saved tensor ({type(exc).__name__}: {exc})") from None
+    if member.compress_type != zipfile.ZIP_STORED or member.file_size % dtype.itemsize:
+        raise CheckpointError(f"{where}: its bytes are compressed or not whole {dtype} items")
+    h = member.header_offset  # the local header: 30 bytes, then the name and an extra field
+    start = h + 30 + int.from_bytes(view[h + 26:h + 28], "little") + int.from_bytes(view[h + 28:h + 30], "little")
+    storage_view = view[start:start + member.file_size]
+    flat = torch.frombuffer(storage_view, dtype=dtype) if member.file_size else torch.empty(0, dtype=dtype)
+    needed = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else 0
+    if needed > flat.numel():
+        raise CheckpointError(f"{where}: its size and strides reach past its stored bytes")
+    return flat.as_strided(size, stride, offset)
+
+
+class _Reader(io.RawIOBase):
+    """A seekable file over a memoryview: zipfile reads the directory through it, copying only what it reads."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: len(self.view) + offset}[whence]
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        data = bytes(self.view[self.pos:end])
+        self.pos = max(self.pos, end)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
