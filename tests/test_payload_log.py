@@ -101,8 +101,12 @@ def test_the_directory_stays_within_its_cap_under_load(model, tmp_path):
             watcher.join()
         assert statuses == [200] * 400
         assert metric(text, "trainserve_payload_log_dropped_total", reason="queue_full") == 0
-        # Sampled every 2 ms while the load ran (how many times depends on how fast it ran: ~50 on 2 cores).
-        assert len(seen) >= 10 and max(seen) <= cap, (len(seen), max(seen))
+        # Sampled every 2 ms while the load ran (how many times depends on how fast it ran: ~50 on 2 cores). A walk
+        # of the directory is not atomic: a file counted just before the writer deletes it and one counted after it
+        # grew can add up past the cap though the directory never held that much at once (seen: 72,706 bytes for a
+        # 65,536 cap in one CI run). What the writer can append during one walk is at most one file's worth, so the
+        # walk is held to the cap plus a file; the writer's own account (the metric) and the files at rest are exact.
+        assert len(seen) >= 10 and max(seen) <= cap + 16 * KIB, (len(seen), max(seen))
         assert metric(text, "trainserve_payload_log_bytes") <= cap
         assert srv.terminate() == 0, srv.log()
     files = payload_files(directory)
