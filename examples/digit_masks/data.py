@@ -33,4 +33,5 @@ def digit_masks(val_fraction: float = 0.2, seed: int = 0) -> dict[str, DigitMask
     val, train = order[:n_val], order[n_val:]
     train_set = DigitMasks(data.images[train], data.target[train])
     train_set.classes = ["background"] + [str(d) for d in range(10)]
+    train_set.model_args = {"image_size": data.images.shape[1]}  # the model's context branch sees the whole image
     return {"train": train_set, "val": DigitMasks(data.images[val], data.target[val])}
