@@ -131,7 +131,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
         _save(exported.model, onnx_path)  # the longest token inputs in its metadata: the server's 400 past them
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
-    results.update(run_gates(gates.session(onnx_path), ref, batches, cfg))
+    cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
+    results.update(run_gates(cpu_sess, ref, batches, cfg))
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
         results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
@@ -164,7 +165,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         report["fastest_variants"] = {provider: int8.fastest(m) for provider, m in measured.items()}
     if report["passed"]:
         onnx_path = onnx_path.replace(out / "model.onnx")
-        report["drift_reference"] = str(drift_reference(onnx_path, splits.train, out / drift.FILE))
+        report["drift_reference"] = str(drift_reference(cpu_sess, splits.train, out / drift.FILE))
     else:
         # Kept for debugging under a name no one serves by accident.
         onnx_path = onnx_path.replace(out / "model.rejected.onnx")
@@ -194,15 +195,14 @@ def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> d
     return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
 
 
-def drift_reference(onnx_path: Path, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
+def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
     """The drift baseline the server compares its traffic with (serving/drift.py): features of every input
-    and of every output of this ONNX file (what the server will answer), on evenly spaced samples of the
-    training split."""
+    and of every output of the gated ONNX file's session `sess` (what the server will answer), on evenly
+    spaced samples of the training split."""
     from torch.utils.data import Subset
 
     from pipeline.components.data import eval_loader
 
-    sess = gates.session(onnx_path)
     step = max(1, len(train) // samples)
     builder = drift.ReferenceBuilder()
     for inputs, _ in eval_loader(Subset(train, range(0, len(train), step)), gates.VAL_BATCH):

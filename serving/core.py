@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import logging
 import time
@@ -41,7 +40,7 @@ from serving.console import clip
 from serving.engine import GPU_PROVIDERS, ModelInputError
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
-from serving.payload_log import PayloadLog, Record
+from serving.payload_log import PayloadLog, Record, in_sample
 from serving.repository import (
     HEADER_SAFE,
     Model,
@@ -233,16 +232,10 @@ class Server:
 
     # ---- the shadow --------------------------------------------------------------------------------
 
-    def challenger_slot(self, name: str) -> Slot | None:
-        """The version behind the shadowed alias, when loaded and not the champion itself."""
-        model = self.repository.models.get(name)
-        if model is None:
-            return None
+    def challenger_slot(self, model: Model) -> Slot | None:
+        """The loaded version behind the shadowed alias of `model`, if any."""
         shadowed = [a for a in model.alias_served if a.rpartition("@")[2] == self.settings.shadow_alias]
-        version = model.alias_served.get(shadowed[0]) if shadowed else None
-        slot = model.slots.get(version) if version is not None else None
-        champion = model.default_slot()
-        return slot if slot is not None and slot is not champion else None
+        return model.slots.get(model.alias_served[shadowed[0]]) if shadowed else None
 
     def mirror(self, slot: Slot, request_id: str, request, results: dict[str, np.ndarray],
                champion_ms: float) -> None:
@@ -253,12 +246,11 @@ class Server:
         shadow = self.shadows.get(name)
         if shadow is None:
             return
-        challenger = self._pair(name, shadow)
-        model = self.repository.models.get(name)
-        if challenger is None or model is None or slot is not model.default_slot():
+        champion, challenger = self._pair(name, shadow)
+        if challenger is None or slot is not champion:
             return  # a request that named another version: not the champion's traffic
         shadow.answered(request_id, results)
-        if not sampled(request_id, self.settings.shadow):
+        if not in_sample(request_id, self.settings.shadow):  # by its id, as the payload log samples
             return
         queue = self._mirrors.get(name)
         if queue is None or queue.full() or slot.batcher.queued_rows > 0:
@@ -286,15 +278,17 @@ class Server:
             shadow.pair(rid, champion, answer, champion_ms, (time.perf_counter() - started) * 1e3,
                         (champion_version, challenger.version))
 
-    def _pair(self, name: str, shadow: Shadow) -> Slot | None:
-        """The challenger now served for the shadowed alias, and the comparison set to that pairing (a new
-        one starts afresh when the alias moved)."""
-        challenger = self.challenger_slot(name)
-        champion = self.repository.models[name].default_slot() if name in self.repository.models else None
-        if challenger is not None and champion is not None:
-            info = champion.model.info
-            shadow.pairing(champion.version, challenger.version, info.decision, info.prediction)
-        return challenger
+    def _pair(self, name: str, shadow: Shadow) -> tuple[Slot | None, Slot | None]:
+        """(champion, challenger) served now, and the comparison set to that pairing (a new one starts afresh
+        when either moved); (None, None) when there is nothing to compare."""
+        model = self.repository.models.get(name)
+        champion = model.default_slot() if model is not None else None
+        challenger = self.challenger_slot(model) if champion is not None else None
+        if challenger is None or challenger is champion:
+            return None, None
+        info = champion.model.info
+        shadow.pairing(champion.version, challenger.version, info.decision, info.prediction)
+        return champion, challenger
 
     def shadow(self, name: str) -> Shadow:
         """The comparison of `name`, paired with the versions served now; Refused 404 when there is none."""
@@ -596,9 +590,3 @@ def check_reload(settings: Settings) -> None:
         raise ValueError(f"--reload-interval polls a registry alias; no --model is models:/<name>@<alias> "
                          f"(given: {given})")
 
-
-def sampled(request_id: str, fraction: float) -> bool:
-    """Whether a request is in a `fraction` sample: by its id, so a retried request is sampled the same way."""
-    if fraction >= 1:
-        return True
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") < fraction * 2 ** 64

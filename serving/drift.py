@@ -131,6 +131,8 @@ class _Tensor:
             self.recent: deque = deque(maxlen=window)  # rows of bin indices, one per sample
         else:
             self.values = np.asarray(spec["values"], dtype=np.int64)
+            self._order = np.argsort(self.values)  # for the sorted lookup of each position's category
+            self._ranked = self.values[self._order]
             self.reference = [np.asarray(spec["proportions"])]
             self.recent = deque(maxlen=window)  # per sample: counts per category (+ other)
 
@@ -146,11 +148,9 @@ class _Tensor:
             flat = np.asarray(array).astype(np.int64).reshape(len(array), -1)
             # Each position's category by a sorted lookup (no sample x position x category array): the index
             # of its value among the kept ones, or the last bin, "other".
-            order = np.argsort(self.values)
-            ranked = self.values[order]
-            at = np.clip(np.searchsorted(ranked, flat), 0, len(ranked) - 1)
-            found = ranked[at] == flat
-            category = np.where(found, order[at], len(self.values))
+            at = np.clip(np.searchsorted(self._ranked, flat), 0, len(self._ranked) - 1)
+            found = self._ranked[at] == flat
+            category = np.where(found, self._order[at], len(self.values))
             rows = np.arange(len(flat))[:, None].repeat(flat.shape[1], 1)
             counts = np.zeros((len(flat), len(self.values) + 1))
             np.add.at(counts, (rows, category), 1)
