@@ -280,7 +280,7 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
     for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), EVAL_BATCH, num_workers):
-        tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(_leaves(target)))]
+        tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(leaves(target)))]
         for row in range(batch_rows(inputs)):
             sample = hashlib.sha256()
             for name, tensor in tensors:
@@ -295,13 +295,15 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
     return {"sha256": digest.hexdigest(), "samples": len(dataset)}
 
 
-def _leaves(value: Any) -> list[torch.Tensor]:
+def leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of a tensor, or of a (nested) dict/tuple/list of them (a target as the data returns it), in
+    order."""
     if torch.is_tensor(value):
         return [value]
     if isinstance(value, dict):
-        return [t for k in sorted(value) for t in _leaves(value[k])]
+        return [t for v in value.values() for t in leaves(v)]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _leaves(v)]
+        return [t for v in value for t in leaves(v)]
     return []
 
 

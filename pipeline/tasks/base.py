@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pipeline.components.data import leaves
 from pipeline.components.reference import ArtifactSource, ComponentError, call, plain_signature, resolve
 from pipeline.errors import TaskError
 
@@ -181,16 +182,6 @@ def concat(parts: list[Any]) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
     raise TaskError(f"a target of type {type(first).__name__} can't be joined across batches; give tensors")
-
-
-def leaves(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in leaves(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in leaves(v)]
-    return []
 
 
 def rows_of(value: Any) -> int:

@@ -84,14 +84,13 @@ class Classification(ModelOutputs):
             raise TaskError(f"{where}: class index {int(target.max())} for a model with {self.num_classes} outputs")
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = self.predicted(output)
-        return self._loss(logits, target) if self._loss else F.cross_entropy(logits, target)
+        return class_loss(self._loss, self.predicted(output), target)
 
     def check_metric(self, output: Any, target: torch.Tensor, where: str) -> None:
         """Built-in metrics need no check."""
 
     def derive(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"probabilities": torch.softmax(named[self.prediction], dim=1)}
+        return probabilities(named[self.prediction])
 
     # --- validation metrics --------------------------------------------------------------------
 
@@ -101,8 +100,7 @@ class Classification(ModelOutputs):
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: torch.Tensor) -> None:
         logits = named[self.prediction].float()
-        loss = self._loss(logits, target) if self._loss else F.cross_entropy(logits, target)
-        state["loss"] += loss.double() * len(target)
+        state["loss"] += class_loss(self._loss, logits, target).double() * len(target)
         add_confusion(state["confusion"], target, logits.argmax(1))
         if self._k:
             hits = (logits.topk(self._k, dim=1).indices == target[:, None]).any(1)
@@ -142,6 +140,16 @@ class Classification(ModelOutputs):
 
 
 # --- shared with the other tasks that predict classes (segmentation) -----------------------------
+
+
+def class_loss(custom, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """task.loss when given, else cross-entropy over axis 1 (per sample, or per pixel)."""
+    return custom(logits, target) if custom else F.cross_entropy(logits, target)
+
+
+def probabilities(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The output the graph adds for a task that predicts classes: the softmax over axis 1."""
+    return {"probabilities": torch.softmax(logits, dim=1)}
 
 
 def refuse_custom_parts(task_cfg) -> None:

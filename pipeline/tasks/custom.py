@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from pipeline.components import gates
+from pipeline.components.data import leaves
 from pipeline.components.reference import short_name
-from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order, leaves,
+from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order,
                                  map_tensors, reduce_sums, rows_of, shape_of, suggest_num_classes)
 
 

@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.components import gates
 from pipeline.components.data import DataError
 from pipeline.tasks.base import ModelOutputs, TaskError, component_callable, reduce_sums, shape_of, suggest_num_classes
-from pipeline.tasks.classification import (add_confusion, check_class_count, class_gate_limits, confusion_plot,
-                                           describe_value, refuse_custom_parts)
+from pipeline.tasks.classification import (add_confusion, check_class_count, class_gate_limits, class_loss,
+                                           confusion_plot, describe_value, probabilities, refuse_custom_parts)
 
 
 class Segmentation(ModelOutputs):
@@ -78,14 +77,13 @@ class Segmentation(ModelOutputs):
         self.num_classes = check_class_count(logits.shape[1], self.num_classes, where)
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = self.predicted(output)
-        return self._loss(logits, target) if self._loss else F.cross_entropy(logits, target)
+        return class_loss(self._loss, self.predicted(output), target)
 
     def check_metric(self, output: Any, target: torch.Tensor, where: str) -> None:
         """Built-in metrics need no check."""
 
     def derive(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"probabilities": torch.softmax(named[self.prediction], dim=1)}
+        return probabilities(named[self.prediction])
 
     def new_state(self, device: torch.device) -> dict:
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
@@ -93,8 +91,7 @@ class Segmentation(ModelOutputs):
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: torch.Tensor) -> None:
         logits = named[self.prediction].float()
-        loss = self._loss(logits, target) if self._loss else F.cross_entropy(logits, target)
-        state["loss"] += loss.double() * len(target)
+        state["loss"] += class_loss(self._loss, logits, target).double() * len(target)
         state["n"] += len(target)
         add_confusion(state["confusion"], target, logits.argmax(1))
 
