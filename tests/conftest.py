@@ -6,7 +6,9 @@ store (./mlflow.db, ./mlartifacts) and ./outputs land there and are removed with
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,3 +100,19 @@ def only_run(workdir: Path, experiment: str):
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1, [r.info.run_id for r in runs]
     return client, runs[0]
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path, size: str):
+    """A tmpfs of `size` (e.g. "64k") mounted at `directory` for a full-disk test, unmounted after; skips the
+    test where it can't be mounted (not root, no mount)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    directory.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], check=False,
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)

@@ -4,10 +4,6 @@ tmpfs (root only), unmounted afterwards."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import pytest
 import torch
 
@@ -15,22 +11,13 @@ from pipeline.components import checkpoint
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
 
-from conftest import CPU1, TINY, checkpoint_meta, mlp_spec, run_cli
+from conftest import CPU1, TINY, checkpoint_meta, mlp_spec, run_cli, small_tmpfs
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=False,
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "disk", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_during_a_save_is_one_line_naming_disk_space(small_disk):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from conftest import small_tmpfs
 from serving_fixtures import ROOT, ServerProcess, metric
 from test_serving_receipts import (
     KINDS,
@@ -217,20 +218,8 @@ def test_earlier_files_count_against_the_cap_and_a_version_gets_its_own_file(tmp
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KiB tmpfs (root only), unmounted after the test."""
-    import os
-    import shutil
-
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=False,
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "disk", "64k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_drops_and_counts_and_never_holds_off_shutdown(model, tiny_disk, tmp_path):
