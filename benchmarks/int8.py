@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,17 +42,14 @@ def input_shape(path: Path) -> tuple[int, ...]:
 
 def inprocess(path: Path, shape: tuple[int, ...], batch: int, seconds: float) -> float:
     """Samples/s of the server's Engine on one batch, run back to back for `seconds`."""
+    from pipeline.components.int8 import images_per_second  # the measure export records, on the same Engine
     from serving.engine import Engine
 
     engine = Engine(str(path), device="cpu")
     feeds = {"input": np.random.default_rng(0).random((batch, *shape), dtype=np.float32)}
-    for _ in range(3):
+    for _ in range(2):  # warm-up beyond the one images_per_second runs itself
         engine.run(feeds)
-    runs, start = 0, time.perf_counter()
-    while runs < 5 or time.perf_counter() - start < seconds:
-        engine.run(feeds)
-        runs += 1
-    return batch * runs / (time.perf_counter() - start)
+    return images_per_second(engine, feeds, seconds)
 
 
 def served(path: Path, shape: tuple[int, ...], concurrencies: tuple[int, ...], seconds: float, log: Path) -> dict:
