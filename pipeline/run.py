@@ -252,14 +252,10 @@ class ServeSample:
                   for o in response.json()["outputs"]}
         parity = gates.compare(answer, self.expected, self.atol, self.rtol, derived=self.task.derived,
                                decision=self.task.decision)
-        print(f"sample request: {self._verdict(answer)}\n"
+        print(f"sample request: {self.task.describe(answer, self.target)}\n"
               f"  the server's answer {'equals' if parity['passed'] else 'DIFFERS FROM'} the PyTorch model's "
               f"({parity['message']})\n  POST {base}/v2/models/{name}/infer", flush=True)
         return parity["passed"]
-
-    def _verdict(self, answer) -> str:
-        return self.task.describe(answer, self.target)
-
 
 V2_DATATYPES = {np.dtype(t): name for name, t in V2_DTYPES.items()}  # numpy dtype -> KServe V2 datatype
 

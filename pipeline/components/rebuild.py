@@ -46,8 +46,8 @@ def rebuild(weights: Weights, trusted: Sequence[str] = (), data_cfg=None, task_c
     config unless given: `pipeline run` passes the config it was run with)."""
     data_cfg, task_cfg = data_cfg or weights.config.data, task_cfg or weights.config.task
     source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
-    task = weights.config.task  # every component model.json names, refused all at once rather than one per try
-    check_all_trusted(recorded_components(weights.config.model, weights.config.data, task.loss, task.metric), source)
+    named = weights.config  # every component model.json names, refused all at once rather than one per try
+    check_all_trusted(recorded_components(named.model, named.data, named.task.loss, named.task.metric), source)
     hint = missing_code_hint(weights.meta.get("code"), weights.source.get("mlflow_run_id"))
     model = load_model(weights, source, hint)
     splits = build_data(data_cfg, task_cfg.name, source, hint)
