@@ -586,7 +586,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="with --nproc-per-node: let torchrun restart failed workers; they resume "
                              "from the newest complete checkpoint")
-    parser.add_argument("--resume", help="latest | a checkpoint or run directory | an MLflow run id")
+    parser.add_argument("--resume", help="latest | auto | a checkpoint or run directory | an MLflow run id; auto: "
+                        "this run's newest complete checkpoint if it has one, else start (what a restarted job "
+                        "wants: deploy/train-pytorchjob.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=0.05")
 
 
