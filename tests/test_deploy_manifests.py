@@ -13,12 +13,16 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import copy
 import io
 import json
 import math
+import os
 import re
+import shutil
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -110,8 +114,10 @@ def container_env(container: dict, docs, field_values: dict | None = None) -> di
         elif "configMapKeyRef" in source or "secretKeyRef" in source:
             kind, ref = ("ConfigMap", source["configMapKeyRef"]) if "configMapKeyRef" in source else \
                 ("Secret", source["secretKeyRef"])
-            data = {**named(docs, kind, ref["name"]).get("data", {}),
-                    **named(docs, kind, ref["name"]).get("stringData", {})}
+            holder = named(docs, kind, ref["name"])
+            encoded = kind == "Secret"  # a Secret's `data` is base64, its `stringData` plain
+            data = {**{k: base64.b64decode(v).decode() if encoded else v for k, v in holder.get("data", {}).items()},
+                    **holder.get("stringData", {})}
             if ref["key"] not in data:
                 raise ManifestError(f"{name}: {kind} {ref['name']} has no key {ref['key']!r} (it has {sorted(data)})")
             env[name] = data[ref["key"]]
@@ -122,7 +128,10 @@ def container_env(container: dict, docs, field_values: dict | None = None) -> di
             env[name] = field_values[path]
         elif "resourceFieldRef" in source:
             ref = source["resourceFieldRef"]
-            quantity = str(container["resources"][ref["resource"].split(".")[0]][ref["resource"].split(".")[1]])
+            if ref["resource"] not in ("requests.cpu", "limits.cpu"):
+                raise ManifestError(f"{name}: resourceFieldRef {ref['resource']}: this check knows only CPU counts")
+            section, resource = ref["resource"].split(".")
+            quantity = str(container["resources"][section][resource])
             cpus = int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
             env[name] = str(math.ceil(cpus / float(ref.get("divisor", "1"))))
         else:
@@ -150,8 +159,6 @@ def command_line(container: dict, env: dict[str, str]) -> list[str]:
 @contextlib.contextmanager
 def environment(monkeypatch, env: dict[str, str], clear_prefixes=("TRAINSERVE_", "PET_", "MLFLOW_", "AWS_")):
     """Exactly this environment for our code, as in the container (nothing of ours leaks in from the test's)."""
-    import os
-
     with monkeypatch.context() as patch:
         for name in [n for n in os.environ if n.startswith(clear_prefixes)]:
             patch.delenv(name)
@@ -259,7 +266,8 @@ def served_container(docs) -> tuple[dict, dict, dict]:
     merged["env"] = [e for e in base.get("env", []) if e["name"] not in {m["name"] for m in model.get("env", [])}] \
         + model.get("env", [])
     text = json.dumps(merged)
-    for field, value in (("Name", isvc["metadata"]["name"]), ("Namespace", "trainserve")):
+    namespace = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["namespace"]
+    for field, value in (("Name", isvc["metadata"]["name"]), ("Namespace", namespace)):
         text = text.replace("{{." + field + "}}", value)
     return isvc, runtime, json.loads(text)
 
@@ -354,6 +362,21 @@ def test_the_kustomization_applies_every_manifest_but_the_ones_applied_by_hand(d
     assert set(kustomization["resources"]) == files - APPLIED_BY_HAND
     images = {c["image"] for _, d in docs for c in containers(d)}
     assert images == {i["name"] for i in kustomization["images"]}, "every image is rewritten to the registry"
+
+
+def test_what_kubectl_apply_k_sends_validates_too():
+    """The kustomization rendered by kubectl's own kustomize (namespace, labels, images rewritten in the custom
+    resources too) is what reaches the cluster: it validates as the files do."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the rendered kustomization is not checked (the files are)")
+    rendered = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+    docs = [("kubectl kustomize", d) for d in yaml.safe_load_all(rendered) if d]
+    check_schemas(docs)
+    namespace = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["namespace"]
+    assert {d["metadata"].get("namespace") for _, d in docs} == {namespace}
+    assert all(":" in c["image"] and "/" in c["image"] for _, d in docs for c in containers(d)), \
+        "an image kustomize did not rewrite to the registry"
 
 
 def test_every_config_map_and_secret_reference_resolves(docs):
