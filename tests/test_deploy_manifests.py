@@ -34,8 +34,8 @@ from conftest import REPO
 
 DEPLOY = REPO / "deploy"
 SCHEMAS = DEPLOY / "schemas"
-NOT_RESOURCES = {"kustomization.yaml"}
-# Manifests applied by hand rather than by the kustomization (README.md says why and how).
+KUSTOMIZATIONS = [DEPLOY, DEPLOY / "indexed-job"]  # deploy/ and the training run without the operator
+# Manifests applied by hand rather than by a kustomization (README.md says why and how).
 APPLIED_BY_HAND = {"secrets.example.yaml", "publish-job.yaml"}
 
 
@@ -47,13 +47,17 @@ class ManifestError(AssertionError):
 
 
 def load_documents() -> list[tuple[str, dict]]:
-    """(file name, document) for every resource under deploy/."""
+    """(path under deploy/, document) for every resource under deploy/."""
     docs = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
-        if path.name in NOT_RESOURCES:
-            continue
-        docs += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    for folder in KUSTOMIZATIONS:
+        for path in sorted(folder.glob("*.yaml")):
+            if path.name != "kustomization.yaml":
+                docs += [(str(path.relative_to(DEPLOY)), doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
     return docs
+
+
+def in_file(docs, file: str) -> list[tuple[str, dict]]:
+    return [(f, d) for f, d in docs if f == file]
 
 
 def schema_file(doc: dict) -> Path:
@@ -174,7 +178,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], intermixed: bool = F
         with contextlib.redirect_stderr(stderr):
             return parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
     except SystemExit:
-        raise ManifestError(f"{parser.prog} refuses {argv}:\n{stderr.getvalue()}") from None
+        said = [line for line in stderr.getvalue().splitlines() if "error:" in line] or [stderr.getvalue()]
+        raise ManifestError(f"{parser.prog} refuses {argv}: {said[-1]}") from None
 
 
 def stage_parser(module) -> argparse.ArgumentParser:
@@ -213,37 +218,83 @@ def operator_env(job: dict) -> dict[str, str]:
     return env
 
 
-def check_training_job(docs, monkeypatch) -> dict:
-    """The PyTorchJob's pods run `torchrun ... -m pipeline.train`, elastic within what `pipeline train` supports."""
+def launch_training(where: str, line: list[str], env: dict, monkeypatch, node_counts) -> tuple:
+    """(torchrun's launch config, pipeline train's args, the run's config) for a container that runs
+    `torchrun ... -m pipeline.train ...` with this environment; pipeline train must accept the run at every
+    number of nodes in `node_counts`."""
     import torch.distributed.run as torchrun
 
     from pipeline import train
     from pipeline.config import ConfigError, check_runtime, load_config
 
-    job = named(docs, "PyTorchJob")
-    name, spec = job["metadata"]["name"], job["spec"]
-    pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    container = next(c for c in pod["containers"] if c["name"] == "pytorch")
-    env = container_env(container, docs, {"metadata.labels['training.kubeflow.org/job-name']": name})
-    line = command_line(container, env)
     if line[0] != "torchrun":
-        raise ManifestError(f"PyTorchJob {name}: the container runs {line[0]!r}, not torchrun")
-    with environment(monkeypatch, {**env, **operator_env(job), "OMP_NUM_THREADS": "1"}):
-        launch, _, worker_argv = torchrun.config_from_args(parse(torchrun.get_args_parser(), line[1:]))
+        raise ManifestError(f"{where}: the container runs {line[0]!r}, not torchrun")
+    with environment(monkeypatch, {**env, "OMP_NUM_THREADS": "1"}):
+        parser = torchrun.get_args_parser()
+        parser.prog = "torchrun"  # not this process's name
+        launch, _, worker_argv = torchrun.config_from_args(parse(parser, line[1:]))
         if worker_argv[:3] != ["-u", "-m", "pipeline.train"]:
-            raise ManifestError(f"PyTorchJob {name}: torchrun runs {worker_argv[:3]}, not -m pipeline.train")
+            raise ManifestError(f"{where}: torchrun runs {worker_argv[:3]}, not -m pipeline.train")
         args = parse(stage_parser(train), worker_argv[3:], intermixed=True)
         try:
             cfg = load_config(args.config, args.overrides)
-            policy = spec["elasticPolicy"]
-            for nodes in range(policy["minReplicas"], policy["maxReplicas"] + 1):
-                world = nodes * launch.nproc_per_node
-                check_runtime(cfg, world, cuda_available=False, local_world_size=launch.nproc_per_node)
+            for nodes in node_counts:
+                check_runtime(cfg, nodes * launch.nproc_per_node, cuda_available=False,
+                              local_world_size=launch.nproc_per_node)
         except ConfigError as exc:
-            raise ManifestError(f"PyTorchJob {name}: pipeline train would refuse: {exc}") from None
+            raise ManifestError(f"{where}: pipeline train would refuse: {exc}") from None
+    return launch, args, cfg
+
+
+def check_gpus(where: str, container: dict, nproc_per_node: int) -> None:
     gpus = int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
-    if gpus and gpus != launch.nproc_per_node:
-        raise ManifestError(f"PyTorchJob {name}: {launch.nproc_per_node} processes per pod but {gpus} GPUs")
+    if gpus and gpus != nproc_per_node:
+        raise ManifestError(f"{where}: {nproc_per_node} processes per pod but {gpus} GPUs (one per rank)")
+
+
+def check_training_job(docs, monkeypatch) -> dict:
+    """The PyTorchJob's pods run `torchrun ... -m pipeline.train`, elastic within what `pipeline train` supports."""
+    job = named(docs, "PyTorchJob")
+    name, spec = job["metadata"]["name"], job["spec"]
+    where = f"PyTorchJob {name}"
+    container = next(c for c in spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+                     if c["name"] == "pytorch")
+    env = container_env(container, docs, {"metadata.labels['training.kubeflow.org/job-name']": name})
+    policy = spec["elasticPolicy"]
+    launch, args, cfg = launch_training(where, command_line(container, env), {**env, **operator_env(job)},
+                                        monkeypatch, range(policy["minReplicas"], policy["maxReplicas"] + 1))
+    check_gpus(where, container, launch.nproc_per_node)
+    return {"launch": launch, "args": args, "cfg": cfg, "env": env, "job": job}
+
+
+def check_indexed_training_job(docs, monkeypatch) -> dict:
+    """The Indexed Job's pods run the same, the rendezvous endpoint being pod 0's full DNS name under the
+    headless Service (see the manifest for why the full name)."""
+    docs = in_file(docs, "indexed-job/train-indexed-job.yaml")
+    job, service = named(docs, "Job"), named(docs, "Service")
+    name, spec, pod = job["metadata"]["name"], job["spec"], job["spec"]["template"]["spec"]
+    where = f"Job {name}"
+    namespace = yaml.safe_load((DEPLOY / "indexed-job" / "kustomization.yaml").read_text())["namespace"]
+    (container,) = pod["containers"]
+    env = container_env(container, load_documents(), {"metadata.labels['batch.kubernetes.io/job-name']": name,
+                                                      "metadata.namespace": namespace})
+    launch, args, cfg = launch_training(where, command_line(container, env), env, monkeypatch, [spec["completions"]])
+    check_gpus(where, container, launch.nproc_per_node)
+    if spec.get("completionMode") != "Indexed" or not spec["completions"] == spec["parallelism"] == \
+            launch.min_nodes == launch.max_nodes:
+        raise ManifestError(f"{where}: an Indexed Job whose completions = parallelism = torchrun's --nnodes "
+                            f"(got {spec.get('completionMode')}, {spec['completions']}, {spec['parallelism']}, "
+                            f"{launch.min_nodes}:{launch.max_nodes})")
+    if pod.get("subdomain") != service["metadata"]["name"] or service["spec"].get("clusterIP") != "None" or \
+            not service["spec"].get("publishNotReadyAddresses") or \
+            service["spec"]["selector"] != {"batch.kubernetes.io/job-name": name}:
+        raise ManifestError(f"{where}: its pods need DNS names before they are ready: a headless Service (clusterIP "
+                            f"None, publishNotReadyAddresses) selecting the job's pods, named as the pods' subdomain")
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "rendezvous")
+    endpoint = f"{name}-0.{service['metadata']['name']}.{namespace}.svc.cluster.local:{port}"
+    if launch.rdzv_backend != "c10d" or launch.rdzv_endpoint != endpoint:
+        raise ManifestError(f"{where}: rendezvous {launch.rdzv_backend} at {launch.rdzv_endpoint}; want c10d at "
+                            f"pod 0's full name {endpoint}")
     return {"launch": launch, "args": args, "cfg": cfg, "env": env, "job": job}
 
 
@@ -356,12 +407,13 @@ def test_every_manifest_validates_against_its_kinds_schema(docs):
     check_schemas(docs)
 
 
-def test_the_kustomization_applies_every_manifest_but_the_ones_applied_by_hand(docs):
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    files = {p.name for p in DEPLOY.glob("*.yaml")} - NOT_RESOURCES
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(REPO)))
+def test_each_kustomization_applies_every_manifest_beside_it_but_the_ones_applied_by_hand(docs, folder):
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    files = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files - APPLIED_BY_HAND
-    images = {c["image"] for _, d in docs for c in containers(d)}
-    assert images == {i["name"] for i in kustomization["images"]}, "every image is rewritten to the registry"
+    images = {c["image"] for f, d in docs if (DEPLOY / f).parent == folder for c in containers(d)}
+    assert images <= {i["name"] for i in kustomization["images"]}, "every image is rewritten to the registry"
 
 
 def test_what_kubectl_apply_k_sends_validates_too():
@@ -369,9 +421,11 @@ def test_what_kubectl_apply_k_sends_validates_too():
     resources too) is what reaches the cluster: it validates as the files do."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: the rendered kustomization is not checked (the files are)")
-    rendered = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60,
-                              check=True).stdout
-    docs = [("kubectl kustomize", d) for d in yaml.safe_load_all(rendered) if d]
+    docs = []
+    for folder in KUSTOMIZATIONS:
+        rendered = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True,
+                                  timeout=60, check=True).stdout
+        docs += [(f"kubectl kustomize {folder.relative_to(REPO)}", d) for d in yaml.safe_load_all(rendered) if d]
     check_schemas(docs)
     namespace = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["namespace"]
     assert {d["metadata"].get("namespace") for _, d in docs} == {namespace}
@@ -384,7 +438,8 @@ def test_every_config_map_and_secret_reference_resolves(docs):
     for file, doc in docs:
         for container in containers(doc):
             container_env(container, docs, field_values={
-                "metadata.labels['training.kubeflow.org/job-name']": "a-job"})
+                "metadata.labels['training.kubeflow.org/job-name']": "a-job",
+                "metadata.labels['batch.kubernetes.io/job-name']": "a-job", "metadata.namespace": "a-namespace"})
             checked += len(container.get("env", []))
     assert checked >= 15
     no_secret_values = [f"{file}: {e['name']}" for file, doc in docs for c in containers(doc)
@@ -403,6 +458,15 @@ def test_the_training_job_runs_pipeline_train_under_torchrun_as_the_operator_lau
     assert cfg.train.run_name == name and cfg.train.output_dir == env["CHECKPOINTS_URL"]
     assert cfg.train.output_dir.startswith("s3://"), "the nodes share no disk: checkpoints go to the object store"
     assert {"MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
+
+
+def test_the_indexed_job_runs_the_same_training_without_the_operator(docs, monkeypatch):
+    found = check_indexed_training_job(docs, monkeypatch)
+    launch, args, cfg, env = found["launch"], found["args"], found["cfg"], found["env"]
+    name = found["job"]["metadata"]["name"]
+    assert (launch.min_nodes, launch.max_nodes, launch.max_restarts, launch.nproc_per_node) == (2, 2, 3, 1)
+    assert launch.run_id == name and args.resume == "auto"
+    assert cfg.train.run_name == name and cfg.train.output_dir == env["CHECKPOINTS_URL"]
 
 
 def test_the_inference_service_runs_our_server_following_the_trained_models_champion(docs, monkeypatch):
@@ -431,7 +495,7 @@ def test_the_tracking_server_runs_on_postgresql_and_s3(docs, monkeypatch):
 def test_the_publish_job_runs_consolidate_then_export_on_the_run(docs):
     from pipeline import consolidate, export
 
-    job = named(docs, "Job")
+    job = named(in_file(docs, "publish-job.yaml"), "Job")
     pod = job["spec"]["template"]["spec"]
     (init,), (main,) = pod["initContainers"], pod["containers"]
     for container, module in ((init, consolidate), (main, export)):
@@ -486,3 +550,16 @@ def test_a_wrong_flag_or_config_key_is_refused(docs, monkeypatch):
                                     "train.output_dir=$(CHECKPOINT_URL)"), monkeypatch)
     with pytest.raises(ManifestError, match="--serve-artifact"):
         check_tracking_server(with_arg(docs, "Deployment", "--serve-artifacts", "--serve-artifact"), monkeypatch)
+
+
+def test_an_indexed_job_whose_pods_cannot_meet_is_refused(docs, monkeypatch):
+    short = "--rdzv-endpoint=$(JOB_NAME)-0.$(JOB_NAME):29400"
+    with pytest.raises(ManifestError, match="pod 0's full name"):  # no pod's own name: nobody hosts the store
+        check_indexed_training_job(with_arg(docs, "Job", "--rdzv-endpoint=$(JOB_NAME)-0.$(JOB_NAME).$(NAMESPACE)"
+                                            ".svc.cluster.local:29400", short), monkeypatch)
+    with pytest.raises(ManifestError, match="publishNotReadyAddresses"):
+        check_indexed_training_job([(f, renamed(d, ["spec", "publishNotReadyAddresses"], "publishNotReady"))
+                                    if d["kind"] == "Service" and f.startswith("indexed-job/") else (f, d)
+                                    for f, d in docs], monkeypatch)
+    with pytest.raises(ManifestError, match="torchrun refuses"):
+        check_indexed_training_job(with_arg(docs, "Job", "--max-restarts=3", "--max-restart-count=3"), monkeypatch)
