@@ -554,7 +554,7 @@ def test_a_wrong_flag_or_config_key_is_refused(docs, monkeypatch):
 
 def test_an_indexed_job_whose_pods_cannot_meet_is_refused(docs, monkeypatch):
     short = "--rdzv-endpoint=$(JOB_NAME)-0.$(JOB_NAME):29400"
-    with pytest.raises(ManifestError, match="pod 0's full name"):  # no pod's own name: nobody hosts the store
+    with pytest.raises(ManifestError, match="pod 0's full name"):  # pod 0 would know it only through DNS
         check_indexed_training_job(with_arg(docs, "Job", "--rdzv-endpoint=$(JOB_NAME)-0.$(JOB_NAME).$(NAMESPACE)"
                                             ".svc.cluster.local:29400", short), monkeypatch)
     with pytest.raises(ManifestError, match="publishNotReadyAddresses"):
