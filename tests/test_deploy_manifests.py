@@ -270,13 +270,13 @@ def check_training_job(docs, monkeypatch) -> dict:
 def check_indexed_training_job(docs, monkeypatch) -> dict:
     """The Indexed Job's pods run the same, the rendezvous endpoint being pod 0's full DNS name under the
     headless Service (see the manifest for why the full name)."""
-    docs = in_file(docs, "indexed-job/train-indexed-job.yaml")
-    job, service = named(docs, "Job"), named(docs, "Service")
+    own = in_file(docs, "indexed-job/train-indexed-job.yaml")
+    job, service = named(own, "Job"), named(own, "Service")
     name, spec, pod = job["metadata"]["name"], job["spec"], job["spec"]["template"]["spec"]
     where = f"Job {name}"
     namespace = yaml.safe_load((DEPLOY / "indexed-job" / "kustomization.yaml").read_text())["namespace"]
     (container,) = pod["containers"]
-    env = container_env(container, load_documents(), {"metadata.labels['batch.kubernetes.io/job-name']": name,
+    env = container_env(container, docs, {"metadata.labels['batch.kubernetes.io/job-name']": name,
                                                       "metadata.namespace": namespace})
     launch, args, cfg = launch_training(where, command_line(container, env), env, monkeypatch, [spec["completions"]])
     check_gpus(where, container, launch.nproc_per_node)
