@@ -215,6 +215,8 @@ def operator_env(job: dict) -> dict[str, str]:
         env["PET_MAX_RESTARTS"] = str(policy["maxRestarts"])
     if "nprocPerNode" in spec:
         env["PET_NPROC_PER_NODE"] = spec["nprocPerNode"]
+    if "rdzvId" in policy:
+        env["PET_RDZV_ID"] = policy["rdzvId"]
     return env
 
 
@@ -455,6 +457,7 @@ def test_the_training_job_runs_pipeline_train_under_torchrun_as_the_operator_lau
     assert (launch.rdzv_backend, launch.rdzv_endpoint) == ("c10d", f"{name}-worker-0:29400")
     assert (launch.min_nodes, launch.max_nodes, launch.max_restarts, launch.nproc_per_node) == (1, 2, 3, 1)
     assert args.resume == "auto", "a replaced pod must continue the run, not refuse its checkpoints"
+    assert launch.run_id == name, "torchrun's run id (TORCHELASTIC_RUN_ID) names this job to the run's owner record"
     assert cfg.train.run_name == name and cfg.train.output_dir == env["CHECKPOINTS_URL"]
     assert cfg.train.output_dir.startswith("s3://"), "the nodes share no disk: checkpoints go to the object store"
     assert {"MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
