@@ -19,6 +19,9 @@ from serving_fixtures import metric
 pytestmark = pytest.mark.slow
 
 CONVERGE_LIMIT = 60.0  # the bound at --reload-interval 2
+# A partial batch waits up to 20 ms for more rows: requests are nearly always queued on a replica's batcher when
+# its alias moves, so an old version dropped before its queue drained fails some of them.
+BATCHING = ("--max-batch-size", "8", "--max-delay-ms", "20")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def first_answer_from(answers, replica: str, new: str) -> float:
 
 def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(registry, tmp_path):
     fleet.move_alias(registry, "1")
-    with fleet.replicas(2, registry, tmp_path, grpc_first=True) as servers:
+    with fleet.replicas(2, registry, tmp_path, grpc_first=True, extra=BATCHING) as servers:
         urls = [s.url for s in servers]
         targets = [*urls, f"grpc:{servers[0].grpc}"]
         with fleet.ReadyWatch(urls) as watch, fleet.Load(targets, clients=3) as load:
@@ -80,7 +83,7 @@ def test_nginx_in_front_of_two_replicas(registry, tmp_path):
     if missing:
         pytest.skip(missing)
     fleet.move_alias(registry, "1")
-    with fleet.replicas(2, registry, tmp_path) as servers:
+    with fleet.replicas(2, registry, tmp_path, extra=BATCHING) as servers:
         upstreams = {s.url.removeprefix("http://") for s in servers}
         with fleet.nginx([s.url for s in servers], tmp_path) as balancer:
             with fleet.ReadyWatch([balancer, *[s.url for s in servers]]) as watch, \
@@ -104,7 +107,7 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
     broken.write_bytes(b"not an onnx model")
     client.set_model_version_tag("digits", "4", fleet.SHA_TAG, fleet.sha256(broken))
     fleet.move_alias(registry, "1")
-    with fleet.replicas(1, registry, tmp_path) as (server,):
+    with fleet.replicas(1, registry, tmp_path, extra=BATCHING) as (server,):
         with fleet.ReadyWatch([server.url]) as watch, fleet.Load([server.url], clients=2) as load:
             for version, why in (("3", "the version records"), ("4", "")):
                 fleet.move_alias(registry, version)
