@@ -6,7 +6,8 @@ alias moves, and nginx in front of them: shared by tests/test_rollout.py and ben
                                             `pipeline export` does (so replicas check it), @champion -> 1
     replicas(n, tracking_uri, directory)    n `python -m serving` processes following models:/digits@champion,
                                             each in its own working directory with its own download directory
-                                            (TMPDIR), on loopback ports; started at once, killed by PID
+                                            (TMPDIR), on loopback ports or on namespace hosts (tests/hosts.py,
+                                            each its own address); started at once, killed by PID
     Load                                    client threads in a closed loop (HTTP, and gRPC for a target that is
                                             one): every answer's status, receipt version and latency
     ReadyWatch                              polls each replica's /v2/health/ready and its model's ready endpoint
@@ -84,20 +85,27 @@ def move_alias(tracking_uri: str, version: str) -> float:
 
 @contextlib.contextmanager
 def replicas(n: int, tracking_uri: str, directory: Path, *, reload_interval: float = 2.0, grpc_first: bool = False,
-             extra: tuple[str, ...] = ()):
-    """`n` replicas following @champion, ready; each in directory/replica-<i>/ (its working directory, its
-    download directory, its log). With `grpc_first` the first also listens for gRPC (`.grpc` is host:port)."""
+             extra: tuple[str, ...] = (), hosts: list | None = None):
+    """`n` replicas following @champion, ready. On loopback each runs in directory/replica-<i>/ (its working
+    directory, its download directory, its log); given `hosts` (tests/hosts.py, network namespaces), replica i
+    runs on hosts[i], bound to its address, in its working directory. With `grpc_first` the first also listens
+    for gRPC (`.grpc` is address:port)."""
     fleet = []
     for i in range(n):
-        home = directory / f"replica-{i}"
+        host = hosts[i] if hosts else None
+        home = host.workdir if host else directory / f"replica-{i}"
         (home / "tmp").mkdir(parents=True, exist_ok=True)
-        args = ["--model", ALIAS, "--reload-interval", str(reload_interval), *extra]
+        address = host.address if host else "127.0.0.1"
+        # A private bridge: the address is not loopback, so the server asks for a token unless told not to.
+        args = ["--model", ALIAS, "--reload-interval", str(reload_interval), *extra,
+                *(["--allow-unauthenticated"] if host else [])]
         grpc = None
         if grpc_first and i == 0:
-            grpc = f"127.0.0.1:{free_port()}"
+            grpc = f"{address}:{free_port()}"
             args += ["--grpc-port", grpc.rpartition(":")[2]]
         server = ServerProcess(*args, env={"MLFLOW_TRACKING_URI": tracking_uri, "TMPDIR": str(home / "tmp")},
-                               log_path=home / "server.log", cwd=home)
+                               log_path=home / "server.log", cwd=home, address=address,
+                               prefix=host.command([]) if host else None)
         server.grpc = grpc
         fleet.append(server)
     started: list[ServerProcess] = []

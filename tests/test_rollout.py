@@ -2,8 +2,10 @@
 
 Real server processes following models:/digits@champion at --reload-interval 2, a real MLflow store (SQLite and
 local artifacts, versions registered through MLflow's API with the sha256 the export records), real HTTP and
-gRPC clients in closed loops while the alias moves. The replicas are separate processes, each with its own
-working and download directory, on loopback (not network-namespace hosts: see the report of issue 20).
+gRPC clients in closed loops while the alias moves. The fleets of two replicas run on two hosts (network
+namespaces from tests/hosts.py: each its own address and working directory) where this machine can make them
+(root, `ip netns`), else as separate processes on loopback, each with its own working and download directory.
+The hosts share the registry's SQLite file and artifact directory (the MLflow store), nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import requests
 
 import fleet
+from hosts import hosts, namespaces_unavailable  # noqa: F401  (the fixture)
 from serving_fixtures import metric
 
 pytestmark = pytest.mark.slow
@@ -28,6 +31,16 @@ BATCHING = ("--max-batch-size", "8", "--max-delay-ms", "20")
 def registry(tmp_path_factory):
     """Versions 1-4 of 'digits': 1 and 2 good, 3 and 4 broken by the failure test; @champion -> 1."""
     return fleet.registered_versions(tmp_path_factory.mktemp("rollout-registry"), 4)
+
+
+@pytest.fixture
+def machines(request):
+    """`machines(n)`: n namespace hosts for the replicas where this machine can make them, else None (loopback)."""
+    reason = namespaces_unavailable()
+    if reason:
+        print(f"\nreplicas on loopback: {reason}")
+        return lambda n: None
+    return request.getfixturevalue("hosts")
 
 
 def roll(load: fleet.Load, tracking_uri: str, version: str, expected: set[str]) -> dict[str, float]:
@@ -61,9 +74,11 @@ def first_answer_from(answers, replica: str, new: str) -> float:
     return min((a.done for a in answers if a.replica == replica and a.version == new), default=float("inf"))
 
 
-def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(registry, tmp_path):
+def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(registry, tmp_path, machines):
     fleet.move_alias(registry, "1")
-    with fleet.replicas(2, registry, tmp_path, grpc_first=True, extra=BATCHING) as servers:
+    network = machines(2)
+    with fleet.replicas(2, registry, tmp_path, grpc_first=True, extra=BATCHING,
+                        hosts=network and network.hosts) as servers:
         urls = [s.url for s in servers]
         targets = [*urls, f"grpc:{servers[0].grpc}"]
         with fleet.ReadyWatch(urls) as watch, fleet.Load(targets, clients=3) as load:
@@ -78,12 +93,13 @@ def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(regis
             assert metric(text, "trainserve_model_reloads_total", model="digits") == 1
 
 
-def test_nginx_in_front_of_two_replicas(registry, tmp_path):
+def test_nginx_in_front_of_two_replicas(registry, tmp_path, machines):
     missing = fleet.nginx_missing()
     if missing:
         pytest.skip(missing)
     fleet.move_alias(registry, "1")
-    with fleet.replicas(2, registry, tmp_path, extra=BATCHING) as servers:
+    network = machines(2)
+    with fleet.replicas(2, registry, tmp_path, extra=BATCHING, hosts=network and network.hosts) as servers:
         upstreams = {s.url.removeprefix("http://") for s in servers}
         with fleet.nginx([s.url for s in servers], tmp_path) as balancer:
             with fleet.ReadyWatch([balancer, *[s.url for s in servers]]) as watch, \
