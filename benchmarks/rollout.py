@@ -1,8 +1,9 @@
 """Rollout benchmark: N replicas following models:/digits@champion, load at a fixed concurrency, the alias moves.
 
 The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow store (SQLite + local artifacts) with two
-versions of a tiny model, N `python -m serving --reload-interval R` processes on loopback, each in its own working
-and download directory, behind nginx (Debian package; `proxy_next_upstream off`, so a replica's failure reaches
+versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host (a network
+namespace of tests/hosts.py: own address, own working directory; where the machine can make them, else, or with
+--loopback, on loopback ports, each in its own working and download directory), behind nginx (Debian package; `proxy_next_upstream off`, so a replica's failure reaches
 the client) or, with --no-nginx or without nginx, a client-side round robin. C client threads send one
 two-row V2 JSON request each in a closed loop; after --before s @champion moves from 1 to 2; the load goes on
 until every replica answered from version 2, then --after s more.
@@ -13,7 +14,7 @@ session), answers per version (from the receipts, X-Model-Version), failed reque
 requests sent before the move, during the rollout (from the move until the last replica switched) and after.
 
     python benchmarks/rollout.py                          # 3 replicas, concurrency 8, reload interval 2 s
-    python benchmarks/rollout.py --replicas 2 --concurrency 4 --no-nginx
+    python benchmarks/rollout.py --replicas 2 --concurrency 4 --no-nginx --loopback
 
 Timings on a shared 2-core machine are noisy: compare rows of one run only.
 """
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import fleet  # noqa: E402  (tests/fleet.py: the replicas, the load, nginx)
+import hosts  # noqa: E402  (tests/hosts.py: network-namespace hosts)
 
 
 def p99_ms(seconds: list[float]) -> str:
@@ -64,6 +66,17 @@ def table(answers: list[fleet.Answer], moved: float, switched: dict[str, float],
     return "\n".join(lines)
 
 
+def namespace_hosts(count: int, directory: Path, stack: contextlib.ExitStack) -> list | None:
+    """`count` namespace hosts (tests/hosts.py), removed when `stack` closes; None where they can't be made."""
+    reason = hosts.namespaces_unavailable()
+    if reason:
+        print(f"replicas on loopback: {reason}", file=sys.stderr)
+        return None
+    teardown: list = []
+    stack.callback(lambda: [undo() for undo in reversed(teardown)])
+    return hosts.make_network(count, directory / "hosts", teardown).hosts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=3)
@@ -72,6 +85,7 @@ def main() -> None:
     parser.add_argument("--before", type=float, default=5.0, help="seconds of load before the alias moves")
     parser.add_argument("--after", type=float, default=5.0, help="seconds of load after every replica switched")
     parser.add_argument("--no-nginx", action="store_true", help="client-side round robin instead of nginx")
+    parser.add_argument("--loopback", action="store_true", help="replicas on loopback, not on namespace hosts")
     args = parser.parse_args()
     if args.replicas < 1 or args.concurrency < 1:
         parser.error("--replicas and --concurrency must be at least 1")
@@ -83,7 +97,8 @@ def main() -> None:
         directory = Path(tmp)
         tracking_uri = fleet.registered_versions(directory / "registry", 2)
         with contextlib.ExitStack() as stack:
-            servers = stack.enter_context(fleet.replicas(args.replicas, tracking_uri, directory,
+            machines = None if args.loopback else namespace_hosts(args.replicas, directory, stack)
+            servers = stack.enter_context(fleet.replicas(args.replicas, tracking_uri, directory, hosts=machines,
                                                          reload_interval=args.reload_interval))
             urls = [s.url for s in servers]
             if use_nginx:  # nginx names the replica that answered in X-Upstream (host:port)
@@ -99,7 +114,8 @@ def main() -> None:
                 time.sleep(args.after)
             answers = load.snapshot()
     front = "nginx (round robin)" if use_nginx else "client-side round robin"
-    print(f"\n{args.replicas} replicas behind {front}, concurrency {args.concurrency}, --reload-interval "
+    where = "on loopback" if machines is None else "on namespace hosts"
+    print(f"\n{args.replicas} replicas {where} behind {front}, concurrency {args.concurrency}, --reload-interval "
           f"{args.reload_interval:g}; @champion 1 -> 2 after {args.before:g} s; {len(answers)} requests\n")
     print(table(answers, moved, switched, names))
     print(f"\nfleet converged {max(switched.values()):.2f} s after the alias move; "
