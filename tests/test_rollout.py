@@ -150,3 +150,42 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
         log = server.log()
         for version in ("3", "4"):
             assert f"loading version {version} failed (attempt 1" in log and "still serving version 1" in log, log
+
+
+def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_request_answered(tmp_path, caplog):
+    """Zeros can't warm up a model whose input has a dynamic axis besides the batch axis (no size to guess):
+    the new version runs the last request its model answered, through its own session, before it serves."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from serving.config import Settings
+    from serving.core import Call, Server
+    from serving.loader import load_model
+    from serving_fixtures import two_axes_model
+
+    old, new = two_axes_model(tmp_path / "old.onnx"), two_axes_model(tmp_path / "new.onnx")
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+
+    async def scenario():
+        server = Server(Settings(model=str(old)), load_model(str(old), device="cpu", threads=1, name="dyn"))
+        async with server.lifespan():
+            fresh = load_model(str(new), device="cpu", threads=1, name="dyn", version="2")
+            await server.warm_up_between_batches(fresh)  # nothing answered yet: nothing to warm it with
+            answer = await server.answer(Call(
+                pick=lambda: server.slot, follow_swap=True, request_id=None, endpoint="test", size=x.nbytes,
+                decode=lambda engine: SimpleNamespace(feeds={"x": x}, rows=2, request_id=None)))
+            np.testing.assert_allclose(answer.results["total"], x.sum(axis=1))
+            await server.warm_up_between_batches(fresh)
+            fresh.engine.close()
+            await server.warm_up_between_batches(fresh)  # a warm-up that fails is said, the version not refused
+
+    with caplog.at_level(logging.INFO, logger="serving.core"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if r.name == "serving.core" and "warm-up" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "no warm-up: an input has a dynamic axis besides the batch axis, and no request answered" in said[0]
+    assert "warm-up with the last request answered (an input has a dynamic axis" in said[1]
+    assert "warm-up with the last request answered failed (serving it anyway): the model was unloaded" in said[2]
