@@ -3,8 +3,9 @@
 The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow store (SQLite + local artifacts) with two
 versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host (a network
 namespace of tests/hosts.py: own address, own working directory; where the machine can make them, else, or with
---loopback, on loopback ports, each in its own working and download directory), behind nginx (Debian package; `proxy_next_upstream off`, so a replica's failure reaches
-the client) or, with --no-nginx or without nginx, a client-side round robin. C client threads send one
+--loopback, on loopback ports, each in its own working and download directory), behind nginx (Debian package;
+`proxy_next_upstream off`, so a replica's failure reaches the client) or, with --no-nginx or without nginx, a
+client-side round robin. C client threads send one
 two-row V2 JSON request each in a closed loop; after --before s @champion moves from 1 to 2; the load goes on
 until every replica answered from version 2, then --after s more.
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 import fleet
-from hosts import hosts, namespaces_unavailable  # noqa: F401  (the fixture)
+from hosts import hosts, namespaces_unavailable  # noqa: F401  (hosts: the fixture `machines` asks for)
 from serving_fixtures import metric
 
 pytestmark = pytest.mark.slow
