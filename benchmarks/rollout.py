@@ -1,7 +1,8 @@
 """Rollout benchmark: N replicas following models:/digits@champion, load at a fixed concurrency, the alias moves.
 
-The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow store (SQLite + local artifacts) with two
-versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host (a network
+The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow tracking server (`mlflow server`, SQLite
+and proxied artifacts, on the bridge's address: the replicas share no disk with it; --sqlite: a SQLite file and
+local artifacts every replica opens, as the test does) with two versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host (a network
 namespace of tests/hosts.py: own address, own working directory; where the machine can make them, else, or with
 --loopback, on loopback ports, each in its own working and download directory), behind nginx (Debian package;
 `proxy_next_upstream off`, so a replica's failure reaches the client) or, with --no-nginx or without nginx, a
@@ -67,15 +68,17 @@ def table(answers: list[fleet.Answer], moved: float, switched: dict[str, float],
     return "\n".join(lines)
 
 
-def namespace_hosts(count: int, directory: Path, stack: contextlib.ExitStack) -> list | None:
-    """`count` namespace hosts (tests/hosts.py), removed when `stack` closes; None where they can't be made."""
+def namespace_hosts(count: int, directory: Path, stack: contextlib.ExitStack) -> tuple[list | None, str | None]:
+    """`count` namespace hosts (tests/hosts.py) and the bridge's address in the root namespace, removed when
+    `stack` closes; (None, None) where they can't be made."""
     reason = hosts.namespaces_unavailable()
     if reason:
         print(f"replicas on loopback: {reason}", file=sys.stderr)
-        return None
+        return None, None
     teardown: list = []
     stack.callback(lambda: [undo() for undo in reversed(teardown)])
-    return hosts.make_network(count, directory / "hosts", teardown).hosts
+    network = hosts.make_network(count, directory / "hosts", teardown)
+    return network.hosts, network.gateway
 
 
 def main() -> None:
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=5.0, help="seconds of load after every replica switched")
     parser.add_argument("--no-nginx", action="store_true", help="client-side round robin instead of nginx")
     parser.add_argument("--loopback", action="store_true", help="replicas on loopback, not on namespace hosts")
+    parser.add_argument("--sqlite", action="store_true",
+                        help="the registry as a SQLite file every replica opens, not an `mlflow server`")
     args = parser.parse_args()
     if args.replicas < 1 or args.concurrency < 1:
         parser.error("--replicas and --concurrency must be at least 1")
@@ -96,9 +101,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         directory = Path(tmp)
-        tracking_uri = fleet.registered_versions(directory / "registry", 2)
         with contextlib.ExitStack() as stack:
-            machines = None if args.loopback else namespace_hosts(args.replicas, directory, stack)
+            machines, gateway = (None, None) if args.loopback else namespace_hosts(args.replicas, directory, stack)
+            registry = directory / "registry"
+            registry.mkdir()
+            server = None
+            if not args.sqlite:  # on the bridge's address, which every host reaches
+                server = stack.enter_context(fleet.tracking_server(registry, gateway or "127.0.0.1"))
+            tracking_uri = fleet.registered_versions(registry, 2, server)
             servers = stack.enter_context(fleet.replicas(args.replicas, tracking_uri, directory, hosts=machines,
                                                          reload_interval=args.reload_interval))
             urls = [s.url for s in servers]
@@ -116,7 +126,8 @@ def main() -> None:
             answers = load.snapshot()
     front = "nginx (round robin)" if use_nginx else "client-side round robin"
     where = "on loopback" if machines is None else "on namespace hosts"
-    print(f"\n{args.replicas} replicas {where} behind {front}, concurrency {args.concurrency}, --reload-interval "
+    store = "a SQLite registry file" if args.sqlite else "`mlflow server` (SQLite, proxied artifacts)"
+    print(f"\n{args.replicas} replicas {where} following {store}, behind {front}, concurrency {args.concurrency}, --reload-interval "
           f"{args.reload_interval:g}; @champion 1 -> 2 after {args.before:g} s; {len(answers)} requests\n")
     print(table(answers, moved, switched, names))
     print(f"\nfleet converged {max(switched.values()):.2f} s after the alias move; "

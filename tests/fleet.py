@@ -1,9 +1,11 @@
 """A fleet of real server replicas following one registry alias, the load that runs against them while the
 alias moves, and nginx in front of them: shared by tests/test_rollout.py and benchmarks/rollout.py.
 
-    registered_versions(directory, count)   a real MLflow store (SQLite + local artifacts) with `count` versions
-                                            of a tiny model 'digits', each recording its file's sha256 as
-                                            `pipeline export` does (so replicas check it), @champion -> 1
+    registered_versions(directory, count)   a real MLflow store (SQLite + local artifacts, or a tracking server)
+                                            with `count` versions of a tiny model 'digits', each recording its
+                                            file's sha256 as `pipeline export` does (replicas check it);
+                                            @champion -> 1
+    tracking_server(directory, address)     `mlflow server` (SQLite, proxied artifacts) for replicas on hosts
     replicas(n, tracking_uri, directory)    n `python -m serving` processes following models:/digits@champion,
                                             each in its own working directory with its own download directory
                                             (TMPDIR), on loopback ports or on namespace hosts (tests/hosts.py,
@@ -23,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,30 +42,72 @@ ALIAS = f"models:/{MODEL}@champion"
 SHA_TAG = "trainserve.onnx_sha256"  # what `pipeline export` records for model.onnx (serving/loader.py checks it)
 
 
-def registered_versions(directory: Path, count: int) -> str:
-    """`count` versions of 'digits' (different weights) in a real MLflow store under `directory`; returns its
-    tracking URI. Each version records the sha256 of its stored model.onnx, as the export does."""
+def registered_versions(directory: Path, count: int, tracking_uri: str | None = None) -> str:
+    """`count` versions of 'digits' (different weights) in a real MLflow store: `tracking_uri` (a tracking
+    server), else a SQLite file and local artifacts under `directory`; returns the tracking URI. Each version
+    records the sha256 of its stored model.onnx, as the export does."""
     import mlflow
+    import onnx
 
-    uri = f"sqlite:///{directory / 'mlflow.db'}"
+    uri = tracking_uri or f"sqlite:///{directory / 'mlflow.db'}"
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
         client = mlflow.MlflowClient(uri)
-        experiment = mlflow.create_experiment("rollout", artifact_location=(directory / "artifacts").as_uri())
+        # A tracking server stores artifacts where it serves them from; a SQLite store beside its file.
+        artifacts = None if tracking_uri else (directory / "artifacts").as_uri()
+        experiment = mlflow.create_experiment("rollout", artifact_location=artifacts)
         for i in range(1, count + 1):
             path = tiny_model(directory / f"v{i}.onnx", seed=i, name="tiny")
-            import onnx
-
             with mlflow.start_run(experiment_id=experiment):
                 info = mlflow.onnx.log_model(onnx.load(str(path)), name="model", registered_model_name=MODEL,
                                              pip_requirements=["onnxruntime"])
             version = str(info.registered_model_version)
-            client.set_model_version_tag(MODEL, version, SHA_TAG, sha256(stored_onnx(client, version)))
+            stored = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{version}",
+                                                         dst_path=str(directory / f"stored-v{version}"))
+            client.set_model_version_tag(MODEL, version, SHA_TAG, sha256(Path(stored) / "model.onnx"))
         client.set_registered_model_alias(MODEL, "champion", "1")
     finally:
         mlflow.set_tracking_uri(previous)
     return uri
+
+
+@contextlib.contextmanager
+def tracking_server(directory: Path, address: str = "127.0.0.1"):
+    """`mlflow server` on `address` (SQLite metadata and proxied artifacts under `directory`): replicas on other
+    hosts reach the registry and the files over HTTP only. Yields its URL; stopped by PID."""
+    port = free_port()
+    url = f"http://{address}:{port}"
+    directory.mkdir(parents=True, exist_ok=True)
+    log = open(directory / "mlflow-server.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", address,
+                             "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
+                             "--artifacts-destination", str(directory / "artifacts"),
+                             "--allowed-hosts", f"{address}:{port},{address}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n"
+                                   f"{(directory / 'mlflow-server.log').read_text()[-3000:]}")
+            with contextlib.suppress(requests.RequestException):  # refused, or slow while it creates its tables
+                if requests.get(url + "/health", timeout=5).ok:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("mlflow server not up within 120 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its uvicorn workers too
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
 
 
 def stored_onnx(client, version: str) -> Path:
