@@ -200,6 +200,8 @@ def create_app(settings: Settings, models: LoadedModel | list[tuple[Source, Load
         if alias is not None and settings.reload_interval:  # following an alias: what it names, and whether served
             named = model.alias_versions.get(alias, info.version)
             parameters["alias"] = {"source": alias, "version": named, "behind": model.behind(alias)}
+            if alias in model.alias_errors:  # behind because its load failed: why, and that the old one serves
+                parameters["alias"]["error"] = model.alias_errors[alias]
         body["parameters"] = parameters
         return json(body)
 

@@ -205,6 +205,8 @@ class Model:
     reason: str = "not loaded"
     alias_versions: dict[str, str] = field(default_factory=dict)  # alias -> the version it names, as last read
     alias_served: dict[str, str] = field(default_factory=dict)  # alias -> the version served for it
+    # alias -> why the version it names is not served (its load failed); cleared when the alias is served again
+    alias_errors: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -410,6 +412,7 @@ class Repository:
                     model.slots[loaded.info.version] = Slot(loaded, self.make_batcher(loaded), source)
             model.alias_versions = {s.alias: lm.info.version for s, lm in pairs if s.alias}
             model.alias_served = dict(model.alias_versions)
+            model.alias_errors = {}
             model.state, model.reason = READY, ""
         return replaced
 
@@ -494,7 +497,7 @@ class Repository:
                 await close_slots(slots)
             finally:
                 model.state, model.reason = UNAVAILABLE, "unloaded"
-                model.alias_versions, model.alias_served = {}, {}
+                model.alias_versions, model.alias_served, model.alias_errors = {}, {}, {}
                 self.on_change()
         log.info("unloaded %s", name)
 
@@ -519,6 +522,7 @@ class Repository:
                     model.slots[version] = slot
             previous = model.alias_served.get(alias)
             model.alias_served[alias] = version
+            caught_up(model, alias)
             if (previous is not None and previous != version and previous in model.slots
                     and previous not in model.alias_served.values()
                     and model.slots[previous].source.alias is not None):  # a pinned version stays
@@ -558,7 +562,10 @@ class Repository:
                 continue
             model.alias_versions[alias] = version
             report(name, alias, "poll", version)
-            if version == current or time.monotonic() < retry_at.get(version, 0.0):
+            if version == current:
+                caught_up(model, alias)  # moved back to what is served: an earlier failure no longer matters
+                continue
+            if time.monotonic() < retry_at.get(version, 0.0):
                 continue
             if version in model.slots:  # already served for another alias: no second copy
                 log.info("alias %s moved from version %s to %s, which is loaded", alias, current, version)
@@ -580,10 +587,20 @@ class Repository:
                 report(name, alias, "failed", version)
                 log.warning("loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
                             version, failures[version], delay, current, exc)
+                # Said where a client looks (the model's metadata and the repository index), not only in the log.
+                model.alias_errors[alias] = clip(f"version {version} failed to load (attempt {failures[version]}, "
+                                                 f"next in {delay:.0f} s): {exc}", 500)
+                model.reason = f"{alias} names version {version}, which failed to load; still serving version {current}"
                 continue
             failures.pop(version, None)
             await self.move_alias(name, alias, version, loaded)
             report(name, alias, "moved", version)
+
+
+def caught_up(model: Model, alias: str) -> None:
+    """`alias` is served at the version it names: forget its failed load."""
+    if model.alias_errors.pop(alias, None) is not None and not model.alias_errors:
+        model.reason = ""
 
 
 def close_model(model: LoadedModel) -> None:

@@ -129,10 +129,15 @@ class ServerProcess:
     """`python -m serving` in a subprocess; `with` waits until ready and always kills it by PID."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 ready_timeout: float = 90.0, wait_ready: bool = True):
+                 ready_timeout: float = 90.0, wait_ready: bool = True, cwd: Path | None = None,
+                 address: str = "127.0.0.1", prefix: list[str] | None = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.cwd = cwd or ROOT  # a replica of a fleet runs in its own directory
+        self.url = f"http://{address}:{self.port}"
         self.args = ["--port", str(self.port), "--threads", "1", *args]
+        if address != "127.0.0.1":
+            self.args += ["--host", address]
+        self.prefix = prefix or []  # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.ready_timeout = ready_timeout
@@ -141,7 +146,7 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "serving", *self.args], cwd=ROOT, env=self.env,
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "serving", *self.args], cwd=self.cwd, env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:

@@ -153,8 +153,10 @@ def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
             assert metric(text, "trainserve_model_behind_alias") == 1
             assert metric(text, "trainserve_model_alias_info", version="2") == 1
             meta = requests.get(srv.url + "/v2/models/digits").json()
-            assert meta["versions"] == ["1"] and meta["parameters"]["alias"] == {
-                "source": "models:/digits@champion", "version": "2", "behind": True}
+            alias = meta["parameters"]["alias"]
+            assert meta["versions"] == ["1"] and {k: alias[k] for k in ("source", "version", "behind")} == {
+                "source": "models:/digits@champion", "version": "2", "behind": True}, alias
+            assert alias["error"].startswith("version 2 failed to load"), alias
             assert infer(srv.url, "digits", x)["model_version"] == "1"
         finally:
             shutil.move(aside, files)
@@ -163,6 +165,7 @@ def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
             assert time.monotonic() < deadline, "the failed version was never tried again:\n" + srv.log()
             time.sleep(0.2)
         assert metric(requests.get(srv.url + "/metrics").text, "trainserve_model_behind_alias") == 0
+        assert "error" not in requests.get(srv.url + "/v2/models/digits").json()["parameters"]["alias"]
         assert infer(srv.url, "digits", x)["model_version"] == "2"
 
 
