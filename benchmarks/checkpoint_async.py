@@ -60,29 +60,40 @@ def worker(args) -> None:
     for _ in range(5):
         step()
     times: dict[str, list[float]] = {"plain": [], "sync.save_step": [], "async.save_step": [], "async.in_flight": [],
-                                     "async.publish_step": [], "async.steps_in_flight": []}
+                                     "async.publish_step": [], "async.steps_in_flight": [], "plain.cpu": [],
+                                     "async.extra_cpu": []}
     n = 0
     for _ in range(args.rounds):
         for mode, saver in savers.items():
             for _ in range(args.plain_steps):
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 step()
                 times["plain"].append(time.perf_counter() - t)
+                times["plain.cpu"].append(time.process_time() - cpu)
             n += 1
-            t = time.perf_counter()
+            t, cpu, plain_cpu = time.perf_counter(), time.process_time(), float(np.median(times["plain.cpu"]))
             step()
             saver.save(n, model.module, optimizer, {}, (), lambda path: None)
             times[f"{mode}.save_step"].append(time.perf_counter() - t)
             flight = 0
-            while saver.pending is not None:
+            while mode == "async":
                 t = time.perf_counter()
                 step()
                 saver.poll()
                 elapsed = time.perf_counter() - t
                 flight += 1
-                (times["async.publish_step"] if saver.pending is None else times["async.in_flight"]).append(elapsed)
+                # Every rank steps until every rank's save is published: a rank whose publish came a step
+                # earlier than another's would otherwise start the next save's collectives against its step.
+                done = torch.tensor([int(saver.pending is None)])
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                (times["async.publish_step"] if done.item() else times["async.in_flight"]).append(elapsed)
+                if done.item():
+                    break
             if mode == "async":
                 times["async.steps_in_flight"].append(flight)
+                # This process's CPU time (every thread) from the saving step to the publish, less what as many
+                # plain steps take: what the save itself cost this rank's CPU.
+                times["async.extra_cpu"].append(time.process_time() - cpu - (flight + 1) * plain_cpu)
     for saver in savers.values():
         saver.close()
     if rank == 0:
@@ -122,7 +133,9 @@ def main() -> None:
             ("async save: the publishing step", r["async.publish_step"])]
     for label, seconds in rows:
         print(f"| {label} | {seconds * 1e3:.0f} | {seconds / plain:.2f} |" if seconds else f"| {label} | - | - |")
-    print(f"\nthe async save stayed in flight for {r['async.steps_in_flight']:.0f} steps")
+    print(f"\nthe async save stayed in flight for {r['async.steps_in_flight']:.0f} steps; it cost rank 0 "
+          f"{r['async.extra_cpu'] * 1e3:.0f} ms of CPU time beyond those steps' own ({r['async.extra_cpu'] / r['plain.cpu']:.1f} "
+          f"steps' worth), on cores the ranks keep busy")
 
 
 if __name__ == "__main__":

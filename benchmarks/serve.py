@@ -25,7 +25,9 @@ checked against the torch model's output; the note gives the mean batch and the 
 the generator and of the server. The Python generator costs much more CPU per request than wrk and runs
 on the same 2 cores as the server: its numbers are lower than wrk's, and only rows of one run compare.
 The ResNet's run dwarfs what a protocol costs; `--protocol-models resnet18,mlp` adds the tiny MLP,
-where the protocols' own costs show.
+where the protocols' own costs show. Where `h2load` is installed (Debian package nghttp2-client), binary HTTP
+and gRPC at c=32 are also driven by it, a C client whose own cost is small: rows (b'), which tell whether the
+Python generator is what limits a protocol (for gRPC it was not: the same rate and batch).
 
 --two-models. One server with `--model flooded=resnet18.onnx --model probed=mlp.onnx` (each model its
 own batcher; the one engine thread takes the models' runs in turn). A probe of single-image binary V2
@@ -624,15 +626,58 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
                           f"p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  errors {r['errors']}",
                           file=sys.stderr, flush=True)
                     tell_errors(r, log)
+            if shutil.which("h2load"):  # the same load from a C client: is the Python generator the limit?
+                for protocol in (BINARY_HTTP, GRPC):
+                    before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
+                    r = h2load(protocol, wire[protocol], port, grpc_port, name, 32, seconds, work)
+                    after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
+                    r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
+                             server_cpu_ms=server_cpu * 1e3 / max(r["n"], 1))
+                    samples.setdefault((f"(b') {protocol}, h2load", 32), []).append(r)
+                    print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol:22s} c=32  {r['rps']:8.1f} req/s  "
+                          f"(h2load) errors {r['errors']}", file=sys.stderr, flush=True)
     rows = []
     for (system, c), runs in samples.items():
         note = "images/s; latency per run"
-        if c != "-":
+        if system.startswith("(b')"):
+            m = medians(runs, ("batch", "server_cpu_ms", "mean_ms"))
+            note = (f"h2load (C) client, mean latency {m['mean_ms']:.2f} ms; mean batch {m['batch']:.1f}; "
+                    f"server CPU ms/request {m['server_cpu_ms']:.2f}")
+        elif c != "-":
             m = medians(runs, ("batch", "client_cpu_ms", "server_cpu_ms"))
             note = (f"{checks[system[4:]]}; mean batch {m['batch']:.1f}; CPU ms/request: generator "
                     f"{m['client_cpu_ms']:.2f}, server {m['server_cpu_ms']:.2f}")
         rows.append((name, system, c, medians(runs), note))
     return rows
+
+
+def h2load(protocol: str, request: bytes, port: int, grpc_port: int, model: str, concurrency: int, seconds: float,
+           work: Path) -> dict:
+    """The protocol's prebuilt request sent by h2load (nghttp2's C load generator, Debian package nghttp2-client),
+    closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections, over gRPC one connection
+    with `concurrency` streams (as the Python generator's one channel). h2load gives the mean latency, not
+    percentiles (p50/p99 are NaN), and sees HTTP statuses only: a gRPC error (a 200 with a non-zero
+    grpc-status trailer) is not counted, which is why the Python generator checks each protocol's answer first."""
+    body_path = work / f"h2load-{model}-{'grpc' if protocol == GRPC else 'http'}.bin"
+    if protocol == GRPC:  # the gRPC frame: not compressed (0), the length (4 bytes, big-endian), the message
+        body_path.write_bytes(b"\0" + len(request).to_bytes(4, "big") + request)
+        cmd = ["h2load", "-c", "1", "-m", str(concurrency), "-H", "content-type: application/grpc", "-H", "te: trailers",
+               f"http://127.0.0.1:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    else:
+        head, body = request.split(b"\r\n\r\n", 1)
+        header_length = re.search(rb"\r\ninference-header-content-length: *(\d+)", head, re.I).group(1).decode()
+        body_path.write_bytes(body)
+        cmd = ["h2load", "--h1", "-c", str(concurrency), "-H", "content-type: application/octet-stream",
+               "-H", f"inference-header-content-length: {header_length}", f"http://127.0.0.1:{port}/v2/models/{model}/infer"]
+    out = subprocess.run([*cmd[:1], "-D", str(max(1, round(seconds))), "-d", str(body_path), *cmd[1:]],
+                         capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"finished in [\d.]+s, ([\d.]+) req/s", out).group(1))
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", out)
+    ok2xx = int(re.search(r"status codes: (\d+) 2xx", out).group(1))
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", out)
+    mean_ms = float(mean.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
+    return {"rps": rps, "p50": float("nan"), "p99": float("nan"), "mean_ms": mean_ms, "n": int(done.group(1)),
+            "errors": int(done.group(1)) - ok2xx + int(done.group(3)) + int(done.group(4))}
 
 
 TWO_MODEL_SCENARIOS = (  # (scenario, the model probed, whether wrk floods `flooded` meanwhile)

@@ -275,8 +275,9 @@ def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Pat
         raise _write_error(exc, tmp) from None
     try:
         os.ftruncate(fd, len(header) + sum(s.nbytes for s in specs))
-        digests = shard_stream.copy_hashed(ckpt, header, pieces, fd,
-                                           lambda name, tensor: _check_finite(name, tensor, ckpt), _return_freed_memory)
+        digests = shard_stream.copy_hashed(ckpt, header, pieces, fd, _nonfinite,
+                                           lambda name, nan, inf, dtype: _refuse_nonfinite(name, nan, inf, dtype, ckpt),
+                                           _return_freed_memory)
         os.fsync(fd)
     except OSError as exc:
         raise _write_error(exc, tmp) from None
@@ -350,19 +351,27 @@ def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Pa
 
 
 def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
+    nan, inf = _nonfinite(tensor)
+    if nan or inf:
+        _refuse_nonfinite(name, nan, inf, tensor.dtype, ckpt)
+
+
+def _nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a tensor (0, 0 for integers), FINITE_BLOCK elements at a time."""
     if not tensor.is_floating_point():
-        return
+        return 0, 0
     flat = tensor.reshape(-1)
     if all(bool(torch.isfinite(block).all()) for block in flat.split(FINITE_BLOCK)):
-        return
-    nan = sum(int(torch.isnan(block).sum()) for block in flat.split(FINITE_BLOCK))
-    inf = sum(int(torch.isinf(block).sum()) for block in flat.split(FINITE_BLOCK))
-    if nan or inf:
-        hint = ("values outside fp16's range (±65504) became Inf: use --dtype bf16 or fp32"
-                if tensor.dtype == torch.float16 else
-                "training diverged before this checkpoint, consolidate an earlier one")
-        raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf values "
-                               f"as {str(tensor.dtype).removeprefix('torch.')}; {hint}")
+        return 0, 0
+    return (sum(int(torch.isnan(block).sum()) for block in flat.split(FINITE_BLOCK)),
+            sum(int(torch.isinf(block).sum()) for block in flat.split(FINITE_BLOCK)))
+
+
+def _refuse_nonfinite(name: str, nan: int, inf: int, dtype: torch.dtype, ckpt: Path) -> None:
+    hint = ("values outside fp16's range (±65504) became Inf: use --dtype bf16 or fp32"
+            if dtype == torch.float16 else "training diverged before this checkpoint, consolidate an earlier one")
+    raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf values "
+                           f"as {str(dtype).removeprefix('torch.')}; {hint}")
 
 
 def _write_error(exc: OSError, path: Path) -> ConsolidateError:

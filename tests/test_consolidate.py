@@ -383,7 +383,8 @@ def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path, strategy):
-    """Bound: 1.5x the largest tensor (the one pass holds one stored chunk at a time; dcp_to_torch_save holds
+    """Bound: half the largest tensor (64 MiB): the one pass streams each tensor through one 4 MiB buffer, so
+    what it holds does not grow with the tensors (reading a tensor whole would take 1x; dcp_to_torch_save holds
     the whole checkpoint). Under FSDP every tensor is split between the two shard files and reassembled."""
     torchrun("consolidate_make_checkpoint.py", "--strategy", strategy, "--steps", "1", "--model",
              json.dumps(BIG.to_json()), "--out", str(tmp_path))
@@ -393,7 +394,7 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path,
              if key.startswith("model.")]
     largest = max(sizes)
     assert largest == 4096 * 4096 * 4 and sum(sizes) > 2 * largest
-    bound = 1.5 * largest
+    bound = 0.5 * largest
 
     ours = peak_rss("ours", ckpt, tmp_path / "ours")
     theirs = peak_rss("dcp_to_torch_save", ckpt, tmp_path / "theirs")

@@ -6,9 +6,12 @@ writing the output once. DCP's own reader (dcp.load) re-reads what verification 
 each stored chunk and then copies it into the destination tensor. Here each shard file is read front to
 back, hashed as it is read; the byte ranges DCP's metadata names for model tensors are read into one buffer,
 and the tensor found inside (a `torch.save` blob: a zip whose stored, uncompressed `data/<key>` entry holds the
-raw bytes) is written from that buffer straight to its place in the output with `pwrite`: no tensor in
-between for a contiguous chunk, one copy for a non-contiguous one or a dtype cast. Peak memory: about the
-largest stored chunk.
+raw bytes) is streamed to its place in the output with `pwrite`, CHUNK bytes at a time through one reused
+buffer: each block is hashed, checked (NaN/Inf) and written from that buffer, so peak memory is a few MiB
+whatever the tensor's size. Only a chunk that must be converted (a dtype cast, strides that are not the
+plain row-major ones) is read whole into one buffer first (peak: about that stored chunk). The blob's zip
+directory and pickle (a few hundred bytes) are read with `pread` beside the front-to-back pass: the only
+bytes read twice.
 
 Handled layouts: chunks that are slices along dim 0 (DDP's whole tensors, FSDP2's row shards), stored with no
 storage transforms. `plan` returns None for anything else and the caller takes the dcp.load path.
@@ -35,6 +38,9 @@ from pipeline.components.safetensors_writer import TensorSpec, header_bytes
 from pipeline.errors import CheckpointError
 
 BLOCK = 1 << 20  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
+# Bytes of a tensor read, hashed, checked and written at a time: big enough that a syscall and a NaN check per
+# block cost nothing beside the bytes, small beside a model's big tensors (peak memory is this, not a tensor).
+CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -77,14 +83,17 @@ def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tu
     return header, pieces
 
 
-def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, check, release=None) -> dict[str, str]:
-    """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor
-    (after `check(name, tensor)`, in the output dtype) at its place in `out_fd`; `release()` after each piece
-    (returns its freed buffer to the OS). Returns {file: sha256}."""
+def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, nonfinite, refuse,
+                release=None) -> dict[str, str]:
+    """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor (in
+    the output dtype) at its place in `out_fd`. `nonfinite(tensor) -> (NaN count, Inf count)` is asked of every
+    block written, and `refuse(name, nan, inf, dtype)` (which raises) is called for a piece that holds any;
+    `release()` after a piece read whole (returns its freed buffer to the OS). Returns {file: sha256}."""
     os.pwrite(out_fd, header, 0)
     by_file: dict[str, list[Piece]] = {}
     for p in pieces:
         by_file.setdefault(p.file, []).append(p)
+    block = memoryview(bytearray(CHUNK))  # the one buffer every streamed tensor passes through
     digests = {}
     for path in sorted(f for f in Path(ckpt).iterdir() if f.is_file()):
         sha = hashlib.sha256()
@@ -93,14 +102,16 @@ def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, che
             for piece in sorted(by_file.pop(path.name, []), key=lambda p: p.offset):
                 if not _hash_span(f, sha, piece.offset - at):
                     raise _truncated(ckpt, path.name, f"it ends before tensor '{piece.name}'")
-                buf = bytearray(piece.length)
-                if f.readinto(buf) != piece.length:
-                    raise _truncated(ckpt, path.name, f"it ends inside tensor '{piece.name}'")
-                sha.update(buf)
-                _write_piece(out_fd, piece, buf, check, ckpt)
-                del buf
-                if release is not None:
-                    release()
+                where = f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}"
+                stored = _stored_tensor(_Window(f.fileno(), piece.offset, piece.length), piece.stored, where)
+                if stored.sizes != piece.sizes:
+                    raise CheckpointError(f"{where} holds {list(stored.sizes)}, the metadata says {list(piece.sizes)}")
+                if stored.streamable and piece.out_dtype == piece.stored:
+                    _stream_piece(f, sha, piece, stored, block, out_fd, nonfinite, refuse, ckpt)
+                else:
+                    _copy_whole(f, sha, piece, out_fd, nonfinite, refuse, ckpt)
+                    if release is not None:
+                        release()
                 at = piece.offset + piece.length
             _hash_span(f, sha, None)
         digests[path.name] = sha.hexdigest()
@@ -108,6 +119,56 @@ def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, che
         raise CheckpointError(f"checkpoint '{ckpt}': the metadata names shard files that are not there: "
                               f"{sorted(by_file)}")
     return digests
+
+
+def _stream_piece(f, sha, piece: Piece, stored: "_Stored", block: memoryview, out_fd: int, nonfinite, refuse,
+                  ckpt: Path) -> None:
+    """`f` at the piece's blob: hashes its bytes up to the tensor's, then the tensor's, CHUNK at a time through
+    `block` (hashed, counted, written), then the blob's rest."""
+    if not _hash_span(f, sha, stored.start):
+        raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
+    itemsize = piece.stored.itemsize
+    step = len(block) - len(block) % itemsize
+    nan = inf = done = 0
+    while done < stored.nbytes:
+        want = min(step, stored.nbytes - done)
+        view = block[:want]
+        got = 0
+        while got < want:  # a regular file reads short only at its end
+            n = f.readinto(view[got:])
+            if not n:
+                raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
+            got += n
+        sha.update(view)
+        counts = nonfinite(torch.frombuffer(view, dtype=piece.stored))
+        nan, inf = nan + counts[0], inf + counts[1]
+        _pwrite_all(out_fd, view, piece.out_position + done)
+        done += want
+    if nan or inf:
+        refuse(piece.name, nan, inf, piece.out_dtype)
+    if not _hash_span(f, sha, piece.length - stored.start - stored.nbytes):
+        raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
+
+
+def _copy_whole(f, sha, piece: Piece, out_fd: int, nonfinite, refuse, ckpt: Path) -> None:
+    """The blob read into one buffer, its tensor converted (cast, made contiguous) and written."""
+    buf = bytearray(piece.length)
+    if f.readinto(buf) != piece.length:
+        raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
+    sha.update(buf)
+    tensor = tensor_in_blob(buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}")
+    tensor = tensor.to(piece.out_dtype).contiguous()  # no copy when it already is both
+    nan, inf = nonfinite(tensor)  # after the cast: fp16 overflows to Inf past 65504
+    if nan or inf:
+        refuse(piece.name, nan, inf, piece.out_dtype)
+    _pwrite_all(out_fd, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"",
+                piece.out_position)
+
+
+def _pwrite_all(fd: int, data, position: int) -> None:
+    written = 0
+    while written < len(data):  # pwrite may write less than asked
+        written += os.pwrite(fd, data[written:], position + written)
 
 
 def _hash_span(f, sha, length: int | None) -> bool:
@@ -130,19 +191,6 @@ def _truncated(ckpt: Path, name: str, how: str) -> CheckpointError:
                            "short of what its metadata says)")
 
 
-def _write_piece(out_fd: int, piece: Piece, buf: bytearray, check, ckpt: Path) -> None:
-    tensor = tensor_in_blob(buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}")
-    if tuple(tensor.shape) != piece.sizes:
-        raise CheckpointError(f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file} holds "
-                              f"{list(tensor.shape)}, the metadata says {list(piece.sizes)}")
-    tensor = tensor.to(piece.out_dtype).contiguous()  # no copy when it already is both
-    check(piece.name, tensor)
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
-    written = 0
-    while written < len(data):  # pwrite may write less than asked
-        written += os.pwrite(out_fd, data[written:], piece.out_position + written)
-
-
 class _Admitted(pickle.Unpickler):
     """What `torch.save` of one tensor pickles, and nothing else: `_rebuild_tensor_v2(storage, offset, size,
     stride, requires_grad, hooks[, metadata])`, the storage as a persistent id, an OrderedDict of hooks."""
@@ -162,11 +210,32 @@ class _Admitted(pickle.Unpickler):
         return pid
 
 
-def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tensor:
-    """The tensor a `torch.save` blob holds, as a view of `buf` (no copy)."""
-    view = memoryview(buf)
+@dataclass(frozen=True)
+class _Stored:
+    """Where a `torch.save` blob keeps its tensor's bytes, and how the tensor lies in them."""
+    start: int               # of the storage's bytes, from the blob's start
+    nbytes: int              # the storage's bytes
+    offset: int              # the tensor's, in elements, and its sizes and strides
+    sizes: tuple[int, ...]
+    stride: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def streamable(self) -> bool:
+        """The storage holds exactly the tensor's elements, in row-major order: its bytes are the output's."""
+        row_major, numel = [], 1
+        for size in reversed(self.sizes):
+            row_major.insert(0, numel)
+            numel *= size
+        return self.offset == 0 and self.nbytes == numel * self.itemsize and \
+            (numel <= 1 or all(st == rm for size, st, rm in zip(self.sizes, self.stride, row_major) if size > 1))
+
+
+def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Stored:
+    """Reads a `torch.save` blob's zip directory and pickle through `blob` (a seekable reader of the blob alone):
+    where its tensor's bytes are and how the tensor lies in them. Checks what it can without the bytes."""
     try:
-        archive = zipfile.ZipFile(_Reader(view))
+        archive = zipfile.ZipFile(blob)
         pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
         kind, storage, offset, size, stride = _Admitted(io.BytesIO(archive.read(pkl))).load()
         member = archive.getinfo(f"{pkl[:-len('data.pkl')]}data/{storage[2]}")
@@ -176,13 +245,59 @@ def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tens
     if member.compress_type != zipfile.ZIP_STORED or member.file_size % dtype.itemsize:
         raise CheckpointError(f"{where}: its bytes are compressed or not whole {dtype} items")
     h = member.header_offset  # the local header: 30 bytes, then the name and an extra field
-    start = h + 30 + int.from_bytes(view[h + 26:h + 28], "little") + int.from_bytes(view[h + 28:h + 30], "little")
-    storage_view = view[start:start + member.file_size]
-    flat = torch.frombuffer(storage_view, dtype=dtype) if member.file_size else torch.empty(0, dtype=dtype)
+    blob.seek(h)
+    local = blob.read(30)
+    if len(local) != 30:
+        raise CheckpointError(f"{where}: not a saved tensor (its zip entry is cut short)")
+    start = h + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    blob.seek(0, 2)
+    if start + member.file_size > blob.tell():
+        raise CheckpointError(f"{where}: its stored bytes reach past the blob")
+    count = member.file_size // dtype.itemsize
     needed = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else 0
-    if needed > flat.numel():
+    if needed > count:
         raise CheckpointError(f"{where}: its size and strides reach past its stored bytes")
-    return flat.as_strided(size, stride, offset)
+    return _Stored(start, member.file_size, offset, tuple(size), tuple(stride), dtype.itemsize)
+
+
+def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """The tensor a `torch.save` blob holds, as a view of `buf` (no copy)."""
+    stored = _stored_tensor(_Reader(memoryview(buf)), dtype, where)
+    storage_view = memoryview(buf)[stored.start:stored.start + stored.nbytes]
+    flat = torch.frombuffer(storage_view, dtype=dtype) if stored.nbytes else torch.empty(0, dtype=dtype)
+    return flat.as_strided(stored.sizes, stored.stride, stored.offset)
+
+
+class _Window(io.RawIOBase):
+    """A seekable reader of `length` bytes of a file from `base`, by pread: the file's own position (the
+    front-to-back hashing pass) never moves."""
+
+    def __init__(self, fd: int, base: int, length: int):
+        self.fd, self.base, self.length, self.pos = fd, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence]
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.length if n is None or n < 0 else min(self.length, self.pos + n)
+        data = os.pread(self.fd, max(0, end - self.pos), self.base + self.pos) if end > self.pos else b""
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
 
 
 class _Reader(io.RawIOBase):
