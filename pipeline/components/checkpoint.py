@@ -368,8 +368,7 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     try:
         with single_process_quiet():
             if background is None:
-                dcp.save(state, checkpoint_id=str(tmp), storage_writer=storage_writer(tmp),
-                         no_dist=not info.distributed)
+                dcp.save(state, **dcp_target(tmp), no_dist=not info.distributed)
             else:
                 pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -432,16 +431,17 @@ def _publish_on_store(final: StoreUrl, step: int, meta: dict, info: DistInfo, di
     object_store.write_json(final / MARKER, {"step": step, "files": files, "sha256": sha256})
 
 
-def storage_writer(directory: Path):
-    """DCP's writer for `directory`: None (DCP's FileSystemWriter, picked from the path) for a local one; for
-    an object store DCP's FsspecWriter, without fsync (meaningless there: a PUT is durable once it returns,
-    and DCP would fall back to a machine-wide sync())."""
+def dcp_target(directory: Path) -> dict:
+    """Where dcp.save writes: a local directory by its path (DCP picks its FileSystemWriter); on an object store
+    DCP's FsspecWriter with our s3fs options and without fsync (meaningless there: a PUT is durable once it
+    returns, and DCP would fall back to a machine-wide sync()). No checkpoint_id with it: DCP would reset the
+    writer to that path with fsspec's default options."""
     if not is_url(directory):
-        return None
+        return {"checkpoint_id": str(directory)}
     # torch 2.13 keeps DCP's fsspec storage in this module (not re-exported by torch.distributed.checkpoint).
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(str(directory), sync_files=False)
+    return {"storage_writer": FsspecWriter(str(directory), sync_files=False, **object_store.storage_options())}
 
 
 def _tensor_bytes(tree) -> int:
@@ -537,8 +537,7 @@ class AsyncWriter:
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
         """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
-        written = dcp.async_save(state, checkpoint_id=str(directory), storage_writer=storage_writer(directory),
-                                 process_group=self.group,
+        written = dcp.async_save(state, **dcp_target(directory), process_group=self.group,
                                  async_stager=self.stager, no_dist=not info.distributed)
         return self.hasher.submit(lambda: (written.result(), shard_digests(directory, info.rank))[1])
 
@@ -633,7 +632,7 @@ def metadata_reader(path: Path) -> FileSystemReader:
 
     class StoreMetadataReader(FsspecReader):
         def __init__(self, url: str):
-            super().__init__(url)
+            super().__init__(url, **object_store.storage_options())
             self.metadata: Metadata = read_metadata_safely(url)
 
         read_metadata = CachedMetadataReader.read_metadata

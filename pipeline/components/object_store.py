@@ -126,11 +126,17 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
                           f"{str(exc)[:200]}); check AWS_ENDPOINT_URL") from None
 
 
+def storage_options() -> dict:
+    """s3fs's options, for our calls and DCP's: the listings cache off (a listing cached here would miss what
+    another rank or host wrote), and the endpoint named, so that fsspec's cache of filesystem instances (keyed
+    by these options) never hands out one made for another endpoint."""
+    return {"use_listings_cache": False, "endpoint_url": os.environ.get("AWS_ENDPOINT_URL") or None}
+
+
 def filesystem():
-    """s3fs, with its listings cache off: a listing cached here would miss what another rank or host wrote."""
     import s3fs
 
-    return s3fs.S3FileSystem(use_listings_cache=False)
+    return s3fs.S3FileSystem(**storage_options())
 
 
 def _quiet_clients() -> None:
