@@ -74,7 +74,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
     previous_sigterm = stopping.exit_on_sigterm()
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
-    model, optimizer, scheduler = None, None, None
+    model, optimizer, scheduler, run_dir = None, None, None, None
     try:
         precision = amp.resolve_precision(cfg.train.precision, info.device)
         run_dir = object_store.location(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
@@ -82,6 +82,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         claim_run_dir(run_dir, info)  # before anything is written there
         check_shared(run_dir, info)  # a local directory: every rank writes its shard there, all must see it
         ckpt_root = run_dir / "checkpoints"
+        if info.is_main and object_store.is_url(ckpt_root):  # no .tmp- directories there: marker-less ones instead
+            checkpoint.clear_incomplete(ckpt_root)
         resume = choose_resume(resume, ckpt_root)
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
                  info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
@@ -166,7 +168,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         clean = sys.exc_info()[0] is None
         if not clean:
             end_run_after_failure()
-        if info.is_main and "run_dir" in locals():
+        if info.is_main and run_dir is not None:
             run_dir_owner.release(run_dir)  # an object store's lease; nothing for a local flock
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with

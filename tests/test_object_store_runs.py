@@ -69,10 +69,12 @@ def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_t
     assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000001"]
     with pytest.raises(CheckpointError, match="__0_0.distcp' has 9 bytes, the marker says"):
         checkpoint.verify_complete(root / "step_00000002")
-    # A save cut short before its marker: garbage, passed over, and cleared by the next save of that step.
+    # A save cut short before its marker: garbage, passed over, and cleared by the next owner (or the next save
+    # of that step).
     on_store.client().delete_object(Bucket=on_store.bucket, Key=prefix + "COMPLETE")
     with pytest.raises(CheckpointError, match="has no COMPLETE marker: the save did not finish"):
         checkpoint.read_meta(root / "step_00000002")
+    assert checkpoint.clear_incomplete(root) == ["step_00000002"] and on_store.keys(prefix) == []
     saved(root, [2])
     assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000001", "step_00000002"]
 

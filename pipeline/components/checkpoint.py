@@ -219,6 +219,18 @@ def _list_complete_on_store(root: StoreUrl) -> list[StoreUrl]:
     return found
 
 
+def clear_incomplete(root: StoreUrl) -> list[str]:
+    """On an object store, the step directories without a matching marker (saves a crash cut short): garbage,
+    removed by the run directory's next owner before it saves anything."""
+    complete = {p.name for p in list_complete(root)}
+    garbage = [name for name in object_store.children(root) if STEP_DIR.match(name) and name not in complete]
+    for name in garbage:
+        remove(StoreUrl(root) / name)
+    if garbage:
+        log.warning("removed incomplete checkpoints %s from %s (saves that did not finish)", ", ".join(garbage), root)
+    return garbage
+
+
 def remove(path: Path) -> None:
     """A checkpoint directory gone; on an object store its marker first, so a removal cut short is garbage."""
     if is_url(path):
@@ -345,8 +357,8 @@ class PendingSave:
 def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
                info: DistInfo, background: "AsyncWriter | None" = None) -> PendingSave:
     """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
-    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it. On an object store the shards go straight into the step directory
-    (there is no rename; the marker publishes it, see the module docstring)."""
+    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it. On an object store
+    the shards go straight into the step directory (no rename there: the marker publishes it, see above)."""
     if is_url(root):
         root = StoreUrl(root)
         final = tmp = root / step_dir_name(step)
