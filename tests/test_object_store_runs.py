@@ -14,7 +14,9 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from pipeline import consolidate
 from pipeline.components import checkpoint, object_store, run_dir
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
@@ -49,7 +51,8 @@ def saved(root: StoreUrl, steps, keep_last: int = 3):
     return model, spec
 
 
-def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_there(on_store):
+def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_there(on_store, tmp_path,
+                                                                                     monkeypatch):
     root = StoreUrl(f"{on_store.url}/run/checkpoints")
     model, spec = saved(root, [1, 2])
     prefix = "run/checkpoints/step_00000002/"
@@ -63,6 +66,13 @@ def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_t
     checkpoint.load(checkpoint.latest(root), again, None, CPU1)
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+    # Consolidated from its s3:// path: fetched into outputs/downloaded/, verified, then the local path.
+    monkeypatch.chdir(tmp_path)
+    weights = consolidate.main(f"{root}/step_00000002", output=tmp_path / "consolidated", log_to_mlflow=False)
+    assert (tmp_path / "outputs" / "downloaded" / "run" / "step_00000002" / "__0_0.distcp").is_file()
+    for name, tensor in load_file(weights).items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
     # A shard overwritten with other bytes (another size): not a checkpoint any more, `latest` falls back.
     on_store.client().put_object(Bucket=on_store.bucket, Key=prefix + "__0_0.distcp", Body=b"truncated")
