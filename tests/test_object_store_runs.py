@@ -158,6 +158,18 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
                                      "heartbeat": time.time()})
     assert run_dir.claim(url)["pid"] == dead.pid
     run_dir.release(url)
+    # The holder's heartbeat refreshes its record, and stops writing once another has taken the record over.
+    monkeypatch.setattr(run_dir, "HEARTBEAT_S", 0.2)
+    run_dir.claim(url)
+    first = json.loads(object_store.read_bytes(record))["heartbeat"]
+    time.sleep(1.0)
+    assert json.loads(object_store.read_bytes(record))["heartbeat"] > first
+    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-thief", "heartbeat": time.time()})
+    time.sleep(1.0)
+    assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"
+    run_dir.release(url)
+    assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"  # not ours to remove any more
+    record.unlink()
     # The conditional writes themselves: of two creates one wins, and an overwrite needs the ETag read.
     object_store.write_bytes(record, b"{}", mode="create")
     with pytest.raises(FileExistsError):
