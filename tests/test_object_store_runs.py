@@ -95,6 +95,10 @@ def test_a_bad_url_or_a_store_that_cant_be_used_is_refused_with_what_to_do(store
     with pytest.raises(ConfigError, match="'Bad_Bucket' is not a valid bucket name"):
         load_config(str(TINY), ["train.output_dir=s3://Bad_Bucket/runs"])
     assert load_config(str(TINY), [f"train.output_dir={store.url}/runs/"]).train.output_dir == f"{store.url}/runs"
+    with monkeypatch.context() as without_s3fs:
+        without_s3fs.setitem(sys.modules, "s3fs", None)  # what `import s3fs` meets where it is not installed
+        with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed: pip install -e '.\[remote\]'"):
+            load_config(str(TINY), [f"train.output_dir={store.url}/runs"])
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
