@@ -174,8 +174,16 @@ class TrainConfig(Section):
     fsdp_wrap: list[str] = Field(
         default_factory=list, description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
                                           "empty = the class repeated most in the largest ModuleList/Sequential.")
-    output_dir: str = Field(DEFAULT_OUTPUT_DIR, description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/.")
+    output_dir: str = Field(DEFAULT_OUTPUT_DIR, description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/. A local path every rank shares, or an object store, s3://<bucket>/<prefix> (pip install -e '.[remote]'; endpoint and keys from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).")
     run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id), named after the components.")
+
+    @field_validator("output_dir")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        # s3://bucket/prefix: its form and s3fs checked here; credentials and the bucket when training starts.
+        from pipeline.components import object_store
+
+        return str(object_store.check_url(value)) if object_store.is_url(value) else value
 
 
 class CheckpointConfig(Section):

@@ -50,6 +50,7 @@ from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
 from pipeline.components.monitor import read_best
+from pipeline.components.object_store import is_url
 from pipeline.components.run_dir import pid_alive
 from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
@@ -83,9 +84,14 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         raise ConsolidateError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if checkpoint_path is None and run_id is None:
         raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory, or --run-id")
+    fetched = checkpoint_path is None or is_url(checkpoint_path)
     if checkpoint_path is None:
         use_store(tracking_uri)
         ckpt = _download(run_id, latest)
+    elif is_url(checkpoint_path):  # an object store: fetched (and verified) into outputs/downloaded/, then as local
+        from pipeline.components.checkpoint_store import fetch_checkpoint
+
+        ckpt = fetch_checkpoint(str(checkpoint_path), OUTPUTS / "downloaded", latest)
     else:
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
     meta = checkpoint.read_meta(ckpt)
@@ -94,7 +100,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         use_store(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
         get_run(run_id)
         close_if_orphaned(run_id)  # a training killed outright (plain torchrun) left it RUNNING
-    out_dir = Path(output) if output else default_output_dir(ckpt, run_id if checkpoint_path is None else None)
+    out_dir = Path(output) if output else default_output_dir(ckpt, run_id if fetched else None)
     run_dir_owner.claim_for_output(out_dir)  # a training (or run) still writing there stops us, by name
 
     reader = CachedMetadataReader(ckpt)
@@ -445,7 +451,7 @@ def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", nargs="?", metavar="CHECKPOINT_DIR | RUN_DIR",
-                        help="a checkpoint directory (step_*/), or a run directory (its best checkpoint)")
+                        help="a checkpoint directory (step_*/), or a run directory (its best checkpoint); local, or on an object store (s3://...)")
     parser.add_argument("--latest", action="store_true",
                         help="take the run's newest complete checkpoint instead of its best")
     parser.add_argument("--run-id", help="MLflow run: without a path, download its best checkpoint; "

@@ -38,6 +38,11 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
          force: bool = False) -> int:
     from pipeline import consolidate, export, train
 
+    if "://" in cfg.train.output_dir:  # checked an s3:// URL at load; this stage's outputs are local files
+        raise ConfigError(f"pipeline run keeps every stage's outputs in one local run directory, and "
+                          f"train.output_dir={cfg.train.output_dir} is an object store: run the stages one by one "
+                          "(pipeline train ..., then pipeline consolidate --run-id <run> and pipeline export "
+                          "--run-id <run>), or give pipeline run a local train.output_dir")
     cfg.train.run_name = cfg.train.run_name or train.default_run_name(cfg)
     run_dir = Path(cfg.train.output_dir) / cfg.train.run_name
     # Fail in seconds, before any stage and before anything is written: a bad component (checked on

@@ -16,8 +16,10 @@ import logging
 import os
 import random
 import secrets
+import socket
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
-from pipeline.components import amp, checkpoint, checkpoint_store, tracking
+from pipeline.components import amp, checkpoint, checkpoint_store, object_store, tracking
 from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
 from pipeline.components.saver import Saver, snapshot
 from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
@@ -72,12 +74,16 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
     previous_sigterm = stopping.exit_on_sigterm()
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
-    model, optimizer, scheduler = None, None, None
+    model, optimizer, scheduler, run_dir = None, None, None, None
     try:
         precision = amp.resolve_precision(cfg.train.precision, info.device)
-        run_dir = Path(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
+        run_dir = object_store.location(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
+        check_reachable_everywhere(run_dir, info)  # an object store: every host's credentials and endpoint
         claim_run_dir(run_dir, info)  # before anything is written there
+        check_shared(run_dir, info)  # a local directory: every rank writes its shard there, all must see it
         ckpt_root = run_dir / "checkpoints"
+        if info.is_main and object_store.is_url(ckpt_root):  # no .tmp- directories there: marker-less ones instead
+            checkpoint.clear_incomplete(ckpt_root)
         resume = choose_resume(resume, ckpt_root, distributed.job_restarts(info))
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
                  info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
@@ -128,7 +134,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
                                     replaying=resume == "auto")
             tracking.log_datasets(cfg.data.component, cfg.data.args, digests, [s.to_json() for s in splits.inputs])
-            if cfg.checkpoint.log_to_mlflow == "all":
+            if cfg.checkpoint.log_to_mlflow == "all" and not object_store.is_url(run_dir):
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
         # What every checkpoint says about itself: enough to rebuild and check the model elsewhere.
         meta = {"config": cfg.model_dump(mode="json"), "model": spec.to_json(),
@@ -144,7 +150,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                        meta, uploads, total_steps, eval_every, step, epoch)
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
-        final = Path(distributed.broadcast_object(str(final), info))
+        final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
         metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
                                                     loop.step, uses_channels_last(cfg.train, info))
@@ -162,6 +168,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         clean = sys.exc_info()[0] is None
         if not clean:
             end_run_after_failure()
+        if info.is_main and run_dir is not None:
+            run_dir_owner.release(run_dir)  # an object store's lease; nothing for a local flock
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with
         # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
@@ -181,6 +189,47 @@ def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
     error = distributed.broadcast_object(error, info)
     if error:
         raise run_dir_owner.RunDirBusy(error)
+
+
+def check_reachable_everywhere(run_dir: Path, info: DistInfo) -> None:
+    """A run directory on an object store: each rank (each host) reaches it with its own credentials and
+    endpoint; every rank stops together, with the first rank's reason, if one can't."""
+    if not object_store.is_url(run_dir):
+        return
+    try:
+        object_store.check_reachable(run_dir)
+        error = None
+    except ConfigError as exc:
+        error = f"rank {info.rank} on {socket.gethostname()}: {exc}"
+    errors = [e for e in distributed.all_gather_object(error, info) if e]
+    if errors:
+        raise ConfigError(errors[0])
+
+
+def check_shared(run_dir: Path, info: DistInfo) -> None:
+    """Every rank writes its own checkpoint shard into the run directory, and the marker, the resume and the
+    upload to MLflow need all of them in one place: a local train.output_dir must be one directory that every
+    rank sees (one host, or a filesystem all hosts mount). Rank 0 writes a nonce there; a rank that can't see
+    it is on a host with another disk, and the run stops before training instead of publishing checkpoints
+    that hold only rank 0's shard (which consolidation then can't read)."""
+    if object_store.is_url(run_dir) or not info.distributed:
+        return
+    probe = None
+    if info.is_main:
+        probe = run_dir / f".shared-{secrets.token_hex(8)}"
+        probe.write_text(socket.gethostname())
+    probe = Path(distributed.broadcast_object(str(probe) if probe else None, info))
+    seen = distributed.all_gather_object((probe.is_file(), socket.gethostname()), info)
+    distributed.barrier(info)
+    if info.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {rank} on {host}" for rank, (saw, host) in enumerate(seen) if not saw]
+    if blind:
+        raise ConfigError(f"train.output_dir={run_dir.parent} is not shared by every rank: {', '.join(blind)} can't "
+                          f"see what rank 0 on {seen[0][1]} wrote in {run_dir}. Each rank writes its own checkpoint "
+                          "shard there, so hosts that share no disk need an object store: "
+                          "train.output_dir=s3://<bucket>/<prefix> (pip install -e '.[remote]'; AWS_ENDPOINT_URL, "
+                          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), or a filesystem every host mounts at that path")
 
 
 def check_same_model(meta: dict, spec, path: Path) -> None:
@@ -546,11 +595,18 @@ def _short(value) -> str:
 
 def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None,
                     monitor: Monitor) -> None:
-    figure = task.plot(state, final.parent.parent / "validation.png")
-    if figure:
-        tracking.log_artifact(figure)
+    on_store = object_store.is_url(final)
+    with tempfile.TemporaryDirectory(prefix="trainserve-plot-") as scratch:  # a figure is a local file first
+        figure = task.plot(state, (Path(scratch) if on_store else final.parent.parent) / "validation.png")
+        if figure:
+            tracking.log_artifact(figure)
     best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None
-    if cfg.checkpoint.log_to_mlflow == "last":
+    if on_store and cfg.checkpoint.log_to_mlflow != "none":
+        # Already where every host can read them; the run's tags (trainserve.run_dir, trainserve.checkpoint)
+        # say where, and `consolidate --run-id` fetches from there.
+        log.info("checkpoints stay on the object store (%s), recorded on the run, not uploaded again (checkpoint."
+                 "log_to_mlflow=%s applies to a local train.output_dir)", final.parent, cfg.checkpoint.log_to_mlflow)
+    elif cfg.checkpoint.log_to_mlflow == "last":
         checkpoint_store.log_checkpoint(final, run_id)
         if best is not None and best != final and best.is_dir():
             checkpoint_store.log_checkpoint(best, run_id)
@@ -601,10 +657,12 @@ def launch_torchrun(args, cfg: Config) -> int:
     """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts. This
     launcher owns the run directory throughout, torchrun's restarts included."""
     run_name = cfg.train.run_name or default_run_name(cfg)
-    run_dir_owner.claim(Path(cfg.train.output_dir) / run_name)
+    run_dir = object_store.location(cfg.train.output_dir) / run_name
+    if not object_store.is_url(run_dir):  # on an object store rank 0 holds the lease, restarts included
+        run_dir_owner.claim(run_dir)
     cmd = torchrun_command(args.nproc_per_node, args.max_restarts, args.config, args.resume,
                            [*args.overrides, f"train.run_name={run_name}"])
-    return run_torchrun(cmd, cfg, Path(cfg.train.output_dir) / run_name)
+    return run_torchrun(cmd, cfg, run_dir)
 
 
 def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
@@ -632,6 +690,8 @@ def cli(args) -> int:
             # Fail before spawning: one clear line instead of one per rank and torchrun's report.
             check_runtime(cfg, args.nproc_per_node, torch.cuda.is_available(), args.nproc_per_node)
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
+            if object_store.is_url(cfg.train.output_dir):
+                object_store.check_reachable(cfg.train.output_dir)
             preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # the data, task and model components, checked on real samples
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)

@@ -75,6 +75,49 @@ def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
 
 
 @pytest.mark.slow
+def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_from_there(straight, tmp_path,
+                                                                                         monkeypatch):
+    """The runs above with train.output_dir on an S3-compatible store (a real moto_server), saves asynchronous,
+    rank 0 killed after every shard of step 12 is on the store but before its marker: the restarted job (the
+    same job: it takes the run's lease over) drops that marker-less step, resumes from step 6 bit-exact, and
+    `consolidate --run-id` finds the checkpoints through the run's record of where they live."""
+    from safetensors.torch import load_file
+
+    from pipeline.components.checkpoint_store import fetch_checkpoint
+    from pipeline.components.object_store import StoreUrl
+
+    from object_store import moto_s3
+
+    workdir = straight
+    with moto_s3(log_dir=tmp_path) as store:
+        for name, value in store.env.items():
+            monkeypatch.setenv(name, value)
+        proc = torchrun(workdir, [*STEPS, "train.run_name=killed_s3", f"train.output_dir={store.url}/runs",
+                                  "checkpoint.async_save=true"],
+                        env={**store.env, "TRAINSERVE_FAULT": "save:12:0"}, max_restarts=1)
+        root = StoreUrl(f"{store.url}/runs/killed_s3/checkpoints")
+        assert "SIGKILL to rank 0 at save 12" in proc.stderr and "torchrun restart 1" in proc.stderr
+        assert "taking over s3://trainserve/runs/killed_s3" in proc.stderr and "a restart of the same job" in proc.stderr
+        assert f"removed incomplete checkpoints step_00000012 from {root}" in proc.stderr, proc.stderr[-3000:]
+        assert f"resumed from {root}/step_00000006" in proc.stderr, proc.stderr[-3000:]
+        assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000006", "step_00000012", "step_00000016"]
+        assert {k.rsplit("/", 1)[1] for k in store.keys("runs/killed_s3/checkpoints/step_00000016/")} == \
+            {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainserve.json", "COMPLETE"}
+        assert not [k for k in store.keys("runs/killed_s3/") if k.endswith("/.owner")]  # the lease released
+        assert not (workdir / "outputs" / "killed_s3").exists() and not (workdir / "s3:").exists()
+
+        fetched = fetch_checkpoint(root / "step_00000016", tmp_path / "fetched")
+        assert_bitwise_equal(weights(final(workdir, "straight")), weights(fetched))
+        run_b, loss_b = losses(workdir, "killed_s3")
+        assert run_b.info.status == "FINISHED" and sorted(loss_b) == list(range(1, 17))
+        assert run_b.data.tags["trainserve.checkpoint"] == f"{root}/step_00000016"
+
+        consolidated = run_cli(["consolidate", "--run-id", run_b.info.run_id], cwd=workdir, env=store.env)
+        tensors = load_file(workdir / consolidated.stdout.strip().splitlines()[-1])
+        assert_bitwise_equal(weights(final(workdir, "straight")), {k: tensors[k] for k in weights(fetched)})
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("save, fault", [
     ("sync", "save:12:0"),             # every shard written, before the marker and the rename
     ("async", "save:12:0"),            # the background writes done on every rank, before the publish

@@ -8,6 +8,7 @@
     data.py                data sets -> loaders: sharding, exact resume, world-size changes
     gates.py               what an exported model must pass before it is registered
     monitor.py             the best checkpoint so far, and early stopping
+    object_store.py        a run directory on an object store (train.output_dir=s3://...)
     onnx_export.py         PyTorch module -> ONNX graph
     optim.py               optimizer and learning-rate schedule
     plots.py               figures logged with a run

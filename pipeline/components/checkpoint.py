@@ -19,6 +19,17 @@ is not a checkpoint; a crash at any point of a save leaves the previous checkpoi
 asynchronous save (checkpoint.async_save, AsyncWriter) keeps it the same way: its publish runs, in a
 background thread, only once every rank's write has finished.
 
+On an object store (train.output_dir=s3://..., see object_store.py) there is no rename, so a checkpoint
+is published by its marker alone: every rank writes its shards straight into `step_N/` (DCP's
+FsspecWriter; each object appears whole when its PUT completes), then, after a barrier that every
+rank reaches only once its writes are done, rank 0 writes trainserve.json and, last, the COMPLETE
+marker listing every object's name, size and sha256. Listing, `latest`, resume and consolidation
+take only step directories whose marker matches the objects present, so the invariant above holds
+as it is: a step directory without a matching marker is not a checkpoint, it is garbage that the
+next save of that step (or pruning) removes, marker first. A re-save of a step whose complete
+checkpoint is still there (nothing set it aside) withdraws that checkpoint first; every other
+checkpoint stays intact.
+
 Checkpoints are untrusted input (a shared MLflow store lets others write them, and the marker's
 checksums are written by whoever wrote the files): nothing in one is unpickled with arbitrary
 globals. DCP's `.metadata` goes through an unpickler that admits only DCP's metadata types, and its
@@ -55,6 +66,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from pipeline.components import object_store
+from pipeline.components.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
 from pipeline.components.safetensors_writer import file_sha256
@@ -100,6 +113,8 @@ def write_json_durably(path: Path, payload: dict) -> None:
 
 def verify_complete(path: Path) -> dict:
     """Returns the marker if `path` is a complete checkpoint, else raises naming what is wrong."""
+    if is_url(path):
+        return _verify_complete_on_store(StoreUrl(path))
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist or is not a directory")
@@ -120,6 +135,29 @@ def verify_complete(path: Path) -> dict:
                                   f"the marker says {size}: truncated or overwritten")
     if ".metadata" not in listing["files"]:
         raise CheckpointError(f"checkpoint '{path}' has no .metadata: not a DCP checkpoint")
+    return listing
+
+
+def _verify_complete_on_store(url: StoreUrl) -> dict:
+    """verify_complete for a step directory on an object store: the marker against the objects present."""
+    present = object_store.files(url)
+    if not present:
+        raise CheckpointError(f"checkpoint '{url}' does not exist (no objects under it)")
+    if MARKER not in present:
+        raise CheckpointError(f"checkpoint '{url}' has no {MARKER} marker: the save did not finish; "
+                              "use another checkpoint or `latest`")
+    try:
+        listing = json.loads(object_store.read_bytes(url / MARKER))
+    except (ValueError, FileNotFoundError):
+        raise CheckpointError(f"checkpoint '{url}': {MARKER} marker is corrupt or gone") from None
+    for name, size in listing["files"].items():
+        if name not in present:
+            raise CheckpointError(f"checkpoint '{url}': file '{name}' is missing")
+        if present[name] != size:
+            raise CheckpointError(f"checkpoint '{url}': file '{name}' has {present[name]} bytes, "
+                                  f"the marker says {size}: truncated or overwritten")
+    if ".metadata" not in listing["files"]:
+        raise CheckpointError(f"checkpoint '{url}' has no .metadata: not a DCP checkpoint")
     return listing
 
 
@@ -148,6 +186,8 @@ def list_complete(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning. A
     re-save that died between its two renames (where RENAME_EXCHANGE is missing) left `.old-step_N` and
     no `step_N`: that one is a checkpoint of step N and counts."""
+    if is_url(root):
+        return _list_complete_on_store(StoreUrl(root))
     root = Path(root)
     if not root.is_dir():
         return []
@@ -164,6 +204,39 @@ def list_complete(root: Path) -> list[Path]:
         except CheckpointError as exc:
             log.warning("skipping %s", exc)
     return found
+
+
+def _list_complete_on_store(root: StoreUrl) -> list[StoreUrl]:
+    found = []
+    for name in object_store.children(root):  # sorted: step numbers are zero-padded
+        if not STEP_DIR.match(name):
+            continue
+        try:
+            verify_complete(root / name)
+            found.append(root / name)
+        except CheckpointError as exc:
+            log.warning("skipping %s", exc)
+    return found
+
+
+def clear_incomplete(root: StoreUrl) -> list[str]:
+    """On an object store, the step directories without a matching marker (saves a crash cut short): garbage,
+    removed by the run directory's next owner before it saves anything."""
+    complete = {p.name for p in list_complete(root)}
+    garbage = [name for name in object_store.children(root) if STEP_DIR.match(name) and name not in complete]
+    for name in garbage:
+        remove(StoreUrl(root) / name)
+    if garbage:
+        log.warning("removed incomplete checkpoints %s from %s (saves that did not finish)", ", ".join(garbage), root)
+    return garbage
+
+
+def remove(path: Path) -> None:
+    """A checkpoint directory gone; on an object store its marker first, so a removal cut short is garbage."""
+    if is_url(path):
+        object_store.remove_tree(path, first=MARKER)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 OLD = ".old-"  # a step directory on its way out during a re-save
@@ -206,6 +279,14 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
     later = [p for p in list_complete(root) if int(STEP_DIR.match(p.name.removeprefix(OLD)).group(1)) > step]
     if not later:
         return []
+    if is_url(root):  # copied aside (marker last), then removed (marker first)
+        aside = StoreUrl(root).parent / "checkpoints.abandoned" / time.strftime("%Y%m%d-%H%M%S")
+        for path in later:
+            object_store.copy_tree(path, aside / path.name, last=MARKER)
+            remove(path)
+        log.warning("resumed from step %d: the later checkpoints %s are set aside in %s",
+                    step, ", ".join(p.name for p in later), aside)
+        return later
     aside = Path(root).parent / "checkpoints.abandoned" / time.strftime("%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
     for path in later:
@@ -223,7 +304,7 @@ def latest(root: Path) -> Path | None:
 def read_meta(path: Path) -> dict:
     verify_complete(path)
     try:
-        meta = json.loads((Path(path) / META).read_text())
+        meta = json.loads(object_store.read_bytes(StoreUrl(path) / META) if is_url(path) else (Path(path) / META).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint '{path}': {META} can't be read ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict):
@@ -276,14 +357,21 @@ class PendingSave:
 def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
                info: DistInfo, background: "AsyncWriter | None" = None) -> PendingSave:
     """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
-    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it."""
-    root = Path(root)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
-    if info.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crash: never part of a checkpoint
-            shutil.rmtree(tmp)
+    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it. On an object store
+    the shards go straight into the step directory (no rename there: the marker publishes it, see above)."""
+    if is_url(root):
+        root = StoreUrl(root)
+        final = tmp = root / step_dir_name(step)
+        if info.is_main:  # what a crashed save left there (garbage), or a complete one being re-saved
+            remove(final)
+    else:
+        root = Path(root)
+        final = root / step_dir_name(step)
+        tmp = root / f".tmp-{step_dir_name(step)}"
+        if info.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crash: never part of a checkpoint
+                shutil.rmtree(tmp)
     barrier(info)
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -292,7 +380,7 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     try:
         with single_process_quiet():
             if background is None:
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not info.distributed)
+                dcp.save(state, **dcp_target(tmp), no_dist=not info.distributed)
             else:
                 pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -312,7 +400,11 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
     _barrier(info, group)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
     digests = _all_gather(mine, info, group)
-    if info.is_main:
+    if info.is_main and is_url(final):
+        _publish_on_store(final, step, meta, info, digests)
+        _prune(final.parent, keep_last, protect)
+        log.info("checkpoint saved: %s", final)
+    elif info.is_main:
         root = final.parent
         try:
             write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
@@ -324,13 +416,44 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
         except OSError as exc:
             raise _save_failed(exc, root, tmp, step, 0, info) from None
         publish(tmp, final)
-        kept = {step_dir_name(s) for s in protect if s is not None}
-        for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
-            if old.name.removeprefix(OLD) not in kept:
-                shutil.rmtree(old, ignore_errors=True)
+        _prune(root, keep_last, protect)
         log.info("checkpoint saved: %s", final)
     _barrier(info, group)
     return final
+
+
+def _prune(root: Path, keep_last: int, protect: tuple[int | None, ...]) -> None:
+    kept = {step_dir_name(s) for s in protect if s is not None}
+    for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
+        if old.name.removeprefix(OLD) not in kept:
+            remove(old)
+
+
+def _publish_on_store(final: StoreUrl, step: int, meta: dict, info: DistInfo, digests: list[dict]) -> None:
+    """Every rank's shards are written (the caller's barrier): trainserve.json, then the marker, last, naming
+    every object with its size and sha256. Until the marker's PUT completes this is not a checkpoint."""
+    object_store.write_json(final / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+    files = object_store.files(final)
+    sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
+    sha256.update({name: object_store.sha256(final / name) for name in files if name not in sha256})
+    missing = sorted(set(sha256) - set(files))
+    if missing:  # a rank's PUT that did not land: never publish a checkpoint without it
+        raise CheckpointError(f"saving checkpoint step {step} to {final}: {', '.join(missing)} written but not on "
+                              "the object store; the previous checkpoint is intact")
+    object_store.write_json(final / MARKER, {"step": step, "files": files, "sha256": sha256})
+
+
+def dcp_target(directory: Path) -> dict:
+    """Where dcp.save writes: a local directory by its path (DCP picks its FileSystemWriter); on an object store
+    DCP's FsspecWriter with our s3fs options and without fsync (meaningless there: a PUT is durable once it
+    returns, and DCP would fall back to a machine-wide sync()). No checkpoint_id with it: DCP would reset the
+    writer to that path with fsspec's default options."""
+    if not is_url(directory):
+        return {"checkpoint_id": str(directory)}
+    # torch 2.13 keeps DCP's fsspec storage in this module (not re-exported by torch.distributed.checkpoint).
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return {"storage_writer": FsspecWriter(str(directory), sync_files=False, **object_store.storage_options())}
 
 
 def _tensor_bytes(tree) -> int:
@@ -352,7 +475,9 @@ def _save_failed(exc: BaseException, root: Path, tmp: Path, step: int, needed: i
     except OSError:
         free = None
     if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp) if is_url(tmp) else shutil.rmtree(tmp, ignore_errors=True)
+    if is_url(root):
+        return exc
     full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
                for e in _chain(exc)) or (free is not None and free < needed)
     if not full:
@@ -394,6 +519,9 @@ def _all_gather(obj, info: DistInfo, group) -> list:
 
 def shard_digests(directory: Path, rank: int) -> dict[str, str]:
     """sha256 of the shard files `rank` wrote (DCP names them __<rank>_<n>.distcp)."""
+    if is_url(directory):
+        return {name: object_store.sha256(StoreUrl(directory) / name) for name in sorted(object_store.files(directory))
+                if re.fullmatch(rf"__{rank}_\d+\.distcp", name)}
     return {p.name: file_sha256(p) for p in sorted(Path(directory).glob(f"__{rank}_*.distcp"))}
 
 
@@ -421,7 +549,7 @@ class AsyncWriter:
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
         """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
-        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group,
+        written = dcp.async_save(state, **dcp_target(directory), process_group=self.group,
                                  async_stager=self.stager, no_dist=not info.distributed)
         return self.hasher.submit(lambda: (written.result(), shard_digests(directory, info.rank))[1])
 
@@ -461,8 +589,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata_safely(path: Path) -> Metadata:
     """DCP's index of a checkpoint, unpickled with only DCP's metadata types admitted."""
     try:
-        with open(Path(path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        if is_url(path):
+            metadata = _MetadataUnpickler(io.BytesIO(object_store.read_bytes(StoreUrl(path) / ".metadata"))).load()
+        else:
+            with open(Path(path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
     except UnsafeCheckpoint as exc:
         raise CheckpointError(f"checkpoint '{path}': .metadata refused, nothing in it was run: {exc} (a foreign or "
                               "hostile file; use a checkpoint your own training wrote)") from None
@@ -470,7 +601,7 @@ def read_metadata_safely(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata")
-    _check_storage_paths(Path(path), metadata)
+    _check_storage_paths(path if is_url(path) else Path(path), metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
@@ -481,7 +612,7 @@ def _check_storage_paths(path: Path, metadata: Metadata) -> None:
     names them relative to it; the unpickler admits any string, and DCP's reader joins it to the directory, so
     an absolute or `../` relative_path would read another run's (or any) file, which the marker's checksums,
     covering only the checkpoint's own files, never see."""
-    root = path.resolve()
+    root = Path("/checkpoint") if is_url(path) else path.resolve()  # on a store: the names alone are judged
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         relative = getattr(info, "relative_path", None)
         where = getattr(index, "fqn", index)
@@ -503,6 +634,22 @@ class CachedMetadataReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
+
+
+def metadata_reader(path: Path) -> FileSystemReader:
+    """The reader `load` uses: CachedMetadataReader, or on an object store the same over DCP's FsspecReader."""
+    if not is_url(path):
+        return CachedMetadataReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class StoreMetadataReader(FsspecReader):
+        def __init__(self, url: str):
+            super().__init__(url, **object_store.storage_options())
+            self.metadata: Metadata = read_metadata_safely(url)
+
+        read_metadata = CachedMetadataReader.read_metadata
+
+    return StoreMetadataReader(str(path))
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -543,11 +690,11 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
 
     DCP reshards on load, so a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
     """
-    path = Path(path)
+    path = path if is_url(path) else Path(path)
     meta = read_meta(path)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
         get_state_dict(model, [])[0], None)
-    reader = CachedMetadataReader(path)  # .metadata unpickled once, for the check and for the load
+    reader = metadata_reader(path)  # .metadata unpickled once, for the check and for the load
     metadata = reader.metadata
     check_compatible(path, model_sd, metadata)
     state: dict[str, Any] = {"model": model_sd}

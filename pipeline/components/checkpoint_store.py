@@ -1,6 +1,11 @@
 """Where a checkpoint comes from and goes besides the run directory: the tracking server. Uploads a
 checkpoint to a run's `checkpoints/` artifacts (marker last), finds and downloads a run's complete one,
-and resolves `--resume` (latest, a path, a run directory, or a run id) to a local checkpoint.
+and resolves `--resume` (latest, a path, a run directory, or a run id) to a checkpoint.
+
+A run whose directory is on an object store (train.output_dir=s3://...) keeps its checkpoints there, and
+its MLflow run says where (tag trainserve.run_dir): a run id, or an s3://... path, is fetched from there
+into a local directory (`fetch_checkpoint`, marker and checksums verified), which consolidation then reads
+as any local checkpoint.
 
 Kept apart from checkpoint.py (the DCP format on disk) and tracking.py (MLflow runs, metrics, the
 registry): this is the one module that knows both.
@@ -10,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 from pathlib import Path
 
-from pipeline.components import checkpoint, tracking
+from pipeline.components import checkpoint, object_store, tracking
 from pipeline.distributed import DistInfo, broadcast_object
 
 log = logging.getLogger(__name__)
@@ -27,13 +33,13 @@ def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path |
     error: str | None = None
     if info.is_main:
         try:
-            answer = str(_resolve_on_main(resume, Path(checkpoint_root)) or "")
+            answer = str(_resolve_on_main(resume, object_store.location(str(checkpoint_root))) or "")
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     answer, error = broadcast_object((answer, error), info)
     if error:
         raise checkpoint.CheckpointError(error)
-    return Path(answer) if answer else None
+    return object_store.location(answer) if answer else None
 
 
 def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
@@ -41,11 +47,16 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
         return checkpoint.latest(checkpoint_root)
     if resume == "latest":
         found = checkpoint.latest(checkpoint_root)
+        if found is None and object_store.is_url(checkpoint_root):
+            raise checkpoint.CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
+                                             "train.run_name=<the run to resume>")
         if found is None:
             runs = sorted(p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints"))
             raise checkpoint.CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
                                   "train.run_name=<the run to resume>" + (f" (runs here: {', '.join(runs)})" if runs else ""))
         return found
+    if object_store.is_url(resume):
+        return _choose_on_store(object_store.check_url(resume, "--resume"), latest=True)
     p = Path(resume)
     if p.exists():
         if (p / checkpoint.MARKER).exists() or (p / ".metadata").exists():
@@ -69,7 +80,10 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     short (a rank killed mid-upload) is passed over for the one before it."""
     import mlflow
 
-    tracking.get_run(run_id)
+    where = tracking.get_run(run_id).data.tags.get("trainserve.run_dir", "")
+    if object_store.is_url(where):  # trained with its run directory on an object store: fetched from there
+        log.info("run %s keeps its checkpoints in %s", run_id, where)
+        return fetch_checkpoint(where, dest / run_id, latest)
     client = mlflow.MlflowClient()
     entries = client.list_artifacts(run_id, "checkpoints")
     steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
@@ -110,3 +124,33 @@ def log_checkpoint(path: Path, run_id: str) -> None:
     path = Path(path)
     for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == checkpoint.MARKER, p)):
         client.log_artifact(run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts]))
+
+
+def _choose_on_store(url: object_store.StoreUrl, latest: bool) -> object_store.StoreUrl:
+    """A step directory as given; of a run directory (or its checkpoints/), the best (best.json) unless
+    `latest`, else the newest complete one. Verified against its marker."""
+    from pipeline.components.monitor import read_best
+
+    if checkpoint.STEP_DIR.match(url.name) or (url / checkpoint.MARKER).exists():
+        checkpoint.verify_complete(url)
+        return url
+    root = url / "checkpoints" if (url / "checkpoints").is_dir() else url
+    found = checkpoint.latest(root)
+    if found is None:
+        raise checkpoint.CheckpointError(f"'{url}' holds no complete checkpoint (expected checkpoints/step_*/ with a "
+                                         f"{checkpoint.MARKER} marker): was training interrupted before the first save?")
+    best = None if latest else read_best(root)
+    return root / best["checkpoint"] if best else found
+
+
+def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
+    """A checkpoint on an object store (a step directory, or a run directory: its best unless `latest`) copied
+    into `dest/<run>/<step>/`, and verified there against its marker's sizes and checksums."""
+    chosen = _choose_on_store(object_store.check_url(url, "the checkpoint"), latest)
+    run = chosen.parent.parent.name if chosen.parent.name == "checkpoints" else chosen.parent.name
+    local = Path(dest) / run / chosen.name
+    shutil.rmtree(local, ignore_errors=True)  # a fetch cut short, or an older copy
+    log.info("fetching %s into %s", chosen, local)
+    object_store.fetch(chosen, local)
+    checkpoint.verify_checksums(local)
+    return local

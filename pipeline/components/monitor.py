@@ -4,7 +4,7 @@ Every rank sees the same reduced validation metrics, and the decision to stop is
 anyway, so all ranks stop at the same step. The monitor's state travels in each checkpoint's train
 state: a resume (or a torchrun restart) continues with the same best and the same patience count.
 
-On disk, `checkpoints/best.json` names the best checkpoint; checkpoint saves never prune it, and
+On disk (or on the object store), `checkpoints/best.json` names the best checkpoint; checkpoint saves never prune it, and
 consolidate/export take it unless told `--latest`.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.components.checkpoint import CheckpointError, step_dir_name
+from pipeline.components.object_store import location
 from pipeline.config import ConfigError
 from pipeline.tools.files import StateFileError, read_json, write_json
 
@@ -90,14 +91,14 @@ def build_monitor(ckpt_cfg, train_cfg, task) -> Monitor:
 
 
 def write_best(ckpt_root: Path, monitor: Monitor, checkpoint_dir: Path) -> None:
-    write_json(Path(ckpt_root) / BEST_FILE, {"checkpoint": checkpoint_dir.name, "step": monitor.best_step,
+    write_json(location(ckpt_root) / BEST_FILE, {"checkpoint": checkpoint_dir.name, "step": monitor.best_step,
                                               "metric": f"val/{monitor.metric}", "value": monitor.best_value,
                                               "mode": monitor.mode})
 
 
 def read_best(ckpt_root: Path) -> dict | None:
     """best.json, if the run wrote one and its checkpoint is still there (else None, with a warning)."""
-    path = Path(ckpt_root) / BEST_FILE
+    path = location(ckpt_root) / BEST_FILE
     if not path.is_file():
         return None
     try:
@@ -105,7 +106,7 @@ def read_best(ckpt_root: Path) -> dict | None:
     except StateFileError as exc:
         raise CheckpointError(str(exc)) from None
     name = record.get("checkpoint") if isinstance(record, dict) else None
-    if not isinstance(name, str) or "/" in name or not (Path(ckpt_root) / name).is_dir():
+    if not isinstance(name, str) or "/" in name or not (location(ckpt_root) / name).is_dir():
         log.warning("%s names checkpoint %r, which is not in %s: taking the newest instead", path, name, ckpt_root)
         return None
     return record
@@ -114,8 +115,8 @@ def read_best(ckpt_root: Path) -> dict | None:
 def sync_best_file(ckpt_root: Path, monitor: Monitor) -> None:
     """After a resume: best.json names the best of the timeline being trained (a later best may have
     been set aside with the checkpoints after the resumed step), or nothing yet."""
-    path = Path(ckpt_root) / BEST_FILE
-    if monitor.best_step is not None and (Path(ckpt_root) / step_dir_name(monitor.best_step)).is_dir():
-        write_best(ckpt_root, monitor, Path(ckpt_root) / step_dir_name(monitor.best_step))
+    path = location(ckpt_root) / BEST_FILE
+    if monitor.best_step is not None and (location(ckpt_root) / step_dir_name(monitor.best_step)).is_dir():
+        write_best(ckpt_root, monitor, location(ckpt_root) / step_dir_name(monitor.best_step))
     else:
         path.unlink(missing_ok=True)

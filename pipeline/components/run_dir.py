@@ -10,19 +10,40 @@ claims again under them (under a plain torchrun, rank 0's claim is the only one)
 
 Two runs started in the same second once shared one directory and deleted each other's checkpoints;
 now the second stops, and default run names carry a random suffix besides.
+
+On an object store (a run directory at s3://..., see object_store.py) there is no flock, and the owner
+may be on any host: `<run>/.owner` is a lease. It is created with a conditional PUT (If-None-Match: *),
+so of two claimants exactly one creates it; it records the job (torchrun's TORCHELASTIC_RUN_ID, the
+same across the elastic restarts of one job, on whichever host its rank 0 lands), host, pid and a
+heartbeat time, which a thread of the owner refreshes every HEARTBEAT_S seconds. A claimant finding a
+record takes it over (a conditional PUT with If-Match on the ETag it read, so of two takers one wins)
+only when the record is of its own job (an elastic restart), of a process on this host that is gone,
+or stale (no heartbeat for LEASE_S: a job killed outright on another host; the hosts' clocks must
+agree to well within that); any other claimant gets RunDirBusy naming the owner. The owner deletes the
+record when it is done.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
+from pipeline.components import object_store
+
+log = logging.getLogger(__name__)
+
 OWNER_FILE = ".owner"
+HEARTBEAT_S = 10.0  # how often the owner of a run directory on an object store refreshes its record
+LEASE_S = 60.0  # a record not refreshed for this long belongs to a job that is gone
 _held: dict[Path, int] = {}  # run directory -> the open, locked file descriptor of its .owner
+_leases: dict[str, "_Lease"] = {}  # run directory on an object store -> the heartbeat keeping its record
 
 
 class RunDirBusy(RuntimeError):
@@ -87,6 +108,8 @@ def describe(owner: dict | None) -> str:
 def claim(run_dir: Path) -> dict | None:
     """Owns `run_dir` for the rest of this process; returns the previous owner's record (a process that
     is gone, or None if there was none). RunDirBusy if a live process that is not an ancestor owns it."""
+    if object_store.is_url(run_dir):
+        return _claim_on_store(object_store.StoreUrl(run_dir))
     run_dir = Path(run_dir)
     key = run_dir.resolve()
     if key in _held:
@@ -153,3 +176,95 @@ def _ancestors() -> set[int]:
         except (OSError, StopIteration, ValueError):
             break
     return pids
+
+
+# --- on an object store: a lease ------------------------------------------------------------------
+
+
+def job_id() -> str | None:
+    """torchrun's run id (--rdzv-id; standalone: one per launch), the same across its elastic restarts."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and run_id != "none" else None
+
+
+def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
+    if run_dir in _leases:
+        return None
+    record = run_dir / OWNER_FILE
+    for _ in range(5):  # a lost race with another claimant: look again
+        mine = {**this_process(), "job": job_id(), "heartbeat": time.time()}
+        try:
+            answer = object_store.write_bytes(record, json.dumps(mine).encode(), mode="create")
+            _leases[run_dir] = _Lease(record, answer)
+            return None
+        except FileExistsError:
+            pass
+        tag = object_store.etag(record)
+        try:
+            owner = json.loads(object_store.read_bytes(record))
+        except FileNotFoundError:
+            continue  # released meanwhile
+        except ValueError:
+            owner = {}
+        why = _why_take_over(owner)
+        if why is None:
+            age = time.time() - float(owner.get("heartbeat") or 0)
+            raise RunDirBusy(f"{run_dir} is in use by job {owner.get('job') or '?'}: {describe(owner)}, alive "
+                             f"{age:.0f} s ago (its record {record} is refreshed every {HEARTBEAT_S:g} s and taken "
+                             f"as stale after {LEASE_S:g} s): wait for it to finish or stop it, or give this run "
+                             "another train.run_name")
+        try:
+            answer = object_store.write_bytes(record, json.dumps(mine).encode(), IfMatch=tag)
+        except OSError:  # 412: another claimant took it over between our read and our write
+            continue
+        log.warning("taking over %s from %s: %s", run_dir, describe(owner), why)
+        _leases[run_dir] = _Lease(record, answer)
+        return owner
+    raise RunDirBusy(f"{run_dir}: its owner record {record} keeps changing under other claimants; another job is "
+                     "starting there: wait for it, or give this run another train.run_name")
+
+
+def _why_take_over(owner: dict) -> str | None:
+    """Why `owner`'s record may be taken over, or None when a live job of another owner holds it."""
+    if owner.get("job") and owner.get("job") == job_id():
+        return f"a restart of the same job ({owner['job']})"
+    if owner.get("host") == socket.gethostname() and alive(owner) is False:
+        return "its process is gone"
+    if time.time() - float(owner.get("heartbeat") or 0) > LEASE_S:
+        return f"no heartbeat for more than {LEASE_S:g} s"
+    return None
+
+
+class _Lease:
+    """Refreshes this process's owner record (If-Match: our own last ETag) until released."""
+
+    def __init__(self, record: object_store.StoreUrl, answer):
+        self.record, self.etag = record, (answer or {}).get("ETag")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="run-dir-lease", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            mine = {**this_process(), "job": job_id(), "heartbeat": time.time()}
+            try:
+                answer = object_store.write_bytes(self.record, json.dumps(mine).encode(), IfMatch=self.etag)
+                self.etag = (answer or {}).get("ETag")
+            except OSError as exc:  # taken over (a 412), or the store is away: the next save says more
+                log.error("could not refresh the owner record %s: %s", self.record, exc)
+
+    def release(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        try:
+            if object_store.etag(self.record) == self.etag:  # still ours: nobody took it over
+                object_store.filesystem().rm_file(self.record.key)
+        except OSError as exc:
+            log.warning("could not remove the owner record %s: %s", self.record, exc)
+
+
+def release(run_dir) -> None:
+    """Ends this process's lease on a run directory on an object store (a local flock ends with the process)."""
+    lease = _leases.pop(str(run_dir), None)
+    if lease is not None:
+        lease.release()

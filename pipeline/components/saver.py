@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.components import checkpoint
+from pipeline.components.object_store import location
 from pipeline.distributed import DistInfo
 from pipeline.tools import stopping
 
 
 class Saver:
     def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
-        self.root, self.info, self.keep_last = Path(root), info, keep_last
+        self.root, self.info, self.keep_last = location(root), info, keep_last  # a Path, or an s3:// StoreUrl
         self.writer = checkpoint.AsyncWriter(info) if asynchronous else None
         self.pending: tuple[Future, Callable[[Path], None]] | None = None
 

@@ -4,7 +4,8 @@ an error that names the file.
 `Path.write_text` truncates first: a full disk or a crash mid-write leaves an empty file, and every
 later command died on it with a JSONDecodeError traceback. Here the new content goes to a temporary
 file beside it, is fsynced, and replaces the old one by rename: a reader sees the old file or the new
-one, never a part.
+one, never a part. On an object store (a run directory at s3://...) one PUT does the same: the object
+appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ class StateFileError(RuntimeError):
 
 
 def write_atomically(path: Path, text: str) -> None:
+    from pipeline.components import object_store
+
+    if object_store.is_url(path):
+        object_store.write_bytes(path, text.encode())
+        return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -43,9 +49,11 @@ def write_json(path: Path, payload: Any) -> None:
 
 def read_json(path: Path, fix: str = "") -> Any:
     """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it)."""
-    path = Path(path)
+    from pipeline.components import object_store
+
+    path = path if object_store.is_url(path) else Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(object_store.read_bytes(path) if object_store.is_url(path) else path.read_text())
     except FileNotFoundError:
         raise StateFileError(f"{path} is missing{'; ' + fix if fix else ''}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -1,0 +1,190 @@
+"""A run directory on an object store (train.output_dir=s3://...), against a real moto_server: checkpoints
+published by their marker (no rename there), one owner across hosts through a conditional-write lease,
+clear refusals of a bad URL or missing credentials; and a local output_dir that not every rank sees refused.
+The torchrun runs on a store (kill -9, resume, consolidate) are in test_checkpoints.py, beside the local ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from pipeline.components import checkpoint, object_store, run_dir
+from pipeline.components.build import instantiate_model
+from pipeline.components.checkpoint import CheckpointError
+from pipeline.components.object_store import StoreUrl
+from pipeline.config import ConfigError, load_config
+
+from conftest import CPU1, REPO, TINY, checkpoint_meta, mlp_spec
+from object_store import free_port, moto_s3
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One moto_server for this module's tests (each works under its own prefix)."""
+    with moto_s3(log_dir=tmp_path_factory.mktemp("moto")) as s3:
+        yield s3
+
+
+@pytest.fixture
+def on_store(store, monkeypatch):
+    """This process's AWS_* variables pointed at the store, as a user's shell would be."""
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)
+    return store
+
+
+def saved(root: StoreUrl, steps, keep_last: int = 3):
+    spec = mlp_spec()
+    model = instantiate_model(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in steps:
+        checkpoint.save(root, step, model, optimizer, checkpoint_meta(model, spec), CPU1, keep_last=keep_last)
+    return model, spec
+
+
+def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_there(on_store):
+    root = StoreUrl(f"{on_store.url}/run/checkpoints")
+    model, spec = saved(root, [1, 2])
+    prefix = "run/checkpoints/step_00000002/"
+    assert {k.removeprefix(prefix) for k in on_store.keys(prefix)} == \
+        {".metadata", "__0_0.distcp", checkpoint.META, checkpoint.MARKER}
+    marker = json.loads(on_store.client().get_object(Bucket=on_store.bucket, Key=prefix + "COMPLETE")["Body"].read())
+    assert set(marker["files"]) == set(marker["sha256"]) == {".metadata", "__0_0.distcp", checkpoint.META}
+
+    # Loaded back through DCP's FsspecReader: the same tensors.
+    again = instantiate_model(spec)
+    checkpoint.load(checkpoint.latest(root), again, None, CPU1)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    # A shard overwritten with other bytes (another size): not a checkpoint any more, `latest` falls back.
+    on_store.client().put_object(Bucket=on_store.bucket, Key=prefix + "__0_0.distcp", Body=b"truncated")
+    assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000001"]
+    with pytest.raises(CheckpointError, match="__0_0.distcp' has 9 bytes, the marker says"):
+        checkpoint.verify_complete(root / "step_00000002")
+    # A save cut short before its marker: garbage, passed over, and cleared by the next owner (or the next save
+    # of that step).
+    on_store.client().delete_object(Bucket=on_store.bucket, Key=prefix + "COMPLETE")
+    with pytest.raises(CheckpointError, match="has no COMPLETE marker: the save did not finish"):
+        checkpoint.read_meta(root / "step_00000002")
+    assert checkpoint.clear_incomplete(root) == ["step_00000002"] and on_store.keys(prefix) == []
+    saved(root, [2])
+    assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000001", "step_00000002"]
+
+
+def test_a_bad_url_or_a_store_that_cant_be_used_is_refused_with_what_to_do(store, monkeypatch):
+    with pytest.raises(ConfigError, match="'gs://' is not a supported object store; use s3://<bucket>/<prefix>"):
+        load_config(str(TINY), ["train.output_dir=gs://bucket/runs"])
+    with pytest.raises(ConfigError, match="'Bad_Bucket' is not a valid bucket name"):
+        load_config(str(TINY), ["train.output_dir=s3://Bad_Bucket/runs"])
+    assert load_config(str(TINY), [f"train.output_dir={store.url}/runs/"]).train.output_dir == f"{store.url}/runs"
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.endpoint)
+    with pytest.raises(ConfigError, match="no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        object_store.check_reachable(f"{store.url}/runs")
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="bucket 'no-such-bucket' does not exist on http://127.0.0.1"):
+        object_store.check_reachable("s3://no-such-bucket/runs")
+    object_store.check_reachable(f"{store.url}/runs")  # and the right one passes
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from pipeline.components import run_dir
+    run_dir.claim(sys.argv[1])
+    print("claimed", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_one_job_owns_a_run_directory_on_the_store_and_its_own_restart_takes_over(on_store, monkeypatch):
+    """Another process (standing for rank 0 of a job on another host) holds the lease; a different job is
+    refused with its name, the same job (an elastic restart: same TORCHELASTIC_RUN_ID) takes over."""
+    url = StoreUrl(f"{on_store.url}/runs/shared")
+    env = {**os.environ, **on_store.env, "TORCHELASTIC_RUN_ID": "job-a", "PYTHONPATH": str(REPO)}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, url], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "claimed"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+        with pytest.raises(run_dir.RunDirBusy, match=rf"{url} is in use by job job-a: pid {owner.pid} on .* alive \d+ s ago"):
+            run_dir.claim(url)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+        previous = run_dir.claim(url)
+        assert previous["pid"] == owner.pid and previous["job"] == "job-a"
+        record = json.loads(object_store.read_bytes(url / run_dir.OWNER_FILE))
+        assert record["pid"] == os.getpid() and record["job"] == "job-a"
+    finally:
+        owner.kill()
+        owner.wait()
+        run_dir.release(url)
+    assert not (url / run_dir.OWNER_FILE).exists()  # released: the next job claims at once
+
+
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on_store, monkeypatch):
+    url = StoreUrl(f"{on_store.url}/runs/stale")
+    record = url / run_dir.OWNER_FILE
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-new")
+    # Killed outright on another host: no heartbeat for longer than the lease.
+    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-old",
+                                     "heartbeat": time.time() - run_dir.LEASE_S - 5})
+    assert run_dir.claim(url)["job"] == "job-old"
+    run_dir.release(url)
+    # Killed outright on this host (kill -9, no release): its pid is gone, so no waiting for the lease.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    object_store.write_json(record, {**run_dir.this_process(), "pid": dead.pid, "started": "1", "job": "job-old",
+                                     "heartbeat": time.time()})
+    assert run_dir.claim(url)["pid"] == dead.pid
+    run_dir.release(url)
+    # The conditional writes themselves: of two creates one wins, and an overwrite needs the ETag read.
+    object_store.write_bytes(record, b"{}", mode="create")
+    with pytest.raises(FileExistsError):
+        object_store.write_bytes(record, b"{}", mode="create")
+    tag = object_store.etag(record)
+    object_store.write_bytes(record, b"{\"first\": 1}", IfMatch=tag)
+    with pytest.raises(OSError):
+        object_store.write_bytes(record, b"{\"second\": 1}", IfMatch=tag)
+
+
+@pytest.mark.slow
+def test_two_hosts_that_share_no_disk_are_refused_a_local_output_dir(tmp_path):
+    """The issue's repro, without namespaces: two torchrun agents (--nnodes 2, c10d on loopback), each in its
+    own working directory, so the relative train.output_dir is a different directory for each "host". Before,
+    rank 0's checkpoints held only its own shard; now both stop at start, saying to use an object store."""
+    port = free_port("127.0.0.1")
+    procs = []
+    for node in (0, 1):
+        home = tmp_path / f"host{node}"
+        home.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "noshare",
+               "-m", "pipeline.train", "--config", str(TINY), "train.run_name=noshare", "train.max_steps=2",
+               "checkpoint.log_to_mlflow=all"]
+        procs.append(subprocess.Popen(cmd, cwd=home, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=240)[0])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    assert all(proc.returncode != 0 for proc in procs), outputs
+    text = "\n".join(outputs)
+    assert "train.output_dir=outputs is not shared by every rank: rank 1 on" in text, text[-3000:]
+    assert "train.output_dir=s3://<bucket>/<prefix>" in text
+    assert not list((tmp_path / "host0" / "outputs" / "noshare").glob("checkpoints/step_*"))  # nothing trained
