@@ -14,7 +14,9 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from pipeline import consolidate
 from pipeline.components import checkpoint, object_store, run_dir
 from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
@@ -49,7 +51,8 @@ def saved(root: StoreUrl, steps, keep_last: int = 3):
     return model, spec
 
 
-def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_there(on_store):
+def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_there(on_store, tmp_path,
+                                                                                     monkeypatch):
     root = StoreUrl(f"{on_store.url}/run/checkpoints")
     model, spec = saved(root, [1, 2])
     prefix = "run/checkpoints/step_00000002/"
@@ -63,6 +66,13 @@ def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_t
     checkpoint.load(checkpoint.latest(root), again, None, CPU1)
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+    # Consolidated from its s3:// path: fetched into outputs/downloaded/, verified, then the local path.
+    monkeypatch.chdir(tmp_path)
+    weights = consolidate.main(f"{root}/step_00000002", output=tmp_path / "consolidated", log_to_mlflow=False)
+    assert (tmp_path / "outputs" / "downloaded" / "run" / "step_00000002" / "__0_0.distcp").is_file()
+    for name, tensor in load_file(weights).items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
     # A shard overwritten with other bytes (another size): not a checkpoint any more, `latest` falls back.
     on_store.client().put_object(Bucket=on_store.bucket, Key=prefix + "__0_0.distcp", Body=b"truncated")
@@ -85,6 +95,10 @@ def test_a_bad_url_or_a_store_that_cant_be_used_is_refused_with_what_to_do(store
     with pytest.raises(ConfigError, match="'Bad_Bucket' is not a valid bucket name"):
         load_config(str(TINY), ["train.output_dir=s3://Bad_Bucket/runs"])
     assert load_config(str(TINY), [f"train.output_dir={store.url}/runs/"]).train.output_dir == f"{store.url}/runs"
+    with monkeypatch.context() as without_s3fs:
+        without_s3fs.setitem(sys.modules, "s3fs", None)  # what `import s3fs` meets where it is not installed
+        with pytest.raises(ConfigError, match=r"needs s3fs, which is not installed: pip install -e '.\[remote\]'"):
+            load_config(str(TINY), [f"train.output_dir={store.url}/runs"])
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
@@ -148,6 +162,18 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
                                      "heartbeat": time.time()})
     assert run_dir.claim(url)["pid"] == dead.pid
     run_dir.release(url)
+    # The holder's heartbeat refreshes its record, and stops writing once another has taken the record over.
+    monkeypatch.setattr(run_dir, "HEARTBEAT_S", 0.2)
+    run_dir.claim(url)
+    first = json.loads(object_store.read_bytes(record))["heartbeat"]
+    time.sleep(1.0)
+    assert json.loads(object_store.read_bytes(record))["heartbeat"] > first
+    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-thief", "heartbeat": time.time()})
+    time.sleep(1.0)
+    assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"
+    run_dir.release(url)
+    assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"  # not ours to remove any more
+    record.unlink()
     # The conditional writes themselves: of two creates one wins, and an overwrite needs the ETag read.
     object_store.write_bytes(record, b"{}", mode="create")
     with pytest.raises(FileExistsError):

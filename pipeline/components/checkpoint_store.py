@@ -68,6 +68,14 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
                                   "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
         return found
     if re.fullmatch(r"[0-9a-f]{32}", resume):
+        where = tracking.get_run(resume).data.tags.get("trainserve.run_dir", "")
+        if object_store.is_url(where):  # its checkpoints are on a store every rank reads: no download
+            return _choose_on_store(object_store.check_url(where, "the run's trainserve.run_dir"), latest=False)
+        if object_store.is_url(checkpoint_root):
+            raise checkpoint.CheckpointError(
+                f"--resume {resume}: that run's checkpoints are MLflow artifacts, which rank 0 would download to its "
+                "own disk, out of the other hosts' reach; with train.output_dir on an object store, copy the "
+                "checkpoint there and give --resume its s3:// path")
         return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
     raise checkpoint.CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")
 

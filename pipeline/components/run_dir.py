@@ -250,8 +250,16 @@ class _Lease:
             try:
                 answer = object_store.write_bytes(self.record, json.dumps(mine).encode(), IfMatch=self.etag)
                 self.etag = (answer or {}).get("ETag")
-            except OSError as exc:  # taken over (a 412), or the store is away: the next save says more
-                log.error("could not refresh the owner record %s: %s", self.record, exc)
+            except OSError as exc:  # taken over (a 412), or the store is away for a moment
+                try:
+                    holder = json.loads(object_store.read_bytes(self.record))
+                except (OSError, ValueError):
+                    holder = None
+                if holder and (holder.get("host"), holder.get("pid")) != (mine["host"], mine["pid"]):
+                    log.error("the run directory %s was taken over by %s: this process no longer owns it",
+                              self.record.parent, describe(holder))
+                    return
+                log.warning("could not refresh the owner record %s (will retry): %s", self.record, exc)
 
     def release(self) -> None:
         self.stop.set()
