@@ -12,7 +12,9 @@ bound to the bridge's address.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -85,19 +87,28 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         env = cli_env({**store.env, "GLOO_SOCKET_IFNAME": a.interface, "MLFLOW_TRACKING_URI": uri})
 
         # The reference: two ranks on one machine, same seed, never interrupted.
+        # The reference, trained meanwhile in the root namespace: two ranks on one machine, same seed,
+        # never interrupted.
         local = tmp_path / "local"
         local.mkdir()
-        run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", *TRAINING, "train.run_name=local",
-                 f"train.output_dir={store.url}/local", f"tracking.tracking_uri={uri}"], cwd=local, env=store.env)
-        phase("local training")
-
-        # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its agent lives on).
-        rendezvous = f"{a.address}:{RDZV_PORT}"
-        procs = {a: torchrun_on(a, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri, env, is_host=True),
-                 b: torchrun_on(b, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri,
-                                {**env, "TRAINSERVE_FAULT": f"step:{KILLED_AT}:1"}, is_host=False)}
-        wait_all(procs, timeout=240)
-        phase("two-host training")
+        reference = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2", *TRAINING,
+             "train.run_name=local", f"train.output_dir={store.url}/local", f"tracking.tracking_uri={uri}"],
+            cwd=local, env=cli_env(store.env), stdout=subprocess.DEVNULL, stderr=open(local / "train.log", "w"),
+            start_new_session=True)
+        try:
+            # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its agent lives on).
+            rendezvous = f"{a.address}:{RDZV_PORT}"
+            procs = {a: torchrun_on(a, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri, env, is_host=True),
+                     b: torchrun_on(b, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri,
+                                    {**env, "TRAINSERVE_FAULT": f"step:{KILLED_AT}:1"}, is_host=False)}
+            wait_all(procs, timeout=300)
+            assert reference.wait(timeout=300) == 0, (local / "train.log").read_text()[-6000:]
+        finally:
+            if reference.poll() is None:
+                os.killpg(reference.pid, signal.SIGKILL)
+                reference.wait()
+        phase("training: two hosts, and the local reference meanwhile")
         log_b = (b.workdir / "torchrun.log").read_text()
         log_a = (a.workdir / "torchrun.log").read_text()
         assert f"SIGKILL to rank 1 at step {KILLED_AT}" in log_b and "torchrun restart 1" in log_b, log_b[-4000:]
