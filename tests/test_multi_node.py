@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import TINY, cli_env, run_cli
+from conftest import TINY, cli_env
 from hosts import hosts  # noqa: F401  (the fixture)
 from object_store import moto_s3
 from services import mlflow_server, postgres
@@ -138,11 +138,21 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         # A machine that trained nothing takes the run by its id, through the tracking server only.
         run_id = runs["two-hosts"].info.run_id
         b_env = {**env}
-        b.run([sys.executable, "-m", "pipeline", "consolidate", "--run-id", run_id, "--latest"], env=b_env, timeout=180)
-        b.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], env=b_env, timeout=240)
-        phase("consolidate + export on B")
-        run_cli(["consolidate", "--run-id", runs["local"].info.run_id, "--latest"], cwd=local, env=env)
-        phase("consolidate local")
+        # Meanwhile the local reference is consolidated too, to compare the final weights.
+        reference = subprocess.Popen([sys.executable, "-m", "pipeline", "consolidate", "--run-id",
+                                      runs["local"].info.run_id, "--latest"], cwd=local, env=env,
+                                     stdout=subprocess.DEVNULL, stderr=open(local / "consolidate.log", "w"),
+                                     start_new_session=True)
+        try:
+            b.run([sys.executable, "-m", "pipeline", "consolidate", "--run-id", run_id, "--latest"], env=b_env,
+                  timeout=180)
+            b.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], env=b_env, timeout=240)
+            assert reference.wait(timeout=180) == 0, (local / "consolidate.log").read_text()[-4000:]
+        finally:
+            if reference.poll() is None:
+                os.killpg(reference.pid, signal.SIGKILL)
+                reference.wait()
+        phase("consolidate + export on B, consolidate the reference meanwhile")
         tags = {name: client.get_run(run.info.run_id).data.tags for name, run in runs.items()}
         # Bit-exact: the resumed two-host run's final weights are the uninterrupted local run's.
         assert (tags["two-hosts"]["trainserve.consolidated.sha256"]
