@@ -11,6 +11,7 @@ bound to the bridge's address.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,21 @@ def torchrun_on(host, rendezvous: str, run_name: str, output_dir: str, tracking_
                       env=env, stdout=open(host.workdir / "torchrun.log", "w"), stderr=subprocess.STDOUT)
 
 
+@contextlib.contextmanager
+def meanwhile(cmd: list[str], cwd, env: dict, log, timeout: float):
+    """`cmd` running in the root namespace while the block runs; it must then exit 0 within `timeout`.
+    Killed with its children (torchrun's workers) if the block fails."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                            start_new_session=True)
+    try:
+        yield proc
+        assert proc.wait(timeout=timeout) == 0, f"{' '.join(cmd)}:\n{log.read_text()[-6000:]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def wait_all(procs: dict, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for host, proc in procs.items():
@@ -82,32 +98,23 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
     with postgres() as database, moto_s3(host=network.gateway, log_dir=tmp_path) as store, \
             mlflow_server(database, f"{store.url}/mlflow", host=network.gateway, env=store.env,
                           workdir=tmp_path) as uri:
-        # What each host is given: where the store and the tracking server are, and which interface gloo uses.
         phase("services")
+        # What each host is given: where the store and the tracking server are, and which interface gloo uses.
         env = cli_env({**store.env, "GLOO_SOCKET_IFNAME": a.interface, "MLFLOW_TRACKING_URI": uri})
 
-        # The reference: two ranks on one machine, same seed, never interrupted.
         # The reference, trained meanwhile in the root namespace: two ranks on one machine, same seed,
         # never interrupted.
         local = tmp_path / "local"
         local.mkdir()
-        reference = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2", *TRAINING,
-             "train.run_name=local", f"train.output_dir={store.url}/local", f"tracking.tracking_uri={uri}"],
-            cwd=local, env=cli_env(store.env), stdout=subprocess.DEVNULL, stderr=open(local / "train.log", "w"),
-            start_new_session=True)
-        try:
+        with meanwhile([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
+                        *TRAINING, "train.run_name=local", f"train.output_dir={store.url}/local",
+                        f"tracking.tracking_uri={uri}"], local, cli_env(store.env), local / "train.log", timeout=300):
             # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its agent lives on).
             rendezvous = f"{a.address}:{RDZV_PORT}"
             procs = {a: torchrun_on(a, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri, env, is_host=True),
                      b: torchrun_on(b, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri,
                                     {**env, "TRAINSERVE_FAULT": f"step:{KILLED_AT}:1"}, is_host=False)}
             wait_all(procs, timeout=300)
-            assert reference.wait(timeout=300) == 0, (local / "train.log").read_text()[-6000:]
-        finally:
-            if reference.poll() is None:
-                os.killpg(reference.pid, signal.SIGKILL)
-                reference.wait()
         phase("training: two hosts, and the local reference meanwhile")
         log_b = (b.workdir / "torchrun.log").read_text()
         log_a = (a.workdir / "torchrun.log").read_text()
@@ -139,19 +146,11 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         run_id = runs["two-hosts"].info.run_id
         b_env = {**env}
         # Meanwhile the local reference is consolidated too, to compare the final weights.
-        reference = subprocess.Popen([sys.executable, "-m", "pipeline", "consolidate", "--run-id",
-                                      runs["local"].info.run_id, "--latest"], cwd=local, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=open(local / "consolidate.log", "w"),
-                                     start_new_session=True)
-        try:
+        with meanwhile([sys.executable, "-m", "pipeline", "consolidate", "--run-id", runs["local"].info.run_id,
+                        "--latest"], local, env, local / "consolidate.log", timeout=180):
             b.run([sys.executable, "-m", "pipeline", "consolidate", "--run-id", run_id, "--latest"], env=b_env,
                   timeout=180)
             b.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], env=b_env, timeout=240)
-            assert reference.wait(timeout=180) == 0, (local / "consolidate.log").read_text()[-4000:]
-        finally:
-            if reference.poll() is None:
-                os.killpg(reference.pid, signal.SIGKILL)
-                reference.wait()
         phase("consolidate + export on B, consolidate the reference meanwhile")
         tags = {name: client.get_run(run.info.run_id).data.tags for name, run in runs.items()}
         # Bit-exact: the resumed two-host run's final weights are the uninterrupted local run's.
