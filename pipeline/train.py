@@ -84,7 +84,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         ckpt_root = run_dir / "checkpoints"
         if info.is_main and object_store.is_url(ckpt_root):  # no .tmp- directories there: marker-less ones instead
             checkpoint.clear_incomplete(ckpt_root)
-        resume = choose_resume(resume, ckpt_root)
+        resume = choose_resume(resume, ckpt_root, distributed.job_restarts(info))
         log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
                  info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
 
@@ -507,10 +507,10 @@ def default_run_name(cfg: Config) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def choose_resume(requested: str | None, ckpt_root: Path) -> str | None:
-    """After torchrun restarts the workers, continue from the run's newest complete checkpoint, even
-    when the first attempt was itself resumed from elsewhere (that one is older)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def choose_resume(requested: str | None, ckpt_root: Path, restarts: int) -> str | None:
+    """After torchrun restarts the workers (`restarts`: the job's count, every node's, see
+    distributed.job_restarts), continue from the run's newest complete checkpoint, even when the first
+    attempt was itself resumed from elsewhere (that one is older)."""
     if restarts > 0 and (requested is None or checkpoint.latest(ckpt_root) is not None):
         log.info("torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts)
         return "auto"

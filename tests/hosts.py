@@ -50,7 +50,7 @@ def ip(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
 
 
-@dataclass
+@dataclass(eq=False)  # a host is itself, not its fields: usable as a dict key
 class Host:
     """One machine: a network namespace, its address, its own working directory."""
     name: str

@@ -1,4 +1,4 @@
-"""`pipeline run` as the README tells users to run it, and against a real remote tracking server."""
+"""`pipeline run` as the README tells users to run it (against a remote tracking server: tests/test_multi_node.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -142,110 +140,6 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
             path.write_bytes(original)
         failed = [k.name for k in links if k.status == "FAIL"]
         assert link in failed, (path.name, [k.line() for k in links])
-
-
-POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-def as_postgres(cmd: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root; CI runs as root, developers usually don't."""
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-
-@pytest.fixture
-def postgres(tmp_path):
-    """A throwaway PostgreSQL server on 127.0.0.1 (Debian's postgresql-15, part of the machine image)."""
-    from pipeline.components.tracking import free_port
-
-    if not (POSTGRES_BIN / "initdb").exists():
-        pytest.skip(f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)")
-    # Not under tmp_path: pytest's base directory is private to its user, and the server runs as postgres.
-    data = Path(tempfile.mkdtemp(prefix="trainserve-pg-"))
-    if os.geteuid() == 0:
-        shutil.chown(data, "postgres")
-    port = free_port()
-    subprocess.run(as_postgres([str(POSTGRES_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]),
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "log"),
-                                "-o", f"-p {port} -k {data} -h 127.0.0.1", "start"]),
-                   check=True, capture_output=True, timeout=120)
-    try:
-        subprocess.run(as_postgres([str(POSTGRES_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port),
-                                    "-U", "postgres", "mlflow"]), check=True, capture_output=True, timeout=60)
-        yield f"postgresql://postgres@127.0.0.1:{port}/mlflow"
-    finally:
-        subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"]),
-                       capture_output=True, timeout=120)
-        shutil.rmtree(data, ignore_errors=True)
-
-
-@pytest.fixture
-def backend_store(request, tmp_path):
-    """PostgreSQL, as the compose layout runs it (a SQLite-backed server took the same path, a minute more)."""
-    return request.getfixturevalue("postgres")
-
-
-@pytest.fixture
-def tracking_server(tmp_path, backend_store):
-    """A real `mlflow server` on 127.0.0.1 (SQLite or PostgreSQL backend), artifacts served over HTTP."""
-    from pipeline.components.tracking import free_port
-
-    port = free_port()
-    store = tmp_path / "server"
-    store.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                             backend_store, "--artifacts-destination", str(store / "artifacts"),
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            cwd=store, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    import requests
-
-    try:
-        for _ in range(240):
-            try:
-                if requests.get(f"{uri}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("mlflow server did not start")
-        yield uri, store
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_pipeline_against_a_remote_tracking_server(tracking_server, tmp_path):
-    uri, store = tracking_server
-    trainer, other_machine = tmp_path / "trainer", tmp_path / "other"
-    trainer.mkdir()
-    other_machine.mkdir()
-    proc = run_cli(["run", "--config", str(TINY), "--nproc-per-node", "2", "--serve-check", "serve.port=0",
-                    "train.run_name=remote", f"tracking.tracking_uri={uri}", "train.max_steps=30",
-                    "export.registered_model_name=tiny-remote"], cwd=trainer, timeout=420)
-    run_id = re.search(r"\(MLflow run ([0-9a-f]{32})\)", proc.stderr).group(1)
-    assert "sample request:" in proc.stdout
-    # Nothing tracked locally: the stages wrote to the server, artifacts included.
-    assert not (trainer / "mlflow.db").exists() and not (trainer / "mlartifacts").exists()
-    assert any((store / "artifacts").rglob("model.safetensors")) and any((store / "artifacts").rglob("*.distcp"))
-
-    import mlflow
-
-    client = mlflow.MlflowClient(uri)
-    version = client.get_model_version_by_alias("tiny-remote", "champion")
-    assert version.run_id == run_id and version.tags["trainserve.run_id"] == run_id
-    # Another machine needs only the run id: the checkpoint comes down from the server.
-    run_cli(["consolidate", "--run-id", run_id, "--tracking-uri", uri], cwd=other_machine)
-    local = list((other_machine / "outputs").rglob("model.safetensors"))
-    assert local, list(other_machine.rglob("*"))
-    import json
-
-    ours = json.loads((local[0].parent / "model.json").read_text())["sha256"]
-    assert client.get_run(run_id).data.tags["trainserve.consolidated.sha256"] == ours
 
 
 def readme_block(after: str, lang: str) -> str:

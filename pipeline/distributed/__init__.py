@@ -12,6 +12,7 @@ from pipeline.distributed.process_group import (  # noqa: F401
                                                 barrier,
                                                 broadcast_object,
                                                 configure_logging,
+                                                job_restarts,
                                                 keep_freed_memory,
                                                 pick_device,
                                                 setup,

@@ -8,6 +8,7 @@ plain `python -m pipeline train` works too.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,18 +108,60 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def attempt_store(rank: int, world_size: int) -> dist.Store:
-    """torchrun's store, with a key prefix per restart attempt.
+ATTEMPT_STORE_KEY = "trainserve/attempt_store"  # in torchrun's agent store: "<port> <nonce>" of this attempt's store
+STORE_TIMEOUT = timedelta(minutes=10)
 
-    The agent's store outlives the workers, and `env://` shares it across torchrun restarts
-    unprefixed: a restarted rank can read the dead attempt's gloo address of a peer before the
-    peer re-registers, and fail with "Connection refused" (seen here when rank 0 was killed).
+
+def attempt_store(rank: int, world_size: int) -> dist.Store:
+    """A store of this attempt's own, for the process group: no key of a dead attempt can be in it.
+
+    torchrun's agent store outlives the workers, and `env://` shares it across restarts unprefixed: a
+    restarted rank can read the dead attempt's gloo address of a peer before the peer re-registers, and
+    fail with "Connection refused" (seen here when rank 0 was killed). A prefix per TORCHELASTIC_RESTART_COUNT
+    fixed that on one machine only: the count is each node's own (torch counts a failure restart, not a
+    membership change), so after one node's worker died the two nodes' ranks waited under different
+    prefixes until the timeout. So rank 0 starts a fresh store on a free port and announces it in the agent
+    store with a nonce; the others connect to the announced one that answers with that nonce (a stale
+    announcement points at a dead rank 0's port, or at a reused port holding another nonce).
     """
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_hosts_store and rank == 0, timeout=timedelta(minutes=10),
-                          multi_tenant=True)
-    return dist.PrefixStore(f"trainserve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 hosts MASTER_PORT's store: new per attempt
+        return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT, multi_tenant=True)
+    agent = dist.TCPStore(addr, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+    if rank == 0:
+        nonce = secrets.token_hex(8)
+        own = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        own.set(ATTEMPT_STORE_KEY, nonce)
+        agent.set(ATTEMPT_STORE_KEY, f"{own.port} {nonce}")
+        return own
+    return join_attempt_store(agent, addr, world_size)
+
+
+def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.Store:
+    """The store rank 0 of this attempt announced (see attempt_store), once it answers with its nonce."""
+    deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+    while time.monotonic() < deadline:
+        port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()  # waits for the first announcement
+        try:
+            own = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=timedelta(seconds=2))
+            if own.get(ATTEMPT_STORE_KEY).decode() == nonce:
+                own.set_timeout(STORE_TIMEOUT)
+                return own
+        except (RuntimeError, dist.DistStoreError):  # a dead attempt's port: rank 0 has not announced yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"rank 0 announced no live store at {addr} in {STORE_TIMEOUT} (agent store key "
+                       f"{ATTEMPT_STORE_KEY}): did rank 0 start?")
+
+
+def job_restarts(info: DistInfo) -> int:
+    """How many times torchrun restarted this job's workers: the most any node counted. Each node's agent
+    counts only its own failure restarts (TORCHELASTIC_RESTART_COUNT); a node restarted because another
+    node's worker died counts 0, yet its ranks resume with everyone else's. Collective."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    if info.distributed:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 # How long the main thread hands the GIL to gloo's worker threads before the interpreter exits.
