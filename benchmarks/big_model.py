@@ -20,7 +20,7 @@ model's size (its safetensors file's tensors) and its largest tensor, both read 
 pays before it holds a byte of the model.
 
 Targets (issue 20): consolidation <= 1.5x the largest tensor; export (gates and registration in the same
-process), serving <= 1.3x the model; training reported per rank. Needs about 8x the model's size in free
+process), serving <= 1.3x the model; training reported per rank. Needs about 5x the model's size in free
 memory (two ranks) and 9x on disk; refuses to start with less memory unless --force.
 
     .venv/bin/python benchmarks/big_model.py                 # 5M rows: 2.56 GB
@@ -60,9 +60,9 @@ def main() -> int:
     args = parser.parse_args()
     model_bytes = args.rows * 128 * 4
     available = _meminfo("MemAvailable")
-    if available < 8 * model_bytes and not args.force:
+    if available < 5 * model_bytes and not args.force:
         print(f"big_model: {available / 1e9:.1f} GB of memory available, a {model_bytes / 1e9:.2f} GB model needs "
-              f"about {8 * model_bytes / 1e9:.0f} GB here (two training ranks); --force to start anyway",
+              f"about {5 * model_bytes / 1e9:.0f} GB here (two training ranks); --force to start anyway",
               file=sys.stderr)
         return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="trainserve-big-"))
@@ -168,19 +168,26 @@ def tensor_sizes(path: Path) -> tuple[int, int]:
 
 
 def print_table(rows: list[tuple[str, float, int]], size: int, largest: int, table_rows: int) -> None:
+    """One line per stage: its peak and the ratios the targets are stated in, on the whole peak and on what it
+    holds over the baseline process (the imports alone), which at small sizes is most of a peak."""
     targets = {"consolidate": ("<= 1.5x largest", largest, 1.5), "export+gates+register": ("<= 1.3x model", size, 1.3),
                "serve": ("<= 1.3x model", size, 1.3)}
+    base = dict((stage, peak) for stage, _, peak in rows).get("baseline", 0)
     print(f"\nmodel: {table_rows:,} x 128 fp32 table + head = {size / 1e9:.2f} GB; largest tensor "
           f"{largest / 1e9:.2f} GB; peak RSS of each stage's process\n")
-    print(f"| {'stage':<22} | {'time s':>7} | {'peak RSS GB':>11} | {'x model':>7} | {'x largest':>9} | target |")
-    print(f"|{'-' * 24}|{'-' * 9}|{'-' * 13}|{'-' * 9}|{'-' * 11}|--------|")
+    print("| stage | time s | peak RSS GB | x model | x largest | over baseline: x model | x largest | target |")
+    print("|---|---|---|---|---|---|---|---|")
     for stage, seconds, peak in rows:
         target, of, limit = targets.get(stage, ("", 0, 0))
-        verdict = f"{target}: {'met' if peak <= limit * of else 'MISSED'}" if target else ""
-        print(f"| {stage:<22} | {seconds:7.1f} | {peak / 1e9:11.2f} | {peak / size:7.2f} | {peak / largest:9.2f} | "
-              f"{verdict} |")
+        verdict = f"{target}: {'met' if peak <= limit * of else 'missed'}" if target else ""
+        if target and stage != "baseline":
+            verdict += f" ({'met' if peak - base <= limit * of else 'missed'} over baseline)"
+        over = max(peak - base, 0)
+        print(f"| {stage} | {seconds:.1f} | {peak / 1e9:.2f} | {peak / size:.2f} | {peak / largest:.2f} | "
+              f"{over / size:.2f} | {over / largest:.2f} | {verdict} |")
     print("\ntrain: the time is the whole `pipeline train` (both ranks); serve: start until ready (download, "
-          "hash checks, session), the peak over the start and the requests")
+          "hash checks, session), the peak over the start and the requests; baseline: python with torch, "
+          "onnxruntime and mlflow imported")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
     if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
-        onnx_export.save(exported.model, onnx_path)  # the longest token inputs in its metadata: the server's 400 past them
+        # the longest token inputs in its metadata: the server's 400 past them
+        onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
     results.update(run_gates(cpu_sess, ref, batches, cfg))
