@@ -116,3 +116,34 @@ def test_a_data_file_changed_in_the_store_is_refused_by_the_server_and_by_verify
     again: list = []
     verify.onnx_link(NAME, "1", tags, tmp_path / "verify-again", again.append)
     assert again[0].status == "ok", again[0].detail
+
+
+def test_the_exporter_lets_go_of_the_weights_once_they_are_written(tmp_path):
+    """onnxscript's rewrite rules keep the last graph they matched, and the graph the module's tensors: unless
+    export drops them, the exporter's copy of a 2.5 GB table stays in memory beside onnxruntime's."""
+    import gc
+    import weakref
+
+    from pipeline.components import onnx_export
+    from pipeline.components.build import ModelSpec
+    from pipeline.tasks.classification import Classification
+
+    model = instantiate_model(ModelSpec("examples.recommender.model:BagOfItems",
+                                        {"rows": 1000, "dim": 8, "blocks": 2})).eval()
+    weight = weakref.ref(model.table[0].embedding.weight)
+    head = onnx_export.ExportHead(model, Classification(["no_click", "click"], top_k=1), ["input"], True)
+    exported = onnx_export.export(head, {"input": torch.randint(0, 1000, (2, 8))}, {}, 18, {},
+                                  tmp_path / "model.onnx", "always")
+    assert exported.exporter == "dynamo" and onnx_export.data_file(tmp_path / "model.onnx").is_file()
+    del model, head
+    gc.collect()
+    assert weight() is None
+
+
+def test_the_reference_model_uses_the_weights_file_mapped_not_copied(registered):
+    """load_model assigns the tensors safetensors maps: a model of N GB costs N GB once, as pages are read."""
+    from pipeline.components.weights import load_model, read_weights
+
+    weights = read_weights(registered["root"] / "consolidated")
+    model = load_model(weights)
+    assert all(p.data_ptr() == weights.state_dict[k].data_ptr() for k, p in model.state_dict().items())
