@@ -97,7 +97,7 @@ def test_the_server_loads_the_pair_from_the_registry_and_answers_as_onnxruntime_
     np.testing.assert_allclose(np.array(served["data"]).reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_a_data_file_changed_in_the_store_is_refused_by_the_server_and_by_verify(registered, tmp_path):
+def test_a_data_file_changed_in_the_store_is_refused_by_the_servers_loader_and_by_verify(registered, tmp_path):
     stored = next((registered["root"] / "artifacts").rglob("model.onnx.data"))
     original = stored.read_bytes()
     tags = mlflow.MlflowClient().get_model_version(NAME, "1").tags
