@@ -217,6 +217,8 @@ class ExportConfig(Section):
     metric_atol: float = Field(1e-6, ge=0, description="The absolute part of that limit, for a metric near 0.")
     dynamic_axes: dict[str, list[int]] = Field(
         default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")
+    external_data: Literal["auto", "always"] = Field(
+        "auto", description="Where the graph's weights go: auto = inside model.onnx, unless they pass protobuf's 2 GB limit; always = in model.onnx.data beside it (ONNX external data), whatever their size.")
     ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
     fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
     int8: Literal["off", "auto", "static", "dynamic"] = Field(

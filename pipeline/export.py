@@ -29,6 +29,7 @@ gate registers nothing and the CLI exits 1 pointing at the report.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import logging
@@ -55,6 +56,7 @@ from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
 from serving import drift
+from serving.loader import recorded_data_hash_tag
 
 log = logging.getLogger("pipeline.export")
 
@@ -119,17 +121,19 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         **lineage_metadata(weights), "trainserve.opset": str(cfg.opset),
         # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
         "trainserve.decision": task.decision or "", "trainserve.prediction": task.prediction or ""})
-    exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata)
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"
-    _save(exported.model, onnx_path)
+    exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata, onnx_path,
+                                  cfg.external_data)
+    gc.collect()  # the exporter's copy of the weights goes before onnxruntime maps its own
     log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
 
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
     if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
-        _save(exported.model, onnx_path)  # the longest token inputs in its metadata: the server's 400 past them
+        # the longest token inputs in its metadata: the server's 400 past them
+        onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
     results.update(run_gates(cpu_sess, ref, batches, cfg))
@@ -146,7 +150,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         results.update({f"optimized.{k}": v for k, v in run_gates(sess, ref, batches, cfg).items()})
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
-        _save(gates.to_fp16(exported.model), variants["fp16"])
+        onnx_export.save(gates.to_fp16(_with_weights(exported.model, onnx_path)), variants["fp16"])
         results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
     int8_report = None
     if cfg.int8 != "off":
@@ -164,13 +168,16 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         report["variants_measured"] = measured
         report["fastest_variants"] = {provider: int8.fastest(m) for provider, m in measured.items()}
     if report["passed"]:
-        onnx_path = onnx_path.replace(out / "model.onnx")
+        exported.model = _moved(exported.model, onnx_path, out / "model.onnx")
+        onnx_path = out / "model.onnx"
         report["drift_reference"] = str(drift_reference(cpu_sess, splits.train, out / drift.FILE))
     else:
         # Kept for debugging under a name no one serves by accident.
-        onnx_path = onnx_path.replace(out / "model.rejected.onnx")
+        onnx_export.move(onnx_path, out / "model.rejected.onnx")
+        onnx_path = out / "model.rejected.onnx"
         for variant, path in list(variants.items()):
-            variants[variant] = path.replace(path.with_name(path.name.replace(".onnx", ".rejected.onnx")))
+            variants[variant] = path.with_name(path.name.replace(".onnx", ".rejected.onnx"))
+            onnx_export.move(path, variants[variant])
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
     # champion vs challenger, on the same split, the same way (again at registration if the champion moved)
@@ -262,12 +269,16 @@ def config_digest(config_tree: dict) -> str:
 # Gates of the variants, report, MLflow
 
 
-def _save(model, path: Path) -> None:
+def _moved(graph, src: Path, dst: Path):
+    """The passed candidate renamed to `dst` with its data file, if any; the graph as saved there."""
+    return onnx_export.move(src, dst) or graph
+
+
+def _with_weights(graph, path: Path):
+    """`graph` with its weights in memory: itself, or read again with its data file (for the fp16 converter)."""
     import onnx
 
-    # One self-contained file is what the server loads; only a model past protobuf's 2 GB needs external data.
-    big = model.ByteSize() > 1_800_000_000
-    onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
+    return onnx.load(str(path)) if onnx_export.data_file(path) else graph
 
 
 def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
@@ -435,7 +446,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         providers = [CUDA, CPU] if _cuda() else [CPU]
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
-            metadata={"trainserve.report": report["gates"]["parity.val"]["message"]})
+            metadata={"trainserve.report": report["gates"]["parity.val"]["message"]},
+            data_file=onnx_export.data_file(result.onnx_path))
         for variant in ("fp16", "int8"):  # servable: a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
@@ -444,6 +456,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             tags = lineage_tags(weights, report)
             tags["trainserve.run_id"] = logged_to
             tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
+            if (data := onnx_export.data_file(result.onnx_path)) is not None:  # the weights, when past 2 GB
+                tags[recorded_data_hash_tag("fp32")] = report["onnx_data_sha256"] = file_sha256(data)
             for variant, path in variants.items():  # every file a version carries: the server checks them all
                 tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
             tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))

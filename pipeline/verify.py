@@ -5,7 +5,8 @@ failed, and says why); exit 1 on any FAIL, else 3 when a link was skipped (the c
 proven, not broken), 0 only when every link was checked:
 
     registry     the alias -> a version, with the lineage tags export wrote
-    onnx         the registered ONNX file's sha256 equals the version's recorded one
+    onnx         the registered ONNX file's sha256 equals the version's recorded one, and so does its
+                 external data file's (model.onnx.data, the weights of a graph past 2 GB) when it has one
     lineage      the ONNX's own metadata (weights and model.json hashes, run) equals the version's tags
     weights      the run's model.safetensors hashes to what its model.json says, and model.json to what
                  the ONNX recorded
@@ -113,17 +114,22 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 
     from pipeline.components import tracking
     from pipeline.components.safetensors_writer import file_sha256
+    from serving.loader import data_file_of, recorded_data_hash_tag
 
     try:
         path = tracking.download_version_onnx(name, version, tmp / "onnx")
     except Exception as exc:  # noqa: BLE001 - whatever the store raises
         report(Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}"))
         return None, {}
-    digest = file_sha256(path)
-    recorded = tags.get("trainserve.onnx_sha256", "")
-    report(Link("onnx", "ok" if digest == recorded else "FAIL",
-                f"{path.name} sha256 {digest[:16]}" + ("" if digest == recorded else
-                                                       f" != the version's recorded {recorded[:16] or '(none)'}")))
+    checked = [(path, "trainserve.onnx_sha256")]
+    if (data := data_file_of(path)) is not None or tags.get(recorded_data_hash_tag("fp32")):  # weights past 2 GB
+        checked.append((data or path.with_name(path.name + ".data"), recorded_data_hash_tag("fp32")))
+    said = []
+    for file, tag in checked:
+        digest, recorded = file_sha256(file) if file.is_file() else "(missing)", tags.get(tag, "")
+        said.append(f"{file.name} sha256 {digest[:16]}" + ("" if digest == recorded else
+                                                          f" != the version's recorded {recorded[:16] or '(none)'}"))
+    report(Link("onnx", "ok" if all("!=" not in s for s in said) else "FAIL", "; ".join(said)))
     try:
         props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
     except Exception as exc:  # noqa: BLE001 - a damaged file
@@ -269,7 +275,8 @@ def server_link(url: str, name: str, version: str, tags: dict, props: dict, toke
         return
     served = {"version": receipt.get("x-model-version", ""),
               "weights": receipt.get("x-model-weights-sha256", ""), "onnx": receipt.get("x-model-onnx-sha256", "")}
-    recorded = {v for k, v in tags.items() if k.startswith("trainserve.onnx") and k.endswith("_sha256") and v}
+    recorded = {v for k, v in tags.items() if k.startswith("trainserve.onnx") and k.endswith("_sha256") and v
+                and not k.endswith("_data_sha256")}
     params = meta.get("parameters") or {}
     problems = []
     if served["version"] != version or version not in [str(v) for v in meta.get("versions", [])]:

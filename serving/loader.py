@@ -70,6 +70,19 @@ def recorded_hash_tag(variant: str) -> str:
     return "trainserve.onnx_sha256" if variant == "fp32" else f"trainserve.onnx_{variant}_sha256"
 
 
+def recorded_data_hash_tag(variant: str) -> str:
+    """The registry version tag holding the sha256 of a variant's external data file (`<file>.onnx.data`, where
+    the export puts the weights of a graph past protobuf's 2 GB): trainserve.onnx[_<variant>]_data_sha256."""
+    return recorded_hash_tag(variant).removesuffix("_sha256") + "_data_sha256"
+
+
+def data_file_of(path: Path) -> Path | None:
+    """The external data file beside an ONNX file, as the export names it (`<file>.data`), if there is one. The
+    graph's own reference to it is covered by the ONNX file's hash; this file's bytes by its own."""
+    data = path.with_name(path.name + ".data")
+    return data if data.is_file() else None
+
+
 def file_sha256(path: Path, block: int = 1 << 20) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
@@ -184,6 +197,9 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         digest = file_sha256(path)
         if registered is not None:
             _check_recorded_hash(registered, version, variant, path, digest)
+            if (data := data_file_of(path)) is not None:  # the weights of a graph past 2 GB: checked the same way
+                _check_recorded_hash(registered, version, variant, data, file_sha256(data),
+                                     recorded_data_hash_tag(variant))
         engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu)
         if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
             raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
@@ -210,13 +226,14 @@ def _drift_reference(path: Path) -> dict | None:
         return None
 
 
-def _check_recorded_hash(registered: str, version: str, variant: str, path: Path, digest: str) -> None:
+def _check_recorded_hash(registered: str, version: str, variant: str, path: Path, digest: str,
+                         tag: str = "") -> None:
     """Refuse a registry file whose sha256 is not the one its version records: the file's own metadata (its
     lineage, what receipts name) is no proof, anyone who can write the store can change weights and keep it.
     A version that records none (registered by hand, not by `pipeline export`) is served with a warning."""
     import mlflow
 
-    tag = recorded_hash_tag(variant)
+    tag = tag or recorded_hash_tag(variant)
     try:
         recorded = mlflow.MlflowClient().get_model_version(registered, version).tags.get(tag, "")
     except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors

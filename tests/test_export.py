@@ -231,14 +231,14 @@ def test_bad_inputs_each_get_one_clear_error(trained, store, tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1, err
 
 
-def test_an_operator_no_exporter_handles_is_named():
+def test_an_operator_no_exporter_handles_is_named(tmp_path):
     class Zeta(torch.nn.Module):
         def forward(self, x):
             return torch.special.zeta(x.flatten(1) + 2, x.flatten(1) + 1)[:, :10]
 
     head = onnx_export.ExportHead(Zeta(), Regression(), ["input"], True)
     with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
-        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, {}, 18, {})
+        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, {}, 18, {}, tmp_path / "zeta.onnx")
 
 
 def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained):
@@ -264,12 +264,14 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
         {"CUDAExecutionProvider" if on_cuda else "CPUExecutionProvider"}
 
 
-def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained):
+def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained, tmp_path):
     # Dynamo builds opset 18 and converts down; for 17 onnx's converter fails on this graph and
     # torch returns opset 18 anyway. That counts as a failure: the TorchScript exporter takes over.
     head = head_of(instantiate_model(trained["spec"]).eval())
-    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, {}, 17, {})
+    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, {}, 17, {},
+                                  tmp_path / "model.onnx")
     assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
+    assert onnx.load(str(tmp_path / "model.onnx")).opset_import == exported.model.opset_import  # what it wrote
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
     assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic
 

@@ -6,6 +6,11 @@ the dtypes and sample shapes of the validation data, a dynamic batch axis, and t
 names it: `logits`, `prediction`, `output`; dict keys and ModelOutput fields as they are; tuples as
 `output_0`, `output_1`, ...) and the outputs the task adds (`probabilities`, the softmax inside the
 graph). Preprocessing that lives in the model (the built-ins' normalization buffers) is in the graph too.
+
+A graph whose weights pass protobuf's 2 GB limit (or any, with `export.external_data=always`) is written as
+`<file>.onnx` plus its weights in `<file>.onnx.data` beside it (ONNX external data): the exporter streams
+the weights there straight from the module's tensors, so no protobuf ever holds them (pytorch #132205,
+onnxruntime #7974). The two files travel together: `move` renames both, `data_file` names the second.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 import torch
@@ -58,21 +64,26 @@ class ExportHead(nn.Module):
         return tuple(exported[name] for name in self.output_names)
 
 
+# One protobuf holds at most 2 GB (and onnx refuses to serialize past it): weights past this go to a data file.
+EXTERNAL_DATA_ABOVE = 1_800_000_000
+
+
 @dataclass
 class Exported:
-    model: onnx.ModelProto
+    model: onnx.ModelProto   # the graph as saved; without its weights when they are in a data file
     exporter: str            # "dynamo" (torch.export + onnxscript) or "torchscript" (legacy fallback)
     fallback_reason: str     # why dynamo was not used; "" when it was
     seconds: float
 
 
-def export(head: ExportHead, example: dict[str, torch.Tensor],
-           dynamic_axes: dict[str, list[int]], opset: int, metadata: dict[str, str]) -> Exported:
-    """Exports `head` (eval mode, fp32) with the dynamo exporter, the legacy one only if that fails.
+def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]], opset: int,
+           metadata: dict[str, str], path: Path, external_data: str = "auto") -> Exported:
+    """Exports `head` (eval mode, fp32) to `path` with the dynamo exporter, the legacy one only if that fails.
 
     `example`: one batch of real inputs by name; only dtypes and the sizes of fixed axes matter.
     `dynamic_axes`: input name -> axes besides the batch that vary (checked against the inputs).
     `metadata` goes into the graph's metadata_props (the server reads the model name and labels).
+    `external_data`: "always", or "auto" = when the weights pass EXTERNAL_DATA_ABOVE (see the module docstring).
     """
     from pipeline.components.build import check_dynamic_axes
 
@@ -80,9 +91,13 @@ def export(head: ExportHead, example: dict[str, torch.Tensor],
     check_dynamic_axes(dynamic_axes, {name: t.dim() for name, t in example.items()})
     args = tuple(example_batch(example, dynamic_axes)[n] for n in names)
     head = head.eval()
+    external = external_data == "always" or weights_size(head) > EXTERNAL_DATA_ABOVE
+    for stale in (path, path.with_name(path.name + ".data")):  # onnx appends to a data file that is there
+        stale.unlink(missing_ok=True)
     start = time.perf_counter()
     try:
-        proto = _check_opset(_export_dynamo(head, args, names, output_names, dynamic_axes, opset), opset, "dynamo")
+        proto = _check_opset(_export_dynamo(head, args, names, output_names, dynamic_axes, opset, path, external),
+                             opset, "dynamo")
         exporter, reason = "dynamo", ""
     except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
@@ -103,7 +118,60 @@ def export(head: ExportHead, example: dict[str, torch.Tensor],
     _name_dynamic_dims(proto, names, dynamic_axes)
     for key, value in metadata.items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
+    save(proto, path, external)
     return Exported(proto, exporter, reason, seconds)
+
+
+def weights_size(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers: what the graph's initializers will hold."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
+    """`proto` to `path`; its weights into `<path>.data` when `external` (or past EXTERNAL_DATA_ABOVE). A graph
+    whose weights are in a data file already (loaded without them) is written as it is, still naming that file."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    if any(uses_external_data(t) for t in _get_all_tensors(proto)):
+        onnx.save_model(proto, str(path))  # names its data file already (onnx refuses to convert it again)
+        return
+    external = external or proto.ByteSize() > EXTERNAL_DATA_ABOVE
+    onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=path.name + ".data" if external else None)
+
+
+def data_file(path: Path) -> Path | None:
+    """The external data file the ONNX graph at `path` names (beside it), or None when its weights are inline.
+    Reads the graph only, never the weights."""
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    graph = onnx.load(str(path), load_external_data=False)
+    locations = {ExternalDataInfo(t).location for t in _get_all_tensors(graph) if uses_external_data(t)}
+    if len(locations) > 1:
+        raise ExportError(f"{path} keeps its weights in several files ({sorted(locations)}); one is expected")
+    return path.parent / locations.pop() if locations else None
+
+
+def move(src: Path, dst: Path) -> onnx.ModelProto | None:
+    """Renames an ONNX file and its data file together (`dst` and `<dst>.data`), the graph rewritten to name the
+    new data file. Returns the graph as now saved (without its weights) when it has a data file, else None."""
+    data = data_file(src)
+    if data is None:
+        src.replace(dst)
+        return None
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    graph = onnx.load(str(src), load_external_data=False)
+    for tensor in _get_all_tensors(graph):
+        if uses_external_data(tensor):
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = dst.name + ".data"
+    data.replace(dst.with_name(dst.name + ".data"))
+    onnx.save_model(graph, str(dst))
+    if src != dst:
+        src.unlink()
+    return graph
 
 
 def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
@@ -139,7 +207,7 @@ def _check_opset(proto: onnx.ModelProto, opset: int, which: str) -> onnx.ModelPr
 
 
 def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],
-                   dynamic_axes: dict[str, list[int]], opset: int) -> onnx.ModelProto:
+                   dynamic_axes: dict[str, list[int]], opset: int, path: Path, external: bool) -> onnx.ModelProto:
     # Dim.DYNAMIC: torch.export works out which dynamic sizes are equal (tokens and their mask).
     dynamic = torch.export.Dim.DYNAMIC
     shapes = tuple({0: dynamic, **{a: dynamic for a in dynamic_axes.get(n, [])}} for n in names)
@@ -149,7 +217,17 @@ def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names:
             head, args, dynamo=True, verbose=False, opset_version=opset, input_names=names,
             output_names=list(output_names), dynamic_shapes=(shapes,),  # one entry: forward's *inputs
             optimize=True)
-    return program.model_proto
+    if not external:
+        return program.model_proto
+    # Streamed from the module's own tensors to <path>.data, one at a time; the graph read back without them.
+    program.save(str(path), external_data=True)
+    # onnxscript's rewrite rules keep the last graph they matched (module-level matchers: not freed with the
+    # program), and the graph holds the module's tensors: let go of them, or the exporter's copy of the weights
+    # stays in memory beside onnxruntime's.
+    for value in program.model.graph.initializers.values():
+        value.const_value = None
+    del program
+    return onnx.load(str(path), load_external_data=False)
 
 
 def _export_torchscript(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],

@@ -19,7 +19,7 @@ from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import Splits
 from pipeline.components.onnx_export import ExportHead
 from pipeline.components.reference import ArtifactSource, check_all_trusted, recorded_components
-from pipeline.components.weights import META_FILE, Weights, load_model
+from pipeline.components.weights import META_FILE, Weights, load_model, remapped
 from pipeline.errors import DataError
 from pipeline.tasks import build_task
 
@@ -36,9 +36,10 @@ class Reference:
     hint: str
 
     def fresh_head(self) -> ExportHead:
-        """Another copy of the model, for an exporter that may change what it is given."""
-        return ExportHead(load_model(self.weights, self.source, self.hint), self.task, self.splits.input_names,
-                          self.splits.single_input)
+        """Another copy of the model, for an exporter that may change what it is given: its tensors mapped from the
+        file again, so that none is shared with the reference."""
+        return ExportHead(load_model(remapped(self.weights), self.source, self.hint), self.task,
+                          self.splits.input_names, self.splits.single_input)
 
 
 def rebuild(weights: Weights, trusted: Sequence[str] = (), data_cfg=None, task_cfg=None) -> Reference:

@@ -446,16 +446,24 @@ def _set_terminated(run_id: str, status: str) -> None:
 
 
 @uninterrupted
-def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str], metadata: dict[str, str]) -> str:
-    """The ONNX model as `model` of the active run, with its signature and one example; returns its URI."""
+def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str], metadata: dict[str, str],
+                   data_file: Path | None = None) -> str:
+    """The ONNX model as `model` of the active run, with its signature and one example; returns its URI.
+    `data_file`: the file `model` keeps its weights in (ONNX external data; `model` is then the graph only),
+    logged beside model.onnx under its own name, the one the graph names."""
     import mlflow
 
     info = mlflow.onnx.log_model(
         model, name="model", signature=signature,
-        input_example=inputs, onnx_execution_providers=providers,
+        # MLflow checks an example by running the model in onnxruntime before the data file can be put beside it
+        # (it fails, with a warning), and would hold another copy of the weights doing so; the export's gates ran
+        # the very file already. So a model with a data file is logged with its signature only.
+        input_example=None if data_file else inputs, onnx_execution_providers=providers,
         # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
         pip_requirements=mlflow.onnx.get_default_pip_requirements(),
         save_as_external_data=False, metadata=metadata)
+    if data_file is not None:
+        log_beside_model(info.model_uri, data_file)
     return info.model_uri
 
 

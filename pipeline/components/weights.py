@@ -9,7 +9,7 @@ the checkpoint it came from (`source`), and the sha256 of model.safetensors, whi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ def read_weights(directory: Path) -> Weights:
         raise WeightsError(f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
                            "the file was changed or truncated after consolidation")
     config = config_from_dict(meta["config"])
-    try:
+    try:  # mapped, not read: a tensor's pages are read (and count against the process) when touched
         state_dict = load_file(str(weights_path))
     except (SafetensorError, OSError) as exc:
         raise WeightsError(f"{weights_path}: cannot be read as safetensors ({exc})") from None
@@ -92,10 +92,20 @@ def load_model(weights: Weights, source: ArtifactSource | None = None, missing_h
         raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
                            f"({spec.component} with args {_brief(spec.args)}): {shown}")
     # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
-    # the graph and its gates run at the precision the model was defined in.
+    # the graph and its gates run at the precision the model was defined in. assign: the module takes the
+    # file's tensors themselves (mapped, see read_weights) instead of copying them into its freshly initialized
+    # ones, so a model of N GB costs N GB once, in pages read only as they are used (a lookup reads its rows).
     own = model.state_dict()
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True)
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True, assign=True)
     return model.eval()
+
+
+def remapped(weights: Weights) -> Weights:
+    """`weights` with tensors of their own, mapped from the file again: a model built from them shares no tensor
+    with one built from `weights` (what one does to its weights, the other does not see)."""
+    from safetensors.torch import load_file
+
+    return replace(weights, state_dict=load_file(str(weights.directory / WEIGHTS_FILE)))
 
 
 def _brief(args: dict) -> str:
