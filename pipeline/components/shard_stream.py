@@ -268,12 +268,15 @@ def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tens
     return flat.as_strided(stored.sizes, stored.stride, stored.offset)
 
 
-class _Window(io.RawIOBase):
-    """A seekable reader of `length` bytes of a file from `base`, by pread: the file's own position (the
-    front-to-back hashing pass) never moves."""
+class _Seekable(io.RawIOBase):
+    """A read-only, seekable stream of `length` bytes: zipfile reads a stored tensor's directory through it.
+    Subclasses say where the bytes come from (`_read_at`)."""
 
-    def __init__(self, fd: int, base: int, length: int):
-        self.fd, self.base, self.length, self.pos = fd, base, length, 0
+    def __init__(self, length: int):
+        self.length, self.pos = length, 0
+
+    def _read_at(self, pos: int, n: int) -> bytes:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -290,7 +293,7 @@ class _Window(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         end = self.length if n is None or n < 0 else min(self.length, self.pos + n)
-        data = os.pread(self.fd, max(0, end - self.pos), self.base + self.pos) if end > self.pos else b""
+        data = self._read_at(self.pos, end - self.pos) if end > self.pos else b""
         self.pos += len(data)
         return data
 
@@ -300,32 +303,24 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-class _Reader(io.RawIOBase):
-    """A seekable file over a memoryview: zipfile reads the directory through it, copying only what it reads."""
+class _Window(_Seekable):
+    """`length` bytes of a file from `base`, by pread: the file's own position (the front-to-back hashing pass)
+    never moves."""
+
+    def __init__(self, fd: int, base: int, length: int):
+        super().__init__(length)
+        self.fd, self.base = fd, base
+
+    def _read_at(self, pos: int, n: int) -> bytes:
+        return os.pread(self.fd, n, self.base + pos)
+
+
+class _Reader(_Seekable):
+    """A memoryview as a file, copying only what is read."""
 
     def __init__(self, view: memoryview):
-        self.view, self.pos = view, 0
+        super().__init__(len(view))
+        self.view = view
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: offset, 1: self.pos + offset, 2: len(self.view) + offset}[whence]
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
-        data = bytes(self.view[self.pos:end])
-        self.pos = max(self.pos, end)
-        return data
-
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
+    def _read_at(self, pos: int, n: int) -> bytes:
+        return bytes(self.view[pos:pos + n])
