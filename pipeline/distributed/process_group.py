@@ -158,7 +158,8 @@ def job_restarts(info: DistInfo) -> int:
     """How many times torchrun restarted this job's workers: the most any node counted. Each node's agent
     counts only its own failure restarts (TORCHELASTIC_RESTART_COUNT); a node restarted because another
     node's worker died counts 0, yet its ranks resume with everyone else's. Collective."""
-    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    # On the group's own device: NCCL reduces only CUDA tensors (a CPU tensor there fails every rank at start).
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], device=info.device)
     if info.distributed:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
