@@ -113,9 +113,11 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
         raise ConfigError(f"{what}={url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
                           "AWS_ENDPOINT_URL for a server other than AWS S3)")
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
-    bucket = url.key.split("/", 1)[0]
+    bucket, _, prefix = url.key.partition("/")
     try:
-        filesystem().ls(bucket)
+        # One key under the run's prefix, not a listing of the bucket: a policy may allow only prefix/*, and a
+        # large bucket's top level takes pages to list.
+        filesystem().call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
     except FileNotFoundError:
         raise ConfigError(f"{what}={url}: bucket '{bucket}' does not exist on {endpoint}; create it first") from None
     except PermissionError as exc:
@@ -225,10 +227,16 @@ def fetch(url: str, local) -> None:
         fs.get_file(f"{key}/{name}", os.path.join(local, name))
 
 
-def sha256(url: str) -> str:
+def sha256(url: str, block: int = 8 << 20) -> str:
+    """Read in blocks: a shard is as big as a rank's share of the model, and hashing it whole would hold it in
+    memory once more after every save."""
     import hashlib
 
-    return hashlib.sha256(read_bytes(url)).hexdigest()
+    digest = hashlib.sha256()
+    with filesystem().open(StoreUrl(url).key, "rb", block_size=block) as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def etag(url: str) -> str | None:
