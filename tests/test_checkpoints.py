@@ -201,6 +201,16 @@ def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
     assert checkpoint.latest(tmp_path) is None
 
 
+@pytest.mark.parametrize("marker", ["{}", "[]", '{"files": ["a"]}', '{"files": {"a": "12"}}'])
+def test_a_marker_of_another_shape_is_a_broken_checkpoint_not_a_crash(tmp_path, marker):
+    good = save_one(tmp_path, 1)
+    newer = save_one(tmp_path, 2)
+    (newer / checkpoint.MARKER).write_text(marker)  # valid JSON, not a listing: written by someone else
+    with pytest.raises(CheckpointError, match="marker is not a listing of files and sizes"):
+        checkpoint.verify_complete(newer)
+    assert checkpoint.latest(tmp_path) == good
+
+
 def test_missing_metadata_and_missing_directory_are_named(tmp_path):
     ckpt = save_one(tmp_path, 1)
     (ckpt / ".metadata").unlink()

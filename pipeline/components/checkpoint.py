@@ -127,7 +127,7 @@ def verify_complete(path: Path) -> dict:
         listing = json.loads(marker.read_text())
     except json.JSONDecodeError:
         raise CheckpointError(f"checkpoint '{path}': {MARKER} marker is corrupt") from None
-    for name, size in listing["files"].items():
+    for name, size in marker_files(listing, path).items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint '{path}': file '{name}' is missing")
@@ -137,6 +137,15 @@ def verify_complete(path: Path) -> dict:
     if ".metadata" not in listing["files"]:
         raise CheckpointError(f"checkpoint '{path}' has no .metadata: not a DCP checkpoint")
     return listing
+
+
+def marker_files(listing, where) -> dict[str, int]:
+    """The marker's {file name: size}, its shape checked: a marker is untrusted input, and valid JSON of another
+    shape ({} or []) must read as a broken checkpoint, not end the caller in a KeyError."""
+    files = listing.get("files") if isinstance(listing, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(k, str) and type(v) is int for k, v in files.items()):
+        raise CheckpointError(f"checkpoint '{where}': {MARKER} marker is not a listing of files and sizes")
+    return files
 
 
 def _verify_complete_on_store(url: StoreUrl) -> dict:
@@ -151,7 +160,7 @@ def _verify_complete_on_store(url: StoreUrl) -> dict:
         listing = json.loads(object_store.read_bytes(url / MARKER))
     except (ValueError, FileNotFoundError):
         raise CheckpointError(f"checkpoint '{url}': {MARKER} marker is corrupt or gone") from None
-    for name, size in listing["files"].items():
+    for name, size in marker_files(listing, url).items():
         if name not in present:
             raise CheckpointError(f"checkpoint '{url}': file '{name}' is missing")
         if present[name] != size:
