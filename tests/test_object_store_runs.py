@@ -171,6 +171,10 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
     object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-thief", "heartbeat": time.time()})
     time.sleep(1.0)
     assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"
+    # ... and this process writes nothing there any more: a save (which would prune the thief's checkpoints) stops.
+    with pytest.raises(run_dir.RunDirBusy, match=rf"{url} was taken over by job job-thief .* stops writing there"):
+        saved(url / "checkpoints", [1])
+    assert not object_store.exists(url / "checkpoints")
     run_dir.release(url)
     assert json.loads(object_store.read_bytes(record))["job"] == "job-thief"  # not ours to remove any more
     record.unlink()

@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from pipeline.components import object_store
+from pipeline.components import object_store, run_dir
 from pipeline.components.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
@@ -232,6 +232,7 @@ def _list_complete_on_store(root: StoreUrl) -> list[StoreUrl]:
 def clear_incomplete(root: StoreUrl) -> list[str]:
     """On an object store, the step directories without a matching marker (saves a crash cut short): garbage,
     removed by the run directory's next owner before it saves anything."""
+    run_dir.check_still_owned(root.parent)
     complete = {p.name for p in list_complete(root)}
     garbage = [name for name in object_store.children(root) if STEP_DIR.match(name) and name not in complete]
     for name in garbage:
@@ -373,6 +374,7 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
         root = StoreUrl(root)
         final = tmp = root / step_dir_name(step)
         if info.is_main:  # what a crashed save left there (garbage), or a complete one being re-saved
+            run_dir.check_still_owned(root.parent)
             remove(final)
     else:
         root = Path(root)
@@ -411,6 +413,7 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
     digests = _all_gather(mine, info, group)
     if info.is_main and is_url(final):
+        run_dir.check_still_owned(final.parent.parent)  # <run>/checkpoints/step_N: the run's lease, still ours
         _publish_on_store(final, step, meta, info, digests)
         _prune(final.parent, keep_last, protect)
         log.info("checkpoint saved: %s", final)

@@ -240,6 +240,8 @@ class _Lease:
 
     def __init__(self, record: object_store.StoreUrl, answer):
         self.record, self.etag = record, (answer or {}).get("ETag")
+        self.refreshed = time.monotonic()  # the last write of our record that the store took
+        self.lost_to: dict | None = None  # the holder that took the record over
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="run-dir-lease", daemon=True)
         self.thread.start()
@@ -250,6 +252,7 @@ class _Lease:
             try:
                 answer = object_store.write_bytes(self.record, json.dumps(mine).encode(), IfMatch=self.etag)
                 self.etag = (answer or {}).get("ETag")
+                self.refreshed = time.monotonic()
             except OSError as exc:  # taken over (a 412), or the store is away for a moment
                 try:
                     holder = json.loads(object_store.read_bytes(self.record))
@@ -258,8 +261,23 @@ class _Lease:
                 if holder and (holder.get("host"), holder.get("pid")) != (mine["host"], mine["pid"]):
                     log.error("the run directory %s was taken over by %s: this process no longer owns it",
                               self.record.parent, describe(holder))
+                    self.lost_to = holder
                     return
                 log.warning("could not refresh the owner record %s (will retry): %s", self.record, exc)
+
+    def check(self) -> None:
+        """Raises RunDirBusy unless this process still owns the run directory: taken over, or not refreshed for
+        so long that another job may take it over (LEASE_S) before this write is done. Two owners would delete
+        each other's checkpoints (pruning, clearing marker-less steps): the one that lost stops instead."""
+        run_dir = self.record.parent
+        if self.lost_to is not None:
+            raise RunDirBusy(f"{run_dir} was taken over by job {self.lost_to.get('job') or '?'} "
+                             f"({describe(self.lost_to)}): this job no longer owns it and stops writing there")
+        silent = time.monotonic() - self.refreshed
+        if silent > LEASE_S - HEARTBEAT_S:
+            raise RunDirBusy(f"{run_dir}: this job's owner record {self.record} could not be refreshed for "
+                             f"{silent:.0f} s (another job may take a record over after {LEASE_S:g} s): stopping "
+                             "rather than risk two jobs writing one run; resume it once the store answers again")
 
     def release(self) -> None:
         self.stop.set()
@@ -269,6 +287,14 @@ class _Lease:
                 object_store.filesystem().rm_file(self.record.key)
         except OSError as exc:
             log.warning("could not remove the owner record %s: %s", self.record, exc)
+
+
+def check_still_owned(run_dir) -> None:
+    """Before this process changes a run directory on an object store (a save, its publish, pruning): raises
+    RunDirBusy when its lease was lost (see _Lease.check). Nothing to check for a local flock or no lease."""
+    lease = _leases.get(str(run_dir))
+    if lease is not None:
+        lease.check()
 
 
 def release(run_dir) -> None:
