@@ -147,3 +147,29 @@ def test_the_reference_model_uses_the_weights_file_mapped_not_copied(registered)
     weights = read_weights(registered["root"] / "consolidated")
     model = load_model(weights)
     assert all(p.data_ptr() == weights.state_dict[k].data_ptr() for k, p in model.state_dict().items())
+
+
+def test_a_failed_dynamo_attempt_leaves_no_bytes_in_the_fallbacks_data_file(tmp_path, monkeypatch):
+    """The dynamo exporter writes graph + data file, then a check of its result fails: the TorchScript fallback
+    saves to the same names, and onnx appends to a data file that is there (a file twice the size, dead bytes
+    hashed and uploaded) unless the attempt's files are removed first."""
+    from pipeline.components import onnx_export
+    from pipeline.components.build import ModelSpec
+    from pipeline.tasks.classification import Classification
+
+    checked = onnx_export._check_opset
+
+    def dynamo_fails_its_check(proto, opset, exporter):
+        if exporter == "dynamo":
+            raise RuntimeError("the dynamo graph failed a check after it was saved")
+        return checked(proto, opset, exporter)
+
+    monkeypatch.setattr(onnx_export, "_check_opset", dynamo_fails_its_check)
+    model = instantiate_model(ModelSpec("examples.recommender.model:BagOfItems",
+                                        {"rows": 1000, "dim": 8, "blocks": 2})).eval()
+    head = onnx_export.ExportHead(model, Classification(["no_click", "click"], top_k=1), ["input"], True)
+    path = tmp_path / "model.onnx"
+    exported = onnx_export.export(head, {"input": torch.randint(0, 1000, (2, 8))}, {}, 18, {}, path, "always")
+    assert exported.exporter == "torchscript"
+    data = onnx_export.data_file(path)
+    assert data.stat().st_size < 1.2 * onnx_export.weights_size(head), (data.stat().st_size, onnx_export.weights_size(head))

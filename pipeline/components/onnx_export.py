@@ -92,8 +92,7 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dic
     args = tuple(example_batch(example, dynamic_axes)[n] for n in names)
     head = head.eval()
     external = external_data == "always" or weights_size(head) > EXTERNAL_DATA_ABOVE
-    for stale in (path, path.with_name(path.name + ".data")):  # onnx appends to a data file that is there
-        stale.unlink(missing_ok=True)
+    remove_stale(path)
     start = time.perf_counter()
     try:
         proto = _check_opset(_export_dynamo(head, args, names, output_names, dynamic_axes, opset, path, external),
@@ -102,6 +101,7 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dic
     except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
         log.warning("dynamo exporter failed (%s); falling back to the TorchScript exporter", reason)
+        remove_stale(path)  # the dynamo attempt may have written its data file before failing a check
         try:
             proto = _check_opset(_export_torchscript(head, args, names, output_names, dynamic_axes, opset),
                                  opset, "TorchScript")
@@ -120,6 +120,13 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dic
         proto.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
     save(proto, path, external)
     return Exported(proto, exporter, reason, seconds)
+
+
+def remove_stale(path: Path) -> None:
+    """The graph and data file an earlier attempt left at `path`: onnx appends to a data file that is there, so
+    the next save's file would carry the dead bytes too (loading fine, twice the size, hashed and uploaded)."""
+    for stale in (path, path.with_name(path.name + ".data")):
+        stale.unlink(missing_ok=True)
 
 
 def weights_size(module: nn.Module) -> int:
