@@ -89,6 +89,24 @@ def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_t
     assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000001", "step_00000002"]
 
 
+def test_a_checkpoint_pruned_while_it_is_fetched_is_named_and_leaves_no_half_copy(on_store, tmp_path, monkeypatch):
+    from pipeline.components import checkpoint_store
+
+    root = StoreUrl(f"{on_store.url}/pruned/checkpoints")
+    saved(root, [1])
+    listed = object_store.files
+
+    def listed_then_pruned(url):  # the training's pruning removes a shard between the listing and its download
+        names = listed(url)
+        object_store.filesystem().rm_file((StoreUrl(url) / "__0_0.distcp").key)
+        return names
+
+    monkeypatch.setattr(object_store, "files", listed_then_pruned)
+    with pytest.raises(CheckpointError, match="was removed while it was being fetched: .* fetch again"):
+        checkpoint_store.fetch_checkpoint(root / "step_00000001", tmp_path)
+    assert list((tmp_path / "pruned").iterdir()) == []  # neither the step's name nor a staging directory
+
+
 def test_a_bad_url_or_a_store_that_cant_be_used_is_refused_with_what_to_do(store, monkeypatch):
     with pytest.raises(ConfigError, match="'gs://' is not a supported object store; use s3://<bucket>/<prefix>"):
         load_config(str(TINY), ["train.output_dir=gs://bucket/runs"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from pipeline.components import checkpoint, object_store, tracking
@@ -151,14 +152,38 @@ def _choose_on_store(url: object_store.StoreUrl, latest: bool) -> object_store.S
     return root / best["checkpoint"] if best else found
 
 
+def _still_complete(url) -> bool:
+    try:
+        checkpoint.verify_complete(url)
+        return True
+    except checkpoint.CheckpointError:
+        return False
+
+
 def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
     """A checkpoint on an object store (a step directory, or a run directory: its best unless `latest`) copied
     into `dest/<run>/<step>/`, and verified there against its marker's sizes and checksums."""
     chosen = _choose_on_store(object_store.check_url(url, "the checkpoint"), latest)
     run = chosen.parent.parent.name if chosen.parent.name == "checkpoints" else chosen.parent.name
     local = Path(dest) / run / chosen.name
-    shutil.rmtree(local, ignore_errors=True)  # a fetch cut short, or an older copy
-    log.info("fetching %s into %s", chosen, local)
-    object_store.fetch(chosen, local)
-    checkpoint.verify_checksums(local)
+    # Into a directory of this fetch's own, renamed into place once verified: two fetches of one checkpoint
+    # never delete each other's files, and a fetch cut short leaves no half copy under the checkpoint's name.
+    local.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".fetch-{chosen.name}-", dir=local.parent))
+    try:
+        log.info("fetching %s into %s", chosen, local)
+        try:
+            object_store.fetch(chosen, staging)
+            checkpoint.verify_checksums(staging)
+        except (FileNotFoundError, checkpoint.CheckpointError) as exc:
+            if _still_complete(chosen):  # damaged on the store or in transfer: said of the checkpoint, not our copy
+                raise checkpoint.CheckpointError(str(exc).replace(str(staging), str(chosen))) from None
+            # The run is still training: its pruning removed the step meanwhile.
+            raise checkpoint.CheckpointError(f"{chosen} was removed while it was being fetched: the run is probably "
+                                             "still training and pruned it; fetch again (its newest complete "
+                                             "checkpoint), or once the run has finished") from None
+        shutil.rmtree(local, ignore_errors=True)  # an older copy
+        staging.rename(local)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return local
