@@ -496,7 +496,10 @@ class Server:
             self.log_payload(rid, call.endpoint, slot, request.feeds, None, exc.status, str(exc))
             raise
         call.receipt(slot, rid)  # the version that ran it, whatever the server serves by now
-        self._last_request[slot.model.info.name] = request.feeds  # a new version's warm-up, for dynamic axes
+        if slot.model.engine.other_dynamic_axes:  # a new version's warm-up: no size to guess for zeros there
+            # One row is enough to warm a version up; kept only for such models (it is a client's data).
+            self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
+                                                        if slot.model.engine.batchable else request.feeds)
         self.log_payload(rid, call.endpoint, slot, request.feeds, results)
         self.mirror(slot, rid, request, results, (time.perf_counter() - started) * 1e3)
         return Answer(slot, rid, request, results)

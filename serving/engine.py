@@ -361,6 +361,11 @@ class Engine:
                 raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
             raise
 
+    @property
+    def other_dynamic_axes(self) -> bool:
+        """An input has a dynamic axis besides the batch one (a sequence length, an image size)."""
+        return any(-1 in s.shape[1:] for s in self.inputs)
+
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> bool:
         """Run zeros through the model so that the first real request does not pay for allocation (and, on
         a GPU, for cuDNN's choice of algorithms for that input shape).
@@ -368,7 +373,7 @@ class Engine:
         Returns False (and runs nothing) when an input has a dynamic axis other than the batch one:
         no size can be guessed for it safely.
         """
-        if any(-1 in s.shape[1:] for s in self.inputs):
+        if self.other_dynamic_axes:
             return False
         sizes = batch_sizes if self.batchable else (1,)
         for n in sizes:
