@@ -23,7 +23,7 @@ import numpy as np
 
 from serving.codec import V2_DTYPES
 
-from pipeline.components import checkpoint, tracking
+from pipeline.components import checkpoint, object_store, tracking
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import StateFileError, read_json, write_atomically
@@ -38,7 +38,7 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
          force: bool = False) -> int:
     from pipeline import consolidate, export, train
 
-    if "://" in cfg.train.output_dir:  # checked an s3:// URL at load; this stage's outputs are local files
+    if object_store.is_url(cfg.train.output_dir):  # checked an s3:// URL at load; this stage's outputs are local files
         raise ConfigError(f"pipeline run keeps every stage's outputs in one local run directory, and "
                           f"train.output_dir={cfg.train.output_dir} is an object store: run the stages one by one "
                           "(pipeline train ..., then pipeline consolidate --run-id <run> and pipeline export "
