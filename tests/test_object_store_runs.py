@@ -141,6 +141,17 @@ OWNER = textwrap.dedent("""
 """)
 
 
+def test_a_store_that_ignores_conditional_writes_is_refused(on_store, monkeypatch):
+    """The lease needs If-None-Match honoured: a server that overwrites anyway would let two jobs own a run."""
+    url = f"{on_store.url}/careless"
+    object_store.check_reachable(url)  # moto honours it
+    write = object_store.write_bytes
+    monkeypatch.setattr(object_store, "write_bytes", lambda target, data, **conditions: write(target, data))
+    with pytest.raises(ConfigError, match="does not enforce conditional writes .* two jobs could both own a run"):
+        object_store.check_reachable(url)
+    assert not [k for k in on_store.keys("careless/") if "probe" in k]  # the probe object removed
+
+
 def test_one_job_owns_a_run_directory_on_the_store_and_its_own_restart_takes_over(on_store, monkeypatch):
     """Another process (standing for rank 0 of a job on another host) holds the lease; a different job is
     refused with its name, the same job (an elastic restart: same TORCHELASTIC_RUN_ID) takes over."""

@@ -126,6 +126,39 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
     except Exception as exc:  # connection refused, DNS, TLS: botocore's zoo of errors
         raise ConfigError(f"{what}={url}: the object store at {endpoint} can't be reached ({type(exc).__name__}: "
                           f"{str(exc)[:200]}); check AWS_ENDPOINT_URL") from None
+    check_conditional_writes(url, endpoint, what)
+
+
+def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
+    """The run directory's single owner rests on a create that fails when the object exists (If-None-Match: *;
+    run_dir.py). A server that ignores the header would let two jobs both "create" the lease, and one that
+    answers otherwise than S3 does would end a claim in a traceback: tried once here, on a probe object."""
+    import uuid
+
+    probe = url / f".trainserve-write-probe-{uuid.uuid4().hex}"
+    try:
+        write_bytes(probe, b"1", mode="create")
+        try:
+            write_bytes(probe, b"2", mode="create")
+        except FileExistsError:
+            return  # refused, as S3 (AWS, MinIO, moto) does
+        except OSError as exc:
+            raise ConfigError(f"{what}={url}: the object store at {endpoint} answered a conditional write "
+                              f"(If-None-Match) with {type(exc).__name__}: {str(exc)[:200]}, not the 412 S3 gives; "
+                              "trainserve's run-directory lease needs S3's conditional writes") from None
+        raise ConfigError(f"{what}={url}: the object store at {endpoint} does not enforce conditional writes "
+                          "(If-None-Match: * let an existing object be overwritten): two jobs could both own a run "
+                          "there. Use a store that does (AWS S3, MinIO, Ceph RGW recent releases), or a local "
+                          "train.output_dir") from None
+    except OSError as exc:  # the first create: no write access, or a server that rejects the header
+        raise ConfigError(f"{what}={url}: creating an object under it on {endpoint} failed ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); the run needs write access to its prefix and S3's conditional "
+                          "writes (If-None-Match)") from None
+    finally:
+        try:
+            filesystem().rm_file(probe.key)
+        except OSError:
+            pass
 
 
 def storage_options() -> dict:

@@ -199,6 +199,10 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
             return None
         except FileExistsError:
             pass
+        except OSError as exc:  # AWS answers two creates racing with 409 ConditionalRequestConflict: look again
+            log.warning("claiming %s: %s; trying again", record, exc)
+            time.sleep(0.5)
+            continue
         tag = object_store.etag(record)
         try:
             owner = json.loads(object_store.read_bytes(record))
