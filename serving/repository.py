@@ -599,8 +599,9 @@ class Repository:
 
 def caught_up(model: Model, alias: str) -> None:
     """`alias` is served at the version it names: forget its failed load."""
-    if model.alias_errors.pop(alias, None) is not None and not model.alias_errors:
-        model.reason = ""
+    if model.alias_errors.pop(alias, None) is not None:
+        # The reason names one failing alias: the one just fixed may be it, so say what still fails, if anything.
+        model.reason = "; ".join(f"{other}: {error}" for other, error in model.alias_errors.items())
 
 
 def close_model(model: LoadedModel) -> None:
