@@ -451,6 +451,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         for variant in ("fp16", "int8"):  # servable: a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
+                if (data := onnx_export.data_file(variants[variant])) is not None:  # its weights, past 2 GB
+                    tracking.log_beside_model(report["model_uri"], data)
         tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
         if register:
             tags = lineage_tags(weights, report)
@@ -460,6 +462,8 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
                 tags[recorded_data_hash_tag("fp32")] = report["onnx_data_sha256"] = file_sha256(data)
             for variant, path in variants.items():  # every file a version carries: the server checks them all
                 tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
+                if (data := onnx_export.data_file(path)) is not None:
+                    tags[recorded_data_hash_tag(variant)] = report[f"onnx_{variant}_data_sha256"] = file_sha256(data)
             tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))
             if report.get("fastest_variants"):  # what `serve --variant auto` reads
                 tags["trainserve.fastest_variants"] = json.dumps(report["fastest_variants"], sort_keys=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from pipeline.components import onnx_export
 from pipeline.components.data import eval_loader
 from pipeline.components.gates import feeds_of, session
 
@@ -86,7 +87,7 @@ def quantize(prepared: Path, destination: Path, mode: str, feeds: list[dict[str,
                          weight_type=QuantType.QInt8, nodes_to_exclude=list(exclude))
     model = onnx.load(str(destination))
     onnx.helper.set_model_props(model, metadata)
-    onnx.save_model(model, str(destination))
+    onnx_export.save(model, destination)  # the one writer of ONNX files: a data file past 2 GB
     return destination
 
 
