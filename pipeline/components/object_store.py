@@ -50,7 +50,7 @@ class StoreUrl(str):
 
     # What the run-directory code asks of a location, answered by the store ("directories" are prefixes).
     def exists(self) -> bool:
-        return filesystem().exists(self.key)
+        return exists(self)
 
     def is_file(self) -> bool:
         return filesystem().isfile(self.key)
@@ -202,33 +202,26 @@ def write_bytes(url: str, data: bytes, **conditions) -> dict | None:
     return filesystem().pipe_file(StoreUrl(url).key, data, **conditions)  # S3's answer: its ETag
 
 
-def read_json(url: str):
-    return json.loads(read_bytes(url))
-
-
 def write_json(url: str, payload) -> None:
     write_bytes(url, json.dumps(payload, indent=2).encode())
 
 
-def files(url: str) -> dict[str, int]:
-    """The objects directly under `url` (a "directory"), name -> size in bytes."""
-    fs = filesystem()
-    key = StoreUrl(url).key
+def _entries(url: str) -> list[dict]:
+    """What is directly under `url` (a "directory"), as listed now (never from a cache); none if nothing is."""
     try:
-        entries = fs.ls(key, detail=True, refresh=True)
+        return filesystem().ls(StoreUrl(url).key, detail=True, refresh=True)
     except FileNotFoundError:
-        return {}
-    return {PurePosixPath(e["name"]).name: int(e["size"]) for e in entries if e["type"] == "file"}
+        return []
+
+
+def files(url: str) -> dict[str, int]:
+    """The objects directly under `url`, name -> size in bytes."""
+    return {PurePosixPath(e["name"]).name: int(e["size"]) for e in _entries(url) if e["type"] == "file"}
 
 
 def children(url: str) -> list[str]:
     """The names of the "directories" directly under `url`."""
-    fs = filesystem()
-    try:
-        entries = fs.ls(StoreUrl(url).key, detail=True, refresh=True)
-    except FileNotFoundError:
-        return []
-    return sorted(PurePosixPath(e["name"]).name for e in entries if e["type"] == "directory")
+    return sorted(PurePosixPath(e["name"]).name for e in _entries(url) if e["type"] == "directory")
 
 
 def remove_tree(url: str, first: str | None = None) -> None:
@@ -246,8 +239,7 @@ def copy_tree(source: str, destination: str, last: str | None = None) -> None:
     """Every object under `source` to `destination` (server-side copies), `last` (a name) after the rest."""
     fs = filesystem()
     src, dst = StoreUrl(source).key, StoreUrl(destination).key
-    names = sorted(files(source), key=lambda n: n == last)
-    for name in names:
+    for name in sorted(files(source), key=lambda n: n == last):
         fs.copy(f"{src}/{name}", f"{dst}/{name}")
 
 
