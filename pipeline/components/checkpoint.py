@@ -127,15 +127,20 @@ def verify_complete(path: Path) -> dict:
         listing = json.loads(marker.read_text())
     except json.JSONDecodeError:
         raise CheckpointError(f"checkpoint '{path}': {MARKER} marker is corrupt") from None
-    for name, size in marker_files(listing, path).items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' has {f.stat().st_size} bytes, "
+    return check_listing(path, listing, {f.name: f.stat().st_size for f in path.iterdir() if f.is_file()})
+
+
+def check_listing(where, listing, present: dict[str, int]) -> dict:
+    """The marker `listing` against the files `present` (name -> size) in the checkpoint `where`, local or on
+    an object store: every file it names there at its size, .metadata among them. Returns the listing."""
+    for name, size in marker_files(listing, where).items():
+        if name not in present:
+            raise CheckpointError(f"checkpoint '{where}': file '{name}' is missing")
+        if present[name] != size:
+            raise CheckpointError(f"checkpoint '{where}': file '{name}' has {present[name]} bytes, "
                                   f"the marker says {size}: truncated or overwritten")
     if ".metadata" not in listing["files"]:
-        raise CheckpointError(f"checkpoint '{path}' has no .metadata: not a DCP checkpoint")
+        raise CheckpointError(f"checkpoint '{where}' has no .metadata: not a DCP checkpoint")
     return listing
 
 
@@ -160,15 +165,7 @@ def _verify_complete_on_store(url: StoreUrl) -> dict:
         listing = json.loads(object_store.read_bytes(url / MARKER))
     except (ValueError, FileNotFoundError):
         raise CheckpointError(f"checkpoint '{url}': {MARKER} marker is corrupt or gone") from None
-    for name, size in marker_files(listing, url).items():
-        if name not in present:
-            raise CheckpointError(f"checkpoint '{url}': file '{name}' is missing")
-        if present[name] != size:
-            raise CheckpointError(f"checkpoint '{url}': file '{name}' has {present[name]} bytes, "
-                                  f"the marker says {size}: truncated or overwritten")
-    if ".metadata" not in listing["files"]:
-        raise CheckpointError(f"checkpoint '{url}' has no .metadata: not a DCP checkpoint")
-    return listing
+    return check_listing(url, listing, present)
 
 
 def verify_checksums(path: Path) -> None:
