@@ -124,12 +124,13 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
     checked = [(path, "trainserve.onnx_sha256")]
     if (data := data_file_of(path)) is not None or tags.get(recorded_data_hash_tag("fp32")):  # weights past 2 GB
         checked.append((data or path.with_name(path.name + ".data"), recorded_data_hash_tag("fp32")))
-    said = []
+    said, ok = [], True
     for file, tag in checked:
         digest, recorded = file_sha256(file) if file.is_file() else "(missing)", tags.get(tag, "")
+        ok = ok and digest == recorded
         said.append(f"{file.name} sha256 {digest[:16]}" + ("" if digest == recorded else
                                                           f" != the version's recorded {recorded[:16] or '(none)'}"))
-    report(Link("onnx", "ok" if all("!=" not in s for s in said) else "FAIL", "; ".join(said)))
+    report(Link("onnx", "ok" if ok else "FAIL", "; ".join(said)))
     try:
         props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
     except Exception as exc:  # noqa: BLE001 - a damaged file
