@@ -369,8 +369,11 @@ def _nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
     flat = tensor.reshape(-1)
     if all(bool(torch.isfinite(block).all()) for block in flat.split(FINITE_BLOCK)):
         return 0, 0
-    return (sum(int(torch.isnan(block).sum()) for block in flat.split(FINITE_BLOCK)),
-            sum(int(torch.isinf(block).sum()) for block in flat.split(FINITE_BLOCK)))
+    nan = inf = 0
+    for block in flat.split(FINITE_BLOCK):  # one pass: each block read once, for both counts
+        nan += int(torch.isnan(block).sum())
+        inf += int(torch.isinf(block).sum())
+    return nan, inf
 
 
 def _refuse_nonfinite(name: str, nan: int, inf: int, dtype: torch.dtype, ckpt: Path) -> None:
