@@ -112,7 +112,7 @@ def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
 def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[Path | None, dict]:
     import onnx
 
-    from pipeline.components import tracking
+    from pipeline.components import onnx_export, tracking
     from pipeline.components.safetensors_writer import file_sha256
     from serving.loader import data_file_of, recorded_data_hash_tag
 
@@ -123,7 +123,7 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
         return None, {}
     checked = [(path, "trainserve.onnx_sha256")]
     if (data := data_file_of(path)) is not None or tags.get(recorded_data_hash_tag("fp32")):  # weights past 2 GB
-        checked.append((data or path.with_name(path.name + ".data"), recorded_data_hash_tag("fp32")))
+        checked.append((data or onnx_export.data_path(path), recorded_data_hash_tag("fp32")))
     said, ok = [], True
     for file, tag in checked:
         digest, recorded = file_sha256(file) if file.is_file() else "(missing)", tags.get(tag, "")

@@ -125,7 +125,7 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dic
 def remove_stale(path: Path) -> None:
     """The graph and data file an earlier attempt left at `path`: onnx appends to a data file that is there, so
     the next save's file would carry the dead bytes too (loading fine, twice the size, hashed and uploaded)."""
-    for stale in (path, path.with_name(path.name + ".data")):
+    for stale in (path, data_path(path)):
         stale.unlink(missing_ok=True)
 
 
@@ -144,7 +144,13 @@ def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
         return
     external = external or proto.ByteSize() > EXTERNAL_DATA_ABOVE
     onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=path.name + ".data" if external else None)
+                    location=data_path(path).name if external else None)
+
+
+def data_path(path: Path) -> Path:
+    """Where the export puts the weights of the graph at `path`: `<file>.onnx.data` beside it (the server's
+    loader, serving.loader.data_file_of, looks there)."""
+    return path.with_name(path.name + ".data")
 
 
 def data_file(path: Path) -> Path | None:
@@ -173,8 +179,8 @@ def move(src: Path, dst: Path) -> onnx.ModelProto | None:
         if uses_external_data(tensor):
             for entry in tensor.external_data:
                 if entry.key == "location":
-                    entry.value = dst.name + ".data"
-    data.replace(dst.with_name(dst.name + ".data"))
+                    entry.value = data_path(dst).name
+    data.replace(data_path(dst))
     onnx.save_model(graph, str(dst))
     if src != dst:
         src.unlink()
