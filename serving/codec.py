@@ -397,9 +397,13 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
     return out
 
 
+def shape_fits(spec: TensorSpec, shape) -> bool:
+    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size)."""
+    return len(shape) == len(spec.shape) and all(w in (-1, g) for w, g in zip(spec.shape, shape))
+
+
 def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -> None:
-    ok = len(shape) == len(spec.shape) and all(w in (-1, g) for w, g in zip(spec.shape, shape))
-    if not ok:
+    if not shape_fits(spec, shape):
         where = where or f"input '{spec.name}'"
         raise BadRequest(f"{where}: shape {shape} does not fit; expected {spec.describe()} (-1: any size)")
 

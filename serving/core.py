@@ -35,7 +35,7 @@ import numpy as np
 
 from serving import drift, lengths
 from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
-from serving.codec import BadRequest, Limits
+from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, ModelInputError
@@ -559,8 +559,7 @@ class Server:
 def fits(specs, feeds: dict[str, np.ndarray]) -> bool:
     """The feeds are the inputs `specs` describe: the same names, dtypes and ranks, and every fixed axis's size."""
     return set(feeds) == {spec.name for spec in specs} and all(
-        feeds[spec.name].dtype == spec.dtype and feeds[spec.name].ndim == len(spec.shape)
-        and all(want in (-1, got) for want, got in zip(spec.shape, feeds[spec.name].shape)) for spec in specs)
+        feeds[spec.name].dtype == spec.dtype and shape_fits(spec, feeds[spec.name].shape) for spec in specs)
 
 
 def open_source(settings: Settings, source: Source, version: str | None = None) -> LoadedModel:
