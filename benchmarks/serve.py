@@ -103,10 +103,9 @@ def build_and_export(name: str, out_dir: Path):
         from pipeline.tasks.classification import Classification
 
         head = ExportHead(model, Classification(None, 5, num_classes=10), ["input"], True)
-        proto = export(head, {"input": sample}, {}, 18, metadata).model
+        export(head, {"input": sample}, {}, 18, metadata, path)  # saves it too
     except ImportError:  # the exporter module is not there: the same graph by hand
-        proto = _export_locally(model, sample, metadata)
-    onnx.save(proto, str(path))
+        onnx.save(_export_locally(model, sample, metadata), str(path))
     return model, path
 
 
