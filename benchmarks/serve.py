@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -303,6 +304,7 @@ def check_prediction(port: int, body: bytes, want: np.ndarray) -> None:
 # ---- the Python load generator (--protocols, --two-models) -------------------------------------
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 class CallFailed(Exception):
@@ -361,6 +363,43 @@ class GrpcCall:
             raise CallFailed(f"gRPC {exc.code().name}: {exc.details()}") from None
 
 
+class GrpcStream:
+    """ModelStreamInfer: the workers share one stream (as tritonclient's start_stream/async_stream_infer); each
+    call writes the prebuilt request and waits for its answer, the server answering in the order of requests."""
+
+    def __init__(self, channel, request: bytes):
+        self.stream = channel.stream_stream(MODEL_STREAM_INFER, request_serializer=None, response_deserializer=None)()
+        self.request = request
+        self.waiting: collections.deque = collections.deque()
+        self.writing = asyncio.Lock()  # one write at a time on a stream
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        error = CallFailed("the stream ended")
+        try:
+            async for data in self.stream:
+                self.waiting.popleft().set_result(data)
+        except Exception as exc:  # noqa: BLE001 - every waiting call learns it
+            error = CallFailed(f"the stream failed: {exc}")
+        while self.waiting:
+            self.waiting.popleft().set_exception(error)
+
+    async def call(self) -> tuple[bytes, bytes]:
+        """(b"", the serialized ModelStreamInferResponse) of one answer."""
+        answer = asyncio.get_running_loop().create_future()
+        async with self.writing:
+            self.waiting.append(answer)
+            await self.stream.write(self.request)
+        data = await answer
+        if data[:1] == b"\x0a":  # field 1, error_message, comes first when set
+            raise CallFailed(f"gRPC stream: {data[2:300].decode(errors='replace')}")
+        return b"", data
+
+    async def close(self) -> None:
+        await self.stream.done_writing()
+        await self.reader
+
+
 async def closed_loop(clients: list, seconds: float | None = None, count: int | None = None) -> dict:
     """Each client is one worker that sends its next request as soon as its last answer came, for `seconds`
     or until `count` answers in all: answers/s, p50/p99 ms of the good answers, errors (and the first), and
@@ -400,6 +439,14 @@ async def open_clients(protocol: str, request: bytes, port: int, grpc_port: int 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             yield [GrpcCall(channel, request) for _ in range(n)]
         return
+    if protocol == GRPC_STREAM:
+        import grpc
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stream = GrpcStream(channel, request)
+            yield [stream] * n
+            await stream.close()
+        return
     connections = [HttpConnection(port, request) for _ in range(n)]
     try:
         yield connections
@@ -411,7 +458,10 @@ async def open_clients(protocol: str, request: bytes, port: int, grpc_port: int 
 # ---- requests and answers of the three protocols ----------------------------------------------
 
 JSON_HTTP, BINARY_HTTP, GRPC = "V2 JSON over HTTP", "V2 binary over HTTP", "V2 over gRPC"
-PROTOCOLS = (JSON_HTTP, BINARY_HTTP, GRPC)
+GRPC_STREAM = "V2 over gRPC, one stream"
+PROTOCOLS = (JSON_HTTP, BINARY_HTTP, GRPC, GRPC_STREAM)
+GRPCS = (GRPC, GRPC_STREAM)
+STREAM_REQUESTS = 100  # requests in one ModelStreamInfer stream sent by h2load
 
 
 def http_request(port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
@@ -462,7 +512,8 @@ def answer_logits(protocol: str, head: bytes, body: bytes) -> np.ndarray:
         raise KeyError("no logits output")
     from serving.grpc import schema
 
-    response = schema.ModelInferResponse.FromString(body)
+    response = (schema.ModelStreamInferResponse.FromString(body).infer_response if protocol == GRPC_STREAM
+                else schema.ModelInferResponse.FromString(body))
     for i, out in enumerate(response.outputs):
         if out.name == "logits":
             data = (np.frombuffer(response.raw_output_contents[i], "<f4") if response.raw_output_contents
@@ -626,7 +677,7 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
                           file=sys.stderr, flush=True)
                     tell_errors(r, log)
             if shutil.which("h2load"):  # the same load from a C client: is the Python generator the limit?
-                for protocol in (BINARY_HTTP, GRPC):
+                for protocol in (BINARY_HTTP, *GRPCS):
                     before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
                     r = h2load(protocol, wire[protocol], port, grpc_port, name, 32, seconds, work)
                     after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
@@ -640,7 +691,9 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
         note = "images/s; latency per run"
         if system.startswith("(b')"):
             m = medians(runs, ("batch", "server_cpu_ms", "mean_ms"))
-            note = (f"h2load (C) client, mean latency {m['mean_ms']:.2f} ms; mean batch {m['batch']:.1f}; "
+            latency = (f"mean time of a stream of {STREAM_REQUESTS} requests" if GRPC_STREAM in system
+                       else "mean latency")
+            note = (f"h2load (C) client, {latency} {m['mean_ms']:.2f} ms; mean batch {m['batch']:.1f}; "
                     f"server CPU ms/request {m['server_cpu_ms']:.2f}")
         elif c != "-":
             m = medians(runs, ("batch", "client_cpu_ms", "server_cpu_ms"))
@@ -656,12 +709,18 @@ def h2load(protocol: str, request: bytes, port: int, grpc_port: int, model: str,
     closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections, over gRPC one connection
     with `concurrency` streams (as the Python generator's one channel). h2load gives the mean latency, not
     percentiles (p50/p99 are NaN), and sees HTTP statuses only: a gRPC error (a 200 with a non-zero
-    grpc-status trailer) is not counted, which is why the Python generator checks each protocol's answer first."""
-    body_path = work / f"h2load-{model}-{'grpc' if protocol == GRPC else 'http'}.bin"
-    if protocol == GRPC:  # the gRPC frame: not compressed (0), the length (4 bytes, big-endian), the message
-        body_path.write_bytes(b"\0" + len(request).to_bytes(4, "big") + request)
-        cmd = ["h2load", "-c", "1", "-m", str(concurrency), "-H", "content-type: application/grpc", "-H", "te: trailers",
-               f"http://127.0.0.1:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    grpc-status trailer) is not counted, which is why the Python generator checks each protocol's answer first.
+    ModelStreamInfer: h2load sends a stream's whole body at once, so a "request" of its is a stream of
+    STREAM_REQUESTS requests, `concurrency // STREAM_REQUESTS + 1` streams at once (32 -> 100 requests in flight
+    on 1 stream... 132 on 2: a client that keeps its stream full); rates and counts are per request."""
+    body_path = work / f"h2load-{model}-{protocol.replace(' ', '-').replace(',', '')}.bin"
+    per_call = STREAM_REQUESTS if protocol == GRPC_STREAM else 1
+    if protocol in GRPCS:  # the gRPC frame: not compressed (0), the length (4 bytes, big-endian), the message
+        body_path.write_bytes((b"\0" + len(request).to_bytes(4, "big") + request) * per_call)
+        streams = concurrency // STREAM_REQUESTS + 1 if protocol == GRPC_STREAM else concurrency
+        method = MODEL_STREAM_INFER if protocol == GRPC_STREAM else MODEL_INFER
+        cmd = ["h2load", "-c", "1", "-m", str(streams), "-H", "content-type: application/grpc", "-H", "te: trailers",
+               f"http://127.0.0.1:{grpc_port}{method}"]
     else:
         head, body = request.split(b"\r\n\r\n", 1)
         header_length = re.search(rb"\r\ninference-header-content-length: *(\d+)", head, re.I).group(1).decode()
@@ -675,8 +734,10 @@ def h2load(protocol: str, request: bytes, port: int, grpc_port: int, model: str,
     ok2xx = int(re.search(r"status codes: (\d+) 2xx", out).group(1))
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", out)
     mean_ms = float(mean.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
-    return {"rps": rps, "p50": float("nan"), "p99": float("nan"), "mean_ms": mean_ms, "n": int(done.group(1)),
-            "errors": int(done.group(1)) - ok2xx + int(done.group(3)) + int(done.group(4))}
+    return {"rps": rps * per_call, "p50": float("nan"), "p99": float("nan"), "mean_ms": mean_ms,
+            "n": int(done.group(1)) * per_call,
+            # A call cut at the end of the run may have its 2xx headers and not be done: not an error.
+            "errors": (max(0, int(done.group(1)) - ok2xx) + int(done.group(3)) + int(done.group(4))) * per_call}
 
 
 TWO_MODEL_SCENARIOS = (  # (scenario, the model probed, whether wrk floods `flooded` meanwhile)

@@ -167,6 +167,9 @@ def test_every_message_matches_tritonclient(ours_descriptor):
 def test_schema_declares_kserve_messages_exactly():
     declared = {m.full_name.removeprefix("inference."): {f.name: f.number for f in m.fields}
                 for m in OUR_MESSAGES if not m.GetOptions().map_entry}
+    # KServe's messages exactly, plus Triton's answer on a stream (checked field by field against
+    # tritonclient's by test_every_message_matches_tritonclient).
+    assert declared.pop("ModelStreamInferResponse") == {"error_message": 1, "infer_response": 2}
     assert declared == KSERVE_FIELDS
     assert schema.InferParameter.DESCRIPTOR.oneofs_by_name["parameter_choice"].fields == list(
         schema.InferParameter.DESCRIPTOR.fields)
@@ -183,6 +186,12 @@ def test_service_methods_match_tritonclient():
         assert request_class.DESCRIPTOR.full_name == theirs.input_type.full_name
         assert response_class.DESCRIPTOR.full_name == theirs.output_type.full_name
         assert getattr(schema, request_class.DESCRIPTOR.name) is request_class
+    assert list(schema.STREAMS) == ["ModelStreamInfer"]  # Triton's stream, beside KServe's six
+    for method, (request_class, response_class) in schema.STREAMS.items():
+        ours, theirs = ours_service.methods_by_name[method], theirs_service.methods_by_name[method]
+        assert (ours.client_streaming, ours.server_streaming) == (theirs.client_streaming, theirs.server_streaming) == (True, True)
+        assert request_class.DESCRIPTOR.full_name == theirs.input_type.full_name
+        assert response_class.DESCRIPTOR.full_name == theirs.output_type.full_name
 
 
 def test_private_pool_coexists_with_tritonclient():

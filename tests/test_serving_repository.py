@@ -160,6 +160,97 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
     assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT", model="") == 1
 
 
+def test_grpc_receipt_comes_back_as_initial_metadata(server, repo):
+    """What a client learns of the version that answered a unary ModelInfer: the receipt as initial metadata."""
+    import grpc as grpc_lib
+
+    from serving.grpc import schema
+
+    request = schema.ModelInferRequest(model_name="tiny", model_version="2", id="receipt-1")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+    request.raw_input_contents.append(images(1).tobytes())
+    with grpc_lib.insecure_channel(server.grpc) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        body, call = infer.with_call(request.SerializeToString(), metadata=tuple(AUTH.items()))
+    receipt = dict(call.initial_metadata())
+    assert schema.ModelInferResponse.FromString(body).id == "receipt-1"
+    assert receipt["x-request-id"] == "receipt-1" and receipt["x-model-name"] == "tiny"
+    assert receipt["x-model-version"] == "2" and len(receipt["x-model-onnx-sha256"]) == 64
+
+
+def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not_end_it(server, repo):
+    """ModelStreamInfer with tritonclient's own streaming API: requests for two models and two versions, two
+    refused among them, then more than the server's window of 128 at once; each answered in the order sent,
+    with its receipt in the answer's parameters; a refusal is an error for that request only."""
+    import queue
+
+    from serving.grpc.service import STREAM_WINDOW
+
+    root, _ = repo
+    answers: queue.Queue = queue.Queue()
+    client = triton_grpc.InferenceServerClient(server.grpc)
+    client.start_stream(lambda result, error: answers.put((result, error)), headers=auth())
+    x = images(2)
+    image = triton_grpc.InferInput("input", list(x.shape), "FP32")
+    image.set_data_from_numpy(x)
+    wrong = triton_grpc.InferInput("input", [1, 1, 4, 8], "FP32")
+    wrong.set_data_from_numpy(np.zeros((1, 1, 4, 8), np.float32))
+    inputs, mixed_want = mixed_inputs(triton_grpc)
+    sent = [("tiny", "", [image], "a"), ("tiny", "2", [image], "b"), ("mixed", "", inputs, "c"),
+            ("tiny", "", [wrong], "d"), ("nope", "", [image], "e"), ("tiny", "", [image], "f")]
+    sent += [("tiny", "2", [image], f"n{i}") for i in range(STREAM_WINDOW + 72)]
+    for model, version, given, rid in sent:
+        client.async_stream_infer(model, given, model_version=version, request_id=rid)
+    got = [answers.get(timeout=60) for _ in sent]
+    client.stop_stream()
+
+    errors = {rid: error for (_, _, _, rid), (_, error) in zip(sent, got) if error is not None}
+    assert set(errors) == {"d", "e"}, errors
+    assert str(errors["d"]).startswith("INVALID_ARGUMENT: input 'input': shape [1, 1, 4, 8] does not fit")
+    assert str(errors["e"]).startswith("NOT_FOUND: unknown model 'nope'")
+    answered = [(rid, result) for (_, _, _, rid), (result, error) in zip(sent, got) if error is None]
+    assert [rid for rid, _ in answered] == ["a", "b", "c", "f"] + [f"n{i}" for i in range(STREAM_WINDOW + 72)]
+    want = {v: run_onnx(root / "tiny" / v / "model.onnx", x)["probabilities"] for v in ("2", "3")}
+    for rid, result in answered:
+        response = result.get_response(as_json=True)
+        receipt = {k: v["string_param"] for k, v in response["parameters"].items()}
+        assert response["id"] == receipt["x-request-id"] == rid
+        if rid == "c":
+            assert receipt["x-model-name"] == "mixed"
+            np.testing.assert_allclose(result.as_numpy("output"), mixed_want)
+            continue
+        version = "3" if rid in ("a", "f") else "2"
+        assert (receipt["x-model-name"], receipt["x-model-version"], response["model_version"]) == ("tiny", version, version)
+        assert len(receipt["x-model-onnx-sha256"]) == 64
+        np.testing.assert_allclose(result.as_numpy("probabilities"), want[version], rtol=1e-5, atol=1e-6)
+
+    text = requests.get(server.url + "/metrics", headers=auth()).text
+    route = "grpc ModelStreamInfer"
+    assert metric(text, "trainserve_requests_total", route=route, status="OK", model="tiny", version="2") >= STREAM_WINDOW + 73
+    assert metric(text, "trainserve_requests_total", route=route, status="INVALID_ARGUMENT", model="tiny") == 1
+    assert metric(text, "trainserve_requests_total", route=route, status="NOT_FOUND", model="") == 1
+
+
+def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refuses_only_itself(server):
+    import grpc as grpc_lib
+
+    from serving.grpc import schema
+
+    good = schema.ModelInferRequest(model_name="tiny", id="good")
+    good.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+    good.raw_input_contents.append(images(1).tobytes())
+    with grpc_lib.insecure_channel(server.grpc) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc_lib.RpcError) as refused:
+            list(stream(iter([good.SerializeToString()])))
+        assert refused.value.code() == grpc_lib.StatusCode.UNAUTHENTICATED
+        answers = [schema.ModelStreamInferResponse.FromString(b) for b in
+                   stream(iter([b"\xff\xff\xff", good.SerializeToString()]), metadata=tuple(AUTH.items()))]
+    assert answers[0].error_message.startswith("INVALID_ARGUMENT: the message is not a valid inference.ModelInferRequest")
+    assert not answers[1].error_message and answers[1].infer_response.id == "good"
+    assert answers[1].infer_response.parameters["x-model-name"].string_param == "tiny"
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -81,6 +81,9 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
         "map<string,InferParameter> parameters = 4",
         "InferTensorContents contents = 5",
     ),
+    # Triton's streaming answer (its grpc_service.proto; not in KServe's minimal proto): one per request
+    # on a ModelStreamInfer stream, the answer or why there is none.
+    "ModelStreamInferResponse": ("string error_message = 1", "ModelInferResponse infer_response = 2"),
     "InferParameter": (
         "bool bool_param = 1", "int64 int64_param = 2", "string string_param = 3"),
     "InferTensorContents": (
@@ -99,6 +102,8 @@ _ONEOFS = {"InferParameter": "parameter_choice"}
 # The RPCs this server answers; each takes <name>Request and returns <name>Response.
 _RPCS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
          "ModelInfer")
+# Triton's bidirectional stream, RPC -> (request message, response message): as in its grpc_service.proto.
+_STREAMS = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
@@ -128,6 +133,9 @@ def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
     for rpc in _RPCS:
         service.method.add(name=rpc, input_type=f".{PACKAGE}.{rpc}Request",
                            output_type=f".{PACKAGE}.{rpc}Response")
+    for rpc, (request, response) in _STREAMS.items():
+        service.method.add(name=rpc, input_type=f".{PACKAGE}.{request}", output_type=f".{PACKAGE}.{response}",
+                           client_streaming=True, server_streaming=True)
     return file
 
 
@@ -180,9 +188,13 @@ ModelMetadataRequest = _message("ModelMetadataRequest")
 ModelMetadataResponse = _message("ModelMetadataResponse")
 ModelInferRequest = _message("ModelInferRequest")
 ModelInferResponse = _message("ModelInferResponse")
+ModelStreamInferResponse = _message("ModelStreamInferResponse")
 InferParameter = _message("InferParameter")
 InferTensorContents = _message("InferTensorContents")
 
 # RPC name -> (request class, response class), for the server's method handlers.
 METHODS: dict[str, tuple[type, type]] = {
     rpc: (_message(f"{rpc}Request"), _message(f"{rpc}Response")) for rpc in _RPCS}
+# Streaming RPC name -> (request class, response class).
+STREAMS: dict[str, tuple[type, type]] = {rpc: (_message(request), _message(response))
+                                         for rpc, (request, response) in _STREAMS.items()}

@@ -11,6 +11,17 @@ ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FO
 RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the receipt (x-request-id,
 x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256, x-model-onnx-sha256) comes back as
 initial metadata, and the response's `id` echoes the request's.
+
+ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_stream/async_stream_infer,
+perf_analyzer --streaming): many ModelInferRequests on one call, each through the same inference path,
+answered in the order they came, each as a ModelStreamInferResponse holding the answer or an
+`error_message` ("<STATUS>: why"); a refused request does not end the stream. Why it is there: a unary
+call costs grpc.aio about four event-loop turns and twenty system calls on the loop thread (accept the
+call, read its message, send the receipt, send the answer and status, learn it closed); on a stream a
+request costs one read and one write: for a tiny model half the server CPU of a unary call (README,
+"Benchmarks"). The token is checked once, from the stream's metadata; per-message metadata does not exist
+in gRPC, so each answer carries its receipt in `infer_response.parameters` (the same keys and values as the
+unary call's initial metadata).
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ MAX_CONNECTION_AGE_S = 3600  # then a GOAWAY: clients reconnect, so no connectio
 # channel had ~150 of them CANCELLED before reaching the service.
 MAX_STREAMS_PER_CONNECTION = 128
 MAX_CONCURRENT_RPCS = 4096  # over all connections; past it RESOURCE_EXHAUSTED at once
+# Requests of one stream being answered at once. Past it the stream is not read until the oldest is
+# answered: HTTP/2 flow control then holds the client back instead of the server queueing for it.
+STREAM_WINDOW = 128
 
 
 class Status(Exception):
@@ -126,8 +140,9 @@ def _request_id(given: str | None) -> str:
 class _Call:
     """What a handler learns about its call: metadata in, the model that answered and the receipt out."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, size: int):
-        self.metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    def __init__(self, context: grpc.aio.ServicerContext | None, size: int, metadata: dict[str, str] | None = None):
+        self.metadata = metadata if metadata is not None else {
+            k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         self.size = size  # of the message on the wire
         self.model = ("", "")
         self.receipt: dict[str, str] = {}
@@ -137,19 +152,35 @@ class _Call:
         self.receipt = {**{k.lower(): v for k, v in slot.headers.items()}, "x-request-id": request_id}
 
 
+def _parse(request_class, data: bytes):
+    """The message, or INVALID_ARGUMENT (not INTERNAL) for bytes that are not one."""
+    if request_class is schema.ModelInferRequest:
+        codec.check_field_count(data)  # before any message is built: their count is the cost
+    try:
+        return request_class.FromString(data)
+    except DecodeError as exc:
+        raise Status(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
+
+
+async def _parsed(server, request_class, data: bytes):
+    if len(data) <= BIG_MESSAGE:
+        return _parse(request_class, data)
+    async with server.decoding:  # as an HTTP body: parsed in a thread, two at a time, never on the event loop
+        return await asyncio.to_thread(_parse, request_class, data)
+
+
+def _log_refusal(what: str, refused: Status) -> None:
+    if refused.code == grpc.StatusCode.INTERNAL:
+        log.exception("gRPC %s failed", what)
+    else:  # a client's mistake: once, in our format, as HTTP logs its 4xx
+        log.warning("gRPC %s -> %s: %s", what, refused.code.name, refused)
+
+
 def _handler(server, service: Service, method: str, request_class):
     """One RPC: bytes in (parsed here, so a malformed message is INVALID_ARGUMENT, not INTERNAL), auth,
     errors mapped to statuses, metrics, the receipt as initial metadata."""
     call = getattr(service, method)
-
-    def parse(data: bytes):
-        if request_class is schema.ModelInferRequest:
-            codec.check_field_count(data)  # before any message is built: their count is the cost
-        try:
-            return request_class.FromString(data)
-        except DecodeError as exc:
-            raise Status(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
 
     async def handle(data: bytes, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
@@ -158,19 +189,12 @@ def _handler(server, service: Service, method: str, request_class):
         try:
             if method not in OPEN:
                 server.check_token(info.metadata.get("authorization", ""))
-            if len(data) <= BIG_MESSAGE:
-                request = parse(data)
-            else:  # as an HTTP body: parsed in a thread, two at a time, never on the event loop
-                async with server.decoding:
-                    request = await asyncio.to_thread(parse, data)
+            request = await _parsed(server, request_class, data)
             response = await call(request, info)
             status = grpc.StatusCode.OK
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
             refused = refusal(exc)
-            if refused.code == grpc.StatusCode.INTERNAL:
-                log.exception("gRPC %s failed", method)
-            else:  # a client's mistake: once, in our format, as HTTP logs its 4xx
-                log.warning("gRPC %s -> %s: %s", method, refused.code.name, refused)
+            _log_refusal(method, refused)
             status, response = refused.code, None
         if info.receipt:
             await context.send_initial_metadata(tuple(info.receipt.items()))
@@ -180,6 +204,69 @@ def _handler(server, service: Service, method: str, request_class):
         return response.SerializeToString()
 
     return grpc.unary_unary_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
+
+
+def _stream_handler(server, service: Service):
+    """ModelStreamInfer (see the module's docstring): a reader task takes requests off the stream and starts
+    each one's answer; this handler writes the answers in the order the requests came. At most STREAM_WINDOW
+    requests are being answered; the reader waits for room, so an unread stream holds its client back."""
+    route = "grpc ModelStreamInfer"
+
+    async def answer(data: bytes, metadata: dict[str, str]) -> bytes:
+        started = time.perf_counter()
+        info = _Call(None, len(data), metadata)
+        status, request = grpc.StatusCode.OK, None
+        try:
+            request = await _parsed(server, schema.ModelInferRequest, data)
+            response = await service.ModelInfer(request, info)
+            for key, value in info.receipt.items():
+                response.parameters[key].string_param = value
+            message = schema.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:  # noqa: BLE001 - a refused request is answered; the stream goes on
+            refused = refusal(exc)
+            _log_refusal("ModelStreamInfer", refused)
+            status = refused.code
+            message = schema.ModelStreamInferResponse(error_message=f"{status.name}: {refused}")
+            if request is not None:  # what the client needs to tell which request it was
+                message.infer_response.model_name = request.model_name
+                message.infer_response.model_version = request.model_version
+                message.infer_response.id = request.id
+        server.metrics.observe_request(route, status.name, time.perf_counter() - started, *info.model)
+        return message.SerializeToString()
+
+    async def read(context, metadata: dict[str, str], answers: asyncio.Queue) -> None:
+        """Starts each request's answer, in order; None last, also when reading failed (then raised)."""
+        try:
+            while (data := await context.read()) is not grpc.aio.EOF:
+                await answers.put(asyncio.ensure_future(answer(data, metadata)))  # waits while the window is full
+        except Exception:
+            await answers.put(None)
+            raise
+        await answers.put(None)
+
+    async def handle(unused_requests, context: grpc.aio.ServicerContext):
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        metadata.pop("x-request-id", None)  # one id for many requests would not be an id: each gets its own
+        try:
+            server.check_token(metadata.get("authorization", ""))
+        except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
+            refused = refusal(exc)
+            _log_refusal("ModelStreamInfer", refused)
+            server.metrics.observe_request(route, refused.code.name, 0.0, "", "")
+            await context.abort(refused.code, str(refused))
+        answers: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
+        reader = asyncio.ensure_future(read(context, metadata, answers))
+        try:
+            while (answering := await answers.get()) is not None:
+                await context.write(await answering)
+            await reader  # its error, if reading ended with one
+        finally:  # also when the client went away or the server stops: nothing more to answer
+            reader.cancel()
+            while not answers.empty():
+                if (left := answers.get_nowait()) is not None:
+                    left.cancel()
+
+    return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
 
 
 async def start_grpc(server) -> grpc.aio.Server:
@@ -202,6 +289,7 @@ async def start_grpc(server) -> grpc.aio.Server:
     service = Service(server)
     handlers = {method: _handler(server, service, method, request_class)
                 for method, (request_class, _) in schema.METHODS.items()}
+    handlers["ModelStreamInfer"] = _stream_handler(server, service)
     aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
     try:
