@@ -179,11 +179,20 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
     url = StoreUrl(f"{on_store.url}/runs/stale")
     record = url / run_dir.OWNER_FILE
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-new")
-    # Killed outright on another host: no heartbeat for longer than the lease.
-    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-old",
-                                     "heartbeat": time.time() - run_dir.LEASE_S - 5})
+    # A live job on another host whose clock is an hour behind: its heartbeat time looks an hour old, but the
+    # store wrote its record just now. Judged by the holder's clock it would be taken over; it is busy.
+    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-old", "heartbeat": time.time() - 3600})
+    with pytest.raises(run_dir.RunDirBusy, match=r"in use by job job-old: pid 1 on elsewhere .*, alive [01] s ago"):
+        run_dir.claim(url)
+    # Killed outright on another host (its clock an hour ahead): the record is not refreshed for longer than the
+    # lease, by the store's clock (Date minus LastModified), whatever heartbeat time it holds.
+    lease = run_dir.LEASE_S
+    monkeypatch.setattr(run_dir, "LEASE_S", 1.0)
+    object_store.write_json(record, {"host": "elsewhere", "pid": 1, "job": "job-old", "heartbeat": time.time() + 3600})
+    time.sleep(2.2)
     assert run_dir.claim(url)["job"] == "job-old"
     run_dir.release(url)
+    monkeypatch.setattr(run_dir, "LEASE_S", lease)
     # Killed outright on this host (kill -9, no release): its pid is gone, so no waiting for the lease.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -215,6 +224,9 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
     object_store.write_bytes(record, b"{\"first\": 1}", IfMatch=tag)
     with pytest.raises(OSError):
         object_store.write_bytes(record, b"{\"second\": 1}", IfMatch=tag)
+    # ... and the delete a release makes: only of the record it last wrote (a takeover's record stays).
+    assert not object_store.remove_if_unchanged(record, tag) and object_store.exists(record)
+    assert object_store.remove_if_unchanged(record, object_store.etag(record)) and not object_store.exists(record)
 
 
 @pytest.mark.slow

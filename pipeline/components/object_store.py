@@ -15,6 +15,7 @@ that serves both asks `is_url(location)`. Listings are never cached: another hos
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import re
@@ -269,3 +270,37 @@ def etag(url: str) -> str | None:
         return filesystem().info(StoreUrl(url).key, refresh=True)["ETag"]
     except FileNotFoundError:
         return None
+
+
+def _bucket_and_key(url: str) -> tuple[str, str]:
+    bucket, _, key = StoreUrl(url).key.partition("/")
+    return bucket, key
+
+
+def last_written(url: str) -> tuple[str, float] | None:
+    """(ETag, seconds since the object was last written) of one object, None if there is none. The age is the
+    store's own: its answer's Date header minus the object's LastModified, both from the store's clock, so
+    the hosts' clocks, however far apart, do not enter into it (to within the header's one second)."""
+    bucket, key = _bucket_and_key(url)
+    try:
+        head = filesystem().call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    now = email.utils.parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+    return head["ETag"], max(0.0, (now - head["LastModified"]).total_seconds())
+
+
+def remove_if_unchanged(url: str, tag: str) -> bool:
+    """Deletes the object only while its ETag is `tag` (a conditional delete, If-Match: S3 has them since 2025-09);
+    False, and nothing deleted, when it was written since or is gone."""
+    bucket, key = _bucket_and_key(url)
+    try:
+        filesystem().call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=tag)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # s3fs's translation of the store's answer; the answer itself is its cause
+        answer = getattr(exc.__cause__, "response", None) or {}
+        if answer.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            return False
+        raise
+    return True

@@ -18,9 +18,12 @@ same across the elastic restarts of one job, on whichever host its rank 0 lands)
 heartbeat time, which a thread of the owner refreshes every HEARTBEAT_S seconds. A claimant finding a
 record takes it over (a conditional PUT with If-Match on the ETag it read, so of two takers one wins)
 only when the record is of its own job (an elastic restart), of a process on this host that is gone,
-or stale (no heartbeat for LEASE_S: a job killed outright on another host; the hosts' clocks must
-agree to well within that); any other claimant gets RunDirBusy naming the owner. The owner deletes the
-record when it is done.
+or stale (not written for LEASE_S: a job killed outright on another host). Staleness is judged by the
+store's clock alone (its Date header minus the record's LastModified), never by the heartbeat time the
+holder wrote: two hosts whose clocks disagree by more than the lease would otherwise take a live job's
+record (a clock behind) or wait on a dead one (a clock ahead). Any other claimant gets RunDirBusy naming
+the owner. The owner deletes the record when it is done, with a conditional delete (If-Match: its own
+last ETag), so a record another job has taken over meanwhile stays.
 """
 
 from __future__ import annotations
@@ -203,16 +206,18 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
             log.warning("claiming %s: %s; trying again", record, exc)
             time.sleep(0.5)
             continue
-        tag = object_store.etag(record)
+        written = object_store.last_written(record)
         try:
             owner = json.loads(object_store.read_bytes(record))
         except FileNotFoundError:
             continue  # released meanwhile
         except ValueError:
             owner = {}
-        why = _why_take_over(owner)
+        if written is None:
+            continue  # released meanwhile
+        tag, age = written
+        why = _why_take_over(owner, age)
         if why is None:
-            age = time.time() - float(owner.get("heartbeat") or 0)
             raise RunDirBusy(f"{run_dir} is in use by job {owner.get('job') or '?'}: {describe(owner)}, alive "
                              f"{age:.0f} s ago (its record {record} is refreshed every {HEARTBEAT_S:g} s and taken "
                              f"as stale after {LEASE_S:g} s): wait for it to finish or stop it, or give this run "
@@ -228,14 +233,15 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
                      "starting there: wait for it, or give this run another train.run_name")
 
 
-def _why_take_over(owner: dict) -> str | None:
-    """Why `owner`'s record may be taken over, or None when a live job of another owner holds it."""
+def _why_take_over(owner: dict, age: float) -> str | None:
+    """Why `owner`'s record, last written `age` seconds ago by the store's clock, may be taken over, or None
+    when a live job of another owner holds it."""
     if owner.get("job") and owner.get("job") == job_id():
         return f"a restart of the same job ({owner['job']})"
     if owner.get("host") == socket.gethostname() and alive(owner) is False:
         return "its process is gone"
-    if time.time() - float(owner.get("heartbeat") or 0) > LEASE_S:
-        return f"no heartbeat for more than {LEASE_S:g} s"
+    if age > LEASE_S:
+        return f"not refreshed for {age:.0f} s (more than {LEASE_S:g} s, by the store's clock)"
     return None
 
 
@@ -287,8 +293,9 @@ class _Lease:
         self.stop.set()
         self.thread.join()
         try:
-            if object_store.etag(self.record) == self.etag:  # still ours: nobody took it over
-                object_store.filesystem().rm_file(self.record.key)
+            # Still ours: looked at first too, for a store that would ignore the delete's If-Match.
+            if self.etag and object_store.etag(self.record) == self.etag:
+                object_store.remove_if_unchanged(self.record, self.etag)
         except OSError as exc:
             log.warning("could not remove the owner record %s: %s", self.record, exc)
 
