@@ -59,6 +59,13 @@ class StoreUrl(str):
     def is_dir(self) -> bool:
         return bool(files(self) or children(self))
 
+    def read_text(self) -> str:
+        return read_bytes(self).decode()
+
+    def write_text(self, text: str) -> None:
+        """One PUT: the object appears whole or not at all (what a local file needs a rename for)."""
+        write_bytes(self, text.encode())
+
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Nothing to do: a prefix exists once an object is written under it."""
 

@@ -21,10 +21,10 @@ class StateFileError(RuntimeError):
 
 
 def write_atomically(path: Path, text: str) -> None:
-    from pipeline.components import object_store
-
-    if object_store.is_url(path):
-        object_store.write_bytes(path, text.encode())
+    """`path`: a local path, or a location on an object store (object_store.StoreUrl, whose write_text is one
+    atomic PUT)."""
+    if not isinstance(path, Path) and hasattr(path, "write_text"):
+        path.write_text(text)
         return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -48,12 +48,11 @@ def write_json(path: Path, payload: Any) -> None:
 
 
 def read_json(path: Path, fix: str = "") -> Any:
-    """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it)."""
-    from pipeline.components import object_store
-
-    path = path if object_store.is_url(path) else Path(path)
+    """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it). `path`: a local path,
+    or a location on an object store (object_store.StoreUrl)."""
+    path = path if hasattr(path, "read_text") else Path(path)
     try:
-        return json.loads(object_store.read_bytes(path) if object_store.is_url(path) else path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise StateFileError(f"{path} is missing{'; ' + fix if fix else ''}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
