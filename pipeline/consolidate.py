@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline.components import checkpoint, shard_stream
+from pipeline.components import weights as weights_bundle
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
@@ -59,9 +60,7 @@ from pipeline.errors import ConsolidateError  # noqa: F401 - raised here, define
 
 log = logging.getLogger(__name__)
 
-FORMAT = "trainserve-weights/2"
-WEIGHTS = "model.safetensors"
-DESCRIPTION = "model.json"
+WEIGHTS, DESCRIPTION = weights_bundle.WEIGHTS_FILE, weights_bundle.META_FILE  # the bundle's format: weights.py
 ARTIFACT_PATH = "consolidated"
 # NaN/Inf are counted this many elements at a time: torch.isfinite on a whole tensor would
 # allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
@@ -112,7 +111,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         # (while it is read, in the one pass; a download was also verified as it arrived).
         sha = write_weights(tmp, reader, specs, ckpt)
         verify_file(tmp, specs, manifest_of(ckpt, meta))
-        description = describe(meta, ckpt, specs, sha, dtype)
+        description = weights_bundle.describe(meta, ckpt, specs, sha, dtype)
         _publish(out_dir, tmp, description)
     finally:
         tmp.unlink(missing_ok=True)
@@ -403,30 +402,6 @@ def verify_file(path: Path, specs: list[TensorSpec], manifest: dict[str, dict]) 
     if set(written) != set(manifest) or wrong:
         raise ConsolidateError(f"'{path}' does not match the model's state manifest: keys "
                                f"{sorted(set(written) ^ set(manifest))[:5]}, shapes {wrong[:5]}")
-
-
-def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
-    """model.json: everything export needs besides the weights."""
-    return {
-        "format": FORMAT,
-        "config": meta.get("config"),
-        "model": meta.get("model"),
-        "data": meta.get("data"),
-        "task": meta.get("task"),
-        "labels": meta.get("labels"),
-        "inputs": meta.get("inputs"),
-        "single_input": meta.get("single_input", True),
-        "code": meta.get("code"),
-        "tensors": {s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
-                    for s in sorted(specs, key=lambda s: s.name)},
-        "sha256": sha,
-        "dtype": dtype,
-        "source": {"checkpoint": str(ckpt.resolve()), "step": meta.get("step"),
-                   "world_size": meta.get("world_size"), "strategy": meta.get("strategy"),
-                   "mlflow_run_id": meta.get("mlflow_run_id"),
-                   "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
-                   "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step") == meta.get("step")},
-    }
 
 
 def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:

@@ -1,6 +1,7 @@
-"""The weights bundle: `model.safetensors` + `model.json` (format trainserve-weights/2), as `pipeline
-consolidate` writes them; read and checked here for every stage that takes them (export, verify, the
-serve check), and the model rebuilt from them.
+"""The weights bundle: `model.safetensors` + `model.json` (format trainserve-weights/2). What model.json
+holds is said here (`describe`, which `pipeline consolidate` writes beside the weights it streamed); read
+and checked here for every stage that takes them (export, verify, the serve check), and the model rebuilt
+from them.
 
 model.json holds the config, the model's component and args, the task's facts, the data's inputs,
 the checkpoint it came from (`source`), and the sha256 of model.safetensors, which is checked on read.
@@ -17,7 +18,7 @@ import torch
 
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.components.reference import ArtifactSource
-from pipeline.components.safetensors_writer import file_sha256
+from pipeline.components.safetensors_writer import TensorSpec, file_sha256
 from pipeline.config import Config, config_from_dict
 from pipeline.errors import WeightsError
 
@@ -35,6 +36,32 @@ class Weights:
     @property
     def source(self) -> dict[str, Any]:
         return self.meta.get("source") or {}
+
+
+def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
+    """model.json, as `pipeline consolidate` writes it beside the weights: everything export needs besides them.
+    `meta`: the checkpoint's own description (trainserve.json); `specs`: the tensors written; `sha`: the
+    weights file's sha256; `dtype`: what the tensors were cast to."""
+    return {
+        "format": WEIGHTS_FORMAT,
+        "config": meta.get("config"),
+        "model": meta.get("model"),
+        "data": meta.get("data"),
+        "task": meta.get("task"),
+        "labels": meta.get("labels"),
+        "inputs": meta.get("inputs"),
+        "single_input": meta.get("single_input", True),
+        "code": meta.get("code"),
+        "tensors": {s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
+                    for s in sorted(specs, key=lambda s: s.name)},
+        "sha256": sha,
+        "dtype": dtype,
+        "source": {"checkpoint": str(ckpt.resolve()), "step": meta.get("step"),
+                   "world_size": meta.get("world_size"), "strategy": meta.get("strategy"),
+                   "mlflow_run_id": meta.get("mlflow_run_id"),
+                   "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
+                   "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step") == meta.get("step")},
+    }
 
 
 def read_weights(directory: Path) -> Weights:
