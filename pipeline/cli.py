@@ -29,7 +29,7 @@ log = logging.getLogger("pipeline")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeline", description="trainserve: train -> consolidate -> export -> serve")
+    parser = argparse.ArgumentParser(prog="pipeline", allow_abbrev=False, description="trainserve: train -> consolidate -> export -> serve")
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for name, (_, help_text) in STAGES.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stage, rest = argv[0], argv[1:]
     module = importlib.import_module(STAGES[stage][0])
-    parser = argparse.ArgumentParser(prog=f"pipeline {stage}", description=STAGES[stage][1])
+    parser = argparse.ArgumentParser(prog=f"pipeline {stage}", allow_abbrev=False, description=STAGES[stage][1])
     module.add_arguments(parser)
     if "--verbose" not in parser._option_string_actions:  # `pipeline serve` has its own, the server's
         parser.add_argument("--verbose", action="store_true", help="let the libraries (MLflow, torch's exporter, "

@@ -708,6 +708,6 @@ def cli(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="pipeline train")
+    parser = argparse.ArgumentParser(prog="pipeline train", allow_abbrev=False)
     add_arguments(parser)
     sys.exit(cli(parser.parse_intermixed_args()))

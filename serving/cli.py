@@ -170,7 +170,7 @@ def refuse(args: argparse.Namespace, exc: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python -m serving` and `pipeline serve`; returns the process exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m serving", description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
+        prog="python -m serving", allow_abbrev=False, description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
                                                "Prometheus metrics). Every flag can also be set as "
                                                "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.")
     add_arguments(parser)
