@@ -251,6 +251,50 @@ def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refu
     assert answers[1].infer_response.parameters["x-model-name"].string_param == "tiny"
 
 
+def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_read_then_ends_it(tmp_path):
+    """200 requests on one stream while a batch waits for rows (--max-delay-ms 20 s): the server reads 128 (the
+    window) and no more. SIGTERM: those 128 are answered at once (the partial batch stops waiting), then the
+    stream ends UNAVAILABLE ("send the rest elsewhere") and the server exits without waiting out the graceful
+    timeout (before: 30 s, then every call cut, CANCELLED, the read requests unanswered)."""
+    import queue
+    import signal
+    import time
+
+    from serving.grpc.service import STREAM_WINDOW
+
+    model = tiny_model(tmp_path / "tiny.onnx")
+    grpc_port = free_port()
+    with ServerProcess("--model", f"tiny={model}", "--grpc-port", str(grpc_port), "--max-delay-ms", "20000",
+                       "--max-batch-size", "256", "--graceful-timeout", "30", log_path=tmp_path / "server.log") as srv:
+        answers: queue.Queue = queue.Queue()
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        client.start_stream(lambda result, error: answers.put((result, error)))
+        x = images(1)
+        image = triton_grpc.InferInput("input", list(x.shape), "FP32")
+        image.set_data_from_numpy(x)
+        for i in range(STREAM_WINDOW + 72):  # a partial batch: it would wait 20 s for more rows
+            client.async_stream_infer("tiny", [image], request_id=f"s{i}")
+        def queued() -> float:
+            return metric(requests.get(srv.url + "/metrics").text, "trainserve_queue_rows", model="tiny")
+
+        deadline = time.monotonic() + 10
+        while queued() < STREAM_WINDOW and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert queued() == STREAM_WINDOW  # read, waiting in the batcher; the rest not read
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        got = [answers.get(timeout=20) for _ in range(STREAM_WINDOW + 1)]
+        assert srv.proc.wait(20) == 0
+        took = time.monotonic() - started
+        client.stop_stream()
+    assert [r.get_response(as_json=True)["id"] for r, error in got[:-1] if error is None] == [
+        f"s{i}" for i in range(STREAM_WINDOW)]
+    result, error = got[-1]
+    assert result is None and error.status() == "StatusCode.UNAVAILABLE" and "shutting down" in error.message(), error
+    assert took < 10, f"the server took {took:.1f} s to stop with a stream open ({srv.log()[-2000:]})"
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -76,9 +76,6 @@ class StoreUrl(str):
             if not missing_ok:
                 raise
 
-    def read_text(self) -> str:
-        return read_bytes(self).decode()
-
 
 def location(path_or_url: str):
     """A local Path, or a StoreUrl for a URL (checked)."""
@@ -299,10 +296,17 @@ def last_written(url: str) -> tuple[str, float] | None:
 
 def remove_if_unchanged(url: str, tag: str) -> bool:
     """Deletes the object only while its ETag is `tag` (a conditional delete, If-Match: S3 has them since 2025-09);
-    False, and nothing deleted, when it was written since or is gone."""
+    False, and nothing deleted, when it was written since. (An object already gone: S3 answers a delete of it
+    as done, True.) A botocore too old to send If-Match on a delete: a plain delete, so callers compare the ETag
+    first as well."""
+    from botocore.exceptions import ParamValidationError
+
     bucket, key = _bucket_and_key(url)
+    fs = filesystem()
     try:
-        filesystem().call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=tag)
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=tag)
+    except ParamValidationError:  # this botocore does not know IfMatch on DeleteObject
+        fs.call_s3("delete_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
         return False
     except OSError as exc:  # s3fs's translation of the store's answer; the answer itself is its cause

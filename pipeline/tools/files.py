@@ -26,7 +26,7 @@ def write_atomically(path: Path, text: str) -> None:
     if not isinstance(path, Path) and hasattr(path, "write_text"):
         path.write_text(text)
         return
-    path = Path(path)
+    path = _local(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
@@ -43,6 +43,12 @@ def write_atomically(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def _local(path) -> Path:
+    if "://" in str(path):  # a URL as a plain string would become a local file named "s3:/..."
+        raise TypeError(f"{path}: a location on an object store is an object_store.StoreUrl (object_store.location)")
+    return Path(path)
+
+
 def write_json(path: Path, payload: Any) -> None:
     write_atomically(path, json.dumps(payload, indent=2))
 
@@ -50,7 +56,7 @@ def write_json(path: Path, payload: Any) -> None:
 def read_json(path: Path, fix: str = "") -> Any:
     """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it). `path`: a local path,
     or a location on an object store (object_store.StoreUrl)."""
-    path = path if hasattr(path, "read_text") else Path(path)
+    path = path if hasattr(path, "read_text") else _local(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:

@@ -15,7 +15,8 @@ initial metadata, and the response's `id` echoes the request's.
 ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_stream/async_stream_infer,
 perf_analyzer --streaming): many ModelInferRequests on one call, each through the same inference path,
 answered in the order they came, each as a ModelStreamInferResponse holding the answer or an
-`error_message` ("<STATUS>: why"); a refused request does not end the stream. Why it is there: a unary
+`error_message` ("<STATUS>: why"); a refused request does not end the stream (a message over
+--max-body-bytes does: grpc's limit holds for the whole call, before a handler sees it). Why it is there: a unary
 call costs grpc.aio about four event-loop turns and twenty system calls on the loop thread (accept the
 call, read its message, send the receipt, send the answer and status, learn it closed); on a stream a
 request costs one read and one write: for a tiny model half the server CPU of a unary call (README,
@@ -124,7 +125,7 @@ class Service:
         rid = _request_id(request.id or context.metadata.get("x-request-id"))
         answer = await server.answer(core.Call(
             pick=lambda: server.model_slot(request.model_name, request.model_version or None),
-            follow_swap=not request.model_version, request_id=rid, endpoint="grpc ModelInfer",
+            follow_swap=not request.model_version, request_id=rid, endpoint=context.endpoint,
             size=context.size,  # its wire size: ByteSize() would walk the whole message on the loop
             decode=lambda engine: codec.decode_infer(request, engine.inputs, engine.output_names, server.limits),
             receipt=lambda slot, rid: context.answered_by(slot, rid)))  # with a refusal too, as over HTTP
@@ -140,10 +141,12 @@ def _request_id(given: str | None) -> str:
 class _Call:
     """What a handler learns about its call: metadata in, the model that answered and the receipt out."""
 
-    def __init__(self, context: grpc.aio.ServicerContext | None, size: int, metadata: dict[str, str] | None = None):
+    def __init__(self, context: grpc.aio.ServicerContext | None, size: int, metadata: dict[str, str] | None = None,
+                 endpoint: str = "grpc ModelInfer"):
         self.metadata = metadata if metadata is not None else {
             k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         self.size = size  # of the message on the wire
+        self.endpoint = endpoint  # as the payload log names it
         self.model = ("", "")
         self.receipt: dict[str, str] = {}
 
@@ -206,22 +209,43 @@ def _handler(server, service: Service, method: str, request_class):
     return grpc.unary_unary_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
 
 
-def _stream_handler(server, service: Service):
+class _Streams:
+    """The open ModelStreamInfer streams' readers, so that a stop ends their reading (see stop)."""
+
+    def __init__(self):
+        self.readers: set[asyncio.Task] = set()
+        self.closing = False
+
+    def close(self) -> None:
+        self.closing = True
+        for reader in self.readers:
+            reader.cancel()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A done callback: a task nobody awaits any more (the client went away) still has its error looked at."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a stream task ended with %r after its stream", task.exception())
+
+
+def _stream_handler(server, service: Service, streams: _Streams):
     """ModelStreamInfer (see the module's docstring): a reader task takes requests off the stream and starts
-    each one's answer; this handler writes the answers in the order the requests came. At most STREAM_WINDOW
-    requests are being answered; the reader waits for room, so an unread stream holds its client back."""
+    each one's answer; this handler writes the answers in the order the requests came. A request holds a place
+    of its stream's window (STREAM_WINDOW) from before it is read until its answer is written, and one of the
+    server's (MAX_CONCURRENT_RPCS, shared by every stream) from when it is read: the reader waits for both, so a
+    stream whose answers are not taken holds its client back, and all streams together hold at most as many
+    requests as the server takes unary calls. At shutdown the readers stop: what was read is answered, then the
+    stream ends with UNAVAILABLE, so that the client knows to send the rest elsewhere."""
     route = "grpc ModelStreamInfer"
+    everywhere = asyncio.Semaphore(MAX_CONCURRENT_RPCS)
 
     async def answer(data: bytes, metadata: dict[str, str]) -> bytes:
         started = time.perf_counter()
-        info = _Call(None, len(data), metadata)
+        info = _Call(None, len(data), metadata, endpoint=route)
         status, request = grpc.StatusCode.OK, None
         try:
             request = await _parsed(server, schema.ModelInferRequest, data)
-            response = await service.ModelInfer(request, info)
-            for key, value in info.receipt.items():
-                response.parameters[key].string_param = value
-            message = schema.ModelStreamInferResponse(infer_response=response)
+            message = schema.ModelStreamInferResponse(infer_response=await service.ModelInfer(request, info))
         except Exception as exc:  # noqa: BLE001 - a refused request is answered; the stream goes on
             refused = refusal(exc)
             _log_refusal("ModelStreamInfer", refused)
@@ -231,18 +255,37 @@ def _stream_handler(server, service: Service):
                 message.infer_response.model_name = request.model_name
                 message.infer_response.model_version = request.model_version
                 message.infer_response.id = request.id
+        for key, value in info.receipt.items():  # with a refusal too, once the version was chosen, as unary
+            message.infer_response.parameters[key].string_param = value
         server.metrics.observe_request(route, status.name, time.perf_counter() - started, *info.model)
         return message.SerializeToString()
 
-    async def read(context, metadata: dict[str, str], answers: asyncio.Queue) -> None:
-        """Starts each request's answer, in order; None last, also when reading failed (then raised)."""
+    async def read(context, metadata: dict[str, str], answers: asyncio.Queue, window: asyncio.Semaphore) -> bool:
+        """Starts each request's answer, in order, and queues it; None last. True when a stop cut the reading
+        short (the client's further requests were not read)."""
+        cut = False
         try:
-            while (data := await context.read()) is not grpc.aio.EOF:
-                await answers.put(asyncio.ensure_future(answer(data, metadata)))  # waits while the window is full
-        except Exception:
-            await answers.put(None)
-            raise
-        await answers.put(None)
+            while True:
+                await window.acquire()
+                try:
+                    data = await context.read()
+                    if data is grpc.aio.EOF:
+                        window.release()
+                        break
+                    await everywhere.acquire()
+                except BaseException:
+                    window.release()
+                    raise
+                task = asyncio.ensure_future(answer(data, metadata))
+                task.add_done_callback(_retrieve)
+                answers.put_nowait(task)  # no await between starting it and queueing it: never lost
+        except asyncio.CancelledError:
+            if not streams.closing:
+                raise
+            cut = True
+        finally:
+            answers.put_nowait(None)
+        return cut
 
     async def handle(unused_requests, context: grpc.aio.ServicerContext):
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -254,22 +297,48 @@ def _stream_handler(server, service: Service):
             _log_refusal("ModelStreamInfer", refused)
             server.metrics.observe_request(route, refused.code.name, 0.0, "", "")
             await context.abort(refused.code, str(refused))
-        answers: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
-        reader = asyncio.ensure_future(read(context, metadata, answers))
+        if streams.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream elsewhere")
+        answers: asyncio.Queue = asyncio.Queue()  # bounded by the window
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        reader = asyncio.ensure_future(read(context, metadata, answers, window))
+        reader.add_done_callback(_retrieve)
+        streams.readers.add(reader)
+        reader.add_done_callback(streams.readers.discard)
         try:
             while (answering := await answers.get()) is not None:
-                await context.write(await answering)
-            await reader  # its error, if reading ended with one
-        finally:  # also when the client went away or the server stops: nothing more to answer
+                try:
+                    await context.write(await answering)
+                finally:
+                    window.release()
+                    everywhere.release()
+            cut = await reader
+        finally:  # also when the client went away: nothing more to answer
             reader.cancel()
             while not answers.empty():
                 if (left := answers.get_nowait()) is not None:
                     left.cancel()
+                    window.release()
+                    everywhere.release()
+        if cut:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: every request it read on "
+                                "this stream was answered; send the rest on a stream to another server")
 
     return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
 
 
-async def start_grpc(server) -> grpc.aio.Server:
+class GrpcFrontEnd:
+    """The running gRPC server, as the core stops it: the streams' reading first, then the server."""
+
+    def __init__(self, aio: grpc.aio.Server, streams: _Streams):
+        self.aio, self.streams = aio, streams
+
+    async def stop(self, grace: float | None) -> None:
+        self.streams.close()
+        await self.aio.stop(grace)
+
+
+async def start_grpc(server) -> GrpcFrontEnd:
     """The gRPC server on --host:--grpc-port, started; `await it.stop(grace)` at shutdown. OSError if the
     port cannot be bound."""
     settings = server.settings
@@ -289,7 +358,8 @@ async def start_grpc(server) -> grpc.aio.Server:
     service = Service(server)
     handlers = {method: _handler(server, service, method, request_class)
                 for method, (request_class, _) in schema.METHODS.items()}
-    handlers["ModelStreamInfer"] = _stream_handler(server, service)
+    streams = _Streams()
+    handlers["ModelStreamInfer"] = _stream_handler(server, service, streams)
     aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
     try:
@@ -300,4 +370,4 @@ async def start_grpc(server) -> grpc.aio.Server:
         raise OSError(f"cannot serve gRPC on {address}: the port is taken or the address is not this machine's")
     await aio.start()
     log.info("KServe V2 gRPC on %s", address)
-    return aio
+    return GrpcFrontEnd(aio, streams)
