@@ -218,7 +218,7 @@ class _Streams:
 
     def close(self) -> None:
         self.closing = True
-        for reader in self.readers:
+        for reader in list(self.readers):  # a cancelled reader leaves the set (its done callback) later
             reader.cancel()
 
 
