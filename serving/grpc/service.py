@@ -141,10 +141,8 @@ def _request_id(given: str | None) -> str:
 class _Call:
     """What a handler learns about its call: metadata in, the model that answered and the receipt out."""
 
-    def __init__(self, context: grpc.aio.ServicerContext | None, size: int, metadata: dict[str, str] | None = None,
-                 endpoint: str = "grpc ModelInfer"):
-        self.metadata = metadata if metadata is not None else {
-            k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    def __init__(self, metadata: dict[str, str], size: int, endpoint: str = "grpc ModelInfer"):
+        self.metadata = metadata
         self.size = size  # of the message on the wire
         self.endpoint = endpoint  # as the payload log names it
         self.model = ("", "")
@@ -153,6 +151,11 @@ class _Call:
     def answered_by(self, slot, request_id: str) -> None:
         self.model = (slot.model.info.name, slot.version)
         self.receipt = {**{k.lower(): v for k, v in slot.headers.items()}, "x-request-id": request_id}
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata, keys in lower case (binary `-bin` values left out)."""
+    return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 def _parse(request_class, data: bytes):
@@ -187,7 +190,7 @@ def _handler(server, service: Service, method: str, request_class):
 
     async def handle(data: bytes, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
-        info = _Call(context, len(data))
+        info = _Call(_metadata(context), len(data))
         refused = None
         try:
             if method not in OPEN:
@@ -223,7 +226,8 @@ class _Streams:
 
 
 def _retrieve(task: asyncio.Future) -> None:
-    """A done callback: a task nobody awaits any more (the client went away) still has its error looked at."""
+    """A done callback: a stream's reader that nobody awaits any more (the client went away) still has its error
+    looked at."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("a stream task ended with %r after its stream", task.exception())
 
@@ -241,7 +245,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
 
     async def answer(data: bytes, metadata: dict[str, str]) -> bytes:
         started = time.perf_counter()
-        info = _Call(None, len(data), metadata, endpoint=route)
+        info = _Call(metadata, len(data), endpoint=route)
         status, request = grpc.StatusCode.OK, None
         try:
             request = await _parsed(server, schema.ModelInferRequest, data)
@@ -276,9 +280,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
                 except BaseException:
                     window.release()
                     raise
-                task = asyncio.ensure_future(answer(data, metadata))
-                task.add_done_callback(_retrieve)
-                answers.put_nowait(task)  # no await between starting it and queueing it: never lost
+                # No await between starting the answer and queueing it: a cancelled reader loses none. (An answer
+                # ends with bytes, a refusal too: nothing for a done callback to look at.)
+                answers.put_nowait(asyncio.ensure_future(answer(data, metadata)))
         except asyncio.CancelledError:
             if not streams.closing:
                 raise
@@ -288,7 +292,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
         return cut
 
     async def handle(unused_requests, context: grpc.aio.ServicerContext):
-        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        metadata = _metadata(context)
         metadata.pop("x-request-id", None)  # one id for many requests would not be an id: each gets its own
         try:
             server.check_token(metadata.get("authorization", ""))
