@@ -296,11 +296,13 @@ def last_written(url: str) -> tuple[str, float] | None:
 
 def remove_if_unchanged(url: str, tag: str) -> bool:
     """Deletes the object only while its ETag is `tag` (a conditional delete, If-Match: S3 has them since 2025-09);
-    False, and nothing deleted, when it was written since. (An object already gone: S3 answers a delete of it
-    as done, True.) A botocore too old to send If-Match on a delete: a plain delete, so callers compare the ETag
-    first as well."""
+    False, and nothing deleted, when it was written since or is gone. The ETag is compared first too: a store
+    that ignores If-Match on a delete, or a botocore too old to send it (then a plain delete), still leaves an
+    object written since."""
     from botocore.exceptions import ParamValidationError
 
+    if etag(url) != tag:
+        return False
     bucket, key = _bucket_and_key(url)
     fs = filesystem()
     try:

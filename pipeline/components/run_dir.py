@@ -208,12 +208,12 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
             continue
         written = object_store.last_written(record)
         try:
-            owner = json.loads(object_store.read_bytes(record))
+            owner = json.loads(object_store.read_bytes(record)) if written else None
         except FileNotFoundError:
-            continue  # released meanwhile
+            owner = None
         except ValueError:
             owner = {}
-        if written is None:
+        if owner is None:
             continue  # released meanwhile
         tag, age = written
         why = _why_take_over(owner, age)
@@ -293,8 +293,7 @@ class _Lease:
         self.stop.set()
         self.thread.join()
         try:
-            # Still ours: looked at first too, for a store that would ignore the delete's If-Match.
-            if self.etag and object_store.etag(self.record) == self.etag:
+            if self.etag:  # still ours: nobody took it over
                 object_store.remove_if_unchanged(self.record, self.etag)
         except OSError as exc:
             log.warning("could not remove the owner record %s: %s", self.record, exc)
