@@ -160,18 +160,25 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
     assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT", model="") == 1
 
 
+def tiny_request(**fields) -> bytes:
+    """A serialized ModelInferRequest of one image for `tiny` (our schema: what any gRPC client sends)."""
+    from serving.grpc import schema
+
+    request = schema.ModelInferRequest(model_name="tiny", **fields)
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+    request.raw_input_contents.append(images(1).tobytes())
+    return request.SerializeToString()
+
+
 def test_grpc_receipt_comes_back_as_initial_metadata(server, repo):
     """What a client learns of the version that answered a unary ModelInfer: the receipt as initial metadata."""
     import grpc as grpc_lib
 
     from serving.grpc import schema
 
-    request = schema.ModelInferRequest(model_name="tiny", model_version="2", id="receipt-1")
-    request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
-    request.raw_input_contents.append(images(1).tobytes())
     with grpc_lib.insecure_channel(server.grpc) as channel:
         infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-        body, call = infer.with_call(request.SerializeToString(), metadata=tuple(AUTH.items()))
+        body, call = infer.with_call(tiny_request(model_version="2", id="receipt-1"), metadata=tuple(AUTH.items()))
     receipt = dict(call.initial_metadata())
     assert schema.ModelInferResponse.FromString(body).id == "receipt-1"
     assert receipt["x-request-id"] == "receipt-1" and receipt["x-model-name"] == "tiny"
@@ -236,16 +243,14 @@ def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refu
 
     from serving.grpc import schema
 
-    good = schema.ModelInferRequest(model_name="tiny", id="good")
-    good.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
-    good.raw_input_contents.append(images(1).tobytes())
+    good = tiny_request(id="good")
     with grpc_lib.insecure_channel(server.grpc) as channel:
         stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
         with pytest.raises(grpc_lib.RpcError) as refused:
-            list(stream(iter([good.SerializeToString()])))
+            list(stream(iter([good])))
         assert refused.value.code() == grpc_lib.StatusCode.UNAUTHENTICATED
         answers = [schema.ModelStreamInferResponse.FromString(b) for b in
-                   stream(iter([b"\xff\xff\xff", good.SerializeToString()]), metadata=tuple(AUTH.items()))]
+                   stream(iter([b"\xff\xff\xff", good]), metadata=tuple(AUTH.items()))]
     assert answers[0].error_message.startswith("INVALID_ARGUMENT: the message is not a valid inference.ModelInferRequest")
     assert not answers[1].error_message and answers[1].infer_response.id == "good"
     assert answers[1].infer_response.parameters["x-model-name"].string_param == "tiny"
