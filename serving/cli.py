@@ -52,6 +52,9 @@ FLAGS: dict[str, tuple[type, str]] = {
                            "(default ~/.cache/trainserve/tensorrt)"),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
     "max-batch-size": (int, "most rows per model run (default 32)"),
+    "batch-buckets": (str, "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "
+                           "each (a copy of the weights each); auto: powers of two up to --max-batch-size on the "
+                           "CUDA provider, whose cuDNN set-up reruns at every change of input shape (default auto)"),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),

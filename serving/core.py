@@ -38,7 +38,7 @@ from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
-from serving.engine import GPU_PROVIDERS, ModelInputError
+from serving.engine import GPU_PROVIDERS, Engine, ModelInputError, choose_provider
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record, in_sample
@@ -401,7 +401,7 @@ class Server:
         batch waits for at most one warm-up run."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        sizes = warm_up_sizes(model.engine.provider, self.settings.max_batch_size)
+        sizes = warm_up_sizes(model.engine, self.settings.max_batch_size)
         for n in sizes:
             if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
                 await self._warm_up_with_last_request(model)
@@ -568,13 +568,15 @@ def open_source(settings: Settings, source: Source, version: str | None = None) 
     s = settings
     name = source.name or s.model_name  # Settings.check: --model-name only beside a single unnamed --model
     return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
-                      device_id=s.device_id, variant=s.variant, gpu=s.gpu_options())
+                      device_id=s.device_id, variant=s.variant, gpu=s.gpu_options(),
+                      batch_buckets=s.bucket_sizes(choose_provider(s.device)))
 
 
-def warm_up_sizes(provider: str, max_batch_size: int) -> tuple[int, ...]:
+def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:
     """The batch sizes to run before serving.
 
-    GPU: every size the batcher forms from requests (1 to max_batch_size): each new input shape costs the
+    Batch buckets (the CUDA provider's default): each bucket once, the size its session will only ever see.
+    Other GPU: every size the batcher forms from requests (1 to max_batch_size): each new input shape costs the
     CUDA provider a cuDNN algorithm choice and allocations, and TensorRT an engine rebuild if the shape is
     outside the range it has seen, so none of that may land on a request. The largest first, then 1:
     TensorRT's profile then spans every size in between. A single request larger than max_batch_size runs
@@ -582,7 +584,9 @@ def warm_up_sizes(provider: str, max_batch_size: int) -> tuple[int, ...]:
     CPU: 1 and the largest; the CPU provider chooses no algorithm per shape, and the largest batch sizes
     its memory arena.
     """
-    if provider in GPU_PROVIDERS:
+    if engine.buckets:
+        return engine.buckets
+    if engine.provider in GPU_PROVIDERS:
         return (max_batch_size, *range(1, max_batch_size))
     return tuple(dict.fromkeys((1, max_batch_size)))
 
@@ -590,7 +594,7 @@ def warm_up_sizes(provider: str, max_batch_size: int) -> tuple[int, ...]:
 def warm_up(model: LoadedModel, max_batch_size: int) -> None:
     """Run the model at the warm-up sizes (warm_up_sizes) before the server says it is ready."""
     started = time.perf_counter()
-    sizes = warm_up_sizes(model.engine.provider, max_batch_size)
+    sizes = warm_up_sizes(model.engine, max_batch_size)
     if model.engine.warm_up(sizes):
         log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
                  len(sizes), time.perf_counter() - started)

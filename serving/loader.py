@@ -164,7 +164,7 @@ def alias_version(uri: str) -> str:
 
 def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
                version: str | None = None, device_id: int = 0, variant: str = "fp32",
-               gpu: GpuOptions | None = None) -> LoadedModel:
+               gpu: GpuOptions | None = None, batch_buckets: tuple[int, ...] = ()) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's
@@ -200,7 +200,8 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
             if (data := data_file_of(path)) is not None:  # the weights of a graph past 2 GB: checked the same way
                 _check_recorded_hash(registered, version, variant, data, file_sha256(data),
                                      recorded_data_hash_tag(variant))
-        engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu)
+        engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu,
+                        batch_buckets=batch_buckets)
         if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
             raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
     except BaseException:

@@ -382,6 +382,7 @@ class RecordingEngine:
         self.provider = provider
         self.calls: list[tuple[tuple[int, ...], str]] = []
         self.batchable = True
+        self.buckets = ()
         self.inputs = self.outputs = []
         self.output_names = []
 
@@ -405,6 +406,25 @@ def test_warm_up_covers_every_batch_size_on_a_gpu_and_two_on_the_cpu():
     engine = RecordingEngine(CPU)
     serving_app.warm_up(LoadedModel(engine, ModelInfo("m", "1", "m.onnx")), 32)
     assert engine.calls[0][0] == (1, 32)
+
+
+def test_on_cuda_the_server_pads_to_power_of_two_buckets_a_session_each_and_warms_each_once(tmp_path, fake_gpu):
+    path = str(tiny_model(tmp_path / "m.onnx"))
+    source = Settings(model=path).sources()[0]
+    model = serving_app.open_source(Settings(model=path, device="cuda", max_batch_size=8), source)
+    assert model.engine.buckets == (1, 2, 4, 8)
+    options = [c["providers"][0] for c in fake_gpu.session.created]
+    assert len(options) == 4 and all(p[0] == CUDA and p[1]["cudnn_conv_algo_search"] == "HEURISTIC" for p in options)
+    assert "batch buckets 1,2,4,8 (a session each)" in model.engine.describe()
+    assert serving_app.warm_up_sizes(model.engine, 8) == (1, 2, 4, 8)
+
+    fake_gpu.session.created.clear()
+    model = serving_app.open_source(Settings(model=path, device="cuda", max_batch_size=8, batch_buckets="off"), source)
+    assert model.engine.buckets == () and len(fake_gpu.session.created) == 1
+    assert serving_app.warm_up_sizes(model.engine, 8) == (8, 1, 2, 3, 4, 5, 6, 7)  # every size, as before
+    assert Settings(model=path, max_batch_size=24).bucket_sizes(CUDA) == (1, 2, 4, 8, 16, 24)
+    assert Settings(model=path, max_batch_size=8).bucket_sizes(CPU) == ()  # auto: no shape cost on the CPU
+    assert Settings(model=path, max_batch_size=8, batch_buckets="4").bucket_sizes(CPU) == (4, 8)
 
 
 def test_a_reloads_warm_up_runs_on_the_engine_thread_one_size_at_a_time(tmp_path):

@@ -1,0 +1,89 @@
+"""Batch buckets: a run padded up to a fixed batch size, run by a session that only ever sees that size.
+
+On the CUDA provider (the server's default there) they keep dynamic batching from handing onnxruntime a new
+input shape nearly every run, each of which reruns cuDNN's set-up of every convolution (scripts/gpu-check
+measures it). Here, on the CPU, the padding itself is proven with explicit buckets: the rows a client sent
+come back, computed as without buckets, by the bucket's own session; and the server's flag and warm-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import requests
+
+from serving.engine import Engine
+from serving_fixtures import ROOT, ServerProcess, run_onnx, tiny_model
+
+
+def test_a_run_is_padded_to_its_bucket_by_that_buckets_session_and_answers_only_its_rows(tmp_path):
+    path = str(tiny_model(tmp_path / "m.onnx"))
+    plain = Engine(path, device="cpu", threads=1)
+    engine = Engine(path, device="cpu", threads=1, batch_buckets=(4, 2))
+    assert engine.buckets == (2, 4) and plain.buckets == ()
+    assert [engine.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 5]  # past the largest: its own size
+
+    seen: list[tuple[str, int]] = []
+
+    def recording(label, session):
+        run = session.run
+        return lambda names, feeds: seen.append((label, len(feeds["input"]))) or run(names, feeds)
+
+    engine._bucket_sessions[2].run = recording("bucket 2", engine._bucket_sessions[2])
+    engine.session.run = recording("largest", engine.session)
+    x = np.random.default_rng(0).random((5, 1, 8, 8), dtype=np.float32)
+    for rows in (1, 2, 3, 4, 5):
+        got = engine.run({"input": x[:rows]})
+        want = plain.run({"input": x[:rows]})
+        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+    assert seen == [("bucket 2", 2), ("bucket 2", 2), ("largest", 4), ("largest", 4), ("largest", 5)]
+    engine.close()
+    assert engine.session is None and engine._bucket_sessions == {}
+
+
+def test_buckets_need_a_model_whose_one_dynamic_axis_is_the_batch(tmp_path):
+    from serving_fixtures import two_axes_model
+
+    engine = Engine(str(two_axes_model(tmp_path / "m.onnx")), device="cpu", threads=1, batch_buckets=(2, 4))
+    assert engine.buckets == () and engine._bucket_sessions == {}
+
+
+def test_the_server_pads_to_the_buckets_asked_and_refuses_bad_ones(tmp_path):
+    model = tiny_model(tmp_path / "m.onnx")
+
+    def refused(*flags):
+        proc = subprocess.run([sys.executable, "-m", "serving", "--model", str(model), *flags], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        return proc.stderr
+
+    for value in ("0,4", "8", "two", "2,,4"):
+        said = refused("--batch-buckets", value, "--max-batch-size", "4")
+        assert "--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size (4) like 1,8,4" in said
+        assert repr(value) in said
+
+    x = np.random.default_rng(1).random((3, 1, 8, 8), dtype=np.float32)
+    want = run_onnx(model, x)["probabilities"]
+    with ServerProcess("--model", str(model), "--device", "cpu", "--batch-buckets", "2", "--max-batch-size", "4",
+                       log_path=tmp_path / "log") as server:
+        url = f"{server.url}/v2/models/tiny/infer"
+
+        def ask(rows):
+            body = {"inputs": [{"name": "input", "shape": [rows, 1, 8, 8], "datatype": "FP32",
+                                "data": x[:rows].ravel().tolist()}]}
+            return requests.post(url, json=body, timeout=30).json()["outputs"]
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, [1, 2, 3] * 8))
+        log = server.log()
+    assert "batch buckets 2,4 (a session each)" in log
+    assert "warm-up of 2 batch sizes" in log  # each bucket once: the size its session will only ever see
+    for rows, outputs in zip([1, 2, 3] * 8, answers):
+        probabilities = next(o for o in outputs if o["name"] == "probabilities")
+        assert probabilities["shape"] == [rows, 3]
+        np.testing.assert_allclose(np.asarray(probabilities["data"], np.float32).reshape(rows, 3), want[:rows],
+                                   rtol=1e-5, atol=1e-6)
