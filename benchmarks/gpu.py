@@ -11,8 +11,9 @@ Proofs (each a real CLI call in a scratch directory, as a user types it):
   export.cuda_gates     export's gates on the CUDA provider, the provider recorded in the report
   serve.cuda            the server on the CUDA provider (asserted from /metrics, not assumed), warmed up
   serve.parity          the CUDA server's answers vs onnxruntime's CPU provider on the same inputs
-  throughput            req/s and p50/p99 at concurrency 1 and 32: CPU provider vs CUDA provider vs
-                        CUDA with TF32 vs the fp16 variant, where each exists
+  throughput            req/s, p50/p99, rows and milliseconds per model run at concurrency 1 and 32: CPU
+                        provider vs CUDA provider (batch buckets, the default) vs CUDA with one session for
+                        every batch size (--batch-buckets off) vs CUDA with TF32 vs the fp16 variant
 
 What a proof needs and does not find (MLflow for the training runs, onnxruntime-gpu with a CUDA
 provider that loads for the export and serving rows) is a `skip` row that says what is missing, never
@@ -64,6 +65,12 @@ class Proofs:
         print(f"{status:<5} {name:<18} {row.seconds:6.1f}s  {detail}", flush=True)
         return row
 
+    def amend(self, status: str, detail: str) -> None:
+        """The last row's verdict after a look past the command's output (printed again, as amended)."""
+        row = self.rows[-1]
+        row.status, row.detail = status, detail
+        print(f"{status:<5} {row.name:<18} {'':>7}  {detail} (amended)", flush=True)
+
     def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=self.workdir, env=self.env,
                               capture_output=True, text=True, timeout=timeout)
@@ -108,9 +115,9 @@ def train_proofs(p: Proofs) -> None:
         if p.check("train.fp16", proc, started, expect=["precision fp16"], detail="fp16 + GradScaler"):
             scale = _metric(p, "fp16", "train/loss_scale")
             if scale is None:
-                p.rows[-1].status, p.rows[-1].detail = "FAIL", "the run logged no train/loss_scale: no GradScaler"
+                p.amend("FAIL", "the run logged no train/loss_scale: no GradScaler")
             else:
-                p.rows[-1].detail += f", loss scale {scale:g} at the end"
+                p.amend("ok", f"fp16 + GradScaler, loss scale {scale:g} at the end")
     else:
         p.add("train.fp16", "skip", started, "fp16 + GradScaler needs CUDA")
 
@@ -161,7 +168,9 @@ def cuda_provider_loads() -> str:
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     try:
-        sess = ort.InferenceSession(helper.make_model(graph).SerializeToString(),
+        # An explicit IR version: a newer onnx writes one the installed onnxruntime may not read yet.
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+        sess = ort.InferenceSession(model.SerializeToString(),
                                     providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001
         return f"the CUDA provider fails to create a session: {exc}"
@@ -212,9 +221,9 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
         else:
             p.add("serve.cuda", "FAIL", started, f"the server runs on {cuda and cuda['provider']}, not the CUDA provider")
             p.add("serve.parity", "skip", started, "no CUDA server")
-        # Rows for what the server offers on a GPU: TF32 allowed (ungated), the gated fp16 variant.
-        # (Pre-allocated buffers per bucket and CUDA graphs are not built yet: no row for them.)
-        for variant_args in (["--allow-tf32"], ["--variant", "fp16"]):
+        # Rows for what the server offers on a GPU: one session for every batch size (what batch buckets
+        # replace), TF32 allowed (ungated), the gated fp16 variant. (CUDA graphs are not built yet: no row.)
+        for variant_args in (["--batch-buckets", "off"], ["--allow-tf32"], ["--variant", "fp16"]):
             serve_and_measure(p, onnx_path, "cuda", variant_args, quick, table)
     started = time.perf_counter()
     p.add("throughput", "ok" if table else "FAIL", started, f"{len(table)} rows below")
@@ -238,7 +247,7 @@ def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str],
     try:
         while time.perf_counter() - started < 180:
             if server.poll() is not None:
-                table.append((label, "did not start (see its log)", "", "", ""))
+                table.append((label, "did not start (see its log)", "", "", "", "", ""))
                 return None
             with contextlib.suppress(requests.RequestException):
                 if requests.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
@@ -258,8 +267,13 @@ def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str],
         one = {"inputs": [{"name": spec["name"], "shape": [1, *shape[1:]], "datatype": "FP32",
                            "data": x[:1].ravel().tolist()}]}
         for concurrency in (1, 32):
+            before = engine_sums(requests.get(f"{base}/metrics", timeout=5).text)
             rps, p50, p99 = load(f"{base}/v2/models/{name}/infer", one, concurrency, 2.0 if quick else 8.0)
-            table.append((label, provider, concurrency, f"{rps:.0f}", f"{p50:.2f} / {p99:.2f}"))
+            after = engine_sums(requests.get(f"{base}/metrics", timeout=5).text)
+            runs = max(1.0, after["runs"] - before["runs"])
+            table.append((label, provider, concurrency, f"{rps:.0f}", f"{p50:.2f} / {p99:.2f}",
+                          f"{(after['rows'] - before['rows']) / runs:.1f}",
+                          f"{1e3 * (after['seconds'] - before['seconds']) / runs:.2f}"))
         return {"provider": provider, "answer": answer, "ready_s": ready_s}
     finally:
         server.terminate()
@@ -268,6 +282,18 @@ def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str],
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+def engine_sums(metrics: str) -> dict[str, float]:
+    """Model runs, rows and seconds in them so far, from the server's /metrics: what the engine did."""
+    keys = {"trainserve_batch_size_count": "runs", "trainserve_batch_size_sum": "rows",
+            "trainserve_inference_duration_seconds_sum": "seconds"}
+    sums = dict.fromkeys(keys.values(), 0.0)
+    for line in metrics.splitlines():
+        sample = line.split("{", 1)[0].split(" ", 1)[0]
+        if sample in keys:
+            sums[keys[sample]] += float(line.rsplit(" ", 1)[1])
+    return sums
 
 
 def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float, float, float]:
@@ -307,7 +333,8 @@ def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float,
 def print_table(table: list) -> None:
     if not table:
         return
-    print("\n| server | provider | concurrency | req/s | p50 / p99 ms |\n| --- | --- | --- | --- | --- |")
+    print("\n| server | provider | concurrency | req/s | p50 / p99 ms | rows per model run | ms per model run |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for row in table:
         print("| " + " | ".join(str(c) for c in row) + " |")
 
