@@ -47,14 +47,14 @@ FLAGS: dict[str, tuple[type, str]] = {
                                     "input shape (default HEURISTIC: no benchmarking on the request path)"),
     "allow-tf32": (bool, "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "
                          "export gates certify)"),
-    "gpu-mem-limit-mb": (float, "cap on onnxruntime's CUDA memory arena, MiB (default: none)"),
+    "gpu-mem-limit-mb": (float, "cap on onnxruntime's CUDA memory arena of each session (each batch bucket's), MiB (default: none)"),
     "trt-cache-dir": (str, "--device tensorrt: directory for built engines and timing caches "
                            "(default ~/.cache/trainserve/tensorrt)"),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
     "max-batch-size": (int, "most rows per model run (default 32)"),
     "batch-buckets": (str, "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "
-                           "each (a copy of the weights each); auto: powers of two up to --max-batch-size on the "
-                           "CUDA provider, whose cuDNN set-up reruns at every change of input shape (default auto)"),
+                           "each (each a copy of the weights and its own memory arena); auto: powers of two up to "
+                           "--max-batch-size on the CUDA provider (default auto; why: serving/README.md, GPUs)"),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),

@@ -54,9 +54,9 @@ class Settings:
     threads: int | None = None
     # Most rows one model run gathers from concurrent requests.
     max_batch_size: int = 32
-    # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine): auto (powers of
-    # two up to --max-batch-size, on the CUDA provider only, where a new input shape costs a cuDNN set-up
-    # every time), off, or sizes like 1,8,32 (any provider; --max-batch-size is always the largest).
+    # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine; why: the GPU section
+    # of serving/README.md): auto (powers of two up to --max-batch-size, on the CUDA provider only), off, or
+    # sizes like 1,8,32 (any provider but TensorRT; --max-batch-size is always the largest).
     batch_buckets: str = "auto"
     # How long a partial batch may wait for more rows; 0: never wait, run what is queued.
     max_delay_ms: float = 0.0
@@ -258,10 +258,17 @@ class Settings:
         if self.gpu_mem_limit_mb is not None and not 0 < self.gpu_mem_limit_mb < float("inf"):
             raise ValueError(f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}")
         if self.batch_buckets not in ("auto", "off"):
-            sizes = self.batch_buckets.split(",")
-            if not all(size.strip().isdigit() and 0 < int(size) <= self.max_batch_size for size in sizes):
+            example = ",".join(map(str, sorted({1, max(1, self.max_batch_size // 4), self.max_batch_size})))
+            try:
+                sizes = [int(size) for size in self.batch_buckets.split(",")]
+            except ValueError:
+                sizes = [0]
+            if not all(0 < size <= self.max_batch_size for size in sizes):
                 raise ValueError(f"--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size "
-                                 f"({self.max_batch_size}) like 1,8,{self.max_batch_size}, got {self.batch_buckets!r}")
+                                 f"({self.max_batch_size}) like {example}, got {self.batch_buckets!r}")
+            if self.device == "tensorrt":
+                raise ValueError("--batch-buckets sizes do not apply to --device tensorrt (it builds an engine per "
+                                 "session, and its profile spans every batch size): drop them or use --device cuda")
         if self.trt_cache_dir is not None and self.device != "tensorrt":
             raise ValueError("--trt-cache-dir only applies to --device tensorrt")
         if self.device == "cpu":
@@ -271,19 +278,18 @@ class Settings:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to a GPU: use --device cuda (or auto) or drop them")
 
-    def bucket_sizes(self, provider: str) -> tuple[int, ...]:
-        """The batch buckets for a model on `provider` (see batch_buckets); () for none."""
-        from serving.engine import CUDA
+    def bucket_sizes(self):
+        """The batch buckets asked for (a serving.engine.BatchBuckets): auto's powers of two for the CUDA provider
+        only, none for off, the sizes given for any provider; --max-batch-size always the largest."""
+        from serving.engine import BatchBuckets
 
         if self.batch_buckets == "off":
-            return ()
+            return BatchBuckets()
         if self.batch_buckets == "auto":
-            if provider != CUDA:
-                return ()
             sizes = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
         else:
             sizes = [int(size) for size in self.batch_buckets.split(",")]
-        return tuple(sorted({*sizes, self.max_batch_size}))
+        return BatchBuckets(tuple(sorted({*sizes, self.max_batch_size})), cuda_only=self.batch_buckets == "auto")
 
     def gpu_options(self):
         """The CUDA / TensorRT provider options these settings ask for (a serving.engine.GpuOptions)."""

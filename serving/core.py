@@ -38,7 +38,7 @@ from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
-from serving.engine import GPU_PROVIDERS, Engine, ModelInputError, choose_provider
+from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record, in_sample
@@ -569,7 +569,7 @@ def open_source(settings: Settings, source: Source, version: str | None = None) 
     name = source.name or s.model_name  # Settings.check: --model-name only beside a single unnamed --model
     return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
                       device_id=s.device_id, variant=s.variant, gpu=s.gpu_options(),
-                      batch_buckets=s.bucket_sizes(choose_provider(s.device)))
+                      batch_buckets=s.bucket_sizes())
 
 
 def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:

@@ -150,6 +150,17 @@ class GpuOptions:
                 "trt_timing_cache_enable": "1", "trt_timing_cache_path": cache}
 
 
+@dataclass(frozen=True)
+class BatchBuckets:
+    """Batch sizes a run is padded up to, an onnxruntime session each (see Engine and serving/README.md).
+
+    `cuda_only`: `--batch-buckets auto`: only when the session really runs on the CUDA provider, the one that
+    pays for a change of input shape (decided by the Engine once it knows, so that `--device auto` falling
+    back to the CPU opens no more sessions)."""
+    sizes: tuple[int, ...] = ()
+    cuda_only: bool = False
+
+
 def preload_cuda_libraries() -> str:
     """Loads the CUDA and cuDNN libraries onnxruntime's CUDA provider links against, from the nvidia-* pip
     packages when they are installed, else from the system loader path; returns what onnxruntime reported
@@ -283,13 +294,11 @@ class Engine:
     `batchable` is True when every input has a dynamic first axis: then rows of different requests
     can be concatenated into one run. Otherwise each request runs alone.
 
-    `batch_buckets`: batch sizes a run is padded up to, each run by a session of its own. The CUDA provider
-    redoes its convolutions' cuDNN set-up whenever a session's input shape changes, also for shapes it saw
-    before (onnxruntime 1.31: ~45 ms a run for a small ResNet, ~150 ms for ResNet-50, against 0.7 and 9 ms
-    at one shape, on an H100), and dynamic batching makes a new batch size nearly every run. A session per
-    bucket sees one shape only; the price is a copy of the weights on the device per bucket, and the padded
-    rows' compute. Applied on any provider but TensorRT (the server asks for them on CUDA only, where they
-    pay); only to a model whose one dynamic axis is the batch axis.
+    `batch_buckets`: batch sizes a run is padded up to, each run by a session that only ever sees that shape:
+    the CUDA provider redoes its convolutions' cuDNN set-up at every change of a session's input shape, and
+    dynamic batching makes a new batch size nearly every run (figures: serving/README.md, GPUs). A run past
+    the largest bucket goes in chunks of it. Only for a model whose one dynamic axis, in and out, is the
+    batch axis; not under TensorRT (an engine build per session; its profile spans the sizes warmed up).
 
     `device_id` is the CUDA device among those the process sees: CUDA_VISIBLE_DEVICES=2 makes
     the host's third GPU device 0, which is the usual way to pick one. Ignored on CPU.
@@ -302,7 +311,7 @@ class Engine:
     """
 
     def __init__(self, path: str, device: str = "auto", threads: int | None = None, device_id: int = 0,
-                 gpu: GpuOptions | None = None, batch_buckets: tuple[int, ...] = ()):
+                 gpu: GpuOptions | None = None, batch_buckets: BatchBuckets | None = None):
         wanted = choose_provider(device)
         self.threads = threads or usable_cpus()
         self.device_id = device_id
@@ -353,15 +362,33 @@ class Engine:
         self.output_names = [o.name for o in self.outputs]
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs)
-        # Batch buckets: one more session per size below the largest (which the first session runs), each only
-        # ever fed its one shape. Not under TensorRT: it builds an engine per session, and its profile already
-        # spans every batch size the warm-up ran.
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
-        if batch_buckets and self.batchable and not self.other_dynamic_axes and self.provider != TENSORRT:
-            self.buckets = tuple(sorted(set(batch_buckets)))
-            for size in self.buckets[:-1]:
-                self._bucket_sessions[size] = _open_session(path, options, providers)
+        self._open_buckets(path, options, providers, batch_buckets or BatchBuckets())
+
+    def _open_buckets(self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets) -> None:
+        """One more session per bucket below the largest (the first session runs that one and longer runs)."""
+        if not asked.sizes or (asked.cuda_only and self.provider != CUDA):
+            return
+        why_not = ("TensorRT builds an engine per session" if self.provider == TENSORRT else
+                   "an input has a dynamic axis besides the batch axis" if self.other_dynamic_axes else
+                   "an input or output has no dynamic batch axis" if not self.inputs or not self.batchable or
+                   any(not s.shape or s.shape[0] != -1 for s in self.outputs) else "")
+        if why_not:
+            log.info("no batch buckets for %s: %s; it runs every batch size in one session", Path(path).name, why_not)
+            return
+        if self.provider == CPU:
+            providers = [CPU]  # --device auto fell back: the GPU provider would be tried (and said) again
+        sizes = tuple(sorted(set(asked.sizes)))
+        for size in sizes[:-1]:
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    self._bucket_sessions[size] = _open_session(path, options, providers)
+            except EngineError as exc:
+                self._bucket_sessions = {}
+                raise EngineError(f"opening the session for batch bucket {size} failed ({exc}); each bucket holds "
+                                  "a copy of the weights: use fewer --batch-buckets (e.g. 8,32) or off") from exc
+        self.buckets = sizes
 
     def close(self) -> None:
         """Drop the onnxruntime sessions (their weights and memory arenas) now, not when the last reference to
@@ -371,27 +398,26 @@ class Engine:
 
     def bucket_for(self, rows: int) -> int:
         """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
-        without buckets or past the largest (a request larger than --max-batch-size runs alone, at its size)."""
+        without buckets. Past the largest, `run` goes in chunks of it, the last one padded."""
         return next((size for size in self.buckets if size >= rows), rows)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One session run. feeds: input name -> array, already validated against `inputs`."""
-        if self.session is None:
+        """One session run (with batch buckets: one per bucket-sized chunk). feeds: input name -> array,
+        already validated against `inputs`."""
+        session, buckets = self.session, self._bucket_sessions  # one look: close() may come from another thread
+        if session is None:
             raise EngineError("the model was unloaded")
-        rows = len(next(iter(feeds.values()))) if self.buckets else 0
-        size = self.bucket_for(rows) if rows else rows
-        if size != rows:
-            # Padded with copies of the last row: values the model certainly takes (a zero could be an index or
-            # a divisor it does not expect); rows are independent in inference, and the copies are cut off.
-            feeds = {name: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for name, x in feeds.items()}
-        session = self._bucket_sessions.get(size, self.session)
         try:
             # No IO binding: binding a host array and copying the outputs back is the same host->device and
             # device->host traffic session.run does (see the README's GPU section for what would gain).
-            outputs = session.run(self.output_names, feeds)
-            if size != rows:
-                outputs = [out[:rows] if out.ndim and out.shape[0] == size else out for out in outputs]
-            return dict(zip(self.output_names, outputs))
+            rows = len(next(iter(feeds.values()))) if self.buckets else 0
+            if not rows:  # no buckets (or no rows: nothing to pad)
+                return dict(zip(self.output_names, session.run(self.output_names, feeds)))
+            largest = self.buckets[-1]
+            chunks = [self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
+                      for start in range(0, rows, largest)]
+            return {name: chunks[0][i] if len(chunks) == 1 else np.concatenate([c[i] for c in chunks])
+                    for i, name in enumerate(self.output_names)}
         except Exception as exc:
             # onnxruntime's InvalidArgument and RuntimeException are what bad values give; out of memory
             # and everything else is the server's problem.
@@ -400,6 +426,18 @@ class Engine:
                 first = text.splitlines()[0] if text else type(exc).__name__
                 raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
             raise
+
+    def _run_padded(self, largest: ort.InferenceSession, buckets: dict[int, ort.InferenceSession],
+                    feeds: dict[str, np.ndarray], start: int, rows: int) -> list:
+        """Rows start..start+rows of `feeds` by their bucket's session (`largest`'s for the largest), padded up
+        to its size with copies of the last row (values the model certainly takes: a zero could be an index or
+        a divisor it does not expect), and the padding's rows cut off the outputs again (every output's first
+        axis is the batch axis: see _open_buckets)."""
+        size = self.bucket_for(rows)
+        part = {name: x[start:start + rows] for name, x in feeds.items()}
+        if size != rows:
+            part = {name: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for name, x in part.items()}
+        return [out[:rows] for out in buckets.get(size, largest).run(self.output_names, part)]
 
     @property
     def other_dynamic_axes(self) -> bool:

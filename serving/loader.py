@@ -27,6 +27,7 @@ from serving import drift, lengths
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
+    BatchBuckets,
     Engine,
     EngineError,
     GpuOptions,
@@ -164,7 +165,7 @@ def alias_version(uri: str) -> str:
 
 def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
                version: str | None = None, device_id: int = 0, variant: str = "fp32",
-               gpu: GpuOptions | None = None, batch_buckets: tuple[int, ...] = ()) -> LoadedModel:
+               gpu: GpuOptions | None = None, batch_buckets: BatchBuckets | None = None) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's

@@ -29,7 +29,7 @@ from serving import core as serving_app
 from serving import engine as serving_engine
 from serving.cli import FLAGS, add_arguments, settings_from_args
 from serving.config import Settings
-from serving.engine import CPU, CUDA, TENSORRT, Engine, EngineError, GpuOptions
+from serving.engine import CPU, CUDA, TENSORRT, BatchBuckets, Engine, EngineError, GpuOptions
 from serving.loader import LoadedModel, ModelInfo, SourceError, find_onnx, load_model
 
 from serving_fixtures import ROOT, tiny_model
@@ -422,9 +422,18 @@ def test_on_cuda_the_server_pads_to_power_of_two_buckets_a_session_each_and_warm
     model = serving_app.open_source(Settings(model=path, device="cuda", max_batch_size=8, batch_buckets="off"), source)
     assert model.engine.buckets == () and len(fake_gpu.session.created) == 1
     assert serving_app.warm_up_sizes(model.engine, 8) == (8, 1, 2, 3, 4, 5, 6, 7)  # every size, as before
-    assert Settings(model=path, max_batch_size=24).bucket_sizes(CUDA) == (1, 2, 4, 8, 16, 24)
-    assert Settings(model=path, max_batch_size=8).bucket_sizes(CPU) == ()  # auto: no shape cost on the CPU
-    assert Settings(model=path, max_batch_size=8, batch_buckets="4").bucket_sizes(CPU) == (4, 8)
+    assert Settings(model=path, max_batch_size=24).bucket_sizes() == BatchBuckets((1, 2, 4, 8, 16, 24), cuda_only=True)
+    assert Settings(model=path, max_batch_size=8, batch_buckets="4").bucket_sizes() == BatchBuckets((4, 8))
+
+    # --device auto whose CUDA provider does not load: the CPU, where auto's buckets do not pay: one session,
+    # no second try of the CUDA provider per bucket.
+    fake_gpu.session.created.clear()
+    fake_gpu.session.runs_on = [CPU]
+    model = serving_app.open_source(Settings(model=path, device="auto", max_batch_size=8), source)
+    assert model.engine.provider == CPU and model.engine.buckets == () and len(fake_gpu.session.created) == 1
+    fake_gpu.session.created.clear()
+    model = serving_app.open_source(Settings(model=path, device="auto", max_batch_size=8, batch_buckets="4"), source)
+    assert model.engine.buckets == (4, 8) and [c["providers"] for c in fake_gpu.session.created][1:] == [[CPU]]
 
 
 def test_a_reloads_warm_up_runs_on_the_engine_thread_one_size_at_a_time(tmp_path):
