@@ -306,36 +306,37 @@ def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float,
 
     processes = max(1, min(concurrency // 8, (os.cpu_count() or 2) // 2))
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    stop = time.time() + seconds
     payload = json.dumps(body)
-    begun = time.perf_counter()
     if processes == 1:
-        latencies = _clients(url, payload, shares[0], stop)
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            latencies = [x for part in pool.starmap(_clients, [(url, payload, n, stop) for n in shares]) for x in part]
-    elapsed = time.perf_counter() - begun
-    if not latencies:
+        timed = _clients(url, payload, shares[0], seconds)
+    else:  # spawned, not forked: this process has CUDA initialised
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            timed = [x for part in pool.starmap(_clients, [(url, payload, n, seconds) for n in shares]) for x in part]
+    if not timed:
         return 0.0, float("nan"), float("nan")
-    ms = np.asarray(latencies) * 1e3
-    return len(latencies) / elapsed, float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+    # Requests answered over the span from the first one's start to the last one's end.
+    starts, ends = np.asarray([t[0] for t in timed]), np.asarray([t[1] for t in timed])
+    ms = (ends - starts) * 1e3
+    return len(timed) / float(ends.max() - starts.min()), float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
-def _clients(url: str, payload: str, threads: int, stop: float) -> list[float]:
-    """`threads` clients in this process until the wall-clock time `stop`; the seconds of each answered request."""
+def _clients(url: str, payload: str, threads: int, seconds: float) -> list[tuple[float, float]]:
+    """`threads` clients in this process for `seconds`; (start, end) of each answered request, in wall-clock
+    seconds (comparable across processes, which start at slightly different times)."""
     import requests
 
-    latencies: list[float] = []
+    stop = time.time() + seconds
+    latencies: list[tuple[float, float]] = []
     lock = threading.Lock()
 
     def client():
         mine = []
         with requests.Session() as s:
             while time.time() < stop:
-                t = time.perf_counter()
+                t = time.time()
                 r = s.post(url, data=payload, headers={"Content-Type": "application/json"}, timeout=30)
                 if r.status_code == 200:
-                    mine.append(time.perf_counter() - t)
+                    mine.append((t, time.time()))
         with lock:
             latencies.extend(mine)
 
