@@ -257,15 +257,8 @@ class Settings:
                              f"got {self.cudnn_conv_algo_search!r}")
         if self.gpu_mem_limit_mb is not None and not 0 < self.gpu_mem_limit_mb < float("inf"):
             raise ValueError(f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}")
+        self.bucket_sizes()  # its ValueError names what --batch-buckets takes
         if self.batch_buckets not in ("auto", "off"):
-            example = ",".join(map(str, sorted({1, max(1, self.max_batch_size // 4), self.max_batch_size})))
-            try:
-                sizes = [int(size) for size in self.batch_buckets.split(",")]
-            except ValueError:
-                sizes = [0]
-            if not all(0 < size <= self.max_batch_size for size in sizes):
-                raise ValueError(f"--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size "
-                                 f"({self.max_batch_size}) like {example}, got {self.batch_buckets!r}")
             if self.device == "tensorrt":
                 raise ValueError("--batch-buckets sizes do not apply to --device tensorrt (it builds an engine per "
                                  "session, and its profile spans every batch size): drop them or use --device cuda")
@@ -280,7 +273,8 @@ class Settings:
 
     def bucket_sizes(self):
         """The batch buckets asked for (a serving.engine.BatchBuckets): auto's powers of two for the CUDA provider
-        only, none for off, the sizes given for any provider; --max-batch-size always the largest."""
+        only, none for off, the sizes given for any provider; --max-batch-size always the largest. ValueError
+        for sizes that are not whole numbers from 1 to --max-batch-size."""
         from serving.engine import BatchBuckets
 
         if self.batch_buckets == "off":
@@ -288,7 +282,14 @@ class Settings:
         if self.batch_buckets == "auto":
             sizes = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
         else:
-            sizes = [int(size) for size in self.batch_buckets.split(",")]
+            try:
+                sizes = [int(size) for size in self.batch_buckets.split(",")]
+            except ValueError:
+                sizes = [0]
+            if not all(0 < size <= self.max_batch_size for size in sizes):
+                example = ",".join(map(str, sorted({1, max(1, self.max_batch_size // 4), self.max_batch_size})))
+                raise ValueError(f"--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size "
+                                 f"({self.max_batch_size}) like {example}, got {self.batch_buckets!r}")
         return BatchBuckets(tuple(sorted({*sizes, self.max_batch_size})), cuda_only=self.batch_buckets == "auto")
 
     def gpu_options(self):
