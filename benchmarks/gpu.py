@@ -286,14 +286,11 @@ def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str],
 
 def engine_sums(metrics: str) -> dict[str, float]:
     """Model runs, rows and seconds in them so far, from the server's /metrics: what the engine did."""
-    keys = {"trainserve_batch_size_count": "runs", "trainserve_batch_size_sum": "rows",
-            "trainserve_inference_duration_seconds_sum": "seconds"}
-    sums = dict.fromkeys(keys.values(), 0.0)
-    for line in metrics.splitlines():
-        sample = line.split("{", 1)[0].split(" ", 1)[0]
-        if sample in keys:
-            sums[keys[sample]] += float(line.rsplit(" ", 1)[1])
-    return sums
+    from serve import series_total  # benchmarks/serve.py's reader of a /metrics series
+
+    return {key: series_total(metrics, series) for key, series in (
+        ("runs", "trainserve_batch_size_count"), ("rows", "trainserve_batch_size_sum"),
+        ("seconds", "trainserve_inference_duration_seconds_sum"))}
 
 
 def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float, float, float]:
