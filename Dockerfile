@@ -37,9 +37,11 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # tini as PID 1: forwards SIGTERM to the server's graceful shutdown and to torchrun, and reaps the
 # worker processes torchrun and DataLoader leave behind. Unpinned apt packages: the base image tag
 # pins the distribution release, and security updates should land on rebuild.
+# And libgrpc++-dev, pkg-config and g++: setup.py builds the native gRPC front end (serving/grpc/native.cc, grpc's C++
+# server) against the distribution's grpc; the -dev package keeps the runtime library it depends on.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates tini \
+    && apt-get install -y --no-install-recommends ca-certificates tini libgrpc++-dev pkg-config g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # A non-root user whose UID (default 1000, the usual first user on a host) owns /work, so runs
@@ -94,9 +96,11 @@ RUN uv pip install --requirement pyproject.toml --extra gpu
 # ldconfig's cache must hold cuDNN 9, which the provider dlopen()s (serving.engine.system_cuda_libraries_missing).
 COPY pipeline/ pipeline/
 COPY serving/ serving/
+COPY setup.py ./
 COPY configs/ configs/
 RUN uv pip install --no-deps . \
     && uv pip check \
+    && python -c "from serving.grpc import native; assert native.available(), native.WHY_NOT" \
     && TORCH_CUDA="${TORCH_CUDA}" python -c "import os, torch; \
 assert 'cu' + (torch.version.cuda or 'none').replace('.', '') == os.environ['TORCH_CUDA'], torch.version.cuda" \
     && python -c "import sys; from serving.engine import system_cuda_libraries_missing; \

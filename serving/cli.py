@@ -33,6 +33,8 @@ FLAGS: dict[str, tuple[type, str]] = {
                             "(default latest:1)"),
     "default-model": (str, "the model /invocations serves (default: the first --model)"),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
+    "grpc-engine": (str, "auto|native|aio: what serves --grpc-port, grpc's C++ server (native, built by scripts/setup "
+                         "where libgrpc++-dev is installed) or grpc.aio (default auto: native when built)"),
     "model-control": (str, "explicit|none: whether clients may load and unload models with the V2 repository API "
                            "(default: explicit with --repository, else none)"),
     "host": (str, "interface to bind (default 127.0.0.1: private)"),

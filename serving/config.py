@@ -28,6 +28,9 @@ class Settings:
     default_model: str | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
+    # What serves that port: native (grpc's C++ server, serving/grpc/native.cc: a unary call costs the event loop
+    # a third of grpc.aio's), aio (grpc.aio), auto: native when it was built (scripts/setup), else aio.
+    grpc_engine: str = "auto"
     # Whether clients may load and unload models (the V2 repository API): explicit, or none; None: explicit
     # with --repository, none without (a server of fixed --model flags keeps them).
     model_control: str | None = None
@@ -207,6 +210,12 @@ class Settings:
             raise ValueError(f"--model-control must be none or explicit, got {self.model_control!r}")
         if self.grpc_port is not None and not (0 < self.grpc_port < 65536 and self.grpc_port != self.port):
             raise ValueError(f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}")
+        if self.grpc_engine not in ("auto", "native", "aio"):
+            raise ValueError(f"--grpc-engine must be auto, native or aio, got {self.grpc_engine!r}")
+        if self.grpc_engine == "native":
+            from serving.grpc import native
+            if not native.available():
+                raise ValueError(f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio")
 
     def _check_drift_and_shadow(self) -> None:
         if self.drift_window < 0:

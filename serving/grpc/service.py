@@ -1,7 +1,9 @@
 """KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, a front end of the server's core.
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, on grpc.aio in the same
-event loop as the HTTP server: a ModelInfer request becomes a call of the core's one inference path
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, in the same event loop as the
+HTTP server. The handlers below take bytes and give bytes; what carries them is grpc's C++ server
+(serving/grpc/native.py, `--grpc-engine native`, the default where it is built) or grpc.aio, and start_grpc picks
+one. A ModelInfer request becomes a call of the core's one inference path
 (serving/core.py: version, receipt, decode with serving/grpc/codec.py, infer on the same batcher as HTTP,
 payload log, shadow), so the protocols share batches, limits, metrics and the payload log. An unmodified
 `tritonclient.grpc` client works.
@@ -16,11 +18,11 @@ ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_strea
 perf_analyzer --streaming): many ModelInferRequests on one call, each through the same inference path,
 answered in the order they came, each as a ModelStreamInferResponse holding the answer or an
 `error_message` ("<STATUS>: why"); a refused request does not end the stream (a message over
---max-body-bytes does: grpc's limit holds for the whole call, before a handler sees it). Why it is there: a unary
-call costs grpc.aio about four event-loop turns and twenty system calls on the loop thread (accept the
-call, read its message, send the receipt, send the answer and status, learn it closed); on a stream a
-request costs one read and one write: for a tiny model half the server CPU of a unary call (README,
-"Benchmarks"). The token is checked once, from the stream's metadata; per-message metadata does not exist
+--max-body-bytes does: grpc's limit holds for the whole call, before a handler sees it). Why it is there: on
+grpc.aio a unary call costs about four event-loop turns and twenty system calls on the loop thread (accept the
+call, read its message, send the receipt, send the answer and status, learn it closed), a request on a stream
+one read and one write: for a tiny model half the server CPU. On the native engine a unary call is the cheaper
+of the two (README, "Benchmarks"); the stream stays for the clients that use it. The token is checked once, from the stream's metadata; per-message metadata does not exist
 in gRPC, so each answer carries its receipt in `infer_response.parameters` (the same keys and values as the
 unary call's initial metadata).
 """
@@ -332,7 +334,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
 
 
 class GrpcFrontEnd:
-    """The running gRPC server, as the core stops it: the streams' reading first, then the server."""
+    """The running grpc.aio server, as the core stops it: the streams' reading first, then the server."""
 
     def __init__(self, aio: grpc.aio.Server, streams: _Streams):
         self.aio, self.streams = aio, streams
@@ -342,30 +344,45 @@ class GrpcFrontEnd:
         await self.aio.stop(grace)
 
 
-async def start_grpc(server) -> GrpcFrontEnd:
-    """The gRPC server on --host:--grpc-port, started; `await it.stop(grace)` at shutdown. OSError if the
-    port cannot be bound."""
-    settings = server.settings
+def _options(settings) -> dict[str, int]:
+    """grpc's channel arguments for the server, the same for either engine."""
     idle_ms = int(settings.read_timeout * 1000)
-    aio = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, options=[
-        ("grpc.max_receive_message_length", settings.max_body_bytes),  # past it: RESOURCE_EXHAUSTED
-        ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
+    return {
+        "grpc.max_receive_message_length": settings.max_body_bytes,  # past it: RESOURCE_EXHAUSTED
+        "grpc.max_send_message_length": -1,
+        "grpc.so_reuseport": 0,  # a port another process holds is an error, not shared
         # Without these a silent client keeps a connection (a file descriptor) for ever: 20,000 of them
         # took every descriptor, HTTP's included. Idle = no RPC in flight, as HTTP's --read-timeout.
-        ("grpc.max_connection_idle_ms", idle_ms),
-        ("grpc.server_handshake_timeout_ms", idle_ms),  # one that never finishes its HTTP/2 handshake
-        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_S * 1000),
-        ("grpc.max_connection_age_grace_ms", int(settings.graceful_timeout * 1000)),  # in-flight RPCs finish
-        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-    ])
+        "grpc.max_connection_idle_ms": idle_ms,
+        "grpc.server_handshake_timeout_ms": idle_ms,  # one that never finishes its HTTP/2 handshake
+        "grpc.max_connection_age_ms": MAX_CONNECTION_AGE_S * 1000,
+        "grpc.max_connection_age_grace_ms": int(settings.graceful_timeout * 1000),  # in-flight RPCs finish
+        "grpc.max_concurrent_streams": MAX_STREAMS_PER_CONNECTION,
+    }
+
+
+async def start_grpc(server):
+    """The gRPC server on --host:--grpc-port, started on the engine --grpc-engine picks (serving/grpc/native.py:
+    grpc's C++ server; or grpc.aio), both running the handlers above; `await it.stop(grace)` at shutdown.
+    OSError if the port cannot be bound."""
+    from serving.grpc import native
+
+    settings = server.settings
     service = Service(server)
     handlers = {method: _handler(server, service, method, request_class)
                 for method, (request_class, _) in schema.METHODS.items()}
     streams = _Streams()
     handlers["ModelStreamInfer"] = _stream_handler(server, service, streams)
-    aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
+    if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
+        front_end = native.NativeFrontEnd(address, handlers, schema.SERVICE, _options(settings), MAX_CONCURRENT_RPCS,
+                                          streams)
+        log.info("KServe V2 gRPC on %s (grpc's C++ server)", address)
+        return front_end
+    if settings.grpc_engine == "auto":
+        log.info("gRPC on grpc.aio: %s", native.WHY_NOT)
+    aio = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, options=list(_options(settings).items()))
+    aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
     try:
         bound = aio.add_insecure_port(address)
     except RuntimeError as exc:
@@ -373,5 +390,5 @@ async def start_grpc(server) -> GrpcFrontEnd:
     if not bound:
         raise OSError(f"cannot serve gRPC on {address}: the port is taken or the address is not this machine's")
     await aio.start()
-    log.info("KServe V2 gRPC on %s", address)
+    log.info("KServe V2 gRPC on %s (grpc.aio)", address)
     return GrpcFrontEnd(aio, streams)

@@ -1,0 +1,465 @@
+// serving.grpc._native: grpc's C++ server as the transport of the KServe V2 gRPC front end.
+//
+// Why it exists: under grpc.aio a unary call costs the event loop's thread ~300 us, ~200 us of it grpc.aio's
+// own Python layer (four or five completions, each a hop from grpc's poller thread), more than a whole binary
+// HTTP request (~180 us). Here grpc's C++ callback API does the HTTP/2, the calls and their messages on grpc's
+// own threads, without the GIL; the event loop learns of them in batches and only runs the handlers, which are
+// serving/grpc/service.py's, the same ones grpc.aio runs (serving/grpc/native.py is the Python half).
+//
+// How the two sides meet:
+//   - grpc's threads (the reactions below) append events to a queue and, when it was empty, write an eventfd
+//     that the event loop watches (loop.add_reader): one wake-up for many events. They never take the GIL.
+//   - The loop drains the queue (drain) and answers through start_read / write / finish / add_initial_metadata,
+//     each a non-blocking grpc call on the call's reactor.
+//   - A unary method's one message is read before its call is announced, so a unary call is one event in and
+//     one call out. For the methods named streaming at start, Python asks for each read itself.
+//   - A call lives in `calls` from its reactor's creation to OnDone; every operation Python asks for looks the
+//     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. OnDone is announced
+//     only when Python has not finished the call itself (a cancelled or broken call whose handler still runs).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/server_builder.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+enum Kind { CALL = 0, READ = 1, WRITTEN = 2, CANCELLED = 3, DONE = 4 };
+
+struct Event {
+  Kind kind;
+  uint64_t call;
+  bool ok = true;
+  std::string method;                                      // CALL
+  std::vector<std::pair<std::string, std::string>> metadata;  // CALL
+  grpc::ByteBuffer message;                                // CALL of a unary method, READ
+  bool has_message = false;
+};
+
+class Call;
+
+struct Bridge {
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<grpc::CallbackGenericService> service;
+  std::set<std::string> streaming;  // full method names whose reads Python asks for
+  int max_calls = 0;
+  std::atomic<int> active{0};
+  std::atomic<uint64_t> next_id{1};
+  int efd = -1;
+
+  std::mutex events_mu;
+  std::deque<Event> events;
+
+  std::recursive_mutex calls_mu;  // recursive: a grpc call made under it may run OnDone on this thread
+  std::unordered_map<uint64_t, Call*> calls;
+
+  void push(Event&& event) {
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(events_mu);
+      wake = events.empty();
+      events.push_back(std::move(event));
+    }
+    if (wake) {
+      uint64_t one = 1;
+      ssize_t unused = write(efd, &one, sizeof one);
+      (void)unused;  // a full counter still wakes the reader
+    }
+  }
+};
+
+class Call : public grpc::ServerGenericBidiReactor {
+ public:
+  Call(Bridge* bridge, grpc::GenericCallbackServerContext* context)
+      : bridge_(bridge), context_(context), id_(bridge->next_id++) {
+    unary_ = bridge->streaming.count(context->method()) == 0;
+    {
+      std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
+      bridge->calls[id_] = this;
+    }
+    if (unary_) {
+      StartRead(&in_);  // the call is announced with its message
+    } else {
+      Announce(nullptr);
+    }
+  }
+
+  // ---- asked for by Python (under calls_mu) ----
+  void Read() { StartRead(&in_); }
+  void Write(grpc::ByteBuffer&& message) {
+    out_ = std::move(message);
+    StartWrite(&out_);
+  }
+  void WriteAndFinish(grpc::ByteBuffer&& message) {
+    finished_ = true;
+    out_ = std::move(message);
+    StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+  void End(grpc::Status status) {
+    finished_ = true;
+    Finish(std::move(status));
+  }
+  void AddMetadata(const std::string& key, const std::string& value) { context_->AddInitialMetadata(key, value); }
+  bool finished() const { return finished_; }
+
+  // ---- reactions, on grpc's threads ----
+  void OnReadDone(bool ok) override {
+    if (!announced_) {
+      if (!ok) {  // the client half-closed or went away before its one message: nothing to answer
+        std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
+        End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call ended before its request message"));
+        return;
+      }
+      Announce(&in_);
+      return;
+    }
+    Event event{READ, id_, ok};
+    if (ok) {
+      event.message.Swap(&in_);
+      event.has_message = true;
+    }
+    bridge_->push(std::move(event));
+  }
+  void OnWriteDone(bool ok) override {
+    if (!finished_) bridge_->push(Event{WRITTEN, id_, ok});
+  }
+  void OnCancel() override { bridge_->push(Event{CANCELLED, id_, false}); }
+  void OnDone() override {
+    bool tell;
+    {
+      std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
+      bridge_->calls.erase(id_);
+      tell = !finished_;
+    }
+    bridge_->active--;
+    if (tell) bridge_->push(Event{DONE, id_, false});
+    delete this;
+  }
+
+ private:
+  void Announce(grpc::ByteBuffer* message) {
+    announced_ = true;
+    Event event{CALL, id_, true};
+    event.method = context_->method();
+    for (const auto& [key, value] : context_->client_metadata()) {
+      event.metadata.emplace_back(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
+    }
+    if (message != nullptr) {
+      event.message.Swap(message);
+      event.has_message = true;
+    }
+    bridge_->push(std::move(event));
+  }
+
+  Bridge* bridge_;
+  grpc::GenericCallbackServerContext* context_;
+  const uint64_t id_;
+  bool unary_;
+  bool announced_ = false;
+  std::atomic<bool> finished_{false};
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
+};
+
+// Past --max-calls calls at once: RESOURCE_EXHAUSTED at once, as grpc.aio's maximum_concurrent_rpcs.
+class Refusal : public grpc::ServerGenericBidiReactor {
+ public:
+  explicit Refusal(Bridge* bridge) : bridge_(bridge) {
+    Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once"));
+  }
+  void OnDone() override {
+    bridge_->active--;
+    delete this;
+  }
+
+ private:
+  Bridge* bridge_;
+};
+
+class Service : public grpc::CallbackGenericService {
+ public:
+  explicit Service(Bridge* bridge) : bridge_(bridge) {}
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    if (++bridge_->active > bridge_->max_calls) return new Refusal(bridge_);
+    return new Call(bridge_, context);
+  }
+
+ private:
+  Bridge* bridge_;
+};
+
+// ---- the module's functions ----
+
+const char* kCapsule = "serving.grpc._native.Bridge";
+
+Bridge* bridge_of(PyObject* capsule) { return static_cast<Bridge*>(PyCapsule_GetPointer(capsule, kCapsule)); }
+
+void destroy(PyObject* capsule) {
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return;
+  // Never stopped (the process is ending): left to the exit. Its calls could only end through handlers on an event
+  // loop that no longer runs, so waiting for them here would never return.
+  if (bridge->server) return;
+  close(bridge->efd);
+  delete bridge;
+}
+
+// start(address, streaming_methods, options: dict[str, int], max_calls) -> (bridge, eventfd); OSError if the
+// address cannot be bound.
+PyObject* start(PyObject*, PyObject* args) {
+  const char* address;
+  PyObject* streaming;
+  PyObject* options;
+  int max_calls;
+  if (!PyArg_ParseTuple(args, "sOO!i", &address, &streaming, &PyDict_Type, &options, &max_calls)) return nullptr;
+  auto bridge = std::make_unique<Bridge>();
+  bridge->max_calls = max_calls;
+  PyObject* iterator = PyObject_GetIter(streaming);
+  if (iterator == nullptr) return nullptr;
+  while (PyObject* item = PyIter_Next(iterator)) {
+    const char* name = PyUnicode_AsUTF8(item);
+    if (name != nullptr) bridge->streaming.insert(name);
+    Py_DECREF(item);
+    if (name == nullptr) break;
+  }
+  Py_DECREF(iterator);
+  if (PyErr_Occurred()) return nullptr;
+
+  grpc::ServerBuilder builder;
+  PyObject *key, *value;
+  Py_ssize_t position = 0;
+  while (PyDict_Next(options, &position, &key, &value)) {
+    const char* name = PyUnicode_AsUTF8(key);
+    long number = PyLong_AsLong(value);
+    if (name == nullptr || PyErr_Occurred()) return nullptr;
+    builder.AddChannelArgument(name, static_cast<int>(number));
+  }
+  bridge->service = std::make_unique<Service>(bridge.get());
+  bridge->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (bridge->efd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+  int port = 0;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterCallbackGenericService(bridge->service.get());
+  Py_BEGIN_ALLOW_THREADS bridge->server = builder.BuildAndStart();
+  Py_END_ALLOW_THREADS if (!bridge->server || port == 0) {
+    close(bridge->efd);
+    PyErr_Format(PyExc_OSError, "cannot serve gRPC on %s: the port is taken or the address is not this machine's",
+                 address);
+    return nullptr;
+  }
+  int efd = bridge->efd;
+  PyObject* capsule = PyCapsule_New(bridge.release(), kCapsule, destroy);
+  if (capsule == nullptr) return nullptr;
+  return Py_BuildValue("(Ni)", capsule, efd);
+}
+
+PyObject* bytes_of(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return PyBytes_FromStringAndSize("", 0);
+  if (slices.size() == 1) {
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size());
+  }
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, buffer.Length());
+  if (bytes == nullptr) return nullptr;
+  char* at = PyBytes_AS_STRING(bytes);
+  for (const auto& slice : slices) {
+    memcpy(at, slice.begin(), slice.size());
+    at += slice.size();
+  }
+  return bytes;
+}
+
+// drain(bridge) -> [(kind, call, a, b)]: CALL (method, ((key, value), ...), message bytes or None); READ (bytes or
+// None at the end of the client's messages, None); WRITTEN (ok, None); CANCELLED / DONE (False, None).
+PyObject* drain(PyObject*, PyObject* capsule) {
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return nullptr;
+  uint64_t count;
+  ssize_t unused = read(bridge->efd, &count, sizeof count);
+  (void)unused;
+  std::deque<Event> events;
+  {
+    std::lock_guard<std::mutex> lock(bridge->events_mu);
+    events.swap(bridge->events);
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(events.size()));
+  if (list == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  for (auto& event : events) {
+    PyObject* item = nullptr;
+    switch (event.kind) {
+      case CALL: {
+        PyObject* metadata = PyTuple_New(static_cast<Py_ssize_t>(event.metadata.size()));
+        if (metadata == nullptr) break;
+        Py_ssize_t j = 0;
+        for (auto& [key, value] : event.metadata) {
+          // binary (-bin) values are bytes, the rest text, as grpc.aio gives them
+          bool binary = key.size() > 4 && key.compare(key.size() - 4, 4, "-bin") == 0;
+          PyObject* pair = binary ? Py_BuildValue("(s#y#)", key.data(), key.size(), value.data(), value.size())
+                                  : Py_BuildValue("(s#s#)", key.data(), key.size(), value.data(), value.size());
+          if (pair == nullptr) {  // text that is not UTF-8: left out, as a header no handler could read
+            PyErr_Clear();
+            pair = Py_BuildValue("(s#y#)", key.data(), key.size(), value.data(), value.size());
+          }
+          PyTuple_SET_ITEM(metadata, j++, pair);
+        }
+        PyObject* message = event.has_message ? bytes_of(event.message) : Py_NewRef(Py_None);
+        item = Py_BuildValue("(iKs#NN)", CALL, event.call, event.method.data(), event.method.size(), metadata,
+                             message);
+        break;
+      }
+      case READ: {
+        PyObject* message = event.ok ? bytes_of(event.message) : Py_NewRef(Py_None);
+        item = Py_BuildValue("(iKNO)", READ, event.call, message, Py_None);
+        break;
+      }
+      default:
+        item = Py_BuildValue("(iKOO)", event.kind, event.call, event.ok ? Py_True : Py_False, Py_None);
+    }
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, i++, item);
+  }
+  return list;
+}
+
+// Runs `what` on the call's reactor if grpc has not finished with it; False if it had. Without the GIL: grpc may
+// do the write's work on this thread, and the engine's thread can run Python meanwhile (`what` touches no Python
+// object).
+template <typename What>
+PyObject* on_call(PyObject* capsule, unsigned long long id, What what) {
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return nullptr;
+  bool alive;
+  Py_BEGIN_ALLOW_THREADS {
+    std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
+    auto found = bridge->calls.find(id);
+    alive = found != bridge->calls.end() && !found->second->finished();
+    if (alive) what(found->second);
+  }
+  Py_END_ALLOW_THREADS return PyBool_FromLong(alive);
+}
+
+grpc::ByteBuffer buffer_of(const char* data, Py_ssize_t size) {
+  grpc::Slice slice(data, static_cast<size_t>(size));
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+PyObject* start_read(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  unsigned long long id;
+  if (!PyArg_ParseTuple(args, "OK", &capsule, &id)) return nullptr;
+  return on_call(capsule, id, [](Call* call) { call->Read(); });
+}
+
+// write(bridge, call, message, last): last=True sends the message with status OK, ending the call (a unary answer).
+PyObject* write_message(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  unsigned long long id;
+  const char* data;
+  Py_ssize_t size;
+  int last;
+  if (!PyArg_ParseTuple(args, "OKy#p", &capsule, &id, &data, &size, &last)) return nullptr;
+  grpc::ByteBuffer message = buffer_of(data, size);
+  return on_call(capsule, id, [&](Call* call) {
+    if (last) {
+      call->WriteAndFinish(std::move(message));
+    } else {
+      call->Write(std::move(message));
+    }
+  });
+}
+
+PyObject* finish(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  unsigned long long id;
+  int code;
+  const char* details;
+  if (!PyArg_ParseTuple(args, "OKis", &capsule, &id, &code, &details)) return nullptr;
+  grpc::Status status(static_cast<grpc::StatusCode>(code), details);
+  return on_call(capsule, id, [&](Call* call) { call->End(status); });
+}
+
+// add_initial_metadata(bridge, call, ((key, value), ...)): the pairs go with the first message or the status.
+PyObject* add_initial_metadata(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  unsigned long long id;
+  PyObject* pairs;
+  if (!PyArg_ParseTuple(args, "OKO", &capsule, &id, &pairs)) return nullptr;
+  std::vector<std::pair<std::string, std::string>> metadata;
+  PyObject* iterator = PyObject_GetIter(pairs);
+  if (iterator == nullptr) return nullptr;
+  while (PyObject* pair = PyIter_Next(iterator)) {
+    const char *key, *value;
+    Py_ssize_t key_size, value_size;
+    int parsed = PyArg_ParseTuple(pair, "s#s#", &key, &key_size, &value, &value_size);
+    Py_DECREF(pair);
+    if (!parsed) break;
+    metadata.emplace_back(std::string(key, key_size), std::string(value, value_size));
+  }
+  Py_DECREF(iterator);
+  if (PyErr_Occurred()) return nullptr;
+  return on_call(capsule, id, [&](Call* call) {
+    for (const auto& [key, value] : metadata) call->AddMetadata(key, value);
+  });
+}
+
+// stop(bridge, grace_s): no new calls; those in flight have grace_s to finish (the event loop must keep running:
+// call it from another thread), then are cancelled. Returns when every call is done.
+PyObject* stop(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  double grace;
+  if (!PyArg_ParseTuple(args, "Od", &capsule, &grace)) return nullptr;
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return nullptr;
+  if (bridge->server) {
+    auto deadline = std::chrono::system_clock::now() + std::chrono::microseconds(static_cast<int64_t>(grace * 1e6));
+    Py_BEGIN_ALLOW_THREADS bridge->server->Shutdown(deadline);
+    bridge->server->Wait();
+    Py_END_ALLOW_THREADS bridge->server.reset();
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"start", start, METH_VARARGS, "start(address, streaming_methods, options, max_calls) -> (bridge, eventfd)"},
+    {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
+    {"start_read", start_read, METH_VARARGS, "start_read(bridge, call) -> bool"},
+    {"write", write_message, METH_VARARGS, "write(bridge, call, message, last) -> bool"},
+    {"finish", finish, METH_VARARGS, "finish(bridge, call, code, details) -> bool"},
+    {"add_initial_metadata", add_initial_metadata, METH_VARARGS,
+     "add_initial_metadata(bridge, call, pairs) -> bool"},
+    {"stop", stop, METH_VARARGS, "stop(bridge, grace_s)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "grpc's C++ server as the gRPC front end's transport",
+                      -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native() {
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  PyModule_AddIntConstant(m, "CALL", CALL);
+  PyModule_AddIntConstant(m, "READ", READ);
+  PyModule_AddIntConstant(m, "WRITTEN", WRITTEN);
+  PyModule_AddIntConstant(m, "CANCELLED", CANCELLED);
+  PyModule_AddIntConstant(m, "DONE", DONE);
+  return m;
+}

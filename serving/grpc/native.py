@@ -1,0 +1,158 @@
+"""The gRPC front end on grpc's C++ server (serving/grpc/native.cc, built as serving.grpc._native): the Python half.
+
+grpc's C++ threads take the calls and their messages; this module runs each one's handler, serving/grpc/service.py's
+own (the very coroutines grpc.aio would run, bytes in and bytes out), on the event loop, through a context that
+offers what they use of grpc.aio's: invocation_metadata, send_initial_metadata, abort, read and write. What a unary
+call costs the loop here: one event (its message included), one task, one call back to C++ with the answer.
+
+`--grpc-engine native` asks for it, `auto` (the default) takes it when the extension was built (scripts/setup
+builds it where grpc's C++ library is installed: Debian's libgrpc++-dev) and grpc.aio otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+try:
+    from serving.grpc import _native
+except ImportError as exc:  # not built here: grpc.aio serves instead
+    _native = None
+    WHY_NOT = f"serving.grpc._native is not built ({exc}); scripts/setup builds it where libgrpc++-dev is installed"
+else:
+    WHY_NOT = ""
+
+log = logging.getLogger("serving.grpc")
+
+
+def available() -> bool:
+    return _native is not None
+
+
+class NativeContext:
+    """One call, as its handler sees it (the part of grpc.aio.ServicerContext that service.py uses)."""
+
+    __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished")
+
+    def __init__(self, bridge, call_id: int, metadata: tuple):
+        self.bridge, self.id, self.metadata = bridge, call_id, metadata
+        self.reading: asyncio.Future | None = None
+        self.writing: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
+        self.finished = False
+
+    def invocation_metadata(self) -> tuple:
+        return self.metadata
+
+    async def send_initial_metadata(self, pairs) -> None:
+        # Sent with the answer or the status, whichever goes first: the client sees them as initial metadata.
+        _native.add_initial_metadata(self.bridge, self.id, tuple(pairs))
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        self.end(code, details)
+        raise grpc.aio.AbortError(f"aborted with {code.name}")
+
+    async def read(self):
+        self.reading = asyncio.get_running_loop().create_future()
+        if not _native.start_read(self.bridge, self.id):
+            self.reading = None
+            return grpc.aio.EOF
+        message = await self.reading
+        return grpc.aio.EOF if message is None else message
+
+    async def write(self, message: bytes) -> None:
+        self.writing = asyncio.get_running_loop().create_future()
+        if not _native.write(self.bridge, self.id, message, False) or not await self.writing:
+            raise ConnectionError("the call ended before its answer could be written")
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        if not self.finished:
+            self.finished = True
+            _native.finish(self.bridge, self.id, code.value[0], details)
+
+    def answer(self, message: bytes) -> None:
+        if not self.finished:
+            self.finished = True
+            _native.write(self.bridge, self.id, message, True)
+
+
+class NativeFrontEnd:
+    """The running C++ server and the loop's side of it; `await stop(grace)` at shutdown, as grpc.aio's."""
+
+    def __init__(self, address: str, handlers: dict, service_name: str, options: dict[str, int], max_calls: int,
+                 streams):
+        self.loop = asyncio.get_running_loop()
+        # full method name -> (is it a stream, its handler's coroutine function)
+        self.methods = {f"/{service_name}/{name}": (handler.stream_stream is not None,
+                                                    handler.stream_stream or handler.unary_unary)
+                        for name, handler in handlers.items()}
+        self.streams = streams
+        self.calls: dict[int, NativeContext] = {}
+        streaming = [name for name, (stream, _) in self.methods.items() if stream]
+        self.bridge, self.efd = _native.start(address, streaming, options, max_calls)
+        self.loop.add_reader(self.efd, self._drain)
+
+    def _drain(self) -> None:
+        for event in _native.drain(self.bridge):
+            kind, call_id = event[0], event[1]
+            if kind == _native.CALL:
+                self._begin(call_id, event[2], event[3], event[4])
+                continue
+            call = self.calls.get(call_id)
+            if call is None:
+                continue
+            if kind == _native.READ:
+                if call.reading is not None and not call.reading.done():
+                    call.reading.set_result(event[2])
+            elif kind == _native.WRITTEN:
+                if call.writing is not None and not call.writing.done():
+                    call.writing.set_result(event[2])
+            elif kind in (_native.CANCELLED, _native.DONE):  # the client went away: as grpc.aio, the handler's
+                if call.task is not None and not call.task.done():  # task is cancelled
+                    call.task.cancel()
+
+    def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None) -> None:
+        call = NativeContext(self.bridge, call_id, metadata)
+        found = self.methods.get(method)
+        if found is None:
+            call.end(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
+            return
+        stream, handle = found
+        self.calls[call_id] = call
+        call.task = self.loop.create_task(self._stream(call, handle) if stream else self._unary(call, handle, message))
+        call.task.add_done_callback(lambda _: self.calls.pop(call_id, None))
+
+    async def _unary(self, call: NativeContext, handle, message: bytes) -> None:
+        try:
+            call.answer(await handle(message, call))
+        except grpc.aio.AbortError:
+            pass  # the status went with the abort
+        except asyncio.CancelledError:
+            call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
+        except Exception as exc:  # noqa: BLE001 - as grpc.aio: a handler's bug is UNKNOWN, and logged
+            log.exception("gRPC handler failed")
+            call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
+
+    async def _stream(self, call: NativeContext, handle) -> None:
+        try:
+            await handle(None, call)
+            call.end(grpc.StatusCode.OK, "")
+        except grpc.aio.AbortError:
+            pass
+        except (asyncio.CancelledError, ConnectionError):
+            call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("gRPC stream handler failed")
+            call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
+
+    async def stop(self, grace: float | None) -> None:
+        """No new calls; those in flight have `grace` seconds (None: none) to finish on the running loop, then are
+        cancelled."""
+        self.streams.close()
+        try:
+            await asyncio.to_thread(_native.stop, self.bridge, grace or 0.0)
+        finally:
+            self._drain()  # what came in while stopping: the cancelled handlers' tasks end
+            self.loop.remove_reader(self.efd)

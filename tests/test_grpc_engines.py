@@ -1,0 +1,107 @@
+"""Both engines of the gRPC port, `--grpc-engine native` (grpc's C++ server, serving/grpc/native.cc) and `aio`
+(grpc.aio), answer alike where a transport could differ: the receipt as initial metadata on an answer and on a
+refusal, an unknown method, a message over --max-body-bytes, a client that gives up mid-call, a stream. The rest of
+the gRPC tests run on `auto`, which is native wherever it is built, as CI's machine builds it. A real `python -m
+serving` process each, real grpc clients."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+from serving.grpc import native, schema
+from serving_fixtures import ServerProcess, free_port, metric, tiny_model
+
+pytestmark = pytest.mark.slow
+METHOD = "/inference.GRPCInferenceService/"
+
+
+def test_the_native_engine_is_built_wherever_grpcs_cpp_library_is_installed():
+    """So that a failed build (setup.py marks it optional) does not leave CI quietly testing grpc.aio twice."""
+    installed = subprocess.run(["pkg-config", "--exists", "grpc++"], capture_output=True).returncode == 0
+    if not installed:
+        pytest.skip("grpc's C++ library is not installed here (apt-get install libgrpc++-dev pkg-config)")
+    assert native.available(), native.WHY_NOT
+
+
+@pytest.fixture(scope="module", params=["native", "aio"])
+def server(request, tmp_path_factory):
+    if request.param == "native" and not native.available():
+        pytest.skip(native.WHY_NOT)
+    tmp = tmp_path_factory.mktemp(request.param)
+    model = tiny_model(tmp / "tiny.onnx")
+    port = free_port()
+    # --max-delay-ms: a lone request waits for company, so a client can give up while it is in the server
+    with ServerProcess("--model", str(model), "--grpc-port", str(port), "--grpc-engine", request.param,
+                       "--max-body-bytes", str(1 << 20), "--max-delay-ms", "1500", log_path=tmp / "server.log") as srv:
+        srv.grpc, srv.engine = f"127.0.0.1:{port}", request.param
+        yield srv
+
+
+def infer_request(rows: int = 1, shape_tail=(1, 8, 8), **fields) -> bytes:
+    r = schema.ModelInferRequest(model_name="tiny", **fields)
+    r.inputs.add(name="input", datatype="FP32", shape=[rows, *shape_tail])
+    r.raw_input_contents.append(np.full(rows * int(np.prod(shape_tail)), 0.1, np.float32).tobytes())
+    return r.SerializeToString()
+
+
+def test_the_log_names_the_engine(server):
+    engine = "grpc's C++ server" if server.engine == "native" else "grpc.aio"
+    assert f"KServe V2 gRPC on {server.grpc} ({engine})" in server.log()
+
+
+def test_receipt_as_initial_metadata_on_an_answer_and_on_a_refusal(server):
+    with grpc.insecure_channel(server.grpc) as channel:
+        infer = channel.unary_unary(METHOD + "ModelInfer")
+        body, call = infer.with_call(infer_request(id="r-1"), timeout=30)
+        assert schema.ModelInferResponse.FromString(body).id == "r-1"
+        assert dict(call.initial_metadata())["x-request-id"] == "r-1"
+        with pytest.raises(grpc.RpcError) as refused:  # the version was chosen, then the shape refused
+            infer(infer_request(shape_tail=(1, 4, 8), id="r-2"), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in refused.value.details()
+    receipt = dict(refused.value.initial_metadata())
+    assert receipt["x-request-id"] == "r-2" and receipt["x-model-name"] == "tiny", receipt
+
+
+def test_an_unknown_method_is_unimplemented(server):
+    with grpc.insecure_channel(server.grpc) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary(METHOD + "NoSuchMethod")(b"", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_message_over_max_body_bytes_is_resource_exhausted_and_the_next_one_is_answered(server):
+    with grpc.insecure_channel(server.grpc, options=[("grpc.max_send_message_length", -1)]) as channel:
+        infer = channel.unary_unary(METHOD + "ModelInfer")
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(infer_request(rows=5000), timeout=30)  # 1.3 MB against 1 MiB
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name == "tiny"
+
+
+def test_a_client_that_gives_up_mid_call_leaves_the_server_answering(server):
+    with grpc.insecure_channel(server.grpc) as channel:
+        infer = channel.unary_unary(METHOD + "ModelInfer")
+        with pytest.raises(grpc.RpcError) as gone:
+            infer(infer_request(), timeout=0.3)  # it waits 1.5 s in the batcher for company
+        assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name == "tiny"
+    assert requests.get(server.url + "/v2/health/ready", timeout=10).status_code == 200
+    assert "Traceback" not in server.log()
+
+
+def test_a_stream_answers_in_order_and_a_refusal_does_not_end_it(server):
+    requests_ = [infer_request(id="s-0"), infer_request(shape_tail=(1, 4, 8), id="s-1"), infer_request(id="s-2")]
+    with grpc.insecure_channel(server.grpc) as channel:
+        stream = channel.stream_stream(METHOD + "ModelStreamInfer")
+        answers = [schema.ModelStreamInferResponse.FromString(m) for m in stream(iter(requests_), timeout=30)]
+    assert [a.infer_response.id for a in answers] == ["s-0", "s-1", "s-2"]
+    assert [bool(a.error_message) for a in answers] == [False, True, False]
+    assert answers[1].error_message.startswith("INVALID_ARGUMENT: ")
+    assert answers[0].infer_response.parameters["x-model-name"].string_param == "tiny"
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    assert metric(text, "trainserve_requests_total", route="grpc ModelStreamInfer", status="OK", model="tiny") >= 2
