@@ -640,52 +640,68 @@ def tell_errors(r: dict, log: Path) -> None:
 
 def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
     """One model over V2 JSON/HTTP, V2 binary/HTTP and V2/gRPC of one server, all driven by the Python
-    generator, and in-process onnxruntime; `rounds` rounds over all of them, medians reported."""
+    generator, and in-process onnxruntime; `rounds` rounds over all of them, medians reported. Where the native gRPC
+    engine is built, a second server on grpc.aio (`--grpc-engine aio`) is measured over gRPC in the same rounds: the
+    baseline that engine replaces."""
     import torch
+
+    from serving.grpc import native
 
     model, onnx_path = build_and_export(name, work)
     x = np.random.default_rng(1).random((1, 1, 28, 28), dtype=np.float32)
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
-    port, grpc_port = two_free_ports()
-    log = work / f"ours-protocols-{name}.log"
-    server = Server([sys.executable, "-m", "serving", "--model", f"{name}={onnx_path}", "--port", str(port),
-                     "--grpc-port", str(grpc_port), "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"],
-                    port, "/v2/health/ready", log)
-    wire = {protocol: v2_request(protocol, name, x, port) for protocol in PROTOCOLS}
+    # (label suffix, --grpc-engine, the protocols measured on that server)
+    engines = [("", "auto", PROTOCOLS)] + ([(", grpc.aio", "aio", GRPCS)] if native.available() else [])
+    servers = []
+    for suffix, engine, protocols in engines:
+        port, grpc_port = two_free_ports()
+        log = work / f"ours-protocols-{name}-{engine}.log"
+        servers.append((suffix, protocols, port, grpc_port, log, Server(
+            [sys.executable, "-m", "serving", "--model", f"{name}={onnx_path}", "--port", str(port), "--grpc-port",
+             str(grpc_port), "--grpc-engine", engine, "--max-batch-size", str(MAX_BATCH), "--log-level", "warning"],
+            port, "/v2/health/ready", log)))
     samples: dict[tuple[str, object], list[dict]] = {}
     checks: dict[str, str] = {}
     loop = asyncio.new_event_loop()
-    with server, contextlib.closing(loop):
-        for protocol in PROTOCOLS:
-            checks[protocol] = loop.run_until_complete(first_answer(protocol, wire[protocol], port, grpc_port, want))
-            print(f"  {name:8s} {protocol:22s} first answer: {checks[protocol]}", file=sys.stderr, flush=True)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.closing(loop))
+        for suffix, protocols, port, grpc_port, log, server in servers:
+            stack.enter_context(server)
+            wire = {protocol: v2_request(protocol, name, x, port) for protocol in protocols}
+            for protocol in protocols:
+                checks[protocol + suffix] = loop.run_until_complete(first_answer(protocol, wire[protocol], port,
+                                                                                 grpc_port, want))
+                print(f"  {name:8s} {protocol + suffix:32s} first answer: {checks[protocol + suffix]}", file=sys.stderr,
+                      flush=True)
         for round_ in range(rounds):
             for batch in (1, MAX_BATCH):
                 key = (f"(a) onnxruntime in-process, batch {batch}", "-")
                 samples.setdefault(key, []).append(bench_inprocess(onnx_path, batch, seconds))
-            for protocol in PROTOCOLS:
-                for c in (1, 32):
-                    before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
-                    r = loop.run_until_complete(measure(protocol, wire[protocol], port, grpc_port, c, seconds))
-                    after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
-                    r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
-                             server_cpu_ms=server_cpu * 1e3 / max(r["n"] + r["errors"], 1))
-                    samples.setdefault((f"(b) {protocol}", c), []).append(r)
-                    print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol:22s} c={c:<3d} {r['rps']:8.1f} req/s  "
-                          f"p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  errors {r['errors']}",
-                          file=sys.stderr, flush=True)
-                    tell_errors(r, log)
-            if shutil.which("h2load"):  # the same load from a C client: is the Python generator the limit?
-                for protocol in (BINARY_HTTP, *GRPCS):
-                    before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
-                    r = h2load(protocol, wire[protocol], port, grpc_port, name, 32, seconds, work)
-                    after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
-                    r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
-                             server_cpu_ms=server_cpu * 1e3 / max(r["n"], 1))
-                    samples.setdefault((f"(b') {protocol}, h2load", 32), []).append(r)
-                    print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol:22s} c=32  {r['rps']:8.1f} req/s  "
-                          f"(h2load) errors {r['errors']}", file=sys.stderr, flush=True)
+            for suffix, protocols, port, grpc_port, log, server in servers:
+                wire = {protocol: v2_request(protocol, name, x, port) for protocol in protocols}
+                for protocol in protocols:
+                    for c in (1, 32):
+                        before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
+                        r = loop.run_until_complete(measure(protocol, wire[protocol], port, grpc_port, c, seconds))
+                        after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
+                        r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
+                                 server_cpu_ms=server_cpu * 1e3 / max(r["n"] + r["errors"], 1))
+                        samples.setdefault((f"(b) {protocol}{suffix}", c), []).append(r)
+                        print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol + suffix:32s} c={c:<3d} "
+                              f"{r['rps']:8.1f} req/s  p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  "
+                              f"errors {r['errors']}", file=sys.stderr, flush=True)
+                        tell_errors(r, log)
+                if shutil.which("h2load"):  # the same load from a C client: is the Python generator the limit?
+                    for protocol in [p for p in (BINARY_HTTP, *GRPCS) if p in protocols]:
+                        before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
+                        r = h2load(protocol, wire[protocol], port, grpc_port, name, 32, seconds, work)
+                        after, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid) - server_cpu
+                        r.update(batch=(after[0] - before[0]) / max(after[1] - before[1], 1),
+                                 server_cpu_ms=server_cpu * 1e3 / max(r["n"], 1))
+                        samples.setdefault((f"(b') {protocol}{suffix}, h2load", 32), []).append(r)
+                        print(f"  round {round_ + 1}/{rounds} {name:8s} {protocol + suffix:32s} c=32  "
+                              f"{r['rps']:8.1f} req/s  (h2load) errors {r['errors']}", file=sys.stderr, flush=True)
     rows = []
     for (system, c), runs in samples.items():
         note = "images/s; latency per run"
@@ -870,6 +886,26 @@ def print_targets(rows: list) -> None:
             print(f"  {model:8s} {what:45s} {value:7.2f}  (target {target})")
 
 
+def print_protocol_targets(rows: list) -> None:
+    """Issue 22's targets: every protocol at c=32 against in-process batch 32, and gRPC against binary HTTP (the
+    goal for small models: >= 1), from the Python generator and from h2load, for each gRPC engine measured."""
+    def find(model, system, c=32):
+        return next((r for m, name, conc, r, _ in rows if m == model and name == system and conc == c), None)
+
+    print("\nTargets (issue 22): c=32 req/s against in-process batch 32, and gRPC against binary HTTP (goal >= 1 for "
+          "small models)")
+    for model in dict.fromkeys(r[0] for r in rows):
+        base = find(model, f"(a) onnxruntime in-process, batch {MAX_BATCH}", "-")
+        for m, system, c, r, _ in rows:
+            if m == model and c == 32 and base and base["rps"] > 0:
+                print(f"  {model:8s} {system[:48]:48s} / in-process b{MAX_BATCH}  {r['rps'] / base['rps']:8.3f}")
+        for prefix, client in (("(b) ", "Python generator"), ("(b') ", "h2load")):
+            binary = find(model, f"{prefix}{BINARY_HTTP}" + (", h2load" if client == "h2load" else ""))
+            for m, system, c, r, _ in rows:
+                if m == model and c == 32 and system.startswith(prefix) and GRPC in system and binary and binary["rps"]:
+                    print(f"  {model:8s} {system[:48]:48s} / binary HTTP ({client})  {r['rps'] / binary['rps']:6.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--servers", action="store_true", help="ours against in-process and mlflow serve (what a "
@@ -917,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nProtocols: one server, one image a request, the Python generator "
               f"({rounds} round(s) of {seconds:g} s, medians)")
         print_table(protocol_rows)
+        print_protocol_targets(protocol_rows)
     if probe_rows:
         print(f"\nTwo models: `flooded` (resnet18) and `probed` (mlp) on one server; probes are sequential "
               f"single-image binary V2 HTTP requests ({probes} a scenario, {rounds} round(s), medians)")
