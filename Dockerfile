@@ -100,7 +100,7 @@ COPY setup.py ./
 COPY configs/ configs/
 RUN uv pip install --no-deps . \
     && uv pip check \
-    && python -c "from serving.grpc import native; assert native.available(), native.WHY_NOT" \
+    && python -P -c "from serving.grpc import native; assert native.available(), native.WHY_NOT" \
     && TORCH_CUDA="${TORCH_CUDA}" python -c "import os, torch; \
 assert 'cu' + (torch.version.cuda or 'none').replace('.', '') == os.environ['TORCH_CUDA'], torch.version.cuda" \
     && python -c "import sys; from serving.engine import system_cuda_libraries_missing; \
@@ -122,8 +122,11 @@ USER ${UID}:${UID}
 # refuses to start without TRAINSERVE_AUTH_TOKEN (or TRAINSERVE_ALLOW_UNAUTHENTICATED=1 behind a proxy
 # that authenticates).
 # MLFLOW_TRACKING_URI is left unset: the embedded SQLite store in /work unless you point at a server.
+# PYTHONSAFEPATH: `python -m serving` does not put the working directory first on sys.path, so a checkout mounted
+# at /work cannot stand in for the installed package (whose native gRPC front end a checkout lacks).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONSAFEPATH=1 \
     MPLBACKEND=Agg \
     TRAINSERVE_HOST=0.0.0.0 \
     TRAINSERVE_PORT=8080

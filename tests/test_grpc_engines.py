@@ -6,7 +6,11 @@ serving` process each, real grpc clients."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import threading
+import time
+import types
 
 import grpc
 import numpy as np
@@ -67,11 +71,30 @@ def test_receipt_as_initial_metadata_on_an_answer_and_on_a_refusal(server):
     assert receipt["x-request-id"] == "r-2" and receipt["x-model-name"] == "tiny", receipt
 
 
-def test_an_unknown_method_is_unimplemented(server):
+def test_an_unknown_method_is_unimplemented_at_once(server):
     with grpc.insecure_channel(server.grpc) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             channel.unary_unary(METHOD + "NoSuchMethod")(b"", timeout=10)
-    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+        def later():  # a streaming client that sends nothing yet: answered before it does
+            time.sleep(5)
+            yield b""
+
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(channel.stream_stream(METHOD + "NoSuchStream")(later(), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and time.monotonic() - started < 3
+
+
+def test_a_name_with_a_nul_is_not_found_and_the_server_still_stops(server):
+    """The review: the NUL in the status message (which names the unknown model) made the native engine's status
+    fail, and the call hung until its deadline."""
+    with grpc.insecure_channel(server.grpc) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary(METHOD + "ModelReady")(schema.ModelReadyRequest(name="a\x00b").SerializeToString(),
+                                                       timeout=10)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
 
 
 def test_a_message_over_max_body_bytes_is_resource_exhausted_and_the_next_one_is_answered(server):
@@ -105,3 +128,83 @@ def test_a_stream_answers_in_order_and_a_refusal_does_not_end_it(server):
     assert answers[0].infer_response.parameters["x-model-name"].string_param == "tiny"
     text = requests.get(server.url + "/metrics", timeout=10).text
     assert metric(text, "trainserve_requests_total", route="grpc ModelStreamInfer", status="OK", model="tiny") >= 2
+
+
+# ---- the native transport on its own, in this process: what a black-box server cannot provoke at will ----
+
+def native_front_end(handle) -> tuple:
+    port = free_port()
+    front_end = native.NativeFrontEnd(f"127.0.0.1:{port}", {"Echo": grpc.unary_unary_rpc_method_handler(handle)},
+                                      "test.Echo", {}, 100, types.SimpleNamespace(close=lambda: None))
+    return front_end, f"127.0.0.1:{port}"
+
+
+def test_native_calls_cancelled_before_their_handler_began_are_ended_and_stop_returns():
+    """The review: calls whose client gave up while the event loop was busy came in with their cancellation in one
+    batch; their tasks were cancelled before they began, nothing ended the calls, and grpc's Shutdown waited for
+    them for ever."""
+    if not native.available():
+        pytest.skip(native.WHY_NOT)
+
+    async def handle(data, context):
+        if data == b"block":
+            time.sleep(1.0)  # the loop is stuck: meanwhile two calls arrive and their clients give up
+        return b"ok"
+
+    def client(target: str) -> list:
+        codes = []
+        with grpc.insecure_channel(target) as channel:
+            echo = channel.unary_unary("/test.Echo/Echo")
+            blocker = threading.Thread(target=lambda: echo(b"block", timeout=10))
+            blocker.start()
+            time.sleep(0.2)
+            for _ in range(2):
+                try:
+                    echo(b"x", timeout=0.3)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            blocker.join()
+            codes.append(grpc.StatusCode.OK if echo(b"x", timeout=10) == b"ok" else None)
+        return codes
+
+    async def scenario():
+        front_end, target = native_front_end(handle)
+        codes = await asyncio.to_thread(client, target)
+        started = time.monotonic()
+        await asyncio.wait_for(front_end.stop(0.5), 10)
+        return codes, time.monotonic() - started
+
+    codes, took = asyncio.run(scenario())
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2 + [grpc.StatusCode.OK], codes
+    assert took < 3, f"stop took {took:.1f} s"
+
+
+def test_native_metadata_grpc_would_abort_on_is_refused_in_python():
+    """grpc's C++ core aborts the process on metadata it cannot send; the handler gets a ValueError instead, and
+    its call ends UNKNOWN, as a handler's failure does."""
+    if not native.available():
+        pytest.skip(native.WHY_NOT)
+
+    async def handle(data, context):
+        await context.send_initial_metadata((("x-receipt", "a\nb"),))
+        return b"ok"
+
+    async def scenario():
+        front_end, target = native_front_end(handle)
+
+        def call():
+            with grpc.insecure_channel(target) as channel:
+                try:
+                    channel.unary_unary("/test.Echo/Echo")(b"x", timeout=10)
+                except grpc.RpcError as exc:
+                    return exc.code(), exc.details()
+                return grpc.StatusCode.OK, ""
+
+        try:
+            return await asyncio.to_thread(call)
+        finally:
+            await front_end.stop(0.5)
+
+    code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.UNKNOWN and "not valid gRPC metadata" in details, (code, details)

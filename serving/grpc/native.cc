@@ -12,10 +12,12 @@
 //   - The loop drains the queue (drain) and answers through start_read / write / finish / add_initial_metadata,
 //     each a non-blocking grpc call on the call's reactor.
 //   - A unary method's one message is read before its call is announced, so a unary call is one event in and
-//     one call out. For the methods named streaming at start, Python asks for each read itself.
+//     one call out. For the methods named streams at start, Python asks for each read itself. A method not
+//     named is UNIMPLEMENTED here, and never reaches Python.
 //   - A call lives in `calls` from its reactor's creation to OnDone; every operation Python asks for looks the
-//     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. OnDone is announced
-//     only when Python has not finished the call itself (a cancelled or broken call whose handler still runs).
+//     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. A call is finished
+//     once (Claim): by Python's answer or status, or here when it is cancelled (OnCancel), so that no call is
+//     left unfinished whatever its handler does.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -30,7 +32,6 @@
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -38,7 +39,7 @@
 
 namespace {
 
-enum Kind { CALL = 0, READ = 1, WRITTEN = 2, CANCELLED = 3, DONE = 4 };
+enum Kind { CALL = 0, READ = 1, WRITTEN = 2, CANCELLED = 3 };
 
 struct Event {
   Kind kind;
@@ -55,7 +56,7 @@ class Call;
 struct Bridge {
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<grpc::CallbackGenericService> service;
-  std::set<std::string> streaming;  // full method names whose reads Python asks for
+  std::unordered_map<std::string, bool> methods;  // full method name -> a stream (Python asks for its reads)?
   int max_calls = 0;
   std::atomic<int> active{0};
   std::atomic<uint64_t> next_id{1};
@@ -84,17 +85,16 @@ struct Bridge {
 
 class Call : public grpc::ServerGenericBidiReactor {
  public:
-  Call(Bridge* bridge, grpc::GenericCallbackServerContext* context)
+  Call(Bridge* bridge, grpc::GenericCallbackServerContext* context, bool stream)
       : bridge_(bridge), context_(context), id_(bridge->next_id++) {
-    unary_ = bridge->streaming.count(context->method()) == 0;
     {
       std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
       bridge->calls[id_] = this;
     }
-    if (unary_) {
-      StartRead(&in_);  // the call is announced with its message
-    } else {
+    if (stream) {
       Announce(nullptr);
+    } else {
+      StartRead(&in_);  // the call is announced with its message
     }
   }
 
@@ -105,13 +105,12 @@ class Call : public grpc::ServerGenericBidiReactor {
     StartWrite(&out_);
   }
   void WriteAndFinish(grpc::ByteBuffer&& message) {
-    finished_ = true;
+    if (!Claim()) return;
     out_ = std::move(message);
     StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
   }
   void End(grpc::Status status) {
-    finished_ = true;
-    Finish(std::move(status));
+    if (Claim()) Finish(std::move(status));
   }
   void AddMetadata(const std::string& key, const std::string& value) { context_->AddInitialMetadata(key, value); }
   bool finished() const { return finished_; }
@@ -124,7 +123,7 @@ class Call : public grpc::ServerGenericBidiReactor {
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call ended before its request message"));
         return;
       }
-      Announce(&in_);
+      if (!finished_) Announce(&in_);  // (one cancelled meanwhile is ended already: no handler for it)
       return;
     }
     Event event{READ, id_, ok};
@@ -134,23 +133,29 @@ class Call : public grpc::ServerGenericBidiReactor {
     }
     bridge_->push(std::move(event));
   }
-  void OnWriteDone(bool ok) override {
-    if (!finished_) bridge_->push(Event{WRITTEN, id_, ok});
+  // (StartWriteAndFinish has no OnWriteDone: this is always a write Python waits for, failed ones included.)
+  void OnWriteDone(bool ok) override { bridge_->push(Event{WRITTEN, id_, ok}); }
+  // Every call must be finished, a cancelled one too, or grpc never lets it go (and Shutdown waits for it for
+  // ever). It is finished here, not left to its handler, which may never run (a call cancelled before its task
+  // started) or may fail to: Python learns of it only to stop the handler.
+  void OnCancel() override {
+    bridge_->push(Event{CANCELLED, id_, false});
+    std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
+    End(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));  // nothing of `this` after it
   }
-  void OnCancel() override { bridge_->push(Event{CANCELLED, id_, false}); }
   void OnDone() override {
-    bool tell;
     {
       std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
       bridge_->calls.erase(id_);
-      tell = !finished_;
     }
     bridge_->active--;
-    if (tell) bridge_->push(Event{DONE, id_, false});
     delete this;
   }
 
  private:
+  // The one caller that finishes the call: Finish and StartWriteAndFinish may be called once, whoever comes first.
+  bool Claim() { return !finished_.exchange(true); }
+
   void Announce(grpc::ByteBuffer* message) {
     announced_ = true;
     Event event{CALL, id_, true};
@@ -168,19 +173,17 @@ class Call : public grpc::ServerGenericBidiReactor {
   Bridge* bridge_;
   grpc::GenericCallbackServerContext* context_;
   const uint64_t id_;
-  bool unary_;
   bool announced_ = false;
   std::atomic<bool> finished_{false};
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
 };
 
-// Past --max-calls calls at once: RESOURCE_EXHAUSTED at once, as grpc.aio's maximum_concurrent_rpcs.
+// A call answered at once with a status, never shown to Python: past max_calls (RESOURCE_EXHAUSTED, as grpc.aio's
+// maximum_concurrent_rpcs), or a method the service does not have (UNIMPLEMENTED, without waiting for a message).
 class Refusal : public grpc::ServerGenericBidiReactor {
  public:
-  explicit Refusal(Bridge* bridge) : bridge_(bridge) {
-    Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once"));
-  }
+  Refusal(Bridge* bridge, grpc::Status status) : bridge_(bridge) { Finish(std::move(status)); }
   void OnDone() override {
     bridge_->active--;
     delete this;
@@ -194,8 +197,15 @@ class Service : public grpc::CallbackGenericService {
  public:
   explicit Service(Bridge* bridge) : bridge_(bridge) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
-    if (++bridge_->active > bridge_->max_calls) return new Refusal(bridge_);
-    return new Call(bridge_, context);
+    if (++bridge_->active > bridge_->max_calls) {
+      return new Refusal(bridge_, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                               "the server has as many calls as it takes at once"));
+    }
+    auto method = bridge_->methods.find(context->method());
+    if (method == bridge_->methods.end()) {
+      return new Refusal(bridge_, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Method not found!"));
+    }
+    return new Call(bridge_, context, method->second);
   }
 
  private:
@@ -218,30 +228,28 @@ void destroy(PyObject* capsule) {
   delete bridge;
 }
 
-// start(address, streaming_methods, options: dict[str, int], max_calls) -> (bridge, eventfd); OSError if the
-// address cannot be bound.
+// start(address, methods: {full name: is it a stream}, options: {name: int}, max_calls) -> (bridge, eventfd);
+// OSError if the address cannot be bound.
 PyObject* start(PyObject*, PyObject* args) {
   const char* address;
-  PyObject* streaming;
+  PyObject* methods;
   PyObject* options;
   int max_calls;
-  if (!PyArg_ParseTuple(args, "sOO!i", &address, &streaming, &PyDict_Type, &options, &max_calls)) return nullptr;
+  if (!PyArg_ParseTuple(args, "sO!O!i", &address, &PyDict_Type, &methods, &PyDict_Type, &options, &max_calls)) {
+    return nullptr;
+  }
   auto bridge = std::make_unique<Bridge>();
   bridge->max_calls = max_calls;
-  PyObject* iterator = PyObject_GetIter(streaming);
-  if (iterator == nullptr) return nullptr;
-  while (PyObject* item = PyIter_Next(iterator)) {
-    const char* name = PyUnicode_AsUTF8(item);
-    if (name != nullptr) bridge->streaming.insert(name);
-    Py_DECREF(item);
-    if (name == nullptr) break;
-  }
-  Py_DECREF(iterator);
-  if (PyErr_Occurred()) return nullptr;
-
-  grpc::ServerBuilder builder;
   PyObject *key, *value;
   Py_ssize_t position = 0;
+  while (PyDict_Next(methods, &position, &key, &value)) {
+    const char* name = PyUnicode_AsUTF8(key);
+    if (name == nullptr) return nullptr;
+    bridge->methods[name] = PyObject_IsTrue(value);
+  }
+
+  grpc::ServerBuilder builder;
+  position = 0;
   while (PyDict_Next(options, &position, &key, &value)) {
     const char* name = PyUnicode_AsUTF8(key);
     long number = PyLong_AsLong(value);
@@ -283,8 +291,48 @@ PyObject* bytes_of(const grpc::ByteBuffer& buffer) {
   return bytes;
 }
 
+// Ends a call with INTERNAL, if it is not finished yet.
+void fail(Bridge* bridge, uint64_t id, const char* why) {
+  std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
+  auto found = bridge->calls.find(id);
+  if (found != bridge->calls.end()) found->second->End(grpc::Status(grpc::StatusCode::INTERNAL, why));
+}
+
+// The CALL event as (CALL, call, method, ((key, value), ...), message bytes or None); nullptr on failure.
+PyObject* call_item(Event& event) {
+  PyObject* metadata = PyTuple_New(static_cast<Py_ssize_t>(event.metadata.size()));
+  if (metadata == nullptr) return nullptr;
+  Py_ssize_t j = 0;
+  for (auto& [key, value] : event.metadata) {
+    // binary (-bin) values are bytes, the rest text, as grpc.aio gives them; text that is not UTF-8 as bytes, which
+    // the handlers leave out as a header none of them could read
+    bool binary = key.size() > 4 && key.compare(key.size() - 4, 4, "-bin") == 0;
+    PyObject* pair = binary ? Py_BuildValue("(s#y#)", key.data(), key.size(), value.data(), value.size())
+                            : Py_BuildValue("(s#s#)", key.data(), key.size(), value.data(), value.size());
+    if (pair == nullptr) {
+      PyErr_Clear();
+      pair = Py_BuildValue("(y#y#)", key.data(), key.size(), value.data(), value.size());
+    }
+    if (pair == nullptr) {
+      Py_DECREF(metadata);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(metadata, j++, pair);
+  }
+  PyObject* message = event.has_message ? bytes_of(event.message) : Py_NewRef(Py_None);
+  // (the method is one of the names given at start, so text; "replace" all the same: no event is lost)
+  PyObject* method = PyUnicode_DecodeUTF8(event.method.data(), event.method.size(), "replace");
+  if (message == nullptr || method == nullptr) {
+    Py_XDECREF(message);
+    Py_XDECREF(method);
+    Py_DECREF(metadata);
+    return nullptr;
+  }
+  return Py_BuildValue("(iKNNN)", CALL, event.call, method, metadata, message);  // "N": taken, on failure too
+}
+
 // drain(bridge) -> [(kind, call, a, b)]: CALL (method, ((key, value), ...), message bytes or None); READ (bytes or
-// None at the end of the client's messages, None); WRITTEN (ok, None); CANCELLED / DONE (False, None).
+// None at the end of the client's messages, None); WRITTEN (ok, None); CANCELLED (False, None).
 PyObject* drain(PyObject*, PyObject* capsule) {
   Bridge* bridge = bridge_of(capsule);
   if (bridge == nullptr) return nullptr;
@@ -302,26 +350,9 @@ PyObject* drain(PyObject*, PyObject* capsule) {
   for (auto& event : events) {
     PyObject* item = nullptr;
     switch (event.kind) {
-      case CALL: {
-        PyObject* metadata = PyTuple_New(static_cast<Py_ssize_t>(event.metadata.size()));
-        if (metadata == nullptr) break;
-        Py_ssize_t j = 0;
-        for (auto& [key, value] : event.metadata) {
-          // binary (-bin) values are bytes, the rest text, as grpc.aio gives them
-          bool binary = key.size() > 4 && key.compare(key.size() - 4, 4, "-bin") == 0;
-          PyObject* pair = binary ? Py_BuildValue("(s#y#)", key.data(), key.size(), value.data(), value.size())
-                                  : Py_BuildValue("(s#s#)", key.data(), key.size(), value.data(), value.size());
-          if (pair == nullptr) {  // text that is not UTF-8: left out, as a header no handler could read
-            PyErr_Clear();
-            pair = Py_BuildValue("(s#y#)", key.data(), key.size(), value.data(), value.size());
-          }
-          PyTuple_SET_ITEM(metadata, j++, pair);
-        }
-        PyObject* message = event.has_message ? bytes_of(event.message) : Py_NewRef(Py_None);
-        item = Py_BuildValue("(iKs#NN)", CALL, event.call, event.method.data(), event.method.size(), metadata,
-                             message);
+      case CALL:
+        item = call_item(event);
         break;
-      }
       case READ: {
         PyObject* message = event.ok ? bytes_of(event.message) : Py_NewRef(Py_None);
         item = Py_BuildValue("(iKNO)", READ, event.call, message, Py_None);
@@ -330,9 +361,14 @@ PyObject* drain(PyObject*, PyObject* capsule) {
       default:
         item = Py_BuildValue("(iKOO)", event.kind, event.call, event.ok ? Py_True : Py_False, Py_None);
     }
-    if (item == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
+    if (item == nullptr) {  // out of memory: the call is ended here rather than every event of the batch lost
+      PyErr_Clear();
+      fail(bridge, event.call, "the server could not take the call in (out of memory)");
+      item = Py_BuildValue("(iKOO)", CANCELLED, event.call, Py_False, Py_None);
+      if (item == nullptr) {
+        Py_DECREF(list);
+        return nullptr;
+      }
     }
     PyList_SET_ITEM(list, i++, item);
   }
@@ -391,9 +427,23 @@ PyObject* finish(PyObject*, PyObject* args) {
   unsigned long long id;
   int code;
   const char* details;
-  if (!PyArg_ParseTuple(args, "OKis", &capsule, &id, &code, &details)) return nullptr;
-  grpc::Status status(static_cast<grpc::StatusCode>(code), details);
+  Py_ssize_t size;
+  if (!PyArg_ParseTuple(args, "OKis#", &capsule, &id, &code, &details, &size)) return nullptr;  // NULs and all
+  grpc::Status status(static_cast<grpc::StatusCode>(code), std::string(details, static_cast<size_t>(size)));
   return on_call(capsule, id, [&](Call* call) { call->End(status); });
+}
+
+// What grpc's C++ core accepts as a text metadata pair (it treats anything else as a bug of the caller and aborts).
+bool legal(const std::string& key, const std::string& value) {
+  if (key.empty() || key[0] == ':') return false;
+  for (unsigned char c : key) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || c == '-' || c == '_' || c == '.')) return false;
+  }
+  if (key.size() > 4 && key.compare(key.size() - 4, 4, "-bin") == 0) return true;
+  for (unsigned char c : value) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
 }
 
 // add_initial_metadata(bridge, call, ((key, value), ...)): the pairs go with the first message or the status.
@@ -409,9 +459,14 @@ PyObject* add_initial_metadata(PyObject*, PyObject* args) {
     const char *key, *value;
     Py_ssize_t key_size, value_size;
     int parsed = PyArg_ParseTuple(pair, "s#s#", &key, &key_size, &value, &value_size);
+    if (parsed) metadata.emplace_back(std::string(key, key_size), std::string(value, value_size));
+    if (parsed && !legal(metadata.back().first, metadata.back().second)) {  // grpc aborts the process on these
+      PyErr_Format(PyExc_ValueError, "not valid gRPC metadata (a lower-case key of [0-9a-z_.-], a value of "
+                   "printable ASCII): %R", pair);
+      parsed = 0;
+    }
     Py_DECREF(pair);
     if (!parsed) break;
-    metadata.emplace_back(std::string(key, key_size), std::string(value, value_size));
   }
   Py_DECREF(iterator);
   if (PyErr_Occurred()) return nullptr;
@@ -438,7 +493,7 @@ PyObject* stop(PyObject*, PyObject* args) {
 }
 
 PyMethodDef methods[] = {
-    {"start", start, METH_VARARGS, "start(address, streaming_methods, options, max_calls) -> (bridge, eventfd)"},
+    {"start", start, METH_VARARGS, "start(address, methods, options, max_calls) -> (bridge, eventfd)"},
     {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
     {"start_read", start_read, METH_VARARGS, "start_read(bridge, call) -> bool"},
     {"write", write_message, METH_VARARGS, "write(bridge, call, message, last) -> bool"},
@@ -460,6 +515,5 @@ PyMODINIT_FUNC PyInit__native() {
   PyModule_AddIntConstant(m, "READ", READ);
   PyModule_AddIntConstant(m, "WRITTEN", WRITTEN);
   PyModule_AddIntConstant(m, "CANCELLED", CANCELLED);
-  PyModule_AddIntConstant(m, "DONE", DONE);
   return m;
 }

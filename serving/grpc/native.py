@@ -12,7 +12,9 @@ builds it where grpc's C++ library is installed: Debian's libgrpc++-dev) and grp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 
 import grpc
 
@@ -67,15 +69,17 @@ class NativeContext:
         if not _native.write(self.bridge, self.id, message, False) or not await self.writing:
             raise ConnectionError("the call ended before its answer could be written")
 
+    # Finished only once the call back to C++ went through: one that raises (an answer that is not bytes) leaves
+    # the call to be ended by the caller's fallback. (C++ finishes a call at most once whatever Python asks.)
     def end(self, code: grpc.StatusCode, details: str) -> None:
         if not self.finished:
-            self.finished = True
             _native.finish(self.bridge, self.id, code.value[0], details)
+            self.finished = True
 
     def answer(self, message: bytes) -> None:
         if not self.finished:
-            self.finished = True
             _native.write(self.bridge, self.id, message, True)
+            self.finished = True
 
 
 class NativeFrontEnd:
@@ -90,39 +94,47 @@ class NativeFrontEnd:
                         for name, handler in handlers.items()}
         self.streams = streams
         self.calls: dict[int, NativeContext] = {}
-        streaming = [name for name, (stream, _) in self.methods.items() if stream]
-        self.bridge, self.efd = _native.start(address, streaming, options, max_calls)
+        self.bridge, self.efd = _native.start(address, {name: stream for name, (stream, _) in self.methods.items()},
+                                              options, max_calls)
         self.loop.add_reader(self.efd, self._drain)
 
     def _drain(self) -> None:
         for event in _native.drain(self.bridge):
-            kind, call_id = event[0], event[1]
-            if kind == _native.CALL:
-                self._begin(call_id, event[2], event[3], event[4])
-                continue
-            call = self.calls.get(call_id)
-            if call is None:
-                continue
-            if kind == _native.READ:
-                if call.reading is not None and not call.reading.done():
-                    call.reading.set_result(event[2])
-            elif kind == _native.WRITTEN:
-                if call.writing is not None and not call.writing.done():
-                    call.writing.set_result(event[2])
-            elif kind in (_native.CANCELLED, _native.DONE):  # the client went away: as grpc.aio, the handler's
-                if call.task is not None and not call.task.done():  # task is cancelled
-                    call.task.cancel()
+            try:
+                self._dispatch(*event)
+            except Exception:  # noqa: BLE001 - one event's failure must not lose the others of the batch
+                log.exception("gRPC event %r of call %s failed", event[0], event[1])
+                if (call := self.calls.get(event[1])) is not None and call.task is not None:
+                    call.task.cancel()  # its call is ended as a cancelled one (native.cc: OnCancel's rule)
+
+    def _dispatch(self, kind: int, call_id: int, *rest) -> None:
+        if kind == _native.CALL:
+            self._begin(call_id, *rest)
+            return
+        call = self.calls.get(call_id)
+        if call is None:
+            return
+        if kind == _native.READ:
+            if call.reading is not None and not call.reading.done():
+                call.reading.set_result(rest[0])
+        elif kind == _native.WRITTEN:
+            if call.writing is not None and not call.writing.done():
+                call.writing.set_result(rest[0])
+        elif kind == _native.CANCELLED:  # the client went away (C++ has ended the call): as grpc.aio, the handler's
+            if call.task is not None and not call.task.done():  # task is cancelled
+                call.task.cancel()
 
     def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None) -> None:
         call = NativeContext(self.bridge, call_id, metadata)
-        found = self.methods.get(method)
-        if found is None:
-            call.end(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
-            return
-        stream, handle = found
+        stream, handle = self.methods[method]  # C++ lets only these through
         self.calls[call_id] = call
         call.task = self.loop.create_task(self._stream(call, handle) if stream else self._unary(call, handle, message))
-        call.task.add_done_callback(lambda _: self.calls.pop(call_id, None))
+        call.task.add_done_callback(lambda _: self._forget(call))
+
+    def _forget(self, call: NativeContext) -> None:
+        self.calls.pop(call.id, None)
+        if not call.finished:  # a task cancelled before it began (the loop closing): its call still ends
+            call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
 
     async def _unary(self, call: NativeContext, handle, message: bytes) -> None:
         try:
@@ -151,8 +163,19 @@ class NativeFrontEnd:
         """No new calls; those in flight have `grace` seconds (None: none) to finish on the running loop, then are
         cancelled."""
         self.streams.close()
+        stopped = self.loop.create_future()
+
+        def stop() -> None:  # grpc's Shutdown blocks until every call is done: off the loop, which must run them
+            try:
+                _native.stop(self.bridge, grace or 0.0)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    self.loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+        # A daemon thread, not the loop's executor: were a call never to end, the process could still exit.
+        threading.Thread(target=stop, name="grpc-stop", daemon=True).start()
         try:
-            await asyncio.to_thread(_native.stop, self.bridge, grace or 0.0)
+            await stopped
         finally:
             self._drain()  # what came in while stopping: the cancelled handlers' tasks end
             self.loop.remove_reader(self.efd)
