@@ -12,8 +12,9 @@
 //   - The loop drains the queue (drain) and answers through start_read / write / finish / add_initial_metadata,
 //     each a non-blocking grpc call on the call's reactor.
 //   - A unary method's one message is read before its call is announced, so a unary call is one event in and
-//     one call out. For the methods named streams at start, Python asks for each read itself. A method not
-//     named is UNIMPLEMENTED here, and never reaches Python.
+//     one call out. For the methods named streams at start, Python grants reads (credits): messages are read
+//     one after another while credits last, each a READ event, so what arrives together is read together. A
+//     method not named is UNIMPLEMENTED here, and never reaches Python.
 //   - A call lives in `calls` from its reactor's creation to OnDone; every operation Python asks for looks the
 //     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. A call is finished
 //     once (Claim): by Python's answer or status, or here when it is cancelled (OnCancel), so that no call is
@@ -32,6 +33,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -99,8 +101,20 @@ class Call : public grpc::ServerGenericBidiReactor {
   }
 
   // ---- asked for by Python (under calls_mu) ----
-  void Read() { StartRead(&in_); }
+  // A stream's reads: `more` messages Python will take (credits). One read is in flight at a time; the next starts
+  // as soon as one is done while credits are left, so that what a client sends together arrives together.
+  void Read(int more) {
+    credits_ += more;
+    ReadOn();
+  }
+  // A stream's answers: one write in flight at a time, the others queued here in order (Python bounds how many:
+  // native.WRITE_AHEAD), so that answers ready together go out together.
   void Write(grpc::ByteBuffer&& message) {
+    if (writing_) {
+      unwritten_.push_back(std::move(message));
+      return;
+    }
+    writing_ = true;
     out_ = std::move(message);
     StartWrite(&out_);
   }
@@ -109,8 +123,13 @@ class Call : public grpc::ServerGenericBidiReactor {
     out_ = std::move(message);
     StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
   }
-  void End(grpc::Status status) {
-    if (Claim()) Finish(std::move(status));
+  void End(grpc::Status status) {  // under calls_mu
+    if (!Claim()) return;
+    if (writing_) {  // after the answers queued: OnWriteDone finishes
+      ending_ = std::move(status);
+      return;
+    }
+    Finish(std::move(status));
   }
   void AddMetadata(const std::string& key, const std::string& value) { context_->AddInitialMetadata(key, value); }
   bool finished() const { return finished_; }
@@ -132,9 +151,32 @@ class Call : public grpc::ServerGenericBidiReactor {
       event.has_message = true;
     }
     bridge_->push(std::move(event));
+    std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);  // as Python's calls: never after the Finish
+    reading_ = false;
+    if (!ok) {
+      credits_ = 0;  // the client's last message (or the call broke): nothing more to read
+    } else {
+      ReadOn();  // nothing of `this` after it
+    }
   }
-  // (StartWriteAndFinish has no OnWriteDone: this is always a write Python waits for, failed ones included.)
-  void OnWriteDone(bool ok) override { bridge_->push(Event{WRITTEN, id_, ok}); }
+  // (StartWriteAndFinish has no OnWriteDone: this is always a stream's write, failed ones included.)
+  void OnWriteDone(bool ok) override {
+    bridge_->push(Event{WRITTEN, id_, ok});
+    std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
+    if (ok && !unwritten_.empty()) {
+      out_ = std::move(unwritten_.front());
+      unwritten_.pop_front();
+      StartWrite(&out_);
+      return;
+    }
+    unwritten_.clear();  // a failed write: the call is broken, the rest can't go
+    writing_ = false;
+    if (ending_) {
+      grpc::Status status = std::move(*ending_);
+      ending_.reset();
+      Finish(std::move(status));  // nothing of `this` after it
+    }
+  }
   // Every call must be finished, a cancelled one too, or grpc never lets it go (and Shutdown waits for it for
   // ever). It is finished here, not left to its handler, which may never run (a call cancelled before its task
   // started) or may fail to: Python learns of it only to stop the handler.
@@ -156,6 +198,13 @@ class Call : public grpc::ServerGenericBidiReactor {
   // The one caller that finishes the call: Finish and StartWriteAndFinish may be called once, whoever comes first.
   bool Claim() { return !finished_.exchange(true); }
 
+  void ReadOn() {  // under calls_mu
+    if (reading_ || credits_ <= 0 || finished_) return;
+    reading_ = true;
+    credits_--;
+    StartRead(&in_);
+  }
+
   void Announce(grpc::ByteBuffer* message) {
     announced_ = true;
     Event event{CALL, id_, true};
@@ -174,6 +223,11 @@ class Call : public grpc::ServerGenericBidiReactor {
   grpc::GenericCallbackServerContext* context_;
   const uint64_t id_;
   bool announced_ = false;
+  bool reading_ = false;  // a stream's read in flight (under calls_mu)
+  bool writing_ = false;  // a stream's write in flight (under calls_mu)
+  std::deque<grpc::ByteBuffer> unwritten_;  // answers queued behind it (under calls_mu)
+  std::optional<grpc::Status> ending_;      // the status, once the queued answers are written (under calls_mu)
+  int credits_ = 0;       // messages Python will still take (under calls_mu)
   std::atomic<bool> finished_{false};
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
@@ -400,8 +454,9 @@ grpc::ByteBuffer buffer_of(const char* data, Py_ssize_t size) {
 PyObject* start_read(PyObject*, PyObject* args) {
   PyObject* capsule;
   unsigned long long id;
-  if (!PyArg_ParseTuple(args, "OK", &capsule, &id)) return nullptr;
-  return on_call(capsule, id, [](Call* call) { call->Read(); });
+  int more;
+  if (!PyArg_ParseTuple(args, "OKi", &capsule, &id, &more)) return nullptr;
+  return on_call(capsule, id, [&](Call* call) { call->Read(more); });
 }
 
 // write(bridge, call, message, last): last=True sends the message with status OK, ending the call (a unary answer).
@@ -495,7 +550,7 @@ PyObject* stop(PyObject*, PyObject* args) {
 PyMethodDef methods[] = {
     {"start", start, METH_VARARGS, "start(address, methods, options, max_calls) -> (bridge, eventfd)"},
     {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
-    {"start_read", start_read, METH_VARARGS, "start_read(bridge, call) -> bool"},
+    {"start_read", start_read, METH_VARARGS, "start_read(bridge, call, more) -> bool"},
     {"write", write_message, METH_VARARGS, "write(bridge, call, message, last) -> bool"},
     {"finish", finish, METH_VARARGS, "finish(bridge, call, code, details) -> bool"},
     {"add_initial_metadata", add_initial_metadata, METH_VARARGS,

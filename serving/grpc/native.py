@@ -12,6 +12,7 @@ builds it where grpc's C++ library is installed: Debian's libgrpc++-dev) and grp
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -27,6 +28,8 @@ else:
     WHY_NOT = ""
 
 log = logging.getLogger("serving.grpc")
+READ_AHEAD = 32  # a stream's messages C++ may read before its handler takes them (the batch a client sends at once)
+WRITE_AHEAD = 32  # a stream's answers C++ may hold, not yet written, before the handler waits
 
 
 def available() -> bool:
@@ -36,10 +39,16 @@ def available() -> bool:
 class NativeContext:
     """One call, as its handler sees it (the part of grpc.aio.ServicerContext that service.py uses)."""
 
-    __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished")
+    __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished", "inbox", "ended", "granted",
+                 "unwritten", "broken")
 
     def __init__(self, bridge, call_id: int, metadata: tuple):
         self.bridge, self.id, self.metadata = bridge, call_id, metadata
+        self.inbox: collections.deque = collections.deque()  # a stream's messages read ahead, not yet taken
+        self.ended = False  # a stream's reading is over: the client's last message came (or the call broke)
+        self.granted = False  # whether the read-ahead was granted yet
+        self.unwritten = 0  # a stream's answers handed to C++ and not yet written
+        self.broken = False  # a write failed: the client is gone
         self.reading: asyncio.Future | None = None
         self.writing: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
@@ -57,17 +66,47 @@ class NativeContext:
         raise grpc.aio.AbortError(f"aborted with {code.name}")
 
     async def read(self):
-        self.reading = asyncio.get_running_loop().create_future()
-        if not _native.start_read(self.bridge, self.id):
-            self.reading = None
+        """The stream's next message, or EOF. C++ reads up to READ_AHEAD messages before the handler asks for them
+        (each one taken grants one more), so that the requests a client sends together reach the batcher together;
+        the handler's own window (service.STREAM_WINDOW) still bounds what it has read and not answered."""
+        if not self.granted:
+            self.granted = True
+            _native.start_read(self.bridge, self.id, READ_AHEAD)
+        if not self.inbox and not self.ended:
+            self.reading = asyncio.get_running_loop().create_future()
+            await self.reading
+        if not self.inbox:
             return grpc.aio.EOF
-        message = await self.reading
-        return grpc.aio.EOF if message is None else message
+        _native.start_read(self.bridge, self.id, 1)
+        return self.inbox.popleft()
+
+    def arrived(self, message: bytes | None) -> None:
+        """A READ event: a message, or None for the end of the client's messages."""
+        if message is None:
+            self.ended = True
+        else:
+            self.inbox.append(message)
+        if self.reading is not None and not self.reading.done():
+            self.reading.set_result(None)
 
     async def write(self, message: bytes) -> None:
-        self.writing = asyncio.get_running_loop().create_future()
-        if not _native.write(self.bridge, self.id, message, False) or not await self.writing:
+        """Hands the answer to C++, which writes a stream's answers in order; waits only while more than
+        WRITE_AHEAD of them are not yet written (a client not reading its answers holds the handler back)."""
+        if self.broken or not _native.write(self.bridge, self.id, message, False):
             raise ConnectionError("the call ended before its answer could be written")
+        self.unwritten += 1
+        while self.unwritten > WRITE_AHEAD and not self.broken:
+            self.writing = asyncio.get_running_loop().create_future()
+            await self.writing
+        if self.broken:
+            raise ConnectionError("the call ended before its answer could be written")
+
+    def written(self, ok: bool) -> None:
+        """A WRITTEN event."""
+        self.unwritten -= 1
+        self.broken = self.broken or not ok
+        if self.writing is not None and not self.writing.done():
+            self.writing.set_result(None)
 
     # Finished only once the call back to C++ went through: one that raises (an answer that is not bytes) leaves
     # the call to be ended by the caller's fallback. (C++ finishes a call at most once whatever Python asks.)
@@ -115,13 +154,12 @@ class NativeFrontEnd:
         if call is None:
             return
         if kind == _native.READ:
-            if call.reading is not None and not call.reading.done():
-                call.reading.set_result(rest[0])
+            call.arrived(rest[0])
         elif kind == _native.WRITTEN:
-            if call.writing is not None and not call.writing.done():
-                call.writing.set_result(rest[0])
+            call.written(rest[0])
         elif kind == _native.CANCELLED:  # the client went away (C++ has ended the call): as grpc.aio, the handler's
-            if call.task is not None and not call.task.done():  # task is cancelled
+            call.ended = True  # task is cancelled
+            if call.task is not None and not call.task.done():
                 call.task.cancel()
 
     def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None) -> None:
