@@ -208,3 +208,43 @@ def test_native_metadata_grpc_would_abort_on_is_refused_in_python():
 
     code, details = asyncio.run(scenario())
     assert code == grpc.StatusCode.UNKNOWN and "not valid gRPC metadata" in details, (code, details)
+
+
+def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_dropped(monkeypatch):
+    """A stream's answers wait in C++ behind the write in flight, each holding one of the front end's places
+    (native.UNWRITTEN over all streams). A client that goes away mid-stream drops its queued answers: their places
+    must come back, or the next stream waits for ever. Here 40 places: two streams of 64 KiB answers cut after 5
+    (the rest pile up behind HTTP/2 flow control), then a whole stream of 300."""
+    if not native.available():
+        pytest.skip(native.WHY_NOT)
+    monkeypatch.setattr(native, "UNWRITTEN", 40)
+
+    async def stream(unused, context):
+        for i in range(300):
+            await context.write(b"%06d" % i + bytes(64 << 10))
+
+    def client(target: str) -> tuple[list, int]:
+        with grpc.insecure_channel(target) as channel:
+            talk = channel.stream_stream("/test.Echo/Talk")
+            firsts = []
+            for _ in range(2):
+                cut = talk(iter([b"go"]), timeout=30)
+                firsts.append(len([next(cut) for _ in range(5)]))
+                time.sleep(0.3)  # the handler fills its queue
+                cut.cancel()
+            whole = list(talk(iter([b"go"]), timeout=30))
+            return firsts, len(whole)
+
+    async def scenario():
+        port = free_port()
+        front_end = native.NativeFrontEnd(
+            f"127.0.0.1:{port}", {"Talk": grpc.stream_stream_rpc_method_handler(stream)}, "test.Echo", {}, 100,
+            types.SimpleNamespace(close=lambda: None))
+        try:
+            got = await asyncio.wait_for(asyncio.to_thread(client, f"127.0.0.1:{port}"), 60)
+            await asyncio.sleep(0.5)  # the last events
+            return got, front_end.unwritten_places._value  # (asyncio.Semaphore's count: every place back?)
+        finally:
+            await asyncio.wait_for(front_end.stop(0.5), 10)
+
+    assert asyncio.run(scenario()) == (([5, 5], 300), 40)

@@ -16,9 +16,11 @@
 //     one after another while credits last, each a READ event, so what arrives together is read together. A
 //     method not named is UNIMPLEMENTED here, and never reaches Python.
 //   - A call lives in `calls` from its reactor's creation to OnDone; every operation Python asks for looks the
-//     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. A call is finished
-//     once (Claim): by Python's answer or status, or here when it is cancelled (OnCancel), so that no call is
-//     left unfinished whatever its handler does.
+//     call up there under `calls_mu`, so none reaches a reactor that grpc has finished with. A call's status is
+//     claimed once (Claim): by Python's answer or status, or here when it is cancelled (OnCancel), so that no call
+//     is left unfinished whatever its handler does. A stream with answers still queued is finished when the last
+//     is written, or has failed (OnWriteDone): a cancelled call fails its write in flight, and grpc's Shutdown
+//     cancels every call past its deadline, so that too always comes.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -108,7 +110,8 @@ class Call : public grpc::ServerGenericBidiReactor {
     ReadOn();
   }
   // A stream's answers: one write in flight at a time, the others queued here in order (Python bounds how many:
-  // native.WRITE_AHEAD), so that answers ready together go out together.
+  // native.WRITE_AHEAD a stream), so that the handler need not wait for each write; one written with more queued
+  // behind it carries grpc's buffer hint, so that they may leave in one packet.
   void Write(grpc::ByteBuffer&& message) {
     if (writing_) {
       unwritten_.push_back(std::move(message));
@@ -154,7 +157,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);  // as Python's calls: never after the Finish
     reading_ = false;
     if (!ok) {
-      credits_ = 0;  // the client's last message (or the call broke): nothing more to read
+      read_over_ = true;  // the client's last message (or the call broke): nothing more to read
     } else {
       ReadOn();  // nothing of `this` after it
     }
@@ -166,7 +169,9 @@ class Call : public grpc::ServerGenericBidiReactor {
     if (ok && !unwritten_.empty()) {
       out_ = std::move(unwritten_.front());
       unwritten_.pop_front();
-      StartWrite(&out_);
+      grpc::WriteOptions options;
+      if (!unwritten_.empty()) options.set_buffer_hint();
+      StartWrite(&out_, options);
       return;
     }
     unwritten_.clear();  // a failed write: the call is broken, the rest can't go
@@ -195,11 +200,12 @@ class Call : public grpc::ServerGenericBidiReactor {
   }
 
  private:
-  // The one caller that finishes the call: Finish and StartWriteAndFinish may be called once, whoever comes first.
+  // The one caller that decides the call's status: Finish and StartWriteAndFinish may be called once, whoever comes
+  // first (End may leave the Finish itself to OnWriteDone, after a stream's queued answers).
   bool Claim() { return !finished_.exchange(true); }
 
   void ReadOn() {  // under calls_mu
-    if (reading_ || credits_ <= 0 || finished_) return;
+    if (reading_ || read_over_ || credits_ <= 0 || finished_) return;
     reading_ = true;
     credits_--;
     StartRead(&in_);
@@ -223,7 +229,8 @@ class Call : public grpc::ServerGenericBidiReactor {
   grpc::GenericCallbackServerContext* context_;
   const uint64_t id_;
   bool announced_ = false;
-  bool reading_ = false;  // a stream's read in flight (under calls_mu)
+  bool reading_ = false;    // a stream's read in flight (under calls_mu)
+  bool read_over_ = false;  // a stream's reads are over: its client half-closed, or the call broke
   bool writing_ = false;  // a stream's write in flight (under calls_mu)
   std::deque<grpc::ByteBuffer> unwritten_;  // answers queued behind it (under calls_mu)
   std::optional<grpc::Status> ending_;      // the status, once the queued answers are written (under calls_mu)

@@ -30,6 +30,7 @@ else:
 log = logging.getLogger("serving.grpc")
 READ_AHEAD = 32  # a stream's messages C++ may read before its handler takes them (the batch a client sends at once)
 WRITE_AHEAD = 32  # a stream's answers C++ may hold, not yet written, before the handler waits
+UNWRITTEN = 4096  # answers not yet written over all streams (service.MAX_CONCURRENT_RPCS): past it handlers wait
 
 
 def available() -> bool:
@@ -40,10 +41,11 @@ class NativeContext:
     """One call, as its handler sees it (the part of grpc.aio.ServicerContext that service.py uses)."""
 
     __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished", "inbox", "ended", "granted",
-                 "unwritten", "broken")
+                 "unwritten", "broken", "places")
 
-    def __init__(self, bridge, call_id: int, metadata: tuple):
+    def __init__(self, bridge, call_id: int, metadata: tuple, places: asyncio.Semaphore):
         self.bridge, self.id, self.metadata = bridge, call_id, metadata
+        self.places = places  # the front end's, shared by every stream: one an unwritten answer
         self.inbox: collections.deque = collections.deque()  # a stream's messages read ahead, not yet taken
         self.ended = False  # a stream's reading is over: the client's last message came (or the call broke)
         self.granted = False  # whether the read-ahead was granted yet
@@ -71,14 +73,19 @@ class NativeContext:
         the handler's own window (service.STREAM_WINDOW) still bounds what it has read and not answered."""
         if not self.granted:
             self.granted = True
-            _native.start_read(self.bridge, self.id, READ_AHEAD)
+            self.grant(READ_AHEAD)
         if not self.inbox and not self.ended:
             self.reading = asyncio.get_running_loop().create_future()
             await self.reading
         if not self.inbox:
             return grpc.aio.EOF
-        _native.start_read(self.bridge, self.id, 1)
+        if not self.ended:
+            self.grant(1)
         return self.inbox.popleft()
+
+    def grant(self, reads: int) -> None:
+        if not _native.start_read(self.bridge, self.id, reads):
+            self.ended = True  # the call is over: what is in the inbox is all there is
 
     def arrived(self, message: bytes | None) -> None:
         """A READ event: a message, or None for the end of the client's messages."""
@@ -92,18 +99,25 @@ class NativeContext:
     async def write(self, message: bytes) -> None:
         """Hands the answer to C++, which writes a stream's answers in order; waits only while more than
         WRITE_AHEAD of them are not yet written (a client not reading its answers holds the handler back)."""
+        if self.broken:
+            raise ConnectionError("the call ended before its answer could be written")
+        await self.places.acquire()
         if self.broken or not _native.write(self.bridge, self.id, message, False):
+            self.places.release()
             raise ConnectionError("the call ended before its answer could be written")
         self.unwritten += 1
-        while self.unwritten > WRITE_AHEAD and not self.broken:
+        while self.unwritten >= WRITE_AHEAD and not self.broken:
             self.writing = asyncio.get_running_loop().create_future()
             await self.writing
         if self.broken:
             raise ConnectionError("the call ended before its answer could be written")
 
     def written(self, ok: bool) -> None:
-        """A WRITTEN event."""
-        self.unwritten -= 1
+        """A WRITTEN event: one answer written, or the write failed and C++ dropped the ones queued behind it."""
+        gone = 1 if ok else self.unwritten
+        self.unwritten -= gone
+        for _ in range(gone):
+            self.places.release()
         self.broken = self.broken or not ok
         if self.writing is not None and not self.writing.done():
             self.writing.set_result(None)
@@ -133,6 +147,7 @@ class NativeFrontEnd:
                         for name, handler in handlers.items()}
         self.streams = streams
         self.calls: dict[int, NativeContext] = {}
+        self.unwritten_places = asyncio.Semaphore(UNWRITTEN)
         self.bridge, self.efd = _native.start(address, {name: stream for name, (stream, _) in self.methods.items()},
                                               options, max_calls)
         self.loop.add_reader(self.efd, self._drain)
@@ -157,20 +172,23 @@ class NativeFrontEnd:
             call.arrived(rest[0])
         elif kind == _native.WRITTEN:
             call.written(rest[0])
+            if not call.unwritten and call.task is not None and call.task.done():
+                self.calls.pop(call_id, None)
         elif kind == _native.CANCELLED:  # the client went away (C++ has ended the call): as grpc.aio, the handler's
             call.ended = True  # task is cancelled
             if call.task is not None and not call.task.done():
                 call.task.cancel()
 
     def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None) -> None:
-        call = NativeContext(self.bridge, call_id, metadata)
+        call = NativeContext(self.bridge, call_id, metadata, self.unwritten_places)
         stream, handle = self.methods[method]  # C++ lets only these through
         self.calls[call_id] = call
         call.task = self.loop.create_task(self._stream(call, handle) if stream else self._unary(call, handle, message))
         call.task.add_done_callback(lambda _: self._forget(call))
 
     def _forget(self, call: NativeContext) -> None:
-        self.calls.pop(call.id, None)
+        if not call.unwritten:  # else kept until its answers are written: their places come back then
+            self.calls.pop(call.id, None)
         if not call.finished:  # a task cancelled before it began (the loop closing): its call still ends
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
 

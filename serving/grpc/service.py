@@ -240,8 +240,11 @@ def _stream_handler(server, service: Service, streams: _Streams):
     of its stream's window (STREAM_WINDOW) from before it is read until its answer is written, and one of the
     server's (MAX_CONCURRENT_RPCS, shared by every stream) from when it is read: the reader waits for both, so a
     stream whose answers are not taken holds its client back, and all streams together hold at most as many
-    requests as the server takes unary calls. At shutdown the readers stop: what was read is answered, then the
-    stream ends with UNAVAILABLE, so that the client knows to send the rest elsewhere."""
+    requests as the server takes unary calls. ("Written" is when the transport took the answer: grpc.aio's one
+    write at a time; on the native engine each stream also has up to native.READ_AHEAD requests read ahead of
+    this handler and native.WRITE_AHEAD answers queued, and all streams at most native.UNWRITTEN of those.) At
+    shutdown the readers stop: what was read is answered, then the stream ends with UNAVAILABLE, so that the
+    client knows to send the rest elsewhere."""
     route = "grpc ModelStreamInfer"
     everywhere = asyncio.Semaphore(MAX_CONCURRENT_RPCS)
 
