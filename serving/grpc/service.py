@@ -21,8 +21,8 @@ answered in the order they came, each as a ModelStreamInferResponse holding the 
 --max-body-bytes does: grpc's limit holds for the whole call, before a handler sees it). Why it is there: on
 grpc.aio a unary call costs about four event-loop turns and twenty system calls on the loop thread (accept the
 call, read its message, send the receipt, send the answer and status, learn it closed), a request on a stream
-one read and one write: for a tiny model half the server CPU. On the native engine a unary call is the cheaper
-of the two (README, "Benchmarks"); the stream stays for the clients that use it. The token is checked once, from the stream's metadata; per-message metadata does not exist
+one read and one write: for a tiny model half the server CPU. On the native engine both cost less than a binary
+HTTP request, the stream least (README, "Benchmarks"). The token is checked once, from the stream's metadata; per-message metadata does not exist
 in gRPC, so each answer carries its receipt in `infer_response.parameters` (the same keys and values as the
 unary call's initial metadata).
 """
