@@ -666,9 +666,10 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
     loop = asyncio.new_event_loop()
     with contextlib.ExitStack() as stack:
         stack.enter_context(contextlib.closing(loop))
+        wires = []  # each server's prebuilt requests, one per protocol
         for suffix, protocols, port, grpc_port, log, server in servers:
             stack.enter_context(server)
-            wire = {protocol: v2_request(protocol, name, x, port) for protocol in protocols}
+            wires.append(wire := {protocol: v2_request(protocol, name, x, port) for protocol in protocols})
             for protocol in protocols:
                 checks[protocol + suffix] = loop.run_until_complete(first_answer(protocol, wire[protocol], port,
                                                                                  grpc_port, want))
@@ -678,8 +679,7 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
             for batch in (1, MAX_BATCH):
                 key = (f"(a) onnxruntime in-process, batch {batch}", "-")
                 samples.setdefault(key, []).append(bench_inprocess(onnx_path, batch, seconds))
-            for suffix, protocols, port, grpc_port, log, server in servers:
-                wire = {protocol: v2_request(protocol, name, x, port) for protocol in protocols}
+            for (suffix, protocols, port, grpc_port, log, server), wire in zip(servers, wires):
                 for protocol in protocols:
                     for c in (1, 32):
                         before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)

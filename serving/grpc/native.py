@@ -172,8 +172,8 @@ class NativeFrontEnd:
             call.arrived(rest[0])
         elif kind == _native.WRITTEN:
             call.written(rest[0])
-            if not call.unwritten and call.task is not None and call.task.done():
-                self.calls.pop(call_id, None)
+            if call.task is not None and call.task.done():
+                self._forget(call)
         elif kind == _native.CANCELLED:  # the client went away (C++ has ended the call): as grpc.aio, the handler's
             call.ended = True  # task is cancelled
             if call.task is not None and not call.task.done():
@@ -183,36 +183,31 @@ class NativeFrontEnd:
         call = NativeContext(self.bridge, call_id, metadata, self.unwritten_places)
         stream, handle = self.methods[method]  # C++ lets only these through
         self.calls[call_id] = call
-        call.task = self.loop.create_task(self._stream(call, handle) if stream else self._unary(call, handle, message))
+        call.task = self.loop.create_task(self._serve(call, handle, message, stream))
         call.task.add_done_callback(lambda _: self._forget(call))
 
     def _forget(self, call: NativeContext) -> None:
+        """When its task is done, and again at each WRITTEN after it."""
         if not call.unwritten:  # else kept until its answers are written: their places come back then
             self.calls.pop(call.id, None)
         if not call.finished:  # a task cancelled before it began (the loop closing): its call still ends
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
 
-    async def _unary(self, call: NativeContext, handle, message: bytes) -> None:
+    async def _serve(self, call: NativeContext, handle, message: bytes | None, stream: bool) -> None:
+        """Runs the handler and ends the call as grpc.aio would: the answer (unary) or OK (a stream), the abort's
+        status, CANCELLED, or UNKNOWN for a handler's bug (logged)."""
         try:
-            call.answer(await handle(message, call))
+            result = await handle(message, call)
+            if stream:
+                call.end(grpc.StatusCode.OK, "")
+            else:
+                call.answer(result)
         except grpc.aio.AbortError:
             pass  # the status went with the abort
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionError):  # (ConnectionError: a stream's write to a client gone)
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
         except Exception as exc:  # noqa: BLE001 - as grpc.aio: a handler's bug is UNKNOWN, and logged
             log.exception("gRPC handler failed")
-            call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
-
-    async def _stream(self, call: NativeContext, handle) -> None:
-        try:
-            await handle(None, call)
-            call.end(grpc.StatusCode.OK, "")
-        except grpc.aio.AbortError:
-            pass
-        except (asyncio.CancelledError, ConnectionError):
-            call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
-        except Exception as exc:  # noqa: BLE001
-            log.exception("gRPC stream handler failed")
             call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
 
     async def stop(self, grace: float | None) -> None:
