@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -60,7 +61,12 @@ FLAGS: dict[str, tuple[type, str]] = {
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),
+    "max-header-bytes": (int, "largest HTTP request head, request line and headers, counted as it arrives; beyond: "
+                              "431 (default 32 KiB)"),
     "max-rows-per-request": (int, "most rows in one request (default 256)"),
+    "shared-memory": (str, "on|off: the V2 system and CUDA shared-memory extensions, inputs and outputs by region "
+                           "for same-host clients (tritonclient.utils.shared_memory) (default on)"),
+    "max-shared-memory-mb": (float, "most MiB of shared memory one client (token) may register (default 4096)"),
     "auth-token": (str, "require 'Authorization: Bearer <token>' (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
     "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
     "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
@@ -186,29 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     return cli(args)
 
 
-def _uvicorn_server():
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn's server, which tells ours when shutdown begins (before it waits for requests in flight)."""
-
-        def __init__(self, config, app_server):
-            super().__init__(config)
-            self.app_server = app_server
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:  # in our words: uvicorn's own start-up lines are quiet unless --verbose
-                bound = [s.getsockname() for server in self.servers for s in server.sockets]
-                log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
-
-        async def shutdown(self, sockets=None):
-            self.app_server.begin_shutdown()
-            await super().shutdown(sockets)
-
-    return DrainingServer
-
-
 def check_ports_free(host: str, ports: list[int | None]) -> None:
     """ServeError for a port another process holds: found in a second, said in one line."""
     import socket
@@ -247,13 +230,7 @@ def open_payload_log(settings: Settings):
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
-    from serving.app import create_app
-    from serving.core import open_models
-    from serving.protocol import with_read_deadline
-
-    DrainingServer = _uvicorn_server()
+    from serving.core import Server, open_models
 
     # Registry calls (loading, following the alias) fail in seconds, not after MLflow's minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -272,32 +249,51 @@ def serve(settings: Settings) -> int:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
+    front_ends = ()
+    if settings.grpc_port is not None:  # KServe V2 over gRPC on its own port, started and stopped with the server
+        from serving.grpc.service import start_grpc
+
+        front_ends = (start_grpc,)
     try:
-        app = create_app(settings, models, payload_log)
+        server = Server(settings, models, payload_log, front_ends)
     except (RepositoryError, SourceError) as exc:
         for _, model in models:
             model.discard()
         raise ServeError(f"cannot serve: {exc}") from None
     raise_open_files_limit()
-    # No limit_concurrency: uvicorn counts open connections against it and answers 503 to everything past
-    # it, health checks included, so idle clients could hold the server off. The read deadline closes
-    # connections that don't deliver a request; the queue bounds the work (503 + Retry-After).
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http=with_read_deadline(settings.read_timeout),
-        lifespan="on", access_log=False, log_config=None, timeout_graceful_shutdown=settings.graceful_timeout)
-    server = DrainingServer(config, app.state.server)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever handler
-    # was there before it; with the default one the process would die by the signal (exit -15)
-    # after a clean shutdown. A no-op handler makes a graceful stop exit 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    return run(server)
+
+
+def run(server) -> int:
+    """Serve until SIGTERM or SIGINT, then stop gracefully: 0; 1 if the HTTP port could not be bound."""
     try:
-        server.run()
-    except SystemExit:  # uvicorn exits this way when it cannot bind; it logged why
-        server.started = False
-    if not server.started:
-        for _, model in models:
-            model.discard()
-        log.error("the server did not start (see above)")
-        return 1
+        import uvloop
+    except ImportError:  # the standard loop serves too, a little slower
+        return asyncio.run(_serve(server))
+    return uvloop.run(_serve(server))
+
+
+async def _serve(server) -> int:
+    from serving.http.front_end import HttpFrontEnd
+
+    settings = server.settings
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    http = HttpFrontEnd(server)
+    async with server.lifespan():
+        try:
+            bound = await http.listen(settings.host, settings.port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s; the server did not start", settings.host, settings.port,
+                      exc.strerror or exc)
+            return 1
+        log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
+        await stop.wait()
+        # Not ready at once (load balancers stop sending), queued requests run without waiting out --max-delay-ms,
+        # gRPC drains alongside; connections still uploading close, the others after their answer.
+        server.begin_shutdown()
+        http.stop_accepting()
+        await http.drain(settings.graceful_timeout)
     return 0

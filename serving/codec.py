@@ -14,14 +14,15 @@ Triton: objects where objects belong (`parameters`), JSON numbers for numeric da
 booleans or null coerced; whole numbers for integer types, in range), booleans for BOOL, an integer
 `binary_data_size`, never both `data` and binary data, no repeated inputs or outputs, a string `id`.
 Limits are checked before work: the declared rows and element count of every input (Python ints:
-no overflow) before any data is converted. NaN/Inf policy: refused with a 400. JSON cannot carry
-them, but binary data can, and a too-large JSON number becomes Inf in FP32.
+no overflow) before any data is converted. NaN/Inf policy: refused with a 400 (JSON cannot carry them, but
+binary data can, and a too-large JSON number becomes Inf in FP32); checked by the engine as it copies each batch
+(serving/staging.py), where a pass over the values costs least.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
@@ -60,6 +61,7 @@ class V2Request:
     rows: int
     request_id: str | None
     outputs: list[tuple[str, bool]]  # (output name, as binary), in the order to answer
+    output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref: written to shared memory instead
 
 
 @dataclass
@@ -96,13 +98,54 @@ def _kind(value) -> str:
 
 # ---- KServe V2 ---------------------------------------------------------------------------------
 
+@dataclass
+class V2Input:
+    """One input of a V2 request as its JSON header declares it."""
+    spec: TensorSpec
+    shape: list[int]
+    count: int
+    binary: int | None  # its binary data's byte count (binary_data_size), or None: JSON data, in `array`
+    array: np.ndarray | None = None
+    ref: object = None  # a shm.Ref: its data is in a shared memory region
+
+
+@dataclass
+class V2Header:
+    """A V2 request's JSON header, checked, before its binary data has arrived: what each input's bytes are
+    (in the order they follow the header), the id and the outputs asked for."""
+    inputs: list[V2Input]
+    request_id: str | None
+    outputs: list[tuple[str, bool]]
+    output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref
+
+    @property
+    def binary_inputs(self) -> list[V2Input]:
+        return [i for i in self.inputs if i.binary is not None]
+
+
 def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], output_names: list[str],
-              limits: Limits) -> V2Request:
-    if header_length is not None and not 0 <= header_length <= len(body):
+              limits: Limits, shared=None) -> V2Request:
+    """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
+    `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py)."""
+    header = parse_v2_header(body, header_length, len(body), inputs, output_names, limits)
+    offset, arrays = (len(body) if header_length is None else header_length), {}
+    for item in header.binary_inputs:
+        arrays[item.spec.name] = np.frombuffer(body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count,
+                                               offset=offset)
+        offset += item.binary
+    return finish_v2(header, arrays, inputs, shared)
+
+
+def parse_v2_header(data, header_length: int | None, body_length: int, inputs: list[TensorSpec],
+                    output_names: list[str], limits: Limits) -> V2Header:
+    """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary data) of a body
+    of `body_length` bytes: every field checked, each JSON input converted; the binary data's sizes checked
+    against what follows the header."""
+    if header_length is not None and not 0 <= header_length <= body_length:
         raise BadRequest(f"Inference-Header-Content-Length is {header_length}, but the body has "
-                         f"{len(body)} bytes")
-    end = len(body) if header_length is None else header_length
-    request = parse_json(body[:end])
+                         f"{body_length} bytes")
+    end = body_length if header_length is None else header_length
+    request = parse_json(data[:end] if len(data) != end else data)
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise BadRequest('expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
                          f"this model takes {expected(inputs)}")
@@ -113,7 +156,7 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f'"id" must be a string, got {_kind(request_id)}')
     by_name = {s.name: s for s in inputs}
-    feeds: dict[str, np.ndarray] = {}
+    declared: dict[str, V2Input] = {}
     offset = end
     for item in request["inputs"]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -123,7 +166,7 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
         spec = by_name.get(name)
         if spec is None:
             raise BadRequest(f"unknown input '{name}'; this model takes {expected(inputs)}")
-        if name in feeds:
+        if name in declared:
             raise BadRequest(f"input '{name}' is given twice")
         shape = item.get("shape")
         if not isinstance(shape, list) or len(shape) > 32 or not all(
@@ -135,7 +178,12 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
         count = _check_size(name, shape, spec, limits)
         item_parameters = _object(item.get("parameters"), f"input '{name}': parameters")
         binary_size = item_parameters.get("binary_data_size")
-        if binary_size is not None:
+        ref = shm_ref(item_parameters, f"input '{name}'")
+        if ref is not None:
+            if "data" in item or binary_size is not None:
+                raise BadRequest(f"input '{name}' is in shared memory and also has data or binary_data_size; send one")
+            declared[name] = V2Input(spec, shape, count, None, ref=ref)
+        elif binary_size is not None:
             if not isinstance(binary_size, int) or isinstance(binary_size, bool):
                 raise BadRequest(f"input '{name}': binary_data_size must be an integer byte count, got "
                                  f"{binary_size!r:.40}")
@@ -148,11 +196,9 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
             if binary_size != want:
                 raise BadRequest(f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
                                  f"{spec.datatype} takes {want} bytes")
-            if offset + want > len(body):
+            if offset + want > body_length:
                 raise BadRequest(f"input '{name}': the body ends before its {want} bytes of binary data")
-            array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<"), count=count, offset=offset)
-            if spec.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
-                raise BadRequest(f"input '{name}': BOOL binary data must be bytes 0 or 1")
+            declared[name] = V2Input(spec, shape, count, want)
             offset += want
         else:
             if "data" not in item:
@@ -160,15 +206,18 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
             array = _json_tensor(item["data"], spec, where=f"input '{name}'", count=count)
             if array.size != count:
                 raise BadRequest(f"input '{name}': shape {shape} needs {count} values, data has {array.size}")
-        feeds[name] = _finite(array.reshape(shape).astype(spec.dtype, copy=False), name)
-    if offset != len(body):
-        raise BadRequest(f"{len(body) - offset} bytes of binary data follow the inputs that no input claims")
-    rows = _rows(feeds, inputs)
+            declared[name] = V2Input(spec, shape, count, None, array)
+    if offset != body_length:
+        raise BadRequest(f"{body_length - offset} bytes of binary data follow the inputs that no input claims")
+    missing = [s.name for s in inputs if s.name not in declared]
+    if missing:
+        raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
 
     binary_all = parameters.get("binary_data_output", False)
     if not isinstance(binary_all, bool):
         raise BadRequest(f'parameters.binary_data_output must be true or false, got {binary_all!r:.40}')
     wanted = request.get("outputs")
+    refs = {}
     if wanted is None:
         outputs = [(n, binary_all) for n in output_names]
     else:
@@ -180,11 +229,59 @@ def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], 
                 raise BadRequest(f"unknown output {out!r:.100}; this model has outputs {output_names}")
             if any(out["name"] == known for known, _ in outputs):
                 raise BadRequest(f"output '{out['name']}' is requested twice")
-            binary = _object(out.get("parameters"), f"output '{out['name']}': parameters").get("binary_data", binary_all)
+            out_parameters = _object(out.get("parameters"), f"output '{out['name']}': parameters")
+            binary = out_parameters.get("binary_data", binary_all)
             if not isinstance(binary, bool):
                 raise BadRequest(f"output '{out['name']}': parameters.binary_data must be true or false")
+            ref = shm_ref(out_parameters, f"output '{out['name']}'")
+            if ref is not None:
+                refs[out["name"]] = ref
             outputs.append((out["name"], binary))
-    return V2Request(feeds, rows, request_id, outputs)
+    return V2Header(list(declared.values()), request_id, outputs, refs)
+
+
+def finish_v2(header: V2Header, binary: dict[str, np.ndarray], inputs: list[TensorSpec], shared=None) -> V2Request:
+    """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the input's
+    dtype; `shared(ref, spec, count)` reads one placed in shared memory): BOOL bytes checked, every array in its
+    shape, the rows counted. (NaN and Inf are refused by the engine, where each batch is copied anyway.)"""
+    feeds: dict[str, np.ndarray] = {}
+    for item in header.inputs:
+        name, spec = item.spec.name, item.spec
+        array = item.array
+        if item.ref is not None:
+            if shared is None:
+                raise BadRequest(f"input '{name}' names a shared memory region, which this request can't use here")
+            array = shared(item.ref, spec, item.count)
+        elif item.binary is not None:
+            array = binary[name]
+        if array.dtype == np.bool_ and item.array is None and array.view(np.uint8).max(initial=0) > 1:
+            raise BadRequest(f"input '{name}': BOOL binary data must be bytes 0 or 1")
+        feeds[name] = array.reshape(item.shape).astype(spec.dtype, copy=False)
+    return V2Request(feeds, _rows(feeds, inputs), header.request_id, header.outputs, header.output_refs)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a request keeps one tensor in shared memory (serving/shm.py): a registered region's name, and the
+    byte size and offset inside it."""
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def shm_ref(parameters, where: str) -> Ref | None:
+    """An input's or output's shared-memory placement from its V2 parameters (a dict: HTTP JSON, or gRPC's
+    parameters as plain values), or None."""
+    region = parameters.get("shared_memory_region")
+    if region is None:
+        return None
+    size, offset = parameters.get("shared_memory_byte_size"), parameters.get("shared_memory_offset", 0)
+    if not isinstance(region, str) or not region:
+        raise BadRequest(f"{where}: parameters.shared_memory_region must be a region's name")
+    for name, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest(f"{where}: parameters.{name} must be a non-negative integer, got {value!r:.40}")
+    return Ref(region, size, offset)
 
 
 def check_datatype(datatype, spec: TensorSpec) -> None:
@@ -212,14 +309,17 @@ def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -
 
 def encode_v2(model_name: str, model_version: str, request_id: str | None,
               results: dict[str, np.ndarray], outputs: list[tuple[str, bool]],
-              specs: list[TensorSpec]) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when binary data follows it (else None)."""
+              specs: list[TensorSpec], placed: dict[str, dict] | None = None) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary data follows it (else None). `placed`: the
+    outputs written to shared memory, with the parameters that say where (no data of theirs in the body)."""
     datatypes = {s.name: s.datatype for s in specs}
     described, blobs = [], []
     for name, binary in outputs:
         array = np.ascontiguousarray(results[name])
         out = {"name": name, "datatype": datatypes[name], "shape": list(array.shape)}
-        if binary:
+        if placed and name in placed:
+            out["parameters"] = placed[name]
+        elif binary:
             blob = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
             out["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
@@ -284,7 +384,6 @@ def decode_mlflow(body: bytes, inputs: list[TensorSpec], limits: Limits) -> Mlfl
             feeds = _flat_rows([list(r.values()) for r in value], inputs, key)
     for spec in inputs:
         _check_shape(spec, list(feeds[spec.name].shape), f"\"{key}\" for input '{spec.name}'")
-        _finite(feeds[spec.name], spec.name)
     return MlflowRequest(feeds, _rows(feeds, inputs), records=key.startswith("dataframe"))
 
 
@@ -406,12 +505,6 @@ def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -
     if not shape_fits(spec, shape):
         where = where or f"input '{spec.name}'"
         raise BadRequest(f"{where}: shape {shape} does not fit; expected {spec.describe()} (-1: any size)")
-
-
-def _finite(array: np.ndarray, name: str) -> np.ndarray:
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise BadRequest(f"input '{name}' contains NaN or Inf; this server refuses non-finite values")
-    return array
 
 
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:

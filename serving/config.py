@@ -67,6 +67,12 @@ class Settings:
     max_queue_rows: int = 1024
     # Largest request body, in bytes (after decompression too); beyond it 413.
     max_body_bytes: int = 16 * 1024 * 1024
+    # Largest HTTP request head (request line and headers), in bytes, counted as it arrives; beyond it 431.
+    max_header_bytes: int = 32 * 1024
+    # The V2 shared-memory extensions (system; CUDA on a GPU): on, or off (their routes and methods refuse, 403).
+    shared_memory: str = "on"
+    # Most MiB of shared memory one client (token) may have registered at once.
+    max_shared_memory_mb: float = 4096.0
     # Most rows (samples) in one request; beyond it 400.
     max_rows_per_request: int = 256
     # Bearer token required on every endpoint except health checks; None: no auth.
@@ -154,6 +160,8 @@ class Settings:
     def check(self) -> None:
         """Cross-field rules; ValueError says how to fix."""
         self._check_models()
+        if not 1024 <= self.max_header_bytes <= 1 << 20:
+            raise ValueError(f"--max-header-bytes must be from 1024 to 1048576 (1 MiB), got {self.max_header_bytes}")
         positive = {"--port": self.port, "--max-batch-size": self.max_batch_size,
                     "--max-queue-rows": self.max_queue_rows, "--max-body-bytes": self.max_body_bytes,
                     "--max-rows-per-request": self.max_rows_per_request}
@@ -170,6 +178,10 @@ class Settings:
             raise ValueError(f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
                              f"({self.max_queue_rows}): such a request could never be queued")
         self._check_device()
+        if self.shared_memory not in ("on", "off"):
+            raise ValueError(f"--shared-memory must be on or off, got {self.shared_memory!r}")
+        if not 0 < self.max_shared_memory_mb < float("inf"):
+            raise ValueError(f"--max-shared-memory-mb must be a positive number of MiB, got {self.max_shared_memory_mb}")
         if self.reload_interval is not None and self.reload_interval <= 0:
             raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -28,7 +28,7 @@ QUIET = {"alembic": logging.WARNING, "mlflow": logging.WARNING, "urllib3": loggi
 # onnxruntime's C++ logger: 3 = errors, 4 = fatal only. A failed run (a client's bad shape) is an
 # error to onnxruntime and a 400 to us, which we log ourselves; its red `[E:onnxruntime...]` line
 # would say it a second time, in another format.
-ORT_QUIET, ORT_VERBOSE = 4, 2
+ORT_QUIET, ORT_VERBOSE = 4, 1
 
 
 def verbose() -> bool:

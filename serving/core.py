@@ -1,19 +1,22 @@
 """The server's protocol-neutral core: the models it serves, and the one inference path every front end
 calls (KServe V2 over HTTP, MLflow's /invocations, KServe V2 over gRPC, and the shadow's mirror).
 
-    `Server.answer(call)`   pick the version -> receipt -> decode (big messages in a thread, two at a time)
-                            -> infer (the batcher, following a reload that swapped the version meanwhile)
-                            -> payload log -> shadow mirror; the front end encodes what it returns
-    `Refused`               a refusal with an HTTP status; the gRPC front end maps the status to its codes
+    `Server.answer(slot, request, exchange)`  the decoded request of a version -> its id and receipt -> infer (the
+                            batcher, following a reload that swapped the version meanwhile) -> payload log -> shadow
+                            mirror; the front end encodes what it returns
+    `Server.decode(fn, size)` a protocol's decoder on a request: in a thread for a big one, two at a time
 
-A front end (serving/app.py for HTTP, serving/grpc/service.py for gRPC) only turns its protocol into a
-`Call` and the answer back into its protocol: decoders and encoders live in codec.py and grpc/codec.py.
-Front ends that listen on their own port (gRPC) are started and stopped by the server's lifespan, which
-is handed their start functions: this module imports none of them.
+A front end (serving/http/ for HTTP, serving/grpc/service.py for gRPC) picks the version a request names
+(`model_slot`, `invocations_slot`), decodes it with its codec (codec.py, grpc/codec.py), and hands both to
+`answer` inside the envelope (serving/envelope.py: auth, refusal -> status, receipt, metrics). Nothing here
+calls back into a front end: the receipt is written on the request's Exchange. Front ends that listen on their
+own port (gRPC) are started and stopped by the server's lifespan, which is handed their start functions: this
+module imports none of them.
 
-Also here: opening and warming up models at start (`open_models`), the drift window of every loaded
-version (serving/drift.py; observed on the engine thread, a batch at a time), and the shadow
-comparison of each model that has a challenger (serving/shadow.py).
+Every model run of every model happens on one engine thread (serving/runner.py), which takes each batch when it
+is free to run it. Also here: opening and warming up models at start (`open_models`), the drift window of every
+loaded version (serving/drift.py; observed on the engine thread, a batch at a time), and the shadow comparison
+of each model that has a challenger (serving/shadow.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -39,6 +41,7 @@ from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
+from serving.envelope import Exchange, Refused
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record, in_sample
@@ -51,22 +54,15 @@ from serving.repository import (
     Source,
     receipt_values,
 )
+from serving.runner import Runner
 from serving.shadow import Rule, Shadow
+from serving.shm import SharedMemory
 
 log = logging.getLogger("serving.core")
 RETRY_AFTER = {"Retry-After": "1"}
 BIG_BODY = 64 * 1024  # a request bigger than this is decoded in a thread
 SHADOW_QUEUE = 64     # mirrored requests waiting for the challenger, per model: past it they are dropped
 DRIFT_CHECK_EVERY = 50  # batches between two looks at a version's drift (a log line when it crosses the threshold)
-
-
-class Refused(Exception):
-    """A request refused, with the HTTP status that says why (4xx the client's, 5xx ours); gRPC maps it."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
 
 
 def model_summary(info: ModelInfo) -> dict:
@@ -82,19 +78,6 @@ def check_request_id(value: str, where: str) -> str:
         raise Refused(400, f"{where} must be 1 to 128 printable ASCII characters (it is echoed in the "
                              f"X-Request-Id response header), got {value!r:.60}")
     return value
-
-
-@dataclass
-class Call:
-    """One inference request as a front end hands it to the core."""
-    pick: Callable[[], Slot]                 # the version it names (raises Refused/RepositoryError)
-    follow_swap: bool                        # named no version: follow a reload that swapped it
-    request_id: str | None                   # the client's, checked; None: the decoded request's, else a new one
-    endpoint: str                            # for the payload log
-    size: int                                # bytes on the wire: a big request is decoded in a thread
-    decode: Callable[[Any], Any]             # the protocol's decoder on its body, given the version's engine;
-                                             # returns .feeds, .rows and .request_id (None if the body has none)
-    receipt: Callable[[Slot, str | None], None] = lambda slot, rid: None  # the front end's receipt headers
 
 
 @dataclass
@@ -115,9 +98,9 @@ class Server:
         self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
         self._drift_high: set[tuple[str, str, str, str]] = set()  # (model, version, kind, name) above the threshold
         # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
-        # at once on the same cores only fight. Each batcher queues at most one run on it at a time, so the
-        # thread's FIFO order takes the models' runs in turn (see serving/repository.py).
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # at once on the same cores only fight. It takes each batch when it is free to run it, the models' batchers
+        # in turn (serving/runner.py); warm-ups and other engine work take their turns too (an Executor).
+        self.executor = Runner()
         self.metrics = Metrics(queue_rows=self._queued_rows)
         self.repository = Repository(partial(open_source, settings), self._batcher, self.warm_up_between_batches,
                                      directory=settings.repository, policy=settings.policy(),
@@ -135,9 +118,9 @@ class Server:
         self._followers: list[asyncio.Task] = []
         self._last_request: dict[str, dict[str, np.ndarray]] = {}  # model -> the feeds of the last request answered
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
+        # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU (lifespan).
+        self.shared_memory = SharedMemory(int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on")
         self.decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
-        self._hosts = settings.host_patterns()
-        self._origins = settings.origins()
         self.payload_log = payload_log  # started and closed with the server
         if payload_log is not None:
             self.metrics.watch_payload_log(payload_log.stats)
@@ -187,19 +170,19 @@ class Server:
 
     # ---- drift -----------------------------------------------------------------------------------
 
-    def _observed(self, model: LoadedModel) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        """The engine's run, with the batch's inputs and outputs added to the version's drift window: on the
-        engine thread, once per batch (not per request, and never on the event loop)."""
+    def _observed(self, model: LoadedModel) -> Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]:
+        """The engine's run of a batch (its requests' feeds), with the batch's inputs and outputs added to the
+        version's drift window: on the engine thread, once per batch (not per request, and never on the event
+        loop)."""
         reference, window = model.drift_reference, self.settings.drift_window
         if reference is None or not window:
-            return model.engine.run
+            return model.engine.run_parts
         key = (model.info.name, model.info.version)
         self.drift[key] = tracker = drift.DriftWindow(reference, window)
         batches = 0
 
-        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        def observe(feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
             nonlocal batches
-            outputs = model.engine.run(feeds)
             try:
                 tracker.observe(feeds, outputs)
                 batches += 1
@@ -207,8 +190,8 @@ class Server:
                     self._say_drift(key, tracker)
             except Exception:  # noqa: BLE001 - a statistic must never fail an answer
                 log.exception("drift statistics of %s version %s failed", *key)
-            return outputs
-        return run
+
+        return partial(model.engine.run_parts, observe=observe)
 
     def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
         """One log line when a tensor's PSI crosses the threshold (and one when it is back under)."""
@@ -308,6 +291,8 @@ class Server:
     async def lifespan(self, app=None):
         self.repository.start()
         self._announce()
+        if any(slot.model.engine.provider in GPU_PROVIDERS for _, slot in self.repository.slots()):
+            self.shared_memory.cuda_device = self.settings.device_id
         for _, slot in self.repository.slots():
             info = slot.model.info
             log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
@@ -350,6 +335,7 @@ class Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.repository.close()
+            self.shared_memory.close()
             if self.payload_log is not None:  # every request was answered: its records are all queued
                 await asyncio.to_thread(self.payload_log.close, self.settings.graceful_timeout)
             self.executor.shutdown(wait=True)
@@ -478,29 +464,28 @@ class Server:
         async with self.decoding:
             return await asyncio.to_thread(safely)
 
-    async def answer(self, call: Call) -> Answer:
-        """The one inference path (see the module's docstring). Refusals raise Refused or BadRequest, with the
-        receipt already given to the front end when the version was known."""
-        slot = call.pick()
-        call.receipt(slot, call.request_id)
-        request = await self.decode(partial(call.decode, slot.model.engine), call.size)
-        rid = call.request_id
+    async def answer(self, slot: Slot, request, exchange: Exchange, *, endpoint: str, follow_swap: bool,
+                     request_id: str | None = None) -> Answer:
+        """The one inference path (see the module's docstring): `request` is what the front end decoded for `slot`
+        (.feeds, .rows, .request_id: None when the body has none); `request_id` the one its headers or metadata
+        gave (checked). Refusals raise Refused or BadRequest, the receipt already on `exchange`."""
+        rid = request_id
         if rid is None:
             given = getattr(request, "request_id", None)
             rid = check_request_id(given, 'the "id" of the request') if given is not None else uuid.uuid4().hex
-        call.receipt(slot, rid)
+        exchange.answered_by(slot, rid)
         started = time.perf_counter()
         try:
-            results, slot = await self.infer(slot, request.feeds, request.rows, call.follow_swap)
+            results, slot = await self.infer(slot, request.feeds, request.rows, follow_swap)
         except (Refused, BadRequest) as exc:
-            self.log_payload(rid, call.endpoint, slot, request.feeds, None, exc.status, str(exc))
+            self.log_payload(rid, endpoint, slot, request.feeds, None, exc.status, str(exc))
             raise
-        call.receipt(slot, rid)  # the version that ran it, whatever the server serves by now
+        exchange.answered_by(slot, rid)  # the version that ran it, whatever the server serves by now
         if slot.model.engine.other_dynamic_axes:  # a new version's warm-up: no size to guess for zeros there
             # One row is enough to warm a version up; kept only for such models (it is a client's data).
             self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
                                                         if slot.model.engine.batchable else request.feeds)
-        self.log_payload(rid, call.endpoint, slot, request.feeds, results)
+        self.log_payload(rid, endpoint, slot, request.feeds, results)
         self.mirror(slot, rid, request, results, (time.perf_counter() - started) * 1e3)
         return Answer(slot, rid, request, results)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from serving.console import clip, ort_severity
+from serving.staging import NonFinite, Staging, check_finite, concat, rows_of
 import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
@@ -365,6 +366,10 @@ class Engine:
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
         self._open_buckets(path, options, providers, batch_buckets or BatchBuckets())
+        # The batch buffers a batch is gathered into: for models whose inputs have a fixed shape past the batch
+        # axis (pinned on the CUDA provider: its host-to-device copy then runs at full speed).
+        self._staging = (Staging(self.inputs, pin=self.provider in GPU_PROVIDERS)
+                         if self.batchable and not self.other_dynamic_axes else None)
 
     def _open_buckets(self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets) -> None:
         """One more session per bucket below the largest (the first session runs that one and longer runs)."""
@@ -395,6 +400,8 @@ class Engine:
         this engine goes: an unloaded model must give its memory back even while a late request still holds it."""
         self.session = None
         self._bucket_sessions = {}
+        if self._staging is not None:
+            self._staging.close()
 
     def bucket_for(self, rows: int) -> int:
         """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
@@ -402,22 +409,43 @@ class Engine:
         return next((size for size in self.buckets if size >= rows), rows)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One session run (with batch buckets: one per bucket-sized chunk). feeds: input name -> array,
-        already validated against `inputs`."""
+        """One request's feeds (input name -> array, already validated against `inputs`) through the model."""
+        return self.run_parts([feeds])
+
+    def run_parts(self, parts: list[dict[str, np.ndarray]], observe=None) -> dict[str, np.ndarray]:
+        """A batch of requests' feeds (of one layout) through the model: the outputs of all their rows, in order.
+
+        For a model of fixed input shapes past the batch axis, the parts are copied straight into the batch
+        buffers (serving/staging.py: pinned on CUDA) padded up to the batch bucket, and run by that bucket's
+        session; one part that needs no padding runs as it is. Past the largest bucket (one large request) the
+        run goes in chunks of it. Other models: the parts concatenated, one session run.
+        `observe(feeds, outputs)` sees the batch (without padding) before its buffers are reused (drift)."""
         session, buckets = self.session, self._bucket_sessions  # one look: close() may come from another thread
         if session is None:
             raise EngineError("the model was unloaded")
         try:
-            # No IO binding: binding a host array and copying the outputs back is the same host->device and
-            # device->host traffic session.run does (see the README's GPU section for what would gain).
-            rows = len(next(iter(feeds.values()))) if self.buckets else 0
-            if not rows:  # no buckets (or no rows: nothing to pad)
-                return dict(zip(self.output_names, session.run(self.output_names, feeds)))
-            largest = self.buckets[-1]
-            chunks = [self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
-                      for start in range(0, rows, largest)]
-            return {name: chunks[0][i] if len(chunks) == 1 else np.concatenate([c[i] for c in chunks])
-                    for i, name in enumerate(self.output_names)}
+            rows = 0 if self._staging is None else sum(rows_of(p) for p in parts)  # (buckets imply staging)
+            if self._staging is None or rows > (self.buckets[-1] if self.buckets else rows):
+                for part in parts:
+                    check_finite(part)
+                feeds = concat(parts)  # nothing to gather into, or in chunks of the largest bucket
+                outputs = self._run_unstaged(session, buckets, feeds, rows)
+            else:
+                size = self.bucket_for(rows)
+                if len(parts) == 1 and size == rows:  # runs as it came: checked where it is
+                    check_finite(parts[0])
+                    feeds = parts[0]
+                else:
+                    feeds = self._staging.gather(parts, rows, size)
+                outputs = dict(zip(self.output_names, buckets.get(size, session).run(self.output_names, feeds)))
+                if size != rows:
+                    outputs = {name: out[:rows] for name, out in outputs.items()}
+                    feeds = {name: x[:rows] for name, x in feeds.items()}
+            if observe is not None:
+                observe(feeds, outputs)
+            return outputs
+        except NonFinite as exc:
+            raise ModelInputError(str(exc)) from None
         except Exception as exc:
             # onnxruntime's InvalidArgument and RuntimeException are what bad values give; out of memory
             # and everything else is the server's problem.
@@ -427,12 +455,22 @@ class Engine:
                 raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
             raise
 
+    def _run_unstaged(self, session: ort.InferenceSession, buckets: dict[int, ort.InferenceSession],
+                      feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """One session run, or with batch buckets one run per chunk of the largest bucket, the last one padded."""
+        if not self.buckets or not rows:
+            return dict(zip(self.output_names, session.run(self.output_names, feeds)))
+        largest = self.buckets[-1]
+        chunks = [self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
+                  for start in range(0, rows, largest)]
+        return {name: chunks[0][i] if len(chunks) == 1 else np.concatenate([c[i] for c in chunks])
+                for i, name in enumerate(self.output_names)}
+
     def _run_padded(self, largest: ort.InferenceSession, buckets: dict[int, ort.InferenceSession],
                     feeds: dict[str, np.ndarray], start: int, rows: int) -> list:
         """Rows start..start+rows of `feeds` by their bucket's session (`largest`'s for the largest), padded up
-        to its size with copies of the last row (values the model certainly takes: a zero could be an index or
-        a divisor it does not expect), and the padding's rows cut off the outputs again (every output's first
-        axis is the batch axis: see _open_buckets)."""
+        to its size with copies of the last row, and the padding's rows cut off the outputs again (every
+        output's first axis is the batch axis: see _open_buckets)."""
         size = self.bucket_for(rows)
         part = {name: x[start:start + rows] for name, x in feeds.items()}
         if size != rows:

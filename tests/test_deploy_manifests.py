@@ -329,7 +329,7 @@ def check_serving(docs, monkeypatch) -> dict:
     """The runtime's container runs `python -m serving` with settings our server accepts, on the ports, probes
     and model the manifests say."""
     from serving import cli as serving_cli
-    from serving.app import create_app
+    from serving.http.routes import table
 
     isvc, runtime, container = served_container(docs)
     where = f"ServingRuntime {runtime['metadata']['name']} + InferenceService {isvc['metadata']['name']}"
@@ -349,7 +349,7 @@ def check_serving(docs, monkeypatch) -> dict:
             settings = serving_cli.settings_from_args(args)
         except ValueError as exc:
             raise ManifestError(f"{where}: the server would refuse to start: {exc}") from None
-        routes = {route.path for route in create_app(settings, []).routes}
+        routes = {route.path for route in table()}
     ports = container["ports"]
     if ports[0]["containerPort"] != settings.port:  # KServe sends its Service's port 80 to the first port
         raise ManifestError(f"{where}: the first port is {ports[0]['containerPort']}, the server's HTTP port "

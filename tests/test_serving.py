@@ -353,39 +353,40 @@ def test_tritonclient_error_is_readable(server):
         client.close()
 
 
-def test_ready_turns_503_if_the_batcher_loop_dies(model_path):
-    # In process, through the ASGI interface (no httpx here for Starlette's TestClient): a server
-    # whose batcher loop has ended must not tell a load balancer it is ready.
+def test_ready_turns_503_if_the_engine_thread_dies(model_path):
+    # In process: the server and its HTTP front end on a free port, asked with real HTTP. A server whose engine
+    # thread has ended (what no model run can do: killed here with an asynchronous SystemExit) must not tell a
+    # load balancer it is ready.
     import asyncio
+    import ctypes
 
-    from serving.app import create_app
     from serving.config import Settings
+    from serving.core import Server
+    from serving.http.front_end import HttpFrontEnd
     from serving.loader import load_model
 
-    app = create_app(Settings(model=str(model_path)), load_model(str(model_path), device="cpu", threads=1))
-    server = app.state.server
-
-    async def get(path: str) -> int:
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-                 "root_path": "", "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        await app(scope, receive, send)
-        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+    server = Server(Settings(model=str(model_path)), load_model(str(model_path), device="cpu", threads=1))
+    http = HttpFrontEnd(server)
 
     async def main():
-        async with server.lifespan(app):
-            assert server.ready and await get("/v2/health/ready") == 200
-            server.slot.batcher._task.cancel()  # the loop task ends, however it happens
-            await asyncio.sleep(0.01)
-            return server.ready, [await get(p) for p in ("/v2/health/ready", "/v2/models/tiny/ready", "/ping")]
+        async with server.lifespan():
+            (host, port), *_ = await http.listen("127.0.0.1", 0)
+
+            def get(path: str) -> int:
+                return requests.get(f"http://{host}:{port}{path}", timeout=10).status_code
+
+            loop = asyncio.get_running_loop()
+            assert server.ready and await loop.run_in_executor(None, get, "/v2/health/ready") == 200
+            thread = server.executor._thread
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit))
+            server.executor.submit(lambda: None)  # wakes it: it dies on its next line of Python
+            await loop.run_in_executor(None, thread.join, 5)
+            statuses = [await loop.run_in_executor(None, get, p) for p in ("/v2/health/ready", "/v2/models/tiny/ready",
+                                                                           "/ping")]
+            ready = server.ready
+            http.stop_accepting()
+            await http.drain(1)
+            return ready, statuses
 
     ready, statuses = asyncio.run(main())
     assert not ready and statuses == [503, 503, 503]

@@ -1,16 +1,18 @@
-"""The batcher alone, with a real (slow) run function and a real thread: no HTTP, no onnxruntime."""
+"""The batcher alone, with a real (slow) run function and the server's real engine thread (serving/runner.py): no
+HTTP, no onnxruntime."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from serving.batcher import Batcher, BatcherClosed, QueueFull
+from serving.batcher import Batcher, BatcherClosed, QueueFull, concat
+from serving.runner import Runner
 
 
 class Engine:
@@ -22,9 +24,9 @@ class Engine:
         self.batches: list[int] = []
         self.started = threading.Event()
 
-    def run(self, feeds):
+    def run(self, parts):
         self.started.set()
-        x = feeds["x"]
+        x = concat(parts)["x"]
         self.batches.append(len(x))
         time.sleep(self.seconds)
         if self.fail_on is not None and (x == self.fail_on).any():
@@ -47,8 +49,14 @@ def make(engine: Engine, executor, **kw) -> Batcher:
 
 @pytest.fixture
 def executor():
-    with ThreadPoolExecutor(1) as pool:
-        yield pool
+    runner = Runner()
+    yield runner
+    runner.shutdown()
+
+
+def kill(runner: Runner) -> None:
+    """What no exception of a run can do: the engine thread itself ends (an asynchronous SystemExit)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(runner._thread.ident), ctypes.py_object(SystemExit))
 
 
 def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(executor):
@@ -203,7 +211,7 @@ def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(ex
         await asyncio.sleep(0.02)
         waiting = asyncio.create_task(b.submit(rows(2), 1))
         await asyncio.sleep(0)
-        b._task.cancel()  # what no exception can do any more: the loop task ends
+        kill(executor)  # the engine thread dies when the run under way returns
         results = await asyncio.wait_for(asyncio.gather(running, waiting, return_exceptions=True), 5)
         assert not b.alive and b.queued_rows == 0
         with pytest.raises(BatcherClosed):
@@ -270,14 +278,14 @@ def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the
     order: list[str] = []
 
     def engine(label):
-        def run_(feeds):
+        def run_(parts):
             order.append(label)
             time.sleep(0.01)
-            return {"y": feeds["x"]}
+            return {"y": concat(parts)["x"]}
         return run_
 
     async def main():
-        executor = ThreadPoolExecutor(max_workers=1)
+        executor = Runner()
         waits = []
         flooded = Batcher(engine("A"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000)
         probed = Batcher(engine("B"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000,

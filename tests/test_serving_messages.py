@@ -108,7 +108,7 @@ def test_client_errors_are_logged_once_in_our_format_never_by_onnxruntime(server
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
     log = server.log()
     assert "[E:onnxruntime" not in log and "Traceback" not in log, log
-    ours = re.compile(r"^\d\d:\d\d:\d\d WARNING serving\.app: POST /v2/models/(\w+)/infer -> 400: ", re.M)
+    ours = re.compile(r"^\d\d:\d\d:\d\d WARNING serving\.http: POST /v2/models/(\w+)/infer -> 400: ", re.M)
     assert [m.group(1) for m in ours.finditer(log)].count("gather") == 1, log
     assert len([line for line in log.splitlines() if f"length {LIMIT + 3} on axis 1" in line]) == 1, log
     assert re.search(rf"^\d\d:\d\d:\d\d WARNING serving\.grpc: gRPC ModelInfer -> INVALID_ARGUMENT: input 'ids' has "
@@ -131,11 +131,11 @@ def test_serve_refuses_in_one_line_and_exit_2_like_every_stage(command, tmp_path
 
 
 def test_verbose_lets_the_libraries_speak(tmp_path):
-    """Quiet by default (the fixture's log above holds only our lines); --verbose brings uvicorn's back."""
+    """Quiet by default (the fixture's log above holds only our lines); --verbose brings onnxruntime's back."""
     model = tiny_model(tmp_path / "tiny.onnx")
     for flags, heard in (([], False), (["--verbose"], True)):
         with ServerProcess("--model", str(model), *flags, log_path=tmp_path / "server.log") as srv:
             srv.terminate()
             log = srv.log()
-        assert ("Application startup complete" in log) is heard, log
+        assert ("[I:onnxruntime" in log) is heard, log
         assert "listening on http://127.0.0.1:" in log

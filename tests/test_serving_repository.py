@@ -367,7 +367,7 @@ def test_every_series_is_labelled_by_model_and_version_with_queue_and_compute_ti
     assert metric(text, "trainserve_model_info", name="tiny", version="3") == 1
     assert metric(text, "trainserve_queue_rows", model="tiny", version="2") == 0
     assert requests.get(server.url + "/v2", headers=auth()).json()["extensions"] == [
-        "binary_tensor_data", "model_configuration", "model_repository", "grpc"]
+        "binary_tensor_data", "model_configuration", "model_repository", "system_shared_memory", "grpc"]
 
 
 def test_bad_model_flags_stop_the_server_with_a_message_naming_the_fix(tmp_path, repo):

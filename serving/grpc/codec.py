@@ -13,9 +13,10 @@ An input's data comes one of two ways, never both:
 
 The answer always carries outputs as `raw_output_contents`, in the order of `outputs`: what Triton
 does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position).
-Client parameters that would change what comes back, which this server can't do (shared memory,
-classification), are refused; the rest (binary_data, request-level priority, timeout, ...) are
-ignored.
+Inputs and outputs may be placed in shared memory (parameters shared_memory_region, _byte_size, _offset: the
+V2 shared-memory extensions, serving/shm.py); raw_input_contents then carries the other inputs only, in order.
+Client parameters that would change what comes back, which this server can't do (classification), are refused;
+the rest (binary_data, request-level priority, timeout, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from serving.codec import (
     V2Request,
     _check_shape,
     _check_size,
-    _finite,
     _rows,
     check_datatype,
     expected,
+    shm_ref,
 )
 from serving.engine import TensorSpec
 from serving.grpc.schema import (
@@ -71,11 +72,8 @@ _CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
 }
 
 # Tensor parameters asking for what this server does not do: answering as if they weren't
-# there would hand the client something other than it asked for (an unwritten shared memory
-# region, a tensor instead of top-k labels).
-_UNSUPPORTED_INPUT_PARAMETERS = {"shared_memory_region": "shared memory"}
-_UNSUPPORTED_OUTPUT_PARAMETERS = {"shared_memory_region": "shared memory",
-                                  "classification": "classification (top-k labels)"}
+# there would hand the client something other than it asked for (a tensor instead of top-k labels).
+_UNSUPPORTED_OUTPUT_PARAMETERS = {"classification": "classification (top-k labels)"}
 
 
 def check_field_count(data: bytes, limit: int = MAX_FIELDS) -> None:
@@ -128,23 +126,28 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int | None, int | None]:
 
 
 def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_names: list[str],
-                 limits: Limits) -> V2Request:
+                 limits: Limits, shared=None, raw=None) -> V2Request:
     """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
-    `limits`; its requested outputs (all of the model's when none are named)."""
+    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count)`
+    reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
+    from the message (the native engine hands them over as buffers, not parsed into it)."""
     given = request.inputs
     if not given:
         raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
     if len(given) > len(inputs):
         raise BadRequest(f"the request has {len(given)} inputs; this model takes "
                          f"{expected(inputs)}")
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(given):
-        raise BadRequest(f"the request has {len(raw)} raw_input_contents for {len(given)} "
-                         "inputs; send raw data for every input, in the order of inputs, or "
-                         "for none (typed contents)")
+    raw = request.raw_input_contents if raw is None else raw
+    refs = [shm_ref(_plain(item.parameters), f"input '{item.name[:80]}'") for item in given]
+    carried = sum(ref is None for ref in refs)  # inputs whose data is in the message
+    if raw and len(raw) != carried:
+        raise BadRequest(f"the request has {len(raw)} raw_input_contents for {carried} "
+                         "inputs not in shared memory; send raw data for every such input, in the order of "
+                         "inputs, or for none (typed contents)")
     by_name = {s.name: s for s in inputs}
     feeds: dict[str, np.ndarray] = {}
-    for index, item in enumerate(given):
+    index = 0
+    for item, ref in zip(given, refs):
         spec = by_name.get(item.name)
         if spec is None:
             raise BadRequest(f"unknown input {_quote(item.name)}; this model takes "
@@ -154,18 +157,32 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
             raise BadRequest(f"input '{name}' is given twice")
         shape = _checked_shape(item, spec)
         count = _check_size(name, shape, spec, limits)
-        _refuse_unsupported(item.parameters, _UNSUPPORTED_INPUT_PARAMETERS, f"input '{name}'")
-        if raw:
+        if ref is not None:
+            if item.contents.ListFields():
+                raise BadRequest(f"input '{name}' is in shared memory and also has contents; send one")
+            if shared is None:
+                raise BadRequest(f"input '{name}' names a shared memory region, which this request can't use here")
+            array = shared(ref, spec, count)
+        elif raw:
             if item.contents.ListFields():
                 raise BadRequest(f"input '{name}' has both contents and "
                                  f"raw_input_contents[{index}]; send one")
             array = _raw_tensor(raw[index], index, spec, shape, count)
+            index += 1
         else:
             array = _typed_tensor(item.contents, spec, shape, count)
-        feeds[name] = _finite(_reshaped(array, shape, name), name)
+        feeds[name] = _reshaped(array, shape, name)
     rows = _rows(feeds, inputs)
-    outputs = _requested_outputs(request.outputs, output_names)
-    return V2Request(feeds, rows, request.id or None, outputs)
+    outputs, output_refs = _requested_outputs(request.outputs, output_names)
+    return V2Request(feeds, rows, request.id or None, outputs, output_refs)
+
+
+def _plain(parameters: Mapping[str, InferParameter]) -> dict:
+    """A parameters map as plain values (what shm_ref reads)."""
+    if not parameters:
+        return {}
+    return {key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+            for key, value in parameters.items()}
 
 
 def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -> list[int]:
@@ -239,12 +256,14 @@ def _reshaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
 
 
 def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutputTensor],
-                       output_names: list[str]) -> list[tuple[str, bool]]:
-    """(name, True) per requested output in the order asked, or every output when none are:
-    the answer always carries raw data, so Triton's binary_data has nothing to choose."""
+                       output_names: list[str]) -> tuple[list[tuple[str, bool]], dict]:
+    """(name, True) per requested output in the order asked, or every output when none are
+    (the answer always carries raw data, so Triton's binary_data has nothing to choose); and those to be written to
+    shared memory instead, {name: Ref}."""
     if not requested:
-        return [(name, True) for name in output_names]
+        return [(name, True) for name in output_names], {}
     outputs: list[tuple[str, bool]] = []
+    refs = {}
     for out in requested:
         if out.name not in output_names:
             raise BadRequest(f"unknown output {_quote(out.name)}; this model has outputs "
@@ -253,8 +272,11 @@ def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutpu
             raise BadRequest(f"output '{out.name}' is requested twice")
         _refuse_unsupported(out.parameters, _UNSUPPORTED_OUTPUT_PARAMETERS,
                             f"output '{out.name}'")
+        ref = shm_ref(_plain(out.parameters), f"output '{out.name}'")
+        if ref is not None:
+            refs[out.name] = ref
         outputs.append((out.name, True))
-    return outputs
+    return outputs, refs
 
 
 def _refuse_unsupported(parameters: Mapping[str, InferParameter], unsupported: dict[str, str],
@@ -277,7 +299,7 @@ def _quote(text: str, limit: int = 80) -> str:
 
 def encode_infer(model_name: str, model_version: str, request_id: str | None,
                  results: dict[str, np.ndarray], outputs: list[tuple[str, bool]],
-                 specs: list[TensorSpec]) -> ModelInferResponse:
+                 specs: list[TensorSpec], placed: dict[str, dict] | None = None) -> ModelInferResponse:
     """The answer: each output in the order of `outputs` with the model's datatype and the
     result's shape, its data little-endian in raw_output_contents at the same position."""
     datatypes = {s.name: s.datatype for s in specs}
@@ -287,7 +309,15 @@ def encode_infer(model_name: str, model_version: str, request_id: str | None,
     blobs = []
     for name, _binary in outputs:
         array = np.ascontiguousarray(results[name])
-        response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
+        tensor = response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
+        if placed and name in placed:  # written to shared memory: where, and an empty place among the raw contents
+            for key, value in placed[name].items():
+                if isinstance(value, str):
+                    tensor.parameters[key].string_param = value
+                else:
+                    tensor.parameters[key].int64_param = value
+            blobs.append(b"")
+            continue
         blobs.append(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
     response.raw_output_contents.extend(blobs)
     return response

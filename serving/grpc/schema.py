@@ -12,9 +12,9 @@ protoc's `*_pb2.py`:
   use tritonclient as the reference client). The wire format depends only on field numbers and
   types, so their messages and ours read each other's bytes.
 
-Fields and numbers are KServe's `grpc_predict_v2.proto` exactly (Triton's `grpc_service.proto`
-is a superset: more RPCs, and `double_param`/`uint64_param` in InferParameter, which parse here
-as unknown fields). proto3: repeated scalars are packed, as both of theirs are.
+Fields and numbers are KServe's `grpc_predict_v2.proto`, with what Triton's `grpc_service.proto` adds that
+this server answers: `double_param`/`uint64_param` in InferParameter, the ModelStreamInfer stream and the six
+shared-memory RPCs, as Triton numbers them. proto3: repeated scalars are packed, as both of theirs are.
 """
 
 from __future__ import annotations
@@ -85,7 +85,27 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     # on a ModelStreamInfer stream, the answer or why there is none.
     "ModelStreamInferResponse": ("string error_message = 1", "ModelInferResponse infer_response = 2"),
     "InferParameter": (
-        "bool bool_param = 1", "int64 int64_param = 2", "string string_param = 3"),
+        "bool bool_param = 1", "int64 int64_param = 2", "string string_param = 3", "double double_param = 4",
+        "uint64 uint64_param = 5"),
+    # Triton's shared-memory extension (its grpc_service.proto), as tritonclient.grpc calls it.
+    "SystemSharedMemoryStatusRequest": ("string name = 1",),
+    "SystemSharedMemoryStatusResponse": (
+        "map<string,SystemSharedMemoryStatusResponse.RegionStatus> regions = 1",),
+    "SystemSharedMemoryStatusResponse.RegionStatus": (
+        "string name = 1", "string key = 2", "uint64 offset = 3", "uint64 byte_size = 4"),
+    "SystemSharedMemoryRegisterRequest": (
+        "string name = 1", "string key = 2", "uint64 offset = 3", "uint64 byte_size = 4"),
+    "SystemSharedMemoryRegisterResponse": (),
+    "SystemSharedMemoryUnregisterRequest": ("string name = 1",),
+    "SystemSharedMemoryUnregisterResponse": (),
+    "CudaSharedMemoryStatusRequest": ("string name = 1",),
+    "CudaSharedMemoryStatusResponse": ("map<string,CudaSharedMemoryStatusResponse.RegionStatus> regions = 1",),
+    "CudaSharedMemoryStatusResponse.RegionStatus": ("string name = 1", "uint64 device_id = 2", "uint64 byte_size = 3"),
+    "CudaSharedMemoryRegisterRequest": (
+        "string name = 1", "bytes raw_handle = 2", "int64 device_id = 3", "uint64 byte_size = 4"),
+    "CudaSharedMemoryRegisterResponse": (),
+    "CudaSharedMemoryUnregisterRequest": ("string name = 1",),
+    "CudaSharedMemoryUnregisterResponse": (),
     "InferTensorContents": (
         "repeated bool bool_contents = 1",
         "repeated int32 int_contents = 2",
@@ -101,7 +121,8 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
 _ONEOFS = {"InferParameter": "parameter_choice"}
 # The RPCs this server answers; each takes <name>Request and returns <name>Response.
 _RPCS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-         "ModelInfer")
+         "ModelInfer", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+         "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")
 # Triton's bidirectional stream, RPC -> (request message, response message): as in its grpc_service.proto.
 _STREAMS = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 
@@ -190,6 +211,18 @@ ModelInferRequest = _message("ModelInferRequest")
 ModelInferResponse = _message("ModelInferResponse")
 ModelStreamInferResponse = _message("ModelStreamInferResponse")
 InferParameter = _message("InferParameter")
+SystemSharedMemoryStatusRequest = _message("SystemSharedMemoryStatusRequest")
+SystemSharedMemoryStatusResponse = _message("SystemSharedMemoryStatusResponse")
+SystemSharedMemoryRegisterRequest = _message("SystemSharedMemoryRegisterRequest")
+SystemSharedMemoryRegisterResponse = _message("SystemSharedMemoryRegisterResponse")
+SystemSharedMemoryUnregisterRequest = _message("SystemSharedMemoryUnregisterRequest")
+SystemSharedMemoryUnregisterResponse = _message("SystemSharedMemoryUnregisterResponse")
+CudaSharedMemoryStatusRequest = _message("CudaSharedMemoryStatusRequest")
+CudaSharedMemoryStatusResponse = _message("CudaSharedMemoryStatusResponse")
+CudaSharedMemoryRegisterRequest = _message("CudaSharedMemoryRegisterRequest")
+CudaSharedMemoryRegisterResponse = _message("CudaSharedMemoryRegisterResponse")
+CudaSharedMemoryUnregisterRequest = _message("CudaSharedMemoryUnregisterRequest")
+CudaSharedMemoryUnregisterResponse = _message("CudaSharedMemoryUnregisterResponse")
 InferTensorContents = _message("InferTensorContents")
 
 # RPC name -> (request class, response class), for the server's method handlers.

@@ -1,0 +1,76 @@
+"""The envelope around every request, written once for every front end (HTTP, gRPC unary, each message of a gRPC
+stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
+answered, and the request's line in the metrics.
+
+    Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
+                  the receipt naming it (the core fills it in: `answered_by`)
+    Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
+    refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
+                  warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
+
+A front end decides only how to carry these: HTTP puts the receipt in headers and the refusal in an
+{"error": ...} body, gRPC puts them in initial metadata and a status.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from serving.codec import BadRequest
+
+
+class Refused(Exception):
+    """A request refused, with the HTTP status that says why (4xx the client's, 5xx ours); gRPC maps it."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client went away before its request had arrived: its own doing, answered to nobody (499)."""
+
+
+class Refusal(NamedTuple):
+    status: int
+    message: str
+    headers: dict[str, str] | None = None
+
+
+class Exchange:
+    """One request through any front end: its route (as metrics name it), when it began, and once the version is
+    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
+
+    __slots__ = ("route", "started", "model", "receipt")
+
+    def __init__(self, route: str):
+        self.route = route
+        self.started = time.perf_counter()
+        self.model = ("", "")
+        self.receipt: dict[str, str] = {}
+
+    def answered_by(self, slot, request_id: str | None = None) -> None:
+        """The version the request is (now) for, and its id when known: also given with a refusal."""
+        self.model = (slot.model.info.name, slot.version)
+        self.receipt = slot.headers if request_id is None else {**slot.headers, "X-Request-Id": request_id}
+
+    def finish(self, metrics, status: str) -> None:
+        metrics.observe_request(self.route, status, time.perf_counter() - self.started, *self.model)
+
+
+def refusal(exc: BaseException, where: str, log: logging.Logger, label=str) -> Refusal:
+    """What `exc` tells the client. Client mistakes are logged once, in our words (`where -> label(status): why`);
+    a 5xx refusal (503, 504) is the server's load, counted in the metrics, not logged per request."""
+    if isinstance(exc, (Refused, BadRequest)):  # RepositoryError is a BadRequest
+        status, message = exc.status, str(exc)
+        if 400 <= status < 500:
+            log.warning("%s -> %s: %s", where, label(status), message)
+        return Refusal(status, message, getattr(exc, "headers", None))
+    if isinstance(exc, ClientGone):
+        log.debug("%s: the client disconnected before its request arrived", where)
+        return Refusal(499, "client closed the request")
+    log.error("%s failed", where, exc_info=exc)
+    return Refusal(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,182 @@
+"""Where a request body goes as it arrives (the connection asks its body for memory to receive into).
+
+    Bytes       the whole body in one buffer of its Content-Length (most routes)
+    Chunked     a chunked body, as the HTTP parser hands its pieces over, up to the limit
+    Discard     a body nobody will read (a request refused when its head arrived), dropped as it comes
+    V2Binary    a KServe V2 request with binary tensor data: the JSON header into a small buffer, checked as soon as
+                it is whole, then each input's bytes straight into the array it will be (the kernel's copy off the
+                socket is the only one): no body joined, no decode, no frombuffer view of a joined body
+
+A body is `direct` when the connection may receive into its memory itself (`view`/`wrote`); bytes that arrived
+with the head are handed in with `take`. `done` once every byte is in; an error found on the way (a malformed V2
+header) is kept in `error`, the rest of the body still read and dropped, so that the client reads the refusal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serving import codec
+from serving.codec import BadRequest, Limits, V2Header, V2Request
+
+_SCRATCH = memoryview(bytearray(1 << 16))  # what discarded bytes are received into (never read)
+
+
+class Bytes:
+    direct = True
+
+    def __init__(self, length: int):
+        self.data = bytearray(length)
+        self.filled = 0
+        self.error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.filled >= len(self.data)
+
+    def view(self) -> memoryview:
+        return memoryview(self.data)[self.filled:]
+
+    def wrote(self, n: int) -> None:
+        self.filled += n
+
+    def take(self, data: memoryview) -> int:
+        n = min(len(data), len(self.data) - self.filled)
+        self.data[self.filled:self.filled + n] = data[:n]
+        self.filled += n
+        return n
+
+    def result(self) -> bytes:
+        return bytes(self.data)
+
+
+class Discard:
+    direct = True
+
+    def __init__(self, length: int):
+        self.remaining = length
+        self.error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.remaining <= 0
+
+    def view(self) -> memoryview:
+        return _SCRATCH[:min(len(_SCRATCH), self.remaining)]
+
+    def wrote(self, n: int) -> None:
+        self.remaining -= n
+
+    def take(self, data: memoryview) -> int:
+        n = min(len(data), self.remaining)
+        self.remaining -= n
+        return n
+
+    def result(self) -> bytes:
+        return b""
+
+
+class Chunked:
+    """Pieces of a chunked body from the HTTP parser (the connection feeds it the raw bytes); past `limit` the
+    body is refused (413) and the connection closed."""
+    direct = False
+
+    def __init__(self, limit: int):
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
+        self.done = False
+        self.error: Exception | None = None
+
+    def piece(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size <= self.limit:
+            self.parts.append(data)
+
+    def result(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class V2Binary:
+    """A V2 request body of `length` bytes whose first `header_length` are its JSON header (Triton's binary tensor
+    extension). The header is checked against `specs` as soon as it is whole; the binary data then lands in the
+    arrays the request's feeds will be."""
+    direct = True
+
+    def __init__(self, header_length: int, length: int, specs, output_names: list[str], limits: Limits):
+        self.header = bytearray(header_length)
+        self.length = length
+        self.specs, self.output_names, self.limits = specs, output_names, limits
+        self.filled = 0  # bytes of the body in so far
+        self.parsed: V2Header | None = None
+        self.arrays: dict[str, np.ndarray] = {}
+        self._targets: list[memoryview] = []  # the binary inputs' bytes, in the order they come
+        self._at = 0  # bytes into the current target
+        self.error: Exception | None = None
+        self._discard: Discard | None = None
+        if header_length == 0:
+            self._parse()
+
+    @property
+    def done(self) -> bool:
+        return self.filled >= self.length
+
+    def view(self) -> memoryview:
+        if self._discard is not None:
+            return self._discard.view()
+        if self.filled < len(self.header):
+            return memoryview(self.header)[self.filled:]
+        target = self._targets[0]
+        return target[self._at:]
+
+    def wrote(self, n: int) -> None:
+        self.filled += n
+        if self._discard is not None:
+            self._discard.wrote(n)
+        elif self.parsed is None:
+            if self.filled == len(self.header):
+                self._parse()
+        else:
+            self._at += n
+            if self._at == len(self._targets[0]):
+                self._targets.pop(0)
+                self._at = 0
+
+    def take(self, data: memoryview) -> int:
+        taken = 0
+        while taken < len(data) and not self.done:
+            view = self.view()
+            n = min(len(view), len(data) - taken)
+            view[:n] = data[taken:taken + n]
+            self.wrote(n)
+            taken += n
+        return taken
+
+    def _parse(self) -> None:
+        try:
+            self.parsed = codec.parse_v2_header(self.header, len(self.header), self.length, self.specs,
+                                                self.output_names, self.limits)
+        except BadRequest as exc:
+            self.error = exc
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+            self.error = BadRequest(f"malformed request: {type(exc).__name__}: {str(exc)[:200]}")
+        if self.error is not None:
+            self._discard = Discard(self.length - self.filled)
+            return
+        for item in self.parsed.binary_inputs:
+            array = np.empty(item.count, dtype=item.spec.dtype)
+            self.arrays[item.spec.name] = array
+            if item.binary:
+                self._targets.append(memoryview(array).cast("B"))
+
+    def result(self) -> "V2Binary":
+        return self
+
+    @property
+    def binary_bytes(self) -> int:
+        return self.length - len(self.header)
+
+    def finish(self, shared=None) -> V2Request:
+        """The decoded request: its arrays in their shapes (BOOL bytes checked); `shared` reads the inputs placed
+        in shared memory."""
+        return codec.finish_v2(self.parsed, self.arrays, self.specs, shared)

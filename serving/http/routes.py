@@ -1,0 +1,464 @@
+"""The HTTP routes: one table, and a plain function per route, `handler(server, request, exchange) -> Response`.
+
+    KServe V2   GET  /v2, /v2/health/live, /v2/health/ready
+                GET  /v2/models/{name}[/versions/{v}], .../ready, .../config
+                POST /v2/models/{name}[/versions/{v}]/infer
+                     /v2/{system,cuda}sharedmemory[/region/{region}]/status|register|unregister (serving/shm.py)
+    MLflow      POST /invocations; GET /ping, /health, /version
+    Shadow      GET  /v2/models/{name}/shadow (--shadow); POST /v2/models/{name}/feedback (labels)
+    Repository  POST /v2/repository/index, /v2/repository/models/{name}/load, .../unload
+    Prometheus  GET  /metrics
+
+A route that takes a body names where it goes (`body(server, request, exchange, length, chunked)`, called when
+the head has arrived, after the token was checked): its checks that need no body run there, so that a refused
+request costs no body, and an inference route picks its model version then (a 404 before any byte of the body).
+Every route but the health checks needs the bearer token when one is set. Inference refuses the content types a
+web page can send cross-site without a CORS preflight (text/plain, forms). Everything else of the envelope
+(refusal -> status, receipt, metrics) is the connection's (serving/http/connection.py), written once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+import uuid
+import zlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Awaitable, Callable
+
+import numpy as np
+
+import serving
+from serving import codec
+from serving.codec import BadRequest
+from serving.core import Server, check_request_id
+from serving.envelope import Exchange, Refused
+from serving.http import bodies
+from serving.http.wire import JSON, Request, Response, json_response
+from serving.repository import READY, RepositoryError, off_loop, version_key
+
+INDEX_MAX_AGE_S = 1.0  # the repository index reuses a directory scan this recent; a load always scans afresh
+# What a web page can POST cross-site without a CORS preflight: never an inference request.
+SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+FEEDBACK_MAX = 10000  # labels in one feedback request
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "system_shared_memory",
+              "cuda_shared_memory", "grpc"]
+# A binary V2 request's last step (NaN/Inf over its arrays) runs on the event loop up to this many bytes: it costs
+# ~25 us for a 602 KB image, less than a hop to a thread and back.
+FINISH_INLINE_BYTES = 4 << 20
+Handler = Callable[[Server, Request, Exchange], Awaitable[Response]]
+
+
+# ---- bodies: where each route's body goes, and its checks made when the head arrived ---------------------------
+
+def content_encoding(request: Request) -> str:
+    encoding = request.header("content-encoding", "identity").lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise Refused(415, f"Content-Encoding {encoding} is not supported; use gzip, deflate or none")
+    return encoding
+
+
+def whole_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
+    content_encoding(request)
+    return bodies.Chunked(server.settings.max_body_bytes) if chunked else bodies.Bytes(length)
+
+
+def body_bytes(server: Server, request: Request) -> bytes:
+    """The request's body, inflated when it came gzip- or deflate-encoded (bounded: a small compressed body
+    must not inflate past the limit)."""
+    data = request.body
+    encoding = content_encoding(request)
+    if encoding == "identity":
+        return data
+    limit = server.settings.max_body_bytes
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        data = inflater.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise Refused(400, f"the body is not valid {encoding} data: {exc}") from None
+    if len(data) > limit:
+        raise Refused(413, f"the body exceeds the limit of {limit} bytes (--max-body-bytes) once decompressed")
+    if not inflater.eof:
+        raise Refused(400, f"the {encoding} body is truncated")
+    return data
+
+
+def request_id(request: Request) -> str | None:
+    given = request.headers.get("x-request-id")
+    return None if given is None else check_request_id(given, "the X-Request-Id header")
+
+
+def header_length(request: Request) -> int | None:
+    value = request.headers.get("inference-header-content-length")
+    if value is None:
+        return None
+    if not re.fullmatch(r"[0-9]{1,19}", value):
+        raise Refused(400, f"Inference-Header-Content-Length must be a byte count, got {value!r:.40}")
+    return int(value)
+
+
+def v2_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
+    """A V2 inference request: its version (404 before the body), id, content type and header length checked; a
+    binary request's body straight into its arrays (bodies.V2Binary)."""
+    slot = request.slot = server.model_slot(request.params["name"], request.params.get("version"))
+    exchange.answered_by(slot)
+    request.request_id = request_id(request)
+    if request.request_id is not None:
+        exchange.answered_by(slot, request.request_id)
+    content_type = request.header("content-type").split(";")[0].strip().lower()
+    if content_type in SIMPLE_TYPES:
+        raise Refused(415, f"Content-Type {content_type} is not taken for inference (a web page can send it "
+                           "cross-site); send application/json, or application/octet-stream with binary data")
+    json_length = header_length(request)
+    if (json_length is not None and not chunked and 0 < json_length <= length
+            and content_encoding(request) == "identity"):
+        engine = slot.model.engine
+        return bodies.V2Binary(json_length, length, engine.inputs, engine.output_names, server.limits)
+    return whole_body(server, request, exchange, length, chunked)
+
+
+def invocations_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
+    slot = request.slot = server.invocations_slot()
+    request.request_id = request_id(request) or uuid.uuid4().hex
+    exchange.answered_by(slot, request.request_id)
+    content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
+    if content_type != JSON:
+        raise Refused(415, f"Content-Type {content_type} is not supported; send application/json")
+    return whole_body(server, request, exchange, length, chunked)
+
+
+# ---- KServe V2 ------------------------------------------------------------------------------------------------
+
+async def v2_server(server: Server, request: Request, exchange: Exchange) -> Response:
+    shared = server.shared_memory
+    offered = {"grpc": server.settings.grpc_port is not None, "system_shared_memory": shared.enabled,
+               "cuda_shared_memory": shared.enabled and shared.cuda_device is not None}
+    extensions = [e for e in EXTENSIONS if offered.get(e, True)]
+    return json_response({"name": "trainserve", "version": serving.__version__, "extensions": extensions})
+
+
+async def live(server: Server, request: Request, exchange: Exchange) -> Response:
+    return json_response({"live": True})
+
+
+async def ready(server: Server, request: Request, exchange: Exchange) -> Response:
+    return json_response({"ready": server.ready}, 200 if server.ready else 503)
+
+
+def _slot(server: Server, request: Request):
+    return server.model_slot(request.params["name"], request.params.get("version"))
+
+
+async def model_metadata(server: Server, request: Request, exchange: Exchange) -> Response:
+    slot = _slot(server, request)
+    model = server.repository.models[slot.model.info.name]
+    engine, info = slot.model.engine, slot.model.info
+    body = {"name": info.name, "versions": sorted(model.slots, key=version_key), "platform": "onnxruntime_onnx",
+            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs],
+            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs]}
+    if "version" in request.params:
+        body["versions"] = [info.version]
+    parameters = {"labels": list(info.labels)} if info.labels is not None else {}
+    parameters.update(info.lineage)  # the version's lineage, from the file's metadata
+    parameters["source"] = info.source
+    if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
+        parameters["max_lengths"] = {name: {str(a): n for a, n in axes.items()}
+                                     for name, axes in info.max_lengths.items()}
+    alias = slot.source.alias
+    if alias is not None and server.settings.reload_interval:  # following an alias: what it names, and whether served
+        named = model.alias_versions.get(alias, info.version)
+        parameters["alias"] = {"source": alias, "version": named, "behind": model.behind(alias)}
+        if alias in model.alias_errors:  # behind because its load failed: why, and that the old one serves
+            parameters["alias"]["error"] = model.alias_errors[alias]
+    body["parameters"] = parameters
+    return json_response(body)
+
+
+async def model_ready(server: Server, request: Request, exchange: Exchange) -> Response:
+    name = request.params["name"]
+    model = server.repository.models.get(name)
+    if model is None or "version" in request.params:
+        _slot(server, request)  # the 404, worded as for every other model route
+    ok = server.model_ready(model)
+    return json_response({"name": name, "ready": ok}, 200 if ok else 503)
+
+
+async def model_config(server: Server, request: Request, exchange: Exchange) -> Response:
+    slot = _slot(server, request)
+    engine = slot.model.engine
+    batched = engine.batchable
+
+    def dims(s):
+        return list(s.shape[1:] if batched else s.shape)
+
+    return json_response({
+        "name": slot.model.info.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+        "max_batch_size": server.settings.max_batch_size if batched else 0,
+        "input": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)} for s in engine.inputs],
+        "output": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)} for s in engine.outputs]})
+
+
+async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
+    slot, named = request.slot, "version" in request.params
+    engine = slot.model.engine
+    body, authorization = request.body, request.header("authorization")
+    shared = server.shared_memory.reader(authorization)  # for inputs placed in shared memory (serving/shm.py)
+    if isinstance(body, bodies.V2Binary):
+        decoded = await server.decode(partial(body.finish, shared),
+                                      0 if body.binary_bytes <= FINISH_INLINE_BYTES else body.length)
+    else:
+        data = body_bytes(server, request)
+        decoded = await server.decode(partial(codec.decode_v2, data, header_length(request), engine.inputs,
+                                              engine.output_names, server.limits, shared), len(data))
+    answer = await server.answer(slot, decoded, exchange, request_id=request.request_id, follow_swap=not named,
+                                 endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer")
+    info, engine = answer.slot.model.info, answer.slot.model.engine
+    # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
+    v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
+    placed = server.shared_memory.write(authorization, decoded.output_refs, answer.results) \
+        if decoded.output_refs else None
+    payload, json_length = codec.encode_v2(info.name, info.version, v2_id, answer.results, decoded.outputs,
+                                           engine.outputs, placed)
+    if json_length is None:
+        return Response(200, payload)
+    return Response(200, payload, "application/octet-stream", {"Inference-Header-Content-Length": str(json_length)})
+
+
+# ---- MLflow scoring -------------------------------------------------------------------------------------------
+
+async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
+    slot = request.slot
+    data = body_bytes(server, request)
+    try:
+        decoded = await server.decode(partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits),
+                                      len(data))
+        answer = await server.answer(slot, decoded, exchange, request_id=request.request_id, follow_swap=True,
+                                     endpoint="/invocations")
+    except (BadRequest, Refused) as exc:
+        if exc.status != 400:
+            raise
+        # Another model's inputs sent here: say which model /invocations serves and how to reach the others.
+        raise Refused(400, f"{exc}{server.invocations_hint(server.invocations_slot())}") from None
+    return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
+
+
+async def ping(server: Server, request: Request, exchange: Exchange) -> Response:
+    return Response(200 if server.ready else 503, b"\n")
+
+
+async def version(server: Server, request: Request, exchange: Exchange) -> Response:
+    info = server.invocations_slot().model.info
+    return json_response({"server": "trainserve", "version": serving.__version__, "model_name": info.name,
+                          "model_version": info.version})
+
+
+# ---- the challenger on live traffic ----------------------------------------------------------------------------
+
+async def shadow(server: Server, request: Request, exchange: Exchange) -> Response:
+    return json_response(server.shadow(request.params["name"]).report())
+
+
+async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
+    """Labels that arrived later: {"labels": [{"id": "<X-Request-Id>", "target": ...}, ...]}, joined with what
+    the champion and the challenger answered for those requests."""
+    comparison = server.shadow(request.params["name"])
+    parsed = codec.parse_json(body_bytes(server, request))
+    items = parsed.get("labels") if isinstance(parsed, dict) else None
+    if not isinstance(items, list) or not items:
+        raise Refused(400, 'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
+                           '<its true class index, mask or value>}, ...]}')
+    if len(items) > FEEDBACK_MAX:
+        raise Refused(413, f"{len(items)} labels in one request; send at most {FEEDBACK_MAX} at a time")
+    labels = {}
+    for i, item in enumerate(items):
+        if not (isinstance(item, dict) and isinstance(item.get("id"), str) and "target" in item):
+            raise Refused(400, f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
+                               f"{codec.dumps(item)[:80]!r}")
+        try:
+            labels[item["id"]] = np.asarray(item["target"], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise Refused(400, f"labels[{i}].target must be a number or a (nested) list of numbers") from None
+    try:  # off the loop: thousands of per-pixel labels are real work
+        joined = await asyncio.to_thread(comparison.feedback, labels)
+    except ValueError as exc:
+        raise Refused(400, str(exc)) from None
+    return json_response(joined | {"report": await asyncio.to_thread(comparison.report)})
+
+
+# ---- V2 repository extension ------------------------------------------------------------------------------------
+
+def control_body(server: Server, request: Request) -> dict:
+    """The optional JSON object of a repository request."""
+    data = body_bytes(server, request)
+    if not data.strip():
+        return {}
+    parsed = codec.parse_json(data)
+    if not isinstance(parsed, dict):
+        raise Refused(400, "the body must be a JSON object (or empty)")
+    return parsed
+
+
+def check_control(server: Server) -> None:
+    if server.settings.control() != "explicit":
+        raise Refused(403, "loading and unloading models is off on this server; start it with "
+                           "--model-control explicit to allow it")
+
+
+async def repository_index(server: Server, request: Request, exchange: Exchange) -> Response:
+    only_ready = control_body(server, request).get("ready", False)
+    if not isinstance(only_ready, bool):
+        raise Refused(400, f'"ready" must be true or false, got {only_ready!r:.40}')
+    if server.settings.repository:  # models added to the directory since are listed (not loaded)
+        try:
+            await off_loop(partial(server.repository.add_repository_models, max_age=INDEX_MAX_AGE_S))
+        except Exception as exc:  # noqa: BLE001 - a directory gone unreadable: the index of what is known
+            from serving.loader import SourceError
+
+            if not isinstance(exc, SourceError):
+                raise
+            import logging
+
+            logging.getLogger("serving.http").warning("reading --repository: %s", exc)
+    rows = server.repository.index()
+    return json_response([r for r in rows if r["state"] == READY] if only_ready else rows)
+
+
+async def repository_load(server: Server, request: Request, exchange: Exchange) -> Response:
+    check_control(server)
+    parameters = control_body(server, request).get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise Refused(400, '"parameters" must be a JSON object')
+    if parameters:  # Triton's are `config` and `file:<path>`; answering 200 to ignore them would mislead
+        raise Refused(400, f"load parameters {sorted(parameters)[:10]} are not taken: this server takes none; it "
+                           "loads a model only from its --model flags or --repository directory (with "
+                           "--version-policy), never from files, a config or options a client sends")
+    name = request.params["name"]
+    try:
+        await server.repository.load(name)
+    except RepositoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded: the client named it
+        raise Refused(400, f"failed to load '{name}': {exc}") from None
+    return json_response({})
+
+
+async def repository_unload(server: Server, request: Request, exchange: Exchange) -> Response:
+    check_control(server)
+    control_body(server, request)
+    await server.repository.unload(request.params["name"])
+    return json_response({})
+
+
+async def metrics(server: Server, request: Request, exchange: Exchange) -> Response:
+    return Response(200, server.metrics.render(), server.metrics.content_type)
+
+
+# ---- V2 shared memory (serving/shm.py): system, and CUDA on a GPU ---------------------------------------------
+
+async def shm_status(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
+    return json_response(server.shared_memory.status(request.header("authorization"), kind,
+                                                     request.params.get("region")))
+
+
+async def shm_register(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
+    parsed = codec.parse_json(body_bytes(server, request) or b"null")
+    name = request.params["region"]
+    fields = ("key", "offset", "byte_size") if kind == "system" else ("raw_handle", "device_id", "byte_size")
+    if not isinstance(parsed, dict) or not all(f in parsed for f in fields if f != "offset"):
+        raise Refused(400, f"the body must be a JSON object {{{', '.join(repr(f) for f in fields)}}} (what "
+                           f"tritonclient's register_{kind}_shared_memory sends)")
+    numbers = {f: parsed.get(f, 0) for f in fields if f not in ("key", "raw_handle")}
+    bad = [f for f, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise Refused(400, f"{kind} shared memory region '{name}': {bad[0]} must be an integer")
+    if kind == "system":
+        server.shared_memory.register(request.header("authorization"), kind, name, key=parsed["key"],
+                                      offset=numbers["offset"], byte_size=numbers["byte_size"])
+    else:
+        handle = parsed["raw_handle"]
+        try:
+            raw = base64.b64decode(handle["b64"], validate=True)
+        except (TypeError, KeyError, ValueError, binascii.Error):
+            raise Refused(400, f"cuda shared memory region '{name}': raw_handle must be {{\"b64\": <the base64 "
+                               "of a cudaIpcMemHandle_t>}") from None
+        server.shared_memory.register(request.header("authorization"), kind, name, raw_handle=raw,
+                                      device_id=numbers["device_id"], byte_size=numbers["byte_size"])
+    return json_response({})
+
+
+async def shm_unregister(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
+    server.shared_memory.unregister(request.header("authorization"), kind, request.params.get("region"))
+    return json_response({})
+
+
+# ---- the table ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # the pattern, as the metrics name the route
+    handler: Handler
+    open: bool = False  # no token needed (health checks)
+    body: Callable | None = None  # where its body goes: (server, request, exchange, length, chunked) -> a body
+
+
+def table() -> list[Route]:
+    routes = [Route("GET", "/v2", v2_server),
+              Route("GET", "/v2/health/live", live, open=True),
+              Route("GET", "/v2/health/ready", ready, open=True)]
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        routes += [Route("GET", prefix, model_metadata),
+                   Route("GET", prefix + "/ready", model_ready),
+                   Route("GET", prefix + "/config", model_config),
+                   Route("POST", prefix + "/infer", v2_infer, body=v2_body)]
+    routes += [Route("GET", "/v2/models/{name}/shadow", shadow),
+               Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body),
+               Route("POST", "/v2/repository/index", repository_index, body=whole_body),
+               Route("POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body),
+               Route("POST", "/v2/repository/models/{name}/unload", repository_unload, body=whole_body),
+               Route("POST", "/invocations", invocations, body=invocations_body),
+               Route("GET", "/ping", ping, open=True),
+               Route("GET", "/health", ping, open=True),
+               Route("GET", "/version", version),
+               Route("GET", "/metrics", metrics)]
+    for kind in ("system", "cuda"):
+        for prefix in (f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region}}"):
+            routes += [Route("GET", prefix + "/status", partial(shm_status, kind)),
+                       Route("POST", prefix + "/unregister", partial(shm_unregister, kind), body=whole_body)]
+        routes.append(Route("POST", f"/v2/{kind}sharedmemory/region/{{region}}/register", partial(shm_register, kind),
+                            body=whole_body))
+    return routes
+
+
+class Router:
+    """Paths to routes: segments compared, `{param}` segments taken as parameters. HEAD is answered as GET."""
+
+    def __init__(self, routes: list[Route]):
+        self.routes = routes
+        self._by_length: dict[int, list[tuple[tuple[str, ...], Route]]] = {}
+        for route in routes:
+            segments = tuple(route.path.strip("/").split("/"))
+            self._by_length.setdefault(len(segments), []).append((segments, route))
+
+    def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
+        """(route, parameters, whether the path exists for another method)."""
+        wanted = "GET" if method == "HEAD" else method
+        segments = path.strip("/").split("/") if path != "/" else [""]
+        other_method = False
+        for pattern, route in self._by_length.get(len(segments), ()):
+            params = {}
+            for want, got in zip(pattern, segments):
+                if want[:1] == "{":
+                    if not got:
+                        break
+                    params[want[1:-1]] = got
+                elif want != got:
+                    break
+            else:
+                if route.method == wanted:
+                    return route, params, False
+                other_method = True
+        return None, {}, other_method
