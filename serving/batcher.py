@@ -1,15 +1,31 @@
 """Dynamic batching: concurrent requests are gathered into one model run.
 
 Knows neither HTTP nor onnxruntime: it is given `run(parts) -> outputs`, where `parts` are the batch's requests'
-feeds (dicts of arrays whose first axis is the row axis; gathering them into one batch is the run's business:
-the engine copies them straight into its batch buffer), and the server's Runner (serving/runner.py), the thread
-that runs it. `submit` may be awaited from any event loop: a request's answer comes back to the loop it was
-asked on.
+feeds (dicts of arrays whose first axis is the row axis; gathering them into one batch is the run's business),
+and the server's Runner (serving/runner.py), the thread that runs it. `submit` may be awaited from any event loop:
+a request's answer comes back to the loop it was asked on.
 
-Policy (measured, see DESIGN.md): never wait while the engine is idle. The batch is taken when the engine
-thread is free to run it: what is queued then runs at once, as one batch of up to `max_batch_size` rows, and
-requests that arrive during a run form the next batch. `max_delay_ms` > 0 lets a partial batch wait at most
-that long (from its oldest request) for more rows, for models where a bigger batch pays.
+Batch buffers (a model of fixed shapes past the batch axis, given `buffers` and `run_buffer`): requests take
+rows one after another in the buffer being filled, and the engine runs a buffer's rows as they are, with no copy
+and no array made per batch. A front end that knows a request's size before its body arrives asks for its place
+with the request (`arriving(rows)`): the body is received straight into those rows (the kernel's copy off the
+socket is the only one). Other requests are copied into their place when submitted, on the thread that took them
+in (their bytes still in its cache). Either way the values are checked for NaN and Inf there (a refusal at once).
+A run takes the first run of consecutive complete places (one still arriving ends it, and is run later on its
+own; a place whose request was refused is filled with a copy of a good row); it pads up to the engine's batch
+bucket in place when the rows after it are free, else the engine copies. A buffer returns to the pool when every
+place in it ran or was refused. A request that fits no buffer (more rows than a batch, or every buffer taken,
+e.g. by slow uploads) waits in the queue, and the engine copies it when it runs.
+
+Policy (measured, see DESIGN.md): never wait for requests that have not begun to arrive. The batch is taken when
+the engine thread is free to run it: what is queued then runs at once, as one batch of up to `max_batch_size`
+rows, and requests that arrive during a run form the next batch. While requests are on their way (`arriving()`),
+the batch waits for them, at most `arrival_wait_ms` from when it could first have run: a 602 KB image takes the
+event loop a tenth of a millisecond to take in, and 32 clients uploading at once would otherwise make batches of
+the one or two that happened to be complete. The wait ends by itself when every client in flight has its request
+in (no more can arrive before an answer goes out), and never starts for a lone client. `max_delay_ms` > 0 lets a
+partial batch wait at most that long (from its oldest request) for more rows, arriving or not, for models where a
+bigger batch pays.
 
 Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
 a model with another dynamic axis (image size, sequence length) gets requests of different shapes,
@@ -60,6 +76,48 @@ class _Job:
     arrived: float = field(default_factory=time.monotonic)
 
 
+class _Place:
+    """Rows start..start+rows of a group's buffer: a request's. Incomplete until its job is there (or it is dead)."""
+    __slots__ = ("group", "start", "rows", "job", "dead", "ran", "views")
+
+    def __init__(self, group: "_Group", start: int, rows: int, views: Feeds):
+        self.group, self.start, self.rows, self.views = group, start, rows, views
+        self.job: _Job | None = None
+        self.dead = False  # its request was refused, or went away before it arrived: nothing of it runs
+        self.ran = False
+
+    @property
+    def complete(self) -> bool:
+        return self.job is not None or self.dead
+
+
+class _Group:
+    """The places taken one after another in batch buffer `index`; sealed once one of its runs began."""
+    __slots__ = ("index", "places", "rows", "sealed")
+
+    def __init__(self, index: int):
+        self.index, self.places, self.rows, self.sealed = index, [], 0, False
+
+
+class Arrival:
+    """A request on its way to this batcher (its head in, its body arriving), and, when it has one, the place in a
+    batch buffer its body is received into (`views`: each input's rows there). Ended once: by `submit`, or by the
+    front end (`end`) when the request goes no further."""
+    __slots__ = ("batcher", "seq", "over", "place", "checked")
+
+    def __init__(self, batcher: "Batcher", seq: int, place: _Place | None):
+        self.batcher, self.seq, self.over, self.place = batcher, seq, False, place
+        self.checked = False  # its values were checked for NaN and Inf as they arrived
+
+    @property
+    def views(self) -> Feeds | None:
+        return None if self.place is None else self.place.views
+
+    def end(self) -> None:
+        if not self.over:
+            self.batcher._end(self)
+
+
 class Run:
     """One batch on the engine thread, as the runner's watchdog sees it."""
 
@@ -78,8 +136,7 @@ class Run:
             if self._returned:
                 return
             self.expired = True
-        b = self.batcher
-        b.stalled = True
+        self.batcher.stalled = True
         rows = sum(j.rows for j in self.jobs)
         log.error("a model run of %d rows has taken over %.0f s (--run-timeout); failing its requests, "
                   "not ready until it returns", rows, self.timeout)
@@ -105,15 +162,20 @@ class Batcher:
     - with `merge=False` (a model without a dynamic batch axis), every job runs alone;
     - a batch only holds jobs with the same input names, trailing shapes and dtypes as its first
       job; jobs skipped for that keep their order and lead a later batch;
+    - no row of a batch buffer is written while a run reads it, and no run reads a place still arriving;
     - every job's future is resolved: with its outputs, with the batch's error, or with
       BatcherClosed if the engine thread dies.
-    Its queue is shared by the event loops that submit and the engine thread that takes: under `_lock`.
+    Its state is shared by the event loops that submit and the engine thread that takes: under `_lock`.
     """
 
     def __init__(self, run: Callable[[list[Feeds]], Feeds], runner, *, max_batch_size: int,
                  max_delay_ms: float, max_queue_rows: int, merge: bool = True,
-                 on_batch: Callable[[int, float, list[float]], None] | None = None, run_timeout: float | None = None):
+                 on_batch: Callable[[int, float, list[float]], None] | None = None, run_timeout: float | None = None,
+                 buffers=None, run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
+                 arrival_wait_ms: float = 0.0):
         self._run = run
+        self._buffers = buffers if run_buffer is not None and merge else None  # staging.BatchBuffers
+        self._run_buffer = run_buffer  # (buffer, start, rows, free up to) -> outputs
         self._runner = runner
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay_ms / 1000.0
@@ -121,10 +183,15 @@ class Batcher:
         self.merge = merge
         self._on_batch = on_batch
         self.run_timeout = run_timeout
+        self.arrival_wait = arrival_wait_ms / 1000.0
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[_Job] = collections.deque()  # jobs with no place in a buffer
+        self._groups: collections.deque[_Group] = collections.deque()  # oldest first; the last may be filling
+        self._arrivals: dict[int, Arrival] = {}  # the requests on their way, oldest first
+        self._next_arrival = 0
+        self._wait_until: float | None = None  # a batch waits for arrivals until then
         self.queued_rows = 0
-        self._batch: list[_Job] = []  # taken off the queue, being run
+        self._batch: list[_Job] = []  # taken, being run
         self._closing = False
         self._closed = False
         self._dead = False
@@ -144,25 +211,131 @@ class Batcher:
         """True from `start` until `close` returns, unless the engine thread died."""
         return self._started and not self._closed and not self._dead and self._runner.alive
 
-    async def submit(self, feeds: Feeds, rows: int) -> Feeds:
-        """Queue `rows` rows and wait for their outputs (same row order)."""
+    # ---- from the front ends (any event loop) ----
+
+    def arriving(self, rows: int | None = None) -> Arrival:
+        """A request for this batcher has begun to arrive (its head is in, its body on its way); with `rows`, it
+        asks for a place in a batch buffer to receive its body into (see `Arrival.views`: None when there is none
+        to be had)."""
+        with self._lock:
+            place = None
+            if rows is not None and self._buffers is not None and not self._closing and not self._dead:
+                place = self._reserve(rows)
+            arrival = Arrival(self, self._next_arrival, place)
+            self._arrivals[arrival.seq] = arrival
+            self._next_arrival += 1
+        return arrival
+
+    def place(self, arrival: Arrival, rows: int) -> Feeds | None:
+        """A place in a batch buffer for an arrival that now knows its rows (a V2 body whose header was read): the
+        views to receive its body into, or None (no buffer free, too many rows, or it has one already)."""
+        with self._lock:
+            if arrival.over or arrival.place is not None or self._buffers is None or self._closing or self._dead:
+                return None
+            arrival.place = self._reserve(rows)
+        return arrival.views
+
+    def _end(self, arrival: Arrival) -> None:
+        """An arrival that goes no further: its place (if any) is dead."""
+        with self._lock:
+            self._forget(arrival)
+            if arrival.place is not None and arrival.place.job is None:
+                arrival.place.dead = True
+                self._release_done_groups()
+            waiting = self._wait_until is not None
+        if waiting:  # a batch waits for it: perhaps no longer
+            self._runner.ready(self)
+
+    def _forget(self, arrival: Arrival) -> None:
+        """(under _lock)"""
+        arrival.over = True
+        self._arrivals.pop(arrival.seq, None)
+
+    async def submit(self, feeds: Feeds, rows: int, arrival: Arrival | None = None) -> Feeds:
+        """Queue `rows` rows and wait for their outputs (same row order). `arrival`: this request's (ended now); when
+        it has a place, `feeds` are its views, filled. NonFinite (staging) for a value that is NaN or Inf."""
         loop = asyncio.get_running_loop()
         job = _Job(feeds, rows, loop.create_future(), loop)
+        place = arrival.place if arrival is not None and not arrival.over else None
+        if place is not None and not _same_memory(feeds, place.views):
+            place = None  # not what was received into it (a reload's other batcher): copied like any other
+        if place is not None and not arrival.checked:
+            try:
+                self._buffers.check(feeds)  # here, on the thread that received it: its values are in this cache
+            except BaseException:
+                arrival.end()
+                raise
+        copy = False
         with self._lock:
-            if self._closing:
-                raise BatcherClosed("the server is shutting down or switching models")
-            if self._dead or not self._runner.alive:
-                raise BatcherClosed("the batcher has stopped (see the server log)")
-            if self.queued_rows + rows > self.max_queue_rows:
-                raise QueueFull(f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)")
-            self._queue.append(job)
+            if arrival is not None:
+                if not arrival.over:
+                    self._forget(arrival)
+                if arrival.place is not None and arrival.place is not place and arrival.place.job is None:
+                    arrival.place.dead = True
+            try:
+                self._admit(rows)
+            except BaseException:
+                if place is not None:
+                    place.dead = True
+                self._release_done_groups()
+                raise
+            if place is not None:
+                place.job = job
+            else:
+                if self._buffers is not None and self._buffers.fits(feeds, rows):
+                    place = self._reserve(rows)
+                copy = place is not None
+                if place is None:
+                    self._queue.append(job)
             self.queued_rows += rows
+        if copy:  # a place of its own: copied in (and checked) here, outside the lock
+            try:
+                self._buffers.put(place.group.index, place.start, feeds)
+            except BaseException:
+                with self._lock:
+                    place.dead = True
+                    self.queued_rows -= rows
+                    self._release_done_groups()
+                raise
+            with self._lock:
+                place.job = job
         self._runner.ready(self)
         return await job.future
+
+    def _admit(self, rows: int) -> None:
+        """(under _lock) Refusals of a new job."""
+        if self._closing:
+            raise BatcherClosed("the server is shutting down or switching models")
+        if self._dead or not self._runner.alive:
+            raise BatcherClosed("the batcher has stopped (see the server log)")
+        if self.queued_rows + rows > self.max_queue_rows:
+            raise QueueFull(f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)")
+
+    def _reserve(self, rows: int) -> _Place | None:
+        """(under _lock) The next `rows` rows of the buffer being filled (a new buffer when it is full or sealed), or
+        None when no buffer is free or the rows fit none."""
+        capacity = min(self.max_batch_size, self._buffers.capacity)
+        if rows > capacity:
+            return None
+        group = self._groups[-1] if self._groups and not self._groups[-1].sealed else None
+        if group is not None and group.rows + rows > capacity:
+            group.sealed = True
+            group = None
+        if group is None:
+            index = self._buffers.acquire()
+            if index is None:
+                return None
+            group = _Group(index)
+            self._groups.append(group)
+        place = _Place(group, group.rows, rows, self._buffers.views(group.index, group.rows, rows))
+        group.places.append(place)
+        group.rows += rows
+        return place
 
     def flush(self) -> None:
         """From now on, never let a partial batch wait for more rows (shutdown has begun: run what is queued)."""
         self.max_delay = 0.0
+        self.arrival_wait = 0.0
         self._runner.ready(self)
 
     async def close(self) -> None:
@@ -170,7 +343,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         with self._lock:
             self._closing = True
-            if self._dead or (not self._queue and not self._batch):
+            if self._dead or (not self._pending() and not self._batch):
                 self._closed = True
                 return
             done = loop.create_future()
@@ -181,38 +354,119 @@ class Batcher:
     # ---- on the engine thread ----
 
     def serve(self, runner) -> None:
-        """This batcher's turn: take a batch (or, waiting out max_delay, ask for a turn later) and run it."""
+        """This batcher's turn: take a batch (or, waiting, ask for a turn later) and run it."""
         with self._lock:
             self._drop_abandoned()
-            if not self._queue:
+            span = self._next_span()
+            head = self._queue[0] if self._queue else None
+            if span is None and head is None:
                 self._settle_drained()
                 return
-            if self.max_delay > 0 and not self._closing and self.queued_rows < self.max_batch_size:
-                due = self._queue[0].arrived + self.max_delay
-                if due > time.monotonic():
-                    runner.ready_at(self, due)
-                    return
-            self._batch = jobs = self._take()
+            oldest_placed = min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
+            take_span = span is not None and (head is None or oldest_placed <= head.arrived)
+            if take_span:
+                group, places = span
+                rows = sum(p.rows for p in places)
+                oldest = oldest_placed
+                open_ = not group.sealed
+            else:
+                rows, oldest, open_ = self.queued_rows, head.arrived, True
+            if self._should_wait(runner, rows, oldest, open_):
+                return
+            if take_span:
+                group.sealed = True  # no new place in it: the rows after this run's stay as they are
+                for place in places:
+                    place.ran = True
+                jobs = [p.job for p in places if p.job is not None]
+                self.queued_rows -= sum(job.rows for job in jobs)
+                free_up_to = self._free_up_to(group, places[-1])
+            else:
+                jobs = self._take()
+            self._batch = jobs
         try:
-            self._run_batch(runner, jobs)
+            if take_span:
+                self._run_span(runner, group, places, jobs, free_up_to)
+            else:
+                self._run_batch(runner, jobs)
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the batch's requests still get an answer
             log.exception("running a batch failed")
             _deliver([(job, exc, True) for job in jobs])
         # (a BaseException, the thread being killed, leaves self._batch for runner_died to fail)
         with self._lock:
             self._batch = []
-            more = bool(self._queue)
+            self._release_done_groups()
+            more = self._pending()
             if not more:
                 self._settle_drained()
         if more:
             runner.ready(self)
 
+    def _should_wait(self, runner, rows: int, oldest: float, open_: bool) -> bool:
+        """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see the module's
+        docstring); asks for a turn when the wait ends at the latest."""
+        if self._closing or rows >= self.max_batch_size or not open_:
+            self._wait_until = None
+            return False
+        now = time.monotonic()
+        if self.max_delay > 0 and oldest + self.max_delay > now:
+            runner.ready_at(self, oldest + self.max_delay)
+            return True
+        if self.arrival_wait <= 0 or not self._arrivals:
+            self._wait_until = None
+            return False
+        if self._wait_until is None:
+            self._wait_until = now + self.arrival_wait
+            runner.ready_at(self, self._wait_until)
+        if now < self._wait_until:
+            return True
+        self._wait_until = None
+        return False
+
+    def _next_span(self) -> tuple[_Group, list[_Place]] | None:
+        """(under _lock) The first run of consecutive places not run yet, each complete (a job, or dead), holding at
+        least one job: (group, places). Runs of dead places alone are marked run on the way."""
+        for group in self._groups:
+            places, i = group.places, 0
+            while i < len(places):
+                if places[i].ran or not places[i].complete:
+                    i += 1
+                    continue
+                j = i
+                while j < len(places) and not places[j].ran and places[j].complete:
+                    j += 1
+                span = places[i:j]
+                if any(p.job is not None for p in span):
+                    return group, span
+                for place in span:
+                    place.ran = True
+                i = j
+        return None
+
+    def _free_up_to(self, group: _Group, last: _Place) -> int:
+        """(under _lock) The row up to which the buffer is free after `last` (a run may pad into it): the next place
+        still to be run or arriving, else the buffer's end."""
+        for place in group.places[group.places.index(last) + 1:]:
+            if not place.ran and not place.dead:
+                return place.start
+        return self._buffers.capacity
+
+    def _pending(self) -> bool:
+        """(under _lock) Jobs to run: queued, or complete in a place not run yet."""
+        return bool(self._queue) or any(p.job is not None and not p.ran for g in self._groups for p in g.places)
+
+    def _release_done_groups(self) -> None:
+        """(under _lock) Buffers whose every place ran or was refused go back to the pool."""
+        for group in [g for g in self._groups if all(p.ran or p.dead for p in g.places)]:
+            self._groups.remove(group)
+            self._buffers.release(group.index)
+
     def runner_died(self) -> None:
         """The engine thread is gone: fail what waits, refuse what comes."""
         with self._lock:
             self._dead = True
-            jobs = [*self._batch, *self._queue]
-            self._batch, self._queue = [], collections.deque()
+            jobs = [*self._batch, *self._queue,
+                    *(p.job for g in self._groups for p in g.places if p.job is not None and not p.ran)]
+            self._batch, self._queue, self._groups = [], collections.deque(), collections.deque()
             self.queued_rows = 0
             waiters, self._drain_waiters = self._drain_waiters, []
         error = BatcherClosed("the batcher has stopped (see the server log)")
@@ -222,15 +476,33 @@ class Batcher:
 
     def _settle_drained(self) -> None:
         """(under _lock) Closing and nothing left: wake those waiting in close()."""
-        if self._closing and not self._queue:
+        if self._closing and not self._pending():
             self._closed = True
             waiters, self._drain_waiters = self._drain_waiters, []
             for loop, done in waiters:
                 _call_soon(loop, _resolve, done)
 
+    def _run_span(self, runner, group: _Group, places: list[_Place], jobs: list[_Job], free_up_to: int) -> None:
+        """Runs the places' rows of `group`'s buffer as they are (a refused place's rows filled with a good row) and
+        answers each job; if it fails, each job runs again alone."""
+        good = next(p for p in places if p.job is not None)
+        for place in places:
+            if place.job is None:  # refused: rows nobody will read, which must still be values the model takes
+                self._buffers.fill(group.index, place.start, place.rows, good.start)
+        start, rows = places[0].start, sum(p.rows for p in places)
+        outcome = self._timed_run(runner, jobs, lambda: self._run_buffer(group.index, start, rows, free_up_to))
+        if outcome is None:  # timed out: its requests were failed by the watchdog
+            return
+        outputs, error = outcome
+        if error is None:
+            _deliver([(p.job, {k: v[p.start - start:p.start - start + p.rows] for k, v in outputs.items()}
+                       if len(places) > 1 else outputs, False) for p in places if p.job is not None])
+            return
+        self._one_by_one(runner, jobs, error)
+
     def _run_batch(self, runner, jobs: list[_Job]) -> None:
-        """Runs `jobs` as one batch and answers each; a merged batch that fails runs again job by job."""
-        outcome = self._timed_run(runner, jobs)
+        """Runs `jobs` (gathered by the run) as one batch and answers each; if it fails, each job runs again alone."""
+        outcome = self._timed_run(runner, jobs, lambda: self._run([job.feeds for job in jobs]))
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
         outputs, error = outcome
@@ -242,39 +514,44 @@ class Batcher:
                 start += job.rows
             _deliver(answers)
             return
+        self._one_by_one(runner, jobs, error)
+
+    def _one_by_one(self, runner, jobs: list[_Job], error: Exception) -> None:
+        """A merged batch failed: whose values made it fail? Each alone answers: the others' requests succeed."""
         if len(jobs) == 1:
             _deliver([(jobs[0], error, True)])
             return
-        # Whose values made the merged batch fail? Each alone answers: the others' requests succeed.
         for job in jobs:
             if job.future.done():
                 continue
-            outcome = self._timed_run(runner, [job])
+            outcome = self._timed_run(runner, [job], lambda: self._run([job.feeds]))
             if outcome is None:
                 return
             outputs, error = outcome
             _deliver([(job, error, True) if error is not None else (job, outputs, False)])
 
-    def _timed_run(self, runner, jobs: list[_Job]) -> tuple[Feeds | None, Exception | None] | None:
+    def _timed_run(self, runner, jobs: list[_Job], run: Callable[[], Feeds]
+                   ) -> tuple[Feeds | None, Exception | None] | None:
         """(outputs, None) or (None, error); None when the run outlived run_timeout (already answered)."""
-        run = Run(self, jobs)
-        runner.began(run)
+        timed = Run(self, jobs)
+        runner.began(timed)
         try:
-            outputs, error = self._run([job.feeds for job in jobs]), None
+            outputs, error = run(), None
         except Exception as exc:  # the model (or anything else) failed: the batch learns why
             outputs, error = None, exc
         finally:
             runner.ended()
         ended = time.monotonic()
-        if run.returned():
+        if timed.returned():
             self.stalled = False
-            log.warning("the stalled model run returned after %.1f s; ready again", ended - run.started)
+            log.warning("the stalled model run returned after %.1f s; ready again", ended - timed.started)
             return None
         if self._on_batch is not None:
             # Queue time runs until the engine thread began this run (other models' runs may go first);
             # compute time is the run itself.
             try:
-                self._on_batch(sum(j.rows for j in jobs), ended - run.started, [run.started - j.arrived for j in jobs])
+                self._on_batch(sum(j.rows for j in jobs), ended - timed.started,
+                               [timed.started - j.arrived for j in jobs])
             except Exception:  # noqa: BLE001 - a metric must never fail an answer
                 log.exception("recording a batch's metrics failed")
         return outputs, error
@@ -312,19 +589,24 @@ class Batcher:
         return jobs
 
 
+def _same_memory(feeds: Feeds, views: Feeds) -> bool:
+    """Whether a request's feeds are its place's rows (received into them), not copies elsewhere."""
+    if len(feeds) != len(views):
+        return False
+    for name, view in views.items():
+        x = feeds.get(name)
+        if x is None or x.shape != view.shape or \
+                x.__array_interface__["data"][0] != view.__array_interface__["data"][0]:
+            return False
+    return True
+
+
 def _layout(feeds: Feeds) -> tuple:
     """What must match for arrays to be concatenated along the row axis: names, trailing shapes, dtypes."""
     try:
         return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in feeds.items()))
     except (AttributeError, TypeError):  # not arrays (a caller's bug): merged with nothing, fails alone
         return (object(),)
-
-
-def concat(parts: list[Feeds]) -> Feeds:
-    """The parts as one batch (a new array per input; the engine gathers into its own buffer instead)."""
-    if len(parts) == 1:
-        return parts[0]
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 def _deliver(answers: list[tuple[_Job, object, bool]]) -> None:

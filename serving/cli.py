@@ -59,6 +59,8 @@ FLAGS: dict[str, tuple[type, str]] = {
                            "each (each a copy of the weights and its own memory arena); auto: powers of two up to "
                            "--max-batch-size on the CUDA provider (default auto; why: serving/README.md, GPUs)"),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
+    "arrival-wait-ms": (float, "how long a batch may wait for the requests whose bodies were already arriving when "
+                               "it could run (default 5; 0: never)"),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),
     "max-header-bytes": (int, "largest HTTP request head, request line and headers, counted as it arrives; beyond: "

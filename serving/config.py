@@ -63,6 +63,9 @@ class Settings:
     batch_buckets: str = "auto"
     # How long a partial batch may wait for more rows; 0: never wait, run what is queued.
     max_delay_ms: float = 0.0
+    # How long a batch may wait for the requests already arriving when it could run (their head in, their body on
+    # its way); 0: never.
+    arrival_wait_ms: float = 5.0
     # Rows allowed to wait; beyond it requests get 503 with Retry-After. Bounds memory.
     max_queue_rows: int = 1024
     # Largest request body, in bytes (after decompression too); beyond it 413.
@@ -174,6 +177,8 @@ class Settings:
             raise ValueError(f"--threads must be positive, got {self.threads}")
         if self.max_delay_ms < 0:
             raise ValueError(f"--max-delay-ms must be >= 0, got {self.max_delay_ms}")
+        if not 0 <= self.arrival_wait_ms <= 1000:
+            raise ValueError(f"--arrival-wait-ms must be from 0 to 1000, got {self.arrival_wait_ms}")
         if self.max_rows_per_request > self.max_queue_rows:
             raise ValueError(f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
                              f"({self.max_queue_rows}): such a request could never be queued")

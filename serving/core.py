@@ -27,7 +27,6 @@ import gc
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -41,7 +40,7 @@ from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
-from serving.envelope import Exchange, Refused
+from serving.envelope import Exchange, Refused, new_request_id
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record, in_sample
@@ -57,6 +56,7 @@ from serving.repository import (
 from serving.runner import Runner
 from serving.shadow import Rule, Shadow
 from serving.shm import SharedMemory
+from serving.staging import NonFinite
 
 log = logging.getLogger("serving.core")
 RETRY_AFTER = {"Retry-After": "1"}
@@ -164,19 +164,22 @@ class Server:
         def observe(rows: int, seconds: float, waits: list[float]) -> None:
             self.metrics.observe_batch(name, version, rows, seconds, waits)
 
-        return Batcher(self._observed(model), self.executor, max_batch_size=s.max_batch_size,
+        run, run_buffer = self._observed(model)
+        return Batcher(run, self.executor, max_batch_size=s.max_batch_size,
                        max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
-                       merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout)
+                       merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout,
+                       buffers=model.engine.batch_buffers(s.max_batch_size), run_buffer=run_buffer,
+                       arrival_wait_ms=s.arrival_wait_ms)
 
     # ---- drift -----------------------------------------------------------------------------------
 
-    def _observed(self, model: LoadedModel) -> Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]:
-        """The engine's run of a batch (its requests' feeds), with the batch's inputs and outputs added to the
-        version's drift window: on the engine thread, once per batch (not per request, and never on the event
-        loop)."""
+    def _observed(self, model: LoadedModel) -> tuple[Callable, Callable]:
+        """The engine's runs of a batch (its requests' feeds, or a batch buffer), with the batch's inputs and outputs
+        added to the version's drift window: on the engine thread, once per batch (not per request, and never on
+        the event loop)."""
         reference, window = model.drift_reference, self.settings.drift_window
         if reference is None or not window:
-            return model.engine.run_parts
+            return model.engine.run_parts, model.engine.run_buffer
         key = (model.info.name, model.info.version)
         self.drift[key] = tracker = drift.DriftWindow(reference, window)
         batches = 0
@@ -191,7 +194,7 @@ class Server:
             except Exception:  # noqa: BLE001 - a statistic must never fail an answer
                 log.exception("drift statistics of %s version %s failed", *key)
 
-        return partial(model.engine.run_parts, observe=observe)
+        return partial(model.engine.run_parts, observe=observe), partial(model.engine.run_buffer, observe=observe)
 
     def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
         """One log line when a tensor's PSI crosses the threshold (and one when it is back under)."""
@@ -222,8 +225,8 @@ class Server:
         shadowed = [a for a in model.alias_served if a.rpartition("@")[2] == self.settings.shadow_alias]
         return model.slots.get(model.alias_served[shadowed[0]]) if shadowed else None
 
-    def mirror(self, slot: Slot, request_id: str, request, results: dict[str, np.ndarray],
-               champion_ms: float) -> None:
+    def mirror(self, slot: Slot, request_id: str, feeds: dict[str, np.ndarray], rows: int,
+               results: dict[str, np.ndarray], champion_ms: float) -> None:
         """Hands a sample of a model's answered requests to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
         counted; the champion's answer is never held up by it."""
@@ -241,7 +244,7 @@ class Server:
         if queue is None or queue.full() or slot.batcher.queued_rows > 0:
             shadow.dropped((slot.version, challenger.version))
             return
-        queue.put_nowait((challenger, slot.version, request_id, request.feeds, request.rows, results, champion_ms))
+        queue.put_nowait((challenger, slot.version, request_id, feeds, rows, results, champion_ms))
 
     async def _mirror_worker(self, name: str) -> None:
         """One model's mirrored requests, one at a time, on its challenger's batcher."""
@@ -447,50 +450,63 @@ class Server:
         return (f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
                 f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
                 f"--default-model NAME)")
-    async def decode(self, decode: Callable[[], Any], size: int):
-        """A protocol's decoder on its request: in a thread for a big one (two at a time), inline for a small
-        one. An exception the decoder did not foresee is still the client's malformed request: a 400."""
-        def safely():
-            try:
-                return decode()
-            except BadRequest:
-                raise
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
-                log.debug("a request the decoder did not foresee", exc_info=True)
-                raise BadRequest(f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}") from None
+    @staticmethod
+    def decode_now(decode: Callable[[], Any]):
+        """A protocol's decoder on its request, here and now. An exception the decoder did not foresee is still the
+        client's malformed request: a 400."""
+        try:
+            return decode()
+        except BadRequest:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+            log.debug("a request the decoder did not foresee", exc_info=True)
+            raise BadRequest(f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}") from None
 
+    async def decode(self, decode: Callable[[], Any], size: int):
+        """decode_now, in a thread for a big request (two at a time), inline for a small one."""
         if size <= BIG_BODY:
-            return safely()
+            return self.decode_now(decode)
         async with self.decoding:
-            return await asyncio.to_thread(safely)
+            return await asyncio.to_thread(self.decode_now, decode)
 
     async def answer(self, slot: Slot, request, exchange: Exchange, *, endpoint: str, follow_swap: bool,
-                     request_id: str | None = None) -> Answer:
+                     request_id: str | None = None, arrival=None) -> Answer:
         """The one inference path (see the module's docstring): `request` is what the front end decoded for `slot`
         (.feeds, .rows, .request_id: None when the body has none); `request_id` the one its headers or metadata
-        gave (checked). Refusals raise Refused or BadRequest, the receipt already on `exchange`."""
+        gave (checked); `arrival` the batcher's note that its body was on its way (Batcher.arriving), ended when it
+        is queued. Refusals raise Refused or BadRequest, the receipt already on `exchange`."""
         rid = request_id
         if rid is None:
             given = getattr(request, "request_id", None)
-            rid = check_request_id(given, 'the "id" of the request') if given is not None else uuid.uuid4().hex
+            rid = check_request_id(given, 'the "id" of the request') if given is not None else new_request_id()
         exchange.answered_by(slot, rid)
+        # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
+        # request received into a batch buffer has views of rows the next batch is received into.
+        feeds = owned(request.feeds) if self._keeps(slot, rid) else request.feeds
         started = time.perf_counter()
         try:
-            results, slot = await self.infer(slot, request.feeds, request.rows, follow_swap)
+            results, slot = await self.infer(slot, request.feeds, request.rows, follow_swap, arrival)
         except (Refused, BadRequest) as exc:
-            self.log_payload(rid, endpoint, slot, request.feeds, None, exc.status, str(exc))
+            self.log_payload(rid, endpoint, slot, feeds, None, exc.status, str(exc))
             raise
         exchange.answered_by(slot, rid)  # the version that ran it, whatever the server serves by now
         if slot.model.engine.other_dynamic_axes:  # a new version's warm-up: no size to guess for zeros there
-            # One row is enough to warm a version up; kept only for such models (it is a client's data).
+            # One row is enough to warm a version up; kept only for such models (it is a client's data; such a model
+            # has no batch buffers: its feeds are its own).
             self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
                                                         if slot.model.engine.batchable else request.feeds)
-        self.log_payload(rid, endpoint, slot, request.feeds, results)
-        self.mirror(slot, rid, request, results, (time.perf_counter() - started) * 1e3)
+        self.log_payload(rid, endpoint, slot, feeds, results)
+        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3)
         return Answer(slot, rid, request, results)
 
+    def _keeps(self, slot: Slot, request_id: str) -> bool:
+        """Whether the payload log or the shadow mirror will keep this request's inputs."""
+        if self.payload_log is not None and self.payload_log.sampled(request_id):
+            return True
+        return slot.model.info.name in self.shadows and in_sample(request_id, self.settings.shadow)
+
     async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
-                    follow_swap: bool = True) -> tuple[dict[str, np.ndarray], Slot]:
+                    follow_swap: bool = True, arrival=None) -> tuple[dict[str, np.ndarray], Slot]:
         """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
         named no version) the one a reload put in its place before the request could be queued."""
         lengths.check(slot.model.info.max_lengths, feeds, slot.model.info.name)  # a 400 naming the limit, not ORT's
@@ -500,13 +516,14 @@ class Server:
                                  "(--max-rows-per-request): split it")
         timeout = self.settings.request_timeout
         try:
-            return await asyncio.wait_for(self._submit(slot, feeds, rows, follow_swap), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # (wait_for would make a task of its own per request)
+                return await self._submit(slot, feeds, rows, follow_swap, arrival)
+        except TimeoutError:
             raise Refused(504, f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
                                  "a model run is stuck") from None
         except RunTimedOut as exc:
             raise Refused(504, str(exc)) from None
-        except ModelInputError as exc:
+        except (ModelInputError, NonFinite) as exc:
             raise Refused(400, str(exc)) from None
         except QueueFull as exc:
             raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
@@ -514,10 +531,12 @@ class Server:
             raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
 
     async def _submit(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
-                      follow_swap: bool) -> tuple[dict[str, np.ndarray], Slot]:
+                      follow_swap: bool, arrival=None) -> tuple[dict[str, np.ndarray], Slot]:
         try:
-            return await slot.batcher.submit(feeds, rows), slot
+            return await slot.batcher.submit(feeds, rows, arrival), slot
         except BatcherClosed:
+            if arrival is not None:
+                arrival.end()
             # A reload swapped the model between choosing this slot and queueing on it (decoding a big body,
             # or wait_for's task start, lies in between): the new model takes it if its inputs are the same.
             # Named a version: the same version's new slot (a reload of it). Unloaded meanwhile: a 404.
@@ -539,6 +558,12 @@ class Server:
         if self.payload_log is not None and self.payload_log.sampled(request_id):
             self.payload_log.submit(Record(request_id, time.time(), endpoint, status,
                                            model_summary(slot.model.info), feeds, results, error))
+
+
+def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A request's feeds as arrays of their own, for what keeps them past its run (the payload log, the shadow
+    mirror): a request received into a batch buffer has views of rows the next batch reuses."""
+    return {name: np.array(x) for name, x in feeds.items()}
 
 
 def fits(specs, feeds: dict[str, np.ndarray]) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from serving.console import clip, ort_severity
-from serving.staging import NonFinite, Staging, check_finite, concat, rows_of
+from serving.staging import BatchBuffers, NonFinite, check_finite, concat, rows_of
 import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
@@ -366,10 +366,8 @@ class Engine:
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
         self._open_buckets(path, options, providers, batch_buckets or BatchBuckets())
-        # The batch buffers a batch is gathered into: for models whose inputs have a fixed shape past the batch
-        # axis (pinned on the CUDA provider: its host-to-device copy then runs at full speed).
-        self._staging = (Staging(self.inputs, pin=self.provider in GPU_PROVIDERS)
-                         if self.batchable and not self.other_dynamic_axes else None)
+        # The batch buffers batches are assembled in (batch_buffers: for models of fixed shapes past the batch axis).
+        self.buffers: BatchBuffers | None = None
 
     def _open_buckets(self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets) -> None:
         """One more session per bucket below the largest (the first session runs that one and longer runs)."""
@@ -400,8 +398,8 @@ class Engine:
         this engine goes: an unloaded model must give its memory back even while a late request still holds it."""
         self.session = None
         self._bucket_sessions = {}
-        if self._staging is not None:
-            self._staging.close()
+        if self.buffers is not None:
+            self.buffers.close()
 
     def bucket_for(self, rows: int) -> int:
         """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
@@ -415,49 +413,84 @@ class Engine:
     def run_parts(self, parts: list[dict[str, np.ndarray]], observe=None) -> dict[str, np.ndarray]:
         """A batch of requests' feeds (of one layout) through the model: the outputs of all their rows, in order.
 
-        For a model of fixed input shapes past the batch axis, the parts are copied straight into the batch
-        buffers (serving/staging.py: pinned on CUDA) padded up to the batch bucket, and run by that bucket's
-        session; one part that needs no padding runs as it is. Past the largest bucket (one large request) the
-        run goes in chunks of it. Other models: the parts concatenated, one session run.
-        `observe(feeds, outputs)` sees the batch (without padding) before its buffers are reused (drift)."""
-        session, buckets = self.session, self._bucket_sessions  # one look: close() may come from another thread
+        For a model of fixed input shapes past the batch axis, the parts are copied into a batch buffer
+        (serving/staging.py: pinned on CUDA), padded up to the batch bucket and run by that bucket's session; one
+        part that needs no padding runs as it is. Past the largest bucket (one large request) the run goes in
+        chunks of it. Other models: the parts concatenated, one session run. NaN or Inf in a part: ModelInputError.
+        `observe(feeds, outputs)` sees the batch (without padding) before its buffer is reused (drift)."""
+        with self._mapped_errors():
+            buffers = self.buffers
+            rows = sum(rows_of(p) for p in parts) if self.batchable and not self.other_dynamic_axes else 0
+            size = self.bucket_for(rows)
+            index = None
+            if buffers is not None and (len(parts) > 1 or size != rows) and size <= buffers.capacity:
+                index = buffers.acquire()
+            if index is not None:
+                try:
+                    return self._run_sized(buffers.gather(index, parts, rows, size), rows, size, observe)
+                finally:
+                    buffers.release(index)
+            for part in parts:
+                check_finite(part)
+            feeds = concat(parts)
+            if size == rows or rows > (self.buckets[-1] if self.buckets else rows):  # as it is, or in chunks
+                outputs = self._run_unstaged(feeds, rows)
+                if observe is not None:
+                    observe(feeds, outputs)
+                return outputs
+            feeds = {n: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for n, x in feeds.items()}
+            return self._run_sized(feeds, rows, size, observe)
+
+    def run_buffer(self, index: int, start: int, rows: int, free_up_to: int, observe=None) -> dict[str, np.ndarray]:
+        """Rows start..start+rows of batch buffer `index` (assembled and checked by the batcher) through the model.
+        Padded up to the batch bucket in place when the rows up to `free_up_to` allow it, else copied into a free
+        buffer (or concatenated) first."""
+        with self._mapped_errors():
+            size = self.bucket_for(rows)
+            if start + size <= free_up_to:
+                return self._run_sized(self.buffers.batch(index, rows, size, start), rows, size, observe)
+            return self.run_parts([self.buffers.views(index, start, rows)], observe)
+
+    def batch_buffers(self, capacity: int) -> BatchBuffers | None:
+        """This model's batch buffers of `capacity` rows (made once), for the batcher to assemble batches in; None for
+        a model whose inputs have another dynamic axis or no batch axis."""
+        if self.buffers is None and self.batchable and not self.other_dynamic_axes:
+            self.buffers = BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
+        return self.buffers
+
+    def _run_sized(self, feeds: dict[str, np.ndarray], rows: int, size: int, observe) -> dict[str, np.ndarray]:
+        """One run of `size` rows (a bucket's: its own session), the padding's rows cut off the outputs again."""
+        session = self._bucket_sessions.get(size, self.session)
         if session is None:
             raise EngineError("the model was unloaded")
+        outputs = dict(zip(self.output_names, session.run(self.output_names, feeds)))
+        if size != rows:
+            outputs = {name: out[:rows] for name, out in outputs.items()}
+            feeds = {name: x[:rows] for name, x in feeds.items()}
+        if observe is not None:
+            observe(feeds, outputs)
+        return outputs
+
+    @contextlib.contextmanager
+    def _mapped_errors(self):
+        """NaN/Inf and the errors onnxruntime raises for values it can't compute on -> ModelInputError (a 400);
+        out of memory and everything else stay the server's problem."""
         try:
-            rows = 0 if self._staging is None else sum(rows_of(p) for p in parts)  # (buckets imply staging)
-            if self._staging is None or rows > (self.buckets[-1] if self.buckets else rows):
-                for part in parts:
-                    check_finite(part)
-                feeds = concat(parts)  # nothing to gather into, or in chunks of the largest bucket
-                outputs = self._run_unstaged(session, buckets, feeds, rows)
-            else:
-                size = self.bucket_for(rows)
-                if len(parts) == 1 and size == rows:  # runs as it came: checked where it is
-                    check_finite(parts[0])
-                    feeds = parts[0]
-                else:
-                    feeds = self._staging.gather(parts, rows, size)
-                outputs = dict(zip(self.output_names, buckets.get(size, session).run(self.output_names, feeds)))
-                if size != rows:
-                    outputs = {name: out[:rows] for name, out in outputs.items()}
-                    feeds = {name: x[:rows] for name, x in feeds.items()}
-            if observe is not None:
-                observe(feeds, outputs)
-            return outputs
+            yield
         except NonFinite as exc:
             raise ModelInputError(str(exc)) from None
         except Exception as exc:
-            # onnxruntime's InvalidArgument and RuntimeException are what bad values give; out of memory
-            # and everything else is the server's problem.
             text = str(exc).strip()
             if type(exc).__name__ in ("InvalidArgument", "RuntimeException") and "memory" not in text.lower():
                 first = text.splitlines()[0] if text else type(exc).__name__
                 raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
             raise
 
-    def _run_unstaged(self, session: ort.InferenceSession, buckets: dict[int, ort.InferenceSession],
-                      feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    def _run_unstaged(self, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         """One session run, or with batch buckets one run per chunk of the largest bucket, the last one padded."""
+        session, buckets = self.session, self._bucket_sessions  # one look: close() may come from another thread
+        if session is None:
+            raise EngineError("the model was unloaded")
         if not self.buckets or not rows:
             return dict(zip(self.output_names, session.run(self.output_names, feeds)))
         largest = self.buckets[-1]

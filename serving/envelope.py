@@ -14,11 +14,23 @@ A front end decides only how to carry these: HTTP puts the receipt in headers an
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from typing import NamedTuple
 
 from serving.codec import BadRequest
+
+
+_ID_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across restarts and replicas
+_ID_COUNTER = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fresh request id, 32 hex digits as a uuid4's hex, unique without a system call or a UUID object per
+    request (uuid4 cost a tenth of a request's Python time): a random prefix per process and a counter."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 class Refused(Exception):

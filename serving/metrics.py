@@ -56,6 +56,18 @@ class Metrics:
         self.behind = Gauge("trainserve_model_behind_alias", "1 while the alias points at a version this server "
                             "has not loaded (it serves an older one)", ["model", "alias"], registry=r)
         self.registry.register(_QueueCollector(queue_rows))
+        # Each request looks its series up here, not through prometheus_client's labels() (a lock and a tuple of
+        # strings each time): a request's own cost is what a server of small requests spends most on.
+        self._children: dict[tuple, tuple] = {}
+
+    def observe_request(self, route: str, status: int | str, seconds: float, model: str = "", version: str = "") -> None:
+        key = (route, status, model, version)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.requests.labels(route, str(status), model, version),
+                                              self.latency.labels(route, model, version))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_drift(self, scores: Callable[[], dict[tuple[str, str, str, str], float]]) -> None:
         """trainserve_input_drift / trainserve_output_drift{model,version,input|output}: the PSI of each tensor
@@ -70,10 +82,6 @@ class Metrics:
     def watch_payload_log(self, stats: Callable[[], dict]) -> None:
         """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
         self.registry.register(_PayloadLogCollector(stats))
-
-    def observe_request(self, route: str, status: int | str, seconds: float, model: str = "", version: str = "") -> None:
-        self.requests.labels(route, str(status), model, version).inc()
-        self.latency.labels(route, model, version).observe(seconds)
 
     def observe_batch(self, model: str, version: str, rows: int, seconds: float, waits: list[float]) -> None:
         self.batch_size.labels(model, version).observe(rows)
@@ -97,6 +105,7 @@ class Metrics:
                 if labels not in loaded:
                     family.remove(*labels)
         # Request series end in (model, version); those of no model ("", "": health, refusals) stay.
+        self._children = {k: v for k, v in self._children.items() if not k[2] or k[2:] in loaded}
         for family in (self.requests, self.latency):
             for labels in list(family._metrics):
                 if labels[-2] and tuple(labels[-2:]) not in loaded:

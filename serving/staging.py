@@ -1,29 +1,36 @@
 """A model's batch buffers: the host memory its batched runs read their inputs from, and the check that every
-floating-point value of a batch is finite (NaN and Inf are refused with a 400, request by request).
+floating-point value is finite (NaN and Inf are refused with a 400, request by request).
 
-A batch of requests is copied once, each request's rows straight into its place in one buffer per input,
-reused run after run (no array is allocated per batch, and the bucket's padding is written in place, not
-concatenated on), and on the CUDA provider the buffers are pinned (page-locked: the host-to-device copy is a
-DMA at full speed, not staged through the driver's own bounce buffer). Only for models whose every input has a
-fixed shape past the batch axis: other models' requests are concatenated as they come (`concat`).
+A request is copied into a batch buffer once, when it has arrived, on the thread that took it in (its bytes are
+still in that core's cache), into the rows after the requests before it: the batch is assembled while the engine
+runs the previous one, and the engine runs the buffer as it is, no gather, no array allocated per batch; a
+bucket's padding is written in place. On the CUDA provider the buffers are pinned (page-locked: the
+host-to-device copy is a DMA at full speed, not staged through the driver's bounce buffer). Only for models whose
+every input has a fixed shape past the batch axis; other models' requests are concatenated as they come
+(`concat`).
 
-The finite check is made here, on the engine thread, as the batch is copied: one pass over values that are in
-the cache already, off the event loop, over exactly the bytes that will run (a value in shared memory a client
-changes afterwards is not what runs).
-
-Used on the engine thread only (the engine's runs are one at a time): the buffers hold one batch at a time.
+The copy and the finite check are one pass (serving/_ingest.c; numpy's two passes where it is not built): over
+exactly the bytes that will run, so a value in shared memory a client changes afterwards is not what runs.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
 from serving import cuda
 
+try:
+    from serving import _ingest
+except ImportError:  # not built (no C compiler at install): numpy does the same in two passes
+    _ingest = None
+
 log = logging.getLogger("serving.staging")
 Feeds = dict[str, np.ndarray]
+BUFFERS = 3  # one running, one assembling, one full and waiting
+MAX_BYTES = 1 << 30  # all of a model's batch buffers together; past it fewer buffers (at least one)
 
 
 class NonFinite(ValueError):
@@ -33,10 +40,39 @@ class NonFinite(ValueError):
         super().__init__(f"input '{name}' contains NaN or Inf; this server refuses non-finite values")
 
 
+def _width(dtype: np.dtype) -> int:
+    """The check's value width for a dtype: its size for floating point, 0 (no check) for the rest."""
+    return dtype.itemsize if dtype.kind == "f" and dtype.itemsize in (2, 4, 8) else 0
+
+
+def finite_bytes(data: memoryview, width: int) -> bool:
+    """Whether the floating-point values of `width` bytes in `data` (a whole number of them) are all finite."""
+    if _ingest is not None:
+        return _ingest.finite(data, width)
+    return bool(np.isfinite(np.frombuffer(data, dtype=f"<f{width}")).all())
+
+
+def all_finite(x: np.ndarray) -> bool:
+    if x.dtype.kind != "f" or not x.size:
+        return True
+    if _ingest is not None and x.flags.c_contiguous and _width(x.dtype):
+        return _ingest.finite(x, x.dtype.itemsize)
+    return bool(np.isfinite(x).all())
+
+
+def copy_finite(destination: np.ndarray, source: np.ndarray) -> bool:
+    """destination[...] = source (same shape and dtype, destination contiguous); whether every value is finite."""
+    width = _width(source.dtype)
+    if _ingest is not None and source.flags.c_contiguous:
+        return _ingest.copy_finite(destination, source, width)
+    destination[...] = source
+    return not width or bool(np.isfinite(destination).all())
+
+
 def check_finite(feeds: Feeds) -> None:
     """NonFinite for the first floating-point input holding NaN or Inf."""
     for name, x in feeds.items():
-        if x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
+        if not all_finite(x):
             raise NonFinite(name)
 
 
@@ -52,48 +88,90 @@ def rows_of(feeds: Feeds) -> int:
     return len(next(iter(feeds.values())))
 
 
-class Staging:
-    """Buffers of `capacity` rows for every input (grown when a batch needs more), pinned when `pin`."""
+class BatchBuffers:
+    """Up to `count` buffers of `capacity` rows for every input, made when first needed (pinned when `pin`).
+    `acquire`/`release` hand them out; the engine thread and the event loops share them: under a lock."""
 
-    def __init__(self, inputs, pin: bool = False):
+    def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS):
         self.inputs = [(spec.name, spec.dtype, tuple(spec.shape[1:])) for spec in inputs]
+        self.capacity = capacity
+        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, dtype, shape in self.inputs)
+        self.count = max(1, min(count, MAX_BYTES // max(1, row_bytes * capacity)))
         self.pin = pin
-        self.capacity = 0
-        self.buffers: Feeds = {}
-        self.pinned = False  # whether cudaHostRegister took them (said in the log once)
+        self._lock = threading.Lock()
+        self._buffers: list[Feeds] = []
+        self._free: list[int] = []
 
-    def gather(self, parts: list[Feeds], rows: int, size: int) -> Feeds:
-        """The parts' rows one after another, then the last row repeated up to `size` (a bucket's padding:
-        values the model certainly takes, where a zero could be an index or a divisor it does not expect).
-        Returns views of the buffers: valid until the next gather. NonFinite if a part holds NaN or Inf."""
-        if size > self.capacity:
-            self._grow(size)
-        out = {name: buffer[:size] for name, buffer in self.buffers.items()}
-        for name, view in out.items():
-            at = 0
-            check = view.dtype.kind == "f"
-            for part in parts:
-                x = part[name]
-                view[at:at + len(x)] = x
-                if check and not np.isfinite(view[at:at + len(x)]).all():
-                    raise NonFinite(name)
-                at += len(x)
-            if size > rows:
+    def fits(self, feeds: Feeds, rows: int) -> bool:
+        """Whether a request's feeds have this layout (names, shapes past the batch axis, dtypes) and fit a buffer."""
+        if rows > self.capacity or len(feeds) != len(self.inputs):
+            return False
+        for name, dtype, shape in self.inputs:
+            x = feeds.get(name)
+            if x is None or x.dtype != dtype or x.shape[1:] != shape:
+                return False
+        return True
+
+    def acquire(self) -> int | None:
+        """A free buffer's index (a new one while fewer than `count` exist), or None."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if len(self._buffers) >= self.count:
+                return None
+            buffer = {name: np.empty((self.capacity, *shape), dtype) for name, dtype, shape in self.inputs}
+            if self.pin and not all([cuda.pin(array) for array in buffer.values()]):
+                log.info("batch buffers could not be pinned (cudaHostRegister refused): copies to the GPU go through "
+                         "pageable memory, slower")
+                self.pin = False
+            self._buffers.append(buffer)
+            return len(self._buffers) - 1
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self._free.append(index)
+
+    def views(self, index: int, start: int, rows: int) -> Feeds:
+        """Rows start..start+rows of buffer `index`, every input's (where a request's body may be received into)."""
+        return {name: buffer[start:start + rows] for name, buffer in self._buffers[index].items()}
+
+    def check(self, feeds: Feeds) -> None:
+        """NonFinite for the first input holding NaN or Inf (a request received straight into its place)."""
+        check_finite(feeds)
+
+    def fill(self, index: int, start: int, rows: int, source: int) -> None:
+        """Rows start..start+rows of buffer `index` made copies of row `source` (a refused request's place in a run)."""
+        for buffer in self._buffers[index].values():
+            buffer[start:start + rows] = buffer[source]
+
+    def put(self, index: int, start: int, feeds: Feeds) -> None:
+        """A request's rows into buffer `index` from row `start`; NonFinite if one of its values is NaN or Inf."""
+        buffer = self._buffers[index]
+        for name, x in feeds.items():
+            if not copy_finite(buffer[name][start:start + len(x)], x):
+                raise NonFinite(name)
+
+    def batch(self, index: int, rows: int, size: int, start: int = 0) -> Feeds:
+        """Rows start..start+size of buffer `index`, the last size-rows of them padded with copies of the batch's last
+        row (a bucket's padding: values the model certainly takes, where a zero could be an index or a divisor it does
+        not expect)."""
+        out = {name: buffer[start:start + size] for name, buffer in self._buffers[index].items()}
+        if size > rows:
+            for view in out.values():
                 view[rows:size] = view[rows - 1]
         return out
 
-    def _grow(self, size: int) -> None:
-        for buffer in self.buffers.values():
-            cuda.unpin(buffer)
-        self.buffers = {name: np.empty((size, *shape), dtype) for name, dtype, shape in self.inputs}
-        self.capacity = size
-        if self.pin:
-            pinned = all([cuda.pin(buffer) for buffer in self.buffers.values()])
-            if pinned != self.pinned or size == self.capacity:
-                log.debug("batch buffers of %d rows %s", size, "pinned" if pinned else "not pinned (pageable)")
-            self.pinned = pinned
+    def gather(self, index: int, parts: list[Feeds], rows: int, size: int) -> Feeds:
+        """Requests' feeds copied one after another into buffer `index` (checked), then as `batch`."""
+        start = 0
+        for part in parts:
+            self.put(index, start, part)
+            start += rows_of(part)
+        return self.batch(index, rows, size)
 
     def close(self) -> None:
-        for buffer in self.buffers.values():
-            cuda.unpin(buffer)
-        self.buffers, self.capacity = {}, 0
+        with self._lock:
+            for buffer in self._buffers:
+                for array in buffer.values():
+                    cuda.unpin(array)
+            self._buffers, self._free = [], []

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from serving.batcher import Batcher, BatcherClosed, QueueFull, concat
+from serving.batcher import Batcher, BatcherClosed, QueueFull
+from serving.staging import concat
 from serving.runner import Runner
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from functools import partial
 
 import grpc
@@ -40,7 +39,7 @@ from google.protobuf.message import DecodeError
 import serving
 from serving import core
 from serving.codec import BadRequest
-from serving.envelope import Exchange, Refused, refusal
+from serving.envelope import Exchange, new_request_id, refusal
 from serving.grpc import codec, schema
 from serving.repository import version_key
 
@@ -174,7 +173,7 @@ def _regions(response, regions: list[dict]):
 
 
 def _request_id(given: str | None) -> str:
-    return uuid.uuid4().hex if not given else core.check_request_id(given, "the request id")
+    return new_request_id() if not given else core.check_request_id(given, "the request id")
 
 
 class Call:

@@ -68,6 +68,7 @@ class Connection(asyncio.BufferedProtocol):
         self._arm(self.site.read_timeout)
 
     def connection_lost(self, exc) -> None:
+        self._end_arrival()
         if self.state in (HEAD, BODY) and self.exchange is not None and not self.answered:
             self.exchange.finish(self.site.server.metrics, "499")  # gone mid-request: its doing, answered to nobody
             log.debug("%s %s: the client disconnected before its request arrived", self.request.method
@@ -284,6 +285,8 @@ class Connection(asyncio.BufferedProtocol):
         except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
             found = refusal(exc, f"{request.method} {request.path}", log)
             response = error_response(found.status, found.message, found.headers)
+        if request.arrival is not None:
+            request.arrival.end()  # (queued: ended already; refused before: ended here)
         exchange.finish(site.server.metrics, str(response.status))
         if self.state == CLOSED:
             return
@@ -380,7 +383,13 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._close()
 
+    def _end_arrival(self) -> None:
+        """The request being received goes no further (its connection closes): no batch waits for it."""
+        if self.request is not None and self.request.arrival is not None and self.state in (HEAD, BODY):
+            self.request.arrival.end()
+
     def _close(self) -> None:
+        self._end_arrival()
         if self.state != CLOSED:
             self.state = CLOSED
             self._disarm()

@@ -30,6 +30,7 @@ class HttpFrontEnd:
         self.max_header_bytes = settings.max_header_bytes
         self.buffer_bytes = max(BUFFER_BYTES, settings.max_header_bytes + 16 * 1024)
         self._hosts = settings.host_patterns()
+        self._hosts_seen: dict[str, bool] = {}
         self._origins = settings.origins()
         self.connections: set[Connection] = set()
         self.closing = False
@@ -39,13 +40,22 @@ class HttpFrontEnd:
     def check_origin(self, request: Request) -> None:
         """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
         host = request.headers.get("host", "")  # absent only without HTTP/1.1 (never from a browser)
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if host and not any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in self._hosts):
+        if host and not self._host_ok(host):
             raise Refused(403, f"Host {host!r} is not one this server answers; add it with --allowed-hosts")
         origin = request.headers.get("origin")
         if origin is not None and origin.rstrip("/") not in self._origins:
             raise Refused(403, f"cross-site requests from {origin!r} are refused; allow an origin with "
                                "--allowed-origins")
+
+    def _host_ok(self, host: str) -> bool:
+        known = self._hosts_seen.get(host)
+        if known is None:
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            known = any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in self._hosts)
+            if len(self._hosts_seen) >= 1024:  # bounded: any client may send any Host
+                self._hosts_seen.clear()
+            self._hosts_seen[host] = known
+        return known
 
     async def listen(self, host: str, port: int) -> list[tuple]:
         """Start accepting on host:port (OSError when it can't be bound); the addresses bound."""

@@ -23,7 +23,6 @@ import asyncio
 import base64
 import binascii
 import re
-import uuid
 import zlib
 from dataclasses import dataclass
 from functools import partial
@@ -35,7 +34,7 @@ import serving
 from serving import codec
 from serving.codec import BadRequest
 from serving.core import Server, check_request_id
-from serving.envelope import Exchange, Refused
+from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
 from serving.repository import READY, RepositoryError, off_loop, version_key
@@ -113,16 +112,18 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
         raise Refused(415, f"Content-Type {content_type} is not taken for inference (a web page can send it "
                            "cross-site); send application/json, or application/octet-stream with binary data")
     json_length = header_length(request)
+    request.arrival = arrival = slot.batcher.arriving()  # a batch about to run waits for it a little (Batcher)
     if (json_length is not None and not chunked and 0 < json_length <= length
             and content_encoding(request) == "identity"):
         engine = slot.model.engine
-        return bodies.V2Binary(json_length, length, engine.inputs, engine.output_names, server.limits)
+        return bodies.V2Binary(json_length, length, engine.inputs, engine.output_names, server.limits,
+                               place=partial(slot.batcher.place, arrival))
     return whole_body(server, request, exchange, length, chunked)
 
 
 def invocations_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
     slot = request.slot = server.invocations_slot()
-    request.request_id = request_id(request) or uuid.uuid4().hex
+    request.request_id = request_id(request) or new_request_id()
     exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
     if content_type != JSON:
@@ -206,15 +207,18 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
     engine = slot.model.engine
     body, authorization = request.body, request.header("authorization")
     shared = server.shared_memory.reader(authorization)  # for inputs placed in shared memory (serving/shm.py)
-    if isinstance(body, bodies.V2Binary):
-        decoded = await server.decode(partial(body.finish, shared),
-                                      0 if body.binary_bytes <= FINISH_INLINE_BYTES else body.length)
+    if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
+        decoded = server.decode_now(partial(body.finish, shared))
+        request.arrival.checked = body.checked
+    elif isinstance(body, bodies.V2Binary):
+        decoded = await server.decode(partial(body.finish, shared), body.length)
     else:
         data = body_bytes(server, request)
         decoded = await server.decode(partial(codec.decode_v2, data, header_length(request), engine.inputs,
                                               engine.output_names, server.limits, shared), len(data))
     answer = await server.answer(slot, decoded, exchange, request_id=request.request_id, follow_swap=not named,
-                                 endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer")
+                                 endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer",
+                                 arrival=request.arrival)
     info, engine = answer.slot.model.info, answer.slot.model.engine
     # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
     v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
@@ -438,13 +442,25 @@ class Router:
 
     def __init__(self, routes: list[Route]):
         self.routes = routes
+        self._seen: dict[tuple[str, str], tuple] = {}
         self._by_length: dict[int, list[tuple[tuple[str, ...], Route]]] = {}
         for route in routes:
             segments = tuple(route.path.strip("/").split("/"))
             self._by_length.setdefault(len(segments), []).append((segments, route))
 
     def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
-        """(route, parameters, whether the path exists for another method)."""
+        """(route, parameters, whether the path exists for another method); the paths clients repeat (one model's
+        infer) are looked up once."""
+        found = self._seen.get((method, path))
+        if found is None:
+            found = self._match(method, path)
+            if len(self._seen) >= 4096:  # paths name models: bounded, a client sending random ones can't grow it
+                self._seen.clear()
+            self._seen[(method, path)] = found
+        route, params, other = found
+        return route, dict(params), other
+
+    def _match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
         wanted = "GET" if method == "HEAD" else method
         segments = path.strip("/").split("/") if path != "/" else [""]
         other_method = False

@@ -23,6 +23,7 @@ class Request:
     body: object = b""
     slot: object = None  # the model version an inference route picked when the head arrived
     request_id: str | None = None  # the client's X-Request-Id, checked
+    arrival: object = None  # the batcher's note that this request's body is on its way (Batcher.arriving)
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)
