@@ -103,11 +103,12 @@ class Arrival:
     """A request on its way to this batcher (its head in, its body arriving), and, when it has one, the place in a
     batch buffer its body is received into (`views`: each input's rows there). Ended once: by `submit`, or by the
     front end (`end`) when the request goes no further."""
-    __slots__ = ("batcher", "seq", "over", "place", "checked")
+    __slots__ = ("batcher", "seq", "over", "place", "checked", "filled")
 
     def __init__(self, batcher: "Batcher", seq: int, place: _Place | None):
         self.batcher, self.seq, self.over, self.place = batcher, seq, False, place
         self.checked = False  # its values were checked for NaN and Inf as they arrived
+        self.filled = False  # its body was received into its place (the feeds submitted are its views)
 
     @property
     def views(self) -> Feeds | None:
@@ -242,14 +243,13 @@ class Batcher:
             if arrival.place is not None and arrival.place.job is None:
                 arrival.place.dead = True
                 self._release_done_groups()
-            waiting = self._wait_until is not None
-        if waiting:  # a batch waits for it: perhaps no longer
-            self._runner.ready(self)
 
     def _forget(self, arrival: Arrival) -> None:
         """(under _lock)"""
         arrival.over = True
         self._arrivals.pop(arrival.seq, None)
+        if not self._arrivals and self._wait_until is not None:
+            self._runner.ready(self)  # the batch waited for this one, the last: it runs now
 
     async def submit(self, feeds: Feeds, rows: int, arrival: Arrival | None = None) -> Feeds:
         """Queue `rows` rows and wait for their outputs (same row order). `arrival`: this request's (ended now); when
@@ -257,7 +257,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         job = _Job(feeds, rows, loop.create_future(), loop)
         place = arrival.place if arrival is not None and not arrival.over else None
-        if place is not None and not _same_memory(feeds, place.views):
+        if place is not None and not arrival.filled and not _same_memory(feeds, place.views):
             place = None  # not what was received into it (a reload's other batcher): copied like any other
         if place is not None and not arrival.checked:
             try:
@@ -299,7 +299,8 @@ class Batcher:
                 raise
             with self._lock:
                 place.job = job
-        self._runner.ready(self)
+        if self._wait_until is None or not self._arrivals or self.queued_rows >= self.max_batch_size:
+            self._runner.ready(self)  # (a batch waiting for arrivals is told when they are in: see _forget)
         return await job.future
 
     def _admit(self, rows: int) -> None:
@@ -365,7 +366,7 @@ class Batcher:
             oldest_placed = min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
             take_span = span is not None and (head is None or oldest_placed <= head.arrived)
             if take_span:
-                group, places = span
+                group, places, _ = span
                 rows = sum(p.rows for p in places)
                 oldest = oldest_placed
                 open_ = not group.sealed
@@ -379,7 +380,7 @@ class Batcher:
                     place.ran = True
                 jobs = [p.job for p in places if p.job is not None]
                 self.queued_rows -= sum(job.rows for job in jobs)
-                free_up_to = self._free_up_to(group, places[-1])
+                free_up_to = self._free_up_to(group, span[2])
             else:
                 jobs = self._take()
             self._batch = jobs
@@ -422,9 +423,9 @@ class Batcher:
         self._wait_until = None
         return False
 
-    def _next_span(self) -> tuple[_Group, list[_Place]] | None:
+    def _next_span(self) -> tuple[_Group, list[_Place], int] | None:
         """(under _lock) The first run of consecutive places not run yet, each complete (a job, or dead), holding at
-        least one job: (group, places). Runs of dead places alone are marked run on the way."""
+        least one job: (group, places, the index after them). Runs of dead places alone are marked run on the way."""
         for group in self._groups:
             places, i = group.places, 0
             while i < len(places):
@@ -436,16 +437,16 @@ class Batcher:
                     j += 1
                 span = places[i:j]
                 if any(p.job is not None for p in span):
-                    return group, span
+                    return group, span, j
                 for place in span:
                     place.ran = True
                 i = j
         return None
 
-    def _free_up_to(self, group: _Group, last: _Place) -> int:
-        """(under _lock) The row up to which the buffer is free after `last` (a run may pad into it): the next place
-        still to be run or arriving, else the buffer's end."""
-        for place in group.places[group.places.index(last) + 1:]:
+    def _free_up_to(self, group: _Group, after: int) -> int:
+        """(under _lock) The row up to which the buffer is free after the places before index `after` (a run may pad
+        into it): the next place still to be run or arriving, else the buffer's end."""
+        for place in group.places[after:]:
             if not place.ran and not place.dead:
                 return place.start
         return self._buffers.capacity

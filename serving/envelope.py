@@ -56,18 +56,28 @@ class Exchange:
     """One request through any front end: its route (as metrics name it), when it began, and once the version is
     known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
 
-    __slots__ = ("route", "started", "model", "receipt")
+    __slots__ = ("route", "started", "slot", "request_id")
 
     def __init__(self, route: str):
         self.route = route
         self.started = time.perf_counter()
-        self.model = ("", "")
-        self.receipt: dict[str, str] = {}
+        self.slot = None
+        self.request_id: str | None = None
 
     def answered_by(self, slot, request_id: str | None = None) -> None:
         """The version the request is (now) for, and its id when known: also given with a refusal."""
-        self.model = (slot.model.info.name, slot.version)
-        self.receipt = slot.headers if request_id is None else {**slot.headers, "X-Request-Id": request_id}
+        self.slot, self.request_id = slot, request_id
+
+    @property
+    def model(self) -> tuple[str, str]:
+        return ("", "") if self.slot is None else (self.slot.model.info.name, self.slot.version)
+
+    @property
+    def receipt(self) -> dict[str, str]:
+        """X-Request-Id and the X-Model-* headers of the version that answered ({} before one was chosen)."""
+        if self.slot is None:
+            return {}
+        return self.slot.headers if self.request_id is None else {**self.slot.headers, "X-Request-Id": self.request_id}
 
     def finish(self, metrics, status: str) -> None:
         metrics.observe_request(self.route, status, time.perf_counter() - self.started, *self.model)

@@ -84,11 +84,16 @@ class Metrics:
         self.registry.register(_PayloadLogCollector(stats))
 
     def observe_batch(self, model: str, version: str, rows: int, seconds: float, waits: list[float]) -> None:
-        self.batch_size.labels(model, version).observe(rows)
-        self.inference.labels(model, version).observe(seconds)
-        queue = self.queue_time.labels(model, version)
+        key = ("batch", model, version)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.batch_size.labels(model, version),
+                                              self.inference.labels(model, version),
+                                              self.queue_time.labels(model, version))
+        children[0].observe(rows)
+        children[1].observe(seconds)
         for wait in waits:
-            queue.observe(wait)
+            children[2].observe(wait)
 
     def set_models(self, served: list[tuple[str, str, str, str, str, str]]) -> None:
         """What is loaded now: (name, version, provider, source, variant, options) per version. The run and request
@@ -105,7 +110,7 @@ class Metrics:
                 if labels not in loaded:
                     family.remove(*labels)
         # Request series end in (model, version); those of no model ("", "": health, refusals) stay.
-        self._children = {k: v for k, v in self._children.items() if not k[2] or k[2:] in loaded}
+        self._children = {k: v for k, v in self._children.items() if not k[-2] or tuple(k[-2:]) in loaded}
         for family in (self.requests, self.latency):
             for labels in list(family._metrics):
                 if labels[-2] and tuple(labels[-2:]) not in loaded:

@@ -31,6 +31,7 @@ from concurrent.futures import Executor, Future
 from typing import Any, Callable
 
 log = logging.getLogger("serving.runner")
+WATCH_S = 1.0  # the watchdog's longest look interval
 
 
 class Runner(Executor):
@@ -49,6 +50,7 @@ class Runner(Executor):
         self._thread = threading.Thread(target=self._main, name=f"{name}_0", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._watch_cv = threading.Condition()
+        self._watch_s = WATCH_S  # how often the watchdog looks: a quarter of the shortest run_timeout
         self._thread.start()
         self._watchdog.start()
 
@@ -64,7 +66,12 @@ class Runner(Executor):
             if id(batcher) not in self._queued:
                 self._queued.add(id(batcher))
                 self._ready.append(batcher)
-                self._batchers.add(batcher)
+                if batcher not in self._batchers:
+                    self._batchers.add(batcher)
+                    if batcher.run_timeout and batcher.run_timeout / 4 < self._watch_s:
+                        self._watch_s = max(batcher.run_timeout / 4, 0.005)
+                        with self._watch_cv:  # its wait so far may be a longer one
+                            self._watch_cv.notify()
                 self._cv.notify()
 
     def ready_at(self, batcher, when: float) -> None:
@@ -95,8 +102,6 @@ class Runner(Executor):
     def began(self, run) -> None:
         """A batch run starts (on the engine thread): the watchdog times it."""
         self.running = run
-        with self._watch_cv:
-            self._watch_cv.notify()
 
     def ended(self) -> None:
         self.running = None
@@ -143,26 +148,18 @@ class Runner(Executor):
                 task.future.set_exception(RuntimeError("the engine thread has died"))
 
     def _watch(self) -> None:
-        """Fails a run past its batcher's run_timeout (see the module's docstring)."""
+        """Fails a run past its batcher's run_timeout (see the module's docstring). It looks every quarter of the
+        shortest run_timeout (at most every WATCH_S) rather than being told of each run: two thread switches per
+        batch cost more than all the looking."""
         while True:
             with self._watch_cv:
-                while self.running is None and not self._stopping:
-                    self._watch_cv.wait()
-                if self._stopping and self.running is None:
+                if self._stopping:
                     return
-                run = self.running
-                if run is None or run.timeout is None:
-                    self._watch_cv.wait(1.0)
-                    continue
-                remaining = run.started + run.timeout - time.monotonic()
-                if remaining > 0:
-                    self._watch_cv.wait(remaining)
-                    continue
-            if self.running is run:
+                self._watch_cv.wait(self._watch_s)
+            run = self.running
+            if run is not None and run.timeout is not None and not run.expired and \
+                    time.monotonic() - run.started > run.timeout:
                 run.timed_out()
-                with self._watch_cv:  # until this run returns, nothing more to watch
-                    while self.running is run and not self._stopping:
-                        self._watch_cv.wait(0.05)
 
 
 class _Task:

@@ -22,6 +22,7 @@ from serving.codec import BadRequest, Limits, V2Header, V2Request
 from serving.staging import NonFinite, finite_bytes
 
 _SCRATCH = memoryview(bytearray(1 << 16))  # what discarded bytes are received into (never read)
+SEEN_HEADERS = 256  # checked V2 headers kept per model version
 
 
 class Bytes:
@@ -106,8 +107,9 @@ class V2Binary:
     direct = True
 
     def __init__(self, header_length: int, length: int, specs, output_names: list[str], limits: Limits,
-                 place=None):
+                 place=None, seen: dict | None = None):
         self.place = place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
+        self.seen = seen  # headers of this model already checked (see _parse), or None
         self.header = bytearray(header_length)
         self.length = length
         self.specs, self.output_names, self.limits = specs, output_names, limits
@@ -118,6 +120,7 @@ class V2Binary:
         self._at = 0  # bytes into the current target
         self._checked = 0  # of which checked for NaN and Inf (see `wrote`)
         self.nonfinite: str | None = None  # the first input found to hold NaN or Inf
+        self.placed = False  # received into a batch buffer's rows
         self.error: Exception | None = None
         self._discard: Discard | None = None
         if header_length == 0:
@@ -167,9 +170,18 @@ class V2Binary:
         return taken
 
     def _parse(self) -> None:
+        key = (bytes(self.header), self.length)
+        self.parsed = self.seen.get(key) if self.seen is not None else None
         try:
-            self.parsed = codec.parse_v2_header(self.header, len(self.header), self.length, self.specs,
-                                                self.output_names, self.limits)
+            if self.parsed is None:
+                self.parsed = codec.parse_v2_header(self.header, len(self.header), self.length, self.specs,
+                                                    self.output_names, self.limits)
+                # A client sends the same header request after request (the same shapes, no id, or the same): it is
+                # checked once. Only headers without JSON data (small, their arrays are not shared) are kept.
+                if self.seen is not None and all(item.array is None for item in self.parsed.inputs):
+                    if len(self.seen) >= SEEN_HEADERS:
+                        self.seen.clear()
+                    self.seen[key] = self.parsed
         except BadRequest as exc:
             self.error = exc
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
@@ -178,6 +190,7 @@ class V2Binary:
             self._discard = Discard(self.length - self.filled)
             return
         views = self._placed()
+        self.placed = views is not None
         for item in self.parsed.binary_inputs:
             array = views[item.spec.name].reshape(-1) if views else np.empty(item.count, dtype=item.spec.dtype)
             self.arrays[item.spec.name] = array

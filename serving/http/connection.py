@@ -10,6 +10,7 @@ each input's bytes go from the kernel into the array that will be its feed, the 
 Deadlines: a connection has --read-timeout seconds to deliver a whole request, counted from when the server
 starts waiting for it (the connection opening, or the first byte after a keep-alive pause); past that it is
 closed, with a 408 if a request had begun. Between requests a keep-alive connection stays at most KEEP_ALIVE_S.
+A deadline is a number on the connection; the front end sweeps them a few times a second.
 On shutdown an idle connection is closed at once, one still receiving a request too (that request never
 started), and one whose request is being answered after its answer.
 """
@@ -43,8 +44,8 @@ class Connection(asyncio.BufferedProtocol):
         self.start = self.end = 0  # the unread bytes are buf[start:end]
         self.scanned = 0  # buf[start:scanned] holds no end of head
         self.state = IDLE
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_idle = False  # the timer armed is the keep-alive pause's, not a request's deadline
+        self.deadline: float | None = None  # loop.time() past which the front end's sweep closes it (see `_arm`)
+        self.deadline_idle = False  # the deadline is the keep-alive pause's, not a request's
         self.keep_alive = True
         self.paused = False
         self.into_body = False  # the last get_buffer gave the body's own memory
@@ -115,7 +116,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self.start == self.end:
                     return
                 self.state = HEAD
-                if self.timer is None or self.timer_idle:  # (a new connection's deadline counts from its opening)
+                if self.deadline is None or self.deadline_idle:  # (a new connection's counts from its opening)
                     self._arm(self.site.read_timeout)
             if self.state == HEAD:
                 if not self._head():
@@ -353,17 +354,20 @@ class Connection(asyncio.BufferedProtocol):
     # ---- deadlines and closing ----
 
     def _arm(self, seconds: float, idle: bool = False) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(seconds, self._expired)
-        self.timer_idle = idle
+        """A deadline `seconds` from now, which the front end's sweep enforces (`expire_if_due`): a float per
+        connection, not a timer handle made and cancelled twice per request."""
+        self.deadline = self.loop.time() + seconds
+        self.deadline_idle = idle
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadline = None
+
+    def expire_if_due(self, now: float) -> None:
+        if self.deadline is not None and now >= self.deadline:
+            self._expired()
 
     def _expired(self) -> None:
-        self.timer = None
+        self.deadline = None
         if self.state == CLOSED or self.transport.is_closing():
             return
         if self.state in (HEAD, BODY) and not self.answered:

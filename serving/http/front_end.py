@@ -18,6 +18,7 @@ from serving.http.routes import Router, table
 from serving.http.wire import Request
 
 log = logging.getLogger("serving.http")
+SWEEP_S = 0.25  # how often connection deadlines are looked at
 
 
 class HttpFrontEnd:
@@ -36,6 +37,7 @@ class HttpFrontEnd:
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.Task | None = None
 
     def check_origin(self, request: Request) -> None:
         """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
@@ -64,7 +66,19 @@ class HttpFrontEnd:
         server = await self.loop.create_server(lambda: Connection(self), host, port, family=family,
                                                reuse_address=True, backlog=2048)
         self._servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep(), name="http deadlines")
         return [s.getsockname() for s in server.sockets]
+
+    async def _sweep(self) -> None:
+        """Closes the connections past their deadline (serving/http/connection.py), every SWEEP_S at most: a
+        deadline is enforced within that much of when it falls."""
+        interval = min(SWEEP_S, self.read_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = self.loop.time()
+            for connection in list(self.connections):
+                connection.expire_if_due(now)
 
     def stop_accepting(self) -> None:
         """No new connections; idle ones and those still receiving a request close now, the others after their
@@ -83,5 +97,7 @@ class HttpFrontEnd:
             await asyncio.sleep(0.02)
         for connection in list(self.connections):
             connection.transport.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for server in self._servers:
             await server.wait_closed()

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import re
+import weakref
 import zlib
 from dataclasses import dataclass
 from functools import partial
@@ -117,8 +118,18 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
             and content_encoding(request) == "identity"):
         engine = slot.model.engine
         return bodies.V2Binary(json_length, length, engine.inputs, engine.output_names, server.limits,
-                               place=partial(slot.batcher.place, arrival))
+                               place=partial(slot.batcher.place, arrival), seen=_seen_headers(engine))
     return whole_body(server, request, exchange, length, chunked)
+
+
+_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its V2 headers already checked
+
+
+def _seen_headers(engine) -> dict:
+    seen = _SEEN.get(engine)
+    if seen is None:
+        seen = _SEEN[engine] = {}
+    return seen
 
 
 def invocations_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
@@ -209,7 +220,7 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
     shared = server.shared_memory.reader(authorization)  # for inputs placed in shared memory (serving/shm.py)
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
         decoded = server.decode_now(partial(body.finish, shared))
-        request.arrival.checked = body.checked
+        request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
     else:
@@ -457,8 +468,7 @@ class Router:
             if len(self._seen) >= 4096:  # paths name models: bounded, a client sending random ones can't grow it
                 self._seen.clear()
             self._seen[(method, path)] = found
-        route, params, other = found
-        return route, dict(params), other
+        return found  # (the parameters are shared by the requests of one path: handlers only read them)
 
     def _match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
         wanted = "GET" if method == "HEAD" else method
