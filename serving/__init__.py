@@ -1,19 +1,28 @@
 """trainserve's inference server: ONNX models on onnxruntime behind HTTP and gRPC (KServe V2).
 
-    loader.py   where a model comes from (a file, the MLflow registry: lazy import) and its name
+The core (one inference path for every front end):
+    core.py     the Server: the models served, `answer(slot, request, exchange)` (version, receipt, infer, payload
+                log, shadow mirror), drift windows, start-up and shutdown
+    envelope.py what every front end puts around a request, written once: refusal -> status, receipt, metrics
     repository.py  the models and versions served: sources, version policy, load/unload, alias following
-    engine.py   the onnxruntime session: providers, threads, warm-up, `run(feeds)`; no HTTP
-    batcher.py  dynamic batching of concurrent requests; knows neither HTTP nor onnxruntime
+    loader.py   where a model comes from (a file, the MLflow registry: lazy import) and its name
+    batcher.py  dynamic batching; a request's place in a batch buffer; knows neither HTTP nor onnxruntime
+    runner.py   the engine thread: takes each batch when it is free to run it, the models' batchers in turn
+    engine.py   the onnxruntime sessions (a batch bucket each): providers, threads, warm-up; no HTTP
+    staging.py  the batch buffers (pinned on CUDA) and the NaN/Inf check where bytes are copied anyway
     codec.py    request bodies -> arrays and arrays -> response bodies (KServe V2, MLflow); pure
+    shm.py      the V2 system and CUDA shared-memory extensions (clients' regions, by token)
+The front ends (each a thin adapter: its protocol in, the core's answer out):
+    http/       HTTP/1.1 on uvloop + llhttp: a route table of plain handlers, bodies received in place
+    grpc/       KServe V2 over gRPC: schema.py (messages), codec.py (messages <-> arrays), service.py (handlers),
+                native.py + native.cc (grpc's C++ server, the default where built), or grpc.aio
+And around them:
     metrics.py  Prometheus metrics of one server
     payload_log.py  the opt-in sampled log of requests and answers (JSONL, rotated, capped)
-    core.py     the protocol-neutral core: the Server and its one inference path (version, receipt, decode,
-                infer, payload log, shadow mirror), drift windows; every front end calls it
-    app.py      the HTTP front end: Starlette routes, auth, limits, the repository API, shadow and feedback
-    grpc/       KServe V2 over gRPC: schema.py (messages), codec.py (messages <-> arrays), service.py (front end)
     shadow.py   the challenger judged on live traffic: pairs, labels, the verdict
     drift.py    the drift reference format (written at export), PSI, the sliding window per version
-    config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> uvicorn
+    cuda.py     the CUDA runtime calls the server makes itself (pinning, IPC handles), through ctypes
+    config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> a running server
 
 Entry points: `python -m serving ...`, and `serving.cli.main(argv)` for `pipeline serve`.
 This package imports neither torch nor `pipeline`: a server needs the ONNX file, not the trainer.

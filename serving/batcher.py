@@ -204,6 +204,11 @@ class Batcher:
         self._started = True
 
     @property
+    def buffers(self):
+        """The batch buffers requests are placed in (staging.BatchBuffers), or None."""
+        return self._buffers
+
+    @property
     def started(self) -> bool:
         return self._started
 

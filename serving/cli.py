@@ -33,6 +33,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "version-policy": (str, "versions of each repository model loaded: latest:N, all or specific:V[,V] "
                             "(default latest:1)"),
     "default-model": (str, "the model /invocations serves (default: the first --model)"),
+    "http-threads": (int, "event loops taking HTTP requests in, each on a thread and a socket of its own on --port "
+                          "(default: one per CPU this process may use, at most 8)"),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (str, "auto|native|aio: what serves --grpc-port, grpc's C++ server (native, built by scripts/setup "
                          "where libgrpc++-dev is installed) or grpc.aio (default auto: native when built)"),
@@ -69,7 +71,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "shared-memory": (str, "on|off: the V2 system and CUDA shared-memory extensions, inputs and outputs by region "
                            "for same-host clients (tritonclient.utils.shared_memory) (default on)"),
     "max-shared-memory-mb": (float, "most MiB of shared memory one client (token) may register (default 4096)"),
-    "auth-token": (str, "require 'Authorization: Bearer <token>' (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
+    "auth-token": (str, "require 'Authorization: Bearer <token>', or one of several comma-separated tokens, one per "
+                        "client (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
     "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
     "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
     "read-timeout": (float, "seconds a connection has to deliver a whole request; slower or idle ones are "
@@ -117,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{help_text} [env {env}: one]")
         else:
             parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
-    parser.add_argument("--verbose", action="store_true", help="let onnxruntime, uvicorn and MLflow speak for "
+    parser.add_argument("--verbose", action="store_true", help="let onnxruntime and MLflow speak for "
                         "themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]")
     # Refusals start with the command the user typed: `pipeline serve: error: ...` or `python -m serving: ...`.
     parser.set_defaults(prog=parser.prog)
@@ -301,12 +304,13 @@ async def _serve(server) -> int:
     http = HttpFrontEnd(server)
     async with server.lifespan():
         try:
-            bound = await http.listen(settings.host, settings.port)
+            bound = await http.listen(settings.host, settings.port, settings.http_loops())
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s; the server did not start", settings.host, settings.port,
                       exc.strerror or exc)
             return 1
         log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
+        log.info("laid out as: %s", server.layout(len(http.listeners)))
         await stop.wait()
         # Not ready at once (load balancers stop sending), queued requests run without waiting out --max-delay-ms,
         # gRPC drains alongside; connections still uploading close, the others after their answer.

@@ -62,6 +62,8 @@ class V2Request:
     request_id: str | None
     outputs: list[tuple[str, bool]]  # (output name, as binary), in the order to answer
     output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref: written to shared memory instead
+    checked: bool = False  # every value was checked for NaN/Inf as it was copied in (needs no other pass)
+    placed: bool = False  # its inputs are rows of a batch buffer (serving/batcher.py)
 
 
 @dataclass

@@ -26,6 +26,9 @@ class Settings:
     version_policy: str = "latest:1"
     # The model /invocations serves; None: the first --model (or the repository's first model).
     default_model: str | None = None
+    # Event loops taking HTTP requests in (the server's own and the rest in threads, one socket each on the port);
+    # None: one per CPU this process may use, at most 8.
+    http_threads: int | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
     # What serves that port: native (grpc's C++ server, serving/grpc/native.cc: a unary call costs the event loop
@@ -78,15 +81,16 @@ class Settings:
     max_shared_memory_mb: float = 4096.0
     # Most rows (samples) in one request; beyond it 400.
     max_rows_per_request: int = 256
-    # Bearer token required on every endpoint except health checks; None: no auth.
+    # Bearer token required on every endpoint except health checks, or several, comma-separated, one per client (a
+    # client's shared-memory regions belong to its token); None: no auth.
     auth_token: str | None = None
     # Seconds between polls of a models:/name@alias source for a new version; None: never.
     reload_interval: float | None = None
-    # Seconds uvicorn waits for in-flight requests after SIGTERM before closing them.
+    # Seconds SIGTERM waits for in-flight requests before their connections are closed.
     graceful_timeout: float = 30.0
     # Seconds a connection has to deliver a whole request (headers and body) from its first byte or from
     # opening; a slower or idle one is closed (408 when a request had begun), so idle clients can't hold
-    # the server's connections. Keep-alive connections between requests close after 5 s (uvicorn's).
+    # the server's connections. Keep-alive connections between requests close after 5 s.
     read_timeout: float = 30.0
     # Seconds a request may wait in the queue and run; past it: 504.
     request_timeout: float = 60.0
@@ -173,6 +177,8 @@ class Settings:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.device_id < 0:
             raise ValueError(f"--device-id must be >= 0, got {self.device_id}")
+        if self.http_threads is not None and not 1 <= self.http_threads <= 64:
+            raise ValueError(f"--http-threads must be from 1 to 64, got {self.http_threads}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"--threads must be positive, got {self.threads}")
         if self.max_delay_ms < 0:
@@ -191,8 +197,9 @@ class Settings:
             raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("the auth token is empty; unset it or give a non-empty one")
+        if self.auth_token is not None and (not self.auth_token.strip() or not all(self.tokens())):
+            raise ValueError("the auth token is empty (or one of several, comma-separated, is); unset it or give "
+                             "non-empty ones")
         if self.auth_token is not None and not self.auth_token.isascii():
             raise ValueError("the auth token must be ASCII (HTTP headers are latin-1: a non-ASCII one never matches)")
         for flag, value in {"--read-timeout": self.read_timeout, "--request-timeout": self.request_timeout,
@@ -253,6 +260,18 @@ class Settings:
                             self.shadow_tolerance, "--shadow-max-latency-ratio": self.shadow_max_latency_ratio}.items():
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
+
+    def http_loops(self) -> int:
+        """How many event loops take HTTP requests in (--http-threads, else one per usable CPU, at most 8)."""
+        if self.http_threads is not None:
+            return self.http_threads
+        from serving.engine import usable_cpus
+
+        return max(1, min(8, usable_cpus()))
+
+    def tokens(self) -> list[bytes]:
+        """The bearer tokens clients may send (none: no auth)."""
+        return [t.strip().encode() for t in self.auth_token.split(",")] if self.auth_token else []
 
     def control(self) -> str:
         """explicit (load/unload allowed) or none."""

@@ -26,6 +26,7 @@ import contextlib
 import gc
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -115,13 +116,16 @@ class Server:
             raise RepositoryError(f"--default-model {settings.default_model}: no such model (this server has "
                                   f"{self.repository.describe()})")
         self._serving = False  # between startup and shutdown
-        self._token = settings.auth_token.encode() if settings.auth_token else None
+        self._tokens = settings.tokens()  # each client's; none: no auth
         self._followers: list[asyncio.Task] = []
         self._last_request: dict[str, dict[str, np.ndarray]] = {}  # model -> the feeds of the last request answered
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
         # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU (lifespan).
         self.shared_memory = SharedMemory(int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on")
-        self.decoding = asyncio.Semaphore(2)  # big bodies decoded at once: bounds their memory
+        # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken by the
+        # decoding thread itself, so no loop waits on it.
+        self.decoding = threading.BoundedSemaphore(2)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the main loop (lifespan): the shadow mirrors live on it
         self.payload_log = payload_log  # started and closed with the server
         if payload_log is not None:
             self.metrics.watch_payload_log(payload_log.stats)
@@ -241,11 +245,18 @@ class Server:
         shadow.answered(request_id, results)
         if not in_sample(request_id, self.settings.shadow):  # by its id, as the payload log samples
             return
-        queue = self._mirrors.get(name)
+        pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms)
+        if asyncio.get_running_loop() is self.loop:
+            self._enqueue_mirror(name, slot, pair)
+        else:  # answered on another HTTP loop: the mirror's queue is the main loop's
+            self.loop.call_soon_threadsafe(self._enqueue_mirror, name, slot, pair)
+
+    def _enqueue_mirror(self, name: str, slot: Slot, pair: tuple) -> None:
+        queue, shadow = self._mirrors.get(name), self.shadows[name]
         if queue is None or queue.full() or slot.batcher.queued_rows > 0:
-            shadow.dropped((slot.version, challenger.version))
+            shadow.dropped((slot.version, pair[0].version))
             return
-        queue.put_nowait((challenger, slot.version, request_id, feeds, rows, results, champion_ms))
+        queue.put_nowait(pair)
 
     async def _mirror_worker(self, name: str) -> None:
         """One model's mirrored requests, one at a time, on its challenger's batcher."""
@@ -293,6 +304,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app=None):
+        self.loop = asyncio.get_running_loop()
         self.repository.start()
         self._announce()
         if any(slot.model.engine.provider in GPU_PROVIDERS for _, slot in self.repository.slots()):
@@ -327,7 +339,7 @@ class Server:
         try:
             yield
         finally:
-            # uvicorn gets here after SIGTERM, once it stopped accepting and in-flight requests
+            # Here after SIGTERM, once the front ends stopped accepting and in-flight requests
             # were answered; drain what is still queued anyway.
             self._serving = False
             self._stop_front_ends()
@@ -350,12 +362,30 @@ class Server:
 
     def begin_shutdown(self) -> None:
         """SIGTERM: report not ready at once (load balancers stop sending), and let queued requests run now
-        instead of waiting out --max-delay-ms, so that uvicorn's wait for in-flight requests ends with them
+        instead of waiting out --max-delay-ms, so that the front ends' wait for in-flight requests ends with them
         answered, not cut at --graceful-timeout."""
         self._serving = False
         for _, slot in self.repository.slots():
             slot.batcher.flush()
         self._stop_front_ends()  # gRPC drains alongside HTTP, not after it
+
+    def layout(self, http_loops: int) -> str:
+        """How this server is laid out over threads and cores, in one line for its log."""
+        from serving.engine import usable_cpus
+
+        parts = [f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
+                 + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")]
+        for front_end in self._listening:
+            parts.append(getattr(front_end, "layout", "gRPC"))
+        engines = {slot.model.engine.threads for _, slot in self.repository.slots()}
+        buffers = [slot.batcher.buffers for _, slot in self.repository.slots() if slot.batcher.buffers is not None]
+        parts.append(f"1 engine thread running every model's batches in turn (onnxruntime "
+                     f"{'/'.join(map(str, sorted(engines))) or '-'} intra-op threads)")
+        if buffers:
+            b = buffers[0]
+            parts.append(f"batch buffers of {b.capacity} rows, up to {b.count} a model version"
+                         + (", pinned" if b.pin else ""))
+        return f"{'; '.join(parts)}; {usable_cpus()} CPUs usable"
 
     def _stop_front_ends(self) -> None:
         if not self._stopping:
@@ -425,11 +455,14 @@ class Server:
 
     # ---- the one inference path ------------------------------------------------------------------
     def check_token(self, header: str) -> None:
-        """An `Authorization` value (HTTP header or gRPC metadata) against the token, when one is set."""
-        if self._token is None:
+        """An `Authorization` value (HTTP header or gRPC metadata) against the tokens, when any is set."""
+        if not self._tokens:
             return
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+        given = token.strip().encode()
+        # every token compared, in constant time each: which one matched (or none) takes no less time to find
+        matched = [hmac.compare_digest(given, known) for known in self._tokens]
+        if scheme.lower() != "bearer" or not any(matched):
             raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                             {"WWW-Authenticate": "Bearer"})
 
@@ -470,8 +503,12 @@ class Server:
         """decode_now, in a thread for a big request (two at a time), inline for a small one."""
         if size <= BIG_BODY:
             return self.decode_now(decode)
-        async with self.decoding:
-            return await asyncio.to_thread(self.decode_now, decode)
+        return await asyncio.to_thread(self.in_turn, self.decode_now, decode)
+
+    def in_turn(self, fn: Callable, *args):
+        """`fn(*args)` (in a thread) once one of the two decoding places is free."""
+        with self.decoding:
+            return fn(*args)
 
     async def answer(self, slot: Slot, request, exchange: Exchange, *, endpoint: str, follow_swap: bool,
                      request_id: str | None = None, arrival=None) -> Answer:

@@ -38,6 +38,7 @@ from serving.codec import (
     shm_ref,
 )
 from serving.engine import TensorSpec
+from serving.staging import NonFinite
 from serving.grpc.schema import (
     InferParameter,
     InferTensorContents,
@@ -126,11 +127,12 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int | None, int | None]:
 
 
 def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_names: list[str],
-                 limits: Limits, shared=None, raw=None) -> V2Request:
+                 limits: Limits, shared=None, raw=None, place=None) -> V2Request:
     """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
     `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count)`
     reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
-    from the message (the native engine hands them over as buffers, not parsed into it)."""
+    from the message (the native engine keeps them, and copies each once: `copy_into`, NaN/Inf checked on the way);
+    then `place(rows)` may give the rows of a batch buffer to copy them straight into (serving/batcher.py)."""
     given = request.inputs
     if not given:
         raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
@@ -145,7 +147,7 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
                          "inputs not in shared memory; send raw data for every such input, in the order of "
                          "inputs, or for none (typed contents)")
     by_name = {s.name: s for s in inputs}
-    feeds: dict[str, np.ndarray] = {}
+    declared: dict[str, tuple] = {}  # name -> (spec, shape, count, ref, raw index or None, item)
     index = 0
     for item, ref in zip(given, refs):
         spec = by_name.get(item.name)
@@ -153,7 +155,7 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
             raise BadRequest(f"unknown input {_quote(item.name)}; this model takes "
                              f"{expected(inputs)}")
         name = spec.name
-        if name in feeds:
+        if name in declared:
             raise BadRequest(f"input '{name}' is given twice")
         shape = _checked_shape(item, spec)
         count = _check_size(name, shape, spec, limits)
@@ -162,19 +164,45 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
                 raise BadRequest(f"input '{name}' is in shared memory and also has contents; send one")
             if shared is None:
                 raise BadRequest(f"input '{name}' names a shared memory region, which this request can't use here")
-            array = shared(ref, spec, count)
+            declared[name] = (spec, shape, count, ref, None, item)
         elif raw:
             if item.contents.ListFields():
                 raise BadRequest(f"input '{name}' has both contents and "
                                  f"raw_input_contents[{index}]; send one")
-            array = _raw_tensor(raw[index], index, spec, shape, count)
+            want = count * spec.dtype.itemsize
+            if len(raw[index]) != want:
+                raise BadRequest(f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
+                                 f"bytes, but shape {shape} {spec.datatype} takes {want} bytes")
+            declared[name] = (spec, shape, count, None, index, item)
             index += 1
+        else:
+            declared[name] = (spec, shape, count, None, None, item)
+    views = _placed(declared, inputs, raw, place)
+    feeds: dict[str, np.ndarray] = {}
+    for name, (spec, shape, count, ref, at, item) in declared.items():
+        if ref is not None:
+            array = shared(ref, spec, count)
+        elif at is not None:
+            array = _raw_tensor(raw[at], at, spec, count, None if views is None else views[name].reshape(-1))
         else:
             array = _typed_tensor(item.contents, spec, shape, count)
         feeds[name] = _reshaped(array, shape, name)
     rows = _rows(feeds, inputs)
     outputs, output_refs = _requested_outputs(request.outputs, output_names)
-    return V2Request(feeds, rows, request.id or None, outputs, output_refs)
+    native = raw is not None and len(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
+    return V2Request(feeds, rows, request.id or None, outputs, output_refs,
+                     checked=bool(native) and len(raw) == len(inputs), placed=views is not None)
+
+
+def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None:
+    """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
+    (bytes the message parser made are copied once already), every model input one of them, all of one row count."""
+    if place is None or not raw or isinstance(raw[0], (bytes, bytearray, memoryview)) or len(declared) != len(inputs):
+        return None
+    if any(at is None for _, _, _, _, at, _ in declared.values()):
+        return None
+    rows = {shape[0] if shape else -1 for _, shape, *_ in declared.values()}
+    return place(rows.pop()) if len(rows) == 1 and min(rows) > 0 else None
 
 
 def _plain(parameters: Mapping[str, InferParameter]) -> dict:
@@ -198,15 +226,17 @@ def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -
     return shape
 
 
-def _raw_tensor(blob: bytes, index: int, spec: TensorSpec, shape: list[int],
-                count: int) -> np.ndarray:
-    """raw_input_contents[index] as `spec`'s dtype, without copying (read-only, like the HTTP
-    path's binary data)."""
-    want = count * spec.dtype.itemsize
-    if len(blob) != want:
-        raise BadRequest(f"input '{spec.name}': raw_input_contents[{index}] has {len(blob)} "
-                         f"bytes, but shape {shape} {spec.datatype} takes {want} bytes")
-    array = np.frombuffer(blob, dtype=spec.dtype.newbyteorder("<"), count=count)
+def _raw_tensor(blob, index: int, spec: TensorSpec, count: int,
+                destination: np.ndarray | None = None) -> np.ndarray:
+    """raw_input_contents[index] as `spec`'s dtype: bytes the message parser made, read in place (read-only, like
+    the HTTP path's binary data); or contents the native engine kept, copied once into `destination` (or an array
+    of their own) with the NaN/Inf check on the way."""
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        array = np.frombuffer(blob, dtype=spec.dtype.newbyteorder("<"), count=count)
+    else:
+        array = destination if destination is not None else np.empty(count, dtype=spec.dtype)
+        if not blob.copy_into(array, spec.dtype.itemsize if spec.dtype.kind == "f" else 0):
+            raise BadRequest(str(NonFinite(spec.name)))
     if spec.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
         raise BadRequest(f"input '{spec.name}': BOOL raw data must be bytes 0 or 1")
     return array.astype(spec.dtype, copy=False)  # a no-op on little-endian machines

@@ -30,7 +30,9 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -45,10 +47,20 @@ namespace {
 
 enum Kind { CALL = 0, READ = 1, WRITTEN = 2, CANCELLED = 3 };
 
+// How a method's messages reach Python: a stream's are read on credits; a split method's (ModelInferRequest) arrive
+// as the message without its raw_input_contents, which stay here, in grpc's own buffers, until Python says where
+// they go (copy_raw): a 602 KB image is copied once, into the batch it runs in, not into a bytes object, then by
+// the protobuf parser into another, then into the batch.
+struct Method {
+  bool stream = false;
+  bool split = false;
+};
+
 struct Event {
   Kind kind;
   uint64_t call;
   bool ok = true;
+  bool split = false;                                      // the message is a ModelInferRequest to split
   std::string method;                                      // CALL
   std::vector<std::pair<std::string, std::string>> metadata;  // CALL
   grpc::ByteBuffer message;                                // CALL of a unary method, READ
@@ -60,7 +72,7 @@ class Call;
 struct Bridge {
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<grpc::CallbackGenericService> service;
-  std::unordered_map<std::string, bool> methods;  // full method name -> a stream (Python asks for its reads)?
+  std::unordered_map<std::string, Method> methods;  // full method name -> how its messages go
   int max_calls = 0;
   std::atomic<int> active{0};
   std::atomic<uint64_t> next_id{1};
@@ -89,8 +101,9 @@ struct Bridge {
 
 class Call : public grpc::ServerGenericBidiReactor {
  public:
-  Call(Bridge* bridge, grpc::GenericCallbackServerContext* context, bool stream)
-      : bridge_(bridge), context_(context), id_(bridge->next_id++) {
+  Call(Bridge* bridge, grpc::GenericCallbackServerContext* context, Method method)
+      : bridge_(bridge), context_(context), id_(bridge->next_id++), split_(method.split) {
+    bool stream = method.stream;
     {
       std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
       bridge->calls[id_] = this;
@@ -149,6 +162,7 @@ class Call : public grpc::ServerGenericBidiReactor {
       return;
     }
     Event event{READ, id_, ok};
+    event.split = split_;
     if (ok) {
       event.message.Swap(&in_);
       event.has_message = true;
@@ -214,6 +228,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   void Announce(grpc::ByteBuffer* message) {
     announced_ = true;
     Event event{CALL, id_, true};
+    event.split = split_;
     event.method = context_->method();
     for (const auto& [key, value] : context_->client_metadata()) {
       event.metadata.emplace_back(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
@@ -228,6 +243,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   Bridge* bridge_;
   grpc::GenericCallbackServerContext* context_;
   const uint64_t id_;
+  const bool split_;
   bool announced_ = false;
   bool reading_ = false;    // a stream's read in flight (under calls_mu)
   bool read_over_ = false;  // a stream's reads are over: its client half-closed, or the call broke
@@ -266,7 +282,7 @@ class Service : public grpc::CallbackGenericService {
     if (method == bridge_->methods.end()) {
       return new Refusal(bridge_, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Method not found!"));
     }
-    return new Call(bridge_, context, method->second);
+    return new Call(bridge_, context, method->second);  // (a Method: how its messages go)
   }
 
  private:
@@ -289,7 +305,8 @@ void destroy(PyObject* capsule) {
   delete bridge;
 }
 
-// start(address, methods: {full name: is it a stream}, options: {name: int}, max_calls) -> (bridge, eventfd);
+// start(address, methods: {full name: mode (1: a stream, 2: split its messages)}, options: {name: int}, max_calls) ->
+// (bridge, eventfd);
 // OSError if the address cannot be bound.
 PyObject* start(PyObject*, PyObject* args) {
   const char* address;
@@ -306,7 +323,9 @@ PyObject* start(PyObject*, PyObject* args) {
   while (PyDict_Next(methods, &position, &key, &value)) {
     const char* name = PyUnicode_AsUTF8(key);
     if (name == nullptr) return nullptr;
-    bridge->methods[name] = PyObject_IsTrue(value);
+    long mode = PyLong_AsLong(value);  // 1: a stream; 2: split its messages (see Method)
+    if (mode == -1 && PyErr_Occurred()) return nullptr;
+    bridge->methods[name] = Method{(mode & 1) != 0, (mode & 2) != 0};
   }
 
   grpc::ServerBuilder builder;
@@ -334,6 +353,191 @@ PyObject* start(PyObject*, PyObject* args) {
   PyObject* capsule = PyCapsule_New(bridge.release(), kCapsule, destroy);
   if (capsule == nullptr) return nullptr;
   return Py_BuildValue("(Ni)", capsule, efd);
+}
+
+// ---- a ModelInferRequest split: its raw_input_contents kept here ----
+
+const char* kRaw = "serving.grpc._native.Raw";
+constexpr size_t kMaxFields = 4096;  // a message of more top-level fields is not split (Python's field count refuses it)
+
+// A message's slices and where its raw_input_contents lie in them; owned by a capsule Python holds.
+struct Raw {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::pair<size_t, size_t>> spans;  // (offset in the message, length) of each raw_input_contents
+};
+
+// Reads a message across its slices, byte by byte where it must (tags, lengths), skipping over the rest.
+class Cursor {
+ public:
+  explicit Cursor(const std::vector<grpc::Slice>& slices) : slices_(slices) {}
+  size_t pos() const { return pos_; }
+  bool Byte(uint8_t* b) {
+    while (si_ < slices_.size() && off_ >= slices_[si_].size()) Next();
+    if (si_ >= slices_.size()) return false;
+    *b = slices_[si_].begin()[off_++];
+    pos_++;
+    return true;
+  }
+  bool Varint(uint64_t* value) {
+    uint64_t result = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      result |= uint64_t(b & 0x7f) << shift;
+      if (!(b & 0x80)) {
+        *value = result;
+        return true;
+      }
+    }
+    return false;
+  }
+  bool Skip(uint64_t n) {
+    while (n > 0) {
+      if (si_ >= slices_.size()) return false;
+      size_t k = std::min<uint64_t>(slices_[si_].size() - off_, n);
+      off_ += k;
+      pos_ += k;
+      n -= k;
+      if (off_ >= slices_[si_].size()) Next();
+    }
+    return true;
+  }
+
+ private:
+  void Next() {
+    si_++;
+    off_ = 0;
+  }
+  const std::vector<grpc::Slice>& slices_;
+  size_t si_ = 0, off_ = 0, pos_ = 0;
+};
+
+// Copies bytes start..start+length of the message (its slices) to `to`.
+void CopyRange(const std::vector<grpc::Slice>& slices, size_t start, size_t length, char* to) {
+  for (const auto& slice : slices) {
+    if (length == 0) return;
+    if (start >= slice.size()) {
+      start -= slice.size();
+      continue;
+    }
+    size_t k = std::min(slice.size() - start, length);
+    memcpy(to, slice.begin() + start, k);
+    to += k;
+    length -= k;
+    start = 0;
+  }
+}
+
+// The message's top-level fields but raw_input_contents (field 7) into `rest`, those where they lie into `raw`;
+// false for a message that is not well formed, or of more than kMaxFields fields (left whole to Python's parser and
+// its field count, which say what is wrong). The fields between two raw contents are copied as one run.
+bool Split(Raw* raw, size_t total, std::string* rest) {
+  Cursor cursor(raw->slices);
+  size_t run = 0, fields = 0;
+  auto keep = [&](size_t end) {  // the run of other fields up to `end` into `rest`
+    size_t at = rest->size();
+    rest->resize(at + end - run);
+    CopyRange(raw->slices, run, end - run, rest->data() + at);
+  };
+  while (cursor.pos() < total) {
+    if (++fields > kMaxFields) return false;
+    size_t field = cursor.pos();
+    uint64_t tag, value;
+    if (!cursor.Varint(&tag)) return false;
+    switch (tag & 7) {
+      case 0:
+        if (!cursor.Varint(&value)) return false;
+        break;
+      case 1:
+        if (!cursor.Skip(8)) return false;
+        break;
+      case 5:
+        if (!cursor.Skip(4)) return false;
+        break;
+      case 2:
+        if (!cursor.Varint(&value) || value > total - cursor.pos()) return false;
+        if ((tag >> 3) == 7) {
+          keep(field);
+          raw->spans.emplace_back(cursor.pos(), value);
+          if (!cursor.Skip(value)) return false;
+          run = cursor.pos();
+          continue;
+        }
+        if (!cursor.Skip(value)) return false;
+        break;
+      default:
+        return false;  // groups, and wire types that do not exist
+    }
+  }
+  keep(total);
+  return true;
+}
+
+void DestroyRaw(PyObject* capsule) { delete static_cast<Raw*>(PyCapsule_GetPointer(capsule, kRaw)); }
+
+PyObject* bytes_of(const grpc::ByteBuffer& buffer);
+
+// A split method's message for Python: (the message without its raw_input_contents, a capsule holding them, their
+// lengths), or the message's bytes when it can't be split.
+PyObject* split_of(const grpc::ByteBuffer& buffer) {
+  auto raw = std::make_unique<Raw>();
+  std::string rest;
+  if (!buffer.Dump(&raw->slices).ok() || !Split(raw.get(), buffer.Length(), &rest)) return bytes_of(buffer);
+  PyObject* lengths = PyTuple_New(static_cast<Py_ssize_t>(raw->spans.size()));
+  if (lengths == nullptr) return nullptr;
+  for (size_t i = 0; i < raw->spans.size(); i++) {
+    PyTuple_SET_ITEM(lengths, static_cast<Py_ssize_t>(i), PyLong_FromSize_t(raw->spans[i].second));
+  }
+  PyObject* capsule = PyCapsule_New(raw.get(), kRaw, DestroyRaw);
+  if (capsule == nullptr) {
+    Py_DECREF(lengths);
+    return nullptr;
+  }
+  raw.release();
+  return Py_BuildValue("(y#NN)", rest.data(), static_cast<Py_ssize_t>(rest.size()), capsule, lengths);
+}
+
+PyObject* message_of(const grpc::ByteBuffer& buffer, bool split) {
+  return split ? split_of(buffer) : bytes_of(buffer);
+}
+
+// Whether every value of `width` bytes (2, 4, 8: IEEE floats) in `data` is finite: its exponent bits not all ones.
+template <typename T>
+bool AllFinite(const char* data, size_t size, T mask) {
+  T bad = 0;
+  const T* values = reinterpret_cast<const T*>(data);
+  for (size_t i = 0, n = size / sizeof(T); i < n; i++) bad |= static_cast<T>((values[i] & mask) == mask);
+  return bad == 0;
+}
+
+// copy_raw(raw, index, destination, width) -> whether every value is finite (width 0: not checked): raw_input_contents
+// [index] copied into `destination` (a writable buffer of exactly its length), without the GIL.
+PyObject* copy_raw(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  Py_ssize_t index;
+  Py_buffer destination;
+  int width;
+  if (!PyArg_ParseTuple(args, "Onw*i", &capsule, &index, &destination, &width)) return nullptr;
+  Raw* raw = static_cast<Raw*>(PyCapsule_GetPointer(capsule, kRaw));
+  bool fits = raw != nullptr && index >= 0 && static_cast<size_t>(index) < raw->spans.size() &&
+              static_cast<size_t>(destination.len) == raw->spans[index].second;
+  if (!fits || !(width == 0 || width == 2 || width == 4 || width == 8)) {
+    PyBuffer_Release(&destination);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "copy_raw: no such raw_input_contents, or a destination "
+                                                             "of another length");
+    return nullptr;
+  }
+  bool finite = true;
+  Py_BEGIN_ALLOW_THREADS
+  char* to = static_cast<char*>(destination.buf);
+  CopyRange(raw->slices, raw->spans[index].first, raw->spans[index].second, to);
+  size_t size = raw->spans[index].second;
+  if (width == 2) finite = AllFinite<uint16_t>(to, size, 0x7c00u);
+  if (width == 4) finite = AllFinite<uint32_t>(to, size, 0x7f800000u);
+  if (width == 8) finite = AllFinite<uint64_t>(to, size, 0x7ff0000000000000ull);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&destination);
+  return PyBool_FromLong(finite);
 }
 
 PyObject* bytes_of(const grpc::ByteBuffer& buffer) {
@@ -380,7 +584,7 @@ PyObject* call_item(Event& event) {
     }
     PyTuple_SET_ITEM(metadata, j++, pair);
   }
-  PyObject* message = event.has_message ? bytes_of(event.message) : Py_NewRef(Py_None);
+  PyObject* message = event.has_message ? message_of(event.message, event.split) : Py_NewRef(Py_None);
   // (the method is one of the names given at start, so text; "replace" all the same: no event is lost)
   PyObject* method = PyUnicode_DecodeUTF8(event.method.data(), event.method.size(), "replace");
   if (message == nullptr || method == nullptr) {
@@ -415,7 +619,7 @@ PyObject* drain(PyObject*, PyObject* capsule) {
         item = call_item(event);
         break;
       case READ: {
-        PyObject* message = event.ok ? bytes_of(event.message) : Py_NewRef(Py_None);
+        PyObject* message = event.ok ? message_of(event.message, event.split) : Py_NewRef(Py_None);
         item = Py_BuildValue("(iKNO)", READ, event.call, message, Py_None);
         break;
       }
@@ -557,6 +761,7 @@ PyObject* stop(PyObject*, PyObject* args) {
 PyMethodDef methods[] = {
     {"start", start, METH_VARARGS, "start(address, methods, options, max_calls) -> (bridge, eventfd)"},
     {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
+    {"copy_raw", copy_raw, METH_VARARGS, "copy_raw(raw, index, destination, width) -> all finite"},
     {"start_read", start_read, METH_VARARGS, "start_read(bridge, call, more) -> bool"},
     {"write", write_message, METH_VARARGS, "write(bridge, call, message, last) -> bool"},
     {"finish", finish, METH_VARARGS, "finish(bridge, call, code, details) -> bool"},

@@ -135,11 +135,53 @@ class NativeContext:
             self.finished = True
 
 
+class RawContents:
+    """A ModelInferRequest's raw_input_contents, left by C++ in grpc's own buffers (the message Python parses comes
+    without them): each is copied once, into the array it will be, by `copy_into` (serving/grpc/codec.py), with
+    the NaN/Inf check on the way. `len(raw[i])` is its byte count."""
+    __slots__ = ("parts", "lengths")
+
+    def __init__(self, parts, lengths: tuple[int, ...]):
+        self.parts, self.lengths = parts, lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> "RawInput":
+        if not -len(self.lengths) <= index < len(self.lengths):
+            raise IndexError(index)
+        return RawInput(self, index % len(self.lengths))
+
+
+class RawInput:
+    __slots__ = ("raw", "index")
+
+    def __init__(self, raw: RawContents, index: int):
+        self.raw, self.index = raw, index
+
+    def __len__(self) -> int:
+        return self.raw.lengths[self.index]
+
+    def copy_into(self, destination, width: int) -> bool:
+        """Its bytes into `destination` (writable, exactly as long), without the GIL; whether every value of `width`
+        bytes is finite (width 0: not checked)."""
+        return _native.copy_raw(self.raw.parts, self.index, destination, width)
+
+
+def _message(message):
+    """A message event's payload for the handlers: bytes, or a split one as (bytes without its raw contents, them)."""
+    if isinstance(message, tuple):
+        rest, parts, lengths = message
+        return rest, RawContents(parts, lengths)
+    return message
+
+
 class NativeFrontEnd:
     """The running C++ server and the loop's side of it; `await stop(grace)` at shutdown, as grpc.aio's."""
+    layout = "gRPC on grpc's C++ server (its threads take the calls in; the handlers run on the server's loop)"
 
     def __init__(self, address: str, handlers: dict, service_name: str, options: dict[str, int], max_calls: int,
-                 streams):
+                 streams, split: frozenset[str] = frozenset()):
         self.loop = asyncio.get_running_loop()
         # full method name -> (is it a stream, its handler's coroutine function)
         self.methods = {f"/{service_name}/{name}": (handler.stream_stream is not None,
@@ -148,8 +190,10 @@ class NativeFrontEnd:
         self.streams = streams
         self.calls: dict[int, NativeContext] = {}
         self.unwritten_places = asyncio.Semaphore(UNWRITTEN)
-        self.bridge, self.efd = _native.start(address, {name: stream for name, (stream, _) in self.methods.items()},
-                                              options, max_calls)
+        # mode per method: 1 a stream (read on credits), 2 its messages split (see RawContents)
+        modes = {name: int(stream) | (2 if name.rpartition("/")[2] in split else 0)
+                 for name, (stream, _) in self.methods.items()}
+        self.bridge, self.efd = _native.start(address, modes, options, max_calls)
         self.loop.add_reader(self.efd, self._drain)
 
     def _drain(self) -> None:
@@ -169,7 +213,7 @@ class NativeFrontEnd:
         if call is None:
             return
         if kind == _native.READ:
-            call.arrived(rest[0])
+            call.arrived(_message(rest[0]))
         elif kind == _native.WRITTEN:
             call.written(rest[0])
             if call.task is not None and call.task.done():
@@ -183,7 +227,7 @@ class NativeFrontEnd:
         call = NativeContext(self.bridge, call_id, metadata, self.unwritten_places)
         stream, handle = self.methods[method]  # C++ lets only these through
         self.calls[call_id] = call
-        call.task = self.loop.create_task(self._serve(call, handle, message, stream))
+        call.task = self.loop.create_task(self._serve(call, handle, _message(message), stream))
         call.task.add_done_callback(lambda _: self._forget(call))
 
     def _forget(self, call: NativeContext) -> None:

@@ -123,12 +123,26 @@ class Service:
         slot = server.model_slot(request.model_name, request.model_version or None)
         call.exchange.answered_by(slot, rid)  # the receipt, with a refusal too, as over HTTP
         engine = slot.model.engine
+        arrival = None
+
+        def place(rows: int):  # raw contents the native engine kept: copied straight into the batch they run in
+            nonlocal arrival
+            arrival = slot.batcher.arriving(rows)
+            return arrival.views
+
         typed = not (request.raw_input_contents or call.raw)  # typed contents: a list of numbers to convert
-        decoded = await server.decode(partial(codec.decode_infer, request, engine.inputs, engine.output_names,
-                                              server.limits, server.shared_memory.reader(call.authorization),
-                                              call.raw), call.size if typed else 0)
-        answer = await server.answer(slot, decoded, call.exchange, endpoint=call.endpoint, request_id=rid,
-                                     follow_swap=not request.model_version)
+        try:
+            decoded = await server.decode(partial(codec.decode_infer, request, engine.inputs, engine.output_names,
+                                                  server.limits, server.shared_memory.reader(call.authorization),
+                                                  call.raw, place if call.raw is not None else None),
+                                          call.size if typed else 0)
+            if arrival is not None:
+                arrival.checked, arrival.filled = decoded.checked, decoded.placed
+            answer = await server.answer(slot, decoded, call.exchange, endpoint=call.endpoint, request_id=rid,
+                                         follow_swap=not request.model_version, arrival=arrival)
+        finally:
+            if arrival is not None:
+                arrival.end()  # (queued: ended already; refused: its place freed)
         placed = server.shared_memory.write(call.authorization, decoded.output_refs, answer.results) \
             if decoded.output_refs else None
         info = answer.slot.model.info
@@ -216,8 +230,8 @@ def _parse(request_class, data: bytes):
 async def _parsed(server, request_class, data: bytes):
     if len(data) <= BIG_MESSAGE:
         return _parse(request_class, data)
-    async with server.decoding:  # as an HTTP body: parsed in a thread, two at a time, never on the event loop
-        return await asyncio.to_thread(_parse, request_class, data)
+    # as an HTTP body: parsed in a thread, two at a time, never on the event loop
+    return await asyncio.to_thread(server.in_turn, _parse, request_class, data)
 
 
 def _handler(server, service: Service, method: str, request_class):
@@ -376,6 +390,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
 
 class GrpcFrontEnd:
     """The running grpc.aio server, as the core stops it: the streams' reading first, then the server."""
+    layout = "gRPC on grpc.aio (on the server's loop)"
 
     def __init__(self, aio: grpc.aio.Server, streams: _Streams):
         self.aio, self.streams = aio, streams
@@ -417,7 +432,7 @@ async def start_grpc(server):
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
     if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
         front_end = native.NativeFrontEnd(address, handlers, schema.SERVICE, _options(settings), MAX_CONCURRENT_RPCS,
-                                          streams)
+                                          streams, split=frozenset({"ModelInfer", "ModelStreamInfer"}))
         log.info("KServe V2 gRPC on %s (grpc's C++ server)", address)
         return front_end
     if settings.grpc_engine == "auto":

@@ -36,9 +36,10 @@ _TIMEOUT_408 = error_response(408, "the whole request did not arrive within --re
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, site):
-        self.site = site
-        self.loop = site.loop
+    def __init__(self, site, listener):
+        self.site = site  # the front end: what every connection shares
+        self.listener = listener  # the event loop this connection is served on, and its other connections
+        self.loop = listener.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.start = self.end = 0  # the unread bytes are buf[start:end]
@@ -65,7 +66,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.site.connections.add(self)
+        self.listener.connections.add(self)
         self._arm(self.site.read_timeout)
 
     def connection_lost(self, exc) -> None:
@@ -76,7 +77,7 @@ class Connection(asyncio.BufferedProtocol):
                       if self.request else "", self.request.path if self.request else "")
         self.state = CLOSED
         self._disarm()
-        self.site.connections.discard(self)
+        self.listener.connections.discard(self)
         self.body = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -282,7 +283,11 @@ class Connection(asyncio.BufferedProtocol):
         try:
             if error is not None:
                 raise error
-            response = await route.handler(site.server, request, exchange)
+            if route.main and self.loop is not site.loop:  # (the repository API: where the server's model locks are)
+                response = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    route.handler(site.server, request, exchange), site.loop))
+            else:
+                response = await route.handler(site.server, request, exchange)
         except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
             found = refusal(exc, f"{request.method} {request.path}", log)
             response = error_response(found.status, found.message, found.headers)

@@ -1,7 +1,14 @@
-"""The HTTP front end of one server: its listening socket, its connections, their shutdown.
+"""The HTTP front end of one server: its listeners (one event loop each), their connections, their shutdown.
 
-What every connection shares lives here (the core, the route table, the limits, the Host and Origin rules);
-each connection (serving/http/connection.py) reads its requests and answers them through the routes
+Ingest scales past one core: --http-threads event loops (the server's own and that many more in threads, one per
+usable CPU by default), each accepting on its own socket bound to the same port (SO_REUSEPORT: the kernel spreads
+connections over them). A loop's thread spends most of a large request in the kernel, receiving its body, and
+holds no GIL there: the loops take requests in side by side, and each hands its requests to the same batchers
+(serving/batcher.py), whose answers come back to the loop that asked. The routes that change what is loaded
+(the repository API) run on the server's own loop, where its model locks live.
+
+What every connection shares lives here (the core, the route table, the limits, the Host and Origin rules); each
+connection (serving/http/connection.py) reads its requests and answers them through the routes
 (serving/http/routes.py).
 """
 
@@ -11,6 +18,7 @@ import asyncio
 import fnmatch
 import logging
 import socket
+import threading
 
 from serving.envelope import Refused
 from serving.http.connection import BUFFER_BYTES, Connection
@@ -19,6 +27,51 @@ from serving.http.wire import Request
 
 log = logging.getLogger("serving.http")
 SWEEP_S = 0.25  # how often connection deadlines are looked at
+
+
+class Listener:
+    """One event loop's socket and the connections it accepted."""
+
+    def __init__(self, site: "HttpFrontEnd", loop: asyncio.AbstractEventLoop, thread: threading.Thread | None = None):
+        self.site, self.loop, self.thread = site, loop, thread
+        self.connections: set[Connection] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self.sweeper: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> list[tuple]:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.server = await self.loop.create_server(lambda: Connection(self.site, self), host, port, family=family,
+                                                    reuse_address=True, reuse_port=reuse_port or None, backlog=2048)
+        self.sweeper = self.loop.create_task(self._sweep(), name="http deadlines")
+        return [s.getsockname() for s in self.server.sockets]
+
+    async def _sweep(self) -> None:
+        """Closes the connections past their deadline (serving/http/connection.py), every SWEEP_S at most: a
+        deadline is enforced within that much of when it falls."""
+        interval = min(SWEEP_S, self.site.read_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = self.loop.time()
+            for connection in list(self.connections):
+                connection.expire_if_due(now)
+
+    def stop_accepting(self) -> None:
+        self.server.close()
+        for connection in list(self.connections):
+            connection.shutdown()
+
+    def abort(self) -> None:
+        for connection in list(self.connections):
+            connection.transport.abort()
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+
+    def call(self, fn) -> None:
+        """`fn()` on this listener's loop."""
+        if self.thread is None:
+            fn()
+        else:
+            self.loop.call_soon_threadsafe(fn)
 
 
 class HttpFrontEnd:
@@ -33,11 +86,9 @@ class HttpFrontEnd:
         self._hosts = settings.host_patterns()
         self._hosts_seen: dict[str, bool] = {}
         self._origins = settings.origins()
-        self.connections: set[Connection] = set()
         self.closing = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list[asyncio.AbstractServer] = []
-        self._sweeper: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's own
+        self.listeners: list[Listener] = []
 
     def check_origin(self, request: Request) -> None:
         """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
@@ -59,45 +110,57 @@ class HttpFrontEnd:
             self._hosts_seen[host] = known
         return known
 
-    async def listen(self, host: str, port: int) -> list[tuple]:
-        """Start accepting on host:port (OSError when it can't be bound); the addresses bound."""
-        self.loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = await self.loop.create_server(lambda: Connection(self), host, port, family=family,
-                                               reuse_address=True, backlog=2048)
-        self._servers.append(server)
-        if self._sweeper is None:
-            self._sweeper = self.loop.create_task(self._sweep(), name="http deadlines")
-        return [s.getsockname() for s in server.sockets]
+    @property
+    def connections(self) -> int:
+        return sum(len(listener.connections) for listener in self.listeners)
 
-    async def _sweep(self) -> None:
-        """Closes the connections past their deadline (serving/http/connection.py), every SWEEP_S at most: a
-        deadline is enforced within that much of when it falls."""
-        interval = min(SWEEP_S, self.read_timeout / 4)
-        while True:
-            await asyncio.sleep(interval)
-            now = self.loop.time()
-            for connection in list(self.connections):
-                connection.expire_if_due(now)
+    async def listen(self, host: str, port: int, loops: int = 1) -> list[tuple]:
+        """Accept on host:port on `loops` event loops: this one and loops-1 more in threads (OSError when the port
+        can't be bound); the addresses bound."""
+        self.loop = asyncio.get_running_loop()
+        main = Listener(self, self.loop)
+        bound = await main.start(host, port, reuse_port=loops > 1)
+        self.listeners.append(main)
+        port = bound[0][1]  # (a port 0 asked for: the others bind the one this got)
+        for n in range(1, loops):
+            loop = new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name=f"http_{n}", daemon=True)
+            thread.start()
+            listener = Listener(self, loop, thread)
+            try:
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(listener.start(host, port, True), loop))
+            except BaseException:
+                loop.call_soon_threadsafe(loop.stop)
+                raise
+            self.listeners.append(listener)
+        return bound
 
     def stop_accepting(self) -> None:
         """No new connections; idle ones and those still receiving a request close now, the others after their
         answer."""
         self.closing = True
-        for server in self._servers:
-            server.close()
-        for connection in list(self.connections):
-            connection.shutdown()
+        for listener in self.listeners:
+            listener.call(listener.stop_accepting)
 
     async def drain(self, timeout: float) -> None:
-        """Wait (at most `timeout` s) for the connections answering a request to close, then close the rest."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.connections and loop.time() < deadline:
+        """Wait (at most `timeout` s) for the connections answering a request to close, then close the rest and
+        stop the other loops."""
+        deadline = self.loop.time() + timeout
+        while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.02)
-        for connection in list(self.connections):
-            connection.transport.abort()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for server in self._servers:
-            await server.wait_closed()
+        for listener in self.listeners:
+            listener.call(listener.abort)
+        for listener in self.listeners[1:]:
+            listener.loop.call_soon_threadsafe(listener.loop.stop)
+            await asyncio.to_thread(listener.thread.join, 5)
+            if not listener.thread.is_alive():
+                listener.loop.close()
+        await self.listeners[0].server.wait_closed()
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

@@ -418,6 +418,7 @@ class Route:
     handler: Handler
     open: bool = False  # no token needed (health checks)
     body: Callable | None = None  # where its body goes: (server, request, exchange, length, chunked) -> a body
+    main: bool = False  # run on the server's own event loop (it changes what is loaded: the model locks live there)
 
 
 def table() -> list[Route]:
@@ -431,9 +432,9 @@ def table() -> list[Route]:
                    Route("POST", prefix + "/infer", v2_infer, body=v2_body)]
     routes += [Route("GET", "/v2/models/{name}/shadow", shadow),
                Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body),
-               Route("POST", "/v2/repository/index", repository_index, body=whole_body),
-               Route("POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body),
-               Route("POST", "/v2/repository/models/{name}/unload", repository_unload, body=whole_body),
+               Route("POST", "/v2/repository/index", repository_index, body=whole_body, main=True),
+               Route("POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body, main=True),
+               Route("POST", "/v2/repository/models/{name}/unload", repository_unload, body=whole_body, main=True),
                Route("POST", "/invocations", invocations, body=invocations_body),
                Route("GET", "/ping", ping, open=True),
                Route("GET", "/health", ping, open=True),
