@@ -191,6 +191,7 @@ class Batcher:
         self._arrivals: dict[int, Arrival] = {}  # the requests on their way, oldest first
         self._next_arrival = 0
         self._wait_until: float | None = None  # a batch waits for arrivals until then
+        self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops that will tell the engine thread (see _kick)
         self.queued_rows = 0
         self._batch: list[_Job] = []  # taken, being run
         self._closing = False
@@ -305,8 +306,20 @@ class Batcher:
             with self._lock:
                 place.job = job
         if self._wait_until is None or not self._arrivals or self.queued_rows >= self.max_batch_size:
-            self._runner.ready(self)  # (a batch waiting for arrivals is told when they are in: see _forget)
+            self._kick(loop)  # (a batch waiting for arrivals is told when they are in: see _forget)
         return await job.future
+
+    def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Tell the engine thread there is work, once this turn of the submitting loop is over: the requests whose
+        handlers run in the same turn (taken in together, or answered together) then make one batch, not one each
+        (an engine woken at the first would take it alone, the loop giving up the GIL at its next system call)."""
+        if loop not in self._kicks:
+            self._kicks.add(loop)
+            loop.call_soon(self._kicked, loop)
+
+    def _kicked(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._kicks.discard(loop)
+        self._runner.ready(self)
 
     def _admit(self, rows: int) -> None:
         """(under _lock) Refusals of a new job."""

@@ -52,6 +52,9 @@ FLAGS: dict[str, tuple[type, str]] = {
                                     "input shape (default HEURISTIC: no benchmarking on the request path)"),
     "allow-tf32": (bool, "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "
                          "export gates certify)"),
+    "cuda-graphs": (bool, "run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; "
+                          "each checked against the plain run when the model loads, refused with the reason if it "
+                          "can't be captured)"),
     "gpu-mem-limit-mb": (float, "cap on onnxruntime's CUDA memory arena of each session (each batch bucket's), MiB (default: none)"),
     "trt-cache-dir": (str, "--device tensorrt: directory for built engines and timing caches "
                            "(default ~/.cache/trainserve/tensorrt)"),

@@ -125,11 +125,32 @@ class V2Header:
         return [i for i in self.inputs if i.binary is not None]
 
 
+SEEN_HEADERS = 256  # checked V2 headers kept per model version (see parse_v2_header_once)
+
+
+def parse_v2_header_once(seen: dict | None, data, header_length: int | None, body_length: int,
+                         inputs: list[TensorSpec], output_names: list[str], limits: Limits) -> V2Header:
+    """parse_v2_header, checked once per distinct header: a client sends the same one request after request (the
+    same shapes, regions, no id or the same), so `seen` (a model version's) keeps those without JSON data (small;
+    nothing in them is per request)."""
+    end = body_length if header_length is None else header_length
+    key = (bytes(data[:end]) if len(data) != end else bytes(data), body_length)
+    parsed = seen.get(key) if seen is not None else None
+    if parsed is None:
+        parsed = parse_v2_header(data, header_length, body_length, inputs, output_names, limits)
+        if seen is not None and all(item.array is None for item in parsed.inputs):
+            if len(seen) >= SEEN_HEADERS:
+                seen.clear()
+            seen[key] = parsed
+    return parsed
+
+
 def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], output_names: list[str],
-              limits: Limits, shared=None) -> V2Request:
+              limits: Limits, shared=None, seen: dict | None = None) -> V2Request:
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
-    `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py)."""
-    header = parse_v2_header(body, header_length, len(body), inputs, output_names, limits)
+    `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py);
+    `seen`: the model version's headers checked already (parse_v2_header_once)."""
+    header = parse_v2_header_once(seen, body, header_length, len(body), inputs, output_names, limits)
     offset, arrays = (len(body) if header_length is None else header_length), {}
     for item in header.binary_inputs:
         arrays[item.spec.name] = np.frombuffer(body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count,

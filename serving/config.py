@@ -52,6 +52,8 @@ class Settings:
     cudnn_conv_algo_search: str = "HEURISTIC"
     # Let CUDA run fp32 GEMMs and convolutions in TF32 (faster on Ampere+; the export gates certify fp32).
     allow_tf32: bool = False
+    # Run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; gated at load).
+    cuda_graphs: bool = False
     # Cap on onnxruntime's CUDA memory arena, in MiB; None: no cap.
     gpu_mem_limit_mb: float | None = None
     # --device tensorrt: directory of the TensorRT engine and timing caches; None: ~/.cache/trainserve/tensorrt.
@@ -307,12 +309,15 @@ class Settings:
             if self.device == "tensorrt":
                 raise ValueError("--batch-buckets sizes do not apply to --device tensorrt (it builds an engine per "
                                  "session, and its profile spans every batch size): drop them or use --device cuda")
+        if self.cuda_graphs and (self.device == "tensorrt" or self.batch_buckets == "off"):
+            raise ValueError("--cuda-graphs runs each batch bucket as a CUDA graph on the CUDA provider: not with "
+                             "--device tensorrt or --batch-buckets off")
         if self.trt_cache_dir is not None and self.device != "tensorrt":
             raise ValueError("--trt-cache-dir only applies to --device tensorrt")
         if self.device == "cpu":
             defaults = {f.name: f.default for f in fields(self)}
-            given = [f"--{key.replace('_', '-')}" for key in ("cudnn_conv_algo_search", "allow_tf32", "gpu_mem_limit_mb")
-                     if getattr(self, key) != defaults[key]]
+            given = [f"--{key.replace('_', '-')}" for key in ("cudnn_conv_algo_search", "allow_tf32", "gpu_mem_limit_mb",
+                                                              "cuda_graphs") if getattr(self, key) != defaults[key]]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to a GPU: use --device cuda (or auto) or drop them")
 
@@ -342,7 +347,8 @@ class Settings:
         from serving.engine import GpuOptions
 
         return GpuOptions(conv_algo_search=self.cudnn_conv_algo_search, tf32=self.allow_tf32,
-                          gpu_mem_limit_mb=self.gpu_mem_limit_mb, trt_cache_dir=self.trt_cache_dir)
+                          gpu_mem_limit_mb=self.gpu_mem_limit_mb, trt_cache_dir=self.trt_cache_dir,
+                          cuda_graphs=self.cuda_graphs)
 
     def _check_payload_log(self) -> None:
         if self.payload_log is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from serving.console import clip, ort_severity
+from serving.cuda_graphs import GraphError, open_graphs
 from serving.staging import BatchBuffers, NonFinite, check_finite, concat, rows_of
 import onnxruntime as ort
 
@@ -131,6 +132,7 @@ class GpuOptions:
     tf32: bool = False
     gpu_mem_limit_mb: float | None = None
     trt_cache_dir: str | None = None
+    cuda_graphs: bool = False  # each batch bucket's session run as a captured CUDA graph (serving/cuda_graphs.py)
 
     def cuda(self, device_id: int = 0) -> dict[str, str]:
         """The CUDAExecutionProvider options (onnxruntime takes strings)."""
@@ -365,24 +367,39 @@ class Engine:
         self.batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs)
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
+        self._graphs: dict = {}  # bucket size -> cuda_graphs.BucketGraph (--cuda-graphs)
         self._open_buckets(path, options, providers, batch_buckets or BatchBuckets())
         # The batch buffers batches are assembled in (batch_buffers: for models of fixed shapes past the batch axis).
         self.buffers: BatchBuffers | None = None
 
     def _open_buckets(self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets) -> None:
         """One more session per bucket below the largest (the first session runs that one and longer runs)."""
+        if self.gpu.cuda_graphs and (self.provider != CUDA or not asked.sizes):
+            raise EngineError("--cuda-graphs runs each batch bucket as a CUDA graph: it needs the CUDA provider (this "
+                              f"session runs on {self.provider}) and batch buckets (--batch-buckets auto or sizes)")
         if not asked.sizes or (asked.cuda_only and self.provider != CUDA):
             return
         why_not = ("TensorRT builds an engine per session" if self.provider == TENSORRT else
                    "an input has a dynamic axis besides the batch axis" if self.other_dynamic_axes else
                    "an input or output has no dynamic batch axis" if not self.inputs or not self.batchable or
                    any(not s.shape or s.shape[0] != -1 for s in self.outputs) else "")
+        if why_not and self.gpu.cuda_graphs:
+            raise EngineError(f"--cuda-graphs: {Path(path).name} can't have batch buckets ({why_not}), which a CUDA "
+                              "graph needs; serve without --cuda-graphs")
         if why_not:
             log.info("no batch buckets for %s: %s; it runs every batch size in one session", Path(path).name, why_not)
             return
         if self.provider == CPU:
             providers = [CPU]  # --device auto fell back: the GPU provider would be tried (and said) again
         sizes = tuple(sorted(set(asked.sizes)))
+        if self.gpu.cuda_graphs:  # a graph session for every bucket, the largest too; the plain one checks them
+            try:
+                self._graphs = open_graphs(path, options, self.gpu.cuda(self.device_id), sizes, self.inputs,
+                                           self.outputs, self.device_id, self.session, _open_session)
+            except (GraphError, EngineError) as exc:
+                raise EngineError(f"--cuda-graphs: {exc}; serve without --cuda-graphs") from exc
+            self.buckets = sizes
+            return
         for size in sizes[:-1]:
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
@@ -398,6 +415,7 @@ class Engine:
         this engine goes: an unloaded model must give its memory back even while a late request still holds it."""
         self.session = None
         self._bucket_sessions = {}
+        self._graphs = {}
         if self.buffers is not None:
             self.buffers.close()
 
@@ -460,10 +478,11 @@ class Engine:
 
     def _run_sized(self, feeds: dict[str, np.ndarray], rows: int, size: int, observe) -> dict[str, np.ndarray]:
         """One run of `size` rows (a bucket's: its own session), the padding's rows cut off the outputs again."""
-        session = self._bucket_sessions.get(size, self.session)
+        session, graph = self._bucket_sessions.get(size, self.session), self._graphs.get(size)
         if session is None:
             raise EngineError("the model was unloaded")
-        outputs = dict(zip(self.output_names, session.run(self.output_names, feeds)))
+        outputs = graph.run(feeds) if graph is not None else dict(zip(self.output_names,
+                                                                       session.run(self.output_names, feeds)))
         if size != rows:
             outputs = {name: out[:rows] for name, out in outputs.items()}
             feeds = {name: x[:rows] for name, x in feeds.items()}
@@ -508,6 +527,9 @@ class Engine:
         part = {name: x[start:start + rows] for name, x in feeds.items()}
         if size != rows:
             part = {name: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for name, x in part.items()}
+        if size in self._graphs:
+            outputs = self._graphs[size].run({name: np.ascontiguousarray(x) for name, x in part.items()})
+            return [outputs[name][:rows] for name in self.output_names]
         return [out[:rows] for out in buckets.get(size, largest).run(self.output_names, part)]
 
     @property
@@ -540,6 +562,7 @@ class Engine:
     def describe(self) -> str:
         ins = ", ".join(f"{s.name} {list(s.shape)} {s.datatype}" for s in self.inputs)
         gpu = f" device {self.device_id} ({self.options_text()})" if self.provider in GPU_PROVIDERS else ""
-        buckets = (f", batch buckets {','.join(map(str, self.buckets))} (a session each)" if self.buckets else "")
+        buckets = (f", batch buckets {','.join(map(str, self.buckets))} (a session each"
+                   + (", run as CUDA graphs)" if self._graphs else ")") if self.buckets else "")
         return (f"{self.provider}{gpu}, {self.threads} intra-op threads{buckets} "
                 f"(onnxruntime {ort.__version__}); inputs: {ins}")

@@ -502,13 +502,23 @@ PyObject* message_of(const grpc::ByteBuffer& buffer, bool split) {
 }
 
 // Whether every value of `width` bytes (2, 4, 8: IEEE floats) in `data` is finite: its exponent bits not all ones.
-template <typename T>
-bool AllFinite(const char* data, size_t size, T mask) {
-  T bad = 0;
-  const T* values = reinterpret_cast<const T*>(data);
-  for (size_t i = 0, n = size / sizeof(T); i < n; i++) bad |= static_cast<T>((values[i] & mask) == mask);
-  return bad == 0;
-}
+// Vectorized (a scalar loop cost 150 us for a 602 KB image): target_clones picks AVX-512 or AVX2 where the CPU has
+// them, as serving/_ingest.c does.
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3")))
+#else
+#define CLONES
+#endif
+#define ALL_FINITE(NAME, T, MASK)                                                           \
+  CLONES bool NAME(const char* data, size_t size) {                                         \
+    T bad = 0;                                                                              \
+    const T* values = reinterpret_cast<const T*>(data);                                     \
+    for (size_t i = 0, n = size / sizeof(T); i < n; i++) bad |= (T)((values[i] & (MASK)) == (MASK)); \
+    return bad == 0;                                                                        \
+  }
+ALL_FINITE(AllFinite16, uint16_t, 0x7c00u)
+ALL_FINITE(AllFinite32, uint32_t, 0x7f800000u)
+ALL_FINITE(AllFinite64, uint64_t, 0x7ff0000000000000ull)
 
 // copy_raw(raw, index, destination, width) -> whether every value is finite (width 0: not checked): raw_input_contents
 // [index] copied into `destination` (a writable buffer of exactly its length), without the GIL.
@@ -532,9 +542,9 @@ PyObject* copy_raw(PyObject*, PyObject* args) {
   char* to = static_cast<char*>(destination.buf);
   CopyRange(raw->slices, raw->spans[index].first, raw->spans[index].second, to);
   size_t size = raw->spans[index].second;
-  if (width == 2) finite = AllFinite<uint16_t>(to, size, 0x7c00u);
-  if (width == 4) finite = AllFinite<uint32_t>(to, size, 0x7f800000u);
-  if (width == 8) finite = AllFinite<uint64_t>(to, size, 0x7ff0000000000000ull);
+  if (width == 2) finite = AllFinite16(to, size);
+  if (width == 4) finite = AllFinite32(to, size);
+  if (width == 8) finite = AllFinite64(to, size);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&destination);
   return PyBool_FromLong(finite);

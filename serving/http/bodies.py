@@ -22,7 +22,6 @@ from serving.codec import BadRequest, Limits, V2Header, V2Request
 from serving.staging import NonFinite, finite_bytes
 
 _SCRATCH = memoryview(bytearray(1 << 16))  # what discarded bytes are received into (never read)
-SEEN_HEADERS = 256  # checked V2 headers kept per model version
 
 
 class Bytes:
@@ -170,18 +169,9 @@ class V2Binary:
         return taken
 
     def _parse(self) -> None:
-        key = (bytes(self.header), self.length)
-        self.parsed = self.seen.get(key) if self.seen is not None else None
         try:
-            if self.parsed is None:
-                self.parsed = codec.parse_v2_header(self.header, len(self.header), self.length, self.specs,
-                                                    self.output_names, self.limits)
-                # A client sends the same header request after request (the same shapes, no id, or the same): it is
-                # checked once. Only headers without JSON data (small, their arrays are not shared) are kept.
-                if self.seen is not None and all(item.array is None for item in self.parsed.inputs):
-                    if len(self.seen) >= SEEN_HEADERS:
-                        self.seen.clear()
-                    self.seen[key] = self.parsed
+            self.parsed = codec.parse_v2_header_once(self.seen, self.header, len(self.header), self.length,
+                                                     self.specs, self.output_names, self.limits)
         except BadRequest as exc:
             self.error = exc
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:

@@ -1,0 +1,293 @@
+"""What it costs the server to take a large tensor in: its own CPU per request, every thread of it counted.
+
+A trivial ONNX model with a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; the model reduces it to
+10 logits, ~40 us of onnxruntime per image: it must read it) is served by `python -m serving` with its default
+settings (and --grpc-port); a closed loop of C clients sends one image a request for S seconds, over each protocol:
+
+    binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client) where installed,
+                     else the Python generator of benchmarks/serve.py
+    gRPC             ModelInfer, raw_input_contents; h2load where installed (C clients on one connection), else
+                     grpc.aio
+    shm HTTP / gRPC  the V2 system shared-memory extension driven by an unmodified tritonclient (http, grpc): the
+                     input in a region the client registered, the output in another, a region pair per request in
+                     flight; clients in several processes of threads (tritonclient's clients are not thread-safe)
+
+Reported per row: req/s, the server's mean rows per model run (from /metrics), the server process's CPU ms per
+request (utime + stime of every thread, from /proc), errors. With the model's cost near zero, the CPU per request
+is what the front end, the batcher and the copies cost: what sets a GPU server's pace (on one H100 the server
+before this work ran ResNet-50 at 0.31x its engine, forming batches of 5.4 rows: ../shared/gpu/resnet50_h100.md).
+
+Cores: by default the server is pinned to one core and the load generator to the other (`taskset`), so that
+neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the generator), which
+shows whether it takes more requests in with more cores. This machine has 2: compare rows of one run only.
+
+    python benchmarks/ingest.py                          # every protocol, c=32, 3 rounds of 5 s, medians
+    python benchmarks/ingest.py --quick                  # one round of 3 s
+    python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve as bench  # noqa: E402  (benchmarks/serve.py: the load generators and the V2 requests)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "trivial"
+SHAPE = (1, 3, 224, 224)
+PROTOCOLS = {"http": "binary HTTP", "grpc": "gRPC", "shm-http": "shm HTTP (tritonclient)",
+             "shm-grpc": "shm gRPC (tritonclient)"}
+SHM_PROCESSES = 4  # tritonclient load processes
+
+
+def trivial_model(path: Path) -> None:
+    """1x3x224x224 FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).random((3, 10), dtype=np.float32), "w")
+    nodes = [helper.make_node("ReduceMean", ["input"], ["m"], axes=[2, 3], keepdims=0),
+             helper.make_node("MatMul", ["m", "w"], ["logits"])]
+    graph = helper.make_graph(nodes, MODEL, [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                           ["batch", *SHAPE[1:]])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *cmd] if cpus and shutil.which("taskset") else cmd
+
+
+class Server:
+    def __init__(self, model: Path, work: Path, cpus: str | None, extra: list[str]):
+        self.port, self.grpc_port = bench.two_free_ports()
+        self.log = work / f"server-{cpus or 'all'}.log"
+        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", "--model", str(model), "--model-name", MODEL,
+                                 "--port", str(self.port), "--grpc-port", str(self.grpc_port), *extra])
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        for _ in range(600):
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+    def batches(self) -> tuple[float, float]:
+        text = requests.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        return bench.series_total(text, "trainserve_batch_size_count"), bench.series_total(text, "trainserve_batch_size_sum")
+
+    def layout(self) -> str:
+        found = re.search(r"laid out as: (.*)", self.log.read_text())
+        return found.group(1) if found else "?"
+
+
+# ---- load generators ------------------------------------------------------------------------------------------
+
+def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+    which = bench.BINARY_HTTP if protocol == "http" else bench.GRPC
+    request = bench.v2_request(which, MODEL, image(), server.port)
+    original = bench.subprocess.run
+    bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)  # the generator's core
+    try:
+        return bench.h2load(which, request, server.port, server.grpc_port, MODEL, c, seconds, work)
+    finally:
+        bench.subprocess.run = original
+
+
+def python_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+    import asyncio
+
+    which = bench.BINARY_HTTP if protocol == "http" else bench.GRPC
+    request = bench.v2_request(which, MODEL, image(), server.port)
+
+    async def run():
+        async with bench.open_clients(which, request, server.port, server.grpc_port, c) as clients:
+            return await bench.closed_loop(clients, seconds)
+
+    return asyncio.run(run())
+
+
+def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+    """c requests in flight from SHM_PROCESSES processes of threads, each thread a tritonclient of its own with a
+    region pair of its own."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start = time.time() + 4.0  # all set up by then (clients made, regions registered, a first request answered)
+    per = [c // SHM_PROCESSES + (1 if i < c % SHM_PROCESSES else 0) for i in range(SHM_PROCESSES)]
+    workers = [ctx.Process(target=_shm_worker, args=(protocol, server.port, server.grpc_port, n, i, start, seconds,
+                                                     results, cpus)) for i, n in enumerate(per) if n]
+    for w in workers:
+        w.start()
+    got = [results.get(timeout=seconds + 120) for _ in workers]
+    for w in workers:
+        w.join(30)
+    n, errors = sum(g["n"] for g in got), sum(g["errors"] for g in got)
+    first = next((g["first_error"] for g in got if g["first_error"]), None)
+    return {"rps": n / seconds, "n": n, "errors": errors, "first_error": first, "started": start}
+
+
+def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: int, start: float, seconds: float,
+                results, cpus: str | None) -> None:
+    import threading
+
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+    import tritonclient.utils.shared_memory as shm
+
+    mod, url = (th, f"127.0.0.1:{port}") if protocol == "shm-http" else (tg, f"127.0.0.1:{grpc_port}")
+    x = image()
+    counts = {"n": 0, "errors": 0, "first_error": None}
+    lock = threading.Lock()
+    regions = []
+
+    def client_loop(t: int, ready: threading.Barrier) -> None:
+        tag = f"{os.getpid()}-{t}"
+        inp = shm.create_shared_memory_region(f"in-{tag}", f"/ingest-in-{tag}", x.nbytes)
+        out = shm.create_shared_memory_region(f"out-{tag}", f"/ingest-out-{tag}", 64)
+        regions.extend([inp, out])
+        shm.set_shared_memory_region(inp, [x])
+        client = mod.InferenceServerClient(url)
+        client.register_system_shared_memory(f"in-{tag}", f"/ingest-in-{tag}", x.nbytes)
+        client.register_system_shared_memory(f"out-{tag}", f"/ingest-out-{tag}", 64)
+        request = mod.InferInput("input", list(x.shape), "FP32")
+        request.set_shared_memory(f"in-{tag}", x.nbytes)
+        wanted = mod.InferRequestedOutput("logits", **({"binary_data": True} if mod is th else {}))
+        wanted.set_shared_memory(f"out-{tag}", 40)
+        client.infer(MODEL, [request], outputs=[wanted])  # warm, and a check that it works
+        ready.wait()
+        time.sleep(max(0.0, start - time.time()))
+        n = errors = 0
+        first = None
+        while time.time() < start + seconds:
+            try:
+                client.infer(MODEL, [request], outputs=[wanted])
+                n += 1
+            except Exception as exc:  # noqa: BLE001 - counted
+                errors += 1
+                first = first or f"{type(exc).__name__}: {exc}"
+        with lock:
+            counts["n"] += n
+            counts["errors"] += errors
+            counts["first_error"] = counts["first_error"] or first
+        client.unregister_system_shared_memory(f"in-{tag}")
+        client.unregister_system_shared_memory(f"out-{tag}")
+
+    ready = threading.Barrier(threads)
+    pool = [threading.Thread(target=client_loop, args=(t, ready)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    for region in regions:
+        shm.destroy_shared_memory_region(region)
+    results.put(counts)
+
+
+def image() -> np.ndarray:
+    return np.random.default_rng(1).random(SHAPE, dtype=np.float32)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+
+def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+    if protocol.startswith("shm"):
+        load = shm_load
+    else:
+        load = h2load_load if shutil.which("h2load") else python_load
+    load(protocol, server, c, min(2.0, seconds), work, cpus)  # warm (h2load: its first seconds)
+    bench.wait_until_idle(server.port)
+    runs0, rows0 = server.batches()
+    cpu0, t0 = cpu_seconds(server.proc.pid), time.time()
+    result = load(protocol, server, c, seconds, work, cpus)
+    if "started" in result:  # the shm load began at a set time: the server's CPU is counted from its start
+        cpu0 = cpu_seconds(server.proc.pid) if time.time() < result["started"] else cpu0
+    cpu = cpu_seconds(server.proc.pid) - cpu0
+    runs1, rows1 = server.batches()
+    n = max(result["n"], 1)
+    return {"rps": result["rps"], "rows_per_run": (rows1 - rows0) / max(runs1 - runs0, 1), "cpu_ms": 1e3 * cpu / n,
+            "errors": result["errors"], "first_error": result.get("first_error"),
+            "generator": "h2load" if load is h2load_load else ("tritonclient" if load is shm_load else "python")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"of {', '.join(PROTOCOLS)}")
+    parser.add_argument("--cores", default="1", help="the server on 1 core (the generator on another), 2 (all, "
+                        "shared with the generator), or both: 1,2")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round of 3 s")
+    parser.add_argument("--server-args", default="", help="more flags for the server (its defaults otherwise)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds = 1, 3.0
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown:
+        parser.error(f"unknown protocol(s) {unknown}; choose among {', '.join(PROTOCOLS)}")
+    ncpu = len(os.sched_getaffinity(0))
+    work = Path(tempfile.mkdtemp(prefix="ingest-"))
+    model = work / "trivial.onnx"
+    trivial_model(model)
+    rows = []
+    for cores in [c.strip() for c in args.cores.split(",")]:
+        if cores == "1" and ncpu >= 2:
+            server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
+        else:
+            server_cpus = load_cpus = None
+        with Server(model, work, server_cpus, args.server_args.split()) as server:
+            for protocol in protocols:
+                runs = [measure(protocol, server, args.concurrency, args.seconds, work, load_cpus)
+                        for _ in range(args.rounds)]
+                med = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "rows_per_run", "cpu_ms")}
+                errors = sum(r["errors"] for r in runs)
+                rows.append((PROTOCOLS[protocol], "1 core" if server_cpus else f"{ncpu} cores (shared)",
+                             runs[0]["generator"], med, errors, next((r["first_error"] for r in runs if r["first_error"]),
+                                                                     None)))
+                print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  {med['rows_per_run']:5.1f} rows/run"
+                      f"  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}", flush=True)
+            layout = server.layout()
+    print(f"\nServer (default settings): {layout}")
+    print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB) -> ReduceMean -> MatMul -> 10 logits; "
+          f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
+    print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for name, where, generator, med, errors, first in rows:
+        print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {med['rows_per_run']:.1f} | {med['cpu_ms']:.3f} | "
+              f"{errors}{' (' + first[:80] + ')' if first else ''} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
