@@ -13,7 +13,11 @@ Proofs (each a real CLI call in a scratch directory, as a user types it):
   serve.parity          the CUDA server's answers vs onnxruntime's CPU provider on the same inputs
   throughput            req/s, p50/p99, rows and milliseconds per model run at concurrency 1 and 32: CPU
                         provider vs CUDA provider (batch buckets, the default) vs CUDA with one session for
-                        every batch size (--batch-buckets off) vs CUDA with TF32 vs the fp16 variant
+                        every batch size (--batch-buckets off) vs CUDA with TF32 vs the fp16 variant vs CUDA graphs
+  resnet50              a real-sized model (benchmarks/resnet50.py): ResNet-50 224x224 through the server on
+                        binary HTTP, gRPC and system shared memory at c=1/32/64, fp32, fp16 and CUDA graphs,
+                        against onnxruntime in-process (batch 1, 32) and PyTorch eager; ok when issue 31's targets
+                        are met (each said in a table), FAIL naming those that are not; needs torchvision
 
 What a proof needs and does not find (MLflow for the training runs, onnxruntime-gpu with a CUDA
 provider that loads for the export and serving rows) is a `skip` row that says what is missing, never
@@ -22,6 +26,7 @@ a silent pass. A machine without MLflow takes the wheelhouse `scripts/gpu-wheelh
     scripts/gpu-check                    # the proofs; ~3-5 min on one GPU
     scripts/gpu-check --quick            # shorter throughput runs
     scripts/gpu-check --dry-run-on-cpu   # the harness on the CPU (GPU-only rows skipped)
+    scripts/gpu-check --only resnet50    # one proof (or a comma-separated few: train, serve, resnet50)
 """
 
 from __future__ import annotations
@@ -222,8 +227,8 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
             p.add("serve.cuda", "FAIL", started, f"the server runs on {cuda and cuda['provider']}, not the CUDA provider")
             p.add("serve.parity", "skip", started, "no CUDA server")
         # Rows for what the server offers on a GPU: one session for every batch size (what batch buckets
-        # replace), TF32 allowed (ungated), the gated fp16 variant. (CUDA graphs are not built yet: no row.)
-        for variant_args in (["--batch-buckets", "off"], ["--allow-tf32"], ["--variant", "fp16"]):
+        # replace), TF32 allowed (ungated), the gated fp16 variant, each bucket a captured CUDA graph.
+        for variant_args in (["--batch-buckets", "off"], ["--allow-tf32"], ["--variant", "fp16"], ["--cuda-graphs"]):
             serve_and_measure(p, onnx_path, "cuda", variant_args, quick, table)
     started = time.perf_counter()
     p.add("throughput", "ok" if table else "FAIL", started, f"{len(table)} rows below")
@@ -354,6 +359,29 @@ def print_table(table: list) -> None:
         print("| " + " | ".join(str(c) for c in row) + " |")
 
 
+def resnet50_proof(p: Proofs, quick: bool) -> None:
+    """benchmarks/resnet50.py's table (on the CPU: a 32x32 input, the harness only, no verdicts)."""
+    started = time.perf_counter()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import resnet50
+
+    gpu = p.device == "cuda"
+    try:
+        result = resnet50.run(p.device, 224 if gpu else 32, 2.0 if quick or not gpu else 5.0, p.workdir)
+    except Exception as exc:  # noqa: BLE001 - a proof that broke is a FAIL row, the others still run
+        p.add("resnet50", "FAIL", started, f"{type(exc).__name__}: {str(exc)[:300]}")
+        return
+    missed = [target for target, _, ok in result["verdicts"] if ok is False]
+    unknown = [target for target, _, ok in result["verdicts"] if ok is None]
+    if not gpu:
+        p.add("resnet50", "ok", started, "the harness ran on the CPU (32x32, no verdicts: the targets are a GPU's)")
+    elif missed:
+        p.add("resnet50", "FAIL", started, f"targets not met: {'; '.join(missed)}")
+    else:
+        p.add("resnet50", "ok" if not unknown else "FAIL", started,
+              "every target met" if not unknown else f"not measured: {'; '.join(unknown)}")
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -362,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run-on-cpu", action="store_true", help="run the harness on the CPU, GPU rows skipped")
     parser.add_argument("--quick", action="store_true", help="2 s throughput runs instead of 8 s")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary directory, removed)")
+    parser.add_argument("--only", default="train,serve,resnet50", help="which proofs: of train (the four train.* rows), "
+                        "serve (export, serve.*, throughput: they need train.bf16's model), resnet50")
     args = parser.parse_args(argv)
+    only = {o.strip() for o in args.only.split(",") if o.strip()}
+    if only - {"train", "serve", "resnet50"}:
+        parser.error(f"--only: unknown {sorted(only - {'train', 'serve', 'resnet50'})}; of train, serve, resnet50")
 
     import torch
 
@@ -381,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     proofs = Proofs(workdir, device)
     try:
-        train_proofs(proofs)
-        export_and_serve(proofs, args.quick)
+        if "train" in only or "serve" in only:  # serve's model is train.bf16's
+            train_proofs(proofs)
+        if "serve" in only:
+            export_and_serve(proofs, args.quick)
+        if "resnet50" in only:
+            resnet50_proof(proofs, args.quick)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

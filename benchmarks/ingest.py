@@ -77,10 +77,13 @@ def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
 
 
 class Server:
-    def __init__(self, model: Path, work: Path, cpus: str | None, extra: list[str]):
+    """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in `work`)."""
+
+    def __init__(self, model: Path, work: Path, cpus: str | None, extra: list[str], model_name: str = MODEL):
         self.port, self.grpc_port = bench.two_free_ports()
-        self.log = work / f"server-{cpus or 'all'}.log"
-        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", "--model", str(model), "--model-name", MODEL,
+        self.work = work
+        self.log = work / f"server-{cpus or 'all'}-{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log"
+        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", "--model", str(model), "--model-name", model_name,
                                  "--port", str(self.port), "--grpc-port", str(self.grpc_port), *extra])
 
     def __enter__(self):
@@ -135,15 +138,18 @@ def python_load(protocol: str, server: Server, c: int, seconds: float, work: Pat
     return asyncio.run(run())
 
 
-def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None,
+             model: str = MODEL, x: np.ndarray | None = None, out_bytes: int = 40) -> dict:
     """c requests in flight from SHM_PROCESSES processes of threads, each thread a tritonclient of its own with a
-    region pair of its own."""
+    region pair of its own: `x` (default the 224x224 image) into `model`'s input "input", its "logits" (`out_bytes`)
+    into the other region."""
+    x = image() if x is None else x
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     start = time.time() + 4.0  # all set up by then (clients made, regions registered, a first request answered)
     per = [c // SHM_PROCESSES + (1 if i < c % SHM_PROCESSES else 0) for i in range(SHM_PROCESSES)]
     workers = [ctx.Process(target=_shm_worker, args=(protocol, server.port, server.grpc_port, n, i, start, seconds,
-                                                     results, cpus)) for i, n in enumerate(per) if n]
+                                                     results, cpus, model, x, out_bytes)) for i, n in enumerate(per) if n]
     for w in workers:
         w.start()
     got = [results.get(timeout=seconds + 120) for _ in workers]
@@ -155,7 +161,7 @@ def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, 
 
 
 def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: int, start: float, seconds: float,
-                results, cpus: str | None) -> None:
+                results, cpus: str | None, model: str, x: np.ndarray, out_bytes: int) -> None:
     import threading
 
     if cpus:
@@ -165,7 +171,6 @@ def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: i
     import tritonclient.utils.shared_memory as shm
 
     mod, url = (th, f"127.0.0.1:{port}") if protocol == "shm-http" else (tg, f"127.0.0.1:{grpc_port}")
-    x = image()
     counts = {"n": 0, "errors": 0, "first_error": None}
     lock = threading.Lock()
     regions = []
@@ -173,24 +178,24 @@ def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: i
     def client_loop(t: int, ready: threading.Barrier) -> None:
         tag = f"{os.getpid()}-{t}"
         inp = shm.create_shared_memory_region(f"in-{tag}", f"/ingest-in-{tag}", x.nbytes)
-        out = shm.create_shared_memory_region(f"out-{tag}", f"/ingest-out-{tag}", 64)
+        out = shm.create_shared_memory_region(f"out-{tag}", f"/ingest-out-{tag}", out_bytes)
         regions.extend([inp, out])
         shm.set_shared_memory_region(inp, [x])
         client = mod.InferenceServerClient(url)
         client.register_system_shared_memory(f"in-{tag}", f"/ingest-in-{tag}", x.nbytes)
-        client.register_system_shared_memory(f"out-{tag}", f"/ingest-out-{tag}", 64)
+        client.register_system_shared_memory(f"out-{tag}", f"/ingest-out-{tag}", out_bytes)
         request = mod.InferInput("input", list(x.shape), "FP32")
         request.set_shared_memory(f"in-{tag}", x.nbytes)
         wanted = mod.InferRequestedOutput("logits", **({"binary_data": True} if mod is th else {}))
-        wanted.set_shared_memory(f"out-{tag}", 40)
-        client.infer(MODEL, [request], outputs=[wanted])  # warm, and a check that it works
+        wanted.set_shared_memory(f"out-{tag}", out_bytes)
+        client.infer(model, [request], outputs=[wanted])  # warm, and a check that it works
         ready.wait()
         time.sleep(max(0.0, start - time.time()))
         n = errors = 0
         first = None
         while time.time() < start + seconds:
             try:
-                client.infer(MODEL, [request], outputs=[wanted])
+                client.infer(model, [request], outputs=[wanted])
                 n += 1
             except Exception as exc:  # noqa: BLE001 - counted
                 errors += 1

@@ -400,10 +400,12 @@ class GrpcStream:
         await self.reader
 
 
-async def closed_loop(clients: list, seconds: float | None = None, count: int | None = None) -> dict:
+async def closed_loop(clients: list, seconds: float | None = None, count: int | None = None,
+                      keep_times: bool = False) -> dict:
     """Each client is one worker that sends its next request as soon as its last answer came, for `seconds`
     or until `count` answers in all: answers/s, p50/p99 ms of the good answers, errors (and the first), and
-    this process's CPU ms per request (the generator's cost, gRPC's own threads included)."""
+    this process's CPU ms per request (the generator's cost, gRPC's own threads included); with `keep_times`,
+    every good answer's ms too (times_ms: to merge several processes' percentiles)."""
     times: list[float] = []
     errors: list[str] = []
     cpu = time.process_time()
@@ -427,7 +429,8 @@ async def closed_loop(clients: list, seconds: float | None = None, count: int | 
     ms = np.asarray(times or [float("nan")]) * 1e3
     return {"rps": len(times) / elapsed, "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
             "errors": len(errors), "n": len(times), "first_error": errors[0] if errors else None,
-            "client_cpu_ms": cpu * 1e3 / max(len(times) + len(errors), 1)}
+            "client_cpu_ms": cpu * 1e3 / max(len(times) + len(errors), 1),
+            **({"times_ms": np.asarray(times) * 1e3} if keep_times else {})}
 
 
 @contextlib.asynccontextmanager

@@ -78,6 +78,28 @@ def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(
     assert [o["y"].tolist() for o in outs] == [[2], [4, 4], [6, 6], [8, 8]]
 
 
+def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_comes_free_in_the_middle(executor):
+    engine = Engine(seconds=0.1)
+
+    async def main():
+        b = make(engine, executor)
+        b.start()
+        first = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.02)  # the first run is under way
+
+        async def busy_taking_in():  # a front end in the middle of its turn (a system call: the GIL given away)
+            time.sleep(0.2)  # the engine's run ends meanwhile; request 2 is queued, request 3 not yet
+
+        turn = [asyncio.create_task(b.submit(rows(2), 1)), asyncio.create_task(busy_taking_in()),
+                asyncio.create_task(b.submit(rows(3), 1))]  # all three first run in the same turn of the loop
+        outs = await asyncio.gather(first, *turn)
+        await b.close()
+        return outs
+
+    outs = run(main())
+    assert engine.batches == [1, 2]  # not [1, 1, 1]: the engine left the batch to the loop's turn
+    assert [outs[0]["y"].tolist(), outs[1]["y"].tolist(), outs[3]["y"].tolist()] == [[2], [4], [6]]
+
 def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
     engine = Engine(seconds=0.05)
 
