@@ -1,13 +1,15 @@
 """What it costs the server to take a large tensor in: its own CPU per request, every thread of it counted.
 
 A trivial ONNX model with a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; the model reduces it to
-10 logits, ~40 us of onnxruntime per image: it must read it) is served by `python -m serving` with its default
+10 logits, ~20-30 us of onnxruntime per image here: it must read it) is served by `python -m serving` with its default
 settings (and --grpc-port); a closed loop of C clients sends one image a request for S seconds, over each protocol:
 
     binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client) where installed,
                      else the Python generator of benchmarks/serve.py
     gRPC             ModelInfer, raw_input_contents; h2load where installed (C clients on one connection), else
                      grpc.aio
+    binary HTTP,     the same over binary HTTP with the image as UINT8 pixel values (150 KB), to a second model of the
+    UINT8            server that casts and scales them (what `export.uint8_inputs` makes of a model)
     shm HTTP / gRPC  the V2 system shared-memory extension driven by an unmodified tritonclient (http, grpc): the
                      input in a region the client registered, the output in another, a region pair per request in
                      flight; clients in several processes of threads (tritonclient's clients are not thread-safe)
@@ -48,22 +50,29 @@ import serve as bench  # noqa: E402  (benchmarks/serve.py: the load generators a
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trivial"
 SHAPE = (1, 3, 224, 224)
-PROTOCOLS = {"http": "binary HTTP", "grpc": "gRPC", "shm-http": "shm HTTP (tritonclient)",
-             "shm-grpc": "shm gRPC (tritonclient)"}
+MODEL_UINT8 = "trivial_uint8"
+PROTOCOLS = {"http": "binary HTTP", "http-uint8": "binary HTTP, UINT8 image", "grpc": "gRPC",
+             "shm-http": "shm HTTP (tritonclient)", "shm-grpc": "shm gRPC (tritonclient)"}
 SHM_PROCESSES = 4  # tritonclient load processes
 
 
-def trivial_model(path: Path) -> None:
-    """1x3x224x224 FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing."""
+def trivial_model(path: Path, uint8: bool = False) -> None:
+    """1x3x224x224 FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing. `uint8`:
+    its input UINT8 pixel values, cast and scaled by 1/255 first (as export.uint8_inputs makes a model's)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     w = numpy_helper.from_array(np.random.default_rng(0).random((3, 10), dtype=np.float32), "w")
-    nodes = [helper.make_node("ReduceMean", ["input"], ["m"], axes=[2, 3], keepdims=0),
+    nodes = [helper.make_node("ReduceMean", ["scaled" if uint8 else "input"], ["m"], axes=[2, 3], keepdims=0),
              helper.make_node("MatMul", ["m", "w"], ["logits"])]
-    graph = helper.make_graph(nodes, MODEL, [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                                                           ["batch", *SHAPE[1:]])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], [w])
+    inits = [w]
+    if uint8:
+        nodes[:0] = [helper.make_node("Cast", ["input"], ["as_float"], to=TensorProto.FLOAT),
+                     helper.make_node("Div", ["as_float", "scale"], ["scaled"])]
+        inits.append(helper.make_tensor("scale", TensorProto.FLOAT, [], [255.0]))
+    kind = TensorProto.UINT8 if uint8 else TensorProto.FLOAT
+    graph = helper.make_graph(nodes, MODEL, [helper.make_tensor_value_info("input", kind, ["batch", *SHAPE[1:]])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
 
 
@@ -79,11 +88,14 @@ def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
 class Server:
     """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in `work`)."""
 
-    def __init__(self, model: Path, work: Path, cpus: str | None, extra: list[str], model_name: str = MODEL):
+    def __init__(self, model: Path | dict[str, Path], work: Path, cpus: str | None, extra: list[str],
+                 model_name: str = MODEL):
         self.port, self.grpc_port = bench.two_free_ports()
         self.work = work
         self.log = work / f"server-{cpus or 'all'}-{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log"
-        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", "--model", str(model), "--model-name", model_name,
+        models = [a for name, path in model.items() for a in ("--model", f"{name}={path}")] \
+            if isinstance(model, dict) else ["--model", str(model), "--model-name", model_name]
+        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", *models,
                                  "--port", str(self.port), "--grpc-port", str(self.grpc_port), *extra])
 
     def __enter__(self):
@@ -115,12 +127,13 @@ class Server:
 # ---- load generators ------------------------------------------------------------------------------------------
 
 def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
-    which = bench.BINARY_HTTP if protocol == "http" else bench.GRPC
-    request = bench.v2_request(which, MODEL, image(), server.port)
+    which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
+    model, x = (MODEL_UINT8, pixels()) if protocol == "http-uint8" else (MODEL, image())
+    request = bench.v2_request(which, model, x, server.port)
     original = bench.subprocess.run
     bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)  # the generator's core
     try:
-        return bench.h2load(which, request, server.port, server.grpc_port, MODEL, c, seconds, work)
+        return bench.h2load(which, request, server.port, server.grpc_port, model, c, seconds, work)
     finally:
         bench.subprocess.run = original
 
@@ -128,8 +141,9 @@ def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Pat
 def python_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
     import asyncio
 
-    which = bench.BINARY_HTTP if protocol == "http" else bench.GRPC
-    request = bench.v2_request(which, MODEL, image(), server.port)
+    which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
+    model, x = (MODEL_UINT8, pixels()) if protocol == "http-uint8" else (MODEL, image())
+    request = bench.v2_request(which, model, x, server.port)
 
     async def run():
         async with bench.open_clients(which, request, server.port, server.grpc_port, c) as clients:
@@ -222,6 +236,11 @@ def image() -> np.ndarray:
     return np.random.default_rng(1).random(SHAPE, dtype=np.float32)
 
 
+def pixels() -> np.ndarray:
+    """The same image as UINT8 pixel values (150 KB)."""
+    return np.rint(image() * 255).astype(np.uint8)
+
+
 # ---- measuring ------------------------------------------------------------------------------------------------
 
 def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
@@ -263,15 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown protocol(s) {unknown}; choose among {', '.join(PROTOCOLS)}")
     ncpu = len(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="ingest-"))
-    model = work / "trivial.onnx"
-    trivial_model(model)
+    models = {MODEL: work / "trivial.onnx", MODEL_UINT8: work / "trivial_uint8.onnx"}
+    trivial_model(models[MODEL])
+    trivial_model(models[MODEL_UINT8], uint8=True)
     rows = []
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
             server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
         else:
             server_cpus = load_cpus = None
-        with Server(model, work, server_cpus, args.server_args.split()) as server:
+        with Server(models, work, server_cpus, args.server_args.split()) as server:
             for protocol in protocols:
                 runs = [measure(protocol, server, args.concurrency, args.seconds, work, load_cpus)
                         for _ in range(args.rounds)]
@@ -284,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}", flush=True)
             layout = server.layout()
     print(f"\nServer (default settings): {layout}")
-    print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB) -> ReduceMean -> MatMul -> 10 logits; "
+    print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 {int(np.prod(SHAPE)) / 1e3:.0f} KB, "
+          "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
           f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
     print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | errors |")
     print("|---|---|---|---|---|---|---|")

@@ -483,9 +483,10 @@ def v2_request(protocol: str, model: str, x: np.ndarray, port: int) -> bytes:
     ModelInferRequest (serving/grpc/schema.py's message; the wire format is KServe's)."""
     if protocol == JSON_HTTP:
         return http_request(port, f"/v2/models/{model}/infer", v2_json_body(x), {"Content-Type": "application/json"})
-    raw = np.ascontiguousarray(x, "<f4").tobytes()
+    datatype = "UINT8" if x.dtype == np.uint8 else "FP32"  # (an image as pixel values: a uint8 variant's input)
+    raw = (np.ascontiguousarray(x) if datatype == "UINT8" else np.ascontiguousarray(x, "<f4")).tobytes()
     if protocol == BINARY_HTTP:
-        header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+        header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
                                          "parameters": {"binary_data_size": len(raw)}}],
                              "parameters": {"binary_data_output": True}}).encode()
         return http_request(port, f"/v2/models/{model}/infer", header + raw,
@@ -494,7 +495,7 @@ def v2_request(protocol: str, model: str, x: np.ndarray, port: int) -> bytes:
     from serving.grpc import schema
 
     request = schema.ModelInferRequest(model_name=model)
-    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    request.inputs.add(name="input", datatype=datatype, shape=list(x.shape))
     request.raw_input_contents.append(raw)
     return request.SerializeToString()
 

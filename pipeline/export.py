@@ -3,10 +3,11 @@
 Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
-optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx`. fp16 and int8 are also
-logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant fp16|int8` serves
-one, and `--variant auto` the fastest for the server's provider, as export measured them here
-(`variants_measured` in the report, the version's tag `trainserve.fastest_variants`).
+optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx` / `model.uint8.onnx`. fp16, int8
+and uint8 are also logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant
+fp16|int8|uint8` serves one, and `--variant auto` the fastest for the server's provider, as export measured them
+here (`variants_measured` in the report, the version's tag `trainserve.fastest_variants`); never uint8, whose
+clients send other bytes (UINT8 image inputs: pipeline/components/uint8_inputs.py).
 
 The int8 variant (export.int8, pipeline/components/int8.py) is gated like the others, with its own limits;
 unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not the export: it is
@@ -43,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, int8, length_limits, onnx_export, promotion, tracking
+from pipeline.components import gates, int8, length_limits, onnx_export, promotion, tracking, uint8_inputs
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
@@ -150,8 +151,13 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         results.update({f"optimized.{k}": v for k, v in run_gates(sess, ref, batches, cfg).items()})
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
-        onnx_export.save(gates.to_fp16(_with_weights(exported.model, onnx_path)), variants["fp16"])
+        onnx_export.save(gates.to_fp16(onnx_export.with_weights(exported.model, onnx_path)), variants["fp16"])
         results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
+    if cfg.uint8_inputs:
+        path, gated = uint8_inputs.make_variant(exported.model, onnx_path, out, ref, batches, cfg, cfg.uint8_inputs)
+        results.update(gated)
+        if path is not None:
+            variants["uint8"] = path
     int8_report = None
     if cfg.int8 != "off":
         int8_report = int8.make_variant(onnx_path, out, ref, batches, cfg, metadata)
@@ -272,13 +278,6 @@ def config_digest(config_tree: dict) -> str:
 def _moved(graph, src: Path, dst: Path):
     """The passed candidate renamed to `dst` with its data file, if any; the graph as saved there."""
     return onnx_export.move(src, dst) or graph
-
-
-def _with_weights(graph, path: Path):
-    """`graph` with its weights in memory: itself, or read again with its data file (for the fp16 converter)."""
-    import onnx
-
-    return onnx.load(str(path)) if onnx_export.data_file(path) else graph
 
 
 def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
@@ -448,7 +447,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]},
             data_file=onnx_export.data_file(result.onnx_path))
-        for variant in ("fp16", "int8"):  # servable: a server of this version picks one with --variant
+        for variant in ("fp16", "int8", "uint8"):  # servable: a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
                 if (data := onnx_export.data_file(variants[variant])) is not None:  # its weights, past 2 GB

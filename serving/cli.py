@@ -45,9 +45,10 @@ FLAGS: dict[str, tuple[type, str]] = {
     "device": (str, "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
                     "loads, else CPU with a warning; cuda and tensorrt refuse to start without it)"),
     "device-id": (int, "CUDA device among the visible ones (default 0; prefer CUDA_VISIBLE_DEVICES)"),
-    "variant": (str, "fp32|fp16|int8|auto: the file of a model directory served, model.onnx, model.fp16.onnx or "
-                     "model.int8.onnx; auto: the fastest the export measured for this provider among those that "
-                     "passed their gates, for a registered version (default fp32; fp16 only on a GPU)"),
+    "variant": (str, "fp32|fp16|int8|uint8|auto: the file of a model directory served, model.onnx, model.fp16.onnx, "
+                     "model.int8.onnx or model.uint8.onnx (image inputs as UINT8 pixel values: what its clients "
+                     "send); auto: the fastest the export measured for this provider among those that passed their "
+                     "gates, for a registered version (default fp32; fp16 only on a GPU)"),
     "cudnn-conv-algo-search": (str, "HEURISTIC|EXHAUSTIVE|DEFAULT: how cuDNN picks convolution algorithms per "
                                     "input shape (default HEURISTIC: no benchmarking on the request path)"),
     "allow-tf32": (bool, "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "

@@ -293,8 +293,8 @@ class Settings:
 
         if self.device not in DEVICES:
             raise ValueError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")
-        if self.variant not in ("fp32", "fp16", "int8", "auto"):
-            raise ValueError(f"--variant must be fp32, fp16, int8 or auto, got {self.variant!r}")
+        if self.variant not in ("fp32", "fp16", "int8", "uint8", "auto"):
+            raise ValueError(f"--variant must be fp32, fp16, int8, uint8 or auto, got {self.variant!r}")
         if self.variant == "fp16" and self.device == "cpu":
             raise ValueError("--variant fp16 is for the CUDA provider: onnxruntime's CPU provider runs fp16 nodes "
                              "through casts to fp32 (slower than the fp32 model, not faster): "

@@ -186,7 +186,7 @@ class Server:
         if reference is None or not window:
             return model.engine.run_parts, model.engine.run_buffer
         key = (model.info.name, model.info.version)
-        self.drift[key] = tracker = drift.DriftWindow(reference, window)
+        self.drift[key] = tracker = drift.DriftWindow(reference, window, model.engine.metadata)
         batches = 0
 
         def observe(feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:

@@ -34,6 +34,9 @@ from typing import Any, Iterable
 import numpy as np
 
 FORMAT = "trainserve-drift/1"
+# A graph's inputs taken as UINT8 pixel values and scaled by 1/255 inside it (the uint8 variant's ONNX metadata,
+# written by pipeline/components/uint8_inputs.py): compared with the training data's [0, 1] values once scaled.
+PIXEL_INPUTS_KEY = "trainserve.uint8_inputs"
 FILE = "drift_reference.json"
 BINS = 10
 MAX_FEATURES = 64
@@ -173,12 +176,18 @@ class _Tensor:
         return len(self.recent)
 
 
+def pixel_inputs(metadata: dict[str, str]) -> list[str]:
+    """The inputs a graph takes as UINT8 pixel values (PIXEL_INPUTS_KEY of its metadata)."""
+    return [n for n in (metadata.get(PIXEL_INPUTS_KEY) or "").split(",") if n]
+
+
 class DriftWindow:
     """The last `window` samples of one model version against its reference; thread-safe (the engine thread
     observes, the metrics scrape reads)."""
 
-    def __init__(self, reference: dict[str, Any], window: int = DEFAULT_WINDOW):
+    def __init__(self, reference: dict[str, Any], window: int = DEFAULT_WINDOW, metadata: dict[str, str] | None = None):
         self.window = window
+        self._pixels = set(pixel_inputs(metadata or {}))  # UINT8 inputs: observed as value / 255
         self._lock = threading.Lock()
         self._tensors = {(kind, name): _Tensor(spec, window)
                          for kind in ("inputs", "outputs") for name, spec in reference.get(kind, {}).items()}
@@ -189,6 +198,8 @@ class DriftWindow:
                 for name, array in arrays.items():
                     tensor = self._tensors.get((kind, name))
                     if tensor is not None:
+                        if kind == "inputs" and name in self._pixels:
+                            array = np.asarray(array, np.float32) / 255.0
                         tensor.observe(array)
 
     def scores(self) -> dict[tuple[str, str], tuple[float, int]]:

@@ -41,7 +41,8 @@ _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
 # The file of each variant in a model directory (the export logs them into the registered model).
-VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx"}
+VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx",
+                 "uint8": "model.uint8.onnx"}  # uint8: image inputs as UINT8 pixel values (its clients send those)
 # The registered version's record of its fastest gated variant per provider (JSON), for --variant auto.
 FASTEST_TAG = "trainserve.fastest_variants"
 
@@ -321,14 +322,15 @@ def find_onnx(path: Path, variant: str = "fp32") -> Path:
     if len(named) > 1:
         raise SourceError(f"several {wanted} files under {path}: {[str(p) for p in named]}; point --model at one")
     if variant != "fp32":
+        setting = "export.uint8_inputs=true" if variant == "uint8" else f"export.{variant}=true"
         raise SourceError(f"no {wanted} under {path} (found {[p.name for p in found]}): export with "
-                          f"export.{variant}=true to log the {variant} variant with the model, or serve --variant fp32")
-    others = [p for p in found if p.name not in (VARIANT_FILES["fp16"], VARIANT_FILES["int8"])]
+                          f"{setting} to log the {variant} variant with the model, or serve --variant fp32")
+    others = [p for p in found if p.name not in [f for v, f in VARIANT_FILES.items() if v != "fp32"]]
     if len(others) == 1:
         return others[0]
     if not others:
         raise SourceError(f"only variant models under {path} ({[p.name for p in found]}): serve one with --variant "
-                          "fp16 or int8")
+                          "fp16, int8 or uint8")
     raise SourceError(f"several .onnx files under {path}: {[str(p) for p in found]}; "
                       "point --model at one of them")
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline import cli
-from pipeline.components import gates, onnx_export
+from pipeline.components import gates, onnx_export, uint8_inputs
 from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
 from pipeline.components.safetensors_writer import file_sha256 as sha256_file
 from pipeline.tasks import build_task
@@ -23,6 +23,8 @@ from pipeline.components.tracking import free_port
 from pipeline.config import load_config
 from pipeline.components.weights import load_model, read_weights
 from pipeline.export import ExportResult, main
+from pipeline.datasets.images import ImageTensors
+from serving_fixtures import ServerProcess, run_onnx
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
@@ -105,7 +107,7 @@ def exported(trained, store, tmp_path_factory) -> ExportResult:
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path_factory.mktemp("elsewhere"))  # --run-id downloads into ./outputs/<run_id>/
         return main(run_id=trained["run_id"], tracking_uri=store,
-                    overrides=["export.ort_optimize=true", "export.fp16=true"])
+                    overrides=["export.ort_optimize=true", "export.fp16=true", "export.uint8_inputs=true"])
 
 
 def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
@@ -262,6 +264,48 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
     on_cuda = report["providers"]["CUDAExecutionProvider"].startswith("gated")
     assert {g["provider"] for k, g in report["gates"].items() if k.startswith("fp16.parity")} == \
         {"CUDAExecutionProvider" if on_cuda else "CPUExecutionProvider"}
+
+
+def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(exported, trained, store, tmp_path):
+    report = exported.report
+    for gate in ("uint8.range", "uint8.checker", "uint8.parity.b1", "uint8.parity.b64", "uint8.parity.val",
+                 "uint8.accuracy", "uint8.rounding"):
+        assert report["gates"][gate]["passed"], (gate, report["gates"][gate])
+    assert "rounded to 1/255 steps" in report["gates"]["uint8.rounding"]["message"]
+    path = exported.onnx_path.with_name(uint8_inputs.FILE)
+    variant = onnx.load(str(path))
+    assert [i.type.tensor_type.elem_type for i in variant.graph.input] == [onnx.TensorProto.UINT8]
+    assert {p.key: p.value for p in variant.metadata_props}["trainserve.uint8_inputs"] == "input"
+    version = mlflow.MlflowClient().get_model_version("resnet18-digits", exported.model_version)
+    assert version.tags["trainserve.onnx_uint8_sha256"] == sha256_file(path)
+
+    # Served from the registry: UINT8 pixel values in, what the fp32 graph answers for those values / 255 out.
+    pixels = uint8_inputs.rounded(trained["val_x"][:3])
+    want = run_onnx(exported.onnx_path, pixels.astype(np.float32) / 255)["probabilities"]
+    with ServerProcess("--model", f"models:/resnet18-digits/{exported.model_version}", "--variant", "uint8",
+                       env={"MLFLOW_TRACKING_URI": store}, log_path=tmp_path / "uint8.log") as srv:
+        import requests
+
+        url = f"{srv.url}/v2/models/resnet18-digits/infer"
+        body = requests.post(url, json={"inputs": [{"name": "input", "shape": list(pixels.shape), "datatype": "UINT8",
+                                                   "data": pixels.ravel().tolist()}]}, timeout=30).json()
+        got = next(o for o in body["outputs"] if o["name"] == "probabilities")
+        np.testing.assert_allclose(np.array(got["data"]).reshape(3, -1), want, atol=1e-6)
+        floats = requests.post(url, json={"inputs": [{"name": "input", "shape": list(pixels.shape), "datatype": "FP32",
+                                                     "data": (pixels / 255).ravel().tolist()}]}, timeout=30)
+        assert floats.status_code == 400 and "UINT8" in floats.text, floats.text
+
+
+def test_a_uint8_variant_is_refused_for_inputs_outside_0_1_or_not_in_the_graph(exported, trained):
+    val = trained["splits"].val
+    normalized = ImageTensors(val.x * 4 - 1, val.y, val.classes)  # normalized outside the model
+    gate = uint8_inputs.range_gate(normalized, ["input"])
+    assert not gate["passed"] and "input spans [-1, 3]" in gate["message"] and "mean/std" in gate["message"]
+    assert uint8_inputs.range_gate(val, ["input"])["passed"]
+    graph = onnx.load(str(exported.onnx_path))
+    names, why = uint8_inputs.chosen(graph, ["pixels"])
+    assert names == [] and "['pixels'], not inputs of the graph (its inputs: ['input'])" in why
+    assert uint8_inputs.chosen(graph, ["*"]) == (["input"], "")
 
 
 def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(trained, tmp_path):

@@ -92,6 +92,18 @@ def test_drift_stays_low_for_the_same_data_and_rises_for_a_half_sigma_shift():
     assert moved[("inputs", "x")][0] > 0.2 and moved[("inputs", "tokens")][0] > 0.2, moved
 
 
+def test_pixel_values_of_a_uint8_variant_are_compared_with_the_training_data_once_scaled():
+    ref = reference({"image": RNG.random((2000, 3, 4, 4), dtype=np.float32)})  # trained on [0, 1]
+    scaled = drift.DriftWindow(ref, 500, {drift.PIXEL_INPUTS_KEY: "image"})
+    unscaled = drift.DriftWindow(ref, 500)
+    for _ in range(500):
+        pixels = np.rint(RNG.random((1, 3, 4, 4)) * 255).astype(np.uint8)  # what its clients send
+        scaled.observe({"image": pixels}, {})
+        unscaled.observe({"image": pixels}, {})
+    assert scaled.scores()[("inputs", "image")][0] < 0.1
+    assert unscaled.scores()[("inputs", "image")][0] > 1.0  # what it would say without the metadata
+
+
 def test_drift_skips_what_it_cannot_compare_instead_of_failing():
     ref = reference({"x": RNG.normal(size=(500, 8))})
     window = drift.DriftWindow(ref, 100)

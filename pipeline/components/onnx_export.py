@@ -147,6 +147,12 @@ def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
                     location=data_path(path).name if external else None)
 
 
+def with_weights(graph: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """`graph` (as saved at `path`) with its weights in memory: itself, or read again with its data file (for
+    the converters that make a variant of it)."""
+    return onnx.load(str(path)) if data_file(path) else graph
+
+
 def data_path(path: Path) -> Path:
     """Where the export puts the weights of the graph at `path`: `<file>.onnx.data` beside it (the server's
     loader, serving.loader.data_file_of, looks there)."""
