@@ -9,8 +9,10 @@ fp32's and the largest gap printed). One table, one run:
               eager fp32 (no TF32) and bf16 autocast at batch 32, the input copied from pinned host memory
     ours      `python -m serving --device cuda` with its defaults, then --variant fp16, then --cuda-graphs: V2 binary
               over HTTP at c=1/32/64, gRPC (ModelInfer, raw_input_contents) at c=1/64, the V2 system shared-memory
-              extension through tritonclient.grpc at c=32 (a region pair per client); clients are closed loops in
-              up to 8 processes, one image a request; rows and ms per model run from the server's /metrics
+              extension through tritonclient.grpc at c=32 (a region pair per client); then --variant uint8 (the
+              image as UINT8 pixel values, 150 KB: pipeline.components.uint8_inputs) over HTTP and gRPC at c=64;
+              clients are closed loops in up to 8 processes, one image a request; rows and ms per model run from
+              the server's /metrics
 
 and the verdicts of issue 31's targets: HTTP and gRPC at c=64 >= 0.9x in-process batch 32 with >= 24 rows a run;
 fp16 >= 1.8x the fp32 server; CUDA graphs >= 1.2x without at c=1; c=1 p50 <= in-process batch-1 p50 + 0.5 ms.
@@ -61,6 +63,7 @@ def export(directory: Path, size: int) -> str:
     import onnx
     import torch
 
+    from pipeline.components import uint8_inputs
     from pipeline.components.gates import to_fp16
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -76,6 +79,7 @@ def export(directory: Path, size: int) -> str:
     proto.ir_version = min(proto.ir_version, 10)  # what the installed onnxruntime reads
     onnx.save(proto, str(path))
     onnx.save(to_fp16(proto), str(directory / "model.fp16.onnx"))
+    onnx.save(uint8_inputs.make(proto, ["input"]), str(directory / uint8_inputs.FILE))
     print(f"{name} {size}x{size} exported ({path.stat().st_size / 1e6:.0f} MB fp32, fp16 beside it)", flush=True)
     return name
 
@@ -167,23 +171,25 @@ def engine_sums(server: ingest.Server) -> dict:
         ("seconds", "trainserve_inference_duration_seconds_sum"))}
 
 
-def measure(server: ingest.Server, protocol: str, c: int, size: int, seconds: float) -> dict:
+def measure(server: ingest.Server, protocol: str, c: int, size: int, seconds: float, uint8: bool = False) -> dict:
     before = engine_sums(server)
+    x = np.rint(image(size) * 255).astype(np.uint8) if uint8 else image(size)  # pixel values: 150 KB at 224
     if protocol == "shm":
-        result = ingest.shm_load("shm-grpc", server, c, seconds, server.work, None, model=MODEL, x=image(size),
+        result = ingest.shm_load("shm-grpc", server, c, seconds, server.work, None, model=MODEL, x=x,
                                  out_bytes=4000)
         result.update(p50=float("nan"), p99=float("nan"))
     else:
         which = bench.BINARY_HTTP if protocol == "http" else bench.GRPC
-        result = closed_loops(which, server, bench.v2_request(which, MODEL, image(size), server.port), c, seconds)
+        result = closed_loops(which, server, bench.v2_request(which, MODEL, x, server.port), c, seconds)
     after = engine_sums(server)
     runs = max(after["runs"] - before["runs"], 1.0)
     return {**result, "rows_per_run": (after["rows"] - before["rows"]) / runs,
             "ms_per_run": 1e3 * (after["seconds"] - before["seconds"]) / runs}
 
 
-SERVERS = (("fp32", []), ("fp16", ["--variant", "fp16"]), ("fp32, CUDA graphs", ["--cuda-graphs"]))
 LOADS = (("http", 1), ("http", 32), ("http", 64), ("grpc", 1), ("grpc", 64), ("shm", 32))
+SERVERS = (("fp32", [], LOADS), ("fp16", ["--variant", "fp16"], LOADS), ("fp32, CUDA graphs", ["--cuda-graphs"], LOADS),
+           ("fp32, UINT8 input", ["--variant", "uint8"], (("http", 64), ("grpc", 64))))
 
 
 def serve_rows(directory: Path, device: str, size: int, seconds: float, work: Path) -> tuple[list, dict]:
@@ -194,9 +200,9 @@ def serve_rows(directory: Path, device: str, size: int, seconds: float, work: Pa
     except ImportError:
         loads = tuple(load for load in LOADS if load[0] != "shm")
         rows.append(("shared memory", "-", "-", "skipped: tritonclient is not installed (pip install tritonclient[grpc])"))
-    for label, extra in SERVERS:
-        if device != "cuda" and extra:
-            continue  # fp16 and CUDA graphs are the GPU's: the server refuses them on a CPU
+    for label, extra, wanted in SERVERS:
+        if device != "cuda" and ("fp16" in extra or "--cuda-graphs" in extra):
+            continue  # the GPU's: the server refuses them on a CPU
         server = ingest.Server(directory, work, None, ["--device", device, *extra], model_name=MODEL)
         try:
             server.__enter__()
@@ -204,8 +210,8 @@ def serve_rows(directory: Path, device: str, size: int, seconds: float, work: Pa
             rows.append((label, "-", "-", f"did not start: {str(exc).splitlines()[-1][:200]}"))
             continue
         try:
-            for protocol, c in loads:
-                r = measure(server, protocol, c, size, seconds)
+            for protocol, c in [load for load in wanted if load in loads]:
+                r = measure(server, protocol, c, size, seconds, uint8="uint8" in extra)
                 by[(label, protocol, c)] = r
                 rows.append((label, protocol, c, r))
                 print(f"  {label:<18} {protocol:<5} c={c:<3} {r['rps']:7.0f} img/s  p50 {r['p50']:6.2f} ms  "
