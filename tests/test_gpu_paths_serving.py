@@ -10,6 +10,7 @@ records what it was given.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from serving.config import Settings
 from serving.engine import CPU, CUDA, TENSORRT, BatchBuckets, Engine, EngineError, GpuOptions
 from serving.loader import LoadedModel, ModelInfo, SourceError, find_onnx, load_model
 
-from serving_fixtures import ROOT, tiny_model
+from serving_fixtures import ROOT, tiny_model, two_axes_model
 
 REAL_GPU = serving_engine.cuda_device_present()
 REAL_SESSION = ort.InferenceSession
@@ -159,7 +160,8 @@ def test_flags_and_environment_reach_the_provider_options(monkeypatch):
 
 @pytest.mark.parametrize("values, message", [
     ({"variant": "fp16", "device": "cpu"}, "--variant fp16 is for the CUDA provider"),
-    ({"variant": "bf16"}, "--variant must be fp32, fp16, int8 or auto"),
+    ({"variant": "bf16"}, "--variant must be fp32, fp16, int8, uint8 or auto"),
+    ({"cuda_graphs": True, "batch_buckets": "off"}, "--cuda-graphs runs each batch bucket as a CUDA graph"),
     ({"allow_tf32": True, "device": "cpu"}, "--allow-tf32 only apply to a GPU"),
     ({"cudnn_conv_algo_search": "FAST"}, "--cudnn-conv-algo-search must be HEURISTIC, EXHAUSTIVE, DEFAULT"),
     ({"trt_cache_dir": "/tmp/x", "device": "cuda"}, "--trt-cache-dir only applies to --device tensorrt"),
@@ -228,12 +230,34 @@ def test_loader_picks_each_variants_file(tmp_path):
     with pytest.raises(SourceError, match=r"no model\.fp16\.onnx under .*export\.fp16=true"):
         find_onnx(only_fp32, "fp16")
     only_fp16 = model_dir(tmp_path / "b", "model.fp16.onnx")
-    with pytest.raises(SourceError, match="only variant models .* --variant fp16 or int8"):
+    with pytest.raises(SourceError, match="only variant models .* --variant fp16, int8 or uint8"):
         find_onnx(only_fp16)
     with pytest.raises(SourceError, match=r"no model\.int8\.onnx under .*export\.int8=true"):
         find_onnx(only_fp32, "int8")
     custom = model_dir(tmp_path / "c", "net.onnx")
     assert find_onnx(custom).name == "net.onnx"
+    with pytest.raises(SourceError, match=r"no model\.uint8\.onnx under .*export\.uint8_inputs=true"):
+        find_onnx(only_fp32, "uint8")
+    assert find_onnx(model_dir(tmp_path / "d", "model.onnx", "model.uint8.onnx"), "uint8").name == "model.uint8.onnx"
+
+
+def test_cuda_graphs_are_refused_with_the_reason_where_they_cannot_run(tmp_path, fake_gpu):
+    """A CUDA graph needs the CUDA provider and a batch bucket's one shape: a CPU session, or a model whose
+    buckets can't be made (another dynamic axis), is refused at load, never served another way."""
+    model = str(tiny_model(tmp_path / "m.onnx"))
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", model, "--cuda-graphs", "--device", "cpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--cuda-graphs only apply to a GPU" in r.stderr, r.stderr
+    if not REAL_GPU:  # --device auto, which falls back to the CPU here: the engine refuses, naming why
+        r = subprocess.run([sys.executable, "-m", "serving", "--model", model, "--cuda-graphs"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 and "--cuda-graphs runs each batch bucket as a CUDA graph" in out, out[-2000:]
+        assert "this session runs on CPUExecutionProvider" in out
+    with pytest.raises(EngineError, match=r"--cuda-graphs: dyn\.onnx can't have batch buckets \(an input has a dynamic "
+                                          r"axis besides the batch axis\)"):
+        Engine(str(two_axes_model(tmp_path / "dyn.onnx")), device="cuda", gpu=GpuOptions(cuda_graphs=True),
+               batch_buckets=BatchBuckets((1, 2, 4), cuda_only=True))
 
 
 def test_fp16_variant_is_refused_on_the_cpu_with_a_clear_message(tmp_path):
@@ -469,3 +493,27 @@ def test_the_dockerfile_checks_the_libraries_not_the_provider_list():
         proc = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1)], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and "libraries not found" in proc.stderr and "libcublasLt.so.13" in proc.stderr
+
+
+def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_nothing_there(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """An export on a CPU machine measures no GPU: `--variant auto` on a GPU then serves the version's gated fp16
+    file (the GPU's fast path) and says why; what the export did measure on the GPU decides when there is a
+    measurement; the CPU is never given fp16. A real SQLite registry."""
+    import mlflow
+
+    from serving.loader import FASTEST_TAG, _auto_variant, recorded_hash_tag
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    client.create_registered_model("m")
+    fp16_only = {recorded_hash_tag("fp16"): "ab" * 32, FASTEST_TAG: json.dumps({CPU: "fp32"})}
+    measured = {**fp16_only, FASTEST_TAG: json.dumps({CPU: "fp32", CUDA: "fp32"})}
+    for tags in (fp16_only, measured, {}):
+        client.create_model_version("m", str(tmp_path), tags=tags)
+    with caplog.at_level("INFO", logger="serving.loader"):
+        assert _auto_variant("models:/m/1", "version", None, CUDA) == "fp16"
+    assert "its gated fp16 variant" in caplog.text
+    assert _auto_variant("models:/m/1", "version", None, CPU) == "fp32"
+    assert _auto_variant("models:/m/2", "version", None, CUDA) == "fp32"  # measured there: fp32 was faster
+    assert _auto_variant("models:/m/3", "version", None, CUDA) == "fp32"  # no fp16 file passed its gates

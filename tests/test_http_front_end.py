@@ -1,0 +1,191 @@
+"""The HTTP/1.1 front end (serving/http/) as raw clients see it, against a real server process: the head's size
+cap, pipelining, chunked bodies, 100-continue, HEAD, V2 binary bodies received in place (split anywhere, with a
+NaN, cut short), and several event loops (--http-threads)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from serving_fixtures import ServerProcess, run_onnx, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("models") / "tiny.onnx")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with ServerProcess("--model", str(model), "--max-header-bytes", "8192",
+                       log_path=tmp_path_factory.mktemp("log") / "server.log") as srv:
+        yield srv
+
+
+def responses(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` responses read off `sock`: (status, headers, body) each."""
+    data, out = b"", []
+    while len(out) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return out
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers.get("content-length", 0)) if not lines[0].startswith("HTTP/1.1 100") else 0
+        while len(data) < length:
+            data += sock.recv(65536)
+        out.append((int(lines[0].split()[1]), headers, data[:length]))
+        data = data[length:]
+    return out
+
+
+def connect(srv) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+
+
+def image(rows: int = 1) -> np.ndarray:
+    return np.random.default_rng(rows).random((rows, 1, 8, 8), dtype=np.float32)
+
+
+def binary_request(x: np.ndarray, *, model: str = "tiny", extra_headers: str = "") -> bytes:
+    header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    body = header + x.tobytes()
+    return (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n{extra_headers}\r\n"
+            ).encode() + body
+
+
+def probabilities(body: bytes) -> np.ndarray:
+    out = next(o for o in json.loads(body)["outputs"] if o["name"] == "probabilities")
+    return np.asarray(out["data"], np.float32).reshape(out["shape"])
+
+
+def test_a_head_past_max_header_bytes_is_a_431_without_a_token_and_the_connection_closes(server):
+    before = requests.get(server.url + "/metrics").text
+    with connect(server) as s:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"x-pad: " + b"a" * 9000 + b"\r\n\r\n")
+        (status, headers, body), = responses(s, 1)
+        assert status == 431 and b"--max-header-bytes" in body and headers.get("connection") == "close"
+        assert s.recv(10) == b""  # closed: its framing can't be trusted
+    # A head that never ends is refused as soon as it passes the cap, not buffered
+    with connect(server) as s:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        for _ in range(20):
+            try:
+                s.sendall(b"x-pad: " + b"a" * 1000 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        (status, _, _), = responses(s, 1)
+        assert status == 431
+    assert requests.get(server.url + "/v2/health/live").status_code == 200
+    assert "Traceback" not in server.log() and before
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(server, model):
+    xs = [image(1), image(3), image(2)]
+    with connect(server) as s:
+        s.sendall(b"".join(binary_request(x) for x in xs) + b"GET /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        got = responses(s, 4)
+    assert [g[0] for g in got] == [200, 200, 200, 200]
+    for x, (_, _, body) in zip(xs, got):
+        np.testing.assert_allclose(probabilities(body), run_onnx(model, x)["probabilities"], atol=1e-6)
+
+
+def test_a_binary_body_split_anywhere_is_received_whole(server, model):
+    """A binary V2 body lands straight in its batch rows, read by read: a read that ends mid-header, mid-value
+    or between the header and the tensor must not matter."""
+    x = image(2)
+    request = binary_request(x)
+    head_end = request.index(b"\r\n\r\n") + 4
+    with connect(server) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for cut in (head_end - 7, head_end + 5, head_end + 60, len(request) - 3):
+            s.sendall(request[:cut])
+            time.sleep(0.05)
+            s.sendall(request[cut:])
+            (status, _, body), = responses(s, 1)
+            assert status == 200, body
+            np.testing.assert_allclose(probabilities(body), run_onnx(model, x)["probabilities"], atol=1e-6)
+
+
+def test_a_nan_in_a_binary_body_is_a_400_that_names_it_and_the_connection_goes_on(server):
+    x = image(2)
+    x[1, 0, 3, 4] = np.nan
+    with connect(server) as s:
+        s.sendall(binary_request(x) + binary_request(image(1)))
+        (bad, _, body), (good, _, _) = responses(s, 2)
+    assert bad == 400 and re.search(rb"NaN|Inf|finite", body), body
+    assert good == 200
+
+
+def test_chunked_bodies_100_continue_and_head_are_http_as_clients_send_them(server, model):
+    x = image(1)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]}).encode()
+    chunks = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:100], body[100:])) + b"0\r\n\r\n"
+    with connect(server) as s:
+        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+        (status, _, answer), = responses(s, 1)
+    assert status == 200
+    np.testing.assert_allclose(probabilities(answer), run_onnx(model, x)["probabilities"], atol=1e-6)
+
+    with connect(server) as s:  # the client waits for 100 Continue before it sends the body
+        s.sendall(f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        (status, _, _), = responses(s, 1)
+        assert status == 100
+        s.sendall(body)
+        (status, _, answer), = responses(s, 1)
+    assert status == 200
+
+    with connect(server) as s:
+        s.sendall(b"HEAD /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        s.settimeout(5)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2:
+            data += s.recv(4096)
+        first, second = data.split(b"HTTP/1.1 200")[1:3]
+        assert first.endswith(b"\r\n\r\n")  # HEAD: the headers, no body (the next response follows at once)
+
+
+def test_a_body_cut_short_by_a_client_that_leaves_frees_its_rows_for_the_next(server, model):
+    request = binary_request(image(4))
+    for _ in range(8):  # more than the batch buffers a version has: a place that leaked would run them out
+        with connect(server) as s:
+            s.sendall(request[:len(request) - 100])
+        time.sleep(0.05)
+    with connect(server) as s:
+        s.sendall(binary_request(image(3)))
+        (status, _, body), = responses(s, 1)
+    assert status == 200
+    np.testing.assert_allclose(probabilities(body), run_onnx(model, image(3))["probabilities"], atol=1e-6)
+
+
+def test_several_event_loops_share_the_port_and_say_so(model, tmp_path):
+    with ServerProcess("--model", str(model), "--http-threads", "3", log_path=tmp_path / "log") as srv:
+        assert "HTTP on 3 event loops" in srv.log()
+        sockets = [connect(srv) for _ in range(12)]
+        try:
+            xs = [image(1 + i % 4) for i in range(12)]
+            for s, x in zip(sockets, xs):
+                s.sendall(binary_request(x))
+            for s, x in zip(sockets, xs):
+                (status, _, body), = responses(s, 1)
+                assert status == 200
+                np.testing.assert_allclose(probabilities(body), run_onnx(model, x)["probabilities"], atol=1e-6)
+        finally:
+            for s in sockets:
+                s.close()
+        # the repository API runs on the server's own loop, whichever loop took the connection
+        assert requests.get(srv.url + "/v2/models/tiny").json()["name"] == "tiny"
