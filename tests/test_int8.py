@@ -40,7 +40,8 @@ def store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory, store):
-    """OutlierNet trained 150 Adam steps on digits (~90% validation accuracy), as consolidate writes it."""
+    """OutlierNet trained 400 Adam steps on digits (~95% validation accuracy on this machine; 150 gave 90% on an
+    Intel Xeon and 71% on an AMD EPYC, whose near-tie decisions then flipped under int8), as consolidate writes it."""
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(overrides=[f"model.component={MODEL}", f"tracking.tracking_uri={store}",
                                  f"tracking.experiment={EXPERIMENT}", f"train.output_dir={run_dir.parent}"])
@@ -50,7 +51,7 @@ def weights(tmp_path_factory, store):
     model = instantiate_model(spec)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    for _ in range(400):
         idx = torch.randint(0, len(splits.train.y), (64,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(splits.train.x[idx]), splits.train.y[idx])
         opt.zero_grad()
