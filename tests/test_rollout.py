@@ -162,7 +162,8 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
     import numpy as np
 
     from serving.config import Settings
-    from serving.core import Call, Server
+    from serving.core import Server
+    from serving.envelope import Exchange
     from serving.loader import load_model
     from serving_fixtures import two_axes_model
 
@@ -174,9 +175,8 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
         async with server.lifespan():
             fresh = load_model(str(new), device="cpu", threads=1, name="dyn", version="2")
             await server.warm_up_between_batches(fresh)  # nothing answered yet: nothing to warm it with
-            answer = await server.answer(Call(
-                pick=lambda: server.slot, follow_swap=True, request_id=None, endpoint="test", size=x.nbytes,
-                decode=lambda engine: SimpleNamespace(feeds={"x": x}, rows=2, request_id=None)))
+            answer = await server.answer(server.slot, SimpleNamespace(feeds={"x": x}, rows=2, request_id=None),
+                                         Exchange("test"), endpoint="test", follow_swap=True)
             np.testing.assert_allclose(answer.results["total"], x.sum(axis=1))
             await server.warm_up_between_batches(fresh)
             fresh.engine.close()
