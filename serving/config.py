@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 
+MAX_BODY_LIMIT = (1 << 31) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+
+
 @dataclass(frozen=True)
 class Settings:
     # The models: each `[NAME=]URI`, URI a path to an .onnx file, models:/name@alias, models:/name/3,
@@ -177,6 +180,9 @@ class Settings:
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.max_body_bytes > MAX_BODY_LIMIT:  # grpc's message size limits are C ints (2 GiB - 1 at most)
+            raise ValueError(f"--max-body-bytes must be at most {MAX_BODY_LIMIT} (2 GiB - 1: gRPC's message size limit "
+                             f"is a 32-bit int), got {self.max_body_bytes}")
         if self.device_id < 0:
             raise ValueError(f"--device-id must be >= 0, got {self.device_id}")
         if self.http_threads is not None and not 1 <= self.http_threads <= 64:

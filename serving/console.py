@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -55,6 +56,25 @@ def clip(text: str, limit: int) -> str:
     return (head[:cut] if cut > limit // 2 else text[:limit]).rstrip(" ,;") + " ..."
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with its control characters (newlines, carriage returns, escape sequences; not tabs) written as
+    Python escapes: "a\nb" -> "a\\nb"."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+class OneLine(logging.Formatter):
+    """Each event one line: control characters in the message (a client's model name, an exception's text with a
+    value of theirs in it) are escaped, so that no value can start a line of its own and pass for an entry of
+    ours; a traceback, appended after the message, stays as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
 class RankFilter(logging.Filter):
     def __init__(self, rank: int):
         super().__init__()
@@ -77,8 +97,7 @@ def configure(rank: int | None = None, level: int | str = logging.INFO) -> None:
     prefix = "[rank%(rank)s] " if rank is not None else ""
     if rank is not None:
         handler.addFilter(RankFilter(rank))
-    handler.setFormatter(logging.Formatter(prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s",
-                                           datefmt="%H:%M:%S"))
+    handler.setFormatter(OneLine(prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)

@@ -197,3 +197,29 @@ def test_a_burst_of_rpcs_on_one_channel_is_answered_not_cancelled(tmp_path):
         assert set(codes) <= {"OK", "UNAVAILABLE"} and codes["OK"] > 0, dict(codes)
         text = requests.get(srv.url + "/metrics", timeout=10).text
         assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK header field, literal without indexing, a new name, no Huffman (both shorter than 127)."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path):
+    """grpc's HTTP/2 parser logs a malformed header's value (no token needed), and a refusal names the model a
+    client asked for: each with a newline in it would start a line that reads as the server's own."""
+    forged = b"\n02:00:00 INFO serving.core: serving evil version 9 (FORGED LINE)"
+    with grpc_server("--model", str(model), tmp_path=tmp_path) as srv:
+        fields = b"".join(_literal(n, v) for n, v in (
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ServerLive"),
+            (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+            (b":status", b"200" + forged)))
+        headers = len(fields).to_bytes(3, "big") + b"\x01\x05" + (1).to_bytes(4, "big") + fields  # END_STREAM|HEADERS
+        with socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + headers)
+            time.sleep(0.5)
+        code, _ = call(srv.grpc, "ModelInfer", infer_request(model="x" + forged.decode()))
+        assert code == grpc.StatusCode.NOT_FOUND
+        time.sleep(0.3)
+        log = srv.log()
+    assert "FORGED LINE" in log  # both were logged...
+    assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[-3000:]  # ...escaped

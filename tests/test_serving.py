@@ -248,6 +248,9 @@ def test_cli_refuses_bad_flags_and_missing_model(tmp_path):
     assert r.returncode == 2 and "models:/<name>@<alias>" in r.stderr
     r = run("--model", "x.onnx", "--reload-interval", "5")
     assert r.returncode == 2 and "alias" in r.stderr
+    # A limit gRPC can't hold (its message sizes are C ints; 4 GiB wrapped to 0 and refused every ModelInfer)
+    r = run("--model", str(tmp_path / "m.onnx"), "--grpc-port", "18121", "--max-body-bytes", str(4 << 30))
+    assert r.returncode == 2 and "--max-body-bytes must be at most 2147483647 (2 GiB - 1" in r.stderr, r.stderr
     if not serving_engine.cuda_device_present():
         r = run("--model", str(tiny_model(tmp_path / "m.onnx")), "--device", "cuda")
         assert r.returncode == 2 and "--device cuda asked for" in r.stderr

@@ -24,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/server_builder.h>
@@ -32,6 +33,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
+#include <cstdio>
 #include <cstring>
 #include <chrono>
 #include <deque>
@@ -334,6 +337,10 @@ PyObject* start(PyObject*, PyObject* args) {
     const char* name = PyUnicode_AsUTF8(key);
     long number = PyLong_AsLong(value);
     if (name == nullptr || PyErr_Occurred()) return nullptr;
+    if (number < INT_MIN || number > INT_MAX) {  // grpc's channel arguments are C ints: never wrapped silently
+      PyErr_Format(PyExc_OverflowError, "grpc channel argument %s=%ld is outside a C int", name, number);
+      return nullptr;
+    }
     builder.AddChannelArgument(name, static_cast<int>(number));
   }
   bridge->service = std::make_unique<Service>(bridge.get());
@@ -785,9 +792,29 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "grpc's C++ server as th
 
 }  // namespace
 
+// grpc's own log lines (its HTTP/2 parser's among them, which quote a malformed header's value: a client's bytes)
+// one line each on stderr, control characters escaped: a value can't start a line that passes for the server's.
+static void EscapedGrpcLog(gpr_log_func_args* args) {
+  std::string line = std::string("grpc ") + gpr_log_severity_string(args->severity) + " " + args->file + ":" +
+                     std::to_string(args->line) + ": ";
+  for (const char* p = args->message; *p != '\0'; ++p) {
+    unsigned char c = static_cast<unsigned char>(*p);
+    if ((c < 0x20 && c != '\t') || c == 0x7f) {
+      char escaped[5];
+      snprintf(escaped, sizeof escaped, "\\x%02x", c);
+      line += escaped;
+    } else {
+      line += static_cast<char>(c);
+    }
+  }
+  line += "\n";
+  fwrite(line.data(), 1, line.size(), stderr);
+}
+
 PyMODINIT_FUNC PyInit__native() {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
+  gpr_set_log_function(EscapedGrpcLog);
   PyModule_AddIntConstant(m, "CALL", CALL);
   PyModule_AddIntConstant(m, "READ", READ);
   PyModule_AddIntConstant(m, "WRITTEN", WRITTEN);
