@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import select
 import shutil
 import socket
@@ -223,3 +224,43 @@ def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path):
         log = srv.log()
     assert "FORGED LINE" in log  # both were logged...
     assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[-3000:]  # ...escaped
+
+
+def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.socket]:
+    """`connections` HTTP/2 connections, each opening `calls` ModelInfer calls that send their headers and never
+    their message (no token either): the review's F1."""
+    fields = b"".join(_literal(n, v) for n, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ModelInfer"),
+        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    opened = []
+    for _ in range(connections):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        frames = b"".join(len(fields).to_bytes(3, "big") + b"\x01\x04" + (2 * i + 1).to_bytes(4, "big") + fields
+                          for i in range(calls))  # HEADERS, END_HEADERS, no END_STREAM
+        s.sendall(PREFACE + frames)
+        s.setblocking(False)
+        opened.append(s)
+    return opened
+
+
+def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model, tmp_path):
+    """33 connections x 128 calls that send only their headers, without a token, held every one of the 4,096
+    shared places: ServerLive was RESOURCE_EXHAUSTED for as long as the connections lived. A unary call now takes a
+    shared place only once its message is in, and one still waiting after --read-timeout is ended."""
+    with grpc_server("--model", str(model), "--read-timeout", "3", tmp_path=tmp_path) as srv:
+        attack = _header_only_calls(srv.grpc_port, 33, 128)
+        try:
+            time.sleep(0.5)
+            started = time.monotonic()
+            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+            assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
+            assert time.monotonic() - started < 2.0
+            deadline = time.monotonic() + 10
+            while "call(s) whose request message did not come" not in srv.log() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ended = sum(int(n) for n in re.findall(r"ended (\d+) call\(s\) whose request message", srv.log()))
+            assert ended == 33 * 128, srv.log()[-2000:]
+        finally:
+            for s in attack:
+                s.close()
+        assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")

@@ -77,7 +77,7 @@ struct Bridge {
   std::unique_ptr<grpc::CallbackGenericService> service;
   std::unordered_map<std::string, Method> methods;  // full method name -> how its messages go
   int max_calls = 0;
-  std::atomic<int> active{0};
+  std::atomic<int> active{0};  // calls holding one of the max_calls shared places (see Slot)
   std::atomic<uint64_t> next_id{1};
   int efd = -1;
 
@@ -86,6 +86,14 @@ struct Bridge {
 
   std::recursive_mutex calls_mu;  // recursive: a grpc call made under it may run OnDone on this thread
   std::unordered_map<uint64_t, Call*> calls;
+
+  bool TakeShared() {
+    if (++active > max_calls) {
+      --active;
+      return false;
+    }
+    return true;
+  }
 
   void push(Event&& event) {
     bool wake;
@@ -102,10 +110,17 @@ struct Bridge {
   }
 };
 
+// Which place a call holds. A unary call waits for its request message holding none of the shared ones: a call that
+// sends its headers and never its message (anyone can, without the token) must not keep another client's calls out.
+// Those are bounded per connection by HTTP/2's concurrent streams (grpc.max_concurrent_streams) and in time by
+// `sweep` (--read-timeout); the message in, the call takes a shared place or is refused RESOURCE_EXHAUSTED.
+enum class Slot { kNone, kShared };
+
 class Call : public grpc::ServerGenericBidiReactor {
  public:
   Call(Bridge* bridge, grpc::GenericCallbackServerContext* context, Method method)
-      : bridge_(bridge), context_(context), id_(bridge->next_id++), split_(method.split) {
+      : bridge_(bridge), context_(context), id_(bridge->next_id++), split_(method.split),
+        slot_(method.stream ? Slot::kShared : Slot::kNone), created_(std::chrono::steady_clock::now()) {
     bool stream = method.stream;
     {
       std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
@@ -156,11 +171,17 @@ class Call : public grpc::ServerGenericBidiReactor {
   // ---- reactions, on grpc's threads ----
   void OnReadDone(bool ok) override {
     if (!announced_) {
-      if (!ok) {  // the client half-closed or went away before its one message: nothing to answer
+      if (!ok) {  // the client half-closed or went away before its one message, or `sweep` ended it: no answer
         std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call ended before its request message"));
         return;
       }
+      if (!bridge_->TakeShared()) {
+        std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
+        End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once"));
+        return;
+      }
+      slot_ = Slot::kShared;
       if (!finished_) Announce(&in_);  // (one cancelled meanwhile is ended already: no handler for it)
       return;
     }
@@ -212,8 +233,16 @@ class Call : public grpc::ServerGenericBidiReactor {
       std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
       bridge_->calls.erase(id_);
     }
-    bridge_->active--;
+    if (slot_ == Slot::kShared) bridge_->active--;
     delete this;
+  }
+
+  // (under calls_mu) A unary call still waiting for its request message `limit` after it began: ended, as an HTTP
+  // request whose body does not come within --read-timeout. True when it was.
+  bool EndIfWaitingSince(std::chrono::steady_clock::time_point limit) {
+    if (announced_ || finished_ || created_ > limit) return false;
+    End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "no request message within --read-timeout"));
+    return true;
   }
 
  private:
@@ -247,7 +276,9 @@ class Call : public grpc::ServerGenericBidiReactor {
   grpc::GenericCallbackServerContext* context_;
   const uint64_t id_;
   const bool split_;
-  bool announced_ = false;
+  std::atomic<bool> announced_{false};  // (read by `sweep` on Python's thread)
+  Slot slot_;                            // (changed on grpc's threads only: in OnReadDone, before OnDone)
+  const std::chrono::steady_clock::time_point created_;
   bool reading_ = false;    // a stream's read in flight (under calls_mu)
   bool read_over_ = false;  // a stream's reads are over: its client half-closed, or the call broke
   bool writing_ = false;  // a stream's write in flight (under calls_mu)
@@ -263,27 +294,22 @@ class Call : public grpc::ServerGenericBidiReactor {
 // maximum_concurrent_rpcs), or a method the service does not have (UNIMPLEMENTED, without waiting for a message).
 class Refusal : public grpc::ServerGenericBidiReactor {
  public:
-  Refusal(Bridge* bridge, grpc::Status status) : bridge_(bridge) { Finish(std::move(status)); }
-  void OnDone() override {
-    bridge_->active--;
-    delete this;
-  }
-
- private:
-  Bridge* bridge_;
+  explicit Refusal(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
 };
 
 class Service : public grpc::CallbackGenericService {
  public:
   explicit Service(Bridge* bridge) : bridge_(bridge) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
-    if (++bridge_->active > bridge_->max_calls) {
-      return new Refusal(bridge_, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                               "the server has as many calls as it takes at once"));
-    }
     auto method = bridge_->methods.find(context->method());
     if (method == bridge_->methods.end()) {
-      return new Refusal(bridge_, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Method not found!"));
+      return new Refusal(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Method not found!"));
+    }
+    // A stream is handed to Python at once: it takes its shared place now; a unary call once its message is in.
+    if (method->second.stream && !bridge_->TakeShared()) {
+      return new Refusal(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                      "the server has as many calls as it takes at once"));
     }
     return new Call(bridge_, context, method->second);  // (a Method: how its messages go)
   }
@@ -360,6 +386,29 @@ PyObject* start(PyObject*, PyObject* args) {
   PyObject* capsule = PyCapsule_New(bridge.release(), kCapsule, destroy);
   if (capsule == nullptr) return nullptr;
   return Py_BuildValue("(Ni)", capsule, efd);
+}
+
+// sweep(bridge, seconds) -> how many unary calls still waiting for their request message after `seconds` were ended
+// (DEADLINE_EXCEEDED). Called by Python a few times a --read-timeout.
+PyObject* sweep(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  double seconds;
+  if (!PyArg_ParseTuple(args, "Od", &capsule, &seconds)) return nullptr;
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return nullptr;
+  long ended = 0;
+  Py_BEGIN_ALLOW_THREADS {
+    auto limit = std::chrono::steady_clock::now() -
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    std::vector<uint64_t> ids;
+    std::lock_guard<std::recursive_mutex> lock(bridge->calls_mu);
+    for (const auto& entry : bridge->calls) ids.push_back(entry.first);
+    for (uint64_t id : ids) {  // looked up again each: End may run OnDone here, which erases (and deletes) a call
+      auto found = bridge->calls.find(id);
+      if (found != bridge->calls.end() && found->second->EndIfWaitingSince(limit)) ended++;
+    }
+  }
+  Py_END_ALLOW_THREADS return PyLong_FromLong(ended);
 }
 
 // ---- a ModelInferRequest split: its raw_input_contents kept here ----
@@ -785,6 +834,7 @@ PyMethodDef methods[] = {
     {"add_initial_metadata", add_initial_metadata, METH_VARARGS,
      "add_initial_metadata(bridge, call, pairs) -> bool"},
     {"stop", stop, METH_VARARGS, "stop(bridge, grace_s)"},
+    {"sweep", sweep, METH_VARARGS, "sweep(bridge, seconds) -> calls ended for want of their message"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "grpc's C++ server as the gRPC front end's transport",

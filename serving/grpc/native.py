@@ -181,8 +181,9 @@ class NativeFrontEnd:
     layout = "gRPC on grpc's C++ server (its threads take the calls in; the handlers run on the server's loop)"
 
     def __init__(self, address: str, handlers: dict, service_name: str, options: dict[str, int], max_calls: int,
-                 streams, split: frozenset[str] = frozenset()):
+                 streams, split: frozenset[str] = frozenset(), first_message_s: float = 30.0):
         self.loop = asyncio.get_running_loop()
+        self.first_message_s = first_message_s  # a unary call whose message has not come by then is ended
         # full method name -> (is it a stream, its handler's coroutine function)
         self.methods = {f"/{service_name}/{name}": (handler.stream_stream is not None,
                                                     handler.stream_stream or handler.unary_unary)
@@ -195,6 +196,20 @@ class NativeFrontEnd:
                  for name, (stream, _) in self.methods.items()}
         self.bridge, self.efd = _native.start(address, modes, options, max_calls)
         self.loop.add_reader(self.efd, self._drain)
+        self._sweeping = self.loop.call_later(self._sweep_every, self._sweep)
+
+    @property
+    def _sweep_every(self) -> float:
+        return min(1.0, max(self.first_message_s / 4, 0.05))
+
+    def _sweep(self) -> None:
+        """Ends the unary calls still waiting for their request message after --read-timeout: while they wait they
+        hold no shared place (native.cc, Slot), and this is what bounds them in time, as HTTP's read deadline."""
+        ended = _native.sweep(self.bridge, self.first_message_s)
+        if ended:
+            log.warning("gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
+                        ended, self.first_message_s)
+        self._sweeping = self.loop.call_later(self._sweep_every, self._sweep)
 
     def _drain(self) -> None:
         for event in _native.drain(self.bridge):
@@ -258,6 +273,7 @@ class NativeFrontEnd:
         """No new calls; those in flight have `grace` seconds (None: none) to finish on the running loop, then are
         cancelled."""
         self.streams.close()
+        self._sweeping.cancel()
         stopped = self.loop.create_future()
 
         def stop() -> None:  # grpc's Shutdown blocks until every call is done: off the loop, which must run them

@@ -432,7 +432,8 @@ async def start_grpc(server):
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
     if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
         front_end = native.NativeFrontEnd(address, handlers, schema.SERVICE, _options(settings), MAX_CONCURRENT_RPCS,
-                                          streams, split=frozenset({"ModelInfer", "ModelStreamInfer"}))
+                                          streams, split=frozenset({"ModelInfer", "ModelStreamInfer"}),
+                                          first_message_s=settings.read_timeout)
         log.info("KServe V2 gRPC on %s (grpc's C++ server)", address)
         return front_end
     if settings.grpc_engine == "auto":
