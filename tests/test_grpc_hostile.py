@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import requests
 
-from serving.grpc import schema
+from serving.grpc import native, schema
 from serving_fixtures import ServerProcess, free_port, heavy_model, metric, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -264,3 +264,36 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
             for s in attack:
                 s.close()
         assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+
+
+@pytest.mark.parametrize("engine", ["native", "aio"])
+def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(model, tmp_path, engine):
+    """The review's F4: one connection with an HTTP/2 window of 0 (it takes no answer) on 128 ModelStreamInfer streams
+    of 40 requests each took the whole server's budget of unanswered stream requests (4,096), and every other
+    client's stream got no answer. A connection now holds at most service.CONNECTION_SHARE of them."""
+    request = infer_request().SerializeToString()
+    message = b"\x00" + len(request).to_bytes(4, "big") + request
+    fields = b"".join(_literal(n, v) for n, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ModelStreamInfer"),
+        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    no_window = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04" + (0).to_bytes(4, "big")  # INITIAL_WINDOW_SIZE 0
+    if engine == "native" and not native.available():
+        pytest.skip(native.WHY_NOT)
+    with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
+        hog = socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5)
+        try:
+            hog.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + no_window)
+            for i in range(128):
+                stream = (2 * i + 1).to_bytes(4, "big")
+                data = message * 40
+                hog.sendall(len(fields).to_bytes(3, "big") + b"\x01\x04" + stream + fields
+                            + len(data).to_bytes(3, "big") + b"\x00\x00" + stream + data)
+            hog.setblocking(False)
+            time.sleep(2)  # its answers pile up, unwritten
+            with grpc.insecure_channel(srv.grpc) as channel:
+                answers = channel.stream_stream(METHOD + "ModelStreamInfer")(iter([request] * 5), timeout=10)
+                got = list(answers)
+            assert len(got) == 5 and all(b"error_message" not in a[:20] for a in got)
+            assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
+        finally:
+            hog.close()

@@ -65,6 +65,7 @@ struct Event {
   bool ok = true;
   bool split = false;                                      // the message is a ModelInferRequest to split
   std::string method;                                      // CALL
+  std::string peer;                                        // CALL: the client's connection (grpc's "ipv4:addr:port")
   std::vector<std::pair<std::string, std::string>> metadata;  // CALL
   grpc::ByteBuffer message;                                // CALL of a unary method, READ
   bool has_message = false;
@@ -262,6 +263,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     Event event{CALL, id_, true};
     event.split = split_;
     event.method = context_->method();
+    event.peer = context_->peer();
     for (const auto& [key, value] : context_->client_metadata()) {
       event.metadata.emplace_back(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
     }
@@ -653,17 +655,19 @@ PyObject* call_item(Event& event) {
   PyObject* message = event.has_message ? message_of(event.message, event.split) : Py_NewRef(Py_None);
   // (the method is one of the names given at start, so text; "replace" all the same: no event is lost)
   PyObject* method = PyUnicode_DecodeUTF8(event.method.data(), event.method.size(), "replace");
-  if (message == nullptr || method == nullptr) {
+  PyObject* peer = PyUnicode_DecodeUTF8(event.peer.data(), event.peer.size(), "replace");
+  if (message == nullptr || method == nullptr || peer == nullptr) {
     Py_XDECREF(message);
     Py_XDECREF(method);
+    Py_XDECREF(peer);
     Py_DECREF(metadata);
     return nullptr;
   }
-  return Py_BuildValue("(iKNNN)", CALL, event.call, method, metadata, message);  // "N": taken, on failure too
+  return Py_BuildValue("(iKNNNN)", CALL, event.call, method, metadata, message, peer);  // "N": taken, on failure too
 }
 
-// drain(bridge) -> [(kind, call, a, b)]: CALL (method, ((key, value), ...), message bytes or None); READ (bytes or
-// None at the end of the client's messages, None); WRITTEN (ok, None); CANCELLED (False, None).
+// drain(bridge) -> [(kind, call, a, b, ...)]: CALL (method, ((key, value), ...), message bytes or None, peer); READ
+// (bytes or None at the end of the client's messages, None); WRITTEN (ok, None); CANCELLED (False, None).
 PyObject* drain(PyObject*, PyObject* capsule) {
   Bridge* bridge = bridge_of(capsule);
   if (bridge == nullptr) return nullptr;

@@ -31,6 +31,9 @@ log = logging.getLogger("serving.grpc")
 READ_AHEAD = 32  # a stream's messages C++ may read before its handler takes them (the batch a client sends at once)
 WRITE_AHEAD = 32  # a stream's answers C++ may hold, not yet written, before the handler waits
 UNWRITTEN = 4096  # answers not yet written over all streams (service.MAX_CONCURRENT_RPCS): past it handlers wait
+# ...and over one connection's streams: a client that does not read its answers (an HTTP/2 window of 0) stalls its
+# own streams, not every other client's (it took all 4,096 with 128 streams).
+CONNECTION_UNWRITTEN = UNWRITTEN // 8
 
 
 def available() -> bool:
@@ -41,11 +44,11 @@ class NativeContext:
     """One call, as its handler sees it (the part of grpc.aio.ServicerContext that service.py uses)."""
 
     __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished", "inbox", "ended", "granted",
-                 "unwritten", "broken", "places")
+                 "unwritten", "broken", "places", "client")
 
-    def __init__(self, bridge, call_id: int, metadata: tuple, places: asyncio.Semaphore):
-        self.bridge, self.id, self.metadata = bridge, call_id, metadata
-        self.places = places  # the front end's, shared by every stream: one an unwritten answer
+    def __init__(self, bridge, call_id: int, metadata: tuple, places: tuple[asyncio.Semaphore, ...], peer: str = ""):
+        self.bridge, self.id, self.metadata, self.client = bridge, call_id, metadata, peer
+        self.places = places  # its connection's and the front end's (every stream's): one each an unwritten answer
         self.inbox: collections.deque = collections.deque()  # a stream's messages read ahead, not yet taken
         self.ended = False  # a stream's reading is over: the client's last message came (or the call broke)
         self.granted = False  # whether the read-ahead was granted yet
@@ -58,6 +61,10 @@ class NativeContext:
 
     def invocation_metadata(self) -> tuple:
         return self.metadata
+
+    def peer(self) -> str:
+        """The client's connection, as grpc names it ("ipv4:127.0.0.1:50123")."""
+        return self.client
 
     async def send_initial_metadata(self, pairs) -> None:
         # Sent with the answer or the status, whichever goes first: the client sees them as initial metadata.
@@ -101,9 +108,18 @@ class NativeContext:
         WRITE_AHEAD of them are not yet written (a client not reading its answers holds the handler back)."""
         if self.broken:
             raise ConnectionError("the call ended before its answer could be written")
-        await self.places.acquire()
+        taken = []
+        try:
+            for places in self.places:
+                await places.acquire()
+                taken.append(places)
+        finally:
+            if len(taken) < len(self.places):  # cancelled while waiting
+                for places in taken:
+                    places.release()
         if self.broken or not _native.write(self.bridge, self.id, message, False):
-            self.places.release()
+            for places in self.places:
+                places.release()
             raise ConnectionError("the call ended before its answer could be written")
         self.unwritten += 1
         while self.unwritten >= WRITE_AHEAD and not self.broken:
@@ -117,7 +133,8 @@ class NativeContext:
         gone = 1 if ok else self.unwritten
         self.unwritten -= gone
         for _ in range(gone):
-            self.places.release()
+            for places in self.places:
+                places.release()
         self.broken = self.broken or not ok
         if self.writing is not None and not self.writing.done():
             self.writing.set_result(None)
@@ -191,6 +208,7 @@ class NativeFrontEnd:
         self.streams = streams
         self.calls: dict[int, NativeContext] = {}
         self.unwritten_places = asyncio.Semaphore(UNWRITTEN)
+        self.connection_places: dict[str, list] = {}  # peer -> [its CONNECTION_UNWRITTEN semaphore, its calls]
         # mode per method: 1 a stream (read on credits), 2 its messages split (see RawContents)
         modes = {name: int(stream) | (2 if name.rpartition("/")[2] in split else 0)
                  for name, (stream, _) in self.methods.items()}
@@ -238,9 +256,14 @@ class NativeFrontEnd:
             if call.task is not None and not call.task.done():
                 call.task.cancel()
 
-    def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None) -> None:
-        call = NativeContext(self.bridge, call_id, metadata, self.unwritten_places)
+    def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None, peer: str) -> None:
         stream, handle = self.methods[method]  # C++ lets only these through
+        places = (self.unwritten_places,)
+        if stream:  # (a unary call's one answer goes with its end: it takes no place)
+            entry = self.connection_places.setdefault(peer, [asyncio.Semaphore(CONNECTION_UNWRITTEN), 0])
+            entry[1] += 1
+            places = (entry[0], self.unwritten_places)
+        call = NativeContext(self.bridge, call_id, metadata, places, peer)
         self.calls[call_id] = call
         call.task = self.loop.create_task(self._serve(call, handle, _message(message), stream))
         call.task.add_done_callback(lambda _: self._forget(call))
@@ -248,7 +271,11 @@ class NativeFrontEnd:
     def _forget(self, call: NativeContext) -> None:
         """When its task is done, and again at each WRITTEN after it."""
         if not call.unwritten:  # else kept until its answers are written: their places come back then
-            self.calls.pop(call.id, None)
+            if self.calls.pop(call.id, None) is not None and len(call.places) > 1:
+                entry = self.connection_places[call.client]
+                entry[1] -= 1
+                if not entry[1]:
+                    del self.connection_places[call.client]
         if not call.finished:  # a task cancelled before it began (the loop closing): its call still ends
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
 

@@ -64,6 +64,9 @@ MAX_CONNECTION_AGE_S = 3600  # then a GOAWAY: clients reconnect, so no connectio
 # channel had ~150 of them CANCELLED before reaching the service.
 MAX_STREAMS_PER_CONNECTION = 128
 MAX_CONCURRENT_RPCS = 4096  # over all connections; past it RESOURCE_EXHAUSTED at once
+# Of the stream requests the server holds (MAX_CONCURRENT_RPCS, read and not yet answered), one connection's streams
+# may hold this many: a client that does not read its answers stalls its own streams, not every other client's.
+CONNECTION_SHARE = 512
 # Requests of one stream being answered at once. Past it the stream is not read until the oldest is
 # answered: HTTP/2 flow control then holds the client back instead of the server queueing for it.
 STREAM_WINDOW = 128
@@ -289,15 +292,28 @@ def _stream_handler(server, service: Service, streams: _Streams):
     """ModelStreamInfer (see the module's docstring): a reader task takes requests off the stream and starts
     each one's answer; this handler writes the answers in the order the requests came. A request holds a place
     of its stream's window (STREAM_WINDOW) from before it is read until its answer is written, and one of the
-    server's (MAX_CONCURRENT_RPCS, shared by every stream) from when it is read: the reader waits for both, so a
-    stream whose answers are not taken holds its client back, and all streams together hold at most as many
-    requests as the server takes unary calls. ("Written" is when the transport took the answer: grpc.aio's one
+    server's (MAX_CONCURRENT_RPCS, shared by every stream) and of its connection's (CONNECTION_SHARE) from when it is
+    read: the reader waits for all three, so a stream whose answers are not taken holds its client back (one
+    connection at most an eighth of the server's), and all streams together hold at most as many requests as the
+    server takes unary calls. ("Written" is when the transport took the answer: grpc.aio's one
     write at a time; on the native engine each stream also has up to native.READ_AHEAD requests read ahead of
     this handler and native.WRITE_AHEAD answers queued, and all streams at most native.UNWRITTEN of those.) At
     shutdown the readers stop: what was read is answered, then the stream ends with UNAVAILABLE, so that the
     client knows to send the rest elsewhere."""
     route = "grpc ModelStreamInfer"
     everywhere = asyncio.Semaphore(MAX_CONCURRENT_RPCS)
+    shares: dict[str, list] = {}  # a connection (peer) -> [its CONNECTION_SHARE semaphore, its open streams]
+
+    def share_of(peer: str) -> asyncio.Semaphore:
+        entry = shares.setdefault(peer, [asyncio.Semaphore(CONNECTION_SHARE), 0])
+        entry[1] += 1
+        return entry[0]
+
+    def leave_share(peer: str) -> None:
+        entry = shares[peer]
+        entry[1] -= 1
+        if not entry[1]:
+            del shares[peer]
 
     async def answer(data, metadata: dict[str, str]) -> bytes:
         exchange = Exchange(route)
@@ -322,7 +338,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
         exchange.finish(server.metrics, "OK" if status == 200 else label(status))
         return message.SerializeToString()
 
-    async def read(context, metadata: dict[str, str], answers: asyncio.Queue, window: asyncio.Semaphore) -> bool:
+    async def read(context, metadata: dict[str, str], answers: asyncio.Queue, window: asyncio.Semaphore,
+                   share: asyncio.Semaphore) -> bool:
         """Starts each request's answer, in order, and queues it; None last. True when a stop cut the reading
         short (the client's further requests were not read)."""
         cut = False
@@ -334,7 +351,12 @@ def _stream_handler(server, service: Service, streams: _Streams):
                     if data is grpc.aio.EOF:
                         window.release()
                         break
-                    await everywhere.acquire()
+                    await share.acquire()
+                    try:
+                        await everywhere.acquire()
+                    except BaseException:
+                        share.release()
+                        raise
                 except BaseException:
                     window.release()
                     raise
@@ -362,7 +384,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream elsewhere")
         answers: asyncio.Queue = asyncio.Queue()  # bounded by the window
         window = asyncio.Semaphore(STREAM_WINDOW)
-        reader = asyncio.ensure_future(read(context, metadata, answers, window))
+        peer = context.peer()
+        share = share_of(peer)
+        reader = asyncio.ensure_future(read(context, metadata, answers, window, share))
         reader.add_done_callback(_retrieve)
         streams.readers.add(reader)
         reader.add_done_callback(streams.readers.discard)
@@ -372,6 +396,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
                     await context.write(await answering)
                 finally:
                     window.release()
+                    share.release()
                     everywhere.release()
             cut = await reader
         finally:  # also when the client went away: nothing more to answer
@@ -380,7 +405,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
                 if (left := answers.get_nowait()) is not None:
                     left.cancel()
                     window.release()
+                    share.release()
                     everywhere.release()
+            leave_share(peer)
         if cut:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: every request it read on "
                                 "this stream was answered; send the rest on a stream to another server")
