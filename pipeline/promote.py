@@ -85,7 +85,8 @@ def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
             "trainserve.shadow.dropped": str(report.get("dropped", 0)),
             "trainserve.shadow.champion_version": str(report.get("champion_version")),
             "trainserve.shadow.latency_ms": json.dumps(report.get("latency_ms") or {}),
-            "trainserve.shadow.labels": str(report.get("labels", 0))}
+            "trainserve.shadow.labels": str(report.get("labels", 0)),
+            "trainserve.shadow.repeated_inputs": str(report.get("repeated_inputs", 0))}
     if "agreement" in report:
         tags["trainserve.shadow.agreement"] = f"{report['agreement']:.6f}"
     if report.get("mean_abs_difference"):
@@ -119,4 +120,15 @@ def cli(args: argparse.Namespace) -> int:
         print(f"pipeline promote: not promoted: version {result['version']}: {result['reason']}", file=sys.stderr)
         return 1
     print(f"promoted {args.name} version {result['version']} to @{args.champion}: {result['reason']}")
+    print(f"  judged on: {rested_on(result['shadow'])}")
     return 0
+
+
+def rested_on(report: dict[str, Any]) -> str:
+    """What a verdict rested on, in a line: the traffic that decided it, which one client may have shaped."""
+    parts = [f"{report.get('distinct_inputs', report.get('pairs', 0))} distinct inputs paired",
+             f"{report.get('repeated_inputs', 0)} repeats not counted", f"{report.get('dropped', 0)} shed"]
+    if "agreement" in report:
+        parts.append(f"top-1 agreement {report['agreement']:.1%}")
+    parts.append(f"{report.get('labels', 0)} labels ({report.get('labelled_pairs', 0)} on pairs)")
+    return ", ".join(parts)

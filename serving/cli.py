@@ -77,6 +77,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "max-shared-memory-mb": (float, "most MiB of shared memory one client (token) may register (default 4096)"),
     "auth-token": (str, "require 'Authorization: Bearer <token>', or one of several comma-separated tokens, one per "
                         "client (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
+    "feedback-token": (str, "the bearer token POST /v2/models/NAME/feedback (labels) needs, one of its own: labels "
+                            "steer the shadow verdict (prefer TRAINSERVE_FEEDBACK_TOKEN; default none: labels are "
+                            "refused where --auth-token is set)"),
     "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
     "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
     "read-timeout": (float, "seconds a connection has to deliver a whole request; slower or idle ones are "

@@ -89,6 +89,9 @@ class Settings:
     # Bearer token required on every endpoint except health checks, or several, comma-separated, one per client (a
     # client's shared-memory regions belong to its token); None: no auth.
     auth_token: str | None = None
+    # Bearer token POST /v2/models/NAME/feedback (labels, which steer the shadow verdict) needs, not the inference
+    # token; None: labels are taken only where no --auth-token is set either.
+    feedback_token: str | None = None
     # Seconds between polls of a models:/name@alias source for a new version; None: never.
     reload_interval: float | None = None
     # Seconds SIGTERM waits for in-flight requests before their connections are closed.
@@ -210,6 +213,12 @@ class Settings:
                              "non-empty ones")
         if self.auth_token is not None and not self.auth_token.isascii():
             raise ValueError("the auth token must be ASCII (HTTP headers are latin-1: a non-ASCII one never matches)")
+        if self.feedback_token is not None:
+            if not self.feedback_token.strip() or not self.feedback_token.isascii():
+                raise ValueError("the feedback token must be non-empty ASCII")
+            if self.feedback_token.strip().encode() in self.tokens():
+                raise ValueError("the feedback token is one of the inference tokens: labels steer the shadow verdict, "
+                                 "so they need a credential of their own")
         for flag, value in {"--read-timeout": self.read_timeout, "--request-timeout": self.request_timeout,
                             "--run-timeout": self.run_timeout, "--graceful-timeout": self.graceful_timeout}.items():
             if value <= 0:

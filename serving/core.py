@@ -26,6 +26,7 @@ import contextlib
 import gc
 import hmac
 import logging
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -44,7 +45,7 @@ from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
-from serving.payload_log import PayloadLog, Record, in_sample
+from serving.payload_log import PayloadLog, Record
 from serving.repository import (
     HEADER_SAFE,
     Model,
@@ -55,7 +56,7 @@ from serving.repository import (
     receipt_values,
 )
 from serving.runner import Runner
-from serving.shadow import Rule, Shadow
+from serving.shadow import Rule, Shadow, input_digest
 from serving.shm import SharedMemory
 from serving.staging import NonFinite
 
@@ -231,8 +232,8 @@ class Server:
         return model.slots.get(model.alias_served[shadowed[0]]) if shadowed else None
 
     def mirror(self, slot: Slot, request_id: str, feeds: dict[str, np.ndarray], rows: int,
-               results: dict[str, np.ndarray], champion_ms: float) -> None:
-        """Hands a sample of a model's answered requests to its challenger (never waited for). Shed first
+               results: dict[str, np.ndarray], champion_ms: float, mirrored: bool) -> None:
+        """Hands a request drawn for the sample (`mirrored`) to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
         counted; the champion's answer is never held up by it."""
         name = slot.model.info.name
@@ -243,7 +244,7 @@ class Server:
         if challenger is None or slot is not champion:
             return  # a request that named another version: not the champion's traffic
         shadow.answered(request_id, results)
-        if not in_sample(request_id, self.settings.shadow):  # by its id, as the payload log samples
+        if not mirrored:
             return
         pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms)
         if asyncio.get_running_loop() is self.loop:
@@ -275,8 +276,9 @@ class Server:
                             clip(str(exc) or type(exc).__name__, 200))
                 shadow.error(versions)
                 continue
-            shadow.pair(rid, champion, answer, champion_ms, (time.perf_counter() - started) * 1e3,
-                        (champion_version, challenger.version))
+            took = (time.perf_counter() - started) * 1e3
+            digest = await asyncio.to_thread(input_digest, feeds)  # (a 602 KB image: ~1 ms of hashing, off the loop)
+            shadow.pair(rid, champion, answer, champion_ms, took, (champion_version, challenger.version), digest)
 
     def _pair(self, name: str, shadow: Shadow) -> tuple[Slot | None, Slot | None]:
         """(champion, challenger) served now, and the comparison set to that pairing (a new one starts afresh
@@ -466,6 +468,23 @@ class Server:
             raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                             {"WWW-Authenticate": "Bearer"})
 
+    def check_feedback_token(self, header: str) -> None:
+        """Labels' credential (--feedback-token), never the inference token: whoever may ask for answers must not
+        thereby decide which version becomes champion."""
+        wanted = self.settings.feedback_token
+        if wanted is None:
+            if self._tokens:
+                raise Refused(403, "this server takes no labels: start it with --feedback-token (env "
+                                   "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one")
+            return  # no auth at all (a loopback server): labels as open as the rest
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), wanted.strip().encode()):
+            return
+        if any(hmac.compare_digest(token.strip().encode(), known) for known in self._tokens):
+            raise Refused(403, "labels need the feedback token (--feedback-token), not the inference token")
+        raise Refused(401, "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
+                      {"WWW-Authenticate": "Bearer"})
+
     def model_slot(self, name: str, version: str | None) -> Slot:
         try:
             return self.repository.slot(name, version)
@@ -523,7 +542,9 @@ class Server:
         exchange.answered_by(slot, rid)
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.
-        feeds = owned(request.feeds) if self._keeps(slot, rid) else request.feeds
+        mirrored = slot.model.info.name in self.shadows and random.random() < self.settings.shadow  # the server's
+        # draw, not the request id's hash: a client choosing its ids must not choose which requests judge a challenger
+        feeds = owned(request.feeds) if self._keeps(slot, rid, mirrored) else request.feeds
         started = time.perf_counter()
         try:
             results, slot = await self.infer(slot, request.feeds, request.rows, follow_swap, arrival)
@@ -537,14 +558,12 @@ class Server:
             self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
                                                         if slot.model.engine.batchable else request.feeds)
         self.log_payload(rid, endpoint, slot, feeds, results)
-        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3)
+        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3, mirrored)
         return Answer(slot, rid, request, results)
 
-    def _keeps(self, slot: Slot, request_id: str) -> bool:
+    def _keeps(self, slot: Slot, request_id: str, mirrored: bool) -> bool:
         """Whether the payload log or the shadow mirror will keep this request's inputs."""
-        if self.payload_log is not None and self.payload_log.sampled(request_id):
-            return True
-        return slot.model.info.name in self.shadows and in_sample(request_id, self.settings.shadow)
+        return mirrored or (self.payload_log is not None and self.payload_log.sampled(request_id))
 
     async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
                     follow_swap: bool = True, arrival=None) -> tuple[dict[str, np.ndarray], Slot]:

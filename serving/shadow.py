@@ -12,14 +12,20 @@ RMSE on the prediction output.
 
 The verdict, under `Rule` (the user's thresholds):
     undecided  fewer than `min_pairs` pairs (or, judging on labels, fewer than `min_labels` of them)
-    reject     any challenger error; with labels, a live metric worse than the champion's by more than
-               `tolerance`; without, agreement below `min_agreement` (or a mean difference above
-               `max_difference`); a challenger p50 above `max_latency_ratio` x the champion's
+    reject     any challenger error; agreement below `min_agreement` (or a mean difference above
+               `max_difference`), labels or not; with labels, a live metric worse than the champion's by more
+               than `tolerance`; a challenger p50 above `max_latency_ratio` x the champion's
     promote    otherwise
+
+What no one client can shape (a hostile review steered it both ways): a pair counts once per distinct input (an
+input sent again is counted as repeated, not as another pair), the requests mirrored are the server's random draw
+(not a hash of ids the client chooses), labels are range-checked against the model's answers and need a token of
+their own (serving/core.py, check_feedback_token), and the report says how many distinct inputs decided it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections import OrderedDict, deque
@@ -31,6 +37,17 @@ import numpy as np
 LATENCIES_KEPT = 2000     # per side, for the percentiles
 ANSWERS_KEPT = 10000      # request ids whose answers wait for a label
 ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
+INPUTS_KEPT = 100_000     # digests of the inputs paired so far (a repeat beyond them counts as new)
+
+
+def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
+    """What tells one input from another: a hash of every array's name, shape, dtype and bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(feeds):
+        array = np.ascontiguousarray(feeds[name])
+        digest.update(f"{name}{array.shape}{array.dtype}".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.digest()
 
 
 @dataclass
@@ -83,7 +100,10 @@ class ShadowState:
     challenger_version: str
     decision: str | None
     prediction: str | None
-    pairs: int = 0
+    classes: int | None = None  # the decision output's classes (axis 1), once an answer showed them
+    pairs: int = 0               # of distinct inputs
+    repeated: int = 0            # pairs of an input paired before: not counted again
+    inputs: OrderedDict = field(default_factory=OrderedDict)  # digests of the inputs paired (INPUTS_KEPT)
     dropped: int = 0
     errors: int = 0
     agree: int = 0
@@ -140,7 +160,9 @@ class Shadow:
         if s is None:
             return None
         if s.decision and s.decision in answer:
-            decided = np.asarray(answer[s.decision]).argmax(axis=1)
+            scores = np.asarray(answer[s.decision])
+            s.classes = scores.shape[1] if scores.ndim > 1 else s.classes
+            decided = scores.argmax(axis=1)
             return decided.astype(np.int32 if decided.max(initial=0) > 32767 else np.int16)
         if s.prediction and s.prediction in answer:
             return np.asarray(answer[s.prediction], dtype=np.float32)
@@ -165,14 +187,22 @@ class Shadow:
                 self._keep(s, request_id, (kept, None))
 
     def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
-             champion_ms: float, challenger_ms: float, versions: tuple[str, str]) -> None:
+             champion_ms: float, challenger_ms: float, versions: tuple[str, str], digest: bytes = b"") -> None:
+        """`digest`: input_digest of the request's inputs; a pair of an input paired before counts as repeated."""
         with self._lock:
             s = self._current(versions)
             if s is None:
                 return  # a pair of a pairing that has since changed
-            s.pairs += 1
             s.champion_ms.append(champion_ms)
             s.challenger_ms.append(challenger_ms)
+            if digest and digest in s.inputs:
+                s.repeated += 1
+                return
+            if digest:
+                s.inputs[digest] = True
+                while len(s.inputs) > INPUTS_KEPT:
+                    s.inputs.popitem(last=False)
+            s.pairs += 1
             if s.decision and s.decision in champion and s.decision in challenger:
                 a, b = np.asarray(champion[s.decision]).argmax(1), np.asarray(challenger[s.decision]).argmax(1)
                 s.agree += int((a == b).sum())
@@ -201,6 +231,8 @@ class Shadow:
                                      f"has {kept[0].size} ({'a class' if s.decision else 'a value'} per "
                                      f"{'position' if kept[0].ndim > 1 else 'row'}): send the true target as the "
                                      f"answer is shaped, {list(kept[0].shape)}")
+                if kept is not None:
+                    _check_label(request_id, np.asarray(label, dtype=np.float64), s)
             joined = unknown = 0
             decides = bool(s.decision)
             for request_id, label in labels.items():
@@ -233,6 +265,7 @@ class Shadow:
                 "latency_ms": {"champion_p50": _pct(s.champion_ms, 50), "champion_p99": _pct(s.champion_ms, 99),
                                "challenger_p50": _pct(s.challenger_ms, 50),
                                "challenger_p99": _pct(s.challenger_ms, 99)},
+                "distinct_inputs": s.pairs, "repeated_inputs": s.repeated,
                 "labels": s.labels, "labelled_pairs": s.live["challenger"].samples,
                 "live": {side: live.metrics() for side, live in s.live.items()},
                 "rule": self.rule.to_json()}
@@ -254,6 +287,9 @@ class Shadow:
         if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
             return "reject", (f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
                               f"champion's {latency['champion_p50']:.2f} ms")
+        if "agreement" in r and r["agreement"] < rule.min_agreement:  # labels or not: one client's labels can't
+            return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
+                              "pairs of distinct inputs")  # outvote what every request showed
         if r["labelled_pairs"] >= rule.min_labels:  # both judged on the same requests
             live = {"champion": r["live"]["champion_on_pairs"], "challenger": r["live"]["challenger"]}
             return _by_labels(live, rule.tolerance, r["labelled_pairs"])
@@ -262,12 +298,23 @@ class Shadow:
                 return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
                                   "pairs (no labels yet)")
             return "promote", (f"top-1 agreement {r['agreement']:.1%} >= {rule.min_agreement:.1%} over {r['pairs']} "
-                               "pairs, no challenger errors (no labels yet)")
+                               "pairs of distinct inputs, no challenger errors (no labels yet)")
         worst = max((r.get("mean_abs_difference") or {"-": 0.0}).items(), key=lambda kv: kv[1])
         if worst[1] > rule.max_difference:
             return "reject", f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g}"
         return "promote", (f"mean |difference| at most {worst[1]:.4g} over {r['pairs']} pairs, no challenger errors"
                            " (no labels yet)")
+
+
+def _check_label(request_id: str, label: np.ndarray, s: ShadowState) -> None:
+    """ValueError naming a label no answer of this model could match: not finite, or (a decision) not a class."""
+    if not np.isfinite(label).all():
+        raise ValueError(f"the label of {request_id!r} holds NaN or Inf: send the true target")
+    if s.decision and s.classes is not None:
+        bad = label[(label != np.rint(label)) | (label < 0) | (label >= s.classes)]
+        if bad.size:
+            raise ValueError(f"the label of {request_id!r} holds {bad[0]:g}, not a class of this model: a class index "
+                             f"is a whole number from 0 to {s.classes - 1}")
 
 
 def _by_labels(live: dict[str, dict[str, float]], tolerance: float, labels: int) -> tuple[str, str]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving import drift
-from serving.shadow import Rule, Shadow
+from serving.shadow import Rule, Shadow, input_digest
 
 RNG = np.random.default_rng(0)
 
@@ -34,13 +34,46 @@ def test_the_verdict_waits_for_pairs_then_judges_agreement_then_labels():
     assert shadow_with_pairs(20, 0).report()["verdict"] == "promote"
     rejected = shadow_with_pairs(10, 10).report()
     assert rejected["verdict"] == "reject" and rejected["agreement"] == 0.5
-    # Labels decide once there are enough: here the champion is always right and the challenger half wrong.
-    shadow = shadow_with_pairs(10, 10)
+    # Labels decide once there are enough, after agreement: here the two agree on 19 of 20 (95%, the rule's
+    # floor), the champion is always right and the challenger wrong once: 95% vs 100% is past the tolerance.
+    shadow = shadow_with_pairs(19, 1)
     joined = shadow.feedback({f"r{i}": np.array([i % 3]) for i in range(20)} | {"nobody": np.array([0])})
     assert joined == {"joined": 20, "unknown": 1}
     report = shadow.report()
-    assert report["live"]["champion"]["accuracy"] == 1.0 and report["live"]["challenger"]["accuracy"] == 0.5
-    assert report["verdict"] == "reject" and "live accuracy 50.0%" in report["reason"]
+    assert report["live"]["champion"]["accuracy"] == 1.0 and report["live"]["challenger"]["accuracy"] == 0.95
+    assert report["verdict"] == "reject" and "live accuracy 95.0%" in report["reason"]
+    # ...and labels can't outvote agreement: every label saying the half-wrong challenger is right changes nothing
+    shadow = shadow_with_pairs(10, 10)
+    shadow.feedback({f"r{i}": np.array([(i + 1) % 3 if i >= 10 else i % 3]) for i in range(20)})
+    report = shadow.report()
+    assert report["live"]["challenger"]["accuracy"] == 1.0 and report["verdict"] == "reject"
+    assert "agreement 50.0%" in report["reason"]
+
+
+def test_one_input_sent_again_and_again_counts_once():
+    """The review's agreement poisoning: one input both versions answer alike, sent 400 times, gave 99% agreement
+    over 405 pairs and "promote"; now it is one pair, and the others repeats."""
+    shadow = Shadow(Rule(min_pairs=10))
+    shadow.pairing("1", "2", "logits", None)
+    same = input_digest({"input": np.zeros((1, 3), np.float32)})
+    for i in range(5):  # 5 distinct inputs the challenger gets wrong
+        champion = logits(np.array([i % 3]))
+        shadow.pair(f"d{i}", champion, logits(np.array([(i + 1) % 3])), 1.0, 1.0, ("1", "2"),
+                    input_digest({"input": np.full((1, 3), i + 1, np.float32)}))
+    for i in range(400):
+        shadow.pair(f"s{i}", logits(np.array([0])), logits(np.array([0])), 1.0, 1.0, ("1", "2"), same)
+    report = shadow.report()
+    assert report["distinct_inputs"] == 6 and report["repeated_inputs"] == 399
+    assert report["verdict"] == "undecided" and report["pairs"] == 6  # 6 distinct pairs < min_pairs 10
+
+
+def test_labels_that_no_answer_could_match_are_refused_naming_the_first():
+    shadow = shadow_with_pairs(20, 0)
+    for bad, words in ((np.array([-1]), "holds -1, not a class of this model"), (np.array([3]), "from 0 to 2"),
+                       (np.array([1.5]), "holds 1.5"), (np.array([np.nan]), "NaN or Inf")):
+        with pytest.raises(ValueError, match=words):
+            shadow.feedback({"r0": bad})
+    assert shadow.report()["labels"] == 0  # nothing counted
 
 
 def test_a_label_of_the_wrong_size_is_refused_and_counts_nothing():
@@ -110,3 +143,29 @@ def test_drift_skips_what_it_cannot_compare_instead_of_failing():
     window.observe({"x": RNG.normal(size=(4, 5)), "unknown": np.zeros((4, 2))}, {"out": np.zeros((4, 1))})
     assert window.scores() == {}
     assert drift.psi(np.array([0.5, 0.5]), np.array([0.5, 0.5])) == 0.0
+
+
+def test_labels_need_a_token_of_their_own(tmp_path):
+    """The review's label poisoning: labels shared the inference token. Now the feedback route takes only
+    --feedback-token, which answers nothing else; a server with an inference token but none for labels takes none."""
+    import requests
+
+    from serving_fixtures import ServerProcess, tiny_model
+
+    model = str(tiny_model(tmp_path / "m.onnx"))
+    labels = {"labels": [{"id": "r1", "target": 0}]}
+    env = {"TRAINSERVE_AUTH_TOKEN": "infer-secret", "TRAINSERVE_FEEDBACK_TOKEN": "label-secret"}
+    with ServerProcess("--model", model, env=env, log_path=tmp_path / "a.log") as srv:
+        url = f"{srv.url}/v2/models/tiny/feedback"
+        bearer = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
+        refused = requests.post(url, json=labels, headers=bearer("infer-secret"), timeout=10)
+        assert refused.status_code == 403 and "not the inference token" in refused.text
+        assert requests.post(url, json=labels, timeout=10).status_code == 401
+        past_auth = requests.post(url, json=labels, headers=bearer("label-secret"), timeout=10)
+        assert past_auth.status_code == 404 and "no shadow comparison" in past_auth.text  # (no --shadow here)
+        assert requests.get(f"{srv.url}/v2/models/tiny", headers=bearer("label-secret"), timeout=10).status_code == 401
+    with ServerProcess("--model", model, env={"TRAINSERVE_AUTH_TOKEN": "infer-secret"},
+                       log_path=tmp_path / "b.log") as srv:
+        refused = requests.post(f"{srv.url}/v2/models/tiny/feedback", json=labels,
+                                headers={"Authorization": "Bearer infer-secret"}, timeout=10)
+        assert refused.status_code == 403 and "--feedback-token" in refused.text

@@ -221,7 +221,8 @@ class Connection(asyncio.BufferedProtocol):
             request.params = params
             if not route.open:
                 site.check_origin(request)
-                site.server.check_token(headers.get("authorization", ""))
+                check = site.server.check_feedback_token if route.labels else site.server.check_token
+                check(headers.get("authorization", ""))
             if length > site.max_body_bytes:
                 raise Refused(413, f"the body exceeds the limit of {site.max_body_bytes} bytes (--max-body-bytes)")
             body = route.body(site.server, request, exchange, length, chunked) if route.body else None

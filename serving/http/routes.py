@@ -420,6 +420,7 @@ class Route:
     path: str  # the pattern, as the metrics name the route
     handler: Handler
     open: bool = False  # no token needed (health checks)
+    labels: bool = False  # the feedback token, not the inference token (Server.check_feedback_token)
     body: Callable | None = None  # where its body goes: (server, request, exchange, length, chunked) -> a body
     main: bool = False  # run on the server's own event loop (it changes what is loaded: the model locks live there)
 
@@ -434,7 +435,7 @@ def table() -> list[Route]:
                    Route("GET", prefix + "/config", model_config),
                    Route("POST", prefix + "/infer", v2_infer, body=v2_body)]
     routes += [Route("GET", "/v2/models/{name}/shadow", shadow),
-               Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body),
+               Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body, labels=True),
                Route("POST", "/v2/repository/index", repository_index, body=whole_body, main=True),
                Route("POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body, main=True),
                Route("POST", "/v2/repository/models/{name}/unload", repository_unload, body=whole_body, main=True),
