@@ -127,3 +127,72 @@ def object_store(tmp_path):
     """A fresh moto_server on loopback with one bucket, for one test (import this name into a test module)."""
     with moto_s3(host="127.0.0.1", log_dir=tmp_path) as store:
         yield store
+
+
+class FaultProxy:
+    """A forwarding HTTP proxy in front of a store that, once armed, lets the next PUT of an object whose key ends
+    in `suffix` reach the store and then answers the client 500 InternalError, as S3 may after a write it did
+    apply (botocore then retries it). A thread of this process; `endpoint` is where clients point instead.
+
+        with FaultProxy(store.endpoint) as proxy: ... proxy.arm() ... proxy.faults"""
+
+    def __init__(self, upstream: str, suffix: str = ".owner"):
+        import http.client
+        import http.server
+        import socketserver
+        import threading
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        proxy = self
+        self.armed, self.faults, self.suffix = False, 0, suffix
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                upstream_conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                upstream_conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                answer = upstream_conn.getresponse()
+                data = answer.read()
+                if self.command == "PUT" and self.path.split("?")[0].endswith(proxy.suffix) and proxy.armed:
+                    proxy.armed, proxy.faults = False, proxy.faults + 1
+                    error = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __enter__(self) -> "FaultProxy":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

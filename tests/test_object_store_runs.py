@@ -24,7 +24,7 @@ from pipeline.components.object_store import StoreUrl
 from pipeline.config import ConfigError, load_config
 
 from conftest import CPU1, REPO, TINY, checkpoint_meta, mlp_spec
-from object_store import free_port, moto_s3
+from object_store import FaultProxy, free_port, moto_s3
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,36 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_race_has_one_winner(on
     # ... and the delete a release makes: only of the record it last wrote (a takeover's record stays).
     assert not object_store.remove_if_unchanged(record, tag) and object_store.exists(record)
     assert object_store.remove_if_unchanged(record, object_store.etag(record)) and not object_store.exists(record)
+
+
+def test_a_write_the_store_applied_but_answered_500_leaves_the_lease_ours(on_store, monkeypatch):
+    """The review's F5: one heartbeat PUT that reached the store but was answered 500 (botocore's retry, with the
+    old ETag, then got 412) left the lease with an ETag that was no longer the record's: every later heartbeat was
+    refused, the job stopped itself, its release left the record behind; the same fault on the first create made
+    the process refuse itself. The record's nonce now tells our own write from a take-over."""
+    monkeypatch.setattr(run_dir, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(run_dir, "LEASE_S", 1.5)
+    with FaultProxy(on_store.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        url = StoreUrl(f"{on_store.url}/runs/flaky-heartbeat")
+        record = url / run_dir.OWNER_FILE
+        run_dir.claim(url)
+        time.sleep(0.5)
+        proxy.arm()  # the next heartbeat is applied, then answered 500
+        time.sleep(2.0)  # longer than LEASE_S - HEARTBEAT_S: a lease that lost its ETag would have stopped the job
+        assert proxy.faults == 1
+        run_dir.check_still_owned(url)  # still ours
+        assert json.loads(object_store.read_bytes(record))["pid"] == os.getpid()
+        run_dir.release(url)
+        assert not object_store.exists(record)  # released: nothing left behind
+
+        url = StoreUrl(f"{on_store.url}/runs/flaky-claim")
+        proxy.arm()  # the first create is applied, then answered 500
+        assert run_dir.claim(url) is None  # not "in use by pid <its own>"
+        assert proxy.faults == 2
+        run_dir.check_still_owned(url)
+        run_dir.release(url)
+        assert not object_store.exists(url / run_dir.OWNER_FILE)
 
 
 @pytest.mark.slow

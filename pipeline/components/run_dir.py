@@ -23,7 +23,9 @@ store's clock alone (its Date header minus the record's LastModified), never by 
 holder wrote: two hosts whose clocks disagree by more than the lease would otherwise take a live job's
 record (a clock behind) or wait on a dead one (a clock ahead). Any other claimant gets RunDirBusy naming
 the owner. The owner deletes the record when it is done, with a conditional delete (If-Match: its own
-last ETag), so a record another job has taken over meanwhile stays.
+last ETag), so a record another job has taken over meanwhile stays. Each lease writes a random nonce of its own
+into the record: a write the store applied but answered with an error (botocore's retry then meets the new ETag
+and gets 412, or finds the created record there) is told from a take-over by it, and its ETag adopted.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 from pipeline.components import object_store
+from pipeline.tools import logs
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +198,12 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
     if run_dir in _leases:
         return None
     record = run_dir / OWNER_FILE
+    nonce = secrets.token_hex(8)  # this lease's own: a record holding it is ours, whatever the store answered
     for _ in range(5):  # a lost race with another claimant: look again
-        mine = {**this_process(), "job": job_id(), "heartbeat": time.time()}
+        mine = {**this_process(), "job": job_id(), "heartbeat": time.time(), "lease": nonce}
         try:
             answer = object_store.write_bytes(record, json.dumps(mine).encode(), mode="create")
-            _leases[run_dir] = _Lease(record, answer)
+            _leases[run_dir] = _Lease(record, answer, nonce)
             return None
         except FileExistsError:
             pass
@@ -216,6 +221,9 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
         if owner is None:
             continue  # released meanwhile
         tag, age = written
+        if owner.get("lease") == nonce:  # our own create: the store applied it, then answered an error (its retry
+            _leases[run_dir] = _Lease(record, {"ETag": tag}, nonce)  # found the record there): ours
+            return None
         why = _why_take_over(owner, age)
         if why is None:
             raise RunDirBusy(f"{run_dir} is in use by job {owner.get('job') or '?'}: {describe(owner)}, alive "
@@ -227,7 +235,7 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
         except OSError:  # 412: another claimant took it over between our read and our write
             continue
         log.warning("taking over %s from %s: %s", run_dir, describe(owner), why)
-        _leases[run_dir] = _Lease(record, answer)
+        _leases[run_dir] = _Lease(record, answer, nonce)
         return owner
     raise RunDirBusy(f"{run_dir}: its owner record {record} keeps changing under other claimants; another job is "
                      "starting there: wait for it, or give this run another train.run_name")
@@ -246,10 +254,12 @@ def _why_take_over(owner: dict, age: float) -> str | None:
 
 
 class _Lease:
-    """Refreshes this process's owner record (If-Match: our own last ETag) until released."""
+    """Refreshes this process's owner record (If-Match: our own last ETag) until released. A write the store applied
+    but answered with an error (its retry then meets our own new ETag: 412) is told from a take-over by the record's
+    nonce: still ours, its ETag is adopted."""
 
-    def __init__(self, record: object_store.StoreUrl, answer):
-        self.record, self.etag = record, (answer or {}).get("ETag")
+    def __init__(self, record: object_store.StoreUrl, answer, nonce: str):
+        self.record, self.etag, self.nonce = record, (answer or {}).get("ETag"), nonce
         self.refreshed = time.monotonic()  # the last write of our record that the store took
         self.lost_to: dict | None = None  # the holder that took the record over
         self.stop = threading.Event()
@@ -258,16 +268,22 @@ class _Lease:
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
-            mine = {**this_process(), "job": job_id(), "heartbeat": time.time()}
+            mine = {**this_process(), "job": job_id(), "heartbeat": time.time(), "lease": self.nonce}
             try:
                 answer = object_store.write_bytes(self.record, json.dumps(mine).encode(), IfMatch=self.etag)
                 self.etag = (answer or {}).get("ETag")
                 self.refreshed = time.monotonic()
             except OSError as exc:  # taken over (a 412), or the store is away for a moment
                 try:
+                    written = object_store.last_written(self.record)
                     holder = json.loads(object_store.read_bytes(self.record))
                 except (OSError, ValueError):
-                    holder = None
+                    written, holder = None, None
+                if holder and written and holder.get("lease") == self.nonce:
+                    log.info("the store took this job's heartbeat of %s but answered %s: still ours, going on",
+                             self.record, logs.first_line(exc))
+                    self.etag, self.refreshed = written[0], time.monotonic() - written[1]
+                    continue
                 if holder and (holder.get("host"), holder.get("pid")) != (mine["host"], mine["pid"]):
                     log.error("the run directory %s was taken over by %s: this process no longer owns it",
                               self.record.parent, describe(holder))
