@@ -48,13 +48,17 @@ def run_until_stopped(cmd: list[str]) -> int:
     left them serving the port. So it runs in a process group of its own, and SIGINT or SIGTERM to us stops
     the whole group (SIGKILL for what is still there after 10 s)."""
     proc = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too, explicitly: a process started in the background by a shell without job control (`cmd &` in a
+    # script, nohup, a CI runner) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it:
+    # Ctrl-C or `kill -INT` would leave the UI running (seen in a full test run; alone it passed).
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return proc.wait()
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _stop_group(proc)
 
 

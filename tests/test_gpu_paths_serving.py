@@ -504,16 +504,22 @@ def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_not
 
     from serving.loader import FASTEST_TAG, _auto_variant, recorded_hash_tag
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = mlflow.MlflowClient()
-    client.create_registered_model("m")
-    fp16_only = {recorded_hash_tag("fp16"): "ab" * 32, FASTEST_TAG: json.dumps({CPU: "fp32"})}
-    measured = {**fp16_only, FASTEST_TAG: json.dumps({CPU: "fp32", CUDA: "fp32"})}
-    for tags in (fp16_only, measured, {}):
-        client.create_model_version("m", str(tmp_path), tags=tags)
-    with caplog.at_level("INFO", logger="serving.loader"):
-        assert _auto_variant("models:/m/1", "version", None, CUDA) == "fp16"
-    assert "its gated fp16 variant" in caplog.text
-    assert _auto_variant("models:/m/1", "version", None, CPU) == "fp32"
-    assert _auto_variant("models:/m/2", "version", None, CUDA) == "fp32"  # measured there: fp32 was faster
-    assert _auto_variant("models:/m/3", "version", None, CUDA) == "fp32"  # no fp16 file passed its gates
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)  # (another test of this process may have set one: it wins over the variable)
+    try:
+        client = mlflow.MlflowClient(uri)
+        client.create_registered_model("m")
+        fp16_only = {recorded_hash_tag("fp16"): "ab" * 32, FASTEST_TAG: json.dumps({CPU: "fp32"})}
+        measured = {**fp16_only, FASTEST_TAG: json.dumps({CPU: "fp32", CUDA: "fp32"})}
+        for tags in (fp16_only, measured, {}):
+            client.create_model_version("m", str(tmp_path), tags=tags)
+        with caplog.at_level("INFO", logger="serving.loader"):
+            assert _auto_variant("models:/m/1", "version", None, CUDA) == "fp16"
+        assert "its gated fp16 variant" in caplog.text
+        assert _auto_variant("models:/m/1", "version", None, CPU) == "fp32"
+        assert _auto_variant("models:/m/2", "version", None, CUDA) == "fp32"  # measured there: fp32 was faster
+        assert _auto_variant("models:/m/3", "version", None, CUDA) == "fp32"  # no fp16 file passed its gates
+    finally:
+        mlflow.set_tracking_uri(previous)

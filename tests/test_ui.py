@@ -21,8 +21,11 @@ from serving_fixtures import free_port
 def test_a_signal_to_pipeline_ui_stops_every_process_it_started(sig, tmp_path):
     port = free_port()
     # A session of our own, so that a failing test can still clean up by group; the signal goes to the pid only.
+    # Started as a shell without job control starts a background command (`pipeline ui &` in a script, nohup, a
+    # CI runner): SIGINT ignored from the start, which Python keeps unless told otherwise.
     ui = subprocess.Popen([sys.executable, "-m", "pipeline", "ui", "--port", str(port)], cwd=tmp_path,
-                          env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                          env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     started: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120
