@@ -205,11 +205,14 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
-def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path):
+@pytest.mark.parametrize("engine", ["native", "aio"])
+def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path, engine):
     """grpc's HTTP/2 parser logs a malformed header's value (no token needed), and a refusal names the model a
     client asked for: each with a newline in it would start a line that reads as the server's own."""
     forged = b"\n02:00:00 INFO serving.core: serving evil version 9 (FORGED LINE)"
-    with grpc_server("--model", str(model), tmp_path=tmp_path) as srv:
+    if engine == "native" and not native.available():
+        pytest.skip(native.WHY_NOT)
+    with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
         fields = b"".join(_literal(n, v) for n, v in (
             (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ServerLive"),
             (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
@@ -243,11 +246,40 @@ def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.s
     return opened
 
 
-def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model, tmp_path):
+def _ended_streams(sockets: list[socket.socket], deadline: float) -> int:
+    """How many streams of these connections the server has ended (trailers with END_STREAM, or RST_STREAM) by
+    `deadline`."""
+    ended, pending = set(), {s: b"" for s in sockets}
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select(list(pending), [], [], 0.5)
+        for s in readable:
+            try:
+                data = s.recv(1 << 20)
+            except (BlockingIOError, ConnectionError):
+                data = b""
+            if not data:
+                del pending[s]
+                continue
+            buffer = pending[s] + data
+            while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+                size, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
+                if kind == 3 or (kind == 1 and flags & 1):
+                    ended.add((s.fileno(), int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF))
+                buffer = buffer[9 + size:]
+            pending[s] = buffer
+        if not readable and len(ended) == len(sockets) * 128:
+            break
+    return len(ended)
+
+
+@pytest.mark.parametrize("engine", ["native", "aio"])
+def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model, tmp_path, engine):
     """33 connections x 128 calls that send only their headers, without a token, held every one of the 4,096
     shared places: ServerLive was RESOURCE_EXHAUSTED for as long as the connections lived. A unary call now takes a
     shared place only once its message is in, and one still waiting after --read-timeout is ended."""
-    with grpc_server("--model", str(model), "--read-timeout", "3", tmp_path=tmp_path) as srv:
+    if engine == "native" and not native.available():
+        pytest.skip(native.WHY_NOT)
+    with grpc_server("--model", str(model), "--read-timeout", "3", "--grpc-engine", engine, tmp_path=tmp_path) as srv:
         attack = _header_only_calls(srv.grpc_port, 33, 128)
         try:
             time.sleep(0.5)
@@ -255,11 +287,14 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
             assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
             assert time.monotonic() - started < 2.0
-            deadline = time.monotonic() + 10
-            while "call(s) whose request message did not come" not in srv.log() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            ended = sum(int(n) for n in re.findall(r"ended (\d+) call\(s\) whose request message", srv.log()))
-            assert ended == 33 * 128, srv.log()[-2000:]
+            assert _ended_streams(attack, time.monotonic() + 10) == 33 * 128  # every one answered, none left open
+            deadline = time.monotonic() + 3
+            while (ended := sum(int(n) for n in re.findall(r"ended (\d+) call\(s\) whose request message",
+                                                            srv.log()))) < 33 * 128 and time.monotonic() < deadline:
+                time.sleep(0.2)  # (a line a second or a sweep, not a line a call)
+            # the native engine ends them all itself; on grpc.aio, grpc's core refuses those of a burst past its
+            # queue of calls the server has not yet taken (RESOURCE_EXHAUSTED) and this server ends the rest
+            assert ended == 33 * 128 if engine == "native" else ended > 0, srv.log()[-2000:]
         finally:
             for s in attack:
                 s.close()

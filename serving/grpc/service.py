@@ -415,6 +415,75 @@ def _stream_handler(server, service: Service, streams: _Streams):
     return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
 
 
+class _Admission:
+    """grpc.aio's side of what native.cc does before a call reaches the handlers above. grpc.aio's own
+    `maximum_concurrent_rpcs` counts a call from its headers: 33 connections x 128 calls that sent headers and no
+    message (no token needed) held all of its places, ServerLive's included, for as long as they lived (the
+    review's F1). Here a unary call is taken in as a client stream, so that it is seen at once: it waits at most
+    --read-timeout for its message, holding no shared place while it waits (grpc's max_concurrent_streams bounds
+    such calls per connection), and takes one of MAX_CONCURRENT_RPCS only with its message in; a stream takes its
+    place at once, as on the native engine (its token is checked before it reads)."""
+
+    def __init__(self, first_message_s: float):
+        self.first_message_s = first_message_s
+        self.active = 0
+        self.ended = 0  # calls ended for want of a message, not yet logged (one line a second, not one a call)
+
+    def take(self) -> bool:
+        if self.active >= MAX_CONCURRENT_RPCS:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
+
+    def _log_ended(self) -> None:
+        log.warning("gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
+                    self.ended, self.first_message_s)
+        self.ended = 0
+
+    async def first_message(self, context) -> bytes:
+        """The unary call's one message, or the call ended with the status that says why."""
+        try:
+            data = await asyncio.wait_for(context.read(), self.first_message_s)
+        except asyncio.TimeoutError:
+            if not self.ended:
+                asyncio.get_running_loop().call_later(1.0, self._log_ended)
+            self.ended += 1
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no request message within --read-timeout")
+        if data is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
+        return data
+
+    def unary(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        handle = handler.unary_unary
+
+        async def admitted(_requests, context):
+            data = await self.first_message(context)
+            if not self.take():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once")
+            try:
+                return await handle(data, context)
+            finally:
+                self.release()
+
+        return grpc.stream_unary_rpc_method_handler(admitted)
+
+    def stream(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        handle = handler.stream_stream
+
+        async def admitted(requests, context):
+            if not self.take():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once")
+            try:
+                await handle(requests, context)
+            finally:
+                self.release()
+
+        return grpc.stream_stream_rpc_method_handler(admitted)
+
+
 class GrpcFrontEnd:
     """The running grpc.aio server, as the core stops it: the streams' reading first, then the server."""
     layout = "gRPC on grpc.aio (on the server's loop)"
@@ -465,8 +534,10 @@ async def start_grpc(server):
         return front_end
     if settings.grpc_engine == "auto":
         log.info("gRPC on grpc.aio: %s", native.WHY_NOT)
-    aio = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, options=list(_options(settings).items()))
-    aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, handlers),))
+    admission = _Admission(settings.read_timeout)
+    admitted = {method: admission.stream(h) if h.stream_stream else admission.unary(h) for method, h in handlers.items()}
+    aio = grpc.aio.server(options=list(_options(settings).items()))  # (no maximum_concurrent_rpcs: see _Admission)
+    aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, admitted),))
     try:
         bound = aio.add_insecure_port(address)
     except RuntimeError as exc:
