@@ -86,7 +86,9 @@ def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
             "trainserve.shadow.champion_version": str(report.get("champion_version")),
             "trainserve.shadow.latency_ms": json.dumps(report.get("latency_ms") or {}),
             "trainserve.shadow.labels": str(report.get("labels", 0)),
-            "trainserve.shadow.repeated_inputs": str(report.get("repeated_inputs", 0))}
+            "trainserve.shadow.repeated_inputs": str(report.get("repeated_inputs", 0)),
+            "trainserve.shadow.sources": str(report.get("sources", 0)),
+            "trainserve.shadow.largest_source_share": f"{report.get('largest_source_share', 0):.4f}"}
     if "agreement" in report:
         tags["trainserve.shadow.agreement"] = f"{report['agreement']:.6f}"
     if report.get("mean_abs_difference"):
@@ -128,6 +130,9 @@ def rested_on(report: dict[str, Any]) -> str:
     """What a verdict rested on, in a line: the traffic that decided it, which one client may have shaped."""
     parts = [f"{report.get('distinct_inputs', report.get('pairs', 0))} distinct inputs paired",
              f"{report.get('repeated_inputs', 0)} repeats not counted", f"{report.get('dropped', 0)} shed"]
+    if "sources" in report:
+        parts.append(f"from {report['sources']} client address(es), the largest "
+                     f"{report.get('largest_source_share', 0):.0%} of them")
     if "agreement" in report:
         parts.append(f"top-1 agreement {report['agreement']:.1%}")
     parts.append(f"{report.get('labels', 0)} labels ({report.get('labelled_pairs', 0)} on pairs)")

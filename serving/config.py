@@ -142,6 +142,7 @@ class Settings:
     shadow_min_labels: int = 100
     shadow_tolerance: float = 0.01
     shadow_max_latency_ratio: float = float("inf")
+    shadow_max_source_share: float = 1.0
 
     def sources(self):
         """The --model flags as repository Sources (ValueError for a malformed one)."""
@@ -165,7 +166,8 @@ class Settings:
     def shadow_rule(self) -> dict:
         return {"min_pairs": self.shadow_min_pairs, "min_agreement": self.shadow_min_agreement,
                 "max_difference": self.shadow_max_difference, "min_labels": self.shadow_min_labels,
-                "tolerance": self.shadow_tolerance, "max_latency_ratio": self.shadow_max_latency_ratio}
+                "tolerance": self.shadow_tolerance, "max_latency_ratio": self.shadow_max_latency_ratio,
+                "max_source_share": self.shadow_max_source_share}
 
     def policy(self):
         from serving.repository import parse_version_policy
@@ -273,6 +275,9 @@ class Settings:
             raise ValueError("--shadow-min-pairs and --shadow-min-labels must be at least 1")
         if not 0 <= self.shadow_min_agreement <= 1:
             raise ValueError(f"--shadow-min-agreement must be between 0 and 1, got {self.shadow_min_agreement}")
+        if not 0 < self.shadow_max_source_share <= 1:
+            raise ValueError("--shadow-max-source-share must be a fraction of the pairs above 0 and at most 1 (1: "
+                             f"no limit; 0.5: no client may send more than half), got {self.shadow_max_source_share}")
         for flag, value in {"--shadow-max-difference": self.shadow_max_difference, "--shadow-tolerance":
                             self.shadow_tolerance, "--shadow-max-latency-ratio": self.shadow_max_latency_ratio}.items():
             if not value >= 0:

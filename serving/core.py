@@ -232,7 +232,7 @@ class Server:
         return model.slots.get(model.alias_served[shadowed[0]]) if shadowed else None
 
     def mirror(self, slot: Slot, request_id: str, feeds: dict[str, np.ndarray], rows: int,
-               results: dict[str, np.ndarray], champion_ms: float, mirrored: bool) -> None:
+               results: dict[str, np.ndarray], champion_ms: float, mirrored: bool, source: str = "") -> None:
         """Hands a request drawn for the sample (`mirrored`) to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
         counted; the champion's answer is never held up by it."""
@@ -246,7 +246,7 @@ class Server:
         shadow.answered(request_id, results)
         if not mirrored:
             return
-        pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms)
+        pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms, source)
         if asyncio.get_running_loop() is self.loop:
             self._enqueue_mirror(name, slot, pair)
         else:  # answered on another HTTP loop: the mirror's queue is the main loop's
@@ -263,7 +263,7 @@ class Server:
         """One model's mirrored requests, one at a time, on its challenger's batcher."""
         queue, shadow = self._mirrors[name], self.shadows[name]
         while True:
-            challenger, champion_version, rid, feeds, rows, champion, champion_ms = await queue.get()
+            challenger, champion_version, rid, feeds, rows, champion, champion_ms, source = await queue.get()
             versions = (champion_version, challenger.version)
             started = time.perf_counter()
             try:
@@ -278,7 +278,8 @@ class Server:
                 continue
             took = (time.perf_counter() - started) * 1e3
             digest = await asyncio.to_thread(input_digest, feeds)  # (a 602 KB image: ~1 ms of hashing, off the loop)
-            shadow.pair(rid, champion, answer, champion_ms, took, (champion_version, challenger.version), digest)
+            shadow.pair(rid, champion, answer, champion_ms, took, (champion_version, challenger.version), digest,
+                        source)
 
     def _pair(self, name: str, shadow: Shadow) -> tuple[Slot | None, Slot | None]:
         """(champion, challenger) served now, and the comparison set to that pairing (a new one starts afresh
@@ -558,7 +559,8 @@ class Server:
             self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
                                                         if slot.model.engine.batchable else request.feeds)
         self.log_payload(rid, endpoint, slot, feeds, results)
-        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3, mirrored)
+        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3, mirrored,
+                    exchange.source)
         return Answer(slot, rid, request, results)
 
     def _keeps(self, slot: Slot, request_id: str, mirrored: bool) -> bool:

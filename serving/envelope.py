@@ -27,6 +27,20 @@ _ID_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across resta
 _ID_COUNTER = itertools.count()
 
 
+def source_of(peer) -> str:
+    """The client's host from what a front end knows of its connection: a socket's peername ((host, port, ...)) or
+    grpc's peer ("ipv4:127.0.0.1:50123", "ipv6:[::1]:50123"); "" when unknown."""
+    if isinstance(peer, (tuple, list)):
+        return str(peer[0]) if peer else ""
+    if not isinstance(peer, str):
+        return ""
+    family, _, address = peer.partition(":")
+    if family not in ("ipv4", "ipv6"):
+        return peer  # a unix socket's path, or grpc's name for something else: the whole name
+    host = address.rpartition(":")[0]
+    return host.strip("[]").replace("%5B", "").replace("%5D", "")
+
+
 def new_request_id() -> str:
     """A fresh request id, 32 hex digits as a uuid4's hex, unique without a system call or a UUID object per
     request (uuid4 cost a tenth of a request's Python time): a random prefix per process and a counter."""
@@ -56,10 +70,11 @@ class Exchange:
     """One request through any front end: its route (as metrics name it), when it began, and once the version is
     known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
 
-    __slots__ = ("route", "started", "slot", "request_id")
+    __slots__ = ("route", "started", "slot", "request_id", "source")
 
-    def __init__(self, route: str):
+    def __init__(self, route: str, source: str = ""):
         self.route = route
+        self.source = source  # the client's address (its host, not its port): the shadow counts pairs by it
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None

@@ -20,7 +20,9 @@ The verdict, under `Rule` (the user's thresholds):
 What no one client can shape (a hostile review steered it both ways): a pair counts once per distinct input (an
 input sent again is counted as repeated, not as another pair), the requests mirrored are the server's random draw
 (not a hash of ids the client chooses), labels are range-checked against the model's answers and need a token of
-their own (serving/core.py, check_feedback_token), and the report says how many distinct inputs decided it.
+their own (serving/core.py, check_feedback_token), and the report says how many distinct inputs, and how many clients (by address), decided it, and the largest
+share one client sent: past `max_source_share` (--shadow-max-source-share; 1 by default, as a server behind one
+proxy sees one address) the verdict stays undecided.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ LATENCIES_KEPT = 2000     # per side, for the percentiles
 ANSWERS_KEPT = 10000      # request ids whose answers wait for a label
 ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
 INPUTS_KEPT = 100_000     # digests of the inputs paired so far (a repeat beyond them counts as new)
+SOURCES_KEPT = 10_000     # clients counted by address; pairs of any further ones count as one more source, "other"
 
 
 def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
@@ -58,6 +61,7 @@ class Rule:
     min_labels: int = 100            # labels needed before they decide
     tolerance: float = 0.01          # labels: the challenger's live metric may be this much worse
     max_latency_ratio: float = math.inf
+    max_source_share: float = 1.0    # of the pairs, the most that one client (address) may have sent
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.__dict__.items()}
@@ -104,6 +108,7 @@ class ShadowState:
     pairs: int = 0               # of distinct inputs
     repeated: int = 0            # pairs of an input paired before: not counted again
     inputs: OrderedDict = field(default_factory=OrderedDict)  # digests of the inputs paired (INPUTS_KEPT)
+    sources: dict = field(default_factory=dict)  # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
     dropped: int = 0
     errors: int = 0
     agree: int = 0
@@ -187,8 +192,10 @@ class Shadow:
                 self._keep(s, request_id, (kept, None))
 
     def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
-             champion_ms: float, challenger_ms: float, versions: tuple[str, str], digest: bytes = b"") -> None:
-        """`digest`: input_digest of the request's inputs; a pair of an input paired before counts as repeated."""
+             champion_ms: float, challenger_ms: float, versions: tuple[str, str], digest: bytes = b"",
+             source: str = "") -> None:
+        """`digest`: input_digest of the request's inputs; a pair of an input paired before counts as repeated.
+        `source`: the client's address (envelope.source_of), whose share of the pairs the report gives."""
         with self._lock:
             s = self._current(versions)
             if s is None:
@@ -203,6 +210,9 @@ class Shadow:
                 while len(s.inputs) > INPUTS_KEPT:
                     s.inputs.popitem(last=False)
             s.pairs += 1
+            if source not in s.sources and len(s.sources) >= SOURCES_KEPT:
+                source = "other"
+            s.sources[source] = s.sources.get(source, 0) + 1
             if s.decision and s.decision in champion and s.decision in challenger:
                 a, b = np.asarray(champion[s.decision]).argmax(1), np.asarray(challenger[s.decision]).argmax(1)
                 s.agree += int((a == b).sum())
@@ -265,7 +275,8 @@ class Shadow:
                 "latency_ms": {"champion_p50": _pct(s.champion_ms, 50), "champion_p99": _pct(s.champion_ms, 99),
                                "challenger_p50": _pct(s.challenger_ms, 50),
                                "challenger_p99": _pct(s.challenger_ms, 99)},
-                "distinct_inputs": s.pairs, "repeated_inputs": s.repeated,
+                "distinct_inputs": s.pairs, "repeated_inputs": s.repeated, "sources": len(s.sources),
+                "largest_source_share": max(s.sources.values()) / s.pairs if s.pairs else 0.0,
                 "labels": s.labels, "labelled_pairs": s.live["challenger"].samples,
                 "live": {side: live.metrics() for side, live in s.live.items()},
                 "rule": self.rule.to_json()}
@@ -283,6 +294,9 @@ class Shadow:
             return "reject", f"the challenger failed {r['challenger_errors']} of the mirrored requests"
         if r["pairs"] < rule.min_pairs:
             return "undecided", f"{r['pairs']} pairs so far; the rule needs {rule.min_pairs}"
+        if r["largest_source_share"] > rule.max_source_share:
+            return "undecided", (f"one client sent {r['largest_source_share']:.1%} of the {r['pairs']} pairs; the rule "
+                                 f"lets one send at most {rule.max_source_share:.0%} (--shadow-max-source-share)")
         latency = r["latency_ms"]
         if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
             return "reject", (f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "

@@ -89,6 +89,7 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         assert report["challenger_version"] == "2" and report["challenger_errors"] == 0
         assert report["pairs"] >= 250 and report["pairs"] + report["dropped"] == 300, report  # one client: few shed
         assert report["agreement"] < 0.5 and report["verdict"] == "reject", report
+        assert report["sources"] == 1 and report["largest_source_share"] == 1.0, report  # (all from 127.0.0.1)
         assert report["latency_ms"]["champion_p50"] > 0 and report["latency_ms"]["challenger_p50"] > 0
         # Labels that arrive later: both models' live accuracy on the same requests.
         body = {"labels": [{"id": f"real-{i}", "target": int(y)} for i, y in enumerate(labels)]}
@@ -127,7 +128,8 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         print("equal challenger:", {k: report[k] for k in ("pairs", "dropped", "agreement", "verdict", "reason")})
         promoted = run_cli(["promote", NAME, "--server", server.url], cwd=workdir)
         assert f"promoted {NAME} version 3 to @champion" in promoted.stdout
-        assert re.search(r"judged on: \d+ distinct inputs paired, 0 repeats not counted", promoted.stdout), promoted.stdout
+        assert re.search(r"judged on: \d+ distinct inputs paired, 0 repeats not counted, \d+ shed, from 1 client "
+                         r"address\(es\), the largest 100% of them", promoted.stdout), promoted.stdout
     client = mlflow_client(workdir)
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
     tags = client.get_model_version(NAME, "3").tags

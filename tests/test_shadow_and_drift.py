@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from serving import drift
+from serving.envelope import source_of
 from serving.shadow import Rule, Shadow, input_digest
 
 RNG = np.random.default_rng(0)
@@ -65,6 +66,29 @@ def test_one_input_sent_again_and_again_counts_once():
     report = shadow.report()
     assert report["distinct_inputs"] == 6 and report["repeated_inputs"] == 399
     assert report["verdict"] == "undecided" and report["pairs"] == 6  # 6 distinct pairs < min_pairs 10
+
+
+def test_the_report_says_how_many_clients_sent_the_pairs_and_the_rule_can_bound_one_s_share():
+    """One client's traffic is not everyone's: the report gives the number of client addresses and the largest
+    share; --shadow-max-source-share 0.5 keeps a verdict undecided while one client sent more than half."""
+    def judged(sources: list[str]) -> dict:
+        shadow = Shadow(Rule(min_pairs=10, max_source_share=0.5))
+        shadow.pairing("1", "2", "logits", None)
+        for i, source in enumerate(sources):
+            champion = logits(np.array([i % 3]))
+            shadow.pair(f"r{i}", champion, champion, 1.0, 1.0, ("1", "2"),
+                        input_digest({"input": np.full((1, 3), i, np.float32)}), source)
+        return shadow.report()
+
+    one = judged(["10.0.0.7"] * 18 + ["10.0.0.8"] * 2)
+    assert one["sources"] == 2 and one["largest_source_share"] == 0.9
+    assert one["verdict"] == "undecided" and "one client sent 90.0% of the 20 pairs" in one["reason"]
+    many = judged([f"10.0.0.{i % 4}" for i in range(20)])
+    assert many["sources"] == 4 and many["largest_source_share"] == 0.25 and many["verdict"] == "promote"
+    # what each front end knows of its client, as one address: a socket's peername, grpc's peer
+    assert source_of(("127.0.0.1", 50123)) == "127.0.0.1" and source_of(("::1", 5, 0, 0)) == "::1"
+    assert source_of("ipv4:10.1.2.3:50123") == "10.1.2.3" and source_of("ipv6:[::1]:443") == "::1"
+    assert source_of("ipv6:%5B::1%5D:443") == "::1" and source_of(None) == ""
 
 
 def test_labels_that_no_answer_could_match_are_refused_naming_the_first():

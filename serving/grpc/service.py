@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 import serving
 from serving import core
 from serving.codec import BadRequest
-from serving.envelope import Exchange, new_request_id, refusal
+from serving.envelope import Exchange, new_request_id, refusal, source_of
 from serving.grpc import codec, schema
 from serving.repository import version_key
 
@@ -244,7 +244,7 @@ def _handler(server, service: Service, method: str, request_class):
     where = f"gRPC {method}"
 
     async def handle(data, context):
-        exchange = Exchange(f"grpc {method}")
+        exchange = Exchange(f"grpc {method}", source_of(context.peer()))
         raw = None
         if isinstance(data, tuple):  # the native engine: (the message without its raw contents, the contents)
             data, raw = data
@@ -315,8 +315,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
         if not entry[1]:
             del shares[peer]
 
-    async def answer(data, metadata: dict[str, str]) -> bytes:
-        exchange = Exchange(route)
+    async def answer(data, metadata: dict[str, str], source: str) -> bytes:
+        exchange = Exchange(route, source)
         raw = None
         if isinstance(data, tuple):  # the native engine: (the message without its raw contents, the contents)
             data, raw = data
@@ -343,6 +343,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
         """Starts each request's answer, in order, and queues it; None last. True when a stop cut the reading
         short (the client's further requests were not read)."""
         cut = False
+        source = source_of(context.peer())
         try:
             while True:
                 await window.acquire()
@@ -362,7 +363,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
                     raise
                 # No await between starting the answer and queueing it: a cancelled reader loses none. (An answer
                 # ends with bytes, a refusal too: nothing for a done callback to look at.)
-                answers.put_nowait(asyncio.ensure_future(answer(data, metadata)))
+                answers.put_nowait(asyncio.ensure_future(answer(data, metadata, source)))
         except asyncio.CancelledError:
             if not streams.closing:
                 raise

@@ -23,7 +23,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from serving.envelope import Exchange, Refusal, Refused, refusal
+from serving.envelope import Exchange, Refusal, Refused, refusal, source_of
 from serving.http import bodies
 from serving.http.wire import Request, Response, error_response
 
@@ -66,6 +66,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.source = source_of(transport.get_extra_info("peername"))
         self.listener.connections.add(self)
         self._arm(self.site.read_timeout)
 
@@ -213,7 +214,7 @@ class Connection(asyncio.BufferedProtocol):
         self.request = request = Request(method, path, query, headers)
         route, params, allowed = site.routes.match(method, path)
         self.route = route
-        self.exchange = exchange = Exchange(route.path if route is not None else "unmatched")
+        self.exchange = exchange = Exchange(route.path if route is not None else "unmatched", self.source)
         self.answered = False
         try:
             if route is None:
