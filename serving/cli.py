@@ -69,6 +69,9 @@ FLAGS: dict[str, tuple[type, str]] = {
                                "it could run (default 5; 0: never)"),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),
+    "grpc-memory-bytes": (int, "bytes grpc's C++ server (--grpc-engine native) may hold in all for messages not yet "
+                               "whole: past it grpc stops reading and closes the connections holding most (default "
+                               "4 x --max-body-bytes, at least 1 GiB)"),
     "max-header-bytes": (int, "largest HTTP request head, request line and headers, counted as it arrives; beyond: "
                               "431 (default 32 KiB)"),
     "max-rows-per-request": (int, "most rows in one request (default 256)"),

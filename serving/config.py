@@ -80,6 +80,9 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     # Largest HTTP request head (request line and headers), in bytes, counted as it arrives; beyond it 431.
     max_header_bytes: int = 32 * 1024
+    # What grpc's C++ server may hold in all (messages not yet whole, read buffers): its resource quota. Past it
+    # grpc stops reading, then closes the connections holding the most. None: 4 x --max-body-bytes, at least 1 GiB.
+    grpc_memory_bytes: int | None = None
     # The V2 shared-memory extensions (system; CUDA on a GPU): on, or off (their routes and methods refuse, 403).
     shared_memory: str = "on"
     # Most MiB of shared memory one client (token) may have registered at once.
@@ -163,6 +166,10 @@ class Settings:
                 found.append(Source(f"{registered}@{self.shadow_alias}", name))
         return found
 
+    def grpc_memory(self) -> int:
+        """grpc's resource quota for the native engine, in bytes (see grpc_memory_bytes)."""
+        return self.grpc_memory_bytes or max(1 << 30, 4 * self.max_body_bytes)
+
     def shadow_rule(self) -> dict:
         return {"min_pairs": self.shadow_min_pairs, "min_agreement": self.shadow_min_agreement,
                 "max_difference": self.shadow_max_difference, "min_labels": self.shadow_min_labels,
@@ -185,6 +192,9 @@ class Settings:
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.grpc_memory_bytes is not None and self.grpc_memory_bytes < 2 * self.max_body_bytes:
+            raise ValueError(f"--grpc-memory-bytes must hold two messages of --max-body-bytes ({self.max_body_bytes}): "
+                             f"at least {2 * self.max_body_bytes}, got {self.grpc_memory_bytes}")
         if self.max_body_bytes > MAX_BODY_LIMIT:  # grpc's message size limits are C ints (2 GiB - 1 at most)
             raise ValueError(f"--max-body-bytes must be at most {MAX_BODY_LIMIT} (2 GiB - 1: gRPC's message size limit "
                              f"is a 32-bit int), got {self.max_body_bytes}")

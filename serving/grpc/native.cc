@@ -27,6 +27,7 @@
 #include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/server_builder.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -323,6 +324,8 @@ class Service : public grpc::CallbackGenericService {
 // ---- the module's functions ----
 
 const char* kCapsule = "serving.grpc._native.Bridge";
+// The option naming the bytes grpc's transport may hold for the whole server (read buffers, messages not yet whole).
+const char* kMemoryQuota = "trainserve.memory_quota";
 
 Bridge* bridge_of(PyObject* capsule) { return static_cast<Bridge*>(PyCapsule_GetPointer(capsule, kCapsule)); }
 
@@ -360,11 +363,16 @@ PyObject* start(PyObject*, PyObject* args) {
   }
 
   grpc::ServerBuilder builder;
+  grpc::ResourceQuota quota("trainserve");
   position = 0;
   while (PyDict_Next(options, &position, &key, &value)) {
     const char* name = PyUnicode_AsUTF8(key);
     long number = PyLong_AsLong(value);
     if (name == nullptr || PyErr_Occurred()) return nullptr;
+    if (std::strcmp(name, kMemoryQuota) == 0) {  // not a channel argument: the server's resource quota
+      if (number > 0) builder.SetResourceQuota(quota.Resize(static_cast<size_t>(number)));
+      continue;
+    }
     if (number < INT_MIN || number > INT_MAX) {  // grpc's channel arguments are C ints: never wrapped silently
       PyErr_Format(PyExc_OverflowError, "grpc channel argument %s=%ld is outside a C int", name, number);
       return nullptr;
