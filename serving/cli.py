@@ -115,9 +115,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "shadow-tolerance": (float, "how much worse the challenger's live accuracy (points/100) or RMSE (relative) "
                                 "may be (default 0.01)"),
     "shadow-max-latency-ratio": (float, "largest challenger/champion p50 latency ratio (default: no limit)"),
-    "shadow-max-source-share": (float, "largest share of the pairs one client address may have sent before the "
-                                       "verdict decides (default 1: no limit, as behind one proxy every client is "
-                                       "one address; the report gives the share either way)"),
+    "shadow-max-source-share": (float, "largest share of the pairs one client address may have sent for the "
+                                       "verdict to decide (default 0.5; 1: no limit, for a server behind a proxy, "
+                                       "where every client is one address)"),
 }
 
 

@@ -145,7 +145,7 @@ class Settings:
     shadow_min_labels: int = 100
     shadow_tolerance: float = 0.01
     shadow_max_latency_ratio: float = float("inf")
-    shadow_max_source_share: float = 1.0
+    shadow_max_source_share: float = 0.5
 
     def sources(self):
         """The --model flags as repository Sources (ValueError for a malformed one)."""

@@ -75,6 +75,7 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}"}
     server = ServerProcess("--model", f"models:/{NAME}@champion", "--shadow", "1.0", "--reload-interval", "1",
                            "--shadow-min-pairs", "200", "--shadow-min-labels", "100", "--drift-window", "300",
+                           "--shadow-max-source-share", "1",  # (this test is the server's only client)
                            env=env, log_path=tmp_path / "server.log")
     images, labels = digits()
     with server:

@@ -20,7 +20,7 @@ def logits(classes: np.ndarray, n_classes: int = 3) -> dict[str, np.ndarray]:
 
 
 def shadow_with_pairs(agree: int, disagree: int, rule: Rule | None = None) -> Shadow:
-    shadow = Shadow(rule or Rule(min_pairs=10, min_labels=5))
+    shadow = Shadow(rule or Rule(min_pairs=10, min_labels=5, max_source_share=1.0))  # (pairs of no known client)
     shadow.pairing("1", "2", "logits", None)
     for i in range(agree + disagree):
         champion = logits(np.array([i % 3]))
@@ -82,8 +82,10 @@ def test_the_report_says_how_many_clients_sent_the_pairs_and_the_rule_can_bound_
 
     one = judged(["10.0.0.7"] * 18 + ["10.0.0.8"] * 2)
     assert one["sources"] == 2 and one["largest_source_share"] == 0.9
-    assert one["verdict"] == "undecided" and "one client sent 90.0% of the 20 pairs" in one["reason"]
+    assert one["verdict"] == "undecided" and "one client address sent 90.0% of the 20 pairs" in one["reason"]
     many = judged([f"10.0.0.{i % 4}" for i in range(20)])
+    from serving.config import Settings
+    assert Settings(model="m.onnx").shadow_rule()["max_source_share"] == 0.5  # the server's default bounds it
     assert many["sources"] == 4 and many["largest_source_share"] == 0.25 and many["verdict"] == "promote"
     # what each front end knows of its client, as one address: a socket's peername, grpc's peer
     assert source_of(("127.0.0.1", 50123)) == "127.0.0.1" and source_of(("::1", 5, 0, 0)) == "::1"
