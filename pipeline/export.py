@@ -197,7 +197,6 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     write_json(report_path, report)
     result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
     _publish(result, weights, run_id, cfg, exported, example, variants, register, compare)
-    write_json(report_path, report)  # now with the model version, if any
     return result
 
 
@@ -435,7 +434,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         tracking.set_tags({"trainserve.export.exporter": exported.exporter,
                            "trainserve.weights_sha256": weights.meta["sha256"],
                            "trainserve.config_sha256": report["weights"]["config_sha256"]})
-        tracking.log_artifact(result.report_path, "onnx")
+        tracking.log_artifact(result.report_path, "onnx")  # (a failed export's is final; a passed one's again below)
         if not result.passed:
             tracking.set_tags({STAGE_TAG: "failed"})
             return
@@ -481,6 +480,10 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
                                "trainserve.promotion.reason": tags["trainserve.promotion.reason"]})
             log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
                      "" if decision["promote"] else f" (@{cfg.alias} stays at v{decision['champion']['version']})")
+        # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy people browse
+        # in MLflow is the one on disk.
+        write_json(result.report_path, report)
+        tracking.log_artifact(result.report_path, "onnx")
         tracking.set_tags({STAGE_TAG: "done"})
 
 

@@ -175,6 +175,12 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
                           gates.run_onnx(gates.session(exported.onnx_path), feeds)["logits"])
     assert tags["trainserve.model_component"] == "pipeline.models:resnet18"
     assert tags["trainserve.data_component"] == "pipeline.datasets:digits"
+    # The report the run's page shows is the one on disk, complete: version, alias, URI and hashes filled.
+    stored = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=trained["run_id"],
+                                                                 artifact_path="onnx/export_report.json")).read_text())
+    assert stored == json.loads(exported.report_path.read_text())
+    assert stored["model_version"] == exported.model_version and stored["alias"] == "champion"
+    assert stored["model_uri"] and stored["onnx_sha256"] and stored["drift_sha256"]
 
 
 def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
