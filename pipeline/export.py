@@ -445,7 +445,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
             metadata={"trainserve.report": report["gates"]["parity.val"]["message"]},
-            data_file=onnx_export.data_file(result.onnx_path))
+            data_file=onnx_export.data_file(result.onnx_path), step=_checkpoint_step(weights))
         for variant in ("fp16", "int8", "uint8"):  # servable: a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
@@ -485,6 +485,12 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         write_json(result.report_path, report)
         tracking.log_artifact(result.report_path, "onnx")
         tracking.set_tags({STAGE_TAG: "done"})
+
+
+def _checkpoint_step(weights: Weights) -> int:
+    """The training step of the exported checkpoint (0 when the weights do not say)."""
+    step = (weights.meta.get("source") or {}).get("step")
+    return int(step) if isinstance(step, int) or (isinstance(step, str) and step.isdigit()) else 0
 
 
 def promotion_metrics(decision: dict | None) -> dict[str, float]:

@@ -184,7 +184,7 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
         f"registered **{report['registered_model_name']}** version {report['model_version']} as "
         f"`@{report['alias']}` (the logged model `model`; report in artifacts `onnx/`)",
         *([f"- promotion: {'promoted' if report['promotion']['promote'] else 'not promoted'}: "
-           f"{report['promotion']['reason']}"] if report.get("promotion") else []),
+           f"{tracking.markdown_escaped(report['promotion']['reason'])}"] if report.get("promotion") else []),
         f"- serve: `pipeline serve --model {model_uri}`; verify: `pipeline verify {model_uri}`",
     ])
     tracking.set_tags({"mlflow.note.content": note, "trainserve.model_uri": model_uri,

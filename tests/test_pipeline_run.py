@@ -102,6 +102,8 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     for stage in ("train", "consolidate", "export", "pipeline"):
         assert tags[f"trainserve.stage.{stage}"] == "done", stage
     assert "registered **resnet18-digits** version 1" in tags["mlflow.note.content"]
+    promotion = next(line for line in tags["mlflow.note.content"].splitlines() if line.startswith("- promotion:"))
+    assert "no \\@champion yet" in promotion, promotion  # Markdown-escaped: the UI made "@champion" a user's link
     # The data behind the run: both splits as MLflow datasets, whose digests the registered version names.
     datasets = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run.inputs.dataset_inputs}
     assert set(datasets) == {"digits-train", "digits-val"}
@@ -112,6 +114,18 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     # consolidated weights in one process over all of it. The counts must add up exactly.
     metrics = run.data.metrics
     assert metrics["val/accuracy"] * 100 == pytest.approx(metrics["export.accuracy.torch_accuracy_pct"], abs=1e-9)
+    # The logged model is the exported checkpoint's: MLflow links it to that step's validation metrics and, through
+    # them, to the validation dataset ("Datasets used"); the gates' figures stay the export's, not the model's.
+    report = json.loads(Path(client.download_artifacts(run.info.run_id, "onnx/export_report.json", str(tmp_path)))
+                        .read_text())
+    assert report["model_version"] == "1" and report["alias"] == "champion"  # the stored copy is the final one
+    linked = [m for m in client.get_logged_model(report["model_uri"].removeprefix("models:/")).metrics or []]
+    assert [m for m in linked if m.key == "val/accuracy" and m.step == int(version.tags["trainserve.step"])
+            and m.dataset_name == "digits-val"], linked
+    assert not [m for m in linked if m.key.startswith(("export.", "system/"))], linked
+    # ...and the datasets say what they hold, for the UI's drawer: a schema and a profile
+    val = next(d.dataset for d in run.inputs.dataset_inputs if d.dataset.name == "digits-val")
+    assert "input" in val.schema and json.loads(val.profile)["samples"] == 359
 
     again = run_cli(["run", "--config", "configs/digits_resnet18.yaml", "--nproc-per-node", "2", "train.epochs=3",
                      "train.run_name=quick"], cwd=tmp_path)

@@ -230,13 +230,15 @@ def last_training_step_logged(run_id: str) -> int | None:
 
 
 @uninterrupted
-def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
-    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`)."""
+def log_metrics(metrics: dict[str, float], step: int | None = None, split: str | None = None) -> None:
+    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`).
+    `split`: the metrics are of that split ("val"), linked to its MLflow dataset (`log_datasets`), as a model
+    logged at their step then lists it."""
     import mlflow
 
     if step is not None and _logged_through is not None and step <= _logged_through:
         return
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, dataset=_split_datasets.get(split))
 
 
 @uninterrupted
@@ -249,19 +251,49 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
-@uninterrupted
-def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: list[dict]) -> None:
-    """The run's training and validation splits as MLflow datasets (the run page's "Datasets"): the data
-    component and its args as the source, the content digest (MLflow keeps 36 characters of it; the whole
-    sha256 is the input's `trainserve.sha256` tag) and the sample count."""
-    import mlflow
+def markdown_escaped(text: str) -> str:
+    """`text` as literal words in a description the MLflow UI renders as Markdown: "@champion" would become a
+    link to a code host's user page, `*` emphasis, `[..](..)` a link."""
+    return re.sub(r"([\\`*_{}\[\]()#+!|<>@~-])", r"\\\1", text)
+
+
+_split_datasets: dict[str, Any] = {}  # split -> the MLflow dataset this process logged for it (log_datasets)
+
+
+def split_dataset(component: str, args: dict, found: dict, split: str, inputs: list[dict]):
+    """One split as an MLflow dataset: the data component and its args as the source, the content digest
+    (MLflow keeps 36 characters of it), the inputs as its schema (name, dtype, shape: one sample's, -1 first for
+    the batch) and a profile (samples, inputs), which the UI's dataset drawer shows."""
+    import numpy as np
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types.schema import Schema, TensorSpec
+
+    class SplitDataset(MetaDataset):
+        @property
+        def profile(self):
+            return {"samples": found["samples"], "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
+                                                            for i in inputs}}
+
+        def to_dict(self):  # (MetaDataset's leaves the profile out)
+            return super().to_dict() | {"profile": json.dumps(self.profile)}
 
     source = CodeDatasetSource({"component": component, "args": json.dumps(args, sort_keys=True)})
+    schema = Schema([TensorSpec(np.dtype(i["dtype"] if i["dtype"] != "bfloat16" else "float32"), (-1, *i["shape"]),
+                                i["name"]) for i in inputs]) if inputs else None
+    return SplitDataset(source, name=f"{component.rpartition(':')[2]}-{split}", digest=found["sha256"][:32],
+                        schema=schema)
+
+
+@uninterrupted
+def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: list[dict]) -> None:
+    """The run's training and validation splits as MLflow datasets (the run page's "Datasets", `split_dataset`);
+    the whole sha256 is the input's `trainserve.sha256` tag, beside the sample count."""
+    import mlflow
+
     for split, found in digests.items():
-        name = f"{component.rpartition(':')[2]}-{split}"
-        dataset = MetaDataset(source, name=name, digest=found["sha256"][:32])
+        dataset = split_dataset(component, args, found, split, inputs)
+        _split_datasets[split] = dataset
         mlflow.log_input(dataset, context="training" if split == "train" else "validation",
                          tags={"trainserve.sha256": found["sha256"], "trainserve.samples": str(found["samples"]),
                                "trainserve.inputs": json.dumps(inputs)[:5000]})
@@ -447,8 +479,10 @@ def _set_terminated(run_id: str, status: str) -> None:
 
 @uninterrupted
 def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str], metadata: dict[str, str],
-                   data_file: Path | None = None) -> str:
+                   data_file: Path | None = None, step: int = 0) -> str:
     """The ONNX model as `model` of the active run, with its signature and one example; returns its URI.
+    `step`: the checkpoint's training step: MLflow links the run's metrics of that step (its validation metrics,
+    and through them the validation dataset) to the logged model.
     `data_file`: the file `model` keeps its weights in (ONNX external data; `model` is then the graph only),
     logged beside model.onnx under its own name, the one the graph names."""
     import mlflow
@@ -461,10 +495,28 @@ def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str
         input_example=None if data_file else inputs, onnx_execution_providers=providers,
         # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
         pip_requirements=mlflow.onnx.get_default_pip_requirements(),
-        save_as_external_data=False, metadata=metadata)
+        save_as_external_data=False, metadata=metadata, step=step)
     if data_file is not None:
         log_beside_model(info.model_uri, data_file)
+    if step:
+        _link_validation(info.model_id, step)
     return info.model_uri
+
+
+def _link_validation(model_id: str, step: int) -> None:
+    """The active run's validation metrics of `step` once more, now with the logged model and the run's
+    validation dataset: MLflow's SQL store keeps no dataset on a run's metrics, and a logged model lists as
+    "Datasets used" those of the metrics linked to it."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    run = client.get_run(mlflow.active_run().info.run_id)
+    dataset = next((d.dataset for d in run.inputs.dataset_inputs
+                    if any(t.key == "mlflow.data.context" and t.value == "validation" for t in d.tags)), None)
+    metrics = {m.key: m.value for key in run.data.metrics if key.startswith("val/")
+               for m in client.get_metric_history(run.info.run_id, key) if m.step == step}
+    if dataset is not None and metrics:
+        mlflow.log_metrics(metrics, step=step, model_id=model_id, dataset=dataset)
 
 
 @uninterrupted
