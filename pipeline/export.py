@@ -137,7 +137,14 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
-    results.update(run_gates(cpu_sess, ref, batches, cfg))
+    kept: dict = {}
+    results.update(run_gates(cpu_sess, ref, batches, cfg, kept=kept))
+    if "onnx" in kept:  # the exported model's own figure (a confusion matrix), named by its checkpoint's step
+        step = (weights.source or {}).get("step", "?")
+        figure = task.plot(kept["onnx"], out / "validation.png", subject=f"exported model (step {step}), validation")
+        report_figure = str(figure) if figure else None
+    else:
+        report_figure = None
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
         results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
@@ -168,6 +175,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
     report["providers"] = providers
+    if report_figure:
+        report["figure"] = report_figure  # the exported model's on the validation split (logged to the run's onnx/)
     if int8_report is not None:
         report["int8"] = int8_report
     if measured:
@@ -315,12 +324,30 @@ def _measure_variants(fp32_path: Path, variants: dict[str, Path], val, on_cuda: 
 
 
 def int8_metrics(int8_report: dict | None) -> dict[str, float]:
-    """export.int8.* gate metrics (not part of export.passed: a failed int8 drops only itself)."""
+    """Whether the int8 variant passed (not part of export.passed: a failed int8 drops only itself) and how many
+    nodes stayed in float; its gates' figures are in the table (figures_table)."""
     if not int8_report:
         return {}
-    out = {k: v for k, v in gates.metrics(int8_report["gates"]).items() if k != "export.passed"}
-    return out | {"export.int8.passed": float(int8_report["passed"]),
-                  "export.int8.excluded_nodes": float(len(int8_report["excluded"]))}
+    return {"export.int8.passed": float(int8_report["passed"]),
+            "export.int8.excluded_nodes": float(len(int8_report["excluded"]))}
+
+
+def figures_table(report: dict) -> list[dict]:
+    """Every figure the export measured, a row each: the gates, the int8 variant's, and the comparison with the
+    champion (logged as the run's `onnx/gates.json`, a table the MLflow UI shows)."""
+    rows = gates.table(report["gates"])
+    if report.get("int8"):
+        rows += gates.table(report["int8"]["gates"], "int8.")
+    decision = report.get("promotion") or {}
+    for who in ("candidate", "champion"):
+        for key, value in (decision.get(who) or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "version":
+                rows.append({"gate": "compare", "passed": bool(decision.get("promote")), "figure": f"{who}.{key}",
+                             "value": float(value)})
+    if "gain" in decision:
+        rows.append({"gate": "compare", "passed": bool(decision.get("promote")), "figure": "gain",
+                     "value": float(decision["gain"])})
+    return rows
 
 
 def _cuda() -> bool:
@@ -429,13 +456,17 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
-        tracking.log_metrics(gates.metrics(report["gates"]) | promotion_metrics(report.get("promotion"))
+        # A few headline figures as metrics; every figure in one table (figures_table), logged once complete
+        tracking.log_metrics(gates.headline(report["gates"]) | promotion_metrics(report.get("promotion"))
                              | int8_metrics(report.get("int8")))
         tracking.set_tags({"trainserve.export.exporter": exported.exporter,
                            "trainserve.weights_sha256": weights.meta["sha256"],
                            "trainserve.config_sha256": report["weights"]["config_sha256"]})
         tracking.log_artifact(result.report_path, "onnx")  # (a failed export's is final; a passed one's again below)
+        if report.get("figure") and Path(report["figure"]).is_file():
+            tracking.log_artifact(Path(report["figure"]), "onnx")
         if not result.passed:
+            tracking.log_table(figures_table(report), "onnx/gates.json")
             tracking.set_tags({STAGE_TAG: "failed"})
             return
         for path in variants.values():
@@ -484,6 +515,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         # in MLflow is the one on disk.
         write_json(result.report_path, report)
         tracking.log_artifact(result.report_path, "onnx")
+        tracking.log_table(figures_table(report), "onnx/gates.json")
         tracking.set_tags({STAGE_TAG: "done"})
 
 
@@ -494,15 +526,8 @@ def _checkpoint_step(weights: Weights) -> int:
 
 
 def promotion_metrics(decision: dict | None) -> dict[str, float]:
-    """compare.<candidate|champion>.<metric, latency, memory> and compare.gain, for the MLflow run."""
-    if not decision:
-        return {}
-    out = {"compare.gain": decision["gain"]} if "gain" in decision else {}
-    for who in ("candidate", "champion"):
-        for key, value in (decision.get(who) or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "version":
-                out[f"compare.{who}.{key}"] = float(value)
-    return out
+    """compare.gain, for the MLflow run (both sides' figures are in the table: figures_table)."""
+    return {"compare.gain": float(decision["gain"])} if decision and "gain" in decision else {}
 
 
 def signature(model):

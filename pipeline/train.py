@@ -159,7 +159,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
         distributed.teardown(clean=True)
         if info.is_main:
-            finish_tracking(cfg, final, task, state, run_id, uploads, monitor)
+            finish_tracking(cfg, final, task, state, run_id, uploads, monitor, loop.step)
         return TrainResult(run_dir, run_id, final, loop.losses, metrics, monitor.state())
     except BaseException:
         end_run_after_failure()
@@ -594,10 +594,12 @@ def _short(value) -> str:
 
 
 def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None,
-                    monitor: Monitor) -> None:
+                    monitor: Monitor, step: int) -> None:
     on_store = object_store.is_url(final)
     with tempfile.TemporaryDirectory(prefix="trainserve-plot-") as scratch:  # a figure is a local file first
-        figure = task.plot(state, (Path(scratch) if on_store else final.parent.parent) / "validation.png")
+        # (the last evaluation's, the newest checkpoint's: export draws the exported checkpoint's beside its model)
+        figure = task.plot(state, (Path(scratch) if on_store else final.parent.parent) / "validation.png",
+                           subject=f"validation at step {step} (the newest checkpoint)")
         if figure:
             tracking.log_artifact(figure)
     best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None

@@ -165,8 +165,13 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     # From the version back to the training run: its metrics and the stage tag.
     run = client.get_run(tags["trainserve.run_id"])
     assert run.data.tags["trainserve.stage.export"] == "done"
-    assert run.data.metrics["export.parity.b7.passed"] == 1.0 and "export.parity.b64.max_abs" in run.data.metrics
-    assert run.data.metrics["export.passed"] == 1.0
+    assert run.data.metrics["export.passed"] == 1.0 and run.data.metrics["export.failed_gates"] == 0
+    # every gate's figures in one table the UI shows; a few headline ones as metrics, not dozens of one-bar charts
+    exported_metrics = [k for k in run.data.metrics if k.startswith(("export.", "compare."))]
+    assert len(exported_metrics) <= 10, exported_metrics
+    table = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
+    assert set(table.gate) >= {"parity.b7", "parity.b64", "parity.val", "accuracy", "checker"} and table.passed.all()
+    assert table[(table.gate == "parity.b64") & (table.figure == "max_abs")].value.iloc[0] < 1e-3
     # What a server does with models:/name@alias: the registered files load and give the same numbers.
     local = Path(mlflow.artifacts.download_artifacts("models:/resnet18-digits@champion"))
     served = gates.session(local / "model.onnx")
@@ -377,7 +382,9 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(trained, 
     version = client.get_model_version(name, "3")
     assert version.tags["trainserve.promotion"] == "not promoted"
     run = client.get_run(trained["run_id"])
-    assert run.data.metrics["compare.champion.accuracy"] == pytest.approx(decision["champion"]["accuracy"])
+    figures = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
+    compared = figures[(figures.gate == "compare") & (figures.figure == "champion.accuracy")]
+    assert list(compared.value) == [pytest.approx(decision["champion"]["accuracy"])]  # this export's: replaced
     assert run.data.metrics["compare.gain"] < 0 and run.data.tags["trainserve.promotion"] == "not promoted"
 
     forced = export(worse, "export.promote=always")

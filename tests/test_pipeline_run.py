@@ -114,11 +114,16 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     # consolidated weights in one process over all of it. The counts must add up exactly.
     metrics = run.data.metrics
     assert metrics["val/accuracy"] * 100 == pytest.approx(metrics["export.accuracy.torch_accuracy_pct"], abs=1e-9)
+    assert len([k for k in metrics if k.startswith(("export.", "compare."))]) <= 10, sorted(metrics)  # the rest: table
     # The logged model is the exported checkpoint's: MLflow links it to that step's validation metrics and, through
     # them, to the validation dataset ("Datasets used"); the gates' figures stay the export's, not the model's.
     report = json.loads(Path(client.download_artifacts(run.info.run_id, "onnx/export_report.json", str(tmp_path)))
                         .read_text())
     assert report["model_version"] == "1" and report["alias"] == "champion"  # the stored copy is the final one
+    # the exported model's confusion matrix beside it, its title naming the exported step (the run's own, at its
+    # root, is the newest checkpoint's and says so)
+    assert Path(report["figure"]).name == "confusion_matrix.png"
+    assert "onnx/confusion_matrix.png" in {a.path for a in client.list_artifacts(run.info.run_id, "onnx")}
     linked = [m for m in client.get_logged_model(report["model_uri"].removeprefix("models:/")).metrics or []]
     assert [m for m in linked if m.key == "val/accuracy" and m.step == int(version.tags["trainserve.step"])
             and m.dataset_name == "digits-val"], linked

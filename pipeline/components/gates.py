@@ -20,6 +20,7 @@ within the export's tolerance.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -272,9 +273,10 @@ def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]
 
 
 def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float, metric_tolerance: float,
-               metric_atol: float = 0.0, **limits) -> dict[str, dict]:
+               metric_atol: float = 0.0, kept: dict | None = None, **limits) -> dict[str, dict]:
     """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
-    a batch at a time, the task's metrics computed from each side's outputs."""
+    a batch at a time, the task's metrics computed from each side's outputs. `kept`: given, it gets the ONNX
+    side's metric state ("onnx"), from which export draws the exported model's figure."""
     from pipeline.components.data import eval_loader
 
     stats = ParityStats(head.output_names, task.derived, task.decision)
@@ -294,6 +296,8 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
     one = DistInfo.cpu_alone()
     task.reduce(onnx_state, one)
     task.reduce(torch_state, one)
+    if kept is not None:
+        kept["onnx"] = onnx_state
     gate = task.metric_gate(task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
     return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
 
@@ -370,15 +374,37 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return ir.to_proto(graph)
 
 
-def metrics(gates: dict[str, dict]) -> dict[str, float]:
-    """MLflow metrics: `export.<gate>.passed` (1/0) and every number a gate measured."""
-    out: dict[str, float] = {}
-    for name, gate in gates.items():
-        out[f"export.{name}.passed"] = float(gate["passed"])
-        for key, value in gate.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"export.{name}.{key}"] = float(value)
-        for output, numbers in (gate.get("outputs") or {}).items():  # per output, when there are several
-            out.update({f"export.{name}.{output}.{k}": float(v) for k, v in numbers.items()})
-    out["export.passed"] = float(all(g["passed"] for g in gates.values()))
+def headline(gates: dict[str, dict]) -> dict[str, float]:
+    """The few gate figures a person reads on the run's page: passed, how many gates failed, the validation split's
+    parity, and the task's metric on both sides. Every figure of every gate is in the table (`table`)."""
+    out = {"export.passed": float(all(g["passed"] for g in gates.values())),
+           "export.failed_gates": float(sum(not g["passed"] for g in gates.values()))}
+    val = gates.get("parity.val") or {}
+    for key in ("max_abs", "argmax_agreement"):
+        if _number(val.get(key)):
+            out[f"export.parity.val.{key}"] = float(val[key])
+    for name, gate in gates.items():  # the task's metric gate ("accuracy", "rmse", ...; not a variant's)
+        if "." not in name and name != "checker":
+            out |= {f"export.{name}.{key}": float(v) for key, v in gate.items()
+                    if key.startswith(("onnx_", "torch_")) and _number(v)}
     return out
+
+
+def table(gates: dict[str, dict], prefix: str = "") -> list[dict[str, Any]]:
+    """Every gate and every number it measured, a row each (gate, passed, figure, value): the run's one table of
+    gate figures (tracking.log_table), where single-value metrics would be dozens of one-bar charts."""
+    rows = []
+    for name, gate in gates.items():
+        figures = [(key, value) for key, value in gate.items() if _number(value)]
+        figures += [(f"{output}.{key}", value) for output, numbers in (gate.get("outputs") or {}).items()
+                    for key, value in numbers.items() if _number(value)]
+        for figure, value in figures or [("", None)]:
+            rows.append({"gate": prefix + name, "passed": bool(gate["passed"]), "figure": figure,
+                         "value": None if value is None or not math.isfinite(value) else float(value)})
+    return rows
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import torch
 
 
-def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path) -> Path:
+def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path, subject: str = "validation") -> Path:
+    """`subject`: what the counts are of, the title's first words (which checkpoint, which step)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
@@ -21,7 +23,8 @@ def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     accuracy = counts.trace() / max(1, counts.sum())
-    ax.set_title(f"validation: {accuracy:.2%} of {counts.sum()}")
+    width = 1.0 + 0.55 * len(labels)  # inches: the title wraps to them rather than being cut
+    ax.set_title(textwrap.fill(f"{subject}: {accuracy:.2%} of {counts.sum()}", max(20, int(width * 11))), fontsize=9)
     threshold = counts.max() / 2
     for i in range(len(labels)):
         for j in range(len(labels)):

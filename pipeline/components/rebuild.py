@@ -68,7 +68,8 @@ def check_inputs(weights: Weights, splits: Splits) -> None:
                         f"(see {weights.directory / META_FILE}); export with the data it was trained on")
 
 
-def run_gates(sess, ref: Reference, batches, cfg, provider: str = CPU, variant: str = "fp32") -> dict[str, dict]:
+def run_gates(sess, ref: Reference, batches, cfg, provider: str = CPU, variant: str = "fp32",
+              kept: dict | None = None) -> dict[str, dict]:
     """Parity on the prepared batches, then parity and the task's metric over the whole split, each gate
     recording the provider it ran on; a single failed `provider` gate if `sess` does not run on `provider`.
     `variant` (fp32, fp16, int8): whose limits, as the task gives them (`gate_limits`): fp16 scales atol/rtol
@@ -87,7 +88,7 @@ def run_gates(sess, ref: Reference, batches, cfg, provider: str = CPU, variant: 
     on_batches = dict(limits, min_agreement=0.0) if variant == "int8" and "min_agreement" in limits else limits
     results = gates.parity(sess, ref.head, batches, ref.task, atol, rtol, **on_batches)
     results.update(gates.validation(sess, ref.head, ref.splits.val, ref.task, atol, rtol, tolerance, cfg.metric_atol,
-                                    **limits))
+                                    kept, **limits))
     return {name: {**gate, "provider": check["provider"]} for name, gate in results.items()}
 
 

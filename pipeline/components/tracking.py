@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import socket
 import subprocess
 from pathlib import Path
@@ -283,6 +284,24 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
                                 i["name"]) for i in inputs]) if inputs else None
     return SplitDataset(source, name=f"{component.rpartition(':')[2]}-{split}", digest=found["sha256"][:32],
                         schema=schema)
+
+
+@uninterrupted
+def log_table(rows: list[dict], artifact_file: str) -> None:
+    """`rows` (dicts of the same keys) as an MLflow table artifact of the active run, which the UI shows as one;
+    replaced, not appended to as mlflow.log_table would (an export run again would list both exports' rows)."""
+    import mlflow
+    import pandas as pd
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    folder, _, name = artifact_file.rpartition("/")
+    with tempfile.TemporaryDirectory(prefix="trainserve-table-") as scratch:
+        path = Path(scratch) / name
+        pd.DataFrame(rows).to_json(path, orient="split", index=False)  # (mlflow.log_table's own format)
+        mlflow.log_artifact(str(path), artifact_path=folder or None)
+    listed = json.loads(mlflow.get_run(mlflow.active_run().info.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    if {"path": artifact_file, "type": "table"} not in listed:
+        mlflow.set_tag(MLFLOW_LOGGED_ARTIFACTS, json.dumps([*listed, {"path": artifact_file, "type": "table"}]))
 
 
 @uninterrupted

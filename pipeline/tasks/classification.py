@@ -121,8 +121,8 @@ class Classification(ModelOutputs):
         out["loss"] = state["loss"].item() / total
         return out
 
-    def plot(self, state: dict, path: Path) -> Path | None:
-        return confusion_plot(state, self.labels, path)
+    def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
+        return confusion_plot(state, self.labels, path, subject)
 
     # --- export and serving --------------------------------------------------------------------
 
@@ -179,12 +179,12 @@ def add_confusion(confusion: torch.Tensor, target: torch.Tensor, predicted: torc
     confusion.index_put_((target, predicted), torch.ones_like(target, dtype=torch.float64), accumulate=True)
 
 
-def confusion_plot(state: dict, labels: list[str], path: Path) -> Path | None:
+def confusion_plot(state: dict, labels: list[str], path: Path, subject: str = "validation") -> Path | None:
     if len(labels) > MAX_CONFUSION_PLOT:
         return None
     from pipeline.components.plots import confusion_matrix_png
 
-    return confusion_matrix_png(state["confusion"].cpu(), labels, path.with_name("confusion_matrix.png"))
+    return confusion_matrix_png(state["confusion"].cpu(), labels, path.with_name("confusion_matrix.png"), subject)
 
 
 def class_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:

@@ -120,7 +120,7 @@ class Custom(ModelOutputs):
             raise TaskError(f"{where}: task.metric must return a number or a dict of numbers, got "
                             f"{shape_of(value) if torch.is_tensor(value) else repr(value)[:80]}") from None
 
-    def plot(self, state: dict, path) -> None:
+    def plot(self, state: dict, path, subject: str = "validation") -> None:
         return None
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:

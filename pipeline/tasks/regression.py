@@ -120,11 +120,11 @@ class Regression(ModelOutputs):
         return {"rmse": math.sqrt(sse.sum().item() / (n * len(sse))), "mae": state["sae"].sum().item() / (n * len(sse)),
                 "r2": r2.mean().item(), "loss": state["loss"].item() / n}
 
-    def plot(self, state: dict, path: Path) -> Path | None:
+    def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
         from pipeline.components.plots import predicted_vs_actual_png
 
         points = state["points"][0] if state["points"] else torch.empty(0, 2)
-        title = f"validation: RMSE {self.metrics(state)['rmse']:.4g} over {int(state['n'].item())} samples"
+        title = f"{subject}: RMSE {self.metrics(state)['rmse']:.4g} over {int(state['n'].item())} samples"
         return predicted_vs_actual_png(points[:, 0], points[:, 1], path.with_name("predicted_vs_actual.png"), title)
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:

@@ -107,8 +107,8 @@ class Segmentation(ModelOutputs):
                 "pixel_accuracy": hits.sum().item() / confusion.sum().item(),
                 "loss": state["loss"].item() / state["n"].item()}
 
-    def plot(self, state: dict, path: Path) -> Path | None:
-        return confusion_plot(state, self.labels, path)
+    def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
+        return confusion_plot(state, self.labels, path, subject)
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
         return class_gate_limits(export_cfg, variant)
