@@ -139,12 +139,9 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
     kept: dict = {}
     results.update(run_gates(cpu_sess, ref, batches, cfg, kept=kept))
-    if "onnx" in kept:  # the exported model's own figure (a confusion matrix), named by its checkpoint's step
-        step = (weights.source or {}).get("step", "?")
-        figure = task.plot(kept["onnx"], out / "validation.png", subject=f"exported model (step {step}), validation")
-        report_figure = str(figure) if figure else None
-    else:
-        report_figure = None
+    # the exported model's own figure (a confusion matrix), named by its checkpoint's step
+    figure = task.plot(kept["onnx"], out / "validation.png",
+                       subject=f"exported model (step {_checkpoint_step(weights)}), validation") if "onnx" in kept else None
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
         results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
@@ -175,8 +172,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     # 5. Report, MLflow, registry.
     report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
     report["providers"] = providers
-    if report_figure:
-        report["figure"] = report_figure  # the exported model's on the validation split (logged to the run's onnx/)
+    if figure:
+        report["figure"] = str(figure)  # the exported model's on the validation split (logged to the run's onnx/)
     if int8_report is not None:
         report["int8"] = int8_report
     if measured:
@@ -338,15 +335,10 @@ def figures_table(report: dict) -> list[dict]:
     rows = gates.table(report["gates"])
     if report.get("int8"):
         rows += gates.table(report["int8"]["gates"], "int8.")
-    decision = report.get("promotion") or {}
-    for who in ("candidate", "champion"):
-        for key, value in (decision.get(who) or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "version":
-                rows.append({"gate": "compare", "passed": bool(decision.get("promote")), "figure": f"{who}.{key}",
-                             "value": float(value)})
-    if "gain" in decision:
-        rows.append({"gate": "compare", "passed": bool(decision.get("promote")), "figure": "gain",
-                     "value": float(decision["gain"])})
+    if decision := report.get("promotion"):  # both sides' figures and the gain, as one more "gate"
+        compared = {f"{who}.{key}": value for who in ("candidate", "champion")
+                    for key, value in (decision.get(who) or {}).items() if key != "version"}
+        rows += gates.table({"compare": {**compared, "gain": decision.get("gain"), "passed": decision["promote"]}})
     return rows
 
 

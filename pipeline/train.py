@@ -489,7 +489,7 @@ def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_wo
     task.reduce(state, info)
     metrics = task.metrics(state)
     if info.is_main and step is not None:
-        tracking.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step, split="val")
+        tracking.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step)
         log.info("step %d: %s", step, ", ".join(f"val {k} {v:.4f}" for k, v in metrics.items()))
     model.train()
     return metrics, state

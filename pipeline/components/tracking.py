@@ -231,15 +231,13 @@ def last_training_step_logged(run_id: str) -> int | None:
 
 
 @uninterrupted
-def log_metrics(metrics: dict[str, float], step: int | None = None, split: str | None = None) -> None:
-    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`).
-    `split`: the metrics are of that split ("val"), linked to its MLflow dataset (`log_datasets`), as a model
-    logged at their step then lists it."""
+def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
+    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`)."""
     import mlflow
 
     if step is not None and _logged_through is not None and step <= _logged_through:
         return
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, dataset=_split_datasets.get(split))
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
 @uninterrupted
@@ -256,9 +254,6 @@ def markdown_escaped(text: str) -> str:
     """`text` as literal words in a description the MLflow UI renders as Markdown: "@champion" would become a
     link to a code host's user page, `*` emphasis, `[..](..)` a link."""
     return re.sub(r"([\\`*_{}\[\]()#+!|<>@~-])", r"\\\1", text)
-
-
-_split_datasets: dict[str, Any] = {}  # split -> the MLflow dataset this process logged for it (log_datasets)
 
 
 def split_dataset(component: str, args: dict, found: dict, split: str, inputs: list[dict]):
@@ -312,7 +307,6 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
 
     for split, found in digests.items():
         dataset = split_dataset(component, args, found, split, inputs)
-        _split_datasets[split] = dataset
         mlflow.log_input(dataset, context="training" if split == "train" else "validation",
                          tags={"trainserve.sha256": found["sha256"], "trainserve.samples": str(found["samples"]),
                                "trainserve.inputs": json.dumps(inputs)[:5000]})
