@@ -299,3 +299,21 @@ class ModelOutputs:
 def suggest_num_classes(classes: list[str] | None) -> dict[str, Any]:
     """`num_classes` for a model that takes it, from the training set's `classes`."""
     return {"num_classes": len(classes)} if classes else {}
+
+
+def refuse_others_settings(task_cfg, own: tuple[str, ...] = ()) -> None:
+    """Settings of other tasks, refused by name: given to this one they would do nothing. `own`: the ones it
+    takes itself."""
+    given = [k for k in ("metric", "metric_mode") if k not in own and getattr(task_cfg, k, None) is not None]
+    if given:
+        raise ValueError(f"{', '.join('task.' + k for k in given)} only apply to task.name=custom; "
+                         f"{task_cfg.name} has its own metrics (set task.name=custom to use yours)")
+    if "ignore_index" not in own and getattr(task_cfg, "ignore_index", None) is not None:
+        raise ValueError(f"task.ignore_index only applies to task.name=token_classification (a class per token, "
+                         f"positions marked to leave out); {task_cfg.name} has no positions to leave out")
+
+
+def describe_value(value: Any) -> str:
+    if torch.is_tensor(value):
+        return shape_of(value)
+    return f"a {type(value).__name__} ({value!r:.40})"

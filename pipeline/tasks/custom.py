@@ -14,8 +14,8 @@ import torch
 from pipeline.components import gates
 from pipeline.components.data import leaves
 from pipeline.components.reference import short_name
-from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order,
-                                 map_tensors, reduce_sums, rows_of, shape_of, suggest_num_classes)
+from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order, map_tensors,
+                                 reduce_sums, refuse_others_settings, rows_of, shape_of, suggest_num_classes)
 
 
 class Custom(ModelOutputs):
@@ -42,6 +42,7 @@ class Custom(ModelOutputs):
         if missing:
             raise ValueError(f"task.name=custom needs {', '.join('task.' + k for k in missing)}: a loss component, "
                              "a metric component and whether the metric is better high (max) or low (min)")
+        refuse_others_settings(task_cfg, own=("metric", "metric_mode"))
 
     @staticmethod
     def check_data(classes, where: str) -> None:

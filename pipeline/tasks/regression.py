@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from pipeline.components import gates
 from pipeline.components.data import DataError
-from pipeline.tasks.base import ModelOutputs, TaskError, component_callable, gather_in_order, reduce_sums, shape_of
-from pipeline.tasks.classification import describe_value, refuse_custom_parts
+from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, describe_value, gather_in_order,
+                                 reduce_sums, refuse_others_settings, shape_of)
 
 PLOT_POINTS = 2000  # predicted-vs-actual points kept for the plot, over all ranks
 
@@ -39,7 +39,7 @@ class Regression(ModelOutputs):
 
     @staticmethod
     def check_config(task_cfg) -> None:
-        refuse_custom_parts(task_cfg)
+        refuse_others_settings(task_cfg)
 
     @staticmethod
     def check_data(classes, where: str) -> None:
