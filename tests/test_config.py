@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.config import Config, ConfigError, check_runtime, describe, flatten, load_config
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, run_cli
 
 
 def test_defaults_file_and_overrides_in_that_order():
@@ -80,8 +80,21 @@ def test_flatten_and_describe_cover_every_field():
     assert "#  " not in text  # every field has a comment
 
 
-def test_readme_lists_every_field_exactly_as_describe_prints_it():
-    assert describe().strip() in (REPO / "README.md").read_text()
+def test_docs_config_md_is_what_pipeline_config_describe_markdown_prints():
+    from pipeline.config_cli import MARKDOWN_COMMAND, markdown
+
+    page = markdown()
+    for key in flatten(Config()):
+        assert f"| `{key}` |" in page, key
+    assert (REPO / "docs" / "config.md").read_text() == page, \
+        f"docs/config.md is not current with the config's fields; regenerate it: {MARKDOWN_COMMAND}"
+
+
+def test_the_regenerate_command_prints_the_page_and_markdown_needs_describe(tmp_path):
+    printed = run_cli(["config", "--describe", "--markdown"], cwd=tmp_path).stdout
+    assert printed == (REPO / "docs" / "config.md").read_text()
+    alone = run_cli(["config", "--markdown"], cwd=tmp_path, check=False)
+    assert alone.returncode == 2 and "--markdown goes with --describe" in alone.stderr
 
 
 def test_built_in_names_are_shorthands_for_their_components(tmp_path):
