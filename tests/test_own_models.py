@@ -1,4 +1,4 @@
-"""A user's own model, data and task through every stage, the way the README tells a user to run them:
+"""A user's own model, data and task through every stage, the way docs/own-model.md tells a user to run them:
 the example projects in examples/ (trainserve never imports them itself), found on PYTHONPATH by the
 CLI and by every torchrun worker, under real torchrun, a real MLflow store and a real server."""
 

@@ -161,20 +161,21 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
         assert link in failed, (path.name, [k.line() for k in links])
 
 
-def readme_block(after: str, lang: str) -> str:
-    """The README's first ```lang block after the text `after`."""
-    text = (REPO / "README.md").read_text()
+def own_model_block(after: str, lang: str) -> str:
+    """The first ```lang block after the text `after` in docs/own-model.md, the README's "Train your own model"."""
+    text = (REPO / "docs" / "own-model.md").read_text()
     start = text.index(f"```{lang}\n", text.index(after)) + len(lang) + 4
     return text[start:text.index("```", start)]
 
 
 def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
-    """The README's complete example: its module and config written as it says, in a directory trainserve
+    """docs/own-model.md's complete example: its module and config written as it says, in a directory trainserve
     has never seen, run with its command (shorter), then the first errors it lists, verbatim."""
     (tmp_path / "my_project").mkdir()
-    (tmp_path / "my_project" / "tabular.py").write_text(readme_block("`my_project/tabular.py` in any directory", "python"))
-    (tmp_path / "mine.yaml").write_text(readme_block("this as `mine.yaml`", "yaml"))
-    command = shlex.split(readme_block("one command trains it", "bash").strip())
+    module = own_model_block("`my_project/tabular.py` in any directory", "python")
+    (tmp_path / "my_project" / "tabular.py").write_text(module)
+    (tmp_path / "mine.yaml").write_text(own_model_block("this as `mine.yaml`", "yaml"))
+    command = shlex.split(own_model_block("one command trains it", "bash").strip())
     assert command[0].endswith("/.venv/bin/pipeline") and command[1:] == ["run", "--config", "mine.yaml",
                                                                            "--nproc-per-node", "2", "--serve-check"]
     proc = run_cli([*command[1:], "train.epochs=1", "serve.port=0"], cwd=tmp_path)
@@ -186,7 +187,7 @@ def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
     run = client.get_run(version.run_id)
     assert {"code/my_project/tabular.py"} <= {a.path for a in client.list_artifacts(run.info.run_id, "code/my_project")}
 
-    errors = readme_block("The errors you will meet", "").strip().splitlines()
+    errors = own_model_block("## The errors you will meet\n", "").strip().splitlines()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text())

@@ -1,5 +1,6 @@
-"""The READMEs name only commands and flags that exist: every `pipeline <command>` and `python -m serving`
-they show, and every `--flag` after it or on its own, is checked against that command's real `--help`."""
+"""The READMEs and docs/ name only commands and flags that exist: every `pipeline <command>` and `python -m serving`
+they show, and every `--flag` after it or on its own, is checked against that command's real `--help`. The README
+stays one screenful with a table of contents, and every link in it and in docs/ leads somewhere."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import pytest
 
 from conftest import REPO, cli_env
 
-READMES = [REPO / "README.md", REPO / "serving" / "README.md"]
+README_LIMIT = 15 * 1024  # bytes: what is more goes to a page in docs/
+# The README, the server's, and the pages the README's topics moved to (docs/own-model.md, docs/cli.md, ...).
+READMES = [REPO / "README.md", REPO / "serving" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(?:^|[\s(/$])(?:\.venv/bin/)?(pipeline|python -m serving|scripts/[\w-]+|benchmarks/\w+\.py)"
                      r"(?=\s|$)(?:\s+([a-z][a-z-]*))?")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Lines that show another tool's flags (torchrun's, pip's, curl's, docker's): not ours to check.
 OTHER_TOOLS = re.compile(r"\b(torchrun|pip|curl|docker|mlflow|git|tritonclient|grpcurl|perf_analyzer)\b")
+# Other tools' flags that docs/docker.md names on their own in its prose (docker's, torchrun's, mlflow server's).
+OTHER_TOOLS_FLAGS = {"--cap-add", "--ipc", "--network", "--shm-size", "--rdzv-endpoint", "--rdzv-id",
+                     "--serve-artifacts"}
 # Flags of our scripts that are not `pipeline` commands, with the command whose --help lists them.
 SCRIPTS = {"--dry-run-on-cpu": ("scripts/gpu-check",)}
 WITH_HELP = {"scripts/gpu-check"}  # scripts with an argparse --help (benchmarks/gpu.py behind it)
@@ -50,7 +56,7 @@ def named() -> tuple[dict[tuple[str, ...], set[str]], set[str]]:
             match = COMMAND.search(chunk)
             if match is None:
                 if not OTHER_TOOLS.search(chunk):
-                    loose.update(FLAG.findall(chunk))
+                    loose.update(set(FLAG.findall(chunk)) - OTHER_TOOLS_FLAGS)
                 continue
             command = ("pipeline", match[2]) if match[1] == "pipeline" and match[2] else (match[1],)
             commands.setdefault(command, set()).update(FLAG.findall(chunk[match.end():]))
@@ -106,7 +112,7 @@ def test_the_parser_reads_commands_and_their_flags(line, command, flags, monkeyp
 
 
 def test_the_readmes_agree_with_the_code_and_point_only_inside_the_repository():
-    readme, serving_readme = (r.read_text() for r in READMES)
+    readme, serving_readme = (r.read_text() for r in READMES[:2])
     engine = (REPO / "serving" / "engine.py").read_text()
     graphs = (REPO / "serving" / "cuda_graphs.py").read_text()
     # What the serving README says: plain runs feed numpy batches (pinned buffers on CUDA), only --cuda-graphs binds.
@@ -114,6 +120,75 @@ def test_the_readmes_agree_with_the_code_and_point_only_inside_the_repository():
     assert "with IO binding" not in readme and "bound once (IOBinding" in serving_readme
     for path in READMES:
         for doc in re.findall(r"[\w./-]*[\w-]+\.md\b", path.read_text()):
+            if path.name == "security.md" and re.match(r"(\.\./)?shared/reviews/", doc):
+                continue  # it cites the reviews its findings came from, kept beside the repository
             where = REPO / doc if not doc.startswith("/") else None
             assert where is not None and (where.is_file() or (path.parent / doc).is_file()), \
                 f"{path.relative_to(REPO)} points to {doc}, which is not in the repository"
+
+
+def headings(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings (those outside fenced code)."""
+    anchors, block, seen = set(), False, {}
+    for line in text.splitlines():
+        if line.startswith("```"):
+            block = not block
+        elif not block and (match := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", match[1].strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def links(text: str) -> list[str]:
+    """The targets of a Markdown page's `[text](target)` links, outside fenced code."""
+    outside = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", outside)
+
+
+def broken_links(page) -> list[str]:
+    """Links of `page` to a file or folder that is not there, or to a heading its page does not have."""
+    broken = []
+    for target in links(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not ours to check offline
+        path, _, anchor = target.partition("#")
+        where = (page.parent / path).resolve() if path else page
+        if not where.exists():
+            broken.append(f"{target} (no {where.relative_to(REPO) if where.is_relative_to(REPO) else where})")
+        elif anchor and where.suffix == ".md" and anchor not in headings(where.read_text()):
+            broken.append(f"{target} (no heading with that anchor in {where.relative_to(REPO)})")
+    return broken
+
+
+def test_the_readme_fits_a_screenful_with_contents_that_lead_to_its_headings():
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    size = len(text.encode())
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move a topic to a page in docs/"
+    contents = next((line for line in text.splitlines() if line.startswith("**Contents:**")), None)
+    assert contents is not None, "README.md has no '**Contents:**' line"
+    # The contents line may wrap: take every in-page link up to the first heading after it.
+    toc = text[text.index(contents):].split("\n## ", 1)[0]
+    anchors = re.findall(r"\]\(#([^)]+)\)", toc)
+    sections = [h for h in headings(text) if h != "trainserve"]
+    assert anchors and set(anchors) <= headings(text), (anchors, sorted(headings(text)))
+    assert set(sections) <= set(anchors), f"headings the contents leave out: {set(sections) - set(anchors)}"
+
+
+def test_every_link_in_the_readme_and_docs_leads_somewhere():
+    readme_docs = [t.split("#")[0] for t in links((REPO / "README.md").read_text()) if t.startswith("docs/")]
+    assert len(readme_docs) >= 8, readme_docs  # the README's map of docs/
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"docs/{page.name}" in readme_docs, f"README.md's map of docs/ does not name docs/{page.name}"
+    broken = {str(page.relative_to(REPO)): found for page in READMES if (found := broken_links(page))}
+    assert not broken, f"links that lead nowhere: {broken}"
+
+
+def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "other.md").write_text("# Other\n\n## A `code` heading: yes, it is\n")
+    page = tmp_path / "page.md"
+    page.write_text("[a](other.md#a-code-heading-yes-it-is) [b](other.md#nope) [c](gone.md) [d](#here)\n\n"
+                    "```\n[e](inside-code.md)\n```\n## Here\n")
+    assert [b.split()[0] for b in broken_links(page)] == ["other.md#nope", "gone.md"]
