@@ -2,7 +2,9 @@
 that shard them, and clear errors."""
 
 import gzip
+import re
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 from pipeline.components.data import DataError, make_train_loader, rescale_loader_state
 from pipeline.datasets import digits, fashion_mnist
+
+from conftest import run_cli
 
 
 def write_idx(path, array: np.ndarray, gz: bool):
@@ -141,3 +145,135 @@ def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(w
     key = lambda xs: sorted(tuple(x.flatten().tolist()) for x in xs)  # noqa: E731
     assert len(seen) == 48 and len(seen) + len(rest) == len(reference)
     assert key(seen + rest) == key(reference)
+
+
+# --- what collation will refuse, refused before any process starts --------------------------------
+
+SEQUENCES = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Sequences(Dataset):
+    """Token sequences of 5 to 12 tokens (as text is before padding), a class per sequence or per token."""
+
+    def __init__(self, n, per_token=False, length=0):
+        g = torch.Generator().manual_seed(n)
+        self.items = []
+        for i in range(n):
+            tokens = torch.randint(1, 20, (length or 5 + i % 8,), generator=g)
+            self.items.append(({"tokens": tokens}, tokens % 3 if per_token else torch.tensor(i % 3)))
+        self.classes = ["a", "b", "c"]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def pad(items):
+    """Each batch padded to its longest sequence with token 0."""
+    longest = max(len(inputs["tokens"]) for inputs, _ in items)
+    tokens = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, (inputs, _) in enumerate(items):
+        tokens[row, :len(inputs["tokens"])] = inputs["tokens"]
+    return {"tokens": tokens}, torch.stack([label for _, label in items])
+
+
+def data(per_token=False, length=0, collate=""):
+    splits = {"train": Sequences(64, per_token, length), "val": Sequences(16, per_token, length)}
+    for split in splits.values():
+        if collate == "pad":
+            split.collate_fn = pad
+        elif collate == "broken":
+            split.collate_fn = lambda items: 1 / 0
+        elif collate == "text":
+            split.collate_fn = "pad"
+    return splits
+
+
+class Bag(torch.nn.Module):
+    """The mean of the token embeddings (padding included: good enough to be trained)."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, num_classes)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+'''
+
+
+@pytest.fixture
+def sequences(tmp_path, monkeypatch):
+    """A user's project with sequences of different lengths, importable here and by the CLI (PYTHONPATH)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "seqdata.py").write_text(SEQUENCES)
+    (project / "seq.yaml").write_text("data: {component: seqdata:data}\nmodel: {component: seqdata:Bag}\n"
+                                      "train: {global_batch_size: 8, max_steps: 2, eval_every: 0}\n")
+    monkeypatch.syspath_prepend(str(project))
+    yield project
+    sys.modules.pop("seqdata", None)
+
+
+def refused_by_the_cli(project, command: str, *overrides: str) -> str:
+    """`pipeline <command> --nproc-per-node 2` on the project: exit 2, one line on stderr, no process started;
+    returns the line."""
+    proc = run_cli([command, "--config", str(project / "seq.yaml"), "--nproc-per-node", "2", *overrides],
+                   cwd=project, env={"PYTHONPATH": str(project)}, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pipeline {command}: error: "), proc.stderr
+    assert not (project / "outputs").exists()  # nothing started: no run directory
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+def test_items_of_different_lengths_stop_before_any_process_starts(sequences, command):
+    """torchrun would start both ranks and each would fail in its first step (130 lines of tracebacks)."""
+    message = refused_by_the_cli(sequences, command)
+    assert ("data.component 'seqdata:data' split 'train': items 0 and 9 differ: input 'tokens' has shape [5] in "
+            "item 0, [6] in item 9, so they do not stack into one batch") in message, message
+    assert "pad them to one length" in message and "give the data set a `collate_fn`" in message, message
+
+
+def test_per_token_labels_under_classification_point_to_token_classification(sequences):
+    message = refused_by_the_cli(sequences, "run", "data.args.per_token=true", "data.args.length=12")
+    assert ("split 'train' item 0: the target is a int64 tensor of shape [12]; classification needs an int64 class "
+            "index") in message, message
+    assert "set task.name=token_classification" in message and "torch.tensor(label" not in message, message
+
+
+def test_a_label_of_the_wrong_kind_still_gets_the_plain_hint(sequences):
+    from pipeline.tasks.classification import Classification
+
+    with pytest.raises(DataError, match=r"use torch.tensor\(label, dtype=torch.long\)"):
+        Classification.check_target("cat", None, "item 0")
+    with pytest.raises(DataError, match="for a class per pixel .* set task.name=segmentation"):
+        Classification.check_target(torch.zeros(4, 4, dtype=torch.long), None, "item 0")
+
+
+def test_a_collate_fn_of_the_data_set_is_checked_and_used_by_every_loader(sequences):
+    from pipeline.components.build import build_data, preflight
+    from pipeline.components.data import eval_loader, eval_shard, first_batch
+    from pipeline.config import load_config
+
+    cfg = load_config(sequences / "seq.yaml", ["data.args.collate=pad"])
+    built = preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # ragged, and padded by the data set
+    inputs, target = first_batch(built.splits.val, 3)
+    assert inputs["tokens"].shape == (3, 7) and target.tolist() == [0, 1, 2]  # lengths 5, 6, 7
+    (inputs, _), = list(eval_loader(eval_shard(built.splits.val, 0, 8), 4))  # through a Subset: items 0 and 8
+    assert inputs["tokens"].shape == (2, 5)
+    loader = make_train_loader(built.splits.train, 4, 0, 2, 0, 0, False)
+    assert all(inputs["tokens"].shape[0] == 4 for inputs, _ in loader)
+
+    for collate, expected in (("broken", "split 'train': its collate_fn raised ZeroDivisionError on items [0, 9, 18, "
+                                         "27, 36, 45, 54, 63]: division by zero"),
+                              ("text", "split 'train': its `collate_fn` is a str, not callable")):
+        cfg = load_config(sequences / "seq.yaml", [f"data.args.collate={collate}"])
+        with pytest.raises(DataError, match=re.escape(expected)):
+            build_data(cfg.data, cfg.task.name)

@@ -7,7 +7,9 @@ The contract (README, "Train your own model"): `data.component(**data.args)` ret
 mask for segmentation, a tensor or a dict/tuple of tensors for custom). The
 training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
 the model: input sizes, normalization statistics). Data sets need not fit in memory: every stage
-reads them through a DataLoader with the default collate and `data.num_workers`.
+reads them through a DataLoader with `data.num_workers` and the default collate, which stacks the items
+of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of items
+-> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
 
 A lone tensor input is named `input` wherever a name is needed (the ONNX graph, the server); dict
 inputs keep their keys and reach the model as keyword arguments, `model(**inputs)`.
@@ -27,6 +29,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
+from pipeline.tools.logs import first_line
 
 INPUT_NAME = "input"
 EVAL_BATCH = 256
@@ -39,6 +42,13 @@ class PreBatched(tuple):
 
 def collate(batch):
     return tuple(batch) if isinstance(batch, PreBatched) else default_collate(batch)
+
+
+def collate_of(dataset: Dataset):
+    """The collate a loader of `dataset` uses: its own `collate_fn` (a Subset's, the wrapped set's), else ours."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "collate_fn", None) or collate
 
 
 @dataclass(frozen=True)
@@ -101,18 +111,71 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
 
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
-        for index in sorted({0, len(ds) - 1}):
-            inputs, target = _check_item(ds, index, f"{where} split '{split}' item {index}")
+        items = {}
+        for index in _spread(len(ds)):
+            inputs, target = items[index] = _check_item(ds, index, f"{where} split '{split}' item {index}")
             task.check_target(target, classes, f"{where} split '{split}' item {index}")
             if first_inputs is None:
                 first_inputs = inputs
             else:
                 _check_same_inputs(first_inputs, inputs, f"{where} split '{split}' item {index}")
+        _check_stacks(ds, items, f"{where} split '{split}'")
     val_inputs = _check_item(val, 0, f"{where} split 'val' item 0")[0]
     single = torch.is_tensor(val_inputs)
     named = {INPUT_NAME: val_inputs} if single else val_inputs
     specs = [InputSpec(name, t.dtype, tuple(t.shape)) for name, t in named.items()]
     return Splits(train, val, classes, dict(hints), specs, single)
+
+
+def _spread(n: int, count: int = 8) -> list[int]:
+    """Up to `count` indices spread over 0..n-1, first and last included: the items the check reads."""
+    return sorted({round(i * (n - 1) / (count - 1)) for i in range(count)})
+
+
+def _check_stacks(ds: Dataset, items: dict[int, tuple], where: str) -> None:
+    """The items read make one batch, as the loaders will batch them (the data set's `__getitems__` and
+    `collate_fn` if it has them): items that do not stack would fail inside every rank's first step."""
+    collate_fn = collate_of(ds)
+    indices = list(items)
+    try:
+        getitems = getattr(ds, "__getitems__", None)
+        collate_fn(getitems(indices) if getitems else list(items.values()))
+    except Exception as exc:
+        if collate_fn is not collate:
+            raise DataError(f"{where}: its collate_fn raised {type(exc).__name__} on items {indices}: "
+                            f"{first_line(exc)}") from exc
+        difference = _shape_difference(items)
+        raise DataError(f"{where}: items {difference or f'{indices} ({type(exc).__name__}: {first_line(exc)})'}, so "
+                        "they do not stack into one batch (the default collate stacks each tensor of a batch); pad "
+                        "them to one length (with a mask of the real positions), or give the data set a `collate_fn` "
+                        "attribute that pads each batch") from exc
+
+
+def _shape_difference(items: dict[int, tuple]) -> str:
+    """'0 and 57 differ: input 'tokens' has shape [5] in item 0, [8] in item 57'; empty if every part has one shape."""
+    parts = {index: {**_parts(inputs, "the input"), **_parts(target, "the target")}
+             for index, (inputs, target) in items.items()}
+    (first, seen), *rest = parts.items()
+    for index, mine in rest:
+        for name, value in mine.items():
+            if name in seen and _shape(value) != _shape(seen[name]):
+                return (f"{first} and {index} differ: {name} has shape {_shape(seen[name])} in item {first}, "
+                        f"{_shape(value)} in item {index}")
+    return ""
+
+
+def _parts(value: Any, name: str) -> dict[str, Any]:
+    """Each tensor, array or number of an item's inputs or target, by a name a user reads."""
+    if isinstance(value, dict):
+        return {k: v for key, part in value.items()
+                for k, v in _parts(part, f"input '{key}'" if name == "the input" else f"{name}[{key!r}]").items()}
+    if isinstance(value, (tuple, list)):
+        return {k: v for i, part in enumerate(value) for k, v in _parts(part, f"{name}[{i}]").items()}
+    return {name: value}
+
+
+def _shape(value: Any) -> list[int]:
+    return list(getattr(value, "shape", ()))
 
 
 def _check_dataset(ds: Any, where: str) -> None:
@@ -128,6 +191,10 @@ def _check_dataset(ds: Any, where: str) -> None:
         raise DataError(f"{where}: len() raised {type(exc).__name__}: {exc}") from exc
     if n == 0:
         raise DataError(f"{where} is empty")
+    collate_fn = getattr(ds, "collate_fn", None)
+    if collate_fn is not None and not callable(collate_fn):
+        raise DataError(f"{where}: its `collate_fn` is a {type(collate_fn).__name__}, not callable; give a function "
+                        "(a list of items -> one (inputs, target) batch), or drop the attribute to stack the items")
 
 
 def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
@@ -245,7 +312,7 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
         # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
         # would fork (and warm up) the workers anew.
         return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
-                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_of(dataset),
                                   persistent_workers=num_workers > 0)
 
 
@@ -258,14 +325,14 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
 def eval_loader(dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0,
                 pin_memory: bool = False) -> DataLoader:
     """In order, every sample once, the last batch partial."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
-                      pin_memory=pin_memory)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=collate_of(dataset), pin_memory=pin_memory)
 
 
 def first_batch(dataset: Dataset, rows: int):
     """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
     indices = [i % len(dataset) for i in range(rows)]
-    return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate)))
+    return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset))))
 
 
 def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str, Any]:
@@ -279,7 +346,10 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
 
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
-    for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), EVAL_BATCH, num_workers):
+    # A data set's own collate may pad each batch to its longest item: one item a batch, or the padding, and
+    # with it the digest, would depend on which items share a batch, and so on the number of ranks.
+    batch = EVAL_BATCH if collate_of(dataset) is collate else 1
+    for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), batch, num_workers):
         tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(leaves(target)))]
         for row in range(batch_rows(inputs)):
             sample = hashlib.sha256()
