@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -313,7 +313,9 @@ def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
     return sorted(model_cls.model_fields)
 
 
-def _unknown_key_message(dotted: str) -> str:
+def _unknown_key_message(dotted: str, origin: str = "") -> str:
+    """`origin`: where the key was written ("my.yaml:12", "override train.epoch=3"), put first as a compiler does."""
+    origin = f"{origin}: " if origin else ""
     parts = dotted.split(".")
     cls: type[BaseModel] = Config
     for i, part in enumerate(parts):
@@ -326,25 +328,61 @@ def _unknown_key_message(dotted: str) -> str:
             if not close and "args" in fields:  # a component's own arguments live under args
                 hint = f" Did you mean '{prefix}.args.{part}' (the component's keyword arguments go under args)?"
             where = f"in section '{prefix}'" if prefix else "at the top level"
-            return f"unknown config key '{dotted}' {where}.{hint} Allowed: {', '.join(allowed)}"
+            return f"{origin}unknown config key '{dotted}' {where}.{hint} Allowed: {', '.join(allowed)}"
         annotation = fields[part].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             cls = annotation
-    return f"unknown config key '{dotted}'"
+    return f"{origin}unknown config key '{dotted}'"
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, origin: "Callable[[tuple], str]" = lambda loc: "") -> str:
+    """One line for one error (the usual case: what the CLI prints after "error: "), else one line each.
+    `origin(loc)`: where the key at `loc` was written, '' if nowhere (a default, a rule across fields)."""
     lines = []
     for e in err.errors():
         dotted = ".".join(str(p) for p in e["loc"])
+        where = origin(tuple(str(p) for p in e["loc"]))
         if e["type"] == "extra_forbidden":
-            lines.append(_unknown_key_message(dotted))
+            lines.append(_unknown_key_message(dotted, where))
         elif e["type"] == "value_error":
-            lines.append(str(e["ctx"]["error"]) if "ctx" in e else e["msg"])
+            lines.append((f"{where}: " if where else "") + (str(e["ctx"]["error"]) if "ctx" in e else e["msg"]))
         else:
             got = e.get("input")
-            lines.append(f"{dotted}: {e['msg']} (got {got!r})")
-    return "invalid config:\n  " + "\n  ".join(lines)
+            lines.append((f"{where}: " if where else "") + f"{dotted}: {e['msg']} (got {got!r})")
+    return "invalid config: " + lines[0] if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """{('train', 'epoch'): 5}: the line (from 1) of every key of a YAML file's mapping tree."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    lines[(*prefix, str(key.value))] = key.start_mark.line + 1
+                    walk(value, (*prefix, str(key.value)))
+
+    try:
+        walk(yaml.compose(text, Loader=yaml.SafeLoader), ())
+    except yaml.YAMLError:  # it loaded; its lines are a courtesy
+        pass
+    return lines
+
+
+def _origin_of(path: Path | None, text: str, overrides: list[tuple[list[str], str]]) -> Callable[[tuple], str]:
+    """loc -> where the key was written: the override that set it or the section above it (the command line wins,
+    as it does over the file), else the file and the line of its nearest key."""
+    lines = _key_lines(text) if path is not None else {}
+
+    def origin(loc: tuple) -> str:
+        in_file = next((loc[:depth] for depth in range(len(loc), 0, -1) if loc[:depth] in lines), None)
+        for keys, original in reversed(overrides):
+            keys = tuple(keys)
+            if loc[:len(keys)] == keys or (keys[:len(loc)] == loc and in_file != loc):  # it set the key, or made it
+                return f"override {original}"
+        return f"{path}:{lines[in_file]}" if in_file else ""
+    return origin
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -375,6 +413,7 @@ def _set_dotted(tree: dict, path: list[str], value: Any, original: str) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults < YAML file < overrides. Raises ConfigError with a message meant for a human."""
     tree: dict = {}
+    text = ""
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -382,14 +421,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             hint = f"; available: {', '.join(available)}" if available else ""
             raise ConfigError(f"config file '{path}' does not exist{hint}")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text()
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(tree).__name__}")
-    for text in overrides:
-        keys, value = parse_override(text)
-        _set_dotted(tree, keys, value, text)
+    applied: list[tuple[list[str], str]] = []
+    for override in overrides:
+        keys, value = parse_override(override)
+        _set_dotted(tree, keys, value, override)
+        applied.append((keys, override))
         if len(keys) == 2 and keys[1] in ("name", "component") and isinstance(tree.get(keys[0]), dict):
             # `model.component=...` on the command line replaces the file's `model.name` shorthand (and
             # the other way round): the command line wins, as everywhere else.
@@ -397,7 +439,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(_format_validation_error(err, _origin_of(path, text, applied))) from None
 
 
 def config_from_dict(tree: dict) -> Config:
