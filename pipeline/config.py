@@ -109,7 +109,9 @@ class TaskConfig(Section):
         "classification", description="The task (pipeline/tasks): classification (cross-entropy; accuracy, top-k; exports "
                                       "the model's outputs and probabilities), regression (MSE; RMSE, MAE, R2), "
                                       "segmentation (per-pixel cross-entropy; mean IoU, pixel accuracy; N x C x H x W "
-                                      "logits), or custom (task.loss, task.metric on the outputs and targets as they are).")
+                                      "logits), token_classification (per-token cross-entropy; macro F1, token accuracy; "
+                                      "N x L x C logits, N x L targets), or custom (task.loss, task.metric on the outputs "
+                                      "and targets as they are).")
     output: str = Field("", description="The model output that carries the prediction, when the model returns several "
                                         "(a dict key, a ModelOutput field, output_<i> of a tuple); empty = the only one, "
                                         "else `logits` for the tasks that predict classes.")
@@ -119,6 +121,9 @@ class TaskConfig(Section):
         None, description="custom only: a metric component (outputs, targets) -> float or {name: float}, the first being the one gated.")
     metric_mode: Literal["max", "min"] | None = Field(None, description="custom only: whether a larger metric is better (max) or a smaller one (min).")
     top_k: int = Field(5, ge=2, description="classification: also report top-k accuracy when k is below the number of classes.")
+    ignore_index: int | None = Field(None, description="token_classification: the target value of the positions left out "
+                                                       "of the loss and the metrics (padding); unset = -100, as Hugging Face "
+                                                       "labels them. Negative.")
 
     @field_validator("name")
     @classmethod

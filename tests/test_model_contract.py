@@ -91,9 +91,10 @@ def test_a_classifier_finds_its_prediction_or_says_what_to_set():
 
 
 def test_the_task_comes_from_the_registry_and_a_wrong_name_says_which_exist():
-    assert set(TASKS) == {"classification", "regression", "segmentation", "custom"}
+    assert set(TASKS) == {"classification", "regression", "segmentation", "token_classification", "custom"}
     with pytest.raises(ConfigError, match="'segmentaton' is not a task; choose one of classification, regression, "
-                                          "segmentation, custom \\(did you mean 'segmentation'\\?\\)"):
+                                          "segmentation, token_classification, custom \\(did you mean "
+                                          "'segmentation'\\?\\)"):
         config_from_dict({"task": {"name": "segmentaton"}})
     with pytest.raises(ConfigError, match="task.name=custom needs task.loss, task.metric, task.metric_mode"):
         config_from_dict({"task": {"name": "custom"}})

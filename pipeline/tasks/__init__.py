@@ -7,8 +7,14 @@ in `TASKS` below; `task.name` in a config picks it. Nothing outside a task's mod
                     model's outputs (a lone tensor as `prediction`)
     segmentation    per-pixel cross-entropy on N x C x H x W logits and N x H x W class indices; mean
                     IoU, pixel accuracy, loss; exports the model's outputs and per-pixel `probabilities`
+    token_classification  per-token cross-entropy on N x L x C logits and N x L class indices, positions
+                    marked `task.ignore_index` (-100) left out; macro F1, per-token accuracy, loss; exports
+                    the model's outputs and per-token `probabilities` (N x C x L: classes on axis 1)
     custom          the user's `task.loss` and `task.metric`, given the model's outputs and the targets
                     as they are (a dict for a dict); exports the model's outputs (a lone tensor as `output`)
+
+The tasks that predict classes (classification, segmentation, token_classification) share one base,
+`classes.py`; each of them adds what its targets and logits look like and what it counts.
 
 The contract a task class keeps (`Task` below; the built-ins are the examples):
 - from the config and the data: `check_config` (cross-field rules, at load time), `check_data` and
@@ -36,6 +42,7 @@ TASKS = {
     "classification": "pipeline.tasks.classification:Classification",
     "regression": "pipeline.tasks.regression:Regression",
     "segmentation": "pipeline.tasks.segmentation:Segmentation",
+    "token_classification": "pipeline.tasks.token_classification:TokenClassification",
     "custom": "pipeline.tasks.custom:Custom",
 }
 
