@@ -427,9 +427,8 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
 
 
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
-    """Both files under `consolidated/` of the source run, its sha256 and the stage as tags."""
-    log_consolidated(run_id, out_dir, (WEIGHTS, DESCRIPTION), ARTIFACT_PATH,
-                     {"trainserve.consolidated.sha256": sha, "trainserve.stage.consolidate": "done"})
+    """Both files under `consolidated/` of the source run; the stage done, the weights' sha256 in its lineage."""
+    log_consolidated(run_id, out_dir, (WEIGHTS, DESCRIPTION), ARTIFACT_PATH, {"sha256": sha})
     log.info("logged %s and %s to run %s under %s/", WEIGHTS, DESCRIPTION, run_id, ARTIFACT_PATH)
 
 

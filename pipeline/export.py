@@ -6,7 +6,7 @@ Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_re
 optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx` / `model.uint8.onnx`. fp16, int8
 and uint8 are also logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant
 fp16|int8|uint8` serves one, and `--variant auto` the fastest for the server's provider, as export measured them
-here (`variants_measured` in the report, the version's tag `trainserve.fastest_variants`); never uint8, whose
+here (`variants_measured` in the report, the version's tag lineage.FASTEST_VARIANTS); never uint8, whose
 clients send other bytes (UINT8 image inputs: pipeline/components/uint8_inputs.py).
 
 The int8 variant (export.int8, pipeline/components/int8.py) is gated like the others, with its own limits;
@@ -56,14 +56,13 @@ from pipeline.components.weights import META_FILE, Weights, read_weights
 from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
-from serving import drift
-from serving.loader import recorded_data_hash_tag
+from serving import drift, lineage
+from serving.lineage import Lineage
 
 log = logging.getLogger("pipeline.export")
 
 REPORT_FORMAT = "trainserve-export-report/1"
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
-STAGE_TAG = "trainserve.stage.export"
 DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)
 DRIFT_SAMPLES = 2000  # training samples the drift baseline is computed on (quantiles settle well before)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
 
@@ -119,9 +118,9 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
-        **lineage_metadata(weights), "trainserve.opset": str(cfg.opset),
+        **lineage_of(weights).metadata(), lineage.OPSET: str(cfg.opset),
         # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
-        "trainserve.decision": task.decision or "", "trainserve.prediction": task.prediction or ""})
+        lineage.DECISION: task.decision or "", lineage.PREDICTION: task.prediction or ""})
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"
     exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata, onnx_path,
@@ -342,6 +341,50 @@ def figures_table(report: dict) -> list[dict]:
     return rows
 
 
+def verdict_of(result: ExportResult, decision: dict) -> str:
+    """The run's VERDICT tag: what export made of the model, in a few words."""
+    name, version = result.registered_model_name, result.model_version
+    if decision["promote"]:
+        return f"{name} v{version} @{result.report['alias']}"
+    return f"{name} v{version} @{result.report['alias']}: not promoted"
+
+
+def model_description(found: Lineage, alias: str) -> str:
+    """The registered model's description: what its versions are, and what its alias means."""
+    esc = tracking.markdown_escaped
+    return (f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
+            f"**\\@{esc(alias)}** is the version that passed every export gate and beat the one before it on the "
+            "validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists its "
+            "gates and why it holds its alias.")
+
+
+def export_lineage(weights: Weights, report: dict) -> dict:
+    """Export's part of the run's lineage.json: the model's lineage, the checkpoint it came from, the exporter,
+    every file's sha256, and what the registry made of it."""
+    decision = report.get("promotion") or {}
+    return {"model": lineage_of(weights).as_dict(), "source": weights.source,
+            "exporter": report["exporter"], "sha256": report.get("sha256", {}),
+            "registered": {"name": report.get("registered_model_name"), "version": report.get("model_version"),
+                           "alias": report.get("alias"), "model_uri": report.get("model_uri"),
+                           "promoted": decision.get("promote"), "reason": decision.get("reason")}}
+
+
+def version_description(report: dict, found: Lineage, decision: dict, alias: str) -> str:
+    """A registered version's description (Markdown, every outside word escaped): what the model is, where it came
+    from, its gates, and why it holds its alias."""
+    esc = tracking.markdown_escaped
+    results = report["gates"]
+    passed = sum(bool(g.get("passed")) for g in results.values())
+    lines = [f"**{esc(found.model)}** ({esc(found.task)}) trained on {esc(found.data)}; checkpoint "
+             f"{esc(found.checkpoint)} (step {esc(found.step)}) of run {esc(found.run_id or 'none')}; weights sha256 "
+             f"{found.weights_sha256[:16]}.", "",
+             f"**Gates**: {passed} of {len(results)} passed (every figure: the run's onnx/gates.json).", ""]
+    lines += [f"- {'passed' if g.get('passed') else 'FAILED'} {esc(name)}: {esc(str(g.get('message', '')))}"
+              for name, g in results.items()]
+    lines += ["", f"**\\@{esc(alias)}**: {esc(decision['reason'])}"]
+    return "\n".join(lines)
+
+
 def _cuda() -> bool:
     import onnxruntime as ort
 
@@ -402,64 +445,51 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
     }
 
 
-def lineage_metadata(weights: Weights) -> dict[str, str]:
-    """What the ONNX file itself says of where it came from: a server reads it from the bytes it serves
-    (prediction receipts, /v2/models parameters), and `pipeline verify` checks it against model.json."""
+def lineage_of(weights: Weights) -> Lineage:
+    """Where the weights came from, as the ONNX file's metadata and the registered version both say it: the server
+    reads it from the bytes it serves (receipts, /v2/models parameters), `pipeline verify` checks one against the
+    other and against model.json."""
     src = weights.source
-    return {"trainserve.weights_sha256": weights.meta["sha256"],
-            "trainserve.weights_meta_sha256": file_sha256(weights.directory / META_FILE),
-            "trainserve.run_id": str(src.get("mlflow_run_id") or ""),
-            "trainserve.checkpoint": Path(str(src.get("checkpoint") or "")).name,
-            "trainserve.checkpoint_step": str(src.get("step", "")),
-            "trainserve.config_sha256": config_digest(weights.meta["config"]),
-            "trainserve.model_component": weights.meta["model"]["component"],
-            "trainserve.data_component": weights.config.data.component,
-            **data_digests(weights)}
-
-
-def data_digests(weights: Weights) -> dict[str, str]:
-    """The content digests of the splits the model was trained and validated on, as training logged them."""
     digests = (weights.meta.get("data") or {}).get("digests") or {}
-    return {f"trainserve.data.{split}_sha256": found["sha256"] for split, found in digests.items()}
+    return Lineage(run_id=str(src.get("mlflow_run_id") or ""), checkpoint=Path(str(src.get("checkpoint") or "")).name,
+                   step=str(src.get("step", "")), model=weights.meta["model"]["component"],
+                   data=weights.config.data.component, task=weights.config.task.name,
+                   config_sha256=config_digest(weights.meta["config"]), weights_sha256=weights.meta["sha256"],
+                   weights_meta_sha256=file_sha256(weights.directory / META_FILE),
+                   data_sha256={split: found["sha256"] for split, found in digests.items()})
 
 
-def lineage_tags(weights: Weights, report: dict) -> dict[str, str]:
-    """Tags that walk a model version back to its run, checkpoint, weights and config."""
-    src = weights.source
-    return {
-        "trainserve.run_id": str(src.get("mlflow_run_id") or ""),
-        "trainserve.checkpoint": str(src.get("checkpoint") or ""),
-        "trainserve.step": str(src.get("step", "")),
-        "trainserve.world_size": str(src.get("world_size", "")),
-        "trainserve.strategy": str(src.get("strategy", "")),
-        "trainserve.weights_sha256": weights.meta["sha256"],
-        "trainserve.config_sha256": report["weights"]["config_sha256"],
-        "trainserve.exporter": report["exporter"]["used"],
-        "trainserve.task": report["task"]["name"],
-        "trainserve.model_component": weights.meta["model"]["component"],
-        "trainserve.data_component": weights.config.data.component,
-        "trainserve.opset": str(report["exporter"]["opset"]),
-        **data_digests(weights),
-    }
+def version_record(weights: Weights, result: ExportResult, variants: dict) -> dict[str, str]:
+    """The registered version's tags: the handful a person reads, and the sha256 of every file it carries (the
+    server checks what it downloads against them) and of the weights, config and data behind it."""
+    report, found = result.report, lineage_of(weights)
+    files = {lineage.onnx_file("fp32"): result.onnx_path, **{lineage.onnx_file(v): p for v, p in variants.items()}}
+    for path in list(files.values()):
+        if (data := onnx_export.data_file(path)) is not None:  # a graph's weights past 2 GB
+            files[data.name] = data
+    files[drift.FILE] = Path(report["drift_reference"])
+    sha256 = {name: file_sha256(path) for name, path in files.items()} | found.digests()
+    report["sha256"] = sha256
+    tags = found.version_tags() | {lineage.SHA256: json.dumps(sha256, sort_keys=True)}
+    if report.get("fastest_variants"):  # what `serve --variant auto` reads
+        tags[lineage.FASTEST_VARIANTS] = json.dumps(report["fastest_variants"], sort_keys=True)
+    return tags
 
 
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
              example: dict[str, torch.Tensor], variants: dict, register: bool, compare=None) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report = result.report
-    with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}") as logged_to:
+    with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}"):
         # A few headline figures as metrics; every figure in one table (figures_table), logged once complete
         tracking.log_metrics(gates.headline(report["gates"]) | promotion_metrics(report.get("promotion"))
                              | int8_metrics(report.get("int8")))
-        tracking.set_tags({"trainserve.export.exporter": exported.exporter,
-                           "trainserve.weights_sha256": weights.meta["sha256"],
-                           "trainserve.config_sha256": report["weights"]["config_sha256"]})
         tracking.log_artifact(result.report_path, "onnx")  # (a failed export's is final; a passed one's again below)
         if report.get("figure") and Path(report["figure"]).is_file():
             tracking.log_artifact(Path(report["figure"]), "onnx")
         if not result.passed:
             tracking.log_table(figures_table(report), "onnx/gates.json")
-            tracking.set_tags({STAGE_TAG: "failed"})
+            tracking.mark_stage("export", "failed")
             return
         for path in variants.values():
             tracking.log_artifact(path, "onnx")
@@ -467,7 +497,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         providers = [CUDA, CPU] if _cuda() else [CPU]
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
-            metadata={"trainserve.report": report["gates"]["parity.val"]["message"]},
+            metadata={lineage.REPORT: report["gates"]["parity.val"]["message"]},
             data_file=onnx_export.data_file(result.onnx_path), step=_checkpoint_step(weights))
         for variant in ("fp16", "int8", "uint8"):  # servable: a server of this version picks one with --variant
             if variant in variants:
@@ -476,18 +506,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
                     tracking.log_beside_model(report["model_uri"], data)
         tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
         if register:
-            tags = lineage_tags(weights, report)
-            tags["trainserve.run_id"] = logged_to
-            tags["trainserve.onnx_sha256"] = report["onnx_sha256"] = file_sha256(result.onnx_path)
-            if (data := onnx_export.data_file(result.onnx_path)) is not None:  # the weights, when past 2 GB
-                tags[recorded_data_hash_tag("fp32")] = report["onnx_data_sha256"] = file_sha256(data)
-            for variant, path in variants.items():  # every file a version carries: the server checks them all
-                tags[f"trainserve.onnx_{variant}_sha256"] = report[f"onnx_{variant}_sha256"] = file_sha256(path)
-                if (data := onnx_export.data_file(path)) is not None:
-                    tags[recorded_data_hash_tag(variant)] = report[f"onnx_{variant}_data_sha256"] = file_sha256(data)
-            tags["trainserve.drift_sha256"] = report["drift_sha256"] = file_sha256(Path(report["drift_reference"]))
-            if report.get("fastest_variants"):  # what `serve --variant auto` reads
-                tags["trainserve.fastest_variants"] = json.dumps(report["fastest_variants"], sort_keys=True)
+            tags = version_record(weights, result, variants)
             # One decision at a time per registered model, each against the holder at its turn (promotion.py).
             result.model_version, alias, decision = promotion.promote_in_turn(
                 report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,
@@ -497,18 +516,21 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             report["promotion"] = decision
             report["model_version"] = result.model_version
             report["alias"] = alias
-            tags |= {"trainserve.promotion": "promoted" if decision["promote"] else "not promoted",
-                     "trainserve.promotion.reason": decision["reason"][:5000]}
-            tracking.set_tags({"trainserve.promotion": tags["trainserve.promotion"],
-                               "trainserve.promotion.reason": tags["trainserve.promotion.reason"]})
+            tracking.set_tags({lineage.VERDICT: verdict_of(result, decision)})
+            tracking.describe_version(result.registered_model_name, result.model_version,
+                                      version_description(report, lineage_of(weights), decision, alias))
+            tracking.describe_registered_model(result.registered_model_name,
+                                               model_description(lineage_of(weights), cfg.alias))
             log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
                      "" if decision["promote"] else f" (@{cfg.alias} stays at v{decision['champion']['version']})")
+        tracking.set_tags({lineage.CHECKPOINT: lineage_of(weights).checkpoint})  # the run's exported checkpoint
+        tracking.record_lineage("export", export_lineage(weights, report))
         # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy people browse
         # in MLflow is the one on disk.
         write_json(result.report_path, report)
         tracking.log_artifact(result.report_path, "onnx")
         tracking.log_table(figures_table(report), "onnx/gates.json")
-        tracking.set_tags({STAGE_TAG: "done"})
+        tracking.mark_stage("export", "done")
 
 
 def _checkpoint_step(weights: Weights) -> int:

@@ -3,7 +3,7 @@
 A server run with `--shadow FRACTION` mirrors a model's traffic to the version behind `@challenger` and
 judges the pair (`GET /v2/models/NAME/shadow`, serving/shadow.py). This command reads that verdict and,
 when it says `promote` for the very version the registry's `@challenger` names now, moves `@champion`
-to it, records the figures it was judged on as that version's tags (`trainserve.shadow.*`), and drops
+to it, records the figures it was judged on as that version's tags (lineage.SHADOW_VERDICT and lineage.SHADOW), and drops
 `@challenger` (nothing is left to shadow). Any other verdict changes nothing and says why (exit 1);
 `--force` moves the alias whatever the verdict, recording it as forced.
 
@@ -24,6 +24,7 @@ import requests
 from pipeline.components import tracking
 from pipeline.errors import TrackingError
 from pipeline.tools import logs
+from serving import lineage
 
 log = logging.getLogger("pipeline.promote")
 
@@ -55,6 +56,9 @@ def main(name: str, server: str, token: str = "", tracking_uri: str = "", champi
                 "shadow": report}
     tracking.set_version_tags(name, behind, shadow_tags(report, forced=verdict != "promote"))
     tracking.move_alias(name, champion, behind)
+    tracking.describe_version(name, behind, tracking.version_description(name, behind) + "\n\n" + tracking.markdown_escaped(
+        f"@{champion} since `pipeline promote`: shadow verdict {verdict}{' (forced)' if verdict != 'promote' else ''}: "
+        f"{reason}"))
     now = tracking.alias_version(name, champion)
     if now != behind:
         return {"promoted": False, "version": behind, "shadow": report,
@@ -78,24 +82,12 @@ def shadow_report(server: str, name: str, token: str = "") -> dict[str, Any]:
 
 
 def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
-    """The figures the version was judged on, as registry tags."""
-    tags = {"trainserve.shadow.verdict": str(report.get("verdict")) + (" (forced)" if forced else ""),
-            "trainserve.shadow.reason": logs.clip(str(report.get("reason", "")), 5000),
-            "trainserve.shadow.pairs": str(report.get("pairs", 0)),
-            "trainserve.shadow.dropped": str(report.get("dropped", 0)),
-            "trainserve.shadow.champion_version": str(report.get("champion_version")),
-            "trainserve.shadow.latency_ms": json.dumps(report.get("latency_ms") or {}),
-            "trainserve.shadow.labels": str(report.get("labels", 0)),
-            "trainserve.shadow.repeated_inputs": str(report.get("repeated_inputs", 0)),
-            "trainserve.shadow.sources": str(report.get("sources", 0)),
-            "trainserve.shadow.largest_source_share": f"{report.get('largest_source_share', 0):.4f}"}
-    if "agreement" in report:
-        tags["trainserve.shadow.agreement"] = f"{report['agreement']:.6f}"
-    if report.get("mean_abs_difference"):
-        tags["trainserve.shadow.mean_abs_difference"] = json.dumps(report["mean_abs_difference"])
-    if any(report.get("live", {}).values()):
-        tags["trainserve.shadow.live"] = json.dumps(report["live"])
-    return tags
+    """The figures the version was judged on, as registry tags: the verdict, and every figure in one JSON record."""
+    figures = {key: report.get(key) for key in ("reason", "pairs", "dropped", "champion_version", "latency_ms",
+                                                "labels", "repeated_inputs", "sources", "largest_source_share",
+                                                "agreement", "mean_abs_difference", "live") if key in report}
+    return {lineage.SHADOW_VERDICT: str(report.get("verdict")) + (" (forced)" if forced else ""),
+            lineage.SHADOW: logs.clip(json.dumps(figures, sort_keys=True, default=str), 5000)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -106,7 +106,7 @@ def train_done(run_dir: Path) -> bool:
     run_id = read_run_id(run_dir)
     if run_id is None or checkpoint.latest(run_dir / "checkpoints") is None:
         return False
-    return tracking.get_run(run_id).data.tags.get("trainserve.stage.train") == "done"
+    return tracking.stage_state(run_id, "train") == "done"
 
 
 def consolidated_from_chosen(run_dir: Path) -> bool:
@@ -187,8 +187,8 @@ def write_run_note(run_id: str | None, run_dir: Path, weights: Path, report: dic
            f"{tracking.markdown_escaped(report['promotion']['reason'])}"] if report.get("promotion") else []),
         f"- serve: `pipeline serve --model {model_uri}`; verify: `pipeline verify {model_uri}`",
     ])
-    tracking.set_tags({"mlflow.note.content": note, "trainserve.model_uri": model_uri,
-                       "trainserve.stage.pipeline": "done"}, run_id=run_id)
+    tracking.set_tags({"mlflow.note.content": note}, run_id=run_id)
+    tracking.mark_stage("pipeline", "done", run_id)
 
 
 def serve_with_sample(cfg: Config, model_uri: str, weights_dir: Path, keep_serving: bool) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 from pipeline.tools import logs
 from pipeline.tools.logs import first_line
 from pipeline.errors import TraceError  # noqa: F401 - raised here, defined with the others
+from serving import lineage
+from serving.lineage import Lineage
 
 log = logging.getLogger("pipeline.trace")
 
@@ -98,33 +100,38 @@ def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
         v = client.get_model_version(name, version)
         tags = dict(v.tags)
         aliases = ", ".join(f"@{a}" for a in v.aliases) or "no alias now"
-        promotion = tags.get("trainserve.promotion", "promotion not recorded")
+        promotion = tags.get(lineage.PROMOTION, "promotion not recorded")
         echo(f"version     models:/{name}/{version} ({aliases}); {promotion}"
-             + (f": {tags['trainserve.promotion.reason']}" if tags.get("trainserve.promotion.reason") else ""))
-        for key, what in (("weights_sha256", "weights"), ("onnx_sha256", "ONNX")):
-            if model.get(key) and tags.get(f"trainserve.{key}") not in (None, model[key]):
-                echo(f"WARNING     the version's {what} tag {tags[f'trainserve.{key}'][:16]} differs from what "
-                     f"answered ({model[key][:16]}): run `pipeline verify models:/{name}@<alias>`")
+             + (f"; shadow verdict {tags[lineage.SHADOW_VERDICT]}" if tags.get(lineage.SHADOW_VERDICT) else ""))
+        weights = lineage.recorded_sha256(tags, "weights")
+        if model.get("weights_sha256") and weights and weights != model["weights_sha256"]:
+            echo(f"WARNING     the version's weights sha256 {weights[:16]} differs from what answered "
+                 f"({model['weights_sha256'][:16]}): run `pipeline verify models:/{name}@<alias>`")
+        files = lineage.recorded_files(tags)
+        if model.get("onnx_sha256") and files and model["onnx_sha256"] not in files.values():
+            echo(f"WARNING     the ONNX that answered ({model['onnx_sha256'][:16]}) is none of the version's files "
+                 f"({', '.join(f'{k} {v[:16]}' for k, v in files.items())}): run `pipeline verify "
+                 f"models:/{name}@<alias>`")
+    found = Lineage.read(tags)
     # The record's run is the one whose file answered; the registry's tag is what it should have been.
-    run_id = model.get("run_id") or tags.get("trainserve.run_id")
-    if tags.get("trainserve.run_id") and model.get("run_id") and tags["trainserve.run_id"] != model["run_id"]:
-        echo(f"WARNING     the version's run tag {tags['trainserve.run_id']} differs from the run the answering file "
+    run_id = model.get("run_id") or found.run_id
+    if found.run_id and model.get("run_id") and found.run_id != model["run_id"]:
+        echo(f"WARNING     the version's run tag {found.run_id} differs from the run the answering file "
              f"names ({model['run_id']}); following the file's")
     if not run_id:
         echo("run         none recorded (a file without trainserve lineage)")
         return {"version": tags, "run_id": None}
     run = client.get_run(run_id)
     echo(f"run         {run_id} '{run.info.run_name}' {run.info.status}, experiment {run.info.experiment_id}, "
-         f"git {run.data.tags.get('trainserve.git_commit', '?')[:12]}")
-    best = run.data.tags.get("trainserve.best_checkpoint")
-    echo(f"checkpoint  {Path(tags.get('trainserve.checkpoint', '?')).name} (step {tags.get('trainserve.step', '?')})"
-         + (f"; the run's best is {best} ({run.data.tags.get('trainserve.monitor', '')})" if best else ""))
-    echo(f"config      sha256 {tags.get('trainserve.config_sha256', '?')[:16]}; the run's config/resolved.yaml and "
-         f"params hold it")
+         f"git {run.data.tags.get(lineage.GIT, '?')[:12]}")
+    best = run.data.tags.get(lineage.BEST)
+    echo(f"checkpoint  {found.checkpoint or '?'} (step {found.step or '?'})"
+         + (f"; the run's best is {best}" if best else ""))
+    echo(f"config      sha256 {found.config_sha256[:16] or '?'}; the run's config/resolved.yaml and params hold it")
     data_args = {k.removeprefix("data.args."): v for k, v in run.data.params.items() if k.startswith("data.args.")}
-    echo(f"data        {tags.get('trainserve.data_component', run.data.params.get('data.component', '?'))} {data_args or ''}".rstrip())
-    digests = {split: tags.get(f"trainserve.data.{split}_sha256") for split in ("train", "val")}
-    if all(digests.values()):  # the run's MLflow datasets carry the same digests (pipeline verify checks it)
+    echo(f"data        {found.data or run.data.params.get('data.component', '?')} {data_args or ''}".rstrip())
+    digests = found.data_sha256
+    if digests.get("train") and digests.get("val"):  # the run's MLflow datasets carry the same digests (pipeline verify checks it)
         echo(f"datasets    train sha256 {digests['train'][:16]}, val sha256 {digests['val'][:16]} (the run's "
              "MLflow datasets)")
     return {"version": tags, "run_id": run_id}

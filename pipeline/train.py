@@ -47,11 +47,11 @@ from pipeline.distributed import DistInfo, launch, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.tools import stopping
+from serving import lineage
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.files import StateFileError, read_json, write_atomically, write_json
 
 log = logging.getLogger("pipeline.train")
-STAGE_TAG = "trainserve.stage.train"  # running | done | failed, on the training run
 
 
 class TrainingDiverged(RuntimeError):
@@ -265,7 +265,7 @@ def end_run_after_failure() -> None:
     stopping.ignore_sigterm()
     status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
-        tracking.end_run(status, {STAGE_TAG: "failed"})
+        tracking.end_run(status, failed_stage="train")
     except Exception as exc:  # the failure being handled is the news; don't replace it with this one
         log.error("could not mark the MLflow run %s: %s", status, exc)
 
@@ -563,15 +563,13 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
     the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
-    tags = {STAGE_TAG: "running", "trainserve.git_commit": tracking.git_commit(),
-            "trainserve.world_size": str(info.world_size), "trainserve.device": info.device.type,
-            "trainserve.precision": precision, "trainserve.strategy": cfg.train.strategy,
-            "trainserve.run_dir": str(run_dir.resolve()), "trainserve.task": cfg.task.name,
-            "trainserve.component.model": cfg.model.component, "trainserve.component.data": cfg.data.component,
-            **tracking.owner_tags(), tracking.STATUS_BEFORE_TAG: ""}
+    tags = {lineage.TASK: cfg.task.name, lineage.MODEL: cfg.model.component, lineage.DATA: cfg.data.component,
+            lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {precision}",
+            lineage.GIT: tracking.git_commit()[:12], lineage.RUN_DIR: str(run_dir.resolve()), **tracking.process_tag()}
     resumed = run_id is not None
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
                                 gpu=info.device.type == "cuda")
+    tracking.mark_stage("train", "running")
     if not resumed:
         # The config as given, and the model's arguments as built (those the data suggested included).
         tracking.log_params({**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}})
@@ -604,7 +602,7 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
             tracking.log_artifact(figure)
     best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None
     if on_store and cfg.checkpoint.log_to_mlflow != "none":
-        # Already where every host can read them; the run's tags (trainserve.run_dir, trainserve.checkpoint)
+        # Already where every host can read them; the run's tags (lineage.RUN_DIR, lineage.LATEST)
         # say where, and `consolidate --run-id` fetches from there.
         log.info("checkpoints stay on the object store (%s), recorded on the run, not uploaded again (checkpoint."
                  "log_to_mlflow=%s applies to a local train.output_dir)", final.parent, cfg.checkpoint.log_to_mlflow)
@@ -612,25 +610,26 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
         checkpoint_store.log_checkpoint(final, run_id)
         if best is not None and best != final and best.is_dir():
             checkpoint_store.log_checkpoint(best, run_id)
+    failed = {}
     if uploads:
         if final.name not in uploads.submitted:  # saved by an attempt that died before uploading it
             uploads.submit(final)
         failed = uploads.finish()
         if failed:
-            tracking.set_tags({"trainserve.checkpoint_upload_failures": ", ".join(sorted(failed))})
+            log.warning("checkpoints not uploaded to MLflow run %s: %s", run_id, ", ".join(sorted(failed)))
         if final.name in failed:  # a later stage on another machine would silently take an older one
             raise tracking.TrackingError(
                 f"the final checkpoint could not be uploaded to MLflow run {run_id} ({failed[final.name]}); "
                 f"it is intact at {final}: consolidate it by path, or fix the store and upload it with "
                 f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`")
-    tags = {STAGE_TAG: "done", "trainserve.checkpoint": str(final.resolve()),
-            "trainserve.monitor": f"val/{monitor.metric} ({monitor.mode})"}
-    if best is not None:
-        tags |= {"trainserve.best_checkpoint": best.name, "trainserve.best_step": str(monitor.best_step),
-                 f"trainserve.best.val_{monitor.metric}": f"{monitor.best_value:.6g}"}
-    if monitor.stopped:
-        tags["trainserve.early_stopping"] = monitor.stopped
-    tracking.set_tags(tags)
+    tracking.set_tags({lineage.LATEST: final.name} | ({lineage.BEST: best.name} if best is not None else {}))
+    tracking.record_lineage("training", {
+        "run_dir": str(final.parent.parent if not on_store else final.parent), "latest": str(final),
+        "best": best.name if best is not None else None, "best_step": monitor.best_step,
+        "monitor": f"val/{monitor.metric} ({monitor.mode})", "best_value": monitor.best_value,
+        "early_stopping": monitor.stopped or None, "checkpoint_upload_failures": sorted(failed),
+        "git": tracking.git_commit()})
+    tracking.mark_stage("train", "done")
     tracking.end_run("FINISHED")
 
 
@@ -677,7 +676,7 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
     if run_id:
         try:
             tracking.use_store(cfg.tracking.tracking_uri)
-            if tracking.fail_if_running(run_id, {STAGE_TAG: "failed"}):
+            if tracking.fail_if_running(run_id, "train"):
                 print(f"pipeline train: torchrun exited {code} and left the run RUNNING; "
                       f"marked MLflow run {run_id} FAILED", file=sys.stderr)
         except Exception as exc:  # the workers' failure is the news; don't bury it under this one

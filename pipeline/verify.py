@@ -36,6 +36,8 @@ from pathlib import Path
 from pipeline.tools import logs
 from pipeline.tools.logs import clip, first_line
 from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
+from serving import lineage
+from serving.lineage import Lineage
 
 log = logging.getLogger("pipeline.verify")
 
@@ -101,11 +103,11 @@ def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
     if version is None:
         raise VerifyError(f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}")
     tags = tracking.version_tags(name, version)
-    missing = [k for k in ("trainserve.run_id", "trainserve.weights_sha256", "trainserve.onnx_sha256") if not tags.get(k)]
+    missing = [k for k in ("weights", lineage.onnx_file("fp32")) if not lineage.recorded_sha256(tags, k)]
     report(Link("registry", "FAIL" if missing else "ok",
-                f"models:/{name}@{alias} -> version {version}" + (f"; lacks tags {missing} (not registered by this "
-                                                                  "trainserve's export)" if missing else
-                                                                  f" (run {tags['trainserve.run_id']})")))
+                f"models:/{name}@{alias} -> version {version}" + (
+                    f"; its {lineage.SHA256} tag records no sha256 of {missing} (not registered by this trainserve's "
+                    "export)" if missing else f" (run {tags.get(lineage.RUN_ID) or 'none'})")))
     return version, tags
 
 
@@ -114,19 +116,21 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 
     from pipeline.components import onnx_export, tracking
     from pipeline.components.safetensors_writer import file_sha256
-    from serving.loader import data_file_of, recorded_data_hash_tag
+    from serving.loader import data_file_of
 
     try:
         path = tracking.download_version_onnx(name, version, tmp / "onnx")
     except Exception as exc:  # noqa: BLE001 - whatever the store raises
         report(Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}"))
         return None, {}
-    checked = [(path, "trainserve.onnx_sha256")]
-    if (data := data_file_of(path)) is not None or tags.get(recorded_data_hash_tag("fp32")):  # weights past 2 GB
-        checked.append((data or onnx_export.data_path(path), recorded_data_hash_tag("fp32")))
+    checked = [path]
+    data_name = onnx_export.data_path(path).name
+    if (data := data_file_of(path)) is not None or lineage.recorded_sha256(tags, data_name):  # weights past 2 GB
+        checked.append(data or onnx_export.data_path(path))
     said, ok = [], True
-    for file, tag in checked:
-        digest, recorded = file_sha256(file) if file.is_file() else "(missing)", tags.get(tag, "")
+    for file in checked:
+        digest = file_sha256(file) if file.is_file() else "(missing)"
+        recorded = lineage.recorded_sha256(tags, file.name)
         ok = ok and digest == recorded
         said.append(f"{file.name} sha256 {digest[:16]}" + ("" if digest == recorded else
                                                           f" != the version's recorded {recorded[:16] or '(none)'}"))
@@ -136,12 +140,13 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
     except Exception as exc:  # noqa: BLE001 - a damaged file
         report(Link("lineage", "FAIL", f"the ONNX file can't be parsed: {first_line(exc)}"))
         return path, {}
-    differs = [k for k in ("trainserve.weights_sha256", "trainserve.run_id", "trainserve.config_sha256")
-               if props.get(k, "") != tags.get(k, "") and not (k == "trainserve.run_id" and not props.get(k))]
+    said_file, said_version = Lineage.read(props), Lineage.read(tags)
+    differs = [name for name in ("weights_sha256", "run_id", "config_sha256", "checkpoint")
+               if getattr(said_file, name) != getattr(said_version, name)]
     report(Link("lineage", "FAIL" if differs else "ok",
                 f"the ONNX's metadata differs from the version's tags in {differs}" if differs else
-                f"weights {props.get('trainserve.weights_sha256', '')[:16]}, config "
-                f"{props.get('trainserve.config_sha256', '')[:16]}, checkpoint step {props.get('trainserve.checkpoint_step')}"))
+                f"weights {said_file.weights_sha256[:16]}, config {said_file.config_sha256[:16]}, checkpoint "
+                f"{said_file.checkpoint} (step {said_file.step})"))
     return path, props
 
 
@@ -151,13 +156,14 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
     from pipeline.components import tracking
     from pipeline.components.safetensors_writer import file_sha256
 
-    run_id = props.get("trainserve.run_id") or tags.get("trainserve.run_id", "")
+    said = Lineage.read(props)
+    run_id = said.run_id or tags.get(lineage.RUN_ID, "")
     directory, where = None, ""
     try:
         directory = tracking.download_artifacts(run_id, "consolidated", tmp / "weights")
         where = f"run {run_id} consolidated/"
     except Exception as exc:  # noqa: BLE001
-        local = Path(tags.get("trainserve.checkpoint", "")).parent.parent / "consolidated"
+        local = _local_run_dir(run_id) / "consolidated"
         if (local / "model.json").is_file():
             directory, where = local, str(local)
         else:
@@ -166,7 +172,7 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
             return None
     problems = []
     meta_digest = file_sha256(directory / "model.json") if (directory / "model.json").is_file() else ""
-    if meta_digest != props.get("trainserve.weights_meta_sha256", meta_digest):
+    if said.weights_meta_sha256 and meta_digest != said.weights_meta_sha256:
         problems.append("model.json differs from the one the ONNX was exported from")
     try:
         recorded = json.loads((directory / "model.json").read_text()).get("sha256", "")
@@ -177,12 +183,22 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
     digest = file_sha256(weights) if weights.is_file() else "(missing)"
     if digest != recorded:
         problems.append(f"model.safetensors sha256 {digest[:16]} != model.json's {recorded[:16]}")
-    if recorded and recorded != props.get("trainserve.weights_sha256", recorded):
+    if recorded and said.weights_sha256 and recorded != said.weights_sha256:
         problems.append("model.json names other weights than the ONNX was exported from")
     report(Link("weights", "FAIL" if problems else "ok",
                 "; ".join(problems) if problems else f"{where}: model.safetensors sha256 {digest[:16]} = model.json "
                                                       "= the ONNX's record"))
     return None if problems else directory
+
+
+def _local_run_dir(run_id: str) -> Path:
+    """The run's directory on this machine, as its RUN_DIR tag names it (a version names no path)."""
+    from pipeline.components import tracking
+
+    try:
+        return Path(tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR) or "/nonexistent")
+    except Exception:  # noqa: BLE001 - no such run, the store unreachable
+        return Path("/nonexistent")
 
 
 def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
@@ -238,28 +254,29 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
     (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
     from pipeline.components import tracking
     from pipeline.components.safetensors_writer import file_sha256
+    from serving import drift
 
-    recorded = {split: tags.get(f"trainserve.data.{split}_sha256", "") for split in ("train", "val")}
+    recorded = {split: lineage.recorded_sha256(tags, split) for split in ("train", "val")}
     if not all(recorded.values()):
         report(Link("data", "skip", "the version names no data digests (exported before datasets were logged)"))
         return
     try:
-        logged = tracking.dataset_digests(tags["trainserve.run_id"])
+        logged = tracking.dataset_digests(tags.get(lineage.RUN_ID, ""))
     except Exception as exc:  # noqa: BLE001 - whatever the store raises
         report(Link("data", "skip", f"the run's datasets can't be read: {first_line(exc)}"))
         return
     problems = [f"{split} {digest[:16]} != the run's {logged.get(split, '(none)')[:16]}"
                 for split, digest in recorded.items() if logged.get(split) != digest]
     baseline = onnx_path.parent / "drift_reference.json" if onnx_path is not None else None
-    if tags.get("trainserve.drift_sha256"):
+    drift_recorded = lineage.recorded_sha256(tags, drift.FILE)
+    if drift_recorded:
         if baseline is None or not baseline.is_file():
-            problems.append("drift_reference.json is not beside the registered ONNX")
-        elif file_sha256(baseline) != tags["trainserve.drift_sha256"]:
-            problems.append(f"drift_reference.json sha256 {file_sha256(baseline)[:16]} != the version's "
-                            f"{tags['trainserve.drift_sha256'][:16]}")
+            problems.append(f"{drift.FILE} is not beside the registered ONNX")
+        elif file_sha256(baseline) != drift_recorded:
+            problems.append(f"{drift.FILE} sha256 {file_sha256(baseline)[:16]} != the version's {drift_recorded[:16]}")
     report(Link("data", "FAIL" if problems else "ok", "; ".join(problems) if problems else
                 f"train {recorded['train'][:16]}, val {recorded['val'][:16]} = the run's datasets"
-                + (", drift baseline intact" if tags.get("trainserve.drift_sha256") else "")))
+                + (", drift baseline intact" if drift_recorded else "")))
 
 
 def server_link(url: str, name: str, version: str, tags: dict, props: dict, token: str, report) -> None:
@@ -276,16 +293,15 @@ def server_link(url: str, name: str, version: str, tags: dict, props: dict, toke
         return
     served = {"version": receipt.get("x-model-version", ""),
               "weights": receipt.get("x-model-weights-sha256", ""), "onnx": receipt.get("x-model-onnx-sha256", "")}
-    recorded = {v for k, v in tags.items() if k.startswith("trainserve.onnx") and k.endswith("_sha256") and v
-                and not k.endswith("_data_sha256")}
+    recorded = set(lineage.recorded_files(tags).values())
     params = meta.get("parameters") or {}
     problems = []
     if served["version"] != version or version not in [str(v) for v in meta.get("versions", [])]:
         problems.append(f"serves version {served['version'] or meta.get('versions')}, the alias is at {version}")
-    if served["weights"] != props.get("trainserve.weights_sha256") or \
-            params.get("weights_sha256") != props.get("trainserve.weights_sha256"):
+    weights = Lineage.read(props).weights_sha256
+    if served["weights"] != weights or params.get("weights_sha256") != weights:
         problems.append(f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
-                        f"{props.get('trainserve.weights_sha256', '')[:16]}")
+                        f"{weights[:16]}")
     if served["onnx"] not in recorded or params.get("onnx_sha256") != served["onnx"]:
         named = served["onnx"][:16] or "(unnamed: X-Model-Onnx-Sha256 missing)"
         problems.append(f"serves ONNX bytes with sha256 {named}, the version records "

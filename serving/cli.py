@@ -26,7 +26,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "model": (str, "[NAME=]URI, repeatable: URI is path/to/model.onnx, models:/name@alias, models:/name/<version>, "
                    "models:/<model id> or runs:/<run id>/<path>; a NAME given twice is one model with two versions"),
     "model-name": (str, "name clients use in /v2/models/{name} for a single --model URI (default: registered "
-                        "name, ONNX metadata trainserve.model_name, or the file stem)"),
+                        "name, the ONNX metadata's model name, or the file stem)"),
     "repository": (str, "a model repository DIR/NAME/VERSION/model.onnx (Triton's layout)"),
     "load-model": (str, "repository models loaded at start, comma-separated (default: all); the others can be "
                         "loaded with POST /v2/repository/models/NAME/load"),

@@ -126,7 +126,7 @@ class Settings:
     payload_log_max_mb: float = 100.0
     # A new payload file is begun when the current one would pass this many MiB.
     payload_log_file_mb: float = 10.0
-    # Log each closed payload file to the answering model's training run (trainserve.run_id) in MLflow.
+    # Log each closed payload file to the answering model's training run (its lineage run_id) in MLflow.
     payload_log_mlflow: bool = False
     # Drift: samples per model version whose input and output features are compared with the training data's
     # (the reference export stored beside the model); 0: off. And the PSI above which a log line says so.

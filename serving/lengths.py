@@ -1,5 +1,5 @@
 """The longest input a model was exported for, per input and axis, as export records it in the ONNX
-metadata (`trainserve.max_lengths`, JSON `{"tokens": {"1": 128}}`), and the server's check of a request
+metadata (lineage.MAX_LENGTHS, JSON `{"tokens": {"1": 128}}`), and the server's check of a request
 against it.
 
 Past that length a token model fails inside onnxruntime ("invalid expand shape" from a position table),
@@ -15,8 +15,9 @@ from typing import Mapping
 import numpy as np
 
 from serving.codec import BadRequest
+from serving.lineage import MAX_LENGTHS
 
-METADATA_KEY = "trainserve.max_lengths"
+METADATA_KEY = MAX_LENGTHS
 
 
 def read(metadata: Mapping[str, str]) -> dict[str, dict[int, int]]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving import drift, lengths
+from serving.lineage import (DECISION, FASTEST_VARIANTS, LABELS, MODEL_NAME, PREDICTION, SHA256, Lineage, onnx_file,
+                             recorded_sha256)
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -43,39 +45,8 @@ _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
 # The file of each variant in a model directory (the export logs them into the registered model).
 VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx",
                  "uint8": "model.uint8.onnx"}  # uint8: image inputs as UINT8 pixel values (its clients send those)
-# The registered version's record of its fastest gated variant per provider (JSON), for --variant auto.
-FASTEST_TAG = "trainserve.fastest_variants"
-
-# Where the model came from, as the exporter writes it into the ONNX file's metadata_props: lineage key ->
-# metadata key. Read from the loaded file itself, so that every answer names the file that computed it.
-LINEAGE_KEYS = {
-    "run_id": "trainserve.run_id",  # the MLflow training run
-    "checkpoint_step": "trainserve.checkpoint_step",
-    "checkpoint": "trainserve.checkpoint",  # the checkpoint directory the weights were consolidated from
-    "config_sha256": "trainserve.config_sha256",
-    "weights_sha256": "trainserve.weights_sha256",  # of the consolidated model.safetensors
-    "model_component": "trainserve.model_component",
-    "data_component": "trainserve.data_component",
-}
-
-
 class SourceError(Exception):
     """The model source cannot be parsed, found or fetched, or is not the file its registry version records."""
-
-
-META_DECISION, META_PREDICTION = "trainserve.decision", "trainserve.prediction"
-
-
-def recorded_hash_tag(variant: str) -> str:
-    """The registry version tag holding the sha256 of a variant's file, as the export records it for every
-    file it logs (model.onnx: trainserve.onnx_sha256; model.<variant>.onnx: trainserve.onnx_<variant>_sha256)."""
-    return "trainserve.onnx_sha256" if variant == "fp32" else f"trainserve.onnx_{variant}_sha256"
-
-
-def recorded_data_hash_tag(variant: str) -> str:
-    """The registry version tag holding the sha256 of a variant's external data file (`<file>.onnx.data`, where
-    the export puts the weights of a graph past protobuf's 2 GB): trainserve.onnx[_<variant>]_data_sha256."""
-    return recorded_hash_tag(variant).removesuffix("_sha256") + "_data_sha256"
 
 
 def data_file_of(path: Path) -> Path | None:
@@ -100,7 +71,7 @@ class ModelInfo:
     version: str
     source: str  # the path or URI it was loaded from
     labels: tuple[str, ...] | None = None
-    # LINEAGE_KEYS found in the file's metadata with a non-empty value (none for a hand-made ONNX file).
+    # Lineage.served(): what the file's metadata says of where it came from, plus the loaded bytes' onnx_sha256.
     lineage: dict[str, str] = field(default_factory=dict)
     # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
     max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
@@ -170,7 +141,7 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's
-    `trainserve.model_name` metadata, else the file stem. `variant` picks the file of a model directory
+    MODEL_NAME metadata, else the file stem. `variant` picks the file of a model directory
     (VARIANT_FILES), or `auto` the fastest the export measured for the provider (_auto_variant); fp16 is served
     on a GPU provider only (EngineError otherwise, before any download).
     """
@@ -198,10 +169,9 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         # Hashed before onnxruntime reads it, and the hash is what the receipts name: the bytes that compute.
         digest = file_sha256(path)
         if registered is not None:
-            _check_recorded_hash(registered, version, variant, path, digest)
+            _check_recorded_hash(registered, version, onnx_file(variant), path, digest)
             if (data := data_file_of(path)) is not None:  # the weights of a graph past 2 GB: checked the same way
-                _check_recorded_hash(registered, version, variant, data, file_sha256(data),
-                                     recorded_data_hash_tag(variant))
+                _check_recorded_hash(registered, version, data.name, data, file_sha256(data))
         engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu,
                         batch_buckets=batch_buckets)
         if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
@@ -211,11 +181,11 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     info = ModelInfo(
-        name=name or registered or engine.metadata.get("trainserve.model_name") or path.stem,
+        name=name or registered or engine.metadata.get(MODEL_NAME) or path.stem,
         version=str(version), source=uri, labels=_labels(engine.metadata),
-        lineage={**lineage(engine.metadata), "onnx_sha256": digest}, registered=registered,
-        max_lengths=lengths.read(engine.metadata), decision=engine.metadata.get(META_DECISION) or None,
-        prediction=engine.metadata.get(META_PREDICTION) or None)
+        lineage={**Lineage.read(engine.metadata).served(), "onnx_sha256": digest}, registered=registered,
+        max_lengths=lengths.read(engine.metadata), decision=engine.metadata.get(DECISION) or None,
+        prediction=engine.metadata.get(PREDICTION) or None)
     return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
 
 
@@ -229,24 +199,24 @@ def _drift_reference(path: Path) -> dict | None:
         return None
 
 
-def _check_recorded_hash(registered: str, version: str, variant: str, path: Path, digest: str,
-                         tag: str = "") -> None:
-    """Refuse a registry file whose sha256 is not the one its version records: the file's own metadata (its
-    lineage, what receipts name) is no proof, anyone who can write the store can change weights and keep it.
-    A version that records none (registered by hand, not by `pipeline export`) is served with a warning."""
+def _check_recorded_hash(registered: str, version: str, file: str, path: Path, digest: str) -> None:
+    """Refuse a registry file whose sha256 is not the one its version records (SHA256, under the file's name in a
+    version): the file's own metadata (its lineage, what receipts name) is no proof, anyone who can write the store
+    can change weights and keep it. A version that records none (registered by hand, not by `pipeline export`) is
+    served with a warning."""
     import mlflow
 
-    tag = tag or recorded_hash_tag(variant)
     try:
-        recorded = mlflow.MlflowClient().get_model_version(registered, version).tags.get(tag, "")
+        tags = mlflow.MlflowClient().get_model_version(registered, version).tags
     except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors
         raise SourceError(f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}") from exc
+    recorded = recorded_sha256(tags, file)
     if not recorded:
-        log.warning("models:/%s/%s records no %s: serving %s (sha256 %s) unchecked; versions registered by "
-                    "`pipeline export` record it", registered, version, tag, path.name, digest)
+        log.warning("models:/%s/%s records no sha256 of %s (its %s tag): serving %s (sha256 %s) unchecked; versions "
+                    "registered by `pipeline export` record it", registered, version, file, SHA256, path.name, digest)
     elif recorded != digest:
         raise SourceError(f"{path.name} of models:/{registered}/{version} has sha256 {digest}, but the version "
-                          f"records {recorded} ({tag}): the stored file was changed after export; refusing to "
+                          f"records {recorded} ({SHA256}): the stored file was changed after export; refusing to "
                           "serve it (export the model again, or restore the file)")
 
 
@@ -256,7 +226,7 @@ _FP16_ON_CPU = ("--variant fp16 is served on the CUDA provider only (on the CPU 
 
 def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> str:
     """--variant auto: the variant the export measured fastest on `provider` among those that passed their gates
-    (the version's FASTEST_TAG); fp32 where nothing was measured (not a registered version, or no variant)."""
+    (the version's FASTEST_VARIANTS tag); fp32 where nothing was measured (not a registered version, or no variant)."""
     if kind not in ("alias", "version"):
         log.info("--variant auto: %s is not a registered version (no measurements to choose by): serving fp32", uri)
         return "fp32"
@@ -269,12 +239,12 @@ def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> st
     except Exception as exc:  # MlflowException, connection errors
         raise SourceError(f"cannot read {name} version {version} (registry {mlflow.get_registry_uri()}): {exc}") from exc
     try:
-        measured = json.loads(tags.get(FASTEST_TAG) or "{}")
+        measured = json.loads(tags.get(FASTEST_VARIANTS) or "{}")
         chosen = measured.get(provider)
     except (ValueError, AttributeError):
         measured, chosen = {}, None
     why = "the fastest the export measured"
-    if chosen is None and provider in GPU_PROVIDERS and recorded_hash_tag("fp16") in tags:
+    if chosen is None and provider in GPU_PROVIDERS and recorded_sha256(tags, onnx_file("fp16")):
         # The export ran where there was no GPU to measure on (a CPU machine): fp16 is a GPU's fast path (tensor
         # cores, half the bytes; ResNet-50 on an H100: bf16 2.1x fp32), and the version's fp16 file passed its gates.
         chosen, why = "fp16", "the export measured nothing on a GPU; its gated fp16 variant"
@@ -335,23 +305,17 @@ def find_onnx(path: Path, variant: str = "fp32") -> Path:
                       "point --model at one of them")
 
 
-def lineage(metadata: dict[str, str]) -> dict[str, str]:
-    """The LINEAGE_KEYS present in ONNX metadata, empty values left out."""
-    return {key: str(metadata[prop]).strip() for key, prop in LINEAGE_KEYS.items()
-            if str(metadata.get(prop) or "").strip()}
-
-
 def _labels(metadata: dict[str, str]) -> tuple[str, ...] | None:
-    raw = metadata.get("trainserve.labels")
+    raw = metadata.get(LABELS)
     if raw is None:
         return None
     try:
         labels = json.loads(raw)
     except ValueError:
-        log.warning("ignoring trainserve.labels metadata: not JSON: %.80s", raw)
+        log.warning("ignoring %s metadata: not JSON: %.80s", LABELS, raw)
         return None
     if not isinstance(labels, list):
-        log.warning("ignoring trainserve.labels metadata: not a JSON list")
+        log.warning("ignoring %s metadata: not a JSON list", LABELS)
         return None
     return tuple(str(x) for x in labels)
 

@@ -300,7 +300,7 @@ class PayloadLog:
         run_id = model.get("run_id")
         if not run_id:
             log.warning("not logging %s to MLflow: model %s version %s names no training run "
-                        "(trainserve.run_id metadata)", path.name, model.get("name"), model.get("version"))
+                        "(no run_id in its lineage metadata)", path.name, model.get("name"), model.get("version"))
             return
         try:
             if self._mlflow_client is None:

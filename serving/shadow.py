@@ -2,7 +2,7 @@
 the challenger's, computed off the request path), labels that arrive later, and a verdict.
 
 What a pair compares depends on what the model's metadata says it answers (never on a task's name):
-    a decision output (`trainserve.decision`: its argmax over axis 1 is the answer, a class per
+    a decision output (lineage.DECISION: its argmax over axis 1 is the answer, a class per
         sample or per pixel)   top-1 agreement of the two
     every other output         the mean |champion - challenger| per output
 Both latencies are kept (the champion's as the client saw it, the challenger's run), and the

@@ -102,6 +102,18 @@ def only_run(workdir: Path, experiment: str):
     return client, runs[0]
 
 
+def run_lineage(run_id: str, client=None) -> dict:
+    """A run's lineage.json artifact (serving/lineage.py: RUN_FILE), every stage's part."""
+    import json
+    import tempfile
+
+    import mlflow
+
+    client = client or mlflow.MlflowClient()
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads(Path(client.download_artifacts(run_id, "lineage.json", tmp)).read_text())
+
+
 @contextlib.contextmanager
 def small_tmpfs(directory: Path, size: str):
     """A tmpfs of `size` (e.g. "64k") mounted at `directory` for a full-disk test, unmounted after; skips the

@@ -19,6 +19,7 @@ alias moves, and nginx in front of them: shared by tests/test_rollout.py and ben
 
 from __future__ import annotations
 
+import json
 import contextlib
 import hashlib
 import os
@@ -36,10 +37,16 @@ import numpy as np
 import requests
 
 from serving_fixtures import ServerProcess, free_port, tiny_model
+from serving import lineage
 
 MODEL = "digits"
 ALIAS = f"models:/{MODEL}@champion"
-SHA_TAG = "trainserve.onnx_sha256"  # what `pipeline export` records for model.onnx (serving/loader.py checks it)
+SHA_TAG = lineage.SHA256  # what `pipeline export` records of model.onnx (serving/loader.py checks it): sha256_record
+
+
+def sha256_record(digest: str) -> str:
+    """A version's SHA256 tag naming model.onnx's digest, as export writes it."""
+    return json.dumps({"model.onnx": digest})
 
 
 def registered_versions(directory: Path, count: int, tracking_uri: str | None = None) -> str:
@@ -65,7 +72,7 @@ def registered_versions(directory: Path, count: int, tracking_uri: str | None = 
             version = str(info.registered_model_version)
             stored = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{version}",
                                                          dst_path=str(directory / f"stored-v{version}"))
-            client.set_model_version_tag(MODEL, version, SHA_TAG, sha256(Path(stored) / "model.onnx"))
+            client.set_model_version_tag(MODEL, version, SHA_TAG, sha256_record(sha256(Path(stored) / "model.onnx")))
         client.set_registered_model_alias(MODEL, "champion", "1")
     finally:
         mlflow.set_tracking_uri(previous)

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import requests
 from onnx import TensorProto, helper, numpy_helper
+from serving import lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,10 +102,10 @@ def _save(path, nodes, inits, size, classes, name, labels) -> Path:
     model.ir_version = 8
     props = {}
     if name:
-        props["trainserve.model_name"] = name
+        props[lineage.MODEL_NAME] = name
     if labels is not None:
         import json
-        props["trainserve.labels"] = json.dumps(labels)
+        props[lineage.LABELS] = json.dumps(labels)
     helper.set_model_props(model, props)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))

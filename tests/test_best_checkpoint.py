@@ -8,11 +8,12 @@ import re
 
 import pytest
 
-from conftest import TINY, only_run, run_cli
+from conftest import TINY, only_run, run_cli, run_lineage
 from pipeline.components.monitor import Monitor, build_monitor
 from pipeline.tasks.classification import Classification
 from pipeline.tasks.regression import Regression
 from pipeline.config import CheckpointConfig, ConfigError, TrainConfig
+from serving import lineage
 
 
 def test_the_monitor_keeps_the_best_and_counts_evaluations_without_a_real_improvement():
@@ -66,9 +67,10 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_the_best_survives_
     assert (record["step"], record["metric"], record["mode"]) == (best_step, "val/loss", "min")
     assert math.isclose(record["value"], best, rel_tol=1e-9)
     tags = client.get_run(run.info.run_id).data.tags
-    assert tags["trainserve.best_checkpoint"] == f"step_{best_step:08d}"
-    assert tags["trainserve.early_stopping"].startswith(f"early stopping at step {last}: val/loss did not improve")
-    assert run.info.status == "FINISHED" and tags["trainserve.stage.train"] == "done"
+    assert tags[lineage.BEST] == f"step_{best_step:08d}"
+    record = run_lineage(run.info.run_id, client)["training"]
+    assert record["early_stopping"].startswith(f"early stopping at step {last}: val/loss did not improve")
+    assert run.info.status == "FINISHED" and lineage.read_stages(tags[lineage.STAGES])["train"] == "done"
 
     # Downstream takes the best unless told --latest, and says which.
     run_cli(["consolidate", str(workdir / "outputs" / "es"), "--no-log"], cwd=workdir)

@@ -11,6 +11,7 @@ from pipeline.components.build import instantiate_model
 from pipeline.components.checkpoint import CheckpointError
 
 from conftest import CPU1, TINY, checkpoint_meta, mlflow_client, mlp_spec, model_from_checkpoint, run_cli
+from serving import lineage
 
 STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
          "train.eval_every=0"]
@@ -110,7 +111,7 @@ def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_f
         assert_bitwise_equal(weights(final(workdir, "straight")), weights(fetched))
         run_b, loss_b = losses(workdir, "killed_s3")
         assert run_b.info.status == "FINISHED" and sorted(loss_b) == list(range(1, 17))
-        assert run_b.data.tags["trainserve.checkpoint"] == f"{root}/step_00000016"
+        assert run_b.data.tags[lineage.LATEST] == "step_00000016"
 
         consolidated = run_cli(["consolidate", "--run-id", run_b.info.run_id], cwd=workdir, env=store.env)
         tensors = load_file(workdir / consolidated.stdout.strip().splitlines()[-1])
@@ -251,7 +252,7 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     """keep_last=1 deletes each checkpoint as the next one lands, while it may still be uploading."""
     import json
 
-    from conftest import only_run
+    from conftest import only_run, run_lineage
 
     torchrun(tmp_path, ["train.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=1",
                         "checkpoint.log_to_mlflow=all", "train.run_name=all"])
@@ -262,7 +263,7 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
         {f"step_{best:08d}", "step_00000012"})
     assert not (run_dir / "checkpoints-uploading").exists()
     client, run = only_run(tmp_path, "tiny")
-    assert "trainserve.checkpoint_upload_failures" not in run.data.tags
+    assert run_lineage(run.info.run_id, client)["training"]["checkpoint_upload_failures"] == []
     uploaded = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert uploaded == [f"checkpoints/step_{s:08d}" for s in sorted({4, best, 8, 12})]
     for step_dir in uploaded:  # each upload is whole: the sizes its marker records

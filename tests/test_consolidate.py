@@ -27,6 +27,9 @@ from pipeline.config import Config
 from pipeline.distributed import DistInfo
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.components.safetensors_writer import StreamingWriter, TensorSpec
+from serving import lineage
+
+from conftest import run_lineage
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -309,8 +312,8 @@ def test_logs_to_the_run_and_consolidates_from_a_run_id(tmp_path, monkeypatch):
     logged = sorted(a.path for a in client.list_artifacts(run_id, "consolidated"))
     assert logged == ["consolidated/model.json", "consolidated/model.safetensors"]
     tags = client.get_run(run_id).data.tags
-    assert tags["trainserve.consolidated.sha256"] == sha256(weights)
-    assert tags["trainserve.stage.consolidate"] == "done"
+    assert run_lineage(run_id, client)["consolidated"]["sha256"] == sha256(weights)
+    assert lineage.read_stages(tags[lineage.STAGES])["consolidate"] == "done"
 
 
 def test_an_unknown_run_id_is_named(tmp_path, monkeypatch, capsys):
@@ -431,7 +434,7 @@ def test_consolidate_after_pipeline_train_logs_to_the_same_run(workdir):
     client, run = only_run(workdir, "tiny")
     meta = json.loads((weights.parent / "model.json").read_text())
     assert meta["source"]["mlflow_run_id"] == run.info.run_id and meta["source"]["strategy"] == "fsdp"
-    assert run.data.tags["trainserve.consolidated.sha256"] == meta["sha256"] == sha256(weights)
-    assert run.data.tags["trainserve.stage.consolidate"] == "done"
+    assert run_lineage(run.info.run_id, client)["consolidated"]["sha256"] == meta["sha256"] == sha256(weights)
+    assert lineage.read_stages(run.data.tags[lineage.STAGES])["consolidate"] == "done"
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "consolidated")) == [
         "consolidated/model.json", "consolidated/model.safetensors"]

@@ -24,7 +24,10 @@ from pipeline.config import load_config
 from pipeline.components.weights import load_model, read_weights
 from pipeline.export import ExportResult, main
 from pipeline.datasets.images import ImageTensors
+from serving import lineage
 from serving_fixtures import ServerProcess, run_onnx
+
+from conftest import run_lineage
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
@@ -134,8 +137,8 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     assert [o.name for o in model.graph.output] == ["logits", "probabilities"]
     assert {op.domain: op.version for op in model.opset_import}[""] == 18
     props = {p.key: p.value for p in model.metadata_props}
-    assert props["trainserve.model_name"] == "resnet18-digits"
-    assert json.loads(props["trainserve.labels"]) == [str(d) for d in range(10)]
+    assert props[lineage.MODEL_NAME] == "resnet18-digits"
+    assert json.loads(props[lineage.LABELS]) == [str(d) for d in range(10)]
 
 
 def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):
@@ -157,14 +160,28 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     assert str(version.version) == exported.model_version
     meta = json.loads((trained["dir"] / "model.json").read_text())
     tags = version.tags
-    assert tags["trainserve.run_id"] == trained["run_id"]
-    assert tags["trainserve.weights_sha256"] == meta["sha256"]
-    assert tags["trainserve.checkpoint"] == meta["source"]["checkpoint"] and tags["trainserve.step"] == "30"
-    assert tags["trainserve.config_sha256"] == exported.report["weights"]["config_sha256"]
-    assert tags["trainserve.exporter"] == "dynamo"
-    # From the version back to the training run: its metrics and the stage tag.
-    run = client.get_run(tags["trainserve.run_id"])
-    assert run.data.tags["trainserve.stage.export"] == "done"
+    assert tags[lineage.RUN_ID] == trained["run_id"] == version.run_id
+    assert lineage.recorded_sha256(tags, "weights") == meta["sha256"]
+    assert tags[lineage.CHECKPOINT] == Path(meta["source"]["checkpoint"]).name
+    assert tags[lineage.STEP] == "30"
+    assert lineage.recorded_sha256(tags, "config") == exported.report["weights"]["config_sha256"]
+    assert lineage.recorded_sha256(tags, "model.onnx") == sha256_file(exported.onnx_path)
+    # A handful a person reads, no path of the machine that trained, and a description that says what it is.
+    trainserve_tags = {k: v for k, v in tags.items() if k.startswith(lineage.PREFIX)}
+    assert len(trainserve_tags) <= 10, sorted(trainserve_tags)
+    assert not [v for v in trainserve_tags.values() if str(Path.cwd()) in v or v.startswith("/")]
+    assert "pipeline.models:resnet18" in version.description and "step 30" in version.description
+    assert "passed parity.val" in version.description and "@champion" in version.description
+    assert "@champion" in client.get_registered_model("resnet18-digits").description
+    # From the version back to the training run: its metrics, the stage, and at most 12 tags a person reads.
+    run = client.get_run(tags[lineage.RUN_ID])
+    assert lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
+    assert len([k for k in run.data.tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(run.data.tags)
+    assert run.data.tags[lineage.CHECKPOINT] == tags[lineage.CHECKPOINT]
+    assert run.data.tags[lineage.VERDICT] == f"resnet18-digits v{exported.model_version} @champion"
+    whole = run_lineage(run.info.run_id, client)
+    assert whole["export"]["exporter"]["used"] == "dynamo" and whole["export"]["model"]["step"] == "30"
+    assert whole["export"]["registered"]["version"] == exported.model_version
     assert run.data.metrics["export.passed"] == 1.0 and run.data.metrics["export.failed_gates"] == 0
     # every gate's figures in one table the UI shows; a few headline ones as metrics, not dozens of one-bar charts
     exported_metrics = [k for k in run.data.metrics if k.startswith(("export.", "compare."))]
@@ -178,14 +195,14 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     feeds = {"input": trained["val_x"][:5]}
     assert np.array_equal(gates.run_onnx(served, feeds)["logits"],
                           gates.run_onnx(gates.session(exported.onnx_path), feeds)["logits"])
-    assert tags["trainserve.model_component"] == "pipeline.models:resnet18"
-    assert tags["trainserve.data_component"] == "pipeline.datasets:digits"
+    assert tags[lineage.MODEL] == "pipeline.models:resnet18"
+    assert tags[lineage.DATA] == "pipeline.datasets:digits"
     # The report the run's page shows is the one on disk, complete: version, alias, URI and hashes filled.
     stored = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=trained["run_id"],
                                                                  artifact_path="onnx/export_report.json")).read_text())
     assert stored == json.loads(exported.report_path.read_text())
     assert stored["model_version"] == exported.model_version and stored["alias"] == "champion"
-    assert stored["model_uri"] and stored["onnx_sha256"] and stored["drift_sha256"]
+    assert stored["model_uri"] and stored["sha256"]["model.onnx"] and stored["sha256"]["drift_reference.json"]
 
 
 def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
@@ -286,9 +303,9 @@ def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(exp
     path = exported.onnx_path.with_name(uint8_inputs.FILE)
     variant = onnx.load(str(path))
     assert [i.type.tensor_type.elem_type for i in variant.graph.input] == [onnx.TensorProto.UINT8]
-    assert {p.key: p.value for p in variant.metadata_props}["trainserve.uint8_inputs"] == "input"
+    assert {p.key: p.value for p in variant.metadata_props}[lineage.UINT8_INPUTS] == "input"
     version = mlflow.MlflowClient().get_model_version("resnet18-digits", exported.model_version)
-    assert version.tags["trainserve.onnx_uint8_sha256"] == sha256_file(path)
+    assert lineage.recorded_sha256(version.tags, "model.uint8.onnx") == sha256_file(path)
 
     # Served from the registry: UINT8 pixel values in, what the fp32 graph answers for those values / 255 out.
     pixels = uint8_inputs.rounded(trained["val_x"][:3])
@@ -380,12 +397,12 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(trained, 
     assert "candidate" in decision["reason"] and "worse" in decision["reason"] and "if_not_worse" in decision["reason"]
     assert "not promoted" in again["stdout"] and "@challenger" in again["stdout"]
     version = client.get_model_version(name, "3")
-    assert version.tags["trainserve.promotion"] == "not promoted"
+    assert version.tags[lineage.PROMOTION] == "not promoted" and "@challenger" in version.description
     run = client.get_run(trained["run_id"])
     figures = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
     compared = figures[(figures.gate == "compare") & (figures.figure == "champion.accuracy")]
     assert list(compared.value) == [pytest.approx(decision["champion"]["accuracy"])]  # this export's: replaced
-    assert run.data.metrics["compare.gain"] < 0 and run.data.tags["trainserve.promotion"] == "not promoted"
+    assert run.data.metrics["compare.gain"] < 0 and run.data.tags[lineage.VERDICT].endswith("not promoted")
 
     forced = export(worse, "export.promote=always")
     assert forced["promotion"]["promote"] and champion() == forced["model_version"] == "4"
@@ -413,7 +430,7 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
                               [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3])],
                               [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])])
         m = helper.make_model(g)
-        helper.set_model_props(m, {"trainserve.task": task})
+        helper.set_model_props(m, {lineage.TASK: task})
         onnx.save(m, str(path))
         return path
 
@@ -441,3 +458,4 @@ def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
 
     got, gain, reason = verdict(mine, theirs, mode, promote, tolerance)
     assert got is moves and promote in reason and "{}" in reason
+

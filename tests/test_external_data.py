@@ -27,6 +27,7 @@ from pipeline.tasks import build_task
 from conftest import REPO
 from serving_fixtures import ServerProcess
 from serving.loader import SourceError, load_model
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +81,8 @@ def test_the_weights_go_to_a_data_file_named_by_the_graph_and_every_gate_passes(
     assert locations == {"model.onnx.data"}  # renamed from the candidate's with the file
     assert not list(result.onnx_path.parent.glob("model.candidate.onnx*"))
     tags = mlflow.MlflowClient().get_model_version(NAME, "1").tags
-    assert tags["trainserve.onnx_data_sha256"] == file_sha256(data) == result.report["onnx_data_sha256"]
-    assert tags["trainserve.onnx_sha256"] == file_sha256(result.onnx_path)
+    assert lineage.recorded_sha256(tags, "model.onnx.data") == file_sha256(data) == result.report["sha256"]["model.onnx.data"]
+    assert lineage.recorded_sha256(tags, "model.onnx") == file_sha256(result.onnx_path)
 
 
 def test_the_server_loads_the_pair_from_the_registry_and_answers_as_onnxruntime_does(registered, tmp_path):
@@ -112,7 +113,7 @@ def test_a_data_file_changed_in_the_store_is_refused_by_the_servers_loader_and_b
     finally:
         stored.write_bytes(original)
     assert reports[0].status == "FAIL" and "model.onnx.data sha256" in reports[0].detail
-    assert f"!= the version's recorded {tags['trainserve.onnx_data_sha256'][:16]}" in reports[0].detail
+    assert f"!= the version's recorded {lineage.recorded_sha256(tags, 'model.onnx.data')[:16]}" in reports[0].detail
     again: list = []
     verify.onnx_link(NAME, "1", tags, tmp_path / "verify-again", again.append)
     assert again[0].status == "ok", again[0].detail

@@ -24,6 +24,7 @@ from pipeline.export import main
 from pipeline.tasks import build_task
 from serving_fixtures import ServerProcess, heavy_model, run_onnx, tiny_model
 from test_export import write_weights
+from serving import lineage
 
 MODEL = "int8_models:OutlierNet"
 EXPERIMENT = "int8"
@@ -107,12 +108,12 @@ def test_the_variant_is_registered_measured_and_served(exported, store, tmp_path
     client = mlflow.MlflowClient()
     version = client.get_model_version("outlier", exported.model_version)
     path = exported.onnx_path.with_name(int8.FILE)
-    assert version.tags["trainserve.onnx_int8_sha256"] == file_sha256(path)
+    assert lineage.recorded_sha256(version.tags, int8.FILE) == file_sha256(path)
     local = mlflow.artifacts.download_artifacts(f"models:/outlier/{exported.model_version}", dst_path=str(tmp_path))
     assert (tmp_path / local / int8.FILE).read_bytes() == path.read_bytes()
     measured = report["variants_measured"]["CPUExecutionProvider"]
     assert set(measured) == {"fp32", "int8"} and all(v["batch32_per_s"] > 0 for v in measured.values())
-    fastest = json.loads(version.tags["trainserve.fastest_variants"])["CPUExecutionProvider"]
+    fastest = json.loads(version.tags[lineage.FASTEST_VARIANTS])["CPUExecutionProvider"]
     assert fastest == max(measured, key=lambda v: measured[v]["batch32_per_s"])
 
     x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
@@ -138,7 +139,7 @@ def test_an_int8_that_fails_its_gates_is_rejected_and_named_so(weights, store, t
     assert not report["passed"] and report["excluded"] == [] and "int8.parity.val" in report["failed_gates"]
     assert not (tmp_path / int8.FILE).exists() and (tmp_path / int8.REJECTED).is_file()
     version = mlflow.MlflowClient().get_model_version("outlier-rejected", result.model_version)
-    assert "trainserve.onnx_int8_sha256" not in version.tags and "trainserve.fastest_variants" not in version.tags
+    assert not lineage.recorded_sha256(version.tags, int8.FILE) and lineage.FASTEST_VARIANTS not in version.tags
     local = mlflow.artifacts.download_artifacts(f"models:/outlier-rejected/{result.model_version}",
                                                 dst_path=str(tmp_path / "dl"))
     assert not list((tmp_path / "dl").rglob("*int8*")), local
@@ -150,9 +151,9 @@ def test_the_kind_follows_the_graph_and_dynamic_quantizes_a_linear_model(tmp_pat
     assert int8.choose_mode(onnx.load(str(linear)), "auto") == "dynamic"
     assert int8.choose_mode(onnx.load(str(conv)), "dynamic") == "dynamic"
     prepared = int8.prepare(linear, tmp_path / "prepared.onnx")
-    out = int8.quantize(prepared, tmp_path / "q.onnx", "dynamic", [], [], {"trainserve.model_name": "tiny"})
+    out = int8.quantize(prepared, tmp_path / "q.onnx", "dynamic", [], [], {lineage.MODEL_NAME: "tiny"})
     q = onnx.load(str(out))
     assert any(n.op_type in ("DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul") for n in q.graph.node)
-    assert {p.key: p.value for p in q.metadata_props} == {"trainserve.model_name": "tiny"}
+    assert {p.key: p.value for p in q.metadata_props} == {lineage.MODEL_NAME: "tiny"}
     x = np.random.default_rng(1).random((4, 1, 8, 8), dtype=np.float32)
     np.testing.assert_allclose(run_onnx(out, x)["probabilities"], run_onnx(linear, x)["probabilities"], atol=0.05)

@@ -15,6 +15,8 @@ import requests
 
 from conftest import REPO, mlflow_client, run_cli
 from serving_fixtures import ServerProcess
+from serving import lineage
+import json
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +136,8 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
     client = mlflow_client(workdir)
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
     tags = client.get_model_version(NAME, "3").tags
-    assert tags["trainserve.shadow.verdict"] == "promote" and int(tags["trainserve.shadow.pairs"]) >= 200
-    assert float(tags["trainserve.shadow.agreement"]) == 1.0
+    figures = json.loads(tags[lineage.SHADOW])
+    assert tags[lineage.SHADOW_VERDICT] == "promote" and figures["pairs"] >= 200 and figures["agreement"] == 1.0
+    assert "@champion since `pipeline promote`: shadow verdict promote" in client.get_model_version(NAME, "3").description.replace("\\", "")
     log = (tmp_path / "server.log").read_text()
     assert f"drift: {NAME} version 1 input 'input': PSI" in log, log[-3000:]

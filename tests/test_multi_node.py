@@ -22,10 +22,11 @@ import time
 
 import pytest
 
-from conftest import TINY, cli_env
+from conftest import TINY, cli_env, run_lineage
 from hosts import hosts  # noqa: F401  (the fixture)
 from object_store import moto_s3
 from services import mlflow_server, postgres
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -152,12 +153,11 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
                   timeout=180)
             b.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], env=b_env, timeout=240)
         phase("consolidate + export on B, consolidate the reference meanwhile")
-        tags = {name: client.get_run(run.info.run_id).data.tags for name, run in runs.items()}
         # Bit-exact: the resumed two-host run's final weights are the uninterrupted local run's.
-        assert (tags["two-hosts"]["trainserve.consolidated.sha256"]
-                == tags["local"]["trainserve.consolidated.sha256"])
+        assert (run_lineage(runs["two-hosts"].info.run_id, client)["consolidated"]["sha256"]
+                == run_lineage(runs["local"].info.run_id, client)["consolidated"]["sha256"])
         version = client.get_model_version_by_alias("digits-two-hosts", "champion")
-        assert version.run_id == run_id and version.tags["trainserve.run_id"] == run_id
+        assert version.run_id == run_id and version.tags[lineage.RUN_ID] == run_id
 
         # Served on host B from the registry alias, asked from host A; then the chain re-proved from host A.
         # On an address other than loopback the server starts only with a token (TRAINSERVE_AUTH_TOKEN).
@@ -194,6 +194,8 @@ for _ in range(240):
 else:
     sys.exit("server not ready")
 from sklearn.datasets import load_digits
+from serving import lineage
+from conftest import run_lineage
 image = (load_digits().images[0] / 16.0).tolist()
 reply = requests.post(base + "/invocations", json={"inputs": {"input": [[image]]}}, timeout=30,
                       headers={"Authorization": "Bearer " + os.environ["TRAINSERVE_AUTH_TOKEN"]})

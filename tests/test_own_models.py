@@ -20,6 +20,7 @@ from pipeline.config import load_config
 
 from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
 from serving_fixtures import ServerProcess, free_port
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +66,9 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     version = client.get_model_version_by_alias(registered, "champion")
     run = client.get_run(version.run_id)
     cfg = load_config(REPO / f"configs/{name}.yaml")
-    assert run.info.status == "FINISHED" and run.data.tags["trainserve.stage.export"] == "done"
-    assert version.tags["trainserve.model_component"] == cfg.model.component
-    assert version.tags["trainserve.data_component"] == cfg.data.component
+    assert run.info.status == "FINISHED" and lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
+    assert version.tags[lineage.MODEL] == cfg.model.component
+    assert version.tags[lineage.DATA] == cfg.data.component
     assert metric in run.data.metrics and run.data.metrics["export.passed"] == 1.0
     # The user's component modules are logged with the run, as MLflow's code_paths would.
     module = next(c for c in (cfg.model.component, cfg.data.component) if c.startswith("examples.")).split(":")[0]
@@ -274,7 +275,7 @@ def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
     _, workdir, _ = example
     exported = workdir / "outputs/mine/onnx/model.onnx"
     meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
-    assert json.loads(meta["trainserve.max_lengths"]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
+    assert json.loads(meta[lineage.MAX_LENGTHS]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
     with ServerProcess("--model", str(exported), "--model-name", "seq") as server:
         assert requests.get(f"{server.url}/v2/models/seq", timeout=10).json()["parameters"]["max_lengths"] == \
             {"mask": {"1": 128}, "tokens": {"1": 128}}

@@ -29,6 +29,7 @@ from test_serving_receipts import (
 
 from serving.cli import main as serve_main
 from serving.payload_log import PayloadLog, Record
+from serving import lineage
 
 KIB = 1024
 
@@ -145,7 +146,7 @@ def test_every_request_of_the_sample_is_logged_once_and_no_other(model, tmp_path
         assert rec["status"] == 200 and rec["endpoint"] == ("/invocations" if kind == "invocations"
                                                             else "/v2/models/{name}/infer")
         assert rec["model"] == {"name": "affine", "version": "1", "run_id": "run-payloads",
-                                "weights_sha256": lineage_metadata(1, "run-payloads")["trainserve.weights_sha256"],
+                                "weights_sha256": lineage_metadata(1, "run-payloads")[lineage.WEIGHTS_SHA256],
                                 "onnx_sha256": hashlib.sha256(model.read_bytes()).hexdigest(), "source": str(model)}
         assert rec["inputs"]["input"]["dtype"] == "float32" and rec["inputs"]["input"]["shape"] == list(x.shape)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)

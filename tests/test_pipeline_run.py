@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, cli_env, mlflow_client, run_cli
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,30 @@ def assert_console_is_clean(text: str) -> None:
     assert not foreign, "third-party chatter or Python warnings:\n" + "\n".join(foreign) + "\n--- all:\n" + text
     assert not [line for line in lines if "Warning:" in line or "warnings.warn" in line], text
     assert len(lines) <= MAX_QUICK_START_LINES, f"{len(lines)} lines:\n{text}"
+
+
+def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id: str) -> None:
+    """`pipeline ui` in headless Chromium: the run, the registered version and the logged model pages, as a person
+    reads them after the quick start (screenshots kept: tests/browser.py)."""
+    import browser
+
+    step, checkpoint = version.tags[lineage.STEP], version.tags[lineage.CHECKPOINT]
+    experiment = run.info.experiment_id
+    with browser.mlflow_ui(workdir) as ui:
+        text, dom = browser.page(f"{ui}/#/experiments/{experiment}/runs/{run.info.run_id}", "mlflow-run")
+        assert re.search(r"Datasets digits-train \(\w+\) training", text), text[:6000]  # its datasets
+        tags = dict(re.findall(r"(trainserve\.\w+) : (.+?)(?= trainserve\.| Registered models)", text))
+        assert tags[lineage.CHECKPOINT] == checkpoint and tags[lineage.VERDICT] == "resnet18-digits v1 @champion", tags
+        assert re.search(r"Registered models\s+resnet18-digits\s+v1", text), text[:3000]
+        assert "github.com/champion" not in dom  # "@champion" in the description is not a user's link
+        text, dom = browser.page(f"{ui}/#/models/resnet18-digits/versions/{version.version}", "mlflow-version")
+        assert "Version 1" in text and "champion" in text, text[:3000]  # the alias
+        assert f"checkpoint {checkpoint} (step {step})" in text and re.search(r"Gates\s*:\s*\d+ of \d+ passed", text), text[:3000]  # its description
+        assert "passed parity.val" in text and "first model: resnet18-digits has no @champion yet" in text, text[:3000]
+        assert "github.com/champion" not in dom and "/tmp/" not in text  # no link to a stranger; no local path
+        text, _ = browser.page(f"{ui}/#/experiments/{experiment}/models/{model_id}", "mlflow-logged-model")
+        assert re.search(r"Datasets used\s+digits-val", text), text[:3000]  # not "None"
+        assert "val/accuracy" in text and "export.passed" not in text, text[:3000]  # the step's metrics, not the gates'
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -99,17 +124,16 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     run = client.get_run(version.run_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
-    for stage in ("train", "consolidate", "export", "pipeline"):
-        assert tags[f"trainserve.stage.{stage}"] == "done", stage
+    assert tags[lineage.STAGES] == "done: train, consolidate, export, pipeline"
     assert "registered **resnet18-digits** version 1" in tags["mlflow.note.content"]
     promotion = next(line for line in tags["mlflow.note.content"].splitlines() if line.startswith("- promotion:"))
     assert "no \\@champion yet" in promotion, promotion  # Markdown-escaped: the UI made "@champion" a user's link
     # The data behind the run: both splits as MLflow datasets, whose digests the registered version names.
     datasets = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run.inputs.dataset_inputs}
     assert set(datasets) == {"digits-train", "digits-val"}
-    assert datasets["digits-train"]["mlflow.data.context"] == "training" and datasets["digits-train"]["trainserve.samples"] == "1438"
+    assert datasets["digits-train"]["mlflow.data.context"] == "training" and datasets["digits-train"][lineage.DATASET_SAMPLES] == "1438"
     for split in ("train", "val"):
-        assert version.tags[f"trainserve.data.{split}_sha256"] == datasets[f"digits-{split}"]["trainserve.sha256"]
+        assert lineage.recorded_sha256(version.tags, split) == datasets[f"digits-{split}"][lineage.DATASET_SHA256]
     # Two ranks evaluated disjoint halves of the split during training; export evaluated the
     # consolidated weights in one process over all of it. The counts must add up exactly.
     metrics = run.data.metrics
@@ -125,12 +149,16 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     assert Path(report["figure"]).name == "confusion_matrix.png"
     assert "onnx/confusion_matrix.png" in {a.path for a in client.list_artifacts(run.info.run_id, "onnx")}
     linked = [m for m in client.get_logged_model(report["model_uri"].removeprefix("models:/")).metrics or []]
-    assert [m for m in linked if m.key == "val/accuracy" and m.step == int(version.tags["trainserve.step"])
+    assert [m for m in linked if m.key == "val/accuracy" and m.step == int(version.tags[lineage.STEP])
             and m.dataset_name == "digits-val"], linked
     assert not [m for m in linked if m.key.startswith(("export.", "system/"))], linked
     # ...and the datasets say what they hold, for the UI's drawer: a schema and a profile
     val = next(d.dataset for d in run.inputs.dataset_inputs if d.dataset.name == "digits-val")
-    assert "input" in val.schema and json.loads(val.profile)["samples"] == 359
+    profile = json.loads(val.profile)
+    assert "input" in val.schema and profile["samples"] == 359 == sum(profile["targets"]["classes"].values())
+    assert set(profile["targets"]["classes"]) == {str(c) for c in range(10)}, profile
+    # ...and the MLflow UI shows all this to a person, in a real browser
+    assert_the_mlflow_ui_shows_the_record(tmp_path, run, version, report["model_uri"].removeprefix("models:/"))
 
     again = run_cli(["run", "--config", "configs/digits_resnet18.yaml", "--nproc-per-node", "2", "train.epochs=3",
                      "train.run_name=quick"], cwd=tmp_path)
@@ -183,7 +211,7 @@ def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
     assert "the server's answer equals the PyTorch model's" in proc.stdout
     client = mlflow_client(tmp_path)
     version = client.get_model_version_by_alias("my-tabular-net", "champion")
-    assert version.tags["trainserve.model_component"] == "my_project.tabular:TabularNet"
+    assert version.tags[lineage.MODEL] == "my_project.tabular:TabularNet"
     run = client.get_run(version.run_id)
     assert {"code/my_project/tabular.py"} <= {a.path for a in client.list_artifacts(run.info.run_id, "code/my_project")}
 
@@ -210,3 +238,4 @@ def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"serve.port={port} on 127.0.0.1 is taken" in proc.stderr and "serve.port=0 for any free one" in proc.stderr
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
+

@@ -1,11 +1,12 @@
 """A registry version's bytes against its record: the server hashes the ONNX it loads and refuses one whose
-sha256 is not the version's `trainserve.onnx_sha256`; every receipt names the hash of the bytes that computed
+sha256 is not the one the version records (lineage.SHA256); every receipt names the hash of the bytes that computed
 it; `pipeline verify --server` compares those bytes, and says "incomplete" when a link could not be checked.
 A real MLflow SQLite store, real server processes."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from onnx import numpy_helper
 from pipeline import verify
 from serving_fixtures import ROOT, ServerProcess, free_port, metric, tiny_model
 from test_serving_receipts import affine_model, lineage_metadata
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +63,8 @@ def registry(tmp_path):
                                       pip_requirements=["onnxruntime"])
         client = mlflow.MlflowClient()
         for version in ("1", "2"):
-            client.set_model_version_tag("digits", version, "trainserve.onnx_sha256",
-                                         sha256(stored_onnx(client, "digits", version)))
+            client.set_model_version_tag("digits", version, lineage.SHA256,
+                                         json.dumps({"model.onnx": sha256(stored_onnx(client, "digits", version))}))
         client.set_registered_model_alias("digits", "champion", "1")
     finally:
         mlflow.set_tracking_uri(previous)
@@ -103,7 +105,7 @@ def test_verify_server_compares_the_bytes_served_not_their_claims(tmp_path):
     Here it fails on the bytes' hash; against the genuine file it is ok."""
     props = lineage_metadata(1, "run-1")  # what the file claims: the weights it was exported from
     genuine = affine_model(tmp_path / "genuine.onnx", 1, props)
-    tags = {"trainserve.onnx_sha256": sha256(genuine)}
+    tags = {lineage.SHA256: json.dumps({"model.onnx": sha256(genuine)})}
     forged = tmp_path / "forged.onnx"
     forged.write_bytes(genuine.read_bytes())
     tamper(forged)

@@ -121,7 +121,7 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
     corrupt.write_bytes(corrupt.read_bytes()[:-16] + b"\0" * 16)
     broken = fleet.stored_onnx(client, "4")
     broken.write_bytes(b"not an onnx model")
-    client.set_model_version_tag("digits", "4", fleet.SHA_TAG, fleet.sha256(broken))
+    client.set_model_version_tag("digits", "4", fleet.SHA_TAG, fleet.sha256_record(fleet.sha256(broken)))
     fleet.move_alias(registry, "1")
     with fleet.replicas(1, registry, tmp_path, extra=BATCHING) as (server,):
         with fleet.ReadyWatch([server.url]) as watch, fleet.Load([server.url], clients=2) as load:

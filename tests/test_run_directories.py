@@ -19,6 +19,7 @@ from pipeline.config import load_config
 from pipeline.train import default_run_name
 
 from conftest import CPU1, TINY, checkpoint_meta, cli_env, mlp_spec, only_run, run_cli
+from serving import lineage
 
 HOLD = textwrap.dedent("""
     import sys, time
@@ -98,7 +99,7 @@ def test_a_resume_from_an_older_step_sets_the_later_timeline_aside(tmp_path):
     aside = list((tmp_path / "outputs/rewound/checkpoints.abandoned").iterdir())
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_00000012", "step_00000016"]
     client, run = only_run(tmp_path, "tiny")
-    assert run.data.tags["trainserve.checkpoint"].endswith("step_00000010")
+    assert run.data.tags[lineage.LATEST] == "step_00000010"
     # The run's artifacts hold step 16 (the first attempt's final upload) and step 10: a download takes 10.
     found = checkpoint_store.resolve_resume(run.info.run_id, tmp_path / "elsewhere" / "checkpoints", CPU1)
     assert found.name == "step_00000010"
@@ -119,7 +120,8 @@ def test_a_damaged_state_file_is_an_error_that_names_it(tmp_path):
 def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
     """The review's sweep: two runs sharing a directory deleted each other's checkpoints."""
     first = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
-                              "train.max_steps=100000", "train.run_name=busy", "tracking.system_metrics=false"],
+                              "train.max_steps=100000", "train.run_name=busy", "tracking.system_metrics=false",
+                              "--verbose"],  # each "checkpoint saved" line
                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
@@ -155,7 +157,8 @@ def test_a_rank_0_killed_under_a_plain_torchrun_is_closed_by_the_next_command(tm
     closed = run_cli(["consolidate", str(tmp_path / "outputs/orphan"), "--latest"], cwd=tmp_path)
     assert "was left RUNNING by pid" in closed.stderr and "which is gone: marked FAILED" in closed.stderr
     _, run = only_run(tmp_path, "tiny")
-    assert run.info.status == "FAILED" and run.data.tags["trainserve.stage.train"] == "failed"
+    assert run.info.status == "FAILED" and lineage.read_stages(run.data.tags[lineage.STAGES])["train"] == "failed"
+    assert run.data.tags[lineage.PROCESS].startswith("gone: ")
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +187,8 @@ def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_runni
         run_cli(["consolidate", str(workdir / "outputs/done"), "--latest"], cwd=workdir)
         client, run = only_run(workdir, "tiny")
     assert run.info.status == "FINISHED", how  # the training's own status, not FAILED, not RUNNING
-    assert run.data.tags["trainserve.stage.export"] == "failed" and run.data.tags["trainserve.stage.train"] == "done"
+    stages = lineage.read_stages(run.data.tags[lineage.STAGES])
+    assert stages["export"] == "failed" and stages["train"] == "done", stages
 
 
 @pytest.mark.parametrize("component, args, stem", [

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from serving_fixtures import ROOT, ServerProcess, _save_graph, free_port, gather_model, tiny_model
+from serving import lineage
 
 LIMIT = 8
 
@@ -25,7 +26,7 @@ LIMIT = 8
 def positions_model(path, limit: int = LIMIT):
     """`ids` INT64 [batch, n] -> `out` [batch, n, 3]: ids plus a position table of `limit` rows, as a token
     model's position embedding. Past `limit` onnxruntime fails inside (Gather out of bounds), as the review's
-    model did with "invalid expand shape"; export recorded the limit in trainserve.max_lengths."""
+    model did with "invalid expand shape"; export recorded the limit in lineage.MAX_LENGTHS."""
     graph = helper.make_graph(
         [helper.make_node("Shape", ["ids"], ["shape"]),
          helper.make_node("Gather", ["shape", "one"], ["n"], axis=0),
@@ -41,7 +42,7 @@ def positions_model(path, limit: int = LIMIT):
          numpy_helper.from_array(np.array([-1], np.int64), "last")])
     path = _save_graph(path, graph, 17)
     model = onnx.load(str(path))
-    model.metadata_props.add(key="trainserve.max_lengths", value='{"ids": {"1": %d}}' % limit)
+    model.metadata_props.add(key=lineage.MAX_LENGTHS, value='{"ids": {"1": %d}}' % limit)
     onnx.save(model, str(path))
     return path
 

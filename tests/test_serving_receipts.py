@@ -19,17 +19,18 @@ import pytest
 import requests
 from onnx import TensorProto, helper, numpy_helper
 from serving_fixtures import ServerProcess, metric, tiny_model
+from serving import lineage
+from serving.lineage import Lineage
 
 W = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
 
 
 def lineage_metadata(version: int, run_id: str) -> dict[str, str]:
     """What the exporter writes into the ONNX file (pipeline/export.py)."""
-    return {"trainserve.run_id": run_id, "trainserve.checkpoint_step": str(100 * version),
-            "trainserve.checkpoint": f"/runs/{run_id}/checkpoints/step-{100 * version}",
-            "trainserve.config_sha256": hashlib.sha256(f"config{version}".encode()).hexdigest(),
-            "trainserve.weights_sha256": hashlib.sha256(f"weights{version}".encode()).hexdigest(),
-            "trainserve.model_component": "pipeline.models:mlp", "trainserve.data_component": "pipeline.data:digits"}
+    return Lineage(run_id=run_id, step=str(100 * version), checkpoint=f"step_{100 * version:08d}",
+                   config_sha256=hashlib.sha256(f"config{version}".encode()).hexdigest(),
+                   weights_sha256=hashlib.sha256(f"weights{version}".encode()).hexdigest(),
+                   model="pipeline.models:mlp", data="pipeline.data:digits").metadata()
 
 
 def affine_model(path: Path, version: int, metadata: dict[str, str] | None = None) -> Path:
@@ -41,7 +42,7 @@ def affine_model(path: Path, version: int, metadata: dict[str, str] | None = Non
         [numpy_helper.from_array(W, "W"), numpy_helper.from_array(np.array([1000.0 * version], np.float32), "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    helper.set_model_props(model, {"trainserve.model_name": "affine", **(metadata or {})})
+    helper.set_model_props(model, {lineage.MODEL_NAME: "affine", **(metadata or {})})
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
@@ -112,7 +113,7 @@ def served(tmp_path_factory):
 def test_every_inference_answer_names_the_request_and_the_model(served):
     srv, meta, _ = served
     want_model = {"X-Model-Name": "affine", "X-Model-Version": "1", "X-Model-Run-Id": "run-abc123",
-                  "X-Model-Weights-Sha256": meta["trainserve.weights_sha256"]}
+                  "X-Model-Weights-Sha256": meta[lineage.WEIGHTS_SHA256]}
     x = inputs(3, seed=1)
     with requests.Session() as http:
         for kind in KINDS:
@@ -165,8 +166,8 @@ def test_refusals_carry_the_receipt_and_bad_request_ids_are_named(served):
 
 def test_model_metadata_shows_the_lineage_of_the_served_file(served, tmp_path):
     srv, meta, path = served
-    want = {"run_id": "run-abc123", "checkpoint_step": "100", "checkpoint": "/runs/run-abc123/checkpoints/step-100",
-            "config_sha256": meta["trainserve.config_sha256"], "weights_sha256": meta["trainserve.weights_sha256"],
+    want = {"run_id": "run-abc123", "checkpoint_step": "100", "checkpoint": "step_00000100",
+            "config_sha256": meta[lineage.CONFIG_SHA256], "weights_sha256": meta[lineage.WEIGHTS_SHA256],
             "model_component": "pipeline.models:mlp", "data_component": "pipeline.data:digits", "source": str(path),
             "onnx_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}  # the bytes loaded, not a claim of theirs
     for url in ("/v2/models/affine", "/v2/models/affine/versions/1"):
@@ -216,7 +217,7 @@ def check_answer(r: requests.Response, x: np.ndarray, y: np.ndarray, body: dict,
     np.testing.assert_allclose(y, expected(x, version), rtol=1e-6)
     assert model_headers(r) == {"X-Model-Name": "affine", "X-Model-Version": str(version),
                                 "X-Model-Run-Id": runs[version],
-                                "X-Model-Weights-Sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"]}
+                                "X-Model-Weights-Sha256": lineage_metadata(version, runs[version])[lineage.WEIGHTS_SHA256]}
     if "model_version" in body:
         assert body["model_version"] == str(version)
     return version
@@ -311,7 +312,7 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
     for x, y, rid, version in answers:
         rec = by_id[rid]
         assert rec["model"] == {"name": "affine", "version": str(version), "run_id": runs[version],
-                                "weights_sha256": lineage_metadata(version, runs[version])["trainserve.weights_sha256"],
+                                "weights_sha256": lineage_metadata(version, runs[version])[lineage.WEIGHTS_SHA256],
                                 "onnx_sha256": rec["model"]["onnx_sha256"], "source": f"models:/affine/{version}"}
         assert len(rec["model"]["onnx_sha256"]) == 64
         np.testing.assert_array_equal(np.asarray(rec["outputs"]["y"]["data"], np.float32), y)
@@ -334,7 +335,7 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
 
     traced = run_cli(["trace", "held", "--payload-log", str(payloads), "--tracking-uri", env["MLFLOW_TRACKING_URI"]],
                      cwd=tmp_path).stdout
-    assert "model       affine v1, weights sha256 " + lineage_metadata(1, runs[1])["trainserve.weights_sha256"] in traced
+    assert "model       affine v1, weights sha256 " + lineage_metadata(1, runs[1])[lineage.WEIGHTS_SHA256] in traced
     assert f"run         {runs[1]} " in traced and "models:/affine/1" in traced, traced
     missing = run_cli(["trace", "never-sent", "--payload-log", str(payloads)], cwd=tmp_path, check=False)
     assert missing.returncode == 2 and "request never-sent is not in the payload log" in missing.stderr

@@ -13,7 +13,8 @@ from pipeline.components import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.config import flatten, load_config
 
-from conftest import REPO, TINY, cli_env, model_from_checkpoint, only_run, run_cli
+from conftest import REPO, TINY, cli_env, model_from_checkpoint, only_run, run_cli, run_lineage
+from serving import lineage
 
 pytestmark = pytest.mark.slow
 
@@ -46,18 +47,19 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
         assert key in run.data.metrics, key
     assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)
     tags = run.data.tags
-    assert tags["trainserve.world_size"] == "2" and tags["trainserve.precision"] == "fp32"
-    assert tags["trainserve.device"] == "cpu" and tags["trainserve.stage.train"] == "done"
-    assert len(tags["trainserve.git_commit"]) == 40
+    assert tags[lineage.SETUP] == "2 x cpu, ddp, fp32" and lineage.read_stages(tags[lineage.STAGES]) == {"train": "done"}
+    assert len(tags[lineage.GIT]) == 12 and lineage.PROCESS not in tags  # bookkeeping gone with the process
+    assert len([k for k in tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(tags)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "confusion_matrix.png", "checkpoints"} <= artifacts
     assert "code" not in artifacts  # built-in components: nothing of the user's to keep
-    assert tags["trainserve.component.model"] == "pipeline.models:resnet18"
+    assert tags[lineage.MODEL] == "pipeline.models:resnet18"
     ckpts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     # The final checkpoint, and the best one when it is another (checkpoint.log_to_mlflow=last).
-    best = f"checkpoints/{tags['trainserve.best_checkpoint']}"
-    assert ckpts == sorted({best, "checkpoints/step_00000132"}) and tags["trainserve.monitor"] == "val/accuracy (max)"
-    assert float(tags["trainserve.best.val_accuracy"]) == pytest.approx(max(accuracy), abs=1e-6)
+    best = f"checkpoints/{tags[lineage.BEST]}"
+    record = run_lineage(run.info.run_id, client)["training"]
+    assert ckpts == sorted({best, "checkpoints/step_00000132"}) and record["monitor"] == "val/accuracy (max)"
+    assert record["best_value"] == pytest.approx(max(accuracy), abs=1e-6) and tags[lineage.LATEST] == "step_00000132"
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, ckpts[0])}
     assert {".metadata", "COMPLETE", "trainserve.json", "__0_0.distcp", "__1_0.distcp"} <= files
 
@@ -134,7 +136,7 @@ def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
     joined = "\n".join(outs)
     assert "[rank0]" in joined and "[rank1]" in joined and "world size 2" in joined
     client, run = only_run(workdir, "tiny")
-    assert run.info.status == "FINISHED" and run.data.tags["trainserve.world_size"] == "2"
+    assert run.info.status == "FINISHED" and run.data.tags[lineage.SETUP].startswith("2 x cpu")
 
 
 def test_replica_check_catches_a_planted_divergence(workdir):
@@ -155,7 +157,7 @@ def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     for run in client.search_runs([client.get_experiment_by_name("tiny").experiment_id]):
-        accuracy[run.data.tags["trainserve.precision"]] = run.data.metrics["val/accuracy"]
+        accuracy[run.data.tags[lineage.SETUP].rsplit(", ", 1)[1]] = run.data.metrics["val/accuracy"]
     assert accuracy["fp32"] >= 0.9, accuracy
     # The stated margin: bf16 autocast may cost at most 3 points of validation accuracy.
     assert accuracy["bf16"] >= accuracy["fp32"] - 0.03, accuracy
@@ -189,7 +191,7 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     assert proc.returncode != 0
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
-    assert run.data.tags["trainserve.stage.train"] == "failed"
+    assert lineage.read_stages(run.data.tags[lineage.STAGES])["train"] == "failed"
     closed_by_launcher = f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr
     assert closed_by_launcher == (killed == 0), proc.stderr[-2000:]
 
@@ -238,7 +240,7 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir
     assert exited.value.code == 143
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
-    assert run.data.tags["trainserve.stage.train"] == "failed"
+    assert lineage.read_stages(run.data.tags[lineage.STAGES])["train"] == "failed"
 
 
 def test_the_cpu_training_loop_does_not_page_fault_every_step(workdir):
@@ -268,7 +270,7 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_fails_the_run(workd
     from conftest import cli_env
 
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
-                             "train.max_steps=100000", "train.run_name=stopped"], cwd=workdir, env=cli_env(),
+                             "train.max_steps=100000", "train.run_name=stopped", "--verbose"], cwd=workdir, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # Should the awaited line never come, this kills the launcher's group instead of waiting out 100000 steps.
     watchdog = threading.Timer(180, lambda: os.killpg(proc.pid, signal.SIGKILL))

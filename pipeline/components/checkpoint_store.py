@@ -3,7 +3,7 @@ checkpoint to a run's `checkpoints/` artifacts (marker last), finds and download
 and resolves `--resume` (latest, a path, a run directory, or a run id) to a checkpoint.
 
 A run whose directory is on an object store (train.output_dir=s3://...) keeps its checkpoints there, and
-its MLflow run says where (tag trainserve.run_dir): a run id, or an s3://... path, is fetched from there
+its MLflow run says where (tag lineage.RUN_DIR): a run id, or an s3://... path, is fetched from there
 into a local directory (`fetch_checkpoint`, marker and checksums verified), which consolidation then reads
 as any local checkpoint.
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.components import checkpoint, object_store, tracking
 from pipeline.distributed import DistInfo, broadcast_object
+from serving import lineage
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,9 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
                                   "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
         return found
     if re.fullmatch(r"[0-9a-f]{32}", resume):
-        where = tracking.get_run(resume).data.tags.get("trainserve.run_dir", "")
+        where = tracking.get_run(resume).data.tags.get(lineage.RUN_DIR, "")
         if object_store.is_url(where):  # its checkpoints are on a store every rank reads: no download
-            return _choose_on_store(object_store.check_url(where, "the run's trainserve.run_dir"), latest=False)
+            return _choose_on_store(object_store.check_url(where, f"the run's {lineage.RUN_DIR}"), latest=False)
         if object_store.is_url(checkpoint_root):
             raise checkpoint.CheckpointError(
                 f"--resume {resume}: that run's checkpoints are MLflow artifacts, which rank 0 would download to its "
@@ -82,14 +83,14 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
 
 
 def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
-    """The run's best checkpoint (its `trainserve.best_checkpoint` tag), else with `latest` or when
+    """The run's best checkpoint (its lineage.BEST tag), else with `latest` or when
     the best was not uploaded its final one, else the newest complete one, downloaded under `dest`.
 
     Complete means its marker was uploaded: `log_checkpoint` sends the marker last, so an upload cut
     short (a rank killed mid-upload) is passed over for the one before it."""
     import mlflow
 
-    where = tracking.get_run(run_id).data.tags.get("trainserve.run_dir", "")
+    where = tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR, "")
     if object_store.is_url(where):  # trained with its run directory on an object store: fetched from there
         log.info("run %s keeps its checkpoints in %s", run_id, where)
         return fetch_checkpoint(where, dest / run_id, latest)
@@ -105,12 +106,12 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     # The run's final checkpoint when it names one: after a resume from an older step, a higher step
     # uploaded earlier belongs to the abandoned timeline.
     tags = tracking.get_run(run_id).data.tags
-    final = f"checkpoints/{Path(tags.get('trainserve.checkpoint', '')).name}"
-    best = f"checkpoints/{tags.get('trainserve.best_checkpoint', '')}"
+    final = f"checkpoints/{tags.get(lineage.LATEST, '')}"
+    best = f"checkpoints/{tags.get(lineage.BEST, '')}"
     chosen = final if final in complete else complete[-1]
     if not latest and best in complete:
         chosen = best
-    elif not latest and tags.get("trainserve.best_checkpoint"):
+    elif not latest and tags.get(lineage.BEST):
         log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
                     run_id, best, chosen)
     log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else

@@ -336,7 +336,8 @@ def first_batch(dataset: Dataset, rows: int):
 
 
 def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str, Any]:
-    """{"sha256", "samples"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes).
+    """{"sha256", "samples", "targets"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
+    and what the targets hold (target_profile: class counts, or a number's statistics) for the MLflow dataset's profile.
     Each rank hashes its own samples (r, r+W, ..., as `eval_shard` deals them), one digest per sample; the
     split's is the sha256 of them all in the split's order: the same data gives the same digest on any
     machine and any number of ranks, and no rank reads the whole split alone (`info`: the process group)."""
@@ -346,11 +347,13 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
 
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
+    profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
     # A data set's own collate may pad each batch to its longest item: one item a batch, or the padding, and
     # with it the digest, would depend on which items share a batch, and so on the number of ranks.
     batch = EVAL_BATCH if collate_of(dataset) is collate else 1
     for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), batch, num_workers):
         tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(leaves(target)))]
+        profile = merged_profile([profile, target_profile(leaves(target)[:1])], totals=True)
         for row in range(batch_rows(inputs)):
             sample = hashlib.sha256()
             for name, tensor in tensors:
@@ -358,11 +361,49 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
                 sample.update(f"{name}:{str(value.dtype).removeprefix('torch.')}:{list(value.shape)};".encode())
                 sample.update(value.numpy().tobytes())
             mine.append(sample.digest())
-    shards = all_gather_object(mine, info)
+    gathered = all_gather_object((mine, profile), info)
+    shards, profiles = [m for m, _ in gathered], [p for _, p in gathered]
     digest = hashlib.sha256()
     for index in range(len(dataset)):
         digest.update(shards[index % len(shards)][index // len(shards)])
-    return {"sha256": digest.hexdigest(), "samples": len(dataset)}
+    return {"sha256": digest.hexdigest(), "samples": len(dataset), "targets": merged_profile(profiles)}
+
+
+def target_profile(targets: list[torch.Tensor]) -> dict[str, Any]:
+    """What a split's (first) target holds: {"classes": {class: count}} for integer targets (negative values, an
+    ignore index, left out), else {"count", "sum", "sum_sq", "min", "max"} of its values."""
+    if not targets:
+        return {}
+    values = torch.cat([t.reshape(-1) for t in targets])
+    if not values.is_floating_point() and values.dtype != torch.bool:
+        kept = values[values >= 0].long()
+        counts = torch.bincount(kept) if len(kept) else torch.zeros(0, dtype=torch.long)
+        return {"classes": {str(c): int(n) for c, n in enumerate(counts.tolist()) if n}}
+    values = values.double()
+    return {"count": len(values), "sum": float(values.sum()), "sum_sq": float((values ** 2).sum()),
+            "min": float(values.min()), "max": float(values.max())}
+
+
+def merged_profile(profiles: list[dict[str, Any]], totals: bool = False) -> dict[str, Any]:
+    """target_profiles (of batches, of ranks) as one: class counts, or the values' count, mean, std, min and max
+    (`totals`: the sums still, to merge again)."""
+    profiles = [p for p in profiles if p]
+    if not profiles:
+        return {}
+    if "classes" in profiles[0]:
+        total: dict[str, int] = {}
+        for p in profiles:
+            for c, n in p["classes"].items():
+                total[c] = total.get(c, 0) + n
+        return {"classes": dict(sorted(total.items(), key=lambda kv: int(kv[0])))}
+    n = sum(p["count"] for p in profiles)
+    if totals:
+        return {"count": n, "sum": sum(p["sum"] for p in profiles), "sum_sq": sum(p["sum_sq"] for p in profiles),
+                "min": min(p["min"] for p in profiles), "max": max(p["max"] for p in profiles)}
+    mean = sum(p["sum"] for p in profiles) / max(n, 1)
+    var = max(sum(p["sum_sq"] for p in profiles) / max(n, 1) - mean ** 2, 0.0)
+    return {"count": n, "mean": mean, "std": var ** 0.5, "min": min(p["min"] for p in profiles),
+            "max": max(p["max"] for p in profiles)}
 
 
 def leaves(value: Any) -> list[torch.Tensor]:

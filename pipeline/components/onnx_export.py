@@ -30,15 +30,13 @@ from torch import nn
 from pipeline.components.data import forward
 from pipeline.errors import ExportError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.logs import clip
+from serving import lineage
 
 log = logging.getLogger(__name__)
 
 # Exporting with a batch of 1 lets torch.export specialize the batch dimension to the constant 1
 # (the "0/1 specialization"): the graph would then only accept batch 1. Any size > 1 avoids it.
 EXPORT_BATCH = 2
-META_MODEL_NAME = "trainserve.model_name"
-META_LABELS = "trainserve.labels"
-META_TASK = "trainserve.task"
 
 
 class ExportHead(nn.Module):
@@ -205,9 +203,9 @@ def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list
 
 def metadata_for(model_name: str, task_name: str, labels: list[str] | None,
                  extra: dict[str, str] | None = None) -> dict[str, str]:
-    meta = {META_MODEL_NAME: model_name, META_TASK: task_name, **(extra or {})}
+    meta = {lineage.MODEL_NAME: model_name, lineage.TASK: task_name, **(extra or {})}
     if labels is not None:
-        meta[META_LABELS] = json.dumps(list(labels))
+        meta[lineage.LABELS] = json.dumps(list(labels))
     return meta
 
 

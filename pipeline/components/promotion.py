@@ -7,7 +7,7 @@ metric is then computed here from their outputs and the split's targets. The rep
 measured and why the alias moved or did not.
 
 One decision at a time per registered model: MLflow has no lock, but it numbers versions atomically. So
-the candidate is registered first (no alias, tagged trainserve.promotion=pending), waits until every
+the candidate is registered first (no alias, tagged lineage.PROMOTION=pending), waits until every
 lower-numbered pending version has decided, and only then compares against whoever holds the alias now
 (again, if it moved since the first comparison) and moves it. Two exports at once are thus compared with
 each other, never both promoted over a champion only one of them saw (`promote_in_turn`).
@@ -34,12 +34,13 @@ from typing import Any
 import numpy as np
 
 from pipeline.tools.logs import first_line
+from serving import lineage
 
 log = logging.getLogger(__name__)
 
 MEASURE_THREADS = 2   # the same for both models: a fair latency comparison on any machine
 MEASURE_TIMEOUT_S = 600
-TAG = "trainserve.promotion"  # on a version: pending | promoted | not promoted
+TAG = lineage.PROMOTION  # on a version: pending | promoted | not promoted
 PENDING = "pending"
 # A pending version older than this is an export that died mid-decision: its turn passes (two measurements
 # and the registry calls fit well within it).
@@ -92,7 +93,7 @@ def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str
     from pipeline.components import tracking
 
     version = tracking.register_version(model_uri, name, None,
-                                        tags | {TAG: PENDING, f"{TAG}.reason": "waiting for its turn to compare"})
+                                        tags | {TAG: PENDING})
     try:
         _wait_for_turn(name, version)
         holder = tracking.alias_version(name, alias)
@@ -106,10 +107,10 @@ def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str
         won = alias if decision["promote"] else challenger_alias
         tracking.move_alias(name, won, version)
     except BaseException as exc:
-        tracking.set_version_tags(name, version, {TAG: "not promoted", f"{TAG}.reason": f"export failed: {exc}"[:5000]})
+        tracking.set_version_tags(name, version, {TAG: "not promoted"})
+        tracking.describe_version(name, version, tracking.markdown_escaped(f"not promoted: export failed: {exc}"))
         raise
-    tracking.set_version_tags(name, version, {TAG: "promoted" if decision["promote"] else "not promoted",
-                                              f"{TAG}.reason": decision["reason"][:5000]})
+    tracking.set_version_tags(name, version, {TAG: "promoted" if decision["promote"] else "not promoted"})
     return version, won, decision
 
 
@@ -151,7 +152,7 @@ def not_comparable(candidate: Path, champion: Path) -> str:
         m = onnx.load(str(path), load_external_data=False)
         props = {p.key: p.value for p in m.metadata_props}
         ios = [(v.name, v.type.tensor_type.elem_type) for v in m.graph.input]
-        return props.get("trainserve.task", "?"), ios, [v.name for v in m.graph.output]
+        return props.get(lineage.TASK, "?"), ios, [v.name for v in m.graph.output]
 
     (t1, in1, out1), (t2, in2, out2) = signature(candidate), signature(champion)
     if t1 != t2:

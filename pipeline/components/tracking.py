@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.stopping import uninterrupted
 from pipeline.errors import TrackingError  # noqa: F401 - raised here, defined with the others
+from serving import lineage
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,8 @@ def markdown_escaped(text: str) -> str:
 def split_dataset(component: str, args: dict, found: dict, split: str, inputs: list[dict]):
     """One split as an MLflow dataset: the data component and its args as the source, the content digest
     (MLflow keeps 36 characters of it), the inputs as its schema (name, dtype, shape: one sample's, -1 first for
-    the batch) and a profile (samples, inputs), which the UI's dataset drawer shows."""
+    the batch) and a profile (samples, inputs, the targets' class counts or statistics), which the UI's dataset
+    drawer shows."""
     import numpy as np
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
@@ -269,7 +271,7 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
         @property
         def profile(self):
             return {"samples": found["samples"], "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
-                                                            for i in inputs}}
+                                                            for i in inputs}, "targets": found.get("targets") or {}}
 
         def to_dict(self):  # (MetaDataset's leaves the profile out)
             return super().to_dict() | {"profile": json.dumps(self.profile)}
@@ -302,14 +304,14 @@ def log_table(rows: list[dict], artifact_file: str) -> None:
 @uninterrupted
 def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: list[dict]) -> None:
     """The run's training and validation splits as MLflow datasets (the run page's "Datasets", `split_dataset`);
-    the whole sha256 is the input's `trainserve.sha256` tag, beside the sample count."""
+    the whole sha256 is the input's DATASET_SHA256 tag, beside the sample count."""
     import mlflow
 
     for split, found in digests.items():
         dataset = split_dataset(component, args, found, split, inputs)
         mlflow.log_input(dataset, context="training" if split == "train" else "validation",
-                         tags={"trainserve.sha256": found["sha256"], "trainserve.samples": str(found["samples"]),
-                               "trainserve.inputs": json.dumps(inputs)[:5000]})
+                         tags={lineage.DATASET_SHA256: found["sha256"], lineage.DATASET_SAMPLES: str(found["samples"]),
+                               lineage.DATASET_INPUTS: json.dumps(inputs)[:5000]})
 
 
 def dataset_digests(run_id: str) -> dict[str, str]:
@@ -319,8 +321,8 @@ def dataset_digests(run_id: str) -> dict[str, str]:
     for item in get_run(run_id).inputs.dataset_inputs:
         tags = {t.key: t.value for t in item.tags}
         split = contexts.get(tags.get("mlflow.data.context", ""))
-        if split and tags.get("trainserve.sha256"):
-            found[split] = tags["trainserve.sha256"]
+        if split and tags.get(lineage.DATASET_SHA256):
+            found[split] = tags[lineage.DATASET_SHA256]
     return found
 
 
@@ -356,26 +358,52 @@ def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
 
 
 @uninterrupted
-def end_run(status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
-    """Ends this process's active run, if any, after setting `tags` on it."""
+def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> None:
+    """Ends this process's active run, if any, after marking `failed_stage` failed on it and dropping its
+    PROCESS tag (the process ends its run itself: nothing to close after it)."""
     import mlflow
 
     global _logged_through
     _logged_through = None
     if mlflow.active_run() is not None:
-        if tags:
-            set_tags(tags)
+        if failed_stage:
+            mark_stage(failed_stage, "failed")
+        release_process()
         mlflow.end_run(status=status)
 
 
-OWNER_TAG = "trainserve.owner"  # the process that made the run RUNNING: host, pid, start time, command
-STATUS_BEFORE_TAG = "trainserve.status_before"  # what a later stage's reopening found, to put back
-
-
-def owner_tags() -> dict[str, str]:
+def process_tag(status_before: str = "") -> dict[str, str]:
+    """The run's PROCESS tag while a stage runs: the process that made it RUNNING (host, pid, start time, command),
+    and the status a later stage's reopening found, to put back should that process die. Gone when it ends."""
     from pipeline.components.run_dir import this_process
 
-    return {OWNER_TAG: json.dumps(this_process())}
+    return {lineage.PROCESS: json.dumps({**this_process(), "status_before": status_before})}
+
+
+@uninterrupted
+def mark_stage(stage: str, state: str, run_id: str | None = None) -> None:
+    """One stage's state (running | done | failed) in the run's STAGES tag; the others' kept."""
+    import mlflow
+
+    run_id = run_id or mlflow.active_run().info.run_id
+    stages = lineage.read_stages(get_run(run_id).data.tags.get(lineage.STAGES))
+    set_tags({lineage.STAGES: lineage.write_stages(stages | {stage: state})}, run_id)
+
+
+def stage_state(run_id: str, stage: str) -> str:
+    """running | done | failed, or "" for a stage the run never started."""
+    return lineage.read_stages(get_run(run_id).data.tags.get(lineage.STAGES)).get(stage, "")
+
+
+@uninterrupted
+def release_process(run_id: str | None = None) -> None:
+    """Removes the PROCESS tag of a stage that ended: bookkeeping, not something to read on a finished run."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    run_id = run_id or mlflow.active_run().info.run_id
+    with contextlib.suppress(MlflowException):  # (already gone)
+        mlflow.MlflowClient().delete_tag(run_id, lineage.PROCESS)
 
 
 @uninterrupted
@@ -393,29 +421,31 @@ def close_if_orphaned(run_id: str) -> str | None:
     if run.info.status != "RUNNING":
         return None
     try:
-        owner = json.loads(run.data.tags.get(OWNER_TAG, ""))
+        owner = json.loads(run.data.tags.get(lineage.PROCESS, ""))
     except ValueError:
         return None
     if not isinstance(owner, dict) or alive(owner) is not False:
         return None
-    status = run.data.tags.get(STATUS_BEFORE_TAG) or "FAILED"
-    stages = {k: "failed" for k, v in run.data.tags.items() if k.startswith("trainserve.stage.") and v == "running"}
-    set_tags({**stages, "trainserve.closed": f"{status}: the process that ran it, {describe(owner)}, is gone",
-              STATUS_BEFORE_TAG: ""}, run_id)
+    status = owner.get("status_before") or "FAILED"
+    stages = lineage.read_stages(run.data.tags.get(lineage.STAGES))
+    stages |= {stage: "failed" for stage, state in stages.items() if state == "running"}
+    set_tags({lineage.STAGES: lineage.write_stages(stages),
+              lineage.PROCESS: f"gone: {describe(owner)} left the run RUNNING; marked {status}"}, run_id)
     client.set_terminated(run_id, status)
     log.warning("MLflow run %s was left RUNNING by %s, which is gone: marked %s", run_id, describe(owner), status)
     return status
 
 
 @uninterrupted
-def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
-    """Marks another process's run FAILED (with `tags`) if it is still RUNNING; True if it was."""
+def fail_if_running(run_id: str, stage: str) -> bool:
+    """Marks another process's run FAILED (and its `stage` failed) if it is still RUNNING; True if it was."""
     import mlflow
 
     client = mlflow.MlflowClient()
     if client.get_run(run_id).info.status != "RUNNING":
         return False
-    set_tags(tags, run_id)
+    mark_stage(stage, "failed", run_id)
+    set_tags({lineage.PROCESS: "gone: stopped while it ran"}, run_id)
     client.set_terminated(run_id, "FAILED")
     return True
 
@@ -424,9 +454,9 @@ def fail_if_running(run_id: str, tags: dict[str, str]) -> bool:
 
 
 @uninterrupted
-def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_path: str,
-                     tags: dict[str, str]) -> None:
-    """`files` of `out_dir` under `artifact_path` of the source run, then `tags` on it."""
+def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_path: str, record: dict) -> None:
+    """`files` of `out_dir` under `artifact_path` of the source run, then `record` as its lineage's
+    "consolidated" part and the stage done."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -434,7 +464,8 @@ def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_
     try:
         for name in files:
             client.log_artifact(run_id, str(out_dir / name), artifact_path)
-        set_tags(tags, run_id)
+        record_lineage("consolidated", record | {"files": [f"{artifact_path}/{name}" for name in files]}, run_id)
+        mark_stage("consolidate", "done", run_id)
     except (MlflowException, OSError) as exc:
         raise TrackingError(f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
                             f"failed ({exc}); rerun, or pass --no-log to keep them local") from None
@@ -455,14 +486,13 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
     try:
         active = _open_run(run, run_name)
         # Who reopened it, and what to put back should this process die before its `finally`.
-        set_tags({**owner_tags(), STATUS_BEFORE_TAG: run.info.status if run is not None else "FAILED",
-                  f"trainserve.stage.{stage}": "running"})
+        set_tags(process_tag(run.info.status if run is not None else "FAILED"))
+        mark_stage(stage, "running")
         try:
             inject_fault(f"stage_{stage}", 0)  # test hook: a stop while the run is reopened
             yield active
         except BaseException:
-            set_tags({f"trainserve.stage.{stage}": "failed"})
-            end_run("FAILED")
+            end_run("FAILED", failed_stage=stage)
             raise
         end_run("FINISHED")
     except MlflowException as exc:
@@ -554,6 +584,47 @@ def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
     client = mlflow.MlflowClient()
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
+
+
+@uninterrupted
+def describe_version(name: str, version: str, description: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().update_model_version(name, version, description=description)
+
+
+def version_description(name: str, version: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient().get_model_version(name, version).description or ""
+
+
+@uninterrupted
+def describe_registered_model(name: str, description: str) -> None:
+    """Sets the registered model's description where it has none (a person's own is kept)."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    if not (client.get_registered_model(name).description or "").strip():
+        client.update_registered_model(name, description=description)
+
+
+@uninterrupted
+def record_lineage(section: str, value: dict, run_id: str | None = None) -> None:
+    """One stage's part of the run's whole lineage, in its one JSON artifact (lineage.RUN_FILE): the parts other
+    stages wrote are kept. The run's tags are the handful a person reads; this file is everything."""
+    import mlflow
+
+    run_id = run_id or mlflow.active_run().info.run_id
+    try:
+        whole = mlflow.artifacts.load_dict(f"runs:/{run_id}/{lineage.RUN_FILE}")
+    except Exception:  # noqa: BLE001 - none yet (MLflow raises its own or the store's "not found")
+        whole = {}
+    whole = (whole if isinstance(whole, dict) else {}) | {section: value}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / lineage.RUN_FILE
+        path.write_text(json.dumps(whole, indent=2, sort_keys=True, default=str) + "\n")
+        mlflow.MlflowClient().log_artifact(run_id, str(path))
 
 
 def versions_tagged(name: str, key: str, value: str) -> list[tuple[str, int]]:

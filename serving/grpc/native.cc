@@ -325,7 +325,7 @@ class Service : public grpc::CallbackGenericService {
 
 const char* kCapsule = "serving.grpc._native.Bridge";
 // The option naming the bytes grpc's transport may hold for the whole server (read buffers, messages not yet whole).
-const char* kMemoryQuota = "trainserve.memory_quota";
+const char* kMemoryQuota = "trainserve-memory-quota";
 
 Bridge* bridge_of(PyObject* capsule) { return static_cast<Bridge*>(PyCapsule_GetPointer(capsule, kCapsule)); }
 

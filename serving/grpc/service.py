@@ -529,7 +529,7 @@ async def start_grpc(server):
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
     if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
         # grpc's resource quota (native.cc): what unfinished messages may hold in all, by anyone, token or not
-        quota = {"trainserve.memory_quota": settings.grpc_memory()}
+        quota = {"trainserve-memory-quota": settings.grpc_memory()}
         front_end = native.NativeFrontEnd(address, handlers, schema.SERVICE, _options(settings) | quota, MAX_CONCURRENT_RPCS,
                                           streams, split=frozenset({"ModelInfer", "ModelStreamInfer"}),
                                           first_message_s=settings.read_timeout)

@@ -1,0 +1,181 @@
+"""The lineage contract: every `trainserve.*` key written into an ONNX file's metadata, onto an MLflow run, onto a
+registered version or onto a logged dataset, and the `Lineage` value that export writes and the loader, verify,
+trace and promote read. Torch- and pipeline-free, so that the server reads the same contract the pipeline writes.
+
+Where each fact lives, and for whom:
+- the ONNX file's metadata: what the file itself says of where it came from; the server reads it from the bytes it
+  serves (receipts, /v2/models parameters) and `pipeline verify` checks it against the registry;
+- a registered version's tags: the handful a person reads in the MLflow UI (model, data, task, checkpoint, run,
+  verdict) and one `trainserve.sha256` record of every file and digest the server and `verify` check; no path of
+  the machine that trained;
+- a run's tags: at most 12 a person reads (RUN_TAGS); everything else is the run's `lineage.json` artifact.
+
+The run id has one rule: it is the MLflow run that trained the weights (model.json's `source.mlflow_run_id`), "" for
+weights made outside a tracked run; the ONNX metadata and the version's tag say the same. (MLflow's own `run_id` of
+a version is the run its model was logged to, the same run whenever there is one.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Mapping
+
+PREFIX = "trainserve."
+
+# --- in the ONNX file's metadata and, the same fact under the same key, on the registered version --------------
+RUN_ID = "trainserve.run_id"  # the MLflow run that trained the weights (the rule above)
+CHECKPOINT = "trainserve.checkpoint"  # the checkpoint's directory name (step_00000088), never a path
+STEP = "trainserve.step"  # its training step
+MODEL = "trainserve.model"  # the model component
+DATA = "trainserve.data"  # the data component
+TASK = "trainserve.task"
+CONFIG_SHA256 = "trainserve.config_sha256"  # of the run's resolved config
+WEIGHTS_SHA256 = "trainserve.weights_sha256"  # of the consolidated model.safetensors
+WEIGHTS_META_SHA256 = "trainserve.weights_meta_sha256"  # of its model.json (ONNX metadata only)
+
+
+def data_sha256(split: str) -> str:
+    """The content digest of a split ("train", "val") the weights were trained and validated on."""
+    return f"trainserve.{split}_sha256"
+
+
+# --- the ONNX file's metadata only: what the server needs to serve it ------------------------------------------
+MODEL_NAME = "trainserve.model_name"
+LABELS = "trainserve.labels"  # JSON list: the class names
+DECISION = "trainserve.decision"  # the output whose argmax over axis 1 is the answer (shadow agreement)
+PREDICTION = "trainserve.prediction"  # the output that carries the prediction (live metrics)
+OPSET = "trainserve.opset"
+MAX_LENGTHS = "trainserve.max_lengths"  # JSON {input: {axis: longest length}} (serving/lengths.py)
+UINT8_INPUTS = "trainserve.uint8_inputs"  # the inputs a uint8 variant takes as pixel values (serving/drift.py)
+REPORT = "trainserve.report"  # the logged MLflow model's metadata: the validation parity gate's sentence
+
+# --- on a registered version only ----------------------------------------------------------------------------
+SHA256 = "trainserve.sha256"  # JSON {file name or digest name: sha256}: what the server and `verify` check (below)
+FASTEST_VARIANTS = "trainserve.fastest_variants"  # JSON {provider: variant}: what `serve --variant auto` picks
+PROMOTION = "trainserve.promotion"  # pending | promoted | not promoted (promotion.py's turn-taking reads it)
+SHADOW = "trainserve.shadow"  # JSON: the shadow figures `pipeline promote` judged the version on
+SHADOW_VERDICT = "trainserve.shadow_verdict"  # promote | reject | ... (" (forced)"), the one figure read at a glance
+
+# --- on a run (RUN_TAGS: the whole set, at most 12) -------------------------------------------------------------
+SETUP = "trainserve.setup"  # "2 x cpu, ddp, bf16-mixed": world size, device, strategy, precision
+GIT = "trainserve.git"  # the commit the code was at (12 digits; the whole one in lineage.json)
+RUN_DIR = "trainserve.run_dir"  # where the run's checkpoints are: a local directory or an s3:// URL (resume reads it)
+BEST = "trainserve.best"  # the best checkpoint's directory name, by the monitored metric
+LATEST = "trainserve.latest"  # the newest checkpoint's directory name (what a resume continues from)
+STAGES = "trainserve.stages"  # "done: train, consolidate · running: export"
+VERDICT = "trainserve.verdict"  # what export made of it: "resnet18-digits v1 @champion", "not promoted: ..."
+PROCESS = "trainserve.process"  # JSON, while a stage runs: its process, and the status to put back; else "gone: ..."
+# CHECKPOINT (the exported checkpoint), TASK, MODEL and DATA are on the run too, as on the version.
+RUN_TAGS = (TASK, MODEL, DATA, SETUP, GIT, RUN_DIR, BEST, LATEST, CHECKPOINT, STAGES, VERDICT, PROCESS)
+
+# --- on a logged dataset (a run's input) -----------------------------------------------------------------------
+DATASET_SHA256 = "trainserve.sha256"  # the split's whole digest (MLflow's own digest is 8 characters)
+DATASET_SAMPLES = "trainserve.samples"
+DATASET_INPUTS = "trainserve.inputs"  # JSON: the inputs' names, dtypes and shapes
+
+RUN_FILE = "lineage.json"  # the run's artifact with the whole lineage
+
+
+def onnx_file(variant: str) -> str:
+    """The file name of a variant in a registered version ("fp32" is model.onnx)."""
+    return "model.onnx" if variant == "fp32" else f"model.{variant}.onnx"
+
+
+def recorded_sha256(tags: Mapping[str, str], name: str) -> str:
+    """The sha256 a version records (its SHA256 tag) for a file (model.onnx, model.fp16.onnx, model.onnx.data,
+    drift_reference.json) or a digest ("weights", "config", "train", "val"); "" when it records none."""
+    try:
+        recorded = json.loads(tags.get(SHA256) or "{}")
+    except ValueError:
+        return ""
+    return str(recorded.get(name) or "") if isinstance(recorded, dict) else ""
+
+
+def recorded_files(tags: Mapping[str, str]) -> dict[str, str]:
+    """{ONNX file name: sha256} of the model files a version records (a variant's among them; data files not)."""
+    try:
+        recorded = json.loads(tags.get(SHA256) or "{}")
+    except ValueError:
+        return {}
+    return {k: str(v) for k, v in recorded.items() if k.endswith(".onnx")} if isinstance(recorded, dict) else {}
+
+
+# --- stages, on the run's STAGES tag -----------------------------------------------------------------------------
+STAGE_ORDER = ("train", "consolidate", "export", "pipeline")
+
+
+def read_stages(value: str | None) -> dict[str, str]:
+    """{stage: state} from a STAGES tag ("done: train, consolidate · running: export")."""
+    found = {}
+    for part in (value or "").split(" · "):
+        state, _, stages = part.partition(": ")
+        found |= {stage.strip(): state.strip() for stage in stages.split(",") if stage.strip() and state.strip()}
+    return found
+
+
+def write_stages(stages: Mapping[str, str]) -> str:
+    """The STAGES tag: the stages grouped by state, each in pipeline order (short enough for the UI's tag chips)."""
+    order = {stage: i for i, stage in enumerate(STAGE_ORDER)}
+    ordered = sorted(stages.items(), key=lambda kv: order.get(kv[0], 99))
+    states = list(dict.fromkeys(state for _, state in ordered))
+    return " · ".join(f"{state}: {', '.join(k for k, v in ordered if v == state)}" for state in states)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a model came from: the same value in the ONNX file's metadata and on its registered version."""
+    run_id: str = ""
+    checkpoint: str = ""  # the checkpoint directory's name
+    step: str = ""
+    model: str = ""
+    data: str = ""
+    task: str = ""
+    config_sha256: str = ""
+    weights_sha256: str = ""
+    weights_meta_sha256: str = ""
+    data_sha256: dict[str, str] = field(default_factory=dict)  # {"train"|"val": sha256}
+
+    _KEYS = {"run_id": RUN_ID, "checkpoint": CHECKPOINT, "step": STEP, "model": MODEL, "data": DATA, "task": TASK,
+             "config_sha256": CONFIG_SHA256, "weights_sha256": WEIGHTS_SHA256,
+             "weights_meta_sha256": WEIGHTS_META_SHA256}
+
+    def metadata(self) -> dict[str, str]:
+        """As the ONNX file's metadata_props."""
+        return ({key: getattr(self, name) for name, key in self._KEYS.items()}
+                | {data_sha256(split): digest for split, digest in self.data_sha256.items()})
+
+    def version_tags(self) -> dict[str, str]:
+        """As a registered version's readable tags (the digests go into its SHA256 record: `digests`)."""
+        return {key: getattr(self, name) for name, key in self._KEYS.items()
+                if key in (RUN_ID, CHECKPOINT, STEP, MODEL, DATA, TASK)}
+
+    def digests(self) -> dict[str, str]:
+        """The digests a version's SHA256 record holds besides its files'."""
+        return {"weights": self.weights_sha256, "config": self.config_sha256, **self.data_sha256}
+
+    def served(self) -> dict[str, str]:
+        """What a server says of the model it loaded (/v2/models parameters, receipts), under the names its
+        clients know; the non-empty facts only (none for a hand-made ONNX file)."""
+        found = {"run_id": self.run_id, "checkpoint_step": self.step, "checkpoint": self.checkpoint,
+                 "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256,
+                 "model_component": self.model, "data_component": self.data}
+        return {k: v for k, v in found.items() if v}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, found: Mapping[str, str]) -> "Lineage":
+        """From an ONNX file's metadata_props (or a version's tags and SHA256 record); missing facts stay ""."""
+        values = {name: str(found.get(key) or "").strip() for name, key in cls._KEYS.items()}
+        if SHA256 in found:  # a version: its digests are in its SHA256 record
+            values |= {"config_sha256": recorded_sha256(found, "config"),
+                       "weights_sha256": recorded_sha256(found, "weights")}
+        digests = {split: str(found.get(data_sha256(split)) or recorded_sha256(found, split))
+                   for split in ("train", "val")}
+        return cls(**values, data_sha256={k: v for k, v in digests.items() if v})
+
+
+assert {f.name for f in fields(Lineage)} == set(Lineage._KEYS) | {"data_sha256"}  # noqa: S101 - the contract is whole
+assert len(RUN_TAGS) <= 12  # noqa: S101 - what the MLflow UI shows a person at a glance

@@ -1,0 +1,81 @@
+"""Headless Chromium (Debian's `chromium`) over the MLflow UI that `pipeline ui` starts: each page as the text a
+person reads once its scripts have run, and as a screenshot kept for CI (under $TRAINSERVE_TEST_ARTIFACTS, else
+test-artifacts/ in the repository)."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO, cli_env
+from serving_fixtures import free_port
+
+ARTIFACTS = Path(os.environ.get("TRAINSERVE_TEST_ARTIFACTS") or REPO / "test-artifacts")
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/setup installs it where it can
+            raise AssertionError("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
+        pytest.skip("chromium is not installed and this user can't install it (scripts/setup does, as root)")
+    return found
+
+
+@contextlib.contextmanager
+def mlflow_ui(workdir: Path):
+    """`pipeline ui` over the store in `workdir` (its mlflow.db), on a free port; yields its base URL."""
+    port = free_port()
+    log = workdir / "ui.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "ui", "--port", str(port)], cwd=workdir,
+                                env=cli_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url, timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"pipeline ui did not answer on {url}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def page(url: str, name: str) -> tuple[str, str]:
+    """(the page's visible text, its DOM) once its scripts have run; its screenshot saved as ARTIFACTS/<name>.png."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="trainserve-chromium-") as profile:
+        base = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--hide-scrollbars", "--window-size=2000,2000", "--virtual-time-budget=20000",
+                f"--user-data-dir={profile}"]
+        subprocess.run([*base, f"--screenshot={ARTIFACTS / f'{name}.png'}", url], capture_output=True, timeout=180,
+                       check=True)
+        dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180,
+                             check=True).stdout
+    return visible_text(dom), dom
+
+
+def visible_text(dom: str) -> str:
+    text = re.sub(r"<(style|script)\b.*?</\1>", " ", dom, flags=re.S | re.I)
+    text = re.sub(r"<[^>]+>", " ", text)
+    return re.sub(r"\s+", " ", html.unescape(text)).strip()
