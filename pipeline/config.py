@@ -219,6 +219,8 @@ class ExportConfig(Section):
     rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
     accuracy_tolerance_pp: float = Field(0.1, ge=0, description="classification: ONNX accuracy within this many percentage points of PyTorch's.")
     metric_rtol: float = Field(1e-3, ge=0, description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_atol + metric_rtol x |PyTorch|.")
+    baseline_margin: float = Field(0.05, ge=0, description="Baseline gate: the model must beat the task's trivial predictor (the most frequent class, the mean) by this much: points of a fraction metric (0.05 = 5 points of accuracy), or this fraction of an error (5% lower RMSE).")
+    allow_below_baseline: bool = Field(False, description="Register a model the baseline gate finds no better than the trivial predictor (it is still recorded as below the baseline, and `pipeline run --serve-check` exits 1).")
     metric_atol: float = Field(1e-6, ge=0, description="The absolute part of that limit, for a metric near 0.")
     dynamic_axes: dict[str, list[int]] = Field(
         default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")

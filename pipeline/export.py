@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import gates, int8, length_limits, onnx_export, promotion, tracking, uint8_inputs
+from pipeline.components import baseline, gates, int8, length_limits, onnx_export, promotion, tracking, uint8_inputs
 from pipeline.components import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.components.rebuild import gate_file, rebuild, run_gates
@@ -138,6 +138,8 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
     kept: dict = {}
     results.update(run_gates(cpu_sess, ref, batches, cfg, kept=kept))
+    if "onnx" in kept and (found := baseline.gate(task, kept["onnx"], cfg, ref.head, splits.val)) is not None:
+        results["baseline"] = found  # clearly better than the trivial predictor, or not registered
     # the exported model's own figure (a confusion matrix), named by its checkpoint's step
     figure = task.plot(kept["onnx"], out / "validation.png",
                        subject=f"exported model (step {_checkpoint_step(weights)}), validation") if "onnx" in kept else None

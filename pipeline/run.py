@@ -76,7 +76,8 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
         result = export.main(weights.parent, export_cfg=cfg.export, tracking_uri=cfg.tracking.tracking_uri,
                              trusted=component_references(cfg.model, cfg.data, cfg.task))
         if not result.passed:
-            log.error("export gates failed: %s; see %s", ", ".join(result.failed), result.report_path)
+            log.error("export gates failed: %s; see %s", "; ".join(f"{gate}: {result.report['gates'].get(gate, {}).get('message', '')}"
+                                                                  for gate in result.failed), result.report_path)
             return 1
         report = result.report
     else:
@@ -91,8 +92,15 @@ def main(cfg: Config, nproc_per_node: int = 0, serve: bool = False, serve_check:
     model_uri = f"models:/{report['registered_model_name']}@{report['alias']}"
     write_run_note(run_id, run_dir, weights, report, model_uri)
     log.info("done: %s -> %s (MLflow run %s)", run_dir, model_uri, run_id)
+    below = (report["gates"].get("baseline") or {}).get("below_baseline")
+    if below:  # registered only because export.allow_below_baseline said so
+        log.warning("%s is below the baseline: %s", model_uri, report["gates"]["baseline"]["message"])
     if serve or serve_check:
-        return serve_with_sample(cfg, model_uri, weights.parent, keep_serving=not serve_check)
+        code = serve_with_sample(cfg, model_uri, weights.parent, keep_serving=not serve_check)
+        if serve_check and below:
+            log.error("--serve-check: the server answers, but %s failed its baseline gate (see above)", model_uri)
+            return code or 1
+        return code
     return 0
 
 

@@ -459,3 +459,36 @@ def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
     got, gain, reason = verdict(mine, theirs, mode, promote, tolerance)
     assert got is moves and promote in reason and "{}" in reason
 
+
+def test_a_model_no_better_than_the_trivial_predictor_is_not_registered(trained, store, tmp_path):
+    """The newcomer's mobilenet: BatchNorm statistics that had not settled, 11.7% on 10 classes, became @champion
+    because it was the first. The same weights with their running statistics back at their start: the baseline
+    gate names the trivial predictor, both figures and the BatchNorm cause, and nothing is registered; told, export
+    registers it and records it below the baseline."""
+    model = load_model(read_weights(trained["dir"]))
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.reset_running_stats()  # what a few steps of a slow running average leave
+    unsettled = write_weights(tmp_path / "consolidated", model, trained["cfg"], trained["spec"],
+                              trained["splits"].classes, None)
+    refused = main(unsettled, tracking_uri=store, overrides=["export.registered_model_name=unsettled"])
+    gate = refused.report["gates"]["baseline"]
+    assert not refused.passed and refused.failed == ["baseline"] and refused.model_version is None
+    assert gate["below_baseline"] and gate["value"] < gate["baseline"] + 0.05 < gate["batch_statistics"], gate
+    assert "not clearly better than the baseline (always class" in gate["message"], gate["message"]
+    assert f"{gate['baseline']:.2%}" in gate["message"] and f"{gate['value']:.2%}" in gate["message"]
+    assert "BatchNorm running statistics have not settled" in gate["message"]
+    assert "export.allow_below_baseline=true" in gate["message"]
+    assert not mlflow.MlflowClient().search_registered_models("name='unsettled'")
+
+    allowed = main(unsettled, tracking_uri=store, output_dir=tmp_path / "allowed",
+                   overrides=["export.registered_model_name=unsettled", "export.allow_below_baseline=true"])
+    assert allowed.passed and allowed.model_version == "1"
+    assert allowed.report["gates"]["baseline"]["below_baseline"]
+    assert "registered anyway" in allowed.report["gates"]["baseline"]["message"]
+
+
+def test_the_baseline_gate_passes_a_model_that_learned(exported):
+    gate = exported.report["gates"]["baseline"]
+    assert gate["passed"] and not gate["below_baseline"] and gate["value"] > gate["needed"], gate
+    assert "beats the baseline (always class" in gate["message"]

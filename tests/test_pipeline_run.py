@@ -239,3 +239,13 @@ def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
     assert f"serve.port={port} on 127.0.0.1 is taken" in proc.stderr and "serve.port=0 for any free one" in proc.stderr
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
 
+
+def test_serve_check_fails_a_model_registered_below_its_baseline(tmp_path):
+    """--serve-check printed "WRONG" and exited 0 for a chance-level model. The tiny config's 12 steps leave one
+    (its BatchNorm statistics unsettled), registered only because the config allows it: the run says so, and
+    --serve-check exits 1 though the server answers."""
+    proc = run_cli(["run", "--config", str(TINY), "--serve-check", "serve.port=0"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "is below the baseline: accuracy" in proc.stderr and "not clearly better than the baseline" in proc.stderr
+    assert "--serve-check: the server answers, but models:/resnet18-digits@champion failed its baseline gate" \
+        in proc.stderr, proc.stderr[-3000:]

@@ -126,6 +126,16 @@ class ClassTask(ModelOutputs):
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.points_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance)
 
+    def baseline(self, state: dict) -> dict[str, Any]:
+        """Always the most frequent class (per sample, pixel or token): its confusion matrix is the true counts in
+        one column, scored by this task's own metrics."""
+        counts = state["confusion"].sum(1)
+        majority = int(counts.argmax())
+        trivial = torch.zeros_like(state["confusion"])
+        trivial[:, majority] = counts
+        return {"value": self.metrics({**state, "confusion": trivial})[self.primary],
+                "predictor": f"always class {self.labels[majority]}, the most frequent"}
+
 
 def check_index(value: int, classes: list[str] | None, where: str) -> None:
     if value < 0 or (classes is not None and value >= len(classes)):

@@ -130,6 +130,10 @@ class Custom(ModelOutputs):
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)
 
+    def baseline(self, state: dict) -> None:
+        """A metric of the user's own: no trivial predictor is known for it."""
+        return None
+
     def describe(self, answer: dict[str, np.ndarray], target) -> str:
         shown = ", ".join(f"{name} {gates.values_text(value[0])}" for name, value in answer.items())
         return f"a real validation sample (target {_target_text(target)}) -> {shown}"

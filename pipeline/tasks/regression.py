@@ -133,6 +133,13 @@ class Regression(ModelOutputs):
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)
 
+    def baseline(self, state: dict) -> dict[str, Any]:
+        """Always the split's mean: its squared error is the targets' sum of squares about their mean."""
+        n = state["n"]
+        about_mean = state["syy"] - state["sy"] * state["sy"] / n
+        return {"value": self.metrics({**state, "sse": about_mean})[self.primary],
+                "predictor": "always the mean of the targets"}
+
     def describe(self, answer: dict[str, np.ndarray], target) -> str:
         return (f"a real validation sample (target {gates.values_text(target[0])}) -> {self.prediction} "
                 f"{gates.values_text(answer[self.prediction][0])}")
