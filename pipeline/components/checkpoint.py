@@ -413,7 +413,7 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
         run_dir.check_still_owned(final.parent.parent)  # <run>/checkpoints/step_N: the run's lease, still ours
         _publish_on_store(final, step, meta, info, digests)
         _prune(final.parent, keep_last, protect)
-        log.info("checkpoint saved: %s", final)
+        log.debug("checkpoint saved: %s", final)  # said by the Saver: at --verbose, when slow, and once in all
     elif info.is_main:
         root = final.parent
         try:
@@ -427,7 +427,7 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
             raise _save_failed(exc, root, tmp, step, 0, info) from None
         publish(tmp, final)
         _prune(root, keep_last, protect)
-        log.info("checkpoint saved: %s", final)
+        log.debug("checkpoint saved: %s", final)  # said by the Saver: at --verbose, when slow, and once in all
     _barrier(info, group)
     return final
 

@@ -7,11 +7,17 @@ checkpoint.finish_save) by background threads with their own process group. Each
 collective) whether this rank's publish is done, and runs what follows a publish (best.json, the MLflow
 upload). A save waits for the one before it, and `close` for the last. A crash before the publish leaves the
 previous checkpoint, as it would mid-way through a synchronous save.
+
+The console hears of the saves once, at the end ("saved 6 checkpoints to outputs/x/checkpoints, kept 2 (...)");
+each save gets its own line at --verbose, or when it was slow (SLOW_SAVE_S): in a short run they were a fifth
+of the console.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
@@ -20,26 +26,35 @@ from pipeline.components import checkpoint
 from pipeline.components.object_store import location
 from pipeline.distributed import DistInfo
 from pipeline.tools import stopping
+from serving.console import verbose
+
+log = logging.getLogger(__name__)
+
+SLOW_SAVE_S = 10.0  # a save this long (staging, writing and publishing) is said at once: it is time the run lost
 
 
 class Saver:
     def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
         self.root, self.info, self.keep_last = location(root), info, keep_last  # a Path, or an s3:// StoreUrl
         self.writer = checkpoint.AsyncWriter(info) if asynchronous else None
-        self.pending: tuple[Future, Callable[[Path], None]] | None = None
+        self.pending: tuple[Future, Callable[[Path], None], float] | None = None
+        self.saved, self.seconds = 0, 0.0  # for the summary
 
     def save(self, step: int, model, optimizer, meta: dict, protect: tuple[int | None, ...],
              then: Callable[[Path], None]) -> None:
         """Collective. Saves the state of `step`; `then(path)` once it is published (at once when synchronous)."""
         self.finish()
+        started = time.perf_counter()
         # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the exit in a
         # CheckpointException, and a stop right after a complete save loses nothing.
         with stopping.deferred():
             pending = checkpoint.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
             if self.writer is None:
-                then(checkpoint.finish_save(pending, self.info, self.keep_last, protect))
+                path = checkpoint.finish_save(pending, self.info, self.keep_last, protect)
+                self._published(path, time.perf_counter() - started)
+                then(path)
                 return
-        self.pending = (self.writer.publish(pending, self.info, self.keep_last, protect), then)
+        self.pending = (self.writer.publish(pending, self.info, self.keep_last, protect), then, started)
 
     def poll(self) -> None:
         """Each step: what follows the publish of the save in flight, once it is done (a local look)."""
@@ -50,20 +65,30 @@ class Saver:
         """Waits for the save in flight, if any: its publish, then what follows it."""
         if self.pending is None:
             return None
-        published, then = self.pending
+        published, then, started = self.pending
         self.pending = None
         with stopping.deferred():
             path = published.result()  # raises what the write or the publish raised
+        self._published(path, time.perf_counter() - started)  # asynchronous: until this rank saw it published
         then(path)
         return path
 
+    def _published(self, path: Path, seconds: float) -> None:
+        self.saved, self.seconds = self.saved + 1, self.seconds + seconds
+        if self.info.is_main and (verbose() or seconds >= SLOW_SAVE_S):
+            log.info("checkpoint saved: %s (%.1f s)", path, seconds)
+
     def close(self) -> None:
-        """Collective: the last save published, the background threads and staging buffers freed."""
+        """Collective: the last save published, the background threads and staging buffers freed; the summary said."""
         try:
             self.finish()
         finally:
             if self.writer is not None:
                 self.writer.close()
+        if self.info.is_main and self.saved:
+            kept = [p.name for p in checkpoint.list_complete(self.root)]
+            log.info("saved %d checkpoint%s to %s (%.1f s in all), kept %d (%s)", self.saved,
+                     "" if self.saved == 1 else "s", self.root, self.seconds, len(kept), ", ".join(kept))
 
 
 def snapshot(obj):
