@@ -4,7 +4,10 @@ that names what is wrong and the fix."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +19,56 @@ from conftest import REPO, TINY, run_cli
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
+
+
+# --- 1. companion packages that match the installed torch ------------------------------------------------------
+
+
+def cpu_torch_only() -> None:
+    """These replay the CPU set-up, where no torchvision fits without PyTorch's CPU index; elsewhere (a CUDA torch)
+    `--with torchvision` would install one for real."""
+    import torch
+
+    if not torch.__version__.endswith("+cpu") or Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+        pytest.skip("needs the CPU torch in the .venv scripts/setup made")
+
+
+def setup(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_CPU_INDEX"} | (env or {})
+    return subprocess.run([str(REPO / "scripts/setup"), *args], capture_output=True, text=True, env=environ,
+                          timeout=300)
+
+
+def test_setup_with_torchvision_refuses_a_build_for_another_torch_saying_what_works():
+    cpu_torch_only()
+    proc = setup("--with", "torchvision")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert error_lines(proc.stderr) == [
+        f"setup: --with torchvision: torch {torch_version()} is a CPU build and its torchvision, torchvision=="
+        f"{cpu_torchvision()}, is not in pip's indexes here (their torchvision wheels are CUDA builds: they install, "
+        "then fail at import with 'operator torchvision::nms does not exist'); set TORCH_CPU_INDEX to PyTorch's CPU "
+        "wheel index (https://download.pytorch.org/whl/cpu) and run scripts/setup --with torchvision again, or use "
+        "the CUDA pair in an environment of its own: pip install torch==2.14.1 torchvision==0.29.1 (about 5.5 GB)"]
+    assert subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode != 0
+    # The way the docs install any other package refuses it too, instead of installing the registry's CUDA build
+    # (pip resolves only: --dry-run).
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--disable-pip-version-check", "-c",
+                           str(REPO / ".venv/constraints.txt"), "torchvision"], capture_output=True, text=True,
+                          timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Would install" not in said, said
+    assert "(constraint) torchvision" in said and f"=={cpu_torchvision()}" in said, said
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def cpu_torchvision() -> str:
+    minor, patch = (int(p) for p in torch_version().partition("+")[0].split(".")[1:3])
+    return f"0.{minor + 15}.{patch}+cpu"
 
 
 # --- 5. a config key's error names the YAML file it is in ----------------------------------------------------------

@@ -49,7 +49,11 @@ def wheels(tmp_path):
 def test_setup_pins_the_installed_torch_exactly():
     if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
         pytest.skip("not running in the .venv scripts/setup made")
-    assert CONSTRAINTS.read_text().split() == [f"torch=={torch.__version__}"]
+    # ...and beside a CPU torch its torchvision's CPU build (tests/test_first_hour.py: the registry's is a CUDA build)
+    version, _, build = torch.__version__.partition("+")
+    minor, patch = (int(p) for p in version.split(".")[1:3])
+    assert CONSTRAINTS.read_text().split() == [f"torch=={torch.__version__}"] + (
+        [f"torchvision==0.{minor + 15}.{patch}+cpu"] if build == "cpu" else [])
 
 
 def test_a_package_that_wants_another_torch_fails_loudly_under_the_constraints(wheels, tmp_path):
