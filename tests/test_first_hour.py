@@ -21,7 +21,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
 
-# --- 1. companion packages that match the installed torch ------------------------------------------------------
+# --- 1. companion packages that match the installed torch; 7. no pip index noise -----------------------------------
 
 
 def cpu_torch_only() -> None:
@@ -58,6 +58,17 @@ def test_setup_with_torchvision_refuses_a_build_for_another_torch_saying_what_wo
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Would install" not in said, said
     assert "(constraint) torchvision" in said and f"=={cpu_torchvision()}" in said, said
+
+
+def test_setup_shows_pips_errors_without_its_index_warnings(tmp_path):
+    """A configured index location that does not exist made pip say so once per package looked up: 166 lines of
+    a fresh set-up. A torch that is nowhere (resolved only, nothing changes) shows both kinds of line."""
+    cpu_torch_only()
+    proc = setup(env={"TORCH_VERSION": "0.0.1", "TORCH_CPU_INDEX": (tmp_path / "no-index").as_uri()})
+    assert proc.returncode != 0
+    assert [line for line in proc.stderr.splitlines() if line.startswith("ERROR:") and "torch==0.0.1" in line], \
+        proc.stderr  # pip's own error, kept
+    assert "is ignored" not in proc.stdout + proc.stderr, proc.stderr
 
 
 def torch_version() -> str:
