@@ -121,3 +121,43 @@ def test_checkpoint_saves_are_one_summary_line_unless_verbose(tmp_path):
     verbose = run_cli([*args, "--verbose", "train.run_name=loud"], cwd=tmp_path, timeout=180).stderr
     assert sum("checkpoint saved: outputs/loud/checkpoints/step_" in line for line in verbose.splitlines()) == 6, verbose
 
+
+# --- 2. an import error in an optional package is shown as itself ---------------------------------------------------
+
+
+def broken_torchvision(directory: Path) -> Path:
+    """A torchvision as the registry's CUDA build is under a CPU torch: installed (so transformers imports it too),
+    and failing at import the way it does there."""
+    (directory / "torchvision").mkdir(parents=True)
+    (directory / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    dist_info = directory / "torchvision-0.28.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    (dist_info / "top_level.txt").write_text("torchvision\n")
+    return directory
+
+
+def test_a_broken_optional_package_is_named_with_its_fix(tmp_path):
+    env = {"PYTHONPATH": f"{broken_torchvision(tmp_path / 'site')}:{REPO}"}
+    fix = ("torchvision 0.28.0 was built for another torch than the installed {}: scripts/setup --with torchvision "
+           "installs one that fits (or says why none can here), or uninstall it: pip uninstall torchvision")
+    import torch
+
+    fix = fix.format(torch.__version__)
+    # A transformers model: transformers imports torchvision on its way to the class, and said only
+    # "Could not import module 'BertForSequenceClassification'. Are this object's requirements defined correctly?"
+    proc = run_cli(["run", "--config", str(REPO / "configs/digit_sequences_bert.yaml")], cwd=tmp_path, env=env,
+                   check=False, timeout=120)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == ("pipeline run: error: model.component 'pipeline.models.huggingface:from_config' raised "
+                        "ModuleNotFoundError: Could not import module 'BertForSequenceClassification', because importing "
+                        "torchvision failed: RuntimeError: operator torchvision::nms does not exist; " + fix), lines[0]
+    # torchvision's own model: the error was already its own; now it names the fix too.
+    config = tmp_path / "mobilenet.yaml"
+    config.write_text("data:\n  name: digits\nmodel:\n  component: torchvision.models:mobilenet_v3_small\n")
+    proc = run_cli(["run", "--config", str(config)], cwd=tmp_path, env=env, check=False, timeout=120)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "pipeline run: error: model.component 'torchvision.models:mobilenet_v3_small': importing 'torchvision.models' "
+        "raised RuntimeError: operator torchvision::nms does not exist; " + fix], proc.stderr

@@ -24,10 +24,12 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
+import importlib.metadata
 import inspect
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -70,7 +72,7 @@ def resolve(key: str, reference: str, missing_hint: str = "", source: "ArtifactS
                              f"(ModuleNotFoundError: {exc})") from exc
     except Exception as exc:  # a syntax error or an exception raised at import time in the user's module
         raise ComponentError(f"{key}.component '{reference}': importing '{module_name}' raised "
-                             f"{type(exc).__name__}: {exc}") from exc
+                             f"{type(exc).__name__}: {_with_cause(exc, module_name)}") from exc
     obj: Any = module
     for depth, part in enumerate(attribute.split(".")):
         if source is not None and (part.startswith("_") or (depth and inspect.ismodule(obj))):
@@ -112,7 +114,57 @@ def call(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = ""
     except ConfigError:
         raise
     except Exception as exc:
-        raise ComponentError(f"{key}.component '{reference}' raised {type(exc).__name__}: {exc}") from exc
+        raise ComponentError(f"{key}.component '{reference}' raised {type(exc).__name__}: "
+                             f"{_with_cause(exc, reference.partition(':')[0])}") from exc
+
+
+# An extension built against another torch than the installed one: its operators can't register, its symbols
+# don't resolve (torchvision from the registry, a CUDA build, under a CPU torch: "operator torchvision::nms does
+# not exist").
+_BUILT_FOR_ANOTHER_TORCH = re.compile(r"operator \S+ does not exist|undefined symbol|compiled (with|against|for) "
+                                      r"(a )?(different|another|torch|pytorch)", re.IGNORECASE)
+
+
+def _with_cause(exc: BaseException, module_name: str) -> str:
+    """`exc`'s text, and when an import deep inside it failed in another installed package (a broken optional
+    package: transformers says only "Could not import module 'BertForTokenClassification'", whatever the
+    reason), that failure and its fix: the one thing the user must act on, which the outer message hides."""
+    root = exc
+    while (nxt := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
+        root = nxt
+    bodies = [f.f_globals.get("__name__", "") for f, _ in traceback.walk_tb(root.__traceback__)
+              if f.f_code.co_name == "<module>"]  # the modules being imported when it was raised, outermost first
+    package = bodies[-1].partition(".")[0] if bodies else ""
+    text = str(exc).strip() or type(exc).__name__
+    if not package or package in ("__main__", "importlib"):
+        return text
+    dist = next(iter(importlib.metadata.packages_distributions().get(package, [])), None)
+    version = _installed_version(dist) if dist else None
+    if version is None:  # not an installed package: the user's own code, said as it is
+        return text
+    same = package == module_name.partition(".")[0]
+    built_for_another_torch = _BUILT_FOR_ANOTHER_TORCH.search(str(root))
+    if same and not built_for_another_torch:  # the named package's own failure: its text says it
+        return text
+    cause = "" if same and root is exc else (
+        f"{text.split('. ')[0].rstrip('.')}, because importing {package} failed: {type(root).__name__}: "
+        f"{str(root).strip().splitlines()[0] if str(root).strip() else ''}")
+    if built_for_another_torch:
+        fix = (f"{dist} {version} was built for another torch than the installed {_installed_version('torch')}: "
+               + ("scripts/setup --with torchvision installs one that fits (or says why none can here)"
+                  if dist == "torchvision" else f"reinstall it for this torch (pip install -c .venv/constraints.txt "
+                                                 f"{dist})") + f", or uninstall it: pip uninstall {dist}")
+    else:
+        fix = (f"{dist} {version} is installed but can't be imported: repair it (pip install --force-reinstall -c "
+               f".venv/constraints.txt {dist}) or uninstall it (pip uninstall {dist})")
+    return f"{cause or text}; {fix}"
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = "") -> None:
