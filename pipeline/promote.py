@@ -37,6 +37,10 @@ def main(name: str, server: str, token: str = "", tracking_uri: str = "", champi
          challenger: str = "challenger", force: bool = False) -> dict[str, Any]:
     """{"promoted": bool, "version", "reason", "shadow": the server's report}."""
     tracking.use_store(tracking_uri)
+    from serving.loader import registry_miss
+
+    if (missing := registry_miss(name)) is not None:  # a misspelt name, said before the server is asked
+        raise PromoteError(missing)
     report = shadow_report(server, name, token)
     behind = tracking.alias_version(name, challenger)
     if behind is None:

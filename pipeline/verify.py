@@ -101,7 +101,10 @@ def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
 
     version = tracking.alias_version(name, alias)
     if version is None:
-        raise VerifyError(f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}")
+        from serving.loader import registry_miss
+
+        raise VerifyError(registry_miss(name, alias=alias) or
+                          f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}")
     tags = tracking.version_tags(name, version)
     missing = [k for k in ("weights", lineage.onnx_file("fp32")) if not lineage.recorded_sha256(tags, k)]
     report(Link("registry", "FAIL" if missing else "ok",

@@ -132,7 +132,48 @@ def alias_version(uri: str) -> str:
     try:
         return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
     except Exception as exc:  # MlflowException for an unknown name or alias, connection errors
-        raise SourceError(f"cannot resolve {uri} (registry {mlflow.get_registry_uri()}): {exc}") from exc
+        raise SourceError(registry_miss(name, alias=alias) or
+                          f"cannot resolve {uri} (registry {mlflow.get_registry_uri()}): {exc}") from exc
+
+
+def registry_miss(name: str, alias: str | None = None, version: str | None = None) -> str | None:
+    """Why models:/<name>@<alias> (or /<version>) is not in the registry, with the names that are: "no registered
+    model 'resnet18-digit' in <store>; did you mean 'resnet18-digits'?", "resnet18-digits has no alias @champoin;
+    its aliases: @champion", "resnet18-digits has no version 7; its versions: 1, 2". None when all of it is there
+    (the failure was another) or the registry can't be asked (its own error says more)."""
+    import difflib
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    try:
+        try:
+            model = client.get_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                return None
+            names = sorted(m.name for m in client.search_registered_models())  # its first page: enough to hint
+            close = difflib.get_close_matches(name, names, n=3)
+            hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
+                    f"it has {', '.join(repr(n) for n in names[:10])}{' ...' if len(names) > 10 else ''}" if names else
+                    "it has no registered model: run from the directory where the pipeline wrote mlflow.db, or set "
+                    "MLFLOW_TRACKING_URI to the store that holds the model")
+            return f"no registered model '{name}' in {mlflow.get_registry_uri()}; {hint}"
+        aliases = sorted(model.aliases or {})
+        if alias is not None and alias not in aliases:
+            return f"{name} has no alias @{alias}; its aliases: {', '.join(f'@{a}' for a in aliases) or 'none'}"
+        if version is not None:
+            try:
+                client.get_model_version(name, version)
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    return None
+                versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
+                return f"{name} has no version {version}; its versions: {', '.join(map(str, versions)) or 'none'}"
+    except Exception:  # noqa: BLE001 - the registry can't be asked: the caller's message stands
+        return None
+    return None
 
 
 def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
@@ -262,8 +303,9 @@ def _download(uri: str, dst: str) -> str:
     try:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
     except Exception as exc:  # mlflow raises MlflowException, OSError, ... depending on the store
-        raise SourceError(f"cannot fetch {uri} from MLflow "
-                          f"(tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
+        named = _VERSION.match(uri)
+        raise SourceError((named and registry_miss(named.group(1), version=named.group(2))) or f"cannot fetch "
+                          f"{uri} from MLflow (tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
     # Said once here: MLflow's own progress bar is off outside a terminal (see serving/console.py).
     files = [p for p in Path(local).rglob("*") if p.is_file()]
     log.info("downloaded %s: %d files, %.1f MB in %.1f s", uri, len(files),

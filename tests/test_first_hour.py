@@ -82,6 +82,41 @@ def cpu_torchvision() -> str:
     return f"0.{minor + 15}.{patch}+cpu"
 
 
+# --- 3. a misspelt registered model, alias or version: the names there are ---------------------------------------
+
+
+REGISTRY = """
+import mlflow
+client = mlflow.MlflowClient("sqlite:///mlflow.db")
+for name in ("resnet18-digits", "wine-mlp"):
+    client.create_registered_model(name)
+    version = client.create_model_version(name, source="file:///nowhere", run_id=None).version
+    client.set_registered_model_alias(name, "champion", version)
+"""
+
+
+def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path):
+    subprocess.run([sys.executable, "-c", REGISTRY], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def error(*args: str) -> str:
+        proc = run_cli(list(args), cwd=tmp_path, check=False, timeout=120)
+        lines = error_lines(proc.stderr)
+        assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+        return lines[0]
+
+    assert error("serve", "--model", "models:/resnet18-digit@champion") == (
+        f"pipeline serve: error: cannot serve: no registered model 'resnet18-digit' in {store}; did you mean "
+        "'resnet18-digits'?")
+    assert error("serve", "--model", "models:/resnet18-digits/7") == (
+        "pipeline serve: error: cannot serve: resnet18-digits has no version 7; its versions: 1")
+    assert error("verify", "models:/resnet18-digits@champoin") == (
+        "pipeline verify: error: resnet18-digits has no alias @champoin; its aliases: @champion")
+    # promote asks the registry before the server (none listens here)
+    assert error("promote", "resnet18-digit", "--server", "http://127.0.0.1:9") == (
+        f"pipeline promote: error: no registered model 'resnet18-digit' in {store}; did you mean 'resnet18-digits'?")
+
+
 # --- 5. a config key's error names the YAML file it is in ----------------------------------------------------------
 
 
