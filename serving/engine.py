@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from serving.console import clip, ort_severity
@@ -50,6 +51,13 @@ _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
     "tensor(uint64)": (np.dtype(np.uint64), "UINT64"),
     "tensor(bool)": (np.dtype(np.bool_), "BOOL"),
 }
+
+
+def sent_shapes(parts: list[dict[str, np.ndarray]]) -> dict[str, list[int]]:
+    """Each input's shape in the requests' feeds `parts` as they are run together (their rows added up)."""
+    first = parts[0]
+    return {name: list(x.shape) if len(parts) == 1 or not x.ndim else
+            [sum(p[name].shape[0] for p in parts), *x.shape[1:]] for name, x in first.items()}
 
 
 class EngineError(Exception):
@@ -436,7 +444,7 @@ class Engine:
         part that needs no padding runs as it is. Past the largest bucket (one large request) the run goes in
         chunks of it. Other models: the parts concatenated, one session run. NaN or Inf in a part: ModelInputError.
         `observe(feeds, outputs)` sees the batch (without padding) before its buffer is reused (drift)."""
-        with self._mapped_errors():
+        with self._mapped_errors(lambda: sent_shapes(parts)):
             buffers = self.buffers
             rows = sum(rows_of(p) for p in parts) if self.batchable and not self.other_dynamic_axes else 0
             size = self.bucket_for(rows)
@@ -463,7 +471,7 @@ class Engine:
         """Rows start..start+rows of batch buffer `index` (assembled and checked by the batcher) through the model.
         Padded up to the batch bucket in place when the rows up to `free_up_to` allow it, else copied into a free
         buffer (or concatenated) first."""
-        with self._mapped_errors():
+        with self._mapped_errors(lambda: {s.name: [rows, *s.shape[1:]] for s in self.inputs}):  # fixed past rows
             size = self.bucket_for(rows)
             if start + size <= free_up_to:
                 return self._run_sized(self.buffers.batch(index, rows, size, start), rows, size, observe)
@@ -491,18 +499,27 @@ class Engine:
         return outputs
 
     @contextlib.contextmanager
-    def _mapped_errors(self):
-        """NaN/Inf and the errors onnxruntime raises for values it can't compute on -> ModelInputError (a 400);
-        out of memory and everything else stay the server's problem."""
+    def _mapped_errors(self, shapes: Callable[[], dict[str, list[int]]]):
+        """NaN/Inf and the errors onnxruntime raises for values it can't compute on -> ModelInputError (a 400),
+        naming each input's shape as sent (`shapes()`, without padding) beside the shape the model takes: its own
+        words are of a node deep inside ("Add node ... 3 by 4"). A node's failure (`Fail` too: two inputs of
+        lengths each fine alone but not together) is the request's, since inputs were checked against the model's
+        declared shapes; out of memory and everything else stay the server's problem."""
         try:
             yield
         except NonFinite as exc:
             raise ModelInputError(str(exc)) from None
         except Exception as exc:
             text = str(exc).strip()
-            if type(exc).__name__ in ("InvalidArgument", "RuntimeException") and "memory" not in text.lower():
-                first = text.splitlines()[0] if text else type(exc).__name__
-                raise ModelInputError(f"the model cannot compute on these input values: {clip(first, 400)}") from exc
+            kind = type(exc).__name__
+            if (kind in ("InvalidArgument", "RuntimeException") or (kind == "Fail" and "while running" in text)) \
+                    and "memory" not in text.lower():
+                first = text.splitlines()[0] if text else kind
+                specs = {s.name: s for s in self.inputs}
+                sent = ", ".join(f"{name} {shape} (the model takes {specs[name].describe()})"
+                                 for name, shape in shapes().items() if name in specs)
+                raise ModelInputError(f"the model cannot compute on these input values: {sent}: "
+                                      f"{clip(first, 400)}") from exc
             raise
 
     def _run_unstaged(self, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -117,6 +117,55 @@ def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path
         f"pipeline promote: error: no registered model 'resnet18-digit' in {store}; did you mean 'resnet18-digits'?")
 
 
+# --- 4. a shape the model can't take: the shapes fed and the shapes it takes ---------------------------------------
+
+
+def mismatched_lengths_model(path: Path) -> Path:
+    """`a` and `b`, FP32 [batch, length] each, added: any length fits each input, but not two different ones,
+    which onnxruntime finds only at run time (as a sequence model's ids and mask of different lengths)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["sum"])], "add",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", n + "_length"])
+                               for n in ("a", "b")],
+                              [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["batch", "length"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(tmp_path):
+    import requests
+    from serving_fixtures import ServerProcess
+
+    with ServerProcess("--model", str(mismatched_lengths_model(tmp_path / "add.onnx")),
+                       log_path=tmp_path / "server.log") as server:
+        v2 = {"inputs": [{"name": "a", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
+                         {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+        mlflow_style = {"inputs": {"a": [[1, 2, 3]], "b": [[1, 2, 3, 4]]}}
+        errors = []
+        for path, body in (("/v2/models/add/infer", v2), ("/invocations", mlflow_style)):
+            answer = requests.post(server.url + path, json=body, timeout=30)
+            assert answer.status_code == 400, answer.text
+            errors.append(answer.json()["error"])
+    sent = ("the model cannot compute on these input values: a [1, 3] (the model takes [-1,-1] FP32), b [1, 4] (the "
+            "model takes [-1,-1] FP32): ")
+    assert errors[0].startswith(sent) and "3 by 4" in errors[0], errors[0]
+    assert errors[1] == errors[0]  # one message for every front end
+
+
+def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
+    config = tmp_path / "linear.yaml"
+    config.write_text("data:\n  name: digits\nmodel:\n  component: torch.nn:Linear\n"
+                      "  args: {in_features: 32, out_features: 10}\n")
+    proc = run_cli(["run", "--config", str(config)], cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "pipeline run: error: model.component 'torch.nn:Linear' on 2 validation samples, fed input [2, 1, 8, 8] "
+        "float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x8 and 32x10)"], proc.stderr
+
+
 # --- 5. a config key's error names the YAML file it is in ----------------------------------------------------------
 
 

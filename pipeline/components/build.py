@@ -129,7 +129,10 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
         if doubles and any(p.dtype == torch.float32 for p in model.parameters()):
             hint += (f"; input(s) {', '.join(doubles)} are float64 and the model's parameters float32: give float32 "
                      "tensors (torch.tensor(x, dtype=torch.float32))")
-        raise ComponentError(f"{where}: {type(exc).__name__}: {str(exc).strip()}{hint}") from exc
+        fed = ", ".join(f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                        for name, t in (inputs.items() if isinstance(inputs, dict) else [("input", inputs)])
+                        if torch.is_tensor(t))
+        raise ComponentError(f"{where}, fed {fed}: {type(exc).__name__}: {str(exc).strip()}{hint}") from exc
     finally:
         model.train(was_training)
     if not torch.is_tensor(loss) or loss.dim() != 0 or not torch.isfinite(loss):
