@@ -137,10 +137,14 @@ def mismatched_lengths_model(path: Path) -> Path:
 
 
 def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(tmp_path):
+    import numpy as np
     import requests
-    from serving_fixtures import ServerProcess
+    import tritonclient.grpc as triton_grpc
+    from serving_fixtures import ServerProcess, free_port
+    from tritonclient.utils import InferenceServerException
 
-    with ServerProcess("--model", str(mismatched_lengths_model(tmp_path / "add.onnx")),
+    grpc_port = free_port()
+    with ServerProcess("--model", str(mismatched_lengths_model(tmp_path / "add.onnx")), "--grpc-port", str(grpc_port),
                        log_path=tmp_path / "server.log") as server:
         v2 = {"inputs": [{"name": "a", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
                          {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
@@ -150,10 +154,18 @@ def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(t
             answer = requests.post(server.url + path, json=body, timeout=30)
             assert answer.status_code == 400, answer.text
             errors.append(answer.json()["error"])
+        inputs = []
+        for name, length in (("a", 3), ("b", 4)):
+            inputs.append(triton_grpc.InferInput(name, [1, length], "FP32"))
+            inputs[-1].set_data_from_numpy(np.ones((1, length), np.float32))
+        with pytest.raises(InferenceServerException) as refused:
+            triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").infer("add", inputs)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        errors.append(refused.value.message())
     sent = ("the model cannot compute on these input values: a [1, 3] (the model takes [-1,-1] FP32), b [1, 4] (the "
             "model takes [-1,-1] FP32): ")
     assert errors[0].startswith(sent) and "3 by 4" in errors[0], errors[0]
-    assert errors[1] == errors[0]  # one message for every front end
+    assert errors[1] == errors[0] and sent in errors[2], errors  # one message for every front end
 
 
 def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
