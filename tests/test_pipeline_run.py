@@ -78,7 +78,8 @@ def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id:
         assert "passed parity.val" in text and "first model: resnet18-digits has no @champion yet" in text, text[:3000]
         assert "github.com/champion" not in dom and "/tmp/" not in text  # no link to a stranger; no local path
         text, _ = browser.page(f"{ui}/#/experiments/{experiment}/models/{model_id}", "mlflow-logged-model")
-        assert re.search(r"Datasets used\s+digits-val", text), text[:3000]  # not "None"
+        assert re.search(r"Datasets used digits-train \(#\w+\) \+1", text), text  # both splits, not "None"
+        assert re.search(r"val/accuracy digits-val \(#\w+\)", text), text  # its metrics name their split
         assert "val/accuracy" in text and "export.passed" not in text, text[:3000]  # the step's metrics, not the gates'
 
 

@@ -547,19 +547,25 @@ def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str
 
 
 def _link_validation(model_id: str, step: int) -> None:
-    """The active run's validation metrics of `step` once more, now with the logged model and the run's
-    validation dataset: MLflow's SQL store keeps no dataset on a run's metrics, and a logged model lists as
-    "Datasets used" those of the metrics linked to it."""
+    """The active run's metrics of `step` once more, now with the logged model and the split they were measured on:
+    val/* with the validation dataset, train/* (the last logged at or before `step`) with the training one. MLflow's
+    SQL store keeps no dataset on a run's metrics, and a logged model lists as "Datasets used" those of the metrics
+    linked to it."""
     import mlflow
 
     client = mlflow.MlflowClient()
     run = client.get_run(mlflow.active_run().info.run_id)
-    dataset = next((d.dataset for d in run.inputs.dataset_inputs
-                    if any(t.key == "mlflow.data.context" and t.value == "validation" for t in d.tags)), None)
-    metrics = {m.key: m.value for key in run.data.metrics if key.startswith("val/")
-               for m in client.get_metric_history(run.info.run_id, key) if m.step == step}
-    if dataset is not None and metrics:
-        mlflow.log_metrics(metrics, step=step, model_id=model_id, dataset=dataset)
+    for context, prefix in (("training", "train/"), ("validation", "val/")):
+        dataset = next((d.dataset for d in run.inputs.dataset_inputs
+                        if any(t.key == "mlflow.data.context" and t.value == context for t in d.tags)), None)
+        metrics = {}
+        for key in (k for k in run.data.metrics if k.startswith(prefix)):
+            at = [m for m in client.get_metric_history(run.info.run_id, key) if m.step <= step]
+            last = max(at, key=lambda m: m.step) if at else None
+            if last is not None and (prefix == "train/" or last.step == step):
+                metrics[key] = last.value
+        if dataset is not None and metrics:
+            mlflow.log_metrics(metrics, step=step, model_id=model_id, dataset=dataset)
 
 
 @uninterrupted
