@@ -2,7 +2,7 @@
 
 A real 2-process torchrun (gloo, CPU, 1 thread per rank) trains the ResNet-18 of configs/digits_resnet18.yaml
 (width 0.5: 2.8 M parameters, with AdamW's moments a ~34 MB state; --width 1: ~135 MB) with DDP on random batches, and saves through the trainer's own
-Saver (pipeline/components/saver.py) in turns: a synchronous save, then an asynchronous one, round after
+Saver (pipeline/checkpoint/saver.py) in turns: a synchronous save, then an asynchronous one, round after
 round. Reported (rank 0, medians over rounds):
   - a step without a save;
   - the step that saves: the step plus the save call (synchronous: the whole save; asynchronous: staging the
@@ -34,7 +34,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from pipeline.components.saver import Saver
+    from pipeline.checkpoint.saver import Saver
     from pipeline.distributed import DistInfo
     from pipeline.models import resnet18
 

@@ -240,7 +240,7 @@ def serve_and_measure(p: Proofs, onnx_path: Path, device: str, extra: list[str],
     import numpy as np
     import requests
 
-    from pipeline.components.tracking import free_port
+    from pipeline.tracking import free_port
 
     port = free_port()
     label = " ".join([device, *extra])

@@ -42,7 +42,7 @@ def input_shape(path: Path) -> tuple[int, ...]:
 
 def inprocess(path: Path, shape: tuple[int, ...], batch: int, seconds: float) -> float:
     """Samples/s of the server's Engine on one batch, run back to back for `seconds`."""
-    from pipeline.components.int8 import images_per_second  # the measure export records, on the same Engine
+    from pipeline.artifact.int8 import images_per_second  # the measure export records, on the same Engine
     from serving.engine import Engine
 
     engine = Engine(str(path), device="cpu")

@@ -1,7 +1,7 @@
 """ResNet-50 224x224 on one GPU: the server on every protocol against onnxruntime itself (scripts/gpu-check's table).
 
 torchvision's ResNet-50 (random weights, 1x3x224x224 FP32, 602 KB an image) exported to ONNX with a dynamic batch,
-and its fp16 variant (pipeline.components.gates.to_fp16, the export's own converter; its answers are compared with
+and its fp16 variant (pipeline.artifact.gates.to_fp16, the export's own converter; its answers are compared with
 fp32's and the largest gap printed). One table, one run:
 
     anchors   onnxruntime in-process on the CUDA provider with the server's options (HEURISTIC, no TF32), numpy in
@@ -10,7 +10,7 @@ fp32's and the largest gap printed). One table, one run:
     ours      `python -m serving --device cuda` with its defaults, then --variant fp16, then --cuda-graphs: V2 binary
               over HTTP at c=1/32/64, gRPC (ModelInfer, raw_input_contents) at c=1/64, the V2 system shared-memory
               extension through tritonclient.grpc at c=32 (a region pair per client); then --variant uint8 (the
-              image as UINT8 pixel values, 150 KB: pipeline.components.uint8_inputs) over HTTP and gRPC at c=64;
+              image as UINT8 pixel values, 150 KB: pipeline.artifact.uint8_inputs) over HTTP and gRPC at c=64;
               clients are closed loops in up to 8 processes, one image a request; rows and ms per model run from
               the server's /metrics
 
@@ -63,8 +63,8 @@ def export(directory: Path, size: int) -> str:
     import onnx
     import torch
 
-    from pipeline.components import uint8_inputs
-    from pipeline.components.gates import to_fp16
+    from pipeline.artifact import uint8_inputs
+    from pipeline.artifact.gates import to_fp16
 
     directory.mkdir(parents=True, exist_ok=True)
     model, name = network()

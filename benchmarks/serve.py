@@ -100,7 +100,7 @@ def build_and_export(name: str, out_dir: Path):
     path = out_dir / f"{name}.onnx"
     metadata = {"trainserve.model_name": name}
     try:
-        from pipeline.components.onnx_export import ExportHead, export
+        from pipeline.artifact.onnx_export import ExportHead, export
         from pipeline.tasks.classification import Classification
 
         head = ExportHead(model, Classification(None, 5, num_classes=10), ["input"], True)

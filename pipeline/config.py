@@ -186,7 +186,7 @@ class TrainConfig(Section):
     @classmethod
     def _store_url(cls, value: str) -> str:
         # s3://bucket/prefix: its form and s3fs checked here; credentials and the bucket when training starts.
-        from pipeline.components import object_store
+        from pipeline.checkpoint import object_store
 
         return str(object_store.check_url(value)) if object_store.is_url(value) else value
 

@@ -43,19 +43,23 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipeline.components import checkpoint, shard_stream
-from pipeline.components import weights as weights_bundle
-from pipeline.components import run_dir as run_dir_owner
+from pipeline import checkpoint
+from pipeline.checkpoint import shard_stream
+from pipeline.artifact import weights as weights_bundle
+from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.components.amp import DTYPES
 from pipeline.config import DEFAULT_OUTPUT_DIR
-from pipeline.components.checkpoint import CachedMetadataReader, CheckpointError
+from pipeline.checkpoint import dcp_read
+from pipeline.checkpoint.dcp import FORMAT as DCP_FORMAT
+from pipeline.checkpoint.dcp_read import CachedMetadataReader
+from pipeline.errors import CheckpointError
 from pipeline.components.monitor import read_best
-from pipeline.components.object_store import is_url
-from pipeline.components.run_dir import pid_alive
-from pipeline.components.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
+from pipeline.checkpoint.object_store import is_url
+from pipeline.checkpoint.run_dir import pid_alive
+from pipeline.artifact.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
                                          total_size)
-from pipeline.components.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
+from pipeline.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
 from pipeline.errors import ConsolidateError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
         use_store(tracking_uri)
         ckpt = _download(run_id, latest)
     elif is_url(checkpoint_path):  # an object store: fetched (and verified) into outputs/downloaded/, then as local
-        from pipeline.components.checkpoint_store import fetch_checkpoint
+        from pipeline.checkpoint.store import fetch_checkpoint
 
         ckpt = fetch_checkpoint(str(checkpoint_path), OUTPUTS / "downloaded", latest)
     else:
@@ -163,7 +167,7 @@ def default_output_dir(ckpt: Path, downloaded_run_id: str | None) -> Path:
 
 
 def _download(run_id: str, latest: bool) -> Path:
-    from pipeline.components.checkpoint_store import download_checkpoint
+    from pipeline.checkpoint.store import download_checkpoint
 
     return download_checkpoint(run_id, OUTPUTS / "downloaded", latest)
 
@@ -172,7 +176,7 @@ def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype)
     """What the file will hold, in file order, after checking the checkpoint against the model's state
     manifest recorded at save: same keys, same shapes, floating where the model is floating."""
     expected = manifest_of(ckpt, meta)
-    checkpoint.check_compatible(ckpt, {k: _Shape(v["shape"]) for k, v in expected.items()}, metadata)
+    dcp_read.check_compatible(ckpt, {k: _Shape(v["shape"]) for k, v in expected.items()}, metadata)
     specs = []
     for name, want in expected.items():
         md = metadata.state_dict_metadata[f"model.{name}"]
@@ -198,7 +202,7 @@ def manifest_of(ckpt: Path, meta: dict) -> dict[str, dict]:
     if not isinstance(manifest, dict) or not manifest:
         fmt = meta.get("format", "unknown")
         raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} (format {fmt}) records no model_state "
-                              f"manifest; it was saved by a trainserve before components ({checkpoint.FORMAT} has "
+                              f"manifest; it was saved by a trainserve before components ({DCP_FORMAT} has "
                               "it): retrain, or consolidate it with the trainserve that saved it")
     for name, entry in manifest.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and entry.get("dtype") in _DTYPES):
@@ -344,14 +348,14 @@ _malloc_trim = _find_malloc_trim()
 
 def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
     try:
-        with checkpoint.single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=checkpoint.WeightsOnlyLoadPlanner(), no_dist=True)
+        with dcp_read.single_process_quiet():
+            dcp.load(state, storage_reader=reader, planner=dcp_read.WeightsOnlyLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
                         if index.fqn in state})
         raise CheckpointError(f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
                               f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
-                              f"file corrupt or truncated? ({checkpoint.first_failure(exc)})") from exc
+                              f"file corrupt or truncated? ({dcp_read.first_failure(exc)})") from exc
 
 
 

@@ -7,9 +7,9 @@ optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx`
 and uint8 are also logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant
 fp16|int8|uint8` serves one, and `--variant auto` the fastest for the server's provider, as export measured them
 here (`variants_measured` in the report, the version's tag lineage.FASTEST_VARIANTS); never uint8, whose
-clients send other bytes (UINT8 image inputs: pipeline/components/uint8_inputs.py).
+clients send other bytes (UINT8 image inputs: pipeline/artifact/uint8_inputs.py).
 
-The int8 variant (export.int8, pipeline/components/int8.py) is gated like the others, with its own limits;
+The int8 variant (export.int8, pipeline/artifact/int8.py) is gated like the others, with its own limits;
 unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not the export: it is
 an optional speed-up of a model that passed.
 
@@ -44,15 +44,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.components import baseline, gates, int8, length_limits, onnx_export, promotion, tracking, uint8_inputs
-from pipeline.components import run_dir as run_dir_owner
+from pipeline.artifact import baseline, gates, int8, length_limits, onnx_export, promotion, uint8_inputs
+from pipeline import tracking
+from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
-from pipeline.components.rebuild import gate_file, rebuild, run_gates
+from pipeline.artifact.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
-from pipeline.components.safetensors_writer import file_sha256
+from pipeline.artifact.safetensors_writer import file_sha256
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
-from pipeline.components.weights import META_FILE, Weights, read_weights
+from pipeline.artifact.weights import META_FILE, Weights, read_weights
 from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json

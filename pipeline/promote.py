@@ -21,7 +21,7 @@ from typing import Any
 
 import requests
 
-from pipeline.components import tracking
+from pipeline import tracking
 from pipeline.errors import TrackingError
 from pipeline.tools import logs
 from serving import lineage

@@ -23,8 +23,9 @@ import numpy as np
 
 from serving.codec import V2_DTYPES
 
-from pipeline.components import checkpoint, object_store, tracking
-from pipeline.components import run_dir as run_dir_owner
+from pipeline import checkpoint, tracking
+from pipeline.checkpoint import object_store
+from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import StateFileError, read_json, write_atomically
 from pipeline.components.build import component_references, preflight
@@ -238,10 +239,10 @@ class ServeSample:
     def prepare(cls, data_cfg, task_cfg, export_cfg, weights_dir: Path, trusted: list[str]) -> "ServeSample":
         """The first validation sample, and the PyTorch model's answer (rebuilt from model.json, whose
         components are imported when they are the config's own or otherwise trusted)."""
-        from pipeline.components import gates
+        from pipeline.artifact import gates
         from pipeline.components.data import first_batch
-        from pipeline.components.rebuild import rebuild
-        from pipeline.components.weights import read_weights
+        from pipeline.artifact.rebuild import rebuild
+        from pipeline.artifact.weights import read_weights
 
         ref = rebuild(read_weights(weights_dir), trusted, data_cfg, task_cfg)
         inputs, target = first_batch(ref.splits.val, 1)
@@ -253,7 +254,7 @@ class ServeSample:
         import numpy as np
         import requests
 
-        from pipeline.components import gates
+        from pipeline.artifact import gates
 
         body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": V2_DATATYPES[a.dtype],
                             "data": a.reshape(-1).tolist()} for n, a in self.feeds.items()]}
@@ -322,7 +323,7 @@ def cli(args) -> int:
     from pipeline.consolidate import ConsolidateError
     from pipeline.components.data import DataError
     from pipeline.export import WeightsError
-    from pipeline.components.onnx_export import ExportError
+    from pipeline.artifact.onnx_export import ExportError
 
     logs.configure()
     # SIGTERM (docker stop, a scheduler) exits through every stage's failure path: runs are closed,

@@ -87,7 +87,7 @@ def registry_version(model: dict) -> tuple[str, str] | None:
 def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
     import mlflow
 
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     tracking.use_store(tracking_uri)
     client = mlflow.MlflowClient()

@@ -30,12 +30,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
-from pipeline.components import amp, checkpoint, checkpoint_store, object_store, tracking
+from pipeline.components import amp
+from pipeline import checkpoint, tracking
+from pipeline.checkpoint import store as checkpoint_store, object_store
 from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
-from pipeline.components.saver import Saver, snapshot
+from pipeline.checkpoint.saver import Saver, snapshot
 from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
                                        probe, state_manifest)
-from pipeline.components.checkpoint_uploads import BackgroundUploads
+from pipeline.checkpoint.uploads import BackgroundUploads
 from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
                                       make_train_loader, rescale_loader_state, split_digest, to_device)
@@ -45,7 +47,7 @@ from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
 from pipeline.distributed import DistInfo, launch, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
-from pipeline.components import run_dir as run_dir_owner
+from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.tools import stopping
 from serving import lineage
 from pipeline.tools.faults import inject_fault

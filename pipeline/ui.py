@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.components import tracking
+from pipeline import tracking
 
 
 def command(tracking_uri: str, host: str, port: int) -> list[str]:

@@ -54,7 +54,7 @@ class Link:
 
 def main(model_uri: str, server: str | None = None, tracking_uri: str = "", token: str = "",
          trusted: tuple[str, ...] = (), echo=print) -> list[Link]:
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     name, alias = parse_uri(model_uri)
     uri = tracking.resolve_tracking_uri(tracking_uri)
@@ -97,7 +97,7 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 
 def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     version = tracking.alias_version(name, alias)
     if version is None:
@@ -117,8 +117,9 @@ def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
 def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[Path | None, dict]:
     import onnx
 
-    from pipeline.components import onnx_export, tracking
-    from pipeline.components.safetensors_writer import file_sha256
+    from pipeline.artifact import onnx_export
+    from pipeline import tracking
+    from pipeline.artifact.safetensors_writer import file_sha256
     from serving.loader import data_file_of
 
     try:
@@ -156,8 +157,8 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
     """model.safetensors + model.json from the training run's consolidated/ artifacts (else the local
     run directory), checked against each other and against what the ONNX recorded."""
-    from pipeline.components import tracking
-    from pipeline.components.safetensors_writer import file_sha256
+    from pipeline import tracking
+    from pipeline.artifact.safetensors_writer import file_sha256
 
     said = Lineage.read(props)
     run_id = said.run_id or tags.get(lineage.RUN_ID, "")
@@ -196,7 +197,7 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
 
 def _local_run_dir(run_id: str) -> Path:
     """The run's directory on this machine, as its RUN_DIR tag names it (a version names no path)."""
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     try:
         return Path(tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR) or "/nonexistent")
@@ -208,8 +209,8 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
     """Where the checkpoint is reachable (its local path, else the run's uploaded copy): intact, and it
     consolidates again to the very same bytes."""
     from pipeline import consolidate
-    from pipeline.components import checkpoint, tracking
-    from pipeline.components.safetensors_writer import file_sha256
+    from pipeline import checkpoint, tracking
+    from pipeline.artifact.safetensors_writer import file_sha256
 
     meta = json.loads((weights_dir / "model.json").read_text())
     source = meta.get("source") or {}
@@ -255,8 +256,8 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
 def data_link(tags: dict, onnx_path: Path | None, report) -> None:
     """The data behind the version: its split digests against the run's logged datasets; the drift baseline
     (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
-    from pipeline.components import tracking
-    from pipeline.components.safetensors_writer import file_sha256
+    from pipeline import tracking
+    from pipeline.artifact.safetensors_writer import file_sha256
     from serving import drift
 
     recorded = {split: lineage.recorded_sha256(tags, split) for split in ("train", "val")}
@@ -356,7 +357,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace) -> int:
     logs.configure(level=logging.WARNING)  # the links are the output
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from pipeline.components.tracking import TrackingError
+    from pipeline.tracking import TrackingError
 
     try:
         links = main(args.model_uri, args.server, args.tracking_uri, args.token, tuple(args.trust))

@@ -37,7 +37,7 @@ from serving.lineage import UINT8_INPUTS
 
 FORMAT = "trainserve-drift/1"
 # A graph's inputs taken as UINT8 pixel values and scaled by 1/255 inside it (the uint8 variant's ONNX metadata,
-# written by pipeline/components/uint8_inputs.py): compared with the training data's [0, 1] values once scaled.
+# written by pipeline/artifact/uint8_inputs.py): compared with the training data's [0, 1] values once scaled.
 PIXEL_INPUTS_KEY = UINT8_INPUTS
 FILE = "drift_reference.json"
 BINS = 10

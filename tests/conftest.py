@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.distributed import DistInfo
 

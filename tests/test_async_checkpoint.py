@@ -1,4 +1,4 @@
-"""The asynchronous save's writer (checkpoint.AsyncWriter, through the trainer's Saver) in one process: what it
+"""The asynchronous save's writer (dcp.AsyncWriter, through the trainer's Saver) in one process: what it
 publishes is the state of the step saved, and its background thread runs at the lowest CPU priority."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from pipeline.components import checkpoint
-from pipeline.components.saver import Saver
+from pipeline import checkpoint
+from pipeline.checkpoint.dcp import AsyncWriter
+from pipeline.checkpoint.saver import Saver
 from pipeline.distributed import DistInfo
 
 
@@ -36,7 +37,7 @@ def test_an_async_save_publishes_the_staged_state_from_a_lowest_priority_thread(
         saver.close()
     assert published == [path] and path == checkpoint.latest(tmp_path)
     if sys.platform == "linux":  # a thread's own priority is Linux's; elsewhere the writer keeps training's
-        assert nice.result() == checkpoint.AsyncWriter.NICE == 19
+        assert nice.result() == AsyncWriter.NICE == 19
     restored = torch.nn.Linear(64, 8)
     checkpoint.load(path, restored, None, info)
     for key, value in restored.state_dict().items():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline.components.build import instantiate_model
-from pipeline.components.checkpoint import CheckpointError
+from pipeline.checkpoint import CheckpointError
 
 from conftest import CPU1, TINY, checkpoint_meta, mlp_spec, run_cli, small_tmpfs
 

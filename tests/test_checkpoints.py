@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.components import checkpoint, checkpoint_store
+from pipeline import checkpoint
+from pipeline.checkpoint import store as checkpoint_store
 from pipeline.components.build import instantiate_model
-from pipeline.components.checkpoint import CheckpointError
+from pipeline.checkpoint import CheckpointError
 
 from conftest import CPU1, TINY, checkpoint_meta, mlflow_client, mlp_spec, model_from_checkpoint, run_cli
 from serving import lineage
@@ -84,8 +85,8 @@ def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_f
     `consolidate --run-id` finds the checkpoints through the run's record of where they live."""
     from safetensors.torch import load_file
 
-    from pipeline.components.checkpoint_store import fetch_checkpoint
-    from pipeline.components.object_store import StoreUrl
+    from pipeline.checkpoint.store import fetch_checkpoint
+    from pipeline.checkpoint.object_store import StoreUrl
 
     from object_store import moto_s3
 
@@ -287,7 +288,7 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
 def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_failures(tmp_path):
     import shutil
 
-    from pipeline.components.checkpoint_uploads import BackgroundUploads
+    from pipeline.checkpoint.uploads import BackgroundUploads
 
     client = mlflow_client(tmp_path)
     run_id = client.create_run(client.create_experiment("uploads", str(tmp_path / "artifacts"))).info.run_id

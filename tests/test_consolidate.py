@@ -20,13 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline import consolidate
 from pipeline.cli import main as pipeline_cli
 from pipeline.config import Config
 from pipeline.distributed import DistInfo
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
-from pipeline.components.safetensors_writer import StreamingWriter, TensorSpec
+from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec
 from serving import lineage
 
 from conftest import run_lineage

@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline import cli
-from pipeline.components import gates, onnx_export, uint8_inputs
+from pipeline.artifact import gates, onnx_export, uint8_inputs
 from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
-from pipeline.components.safetensors_writer import file_sha256 as sha256_file
+from pipeline.artifact.safetensors_writer import file_sha256 as sha256_file
 from pipeline.tasks import build_task
 from pipeline.tasks.classification import Classification
 from pipeline.tasks.regression import Regression
-from pipeline.components.tracking import free_port
+from pipeline.tracking import free_port
 from pipeline.config import load_config
-from pipeline.components.weights import load_model, read_weights
+from pipeline.artifact.weights import load_model, read_weights
 from pipeline.export import ExportResult, main
 from pipeline.datasets.images import ImageTensors
 from serving import lineage
@@ -423,7 +423,7 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(trained, 
 def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
     from onnx import TensorProto, helper
 
-    from pipeline.components.promotion import not_comparable
+    from pipeline.artifact.promotion import not_comparable
 
     def graph(path: Path, task: str, input_name: str) -> Path:
         g = helper.make_graph([helper.make_node("Identity", [input_name], ["output"])], "g",
@@ -454,7 +454,7 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
     (0.1, 0.9, "max", "always", 0.0, True),
 ])
 def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
-    from pipeline.components.promotion import verdict
+    from pipeline.artifact.promotion import verdict
 
     got, gain, reason = verdict(mine, theirs, mode, promote, tolerance)
     assert got is moves and promote in reason and "{}" in reason

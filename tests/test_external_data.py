@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from pipeline import verify
 from pipeline.components.build import build_data, instantiate_model, model_spec
-from pipeline.components.safetensors_writer import file_sha256
+from pipeline.artifact.safetensors_writer import file_sha256
 from pipeline.config import load_config
 from pipeline.export import main as export
 from pipeline.tasks import build_task
@@ -125,7 +125,7 @@ def test_the_exporter_lets_go_of_the_weights_once_they_are_written(tmp_path):
     import gc
     import weakref
 
-    from pipeline.components import onnx_export
+    from pipeline.artifact import onnx_export
     from pipeline.components.build import ModelSpec
     from pipeline.tasks.classification import Classification
 
@@ -143,7 +143,7 @@ def test_the_exporter_lets_go_of_the_weights_once_they_are_written(tmp_path):
 
 def test_the_reference_model_uses_the_weights_file_mapped_not_copied(registered):
     """load_model assigns the tensors safetensors maps: a model of N GB costs N GB once, as pages are read."""
-    from pipeline.components.weights import load_model, read_weights
+    from pipeline.artifact.weights import load_model, read_weights
 
     weights = read_weights(registered["root"] / "consolidated")
     model = load_model(weights)
@@ -154,7 +154,7 @@ def test_a_failed_dynamo_attempt_leaves_no_bytes_in_the_fallbacks_data_file(tmp_
     """The dynamo exporter writes graph + data file, then a check of its result fails: the TorchScript fallback
     saves to the same names, and onnx appends to a data file that is there (a file twice the size, dead bytes
     hashed and uploaded) unless the attempt's files are removed first."""
-    from pipeline.components import onnx_export
+    from pipeline.artifact import onnx_export
     from pipeline.components.build import ModelSpec
     from pipeline.tasks.classification import Classification
 

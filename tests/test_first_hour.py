@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from conftest import REPO, TINY, run_cli
 
 

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from pipeline import consolidate
-from pipeline.components import checkpoint, checkpoint_store, gates
+from pipeline import checkpoint
+from pipeline.checkpoint import store as checkpoint_store
+from pipeline.artifact import gates
 from pipeline.components.build import instantiate_model
-from pipeline.components.checkpoint import CheckpointError
+from pipeline.checkpoint import CheckpointError
 
 from conftest import CPU1, checkpoint_meta, mlp_spec
 
@@ -64,7 +66,7 @@ class Rows(torch.utils.data.Dataset):
 def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
     """A weight of fixed length 16 along the 'dynamic' axis: the exporter may still mark it dynamic, but
     no other length can run, so the gate must fail instead of there being no gate at all."""
-    from pipeline.components.onnx_export import ExportHead
+    from pipeline.artifact.onnx_export import ExportHead
     from pipeline.tasks.regression import Regression
 
     class FixedLength(torch.nn.Module):

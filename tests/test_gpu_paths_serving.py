@@ -289,8 +289,8 @@ def test_fp16_variant_on_cuda_loads_model_fp16(tmp_path, fake_gpu):
 def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypatch):
     import mlflow
 
-    from pipeline.components import tracking
-    from pipeline.components.tracking import log_beside_model
+    from pipeline import tracking
+    from pipeline.tracking import log_beside_model
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -322,8 +322,8 @@ class Mean(torch.nn.Module):
 @pytest.fixture
 def mean_export(tmp_path):
     """x.mean(1) as a PyTorch head and as a hand-made ONNX graph, on 20 validation rows."""
-    from pipeline.components import gates
-    from pipeline.components.onnx_export import ExportHead
+    from pipeline.artifact import gates
+    from pipeline.artifact.onnx_export import ExportHead
     from pipeline.tasks.regression import Regression
     from pipeline.config import ExportConfig
 
@@ -343,8 +343,8 @@ def mean_export(tmp_path):
 
 
 def test_every_gate_records_the_provider_it_ran_on(mean_export):
-    from pipeline.components import gates
-    from pipeline.components.rebuild import run_gates
+    from pipeline.artifact import gates
+    from pipeline.artifact.rebuild import run_gates
 
     e = mean_export
     results = run_gates(gates.session(e.path), e.ref, e.batches, e.cfg)
@@ -357,8 +357,8 @@ def test_a_gate_asked_for_cuda_that_onnxruntime_ran_on_the_cpu_fails_naming_it(m
     """The real fallback: onnxruntime-gpu asked for [CUDA, CPU] here creates a CPU session. Before the fix
     the gate measured the CPU and called it CUDA."""
     from pipeline import export
-    from pipeline.components import gates
-    from pipeline.components.rebuild import run_gates
+    from pipeline.artifact import gates
+    from pipeline.artifact.rebuild import run_gates
 
     e = mean_export
     if CUDA not in ort.get_available_providers():
@@ -374,7 +374,7 @@ def test_a_gate_asked_for_cuda_that_onnxruntime_ran_on_the_cpu_fails_naming_it(m
 @no_real_gpu
 def test_fp16_gate_asserts_and_records_its_provider(mean_export, tmp_path):
     from pipeline import export
-    from pipeline.components import gates
+    from pipeline.artifact import gates
 
     e = mean_export
     fp16 = tmp_path / "mean.fp16.onnx"

@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.components import amp, checkpoint, tracking
+from pipeline.components import amp
+from pipeline import checkpoint, tracking
+from pipeline.checkpoint import dcp_read
 from pipeline.components.build import instantiate_model
 from pipeline.components.data import make_train_loader, to_device
 from pipeline.config import ConfigError, TrackingConfig, TrainConfig, load_config
@@ -173,7 +175,7 @@ def test_a_checkpoint_written_on_cpu_resumes_on_a_gpu_node(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node, as checkpoint.py sees it
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
-    assert "cuda" in checkpoint._rng_state()
+    assert "cuda" in dcp_read.rng_state()
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: pytest.fail("no CUDA state was saved"))
     torch.manual_seed(123)
     fresh = instantiate_model(spec)

@@ -16,9 +16,11 @@ import torch
 
 from pipeline import consolidate
 from pipeline.cli import main as pipeline_cli
-from pipeline.components import checkpoint, checkpoint_store
+from pipeline import checkpoint
+from pipeline.checkpoint import dcp_read
+from pipeline.checkpoint import store as checkpoint_store
 from pipeline.components.build import instantiate_model
-from pipeline.components.checkpoint import CheckpointError
+from pipeline.checkpoint import CheckpointError
 
 from conftest import CPU1, checkpoint_meta, mlflow_client, mlp_spec
 
@@ -126,7 +128,7 @@ def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path, escape,
     if escape == "symlink":
         (ckpt / "link.distcp").symlink_to(shard)
     target = {"../": os.path.relpath(shard, ckpt), "absolute": str(shard), "symlink": "link.distcp"}[escape]
-    metadata = checkpoint.read_metadata_safely(ckpt)
+    metadata = dcp_read.read_metadata_safely(ckpt)
     for index, info in metadata.storage_data.items():
         if index.fqn.startswith("model."):
             info.relative_path = target

@@ -16,9 +16,9 @@ import pytest
 import requests
 import torch
 
-from pipeline.components import int8
+from pipeline.artifact import int8
 from pipeline.components.build import build_data, instantiate_model, model_spec
-from pipeline.components.safetensors_writer import file_sha256
+from pipeline.artifact.safetensors_writer import file_sha256
 from pipeline.config import load_config
 from pipeline.export import main
 from pipeline.tasks import build_task

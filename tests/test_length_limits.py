@@ -9,8 +9,8 @@ import onnx
 import pytest
 import torch
 
-from pipeline.components import gates, length_limits
-from pipeline.components.onnx_export import ExportHead
+from pipeline.artifact import gates, length_limits
+from pipeline.artifact.onnx_export import ExportHead
 from pipeline.tasks.classification import Classification
 from serving import lengths
 

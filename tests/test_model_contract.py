@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.data import DataError
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.distributed import DistInfo

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import consolidate
-from pipeline.components import checkpoint, object_store, run_dir
+from pipeline import checkpoint
+from pipeline.checkpoint import object_store, run_dir
 from pipeline.components.build import instantiate_model
-from pipeline.components.checkpoint import CheckpointError
-from pipeline.components.object_store import StoreUrl
+from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint.object_store import StoreUrl
 from pipeline.config import ConfigError, load_config
 
 from conftest import CPU1, REPO, TINY, checkpoint_meta, mlp_spec
@@ -90,7 +91,7 @@ def test_a_checkpoint_on_the_store_counts_only_once_its_marker_matches_what_is_t
 
 
 def test_a_checkpoint_pruned_while_it_is_fetched_is_named_and_leaves_no_half_copy(on_store, tmp_path, monkeypatch):
-    from pipeline.components import checkpoint_store
+    from pipeline.checkpoint import store as checkpoint_store
 
     root = StoreUrl(f"{on_store.url}/pruned/checkpoints")
     saved(root, [1])
@@ -134,7 +135,7 @@ def test_a_bad_url_or_a_store_that_cant_be_used_is_refused_with_what_to_do(store
 
 OWNER = textwrap.dedent("""
     import sys, time
-    from pipeline.components import run_dir
+    from pipeline.checkpoint import run_dir
     run_dir.claim(sys.argv[1])
     print("claimed", flush=True)
     time.sleep(120)

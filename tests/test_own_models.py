@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline.components.build import build_data
 from pipeline.components.data import first_batch
 from pipeline.config import load_config

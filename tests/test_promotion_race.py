@@ -11,7 +11,8 @@ import time
 import onnx
 import pytest
 
-from pipeline.components import promotion, tracking
+from pipeline.artifact import promotion
+from pipeline import tracking
 from serving_fixtures import tiny_model
 
 ACCURACY_TAG = "test.accuracy"

@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from pipeline.components import checkpoint, checkpoint_store, run_dir
+from pipeline import checkpoint
+from pipeline.checkpoint import store as checkpoint_store, run_dir
 from pipeline.components.build import instantiate_model
 from pipeline.config import load_config
 from pipeline.train import default_run_name
@@ -23,7 +24,7 @@ from serving import lineage
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from pipeline.components import run_dir
+    from pipeline.checkpoint import run_dir
     run_dir.claim(sys.argv[1])
     print("claimed", flush=True)
     time.sleep(float(sys.argv[2]))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.data import DataError
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import TaskError

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.config import flatten, load_config
 
@@ -118,7 +118,7 @@ def test_same_seed_same_losses_bit_for_bit(tiny_runs):
 
 def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
     """Multi-node as on a cluster, on one machine: two launchers, one process each, c10d on 127.0.0.1."""
-    from pipeline.components.tracking import free_port
+    from pipeline.tracking import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",

@@ -15,8 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.components.checkpoint import CheckpointError, step_dir_name
-from pipeline.components.object_store import location
+from pipeline.checkpoint import CheckpointError, step_dir_name
+from pipeline.checkpoint.object_store import location
 from pipeline.config import ConfigError
 from pipeline.tools.files import StateFileError, read_json, write_json
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.data import DataError
 from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, reduce_sums, refuse_others_settings,
                                  suggest_num_classes)
@@ -104,7 +104,7 @@ class ClassTask(ModelOutputs):
     def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
         if len(self.labels) > MAX_CONFUSION_PLOT:
             return None
-        from pipeline.components.plots import confusion_matrix_png
+        from pipeline.artifact.plots import confusion_matrix_png
 
         return confusion_matrix_png(state["confusion"].cpu(), self.labels, path.with_name("confusion_matrix.png"),
                                     subject)

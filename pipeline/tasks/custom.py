@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.data import leaves
 from pipeline.components.reference import short_name
 from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order, map_tensors,

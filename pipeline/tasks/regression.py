@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.data import DataError
 from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, describe_value, gather_in_order,
                                  reduce_sums, refuse_others_settings, shape_of)
@@ -121,7 +121,7 @@ class Regression(ModelOutputs):
                 "r2": r2.mean().item(), "loss": state["loss"].item() / n}
 
     def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
-        from pipeline.components.plots import predicted_vs_actual_png
+        from pipeline.artifact.plots import predicted_vs_actual_png
 
         points = state["points"][0] if state["points"] else torch.empty(0, 2)
         title = f"{subject}: RMSE {self.metrics(state)['rmse']:.4g} over {int(state['n'].item())} samples"

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.components import checkpoint
+from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.config import Config
 from pipeline.distributed import setup, teardown

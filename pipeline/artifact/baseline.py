@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 
 
 def gate(task, state: dict, export_cfg, head: torch.nn.Module, val) -> dict[str, Any] | None:

@@ -19,7 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.components import checkpoint, object_store, tracking
+from pipeline import checkpoint, tracking
+from pipeline.checkpoint import object_store
 from pipeline.distributed import DistInfo, broadcast_object
 from serving import lineage
 

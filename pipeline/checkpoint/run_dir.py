@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.components import object_store
+import pipeline.checkpoint.object_store as object_store
 from pipeline.tools import logs
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.components.safetensors_writer import TensorSpec, header_bytes
+from pipeline.artifact.safetensors_writer import TensorSpec, header_bytes
 from pipeline.errors import CheckpointError
 
 BLOCK = 1 << 20  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor

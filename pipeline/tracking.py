@@ -375,7 +375,7 @@ def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> None:
 def process_tag(status_before: str = "") -> dict[str, str]:
     """The run's PROCESS tag while a stage runs: the process that made it RUNNING (host, pid, start time, command),
     and the status a later stage's reopening found, to put back should that process die. Gone when it ends."""
-    from pipeline.components.run_dir import this_process
+    from pipeline.checkpoint.run_dir import this_process
 
     return {lineage.PROCESS: json.dumps({**this_process(), "status_before": status_before})}
 
@@ -414,7 +414,7 @@ def close_if_orphaned(run_id: str) -> str | None:
     is not RUNNING or its owner is alive (or on another host, where nothing can be told)."""
     import mlflow
 
-    from pipeline.components.run_dir import alive, describe
+    from pipeline.checkpoint.run_dir import alive, describe
 
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pipeline.components import onnx_export
+from pipeline.artifact import onnx_export
 from pipeline.components.data import eval_loader
-from pipeline.components.gates import feeds_of, session
+from pipeline.artifact.gates import feeds_of, session
 
 log = logging.getLogger("pipeline.int8")
 
@@ -232,8 +232,8 @@ def make_variant(fp32_path: Path, out: Path, ref, batches, cfg, metadata: dict[s
     report: passed, mode, path (`model.int8.onnx`, or `model.int8.rejected.onnx` when it failed: no one serves
     that by accident), the last round's gates, each round's excluded nodes and failures, and the ranking that
     chose them."""
-    from pipeline.components.gates import check_model
-    from pipeline.components.rebuild import run_gates
+    from pipeline.artifact.gates import check_model
+    from pipeline.artifact.rebuild import run_gates
 
     prepared = prepare(fp32_path, out / "model.int8.prepared.onnx")
     mode = choose_mode(onnx.load(str(prepared)), cfg.int8)

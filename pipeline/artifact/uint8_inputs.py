@@ -29,8 +29,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from pipeline.components import gates, onnx_export
-from pipeline.components.rebuild import run_gates
+from pipeline.artifact import gates, onnx_export
+from pipeline.artifact.rebuild import run_gates
 from serving.drift import PIXEL_INPUTS_KEY
 
 FILE = "model.uint8.onnx"

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.components import gates
+from pipeline.artifact import gates
 from pipeline.components.build import build_data, probe
 from pipeline.components.code_capture import missing_code_hint
 from pipeline.components.data import Splits
-from pipeline.components.onnx_export import ExportHead
+from pipeline.artifact.onnx_export import ExportHead
 from pipeline.components.reference import ArtifactSource, check_all_trusted, recorded_components
-from pipeline.components.weights import META_FILE, Weights, load_model, remapped
+from pipeline.artifact.weights import META_FILE, Weights, load_model, remapped
 from pipeline.errors import DataError
 from pipeline.tasks import build_task
 

@@ -16,7 +16,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from pipeline.components import checkpoint_store
+from pipeline.checkpoint import store as checkpoint_store
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ flight at a time.
 
 Asynchronous: a save returns once the state is staged in CPU memory; the shards are written, hashed and, once
 every rank's are written, published as a synchronous save is (COMPLETE marker, atomic rename:
-checkpoint.finish_save) by background threads with their own process group. Each step `poll` looks (no
+formats.WRITTEN.finish_save) by background threads with their own process group. Each step `poll` looks (no
 collective) whether this rank's publish is done, and runs what follows a publish (best.json, the MLflow
 upload). A save waits for the one before it, and `close` for the last. A crash before the publish leaves the
 previous checkpoint, as it would mid-way through a synchronous save.
@@ -22,8 +22,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from pipeline.components import checkpoint
-from pipeline.components.object_store import location
+from pipeline import checkpoint
+from pipeline.checkpoint import formats
+from pipeline.checkpoint.dcp import AsyncWriter
+from pipeline.checkpoint.object_store import location
 from pipeline.distributed import DistInfo
 from pipeline.tools import stopping
 from serving.console import verbose
@@ -36,7 +38,7 @@ SLOW_SAVE_S = 10.0  # a save this long (staging, writing and publishing) is said
 class Saver:
     def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
         self.root, self.info, self.keep_last = location(root), info, keep_last  # a Path, or an s3:// StoreUrl
-        self.writer = checkpoint.AsyncWriter(info) if asynchronous else None
+        self.writer = AsyncWriter(info) if asynchronous else None
         self.pending: tuple[Future, Callable[[Path], None], float] | None = None
         self.saved, self.seconds = 0, 0.0  # for the summary
 
@@ -48,9 +50,9 @@ class Saver:
         # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the exit in a
         # CheckpointException, and a stop right after a complete save loses nothing.
         with stopping.deferred():
-            pending = checkpoint.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
+            pending = formats.WRITTEN.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
             if self.writer is None:
-                path = checkpoint.finish_save(pending, self.info, self.keep_last, protect)
+                path = formats.WRITTEN.finish_save(pending, self.info, self.keep_last, protect)
                 self._published(path, time.perf_counter() - started)
                 then(path)
                 return

@@ -50,7 +50,7 @@ TURN_POLL_S = 0.5
 
 def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tolerance: float) -> dict[str, Any]:
     """The comparison for export_report.json: {"promote": bool, "reason", "metric", "candidate", "champion", ...}."""
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     metric, mode = task.primary, task.mode
     result: dict[str, Any] = {"policy": promote, "tolerance": tolerance, "metric": metric, "mode": mode,
@@ -90,7 +90,7 @@ def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str
     """Register `model_uri` as a new version of `name` and move `alias` to it if it wins against the holder at
     its turn (else `challenger_alias`). `decision` is the comparison made before registering; `compare` makes
     it again, against whoever holds the alias then. Returns (version, the alias it got, the decision)."""
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     version = tracking.register_version(model_uri, name, None,
                                         tags | {TAG: PENDING})
@@ -116,7 +116,7 @@ def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str
 
 def _wait_for_turn(name: str, version: str) -> None:
     """Until no lower-numbered version of `name` is pending (stale ones, of a dead export, don't count)."""
-    from pipeline.components import tracking
+    from pipeline import tracking
 
     said = False
     while True:
@@ -167,7 +167,7 @@ def not_comparable(candidate: Path, champion: Path) -> str:
 def _write_inputs(val, path: Path) -> tuple[Path, list]:
     """The validation split's inputs, batch by batch, for the measuring processes; its targets stay here."""
     from pipeline.components.data import eval_loader
-    from pipeline.components.gates import VAL_BATCH, feeds_of
+    from pipeline.artifact.gates import VAL_BATCH, feeds_of
 
     arrays, targets = {}, []
     for i, (inputs, target) in enumerate(eval_loader(val, VAL_BATCH)):
@@ -184,7 +184,7 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
 
     with tempfile.TemporaryDirectory(prefix="trainserve-measure-") as tmp:
         out = Path(tmp) / "outputs.npz"
-        proc = subprocess.run([sys.executable, "-m", "pipeline.components.promotion", str(onnx_path), str(inputs),
+        proc = subprocess.run([sys.executable, "-m", "pipeline.artifact.promotion", str(onnx_path), str(inputs),
                                str(out)], capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S,
                               env=dict(os.environ, OMP_NUM_THREADS=str(MEASURE_THREADS)))
         if proc.returncode != 0:
