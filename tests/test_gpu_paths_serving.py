@@ -502,7 +502,8 @@ def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_not
     measurement; the CPU is never given fp16. A real SQLite registry."""
     import mlflow
 
-    from serving.loader import FASTEST_TAG, _auto_variant, recorded_hash_tag
+    from serving import lineage
+    from serving.loader import _auto_variant
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -511,8 +512,9 @@ def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_not
     try:
         client = mlflow.MlflowClient(uri)
         client.create_registered_model("m")
-        fp16_only = {recorded_hash_tag("fp16"): "ab" * 32, FASTEST_TAG: json.dumps({CPU: "fp32"})}
-        measured = {**fp16_only, FASTEST_TAG: json.dumps({CPU: "fp32", CUDA: "fp32"})}
+        fp16_only = {lineage.SHA256: json.dumps({"model.fp16.onnx": "ab" * 32}),
+                     lineage.FASTEST_VARIANTS: json.dumps({CPU: "fp32"})}
+        measured = {**fp16_only, lineage.FASTEST_VARIANTS: json.dumps({CPU: "fp32", CUDA: "fp32"})}
         for tags in (fp16_only, measured, {}):
             client.create_model_version("m", str(tmp_path), tags=tags)
         with caplog.at_level("INFO", logger="serving.loader"):

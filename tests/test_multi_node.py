@@ -194,8 +194,6 @@ for _ in range(240):
 else:
     sys.exit("server not ready")
 from sklearn.datasets import load_digits
-from serving import lineage
-from conftest import run_lineage
 image = (load_digits().images[0] / 16.0).tolist()
 reply = requests.post(base + "/invocations", json={"inputs": {"input": [[image]]}}, timeout=30,
                       headers={"Authorization": "Bearer " + os.environ["TRAINSERVE_AUTH_TOKEN"]})

@@ -25,7 +25,7 @@ from serving import lineage
 pytestmark = pytest.mark.slow
 
 TINY = ["train.max_steps=12", "train.eval_every=6", "train.log_every=2", "checkpoint.every_n_steps=6",
-        "tracking.system_metrics=false", "serve.port=0"]
+        "tracking.system_metrics=false", "serve.port=0", "export.allow_below_baseline=true"]
 EXAMPLES = {  # config -> (experiment, registered name, the task's validation metric)
     "diabetes_mlp": ("trainserve-diabetes", "diabetes-mlp", "val/rmse"),
     "diabetes_mixed_inputs": ("trainserve-diabetes", "diabetes-mixed", "val/mae"),
@@ -52,7 +52,12 @@ def example(request, tmp_path_factory):
     name = request.param
     workdir = tmp_path_factory.mktemp(name)
     proc = run_cli(["run", "--config", str(REPO / f"configs/{name}.yaml"), "--serve-check", "train.run_name=mine",
-                    *RUN_ARGS.get(name, ["--nproc-per-node", "2"]), *TINY], cwd=workdir, env=ON_PATH, timeout=600)
+                    *RUN_ARGS.get(name, ["--nproc-per-node", "2"]), *TINY], cwd=workdir, env=ON_PATH, timeout=600,
+                   check=False)
+    # 12 steps may leave a model no better than the trivial predictor: registered (TINY allows it), and
+    # --serve-check then exits 1 saying so, after the server's answer was checked as usual
+    assert proc.returncode == 0 or (proc.returncode == 1 and "failed its baseline gate" in proc.stderr), \
+        f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
     return name, workdir, proc
 
 
@@ -103,7 +108,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     if name == "wine_two_heads":  # both heads exported by the dict's keys, each one gated
         assert report["outputs"] == ["cultivar_logits", "alcohol"] == sorted(outputs, reverse=True)
         assert set(report["gates"]["parity.val"]["outputs"]) == {"cultivar_logits", "alcohol"}
-        figures = mlflow.load_table("onnx/gates.json", run_ids=[run.info.run_id])
+        figures = client.load_table(run.info.experiment_id, "onnx/gates.json", run_ids=[run.info.run_id])
         assert "alcohol.max_abs" in set(figures[figures.gate == "parity.b7"].figure), figures
         assert "val/cultivar_accuracy" in run.data.metrics
         best = json.loads((workdir / "outputs/mine/checkpoints/best.json").read_text())
