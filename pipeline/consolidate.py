@@ -19,7 +19,7 @@ Outputs in `<out_dir>/`:
 No user code is imported: the checkpoint records its model's state manifest (every key, shape and
 dtype of the plain model's state_dict), and the shards and the output are checked against it. So
 consolidation runs on any machine, and a checkpoint from a shared store can name nothing to import;
-its `.metadata` is read by checkpoint.py's restricted unpickler.
+its `.metadata` is read by checkpoint/dcp_read.py's restricted unpickler.
 Invariant: both are published by rename, model.json last; a model.json on disk describes the
 model.safetensors beside it (its sha256 says so), and an interrupted run leaves the previous pair
 (or nothing) in place, never a half-written file.

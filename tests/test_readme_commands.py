@@ -28,6 +28,8 @@ OTHER_TOOLS_FLAGS = {"--cap-add", "--ipc", "--network", "--shm-size", "--rdzv-en
 # Flags of our scripts that are not `pipeline` commands, with the command whose --help lists them.
 SCRIPTS = {"--dry-run-on-cpu": ("scripts/gpu-check",)}
 WITH_HELP = {"scripts/gpu-check"}  # scripts with an argparse --help (benchmarks/gpu.py behind it)
+# Shell scripts that take a flag but no --help (they would set up at once): the flag is checked against their source.
+READ_FOR_FLAGS = {"scripts/setup"}
 
 
 def chunks(text: str) -> list[str]:
@@ -88,6 +90,10 @@ def test_every_command_and_flag_the_readmes_name_exists():
     # --help only where a flag is named, and never to scripts/setup, test or gpu-wheelhouse: they take no
     # --help, and would set up, test or download.
     commands = {c: flags for c, flags in commands.items() if flags or c[0] in ("pipeline", "python -m serving")}
+    unread = [f"{c[0]} {flag}" for c, flags in commands.items() if c[0] in READ_FOR_FLAGS for flag in sorted(flags)
+              if not re.search(rf"(?<![\w-]){flag}(?![\w-])", (REPO / c[0]).read_text())]
+    assert not unread, f"the docs name flags these scripts don't take: {unread}"
+    commands = {c: flags for c, flags in commands.items() if c[0] not in READ_FOR_FLAGS}
     assert not [c for c in commands if c[0].startswith("scripts/") and c[0] not in WITH_HELP], commands
     everything = [*commands, *{SCRIPTS[f] for f in loose if f in SCRIPTS}]
     with ThreadPoolExecutor(4) as pool:  # each --help imports torch: 2-3 s

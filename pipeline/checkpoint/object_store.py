@@ -3,7 +3,7 @@
 Two hosts that share no disk still share a bucket: every rank writes its own checkpoint shard there (DCP's
 FsspecWriter), a restarted job resumes from there (FsspecReader), and consolidate/export fetch a complete
 checkpoint from there. How a checkpoint is published without a rename, and how one job owns the run, is
-said where it is done: checkpoint.py (the marker written last) and run_dir.py (the owner record).
+said where it is done: layout.py and dcp.py (the marker written last) and run_dir.py (the owner record).
 
 The endpoint and credentials come only from the standard variables boto3/s3fs read themselves
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or a credentials

@@ -7,7 +7,7 @@ its MLflow run says where (tag lineage.RUN_DIR): a run id, or an s3://... path, 
 into a local directory (`fetch_checkpoint`, marker and checksums verified), which consolidation then reads
 as any local checkpoint.
 
-Kept apart from checkpoint.py (the DCP format on disk) and tracking.py (MLflow runs, metrics, the
+Kept apart from layout.py and dcp.py (the checkpoint on disk) and tracking.py (MLflow runs, metrics, the
 registry): this is the one module that knows both.
 """
 
