@@ -90,8 +90,9 @@ def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
     figures = {key: report.get(key) for key in ("reason", "pairs", "dropped", "champion_version", "latency_ms",
                                                 "labels", "repeated_inputs", "sources", "largest_source_share",
                                                 "agreement", "mean_abs_difference", "live") if key in report}
+    figures["reason"] = logs.clip(str(figures.get("reason", "")), 2000)  # the JSON whole, within a tag's length
     return {lineage.SHADOW_VERDICT: str(report.get("verdict")) + (" (forced)" if forced else ""),
-            lineage.SHADOW: logs.clip(json.dumps(figures, sort_keys=True, default=str), 5000)}
+            lineage.SHADOW: json.dumps(figures, sort_keys=True, default=str)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -366,10 +366,14 @@ def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> None:
     global _logged_through
     _logged_through = None
     if mlflow.active_run() is not None:
+        run_id = mlflow.active_run().info.run_id
         if failed_stage:
             mark_stage(failed_stage, "failed")
-        release_process()
         mlflow.end_run(status=status)
+        # After the run is ended: a process killed between the two leaves a stale PROCESS on an ended run, which
+        # close_if_orphaned never reads (it looks at RUNNING runs only); the other order could leave a RUNNING run
+        # that names no process, which nothing could close.
+        release_process(run_id)
 
 
 def process_tag(status_before: str = "") -> dict[str, str]:
@@ -391,8 +395,11 @@ def mark_stage(stage: str, state: str, run_id: str | None = None) -> None:
 
 
 def stage_state(run_id: str, stage: str) -> str:
-    """running | done | failed, or "" for a stage the run never started."""
-    return lineage.read_stages(get_run(run_id).data.tags.get(lineage.STAGES)).get(stage, "")
+    """running | done | failed, or "" for a stage the run never started (a run of before the lineage contract: its
+    LEGACY_STAGE tag)."""
+    tags = get_run(run_id).data.tags
+    return (lineage.read_stages(tags.get(lineage.STAGES)).get(stage)
+            or tags.get(lineage.LEGACY_STAGE + stage, ""))
 
 
 @uninterrupted
@@ -484,10 +491,12 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
     if run is not None and close_if_orphaned(run.info.run_id):
         run = get_run(run_id)
     try:
+        if run is not None:  # who reopens it, and what to put back, recorded before it turns RUNNING
+            stages = lineage.read_stages(run.data.tags.get(lineage.STAGES)) | {stage: "running"}
+            set_tags({**process_tag(run.info.status), lineage.STAGES: lineage.write_stages(stages)}, run.info.run_id)
         active = _open_run(run, run_name)
-        # Who reopened it, and what to put back should this process die before its `finally`.
-        set_tags(process_tag(run.info.status if run is not None else "FAILED"))
-        mark_stage(stage, "running")
+        if run is None:
+            set_tags({**process_tag("FAILED"), lineage.STAGES: lineage.write_stages({stage: "running"})})
         try:
             inject_fault(f"stage_{stage}", 0)  # test hook: a stop while the run is reopened
             yield active
@@ -592,10 +601,20 @@ def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
         client.set_model_version_tag(name, version, key, value)
 
 
+DESCRIPTION_LIMIT = 5000  # MLflow's SQL stores keep a description in a String(5000)
+
+
 @uninterrupted
 def describe_version(name: str, version: str, description: str) -> None:
+    """The version's description, within what every MLflow store keeps (5,000 characters): past that, its middle is
+    cut, and its last paragraph (why it holds its alias, the newest) is kept."""
     import mlflow
 
+    if len(description) > DESCRIPTION_LIMIT:
+        head, _, last = description.rpartition("\n\n")
+        last = last[:2000]
+        cut = "\n\n(cut: every gate figure is in the run's onnx/gates.json)\n\n"
+        description = head[:DESCRIPTION_LIMIT - len(last) - len(cut)] + cut + last
     mlflow.MlflowClient().update_model_version(name, version, description=description)
 
 
@@ -622,15 +641,16 @@ def record_lineage(section: str, value: dict, run_id: str | None = None) -> None
     import mlflow
 
     run_id = run_id or mlflow.active_run().info.run_id
-    try:
-        whole = mlflow.artifacts.load_dict(f"runs:/{run_id}/{lineage.RUN_FILE}")
-    except Exception:  # noqa: BLE001 - none yet (MLflow raises its own or the store's "not found")
-        whole = {}
+    client = mlflow.MlflowClient()
+    whole: dict = {}
+    if any(a.path == lineage.RUN_FILE for a in client.list_artifacts(run_id)):  # else none yet; a failed read raises
+        with tempfile.TemporaryDirectory() as tmp:  # rather than rewrite the file with this part alone
+            whole = json.loads(Path(client.download_artifacts(run_id, lineage.RUN_FILE, tmp)).read_text())
     whole = (whole if isinstance(whole, dict) else {}) | {section: value}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / lineage.RUN_FILE
         path.write_text(json.dumps(whole, indent=2, sort_keys=True, default=str) + "\n")
-        mlflow.MlflowClient().log_artifact(run_id, str(path))
+        client.log_artifact(run_id, str(path))
 
 
 def versions_tagged(name: str, key: str, value: str) -> list[tuple[str, int]]:

@@ -82,23 +82,57 @@ def onnx_file(variant: str) -> str:
     return "model.onnx" if variant == "fp32" else f"model.{variant}.onnx"
 
 
+# --- what versions and files recorded before this contract (read, never written) ----------------------------------
+LEGACY_FILE_TAGS = {"model.onnx": "trainserve.onnx_sha256", "drift_reference.json": "trainserve.drift_sha256",
+                    "weights": "trainserve.weights_sha256", "config": "trainserve.config_sha256",
+                    "train": "trainserve.data.train_sha256", "val": "trainserve.data.val_sha256"}
+LEGACY_METADATA = {STEP: "trainserve.checkpoint_step", MODEL: "trainserve.model_component",
+                   DATA: "trainserve.data_component", "trainserve.train_sha256": "trainserve.data.train_sha256",
+                   "trainserve.val_sha256": "trainserve.data.val_sha256"}
+LEGACY_RUN = {"checkpoint": "trainserve.checkpoint", "best": "trainserve.best_checkpoint"}
+LEGACY_STAGE = "trainserve.stage."  # + the stage: running | done | failed
+
+
+def sha256_record(tags: Mapping[str, str]) -> dict[str, str] | None:
+    """A version's record of {file or digest name: sha256}: its SHA256 tag, else what the tags recorded before it;
+    None where it records nothing (registered by hand). ValueError: a SHA256 tag that is not a JSON object."""
+    if SHA256 in tags:
+        recorded = json.loads(tags[SHA256] or "null")
+        if not isinstance(recorded, dict):
+            raise ValueError(f"the {SHA256} tag is not a JSON object")
+        return {str(k): str(v) for k, v in recorded.items()}
+    legacy = {k: v for k, v in tags.items() if k.startswith("trainserve.") and k.endswith("_sha256") and v}
+    if not legacy:
+        return None
+    names = {tag: name for name, tag in LEGACY_FILE_TAGS.items()}
+    found = {}
+    for tag, digest in legacy.items():
+        if tag in names:
+            found[names[tag]] = digest
+        elif tag.startswith("trainserve.onnx_"):
+            # trainserve.onnx_<variant>_sha256, trainserve.onnx[_<variant>]_data_sha256 (a graph's external data)
+            variant = tag.removeprefix("trainserve.onnx_").removesuffix("_sha256")
+            data = variant == "data" or variant.endswith("_data")
+            variant = variant.removesuffix("data").removesuffix("_")
+            found[(f"model.{variant}.onnx" if variant else "model.onnx") + (".data" if data else "")] = digest
+    return found
+
+
 def recorded_sha256(tags: Mapping[str, str], name: str) -> str:
-    """The sha256 a version records (its SHA256 tag) for a file (model.onnx, model.fp16.onnx, model.onnx.data,
-    drift_reference.json) or a digest ("weights", "config", "train", "val"); "" when it records none."""
+    """The sha256 a version records for a file (model.onnx, model.fp16.onnx, model.onnx.data, drift_reference.json)
+    or a digest ("weights", "config", "train", "val"); "" when it records none (or its record can't be read)."""
     try:
-        recorded = json.loads(tags.get(SHA256) or "{}")
+        return (sha256_record(tags) or {}).get(name, "")
     except ValueError:
         return ""
-    return str(recorded.get(name) or "") if isinstance(recorded, dict) else ""
 
 
 def recorded_files(tags: Mapping[str, str]) -> dict[str, str]:
     """{ONNX file name: sha256} of the model files a version records (a variant's among them; data files not)."""
     try:
-        recorded = json.loads(tags.get(SHA256) or "{}")
+        return {k: v for k, v in (sha256_record(tags) or {}).items() if k.endswith(".onnx")}
     except ValueError:
         return {}
-    return {k: str(v) for k, v in recorded.items() if k.endswith(".onnx")} if isinstance(recorded, dict) else {}
 
 
 # --- stages, on the run's STAGES tag -----------------------------------------------------------------------------
@@ -168,12 +202,13 @@ class Lineage:
     @classmethod
     def read(cls, found: Mapping[str, str]) -> "Lineage":
         """From an ONNX file's metadata_props (or a version's tags and SHA256 record); missing facts stay ""."""
-        values = {name: str(found.get(key) or "").strip() for name, key in cls._KEYS.items()}
+        values = {name: str(found.get(key) or found.get(LEGACY_METADATA.get(key, "")) or "").strip()
+                  for name, key in cls._KEYS.items()}
         if SHA256 in found:  # a version: its digests are in its SHA256 record
             values |= {"config_sha256": recorded_sha256(found, "config"),
                        "weights_sha256": recorded_sha256(found, "weights")}
-        digests = {split: str(found.get(data_sha256(split)) or recorded_sha256(found, split))
-                   for split in ("train", "val")}
+        digests = {split: str(found.get(data_sha256(split)) or found.get(LEGACY_METADATA[data_sha256(split)])
+                              or recorded_sha256(found, split)) for split in ("train", "val")}
         return cls(**values, data_sha256={k: v for k, v in digests.items() if v})
 
 

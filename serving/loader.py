@@ -25,7 +25,7 @@ from pathlib import Path
 
 from serving import drift, lengths
 from serving.lineage import (DECISION, FASTEST_VARIANTS, LABELS, MODEL_NAME, PREDICTION, SHA256, Lineage, onnx_file,
-                             recorded_sha256)
+                             recorded_sha256, sha256_record)
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -251,7 +251,16 @@ def _check_recorded_hash(registered: str, version: str, file: str, path: Path, d
         tags = mlflow.MlflowClient().get_model_version(registered, version).tags
     except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors
         raise SourceError(f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}") from exc
-    recorded = recorded_sha256(tags, file)
+    try:
+        record = sha256_record(tags)
+    except ValueError as exc:  # a record nobody can read proves nothing: refused, as a changed file is
+        raise SourceError(f"models:/{registered}/{version}: {exc}; refusing to serve {path.name} unchecked (export "
+                          "the model again)") from None
+    recorded = (record or {}).get(file, "")
+    if record is not None and not recorded:  # a version that records its files records every one it carries
+        raise SourceError(f"{path.name} of models:/{registered}/{version} is not among the files the version records "
+                          f"({', '.join(sorted(k for k in record if '.' in k))}): added to the store after export; "
+                          "refusing to serve it")
     if not recorded:
         log.warning("models:/%s/%s records no sha256 of %s (its %s tag): serving %s (sha256 %s) unchecked; versions "
                     "registered by `pipeline export` record it", registered, version, file, SHA256, path.name, digest)

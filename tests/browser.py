@@ -64,15 +64,25 @@ def mlflow_ui(workdir: Path):
 def page(url: str, name: str) -> tuple[str, str]:
     """(the page's visible text, its DOM) once its scripts have run; its screenshot saved as ARTIFACTS/<name>.png."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="trainserve-chromium-") as profile:
+    with tempfile.TemporaryDirectory(prefix="trainserve-chromium-", ignore_cleanup_errors=True) as profile:
         base = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--hide-scrollbars", "--window-size=2000,2000", "--virtual-time-budget=20000",
                 f"--user-data-dir={profile}"]
-        subprocess.run([*base, f"--screenshot={ARTIFACTS / f'{name}.png'}", url], capture_output=True, timeout=180,
-                       check=True)
-        dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180,
-                             check=True).stdout
+        run_chromium([*base, f"--screenshot={ARTIFACTS / f'{name}.png'}", url])
+        dom = run_chromium([*base, "--dump-dom", url])
     return visible_text(dom), dom
+
+
+def run_chromium(argv: list[str], timeout: float = 180) -> str:
+    """Chromium in a session of its own, its stdout; its helper processes (renderer, zygote) go with it."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}: {err[-2000:]}"
+    return out
 
 
 def visible_text(dom: str) -> str:

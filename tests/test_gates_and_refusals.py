@@ -102,3 +102,27 @@ def test_the_metric_gate_has_an_absolute_floor_for_a_metric_near_zero():
     assert task.metric_gate({"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=1e-6)["passed"]
     assert not task.metric_gate({"mae": 1e-7}, {"mae": 0.0}, tolerance=1e-3, atol=0.0)["passed"]
     assert not task.metric_gate({"mae": 2.0}, {"mae": 1.0}, tolerance=1e-3, atol=1e-6)["passed"]
+
+
+def test_the_baseline_gate_can_be_passed_on_imbalanced_classes_and_knows_no_baseline_for_constant_targets():
+    """98% of one class: 'majority + 5 points' would ask for 103%; half the headroom left is asked instead, and a
+    perfect model passes. Targets that never vary: nothing beats their mean, so there is no baseline (rather than a
+    square root of a rounding error's negative)."""
+    from types import SimpleNamespace
+
+    from pipeline.artifact import baseline
+    from pipeline.tasks.classification import Classification
+    from pipeline.tasks.regression import Regression
+
+    cfg = SimpleNamespace(baseline_margin=0.05, allow_below_baseline=False)
+    task = Classification(["common", "rare"], top_k=1)
+    state = task.new_state(torch.device("cpu"))
+    state["confusion"] += torch.tensor([[98.0, 0.0], [0.0, 2.0]], dtype=torch.float64)  # perfect
+    state["n"] += 100
+    found = baseline.gate(task, state, cfg, torch.nn.Identity(), None)
+    assert found["passed"] and found["baseline"] == pytest.approx(0.98) and found["needed"] == pytest.approx(0.99)
+
+    regression = Regression(columns=1)
+    state = regression.new_state(torch.device("cpu"))
+    regression.update(state, {"prediction": torch.full((100, 1), 0.7)}, torch.full((100, 1), 0.7))
+    assert regression.baseline(state) is None

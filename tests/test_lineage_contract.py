@@ -50,3 +50,19 @@ def test_stages_read_back_in_order():
     assert text == "done: train, consolidate · running: export"
     assert lineage.read_stages(text) == {"train": "done", "consolidate": "done", "export": "running"}
     assert lineage.read_stages(None) == {}
+
+
+def test_versions_and_files_of_before_the_contract_read_the_same():
+    """What the export recorded before `trainserve.sha256`, and the ONNX metadata keys it wrote, still read."""
+    old_tags = {"trainserve.onnx_sha256": "a", "trainserve.onnx_fp16_sha256": "b", "trainserve.onnx_data_sha256": "c",
+                "trainserve.onnx_int8_data_sha256": "d", "trainserve.drift_sha256": "e",
+                "trainserve.weights_sha256": "w", "trainserve.data.val_sha256": "v", "trainserve.run_id": "r"}
+    assert lineage.sha256_record(old_tags) == {"model.onnx": "a", "model.fp16.onnx": "b", "model.onnx.data": "c",
+                                               "model.int8.onnx.data": "d", "drift_reference.json": "e",
+                                               "weights": "w", "val": "v"}
+    assert lineage.recorded_files(old_tags) == {"model.onnx": "a", "model.fp16.onnx": "b"}
+    assert lineage.sha256_record({"trainserve.run_id": "r"}) is None  # registered by hand: records nothing
+    old_file = {"trainserve.checkpoint_step": "88", "trainserve.model_component": "m", "trainserve.data_component": "d",
+                "trainserve.data.train_sha256": "t"}
+    found = Lineage.read(old_file)
+    assert (found.step, found.model, found.data, found.data_sha256) == ("88", "m", "d", {"train": "t"})

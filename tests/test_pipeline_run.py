@@ -92,6 +92,9 @@ def test_readme_commands_are_what_ci_runs():
 
 def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     """The README's main job, verbatim but shorter, ending with a correct prediction of a real digit."""
+    import browser
+
+    browser.chromium()  # (skips here, not half-way, where it can't be installed)
     command = shlex.split(readme_command("scripts/setup && ").split("&&", 1)[1])
     assert command[0] == ".venv/bin/pipeline"
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the README's relative config path

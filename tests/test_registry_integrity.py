@@ -5,6 +5,7 @@ A real MLflow SQLite store, real server processes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -153,3 +154,38 @@ def test_trace_follows_the_resolved_source_and_every_record_of_a_reused_id(regis
     assert "model       other v1" in first and "version     models:/digits/1 (@champion)" in first, traced
     assert "model       digits v1" in second and f"source      {here}: not a registry version" in second, traced
     assert "models:/digits/1" not in second, traced
+
+
+def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_file_it_does_not_list_refused(
+        registry, tmp_path):
+    """A version registered by the export before `trainserve.sha256` (its file's hash in trainserve.onnx_sha256) is
+    checked as before; a record that does not list the file served, or that can't be read, is refused, not served
+    with a warning."""
+    env, client = registry
+    genuine = sha256(stored_onnx(client, "digits", "1"))
+    cases = {  # tags of version 1 -> what the server must say
+        "legacy, wrong": ({"trainserve.onnx_sha256": "0" * 64}, "but the version records"),
+        "record without the file": ({lineage.SHA256: json.dumps({"drift_reference.json": "0" * 64})},
+                                    "is not among the files the version records"),
+        "record unreadable": ({lineage.SHA256: "[1, 2]"}, "is not a JSON object"),
+    }
+    try:
+        client.delete_model_version_tag("digits", "1", lineage.SHA256)
+        for name, (tags, said) in cases.items():
+            for key in (lineage.SHA256, "trainserve.onnx_sha256"):
+                with contextlib.suppress(Exception):
+                    client.delete_model_version_tag("digits", "1", key)
+            for key, value in tags.items():
+                client.set_model_version_tag("digits", "1", key, value)
+            run = subprocess.run([sys.executable, "-m", "serving", "--model", "models:/digits/1", "--port",
+                                  str(free_port())], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                                 text=True, timeout=120)
+            assert run.returncode != 0 and said in run.stderr, (name, run.stderr[-2000:])
+        client.delete_model_version_tag("digits", "1", lineage.SHA256)
+        client.set_model_version_tag("digits", "1", "trainserve.onnx_sha256", genuine)  # legacy, right: served
+        with ServerProcess("--model", "models:/digits/1", env=env, log_path=tmp_path / "legacy.log") as srv:
+            assert infer(srv.url).status_code == 200 and "unchecked" not in srv.log()
+    finally:
+        with contextlib.suppress(Exception):
+            client.delete_model_version_tag("digits", "1", "trainserve.onnx_sha256")
+        client.set_model_version_tag("digits", "1", lineage.SHA256, json.dumps({"model.onnx": genuine}))

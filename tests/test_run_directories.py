@@ -81,7 +81,9 @@ def test_a_re_save_of_a_step_never_leaves_the_step_without_a_checkpoint(tmp_path
     os.replace(first, root / ".old-step_00000005")
     assert checkpoint.latest(root) == root / ".old-step_00000005"
     checkpoint.load(checkpoint.latest(root), instantiate_model(spec), None, CPU1)
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    from pipeline.checkpoint import layout
+
+    monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
     checkpoint.save(root, 5, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005"]
 

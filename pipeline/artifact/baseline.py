@@ -23,7 +23,11 @@ def gate(task, state: dict, export_cfg, head: torch.nn.Module, val) -> dict[str,
     if found is None:
         return None
     value, base, metric = task.metrics(state)[task.primary], found["value"], task.primary
-    needed = base + export_cfg.baseline_margin if task.mode == "max" else base * (1 - export_cfg.baseline_margin)
+    margin = export_cfg.baseline_margin
+    if task.mode == "max":  # a fraction's margin shrinks near 1: past 95% for one class, half the headroom left
+        needed = min(base + margin, base + (1 - base) / 2) if 0 <= base <= 1 else base + margin
+    else:
+        needed = base * (1 - margin)
     better = value >= needed if task.mode == "max" else value <= needed
     shown = _percent if task.mode == "max" and 0 <= base <= 1 else _number
     record = {"passed": better or export_cfg.allow_below_baseline, "below_baseline": not better, "metric": metric,
@@ -65,6 +69,8 @@ def batch_statistics(task, head: torch.nn.Module, val) -> float | None:
     with torch.no_grad():
         for inputs, target in eval_loader(val, gates.VAL_BATCH):
             feeds = gates.feeds_of(inputs)  # (gates.run_torch would put the BatchNorm layers back in eval mode)
+            if len(target) < 2:  # a batch of one has no statistics to normalize with (BatchNorm refuses it)
+                continue
             out = dict(zip(trial.output_names, trial(*(torch.from_numpy(feeds[n]) for n in trial.input_names))))
             task.update(state, {n: out[n].float() for n in model_outputs}, target)
     task.reduce(state, DistInfo.cpu_alone())

@@ -107,12 +107,14 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     # The run's final checkpoint when it names one: after a resume from an older step, a higher step
     # uploaded earlier belongs to the abandoned timeline.
     tags = tracking.get_run(run_id).data.tags
-    final = f"checkpoints/{tags.get(lineage.LATEST, '')}"
-    best = f"checkpoints/{tags.get(lineage.BEST, '')}"
+    # (a run trained before the lineage contract named them otherwise: LEGACY_RUN, the latest as a path)
+    final = f"checkpoints/{tags.get(lineage.LATEST) or Path(tags.get(lineage.LEGACY_RUN['checkpoint'], '')).name}"
+    best_name = tags.get(lineage.BEST) or tags.get(lineage.LEGACY_RUN["best"], "")
+    best = f"checkpoints/{best_name}"
     chosen = final if final in complete else complete[-1]
     if not latest and best in complete:
         chosen = best
-    elif not latest and tags.get(lineage.BEST):
+    elif not latest and best_name:
         log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
                     run_id, best, chosen)
     log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else

@@ -133,10 +133,13 @@ class Regression(ModelOutputs):
     def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
         return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)
 
-    def baseline(self, state: dict) -> dict[str, Any]:
-        """Always the split's mean: its squared error is the targets' sum of squares about their mean."""
+    def baseline(self, state: dict) -> dict[str, Any] | None:
+        """Always the split's mean: its squared error is the targets' sum of squares about their mean; None for
+        targets that do not vary (nothing beats the mean there)."""
         n = state["n"]
-        about_mean = state["syy"] - state["sy"] * state["sy"] / n
+        about_mean = (state["syy"] - state["sy"] * state["sy"] / n).clamp_min(0)  # (rounding: never below 0)
+        if not bool((about_mean > 1e-12 * state["syy"].abs().clamp_min(1e-300)).any()):
+            return None
         return {"value": self.metrics({**state, "sse": about_mean})[self.primary],
                 "predictor": "always the mean of the targets"}
 
