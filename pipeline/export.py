@@ -448,6 +448,9 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
     }
 
 
+SERVED_VARIANTS = ("fp16", "int8", "uint8")  # logged beside model.onnx; `optimized` stays the run's artifact
+
+
 def lineage_of(weights: Weights) -> Lineage:
     """Where the weights came from, as the ONNX file's metadata and the registered version both say it: the server
     reads it from the bytes it serves (receipts, /v2/models parameters), `pipeline verify` checks one against the
@@ -466,7 +469,8 @@ def version_record(weights: Weights, result: ExportResult, variants: dict) -> di
     """The registered version's tags: the handful a person reads, and the sha256 of every file it carries (the
     server checks what it downloads against them) and of the weights, config and data behind it."""
     report, found = result.report, lineage_of(weights)
-    files = {lineage.onnx_file("fp32"): result.onnx_path, **{lineage.onnx_file(v): p for v, p in variants.items()}}
+    files = {lineage.onnx_file("fp32"): result.onnx_path,
+             **{lineage.onnx_file(v): p for v, p in variants.items() if v in SERVED_VARIANTS}}
     for path in list(files.values()):
         if (data := onnx_export.data_file(path)) is not None:  # a graph's weights past 2 GB
             files[data.name] = data
@@ -502,7 +506,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             exported.model, inputs, signature(exported.model), providers,
             metadata={lineage.REPORT: report["gates"]["parity.val"]["message"]},
             data_file=onnx_export.data_file(result.onnx_path), step=_checkpoint_step(weights))
-        for variant in ("fp16", "int8", "uint8"):  # servable: a server of this version picks one with --variant
+        for variant in SERVED_VARIANTS:  # a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
                 if (data := onnx_export.data_file(variants[variant])) is not None:  # its weights, past 2 GB
