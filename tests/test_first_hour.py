@@ -211,7 +211,7 @@ def test_checkpoint_saves_are_one_summary_line_unless_verbose(tmp_path):
     assert "checkpoint saved" not in console, console
     summary = [line for line in console.splitlines() if "checkpoints to" in line]
     kept = [p.name for p in checkpoint.list_complete(tmp_path / "outputs/quiet/checkpoints")]
-    assert len(summary) == 1 and re.search(r"INFO pipeline\.components\.saver: saved 6 checkpoints to "
+    assert len(summary) == 1 and re.search(r"INFO pipeline\.checkpoint\.saver: saved 6 checkpoints to "
                                            r"outputs/quiet/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
                                            summary[0]).groups() == (str(len(kept)), ", ".join(kept)), console
     verbose = run_cli([*args, "--verbose", "train.run_name=loud"], cwd=tmp_path, timeout=180).stderr

@@ -210,7 +210,7 @@ def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
     command = shlex.split(own_model_block("one command trains it", "bash").strip())
     assert command[0].endswith("/.venv/bin/pipeline") and command[1:] == ["run", "--config", "mine.yaml",
                                                                            "--nproc-per-node", "2", "--serve-check"]
-    proc = run_cli([*command[1:], "train.epochs=1", "serve.port=0"], cwd=tmp_path)
+    proc = run_cli([*command[1:], "train.epochs=10", "serve.port=0"], cwd=tmp_path)
     assert "sample request: a real validation sample (target" in proc.stdout, proc.stdout
     assert "the server's answer equals the PyTorch model's" in proc.stdout
     client = mlflow_client(tmp_path)

@@ -122,7 +122,7 @@ def test_unknown_alias_fails_clearly(registry, tmp_path):
     r = subprocess.run([sys.executable, "-m", "serving", "--model", "models:/digits@nope"], cwd=ROOT,
                        env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert "cannot resolve models:/digits@nope" in r.stderr
+    assert "digits has no alias @nope; its aliases: @champion" in r.stderr, r.stderr
 
 
 def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
