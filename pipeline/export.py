@@ -356,9 +356,9 @@ def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
     return (f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
-            f"**\\@{esc(alias)}** is the version that passed every export gate and beat the one before it on the "
-            "validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists its "
-            "gates and why it holds its alias.")
+            f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
+            "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
+            "its gates and why it holds its alias.")
 
 
 def export_lineage(weights: Weights, report: dict) -> dict:
@@ -384,7 +384,8 @@ def version_description(report: dict, found: Lineage, decision: dict, alias: str
              f"**Gates**: {passed} of {len(results)} passed (every figure: the run's onnx/gates.json).", ""]
     lines += [f"- {'passed' if g.get('passed') else 'FAILED'} {esc(name)}: {esc(str(g.get('message', '')))}"
               for name, g in results.items()]
-    lines += ["", f"**\\@{esc(alias)}**: {esc(decision['reason'])}"]
+    # (plain text: MLflow's Markdown shows the backslash of an escaped "@" inside bold)
+    lines += ["", f"Why it holds {esc('@' + alias)}: {esc(decision['reason'])}"]
     return "\n".join(lines)
 
 

@@ -77,6 +77,7 @@ def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id:
         assert f"checkpoint {checkpoint} (step {step})" in text and re.search(r"Gates\s*:\s*\d+ of \d+ passed", text), text[:3000]  # its description
         assert "passed parity.val" in text and "first model: resnet18-digits has no @champion yet" in text, text[:3000]
         assert "github.com/champion" not in dom and "/tmp/" not in text  # no link to a stranger; no local path
+        assert "\\@" not in text, text[:3000]  # an escape shown as itself
         text, _ = browser.page(f"{ui}/#/experiments/{experiment}/models/{model_id}", "mlflow-logged-model")
         assert re.search(r"Datasets used digits-train \(#\w+\) \+1", text), text  # both splits, not "None"
         assert re.search(r"val/accuracy digits-val \(#\w+\)", text), text  # its metrics name their split
