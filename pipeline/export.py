@@ -347,9 +347,7 @@ def figures_table(report: dict) -> list[dict]:
 def verdict_of(result: ExportResult, decision: dict) -> str:
     """The run's VERDICT tag: what export made of the model, in a few words."""
     name, version = result.registered_model_name, result.model_version
-    if decision["promote"]:
-        return f"{name} v{version} @{result.report['alias']}"
-    return f"{name} v{version} @{result.report['alias']}: not promoted"
+    return f"{name} v{version} @{result.report['alias']}" + ("" if decision["promote"] else ": not promoted")
 
 
 def model_description(found: Lineage, alias: str) -> str:
@@ -361,11 +359,11 @@ def model_description(found: Lineage, alias: str) -> str:
             "its gates and why it holds its alias.")
 
 
-def export_lineage(weights: Weights, report: dict) -> dict:
+def export_lineage(found: Lineage, weights: Weights, report: dict) -> dict:
     """Export's part of the run's lineage.json: the model's lineage, the checkpoint it came from, the exporter,
     every file's sha256, and what the registry made of it."""
     decision = report.get("promotion") or {}
-    return {"model": lineage_of(weights).as_dict(), "source": weights.source,
+    return {"model": found.as_dict(), "source": weights.source,
             "exporter": report["exporter"], "sha256": report.get("sha256", {}),
             "registered": {"name": report.get("registered_model_name"), "version": report.get("model_version"),
                            "alias": report.get("alias"), "model_uri": report.get("model_uri"),
@@ -466,10 +464,10 @@ def lineage_of(weights: Weights) -> Lineage:
                    data_sha256={split: found["sha256"] for split, found in digests.items()})
 
 
-def version_record(weights: Weights, result: ExportResult, variants: dict) -> dict[str, str]:
+def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict[str, str]:
     """The registered version's tags: the handful a person reads, and the sha256 of every file it carries (the
     server checks what it downloads against them) and of the weights, config and data behind it."""
-    report, found = result.report, lineage_of(weights)
+    report = result.report
     files = {lineage.onnx_file("fp32"): result.onnx_path,
              **{lineage.onnx_file(v): p for v, p in variants.items() if v in SERVED_VARIANTS}}
     for path in list(files.values()):
@@ -487,7 +485,7 @@ def version_record(weights: Weights, result: ExportResult, variants: dict) -> di
 def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
              example: dict[str, torch.Tensor], variants: dict, register: bool, compare=None) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
-    report = result.report
+    report, found = result.report, lineage_of(weights)  # (hashes model.json: once)
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}"):
         # A few headline figures as metrics; every figure in one table (figures_table), logged once complete
         tracking.log_metrics(gates.headline(report["gates"]) | promotion_metrics(report.get("promotion"))
@@ -514,7 +512,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
                     tracking.log_beside_model(report["model_uri"], data)
         tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
         if register:
-            tags = version_record(weights, result, variants)
+            tags = version_record(found, result, variants)
             # One decision at a time per registered model, each against the holder at its turn (promotion.py).
             result.model_version, alias, decision = promotion.promote_in_turn(
                 report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,
@@ -526,13 +524,13 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
             report["alias"] = alias
             tracking.set_tags({lineage.VERDICT: verdict_of(result, decision)})
             tracking.describe_version(result.registered_model_name, result.model_version,
-                                      version_description(report, lineage_of(weights), decision, alias))
+                                      version_description(report, found, decision, alias))
             tracking.describe_registered_model(result.registered_model_name,
-                                               model_description(lineage_of(weights), cfg.alias))
+                                               model_description(found, cfg.alias))
             log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
                      "" if decision["promote"] else f" (@{cfg.alias} stays at v{decision['champion']['version']})")
-        tracking.set_tags({lineage.CHECKPOINT: lineage_of(weights).checkpoint})  # the run's exported checkpoint
-        tracking.record_lineage("export", export_lineage(weights, report))
+        tracking.set_tags({lineage.CHECKPOINT: found.checkpoint})  # the run's exported checkpoint
+        tracking.record_lineage("export", export_lineage(found, weights, report))
         # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy people browse
         # in MLflow is the one on disk.
         write_json(result.report_path, report)
