@@ -22,6 +22,7 @@ STAGES = {
     "promote": ("pipeline.promote", "move @champion to the @challenger a server's shadow comparison says to promote"),
     "trace": ("pipeline.trace", "walk a logged request (its request id) back to the model version, run and data"),
     "ui": ("pipeline.ui", "the MLflow UI over the store the stages write to"),
+    "data": ("pipeline.data_cli", "write a config's data as Parquet shards with a manifest, to train from as a stream"),
     "config": ("pipeline.config_cli", "print the resolved config, or every field with its meaning"),
 }
 

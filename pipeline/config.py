@@ -31,7 +31,7 @@ class Section(BaseModel):
 # `model.name` / `data.name` shorthands for the built-in components (pipeline/models, pipeline/datasets).
 BUILTIN_MODELS = {"resnet18": "pipeline.models:resnet18", "mlp": "pipeline.models:mlp"}
 BUILTIN_DATA = {"digits": "pipeline.datasets:digits", "fashion_mnist": "pipeline.datasets:fashion_mnist",
-                "synthetic": "pipeline.datasets:synthetic"}
+                "synthetic": "pipeline.datasets:synthetic", "sharded": "pipeline.datasets:sharded"}
 
 
 class ComponentSection(Section):
@@ -65,8 +65,9 @@ class DataConfig(ComponentSection):
         "pipeline.datasets:digits",
         description="'module.path:attribute' of a callable(**args) -> {'train': Dataset, 'val': Dataset}.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the data component.")
-    name: Literal["digits", "fashion_mnist", "synthetic"] | None = Field(
-        None, description="Shorthand for a built-in data set: digits (offline), fashion_mnist (IDX files in args.path), synthetic.")
+    name: Literal["digits", "fashion_mnist", "synthetic", "sharded"] | None = Field(
+        None, description="Shorthand for a built-in data set: digits (offline), fashion_mnist (IDX files in args.path), "
+                          "synthetic, sharded (Parquet shards `pipeline data shard` wrote, in args.root: streamed).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank (0 = load in the training process).")
 
     @model_validator(mode="before")

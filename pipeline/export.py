@@ -219,17 +219,15 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
     """The drift baseline the server compares its traffic with (serving/drift.py): features of every input
     and of every output of the gated ONNX file's session `sess` (what the server will answer), on evenly
     spaced samples of the training split."""
-    from torch.utils.data import Subset
+    from pipeline.components.data import eval_loader, spread_sample
 
-    from pipeline.components.data import eval_loader
-
-    step = max(1, len(train) // samples)
+    sample = spread_sample(train, samples)
     builder = drift.ReferenceBuilder()
-    for inputs, _ in eval_loader(Subset(train, range(0, len(train), step)), gates.VAL_BATCH):
+    for inputs, _ in eval_loader(sample, gates.VAL_BATCH):
         feeds = gates.feeds_of(inputs)
         builder.add("inputs", feeds)
         builder.add("outputs", gates.run_onnx(sess, feeds))
-    return drift.write(builder.build(f"training split, every {step} of {len(train)} samples"), path)
+    return drift.write(builder.build(f"training split, {len(sample)} of {len(train)} samples spread over it"), path)
 
 
 def describe_source(source: dict) -> str:

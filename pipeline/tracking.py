@@ -270,13 +270,16 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
     class SplitDataset(MetaDataset):
         @property
         def profile(self):
-            return {"samples": found["samples"], "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
+            return {"samples": found["samples"], **({"manifest": found["manifest"]} if found.get("manifest") else {}),
+                    "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
                                                             for i in inputs}, "targets": found.get("targets") or {}}
 
         def to_dict(self):  # (MetaDataset's leaves the profile out)
             return super().to_dict() | {"profile": json.dumps(self.profile)}
 
-    source = CodeDatasetSource({"component": component, "args": json.dumps(args, sort_keys=True)})
+    # A sharded split is its manifest (the digest is the manifest's: pipeline/shards/format.py): named beside the component.
+    shards = {"manifest": found["manifest"], "shards": str(found["shards"])} if found.get("manifest") else {}
+    source = CodeDatasetSource({"component": component, "args": json.dumps(args, sort_keys=True), **shards})
     schema = Schema([TensorSpec(np.dtype(i["dtype"] if i["dtype"] != "bfloat16" else "float32"), (-1, *i["shape"]),
                                 i["name"]) for i in inputs]) if inputs else None
     return SplitDataset(source, name=f"{component.rpartition(':')[2]}-{split}", digest=found["sha256"][:32],

@@ -40,7 +40,7 @@ from pipeline.components.build import (build_data, component_references, instant
 from pipeline.checkpoint.uploads import BackgroundUploads
 from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
-                                      make_train_loader, rescale_loader_state, split_digest, to_device)
+                                      make_train_loader, restore_loader, set_epoch, split_digest, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
@@ -324,7 +324,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
     window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
     while step < total_steps and not monitor.stopped:
-        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        set_epoch(loader, epoch)  # a new shuffle each epoch, the same on every rank
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
@@ -549,8 +549,7 @@ def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) 
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    loader.sampler.set_epoch(state["epoch"])  # the loader's position is within this epoch's shuffle
-    loader.load_state_dict(rescale_loader_state(state["dataloader"], state["world_size"], info.world_size))
+    restore_loader(loader, state["dataloader"], state["epoch"], state["world_size"], info.world_size)
     return state["step"], state["epoch"]
 
 

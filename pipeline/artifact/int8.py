@@ -49,10 +49,9 @@ def choose_mode(model: onnx.ModelProto, asked: str) -> str:
 def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
     """`samples` training samples spread evenly over the split (a split may be ordered by class: its first
     samples would calibrate on one class), as batches of feeds."""
-    from torch.utils.data import Subset
+    from pipeline.components.data import spread_sample
 
-    indices = np.unique(np.linspace(0, len(train) - 1, min(samples, len(train))).astype(int)).tolist()
-    return [feeds_of(inputs) for inputs, _ in eval_loader(Subset(train, indices), CALIBRATION_BATCH)]
+    return [feeds_of(inputs) for inputs, _ in eval_loader(spread_sample(train, samples), CALIBRATION_BATCH)]
 
 
 def prepare(source: Path, destination: Path) -> Path:

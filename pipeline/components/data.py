@@ -18,11 +18,13 @@ inputs keep their keys and reach the model as keyword arguments, `model(**inputs
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from torch.utils.data._utils.collate import default_collate
@@ -112,8 +114,11 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
         items = {}
-        for index in _spread(len(ds)):
-            inputs, target = items[index] = _check_item(ds, index, f"{where} split '{split}' item {index}")
+        # A stream is checked on its first items as it yields them; a map-style split on items spread over it.
+        read = dict(enumerate(_first_items(ds, where))) if isinstance(ds, IterableDataset) else None
+        for index in (read if read is not None else _spread(len(ds))):
+            inputs, target = items[index] = _check_item(read if read is not None else ds, index,
+                                                        f"{where} split '{split}' item {index}")
             task.check_target(target, classes, f"{where} split '{split}' item {index}")
             if first_inputs is None:
                 first_inputs = inputs
@@ -132,13 +137,25 @@ def _spread(n: int, count: int = 8) -> list[int]:
     return sorted({round(i * (n - 1) / (count - 1)) for i in range(count)})
 
 
+def _first_items(ds: IterableDataset, where: str, count: int = 8) -> list:
+    try:
+        items = list(itertools.islice(iter(ds), count))
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{where}: iterating the training stream raised {type(exc).__name__}: {first_line(exc)}") from exc
+    if not items:
+        raise DataError(f"{where}: the training stream yields no samples")
+    return items
+
+
 def _check_stacks(ds: Dataset, items: dict[int, tuple], where: str) -> None:
     """The items read make one batch, as the loaders will batch them (the data set's `__getitems__` and
     `collate_fn` if it has them): items that do not stack would fail inside every rank's first step."""
     collate_fn = collate_of(ds)
     indices = list(items)
     try:
-        getitems = getattr(ds, "__getitems__", None)
+        getitems = None if isinstance(ds, IterableDataset) else getattr(ds, "__getitems__", None)
         collate_fn(getitems(indices) if getitems else list(items.values()))
     except Exception as exc:
         if collate_fn is not collate:
@@ -180,8 +197,18 @@ def _shape(value: Any) -> list[int]:
 
 def _check_dataset(ds: Any, where: str) -> None:
     if isinstance(ds, IterableDataset):
-        raise DataError(f"{where} is an IterableDataset; it must be map-style (indexable, with len()): exact resume "
-                        "and sharding across ranks address samples by index")
+        if "split 'train'" not in where:
+            raise DataError(f"{where} is an IterableDataset; the validation split must be map-style (indexable, with "
+                            "len()): every evaluation reads all of it, each rank its own share (the sharded data's "
+                            "val split is: pipeline.datasets:sharded)")
+        if not hasattr(ds, "loader"):
+            raise DataError(f"{where} is an IterableDataset of its own: trainserve streams training data that it can "
+                            "deal to ranks and resume exactly, at any world size, from a checkpoint: write it as "
+                            "shards with `pipeline data shard` and read them with data.name=sharded, or make it "
+                            "map-style (indexable, with len())")
+        if len(ds) == 0:
+            raise DataError(f"{where} is empty")
+        return
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise DataError(f"{where} is a {type(ds).__name__}, not a map-style torch.utils.data.Dataset "
                         "(it needs __getitem__ and __len__)")
@@ -301,9 +328,14 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    global_batch = batch_size_per_rank * world_size * grad_accum_steps
+    if isinstance(dataset, IterableDataset):  # a sharded stream (check_splits admits no other)
+        if len(dataset) < global_batch:
+            raise DataError(f"the training stream has {len(dataset)} samples, fewer than one global batch "
+                            f"({global_batch}); lower train.global_batch_size")
+        return dataset.loader(batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
-    global_batch = batch_size_per_rank * world_size * grad_accum_steps
     if len(sampler) < batch_size_per_rank * grad_accum_steps:  # not one optimizer step per epoch
         raise DataError(f"the training set has {len(dataset)} samples, fewer than one global batch "
                         f"({global_batch}); lower train.global_batch_size")
@@ -345,6 +377,8 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
 
     from pipeline.distributed import DistInfo, all_gather_object
 
+    if hasattr(dataset, "identity"):  # a sharded split: its manifest's digest, no sample read
+        return dataset.identity()
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
     profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
@@ -416,6 +450,40 @@ def leaves(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in leaves(v)]
     return []
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it)."""
+    (loader if hasattr(loader, "set_epoch") else loader.sampler).set_epoch(epoch)
+
+
+def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int) -> None:
+    """The loader at the position a checkpoint saved (`saved_world` ranks saved it, `world` resume)."""
+    set_epoch(loader, epoch)  # the position is within this epoch's shuffle
+    if hasattr(loader, "set_epoch"):  # a stream's position is the same at any world size
+        loader.load_state_dict(state)
+    else:
+        loader.load_state_dict(rescale_loader_state(state, saved_world, world))
+
+
+def spread_sample(dataset: Dataset, count: int) -> Dataset:
+    """About `count` samples spread evenly over a split (it may be ordered by class: its first samples would
+    show one class), as a map-style data set; a stream's come from a bounded number of its row groups."""
+    if isinstance(dataset, IterableDataset):
+        return _Listed(dataset.sample(count), collate_of(dataset))
+    indices = sorted(set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()))
+    return Subset(dataset, indices)
+
+
+class _Listed(Dataset):
+    def __init__(self, items: list, collate_fn):
+        self.items, self.collate_fn = items, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
 
 
 def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:

@@ -21,3 +21,15 @@ def inject_fault(where: str, step: int, info=None) -> None:
         sig = signal.SIGTERM if how == ["TERM"] else signal.SIGKILL
         log.warning("TRAINSERVE_FAULT: %s to rank %d at %s %d", sig.name, rank, where, step)
         os.kill(os.getpid(), sig)
+
+
+def record_samples(record: dict) -> None:
+    """Test hook for the data-order proofs: TRAINSERVE_SAMPLE_LOG=<file> makes each rank append one JSON line
+    per micro-batch it trains on (its epoch, index, rank and sample ids), so a test counts the ids a run,
+    and a resume at another world size, actually trained on."""
+    path = os.environ.get("TRAINSERVE_SAMPLE_LOG")
+    if path:
+        import json
+
+        with open(path, "a") as f:  # one short line a write: O_APPEND keeps the ranks' lines whole
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,469 @@
+"""The sharded split on disk or on an object store: Parquet shards and the manifest that names them.
+
+One module writes and reads this format. A split is a directory (or an `s3://` prefix) holding
+
+    manifest.json         what the split is: its schema, its shards, their rows and digests
+    shard-00000.parquet   rows of samples: `id` (the sample's index in the split it was written from)
+    shard-00001.parquet   and one column per tensor of the sample: `input` or `input.<name>`, `target`
+    ...                   or `target.<key>` / `target.<i>`, raw little-endian bytes
+
+A tensor column of one shape in every row is `fixed_size_binary` (a row group's values are one contiguous
+buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside a `<column>.shape`
+list column. Each shard's row groups are the blocks the stream shuffles and reads (stream.py): a reader
+fetches the row groups it needs, never a whole shard, and checks each against the content digest the
+manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema and of every
+shard's name, rows, size and file sha256, computed from the manifest alone (`manifest_digest`), which is
+what MLflow's dataset inputs, `trace` and `verify` carry for it.
+
+Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
+of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from pipeline.errors import DataError
+
+FORMAT = "trainserve.shards/1"
+MANIFEST = "manifest.json"
+ROW_GROUP_BYTES = 4 << 20   # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+SHARD_BYTES = 256 << 20     # a shard file: a few hundred MiB, as object stores like them
+
+
+# --- locations ----------------------------------------------------------------------------------
+
+
+def filesystem(location: str):
+    """(fsspec filesystem, path inside it) of a local path or an s3:// URL."""
+    if "://" in str(location):
+        from pipeline.checkpoint import object_store
+
+        url = object_store.check_url(str(location), "the shard location")
+        return object_store.filesystem(), url.key
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem(), str(location)
+
+
+def join(location: str, name: str) -> str:
+    return f"{str(location).rstrip('/')}/{name}" if "://" in str(location) else posixpath.join(str(location), name)
+
+
+# --- the sample's tensors as columns -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor of a sample: its column name, dtype and shape (None: it varies, a shape column holds it)."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Column":
+        return cls(d["name"], d["dtype"], None if d["shape"] is None else tuple(d["shape"]))
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize if self.shape is not None else 0
+
+
+def structure_of(inputs: Any, target: Any) -> dict:
+    """How a sample's tensors nest, so the reader rebuilds `(inputs, target)` as the writer was given it:
+    inputs a tensor or {name: tensor}; the target a tensor, {key: tensor} or a tuple of tensors."""
+    def shape_of(value: Any, what: str):
+        if torch.is_tensor(value):
+            return "tensor"
+        if isinstance(value, dict) and value and all(torch.is_tensor(v) for v in value.values()):
+            return {"dict": [str(k) for k in value]}
+        if what == "target" and isinstance(value, (tuple, list)) and value and all(torch.is_tensor(v) for v in value):
+            return {"tuple": len(value)}
+        raise DataError(f"a sample's {what} is a {type(value).__name__}; the shard format holds a tensor"
+                        + (", a dict of tensors or a tuple of tensors" if what == "target" else " or a dict of tensors"))
+    return {"inputs": shape_of(inputs, "inputs"), "target": shape_of(target, "target")}
+
+
+def leaves_of(inputs: Any, target: Any) -> dict[str, torch.Tensor]:
+    """A sample's tensors by column name."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, value in (("input", inputs), ("target", target)):
+        if torch.is_tensor(value):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            out.update({f"{prefix}.{k}": v for k, v in value.items()})
+        else:
+            out.update({f"{prefix}.{i}": v for i, v in enumerate(value)})
+    return out
+
+
+def rebuild(structure: dict, columns: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """(inputs, target) of decoded columns, nested as `structure` says."""
+    def part(prefix: str, kind: Any):
+        if kind == "tensor":
+            return columns[prefix]
+        if "dict" in kind:
+            return {k: columns[f"{prefix}.{k}"] for k in kind["dict"]}
+        return tuple(columns[f"{prefix}.{i}"] for i in range(kind["tuple"]))
+    return part("input", structure["inputs"]), part("target", structure["target"])
+
+
+def _dtype_name(t: torch.Tensor, column: str) -> str:
+    try:
+        return str(t.numpy().dtype) if t.dtype != torch.bool else "bool"
+    except TypeError:
+        raise DataError(f"column '{column}' is {str(t.dtype).removeprefix('torch.')}, which numpy (and so the "
+                        "shard format) can't hold; convert it to float32") from None
+
+
+# --- the manifest -------------------------------------------------------------------------------
+
+
+@dataclass
+class Shard:
+    name: str
+    rows: int
+    bytes: int
+    sha256: str                                   # of the file
+    row_groups: list[dict] = field(default_factory=list)  # [{"rows": n, "sha256": content digest}]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256,
+                "row_groups": self.row_groups}
+
+
+@dataclass
+class Manifest:
+    location: str                  # the directory or prefix the shards are in
+    columns: list[Column]
+    structure: dict
+    shards: list[Shard]
+    classes: list[str] | None = None
+    model_args: dict = field(default_factory=dict)
+    targets: dict = field(default_factory=dict)   # the targets' profile (data.target_profile), for MLflow's dataset
+    source: dict = field(default_factory=dict)    # what the shards were written from (component, args, split)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def digest(self) -> str:
+        return manifest_digest(self.body())
+
+    def body(self) -> dict:
+        return {"format": FORMAT, "columns": [c.to_json() for c in self.columns], "structure": self.structure,
+                "shards": [s.to_json() for s in self.shards], "rows": self.rows, "classes": self.classes,
+                "model_args": self.model_args, "targets": self.targets, "source": self.source}
+
+
+def manifest_digest(body: dict) -> str:
+    """The split's identity: the schema and every shard's name, rows, size and sha256 (not the profile or the
+    source, which describe it): two manifests of the same bytes have one digest wherever they are."""
+    identity = {"format": body["format"], "columns": body["columns"], "structure": body["structure"],
+                "shards": [{k: s[k] for k in ("name", "rows", "bytes", "sha256")} for s in body["shards"]]}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def manifest_location(location: str) -> tuple[str, str]:
+    """(the split's directory, its manifest) of a directory, or of a path to its manifest.json."""
+    location = str(location).rstrip("/")
+    if location.endswith(".json"):
+        return location.rsplit("/", 1)[0] if "/" in location else ".", location
+    return location, join(location, MANIFEST)
+
+
+def read_manifest(location: str) -> Manifest:
+    """The manifest of the split at `location` (its directory or its manifest.json); DataError when it is missing
+    or not one."""
+    directory, path = manifest_location(location)
+    fs, key = filesystem(path)
+    try:
+        with fs.open(key, "rb") as f:
+            body = json.loads(f.read())
+    except FileNotFoundError:
+        raise DataError(f"no shard manifest at {path}: write one with `pipeline data shard --config <config> "
+                        f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is not a shard manifest (not JSON: {exc})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise DataError(f"{path} is not a shard manifest of this version: its format is "
+                        f"{body.get('format') if isinstance(body, dict) else type(body).__name__!r}, expected {FORMAT!r}")
+    try:
+        manifest = Manifest(directory, [Column.from_json(c) for c in body["columns"]], body["structure"],
+                            [Shard(**s) for s in body["shards"]], body.get("classes"), body.get("model_args") or {},
+                            body.get("targets") or {}, body.get("source") or {})
+    except (KeyError, TypeError) as exc:
+        raise DataError(f"{path} is a damaged shard manifest ({type(exc).__name__}: {exc}); write the split again "
+                        "with `pipeline data shard`") from None
+    if not manifest.shards or manifest.rows == 0:
+        raise DataError(f"{path} names no rows; a split needs at least one sample")
+    return manifest
+
+
+def check_against_store(manifest: Manifest) -> None:
+    """Every shard the manifest names is in the store, at the size it names: one listing, before training
+    reads a row (a missing or truncated shard would otherwise surface mid-epoch)."""
+    fs, key = filesystem(manifest.location)
+    try:
+        listing = {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+                   for e in fs.ls(key, detail=True)}
+    except FileNotFoundError:
+        raise DataError(f"the shard directory {manifest.location} does not exist") from None
+    for shard in manifest.shards:
+        where = f"shard {join(manifest.location, shard.name)}"
+        if shard.name not in listing:
+            raise DataError(f"{where} is missing: the manifest names {len(manifest.shards)} shards; restore it, or "
+                            "write the split again with `pipeline data shard`")
+        if listing[shard.name] != shard.bytes:
+            raise DataError(f"{where} is {listing[shard.name]} bytes, the manifest says {shard.bytes}: the shard is "
+                            f"{'truncated' if listing[shard.name] < shard.bytes else 'not the one the manifest names'}; "
+                            "restore it, or write the split again with `pipeline data shard`")
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_per_shard: int = 0,
+                rows_per_group: int = 0, classes: list[str] | None = None, model_args: dict | None = None,
+                targets: dict | None = None, source: dict | None = None) -> Manifest:
+    """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written last: a split
+    without its manifest is not a split). Shard and row-group sizes default to ~256 MiB and ~4 MiB of
+    samples."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, root = filesystem(location)
+    fs.makedirs(root, exist_ok=True)
+    samples = iter(samples)
+    first = next(samples, None)
+    if first is None:
+        raise DataError("the split to write has no samples")
+    structure = structure_of(first[1], first[2])
+    first_leaves = {k: v.contiguous() for k, v in leaves_of(first[1], first[2]).items()}
+    buffered = [first]
+    columns = [Column(name, _dtype_name(t, name), tuple(t.shape)) for name, t in first_leaves.items()]
+    sample_bytes = max(1, sum(t.numel() * t.element_size() for t in first_leaves.values()))
+    rows_per_group = rows_per_group or max(1, ROW_GROUP_BYTES // sample_bytes)
+    rows_per_shard = rows_per_shard or max(rows_per_group, SHARD_BYTES // sample_bytes // rows_per_group * rows_per_group)
+
+    # Shapes vary? Look through the first shard's worth before fixing the schema (a later shape change is
+    # caught per sample below and named).
+    for item in samples:
+        buffered.append(item)
+        if len(buffered) >= rows_per_shard:
+            break
+    for i, col in enumerate(columns):
+        if any(tuple(leaves_of(s[1], s[2])[col.name].shape) != col.shape for s in buffered):
+            columns[i] = Column(col.name, col.dtype, None)
+
+    def all_samples():
+        yield from buffered
+        yield from samples
+
+    shards: list[Shard] = []
+    batch: list[tuple[int, Any, Any]] = []
+    for item in all_samples():
+        batch.append(item)
+        if len(batch) == rows_per_shard:
+            shards.append(_write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq))
+            batch = []
+    if batch:
+        shards.append(_write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq))
+    manifest = Manifest(str(location).rstrip("/"), columns, structure, shards, classes, model_args or {},
+                        targets or {}, source or {})
+    body = manifest.body() | {"digest": manifest.digest}
+    with fs.open(join(root, MANIFEST), "wb") as f:
+        f.write(json.dumps(body, indent=1).encode())
+    return manifest
+
+
+def _write_shard(fs, root: str, index: int, rows: list, columns: list[Column], structure: dict,
+                 rows_per_group: int, pa, pq) -> Shard:
+    name = f"shard-{index:05d}.parquet"
+    arrays = {"id": pa.array([int(r[0]) for r in rows], type=pa.int64())}
+    for col in columns:
+        values = []
+        shapes = []
+        for sample_id, inputs, target in rows:
+            if structure_of(inputs, target) != structure:
+                raise DataError(f"sample {sample_id} nests its tensors as {structure_of(inputs, target)}, the first "
+                                f"sample as {structure}: every sample of a split needs the same inputs and target")
+            t = leaves_of(inputs, target)[col.name].contiguous()
+            if _dtype_name(t, col.name) != col.dtype:
+                raise DataError(f"sample {sample_id}: column '{col.name}' is {_dtype_name(t, col.name)}, the first "
+                                f"sample's is {col.dtype}: every sample needs one dtype per tensor")
+            if col.shape is not None and tuple(t.shape) != col.shape:
+                raise DataError(f"sample {sample_id}: column '{col.name}' has shape {list(t.shape)}, the first "
+                                f"shard's samples {list(col.shape)}")
+            values.append(t.numpy().tobytes())
+            shapes.append(list(t.shape))
+        if col.shape is not None:
+            arrays[col.name] = pa.array(values, type=pa.binary(col.nbytes) if col.nbytes else pa.binary())
+        else:
+            arrays[col.name] = pa.array(values, type=pa.binary())
+            arrays[f"{col.name}.shape"] = pa.array(shapes, type=pa.list_(pa.int64()))
+    table = pa.table(arrays)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, row_group_size=rows_per_group, compression="none", write_statistics=False)
+    data = buffer.getvalue()
+    groups = [{"rows": len(rows[i:i + rows_per_group]),
+               "sha256": content_digest(table.slice(i, rows_per_group), columns)}
+              for i in range(0, len(rows), rows_per_group)]
+    with fs.open(join(root, name), "wb") as f:
+        f.write(data)
+    return Shard(name, len(rows), len(data), hashlib.sha256(data).hexdigest(), groups)
+
+
+def content_digest(table, columns: list[Column]) -> str:
+    """The sha256 of a row group's values (ids, then each column's bytes and shapes), as decoded: what a
+    reader checks the row group it read against, whatever Parquet's encoding of it."""
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(table.column("id").to_numpy()).tobytes())
+    for col in columns:
+        array = table.column(col.name).combine_chunks()
+        if col.shape is not None and col.nbytes:
+            digest.update(_fixed_values(array, col.nbytes))
+        else:
+            for value in array.to_pylist():
+                digest.update(len(value).to_bytes(8, "little"))
+                digest.update(value)
+            digest.update(json.dumps(table.column(f"{col.name}.shape").to_pylist()).encode())
+    return digest.hexdigest()
+
+
+def _fixed_values(array, width: int) -> memoryview:
+    """The contiguous bytes of a fixed_size_binary array's rows (its offset into the buffer honoured)."""
+    data = array.buffers()[1]
+    return memoryview(data)[array.offset * width:(array.offset + len(array)) * width]
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+class ShardReader:
+    """Reads the row groups of one split's shards, each checked against the manifest: the shard's schema
+    and row counts when it is opened, a row group's content digest when it is read. Open shards are kept
+    (a worker reads a shard's row groups one after another); at most `keep` at once."""
+
+    def __init__(self, manifest: Manifest, keep: int = 2):
+        self.manifest = manifest
+        self.keep = keep
+        self._open: dict[int, Any] = {}
+        self._fs = None
+
+    def _file(self, index: int):
+        import pyarrow.parquet as pq
+
+        if index in self._open:
+            return self._open[index]
+        if self._fs is None:
+            self._fs, _ = filesystem(self.manifest.location)
+        shard = self.manifest.shards[index]
+        path = join(self.manifest.location, shard.name)
+        _, key = filesystem(path)
+        try:
+            handle = self._fs.open(key, "rb")
+            pf = pq.ParquetFile(handle)
+        except FileNotFoundError:
+            raise DataError(f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names "
+                            "it); restore it, or write the split again with `pipeline data shard`") from None
+        except Exception as exc:  # pyarrow's ArrowInvalid on a truncated or foreign file
+            raise DataError(f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is "
+                            "truncated or not a shard; restore it, or write the split again") from None
+        expected = [c.name for c in self.manifest.columns]
+        names = pf.schema_arrow.names
+        wanted = ["id", *(n for c in self.manifest.columns for n in ([c.name] if c.shape is not None
+                                                                     else [c.name, f"{c.name}.shape"]))]
+        if names != wanted:
+            raise DataError(f"shard {path} has the columns {names}; the manifest's schema is {wanted} (the columns "
+                            f"{expected} of the first shard): the schema changed between shards")
+        if pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups):
+            raise DataError(f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
+                            f"manifest says {shard.rows} in {len(shard.row_groups)}: the stream would end early or "
+                            "differ; restore the shard, or write the split again")
+        if len(self._open) >= self.keep:
+            oldest = next(iter(self._open))
+            self._open.pop(oldest).close()
+        self._open[index] = _Open(pf, handle)
+        return self._open[index]
+
+    def read_group(self, shard_index: int, group: int) -> dict[str, Any]:
+        """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor; else a list)}."""
+        opened = self._file(shard_index)
+        shard = self.manifest.shards[shard_index]
+        try:
+            table = opened.pf.read_row_group(group)
+        except Exception as exc:
+            raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} can't be read "
+                            f"({type(exc).__name__}: {str(exc)[:200]}); restore the shard") from None
+        if content_digest(table, self.manifest.columns) != shard.row_groups[group]["sha256"]:
+            raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} does not match the "
+                            "manifest's digest: the shard changed since the manifest was written; restore it, or "
+                            "write the split again")
+        return decode(table, self.manifest.columns)
+
+    def close(self) -> None:
+        for opened in self._open.values():
+            opened.close()
+        self._open.clear()
+
+
+@dataclass
+class _Open:
+    pf: Any
+    handle: Any
+
+    def close(self) -> None:
+        try:
+            self.handle.close()
+        except Exception:
+            pass
+
+
+def decode(table, columns: list[Column]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": table.column("id").to_numpy()}
+    for col in columns:
+        array = table.column(col.name).combine_chunks()
+        if col.shape is not None:
+            raw = np.frombuffer(_fixed_values(array, col.nbytes), dtype=col.dtype) if col.nbytes else \
+                np.zeros(0, dtype=col.dtype)
+            # One copy out of Arrow's read-only buffer, for the whole row group.
+            out[col.name] = torch.from_numpy(raw.reshape(len(array), *col.shape).copy())
+        else:
+            shapes = table.column(f"{col.name}.shape").to_pylist()
+            out[col.name] = [torch.from_numpy(np.frombuffer(v, dtype=col.dtype).reshape(s).copy())
+                             for v, s in zip(array.to_pylist(), shapes)]
+    return out
+
+
+def take(group: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    """Rows `rows` of a decoded row group."""
+    out: dict[str, Any] = {"id": group["id"][rows]}
+    for name, value in group.items():
+        if name == "id":
+            continue
+        out[name] = value[torch.from_numpy(rows)] if torch.is_tensor(value) else [value[i] for i in rows]
+    return out
+
+
+def samples_of(group: dict[str, Any], structure: dict) -> Iterator[tuple[int, tuple[Any, Any]]]:
+    """(id, (inputs, target)) of each row of a decoded row group (or of `take` of one)."""
+    names = [n for n in group if n != "id"]
+    for i, sample_id in enumerate(group["id"]):
+        yield int(sample_id), rebuild(structure, {n: group[n][i] for n in names})

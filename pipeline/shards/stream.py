@@ -1,0 +1,310 @@
+"""A sharded split read as a stream: shuffled per epoch without a buffer, dealt to ranks and loader workers,
+its position the whole of its state.
+
+The order of epoch e is a function of (seed, e) alone: the shards in a seeded order, each shard's row groups in
+a seeded order, each row group's rows in a seeded order (format.py: a row group is the unit that is read). The
+epoch is that sequence of positions 0..N-1. Micro-batch k is positions [k*M, (k+1)*M) with M the global
+micro-batch (per-rank batch x world size); rank r takes its contiguous part [k*M + r*B, k*M + (r+1)*B), so
+that each rank reads the row groups of its own part. Loader worker w of a rank makes the rank's micro-batches
+k = start + w, start + w + workers, ... in which order the DataLoader hands them out, so the batches are
+the same with 0, 1 or 4 workers.
+
+So the position (epoch, samples consumed: k*M) is the state, and it is the same on every rank: rank 0's
+stands for all. A resume at another world size with the same global batch continues at the same k, every
+sample of the epoch seen exactly once; nothing is buffered, so nothing is lost or repeated. The memory a
+worker holds is one decoded row group and its shard's open file, whatever the size of the data.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterator
+
+import numpy as np
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from pipeline.errors import DataError
+from pipeline.shards import format as shard_format
+from pipeline.tools.faults import record_samples
+
+log = logging.getLogger(__name__)
+
+SAMPLE_GROUPS = 32  # a bounded sample of the stream (drift reference, int8 calibration) reads at most this many row groups
+
+
+@dataclass(frozen=True)
+class Deal:
+    """How one rank reads an epoch: its per-rank batch, its place in the world, the seed and epoch, and the
+    micro-batch to start from."""
+    batch: int
+    rank: int
+    world: int
+    seed: int
+    epoch: int
+    start: int = 0  # micro-batches of the epoch already consumed
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch * self.world
+
+
+class ShardedStream(IterableDataset):
+    """The training split of a sharded data set. Iterated alone it yields its samples `(inputs, target)` in
+    file order (what the data checks read); dealt (`dealt(...)`, what the training loader does) it yields this
+    rank's collated micro-batches of the epoch's shuffled order."""
+
+    def __init__(self, location: str, check: bool = True):
+        self.manifest = shard_format.read_manifest(location)
+        if check:
+            shard_format.check_against_store(self.manifest)
+        if self.manifest.classes is not None:
+            self.classes = list(self.manifest.classes)
+        if self.manifest.model_args:
+            self.model_args = dict(self.manifest.model_args)
+        self.deal: Deal | None = None
+
+    def __len__(self) -> int:
+        return self.manifest.rows
+
+    def identity(self) -> dict[str, Any]:
+        return identity_of(self.manifest)
+
+    def loader(self, batch: int, rank: int, world: int, seed: int, workers: int, pin_memory: bool) -> "StreamLoader":
+        """The training loader of this rank (components/data.py make_train_loader asks for it)."""
+        return StreamLoader(self, batch, rank, world, seed, workers, pin_memory)
+
+    def dealt(self, deal: Deal) -> "ShardedStream":
+        dealt = copy.copy(self)
+        dealt.deal = deal
+        return dealt
+
+    def __iter__(self) -> Iterator:
+        if self.deal is None:
+            return (sample for _, sample in _file_order(self.manifest))
+        return self._micro_batches()
+
+    def _micro_batches(self) -> Iterator:
+        from pipeline.components.data import collate
+
+        deal = self.deal
+        worker = get_worker_info()
+        w, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        order = epoch_order(self.manifest, deal.seed, deal.epoch)
+        reader = _GroupCache(self.manifest)
+        try:
+            for k in range(deal.start + w, len(self) // deal.micro_batch, workers):
+                first = k * deal.micro_batch + deal.rank * deal.batch
+                rows = order.read(reader, first, first + deal.batch)
+                yield [i for i, _ in rows], collate([sample for _, sample in rows])
+        finally:
+            reader.close()
+
+    def sample(self, count: int) -> list[tuple[Any, Any]]:
+        """About `count` samples spread over the split, read from at most SAMPLE_GROUPS row groups (the drift
+        reference and int8 calibration take them): bounded reads, the same samples every time."""
+        groups = [(s, g) for s, shard in enumerate(self.manifest.shards) for g in range(len(shard.row_groups))]
+        picked = [groups[round(i * (len(groups) - 1) / max(1, min(SAMPLE_GROUPS, len(groups)) - 1))]
+                  for i in range(min(SAMPLE_GROUPS, len(groups)))]
+        picked = list(dict.fromkeys(picked))
+        per_group = -(-count // len(picked))
+        reader = shard_format.ShardReader(self.manifest)
+        out: list[tuple[Any, Any]] = []
+        try:
+            for s, g in picked:
+                group = reader.read_group(s, g)
+                n = len(group["id"])
+                rows = np.unique(np.linspace(0, n - 1, min(per_group, n)).astype(int))
+                out.extend(sample for _, sample in shard_format.samples_of(shard_format.take(group, rows),
+                                                                            self.manifest.structure))
+        finally:
+            reader.close()
+        return out[:count]
+
+
+class ShardRows(Dataset):
+    """The validation split of a sharded data set, map-style: sample i in file order, read a row group at a
+    time (a loader in order reads each row group once)."""
+
+    def __init__(self, location: str, check: bool = True):
+        self.manifest = shard_format.read_manifest(location)
+        if check:
+            shard_format.check_against_store(self.manifest)
+        if self.manifest.classes is not None:
+            self.classes = list(self.manifest.classes)
+        self._starts = np.cumsum([0] + [g["rows"] for s in self.manifest.shards for g in s.row_groups])
+        self._groups = [(s, g) for s, shard in enumerate(self.manifest.shards) for g in range(len(shard.row_groups))]
+        self._cache: _GroupCache | None = None
+
+    def __len__(self) -> int:
+        return self.manifest.rows
+
+    def identity(self) -> dict[str, Any]:
+        return identity_of(self.manifest)
+
+    def __getitem__(self, index: int):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of a split of {len(self)}")
+        index %= len(self)
+        block = int(np.searchsorted(self._starts, index, side="right")) - 1
+        if self._cache is None or self._cache.pid != os.getpid():  # a forked worker opens its own files
+            self._cache = _GroupCache(self.manifest)
+        group = self._cache.get(*self._groups[block])
+        row = np.array([index - self._starts[block]])
+        return next(shard_format.samples_of(shard_format.take(group, row), self.manifest.structure))[1]
+
+    def __getstate__(self):  # a spawned worker process opens its own files
+        return {**self.__dict__, "_cache": None}
+
+
+def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
+    """The split's lineage, from the manifest alone: what `data.split_digest` gives for a sharded split."""
+    return {"sha256": manifest.digest, "samples": manifest.rows, "targets": manifest.targets,
+            "manifest": shard_format.join(manifest.location, shard_format.MANIFEST), "shards": len(manifest.shards)}
+
+
+# --- the epoch's order --------------------------------------------------------------------------
+
+
+@dataclass
+class EpochOrder:
+    """The epoch's blocks (shard, row group) in order, where each starts, and how to read positions."""
+    manifest: shard_format.Manifest
+    seed: int
+    epoch: int
+    blocks: list[tuple[int, int]]
+    starts: np.ndarray  # starts[i]: the epoch position of block i's first row; starts[-1] = N
+
+    def read(self, reader: "_GroupCache", first: int, stop: int) -> list[tuple[int, tuple]]:
+        """(id, sample) at positions first..stop-1 of the epoch."""
+        out = []
+        position = first
+        while position < stop:
+            block = int(np.searchsorted(self.starts, position, side="right")) - 1
+            s, g = self.blocks[block]
+            end = min(stop, int(self.starts[block + 1]))
+            offsets = np.arange(position - self.starts[block], end - self.starts[block])
+            rows = row_order(self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block]))[offsets]
+            group = reader.get(s, g)
+            out.extend(shard_format.samples_of(shard_format.take(group, rows), self.manifest.structure))
+            position = end
+        return out
+
+
+def epoch_order(manifest: shard_format.Manifest, seed: int, epoch: int) -> EpochOrder:
+    shards = _rng(seed, epoch).permutation(len(manifest.shards))
+    blocks = []
+    for s in shards.tolist():
+        groups = _rng(seed, epoch, s).permutation(len(manifest.shards[s].row_groups))
+        blocks.extend((s, g) for g in groups.tolist())
+    sizes = [manifest.shards[s].row_groups[g]["rows"] for s, g in blocks]
+    return EpochOrder(manifest, seed, epoch, blocks, np.cumsum([0] + sizes))
+
+
+@lru_cache(maxsize=64)
+def row_order(seed: int, epoch: int, shard: int, group: int, rows: int) -> np.ndarray:
+    return _rng(seed, epoch, shard, group).permutation(rows)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    """A generator of the key alone (numpy's PCG64 from a SeedSequence: the same numbers on every machine)."""
+    return np.random.default_rng([int(k) for k in key])
+
+
+def _file_order(manifest: shard_format.Manifest) -> Iterator[tuple[int, tuple]]:
+    reader = shard_format.ShardReader(manifest)
+    try:
+        for s, shard in enumerate(manifest.shards):
+            for g in range(len(shard.row_groups)):
+                yield from shard_format.samples_of(reader.read_group(s, g), manifest.structure)
+    finally:
+        reader.close()
+
+
+class _GroupCache:
+    """The last decoded row group (consecutive reads of a worker land in the same one)."""
+
+    def __init__(self, manifest: shard_format.Manifest):
+        self.reader = shard_format.ShardReader(manifest)
+        self.pid = os.getpid()
+        self.key: tuple[int, int] | None = None
+        self.group: dict | None = None
+
+    def get(self, shard: int, group: int) -> dict:
+        if self.key != (shard, group):
+            self.group, self.key = None, None  # the old one freed before the new one is decoded
+            self.group, self.key = self.reader.read_group(shard, group), (shard, group)
+        return self.group
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+# --- the training loader ------------------------------------------------------------------------
+
+
+class StreamLoader:
+    """The training loader of a sharded stream: this rank's micro-batches of each epoch, through a DataLoader
+    with `workers` processes, and the position (epoch, samples consumed) that a checkpoint keeps."""
+
+    def __init__(self, stream: ShardedStream, batch: int, rank: int, world: int, seed: int, workers: int,
+                 pin_memory: bool):
+        self.stream, self.batch, self.rank, self.world, self.seed = stream, batch, rank, world, seed
+        self.workers, self.pin_memory = workers, pin_memory
+        self.epoch, self.position = 0, 0
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch * self.world
+
+    def __len__(self) -> int:
+        return len(self.stream) // self.micro_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts at its beginning; the epoch a resume restored keeps its position."""
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def __iter__(self):
+        from torch.utils.data import DataLoader
+
+        deal = Deal(self.batch, self.rank, self.world, self.seed, self.epoch, self.position // self.micro_batch)
+        # Workers are started per epoch (not persistent): each takes the epoch's deal with it.
+        loader = DataLoader(self.stream.dealt(deal), batch_size=None, num_workers=self.workers,
+                            pin_memory=self.pin_memory)
+        for ids, micro_batch in loader:
+            record_samples({"epoch": self.epoch, "k": self.position // self.micro_batch, "rank": self.rank,
+                            "world": self.world, "ids": ids})
+            self.position += self.micro_batch
+            yield micro_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "sharded-stream", "epoch": self.epoch, "position": self.position,
+                "manifest": self.stream.manifest.digest, "micro_batch": self.micro_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "sharded-stream":
+            raise DataError("the checkpoint's data position is a map-style loader's; this run streams a sharded "
+                            "split: resume it with the data it was trained on")
+        if state["manifest"] != self.stream.manifest.digest:
+            raise DataError(f"the checkpoint was trained on the sharded split with manifest digest "
+                            f"{state['manifest'][:16]}; {shard_format.join(self.stream.manifest.location, 'manifest.json')} "
+                            f"is {self.stream.manifest.digest[:16]}: resume with the data it was trained on")
+        if state["position"] % self.micro_batch:
+            raise DataError(f"the checkpoint stopped {state['position']} samples into epoch {state['epoch']}, which is "
+                            f"not a whole number of this run's micro-batches of {self.micro_batch} (per-rank batch "
+                            f"{self.batch} x {self.world} ranks); resume with the same train.global_batch_size and "
+                            f"train.grad_accum_steps ({state['micro_batch']} samples a micro-batch)")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        log.info("the stream resumes at epoch %d, sample %d of %d", self.epoch, self.position, len(self.stream))
+
+
+def first_items(dataset: IterableDataset, count: int) -> list:
+    """The first `count` items an iterable split yields on its own."""
+    return list(itertools.islice(iter(dataset), count))
+
+
