@@ -329,6 +329,22 @@ def dataset_digests(run_id: str) -> dict[str, str]:
     return found
 
 
+def dataset_manifests(run_id: str) -> dict[str, str]:
+    """{"train"|"val": manifest location} of the sharded splits a run logged (their source names the manifest)."""
+    contexts = {"training": "train", "validation": "val"}
+    found = {}
+    for item in get_run(run_id).inputs.dataset_inputs:
+        tags = {t.key: t.value for t in item.tags}
+        split = contexts.get(tags.get("mlflow.data.context", ""))
+        try:
+            source = json.loads(item.dataset.source or "{}").get("tags") or {}
+        except (ValueError, AttributeError):
+            continue
+        if split and source.get("manifest"):
+            found[split] = source["manifest"]
+    return found
+
+
 @uninterrupted
 def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
     """The run's component source under `code/` (see code_capture.py) and what it was installed with."""

@@ -271,6 +271,8 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
         return
     problems = [f"{split} {digest[:16]} != the run's {logged.get(split, '(none)')[:16]}"
                 for split, digest in recorded.items() if logged.get(split) != digest]
+    manifests, notes = manifest_checks(tags.get(lineage.RUN_ID, ""), recorded)
+    problems += manifests
     baseline = onnx_path.parent / "drift_reference.json" if onnx_path is not None else None
     drift_recorded = lineage.recorded_sha256(tags, drift.FILE)
     if drift_recorded:
@@ -280,7 +282,33 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
             problems.append(f"{drift.FILE} sha256 {file_sha256(baseline)[:16]} != the version's {drift_recorded[:16]}")
     report(Link("data", "FAIL" if problems else "ok", "; ".join(problems) if problems else
                 f"train {recorded['train'][:16]}, val {recorded['val'][:16]} = the run's datasets"
-                + (", drift baseline intact" if drift_recorded else "")))
+                + (", drift baseline intact" if drift_recorded else "") + "".join(f"; {n}" for n in notes)))
+
+
+def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], list[str]]:
+    """A sharded split's digest is its manifest's (pipeline/shards/format.py): the manifests the run's datasets
+    name, read again where they are, must still have the digests the version records. (problems, notes)"""
+    from pipeline import tracking
+    from pipeline.shards import format as shard_format
+
+    problems, notes = [], []
+    try:
+        manifests = tracking.dataset_manifests(run_id)
+    except Exception:  # noqa: BLE001 - the digests above already said whether the run can be read
+        return problems, notes
+    for split, location in sorted(manifests.items()):
+        try:
+            manifest = shard_format.read_manifest(location)
+            shard_format.check_against_store(manifest)
+        except Exception as exc:  # noqa: BLE001 - moved, unreachable store, damaged: said, not a crash
+            notes.append(f"{split} manifest {location} not checked: {first_line(exc)}")
+            continue
+        if manifest.digest != recorded.get(split):
+            problems.append(f"{split} manifest {location} now has digest {manifest.digest[:16]}, the version was "
+                            f"trained on {str(recorded.get(split))[:16]}")
+        else:
+            notes.append(f"{split} manifest {location} and its {len(manifest.shards)} shards as trained on")
+    return problems, notes
 
 
 def server_link(url: str, name: str, version: str, tags: dict, props: dict, token: str, report) -> None:
