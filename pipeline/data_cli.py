@@ -32,7 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int = 0, rows_per_group: int = 0) -> dict:
     """{split: Manifest} of the config's splits written under `out`."""
     from pipeline.components.build import build_data
-    from pipeline.components.data import split_digest
     from pipeline.config import load_config
     from pipeline.shards import format as shard_format
 
@@ -43,15 +42,31 @@ def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int
     written = {}
     for split in ("train", "val"):
         dataset = getattr(splits, split)
-        found = split_digest(dataset)  # the targets' profile, for MLflow's dataset drawer
-        samples = ((i, *dataset[i]) for i in range(len(dataset)))
+        profile: dict = {}
+        samples = _profiled(dataset, profile)
         written[split] = shard_format.write_split(
             samples, shard_format.join(out, split), rows_per_shard=rows_per_shard, rows_per_group=rows_per_group,
-            classes=splits.classes, targets=found["targets"],
-            model_args=splits.model_hints if split == "train" else {},
-            source={"component": cfg.data.component, "args": cfg.data.args, "split": split,
-                    "sha256": found["sha256"]})
+            classes=splits.classes, model_args=splits.model_hints if split == "train" else {},
+            source={"component": cfg.data.component, "args": cfg.data.args, "split": split}, targets=profile)
     return written
+
+
+def _profiled(dataset, profile: dict, every: int = 1024):
+    """(id, inputs, target) of each sample, read once; `profile` becomes the targets' profile (class counts or
+    statistics, data.target_profile) as they pass, for MLflow's dataset drawer."""
+    from pipeline.components.data import leaves, merged_profile, target_profile
+
+    targets = []
+    for i in range(len(dataset)):
+        inputs, target = dataset[i]
+        targets.extend(leaves(target)[:1])
+        if len(targets) >= every:
+            profile.update(merged_profile([profile, target_profile(targets)], totals=True))
+            targets = []
+        yield i, inputs, target
+    final = merged_profile([profile, target_profile(targets)])
+    profile.clear()
+    profile.update(final)
 
 
 def cli(args) -> int:
