@@ -157,6 +157,23 @@ class EarlyStoppingConfig(Section):
     min_delta: float = Field(0.0, ge=0, description="The smallest change of the monitored metric that counts as an improvement.")
 
 
+class ParallelConfig(Section):
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model, each sharded over dp_shard ranks (FSDP2 on a 2-D device mesh: gradients reduce-scattered within a replica, all-reduced across replicas); >1 needs train.strategy=fsdp.")
+    dp_shard: int = Field(0, ge=0, description="Ranks each replica's parameters are sharded over; 0 = what the world size leaves, world / (dp_replicate x tp x pp).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree: not built yet, 1.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: not built yet, 1.")
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """{dp_replicate, dp_shard, tp, pp} with dp_shard resolved; ConfigError when their product is not the world."""
+        others = self.dp_replicate * self.tp * self.pp
+        shard = self.dp_shard or world_size // others
+        if shard < 1 or others * shard != world_size:
+            raise ConfigError(f"train.parallel: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard or shard} x tp "
+                              f"{self.tp} x pp {self.pp} = {others * max(shard, 1)}, but the world has {world_size} "
+                              f"processes; their product must be the world size (dp_shard=0 takes what the others leave)")
+        return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp, "pp": self.pp}
+
+
 class TrainConfig(Section):
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present, else CPU.")
@@ -177,6 +194,7 @@ class TrainConfig(Section):
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
     channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous).")
     compile: bool = Field(False, description="torch.compile the model (in place: DDP as a whole, FSDP2 per unit); the first steps compile. On CUDA it needs a C compiler for Triton.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="The device mesh's degrees, as torchtitan names them; their product is the world size.")
     fsdp_wrap: list[str] = Field(
         default_factory=list, description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
                                           "empty = the class repeated most in the largest ModuleList/Sequential.")
@@ -305,6 +323,16 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
             "use train.precision=bf16 (CPU autocast) or train.precision=auto")
     if t.device == "cuda" and not cuda_available:
         raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu")
+    degrees = t.parallel.degrees(world_size)
+    for name in ("tp", "pp"):
+        if degrees[name] > 1:
+            raise ConfigError(f"train.parallel.{name}={degrees[name]}: {'tensor' if name == 'tp' else 'pipeline'} "
+                              "parallelism is not built yet; use train.parallel.dp_replicate and dp_shard (HSDP, "
+                              "train.strategy=fsdp), or FSDP2 alone")
+    if degrees["dp_replicate"] > 1 and t.strategy != "fsdp":
+        raise ConfigError(f"train.parallel.dp_replicate={degrees['dp_replicate']} shards each replica over "
+                          f"dp_shard={degrees['dp_shard']} ranks: that is HSDP, set train.strategy=fsdp (DDP replicates "
+                          "over every rank already)")
     per_step = world_size * t.grad_accum_steps
     if t.global_batch_size % per_step:
         lower = (t.global_batch_size // per_step) * per_step or per_step

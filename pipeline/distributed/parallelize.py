@@ -46,7 +46,7 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
         # FSDP2 refuses non-contiguous parameters (NotImplementedError in fully_shard), and its
         # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
         # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
-        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile)
+        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile, data_parallel_mesh(train_cfg, info))
     if uses_channels_last(train_cfg, info):
         model = model.to(memory_format=torch.channels_last)
     if info.distributed:
@@ -72,7 +72,21 @@ def check_compiler(device_type: str) -> None:
                           "(e.g. apt-get install gcc g++) or set train.compile=false")
 
 
-def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False) -> nn.Module:
+def data_parallel_mesh(train_cfg, info: DistInfo):
+    """HSDP's 2-D mesh (dp_replicate, dp_shard) when train.parallel asks for replicas; else None: FSDP2 shards
+    over the whole world, its default 1-D mesh."""
+    degrees = train_cfg.parallel.degrees(info.world_size)
+    if degrees["dp_replicate"] == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    log.info("HSDP: %d replicas x %d shards", degrees["dp_replicate"], degrees["dp_shard"])
+    return init_device_mesh(info.device.type, (degrees["dp_replicate"], degrees["dp_shard"]),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False,
+          mesh=None) -> nn.Module:
     """FSDP2: every unit (see the module docstring) and the root, innermost first.
 
     With bf16/fp16, each BatchNorm (SyncBatchNorm included) is a unit of its own with an fp32 policy,
@@ -92,14 +106,14 @@ def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units:
              ", ".join(sorted({type(u).__name__ for u in units})) or "none",
              f"; {len(norms)} BatchNorm kept in fp32" if norms else "")
     for norm in norms:
-        fully_shard(norm, mp_policy=MixedPrecisionPolicy())
+        fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     for unit in units:  # innermost first: a unit inside another is sharded before its parent
         if compile_units:  # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
             unit.compile()
-        fully_shard(unit, mp_policy=mp)
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
     if compile_units and not units:
         model.compile()
-    return fully_shard(model, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
