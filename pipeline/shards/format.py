@@ -192,6 +192,7 @@ def read_manifest(location: str) -> Manifest:
     """The manifest of the split at `location` (its directory or its manifest.json); DataError when it is missing
     or not one."""
     directory, path = manifest_location(location)
+    again = "write the split again with `pipeline data shard`"
     fs, key = filesystem(path)
     try:
         with fs.open(key, "rb") as f:
@@ -200,20 +201,79 @@ def read_manifest(location: str) -> Manifest:
         raise DataError(f"no shard manifest at {path}: write one with `pipeline data shard --config <config> "
                         f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path} is not a shard manifest (not JSON: {exc})") from None
+        raise DataError(f"{path} is not a shard manifest: it is not JSON ({exc}); a split's manifest.json is the "
+                        f"JSON `pipeline data shard` writes ({FORMAT}): {again}") from None
+    except OSError as exc:  # a directory of that name, no permission
+        raise DataError(f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a readable "
+                        f"file, the manifest.json `pipeline data shard` writes") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise DataError(f"{path} is not a shard manifest of this version: its format is "
-                        f"{body.get('format') if isinstance(body, dict) else type(body).__name__!r}, expected {FORMAT!r}")
+        found = body.get("format") if isinstance(body, dict) else f"none (a JSON {type(body).__name__})"
+        raise DataError(f"{path} is not a shard manifest of this version: its format is {found!r}, expected "
+                        f"{FORMAT!r}; {again}")
     try:
         manifest = Manifest(directory, [Column.from_json(c) for c in body["columns"]], body["structure"],
                             [Shard(**s) for s in body["shards"]], body.get("classes"), body.get("model_args") or {},
                             body.get("targets") or {}, body.get("source") or {})
-    except (KeyError, TypeError) as exc:
-        raise DataError(f"{path} is a damaged shard manifest ({type(exc).__name__}: {exc}); write the split again "
-                        "with `pipeline data shard`") from None
+        problem = _manifest_problem(manifest)
+    except (KeyError, TypeError, AttributeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise DataError(f"{path} is a damaged shard manifest ({problem}); {again}")
     if not manifest.shards or manifest.rows == 0:
-        raise DataError(f"{path} names no rows; a split needs at least one sample")
+        raise DataError(f"{path} names no rows; a split needs at least one sample: {again} from data that has some")
     return manifest
+
+
+def _manifest_problem(manifest: Manifest) -> str | None:
+    """What is wrong with a parsed manifest's own shape (None: nothing): shards must be files of the split's
+    directory whose rows are their row groups' rows, the columns of numpy dtypes."""
+    for col in manifest.columns:
+        try:
+            np.dtype(col.dtype)
+        except TypeError:
+            return f"column '{col.name}' has the dtype {col.dtype!r}, which is not a numpy dtype"
+        if col.shape is not None and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                             for n in col.shape):
+            return f"column '{col.name}' has the shape {list(col.shape)!r}, not a list of sizes"
+    nested = _structure_columns(manifest.structure)
+    if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
+        return (f"its structure {manifest.structure} nests the columns {nested}, its columns are "
+                f"{[c.name for c in manifest.columns]}")
+    for i, shard in enumerate(manifest.shards):
+        if not isinstance(shard.name, str) or not shard.name or shard.name != posixpath.basename(shard.name) \
+                or shard.name in (".", "..", MANIFEST) or "\\" in shard.name:
+            return f"shard {i} is named {shard.name!r}; a shard is a file of the split's own directory"
+        for what in ("rows", "bytes"):
+            value = getattr(shard, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"shard {shard.name} has {what} {value!r}, not a count"
+        if not isinstance(shard.row_groups, list) or not all(
+                isinstance(g, dict) and isinstance(g.get("rows"), int) and not isinstance(g.get("rows"), bool)
+                and g["rows"] >= 0 and isinstance(g.get("sha256"), str) for g in shard.row_groups):
+            return f"shard {shard.name}'s row_groups are not a list of {{rows, sha256}}"
+        grouped = sum(g["rows"] for g in shard.row_groups)
+        if grouped != shard.rows:
+            return (f"shard {shard.name} has {shard.rows} rows but its row groups {grouped}: the stream would "
+                    "miscount it")
+    return None
+
+
+def _structure_columns(structure: Any) -> list[str] | None:
+    """The column names a manifest's structure nests (None: it is not a structure `structure_of` writes)."""
+    if not isinstance(structure, dict):
+        return None
+    names: list[str] = []
+    for prefix, key in (("input", "inputs"), ("target", "target")):
+        kind = structure.get(key)
+        if kind == "tensor":
+            names.append(prefix)
+        elif isinstance(kind, dict) and isinstance(kind.get("dict"), list):
+            names.extend(f"{prefix}.{k}" for k in kind["dict"])
+        elif key == "target" and isinstance(kind, dict) and isinstance(kind.get("tuple"), int):
+            names.extend(f"{prefix}.{i}" for i in range(kind["tuple"]))
+        else:
+            return None
+    return names
 
 
 def check_against_store(manifest: Manifest) -> None:
@@ -224,12 +284,15 @@ def check_against_store(manifest: Manifest) -> None:
         listing = {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
                    for e in fs.ls(key, detail=True)}
     except FileNotFoundError:
-        raise DataError(f"the shard directory {manifest.location} does not exist") from None
+        raise DataError(f"the shard directory {manifest.location} does not exist: it must hold the shards its "
+                        f"manifest names ({', '.join(s.name for s in manifest.shards[:3])}"
+                        f"{', ...' if len(manifest.shards) > 3 else ''})") from None
     for shard in manifest.shards:
         where = f"shard {join(manifest.location, shard.name)}"
         if shard.name not in listing:
-            raise DataError(f"{where} is missing: the manifest names {len(manifest.shards)} shards; restore it, or "
-                            "write the split again with `pipeline data shard`")
+            raise DataError(f"{where} is missing: the manifest {join(manifest.location, MANIFEST)} names "
+                            f"{len(manifest.shards)} shards; restore it, or write the split again with "
+                            "`pipeline data shard`")
         if listing[shard.name] != shard.bytes:
             raise DataError(f"{where} is {listing[shard.name]} bytes, the manifest says {shard.bytes}: the shard is "
                             f"{'truncated' if listing[shard.name] < shard.bytes else 'not the one the manifest names'}; "
@@ -249,7 +312,10 @@ def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_
     import pyarrow.parquet as pq
 
     fs, root = filesystem(location)
-    fs.makedirs(root, exist_ok=True)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(location, exc) from None
     samples = iter(samples)
     first = next(samples, None)
     if first is None:
@@ -288,9 +354,17 @@ def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_
     manifest = Manifest(str(location).rstrip("/"), columns, structure, shards, classes, model_args or {},
                         targets or {}, source or {})
     body = manifest.body() | {"digest": manifest.digest}
-    with fs.open(join(root, MANIFEST), "wb") as f:
-        f.write(json.dumps(body, indent=1).encode())
+    try:
+        with fs.open(join(root, MANIFEST), "wb") as f:
+            f.write(json.dumps(body, indent=1).encode())
+    except OSError as exc:
+        raise _unwritable(location, exc) from None
     return manifest
+
+
+def _unwritable(location: str, exc: OSError) -> DataError:
+    return DataError(f"can't write the split to {location} ({type(exc).__name__}: {exc}); the output must be a "
+                     "directory (or s3://bucket/prefix) that can be written, with room for the shards")
 
 
 def _write_shard(fs, root: str, index: int, rows: list, columns: list[Column], structure: dict,
@@ -325,8 +399,11 @@ def _write_shard(fs, root: str, index: int, rows: list, columns: list[Column], s
     groups = [{"rows": len(rows[i:i + rows_per_group]),
                "sha256": content_digest(table.slice(i, rows_per_group), columns)}
               for i in range(0, len(rows), rows_per_group)]
-    with fs.open(join(root, name), "wb") as f:
-        f.write(data)
+    try:
+        with fs.open(join(root, name), "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _unwritable(root, exc) from None
     return Shard(name, len(rows), len(data), hashlib.sha256(data).hexdigest(), groups)
 
 
@@ -377,6 +454,7 @@ class ShardReader:
         shard = self.manifest.shards[index]
         path = join(self.manifest.location, shard.name)
         _, key = filesystem(path)
+        handle = None
         try:
             handle = self._fs.open(key, "rb")
             pf = pq.ParquetFile(handle)
@@ -384,19 +462,24 @@ class ShardReader:
             raise DataError(f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names "
                             "it); restore it, or write the split again with `pipeline data shard`") from None
         except Exception as exc:  # pyarrow's ArrowInvalid on a truncated or foreign file
+            if handle is not None:
+                handle.close()
             raise DataError(f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is "
-                            "truncated or not a shard; restore it, or write the split again") from None
-        expected = [c.name for c in self.manifest.columns]
-        names = pf.schema_arrow.names
-        wanted = ["id", *(n for c in self.manifest.columns for n in ([c.name] if c.shape is not None
-                                                                     else [c.name, f"{c.name}.shape"]))]
-        if names != wanted:
-            raise DataError(f"shard {path} has the columns {names}; the manifest's schema is {wanted} (the columns "
-                            f"{expected} of the first shard): the schema changed between shards")
-        if pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups):
-            raise DataError(f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
-                            f"manifest says {shard.rows} in {len(shard.row_groups)}: the stream would end early or "
-                            "differ; restore the shard, or write the split again")
+                            f"truncated or not a shard (the manifest says {shard.bytes} bytes of Parquet); restore "
+                            "it, or write the split again with `pipeline data shard`") from None
+        problem = _schema_difference(pf.schema_arrow, self.manifest.columns)
+        if problem is None and (pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups)):
+            problem = (f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
+                       f"manifest says {shard.rows} in {len(shard.row_groups)}: the stream would "
+                       f"{'end early' if pf.metadata.num_rows < shard.rows else 'differ'}; restore the shard, or "
+                       "write the split again with `pipeline data shard`")
+        elif problem is not None:
+            problem = (f"shard {path} {problem}: the schema changed between shards; every shard of a split holds "
+                       "the manifest's columns: restore the shard, or write the split again with `pipeline data "
+                       "shard`")
+        if problem is not None:
+            handle.close()
+            raise DataError(problem)
         if len(self._open) >= self.keep:
             oldest = next(iter(self._open))
             self._open.pop(oldest).close()
@@ -415,13 +498,43 @@ class ShardReader:
         if content_digest(table, self.manifest.columns) != shard.row_groups[group]["sha256"]:
             raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} does not match the "
                             "manifest's digest: the shard changed since the manifest was written; restore it, or "
-                            "write the split again")
+                            "write the split again with `pipeline data shard`")
         return decode(table, self.manifest.columns)
 
     def close(self) -> None:
         for opened in self._open.values():
             opened.close()
         self._open.clear()
+
+
+def _schema_difference(schema, columns: list[Column]) -> str | None:
+    """How a shard's Arrow schema differs from the manifest's columns (None: it doesn't), in words."""
+    import pyarrow as pa
+
+    wanted: dict[str, Any] = {"id": pa.int64()}
+    for col in columns:
+        if col.shape is not None:
+            wanted[col.name] = pa.binary(col.nbytes) if col.nbytes else pa.binary()
+        else:
+            wanted[col.name], wanted[f"{col.name}.shape"] = pa.binary(), pa.list_(pa.int64())
+    names = list(schema.names)
+    if names != list(wanted):
+        return (f"has the columns {names}; the manifest's schema is {list(wanted)} (the columns "
+                f"{[c.name for c in columns]} of the first shard)")
+
+    def same(actual, expected) -> bool:  # a list's item field may be named otherwise after a Parquet round trip
+        if pa.types.is_list(actual) and pa.types.is_list(expected):
+            return actual.value_type == expected.value_type
+        return actual == expected
+
+    for name, expected in wanted.items():
+        actual = schema.field(name).type
+        if not same(actual, expected):
+            col = next((c for c in columns if name in (c.name, f"{c.name}.shape")), None)
+            held = ("" if col is None or col.shape is None else
+                    f", which holds {col.dtype} of shape {list(col.shape)} ({col.nbytes} bytes a row)")
+            return f"has column '{name}' of type {actual}; the manifest's is {expected}{held}"
+    return None
 
 
 @dataclass
