@@ -19,13 +19,23 @@ configs/fashion_mnist_resnet18.yaml). Three sections:
   ddp    Our loop in fresh processes: 1 process x 1 thread, 1 process x 2 threads, and a real
          torchrun of 2 processes x 1 thread (DDP over gloo), launched in turns, round after round.
          Scaling efficiency = 2-process samples/s / (2 x 1-process-1-thread samples/s).
+  stream Our loop (as `loop`, fp32) fed by `make_train_loader` over the training set in memory against
+         the same loop fed by the same samples written as Parquet shards (`write_split`, default
+         shard and row-group sizes) and streamed (`ShardedStream` -> its `StreamLoader`, what
+         `data.name=sharded` trains from): same model init, batch and seed, with 0 and 2 loader workers,
+         in one process with 1 torch thread (2 workers + 1 thread fill the 2 cores). Blocks of steps in
+         adjacent (memory, stream) pairs, the order flipped round after round; blocks run on across
+         epoch ends (the stream starts its workers afresh each epoch; the in-memory loader keeps
+         persistent ones), so each median includes them in proportion. Target (issue 32): stream /
+         memory >= 0.95.
 
 Other work on the machine slows every configuration of a round alike, so each row is the median
 over rounds and each ratio the median of the per-round ratios; the load average is printed with
 the table. Compare rows within one run, never with numbers from another run or machine.
 
-    .venv/bin/python benchmarks/train_throughput.py            # ~5 min on 2 idle cores, ~11 under load
-    .venv/bin/python benchmarks/train_throughput.py --quick    # smoke run, tiny widths: ~40 s idle
+    .venv/bin/python benchmarks/train_throughput.py            # ~7 min on 2 idle cores, ~14 under load
+    .venv/bin/python benchmarks/train_throughput.py --quick    # smoke run, tiny widths: ~1 min idle
+    .venv/bin/python benchmarks/train_throughput.py --sections stream   # the stream rows alone: ~2-3 min
 """
 
 from __future__ import annotations
@@ -60,11 +70,14 @@ PLANS = {
         "loop": {8: (4, 10, 6), 28: (2, 1, 6)},
         "stage": {8: (60, 10, 2), 28: (12, 3, 2)},
         "ddp": {8: (4, 10, 4), 28: (2, 2, 3)},
+        # 22 steps: one epoch of the digits (1437 samples); a 28x28 width-1 step at 1 thread takes ~1 s
+        "stream": {8: (6, 22, 6), 28: (1, 2, 4)},
     },
     "quick": {
         "loop": {8: (1, 2, 2), 28: (1, 1, 2)},
         "stage": {8: (6, 2, 1), 28: (4, 2, 1)},
         "ddp": {8: (1, 2, 1), 28: (1, 1, 1)},
+        "stream": {8: (1, 4, 2), 28: (1, 2, 2)},
     },
 }
 RESULT = "RESULT "
@@ -95,26 +108,27 @@ def optim_cfg():
     return OptimConfig(name="sgd", lr=LR, momentum=0.9, weight_decay=5e-4, schedule="constant")
 
 
-def our_stepper(model, splits, precision: str, info, batch_per_rank: int):
+def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_workers: int = 0):
     """One call = one iteration of `train_loop` minus its logging: next batch from our loader,
-    `train_step` (grad norm on logging steps), scheduler step."""
+    `train_step` (grad norm on logging steps), scheduler step. `splits`: a map-style training set
+    or a ShardedStream (make_train_loader gives its StreamLoader)."""
     import torch.nn.functional as F
 
     from pipeline.components import amp
-    from pipeline.components.data import make_train_loader
+    from pipeline.components.data import make_train_loader, set_epoch
     from pipeline.components.optim import build_optimizer, build_scheduler
     from pipeline.train import chunked, train_step
 
     optimizer = build_optimizer(model.parameters(), optim_cfg())
     scheduler = build_scheduler(optimizer, optim_cfg(), total_steps=10**9)
     scaler = amp.grad_scaler(precision, info.device)
-    loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, seed=0, num_workers=0,
-                               pin_memory=False)
+    loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, seed=0,
+                               num_workers=num_workers, pin_memory=False)
 
     def batches():
         epoch = 0
         while True:
-            loader.sampler.set_epoch(epoch)
+            set_epoch(loader, epoch)  # as train_loop: the sampler's epoch, or the stream's
             yield from chunked(loader, 1)
             epoch += 1
 
@@ -231,6 +245,47 @@ def worker_ddp(a) -> None:
         distributed.teardown(clean=sys.exc_info()[0] is None)  # never wait for peers on an error path
 
 
+def write_shards(splits, directory: str):
+    """The training set written as a sharded split (default shard and row-group sizes), opened as a stream."""
+    from pipeline.shards.format import write_split
+    from pipeline.shards.stream import ShardedStream
+
+    write_split(((i, splits.x[i], splits.y[i]) for i in range(len(splits))), directory,
+                classes=list(splits.classes), model_args=dict(splits.model_args))
+    return ShardedStream(directory)
+
+
+def worker_stream(a) -> None:
+    """Our loop fed from memory and from the stream of the same samples, for each loader-worker count:
+    blocks of steps in adjacent (memory, stream) pairs, the order flipped every round."""
+    import torch
+
+    from pipeline import distributed
+
+    info = distributed.setup("cpu", a.threads)
+    splits = load_inputs(a.size)
+    stream = write_shards(splits, f"{a.workdir}/shards-{a.size}")
+    torch.manual_seed(0)
+    base = build(splits, a.width).train()
+    steppers = {}
+    for workers in a.loader_workers:
+        steppers[f"memory/{workers}"] = our_stepper(copy.deepcopy(base), splits, "fp32", info, BATCH, workers)
+        steppers[f"stream/{workers}"] = our_stepper(copy.deepcopy(base), stream, "fp32", info, BATCH, workers)
+    for name in steppers:
+        timed(steppers[name], a.warmup)
+    per_round = {name: [] for name in steppers}
+    for r in range(a.rounds):
+        order = a.loader_workers if r % 2 == 0 else a.loader_workers[::-1]
+        for workers in order:
+            for who in (("memory", "stream") if (r // 2) % 2 == 0 else ("stream", "memory")):
+                name = f"{who}/{workers}"
+                per_round[name].append(a.steps * BATCH / timed(steppers[name], a.steps))
+    final = {name: float(step_fn()) for name, step_fn in steppers.items()}
+    emit({"samples_per_s": per_round, "threads": torch.get_num_threads(), "final_loss": final,
+          "samples": len(splits), "shard_rows": len(stream),
+          "row_groups": sum(len(s.row_groups) for s in stream.manifest.shards)})
+
+
 def worker_stage(a) -> None:
     """`pipeline.train.main(cfg)` and the bare loop in one process, in the order asked."""
     import mlflow
@@ -298,6 +353,13 @@ def section_loop(size: int, plan, width: float, threads: int, env: dict) -> dict
     warmup, steps, rounds = plan
     return run_worker(me("--worker", "loop", "--size", size, "--width", width, "--threads", threads,
                          "--warmup", warmup, "--steps", steps, "--rounds", rounds), env)
+
+
+def section_stream(size: int, plan, width: float, threads: int, workers: str, env: dict, workdir: Path) -> dict:
+    warmup, steps, rounds = plan
+    return run_worker(me("--worker", "stream", "--size", size, "--width", width, "--threads", threads,
+                         "--warmup", warmup, "--steps", steps, "--rounds", rounds, "--workdir", workdir,
+                         "--loader-workers", workers), env)
 
 
 def section_stage(size: int, plan, width: float, env: dict, workdir: Path) -> list[dict]:
@@ -375,14 +437,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, one or two rounds")
     parser.add_argument("--sizes", default="8,28", help="input sizes to measure: 8 (digits) and/or 28")
-    parser.add_argument("--sections", default="loop,stage,ddp", help="which of loop,stage,ddp to run")
+    parser.add_argument("--sections", default="loop,stage,ddp,stream",
+                        help="which of loop,stage,ddp,stream to run")
     parser.add_argument("--loop-threads", default="2,1",
                         help="torch threads of the loop section, comma-separated: 2 is what one process uses "
                              "on 2 cores; 1 (what each DDP rank uses) holds up better when others load the machine")
     parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--stream-workers", default="0,2", help="loader workers of the stream section, comma-separated")
+    parser.add_argument("--stream-threads", type=int, default=1, help="torch threads of the stream section")
     # internal: what a worker process runs
-    parser.add_argument("--worker", choices=["loop", "ddp", "stage"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["loop", "ddp", "stage", "stream"], help=argparse.SUPPRESS)
+    parser.add_argument("--loader-workers", type=lambda v: [int(w) for w in v.split(",")], help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
@@ -393,7 +459,7 @@ def main() -> None:
     parser.add_argument("--bare-first", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.worker:
-        {"loop": worker_loop, "ddp": worker_ddp, "stage": worker_stage}[a.worker](a)
+        {"loop": worker_loop, "ddp": worker_ddp, "stage": worker_stage, "stream": worker_stream}[a.worker](a)
         return
 
     import torch
@@ -426,6 +492,11 @@ def main() -> None:
                 t0, l0 = time.perf_counter(), load_now()
                 res = section_ddp(size, plan["ddp"][size], width[size], a.ddp_precision, env)
                 print_ddp(size, width[size], a.ddp_precision, res, l0, load_now(), time.perf_counter() - t0)
+            if "stream" in sections:
+                t0, l0 = time.perf_counter(), load_now()
+                res = section_stream(size, plan["stream"][size], width[size], a.stream_threads, a.stream_workers,
+                                     env, Path(tmp))
+                print_stream(size, width[size], res, l0, load_now(), time.perf_counter() - t0)
     print(f"\ntotal {time.perf_counter() - started:.0f} s; load average at end {load_now()}")
 
 
@@ -477,6 +548,22 @@ def print_ddp(size: int, width: float, precision: str, res: dict, l0: str, l1: s
     eff = med([d / (2 * o) for d, o in zip(two, one)])
     vs2t = med([d / t for d, t in zip(two, res["1 proc x 2 threads"])])
     print(f"scaling efficiency 2 procs / (2 x 1 proc x 1 thread): {eff:.2f}; 2 procs / 1 proc x 2 threads: {vs2t:.2f}")
+
+
+
+def print_stream(size: int, width: float, res: dict, l0: str, l1: str, seconds: float) -> None:
+    sps = res["samples_per_s"]
+    rounds = len(next(iter(sps.values())))
+    header(f"stream vs memory, our loop, {label(size, width)}, fp32, 1 process x {res['threads']} threads, "
+           f"{rounds} rounds", l0, l1, seconds)
+    print(f"{res['samples']} samples in memory; as shards: {res['shard_rows']} rows in {res['row_groups']} row groups")
+    print(f"{'data':<8} {'workers':>7} {'samples/s':>10} {'range':>12} {'stream/memory':>14}")
+    for workers in sorted({name.split('/')[1] for name in sps}, key=int):
+        for who in ("memory", "stream"):
+            v = sps[f"{who}/{workers}"]
+            ratio = med([s / m for s, m in zip(sps[f"stream/{workers}"], sps[f"memory/{workers}"])])
+            verdict = f"{ratio:.3f} {'ok' if ratio >= 0.95 else '< 0.95'}" if who == "stream" else ""
+            print(f"{who:<8} {workers:>7} {med(v):>10.1f} {spread(v):>12} {verdict:>14}")
 
 
 if __name__ == "__main__":
