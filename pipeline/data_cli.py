@@ -73,7 +73,7 @@ def cli(args) -> int:
     try:
         if args.rows_per_shard < 0 or args.rows_per_group < 0:
             raise ConfigError("--rows-per-shard and --rows-per-group are counts of samples: give a positive number, "
-                              "or leave them out for the defaults")
+                              "or 0 (or leave them out) for the defaults")
         started = time.perf_counter()
         written = main(args.config, args.overrides, args.out, args.rows_per_shard, args.rows_per_group)
     except (ConfigError, DataError) as exc:

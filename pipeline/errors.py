@@ -54,3 +54,15 @@ class ServeCheckError(RuntimeError):
 
 class TaskError(ComponentError):
     """The model's outputs don't fit the task and its data; the message says what would."""
+
+
+def worker_message(exc: BaseException) -> str:
+    """The message of an error raised in a DataLoader worker process, without the wrapper torch re-raises it in
+    ("Caught DataError in DataLoader worker process 0. Original Traceback ...": the worker's message is the
+    traceback's last line); any other error's message as it is."""
+    text = str(exc)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return text
+    name = f"{type(exc).__module__}.{type(exc).__name__}: "
+    lines = [line for line in text.splitlines() if line.startswith(name)]
+    return lines[-1][len(name):] if lines else text

@@ -171,9 +171,6 @@ def test_bytes_changed_in_place_are_named_with_the_row_group_at_the_step_that_re
                           "`pipeline data shard`")
 
 
-@pytest.mark.xfail(strict=True, reason="stream.py: under data.num_workers > 0 torch re-raises the worker's "
-                                       "DataError with 'Caught DataError in DataLoader worker process 0' and the "
-                                       "worker's traceback as its message, which the CLI prints as its 'one line'")
 def test_bytes_changed_in_place_are_named_in_the_first_line_under_loader_workers(shards: Path):
     split = shards / "train"
     shard, group = epoch_order(shard_format.read_manifest(split), 0, 0).blocks[1]

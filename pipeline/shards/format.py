@@ -33,7 +33,7 @@ import torch
 
 from pipeline.errors import DataError
 
-FORMAT = "trainserve.shards/1"
+FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
 MANIFEST = "manifest.json"
 ROW_GROUP_BYTES = 4 << 20   # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
 SHARD_BYTES = 256 << 20     # a shard file: a few hundred MiB, as object stores like them

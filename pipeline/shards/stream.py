@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from pipeline.errors import DataError
+from pipeline.errors import DataError, worker_message
 from pipeline.shards import format as shard_format
 from pipeline.tools.faults import record_samples
 
@@ -276,7 +276,14 @@ class StreamLoader:
         # Workers are started per epoch (not persistent): each takes the epoch's deal with it.
         loader = DataLoader(self.stream.dealt(deal), batch_size=None, num_workers=self.workers,
                             pin_memory=self.pin_memory)
-        for ids, micro_batch in loader:
+        batches = iter(loader)
+        while True:
+            try:
+                ids, micro_batch = next(batches)
+            except StopIteration:
+                return
+            except DataError as exc:  # a shard named by a worker: its message, not torch's wrapper around it
+                raise DataError(worker_message(exc)) from None
             record_samples({"epoch": self.epoch, "k": self.position // self.micro_batch, "rank": self.rank,
                             "world": self.world, "ids": ids})
             self.position += self.micro_batch
