@@ -160,7 +160,7 @@ class EarlyStoppingConfig(Section):
 class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model, each sharded over dp_shard ranks (FSDP2 on a 2-D device mesh: gradients reduce-scattered within a replica, all-reduced across replicas); >1 needs train.strategy=fsdp.")
     dp_shard: int = Field(0, ge=0, description="Ranks each replica's parameters are sharded over; 0 = what the world size leaves, world / (dp_replicate x tp x pp).")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: not built yet, 1.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree: the model's attention and MLP projections split over this many neighbouring ranks (DTensor parallelize_module; the model's own tensor_parallel_plan(), or a family known by its module names: BERT-style, LLaMA-style). With data-parallel ranks beside it, train.strategy=fsdp.")
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree: not built yet, 1.")
 
     def degrees(self, world_size: int) -> dict[str, int]:
@@ -324,20 +324,25 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
     if t.device == "cuda" and not cuda_available:
         raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu")
     degrees = t.parallel.degrees(world_size)
-    for name in ("tp", "pp"):
-        if degrees[name] > 1:
-            raise ConfigError(f"train.parallel.{name}={degrees[name]}: {'tensor' if name == 'tp' else 'pipeline'} "
-                              "parallelism is not built yet; use train.parallel.dp_replicate and dp_shard (HSDP, "
-                              "train.strategy=fsdp), or FSDP2 alone")
+    if degrees["pp"] > 1:
+        raise ConfigError(f"train.parallel.pp={degrees['pp']}: pipeline parallelism is not built yet; use "
+                          "train.parallel.tp (tensor parallel), dp_replicate and dp_shard (HSDP, train.strategy=fsdp), "
+                          "or FSDP2 alone")
+    data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
+    if degrees["tp"] > 1 and data_parallel > 1 and t.strategy != "fsdp":
+        raise ConfigError(f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "
+                          "train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)")
     if degrees["dp_replicate"] > 1 and t.strategy != "fsdp":
         raise ConfigError(f"train.parallel.dp_replicate={degrees['dp_replicate']} shards each replica over "
                           f"dp_shard={degrees['dp_shard']} ranks: that is HSDP, set train.strategy=fsdp (DDP replicates "
                           "over every rank already)")
-    per_step = world_size * t.grad_accum_steps
+    per_step = data_parallel * t.grad_accum_steps
     if t.global_batch_size % per_step:
         lower = (t.global_batch_size // per_step) * per_step or per_step
+        ranks = f"world size ({world_size})" if data_parallel == world_size else \
+            f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']})"
         raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must divide by world size ({world_size}) x "
+            f"train.global_batch_size={t.global_batch_size} must divide by {ranks} x "
             f"train.grad_accum_steps ({t.grad_accum_steps}) = {per_step}; "
             f"try train.global_batch_size={lower} or {lower + per_step}")
 

@@ -45,11 +45,12 @@ from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
-from pipeline.distributed import DistInfo, launch, replicas
+from pipeline.distributed import DistInfo, launch, mesh, replicas, tensor_parallel
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.tools import stopping
 from serving import lineage
+from pipeline.errors import worker_message
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.files import StateFileError, read_json, write_atomically, write_json
 
@@ -101,8 +102,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         manifest = state_manifest(plain_model)
         model = wrap_model(plain_model, cfg.train, precision, info)
         optimizer = build_optimizer(model.parameters(), cfg.optim)
-        batch_per_rank = cfg.train.global_batch_size // (info.world_size * cfg.train.grad_accum_steps)
-        loader = make_train_loader(splits.train, batch_per_rank, info.rank, info.world_size, cfg.train.seed,
+        layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
+        batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
+        loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
                                    cfg.data.num_workers, pin_memory=info.device.type == "cuda",
                                    grad_accum_steps=cfg.train.grad_accum_steps)
         steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
@@ -149,13 +151,13 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         eval_every = cfg.train.eval_every or max(1, steps_per_epoch)
         run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
-                       meta, uploads, total_steps, eval_every, step, epoch)
+                       meta, uploads, total_steps, eval_every, step, epoch, layout)
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
         metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
-                                                    loop.step, uses_channels_last(cfg.train, info))
+                                                    loop.step, uses_channels_last(cfg.train, info), layout)
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
@@ -293,6 +295,7 @@ class Training:
     eval_every: int
     step: int = 0
     epoch: int = 0
+    layout: mesh.Layout | None = None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
 
 
 @dataclass
@@ -337,7 +340,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             progress.update(1)
             every = ckpt_cfg.every_n_steps
             eval_now = step % eval_every == 0 or step == total_steps
-            check_now = t.strategy == "ddp" and (step == total_steps
+            check_now = t.strategy == "ddp" and t.parallel.tp == 1 and (step == total_steps
                                                  or (t.consistency_every and step % t.consistency_every == 0))
             if log_now or eval_now or check_now or (every and step % every == 0):
                 # Also before anything reads the weights (an evaluation, the replica check, a save), not
@@ -356,7 +359,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
                 window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
             evaluated, best = None, False
             if eval_now:
-                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last)
+                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last, run.layout)
                 best = judge(monitor, evaluated[0], step, info)
             if check_now:
                 replicas.sync_buffers(model)
@@ -447,7 +450,11 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
-        if clip_grad_norm:
+        if tensor_parallel.spans_meshes(model.parameters()):  # split projections beside the replicated rest
+            total_norm = tensor_parallel.grad_norm(model.parameters())
+            if clip_grad_norm:
+                tensor_parallel.clip_grads(model.parameters(), clip_grad_norm, total_norm)
+        elif clip_grad_norm:
             total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
             total_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
@@ -469,14 +476,17 @@ def sync_context(model, last_micro_batch: bool):
 
 @torch.no_grad()
 def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_workers: int = 0,
-             step: int | None = None, channels_last: bool = False) -> tuple[dict[str, float], dict]:
-    """The task's metrics over the whole validation split, each rank on its own disjoint shard; returns
+             step: int | None = None, channels_last: bool = False,
+             layout: mesh.Layout | None = None) -> tuple[dict[str, float], dict]:
+    """The task's metrics over the whole validation split, each data-parallel rank on its own disjoint shard
+    (the ranks of a tensor-parallel group compute one shard together, and one of them counts it); returns
     them and the reduced state (for the plot). Logged as val/<metric> at `step`."""
+    layout = layout or mesh.Layout(info.rank, info.world_size, 0, 1)
     replicas.sync_buffers(model)  # every rank evaluates with the same BatchNorm statistics
     model.eval()
-    shard = eval_shard(splits.val, info.rank, info.world_size)
+    shard = eval_shard(splits.val, layout.dp_rank, layout.dp_size)
     # Every rank runs the same number of forwards (FSDP all-gathers inside each one).
-    per_rank = -(-len(splits.val) // info.world_size)
+    per_rank = -(-len(splits.val) // layout.dp_size)
     n_batches = max(1, -(-per_rank // EVAL_BATCH))
     batches = iter(eval_loader(shard, EVAL_BATCH, num_workers, pin_memory=info.device.type == "cuda"))
     state = task.new_state(info.device)
@@ -486,7 +496,7 @@ def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_wo
         inputs, target = first_batch(splits.val, 1) if filler else batch
         with amp.autocast(precision, info.device):
             output = forward(model, to_device(inputs, info.device, channels_last))
-        if not filler:
+        if not filler and layout.reads_for_its_group:
             task.update(state, task.named(output), to_device(target, info.device))
     task.reduce(state, info)
     metrics = task.metrics(state)
@@ -702,7 +712,7 @@ def cli(args) -> int:
         return 0
     except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, run_dir_owner.RunDirBusy,
             StateFileError) as exc:
-        print(f"{prefix} {exc}", file=sys.stderr)
+        print(f"{prefix} {worker_message(exc)}", file=sys.stderr)
         return 2
     except (replicas.ReplicaDivergence, TrainingDiverged) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)

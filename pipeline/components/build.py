@@ -28,6 +28,7 @@ from pipeline.tasks import build_task, task_class
 from pipeline.tasks.base import TaskError
 from pipeline.config import ConfigError
 from pipeline.config import DataConfig, ExportConfig, ModelConfig, TaskConfig, TrainConfig
+from pipeline.distributed import tensor_parallel
 from pipeline.distributed.parallelize import fsdp_units
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,8 @@ def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig
         shapes_only, size = None, 0  # some constructors can't run on the meta device; the real one below says why
     if train_cfg.fsdp_wrap and shapes_only is not None:
         fsdp_units(shapes_only, train_cfg.fsdp_wrap)  # names classes the model has
+    if train_cfg.parallel.tp > 1 and shapes_only is not None:
+        tensor_parallel.plan_for(shapes_only, train_cfg.parallel.tp)  # a plan, and one that fits the model
     if size <= PROBE_MAX_PARAMETERS:
         probe(instantiate_model(spec), splits, task, spec.component)
     else:

@@ -1,4 +1,5 @@
-"""The model on its device and across ranks: SyncBatchNorm, memory format, DDP or FSDP2.
+"""The model on its device and across ranks: SyncBatchNorm, memory format, tensor parallelism (tensor_parallel.py,
+on the device mesh of mesh.py), DDP or FSDP2 (HSDP on a mesh with replicas).
 
 FSDP2 shards the model in units: each unit's parameters are all-gathered just before its forward
 and freed after, so a unit should be one repeated block (a transformer layer, a residual block).
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.components import amp
 from pipeline.config import ConfigError
+from pipeline.distributed import mesh, tensor_parallel
 from pipeline.distributed.process_group import DistInfo
 
 log = logging.getLogger(__name__)
@@ -42,11 +44,16 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
     model = model.to(info.device)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
+    device_mesh = mesh.build(train_cfg, info)
+    if device_mesh is not None and device_mesh["tp"].size() > 1:
+        tensor_parallel.parallelize(model, device_mesh["tp"], device_mesh["tp"].size())
+        if device_mesh["dp_replicate"].size() * device_mesh["dp_shard"].size() == 1:
+            return model  # no data-parallel ranks: nothing to wrap (the replicated rest is the same on every rank)
     if train_cfg.strategy == "fsdp":
         # FSDP2 refuses non-contiguous parameters (NotImplementedError in fully_shard), and its
         # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
         # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
-        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile, data_parallel_mesh(train_cfg, info))
+        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile, mesh.data_parallel(device_mesh))
     if uses_channels_last(train_cfg, info):
         model = model.to(memory_format=torch.channels_last)
     if info.distributed:
@@ -70,19 +77,6 @@ def check_compiler(device_type: str) -> None:
         raise ConfigError(f"train.compile=true on {device_type} needs a {'C' if device_type == 'cuda' else 'C++'} "
                           f"compiler ({chosen or ', '.join(names)}) on PATH, and none is there: install one "
                           "(e.g. apt-get install gcc g++) or set train.compile=false")
-
-
-def data_parallel_mesh(train_cfg, info: DistInfo):
-    """HSDP's 2-D mesh (dp_replicate, dp_shard) when train.parallel asks for replicas; else None: FSDP2 shards
-    over the whole world, its default 1-D mesh."""
-    degrees = train_cfg.parallel.degrees(info.world_size)
-    if degrees["dp_replicate"] == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    log.info("HSDP: %d replicas x %d shards", degrees["dp_replicate"], degrees["dp_shard"])
-    return init_device_mesh(info.device.type, (degrees["dp_replicate"], degrees["dp_shard"]),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False,
