@@ -550,33 +550,46 @@ class _Open:
 
 
 def decode(table, columns: list[Column]) -> dict[str, Any]:
+    """A row group's columns as numpy views of Arrow's buffers (no copy yet: `take` copies the rows it takes)."""
     out: dict[str, Any] = {"id": table.column("id").to_numpy()}
     for col in columns:
         array = table.column(col.name).combine_chunks()
         if col.shape is not None:
             raw = np.frombuffer(_fixed_values(array, col.nbytes), dtype=col.dtype) if col.nbytes else \
                 np.zeros(0, dtype=col.dtype)
-            # One copy out of Arrow's read-only buffer, for the whole row group.
-            out[col.name] = torch.from_numpy(raw.reshape(len(array), *col.shape).copy())
+            out[col.name] = raw.reshape(len(array), *col.shape)
         else:
             shapes = table.column(f"{col.name}.shape").to_pylist()
-            out[col.name] = [torch.from_numpy(np.frombuffer(v, dtype=col.dtype).reshape(s).copy())
-                             for v, s in zip(array.to_pylist(), shapes)]
+            out[col.name] = [np.frombuffer(v, dtype=col.dtype).reshape(s) for v, s in zip(array.to_pylist(), shapes)]
     return out
 
 
 def take(group: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    """Rows `rows` of a decoded row group."""
+    """Rows `rows` of a decoded row group, as tensors of their own (a fixed-shape column: one (rows, *shape)
+    tensor, gathered by numpy in one copy; a varying one: a list)."""
     out: dict[str, Any] = {"id": group["id"][rows]}
     for name, value in group.items():
         if name == "id":
             continue
-        out[name] = value[torch.from_numpy(rows)] if torch.is_tensor(value) else [value[i] for i in rows]
+        out[name] = torch.from_numpy(value[rows]) if isinstance(value, np.ndarray) else \
+            [torch.from_numpy(value[i].copy()) for i in rows]
     return out
 
 
-def samples_of(group: dict[str, Any], structure: dict) -> Iterator[tuple[int, tuple[Any, Any]]]:
-    """(id, (inputs, target)) of each row of a decoded row group (or of `take` of one)."""
-    names = [n for n in group if n != "id"]
-    for i, sample_id in enumerate(group["id"]):
-        yield int(sample_id), rebuild(structure, {n: group[n][i] for n in names})
+def samples_of(taken: dict[str, Any], structure: dict) -> Iterator[tuple[int, tuple[Any, Any]]]:
+    """(id, (inputs, target)) of each row `take` gave."""
+    names = [n for n in taken if n != "id"]
+    for i, sample_id in enumerate(taken["id"]):
+        yield int(sample_id), rebuild(structure, {n: taken[n][i] for n in names})
+
+
+def batch_of(parts: list[dict[str, Any]], structure: dict):
+    """One collated (inputs, target) batch of consecutive `take`s, as the default collate would stack their samples,
+    or None when a column varies in shape or the target is a tuple (then the samples are collated one by one)."""
+    if structure["target"] != "tensor" and "dict" not in structure["target"]:
+        return None
+    names = [n for n in parts[0] if n != "id"]
+    if not all(torch.is_tensor(parts[0][n]) for n in names):
+        return None
+    return rebuild(structure, {n: parts[0][n] if len(parts) == 1 else torch.cat([p[n] for p in parts])
+                               for n in names})

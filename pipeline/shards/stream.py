@@ -99,8 +99,8 @@ class ShardedStream(IterableDataset):
         try:
             for k in range(deal.start + w, len(self) // deal.micro_batch, workers):
                 first = k * deal.micro_batch + deal.rank * deal.batch
-                rows = order.read(reader, first, first + deal.batch)
-                yield [i for i, _ in rows], collate([sample for _, sample in rows])
+                ids, batch = order.read_batch(reader, first, first + deal.batch, collate)
+                yield ids, batch
         finally:
             reader.close()
 
@@ -179,8 +179,8 @@ class EpochOrder:
     blocks: list[tuple[int, int]]
     starts: np.ndarray  # starts[i]: the epoch position of block i's first row; starts[-1] = N
 
-    def read(self, reader: "_GroupCache", first: int, stop: int) -> list[tuple[int, tuple]]:
-        """(id, sample) at positions first..stop-1 of the epoch."""
+    def takes(self, reader: "_GroupCache", first: int, stop: int) -> list[dict]:
+        """The rows at positions first..stop-1 of the epoch, one `take` per row group they lie in."""
         out = []
         position = first
         while position < stop:
@@ -189,10 +189,25 @@ class EpochOrder:
             end = min(stop, int(self.starts[block + 1]))
             offsets = np.arange(position - self.starts[block], end - self.starts[block])
             rows = row_order(self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block]))[offsets]
-            group = reader.get(s, g)
-            out.extend(shard_format.samples_of(shard_format.take(group, rows), self.manifest.structure))
+            out.append(shard_format.take(reader.get(s, g), rows))
             position = end
         return out
+
+    def read(self, reader: "_GroupCache", first: int, stop: int) -> list[tuple[int, tuple]]:
+        """(id, sample) at positions first..stop-1 of the epoch."""
+        return [item for taken in self.takes(reader, first, stop)
+                for item in shard_format.samples_of(taken, self.manifest.structure)]
+
+    def read_batch(self, reader: "_GroupCache", first: int, stop: int, collate) -> tuple[list[int], Any]:
+        """(ids, the collated batch) of positions first..stop-1: stacked column by column where the columns allow,
+        else sample by sample through `collate`."""
+        takes = self.takes(reader, first, stop)
+        ids = [int(i) for taken in takes for i in taken["id"]]
+        batch = shard_format.batch_of(takes, self.manifest.structure)
+        if batch is None:
+            batch = collate([sample for taken in takes
+                             for _, sample in shard_format.samples_of(taken, self.manifest.structure)])
+        return ids, batch
 
 
 def epoch_order(manifest: shard_format.Manifest, seed: int, epoch: int) -> EpochOrder:
@@ -220,7 +235,9 @@ def _file_order(manifest: shard_format.Manifest) -> Iterator[tuple[int, tuple]]:
     try:
         for s, shard in enumerate(manifest.shards):
             for g in range(len(shard.row_groups)):
-                yield from shard_format.samples_of(reader.read_group(s, g), manifest.structure)
+                group = reader.read_group(s, g)
+                yield from shard_format.samples_of(shard_format.take(group, np.arange(len(group["id"]))),
+                                                   manifest.structure)
     finally:
         reader.close()
 
@@ -271,6 +288,14 @@ class StreamLoader:
 
     def __iter__(self):
         from torch.utils.data import DataLoader
+
+        # What a worker imports to read Parquet (pyarrow imports pandas as it reads a row group), imported here
+        # once, before the workers fork: they start anew every epoch, and would import them every time.
+        import pyarrow.parquet  # noqa: F401
+        try:
+            import pandas  # noqa: F401
+        except ImportError:
+            pass
 
         deal = Deal(self.batch, self.rank, self.world, self.seed, self.epoch, self.position // self.micro_batch)
         # Workers are started per epoch (not persistent): each takes the epoch's deal with it.
