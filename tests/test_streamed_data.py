@@ -198,3 +198,39 @@ def test_a_folder_of_image_files_becomes_shards_and_trains(tmp_path):
                       "data.component=pipeline.datasets:image_folder", f"data.args={{root: {tmp_path / 'nowhere'}}}"],
                      cwd=tmp_path, check=False)
     assert broken.returncode == 2 and "is not a directory; give a folder with one sub-folder per class" in broken.stderr
+
+
+def test_loader_workers_live_across_epochs_and_read_each_epochs_own_order(shards, tmp_path, monkeypatch):
+    """The workers are forked once (persistent); each epoch's order and start reach them through shared memory:
+    epoch 1 after a whole epoch 0, and a resume into the middle of epoch 1, yield what the order says."""
+    from pipeline.datasets import sharded
+    from pipeline.shards.stream import _GroupCache
+
+    log = tmp_path / "ids.jsonl"
+    monkeypatch.setenv("TRAINSERVE_SAMPLE_LOG", str(log))
+    stream = sharded(root=str(shards))["train"]
+    loader = stream.loader(32, 0, 1, 7, 2, False)
+    manifest = shard_format.read_manifest(shards / "train")
+
+    def expected(epoch, first, count):
+        cache = _GroupCache(manifest)
+        try:
+            return [i for i, _ in epoch_order(manifest, 7, epoch).read(cache, first, first + count)]
+        finally:
+            cache.close()
+
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == EPOCH_STEPS and all(len(b[1]) == 32 for b in batches)
+    resumed = stream.loader(32, 0, 1, 7, 2, False)
+    resumed.load_state_dict({**loader.state_dict(), "epoch": 1, "position": 20 * 32})
+    resumed.set_epoch(1)
+    assert len(list(resumed)) == EPOCH_STEPS - 20
+
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    by_epoch = collections.defaultdict(list)
+    for r in records[:2 * EPOCH_STEPS]:
+        by_epoch[r["epoch"]].extend(r["ids"])
+    assert by_epoch[0] == expected(0, 0, EPOCH_STEPS * 32) and by_epoch[1] == expected(1, 0, EPOCH_STEPS * 32)
+    assert [i for r in records[2 * EPOCH_STEPS:] for i in r["ids"]] == expected(1, 20 * 32, (EPOCH_STEPS - 20) * 32)
