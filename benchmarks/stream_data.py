@@ -87,7 +87,7 @@ def worker_load(a) -> None:
             for g in range(len(shard.row_groups)):
                 group = reader.read_group(s, g)
                 n = len(group["id"])
-                x[at:at + n], y[at:at + n] = group["input"], group["target"]
+                x[at:at + n], y[at:at + n] = torch.from_numpy(group["input"]), torch.from_numpy(group["target"])
                 at += n
                 del group
         reader.close()
