@@ -271,6 +271,7 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
         @property
         def profile(self):
             return {"samples": found["samples"], **({"manifest": found["manifest"]} if found.get("manifest") else {}),
+                    **({"note": found["note"]} if found.get("note") else {}),
                     "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
                                                             for i in inputs}, "targets": found.get("targets") or {}}
 
@@ -312,8 +313,9 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
 
     for split, found in digests.items():
         dataset = split_dataset(component, args, found, split, inputs)
+        samples = "unknown" if found["samples"] is None else str(found["samples"])  # a stream of the component's own
         mlflow.log_input(dataset, context="training" if split == "train" else "validation",
-                         tags={lineage.DATASET_SHA256: found["sha256"], lineage.DATASET_SAMPLES: str(found["samples"]),
+                         tags={lineage.DATASET_SHA256: found["sha256"], lineage.DATASET_SAMPLES: samples,
                                lineage.DATASET_INPUTS: json.dumps(inputs)[:5000]})
 
 

@@ -42,6 +42,7 @@ from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
                                       make_train_loader, restore_loader, set_epoch, split_digest, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
+from pipeline.components.own_stream import OwnStreamLoader, has_length
 from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
@@ -106,8 +107,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
         loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
                                    cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                                   grad_accum_steps=cfg.train.grad_accum_steps)
-        steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
+                                   grad_accum_steps=cfg.train.grad_accum_steps, info=info)
+        steps_per_epoch = epoch_steps(loader, cfg.train, layout)
         total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = amp.grad_scaler(precision, info.device)
@@ -149,7 +150,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "code": code.describe() if code else None,
                 "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
 
-        eval_every = cfg.train.eval_every or max(1, steps_per_epoch)
+        eval_every = cfg.train.eval_every or max(1, steps_per_epoch or total_steps)
         run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
                        meta, uploads, total_steps, eval_every, step, epoch, layout)
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
@@ -180,6 +181,23 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown(clean)
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
+    """Optimizer steps an epoch; None for a stream of the data component's own that has no len() (then
+    train.max_steps says how long to train)."""
+    if isinstance(loader, OwnStreamLoader):
+        if layout.tp > 1:
+            raise ConfigError("a stream of the data component's own deals itself by rank, and the ranks of a "
+                              f"tensor-parallel group (train.parallel.tp={layout.tp}) must read the same batches: write "
+                              "it as shards (`pipeline data shard`), which are dealt over the data-parallel ranks")
+        if not has_length(loader.dataset):
+            if not t.max_steps:
+                raise ConfigError("the training split is a stream of the data component's own without len(): its "
+                                  "epochs have no known length, so set train.max_steps (or give the stream __len__: "
+                                  "the samples each rank's copy yields an epoch)")
+            return None
+    return len(loader) // t.grad_accum_steps
 
 
 def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
@@ -549,7 +567,8 @@ def seed_everything(seed: int) -> None:
 
 def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo, monitor: Monitor) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
-    ranks: they are at the same place of the same epoch's shuffle."""
+    ranks: they are at the same place of the same epoch's shuffle (a stream of the component's own gathers
+    every rank's: a collective, which every rank calls here)."""
     return {"step": step, "epoch": epoch, "world_size": info.world_size, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict(),
             "monitor": monitor.state()}

@@ -215,7 +215,7 @@ CUSTOM = ["task.name=custom", "task.loss.component=torch.nn:L1Loss", "task.metri
     (["data.component=userproj:not_a_dict"],
      "data.component 'userproj:not_a_dict' returned a list; it must return a dict {\"train\": Dataset, \"val\": Dataset}"),
     (["data.args.valid_key=valid"], "it must return exactly 'train' and 'val'; unexpected: 'valid' (did you mean 'val'?)"),
-    (["data.component=userproj:iterable"], "is an IterableDataset of its own: trainserve streams training data"),
+    (["data.component=userproj:iterable"], "is an IterableDataset without state_dict()/load_state_dict(): a resume could only"),
     (["data.component=userproj:triples"], "split 'train' item 0 is a tuple of 3; items must be (inputs, target) pairs"),
     (["data.component=userproj:numpy_inputs"], "inputs are a ndarray; they must be a tensor or a non-empty dict"),
     (["data.component=userproj:bf16_inputs"], "input 'input' is bfloat16, which a served model can't take"),

@@ -17,7 +17,7 @@ from pipeline import checkpoint
 from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
-from conftest import TINY, model_from_checkpoint, run_cli
+from conftest import REPO, TINY, model_from_checkpoint, run_cli
 from object_store import moto_s3
 
 ROWS = ["--rows-per-shard", "300", "--rows-per-group", "50"]  # 1,438 training samples: 5 shards of 6 row groups
@@ -234,3 +234,45 @@ def test_loader_workers_live_across_epochs_and_read_each_epochs_own_order(shards
         by_epoch[r["epoch"]].extend(r["ids"])
     assert by_epoch[0] == expected(0, 0, EPOCH_STEPS * 32) and by_epoch[1] == expected(1, 0, EPOCH_STEPS * 32)
     assert [i for r in records[2 * EPOCH_STEPS:] for i in r["ids"]] == expected(1, 20 * 32, (EPOCH_STEPS - 20) * 32)
+
+
+# --- a stream of the data component's own (examples/digit_stream: Stateful, deals itself by rank) --------------
+
+OWN = ["data.component=examples.digit_stream.data:digit_stream", "data.num_workers=2", "train.log_every=1",
+       "train.eval_every=0", "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"]
+ON_PATH = {"PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+def test_a_stateful_stream_of_its_own_resumes_exactly_after_kill_9_and_only_at_its_world_size(tmp_path):
+    def own(name, *extra, nproc=2, env=None, check=True, restarts=0):
+        return run_cli(["train", "--config", str(TINY), "--nproc-per-node", str(nproc), f"--max-restarts={restarts}",
+                        *OWN, "train.max_steps=30", f"train.run_name={name}", *extra], cwd=tmp_path,
+                       env={**ON_PATH, **(env or {})}, check=check)
+
+    own("straight")
+    proc = own("killed", env={"TRAINSERVE_FAULT": "step:17:0"}, restarts=1)
+    assert "SIGKILL to rank 0 at step 17" in proc.stderr and "torchrun restart 1" in proc.stderr
+    assert "the stream of your own resumes at epoch 0 where rank 1 stopped" in proc.stderr
+    a, b = final_weights(tmp_path, "straight"), final_weights(tmp_path, "killed")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+    ckpt = tmp_path / "outputs" / "killed" / "checkpoints" / "step_00000010"
+    other = own("on_one", "--resume", str(ckpt), nproc=1, check=False)
+    assert other.returncode != 0
+    assert ("the checkpoint holds the positions of a stream of your own on 2 ranks x 2 loader workers; this run has "
+            "1 x 2") in other.stderr and "--nproc-per-node 2 data.num_workers=2" in other.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["data.args.stateful=false"], "is an IterableDataset without state_dict()/load_state_dict(): a resume could only "
+                                   "read its batches again and skip them"),
+    (["data.args.sized=false", "train.max_steps=0"], "a stream of the data component's own without len(): its "
+                                                     "epochs have no known length, so set train.max_steps"),
+])
+def test_a_stream_that_cannot_resume_or_has_no_length_is_refused_before_training(tmp_path, args, says):
+    proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", *OWN, *args], cwd=tmp_path,
+                   env=ON_PATH, check=False)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert "[rank" not in proc.stderr  # the launcher's one line, before any rank starts

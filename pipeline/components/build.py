@@ -21,8 +21,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from pipeline.components.data import Splits, check_splits, first_batch, forward
+from pipeline.components.own_stream import has_length
 from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve, takes_kwargs
 from pipeline.tasks import build_task, task_class
 from pipeline.tasks.base import TaskError
@@ -151,6 +153,11 @@ def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig
     parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here too, not
     after training."""
     splits = build_data(data_cfg, task_cfg.name)
+    if isinstance(splits.train, IterableDataset) and not hasattr(splits.train, "loader") \
+            and not has_length(splits.train) and not train_cfg.max_steps:
+        raise ConfigError("the training split is a stream of the data component's own without len(): its epochs have "
+                          "no known length, so set train.max_steps (or give the stream __len__: the samples each "
+                          "rank's copy yields an epoch)")
     task = build_task(task_cfg, splits.classes)
     spec, suggested = model_spec(model_cfg, splits, task)
     check_dynamic_axes(export_cfg.dynamic_axes, {s.name: len(s.shape) + 1 for s in splits.inputs})

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from pipeline.components import own_stream
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.logs import first_line
 
@@ -201,12 +202,12 @@ def _check_dataset(ds: Any, where: str) -> None:
             raise DataError(f"{where} is an IterableDataset; the validation split must be map-style (indexable, with "
                             "len()): every evaluation reads all of it, each rank its own share (the sharded data's "
                             "val split is: pipeline.datasets:sharded)")
-        if not hasattr(ds, "loader"):
-            raise DataError(f"{where} is an IterableDataset of its own: trainserve streams training data that it can "
-                            "deal to ranks and resume exactly, at any world size, from a checkpoint: write it as "
-                            "shards with `pipeline data shard` and read them with data.name=sharded, or make it "
-                            "map-style (indexable, with len())")
-        if len(ds) == 0:
+        if not hasattr(ds, "loader") and not own_stream.is_stateful(ds):
+            raise DataError(f"{where} is an IterableDataset without state_dict()/load_state_dict(): a resume could only "
+                            "read its batches again and skip them. Implement them (torchdata's Stateful protocol: the "
+                            "stream's position, per rank and loader worker), write it as shards with `pipeline data "
+                            "shard` (data.name=sharded: exact resume at any world size), or make it map-style")
+        if own_stream.has_length(ds) and len(ds) == 0:
             raise DataError(f"{where} is empty")
         return
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
@@ -317,7 +318,7 @@ def named(inputs) -> dict[str, torch.Tensor]:
 
 
 def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, world_size: int, seed: int,
-                      num_workers: int, pin_memory: bool, grad_accum_steps: int = 1):
+                      num_workers: int, pin_memory: bool, grad_accum_steps: int = 1, info=None):
     """A stateful loader over this rank's shard of the training set.
 
     DistributedSampler gives rank r the indices perm[r::world] of one seeded permutation per epoch,
@@ -329,7 +330,12 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     global_batch = batch_size_per_rank * world_size * grad_accum_steps
-    if isinstance(dataset, IterableDataset):  # a sharded stream (check_splits admits no other)
+    if isinstance(dataset, IterableDataset) and not hasattr(dataset, "loader"):  # a stream of the component's own
+        from pipeline.distributed import DistInfo
+
+        return own_stream.OwnStreamLoader(dataset, batch_size_per_rank, num_workers, pin_memory, collate_of(dataset),
+                                          info or DistInfo.cpu_alone())
+    if isinstance(dataset, IterableDataset):  # a sharded stream
         if len(dataset) < global_batch:
             raise DataError(f"the training stream has {len(dataset)} samples, fewer than one global batch "
                             f"({global_batch}); lower train.global_batch_size")
@@ -379,6 +385,10 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
 
     if hasattr(dataset, "identity"):  # a sharded split: its manifest's digest, no sample read
         return dataset.identity()
+    if isinstance(dataset, IterableDataset):  # a stream of the component's own: not read through to hash it
+        return {"sha256": hashlib.sha256(f"unhashed stream {type(dataset).__module__}.{type(dataset).__qualname__}"
+                                         .encode()).hexdigest(), "samples": None, "targets": {},
+                "note": "a stream of the data component's own, not hashed: its identity is the component and args"}
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
     profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
@@ -460,7 +470,7 @@ def set_epoch(loader, epoch: int) -> None:
 def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int) -> None:
     """The loader at the position a checkpoint saved (`saved_world` ranks saved it, `world` resume)."""
     set_epoch(loader, epoch)  # the position is within this epoch's shuffle
-    if hasattr(loader, "set_epoch"):  # a stream's position is the same at any world size
+    if hasattr(loader, "set_epoch"):  # a stream: its loader knows its own state's world sizes
         loader.load_state_dict(state)
     else:
         loader.load_state_dict(rescale_loader_state(state, saved_world, world))
@@ -469,8 +479,9 @@ def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int
 def spread_sample(dataset: Dataset, count: int) -> Dataset:
     """About `count` samples spread evenly over a split (it may be ordered by class: its first samples would
     show one class), as a map-style data set; a stream's come from a bounded number of its row groups."""
-    if isinstance(dataset, IterableDataset):
-        return _Listed(dataset.sample(count), collate_of(dataset))
+    if isinstance(dataset, IterableDataset):  # the sharded source's spread sample, or a stream's first items
+        items = dataset.sample(count) if hasattr(dataset, "sample") else list(itertools.islice(iter(dataset), count))
+        return _Listed(items, collate_of(dataset))
     indices = sorted(set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()))
     return Subset(dataset, indices)
 

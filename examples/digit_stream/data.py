@@ -1,0 +1,75 @@
+"""A data component whose training split is a stream of its own (docs/data.md, "Your own stream"): the digits as an
+IterableDataset that deals itself over ranks and loader workers and keeps its position, as torchdata's Stateful
+protocol asks. Written the way a stream over a database cursor or a message queue would be; for files, write
+them as shards instead (`pipeline data shard`), which resume at any world size.
+
+    data.component=examples.digit_stream.data:digit_stream
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from pipeline.datasets import digits
+
+
+class DigitStream(IterableDataset):
+    """Each epoch a seeded shuffle of the samples; rank r takes every world-th of it, its worker w every
+    workers-th of those. The state is (epoch, samples this worker yielded in it)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict, seed: int = 0):
+        self.x, self.y, self.classes, self.model_args, self.seed = x, y, classes, model_args, seed
+        self.epoch, self.position = 0, 0
+
+    def _rank(self) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+    def __len__(self) -> int:  # the samples this rank's copy yields an epoch
+        rank, world = self._rank()
+        return len(range(rank, len(self.y), world))
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def __iter__(self):
+        rank, world = self._rank()
+        worker = get_worker_info()
+        w, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        mine = order[rank::world][w::workers]
+        for i in mine[self.position:].tolist():
+            self.position += 1
+            yield self.x[i], self.y[i]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+class UnsizedDigitStream(DigitStream):
+    __len__ = None  # a stream that does not know its length (len() raises TypeError): train.max_steps says how long
+
+
+def digit_stream(seed: int = 0, stateful: bool = True, sized: bool = True) -> dict:
+    """`stateful=False` leaves out state_dict/load_state_dict, `sized=False` len(): to see trainserve refuse such
+    streams, or ask for train.max_steps."""
+    splits = digits()
+    train = splits["train"]
+    stream = (DigitStream if sized else UnsizedDigitStream)(train.x, train.y, train.classes, train.model_args, seed)
+    if not stateful:
+        stream = _Forgetful(stream)
+    return {"train": stream, "val": splits["val"]}
+
+
+class _Forgetful(IterableDataset):
+    def __init__(self, inner: DigitStream):
+        self.inner, self.classes, self.model_args = inner, inner.classes, inner.model_args
+
+    def __iter__(self):
+        return iter(self.inner)
