@@ -192,7 +192,7 @@ class TrainConfig(Section):
     consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
     threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
     cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
-    channels_last: bool = Field(False, description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous).")
+    channels_last: bool | Literal["auto"] = Field("auto", description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous). auto = on for a model with 2-d convolutions (ResNet-50 bf16 on an H100: 1.3-1.4x the samples/s of NCHW), off otherwise and on the CPU.")
     compile: bool = Field(False, description="torch.compile the model (in place: DDP as a whole, FSDP2 per unit); the first steps compile. On CUDA it needs a C compiler for Triton.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="The device mesh's degrees, as torchtitan names them; their product is the world size.")
     fsdp_wrap: list[str] = Field(

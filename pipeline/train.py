@@ -101,6 +101,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         probe(plain_model, splits, task, spec.component)
         monitor = build_monitor(cfg.checkpoint, cfg.train, task)  # after the probe: it names a custom metric
         manifest = state_manifest(plain_model)
+        channels_last = uses_channels_last(cfg.train, info, plain_model)
+        if info.device.type == "cuda":
+            log.info("channels_last %s (train.channels_last=%s)", "on" if channels_last else "off", cfg.train.channels_last)
         model = wrap_model(plain_model, cfg.train, precision, info)
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
@@ -152,13 +155,13 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         eval_every = cfg.train.eval_every or max(1, steps_per_epoch or total_steps)
         run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
-                       meta, uploads, total_steps, eval_every, step, epoch, layout)
+                       meta, uploads, total_steps, eval_every, step, epoch, layout, channels_last)
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
         metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
-                                                    loop.step, uses_channels_last(cfg.train, info), layout)
+                                                    loop.step, channels_last, layout)
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
@@ -314,6 +317,7 @@ class Training:
     step: int = 0
     epoch: int = 0
     layout: mesh.Layout | None = None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
+    channels_last: bool = False        # NHWC inputs (parallelize.uses_channels_last decided it for this model)
 
 
 @dataclass
@@ -330,7 +334,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
     splits, task, monitor, info, precision = run.splits, run.task, run.monitor, run.info, run.precision
     step, epoch, total_steps, eval_every = run.step, run.epoch, run.total_steps, run.eval_every
     ckpt_root, meta, uploads = run.ckpt_root, run.meta, run.uploads
-    channels_last = uses_channels_last(t, info)
+    channels_last = run.channels_last
     losses: list[float] = []
     evaluated = None
     saver = Saver(ckpt_root, info, ckpt_cfg.keep_last, ckpt_cfg.async_save)

@@ -67,7 +67,7 @@ def spy_fully_shard(monkeypatch) -> list[tuple[nn.Module, bool, torch.dtype | No
 def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_inputs(world_of_one, monkeypatch):
     """FSDP2 raises NotImplementedError on a non-contiguous parameter; a channels_last 3x3 conv weight is
     one. The CUDA branch, forced on CPU: weights stay contiguous, the inputs go NHWC, a step trains."""
-    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info: cfg.channels_last)
+    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last)
     calls = spy_fully_shard(monkeypatch)
     torch.manual_seed(0)
     model = parallelize.wrap_model(instantiate_model(resnet_spec()), TrainConfig(strategy="fsdp", channels_last=True),
@@ -82,7 +82,7 @@ def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_in
 
 
 def test_ddp_with_channels_last_still_puts_the_weights_in_nhwc(world_of_one, monkeypatch):
-    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info: cfg.channels_last)
+    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last)
     model = parallelize.wrap_model(instantiate_model(resnet_spec()), TrainConfig(channels_last=True), "fp32",
                                    world_of_one)
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[1] > 1]
@@ -360,3 +360,20 @@ def test_train_loader_workers_outlive_the_epoch():
     first = pids(loader, 0)
     assert os.getpid() not in first and pids(loader, 1) == first
     assert not make_train_loader(WorkerPids(), 4, 0, 1, seed=0, num_workers=0, pin_memory=False).persistent_workers
+
+
+def test_channels_last_auto_is_on_for_a_convolutional_model_on_cuda_only():
+    """The GPU's pace by default: train.channels_last=auto (the default) puts a model with 2-d convolutions in NHWC on
+    CUDA, leaves a model without them, and the CPU, alone; true and false are taken as they are."""
+    from types import SimpleNamespace
+
+    from pipeline.config import TrainConfig
+
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    conv, mlp = instantiate_model(resnet_spec()), torch.nn.Sequential(torch.nn.Linear(4, 4))
+    auto = TrainConfig()
+    assert auto.channels_last == "auto"
+    assert parallelize.uses_channels_last(auto, cuda, conv) and not parallelize.uses_channels_last(auto, cuda, mlp)
+    assert not parallelize.uses_channels_last(auto, cpu, conv)
+    assert parallelize.uses_channels_last(TrainConfig(channels_last=True), cuda, mlp)
+    assert not parallelize.uses_channels_last(TrainConfig(channels_last=False), cuda, conv)

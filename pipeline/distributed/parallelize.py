@@ -27,9 +27,16 @@ from pipeline.distributed.process_group import DistInfo
 log = logging.getLogger(__name__)
 
 
-def uses_channels_last(train_cfg, info: DistInfo) -> bool:
-    """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want it."""
-    return train_cfg.channels_last and info.device.type == "cuda"
+def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None) -> bool:
+    """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want it. `auto`
+    (the default) turns it on for a model with 2-d convolutions: on one H100, ResNet-50 at 224 in bf16 trained at
+    2,538-2,774 samples/s in channels_last against 1,930 without (../shared/gpu/resnet50_h100.md); a model without
+    convolutions gains nothing from it."""
+    if info.device.type != "cuda" or train_cfg.channels_last is False:
+        return False
+    if train_cfg.channels_last is True:
+        return True
+    return model is not None and any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
 def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> nn.Module:
@@ -54,7 +61,7 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
         # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
         # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
         return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile, mesh.data_parallel(device_mesh))
-    if uses_channels_last(train_cfg, info):
+    if uses_channels_last(train_cfg, info, model):
         model = model.to(memory_format=torch.channels_last)
     if info.distributed:
         model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
