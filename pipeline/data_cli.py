@@ -37,8 +37,13 @@ def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int
 
     cfg = load_config(config, overrides)
     splits = build_data(cfg.data, cfg.task.name)
+    from torch.utils.data import IterableDataset
+
     if getattr(splits.train, "identity", None) is not None:
         raise DataError(f"data.component '{cfg.data.component}' is already sharded; copy its directory instead")
+    if isinstance(splits.train, IterableDataset):
+        raise DataError(f"data.component '{cfg.data.component}' returns a stream; `pipeline data shard` writes map-style "
+                        "data (indexable, with len()): give it the map-style form of the data")
     written = {}
     for split in ("train", "val"):
         dataset = getattr(splits, split)

@@ -42,7 +42,7 @@ from pipeline.components.code_capture import capture
 from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
                                       make_train_loader, restore_loader, set_epoch, split_digest, to_device)
 from pipeline.components.optim import build_optimizer, build_scheduler
-from pipeline.components.own_stream import OwnStreamLoader, has_length
+from pipeline.components.own_stream import OwnStreamLoader, check_length, has_length
 from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
@@ -136,7 +136,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         uploads, code = None, None
         # Which data trained it: a content digest of each split (every rank hashes its share), logged by rank 0
         # as the run's MLflow datasets.
-        digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers, info) for split in ("train", "val")}
+        digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers, info,
+                                      {"component": cfg.data.component, "args": cfg.data.args})
+                   for split in ("train", "val")}
         if info.is_main:
             code = capture(component_references(cfg.model, cfg.data, cfg.task))
             run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
@@ -194,11 +196,8 @@ def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
             raise ConfigError("a stream of the data component's own deals itself by rank, and the ranks of a "
                               f"tensor-parallel group (train.parallel.tp={layout.tp}) must read the same batches: write "
                               "it as shards (`pipeline data shard`), which are dealt over the data-parallel ranks")
+        check_length(loader.dataset, t.max_steps)  # (the launcher checked it too; not a run under your own torchrun)
         if not has_length(loader.dataset):
-            if not t.max_steps:
-                raise ConfigError("the training split is a stream of the data component's own without len(): its "
-                                  "epochs have no known length, so set train.max_steps (or give the stream __len__: "
-                                  "the samples each rank's copy yields an epoch)")
             return None
     return len(loader) // t.grad_accum_steps
 
@@ -350,6 +349,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
     progress = make_progress(info, total_steps, step)
     while step < total_steps and not monitor.stopped:
         set_epoch(loader, epoch)  # a new shuffle each epoch, the same on every rank
+        steps_before_epoch = step
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
@@ -398,12 +398,21 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             if step >= total_steps or monitor.stopped:
                 break
         else:  # the epoch ran out (or a resume landed exactly on its end)
+            if step == steps_before_epoch and not resumed_at_epoch_end(run, epoch):
+                raise DataError(f"epoch {epoch} gave no optimizer step: the training stream ended before "
+                                f"{t.grad_accum_steps} micro-batch(es) of {t.global_batch_size} samples a step; a "
+                                "stream of your own must start again at set_epoch(epoch), and hold a global batch")
             epoch += 1
     saver.close()
     progress.close()
     if monitor.stopped:
         log.warning("%s", monitor.stopped)
     return LoopResult(losses, step, evaluated)
+
+
+def resumed_at_epoch_end(run: Training, epoch: int) -> bool:
+    """A resume whose checkpoint was saved at its epoch's last step: that epoch rightly gives no step here."""
+    return epoch == run.epoch and run.step > 0
 
 
 def judge(monitor: Monitor, metrics: dict[str, float], step: int, info: DistInfo) -> bool:

@@ -174,3 +174,17 @@ def test_a_models_own_plan_is_taken_and_checked():
     assert plan_for(Mine(), 2) == ("Mine.tensor_parallel_plan()", {"up": "colwise", "down": "rowwise"})
     with pytest.raises(ConfigError, match="'up' has 6 output features, which do not divide over train.parallel.tp=4"):
         plan_for(Mine(), 4)
+
+
+def test_heads_that_do_not_divide_over_the_tensor_parallel_ranks_are_refused():
+    """BERT's projections divide over tp=8 (64 features, 8 each) but its 4 heads of 16 do not: each rank would hold
+    half a head and fail inside the first forward's reshape."""
+    from pipeline.distributed.tensor_parallel import plan_for
+    import transformers
+
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=20, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128))
+    assert plan_for(model, 2)[0] == "BERT-style encoder (Hugging Face)"
+    with pytest.raises(ConfigError, match=r"the model has 4 attention heads \(config.num_attention_heads\), which do "
+                                          r"not divide over train.parallel.tp=8 ranks"):
+        plan_for(model, 8)

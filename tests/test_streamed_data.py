@@ -276,3 +276,19 @@ def test_a_stream_that_cannot_resume_or_has_no_length_is_refused_before_training
                    env=ON_PATH, check=False)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert "[rank" not in proc.stderr  # the launcher's one line, before any rank starts
+
+
+def test_the_data_check_reads_a_stream_of_its_own_without_moving_it(monkeypatch):
+    """check_splits reads a stream's first items to check them: a queue or cursor must not lose them to the check
+    (its state is put back), nor the first epoch start 8 samples in."""
+    import sys
+
+    from pipeline.components.build import build_data
+    from pipeline.config import load_config
+
+    monkeypatch.setattr(sys, "path", [str(REPO), *sys.path])
+    cfg = load_config(str(TINY), ["data.component=examples.digit_stream.data:digit_stream"])
+    splits = build_data(cfg.data, cfg.task.name)
+    assert splits.train.position == 0
+    assert torch.equal(next(iter(splits.train))[0], splits.train.x[torch.randperm(len(splits.train.y),
+                       generator=torch.Generator().manual_seed(0))[0]])

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from pipeline.components.data import Splits, check_splits, first_batch, forward
-from pipeline.components.own_stream import has_length
+from pipeline.components.own_stream import check_length
 from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve, takes_kwargs
 from pipeline.tasks import build_task, task_class
 from pipeline.tasks.base import TaskError
@@ -153,11 +153,8 @@ def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig
     parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here too, not
     after training."""
     splits = build_data(data_cfg, task_cfg.name)
-    if isinstance(splits.train, IterableDataset) and not hasattr(splits.train, "loader") \
-            and not has_length(splits.train) and not train_cfg.max_steps:
-        raise ConfigError("the training split is a stream of the data component's own without len(): its epochs have "
-                          "no known length, so set train.max_steps (or give the stream __len__: the samples each "
-                          "rank's copy yields an epoch)")
+    if isinstance(splits.train, IterableDataset):
+        check_length(splits.train, train_cfg.max_steps)
     task = build_task(task_cfg, splits.classes)
     spec, suggested = model_spec(model_cfg, splits, task)
     check_dynamic_axes(export_cfg.dynamic_axes, {s.name: len(s.shape) + 1 for s in splits.inputs})

@@ -18,7 +18,6 @@ inputs keep their keys and reach the model as keyword arguments, `model(**inputs
 from __future__ import annotations
 
 import difflib
-import itertools
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
+from pipeline.shards.stream import ShardedStream, ShardRows
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.logs import first_line
 
@@ -98,7 +98,7 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
         raise DataError(f"{where} returned the keys {sorted(map(str, keys))}; it must return exactly 'train' and 'val'"
                         + (f"; unexpected: {', '.join(hints)}" if hints else ""))
     for split, ds in returned.items():
-        _check_dataset(ds, f"{where} split '{split}'")
+        _check_dataset(ds, f"{where} split '{split}'", split)
     train, val = returned["train"], returned["val"]
     classes = getattr(train, "classes", None)
     task.check_data(classes, where)
@@ -140,7 +140,7 @@ def _spread(n: int, count: int = 8) -> list[int]:
 
 def _first_items(ds: IterableDataset, where: str, count: int = 8) -> list:
     try:
-        items = list(itertools.islice(iter(ds), count))
+        items = own_stream.first_items(ds, count)
     except DataError:
         raise
     except Exception as exc:
@@ -196,13 +196,13 @@ def _shape(value: Any) -> list[int]:
     return list(getattr(value, "shape", ()))
 
 
-def _check_dataset(ds: Any, where: str) -> None:
+def _check_dataset(ds: Any, where: str, split: str) -> None:
     if isinstance(ds, IterableDataset):
-        if "split 'train'" not in where:
+        if split != "train":
             raise DataError(f"{where} is an IterableDataset; the validation split must be map-style (indexable, with "
                             "len()): every evaluation reads all of it, each rank its own share (the sharded data's "
                             "val split is: pipeline.datasets:sharded)")
-        if not hasattr(ds, "loader") and not own_stream.is_stateful(ds):
+        if not isinstance(ds, ShardedStream) and not own_stream.is_stateful(ds):
             raise DataError(f"{where} is an IterableDataset without state_dict()/load_state_dict(): a resume could only "
                             "read its batches again and skip them. Implement them (torchdata's Stateful protocol: the "
                             "stream's position, per rank and loader worker), write it as shards with `pipeline data "
@@ -330,7 +330,7 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     global_batch = batch_size_per_rank * world_size * grad_accum_steps
-    if isinstance(dataset, IterableDataset) and not hasattr(dataset, "loader"):  # a stream of the component's own
+    if isinstance(dataset, IterableDataset) and not isinstance(dataset, ShardedStream):  # the component's own stream
         from pipeline.distributed import DistInfo
 
         return own_stream.OwnStreamLoader(dataset, batch_size_per_rank, num_workers, pin_memory, collate_of(dataset),
@@ -373,7 +373,7 @@ def first_batch(dataset: Dataset, rows: int):
     return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset))))
 
 
-def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str, Any]:
+def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict | None = None) -> dict[str, Any]:
     """{"sha256", "samples", "targets"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
     and what the targets hold (target_profile: class counts, or a number's statistics) for the MLflow dataset's profile.
     Each rank hashes its own samples (r, r+W, ..., as `eval_shard` deals them), one digest per sample; the
@@ -383,12 +383,14 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None) -> dict[str,
 
     from pipeline.distributed import DistInfo, all_gather_object
 
-    if hasattr(dataset, "identity"):  # a sharded split: its manifest's digest, no sample read
+    if isinstance(dataset, (ShardedStream, ShardRows)):  # its manifest's digest, no sample read
         return dataset.identity()
     if isinstance(dataset, IterableDataset):  # a stream of the component's own: not read through to hash it
-        return {"sha256": hashlib.sha256(f"unhashed stream {type(dataset).__module__}.{type(dataset).__qualname__}"
-                                         .encode()).hexdigest(), "samples": None, "targets": {},
-                "note": "a stream of the data component's own, not hashed: its identity is the component and args"}
+        named = json.dumps({"stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}", **(source or {})},
+                           sort_keys=True, default=str)
+        return {"sha256": hashlib.sha256(named.encode()).hexdigest(), "samples": None, "targets": {},
+                "note": "not a content digest: a stream of the data component's own is not read through to hash it; "
+                        "this is the sha256 of its class, component and args"}
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
     profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
@@ -472,6 +474,9 @@ def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int
     set_epoch(loader, epoch)  # the position is within this epoch's shuffle
     if hasattr(loader, "set_epoch"):  # a stream: its loader knows its own state's world sizes
         loader.load_state_dict(state)
+    elif state.get("kind"):
+        raise DataError(f"the checkpoint's data position is a {state['kind']}'s; this run's training split is map-style: "
+                        "resume with the data it was trained on")
     else:
         loader.load_state_dict(rescale_loader_state(state, saved_world, world))
 
@@ -480,7 +485,7 @@ def spread_sample(dataset: Dataset, count: int) -> Dataset:
     """About `count` samples spread evenly over a split (it may be ordered by class: its first samples would
     show one class), as a map-style data set; a stream's come from a bounded number of its row groups."""
     if isinstance(dataset, IterableDataset):  # the sharded source's spread sample, or a stream's first items
-        items = dataset.sample(count) if hasattr(dataset, "sample") else list(itertools.islice(iter(dataset), count))
+        items = dataset.sample(count) if isinstance(dataset, ShardedStream) else own_stream.first_items(dataset, count)
         return _Listed(items, collate_of(dataset))
     indices = sorted(set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()))
     return Subset(dataset, indices)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import DataError
+from pipeline.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,27 @@ def has_length(dataset) -> bool:
     return True
 
 
+def check_length(dataset, max_steps: int) -> None:
+    """A stream without len() trains train.max_steps steps: without them it has no end."""
+    if not has_length(dataset) and not max_steps:
+        raise ConfigError("the training split is a stream of the data component's own without len(): its epochs have "
+                          "no known length, so set train.max_steps (or give the stream __len__: the samples each "
+                          "rank's copy yields an epoch)")
+
+
+def first_items(dataset, count: int) -> list:
+    """The stream's first `count` items, read without moving it: its state put back after (a queue or a cursor
+    would otherwise lose them to the check)."""
+    import itertools
+
+    state = dataset.state_dict() if is_stateful(dataset) else None
+    try:
+        return list(itertools.islice(iter(dataset), count))
+    finally:
+        if state is not None:
+            dataset.load_state_dict(state)
+
+
 class OwnStreamLoader:
     def __init__(self, dataset, batch: int, workers: int, pin_memory: bool, collate_fn, info):
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -54,8 +75,19 @@ class OwnStreamLoader:
             self.loader = StatefulDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate_fn,
                                              pin_memory=pin_memory, drop_last=True)
 
+        # Each rank's copy may hold a sample more or less: every rank trains the steps the shortest one has, or
+        # their step counts (and with them the evaluations and the schedule) would part and a collective hang.
+        self.length = None
+        if has_length(dataset):
+            mine = torch.tensor([len(dataset) // batch], dtype=torch.float64, device=info.device)
+            if info.distributed:
+                torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
+            self.length = int(mine.item())
+
     def __len__(self) -> int:
-        return len(self.dataset) // self.batch
+        if self.length is None:
+            raise TypeError("a stream without len()")
+        return self.length
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):

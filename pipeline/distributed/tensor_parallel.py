@@ -81,7 +81,20 @@ def plan_for(model: nn.Module, tp: int) -> tuple[str, dict[str, str]]:
             if split % tp:
                 raise ConfigError(f"'{name}' has {split} {'output' if style == 'colwise' else 'input'} features, which "
                                   f"do not divide over train.parallel.tp={tp} ranks")
+    check_heads(model, tp)
     return source, plan
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """A Hugging Face model's attention heads (and key/value heads, under grouped-query attention) divide over the
+    tensor-parallel ranks: each rank computes whole heads, or its first forward fails inside a reshape."""
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(f"the model has {heads} {key.removeprefix('num_').replace('_', ' ')} "
+                              f"(config.{key}), which do not divide over train.parallel.tp={tp} ranks: each rank "
+                              f"computes whole heads; choose a tp that divides {heads}")
 
 
 def parallelize(model: nn.Module, tp_mesh, tp: int) -> nn.Module:

@@ -19,7 +19,6 @@ worker holds is one decoded row group and its shard's open file, whatever the si
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate
 
 from pipeline.errors import DataError, worker_message
 from pipeline.shards import format as shard_format
@@ -91,8 +91,6 @@ class ShardedStream(IterableDataset):
         return self._micro_batches()
 
     def _micro_batches(self) -> Iterator:
-        from pipeline.components.data import collate
-
         deal = self.deal
         epoch, start = (int(v) for v in deal.where.tolist())
         worker = get_worker_info()
@@ -102,7 +100,7 @@ class ShardedStream(IterableDataset):
         try:
             for k in range(start + w, len(self) // deal.micro_batch, workers):
                 first = k * deal.micro_batch + deal.rank * deal.batch
-                ids, batch = order.read_batch(reader, first, first + deal.batch, collate)
+                ids, batch = order.read_batch(reader, first, first + deal.batch, default_collate)
                 yield ids, batch
         finally:
             reader.close()
@@ -339,10 +337,3 @@ class StreamLoader:
                             f"train.grad_accum_steps ({state['micro_batch']} samples a micro-batch)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         log.info("the stream resumes at epoch %d, sample %d of %d", self.epoch, self.position, len(self.stream))
-
-
-def first_items(dataset: IterableDataset, count: int) -> list:
-    """The first `count` items an iterable split yields on its own."""
-    return list(itertools.islice(iter(dataset), count))
-
-
