@@ -307,7 +307,8 @@ def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], l
             problems.append(f"{split} manifest {location} now has digest {manifest.digest[:16]}, the version was "
                             f"trained on {str(recorded.get(split))[:16]}")
         else:
-            notes.append(f"{split} manifest {location} and its {len(manifest.shards)} shards as trained on")
+            notes.append(f"{split} manifest {location} has the digest trained on, and its {len(manifest.shards)} shards "
+                         "are there at the sizes it names (each row group's digest is checked as it is read)")
     return problems, notes
 
 

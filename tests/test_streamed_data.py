@@ -147,8 +147,8 @@ def test_pipeline_run_trains_from_shards_on_s3_exports_registers_serves_and_veri
 
         verified = run_cli(["verify", "models:/resnet18-sharded@champion"], cwd=tmp_path, env=env, check=False)
         assert verified.returncode == 0, verified.stdout + verified.stderr
-        assert "train manifest s3://trainserve/data/digits/train/manifest.json and its 5 shards as trained on" \
-            in verified.stdout, verified.stdout
+        assert "train manifest s3://trainserve/data/digits/train/manifest.json has the digest trained on, and its 5 " \
+            "shards are there at the sizes it names" in verified.stdout, verified.stdout
 
         # A manifest rewritten under the run (another split at the same place): verify names it.
         run_cli(["data", "shard", "--config", str(TINY), "--out", root, "--rows-per-shard", "400"], cwd=tmp_path,

@@ -386,9 +386,9 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict
     if isinstance(dataset, (ShardedStream, ShardRows)):  # its manifest's digest, no sample read
         return dataset.identity()
     if isinstance(dataset, IterableDataset):  # a stream of the component's own: not read through to hash it
-        named = json.dumps({"stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}", **(source or {})},
-                           sort_keys=True, default=str)
-        return {"sha256": hashlib.sha256(named.encode()).hexdigest(), "samples": None, "targets": {},
+        described = json.dumps({"stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+                                **(source or {})}, sort_keys=True, default=str)
+        return {"sha256": hashlib.sha256(described.encode()).hexdigest(), "samples": None, "targets": {},
                 "note": "not a content digest: a stream of the data component's own is not read through to hash it; "
                         "this is the sha256 of its class, component and args"}
     info = info or DistInfo.cpu_alone()
