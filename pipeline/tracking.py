@@ -319,30 +319,31 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
                                lineage.DATASET_INPUTS: json.dumps(inputs)[:5000]})
 
 
-def dataset_digests(run_id: str) -> dict[str, str]:
-    """{"train"|"val": sha256} of the datasets a run logged (`log_datasets`)."""
+def _logged_splits(run_id: str):
+    """(split, the input's tags, the input) of each dataset a run logged (`log_datasets`)."""
     contexts = {"training": "train", "validation": "val"}
-    found = {}
     for item in get_run(run_id).inputs.dataset_inputs:
         tags = {t.key: t.value for t in item.tags}
         split = contexts.get(tags.get("mlflow.data.context", ""))
-        if split and tags.get(lineage.DATASET_SHA256):
-            found[split] = tags[lineage.DATASET_SHA256]
-    return found
+        if split:
+            yield split, tags, item
+
+
+def dataset_digests(run_id: str) -> dict[str, str]:
+    """{"train"|"val": sha256} of the datasets a run logged (`log_datasets`)."""
+    return {split: tags[lineage.DATASET_SHA256] for split, tags, _ in _logged_splits(run_id)
+            if tags.get(lineage.DATASET_SHA256)}
 
 
 def dataset_manifests(run_id: str) -> dict[str, str]:
     """{"train"|"val": manifest location} of the sharded splits a run logged (their source names the manifest)."""
-    contexts = {"training": "train", "validation": "val"}
     found = {}
-    for item in get_run(run_id).inputs.dataset_inputs:
-        tags = {t.key: t.value for t in item.tags}
-        split = contexts.get(tags.get("mlflow.data.context", ""))
+    for split, _, item in _logged_splits(run_id):
         try:
             source = json.loads(item.dataset.source or "{}").get("tags") or {}
         except (ValueError, AttributeError):
             continue
-        if split and source.get("manifest"):
+        if source.get("manifest"):
             found[split] = source["manifest"]
     return found
 

@@ -31,6 +31,19 @@ def losses(workdir, name, experiment="tiny"):
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
 
 
+def assert_agrees_with_ddp(workdir, name: str, experiment: str) -> None:
+    """Run `name`'s 16 losses equal those of run "ddp" (the same global batches: the order is world-size-free) up to
+    the order of float sums, and its consolidated-layout weights have DDP's keys, shapes and (nearly) values."""
+    a, b = losses(workdir, "ddp", experiment), losses(workdir, name, experiment)
+    assert sorted(a) == sorted(b) == list(range(1, 17))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    mine, ddp = weights(workdir, name), weights(workdir, "ddp")
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in ddp.items()}
+    for key in mine:
+        torch.testing.assert_close(mine[key], ddp[key], atol=1e-5, rtol=1e-4)
+
+
 def weights(workdir, name):
     return model_from_checkpoint(checkpoint.latest(workdir / "outputs" / name / "checkpoints")).state_dict()
 
@@ -46,20 +59,13 @@ def hsdp(tmp_path_factory):
 @pytest.mark.slow
 def test_hsdp_2x2_agrees_with_ddp_and_consolidates_to_its_layout(hsdp):
     torchrun(hsdp, 2, ["train.run_name=ddp"])
-    a, b = losses(hsdp, "ddp"), losses(hsdp, "hsdp")
-    assert sorted(a) == sorted(b) == list(range(1, 17))
-    for step in a:  # the same global batches (world-size-free order): equal up to the order of float sums
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     # DCP keeps one copy of what the replicas share: each tensor's chunks are the 2 shards, not 4.
     ckpt = checkpoint.latest(hsdp / "outputs" / "hsdp" / "checkpoints")
     metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt)).read_metadata()
     assert len(metadata.state_dict_metadata["model.body.0.weight"].chunks) == 2
     consolidated = run_cli(["consolidate", str(hsdp / "outputs" / "hsdp")], cwd=hsdp)
     assert "consolidated 6 tensors" in consolidated.stderr
-    mine, ddp = weights(hsdp, "hsdp"), weights(hsdp, "ddp")
-    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in ddp.items()}
-    for key in mine:
-        torch.testing.assert_close(mine[key], ddp[key], atol=1e-5, rtol=1e-4)
+    assert_agrees_with_ddp(hsdp, "hsdp", "tiny")
 
 
 @pytest.mark.slow
@@ -128,14 +134,7 @@ def test_tensor_parallel_bert_agrees_with_ddp_and_goes_through_every_stage(tenso
 
     run_cli(["train", "--config", BERT, "--nproc-per-node", "2", "train.run_name=ddp", *BERT_STEPS], cwd=workdir,
             env=ON_PATH)
-    a, b = losses(workdir, "ddp", "trainserve-digit-sequences"), losses(workdir, "tp", "trainserve-digit-sequences")
-    assert sorted(a) == sorted(b) == list(range(1, 17))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    mine, ddp = weights(workdir, "tp"), weights(workdir, "ddp")
-    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in ddp.items()}
-    for key in mine:
-        torch.testing.assert_close(mine[key], ddp[key], atol=1e-5, rtol=1e-4)
+    assert_agrees_with_ddp(workdir, "tp", "trainserve-digit-sequences")
 
 
 @pytest.mark.slow

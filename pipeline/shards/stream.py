@@ -61,11 +61,7 @@ class ShardedStream(IterableDataset):
     rank's collated micro-batches of the epoch's shuffled order."""
 
     def __init__(self, location: str, check: bool = True):
-        self.manifest = shard_format.read_manifest(location)
-        if check:
-            shard_format.check_against_store(self.manifest)
-        if self.manifest.classes is not None:
-            self.classes = list(self.manifest.classes)
+        self.manifest = opened(self, location, check)
         if self.manifest.model_args:
             self.model_args = dict(self.manifest.model_args)
         self.deal: Deal | None = None
@@ -132,11 +128,7 @@ class ShardRows(Dataset):
     time (a loader in order reads each row group once)."""
 
     def __init__(self, location: str, check: bool = True):
-        self.manifest = shard_format.read_manifest(location)
-        if check:
-            shard_format.check_against_store(self.manifest)
-        if self.manifest.classes is not None:
-            self.classes = list(self.manifest.classes)
+        self.manifest = opened(self, location, check)
         self._starts = np.cumsum([0] + [g["rows"] for s in self.manifest.shards for g in s.row_groups])
         self._groups = [(s, g) for s, shard in enumerate(self.manifest.shards) for g in range(len(shard.row_groups))]
         self._cache: _GroupCache | None = None
@@ -160,6 +152,17 @@ class ShardRows(Dataset):
 
     def __getstate__(self):  # a spawned worker process opens its own files
         return {**self.__dict__, "_cache": None}
+
+
+def opened(split, location: str, check: bool) -> shard_format.Manifest:
+    """The manifest of the split at `location`, checked against the store when `check`; its class names given to
+    `split` (the data contract's `classes`)."""
+    manifest = shard_format.read_manifest(location)
+    if check:
+        shard_format.check_against_store(manifest)
+    if manifest.classes is not None:
+        split.classes = list(manifest.classes)
+    return manifest
 
 
 def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
