@@ -328,6 +328,9 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
         raise ConfigError(f"train.parallel.pp={degrees['pp']}: pipeline parallelism is not built yet; use "
                           "train.parallel.tp (tensor parallel), dp_replicate and dp_shard (HSDP, train.strategy=fsdp), "
                           "or FSDP2 alone")
+    if degrees["tp"] > 1 and t.compile:
+        raise ConfigError(f"train.compile with train.parallel.tp={degrees['tp']}: compiling a tensor-parallel model is "
+                          "not built yet; set train.compile=false")
     data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
     if degrees["tp"] > 1 and data_parallel > 1 and t.strategy != "fsdp":
         raise ConfigError(f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "

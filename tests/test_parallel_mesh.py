@@ -84,6 +84,7 @@ def test_a_kill_9_under_hsdp_resumes_to_byte_identical_weights(hsdp):
     (["train.strategy=fsdp", "train.parallel.tp=2", "train.global_batch_size=33"], 4,
      "must divide by the data-parallel ranks (2 = world size 4 / tp 2)"),
     (["train.parallel.pp=2"], 2, "train.parallel.pp=2: pipeline parallelism is not built yet"),
+    (["train.parallel.tp=2", "train.compile=true"], 2, "compiling a tensor-parallel model is not built yet"),
     (["train.parallel.dp_replicate=2"], 4, "that is HSDP, set train.strategy=fsdp"),
     (["train.strategy=fsdp", "train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"], 2,
      "dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = 4, but the world has 2 processes"),
