@@ -8,10 +8,9 @@ them as shards instead (`pipeline data shard`), which resume at any world size.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
-
-from pipeline.datasets import digits
+from torch.utils.data import IterableDataset, TensorDataset, get_worker_info
 
 
 class DigitStream(IterableDataset):
@@ -56,15 +55,28 @@ class UnsizedDigitStream(DigitStream):
     __len__ = None  # a stream that does not know its length (len() raises TypeError): train.max_steps says how long
 
 
-def digit_stream(seed: int = 0, stateful: bool = True, sized: bool = True) -> dict:
-    """`stateful=False` leaves out state_dict/load_state_dict, `sized=False` len(): to see trainserve refuse such
-    streams, or ask for train.max_steps."""
-    splits = digits()
-    train = splits["train"]
-    stream = (DigitStream if sized else UnsizedDigitStream)(train.x, train.y, train.classes, train.model_args, seed)
+def digit_stream(seed: int = 0, stateful: bool = True, sized: bool = True, val_fraction: float = 0.2) -> dict:
+    """scikit-learn's digits (8x8, intensities scaled to [0, 1]): the training split streamed, the validation split
+    map-style. `stateful=False` leaves out state_dict/load_state_dict, `sized=False` len(): to see trainserve refuse
+    such streams, or ask for train.max_steps."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.from_numpy(data.images.astype(np.float32) / 16.0).unsqueeze(1)
+    y = torch.from_numpy(data.target.astype(np.int64))
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_val = int(round(len(y) * val_fraction))
+    train_x, train_y = x[order[n_val:]], y[order[n_val:]]
+    classes = [str(d) for d in range(10)]
+    # What the model takes from the data (the data contract's model_args): its input shape and normalization.
+    model_args = {"in_channels": 1, "image_size": 8, "mean": [float(train_x.mean())],
+                  "std": [float(train_x.std())]}
+    stream = (DigitStream if sized else UnsizedDigitStream)(train_x, train_y, classes, model_args, seed)
     if not stateful:
         stream = _Forgetful(stream)
-    return {"train": stream, "val": splits["val"]}
+    val = TensorDataset(x[order[:n_val]], y[order[:n_val]])
+    val.classes = classes
+    return {"train": stream, "val": val}
 
 
 class _Forgetful(IterableDataset):
