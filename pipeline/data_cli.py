@@ -39,7 +39,9 @@ def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int
     splits = build_data(cfg.data, cfg.task.name)
     from torch.utils.data import IterableDataset
 
-    if getattr(splits.train, "identity", None) is not None:
+    from pipeline.shards.stream import ShardedStream
+
+    if isinstance(splits.train, ShardedStream):
         raise DataError(f"data.component '{cfg.data.component}' is already sharded; copy its directory instead")
     if isinstance(splits.train, IterableDataset):
         raise DataError(f"data.component '{cfg.data.component}' returns a stream; `pipeline data shard` writes map-style "

@@ -221,26 +221,14 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
     spaced samples of the training split."""
     from pipeline.components.data import eval_loader, spread_sample
 
-    sample = spread_sample(train, samples)
+    sample, how = spread_sample(train, samples)
     builder = drift.ReferenceBuilder()
     for inputs, _ in eval_loader(sample, gates.VAL_BATCH):
         feeds = gates.feeds_of(inputs)
         builder.add("inputs", feeds)
         builder.add("outputs", gates.run_onnx(sess, feeds))
-    return drift.write(builder.build(f"training split, {sample_description(train, len(sample))}"), path)
+    return drift.write(builder.build(f"training split, {how}"), path)
 
-
-def sample_description(train, taken: int) -> str:
-    """How `spread_sample` took `taken` samples of the training split, in words."""
-    from torch.utils.data import IterableDataset
-
-    from pipeline.shards.stream import ShardedStream
-
-    if isinstance(train, ShardedStream):
-        return f"{taken} of {len(train)} samples, from row groups spread over its shards"
-    if isinstance(train, IterableDataset):
-        return f"the first {taken} samples of the data component's own stream"
-    return f"{taken} of {len(train)} samples spread over it"
 
 
 def describe_source(source: dict) -> str:

@@ -204,12 +204,12 @@ def test_loader_workers_live_across_epochs_and_read_each_epochs_own_order(shards
     """The workers are forked once (persistent); each epoch's order and start reach them through shared memory:
     epoch 1 after a whole epoch 0, and a resume into the middle of epoch 1, yield what the order says."""
     from pipeline.datasets import sharded
-    from pipeline.shards.stream import _GroupCache
+    from pipeline.shards.stream import StreamLoader, _GroupCache
 
     log = tmp_path / "ids.jsonl"
     monkeypatch.setenv("TRAINSERVE_SAMPLE_LOG", str(log))
     stream = sharded(root=str(shards))["train"]
-    loader = stream.loader(32, 0, 1, 7, 2, False)
+    loader = StreamLoader(stream, 32, 0, 1, 7, 2, False)
     manifest = shard_format.read_manifest(shards / "train")
 
     def expected(epoch, first, count):
@@ -223,7 +223,7 @@ def test_loader_workers_live_across_epochs_and_read_each_epochs_own_order(shards
         loader.set_epoch(epoch)
         batches = list(loader)
         assert len(batches) == EPOCH_STEPS and all(len(b[1]) == 32 for b in batches)
-    resumed = stream.loader(32, 0, 1, 7, 2, False)
+    resumed = StreamLoader(stream, 32, 0, 1, 7, 2, False)
     resumed.load_state_dict({**loader.state_dict(), "epoch": 1, "position": 20 * 32})
     resumed.set_epoch(1)
     assert len(list(resumed)) == EPOCH_STEPS - 20

@@ -51,7 +51,7 @@ def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
     samples would calibrate on one class), as batches of feeds."""
     from pipeline.components.data import spread_sample
 
-    return [feeds_of(inputs) for inputs, _ in eval_loader(spread_sample(train, samples), CALIBRATION_BATCH)]
+    return [feeds_of(inputs) for inputs, _ in eval_loader(spread_sample(train, samples)[0], CALIBRATION_BATCH)]
 
 
 def prepare(source: Path, destination: Path) -> Path:

@@ -30,7 +30,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
-from pipeline.shards.stream import ShardedStream, ShardRows
+from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.logs import first_line
 
@@ -339,7 +339,7 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
         if len(dataset) < global_batch:
             raise DataError(f"the training stream has {len(dataset)} samples, fewer than one global batch "
                             f"({global_batch}); lower train.global_batch_size")
-        return dataset.loader(batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory)
+        return StreamLoader(dataset, batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
     if len(sampler) < batch_size_per_rank * grad_accum_steps:  # not one optimizer step per epoch
@@ -384,7 +384,7 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict
     from pipeline.distributed import DistInfo, all_gather_object
 
     if isinstance(dataset, (ShardedStream, ShardRows)):  # its manifest's digest, no sample read
-        return dataset.identity()
+        return identity_of(dataset.manifest)
     if isinstance(dataset, IterableDataset):  # a stream of the component's own: not read through to hash it
         described = json.dumps({"stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
                                 **(source or {})}, sort_keys=True, default=str)
@@ -481,14 +481,18 @@ def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int
         loader.load_state_dict(rescale_loader_state(state, saved_world, world))
 
 
-def spread_sample(dataset: Dataset, count: int) -> Dataset:
+def spread_sample(dataset: Dataset, count: int) -> tuple[Dataset, str]:
     """About `count` samples spread evenly over a split (it may be ordered by class: its first samples would
-    show one class), as a map-style data set; a stream's come from a bounded number of its row groups."""
-    if isinstance(dataset, IterableDataset):  # the sharded source's spread sample, or a stream's first items
-        items = dataset.sample(count) if isinstance(dataset, ShardedStream) else own_stream.first_items(dataset, count)
-        return _Listed(items, collate_of(dataset))
+    show one class), as a map-style data set, and how they were taken, in words; a sharded stream's come from a
+    bounded number of its row groups, a stream of the component's own gives its first ones."""
+    if isinstance(dataset, ShardedStream):
+        sample = _Listed(dataset.sample(count), collate_of(dataset))
+        return sample, f"{len(sample)} of {len(dataset)} samples, from row groups spread over its shards"
+    if isinstance(dataset, IterableDataset):
+        sample = _Listed(own_stream.first_items(dataset, count), collate_of(dataset))
+        return sample, f"the first {len(sample)} samples of the data component's own stream"
     indices = sorted(set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()))
-    return Subset(dataset, indices)
+    return Subset(dataset, indices), f"{len(indices)} of {len(dataset)} samples spread over it"
 
 
 class _Listed(Dataset):

@@ -132,12 +132,9 @@ def grad_norm(parameters) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grads(parameters, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scales the gradients so that their global norm is at most `max_norm` (as clip_grad_norm_ does)."""
+    """Scales the gradients so that their global norm is at most `max_norm`, as clip_grad_norm_ does where the
+    parameters span meshes (train_step calls it only then)."""
     params = [p for p in parameters if p.grad is not None]
-    meshes = {getattr(p.grad, "device_mesh", None) for p in params}
-    if len(meshes) <= 1:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-        return
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # a number: DTensors of any mesh take it
     if coef < 1.0:
         for p in params:

@@ -26,6 +26,7 @@ import io
 import json
 import posixpath
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -161,6 +162,11 @@ class Manifest:
     @property
     def rows(self) -> int:
         return sum(s.rows for s in self.shards)
+
+    @cached_property
+    def row_groups(self) -> list[tuple[int, int, int]]:
+        """(shard index, row group index, rows) of every row group, in file order (read per sample: kept)."""
+        return [(s, g, group["rows"]) for s, shard in enumerate(self.shards) for g, group in enumerate(shard.row_groups)]
 
     @property
     def digest(self) -> str:

@@ -69,13 +69,6 @@ class ShardedStream(IterableDataset):
     def __len__(self) -> int:
         return self.manifest.rows
 
-    def identity(self) -> dict[str, Any]:
-        return identity_of(self.manifest)
-
-    def loader(self, batch: int, rank: int, world: int, seed: int, workers: int, pin_memory: bool) -> "StreamLoader":
-        """The training loader of this rank (components/data.py make_train_loader asks for it)."""
-        return StreamLoader(self, batch, rank, world, seed, workers, pin_memory)
-
     def dealt(self, deal: Deal) -> "ShardedStream":
         dealt = copy.copy(self)
         dealt.deal = deal
@@ -104,7 +97,7 @@ class ShardedStream(IterableDataset):
     def sample(self, count: int) -> list[tuple[Any, Any]]:
         """About `count` samples spread over the split, read from at most SAMPLE_GROUPS row groups (the drift
         reference and int8 calibration take them): bounded reads, the same samples every time."""
-        groups = [(s, g) for s, shard in enumerate(self.manifest.shards) for g in range(len(shard.row_groups))]
+        groups = [(s, g) for s, g, _ in self.manifest.row_groups]
         picked = [groups[round(i * (len(groups) - 1) / max(1, min(SAMPLE_GROUPS, len(groups)) - 1))]
                   for i in range(min(SAMPLE_GROUPS, len(groups)))]
         picked = list(dict.fromkeys(picked))
@@ -129,15 +122,11 @@ class ShardRows(Dataset):
 
     def __init__(self, location: str, check: bool = True):
         self.manifest = opened(self, location, check)
-        self._starts = np.cumsum([0] + [g["rows"] for s in self.manifest.shards for g in s.row_groups])
-        self._groups = [(s, g) for s, shard in enumerate(self.manifest.shards) for g in range(len(shard.row_groups))]
+        self._starts = np.cumsum([0] + [rows for _, _, rows in self.manifest.row_groups])
         self._cache: _GroupCache | None = None
 
     def __len__(self) -> int:
         return self.manifest.rows
-
-    def identity(self) -> dict[str, Any]:
-        return identity_of(self.manifest)
 
     def __getitem__(self, index: int):
         if not -len(self) <= index < len(self):
@@ -146,7 +135,7 @@ class ShardRows(Dataset):
         block = int(np.searchsorted(self._starts, index, side="right")) - 1
         if self._cache is None or self._cache.pid != os.getpid():  # a forked worker opens its own files
             self._cache = _GroupCache(self.manifest)
-        group = self._cache.get(*self._groups[block])
+        group = self._cache.get(*self.manifest.row_groups[block][:2])
         row = np.array([index - self._starts[block]])
         return next(shard_format.samples_of(shard_format.take(group, row), self.manifest.structure))[1]
 
@@ -237,11 +226,9 @@ def _rng(*key: int) -> np.random.Generator:
 def _file_order(manifest: shard_format.Manifest) -> Iterator[tuple[int, tuple]]:
     reader = shard_format.ShardReader(manifest)
     try:
-        for s, shard in enumerate(manifest.shards):
-            for g in range(len(shard.row_groups)):
-                group = reader.read_group(s, g)
-                yield from shard_format.samples_of(shard_format.take(group, np.arange(len(group["id"]))),
-                                                   manifest.structure)
+        for s, g, rows in manifest.row_groups:
+            yield from shard_format.samples_of(shard_format.take(reader.read_group(s, g), np.arange(rows)),
+                                               manifest.structure)
     finally:
         reader.close()
 
