@@ -161,7 +161,10 @@ class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model, each sharded over dp_shard ranks (FSDP2 on a 2-D device mesh: gradients reduce-scattered within a replica, all-reduced across replicas); >1 needs train.strategy=fsdp.")
     dp_shard: int = Field(0, ge=0, description="Ranks each replica's parameters are sharded over; 0 = what the world size leaves, world / (dp_replicate x tp x pp).")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree: the model's attention and MLP projections split over this many neighbouring ranks (DTensor parallelize_module; the model's own tensor_parallel_plan(), or a family known by its module names: BERT-style, LLaMA-style). With data-parallel ranks beside it, train.strategy=fsdp.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: not built yet, 1.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: the model cut into this many stages, one a rank (torch.distributed.pipelining's tracer: the model must be one torch.export graph), micro-batches streamed through them. With data-parallel ranks beside it, train.strategy=ddp (each stage's copies).")
+    pp_split: list[str] = Field(default_factory=list, description="With pp: the pp-1 modules where stages 2..pp begin, in forward order (e.g. [encoder.layers.1]); empty = the model's repeated block dealt evenly over the stages.")
+    pp_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="With pp: 1F1B (a backward as soon as a micro-batch's forward is done: activations of at most pp micro-batches held) or GPipe (all forwards, then all backwards).")
+    pp_microbatches: int = Field(0, ge=0, description="With pp: micro-batches each rank's batch is cut into (it must divide the batch); 0 = 2 x pp. More shrinks the pipeline's idle bubble, (pp-1)/(microbatches+pp-1) of a step.")
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """{dp_replicate, dp_shard, tp, pp} with dp_shard resolved; ConfigError when their product is not the world."""
@@ -307,6 +310,29 @@ class Config(Section):
         return self
 
 
+def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) -> None:
+    """What pipeline parallelism does not combine with yet, and a batch its micro-batches divide."""
+    pp = degrees["pp"]
+    refused = {"train.parallel.tp": degrees["tp"] > 1, "train.compile": t.compile, "train.precision=fp16": t.precision == "fp16",
+               "train.strategy=fsdp beside data-parallel ranks": t.strategy == "fsdp" and data_parallel > 1}
+    named = [name for name, on in refused.items() if on]
+    if named:
+        raise ConfigError(f"train.parallel.pp={pp} with {', '.join(named)}: not built yet (pipeline stages run as traced "
+                          "graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); set "
+                          "train.parallel.tp=1, train.compile=false, train.precision=bf16, train.strategy=ddp")
+    microbatches = t.parallel.pp_microbatches or 2 * pp
+    rows = t.global_batch_size // (data_parallel * t.grad_accum_steps)
+    if rows % microbatches or rows < microbatches:
+        raise ConfigError(f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "
+                          f"{t.global_batch_size} / {data_parallel} data-parallel rank(s) / grad_accum_steps "
+                          f"{t.grad_accum_steps}) does not split into {microbatches} equal micro-batches "
+                          f"(train.parallel.pp_microbatches{'=0: 2 x pp' if not t.parallel.pp_microbatches else ''}); "
+                          "choose pp_microbatches dividing it, or a global_batch_size it divides")
+    if t.parallel.pp_schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"train.parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+                          f"pp_microbatches={microbatches} < pp={pp}; raise pp_microbatches or use pp_schedule=gpipe")
+
+
 def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1) -> None:
     """Rules that depend on the launch, checked before any work starts."""
     t = cfg.train
@@ -324,14 +350,10 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
     if t.device == "cuda" and not cuda_available:
         raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu")
     degrees = t.parallel.degrees(world_size)
-    if degrees["pp"] > 1:
-        raise ConfigError(f"train.parallel.pp={degrees['pp']}: pipeline parallelism is not built yet; use "
-                          "train.parallel.tp (tensor parallel), dp_replicate and dp_shard (HSDP, train.strategy=fsdp), "
-                          "or FSDP2 alone")
+    data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
     if degrees["tp"] > 1 and t.compile:
         raise ConfigError(f"train.compile with train.parallel.tp={degrees['tp']}: compiling a tensor-parallel model is "
                           "not built yet; set train.compile=false")
-    data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
     if degrees["tp"] > 1 and data_parallel > 1 and t.strategy != "fsdp":
         raise ConfigError(f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "
                           "train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)")
@@ -343,11 +365,13 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
     if t.global_batch_size % per_step:
         lower = (t.global_batch_size // per_step) * per_step or per_step
         ranks = f"world size ({world_size})" if data_parallel == world_size else \
-            f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']})"
+            f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']} / pp {degrees['pp']})"
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must divide by {ranks} x "
             f"train.grad_accum_steps ({t.grad_accum_steps}) = {per_step}; "
             f"try train.global_batch_size={lower} or {lower + per_step}")
+    if degrees["pp"] > 1:
+        check_pipeline(t, degrees, data_parallel)
 
 
 # --- loading -------------------------------------------------------------------------------

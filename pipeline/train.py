@@ -46,7 +46,7 @@ from pipeline.components.own_stream import OwnStreamLoader, check_length, has_le
 from pipeline.components.reference import model_short_name, short_name
 from pipeline.tasks import build_task
 from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
-from pipeline.distributed import DistInfo, launch, mesh, replicas, tensor_parallel
+from pipeline.distributed import DistInfo, gradients, launch, mesh, pipeline_parallel, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.tools import stopping
@@ -104,9 +104,12 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         channels_last = uses_channels_last(cfg.train, info, plain_model)
         if info.device.type == "cuda":
             log.info("channels_last %s (train.channels_last=%s)", "on" if channels_last else "off", cfg.train.channels_last)
-        model = wrap_model(plain_model, cfg.train, precision, info)
-        optimizer = build_optimizer(model.parameters(), cfg.optim)
+        device_mesh = mesh.build(cfg.train, info)
         layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
+        pipe = build_pipeline(plain_model, cfg.train, splits, task, layout, device_mesh, info, precision) \
+            if layout.pp > 1 else None
+        model = pipe.module if pipe else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+        optimizer = build_optimizer(model.parameters(), cfg.optim)
         batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
         loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
                                    cfg.data.num_workers, pin_memory=info.device.type == "cuda",
@@ -120,7 +123,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         resume_path = checkpoint_store.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
-            meta = checkpoint.load(resume_path, model, optimizer, info)
+            meta = checkpoint.load(resume_path, model, optimizer, info, held_elsewhere(manifest, model))
             step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
             monitor.restore(meta["train_state"].get("monitor"))
             if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
@@ -157,13 +160,14 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
 
         eval_every = cfg.train.eval_every or max(1, steps_per_epoch or total_steps)
         run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
-                       meta, uploads, total_steps, eval_every, step, epoch, layout, channels_last)
+                       meta, uploads, total_steps, eval_every, step, epoch, layout, channels_last, pipe,
+                       mesh.replica_group(cfg.train, info, device_mesh), mesh.stage_group(device_mesh))
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
         metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
-                                                    loop.step, channels_last, layout)
+                                                    loop.step, channels_last, layout, pipe, run.stage_group)
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
@@ -192,14 +196,36 @@ def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
     """Optimizer steps an epoch; None for a stream of the data component's own that has no len() (then
     train.max_steps says how long to train)."""
     if isinstance(loader, OwnStreamLoader):
-        if layout.tp > 1:
+        if layout.tp > 1 or layout.pp > 1:
             raise ConfigError("a stream of the data component's own deals itself by rank, and the ranks of a "
-                              f"tensor-parallel group (train.parallel.tp={layout.tp}) must read the same batches: write "
-                              "it as shards (`pipeline data shard`), which are dealt over the data-parallel ranks")
+                              f"tensor-parallel group or a pipeline (train.parallel.tp={layout.tp}, pp={layout.pp}) must "
+                              "read the same batches: write it as shards (`pipeline data shard`), which are dealt over "
+                              "the data-parallel ranks")
         check_length(loader.dataset, t.max_steps)  # (the launcher checked it too; not a run under your own torchrun)
         if not has_length(loader.dataset):
             return None
     return len(loader) // t.grad_accum_steps
+
+
+def build_pipeline(plain_model, t: TrainConfig, splits: Splits, task, layout: mesh.Layout, device_mesh, info: DistInfo,
+                   precision: str) -> pipeline_parallel.Pipeline:
+    """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
+    micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
+    gradients are their mean, as one batch's would be."""
+    microbatches = t.parallel.pp_microbatches or 2 * layout.pp
+    rows = t.global_batch_size // (layout.dp_size * t.grad_accum_steps)
+    example, _ = first_batch(splits.train, rows // microbatches)
+    per_step = microbatches * t.grad_accum_steps
+    return pipeline_parallel.build(
+        plain_model.to(info.device), to_device(example, info.device), layout, device_mesh["pp"].get_group(),
+        info.device, microbatches, t.parallel.pp_split, t.parallel.pp_schedule,
+        loss_fn=lambda output, target: task.loss(output, target) / per_step,
+        wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh))
+
+
+def held_elsewhere(manifest: dict, model) -> frozenset[str]:
+    """The model's state keys that other ranks' pipeline stages hold (none without a pipeline)."""
+    return frozenset(manifest) - set(getattr(model, "module", model).state_dict())
 
 
 def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
@@ -317,6 +343,9 @@ class Training:
     epoch: int = 0
     layout: mesh.Layout | None = None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
     channels_last: bool = False        # NHWC inputs (parallelize.uses_channels_last decided it for this model)
+    pipe: pipeline_parallel.Pipeline | None = None  # this rank's pipeline stage and its schedules (train.parallel.pp)
+    replica_group: Any = None          # the ranks holding copies of this rank's tensors (mesh.replica_group)
+    stage_group: Any = None            # the ranks holding this rank's pipeline stage (None: the world)
 
 
 @dataclass
@@ -333,7 +362,8 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
     splits, task, monitor, info, precision = run.splits, run.task, run.monitor, run.info, run.precision
     step, epoch, total_steps, eval_every = run.step, run.epoch, run.total_steps, run.eval_every
     ckpt_root, meta, uploads = run.ckpt_root, run.meta, run.uploads
-    channels_last = run.channels_last
+    channels_last, pipe, layout = run.channels_last, run.pipe, run.layout or mesh.Layout(info.rank, info.world_size, 0, 1)
+    stages = pipe.group if pipe else None
     losses: list[float] = []
     evaluated = None
     saver = Saver(ckpt_root, info, ckpt_cfg.keep_last, ckpt_cfg.async_save)
@@ -354,7 +384,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
                                     t.clip_grad_norm, want_norm=log_now, channels_last=channels_last,
-                                    loss_fn=task.loss)
+                                    loss_fn=task.loss, pipe=pipe, stages=stages)
             scheduler.step()
             step += 1
             window_loss += loss
@@ -362,12 +392,12 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             progress.update(1)
             every = ckpt_cfg.every_n_steps
             eval_now = step % eval_every == 0 or step == total_steps
-            check_now = t.strategy == "ddp" and t.parallel.tp == 1 and (step == total_steps
-                                                 or (t.consistency_every and step % t.consistency_every == 0))
+            check_now = run.replica_group is not None and (step == total_steps
+                                                           or (t.consistency_every and step % t.consistency_every == 0))
             if log_now or eval_now or check_now or (every and step % every == 0):
                 # Also before anything reads the weights (an evaluation, the replica check, a save), not
                 # only at log steps: diverged weights must not be judged, compared, or saved for a resume.
-                mean_loss = mean_loss_over_ranks(window_loss, window_steps, step, info)
+                mean_loss = mean_loss_over_ranks(window_loss, window_steps, step, info, layout)
             if log_now:
                 elapsed = time.perf_counter() - window_start
                 metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": norm,
@@ -381,14 +411,15 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
                 window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
             evaluated, best = None, False
             if eval_now:
-                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last, run.layout)
+                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last, run.layout,
+                                     pipe, run.stage_group)
                 best = judge(monitor, evaluated[0], step, info)
             if check_now:
-                replicas.sync_buffers(model)
-                replicas.check(model, step)  # the final weights are what every later stage uses
+                replicas.sync_buffers(model, run.stage_group)
+                replicas.check(model, step, run.replica_group)  # the final weights are what every later stage uses
             inject_fault("step", step, info)
             if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
-                replicas.sync_buffers(model)  # save rank 0's BatchNorm statistics, whichever rank DCP picks
+                replicas.sync_buffers(model, run.stage_group)  # save one BatchNorm statistics, whichever rank DCP picks
                 meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor)
                 meta["val_metrics"] = evaluated[0] if evaluated else None
                 saver.save(step, model, optimizer, meta, (monitor.best_step,),
@@ -432,8 +463,10 @@ def new_window(info: DistInfo) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64, device=info.device)
 
 
-def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int, info: DistInfo) -> float:
-    """The mean training loss over the window's steps and every rank: collective, and the loop's one
+def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int, info: DistInfo,
+                         layout: mesh.Layout | None = None) -> float:
+    """The mean training loss over the window's steps and every rank that computes one (a pipeline's earlier
+    stages add 0, see Layout.holds_loss): collective, and the loop's one
     read of the loss. Every rank raises TrainingDiverged here, at the same step, when any rank's loss
     was NaN or infinite: a rank raising alone would leave its peers blocked in their next collective,
     which under NCCL waits out the 10-minute timeout, beyond the reach of a SIGTERM handler, until
@@ -442,7 +475,8 @@ def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int
     values[0] = window_loss
     values[1 + info.rank] = (~torch.isfinite(window_loss)).double()  # which ranks, for the message
     total, *flags = distributed.sum_over_ranks(values, info).tolist()
-    mean = total / (window_steps * info.world_size)
+    holders = info.world_size // (layout.pp if layout else 1)
+    mean = total / (window_steps * holders)
     bad = [rank for rank, flag in enumerate(flags) if flag]
     if bad:
         raise TrainingDiverged(f"the training loss is {mean} (not finite on rank {', '.join(map(str, bad))}, between "
@@ -462,17 +496,24 @@ def chunked(loader, size: int):
 
 
 def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
-               clip_grad_norm: float, want_norm: bool, *, loss_fn: Callable, channels_last: bool = False
-               ) -> tuple[torch.Tensor, float]:
+               clip_grad_norm: float, want_norm: bool, *, loss_fn: Callable, channels_last: bool = False,
+               pipe: pipeline_parallel.Pipeline | None = None, stages=None) -> tuple[torch.Tensor, float]:
     """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss, a 0-d
-    float64 tensor on the device, and the global grad norm (NaN unless asked for: reading it, like
-    reading the loss, waits for the GPU; the loop reads both only when it logs, and checks there that
-    the loss is finite, see `mean_loss_over_ranks`)."""
+    float64 tensor on the device (0 on a pipeline's earlier stages), and the global grad norm (NaN unless asked
+    for: reading it, like reading the loss, waits for the GPU; the loop reads both only when it logs, and checks
+    there that the loss is finite, see `mean_loss_over_ranks`). With `pipe`, each micro-batch goes through the
+    pipeline's schedule (its own micro-batches, forward and backward, its loss function scaled for both), and
+    `stages` is the pipeline's process group, over which the gradient norm is whole."""
     accum = len(micro_batches)
     total = torch.zeros((), dtype=torch.float64, device=info.device)
     for i, (inputs, target) in enumerate(micro_batches):
         inputs = to_device(inputs, info.device, channels_last)
         target = to_device(target, info.device)  # a tensor, or a dict/tuple of them (custom tasks)
+        if pipe:
+            with amp.autocast(precision, info.device):  # the stage's forwards run inside the schedule's step
+                loss = pipe.step(inputs, target)
+            total += loss if loss is not None else 0.0
+            continue
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
         with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
             loss = loss_fn(forward(model, inputs), target) / accum
@@ -481,10 +522,10 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
-        if tensor_parallel.spans_meshes(model.parameters()):  # split projections beside the replicated rest
-            total_norm = tensor_parallel.grad_norm(model.parameters())
+        if gradients.needs_own_norm(model.parameters(), stages):  # split projections, or a pipeline's stages
+            total_norm = gradients.grad_norm(model.parameters(), stages)
             if clip_grad_norm:
-                tensor_parallel.clip_grads(model.parameters(), clip_grad_norm, total_norm)
+                gradients.clip_grads(model.parameters(), clip_grad_norm, total_norm)
         elif clip_grad_norm:
             total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
@@ -507,26 +548,30 @@ def sync_context(model, last_micro_batch: bool):
 
 @torch.no_grad()
 def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_workers: int = 0,
-             step: int | None = None, channels_last: bool = False,
-             layout: mesh.Layout | None = None) -> tuple[dict[str, float], dict]:
+             step: int | None = None, channels_last: bool = False, layout: mesh.Layout | None = None,
+             pipe: pipeline_parallel.Pipeline | None = None, stage_group=None) -> tuple[dict[str, float], dict]:
     """The task's metrics over the whole validation split, each data-parallel rank on its own disjoint shard
-    (the ranks of a tensor-parallel group compute one shard together, and one of them counts it); returns
-    them and the reduced state (for the plot). Logged as val/<metric> at `step`."""
+    (the ranks of a tensor-parallel group compute one shard together, and one of them counts it; a pipeline's
+    stages pass each batch on, and its last stage counts it); returns them and the reduced state (for the plot).
+    Logged as val/<metric> at `step`."""
     layout = layout or mesh.Layout(info.rank, info.world_size, 0, 1)
-    replicas.sync_buffers(model)  # every rank evaluates with the same BatchNorm statistics
+    replicas.sync_buffers(model, stage_group)  # every rank evaluates with the same BatchNorm statistics
     model.eval()
     shard = eval_shard(splits.val, layout.dp_rank, layout.dp_size)
-    # Every rank runs the same number of forwards (FSDP all-gathers inside each one).
+    # Every rank runs the same number of forwards (FSDP all-gathers inside each one). A pipeline's batches are
+    # the size its graphs were traced at.
+    batch_size = pipe.rows if pipe else EVAL_BATCH
     per_rank = -(-len(splits.val) // layout.dp_size)
-    n_batches = max(1, -(-per_rank // EVAL_BATCH))
-    batches = iter(eval_loader(shard, EVAL_BATCH, num_workers, pin_memory=info.device.type == "cuda"))
+    n_batches = max(1, -(-per_rank // batch_size))
+    batches = iter(eval_loader(shard, batch_size, num_workers, pin_memory=info.device.type == "cuda"))
     state = task.new_state(info.device)
     for _ in range(n_batches):
         batch = next(batches, None)
         filler = batch is None  # this rank's shard ran out: a forward all the same, its output unused
         inputs, target = first_batch(splits.val, 1) if filler else batch
         with amp.autocast(precision, info.device):
-            output = forward(model, to_device(inputs, info.device, channels_last))
+            inputs = to_device(inputs, info.device, channels_last)
+            output = pipe.forward(inputs) if pipe else forward(model, inputs)
         if not filler and layout.reads_for_its_group:
             task.update(state, task.named(output), to_device(target, info.device))
     task.reduce(state, info)

@@ -106,7 +106,7 @@ def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
     model = instantiate_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer.param_groups[0]["evil"] = 0  # the key must be asked for, as a resume with that optimizer would
-    with pytest.raises(CheckpointError, match="entry optim.param_groups.0.evil refused, nothing in it was run"):
+    with pytest.raises(CheckpointError, match=r"entry optim.param_groups.[\w.]+.evil refused, nothing in it was run"):
         checkpoint.load(ckpt, model, optimizer, CPU1)
     assert not ran.exists()
     # and a plain checkpoint still loads, hyperparameters included

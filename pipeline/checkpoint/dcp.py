@@ -2,7 +2,10 @@
 (synchronously, or in a background thread: checkpoint.async_save, AsyncWriter), published as layout.py says.
 
 Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever the strategy),
-`optim.state.<fqn>.<name>`, `optim.param_groups...`, and `rng.rank<r>.*` per rank. An asynchronous save keeps the
+`optim.state.<fqn>.<name>`, `optim.param_groups.<fqn>.<name>` (the optimizer state flattened by parameter, as
+torchtitan stores it: each pipeline stage's ranks save only their parameters' groups, and the nested layout's
+`optim.param_groups.0.*` of every stage would be one key, DCP keeping one stage's; checkpoints of the nested
+layout still load, dcp_read.py tells them apart), and `rng.rank<r>.*` per rank. An asynchronous save keeps the
 layout's invariant: its publish runs, in a background thread, only once every rank's write has finished.
 
 On an object store every rank writes its shards straight into `step_N/` (DCP's FsspecWriter; each object appears
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
@@ -81,7 +84,7 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
                 shutil.rmtree(tmp)
     barrier(info)
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": rng_state()}}
     pending = PendingSave(step, tmp, final, dict(meta))
     try:

@@ -169,13 +169,15 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata) -> None:
-    """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load."""
+def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata,
+                     held_elsewhere: frozenset[str] = frozenset()) -> None:
+    """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load. A pipeline
+    stage loads its own keys; those of the other stages (`held_elsewhere`) are expected in the checkpoint."""
     stored = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
     missing = sorted(set(wanted) - set(stored))
-    extra = sorted(set(stored) - set(wanted))
+    extra = sorted(set(stored) - set(wanted) - held_elsewhere)
     shapes = sorted(k for k in set(wanted) & set(stored) if wanted[k] != stored[k])
     if missing or extra or shapes:
         lines = [f"checkpoint '{path}' does not match the model being built:"]
@@ -187,18 +189,20 @@ def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata) -
         raise CheckpointError("\n".join(lines))
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo) -> dict:
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo,
+         held_elsewhere: frozenset[str] = frozenset()) -> dict:
     """Collective. Loads model (+ optimizer, + this rank's RNG when present) in place; returns the meta.
 
     DCP reshards on load, so a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
     """
     path = path if is_url(path) else Path(path)
     meta = read_meta(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
-        get_state_dict(model, [])[0], None)
     reader = metadata_reader(path)  # .metadata unpickled once, for the check and for the load
     metadata = reader.metadata
-    check_compatible(path, model_sd, metadata)
+    options = StateDictOptions(strict=True, flatten_optimizer_state_dict=optimizer_flattened(metadata))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options) if optimizer is not None else (
+        get_state_dict(model, [], options=options)[0], None)
+    check_compatible(path, model_sd, metadata, held_elsewhere)
     state: dict[str, Any] = {"model": model_sd}
     if optim_sd is not None:
         state["optim"] = optim_sd
@@ -216,10 +220,16 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         raise CheckpointError(f"checkpoint '{path}' could not be read: {first_failure(exc)}") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}),
-                   options=StateDictOptions(strict=True))
+                   options=options)
     if has_rng:
         set_rng_state(state["rng"][rng_key])
     return meta
+
+
+def optimizer_flattened(metadata: Metadata) -> bool:
+    """Whether the optimizer state was saved by parameter (`optim.param_groups.<fqn>.lr`, what dcp.py writes) or
+    nested (`optim.param_groups.<i>.params`, checkpoints written before pipeline parallelism)."""
+    return not any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in metadata.state_dict_metadata)
 
 
 def first_failure(exc: BaseException) -> str:

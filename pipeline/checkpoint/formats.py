@@ -29,7 +29,7 @@ class CheckpointFormat(Protocol):
                     group: Any = None) -> Path: ...
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             info: DistInfo) -> dict: ...
+             info: DistInfo, held_elsewhere: frozenset[str] = frozenset()) -> dict: ...
 
 
 # name -> module; the first is the one saved. trainserve-dcp/1 (before components) is read by the same code.
@@ -54,6 +54,8 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     return WRITTEN.finish_save(WRITTEN.start_save(root, step, model, optimizer, meta, info), info, keep_last, protect)
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo) -> dict:
-    """Collective. Loads the model (and optimizer, and this rank's RNG where present) in place; returns the meta."""
-    return of(path).load(path, model, optimizer, info)
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo,
+         held_elsewhere: frozenset[str] = frozenset()) -> dict:
+    """Collective. Loads the model (and optimizer, and this rank's RNG where present) in place; returns the meta.
+    `held_elsewhere`: the model's keys that other ranks' pipeline stages hold (the checkpoint has them too)."""
+    return of(path).load(path, model, optimizer, info, held_elsewhere)

@@ -1,9 +1,10 @@
 """The device mesh of train.parallel: which ranks replicate, shard, or split the model's tensors, and where
 this rank sits in it.
 
-Ranks are laid out as torchtitan lays them, row-major over (dp_replicate, dp_shard, tp): the `tp` ranks of a
-tensor-parallel group are neighbours (one node's fast links), the data-parallel ranks stride over them. The
-data is dealt over the data-parallel ranks only: every rank of a tensor-parallel group reads the same batch.
+Ranks are laid out as torchtitan lays them, row-major over (pp, dp_replicate, dp_shard, tp): the `tp` ranks of a
+tensor-parallel group are neighbours (one node's fast links), the data-parallel ranks stride over them, and the
+pipeline stages are the outermost (their point-to-point sends cross the slow links best). The data is dealt
+over the data-parallel ranks only: every rank of a tensor-parallel group and of a pipeline reads the same batch.
 """
 
 from __future__ import annotations
@@ -22,31 +23,42 @@ class Layout:
     dp_size: int
     tp_rank: int
     tp: int
+    pp_rank: int = 0
+    pp: int = 1
 
     @property
     def reads_for_its_group(self) -> bool:
-        """The rank whose evaluation counts for its tensor-parallel group (all of them compute the same)."""
-        return self.tp_rank == 0
+        """The rank whose evaluation counts for its group: of a tensor-parallel group (all of them compute the same),
+        the first; of a pipeline, a rank of the last stage (the one that has the model's output)."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp - 1
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank computes the training loss: every rank but those of a pipeline's earlier stages."""
+        return self.pp_rank == self.pp - 1
 
 
 def layout(train_cfg, info: DistInfo) -> Layout:
     degrees = train_cfg.parallel.degrees(info.world_size)
-    tp = degrees["tp"]
-    return Layout(info.rank // tp, info.world_size // tp, info.rank % tp, tp)
+    tp, pp = degrees["tp"], degrees["pp"]
+    per_stage = info.world_size // pp
+    within = info.rank % per_stage
+    return Layout(within // tp, per_stage // tp, within % tp, tp, info.rank // per_stage, pp)
 
 
 def build(train_cfg, info: DistInfo):
-    """The DeviceMesh ("dp_replicate", "dp_shard", "tp") when train.parallel asks for more than FSDP2 over the
-    whole world (replicas or tensor parallelism); else None (DDP, or FSDP2's default 1-D mesh)."""
+    """The DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") when train.parallel asks for more than data
+    parallelism over the whole world (replicas, tensor or pipeline parallelism); else None (DDP, or FSDP2's default
+    1-D mesh)."""
     degrees = train_cfg.parallel.degrees(info.world_size)
-    if degrees["dp_replicate"] == 1 and degrees["tp"] == 1:
+    if degrees["dp_replicate"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"])
-    log.info("device mesh: %d replicas x %d shards x %d tensor-parallel%s", *shape,
-             " (HSDP)" if shape[0] > 1 else "")
-    return init_device_mesh(info.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    shape = (degrees["pp"], degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"])
+    log.info("device mesh: %d pipeline stages x %d replicas x %d shards x %d tensor-parallel%s", *shape,
+             " (HSDP)" if shape[1] > 1 else "")
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
 
 def data_parallel(mesh):
@@ -54,3 +66,27 @@ def data_parallel(mesh):
     if mesh is None:
         return None
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
+def replica_group(train_cfg, info: DistInfo, device_mesh):
+    """The process group of the ranks that hold the same tensors as this one (DDP's replicas, a pipeline stage's
+    data-parallel copies, HSDP's replicas of a shard): what the replica check compares over. None where no other
+    rank holds a copy (one data-parallel rank; FSDP2 alone; tensor parallelism, whose ranks hold different halves)."""
+    import torch.distributed as dist
+
+    if not info.distributed:
+        return None
+    if device_mesh is None:
+        return dist.group.WORLD if train_cfg.strategy == "ddp" else None
+    if device_mesh["tp"].size() > 1:
+        return None
+    copies = device_mesh["dp_shard"] if train_cfg.strategy == "ddp" else device_mesh["dp_replicate"]
+    return copies.get_group() if copies.size() > 1 else None
+
+
+def stage_group(device_mesh):
+    """The ranks of this rank's pipeline stage (they hold its buffers); None (the world) without a pipeline. A stage's
+    ranks are its data-parallel copies: pipeline parallelism does not combine with tensor parallelism or HSDP yet."""
+    if device_mesh is None or device_mesh["pp"].size() == 1:
+        return None
+    return device_mesh["dp_shard"].get_group()

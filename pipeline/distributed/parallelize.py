@@ -1,5 +1,6 @@
 """The model on its device and across ranks: SyncBatchNorm, memory format, tensor parallelism (tensor_parallel.py,
-on the device mesh of mesh.py), DDP or FSDP2 (HSDP on a mesh with replicas).
+on the device mesh of mesh.py), DDP or FSDP2 (HSDP on a mesh with replicas). A pipeline's stage
+(pipeline_parallel.py) is wrapped here the same way.
 
 FSDP2 shards the model in units: each unit's parameters are all-gathered just before its forward
 and freed after, so a unit should be one repeated block (a transformer layer, a residual block).
@@ -39,7 +40,10 @@ def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None
     return model is not None and any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> nn.Module:
+def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo, device_mesh=None) -> nn.Module:
+    """`model` (the whole model, or this rank's pipeline stage) on its device, split over the mesh's tensor-parallel
+    ranks and wrapped for its data-parallel ones: DDP (over the whole world, or the stage's copies on a mesh) or
+    FSDP2 (HSDP on a mesh with replicas)."""
     if train_cfg.sync_batchnorm and info.distributed:
         if info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -51,9 +55,9 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
     model = model.to(info.device)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = train_cfg.cudnn_benchmark
-    device_mesh = mesh.build(train_cfg, info)
-    if device_mesh is not None and device_mesh["tp"].size() > 1:
-        tensor_parallel.parallelize(model, device_mesh["tp"], device_mesh["tp"].size())
+    if device_mesh is not None:
+        if device_mesh["tp"].size() > 1:
+            tensor_parallel.parallelize(model, device_mesh["tp"], device_mesh["tp"].size())
         if device_mesh["dp_replicate"].size() * device_mesh["dp_shard"].size() == 1:
             return model  # no data-parallel ranks: nothing to wrap (the replicated rest is the same on every rank)
     if train_cfg.strategy == "fsdp":
@@ -64,7 +68,8 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo) -> n
     if uses_channels_last(train_cfg, info, model):
         model = model.to(memory_format=torch.channels_last)
     if info.distributed:
-        model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                    process_group=mesh.data_parallel(device_mesh).get_group() if device_mesh is not None else None)
     if train_cfg.compile:
         # In place (the parameter names stay those of the checkpoints) and after DDP: compiling the
         # DDP module lets TorchDynamo's DDPOptimizer split the graph at the gradient buckets, so the

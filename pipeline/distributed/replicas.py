@@ -25,6 +25,7 @@ def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     names, sums = [], []
     for name, tensor in named_state(model):
         t = tensor.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # HSDP: this rank's shard, the same on each replica
         names.append(name)
         # Sum and sum of squares in float64: a one-ulp change in a float32 element shows up.
         d = t.double()
@@ -32,25 +33,27 @@ def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     return names, torch.stack(sums)
 
 
-def sync_buffers(model: torch.nn.Module) -> None:
-    """Rank 0's buffers on every rank. DDP does this at the start of each forward, so after a
+def sync_buffers(model: torch.nn.Module, group=None) -> None:
+    """The first rank's buffers on every rank of `group` (the world, or the ranks of one pipeline stage, whose
+    buffers are the stage's). DDP does this at the start of each forward, so after a
     step BatchNorm's running statistics still hold each rank's own batch; sync before comparing
     or saving, so that every copy is the one the next forward would use."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     module = getattr(model, "module", model)
     for buffer in module.buffers():
-        dist.broadcast(buffer.data, src=0)
+        dist.broadcast(buffer.data, group=group, group_src=0)
 
 
-def check(model: torch.nn.Module, step: int) -> None:
-    """Collective: every rank calls it at the same step. Raises ReplicaDivergence on all ranks."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def check(model: torch.nn.Module, step: int, group=None) -> None:
+    """Collective over `group` (the ranks that hold copies of the same tensors; None: the world): every rank
+    calls it at the same step. Raises ReplicaDivergence on all of them."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     names, local = checksums(model)
     hi, lo = local.clone(), local.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     differs = (hi != lo).any(dim=1).nonzero().flatten().tolist()
     if differs:
         first = differs[0]

@@ -106,36 +106,3 @@ def parallelize(model: nn.Module, tp_mesh, tp: int) -> nn.Module:
               else style for name, style in plan.items()}
     log.info("tensor parallel over %d ranks: %d projections split (%s)", tp, len(styles), source)
     return parallelize_module(model, tp_mesh, styles)
-
-
-def spans_meshes(parameters) -> bool:
-    """Parameters on more than one device mesh (or some on none): torch's clip_grad_norm_ can't stack their norms."""
-    return len({getattr(p, "device_mesh", None) for p in parameters}) > 1
-
-
-@torch.no_grad()
-def grad_norm(parameters) -> torch.Tensor:
-    """The global L2 norm of the gradients, whatever holds them: plain tensors (DDP), DTensors of one mesh (FSDP2)
-    or of several (tensor parallel beside the replicated rest): each mesh's norm made whole, then combined."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not norms:
-        return torch.zeros(())
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-
-
-@torch.no_grad()
-def clip_grads(parameters, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scales the gradients so that their global norm is at most `max_norm`, as clip_grad_norm_ does where the
-    parameters span meshes (train_step calls it only then)."""
-    params = [p for p in parameters if p.grad is not None]
-    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # a number: DTensors of any mesh take it
-    if coef < 1.0:
-        for p in params:
-            p.grad.mul_(coef)

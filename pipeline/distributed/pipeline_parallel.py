@@ -1,0 +1,173 @@
+"""Pipeline parallelism (train.parallel.pp): the model cut into `pp` stages at named modules, one stage a rank,
+and a schedule (1F1B or GPipe, torch.distributed.pipelining) that streams micro-batches of each step's batch
+through them, forward and backward.
+
+The cut is torch.distributed.pipelining's tracer (torch.export): it works on the model as written, with no
+change to its forward, and each stage keeps the model's own parameter names ("encoder.layers.1.linear1.weight"),
+so a stage's DCP shard, the consolidated file and everything after it are those of a DDP run. The price of
+tracing: a traced graph has fixed shapes (a step's micro-batches are all traced-size; evaluation pads its
+batches to that size) and fixed train/eval behaviour (dropout, BatchNorm), so the model is traced twice, once in
+each mode, both graphs running on the same parameters.
+
+Where stages begin: `train.parallel.pp_split` names the modules, or the model's repeated block (a transformer
+layer, a residual block; see parallelize.repeated_block) is dealt evenly over the stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pipeline.config import ConfigError
+from pipeline.distributed.mesh import Layout
+
+log = logging.getLogger(__name__)
+
+
+def split_points(model: nn.Module, pp: int, named: list[str]) -> list[str]:
+    """The modules where stages 1..pp-1 begin: `named` (train.parallel.pp_split) checked against the model, or the
+    repeated block's instances dealt evenly over the stages."""
+    from pipeline.distributed.parallelize import repeated_block
+
+    modules = dict(model.named_modules())
+    if named:
+        unknown = [n for n in named if n not in modules]
+        if unknown or len(named) != pp - 1:
+            blocks = block_names(model, repeated_block(model))
+            raise ConfigError(f"train.parallel.pp_split={named}: {'no module ' + ', '.join(unknown) + ' in the model; ' if unknown else ''}"
+                              f"it names the {pp - 1} module(s) where stages 2..{pp} begin (pp={pp}), in forward "
+                              f"order, e.g. {blocks[len(blocks) // 2:len(blocks) // 2 + pp - 1] or ['<module name>']}")
+        return list(named)
+    block = repeated_block(model)
+    blocks = block_names(model, block)
+    if len(blocks) < pp:
+        raise ConfigError(f"train.parallel.pp={pp}: the model has {len(blocks)} repeated block(s) "
+                          f"({block or 'none found'}) to deal over {pp} stages; name where stages begin with "
+                          "train.parallel.pp_split=[<module>, ...], or use a smaller pp")
+    return [blocks[(k * len(blocks)) // pp] for k in range(1, pp)]
+
+
+def block_names(model: nn.Module, block: str | None) -> list[str]:
+    """The names of the outermost modules of class `block`, in registration (forward) order."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == block and not any(name.startswith(n + ".") for n in names):
+            names.append(name)
+    return names
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage and the schedules that run it. `module` is what the optimizer, checkpoints and replica
+    checks see (the train-mode stage, DDP-wrapped where the stage has data-parallel copies)."""
+    module: nn.Module
+    train_schedule: object
+    eval_schedule: object
+    rows: int               # the rows of one step's batch on this rank: micro-batches x traced micro-batch rows
+    microbatches: int
+    is_first: bool
+    is_last: bool
+    group: object           # the pipeline's process group: this rank and the other stages' ranks of its place
+
+    def step(self, inputs, target) -> torch.Tensor | None:
+        """Forward and backward of one batch through every stage; the last stage returns the sum of its
+        micro-batches' losses (each already scaled, see `build`), the others None."""
+        args, kwargs = as_arguments(inputs) if self.is_first else ((), {})
+        losses: list[torch.Tensor] = []
+        self.train_schedule.step(*args, target=target if self.is_last else None, losses=losses, **kwargs)
+        return torch.stack([loss.detach().double() for loss in losses]).sum() if self.is_last else None
+
+    @torch.no_grad()
+    def forward(self, inputs):
+        """The model's output on a batch of at most `rows` rows (padded to them: the graphs have fixed shapes),
+        on the last stage; None on the others."""
+        n = batch_rows(inputs)
+        padded = tree_map(lambda t: pad_rows(t, self.rows), inputs)
+        args, kwargs = as_arguments(padded) if self.is_first else ((), {})
+        output = self.eval_schedule.step(*args, **kwargs)
+        return tree_map(lambda t: t[:n], output) if self.is_last else None
+
+
+def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: torch.device, microbatches: int,
+          named_split: list[str], schedule: str, loss_fn, wrap) -> Pipeline:
+    """Traces `model` on one micro-batch (in train and in eval mode), keeps this rank's stage of each, and gives
+    the train-mode one to `wrap` (DDP over the stage's data-parallel copies, or nothing); `loss_fn(output,
+    target)` is the loss of one micro-batch, scaled by the caller for the accumulation."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
+    from torch.distributed.pipelining._IR import Pipe, annotate_split_points
+    from torch.distributed.pipelining.stage import build_stage
+
+    points = split_points(model, layout.pp, named_split)
+    annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
+    args, kwargs = as_arguments(example_micro_batch)
+    traced = {}
+    for mode in ("eval", "train"):  # both graphs hold the model's own parameters: one set of weights
+        model.train(mode == "train")
+        try:
+            with inputs_passed_on(model):
+                traced[mode] = Pipe.from_tracing(model, args, kwargs)
+        except Exception as exc:
+            cause = exc.__cause__ or exc
+            raise ConfigError(f"train.parallel.pp={layout.pp}: the model could not be traced into stages "
+                              f"({type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}); "
+                              "pipeline parallelism cuts a model torch.export can capture as one graph (no "
+                              "data-dependent Python control flow): fix that, or train with train.parallel.pp=1 "
+                              "(FSDP2 or tensor parallelism)") from exc
+    stage_index = layout.pp_rank
+    train_module = wrap(traced["train"].get_stage_module(stage_index))
+    eval_module = traced["eval"].get_stage_module(stage_index)
+    eval_module.eval()
+    log.info("pipeline stage %d of %d: from %s (%.2fM parameters), %s schedule, %d micro-batches of %d rows",
+             stage_index + 1, layout.pp, "the input" if stage_index == 0 else points[stage_index - 1],
+             sum(p.numel() for p in eval_module.parameters()) / 1e6, schedule, microbatches, batch_rows(args or kwargs))
+    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    # scale_grads=False: loss_fn is already divided by the micro-batches and accumulation steps, so gradients
+    # summed over several steps of the schedule (train.grad_accum_steps) are the mean, as without pipelining.
+    train_schedule = kind(build_stage(train_module, stage_index, traced["train"].info(), device, group),
+                          microbatches, loss_fn=loss_fn, scale_grads=False)
+    eval_schedule = ScheduleGPipe(build_stage(eval_module, stage_index, traced["eval"].info(), device, group),
+                                  microbatches)
+    rows = microbatches * batch_rows(args or kwargs)
+    return Pipeline(train_module, train_schedule, eval_schedule, rows, microbatches,
+                    stage_index == 0, stage_index == layout.pp - 1, group)
+
+
+@contextlib.contextmanager
+def inputs_passed_on(model: nn.Module):
+    """The model's forward with a copy of each input made first. A later stage may read an input again (the
+    transformer example's padding mask, read by its pooling after the encoder), and the tracer hands a stage
+    only what the stage before it computed: a copy made at the start is such a value, sent on from stage to
+    stage. The class is swapped, not wrapped, so the parameter names stay the model's."""
+    base = type(model)
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        return base.forward(self, *args, **kwargs)
+
+    model.__class__ = type(base.__name__, (base,), {"forward": forward})
+    try:
+        yield model
+    finally:
+        model.__class__ = base
+
+
+def as_arguments(inputs) -> tuple[tuple, dict]:
+    """A batch as the model's forward takes it: a dict as keyword arguments, a tensor positionally."""
+    return ((), dict(inputs)) if isinstance(inputs, dict) else ((inputs,), {})
+
+
+def batch_rows(inputs) -> int:
+    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0] if isinstance(inputs, tuple) else inputs
+    return len(leaf)
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with its first row repeated up to `rows` rows (outputs of the padding are dropped)."""
+    if len(t) > rows:
+        raise ValueError(f"a batch of {len(t)} rows for a pipeline traced at {rows}")
+    return t if len(t) == rows else torch.cat([t, t[:1].expand(rows - len(t), *t.shape[1:])])
