@@ -158,11 +158,11 @@ def test_a_kill_9_under_pipeline_parallelism_resumes_to_byte_identical_weights(p
 @pytest.mark.parametrize("overrides, world, message", [
     (["train.parallel.tp=2", "train.parallel.dp_shard=2"], 4, "beside 2 data-parallel ranks needs train.strategy=fsdp"),
     (["train.strategy=fsdp", "train.parallel.tp=2", "train.global_batch_size=33"], 4,
-     "must divide by the data-parallel ranks (2 = world size 4 / tp 2)"),
+     "must divide by the data-parallel ranks (2 = world size 4 / tp 2 / pp 1)"),
     (["train.parallel.pp=2", "train.parallel.tp=2"], 4, "train.parallel.pp=2 with train.parallel.tp: not built yet"),
     (["train.parallel.pp=2", "train.strategy=fsdp"], 4, "with train.strategy=fsdp beside data-parallel ranks"),
-    (["train.parallel.pp=2", "train.global_batch_size=36"], 2,
-     "each rank's batch of 36 rows (global_batch_size 36 / 1 data-parallel rank(s) / grad_accum_steps 1) does not "
+    (["train.parallel.pp=2", "train.global_batch_size=34"], 2,
+     "each rank's batch of 34 rows (global_batch_size 34 / 1 data-parallel rank(s) / grad_accum_steps 1) does not "
      "split into 4 equal micro-batches"),
     (["train.parallel.pp=4", "train.parallel.pp_microbatches=2"], 4, "1f1b needs at least as many micro-batches"),
     (["train.parallel.tp=2", "train.compile=true"], 2, "compiling a tensor-parallel model is not built yet"),
