@@ -19,9 +19,10 @@ STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_la
 HSDP = ["train.strategy=fsdp", "train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"]
 TRANSFORMER = str(REPO / "configs/digit_sequences_transformer.yaml")
 ON_PATH = {"PYTHONPATH": str(REPO)}  # the examples' package
-# 20 steps, every one logged; a checkpoint every 6 (a kill at step 9 resumes from step 6).
+# 20 steps, every one logged; a checkpoint every 6 (a kill at step 9 resumes from step 6); gradients clipped (the
+# norm spans every shard and stage).
 TRANSFORMER_STEPS = ["train.max_steps=20", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
-                     "train.eval_every=10", "tracking.system_metrics=false"]
+                     "train.eval_every=10", "train.clip_grad_norm=1.0", "tracking.system_metrics=false"]
 
 
 def torchrun(workdir, nproc, args, env=None, max_restarts=0):
@@ -153,6 +154,16 @@ def test_a_kill_9_under_pipeline_parallelism_resumes_to_byte_identical_weights(p
                              env={"TRAINSERVE_FAULT": "step:9:1"}, max_restarts=1)
     assert "SIGKILL to rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
     assert_same_weights(workdir, "pp", "pp_killed")
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_ddp_over_their_copies_agree_with_ddp(transformer):
+    """pp=2 x 2 data-parallel ranks: each stage DDP over its 2 copies (the replica check compares them every 5
+    steps), the data dealt over the 2 data-parallel ranks."""
+    proc = train_transformer(transformer, 4, ["train.parallel.pp=2", "train.consistency_every=5", "train.run_name=pp_dp"])
+    assert "device mesh: 2 pipeline stages x 1 replicas x 2 shards x 1 tensor-parallel" in proc.stderr
+    assert "1f1b schedule, 4 micro-batches of 8 rows" in proc.stderr
+    assert_agrees_with_ddp(transformer, "pp_dp", "trainserve-digit-sequences", steps=20, adam_lr=3e-3)
 
 
 @pytest.mark.parametrize("overrides, world, message", [

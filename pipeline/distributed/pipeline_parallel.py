@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pipeline.config import ConfigError
 from pipeline.distributed.mesh import Layout
@@ -73,6 +73,7 @@ class Pipeline:
     is_first: bool
     is_last: bool
     group: object           # the pipeline's process group: this rank and the other stages' ranks of its place
+    output_spec: object     # the structure of the model's output (a traced stage returns its tensors flat)
 
     def step(self, inputs, target) -> torch.Tensor | None:
         """Forward and backward of one batch through every stage; the last stage returns the sum of its
@@ -90,7 +91,7 @@ class Pipeline:
         padded = tree_map(lambda t: pad_rows(t, self.rows), inputs)
         args, kwargs = as_arguments(padded) if self.is_first else ((), {})
         output = self.eval_schedule.step(*args, **kwargs)
-        return tree_map(lambda t: t[:n], output) if self.is_last else None
+        return tree_map(lambda t: t[:n], restructured(output, self.output_spec)) if self.is_last else None
 
 
 def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: torch.device, microbatches: int,
@@ -103,8 +104,10 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
     from torch.distributed.pipelining.stage import build_stage
 
     points = split_points(model, layout.pp, named_split)
-    annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
     args, kwargs = as_arguments(example_micro_batch)
+    with torch.no_grad():  # what the model returns (a Hugging Face output, a dict of heads), for the last stage
+        output_spec = tree_flatten(model.eval()(*args, **kwargs))[1]
+    annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
     traced = {}
     for mode in ("eval", "train"):  # both graphs hold the model's own parameters: one set of weights
         model.train(mode == "train")
@@ -119,7 +122,12 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
                               "data-dependent Python control flow): fix that, or train with train.parallel.pp=1 "
                               "(FSDP2 or tensor parallelism)") from exc
     stage_index = layout.pp_rank
-    train_module = wrap(traced["train"].get_stage_module(stage_index))
+    stage_graph = traced["train"].get_stage_module(stage_index)
+    train_module = wrap(stage_graph)
+    if train_module is not stage_graph:
+        # DDP over the stage's copies: the traced stage finds which stage sends each of its inputs in the graph
+        # of the module it runs (`submod.graph`), which DDP's wrapper does not pass through.
+        train_module.graph = stage_graph.graph
     eval_module = traced["eval"].get_stage_module(stage_index)
     eval_module.eval()
     log.info("pipeline stage %d of %d: from %s (%.2fM parameters), %s schedule, %d micro-batches of %d rows",
@@ -129,12 +137,13 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
     # scale_grads=False: loss_fn is already divided by the micro-batches and accumulation steps, so gradients
     # summed over several steps of the schedule (train.grad_accum_steps) are the mean, as without pipelining.
     train_schedule = kind(build_stage(train_module, stage_index, traced["train"].info(), device, group),
-                          microbatches, loss_fn=loss_fn, scale_grads=False)
+                          microbatches, loss_fn=lambda output, target: loss_fn(restructured(output, output_spec), target),
+                          scale_grads=False)
     eval_schedule = ScheduleGPipe(build_stage(eval_module, stage_index, traced["eval"].info(), device, group),
                                   microbatches)
     rows = microbatches * batch_rows(args or kwargs)
     return Pipeline(train_module, train_schedule, eval_schedule, rows, microbatches,
-                    stage_index == 0, stage_index == layout.pp - 1, group)
+                    stage_index == 0, stage_index == layout.pp - 1, group, output_spec)
 
 
 @contextlib.contextmanager
@@ -154,6 +163,12 @@ def inputs_passed_on(model: nn.Module):
         yield model
     finally:
         model.__class__ = base
+
+
+def restructured(output, spec):
+    """The last stage's flat output in the model's own structure (what the task's loss and metrics read)."""
+    leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+    return tree_unflatten(leaves, spec) if len(leaves) == spec.num_leaves else output
 
 
 def as_arguments(inputs) -> tuple[tuple, dict]:
