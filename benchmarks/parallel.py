@@ -7,6 +7,8 @@ batch (64) and seed, in one temporary working directory:
   HSDP 2x2       train.strategy=fsdp dp_replicate=2 dp_shard=2, 4 processes
   TP 2           train.parallel.tp=2, 2 processes (one tensor-parallel group, no data parallelism)
   TP 2 x FSDP 2  train.strategy=fsdp tp=2 dp_shard=2, 4 processes
+  PP 2           train.parallel.pp=2, 2 processes (the model cut at its 2nd layer; 1F1B, 4 micro-batches of 16)
+  PP 2 x DDP 2   train.parallel.pp=2 dp_shard=2, 4 processes (each stage DDP over its 2 copies)
 
 For each (train.log_every=1, train.eval_every=0, tracking.system_metrics=false, OMP_NUM_THREADS=1):
 
@@ -28,8 +30,8 @@ mostly the runtime (Python, torch, transformers, gloo): sharding it saves nothin
 shows that no mesh costs a rank more than DDP does. The load average is printed with the table (other work on the
 machine moves the step times); compare rows of one run only.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/parallel.py            # 5 meshes x 30 steps: a few minutes on 2 cores
-    PYTHONPATH=. .venv/bin/python benchmarks/parallel.py --quick    # DDP, TP 2 and HSDP 2x2, 12 steps
+    PYTHONPATH=. .venv/bin/python benchmarks/parallel.py            # 7 meshes x 30 steps: a few minutes on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/parallel.py --quick    # DDP, HSDP 2x2, TP 2 and PP 2, 12 steps
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ MESHES = [  # (name, processes, overrides)
     ("HSDP 2x2", 4, ["train.strategy=fsdp", "train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"]),
     ("TP 2", 2, ["train.parallel.tp=2"]),
     ("TP 2 x FSDP 2", 4, ["train.strategy=fsdp", "train.parallel.tp=2", "train.parallel.dp_shard=2"]),
+    ("PP 2", 2, ["train.parallel.pp=2"]),
+    ("PP 2 x DDP 2", 4, ["train.parallel.pp=2", "train.parallel.dp_shard=2"]),
 ]
-QUICK = ["DDP 2", "HSDP 2x2", "TP 2"]
+QUICK = ["DDP 2", "HSDP 2x2", "TP 2", "PP 2"]
 
 
 def sample_ranks(root: psutil.Process, peaks: dict[int, float], stop: threading.Event, every: float = 0.05):
@@ -148,7 +152,7 @@ def agreement(mine: dict[int, float], base: dict[int, float]) -> tuple[float, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 meshes (DDP 2, HSDP 2x2, TP 2), 12 steps")
+    parser.add_argument("--quick", action="store_true", help="4 meshes (DDP 2, HSDP 2x2, TP 2, PP 2), 12 steps")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps per mesh (default 30, --quick 12)")
     opts = parser.parse_args()
     steps = opts.steps or (12 if opts.quick else 30)
