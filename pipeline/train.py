@@ -124,7 +124,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         if resume_path:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info, held_elsewhere(manifest, model))
-            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, info)
+            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, layout)
             monitor.restore(meta["train_state"].get("monitor"))
             if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
                 checkpoint.set_aside_after(ckpt_root, step)
@@ -420,7 +420,7 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             inject_fault("step", step, info)
             if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
                 replicas.sync_buffers(model, run.stage_group)  # save one BatchNorm statistics, whichever rank DCP picks
-                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor)
+                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor, layout)
                 meta["val_metrics"] = evaluated[0] if evaluated else None
                 saver.save(step, model, optimizer, meta, (monitor.best_step,),
                            functools.partial(published, best=best, monitor=snapshot(monitor)))
@@ -623,20 +623,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo, monitor: Monitor) -> dict:
+def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo, monitor: Monitor,
+                layout: mesh.Layout) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
     ranks: they are at the same place of the same epoch's shuffle (a stream of the component's own gathers
-    every rank's: a collective, which every rank calls here)."""
-    return {"step": step, "epoch": epoch, "world_size": info.world_size, "scheduler": scheduler.state_dict(),
+    every rank's: a collective, which every rank calls here). `data_parallel`: the ranks the data was dealt
+    over (the world, less its tensor-parallel and pipeline ranks, which read their group's batch)."""
+    return {"step": step, "epoch": epoch, "world_size": info.world_size, "data_parallel": layout.dp_size,
+            "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict(),
             "monitor": monitor.state()}
 
 
-def restore_train_state(state: dict, scheduler, scaler, loader, info: DistInfo) -> tuple[int, int]:
+def restore_train_state(state: dict, scheduler, scaler, loader, layout: mesh.Layout) -> tuple[int, int]:
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    restore_loader(loader, state["dataloader"], state["epoch"], state["world_size"], info.world_size)
+    # (checkpoints from before train.parallel dealt the data over every rank)
+    restore_loader(loader, state["dataloader"], state["epoch"], state.get("data_parallel", state["world_size"]),
+                   layout.dp_size)
     return state["step"], state["epoch"]
 
 

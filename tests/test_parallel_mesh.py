@@ -157,6 +157,26 @@ def test_a_kill_9_under_pipeline_parallelism_resumes_to_byte_identical_weights(p
 
 
 @pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_ddp_at_the_sample_where_it_stopped(pipeline_run):
+    """Elastic: pp=2's step-12 checkpoint (each stage's shard, 1 data-parallel rank) resumed by 2 DDP ranks that
+    deal the data over 2: each stage's keys found, and steps 13-20 are those of the uninterrupted DDP run. (The
+    resume continues the checkpoint's MLflow run, which then holds steps 13-20 twice: pp's and DDP's.)"""
+    workdir, _ = pipeline_run
+    step_12 = workdir / "outputs" / "pp" / "checkpoints" / "step_00000012"
+    proc = train_transformer(workdir, 2, ["--resume", str(step_12), "train.run_name=pp_then_ddp"])
+    assert "at step 12" in proc.stderr
+    client = mlflow_client(workdir)
+    run = client.search_runs([client.get_experiment_by_name("trainserve-digit-sequences").experiment_id],
+                             filter_string="attributes.run_name = 'pp'")[0]
+    logged = client.get_metric_history(run.info.run_id, "train/loss")
+    ddp = losses(workdir, "ddp", "trainserve-digit-sequences")
+    steps = [m.step for m in logged]
+    assert set(steps) == set(range(1, 21)) and all(steps.count(step) >= 2 for step in range(13, 21))
+    for m in logged:
+        assert m.value == pytest.approx(ddp[m.step], rel=1e-5, abs=1e-6), m.step
+
+
+@pytest.mark.slow
 def test_pipeline_stages_with_ddp_over_their_copies_agree_with_ddp(transformer):
     """pp=2 x 2 data-parallel ranks: each stage DDP over its 2 copies (the replica check compares them every 5
     steps), the data dealt over the 2 data-parallel ranks."""
