@@ -382,9 +382,13 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
         steps_before_epoch = step
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
+            started = time.perf_counter()
             loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
                                     t.clip_grad_norm, want_norm=log_now, channels_last=channels_last,
                                     loss_fn=task.loss, pipe=pipe, stages=stages)
+            if t.compile and step == run.step:  # the warm-up a user waits through, said once
+                log.info("train.compile: the first step took %.1f s, compiling the model; the steps after it run "
+                         "the compiled code", time.perf_counter() - started)
             scheduler.step()
             step += 1
             window_loss += loss
