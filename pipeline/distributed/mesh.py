@@ -70,8 +70,9 @@ def data_parallel(mesh):
 
 def replica_group(train_cfg, info: DistInfo, device_mesh):
     """The process group of the ranks that hold the same tensors as this one (DDP's replicas, a pipeline stage's
-    data-parallel copies, HSDP's replicas of a shard): what the replica check compares over. None where no other
-    rank holds a copy (one data-parallel rank; FSDP2 alone; tensor parallelism, whose ranks hold different halves)."""
+    data-parallel copies, HSDP's replicas of a shard, a tensor-parallel group's copies of what it does not split):
+    what the replica check compares over (replicas.check skips the tensor-parallel halves). None where no other
+    rank holds a copy (one rank; FSDP2 alone; tensor parallelism beside FSDP2, which shards the rest)."""
     import torch.distributed as dist
 
     if not info.distributed:
@@ -79,7 +80,8 @@ def replica_group(train_cfg, info: DistInfo, device_mesh):
     if device_mesh is None:
         return dist.group.WORLD if train_cfg.strategy == "ddp" else None
     if device_mesh["tp"].size() > 1:
-        return None
+        alone = device_mesh["dp_replicate"].size() * device_mesh["dp_shard"].size() == 1
+        return device_mesh["tp"].get_group() if alone else None
     copies = device_mesh["dp_shard"] if train_cfg.strategy == "ddp" else device_mesh["dp_replicate"]
     return copies.get_group() if copies.size() > 1 else None
 

@@ -21,9 +21,19 @@ def named_state(model: torch.nn.Module):
     yield from module.named_buffers()
 
 
+def split_over_tensor_parallel_ranks(t) -> bool:
+    """A DTensor sharded over the mesh's `tp` dimension: each rank holds another part, not a copy."""
+    if not hasattr(t, "placements"):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return any(name == "tp" and not placement.is_replicate() for name, placement in zip(names, t.placements))
+
+
 def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     names, sums = [], []
     for name, tensor in named_state(model):
+        if split_over_tensor_parallel_ranks(tensor):
+            continue
         t = tensor.detach()
         t = t.to_local() if hasattr(t, "to_local") else t  # HSDP: this rank's shard, the same on each replica
         names.append(name)
