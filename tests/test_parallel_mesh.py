@@ -262,6 +262,20 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_before_any_process_st
     assert "tensor_parallel_plan()" in proc.stderr and "[rank" not in proc.stderr
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.parallel.pp_split=[encoder.layers.7]"], "train.parallel.pp_split=['encoder.layers.7']: no module "
+                                                     "encoder.layers.7 in the model"),
+    (["train.parallel.pp_split=[encoder.layers.1, head]"], "it names the 1 module(s) where stages 2..2 begin (pp=2)"),
+    (["model.args.layers=1"], "train.parallel.pp=2: the model has 0 repeated block(s) (none found) to deal over 2 "
+                              "stages; name where stages begin with train.parallel.pp_split"),
+])
+def test_split_points_that_the_model_lacks_are_refused_before_any_process_starts(tmp_path, overrides, message):
+    proc = run_cli(["train", "--config", TRANSFORMER, "--nproc-per-node", "2", "train.parallel.pp=2", *overrides],
+                   cwd=tmp_path, env=ON_PATH, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "[rank" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_models_own_plan_is_taken_and_checked():
     from torch import nn
 

@@ -30,7 +30,7 @@ from pipeline.tasks import build_task, task_class
 from pipeline.tasks.base import TaskError
 from pipeline.config import ConfigError
 from pipeline.config import DataConfig, ExportConfig, ModelConfig, TaskConfig, TrainConfig
-from pipeline.distributed import tensor_parallel
+from pipeline.distributed import pipeline_parallel, tensor_parallel
 from pipeline.distributed.parallelize import fsdp_units
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,8 @@ def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig
         fsdp_units(shapes_only, train_cfg.fsdp_wrap)  # names classes the model has
     if train_cfg.parallel.tp > 1 and shapes_only is not None:
         tensor_parallel.plan_for(shapes_only, train_cfg.parallel.tp)  # a plan, and one that fits the model
+    if train_cfg.parallel.pp > 1 and shapes_only is not None:
+        pipeline_parallel.split_points(shapes_only, train_cfg.parallel.pp, train_cfg.parallel.pp_split)  # stages
     if size <= PROBE_MAX_PARAMETERS:
         probe(instantiate_model(spec), splits, task, spec.component)
     else:
