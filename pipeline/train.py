@@ -661,7 +661,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
     tags = {lineage.TASK: cfg.task.name, lineage.MODEL: cfg.model.component, lineage.DATA: cfg.data.component,
-            lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {precision}",
+            lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {mesh_words(cfg.train, info)}"
+                           f"{precision}",
             lineage.GIT: tracking.git_commit()[:12], lineage.RUN_DIR: str(run_dir.resolve()), **tracking.process_tag()}
     resumed = run_id is not None
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
@@ -681,6 +682,15 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     write_json(run_dir / "mlflow_run.json", {"run_id": run_id})
     write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     return run_id
+
+
+def mesh_words(t: TrainConfig, info: DistInfo) -> str:
+    """The device mesh for the run's setup tag ("pp 2 x dp_shard 2, "), where train.parallel asks for more than
+    data parallelism over every rank; else nothing."""
+    degrees = t.parallel.degrees(info.world_size)
+    if degrees["dp_replicate"] == degrees["tp"] == degrees["pp"] == 1:
+        return ""
+    return " x ".join(f"{name} {degree}" for name, degree in degrees.items() if degree > 1) + ", "
 
 
 def _short(value) -> str:

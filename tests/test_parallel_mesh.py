@@ -11,6 +11,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.config import ConfigError, check_runtime, load_config
+from serving import lineage
 
 from conftest import REPO, TINY, mlflow_client, model_from_checkpoint, run_cli
 
@@ -133,7 +134,10 @@ def test_pipeline_parallel_transformer_agrees_with_ddp_and_goes_through_every_st
     assert "pipeline stage 2 of 2: from encoder.layers.1" in proc.stderr
     assert "1f1b schedule, 4 micro-batches of 16 rows" in proc.stderr
     assert "the server's answer equals the PyTorch model's" in proc.stdout, proc.stdout[-2000:]
-    assert mlflow_client(workdir).get_model_version_by_alias("digit-sequences", "champion").run_id
+    client = mlflow_client(workdir)
+    versions = client.search_model_versions("name = 'digit-sequences'")
+    run = client.get_run(next(v.run_id for v in versions if client.get_run(v.run_id).info.run_name == "pp"))
+    assert run.data.tags[lineage.SETUP] == "2 x cpu, ddp, pp 2, fp32"  # the mesh, in the runs list of the UI
     # Each stage wrote its own layers; DCP's index holds the whole model under the model's own names.
     ckpt = checkpoint.latest(workdir / "outputs" / "pp" / "checkpoints")
     stored = torch.distributed.checkpoint.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
