@@ -313,16 +313,20 @@ class Config(Section):
 def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) -> None:
     """What pipeline parallelism does not combine with yet, and a batch its micro-batches divide."""
     pp = degrees["pp"]
-    refused = {"train.parallel.tp": degrees["tp"] > 1, "train.compile": t.compile, "train.precision=fp16": t.precision == "fp16",
-               "train.strategy=fsdp beside data-parallel ranks": t.strategy == "fsdp" and data_parallel > 1}
-    named = [name for name, on in refused.items() if on]
+    refused = {"train.parallel.tp": ("train.parallel.tp=1", degrees["tp"] > 1),
+               "train.compile": ("train.compile=false", t.compile),
+               "train.precision=fp16": ("train.precision=bf16 or fp32", t.precision == "fp16"),
+               "train.sync_batchnorm": ("train.sync_batchnorm=false", t.sync_batchnorm),
+               "train.strategy=fsdp beside data-parallel ranks": ("train.strategy=ddp",
+                                                                  t.strategy == "fsdp" and data_parallel > 1)}
+    named = [(name, instead) for name, (instead, on) in refused.items() if on]
     if named:
-        raise ConfigError(f"train.parallel.pp={pp} with {', '.join(named)}: not built yet (pipeline stages run as traced "
-                          "graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); set "
-                          "train.parallel.tp=1, train.compile=false, train.precision=bf16, train.strategy=ddp")
+        raise ConfigError(f"train.parallel.pp={pp} with {', '.join(n for n, _ in named)}: not built yet (pipeline stages "
+                          "run as traced graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); "
+                          f"set {', '.join(i for _, i in named)}")
     microbatches = t.parallel.pp_microbatches or 2 * pp
     rows = t.global_batch_size // (data_parallel * t.grad_accum_steps)
-    if rows % microbatches or rows < microbatches:
+    if rows % microbatches:
         raise ConfigError(f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "
                           f"{t.global_batch_size} / {data_parallel} data-parallel rank(s) / grad_accum_steps "
                           f"{t.grad_accum_steps}) does not split into {microbatches} equal micro-batches "

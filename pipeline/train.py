@@ -106,9 +106,10 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             log.info("channels_last %s (train.channels_last=%s)", "on" if channels_last else "off", cfg.train.channels_last)
         device_mesh = mesh.build(cfg.train, info)
         layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
-        pipe = build_pipeline(plain_model, cfg.train, splits, task, layout, device_mesh, info, precision) \
-            if layout.pp > 1 else None
+        pipe = build_pipeline(plain_model, cfg.train, splits, task, layout, device_mesh, info, precision,
+                              channels_last) if layout.pp > 1 else None
         model = pipe.module if pipe else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+        plain_model = None  # a pipeline stage's rank keeps its own stage only
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
         loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
@@ -124,7 +125,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         if resume_path:
             check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
             meta = checkpoint.load(resume_path, model, optimizer, info, held_elsewhere(manifest, model))
-            step, epoch = restore_train_state(meta["train_state"], scheduler, scaler, loader, layout)
+            step, epoch = restore_train_state(meta, scheduler, scaler, loader, layout)
             monitor.restore(meta["train_state"].get("monitor"))
             if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
                 checkpoint.set_aside_after(ckpt_root, step)
@@ -208,17 +209,25 @@ def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
 
 
 def build_pipeline(plain_model, t: TrainConfig, splits: Splits, task, layout: mesh.Layout, device_mesh, info: DistInfo,
-                   precision: str) -> pipeline_parallel.Pipeline:
+                   precision: str, channels_last: bool) -> pipeline_parallel.Pipeline:
     """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
     micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
     gradients are their mean, as one batch's would be."""
+    if precision == "fp16":  # train.precision=auto on a GPU without bf16 (check_runtime refused it when asked for)
+        raise ConfigError("train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
+                          "bf16): GradScaler's step skipping would have to agree across the stages; set "
+                          "train.precision=fp32")
     microbatches = t.parallel.pp_microbatches or 2 * layout.pp
     rows = t.global_batch_size // (layout.dp_size * t.grad_accum_steps)
-    example, _ = first_batch(splits.train, rows // microbatches)
+    example, target = first_batch(splits.train, rows // microbatches)
+    if not torch.is_tensor(target):
+        raise ConfigError(f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
+                          "schedule cuts only a tensor target into micro-batches; train this task without "
+                          "train.parallel.pp")
     per_step = microbatches * t.grad_accum_steps
     return pipeline_parallel.build(
-        plain_model.to(info.device), to_device(example, info.device), layout, device_mesh["pp"].get_group(),
-        info.device, microbatches, t.parallel.pp_split, t.parallel.pp_schedule,
+        plain_model.to(info.device), to_device(example, info.device, channels_last), layout,
+        device_mesh["pp"].get_group(), info.device, microbatches, t.parallel.pp_split, t.parallel.pp_schedule,
         loss_fn=lambda output, target: task.loss(output, target) / per_step,
         wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh))
 
@@ -470,7 +479,7 @@ def new_window(info: DistInfo) -> torch.Tensor:
 def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int, info: DistInfo,
                          layout: mesh.Layout | None = None) -> float:
     """The mean training loss over the window's steps and every rank that computes one (a pipeline's earlier
-    stages add 0, see Layout.holds_loss): collective, and the loop's one
+    stages add 0): collective, and the loop's one
     read of the loss. Every rank raises TrainingDiverged here, at the same step, when any rank's loss
     was NaN or infinite: a rank raising alone would leave its peers blocked in their next collective,
     which under NCCL waits out the 10-minute timeout, beyond the reach of a SIGTERM handler, until
@@ -639,14 +648,23 @@ def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo
             "monitor": monitor.state()}
 
 
-def restore_train_state(state: dict, scheduler, scaler, loader, layout: mesh.Layout) -> tuple[int, int]:
+def restore_train_state(meta: dict, scheduler, scaler, loader, layout: mesh.Layout) -> tuple[int, int]:
+    state = meta["train_state"]
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    # (checkpoints from before train.parallel dealt the data over every rank)
-    restore_loader(loader, state["dataloader"], state["epoch"], state.get("data_parallel", state["world_size"]),
-                   layout.dp_size)
+    restore_loader(loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), layout.dp_size)
     return state["step"], state["epoch"]
+
+
+def saved_data_parallel(meta: dict) -> int:
+    """The ranks a checkpoint's data was dealt over. Checkpoints from before pipeline parallelism recorded only the
+    world size: their tensor-parallel groups (train.parallel.tp in their config) read one batch each."""
+    state = meta["train_state"]
+    if "data_parallel" in state:
+        return state["data_parallel"]
+    parallel = ((meta.get("config") or {}).get("train") or {}).get("parallel") or {}
+    return state["world_size"] // (parallel.get("tp", 1) * parallel.get("pp", 1))
 
 
 def make_progress(info: DistInfo, total: int, initial: int):
@@ -685,7 +703,7 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
 
 
 def mesh_words(t: TrainConfig, info: DistInfo) -> str:
-    """The device mesh for the run's setup tag ("pp 2 x dp_shard 2, "), where train.parallel asks for more than
+    """The device mesh for the run's setup tag ("dp_shard 2 x pp 2, "), where train.parallel asks for more than
     data parallelism over every rank; else nothing."""
     degrees = t.parallel.degrees(info.world_size)
     if degrees["dp_replicate"] == degrees["tp"] == degrees["pp"] == 1:

@@ -310,3 +310,64 @@ def test_heads_that_do_not_divide_over_the_tensor_parallel_ranks_are_refused():
     with pytest.raises(ConfigError, match=r"the model has 4 attention heads \(config.num_attention_heads\), which do "
                                           r"not divide over train.parallel.tp=8 ranks"):
         plan_for(model, 8)
+
+
+def tiny_bert():
+    import transformers
+
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
+
+
+def test_traced_stages_hold_the_models_own_keys_and_no_more():
+    """The tracer registers every buffer of a stage as persistent; BERT's position_ids is not, and a stage shard
+    holding it would not consolidate (a key the model's manifest lacks)."""
+    from pipeline.distributed.pipeline_parallel import trace
+
+    model = tiny_bert()
+    keys = set(model.state_dict())
+    example = {"input_ids": torch.randint(0, 20, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    traced, points, _ = trace(model, example, 2, [])
+    assert points == ["bert.encoder.layer.1"]
+    for pipe in traced.values():
+        stages = [set(pipe.get_stage_module(i).state_dict()) for i in range(2)]
+        assert stages[0] | stages[1] == keys and not stages[0] & stages[1]
+
+
+def test_a_weight_two_stages_use_is_refused():
+    from torch import nn
+
+    from pipeline.distributed.pipeline_parallel import trace
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.blocks = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, tokens):
+            return self.blocks(self.embed(tokens)) @ self.embed.weight.T  # the head is the embedding
+
+    with pytest.raises(ConfigError, match=r"embed.weight is used by more than one stage \(tied weights\)"):
+        trace(Tied(), torch.randint(0, 10, (4, 3)), 2, [])
+
+
+def test_a_batch_of_other_shapes_than_traced_is_named():
+    from pipeline.distributed.pipeline_parallel import DataError, check_shapes
+
+    traced = {"tokens": (64, 64), "mask": (64, 64)}
+    check_shapes({"tokens": torch.zeros(64, 64), "mask": torch.zeros(64, 64)}, traced)
+    with pytest.raises(DataError, match=r"a batch of input shapes \{'tokens': \(64, 50\), 'mask': \(64, 50\)\}, but "
+                                        r"the pipeline's stages were traced at \{'tokens': \(64, 64\)"):
+        check_shapes({"tokens": torch.zeros(64, 50), "mask": torch.zeros(64, 50)}, traced)
+
+
+def test_a_tensor_parallel_checkpoint_from_before_records_its_data_parallel_ranks():
+    """Before pipeline parallelism the train state held only the world size; a tp=2 run of 4 ranks dealt its data over
+    2, and a resume must count its position so (not over 4: it would skip half an epoch)."""
+    from pipeline.train import saved_data_parallel
+
+    old = {"train_state": {"world_size": 4}, "config": {"train": {"parallel": {"tp": 2, "pp": 1}}}}
+    assert saved_data_parallel(old) == 2
+    assert saved_data_parallel({"train_state": {"world_size": 4, "data_parallel": 1}}) == 1
+    assert saved_data_parallel({"train_state": {"world_size": 2}, "config": {}}) == 2

@@ -32,12 +32,6 @@ class Layout:
         the first; of a pipeline, a rank of the last stage (the one that has the model's output)."""
         return self.tp_rank == 0 and self.pp_rank == self.pp - 1
 
-    @property
-    def holds_loss(self) -> bool:
-        """Whether this rank computes the training loss: every rank but those of a pipeline's earlier stages."""
-        return self.pp_rank == self.pp - 1
-
-
 def layout(train_cfg, info: DistInfo) -> Layout:
     degrees = train_cfg.parallel.degrees(info.world_size)
     tp, pp = degrees["tp"], degrees["pp"]

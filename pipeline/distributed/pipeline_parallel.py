@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError, DataError
 from pipeline.distributed.mesh import Layout
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def split_points(model: nn.Module, pp: int, named: list[str]) -> list[str]:
     modules = dict(model.named_modules())
     if named:
         unknown = [n for n in named if n not in modules]
-        if unknown or len(named) != pp - 1:
+        if unknown or len(named) != pp - 1 or len(set(named)) != len(named):
             blocks = block_names(model, repeated_block(model))
             raise ConfigError(f"train.parallel.pp_split={named}: {'no module ' + ', '.join(unknown) + ' in the model; ' if unknown else ''}"
                               f"it names the {pp - 1} module(s) where stages 2..{pp} begin (pp={pp}), in forward "
@@ -74,13 +74,16 @@ class Pipeline:
     is_last: bool
     group: object           # the pipeline's process group: this rank and the other stages' ranks of its place
     output_spec: object     # the structure of the model's output (a traced stage returns its tensors flat)
+    shapes: dict            # each input's shape in a batch of `rows` rows, as traced
 
     def step(self, inputs, target) -> torch.Tensor | None:
         """Forward and backward of one batch through every stage; the last stage returns the sum of its
         micro-batches' losses (each already scaled, see `build`), the others None."""
+        check_shapes(inputs, self.shapes)
         args, kwargs = as_arguments(inputs) if self.is_first else ((), {})
         losses: list[torch.Tensor] = []
-        self.train_schedule.step(*args, target=target if self.is_last else None, losses=losses, **kwargs)
+        self.train_schedule.step(*args, target=target if self.is_last else None, losses=losses, return_outputs=False,
+                                 **kwargs)
         return torch.stack([loss.detach().double() for loss in losses]).sum() if self.is_last else None
 
     @torch.no_grad()
@@ -94,19 +97,21 @@ class Pipeline:
         return tree_map(lambda t: t[:n], restructured(output, self.output_spec)) if self.is_last else None
 
 
-def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: torch.device, microbatches: int,
-          named_split: list[str], schedule: str, loss_fn, wrap) -> Pipeline:
-    """Traces `model` on one micro-batch (in train and in eval mode), keeps this rank's stage of each, and gives
-    the train-mode one to `wrap` (DDP over the stage's data-parallel copies, or nothing); `loss_fn(output,
-    target)` is the loss of one micro-batch, scaled by the caller for the accumulation."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
+def trace(model: nn.Module, example_micro_batch, pp: int, named_split: list[str]) -> tuple[dict, list[str], object]:
+    """The model traced on one micro-batch and cut into `pp` stages, in eval and in train mode ({mode: Pipe}), both
+    graphs on the model's own parameters; the split points; the structure of the model's output."""
+    from torch.distributed.pipelining import SplitPoint
     from torch.distributed.pipelining._IR import Pipe, annotate_split_points
-    from torch.distributed.pipelining.stage import build_stage
 
-    points = split_points(model, layout.pp, named_split)
+    points = split_points(model, pp, named_split)
     args, kwargs = as_arguments(example_micro_batch)
+    reserved = sorted(set(kwargs) & {"target", "losses", "loss_kwargs", "return_outputs"})
+    if reserved:
+        raise ConfigError(f"train.parallel.pp={pp}: the model's input '{reserved[0]}' has the name of an argument of "
+                          "the pipeline schedule's step(); rename it in the data and the model's forward")
     with torch.no_grad():  # what the model returns (a Hugging Face output, a dict of heads), for the last stage
         output_spec = tree_flatten(model.eval()(*args, **kwargs))[1]
+    not_persistent = non_persistent_buffers(model)
     annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
     traced = {}
     for mode in ("eval", "train"):  # both graphs hold the model's own parameters: one set of weights
@@ -116,12 +121,40 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
                 traced[mode] = Pipe.from_tracing(model, args, kwargs)
         except Exception as exc:
             cause = exc.__cause__ or exc
-            raise ConfigError(f"train.parallel.pp={layout.pp}: the model could not be traced into stages "
+            raise ConfigError(f"train.parallel.pp={pp}: the model could not be traced into stages "
                               f"({type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}); "
                               "pipeline parallelism cuts a model torch.export can capture as one graph (no "
                               "data-dependent Python control flow): fix that, or train with train.parallel.pp=1 "
                               "(FSDP2 or tensor parallelism)") from exc
+        pipe = traced[mode]
+        if pipe.num_stages != pp:
+            raise ConfigError(f"train.parallel.pp_split={points} cut the model into {pipe.num_stages} stage(s), not "
+                              f"pp={pp}: each split point must be a module the forward calls once, in forward order")
+        if pipe.replicated_params:  # the tracer copies such a parameter into each stage: copies trained apart
+            shared = sorted({name for mapping in pipe.replicated_params for name in mapping.values()})
+            raise ConfigError(f"train.parallel.pp={pp}: {', '.join(shared)} is used by more than one stage (tied "
+                              "weights); the stages would train separate copies of it. Split where one stage holds "
+                              "every use (train.parallel.pp_split), or untie the weights")
+        for index in range(pipe.num_stages):
+            keep_non_persistent(pipe.get_stage_module(index), not_persistent)
+    return traced, points, output_spec
+
+
+def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: torch.device, microbatches: int,
+          named_split: list[str], schedule: str, loss_fn, wrap) -> Pipeline:
+    """Traces `model` on one micro-batch (see `trace`), keeps this rank's stage in each mode, and gives the
+    train-mode one to `wrap` (DDP over the stage's data-parallel copies, or nothing); `loss_fn(output, target)`
+    is the loss of one micro-batch, scaled by the caller for the accumulation."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.stage import build_stage
+
+    traced, points, output_spec = trace(model, example_micro_batch, layout.pp, named_split)
+    args, kwargs = as_arguments(example_micro_batch)
     stage_index = layout.pp_rank
+    for pipe in traced.values():  # the other stages' modules: this rank never runs them (their memory is freed)
+        mine = pipe.get_stage_module(stage_index)
+        for name in [n for n, child in pipe.split_gm.named_children() if child is not mine]:
+            delattr(pipe.split_gm, name)
     stage_graph = traced["train"].get_stage_module(stage_index)
     train_module = wrap(stage_graph)
     if train_module is not stage_graph:
@@ -142,8 +175,9 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
     eval_schedule = ScheduleGPipe(build_stage(eval_module, stage_index, traced["eval"].info(), device, group),
                                   microbatches)
     rows = microbatches * batch_rows(args or kwargs)
+    shapes = tree_map(lambda t: (rows, *t.shape[1:]), example_micro_batch)
     return Pipeline(train_module, train_schedule, eval_schedule, rows, microbatches,
-                    stage_index == 0, stage_index == layout.pp - 1, group, output_spec)
+                    stage_index == 0, stage_index == layout.pp - 1, group, output_spec, shapes)
 
 
 @contextlib.contextmanager
@@ -163,6 +197,31 @@ def inputs_passed_on(model: nn.Module):
         yield model
     finally:
         model.__class__ = base
+
+
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """The names of the buffers the model leaves out of its state_dict (Hugging Face's position_ids)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() for name in module._non_persistent_buffers_set}
+
+
+def keep_non_persistent(stage: nn.Module, names: set[str]) -> None:
+    """The tracer registers every buffer of a stage as persistent: those the model keeps out of its state_dict are
+    put back out of it, or the stage's checkpoint shard would hold keys the model's manifest lacks."""
+    for name, _ in list(stage.named_buffers()):
+        if name in names:
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+
+
+def check_shapes(inputs, traced: dict | torch.Size) -> None:
+    """A batch of the shapes the stages were traced at (their graphs are fixed: another length would fail in a
+    stage's receive, or hang under NCCL)."""
+    given = tree_map(lambda t: tuple(t.shape), inputs)
+    if given != traced:
+        raise DataError(f"train.parallel.pp: a batch of input shapes {given}, but the pipeline's stages were traced "
+                         f"at {traced}: every batch must have the traced shapes (pad sequences to one fixed length in "
+                         "the data), or train without train.parallel.pp")
 
 
 def restructured(output, spec):
