@@ -166,6 +166,10 @@ class ParallelConfig(Section):
     pp_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="With pp: 1F1B (a backward as soon as a micro-batch's forward is done: activations of at most pp micro-batches held) or GPipe (all forwards, then all backwards).")
     pp_microbatches: int = Field(0, ge=0, description="With pp: micro-batches each rank's batch is cut into (it must divide the batch); 0 = 2 x pp. More shrinks the pipeline's idle bubble, (pp-1)/(microbatches+pp-1) of a step.")
 
+    def microbatches(self) -> int:
+        """The micro-batches of each rank's batch under pipeline parallelism (pp_microbatches; 0 = 2 x pp)."""
+        return self.pp_microbatches or 2 * self.pp
+
     def degrees(self, world_size: int) -> dict[str, int]:
         """{dp_replicate, dp_shard, tp, pp} with dp_shard resolved; ConfigError when their product is not the world."""
         others = self.dp_replicate * self.tp * self.pp
@@ -324,7 +328,7 @@ def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) 
         raise ConfigError(f"train.parallel.pp={pp} with {', '.join(n for n, _ in named)}: not built yet (pipeline stages "
                           "run as traced graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); "
                           f"set {', '.join(i for _, i in named)}")
-    microbatches = t.parallel.pp_microbatches or 2 * pp
+    microbatches = t.parallel.microbatches()
     rows = t.global_batch_size // (data_parallel * t.grad_accum_steps)
     if rows % microbatches:
         raise ConfigError(f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "

@@ -106,12 +106,12 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             log.info("channels_last %s (train.channels_last=%s)", "on" if channels_last else "off", cfg.train.channels_last)
         device_mesh = mesh.build(cfg.train, info)
         layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
+        batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
         pipe = build_pipeline(plain_model, cfg.train, splits, task, layout, device_mesh, info, precision,
-                              channels_last) if layout.pp > 1 else None
+                              channels_last, batch_per_rank) if layout.pp > 1 else None
         model = pipe.module if pipe else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
         plain_model = None  # a pipeline stage's rank keeps its own stage only
         optimizer = build_optimizer(model.parameters(), cfg.optim)
-        batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
         loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
                                    cfg.data.num_workers, pin_memory=info.device.type == "cuda",
                                    grad_accum_steps=cfg.train.grad_accum_steps, info=info)
@@ -209,7 +209,7 @@ def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
 
 
 def build_pipeline(plain_model, t: TrainConfig, splits: Splits, task, layout: mesh.Layout, device_mesh, info: DistInfo,
-                   precision: str, channels_last: bool) -> pipeline_parallel.Pipeline:
+                   precision: str, channels_last: bool, batch_per_rank: int) -> pipeline_parallel.Pipeline:
     """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
     micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
     gradients are their mean, as one batch's would be."""
@@ -217,9 +217,8 @@ def build_pipeline(plain_model, t: TrainConfig, splits: Splits, task, layout: me
         raise ConfigError("train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
                           "bf16): GradScaler's step skipping would have to agree across the stages; set "
                           "train.precision=fp32")
-    microbatches = t.parallel.pp_microbatches or 2 * layout.pp
-    rows = t.global_batch_size // (layout.dp_size * t.grad_accum_steps)
-    example, target = first_batch(splits.train, rows // microbatches)
+    microbatches = t.parallel.microbatches()
+    example, target = first_batch(splits.train, batch_per_rank // microbatches)
     if not torch.is_tensor(target):
         raise ConfigError(f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
                           "schedule cuts only a tensor target into micro-batches; train this task without "

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from pipeline.components.data import batch_rows
 from pipeline.errors import ConfigError, DataError
 from pipeline.distributed.mesh import Layout
 
@@ -69,7 +70,6 @@ class Pipeline:
     train_schedule: object
     eval_schedule: object
     rows: int               # the rows of one step's batch on this rank: micro-batches x traced micro-batch rows
-    microbatches: int
     is_first: bool
     is_last: bool
     group: object           # the pipeline's process group: this rank and the other stages' ranks of its place
@@ -149,7 +149,6 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
     from torch.distributed.pipelining.stage import build_stage
 
     traced, points, output_spec = trace(model, example_micro_batch, layout.pp, named_split)
-    args, kwargs = as_arguments(example_micro_batch)
     stage_index = layout.pp_rank
     for pipe in traced.values():  # the other stages' modules: this rank never runs them (their memory is freed)
         mine = pipe.get_stage_module(stage_index)
@@ -165,7 +164,8 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
     eval_module.eval()
     log.info("pipeline stage %d of %d: from %s (%.2fM parameters), %s schedule, %d micro-batches of %d rows",
              stage_index + 1, layout.pp, "the input" if stage_index == 0 else points[stage_index - 1],
-             sum(p.numel() for p in eval_module.parameters()) / 1e6, schedule, microbatches, batch_rows(args or kwargs))
+             sum(p.numel() for p in eval_module.parameters()) / 1e6, schedule, microbatches,
+             batch_rows(example_micro_batch))
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     # scale_grads=False: loss_fn is already divided by the micro-batches and accumulation steps, so gradients
     # summed over several steps of the schedule (train.grad_accum_steps) are the mean, as without pipelining.
@@ -174,10 +174,9 @@ def build(model: nn.Module, example_micro_batch, layout: Layout, group, device: 
                           scale_grads=False)
     eval_schedule = ScheduleGPipe(build_stage(eval_module, stage_index, traced["eval"].info(), device, group),
                                   microbatches)
-    rows = microbatches * batch_rows(args or kwargs)
+    rows = microbatches * batch_rows(example_micro_batch)
     shapes = tree_map(lambda t: (rows, *t.shape[1:]), example_micro_batch)
-    return Pipeline(train_module, train_schedule, eval_schedule, rows, microbatches,
-                    stage_index == 0, stage_index == layout.pp - 1, group, output_spec, shapes)
+    return Pipeline(train_module, train_schedule, eval_schedule, rows, stage_index == 0, stage_index == layout.pp - 1, group, output_spec, shapes)
 
 
 @contextlib.contextmanager
@@ -233,11 +232,6 @@ def restructured(output, spec):
 def as_arguments(inputs) -> tuple[tuple, dict]:
     """A batch as the model's forward takes it: a dict as keyword arguments, a tensor positionally."""
     return ((), dict(inputs)) if isinstance(inputs, dict) else ((inputs,), {})
-
-
-def batch_rows(inputs) -> int:
-    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0] if isinstance(inputs, tuple) else inputs
-    return len(leaf)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
