@@ -4,7 +4,9 @@ that shard them, and clear errors."""
 import gzip
 import re
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,6 +46,22 @@ def test_digits_split_is_fixed_and_scaled():
     hints = a["train"].model_args
     assert hints["in_channels"] == 1 and hints["image_size"] == 8
     assert hints["mean"] == pytest.approx([x.mean().item()]) and hints["std"] == pytest.approx([x.std().item()])
+
+
+def test_digits_are_scikit_learns_without_importing_it(tmp_path):
+    """The built-in digits are read from the file scikit-learn ships: the same images and targets as its loader,
+    and scikit-learn stays unimported (its import was most of the data's start-up time)."""
+    code = ("import sys; from pipeline.datasets.digits import load_digits; images, target = load_digits(); "
+            "assert 'sklearn' not in sys.modules, 'sklearn was imported'; "
+            "import numpy as np; np.save(sys.argv[1], images); np.save(sys.argv[2], target)")
+    paths = [str(tmp_path / "images.npy"), str(tmp_path / "target.npy")]
+    subprocess.run([sys.executable, "-c", code, *paths], check=True, cwd=Path(__file__).resolve().parents[1])
+    images, target = np.load(paths[0]), np.load(paths[1])
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    assert images.shape == data.images.shape == (1797, 8, 8) and images.dtype == data.images.dtype
+    assert np.array_equal(images, data.images) and np.array_equal(target, data.target)
 
 
 @pytest.mark.parametrize("gz", [False, True])
