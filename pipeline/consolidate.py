@@ -57,9 +57,9 @@ from pipeline.errors import CheckpointError
 from pipeline.components.monitor import read_best
 from pipeline.checkpoint.object_store import is_url
 from pipeline.checkpoint.run_dir import pid_alive
-from pipeline.artifact.safetensors_writer import (StreamingWriter, TensorSpec, file_order, file_sha256,
-                                         total_size)
+from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec, file_order, total_size
 from pipeline.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
+from serving.lineage import file_sha256
 from pipeline.errors import ConsolidateError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)

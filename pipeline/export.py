@@ -50,7 +50,7 @@ from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
 from pipeline.artifact.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
-from pipeline.artifact.safetensors_writer import file_sha256
+from serving.lineage import file_sha256
 from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
                              parse_override)
 from pipeline.artifact.weights import META_FILE, Weights, read_weights

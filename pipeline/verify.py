@@ -119,7 +119,7 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 
     from pipeline.artifact import onnx_export
     from pipeline import tracking
-    from pipeline.artifact.safetensors_writer import file_sha256
+    from serving.lineage import file_sha256
     from serving.loader import data_file_of
 
     try:
@@ -158,7 +158,7 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
     """model.safetensors + model.json from the training run's consolidated/ artifacts (else the local
     run directory), checked against each other and against what the ONNX recorded."""
     from pipeline import tracking
-    from pipeline.artifact.safetensors_writer import file_sha256
+    from serving.lineage import file_sha256
 
     said = Lineage.read(props)
     run_id = said.run_id or tags.get(lineage.RUN_ID, "")
@@ -210,7 +210,7 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
     consolidates again to the very same bytes."""
     from pipeline import consolidate
     from pipeline import checkpoint, tracking
-    from pipeline.artifact.safetensors_writer import file_sha256
+    from serving.lineage import file_sha256
 
     meta = json.loads((weights_dir / "model.json").read_text())
     source = meta.get("source") or {}
@@ -257,7 +257,7 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
     """The data behind the version: its split digests against the run's logged datasets; the drift baseline
     (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
     from pipeline import tracking
-    from pipeline.artifact.safetensors_writer import file_sha256
+    from serving.lineage import file_sha256
     from serving import drift
 
     recorded = {split: lineage.recorded_sha256(tags, split) for split in ("train", "val")}

@@ -17,8 +17,10 @@ a version is the run its model was logged to, the same run whenever there is one
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Mapping
 
 PREFIX = "trainserve."
@@ -33,6 +35,16 @@ TASK = "trainserve.task"
 CONFIG_SHA256 = "trainserve.config_sha256"  # of the run's resolved config
 WEIGHTS_SHA256 = "trainserve.weights_sha256"  # of the consolidated model.safetensors
 WEIGHTS_META_SHA256 = "trainserve.weights_meta_sha256"  # of its model.json (ONNX metadata only)
+
+
+def file_sha256(path: Path, block: int = 1 << 20) -> str:
+    """A file's sha256 as the version's `trainserve.sha256` record holds it (export, consolidate and the checkpoint
+    write it; the server and `pipeline verify` check it), read a block at a time."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def data_sha256(split: str) -> str:

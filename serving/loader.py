@@ -13,7 +13,6 @@ The tracking and registry servers come from MLflow's own environment (MLFLOW_TRA
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving import drift, lengths
-from serving.lineage import (DECISION, FASTEST_VARIANTS, LABELS, MODEL_NAME, PREDICTION, SHA256, Lineage, onnx_file,
-                             recorded_sha256, sha256_record)
+from serving.lineage import (DECISION, FASTEST_VARIANTS, LABELS, MODEL_NAME, PREDICTION, SHA256, Lineage, file_sha256,
+                             onnx_file, recorded_sha256, sha256_record)
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -54,14 +53,6 @@ def data_file_of(path: Path) -> Path | None:
     graph's own reference to it is covered by the ONNX file's hash; this file's bytes by its own."""
     data = path.with_name(path.name + ".data")
     return data if data.is_file() else None
-
-
-def file_sha256(path: Path, block: int = 1 << 20) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 @dataclass(frozen=True)

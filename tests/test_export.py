@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from pipeline import cli
 from pipeline.artifact import gates, onnx_export, uint8_inputs
 from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
-from pipeline.artifact.safetensors_writer import file_sha256 as sha256_file
+from serving.lineage import file_sha256 as sha256_file
 from pipeline.tasks import build_task
 from pipeline.tasks.classification import Classification
 from pipeline.tasks.regression import Regression

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from pipeline import verify
 from pipeline.components.build import build_data, instantiate_model, model_spec
-from pipeline.artifact.safetensors_writer import file_sha256
+from serving.lineage import file_sha256
 from pipeline.config import load_config
 from pipeline.export import main as export
 from pipeline.tasks import build_task

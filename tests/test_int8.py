@@ -18,7 +18,7 @@ import torch
 
 from pipeline.artifact import int8
 from pipeline.components.build import build_data, instantiate_model, model_spec
-from pipeline.artifact.safetensors_writer import file_sha256
+from serving.lineage import file_sha256
 from pipeline.config import load_config
 from pipeline.export import main
 from pipeline.tasks import build_task

@@ -120,9 +120,3 @@ class StreamingWriter:
         self._file.close()
 
 
-def file_sha256(path: Path, block: int = 1 << 20) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            sha.update(chunk)
-    return sha.hexdigest()

@@ -18,7 +18,8 @@ import torch
 
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.components.reference import ArtifactSource
-from pipeline.artifact.safetensors_writer import TensorSpec, file_sha256
+from pipeline.artifact.safetensors_writer import TensorSpec
+from serving.lineage import file_sha256
 from pipeline.config import Config, config_from_dict
 from pipeline.errors import WeightsError
 

@@ -39,7 +39,7 @@ import pipeline.checkpoint.run_dir as run_dir
 from pipeline.checkpoint.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo, barrier
 from pipeline.tools.faults import inject_fault
-from pipeline.artifact.safetensors_writer import file_sha256
+from serving.lineage import file_sha256
 from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
 
 from pipeline.checkpoint.dcp_read import load, rng_state, single_process_quiet  # noqa: F401 - load: the format's reader

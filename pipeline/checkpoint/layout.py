@@ -30,7 +30,7 @@ from pathlib import Path
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
 from pipeline.checkpoint.object_store import StoreUrl, is_url
-from pipeline.artifact.safetensors_writer import file_sha256
+from serving.lineage import file_sha256
 from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
