@@ -1,6 +1,7 @@
 """Bad sharded input, as a user meets it: a missing or truncated shard, a shard changed in place, a shard of
 another schema, a manifest that promises more rows than a shard holds, a manifest that is missing or not one,
-and `pipeline data shard` given what it can't do. Each is a DataError (the CLI: one line on stderr, exit 2)
+`pipeline data shard` given what it can't do, and an object store that fails under a read (not the shard: told
+apart from damage, and nothing says to rewrite the split). Each is a DataError (the CLI: one line on stderr, exit 2)
 that names the shard (and the row group) and says what would be right, raised before training where a listing
 can tell, else at the step that reads the damage; and a resume that meets it leaves the checkpoint it resumed
 from as valid as it was.
@@ -12,10 +13,15 @@ data component and the training loader in-process (a CLI run costs seconds); the
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import http.server
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 import pytest
@@ -29,6 +35,7 @@ from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
 from conftest import TINY, model_from_checkpoint, run_cli
+from object_store import moto_s3
 
 BATCH = 32  # tiny.yaml's global batch, one process: step k+1 reads epoch positions [32k, 32k+32)
 SHARD_ARGS = ["--rows-per-shard", "300", "--rows-per-group", "50"]
@@ -149,6 +156,19 @@ def test_a_truncated_shard_whose_manifest_was_made_to_agree_is_named_when_opened
     assert given == first_step_reading(shards / "train", 1)
     assert "shard-00001.parquet can't be read as Parquet" in str(error)
     assert "truncated or not a shard" in str(error) and "write the split again" in str(error)
+
+
+def test_a_shard_whose_footer_does_not_parse_is_named_as_not_a_shard_though_pyarrow_raises_oserror(shards: Path):
+    """pyarrow's judgement of a footer it can't decode is a plain OSError (its ArrowIOError is OSError), the class
+    a store's failure may have too: still the shard's bytes, still named as a damaged shard."""
+    path = shards / "train/shard-00001.parquet"
+    data = path.read_bytes()
+    path.write_bytes(data[:-8] + (0).to_bytes(4, "little") + b"PAR1")  # the footer's length zeroed, the size kept
+    given, error = train_until_error(shards)
+    assert given == first_step_reading(shards / "train", 1)
+    assert str(error).startswith(f"shard {shards}/train/shard-00001.parquet can't be read as Parquet (OSError: "
+                                 "Couldn't deserialize thrift"), str(error)
+    assert "truncated or not a shard" in str(error) and "the store failed" not in str(error)
 
 
 # --- (3) a shard changed in place: named with its row group at the step that reads it -----------
@@ -307,6 +327,148 @@ def test_pipeline_data_shard_refuses_bad_arguments_with_one_line(workdir: Path, 
     assert line.startswith("pipeline data shard: error: ") and says.replace("{file}", str(a_file)) in line, line
     assert a_file.read_text() == "not a directory"
     assert not (workdir / "shards").exists()
+
+
+# --- (8) an object store that fails under a read: named as the store's failure, not as damage -------
+
+
+STORE_FAILED = ("the store failed, not the shard, whose bytes were not judged; check the store's endpoint "
+                "(AWS_ENDPOINT_URL), credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, "
+                "then retry the run: `--resume latest` resumes from its last checkpoint")
+
+
+@contextlib.contextmanager
+def a_store(tmp_path: Path, monkeypatch, written: Path | None = None):
+    """A moto_server of this test, its variables set in this process, the written splits under s3://<bucket>/data
+    when given. botocore tries a request once (AWS_MAX_ATTEMPTS=1, not 5 with backoff: a store that stopped
+    answers in milliseconds, not ~10 s). The server is stopped when the block ends."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with moto_s3(log_dir=tmp_path) as store:
+        for name, value in store.env.items():
+            monkeypatch.setenv(name, value)
+        if written is not None:
+            client = store.client()
+            for f in sorted(p for p in written.rglob("*") if p.is_file()):
+                client.upload_file(str(f), store.bucket, f"data/{f.relative_to(written)}")
+        yield store
+
+
+class ShardsDenied:
+    """An S3 endpoint in front of a store that answers 403 AccessDenied to a request for a shard (a .parquet key)
+    and passes the rest through (the manifest, the listing): a policy that lets a reader list the split but not
+    read its shards. A thread of this process; point AWS_ENDPOINT_URL at `endpoint`."""
+
+    def __init__(self, upstream: str):
+        target = urlsplit(upstream)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                if self.path.split("?")[0].endswith(".parquet"):
+                    status, headers = 403, [("Content-Type", "application/xml")]
+                    data = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                else:
+                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                    answer = conn.getresponse()
+                    status, headers, data = answer.status, answer.getheaders(), answer.read()
+                self.send_response(status)
+                for key, value in headers:  # a HEAD's Content-Length is the object's size: kept
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", dict((k.lower(), v) for k, v in headers).get("content-length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ShardsDenied":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def first_batch_error(loader) -> str:
+    with pytest.raises(DataError) as caught:
+        next(iter(loader))
+    return str(caught.value)
+
+
+def test_a_store_that_stopped_answering_is_named_as_the_store_not_as_a_truncated_shard(written: Path,
+                                                                                         tmp_path: Path,
+                                                                                         monkeypatch):
+    with a_store(tmp_path, monkeypatch, written) as store:
+        root = f"{store.url}/data"
+        train = sharded(root)["train"]  # the manifest read and the shards listed while the store answers
+        loader = make_train_loader(train, BATCH, 0, 1, 0, 0, False)
+    # moto_server stopped: the first shard the stream opens is on an endpoint that refuses connections.
+    message = first_batch_error(loader)
+    shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
+    assert message.startswith(f"shard {root}/train/shard-{shard:05d}.parquet could not be read from the object "
+                              f"store at {store.endpoint} (EndpointConnectionError: Could not connect to the "
+                              f"endpoint URL: "), message
+    assert message.endswith(f"): {STORE_FAILED}"), message
+    assert "truncated" not in message and "write the split again" not in message
+
+
+def test_a_store_that_denies_the_shards_is_named_as_the_store_with_its_answer(written: Path, tmp_path: Path,
+                                                                                monkeypatch):
+    with a_store(tmp_path, monkeypatch, written) as store, ShardsDenied(store.endpoint) as denying:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", denying.endpoint)
+        root = f"{store.url}/data"
+        loader = make_train_loader(sharded(root)["train"], BATCH, 0, 1, 0, 0, False)  # manifest and listing pass
+        message = first_batch_error(loader)
+    shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
+    assert message == (f"shard {root}/train/shard-{shard:05d}.parquet could not be read from the object store at "
+                       f"{denying.endpoint} (PermissionError: Forbidden): {STORE_FAILED}")
+
+
+def test_a_store_that_stopped_answering_mid_shard_is_named_with_the_row_group_not_as_damage(tmp_path: Path,
+                                                                                            monkeypatch):
+    """s3fs fetches a shard's bytes as they are read, up to 50 MiB (its block) ahead: a row group past that,
+    read after the store went away, fails in the middle of a shard that opened and read fine."""
+    generator = torch.Generator().manual_seed(0)
+    samples = ((i, torch.randn(16384, generator=generator), torch.tensor(i % 10)) for i in range(900))
+    with a_store(tmp_path, monkeypatch) as store:
+        root = f"{store.url}/big"
+        # One shard of 15 row groups of 4 MiB (random values: no dictionary encoding shrinks them), the last (of
+        # 4 rows, at the end) past row group 0 and the 50 MiB s3fs fetches after it.
+        manifest = shard_format.write_split(samples, root, rows_per_shard=900, rows_per_group=64)
+        assert manifest.shards[0].bytes > (4 << 20) + (50 << 20) + (1 << 20)
+        reader = shard_format.ShardReader(shard_format.read_manifest(root))
+        reader.read_group(0, 0)
+        # Deleted since it was opened, the store answering: the store says it is gone (a 404), and so do we.
+        pristine = store.client().get_object(Bucket=store.bucket, Key="big/shard-00000.parquet")["Body"].read()
+        store.client().delete_object(Bucket=store.bucket, Key="big/shard-00000.parquet")
+        with pytest.raises(DataError, match=rf"^shard {root}/shard-00000\.parquet is missing \(the manifest "):
+            reader.read_group(0, 14)
+        store.client().put_object(Bucket=store.bucket, Key="big/shard-00000.parquet", Body=pristine)
+    try:
+        with pytest.raises(DataError) as caught:
+            reader.read_group(0, 14)
+    finally:
+        reader.close()
+    message = str(caught.value)
+    assert message.startswith(f"shard {root}/shard-00000.parquet row group 14 could not be read from the object "
+                              f"store at {store.endpoint} (EndpointConnectionError: "), message
+    assert message.endswith(f"): {STORE_FAILED}"), message
+    assert "restore the shard" not in message
 
 
 # --- a resume that meets bad input: exit 2, the shard named, the checkpoint as valid as it was -----

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import posixpath
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -460,19 +461,24 @@ class ShardReader:
         shard = self.manifest.shards[index]
         path = join(self.manifest.location, shard.name)
         _, key = filesystem(path)
-        handle = None
         try:
-            handle = self._fs.open(key, "rb")
-            pf = pq.ParquetFile(handle)
+            handle = _StoreFile(self._fs.open(key, "rb"))
         except FileNotFoundError:
-            raise DataError(f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names "
-                            "it); restore it, or write the split again with `pipeline data shard`") from None
-        except Exception as exc:  # pyarrow's ArrowInvalid on a truncated or foreign file
-            if handle is not None:
-                handle.close()
-            raise DataError(f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is "
-                            f"truncated or not a shard (the manifest says {shard.bytes} bytes of Parquet); restore "
-                            "it, or write the split again with `pipeline data shard`") from None
+            raise DataError(self._missing(path)) from None
+        except IsADirectoryError as exc:  # a directory of that name: not a shard
+            raise DataError(_unreadable(path, shard, exc)) from None
+        except Exception as exc:  # the store answered no (an S3 HEAD: no connection, denied, timed out)
+            raise DataError(_store_failed(f"shard {path}", path, exc)) from None
+        try:
+            pf = pq.ParquetFile(handle)
+        except Exception as exc:
+            handle.close()
+            # The store's own exception (a read that failed) or pyarrow's judgement of the bytes it was given
+            # (ArrowInvalid: no footer, not Parquet; OSError: a footer that does not parse).
+            if isinstance(handle.failure, FileNotFoundError):  # deleted since it was opened
+                raise DataError(self._missing(path)) from None
+            raise DataError(_store_failed(f"shard {path}", path, handle.failure) if handle.failure is not None
+                            else _unreadable(path, shard, exc)) from None
         problem = _schema_difference(pf.schema_arrow, self.manifest.columns)
         if problem is None and (pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups)):
             problem = (f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
@@ -492,15 +498,25 @@ class ShardReader:
         self._open[index] = _Open(pf, handle)
         return self._open[index]
 
+    def _missing(self, path: str) -> str:
+        return (f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names it); restore "
+                "it, or write the split again with `pipeline data shard`")
+
     def read_group(self, shard_index: int, group: int) -> dict[str, Any]:
         """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor; else a list)}."""
         opened = self._file(shard_index)
         shard = self.manifest.shards[shard_index]
+        opened.handle.failure = None
         try:
             table = opened.pf.read_row_group(group)
         except Exception as exc:
-            raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} can't be read "
-                            f"({type(exc).__name__}: {str(exc)[:200]}); restore the shard") from None
+            where = f"shard {join(self.manifest.location, shard.name)} row group {group}"
+            if isinstance(opened.handle.failure, FileNotFoundError):  # deleted since it was opened
+                raise DataError(self._missing(join(self.manifest.location, shard.name))) from None
+            if opened.handle.failure is not None:  # the store failed mid-shard (s3fs fetches ranges as read)
+                raise DataError(_store_failed(where, self.manifest.location, opened.handle.failure)) from None
+            raise DataError(f"{where} can't be read ({type(exc).__name__}: {str(exc)[:200]}); restore the "
+                            "shard") from None
         if content_digest(table, self.manifest.columns) != shard.row_groups[group]["sha256"]:
             raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} does not match the "
                             "manifest's digest: the shard changed since the manifest was written; restore it, or "
@@ -511,6 +527,63 @@ class ShardReader:
         for opened in self._open.values():
             opened.close()
         self._open.clear()
+
+
+class _StoreFile:
+    """A shard's file as pyarrow reads it, keeping the exception the store raised (`failure`). pyarrow re-raises
+    a Python file's own exception object, and its own judgement of bytes that are not Parquet is ArrowInvalid or,
+    for a footer that does not parse, a plain OSError (ArrowIOError is OSError), as s3fs's errors may be: what
+    tells a store that failed from a shard that is damaged is whether the file raised, not the exception's class.
+    Only what pyarrow's PythonFile calls (no `__fspath__`, no `read_buffer`: it probes for both)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.failure: BaseException | None = None
+
+    def _call(self, method, *args):
+        try:
+            return method(*args)
+        except Exception as exc:
+            self.failure = exc
+            raise
+
+    def read(self, size: int = -1):
+        return self._call(self.handle.read, size)
+
+    def seek(self, offset: int, whence: int = 0):
+        return self._call(self.handle.seek, offset, whence)
+
+    def tell(self) -> int:
+        return self._call(self.handle.tell)
+
+    @property
+    def closed(self) -> bool:
+        return self.handle.closed
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:
+    return (f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is truncated or "
+            f"not a shard (the manifest says {shard.bytes} bytes of Parquet); restore it, or write the split again "
+            "with `pipeline data shard`")
+
+
+def _store_failed(what: str, location: str, exc: BaseException) -> str:
+    """`what` (a shard at `location`, or one of its row groups) unread because the store failed under the read
+    (connection refused, timed out, access denied, an I/O error): its bytes were never judged, so nothing here
+    says to rewrite it."""
+    error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    if "://" in str(location):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
+        return (f"{what} could not be read from the object store at {endpoint} ({error}): the store failed, not the "
+                "shard, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), credentials "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then retry the run: "
+                "`--resume latest` resumes from its last checkpoint")
+    return (f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the shard, whose "
+            "bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
+            "retry the run: `--resume latest` resumes from its last checkpoint")
 
 
 def _schema_difference(schema, columns: list[Column]) -> str | None:
