@@ -132,11 +132,13 @@ def object_store(tmp_path):
 class FaultProxy:
     """A forwarding HTTP proxy in front of a store that, once armed, lets the next PUT of an object whose key ends
     in `suffix` reach the store and then answers the client 500 InternalError, as S3 may after a write it did
-    apply (botocore then retries it). A thread of this process; `endpoint` is where clients point instead.
+    apply (botocore then retries it). With `deny`, it answers 403 AccessDenied to every request for a key ending
+    in `deny` and passes the rest through (a policy that lets a reader list a prefix but not read its objects).
+    A thread of this process; `endpoint` is where clients point instead.
 
         with FaultProxy(store.endpoint) as proxy: ... proxy.arm() ... proxy.faults"""
 
-    def __init__(self, upstream: str, suffix: str = ".owner"):
+    def __init__(self, upstream: str, suffix: str = ".owner", deny: str | None = None):
         import http.client
         import http.server
         import socketserver
@@ -145,7 +147,7 @@ class FaultProxy:
 
         target = urlsplit(upstream)
         proxy = self
-        self.armed, self.faults, self.suffix = False, 0, suffix
+        self.armed, self.faults, self.suffix, self.deny = False, 0, suffix, deny
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -153,26 +155,35 @@ class FaultProxy:
             def log_message(self, *args):
                 pass
 
+            def answer(self, status: int, code: str, message: str) -> None:
+                error = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(error)
+
             def forward(self):
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if proxy.deny and self.path.split("?")[0].endswith(proxy.deny):
+                    self.answer(403, "AccessDenied", "Access Denied")
+                    return
                 upstream_conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
                 upstream_conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
                 answer = upstream_conn.getresponse()
                 data = answer.read()
                 if self.command == "PUT" and self.path.split("?")[0].endswith(proxy.suffix) and proxy.armed:
                     proxy.armed, proxy.faults = False, proxy.faults + 1
-                    error = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-                    self.send_response(500)
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(error)
+                    self.answer(500, "InternalError", "injected")
                     return
                 self.send_response(answer.status)
-                for key, value in answer.getheaders():
+                for key, value in answer.getheaders():  # a HEAD's Content-Length is the object's size: kept
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", answer.getheader("content-length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

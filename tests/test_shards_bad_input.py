@@ -14,14 +14,10 @@ data component and the training loader in-process (a CLI run costs seconds); the
 from __future__ import annotations
 
 import contextlib
-import http.client
-import http.server
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 import pytest
@@ -35,7 +31,7 @@ from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
 from conftest import TINY, model_from_checkpoint, run_cli
-from object_store import moto_s3
+from object_store import FaultProxy, moto_s3
 
 BATCH = 32  # tiny.yaml's global batch, one process: step k+1 reads epoch positions [32k, 32k+32)
 SHARD_ARGS = ["--rows-per-shard", "300", "--rows-per-group", "50"]
@@ -353,57 +349,6 @@ def a_store(tmp_path: Path, monkeypatch, written: Path | None = None):
         yield store
 
 
-class ShardsDenied:
-    """An S3 endpoint in front of a store that answers 403 AccessDenied to a request for a shard (a .parquet key)
-    and passes the rest through (the manifest, the listing): a policy that lets a reader list the split but not
-    read its shards. A thread of this process; point AWS_ENDPOINT_URL at `endpoint`."""
-
-    def __init__(self, upstream: str):
-        target = urlsplit(upstream)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def forward(self):
-                length = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(length) if length else b""
-                if self.path.split("?")[0].endswith(".parquet"):
-                    status, headers = 403, [("Content-Type", "application/xml")]
-                    data = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-                else:
-                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                    conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
-                    answer = conn.getresponse()
-                    status, headers, data = answer.status, answer.getheaders(), answer.read()
-                self.send_response(status)
-                for key, value in headers:  # a HEAD's Content-Length is the object's size: kept
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", dict((k.lower(), v) for k, v in headers).get("content-length", "0")
-                                 if self.command == "HEAD" else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "ShardsDenied":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def first_batch_error(loader) -> str:
     with pytest.raises(DataError) as caught:
         next(iter(loader))
@@ -429,7 +374,7 @@ def test_a_store_that_stopped_answering_is_named_as_the_store_not_as_a_truncated
 
 def test_a_store_that_denies_the_shards_is_named_as_the_store_with_its_answer(written: Path, tmp_path: Path,
                                                                                 monkeypatch):
-    with a_store(tmp_path, monkeypatch, written) as store, ShardsDenied(store.endpoint) as denying:
+    with a_store(tmp_path, monkeypatch, written) as store, FaultProxy(store.endpoint, deny=".parquet") as denying:
         monkeypatch.setenv("AWS_ENDPOINT_URL", denying.endpoint)
         root = f"{store.url}/data"
         loader = make_train_loader(sharded(root)["train"], BATCH, 0, 1, 0, 0, False)  # manifest and listing pass
