@@ -143,7 +143,7 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         results["baseline"] = found  # clearly better than the trivial predictor, or not registered
     # the exported model's own figure (a confusion matrix), named by its checkpoint's step
     figure = task.plot(kept["onnx"], out / "validation.png",
-                       subject=f"exported model (step {_checkpoint_step(weights)}), validation") if "onnx" in kept else None
+                       subject=f"exported model (step {weights.step}), validation") if "onnx" in kept else None
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
         results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
@@ -503,7 +503,7 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         report["model_uri"] = tracking.log_onnx_model(
             exported.model, inputs, signature(exported.model), providers,
             metadata={lineage.REPORT: report["gates"]["parity.val"]["message"]},
-            data_file=onnx_export.data_file(result.onnx_path), step=_checkpoint_step(weights))
+            data_file=onnx_export.data_file(result.onnx_path), step=weights.step)
         for variant in SERVED_VARIANTS:  # a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
@@ -536,12 +536,6 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         tracking.log_artifact(result.report_path, "onnx")
         tracking.log_table(figures_table(report), "onnx/gates.json")
         tracking.mark_stage("export", "done")
-
-
-def _checkpoint_step(weights: Weights) -> int:
-    """The training step of the exported checkpoint (0 when the weights do not say)."""
-    step = (weights.meta.get("source") or {}).get("step")
-    return int(step) if isinstance(step, int) or (isinstance(step, str) and step.isdigit()) else 0
 
 
 def promotion_metrics(decision: dict | None) -> dict[str, float]:

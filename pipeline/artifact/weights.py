@@ -38,6 +38,12 @@ class Weights:
     def source(self) -> dict[str, Any]:
         return self.meta.get("source") or {}
 
+    @property
+    def step(self) -> int:
+        """The training step of the checkpoint the weights came from (0 when they do not say)."""
+        step = self.source.get("step")
+        return int(step) if isinstance(step, int) or (isinstance(step, str) and step.isdigit()) else 0
+
 
 def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
     """model.json, as `pipeline consolidate` writes it beside the weights: everything export needs besides them.
