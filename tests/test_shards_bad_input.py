@@ -1,10 +1,10 @@
 """Bad sharded input, as a user meets it: a missing or truncated shard, a shard changed in place, a shard of
 another schema, a manifest that promises more rows than a shard holds, a manifest that is missing or not one,
-`pipeline data shard` given what it can't do, and an object store that fails under a read (not the shard: told
-apart from damage, and nothing says to rewrite the split). Each is a DataError (the CLI: one line on stderr, exit 2)
-that names the shard (and the row group) and says what would be right, raised before training where a listing
-can tell, else at the step that reads the damage; and a resume that meets it leaves the checkpoint it resumed
-from as valid as it was.
+`pipeline data shard` given what it can't do, and an object store that fails under a read of a shard, of the
+manifest or of the split's listing (not the data: told apart from damage, and nothing says to rewrite the
+split). Each is a DataError (the CLI: one line on stderr, exit 2) that names the shard (and the row group) and
+says what would be right, raised before training where a listing can tell, else at the step that reads the
+damage; and a resume that meets it leaves the checkpoint it resumed from as valid as it was.
 
 The digits of tests/configs/tiny.yaml are written once by the CLI (train: 1438 rows in 5 shards of 6 row
 groups of 50, the last 238 rows; val: 359 in 2); each test damages its own copy. Most cases go through the
@@ -325,12 +325,14 @@ def test_pipeline_data_shard_refuses_bad_arguments_with_one_line(workdir: Path, 
     assert not (workdir / "shards").exists()
 
 
-# --- (8) an object store that fails under a read: named as the store's failure, not as damage -------
+# --- (8) an object store that fails under a read (a shard, the manifest, the listing): the store named --
 
 
-STORE_FAILED = ("the store failed, not the shard, whose bytes were not judged; check the store's endpoint "
-                "(AWS_ENDPOINT_URL), credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, "
-                "then retry the run: `--resume latest` resumes from its last checkpoint")
+def store_failed(judged: str = "shard") -> str:
+    """The end of the store's message: what the store failed to read (the shard, the manifest, the shards' listing)."""
+    return (f"the store failed, not the {judged}, whose bytes were not judged; check the store's endpoint "
+            "(AWS_ENDPOINT_URL), credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, "
+            "then retry the run: `--resume latest` resumes from its last checkpoint")
 
 
 @contextlib.contextmanager
@@ -368,7 +370,7 @@ def test_a_store_that_stopped_answering_is_named_as_the_store_not_as_a_truncated
     assert message.startswith(f"shard {root}/train/shard-{shard:05d}.parquet could not be read from the object "
                               f"store at {store.endpoint} (EndpointConnectionError: Could not connect to the "
                               f"endpoint URL: "), message
-    assert message.endswith(f"): {STORE_FAILED}"), message
+    assert message.endswith(f"): {store_failed()}"), message
     assert "truncated" not in message and "write the split again" not in message
 
 
@@ -381,7 +383,67 @@ def test_a_store_that_denies_the_shards_is_named_as_the_store_with_its_answer(wr
         message = first_batch_error(loader)
     shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
     assert message == (f"shard {root}/train/shard-{shard:05d}.parquet could not be read from the object store at "
-                       f"{denying.endpoint} (PermissionError: Forbidden): {STORE_FAILED}")
+                       f"{denying.endpoint} (PermissionError: Forbidden): {store_failed()}")
+
+
+def test_a_store_stopped_before_the_manifest_is_read_is_named_by_pipeline_train_as_the_store(written: Path,
+                                                                                            tmp_path: Path,
+                                                                                            workdir: Path,
+                                                                                            monkeypatch):
+    with a_store(tmp_path, monkeypatch, written) as store:
+        root = f"{store.url}/data"
+    # moto_server stopped before the run starts: the first request, the train split's manifest, is refused.
+    proc = run_cli(["train", "--config", str(TINY), "data.name=sharded", f"data.args.root={root}", "model.name=mlp",
+                    "model.args={hidden: [16]}", "train.max_steps=1"], cwd=workdir, check=False)
+    line = one_error_line(proc)
+    says = (f"the shard manifest {root}/train/manifest.json could not be read from the object store at "
+            f"{store.endpoint} (EndpointConnectionError: Could not connect to the endpoint URL: ")
+    assert says in line, line
+    assert line.endswith(f"): {store_failed('manifest')}"), line
+    assert "must be a readable file" not in proc.stderr and "botocore" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("denied, says", [
+    ("manifest.json", "the shard manifest {root}/train/manifest.json could not be read from the object store at "
+                      "{endpoint} (PermissionError: Forbidden): {end}"),
+    # A policy without s3:ListBucket: the manifest reads, the check's listing of the split is refused.
+    ("/trainserve", "the listing of the split {root}/train could not be read from the object store at {endpoint} "
+                    "(PermissionError: Access Denied): {end}"),
+], ids=["the manifest", "the listing"])
+def test_a_store_that_denies_the_manifest_or_the_listing_is_named_as_the_store_with_its_answer(
+        written: Path, tmp_path: Path, monkeypatch, denied: str, says: str):
+    with a_store(tmp_path, monkeypatch, written) as store, FaultProxy(store.endpoint, deny=denied) as denying:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", denying.endpoint)
+        root = f"{store.url}/data"
+        with pytest.raises(DataError) as caught:
+            sharded(root)
+    end = store_failed("manifest" if denied == "manifest.json" else "shards")
+    assert str(caught.value) == says.format(root=root, endpoint=denying.endpoint, end=end)
+
+
+def test_a_store_stopped_between_the_manifest_and_the_listing_is_named_with_the_listing(written: Path,
+                                                                                        tmp_path: Path,
+                                                                                        monkeypatch):
+    """sharded(root) reads a split's manifest and lists the split right after it (the check before training): the
+    store stops in between (moto_server stopped as the manifest's read returns)."""
+    with contextlib.ExitStack() as running:
+        store = running.enter_context(a_store(tmp_path, monkeypatch, written))
+        read = shard_format.read_manifest
+
+        def read_then_stop(location):
+            manifest = read(location)
+            running.close()
+            return manifest
+
+        monkeypatch.setattr(shard_format, "read_manifest", read_then_stop)
+        root = f"{store.url}/data"
+        with pytest.raises(DataError) as caught:
+            sharded(root)
+    message = str(caught.value)
+    assert message.startswith(f"the listing of the split {root}/train could not be read from the object store at "
+                              f"{store.endpoint} (EndpointConnectionError: Could not connect to the endpoint URL: "
+                              ), message
+    assert message.endswith(f"): {store_failed('shards')}"), message
 
 
 def test_a_store_that_stopped_answering_mid_shard_is_named_with_the_row_group_not_as_damage(tmp_path: Path,
@@ -412,7 +474,7 @@ def test_a_store_that_stopped_answering_mid_shard_is_named_with_the_row_group_no
     message = str(caught.value)
     assert message.startswith(f"shard {root}/shard-00000.parquet row group 14 could not be read from the object "
                               f"store at {store.endpoint} (EndpointConnectionError: "), message
-    assert message.endswith(f"): {STORE_FAILED}"), message
+    assert message.endswith(f"): {store_failed()}"), message
     assert "restore the shard" not in message
 
 

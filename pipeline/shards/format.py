@@ -201,18 +201,23 @@ def read_manifest(location: str) -> Manifest:
     directory, path = manifest_location(location)
     again = "write the split again with `pipeline data shard`"
     fs, key = filesystem(path)
-    try:
+    try:  # the read, then the parse: a store that failed is told from a file that is not a manifest
         with fs.open(key, "rb") as f:
-            body = json.loads(f.read())
+            data = f.read()
     except FileNotFoundError:
         raise DataError(f"no shard manifest at {path}: write one with `pipeline data shard --config <config> "
                         f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`") from None
+    except Exception as exc:
+        if "://" not in path and isinstance(exc, OSError):  # a directory of that name, no permission
+            raise DataError(f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a "
+                            f"readable file, the manifest.json `pipeline data shard` writes") from None
+        # The store answered no (no connection, denied, timed out): botocore's own exceptions are not OSError.
+        raise DataError(_store_failed(f"the shard manifest {path}", path, exc, "manifest")) from None
+    try:
+        body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{path} is not a shard manifest: it is not JSON ({exc}); a split's manifest.json is the "
                         f"JSON `pipeline data shard` writes ({FORMAT}): {again}") from None
-    except OSError as exc:  # a directory of that name, no permission
-        raise DataError(f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a readable "
-                        f"file, the manifest.json `pipeline data shard` writes") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         found = body.get("format") if isinstance(body, dict) else f"none (a JSON {type(body).__name__})"
         raise DataError(f"{path} is not a shard manifest of this version: its format is {found!r}, expected "
@@ -294,6 +299,9 @@ def check_against_store(manifest: Manifest) -> None:
         raise DataError(f"the shard directory {manifest.location} does not exist: it must hold the shards its "
                         f"manifest names ({', '.join(s.name for s in manifest.shards[:3])}"
                         f"{', ...' if len(manifest.shards) > 3 else ''})") from None
+    except Exception as exc:  # the store answered no (no connection, denied ListBucket, timed out)
+        raise DataError(_store_failed(f"the listing of the split {manifest.location}", manifest.location, exc,
+                                      "shards")) from None
     for shard in manifest.shards:
         where = f"shard {join(manifest.location, shard.name)}"
         if shard.name not in listing:
@@ -570,19 +578,19 @@ def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:
             "with `pipeline data shard`")
 
 
-def _store_failed(what: str, location: str, exc: BaseException) -> str:
-    """`what` (a shard at `location`, or one of its row groups) unread because the store failed under the read
-    (connection refused, timed out, access denied, an I/O error): its bytes were never judged, so nothing here
-    says to rewrite it."""
+def _store_failed(what: str, location: str, exc: BaseException, judged: str = "shard") -> str:
+    """`what` (a shard at `location`, one of its row groups, the split's manifest or its listing) unread because
+    the store failed under the read (connection refused, timed out, access denied, an I/O error): the bytes of
+    `judged` (the shard, the manifest, the shards) were never judged, so nothing here says to rewrite them."""
     error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     if "://" in str(location):
         endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
         return (f"{what} could not be read from the object store at {endpoint} ({error}): the store failed, not the "
-                "shard, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), credentials "
+                f"{judged}, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), credentials "
                 "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then retry the run: "
                 "`--resume latest` resumes from its last checkpoint")
-    return (f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the shard, whose "
-            "bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
+    return (f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the {judged}, "
+            "whose bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
             "retry the run: `--resume latest` resumes from its last checkpoint")
 
 
