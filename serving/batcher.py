@@ -387,6 +387,7 @@ class Batcher:
             span = self._next_span()
             head = self._queue[0] if self._queue else None
             if span is None and head is None:
+                self._release_done_groups()  # (places whose callers all gave up)
                 self._settle_drained()
                 return
             oldest_placed = min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
@@ -586,9 +587,16 @@ class Batcher:
         return outputs, error
 
     def _drop_abandoned(self) -> None:
-        """(under _lock) Jobs at the head whose callers gave up (a request deadline): never run."""
+        """(under _lock) Jobs whose callers gave up (a request deadline): never run. Queued ones at the head; those
+        in a batch buffer's place anywhere (the place turns dead: its rows are filled with a good row if its span
+        runs)."""
         while self._queue and self._queue[0].future.done():
             self.queued_rows -= self._queue.popleft().rows
+        for group in self._groups:
+            for place in group.places:
+                if place.job is not None and not place.ran and place.job.future.done():
+                    self.queued_rows -= place.job.rows
+                    place.job, place.dead = None, True
 
     def _take(self) -> list[_Job]:
         """(under _lock) The next batch: the oldest job, then following jobs of the same layout while they fit.

@@ -247,6 +247,54 @@ def test_a_model_run_past_its_deadline_is_a_504_and_the_server_not_ready_until_i
         assert requests.get(srv.url + "/v2/health/live").status_code == 200
 
 
+def test_a_request_not_answered_within_request_timeout_is_a_504_and_one_queued_behind_it_is_never_run(tmp_path):
+    """--request-timeout bounds a request's wait for its batch: the one being run and the one queued behind it both
+    get a 504 naming the flag at about the deadline (not when the run ends), the queued one is dropped unrun, and
+    the server answers the next request."""
+    path = heavy_model(tmp_path / "heavy.onnx", channels=128, layers=6)
+    with ServerProcess("--model", str(path), "--max-batch-size", "64", "--max-rows-per-request", "64",
+                       "--request-timeout", "0.15", "--run-timeout", "60", log_path=tmp_path / "log") as srv:
+        big = np.random.default_rng(0).random((64, 1, 28, 28), dtype=np.float32).tolist()
+        small = np.random.default_rng(1).random((1, 1, 28, 28), dtype=np.float32).tolist()
+
+        def ask(x):
+            began = time.monotonic()
+            r = requests.post(srv.url + "/invocations", json={"inputs": x}, timeout=30)
+            return r, time.monotonic() - began
+
+        def runs_become(n):
+            deadline = time.monotonic() + 30
+            while runs(srv) < n:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+        before = runs(srv)
+        r, _ = ask(big)  # a first big run: its length, from the server's own metric
+        assert r.status_code == 504, r.text[:200]
+        runs_become(before + 1)
+        text = requests.get(srv.url + "/metrics", timeout=10).text
+        run_s = metric(text, "trainserve_inference_duration_seconds_sum") / \
+            metric(text, "trainserve_inference_duration_seconds_count")
+        assert run_s > 0.3, run_s  # (~0.4-0.8 s here) long enough to tell the deadline from the run's end
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, big)
+            time.sleep(0.05)  # the second waits in the queue behind the first's run
+            second = pool.submit(ask, big)
+            answers = [first.result(), second.result()]
+        for r, t in answers:
+            assert r.status_code == 504 and "--request-timeout" in r.json()["error"], r.text[:200]
+            assert t < 0.15 + run_s / 2, (t, run_s)  # at the deadline, not when the run returned
+        runs_become(before + 2)  # the first's run returns
+        time.sleep(2 * run_s)
+        assert runs(srv) == before + 2  # the second's never started
+        assert ask(small)[0].status_code == 200
+
+
+def runs(srv) -> float:
+    """The model runs the server has made (its batch-size histogram's count)."""
+    return metric(requests.get(srv.url + "/metrics", timeout=10).text, "trainserve_batch_size_count")
+
+
 def test_a_public_address_needs_a_token(models, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "serving", "--model", str(models["tiny"]), "--host", "0.0.0.0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
