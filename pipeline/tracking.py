@@ -380,22 +380,25 @@ def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
 
 
 @uninterrupted
-def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> None:
+def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> str | None:
     """Ends this process's active run, if any, after marking `failed_stage` failed on it and dropping its
-    PROCESS tag (the process ends its run itself: nothing to close after it)."""
+    PROCESS tag (the process ends its run itself: nothing to close after it). The run's id, or None if there was
+    no active run."""
     import mlflow
 
     global _logged_through
     _logged_through = None
-    if mlflow.active_run() is not None:
-        run_id = mlflow.active_run().info.run_id
-        if failed_stage:
-            mark_stage(failed_stage, "failed")
-        mlflow.end_run(status=status)
-        # After the run is ended: a process killed between the two leaves a stale PROCESS on an ended run, which
-        # close_if_orphaned never reads (it looks at RUNNING runs only); the other order could leave a RUNNING run
-        # that names no process, which nothing could close.
-        release_process(run_id)
+    if mlflow.active_run() is None:
+        return None
+    run_id = mlflow.active_run().info.run_id
+    if failed_stage:
+        mark_stage(failed_stage, "failed")
+    mlflow.end_run(status=status)
+    # After the run is ended: a process killed between the two leaves a stale PROCESS on an ended run, which
+    # close_if_orphaned never reads (it looks at RUNNING runs only); the other order could leave a RUNNING run
+    # that names no process, which nothing could close.
+    release_process(run_id)
+    return run_id
 
 
 def process_tag(status_before: str = "") -> dict[str, str]:

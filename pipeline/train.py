@@ -177,12 +177,12 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             finish_tracking(cfg, final, task, state, run_id, uploads, monitor, loop.step)
         return TrainResult(run_dir, run_id, final, loop.losses, metrics, monitor.state())
     except BaseException:
-        end_run_after_failure()
+        end_run_after_failure(run_dir)
         raise
     finally:
         clean = sys.exc_info()[0] is None
         if not clean:
-            end_run_after_failure()
+            end_run_after_failure(run_dir)
         if info.is_main and run_dir is not None:
             run_dir_owner.release(run_dir)  # an object store's lease; nothing for a local flock
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
@@ -309,7 +309,7 @@ def final_checkpoint(ckpt_root: Path, last_step: int) -> Path | None:
     return exact if exact.is_dir() else checkpoint.latest(ckpt_root)
 
 
-def end_run_after_failure() -> None:
+def end_run_after_failure(run_dir: Path | None) -> None:
     """Close this process's MLflow run (if it has one) as KILLED (Ctrl-C) or FAILED (any other
     exception being handled), even if SIGTERM arrives meanwhile.
 
@@ -323,7 +323,10 @@ def end_run_after_failure() -> None:
     stopping.ignore_sigterm()
     status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
-        tracking.end_run(status, failed_stage="train")
+        ended = tracking.end_run(status, failed_stage="train")
+        if ended and run_dir is not None and not object_store.is_url(run_dir):
+            # The launcher then need not open the store to close it (importing MLflow alone took it 4.5 s)
+            write_run_record(run_dir, ended, status)
     except Exception as exc:  # the failure being handled is the news; don't replace it with this one
         log.error("could not mark the MLflow run %s: %s", status, exc)
 
@@ -619,6 +622,13 @@ def choose_resume(requested: str | None, ckpt_root: Path, restarts: int) -> str 
 
 def read_run_id(run_dir: Path) -> str | None:
     """The MLflow run of this run directory, kept so a restart before the first checkpoint continues it."""
+    record = read_run_record(run_dir)
+    return record["run_id"] if record else None
+
+
+def read_run_record(run_dir: Path) -> dict | None:
+    """mlflow_run.json: {"run_id": the run directory's MLflow run} while a process has it open, and "ended": its
+    status once the process that had it ended it after a failure (write_run_record)."""
     f = run_dir / "mlflow_run.json"
     if not f.exists():
         return None
@@ -626,7 +636,11 @@ def read_run_id(run_dir: Path) -> str | None:
                           "start a new MLflow run for this directory")
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
         raise StateFileError(f"{f} holds {str(record)[:80]}, not {{\"run_id\": ...}}")
-    return record["run_id"]
+    return record
+
+
+def write_run_record(run_dir: Path, run_id: str, ended: str | None = None) -> None:
+    write_json(run_dir / "mlflow_run.json", {"run_id": run_id} | ({"ended": ended} if ended else {}))
 
 
 def seed_everything(seed: int) -> None:
@@ -696,7 +710,7 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     for why in code.skipped:
         log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "mlflow_run.json", {"run_id": run_id})
+    write_run_record(run_dir, run_id)
     write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     return run_id
 
@@ -796,8 +810,9 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
     """torchrun's exit code. When it failed, also closes an MLflow run that rank 0 left RUNNING:
     a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
     code = launch.run_torchrun(cmd)
-    run_id = read_run_id(run_dir) if code else None
-    if run_id:
+    record = read_run_record(run_dir) if code else None
+    if record and not record.get("ended"):  # (ended: rank 0 closed it itself)
+        run_id = record["run_id"]
         try:
             tracking.use_store(cfg.tracking.tracking_uri)
             if tracking.fail_if_running(run_id, "train"):

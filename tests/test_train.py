@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -194,6 +195,10 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     assert lineage.read_stages(run.data.tags[lineage.STAGES])["train"] == "failed"
     closed_by_launcher = f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr
     assert closed_by_launcher == (killed == 0), proc.stderr[-2000:]
+    # Rank 0 that closed its run says so in the run directory, and the launcher then leaves the store alone
+    # (opening it after torchrun took it 4.5 s, most of a failed launch's exit).
+    record = json.loads(next((workdir / "outputs").rglob("mlflow_run.json")).read_text())
+    assert record == ({"run_id": run.info.run_id, "ended": "FAILED"} if killed == 1 else {"run_id": run.info.run_id})
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
