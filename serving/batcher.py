@@ -195,6 +195,7 @@ class Batcher:
         self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops that will tell the engine thread (see _kick)
         self.queued_rows = 0
         self._batch: list[_Job] = []  # taken, being run
+        self._running: _Group | None = None  # the buffer a run is reading: not handed out again until it returns
         self._closing = False
         self._closed = False
         self._dead = False
@@ -410,6 +411,7 @@ class Batcher:
                 jobs = [p.job for p in places if p.job is not None]
                 self.queued_rows -= sum(job.rows for job in jobs)
                 free_up_to = self._free_up_to(group, span[2])
+                self._running = group
             else:
                 jobs = self._take()
             self._batch = jobs
@@ -423,7 +425,7 @@ class Batcher:
             _deliver([(job, exc, True) for job in jobs])
         # (a BaseException, the thread being killed, leaves self._batch for runner_died to fail)
         with self._lock:
-            self._batch = []
+            self._batch, self._running = [], None
             self._release_done_groups()
             more = self._pending()
             if not more:
@@ -453,8 +455,9 @@ class Batcher:
         return False
 
     def _next_span(self) -> tuple[_Group, list[_Place], int] | None:
-        """(under _lock) The first run of consecutive places not run yet, each complete (a job, or dead), holding at
-        least one job: (group, places, the index after them). Runs of dead places alone are marked run on the way."""
+        """(under _lock) The first run of consecutive places not run yet, each complete (a job, or dead), from its
+        first job to its last: (group, places, the index after them). Dead places before it are marked run on the
+        way (a dead place between two jobs stays: the rows run must be contiguous)."""
         for group in self._groups:
             places, i = group.places, 0
             while i < len(places):
@@ -464,12 +467,14 @@ class Batcher:
                 j = i
                 while j < len(places) and not places[j].ran and places[j].complete:
                     j += 1
-                span = places[i:j]
-                if any(p.job is not None for p in span):
-                    return group, span, j
-                for place in span:
-                    place.ran = True
-                i = j
+                while i < j and places[i].job is None:  # dead at its start: never computed
+                    places[i].ran = True
+                    i += 1
+                while j > i and places[j - 1].job is None:  # nor at its end (left to a later look)
+                    j -= 1
+                if i < j:
+                    return group, places[i:j], j
+                # (all of it dead: marked run above, and i is past it)
         return None
 
     def _free_up_to(self, group: _Group, after: int) -> int:
@@ -485,8 +490,10 @@ class Batcher:
         return bool(self._queue) or any(p.job is not None and not p.ran for g in self._groups for p in g.places)
 
     def _release_done_groups(self) -> None:
-        """(under _lock) Buffers whose every place ran or was refused go back to the pool."""
-        for group in [g for g in self._groups if all(p.ran or p.dead for p in g.places)]:
+        """(under _lock) Buffers whose every place ran or was refused go back to the pool, but not the one a run is
+        reading (a place's ran is set as its run begins): a request given up meanwhile (a client gone mid-body)
+        would free it, and the next body would land in the rows the model is reading."""
+        for group in [g for g in self._groups if g is not self._running and all(p.ran or p.dead for p in g.places)]:
             self._groups.remove(group)
             self._buffers.release(group.index)
 

@@ -295,6 +295,79 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
     assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
 
 
+def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is_given_up(executor):
+    """A batch buffer holds A (being run) and B (its body still arriving). B's client goes away mid-run: every
+    place of the buffer is now run or dead, but the engine still reads A's rows. The buffer was released then, and
+    the next request's body landed in A's rows while the model read them: A was answered from C's values."""
+    import types
+
+    from serving.staging import BatchBuffers
+
+    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+    buffers = BatchBuffers([spec], capacity=8, count=2)
+    running = threading.Event()
+
+    def run_buffer(index, start, rows, free_up_to):
+        running.set()
+        time.sleep(0.2)  # the model reading the rows meanwhile
+        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+
+    async def main():
+        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+                    buffers=buffers, run_buffer=run_buffer)
+        b.start()
+        a, gone = b.arriving(rows=2), b.arriving(rows=2)
+        a.views["x"][:] = 1.0
+        a.filled = True
+        answer = asyncio.create_task(b.submit(a.views, 2, a))
+        while not running.is_set():
+            await asyncio.sleep(0.005)
+        gone.end()  # B's client disconnected mid-body
+        c = b.arriving(rows=2)  # the next request: its body lands in its place at once
+        c.views["x"][:] = 7.0
+        c.filled = True
+        other = asyncio.create_task(b.submit(c.views, 2, c))
+        out = (await answer)["y"], (await other)["y"]
+        await b.close()
+        return out
+
+    a_out, c_out = run(main())
+    assert a_out.tolist() == [[2.0, 2.0], [2.0, 2.0]], a_out  # A's own values, not C's 7s
+    assert c_out.tolist() == [[14.0, 14.0], [14.0, 14.0]]
+
+
+def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
+    """Requests copied into a batch buffer's places: one whose caller gave up (a request deadline) before the run
+    is left out of it, at a span's start as anywhere it can be, not computed as padding."""
+    import types
+
+    from serving.staging import BatchBuffers
+
+    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+    buffers = BatchBuffers([spec], capacity=8, count=2)
+    runs = []
+
+    def run_buffer(index, start, rows, free_up_to):
+        runs.append((start, rows))
+        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+
+    async def main():
+        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+                    buffers=buffers, run_buffer=run_buffer)
+        b.start()
+        gave_up = asyncio.create_task(b.submit({"x": np.full((2, 2), 9, np.float32)}, 2))
+        kept = asyncio.create_task(b.submit({"x": np.full((2, 2), 1, np.float32)}, 2))
+        await asyncio.sleep(0)  # both copied into their places, rows 0-1 and 2-3
+        gave_up.cancel()  # in the same turn of the loop: before the engine takes the batch
+        out = await kept
+        await b.close()
+        return out["y"], b.queued_rows
+
+    out, queued = run(main())
+    assert out.tolist() == [[2.0, 2.0], [2.0, 2.0]] and queued == 0
+    assert runs == [(2, 2)], runs  # the kept request's rows only
+
+
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
     # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO: while
     # model A is flooded, a request to model B waits for at most the one A run ahead of it.
