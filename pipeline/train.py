@@ -324,11 +324,14 @@ def end_run_after_failure(run_dir: Path | None) -> None:
     status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
         ended = tracking.end_run(status, failed_stage="train")
-        if ended and run_dir is not None and not object_store.is_url(run_dir):
-            # The launcher then need not open the store to close it (importing MLflow alone took it 4.5 s)
-            write_run_record(run_dir, ended, status)
     except Exception as exc:  # the failure being handled is the news; don't replace it with this one
         log.error("could not mark the MLflow run %s: %s", status, exc)
+        return
+    if ended and run_dir is not None and not object_store.is_url(run_dir):
+        try:  # the launcher then need not open the store to close it (importing MLflow alone took it 4.5 s)
+            write_run_record(run_dir, ended, status)
+        except OSError as exc:
+            log.error("marked the MLflow run %s %s, but could not say so in %s: %s", ended, status, run_dir, exc)
 
 
 @dataclass
@@ -696,6 +699,10 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
                            f"{precision}",
             lineage.GIT: tracking.git_commit()[:12], lineage.RUN_DIR: str(run_dir.resolve()), **tracking.process_tag()}
     resumed = run_id is not None
+    if resumed and not object_store.is_url(run_dir):
+        # Before the run turns RUNNING again: an "ended" left by the failed attempt would tell the launcher this
+        # attempt closed it too, should it be killed before it can say otherwise.
+        write_run_record(run_dir, run_id)
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
                                 gpu=info.device.type == "cuda")
     tracking.mark_stage("train", "running")
