@@ -329,10 +329,14 @@ def test_pipeline_data_shard_refuses_bad_arguments_with_one_line(workdir: Path, 
 
 
 def store_failed(judged: str = "shard") -> str:
-    """The end of the store's message: what the store failed to read (the shard, the manifest, the shards' listing)."""
+    """The end of the store's message: what the store failed to read (the shard, the manifest, the shards' listing),
+    and what then: a shard read in training resumes from its checkpoint; the manifest and the listing are read
+    before any step, with no checkpoint to resume from."""
+    then = ("retry the run: `--resume latest` resumes from its last checkpoint" if judged == "shard" else
+            "run the command again")
     return (f"the store failed, not the {judged}, whose bytes were not judged; check the store's endpoint "
-            "(AWS_ENDPOINT_URL), credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, "
-            "then retry the run: `--resume latest` resumes from its last checkpoint")
+            f"(AWS_ENDPOINT_URL), credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, "
+            f"then {then}")
 
 
 @contextlib.contextmanager

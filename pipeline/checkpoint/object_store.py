@@ -109,6 +109,11 @@ def check_url(url: str, what: str = "train.output_dir") -> StoreUrl:
     return StoreUrl(url.rstrip("/"))
 
 
+def endpoint_name() -> str:
+    """The S3 endpoint the process talks to, as a message names it."""
+    return os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
+
+
 def check_reachable(url: str, what: str = "train.output_dir") -> None:
     """Credentials, endpoint and bucket, before anything runs: one clear line instead of a botocore traceback."""
     import botocore.session
@@ -117,7 +122,7 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
     if botocore.session.Session().get_credentials() is None:
         raise ConfigError(f"{what}={url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
                           "AWS_ENDPOINT_URL for a server other than AWS S3)")
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
+    endpoint = endpoint_name()
     bucket, _, prefix = url.key.partition("/")
     try:
         # One key under the run's prefix, not a listing of the bucket: a policy may allow only prefix/*, and a

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import posixpath
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,6 +32,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from pipeline.checkpoint.object_store import endpoint_name
 from pipeline.errors import DataError
 
 FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
@@ -212,7 +212,7 @@ def read_manifest(location: str) -> Manifest:
             raise DataError(f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a "
                             f"readable file, the manifest.json `pipeline data shard` writes") from None
         # The store answered no (no connection, denied, timed out): botocore's own exceptions are not OSError.
-        raise DataError(_store_failed(f"the shard manifest {path}", path, exc, "manifest")) from None
+        raise DataError(_store_failed(f"the shard manifest {path}", path, exc, "manifest", BEFORE_TRAINING)) from None
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -301,7 +301,7 @@ def check_against_store(manifest: Manifest) -> None:
                         f"{', ...' if len(manifest.shards) > 3 else ''})") from None
     except Exception as exc:  # the store answered no (no connection, denied ListBucket, timed out)
         raise DataError(_store_failed(f"the listing of the split {manifest.location}", manifest.location, exc,
-                                      "shards")) from None
+                                      "shards", BEFORE_TRAINING)) from None
     for shard in manifest.shards:
         where = f"shard {join(manifest.location, shard.name)}"
         if shard.name not in listing:
@@ -578,20 +578,23 @@ def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:
             "with `pipeline data shard`")
 
 
-def _store_failed(what: str, location: str, exc: BaseException, judged: str = "shard") -> str:
+BEFORE_TRAINING = "run the command again"  # what a store's failure under a read before any step asks of the user
+
+
+def _store_failed(what: str, location: str, exc: BaseException, judged: str = "shard",
+                  then: str = "retry the run: `--resume latest` resumes from its last checkpoint") -> str:
     """`what` (a shard at `location`, one of its row groups, the split's manifest or its listing) unread because
     the store failed under the read (connection refused, timed out, access denied, an I/O error): the bytes of
-    `judged` (the shard, the manifest, the shards) were never judged, so nothing here says to rewrite them."""
+    `judged` (the shard, the manifest, the shards) were never judged, so nothing here says to rewrite them. `then`:
+    what to do once the store answers (a read before training has no checkpoint to resume from)."""
     error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     if "://" in str(location):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL is not set)"
-        return (f"{what} could not be read from the object store at {endpoint} ({error}): the store failed, not the "
-                f"{judged}, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), credentials "
-                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then retry the run: "
-                "`--resume latest` resumes from its last checkpoint")
+        return (f"{what} could not be read from the object store at {endpoint_name()} ({error}): the store failed, not "
+                f"the {judged}, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), "
+                f"credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then {then}")
     return (f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the {judged}, "
-            "whose bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
-            "retry the run: `--resume latest` resumes from its last checkpoint")
+            f"whose bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
+            f"{then}")
 
 
 def _schema_difference(schema, columns: list[Column]) -> str | None:
