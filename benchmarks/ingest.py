@@ -26,11 +26,18 @@ shows whether it takes more requests in with more cores. This machine has 2: com
     python benchmarks/ingest.py                          # every protocol, c=32, 3 rounds of 5 s, medians
     python benchmarks/ingest.py --quick                  # one round of 3 s
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --concurrency 32
+    python benchmarks/ingest.py --against ../base --protocols http --rounds 8 --seconds 3
+
+`--against DIR` compares this tree's server with another checkout's (e.g. `git worktree add ../base main`, its
+extensions built with `python setup.py build_ext --inplace`): both servers run at once, pinned alike, and the rounds
+alternate between them, so that what this machine does meanwhile falls on both (one run of this 2-core VM and the
+next, an hour apart, differed by 20-65% with the same code: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import re
@@ -89,17 +96,18 @@ class Server:
     """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in `work`)."""
 
     def __init__(self, model: Path | dict[str, Path], work: Path, cpus: str | None, extra: list[str],
-                 model_name: str = MODEL):
+                 model_name: str = MODEL, root: Path = ROOT):
         self.port, self.grpc_port = bench.two_free_ports()
-        self.work = work
-        self.log = work / f"server-{cpus or 'all'}-{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log"
+        self.work, self.root = work, root
+        self.log = work / (f"server-{root.name}-{cpus or 'all'}-"
+                           f"{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log")
         models = [a for name, path in model.items() for a in ("--model", f"{name}={path}")] \
             if isinstance(model, dict) else ["--model", str(model), "--model-name", model_name]
         self.cmd = pinned(cpus, [sys.executable, "-m", "serving", *models,
                                  "--port", str(self.port), "--grpc-port", str(self.grpc_port), *extra])
 
     def __enter__(self):
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, cwd=self.root, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         for _ in range(600):
             try:
                 if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).status_code == 200:
@@ -273,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round of 3 s")
     parser.add_argument("--server-args", default="", help="more flags for the server (its defaults otherwise)")
+    parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout whose server runs beside this "
+                        "tree's, the rounds alternating between them (see the module's docstring)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds = 1, 3.0
@@ -285,24 +295,35 @@ def main(argv: list[str] | None = None) -> int:
     models = {MODEL: work / "trivial.onnx", MODEL_UINT8: work / "trivial_uint8.onnx"}
     trivial_model(models[MODEL])
     trivial_model(models[MODEL_UINT8], uint8=True)
+    if args.against is not None and not (args.against / "serving" / "__main__.py").is_file():
+        parser.error(f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)")
+    roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
     rows = []
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
             server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
         else:
             server_cpus = load_cpus = None
-        with Server(models, work, server_cpus, args.server_args.split()) as server:
+        with contextlib.ExitStack() as servers:
+            started = [servers.enter_context(Server(models, work, server_cpus, args.server_args.split(), root=root))
+                       for root in roots]
             for protocol in protocols:
-                runs = [measure(protocol, server, args.concurrency, args.seconds, work, load_cpus)
-                        for _ in range(args.rounds)]
-                med = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "rows_per_run", "cpu_ms")}
-                errors = sum(r["errors"] for r in runs)
-                rows.append((PROTOCOLS[protocol], "1 core" if server_cpus else f"{ncpu} cores (shared)",
-                             runs[0]["generator"], med, errors, next((r["first_error"] for r in runs if r["first_error"]),
-                                                                     None)))
-                print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  {med['rows_per_run']:5.1f} rows/run"
-                      f"  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}", flush=True)
-            layout = server.layout()
+                runs: dict[int, list[dict]] = {i: [] for i in range(len(started))}
+                for round_ in range(args.rounds):  # alternating, each server first every other round
+                    for i in (range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))):
+                        runs[i].append(measure(protocol, started[i], args.concurrency, args.seconds, work, load_cpus))
+                for i, server in enumerate(started):
+                    med = {k: float(np.median([r[k] for r in runs[i]])) for k in ("rps", "rows_per_run", "cpu_ms")}
+                    errors = sum(r["errors"] for r in runs[i])
+                    code = "" if args.against is None else ("this tree, " if server.root == ROOT else f"{server.root}, ")
+                    rows.append((PROTOCOLS[protocol], code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
+                                 runs[i][0]["generator"], med, errors,
+                                 next((r["first_error"] for r in runs[i] if r["first_error"]), None)))
+                    each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs[i])
+                    print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
+                          f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
+                          f"(rounds: {each} us)", flush=True)
+            layout = started[0].layout()
     print(f"\nServer (default settings): {layout}")
     print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 {int(np.prod(SHAPE)) / 1e3:.0f} KB, "
           "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
