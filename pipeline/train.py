@@ -705,6 +705,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
         write_run_record(run_dir, run_id)
     run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
                                 gpu=info.device.type == "cuda")
+    if resumed:
+        inject_fault("run_reopened", 0, info)  # test hook: killed as the run turns RUNNING again
     tracking.mark_stage("train", "running")
     if not resumed:
         # The config as given, and the model's arguments as built (those the data suggested included).

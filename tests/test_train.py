@@ -199,6 +199,15 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     # (opening it after torchrun took it 4.5 s, most of a failed launch's exit).
     record = json.loads(next((workdir / "outputs").rglob("mlflow_run.json")).read_text())
     assert record == ({"run_id": run.info.run_id, "ended": "FAILED"} if killed == 1 else {"run_id": run.info.run_id})
+    if killed == 1:
+        # The same run directory again, its rank 0 killed outright just as it reopens the run: the record must not
+        # still say the run was ended, or the launcher would leave it RUNNING.
+        proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
+                       cwd=workdir, env={"TRAINSERVE_FAULT": "run_reopened:0:0"}, check=False)
+        assert proc.returncode != 0
+        _, run = only_run(workdir, "tiny")
+        assert run.info.status == "FAILED", proc.stderr[-2000:]
+        assert f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
