@@ -699,7 +699,7 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
                            f"{precision}",
             lineage.GIT: tracking.git_commit()[:12], lineage.RUN_DIR: str(run_dir.resolve()), **tracking.process_tag()}
     resumed = run_id is not None
-    if resumed and not object_store.is_url(run_dir):
+    if resumed:
         # Before the run turns RUNNING again: an "ended" left by the failed attempt would tell the launcher this
         # attempt closed it too, should it be killed before it can say otherwise.
         write_run_record(run_dir, run_id)
@@ -719,7 +719,8 @@ def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInf
     for why in code.skipped:
         log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_record(run_dir, run_id)
+    if not resumed:  # (a resumed run's was written above)
+        write_run_record(run_dir, run_id)
     write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     return run_id
 

@@ -514,19 +514,20 @@ class ShardReader:
         """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor; else a list)}."""
         opened = self._file(shard_index)
         shard = self.manifest.shards[shard_index]
+        path = join(self.manifest.location, shard.name)
         opened.handle.failure = None
         try:
             table = opened.pf.read_row_group(group)
         except Exception as exc:
-            where = f"shard {join(self.manifest.location, shard.name)} row group {group}"
+            where = f"shard {path} row group {group}"
             if isinstance(opened.handle.failure, FileNotFoundError):  # deleted since it was opened
-                raise DataError(self._missing(join(self.manifest.location, shard.name))) from None
+                raise DataError(self._missing(path)) from None
             if opened.handle.failure is not None:  # the store failed mid-shard (s3fs fetches ranges as read)
                 raise DataError(_store_failed(where, self.manifest.location, opened.handle.failure)) from None
             raise DataError(f"{where} can't be read ({type(exc).__name__}: {str(exc)[:200]}); restore the "
                             "shard") from None
         if content_digest(table, self.manifest.columns) != shard.row_groups[group]["sha256"]:
-            raise DataError(f"shard {join(self.manifest.location, shard.name)} row group {group} does not match the "
+            raise DataError(f"shard {path} row group {group} does not match the "
                             "manifest's digest: the shard changed since the manifest was written; restore it, or "
                             "write the split again with `pipeline data shard`")
         return decode(table, self.manifest.columns)
