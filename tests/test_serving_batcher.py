@@ -7,12 +7,13 @@ import asyncio
 import ctypes
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 from serving.batcher import Batcher, BatcherClosed, QueueFull
-from serving.staging import concat
+from serving.staging import BatchBuffers, concat
 from serving.runner import Runner
 
 
@@ -295,16 +296,17 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
     assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
 
 
+def two_column_buffers() -> BatchBuffers:
+    """Two batch buffers of 8 rows for one FP32 input "x" of 2 columns (a model of that one input)."""
+    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+    return BatchBuffers([spec], capacity=8, count=2)
+
+
 def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is_given_up(executor):
     """A batch buffer holds A (being run) and B (its body still arriving). B's client goes away mid-run: every
     place of the buffer is now run or dead, but the engine still reads A's rows. The buffer was released then, and
     the next request's body landed in A's rows while the model read them: A was answered from C's values."""
-    import types
-
-    from serving.staging import BatchBuffers
-
-    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-    buffers = BatchBuffers([spec], capacity=8, count=2)
+    buffers = two_column_buffers()
     running = threading.Event()
 
     def run_buffer(index, start, rows, free_up_to):
@@ -339,12 +341,7 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
 def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
     """Requests copied into a batch buffer's places: one whose caller gave up (a request deadline) before the run
     is left out of it, at a span's start as anywhere it can be, not computed as padding."""
-    import types
-
-    from serving.staging import BatchBuffers
-
-    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-    buffers = BatchBuffers([spec], capacity=8, count=2)
+    buffers = two_column_buffers()
     runs = []
 
     def run_buffer(index, start, rows, free_up_to):
