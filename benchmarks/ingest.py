@@ -19,6 +19,13 @@ request (utime + stime of every thread, from /proc), errors. With the model's co
 is what the front end, the batcher and the copies cost: what sets a GPU server's pace (on one H100 the server
 before this work ran ResNet-50 at 0.31x its engine, forming batches of 5.4 rows: ../shared/gpu/resnet50_h100.md).
 
+A C reference: where nginx and its echo module are installed (`apt-get install nginx-light
+libnginx-mod-http-echo`), the binary HTTP rows' request is also sent to nginx (one process, pinned as the server
+is), which only receives it and answers a fixed body, and a 300-byte POST (a shared-memory request's size) likewise:
+what this machine's kernel and a C HTTP server cost for those bytes, with no model, no checks and no Python. The
+binary HTTP row then gives its CPU as a multiple of nginx's for the same bytes in the same run, a ratio that moves
+less from one run to the next on a shared VM than the milliseconds do.
+
 Cores: by default the server is pinned to one core and the load generator to the other (`taskset`), so that
 neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the generator), which
 shows whether it takes more requests in with more cores. This machine has 2: compare rows of one run only.
@@ -130,6 +137,94 @@ class Server:
     def layout(self) -> str:
         found = re.search(r"laid out as: (.*)", self.log.read_text())
         return found.group(1) if found else "?"
+
+
+class Nginx:
+    """nginx receiving requests and answering a fixed body: the rows' C reference (see the module's docstring)."""
+
+    MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
+
+    def __init__(self, work: Path, cpus: str | None):
+        self.port, _ = bench.two_free_ports()
+        self.dir = work / "nginx"
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.dir / "nginx.conf").write_text(f"""
+load_module {self.MODULE};
+daemon off;
+master_process off;
+error_log {self.dir}/logs/error.log;
+pid {self.dir}/nginx.pid;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {self.dir}/body;
+  server {{
+    listen 127.0.0.1:{self.port};
+    keepalive_requests 100000000;
+    location / {{
+      client_max_body_size 16m;
+      client_body_buffer_size 1m;
+      client_body_in_single_buffer on;
+      echo_read_request_body;
+      echo '{{"model_name":"trivial","outputs":[{{"name":"logits","datatype":"FP32","shape":[1,10]}}]}}';
+    }}
+  }}
+}}
+""")
+        self.cmd = pinned(cpus, [shutil.which("nginx") or "nginx", "-c", str(self.dir / "nginx.conf"),
+                                 "-p", str(self.dir)])
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why nginx can't be the reference here, or None."""
+        if not shutil.which("nginx") or not shutil.which("h2load"):
+            return "no nginx or h2load (apt-get install nginx-light libnginx-mod-http-echo nghttp2-client)"
+        if not cls.MODULE.is_file():
+            return f"no {cls.MODULE} (apt-get install libnginx-mod-http-echo)"
+        return None
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        for _ in range(100):
+            try:
+                if requests.post(f"http://127.0.0.1:{self.port}/", data=b"x", timeout=1).ok:
+                    return self
+            except requests.RequestException:
+                time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"nginx did not start: {(self.dir / 'logs' / 'error.log').read_text()[-2000:]}")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def measure(self, body: bytes, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+        """`body` POSTed by h2load as the binary HTTP rows' requests are; nginx's CPU per request."""
+        request = (b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + body)
+        original = bench.subprocess.run
+        bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)
+        try:
+            bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, min(2.0, seconds), work)  # warm
+            cpu0 = cpu_seconds(self.proc.pid)
+            result = bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, seconds, work)
+            cpu = cpu_seconds(self.proc.pid) - cpu0
+        finally:
+            bench.subprocess.run = original
+        return {"rps": result["rps"], "rows_per_run": float("nan"), "cpu_ms": 1e3 * cpu / max(result["n"], 1),
+                "errors": result["errors"], "first_error": None, "generator": "h2load"}
+
+
+NGINX_ROWS = {"image": "binary HTTP request, nginx only receiving it (C)",
+              "small": "a 300-byte POST (a shm request's size), nginx only receiving it (C)"}
+NGINX_ROW_OF = {"http": "image", "shm-http": "small"}  # the nginx row measured beside a protocol's
+
+
+def nginx_body(kind: str) -> bytes:
+    """The bytes an nginx row receives: the binary HTTP rows' body (its JSON header and the image), or 300 bytes."""
+    if kind == "small":
+        return b"{" + b" " * 298 + b"}"
+    request = bench.v2_request(bench.BINARY_HTTP, MODEL, image(), 0)
+    return request.split(b"\r\n\r\n", 1)[1]
 
 
 # ---- load generators ------------------------------------------------------------------------------------------
@@ -259,7 +354,7 @@ def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, c
     load(protocol, server, c, min(2.0, seconds), work, cpus)  # warm (h2load: its first seconds)
     bench.wait_until_idle(server.port)
     runs0, rows0 = server.batches()
-    cpu0, t0 = cpu_seconds(server.proc.pid), time.time()
+    cpu0 = cpu_seconds(server.proc.pid)
     result = load(protocol, server, c, seconds, work, cpus)
     if "started" in result:  # the shm load began at a set time: the server's CPU is counted from its start
         cpu0 = cpu_seconds(server.proc.pid) if time.time() < result["started"] else cpu0
@@ -269,6 +364,27 @@ def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, c
     return {"rps": result["rps"], "rows_per_run": (rows1 - rows0) / max(runs1 - runs0, 1), "cpu_ms": 1e3 * cpu / n,
             "errors": result["errors"], "first_error": result.get("first_error"),
             "generator": "h2load" if load is h2load_load else ("tritonclient" if load is shm_load else "python")}
+
+
+def measure_nginx(kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args) -> dict:
+    """{kind: (medians, errors)} of nginx receiving each kind of request (NGINX_ROWS), pinned as the server was;
+    {} where nginx can't be run (said why)."""
+    why_not = Nginx.missing() if kinds else None
+    if why_not or not kinds:
+        if why_not:
+            print(f"  (no nginx rows: {why_not})")
+        return {}
+    found = {}
+    with Nginx(work, cpus) as nginx:
+        for kind in kinds:
+            runs = [nginx.measure(nginx_body(kind), args.concurrency, args.seconds, work, load_cpus)
+                    for _ in range(args.rounds)]
+            med = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "rows_per_run", "cpu_ms")}
+            found[kind] = med, sum(r["errors"] for r in runs)
+            each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs)
+            print(f"  {NGINX_ROWS[kind]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
+                  f"(rounds: {each} us)", flush=True)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.against is not None and not (args.against / "serving" / "__main__.py").is_file():
         parser.error(f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)")
     roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
-    rows = []
+    rows, nginx_ms = [], {}  # nginx's CPU ms per request, by the kind of request (NGINX_ROWS)
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
             server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
@@ -318,21 +434,30 @@ def main(argv: list[str] | None = None) -> int:
                     code = "" if args.against is None else ("this tree, " if server.root == ROOT else f"{server.root}, ")
                     rows.append((PROTOCOLS[protocol], code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
                                  runs[i][0]["generator"], med, errors,
-                                 next((r["first_error"] for r in runs[i] if r["first_error"]), None)))
+                                 next((r["first_error"] for r in runs[i] if r["first_error"]), None),
+                                 NGINX_ROW_OF.get(protocol) if server_cpus else None))
                     each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs[i])
                     print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
                           f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
                           f"(rounds: {each} us)", flush=True)
             layout = started[0].layout()
+        kinds = list(dict.fromkeys(NGINX_ROW_OF[p] for p in protocols if p in NGINX_ROW_OF)) if server_cpus else []
+        for kind, (med, errors) in measure_nginx(kinds, work, server_cpus, load_cpus, args).items():
+            nginx_ms[kind] = med["cpu_ms"]
+            rows.append((NGINX_ROWS[kind], "nginx, 1 core", "h2load", med, errors, None, None))
     print(f"\nServer (default settings): {layout}")
     print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 {int(np.prod(SHAPE)) / 1e3:.0f} KB, "
           "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
           f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
-    print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | errors |")
-    print("|---|---|---|---|---|---|---|")
-    for name, where, generator, med, errors, first in rows:
-        print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {med['rows_per_run']:.1f} | {med['cpu_ms']:.3f} | "
-              f"{errors}{' (' + first[:80] + ')' if first else ''} |")
+    print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
+          "x nginx's CPU, same bytes | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, where, generator, med, errors, first, kind in rows:
+        # (a ratio for the same bytes only: a shm request also has the model read 602 KB that nginx's POST has not)
+        times = f"{med['cpu_ms'] / nginx_ms[kind]:.2f}" if kind == "image" and kind in nginx_ms else ""
+        batches = "" if np.isnan(med["rows_per_run"]) else f"{med['rows_per_run']:.1f}"
+        print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
+              f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |")
     return 0
 
 
