@@ -28,11 +28,14 @@ less from one run to the next on a shared VM than the milliseconds do.
 
 Cores: by default the server is pinned to one core and the load generator to the other (`taskset`), so that
 neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the generator), which
-shows whether it takes more requests in with more cores. This machine has 2: compare rows of one run only.
+shows whether it takes more requests in with more cores. This machine has 2: compare rows of one run only. With
+602 KB requests one h2load thread sends at most ~2,500 a second here (nginx, which only receives them, gets no more):
+the generator, not the server, sets the pace on 2 cores; `--image 3x32x32` (12 KB) leaves the server the pace.
 
     python benchmarks/ingest.py                          # every protocol, c=32, 3 rounds of 5 s, medians
     python benchmarks/ingest.py --quick                  # one round of 3 s
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --concurrency 32
+    python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --image 3x32x32   # scaling, small images
     python benchmarks/ingest.py --against ../base --protocols http --rounds 8 --seconds 3
 
 `--against DIR` compares this tree's server with another checkout's (e.g. `git worktree add ../base main`, its
@@ -63,7 +66,7 @@ import serve as bench  # noqa: E402  (benchmarks/serve.py: the load generators a
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trivial"
-SHAPE = (1, 3, 224, 224)
+SHAPE = (1, 3, 224, 224)  # one image a request (--image sets it)
 MODEL_UINT8 = "trivial_uint8"
 PROTOCOLS = {"http": "binary HTTP", "http-uint8": "binary HTTP, UINT8 image", "grpc": "gRPC",
              "shm-http": "shm HTTP (tritonclient)", "shm-grpc": "shm gRPC (tritonclient)"}
@@ -71,7 +74,7 @@ SHM_PROCESSES = 4  # tritonclient load processes
 
 
 def trivial_model(path: Path, uint8: bool = False) -> None:
-    """1x3x224x224 FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing. `uint8`:
+    """1xSHAPE FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing. `uint8`:
     its input UINT8 pixel values, cast and scaled by 1/255 first (as export.uint8_inputs makes a model's)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -393,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default="1", help="the server on 1 core (the generator on another), 2 (all, "
                         "shared with the generator), or both: 1,2")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--image", default="3x224x224", metavar="CxHxW", help="the image a request sends (default "
+                        "ResNet-50's 3x224x224, 602 KB)")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round of 3 s")
@@ -406,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown:
         parser.error(f"unknown protocol(s) {unknown}; choose among {', '.join(PROTOCOLS)}")
+    global SHAPE
+    try:
+        SHAPE = (1, *(int(n) for n in args.image.lower().split("x")))
+        if len(SHAPE) != 4 or min(SHAPE) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--image {args.image}: give channels x height x width, e.g. 3x224x224")
     ncpu = len(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="ingest-"))
     models = {MODEL: work / "trivial.onnx", MODEL_UINT8: work / "trivial_uint8.onnx"}
@@ -446,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             nginx_ms[kind] = med["cpu_ms"]
             rows.append((NGINX_ROWS[kind], "nginx, 1 core", "h2load", med, errors, None, None))
     print(f"\nServer (default settings): {layout}")
-    print(f"Model: 1x3x224x224 FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 {int(np.prod(SHAPE)) / 1e3:.0f} KB, "
+    print(f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
+          f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
           "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
           f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
     print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
