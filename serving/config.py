@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 
 MAX_BODY_LIMIT = (1 << 31) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+LARGE_ROW_BYTES = 512 * 1024  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Settings:
     # The model /invocations serves; None: the first --model (or the repository's first model).
     default_model: str | None = None
     # Event loops taking HTTP requests in (the server's own and the rest in threads, one socket each on the port);
-    # None: one per CPU this process may use, at most 8.
+    # None: see http_loops.
     http_threads: int | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
@@ -293,10 +294,19 @@ class Settings:
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
-    def http_loops(self) -> int:
-        """How many event loops take HTTP requests in (--http-threads, else one per usable CPU, at most 8)."""
+    def http_loops(self, row_bytes: int = 0) -> int:
+        """How many event loops take HTTP requests in: --http-threads, else one per usable CPU (at most 8) when the
+        models' input rows are LARGE_ROW_BYTES or more (`row_bytes`: the largest, 0 when not fixed), else one.
+
+        Why not always several: the loops share one GIL. What they do side by side is only the kernel's copy of a
+        body off the socket (done without the GIL); everything else a request costs in Python, they take turns at,
+        and each turn taken from the other loop costs a hand-off. Measured on 2 cores (benchmarks/ingest.py
+        --cores 2, docs/benchmarks.md): a second loop cost 48-91% more CPU a request for 12-49 KB images and 4-30%
+        for 150 KB; about even at 307 KB; 7-12% less at 602 KB, where the copy is most of a request."""
         if self.http_threads is not None:
             return self.http_threads
+        if row_bytes < LARGE_ROW_BYTES:
+            return 1
         from serving.engine import usable_cpus
 
         return max(1, min(8, usable_cpus()))

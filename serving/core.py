@@ -372,12 +372,21 @@ class Server:
             slot.batcher.flush()
         self._stop_front_ends()  # gRPC drains alongside HTTP, not after it
 
+    def largest_row_bytes(self) -> int:
+        """The bytes of one row of the loaded model with the largest rows (its inputs together; 0 for a model whose
+        rows are not one size): how large a request's body is, for how many loops take them in (Settings.http_loops)."""
+        return max((slot.batcher.buffers.row_bytes for _, slot in self.repository.slots()
+                    if slot.batcher.buffers is not None), default=0)
+
     def layout(self, http_loops: int) -> str:
         """How this server is laid out over threads and cores, in one line for its log."""
         from serving.engine import usable_cpus
 
         parts = [f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
-                 + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")]
+                 + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")
+                 + (" (the models' rows are under 512 KiB: more loops would share the GIL for little; "
+                    "--http-threads N sets them)" if self.settings.http_threads is None and http_loops == 1
+                    and usable_cpus() > 1 else "")]
         for front_end in self._listening:
             parts.append(getattr(front_end, "layout", "gRPC"))
         engines = {slot.model.engine.threads for _, slot in self.repository.slots()}

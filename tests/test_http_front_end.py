@@ -5,6 +5,7 @@ NaN, cut short), and several event loops (--http-threads)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 
-from serving_fixtures import ServerProcess, run_onnx, tiny_model
+from serving_fixtures import ServerProcess, heavy_model, run_onnx, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +171,22 @@ def test_a_body_cut_short_by_a_client_that_leaves_frees_its_rows_for_the_next(se
         (status, _, body), = responses(s, 1)
     assert status == 200
     np.testing.assert_allclose(probabilities(body), run_onnx(model, image(3))["probabilities"], atol=1e-6)
+
+
+def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(model, tmp_path):
+    """The loops share the GIL: for small requests a second one costs more than it takes in (Settings.http_loops);
+    only a model whose rows are 512 KiB or more gets one per CPU unasked."""
+    with ServerProcess("--model", str(model), log_path=tmp_path / "small.log") as srv:
+        assert "HTTP on 1 event loop (the models' rows are under 512 KiB" in srv.log() or os.cpu_count() == 1
+    large = heavy_model(tmp_path / "large.onnx", size=384, channels=1, layers=0)  # 384x384 FP32: 576 KiB a row
+    loops = min(8, len(os.sched_getaffinity(0)))
+    with ServerProcess("--model", str(large), log_path=tmp_path / "large.log") as srv:
+        assert f"HTTP on {loops} event loop" in srv.log()
+        x = np.random.default_rng(0).random((1, 1, 384, 384), dtype=np.float32)
+        with connect(srv) as s:
+            s.sendall(binary_request(x, model="heavy"))
+            (status, _, body), = responses(s, 1)
+        assert status == 200, body
 
 
 def test_several_event_loops_share_the_port_and_say_so(model, tmp_path):

@@ -1,9 +1,11 @@
 """The HTTP front end of one server: its listeners (one event loop each), their connections, their shutdown.
 
-Ingest scales past one core: --http-threads event loops (the server's own and that many more in threads, one per
-usable CPU by default), each accepting on its own socket bound to the same port (SO_REUSEPORT: the kernel spreads
+Ingest scales past one core for large bodies: --http-threads event loops (the server's own and that many more in
+threads; by default one per usable CPU when the models' input rows are 512 KiB or more, else one: see
+Settings.http_loops), each accepting on its own socket bound to the same port (SO_REUSEPORT: the kernel spreads
 connections over them). A loop's thread spends most of a large request in the kernel, receiving its body, and
-holds no GIL there: the loops take requests in side by side, and each hands its requests to the same batchers
+holds no GIL there: the loops take those in side by side (the rest of a request they take turns at, on the one
+GIL, which is why small requests get one loop), and each hands its requests to the same batchers
 (serving/batcher.py), whose answers come back to the loop that asked. The routes that change what is loaded
 (the repository API) run on the server's own loop, where its model locks live.
 
