@@ -1,7 +1,7 @@
 """What it costs the server to take a large tensor in: its own CPU per request, every thread of it counted.
 
-A trivial ONNX model with a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; the model reduces it to
-10 logits, ~20-30 us of onnxruntime per image here: it must read it) is served by `python -m serving` with its default
+A trivial ONNX model with, by default, a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; `--image`
+sets another; the model reduces it to 10 logits, ~20-30 us of onnxruntime per image here: it must read it) is served by `python -m serving` with its default
 settings (and --grpc-port); a closed loop of C clients sends one image a request for S seconds, over each protocol:
 
     binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client) where installed,
@@ -79,7 +79,7 @@ def trivial_model(path: Path, uint8: bool = False) -> None:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    w = numpy_helper.from_array(np.random.default_rng(0).random((3, 10), dtype=np.float32), "w")
+    w = numpy_helper.from_array(np.random.default_rng(0).random((SHAPE[1], 10), dtype=np.float32), "w")
     nodes = [helper.make_node("ReduceMean", ["scaled" if uint8 else "input"], ["m"], axes=[2, 3], keepdims=0),
              helper.make_node("MatMul", ["m", "w"], ["logits"])]
     inits = [w]
@@ -147,8 +147,8 @@ class Nginx:
 
     MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
 
-    def __init__(self, work: Path, cpus: str | None):
-        self.port, _ = bench.two_free_ports()
+    def __init__(self, work: Path, cpus: str | None, body_bytes: int):
+        self.port = bench.free_port()
         self.dir = work / "nginx"
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.dir / "nginx.conf").write_text(f"""
@@ -165,8 +165,8 @@ http {{
     listen 127.0.0.1:{self.port};
     keepalive_requests 100000000;
     location / {{
-      client_max_body_size 16m;
-      client_body_buffer_size 1m;
+      client_max_body_size {body_bytes + 4096};
+      client_body_buffer_size {body_bytes + 4096};
       client_body_in_single_buffer on;
       echo_read_request_body;
       echo '{{"model_name":"trivial","outputs":[{{"name":"logits","datatype":"FP32","shape":[1,10]}}]}}';
@@ -187,15 +187,19 @@ http {{
         return None
 
     def __enter__(self):
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        log = self.dir / "logs" / "stderr.log"  # (what nginx says before its error_log is open)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
         for _ in range(100):
             try:
                 if requests.post(f"http://127.0.0.1:{self.port}/", data=b"x", timeout=1).ok:
                     return self
             except requests.RequestException:
+                if self.proc.poll() is not None:
+                    break
                 time.sleep(0.1)
         self.proc.kill()
-        raise RuntimeError(f"nginx did not start: {(self.dir / 'logs' / 'error.log').read_text()[-2000:]}")
+        said = "".join(p.read_text() for p in (log, self.dir / "logs" / "error.log") if p.is_file())
+        raise RuntimeError(f"nginx did not start: {said[-2000:]}")
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -378,7 +382,7 @@ def measure_nginx(kinds: list[str], work: Path, cpus: str | None, load_cpus: str
             print(f"  (no nginx rows: {why_not})")
         return {}
     found = {}
-    with Nginx(work, cpus) as nginx:
+    with Nginx(work, cpus, max(len(nginx_body(kind)) for kind in kinds)) as nginx:
         for kind in kinds:
             runs = [nginx.measure(nginx_body(kind), args.concurrency, args.seconds, work, load_cpus)
                     for _ in range(args.rounds)]

@@ -34,8 +34,8 @@ FLAGS: dict[str, tuple[type, str]] = {
                             "(default latest:1)"),
     "default-model": (str, "the model /invocations serves (default: the first --model)"),
     "http-threads": (int, "event loops taking HTTP requests in, each on a thread and a socket of its own on --port "
-                          "(default: one; one per CPU this process may use, at most 8, when a model's input rows "
-                          "are 512 KiB or more: the loops share the GIL, and only large bodies gain)"),
+                          "(default: one; one per CPU this process may use, at most 8, when a model loaded at start "
+                          "has input rows of 512 KiB or more: the loops share the GIL, and only large bodies gain)"),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (str, "auto|native|aio: what serves --grpc-port, grpc's C++ server (native, built by scripts/setup "
                          "where libgrpc++-dev is installed) or grpc.aio (default auto: native when built)"),

@@ -294,15 +294,17 @@ class Settings:
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
-    def http_loops(self, row_bytes: int = 0) -> int:
+    def http_loops(self, row_bytes: int) -> int:
         """How many event loops take HTTP requests in: --http-threads, else one per usable CPU (at most 8) when the
-        models' input rows are LARGE_ROW_BYTES or more (`row_bytes`: the largest, 0 when not fixed), else one.
+        models loaded at start have input rows of LARGE_ROW_BYTES or more (`row_bytes`: the largest, 0 when no row
+        is of one size), else one. By row, not by body: a request of many small rows still gets one loop.
 
         Why not always several: the loops share one GIL. What they do side by side is only the kernel's copy of a
         body off the socket (done without the GIL); everything else a request costs in Python, they take turns at,
-        and each turn taken from the other loop costs a hand-off. Measured on 2 cores (benchmarks/ingest.py
-        --cores 2, docs/benchmarks.md): a second loop cost 48-91% more CPU a request for 12-49 KB images and 4-30%
-        for 150 KB; about even at 307 KB; 7-12% less at 602 KB, where the copy is most of a request."""
+        and each turn taken from the other loop costs a hand-off. Measured on one 2-core VM sharing its cores with
+        the load generator (benchmarks/ingest.py --cores 2, docs/benchmarks.md): a second loop cost 48-91% more CPU
+        a request for 12-49 KB images and 4-30% for 150 KB; about even at 307 KB; 7-12% less at 602 KB, where the
+        copy is most of a request."""
         if self.http_threads is not None:
             return self.http_threads
         if row_bytes < LARGE_ROW_BYTES:

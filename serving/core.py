@@ -39,7 +39,7 @@ import numpy as np
 from serving import drift, lengths
 from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
 from serving.codec import BadRequest, Limits, shape_fits
-from serving.config import Settings
+from serving.config import LARGE_ROW_BYTES, Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
 from serving.envelope import Exchange, Refused, new_request_id
@@ -373,10 +373,10 @@ class Server:
         self._stop_front_ends()  # gRPC drains alongside HTTP, not after it
 
     def largest_row_bytes(self) -> int:
-        """The bytes of one row of the loaded model with the largest rows (its inputs together; 0 for a model whose
-        rows are not one size): how large a request's body is, for how many loops take them in (Settings.http_loops)."""
-        return max((slot.batcher.buffers.row_bytes for _, slot in self.repository.slots()
-                    if slot.batcher.buffers is not None), default=0)
+        """The bytes of one row of the largest-rowed model loaded now (Engine.row_bytes; 0 when none is loaded or
+        none has rows of one size): how large a request's body is, for how many loops take them in
+        (Settings.http_loops)."""
+        return max((slot.model.engine.row_bytes for _, slot in self.repository.slots()), default=0)
 
     def layout(self, http_loops: int) -> str:
         """How this server is laid out over threads and cores, in one line for its log."""
@@ -384,9 +384,9 @@ class Server:
 
         parts = [f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
                  + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")
-                 + (" (the models' rows are under 512 KiB: more loops would share the GIL for little; "
-                    "--http-threads N sets them)" if self.settings.http_threads is None and http_loops == 1
-                    and usable_cpus() > 1 else "")]
+                 + (f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more loops "
+                    "would share the GIL for little; --http-threads N sets them)"
+                    if self.settings.http_threads is None and http_loops == 1 and usable_cpus() > 1 else "")]
         for front_end in self._listening:
             parts.append(getattr(front_end, "layout", "gRPC"))
         engines = {slot.model.engine.threads for _, slot in self.repository.slots()}

@@ -550,6 +550,15 @@ class Engine:
         return [out[:rows] for out in buckets.get(size, largest).run(self.output_names, part)]
 
     @property
+    def row_bytes(self) -> int:
+        """The bytes of one row of every input together (of the whole inputs, for a model without a batch axis);
+        0 when an axis besides the batch one is dynamic (the size is the request's)."""
+        if self.other_dynamic_axes or (not self.batchable and any(-1 in s.shape for s in self.inputs)):
+            return 0
+        return sum(int(np.prod(s.shape[1:] if self.batchable else s.shape, dtype=np.int64)) * s.dtype.itemsize
+                   for s in self.inputs)
+
+    @property
     def other_dynamic_axes(self) -> bool:
         """An input has a dynamic axis besides the batch one (a sequence length, an image size)."""
         return any(-1 in s.shape[1:] for s in self.inputs)

@@ -95,8 +95,8 @@ class BatchBuffers:
     def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS):
         self.inputs = [(spec.name, spec.dtype, tuple(spec.shape[1:])) for spec in inputs]
         self.capacity = capacity
-        self.row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, dtype, shape in self.inputs)
-        self.count = max(1, min(count, MAX_BYTES // max(1, self.row_bytes * capacity)))
+        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, dtype, shape in self.inputs)
+        self.count = max(1, min(count, MAX_BYTES // max(1, row_bytes * capacity)))
         self.pin = pin
         self._lock = threading.Lock()
         self._buffers: list[Feeds] = []

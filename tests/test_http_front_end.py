@@ -11,6 +11,7 @@ import socket
 import time
 
 import numpy as np
+import onnx
 import pytest
 import requests
 
@@ -24,7 +25,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    with ServerProcess("--model", str(model), "--max-header-bytes", "8192",
+    # Two event loops (not the default for so small a model): what the tests below send crosses loops as it would
+    # on a server of large rows, answers coming back to the loop that asked.
+    with ServerProcess("--model", str(model), "--max-header-bytes", "8192", "--http-threads", "2",
                        log_path=tmp_path_factory.mktemp("log") / "server.log") as srv:
         yield srv
 
@@ -173,15 +176,33 @@ def test_a_body_cut_short_by_a_client_that_leaves_frees_its_rows_for_the_next(se
     np.testing.assert_allclose(probabilities(body), run_onnx(model, image(3))["probabilities"], atol=1e-6)
 
 
-def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(model, tmp_path):
+def test_how_many_event_loops_by_row_size_and_cpus(monkeypatch):
+    import serving.engine
+    from serving.config import LARGE_ROW_BYTES, Settings
+
+    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 16)
+    assert [Settings().http_loops(n) for n in (0, LARGE_ROW_BYTES - 1, LARGE_ROW_BYTES)] == [1, 1, 8]
+    assert Settings(http_threads=3).http_loops(0) == 3
+    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 1)
+    assert Settings().http_loops(LARGE_ROW_BYTES) == 1
+
+
+@pytest.mark.parametrize("batch_axis", ["dynamic", "fixed"])
+def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(model, tmp_path, batch_axis):
     """The loops share the GIL: for small requests a second one costs more than it takes in (Settings.http_loops);
-    only a model whose rows are 512 KiB or more gets one per CPU unasked."""
+    only a model whose rows are 512 KiB or more gets one per CPU unasked, with a batch axis or without one (a plain
+    torch.onnx.export of one image)."""
+    cpus = len(os.sched_getaffinity(0))
     with ServerProcess("--model", str(model), log_path=tmp_path / "small.log") as srv:
-        assert "HTTP on 1 event loop (the models' rows are under 512 KiB" in srv.log() or os.cpu_count() == 1
+        assert "HTTP on 1 event loop (no model loaded at start has rows of 512 KiB or more" in srv.log() or cpus == 1
     large = heavy_model(tmp_path / "large.onnx", size=384, channels=1, layers=0)  # 384x384 FP32: 576 KiB a row
-    loops = min(8, len(os.sched_getaffinity(0)))
+    if batch_axis == "fixed":
+        graph = onnx.load(large)
+        for value in (*graph.graph.input, *graph.graph.output):
+            value.type.tensor_type.shape.dim[0].dim_value = 1
+        onnx.save(graph, large)
     with ServerProcess("--model", str(large), log_path=tmp_path / "large.log") as srv:
-        assert f"HTTP on {loops} event loop" in srv.log()
+        assert f"HTTP on {min(8, cpus)} event loop" in srv.log()
         x = np.random.default_rng(0).random((1, 1, 384, 384), dtype=np.float32)
         with connect(srv) as s:
             s.sendall(binary_request(x, model="heavy"))
