@@ -71,6 +71,7 @@ MODEL_UINT8 = "trivial_uint8"
 PROTOCOLS = {"http": "binary HTTP", "http-uint8": "binary HTTP, UINT8 image", "grpc": "gRPC",
              "shm-http": "shm HTTP (tritonclient)", "shm-grpc": "shm gRPC (tritonclient)"}
 SHM_PROCESSES = 4  # tritonclient load processes
+MEDIANS = ("rps", "rows_per_run", "cpu_ms")  # what a row gives of its rounds
 
 
 def trivial_model(path: Path, uint8: bool = False) -> None:
@@ -100,6 +101,17 @@ def cpu_seconds(pid: int) -> float:
 
 def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *cmd] if cpus and shutil.which("taskset") else cmd
+
+
+@contextlib.contextmanager
+def generator_on(cpus: str | None):
+    """benchmarks/serve.py's h2load runs on `cpus` meanwhile (its subprocess calls pinned)."""
+    original = bench.subprocess.run
+    bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)
+    try:
+        yield
+    finally:
+        bench.subprocess.run = original
 
 
 class Server:
@@ -208,15 +220,11 @@ http {{
     def measure(self, body: bytes, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
         """`body` POSTed by h2load as the binary HTTP rows' requests are; nginx's CPU per request."""
         request = (b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + body)
-        original = bench.subprocess.run
-        bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)
-        try:
+        with generator_on(cpus):
             bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, min(2.0, seconds), work)  # warm
             cpu0 = cpu_seconds(self.proc.pid)
             result = bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, seconds, work)
             cpu = cpu_seconds(self.proc.pid) - cpu0
-        finally:
-            bench.subprocess.run = original
         return {"rps": result["rps"], "rows_per_run": float("nan"), "cpu_ms": 1e3 * cpu / max(result["n"], 1),
                 "errors": result["errors"], "first_error": None, "generator": "h2load"}
 
@@ -224,6 +232,8 @@ http {{
 NGINX_ROWS = {"image": "binary HTTP request, nginx only receiving it (C)",
               "small": "a 300-byte POST (a shm request's size), nginx only receiving it (C)"}
 NGINX_ROW_OF = {"http": "image", "shm-http": "small"}  # the nginx row measured beside a protocol's
+SAME_BYTES = {"http": "image"}  # ...and the rows whose CPU is given as a multiple of it (a shm request's also has the
+# model read 602 KB that nginx's POST has not)
 
 
 def nginx_body(kind: str) -> bytes:
@@ -240,12 +250,8 @@ def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Pat
     which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
     model, x = (MODEL_UINT8, pixels()) if protocol == "http-uint8" else (MODEL, image())
     request = bench.v2_request(which, model, x, server.port)
-    original = bench.subprocess.run
-    bench.subprocess.run = lambda cmd, *a, **k: original(pinned(cpus, cmd), *a, **k)  # the generator's core
-    try:
+    with generator_on(cpus):
         return bench.h2load(which, request, server.port, server.grpc_port, model, c, seconds, work)
-    finally:
-        bench.subprocess.run = original
 
 
 def python_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
@@ -374,7 +380,7 @@ def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, c
 
 
 def measure_nginx(kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args) -> dict:
-    """{kind: (medians, errors)} of nginx receiving each kind of request (NGINX_ROWS), pinned as the server was;
+    """{kind: medians (and errors)} of nginx receiving each kind of request (NGINX_ROWS), pinned as the server was;
     {} where nginx can't be run (said why)."""
     why_not = Nginx.missing() if kinds else None
     if why_not or not kinds:
@@ -386,8 +392,7 @@ def measure_nginx(kinds: list[str], work: Path, cpus: str | None, load_cpus: str
         for kind in kinds:
             runs = [nginx.measure(nginx_body(kind), args.concurrency, args.seconds, work, load_cpus)
                     for _ in range(args.rounds)]
-            med = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "rows_per_run", "cpu_ms")}
-            found[kind] = med, sum(r["errors"] for r in runs)
+            found[kind] = med = bench.medians(runs, MEDIANS)
             each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs)
             print(f"  {NGINX_ROWS[kind]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
                   f"(rounds: {each} us)", flush=True)
@@ -445,22 +450,22 @@ def main(argv: list[str] | None = None) -> int:
                     for i in (range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))):
                         runs[i].append(measure(protocol, started[i], args.concurrency, args.seconds, work, load_cpus))
                 for i, server in enumerate(started):
-                    med = {k: float(np.median([r[k] for r in runs[i]])) for k in ("rps", "rows_per_run", "cpu_ms")}
-                    errors = sum(r["errors"] for r in runs[i])
+                    med = bench.medians(runs[i], MEDIANS)
+                    errors = med["errors"]
                     code = "" if args.against is None else ("this tree, " if server.root == ROOT else f"{server.root}, ")
                     rows.append((PROTOCOLS[protocol], code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
                                  runs[i][0]["generator"], med, errors,
                                  next((r["first_error"] for r in runs[i] if r["first_error"]), None),
-                                 NGINX_ROW_OF.get(protocol) if server_cpus else None))
+                                 SAME_BYTES.get(protocol) if server_cpus else None))
                     each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs[i])
                     print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
                           f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
                           f"(rounds: {each} us)", flush=True)
             layout = started[0].layout()
         kinds = list(dict.fromkeys(NGINX_ROW_OF[p] for p in protocols if p in NGINX_ROW_OF)) if server_cpus else []
-        for kind, (med, errors) in measure_nginx(kinds, work, server_cpus, load_cpus, args).items():
+        for kind, med in measure_nginx(kinds, work, server_cpus, load_cpus, args).items():
             nginx_ms[kind] = med["cpu_ms"]
-            rows.append((NGINX_ROWS[kind], "nginx, 1 core", "h2load", med, errors, None, None))
+            rows.append((NGINX_ROWS[kind], "nginx, 1 core", "h2load", med, med["errors"], None, None))
     print(f"\nServer (default settings): {layout}")
     print(f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
           f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
@@ -470,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
           "x nginx's CPU, same bytes | errors |")
     print("|---|---|---|---|---|---|---|---|")
     for name, where, generator, med, errors, first, kind in rows:
-        # (a ratio for the same bytes only: a shm request also has the model read 602 KB that nginx's POST has not)
-        times = f"{med['cpu_ms'] / nginx_ms[kind]:.2f}" if kind == "image" and kind in nginx_ms else ""
+        times = f"{med['cpu_ms'] / nginx_ms[kind]:.2f}" if kind in nginx_ms else ""
         batches = "" if np.isnan(med["rows_per_run"]) else f"{med['rows_per_run']:.1f}"
         print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
               f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |")
