@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 from serving.console import clip, ort_severity
 from serving.cuda_graphs import GraphError, open_graphs
-from serving.staging import BatchBuffers, NonFinite, check_finite, concat, rows_of
+from serving.staging import BatchBuffers, NonFinite, check_finite, concat, nbytes, rows_of
 import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
@@ -555,8 +555,7 @@ class Engine:
         0 when an axis besides the batch one is dynamic (the size is the request's)."""
         if self.other_dynamic_axes or (not self.batchable and any(-1 in s.shape for s in self.inputs)):
             return 0
-        return sum(int(np.prod(s.shape[1:] if self.batchable else s.shape, dtype=np.int64)) * s.dtype.itemsize
-                   for s in self.inputs)
+        return nbytes((s.dtype, s.shape[1:] if self.batchable else s.shape) for s in self.inputs)
 
     @property
     def other_dynamic_axes(self) -> bool:

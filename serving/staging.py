@@ -83,6 +83,11 @@ def concat(parts: list[Feeds]) -> Feeds:
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
+def nbytes(tensors) -> int:
+    """The bytes of tensors given as (dtype, shape) pairs, together."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape in tensors)
+
+
 def rows_of(feeds: Feeds) -> int:
     """The rows of a request's feeds (validated: every input has them on its first axis)."""
     return len(next(iter(feeds.values())))
@@ -95,7 +100,7 @@ class BatchBuffers:
     def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS):
         self.inputs = [(spec.name, spec.dtype, tuple(spec.shape[1:])) for spec in inputs]
         self.capacity = capacity
-        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, dtype, shape in self.inputs)
+        row_bytes = nbytes((dtype, shape) for _, dtype, shape in self.inputs)
         self.count = max(1, min(count, MAX_BYTES // max(1, row_bytes * capacity)))
         self.pin = pin
         self._lock = threading.Lock()
