@@ -335,10 +335,13 @@ def test_sigterm_answers_requests_in_flight_and_queue_limit_gives_503(tmp_path, 
             requests.get(srv.url + "/v2/health/live", timeout=2)
 
 
-def test_server_refuses_a_busy_port(model_path, tmp_path):
-    with ServerProcess("--model", str(model_path), log_path=tmp_path / "a.log") as srv:
-        r = subprocess.run([sys.executable, "-m", "serving", "--model", str(model_path), "--port", str(srv.port)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("loops", ["1", "2"])
+def test_server_refuses_a_busy_port(model_path, tmp_path, loops):
+    # With several event loops too, whose sockets carry SO_REUSEPORT (so that the kernel spreads connections over
+    # them), a second server on the port is refused, not let in beside them to take a share of the connections.
+    with ServerProcess("--model", str(model_path), "--http-threads", loops, log_path=tmp_path / "a.log") as srv:
+        r = subprocess.run([sys.executable, "-m", "serving", "--model", str(model_path), "--port", str(srv.port),
+                            "--http-threads", loops], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.splitlines() == [
             f"python -m serving: error: port {srv.port} on 127.0.0.1 is taken (Address already in use); choose "
             "another with --port (or --grpc-port)"], r.stderr
