@@ -19,12 +19,15 @@ request (utime + stime of every thread, from /proc), errors. With the model's co
 is what the front end, the batcher and the copies cost: what sets a GPU server's pace (on one H100 the server
 before this work ran ResNet-50 at 0.31x its engine, forming batches of 5.4 rows: ../shared/gpu/resnet50_h100.md).
 
-A C reference: where nginx and its echo module are installed (`apt-get install nginx-light
-libnginx-mod-http-echo`), the binary HTTP rows' request is also sent to nginx (one process, pinned as the server
-is), which only receives it and answers a fixed body, and a 300-byte POST (a shared-memory request's size) likewise:
-what this machine's kernel and a C HTTP server cost for those bytes, with no model, no checks and no Python. The
-binary HTTP row then gives its CPU as a multiple of nginx's for the same bytes in the same run, a ratio that moves
-less from one run to the next on a shared VM than the milliseconds do.
+C references, pinned as the server is, each only receiving requests and answering a fixed message: what this
+machine's kernel and a server in C or C++ cost for those bytes, with no model, no checks and no Python.
+- nginx (where it and its echo module are installed: `apt-get install nginx-light libnginx-mod-http-echo`) gets the
+  binary HTTP rows' request, and a 300-byte POST (a shared-memory request's size);
+- grpc's own C++ server (benchmarks/grpc_floor.cc, compiled here where grpc++'s headers are, as scripts/setup
+  installs them for serving/grpc/native.cc) gets the gRPC rows' request: the same callback server and threads the
+  native gRPC engine runs on, with nothing after them.
+The binary HTTP and gRPC rows then give their CPU as a multiple of the reference's for the same bytes in the same
+run, a ratio that moves less from one run to the next on a shared VM than the milliseconds do.
 
 Cores: by default the server is pinned to one core and the load generator to the other (`taskset`), so that
 neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the generator), which
@@ -159,7 +162,8 @@ class Nginx:
 
     MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
 
-    def __init__(self, work: Path, cpus: str | None, body_bytes: int):
+    def __init__(self, work: Path, cpus: str | None, kinds: list[str]):
+        body_bytes = max(len(nginx_body(kind)) for kind in kinds)
         self.port = bench.free_port()
         self.dir = work / "nginx"
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -217,23 +221,85 @@ http {{
         self.proc.terminate()
         self.proc.wait(30)
 
-    def measure(self, body: bytes, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
-        """`body` POSTed by h2load as the binary HTTP rows' requests are; nginx's CPU per request."""
-        request = (b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + body)
-        with generator_on(cpus):
-            bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, min(2.0, seconds), work)  # warm
-            cpu0 = cpu_seconds(self.proc.pid)
-            result = bench.h2load(bench.BINARY_HTTP, request, self.port, 0, "nginx", c, seconds, work)
-            cpu = cpu_seconds(self.proc.pid) - cpu0
-        return {"rps": result["rps"], "rows_per_run": float("nan"), "cpu_ms": 1e3 * cpu / max(result["n"], 1),
-                "errors": result["errors"], "first_error": None, "generator": "h2load"}
+    def measure(self, kind: str, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+        """The `kind` of request's body (nginx_body) POSTed by h2load as the binary HTTP rows' requests are; nginx's
+        CPU per request."""
+        request = (b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + nginx_body(kind))
+        return reference_load(self.proc.pid, bench.BINARY_HTTP, request, self.port, c, seconds, work, cpus)
 
 
-NGINX_ROWS = {"image": "binary HTTP request, nginx only receiving it (C)",
-              "small": "a 300-byte POST (a shm request's size), nginx only receiving it (C)"}
-NGINX_ROW_OF = {"http": "image", "shm-http": "small"}  # the nginx row measured beside a protocol's
-SAME_BYTES = {"http": "image"}  # ...and the rows whose CPU is given as a multiple of it (a shm request's also has the
-# model read 602 KB that nginx's POST has not)
+class GrpcFloor:
+    """grpc's C++ callback server (benchmarks/grpc_floor.cc, compiled into `work`) receiving the gRPC rows' requests
+    and answering a fixed ModelInferResponse: their C++ reference (see the module's docstring)."""
+
+    SOURCE = Path(__file__).with_name("grpc_floor.cc")
+
+    def __init__(self, work: Path, cpus: str | None, kinds: list[str]):
+        self.port = bench.two_free_ports()[0]
+        self.work, self.cpus = work, cpus
+        self.binary = work / "grpc_floor"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why grpc's C++ server can't be the reference here, or None."""
+        if not shutil.which("h2load"):
+            return "no h2load (apt-get install nghttp2-client)"
+        if not shutil.which("g++") or subprocess.run(["pkg-config", "--exists", "grpc++"]).returncode != 0:
+            return "no g++ or grpc++'s headers (apt-get install g++ libgrpc++-dev pkg-config)"
+        return None
+
+    def __enter__(self):
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        built = subprocess.run(["g++", "-std=c++17", "-O2", str(self.SOURCE), "-o", str(self.binary), *flags],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"{self.SOURCE} did not compile:\n{built.stderr[-2000:]}")
+        from serving.grpc import schema
+
+        answer = schema.ModelInferResponse(model_name=MODEL, raw_output_contents=[bytes(40)])
+        answer.outputs.add(name="logits", datatype="FP32", shape=[1, 10])
+        (self.work / "grpc_floor_answer.bin").write_bytes(answer.SerializeToString())
+        self.proc = subprocess.Popen(pinned(self.cpus, [str(self.binary), str(self.port),
+                                                        str(self.work / "grpc_floor_answer.bin")]),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = self.proc.stdout.readline()  # "ready" once it listens, else why not (and its exit)
+        if said.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"{self.binary} did not start: {said}{self.proc.stdout.read()[-2000:]}")
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def measure(self, kind: str, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+        """The gRPC rows' request, sent by h2load as theirs is; grpc's CPU per request."""
+        request = bench.v2_request(bench.GRPC, MODEL, image(), self.port)
+        return reference_load(self.proc.pid, bench.GRPC, request, self.port, c, seconds, work, cpus)
+
+
+def reference_load(pid: int, which: str, request: bytes, port: int, c: int, seconds: float, work: Path,
+                   cpus: str | None) -> dict:
+    """`request` sent by h2load (on `cpus`) to a C reference's `port`, after a warm-up: its CPU per request."""
+    grpc_port = port if which == bench.GRPC else 0
+    with generator_on(cpus):
+        bench.h2load(which, request, port, grpc_port, MODEL, c, min(2.0, seconds), work)  # warm
+        cpu0 = cpu_seconds(pid)
+        result = bench.h2load(which, request, port, grpc_port, MODEL, c, seconds, work)
+        cpu = cpu_seconds(pid) - cpu0
+    return {"rps": result["rps"], "rows_per_run": float("nan"), "cpu_ms": 1e3 * cpu / max(result["n"], 1),
+            "errors": result["errors"], "first_error": None, "generator": "h2load"}
+
+
+# The C references' rows, by the kind of request: (the row, what serves it); the reference row measured beside a
+# protocol's; and the protocols whose CPU is given as a multiple of it (a shm request's also has the model read
+# 602 KB that nginx's POST has not).
+REFERENCE_ROWS = {"image": ("binary HTTP request, nginx only receiving it (C)", Nginx),
+                  "small": ("a 300-byte POST (a shm request's size), nginx only receiving it (C)", Nginx),
+                  "grpc": ("gRPC request, grpc's C++ server only receiving it (C++)", GrpcFloor)}
+REFERENCE_OF = {"http": "image", "shm-http": "small", "grpc": "grpc"}
+SAME_BYTES = {"http": "image", "grpc": "grpc"}
 
 
 def nginx_body(kind: str) -> bytes:
@@ -379,23 +445,24 @@ def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, c
             "generator": "h2load" if load is h2load_load else ("tritonclient" if load is shm_load else "python")}
 
 
-def measure_nginx(kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args) -> dict:
-    """{kind: medians (and errors)} of nginx receiving each kind of request (NGINX_ROWS), pinned as the server was;
-    {} where nginx can't be run (said why)."""
-    why_not = Nginx.missing() if kinds else None
-    if why_not or not kinds:
-        if why_not:
-            print(f"  (no nginx rows: {why_not})")
-        return {}
+def measure_references(kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args) -> dict:
+    """{kind: medians (and errors)} of the C references receiving each kind of request (REFERENCE_ROWS), pinned as
+    the server was; a reference that can't be run here is left out (said why)."""
     found = {}
-    with Nginx(work, cpus, max(len(nginx_body(kind)) for kind in kinds)) as nginx:
-        for kind in kinds:
-            runs = [nginx.measure(nginx_body(kind), args.concurrency, args.seconds, work, load_cpus)
-                    for _ in range(args.rounds)]
-            found[kind] = med = bench.medians(runs, MEDIANS)
-            each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs)
-            print(f"  {NGINX_ROWS[kind]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
-                  f"(rounds: {each} us)", flush=True)
+    for reference in dict.fromkeys(REFERENCE_ROWS[kind][1] for kind in kinds):
+        theirs = [kind for kind in kinds if REFERENCE_ROWS[kind][1] is reference]
+        why_not = reference.missing()
+        if why_not:
+            print(f"  (no {reference.__name__} rows: {why_not})")
+            continue
+        with reference(work, cpus, theirs) as server:
+            for kind in theirs:
+                runs = [server.measure(kind, args.concurrency, args.seconds, work, load_cpus)
+                        for _ in range(args.rounds)]
+                found[kind] = med = bench.medians(runs, MEDIANS)
+                each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs)
+                print(f"  {REFERENCE_ROWS[kind][0]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
+                      f"(rounds: {each} us)", flush=True)
     return found
 
 
@@ -435,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.against is not None and not (args.against / "serving" / "__main__.py").is_file():
         parser.error(f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)")
     roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
-    rows, nginx_ms = [], {}  # nginx's CPU ms per request, by the kind of request (NGINX_ROWS)
+    rows, reference_ms = [], {}  # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
             server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
@@ -462,20 +529,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
                           f"(rounds: {each} us)", flush=True)
             layout = started[0].layout()
-        kinds = list(dict.fromkeys(NGINX_ROW_OF[p] for p in protocols if p in NGINX_ROW_OF)) if server_cpus else []
-        for kind, med in measure_nginx(kinds, work, server_cpus, load_cpus, args).items():
-            nginx_ms[kind] = med["cpu_ms"]
-            rows.append((NGINX_ROWS[kind], "nginx, 1 core", "h2load", med, med["errors"], None, None))
+        kinds = list(dict.fromkeys(REFERENCE_OF[p] for p in protocols if p in REFERENCE_OF)) if server_cpus else []
+        for kind, med in measure_references(kinds, work, server_cpus, load_cpus, args).items():
+            reference_ms[kind] = med["cpu_ms"]
+            rows.append((REFERENCE_ROWS[kind][0], "1 core", "h2load", med, med["errors"], None, None))
     print(f"\nServer (default settings): {layout}")
     print(f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
           f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
           "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
           f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
     print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
-          "x nginx's CPU, same bytes | errors |")
+          "x the C reference's CPU, same bytes | errors |")
     print("|---|---|---|---|---|---|---|---|")
     for name, where, generator, med, errors, first, kind in rows:
-        times = f"{med['cpu_ms'] / nginx_ms[kind]:.2f}" if kind in nginx_ms else ""
+        times = f"{med['cpu_ms'] / reference_ms[kind]:.2f}" if kind in reference_ms else ""
         batches = "" if np.isnan(med["rows_per_run"]) else f"{med['rows_per_run']:.1f}"
         print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
               f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |")
