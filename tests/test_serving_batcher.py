@@ -365,6 +365,48 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
     assert runs == [(2, 2)], runs  # the kept request's rows only
 
 
+def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_instead_of_running_alone(executor):
+    """A, B and S took places one after another in a buffer; A and B's bodies came in, S's was still arriving when
+    the arrival wait ran out, so A and B ran without it. S, in then, would have run alone (its buffer sealed, its
+    neighbours run): on a GPU a run of one row costs nearly what one of 16 does. It is copied next to C, the request
+    arriving in the next buffer, and runs with it."""
+    buffers = two_column_buffers()
+    runs = []
+
+    def run_buffer(index, start, rows, free_up_to):
+        runs.append((index, start, rows))
+        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+
+    async def main():
+        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+                    buffers=buffers, run_buffer=run_buffer, arrival_wait_ms=200)
+        b.start()
+        first = [b.arriving(rows=1) for _ in range(3)]
+        answers = {}
+        for name, arrival, value in (("a", first[0], 1.0), ("b", first[1], 2.0)):
+            arrival.views["x"][:] = value
+            arrival.filled = True
+            answers[name] = asyncio.create_task(b.submit(arrival.views, 1, arrival))
+        await answers["a"]  # after the arrival wait: A and B ran, S still arriving
+        c = b.arriving(rows=1)  # the next buffer's first place
+        straggler = first[2]
+        straggler.views["x"][:] = 3.0
+        straggler.filled = True
+        answers["s"] = asyncio.create_task(b.submit(straggler.views, 1, straggler))
+        await asyncio.sleep(0.05)
+        c.views["x"][:] = 4.0
+        c.filled = True
+        answers["c"] = asyncio.create_task(b.submit(c.views, 1, c))
+        out = {name: (await task)["y"].tolist() for name, task in answers.items()}
+        await b.close()
+        return out, b.queued_rows, len(buffers._free)
+
+    out, queued, free = run(main())
+    assert out == {"a": [[2.0, 2.0]], "b": [[4.0, 4.0]], "s": [[6.0, 6.0]], "c": [[8.0, 8.0]]}, out
+    assert [rows for _, _, rows in runs] == [2, 2], runs  # not [2, 1, 1]: S ran beside C
+    assert queued == 0 and free == 2  # both buffers back in the pool
+
+
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
     # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO: while
     # model A is flooded, a request to model B waits for at most the one A run ahead of it.
