@@ -365,20 +365,37 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
     assert runs == [(2, 2)], runs  # the kept request's rows only
 
 
-def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_instead_of_running_alone(executor):
+@pytest.mark.parametrize("merged_run_fails", [False, True])
+def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_instead_of_running_alone(
+        executor, merged_run_fails):
     """A, B and S took places one after another in a buffer; A and B's bodies came in, S's was still arriving when
     the arrival wait ran out, so A and B ran without it. S, in then, would have run alone (its buffer sealed, its
     neighbours run): on a GPU a run of one row costs nearly what one of 16 does. It is copied next to C, the request
-    arriving in the next buffer, and runs with it."""
+    arriving in the next buffer, and runs with it. `merged_run_fails`: C's values fail that run, and each request
+    runs again alone; S's first buffer is back in the pool by then, another request's body in it, and S's answer
+    must still be from S's own values."""
     buffers = two_column_buffers()
     runs = []
 
+    def fails_on_c(x):
+        if merged_run_fails and (x == 4.0).any():
+            raise RuntimeError("model failed")
+
     def run_buffer(index, start, rows, free_up_to):
         runs.append((index, start, rows))
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        x = buffers._buffers[index]["x"][start:start + rows]
+        if merged_run_fails and rows > 1 and len(buffers._free) == 1:
+            buffers._buffers[buffers._free[0]]["x"][:] = 99.0  # the free buffer takes another request's body in
+        fails_on_c(x)
+        return {"y": x * 2}
+
+    def run_alone(parts):
+        x = concat(parts)["x"]
+        fails_on_c(x)
+        return {"y": x * 2}
 
     async def main():
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+        b = Batcher(run_alone, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
                     buffers=buffers, run_buffer=run_buffer, arrival_wait_ms=200)
         b.start()
         first = [b.arriving(rows=1) for _ in range(3)]
@@ -397,14 +414,40 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
         c.views["x"][:] = 4.0
         c.filled = True
         answers["c"] = asyncio.create_task(b.submit(c.views, 1, c))
-        out = {name: (await task)["y"].tolist() for name, task in answers.items()}
+        await asyncio.wait(answers.values())
+        out = {name: (str(task.exception()) if task.exception() else task.result()["y"].tolist())
+               for name, task in answers.items()}
         await b.close()
         return out, b.queued_rows, len(buffers._free)
 
     out, queued, free = run(main())
-    assert out == {"a": [[2.0, 2.0]], "b": [[4.0, 4.0]], "s": [[6.0, 6.0]], "c": [[8.0, 8.0]]}, out
+    c_answer = "model failed" if merged_run_fails else [[8.0, 8.0]]
+    assert out == {"a": [[2.0, 2.0]], "b": [[4.0, 4.0]], "s": [[6.0, 6.0]], "c": c_answer}, out
     assert [rows for _, _, rows in runs] == [2, 2], runs  # not [2, 1, 1]: S ran beside C
     assert queued == 0 and free == 2  # both buffers back in the pool
+
+
+def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
+    from serving.batcher import _Group, _Place, _stranded
+
+    def buffer(*states: str, sealed: bool = True):
+        """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not run) or "S"."""
+        group = _Group(0)
+        group.sealed = sealed
+        for i, state in enumerate(states):
+            place = _Place(group, i, 1, {})
+            place.ran, place.dead = state == "ran", state == "dead"
+            place.job = object() if state == "job" else None
+            group.places.append(place)
+        return group.places[states.index("S")]
+
+    assert _stranded(buffer("ran", "S"))
+    assert _stranded(buffer("S"))
+    assert _stranded(buffer("ran", "dead", "S", "dead"))  # the refused places around it run with nothing
+    assert not _stranded(buffer("ran", "S", sealed=False))  # more places may come after it
+    assert not _stranded(buffer("ran", "S", "arriving"))  # it runs with that one
+    assert not _stranded(buffer("job", "dead", "S"))  # a refused place between is filler in their run
+    assert not _stranded(buffer("S", "dead", "job"))
 
 
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
