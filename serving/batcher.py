@@ -196,6 +196,7 @@ class Batcher:
         self._wait_until: float | None = None  # a batch waits for arrivals until then
         self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops that will tell the engine thread (see _kick)
         self.queued_rows = 0
+        self._copying = 0  # requests being copied into their place, outside the lock (close waits for them)
         self._batch: list[_Job] = []  # taken, being run
         self._running: _Group | None = None  # the buffer a run is reading: not handed out again until it returns
         self._closing = False
@@ -301,16 +302,23 @@ class Batcher:
                 if place is None:
                     self._queue.append(job)
             self.queued_rows += rows
+            self._copying += copy
         if copy:  # a place of its own: copied in (and checked) here, outside the lock
             try:
                 self._buffers.put(place.group.index, place.start, feeds)
             except BaseException:
                 with self._lock:
+                    self._copying -= 1
                     place.dead = True
-                    self.queued_rows -= rows
+                    if not self._dead:  # (else runner_died counted it out with everything)
+                        self.queued_rows -= rows
                     self._release_done_groups()
+                    self._settle_drained()
                 raise
             with self._lock:
+                self._copying -= 1
+                if self._dead:  # the engine thread died meanwhile: runner_died failed what it could see
+                    raise BatcherClosed("the batcher has stopped (see the server log)")
                 place.job = job
         if self._wait_until is None or not self._arrivals or self.queued_rows >= self.max_batch_size:
             self._kick(loop)  # (a batch waiting for arrivals is told when they are in: see _forget)
@@ -402,7 +410,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         with self._lock:
             self._closing = True
-            if self._dead or (not self._pending() and not self._batch):
+            if self._dead or (not self._pending() and not self._batch and not self._copying):
                 self._closed = True
                 return
             done = loop.create_future()
@@ -544,7 +552,7 @@ class Batcher:
 
     def _settle_drained(self) -> None:
         """(under _lock) Closing and nothing left: wake those waiting in close()."""
-        if self._closing and not self._pending():
+        if self._closing and not self._pending() and not self._copying:
             self._closed = True
             waiters, self._drain_waiters = self._drain_waiters, []
             for loop, done in waiters:

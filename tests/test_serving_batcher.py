@@ -450,6 +450,50 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
     assert not _stranded(buffer("S", "dead", "job"))
 
 
+def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(executor):
+    """A request is copied into its batch buffer place outside the batcher's lock. With several event loops, a
+    close (a model unloaded, the server stopping) on one loop came in the middle of another's copy, found nothing
+    pending and returned: the buffers were closed under the copy. It waits for the request, which is answered."""
+    copying, go_on = threading.Event(), threading.Event()
+
+    class SlowBuffers(BatchBuffers):
+        def put(self, index, start, feeds):
+            copying.set()
+            go_on.wait(5)
+            super().put(index, start, feeds)
+
+    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+    buffers = SlowBuffers([spec], capacity=8, count=2)
+
+    def run_buffer(index, start, rows, free_up_to):
+        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+
+    async def main():
+        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+                    buffers=buffers, run_buffer=run_buffer)
+        b.start()
+        answer = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((2, 2), 3, np.float32)}, 2), other)
+        await asyncio.to_thread(copying.wait, 5)
+        closing = asyncio.create_task(b.close())
+        await asyncio.sleep(0.1)
+        closed_mid_copy = closing.done()
+        go_on.set()
+        await closing
+        return closed_mid_copy, (await asyncio.wrap_future(answer))["y"].tolist()
+
+    try:
+        closed_mid_copy, out = run(main())
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join(5)
+    assert not closed_mid_copy
+    assert out == [[6.0, 6.0], [6.0, 6.0]]
+
+
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
     # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO: while
     # model A is flooded, a request to model B waits for at most the one A run ahead of it.
