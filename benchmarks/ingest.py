@@ -503,15 +503,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)")
     roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
     rows, reference_ms = [], {}  # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
+    layout = "?"
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
             server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
         else:
             server_cpus = load_cpus = None
-        with contextlib.ExitStack() as servers:
-            started = [servers.enter_context(Server(models, work, server_cpus, args.server_args.split(), root=root))
-                       for root in roots]
-            for protocol in protocols:
+        for protocol in protocols:
+            # A server of the one model the row sends to, as a server of one model is run: with several, a gRPC
+            # message still on its way (which names its model inside) makes no model's batch wait for it
+            # (Server.incoming).
+            model = MODEL_UINT8 if protocol == "http-uint8" else MODEL
+            with contextlib.ExitStack() as servers:
+                started = [servers.enter_context(Server({model: models[model]}, work, server_cpus,
+                                                        args.server_args.split(), root=root)) for root in roots]
                 runs: dict[int, list[dict]] = {i: [] for i in range(len(started))}
                 for round_ in range(args.rounds):  # alternating, each server first every other round
                     for i in (range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))):
@@ -528,12 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
                           f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
                           f"(rounds: {each} us)", flush=True)
-            layout = started[0].layout()
+                if model == MODEL:
+                    layout = started[0].layout()
         kinds = list(dict.fromkeys(REFERENCE_OF[p] for p in protocols if p in REFERENCE_OF)) if server_cpus else []
         for kind, med in measure_references(kinds, work, server_cpus, load_cpus, args).items():
             reference_ms[kind] = med["cpu_ms"]
             rows.append((REFERENCE_ROWS[kind][0], "1 core", "h2load", med, med["errors"], None, None))
-    print(f"\nServer (default settings): {layout}")
+    print(f"\nServer (default settings, the FP32 model's): {layout}")
     print(f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
           f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
           "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "

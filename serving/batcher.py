@@ -27,7 +27,9 @@ on their way (`arriving()`), the batch waits for them, at most `arrival_wait_ms`
 a 602 KB image takes the event loop a tenth of a millisecond to take in, and 32 clients uploading at once would
 otherwise make batches of the one or two that happened to be complete. The wait ends by itself when every client in
 flight has its request in (no more can arrive before an answer goes out), and never starts for a lone client.
-`max_delay_ms` > 0 lets a partial batch wait at most that long (from its oldest request) for more rows, arriving or
+Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++ server is still
+receiving, whose model is named inside; the server counts them only where one model version is loaded) make the
+batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long (from its oldest request) for more rows, arriving or
 not, for models where a bigger batch pays.
 
 Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
@@ -176,7 +178,7 @@ class Batcher:
                  max_delay_ms: float, max_queue_rows: int, merge: bool = True,
                  on_batch: Callable[[int, float, list[float]], None] | None = None, run_timeout: float | None = None,
                  buffers=None, run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
-                 arrival_wait_ms: float = 0.0):
+                 arrival_wait_ms: float = 0.0, incoming: Callable[[], int] | None = None):
         self._run = run
         self._buffers = buffers if run_buffer is not None and merge else None  # staging.BatchBuffers
         self._run_buffer = run_buffer  # (buffer, start, rows, free up to) -> outputs
@@ -188,6 +190,7 @@ class Batcher:
         self._on_batch = on_batch
         self.run_timeout = run_timeout
         self.arrival_wait = arrival_wait_ms / 1000.0
+        self._incoming = incoming  # requests on their way no model is named for yet (gRPC messages): see _should_wait
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()  # jobs with no place in a buffer
         self._groups: collections.deque[_Group] = collections.deque()  # oldest first; the last may be filling
@@ -482,7 +485,7 @@ class Batcher:
         if self.max_delay > 0 and oldest + self.max_delay > now:
             runner.ready_at(self, oldest + self.max_delay)
             return True
-        if self.arrival_wait <= 0 or not self._arrivals:
+        if self.arrival_wait <= 0 or not (self._arrivals or (self._incoming is not None and self._incoming())):
             self._wait_until = None
             return False
         if self._wait_until is None:

@@ -175,7 +175,17 @@ class Server:
                        max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
                        merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout,
                        buffers=model.engine.batch_buffers(s.max_batch_size), run_buffer=run_buffer,
-                       arrival_wait_ms=s.arrival_wait_ms)
+                       arrival_wait_ms=s.arrival_wait_ms, incoming=self.incoming)
+
+    def incoming(self) -> int:
+        """Requests on their way whose model is not named yet: ModelInfer messages the native gRPC engine is still
+        receiving (a message names its model inside). Only where one model version is loaded are they certainly
+        its, and its batches wait for them as for HTTP bodies arriving (serving/batcher.py); else 0: a flood to
+        one model must not hold another's batches. (Called on the engine thread.)"""
+        models = list(self.repository.models.values())
+        if len(models) != 1 or len(models[0].slots) != 1:
+            return 0
+        return sum(front_end.receiving() for front_end in self._listening)
 
     # ---- drift -----------------------------------------------------------------------------------
 

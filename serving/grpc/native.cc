@@ -80,6 +80,7 @@ struct Bridge {
   std::unordered_map<std::string, Method> methods;  // full method name -> how its messages go
   int max_calls = 0;
   std::atomic<int> active{0};  // calls holding one of the max_calls shared places (see Slot)
+  std::atomic<int> receiving{0};  // split (ModelInfer) calls begun whose message is not all in yet (see `receiving`)
   std::atomic<uint64_t> next_id{1};
   int efd = -1;
 
@@ -131,6 +132,10 @@ class Call : public grpc::ServerGenericBidiReactor {
     if (stream) {
       Announce(nullptr);
     } else {
+      if (split_) {
+        receiving_ = true;
+        bridge->receiving++;
+      }
       StartRead(&in_);  // the call is announced with its message
     }
   }
@@ -173,6 +178,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   // ---- reactions, on grpc's threads ----
   void OnReadDone(bool ok) override {
     if (!announced_) {
+      Received();
       if (!ok) {  // the client half-closed or went away before its one message, or `sweep` ended it: no answer
         std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call ended before its request message"));
@@ -231,6 +237,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     End(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));  // nothing of `this` after it
   }
   void OnDone() override {
+    Received();  // (one ended before its message: no OnReadDone)
     {
       std::lock_guard<std::recursive_mutex> lock(bridge_->calls_mu);
       bridge_->calls.erase(id_);
@@ -251,6 +258,9 @@ class Call : public grpc::ServerGenericBidiReactor {
   // The one caller that decides the call's status: Finish and StartWriteAndFinish may be called once, whoever comes
   // first (End may leave the Finish itself to OnWriteDone, after a stream's queued answers).
   bool Claim() { return !finished_.exchange(true); }
+  void Received() {
+    if (receiving_.exchange(false)) bridge_->receiving--;
+  }
 
   void ReadOn() {  // under calls_mu
     if (reading_ || read_over_ || credits_ <= 0 || finished_) return;
@@ -289,6 +299,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   std::optional<grpc::Status> ending_;      // the status, once the queued answers are written (under calls_mu)
   int credits_ = 0;       // messages Python will still take (under calls_mu)
   std::atomic<bool> finished_{false};
+  std::atomic<bool> receiving_{false};  // counted in bridge->receiving
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
 };
@@ -836,6 +847,14 @@ PyObject* stop(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// receiving(bridge) -> the ModelInfer calls whose message is on its way (begun, not all in): requests a batch may
+// wait for, as for an HTTP body arriving (serving/batcher.py), though which model they are for is not known yet.
+PyObject* receiving(PyObject*, PyObject* capsule) {
+  Bridge* bridge = bridge_of(capsule);
+  if (bridge == nullptr) return nullptr;
+  return PyLong_FromLong(bridge->receiving.load());
+}
+
 PyMethodDef methods[] = {
     {"start", start, METH_VARARGS, "start(address, methods, options, max_calls) -> (bridge, eventfd)"},
     {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
@@ -847,6 +866,7 @@ PyMethodDef methods[] = {
      "add_initial_metadata(bridge, call, pairs) -> bool"},
     {"stop", stop, METH_VARARGS, "stop(bridge, grace_s)"},
     {"sweep", sweep, METH_VARARGS, "sweep(bridge, seconds) -> calls ended for want of their message"},
+    {"receiving", receiving, METH_O, "receiving(bridge) -> ModelInfer calls whose message is on its way"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "grpc's C++ server as the gRPC front end's transport",

@@ -296,6 +296,10 @@ class NativeFrontEnd:
             log.exception("gRPC handler failed")
             call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
 
+    def receiving(self) -> int:
+        """ModelInfer calls begun whose message is not all in yet (counted in C++, read from any thread)."""
+        return _native.receiving(self.bridge)
+
     async def stop(self, grace: float | None) -> None:
         """No new calls; those in flight have `grace` seconds (None: none) to finish on the running loop, then are
         cancelled."""

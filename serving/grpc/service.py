@@ -492,6 +492,10 @@ class GrpcFrontEnd:
     def __init__(self, aio: grpc.aio.Server, streams: _Streams):
         self.aio, self.streams = aio, streams
 
+    def receiving(self) -> int:
+        """ModelInfer messages on their way: none that this engine shows (it hands a call over with its message)."""
+        return 0
+
     async def stop(self, grace: float | None) -> None:
         self.streams.close()
         await self.aio.stop(grace)
