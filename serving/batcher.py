@@ -28,8 +28,8 @@ a 602 KB image takes the event loop a tenth of a millisecond to take in, and 32 
 otherwise make batches of the one or two that happened to be complete. The wait ends by itself when every client in
 flight has its request in (no more can arrive before an answer goes out), and never starts for a lone client.
 Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++ server is still
-receiving, whose model is named inside; the server counts them only where one model version is loaded) make the
-batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long (from its oldest request) for more rows, arriving or
+receiving, whose model is named inside; the server counts them only where one model version is loaded and no
+token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long (from its oldest request) for more rows, arriving or
 not, for models where a bigger batch pays.
 
 Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
@@ -555,7 +555,7 @@ class Batcher:
 
     def _settle_drained(self) -> None:
         """(under _lock) Closing and nothing left: wake those waiting in close()."""
-        if self._closing and not self._pending() and not self._copying:
+        if self._closing and not self._pending() and not self._copying and not self._batch:
             self._closed = True
             waiters, self._drain_waiters = self._drain_waiters, []
             for loop, done in waiters:

@@ -181,9 +181,15 @@ class Server:
         """Requests on their way whose model is not named yet: ModelInfer messages the native gRPC engine is still
         receiving (a message names its model inside). Only where one model version is loaded are they certainly
         its, and its batches wait for them as for HTTP bodies arriving (serving/batcher.py); else 0: a flood to
-        one model must not hold another's batches. (Called on the engine thread.)"""
-        models = list(self.repository.models.values())
-        if len(models) != 1 or len(models[0].slots) != 1:
+        one model must not hold another's batches. Also 0 where a token is required: a call is counted from its
+        headers, before its token is checked, and HTTP counts a body arriving only once its token passed (anyone
+        could otherwise hold every batch by opening calls and sending nothing). (Called on the engine thread.)"""
+        if self._tokens:
+            return 0
+        loaded = 0
+        for model in list(self.repository.models.values()):  # (registered models with no version loaded too)
+            loaded += len(model.slots)
+        if loaded != 1:
             return 0
         return sum(front_end.receiving() for front_end in self._listening)
 

@@ -250,9 +250,9 @@ def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_d
     assert asyncio.run(scenario()) == (([5, 5], 300), 40)
 
 
-def _half_sent_call(port: int, message: bytes):
+def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
     """A ModelInfer call on a raw HTTP/2 connection with only the first half of its message sent; `finish()` sends the
-    rest and returns its grpc-status."""
+    rest and returns its grpc-status, `abandon()` closes the connection."""
     import socket
 
     import h2.config
@@ -264,7 +264,8 @@ def _half_sent_call(port: int, message: bytes):
     c.initiate_connection()
     stream = c.get_next_available_stream_id()
     c.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", METHOD + "ModelInfer"),
-                            (":authority", "127.0.0.1"), ("content-type", "application/grpc"), ("te", "trailers")])
+                            (":authority", "127.0.0.1"), ("content-type", "application/grpc"), ("te", "trailers"),
+                            *metadata])
     framed = b"\x00" + len(message).to_bytes(4, "big") + message
     c.send_data(stream, framed[:len(framed) // 2])
     s.sendall(c.data_to_send())
@@ -284,46 +285,49 @@ def _half_sent_call(port: int, message: bytes):
         finally:
             s.close()
 
-    return finish
+    return types.SimpleNamespace(finish=finish, abandon=s.close)
 
 
-@pytest.mark.parametrize("models", [1, 2])
-def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(tmp_path, models):
+@pytest.mark.parametrize("setup", ["one model", "two models", "a token required"])
+def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(tmp_path, setup):
     """As for an HTTP body arriving (serving/batcher.py): a complete request's batch waits, at most --arrival-wait-ms,
     for a ModelInfer message the native engine is still receiving, and they run as one batch (at c=32 with 602 KB
     images, 19 rows a run against 15). A message names its model inside, so only a server of one model version
-    waits: with two, one on its way to a model must not hold the other's batches."""
+    waits: with two, one on its way to a model must not hold the other's batches. Nor where a token is required:
+    a call is counted from its headers, before its token is checked."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
     model = tiny_model(tmp_path / "tiny.onnx")
-    names = ["--model", f"tiny={model}"] + (["--model", f"other={model}"] if models == 2 else [])
+    args = ["--model", f"tiny={model}"] + (["--model", f"other={model}"] if setup == "two models" else []) \
+        + (["--auth-token", "sesame"] if setup == "a token required" else [])
+    metadata = (("authorization", "Bearer sesame"),) if setup == "a token required" else ()
     port = free_port()
-    with ServerProcess(*names, "--grpc-port", str(port), "--arrival-wait-ms", "1000",
+    with ServerProcess(*args, "--grpc-port", str(port), "--arrival-wait-ms", "1000",
                        log_path=tmp_path / "server.log") as srv:
-        finish = _half_sent_call(port, infer_request())
+        half = _half_sent_call(port, infer_request(), metadata)
         time.sleep(0.3)  # its first half in: the call has begun
         answered = {}
 
-        def whole_call():
+        def lone_call() -> float:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 begun = time.monotonic()
-                channel.unary_unary(METHOD + "ModelInfer")(infer_request(), timeout=30)
-                answered["after"] = time.monotonic() - begun
+                channel.unary_unary(METHOD + "ModelInfer")(infer_request(), timeout=30, metadata=metadata)
+                return time.monotonic() - begun
 
-        caller = threading.Thread(target=whole_call)
+        caller = threading.Thread(target=lambda: answered.update(after=lone_call()))
         caller.start()
         time.sleep(0.6)
-        status = finish()
+        status = half.finish()
         caller.join(30)
-        text = requests.get(srv.url + "/metrics").text
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # nothing on its way now: a lone call waits not
-            begun = time.monotonic()
-            channel.unary_unary(METHOD + "ModelInfer")(infer_request(), timeout=30)
-            alone = time.monotonic() - begun
+        headers = {"Authorization": "Bearer sesame"} if metadata else {}
+        text = requests.get(srv.url + "/metrics", headers=headers).text
         runs = metric(text, "trainserve_batch_size_count", model="tiny")
         rows = metric(text, "trainserve_batch_size_sum", model="tiny")
+        _half_sent_call(port, infer_request(), metadata).abandon()  # a call given up half-sent is no longer waited for
+        time.sleep(0.3)
+        alone = lone_call()  # nothing on its way now: a lone call waits for nothing
     assert status == "0" and alone < 0.5, (status, alone)
-    if models == 1:
+    if setup == "one model":
         assert answered["after"] > 0.5 and (runs, rows) == (1, 2), (answered, runs, rows)  # one run of both
     else:
         assert answered["after"] < 0.5 and (runs, rows) == (2, 2), (answered, runs, rows)  # no wait, one run each

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from serving.batcher import Batcher, BatcherClosed, QueueFull
-from serving.staging import BatchBuffers, concat
+from serving.staging import BatchBuffers, NonFinite, concat
 from serving.runner import Runner
 
 
@@ -492,6 +492,57 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
         thread.join(5)
     assert not closed_mid_copy
     assert out == [[6.0, 6.0], [6.0, 6.0]]
+
+
+def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refused(executor):
+    """Close came while a batch ran and another loop copied a request in; the copy found a NaN (refused). That refusal
+    found nothing left to run and woke close, the batch still running: the model would be closed under it."""
+    copying, go_on, running = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowBuffers(BatchBuffers):
+        def put(self, index, start, feeds):
+            if np.isnan(feeds["x"]).any():
+                copying.set()
+                go_on.wait(5)
+            super().put(index, start, feeds)
+
+    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+    buffers = SlowBuffers([spec], capacity=8, count=2)
+
+    def run_buffer(index, start, rows, free_up_to):
+        running.set()
+        time.sleep(0.6)
+        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+
+    async def main():
+        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
+                    buffers=buffers, run_buffer=run_buffer)
+        b.start()
+        ran = asyncio.create_task(b.submit({"x": np.full((1, 2), 3, np.float32)}, 1))
+        await asyncio.to_thread(running.wait, 5)
+        refused = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((1, 2), np.nan, np.float32)}, 1), other)
+        await asyncio.to_thread(copying.wait, 5)
+        closing = asyncio.create_task(b.close())
+        await asyncio.sleep(0.05)
+        go_on.set()
+        with pytest.raises(NonFinite):
+            await asyncio.wrap_future(refused)
+        await asyncio.sleep(0.1)
+        closed_while_running = closing.done() and not ran.done()
+        await closing
+        return closed_while_running, (await ran)["y"].tolist()
+
+    try:
+        closed_while_running, out = run(main())
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join(5)
+    assert not closed_while_running
+    assert out == [[6.0, 6.0]]
 
 
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
