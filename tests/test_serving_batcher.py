@@ -4,6 +4,7 @@ HTTP, no onnxruntime."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import threading
 import time
@@ -450,46 +451,59 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
     assert not _stranded(buffer("S", "dead", "job"))
 
 
+class HeldCopies(BatchBuffers):
+    """Two batch buffers of 8 rows of "x" (2 columns) whose copy of a request `held(feeds)` picks waits for `go_on`
+    (`copying` set meanwhile): the moment another loop is in the middle of a copy, held open."""
+
+    def __init__(self, held):
+        spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
+        super().__init__([spec], capacity=8, count=2)
+        self.held, self.copying, self.go_on = held, threading.Event(), threading.Event()
+
+    def put(self, index, start, feeds):
+        if self.held(feeds):
+            self.copying.set()
+            self.go_on.wait(5)
+        super().put(index, start, feeds)
+
+
+@contextlib.contextmanager
+def another_loop():
+    """An event loop on a thread of its own, as the HTTP front end's other loops are."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(executor):
     """A request is copied into its batch buffer place outside the batcher's lock. With several event loops, a
     close (a model unloaded, the server stopping) on one loop came in the middle of another's copy, found nothing
     pending and returned: the buffers were closed under the copy. It waits for the request, which is answered."""
-    copying, go_on = threading.Event(), threading.Event()
-
-    class SlowBuffers(BatchBuffers):
-        def put(self, index, start, feeds):
-            copying.set()
-            go_on.wait(5)
-            super().put(index, start, feeds)
-
-    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-    buffers = SlowBuffers([spec], capacity=8, count=2)
+    buffers = HeldCopies(held=lambda feeds: True)
 
     def run_buffer(index, start, rows, free_up_to):
         return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
 
-    other = asyncio.new_event_loop()
-    thread = threading.Thread(target=other.run_forever, daemon=True)
-    thread.start()
-
-    async def main():
+    async def main(other):
         b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
                     buffers=buffers, run_buffer=run_buffer)
         b.start()
         answer = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((2, 2), 3, np.float32)}, 2), other)
-        await asyncio.to_thread(copying.wait, 5)
+        await asyncio.to_thread(buffers.copying.wait, 5)
         closing = asyncio.create_task(b.close())
         await asyncio.sleep(0.1)
         closed_mid_copy = closing.done()
-        go_on.set()
+        buffers.go_on.set()
         await closing
         return closed_mid_copy, (await asyncio.wrap_future(answer))["y"].tolist()
 
-    try:
-        closed_mid_copy, out = run(main())
-    finally:
-        other.call_soon_threadsafe(other.stop)
-        thread.join(5)
+    with another_loop() as other:
+        closed_mid_copy, out = run(main(other))
     assert not closed_mid_copy
     assert out == [[6.0, 6.0], [6.0, 6.0]]
 
@@ -497,38 +511,25 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
 def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refused(executor):
     """Close came while a batch ran and another loop copied a request in; the copy found a NaN (refused). That refusal
     found nothing left to run and woke close, the batch still running: the model would be closed under it."""
-    copying, go_on, running = threading.Event(), threading.Event(), threading.Event()
-
-    class SlowBuffers(BatchBuffers):
-        def put(self, index, start, feeds):
-            if np.isnan(feeds["x"]).any():
-                copying.set()
-                go_on.wait(5)
-            super().put(index, start, feeds)
-
-    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-    buffers = SlowBuffers([spec], capacity=8, count=2)
+    buffers = HeldCopies(held=lambda feeds: np.isnan(feeds["x"]).any())
+    running = threading.Event()
 
     def run_buffer(index, start, rows, free_up_to):
         running.set()
         time.sleep(0.6)
         return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
 
-    other = asyncio.new_event_loop()
-    thread = threading.Thread(target=other.run_forever, daemon=True)
-    thread.start()
-
-    async def main():
+    async def main(other):
         b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
                     buffers=buffers, run_buffer=run_buffer)
         b.start()
         ran = asyncio.create_task(b.submit({"x": np.full((1, 2), 3, np.float32)}, 1))
         await asyncio.to_thread(running.wait, 5)
         refused = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((1, 2), np.nan, np.float32)}, 1), other)
-        await asyncio.to_thread(copying.wait, 5)
+        await asyncio.to_thread(buffers.copying.wait, 5)
         closing = asyncio.create_task(b.close())
         await asyncio.sleep(0.05)
-        go_on.set()
+        buffers.go_on.set()
         with pytest.raises(NonFinite):
             await asyncio.wrap_future(refused)
         await asyncio.sleep(0.1)
@@ -536,11 +537,8 @@ def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refuse
         await closing
         return closed_while_running, (await ran)["y"].tolist()
 
-    try:
-        closed_while_running, out = run(main())
-    finally:
-        other.call_soon_threadsafe(other.stop)
-        thread.join(5)
+    with another_loop() as other:
+        closed_while_running, out = run(main(other))
     assert not closed_while_running
     assert out == [[6.0, 6.0]]
 
