@@ -316,7 +316,7 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
 
         caller = threading.Thread(target=lambda: answered.update(after=lone_call()))
         caller.start()
-        time.sleep(0.6)
+        time.sleep(0.45)  # (the wait's cap, 1 s, leaves a loaded machine 0.55 s to send the rest)
         status = half.finish()
         caller.join(30)
         headers = {"Authorization": "Bearer sesame"} if metadata else {}
@@ -326,8 +326,8 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         _half_sent_call(port, infer_request(), metadata).abandon()  # a call given up half-sent is no longer waited for
         time.sleep(0.3)
         alone = lone_call()  # nothing on its way now: a lone call waits for nothing
-    assert status == "0" and alone < 0.5, (status, alone)
+    assert status == "0" and alone < 0.6, (status, alone)
     if setup == "one model":
-        assert answered["after"] > 0.5 and (runs, rows) == (1, 2), (answered, runs, rows)  # one run of both
+        assert answered["after"] > 0.3 and (runs, rows) == (1, 2), (answered, runs, rows)  # one run of both
     else:
-        assert answered["after"] < 0.5 and (runs, rows) == (2, 2), (answered, runs, rows)  # no wait, one run each
+        assert answered["after"] < 0.3 and (runs, rows) == (2, 2), (answered, runs, rows)  # no wait, one run each
