@@ -16,8 +16,9 @@ refused is filled with a copy of a good row); it pads up to the engine's batch b
 it are free, else the engine copies. A request still arriving when its neighbours ran (the arrival wait ran out
 first) would then run alone: it is copied into the buffer being filled instead, to run with the requests arriving
 there (at c=32 over binary HTTP with 602 KB images, a third of all runs had been such runs of one row: 14 rows a
-run on average, 19 with the copy). A buffer returns to the pool when every place in it ran or was refused. A request that fits no buffer (more rows than a batch, or every buffer taken,
-e.g. by slow uploads) waits in the queue, and the engine copies it when it runs.
+run on average, 19 with the copy). A buffer returns to the pool when every place in it ran or was refused. A
+request that fits no buffer (more rows than a batch, or every buffer taken, e.g. by slow uploads) waits in the
+queue, and the engine copies it when it runs.
 
 Policy (measured, see DESIGN.md): never wait for requests that have not begun to arrive. The batch is taken when the
 engine thread is free to run it: what is queued then runs at once, as one batch of up to `max_batch_size` rows, and
@@ -29,8 +30,8 @@ otherwise make batches of the one or two that happened to be complete. The wait 
 flight has its request in (no more can arrive before an answer goes out), and never starts for a lone client.
 Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++ server is still
 receiving, whose model is named inside; the server counts them only where one model version is loaded and no
-token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long (from its oldest request) for more rows, arriving or
-not, for models where a bigger batch pays.
+token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long
+(from its oldest request) for more rows, arriving or not, for models where a bigger batch pays.
 
 Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
 a model with another dynamic axis (image size, sequence length) gets requests of different shapes,
