@@ -235,7 +235,7 @@ class GrpcFloor:
     SOURCE = Path(__file__).with_name("grpc_floor.cc")
 
     def __init__(self, work: Path, cpus: str | None, kinds: list[str]):
-        self.port = bench.two_free_ports()[0]
+        self.port = bench.free_port()
         self.work, self.cpus = work, cpus
         self.binary = work / "grpc_floor"
 

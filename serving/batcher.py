@@ -361,7 +361,7 @@ class Batcher:
         are in now, or the stranded one where they can't be (no buffer free, or they would seal the one being
         filled for a place of their own). Copied here, under the lock, so that no other thread ever sees a
         half-moved request (a few in a hundred are moved: at c=32, ~3%)."""
-        capacity = min(self.max_batch_size, self._buffers.capacity)
+        capacity = self._place_capacity()
         filling = self._groups[-1] if self._groups and not self._groups[-1].sealed else None
         if rows >= capacity or (filling is not None and filling.rows + rows > capacity):
             return stranded
@@ -382,10 +382,14 @@ class Batcher:
         self._release_done_groups()
         return moved
 
+    def _place_capacity(self) -> int:
+        """The rows one buffer's places may hold in all: a batch's, at most."""
+        return min(self.max_batch_size, self._buffers.capacity)
+
     def _reserve(self, rows: int) -> _Place | None:
         """(under _lock) The next `rows` rows of the buffer being filled (a new buffer when it is full or sealed), or
         None when no buffer is free or the rows fit none."""
-        capacity = min(self.max_batch_size, self._buffers.capacity)
+        capacity = self._place_capacity()
         if rows > capacity:
             return None
         group = self._groups[-1] if self._groups and not self._groups[-1].sealed else None

@@ -297,10 +297,12 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
     assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
 
 
+X_OF_2_COLUMNS = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))  # a model's input
+
+
 def two_column_buffers() -> BatchBuffers:
     """Two batch buffers of 8 rows for one FP32 input "x" of 2 columns (a model of that one input)."""
-    spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-    return BatchBuffers([spec], capacity=8, count=2)
+    return BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=2)
 
 
 def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is_given_up(executor):
@@ -456,8 +458,7 @@ class HeldCopies(BatchBuffers):
     (`copying` set meanwhile): the moment another loop is in the middle of a copy, held open."""
 
     def __init__(self, held):
-        spec = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
-        super().__init__([spec], capacity=8, count=2)
+        super().__init__([X_OF_2_COLUMNS], capacity=8, count=2)
         self.held, self.copying, self.go_on = held, threading.Event(), threading.Event()
 
     def put(self, index, start, feeds):
