@@ -77,8 +77,10 @@ class Runner(Executor):
     def ready_at(self, batcher, when: float) -> None:
         """Give `batcher` a turn at time.monotonic() `when` (a partial batch waiting out --max-delay-ms)."""
         with self._cv:
+            sooner = not self._timers or when < self._timers[0][0]
             heapq.heappush(self._timers, (when, next(self._tie), batcher))
-            self._cv.notify()
+            if sooner:  # (else the engine thread wakes before it anyway, and looks again then)
+                self._cv.notify()
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         future: Future = Future()

@@ -102,6 +102,48 @@ def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_c
     assert engine.batches == [1, 2]  # not [1, 1, 1]: the engine left the batch to the loop's turn
     assert [outs[0]["y"].tolist(), outs[1]["y"].tolist(), outs[3]["y"].tolist()] == [[2], [4], [6]]
 
+class CountingRunner(Runner):
+    """The real engine thread, counting how often it is told to look at a batcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.told = 0
+
+    def ready(self, batcher) -> None:
+        self.told += 1
+        super().ready(batcher)
+
+
+def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_is_in():
+    """Each loop turn's kick decides whether the batch is due, rather than waking the engine to decide: every wake is
+    a thread switch and a GIL hand-off, and an engine woken at each kick of a busy loop went back to sleep at 11 of
+    12 (measured at c=32, 602 KB images)."""
+    engine, runner = Engine(seconds=0.0), CountingRunner()
+
+    async def main():
+        b = make(engine, runner, arrival_wait_ms=3000)
+        b.start()
+        arrivals = [b.arriving() for _ in range(3)]  # three bodies on their way
+        started = time.monotonic()
+        first_two = []
+        for value, arrival in zip((1, 2), arrivals):
+            first_two.append(asyncio.create_task(b.submit(rows(value), 1, arrival)))
+            await asyncio.sleep(0.05)  # a turn of the loop of its own: its kick has run
+        told_while_waiting = runner.told
+        last = await b.submit(rows(3), 1, arrivals[2])
+        outs = await asyncio.gather(*first_two)
+        await b.close()
+        return told_while_waiting, [o["y"].tolist() for o in [*outs, last]], time.monotonic() - started
+
+    try:
+        told_while_waiting, outs, took = run(main())
+    finally:
+        runner.shutdown()
+    assert told_while_waiting == 0  # (each kick woke the engine before: 1)
+    assert engine.batches == [3] and outs == [[2], [4], [6]]
+    assert took < 1.5  # the last one in ended the 3 s wait
+
+
 def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
     engine = Engine(seconds=0.05)
 
