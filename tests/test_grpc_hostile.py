@@ -358,9 +358,10 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
                 pass  # the server stopped taking bytes, or closed the connection
         grown = _rss_mib(srv.proc.pid) - before
         # While the quota is full a new call may be refused (RESOURCE_EXHAUSTED, grpc's "Buffers full": the price of
-        # the bound, seen in CI); once the attacker's connections are gone the server answers again.
-        assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest())[0] in (grpc.StatusCode.OK,
-                                                                               grpc.StatusCode.RESOURCE_EXHAUSTED)
+        # the bound, seen in CI) or not read at all until it is (DEADLINE_EXCEEDED: seen once in 4 runs of the file
+        # beside other tests); once the attacker's connections are gone the server answers again.
+        assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest(), timeout=5)[0] in (
+            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
         for s in opened:
             s.close()
         deadline = time.monotonic() + 10
