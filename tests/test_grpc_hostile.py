@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import re
 import select
 import shutil
