@@ -283,11 +283,11 @@ class Batcher:
             except BaseException:
                 arrival.end()
                 raise
-        copy = False
+        copy = last_awaited = False
         with self._lock:
             if arrival is not None:
                 if not arrival.over:
-                    self._forget(arrival)  # (the last one the batch waited for: the kick below)
+                    last_awaited = self._forget(arrival)  # (the batch waited for this one, the last: the kick below)
                 if arrival.place is not None and arrival.place is not place and arrival.place.job is None:
                     arrival.place.dead = True
             try:
@@ -296,6 +296,8 @@ class Batcher:
                 if place is not None:
                     place.dead = True
                 self._release_done_groups()
+                if last_awaited:  # refused: no kick follows, and the batch is not to wait for it any longer
+                    self._runner.ready(self)
                 raise
             if place is not None and _stranded(place):
                 place = self._move(place, feeds, rows)
@@ -321,6 +323,8 @@ class Batcher:
                         self.queued_rows -= rows
                     self._release_done_groups()
                     self._settle_drained()
+                if last_awaited:  # (as a refusal above)
+                    self._runner.ready(self)
                 raise
             with self._lock:
                 self._copying -= 1
@@ -351,7 +355,8 @@ class Batcher:
             if not self._closing:
                 next_batch = self._next_batch()
                 if next_batch is None:
-                    return  # the engine took it meanwhile
+                    self._wait_until = None  # (the engine took it meanwhile, or its callers gave up)
+                    return
                 if self._should_wait(self._runner, *next_batch[2:]):
                     return  # (its timer, or the last arrival's kick, tells the engine)
         self._runner.ready(self)
@@ -450,6 +455,7 @@ class Batcher:
             self._drop_abandoned()
             next_batch = self._next_batch()
             if next_batch is None:
+                self._wait_until = None  # (what waited was given up: a wait now would skip the next kick)
                 self._release_done_groups()  # (places whose callers all gave up)
                 self._settle_drained()
                 return

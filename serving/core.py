@@ -183,7 +183,8 @@ class Server:
         its, and its batches wait for them as for HTTP bodies arriving (serving/batcher.py); else 0: a flood to
         one model must not hold another's batches. Also 0 where a token is required: a call is counted from its
         headers, before its token is checked, and HTTP counts a body arriving only once its token passed (anyone
-        could otherwise hold every batch by opening calls and sending nothing). (Called on the engine thread.)"""
+        could otherwise hold every batch by opening calls and sending nothing). (Called under a batcher's lock, on the
+        engine thread or a loop's kick.)"""
         if self._tokens:
             return 0
         loaded = 0

@@ -147,6 +147,56 @@ def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_i
     assert took < 1.5  # the last one in ended the 3 s wait
 
 
+def test_a_batch_waiting_for_an_arrival_that_is_refused_runs_at_once(executor):
+    """The last request a batch waited for is refused as it is queued (the queue is full): no kick follows it, and
+    the batch must not wait out the rest of its 3 s for a request that is not coming."""
+    engine = Engine(seconds=0.0)
+
+    async def main():
+        b = make(engine, executor, arrival_wait_ms=3000, max_queue_rows=2)
+        b.start()
+        refused = b.arriving()
+        started = time.monotonic()
+        waiting = asyncio.create_task(b.submit(rows(1), 1))  # waits for the request on its way
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull):
+            await b.submit(rows(2, 3), 2, refused)  # 1 + 2 rows > 2
+        out = await waiting
+        took = time.monotonic() - started
+        await b.close()
+        return out["y"].tolist(), took
+
+    out, took = run(main())
+    assert out == [2] and engine.batches == [1]
+    assert took < 1.5, took  # (the wait's 3 s before)
+
+
+def test_a_wait_whose_batch_was_given_up_does_not_hold_the_next_request(executor):
+    """A batch waited for a slow upload, and its only request was given up (its caller's deadline) before the wait
+    ran out. The next request, with the upload still on its way, waits at most its own arrival wait: the given-up
+    batch's ended wait had stayed behind and kept the next request's kick from being sent at all."""
+    engine = Engine(seconds=0.0)
+
+    async def main():
+        b = make(engine, executor, arrival_wait_ms=300)
+        b.start()
+        slow_upload = b.arriving()  # on its way all along
+        given_up = asyncio.create_task(b.submit(rows(1), 1))
+        await asyncio.sleep(0.05)
+        given_up.cancel()  # (a request deadline)
+        await asyncio.sleep(0.5)  # the wait ran out, with nothing left to run
+        started = time.monotonic()
+        out = await asyncio.wait_for(b.submit(rows(2), 1), 5)
+        took = time.monotonic() - started
+        slow_upload.end()
+        await b.close()
+        return out["y"].tolist(), took
+
+    out, took = run(main())
+    assert out == [4] and engine.batches == [1]
+    assert took < 1.5, took  # its own 300 ms wait for the upload; it waited for the upload's end before
+
+
 def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
     engine = Engine(seconds=0.05)
 
