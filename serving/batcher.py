@@ -264,7 +264,7 @@ class Batcher:
 
     def _forget(self, arrival: Arrival) -> bool:
         """(under _lock) True if the batch waited for this one, the last on its way: the engine is to look again
-        (submit's kick does, at the end of its loop's turn)."""
+        (submit kicks its loop for it, whether the request is queued or refused)."""
         arrival.over = True
         self._arrivals.pop(arrival.seq, None)
         return not self._arrivals and self._wait_until is not None
@@ -283,11 +283,11 @@ class Batcher:
             except BaseException:
                 arrival.end()
                 raise
-        copy = last_awaited = False
+        copy = False
         with self._lock:
             if arrival is not None:
-                if not arrival.over:
-                    last_awaited = self._forget(arrival)  # (the batch waited for this one, the last: the kick below)
+                if not arrival.over and self._forget(arrival):
+                    self._kick(loop)  # the batch waited for this one, the last: queued or refused below, it judges
                 if arrival.place is not None and arrival.place is not place and arrival.place.job is None:
                     arrival.place.dead = True
             try:
@@ -296,8 +296,6 @@ class Batcher:
                 if place is not None:
                     place.dead = True
                 self._release_done_groups()
-                if last_awaited:  # refused: no kick follows, and the batch is not to wait for it any longer
-                    self._runner.ready(self)
                 raise
             if place is not None and _stranded(place):
                 place = self._move(place, feeds, rows)
@@ -323,8 +321,6 @@ class Batcher:
                         self.queued_rows -= rows
                     self._release_done_groups()
                     self._settle_drained()
-                if last_awaited:  # (as a refusal above)
-                    self._runner.ready(self)
                 raise
             with self._lock:
                 self._copying -= 1
@@ -350,15 +346,12 @@ class Batcher:
         (measured at c=32, 602 KB images: 0.6 wakes a request, each a thread switch and a GIL hand-off)."""
         self._kicks.discard(loop)
         with self._lock:
-            if self._batch and not self._closing:
-                return  # a run is under way: the engine looks at what is queued when it returns
             if not self._closing:
+                if self._batch:
+                    return  # a run is under way: the engine looks at what is queued when it returns
                 next_batch = self._next_batch()
-                if next_batch is None:
-                    self._wait_until = None  # (the engine took it meanwhile, or its callers gave up)
-                    return
-                if self._should_wait(self._runner, *next_batch[2:]):
-                    return  # (its timer, or the last arrival's kick, tells the engine)
+                if next_batch is None or self._should_wait(self._runner, *next_batch[1:]):
+                    return  # nothing left (the engine took it); or waiting: its timer or a later kick tells it
         self._runner.ready(self)
 
     def _kick_coming(self) -> bool:
@@ -455,11 +448,11 @@ class Batcher:
             self._drop_abandoned()
             next_batch = self._next_batch()
             if next_batch is None:
-                self._wait_until = None  # (what waited was given up: a wait now would skip the next kick)
                 self._release_done_groups()  # (places whose callers all gave up)
                 self._settle_drained()
                 return
-            take_span, span, rows, oldest, open_ = next_batch
+            span, rows, oldest, open_ = next_batch
+            take_span = span is not None
             if rows < self.max_batch_size and self._kick_coming():
                 return  # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
             if self._should_wait(runner, rows, oldest, open_):
@@ -494,18 +487,20 @@ class Batcher:
         if more:
             runner.ready(self)
 
-    def _next_batch(self) -> tuple[bool, tuple | None, int, float, bool] | None:
-        """(under _lock) What the next run would take: (whether it is a span of places, the span (_next_span), its
-        rows, its oldest request's arrival, whether its buffer still takes places), or None when nothing is queued.
-        The span or the queue, whichever holds the oldest request."""
+    def _next_batch(self) -> tuple[tuple | None, int, float, bool] | None:
+        """(under _lock) What the next run would take: (the span of places (_next_span), or None for the queue; its
+        rows; its oldest request's arrival; whether its buffer still takes places). The span or the queue, whichever
+        holds the oldest request. None when nothing is queued, and then no wait is left standing either: one whose
+        requests were given up would keep the next request's kick from being sent (see submit)."""
         span = self._next_span()
         head = self._queue[0] if self._queue else None
         if span is None and head is None:
+            self._wait_until = None
             return None
         oldest_placed = min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
         if span is not None and (head is None or oldest_placed <= head.arrived):
-            return True, span, sum(p.rows for p in span[1]), oldest_placed, not span[0].sealed
-        return False, None, self.queued_rows, head.arrived, True
+            return span, sum(p.rows for p in span[1]), oldest_placed, not span[0].sealed
+        return None, self.queued_rows, head.arrived, True
 
     def _should_wait(self, runner, rows: int, oldest: float, open_: bool) -> bool:
         """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see the module's
