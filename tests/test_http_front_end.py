@@ -264,11 +264,18 @@ def test_a_large_body_trickling_in_is_read_once_it_is_in_not_piece_by_piece(larg
             assert status == 200, body
             np.testing.assert_allclose(probabilities(body), run_onnx(srv.model, x)["probabilities"], atol=1e-5)
         reads = (read_calls(srv.proc.pid) - before) / requests_sent
-    assert reads < 8, f"{reads:.1f} reads a request for a body sent in {len(pieces)} pieces"
-    # A small request after it on the same connection is read at once (the wait was for the body only).
-    with connect(srv) as s:
+        # The body's first 100 KB, a pause (the server reads them and waits for the rest), then the rest at once: the
+        # last read ends the body while the server waits for that much. A small request after it on the same
+        # connection is read at once (the wait was for the body only), not when the 2 s --read-timeout ends it.
+        s.sendall(b"".join(pieces[:4]))
+        time.sleep(0.1)
+        s.sendall(b"".join(pieces[4:]))
+        assert responses(s, 1)[0][0] == 200
+        started = time.monotonic()
         s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert responses(s, 1)[0][0] == 200
+        assert time.monotonic() - started < 1.0
+    assert reads < 8, f"{reads:.1f} reads a request for a body sent in {len(pieces)} pieces"
 
 
 def test_a_large_body_cut_short_or_stalled_is_still_ended(large_rows_server):
@@ -290,3 +297,15 @@ def test_a_large_body_cut_short_or_stalled_is_still_ended(large_rows_server):
         started = time.monotonic()
         (status, _, body), = responses(s, 1)
         assert status == 408 and time.monotonic() - started < 5, body
+
+
+@pytest.mark.parametrize("release, wakes", [("6.18.44-fc-v1045", True), ("5.10.0-28-amd64", True),
+                                            ("5.4.0-150-generic", False), ("4.14.336-257.562.amzn2.x86_64", False),
+                                            ("3.10.0-1160.el7.x86_64", False)])
+def test_bodies_are_waited_for_whole_only_on_kernels_that_do_it_without_hanging(monkeypatch, release, wakes):
+    """A container runs on its host's kernel: before 5.10 a body waited for with SO_RCVLOWAT could hang to its 408."""
+    from serving.http import connection
+
+    monkeypatch.setattr(connection.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(connection.platform, "release", lambda: release)
+    assert connection._kernel_wakes_on_body() is wakes

@@ -12,7 +12,9 @@ Linux's epoll then reports the socket readable only once that many bytes are que
 hold them). Read as it trickled in, a 602 KB image took 7-8 reads at c=32, each a loop wake-up, two calls into this
 class, a NaN check and a window update sent back to the client; now about 3 (the head's, the body's, and one that
 finds nothing). It is never more than the client is sending anyway: a body cut short still ends when the client
-closes, and one that stalls still meets its deadline.
+closes, and one that stalls still meets its deadline. Only on Linux 5.10 and later (WAKE_ON_BODY): before 4.18 the
+kernel did not grow the buffer to the mark, and until ~5.7 a buffer filled short of it by packet overhead never
+woke the reader (a 602 KB body would have waited for its 408); a container runs on its host's kernel.
 
 Deadlines: a connection has --read-timeout seconds to deliver a whole request, counted from when the server
 starts waiting for it (the connection opening, or the first byte after a keep-alive pause); past that it is
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
+import re
 import socket
 from urllib.parse import unquote
 
@@ -43,6 +47,15 @@ BODY_WAKE_MIN_BYTES = 64 * 1024  # less of a body left than this: woken by every
 BODY_WAKE_MAX_BYTES = 1 << 20  # most a body read waits for (the kernel's buffer for the socket grows to twice it)
 IDLE, HEAD, BODY, BUSY, CLOSED = range(5)
 _TIMEOUT_408 = error_response(408, "the whole request did not arrive within --read-timeout")
+
+
+def _kernel_wakes_on_body() -> bool:
+    """Whether this kernel's TCP honours SO_RCVLOWAT without hanging (see the module's docstring): Linux >= 5.10."""
+    found = re.match(r"(\d+)\.(\d+)", platform.release()) if platform.system() == "Linux" else None
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= (5, 10)
+
+
+WAKE_ON_BODY = _kernel_wakes_on_body()
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -76,7 +89,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.socket = transport.get_extra_info("socket")
+        self.socket = transport.get_extra_info("socket") if WAKE_ON_BODY else None
         self.wake_bytes = 1  # the socket's SO_RCVLOWAT (see _wake_at)
         self.source = source_of(transport.get_extra_info("peername"))
         self.listener.connections.add(self)
@@ -128,10 +141,10 @@ class Connection(asyncio.BufferedProtocol):
             try:
                 self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
                 self.wake_bytes = nbytes
-            except OSError:  # (closing, or a socket without it): reads then take what there is, as before
+            except OSError:  # (a socket without it): reads then take what there is, as before
                 self.socket = None
-                if self.wake_bytes != 1:  # left waiting for more than a head: this connection takes no other
-                    self.keep_alive = False
+                if self.wake_bytes != 1:  # left waiting for more than may come: nothing more is read here
+                    self._close()
 
     def eof_received(self) -> bool:
         return False  # close: a half-closed client sends no more requests
@@ -297,6 +310,8 @@ class Connection(asyncio.BufferedProtocol):
     def _body_arrived(self) -> None:
         self._disarm()
         self._wake_at(1)  # the next head may be a few bytes
+        if self.state == CLOSED:
+            return
         if self.answered:  # a refusal's dropped body: on to the next request
             self._next_request()
             return
