@@ -3,17 +3,23 @@
    copy_finite(dst, src, width) -> bool   copies src into dst (writable, at least as long) and says whether every
                                           value is finite; width: 0 (no check: integers), 2 (fp16), 4 (fp32), 8 (fp64)
    finite(src, width) -> bool             the check alone
+   wake_at(fd, nbytes)                    a socket's SO_RCVLOWAT (serving/http/connection.py waits for a body whole);
+                                          OSError when refused
 
 Why: a 602 KB image cost numpy 22 us for isfinite(x).all() (a temporary bool array, then a second pass) and ~38 us
 for the copy into the batch, on values the kernel had just written into the cache; fused, it is one read and one
 write. A value is NaN or Inf exactly when its exponent bits are all ones, so the check is an AND and a compare per
 value, which the compiler vectorizes (target_clones picks AVX-512 or AVX2 where the CPU has them).
 
+wake_at is here because it is set twice a large request: through uvloop's socket object it cost 2 us a call (a
+socket object made around the descriptor and let go), against a system call here.
+
 Optional: serving/staging.py falls back to numpy when this is not built. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -88,9 +94,17 @@ static PyObject *all_finite(PyObject *self, PyObject *args) {
   return PyBool_FromLong(ok);
 }
 
+static PyObject *wake_at(PyObject *self, PyObject *args) {
+  int fd, nbytes;
+  if (!PyArg_ParseTuple(args, "ii", &fd, &nbytes)) return NULL;
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &nbytes, sizeof nbytes) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_finite", copy_finite, METH_VARARGS, "copy_finite(dst, src, width) -> whether every value is finite"},
     {"finite", all_finite, METH_VARARGS, "finite(src, width) -> whether every value is finite"},
+    {"wake_at", wake_at, METH_VARARGS, "wake_at(fd, nbytes): the socket's SO_RCVLOWAT"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ingest", "passes over tensor bytes (serving/_ingest.c)",

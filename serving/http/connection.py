@@ -7,11 +7,12 @@ body is read: a refusal costs the server no body (one too large to drop closes t
 received straight into the memory the route gives it (serving/http/bodies.py): for a binary KServe V2 request,
 each input's bytes go from the kernel into the array that will be its feed, the one copy there is.
 
-A body read wakes the loop only once the rest of the body is in, up to BODY_WAKE_MAX_BYTES at a time (SO_RCVLOWAT:
-Linux's epoll then reports the socket readable only once that many bytes are queued, growing its receive buffer to
-hold them). Read as it trickled in, a 602 KB image took 7-8 reads at c=32, each a loop wake-up, two calls into this
-class, a NaN check and a window update sent back to the client; now about 3 (the head's, the body's, and one that
-finds nothing). It is never more than the client is sending anyway: a body cut short still ends when the client
+A large body's read (BODY_WAKE_MIN_BYTES or more left) wakes the loop only once the rest of it is in, up to
+BODY_WAKE_MAX_BYTES at a time (SO_RCVLOWAT: Linux's epoll then reports the socket readable only once that many bytes
+are queued, growing its receive buffer to hold them). Read as it trickled in, a 602 KB image took 7-8 reads at c=32,
+each a loop wake-up, two calls into this class, a NaN check and a window update sent back to the client; now about
+3 (the head's, the body's, and one that finds nothing). A smaller rest is read as it comes: setting the mark and
+setting it back cost two system calls, more than the reads they save. It is never more than the client is sending anyway: a body cut short still ends when the client
 closes, and one that stalls still meets its deadline. Only on Linux 5.10 and later (WAKE_ON_BODY): before 4.18 the
 kernel did not grow the buffer to the mark, and until ~5.7 a buffer filled short of it by packet overhead never
 woke the reader (a 602 KB body would have waited for its 408); a container runs on its host's kernel.
@@ -39,11 +40,16 @@ from serving.envelope import Exchange, Refusal, Refused, refusal, source_of
 from serving.http import bodies
 from serving.http.wire import Request, Response, error_response
 
+try:
+    from serving._ingest import wake_at as set_rcvlowat  # a system call (uvloop's socket object: 2 us a call)
+except ImportError:  # not built: through the socket object
+    set_rcvlowat = None
+
 log = logging.getLogger("serving.http")
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this long
 BUFFER_BYTES = 64 * 1024  # the connection's buffer for heads (and what arrives with them)
 FIRST_READ_BYTES = 4096  # the first read of a request (see get_buffer)
-BODY_WAKE_MIN_BYTES = 64 * 1024  # less of a body left than this: woken by every byte, as for heads
+BODY_WAKE_MIN_BYTES = 256 * 1024  # less of a body left than this: read as it comes, as before (a mark costs two calls)
 BODY_WAKE_MAX_BYTES = 1 << 20  # most a body read waits for (the kernel's buffer for the socket grows to twice it)
 IDLE, HEAD, BODY, BUSY, CLOSED = range(5)
 _TIMEOUT_408 = error_response(408, "the whole request did not arrive within --read-timeout")
@@ -90,6 +96,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.socket = transport.get_extra_info("socket") if WAKE_ON_BODY else None
+        self.fd = self.socket.fileno() if self.socket is not None else -1
         self.wake_bytes = 1  # the socket's SO_RCVLOWAT (see _wake_at)
         self.source = source_of(transport.get_extra_info("peername"))
         self.listener.connections.add(self)
@@ -139,7 +146,10 @@ class Connection(asyncio.BufferedProtocol):
         nbytes = 1 if nbytes < BODY_WAKE_MIN_BYTES else min(nbytes, BODY_WAKE_MAX_BYTES)
         if nbytes != self.wake_bytes and self.socket is not None:
             try:
-                self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                if set_rcvlowat is not None:
+                    set_rcvlowat(self.fd, nbytes)
+                else:
+                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
                 self.wake_bytes = nbytes
             except OSError:  # (a socket without it): reads then take what there is, as before
                 self.socket = None
