@@ -14,7 +14,8 @@ value, which the compiler vectorizes (target_clones picks AVX-512 or AVX2 where 
 wake_at is here because it is set twice a large request: through uvloop's socket object it cost 2 us a call (a
 socket object made around the descriptor and let go), against a system call here.
 
-Optional: serving/staging.py falls back to numpy when this is not built. */
+Optional: serving/staging.py falls back to numpy when this is not built, serving/http/connection.py to the socket
+object. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -12,10 +12,11 @@ BODY_WAKE_MAX_BYTES at a time (SO_RCVLOWAT: Linux's epoll then reports the socke
 are queued, growing its receive buffer to hold them). Read as it trickled in, a 602 KB image took 7-8 reads at c=32,
 each a loop wake-up, two calls into this class, a NaN check and a window update sent back to the client; now about
 3 (the head's, the body's, and one that finds nothing). A smaller rest is read as it comes: setting the mark and
-setting it back cost two system calls, more than the reads they save. It is never more than the client is sending anyway: a body cut short still ends when the client
-closes, and one that stalls still meets its deadline. Only on Linux 5.10 and later (WAKE_ON_BODY): before 4.18 the
-kernel did not grow the buffer to the mark, and until ~5.7 a buffer filled short of it by packet overhead never
-woke the reader (a 602 KB body would have waited for its 408); a container runs on its host's kernel.
+setting it back cost two system calls, more than the reads they save. The mark is never more than the client is
+sending anyway: a body cut short still ends when the client closes, and one that stalls still meets its deadline.
+Only on Linux 5.10 and later (WAKE_ON_BODY): before 4.18 the kernel did not grow the buffer to the mark, and until
+~5.7 a buffer filled short of it by packet overhead never woke the reader (a 602 KB body would have waited for its
+408); a container runs on its host's kernel.
 
 Deadlines: a connection has --read-timeout seconds to deliver a whole request, counted from when the server
 starts waiting for it (the connection opening, or the first byte after a keep-alive pause); past that it is
