@@ -43,8 +43,13 @@ from serving.http.wire import Request, Response, error_response
 
 try:
     from serving._ingest import wake_at as set_rcvlowat  # a system call (uvloop's socket object: 2 us a call)
-except ImportError:  # not built: through the socket object
-    set_rcvlowat = None
+except ImportError:  # not built: through a socket object made around the descriptor and let go (as uvloop's does)
+    def set_rcvlowat(fd: int, nbytes: int) -> None:
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+        finally:
+            sock.detach()
 
 log = logging.getLogger("serving.http")
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this long
@@ -96,8 +101,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.socket = transport.get_extra_info("socket") if WAKE_ON_BODY else None
-        self.fd = self.socket.fileno() if self.socket is not None else -1
+        self.fd = transport.get_extra_info("socket").fileno() if WAKE_ON_BODY else -1  # -1: bodies read as they come
         self.wake_bytes = 1  # the socket's SO_RCVLOWAT (see _wake_at)
         self.source = source_of(transport.get_extra_info("peername"))
         self.listener.connections.add(self)
@@ -145,15 +149,12 @@ class Connection(asyncio.BufferedProtocol):
         """The next read is to wait for `nbytes` of the body (never more than the client will send unasked: what is
         left of the body it is sending), or for any byte (1: a head, a small rest)."""
         nbytes = 1 if nbytes < BODY_WAKE_MIN_BYTES else min(nbytes, BODY_WAKE_MAX_BYTES)
-        if nbytes != self.wake_bytes and self.socket is not None:
+        if nbytes != self.wake_bytes and self.fd >= 0:
             try:
-                if set_rcvlowat is not None:
-                    set_rcvlowat(self.fd, nbytes)
-                else:
-                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                set_rcvlowat(self.fd, nbytes)
                 self.wake_bytes = nbytes
             except OSError:  # (a socket without it): reads then take what there is, as before
-                self.socket = None
+                self.fd = -1
                 if self.wake_bytes != 1:  # left waiting for more than may come: nothing more is read here
                     self._close()
 
