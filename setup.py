@@ -18,17 +18,33 @@ from setuptools import Extension, setup
 def grpc_flags() -> tuple[list[str], list[str]] | None:
     """grpc++'s compile and link flags from pkg-config, or None where it is not installed."""
     try:
-        cflags, libs = (subprocess.run(["pkg-config", flag, "grpc++"], capture_output=True, text=True, check=True).stdout
-                        for flag in ("--cflags", "--libs"))
+        cflags, libs = (
+            subprocess.run(
+                ["pkg-config", flag, "grpc++"], capture_output=True, text=True, check=True
+            ).stdout
+            for flag in ("--cflags", "--libs")
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return shlex.split(cflags), shlex.split(libs)
 
 
 flags = grpc_flags()
-extensions = [Extension("serving._ingest", ["serving/_ingest.c"], extra_compile_args=["-O3"], optional=True)]
-extensions += [] if flags is None else [Extension(
-    "serving.grpc._native", ["serving/grpc/native.cc"], language="c++",
-    extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *flags[0]], extra_link_args=flags[1],
-    optional=True)]  # a failed build leaves grpc.aio serving, not a failed install
+extensions = [
+    Extension("serving._ingest", ["serving/_ingest.c"], extra_compile_args=["-O3"], optional=True)
+]
+extensions += (
+    []
+    if flags is None
+    else [
+        Extension(
+            "serving.grpc._native",
+            ["serving/grpc/native.cc"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *flags[0]],
+            extra_link_args=flags[1],
+            optional=True,
+        )
+    ]
+)  # a failed build leaves grpc.aio serving, not a failed install
 setup(ext_modules=extensions)

@@ -53,40 +53,78 @@ BAG = 8
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=5_000_000, help="item ids in the table (x 512 bytes each)")
+    parser.add_argument(
+        "--rows", type=int, default=5_000_000, help="item ids in the table (x 512 bytes each)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="training steps")
-    parser.add_argument("--workdir", help="working directory (default: a temporary one, deleted at the end)")
-    parser.add_argument("--force", action="store_true", help="start even when free memory looks too small")
+    parser.add_argument(
+        "--workdir", help="working directory (default: a temporary one, deleted at the end)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="start even when free memory looks too small"
+    )
     args = parser.parse_args()
     model_bytes = args.rows * 128 * 4
     available = _meminfo("MemAvailable")
     if available < 5 * model_bytes and not args.force:
-        print(f"big_model: {available / 1e9:.1f} GB of memory available, a {model_bytes / 1e9:.2f} GB model needs "
-              f"about {5 * model_bytes / 1e9:.0f} GB here (two training ranks); --force to start anyway",
-              file=sys.stderr)
+        print(
+            f"big_model: {available / 1e9:.1f} GB of memory available, a {model_bytes / 1e9:.2f} GB model needs "
+            f"about {5 * model_bytes / 1e9:.0f} GB here (two training ranks); --force to start anyway",
+            file=sys.stderr,
+        )
         return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="trainserve-big-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINSERVE_TRUSTED_COMPONENTS": "examples.recommender.*"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINSERVE_TRUSTED_COMPONENTS": "examples.recommender.*",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)  # the embedded store of the working directory
     rows = []
     try:
-        rows.append(("baseline", *measure([sys.executable, "-c", "import torch, onnxruntime, mlflow"], work, env)))
-        common = ["--config", str(CONFIG), f"data.args.rows={args.rows}", f"train.max_steps={args.steps}",
-                  f"train.eval_every={args.steps}", f"checkpoint.every_n_steps={args.steps}",
-                  "checkpoint.log_to_mlflow=none", "train.run_name=big",
-                  # the same path at every size: at 0.3 GB the weights would otherwise stay inside model.onnx
-                  "export.external_data=always"]
-        seconds, ranks = measure_ranks([sys.executable, "-m", "pipeline", "train", "--nproc-per-node", "2", *common],
-                                       work, env)
+        rows.append(
+            (
+                "baseline",
+                *measure([sys.executable, "-c", "import torch, onnxruntime, mlflow"], work, env),
+            )
+        )
+        common = [
+            "--config",
+            str(CONFIG),
+            f"data.args.rows={args.rows}",
+            f"train.max_steps={args.steps}",
+            f"train.eval_every={args.steps}",
+            f"checkpoint.every_n_steps={args.steps}",
+            "checkpoint.log_to_mlflow=none",
+            "train.run_name=big",
+            # the same path at every size: at 0.3 GB the weights would otherwise stay inside model.onnx
+            "export.external_data=always",
+        ]
+        seconds, ranks = measure_ranks(
+            [sys.executable, "-m", "pipeline", "train", "--nproc-per-node", "2", *common], work, env
+        )
         rows += [(f"train rank {rank}", seconds, peak) for rank, peak in sorted(ranks.items())]
-        rows.append(("consolidate", *measure([sys.executable, "-m", "pipeline", "consolidate", "outputs/big"],
-                                             work, env)))
+        rows.append(
+            (
+                "consolidate",
+                *measure(
+                    [sys.executable, "-m", "pipeline", "consolidate", "outputs/big"], work, env
+                ),
+            )
+        )
         weights = work / "outputs" / "big" / "consolidated" / "model.safetensors"
         size, largest = tensor_sizes(weights)
-        rows.append(("export+gates+register", *measure(
-            [sys.executable, "-m", "pipeline", "export", str(weights.parent)], work, env)))
+        rows.append(
+            (
+                "export+gates+register",
+                *measure(
+                    [sys.executable, "-m", "pipeline", "export", str(weights.parent)], work, env
+                ),
+            )
+        )
         serve_seconds, serve_peak, verify = serve_and_verify(work, env, args.rows)
         rows.append(("serve", serve_seconds, serve_peak))
         rows.append(("verify", *verify))
@@ -132,9 +170,21 @@ def serve_and_verify(cwd: Path, env: dict, rows: int) -> tuple[float, int, tuple
     verify` against it; the server stopped by SIGTERM and its peak RSS read from wait4."""
     port = _free_port()
     start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "serving", "--model", f"models:/{NAME}@champion",
-                               "--port", str(port)], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving",
+            "--model",
+            f"models:/{NAME}@champion",
+            "--port",
+            str(port),
+        ],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         while not _ready(base):
@@ -145,13 +195,33 @@ def serve_and_verify(cwd: Path, env: dict, rows: int) -> tuple[float, int, tuple
         rng = random.Random(0)
         for _ in range(SERVE_REQUESTS):
             items = [rng.randrange(rows) for _ in range(BAG)]
-            body = json.dumps({"inputs": [{"name": "input", "datatype": "INT64", "shape": [1, BAG], "data": items}]})
-            request = urllib.request.Request(f"{base}/v2/models/{NAME}/infer", body.encode(),
-                                             {"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "inputs": [
+                        {"name": "input", "datatype": "INT64", "shape": [1, BAG], "data": items}
+                    ]
+                }
+            )
+            request = urllib.request.Request(
+                f"{base}/v2/models/{NAME}/infer",
+                body.encode(),
+                {"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=60) as answer:
                 json.loads(answer.read())
-        verify = measure([sys.executable, "-m", "pipeline", "verify", f"models:/{NAME}@champion", "--server", base],
-                         cwd, env)
+        verify = measure(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "verify",
+                f"models:/{NAME}@champion",
+                "--server",
+                base,
+            ],
+            cwd,
+            env,
+        )
     finally:
         server.send_signal(signal.SIGTERM)
     out, rusage = _wait(server)
@@ -162,20 +232,33 @@ def tensor_sizes(path: Path) -> tuple[int, int]:
     """(bytes of all tensors, bytes of the largest) from a safetensors file's header, no tensor read."""
     with open(path, "rb") as f:
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-    sizes = [end - begin for key, entry in header.items() if key != "__metadata__"
-             for begin, end in [entry["data_offsets"]]]
+    sizes = [
+        end - begin
+        for key, entry in header.items()
+        if key != "__metadata__"
+        for begin, end in [entry["data_offsets"]]
+    ]
     return sum(sizes), max(sizes)
 
 
-def print_table(rows: list[tuple[str, float, int]], size: int, largest: int, table_rows: int) -> None:
+def print_table(
+    rows: list[tuple[str, float, int]], size: int, largest: int, table_rows: int
+) -> None:
     """One line per stage: its peak and the ratios the targets are stated in, on the whole peak and on what it
     holds over the baseline process (the imports alone), which at small sizes is most of a peak."""
-    targets = {"consolidate": ("<= 1.5x largest", largest, 1.5), "export+gates+register": ("<= 1.3x model", size, 1.3),
-               "serve": ("<= 1.3x model", size, 1.3)}
+    targets = {
+        "consolidate": ("<= 1.5x largest", largest, 1.5),
+        "export+gates+register": ("<= 1.3x model", size, 1.3),
+        "serve": ("<= 1.3x model", size, 1.3),
+    }
     base = dict((stage, peak) for stage, _, peak in rows).get("baseline", 0)
-    print(f"\nmodel: {table_rows:,} x 128 fp32 table + head = {size / 1e9:.2f} GB; largest tensor "
-          f"{largest / 1e9:.2f} GB; peak RSS of each stage's process\n")
-    print("| stage | time s | peak RSS GB | x model | x largest | over baseline: x model | x largest | target |")
+    print(
+        f"\nmodel: {table_rows:,} x 128 fp32 table + head = {size / 1e9:.2f} GB; largest tensor "
+        f"{largest / 1e9:.2f} GB; peak RSS of each stage's process\n"
+    )
+    print(
+        "| stage | time s | peak RSS GB | x model | x largest | over baseline: x model | x largest | target |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for stage, seconds, peak in rows:
         target, of, limit = targets.get(stage, ("", 0, 0))
@@ -183,11 +266,15 @@ def print_table(rows: list[tuple[str, float, int]], size: int, largest: int, tab
         if target and stage != "baseline":
             verdict += f" ({'met' if peak - base <= limit * of else 'missed'} over baseline)"
         over = max(peak - base, 0)
-        print(f"| {stage} | {seconds:.1f} | {peak / 1e9:.2f} | {peak / size:.2f} | {peak / largest:.2f} | "
-              f"{over / size:.2f} | {over / largest:.2f} | {verdict} |")
-    print("\ntrain: the time is the whole `pipeline train` (both ranks); serve: start until ready (download, "
-          "hash checks, session), the peak over the start and the requests; baseline: python with torch, "
-          "onnxruntime and mlflow imported")
+        print(
+            f"| {stage} | {seconds:.1f} | {peak / 1e9:.2f} | {peak / size:.2f} | {peak / largest:.2f} | "
+            f"{over / size:.2f} | {over / largest:.2f} | {verdict} |"
+        )
+    print(
+        "\ntrain: the time is the whole `pipeline train` (both ranks); serve: start until ready (download, "
+        "hash checks, session), the peak over the start and the requests; baseline: python with torch, "
+        "onnxruntime and mlflow imported"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,14 +38,37 @@ def model_for_size(gigabytes: float) -> dict:
     weights = gigabytes * 1e9 / 3
     hidden = int(math.sqrt(weights / (LAYERS * 4)))
     side = max(4, round(math.sqrt(hidden)))
-    return {"component": "pipeline.models:mlp", "args": {"in_channels": 1, "num_classes": 10, "image_size": side,
-                                                        "hidden": [hidden] * LAYERS, "mean": [0.5], "std": [0.25]}}
+    return {
+        "component": "pipeline.models:mlp",
+        "args": {
+            "in_channels": 1,
+            "num_classes": 10,
+            "image_size": side,
+            "hidden": [hidden] * LAYERS,
+            "mean": [0.5],
+            "std": [0.25],
+        },
+    }
 
 
 def make_checkpoint(gigabytes: float, strategy: str, root: Path) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(MAKE),
-           "--strategy", strategy, "--steps", "1", "--model", json.dumps(model_for_size(gigabytes)),
-           "--out", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(MAKE),
+        "--strategy",
+        strategy,
+        "--steps",
+        "1",
+        "--model",
+        json.dumps(model_for_size(gigabytes)),
+        "--out",
+        str(root),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     if proc.returncode != 0:
         raise SystemExit(f"making the {gigabytes} GB checkpoint failed:\n{proc.stderr[-4000:]}")
@@ -53,8 +76,12 @@ def make_checkpoint(gigabytes: float, strategy: str, root: Path) -> Path:
 
 
 def measure(mode: str, ckpt: Path, out: Path, output_bytes: int = 0) -> dict:
-    proc = subprocess.run([sys.executable, str(MEASURE), mode, str(ckpt), str(out), str(output_bytes)],
-                          capture_output=True, text=True, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, str(MEASURE), mode, str(ckpt), str(out), str(output_bytes)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} on {ckpt} failed:\n{proc.stderr[-4000:]}")
     shutil.rmtree(out, ignore_errors=True)
@@ -66,17 +93,35 @@ def model_tensor_bytes(ckpt: Path) -> tuple[int, int]:
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    sizes = [m.size.numel() * m.properties.dtype.itemsize for k, m in md.items() if k.startswith("model.")]
+    sizes = [
+        m.size.numel() * m.properties.dtype.itemsize
+        for k, m in md.items()
+        if k.startswith("model.")
+    ]
     return max(sizes), sum(sizes)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.1,0.5,2", help="checkpoint sizes in GB, comma-separated")
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
-                        help="ddp stores each tensor whole (the harder case for memory), fsdp in slices")
-    parser.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir)")
-    parser.add_argument("--skip-dcp", action="store_true", help="leave out dcp_to_torch_save (slow, whole-checkpoint peak)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes", default="0.1,0.5,2", help="checkpoint sizes in GB, comma-separated"
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="ddp stores each tensor whole (the harder case for memory), fsdp in slices",
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="where to write the checkpoints (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--skip-dcp",
+        action="store_true",
+        help="leave out dcp_to_torch_save (slow, whole-checkpoint peak)",
+    )
     args = parser.parse_args()
 
     rows = []
@@ -90,18 +135,33 @@ def main() -> None:
             modes = ("floor", "read", "ours") + (() if args.skip_dcp else ("dcp_to_torch_save",))
             results = {mode: measure(mode, ckpt, root / mode, output) for mode in modes}
             for mode, r in results.items():
-                rows.append((size, largest, mode, r["seconds"], r["seconds"] / results["floor"]["seconds"],
-                             (r["peak"] - r["baseline"]), (r["peak"] - r["baseline"]) / largest))
+                rows.append(
+                    (
+                        size,
+                        largest,
+                        mode,
+                        r["seconds"],
+                        r["seconds"] / results["floor"]["seconds"],
+                        (r["peak"] - r["baseline"]),
+                        (r["peak"] - r["baseline"]) / largest,
+                    )
+                )
             shutil.rmtree(root)
             print(f"done: {size / 1e9:.2f} GB", file=sys.stderr, flush=True)
 
-    print(f"\nstrategy {args.strategy}, 2 shards, model + AdamW; floor = sha256sum of the shards + writing the output "
-          "once; peak = max RSS over the process's own baseline\n")
-    print("| checkpoint | largest tensor | method | time (s) | x floor | peak RSS (MB) | peak / largest |")
+    print(
+        f"\nstrategy {args.strategy}, 2 shards, model + AdamW; floor = sha256sum of the shards + writing the output "
+        "once; peak = max RSS over the process's own baseline\n"
+    )
+    print(
+        "| checkpoint | largest tensor | method | time (s) | x floor | peak RSS (MB) | peak / largest |"
+    )
     print("|---|---|---|---|---|---|---|")
     for size, largest, mode, seconds, x_read, peak, x_largest in rows:
-        print(f"| {size / 1e9:.2f} GB | {largest / 1e6:.0f} MB | {mode} | {seconds:.2f} | {x_read:.2f} | "
-              f"{peak / 1e6:.0f} | {x_largest:.2f} |")
+        print(
+            f"| {size / 1e9:.2f} GB | {largest / 1e6:.0f} MB | {mode} | {seconds:.2f} | {x_read:.2f} | "
+            f"{peak / 1e6:.0f} | {x_largest:.2f} |"
+        )
 
 
 if __name__ == "__main__":

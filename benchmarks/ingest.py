@@ -71,8 +71,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trivial"
 SHAPE = (1, 3, 224, 224)  # one image a request (--image sets it)
 MODEL_UINT8 = "trivial_uint8"
-PROTOCOLS = {"http": "binary HTTP", "http-uint8": "binary HTTP, UINT8 image", "grpc": "gRPC",
-             "shm-http": "shm HTTP (tritonclient)", "shm-grpc": "shm gRPC (tritonclient)"}
+PROTOCOLS = {
+    "http": "binary HTTP",
+    "http-uint8": "binary HTTP, UINT8 image",
+    "grpc": "gRPC",
+    "shm-http": "shm HTTP (tritonclient)",
+    "shm-grpc": "shm gRPC (tritonclient)",
+}
 SHM_PROCESSES = 4  # tritonclient load processes
 MEDIANS = ("rps", "rows_per_run", "cpu_ms")  # what a row gives of its rounds
 
@@ -83,18 +88,34 @@ def trivial_model(path: Path, uint8: bool = False) -> None:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    w = numpy_helper.from_array(np.random.default_rng(0).random((SHAPE[1], 10), dtype=np.float32), "w")
-    nodes = [helper.make_node("ReduceMean", ["scaled" if uint8 else "input"], ["m"], axes=[2, 3], keepdims=0),
-             helper.make_node("MatMul", ["m", "w"], ["logits"])]
+    w = numpy_helper.from_array(
+        np.random.default_rng(0).random((SHAPE[1], 10), dtype=np.float32), "w"
+    )
+    nodes = [
+        helper.make_node(
+            "ReduceMean", ["scaled" if uint8 else "input"], ["m"], axes=[2, 3], keepdims=0
+        ),
+        helper.make_node("MatMul", ["m", "w"], ["logits"]),
+    ]
     inits = [w]
     if uint8:
-        nodes[:0] = [helper.make_node("Cast", ["input"], ["as_float"], to=TensorProto.FLOAT),
-                     helper.make_node("Div", ["as_float", "scale"], ["scaled"])]
+        nodes[:0] = [
+            helper.make_node("Cast", ["input"], ["as_float"], to=TensorProto.FLOAT),
+            helper.make_node("Div", ["as_float", "scale"], ["scaled"]),
+        ]
         inits.append(helper.make_tensor("scale", TensorProto.FLOAT, [], [255.0]))
     kind = TensorProto.UINT8 if uint8 else TensorProto.FLOAT
-    graph = helper.make_graph(nodes, MODEL, [helper.make_tensor_value_info("input", kind, ["batch", *SHAPE[1:]])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    graph = helper.make_graph(
+        nodes,
+        MODEL,
+        [helper.make_tensor_value_info("input", kind, ["batch", *SHAPE[1:]])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        inits,
+    )
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
+        str(path),
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -120,22 +141,53 @@ def generator_on(cpus: str | None):
 class Server:
     """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in `work`)."""
 
-    def __init__(self, model: Path | dict[str, Path], work: Path, cpus: str | None, extra: list[str],
-                 model_name: str = MODEL, root: Path = ROOT):
+    def __init__(
+        self,
+        model: Path | dict[str, Path],
+        work: Path,
+        cpus: str | None,
+        extra: list[str],
+        model_name: str = MODEL,
+        root: Path = ROOT,
+    ):
         self.port, self.grpc_port = bench.two_free_ports()
         self.work, self.root = work, root
-        self.log = work / (f"server-{root.name}-{cpus or 'all'}-"
-                           f"{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log")
-        models = [a for name, path in model.items() for a in ("--model", f"{name}={path}")] \
-            if isinstance(model, dict) else ["--model", str(model), "--model-name", model_name]
-        self.cmd = pinned(cpus, [sys.executable, "-m", "serving", *models,
-                                 "--port", str(self.port), "--grpc-port", str(self.grpc_port), *extra])
+        self.log = work / (
+            f"server-{root.name}-{cpus or 'all'}-"
+            f"{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log"
+        )
+        models = (
+            [a for name, path in model.items() for a in ("--model", f"{name}={path}")]
+            if isinstance(model, dict)
+            else ["--model", str(model), "--model-name", model_name]
+        )
+        self.cmd = pinned(
+            cpus,
+            [
+                sys.executable,
+                "-m",
+                "serving",
+                *models,
+                "--port",
+                str(self.port),
+                "--grpc-port",
+                str(self.grpc_port),
+                *extra,
+            ],
+        )
 
     def __enter__(self):
-        self.proc = subprocess.Popen(self.cmd, cwd=self.root, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=self.root, stdout=open(self.log, "w"), stderr=subprocess.STDOUT
+        )
         for _ in range(600):
             try:
-                if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).status_code == 200:
+                if (
+                    requests.get(
+                        f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1
+                    ).status_code
+                    == 200
+                ):
                     return self
             except requests.RequestException:
                 pass
@@ -150,7 +202,9 @@ class Server:
 
     def batches(self) -> tuple[float, float]:
         text = requests.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
-        return bench.series_total(text, "trainserve_batch_size_count"), bench.series_total(text, "trainserve_batch_size_sum")
+        return bench.series_total(text, "trainserve_batch_size_count"), bench.series_total(
+            text, "trainserve_batch_size_sum"
+        )
 
     def layout(self) -> str:
         found = re.search(r"laid out as: (.*)", self.log.read_text())
@@ -190,8 +244,16 @@ http {{
   }}
 }}
 """)
-        self.cmd = pinned(cpus, [shutil.which("nginx") or "nginx", "-c", str(self.dir / "nginx.conf"),
-                                 "-p", str(self.dir)])
+        self.cmd = pinned(
+            cpus,
+            [
+                shutil.which("nginx") or "nginx",
+                "-c",
+                str(self.dir / "nginx.conf"),
+                "-p",
+                str(self.dir),
+            ],
+        )
 
     @classmethod
     def missing(cls) -> str | None:
@@ -224,8 +286,12 @@ http {{
     def measure(self, kind: str, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
         """The `kind` of request's body (nginx_body) POSTed by h2load as the binary HTTP rows' requests are; nginx's
         CPU per request."""
-        request = (b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + nginx_body(kind))
-        return reference_load(self.proc.pid, bench.BINARY_HTTP, request, self.port, c, seconds, work, cpus)
+        request = b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + nginx_body(
+            kind
+        )
+        return reference_load(
+            self.proc.pid, bench.BINARY_HTTP, request, self.port, c, seconds, work, cpus
+        )
 
 
 class GrpcFloor:
@@ -244,15 +310,25 @@ class GrpcFloor:
         """Why grpc's C++ server can't be the reference here, or None."""
         if not shutil.which("h2load"):
             return "no h2load (apt-get install nghttp2-client)"
-        if not shutil.which("g++") or subprocess.run(["pkg-config", "--exists", "grpc++"]).returncode != 0:
+        if (
+            not shutil.which("g++")
+            or subprocess.run(["pkg-config", "--exists", "grpc++"]).returncode != 0
+        ):
             return "no g++ or grpc++'s headers (apt-get install g++ libgrpc++-dev pkg-config)"
         return None
 
     def __enter__(self):
-        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True,
-                               check=True).stdout.split()
-        built = subprocess.run(["g++", "-std=c++17", "-O2", str(self.SOURCE), "-o", str(self.binary), *flags],
-                               capture_output=True, text=True)
+        flags = subprocess.run(
+            ["pkg-config", "--cflags", "--libs", "grpc++"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        built = subprocess.run(
+            ["g++", "-std=c++17", "-O2", str(self.SOURCE), "-o", str(self.binary), *flags],
+            capture_output=True,
+            text=True,
+        )
         if built.returncode != 0:
             raise RuntimeError(f"{self.SOURCE} did not compile:\n{built.stderr[-2000:]}")
         from serving.grpc import schema
@@ -260,13 +336,21 @@ class GrpcFloor:
         answer = schema.ModelInferResponse(model_name=MODEL, raw_output_contents=[bytes(40)])
         answer.outputs.add(name="logits", datatype="FP32", shape=[1, 10])
         (self.work / "grpc_floor_answer.bin").write_bytes(answer.SerializeToString())
-        self.proc = subprocess.Popen(pinned(self.cpus, [str(self.binary), str(self.port),
-                                                        str(self.work / "grpc_floor_answer.bin")]),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            pinned(
+                self.cpus,
+                [str(self.binary), str(self.port), str(self.work / "grpc_floor_answer.bin")],
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         said = self.proc.stdout.readline()  # "ready" once it listens, else why not (and its exit)
         if said.strip() != "ready":
             self.proc.kill()
-            raise RuntimeError(f"{self.binary} did not start: {said}{self.proc.stdout.read()[-2000:]}")
+            raise RuntimeError(
+                f"{self.binary} did not start: {said}{self.proc.stdout.read()[-2000:]}"
+            )
         return self
 
     def __exit__(self, *exc):
@@ -279,8 +363,16 @@ class GrpcFloor:
         return reference_load(self.proc.pid, bench.GRPC, request, self.port, c, seconds, work, cpus)
 
 
-def reference_load(pid: int, which: str, request: bytes, port: int, c: int, seconds: float, work: Path,
-                   cpus: str | None) -> dict:
+def reference_load(
+    pid: int,
+    which: str,
+    request: bytes,
+    port: int,
+    c: int,
+    seconds: float,
+    work: Path,
+    cpus: str | None,
+) -> dict:
     """`request` sent by h2load (on `cpus`) to a C reference's `port`, after a warm-up: its CPU per request."""
     grpc_port = port if which == bench.GRPC else 0
     with generator_on(cpus):
@@ -288,16 +380,24 @@ def reference_load(pid: int, which: str, request: bytes, port: int, c: int, seco
         cpu0 = cpu_seconds(pid)
         result = bench.h2load(which, request, port, grpc_port, MODEL, c, seconds, work)
         cpu = cpu_seconds(pid) - cpu0
-    return {"rps": result["rps"], "rows_per_run": float("nan"), "cpu_ms": 1e3 * cpu / max(result["n"], 1),
-            "errors": result["errors"], "first_error": None, "generator": "h2load"}
+    return {
+        "rps": result["rps"],
+        "rows_per_run": float("nan"),
+        "cpu_ms": 1e3 * cpu / max(result["n"], 1),
+        "errors": result["errors"],
+        "first_error": None,
+        "generator": "h2load",
+    }
 
 
 # The C references' rows, by the kind of request: (the row, what serves it); the reference row measured beside a
 # protocol's; and the protocols whose CPU is given as a multiple of it (a shm request's also has the model read
 # 602 KB that nginx's POST has not).
-REFERENCE_ROWS = {"image": ("binary HTTP request, nginx only receiving it (C)", Nginx),
-                  "small": ("a 300-byte POST (a shm request's size), nginx only receiving it (C)", Nginx),
-                  "grpc": ("gRPC request, grpc's C++ server only receiving it (C++)", GrpcFloor)}
+REFERENCE_ROWS = {
+    "image": ("binary HTTP request, nginx only receiving it (C)", Nginx),
+    "small": ("a 300-byte POST (a shm request's size), nginx only receiving it (C)", Nginx),
+    "grpc": ("gRPC request, grpc's C++ server only receiving it (C++)", GrpcFloor),
+}
 REFERENCE_OF = {"http": "image", "shm-http": "small", "grpc": "grpc"}
 SAME_BYTES = {"http": "image", "grpc": "grpc"}
 
@@ -312,7 +412,10 @@ def nginx_body(kind: str) -> bytes:
 
 # ---- load generators ------------------------------------------------------------------------------------------
 
-def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+
+def h2load_load(
+    protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None
+) -> dict:
     which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
     model, x = (MODEL_UINT8, pixels()) if protocol == "http-uint8" else (MODEL, image())
     request = bench.v2_request(which, model, x, server.port)
@@ -320,7 +423,9 @@ def h2load_load(protocol: str, server: Server, c: int, seconds: float, work: Pat
         return bench.h2load(which, request, server.port, server.grpc_port, model, c, seconds, work)
 
 
-def python_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+def python_load(
+    protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None
+) -> dict:
     import asyncio
 
     which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
@@ -334,18 +439,48 @@ def python_load(protocol: str, server: Server, c: int, seconds: float, work: Pat
     return asyncio.run(run())
 
 
-def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None,
-             model: str = MODEL, x: np.ndarray | None = None, out_bytes: int = 40) -> dict:
+def shm_load(
+    protocol: str,
+    server: Server,
+    c: int,
+    seconds: float,
+    work: Path,
+    cpus: str | None,
+    model: str = MODEL,
+    x: np.ndarray | None = None,
+    out_bytes: int = 40,
+) -> dict:
     """c requests in flight from SHM_PROCESSES processes of threads, each thread a tritonclient of its own with a
     region pair of its own: `x` (default the 224x224 image) into `model`'s input "input", its "logits" (`out_bytes`)
     into the other region."""
     x = image() if x is None else x
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    start = time.time() + 4.0  # all set up by then (clients made, regions registered, a first request answered)
+    start = (
+        time.time() + 4.0
+    )  # all set up by then (clients made, regions registered, a first request answered)
     per = [c // SHM_PROCESSES + (1 if i < c % SHM_PROCESSES else 0) for i in range(SHM_PROCESSES)]
-    workers = [ctx.Process(target=_shm_worker, args=(protocol, server.port, server.grpc_port, n, i, start, seconds,
-                                                     results, cpus, model, x, out_bytes)) for i, n in enumerate(per) if n]
+    workers = [
+        ctx.Process(
+            target=_shm_worker,
+            args=(
+                protocol,
+                server.port,
+                server.grpc_port,
+                n,
+                i,
+                start,
+                seconds,
+                results,
+                cpus,
+                model,
+                x,
+                out_bytes,
+            ),
+        )
+        for i, n in enumerate(per)
+        if n
+    ]
     for w in workers:
         w.start()
     got = [results.get(timeout=seconds + 120) for _ in workers]
@@ -356,8 +491,20 @@ def shm_load(protocol: str, server: Server, c: int, seconds: float, work: Path, 
     return {"rps": n / seconds, "n": n, "errors": errors, "first_error": first, "started": start}
 
 
-def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: int, start: float, seconds: float,
-                results, cpus: str | None, model: str, x: np.ndarray, out_bytes: int) -> None:
+def _shm_worker(
+    protocol: str,
+    port: int,
+    grpc_port: int,
+    threads: int,
+    index: int,
+    start: float,
+    seconds: float,
+    results,
+    cpus: str | None,
+    model: str,
+    x: np.ndarray,
+    out_bytes: int,
+) -> None:
     import threading
 
     if cpus:
@@ -366,7 +513,9 @@ def _shm_worker(protocol: str, port: int, grpc_port: int, threads: int, index: i
     import tritonclient.http as th
     import tritonclient.utils.shared_memory as shm
 
-    mod, url = (th, f"127.0.0.1:{port}") if protocol == "shm-http" else (tg, f"127.0.0.1:{grpc_port}")
+    mod, url = (
+        (th, f"127.0.0.1:{port}") if protocol == "shm-http" else (tg, f"127.0.0.1:{grpc_port}")
+    )
     counts = {"n": 0, "errors": 0, "first_error": None}
     lock = threading.Lock()
     regions = []
@@ -425,7 +574,10 @@ def pixels() -> np.ndarray:
 
 # ---- measuring ------------------------------------------------------------------------------------------------
 
-def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
+
+def measure(
+    protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None
+) -> dict:
     if protocol.startswith("shm"):
         load = shm_load
     else:
@@ -435,17 +587,28 @@ def measure(protocol: str, server: Server, c: int, seconds: float, work: Path, c
     runs0, rows0 = server.batches()
     cpu0 = cpu_seconds(server.proc.pid)
     result = load(protocol, server, c, seconds, work, cpus)
-    if "started" in result:  # the shm load began at a set time: the server's CPU is counted from its start
+    if (
+        "started" in result
+    ):  # the shm load began at a set time: the server's CPU is counted from its start
         cpu0 = cpu_seconds(server.proc.pid) if time.time() < result["started"] else cpu0
     cpu = cpu_seconds(server.proc.pid) - cpu0
     runs1, rows1 = server.batches()
     n = max(result["n"], 1)
-    return {"rps": result["rps"], "rows_per_run": (rows1 - rows0) / max(runs1 - runs0, 1), "cpu_ms": 1e3 * cpu / n,
-            "errors": result["errors"], "first_error": result.get("first_error"),
-            "generator": "h2load" if load is h2load_load else ("tritonclient" if load is shm_load else "python")}
+    return {
+        "rps": result["rps"],
+        "rows_per_run": (rows1 - rows0) / max(runs1 - runs0, 1),
+        "cpu_ms": 1e3 * cpu / n,
+        "errors": result["errors"],
+        "first_error": result.get("first_error"),
+        "generator": "h2load"
+        if load is h2load_load
+        else ("tritonclient" if load is shm_load else "python"),
+    }
 
 
-def measure_references(kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args) -> dict:
+def measure_references(
+    kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args
+) -> dict:
     """{kind: medians (and errors)} of the C references receiving each kind of request (REFERENCE_ROWS), pinned as
     the server was; a reference that can't be run here is left out (said why)."""
     found = {}
@@ -457,29 +620,51 @@ def measure_references(kinds: list[str], work: Path, cpus: str | None, load_cpus
             continue
         with reference(work, cpus, theirs) as server:
             for kind in theirs:
-                runs = [server.measure(kind, args.concurrency, args.seconds, work, load_cpus)
-                        for _ in range(args.rounds)]
+                runs = [
+                    server.measure(kind, args.concurrency, args.seconds, work, load_cpus)
+                    for _ in range(args.rounds)
+                ]
                 found[kind] = med = bench.medians(runs, MEDIANS)
                 each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs)
-                print(f"  {REFERENCE_ROWS[kind][0]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
-                      f"(rounds: {each} us)", flush=True)
+                print(
+                    f"  {REFERENCE_ROWS[kind][0]:<26} {med['rps']:7.0f} req/s  {med['cpu_ms']:.3f} ms CPU/request  "
+                    f"(rounds: {each} us)",
+                    flush=True,
+                )
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"of {', '.join(PROTOCOLS)}")
-    parser.add_argument("--cores", default="1", help="the server on 1 core (the generator on another), 2 (all, "
-                        "shared with the generator), or both: 1,2")
+    parser.add_argument(
+        "--protocols", default=",".join(PROTOCOLS), help=f"of {', '.join(PROTOCOLS)}"
+    )
+    parser.add_argument(
+        "--cores",
+        default="1",
+        help="the server on 1 core (the generator on another), 2 (all, "
+        "shared with the generator), or both: 1,2",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--image", default="3x224x224", metavar="CxHxW", help="the image a request sends (default "
-                        "ResNet-50's 3x224x224, 602 KB)")
+    parser.add_argument(
+        "--image",
+        default="3x224x224",
+        metavar="CxHxW",
+        help="the image a request sends (default ResNet-50's 3x224x224, 602 KB)",
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round of 3 s")
-    parser.add_argument("--server-args", default="", help="more flags for the server (its defaults otherwise)")
-    parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout whose server runs beside this "
-                        "tree's, the rounds alternating between them (see the module's docstring)")
+    parser.add_argument(
+        "--server-args", default="", help="more flags for the server (its defaults otherwise)"
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="another checkout whose server runs beside this "
+        "tree's, the rounds alternating between them (see the module's docstring)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds = 1, 3.0
@@ -500,9 +685,14 @@ def main(argv: list[str] | None = None) -> int:
     trivial_model(models[MODEL])
     trivial_model(models[MODEL_UINT8], uint8=True)
     if args.against is not None and not (args.against / "serving" / "__main__.py").is_file():
-        parser.error(f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)")
+        parser.error(
+            f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)"
+        )
     roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
-    rows, reference_ms = [], {}  # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
+    rows, reference_ms = (
+        [],
+        {},
+    )  # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
     layout = "?"
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
@@ -515,43 +705,92 @@ def main(argv: list[str] | None = None) -> int:
             # (Server.incoming).
             model = MODEL_UINT8 if protocol == "http-uint8" else MODEL
             with contextlib.ExitStack() as servers:
-                started = [servers.enter_context(Server({model: models[model]}, work, server_cpus,
-                                                        args.server_args.split(), root=root)) for root in roots]
+                started = [
+                    servers.enter_context(
+                        Server(
+                            {model: models[model]},
+                            work,
+                            server_cpus,
+                            args.server_args.split(),
+                            root=root,
+                        )
+                    )
+                    for root in roots
+                ]
                 runs: dict[int, list[dict]] = {i: [] for i in range(len(started))}
-                for round_ in range(args.rounds):  # alternating, each server first every other round
-                    for i in (range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))):
-                        runs[i].append(measure(protocol, started[i], args.concurrency, args.seconds, work, load_cpus))
+                for round_ in range(
+                    args.rounds
+                ):  # alternating, each server first every other round
+                    for i in (
+                        range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))
+                    ):
+                        runs[i].append(
+                            measure(
+                                protocol,
+                                started[i],
+                                args.concurrency,
+                                args.seconds,
+                                work,
+                                load_cpus,
+                            )
+                        )
                 for i, server in enumerate(started):
                     med = bench.medians(runs[i], MEDIANS)
                     errors = med["errors"]
-                    code = "" if args.against is None else ("this tree, " if server.root == ROOT else f"{server.root}, ")
-                    rows.append((PROTOCOLS[protocol], code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
-                                 runs[i][0]["generator"], med, errors,
-                                 next((r["first_error"] for r in runs[i] if r["first_error"]), None),
-                                 SAME_BYTES.get(protocol) if server_cpus else None))
+                    code = (
+                        ""
+                        if args.against is None
+                        else ("this tree, " if server.root == ROOT else f"{server.root}, ")
+                    )
+                    rows.append(
+                        (
+                            PROTOCOLS[protocol],
+                            code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
+                            runs[i][0]["generator"],
+                            med,
+                            errors,
+                            next((r["first_error"] for r in runs[i] if r["first_error"]), None),
+                            SAME_BYTES.get(protocol) if server_cpus else None,
+                        )
+                    )
                     each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs[i])
-                    print(f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
-                          f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
-                          f"(rounds: {each} us)", flush=True)
+                    print(
+                        f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
+                        f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
+                        f"(rounds: {each} us)",
+                        flush=True,
+                    )
                 if model == MODEL:
                     layout = started[0].layout()
-        kinds = list(dict.fromkeys(REFERENCE_OF[p] for p in protocols if p in REFERENCE_OF)) if server_cpus else []
+        kinds = (
+            list(dict.fromkeys(REFERENCE_OF[p] for p in protocols if p in REFERENCE_OF))
+            if server_cpus
+            else []
+        )
         for kind, med in measure_references(kinds, work, server_cpus, load_cpus, args).items():
             reference_ms[kind] = med["cpu_ms"]
-            rows.append((REFERENCE_ROWS[kind][0], "1 core", "h2load", med, med["errors"], None, None))
+            rows.append(
+                (REFERENCE_ROWS[kind][0], "1 core", "h2load", med, med["errors"], None, None)
+            )
     print(f"\nServer (default settings, the FP32 model's): {layout}")
-    print(f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
-          f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
-          "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
-          f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n")
-    print("| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
-          "x the C reference's CPU, same bytes | errors |")
+    print(
+        f"Model: {'x'.join(map(str, SHAPE))} FP32 ({4 * int(np.prod(SHAPE)) / 1e3:.0f} KB; UINT8 "
+        f"{int(np.prod(SHAPE)) / 1e3:.0f} KB, "
+        "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
+        f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n"
+    )
+    print(
+        "| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
+        "x the C reference's CPU, same bytes | errors |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, where, generator, med, errors, first, kind in rows:
         times = f"{med['cpu_ms'] / reference_ms[kind]:.2f}" if kind in reference_ms else ""
         batches = "" if np.isnan(med["rows_per_run"]) else f"{med['rows_per_run']:.1f}"
-        print(f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
-              f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |")
+        print(
+            f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
+            f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |"
+        )
     return 0
 
 

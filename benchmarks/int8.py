@@ -42,7 +42,9 @@ def input_shape(path: Path) -> tuple[int, ...]:
 
 def inprocess(path: Path, shape: tuple[int, ...], batch: int, seconds: float) -> float:
     """Samples/s of the server's Engine on one batch, run back to back for `seconds`."""
-    from pipeline.artifact.int8 import images_per_second  # the measure export records, on the same Engine
+    from pipeline.artifact.int8 import (
+        images_per_second,  # the measure export records, on the same Engine
+    )
     from serving.engine import Engine
 
     engine = Engine(str(path), device="cpu")
@@ -52,18 +54,36 @@ def inprocess(path: Path, shape: tuple[int, ...], batch: int, seconds: float) ->
     return images_per_second(engine, feeds, seconds)
 
 
-def served(path: Path, shape: tuple[int, ...], concurrencies: tuple[int, ...], seconds: float, log: Path) -> dict:
+def served(
+    path: Path, shape: tuple[int, ...], concurrencies: tuple[int, ...], seconds: float, log: Path
+) -> dict:
     port = loadgen.free_port()
-    cmd = [sys.executable, "-m", "serving", "--model", str(path), "--model-name", "m", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving",
+        "--model",
+        str(path),
+        "--model-name",
+        "m",
+        "--port",
+        str(port),
+    ]
     x = np.random.default_rng(0).random((1, *shape), dtype=np.float32)
     request = loadgen.v2_request(loadgen.BINARY_HTTP, "m", x, port)
     out = {}
     with loadgen.Server(cmd, port, "/v2/health/ready", log):
-        asyncio.run(loadgen.measure(loadgen.BINARY_HTTP, request, port, None, 4, seconds=1.0))  # warm-up
+        asyncio.run(
+            loadgen.measure(loadgen.BINARY_HTTP, request, port, None, 4, seconds=1.0)
+        )  # warm-up
         for c in concurrencies:
-            r = asyncio.run(loadgen.measure(loadgen.BINARY_HTTP, request, port, None, c, seconds=seconds))
+            r = asyncio.run(
+                loadgen.measure(loadgen.BINARY_HTTP, request, port, None, c, seconds=seconds)
+            )
             if r["errors"]:
-                raise SystemExit(f"{path.name} at c={c}: {r['errors']} errors, first: {r['first_error']}")
+                raise SystemExit(
+                    f"{path.name} at c={c}: {r['errors']} errors, first: {r['first_error']}"
+                )
             out[c] = r["rps"]
     return out
 
@@ -74,14 +94,23 @@ def accuracy(report: dict) -> dict[str, tuple[float, float]]:
     fp32 = report["gates"][primary]
     int8 = report["int8"]["gates"][f"int8.{primary}"]
     key = f"onnx_{primary}_pct"
-    return {"fp32": (fp32[key], fp32[f"torch_{primary}_pct"]), "int8": (int8[key], int8[f"torch_{primary}_pct"])}
+    return {
+        "fp32": (fp32[key], fp32[f"torch_{primary}_pct"]),
+        "int8": (int8[key], int8[f"torch_{primary}_pct"]),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("onnx_dir", type=Path, help="an export's output directory (model.onnx, model.int8.onnx)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "onnx_dir", type=Path, help="an export's output directory (model.onnx, model.int8.onnx)"
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of turns; medians are reported")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of turns; medians are reported"
+    )
     args = parser.parse_args()
     report = json.loads((args.onnx_dir / "export_report.json").read_text())
     if not (report.get("int8") or {}).get("passed"):
@@ -93,25 +122,37 @@ def main() -> None:
         for variant, path in paths.items():
             got = samples[variant]
             for batch in (1, 32):
-                got.setdefault(f"b{batch}", []).append(inprocess(path, shape, batch, args.seconds / 2))
-            for c, rps in served(path, shape, (1, 32), args.seconds, args.onnx_dir / f"bench-{variant}.log").items():
+                got.setdefault(f"b{batch}", []).append(
+                    inprocess(path, shape, batch, args.seconds / 2)
+                )
+            for c, rps in served(
+                path, shape, (1, 32), args.seconds, args.onnx_dir / f"bench-{variant}.log"
+            ).items():
                 got.setdefault(f"c{c}", []).append(rps)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     med = {v: {k: float(np.median(x)) for k, x in m.items()} for v, m in samples.items()}
     acc = accuracy(report)
-    print(f"\n{args.onnx_dir}: int8 {report['int8']['mode']}, nodes kept in float: "
-          f"{report['int8']['excluded'] or 'none'}; medians of {args.rounds} rounds\n")
-    print("| variant | accuracy (PyTorch) | file | in-process b1 /s | in-process b32 /s | served c=1 req/s | "
-          "served c=32 req/s |")
+    print(
+        f"\n{args.onnx_dir}: int8 {report['int8']['mode']}, nodes kept in float: "
+        f"{report['int8']['excluded'] or 'none'}; medians of {args.rounds} rounds\n"
+    )
+    print(
+        "| variant | accuracy (PyTorch) | file | in-process b1 /s | in-process b32 /s | served c=1 req/s | "
+        "served c=32 req/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for v in paths:
         m = med[v]
-        print(f"| {v} | {acc[v][0]:.2f}% ({acc[v][1]:.2f}%) | {paths[v].stat().st_size / 1e6:.1f} MB | {m['b1']:.0f} | "
-              f"{m['b32']:.0f} | {m['c1']:.0f} | {m['c32']:.0f} |")
+        print(
+            f"| {v} | {acc[v][0]:.2f}% ({acc[v][1]:.2f}%) | {paths[v].stat().st_size / 1e6:.1f} MB | {m['b1']:.0f} | "
+            f"{m['b32']:.0f} | {m['c1']:.0f} | {m['c32']:.0f} |"
+        )
     ratio = {k: med["int8"][k] / med["fp32"][k] for k in ("b1", "b32", "c1", "c32")}
-    print(f"| int8 / fp32 | {acc['int8'][0] - acc['fp32'][0]:+.2f} pp | "
-          f"{paths['int8'].stat().st_size / paths['fp32'].stat().st_size:.2f}x | {ratio['b1']:.2f}x | "
-          f"{ratio['b32']:.2f}x | {ratio['c1']:.2f}x | {ratio['c32']:.2f}x |")
+    print(
+        f"| int8 / fp32 | {acc['int8'][0] - acc['fp32'][0]:+.2f} pp | "
+        f"{paths['int8'].stat().st_size / paths['fp32'].stat().st_size:.2f}x | {ratio['b1']:.2f}x | "
+        f"{ratio['b32']:.2f}x | {ratio['c1']:.2f}x | {ratio['c32']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

@@ -59,16 +59,26 @@ GLOBAL_BATCH = 64
 MESHES = [  # (name, processes, overrides)
     ("DDP 2", 2, ["train.strategy=ddp"]),
     ("FSDP 2", 2, ["train.strategy=fsdp"]),
-    ("HSDP 2x2", 4, ["train.strategy=fsdp", "train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"]),
+    (
+        "HSDP 2x2",
+        4,
+        ["train.strategy=fsdp", "train.parallel.dp_replicate=2", "train.parallel.dp_shard=2"],
+    ),
     ("TP 2", 2, ["train.parallel.tp=2"]),
-    ("TP 2 x FSDP 2", 4, ["train.strategy=fsdp", "train.parallel.tp=2", "train.parallel.dp_shard=2"]),
+    (
+        "TP 2 x FSDP 2",
+        4,
+        ["train.strategy=fsdp", "train.parallel.tp=2", "train.parallel.dp_shard=2"],
+    ),
     ("PP 2", 2, ["train.parallel.pp=2"]),
     ("PP 2 x DDP 2", 4, ["train.parallel.pp=2", "train.parallel.dp_shard=2"]),
 ]
 QUICK = ["DDP 2", "HSDP 2x2", "TP 2", "PP 2"]
 
 
-def sample_ranks(root: psutil.Process, peaks: dict[int, float], stop: threading.Event, every: float = 0.05):
+def sample_ranks(
+    root: psutil.Process, peaks: dict[int, float], stop: threading.Event, every: float = 0.05
+):
     """Every `every` s: each rank process's RSS (its children added), the largest kept per rank, in MB."""
     ranks: dict[int, int] = {}  # pid -> rank
     while not stop.is_set():
@@ -80,7 +90,11 @@ def sample_ranks(root: psutil.Process, peaks: dict[int, float], stop: threading.
             try:
                 if proc.pid not in ranks:
                     rank = proc.environ().get("RANK")
-                    if rank is None or proc.parent() is None or proc.parent().environ().get("RANK") is not None:
+                    if (
+                        rank is None
+                        or proc.parent() is None
+                        or proc.parent().environ().get("RANK") is not None
+                    ):
                         continue  # not a rank, or a rank's child (counted with it)
                     ranks[proc.pid] = int(rank)
                 rss = proc.memory_info().rss
@@ -98,21 +112,51 @@ def sample_ranks(root: psutil.Process, peaks: dict[int, float], stop: threading.
 
 def launch(workdir: Path, name: str, nproc: int, overrides: list[str], steps: int) -> dict:
     run_name = name.replace(" ", "_")
-    args = [sys.executable, "-m", "pipeline", "train", "--config", BERT, "--nproc-per-node", str(nproc),
-            "--max-restarts=0", f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0",
-            f"train.global_batch_size={GLOBAL_BATCH}", "checkpoint.every_n_steps=1000",
-            "model.args.hidden_dropout_prob=0", "model.args.attention_probs_dropout_prob=0",
-            "tracking.system_metrics=false", f"train.run_name={run_name}", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "train",
+        "--config",
+        BERT,
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts=0",
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        f"train.global_batch_size={GLOBAL_BATCH}",
+        "checkpoint.every_n_steps=1000",
+        "model.args.hidden_dropout_prob=0",
+        "model.args.attention_probs_dropout_prob=0",
+        "tracking.system_metrics=false",
+        f"train.run_name={run_name}",
+        *overrides,
+    ]
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        }
+    )
     peaks: dict[int, float] = {}
     stop = threading.Event()
     start = time.perf_counter()
-    proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    sampler = threading.Thread(target=sample_ranks, args=(psutil.Process(proc.pid), peaks, stop), daemon=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    sampler = threading.Thread(
+        target=sample_ranks, args=(psutil.Process(proc.pid), peaks, stop), daemon=True
+    )
     sampler.start()
     out, err = proc.communicate(timeout=900)
     stop.set()
@@ -129,9 +173,13 @@ def metrics(workdir: Path, run_name: str) -> dict:
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name(EXPERIMENT)
-    run = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run_name}'")[0]
+    run = client.search_runs(
+        [exp.experiment_id], filter_string=f"attributes.run_name = '{run_name}'"
+    )[0]
     loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    rate = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/samples_per_s")}
+    rate = {
+        m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/samples_per_s")
+    }
     step_ms = [1000 * GLOBAL_BATCH / rate[s] for s in sorted(rate) if s > WARMUP]
     return {"loss": loss, "step_ms": statistics.median(step_ms), "step_ms_iqr": iqr(step_ms)}
 
@@ -152,25 +200,37 @@ def agreement(mine: dict[int, float], base: dict[int, float]) -> tuple[float, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 meshes (DDP 2, HSDP 2x2, TP 2, PP 2), 12 steps")
-    parser.add_argument("--steps", type=int, default=0, help="optimizer steps per mesh (default 30, --quick 12)")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 meshes (DDP 2, HSDP 2x2, TP 2, PP 2), 12 steps"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=0, help="optimizer steps per mesh (default 30, --quick 12)"
+    )
     opts = parser.parse_args()
     steps = opts.steps or (12 if opts.quick else 30)
     meshes = [m for m in MESHES if not opts.quick or m[0] in QUICK]
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; BERT example (hidden 64, 2 layers), "
-          f"global batch {GLOBAL_BATCH}, {steps} steps, dropout off, fp32, gloo; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; BERT example (hidden 64, 2 layers), "
+        f"global batch {GLOBAL_BATCH}, {steps} steps, dropout off, fp32, gloo; load average before: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_parallel_") as tmp:
         for name, nproc, overrides in meshes:
             result = launch(Path(tmp), name, nproc, overrides, steps)
-            print(f"  {name}: {result['wall']:.1f} s wall, load average {os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"  {name}: {result['wall']:.1f} s wall, load average {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
             results.append(result)
     base = results[0]["loss"]
     compared = min(COMPARED, steps)
     print()
-    print(f"| mesh | procs | step ms (median, IQR) | peak RSS MB, rank 0 / 1 / ... | first {compared} losses vs DDP: "
-          f"max abs diff | max rel diff |")
+    print(
+        f"| mesh | procs | step ms (median, IQR) | peak RSS MB, rank 0 / 1 / ... | first {compared} losses vs DDP: "
+        f"max abs diff | max rel diff |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         rss_s = " / ".join(f"{r['peaks'][k]:.0f}" for k in sorted(r["peaks"])) or "not sampled"
@@ -180,9 +240,13 @@ def main() -> None:
         else:
             diff, rel, n = agreement(r["loss"], base)
             diff_s, rel_s = f"{diff:.2e}" + ("" if n == compared else f" ({n} steps)"), f"{rel:.2e}"
-        print(f"| {r['name']} | {r['nproc']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {rss_s} | {diff_s} | {rel_s} |")
-    print(f"\nstep ms: 1000 x {GLOBAL_BATCH} / train/samples_per_s of one-step MLflow windows, steps > {WARMUP}. "
-          f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(
+            f"| {r['name']} | {r['nproc']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {rss_s} | {diff_s} | {rel_s} |"
+        )
+    print(
+        f"\nstep ms: 1000 x {GLOBAL_BATCH} / train/samples_per_s of one-step MLflow windows, steps > {WARMUP}. "
+        f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 if __name__ == "__main__":

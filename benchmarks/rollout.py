@@ -43,21 +43,43 @@ def p99_ms(seconds: list[float]) -> str:
     return f"{np.percentile(seconds, 99) * 1e3:.1f}" if seconds else "-"
 
 
-def table(answers: list[fleet.Answer], moved: float, switched: dict[str, float], names: dict[str, str]) -> str:
+def table(
+    answers: list[fleet.Answer], moved: float, switched: dict[str, float], names: dict[str, str]
+) -> str:
     end = moved + max(switched.values(), default=0.0)
-    rows = [("replica", "converged s", "last v1 s", "v1 answers", "v2 answers", "failed",
-             "p99 before ms", "p99 during ms", "p99 after ms")]
+    rows = [
+        (
+            "replica",
+            "converged s",
+            "last v1 s",
+            "v1 answers",
+            "v2 answers",
+            "failed",
+            "p99 before ms",
+            "p99 during ms",
+            "p99 after ms",
+        )
+    ]
 
     def row(label: str, mine: list[fleet.Answer], converged: float | None) -> tuple:
         ok = [a for a in mine if a.status == 200]
-        last_old = max((a.done - moved for a in ok if a.version == "1" and a.done > moved), default=None)
-        phases = ([a.seconds for a in ok if a.done - a.seconds < moved],
-                  [a.seconds for a in ok if moved <= a.done - a.seconds < end],
-                  [a.seconds for a in ok if a.done - a.seconds >= end])
-        return (label, "-" if converged is None else f"{converged:.2f}",
-                "-" if last_old is None else f"{last_old:.2f}",
-                sum(a.version == "1" for a in ok), sum(a.version == "2" for a in ok), len(mine) - len(ok),
-                *(p99_ms(p) for p in phases))
+        last_old = max(
+            (a.done - moved for a in ok if a.version == "1" and a.done > moved), default=None
+        )
+        phases = (
+            [a.seconds for a in ok if a.done - a.seconds < moved],
+            [a.seconds for a in ok if moved <= a.done - a.seconds < end],
+            [a.seconds for a in ok if a.done - a.seconds >= end],
+        )
+        return (
+            label,
+            "-" if converged is None else f"{converged:.2f}",
+            "-" if last_old is None else f"{last_old:.2f}",
+            sum(a.version == "1" for a in ok),
+            sum(a.version == "2" for a in ok),
+            len(mine) - len(ok),
+            *(p99_ms(p) for p in phases),
+        )
 
     for replica, name in sorted(names.items(), key=lambda kv: kv[1]):
         rows.append(row(name, [a for a in answers if a.replica == replica], switched.get(replica)))
@@ -68,7 +90,9 @@ def table(answers: list[fleet.Answer], moved: float, switched: dict[str, float],
     return "\n".join(lines)
 
 
-def namespace_hosts(count: int, directory: Path, stack: contextlib.ExitStack) -> tuple[list | None, str | None]:
+def namespace_hosts(
+    count: int, directory: Path, stack: contextlib.ExitStack
+) -> tuple[list | None, str | None]:
     """`count` namespace hosts (tests/hosts.py) and the bridge's address in the root namespace, removed when
     `stack` closes; (None, None) where they can't be made."""
     reason = hosts.namespaces_unavailable()
@@ -84,14 +108,27 @@ def namespace_hosts(count: int, directory: Path, stack: contextlib.ExitStack) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8, help="client threads in a closed loop")
+    parser.add_argument(
+        "--concurrency", type=int, default=8, help="client threads in a closed loop"
+    )
     parser.add_argument("--reload-interval", type=float, default=2.0)
-    parser.add_argument("--before", type=float, default=5.0, help="seconds of load before the alias moves")
-    parser.add_argument("--after", type=float, default=5.0, help="seconds of load after every replica switched")
-    parser.add_argument("--no-nginx", action="store_true", help="client-side round robin instead of nginx")
-    parser.add_argument("--loopback", action="store_true", help="replicas on loopback, not on namespace hosts")
-    parser.add_argument("--sqlite", action="store_true",
-                        help="the registry as a SQLite file every replica opens, not an `mlflow server`")
+    parser.add_argument(
+        "--before", type=float, default=5.0, help="seconds of load before the alias moves"
+    )
+    parser.add_argument(
+        "--after", type=float, default=5.0, help="seconds of load after every replica switched"
+    )
+    parser.add_argument(
+        "--no-nginx", action="store_true", help="client-side round robin instead of nginx"
+    )
+    parser.add_argument(
+        "--loopback", action="store_true", help="replicas on loopback, not on namespace hosts"
+    )
+    parser.add_argument(
+        "--sqlite",
+        action="store_true",
+        help="the registry as a SQLite file every replica opens, not an `mlflow server`",
+    )
     args = parser.parse_args()
     if args.replicas < 1 or args.concurrency < 1:
         parser.error("--replicas and --concurrency must be at least 1")
@@ -102,15 +139,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         directory = Path(tmp)
         with contextlib.ExitStack() as stack:
-            machines, gateway = (None, None) if args.loopback else namespace_hosts(args.replicas, directory, stack)
+            machines, gateway = (
+                (None, None) if args.loopback else namespace_hosts(args.replicas, directory, stack)
+            )
             registry = directory / "registry"
             registry.mkdir()
             server = None
             if not args.sqlite:  # on the bridge's address, which every host reaches
-                server = stack.enter_context(fleet.tracking_server(registry, gateway or "127.0.0.1"))
+                server = stack.enter_context(
+                    fleet.tracking_server(registry, gateway or "127.0.0.1")
+                )
             tracking_uri = fleet.registered_versions(registry, 2, server)
-            servers = stack.enter_context(fleet.replicas(args.replicas, tracking_uri, directory, hosts=machines,
-                                                         reload_interval=args.reload_interval))
+            servers = stack.enter_context(
+                fleet.replicas(
+                    args.replicas,
+                    tracking_uri,
+                    directory,
+                    hosts=machines,
+                    reload_interval=args.reload_interval,
+                )
+            )
             urls = [s.url for s in servers]
             if use_nginx:  # nginx names the replica that answered in X-Upstream (host:port)
                 names = {u.removeprefix("http://"): f"replica-{i}" for i, u in enumerate(urls)}
@@ -126,12 +174,18 @@ def main() -> None:
             answers = load.snapshot()
     front = "nginx (round robin)" if use_nginx else "client-side round robin"
     where = "on loopback" if machines is None else "on namespace hosts"
-    store = "a SQLite registry file" if args.sqlite else "`mlflow server` (SQLite, proxied artifacts)"
-    print(f"\n{args.replicas} replicas {where} following {store}, behind {front}, concurrency {args.concurrency}, --reload-interval "
-          f"{args.reload_interval:g}; @champion 1 -> 2 after {args.before:g} s; {len(answers)} requests\n")
+    store = (
+        "a SQLite registry file" if args.sqlite else "`mlflow server` (SQLite, proxied artifacts)"
+    )
+    print(
+        f"\n{args.replicas} replicas {where} following {store}, behind {front}, concurrency {args.concurrency}, --reload-interval "
+        f"{args.reload_interval:g}; @champion 1 -> 2 after {args.before:g} s; {len(answers)} requests\n"
+    )
     print(table(answers, moved, switched, names))
-    print(f"\nfleet converged {max(switched.values()):.2f} s after the alias move; "
-          f"{len(fleet.failures(answers))} failed requests")
+    print(
+        f"\nfleet converged {max(switched.values()):.2f} s after the alias move; "
+        f"{len(fleet.failures(answers))} failed requests"
+    )
 
 
 if __name__ == "__main__":

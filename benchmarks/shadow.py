@@ -38,13 +38,24 @@ NAME = "resnet18-digits"
 
 
 def pipeline(args: list[str], cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def train_registry(work: Path) -> None:
-    common = ["run", "--config", str(ROOT / "configs/digits_resnet18.yaml"), "--nproc-per-node", "1",
-              "tracking.system_metrics=false"]
+    common = [
+        "run",
+        "--config",
+        str(ROOT / "configs/digits_resnet18.yaml"),
+        "--nproc-per-node",
+        "1",
+        "tracking.system_metrics=false",
+    ]
     pipeline([*common, "train.epochs=3", "train.run_name=champion"], work)
     pipeline([*common, "train.max_steps=3", "train.run_name=worse"], work)
 
@@ -53,8 +64,16 @@ def request_body(work: Path) -> bytes:
     from pipeline.datasets.digits import digits
 
     image = np.asarray(digits()["val"][0][0], dtype=np.float32)
-    body = {"inputs": [{"name": "input", "shape": [1, *image.shape], "datatype": "FP32",
-                        "data": image.reshape(-1).tolist()}]}
+    body = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": [1, *image.shape],
+                "datatype": "FP32",
+                "data": image.reshape(-1).tolist(),
+            }
+        ]
+    }
     import json
 
     path = work / "body.json"
@@ -67,7 +86,9 @@ def sequential(url: str, body: bytes, count: int) -> dict:
     times = []
     for _ in range(count):
         started = time.perf_counter()
-        answer = session.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+        answer = session.post(
+            url, data=body, headers={"Content-Type": "application/json"}, timeout=30
+        )
         times.append((time.perf_counter() - started) * 1e3)
         answer.raise_for_status()
     return {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99))}
@@ -82,20 +103,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of each saturation run")
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests per concurrency-1 run")
+    parser.add_argument(
+        "--requests", type=int, default=300, help="sequential requests per concurrency-1 run"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="trainserve-shadow-bench-") as tmp:
         work = Path(tmp)
         started = time.perf_counter()
         train_registry(work)
-        print(f"trained the champion and a worse challenger in {time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"trained the champion and a worse challenger in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
         body = request_body(work)
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
         plain_port, shadow_port = free_port(), free_port()
-        base = [sys.executable, "-m", "serving", "--model", f"models:/{NAME}@champion", "--threads", "1"]
-        plain = Server([*base, "--port", str(plain_port)], plain_port, "/v2/health/ready", work / "plain.log", env)
-        shadow = Server([*base, "--port", str(shadow_port), "--shadow", "1.0"], shadow_port, "/v2/health/ready",
-                        work / "shadow.log", env)
+        base = [
+            sys.executable,
+            "-m",
+            "serving",
+            "--model",
+            f"models:/{NAME}@champion",
+            "--threads",
+            "1",
+        ]
+        plain = Server(
+            [*base, "--port", str(plain_port)],
+            plain_port,
+            "/v2/health/ready",
+            work / "plain.log",
+            env,
+        )
+        shadow = Server(
+            [*base, "--port", str(shadow_port), "--shadow", "1.0"],
+            shadow_port,
+            "/v2/health/ready",
+            work / "shadow.log",
+            env,
+        )
         results: dict[str, dict[str, list[float]]] = {"plain": {}, "shadow": {}}
         mirrored = {"c1": [0, 0], "c32": [0, 0]}
         with plain, shadow:
@@ -109,27 +154,42 @@ def main(argv: list[str] | None = None) -> int:
                     many = wrk(url, work / "body.json", 32, args.seconds)
                     time.sleep(1.0)
                     after = shadow_counts(port) if label == "shadow" else (0, 0)
-                    for key, value in (("c1_p50", one["p50"]), ("c1_p99", one["p99"]), ("c32_rps", many["rps"]),
-                                       ("c32_p50", many["p50"]), ("c32_p99", many["p99"]),
-                                       ("errors", many["errors"])):
+                    for key, value in (
+                        ("c1_p50", one["p50"]),
+                        ("c1_p99", one["p99"]),
+                        ("c32_rps", many["rps"]),
+                        ("c32_p50", many["p50"]),
+                        ("c32_p99", many["p99"]),
+                        ("errors", many["errors"]),
+                    ):
                         results[label].setdefault(key, []).append(value)
                     if label == "shadow":
                         mirrored["c1"][0] += middle[0] - before[0]
                         mirrored["c1"][1] += middle[1] - before[1]
                         mirrored["c32"][0] += after[0] - middle[0]
                         mirrored["c32"][1] += after[1] - middle[1]
-        med = {label: {k: statistics.median(v) for k, v in r.items()} for label, r in results.items()}
-        print(f"\n| server | c=1 p50 ms | c=1 p99 ms | c=32 req/s | c=32 p50 ms | c=32 p99 ms | errors |")
+        med = {
+            label: {k: statistics.median(v) for k, v in r.items()} for label, r in results.items()
+        }
+        print(
+            "\n| server | c=1 p50 ms | c=1 p99 ms | c=32 req/s | c=32 p50 ms | c=32 p99 ms | errors |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|")
         for label, text in (("plain", "champion alone"), ("shadow", "champion with --shadow 1.0")):
             m = med[label]
-            print(f"| {text} | {m['c1_p50']:.2f} | {m['c1_p99']:.2f} | {m['c32_rps']:.1f} | {m['c32_p50']:.1f} | "
-                  f"{m['c32_p99']:.1f} | {m['errors']:.0f} |")
+            print(
+                f"| {text} | {m['c1_p50']:.2f} | {m['c1_p99']:.2f} | {m['c32_rps']:.1f} | {m['c32_p50']:.1f} | "
+                f"{m['c32_p99']:.1f} | {m['errors']:.0f} |"
+            )
         ratio = med["shadow"]["c32_rps"] / med["plain"]["c32_rps"]
-        print(f"\nshadow/plain at c=32: {ratio:.2f}x requests/s; c=1 p50 {med['shadow']['c1_p50']:.2f} vs "
-              f"{med['plain']['c1_p50']:.2f} ms")
-        print(f"mirrors at c=1: {mirrored['c1'][0]} paired, {mirrored['c1'][1]} shed; at c=32: {mirrored['c32'][0]} "
-              f"paired, {mirrored['c32'][1]} shed (over {args.rounds} rounds)")
+        print(
+            f"\nshadow/plain at c=32: {ratio:.2f}x requests/s; c=1 p50 {med['shadow']['c1_p50']:.2f} vs "
+            f"{med['plain']['c1_p50']:.2f} ms"
+        )
+        print(
+            f"mirrors at c=1: {mirrored['c1'][0]} paired, {mirrored['c1'][1]} shed; at c=32: {mirrored['c32'][0]} "
+            f"paired, {mirrored['c32'][1]} shed (over {args.rounds} rounds)"
+        )
     return 0
 
 

@@ -57,6 +57,7 @@ RESULT = "RESULT "
 
 # ---- the measured process ------------------------------------------------------------------------
 
+
 def rss_mb() -> float:
     import psutil
 
@@ -87,12 +88,17 @@ def worker_load(a) -> None:
             for g in range(len(shard.row_groups)):
                 group = reader.read_group(s, g)
                 n = len(group["id"])
-                x[at:at + n], y[at:at + n] = torch.from_numpy(group["input"]), torch.from_numpy(group["target"])
+                x[at : at + n], y[at : at + n] = (
+                    torch.from_numpy(group["input"]),
+                    torch.from_numpy(group["target"]),
+                )
                 at += n
                 del group
         reader.close()
         dataset = ImageTensors(x, y, list(stream.classes))
-    loader = make_train_loader(dataset, BATCH, 0, 1, seed=0, num_workers=a.workers, pin_memory=False)
+    loader = make_train_loader(
+        dataset, BATCH, 0, 1, seed=0, num_workers=a.workers, pin_memory=False
+    )
     set_epoch(loader, 0)
     before = rss_mb()
     samples = batches = 0
@@ -101,11 +107,17 @@ def worker_load(a) -> None:
         samples += len(target)
         batches += 1
     seconds = time.perf_counter() - t0
-    print(RESULT + json.dumps({"samples": samples, "batches": batches, "seconds": seconds, "before_mb": before}),
-          flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            {"samples": samples, "batches": batches, "seconds": seconds, "before_mb": before}
+        ),
+        flush=True,
+    )
 
 
 # ---- the driver ----------------------------------------------------------------------------------
+
 
 class TreeSampler(threading.Thread):
     """The largest summed RSS and PSS of a process and its descendants, sampled every `interval` s."""
@@ -144,10 +156,24 @@ class TreeSampler(threading.Thread):
 
 
 def measure(directory: Path, loader: str, workers: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--dir", str(directory), "--loader", loader,
-           "--workers", str(workers)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--dir",
+        str(directory),
+        "--loader",
+        loader,
+        "--workers",
+        str(workers),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     sampler = TreeSampler(proc.pid)
     sampler.start()
     out, err = proc.communicate()
@@ -155,10 +181,18 @@ def measure(directory: Path, loader: str, workers: int) -> dict:
     sampler.join()
     lines = [line for line in out.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}\n{err[-4000:]}")
-    res = json.loads(lines[-1][len(RESULT):])
-    return {**res, "peak_rss_mb": sampler.peak_rss / 2**20, "peak_pss_mb": sampler.peak_pss / 2**20,
-            "worker_uss_mb": sampler.peak_worker_uss / 2**20, "procs": sampler.peak_procs, "samples_per_s": res["samples"] / res["seconds"]}
+        raise SystemExit(
+            f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}\n{err[-4000:]}"
+        )
+    res = json.loads(lines[-1][len(RESULT) :])
+    return {
+        **res,
+        "peak_rss_mb": sampler.peak_rss / 2**20,
+        "peak_pss_mb": sampler.peak_pss / 2**20,
+        "worker_uss_mb": sampler.peak_worker_uss / 2**20,
+        "procs": sampler.peak_procs,
+        "samples_per_s": res["samples"] / res["seconds"],
+    }
 
 
 def write(directory: Path, gb: float) -> dict:
@@ -181,9 +215,13 @@ def write(directory: Path, gb: float) -> dict:
 
     t0 = time.perf_counter()
     manifest = write_split(samples(), str(directory), classes=[str(c) for c in range(CLASSES)])
-    return {"rows": manifest.rows, "shards": len(manifest.shards),
-            "groups": sum(len(s.row_groups) for s in manifest.shards),
-            "bytes": sum(s.bytes for s in manifest.shards), "seconds": time.perf_counter() - t0}
+    return {
+        "rows": manifest.rows,
+        "shards": len(manifest.shards),
+        "groups": sum(len(s.row_groups) for s in manifest.shards),
+        "bytes": sum(s.bytes for s in manifest.shards),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def load_now() -> str:
@@ -191,14 +229,25 @@ def load_now() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 0.05, 0.1 and 0.2 GB")
-    parser.add_argument("--gb", help="data sizes in GB on disk, comma-separated, ascending "
-                                     "(default 0.5,1,2; --quick 0.05,0.1,0.2)")
-    parser.add_argument("--memory-at", default="all", choices=["all", "smallest", "none"],
-                        help="the sizes the in-memory loader is measured at (its RSS holds the whole data set)")
+    parser.add_argument(
+        "--gb",
+        help="data sizes in GB on disk, comma-separated, ascending "
+        "(default 0.5,1,2; --quick 0.05,0.1,0.2)",
+    )
+    parser.add_argument(
+        "--memory-at",
+        default="all",
+        choices=["all", "smallest", "none"],
+        help="the sizes the in-memory loader is measured at (its RSS holds the whole data set)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes")
-    parser.add_argument("--tmp", help="where the temporary shards go (default: the system's temporary directory)")
+    parser.add_argument(
+        "--tmp", help="where the temporary shards go (default: the system's temporary directory)"
+    )
     # internal: the measured process
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -213,37 +262,59 @@ def main() -> None:
     tmp_parent = a.tmp or tempfile.gettempdir()
     free = shutil.disk_usage(tmp_parent).free
     if free < need + 2e9:
-        raise SystemExit(f"{tmp_parent} has {free / 1e9:.1f} GB free; the shards need {need / 1e9:.1f} GB (+2 GB spare)")
-    print(f"{os.cpu_count()} CPUs; samples 3x64x64 float32 ({SAMPLE_BYTES // 1024} KiB), batch {BATCH}, 1 rank, "
-          f"{a.workers} loader workers; load average at start {load_now()}" + (" (--quick)" if a.quick else ""))
+        raise SystemExit(
+            f"{tmp_parent} has {free / 1e9:.1f} GB free; the shards need {need / 1e9:.1f} GB (+2 GB spare)"
+        )
+    print(
+        f"{os.cpu_count()} CPUs; samples 3x64x64 float32 ({SAMPLE_BYTES // 1024} KiB), batch {BATCH}, 1 rank, "
+        f"{a.workers} loader workers; load average at start {load_now()}"
+        + (" (--quick)" if a.quick else "")
+    )
     rows = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="stream-data-", dir=tmp_parent) as tmp:
         for i, gb in enumerate(sizes):
             directory = Path(tmp) / f"split-{i}"
             info = write(directory, gb)
-            print(f"wrote {info['bytes'] / 1e9:.2f} GB: {info['rows']} samples, {info['shards']} shards, "
-                  f"{info['groups']} row groups, in {info['seconds']:.0f} s")
+            print(
+                f"wrote {info['bytes'] / 1e9:.2f} GB: {info['rows']} samples, {info['shards']} shards, "
+                f"{info['groups']} row groups, in {info['seconds']:.0f} s"
+            )
             loaders = ["stream"]
             if a.memory_at == "all" or (a.memory_at == "smallest" and i == 0):
                 loaders.append("memory")
             for loader in loaders:
                 l0 = load_now()
                 res = measure(directory, loader, a.workers)
-                rows.append({"gb": info["bytes"] / 1e9, "rows": info["rows"], "loader": loader, **res,
-                             "load": f"{l0} -> {load_now()}"})
+                rows.append(
+                    {
+                        "gb": info["bytes"] / 1e9,
+                        "rows": info["rows"],
+                        "loader": loader,
+                        **res,
+                        "load": f"{l0} -> {load_now()}",
+                    }
+                )
             shutil.rmtree(directory)  # one size on disk at a time
-    print(f"\n## one epoch, batch {BATCH}, {a.workers} workers   [total {time.perf_counter() - started:.0f} s, "
-          f"load average at end {load_now()}]")
-    print(f"{'data GB':>8} {'samples':>8} {'loader':<10} {'before MB':>10} {'peak RSS MB':>12} {'peak PSS MB':>12} "
-          f"{'worker USS MB':>13} {'samples/s':>10} {'procs':>6}  load")
+    print(
+        f"\n## one epoch, batch {BATCH}, {a.workers} workers   [total {time.perf_counter() - started:.0f} s, "
+        f"load average at end {load_now()}]"
+    )
+    print(
+        f"{'data GB':>8} {'samples':>8} {'loader':<10} {'before MB':>10} {'peak RSS MB':>12} {'peak PSS MB':>12} "
+        f"{'worker USS MB':>13} {'samples/s':>10} {'procs':>6}  load"
+    )
     for r in rows:
-        print(f"{r['gb']:>8.2f} {r['rows']:>8} {('in memory' if r['loader'] == 'memory' else 'stream'):<10} "
-              f"{r['before_mb']:>10.0f} {r['peak_rss_mb']:>12.0f} {r['peak_pss_mb']:>12.0f} "
-              f"{r['worker_uss_mb']:>13.0f} {r['samples_per_s']:>10.0f} {r['procs']:>6}  {r['load']}")
+        print(
+            f"{r['gb']:>8.2f} {r['rows']:>8} {('in memory' if r['loader'] == 'memory' else 'stream'):<10} "
+            f"{r['before_mb']:>10.0f} {r['peak_rss_mb']:>12.0f} {r['peak_pss_mb']:>12.0f} "
+            f"{r['worker_uss_mb']:>13.0f} {r['samples_per_s']:>10.0f} {r['procs']:>6}  {r['load']}"
+        )
     bad = [r for r in rows if r["samples"] != r["rows"] // BATCH * BATCH]
     for r in bad:
-        print(f"!! {r['loader']} at {r['gb']:.2f} GB read {r['samples']} samples, expected {r['rows'] // BATCH * BATCH}")
+        print(
+            f"!! {r['loader']} at {r['gb']:.2f} GB read {r['samples']} samples, expected {r['rows'] // BATCH * BATCH}"
+        )
     stream = [r for r in rows if r["loader"] == "stream"]
     if len(stream) >= 2:
         small, prev, large = stream[0], stream[-2], stream[-1]
@@ -252,22 +323,30 @@ def main() -> None:
         ok = growth <= allowed
         print()
         for a_, b_ in zip(stream, stream[1:]):
-            print(f"stream: data x{b_['gb'] / a_['gb']:.1f} ({a_['gb']:.2f} -> {b_['gb']:.2f} GB): peak PSS "
-                  f"{a_['peak_pss_mb']:.0f} -> {b_['peak_pss_mb']:.0f} MB ({b_['peak_pss_mb'] - a_['peak_pss_mb']:+.0f} MB)")
-        print(f"stream: the last doubling x{large['gb'] / prev['gb']:.1f} moved its peak PSS {growth:+.0f} MB (allowed "
-              f"{allowed:.0f}); from the smallest size x{large['gb'] / small['gb']:.1f}: "
-              f"{large['peak_pss_mb'] - small['peak_pss_mb']:+.0f} MB; the largest data set is "
-              f"{large['gb'] * 1e9 / 2**20 / large['peak_pss_mb']:.1f}x the tree's peak: "
-              + ("holds" if ok and not bad else "DOES NOT HOLD"))
+            print(
+                f"stream: data x{b_['gb'] / a_['gb']:.1f} ({a_['gb']:.2f} -> {b_['gb']:.2f} GB): peak PSS "
+                f"{a_['peak_pss_mb']:.0f} -> {b_['peak_pss_mb']:.0f} MB ({b_['peak_pss_mb'] - a_['peak_pss_mb']:+.0f} MB)"
+            )
+        print(
+            f"stream: the last doubling x{large['gb'] / prev['gb']:.1f} moved its peak PSS {growth:+.0f} MB (allowed "
+            f"{allowed:.0f}); from the smallest size x{large['gb'] / small['gb']:.1f}: "
+            f"{large['peak_pss_mb'] - small['peak_pss_mb']:+.0f} MB; the largest data set is "
+            f"{large['gb'] * 1e9 / 2**20 / large['peak_pss_mb']:.1f}x the tree's peak: "
+            + ("holds" if ok and not bad else "DOES NOT HOLD")
+        )
         memory = [r for r in rows if r["loader"] == "memory"]
         if len(memory) >= 2:
-            print(f"in memory: peak PSS {memory[0]['peak_pss_mb']:.0f} -> {memory[-1]['peak_pss_mb']:.0f} MB "
-                  f"({memory[-1]['peak_pss_mb'] - memory[0]['peak_pss_mb']:+.0f} MB)")
+            print(
+                f"in memory: peak PSS {memory[0]['peak_pss_mb']:.0f} -> {memory[-1]['peak_pss_mb']:.0f} MB "
+                f"({memory[-1]['peak_pss_mb'] - memory[0]['peak_pss_mb']:+.0f} MB)"
+            )
     for r in rows:
         if r["loader"] == "memory":
             s = next(x for x in stream if x["rows"] == r["rows"])
-            print(f"at {r['gb']:.2f} GB: stream / in memory samples/s {s['samples_per_s'] / r['samples_per_s']:.2f}, "
-                  f"peak PSS {s['peak_pss_mb'] / r['peak_pss_mb']:.2f}x")
+            print(
+                f"at {r['gb']:.2f} GB: stream / in memory samples/s {s['samples_per_s'] / r['samples_per_s']:.2f}, "
+                f"peak PSS {s['peak_pss_mb'] / r['peak_pss_mb']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ RESULT = "RESULT "
 
 # ---- pieces every worker uses ------------------------------------------------------------------
 
+
 def load_inputs(size: int):
     """The training set (in memory, batched by one index operation) of the built-in data set."""
     from pipeline.datasets import digits, synthetic
@@ -98,8 +99,16 @@ def build(train, width: float):
     """The built-in ResNet-18 with the arguments the training set suggests, as `pipeline train` builds it."""
     from pipeline.components.build import ModelSpec, instantiate_model
 
-    return instantiate_model(ModelSpec("pipeline.models:resnet18", {
-        "num_classes": len(train.classes), "width": width, **{k: train.model_args[k] for k in ("in_channels", "mean", "std")}}))
+    return instantiate_model(
+        ModelSpec(
+            "pipeline.models:resnet18",
+            {
+                "num_classes": len(train.classes),
+                "width": width,
+                **{k: train.model_args[k] for k in ("in_channels", "mean", "std")},
+            },
+        )
+    )
 
 
 def optim_cfg():
@@ -122,8 +131,15 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     optimizer = build_optimizer(model.parameters(), optim_cfg())
     scheduler = build_scheduler(optimizer, optim_cfg(), total_steps=10**9)
     scaler = amp.grad_scaler(precision, info.device)
-    loader = make_train_loader(splits, batch_per_rank, info.rank, info.world_size, seed=0,
-                               num_workers=num_workers, pin_memory=False)
+    loader = make_train_loader(
+        splits,
+        batch_per_rank,
+        info.rank,
+        info.world_size,
+        seed=0,
+        num_workers=num_workers,
+        pin_memory=False,
+    )
 
     def batches():
         epoch = 0
@@ -137,8 +153,17 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     def step_fn() -> float:
         nonlocal step
         step += 1
-        loss, _ = train_step(model, optimizer, scaler, next(it), info, precision, 0.0,
-                             want_norm=step % LOG_EVERY == 0, loss_fn=F.cross_entropy)
+        loss, _ = train_step(
+            model,
+            optimizer,
+            scaler,
+            next(it),
+            info,
+            precision,
+            0.0,
+            want_norm=step % LOG_EVERY == 0,
+            loss_fn=F.cross_entropy,
+        )
         scheduler.step()
         return loss
 
@@ -157,7 +182,7 @@ def bare_stepper(model, splits, precision: str, batch: int):
 
     def step_fn() -> torch.Tensor:
         nonlocal i
-        x, y = x_all[i * batch:(i + 1) * batch], y_all[i * batch:(i + 1) * batch]
+        x, y = x_all[i * batch : (i + 1) * batch], y_all[i * batch : (i + 1) * batch]
         i = (i + 1) % n
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -183,6 +208,7 @@ def emit(obj: dict) -> None:
 
 # ---- workers (each runs in its own process) ------------------------------------------------------
 
+
 def worker_loop(a) -> None:
     """Ours vs bare x fp32 vs bf16 in one process: blocks of steps in adjacent pairs (ours, bare),
     the order flipped every round, so that a burst of outside load hits both sides of a pair."""
@@ -196,14 +222,16 @@ def worker_loop(a) -> None:
     base = build(splits, a.width).train()
     steppers = {}
     for precision in ("fp32", "bf16"):
-        steppers[f"ours/{precision}"] = our_stepper(copy.deepcopy(base), splits, precision, info, BATCH)
+        steppers[f"ours/{precision}"] = our_stepper(
+            copy.deepcopy(base), splits, precision, info, BATCH
+        )
         steppers[f"bare/{precision}"] = bare_stepper(copy.deepcopy(base), splits, precision, BATCH)
     for name in steppers:
         timed(steppers[name], a.warmup)
     per_round = {name: [] for name in steppers}
     for r in range(a.rounds):
-        for precision in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")):
-            for who in (("ours", "bare") if (r // 2) % 2 == 0 else ("bare", "ours")):
+        for precision in ("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32"):
+            for who in ("ours", "bare") if (r // 2) % 2 == 0 else ("bare", "ours"):
                 name = f"{who}/{precision}"
                 per_round[name].append(a.steps * BATCH / timed(steppers[name], a.steps))
     final = {name: float(step_fn()) for name, step_fn in steppers.items()}
@@ -231,18 +259,24 @@ def worker_ddp(a) -> None:
         if info.is_main:
             emit({"ready": True, "ranks": info.world_size, "threads": torch.get_num_threads()})
         while True:
-            command = distributed.broadcast_object(sys.stdin.readline().split() if info.is_main else None, info)
+            command = distributed.broadcast_object(
+                sys.stdin.readline().split() if info.is_main else None, info
+            )
             if not command or command[0] != "run":
                 break
             distributed.barrier(info)
-            elapsed = timed(step_fn, int(command[1]))  # DDP all-reduces every step: the ranks stay in lockstep
+            elapsed = timed(
+                step_fn, int(command[1])
+            )  # DDP all-reduces every step: the ranks stay in lockstep
             if info.is_main:
                 emit({"samples_per_s": int(command[1]) * BATCH / elapsed})
     finally:
         # DDP's reducer holds the group: drop it (and the stepper that holds it) first, or gloo's
         # destructor can hang the rank at exit (see pipeline.train.main).
         model = step_fn = None  # noqa: F841
-        distributed.teardown(clean=sys.exc_info()[0] is None)  # never wait for peers on an error path
+        distributed.teardown(
+            clean=sys.exc_info()[0] is None
+        )  # never wait for peers on an error path
 
 
 def write_shards(splits, directory: str):
@@ -250,8 +284,12 @@ def write_shards(splits, directory: str):
     from pipeline.shards.format import write_split
     from pipeline.shards.stream import ShardedStream
 
-    write_split(((i, splits.x[i], splits.y[i]) for i in range(len(splits))), directory,
-                classes=list(splits.classes), model_args=dict(splits.model_args))
+    write_split(
+        ((i, splits.x[i], splits.y[i]) for i in range(len(splits))),
+        directory,
+        classes=list(splits.classes),
+        model_args=dict(splits.model_args),
+    )
     return ShardedStream(directory)
 
 
@@ -269,21 +307,32 @@ def worker_stream(a) -> None:
     base = build(splits, a.width).train()
     steppers = {}
     for workers in a.loader_workers:
-        steppers[f"memory/{workers}"] = our_stepper(copy.deepcopy(base), splits, "fp32", info, BATCH, workers)
-        steppers[f"stream/{workers}"] = our_stepper(copy.deepcopy(base), stream, "fp32", info, BATCH, workers)
+        steppers[f"memory/{workers}"] = our_stepper(
+            copy.deepcopy(base), splits, "fp32", info, BATCH, workers
+        )
+        steppers[f"stream/{workers}"] = our_stepper(
+            copy.deepcopy(base), stream, "fp32", info, BATCH, workers
+        )
     for name in steppers:
         timed(steppers[name], a.warmup)
     per_round = {name: [] for name in steppers}
     for r in range(a.rounds):
         order = a.loader_workers if r % 2 == 0 else a.loader_workers[::-1]
         for workers in order:
-            for who in (("memory", "stream") if (r // 2) % 2 == 0 else ("stream", "memory")):
+            for who in ("memory", "stream") if (r // 2) % 2 == 0 else ("stream", "memory"):
                 name = f"{who}/{workers}"
                 per_round[name].append(a.steps * BATCH / timed(steppers[name], a.steps))
     final = {name: float(step_fn()) for name, step_fn in steppers.items()}
-    emit({"samples_per_s": per_round, "threads": torch.get_num_threads(), "final_loss": final,
-          "samples": len(splits), "shard_rows": len(stream),
-          "row_groups": sum(len(s.row_groups) for s in stream.manifest.shards)})
+    emit(
+        {
+            "samples_per_s": per_round,
+            "threads": torch.get_num_threads(),
+            "final_loss": final,
+            "samples": len(splits),
+            "shard_rows": len(stream),
+            "row_groups": sum(len(s.row_groups) for s in stream.manifest.shards),
+        }
+    )
 
 
 def worker_stage(a) -> None:
@@ -296,18 +345,37 @@ def worker_stage(a) -> None:
 
     def stage() -> list[float]:
         spec = INPUTS[a.size]
-        data_args = ["data.args.size=28", "data.args.samples=1024"] if spec["data"] == "synthetic" else []
-        overrides = [f"data.name={spec['data']}", *data_args,
-                     "model.name=resnet18", f"model.args.width={a.width}", "optim.name=sgd", f"optim.lr={LR}",
-                     "optim.schedule=constant", "train.device=cpu", "train.precision=fp32",
-                     f"train.global_batch_size={BATCH}", f"train.max_steps={a.steps}", f"train.log_every={a.warmup}",
-                     f"train.eval_every={10**6}", "train.consistency_every=0", f"train.output_dir={a.workdir}/outputs",
-                     f"train.run_name=bench-{a.size}-{time.time_ns()}", "checkpoint.every_n_steps=0",
-                     "checkpoint.log_to_mlflow=none", f"tracking.tracking_uri=sqlite:///{a.workdir}/mlflow.db",
-                     "tracking.experiment=train-throughput", "tracking.system_metrics=false"]
+        data_args = (
+            ["data.args.size=28", "data.args.samples=1024"] if spec["data"] == "synthetic" else []
+        )
+        overrides = [
+            f"data.name={spec['data']}",
+            *data_args,
+            "model.name=resnet18",
+            f"model.args.width={a.width}",
+            "optim.name=sgd",
+            f"optim.lr={LR}",
+            "optim.schedule=constant",
+            "train.device=cpu",
+            "train.precision=fp32",
+            f"train.global_batch_size={BATCH}",
+            f"train.max_steps={a.steps}",
+            f"train.log_every={a.warmup}",
+            f"train.eval_every={10**6}",
+            "train.consistency_every=0",
+            f"train.output_dir={a.workdir}/outputs",
+            f"train.run_name=bench-{a.size}-{time.time_ns()}",
+            "checkpoint.every_n_steps=0",
+            "checkpoint.log_to_mlflow=none",
+            f"tracking.tracking_uri=sqlite:///{a.workdir}/mlflow.db",
+            "tracking.experiment=train-throughput",
+            "tracking.system_metrics=false",
+        ]
         result = main(load_config(None, overrides))
         history = mlflow.MlflowClient().get_metric_history(result.run_id, "train/samples_per_s")
-        return [m.value for m in sorted(history, key=lambda m: m.step)][1:]  # the first window holds the warm-up
+        return [m.value for m in sorted(history, key=lambda m: m.step)][
+            1:
+        ]  # the first window holds the warm-up
 
     def bare() -> list[float]:
         splits = load_inputs(a.size)
@@ -317,7 +385,7 @@ def worker_stage(a) -> None:
         return windows[1:]
 
     out = {}
-    for name in (("bare", "stage") if a.bare_first else ("stage", "bare")):
+    for name in ("bare", "stage") if a.bare_first else ("stage", "bare"):
         out[name] = statistics.median((bare if name == "bare" else stage)())
         out[f"{name}_threads"] = torch.get_num_threads()
     emit(out)
@@ -325,12 +393,15 @@ def worker_stage(a) -> None:
 
 # ---- the driver ----------------------------------------------------------------------------------
 
+
 def run_worker(cmd: list[str], env: dict, cwd: Path | None = None) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+        raise SystemExit(
+            f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def me(*args) -> list[str]:
@@ -351,23 +422,80 @@ def load_now() -> str:
 
 def section_loop(size: int, plan, width: float, threads: int, env: dict) -> dict:
     warmup, steps, rounds = plan
-    return run_worker(me("--worker", "loop", "--size", size, "--width", width, "--threads", threads,
-                         "--warmup", warmup, "--steps", steps, "--rounds", rounds), env)
+    return run_worker(
+        me(
+            "--worker",
+            "loop",
+            "--size",
+            size,
+            "--width",
+            width,
+            "--threads",
+            threads,
+            "--warmup",
+            warmup,
+            "--steps",
+            steps,
+            "--rounds",
+            rounds,
+        ),
+        env,
+    )
 
 
-def section_stream(size: int, plan, width: float, threads: int, workers: str, env: dict, workdir: Path) -> dict:
+def section_stream(
+    size: int, plan, width: float, threads: int, workers: str, env: dict, workdir: Path
+) -> dict:
     warmup, steps, rounds = plan
-    return run_worker(me("--worker", "stream", "--size", size, "--width", width, "--threads", threads,
-                         "--warmup", warmup, "--steps", steps, "--rounds", rounds, "--workdir", workdir,
-                         "--loader-workers", workers), env)
+    return run_worker(
+        me(
+            "--worker",
+            "stream",
+            "--size",
+            size,
+            "--width",
+            width,
+            "--threads",
+            threads,
+            "--warmup",
+            warmup,
+            "--steps",
+            steps,
+            "--rounds",
+            rounds,
+            "--workdir",
+            workdir,
+            "--loader-workers",
+            workers,
+        ),
+        env,
+    )
 
 
 def section_stage(size: int, plan, width: float, env: dict, workdir: Path) -> list[dict]:
     max_steps, log_every, rounds = plan
-    return [run_worker(me("--worker", "stage", "--size", size, "--width", width, "--steps", max_steps,
-                          "--warmup", log_every, "--workdir", workdir, *(["--bare-first"] if r % 2 else [])),
-                       env, cwd=workdir)
-            for r in range(rounds)]
+    return [
+        run_worker(
+            me(
+                "--worker",
+                "stage",
+                "--size",
+                size,
+                "--width",
+                width,
+                "--steps",
+                max_steps,
+                "--warmup",
+                log_every,
+                "--workdir",
+                workdir,
+                *(["--bare-first"] if r % 2 else []),
+            ),
+            env,
+            cwd=workdir,
+        )
+        for r in range(rounds)
+    ]
 
 
 class Worker:
@@ -377,15 +505,25 @@ class Worker:
         self.cmd = cmd
         self.err = tempfile.TemporaryFile(mode="w+")
         # Its own session: torchrun and its ranks can be ended together, by this group's id only.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                     text=True, env=env, bufsize=1, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env=env,
+            bufsize=1,
+            start_new_session=True,
+        )
 
     def result(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith(RESULT):
-                return json.loads(line[len(RESULT):])
+                return json.loads(line[len(RESULT) :])
         self.err.seek(0)
-        raise SystemExit(f"worker exited ({self.proc.wait()}): {' '.join(self.cmd)}\n{self.err.read()[-4000:]}")
+        raise SystemExit(
+            f"worker exited ({self.proc.wait()}): {' '.join(self.cmd)}\n{self.err.read()[-4000:]}"
+        )
 
     def run(self, steps: int) -> float:
         self.proc.stdin.write(f"run {steps}\n")
@@ -399,7 +537,9 @@ class Worker:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this worker started, ranks included
+                os.killpg(
+                    self.proc.pid, signal.SIGKILL
+                )  # the group this worker started, ranks included
                 self.proc.wait()
         self.err.close()
 
@@ -407,12 +547,30 @@ class Worker:
 def section_ddp(size: int, plan, width: float, precision: str, env: dict) -> dict:
     """All three configurations start (and warm up) one after another, then take turns."""
     warmup, steps, rounds = plan
-    common = ["--worker", "ddp", "--size", size, "--width", width, "--warmup", warmup, "--precision", precision]
+    common = [
+        "--worker",
+        "ddp",
+        "--size",
+        size,
+        "--width",
+        width,
+        "--warmup",
+        warmup,
+        "--precision",
+        precision,
+    ]
     configs = {
         "1 proc x 1 thread": me(*common, "--threads", 1),
         "1 proc x 2 threads": me(*common, "--threads", 2),
-        "2 procs x 1 thread (DDP)": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     "--nproc-per-node", "2", *me(*common, "--threads", 1)[1:]],
+        "2 procs x 1 thread (DDP)": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *me(*common, "--threads", 1)[1:],
+        ],
     }
     workers: dict[str, Worker] = {}
     try:
@@ -425,7 +583,7 @@ def section_ddp(size: int, plan, width: float, precision: str, env: dict) -> dic
         names = list(configs)
         out = {n: [] for n in names}
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 out[name].append(workers[name].run(steps))
         return out
     finally:
@@ -434,21 +592,41 @@ def section_ddp(size: int, plan, width: float, precision: str, env: dict) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, one or two rounds")
-    parser.add_argument("--sizes", default="8,28", help="input sizes to measure: 8 (digits) and/or 28")
-    parser.add_argument("--sections", default="loop,stage,ddp,stream",
-                        help="which of loop,stage,ddp,stream to run")
-    parser.add_argument("--loop-threads", default="2,1",
-                        help="torch threads of the loop section, comma-separated: 2 is what one process uses "
-                             "on 2 cores; 1 (what each DDP rank uses) holds up better when others load the machine")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: few steps, one or two rounds"
+    )
+    parser.add_argument(
+        "--sizes", default="8,28", help="input sizes to measure: 8 (digits) and/or 28"
+    )
+    parser.add_argument(
+        "--sections", default="loop,stage,ddp,stream", help="which of loop,stage,ddp,stream to run"
+    )
+    parser.add_argument(
+        "--loop-threads",
+        default="2,1",
+        help="torch threads of the loop section, comma-separated: 2 is what one process uses "
+        "on 2 cores; 1 (what each DDP rank uses) holds up better when others load the machine",
+    )
     parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--stream-workers", default="0,2", help="loader workers of the stream section, comma-separated")
-    parser.add_argument("--stream-threads", type=int, default=1, help="torch threads of the stream section")
+    parser.add_argument(
+        "--stream-workers",
+        default="0,2",
+        help="loader workers of the stream section, comma-separated",
+    )
+    parser.add_argument(
+        "--stream-threads", type=int, default=1, help="torch threads of the stream section"
+    )
     # internal: what a worker process runs
-    parser.add_argument("--worker", choices=["loop", "ddp", "stage", "stream"], help=argparse.SUPPRESS)
-    parser.add_argument("--loader-workers", type=lambda v: [int(w) for w in v.split(",")], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["loop", "ddp", "stage", "stream"], help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--loader-workers", type=lambda v: [int(w) for w in v.split(",")], help=argparse.SUPPRESS
+    )
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
@@ -459,7 +637,9 @@ def main() -> None:
     parser.add_argument("--bare-first", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.worker:
-        {"loop": worker_loop, "ddp": worker_ddp, "stage": worker_stage, "stream": worker_stream}[a.worker](a)
+        {"loop": worker_loop, "ddp": worker_ddp, "stage": worker_stage, "stream": worker_stream}[
+            a.worker
+        ](a)
         return
 
     import torch
@@ -473,10 +653,14 @@ def main() -> None:
     # torchrun would set OMP_NUM_THREADS=1 with a warning; every worker sets its threads itself.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     auto = amp.resolve_precision("auto", torch.device("cpu"))
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, avx512_bf16={torch.cpu._is_avx512_bf16_supported()} "
-          f"amx={torch.cpu._is_amx_tile_supported()}: precision auto -> {auto}")
-    print(f"global batch {BATCH}, SGD nesterov lr {LR}; load average at start {load_now()}"
-          + (" (--quick: too few steps to trust)" if a.quick else ""))
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, avx512_bf16={torch.cpu._is_avx512_bf16_supported()} "
+        f"amx={torch.cpu._is_amx_tile_supported()}: precision auto -> {auto}"
+    )
+    print(
+        f"global batch {BATCH}, SGD nesterov lr {LR}; load average at start {load_now()}"
+        + (" (--quick: too few steps to trust)" if a.quick else "")
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="train-throughput-") as tmp:
         for size in sizes:
@@ -491,11 +675,26 @@ def main() -> None:
             if "ddp" in sections:
                 t0, l0 = time.perf_counter(), load_now()
                 res = section_ddp(size, plan["ddp"][size], width[size], a.ddp_precision, env)
-                print_ddp(size, width[size], a.ddp_precision, res, l0, load_now(), time.perf_counter() - t0)
+                print_ddp(
+                    size,
+                    width[size],
+                    a.ddp_precision,
+                    res,
+                    l0,
+                    load_now(),
+                    time.perf_counter() - t0,
+                )
             if "stream" in sections:
                 t0, l0 = time.perf_counter(), load_now()
-                res = section_stream(size, plan["stream"][size], width[size], a.stream_threads, a.stream_workers,
-                                     env, Path(tmp))
+                res = section_stream(
+                    size,
+                    plan["stream"][size],
+                    width[size],
+                    a.stream_threads,
+                    a.stream_workers,
+                    env,
+                    Path(tmp),
+                )
                 print_stream(size, width[size], res, l0, load_now(), time.perf_counter() - t0)
     print(f"\ntotal {time.perf_counter() - started:.0f} s; load average at end {load_now()}")
 
@@ -508,61 +707,101 @@ def header(title: str, l0: str, l1: str, seconds: float) -> None:
     print(f"\n## {title}   [load {l0} -> {l1}, {seconds:.0f} s]")
 
 
-def print_loop(size: int, width: float, res: dict, l0: str, l1: str, seconds: float, auto: str) -> None:
+def print_loop(
+    size: int, width: float, res: dict, l0: str, l1: str, seconds: float, auto: str
+) -> None:
     sps = res["samples_per_s"]
     rounds = len(next(iter(sps.values())))
-    header(f"loop, {label(size, width)}, 1 process x {res['threads']} threads, {rounds} rounds", l0, l1, seconds)
-    print(f"{'loop':<6} {'precision':<10} {'samples/s':>10} {'range':>10} {'ours/bare':>10} {'bf16/fp32':>10}")
+    header(
+        f"loop, {label(size, width)}, 1 process x {res['threads']} threads, {rounds} rounds",
+        l0,
+        l1,
+        seconds,
+    )
+    print(
+        f"{'loop':<6} {'precision':<10} {'samples/s':>10} {'range':>10} {'ours/bare':>10} {'bf16/fp32':>10}"
+    )
     for who in ("bare", "ours"):
         for precision in ("fp32", "bf16"):
             v = sps[f"{who}/{precision}"]
             ratio = med([o / b for o, b in zip(sps[f"ours/{precision}"], sps[f"bare/{precision}"])])
             bf = med([b / f for b, f in zip(sps[f"{who}/bf16"], sps[f"{who}/fp32"])])
-            print(f"{who:<6} {precision:<10} {med(v):>10.1f} {spread(v):>10} "
-                  f"{(f'{ratio:.3f}' if who == 'ours' else ''):>10} {(f'{bf:.2f}' if precision == 'bf16' else ''):>10}")
+            print(
+                f"{who:<6} {precision:<10} {med(v):>10.1f} {spread(v):>10} "
+                f"{(f'{ratio:.3f}' if who == 'ours' else ''):>10} {(f'{bf:.2f}' if precision == 'bf16' else ''):>10}"
+            )
     bf = med([b / f for b, f in zip(sps["ours/bf16"], sps["ours/fp32"])])
     faster = "bf16" if bf > 1 else "fp32"
-    print(f"precision auto picks {auto} here; the faster one at this size is {faster} ({bf:.2f}x)"
-          + ("" if auto == faster else "  <-- auto picks the slower one"))
+    print(
+        f"precision auto picks {auto} here; the faster one at this size is {faster} ({bf:.2f}x)"
+        + ("" if auto == faster else "  <-- auto picks the slower one")
+    )
 
 
-def print_stage(size: int, width: float, rounds: list[dict], l0: str, l1: str, seconds: float) -> None:
-    header(f"`pipeline train` stage vs bare, {label(size, width)}, fp32, {len(rounds)} rounds", l0, l1, seconds)
+def print_stage(
+    size: int, width: float, rounds: list[dict], l0: str, l1: str, seconds: float
+) -> None:
+    header(
+        f"`pipeline train` stage vs bare, {label(size, width)}, fp32, {len(rounds)} rounds",
+        l0,
+        l1,
+        seconds,
+    )
     stage, bare = [r["stage"] for r in rounds], [r["bare"] for r in rounds]
     print(f"{'loop':<28} {'samples/s':>10} {'range':>10} {'vs bare':>10}")
     print(f"{'bare':<28} {med(bare):>10.1f} {spread(bare):>10}")
-    print(f"{'pipeline.train.main (MLflow)':<28} {med(stage):>10.1f} {spread(stage):>10} "
-          f"{med([s / b for s, b in zip(stage, bare)]):>10.3f}")
+    print(
+        f"{'pipeline.train.main (MLflow)':<28} {med(stage):>10.1f} {spread(stage):>10} "
+        f"{med([s / b for s, b in zip(stage, bare)]):>10.3f}"
+    )
     print(f"threads: stage {rounds[0]['stage_threads']}, bare {rounds[0]['bare_threads']}")
 
 
-def print_ddp(size: int, width: float, precision: str, res: dict, l0: str, l1: str, seconds: float) -> None:
+def print_ddp(
+    size: int, width: float, precision: str, res: dict, l0: str, l1: str, seconds: float
+) -> None:
     rounds = len(next(iter(res.values())))
-    header(f"DDP (gloo) vs 1 process, our loop, {label(size, width)}, {precision}, {rounds} rounds",
-           l0, l1, seconds)
+    header(
+        f"DDP (gloo) vs 1 process, our loop, {label(size, width)}, {precision}, {rounds} rounds",
+        l0,
+        l1,
+        seconds,
+    )
     one = res["1 proc x 1 thread"]
     print(f"{'configuration':<26} {'samples/s':>10} {'range':>10} {'vs 1x1':>8}")
     for name, v in res.items():
-        print(f"{name:<26} {med(v):>10.1f} {spread(v):>10} {med([x / o for x, o in zip(v, one)]):>8.2f}")
+        print(
+            f"{name:<26} {med(v):>10.1f} {spread(v):>10} {med([x / o for x, o in zip(v, one)]):>8.2f}"
+        )
     two = res["2 procs x 1 thread (DDP)"]
     eff = med([d / (2 * o) for d, o in zip(two, one)])
     vs2t = med([d / t for d, t in zip(two, res["1 proc x 2 threads"])])
-    print(f"scaling efficiency 2 procs / (2 x 1 proc x 1 thread): {eff:.2f}; 2 procs / 1 proc x 2 threads: {vs2t:.2f}")
-
+    print(
+        f"scaling efficiency 2 procs / (2 x 1 proc x 1 thread): {eff:.2f}; 2 procs / 1 proc x 2 threads: {vs2t:.2f}"
+    )
 
 
 def print_stream(size: int, width: float, res: dict, l0: str, l1: str, seconds: float) -> None:
     sps = res["samples_per_s"]
     rounds = len(next(iter(sps.values())))
-    header(f"stream vs memory, our loop, {label(size, width)}, fp32, 1 process x {res['threads']} threads, "
-           f"{rounds} rounds", l0, l1, seconds)
-    print(f"{res['samples']} samples in memory; as shards: {res['shard_rows']} rows in {res['row_groups']} row groups")
+    header(
+        f"stream vs memory, our loop, {label(size, width)}, fp32, 1 process x {res['threads']} threads, "
+        f"{rounds} rounds",
+        l0,
+        l1,
+        seconds,
+    )
+    print(
+        f"{res['samples']} samples in memory; as shards: {res['shard_rows']} rows in {res['row_groups']} row groups"
+    )
     print(f"{'data':<8} {'workers':>7} {'samples/s':>10} {'range':>12} {'stream/memory':>14}")
-    for workers in sorted({name.split('/')[1] for name in sps}, key=int):
+    for workers in sorted({name.split("/")[1] for name in sps}, key=int):
         for who in ("memory", "stream"):
             v = sps[f"{who}/{workers}"]
             ratio = med([s / m for s, m in zip(sps[f"stream/{workers}"], sps[f"memory/{workers}"])])
-            verdict = f"{ratio:.3f} {'ok' if ratio >= 0.95 else '< 0.95'}" if who == "stream" else ""
+            verdict = (
+                f"{ratio:.3f} {'ok' if ratio >= 0.95 else '< 0.95'}" if who == "stream" else ""
+            )
             print(f"{who:<8} {workers:>7} {med(v):>10.1f} {spread(v):>12} {verdict:>14}")
 
 

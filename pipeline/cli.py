@@ -13,16 +13,40 @@ import logging
 import sys
 
 STAGES = {
-    "train": ("pipeline.train", "train a model under torchrun (DDP or FSDP, AMP), tracked in MLflow"),
+    "train": (
+        "pipeline.train",
+        "train a model under torchrun (DDP or FSDP, AMP), tracked in MLflow",
+    ),
     "consolidate": ("pipeline.consolidate", "sharded DCP checkpoint -> one model.safetensors"),
-    "export": ("pipeline.export", "model.safetensors -> model.onnx behind parity and accuracy gates; register it"),
-    "serve": ("pipeline.serve", "serve an ONNX model over HTTP with onnxruntime (delegates to `python -m serving`)"),
-    "run": ("pipeline.run", "every stage in order for one config: train, consolidate, export, [serve]"),
-    "verify": ("pipeline.verify", "re-prove a registered model's chain: registry, ONNX, weights, checkpoint, gates, server"),
-    "promote": ("pipeline.promote", "move @champion to the @challenger a server's shadow comparison says to promote"),
-    "trace": ("pipeline.trace", "walk a logged request (its request id) back to the model version, run and data"),
+    "export": (
+        "pipeline.export",
+        "model.safetensors -> model.onnx behind parity and accuracy gates; register it",
+    ),
+    "serve": (
+        "pipeline.serve",
+        "serve an ONNX model over HTTP with onnxruntime (delegates to `python -m serving`)",
+    ),
+    "run": (
+        "pipeline.run",
+        "every stage in order for one config: train, consolidate, export, [serve]",
+    ),
+    "verify": (
+        "pipeline.verify",
+        "re-prove a registered model's chain: registry, ONNX, weights, checkpoint, gates, server",
+    ),
+    "promote": (
+        "pipeline.promote",
+        "move @champion to the @challenger a server's shadow comparison says to promote",
+    ),
+    "trace": (
+        "pipeline.trace",
+        "walk a logged request (its request id) back to the model version, run and data",
+    ),
     "ui": ("pipeline.ui", "the MLflow UI over the store the stages write to"),
-    "data": ("pipeline.data_cli", "write a config's data as Parquet shards with a manifest, to train from as a stream"),
+    "data": (
+        "pipeline.data_cli",
+        "write a config's data as Parquet shards with a manifest, to train from as a stream",
+    ),
     "config": ("pipeline.config_cli", "print the resolved config, or every field with its meaning"),
 }
 
@@ -30,7 +54,11 @@ log = logging.getLogger("pipeline")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeline", allow_abbrev=False, description="trainserve: train -> consolidate -> export -> serve")
+    parser = argparse.ArgumentParser(
+        prog="pipeline",
+        allow_abbrev=False,
+        description="trainserve: train -> consolidate -> export -> serve",
+    )
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for name, (_, help_text) in STAGES.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -43,17 +71,28 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
-            print(f"pipeline: unknown stage '{argv[0]}'; choose from {', '.join(STAGES)}", file=sys.stderr)
+            print(
+                f"pipeline: unknown stage '{argv[0]}'; choose from {', '.join(STAGES)}",
+                file=sys.stderr,
+            )
             return 2
         parser.print_help()
         return 0
     stage, rest = argv[0], argv[1:]
     module = importlib.import_module(STAGES[stage][0])
-    parser = argparse.ArgumentParser(prog=f"pipeline {stage}", allow_abbrev=False, description=STAGES[stage][1])
+    parser = argparse.ArgumentParser(
+        prog=f"pipeline {stage}", allow_abbrev=False, description=STAGES[stage][1]
+    )
     module.add_arguments(parser)
-    if "--verbose" not in parser._option_string_actions:  # `pipeline serve` has its own, the server's
-        parser.add_argument("--verbose", action="store_true", help="let the libraries (MLflow, torch's exporter, "
-                            "onnxruntime) speak for themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]")
+    if (
+        "--verbose" not in parser._option_string_actions
+    ):  # `pipeline serve` has its own, the server's
+        parser.add_argument(
+            "--verbose",
+            action="store_true",
+            help="let the libraries (MLflow, torch's exporter, "
+            "onnxruntime) speak for themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]",
+        )
     args = parser.parse_intermixed_args(rest)
     from serving.console import set_verbose
 

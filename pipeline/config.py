@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.errors import ConfigError  # noqa: F401 - raised here, defined with the others
 from pipeline.tasks import TASKS, task_class
 
-
 DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
 
 
@@ -30,12 +29,17 @@ class Section(BaseModel):
 
 # `model.name` / `data.name` shorthands for the built-in components (pipeline/models, pipeline/datasets).
 BUILTIN_MODELS = {"resnet18": "pipeline.models:resnet18", "mlp": "pipeline.models:mlp"}
-BUILTIN_DATA = {"digits": "pipeline.datasets:digits", "fashion_mnist": "pipeline.datasets:fashion_mnist",
-                "synthetic": "pipeline.datasets:synthetic", "sharded": "pipeline.datasets:sharded"}
+BUILTIN_DATA = {
+    "digits": "pipeline.datasets:digits",
+    "fashion_mnist": "pipeline.datasets:fashion_mnist",
+    "synthetic": "pipeline.datasets:synthetic",
+    "sharded": "pipeline.datasets:sharded",
+}
 
 
 class ComponentSection(Section):
     """A `component: "module.path:attribute"` reference and the keyword `args` it is called with."""
+
     KEY: ClassVar[str] = ""
 
     @field_validator("component", check_fields=False)
@@ -54,8 +58,10 @@ def _shorthand(data: Any, key: str, builtin: dict[str, str]) -> Any:
         return data  # an unknown name is refused by the field's Literal, with the allowed ones
     wanted = builtin[data["name"]]
     if data.get("component") not in (None, wanted):
-        raise ValueError(f"{key}.name={data['name']} means {key}.component={wanted}, but {key}.component="
-                         f"{data['component']} is set too; keep one of them")
+        raise ValueError(
+            f"{key}.name={data['name']} means {key}.component={wanted}, but {key}.component="
+            f"{data['component']} is set too; keep one of them"
+        )
     return {**data, "component": wanted}
 
 
@@ -63,12 +69,21 @@ class DataConfig(ComponentSection):
     KEY: ClassVar[str] = "data"
     component: str = Field(
         "pipeline.datasets:digits",
-        description="'module.path:attribute' of a callable(**args) -> {'train': Dataset, 'val': Dataset}.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the data component.")
+        description="'module.path:attribute' of a callable(**args) -> {'train': Dataset, 'val': Dataset}.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the data component."
+    )
     name: Literal["digits", "fashion_mnist", "synthetic", "sharded"] | None = Field(
-        None, description="Shorthand for a built-in data set: digits (offline), fashion_mnist (IDX files in args.path), "
-                          "synthetic, sharded (Parquet shards `pipeline data shard` wrote, in args.root: streamed).")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank (0 = load in the training process).")
+        None,
+        description="Shorthand for a built-in data set: digits (offline), fashion_mnist (IDX files in args.path), "
+        "synthetic, sharded (Parquet shards `pipeline data shard` wrote, in args.root: streamed).",
+    )
+    num_workers: int = Field(
+        0,
+        ge=0,
+        description="DataLoader worker processes per rank (0 = load in the training process).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -79,11 +94,17 @@ class DataConfig(ComponentSection):
 class ModelConfig(ComponentSection):
     KEY: ClassVar[str] = "model"
     component: str = Field(
-        "pipeline.models:resnet18", description="'module.path:attribute' of a callable(**args) -> torch.nn.Module.")
+        "pipeline.models:resnet18",
+        description="'module.path:attribute' of a callable(**args) -> torch.nn.Module.",
+    )
     args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the model; those it takes and args omits come "
-                                          "from the training set (num_classes from `classes`, its `model_args`).")
-    name: Literal["resnet18", "mlp"] | None = Field(None, description="Shorthand for a built-in model: resnet18, mlp.")
+        default_factory=dict,
+        description="Keyword arguments for the model; those it takes and args omits come "
+        "from the training set (num_classes from `classes`, its `model_args`).",
+    )
+    name: Literal["resnet18", "mlp"] | None = Field(
+        None, description="Shorthand for a built-in model: resnet18, mlp."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -92,8 +113,10 @@ class ModelConfig(ComponentSection):
 
 
 class ComponentConfig(ComponentSection):
-    component: str = Field(description="'module.path:attribute': a class (instantiated with args) or a function "
-                                       "(called with args on every use).")
+    component: str = Field(
+        description="'module.path:attribute': a class (instantiated with args) or a function "
+        "(called with args on every use)."
+    )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
 
 
@@ -107,32 +130,53 @@ class MetricConfig(ComponentConfig):
 
 class TaskConfig(Section):
     name: str = Field(
-        "classification", description="The task (pipeline/tasks): classification (cross-entropy; accuracy, top-k; exports "
-                                      "the model's outputs and probabilities), regression (MSE; RMSE, MAE, R2), "
-                                      "segmentation (per-pixel cross-entropy; mean IoU, pixel accuracy; N x C x H x W "
-                                      "logits), token_classification (per-token cross-entropy; macro F1, token accuracy; "
-                                      "N x L x C logits, N x L targets), or custom (task.loss, task.metric on the outputs "
-                                      "and targets as they are).")
-    output: str = Field("", description="The model output that carries the prediction, when the model returns several "
-                                        "(a dict key, a ModelOutput field, output_<i> of a tuple); empty = the only one, "
-                                        "else `logits` for the tasks that predict classes.")
+        "classification",
+        description="The task (pipeline/tasks): classification (cross-entropy; accuracy, top-k; exports "
+        "the model's outputs and probabilities), regression (MSE; RMSE, MAE, R2), "
+        "segmentation (per-pixel cross-entropy; mean IoU, pixel accuracy; N x C x H x W "
+        "logits), token_classification (per-token cross-entropy; macro F1, token accuracy; "
+        "N x L x C logits, N x L targets), or custom (task.loss, task.metric on the outputs "
+        "and targets as they are).",
+    )
+    output: str = Field(
+        "",
+        description="The model output that carries the prediction, when the model returns several "
+        "(a dict key, a ModelOutput field, output_<i> of a tuple); empty = the only one, "
+        "else `logits` for the tasks that predict classes.",
+    )
     loss: LossConfig | None = Field(
-        None, description="A loss component (outputs, target) -> scalar: required for custom, replaces the built-in loss otherwise.")
+        None,
+        description="A loss component (outputs, target) -> scalar: required for custom, replaces the built-in loss otherwise.",
+    )
     metric: MetricConfig | None = Field(
-        None, description="custom only: a metric component (outputs, targets) -> float or {name: float}, the first being the one gated.")
-    metric_mode: Literal["max", "min"] | None = Field(None, description="custom only: whether a larger metric is better (max) or a smaller one (min).")
-    top_k: int = Field(5, ge=2, description="classification: also report top-k accuracy when k is below the number of classes.")
-    ignore_index: int | None = Field(None, description="token_classification: the target value of the positions left out "
-                                                       "of the loss and the metrics (padding); unset = -100, as Hugging Face "
-                                                       "labels them. Negative.")
+        None,
+        description="custom only: a metric component (outputs, targets) -> float or {name: float}, the first being the one gated.",
+    )
+    metric_mode: Literal["max", "min"] | None = Field(
+        None,
+        description="custom only: whether a larger metric is better (max) or a smaller one (min).",
+    )
+    top_k: int = Field(
+        5,
+        ge=2,
+        description="classification: also report top-k accuracy when k is below the number of classes.",
+    )
+    ignore_index: int | None = Field(
+        None,
+        description="token_classification: the target value of the positions left out "
+        "of the loss and the metrics (padding); unset = -100, as Hugging Face "
+        "labels them. Negative.",
+    )
 
     @field_validator("name")
     @classmethod
     def _known(cls, value: str) -> str:
         if value not in TASKS:
             close = difflib.get_close_matches(value, list(TASKS), n=1)
-            raise ValueError(f"'{value}' is not a task; choose one of {', '.join(TASKS)}"
-                             + (f" (did you mean '{close[0]}'?)" if close else ""))
+            raise ValueError(
+                f"'{value}' is not a task; choose one of {', '.join(TASKS)}"
+                + (f" (did you mean '{close[0]}'?)" if close else "")
+            )
         return value
 
     @model_validator(mode="after")
@@ -143,28 +187,70 @@ class TaskConfig(Section):
 
 class OptimConfig(Section):
     name: Literal["sgd", "adamw"] = Field("sgd", description="Optimizer.")
-    lr: float = Field(0.1, gt=0, description="Peak learning rate, reached at the end of the warm-up.")
+    lr: float = Field(
+        0.1, gt=0, description="Peak learning rate, reached at the end of the warm-up."
+    )
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (Nesterov).")
-    weight_decay: float = Field(5e-4, ge=0, description="Decoupled (AdamW) or L2 (SGD) weight decay.")
+    weight_decay: float = Field(
+        5e-4, ge=0, description="Decoupled (AdamW) or L2 (SGD) weight decay."
+    )
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to `lr` over this many optimizer steps.")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="Learning-rate shape after the warm-up.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warm-up from 0 to `lr` over this many optimizer steps."
+    )
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="Learning-rate shape after the warm-up."
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of `lr`.")
 
 
 class EarlyStoppingConfig(Section):
-    patience: int = Field(0, ge=0, description="Stop after this many evaluations without an improvement of checkpoint.monitor by more than min_delta; 0 = never stop early.")
-    min_delta: float = Field(0.0, ge=0, description="The smallest change of the monitored metric that counts as an improvement.")
+    patience: int = Field(
+        0,
+        ge=0,
+        description="Stop after this many evaluations without an improvement of checkpoint.monitor by more than min_delta; 0 = never stop early.",
+    )
+    min_delta: float = Field(
+        0.0,
+        ge=0,
+        description="The smallest change of the monitored metric that counts as an improvement.",
+    )
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model, each sharded over dp_shard ranks (FSDP2 on a 2-D device mesh: gradients reduce-scattered within a replica, all-reduced across replicas); >1 needs train.strategy=fsdp.")
-    dp_shard: int = Field(0, ge=0, description="Ranks each replica's parameters are sharded over; 0 = what the world size leaves, world / (dp_replicate x tp x pp).")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: the model's attention and MLP projections split over this many neighbouring ranks (DTensor parallelize_module; the model's own tensor_parallel_plan(), or a family known by its module names: BERT-style, LLaMA-style). With data-parallel ranks beside it, train.strategy=fsdp.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: the model cut into this many stages, one a rank (torch.distributed.pipelining's tracer: the model must be one torch.export graph), micro-batches streamed through them. With data-parallel ranks beside it, train.strategy=ddp (each stage's copies).")
-    pp_split: list[str] = Field(default_factory=list, description="With pp: the pp-1 modules where stages 2..pp begin, in forward order (e.g. [encoder.layers.1]); empty = the model's repeated block dealt evenly over the stages.")
-    pp_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="With pp: 1F1B (a backward as soon as a micro-batch's forward is done: activations of at most pp micro-batches held) or GPipe (all forwards, then all backwards).")
-    pp_microbatches: int = Field(0, ge=0, description="With pp: micro-batches each rank's batch is cut into (it must divide the batch); 0 = 2 x pp. More shrinks the pipeline's idle bubble, (pp-1)/(microbatches+pp-1) of a step.")
+    dp_replicate: int = Field(
+        1,
+        ge=1,
+        description="HSDP: replicas of the model, each sharded over dp_shard ranks (FSDP2 on a 2-D device mesh: gradients reduce-scattered within a replica, all-reduced across replicas); >1 needs train.strategy=fsdp.",
+    )
+    dp_shard: int = Field(
+        0,
+        ge=0,
+        description="Ranks each replica's parameters are sharded over; 0 = what the world size leaves, world / (dp_replicate x tp x pp).",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel degree: the model's attention and MLP projections split over this many neighbouring ranks (DTensor parallelize_module; the model's own tensor_parallel_plan(), or a family known by its module names: BERT-style, LLaMA-style). With data-parallel ranks beside it, train.strategy=fsdp.",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel degree: the model cut into this many stages, one a rank (torch.distributed.pipelining's tracer: the model must be one torch.export graph), micro-batches streamed through them. With data-parallel ranks beside it, train.strategy=ddp (each stage's copies).",
+    )
+    pp_split: list[str] = Field(
+        default_factory=list,
+        description="With pp: the pp-1 modules where stages 2..pp begin, in forward order (e.g. [encoder.layers.1]); empty = the model's repeated block dealt evenly over the stages.",
+    )
+    pp_schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b",
+        description="With pp: 1F1B (a backward as soon as a micro-batch's forward is done: activations of at most pp micro-batches held) or GPipe (all forwards, then all backwards).",
+    )
+    pp_microbatches: int = Field(
+        0,
+        ge=0,
+        description="With pp: micro-batches each rank's batch is cut into (it must divide the batch); 0 = 2 x pp. More shrinks the pipeline's idle bubble, (pp-1)/(microbatches+pp-1) of a step.",
+    )
 
     def microbatches(self) -> int:
         """The micro-batches of each rank's batch under pipeline parallelism (pp_microbatches; 0 = 2 x pp)."""
@@ -175,38 +261,91 @@ class ParallelConfig(Section):
         others = self.dp_replicate * self.tp * self.pp
         shard = self.dp_shard or world_size // others
         if shard < 1 or others * shard != world_size:
-            raise ConfigError(f"train.parallel: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard or shard} x tp "
-                              f"{self.tp} x pp {self.pp} = {others * max(shard, 1)}, but the world has {world_size} "
-                              f"processes; their product must be the world size (dp_shard=0 takes what the others leave)")
+            raise ConfigError(
+                f"train.parallel: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard or shard} x tp "
+                f"{self.tp} x pp {self.pp} = {others * max(shard, 1)}, but the world has {world_size} "
+                f"processes; their product must be the world size (dp_shard=0 takes what the others leave)"
+            )
         return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp, "pp": self.pp}
 
 
 class TrainConfig(Section):
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present, else CPU.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="DistributedDataParallel, or FSDP2 fully_shard."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when present, else CPU."
+    )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto = bf16 on CUDA with bf16 support, fp16 on older CUDA, bf16 on a CPU with native bf16 matmul (AMX/AVX512-BF16), else fp32.")
-    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, summed over ranks and accumulation steps.")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
+        "auto",
+        description="auto = bf16 on CUDA with bf16 support, fp16 on older CUDA, bf16 on a CPU with native bf16 matmul (AMX/AVX512-BF16), else fp32.",
+    )
+    global_batch_size: int = Field(
+        64,
+        ge=1,
+        description="Samples per optimizer step, summed over ranks and accumulation steps.",
+    )
+    grad_accum_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step on each rank."
+    )
     max_steps: int = Field(0, ge=0, description="Optimizer steps to train; 0 = use `epochs`.")
     epochs: int = Field(10, ge=1, description="Passes over the training set when max_steps is 0.")
-    clip_grad_norm: float = Field(0.0, ge=0, description="Clip the global gradient norm to this (after unscaling); 0 = off.")
-    sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (statistics over all ranks).")
-    seed: int = Field(0, description="Seed for model init and shuffling; same seed, same losses (bit for bit on CPU).")
+    clip_grad_norm: float = Field(
+        0.0, ge=0, description="Clip the global gradient norm to this (after unscaling); 0 = off."
+    )
+    sync_batchnorm: bool = Field(
+        False, description="Convert BatchNorm to SyncBatchNorm (statistics over all ranks)."
+    )
+    seed: int = Field(
+        0,
+        description="Seed for model init and shuffling; same seed, same losses (bit for bit on CPU).",
+    )
     log_every: int = Field(10, ge=1, description="Log training metrics every N optimizer steps.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = once per epoch (every steps-per-epoch steps). Always at the end.")
-    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig, description="Stop every rank together when the monitored validation metric stops improving.")
-    consistency_every: int = Field(50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end.")
-    threads_per_rank: int = Field(0, ge=0, description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.")
-    cudnn_benchmark: bool = Field(True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes.")
-    channels_last: bool | Literal["auto"] = Field("auto", description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous). auto = on for a model with 2-d convolutions (ResNet-50 bf16 on an H100: 1.3-1.4x the samples/s of NCHW), off otherwise and on the CPU.")
-    compile: bool = Field(False, description="torch.compile the model (in place: DDP as a whole, FSDP2 per unit); the first steps compile. On CUDA it needs a C compiler for Triton.")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="The device mesh's degrees, as torchtitan names them; their product is the world size.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every N optimizer steps; 0 = once per epoch (every steps-per-epoch steps). Always at the end.",
+    )
+    early_stopping: EarlyStoppingConfig = Field(
+        default_factory=EarlyStoppingConfig,
+        description="Stop every rank together when the monitored validation metric stops improving.",
+    )
+    consistency_every: int = Field(
+        50, ge=0, description="Compare replica checksums every N steps (DDP); 0 = only at the end."
+    )
+    threads_per_rank: int = Field(
+        0,
+        ge=0,
+        description="torch CPU threads per rank; 0 = the usable cores divided by local ranks.",
+    )
+    cudnn_benchmark: bool = Field(
+        True, description="CUDA only: let cuDNN pick the fastest kernels for fixed shapes."
+    )
+    channels_last: bool | Literal["auto"] = Field(
+        "auto",
+        description="CUDA only: NHWC memory format (faster convolutions with tensor cores): the inputs, and the weights under DDP (FSDP2 keeps them contiguous). auto = on for a model with 2-d convolutions (ResNet-50 bf16 on an H100: 1.3-1.4x the samples/s of NCHW), off otherwise and on the CPU.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model (in place: DDP as a whole, FSDP2 per unit); the first steps compile. On CUDA it needs a C compiler for Triton.",
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="The device mesh's degrees, as torchtitan names them; their product is the world size.",
+    )
     fsdp_wrap: list[str] = Field(
-        default_factory=list, description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
-                                          "empty = the class repeated most in the largest ModuleList/Sequential.")
-    output_dir: str = Field(DEFAULT_OUTPUT_DIR, description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/. A local path every rank shares, or an object store, s3://<bucket>/<prefix> (pip install -e '.[remote]'; endpoint and keys from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).")
-    run_name: str = Field("", description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id), named after the components.")
+        default_factory=list,
+        description="strategy=fsdp: class names of the modules to shard as units (e.g. [TransformerEncoderLayer]); "
+        "empty = the class repeated most in the largest ModuleList/Sequential.",
+    )
+    output_dir: str = Field(
+        DEFAULT_OUTPUT_DIR,
+        description="Where runs write checkpoints and local artifacts: <output_dir>/<run_name>/. A local path every rank shares, or an object store, s3://<bucket>/<prefix> (pip install -e '.[remote]'; endpoint and keys from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).",
+    )
+    run_name: str = Field(
+        "",
+        description="Local run directory name and MLflow run name; empty = <model>-<data>-<timestamp> (or torchrun's run id), named after the components.",
+    )
 
     @field_validator("output_dir")
     @classmethod
@@ -218,52 +357,147 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_n_steps: int = Field(0, ge=0, description="Save a sharded checkpoint every N optimizer steps; 0 = only at the end.")
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk; older ones are deleted after a newer one completes.")
-    log_to_mlflow: Literal["none", "last", "all"] = Field("last", description="Which checkpoints go to the MLflow run: the final one (and the best, when another), or each as it is written (uploaded in the background).")
-    monitor: str = Field("", description="The validation metric that picks the best checkpoint (e.g. accuracy, val/loss); empty = the task's primary metric. The best is saved when it is reached, never pruned, and what consolidate/export take.")
-    mode: Literal["auto", "max", "min"] = Field("auto", description="Whether a larger monitored metric is better (max) or a smaller one (min); auto = known for the task's metrics.")
-    async_save: bool = Field(False, description="Write checkpoints in the background (DCP async_save): training goes on once the state is copied to CPU memory (pinned on CUDA); the checkpoint is published, atomically as ever, once every rank's write is done.")
+    every_n_steps: int = Field(
+        0,
+        ge=0,
+        description="Save a sharded checkpoint every N optimizer steps; 0 = only at the end.",
+    )
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Complete checkpoints kept on disk; older ones are deleted after a newer one completes.",
+    )
+    log_to_mlflow: Literal["none", "last", "all"] = Field(
+        "last",
+        description="Which checkpoints go to the MLflow run: the final one (and the best, when another), or each as it is written (uploaded in the background).",
+    )
+    monitor: str = Field(
+        "",
+        description="The validation metric that picks the best checkpoint (e.g. accuracy, val/loss); empty = the task's primary metric. The best is saved when it is reached, never pruned, and what consolidate/export take.",
+    )
+    mode: Literal["auto", "max", "min"] = Field(
+        "auto",
+        description="Whether a larger monitored metric is better (max) or a smaller one (min); auto = known for the task's metrics.",
+    )
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background (DCP async_save): training goes on once the state is copied to CPU memory (pinned on CUDA); the checkpoint is published, atomically as ever, once every rank's write is done.",
+    )
 
 
 class TrackingConfig(Section):
     tracking_uri: str = Field(
-        "", description="MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite) with artifacts in ./mlartifacts.")
+        "",
+        description="MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite) with artifacts in ./mlartifacts.",
+    )
     experiment: str = Field("trainserve", description="MLflow experiment name.")
-    system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, GPU) during training.")
+    system_metrics: bool = Field(
+        True, description="Log MLflow system metrics (CPU, memory, GPU) during training."
+    )
 
 
 class ExportConfig(Section):
-    opset: int = Field(18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively.")
-    registered_model_name: str = Field("", description="Registry name; empty = <model>-<data> from the components' names (e.g. resnet18-digits).")
-    alias: str = Field("champion", description="Alias set on the new version when every gate passes and `promote` allows it.")
+    opset: int = Field(
+        18, ge=13, description="ONNX opset; 18 is what torch's dynamo exporter targets natively."
+    )
+    registered_model_name: str = Field(
+        "",
+        description="Registry name; empty = <model>-<data> from the components' names (e.g. resnet18-digits).",
+    )
+    alias: str = Field(
+        "champion",
+        description="Alias set on the new version when every gate passes and `promote` allows it.",
+    )
     promote: Literal["if_better", "if_not_worse", "always"] = Field(
-        "if_not_worse", description="Move `alias` to the new version when its metric (the task's primary, through onnxruntime on the validation split) beats the current holder's (if_better), is no worse (if_not_worse), or always.")
-    promote_tolerance: float = Field(0.0, ge=0, description="In the metric's units: if_better needs a gain larger than this; if_not_worse allows a loss up to this.")
-    challenger_alias: str = Field("challenger", description="Alias set on a version that passed its gates but was not promoted.")
-    atol: float = Field(1e-4, gt=0, description="Parity gate: |ONNX - PyTorch| outputs <= atol + rtol x the sample's largest |output| (fp32).")
+        "if_not_worse",
+        description="Move `alias` to the new version when its metric (the task's primary, through onnxruntime on the validation split) beats the current holder's (if_better), is no worse (if_not_worse), or always.",
+    )
+    promote_tolerance: float = Field(
+        0.0,
+        ge=0,
+        description="In the metric's units: if_better needs a gain larger than this; if_not_worse allows a loss up to this.",
+    )
+    challenger_alias: str = Field(
+        "challenger",
+        description="Alias set on a version that passed its gates but was not promoted.",
+    )
+    atol: float = Field(
+        1e-4,
+        gt=0,
+        description="Parity gate: |ONNX - PyTorch| outputs <= atol + rtol x the sample's largest |output| (fp32).",
+    )
     rtol: float = Field(1e-3, gt=0, description="Parity gate: the relative part of that limit.")
-    accuracy_tolerance_pp: float = Field(0.1, ge=0, description="classification: ONNX accuracy within this many percentage points of PyTorch's.")
-    metric_rtol: float = Field(1e-3, ge=0, description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_atol + metric_rtol x |PyTorch|.")
-    baseline_margin: float = Field(0.05, ge=0, description="Baseline gate: the model must beat the task's trivial predictor (the most frequent class, the mean) by this much: points of a fraction metric (0.05 = 5 points of accuracy), or this fraction of an error (5% lower RMSE).")
-    allow_below_baseline: bool = Field(False, description="Register a model the baseline gate finds no better than the trivial predictor (it is still recorded as below the baseline, and `pipeline run --serve-check` exits 1).")
-    metric_atol: float = Field(1e-6, ge=0, description="The absolute part of that limit, for a metric near 0.")
+    accuracy_tolerance_pp: float = Field(
+        0.1,
+        ge=0,
+        description="classification: ONNX accuracy within this many percentage points of PyTorch's.",
+    )
+    metric_rtol: float = Field(
+        1e-3,
+        ge=0,
+        description="regression (RMSE) and custom tasks: |ONNX - PyTorch| metric <= metric_atol + metric_rtol x |PyTorch|.",
+    )
+    baseline_margin: float = Field(
+        0.05,
+        ge=0,
+        description="Baseline gate: the model must beat the task's trivial predictor (the most frequent class, the mean) by this much: points of a fraction metric (0.05 = 5 points of accuracy), or this fraction of an error (5% lower RMSE).",
+    )
+    allow_below_baseline: bool = Field(
+        False,
+        description="Register a model the baseline gate finds no better than the trivial predictor (it is still recorded as below the baseline, and `pipeline run --serve-check` exits 1).",
+    )
+    metric_atol: float = Field(
+        1e-6, ge=0, description="The absolute part of that limit, for a metric near 0."
+    )
     dynamic_axes: dict[str, list[int]] = Field(
-        default_factory=dict, description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).")
+        default_factory=dict,
+        description="Input name -> axes besides the batch that vary, e.g. {tokens: [1]} (a lone tensor input is named input).",
+    )
     external_data: Literal["auto", "always"] = Field(
-        "auto", description="Where the graph's weights go: auto = inside model.onnx, unless they pass protobuf's 2 GB limit; always = in model.onnx.data beside it (ONNX external data), whatever their size.")
-    ort_optimize: bool = Field(False, description="Also save onnxruntime's offline-optimized graph (gated separately).")
-    fp16: bool = Field(False, description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).")
+        "auto",
+        description="Where the graph's weights go: auto = inside model.onnx, unless they pass protobuf's 2 GB limit; always = in model.onnx.data beside it (ONNX external data), whatever their size.",
+    )
+    ort_optimize: bool = Field(
+        False, description="Also save onnxruntime's offline-optimized graph (gated separately)."
+    )
+    fp16: bool = Field(
+        False,
+        description="Also save an fp16 variant for GPU serving, fp32 inputs/outputs kept (gated separately).",
+    )
     uint8_inputs: list[str] = Field(
-        default_factory=list, description="Also save a variant (model.uint8.onnx, served with --variant uint8) that takes these FP32 image inputs as UINT8 pixel values 0-255, scaled by 1/255 inside the graph: a quarter of the bytes a request (150 KB instead of 602 KB for 224x224 RGB). true = every FP32 input. The validation data must lie in [0, 1]; gated separately (its failure fails the export): parity on inputs rounded to 1/255 steps, and what that rounding costs the task's metric.")
+        default_factory=list,
+        description="Also save a variant (model.uint8.onnx, served with --variant uint8) that takes these FP32 image inputs as UINT8 pixel values 0-255, scaled by 1/255 inside the graph: a quarter of the bytes a request (150 KB instead of 602 KB for 224x224 RGB). true = every FP32 input. The validation data must lie in [0, 1]; gated separately (its failure fails the export): parity on inputs rounded to 1/255 steps, and what that rounding costs the task's metric.",
+    )
     int8: Literal["off", "auto", "static", "dynamic"] = Field(
-        "off", description="Also save an int8 variant for CPU serving (gated separately, and only that variant is dropped when it fails): static = activations calibrated on training samples (convolutions), dynamic = activations quantized per batch at run time (linear-heavy models: transformers, MLPs), auto (or true) = static when the graph has a Conv, else dynamic; false = off.")
-    int8_accuracy_tolerance_pp: float = Field(1.0, ge=0, description="int8, class-predicting tasks: its accuracy (mean IoU) within this many percentage points of PyTorch's.")
-    int8_metric_rtol: float = Field(0.02, ge=0, description="int8, other tasks: |int8 - PyTorch| metric <= metric_atol + this x |PyTorch|.")
-    int8_min_agreement: float = Field(0.98, ge=0, le=1, description="int8, class-predicting tasks: the share of argmax decisions that must equal PyTorch's.")
-    int8_calibration_samples: int = Field(256, ge=1, description="int8 static: training samples its activation ranges are calibrated on.")
-    int8_exclusion_rounds: int = Field(3, ge=0, description="int8: when a gate fails, rounds of measuring each quantized node's error and keeping the worst in float (the report names them); 0 = reject at once.")
-
+        "off",
+        description="Also save an int8 variant for CPU serving (gated separately, and only that variant is dropped when it fails): static = activations calibrated on training samples (convolutions), dynamic = activations quantized per batch at run time (linear-heavy models: transformers, MLPs), auto (or true) = static when the graph has a Conv, else dynamic; false = off.",
+    )
+    int8_accuracy_tolerance_pp: float = Field(
+        1.0,
+        ge=0,
+        description="int8, class-predicting tasks: its accuracy (mean IoU) within this many percentage points of PyTorch's.",
+    )
+    int8_metric_rtol: float = Field(
+        0.02,
+        ge=0,
+        description="int8, other tasks: |int8 - PyTorch| metric <= metric_atol + this x |PyTorch|.",
+    )
+    int8_min_agreement: float = Field(
+        0.98,
+        ge=0,
+        le=1,
+        description="int8, class-predicting tasks: the share of argmax decisions that must equal PyTorch's.",
+    )
+    int8_calibration_samples: int = Field(
+        256,
+        ge=1,
+        description="int8 static: training samples its activation ranges are calibrated on.",
+    )
+    int8_exclusion_rounds: int = Field(
+        3,
+        ge=0,
+        description="int8: when a gate fails, rounds of measuring each quantized node's error and keeping the worst in float (the report names them); 0 = reject at once.",
+    )
 
     @field_validator("uint8_inputs", mode="before")
     @classmethod
@@ -281,22 +515,41 @@ class ExportConfig(Section):
 
 
 class ServeConfig(Section):
-    host: str = Field("127.0.0.1", description="Bind address; 127.0.0.1 unless the server must be reachable from outside.")
-    port: int = Field(8080, ge=0, le=65535, description="HTTP port (`pipeline run --serve`); 0 = any free port.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Execution provider: CUDA when present and asked for, else CPU.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address; 127.0.0.1 unless the server must be reachable from outside.",
+    )
+    port: int = Field(
+        8080, ge=0, le=65535, description="HTTP port (`pipeline run --serve`); 0 = any free port."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Execution provider: CUDA when present and asked for, else CPU."
+    )
     max_batch_size: int = Field(32, ge=1, description="Rows per onnxruntime call at most.")
-    max_delay_ms: float = Field(0.0, ge=0, description="How long a partial batch may wait for more rows; 0 = never wait.")
+    max_delay_ms: float = Field(
+        0.0, ge=0, description="How long a partial batch may wait for more rows; 0 = never wait."
+    )
 
 
 class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="What is learned: loss, metrics, exported outputs.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and learning-rate schedule.")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop and its distribution.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints.")
+    task: TaskConfig = Field(
+        default_factory=TaskConfig, description="What is learned: loss, metrics, exported outputs."
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer and learning-rate schedule."
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig, description="The training loop and its distribution."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Sharded checkpoints."
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
-    export: ExportConfig = Field(default_factory=ExportConfig, description="ONNX export and its gates.")
+    export: ExportConfig = Field(
+        default_factory=ExportConfig, description="ONNX export and its gates."
+    )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
 
     @model_validator(mode="after")
@@ -304,44 +557,65 @@ class Config(Section):
         if self.train.precision == "fp16" and self.train.device == "cpu":
             raise ValueError(
                 "train.precision=fp16 needs CUDA (GradScaler and fp16 kernels); on CPU use "
-                "train.precision=bf16 or train.precision=auto")
-        if self.data.component == "pipeline.datasets:fashion_mnist" and not self.data.args.get("path"):
-            raise ValueError("the fashion_mnist data set needs data.args.path=<directory with the four IDX files>")
-        unknown_axes = [k for k, axes in self.export.dynamic_axes.items() if any(a < 1 for a in axes)]
+                "train.precision=bf16 or train.precision=auto"
+            )
+        if self.data.component == "pipeline.datasets:fashion_mnist" and not self.data.args.get(
+            "path"
+        ):
+            raise ValueError(
+                "the fashion_mnist data set needs data.args.path=<directory with the four IDX files>"
+            )
+        unknown_axes = [
+            k for k, axes in self.export.dynamic_axes.items() if any(a < 1 for a in axes)
+        ]
         if unknown_axes:
-            raise ValueError(f"export.dynamic_axes: axes must be >= 1 (axis 0, the batch, is always dynamic); "
-                             f"see {', '.join(unknown_axes)}")
+            raise ValueError(
+                f"export.dynamic_axes: axes must be >= 1 (axis 0, the batch, is always dynamic); "
+                f"see {', '.join(unknown_axes)}"
+            )
         return self
 
 
 def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) -> None:
     """What pipeline parallelism does not combine with yet, and a batch its micro-batches divide."""
     pp = degrees["pp"]
-    refused = {"train.parallel.tp": ("train.parallel.tp=1", degrees["tp"] > 1),
-               "train.compile": ("train.compile=false", t.compile),
-               "train.precision=fp16": ("train.precision=bf16 or fp32", t.precision == "fp16"),
-               "train.sync_batchnorm": ("train.sync_batchnorm=false", t.sync_batchnorm),
-               "train.strategy=fsdp beside data-parallel ranks": ("train.strategy=ddp",
-                                                                  t.strategy == "fsdp" and data_parallel > 1)}
+    refused = {
+        "train.parallel.tp": ("train.parallel.tp=1", degrees["tp"] > 1),
+        "train.compile": ("train.compile=false", t.compile),
+        "train.precision=fp16": ("train.precision=bf16 or fp32", t.precision == "fp16"),
+        "train.sync_batchnorm": ("train.sync_batchnorm=false", t.sync_batchnorm),
+        "train.strategy=fsdp beside data-parallel ranks": (
+            "train.strategy=ddp",
+            t.strategy == "fsdp" and data_parallel > 1,
+        ),
+    }
     named = [(name, instead) for name, (instead, on) in refused.items() if on]
     if named:
-        raise ConfigError(f"train.parallel.pp={pp} with {', '.join(n for n, _ in named)}: not built yet (pipeline stages "
-                          "run as traced graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); "
-                          f"set {', '.join(i for _, i in named)}")
+        raise ConfigError(
+            f"train.parallel.pp={pp} with {', '.join(n for n, _ in named)}: not built yet (pipeline stages "
+            "run as traced graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); "
+            f"set {', '.join(i for _, i in named)}"
+        )
     microbatches = t.parallel.microbatches()
     rows = t.global_batch_size // (data_parallel * t.grad_accum_steps)
     if rows % microbatches:
-        raise ConfigError(f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "
-                          f"{t.global_batch_size} / {data_parallel} data-parallel rank(s) / grad_accum_steps "
-                          f"{t.grad_accum_steps}) does not split into {microbatches} equal micro-batches "
-                          f"(train.parallel.pp_microbatches{'=0: 2 x pp' if not t.parallel.pp_microbatches else ''}); "
-                          "choose pp_microbatches dividing it, or a global_batch_size it divides")
+        raise ConfigError(
+            f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "
+            f"{t.global_batch_size} / {data_parallel} data-parallel rank(s) / grad_accum_steps "
+            f"{t.grad_accum_steps}) does not split into {microbatches} equal micro-batches "
+            f"(train.parallel.pp_microbatches{'=0: 2 x pp' if not t.parallel.pp_microbatches else ''}); "
+            "choose pp_microbatches dividing it, or a global_batch_size it divides"
+        )
     if t.parallel.pp_schedule == "1f1b" and microbatches < pp:
-        raise ConfigError(f"train.parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
-                          f"pp_microbatches={microbatches} < pp={pp}; raise pp_microbatches or use pp_schedule=gpipe")
+        raise ConfigError(
+            f"train.parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+            f"pp_microbatches={microbatches} < pp={pp}; raise pp_microbatches or use pp_schedule=gpipe"
+        )
 
 
-def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1) -> None:
+def check_runtime(
+    cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1
+) -> None:
     """Rules that depend on the launch, checked before any work starts."""
     t = cfg.train
     if cuda_available and t.device != "cpu":
@@ -349,35 +623,50 @@ def check_runtime(cfg: Config, world_size: int, cuda_available: bool, local_worl
 
         cuda_devices = torch.cuda.device_count()
         if local_world_size > cuda_devices:
-            raise ConfigError(f"{local_world_size} processes per node but {cuda_devices} visible GPU(s): one GPU "
-                              f"per rank; use --nproc-per-node {cuda_devices} or train.device=cpu")
+            raise ConfigError(
+                f"{local_world_size} processes per node but {cuda_devices} visible GPU(s): one GPU "
+                f"per rank; use --nproc-per-node {cuda_devices} or train.device=cpu"
+            )
     if t.precision == "fp16" and not (cuda_available and t.device != "cpu"):
         raise ConfigError(
             "train.precision=fp16 needs a CUDA device and none is in use; "
-            "use train.precision=bf16 (CPU autocast) or train.precision=auto")
+            "use train.precision=bf16 (CPU autocast) or train.precision=auto"
+        )
     if t.device == "cuda" and not cuda_available:
-        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu")
+        raise ConfigError(
+            "train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu"
+        )
     degrees = t.parallel.degrees(world_size)
     data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
     if degrees["tp"] > 1 and t.compile:
-        raise ConfigError(f"train.compile with train.parallel.tp={degrees['tp']}: compiling a tensor-parallel model is "
-                          "not built yet; set train.compile=false")
+        raise ConfigError(
+            f"train.compile with train.parallel.tp={degrees['tp']}: compiling a tensor-parallel model is "
+            "not built yet; set train.compile=false"
+        )
     if degrees["tp"] > 1 and data_parallel > 1 and t.strategy != "fsdp":
-        raise ConfigError(f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "
-                          "train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)")
+        raise ConfigError(
+            f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "
+            "train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)"
+        )
     if degrees["dp_replicate"] > 1 and t.strategy != "fsdp":
-        raise ConfigError(f"train.parallel.dp_replicate={degrees['dp_replicate']} shards each replica over "
-                          f"dp_shard={degrees['dp_shard']} ranks: that is HSDP, set train.strategy=fsdp (DDP replicates "
-                          "over every rank already)")
+        raise ConfigError(
+            f"train.parallel.dp_replicate={degrees['dp_replicate']} shards each replica over "
+            f"dp_shard={degrees['dp_shard']} ranks: that is HSDP, set train.strategy=fsdp (DDP replicates "
+            "over every rank already)"
+        )
     per_step = data_parallel * t.grad_accum_steps
     if t.global_batch_size % per_step:
         lower = (t.global_batch_size // per_step) * per_step or per_step
-        ranks = f"world size ({world_size})" if data_parallel == world_size else \
-            f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']} / pp {degrees['pp']})"
+        ranks = (
+            f"world size ({world_size})"
+            if data_parallel == world_size
+            else f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']} / pp {degrees['pp']})"
+        )
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must divide by {ranks} x "
             f"train.grad_accum_steps ({t.grad_accum_steps}) = {per_step}; "
-            f"try train.global_batch_size={lower} or {lower + per_step}")
+            f"try train.global_batch_size={lower} or {lower + per_step}"
+        )
     if degrees["pp"] > 1:
         check_pipeline(t, degrees, data_parallel)
 
@@ -400,7 +689,9 @@ def _unknown_key_message(dotted: str, origin: str = "") -> str:
             prefix = ".".join(parts[:i])
             allowed = _allowed_keys(cls)
             close = difflib.get_close_matches(part, allowed, n=1)
-            hint = f" Did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            hint = (
+                f" Did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            )
             if not close and "args" in fields:  # a component's own arguments live under args
                 hint = f" Did you mean '{prefix}.args.{part}' (the component's keyword arguments go under args)?"
             where = f"in section '{prefix}'" if prefix else "at the top level"
@@ -411,7 +702,9 @@ def _unknown_key_message(dotted: str, origin: str = "") -> str:
     return f"{origin}unknown config key '{dotted}'"
 
 
-def _format_validation_error(err: ValidationError, origin: "Callable[[tuple], str]" = lambda loc: "") -> str:
+def _format_validation_error(
+    err: ValidationError, origin: "Callable[[tuple], str]" = lambda loc: ""
+) -> str:
     """One line for one error (the usual case: what the CLI prints after "error: "), else one line each.
     `origin(loc)`: where the key at `loc` was written, '' if nowhere (a default, a rule across fields)."""
     lines = []
@@ -421,11 +714,18 @@ def _format_validation_error(err: ValidationError, origin: "Callable[[tuple], st
         if e["type"] == "extra_forbidden":
             lines.append(_unknown_key_message(dotted, where))
         elif e["type"] == "value_error":
-            lines.append((f"{where}: " if where else "") + (str(e["ctx"]["error"]) if "ctx" in e else e["msg"]))
+            lines.append(
+                (f"{where}: " if where else "")
+                + (str(e["ctx"]["error"]) if "ctx" in e else e["msg"])
+            )
         else:
             got = e.get("input")
             lines.append((f"{where}: " if where else "") + f"{dotted}: {e['msg']} (got {got!r})")
-    return "invalid config: " + lines[0] if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
+    return (
+        "invalid config: " + lines[0]
+        if len(lines) == 1
+        else "invalid config:\n  " + "\n  ".join(lines)
+    )
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
@@ -446,29 +746,40 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     return lines
 
 
-def _origin_of(path: Path | None, text: str, overrides: list[tuple[list[str], str]]) -> Callable[[tuple], str]:
+def _origin_of(
+    path: Path | None, text: str, overrides: list[tuple[list[str], str]]
+) -> Callable[[tuple], str]:
     """loc -> where the key was written: the override that set it or the section above it (the command line wins,
     as it does over the file), else the file and the line of its nearest key."""
     lines = _key_lines(text) if path is not None else {}
 
     def origin(loc: tuple) -> str:
-        in_file = next((loc[:depth] for depth in range(len(loc), 0, -1) if loc[:depth] in lines), None)
+        in_file = next(
+            (loc[:depth] for depth in range(len(loc), 0, -1) if loc[:depth] in lines), None
+        )
         for keys, original in reversed(overrides):
             keys = tuple(keys)
-            if loc[:len(keys)] == keys or (keys[:len(loc)] == loc and in_file != loc):  # it set the key, or made it
+            if loc[: len(keys)] == keys or (
+                keys[: len(loc)] == loc and in_file != loc
+            ):  # it set the key, or made it
                 return f"override {original}"
         return f"{path}:{lines[in_file]}" if in_file else ""
+
     return origin
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`optim.lr=0.05` -> (['optim', 'lr'], 0.05). The value is read as YAML, so types follow."""
     if "=" not in text:
-        raise ConfigError(f"override '{text}' is not of the form section.key=value (e.g. optim.lr=0.05)")
+        raise ConfigError(
+            f"override '{text}' is not of the form section.key=value (e.g. optim.lr=0.05)"
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"override '{text}' has an empty key; write section.key=value (e.g. optim.lr=0.05)")
+        raise ConfigError(
+            f"override '{text}' has an empty key; write section.key=value (e.g. optim.lr=0.05)"
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -481,7 +792,9 @@ def _set_dotted(tree: dict, path: list[str], value: Any, original: str) -> None:
     for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override '{original}': '{'.'.join(path[:i + 1])}' is a value, not a section")
+            raise ConfigError(
+                f"override '{original}': '{'.'.join(path[: i + 1])}' is a value, not a section"
+            )
         node = child
     node[path[-1]] = value
 
@@ -493,7 +806,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            available = sorted(str(p) for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
+            available = (
+                sorted(str(p) for p in Path("configs").glob("*.yaml"))
+                if Path("configs").is_dir()
+                else []
+            )
             hint = f"; available: {', '.join(available)}" if available else ""
             raise ConfigError(f"config file '{path}' does not exist{hint}")
         try:
@@ -502,13 +819,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(tree).__name__}")
+            raise ConfigError(
+                f"config file '{path}' must hold a mapping of sections, got {type(tree).__name__}"
+            )
     applied: list[tuple[list[str], str]] = []
     for override in overrides:
         keys, value = parse_override(override)
         _set_dotted(tree, keys, value, override)
         applied.append((keys, override))
-        if len(keys) == 2 and keys[1] in ("name", "component") and isinstance(tree.get(keys[0]), dict):
+        if (
+            len(keys) == 2
+            and keys[1] in ("name", "component")
+            and isinstance(tree.get(keys[0]), dict)
+        ):
             # `model.component=...` on the command line replaces the file's `model.name` shorthand (and
             # the other way round): the command line wins, as everywhere else.
             tree[keys[0]].pop("component" if keys[1] == "name" else "name", None)
@@ -529,7 +852,11 @@ def config_from_dict(tree: dict) -> Config:
 def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
     """{'optim.lr': 0.1, 'model.args.width': 0.5, ...}: the form MLflow params take."""
     out: dict[str, Any] = {}
-    items = cfg.items() if isinstance(cfg, dict) else ((n, getattr(cfg, n)) for n in type(cfg).model_fields)
+    items = (
+        cfg.items()
+        if isinstance(cfg, dict)
+        else ((n, getattr(cfg, n)) for n in type(cfg).model_fields)
+    )
     for name, value in items:
         key = f"{prefix}{name}"
         if isinstance(value, (BaseModel, dict)) and value:

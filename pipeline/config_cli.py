@@ -29,9 +29,14 @@ components follow: [own-model.md](own-model.md).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config to resolve")
-    parser.add_argument("--describe", action="store_true", help="list every field, its default and meaning")
-    parser.add_argument("--markdown", action="store_true",
-                        help=f"with --describe: as the Markdown page docs/config.md ({MARKDOWN_COMMAND})")
+    parser.add_argument(
+        "--describe", action="store_true", help="list every field, its default and meaning"
+    )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help=f"with --describe: as the Markdown page docs/config.md ({MARKDOWN_COMMAND})",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
@@ -44,7 +49,9 @@ def markdown() -> str:
         return re.sub(r"<(?=[A-Za-z/])", r"\\<", text.replace("|", r"\|").replace("*", r"\*"))
 
     def code(value: object) -> str:
-        return "`" + repr(value).replace("|", r"\|") + "`"  # in a code span only the table's `|` needs escaping
+        return (
+            "`" + repr(value).replace("|", r"\|") + "`"
+        )  # in a code span only the table's `|` needs escaping
 
     def walk(cls: type[BaseModel], prefix: str, title: str) -> None:
         rows, nested = [], []
@@ -56,8 +63,11 @@ def markdown() -> str:
                 default = field.default_factory() if field.default_factory else field.default
                 rows.append(f"| `{prefix}{name}` | {code(default)} | {cell(field.description)} |")
         if rows:
-            sections.append(f"## {prefix.rstrip('.')}\n\n{title}\n\n| key | default | meaning |\n| --- | --- | --- |\n"
-                            + "\n".join(rows) + "\n")
+            sections.append(
+                f"## {prefix.rstrip('.')}\n\n{title}\n\n| key | default | meaning |\n| --- | --- | --- |\n"
+                + "\n".join(rows)
+                + "\n"
+            )
         for ann, path, description in nested:
             walk(ann, f"{path}.", description)
 
@@ -67,7 +77,10 @@ def markdown() -> str:
 
 def cli(args) -> int:
     if args.markdown and not args.describe:
-        print(f"pipeline config: error: --markdown goes with --describe ({MARKDOWN_COMMAND})", file=sys.stderr)
+        print(
+            f"pipeline config: error: --markdown goes with --describe ({MARKDOWN_COMMAND})",
+            file=sys.stderr,
+        )
         return 2
     if args.describe:
         print(markdown() if args.markdown else describe(), end="" if args.markdown else "\n")

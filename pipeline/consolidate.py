@@ -44,27 +44,31 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipeline import checkpoint
-from pipeline.checkpoint import shard_stream
 from pipeline.artifact import weights as weights_bundle
+from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec, file_order, total_size
+from pipeline.checkpoint import dcp_read, shard_stream
 from pipeline.checkpoint import run_dir as run_dir_owner
-from pipeline.tools import logs, stopping
-from pipeline.components.amp import DTYPES
-from pipeline.config import DEFAULT_OUTPUT_DIR
-from pipeline.checkpoint import dcp_read
 from pipeline.checkpoint.dcp import FORMAT as DCP_FORMAT
 from pipeline.checkpoint.dcp_read import CachedMetadataReader
-from pipeline.errors import CheckpointError
-from pipeline.components.monitor import read_best
 from pipeline.checkpoint.object_store import is_url
 from pipeline.checkpoint.run_dir import pid_alive
-from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec, file_order, total_size
+from pipeline.components.amp import DTYPES
+from pipeline.components.monitor import read_best
+from pipeline.config import DEFAULT_OUTPUT_DIR
+from pipeline.errors import (
+    CheckpointError,
+    ConsolidateError,  # noqa: F401 - raised here, defined with the others
+)
+from pipeline.tools import logs, stopping
 from pipeline.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
 from serving.lineage import file_sha256
-from pipeline.errors import ConsolidateError  # noqa: F401 - raised here, defined with the others
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, DESCRIPTION = weights_bundle.WEIGHTS_FILE, weights_bundle.META_FILE  # the bundle's format: weights.py
+WEIGHTS, DESCRIPTION = (
+    weights_bundle.WEIGHTS_FILE,
+    weights_bundle.META_FILE,
+)  # the bundle's format: weights.py
 ARTIFACT_PATH = "consolidated"
 # NaN/Inf are counted this many elements at a time: torch.isfinite on a whole tensor would
 # allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
@@ -72,9 +76,16 @@ FINITE_BLOCK = 1 << 20
 OUTPUTS = Path(DEFAULT_OUTPUT_DIR)  # where --run-id downloads and writes
 
 
-def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run_id: str | None = None,
-         output: str | Path | None = None, dtype: str = "fp32", tracking_uri: str = "",
-         log_to_mlflow: bool = True) -> Path:
+def main(
+    checkpoint_path: str | Path | None = None,
+    *,
+    latest: bool = False,
+    run_id: str | None = None,
+    output: str | Path | None = None,
+    dtype: str = "fp32",
+    tracking_uri: str = "",
+    log_to_mlflow: bool = True,
+) -> Path:
     """Consolidates one checkpoint; returns the path of model.safetensors.
 
     `checkpoint_path` is a checkpoint directory (step_*/), or a run directory: its best checkpoint
@@ -86,12 +97,16 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     if dtype not in DTYPES:
         raise ConsolidateError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if checkpoint_path is None and run_id is None:
-        raise ConsolidateError("nothing to consolidate: give a checkpoint directory, a run directory, or --run-id")
+        raise ConsolidateError(
+            "nothing to consolidate: give a checkpoint directory, a run directory, or --run-id"
+        )
     fetched = checkpoint_path is None or is_url(checkpoint_path)
     if checkpoint_path is None:
         use_store(tracking_uri)
         ckpt = _download(run_id, latest)
-    elif is_url(checkpoint_path):  # an object store: fetched (and verified) into outputs/downloaded/, then as local
+    elif is_url(
+        checkpoint_path
+    ):  # an object store: fetched (and verified) into outputs/downloaded/, then as local
         from pipeline.checkpoint.store import fetch_checkpoint
 
         ckpt = fetch_checkpoint(str(checkpoint_path), OUTPUTS / "downloaded", latest)
@@ -100,11 +115,16 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
     if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
-        use_store(tracking_uri or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", ""))
+        use_store(
+            tracking_uri
+            or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", "")
+        )
         get_run(run_id)
         close_if_orphaned(run_id)  # a training killed outright (plain torchrun) left it RUNNING
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if fetched else None)
-    run_dir_owner.claim_for_output(out_dir)  # a training (or run) still writing there stops us, by name
+    run_dir_owner.claim_for_output(
+        out_dir
+    )  # a training (or run) still writing there stops us, by name
 
     reader = CachedMetadataReader(ckpt)
     specs = plan_tensors(ckpt, reader.metadata, meta, DTYPES[dtype])
@@ -120,12 +140,22 @@ def main(checkpoint_path: str | Path | None = None, *, latest: bool = False, run
     finally:
         tmp.unlink(missing_ok=True)
 
-    log.info("consolidated %d tensors (%.1f MB, %s) from %s in %.1f s -> %s (sha256 %s)", len(specs),
-             sum(s.nbytes for s in specs) / 1e6, dtype, ckpt, time.perf_counter() - started, weights, sha[:12])
+    log.info(
+        "consolidated %d tensors (%.1f MB, %s) from %s in %.1f s -> %s (sha256 %s)",
+        len(specs),
+        sum(s.nbytes for s in specs) / 1e6,
+        dtype,
+        ckpt,
+        time.perf_counter() - started,
+        weights,
+        sha[:12],
+    )
     if log_to_mlflow and run_id:
         log_to_run(run_id, out_dir, sha)
     elif log_to_mlflow:
-        log.info("the checkpoint names no MLflow run (mlflow_run_id) and no --run-id was given: not logged")
+        log.info(
+            "the checkpoint names no MLflow run (mlflow_run_id) and no --run-id was given: not logged"
+        )
     return weights
 
 
@@ -145,16 +175,28 @@ def resolve_checkpoint(path: Path, latest: bool = False) -> Path:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = checkpoint.latest(root)
     if found is None:
-        raise CheckpointError(f"'{path}' holds no complete checkpoint (expected checkpoints/step_*/ "
-                              f"with a {checkpoint.MARKER} marker): was training interrupted before the first save?")
+        raise CheckpointError(
+            f"'{path}' holds no complete checkpoint (expected checkpoints/step_*/ "
+            f"with a {checkpoint.MARKER} marker): was training interrupted before the first save?"
+        )
     best = None if latest else read_best(root)
     if best:
         chosen = root / best["checkpoint"]
         checkpoint.verify_complete(chosen)
-        log.info("taking the best checkpoint %s (%s %.6g at step %s); the newest is %s (--latest to take it)",
-                 chosen.name, best["metric"], best["value"], best["step"], found.name)
+        log.info(
+            "taking the best checkpoint %s (%s %.6g at step %s); the newest is %s (--latest to take it)",
+            chosen.name,
+            best["metric"],
+            best["value"],
+            best["step"],
+            found.name,
+        )
         return chosen
-    log.info("taking the newest checkpoint %s%s", found.name, "" if latest else " (the run recorded no best)")
+    log.info(
+        "taking the newest checkpoint %s%s",
+        found.name,
+        "" if latest else " (the run recorded no best)",
+    )
     return found
 
 
@@ -172,7 +214,9 @@ def _download(run_id: str, latest: bool) -> Path:
     return download_checkpoint(run_id, OUTPUTS / "downloaded", latest)
 
 
-def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype) -> list[TensorSpec]:
+def plan_tensors(
+    ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype
+) -> list[TensorSpec]:
     """What the file will hold, in file order, after checking the checkpoint against the model's state
     manifest recorded at save: same keys, same shapes, floating where the model is floating."""
     expected = manifest_of(ckpt, meta)
@@ -181,12 +225,18 @@ def plan_tensors(ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype)
     for name, want in expected.items():
         md = metadata.state_dict_metadata[f"model.{name}"]
         if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as bytes, not a tensor")
+            raise CheckpointError(
+                f"checkpoint '{ckpt}': model.{name} is stored as bytes, not a tensor"
+            )
         stored = md.properties.dtype
         if stored.is_floating_point != _DTYPES[want["dtype"]].is_floating_point:
-            raise CheckpointError(f"checkpoint '{ckpt}': model.{name} is stored as {stored}, the model "
-                                  f"has {want['dtype']}: metadata from another model?")
-        specs.append(TensorSpec(name, tuple(md.size), dtype if stored.is_floating_point else stored))
+            raise CheckpointError(
+                f"checkpoint '{ckpt}': model.{name} is stored as {stored}, the model "
+                f"has {want['dtype']}: metadata from another model?"
+            )
+        specs.append(
+            TensorSpec(name, tuple(md.size), dtype if stored.is_floating_point else stored)
+        )
     return file_order(specs)
 
 
@@ -201,19 +251,39 @@ def manifest_of(ckpt: Path, meta: dict) -> dict[str, dict]:
     manifest = meta.get("model_state")
     if not isinstance(manifest, dict) or not manifest:
         fmt = meta.get("format", "unknown")
-        raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} (format {fmt}) records no model_state "
-                              f"manifest; it was saved by a trainserve before components ({DCP_FORMAT} has "
-                              "it): retrain, or consolidate it with the trainserve that saved it")
+        raise CheckpointError(
+            f"checkpoint '{ckpt}': {checkpoint.META} (format {fmt}) records no model_state "
+            f"manifest; it was saved by a trainserve before components ({DCP_FORMAT} has "
+            "it): retrain, or consolidate it with the trainserve that saved it"
+        )
     for name, entry in manifest.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and entry.get("dtype") in _DTYPES):
-            raise CheckpointError(f"checkpoint '{ckpt}': {checkpoint.META} model_state entry {name!r} is malformed "
-                                  f"(expected {{shape: [...], dtype: one of {sorted(_DTYPES)}}})")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("shape"), list)
+            and entry.get("dtype") in _DTYPES
+        ):
+            raise CheckpointError(
+                f"checkpoint '{ckpt}': {checkpoint.META} model_state entry {name!r} is malformed "
+                f"(expected {{shape: [...], dtype: one of {sorted(_DTYPES)}}})"
+            )
     return manifest
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -227,13 +297,17 @@ def _prepare_output(out_dir: Path, size: int) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise ConsolidateError(f"output directory '{out_dir}' can't be written ({exc.strerror or exc}); "
-                               "choose another with --output") from None
+        raise ConsolidateError(
+            f"output directory '{out_dir}' can't be written ({exc.strerror or exc}); "
+            "choose another with --output"
+        ) from None
     _remove_stale_temporaries(out_dir)
     free = shutil.disk_usage(out_dir).free
     if free < size:
-        raise ConsolidateError(f"not enough disk space in '{out_dir}': {WEIGHTS} needs {size / 1e6:.1f} MB, "
-                               f"{free / 1e6:.1f} MB free; free some space or choose another --output")
+        raise ConsolidateError(
+            f"not enough disk space in '{out_dir}': {WEIGHTS} needs {size / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB free; free some space or choose another --output"
+        )
     return out_dir / f".{WEIGHTS}.tmp-{os.getpid()}"
 
 
@@ -262,12 +336,16 @@ def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
     return [b for b in batches if b]
 
 
-def write_weights(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path) -> str:
+def write_weights(
+    tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path
+) -> str:
     """The model's tensors into `tmp`, every shard file verified against its marker's sha256; returns the
     output's sha256. One pass over the shards (shard_stream) where the layout allows, else the dcp.load path."""
     layout = shard_stream.plan(reader.metadata, specs, {"format": "pt"})
     if layout is None:
-        log.info("chunks not stored as dim-0 slices: reading through dcp.load after verifying the shards")
+        log.info(
+            "chunks not stored as dim-0 slices: reading through dcp.load after verifying the shards"
+        )
         checkpoint.verify_checksums(ckpt)
         return write_weights_via_dcp(tmp, reader, specs, ckpt)
     return write_weights_one_pass(tmp, layout, specs, ckpt)
@@ -284,9 +362,15 @@ def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Pat
         raise _write_error(exc, tmp) from None
     try:
         os.ftruncate(fd, len(header) + sum(s.nbytes for s in specs))
-        digests = shard_stream.copy_hashed(ckpt, header, pieces, fd, _nonfinite,
-                                           lambda name, nan, inf, dtype: _refuse_nonfinite(name, nan, inf, dtype, ckpt),
-                                           _return_freed_memory)
+        digests = shard_stream.copy_hashed(
+            ckpt,
+            header,
+            pieces,
+            fd,
+            _nonfinite,
+            lambda name, nan, inf, dtype: _refuse_nonfinite(name, nan, inf, dtype, ckpt),
+            _return_freed_memory,
+        )
         os.fsync(fd)
     except OSError as exc:
         raise _write_error(exc, tmp) from None
@@ -296,7 +380,9 @@ def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Pat
     return file_sha256(tmp)
 
 
-def write_weights_via_dcp(tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path) -> str:
+def write_weights_via_dcp(
+    tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path
+) -> str:
     """Streams the model's tensors into `tmp`, a few per `dcp.load` call; returns the file's sha256."""
     stored = reader.metadata.state_dict_metadata
     try:
@@ -307,13 +393,18 @@ def write_weights_via_dcp(tmp: Path, reader: CachedMetadataReader, specs: list[T
         for batch in _batches(specs):
             # Empty tensors built from the metadata: DCP loads into them in place, and it reads only
             # the chunks they need, from whichever shard files hold them (any world size, DDP or FSDP).
-            state = {f"model.{s.name}": torch.empty(stored[f"model.{s.name}"].size,
-                                                    dtype=stored[f"model.{s.name}"].properties.dtype)
-                     for s in batch}
+            state = {
+                f"model.{s.name}": torch.empty(
+                    stored[f"model.{s.name}"].size, dtype=stored[f"model.{s.name}"].properties.dtype
+                )
+                for s in batch
+            }
             _load(state, reader, ckpt)
             for s in batch:
                 tensor = state.pop(f"model.{s.name}").to(s.dtype)
-                _check_finite(s.name, tensor, ckpt)  # after the cast: fp16 overflows to Inf past 65504
+                _check_finite(
+                    s.name, tensor, ckpt
+                )  # after the cast: fp16 overflows to Inf past 65504
                 writer.write(s.name, tensor)
                 del tensor  # before the next one: one big tensor at a time
             _return_freed_memory()
@@ -325,7 +416,9 @@ def write_weights_via_dcp(tmp: Path, reader: CachedMetadataReader, specs: list[T
         writer.abort()
         raise
     if file_sha256(tmp) != sha:  # what was streamed is what is on disk
-        raise ConsolidateError(f"'{tmp}' changed on disk while it was written (sha256 differs); try again")
+        raise ConsolidateError(
+            f"'{tmp}' changed on disk while it was written (sha256 differs); try again"
+        )
     return sha
 
 
@@ -349,14 +442,25 @@ _malloc_trim = _find_malloc_trim()
 def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Path) -> None:
     try:
         with dcp_read.single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=dcp_read.WeightsOnlyLoadPlanner(), no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=dcp_read.WeightsOnlyLoadPlanner(),
+                no_dist=True,
+            )
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        files = sorted({info.relative_path for index, info in reader.metadata.storage_data.items()
-                        if index.fqn in state})
-        raise CheckpointError(f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
-                              f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
-                              f"file corrupt or truncated? ({dcp_read.first_failure(exc)})") from exc
-
+        files = sorted(
+            {
+                info.relative_path
+                for index, info in reader.metadata.storage_data.items()
+                if index.fqn in state
+            }
+        )
+        raise CheckpointError(
+            f"checkpoint '{ckpt}': reading {', '.join(list(state)[:3])}"
+            f"{' ...' if len(state) > 3 else ''} from {', '.join(files)} failed: shard "
+            f"file corrupt or truncated? ({dcp_read.first_failure(exc)})"
+        ) from exc
 
 
 def _check_finite(name: str, tensor: torch.Tensor, ckpt: Path) -> None:
@@ -380,17 +484,26 @@ def _nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _refuse_nonfinite(name: str, nan: int, inf: int, dtype: torch.dtype, ckpt: Path) -> None:
-    hint = ("values outside fp16's range (±65504) became Inf: use --dtype bf16 or fp32"
-            if dtype == torch.float16 else "training diverged before this checkpoint, consolidate an earlier one")
-    raise ConsolidateError(f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf values "
-                           f"as {str(dtype).removeprefix('torch.')}; {hint}")
+    hint = (
+        "values outside fp16's range (±65504) became Inf: use --dtype bf16 or fp32"
+        if dtype == torch.float16
+        else "training diverged before this checkpoint, consolidate an earlier one"
+    )
+    raise ConsolidateError(
+        f"checkpoint '{ckpt}': tensor '{name}' holds {nan} NaN and {inf} Inf values "
+        f"as {str(dtype).removeprefix('torch.')}; {hint}"
+    )
 
 
 def _write_error(exc: OSError, path: Path) -> ConsolidateError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return ConsolidateError(f"disk full while writing '{path.parent / WEIGHTS}' ({exc.strerror}); "
-                                "nothing was published; free some space or choose another --output")
-    return ConsolidateError(f"can't write '{path}' ({exc.strerror or exc}); choose another --output")
+        return ConsolidateError(
+            f"disk full while writing '{path.parent / WEIGHTS}' ({exc.strerror}); "
+            "nothing was published; free some space or choose another --output"
+        )
+    return ConsolidateError(
+        f"can't write '{path}' ({exc.strerror or exc}); choose another --output"
+    )
 
 
 def verify_file(path: Path, specs: list[TensorSpec], manifest: dict[str, dict]) -> None:
@@ -404,8 +517,10 @@ def verify_file(path: Path, specs: list[TensorSpec], manifest: dict[str, dict]) 
         raise ConsolidateError(f"'{path}': written keys differ from the planned ones")
     wrong = [n for n, shape in written.items() if manifest[n]["shape"] != shape]
     if set(written) != set(manifest) or wrong:
-        raise ConsolidateError(f"'{path}' does not match the model's state manifest: keys "
-                               f"{sorted(set(written) ^ set(manifest))[:5]}, shapes {wrong[:5]}")
+        raise ConsolidateError(
+            f"'{path}' does not match the model's state manifest: keys "
+            f"{sorted(set(written) ^ set(manifest))[:5]}, shapes {wrong[:5]}"
+        )
 
 
 def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
@@ -428,8 +543,6 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
 # --- MLflow ---------------------------------------------------------------------------------
 
 
-
-
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
     """Both files under `consolidated/` of the source run; the stage done, the weights' sha256 in its lineage."""
     log_consolidated(run_id, out_dir, (WEIGHTS, DESCRIPTION), ARTIFACT_PATH, {"sha256": sha})
@@ -440,18 +553,39 @@ def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", nargs="?", metavar="CHECKPOINT_DIR | RUN_DIR",
-                        help="a checkpoint directory (step_*/), or a run directory (its best checkpoint); local, or on an object store (s3://...)")
-    parser.add_argument("--latest", action="store_true",
-                        help="take the run's newest complete checkpoint instead of its best")
-    parser.add_argument("--run-id", help="MLflow run: without a path, download its best checkpoint; "
-                        "with one, the run to log to (default: the checkpoint's own run)")
-    parser.add_argument("--output", help="output directory (default: <run_dir>/consolidated, "
-                        "or outputs/<run_id>/consolidated with --run-id)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
-                        help="dtype of the floating tensors in the file (integer buffers stay as they are)")
-    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: the checkpoint's "
-                        "config, else $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    parser.add_argument(
+        "source",
+        nargs="?",
+        metavar="CHECKPOINT_DIR | RUN_DIR",
+        help="a checkpoint directory (step_*/), or a run directory (its best checkpoint); local, or on an object store (s3://...)",
+    )
+    parser.add_argument(
+        "--latest",
+        action="store_true",
+        help="take the run's newest complete checkpoint instead of its best",
+    )
+    parser.add_argument(
+        "--run-id",
+        help="MLflow run: without a path, download its best checkpoint; "
+        "with one, the run to log to (default: the checkpoint's own run)",
+    )
+    parser.add_argument(
+        "--output",
+        help="output directory (default: <run_dir>/consolidated, "
+        "or outputs/<run_id>/consolidated with --run-id)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="fp32",
+        help="dtype of the floating tensors in the file (integer buffers stay as they are)",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: the checkpoint's "
+        "config, else $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
     parser.add_argument("--no-log", action="store_true", help="don't log the result to MLflow")
 
 
@@ -459,8 +593,15 @@ def cli(args: argparse.Namespace) -> int:
     logs.configure()
     stopping.exit_on_sigterm()  # a stop runs the `finally`s that remove temporaries
     try:
-        path = main(args.source, latest=args.latest, run_id=args.run_id, output=args.output, dtype=args.dtype,
-                    tracking_uri=args.tracking_uri, log_to_mlflow=not args.no_log)
+        path = main(
+            args.source,
+            latest=args.latest,
+            run_id=args.run_id,
+            output=args.output,
+            dtype=args.dtype,
+            tracking_uri=args.tracking_uri,
+            log_to_mlflow=not args.no_log,
+        )
     except (CheckpointError, TrackingError, ConsolidateError, run_dir_owner.RunDirBusy) as exc:
         print(f"pipeline consolidate: error: {exc}", file=sys.stderr)
         return 2

@@ -18,18 +18,46 @@ from pipeline.errors import ConfigError, DataError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["shard"],
-                        help="shard: write the config's train and val splits as Parquet shards with a manifest each")
-    parser.add_argument("--config", help="YAML config whose data section names the data (configs/*.yaml)")
-    parser.add_argument("--out", required=True, help="a directory or s3://bucket/prefix; OUT/train and OUT/val are written")
-    parser.add_argument("--rows-per-shard", type=int, default=0, help="samples a shard file (default: ~256 MiB of them)")
-    parser.add_argument("--rows-per-group", type=int, default=0,
-                        help="samples a row group, the unit the stream shuffles and reads (default: ~4 MiB of them)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the data section, e.g. "
-                        "data.args.val_fraction=0.1")
+    parser.add_argument(
+        "action",
+        choices=["shard"],
+        help="shard: write the config's train and val splits as Parquet shards with a manifest each",
+    )
+    parser.add_argument(
+        "--config", help="YAML config whose data section names the data (configs/*.yaml)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="a directory or s3://bucket/prefix; OUT/train and OUT/val are written",
+    )
+    parser.add_argument(
+        "--rows-per-shard",
+        type=int,
+        default=0,
+        help="samples a shard file (default: ~256 MiB of them)",
+    )
+    parser.add_argument(
+        "--rows-per-group",
+        type=int,
+        default=0,
+        help="samples a row group, the unit the stream shuffles and reads (default: ~4 MiB of them)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides of the data section, e.g. data.args.val_fraction=0.1",
+    )
 
 
-def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int = 0, rows_per_group: int = 0) -> dict:
+def main(
+    config: str | None,
+    overrides: list[str],
+    out: str,
+    rows_per_shard: int = 0,
+    rows_per_group: int = 0,
+) -> dict:
     """{split: Manifest} of the config's splits written under `out`."""
     from pipeline.components.build import build_data
     from pipeline.config import load_config
@@ -42,19 +70,29 @@ def main(config: str | None, overrides: list[str], out: str, rows_per_shard: int
     from pipeline.shards.stream import ShardedStream
 
     if isinstance(splits.train, ShardedStream):
-        raise DataError(f"data.component '{cfg.data.component}' is already sharded; copy its directory instead")
+        raise DataError(
+            f"data.component '{cfg.data.component}' is already sharded; copy its directory instead"
+        )
     if isinstance(splits.train, IterableDataset):
-        raise DataError(f"data.component '{cfg.data.component}' returns a stream; `pipeline data shard` writes map-style "
-                        "data (indexable, with len()): give it the map-style form of the data")
+        raise DataError(
+            f"data.component '{cfg.data.component}' returns a stream; `pipeline data shard` writes map-style "
+            "data (indexable, with len()): give it the map-style form of the data"
+        )
     written = {}
     for split in ("train", "val"):
         dataset = getattr(splits, split)
         profile: dict = {}
         samples = _profiled(dataset, profile)
         written[split] = shard_format.write_split(
-            samples, shard_format.join(out, split), rows_per_shard=rows_per_shard, rows_per_group=rows_per_group,
-            classes=splits.classes, model_args=splits.model_hints if split == "train" else {},
-            source={"component": cfg.data.component, "args": cfg.data.args, "split": split}, targets=profile)
+            samples,
+            shard_format.join(out, split),
+            rows_per_shard=rows_per_shard,
+            rows_per_group=rows_per_group,
+            classes=splits.classes,
+            model_args=splits.model_hints if split == "train" else {},
+            source={"component": cfg.data.component, "args": cfg.data.args, "split": split},
+            targets=profile,
+        )
     return written
 
 
@@ -79,17 +117,25 @@ def _profiled(dataset, profile: dict, every: int = 1024):
 def cli(args) -> int:
     try:
         if args.rows_per_shard < 0 or args.rows_per_group < 0:
-            raise ConfigError("--rows-per-shard and --rows-per-group are counts of samples: give a positive number, "
-                              "or 0 (or leave them out) for the defaults")
+            raise ConfigError(
+                "--rows-per-shard and --rows-per-group are counts of samples: give a positive number, "
+                "or 0 (or leave them out) for the defaults"
+            )
         started = time.perf_counter()
-        written = main(args.config, args.overrides, args.out, args.rows_per_shard, args.rows_per_group)
+        written = main(
+            args.config, args.overrides, args.out, args.rows_per_shard, args.rows_per_group
+        )
     except (ConfigError, DataError) as exc:
         print(f"pipeline data shard: error: {exc}", file=sys.stderr)
         return 2
     for split, manifest in written.items():
         groups = sum(len(s.row_groups) for s in manifest.shards)
-        print(f"{split:5s} {manifest.rows} samples in {len(manifest.shards)} shards ({groups} row groups), manifest "
-              f"sha256 {manifest.digest[:16]}: {manifest.location}")
-    print(f"written in {time.perf_counter() - started:.1f} s; train from them with: "
-          f"data.name=sharded data.args.root={args.out.rstrip('/')}")
+        print(
+            f"{split:5s} {manifest.rows} samples in {len(manifest.shards)} shards ({groups} row groups), manifest "
+            f"sha256 {manifest.digest[:16]}: {manifest.location}"
+        )
+    print(
+        f"written in {time.perf_counter() - started:.1f} s; train from them with: "
+        f"data.name=sharded data.args.root={args.out.rstrip('/')}"
+    )
     return 0

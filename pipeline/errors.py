@@ -65,4 +65,4 @@ def worker_message(exc: BaseException) -> str:
         return text
     name = f"{type(exc).__module__}.{type(exc).__name__}: "
     lines = [line for line in text.splitlines() if line.startswith(name)]
-    return lines[-1][len(name):] if lines else text
+    return lines[-1][len(name) :] if lines else text

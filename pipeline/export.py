@@ -44,21 +44,34 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.artifact import baseline, gates, int8, length_limits, onnx_export, promotion, uint8_inputs
 from pipeline import tracking
+from pipeline.artifact import (
+    baseline,
+    gates,
+    int8,
+    length_limits,
+    onnx_export,
+    promotion,
+    uint8_inputs,
+)
+from pipeline.artifact.rebuild import gate_file, rebuild, run_gates
+from pipeline.artifact.weights import META_FILE, Weights, read_weights
 from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.components.data import DataError, Splits, first_batch, named
-from pipeline.artifact.rebuild import gate_file, rebuild, run_gates
 from pipeline.components.reference import short_name
-from serving.lineage import file_sha256
-from pipeline.config import (DEFAULT_OUTPUT_DIR, Config, ConfigError, ExportConfig, config_from_dict,
-                             parse_override)
-from pipeline.artifact.weights import META_FILE, Weights, read_weights
+from pipeline.config import (
+    DEFAULT_OUTPUT_DIR,
+    Config,
+    ConfigError,
+    ExportConfig,
+    config_from_dict,
+    parse_override,
+)
 from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
 from serving import drift, lineage
-from serving.lineage import Lineage
+from serving.lineage import Lineage, file_sha256
 
 log = logging.getLogger("pipeline.export")
 
@@ -74,15 +87,22 @@ class ExportResult:
     report: dict[str, Any]
     report_path: Path
     onnx_path: Path
-    model_version: str | None = None          # registry version, when registered
+    model_version: str | None = None  # registry version, when registered
     registered_model_name: str = ""
     failed: list[str] = field(default_factory=list)
 
 
-def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
-         export_cfg: ExportConfig | None = None, overrides: Sequence[str] = (),
-         output_dir: str | Path | None = None, tracking_uri: str = "", register: bool = True,
-         trusted: Sequence[str] = ()) -> ExportResult:
+def main(
+    weights_dir: str | Path | None = None,
+    *,
+    run_id: str | None = None,
+    export_cfg: ExportConfig | None = None,
+    overrides: Sequence[str] = (),
+    output_dir: str | Path | None = None,
+    tracking_uri: str = "",
+    register: bool = True,
+    trusted: Sequence[str] = (),
+) -> ExportResult:
     """Exports and gates one model; registers it when every gate passes.
 
     `weights_dir` or `run_id` (its `consolidated/` artifacts) names the input. The export settings
@@ -96,7 +116,9 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         tracking.setup(_tracking_cfg(Config().tracking, tracking_uri))
         weights_dir = _download_weights(run_id)
     elif weights_dir is None:
-        raise WeightsError("give a weights directory (with model.safetensors and model.json) or --run-id")
+        raise WeightsError(
+            "give a weights directory (with model.safetensors and model.json) or --run-id"
+        )
     weights = read_weights(Path(weights_dir))
     cfg = _export_settings(weights.config, export_cfg, overrides)
     if not run_id:
@@ -118,16 +140,36 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
-    metadata = onnx_export.metadata_for(name, task.name, weights.meta.get("labels"), {
-        **lineage_of(weights).metadata(), lineage.OPSET: str(cfg.opset),
-        # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
-        lineage.DECISION: task.decision or "", lineage.PREDICTION: task.prediction or ""})
+    metadata = onnx_export.metadata_for(
+        name,
+        task.name,
+        weights.meta.get("labels"),
+        {
+            **lineage_of(weights).metadata(),
+            lineage.OPSET: str(cfg.opset),
+            # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
+            lineage.DECISION: task.decision or "",
+            lineage.PREDICTION: task.prediction or "",
+        },
+    )
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
     onnx_path = out / "model.candidate.onnx"
-    exported = onnx_export.export(ref.fresh_head(), example, cfg.dynamic_axes, cfg.opset, metadata, onnx_path,
-                                  cfg.external_data)
+    exported = onnx_export.export(
+        ref.fresh_head(),
+        example,
+        cfg.dynamic_axes,
+        cfg.opset,
+        metadata,
+        onnx_path,
+        cfg.external_data,
+    )
     gc.collect()  # the exporter's copy of the weights goes before onnxruntime maps its own
-    log.info("exported with the %s exporter in %.1f s -> %s", exported.exporter, exported.seconds, onnx_path)
+    log.info(
+        "exported with the %s exporter in %.1f s -> %s",
+        exported.exporter,
+        exported.seconds,
+        onnx_path,
+    )
 
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
@@ -136,19 +178,40 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         # the longest token inputs in its metadata: the server's 400 past them
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
-    cpu_sess = gates.session(onnx_path)  # the gates' session; the drift baseline is computed with it too
+    cpu_sess = gates.session(
+        onnx_path
+    )  # the gates' session; the drift baseline is computed with it too
     kept: dict = {}
     results.update(run_gates(cpu_sess, ref, batches, cfg, kept=kept))
-    if "onnx" in kept and (found := baseline.gate(task, kept["onnx"], cfg, ref.head, splits.val)) is not None:
+    if (
+        "onnx" in kept
+        and (found := baseline.gate(task, kept["onnx"], cfg, ref.head, splits.val)) is not None
+    ):
         results["baseline"] = found  # clearly better than the trivial predictor, or not registered
     # the exported model's own figure (a confusion matrix), named by its checkpoint's step
-    figure = task.plot(kept["onnx"], out / "validation.png",
-                       subject=f"exported model (step {weights.step}), validation") if "onnx" in kept else None
+    figure = (
+        task.plot(
+            kept["onnx"],
+            out / "validation.png",
+            subject=f"exported model (step {weights.step}), validation",
+        )
+        if "onnx" in kept
+        else None
+    )
     cuda_sess, not_on_cuda = _cuda_session(onnx_path)
     if cuda_sess is not None:
-        results.update({f"cuda.{k}": v for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()})
-    providers = {CPU: "gated", CUDA: f"gated with {_cuda_options()}" if cuda_sess is not None else
-                 f"not gated: {not_on_cuda}"}
+        results.update(
+            {
+                f"cuda.{k}": v
+                for k, v in run_gates(cuda_sess, ref, batches, cfg, provider=CUDA).items()
+            }
+        )
+    providers = {
+        CPU: "gated",
+        CUDA: f"gated with {_cuda_options()}"
+        if cuda_sess is not None
+        else f"not gated: {not_on_cuda}",
+    }
     variants: dict[str, Path] = {}
     if cfg.ort_optimize:
         variants["optimized"] = gates.ort_optimize(onnx_path, out / "model.optimized.onnx")
@@ -157,10 +220,14 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         results.update({f"optimized.{k}": v for k, v in run_gates(sess, ref, batches, cfg).items()})
     if cfg.fp16:
         variants["fp16"] = out / "model.fp16.onnx"
-        onnx_export.save(gates.to_fp16(onnx_export.with_weights(exported.model, onnx_path)), variants["fp16"])
+        onnx_export.save(
+            gates.to_fp16(onnx_export.with_weights(exported.model, onnx_path)), variants["fp16"]
+        )
         results.update(_fp16_gates(variants["fp16"], ref, batches, cfg, cuda_sess is not None))
     if cfg.uint8_inputs:
-        path, gated = uint8_inputs.make_variant(exported.model, onnx_path, out, ref, batches, cfg, cfg.uint8_inputs)
+        path, gated = uint8_inputs.make_variant(
+            exported.model, onnx_path, out, ref, batches, cfg, cfg.uint8_inputs
+        )
         results.update(gated)
         if path is not None:
             variants["uint8"] = path
@@ -172,10 +239,14 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
     measured = _measure_variants(onnx_path, variants, splits.val, cuda_sess is not None)
 
     # 5. Report, MLflow, registry.
-    report = _report(weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names)
+    report = _report(
+        weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names
+    )
     report["providers"] = providers
     if figure:
-        report["figure"] = str(figure)  # the exported model's on the validation split (logged to the run's onnx/)
+        report["figure"] = str(
+            figure
+        )  # the exported model's on the validation split (logged to the run's onnx/)
     if int8_report is not None:
         report["int8"] = int8_report
     if measured:
@@ -195,15 +266,28 @@ def main(weights_dir: str | Path | None = None, *, run_id: str | None = None,
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
     # champion vs challenger, on the same split, the same way (again at registration if the champion moved)
-    compare = partial(promotion.decide, onnx_path, name, cfg.alias, splits.val, task, cfg.promote,
-                      cfg.promote_tolerance)
+    compare = partial(
+        promotion.decide,
+        onnx_path,
+        name,
+        cfg.alias,
+        splits.val,
+        task,
+        cfg.promote,
+        cfg.promote_tolerance,
+    )
     if report["passed"] and register:
         report["promotion"] = compare()
-        log.info("%s: %s", "promote" if report["promotion"]["promote"] else "not promoted",
-                 report["promotion"]["reason"])
+        log.info(
+            "%s: %s",
+            "promote" if report["promotion"]["promote"] else "not promoted",
+            report["promotion"]["reason"],
+        )
     report_path = out / "export_report.json"
     write_json(report_path, report)
-    result = ExportResult(report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"])
+    result = ExportResult(
+        report["passed"], report, report_path, onnx_path, None, name, report["failed_gates"]
+    )
     _publish(result, weights, run_id, cfg, exported, example, variants, register, compare)
     return result
 
@@ -228,7 +312,6 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
         builder.add("inputs", feeds)
         builder.add("outputs", gates.run_onnx(sess, feeds))
     return drift.write(builder.build(f"training split, {how}"), path)
-
 
 
 def describe_source(source: dict) -> str:
@@ -256,15 +339,19 @@ def _download_weights(run_id: str) -> Path:
     return local
 
 
-def _export_settings(config: Config, export_cfg: ExportConfig | None, overrides: Sequence[str]) -> ExportConfig:
+def _export_settings(
+    config: Config, export_cfg: ExportConfig | None, overrides: Sequence[str]
+) -> ExportConfig:
     tree = config.model_dump(mode="json")
     if export_cfg is not None:
         tree["export"] = export_cfg.model_dump(mode="json")
     for text in overrides:
         keys, value = parse_override(text)
         if len(keys) != 2 or keys[0] != "export":
-            raise ConfigError(f"override '{text}': `pipeline export` takes export.<key>=value; "
-                              f"keys: {', '.join('export.' + k for k in ExportConfig.model_fields)}")
+            raise ConfigError(
+                f"override '{text}': `pipeline export` takes export.<key>=value; "
+                f"keys: {', '.join('export.' + k for k in ExportConfig.model_fields)}"
+            )
         tree["export"][keys[1]] = value
     return config_from_dict(tree).export
 
@@ -274,7 +361,9 @@ def _tracking_cfg(tracking_cfg, uri: str):
 
 
 def config_digest(config_tree: dict) -> str:
-    return hashlib.sha256(json.dumps(config_tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(config_tree, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,29 +384,45 @@ def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> d
     try:
         sess = gates.session(path, providers)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own untyped errors
-        res["fp16.parity"] = {"passed": False, "provider": provider,
-                              "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}"}
+        res["fp16.parity"] = {
+            "passed": False,
+            "provider": provider,
+            "message": f"onnxruntime cannot run the fp16 model on {provider}: {exc}",
+        }
         return res
     gated = run_gates(sess, ref, batches, cfg, provider=provider, variant="fp16")
     return res | {f"fp16.{k}": v for k, v in gated.items()}
 
 
-def _measure_variants(fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool) -> dict[str, dict]:
+def _measure_variants(
+    fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool
+) -> dict[str, dict]:
     """Samples/s at batch 1 and 32, in this process through the server's Engine, of each servable variant that
     passed, on each provider that serves it (fp32 and int8 on the CPU; fp32 and fp16 on CUDA when it runs here):
     what `serve --variant auto` chooses by. A provider with nothing to choose between is not measured."""
-    choices = {CPU: {"fp32": fp32_path} | ({"int8": variants["int8"]} if "int8" in variants else {})}
+    choices = {
+        CPU: {"fp32": fp32_path} | ({"int8": variants["int8"]} if "int8" in variants else {})
+    }
     if on_cuda:
-        choices[CUDA] = {"fp32": fp32_path} | ({"fp16": variants["fp16"]} if "fp16" in variants else {})
+        choices[CUDA] = {"fp32": fp32_path} | (
+            {"fp16": variants["fp16"]} if "fp16" in variants else {}
+        )
     choices = {provider: paths for provider, paths in choices.items() if len(paths) > 1}
     if not choices:
         return {}
     feeds = {b: gates.feeds_of(first_batch(val, b)[0]) for b in (1, 32)}
-    measured = {provider: int8.measure(paths, feeds, device="cuda" if provider == CUDA else "cpu")
-                for provider, paths in choices.items()}
-    log.info("variants measured (samples/s at batch 1, 32): %s", "; ".join(
-        f"{p.removesuffix('ExecutionProvider')} {v} {m['batch1_per_s']:.0f}, {m['batch32_per_s']:.0f}"
-        for p, per in measured.items() for v, m in per.items()))
+    measured = {
+        provider: int8.measure(paths, feeds, device="cuda" if provider == CUDA else "cpu")
+        for provider, paths in choices.items()
+    }
+    log.info(
+        "variants measured (samples/s at batch 1, 32): %s",
+        "; ".join(
+            f"{p.removesuffix('ExecutionProvider')} {v} {m['batch1_per_s']:.0f}, {m['batch32_per_s']:.0f}"
+            for p, per in measured.items()
+            for v, m in per.items()
+        ),
+    )
     return measured
 
 
@@ -326,8 +431,10 @@ def int8_metrics(int8_report: dict | None) -> dict[str, float]:
     nodes stayed in float; its gates' figures are in the table (figures_table)."""
     if not int8_report:
         return {}
-    return {"export.int8.passed": float(int8_report["passed"]),
-            "export.int8.excluded_nodes": float(len(int8_report["excluded"]))}
+    return {
+        "export.int8.passed": float(int8_report["passed"]),
+        "export.int8.excluded_nodes": float(len(int8_report["excluded"])),
+    }
 
 
 def figures_table(report: dict) -> list[dict]:
@@ -337,36 +444,55 @@ def figures_table(report: dict) -> list[dict]:
     if report.get("int8"):
         rows += gates.table(report["int8"]["gates"], "int8.")
     if decision := report.get("promotion"):  # both sides' figures and the gain, as one more "gate"
-        compared = {f"{who}.{key}": value for who in ("candidate", "champion")
-                    for key, value in (decision.get(who) or {}).items() if key != "version"}
-        rows += gates.table({"compare": {**compared, "gain": decision.get("gain"), "passed": decision["promote"]}})
+        compared = {
+            f"{who}.{key}": value
+            for who in ("candidate", "champion")
+            for key, value in (decision.get(who) or {}).items()
+            if key != "version"
+        }
+        rows += gates.table(
+            {"compare": {**compared, "gain": decision.get("gain"), "passed": decision["promote"]}}
+        )
     return rows
 
 
 def verdict_of(result: ExportResult, decision: dict) -> str:
     """The run's VERDICT tag: what export made of the model, in a few words."""
     name, version = result.registered_model_name, result.model_version
-    return f"{name} v{version} @{result.report['alias']}" + ("" if decision["promote"] else ": not promoted")
+    return f"{name} v{version} @{result.report['alias']}" + (
+        "" if decision["promote"] else ": not promoted"
+    )
 
 
 def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
-    return (f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
-            f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
-            "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
-            "its gates and why it holds its alias.")
+    return (
+        f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
+        f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
+        "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
+        "its gates and why it holds its alias."
+    )
 
 
 def export_lineage(found: Lineage, weights: Weights, report: dict) -> dict:
     """Export's part of the run's lineage.json: the model's lineage, the checkpoint it came from, the exporter,
     every file's sha256, and what the registry made of it."""
     decision = report.get("promotion") or {}
-    return {"model": found.as_dict(), "source": weights.source,
-            "exporter": report["exporter"], "sha256": report.get("sha256", {}),
-            "registered": {"name": report.get("registered_model_name"), "version": report.get("model_version"),
-                           "alias": report.get("alias"), "model_uri": report.get("model_uri"),
-                           "promoted": decision.get("promote"), "reason": decision.get("reason")}}
+    return {
+        "model": found.as_dict(),
+        "source": weights.source,
+        "exporter": report["exporter"],
+        "sha256": report.get("sha256", {}),
+        "registered": {
+            "name": report.get("registered_model_name"),
+            "version": report.get("model_version"),
+            "alias": report.get("alias"),
+            "model_uri": report.get("model_uri"),
+            "promoted": decision.get("promote"),
+            "reason": decision.get("reason"),
+        },
+    }
 
 
 def version_description(report: dict, found: Lineage, decision: dict, alias: str) -> str:
@@ -375,12 +501,18 @@ def version_description(report: dict, found: Lineage, decision: dict, alias: str
     esc = tracking.markdown_escaped
     results = report["gates"]
     passed = sum(bool(g.get("passed")) for g in results.values())
-    lines = [f"**{esc(found.model)}** ({esc(found.task)}) trained on {esc(found.data)}; checkpoint "
-             f"{esc(found.checkpoint)} (step {esc(found.step)}) of run {esc(found.run_id or 'none')}; weights sha256 "
-             f"{found.weights_sha256[:16]}.", "",
-             f"**Gates**: {passed} of {len(results)} passed (every figure: the run's onnx/gates.json).", ""]
-    lines += [f"- {'passed' if g.get('passed') else 'FAILED'} {esc(name)}: {esc(str(g.get('message', '')))}"
-              for name, g in results.items()]
+    lines = [
+        f"**{esc(found.model)}** ({esc(found.task)}) trained on {esc(found.data)}; checkpoint "
+        f"{esc(found.checkpoint)} (step {esc(found.step)}) of run {esc(found.run_id or 'none')}; weights sha256 "
+        f"{found.weights_sha256[:16]}.",
+        "",
+        f"**Gates**: {passed} of {len(results)} passed (every figure: the run's onnx/gates.json).",
+        "",
+    ]
+    lines += [
+        f"- {'passed' if g.get('passed') else 'FAILED'} {esc(name)}: {esc(str(g.get('message', '')))}"
+        for name, g in results.items()
+    ]
     # (plain text: MLflow's Markdown shows the backslash of an escaped "@" inside bold)
     lines += ["", f"Why it holds {esc('@' + alias)}: {esc(decision['reason'])}"]
     return "\n".join(lines)
@@ -405,24 +537,38 @@ def _cuda_session(path: Path):
     really runs here, else (None, why not). A GPU and onnxruntime-gpu are not enough: the provider's library
     loads only when the CUDA and cuDNN libraries it was built for are found."""
     if not _cuda():
-        return None, ("no CUDA device here" if not torch.cuda.is_available() else
-                      "this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
+        return None, (
+            "no CUDA device here"
+            if not torch.cuda.is_available()
+            else "this onnxruntime has no CUDA provider (install onnxruntime-gpu)"
+        )
     from serving.engine import preload_cuda_libraries
 
     said = preload_cuda_libraries()
     sess = gates.session(path, [(CUDA, _cuda_options()), CPU])
     ran = sess.get_providers()[0]
     if ran != CUDA:
-        why = (f"a CUDA device and onnxruntime-gpu are here, but its CUDA provider did not load (the session ran "
-               f"on {ran}): the CUDA and cuDNN libraries it was built for were not found"
-               + (f" (onnxruntime: {logs.clip(said, 300)})" if said else ""))
+        why = (
+            f"a CUDA device and onnxruntime-gpu are here, but its CUDA provider did not load (the session ran "
+            f"on {ran}): the CUDA and cuDNN libraries it was built for were not found"
+            + (f" (onnxruntime: {logs.clip(said, 300)})" if said else "")
+        )
         log.warning("the CUDA gates are skipped: %s", why)
         return None, why
     return sess, ""
 
 
-def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: dict, variants: dict, task,
-            splits: Splits, output_names: list[str]) -> dict:
+def _report(
+    weights: Weights,
+    cfg: ExportConfig,
+    name: str,
+    exported,
+    results: dict,
+    variants: dict,
+    task,
+    splits: Splits,
+    output_names: list[str],
+) -> dict:
     failed = [k for k, v in results.items() if not v["passed"]]
     return {
         "format": REPORT_FORMAT,
@@ -431,8 +577,13 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
         "failures": {k: results[k]["message"] for k in failed},
         "registered_model_name": name,
         "model_version": None,
-        "exporter": {"used": exported.exporter, "fallback_reason": exported.fallback_reason,
-                     "opset": cfg.opset, "seconds": round(exported.seconds, 2), "torch": torch.__version__},
+        "exporter": {
+            "used": exported.exporter,
+            "fallback_reason": exported.fallback_reason,
+            "opset": cfg.opset,
+            "seconds": round(exported.seconds, 2),
+            "torch": torch.__version__,
+        },
         "task": task.facts(),
         "inputs": [s.to_json() for s in splits.inputs],
         "outputs": list(output_names),
@@ -440,13 +591,21 @@ def _report(weights: Weights, cfg: ExportConfig, name: str, exported, results: d
         "gates": results,
         "variants": {k: str(v) for k, v in variants.items()},
         "export_config": cfg.model_dump(mode="json"),
-        "weights": {"directory": str(weights.directory), "sha256": weights.meta["sha256"],
-                    "config_sha256": config_digest(weights.meta["config"]), "source": weights.source},
+        "weights": {
+            "directory": str(weights.directory),
+            "sha256": weights.meta["sha256"],
+            "config_sha256": config_digest(weights.meta["config"]),
+            "source": weights.source,
+        },
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
-SERVED_VARIANTS = ("fp16", "int8", "uint8")  # logged beside model.onnx; `optimized` stays the run's artifact
+SERVED_VARIANTS = (
+    "fp16",
+    "int8",
+    "uint8",
+)  # logged beside model.onnx; `optimized` stays the run's artifact
 
 
 def lineage_of(weights: Weights) -> Lineage:
@@ -455,20 +614,28 @@ def lineage_of(weights: Weights) -> Lineage:
     other and against model.json."""
     src = weights.source
     digests = (weights.meta.get("data") or {}).get("digests") or {}
-    return Lineage(run_id=str(src.get("mlflow_run_id") or ""), checkpoint=Path(str(src.get("checkpoint") or "")).name,
-                   step=str(src.get("step", "")), model=weights.meta["model"]["component"],
-                   data=weights.config.data.component, task=weights.config.task.name,
-                   config_sha256=config_digest(weights.meta["config"]), weights_sha256=weights.meta["sha256"],
-                   weights_meta_sha256=file_sha256(weights.directory / META_FILE),
-                   data_sha256={split: found["sha256"] for split, found in digests.items()})
+    return Lineage(
+        run_id=str(src.get("mlflow_run_id") or ""),
+        checkpoint=Path(str(src.get("checkpoint") or "")).name,
+        step=str(src.get("step", "")),
+        model=weights.meta["model"]["component"],
+        data=weights.config.data.component,
+        task=weights.config.task.name,
+        config_sha256=config_digest(weights.meta["config"]),
+        weights_sha256=weights.meta["sha256"],
+        weights_meta_sha256=file_sha256(weights.directory / META_FILE),
+        data_sha256={split: found["sha256"] for split, found in digests.items()},
+    )
 
 
 def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict[str, str]:
     """The registered version's tags: the handful a person reads, and the sha256 of every file it carries (the
     server checks what it downloads against them) and of the weights, config and data behind it."""
     report = result.report
-    files = {lineage.onnx_file("fp32"): result.onnx_path,
-             **{lineage.onnx_file(v): p for v, p in variants.items() if v in SERVED_VARIANTS}}
+    files = {
+        lineage.onnx_file("fp32"): result.onnx_path,
+        **{lineage.onnx_file(v): p for v, p in variants.items() if v in SERVED_VARIANTS},
+    }
     for path in list(files.values()):
         if (data := onnx_export.data_file(path)) is not None:  # a graph's weights past 2 GB
             files[data.name] = data
@@ -481,15 +648,29 @@ def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict
     return tags
 
 
-def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: ExportConfig, exported,
-             example: dict[str, torch.Tensor], variants: dict, register: bool, compare=None) -> None:
+def _publish(
+    result: ExportResult,
+    weights: Weights,
+    run_id: str | None,
+    cfg: ExportConfig,
+    exported,
+    example: dict[str, torch.Tensor],
+    variants: dict,
+    register: bool,
+    compare=None,
+) -> None:
     """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
     report, found = result.report, lineage_of(weights)  # (hashes model.json: once)
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}"):
         # A few headline figures as metrics; every figure in one table (figures_table), logged once complete
-        tracking.log_metrics(gates.headline(report["gates"]) | promotion_metrics(report.get("promotion"))
-                             | int8_metrics(report.get("int8")))
-        tracking.log_artifact(result.report_path, "onnx")  # (a failed export's is final; a passed one's again below)
+        tracking.log_metrics(
+            gates.headline(report["gates"])
+            | promotion_metrics(report.get("promotion"))
+            | int8_metrics(report.get("int8"))
+        )
+        tracking.log_artifact(
+            result.report_path, "onnx"
+        )  # (a failed export's is final; a passed one's again below)
         if report.get("figure") and Path(report["figure"]).is_file():
             tracking.log_artifact(Path(report["figure"]), "onnx")
         if not result.passed:
@@ -501,33 +682,59 @@ def _publish(result: ExportResult, weights: Weights, run_id: str | None, cfg: Ex
         inputs = {k: np.ascontiguousarray(v[:2].numpy()) for k, v in example.items()}
         providers = [CUDA, CPU] if _cuda() else [CPU]
         report["model_uri"] = tracking.log_onnx_model(
-            exported.model, inputs, signature(exported.model), providers,
+            exported.model,
+            inputs,
+            signature(exported.model),
+            providers,
             metadata={lineage.REPORT: report["gates"]["parity.val"]["message"]},
-            data_file=onnx_export.data_file(result.onnx_path), step=weights.step)
+            data_file=onnx_export.data_file(result.onnx_path),
+            step=weights.step,
+        )
         for variant in SERVED_VARIANTS:  # a server of this version picks one with --variant
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
-                if (data := onnx_export.data_file(variants[variant])) is not None:  # its weights, past 2 GB
+                if (
+                    data := onnx_export.data_file(variants[variant])
+                ) is not None:  # its weights, past 2 GB
                     tracking.log_beside_model(report["model_uri"], data)
-        tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))  # the server's drift baseline
+        tracking.log_beside_model(
+            report["model_uri"], Path(report["drift_reference"])
+        )  # the server's drift baseline
         if register:
             tags = version_record(found, result, variants)
             # One decision at a time per registered model, each against the holder at its turn (promotion.py).
             result.model_version, alias, decision = promotion.promote_in_turn(
-                report["model_uri"], result.registered_model_name, cfg.alias, cfg.challenger_alias, tags,
-                report["promotion"], compare)
+                report["model_uri"],
+                result.registered_model_name,
+                cfg.alias,
+                cfg.challenger_alias,
+                tags,
+                report["promotion"],
+                compare,
+            )
             if "compared_again" in decision:
                 tracking.log_metrics(promotion_metrics(decision))
             report["promotion"] = decision
             report["model_version"] = result.model_version
             report["alias"] = alias
             tracking.set_tags({lineage.VERDICT: verdict_of(result, decision)})
-            tracking.describe_version(result.registered_model_name, result.model_version,
-                                      version_description(report, found, decision, alias))
-            tracking.describe_registered_model(result.registered_model_name,
-                                               model_description(found, cfg.alias))
-            log.info("registered %s version %s as @%s%s", result.registered_model_name, result.model_version, alias,
-                     "" if decision["promote"] else f" (@{cfg.alias} stays at v{decision['champion']['version']})")
+            tracking.describe_version(
+                result.registered_model_name,
+                result.model_version,
+                version_description(report, found, decision, alias),
+            )
+            tracking.describe_registered_model(
+                result.registered_model_name, model_description(found, cfg.alias)
+            )
+            log.info(
+                "registered %s version %s as @%s%s",
+                result.registered_model_name,
+                result.model_version,
+                alias,
+                ""
+                if decision["promote"]
+                else f" (@{cfg.alias} stays at v{decision['champion']['version']})",
+            )
         tracking.set_tags({lineage.CHECKPOINT: found.checkpoint})  # the run's exported checkpoint
         tracking.record_lineage("export", export_lineage(found, weights, report))
         # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy people browse
@@ -551,9 +758,19 @@ def signature(model):
     from mlflow.types.schema import Schema, TensorSpec
 
     def specs(values):
-        return Schema([TensorSpec(onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type),
-                                  tuple(d.dim_value if d.HasField("dim_value") else -1
-                                        for d in v.type.tensor_type.shape.dim), v.name) for v in values])
+        return Schema(
+            [
+                TensorSpec(
+                    onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type),
+                    tuple(
+                        d.dim_value if d.HasField("dim_value") else -1
+                        for d in v.type.tensor_type.shape.dim
+                    ),
+                    v.name,
+                )
+                for v in values
+            ]
+        )
 
     return ModelSignature(inputs=specs(model.graph.input), outputs=specs(model.graph.output))
 
@@ -563,18 +780,40 @@ def signature(model):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("weights_dir", nargs="?", help="directory with model.safetensors and model.json")
-    parser.add_argument("--run-id", help="take the weights from this MLflow run's consolidated/ artifacts")
-    parser.add_argument("--output", help="output directory (default: <run_dir>/onnx, beside the weights)")
-    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: the weights' config, "
-                        "$MLFLOW_TRACKING_URI, then sqlite:///mlflow.db)")
-    parser.add_argument("--no-register", action="store_true", help="log to the run but register no version")
-    parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import components model.json names that match these comma-separated patterns (e.g. "
-                             "'my_project.*,timm.*'), besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; "
-                             "repeatable")
-    parser.add_argument("overrides", nargs="*", default=[], metavar="export.key=value",
-                        help="override the export settings, e.g. export.opset=17 export.fp16=true")
+    parser.add_argument(
+        "weights_dir", nargs="?", help="directory with model.safetensors and model.json"
+    )
+    parser.add_argument(
+        "--run-id", help="take the weights from this MLflow run's consolidated/ artifacts"
+    )
+    parser.add_argument(
+        "--output", help="output directory (default: <run_dir>/onnx, beside the weights)"
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: the weights' config, "
+        "$MLFLOW_TRACKING_URI, then sqlite:///mlflow.db)",
+    )
+    parser.add_argument(
+        "--no-register", action="store_true", help="log to the run but register no version"
+    )
+    parser.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="import components model.json names that match these comma-separated patterns (e.g. "
+        "'my_project.*,timm.*'), besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS; "
+        "repeatable",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="export.key=value",
+        help="override the export settings, e.g. export.opset=17 export.fp16=true",
+    )
     # `DIR --output X export.atol=1e-5`: plain parse_args stops matching positionals after the first
     # option and refuses the overrides as unrecognized; the intermixed parser takes them anywhere.
     parser.parse_args = parser.parse_intermixed_args
@@ -584,27 +823,49 @@ def cli(args: argparse.Namespace) -> int:
     logs.configure()
     stopping.exit_on_sigterm()  # a stop mid-way closes the reopened run with its own status (tracking.stage_run)
     weights_dir, overrides = args.weights_dir, list(args.overrides)
-    if weights_dir and "=" in weights_dir:  # argparse can't tell `export.x=1` from a path on its own
+    if (
+        weights_dir and "=" in weights_dir
+    ):  # argparse can't tell `export.x=1` from a path on its own
         overrides.insert(0, weights_dir)
         weights_dir = None
     try:
-        result = main(weights_dir, run_id=args.run_id, overrides=overrides, output_dir=args.output,
-                      tracking_uri=args.tracking_uri, register=not args.no_register, trusted=args.trust)
-    except (WeightsError, ConfigError, DataError, tracking.TrackingError, onnx_export.ExportError,
-            run_dir_owner.RunDirBusy) as exc:
+        result = main(
+            weights_dir,
+            run_id=args.run_id,
+            overrides=overrides,
+            output_dir=args.output,
+            tracking_uri=args.tracking_uri,
+            register=not args.no_register,
+            trusted=args.trust,
+        )
+    except (
+        WeightsError,
+        ConfigError,
+        DataError,
+        tracking.TrackingError,
+        onnx_export.ExportError,
+        run_dir_owner.RunDirBusy,
+    ) as exc:
         one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"pipeline export: error: {one_line}", file=sys.stderr)
         return 2
     if not result.passed:
         failures = "; ".join(f"{k}: {v}" for k, v in result.report["failures"].items())
-        print(f"pipeline export: gate failed, nothing registered: {failures}. Report: {result.report_path}",
-              file=sys.stderr)
+        print(
+            f"pipeline export: gate failed, nothing registered: {failures}. Report: {result.report_path}",
+            file=sys.stderr,
+        )
         return 1
-    where = (f"registered {result.registered_model_name} v{result.model_version} @{result.report.get('alias')}"
-             if result.model_version else "not registered")
+    where = (
+        f"registered {result.registered_model_name} v{result.model_version} @{result.report.get('alias')}"
+        if result.model_version
+        else "not registered"
+    )
     decision = result.report.get("promotion")
     if decision:
         where += f" ({'promoted' if decision['promote'] else 'not promoted'}: {decision['reason']})"
-    print(f"{result.onnx_path} ({result.report['exporter']['used']} exporter, opset "
-          f"{result.report['exporter']['opset']}): every gate passed; {where}. Report: {result.report_path}")
+    print(
+        f"{result.onnx_path} ({result.report['exporter']['used']} exporter, opset "
+        f"{result.report['exporter']['opset']}): every gate passed; {where}. Report: {result.report_path}"
+    )
     return 0

@@ -15,16 +15,16 @@ import json
 import logging
 import os
 import re
-import tempfile
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from pipeline.errors import TrackingError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.stopping import uninterrupted
-from pipeline.errors import TrackingError  # noqa: F401 - raised here, defined with the others
 from serving import lineage
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,9 @@ def default_artifact_root(tracking_uri: str = "") -> str:
     """Artifacts beside a SQLite store's file (./mlartifacts for the embedded default), not wherever
     the command happens to run."""
     if tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / DEFAULT_ARTIFACTS).as_uri()
+        return (
+            Path(tracking_uri[len("sqlite:///") :]).resolve().parent / DEFAULT_ARTIFACTS
+        ).as_uri()
     return (Path.cwd() / DEFAULT_ARTIFACTS).as_uri()
 
 
@@ -59,16 +61,21 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         try:
             r = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
             if r.status_code >= 500:
-                raise TrackingError(f"MLflow tracking server {uri} answered {r.status_code} on /health")
+                raise TrackingError(
+                    f"MLflow tracking server {uri} answered {r.status_code} on /health"
+                )
         except requests.RequestException as exc:
             raise TrackingError(
                 f"MLflow tracking server {uri} cannot be reached ({type(exc).__name__}). Start it "
                 "(`pipeline ui` or `mlflow server`), fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, "
-                "or leave both empty for the embedded SQLite store") from None
+                "or leave both empty for the embedded SQLite store"
+            ) from None
     elif parsed.scheme == "sqlite":
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
-            raise TrackingError(f"MLflow store {uri}: directory {db.parent} does not exist or is not writable")
+            raise TrackingError(
+                f"MLflow store {uri}: directory {db.parent} does not exist or is not writable"
+            )
     elif parsed.scheme in ("", "file"):
         path = Path(parsed.path if parsed.scheme else uri)
         if path.exists() and not os.access(path, os.W_OK):
@@ -100,16 +107,24 @@ def setup(tracking_cfg) -> str:
         # With a local database, keep artifacts beside it rather than in ./mlruns.
         location = default_artifact_root(uri) if uri.startswith("sqlite:") else None
         # The kind makes MLflow 3's UI open the experiment on its runs, not on GenAI traces.
-        mlflow.create_experiment(tracking_cfg.experiment, artifact_location=location,
-                                 tags={"mlflow.experimentKind": "custom_model_development"})
+        mlflow.create_experiment(
+            tracking_cfg.experiment,
+            artifact_location=location,
+            tags={"mlflow.experimentKind": "custom_model_development"},
+        )
     mlflow.set_experiment(tracking_cfg.experiment)
     return uri
 
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -125,8 +140,10 @@ def get_run(run_id: str):
     try:
         return mlflow.MlflowClient().get_run(run_id)
     except MlflowException as exc:
-        raise TrackingError(f"run {run_id} not found in {mlflow.get_tracking_uri()} "
-                            f"({exc.error_code}); check the id and tracking.tracking_uri") from None
+        raise TrackingError(
+            f"run {run_id} not found in {mlflow.get_tracking_uri()} "
+            f"({exc.error_code}); check the id and tracking.tracking_uri"
+        ) from None
 
 
 def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
@@ -136,10 +153,15 @@ def download_artifacts(run_id: str, artifact_path: str, dest: Path) -> Path:
     get_run(run_id)
     dest.mkdir(parents=True, exist_ok=True)
     try:
-        return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path,
-                                                        dst_path=str(dest)))
+        return Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=artifact_path, dst_path=str(dest)
+            )
+        )
     except (MlflowException, OSError) as exc:
-        raise TrackingError(f"run {run_id} has no artifact '{artifact_path}' (or it can't be downloaded): {exc}") from None
+        raise TrackingError(
+            f"run {run_id} has no artifact '{artifact_path}' (or it can't be downloaded): {exc}"
+        ) from None
 
 
 def alias_version(name: str, alias: str) -> str | None:
@@ -160,7 +182,7 @@ def log_params(flat: dict[str, Any]) -> None:
     # MLflow caps a value at 6000 chars and a batch at 100 params.
     items = [(k, str(v)[:6000]) for k, v in flat.items()]
     for i in range(0, len(items), 100):
-        mlflow.log_params(dict(items[i:i + 100]))
+        mlflow.log_params(dict(items[i : i + 100]))
 
 
 def free_port() -> int:
@@ -178,15 +200,23 @@ def warn_without_gpu_metrics() -> bool:
     try:
         import pynvml  # noqa: F401
     except ImportError:
-        log.warning("MLflow system metrics will have no GPU utilization or memory: pynvml is not installed; "
-                    "pip install 'trainserve[gpu]' (nvidia-ml-py)")
+        log.warning(
+            "MLflow system metrics will have no GPU utilization or memory: pynvml is not installed; "
+            "pip install 'trainserve[gpu]' (nvidia-ml-py)"
+        )
         return True
     return False
 
 
 @uninterrupted
-def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_metrics: bool,
-              skip_logged_steps: bool = False, gpu: bool = False) -> str:
+def start_run(
+    run_name: str,
+    run_id: str | None,
+    tags: dict[str, str],
+    system_metrics: bool,
+    skip_logged_steps: bool = False,
+    gpu: bool = False,
+) -> str:
     """Starts a run, or continues `run_id` (a resume keeps one run, not two); `skip_logged_steps`:
     don't log again the steps it already holds (see `_logged_through`); `gpu`: training runs on CUDA."""
     import mlflow
@@ -200,21 +230,34 @@ def start_run(run_name: str, run_id: str | None, tags: dict[str, str], system_me
     from mlflow.exceptions import MlflowException
 
     try:
-        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name,
-                               log_system_metrics=system_metrics)
+        run = mlflow.start_run(
+            run_id=run_id, run_name=None if run_id else run_name, log_system_metrics=system_metrics
+        )
     except MlflowException as exc:
-        raise TrackingError(f"cannot continue MLflow run {run_id} in {mlflow.get_tracking_uri()} ({exc.error_code}): "
-                            "a checkpoint resumed from another store? Point tracking.tracking_uri at the "
-                            "store it was trained with") from None
+        raise TrackingError(
+            f"cannot continue MLflow run {run_id} in {mlflow.get_tracking_uri()} ({exc.error_code}): "
+            "a checkpoint resumed from another store? Point tracking.tracking_uri at the "
+            "store it was trained with"
+        ) from None
     mlflow.set_tags(tags)
     # MLflow's own monitor lines are quiet (serving/console.py): said once here instead.
-    log.info("MLflow run %s: system metrics %s", run.info.run_id,
-             "on (CPU, memory, disk, network; every 2 s)" if system_metrics else "off (tracking.system_metrics)")
+    log.info(
+        "MLflow run %s: system metrics %s",
+        run.info.run_id,
+        "on (CPU, memory, disk, network; every 2 s)"
+        if system_metrics
+        else "off (tracking.system_metrics)",
+    )
     global _logged_through
-    _logged_through = last_training_step_logged(run.info.run_id) if run_id and skip_logged_steps else None
+    _logged_through = (
+        last_training_step_logged(run.info.run_id) if run_id and skip_logged_steps else None
+    )
     if _logged_through is not None:
-        log.info("run %s already holds metrics up to step %d; the replay of those steps is not logged again",
-                 run_id, _logged_through)
+        log.info(
+            "run %s already holds metrics up to step %d; the replay of those steps is not logged again",
+            run_id,
+            _logged_through,
+        )
     return run.info.run_id
 
 
@@ -270,21 +313,46 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
     class SplitDataset(MetaDataset):
         @property
         def profile(self):
-            return {"samples": found["samples"], **({"manifest": found["manifest"]} if found.get("manifest") else {}),
-                    **({"note": found["note"]} if found.get("note") else {}),
-                    "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]}
-                                                            for i in inputs}, "targets": found.get("targets") or {}}
+            return {
+                "samples": found["samples"],
+                **({"manifest": found["manifest"]} if found.get("manifest") else {}),
+                **({"note": found["note"]} if found.get("note") else {}),
+                "inputs": {i["name"]: {"dtype": i["dtype"], "shape": i["shape"]} for i in inputs},
+                "targets": found.get("targets") or {},
+            }
 
         def to_dict(self):  # (MetaDataset's leaves the profile out)
             return super().to_dict() | {"profile": json.dumps(self.profile)}
 
     # A sharded split is its manifest (the digest is the manifest's: pipeline/shards/format.py): named beside the component.
-    shards = {"manifest": found["manifest"], "shards": str(found["shards"])} if found.get("manifest") else {}
-    source = CodeDatasetSource({"component": component, "args": json.dumps(args, sort_keys=True), **shards})
-    schema = Schema([TensorSpec(np.dtype(i["dtype"] if i["dtype"] != "bfloat16" else "float32"), (-1, *i["shape"]),
-                                i["name"]) for i in inputs]) if inputs else None
-    return SplitDataset(source, name=f"{component.rpartition(':')[2]}-{split}", digest=found["sha256"][:32],
-                        schema=schema)
+    shards = (
+        {"manifest": found["manifest"], "shards": str(found["shards"])}
+        if found.get("manifest")
+        else {}
+    )
+    source = CodeDatasetSource(
+        {"component": component, "args": json.dumps(args, sort_keys=True), **shards}
+    )
+    schema = (
+        Schema(
+            [
+                TensorSpec(
+                    np.dtype(i["dtype"] if i["dtype"] != "bfloat16" else "float32"),
+                    (-1, *i["shape"]),
+                    i["name"],
+                )
+                for i in inputs
+            ]
+        )
+        if inputs
+        else None
+    )
+    return SplitDataset(
+        source,
+        name=f"{component.rpartition(':')[2]}-{split}",
+        digest=found["sha256"][:32],
+        schema=schema,
+    )
 
 
 @uninterrupted
@@ -298,11 +366,17 @@ def log_table(rows: list[dict], artifact_file: str) -> None:
     folder, _, name = artifact_file.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="trainserve-table-") as scratch:
         path = Path(scratch) / name
-        pd.DataFrame(rows).to_json(path, orient="split", index=False)  # (mlflow.log_table's own format)
+        pd.DataFrame(rows).to_json(
+            path, orient="split", index=False
+        )  # (mlflow.log_table's own format)
         mlflow.log_artifact(str(path), artifact_path=folder or None)
-    listed = json.loads(mlflow.get_run(mlflow.active_run().info.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    listed = json.loads(
+        mlflow.get_run(mlflow.active_run().info.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]")
+    )
     if {"path": artifact_file, "type": "table"} not in listed:
-        mlflow.set_tag(MLFLOW_LOGGED_ARTIFACTS, json.dumps([*listed, {"path": artifact_file, "type": "table"}]))
+        mlflow.set_tag(
+            MLFLOW_LOGGED_ARTIFACTS, json.dumps([*listed, {"path": artifact_file, "type": "table"}])
+        )
 
 
 @uninterrupted
@@ -313,10 +387,18 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
 
     for split, found in digests.items():
         dataset = split_dataset(component, args, found, split, inputs)
-        samples = "unknown" if found["samples"] is None else str(found["samples"])  # a stream of the component's own
-        mlflow.log_input(dataset, context="training" if split == "train" else "validation",
-                         tags={lineage.DATASET_SHA256: found["sha256"], lineage.DATASET_SAMPLES: samples,
-                               lineage.DATASET_INPUTS: json.dumps(inputs)[:5000]})
+        samples = (
+            "unknown" if found["samples"] is None else str(found["samples"])
+        )  # a stream of the component's own
+        mlflow.log_input(
+            dataset,
+            context="training" if split == "train" else "validation",
+            tags={
+                lineage.DATASET_SHA256: found["sha256"],
+                lineage.DATASET_SAMPLES: samples,
+                lineage.DATASET_INPUTS: json.dumps(inputs)[:5000],
+            },
+        )
 
 
 def _logged_splits(run_id: str):
@@ -331,8 +413,11 @@ def _logged_splits(run_id: str):
 
 def dataset_digests(run_id: str) -> dict[str, str]:
     """{"train"|"val": sha256} of the datasets a run logged (`log_datasets`)."""
-    return {split: tags[lineage.DATASET_SHA256] for split, tags, _ in _logged_splits(run_id)
-            if tags.get(lineage.DATASET_SHA256)}
+    return {
+        split: tags[lineage.DATASET_SHA256]
+        for split, tags, _ in _logged_splits(run_id)
+        if tags.get(lineage.DATASET_SHA256)
+    }
 
 
 def dataset_manifests(run_id: str) -> dict[str, str]:
@@ -355,9 +440,13 @@ def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
 
     for name, path in files.items():
         parent = str(Path(name).parent)
-        mlflow.log_artifact(str(path), artifact_path="code" + ("" if parent == "." else f"/{parent}"))
+        mlflow.log_artifact(
+            str(path), artifact_path="code" + ("" if parent == "." else f"/{parent}")
+        )
     if packages:
-        mlflow.log_text("".join(f"{k}=={v}\n" for k, v in packages.items()), "code/requirements.txt")
+        mlflow.log_text(
+            "".join(f"{k}=={v}\n" for k, v in packages.items()), "code/requirements.txt"
+        )
 
 
 @uninterrupted
@@ -423,8 +512,9 @@ def stage_state(run_id: str, stage: str) -> str:
     """running | done | failed, or "" for a stage the run never started (a run of before the lineage contract: its
     LEGACY_STAGE tag)."""
     tags = get_run(run_id).data.tags
-    return (lineage.read_stages(tags.get(lineage.STAGES)).get(stage)
-            or tags.get(lineage.LEGACY_STAGE + stage, ""))
+    return lineage.read_stages(tags.get(lineage.STAGES)).get(stage) or tags.get(
+        lineage.LEGACY_STAGE + stage, ""
+    )
 
 
 @uninterrupted
@@ -461,10 +551,20 @@ def close_if_orphaned(run_id: str) -> str | None:
     status = owner.get("status_before") or "FAILED"
     stages = lineage.read_stages(run.data.tags.get(lineage.STAGES))
     stages |= {stage: "failed" for stage, state in stages.items() if state == "running"}
-    set_tags({lineage.STAGES: lineage.write_stages(stages),
-              lineage.PROCESS: f"gone: {describe(owner)} left the run RUNNING; marked {status}"}, run_id)
+    set_tags(
+        {
+            lineage.STAGES: lineage.write_stages(stages),
+            lineage.PROCESS: f"gone: {describe(owner)} left the run RUNNING; marked {status}",
+        },
+        run_id,
+    )
     client.set_terminated(run_id, status)
-    log.warning("MLflow run %s was left RUNNING by %s, which is gone: marked %s", run_id, describe(owner), status)
+    log.warning(
+        "MLflow run %s was left RUNNING by %s, which is gone: marked %s",
+        run_id,
+        describe(owner),
+        status,
+    )
     return status
 
 
@@ -486,7 +586,9 @@ def fail_if_running(run_id: str, stage: str) -> bool:
 
 
 @uninterrupted
-def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_path: str, record: dict) -> None:
+def log_consolidated(
+    run_id: str, out_dir: Path, files: Sequence[str], artifact_path: str, record: dict
+) -> None:
     """`files` of `out_dir` under `artifact_path` of the source run, then `record` as its lineage's
     "consolidated" part and the stage done."""
     import mlflow
@@ -496,11 +598,17 @@ def log_consolidated(run_id: str, out_dir: Path, files: Sequence[str], artifact_
     try:
         for name in files:
             client.log_artifact(run_id, str(out_dir / name), artifact_path)
-        record_lineage("consolidated", record | {"files": [f"{artifact_path}/{name}" for name in files]}, run_id)
+        record_lineage(
+            "consolidated",
+            record | {"files": [f"{artifact_path}/{name}" for name in files]},
+            run_id,
+        )
         mark_stage("consolidate", "done", run_id)
     except (MlflowException, OSError) as exc:
-        raise TrackingError(f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
-                            f"failed ({exc}); rerun, or pass --no-log to keep them local") from None
+        raise TrackingError(
+            f"consolidated weights are in {out_dir}, but logging them to run {run_id} "
+            f"failed ({exc}); rerun, or pass --no-log to keep them local"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -516,12 +624,19 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
     if run is not None and close_if_orphaned(run.info.run_id):
         run = get_run(run_id)
     try:
-        if run is not None:  # who reopens it, and what to put back, recorded before it turns RUNNING
+        if (
+            run is not None
+        ):  # who reopens it, and what to put back, recorded before it turns RUNNING
             stages = lineage.read_stages(run.data.tags.get(lineage.STAGES)) | {stage: "running"}
-            set_tags({**process_tag(run.info.status), lineage.STAGES: lineage.write_stages(stages)}, run.info.run_id)
+            set_tags(
+                {**process_tag(run.info.status), lineage.STAGES: lineage.write_stages(stages)},
+                run.info.run_id,
+            )
         active = _open_run(run, run_name)
         if run is None:
-            set_tags({**process_tag("FAILED"), lineage.STAGES: lineage.write_stages({stage: "running"})})
+            set_tags(
+                {**process_tag("FAILED"), lineage.STAGES: lineage.write_stages({stage: "running"})}
+            )
         try:
             inject_fault(f"stage_{stage}", 0)  # test hook: a stop while the run is reopened
             yield active
@@ -530,7 +645,9 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
             raise
         end_run("FINISHED")
     except MlflowException as exc:
-        raise TrackingError(f"MLflow at {mlflow.get_tracking_uri()} refused the {stage}'s records: {exc}") from None
+        raise TrackingError(
+            f"MLflow at {mlflow.get_tracking_uri()} refused the {stage}'s records: {exc}"
+        ) from None
     finally:
         if run is not None and run.info.status != "RUNNING":
             _set_terminated(run.info.run_id, run.info.status)
@@ -555,8 +672,15 @@ def _set_terminated(run_id: str, status: str) -> None:
 
 
 @uninterrupted
-def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str], metadata: dict[str, str],
-                   data_file: Path | None = None, step: int = 0) -> str:
+def log_onnx_model(
+    model,
+    inputs: dict[str, Any],
+    signature,
+    providers: list[str],
+    metadata: dict[str, str],
+    data_file: Path | None = None,
+    step: int = 0,
+) -> str:
     """The ONNX model as `model` of the active run, with its signature and one example; returns its URI.
     `step`: the checkpoint's training step: MLflow links the run's metrics of that step (its validation metrics,
     and through them the validation dataset) to the logged model.
@@ -565,14 +689,20 @@ def log_onnx_model(model, inputs: dict[str, Any], signature, providers: list[str
     import mlflow
 
     info = mlflow.onnx.log_model(
-        model, name="model", signature=signature,
+        model,
+        name="model",
+        signature=signature,
         # MLflow checks an example by running the model in onnxruntime before the data file can be put beside it
         # (it fails, with a warning), and would hold another copy of the weights doing so; the export's gates ran
         # the very file already. So a model with a data file is logged with its signature only.
-        input_example=None if data_file else inputs, onnx_execution_providers=providers,
+        input_example=None if data_file else inputs,
+        onnx_execution_providers=providers,
         # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
         pip_requirements=mlflow.onnx.get_default_pip_requirements(),
-        save_as_external_data=False, metadata=metadata, step=step)
+        save_as_external_data=False,
+        metadata=metadata,
+        step=step,
+    )
     if data_file is not None:
         log_beside_model(info.model_uri, data_file)
     if step:
@@ -590,8 +720,14 @@ def _link_validation(model_id: str, step: int) -> None:
     client = mlflow.MlflowClient()
     run = client.get_run(mlflow.active_run().info.run_id)
     for context, prefix in (("training", "train/"), ("validation", "val/")):
-        dataset = next((d.dataset for d in run.inputs.dataset_inputs
-                        if any(t.key == "mlflow.data.context" and t.value == context for t in d.tags)), None)
+        dataset = next(
+            (
+                d.dataset
+                for d in run.inputs.dataset_inputs
+                if any(t.key == "mlflow.data.context" and t.value == context for t in d.tags)
+            ),
+            None,
+        )
         metrics = {}
         for key in (k for k in run.data.metrics if k.startswith(prefix)):
             at = [m for m in client.get_metric_history(run.info.run_id, key) if m.step <= step]
@@ -639,7 +775,7 @@ def describe_version(name: str, version: str, description: str) -> None:
         head, _, last = description.rpartition("\n\n")
         last = last[:2000]
         cut = "\n\n(cut: every gate figure is in the run's onnx/gates.json)\n\n"
-        description = head[:DESCRIPTION_LIMIT - len(last) - len(cut)] + cut + last
+        description = head[: DESCRIPTION_LIMIT - len(last) - len(cut)] + cut + last
     mlflow.MlflowClient().update_model_version(name, version, description=description)
 
 
@@ -668,9 +804,15 @@ def record_lineage(section: str, value: dict, run_id: str | None = None) -> None
     run_id = run_id or mlflow.active_run().info.run_id
     client = mlflow.MlflowClient()
     whole: dict = {}
-    if any(a.path == lineage.RUN_FILE for a in client.list_artifacts(run_id)):  # else none yet; a failed read raises
-        with tempfile.TemporaryDirectory() as tmp:  # rather than rewrite the file with this part alone
-            whole = json.loads(Path(client.download_artifacts(run_id, lineage.RUN_FILE, tmp)).read_text())
+    if any(
+        a.path == lineage.RUN_FILE for a in client.list_artifacts(run_id)
+    ):  # else none yet; a failed read raises
+        with (
+            tempfile.TemporaryDirectory() as tmp
+        ):  # rather than rewrite the file with this part alone
+            whole = json.loads(
+                Path(client.download_artifacts(run_id, lineage.RUN_FILE, tmp)).read_text()
+            )
     whole = (whole if isinstance(whole, dict) else {}) | {section: value}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / lineage.RUN_FILE
@@ -692,7 +834,11 @@ def download_version_onnx(name: str, version: str, dest: Path) -> Path:
 
     from serving.loader import SourceError, find_onnx
 
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dest)))
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{version}", dst_path=str(dest)
+        )
+    )
     try:
         return find_onnx(local)  # the file a server of this version loads
     except SourceError as exc:

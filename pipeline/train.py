@@ -16,8 +16,8 @@ import logging
 import os
 import random
 import secrets
-import socket
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -29,31 +29,59 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline import distributed
-from pipeline.components import amp
-from pipeline import checkpoint, tracking
-from pipeline.checkpoint import store as checkpoint_store, object_store
-from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
+from pipeline import checkpoint, distributed, tracking
+from pipeline.checkpoint import object_store
+from pipeline.checkpoint import run_dir as run_dir_owner
+from pipeline.checkpoint import store as checkpoint_store
 from pipeline.checkpoint.saver import Saver, snapshot
-from pipeline.components.build import (build_data, component_references, instantiate_model, model_spec, preflight,
-                                       probe, state_manifest)
 from pipeline.checkpoint.uploads import BackgroundUploads
+from pipeline.components import amp
+from pipeline.components.build import (
+    build_data,
+    component_references,
+    instantiate_model,
+    model_spec,
+    preflight,
+    probe,
+    state_manifest,
+)
 from pipeline.components.code_capture import capture
-from pipeline.components.data import (EVAL_BATCH, DataError, Splits, eval_loader, eval_shard, first_batch, forward,
-                                      make_train_loader, restore_loader, set_epoch, split_digest, to_device)
+from pipeline.components.data import (
+    EVAL_BATCH,
+    DataError,
+    Splits,
+    eval_loader,
+    eval_shard,
+    first_batch,
+    forward,
+    make_train_loader,
+    restore_loader,
+    set_epoch,
+    split_digest,
+    to_device,
+)
+from pipeline.components.monitor import Monitor, build_monitor, sync_best_file, write_best
 from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.components.own_stream import OwnStreamLoader, check_length, has_length
 from pipeline.components.reference import model_short_name, short_name
-from pipeline.tasks import build_task
-from pipeline.config import CheckpointConfig, Config, ConfigError, TrainConfig, check_runtime, flatten, load_config, to_yaml
+from pipeline.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    TrainConfig,
+    check_runtime,
+    flatten,
+    load_config,
+    to_yaml,
+)
 from pipeline.distributed import DistInfo, gradients, launch, mesh, pipeline_parallel, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
-from pipeline.checkpoint import run_dir as run_dir_owner
-from pipeline.tools import stopping
-from serving import lineage
 from pipeline.errors import worker_message
+from pipeline.tasks import build_task
+from pipeline.tools import stopping
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.files import StateFileError, read_json, write_atomically, write_json
+from serving import lineage
 
 log = logging.getLogger("pipeline.train")
 
@@ -69,28 +97,49 @@ class TrainResult:
     checkpoint: Path
     losses: list[float] = field(default_factory=list)
     val_metrics: dict[str, float] = field(default_factory=dict)  # at the final step
-    best: dict = field(default_factory=dict)  # the monitor's state: best step and value, early stop reason
+    best: dict = field(
+        default_factory=dict
+    )  # the monitor's state: best step and value, early stop reason
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
-    check_runtime(cfg, int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available(),
-                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    check_runtime(
+        cfg,
+        int(os.environ.get("WORLD_SIZE", 1)),
+        torch.cuda.is_available(),
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
     previous_sigterm = stopping.exit_on_sigterm()
     info = distributed.setup(cfg.train.device, cfg.train.threads_per_rank)
     distributed.configure_logging(info.rank)
     model, optimizer, scheduler, run_dir = None, None, None, None
     try:
         precision = amp.resolve_precision(cfg.train.precision, info.device)
-        run_dir = object_store.location(cfg.train.output_dir) / distributed.broadcast_object(default_run_name(cfg), info)
-        check_reachable_everywhere(run_dir, info)  # an object store: every host's credentials and endpoint
+        run_dir = object_store.location(cfg.train.output_dir) / distributed.broadcast_object(
+            default_run_name(cfg), info
+        )
+        check_reachable_everywhere(
+            run_dir, info
+        )  # an object store: every host's credentials and endpoint
         claim_run_dir(run_dir, info)  # before anything is written there
-        check_shared(run_dir, info)  # a local directory: every rank writes its shard there, all must see it
+        check_shared(
+            run_dir, info
+        )  # a local directory: every rank writes its shard there, all must see it
         ckpt_root = run_dir / "checkpoints"
-        if info.is_main and object_store.is_url(ckpt_root):  # no .tmp- directories there: marker-less ones instead
+        if info.is_main and object_store.is_url(
+            ckpt_root
+        ):  # no .tmp- directories there: marker-less ones instead
             checkpoint.clear_incomplete(ckpt_root)
         resume = choose_resume(resume, ckpt_root, distributed.job_restarts(info))
-        log.info("world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
-                 info.world_size, info.device, precision, cfg.train.strategy, torch.get_num_threads(), run_dir)
+        log.info(
+            "world size %d, device %s, precision %s, strategy %s, %d threads, run dir %s",
+            info.world_size,
+            info.device,
+            precision,
+            cfg.train.strategy,
+            torch.get_num_threads(),
+            run_dir,
+        )
 
         # The data, the task and the model, each checked on real samples before training starts.
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial replicas
@@ -99,22 +148,56 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         spec, from_data = model_spec(cfg.model, splits, task)
         plain_model = instantiate_model(spec)
         probe(plain_model, splits, task, spec.component)
-        monitor = build_monitor(cfg.checkpoint, cfg.train, task)  # after the probe: it names a custom metric
+        monitor = build_monitor(
+            cfg.checkpoint, cfg.train, task
+        )  # after the probe: it names a custom metric
         manifest = state_manifest(plain_model)
         channels_last = uses_channels_last(cfg.train, info, plain_model)
         if info.device.type == "cuda":
-            log.info("channels_last %s (train.channels_last=%s)", "on" if channels_last else "off", cfg.train.channels_last)
+            log.info(
+                "channels_last %s (train.channels_last=%s)",
+                "on" if channels_last else "off",
+                cfg.train.channels_last,
+            )
         device_mesh = mesh.build(cfg.train, info)
         layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
-        batch_per_rank = cfg.train.global_batch_size // (layout.dp_size * cfg.train.grad_accum_steps)
-        pipe = build_pipeline(plain_model, cfg.train, splits, task, layout, device_mesh, info, precision,
-                              channels_last, batch_per_rank) if layout.pp > 1 else None
-        model = pipe.module if pipe else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+        batch_per_rank = cfg.train.global_batch_size // (
+            layout.dp_size * cfg.train.grad_accum_steps
+        )
+        pipe = (
+            build_pipeline(
+                plain_model,
+                cfg.train,
+                splits,
+                task,
+                layout,
+                device_mesh,
+                info,
+                precision,
+                channels_last,
+                batch_per_rank,
+            )
+            if layout.pp > 1
+            else None
+        )
+        model = (
+            pipe.module
+            if pipe
+            else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+        )
         plain_model = None  # a pipeline stage's rank keeps its own stage only
         optimizer = build_optimizer(model.parameters(), cfg.optim)
-        loader = make_train_loader(splits.train, batch_per_rank, layout.dp_rank, layout.dp_size, cfg.train.seed,
-                                   cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                                   grad_accum_steps=cfg.train.grad_accum_steps, info=info)
+        loader = make_train_loader(
+            splits.train,
+            batch_per_rank,
+            layout.dp_rank,
+            layout.dp_size,
+            cfg.train.seed,
+            cfg.data.num_workers,
+            pin_memory=info.device.type == "cuda",
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            info=info,
+        )
         steps_per_epoch = epoch_steps(loader, cfg.train, layout)
         total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -123,52 +206,116 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         step, epoch, run_id = 0, 0, read_run_id(run_dir)
         resume_path = checkpoint_store.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
-            check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)  # before any shape check
-            meta = checkpoint.load(resume_path, model, optimizer, info, held_elsewhere(manifest, model))
+            check_same_model(
+                checkpoint.read_meta(resume_path), spec, resume_path
+            )  # before any shape check
+            meta = checkpoint.load(
+                resume_path, model, optimizer, info, held_elsewhere(manifest, model)
+            )
             step, epoch = restore_train_state(meta, scheduler, scaler, loader, layout)
             monitor.restore(meta["train_state"].get("monitor"))
-            if info.is_main:  # later steps in this run's directory belong to a timeline this resume leaves
+            if (
+                info.is_main
+            ):  # later steps in this run's directory belong to a timeline this resume leaves
                 checkpoint.set_aside_after(ckpt_root, step)
                 sync_best_file(ckpt_root, monitor)
             distributed.barrier(info)
             run_id = meta.get("mlflow_run_id") or run_id
             log.info("resumed from %s at step %d (epoch %d)", resume_path, step, epoch)
         elif ckpt_root.exists() and checkpoint.latest(ckpt_root):
-            raise ConfigError(f"{run_dir} already holds checkpoints; resume it with --resume latest, "
-                              "or start a new run with another train.run_name")
+            raise ConfigError(
+                f"{run_dir} already holds checkpoints; resume it with --resume latest, "
+                "or start a new run with another train.run_name"
+            )
 
         uploads, code = None, None
         # Which data trained it: a content digest of each split (every rank hashes its share), logged by rank 0
         # as the run's MLflow datasets.
-        digests = {split: split_digest(getattr(splits, split), cfg.data.num_workers, info,
-                                      {"component": cfg.data.component, "args": cfg.data.args})
-                   for split in ("train", "val")}
+        digests = {
+            split: split_digest(
+                getattr(splits, split),
+                cfg.data.num_workers,
+                info,
+                {"component": cfg.data.component, "args": cfg.data.args},
+            )
+            for split in ("train", "val")
+        }
         if info.is_main:
             code = capture(component_references(cfg.model, cfg.data, cfg.task))
-            run_id = start_tracking(cfg, run_dir, run_id, info, precision, spec, from_data, code,
-                                    replaying=resume == "auto")
-            tracking.log_datasets(cfg.data.component, cfg.data.args, digests, [s.to_json() for s in splits.inputs])
+            run_id = start_tracking(
+                cfg,
+                run_dir,
+                run_id,
+                info,
+                precision,
+                spec,
+                from_data,
+                code,
+                replaying=resume == "auto",
+            )
+            tracking.log_datasets(
+                cfg.data.component, cfg.data.args, digests, [s.to_json() for s in splits.inputs]
+            )
             if cfg.checkpoint.log_to_mlflow == "all" and not object_store.is_url(run_dir):
                 uploads = BackgroundUploads(run_id, run_dir / "checkpoints-uploading")
         # What every checkpoint says about itself: enough to rebuild and check the model elsewhere.
-        meta = {"config": cfg.model_dump(mode="json"), "model": spec.to_json(),
-                "data": {"component": cfg.data.component, "args": cfg.data.args, "digests": digests},
-                "task": task.facts(),
-                "labels": task.facts().get("labels"), "inputs": [s.to_json() for s in splits.inputs],
-                "single_input": splits.single_input, "model_state": manifest,
-                "code": code.describe() if code else None,
-                "strategy": cfg.train.strategy, "precision": precision, "mlflow_run_id": run_id}
+        meta = {
+            "config": cfg.model_dump(mode="json"),
+            "model": spec.to_json(),
+            "data": {"component": cfg.data.component, "args": cfg.data.args, "digests": digests},
+            "task": task.facts(),
+            "labels": task.facts().get("labels"),
+            "inputs": [s.to_json() for s in splits.inputs],
+            "single_input": splits.single_input,
+            "model_state": manifest,
+            "code": code.describe() if code else None,
+            "strategy": cfg.train.strategy,
+            "precision": precision,
+            "mlflow_run_id": run_id,
+        }
 
         eval_every = cfg.train.eval_every or max(1, steps_per_epoch or total_steps)
-        run = Training(model, optimizer, scheduler, scaler, loader, splits, task, monitor, info, precision, ckpt_root,
-                       meta, uploads, total_steps, eval_every, step, epoch, layout, channels_last, pipe,
-                       mesh.replica_group(cfg.train, info, device_mesh), mesh.stage_group(device_mesh))
+        run = Training(
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+            loader,
+            splits,
+            task,
+            monitor,
+            info,
+            precision,
+            ckpt_root,
+            meta,
+            uploads,
+            total_steps,
+            eval_every,
+            step,
+            epoch,
+            layout,
+            channels_last,
+            pipe,
+            mesh.replica_group(cfg.train, info, device_mesh),
+            mesh.stage_group(device_mesh),
+        )
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
-        metrics, state = loop.evaluated or evaluate(model, splits, task, info, precision, cfg.data.num_workers,
-                                                    loop.step, channels_last, layout, pipe, run.stage_group)
+        metrics, state = loop.evaluated or evaluate(
+            model,
+            splits,
+            task,
+            info,
+            precision,
+            cfg.data.num_workers,
+            loop.step,
+            channels_last,
+            layout,
+            pipe,
+            run.stage_group,
+        )
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
         model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
@@ -198,37 +345,64 @@ def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
     train.max_steps says how long to train)."""
     if isinstance(loader, OwnStreamLoader):
         if layout.tp > 1 or layout.pp > 1:
-            raise ConfigError("a stream of the data component's own deals itself by rank, and the ranks of a "
-                              f"tensor-parallel group or a pipeline (train.parallel.tp={layout.tp}, pp={layout.pp}) must "
-                              "read the same batches: write it as shards (`pipeline data shard`), which are dealt over "
-                              "the data-parallel ranks")
-        check_length(loader.dataset, t.max_steps)  # (the launcher checked it too; not a run under your own torchrun)
+            raise ConfigError(
+                "a stream of the data component's own deals itself by rank, and the ranks of a "
+                f"tensor-parallel group or a pipeline (train.parallel.tp={layout.tp}, pp={layout.pp}) must "
+                "read the same batches: write it as shards (`pipeline data shard`), which are dealt over "
+                "the data-parallel ranks"
+            )
+        check_length(
+            loader.dataset, t.max_steps
+        )  # (the launcher checked it too; not a run under your own torchrun)
         if not has_length(loader.dataset):
             return None
     return len(loader) // t.grad_accum_steps
 
 
-def build_pipeline(plain_model, t: TrainConfig, splits: Splits, task, layout: mesh.Layout, device_mesh, info: DistInfo,
-                   precision: str, channels_last: bool, batch_per_rank: int) -> pipeline_parallel.Pipeline:
+def build_pipeline(
+    plain_model,
+    t: TrainConfig,
+    splits: Splits,
+    task,
+    layout: mesh.Layout,
+    device_mesh,
+    info: DistInfo,
+    precision: str,
+    channels_last: bool,
+    batch_per_rank: int,
+) -> pipeline_parallel.Pipeline:
     """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
     micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
     gradients are their mean, as one batch's would be."""
-    if precision == "fp16":  # train.precision=auto on a GPU without bf16 (check_runtime refused it when asked for)
-        raise ConfigError("train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
-                          "bf16): GradScaler's step skipping would have to agree across the stages; set "
-                          "train.precision=fp32")
+    if (
+        precision == "fp16"
+    ):  # train.precision=auto on a GPU without bf16 (check_runtime refused it when asked for)
+        raise ConfigError(
+            "train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
+            "bf16): GradScaler's step skipping would have to agree across the stages; set "
+            "train.precision=fp32"
+        )
     microbatches = t.parallel.microbatches()
     example, target = first_batch(splits.train, batch_per_rank // microbatches)
     if not torch.is_tensor(target):
-        raise ConfigError(f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
-                          "schedule cuts only a tensor target into micro-batches; train this task without "
-                          "train.parallel.pp")
+        raise ConfigError(
+            f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
+            "schedule cuts only a tensor target into micro-batches; train this task without "
+            "train.parallel.pp"
+        )
     per_step = microbatches * t.grad_accum_steps
     return pipeline_parallel.build(
-        plain_model.to(info.device), to_device(example, info.device, channels_last), layout,
-        device_mesh["pp"].get_group(), info.device, microbatches, t.parallel.pp_split, t.parallel.pp_schedule,
+        plain_model.to(info.device),
+        to_device(example, info.device, channels_last),
+        layout,
+        device_mesh["pp"].get_group(),
+        info.device,
+        microbatches,
+        t.parallel.pp_split,
+        t.parallel.pp_schedule,
         loss_fn=lambda output, target: task.loss(output, target) / per_step,
-        wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh))
+        wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh),
+    )
 
 
 def held_elsewhere(manifest: dict, model) -> frozenset[str]:
@@ -283,23 +457,31 @@ def check_shared(run_dir: Path, info: DistInfo) -> None:
         probe.unlink(missing_ok=True)
     blind = [f"rank {rank} on {host}" for rank, (saw, host) in enumerate(seen) if not saw]
     if blind:
-        raise ConfigError(f"train.output_dir={run_dir.parent} is not shared by every rank: {', '.join(blind)} can't "
-                          f"see what rank 0 on {seen[0][1]} wrote in {run_dir}. Each rank writes its own checkpoint "
-                          "shard there, so hosts that share no disk need an object store: "
-                          "train.output_dir=s3://<bucket>/<prefix> (pip install -e '.[remote]'; AWS_ENDPOINT_URL, "
-                          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), or a filesystem every host mounts at that path")
+        raise ConfigError(
+            f"train.output_dir={run_dir.parent} is not shared by every rank: {', '.join(blind)} can't "
+            f"see what rank 0 on {seen[0][1]} wrote in {run_dir}. Each rank writes its own checkpoint "
+            "shard there, so hosts that share no disk need an object store: "
+            "train.output_dir=s3://<bucket>/<prefix> (pip install -e '.[remote]'; AWS_ENDPOINT_URL, "
+            "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), or a filesystem every host mounts at that path"
+        )
 
 
 def check_same_model(meta: dict, spec, path: Path) -> None:
     """A resume continues the model it saved: another component is refused (same shapes or not)."""
     saved = (meta.get("model") or {}).get("component")
     if saved and saved != spec.component:
-        raise checkpoint.CheckpointError(f"checkpoint '{path}' was trained with model.component '{saved}', this "
-                                         f"config names '{spec.component}'; resume with the config it was trained "
-                                         f"with ({Path(path) / checkpoint.META})")
+        raise checkpoint.CheckpointError(
+            f"checkpoint '{path}' was trained with model.component '{saved}', this "
+            f"config names '{spec.component}'; resume with the config it was trained "
+            f"with ({Path(path) / checkpoint.META})"
+        )
     if saved and meta["model"].get("args") != spec.args:
-        log.warning("resuming %s with other model args than it was saved with: %s (saved) vs %s", path,
-                    meta["model"].get("args"), spec.args)
+        log.warning(
+            "resuming %s with other model args than it was saved with: %s (saved) vs %s",
+            path,
+            meta["model"].get("args"),
+            spec.args,
+        )
 
 
 def final_checkpoint(ckpt_root: Path, last_step: int) -> Path | None:
@@ -324,20 +506,29 @@ def end_run_after_failure(run_dir: Path | None) -> None:
     status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
         ended = tracking.end_run(status, failed_stage="train")
-    except Exception as exc:  # the failure being handled is the news; don't replace it with this one
+    except (
+        Exception
+    ) as exc:  # the failure being handled is the news; don't replace it with this one
         log.error("could not mark the MLflow run %s: %s", status, exc)
         return
     if ended and run_dir is not None and not object_store.is_url(run_dir):
         try:  # the launcher then need not open the store to close it (importing MLflow alone took it 4.5 s)
             write_run_record(run_dir, ended, status)
         except OSError as exc:
-            log.error("marked the MLflow run %s %s, but could not say so in %s: %s", ended, status, run_dir, exc)
+            log.error(
+                "marked the MLflow run %s %s, but could not say so in %s: %s",
+                ended,
+                status,
+                run_dir,
+                exc,
+            )
 
 
 @dataclass
 class Training:
     """What the training loop works on, built once by `main`: the model and its optimizer state, the data,
     the task and its monitor, where checkpoints go, and where the loop starts (a resume's step and epoch)."""
+
     model: Any
     optimizer: Any
     scheduler: Any
@@ -349,34 +540,60 @@ class Training:
     info: DistInfo
     precision: str
     ckpt_root: Path
-    meta: dict                    # what every checkpoint says about itself (train_state is added per save)
+    meta: dict  # what every checkpoint says about itself (train_state is added per save)
     uploads: BackgroundUploads | None
     total_steps: int
     eval_every: int
     step: int = 0
     epoch: int = 0
-    layout: mesh.Layout | None = None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
-    channels_last: bool = False        # NHWC inputs (parallelize.uses_channels_last decided it for this model)
-    pipe: pipeline_parallel.Pipeline | None = None  # this rank's pipeline stage and its schedules (train.parallel.pp)
-    replica_group: Any = None          # the ranks holding copies of this rank's tensors (mesh.replica_group)
-    stage_group: Any = None            # the ranks holding this rank's pipeline stage (None: the world)
+    layout: mesh.Layout | None = (
+        None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
+    )
+    channels_last: bool = (
+        False  # NHWC inputs (parallelize.uses_channels_last decided it for this model)
+    )
+    pipe: pipeline_parallel.Pipeline | None = (
+        None  # this rank's pipeline stage and its schedules (train.parallel.pp)
+    )
+    replica_group: Any = (
+        None  # the ranks holding copies of this rank's tensors (mesh.replica_group)
+    )
+    stage_group: Any = None  # the ranks holding this rank's pipeline stage (None: the world)
 
 
 @dataclass
 class LoopResult:
     losses: list[float]
-    step: int                     # the last step trained: total_steps, or where early stopping stopped
-    evaluated: tuple | None       # (metrics, state) of the last step's evaluation; None if no step ran
+    step: int  # the last step trained: total_steps, or where early stopping stopped
+    evaluated: tuple | None  # (metrics, state) of the last step's evaluation; None if no step ran
 
 
-def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_workers: int = 0) -> LoopResult:
+def train_loop(
+    run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_workers: int = 0
+) -> LoopResult:
     """Trains to `run.total_steps` or until the monitor stops early; evaluates every `run.eval_every` steps
     and at the last, saves every `checkpoint.every_n_steps`, at each new best and at the last step."""
-    model, optimizer, scheduler, scaler, loader = run.model, run.optimizer, run.scheduler, run.scaler, run.loader
-    splits, task, monitor, info, precision = run.splits, run.task, run.monitor, run.info, run.precision
+    model, optimizer, scheduler, scaler, loader = (
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        run.scaler,
+        run.loader,
+    )
+    splits, task, monitor, info, precision = (
+        run.splits,
+        run.task,
+        run.monitor,
+        run.info,
+        run.precision,
+    )
     step, epoch, total_steps, eval_every = run.step, run.epoch, run.total_steps, run.eval_every
     ckpt_root, meta, uploads = run.ckpt_root, run.meta, run.uploads
-    channels_last, pipe, layout = run.channels_last, run.pipe, run.layout or mesh.Layout(info.rank, info.world_size, 0, 1)
+    channels_last, pipe, layout = (
+        run.channels_last,
+        run.pipe,
+        run.layout or mesh.Layout(info.rank, info.world_size, 0, 1),
+    )
     stages = pipe.group if pipe else None
     losses: list[float] = []
     evaluated = None
@@ -397,12 +614,26 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
         for micro_batches in chunked(loader, t.grad_accum_steps):
             log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
             started = time.perf_counter()
-            loss, norm = train_step(model, optimizer, scaler, micro_batches, info, precision,
-                                    t.clip_grad_norm, want_norm=log_now, channels_last=channels_last,
-                                    loss_fn=task.loss, pipe=pipe, stages=stages)
+            loss, norm = train_step(
+                model,
+                optimizer,
+                scaler,
+                micro_batches,
+                info,
+                precision,
+                t.clip_grad_norm,
+                want_norm=log_now,
+                channels_last=channels_last,
+                loss_fn=task.loss,
+                pipe=pipe,
+                stages=stages,
+            )
             if t.compile and step == run.step:  # the warm-up a user waits through, said once
-                log.info("train.compile: the first step took %.1f s, compiling the model; the steps after it run "
-                         "the compiled code", time.perf_counter() - started)
+                log.info(
+                    "train.compile: the first step took %.1f s, compiling the model; the steps after it run "
+                    "the compiled code",
+                    time.perf_counter() - started,
+                )
             scheduler.step()
             step += 1
             window_loss += loss
@@ -410,47 +641,80 @@ def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_wo
             progress.update(1)
             every = ckpt_cfg.every_n_steps
             eval_now = step % eval_every == 0 or step == total_steps
-            check_now = run.replica_group is not None and (step == total_steps
-                                                           or (t.consistency_every and step % t.consistency_every == 0))
+            check_now = run.replica_group is not None and (
+                step == total_steps or (t.consistency_every and step % t.consistency_every == 0)
+            )
             if log_now or eval_now or check_now or (every and step % every == 0):
                 # Also before anything reads the weights (an evaluation, the replica check, a save), not
                 # only at log steps: diverged weights must not be judged, compared, or saved for a resume.
                 mean_loss = mean_loss_over_ranks(window_loss, window_steps, step, info, layout)
             if log_now:
                 elapsed = time.perf_counter() - window_start
-                metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": norm,
-                           "train/samples_per_s": window_steps * t.global_batch_size / elapsed, "train/epoch": epoch}
+                metrics = {
+                    "train/loss": mean_loss,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": norm,
+                    "train/samples_per_s": window_steps * t.global_batch_size / elapsed,
+                    "train/epoch": epoch,
+                }
                 if scaler.is_enabled():
                     metrics["train/loss_scale"] = scaler.get_scale()
                 losses.append(mean_loss)
                 if info.is_main:
                     tracking.log_metrics(metrics, step)
-                    progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}")
+                    progress.set_postfix(
+                        loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}"
+                    )
                 window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
             evaluated, best = None, False
             if eval_now:
-                evaluated = evaluate(model, splits, task, info, precision, num_workers, step, channels_last, run.layout,
-                                     pipe, run.stage_group)
+                evaluated = evaluate(
+                    model,
+                    splits,
+                    task,
+                    info,
+                    precision,
+                    num_workers,
+                    step,
+                    channels_last,
+                    run.layout,
+                    pipe,
+                    run.stage_group,
+                )
                 best = judge(monitor, evaluated[0], step, info)
             if check_now:
                 replicas.sync_buffers(model, run.stage_group)
-                replicas.check(model, step, run.replica_group)  # the final weights are what every later stage uses
+                replicas.check(
+                    model, step, run.replica_group
+                )  # the final weights are what every later stage uses
             inject_fault("step", step, info)
             if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
-                replicas.sync_buffers(model, run.stage_group)  # save one BatchNorm statistics, whichever rank DCP picks
-                meta["train_state"] = train_state(step, epoch, scheduler, scaler, loader, info, monitor, layout)
+                replicas.sync_buffers(
+                    model, run.stage_group
+                )  # save one BatchNorm statistics, whichever rank DCP picks
+                meta["train_state"] = train_state(
+                    step, epoch, scheduler, scaler, loader, info, monitor, layout
+                )
                 meta["val_metrics"] = evaluated[0] if evaluated else None
-                saver.save(step, model, optimizer, meta, (monitor.best_step,),
-                           functools.partial(published, best=best, monitor=snapshot(monitor)))
+                saver.save(
+                    step,
+                    model,
+                    optimizer,
+                    meta,
+                    (monitor.best_step,),
+                    functools.partial(published, best=best, monitor=snapshot(monitor)),
+                )
             else:
                 saver.poll()  # an asynchronous save is published once every rank has written it
             if step >= total_steps or monitor.stopped:
                 break
         else:  # the epoch ran out (or a resume landed exactly on its end)
             if step == steps_before_epoch and not resumed_at_epoch_end(run, epoch):
-                raise DataError(f"epoch {epoch} gave no optimizer step: the training stream ended before "
-                                f"{t.grad_accum_steps} micro-batch(es) of {t.global_batch_size} samples a step; a "
-                                "stream of your own must start again at set_epoch(epoch), and hold a global batch")
+                raise DataError(
+                    f"epoch {epoch} gave no optimizer step: the training stream ended before "
+                    f"{t.grad_accum_steps} micro-batch(es) of {t.global_batch_size} samples a step; a "
+                    "stream of your own must start again at set_epoch(epoch), and hold a global batch"
+                )
             epoch += 1
     saver.close()
     progress.close()
@@ -471,7 +735,9 @@ def judge(monitor: Monitor, metrics: dict[str, float], step: int, info: DistInfo
     state, best = distributed.broadcast_object((monitor.state(), best), info)
     monitor.restore(state)
     if best and info.is_main:
-        tracking.log_metrics({f"best/val_{monitor.metric}": monitor.best_value, "best/step": step}, step)
+        tracking.log_metrics(
+            {f"best/val_{monitor.metric}": monitor.best_value, "best/step": step}, step
+        )
     return best
 
 
@@ -481,8 +747,13 @@ def new_window(info: DistInfo) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64, device=info.device)
 
 
-def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int, info: DistInfo,
-                         layout: mesh.Layout | None = None) -> float:
+def mean_loss_over_ranks(
+    window_loss: torch.Tensor,
+    window_steps: int,
+    step: int,
+    info: DistInfo,
+    layout: mesh.Layout | None = None,
+) -> float:
     """The mean training loss over the window's steps and every rank that computes one (a pipeline's earlier
     stages add 0): collective, and the loop's one
     read of the loss. Every rank raises TrainingDiverged here, at the same step, when any rank's loss
@@ -497,9 +768,11 @@ def mean_loss_over_ranks(window_loss: torch.Tensor, window_steps: int, step: int
     mean = total / (window_steps * holders)
     bad = [rank for rank, flag in enumerate(flags) if flag]
     if bad:
-        raise TrainingDiverged(f"the training loss is {mean} (not finite on rank {', '.join(map(str, bad))}, between "
-                               f"steps {step - window_steps + 1} and {step}); lower optim.lr, set "
-                               "train.clip_grad_norm, or use train.precision=fp32")
+        raise TrainingDiverged(
+            f"the training loss is {mean} (not finite on rank {', '.join(map(str, bad))}, between "
+            f"steps {step - window_steps + 1} and {step}); lower optim.lr, set "
+            "train.clip_grad_norm, or use train.precision=fp32"
+        )
     return mean
 
 
@@ -513,9 +786,21 @@ def chunked(loader, size: int):
         yield group
 
 
-def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precision: str,
-               clip_grad_norm: float, want_norm: bool, *, loss_fn: Callable, channels_last: bool = False,
-               pipe: pipeline_parallel.Pipeline | None = None, stages=None) -> tuple[torch.Tensor, float]:
+def train_step(
+    model,
+    optimizer,
+    scaler,
+    micro_batches,
+    info: DistInfo,
+    precision: str,
+    clip_grad_norm: float,
+    want_norm: bool,
+    *,
+    loss_fn: Callable,
+    channels_last: bool = False,
+    pipe: pipeline_parallel.Pipeline | None = None,
+    stages=None,
+) -> tuple[torch.Tensor, float]:
     """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss, a 0-d
     float64 tensor on the device (0 on a pipeline's earlier stages), and the global grad norm (NaN unless asked
     for: reading it, like reading the loss, waits for the GPU; the loop reads both only when it logs, and checks
@@ -528,28 +813,39 @@ def train_step(model, optimizer, scaler, micro_batches, info: DistInfo, precisio
         inputs = to_device(inputs, info.device, channels_last)
         target = to_device(target, info.device)  # a tensor, or a dict/tuple of them (custom tasks)
         if pipe:
-            with amp.autocast(precision, info.device):  # the stage's forwards run inside the schedule's step
+            with amp.autocast(
+                precision, info.device
+            ):  # the stage's forwards run inside the schedule's step
                 loss = pipe.step(inputs, target)
             total += loss if loss is not None else 0.0
             continue
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
-        with sync_context(model, last_micro_batch=i == accum - 1), amp.autocast(precision, info.device):
+        with (
+            sync_context(model, last_micro_batch=i == accum - 1),
+            amp.autocast(precision, info.device),
+        ):
             loss = loss_fn(forward(model, inputs), target) / accum
         scaler.scale(loss).backward()
         total += loss.detach()
     norm = float("nan")
     if clip_grad_norm or want_norm:
         scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
-        if gradients.needs_own_norm(model.parameters(), stages):  # split projections, or a pipeline's stages
+        if gradients.needs_own_norm(
+            model.parameters(), stages
+        ):  # split projections, or a pipeline's stages
             total_norm = gradients.grad_norm(model.parameters(), stages)
             if clip_grad_norm:
                 gradients.clip_grads(model.parameters(), clip_grad_norm, total_norm)
         elif clip_grad_norm:
             total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
-            total_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            total_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]
+            )
         if want_norm:
-            norm = (total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm).item()
+            norm = (
+                total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm
+            ).item()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -565,15 +861,27 @@ def sync_context(model, last_micro_batch: bool):
 
 
 @torch.no_grad()
-def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_workers: int = 0,
-             step: int | None = None, channels_last: bool = False, layout: mesh.Layout | None = None,
-             pipe: pipeline_parallel.Pipeline | None = None, stage_group=None) -> tuple[dict[str, float], dict]:
+def evaluate(
+    model,
+    splits: Splits,
+    task,
+    info: DistInfo,
+    precision: str,
+    num_workers: int = 0,
+    step: int | None = None,
+    channels_last: bool = False,
+    layout: mesh.Layout | None = None,
+    pipe: pipeline_parallel.Pipeline | None = None,
+    stage_group=None,
+) -> tuple[dict[str, float], dict]:
     """The task's metrics over the whole validation split, each data-parallel rank on its own disjoint shard
     (the ranks of a tensor-parallel group compute one shard together, and one of them counts it; a pipeline's
     stages pass each batch on, and its last stage counts it); returns them and the reduced state (for the plot).
     Logged as val/<metric> at `step`."""
     layout = layout or mesh.Layout(info.rank, info.world_size, 0, 1)
-    replicas.sync_buffers(model, stage_group)  # every rank evaluates with the same BatchNorm statistics
+    replicas.sync_buffers(
+        model, stage_group
+    )  # every rank evaluates with the same BatchNorm statistics
     model.eval()
     shard = eval_shard(splits.val, layout.dp_rank, layout.dp_size)
     # Every rank runs the same number of forwards (FSDP all-gathers inside each one). A pipeline's batches are
@@ -581,11 +889,15 @@ def evaluate(model, splits: Splits, task, info: DistInfo, precision: str, num_wo
     batch_size = pipe.rows if pipe else EVAL_BATCH
     per_rank = -(-len(splits.val) // layout.dp_size)
     n_batches = max(1, -(-per_rank // batch_size))
-    batches = iter(eval_loader(shard, batch_size, num_workers, pin_memory=info.device.type == "cuda"))
+    batches = iter(
+        eval_loader(shard, batch_size, num_workers, pin_memory=info.device.type == "cuda")
+    )
     state = task.new_state(info.device)
     for _ in range(n_batches):
         batch = next(batches, None)
-        filler = batch is None  # this rank's shard ran out: a forward all the same, its output unused
+        filler = (
+            batch is None
+        )  # this rank's shard ran out: a forward all the same, its output unused
         inputs, target = first_batch(splits.val, 1) if filler else batch
         with amp.autocast(precision, info.device):
             inputs = to_device(inputs, info.device, channels_last)
@@ -605,7 +917,9 @@ def default_run_name(cfg: Config) -> str:
     """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their checkpoints."""
     if cfg.train.run_name:
         return cfg.train.run_name
-    stem = f"{model_short_name(cfg.model.component, cfg.model.args)}-{short_name(cfg.data.component)}"
+    stem = (
+        f"{model_short_name(cfg.model.component, cfg.model.args)}-{short_name(cfg.data.component)}"
+    )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return f"{stem}-{run_id[:8]}"
@@ -618,7 +932,9 @@ def choose_resume(requested: str | None, ckpt_root: Path, restarts: int) -> str 
     distributed.job_restarts), continue from the run's newest complete checkpoint, even when the first
     attempt was itself resumed from elsewhere (that one is older)."""
     if restarts > 0 and (requested is None or checkpoint.latest(ckpt_root) is not None):
-        log.info("torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts)
+        log.info(
+            "torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts
+        )
         return "auto"
     return requested
 
@@ -635,15 +951,20 @@ def read_run_record(run_dir: Path) -> dict | None:
     f = run_dir / "mlflow_run.json"
     if not f.exists():
         return None
-    record = read_json(f, f"it should hold {{\"run_id\": <the MLflow run of {run_dir}>}}; restore it, or delete it to "
-                          "start a new MLflow run for this directory")
+    record = read_json(
+        f,
+        f'it should hold {{"run_id": <the MLflow run of {run_dir}>}}; restore it, or delete it to '
+        "start a new MLflow run for this directory",
+    )
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
-        raise StateFileError(f"{f} holds {str(record)[:80]}, not {{\"run_id\": ...}}")
+        raise StateFileError(f'{f} holds {str(record)[:80]}, not {{"run_id": ...}}')
     return record
 
 
 def write_run_record(run_dir: Path, run_id: str, ended: str | None = None) -> None:
-    write_json(run_dir / "mlflow_run.json", {"run_id": run_id} | ({"ended": ended} if ended else {}))
+    write_json(
+        run_dir / "mlflow_run.json", {"run_id": run_id} | ({"ended": ended} if ended else {})
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -652,24 +973,42 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_state(step: int, epoch: int, scheduler, scaler, loader, info: DistInfo, monitor: Monitor,
-                layout: mesh.Layout) -> dict:
+def train_state(
+    step: int,
+    epoch: int,
+    scheduler,
+    scaler,
+    loader,
+    info: DistInfo,
+    monitor: Monitor,
+    layout: mesh.Layout,
+) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
     ranks: they are at the same place of the same epoch's shuffle (a stream of the component's own gathers
     every rank's: a collective, which every rank calls here). `data_parallel`: the ranks the data was dealt
     over (the world, less its tensor-parallel and pipeline ranks, which read their group's batch)."""
-    return {"step": step, "epoch": epoch, "world_size": info.world_size, "data_parallel": layout.dp_size,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler.is_enabled() else {}, "dataloader": loader.state_dict(),
-            "monitor": monitor.state()}
+    return {
+        "step": step,
+        "epoch": epoch,
+        "world_size": info.world_size,
+        "data_parallel": layout.dp_size,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else {},
+        "dataloader": loader.state_dict(),
+        "monitor": monitor.state(),
+    }
 
 
-def restore_train_state(meta: dict, scheduler, scaler, loader, layout: mesh.Layout) -> tuple[int, int]:
+def restore_train_state(
+    meta: dict, scheduler, scaler, loader, layout: mesh.Layout
+) -> tuple[int, int]:
     state = meta["train_state"]
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    restore_loader(loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), layout.dp_size)
+    restore_loader(
+        loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), layout.dp_size
+    )
     return state["step"], state["epoch"]
 
 
@@ -689,33 +1028,59 @@ def make_progress(info: DistInfo, total: int, initial: int):
     return Progress(total, initial, desc="train", enabled=info.is_main, logger=log)
 
 
-def start_tracking(cfg: Config, run_dir: Path, run_id: str | None, info: DistInfo, precision: str, spec,
-                   from_data: dict, code, replaying: bool) -> str:
+def start_tracking(
+    cfg: Config,
+    run_dir: Path,
+    run_id: str | None,
+    info: DistInfo,
+    precision: str,
+    spec,
+    from_data: dict,
+    code,
+    replaying: bool,
+) -> str:
     """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
     the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
-    tags = {lineage.TASK: cfg.task.name, lineage.MODEL: cfg.model.component, lineage.DATA: cfg.data.component,
-            lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {mesh_words(cfg.train, info)}"
-                           f"{precision}",
-            lineage.GIT: tracking.git_commit()[:12], lineage.RUN_DIR: str(run_dir.resolve()), **tracking.process_tag()}
+    tags = {
+        lineage.TASK: cfg.task.name,
+        lineage.MODEL: cfg.model.component,
+        lineage.DATA: cfg.data.component,
+        lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {mesh_words(cfg.train, info)}"
+        f"{precision}",
+        lineage.GIT: tracking.git_commit()[:12],
+        lineage.RUN_DIR: str(run_dir.resolve()),
+        **tracking.process_tag(),
+    }
     resumed = run_id is not None
     if resumed:
         # Before the run turns RUNNING again: an "ended" left by the failed attempt would tell the launcher this
         # attempt closed it too, should it be killed before it can say otherwise.
         write_run_record(run_dir, run_id)
-    run_id = tracking.start_run(run_dir.name, run_id, tags, cfg.tracking.system_metrics, skip_logged_steps=replaying,
-                                gpu=info.device.type == "cuda")
+    run_id = tracking.start_run(
+        run_dir.name,
+        run_id,
+        tags,
+        cfg.tracking.system_metrics,
+        skip_logged_steps=replaying,
+        gpu=info.device.type == "cuda",
+    )
     if resumed:
         inject_fault("run_reopened", 0, info)  # test hook: killed as the run turns RUNNING again
     tracking.mark_stage("train", "running")
     if not resumed:
         # The config as given, and the model's arguments as built (those the data suggested included).
-        tracking.log_params({**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}})
+        tracking.log_params(
+            {**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}}
+        )
         tracking.log_text(to_yaml(cfg), "config/resolved.yaml")
         tracking.log_text(json.dumps(spec.to_json(), indent=2), "config/model.json")
         tracking.log_code(code.files, code.describe()["packages"])
     if from_data:
-        log.info("model args from the data: %s", ", ".join(f"{k}={_short(v)}" for k, v in from_data.items()))
+        log.info(
+            "model args from the data: %s",
+            ", ".join(f"{k}={_short(v)}" for k, v in from_data.items()),
+        )
     for why in code.skipped:
         log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -739,21 +1104,42 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, uploads: BackgroundUploads | None,
-                    monitor: Monitor, step: int) -> None:
+def finish_tracking(
+    cfg: Config,
+    final: Path,
+    task,
+    state: dict,
+    run_id: str,
+    uploads: BackgroundUploads | None,
+    monitor: Monitor,
+    step: int,
+) -> None:
     on_store = object_store.is_url(final)
-    with tempfile.TemporaryDirectory(prefix="trainserve-plot-") as scratch:  # a figure is a local file first
+    with tempfile.TemporaryDirectory(
+        prefix="trainserve-plot-"
+    ) as scratch:  # a figure is a local file first
         # (the last evaluation's, the newest checkpoint's: export draws the exported checkpoint's beside its model)
-        figure = task.plot(state, (Path(scratch) if on_store else final.parent.parent) / "validation.png",
-                           subject=f"validation at step {step} (the newest checkpoint)")
+        figure = task.plot(
+            state,
+            (Path(scratch) if on_store else final.parent.parent) / "validation.png",
+            subject=f"validation at step {step} (the newest checkpoint)",
+        )
         if figure:
             tracking.log_artifact(figure)
-    best = final.parent / checkpoint.step_dir_name(monitor.best_step) if monitor.best_step is not None else None
+    best = (
+        final.parent / checkpoint.step_dir_name(monitor.best_step)
+        if monitor.best_step is not None
+        else None
+    )
     if on_store and cfg.checkpoint.log_to_mlflow != "none":
         # Already where every host can read them; the run's tags (lineage.RUN_DIR, lineage.LATEST)
         # say where, and `consolidate --run-id` fetches from there.
-        log.info("checkpoints stay on the object store (%s), recorded on the run, not uploaded again (checkpoint."
-                 "log_to_mlflow=%s applies to a local train.output_dir)", final.parent, cfg.checkpoint.log_to_mlflow)
+        log.info(
+            "checkpoints stay on the object store (%s), recorded on the run, not uploaded again (checkpoint."
+            "log_to_mlflow=%s applies to a local train.output_dir)",
+            final.parent,
+            cfg.checkpoint.log_to_mlflow,
+        )
     elif cfg.checkpoint.log_to_mlflow == "last":
         checkpoint_store.log_checkpoint(final, run_id)
         if best is not None and best != final and best.is_dir():
@@ -764,19 +1150,34 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
             uploads.submit(final)
         failed = uploads.finish()
         if failed:
-            log.warning("checkpoints not uploaded to MLflow run %s: %s", run_id, ", ".join(sorted(failed)))
-        if final.name in failed:  # a later stage on another machine would silently take an older one
+            log.warning(
+                "checkpoints not uploaded to MLflow run %s: %s", run_id, ", ".join(sorted(failed))
+            )
+        if (
+            final.name in failed
+        ):  # a later stage on another machine would silently take an older one
             raise tracking.TrackingError(
                 f"the final checkpoint could not be uploaded to MLflow run {run_id} ({failed[final.name]}); "
                 f"it is intact at {final}: consolidate it by path, or fix the store and upload it with "
-                f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`")
-    tracking.set_tags({lineage.LATEST: final.name} | ({lineage.BEST: best.name} if best is not None else {}))
-    tracking.record_lineage("training", {
-        "run_dir": str(final.parent.parent if not on_store else final.parent), "latest": str(final),
-        "best": best.name if best is not None else None, "best_step": monitor.best_step,
-        "monitor": f"val/{monitor.metric} ({monitor.mode})", "best_value": monitor.best_value,
-        "early_stopping": monitor.stopped or None, "checkpoint_upload_failures": sorted(failed),
-        "git": tracking.git_commit()})
+                f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`"
+            )
+    tracking.set_tags(
+        {lineage.LATEST: final.name} | ({lineage.BEST: best.name} if best is not None else {})
+    )
+    tracking.record_lineage(
+        "training",
+        {
+            "run_dir": str(final.parent.parent if not on_store else final.parent),
+            "latest": str(final),
+            "best": best.name if best is not None else None,
+            "best_step": monitor.best_step,
+            "monitor": f"val/{monitor.metric} ({monitor.mode})",
+            "best_value": monitor.best_value,
+            "early_stopping": monitor.stopped or None,
+            "checkpoint_upload_failures": sorted(failed),
+            "git": tracking.git_commit(),
+        },
+    )
     tracking.mark_stage("train", "done")
     tracking.end_run("FINISHED")
 
@@ -785,23 +1186,45 @@ def finish_tracking(cfg: Config, final: Path, task, state: dict, run_id: str, up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply to what it omits")
-    parser.add_argument("--nproc-per-node", type=int, default=0,
-                        help="start torchrun with this many processes on this machine (omit under torchrun)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="with --nproc-per-node: let torchrun restart failed workers; they resume "
-                             "from the newest complete checkpoint")
-    parser.add_argument("--resume", help="latest | auto | a checkpoint or run directory | an MLflow run id; auto: "
-                        "this run's newest complete checkpoint if it has one, else start (what a restarted job "
-                        "wants: deploy/train-pytorchjob.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=0.05")
+    parser.add_argument(
+        "--config", help="YAML config (configs/*.yaml); defaults apply to what it omits"
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=0,
+        help="start torchrun with this many processes on this machine (omit under torchrun)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc-per-node: let torchrun restart failed workers; they resume "
+        "from the newest complete checkpoint",
+    )
+    parser.add_argument(
+        "--resume",
+        help="latest | auto | a checkpoint or run directory | an MLflow run id; auto: "
+        "this run's newest complete checkpoint if it has one, else start (what a restarted job "
+        "wants: deploy/train-pytorchjob.yaml)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=0.05"
+    )
 
 
-def torchrun_command(nproc_per_node: int, max_restarts: int, config: str | None, resume: str | None,
-                     overrides: list[str]) -> list[str]:
+def torchrun_command(
+    nproc_per_node: int,
+    max_restarts: int,
+    config: str | None,
+    resume: str | None,
+    overrides: list[str],
+) -> list[str]:
     """This stage under torchrun on this machine."""
     arguments = (["--config", config] if config else []) + (["--resume", resume] if resume else [])
-    return launch.torchrun_command("pipeline.train", nproc_per_node, max_restarts, [*arguments, *overrides])
+    return launch.torchrun_command(
+        "pipeline.train", nproc_per_node, max_restarts, [*arguments, *overrides]
+    )
 
 
 def launch_torchrun(args, cfg: Config) -> int:
@@ -809,10 +1232,17 @@ def launch_torchrun(args, cfg: Config) -> int:
     launcher owns the run directory throughout, torchrun's restarts included."""
     run_name = cfg.train.run_name or default_run_name(cfg)
     run_dir = object_store.location(cfg.train.output_dir) / run_name
-    if not object_store.is_url(run_dir):  # on an object store rank 0 holds the lease, restarts included
+    if not object_store.is_url(
+        run_dir
+    ):  # on an object store rank 0 holds the lease, restarts included
         run_dir_owner.claim(run_dir)
-    cmd = torchrun_command(args.nproc_per_node, args.max_restarts, args.config, args.resume,
-                           [*args.overrides, f"train.run_name={run_name}"])
+    cmd = torchrun_command(
+        args.nproc_per_node,
+        args.max_restarts,
+        args.config,
+        args.resume,
+        [*args.overrides, f"train.run_name={run_name}"],
+    )
     return run_torchrun(cmd, cfg, run_dir)
 
 
@@ -826,8 +1256,11 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
         try:
             tracking.use_store(cfg.tracking.tracking_uri)
             if tracking.fail_if_running(run_id, "train"):
-                print(f"pipeline train: torchrun exited {code} and left the run RUNNING; "
-                      f"marked MLflow run {run_id} FAILED", file=sys.stderr)
+                print(
+                    f"pipeline train: torchrun exited {code} and left the run RUNNING; "
+                    f"marked MLflow run {run_id} FAILED",
+                    file=sys.stderr,
+                )
         except Exception as exc:  # the workers' failure is the news; don't bury it under this one
             print(f"pipeline train: could not close MLflow run {run_id}: {exc}", file=sys.stderr)
     return code
@@ -835,7 +1268,11 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
 
 def cli(args) -> int:
     rank = os.environ.get("RANK", "0")
-    prefix = f"pipeline train: [rank{rank}] error:" if rank != "0" or launch.under_torchrun() else "pipeline train: error:"
+    prefix = (
+        f"pipeline train: [rank{rank}] error:"
+        if rank != "0" or launch.under_torchrun()
+        else "pipeline train: error:"
+    )
     try:
         cfg = load_config(args.config, args.overrides)
         if args.nproc_per_node and not launch.under_torchrun():
@@ -844,12 +1281,20 @@ def cli(args) -> int:
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
             if object_store.is_url(cfg.train.output_dir):
                 object_store.check_reachable(cfg.train.output_dir)
-            preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # the data, task and model components, checked on real samples
+            preflight(
+                cfg.data, cfg.task, cfg.model, cfg.train, cfg.export
+            )  # the data, task and model components, checked on real samples
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0
-    except (ConfigError, DataError, checkpoint.CheckpointError, tracking.TrackingError, run_dir_owner.RunDirBusy,
-            StateFileError) as exc:
+    except (
+        ConfigError,
+        DataError,
+        checkpoint.CheckpointError,
+        tracking.TrackingError,
+        run_dir_owner.RunDirBusy,
+        StateFileError,
+    ) as exc:
         print(f"{prefix} {worker_message(exc)}", file=sys.stderr)
         return 2
     except (replicas.ReplicaDivergence, TrainingDiverged) as exc:

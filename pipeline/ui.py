@@ -17,14 +17,29 @@ from pipeline import tracking
 
 
 def command(tracking_uri: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri,
-            # New experiments created from the UI keep their artifacts beside the database too.
-            "--default-artifact-root", tracking.default_artifact_root(tracking_uri),
-            "--host", host, "--port", str(port), "--workers", "1"]
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        tracking_uri,
+        # New experiments created from the UI keep their artifacts beside the database too.
+        "--default-artifact-root",
+        tracking.default_artifact_root(tracking_uri),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tracking-uri", default="", help="default: $MLFLOW_TRACKING_URI, else ./mlflow.db")
+    parser.add_argument(
+        "--tracking-uri", default="", help="default: $MLFLOW_TRACKING_URI, else ./mlflow.db"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: private)")
     parser.add_argument("--port", type=int, default=5000)
 
@@ -51,7 +66,9 @@ def run_until_stopped(cmd: list[str]) -> int:
     # SIGINT too, explicitly: a process started in the background by a shell without job control (`cmd &` in a
     # script, nohup, a CI runner) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it:
     # Ctrl-C or `kill -INT` would leave the UI running (seen in a full test run; alone it passed).
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -79,7 +96,9 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 def _signal_group(pgid: int, sig: int) -> None:
     try:
-        os.killpg(pgid, sig)  # the group outlives its leader: signal it even when mlflow itself is gone
+        os.killpg(
+            pgid, sig
+        )  # the group outlives its leader: signal it even when mlflow itself is gone
     except ProcessLookupError:
         pass
 

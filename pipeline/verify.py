@@ -33,9 +33,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools import logs
 from pipeline.tools.logs import clip, first_line
-from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
 from serving import lineage
 from serving.lineage import Lineage
 
@@ -45,22 +45,30 @@ log = logging.getLogger("pipeline.verify")
 @dataclass
 class Link:
     name: str
-    status: str   # ok | FAIL | skip
+    status: str  # ok | FAIL | skip
     detail: str
 
     def line(self) -> str:
         return f"{self.status:<5} {self.name:<11} {self.detail}"
 
 
-def main(model_uri: str, server: str | None = None, tracking_uri: str = "", token: str = "",
-         trusted: tuple[str, ...] = (), echo=print) -> list[Link]:
+def main(
+    model_uri: str,
+    server: str | None = None,
+    tracking_uri: str = "",
+    token: str = "",
+    trusted: tuple[str, ...] = (),
+    echo=print,
+) -> list[Link]:
     from pipeline import tracking
 
     name, alias = parse_uri(model_uri)
     uri = tracking.resolve_tracking_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise VerifyError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run where the pipeline wrote "
-                          "mlflow.db, or give --tracking-uri")
+        raise VerifyError(
+            f"no MLflow store at {uri.removeprefix('sqlite:///')}: run where the pipeline wrote "
+            "mlflow.db, or give --tracking-uri"
+        )
     tracking.use_store(uri)
     links: list[Link] = []
 
@@ -91,8 +99,10 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
     match = re.fullmatch(r"models:/([^/@]+)@([^/@]+)", uri)
     if not match:
-        raise VerifyError(f"'{uri}' is not a registry alias: give models:/<name>@<alias>, e.g. "
-                          "models:/resnet18-digits@champion")
+        raise VerifyError(
+            f"'{uri}' is not a registry alias: give models:/<name>@<alias>, e.g. "
+            "models:/resnet18-digits@champion"
+        )
     return match.group(1), match.group(2)
 
 
@@ -103,54 +113,88 @@ def registry_link(name: str, alias: str, report) -> tuple[str, dict]:
     if version is None:
         from serving.loader import registry_miss
 
-        raise VerifyError(registry_miss(name, alias=alias) or
-                          f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}")
+        raise VerifyError(
+            registry_miss(name, alias=alias)
+            or f"models:/{name}@{alias}: no such registered model or alias in {tracking.current_uri()}"
+        )
     tags = tracking.version_tags(name, version)
-    missing = [k for k in ("weights", lineage.onnx_file("fp32")) if not lineage.recorded_sha256(tags, k)]
-    report(Link("registry", "FAIL" if missing else "ok",
-                f"models:/{name}@{alias} -> version {version}" + (
-                    f"; its {lineage.SHA256} tag records no sha256 of {missing} (not registered by this trainserve's "
-                    "export)" if missing else f" (run {tags.get(lineage.RUN_ID) or 'none'})")))
+    missing = [
+        k for k in ("weights", lineage.onnx_file("fp32")) if not lineage.recorded_sha256(tags, k)
+    ]
+    report(
+        Link(
+            "registry",
+            "FAIL" if missing else "ok",
+            f"models:/{name}@{alias} -> version {version}"
+            + (
+                f"; its {lineage.SHA256} tag records no sha256 of {missing} (not registered by this trainserve's "
+                "export)"
+                if missing
+                else f" (run {tags.get(lineage.RUN_ID) or 'none'})"
+            ),
+        )
+    )
     return version, tags
 
 
 def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[Path | None, dict]:
     import onnx
 
-    from pipeline.artifact import onnx_export
     from pipeline import tracking
+    from pipeline.artifact import onnx_export
     from serving.lineage import file_sha256
     from serving.loader import data_file_of
 
     try:
         path = tracking.download_version_onnx(name, version, tmp / "onnx")
     except Exception as exc:  # noqa: BLE001 - whatever the store raises
-        report(Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}"))
+        report(
+            Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}")
+        )
         return None, {}
     checked = [path]
     data_name = onnx_export.data_path(path).name
-    if (data := data_file_of(path)) is not None or lineage.recorded_sha256(tags, data_name):  # weights past 2 GB
+    if (data := data_file_of(path)) is not None or lineage.recorded_sha256(
+        tags, data_name
+    ):  # weights past 2 GB
         checked.append(data or onnx_export.data_path(path))
     said, ok = [], True
     for file in checked:
         digest = file_sha256(file) if file.is_file() else "(missing)"
         recorded = lineage.recorded_sha256(tags, file.name)
         ok = ok and digest == recorded
-        said.append(f"{file.name} sha256 {digest[:16]}" + ("" if digest == recorded else
-                                                          f" != the version's recorded {recorded[:16] or '(none)'}"))
+        said.append(
+            f"{file.name} sha256 {digest[:16]}"
+            + (
+                ""
+                if digest == recorded
+                else f" != the version's recorded {recorded[:16] or '(none)'}"
+            )
+        )
     report(Link("onnx", "ok" if ok else "FAIL", "; ".join(said)))
     try:
-        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        props = {
+            p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props
+        }
     except Exception as exc:  # noqa: BLE001 - a damaged file
         report(Link("lineage", "FAIL", f"the ONNX file can't be parsed: {first_line(exc)}"))
         return path, {}
     said_file, said_version = Lineage.read(props), Lineage.read(tags)
-    differs = [name for name in ("weights_sha256", "run_id", "config_sha256", "checkpoint")
-               if getattr(said_file, name) != getattr(said_version, name)]
-    report(Link("lineage", "FAIL" if differs else "ok",
-                f"the ONNX's metadata differs from the version's tags in {differs}" if differs else
-                f"weights {said_file.weights_sha256[:16]}, config {said_file.config_sha256[:16]}, checkpoint "
-                f"{said_file.checkpoint} (step {said_file.step})"))
+    differs = [
+        name
+        for name in ("weights_sha256", "run_id", "config_sha256", "checkpoint")
+        if getattr(said_file, name) != getattr(said_version, name)
+    ]
+    report(
+        Link(
+            "lineage",
+            "FAIL" if differs else "ok",
+            f"the ONNX's metadata differs from the version's tags in {differs}"
+            if differs
+            else f"weights {said_file.weights_sha256[:16]}, config {said_file.config_sha256[:16]}, checkpoint "
+            f"{said_file.checkpoint} (step {said_file.step})",
+        )
+    )
     return path, props
 
 
@@ -171,11 +215,19 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
         if (local / "model.json").is_file():
             directory, where = local, str(local)
         else:
-            report(Link("weights", "skip", f"neither run {run_id}'s consolidated/ ({first_line(exc)}) nor {local} "
-                                           "is reachable"))
+            report(
+                Link(
+                    "weights",
+                    "skip",
+                    f"neither run {run_id}'s consolidated/ ({first_line(exc)}) nor {local} "
+                    "is reachable",
+                )
+            )
             return None
     problems = []
-    meta_digest = file_sha256(directory / "model.json") if (directory / "model.json").is_file() else ""
+    meta_digest = (
+        file_sha256(directory / "model.json") if (directory / "model.json").is_file() else ""
+    )
     if said.weights_meta_sha256 and meta_digest != said.weights_meta_sha256:
         problems.append("model.json differs from the one the ONNX was exported from")
     try:
@@ -189,9 +241,16 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
         problems.append(f"model.safetensors sha256 {digest[:16]} != model.json's {recorded[:16]}")
     if recorded and said.weights_sha256 and recorded != said.weights_sha256:
         problems.append("model.json names other weights than the ONNX was exported from")
-    report(Link("weights", "FAIL" if problems else "ok",
-                "; ".join(problems) if problems else f"{where}: model.safetensors sha256 {digest[:16]} = model.json "
-                                                      "= the ONNX's record"))
+    report(
+        Link(
+            "weights",
+            "FAIL" if problems else "ok",
+            "; ".join(problems)
+            if problems
+            else f"{where}: model.safetensors sha256 {digest[:16]} = model.json "
+            "= the ONNX's record",
+        )
+    )
     return None if problems else directory
 
 
@@ -208,8 +267,7 @@ def _local_run_dir(run_id: str) -> Path:
 def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
     """Where the checkpoint is reachable (its local path, else the run's uploaded copy): intact, and it
     consolidates again to the very same bytes."""
-    from pipeline import consolidate
-    from pipeline import checkpoint, tracking
+    from pipeline import checkpoint, consolidate, tracking
     from serving.lineage import file_sha256
 
     meta = json.loads((weights_dir / "model.json").read_text())
@@ -217,24 +275,43 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
     ckpt = Path(source.get("checkpoint") or "")
     if not (ckpt / checkpoint.MARKER).is_file():
         try:
-            ckpt = tracking.download_artifacts(source.get("mlflow_run_id") or "", f"checkpoints/{ckpt.name}",
-                                               tmp / "checkpoint")
+            ckpt = tracking.download_artifacts(
+                source.get("mlflow_run_id") or "", f"checkpoints/{ckpt.name}", tmp / "checkpoint"
+            )
         except Exception as exc:  # noqa: BLE001
-            report(Link("checkpoint", "skip", f"{ckpt} is not here and the run holds no upload of it "
-                                              f"({first_line(exc)})"))
+            report(
+                Link(
+                    "checkpoint",
+                    "skip",
+                    f"{ckpt} is not here and the run holds no upload of it ({first_line(exc)})",
+                )
+            )
             return
     try:
         checkpoint.verify_checksums(ckpt)
-        again = consolidate.main(ckpt, output=tmp / "reconsolidated", dtype=meta.get("dtype", "fp32"),
-                                 log_to_mlflow=False)
+        again = consolidate.main(
+            ckpt,
+            output=tmp / "reconsolidated",
+            dtype=meta.get("dtype", "fp32"),
+            log_to_mlflow=False,
+        )
     except Exception as exc:  # noqa: BLE001 - CheckpointError names the file at fault
         report(Link("checkpoint", "FAIL", first_line(exc)))
         return
     digest = file_sha256(again)
     same = digest == meta.get("sha256")
-    report(Link("checkpoint", "ok" if same else "FAIL",
-                f"{ckpt.name}: every file matches its marker's sha256; consolidated again -> "
-                + ("the same bytes" if same else f"sha256 {digest[:16]}, not model.json's {meta.get('sha256', '')[:16]}")))
+    report(
+        Link(
+            "checkpoint",
+            "ok" if same else "FAIL",
+            f"{ckpt.name}: every file matches its marker's sha256; consolidated again -> "
+            + (
+                "the same bytes"
+                if same
+                else f"sha256 {digest[:16]}, not model.json's {meta.get('sha256', '')[:16]}"
+            ),
+        )
+    )
 
 
 def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ...], report) -> None:
@@ -249,28 +326,44 @@ def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ..
         report(Link("gates", "FAIL", f"could not run: {first_line(exc)}"))
         return
     failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
-    report(Link("gates", "FAIL" if failed else "ok",
-                clip("; ".join(failed), 600) if failed else f"{len(results)} gates pass again on the registered ONNX"))
+    report(
+        Link(
+            "gates",
+            "FAIL" if failed else "ok",
+            clip("; ".join(failed), 600)
+            if failed
+            else f"{len(results)} gates pass again on the registered ONNX",
+        )
+    )
 
 
 def data_link(tags: dict, onnx_path: Path | None, report) -> None:
     """The data behind the version: its split digests against the run's logged datasets; the drift baseline
     (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
     from pipeline import tracking
-    from serving.lineage import file_sha256
     from serving import drift
+    from serving.lineage import file_sha256
 
     recorded = {split: lineage.recorded_sha256(tags, split) for split in ("train", "val")}
     if not all(recorded.values()):
-        report(Link("data", "skip", "the version names no data digests (exported before datasets were logged)"))
+        report(
+            Link(
+                "data",
+                "skip",
+                "the version names no data digests (exported before datasets were logged)",
+            )
+        )
         return
     try:
         logged = tracking.dataset_digests(tags.get(lineage.RUN_ID, ""))
     except Exception as exc:  # noqa: BLE001 - whatever the store raises
         report(Link("data", "skip", f"the run's datasets can't be read: {first_line(exc)}"))
         return
-    problems = [f"{split} {digest[:16]} != the run's {logged.get(split, '(none)')[:16]}"
-                for split, digest in recorded.items() if logged.get(split) != digest]
+    problems = [
+        f"{split} {digest[:16]} != the run's {logged.get(split, '(none)')[:16]}"
+        for split, digest in recorded.items()
+        if logged.get(split) != digest
+    ]
     manifests, notes = manifest_checks(tags.get(lineage.RUN_ID, ""), recorded)
     problems += manifests
     baseline = onnx_path.parent / "drift_reference.json" if onnx_path is not None else None
@@ -279,10 +372,20 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
         if baseline is None or not baseline.is_file():
             problems.append(f"{drift.FILE} is not beside the registered ONNX")
         elif file_sha256(baseline) != drift_recorded:
-            problems.append(f"{drift.FILE} sha256 {file_sha256(baseline)[:16]} != the version's {drift_recorded[:16]}")
-    report(Link("data", "FAIL" if problems else "ok", "; ".join(problems) if problems else
-                f"train {recorded['train'][:16]}, val {recorded['val'][:16]} = the run's datasets"
-                + (", drift baseline intact" if drift_recorded else "") + "".join(f"; {n}" for n in notes)))
+            problems.append(
+                f"{drift.FILE} sha256 {file_sha256(baseline)[:16]} != the version's {drift_recorded[:16]}"
+            )
+    report(
+        Link(
+            "data",
+            "FAIL" if problems else "ok",
+            "; ".join(problems)
+            if problems
+            else f"train {recorded['train'][:16]}, val {recorded['val'][:16]} = the run's datasets"
+            + (", drift baseline intact" if drift_recorded else "")
+            + "".join(f"; {n}" for n in notes),
+        )
+    )
 
 
 def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -304,15 +407,21 @@ def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], l
             notes.append(f"{split} manifest {location} not checked: {first_line(exc)}")
             continue
         if manifest.digest != recorded.get(split):
-            problems.append(f"{split} manifest {location} now has digest {manifest.digest[:16]}, the version was "
-                            f"trained on {str(recorded.get(split))[:16]}")
+            problems.append(
+                f"{split} manifest {location} now has digest {manifest.digest[:16]}, the version was "
+                f"trained on {str(recorded.get(split))[:16]}"
+            )
         else:
-            notes.append(f"{split} manifest {location} has the digest trained on, and its {len(manifest.shards)} shards "
-                         "are there at the sizes it names (each row group's digest is checked as it is read)")
+            notes.append(
+                f"{split} manifest {location} has the digest trained on, and its {len(manifest.shards)} shards "
+                "are there at the sizes it names (each row group's digest is checked as it is read)"
+            )
     return problems, notes
 
 
-def server_link(url: str, name: str, version: str, tags: dict, props: dict, token: str, report) -> None:
+def server_link(
+    url: str, name: str, version: str, tags: dict, props: dict, token: str, report
+) -> None:
     """The server's own word (model metadata) and its receipts on a real inference, against the registry: the
     weights the file claims, and the hash of the bytes the server loaded against the ones the version records
     (model.onnx's or a variant's), since a file's claims are only as good as its bytes."""
@@ -324,25 +433,41 @@ def server_link(url: str, name: str, version: str, tags: dict, props: dict, toke
     except Exception as exc:  # noqa: BLE001 - connection refused, 4xx, a non-JSON answer
         report(Link("server", "FAIL", f"{base}: {first_line(exc)}"))
         return
-    served = {"version": receipt.get("x-model-version", ""),
-              "weights": receipt.get("x-model-weights-sha256", ""), "onnx": receipt.get("x-model-onnx-sha256", "")}
+    served = {
+        "version": receipt.get("x-model-version", ""),
+        "weights": receipt.get("x-model-weights-sha256", ""),
+        "onnx": receipt.get("x-model-onnx-sha256", ""),
+    }
     recorded = set(lineage.recorded_files(tags).values())
     params = meta.get("parameters") or {}
     problems = []
     if served["version"] != version or version not in [str(v) for v in meta.get("versions", [])]:
-        problems.append(f"serves version {served['version'] or meta.get('versions')}, the alias is at {version}")
+        problems.append(
+            f"serves version {served['version'] or meta.get('versions')}, the alias is at {version}"
+        )
     weights = Lineage.read(props).weights_sha256
     if served["weights"] != weights or params.get("weights_sha256") != weights:
-        problems.append(f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
-                        f"{weights[:16]}")
+        problems.append(
+            f"serves weights {served['weights'][:16] or '(unnamed)'}, the registered ONNX has "
+            f"{weights[:16]}"
+        )
     if served["onnx"] not in recorded or params.get("onnx_sha256") != served["onnx"]:
         named = served["onnx"][:16] or "(unnamed: X-Model-Onnx-Sha256 missing)"
-        problems.append(f"serves ONNX bytes with sha256 {named}, the version records "
-                        f"{', '.join(sorted(r[:16] for r in recorded)) or '(none)'}")
-    report(Link("server", "FAIL" if problems else "ok",
-                "; ".join(problems) if problems else f"{base} serves {name} v{version}, weights "
-                                                     f"{served['weights'][:16]}, ONNX {served['onnx'][:16]} "
-                                                     f"(request {receipt.get('x-request-id')})"))
+        problems.append(
+            f"serves ONNX bytes with sha256 {named}, the version records "
+            f"{', '.join(sorted(r[:16] for r in recorded)) or '(none)'}"
+        )
+    report(
+        Link(
+            "server",
+            "FAIL" if problems else "ok",
+            "; ".join(problems)
+            if problems
+            else f"{base} serves {name} v{version}, weights "
+            f"{served['weights'][:16]}, ONNX {served['onnx'][:16]} "
+            f"(request {receipt.get('x-request-id')})",
+        )
+    )
 
 
 def _get_json(url: str, headers: dict) -> dict:
@@ -359,11 +484,23 @@ def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str,
     inputs = []
     for spec in meta.get("inputs", []):
         shape = [1 if d < 0 else d for d in spec["shape"]]
-        inputs.append({"name": spec["name"], "datatype": spec["datatype"], "shape": shape,
-                       "data": np.zeros(shape, V2_DTYPES.get(spec["datatype"], np.float32)).ravel().tolist()})
+        inputs.append(
+            {
+                "name": spec["name"],
+                "datatype": spec["datatype"],
+                "shape": shape,
+                "data": np.zeros(shape, V2_DTYPES.get(spec["datatype"], np.float32))
+                .ravel()
+                .tolist(),
+            }
+        )
     body = json.dumps({"id": "pipeline-verify", "inputs": inputs}).encode()
-    request = urllib.request.Request(f"{base}/v2/models/{name}/infer", data=body, method="POST",
-                                     headers={**headers, "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/v2/models/{name}/infer",
+        data=body,
+        method="POST",
+        headers={**headers, "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as r:
         return {k.lower(): v for k, v in r.headers.items()}
 
@@ -372,15 +509,30 @@ def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_uri", metavar="models:/NAME@ALIAS", help="the registry alias to verify")
-    parser.add_argument("--server", help="also check the live server at this URL (e.g. http://127.0.0.1:8080)")
-    parser.add_argument("--token", default=os.environ.get("TRAINSERVE_AUTH_TOKEN", ""),
-                        help="the server's bearer token (default: $TRAINSERVE_AUTH_TOKEN)")
-    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
-                        "then ./mlflow.db)")
-    parser.add_argument("--trust", action="append", default=[], metavar="PATTERN",
-                        help="import the components model.json names that match these comma-separated patterns (e.g. "
-                             "'my_project.*,timm.*'), to re-run the gates; repeatable")
+    parser.add_argument(
+        "model_uri", metavar="models:/NAME@ALIAS", help="the registry alias to verify"
+    )
+    parser.add_argument(
+        "--server", help="also check the live server at this URL (e.g. http://127.0.0.1:8080)"
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("TRAINSERVE_AUTH_TOKEN", ""),
+        help="the server's bearer token (default: $TRAINSERVE_AUTH_TOKEN)",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, then ./mlflow.db)",
+    )
+    parser.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="import the components model.json names that match these comma-separated patterns (e.g. "
+        "'my_project.*,timm.*'), to re-run the gates; repeatable",
+    )
 
 
 def cli(args: argparse.Namespace) -> int:

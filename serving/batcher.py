@@ -85,12 +85,15 @@ class _Job:
 
 class _Place:
     """Rows start..start+rows of a group's buffer: a request's. Incomplete until its job is there (or it is dead)."""
+
     __slots__ = ("group", "start", "rows", "job", "dead", "ran", "views")
 
     def __init__(self, group: "_Group", start: int, rows: int, views: Feeds):
         self.group, self.start, self.rows, self.views = group, start, rows, views
         self.job: _Job | None = None
-        self.dead = False  # its request was refused, or went away before it arrived: nothing of it runs
+        self.dead = (
+            False  # its request was refused, or went away before it arrived: nothing of it runs
+        )
         self.ran = False
 
     @property
@@ -100,6 +103,7 @@ class _Place:
 
 class _Group:
     """The places taken one after another in batch buffer `index`; sealed once one of its runs began."""
+
     __slots__ = ("index", "places", "rows", "sealed")
 
     def __init__(self, index: int):
@@ -110,12 +114,15 @@ class Arrival:
     """A request on its way to this batcher (its head in, its body arriving), and, when it has one, the place in a
     batch buffer its body is received into (`views`: each input's rows there). Ended once: by `submit`, or by the
     front end (`end`) when the request goes no further."""
+
     __slots__ = ("batcher", "seq", "over", "place", "checked", "filled")
 
     def __init__(self, batcher: "Batcher", seq: int, place: _Place | None):
         self.batcher, self.seq, self.over, self.place = batcher, seq, False, place
         self.checked = False  # its values were checked for NaN and Inf as they arrived
-        self.filled = False  # its body was received into its place (the feeds submitted are its views)
+        self.filled = (
+            False  # its body was received into its place (the feeds submitted are its views)
+        )
 
     @property
     def views(self) -> Feeds | None:
@@ -146,8 +153,12 @@ class Run:
             self.expired = True
         self.batcher.stalled = True
         rows = sum(j.rows for j in self.jobs)
-        log.error("a model run of %d rows has taken over %.0f s (--run-timeout); failing its requests, "
-                  "not ready until it returns", rows, self.timeout)
+        log.error(
+            "a model run of %d rows has taken over %.0f s (--run-timeout); failing its requests, "
+            "not ready until it returns",
+            rows,
+            self.timeout,
+        )
         error = RunTimedOut(f"the model run took longer than {self.timeout:g} s (--run-timeout)")
         _deliver([(job, error, True) for job in self.jobs])
 
@@ -176,13 +187,26 @@ class Batcher:
     Its state is shared by the event loops that submit and the engine thread that takes: under `_lock`.
     """
 
-    def __init__(self, run: Callable[[list[Feeds]], Feeds], runner, *, max_batch_size: int,
-                 max_delay_ms: float, max_queue_rows: int, merge: bool = True,
-                 on_batch: Callable[[int, float, list[float]], None] | None = None, run_timeout: float | None = None,
-                 buffers=None, run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
-                 arrival_wait_ms: float = 0.0, incoming: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        run: Callable[[list[Feeds]], Feeds],
+        runner,
+        *,
+        max_batch_size: int,
+        max_delay_ms: float,
+        max_queue_rows: int,
+        merge: bool = True,
+        on_batch: Callable[[int, float, list[float]], None] | None = None,
+        run_timeout: float | None = None,
+        buffers=None,
+        run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
+        arrival_wait_ms: float = 0.0,
+        incoming: Callable[[], int] | None = None,
+    ):
         self._run = run
-        self._buffers = buffers if run_buffer is not None and merge else None  # staging.BatchBuffers
+        self._buffers = (
+            buffers if run_buffer is not None and merge else None
+        )  # staging.BatchBuffers
         self._run_buffer = run_buffer  # (buffer, start, rows, free up to) -> outputs
         self._runner = runner
         self.max_batch_size = max_batch_size
@@ -195,16 +219,26 @@ class Batcher:
         self._incoming = incoming  # requests on their way no model is named for yet (gRPC messages): see _should_wait
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()  # jobs with no place in a buffer
-        self._groups: collections.deque[_Group] = collections.deque()  # oldest first; the last may be filling
+        self._groups: collections.deque[_Group] = (
+            collections.deque()
+        )  # oldest first; the last may be filling
         self._arrivals: dict[int, Arrival] = {}  # the requests on their way, oldest first
         self._next_arrival = 0
         self._wait_until: float | None = None  # a batch waits for arrivals until then
-        self._delay_until: float | None = None  # the engine's turn asked for at the end of --max-delay-ms
-        self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops that will tell the engine thread (see _kick)
+        self._delay_until: float | None = (
+            None  # the engine's turn asked for at the end of --max-delay-ms
+        )
+        self._kicks: set[asyncio.AbstractEventLoop] = (
+            set()
+        )  # loops that will tell the engine thread (see _kick)
         self.queued_rows = 0
-        self._copying = 0  # requests being copied into their place, outside the lock (close waits for them)
+        self._copying = (
+            0  # requests being copied into their place, outside the lock (close waits for them)
+        )
         self._batch: list[_Job] = []  # taken, being run
-        self._running: _Group | None = None  # the buffer a run is reading: not handed out again until it returns
+        self._running: _Group | None = (
+            None  # the buffer a run is reading: not handed out again until it returns
+        )
         self._closing = False
         self._closed = False
         self._dead = False
@@ -237,7 +271,12 @@ class Batcher:
         to be had)."""
         with self._lock:
             place = None
-            if rows is not None and self._buffers is not None and not self._closing and not self._dead:
+            if (
+                rows is not None
+                and self._buffers is not None
+                and not self._closing
+                and not self._dead
+            ):
                 place = self._reserve(rows)
             arrival = Arrival(self, self._next_arrival, place)
             self._arrivals[arrival.seq] = arrival
@@ -248,7 +287,13 @@ class Batcher:
         """A place in a batch buffer for an arrival that now knows its rows (a V2 body whose header was read): the
         views to receive its body into, or None (no buffer free, too many rows, or it has one already)."""
         with self._lock:
-            if arrival.over or arrival.place is not None or self._buffers is None or self._closing or self._dead:
+            if (
+                arrival.over
+                or arrival.place is not None
+                or self._buffers is None
+                or self._closing
+                or self._dead
+            ):
                 return None
             arrival.place = self._reserve(rows)
         return arrival.views
@@ -279,7 +324,9 @@ class Batcher:
             place = None  # not what was received into it (a reload's other batcher): copied like any other
         if place is not None and not arrival.checked:
             try:
-                self._buffers.check(feeds)  # here, on the thread that received it: its values are in this cache
+                self._buffers.check(
+                    feeds
+                )  # here, on the thread that received it: its values are in this cache
             except BaseException:
                 arrival.end()
                 raise
@@ -287,8 +334,14 @@ class Batcher:
         with self._lock:
             if arrival is not None:
                 if not arrival.over and self._forget(arrival):
-                    self._kick(loop)  # the batch waited for this one, the last: queued or refused below, it judges
-                if arrival.place is not None and arrival.place is not place and arrival.place.job is None:
+                    self._kick(
+                        loop
+                    )  # the batch waited for this one, the last: queued or refused below, it judges
+                if (
+                    arrival.place is not None
+                    and arrival.place is not place
+                    and arrival.place.job is None
+                ):
                     arrival.place.dead = True
             try:
                 self._admit(rows)
@@ -299,7 +352,9 @@ class Batcher:
                 raise
             if place is not None and _stranded(place):
                 place = self._move(place, feeds, rows)
-                job.feeds = place.views  # (a merged run that fails runs each job again from its feeds)
+                job.feeds = (
+                    place.views
+                )  # (a merged run that fails runs each job again from its feeds)
             if place is not None:
                 place.job = job
             else:
@@ -324,10 +379,16 @@ class Batcher:
                 raise
             with self._lock:
                 self._copying -= 1
-                if self._dead:  # the engine thread died meanwhile: runner_died failed what it could see
+                if (
+                    self._dead
+                ):  # the engine thread died meanwhile: runner_died failed what it could see
                     raise BatcherClosed("the batcher has stopped (see the server log)")
                 place.job = job
-        if self._wait_until is None or not self._arrivals or self.queued_rows >= self.max_batch_size:
+        if (
+            self._wait_until is None
+            or not self._arrivals
+            or self.queued_rows >= self.max_batch_size
+        ):
             self._kick(loop)  # (a batch waiting for arrivals is told when they are in: see _forget)
         return await job.future
 
@@ -368,7 +429,9 @@ class Batcher:
         if self._dead or not self._runner.alive:
             raise BatcherClosed("the batcher has stopped (see the server log)")
         if self.queued_rows + rows > self.max_queue_rows:
-            raise QueueFull(f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)")
+            raise QueueFull(
+                f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)"
+            )
 
     def _move(self, stranded: _Place, feeds: Feeds, rows: int) -> _Place:
         """(under _lock) A stranded place's rows (see _stranded) copied into the buffer being filled: the place they
@@ -384,7 +447,9 @@ class Batcher:
             if moved is None:
                 return stranded
             try:
-                self._buffers.put(moved.group.index, moved.start, feeds)  # (NonFinite: checked already)
+                self._buffers.put(
+                    moved.group.index, moved.start, feeds
+                )  # (NonFinite: checked already)
             except BaseException:
                 moved.dead = True
                 raise
@@ -459,7 +524,9 @@ class Batcher:
                 return
             if take_span:
                 group, places, _ = span
-                group.sealed = True  # no new place in it: the rows after this run's stay as they are
+                group.sealed = (
+                    True  # no new place in it: the rows after this run's stay as they are
+                )
                 for place in places:
                     place.ran = True
                 jobs = [p.job for p in places if p.job is not None]
@@ -497,7 +564,9 @@ class Batcher:
         if span is None and head is None:
             self._wait_until = None
             return None
-        oldest_placed = min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
+        oldest_placed = (
+            min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
+        )
         if span is not None and (head is None or oldest_placed <= head.arrived):
             return span, sum(p.rows for p in span[1]), oldest_placed, not span[0].sealed
         return None, self.queued_rows, head.arrived, True
@@ -510,11 +579,15 @@ class Batcher:
             return False
         now = time.monotonic()
         if self.max_delay > 0 and oldest + self.max_delay > now:
-            if self._delay_until != oldest + self.max_delay:  # (asked once, however often it is asked)
+            if (
+                self._delay_until != oldest + self.max_delay
+            ):  # (asked once, however often it is asked)
                 self._delay_until = oldest + self.max_delay
                 runner.ready_at(self, self._delay_until)
             return True
-        if self.arrival_wait <= 0 or not (self._arrivals or (self._incoming is not None and self._incoming())):
+        if self.arrival_wait <= 0 or not (
+            self._arrivals or (self._incoming is not None and self._incoming())
+        ):
             self._wait_until = None
             return False
         if self._wait_until is None:
@@ -558,13 +631,19 @@ class Batcher:
 
     def _pending(self) -> bool:
         """(under _lock) Jobs to run: queued, or complete in a place not run yet."""
-        return bool(self._queue) or any(p.job is not None and not p.ran for g in self._groups for p in g.places)
+        return bool(self._queue) or any(
+            p.job is not None and not p.ran for g in self._groups for p in g.places
+        )
 
     def _release_done_groups(self) -> None:
         """(under _lock) Buffers whose every place ran or was refused go back to the pool, but not the one a run is
         reading (a place's ran is set as its run begins): a request given up meanwhile (a client gone mid-body)
         would free it, and the next body would land in the rows the model is reading."""
-        for group in [g for g in self._groups if g is not self._running and all(p.ran or p.dead for p in g.places)]:
+        for group in [
+            g
+            for g in self._groups
+            if g is not self._running and all(p.ran or p.dead for p in g.places)
+        ]:
             self._groups.remove(group)
             self._buffers.release(group.index)
             # Its places point at it and it at them: a cycle that only the collector frees, with each place's job and
@@ -576,8 +655,11 @@ class Batcher:
         """The engine thread is gone: fail what waits, refuse what comes."""
         with self._lock:
             self._dead = True
-            jobs = [*self._batch, *self._queue,
-                    *(p.job for g in self._groups for p in g.places if p.job is not None and not p.ran)]
+            jobs = [
+                *self._batch,
+                *self._queue,
+                *(p.job for g in self._groups for p in g.places if p.job is not None and not p.ran),
+            ]
             self._batch, self._queue, self._groups = [], collections.deque(), collections.deque()
             self.queued_rows = 0
             waiters, self._drain_waiters = self._drain_waiters, []
@@ -594,21 +676,41 @@ class Batcher:
             for loop, done in waiters:
                 _call_soon(loop, _resolve, done)
 
-    def _run_span(self, runner, group: _Group, places: list[_Place], jobs: list[_Job], free_up_to: int) -> None:
+    def _run_span(
+        self, runner, group: _Group, places: list[_Place], jobs: list[_Job], free_up_to: int
+    ) -> None:
         """Runs the places' rows of `group`'s buffer as they are (a refused place's rows filled with a good row) and
         answers each job; if it fails, each job runs again alone."""
         good = next(p for p in places if p.job is not None)
         for place in places:
-            if place.job is None:  # refused: rows nobody will read, which must still be values the model takes
+            if (
+                place.job is None
+            ):  # refused: rows nobody will read, which must still be values the model takes
                 self._buffers.fill(group.index, place.start, place.rows, good.start)
         start, rows = places[0].start, sum(p.rows for p in places)
-        outcome = self._timed_run(runner, jobs, lambda: self._run_buffer(group.index, start, rows, free_up_to))
+        outcome = self._timed_run(
+            runner, jobs, lambda: self._run_buffer(group.index, start, rows, free_up_to)
+        )
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
         outputs, error = outcome
         if error is None:
-            _deliver([(p.job, {k: v[p.start - start:p.start - start + p.rows] for k, v in outputs.items()}
-                       if len(places) > 1 else outputs, False) for p in places if p.job is not None])
+            _deliver(
+                [
+                    (
+                        p.job,
+                        {
+                            k: v[p.start - start : p.start - start + p.rows]
+                            for k, v in outputs.items()
+                        }
+                        if len(places) > 1
+                        else outputs,
+                        False,
+                    )
+                    for p in places
+                    if p.job is not None
+                ]
+            )
             return
         self._one_by_one(runner, jobs, error)
 
@@ -620,9 +722,18 @@ class Batcher:
         outputs, error = outcome
         if error is None:
             start, answers = 0, []
-            for job in jobs:  # (the engine's outputs have exactly the batch's rows: its padding is cut off)
-                answers.append((job, outputs if len(jobs) == 1 else
-                                {k: v[start:start + job.rows] for k, v in outputs.items()}, False))
+            for job in (
+                jobs
+            ):  # (the engine's outputs have exactly the batch's rows: its padding is cut off)
+                answers.append(
+                    (
+                        job,
+                        outputs
+                        if len(jobs) == 1
+                        else {k: v[start : start + job.rows] for k, v in outputs.items()},
+                        False,
+                    )
+                )
                 start += job.rows
             _deliver(answers)
             return
@@ -642,8 +753,9 @@ class Batcher:
             outputs, error = outcome
             _deliver([(job, error, True) if error is not None else (job, outputs, False)])
 
-    def _timed_run(self, runner, jobs: list[_Job], run: Callable[[], Feeds]
-                   ) -> tuple[Feeds | None, Exception | None] | None:
+    def _timed_run(
+        self, runner, jobs: list[_Job], run: Callable[[], Feeds]
+    ) -> tuple[Feeds | None, Exception | None] | None:
         """(outputs, None) or (None, error); None when the run outlived run_timeout (already answered)."""
         timed = Run(self, jobs)
         runner.began(timed)
@@ -656,14 +768,19 @@ class Batcher:
         ended = time.monotonic()
         if timed.returned():
             self.stalled = False
-            log.warning("the stalled model run returned after %.1f s; ready again", ended - timed.started)
+            log.warning(
+                "the stalled model run returned after %.1f s; ready again", ended - timed.started
+            )
             return None
         if self._on_batch is not None:
             # Queue time runs until the engine thread began this run (other models' runs may go first);
             # compute time is the run itself.
             try:
-                self._on_batch(sum(j.rows for j in jobs), ended - timed.started,
-                               [timed.started - j.arrived for j in jobs])
+                self._on_batch(
+                    sum(j.rows for j in jobs),
+                    ended - timed.started,
+                    [timed.started - j.arrived for j in jobs],
+                )
             except Exception:  # noqa: BLE001 - a metric must never fail an answer
                 log.exception("recording a batch's metrics failed")
         return outputs, error
@@ -717,7 +834,7 @@ def _stranded(place: _Place) -> bool:
         return False
     places = place.group.places
     i = places.index(place)
-    for side in (reversed(places[:i]), places[i + 1:]):
+    for side in (reversed(places[:i]), places[i + 1 :]):
         for other in side:
             if other.ran:
                 break
@@ -732,8 +849,11 @@ def _same_memory(feeds: Feeds, views: Feeds) -> bool:
         return False
     for name, view in views.items():
         x = feeds.get(name)
-        if x is None or x.shape != view.shape or \
-                x.__array_interface__["data"][0] != view.__array_interface__["data"][0]:
+        if (
+            x is None
+            or x.shape != view.shape
+            or x.__array_interface__["data"][0] != view.__array_interface__["data"][0]
+        ):
             return False
     return True
 
@@ -742,7 +862,10 @@ def _layout(feeds: Feeds) -> tuple:
     """What must match for arrays to be concatenated along the row axis: names, trailing shapes, dtypes."""
     try:
         return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in feeds.items()))
-    except (AttributeError, TypeError):  # not arrays (a caller's bug): merged with nothing, fails alone
+    except (
+        AttributeError,
+        TypeError,
+    ):  # not arrays (a caller's bug): merged with nothing, fails alone
         return (object(),)
 
 

@@ -1,8 +1,8 @@
 """`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
 
-    main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a
-    clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags, a port already taken
-    or a model that cannot be loaded; 1 if the server could not start otherwise.
+main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a
+clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags, a port already taken
+or a model that cannot be loaded; 1 if the server could not start otherwise.
 """
 
 from __future__ import annotations
@@ -23,102 +23,226 @@ REPEATABLE = {"model"}  # flags that may be given several times
 
 # flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
 FLAGS: dict[str, tuple[type, str]] = {
-    "model": (str, "[NAME=]URI, repeatable: URI is path/to/model.onnx, models:/name@alias, models:/name/<version>, "
-                   "models:/<model id> or runs:/<run id>/<path>; a NAME given twice is one model with two versions"),
-    "model-name": (str, "name clients use in /v2/models/{name} for a single --model URI (default: registered "
-                        "name, the ONNX metadata's model name, or the file stem)"),
+    "model": (
+        str,
+        "[NAME=]URI, repeatable: URI is path/to/model.onnx, models:/name@alias, models:/name/<version>, "
+        "models:/<model id> or runs:/<run id>/<path>; a NAME given twice is one model with two versions",
+    ),
+    "model-name": (
+        str,
+        "name clients use in /v2/models/{name} for a single --model URI (default: registered "
+        "name, the ONNX metadata's model name, or the file stem)",
+    ),
     "repository": (str, "a model repository DIR/NAME/VERSION/model.onnx (Triton's layout)"),
-    "load-model": (str, "repository models loaded at start, comma-separated (default: all); the others can be "
-                        "loaded with POST /v2/repository/models/NAME/load"),
-    "version-policy": (str, "versions of each repository model loaded: latest:N, all or specific:V[,V] "
-                            "(default latest:1)"),
+    "load-model": (
+        str,
+        "repository models loaded at start, comma-separated (default: all); the others can be "
+        "loaded with POST /v2/repository/models/NAME/load",
+    ),
+    "version-policy": (
+        str,
+        "versions of each repository model loaded: latest:N, all or specific:V[,V] "
+        "(default latest:1)",
+    ),
     "default-model": (str, "the model /invocations serves (default: the first --model)"),
-    "http-threads": (int, "event loops taking HTTP requests in, each on a thread and a socket of its own on --port "
-                          "(default: one; one per CPU this process may use, at most 8, when a model loaded at start "
-                          "has input rows of 512 KiB or more: the loops share the GIL, and only large bodies gain)"),
+    "http-threads": (
+        int,
+        "event loops taking HTTP requests in, each on a thread and a socket of its own on --port "
+        "(default: one; one per CPU this process may use, at most 8, when a model loaded at start "
+        "has input rows of 512 KiB or more: the loops share the GIL, and only large bodies gain)",
+    ),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
-    "grpc-engine": (str, "auto|native|aio: what serves --grpc-port, grpc's C++ server (native, built by scripts/setup "
-                         "where libgrpc++-dev is installed) or grpc.aio (default auto: native when built)"),
-    "model-control": (str, "explicit|none: whether clients may load and unload models with the V2 repository API "
-                           "(default: explicit with --repository, else none)"),
+    "grpc-engine": (
+        str,
+        "auto|native|aio: what serves --grpc-port, grpc's C++ server (native, built by scripts/setup "
+        "where libgrpc++-dev is installed) or grpc.aio (default auto: native when built)",
+    ),
+    "model-control": (
+        str,
+        "explicit|none: whether clients may load and unload models with the V2 repository API "
+        "(default: explicit with --repository, else none)",
+    ),
     "host": (str, "interface to bind (default 127.0.0.1: private)"),
     "port": (int, "port (default 8080)"),
-    "device": (str, "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
-                    "loads, else CPU with a warning; cuda and tensorrt refuse to start without it)"),
-    "device-id": (int, "CUDA device among the visible ones (default 0; prefer CUDA_VISIBLE_DEVICES)"),
-    "variant": (str, "fp32|fp16|int8|uint8|auto: the file of a model directory served, model.onnx, model.fp16.onnx, "
-                     "model.int8.onnx or model.uint8.onnx (image inputs as UINT8 pixel values: what its clients "
-                     "send); auto: the fastest the export measured for this provider among those that passed their "
-                     "gates, for a registered version (default fp32; fp16 only on a GPU)"),
-    "cudnn-conv-algo-search": (str, "HEURISTIC|EXHAUSTIVE|DEFAULT: how cuDNN picks convolution algorithms per "
-                                    "input shape (default HEURISTIC: no benchmarking on the request path)"),
-    "allow-tf32": (bool, "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "
-                         "export gates certify)"),
-    "cuda-graphs": (bool, "run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; "
-                          "each checked against the plain run when the model loads, refused with the reason if it "
-                          "can't be captured)"),
-    "gpu-mem-limit-mb": (float, "cap on onnxruntime's CUDA memory arena of each session (each batch bucket's), MiB (default: none)"),
-    "trt-cache-dir": (str, "--device tensorrt: directory for built engines and timing caches "
-                           "(default ~/.cache/trainserve/tensorrt)"),
+    "device": (
+        str,
+        "auto|cpu|cuda|tensorrt (default auto: CUDA when a GPU and the CUDA provider exist and it "
+        "loads, else CPU with a warning; cuda and tensorrt refuse to start without it)",
+    ),
+    "device-id": (
+        int,
+        "CUDA device among the visible ones (default 0; prefer CUDA_VISIBLE_DEVICES)",
+    ),
+    "variant": (
+        str,
+        "fp32|fp16|int8|uint8|auto: the file of a model directory served, model.onnx, model.fp16.onnx, "
+        "model.int8.onnx or model.uint8.onnx (image inputs as UINT8 pixel values: what its clients "
+        "send); auto: the fastest the export measured for this provider among those that passed their "
+        "gates, for a registered version (default fp32; fp16 only on a GPU)",
+    ),
+    "cudnn-conv-algo-search": (
+        str,
+        "HEURISTIC|EXHAUSTIVE|DEFAULT: how cuDNN picks convolution algorithms per "
+        "input shape (default HEURISTIC: no benchmarking on the request path)",
+    ),
+    "allow-tf32": (
+        bool,
+        "let CUDA compute fp32 GEMMs and convolutions in TF32 (faster on Ampere+; not what the "
+        "export gates certify)",
+    ),
+    "cuda-graphs": (
+        bool,
+        "run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; "
+        "each checked against the plain run when the model loads, refused with the reason if it "
+        "can't be captured)",
+    ),
+    "gpu-mem-limit-mb": (
+        float,
+        "cap on onnxruntime's CUDA memory arena of each session (each batch bucket's), MiB (default: none)",
+    ),
+    "trt-cache-dir": (
+        str,
+        "--device tensorrt: directory for built engines and timing caches "
+        "(default ~/.cache/trainserve/tensorrt)",
+    ),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
     "max-batch-size": (int, "most rows per model run (default 32)"),
-    "batch-buckets": (str, "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "
-                           "each (each a copy of the weights and its own memory arena); auto: powers of two up to "
-                           "--max-batch-size on the CUDA provider (default auto; why: serving/README.md, GPUs)"),
+    "batch-buckets": (
+        str,
+        "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "
+        "each (each a copy of the weights and its own memory arena); auto: powers of two up to "
+        "--max-batch-size on the CUDA provider (default auto; why: serving/README.md, GPUs)",
+    ),
     "max-delay-ms": (float, "how long a partial batch may wait for more rows (default 0: never)"),
-    "arrival-wait-ms": (float, "how long a batch may wait for the requests whose bodies were already arriving when "
-                               "it could run (default 5; 0: never)"),
+    "arrival-wait-ms": (
+        float,
+        "how long a batch may wait for the requests whose bodies were already arriving when "
+        "it could run (default 5; 0: never)",
+    ),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),
-    "grpc-memory-bytes": (int, "bytes grpc's C++ server (--grpc-engine native) may hold in all for messages not yet "
-                               "whole: past it grpc stops reading and closes the connections holding most (default "
-                               "4 x --max-body-bytes, at least 1 GiB)"),
-    "max-header-bytes": (int, "largest HTTP request head, request line and headers, counted as it arrives; beyond: "
-                              "431 (default 32 KiB)"),
+    "grpc-memory-bytes": (
+        int,
+        "bytes grpc's C++ server (--grpc-engine native) may hold in all for messages not yet "
+        "whole: past it grpc stops reading and closes the connections holding most (default "
+        "4 x --max-body-bytes, at least 1 GiB)",
+    ),
+    "max-header-bytes": (
+        int,
+        "largest HTTP request head, request line and headers, counted as it arrives; beyond: "
+        "431 (default 32 KiB)",
+    ),
     "max-rows-per-request": (int, "most rows in one request (default 256)"),
-    "shared-memory": (str, "on|off: the V2 system and CUDA shared-memory extensions, inputs and outputs by region "
-                           "for same-host clients (tritonclient.utils.shared_memory) (default on)"),
-    "max-shared-memory-mb": (float, "most MiB of shared memory one client (token) may register (default 4096)"),
-    "auth-token": (str, "require 'Authorization: Bearer <token>', or one of several comma-separated tokens, one per "
-                        "client (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)"),
-    "feedback-token": (str, "the bearer token POST /v2/models/NAME/feedback (labels) needs, one of its own: labels "
-                            "steer the shadow verdict (prefer TRAINSERVE_FEEDBACK_TOKEN; default none: labels are "
-                            "refused where --auth-token is set)"),
+    "shared-memory": (
+        str,
+        "on|off: the V2 system and CUDA shared-memory extensions, inputs and outputs by region "
+        "for same-host clients (tritonclient.utils.shared_memory) (default on)",
+    ),
+    "max-shared-memory-mb": (
+        float,
+        "most MiB of shared memory one client (token) may register (default 4096)",
+    ),
+    "auth-token": (
+        str,
+        "require 'Authorization: Bearer <token>', or one of several comma-separated tokens, one per "
+        "client (prefer TRAINSERVE_AUTH_TOKEN: flags show in ps)",
+    ),
+    "feedback-token": (
+        str,
+        "the bearer token POST /v2/models/NAME/feedback (labels) needs, one of its own: labels "
+        "steer the shadow verdict (prefer TRAINSERVE_FEEDBACK_TOKEN; default none: labels are "
+        "refused where --auth-token is set)",
+    ),
     "reload-interval": (float, "seconds between polls of a models:/name@alias for a new version"),
     "graceful-timeout": (float, "seconds to finish in-flight requests after SIGTERM (default 30)"),
-    "read-timeout": (float, "seconds a connection has to deliver a whole request; slower or idle ones are "
-                            "closed (default 30)"),
-    "request-timeout": (float, "seconds a request may wait for and run the model before 504 (default 60)"),
-    "run-timeout": (float, "seconds one model run may take before its requests get 504 and the server "
-                           "reports not ready until it returns (default 60)"),
-    "allowed-hosts": (str, "Host header patterns accepted besides loopback names (bound to loopback) or "
-                           "any (bound to all interfaces), comma-separated"),
-    "allowed-origins": (str, "browser Origins allowed, comma-separated (default none: cross-site requests "
-                             "get 403)"),
+    "read-timeout": (
+        float,
+        "seconds a connection has to deliver a whole request; slower or idle ones are "
+        "closed (default 30)",
+    ),
+    "request-timeout": (
+        float,
+        "seconds a request may wait for and run the model before 504 (default 60)",
+    ),
+    "run-timeout": (
+        float,
+        "seconds one model run may take before its requests get 504 and the server "
+        "reports not ready until it returns (default 60)",
+    ),
+    "allowed-hosts": (
+        str,
+        "Host header patterns accepted besides loopback names (bound to loopback) or "
+        "any (bound to all interfaces), comma-separated",
+    ),
+    "allowed-origins": (
+        str,
+        "browser Origins allowed, comma-separated (default none: cross-site requests get 403)",
+    ),
     "allow-unauthenticated": (bool, "serve without a token on a non-loopback address"),
     "log-level": (str, "debug|info|warning|error (default info)"),
-    "payload-log": (str, "directory for the payload log: sampled requests and answers as JSON Lines (default: none)"),
-    "payload-log-sample": (float, "fraction of requests logged, chosen by a hash of the request id (default 1)"),
-    "payload-log-max-mb": (float, "MiB all payload files may take together; the oldest go first (default 100)"),
-    "payload-log-file-mb": (float, "MiB per payload file before the next one is begun (default 10)"),
-    "payload-log-mlflow": (bool, "log each closed payload file to the model's training run, under payloads/"),
-    "drift-window": (int, "samples per model version compared with the training data's statistics (PSI in "
-                          "/metrics as trainserve_input_drift / trainserve_output_drift; 0: off; default 500)"),
-    "drift-threshold": (float, "PSI above which a log line says a version's input or output drifted (default 0.2)"),
-    "shadow": (float, "fraction of a models:/NAME@alias model's requests also run on the version behind "
-                      "--shadow-alias, off the request path, and compared (GET /v2/models/NAME/shadow; default 0)"),
+    "payload-log": (
+        str,
+        "directory for the payload log: sampled requests and answers as JSON Lines (default: none)",
+    ),
+    "payload-log-sample": (
+        float,
+        "fraction of requests logged, chosen by a hash of the request id (default 1)",
+    ),
+    "payload-log-max-mb": (
+        float,
+        "MiB all payload files may take together; the oldest go first (default 100)",
+    ),
+    "payload-log-file-mb": (
+        float,
+        "MiB per payload file before the next one is begun (default 10)",
+    ),
+    "payload-log-mlflow": (
+        bool,
+        "log each closed payload file to the model's training run, under payloads/",
+    ),
+    "drift-window": (
+        int,
+        "samples per model version compared with the training data's statistics (PSI in "
+        "/metrics as trainserve_input_drift / trainserve_output_drift; 0: off; default 500)",
+    ),
+    "drift-threshold": (
+        float,
+        "PSI above which a log line says a version's input or output drifted (default 0.2)",
+    ),
+    "shadow": (
+        float,
+        "fraction of a models:/NAME@alias model's requests also run on the version behind "
+        "--shadow-alias, off the request path, and compared (GET /v2/models/NAME/shadow; default 0)",
+    ),
     "shadow-alias": (str, "the alias whose version is shadowed (default challenger)"),
     "shadow-min-pairs": (int, "pairs the shadow verdict needs before it decides (default 200)"),
-    "shadow-min-agreement": (float, "top-1 agreement the challenger needs without labels (default 0.95)"),
-    "shadow-max-difference": (float, "largest mean |difference| per output, for outputs without a decision "
-                                     "(default: no limit)"),
-    "shadow-min-labels": (int, "labelled pairs (POST /v2/models/NAME/feedback) before labels decide (default 100)"),
-    "shadow-tolerance": (float, "how much worse the challenger's live accuracy (points/100) or RMSE (relative) "
-                                "may be (default 0.01)"),
-    "shadow-max-latency-ratio": (float, "largest challenger/champion p50 latency ratio (default: no limit)"),
-    "shadow-max-source-share": (float, "largest share of the pairs one client address may have sent for the "
-                                       "verdict to decide (default 0.5; 1: no limit, for a server behind a proxy, "
-                                       "where every client is one address)"),
+    "shadow-min-agreement": (
+        float,
+        "top-1 agreement the challenger needs without labels (default 0.95)",
+    ),
+    "shadow-max-difference": (
+        float,
+        "largest mean |difference| per output, for outputs without a decision (default: no limit)",
+    ),
+    "shadow-min-labels": (
+        int,
+        "labelled pairs (POST /v2/models/NAME/feedback) before labels decide (default 100)",
+    ),
+    "shadow-tolerance": (
+        float,
+        "how much worse the challenger's live accuracy (points/100) or RMSE (relative) "
+        "may be (default 0.01)",
+    ),
+    "shadow-max-latency-ratio": (
+        float,
+        "largest challenger/champion p50 latency ratio (default: no limit)",
+    ),
+    "shadow-max-source-share": (
+        float,
+        "largest share of the pairs one client address may have sent for the "
+        "verdict to decide (default 0.5; 1: no limit, for a server behind a proxy, "
+        "where every client is one address)",
+    ),
 }
 
 
@@ -127,15 +251,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (kind, help_text) in FLAGS.items():
         env = ENV_PREFIX + flag.upper().replace("-", "_")
         if kind is bool:
-            parser.add_argument(f"--{flag}", action="store_const", const=True, default=None,
-                                help=f"{help_text} [env {env}=1]")
+            parser.add_argument(
+                f"--{flag}",
+                action="store_const",
+                const=True,
+                default=None,
+                help=f"{help_text} [env {env}=1]",
+            )
         elif flag in REPEATABLE:
-            parser.add_argument(f"--{flag}", type=kind, action="append", default=None,
-                                help=f"{help_text} [env {env}: one]")
+            parser.add_argument(
+                f"--{flag}",
+                type=kind,
+                action="append",
+                default=None,
+                help=f"{help_text} [env {env}: one]",
+            )
         else:
-            parser.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]")
-    parser.add_argument("--verbose", action="store_true", help="let onnxruntime and MLflow speak for "
-                        "themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]")
+            parser.add_argument(
+                f"--{flag}", type=kind, default=None, help=f"{help_text} [env {env}]"
+            )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let onnxruntime and MLflow speak for "
+        "themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]",
+    )
     # Refusals start with the command the user typed: `pipeline serve: error: ...` or `python -m serving: ...`.
     parser.set_defaults(prog=parser.prog)
 
@@ -200,9 +340,12 @@ def refuse(args: argparse.Namespace, exc: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python -m serving` and `pipeline serve`; returns the process exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m serving", allow_abbrev=False, description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
-                                               "Prometheus metrics). Every flag can also be set as "
-                                               "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.")
+        prog="python -m serving",
+        allow_abbrev=False,
+        description="Serve an ONNX model over HTTP (KServe V2, MLflow scoring, "
+        "Prometheus metrics). Every flag can also be set as "
+        "TRAINSERVE_<FLAG>, e.g. TRAINSERVE_PORT=9000.",
+    )
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)
@@ -221,8 +364,10 @@ def check_ports_free(host: str, ports: list[int | None]) -> None:
             try:
                 probe.bind((host, port))
             except OSError as exc:
-                raise ServeError(f"port {port} on {host} is taken ({exc.strerror}); choose another with --port "
-                                 f"(or --grpc-port)") from None
+                raise ServeError(
+                    f"port {port} on {host} is taken ({exc.strerror}); choose another with --port "
+                    f"(or --grpc-port)"
+                ) from None
 
 
 def raise_open_files_limit() -> None:
@@ -233,7 +378,9 @@ def raise_open_files_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard)
+            )
 
 
 def open_payload_log(settings: Settings):
@@ -243,9 +390,13 @@ def open_payload_log(settings: Settings):
     from serving.payload_log import PayloadLog
 
     mib = 1 << 20
-    return PayloadLog(settings.payload_log, sample=settings.payload_log_sample,
-                      max_bytes=int(settings.payload_log_max_mb * mib),
-                      file_bytes=int(settings.payload_log_file_mb * mib), mlflow=settings.payload_log_mlflow)
+    return PayloadLog(
+        settings.payload_log,
+        sample=settings.payload_log_sample,
+        max_bytes=int(settings.payload_log_max_mb * mib),
+        file_bytes=int(settings.payload_log_file_mb * mib),
+        mlflow=settings.payload_log_mlflow,
+    )
 
 
 def serve(settings: Settings) -> int:
@@ -259,7 +410,9 @@ def serve(settings: Settings) -> int:
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
-    check_ports_free(settings.host, [settings.port, settings.grpc_port])  # before a model download, not after
+    check_ports_free(
+        settings.host, [settings.port, settings.grpc_port]
+    )  # before a model download, not after
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
@@ -269,7 +422,9 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
     front_ends = ()
-    if settings.grpc_port is not None:  # KServe V2 over gRPC on its own port, started and stopped with the server
+    if (
+        settings.grpc_port is not None
+    ):  # KServe V2 over gRPC on its own port, started and stopped with the server
         from serving.grpc.service import start_grpc
 
         front_ends = (start_grpc,)
@@ -294,7 +449,9 @@ def keep_freed_memory() -> None:
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest: blocks up to 32 MiB come from the heap
+        libc.mallopt(
+            M_MMAP_THRESHOLD, 32 << 20
+        )  # glibc's largest: blocks up to 32 MiB come from the heap
         libc.mallopt(M_TRIM_THRESHOLD, 512 << 20)
 
 
@@ -318,10 +475,16 @@ async def _serve(server) -> int:
     http = HttpFrontEnd(server)
     async with server.lifespan():
         try:
-            bound = await http.listen(settings.host, settings.port, settings.http_loops(server.largest_row_bytes()))
+            bound = await http.listen(
+                settings.host, settings.port, settings.http_loops(server.largest_row_bytes())
+            )
         except OSError as exc:
-            log.error("cannot listen on %s:%d: %s; the server did not start", settings.host, settings.port,
-                      exc.strerror or exc)
+            log.error(
+                "cannot listen on %s:%d: %s; the server did not start",
+                settings.host,
+                settings.port,
+                exc.strerror or exc,
+            )
             return 1
         log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
         log.info("laid out as: %s", server.layout(len(http.listeners)))

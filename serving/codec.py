@@ -31,13 +31,26 @@ from serving.console import clip
 from serving.engine import TensorSpec
 
 V2_DTYPES = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
 }
-KNOWN_DATATYPES = (*V2_DTYPES, "BF16", "BYTES")  # the protocol's names; the last two this server can't take
+KNOWN_DATATYPES = (
+    *V2_DTYPES,
+    "BF16",
+    "BYTES",
+)  # the protocol's names; the last two this server can't take
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
-MAX_DIM = 2 ** 31  # no model dimension is larger; numpy refuses some that are (a 500 once)
+MAX_DIM = 2**31  # no model dimension is larger; numpy refuses some that are (a 500 once)
 
 
 class BadRequest(Exception):
@@ -51,8 +64,11 @@ class BadRequest(Exception):
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for, checked before its data is converted."""
+
     max_rows: int  # rows (samples) per request
-    max_body_bytes: int  # the body's own limit: no input can declare more elements than it could carry
+    max_body_bytes: (
+        int  # the body's own limit: no input can declare more elements than it could carry
+    )
 
 
 @dataclass
@@ -61,8 +77,12 @@ class V2Request:
     rows: int
     request_id: str | None
     outputs: list[tuple[str, bool]]  # (output name, as binary), in the order to answer
-    output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref: written to shared memory instead
-    checked: bool = False  # every value was checked for NaN/Inf as it was copied in (needs no other pass)
+    output_refs: dict = field(
+        default_factory=dict
+    )  # output name -> shm.Ref: written to shared memory instead
+    checked: bool = (
+        False  # every value was checked for NaN/Inf as it was copied in (needs no other pass)
+    )
     placed: bool = False  # its inputs are rows of a batch buffer (serving/batcher.py)
 
 
@@ -94,19 +114,28 @@ def _object(value, where: str) -> dict:
 
 
 def _kind(value) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), "a number")
 
 
 # ---- KServe V2 ---------------------------------------------------------------------------------
 
+
 @dataclass
 class V2Input:
     """One input of a V2 request as its JSON header declares it."""
+
     spec: TensorSpec
     shape: list[int]
     count: int
-    binary: int | None  # its binary data's byte count (binary_data_size), or None: JSON data, in `array`
+    binary: (
+        int | None
+    )  # its binary data's byte count (binary_data_size), or None: JSON data, in `array`
     array: np.ndarray | None = None
     ref: object = None  # a shm.Ref: its data is in a shared memory region
 
@@ -115,6 +144,7 @@ class V2Input:
 class V2Header:
     """A V2 request's JSON header, checked, before its binary data has arrived: what each input's bytes are
     (in the order they follow the header), the id and the outputs asked for."""
+
     inputs: list[V2Input]
     request_id: str | None
     outputs: list[tuple[str, bool]]
@@ -128,8 +158,15 @@ class V2Header:
 SEEN_HEADERS = 256  # checked V2 headers kept per model version (see parse_v2_header_once)
 
 
-def parse_v2_header_once(seen: dict | None, data, header_length: int | None, body_length: int,
-                         inputs: list[TensorSpec], output_names: list[str], limits: Limits) -> V2Header:
+def parse_v2_header_once(
+    seen: dict | None,
+    data,
+    header_length: int | None,
+    body_length: int,
+    inputs: list[TensorSpec],
+    output_names: list[str],
+    limits: Limits,
+) -> V2Header:
     """parse_v2_header, checked once per distinct header: a client sends the same one request after request (the
     same shapes, regions, no id or the same), so `seen` (a model version's) keeps those without JSON data (small;
     nothing in them is per request)."""
@@ -145,35 +182,61 @@ def parse_v2_header_once(seen: dict | None, data, header_length: int | None, bod
     return parsed
 
 
-def decode_v2(body: bytes, header_length: int | None, inputs: list[TensorSpec], output_names: list[str],
-              limits: Limits, shared=None, seen: dict | None = None) -> V2Request:
+def decode_v2(
+    body: bytes,
+    header_length: int | None,
+    inputs: list[TensorSpec],
+    output_names: list[str],
+    limits: Limits,
+    shared=None,
+    seen: dict | None = None,
+) -> V2Request:
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
     `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py);
     `seen`: the model version's headers checked already (parse_v2_header_once)."""
-    header = parse_v2_header_once(seen, body, header_length, len(body), inputs, output_names, limits)
+    header = parse_v2_header_once(
+        seen, body, header_length, len(body), inputs, output_names, limits
+    )
     offset, arrays = (len(body) if header_length is None else header_length), {}
     for item in header.binary_inputs:
-        arrays[item.spec.name] = np.frombuffer(body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count,
-                                               offset=offset)
+        arrays[item.spec.name] = np.frombuffer(
+            body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count, offset=offset
+        )
         offset += item.binary
     return finish_v2(header, arrays, inputs, shared)
 
 
-def parse_v2_header(data, header_length: int | None, body_length: int, inputs: list[TensorSpec],
-                    output_names: list[str], limits: Limits) -> V2Header:
+def parse_v2_header(
+    data,
+    header_length: int | None,
+    body_length: int,
+    inputs: list[TensorSpec],
+    output_names: list[str],
+    limits: Limits,
+) -> V2Header:
     """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary data) of a body
     of `body_length` bytes: every field checked, each JSON input converted; the binary data's sizes checked
     against what follows the header."""
     if header_length is not None and not 0 <= header_length <= body_length:
-        raise BadRequest(f"Inference-Header-Content-Length is {header_length}, but the body has "
-                         f"{body_length} bytes")
+        raise BadRequest(
+            f"Inference-Header-Content-Length is {header_length}, but the body has "
+            f"{body_length} bytes"
+        )
     end = body_length if header_length is None else header_length
     request = parse_json(data[:end] if len(data) != end else data)
-    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
-        raise BadRequest('expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
-                         f"this model takes {expected(inputs)}")
+    if (
+        not isinstance(request, dict)
+        or not isinstance(request.get("inputs"), list)
+        or not request["inputs"]
+    ):
+        raise BadRequest(
+            'expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
+            f"this model takes {expected(inputs)}"
+        )
     if len(request["inputs"]) > len(inputs):
-        raise BadRequest(f"the request has {len(request['inputs'])} inputs; this model takes {expected(inputs)}")
+        raise BadRequest(
+            f"the request has {len(request['inputs'])} inputs; this model takes {expected(inputs)}"
+        )
     parameters = _object(request.get("parameters"), '"parameters"')
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -183,8 +246,10 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
     offset = end
     for item in request["inputs"]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise BadRequest('every input needs "name", "shape", "datatype" and "data" '
-                             '(or parameters.binary_data_size)')
+            raise BadRequest(
+                'every input needs "name", "shape", "datatype" and "data" '
+                "(or parameters.binary_data_size)"
+            )
         name = item["name"]
         spec = by_name.get(name)
         if spec is None:
@@ -192,10 +257,17 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
         if name in declared:
             raise BadRequest(f"input '{name}' is given twice")
         shape = item.get("shape")
-        if not isinstance(shape, list) or len(shape) > 32 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape):
-            raise BadRequest(f"input '{name}': shape must be a list of non-negative integers below {MAX_DIM}, "
-                             f"got {shape!r:.100}; expected {spec.describe()}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 32
+            or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+            )
+        ):
+            raise BadRequest(
+                f"input '{name}': shape must be a list of non-negative integers below {MAX_DIM}, "
+                f"got {shape!r:.100}; expected {spec.describe()}"
+            )
         check_datatype(item.get("datatype"), spec)
         _check_shape(spec, shape)
         count = _check_size(name, shape, spec, limits)
@@ -204,23 +276,35 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
         ref = shm_ref(item_parameters, f"input '{name}'")
         if ref is not None:
             if "data" in item or binary_size is not None:
-                raise BadRequest(f"input '{name}' is in shared memory and also has data or binary_data_size; send one")
+                raise BadRequest(
+                    f"input '{name}' is in shared memory and also has data or binary_data_size; send one"
+                )
             declared[name] = V2Input(spec, shape, count, None, ref=ref)
         elif binary_size is not None:
             if not isinstance(binary_size, int) or isinstance(binary_size, bool):
-                raise BadRequest(f"input '{name}': binary_data_size must be an integer byte count, got "
-                                 f"{binary_size!r:.40}")
+                raise BadRequest(
+                    f"input '{name}': binary_data_size must be an integer byte count, got "
+                    f"{binary_size!r:.40}"
+                )
             if "data" in item:
-                raise BadRequest(f"input '{name}' has both data and parameters.binary_data_size; send one")
+                raise BadRequest(
+                    f"input '{name}' has both data and parameters.binary_data_size; send one"
+                )
             if header_length is None:
-                raise BadRequest(f"input '{name}' has binary_data_size but the request has no "
-                                 "Inference-Header-Content-Length header")
+                raise BadRequest(
+                    f"input '{name}' has binary_data_size but the request has no "
+                    "Inference-Header-Content-Length header"
+                )
             want = count * spec.dtype.itemsize
             if binary_size != want:
-                raise BadRequest(f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
-                                 f"{spec.datatype} takes {want} bytes")
+                raise BadRequest(
+                    f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
+                    f"{spec.datatype} takes {want} bytes"
+                )
             if offset + want > body_length:
-                raise BadRequest(f"input '{name}': the body ends before its {want} bytes of binary data")
+                raise BadRequest(
+                    f"input '{name}': the body ends before its {want} bytes of binary data"
+                )
             declared[name] = V2Input(spec, shape, count, want)
             offset += want
         else:
@@ -228,17 +312,23 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
                 raise BadRequest(f"input '{name}' has neither data nor parameters.binary_data_size")
             array = _json_tensor(item["data"], spec, where=f"input '{name}'", count=count)
             if array.size != count:
-                raise BadRequest(f"input '{name}': shape {shape} needs {count} values, data has {array.size}")
+                raise BadRequest(
+                    f"input '{name}': shape {shape} needs {count} values, data has {array.size}"
+                )
             declared[name] = V2Input(spec, shape, count, None, array)
     if offset != body_length:
-        raise BadRequest(f"{body_length - offset} bytes of binary data follow the inputs that no input claims")
+        raise BadRequest(
+            f"{body_length - offset} bytes of binary data follow the inputs that no input claims"
+        )
     missing = [s.name for s in inputs if s.name not in declared]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
 
     binary_all = parameters.get("binary_data_output", False)
     if not isinstance(binary_all, bool):
-        raise BadRequest(f'parameters.binary_data_output must be true or false, got {binary_all!r:.40}')
+        raise BadRequest(
+            f"parameters.binary_data_output must be true or false, got {binary_all!r:.40}"
+        )
     wanted = request.get("outputs")
     refs = {}
     if wanted is None:
@@ -249,13 +339,17 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
         outputs = []
         for out in wanted:
             if not isinstance(out, dict) or out.get("name") not in output_names:
-                raise BadRequest(f"unknown output {out!r:.100}; this model has outputs {output_names}")
+                raise BadRequest(
+                    f"unknown output {out!r:.100}; this model has outputs {output_names}"
+                )
             if any(out["name"] == known for known, _ in outputs):
                 raise BadRequest(f"output '{out['name']}' is requested twice")
             out_parameters = _object(out.get("parameters"), f"output '{out['name']}': parameters")
             binary = out_parameters.get("binary_data", binary_all)
             if not isinstance(binary, bool):
-                raise BadRequest(f"output '{out['name']}': parameters.binary_data must be true or false")
+                raise BadRequest(
+                    f"output '{out['name']}': parameters.binary_data must be true or false"
+                )
             ref = shm_ref(out_parameters, f"output '{out['name']}'")
             if ref is not None:
                 refs[out["name"]] = ref
@@ -263,7 +357,9 @@ def parse_v2_header(data, header_length: int | None, body_length: int, inputs: l
     return V2Header(list(declared.values()), request_id, outputs, refs)
 
 
-def finish_v2(header: V2Header, binary: dict[str, np.ndarray], inputs: list[TensorSpec], shared=None) -> V2Request:
+def finish_v2(
+    header: V2Header, binary: dict[str, np.ndarray], inputs: list[TensorSpec], shared=None
+) -> V2Request:
     """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the input's
     dtype; `shared(ref, spec, count)` reads one placed in shared memory): BOOL bytes checked, every array in its
     shape, the rows counted. (NaN and Inf are refused by the engine, where each batch is copied anyway.)"""
@@ -273,20 +369,29 @@ def finish_v2(header: V2Header, binary: dict[str, np.ndarray], inputs: list[Tens
         array = item.array
         if item.ref is not None:
             if shared is None:
-                raise BadRequest(f"input '{name}' names a shared memory region, which this request can't use here")
+                raise BadRequest(
+                    f"input '{name}' names a shared memory region, which this request can't use here"
+                )
             array = shared(item.ref, spec, item.count)
         elif item.binary is not None:
             array = binary[name]
-        if array.dtype == np.bool_ and item.array is None and array.view(np.uint8).max(initial=0) > 1:
+        if (
+            array.dtype == np.bool_
+            and item.array is None
+            and array.view(np.uint8).max(initial=0) > 1
+        ):
             raise BadRequest(f"input '{name}': BOOL binary data must be bytes 0 or 1")
         feeds[name] = array.reshape(item.shape).astype(spec.dtype, copy=False)
-    return V2Request(feeds, _rows(feeds, inputs), header.request_id, header.outputs, header.output_refs)
+    return V2Request(
+        feeds, _rows(feeds, inputs), header.request_id, header.outputs, header.output_refs
+    )
 
 
 @dataclass(frozen=True)
 class Ref:
     """Where a request keeps one tensor in shared memory (serving/shm.py): a registered region's name, and the
     byte size and offset inside it."""
+
     region: str
     byte_size: int
     offset: int = 0
@@ -298,20 +403,27 @@ def shm_ref(parameters, where: str) -> Ref | None:
     region = parameters.get("shared_memory_region")
     if region is None:
         return None
-    size, offset = parameters.get("shared_memory_byte_size"), parameters.get("shared_memory_offset", 0)
+    size, offset = (
+        parameters.get("shared_memory_byte_size"),
+        parameters.get("shared_memory_offset", 0),
+    )
     if not isinstance(region, str) or not region:
         raise BadRequest(f"{where}: parameters.shared_memory_region must be a region's name")
     for name, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise BadRequest(f"{where}: parameters.{name} must be a non-negative integer, got {value!r:.40}")
+            raise BadRequest(
+                f"{where}: parameters.{name} must be a non-negative integer, got {value!r:.40}"
+            )
     return Ref(region, size, offset)
 
 
 def check_datatype(datatype, spec: TensorSpec) -> None:
     """An input's declared datatype: one of the protocol's, and the model's (HTTP and gRPC alike)."""
     if datatype not in KNOWN_DATATYPES:
-        raise BadRequest(f"input '{spec.name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
-                         f"({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}")
+        raise BadRequest(
+            f"input '{spec.name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
+            f"({', '.join(KNOWN_DATATYPES)}); expected {spec.describe()}"
+        )
     if datatype != spec.datatype:
         raise BadRequest(f"input '{spec.name}': datatype {datatype!r}, expected {spec.describe()}")
 
@@ -320,19 +432,31 @@ def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -
     """The declared element count, refused before any data is touched when it can't be right: more rows
     than a request may have, or more values than the body could carry."""
     if shape and spec.shape and spec.shape[0] == -1 and shape[0] > limits.max_rows:
-        raise BadRequest(f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
-                         "(--max-rows-per-request): split it")
+        raise BadRequest(
+            f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
+            "(--max-rows-per-request): split it"
+        )
     count = math.prod(shape)
-    ceiling = limits.max_body_bytes // min(spec.dtype.itemsize, 2)  # JSON takes 2 bytes a value at the least
+    ceiling = limits.max_body_bytes // min(
+        spec.dtype.itemsize, 2
+    )  # JSON takes 2 bytes a value at the least
     if count > ceiling:
-        raise BadRequest(f"input '{name}': shape {shape} declares {count} values, more than a body of at most "
-                         f"{limits.max_body_bytes} bytes can carry")
+        raise BadRequest(
+            f"input '{name}': shape {shape} declares {count} values, more than a body of at most "
+            f"{limits.max_body_bytes} bytes can carry"
+        )
     return count
 
 
-def encode_v2(model_name: str, model_version: str, request_id: str | None,
-              results: dict[str, np.ndarray], outputs: list[tuple[str, bool]],
-              specs: list[TensorSpec], placed: dict[str, dict] | None = None) -> tuple[bytes, int | None]:
+def encode_v2(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    results: dict[str, np.ndarray],
+    outputs: list[tuple[str, bool]],
+    specs: list[TensorSpec],
+    placed: dict[str, dict] | None = None,
+) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary data follows it (else None). `placed`: the
     outputs written to shared memory, with the parameters that say where (no data of theirs in the body)."""
     datatypes = {s.name: s.datatype for s in specs}
@@ -360,13 +484,16 @@ def encode_v2(model_name: str, model_version: str, request_id: str | None,
 
 # ---- MLflow scoring ----------------------------------------------------------------------------
 
+
 def decode_mlflow(body: bytes, inputs: list[TensorSpec], limits: Limits) -> MlflowRequest:
     request = parse_json(body)
     keys = [k for k in MLFLOW_KEYS if isinstance(request, dict) and k in request]
     if len(keys) != 1:
-        raise BadRequest(f"expected a JSON object with exactly one of {list(MLFLOW_KEYS)}, "
-                         f"e.g. {{\"inputs\": <tensor {inputs[0].describe()}>}}; got "
-                         f"{list(request)[:10] if isinstance(request, dict) else _kind(request)}")
+        raise BadRequest(
+            f"expected a JSON object with exactly one of {list(MLFLOW_KEYS)}, "
+            f'e.g. {{"inputs": <tensor {inputs[0].describe()}>}}; got '
+            f"{list(request)[:10] if isinstance(request, dict) else _kind(request)}"
+        )
     if request.get("params"):
         raise BadRequest("this model takes no params")
     key = keys[0]
@@ -385,14 +512,20 @@ def decode_mlflow(body: bytes, inputs: list[TensorSpec], limits: Limits) -> Mlfl
         if not isinstance(value, dict) or not isinstance(value.get("data"), list):
             raise BadRequest('"dataframe_split" must be {"columns": [...], "data": [[...], ...]}')
         columns, data = value.get("columns"), value["data"]
-        if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+        if columns is not None and not (
+            isinstance(columns, list) and all(isinstance(c, str) for c in columns)
+        ):
             raise BadRequest('"dataframe_split": columns must be a list of column names (strings)')
         if not all(isinstance(row, list) for row in data):
-            raise BadRequest('"dataframe_split": every entry of data must be a row (a list of values)')
+            raise BadRequest(
+                '"dataframe_split": every entry of data must be a row (a list of values)'
+            )
         _check_rows(len(data), key, limits)
         if columns is not None and set(columns) == {s.name for s in inputs} and data:
             if not all(len(row) == len(columns) for row in data):
-                raise BadRequest(f'"dataframe_split": every row must have {len(columns)} values, one per column')
+                raise BadRequest(
+                    f'"dataframe_split": every row must have {len(columns)} values, one per column'
+                )
             feeds = _stack_records([dict(zip(columns, row)) for row in data], inputs, key)
         else:
             feeds = _flat_rows(data, inputs, key)
@@ -415,43 +548,62 @@ def encode_mlflow(results: dict[str, np.ndarray], records: bool) -> bytes:
     row as it answers DataFrames."""
     if records:
         rows = next(iter(results.values())).shape[0]
-        return dumps({"predictions": [{k: np.ascontiguousarray(v[i]) for k, v in results.items()}
-                                      for i in range(rows)]})
+        return dumps(
+            {
+                "predictions": [
+                    {k: np.ascontiguousarray(v[i]) for k, v in results.items()} for i in range(rows)
+                ]
+            }
+        )
     return dumps({"predictions": {k: np.ascontiguousarray(v) for k, v in results.items()}})
 
 
 def _check_rows(rows: int, key: str, limits: Limits) -> None:
     if rows > limits.max_rows:
-        raise BadRequest(f'"{key}" has {rows} rows; this server takes at most {limits.max_rows} per request '
-                         "(--max-rows-per-request): split it")
+        raise BadRequest(
+            f'"{key}" has {rows} rows; this server takes at most {limits.max_rows} per request '
+            "(--max-rows-per-request): split it"
+        )
 
 
-def _named_tensors(value, inputs: list[TensorSpec], key: str, limits: Limits) -> dict[str, np.ndarray]:
+def _named_tensors(
+    value, inputs: list[TensorSpec], key: str, limits: Limits
+) -> dict[str, np.ndarray]:
     if isinstance(value, dict):
         unknown = set(value) - {s.name for s in inputs}
         missing = {s.name for s in inputs} - set(value)
         if unknown or missing:
-            raise BadRequest(f'"{key}" names {sorted(value)[:10]}; this model takes {expected(inputs)}')
+            raise BadRequest(
+                f'"{key}" names {sorted(value)[:10]}; this model takes {expected(inputs)}'
+            )
         for s in inputs:
             if isinstance(value[s.name], list):
                 _check_rows(len(value[s.name]), f"{key}.{s.name}", limits)
         return {s.name: _json_tensor(value[s.name], s, where=f"{key} '{s.name}'") for s in inputs}
     if len(inputs) != 1:
-        raise BadRequest(f'this model has {len(inputs)} inputs; send "{key}" as {{name: tensor}} for '
-                         f"{expected(inputs)}")
+        raise BadRequest(
+            f'this model has {len(inputs)} inputs; send "{key}" as {{name: tensor}} for '
+            f"{expected(inputs)}"
+        )
     if isinstance(value, list):
         _check_rows(len(value), key, limits)
     return {inputs[0].name: _json_tensor(value, inputs[0], where=f'"{key}"')}
 
 
-def _stack_records(records: list[dict], inputs: list[TensorSpec], key: str) -> dict[str, np.ndarray]:
+def _stack_records(
+    records: list[dict], inputs: list[TensorSpec], key: str
+) -> dict[str, np.ndarray]:
     names = {s.name for s in inputs}
     for record in records:
         if not isinstance(record, dict) or set(record) != names:
             got = sorted(record)[:10] if isinstance(record, dict) else _kind(record)
-            raise BadRequest(f'every row of "{key}" must name exactly the model inputs {sorted(names)}, got {got}')
-    return {s.name: _json_tensor([r[s.name] for r in records], s, where=f"{key} '{s.name}'")
-            for s in inputs}
+            raise BadRequest(
+                f'every row of "{key}" must name exactly the model inputs {sorted(names)}, got {got}'
+            )
+    return {
+        s.name: _json_tensor([r[s.name] for r in records], s, where=f"{key} '{s.name}'")
+        for s in inputs
+    }
 
 
 def _flat_rows(data: list, inputs: list[TensorSpec], key: str) -> dict[str, np.ndarray]:
@@ -459,25 +611,34 @@ def _flat_rows(data: list, inputs: list[TensorSpec], key: str) -> dict[str, np.n
     spec = inputs[0]
     sample = spec.shape[1:]
     if len(inputs) != 1 or -1 in sample:
-        raise BadRequest(f'"{key}" with plain value columns needs a model with one input of fixed sample '
-                         f"shape; this model takes {expected(inputs)}: name a column after each input "
-                         "and give a tensor per row")
+        raise BadRequest(
+            f'"{key}" with plain value columns needs a model with one input of fixed sample '
+            f"shape; this model takes {expected(inputs)}: name a column after each input "
+            "and give a tensor per row"
+        )
     array = _json_tensor(data, spec, where=f'"{key}"')
     width = math.prod(sample)
     if array.ndim != 2 or array.shape[1] != width:
-        raise BadRequest(f'"{key}": expected rows of {width} values (one sample {list(sample)} flattened) '
-                         f"for input '{spec.name}' {spec.describe()}; got an array of shape {list(array.shape)}")
+        raise BadRequest(
+            f'"{key}": expected rows of {width} values (one sample {list(sample)} flattened) '
+            f"for input '{spec.name}' {spec.describe()}; got an array of shape {list(array.shape)}"
+        )
     return {spec.name: array.reshape(array.shape[0], *sample)}
 
 
 # ---- shared checks -----------------------------------------------------------------------------
 
+
 def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -> np.ndarray:
     """A JSON array (nested or flat) as `spec`'s dtype; its elements must be of the datatype's JSON kind.
     `count`: the values the declared shape needs (V2), checked before any array is built."""
-    values = _leaves(data if isinstance(data, list) else [data], f"{where}: {spec.datatype} data", spec)
+    values = _leaves(
+        data if isinstance(data, list) else [data], f"{where}: {spec.datatype} data", spec
+    )
     if count is not None and len(values) != count:
-        raise BadRequest(f"{where}: the declared shape needs {count} values, data has {len(values)}")
+        raise BadRequest(
+            f"{where}: the declared shape needs {count} values, data has {len(values)}"
+        )
     kind = spec.dtype.kind
     if kind == "b":
         bad = next((v for v in values if not isinstance(v, bool)), _NONE)
@@ -486,17 +647,23 @@ def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -
         bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), _NONE)
         want = "whole numbers"
     else:
-        bad = next((v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool)), _NONE)
+        bad = next(
+            (v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool)), _NONE
+        )
         want = "numbers"
     if bad is not _NONE:
-        raise BadRequest(f"{where}: {spec.datatype} data must be {want}, got {bad!r:.40}; expected {spec.describe()}")
+        raise BadRequest(
+            f"{where}: {spec.datatype} data must be {want}, got {bad!r:.40}; expected {spec.describe()}"
+        )
     try:
         return np.asarray(data if isinstance(data, list) else [data], dtype=spec.dtype)
     except OverflowError as exc:
         raise BadRequest(f"{where}: a value is out of range for {spec.datatype} ({exc})") from None
     except (ValueError, TypeError) as exc:
-        raise BadRequest(f"{where}: data is not a regular array ({clip(str(exc).splitlines()[0], 120)}); "
-                         f"expected {spec.describe()}") from None
+        raise BadRequest(
+            f"{where}: data is not a regular array ({clip(str(exc).splitlines()[0], 120)}); "
+            f"expected {spec.describe()}"
+        ) from None
 
 
 _NONE = object()
@@ -512,7 +679,9 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
                 stack.append(iter(value))
                 break
             if isinstance(value, dict) or value is None or isinstance(value, str):
-                raise BadRequest(f"{where} holds {_kind(value)} ({value!r:.40}), not a value; expected {spec.describe()}")
+                raise BadRequest(
+                    f"{where} holds {_kind(value)} ({value!r:.40}), not a value; expected {spec.describe()}"
+                )
             out.append(value)
         else:
             stack.pop()
@@ -527,7 +696,9 @@ def shape_fits(spec: TensorSpec, shape) -> bool:
 def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -> None:
     if not shape_fits(spec, shape):
         where = where or f"input '{spec.name}'"
-        raise BadRequest(f"{where}: shape {shape} does not fit; expected {spec.describe()} (-1: any size)")
+        raise BadRequest(
+            f"{where}: shape {shape} does not fit; expected {spec.describe()} (-1: any size)"
+        )
 
 
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:

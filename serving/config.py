@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-
-MAX_BODY_LIMIT = (1 << 31) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
-LARGE_ROW_BYTES = 512 * 1024  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
+MAX_BODY_LIMIT = (
+    1 << 31
+) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+LARGE_ROW_BYTES = (
+    512 * 1024
+)  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
 
 
 @dataclass(frozen=True)
@@ -172,10 +175,15 @@ class Settings:
         return self.grpc_memory_bytes or max(1 << 30, 4 * self.max_body_bytes)
 
     def shadow_rule(self) -> dict:
-        return {"min_pairs": self.shadow_min_pairs, "min_agreement": self.shadow_min_agreement,
-                "max_difference": self.shadow_max_difference, "min_labels": self.shadow_min_labels,
-                "tolerance": self.shadow_tolerance, "max_latency_ratio": self.shadow_max_latency_ratio,
-                "max_source_share": self.shadow_max_source_share}
+        return {
+            "min_pairs": self.shadow_min_pairs,
+            "min_agreement": self.shadow_min_agreement,
+            "max_difference": self.shadow_max_difference,
+            "min_labels": self.shadow_min_labels,
+            "tolerance": self.shadow_tolerance,
+            "max_latency_ratio": self.shadow_max_latency_ratio,
+            "max_source_share": self.shadow_max_source_share,
+        }
 
     def policy(self):
         from serving.repository import parse_version_policy
@@ -186,19 +194,31 @@ class Settings:
         """Cross-field rules; ValueError says how to fix."""
         self._check_models()
         if not 1024 <= self.max_header_bytes <= 1 << 20:
-            raise ValueError(f"--max-header-bytes must be from 1024 to 1048576 (1 MiB), got {self.max_header_bytes}")
-        positive = {"--port": self.port, "--max-batch-size": self.max_batch_size,
-                    "--max-queue-rows": self.max_queue_rows, "--max-body-bytes": self.max_body_bytes,
-                    "--max-rows-per-request": self.max_rows_per_request}
+            raise ValueError(
+                f"--max-header-bytes must be from 1024 to 1048576 (1 MiB), got {self.max_header_bytes}"
+            )
+        positive = {
+            "--port": self.port,
+            "--max-batch-size": self.max_batch_size,
+            "--max-queue-rows": self.max_queue_rows,
+            "--max-body-bytes": self.max_body_bytes,
+            "--max-rows-per-request": self.max_rows_per_request,
+        }
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.grpc_memory_bytes is not None and self.grpc_memory_bytes < 2 * self.max_body_bytes:
-            raise ValueError(f"--grpc-memory-bytes must hold two messages of --max-body-bytes ({self.max_body_bytes}): "
-                             f"at least {2 * self.max_body_bytes}, got {self.grpc_memory_bytes}")
-        if self.max_body_bytes > MAX_BODY_LIMIT:  # grpc's message size limits are C ints (2 GiB - 1 at most)
-            raise ValueError(f"--max-body-bytes must be at most {MAX_BODY_LIMIT} (2 GiB - 1: gRPC's message size limit "
-                             f"is a 32-bit int), got {self.max_body_bytes}")
+            raise ValueError(
+                f"--grpc-memory-bytes must hold two messages of --max-body-bytes ({self.max_body_bytes}): "
+                f"at least {2 * self.max_body_bytes}, got {self.grpc_memory_bytes}"
+            )
+        if (
+            self.max_body_bytes > MAX_BODY_LIMIT
+        ):  # grpc's message size limits are C ints (2 GiB - 1 at most)
+            raise ValueError(
+                f"--max-body-bytes must be at most {MAX_BODY_LIMIT} (2 GiB - 1: gRPC's message size limit "
+                f"is a 32-bit int), got {self.max_body_bytes}"
+            )
         if self.device_id < 0:
             raise ValueError(f"--device-id must be >= 0, got {self.device_id}")
         if self.http_threads is not None and not 1 <= self.http_threads <= 64:
@@ -208,40 +228,60 @@ class Settings:
         if self.max_delay_ms < 0:
             raise ValueError(f"--max-delay-ms must be >= 0, got {self.max_delay_ms}")
         if not 0 <= self.arrival_wait_ms <= 1000:
-            raise ValueError(f"--arrival-wait-ms must be from 0 to 1000, got {self.arrival_wait_ms}")
+            raise ValueError(
+                f"--arrival-wait-ms must be from 0 to 1000, got {self.arrival_wait_ms}"
+            )
         if self.max_rows_per_request > self.max_queue_rows:
-            raise ValueError(f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
-                             f"({self.max_queue_rows}): such a request could never be queued")
+            raise ValueError(
+                f"--max-rows-per-request ({self.max_rows_per_request}) exceeds --max-queue-rows "
+                f"({self.max_queue_rows}): such a request could never be queued"
+            )
         self._check_device()
         if self.shared_memory not in ("on", "off"):
             raise ValueError(f"--shared-memory must be on or off, got {self.shared_memory!r}")
         if not 0 < self.max_shared_memory_mb < float("inf"):
-            raise ValueError(f"--max-shared-memory-mb must be a positive number of MiB, got {self.max_shared_memory_mb}")
+            raise ValueError(
+                f"--max-shared-memory-mb must be a positive number of MiB, got {self.max_shared_memory_mb}"
+            )
         if self.reload_interval is not None and self.reload_interval <= 0:
             raise ValueError(f"--reload-interval must be positive, got {self.reload_interval}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
+            raise ValueError(
+                f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}"
+            )
         if self.auth_token is not None and (not self.auth_token.strip() or not all(self.tokens())):
-            raise ValueError("the auth token is empty (or one of several, comma-separated, is); unset it or give "
-                             "non-empty ones")
+            raise ValueError(
+                "the auth token is empty (or one of several, comma-separated, is); unset it or give "
+                "non-empty ones"
+            )
         if self.auth_token is not None and not self.auth_token.isascii():
-            raise ValueError("the auth token must be ASCII (HTTP headers are latin-1: a non-ASCII one never matches)")
+            raise ValueError(
+                "the auth token must be ASCII (HTTP headers are latin-1: a non-ASCII one never matches)"
+            )
         if self.feedback_token is not None:
             if not self.feedback_token.strip() or not self.feedback_token.isascii():
                 raise ValueError("the feedback token must be non-empty ASCII")
             if self.feedback_token.strip().encode() in self.tokens():
-                raise ValueError("the feedback token is one of the inference tokens: labels steer the shadow verdict, "
-                                 "so they need a credential of their own")
-        for flag, value in {"--read-timeout": self.read_timeout, "--request-timeout": self.request_timeout,
-                            "--run-timeout": self.run_timeout, "--graceful-timeout": self.graceful_timeout}.items():
+                raise ValueError(
+                    "the feedback token is one of the inference tokens: labels steer the shadow verdict, "
+                    "so they need a credential of their own"
+                )
+        for flag, value in {
+            "--read-timeout": self.read_timeout,
+            "--request-timeout": self.request_timeout,
+            "--run-timeout": self.run_timeout,
+            "--graceful-timeout": self.graceful_timeout,
+        }.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         self._check_payload_log()
         self._check_drift_and_shadow()
         if not self.loopback and self.auth_token is None and not self.allow_unauthenticated:
-            raise ValueError(f"--host {self.host} makes the server reachable from other machines, and no token is "
-                             "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
-                             "pass --allow-unauthenticated if something in front of it authenticates")
+            raise ValueError(
+                f"--host {self.host} makes the server reachable from other machines, and no token is "
+                "set: set TRAINSERVE_AUTH_TOKEN (clients send 'Authorization: Bearer <token>'), or "
+                "pass --allow-unauthenticated if something in front of it authenticates"
+            )
 
     def _check_models(self) -> None:
         from serving.loader import SourceError
@@ -251,46 +291,80 @@ class Settings:
         except SourceError as exc:
             raise ValueError(str(exc)) from None
         if not sources and self.repository is None:
-            raise ValueError("no model to serve: give --model [NAME=]URI (repeatable) or --repository DIR")
+            raise ValueError(
+                "no model to serve: give --model [NAME=]URI (repeatable) or --repository DIR"
+            )
         if self.model_name is not None and (len(sources) != 1 or sources[0].name is not None):
-            raise ValueError("--model-name names a single --model; with several, name each as --model NAME=URI")
+            raise ValueError(
+                "--model-name names a single --model; with several, name each as --model NAME=URI"
+            )
         self.policy()
         if self.repository is None:
-            for flag, value in {"--load-model": self.load_model, "--version-policy":
-                                None if self.version_policy == "latest:1" else self.version_policy}.items():
+            for flag, value in {
+                "--load-model": self.load_model,
+                "--version-policy": None
+                if self.version_policy == "latest:1"
+                else self.version_policy,
+            }.items():
                 if value is not None:
-                    raise ValueError(f"{flag} applies to --repository models: add --repository DIR or drop it")
+                    raise ValueError(
+                        f"{flag} applies to --repository models: add --repository DIR or drop it"
+                    )
         if self.model_control not in (None, "none", "explicit"):
-            raise ValueError(f"--model-control must be none or explicit, got {self.model_control!r}")
-        if self.grpc_port is not None and not (0 < self.grpc_port < 65536 and self.grpc_port != self.port):
-            raise ValueError(f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}")
+            raise ValueError(
+                f"--model-control must be none or explicit, got {self.model_control!r}"
+            )
+        if self.grpc_port is not None and not (
+            0 < self.grpc_port < 65536 and self.grpc_port != self.port
+        ):
+            raise ValueError(
+                f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}"
+            )
         if self.grpc_engine not in ("auto", "native", "aio"):
             raise ValueError(f"--grpc-engine must be auto, native or aio, got {self.grpc_engine!r}")
         if self.grpc_engine == "native" and self.grpc_port is not None:
             from serving.grpc import native
+
             if not native.available():
-                raise ValueError(f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio")
+                raise ValueError(
+                    f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio"
+                )
 
     def _check_drift_and_shadow(self) -> None:
         if self.drift_window < 0:
-            raise ValueError(f"--drift-window must be >= 0 samples (0: off), got {self.drift_window}")
+            raise ValueError(
+                f"--drift-window must be >= 0 samples (0: off), got {self.drift_window}"
+            )
         if not self.drift_threshold > 0:
-            raise ValueError(f"--drift-threshold must be a positive PSI (0.2: a shift), got {self.drift_threshold}")
+            raise ValueError(
+                f"--drift-threshold must be a positive PSI (0.2: a shift), got {self.drift_threshold}"
+            )
         if not 0 <= self.shadow <= 1:
-            raise ValueError(f"--shadow must be a fraction of requests between 0 and 1, got {self.shadow}")
+            raise ValueError(
+                f"--shadow must be a fraction of requests between 0 and 1, got {self.shadow}"
+            )
         if self.shadow and not self.shadow_sources():
-            raise ValueError("--shadow mirrors a registry alias's traffic to the version behind --shadow-alias "
-                             f"(@{self.shadow_alias}): serve a --model models:/NAME@champion (an alias other than "
-                             f"@{self.shadow_alias})")
+            raise ValueError(
+                "--shadow mirrors a registry alias's traffic to the version behind --shadow-alias "
+                f"(@{self.shadow_alias}): serve a --model models:/NAME@champion (an alias other than "
+                f"@{self.shadow_alias})"
+            )
         if self.shadow_min_pairs < 1 or self.shadow_min_labels < 1:
             raise ValueError("--shadow-min-pairs and --shadow-min-labels must be at least 1")
         if not 0 <= self.shadow_min_agreement <= 1:
-            raise ValueError(f"--shadow-min-agreement must be between 0 and 1, got {self.shadow_min_agreement}")
+            raise ValueError(
+                f"--shadow-min-agreement must be between 0 and 1, got {self.shadow_min_agreement}"
+            )
         if not 0 < self.shadow_max_source_share <= 1:
-            raise ValueError("--shadow-max-source-share must be a fraction of the pairs above 0 and at most 1 (1: "
-                             f"no limit; 0.5: no client may send more than half), got {self.shadow_max_source_share}")
-        for flag, value in {"--shadow-max-difference": self.shadow_max_difference, "--shadow-tolerance":
-                            self.shadow_tolerance, "--shadow-max-latency-ratio": self.shadow_max_latency_ratio}.items():
+            raise ValueError(
+                "--shadow-max-source-share must be a fraction of the pairs above 0 and at most 1 (1: "
+                f"no limit; 0.5: no client may send more than half), got {self.shadow_max_source_share}"
+            )
+        for flag, value in {
+            "--shadow-max-difference": self.shadow_max_difference,
+            "--shadow-tolerance": self.shadow_tolerance,
+            "--shadow-max-latency-ratio": self.shadow_max_latency_ratio,
+        }.items():
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
@@ -336,32 +410,54 @@ class Settings:
         if self.device not in DEVICES:
             raise ValueError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")
         if self.variant not in ("fp32", "fp16", "int8", "uint8", "auto"):
-            raise ValueError(f"--variant must be fp32, fp16, int8, uint8 or auto, got {self.variant!r}")
+            raise ValueError(
+                f"--variant must be fp32, fp16, int8, uint8 or auto, got {self.variant!r}"
+            )
         if self.variant == "fp16" and self.device == "cpu":
-            raise ValueError("--variant fp16 is for the CUDA provider: onnxruntime's CPU provider runs fp16 nodes "
-                             "through casts to fp32 (slower than the fp32 model, not faster): "
-                             "serve --variant fp32 on the CPU, or use --device cuda")
+            raise ValueError(
+                "--variant fp16 is for the CUDA provider: onnxruntime's CPU provider runs fp16 nodes "
+                "through casts to fp32 (slower than the fp32 model, not faster): "
+                "serve --variant fp32 on the CPU, or use --device cuda"
+            )
         if self.cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
-            raise ValueError(f"--cudnn-conv-algo-search must be {', '.join(CONV_ALGO_SEARCH)}, "
-                             f"got {self.cudnn_conv_algo_search!r}")
+            raise ValueError(
+                f"--cudnn-conv-algo-search must be {', '.join(CONV_ALGO_SEARCH)}, "
+                f"got {self.cudnn_conv_algo_search!r}"
+            )
         if self.gpu_mem_limit_mb is not None and not 0 < self.gpu_mem_limit_mb < float("inf"):
-            raise ValueError(f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}")
+            raise ValueError(
+                f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}"
+            )
         self.bucket_sizes()  # its ValueError names what --batch-buckets takes
         if self.batch_buckets not in ("auto", "off"):
             if self.device == "tensorrt":
-                raise ValueError("--batch-buckets sizes do not apply to --device tensorrt (it builds an engine per "
-                                 "session, and its profile spans every batch size): drop them or use --device cuda")
+                raise ValueError(
+                    "--batch-buckets sizes do not apply to --device tensorrt (it builds an engine per "
+                    "session, and its profile spans every batch size): drop them or use --device cuda"
+                )
         if self.cuda_graphs and (self.device == "tensorrt" or self.batch_buckets == "off"):
-            raise ValueError("--cuda-graphs runs each batch bucket as a CUDA graph on the CUDA provider: not with "
-                             "--device tensorrt or --batch-buckets off")
+            raise ValueError(
+                "--cuda-graphs runs each batch bucket as a CUDA graph on the CUDA provider: not with "
+                "--device tensorrt or --batch-buckets off"
+            )
         if self.trt_cache_dir is not None and self.device != "tensorrt":
             raise ValueError("--trt-cache-dir only applies to --device tensorrt")
         if self.device == "cpu":
             defaults = {f.name: f.default for f in fields(self)}
-            given = [f"--{key.replace('_', '-')}" for key in ("cudnn_conv_algo_search", "allow_tf32", "gpu_mem_limit_mb",
-                                                              "cuda_graphs") if getattr(self, key) != defaults[key]]
+            given = [
+                f"--{key.replace('_', '-')}"
+                for key in (
+                    "cudnn_conv_algo_search",
+                    "allow_tf32",
+                    "gpu_mem_limit_mb",
+                    "cuda_graphs",
+                )
+                if getattr(self, key) != defaults[key]
+            ]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to a GPU: use --device cuda (or auto) or drop them")
+                raise ValueError(
+                    f"{', '.join(given)} only apply to a GPU: use --device cuda (or auto) or drop them"
+                )
 
     def bucket_sizes(self):
         """The batch buckets asked for (a serving.engine.BatchBuckets): auto's powers of two for the CUDA provider
@@ -372,48 +468,79 @@ class Settings:
         if self.batch_buckets == "off":
             return BatchBuckets()
         if self.batch_buckets == "auto":
-            sizes = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
+            sizes = [
+                1 << i
+                for i in range(self.max_batch_size.bit_length())
+                if 1 << i < self.max_batch_size
+            ]
         else:
             try:
                 sizes = [int(size) for size in self.batch_buckets.split(",")]
             except ValueError:
                 sizes = [0]
             if not all(0 < size <= self.max_batch_size for size in sizes):
-                example = ",".join(map(str, sorted({1, max(1, self.max_batch_size // 4), self.max_batch_size})))
-                raise ValueError(f"--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size "
-                                 f"({self.max_batch_size}) like {example}, got {self.batch_buckets!r}")
-        return BatchBuckets(tuple(sorted({*sizes, self.max_batch_size})), cuda_only=self.batch_buckets == "auto")
+                example = ",".join(
+                    map(str, sorted({1, max(1, self.max_batch_size // 4), self.max_batch_size}))
+                )
+                raise ValueError(
+                    f"--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size "
+                    f"({self.max_batch_size}) like {example}, got {self.batch_buckets!r}"
+                )
+        return BatchBuckets(
+            tuple(sorted({*sizes, self.max_batch_size})), cuda_only=self.batch_buckets == "auto"
+        )
 
     def gpu_options(self):
         """The CUDA / TensorRT provider options these settings ask for (a serving.engine.GpuOptions)."""
         from serving.engine import GpuOptions
 
-        return GpuOptions(conv_algo_search=self.cudnn_conv_algo_search, tf32=self.allow_tf32,
-                          gpu_mem_limit_mb=self.gpu_mem_limit_mb, trt_cache_dir=self.trt_cache_dir,
-                          cuda_graphs=self.cuda_graphs)
+        return GpuOptions(
+            conv_algo_search=self.cudnn_conv_algo_search,
+            tf32=self.allow_tf32,
+            gpu_mem_limit_mb=self.gpu_mem_limit_mb,
+            trt_cache_dir=self.trt_cache_dir,
+            cuda_graphs=self.cuda_graphs,
+        )
 
     def _check_payload_log(self) -> None:
         if self.payload_log is None:
             defaults = {f.name: f.default for f in fields(self)}
-            given = [f"--{key.replace('_', '-')}" for key in ("payload_log_sample", "payload_log_max_mb",
-                                                              "payload_log_file_mb", "payload_log_mlflow")
-                     if getattr(self, key) != defaults[key]]
+            given = [
+                f"--{key.replace('_', '-')}"
+                for key in (
+                    "payload_log_sample",
+                    "payload_log_max_mb",
+                    "payload_log_file_mb",
+                    "payload_log_mlflow",
+                )
+                if getattr(self, key) != defaults[key]
+            ]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to a payload log: add --payload-log DIR")
+                raise ValueError(
+                    f"{', '.join(given)} only apply to a payload log: add --payload-log DIR"
+                )
             return
         if not self.payload_log.strip():
             raise ValueError("--payload-log is empty; give a directory")
         if not 0.0 <= self.payload_log_sample <= 1.0:
-            raise ValueError(f"--payload-log-sample is the fraction of requests logged, between 0 and 1; got "
-                             f"{self.payload_log_sample}")
-        for flag, value in {"--payload-log-max-mb": self.payload_log_max_mb,
-                            "--payload-log-file-mb": self.payload_log_file_mb}.items():
-            if not 1 / 1024 <= value < float("inf"):  # a file must hold a record: 1 KiB at the least
+            raise ValueError(
+                f"--payload-log-sample is the fraction of requests logged, between 0 and 1; got "
+                f"{self.payload_log_sample}"
+            )
+        for flag, value in {
+            "--payload-log-max-mb": self.payload_log_max_mb,
+            "--payload-log-file-mb": self.payload_log_file_mb,
+        }.items():
+            if (
+                not 1 / 1024 <= value < float("inf")
+            ):  # a file must hold a record: 1 KiB at the least
                 raise ValueError(f"{flag} is a number of MiB, at least 1/1024 (1 KiB); got {value}")
         if self.payload_log_file_mb > self.payload_log_max_mb:
-            raise ValueError(f"--payload-log-file-mb ({self.payload_log_file_mb:g}) exceeds --payload-log-max-mb "
-                             f"({self.payload_log_max_mb:g}), the cap on all payload files together: one file "
-                             "could not fit; make the file size at most the cap")
+            raise ValueError(
+                f"--payload-log-file-mb ({self.payload_log_file_mb:g}) exceeds --payload-log-max-mb "
+                f"({self.payload_log_max_mb:g}), the cap on all payload files together: one file "
+                "could not fit; make the file size at most the cap"
+            )
 
     @property
     def loopback(self) -> bool:

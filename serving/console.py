@@ -21,10 +21,20 @@ VERBOSE_ENV = "TRAINSERVE_VERBOSE"
 
 # Loggers that speak per store open, per optimization pass, per op, per request: what matters from
 # them is said once in our own words (registered version, system metrics, artifacts downloaded).
-QUIET = {"alembic": logging.WARNING, "mlflow": logging.WARNING, "urllib3": logging.WARNING,
-         "matplotlib": logging.WARNING, "PIL": logging.WARNING, "uvicorn": logging.WARNING,
-         "onnxscript": logging.ERROR, "onnx_ir": logging.ERROR, "torch.onnx": logging.ERROR,
-         "huey": logging.WARNING, "sqlalchemy": logging.WARNING, "httpx": logging.WARNING}
+QUIET = {
+    "alembic": logging.WARNING,
+    "mlflow": logging.WARNING,
+    "urllib3": logging.WARNING,
+    "matplotlib": logging.WARNING,
+    "PIL": logging.WARNING,
+    "uvicorn": logging.WARNING,
+    "onnxscript": logging.ERROR,
+    "onnx_ir": logging.ERROR,
+    "torch.onnx": logging.ERROR,
+    "huey": logging.WARNING,
+    "sqlalchemy": logging.WARNING,
+    "httpx": logging.WARNING,
+}
 
 # onnxruntime's C++ logger: 3 = errors, 4 = fatal only. A failed run (a client's bad shape) is an
 # error to onnxruntime and a 400 to us, which we log ourselves; its red `[E:onnxruntime...]` line
@@ -51,7 +61,7 @@ def clip(text: str, limit: int) -> str:
     """`text`, or its first words within `limit` characters and " ...": a message is never cut mid-word."""
     if len(text) <= limit:
         return text
-    head = text[:limit + 1]
+    head = text[: limit + 1]
     cut = max(head.rfind(" "), head.rfind(","), head.rfind(";"))
     return (head[:cut] if cut > limit // 2 else text[:limit]).rstrip(" ,;") + " ..."
 
@@ -97,7 +107,9 @@ def configure(rank: int | None = None, level: int | str = logging.INFO) -> None:
     prefix = "[rank%(rank)s] " if rank is not None else ""
     if rank is not None:
         handler.addFilter(RankFilter(rank))
-    handler.setFormatter(OneLine(prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(
+        OneLine(prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
@@ -137,10 +149,24 @@ class Progress:
     `total / lines` steps, because a bar's carriage returns make a log unreadable.
     The interface is the part of tqdm's that training uses: update, set_postfix, close."""
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "train", enabled: bool = True,
-                 lines: int = 5, logger: logging.Logger | None = None, stream=None):
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        desc: str = "train",
+        enabled: bool = True,
+        lines: int = 5,
+        logger: logging.Logger | None = None,
+        stream=None,
+    ):
         stream = stream or sys.stderr
-        self.total, self.n, self.initial, self.desc, self.enabled = total, initial, initial, desc, enabled
+        self.total, self.n, self.initial, self.desc, self.enabled = (
+            total,
+            initial,
+            initial,
+            desc,
+            enabled,
+        )
         self.every = max(1, -(-total // lines))
         self.postfix: dict[str, str] = {}
         self.log = logger or logging.getLogger("trainserve.progress")
@@ -149,8 +175,15 @@ class Progress:
         if enabled and stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=1.0,
-                            dynamic_ncols=True, file=stream)
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit="step",
+                mininterval=1.0,
+                dynamic_ncols=True,
+                file=stream,
+            )
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -171,5 +204,12 @@ class Progress:
     def _line(self) -> None:
         rate = (self.n - self.initial) / max(time.monotonic() - self.started, 1e-9)
         extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
-        self.log.info("%s: step %d/%d (%d%%)%s, %.1f steps/s", self.desc, self.n, self.total,
-                      100 * self.n // max(self.total, 1), extra, rate)
+        self.log.info(
+            "%s: step %d/%d (%d%%)%s, %.1f steps/s",
+            self.desc,
+            self.n,
+            self.total,
+            100 * self.n // max(self.total, 1),
+            extra,
+            rate,
+        )

@@ -63,86 +63,139 @@ from serving.staging import NonFinite
 log = logging.getLogger("serving.core")
 RETRY_AFTER = {"Retry-After": "1"}
 BIG_BODY = 64 * 1024  # a request bigger than this is decoded in a thread
-SHADOW_QUEUE = 64     # mirrored requests waiting for the challenger, per model: past it they are dropped
-GC_THRESHOLD = 20_000  # allocations between two collections of the youngest generation (default 700)
-DRIFT_CHECK_EVERY = 50  # batches between two looks at a version's drift (a log line when it crosses the threshold)
+SHADOW_QUEUE = (
+    64  # mirrored requests waiting for the challenger, per model: past it they are dropped
+)
+GC_THRESHOLD = (
+    20_000  # allocations between two collections of the youngest generation (default 700)
+)
+DRIFT_CHECK_EVERY = (
+    50  # batches between two looks at a version's drift (a log line when it crosses the threshold)
+)
 
 
 def model_summary(info: ModelInfo) -> dict:
     """The model as a payload record names it."""
-    return {"name": info.name, "version": info.version, "run_id": info.lineage.get("run_id"),
-            "weights_sha256": info.lineage.get("weights_sha256"), "onnx_sha256": info.lineage.get("onnx_sha256"),
-            "source": info.resolved_source}  # `pipeline trace` follows this, not the served name
+    return {
+        "name": info.name,
+        "version": info.version,
+        "run_id": info.lineage.get("run_id"),
+        "weights_sha256": info.lineage.get("weights_sha256"),
+        "onnx_sha256": info.lineage.get("onnx_sha256"),
+        "source": info.resolved_source,
+    }  # `pipeline trace` follows this, not the served name
 
 
 def check_request_id(value: str, where: str) -> str:
     """A client's request id, which is echoed in a header: 1 to 128 printable ASCII characters."""
     if not HEADER_SAFE.fullmatch(value):
-        raise Refused(400, f"{where} must be 1 to 128 printable ASCII characters (it is echoed in the "
-                             f"X-Request-Id response header), got {value!r:.60}")
+        raise Refused(
+            400,
+            f"{where} must be 1 to 128 printable ASCII characters (it is echoed in the "
+            f"X-Request-Id response header), got {value!r:.60}",
+        )
     return value
 
 
 @dataclass
 class Answer:
-    slot: Slot                               # the version that computed it (after a reload swap too)
+    slot: Slot  # the version that computed it (after a reload swap too)
     request_id: str
-    request: Any                             # what decode returned
+    request: Any  # what decode returned
     results: dict[str, np.ndarray]
 
 
 class Server:
     """The state behind the routes (HTTP and gRPC): settings, the model repository, the engine thread, metrics."""
 
-    def __init__(self, settings: Settings, models: LoadedModel | list[tuple[Source, LoadedModel]],
-                 payload_log: PayloadLog | None = None,
-                 front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = ()):
+    def __init__(
+        self,
+        settings: Settings,
+        models: LoadedModel | list[tuple[Source, LoadedModel]],
+        payload_log: PayloadLog | None = None,
+        front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = (),
+    ):
         self.settings = settings
         self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
-        self._drift_high: set[tuple[str, str, str, str]] = set()  # (model, version, kind, name) above the threshold
+        self._drift_high: set[tuple[str, str, str, str]] = (
+            set()
+        )  # (model, version, kind, name) above the threshold
         # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
         # at once on the same cores only fight. It takes each batch when it is free to run it, the models' batchers
         # in turn (serving/runner.py); warm-ups and other engine work take their turns too (an Executor).
         self.executor = Runner()
         self.metrics = Metrics(queue_rows=self._queued_rows)
-        self.repository = Repository(partial(open_source, settings), self._batcher, self.warm_up_between_batches,
-                                     directory=settings.repository, policy=settings.policy(),
-                                     default_model=settings.default_model)
+        self.repository = Repository(
+            partial(open_source, settings),
+            self._batcher,
+            self.warm_up_between_batches,
+            directory=settings.repository,
+            policy=settings.policy(),
+            default_model=settings.default_model,
+        )
         self.repository.on_change = self._announce
         if isinstance(models, LoadedModel):  # one model, opened by the caller (tests, tools)
-            models = [(settings.sources()[0] if settings.sources() else Source(models.info.source), models)]
+            models = [
+                (
+                    settings.sources()[0] if settings.sources() else Source(models.info.source),
+                    models,
+                )
+            ]
         self.repository.place(models)
         self.repository.add_repository_models()  # the rest of the repository: listed, loadable, not loaded
-        if settings.default_model is not None and settings.default_model not in self.repository.models:
-            raise RepositoryError(f"--default-model {settings.default_model}: no such model (this server has "
-                                  f"{self.repository.describe()})")
+        if (
+            settings.default_model is not None
+            and settings.default_model not in self.repository.models
+        ):
+            raise RepositoryError(
+                f"--default-model {settings.default_model}: no such model (this server has "
+                f"{self.repository.describe()})"
+            )
         self._serving = False  # between startup and shutdown
         self._tokens = settings.tokens()  # each client's; none: no auth
         self._followers: list[asyncio.Task] = []
-        self._last_request: dict[str, dict[str, np.ndarray]] = {}  # model -> the feeds of the last request answered
+        self._last_request: dict[
+            str, dict[str, np.ndarray]
+        ] = {}  # model -> the feeds of the last request answered
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
         # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU (lifespan).
-        self.shared_memory = SharedMemory(int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on")
+        self.shared_memory = SharedMemory(
+            int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on"
+        )
         # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken by the
         # decoding thread itself, so no loop waits on it.
         self.decoding = threading.BoundedSemaphore(2)
-        self.loop: asyncio.AbstractEventLoop | None = None  # the main loop (lifespan): the shadow mirrors live on it
+        self.loop: asyncio.AbstractEventLoop | None = (
+            None  # the main loop (lifespan): the shadow mirrors live on it
+        )
         self.payload_log = payload_log  # started and closed with the server
         if payload_log is not None:
             self.metrics.watch_payload_log(payload_log.stats)
-        self.front_ends = front_ends  # started with the server (gRPC), each returning something with stop(grace)
+        self.front_ends = (
+            front_ends  # started with the server (gRPC), each returning something with stop(grace)
+        )
         self._listening: list[Any] = []
         self._stopping: list[asyncio.Future] = []
-        self.shadows: dict[str, Shadow] = {}  # model -> its champion/challenger comparison (--shadow)
+        self.shadows: dict[
+            str, Shadow
+        ] = {}  # model -> its champion/challenger comparison (--shadow)
         self._mirrors: dict[str, asyncio.Queue] = {}
         self._mirror_tasks: list[asyncio.Task] = []
         if settings.shadow:
             rule = Rule(**settings.shadow_rule())
-            self.shadows = {name: Shadow(rule) for name, alias in self.repository.aliases()
-                            if alias.rpartition("@")[2] == settings.shadow_alias}
+            self.shadows = {
+                name: Shadow(rule)
+                for name, alias in self.repository.aliases()
+                if alias.rpartition("@")[2] == settings.shadow_alias
+            }
         self.metrics.watch_drift(self._drift_scores)
-        self.metrics.watch_shadows(lambda: {name: self.shadow(name).report() for name in self.shadows
-                                            if name in self.repository.models})
+        self.metrics.watch_shadows(
+            lambda: {
+                name: self.shadow(name).report()
+                for name in self.shadows
+                if name in self.repository.models
+            }
+        )
 
     @property
     def ready(self) -> bool:
@@ -161,7 +214,9 @@ class Server:
         return self.repository.slot(self.repository.default_model().name, None)
 
     def _queued_rows(self) -> list[tuple[str, str, float]]:
-        return [(name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()]
+        return [
+            (name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()
+        ]
 
     def _batcher(self, model: LoadedModel) -> Batcher:
         s = self.settings
@@ -171,11 +226,20 @@ class Server:
             self.metrics.observe_batch(name, version, rows, seconds, waits)
 
         run, run_buffer = self._observed(model)
-        return Batcher(run, self.executor, max_batch_size=s.max_batch_size,
-                       max_delay_ms=s.max_delay_ms, max_queue_rows=s.max_queue_rows,
-                       merge=model.engine.batchable, on_batch=observe, run_timeout=s.run_timeout,
-                       buffers=model.engine.batch_buffers(s.max_batch_size), run_buffer=run_buffer,
-                       arrival_wait_ms=s.arrival_wait_ms, incoming=self.incoming)
+        return Batcher(
+            run,
+            self.executor,
+            max_batch_size=s.max_batch_size,
+            max_delay_ms=s.max_delay_ms,
+            max_queue_rows=s.max_queue_rows,
+            merge=model.engine.batchable,
+            on_batch=observe,
+            run_timeout=s.run_timeout,
+            buffers=model.engine.batch_buffers(s.max_batch_size),
+            run_buffer=run_buffer,
+            arrival_wait_ms=s.arrival_wait_ms,
+            incoming=self.incoming,
+        )
 
     def incoming(self) -> int:
         """Requests on their way whose model is not named yet: ModelInfer messages the native gRPC engine is still
@@ -188,7 +252,9 @@ class Server:
         if self._tokens:
             return 0
         loaded = 0
-        for model in list(self.repository.models.values()):  # (registered models with no version loaded too)
+        for model in list(
+            self.repository.models.values()
+        ):  # (registered models with no version loaded too)
             loaded += len(model.slots)
         if loaded != 1:
             return 0
@@ -217,7 +283,9 @@ class Server:
             except Exception:  # noqa: BLE001 - a statistic must never fail an answer
                 log.exception("drift statistics of %s version %s failed", *key)
 
-        return partial(model.engine.run_parts, observe=observe), partial(model.engine.run_buffer, observe=observe)
+        return partial(model.engine.run_parts, observe=observe), partial(
+            model.engine.run_buffer, observe=observe
+        )
 
     def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
         """One log line when a tensor's PSI crosses the threshold (and one when it is back under)."""
@@ -228,28 +296,58 @@ class Server:
             flag = (*key, kind, name)
             if value > threshold and flag not in self._drift_high:
                 self._drift_high.add(flag)
-                log.warning("drift: %s version %s %s '%s': PSI %.3f > %.2f over the last %d samples",
-                            key[0], key[1], kind[:-1], name, value, threshold, samples)
+                log.warning(
+                    "drift: %s version %s %s '%s': PSI %.3f > %.2f over the last %d samples",
+                    key[0],
+                    key[1],
+                    kind[:-1],
+                    name,
+                    value,
+                    threshold,
+                    samples,
+                )
             elif value <= threshold and flag in self._drift_high:
                 self._drift_high.discard(flag)
-                log.info("drift: %s version %s %s '%s' back under %.2f (PSI %.3f)", key[0], key[1], kind[:-1], name,
-                         threshold, value)
+                log.info(
+                    "drift: %s version %s %s '%s' back under %.2f (PSI %.3f)",
+                    key[0],
+                    key[1],
+                    kind[:-1],
+                    name,
+                    threshold,
+                    value,
+                )
 
     def _drift_scores(self) -> dict[tuple[str, str, str, str], float]:
         """{(model, version, "inputs"|"outputs", tensor): PSI} of the loaded versions, for /metrics."""
         loaded = {(name, slot.version) for name, slot in self.repository.slots()}
-        return {(*key, kind, name): value for key, tracker in list(self.drift.items()) if key in loaded
-                for (kind, name), (value, _) in tracker.scores().items()}
+        return {
+            (*key, kind, name): value
+            for key, tracker in list(self.drift.items())
+            if key in loaded
+            for (kind, name), (value, _) in tracker.scores().items()
+        }
 
     # ---- the shadow --------------------------------------------------------------------------------
 
     def challenger_slot(self, model: Model) -> Slot | None:
         """The loaded version behind the shadowed alias of `model`, if any."""
-        shadowed = [a for a in model.alias_served if a.rpartition("@")[2] == self.settings.shadow_alias]
+        shadowed = [
+            a for a in model.alias_served if a.rpartition("@")[2] == self.settings.shadow_alias
+        ]
         return model.slots.get(model.alias_served[shadowed[0]]) if shadowed else None
 
-    def mirror(self, slot: Slot, request_id: str, feeds: dict[str, np.ndarray], rows: int,
-               results: dict[str, np.ndarray], champion_ms: float, mirrored: bool, source: str = "") -> None:
+    def mirror(
+        self,
+        slot: Slot,
+        request_id: str,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        results: dict[str, np.ndarray],
+        champion_ms: float,
+        mirrored: bool,
+        source: str = "",
+    ) -> None:
         """Hands a request drawn for the sample (`mirrored`) to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
         counted; the champion's answer is never held up by it."""
@@ -280,23 +378,49 @@ class Server:
         """One model's mirrored requests, one at a time, on its challenger's batcher."""
         queue, shadow = self._mirrors[name], self.shadows[name]
         while True:
-            challenger, champion_version, rid, feeds, rows, champion, champion_ms, source = await queue.get()
+            (
+                challenger,
+                champion_version,
+                rid,
+                feeds,
+                rows,
+                champion,
+                champion_ms,
+                source,
+            ) = await queue.get()
             versions = (champion_version, challenger.version)
             started = time.perf_counter()
             try:
-                answer = await asyncio.wait_for(challenger.batcher.submit(feeds, rows), self.settings.request_timeout)
+                answer = await asyncio.wait_for(
+                    challenger.batcher.submit(feeds, rows), self.settings.request_timeout
+                )
             except (QueueFull, BatcherClosed, RunTimedOut, asyncio.TimeoutError):
                 shadow.dropped(versions)  # the server's load, not the challenger's fault
                 continue
             except Exception as exc:  # noqa: BLE001 - the challenger failing is what the comparison counts
-                log.warning("shadow: %s version %s failed request %s: %s", name, challenger.version, rid,
-                            clip(str(exc) or type(exc).__name__, 200))
+                log.warning(
+                    "shadow: %s version %s failed request %s: %s",
+                    name,
+                    challenger.version,
+                    rid,
+                    clip(str(exc) or type(exc).__name__, 200),
+                )
                 shadow.error(versions)
                 continue
             took = (time.perf_counter() - started) * 1e3
-            digest = await asyncio.to_thread(input_digest, feeds)  # (a 602 KB image: ~1 ms of hashing, off the loop)
-            shadow.pair(rid, champion, answer, champion_ms, took, (champion_version, challenger.version), digest,
-                        source)
+            digest = await asyncio.to_thread(
+                input_digest, feeds
+            )  # (a 602 KB image: ~1 ms of hashing, off the loop)
+            shadow.pair(
+                rid,
+                champion,
+                answer,
+                champion_ms,
+                took,
+                (champion_version, challenger.version),
+                digest,
+                source,
+            )
 
     def _pair(self, name: str, shadow: Shadow) -> tuple[Slot | None, Slot | None]:
         """(champion, challenger) served now, and the comparison set to that pairing (a new one starts afresh
@@ -315,8 +439,11 @@ class Server:
         self.repository.model(name)  # a 404 naming the models for an unknown one
         shadow = self.shadows.get(name)
         if shadow is None:
-            raise Refused(404, f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
-                               f"and the model as models:/<name>@<alias> with an @{self.settings.shadow_alias}")
+            raise Refused(
+                404,
+                f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
+                f"and the model as models:/<name>@<alias> with an @{self.settings.shadow_alias}",
+            )
         self._pair(name, shadow)
         return shadow
 
@@ -331,22 +458,39 @@ class Server:
             self.shared_memory.cuda_device = self.settings.device_id
         for _, slot in self.repository.slots():
             info = slot.model.info
-            log.info("serving %s version %s from %s on %s", info.name, info.version, info.source,
-                     slot.model.engine.describe())
+            log.info(
+                "serving %s version %s from %s on %s",
+                info.name,
+                info.version,
+                info.source,
+                slot.model.engine.describe(),
+            )
         if self.payload_log is not None:
             self.payload_log.start()
-            log.info("payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
-                     self.payload_log.sample * 100, self.payload_log.directory, self.payload_log.max_bytes,
-                     self.payload_log.file_bytes)
+            log.info(
+                "payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
+                self.payload_log.sample * 100,
+                self.payload_log.directory,
+                self.payload_log.max_bytes,
+                self.payload_log.file_bytes,
+            )
         if self.settings.reload_interval:
-            self._followers = [asyncio.create_task(
-                self.repository.follow(name, alias, self.settings.reload_interval, self._alias_event),
-                name=f"follow {alias}") for name, alias in self.repository.aliases()]
+            self._followers = [
+                asyncio.create_task(
+                    self.repository.follow(
+                        name, alias, self.settings.reload_interval, self._alias_event
+                    ),
+                    name=f"follow {alias}",
+                )
+                for name, alias in self.repository.aliases()
+            ]
         for start in self.front_ends:
             self._listening.append(await start(self))
         for name in self.shadows:
             self._mirrors[name] = asyncio.Queue(SHADOW_QUEUE)
-            self._mirror_tasks.append(asyncio.create_task(self._mirror_worker(name), name=f"shadow {name}"))
+            self._mirror_tasks.append(
+                asyncio.create_task(self._mirror_worker(name), name=f"shadow {name}")
+            )
         # What start-up made (imports, MLflow's among them, the models) lives as long as the server: out of the
         # collector's sight, a full collection (a swap's close_slots, or the interpreter's own) scans only what
         # came since. It scanned ~300k objects in ~150 ms on the event loop, holding every in-flight request
@@ -375,7 +519,9 @@ class Server:
                     await task
             await self.repository.close()
             self.shared_memory.close()
-            if self.payload_log is not None:  # every request was answered: its records are all queued
+            if (
+                self.payload_log is not None
+            ):  # every request was answered: its records are all queued
                 await asyncio.to_thread(self.payload_log.close, self.settings.graceful_timeout)
             self.executor.shutdown(wait=True)
             log.info("stopped")
@@ -399,41 +545,73 @@ class Server:
         """How this server is laid out over threads and cores, in one line for its log."""
         from serving.engine import usable_cpus
 
-        parts = [f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
-                 + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")
-                 + (f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more loops "
-                    "would share the GIL for little; --http-threads N sets them)"
-                    if self.settings.http_threads is None and http_loops == 1 and usable_cpus() > 1 else "")]
+        parts = [
+            f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
+            + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")
+            + (
+                f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more loops "
+                "would share the GIL for little; --http-threads N sets them)"
+                if self.settings.http_threads is None and http_loops == 1 and usable_cpus() > 1
+                else ""
+            )
+        ]
         for front_end in self._listening:
             parts.append(getattr(front_end, "layout", "gRPC"))
         engines = {slot.model.engine.threads for _, slot in self.repository.slots()}
-        buffers = [slot.batcher.buffers for _, slot in self.repository.slots() if slot.batcher.buffers is not None]
-        parts.append(f"1 engine thread running every model's batches in turn (onnxruntime "
-                     f"{'/'.join(map(str, sorted(engines))) or '-'} intra-op threads)")
+        buffers = [
+            slot.batcher.buffers
+            for _, slot in self.repository.slots()
+            if slot.batcher.buffers is not None
+        ]
+        parts.append(
+            f"1 engine thread running every model's batches in turn (onnxruntime "
+            f"{'/'.join(map(str, sorted(engines))) or '-'} intra-op threads)"
+        )
         if buffers:
             b = buffers[0]
-            parts.append(f"batch buffers of {b.capacity} rows, up to {b.count} a model version"
-                         + (", pinned" if b.pin else ""))
+            parts.append(
+                f"batch buffers of {b.capacity} rows, up to {b.count} a model version"
+                + (", pinned" if b.pin else "")
+            )
         return f"{'; '.join(parts)}; {usable_cpus()} CPUs usable"
 
     def _stop_front_ends(self) -> None:
         if not self._stopping:
-            self._stopping = [asyncio.ensure_future(f.stop(self.settings.graceful_timeout)) for f in self._listening]
+            self._stopping = [
+                asyncio.ensure_future(f.stop(self.settings.graceful_timeout))
+                for f in self._listening
+            ]
 
     def _announce(self) -> None:
         """Metrics of what is loaded now (after every load, unload and alias move)."""
         served = []
         for name, slot in self.repository.slots():
             model, info = slot.model, slot.model.info
-            served.append((name, info.version, model.engine.provider, info.source, model.variant,
-                           model.engine.options_text()))
-            unsafe = [h for h, v in receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
+            served.append(
+                (
+                    name,
+                    info.version,
+                    model.engine.provider,
+                    info.source,
+                    model.variant,
+                    model.engine.options_text(),
+                )
+            )
+            unsafe = [
+                h for h, v in receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)
+            ]
             if unsafe:
-                log.warning("%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
-                            name, info.version, ", ".join(unsafe))
+                log.warning(
+                    "%s version %s: not sending %s: the values are not 1 to 128 printable ASCII characters",
+                    name,
+                    info.version,
+                    ", ".join(unsafe),
+                )
         self.metrics.set_models(served)
         versions = {(name, slot.version) for name, slot in self.repository.slots()}
-        self.drift = {key: window for key, window in self.drift.items() if key in versions}  # unloaded: gone
+        self.drift = {
+            key: window for key, window in self.drift.items() if key in versions
+        }  # unloaded: gone
         loaded = {name for name, _ in self.repository.slots()}
         self.metrics.forget_aliases(lambda model: model not in loaded)
 
@@ -458,8 +636,13 @@ class Server:
             if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
                 await self._warm_up_with_last_request(model)
                 return
-        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
-                 len(sizes), time.perf_counter() - started)
+        log.info(
+            "%s version %s: warm-up of %d batch sizes done in %.2f s",
+            model.info.name,
+            model.info.version,
+            len(sizes),
+            time.perf_counter() - started,
+        )
 
     async def _warm_up_with_last_request(self, model: LoadedModel) -> None:
         """No size can be guessed for an input's other dynamic axis (a sequence length, an image size): a new
@@ -469,18 +652,31 @@ class Server:
         name, version = model.info.name, model.info.version
         feeds = self._last_request.get(name)
         if feeds is None or not fits(model.engine.inputs, feeds):
-            log.info("%s version %s: no warm-up: an input has a dynamic axis besides the batch axis, and no request "
-                     "answered yet fits this version", name, version)
+            log.info(
+                "%s version %s: no warm-up: an input has a dynamic axis besides the batch axis, and no request "
+                "answered yet fits this version",
+                name,
+                version,
+            )
             return
         started = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, model.engine.run, feeds)
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            log.warning("%s version %s: warm-up with the last request answered failed (serving it anyway): %s",
-                        name, version, clip(str(exc), 300))
+            log.warning(
+                "%s version %s: warm-up with the last request answered failed (serving it anyway): %s",
+                name,
+                version,
+                clip(str(exc), 300),
+            )
             return
-        log.info("%s version %s: warm-up with the last request answered (an input has a dynamic axis besides the "
-                 "batch axis) done in %.2f s", name, version, time.perf_counter() - started)
+        log.info(
+            "%s version %s: warm-up with the last request answered (an input has a dynamic axis besides the "
+            "batch axis) done in %.2f s",
+            name,
+            version,
+            time.perf_counter() - started,
+        )
 
     # ---- the one inference path ------------------------------------------------------------------
     def check_token(self, header: str) -> None:
@@ -492,8 +688,11 @@ class Server:
         # every token compared, in constant time each: which one matched (or none) takes no less time to find
         matched = [hmac.compare_digest(given, known) for known in self._tokens]
         if scheme.lower() != "bearer" or not any(matched):
-            raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                            {"WWW-Authenticate": "Bearer"})
+            raise Refused(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     def check_feedback_token(self, header: str) -> None:
         """Labels' credential (--feedback-token), never the inference token: whoever may ask for answers must not
@@ -501,16 +700,26 @@ class Server:
         wanted = self.settings.feedback_token
         if wanted is None:
             if self._tokens:
-                raise Refused(403, "this server takes no labels: start it with --feedback-token (env "
-                                   "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one")
+                raise Refused(
+                    403,
+                    "this server takes no labels: start it with --feedback-token (env "
+                    "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one",
+                )
             return  # no auth at all (a loopback server): labels as open as the rest
         scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), wanted.strip().encode()):
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), wanted.strip().encode()
+        ):
             return
         if any(hmac.compare_digest(token.strip().encode(), known) for known in self._tokens):
-            raise Refused(403, "labels need the feedback token (--feedback-token), not the inference token")
-        raise Refused(401, "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
-                      {"WWW-Authenticate": "Bearer"})
+            raise Refused(
+                403, "labels need the feedback token (--feedback-token), not the inference token"
+            )
+        raise Refused(
+            401,
+            "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
     def model_slot(self, name: str, version: str | None) -> Slot:
         try:
@@ -530,9 +739,12 @@ class Server:
         others = sorted(n for n in self.repository.models if n != slot.model.info.name)
         if not others:
             return ""
-        return (f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
-                f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
-                f"--default-model NAME)")
+        return (
+            f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+            f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
+            f"--default-model NAME)"
+        )
+
     @staticmethod
     def decode_now(decode: Callable[[], Any]):
         """A protocol's decoder on its request, here and now. An exception the decoder did not foresee is still the
@@ -541,9 +753,19 @@ class Server:
             return decode()
         except BadRequest:
             raise
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            IndexError,
+            AttributeError,
+            OverflowError,
+            MemoryError,
+        ) as exc:
             log.debug("a request the decoder did not foresee", exc_info=True)
-            raise BadRequest(f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}") from None
+            raise BadRequest(
+                f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}"
+            ) from None
 
     async def decode(self, decode: Callable[[], Any], size: int):
         """decode_now, in a thread for a big request (two at a time), inline for a small one."""
@@ -556,8 +778,17 @@ class Server:
         with self.decoding:
             return fn(*args)
 
-    async def answer(self, slot: Slot, request, exchange: Exchange, *, endpoint: str, follow_swap: bool,
-                     request_id: str | None = None, arrival=None) -> Answer:
+    async def answer(
+        self,
+        slot: Slot,
+        request,
+        exchange: Exchange,
+        *,
+        endpoint: str,
+        follow_swap: bool,
+        request_id: str | None = None,
+        arrival=None,
+    ) -> Answer:
         """The one inference path (see the module's docstring): `request` is what the front end decoded for `slot`
         (.feeds, .rows, .request_id: None when the body has none); `request_id` the one its headers or metadata
         gave (checked); `arrival` the batcher's note that its body was on its way (Batcher.arriving), ended when it
@@ -565,50 +796,89 @@ class Server:
         rid = request_id
         if rid is None:
             given = getattr(request, "request_id", None)
-            rid = check_request_id(given, 'the "id" of the request') if given is not None else new_request_id()
+            rid = (
+                check_request_id(given, 'the "id" of the request')
+                if given is not None
+                else new_request_id()
+            )
         exchange.answered_by(slot, rid)
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.
-        mirrored = slot.model.info.name in self.shadows and random.random() < self.settings.shadow  # the server's
+        mirrored = (
+            slot.model.info.name in self.shadows and random.random() < self.settings.shadow
+        )  # the server's
         # draw, not the request id's hash: a client choosing its ids must not choose which requests judge a challenger
         feeds = owned(request.feeds) if self._keeps(slot, rid, mirrored) else request.feeds
         started = time.perf_counter()
         try:
-            results, slot = await self.infer(slot, request.feeds, request.rows, follow_swap, arrival)
+            results, slot = await self.infer(
+                slot, request.feeds, request.rows, follow_swap, arrival
+            )
         except (Refused, BadRequest) as exc:
             self.log_payload(rid, endpoint, slot, feeds, None, exc.status, str(exc))
             raise
-        exchange.answered_by(slot, rid)  # the version that ran it, whatever the server serves by now
-        if slot.model.engine.other_dynamic_axes:  # a new version's warm-up: no size to guess for zeros there
+        exchange.answered_by(
+            slot, rid
+        )  # the version that ran it, whatever the server serves by now
+        if (
+            slot.model.engine.other_dynamic_axes
+        ):  # a new version's warm-up: no size to guess for zeros there
             # One row is enough to warm a version up; kept only for such models (it is a client's data; such a model
             # has no batch buffers: its feeds are its own).
-            self._last_request[slot.model.info.name] = ({k: v[:1] for k, v in request.feeds.items()}
-                                                        if slot.model.engine.batchable else request.feeds)
+            self._last_request[slot.model.info.name] = (
+                {k: v[:1] for k, v in request.feeds.items()}
+                if slot.model.engine.batchable
+                else request.feeds
+            )
         self.log_payload(rid, endpoint, slot, feeds, results)
-        self.mirror(slot, rid, feeds, request.rows, results, (time.perf_counter() - started) * 1e3, mirrored,
-                    exchange.source)
+        self.mirror(
+            slot,
+            rid,
+            feeds,
+            request.rows,
+            results,
+            (time.perf_counter() - started) * 1e3,
+            mirrored,
+            exchange.source,
+        )
         return Answer(slot, rid, request, results)
 
     def _keeps(self, slot: Slot, request_id: str, mirrored: bool) -> bool:
         """Whether the payload log or the shadow mirror will keep this request's inputs."""
         return mirrored or (self.payload_log is not None and self.payload_log.sampled(request_id))
 
-    async def infer(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
-                    follow_swap: bool = True, arrival=None) -> tuple[dict[str, np.ndarray], Slot]:
+    async def infer(
+        self,
+        slot: Slot,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        follow_swap: bool = True,
+        arrival=None,
+    ) -> tuple[dict[str, np.ndarray], Slot]:
         """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
         named no version) the one a reload put in its place before the request could be queued."""
-        lengths.check(slot.model.info.max_lengths, feeds, slot.model.info.name)  # a 400 naming the limit, not ORT's
+        lengths.check(
+            slot.model.info.max_lengths, feeds, slot.model.info.name
+        )  # a 400 naming the limit, not ORT's
         limit = self.settings.max_rows_per_request
         if rows > limit:
-            raise Refused(400, f"the request has {rows} rows; this server takes at most {limit} per request "
-                                 "(--max-rows-per-request): split it")
+            raise Refused(
+                400,
+                f"the request has {rows} rows; this server takes at most {limit} per request "
+                "(--max-rows-per-request): split it",
+            )
         timeout = self.settings.request_timeout
         try:
-            async with asyncio.timeout(timeout):  # (wait_for would make a task of its own per request)
+            async with asyncio.timeout(
+                timeout
+            ):  # (wait_for would make a task of its own per request)
                 return await self._submit(slot, feeds, rows, follow_swap, arrival)
         except TimeoutError:
-            raise Refused(504, f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
-                                 "a model run is stuck") from None
+            raise Refused(
+                504,
+                f"no answer within {timeout:g} s (--request-timeout); the server is overloaded or "
+                "a model run is stuck",
+            ) from None
         except RunTimedOut as exc:
             raise Refused(504, str(exc)) from None
         except (ModelInputError, NonFinite) as exc:
@@ -618,8 +888,9 @@ class Server:
         except BatcherClosed as exc:
             raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
 
-    async def _submit(self, slot: Slot, feeds: dict[str, np.ndarray], rows: int,
-                      follow_swap: bool, arrival=None) -> tuple[dict[str, np.ndarray], Slot]:
+    async def _submit(
+        self, slot: Slot, feeds: dict[str, np.ndarray], rows: int, follow_swap: bool, arrival=None
+    ) -> tuple[dict[str, np.ndarray], Slot]:
         try:
             return await slot.batcher.submit(feeds, rows, arrival), slot
         except BatcherClosed:
@@ -634,18 +905,39 @@ class Server:
                 raise
             current = model.default_slot() if follow_swap else model.slots.get(slot.version)
             if current is None:
-                raise Refused(404, f"model '{name}' version {slot.version} was unloaded while the request "
-                                     f"waited ({model.state.lower()})") from None
+                raise Refused(
+                    404,
+                    f"model '{name}' version {slot.version} was unloaded while the request "
+                    f"waited ({model.state.lower()})",
+                ) from None
             if current is slot or current.model.engine.inputs != slot.model.engine.inputs:
                 raise
             return await current.batcher.submit(feeds, rows), current
 
-    def log_payload(self, request_id: str, endpoint: str, slot: Slot, feeds: dict[str, np.ndarray],
-                    results: dict[str, np.ndarray] | None, status: int = 200, error: str | None = None) -> None:
+    def log_payload(
+        self,
+        request_id: str,
+        endpoint: str,
+        slot: Slot,
+        feeds: dict[str, np.ndarray],
+        results: dict[str, np.ndarray] | None,
+        status: int = 200,
+        error: str | None = None,
+    ) -> None:
         """Hand a request of the sample to the payload log (queued, never waited for)."""
         if self.payload_log is not None and self.payload_log.sampled(request_id):
-            self.payload_log.submit(Record(request_id, time.time(), endpoint, status,
-                                           model_summary(slot.model.info), feeds, results, error))
+            self.payload_log.submit(
+                Record(
+                    request_id,
+                    time.time(),
+                    endpoint,
+                    status,
+                    model_summary(slot.model.info),
+                    feeds,
+                    results,
+                    error,
+                )
+            )
 
 
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -657,17 +949,29 @@ def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def fits(specs, feeds: dict[str, np.ndarray]) -> bool:
     """The feeds are the inputs `specs` describe: the same names, dtypes and ranks, and every fixed axis's size."""
     return set(feeds) == {spec.name for spec in specs} and all(
-        feeds[spec.name].dtype == spec.dtype and shape_fits(spec, feeds[spec.name].shape) for spec in specs)
+        feeds[spec.name].dtype == spec.dtype and shape_fits(spec, feeds[spec.name].shape)
+        for spec in specs
+    )
 
 
 def open_source(settings: Settings, source: Source, version: str | None = None) -> LoadedModel:
     """One model source on the provider and variant the settings ask (an alias pinned at `version` when given).
     A repository version directory is that version of its model."""
     s = settings
-    name = source.name or s.model_name  # Settings.check: --model-name only beside a single unnamed --model
-    return load_model(source.uri, device=s.device, threads=s.threads, name=name, version=version or source.version,
-                      device_id=s.device_id, variant=s.variant, gpu=s.gpu_options(),
-                      batch_buckets=s.bucket_sizes())
+    name = (
+        source.name or s.model_name
+    )  # Settings.check: --model-name only beside a single unnamed --model
+    return load_model(
+        source.uri,
+        device=s.device,
+        threads=s.threads,
+        name=name,
+        version=version or source.version,
+        device_id=s.device_id,
+        variant=s.variant,
+        gpu=s.gpu_options(),
+        batch_buckets=s.bucket_sizes(),
+    )
 
 
 def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:
@@ -694,24 +998,40 @@ def warm_up(model: LoadedModel, max_batch_size: int) -> None:
     started = time.perf_counter()
     sizes = warm_up_sizes(model.engine, max_batch_size)
     if model.engine.warm_up(sizes):
-        log.info("%s version %s: warm-up of %d batch sizes done in %.2f s", model.info.name, model.info.version,
-                 len(sizes), time.perf_counter() - started)
+        log.info(
+            "%s version %s: warm-up of %d batch sizes done in %.2f s",
+            model.info.name,
+            model.info.version,
+            len(sizes),
+            time.perf_counter() - started,
+        )
     else:
-        log.info("%s: no warm-up: an input has a dynamic axis besides the batch axis", model.info.name)
+        log.info(
+            "%s: no warm-up: an input has a dynamic axis besides the batch axis", model.info.name
+        )
 
 
 def open_models(settings: Settings) -> list[tuple[Source, LoadedModel]]:
     """Every model the settings load at start, opened and warmed up (blocking, before the server starts).
     Raises the first failure: a server does not start half-loaded."""
-    repository = Repository(partial(open_source, settings), None, None, directory=settings.repository,
-                            policy=settings.policy())
+    repository = Repository(
+        partial(open_source, settings),
+        None,
+        None,
+        directory=settings.repository,
+        policy=settings.policy(),
+    )
     shadowed = settings.shadow_sources() if settings.shadow else []
     try:
-        opened = repository.open_at_start(settings.sources() + shadowed, settings.load_model_names())
+        opened = repository.open_at_start(
+            settings.sources() + shadowed, settings.load_model_names()
+        )
     except SourceError as exc:
         if any(s.uri in str(exc) for s in shadowed):
-            raise SourceError(f"--shadow: {exc}; a model gets @{settings.shadow_alias} from an export that does not "
-                              "win against the champion (or set it in the registry); or serve without --shadow") from None
+            raise SourceError(
+                f"--shadow: {exc}; a model gets @{settings.shadow_alias} from an export that does not "
+                "win against the champion (or set it in the registry); or serve without --shadow"
+            ) from None
         raise
     try:
         for _, model in opened:
@@ -727,6 +1047,7 @@ def check_reload(settings: Settings) -> None:
     """--reload-interval only makes sense for an alias; ValueError otherwise."""
     if settings.reload_interval and not any(source.alias for source in settings.sources()):
         given = ", ".join(s.uri for s in settings.sources()) or "none"
-        raise ValueError(f"--reload-interval polls a registry alias; no --model is models:/<name>@<alias> "
-                         f"(given: {given})")
-
+        raise ValueError(
+            f"--reload-interval polls a registry alias; no --model is models:/<name>@<alias> "
+            f"(given: {given})"
+        )

@@ -66,10 +66,16 @@ def pin(array: np.ndarray) -> bool:
     if lib is None or not array.nbytes:
         return False
     address = array.ctypes.data
-    code = lib.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(array.nbytes), ctypes.c_uint(0))
+    code = lib.cudaHostRegister(
+        ctypes.c_void_p(address), ctypes.c_size_t(array.nbytes), ctypes.c_uint(0)
+    )
     if code != 0:
         lib.cudaGetLastError()  # clear it: a failed registration is not sticky, but leave nothing behind
-        log.debug("cudaHostRegister of %d bytes failed (CUDA error %d): the buffer stays pageable", array.nbytes, code)
+        log.debug(
+            "cudaHostRegister of %d bytes failed (CUDA error %d): the buffer stays pageable",
+            array.nbytes,
+            code,
+        )
         return False
     with _lock:
         _pinned.add(address)
@@ -101,7 +107,10 @@ def open_ipc_handle(handle: bytes, device_id: int) -> int:
     pointer = ctypes.c_void_p()
     raw = (ctypes.c_char * IPC_HANDLE_BYTES).from_buffer_copy(handle)
     # cudaIpcMemHandle_t is a struct passed by value: a 64-byte char array as the argument does that.
-    _check(lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(1)), "cudaIpcOpenMemHandle")
+    _check(
+        lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(1)),
+        "cudaIpcOpenMemHandle",
+    )
     return int(pointer.value or 0)
 
 
@@ -114,8 +123,15 @@ def close_ipc_handle(address: int) -> None:
 def copy(destination: int, source: int, size: int, kind: int) -> None:
     """cudaMemcpy between addresses (host or device as `kind` says); synchronous."""
     lib = _need()
-    _check(lib.cudaMemcpy(ctypes.c_void_p(destination), ctypes.c_void_p(source), ctypes.c_size_t(size),
-                          ctypes.c_int(kind)), "cudaMemcpy")
+    _check(
+        lib.cudaMemcpy(
+            ctypes.c_void_p(destination),
+            ctypes.c_void_p(source),
+            ctypes.c_size_t(size),
+            ctypes.c_int(kind),
+        ),
+        "cudaMemcpy",
+    )
 
 
 def _need() -> ctypes.CDLL:

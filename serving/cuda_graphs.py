@@ -22,7 +22,10 @@ import numpy as np
 import onnxruntime as ort
 
 log = logging.getLogger("serving.cuda_graphs")
-GRAPH_RTOL, GRAPH_ATOL = 1e-4, 1e-5  # a replay runs the captured kernels: it should match the plain run to rounding
+GRAPH_RTOL, GRAPH_ATOL = (
+    1e-4,
+    1e-5,
+)  # a replay runs the captured kernels: it should match the plain run to rounding
 
 
 class GraphError(Exception):
@@ -38,27 +41,44 @@ class BucketGraph:
         self.inputs: dict[str, ort.OrtValue] = {}
         self.outputs: dict[str, ort.OrtValue] = {}
         for spec in inputs:
-            value = ort.OrtValue.ortvalue_from_shape_and_type((size, *spec.shape[1:]), spec.dtype, "cuda", device_id)
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                (size, *spec.shape[1:]), spec.dtype, "cuda", device_id
+            )
             self.binding.bind_ortvalue_input(spec.name, value)
             self.inputs[spec.name] = value
         for spec in outputs:
             if -1 in spec.shape[1:]:
-                raise GraphError(f"output '{spec.name}' {list(spec.shape)} has a dynamic axis besides the batch axis: "
-                                 "its device memory can't be set aside before the run")
-            value = ort.OrtValue.ortvalue_from_shape_and_type((size, *spec.shape[1:]), spec.dtype, "cuda", device_id)
+                raise GraphError(
+                    f"output '{spec.name}' {list(spec.shape)} has a dynamic axis besides the batch axis: "
+                    "its device memory can't be set aside before the run"
+                )
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                (size, *spec.shape[1:]), spec.dtype, "cuda", device_id
+            )
             self.binding.bind_ortvalue_output(spec.name, value)
             self.outputs[spec.name] = value
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The batch (exactly `size` rows, contiguous: a batch buffer's rows) through the graph."""
         for name, value in self.inputs.items():
-            value.update_inplace(feeds[name])  # host -> device, into the address the graph was captured with
+            value.update_inplace(
+                feeds[name]
+            )  # host -> device, into the address the graph was captured with
         self.session.run_with_iobinding(self.binding)
         return {name: value.numpy() for name, value in self.outputs.items()}
 
 
-def open_graphs(path: str, options: ort.SessionOptions, cuda_options: dict[str, str], sizes: tuple[int, ...], inputs,
-                outputs, device_id: int, plain: ort.InferenceSession, open_session) -> dict[int, BucketGraph]:
+def open_graphs(
+    path: str,
+    options: ort.SessionOptions,
+    cuda_options: dict[str, str],
+    sizes: tuple[int, ...],
+    inputs,
+    outputs,
+    device_id: int,
+    plain: ort.InferenceSession,
+    open_session,
+) -> dict[int, BucketGraph]:
     """A captured graph per bucket size, each checked against `plain` (the model's session without graphs) on a
     probe batch. GraphError says which bucket and why."""
     providers = [("CUDAExecutionProvider", {**cuda_options, "enable_cuda_graph": "1"})]
@@ -73,22 +93,41 @@ def open_graphs(path: str, options: ort.SessionOptions, cuda_options: dict[str, 
             got = graph.run(probe)  # this one replays
         except GraphError:
             raise
-        except Exception as exc:  # onnxruntime's own reasons (a node outside the CUDA provider, ...)
-            raise GraphError(f"batch bucket {size}: onnxruntime could not run it as a CUDA graph: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
+        except (
+            Exception
+        ) as exc:  # onnxruntime's own reasons (a node outside the CUDA provider, ...)
+            raise GraphError(
+                f"batch bucket {size}: onnxruntime could not run it as a CUDA graph: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            ) from exc
         want = dict(zip(names, plain.run(names, probe)))
         for name in names:
-            if not np.allclose(got[name], want[name], rtol=GRAPH_RTOL, atol=GRAPH_ATOL, equal_nan=True):
-                worst = float(np.max(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64))))
-                raise GraphError(f"batch bucket {size}: the CUDA graph's '{name}' differs from the plain run's by up to "
-                                 f"{worst:.3g} (allowed: rtol {GRAPH_RTOL}, atol {GRAPH_ATOL})")
+            if not np.allclose(
+                got[name], want[name], rtol=GRAPH_RTOL, atol=GRAPH_ATOL, equal_nan=True
+            ):
+                worst = float(
+                    np.max(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64)))
+                )
+                raise GraphError(
+                    f"batch bucket {size}: the CUDA graph's '{name}' differs from the plain run's by up to "
+                    f"{worst:.3g} (allowed: rtol {GRAPH_RTOL}, atol {GRAPH_ATOL})"
+                )
         graphs[size] = graph
-    log.info("CUDA graphs captured for batch buckets %s, each answering as the plain run", ",".join(map(str, sizes)))
+    log.info(
+        "CUDA graphs captured for batch buckets %s, each answering as the plain run",
+        ",".join(map(str, sizes)),
+    )
     return graphs
 
 
 def _probe(inputs, size: int) -> dict[str, np.ndarray]:
     """A batch the model certainly takes: values in [0, 1) for floating-point inputs, zeros for the others."""
     rng = np.random.default_rng(0)
-    return {spec.name: (rng.random((size, *spec.shape[1:])).astype(spec.dtype) if spec.dtype.kind == "f"
-                        else np.zeros((size, *spec.shape[1:]), spec.dtype)) for spec in inputs}
+    return {
+        spec.name: (
+            rng.random((size, *spec.shape[1:])).astype(spec.dtype)
+            if spec.dtype.kind == "f"
+            else np.zeros((size, *spec.shape[1:]), spec.dtype)
+        )
+        for spec in inputs
+    }

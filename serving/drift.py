@@ -74,12 +74,22 @@ class ReferenceBuilder:
             self._parts.setdefault((kind, name), []).append(np.asarray(array))
 
     def build(self, samples_note: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {"format": FORMAT, "bins": BINS, "inputs": {}, "outputs": {}, "samples": 0,
-                               "source": samples_note}
+        out: dict[str, Any] = {
+            "format": FORMAT,
+            "bins": BINS,
+            "inputs": {},
+            "outputs": {},
+            "samples": 0,
+            "source": samples_note,
+        }
         for (kind, name), parts in self._parts.items():
             array = np.concatenate(parts)
             out["samples"] = max(out["samples"], len(array))
-            out[kind][name] = _categorical_reference(array) if is_categorical(array.dtype) else _numeric_reference(array)
+            out[kind][name] = (
+                _categorical_reference(array)
+                if is_categorical(array.dtype)
+                else _numeric_reference(array)
+            )
         return out
 
 
@@ -100,8 +110,11 @@ def _categorical_reference(array: np.ndarray) -> dict[str, Any]:
     order = np.argsort(-counts)[:MAX_CATEGORIES]
     kept = values[order]
     share = counts[order] / counts.sum()
-    return {"kind": "categorical", "values": kept.tolist(),
-            "proportions": [*share.tolist(), float(max(0.0, 1.0 - share.sum()))]}  # the last: every other value
+    return {
+        "kind": "categorical",
+        "values": kept.tolist(),
+        "proportions": [*share.tolist(), float(max(0.0, 1.0 - share.sum()))],
+    }  # the last: every other value
 
 
 def write(reference: dict[str, Any], path: Path) -> Path:
@@ -136,7 +149,9 @@ class _Tensor:
             self.recent: deque = deque(maxlen=window)  # rows of bin indices, one per sample
         else:
             self.values = np.asarray(spec["values"], dtype=np.int64)
-            self._order = np.argsort(self.values)  # for the sorted lookup of each position's category
+            self._order = np.argsort(
+                self.values
+            )  # for the sorted lookup of each position's category
             self._ranked = self.values[self._order]
             self.reference = [np.asarray(spec["proportions"])]
             self.recent = deque(maxlen=window)  # per sample: counts per category (+ other)
@@ -144,10 +159,14 @@ class _Tensor:
     def observe(self, array: np.ndarray) -> None:
         if self.kind == "numeric":
             feats = features(array)
-            n = min(len(self.edges), feats.shape[1])  # a dynamic axis 1 may be shorter than the reference's
+            n = min(
+                len(self.edges), feats.shape[1]
+            )  # a dynamic axis 1 may be shorter than the reference's
             if n < len(self.edges):
                 return  # a sample with fewer channels than the reference's: not comparable, not counted
-            bins = np.stack([np.searchsorted(self.edges[j], feats[:, j], side="right") for j in range(n)], 1)
+            bins = np.stack(
+                [np.searchsorted(self.edges[j], feats[:, j], side="right") for j in range(n)], 1
+            )
             self.recent.extend(bins)
         else:
             flat = np.asarray(array).astype(np.int64).reshape(len(array), -1)
@@ -168,7 +187,7 @@ class _Tensor:
             rows = np.stack(self.recent)
             worst = 0.0
             for j, ref in enumerate(self.reference):
-                live = np.bincount(rows[:, j], minlength=len(ref))[:len(ref)] / len(rows)
+                live = np.bincount(rows[:, j], minlength=len(ref))[: len(ref)] / len(rows)
                 worst = max(worst, psi(live, ref))
             return worst
         counts = np.sum(np.stack(self.recent), axis=0)
@@ -187,12 +206,20 @@ class DriftWindow:
     """The last `window` samples of one model version against its reference; thread-safe (the engine thread
     observes, the metrics scrape reads)."""
 
-    def __init__(self, reference: dict[str, Any], window: int = DEFAULT_WINDOW, metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        reference: dict[str, Any],
+        window: int = DEFAULT_WINDOW,
+        metadata: dict[str, str] | None = None,
+    ):
         self.window = window
         self._pixels = set(pixel_inputs(metadata or {}))  # UINT8 inputs: observed as value / 255
         self._lock = threading.Lock()
-        self._tensors = {(kind, name): _Tensor(spec, window)
-                         for kind in ("inputs", "outputs") for name, spec in reference.get(kind, {}).items()}
+        self._tensors = {
+            (kind, name): _Tensor(spec, window)
+            for kind in ("inputs", "outputs")
+            for name, spec in reference.get(kind, {}).items()
+        }
 
     def observe(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         with self._lock:

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnxruntime as ort
+
 from serving.console import clip, ort_severity
 from serving.cuda_graphs import GraphError, open_graphs
 from serving.staging import BatchBuffers, NonFinite, check_finite, concat, nbytes, rows_of
-import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
 
@@ -56,8 +57,12 @@ _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
 def sent_shapes(parts: list[dict[str, np.ndarray]]) -> dict[str, list[int]]:
     """Each input's shape in the requests' feeds `parts` as they are run together (their rows added up)."""
     first = parts[0]
-    return {name: list(x.shape) if len(parts) == 1 or not x.ndim else
-            [sum(p[name].shape[0] for p in parts), *x.shape[1:]] for name, x in first.items()}
+    return {
+        name: list(x.shape)
+        if len(parts) == 1 or not x.ndim
+        else [sum(p[name].shape[0] for p in parts), *x.shape[1:]]
+        for name, x in first.items()
+    }
 
 
 class EngineError(Exception):
@@ -73,6 +78,7 @@ class ModelInputError(EngineError):
 @dataclass(frozen=True)
 class TensorSpec:
     """One model input or output. `shape` uses -1 for a dynamic axis."""
+
     name: str
     dtype: np.dtype
     datatype: str  # KServe V2 name: FP32, INT64, ...
@@ -111,12 +117,20 @@ def choose_provider(device: str) -> str:
     if has_provider and has_device:
         return wanted
     if device == "cuda":
-        why = "no CUDA device found" if has_provider else (
-            "this onnxruntime build has no CUDAExecutionProvider (install onnxruntime-gpu)")
+        why = (
+            "no CUDA device found"
+            if has_provider
+            else ("this onnxruntime build has no CUDAExecutionProvider (install onnxruntime-gpu)")
+        )
         raise EngineError(f"--device cuda asked for, but {why}; use --device auto or cpu")
     if device == "tensorrt":
-        why = "no CUDA device found" if has_provider else (
-            "this onnxruntime build has no TensorrtExecutionProvider (install onnxruntime-gpu)")
+        why = (
+            "no CUDA device found"
+            if has_provider
+            else (
+                "this onnxruntime build has no TensorrtExecutionProvider (install onnxruntime-gpu)"
+            )
+        )
         raise EngineError(f"--device tensorrt asked for, but {why}; use --device cuda, auto or cpu")
     return CPU
 
@@ -136,19 +150,28 @@ class GpuOptions:
     `trt_cache_dir`: where the TensorRT provider keeps built engines and timing caches (building one takes
     minutes); None: ~/.cache/trainserve/tensorrt. Engines are per GPU model and TensorRT version.
     """
+
     conv_algo_search: str = "HEURISTIC"
     tf32: bool = False
     gpu_mem_limit_mb: float | None = None
     trt_cache_dir: str | None = None
-    cuda_graphs: bool = False  # each batch bucket's session run as a captured CUDA graph (serving/cuda_graphs.py)
+    cuda_graphs: bool = (
+        False  # each batch bucket's session run as a captured CUDA graph (serving/cuda_graphs.py)
+    )
 
     def cuda(self, device_id: int = 0) -> dict[str, str]:
         """The CUDAExecutionProvider options (onnxruntime takes strings)."""
         if self.conv_algo_search not in CONV_ALGO_SEARCH:
-            raise EngineError(f"cudnn_conv_algo_search must be one of {', '.join(CONV_ALGO_SEARCH)}, "
-                              f"got {self.conv_algo_search!r}")
-        options = {"device_id": str(device_id), "cudnn_conv_algo_search": self.conv_algo_search,
-                   "use_tf32": "1" if self.tf32 else "0", "arena_extend_strategy": "kSameAsRequested"}
+            raise EngineError(
+                f"cudnn_conv_algo_search must be one of {', '.join(CONV_ALGO_SEARCH)}, "
+                f"got {self.conv_algo_search!r}"
+            )
+        options = {
+            "device_id": str(device_id),
+            "cudnn_conv_algo_search": self.conv_algo_search,
+            "use_tf32": "1" if self.tf32 else "0",
+            "arena_extend_strategy": "kSameAsRequested",
+        }
         if self.gpu_mem_limit_mb:
             options["gpu_mem_limit"] = str(int(self.gpu_mem_limit_mb * (1 << 20)))
         return options
@@ -157,8 +180,13 @@ class GpuOptions:
         """The TensorrtExecutionProvider options: engines and timings cached on disk, so that a restart
         does not build them again."""
         cache = self.trt_cache_dir or str(Path.home() / ".cache" / "trainserve" / "tensorrt")
-        return {"device_id": str(device_id), "trt_engine_cache_enable": "1", "trt_engine_cache_path": cache,
-                "trt_timing_cache_enable": "1", "trt_timing_cache_path": cache}
+        return {
+            "device_id": str(device_id),
+            "trt_engine_cache_enable": "1",
+            "trt_engine_cache_path": cache,
+            "trt_timing_cache_enable": "1",
+            "trt_timing_cache_path": cache,
+        }
 
 
 @dataclass(frozen=True)
@@ -168,6 +196,7 @@ class BatchBuckets:
     `cuda_only`: `--batch-buckets auto`: only when the session really runs on the CUDA provider, the one that
     pays for a change of input shape (decided by the Engine once it knows, so that `--device auto` falling
     back to the CPU opens no more sessions)."""
+
     sizes: tuple[int, ...] = ()
     cuda_only: bool = False
 
@@ -185,8 +214,10 @@ def preload_cuda_libraries() -> str:
     if _preload_report is None:
         preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
         if preload is None:
-            _preload_report = (f"onnxruntime {ort.__version__} has no preload_dlls(): the CUDA libraries must be "
-                               "on the system loader path")
+            _preload_report = (
+                f"onnxruntime {ort.__version__} has no preload_dlls(): the CUDA libraries must be "
+                "on the system loader path"
+            )
         else:
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
@@ -210,7 +241,7 @@ def tensorrt_libraries_missing() -> list[str]:
     package_dir = Path(spec.origin).parent if spec and spec.origin else None
     missing = []
     for name in TENSORRT_LIBRARIES:
-        for candidate in ([name] + ([str(package_dir / name)] if package_dir else [])):
+        for candidate in [name] + ([str(package_dir / name)] if package_dir else []):
             try:
                 ctypes.CDLL(candidate)
                 break
@@ -238,7 +269,9 @@ def missing_libraries(ldd_output: str, ldconfig_cache: str) -> list[str]:
     """From `ldd <CUDA provider library>` and `ldconfig -p`: the linked libraries "not found", except the
     driver's libcuda.so.1 (the NVIDIA container runtime mounts it when the container starts, so a build never
     has it), then cuDNN 9 if the loader cache lacks it (the provider dlopen()s it: ldd does not list it)."""
-    missing = [line.split("=>")[0].strip() for line in ldd_output.splitlines() if "not found" in line]
+    missing = [
+        line.split("=>")[0].strip() for line in ldd_output.splitlines() if "not found" in line
+    ]
     missing = [name for name in missing if not name.startswith("libcuda.so")]
     if not re.search(r"^\s*libcudnn\.so\.9\s", ldconfig_cache, re.MULTILINE):
         missing.append("libcudnn.so.9")
@@ -248,6 +281,7 @@ def missing_libraries(ldd_output: str, ldconfig_cache: str) -> list[str]:
 def _cuda_major() -> str:
     try:
         from onnxruntime.capi import build_and_package_info
+
         return str(getattr(build_and_package_info, "cuda_version", "") or "13").split(".")[0]
     except ImportError:
         return "13"
@@ -257,19 +291,25 @@ def _not_on_gpu(device: str, wanted: str, ran: str, preload_report: str, printed
     """Why a session asked for on `wanted` ended up on `ran`, and how to fix it."""
     major = _cuda_major()
     if wanted == TENSORRT:
-        cause = (f"the TensorRT provider could not initialize (TensorRT 10 with CUDA {major}); fix the TensorRT "
-                 "install or use --device cuda")
+        cause = (
+            f"the TensorRT provider could not initialize (TensorRT 10 with CUDA {major}); fix the TensorRT "
+            "install or use --device cuda"
+        )
     else:
-        cause = (f"its CUDA provider could not load. Likely cause: the CUDA {major} and cuDNN 9 libraries "
-                 f"onnxruntime-gpu {ort.__version__} is built for were not found, neither in nvidia-* pip packages "
-                 "nor on the system loader path. Fix: pip install 'onnxruntime-gpu[cuda,cudnn]' nvidia-cublas "
-                 f"(CUDA {major} wheels, which onnxruntime.preload_dlls() finds), or install CUDA {major} and cuDNN 9 "
-                 "system-wide (ldconfig or LD_LIBRARY_PATH), or use the Docker image; "
-                 "`python -c 'import onnxruntime; onnxruntime.print_debug_info()'` lists what is found")
+        cause = (
+            f"its CUDA provider could not load. Likely cause: the CUDA {major} and cuDNN 9 libraries "
+            f"onnxruntime-gpu {ort.__version__} is built for were not found, neither in nvidia-* pip packages "
+            "nor on the system loader path. Fix: pip install 'onnxruntime-gpu[cuda,cudnn]' nvidia-cublas "
+            f"(CUDA {major} wheels, which onnxruntime.preload_dlls() finds), or install CUDA {major} and cuDNN 9 "
+            "system-wide (ldconfig or LD_LIBRARY_PATH), or use the Docker image; "
+            "`python -c 'import onnxruntime; onnxruntime.print_debug_info()'` lists what is found"
+        )
     said = "; ".join(x.rstrip(". ") for x in (preload_report, printed) if x)
-    return (f"--device {device}: onnxruntime created the session on {ran}, not {wanted}: {cause}"
-            + (f". onnxruntime said: {clip(said, 600)}" if said else "")
-            + (". --device auto would serve on the CPU instead" if device != "auto" else ""))
+    return (
+        f"--device {device}: onnxruntime created the session on {ran}, not {wanted}: {cause}"
+        + (f". onnxruntime said: {clip(said, 600)}" if said else "")
+        + (". --device auto would serve on the CPU instead" if device != "auto" else "")
+    )
 
 
 def usable_cpus() -> int:
@@ -292,8 +332,10 @@ def _open_session(path: str, options: ort.SessionOptions, providers: list) -> or
 
 def _spec(arg) -> TensorSpec:
     if arg.type not in _ORT_TYPES:
-        raise EngineError(f"tensor '{arg.name}' has type {arg.type}, which this server does not serve; "
-                          f"supported: {', '.join(_ORT_TYPES)}")
+        raise EngineError(
+            f"tensor '{arg.name}' has type {arg.type}, which this server does not serve; "
+            f"supported: {', '.join(_ORT_TYPES)}"
+        )
     dtype, datatype = _ORT_TYPES[arg.type]
     shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or []))
     return TensorSpec(arg.name, dtype, datatype, shape)
@@ -321,8 +363,15 @@ class Engine:
     fails its requests instead of silently moving the server to the CPU.
     """
 
-    def __init__(self, path: str, device: str = "auto", threads: int | None = None, device_id: int = 0,
-                 gpu: GpuOptions | None = None, batch_buckets: BatchBuckets | None = None):
+    def __init__(
+        self,
+        path: str,
+        device: str = "auto",
+        threads: int | None = None,
+        device_id: int = 0,
+        gpu: GpuOptions | None = None,
+        batch_buckets: BatchBuckets | None = None,
+    ):
         wanted = choose_provider(device)
         self.threads = threads or usable_cpus()
         self.device_id = device_id
@@ -344,21 +393,29 @@ class Engine:
         providers: list = [CPU]
         preload_report = ""
         if wanted in GPU_PROVIDERS:
-            preload_report = preload_cuda_libraries()  # before the session: the provider library needs them
+            preload_report = (
+                preload_cuda_libraries()
+            )  # before the session: the provider library needs them
             providers = [(CUDA, self.gpu.cuda(device_id)), CPU]
             if wanted == TENSORRT:
                 missing = tensorrt_libraries_missing()
                 if missing:
-                    raise EngineError(f"--device tensorrt asked for, but the TensorRT 10 libraries {', '.join(missing)} "
-                                      "cannot be loaded: install TensorRT 10 for CUDA 13 (its lib directory on "
-                                      "LD_LIBRARY_PATH, or the tensorrt-cu13-libs 10.x pip package), or use --device cuda")
+                    raise EngineError(
+                        f"--device tensorrt asked for, but the TensorRT 10 libraries {', '.join(missing)} "
+                        "cannot be loaded: install TensorRT 10 for CUDA 13 (its lib directory on "
+                        "LD_LIBRARY_PATH, or the tensorrt-cu13-libs 10.x pip package), or use --device cuda"
+                    )
                 providers.insert(0, (TENSORRT, self.gpu.tensorrt(device_id)))
         printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):  # onnxruntime prints its provider fallback on stdout
+        with contextlib.redirect_stdout(
+            printed
+        ):  # onnxruntime prints its provider fallback on stdout
             self.session = _open_session(path, options, providers)
         self.provider = self.session.get_providers()[0]
         if self.provider != wanted:
-            message = _not_on_gpu(device, wanted, self.provider, preload_report, " ".join(printed.getvalue().split()))
+            message = _not_on_gpu(
+                device, wanted, self.provider, preload_report, " ".join(printed.getvalue().split())
+            )
             if device != "auto":
                 raise EngineError(message)
             log.warning("%s", message)
@@ -380,30 +437,60 @@ class Engine:
         # The batch buffers batches are assembled in (batch_buffers: for models of fixed shapes past the batch axis).
         self.buffers: BatchBuffers | None = None
 
-    def _open_buckets(self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets) -> None:
+    def _open_buckets(
+        self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets
+    ) -> None:
         """One more session per bucket below the largest (the first session runs that one and longer runs)."""
         if self.gpu.cuda_graphs and (self.provider != CUDA or not asked.sizes):
-            raise EngineError("--cuda-graphs runs each batch bucket as a CUDA graph: it needs the CUDA provider (this "
-                              f"session runs on {self.provider}) and batch buckets (--batch-buckets auto or sizes)")
+            raise EngineError(
+                "--cuda-graphs runs each batch bucket as a CUDA graph: it needs the CUDA provider (this "
+                f"session runs on {self.provider}) and batch buckets (--batch-buckets auto or sizes)"
+            )
         if not asked.sizes or (asked.cuda_only and self.provider != CUDA):
             return
-        why_not = ("TensorRT builds an engine per session" if self.provider == TENSORRT else
-                   "an input has a dynamic axis besides the batch axis" if self.other_dynamic_axes else
-                   "an input or output has no dynamic batch axis" if not self.inputs or not self.batchable or
-                   any(not s.shape or s.shape[0] != -1 for s in self.outputs) else "")
+        why_not = (
+            "TensorRT builds an engine per session"
+            if self.provider == TENSORRT
+            else "an input has a dynamic axis besides the batch axis"
+            if self.other_dynamic_axes
+            else "an input or output has no dynamic batch axis"
+            if not self.inputs
+            or not self.batchable
+            or any(not s.shape or s.shape[0] != -1 for s in self.outputs)
+            else ""
+        )
         if why_not and self.gpu.cuda_graphs:
-            raise EngineError(f"--cuda-graphs: {Path(path).name} can't have batch buckets ({why_not}), which a CUDA "
-                              "graph needs; serve without --cuda-graphs")
+            raise EngineError(
+                f"--cuda-graphs: {Path(path).name} can't have batch buckets ({why_not}), which a CUDA "
+                "graph needs; serve without --cuda-graphs"
+            )
         if why_not:
-            log.info("no batch buckets for %s: %s; it runs every batch size in one session", Path(path).name, why_not)
+            log.info(
+                "no batch buckets for %s: %s; it runs every batch size in one session",
+                Path(path).name,
+                why_not,
+            )
             return
         if self.provider == CPU:
-            providers = [CPU]  # --device auto fell back: the GPU provider would be tried (and said) again
+            providers = [
+                CPU
+            ]  # --device auto fell back: the GPU provider would be tried (and said) again
         sizes = tuple(sorted(set(asked.sizes)))
-        if self.gpu.cuda_graphs:  # a graph session for every bucket, the largest too; the plain one checks them
+        if (
+            self.gpu.cuda_graphs
+        ):  # a graph session for every bucket, the largest too; the plain one checks them
             try:
-                self._graphs = open_graphs(path, options, self.gpu.cuda(self.device_id), sizes, self.inputs,
-                                           self.outputs, self.device_id, self.session, _open_session)
+                self._graphs = open_graphs(
+                    path,
+                    options,
+                    self.gpu.cuda(self.device_id),
+                    sizes,
+                    self.inputs,
+                    self.outputs,
+                    self.device_id,
+                    self.session,
+                    _open_session,
+                )
             except (GraphError, EngineError) as exc:
                 raise EngineError(f"--cuda-graphs: {exc}; serve without --cuda-graphs") from exc
             self.buckets = sizes
@@ -414,8 +501,10 @@ class Engine:
                     self._bucket_sessions[size] = _open_session(path, options, providers)
             except EngineError as exc:
                 self._bucket_sessions = {}
-                raise EngineError(f"opening the session for batch bucket {size} failed ({exc}); each bucket holds "
-                                  "a copy of the weights: use fewer --batch-buckets (e.g. 8,32) or off") from exc
+                raise EngineError(
+                    f"opening the session for batch bucket {size} failed ({exc}); each bucket holds "
+                    "a copy of the weights: use fewer --batch-buckets (e.g. 8,32) or off"
+                ) from exc
         self.buckets = sizes
 
     def close(self) -> None:
@@ -446,35 +535,56 @@ class Engine:
         `observe(feeds, outputs)` sees the batch (without padding) before its buffer is reused (drift)."""
         with self._mapped_errors(lambda: sent_shapes(parts)):
             buffers = self.buffers
-            rows = sum(rows_of(p) for p in parts) if self.batchable and not self.other_dynamic_axes else 0
+            rows = (
+                sum(rows_of(p) for p in parts)
+                if self.batchable and not self.other_dynamic_axes
+                else 0
+            )
             size = self.bucket_for(rows)
             index = None
-            if buffers is not None and (len(parts) > 1 or size != rows) and size <= buffers.capacity:
+            if (
+                buffers is not None
+                and (len(parts) > 1 or size != rows)
+                and size <= buffers.capacity
+            ):
                 index = buffers.acquire()
             if index is not None:
                 try:
-                    return self._run_sized(buffers.gather(index, parts, rows, size), rows, size, observe)
+                    return self._run_sized(
+                        buffers.gather(index, parts, rows, size), rows, size, observe
+                    )
                 finally:
                     buffers.release(index)
             for part in parts:
                 check_finite(part)
             feeds = concat(parts)
-            if size == rows or rows > (self.buckets[-1] if self.buckets else rows):  # as it is, or in chunks
+            if size == rows or rows > (
+                self.buckets[-1] if self.buckets else rows
+            ):  # as it is, or in chunks
                 outputs = self._run_unstaged(feeds, rows)
                 if observe is not None:
                     observe(feeds, outputs)
                 return outputs
-            feeds = {n: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for n, x in feeds.items()}
+            feeds = {
+                n: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)])
+                for n, x in feeds.items()
+            }
             return self._run_sized(feeds, rows, size, observe)
 
-    def run_buffer(self, index: int, start: int, rows: int, free_up_to: int, observe=None) -> dict[str, np.ndarray]:
+    def run_buffer(
+        self, index: int, start: int, rows: int, free_up_to: int, observe=None
+    ) -> dict[str, np.ndarray]:
         """Rows start..start+rows of batch buffer `index` (assembled and checked by the batcher) through the model.
         Padded up to the batch bucket in place when the rows up to `free_up_to` allow it, else copied into a free
         buffer (or concatenated) first."""
-        with self._mapped_errors(lambda: {s.name: [rows, *s.shape[1:]] for s in self.inputs}):  # fixed past rows
+        with self._mapped_errors(
+            lambda: {s.name: [rows, *s.shape[1:]] for s in self.inputs}
+        ):  # fixed past rows
             size = self.bucket_for(rows)
             if start + size <= free_up_to:
-                return self._run_sized(self.buffers.batch(index, rows, size, start), rows, size, observe)
+                return self._run_sized(
+                    self.buffers.batch(index, rows, size, start), rows, size, observe
+                )
             return self.run_parts([self.buffers.views(index, start, rows)], observe)
 
     def batch_buffers(self, capacity: int) -> BatchBuffers | None:
@@ -484,13 +594,18 @@ class Engine:
             self.buffers = BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
         return self.buffers
 
-    def _run_sized(self, feeds: dict[str, np.ndarray], rows: int, size: int, observe) -> dict[str, np.ndarray]:
+    def _run_sized(
+        self, feeds: dict[str, np.ndarray], rows: int, size: int, observe
+    ) -> dict[str, np.ndarray]:
         """One run of `size` rows (a bucket's: its own session), the padding's rows cut off the outputs again."""
         session, graph = self._bucket_sessions.get(size, self.session), self._graphs.get(size)
         if session is None:
             raise EngineError("the model was unloaded")
-        outputs = graph.run(feeds) if graph is not None else dict(zip(self.output_names,
-                                                                       session.run(self.output_names, feeds)))
+        outputs = (
+            graph.run(feeds)
+            if graph is not None
+            else dict(zip(self.output_names, session.run(self.output_names, feeds)))
+        )
         if size != rows:
             outputs = {name: out[:rows] for name, out in outputs.items()}
             feeds = {name: x[:rows] for name, x in feeds.items()}
@@ -512,40 +627,64 @@ class Engine:
         except Exception as exc:
             text = str(exc).strip()
             kind = type(exc).__name__
-            if (kind in ("InvalidArgument", "RuntimeException") or (kind == "Fail" and "while running" in text)) \
-                    and "memory" not in text.lower():
+            if (
+                kind in ("InvalidArgument", "RuntimeException")
+                or (kind == "Fail" and "while running" in text)
+            ) and "memory" not in text.lower():
                 first = text.splitlines()[0] if text else kind
                 specs = {s.name: s for s in self.inputs}
-                sent = ", ".join(f"{name} {shape} (the model takes {specs[name].describe()})"
-                                 for name, shape in shapes().items() if name in specs)
-                raise ModelInputError(f"the model cannot compute on these input values: {sent}: "
-                                      f"{clip(first, 400)}") from exc
+                sent = ", ".join(
+                    f"{name} {shape} (the model takes {specs[name].describe()})"
+                    for name, shape in shapes().items()
+                    if name in specs
+                )
+                raise ModelInputError(
+                    f"the model cannot compute on these input values: {sent}: {clip(first, 400)}"
+                ) from exc
             raise
 
     def _run_unstaged(self, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         """One session run, or with batch buckets one run per chunk of the largest bucket, the last one padded."""
-        session, buckets = self.session, self._bucket_sessions  # one look: close() may come from another thread
+        session, buckets = (
+            self.session,
+            self._bucket_sessions,
+        )  # one look: close() may come from another thread
         if session is None:
             raise EngineError("the model was unloaded")
         if not self.buckets or not rows:
             return dict(zip(self.output_names, session.run(self.output_names, feeds)))
         largest = self.buckets[-1]
-        chunks = [self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
-                  for start in range(0, rows, largest)]
-        return {name: chunks[0][i] if len(chunks) == 1 else np.concatenate([c[i] for c in chunks])
-                for i, name in enumerate(self.output_names)}
+        chunks = [
+            self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
+            for start in range(0, rows, largest)
+        ]
+        return {
+            name: chunks[0][i] if len(chunks) == 1 else np.concatenate([c[i] for c in chunks])
+            for i, name in enumerate(self.output_names)
+        }
 
-    def _run_padded(self, largest: ort.InferenceSession, buckets: dict[int, ort.InferenceSession],
-                    feeds: dict[str, np.ndarray], start: int, rows: int) -> list:
+    def _run_padded(
+        self,
+        largest: ort.InferenceSession,
+        buckets: dict[int, ort.InferenceSession],
+        feeds: dict[str, np.ndarray],
+        start: int,
+        rows: int,
+    ) -> list:
         """Rows start..start+rows of `feeds` by their bucket's session (`largest`'s for the largest), padded up
         to its size with copies of the last row, and the padding's rows cut off the outputs again (every
         output's first axis is the batch axis: see _open_buckets)."""
         size = self.bucket_for(rows)
-        part = {name: x[start:start + rows] for name, x in feeds.items()}
+        part = {name: x[start : start + rows] for name, x in feeds.items()}
         if size != rows:
-            part = {name: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)]) for name, x in part.items()}
+            part = {
+                name: np.concatenate([x, np.repeat(x[-1:], size - rows, axis=0)])
+                for name, x in part.items()
+            }
         if size in self._graphs:
-            outputs = self._graphs[size].run({name: np.ascontiguousarray(x) for name, x in part.items()})
+            outputs = self._graphs[size].run(
+                {name: np.ascontiguousarray(x) for name, x in part.items()}
+            )
             return [outputs[name][:rows] for name in self.output_names]
         return [out[:rows] for out in buckets.get(size, largest).run(self.output_names, part)]
 
@@ -553,7 +692,9 @@ class Engine:
     def row_bytes(self) -> int:
         """The bytes of one row of every input together (of the whole inputs, for a model without a batch axis);
         0 when an axis besides the batch one is dynamic (the size is the request's)."""
-        if self.other_dynamic_axes or (not self.batchable and any(-1 in s.shape for s in self.inputs)):
+        if self.other_dynamic_axes or (
+            not self.batchable and any(-1 in s.shape for s in self.inputs)
+        ):
             return 0
         return nbytes((s.dtype, s.shape[1:] if self.batchable else s.shape) for s in self.inputs)
 
@@ -586,8 +727,18 @@ class Engine:
 
     def describe(self) -> str:
         ins = ", ".join(f"{s.name} {list(s.shape)} {s.datatype}" for s in self.inputs)
-        gpu = f" device {self.device_id} ({self.options_text()})" if self.provider in GPU_PROVIDERS else ""
-        buckets = (f", batch buckets {','.join(map(str, self.buckets))} (a session each"
-                   + (", run as CUDA graphs)" if self._graphs else ")") if self.buckets else "")
-        return (f"{self.provider}{gpu}, {self.threads} intra-op threads{buckets} "
-                f"(onnxruntime {ort.__version__}); inputs: {ins}")
+        gpu = (
+            f" device {self.device_id} ({self.options_text()})"
+            if self.provider in GPU_PROVIDERS
+            else ""
+        )
+        buckets = (
+            f", batch buckets {','.join(map(str, self.buckets))} (a session each"
+            + (", run as CUDA graphs)" if self._graphs else ")")
+            if self.buckets
+            else ""
+        )
+        return (
+            f"{self.provider}{gpu}, {self.threads} intra-op threads{buckets} "
+            f"(onnxruntime {ort.__version__}); inputs: {ins}"
+        )

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 from serving.codec import BadRequest
 
-
 _ID_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across restarts and replicas
 _ID_COUNTER = itertools.count()
 
@@ -74,7 +73,9 @@ class Exchange:
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
-        self.source = source  # the client's address (its host, not its port): the shadow counts pairs by it
+        self.source = (
+            source  # the client's address (its host, not its port): the shadow counts pairs by it
+        )
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None
@@ -92,7 +93,11 @@ class Exchange:
         """X-Request-Id and the X-Model-* headers of the version that answered ({} before one was chosen)."""
         if self.slot is None:
             return {}
-        return self.slot.headers if self.request_id is None else {**self.slot.headers, "X-Request-Id": self.request_id}
+        return (
+            self.slot.headers
+            if self.request_id is None
+            else {**self.slot.headers, "X-Request-Id": self.request_id}
+        )
 
     def finish(self, metrics, status: str) -> None:
         metrics.observe_request(self.route, status, time.perf_counter() - self.started, *self.model)

@@ -24,17 +24,23 @@ def read(metadata: Mapping[str, str]) -> dict[str, dict[int, int]]:
     """{input: {axis: longest length}} from ONNX metadata; {} when absent or unreadable (a hand-made model)."""
     try:
         raw = json.loads(metadata.get(METADATA_KEY) or "{}")
-        return {str(name): {int(axis): int(n) for axis, n in axes.items()} for name, axes in raw.items()}
+        return {
+            str(name): {int(axis): int(n) for axis, n in axes.items()} for name, axes in raw.items()
+        }
     except (ValueError, TypeError, AttributeError):
         return {}
 
 
 def dumps(limits: Mapping[str, Mapping[int, int]]) -> str:
-    return json.dumps({name: {str(axis): int(n) for axis, n in axes.items()} for name, axes in limits.items()},
-                      sort_keys=True)
+    return json.dumps(
+        {name: {str(axis): int(n) for axis, n in axes.items()} for name, axes in limits.items()},
+        sort_keys=True,
+    )
 
 
-def check(limits: Mapping[str, Mapping[int, int]], feeds: Mapping[str, np.ndarray], model: str) -> None:
+def check(
+    limits: Mapping[str, Mapping[int, int]], feeds: Mapping[str, np.ndarray], model: str
+) -> None:
     """BadRequest (400) for the first input longer than the model was exported for."""
     for name, axes in limits.items():
         array = feeds.get(name)
@@ -42,6 +48,8 @@ def check(limits: Mapping[str, Mapping[int, int]], feeds: Mapping[str, np.ndarra
             continue
         for axis, longest in axes.items():
             if axis < array.ndim and array.shape[axis] > longest:
-                raise BadRequest(f"input '{name}' has length {array.shape[axis]} on axis {axis}; model '{model}' was "
-                                 f"exported for at most {longest} (parameters.max_lengths in its metadata): send "
-                                 f"at most {longest}, e.g. split or truncate the sequence")
+                raise BadRequest(
+                    f"input '{name}' has length {array.shape[axis]} on axis {axis}; model '{model}' was "
+                    f"exported for at most {longest} (parameters.max_lengths in its metadata): send "
+                    f"at most {longest}, e.g. split or truncate the sequence"
+                )

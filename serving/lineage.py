@@ -27,7 +27,9 @@ PREFIX = "trainserve."
 
 # --- in the ONNX file's metadata and, the same fact under the same key, on the registered version --------------
 RUN_ID = "trainserve.run_id"  # the MLflow run that trained the weights (the rule above)
-CHECKPOINT = "trainserve.checkpoint"  # the checkpoint's directory name (step_00000088), never a path
+CHECKPOINT = (
+    "trainserve.checkpoint"  # the checkpoint's directory name (step_00000088), never a path
+)
 STEP = "trainserve.step"  # its training step
 MODEL = "trainserve.model"  # the model component
 DATA = "trainserve.data"  # the data component
@@ -55,16 +57,24 @@ def data_sha256(split: str) -> str:
 # --- the ONNX file's metadata only: what the server needs to serve it ------------------------------------------
 MODEL_NAME = "trainserve.model_name"
 LABELS = "trainserve.labels"  # JSON list: the class names
-DECISION = "trainserve.decision"  # the output whose argmax over axis 1 is the answer (shadow agreement)
+DECISION = (
+    "trainserve.decision"  # the output whose argmax over axis 1 is the answer (shadow agreement)
+)
 PREDICTION = "trainserve.prediction"  # the output that carries the prediction (live metrics)
 OPSET = "trainserve.opset"
 MAX_LENGTHS = "trainserve.max_lengths"  # JSON {input: {axis: longest length}} (serving/lengths.py)
-UINT8_INPUTS = "trainserve.uint8_inputs"  # the inputs a uint8 variant takes as pixel values (serving/drift.py)
-REPORT = "trainserve.report"  # the logged MLflow model's metadata: the validation parity gate's sentence
+UINT8_INPUTS = (
+    "trainserve.uint8_inputs"  # the inputs a uint8 variant takes as pixel values (serving/drift.py)
+)
+REPORT = (
+    "trainserve.report"  # the logged MLflow model's metadata: the validation parity gate's sentence
+)
 
 # --- on a registered version only ----------------------------------------------------------------------------
 SHA256 = "trainserve.sha256"  # JSON {file name or digest name: sha256}: what the server and `verify` check (below)
-FASTEST_VARIANTS = "trainserve.fastest_variants"  # JSON {provider: variant}: what `serve --variant auto` picks
+FASTEST_VARIANTS = (
+    "trainserve.fastest_variants"  # JSON {provider: variant}: what `serve --variant auto` picks
+)
 PROMOTION = "trainserve.promotion"  # pending | promoted | not promoted (promotion.py's turn-taking reads it)
 SHADOW = "trainserve.shadow"  # JSON: the shadow figures `pipeline promote` judged the version on
 SHADOW_VERDICT = "trainserve.shadow_verdict"  # promote | reject | ... (" (forced)"), the one figure read at a glance
@@ -74,15 +84,32 @@ SETUP = "trainserve.setup"  # "2 x cpu, ddp, bf16-mixed": world size, device, st
 GIT = "trainserve.git"  # the commit the code was at (12 digits; the whole one in lineage.json)
 RUN_DIR = "trainserve.run_dir"  # where the run's checkpoints are: a local directory or an s3:// URL (resume reads it)
 BEST = "trainserve.best"  # the best checkpoint's directory name, by the monitored metric
-LATEST = "trainserve.latest"  # the newest checkpoint's directory name (what a resume continues from)
+LATEST = (
+    "trainserve.latest"  # the newest checkpoint's directory name (what a resume continues from)
+)
 STAGES = "trainserve.stages"  # "done: train, consolidate · running: export"
 VERDICT = "trainserve.verdict"  # what export made of it: "resnet18-digits v1 @champion", "not promoted: ..."
 PROCESS = "trainserve.process"  # JSON, while a stage runs: its process, and the status to put back; else "gone: ..."
 # CHECKPOINT (the exported checkpoint), TASK, MODEL and DATA are on the run too, as on the version.
-RUN_TAGS = (TASK, MODEL, DATA, SETUP, GIT, RUN_DIR, BEST, LATEST, CHECKPOINT, STAGES, VERDICT, PROCESS)
+RUN_TAGS = (
+    TASK,
+    MODEL,
+    DATA,
+    SETUP,
+    GIT,
+    RUN_DIR,
+    BEST,
+    LATEST,
+    CHECKPOINT,
+    STAGES,
+    VERDICT,
+    PROCESS,
+)
 
 # --- on a logged dataset (a run's input) -----------------------------------------------------------------------
-DATASET_SHA256 = "trainserve.sha256"  # the split's whole digest (MLflow's own digest is 8 characters)
+DATASET_SHA256 = (
+    "trainserve.sha256"  # the split's whole digest (MLflow's own digest is 8 characters)
+)
 DATASET_SAMPLES = "trainserve.samples"
 DATASET_INPUTS = "trainserve.inputs"  # JSON: the inputs' names, dtypes and shapes
 
@@ -95,12 +122,21 @@ def onnx_file(variant: str) -> str:
 
 
 # --- what versions and files recorded before this contract (read, never written) ----------------------------------
-LEGACY_FILE_TAGS = {"model.onnx": "trainserve.onnx_sha256", "drift_reference.json": "trainserve.drift_sha256",
-                    "weights": "trainserve.weights_sha256", "config": "trainserve.config_sha256",
-                    "train": "trainserve.data.train_sha256", "val": "trainserve.data.val_sha256"}
-LEGACY_METADATA = {STEP: "trainserve.checkpoint_step", MODEL: "trainserve.model_component",
-                   DATA: "trainserve.data_component", "trainserve.train_sha256": "trainserve.data.train_sha256",
-                   "trainserve.val_sha256": "trainserve.data.val_sha256"}
+LEGACY_FILE_TAGS = {
+    "model.onnx": "trainserve.onnx_sha256",
+    "drift_reference.json": "trainserve.drift_sha256",
+    "weights": "trainserve.weights_sha256",
+    "config": "trainserve.config_sha256",
+    "train": "trainserve.data.train_sha256",
+    "val": "trainserve.data.val_sha256",
+}
+LEGACY_METADATA = {
+    STEP: "trainserve.checkpoint_step",
+    MODEL: "trainserve.model_component",
+    DATA: "trainserve.data_component",
+    "trainserve.train_sha256": "trainserve.data.train_sha256",
+    "trainserve.val_sha256": "trainserve.data.val_sha256",
+}
 LEGACY_RUN = {"checkpoint": "trainserve.checkpoint", "best": "trainserve.best_checkpoint"}
 LEGACY_STAGE = "trainserve.stage."  # + the stage: running | done | failed
 
@@ -113,7 +149,9 @@ def sha256_record(tags: Mapping[str, str]) -> dict[str, str] | None:
         if not isinstance(recorded, dict):
             raise ValueError(f"the {SHA256} tag is not a JSON object")
         return {str(k): str(v) for k, v in recorded.items()}
-    legacy = {k: v for k, v in tags.items() if k.startswith("trainserve.") and k.endswith("_sha256") and v}
+    legacy = {
+        k: v for k, v in tags.items() if k.startswith("trainserve.") and k.endswith("_sha256") and v
+    }
     if not legacy:
         return None
     names = {tag: name for name, tag in LEGACY_FILE_TAGS.items()}
@@ -126,7 +164,9 @@ def sha256_record(tags: Mapping[str, str]) -> dict[str, str] | None:
             variant = tag.removeprefix("trainserve.onnx_").removesuffix("_sha256")
             data = variant == "data" or variant.endswith("_data")
             variant = variant.removesuffix("data").removesuffix("_")
-            found[(f"model.{variant}.onnx" if variant else "model.onnx") + (".data" if data else "")] = digest
+            found[
+                (f"model.{variant}.onnx" if variant else "model.onnx") + (".data" if data else "")
+            ] = digest
     return found
 
 
@@ -156,7 +196,11 @@ def read_stages(value: str | None) -> dict[str, str]:
     found = {}
     for part in (value or "").split(" · "):
         state, _, stages = part.partition(": ")
-        found |= {stage.strip(): state.strip() for stage in stages.split(",") if stage.strip() and state.strip()}
+        found |= {
+            stage.strip(): state.strip()
+            for stage in stages.split(",")
+            if stage.strip() and state.strip()
+        }
     return found
 
 
@@ -165,12 +209,15 @@ def write_stages(stages: Mapping[str, str]) -> str:
     order = {stage: i for i, stage in enumerate(STAGE_ORDER)}
     ordered = sorted(stages.items(), key=lambda kv: order.get(kv[0], 99))
     states = list(dict.fromkeys(state for _, state in ordered))
-    return " · ".join(f"{state}: {', '.join(k for k, v in ordered if v == state)}" for state in states)
+    return " · ".join(
+        f"{state}: {', '.join(k for k, v in ordered if v == state)}" for state in states
+    )
 
 
 @dataclass(frozen=True)
 class Lineage:
     """Where a model came from: the same value in the ONNX file's metadata and on its registered version."""
+
     run_id: str = ""
     checkpoint: str = ""  # the checkpoint directory's name
     step: str = ""
@@ -182,19 +229,31 @@ class Lineage:
     weights_meta_sha256: str = ""
     data_sha256: dict[str, str] = field(default_factory=dict)  # {"train"|"val": sha256}
 
-    _KEYS = {"run_id": RUN_ID, "checkpoint": CHECKPOINT, "step": STEP, "model": MODEL, "data": DATA, "task": TASK,
-             "config_sha256": CONFIG_SHA256, "weights_sha256": WEIGHTS_SHA256,
-             "weights_meta_sha256": WEIGHTS_META_SHA256}
+    _KEYS = {
+        "run_id": RUN_ID,
+        "checkpoint": CHECKPOINT,
+        "step": STEP,
+        "model": MODEL,
+        "data": DATA,
+        "task": TASK,
+        "config_sha256": CONFIG_SHA256,
+        "weights_sha256": WEIGHTS_SHA256,
+        "weights_meta_sha256": WEIGHTS_META_SHA256,
+    }
 
     def metadata(self) -> dict[str, str]:
         """As the ONNX file's metadata_props."""
-        return ({key: getattr(self, name) for name, key in self._KEYS.items()}
-                | {data_sha256(split): digest for split, digest in self.data_sha256.items()})
+        return {key: getattr(self, name) for name, key in self._KEYS.items()} | {
+            data_sha256(split): digest for split, digest in self.data_sha256.items()
+        }
 
     def version_tags(self) -> dict[str, str]:
         """As a registered version's readable tags (the digests go into its SHA256 record: `digests`)."""
-        return {key: getattr(self, name) for name, key in self._KEYS.items()
-                if key in (RUN_ID, CHECKPOINT, STEP, MODEL, DATA, TASK)}
+        return {
+            key: getattr(self, name)
+            for name, key in self._KEYS.items()
+            if key in (RUN_ID, CHECKPOINT, STEP, MODEL, DATA, TASK)
+        }
 
     def digests(self) -> dict[str, str]:
         """The digests a version's SHA256 record holds besides its files'."""
@@ -203,9 +262,15 @@ class Lineage:
     def served(self) -> dict[str, str]:
         """What a server says of the model it loaded (/v2/models parameters, receipts), under the names its
         clients know; the non-empty facts only (none for a hand-made ONNX file)."""
-        found = {"run_id": self.run_id, "checkpoint_step": self.step, "checkpoint": self.checkpoint,
-                 "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256,
-                 "model_component": self.model, "data_component": self.data}
+        found = {
+            "run_id": self.run_id,
+            "checkpoint_step": self.step,
+            "checkpoint": self.checkpoint,
+            "config_sha256": self.config_sha256,
+            "weights_sha256": self.weights_sha256,
+            "model_component": self.model,
+            "data_component": self.data,
+        }
         return {k: v for k, v in found.items() if v}
 
     def as_dict(self) -> dict:
@@ -214,13 +279,23 @@ class Lineage:
     @classmethod
     def read(cls, found: Mapping[str, str]) -> "Lineage":
         """From an ONNX file's metadata_props (or a version's tags and SHA256 record); missing facts stay ""."""
-        values = {name: str(found.get(key) or found.get(LEGACY_METADATA.get(key, "")) or "").strip()
-                  for name, key in cls._KEYS.items()}
+        values = {
+            name: str(found.get(key) or found.get(LEGACY_METADATA.get(key, "")) or "").strip()
+            for name, key in cls._KEYS.items()
+        }
         if SHA256 in found:  # a version: its digests are in its SHA256 record
-            values |= {"config_sha256": recorded_sha256(found, "config"),
-                       "weights_sha256": recorded_sha256(found, "weights")}
-        digests = {split: str(found.get(data_sha256(split)) or found.get(LEGACY_METADATA[data_sha256(split)])
-                              or recorded_sha256(found, split)) for split in ("train", "val")}
+            values |= {
+                "config_sha256": recorded_sha256(found, "config"),
+                "weights_sha256": recorded_sha256(found, "weights"),
+            }
+        digests = {
+            split: str(
+                found.get(data_sha256(split))
+                or found.get(LEGACY_METADATA[data_sha256(split)])
+                or recorded_sha256(found, split)
+            )
+            for split in ("train", "val")
+        }
         return cls(**values, data_sha256={k: v for k, v in digests.items() if v})
 
 

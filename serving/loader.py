@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving import drift, lengths
-from serving.lineage import (DECISION, FASTEST_VARIANTS, LABELS, MODEL_NAME, PREDICTION, SHA256, Lineage, file_sha256,
-                             onnx_file, recorded_sha256, sha256_record)
 from serving.engine import (
     CPU,
     GPU_PROVIDERS,
@@ -34,6 +32,19 @@ from serving.engine import (
     GpuOptions,
     choose_provider,
 )
+from serving.lineage import (
+    DECISION,
+    FASTEST_VARIANTS,
+    LABELS,
+    MODEL_NAME,
+    PREDICTION,
+    SHA256,
+    Lineage,
+    file_sha256,
+    onnx_file,
+    recorded_sha256,
+    sha256_record,
+)
 
 log = logging.getLogger("serving.loader")
 
@@ -42,8 +53,14 @@ _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
 # The file of each variant in a model directory (the export logs them into the registered model).
-VARIANT_FILES = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx",
-                 "uint8": "model.uint8.onnx"}  # uint8: image inputs as UINT8 pixel values (its clients send those)
+VARIANT_FILES = {
+    "fp32": "model.onnx",
+    "fp16": "model.fp16.onnx",
+    "int8": "model.int8.onnx",
+    "uint8": "model.uint8.onnx",
+}  # uint8: image inputs as UINT8 pixel values (its clients send those)
+
+
 class SourceError(Exception):
     """The model source cannot be parsed, found or fetched, or is not the file its registry version records."""
 
@@ -58,6 +75,7 @@ def data_file_of(path: Path) -> Path | None:
 @dataclass(frozen=True)
 class ModelInfo:
     """What clients are told about the loaded model."""
+
     name: str
     version: str
     source: str  # the path or URI it was loaded from
@@ -66,7 +84,9 @@ class ModelInfo:
     lineage: dict[str, str] = field(default_factory=dict)
     # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
     max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
-    registered: str | None = None  # the registered model's name, for a registry source (the served name may differ)
+    registered: str | None = (
+        None  # the registered model's name, for a registry source (the served name may differ)
+    )
     # What the model's outputs mean, as export recorded it (never a task's name): the output whose argmax
     # over axis 1 is its answer, and the one that carries its prediction; None when not recorded.
     decision: str | None = None
@@ -85,7 +105,9 @@ class LoadedModel:
     info: ModelInfo
     workdir: str | None = None  # a download directory to delete when the model is dropped
     variant: str = "fp32"  # which file of the model directory runs (VARIANT_FILES)
-    drift_reference: dict | None = None  # the training data's statistics beside the file (serving/drift.py)
+    drift_reference: dict | None = (
+        None  # the training data's statistics beside the file (serving/drift.py)
+    )
 
     def discard(self) -> None:
         if self.workdir:
@@ -94,12 +116,19 @@ class LoadedModel:
 
 def check_source(uri: str) -> str:
     """The kind of `uri` ("file", "alias", "version", "logged", "run"), or SourceError explaining the forms."""
-    for kind, pattern in (("alias", _ALIAS), ("version", _VERSION), ("logged", _LOGGED), ("run", _RUN)):
+    for kind, pattern in (
+        ("alias", _ALIAS),
+        ("version", _VERSION),
+        ("logged", _LOGGED),
+        ("run", _RUN),
+    ):
         if pattern.match(uri):
             return kind
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:/", uri):
-        raise SourceError(f"cannot serve '{uri}': expected a path to an .onnx file, models:/<name>@<alias>, "
-                          "models:/<name>/<version>, models:/<model id> or runs:/<run id>/<path>")
+        raise SourceError(
+            f"cannot serve '{uri}': expected a path to an .onnx file, models:/<name>@<alias>, "
+            "models:/<name>/<version>, models:/<model id> or runs:/<run id>/<path>"
+        )
     return "file"
 
 
@@ -109,9 +138,11 @@ def _check_store() -> None:
     import mlflow
 
     uri = mlflow.get_registry_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        raise SourceError(f"no MLflow store at {uri[len('sqlite:///'):]}: run from the directory where the pipeline "
-                          "wrote mlflow.db, or set MLFLOW_TRACKING_URI to the store that holds the model")
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        raise SourceError(
+            f"no MLflow store at {uri[len('sqlite:///') :]}: run from the directory where the pipeline "
+            "wrote mlflow.db, or set MLFLOW_TRACKING_URI to the store that holds the model"
+        )
 
 
 def alias_version(uri: str) -> str:
@@ -123,8 +154,10 @@ def alias_version(uri: str) -> str:
     try:
         return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
     except Exception as exc:  # MlflowException for an unknown name or alias, connection errors
-        raise SourceError(registry_miss(name, alias=alias) or
-                          f"cannot resolve {uri} (registry {mlflow.get_registry_uri()}): {exc}") from exc
+        raise SourceError(
+            registry_miss(name, alias=alias)
+            or f"cannot resolve {uri} (registry {mlflow.get_registry_uri()}): {exc}"
+        ) from exc
 
 
 def registry_miss(name: str, alias: str | None = None, version: str | None = None) -> str | None:
@@ -144,12 +177,18 @@ def registry_miss(name: str, alias: str | None = None, version: str | None = Non
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                 return None
-            names = sorted(m.name for m in client.search_registered_models())  # its first page: enough to hint
+            names = sorted(
+                m.name for m in client.search_registered_models()
+            )  # its first page: enough to hint
             close = difflib.get_close_matches(name, names, n=3)
-            hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
-                    f"it has {', '.join(repr(n) for n in names[:10])}{' ...' if len(names) > 10 else ''}" if names else
-                    "it has no registered model: run from the directory where the pipeline wrote mlflow.db, or set "
-                    "MLFLOW_TRACKING_URI to the store that holds the model")
+            hint = (
+                f"did you mean {' or '.join(repr(c) for c in close)}?"
+                if close
+                else f"it has {', '.join(repr(n) for n in names[:10])}{' ...' if len(names) > 10 else ''}"
+                if names
+                else "it has no registered model: run from the directory where the pipeline wrote mlflow.db, or set "
+                "MLFLOW_TRACKING_URI to the store that holds the model"
+            )
             return f"no registered model '{name}' in {mlflow.get_registry_uri()}; {hint}"
         aliases = sorted(model.aliases or {})
         if alias is not None and alias not in aliases:
@@ -160,16 +199,27 @@ def registry_miss(name: str, alias: str | None = None, version: str | None = Non
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     return None
-                versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
+                versions = sorted(
+                    int(v.version) for v in client.search_model_versions(f"name='{name}'")
+                )
                 return f"{name} has no version {version}; its versions: {', '.join(map(str, versions)) or 'none'}"
     except Exception:  # noqa: BLE001 - the registry can't be asked: the caller's message stands
         return None
     return None
 
 
-def load_model(uri: str, *, device: str, threads: int | None, name: str | None = None,
-               version: str | None = None, device_id: int = 0, variant: str = "fp32",
-               gpu: GpuOptions | None = None, batch_buckets: BatchBuckets | None = None) -> LoadedModel:
+def load_model(
+    uri: str,
+    *,
+    device: str,
+    threads: int | None,
+    name: str | None = None,
+    version: str | None = None,
+    device_id: int = 0,
+    variant: str = "fp32",
+    gpu: GpuOptions | None = None,
+    batch_buckets: BatchBuckets | None = None,
+) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
     Name: `name` if given, else the registered name for registry models, else the model's
@@ -202,22 +252,39 @@ def load_model(uri: str, *, device: str, threads: int | None, name: str | None =
         digest = file_sha256(path)
         if registered is not None:
             _check_recorded_hash(registered, version, onnx_file(variant), path, digest)
-            if (data := data_file_of(path)) is not None:  # the weights of a graph past 2 GB: checked the same way
+            if (
+                data := data_file_of(path)
+            ) is not None:  # the weights of a graph past 2 GB: checked the same way
                 _check_recorded_hash(registered, version, data.name, data, file_sha256(data))
-        engine = Engine(str(path), device=device, threads=threads, device_id=device_id, gpu=gpu,
-                        batch_buckets=batch_buckets)
-        if variant == "fp16" and engine.provider not in GPU_PROVIDERS:  # auto, and the GPU provider did not load
-            raise EngineError(f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)")
+        engine = Engine(
+            str(path),
+            device=device,
+            threads=threads,
+            device_id=device_id,
+            gpu=gpu,
+            batch_buckets=batch_buckets,
+        )
+        if (
+            variant == "fp16" and engine.provider not in GPU_PROVIDERS
+        ):  # auto, and the GPU provider did not load
+            raise EngineError(
+                f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)"
+            )
     except BaseException:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     info = ModelInfo(
         name=name or registered or engine.metadata.get(MODEL_NAME) or path.stem,
-        version=str(version), source=uri, labels=_labels(engine.metadata),
-        lineage={**Lineage.read(engine.metadata).served(), "onnx_sha256": digest}, registered=registered,
-        max_lengths=lengths.read(engine.metadata), decision=engine.metadata.get(DECISION) or None,
-        prediction=engine.metadata.get(PREDICTION) or None)
+        version=str(version),
+        source=uri,
+        labels=_labels(engine.metadata),
+        lineage={**Lineage.read(engine.metadata).served(), "onnx_sha256": digest},
+        registered=registered,
+        max_lengths=lengths.read(engine.metadata),
+        decision=engine.metadata.get(DECISION) or None,
+        prediction=engine.metadata.get(PREDICTION) or None,
+    )
     return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
 
 
@@ -241,35 +308,60 @@ def _check_recorded_hash(registered: str, version: str, file: str, path: Path, d
     try:
         tags = mlflow.MlflowClient().get_model_version(registered, version).tags
     except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors
-        raise SourceError(f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}") from exc
+        raise SourceError(
+            f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}"
+        ) from exc
     try:
         record = sha256_record(tags)
-    except ValueError as exc:  # a record nobody can read proves nothing: refused, as a changed file is
-        raise SourceError(f"models:/{registered}/{version}: {exc}; refusing to serve {path.name} unchecked (export "
-                          "the model again)") from None
+    except (
+        ValueError
+    ) as exc:  # a record nobody can read proves nothing: refused, as a changed file is
+        raise SourceError(
+            f"models:/{registered}/{version}: {exc}; refusing to serve {path.name} unchecked (export "
+            "the model again)"
+        ) from None
     recorded = (record or {}).get(file, "")
-    if record is not None and not recorded:  # a version that records its files records every one it carries
-        raise SourceError(f"{path.name} of models:/{registered}/{version} is not among the files the version records "
-                          f"({', '.join(sorted(k for k in record if '.' in k))}): added to the store after export; "
-                          "refusing to serve it")
+    if (
+        record is not None and not recorded
+    ):  # a version that records its files records every one it carries
+        raise SourceError(
+            f"{path.name} of models:/{registered}/{version} is not among the files the version records "
+            f"({', '.join(sorted(k for k in record if '.' in k))}): added to the store after export; "
+            "refusing to serve it"
+        )
     if not recorded:
-        log.warning("models:/%s/%s records no sha256 of %s (its %s tag): serving %s (sha256 %s) unchecked; versions "
-                    "registered by `pipeline export` record it", registered, version, file, SHA256, path.name, digest)
+        log.warning(
+            "models:/%s/%s records no sha256 of %s (its %s tag): serving %s (sha256 %s) unchecked; versions "
+            "registered by `pipeline export` record it",
+            registered,
+            version,
+            file,
+            SHA256,
+            path.name,
+            digest,
+        )
     elif recorded != digest:
-        raise SourceError(f"{path.name} of models:/{registered}/{version} has sha256 {digest}, but the version "
-                          f"records {recorded} ({SHA256}): the stored file was changed after export; refusing to "
-                          "serve it (export the model again, or restore the file)")
+        raise SourceError(
+            f"{path.name} of models:/{registered}/{version} has sha256 {digest}, but the version "
+            f"records {recorded} ({SHA256}): the stored file was changed after export; refusing to "
+            "serve it (export the model again, or restore the file)"
+        )
 
 
-_FP16_ON_CPU = ("--variant fp16 is served on the CUDA provider only (on the CPU onnxruntime runs fp16 nodes through "
-                "casts to fp32: slower than the fp32 model); use --device cuda on a GPU, or --variant fp32")
+_FP16_ON_CPU = (
+    "--variant fp16 is served on the CUDA provider only (on the CPU onnxruntime runs fp16 nodes through "
+    "casts to fp32: slower than the fp32 model); use --device cuda on a GPU, or --variant fp32"
+)
 
 
 def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> str:
     """--variant auto: the variant the export measured fastest on `provider` among those that passed their gates
     (the version's FASTEST_VARIANTS tag); fp32 where nothing was measured (not a registered version, or no variant)."""
     if kind not in ("alias", "version"):
-        log.info("--variant auto: %s is not a registered version (no measurements to choose by): serving fp32", uri)
+        log.info(
+            "--variant auto: %s is not a registered version (no measurements to choose by): serving fp32",
+            uri,
+        )
         return "fp32"
     import mlflow
 
@@ -278,7 +370,9 @@ def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> st
     try:
         tags = mlflow.MlflowClient().get_model_version(name, version).tags
     except Exception as exc:  # MlflowException, connection errors
-        raise SourceError(f"cannot read {name} version {version} (registry {mlflow.get_registry_uri()}): {exc}") from exc
+        raise SourceError(
+            f"cannot read {name} version {version} (registry {mlflow.get_registry_uri()}): {exc}"
+        ) from exc
     try:
         measured = json.loads(tags.get(FASTEST_VARIANTS) or "{}")
         chosen = measured.get(provider)
@@ -304,12 +398,19 @@ def _download(uri: str, dst: str) -> str:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
     except Exception as exc:  # mlflow raises MlflowException, OSError, ... depending on the store
         named = _VERSION.match(uri)
-        raise SourceError((named and registry_miss(named.group(1), version=named.group(2))) or f"cannot fetch "
-                          f"{uri} from MLflow (tracking URI {mlflow.get_tracking_uri()}): {exc}") from exc
+        raise SourceError(
+            (named and registry_miss(named.group(1), version=named.group(2)))
+            or f"cannot fetch {uri} from MLflow (tracking URI {mlflow.get_tracking_uri()}): {exc}"
+        ) from exc
     # Said once here: MLflow's own progress bar is off outside a terminal (see serving/console.py).
     files = [p for p in Path(local).rglob("*") if p.is_file()]
-    log.info("downloaded %s: %d files, %.1f MB in %.1f s", uri, len(files),
-             sum(p.stat().st_size for p in files) / 1e6, time.perf_counter() - started)
+    log.info(
+        "downloaded %s: %d files, %.1f MB in %.1f s",
+        uri,
+        len(files),
+        sum(p.stat().st_size for p in files) / 1e6,
+        time.perf_counter() - started,
+    )
     return local
 
 
@@ -332,19 +433,28 @@ def find_onnx(path: Path, variant: str = "fp32") -> Path:
     if len(named) == 1:
         return named[0]
     if len(named) > 1:
-        raise SourceError(f"several {wanted} files under {path}: {[str(p) for p in named]}; point --model at one")
+        raise SourceError(
+            f"several {wanted} files under {path}: {[str(p) for p in named]}; point --model at one"
+        )
     if variant != "fp32":
         setting = "export.uint8_inputs=true" if variant == "uint8" else f"export.{variant}=true"
-        raise SourceError(f"no {wanted} under {path} (found {[p.name for p in found]}): export with "
-                          f"{setting} to log the {variant} variant with the model, or serve --variant fp32")
-    others = [p for p in found if p.name not in [f for v, f in VARIANT_FILES.items() if v != "fp32"]]
+        raise SourceError(
+            f"no {wanted} under {path} (found {[p.name for p in found]}): export with "
+            f"{setting} to log the {variant} variant with the model, or serve --variant fp32"
+        )
+    others = [
+        p for p in found if p.name not in [f for v, f in VARIANT_FILES.items() if v != "fp32"]
+    ]
     if len(others) == 1:
         return others[0]
     if not others:
-        raise SourceError(f"only variant models under {path} ({[p.name for p in found]}): serve one with --variant "
-                          "fp16, int8 or uint8")
-    raise SourceError(f"several .onnx files under {path}: {[str(p) for p in found]}; "
-                      "point --model at one of them")
+        raise SourceError(
+            f"only variant models under {path} ({[p.name for p in found]}): serve one with --variant "
+            "fp16, int8 or uint8"
+        )
+    raise SourceError(
+        f"several .onnx files under {path}: {[str(p) for p in found]}; point --model at one of them"
+    )
 
 
 def _labels(metadata: dict[str, str]) -> tuple[str, ...] | None:
@@ -360,4 +470,3 @@ def _labels(metadata: dict[str, str]) -> tuple[str, ...] | None:
         log.warning("ignoring %s metadata: not a JSON list", LABELS)
         return None
     return tuple(str(x) for x in labels)
-

@@ -17,7 +17,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # the *_created series double the output and nobody graphs them
 
-LATENCY_BUCKETS = (.001, .002, .004, .006, .008, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1, 2, 5)
+LATENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -25,47 +43,101 @@ class Metrics:
     """Every series of a model is labelled by `model` and `version` (model_info: `name`, `version`), so that one
     server of many models can be read model by model; a request's time splits into queue time (waiting for its
     batch to start: Triton's queue_duration) and compute time (the model run: compute_infer)."""
+
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_rows: Callable[[], list[tuple[str, str, float]]]):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("trainserve_requests", "Requests by route template (HTTP) or method (gRPC), status "
-                                "and the model version that answered", ["route", "status", "model", "version"],
-                                registry=r)
-        self.latency = Histogram("trainserve_request_duration_seconds", "Request latency, seconds",
-                                 ["route", "model", "version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("trainserve_batch_size", "Rows per model run", ["model", "version"],
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.inference = Histogram("trainserve_inference_duration_seconds", "Seconds per model run (compute time)",
-                                   ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("trainserve_queue_duration_seconds", "Seconds a request waited for its batch "
-                                    "to start (queue time)", ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.model_info = Gauge("trainserve_model_info", "The model versions being served (value 1)",
-                                ["name", "version", "provider", "source"], registry=r)
-        self.engine_info = Gauge("trainserve_engine_info", "How each model version runs (value 1): the execution "
-                                 "provider that really runs it, the variant served (fp32, fp16) and the provider's "
-                                 "options", ["model", "version", "provider", "variant", "options"], registry=r)
-        self.reloads = Counter("trainserve_model_reloads", "Model swaps after a registry alias moved", ["model"],
-                               registry=r)
-        self.reload_failures = Counter("trainserve_model_reload_failures",
-                                       "Failed loads of the version a registry alias points at", ["model", "version"],
-                                       registry=r)
-        self.alias = Gauge("trainserve_model_alias_info", "The version a followed registry alias points at "
-                           "(value 1)", ["model", "alias", "version"], registry=r)
-        self.behind = Gauge("trainserve_model_behind_alias", "1 while the alias points at a version this server "
-                            "has not loaded (it serves an older one)", ["model", "alias"], registry=r)
+        self.requests = Counter(
+            "trainserve_requests",
+            "Requests by route template (HTTP) or method (gRPC), status "
+            "and the model version that answered",
+            ["route", "status", "model", "version"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "trainserve_request_duration_seconds",
+            "Request latency, seconds",
+            ["route", "model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "trainserve_batch_size",
+            "Rows per model run",
+            ["model", "version"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            "trainserve_inference_duration_seconds",
+            "Seconds per model run (compute time)",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "trainserve_queue_duration_seconds",
+            "Seconds a request waited for its batch to start (queue time)",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.model_info = Gauge(
+            "trainserve_model_info",
+            "The model versions being served (value 1)",
+            ["name", "version", "provider", "source"],
+            registry=r,
+        )
+        self.engine_info = Gauge(
+            "trainserve_engine_info",
+            "How each model version runs (value 1): the execution "
+            "provider that really runs it, the variant served (fp32, fp16) and the provider's "
+            "options",
+            ["model", "version", "provider", "variant", "options"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "trainserve_model_reloads",
+            "Model swaps after a registry alias moved",
+            ["model"],
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            "trainserve_model_reload_failures",
+            "Failed loads of the version a registry alias points at",
+            ["model", "version"],
+            registry=r,
+        )
+        self.alias = Gauge(
+            "trainserve_model_alias_info",
+            "The version a followed registry alias points at (value 1)",
+            ["model", "alias", "version"],
+            registry=r,
+        )
+        self.behind = Gauge(
+            "trainserve_model_behind_alias",
+            "1 while the alias points at a version this server "
+            "has not loaded (it serves an older one)",
+            ["model", "alias"],
+            registry=r,
+        )
         self.registry.register(_QueueCollector(queue_rows))
         # Each request looks its series up here, not through prometheus_client's labels() (a lock and a tuple of
         # strings each time): a request's own cost is what a server of small requests spends most on.
         self._children: dict[tuple, tuple] = {}
 
-    def observe_request(self, route: str, status: int | str, seconds: float, model: str = "", version: str = "") -> None:
+    def observe_request(
+        self, route: str, status: int | str, seconds: float, model: str = "", version: str = ""
+    ) -> None:
         key = (route, status, model, version)
         children = self._children.get(key)
         if children is None:
-            children = self._children[key] = (self.requests.labels(route, str(status), model, version),
-                                              self.latency.labels(route, model, version))
+            children = self._children[key] = (
+                self.requests.labels(route, str(status), model, version),
+                self.latency.labels(route, model, version),
+            )
         children[0].inc()
         children[1].observe(seconds)
 
@@ -83,13 +155,17 @@ class Metrics:
         """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
         self.registry.register(_PayloadLogCollector(stats))
 
-    def observe_batch(self, model: str, version: str, rows: int, seconds: float, waits: list[float]) -> None:
+    def observe_batch(
+        self, model: str, version: str, rows: int, seconds: float, waits: list[float]
+    ) -> None:
         key = ("batch", model, version)
         children = self._children.get(key)
         if children is None:
-            children = self._children[key] = (self.batch_size.labels(model, version),
-                                              self.inference.labels(model, version),
-                                              self.queue_time.labels(model, version))
+            children = self._children[key] = (
+                self.batch_size.labels(model, version),
+                self.inference.labels(model, version),
+                self.queue_time.labels(model, version),
+            )
         children[0].observe(rows)
         children[1].observe(seconds)
         for wait in waits:
@@ -110,7 +186,9 @@ class Metrics:
                 if labels not in loaded:
                     family.remove(*labels)
         # Request series end in (model, version); those of no model ("", "": health, refusals) stay.
-        self._children = {k: v for k, v in self._children.items() if not k[-2] or tuple(k[-2:]) in loaded}
+        self._children = {
+            k: v for k, v in self._children.items() if not k[-2] or tuple(k[-2:]) in loaded
+        }
         for family in (self.requests, self.latency):
             for labels in list(family._metrics):
                 if labels[-2] and tuple(labels[-2:]) not in loaded:
@@ -141,7 +219,9 @@ class _QueueCollector:
         self.rows = rows
 
     def collect(self):
-        family = GaugeMetricFamily("trainserve_queue_rows", "Rows waiting for a model run", labels=["model", "version"])
+        family = GaugeMetricFamily(
+            "trainserve_queue_rows", "Rows waiting for a model run", labels=["model", "version"]
+        )
         for model, version, rows in self.rows():
             family.add_metric([model, version], rows)
         yield family
@@ -153,16 +233,25 @@ class _PayloadLogCollector:
 
     def collect(self):
         stats = self.stats()
-        yield CounterMetricFamily("trainserve_payload_log_written", "Records written to the payload log",
-                                  value=stats["written"])
-        dropped = CounterMetricFamily("trainserve_payload_log_dropped", "Records of the sample not logged: the "
-                                      "queue was full, a record was larger than a file may be, or a write failed",
-                                      labels=["reason"])
+        yield CounterMetricFamily(
+            "trainserve_payload_log_written",
+            "Records written to the payload log",
+            value=stats["written"],
+        )
+        dropped = CounterMetricFamily(
+            "trainserve_payload_log_dropped",
+            "Records of the sample not logged: the "
+            "queue was full, a record was larger than a file may be, or a write failed",
+            labels=["reason"],
+        )
         for reason, count in stats["dropped"].items():
             dropped.add_metric([reason], count)
         yield dropped
-        yield GaugeMetricFamily("trainserve_payload_log_bytes", "Bytes in the payload log directory's files",
-                                value=stats["bytes"])
+        yield GaugeMetricFamily(
+            "trainserve_payload_log_bytes",
+            "Bytes in the payload log directory's files",
+            value=stats["bytes"],
+        )
 
 
 class _DriftCollector:
@@ -170,10 +259,16 @@ class _DriftCollector:
         self.scores = scores
 
     def collect(self):
-        families = {kind: GaugeMetricFamily(f"trainserve_{kind[:-1]}_drift", f"Population stability index of each "
-                                            f"{kind[:-1]} over the version's last requests against the training data "
-                                            "(< 0.1 none, > 0.2 a shift)", labels=["model", "version", kind[:-1]])
-                    for kind in ("inputs", "outputs")}
+        families = {
+            kind: GaugeMetricFamily(
+                f"trainserve_{kind[:-1]}_drift",
+                f"Population stability index of each "
+                f"{kind[:-1]} over the version's last requests against the training data "
+                "(< 0.1 none, > 0.2 a shift)",
+                labels=["model", "version", kind[:-1]],
+            )
+            for kind in ("inputs", "outputs")
+        }
         for (model, version, kind, name), value in self.scores().items():
             families[kind].add_metric([model, version, name], value)
         yield from families.values()
@@ -185,17 +280,32 @@ class _ShadowCollector:
 
     def collect(self):
         reports = self.reports()
-        counters = {key: CounterMetricFamily(f"trainserve_shadow_{key}", text, labels=["model", "challenger_version"])
-                    for key, text in (("pairs", "Requests answered by both the champion and the challenger"),
-                                      ("dropped", "Mirrored requests shed (queue full or the champion busy)"),
-                                      ("challenger_errors", "Mirrored requests the challenger failed"),
-                                      ("labels", "Labels joined with a shadowed answer"))}
-        agreement = GaugeMetricFamily("trainserve_shadow_agreement", "Top-1 agreement of challenger and champion",
-                                      labels=["model", "challenger_version"])
-        latency = GaugeMetricFamily("trainserve_shadow_latency_ms", "p50 and p99 latency of each side, ms",
-                                    labels=["model", "challenger_version", "side", "quantile"])
-        verdict = GaugeMetricFamily("trainserve_shadow_verdict", "The shadow verdict (value 1): promote, reject or "
-                                    "undecided", labels=["model", "challenger_version", "verdict"])
+        counters = {
+            key: CounterMetricFamily(
+                f"trainserve_shadow_{key}", text, labels=["model", "challenger_version"]
+            )
+            for key, text in (
+                ("pairs", "Requests answered by both the champion and the challenger"),
+                ("dropped", "Mirrored requests shed (queue full or the champion busy)"),
+                ("challenger_errors", "Mirrored requests the challenger failed"),
+                ("labels", "Labels joined with a shadowed answer"),
+            )
+        }
+        agreement = GaugeMetricFamily(
+            "trainserve_shadow_agreement",
+            "Top-1 agreement of challenger and champion",
+            labels=["model", "challenger_version"],
+        )
+        latency = GaugeMetricFamily(
+            "trainserve_shadow_latency_ms",
+            "p50 and p99 latency of each side, ms",
+            labels=["model", "challenger_version", "side", "quantile"],
+        )
+        verdict = GaugeMetricFamily(
+            "trainserve_shadow_verdict",
+            "The shadow verdict (value 1): promote, reject or undecided",
+            labels=["model", "challenger_version", "verdict"],
+        )
         for model, report in reports.items():
             version = str(report.get("challenger_version"))
             for key, family in counters.items():

@@ -53,7 +53,9 @@ log = logging.getLogger("serving.payload_log")
 
 FILE_PATTERN = re.compile(r"^payloads-.+\.jsonl$")
 MAX_PENDING_RECORDS = 10_000  # records waiting for the writer; beyond: dropped
-MAX_PENDING_BYTES = 64 << 20  # array bytes held by waiting records (the queue's memory); beyond: dropped
+MAX_PENDING_BYTES = (
+    64 << 20
+)  # array bytes held by waiting records (the queue's memory); beyond: dropped
 MAX_OPEN_FILES = 8  # versions written to at once; past it the least recently used file is closed
 ERROR_REPEAT_S = 60.0  # a streak of failed writes is logged at its start, then at most this often
 _STOP = object()
@@ -66,12 +68,13 @@ class PayloadLogError(Exception):
 def in_sample(request_id: str, fraction: float) -> bool:
     """Whether `request_id` is in a `fraction` sample: decided by its hash alone, so anyone can tell which
     ids are in (the first 8 hex digits of sha256(id), over 2^32, below `fraction`)."""
-    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2 ** 32 < fraction
+    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
 @dataclass
 class Record:
     """What the request path hands over: references only, nothing serialized yet."""
+
     request_id: str
     time: float  # time.time() when answered
     endpoint: str
@@ -91,12 +94,22 @@ class PayloadLog:
     """The sample, the queue and the writer thread. `submit` is called on the event loop; everything else
     that touches files runs in the writer thread (`start` .. `close`)."""
 
-    def __init__(self, directory: str | Path, *, sample: float, max_bytes: int, file_bytes: int,
-                 mlflow: bool = False, max_pending_records: int = MAX_PENDING_RECORDS,
-                 max_pending_bytes: int = MAX_PENDING_BYTES):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        sample: float,
+        max_bytes: int,
+        file_bytes: int,
+        mlflow: bool = False,
+        max_pending_records: int = MAX_PENDING_RECORDS,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ):
         if not 0.0 <= sample <= 1.0 or not 0 < file_bytes <= max_bytes:
-            raise ValueError(f"need 0 <= sample <= 1 and 0 < file_bytes <= max_bytes, got {sample}, {file_bytes}, "
-                             f"{max_bytes}")
+            raise ValueError(
+                f"need 0 <= sample <= 1 and 0 < file_bytes <= max_bytes, got {sample}, {file_bytes}, "
+                f"{max_bytes}"
+            )
         self.directory = Path(directory)
         self.sample = sample
         self.max_bytes = max_bytes
@@ -114,14 +127,25 @@ class PayloadLog:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise PayloadLogError(f"cannot write the payload log to {self.directory}: {exc}") from None
+            raise PayloadLogError(
+                f"cannot write the payload log to {self.directory}: {exc}"
+            ) from None
         # Files of earlier runs count against the cap (and are deleted first): the names sort by time.
-        self._closed: list[tuple[Path, int]] = [(p, p.stat().st_size) for p in sorted(self.directory.iterdir())
-                                                if FILE_PATTERN.match(p.name) and p.is_file()]
-        self.bytes = sum(size for _, size in self._closed)  # in our files in the directory, the open ones included
-        self._open: dict[tuple, _OpenFile] = {}  # model version -> its file; least recently written first
+        self._closed: list[tuple[Path, int]] = [
+            (p, p.stat().st_size)
+            for p in sorted(self.directory.iterdir())
+            if FILE_PATTERN.match(p.name) and p.is_file()
+        ]
+        self.bytes = sum(
+            size for _, size in self._closed
+        )  # in our files in the directory, the open ones included
+        self._open: dict[
+            tuple, _OpenFile
+        ] = {}  # model version -> its file; least recently written first
         self._trim(0)  # a smaller cap than last time holds from the start
-        self._failing = 0  # writes failed in a row (a full disk, a removed directory that can't be made)
+        self._failing = (
+            0  # writes failed in a row (a full disk, a removed directory that can't be made)
+        )
         self._failure_logged = 0.0
         self._sequence = 0
         self._thread: threading.Thread | None = None
@@ -168,7 +192,10 @@ class PayloadLog:
             pass
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
-            log.error("the payload log writer did not finish within %.0f s; its last records may be lost", timeout)
+            log.error(
+                "the payload log writer did not finish within %.0f s; its last records may be lost",
+                timeout,
+            )
         self._thread = None
 
     # ---- the writer thread -----------------------------------------------------------------------
@@ -203,21 +230,38 @@ class PayloadLog:
         if self._failing == 1 or now - self._failure_logged >= ERROR_REPEAT_S:
             self._failure_logged = now
             if isinstance(exc, OSError):
-                hint = " (the disk is full: free space or lower --payload-log-max-mb)" \
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-                log.error("cannot write payload record %s to %s: %s%s; %d failed in a row, dropped and counted "
-                          "(trainserve_payload_log_dropped_total{reason=\"error\"})", record.request_id,
-                          self.directory, exc, hint, self._failing)
+                hint = (
+                    " (the disk is full: free space or lower --payload-log-max-mb)"
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else ""
+                )
+                log.error(
+                    "cannot write payload record %s to %s: %s%s; %d failed in a row, dropped and counted "
+                    '(trainserve_payload_log_dropped_total{reason="error"})',
+                    record.request_id,
+                    self.directory,
+                    exc,
+                    hint,
+                    self._failing,
+                )
             else:
-                log.error("cannot write payload record %s (%d failed in a row)", record.request_id,
-                          self._failing, exc_info=exc)
+                log.error(
+                    "cannot write payload record %s (%d failed in a row)",
+                    record.request_id,
+                    self._failing,
+                    exc_info=exc,
+                )
 
     def _write(self, record: Record) -> None:
         line = dumps(_as_json(record)) + b"\n"
         if len(line) > self.file_bytes:
             self.dropped["too_large"] += 1
-            log.warning("payload record %s takes %d bytes, more than a payload file may (%d): not logged",
-                        record.request_id, len(line), self.file_bytes)
+            log.warning(
+                "payload record %s takes %d bytes, more than a payload file may (%d): not logged",
+                record.request_id,
+                len(line),
+                self.file_bytes,
+            )
             return
         self._check_directory()
         key = _model_key(record.model)
@@ -249,11 +293,18 @@ class PayloadLog:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._closed = []
             self.bytes = sum(f.size for f in self._open.values())
-            log.warning("the payload log directory %s was removed while the server ran: made it again "
-                        "(the records in the removed files are gone)", self.directory)
+            log.warning(
+                "the payload log directory %s was removed while the server ran: made it again "
+                "(the records in the removed files are gone)",
+                self.directory,
+            )
         elif gone:
-            log.warning("%d open payload log file(s) in %s were removed while the server ran: starting new "
-                        "ones", len(gone), self.directory)
+            log.warning(
+                "%d open payload log file(s) in %s were removed while the server ran: starting new "
+                "ones",
+                len(gone),
+                self.directory,
+            )
 
     def _trim(self, incoming: int, keep: tuple | None = None) -> None:
         """The cap: delete the oldest closed files until `incoming` more bytes fit; when only open files are
@@ -280,7 +331,11 @@ class PayloadLog:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
         path = self.directory / f"payloads-{stamp}-{self._sequence:06d}.jsonl"
         # 0600 from the start (not chmod after): what clients sent is no other local user's to read.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0),
+            0o600,
+        )
         opened = _OpenFile(path, open(fd, "wb", buffering=0), model)  # noqa: SIM115 - closed in _close_file
         self._open[_model_key(model)] = opened
         return opened
@@ -299,8 +354,13 @@ class PayloadLog:
         logged, never raised (the server goes on, the file stays in the directory)."""
         run_id = model.get("run_id")
         if not run_id:
-            log.warning("not logging %s to MLflow: model %s version %s names no training run "
-                        "(no run_id in its lineage metadata)", path.name, model.get("name"), model.get("version"))
+            log.warning(
+                "not logging %s to MLflow: model %s version %s names no training run "
+                "(no run_id in its lineage metadata)",
+                path.name,
+                model.get("name"),
+                model.get("version"),
+            )
             return
         try:
             if self._mlflow_client is None:
@@ -344,17 +404,25 @@ def _model_key(model: dict) -> tuple:
 
 
 def _as_json(record: Record) -> dict:
-    out = {"request_id": record.request_id, "time": _iso(record.time), "endpoint": record.endpoint,
-           "status": record.status, "model": record.model, "inputs": _tensors(record.inputs),
-           "outputs": None if record.outputs is None else _tensors(record.outputs)}
+    out = {
+        "request_id": record.request_id,
+        "time": _iso(record.time),
+        "endpoint": record.endpoint,
+        "status": record.status,
+        "model": record.model,
+        "inputs": _tensors(record.inputs),
+        "outputs": None if record.outputs is None else _tensors(record.outputs),
+    }
     if record.error is not None:
         out["error"] = record.error
     return out
 
 
 def _tensors(arrays: dict[str, np.ndarray]) -> dict:
-    return {name: {"dtype": a.dtype.name, "shape": list(a.shape), "data": np.ascontiguousarray(a)}
-            for name, a in arrays.items()}
+    return {
+        name: {"dtype": a.dtype.name, "shape": list(a.shape), "data": np.ascontiguousarray(a)}
+        for name, a in arrays.items()
+    }
 
 
 def _iso(t: float) -> str:

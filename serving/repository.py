@@ -63,11 +63,15 @@ class RepositoryError(BadRequest):
 
 # ---- where models come from ---------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Source:
     """One `--model`, or one version directory of the repository."""
+
     uri: str
-    name: str | None = None  # NAME= given (or the repository's directory name); else resolved when loaded
+    name: str | None = (
+        None  # NAME= given (or the repository's directory name); else resolved when loaded
+    )
     version: str | None = None  # a repository version directory's number
 
     @cached_property
@@ -82,10 +86,14 @@ def parse_model_flag(value: str) -> Source:
     head, sep, rest = value.partition("=")
     if sep and "/" not in head and ":" not in head:
         if not NAME.fullmatch(head):
-            raise ValueError(f"--model {value!r}: {head!r} is not a model name (a letter or digit, then letters, "
-                             "digits, '_', '.', '-'; at most 128); give NAME=URI")
+            raise ValueError(
+                f"--model {value!r}: {head!r} is not a model name (a letter or digit, then letters, "
+                "digits, '_', '.', '-'; at most 128); give NAME=URI"
+            )
         if not rest:
-            raise ValueError(f"--model {value!r}: nothing after '='; give NAME=URI, e.g. digits=models:/digits@champion")
+            raise ValueError(
+                f"--model {value!r}: nothing after '='; give NAME=URI, e.g. digits=models:/digits@champion"
+            )
         check_source(rest)
         return Source(rest, head)
     check_source(value)
@@ -95,6 +103,7 @@ def parse_model_flag(value: str) -> Source:
 @dataclass(frozen=True)
 class VersionPolicy:
     """Which versions of a repository model are loaded (Triton's version_policy)."""
+
     kind: str  # latest | all | specific
     count: int = 1
     versions: tuple[str, ...] = ()
@@ -104,11 +113,13 @@ class VersionPolicy:
         if self.kind == "all":
             return ordered
         if self.kind == "latest":
-            return ordered[-self.count:]
+            return ordered[-self.count :]
         return [v for v in ordered if v in self.versions]
 
     def __str__(self) -> str:
-        return {"all": "all", "latest": f"latest:{self.count}"}.get(self.kind, f"specific:{','.join(self.versions)}")
+        return {"all": "all", "latest": f"latest:{self.count}"}.get(
+            self.kind, f"specific:{','.join(self.versions)}"
+        )
 
 
 def parse_version_policy(text: str) -> VersionPolicy:
@@ -119,8 +130,10 @@ def parse_version_policy(text: str) -> VersionPolicy:
         return VersionPolicy("latest", int(arg))
     if kind == "specific" and re.fullmatch(r"[0-9]{1,18}(,[0-9]{1,18})*", arg):
         return VersionPolicy("specific", versions=tuple(str(int(v)) for v in arg.split(",")))
-    raise ValueError(f"--version-policy {text!r}: expected latest:N (the N highest versions), all, or "
-                     "specific:V[,V...] (those versions)")
+    raise ValueError(
+        f"--version-policy {text!r}: expected latest:N (the N highest versions), all, or "
+        "specific:V[,V...] (those versions)"
+    )
 
 
 def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
@@ -128,42 +141,62 @@ def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
     a model name or a version number is skipped with a warning, never guessed at."""
     root = Path(directory)
     if not root.is_dir():
-        raise SourceError(f"--repository {directory}: not a directory (expected DIR/NAME/VERSION/model.onnx)")
+        raise SourceError(
+            f"--repository {directory}: not a directory (expected DIR/NAME/VERSION/model.onnx)"
+        )
     inside = root.resolve()
     found: dict[str, dict[str, Path]] = {}
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         if not NAME.fullmatch(model_dir.name):
-            log.warning("repository: skipping %s: not a model name (letters, digits, '_', '.', '-')", model_dir)
+            log.warning(
+                "repository: skipping %s: not a model name (letters, digits, '_', '.', '-')",
+                model_dir,
+            )
             continue
         versions = {}
         for version_dir in sorted(model_dir.iterdir()):
             if not version_dir.is_dir():
                 continue
             if not re.fullmatch(r"[0-9]{1,18}", version_dir.name):
-                log.warning("repository: skipping %s: a version directory is named by a number", version_dir)
+                log.warning(
+                    "repository: skipping %s: a version directory is named by a number", version_dir
+                )
                 continue
             files = list(version_dir.rglob("*.onnx"))
             # A symlink out of the repository would serve whatever file it names: the repository is what the
             # operator vetted, so nothing outside it is loaded through it.
-            outside = [f for f in [model_dir, version_dir, *files] if not f.resolve().is_relative_to(inside)]
+            outside = [
+                f
+                for f in [model_dir, version_dir, *files]
+                if not f.resolve().is_relative_to(inside)
+            ]
             if outside:
-                log.warning("repository: skipping %s: %s leads outside --repository %s (a symlink); copy the model "
-                            "into the repository instead", version_dir, outside[0], directory)
+                log.warning(
+                    "repository: skipping %s: %s leads outside --repository %s (a symlink); copy the model "
+                    "into the repository instead",
+                    version_dir,
+                    outside[0],
+                    directory,
+                )
             elif files:
                 versions[str(int(version_dir.name))] = version_dir
         if versions:
             found[model_dir.name] = versions
         else:
-            log.warning("repository: skipping %s: no VERSION/ directory with an .onnx file in it", model_dir)
+            log.warning(
+                "repository: skipping %s: no VERSION/ directory with an .onnx file in it", model_dir
+            )
     return found
 
 
 # ---- what is loaded -----------------------------------------------------------------------------
 
+
 @dataclass
 class Slot:
     """A loaded version and the batcher in front of it. `headers`: the receipt naming this version, for every
     answer it computed."""
+
     model: LoadedModel
     batcher: Batcher
     source: Source
@@ -183,11 +216,14 @@ class Slot:
 
 
 def receipt_values(info: ModelInfo) -> dict[str, str]:
-    return {"X-Model-Name": info.name, "X-Model-Version": info.version,
-            "X-Model-Run-Id": info.lineage.get("run_id", ""),
-            "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", ""),
-            # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the fact
-            "X-Model-Onnx-Sha256": info.lineage.get("onnx_sha256", "")}
+    return {
+        "X-Model-Name": info.name,
+        "X-Model-Version": info.version,
+        "X-Model-Run-Id": info.lineage.get("run_id", ""),
+        "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", ""),
+        # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the fact
+        "X-Model-Onnx-Sha256": info.lineage.get("onnx_sha256", ""),
+    }
 
 
 def receipt_headers(info: ModelInfo) -> dict[str, str]:
@@ -198,12 +234,17 @@ def receipt_headers(info: ModelInfo) -> dict[str, str]:
 @dataclass
 class Model:
     """One model name: where it comes from, its loaded versions, its state."""
+
     name: str
-    sources: list[Source] = field(default_factory=list)  # its --model flags; empty for a repository model
+    sources: list[Source] = field(
+        default_factory=list
+    )  # its --model flags; empty for a repository model
     slots: dict[str, Slot] = field(default_factory=dict)  # version -> slot
     state: str = UNAVAILABLE
     reason: str = "not loaded"
-    alias_versions: dict[str, str] = field(default_factory=dict)  # alias -> the version it names, as last read
+    alias_versions: dict[str, str] = field(
+        default_factory=dict
+    )  # alias -> the version it names, as last read
     alias_served: dict[str, str] = field(default_factory=dict)  # alias -> the version served for it
     # alias -> why the version it names is not served (its load failed); cleared when the alias is served again
     alias_errors: dict[str, str] = field(default_factory=dict)
@@ -211,7 +252,9 @@ class Model:
 
     @property
     def ready(self) -> bool:
-        return self.state == READY and bool(self.slots) and all(s.healthy for s in self.slots.values())
+        return (
+            self.state == READY and bool(self.slots) and all(s.healthy for s in self.slots.values())
+        )
 
     def default_slot(self) -> Slot | None:
         """The version a request naming none gets: the first --model's (the first alias named, e.g.
@@ -246,10 +289,16 @@ class Repository:
     on_change(): called whenever what is loaded changed (the server updates its metrics).
     """
 
-    def __init__(self, open_source: Callable[[Source, str | None], LoadedModel],
-                 make_batcher: Callable[[LoadedModel], Batcher],
-                 warm_up: Callable[[LoadedModel], Awaitable[None]], *, directory: str | None = None,
-                 policy: VersionPolicy | None = None, default_model: str | None = None):
+    def __init__(
+        self,
+        open_source: Callable[[Source, str | None], LoadedModel],
+        make_batcher: Callable[[LoadedModel], Batcher],
+        warm_up: Callable[[LoadedModel], Awaitable[None]],
+        *,
+        directory: str | None = None,
+        policy: VersionPolicy | None = None,
+        default_model: str | None = None,
+    ):
         self.open_source = open_source
         self.make_batcher = make_batcher
         self.warm_up = warm_up
@@ -267,15 +316,23 @@ class Repository:
     def model(self, name: str) -> Model:
         model = self.models.get(name)
         if model is None:
-            raise RepositoryError(f"unknown model '{name[:128]}'; this server has {self.describe()}", 404)
+            raise RepositoryError(
+                f"unknown model '{name[:128]}'; this server has {self.describe()}", 404
+            )
         return model
 
     def describe(self, limit: int = 10) -> str:
         """The models, the first `limit` named: a refusal carries this, and gRPC sends it in a trailer that a
         client refuses past 8 KiB (300 names made NOT_FOUND arrive as RESOURCE_EXHAUSTED)."""
-        names = [f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})") for n, m in self.models.items()]
+        names = [
+            f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})")
+            for n, m in self.models.items()
+        ]
         if len(names) > limit:
-            return ", ".join(names[:limit]) + f" and {len(names) - limit} more (GET or POST /v2/repository/index)"
+            return (
+                ", ".join(names[:limit])
+                + f" and {len(names) - limit} more (GET or POST /v2/repository/index)"
+            )
         return ", ".join(names) if names else "no models"
 
     def slot(self, name: str, version: str | None) -> Slot:
@@ -284,20 +341,28 @@ class Repository:
         if version is None:
             slot = model.default_slot()
             if slot is None:
-                raise RepositoryError(f"model '{name}' is {model.state.lower()} ({model.reason}); load it with "
-                                      f"POST /v2/repository/models/{name}/load", 404)
+                raise RepositoryError(
+                    f"model '{name}' is {model.state.lower()} ({model.reason}); load it with "
+                    f"POST /v2/repository/models/{name}/load",
+                    404,
+                )
             return slot
         slot = model.slots.get(version)
         if slot is None:
             loaded = ", ".join(sorted(model.slots, key=version_key)) or "none"
-            raise RepositoryError(f"model '{name}' has no version {version[:40]} loaded (loaded: {loaded})", 404)
+            raise RepositoryError(
+                f"model '{name}' has no version {version[:40]} loaded (loaded: {loaded})", 404
+            )
         return slot
 
     def default_model(self) -> Model:
         """The model /invocations serves: --default-model, else the first one."""
         name = self.default_name or next(iter(self.models), None)
         if name is None or name not in self.models:
-            raise RepositoryError("this server has no default model for /invocations; use /v2/models/{name}/infer", 404)
+            raise RepositoryError(
+                "this server has no default model for /invocations; use /v2/models/{name}/infer",
+                404,
+            )
         return self.models[name]
 
     def slots(self):
@@ -311,15 +376,21 @@ class Repository:
         rows = []
         for name, model in sorted(self.models.items()):
             if model.slots:
-                rows += [{"name": name, "version": v, "state": model.state, "reason": model.reason}
-                         for v in sorted(model.slots, key=version_key)]
+                rows += [
+                    {"name": name, "version": v, "state": model.state, "reason": model.reason}
+                    for v in sorted(model.slots, key=version_key)
+                ]
             else:
-                rows.append({"name": name, "version": "", "state": model.state, "reason": model.reason})
+                rows.append(
+                    {"name": name, "version": "", "state": model.state, "reason": model.reason}
+                )
         return rows
 
     # ---- what to load ----
 
-    def add_repository_models(self, strict: bool = False, max_age: float = 0.0) -> dict[str, dict[str, Path]]:
+    def add_repository_models(
+        self, strict: bool = False, max_age: float = 0.0
+    ) -> dict[str, dict[str, Path]]:
         """(Re)read the repository directory (blocking: call it off the loop while serving): its models are
         registered, unloaded until loaded. A directory named as a --model is an error at start (`strict`) and
         skipped later, with one warning: a stray directory must not break loading every other model.
@@ -330,8 +401,10 @@ class Repository:
         for name in list(found):
             model = self.models.get(name)
             if model is not None and model.sources:
-                message = (f"model '{name}' is both a --model and a directory of --repository {self.directory}; "
-                           "rename one")
+                message = (
+                    f"model '{name}' is both a --model and a directory of --repository {self.directory}; "
+                    "rename one"
+                )
                 if strict:
                     raise SourceError(message)
                 if name not in self._warned:
@@ -361,12 +434,17 @@ class Repository:
         found = self.add_repository_models().get(name) if self.directory else None
         if not found:
             where = f" or in --repository {self.directory}" if self.directory else ""
-            raise RepositoryError(f"no model '{name[:128]}' among the --model flags{where}; this server has "
-                                  f"{self.describe()}", 404)
+            raise RepositoryError(
+                f"no model '{name[:128]}' among the --model flags{where}; this server has "
+                f"{self.describe()}",
+                404,
+            )
         versions = self.policy.select(list(found))
         if not versions:
-            raise RepositoryError(f"model '{name}': --version-policy {self.policy} selects none of its versions "
-                                  f"({', '.join(sorted(found, key=int))})")
+            raise RepositoryError(
+                f"model '{name}': --version-policy {self.policy} selects none of its versions "
+                f"({', '.join(sorted(found, key=int))})"
+            )
         return [Source(str(found[v]), name, v) for v in versions]
 
     def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
@@ -391,14 +469,20 @@ class Repository:
             seen: dict[str, Source] = {}
             for source, loaded in pairs:
                 other = seen.setdefault(loaded.info.version, source)
-                if other is not source and not (other.alias or source.alias):  # an alias may name a loaded version
-                    raise SourceError(f"model '{name}': {other.uri} and {source.uri} are both version "
-                                      f"{loaded.info.version}; give each version of a model its own source (a "
-                                      "registry version, an alias, or --repository DIR/NAME/VERSION)")
+                if other is not source and not (
+                    other.alias or source.alias
+                ):  # an alias may name a loaded version
+                    raise SourceError(
+                        f"model '{name}': {other.uri} and {source.uri} are both version "
+                        f"{loaded.info.version}; give each version of a model its own source (a "
+                        "registry version, an alias, or --repository DIR/NAME/VERSION)"
+                    )
         replaced: list[Slot] = []
         for name, pairs in by_name.items():
             model = self.models.setdefault(name, Model(name))
-            if pairs[0][0].version is None:  # --model sources: remembered, a later load reopens them
+            if (
+                pairs[0][0].version is None
+            ):  # --model sources: remembered, a later load reopens them
                 model.sources = [s for s, _ in pairs]
             replaced += model.slots.values()
             model.slots = {}
@@ -409,7 +493,9 @@ class Repository:
                     if source.alias is None:
                         slot.source = source  # pinned by a plain source: no alias move may drop it
                 else:
-                    model.slots[loaded.info.version] = Slot(loaded, self.make_batcher(loaded), source)
+                    model.slots[loaded.info.version] = Slot(
+                        loaded, self.make_batcher(loaded), source
+                    )
             model.alias_versions = {s.alias: lm.info.version for s, lm in pairs if s.alias}
             model.alias_served = dict(model.alias_versions)
             model.alias_errors = {}
@@ -418,22 +504,28 @@ class Repository:
 
     # ---- at start (before the loop serves) ----
 
-    def open_at_start(self, sources: list[Source], repository_names: list[str] | None) -> list[tuple[Source, LoadedModel]]:
+    def open_at_start(
+        self, sources: list[Source], repository_names: list[str] | None
+    ) -> list[tuple[Source, LoadedModel]]:
         """Open the --model sources and the repository models named (None: all of them), blocking, for `place`.
         Raises the first failure: the server does not start half-loaded."""
         found = self.add_repository_models(strict=True)
         names = list(found) if repository_names is None else repository_names
         unknown = [n for n in names if n not in found]
         if unknown:
-            raise SourceError(f"--load-model {', '.join(unknown)}: not a model of --repository {self.directory} "
-                              f"(it has {', '.join(found) or 'none'})")
+            raise SourceError(
+                f"--load-model {', '.join(unknown)}: not a model of --repository {self.directory} "
+                f"(it has {', '.join(found) or 'none'})"
+            )
         opened = self.open_all(list(sources) + [s for n in names for s in self.sources_of(n)])
         clash = sorted({lm.info.name for s, lm in opened if s.version is None} & set(found))
         if clash:
             for _, loaded in opened:
                 close_model(loaded)
-            raise SourceError(f"--model {', '.join(clash)}: also a model of --repository {self.directory}; give the "
-                              "--model another name with NAME=URI")
+            raise SourceError(
+                f"--model {', '.join(clash)}: also a model of --repository {self.directory}; give the "
+                "--model another name with NAME=URI"
+            )
         return opened
 
     def start(self) -> None:
@@ -449,8 +541,10 @@ class Repository:
         """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
         requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
         if not NAME.fullmatch(name):
-            raise RepositoryError(f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
-                                  "'_', '.', '-')")
+            raise RepositoryError(
+                f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
+                "'_', '.', '-')"
+            )
         sources = await off_loop(self.sources_of, name)  # may read the repository directory
         model = self.models[name]
         async with model.lock:
@@ -462,7 +556,9 @@ class Repository:
                 try:
                     others = {lm.info.name for _, lm in opened} - {name}
                     if others:
-                        raise SourceError(f"loading '{name}' gave a model named {', '.join(sorted(others))}")
+                        raise SourceError(
+                            f"loading '{name}' gave a model named {', '.join(sorted(others))}"
+                        )
                     for _, loaded in opened:
                         await self.warm_up(loaded)
                     replaced = self.place(opened)
@@ -477,7 +573,12 @@ class Repository:
                     model.reason = clip(f"reload failed: {exc}", 500)
                 raise
             self.start()
-            log.info("loaded %s version(s) %s in %.2f s", name, ", ".join(model.slots), time.perf_counter() - started)
+            log.info(
+                "loaded %s version(s) %s in %.2f s",
+                name,
+                ", ".join(model.slots),
+                time.perf_counter() - started,
+            )
             self.on_change()  # the new versions are announced now; the replaced ones drain, then leave
             await close_slots(replaced)
             if replaced:
@@ -501,7 +602,9 @@ class Repository:
                 self.on_change()
         log.info("unloaded %s", name)
 
-    async def move_alias(self, name: str, alias: str, version: str, loaded: LoadedModel | None) -> None:
+    async def move_alias(
+        self, name: str, alias: str, version: str, loaded: LoadedModel | None
+    ) -> None:
         """`alias` of `name` now names `version`: `loaded` (warmed up) joins the model's versions, or None when
         that version is already loaded for another alias. The version the alias served before leaves unless
         another alias still serves it."""
@@ -523,9 +626,13 @@ class Repository:
             previous = model.alias_served.get(alias)
             model.alias_served[alias] = version
             caught_up(model, alias)
-            if (previous is not None and previous != version and previous in model.slots
-                    and previous not in model.alias_served.values()
-                    and model.slots[previous].source.alias is not None):  # a pinned version stays
+            if (
+                previous is not None
+                and previous != version
+                and previous in model.slots
+                and previous not in model.alias_served.values()
+                and model.slots[previous].source.alias is not None
+            ):  # a pinned version stays
                 stale.append(model.slots.pop(previous))
             await close_slots(stale)
             self.on_change()
@@ -542,7 +649,9 @@ class Repository:
         """(model name, alias) of every --model that is a registry alias."""
         return [(m.name, s.alias) for m in self.models.values() for s in m.sources if s.alias]
 
-    async def follow(self, name: str, alias: str, interval: float, report: Callable[[str, str, str, str], None]) -> None:
+    async def follow(
+        self, name: str, alias: str, interval: float, report: Callable[[str, str, str, str], None]
+    ) -> None:
         """Poll one alias every `interval` s. A new version is opened, warmed up and served; then the old one
         leaves. A failed load is retried after interval x 2^failures (at most 10 min). `report(name, alias,
         event, version)` with event "poll", "failed" or "moved" (for metrics)."""
@@ -558,17 +667,23 @@ class Repository:
             try:
                 version = await off_loop(alias_version, alias)
             except SourceError as exc:
-                log.warning("cannot read alias %s; still serving version %s: %s", alias, current, exc)
+                log.warning(
+                    "cannot read alias %s; still serving version %s: %s", alias, current, exc
+                )
                 continue
             model.alias_versions[alias] = version
             report(name, alias, "poll", version)
             if version == current:
-                caught_up(model, alias)  # moved back to what is served: an earlier failure no longer matters
+                caught_up(
+                    model, alias
+                )  # moved back to what is served: an earlier failure no longer matters
                 continue
             if time.monotonic() < retry_at.get(version, 0.0):
                 continue
             if version in model.slots:  # already served for another alias: no second copy
-                log.info("alias %s moved from version %s to %s, which is loaded", alias, current, version)
+                log.info(
+                    "alias %s moved from version %s to %s, which is loaded", alias, current, version
+                )
                 await self.move_alias(name, alias, version, None)
                 report(name, alias, "moved", version)
                 continue
@@ -585,11 +700,20 @@ class Repository:
                 delay = min(interval * 2 ** failures[version], 600.0)
                 retry_at[version] = time.monotonic() + delay
                 report(name, alias, "failed", version)
-                log.warning("loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
-                            version, failures[version], delay, current, exc)
+                log.warning(
+                    "loading version %s failed (attempt %d, next in %.0f s); still serving version %s: %s",
+                    version,
+                    failures[version],
+                    delay,
+                    current,
+                    exc,
+                )
                 # Said where a client looks (the model's metadata and the repository index), not only in the log.
-                model.alias_errors[alias] = clip(f"version {version} failed to load (attempt {failures[version]}, "
-                                                 f"next in {delay:.0f} s): {exc}", 500)
+                model.alias_errors[alias] = clip(
+                    f"version {version} failed to load (attempt {failures[version]}, "
+                    f"next in {delay:.0f} s): {exc}",
+                    500,
+                )
                 model.reason = f"{alias} names version {version}, which failed to load; still serving version {current}"
                 continue
             failures.pop(version, None)
@@ -645,8 +769,12 @@ async def off_loop(fn, *args):
             outcome = (future.set_exception, exc)
         else:
             outcome = (future.set_result, result)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody is waiting
+        with contextlib.suppress(
+            RuntimeError
+        ):  # the loop closed meanwhile (shutdown): nobody is waiting
             loop.call_soon_threadsafe(settle, *outcome)
 
-    threading.Thread(target=work, name=f"off-loop-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    threading.Thread(
+        target=work, name=f"off-loop-{getattr(fn, '__name__', 'call')}", daemon=True
+    ).start()
     return await future

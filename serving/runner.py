@@ -42,15 +42,21 @@ class Runner(Executor):
         self._cv = threading.Condition()
         self._ready: collections.deque = collections.deque()  # batchers and _Task, in turn
         self._queued: set[int] = set()  # id() of the batchers in _ready: each in it at most once
-        self._timers: list[tuple[float, int, Any]] = []  # (when, tie-break, batcher): re-queued then (max delay)
+        self._timers: list[
+            tuple[float, int, Any]
+        ] = []  # (when, tie-break, batcher): re-queued then (max delay)
         self._tie = itertools.count()
         self._stopping = False
-        self._batchers: set = set()  # every batcher that used this runner: failed together if the thread dies
+        self._batchers: set = (
+            set()
+        )  # every batcher that used this runner: failed together if the thread dies
         self.running: Any = None  # the batch in progress (batcher.Run), for the watchdog
         self._thread = threading.Thread(target=self._main, name=f"{name}_0", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._watch_cv = threading.Condition()
-        self._watch_s = WATCH_S  # how often the watchdog looks: a quarter of the shortest run_timeout
+        self._watch_s = (
+            WATCH_S  # how often the watchdog looks: a quarter of the shortest run_timeout
+        )
         self._thread.start()
         self._watchdog.start()
 
@@ -139,7 +145,10 @@ class Runner(Executor):
                     except Exception:  # noqa: BLE001 - a bug in serving one batch must not end the thread
                         log.exception("serving a batch failed")
         except BaseException as exc:  # noqa: BLE001 - the thread is being killed: nothing will run the queued work
-            log.error("the engine thread has died (%r); failing every waiting request, reporting not ready", exc)
+            log.error(
+                "the engine thread has died (%r); failing every waiting request, reporting not ready",
+                exc,
+            )
             with self._cv:
                 batchers, self._batchers = list(self._batchers), set()
                 tasks = [t for t in self._ready if isinstance(t, _Task)]
@@ -159,8 +168,12 @@ class Runner(Executor):
                     return
                 self._watch_cv.wait(self._watch_s)
             run = self.running
-            if run is not None and run.timeout is not None and not run.expired and \
-                    time.monotonic() - run.started > run.timeout:
+            if (
+                run is not None
+                and run.timeout is not None
+                and not run.expired
+                and time.monotonic() - run.started > run.timeout
+            ):
                 run.timed_out()
 
 

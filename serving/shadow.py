@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-LATENCIES_KEPT = 2000     # per side, for the percentiles
-ANSWERS_KEPT = 10000      # request ids whose answers wait for a label
+LATENCIES_KEPT = 2000  # per side, for the percentiles
+ANSWERS_KEPT = 10000  # request ids whose answers wait for a label
 ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
-INPUTS_KEPT = 100_000     # digests of the inputs paired so far (a repeat beyond them counts as new)
-SOURCES_KEPT = 10_000     # clients counted by address; pairs of any further ones count as one more source, "other"
+INPUTS_KEPT = 100_000  # digests of the inputs paired so far (a repeat beyond them counts as new)
+SOURCES_KEPT = 10_000  # clients counted by address; pairs of any further ones count as one more source, "other"
 
 
 def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
@@ -57,20 +57,24 @@ def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
 @dataclass
 class Rule:
     min_pairs: int = 200
-    min_agreement: float = 0.95      # decision outputs: top-1 agreement at least this
+    min_agreement: float = 0.95  # decision outputs: top-1 agreement at least this
     max_difference: float = math.inf  # other outputs: mean |difference| at most this (per output)
-    min_labels: int = 100            # labels needed before they decide
-    tolerance: float = 0.01          # labels: the challenger's live metric may be this much worse
+    min_labels: int = 100  # labels needed before they decide
+    tolerance: float = 0.01  # labels: the challenger's live metric may be this much worse
     max_latency_ratio: float = math.inf
-    max_source_share: float = 0.5    # of the pairs, the most that one client (address) may have sent
+    max_source_share: float = 0.5  # of the pairs, the most that one client (address) may have sent
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.__dict__.items()}
+        return {
+            k: (None if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in self.__dict__.items()
+        }
 
 
 @dataclass
 class _Live:
     """Live metrics of one side from the labels joined so far."""
+
     samples: int = 0
     hits: int = 0
     decided: int = 0
@@ -101,15 +105,20 @@ class _Live:
 @dataclass
 class ShadowState:
     """Everything one champion/challenger pairing has seen; reset when either side's version changes."""
+
     champion_version: str
     challenger_version: str
     decision: str | None
     prediction: str | None
     classes: int | None = None  # the decision output's classes (axis 1), once an answer showed them
-    pairs: int = 0               # of distinct inputs
-    repeated: int = 0            # pairs of an input paired before: not counted again
-    inputs: OrderedDict = field(default_factory=OrderedDict)  # digests of the inputs paired (INPUTS_KEPT)
-    sources: dict = field(default_factory=dict)  # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
+    pairs: int = 0  # of distinct inputs
+    repeated: int = 0  # pairs of an input paired before: not counted again
+    inputs: OrderedDict = field(
+        default_factory=OrderedDict
+    )  # digests of the inputs paired (INPUTS_KEPT)
+    sources: dict = field(
+        default_factory=dict
+    )  # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
     dropped: int = 0
     errors: int = 0
     agree: int = 0
@@ -118,13 +127,22 @@ class ShadowState:
     difference_counts: dict[str, int] = field(default_factory=dict)
     champion_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
-    answers: OrderedDict = field(default_factory=OrderedDict)  # request id -> (champion's, challenger's) compact
+    answers: OrderedDict = field(
+        default_factory=OrderedDict
+    )  # request id -> (champion's, challenger's) compact
     answer_bytes: int = 0
-    labelled: OrderedDict = field(default_factory=OrderedDict)  # request ids already labelled (a late pair skips)
+    labelled: OrderedDict = field(
+        default_factory=OrderedDict
+    )  # request ids already labelled (a late pair skips)
     labels: int = 0
     # the champion on every labelled request; the challenger, and the champion again, on the labelled pairs
-    live: dict[str, _Live] = field(default_factory=lambda: {"champion": _Live(), "challenger": _Live(),
-                                                            "champion_on_pairs": _Live()})
+    live: dict[str, _Live] = field(
+        default_factory=lambda: {
+            "champion": _Live(),
+            "challenger": _Live(),
+            "champion_on_pairs": _Live(),
+        }
+    )
 
 
 class Shadow:
@@ -135,17 +153,27 @@ class Shadow:
         self._lock = threading.Lock()
         self.state: ShadowState | None = None
 
-    def pairing(self, champion_version: str, challenger_version: str, decision: str | None,
-                prediction: str | None) -> None:
+    def pairing(
+        self,
+        champion_version: str,
+        challenger_version: str,
+        decision: str | None,
+        prediction: str | None,
+    ) -> None:
         """The versions compared now; a change of either starts the comparison afresh."""
         with self._lock:
             s = self.state
-            if s is None or (s.champion_version, s.challenger_version) != (champion_version, challenger_version):
+            if s is None or (s.champion_version, s.challenger_version) != (
+                champion_version,
+                challenger_version,
+            ):
                 self.state = ShadowState(champion_version, challenger_version, decision, prediction)
 
     def _current(self, versions: tuple[str, str] | None) -> ShadowState | None:
         s = self.state
-        if s is None or (versions is not None and (s.champion_version, s.challenger_version) != versions):
+        if s is None or (
+            versions is not None and (s.champion_version, s.challenger_version) != versions
+        ):
             return None  # news of a pairing that has since changed: not this one's
         return s
 
@@ -192,9 +220,17 @@ class Shadow:
             if s is not None and kept is not None:
                 self._keep(s, request_id, (kept, None))
 
-    def pair(self, request_id: str, champion: dict[str, np.ndarray], challenger: dict[str, np.ndarray],
-             champion_ms: float, challenger_ms: float, versions: tuple[str, str], digest: bytes = b"",
-             source: str = "") -> None:
+    def pair(
+        self,
+        request_id: str,
+        champion: dict[str, np.ndarray],
+        challenger: dict[str, np.ndarray],
+        champion_ms: float,
+        challenger_ms: float,
+        versions: tuple[str, str],
+        digest: bytes = b"",
+        source: str = "",
+    ) -> None:
         """`digest`: input_digest of the request's inputs; a pair of an input paired before counts as repeated.
         `source`: the client's address (envelope.source_of), whose share of the pairs the report gives."""
         with self._lock:
@@ -215,17 +251,29 @@ class Shadow:
                 source = "other"
             s.sources[source] = s.sources.get(source, 0) + 1
             if s.decision and s.decision in champion and s.decision in challenger:
-                a, b = np.asarray(champion[s.decision]).argmax(1), np.asarray(challenger[s.decision]).argmax(1)
+                a, b = (
+                    np.asarray(champion[s.decision]).argmax(1),
+                    np.asarray(challenger[s.decision]).argmax(1),
+                )
                 s.agree += int((a == b).sum())
                 s.decided += int(a.size)
             else:
                 for name, value in champion.items():
                     if name in challenger and np.issubdtype(np.asarray(value).dtype, np.number):
-                        diff = np.abs(np.asarray(value, dtype=np.float64) - np.asarray(challenger[name], np.float64))
-                        s.difference_sums[name] = s.difference_sums.get(name, 0.0) + float(diff.sum())
-                        s.difference_counts[name] = s.difference_counts.get(name, 0) + int(diff.size)
+                        diff = np.abs(
+                            np.asarray(value, dtype=np.float64)
+                            - np.asarray(challenger[name], np.float64)
+                        )
+                        s.difference_sums[name] = s.difference_sums.get(name, 0.0) + float(
+                            diff.sum()
+                        )
+                        s.difference_counts[name] = s.difference_counts.get(name, 0) + int(
+                            diff.size
+                        )
             kept = self.compact(champion), self.compact(challenger)
-            if kept[0] is not None and request_id not in s.labelled:  # labelled already: nothing left to join
+            if (
+                kept[0] is not None and request_id not in s.labelled
+            ):  # labelled already: nothing left to join
                 self._keep(s, request_id, kept)
 
     def feedback(self, labels: dict[str, np.ndarray]) -> dict[str, int]:
@@ -238,10 +286,12 @@ class Shadow:
             for request_id, label in labels.items():
                 kept = s.answers.get(request_id)
                 if kept is not None and np.asarray(label).size != kept[0].size:
-                    raise ValueError(f"the label of {request_id!r} has {np.asarray(label).size} values; its answer "
-                                     f"has {kept[0].size} ({'a class' if s.decision else 'a value'} per "
-                                     f"{'position' if kept[0].ndim > 1 else 'row'}): send the true target as the "
-                                     f"answer is shaped, {list(kept[0].shape)}")
+                    raise ValueError(
+                        f"the label of {request_id!r} has {np.asarray(label).size} values; its answer "
+                        f"has {kept[0].size} ({'a class' if s.decision else 'a value'} per "
+                        f"{'position' if kept[0].ndim > 1 else 'row'}): send the true target as the "
+                        f"answer is shaped, {list(kept[0].shape)}"
+                    )
                 if kept is not None:
                     _check_label(request_id, np.asarray(label, dtype=np.float64), s)
             joined = unknown = 0
@@ -268,59 +318,99 @@ class Shadow:
         with self._lock:
             s = self.state
             if s is None:
-                return {"challenger_version": None, "pairs": 0, "dropped": 0, "verdict": "undecided",
-                        "reason": "no challenger is being shadowed", "rule": self.rule.to_json()}
+                return {
+                    "challenger_version": None,
+                    "pairs": 0,
+                    "dropped": 0,
+                    "verdict": "undecided",
+                    "reason": "no challenger is being shadowed",
+                    "rule": self.rule.to_json(),
+                }
             out: dict[str, Any] = {
-                "champion_version": s.champion_version, "challenger_version": s.challenger_version,
-                "pairs": s.pairs, "dropped": s.dropped, "challenger_errors": s.errors,
-                "latency_ms": {"champion_p50": _pct(s.champion_ms, 50), "champion_p99": _pct(s.champion_ms, 99),
-                               "challenger_p50": _pct(s.challenger_ms, 50),
-                               "challenger_p99": _pct(s.challenger_ms, 99)},
-                "distinct_inputs": s.pairs, "repeated_inputs": s.repeated, "sources": len(s.sources),
+                "champion_version": s.champion_version,
+                "challenger_version": s.challenger_version,
+                "pairs": s.pairs,
+                "dropped": s.dropped,
+                "challenger_errors": s.errors,
+                "latency_ms": {
+                    "champion_p50": _pct(s.champion_ms, 50),
+                    "champion_p99": _pct(s.champion_ms, 99),
+                    "challenger_p50": _pct(s.challenger_ms, 50),
+                    "challenger_p99": _pct(s.challenger_ms, 99),
+                },
+                "distinct_inputs": s.pairs,
+                "repeated_inputs": s.repeated,
+                "sources": len(s.sources),
                 "largest_source_share": max(s.sources.values()) / s.pairs if s.pairs else 0.0,
-                "labels": s.labels, "labelled_pairs": s.live["challenger"].samples,
+                "labels": s.labels,
+                "labelled_pairs": s.live["challenger"].samples,
                 "live": {side: live.metrics() for side, live in s.live.items()},
-                "rule": self.rule.to_json()}
+                "rule": self.rule.to_json(),
+            }
             if s.decided:
                 out["agreement"] = s.agree / s.decided
             if s.difference_counts:
-                out["mean_abs_difference"] = {k: s.difference_sums[k] / s.difference_counts[k]
-                                              for k in s.difference_counts}
+                out["mean_abs_difference"] = {
+                    k: s.difference_sums[k] / s.difference_counts[k] for k in s.difference_counts
+                }
             out["verdict"], out["reason"] = self._verdict(out)
             return out
 
     def _verdict(self, r: dict[str, Any]) -> tuple[str, str]:
         rule = self.rule
         if r["challenger_errors"]:
-            return "reject", f"the challenger failed {r['challenger_errors']} of the mirrored requests"
+            return (
+                "reject",
+                f"the challenger failed {r['challenger_errors']} of the mirrored requests",
+            )
         if r["pairs"] < rule.min_pairs:
             return "undecided", f"{r['pairs']} pairs so far; the rule needs {rule.min_pairs}"
         if r["largest_source_share"] > rule.max_source_share:
-            return "undecided", (f"one client address sent {r['largest_source_share']:.1%} of the {r['pairs']} pairs; "
-                                 f"the rule lets one send at most {rule.max_source_share:.0%} (--shadow-max-source-"
-                                 "share; behind a proxy, where every client is one address, or when you are the only "
-                                 "client, set it to 1)")
+            return "undecided", (
+                f"one client address sent {r['largest_source_share']:.1%} of the {r['pairs']} pairs; "
+                f"the rule lets one send at most {rule.max_source_share:.0%} (--shadow-max-source-"
+                "share; behind a proxy, where every client is one address, or when you are the only "
+                "client, set it to 1)"
+            )
         latency = r["latency_ms"]
         if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
-            return "reject", (f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
-                              f"champion's {latency['champion_p50']:.2f} ms")
-        if "agreement" in r and r["agreement"] < rule.min_agreement:  # labels or not: one client's labels can't
-            return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
-                              "pairs of distinct inputs")  # outvote what every request showed
+            return "reject", (
+                f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
+                f"champion's {latency['champion_p50']:.2f} ms"
+            )
+        if (
+            "agreement" in r and r["agreement"] < rule.min_agreement
+        ):  # labels or not: one client's labels can't
+            return "reject", (
+                f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
+                "pairs of distinct inputs"
+            )  # outvote what every request showed
         if r["labelled_pairs"] >= rule.min_labels:  # both judged on the same requests
-            live = {"champion": r["live"]["champion_on_pairs"], "challenger": r["live"]["challenger"]}
+            live = {
+                "champion": r["live"]["champion_on_pairs"],
+                "challenger": r["live"]["challenger"],
+            }
             return _by_labels(live, rule.tolerance, r["labelled_pairs"])
         if "agreement" in r:
             if r["agreement"] < rule.min_agreement:
-                return "reject", (f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
-                                  "pairs (no labels yet)")
-            return "promote", (f"top-1 agreement {r['agreement']:.1%} >= {rule.min_agreement:.1%} over {r['pairs']} "
-                               "pairs of distinct inputs, no challenger errors (no labels yet)")
+                return "reject", (
+                    f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
+                    "pairs (no labels yet)"
+                )
+            return "promote", (
+                f"top-1 agreement {r['agreement']:.1%} >= {rule.min_agreement:.1%} over {r['pairs']} "
+                "pairs of distinct inputs, no challenger errors (no labels yet)"
+            )
         worst = max((r.get("mean_abs_difference") or {"-": 0.0}).items(), key=lambda kv: kv[1])
         if worst[1] > rule.max_difference:
-            return "reject", f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g}"
-        return "promote", (f"mean |difference| at most {worst[1]:.4g} over {r['pairs']} pairs, no challenger errors"
-                           " (no labels yet)")
+            return (
+                "reject",
+                f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g}",
+            )
+        return "promote", (
+            f"mean |difference| at most {worst[1]:.4g} over {r['pairs']} pairs, no challenger errors"
+            " (no labels yet)"
+        )
 
 
 def _check_label(request_id: str, label: np.ndarray, s: ShadowState) -> None:
@@ -330,8 +420,10 @@ def _check_label(request_id: str, label: np.ndarray, s: ShadowState) -> None:
     if s.decision and s.classes is not None:
         bad = label[(label != np.rint(label)) | (label < 0) | (label >= s.classes)]
         if bad.size:
-            raise ValueError(f"the label of {request_id!r} holds {bad[0]:g}, not a class of this model: a class index "
-                             f"is a whole number from 0 to {s.classes - 1}")
+            raise ValueError(
+                f"the label of {request_id!r} holds {bad[0]:g}, not a class of this model: a class index "
+                f"is a whole number from 0 to {s.classes - 1}"
+            )
 
 
 def _by_labels(live: dict[str, dict[str, float]], tolerance: float, labels: int) -> tuple[str, str]:
@@ -339,14 +431,23 @@ def _by_labels(live: dict[str, dict[str, float]], tolerance: float, labels: int)
     if "accuracy" in champion and "accuracy" in challenger:
         a, b = champion["accuracy"], challenger["accuracy"]
         if b < a - tolerance:
-            return "reject", f"live accuracy {b:.1%} vs the champion's {a:.1%} on {labels} labels (tolerance {tolerance:g})"
+            return (
+                "reject",
+                f"live accuracy {b:.1%} vs the champion's {a:.1%} on {labels} labels (tolerance {tolerance:g})",
+            )
         return "promote", f"live accuracy {b:.1%} vs the champion's {a:.1%} on {labels} labels"
     if "rmse" in champion and "rmse" in challenger:
         a, b = champion["rmse"], challenger["rmse"]
         if b > a * (1 + tolerance):
-            return "reject", f"live RMSE {b:.4g} vs the champion's {a:.4g} on {labels} labels (tolerance {tolerance:g})"
+            return (
+                "reject",
+                f"live RMSE {b:.4g} vs the champion's {a:.4g} on {labels} labels (tolerance {tolerance:g})",
+            )
         return "promote", f"live RMSE {b:.4g} vs the champion's {a:.4g} on {labels} labels"
-    return "undecided", f"{labels} labels, but the model declares no decision or prediction output to score"
+    return (
+        "undecided",
+        f"{labels} labels, but the model declares no decision or prediction output to score",
+    )
 
 
 def _pct(values, q: float) -> float:

@@ -37,7 +37,9 @@ class NonFinite(ValueError):
     """A request's input holds NaN or Inf."""
 
     def __init__(self, name: str):
-        super().__init__(f"input '{name}' contains NaN or Inf; this server refuses non-finite values")
+        super().__init__(
+            f"input '{name}' contains NaN or Inf; this server refuses non-finite values"
+        )
 
 
 def _width(dtype: np.dtype) -> int:
@@ -85,7 +87,9 @@ def concat(parts: list[Feeds]) -> Feeds:
 
 def nbytes(tensors) -> int:
     """The bytes of tensors given as (dtype, shape) pairs, together."""
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape in tensors)
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape in tensors
+    )
 
 
 def rows_of(feeds: Feeds) -> int:
@@ -124,10 +128,14 @@ class BatchBuffers:
                 return self._free.pop()
             if len(self._buffers) >= self.count:
                 return None
-            buffer = {name: np.empty((self.capacity, *shape), dtype) for name, dtype, shape in self.inputs}
+            buffer = {
+                name: np.empty((self.capacity, *shape), dtype) for name, dtype, shape in self.inputs
+            }
             if self.pin and not all([cuda.pin(array) for array in buffer.values()]):
-                log.info("batch buffers could not be pinned (cudaHostRegister refused): copies to the GPU go through "
-                         "pageable memory, slower")
+                log.info(
+                    "batch buffers could not be pinned (cudaHostRegister refused): copies to the GPU go through "
+                    "pageable memory, slower"
+                )
                 self.pin = False
             self._buffers.append(buffer)
             return len(self._buffers) - 1
@@ -138,7 +146,7 @@ class BatchBuffers:
 
     def views(self, index: int, start: int, rows: int) -> Feeds:
         """Rows start..start+rows of buffer `index`, every input's (where a request's body may be received into)."""
-        return {name: buffer[start:start + rows] for name, buffer in self._buffers[index].items()}
+        return {name: buffer[start : start + rows] for name, buffer in self._buffers[index].items()}
 
     def check(self, feeds: Feeds) -> None:
         """NonFinite for the first input holding NaN or Inf (a request received straight into its place)."""
@@ -147,20 +155,20 @@ class BatchBuffers:
     def fill(self, index: int, start: int, rows: int, source: int) -> None:
         """Rows start..start+rows of buffer `index` made copies of row `source` (a refused request's place in a run)."""
         for buffer in self._buffers[index].values():
-            buffer[start:start + rows] = buffer[source]
+            buffer[start : start + rows] = buffer[source]
 
     def put(self, index: int, start: int, feeds: Feeds) -> None:
         """A request's rows into buffer `index` from row `start`; NonFinite if one of its values is NaN or Inf."""
         buffer = self._buffers[index]
         for name, x in feeds.items():
-            if not copy_finite(buffer[name][start:start + len(x)], x):
+            if not copy_finite(buffer[name][start : start + len(x)], x):
                 raise NonFinite(name)
 
     def batch(self, index: int, rows: int, size: int, start: int = 0) -> Feeds:
         """Rows start..start+size of buffer `index`, the last size-rows of them padded with copies of the batch's last
         row (a bucket's padding: values the model certainly takes, where a zero could be an index or a divisor it does
         not expect)."""
-        out = {name: buffer[start:start + size] for name, buffer in self._buffers[index].items()}
+        out = {name: buffer[start : start + size] for name, buffer in self._buffers[index].items()}
         if size > rows:
             for view in out.values():
                 view[rows:size] = view[rows - 1]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import REPO, cli_env
 from serving_fixtures import free_port
 
@@ -29,8 +28,12 @@ def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
         if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/setup installs it where it can
-            raise AssertionError("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
-        pytest.skip("chromium is not installed and this user can't install it (scripts/setup does, as root)")
+            raise AssertionError(
+                "chromium is not installed: run scripts/setup (it installs Debian's chromium)"
+            )
+        pytest.skip(
+            "chromium is not installed and this user can't install it (scripts/setup does, as root)"
+        )
     return found
 
 
@@ -40,8 +43,14 @@ def mlflow_ui(workdir: Path):
     port = free_port()
     log = workdir / "ui.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "ui", "--port", str(port)], cwd=workdir,
-                                env=cli_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "ui", "--port", str(port)],
+            cwd=workdir,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -50,7 +59,9 @@ def mlflow_ui(workdir: Path):
                 if requests.get(url, timeout=2).status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"pipeline ui did not answer on {url}:\n{log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"pipeline ui did not answer on {url}:\n{log.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         yield url
     finally:
@@ -64,10 +75,20 @@ def mlflow_ui(workdir: Path):
 def page(url: str, name: str) -> tuple[str, str]:
     """(the page's visible text, its DOM) once its scripts have run; its screenshot saved as ARTIFACTS/<name>.png."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="trainserve-chromium-", ignore_cleanup_errors=True) as profile:
-        base = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--hide-scrollbars", "--window-size=2000,2000", "--virtual-time-budget=20000",
-                f"--user-data-dir={profile}"]
+    with tempfile.TemporaryDirectory(
+        prefix="trainserve-chromium-", ignore_cleanup_errors=True
+    ) as profile:
+        base = [
+            chromium(),
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=2000,2000",
+            "--virtual-time-budget=20000",
+            f"--user-data-dir={profile}",
+        ]
         run_chromium([*base, f"--screenshot={ARTIFACTS / f'{name}.png'}", url])
         dom = run_chromium([*base, "--dump-dom", url])
     return visible_text(dom), dom
@@ -75,7 +96,9 @@ def page(url: str, name: str) -> tuple[str, str]:
 
 def run_chromium(argv: list[str], timeout: float = 180) -> str:
     """Chromium in a session of its own, its stdout; its helper processes (renderer, zygote) go with it."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:

@@ -28,13 +28,24 @@ CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
 def mlp_spec(hidden=(16,), classes: int = 10, image_size: int = 8) -> ModelSpec:
     """The built-in MLP on 8x8 one-channel images, with the args the digits data set would fill in."""
-    return ModelSpec("pipeline.models:mlp", {"num_classes": classes, "in_channels": 1, "image_size": image_size,
-                                             "hidden": list(hidden), "mean": [0.3], "std": [0.4]})
+    return ModelSpec(
+        "pipeline.models:mlp",
+        {
+            "num_classes": classes,
+            "in_channels": 1,
+            "image_size": image_size,
+            "hidden": list(hidden),
+            "mean": [0.3],
+            "std": [0.4],
+        },
+    )
 
 
 def resnet_spec(width: float = 0.125, classes: int = 10) -> ModelSpec:
-    return ModelSpec("pipeline.models:resnet18", {"num_classes": classes, "in_channels": 1, "width": width,
-                                                  "mean": [0.5], "std": [0.25]})
+    return ModelSpec(
+        "pipeline.models:resnet18",
+        {"num_classes": classes, "in_channels": 1, "width": width, "mean": [0.5], "std": [0.25]},
+    )
 
 
 def checkpoint_meta(model: torch.nn.Module, spec: ModelSpec, **extra) -> dict:
@@ -57,26 +68,46 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """`pipeline <args>` as a user types it, in `cwd`."""
-    proc = run_killing_group([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(env), timeout=timeout)
+    proc = run_killing_group(
+        [sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(env), timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"pipeline {' '.join(args)} exited {proc.returncode}\n"
-                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"pipeline {' '.join(args)} exited {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
-def run_killing_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run_killing_group(
+    cmd: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
     """subprocess.run, but a timeout kills torchrun's workers too, not only the launcher."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n--- stderr\n{err[-6000:]}") from None
+        raise AssertionError(
+            f"{' '.join(cmd)} timed out after {timeout}s\n--- stderr\n{err[-6000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -121,8 +152,14 @@ def small_tmpfs(directory: Path, size: str):
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
     directory.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], check=False,
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+            check=False,
+            capture_output=True,
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield directory

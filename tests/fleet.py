@@ -19,9 +19,9 @@ alias moves, and nginx in front of them: shared by tests/test_rollout.py and ben
 
 from __future__ import annotations
 
-import json
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -35,13 +35,15 @@ from pathlib import Path
 
 import numpy as np
 import requests
-
 from serving_fixtures import ServerProcess, free_port, tiny_model
+
 from serving import lineage
 
 MODEL = "digits"
 ALIAS = f"models:/{MODEL}@champion"
-SHA_TAG = lineage.SHA256  # what `pipeline export` records of model.onnx (serving/loader.py checks it): sha256_record
+SHA_TAG = (
+    lineage.SHA256
+)  # what `pipeline export` records of model.onnx (serving/loader.py checks it): sha256_record
 
 
 def sha256_record(digest: str) -> str:
@@ -67,12 +69,19 @@ def registered_versions(directory: Path, count: int, tracking_uri: str | None = 
         for i in range(1, count + 1):
             path = tiny_model(directory / f"v{i}.onnx", seed=i, name="tiny")
             with mlflow.start_run(experiment_id=experiment):
-                info = mlflow.onnx.log_model(onnx.load(str(path)), name="model", registered_model_name=MODEL,
-                                             pip_requirements=["onnxruntime"])
+                info = mlflow.onnx.log_model(
+                    onnx.load(str(path)),
+                    name="model",
+                    registered_model_name=MODEL,
+                    pip_requirements=["onnxruntime"],
+                )
             version = str(info.registered_model_version)
-            stored = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{version}",
-                                                         dst_path=str(directory / f"stored-v{version}"))
-            client.set_model_version_tag(MODEL, version, SHA_TAG, sha256_record(sha256(Path(stored) / "model.onnx")))
+            stored = mlflow.artifacts.download_artifacts(
+                f"models:/{MODEL}/{version}", dst_path=str(directory / f"stored-v{version}")
+            )
+            client.set_model_version_tag(
+                MODEL, version, SHA_TAG, sha256_record(sha256(Path(stored) / "model.onnx"))
+            )
         client.set_registered_model_alias(MODEL, "champion", "1")
     finally:
         mlflow.set_tracking_uri(previous)
@@ -87,19 +96,38 @@ def tracking_server(directory: Path, address: str = "127.0.0.1"):
     url = f"http://{address}:{port}"
     directory.mkdir(parents=True, exist_ok=True)
     log = open(directory / "mlflow-server.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", address,
-                             "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
-                             "--artifacts-destination", str(directory / "artifacts"),
-                             "--allowed-hosts", f"{address}:{port},{address}"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            address,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{directory / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(directory / "artifacts"),
+            "--allowed-hosts",
+            f"{address}:{port},{address}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n"
-                                   f"{(directory / 'mlflow-server.log').read_text()[-3000:]}")
-            with contextlib.suppress(requests.RequestException):  # refused, or slow while it creates its tables
+                raise RuntimeError(
+                    f"mlflow server exited with {proc.returncode}:\n"
+                    f"{(directory / 'mlflow-server.log').read_text()[-3000:]}"
+                )
+            with contextlib.suppress(
+                requests.RequestException
+            ):  # refused, or slow while it creates its tables
                 if requests.get(url + "/health", timeout=5).ok:
                     break
             if time.monotonic() > deadline:
@@ -120,7 +148,10 @@ def tracking_server(directory: Path, address: str = "127.0.0.1"):
 def stored_onnx(client, version: str) -> Path:
     """The model.onnx a registered version's files hold in the local artifact store."""
     model_id = client.get_model_version(MODEL, version).source.removeprefix("models:/")
-    return Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://")) / "model.onnx"
+    return (
+        Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+        / "model.onnx"
+    )
 
 
 def sha256(path: Path) -> str:
@@ -136,8 +167,16 @@ def move_alias(tracking_uri: str, version: str) -> float:
 
 
 @contextlib.contextmanager
-def replicas(n: int, tracking_uri: str, directory: Path, *, reload_interval: float = 2.0, grpc_first: bool = False,
-             extra: tuple[str, ...] = (), hosts: list | None = None):
+def replicas(
+    n: int,
+    tracking_uri: str,
+    directory: Path,
+    *,
+    reload_interval: float = 2.0,
+    grpc_first: bool = False,
+    extra: tuple[str, ...] = (),
+    hosts: list | None = None,
+):
     """`n` replicas following @champion, ready. On loopback each runs in directory/replica-<i>/ (its working
     directory, its download directory, its log); given `hosts` (tests/hosts.py, network namespaces), replica i
     runs on hosts[i], bound to its address, in its working directory. With `grpc_first` the first also listens
@@ -149,19 +188,31 @@ def replicas(n: int, tracking_uri: str, directory: Path, *, reload_interval: flo
         (home / "tmp").mkdir(parents=True, exist_ok=True)
         address = host.address if host else "127.0.0.1"
         # A private bridge: the address is not loopback, so the server asks for a token unless told not to.
-        args = ["--model", ALIAS, "--reload-interval", str(reload_interval), *extra,
-                *(["--allow-unauthenticated"] if host else [])]
+        args = [
+            "--model",
+            ALIAS,
+            "--reload-interval",
+            str(reload_interval),
+            *extra,
+            *(["--allow-unauthenticated"] if host else []),
+        ]
         grpc = None
         if grpc_first and i == 0:
             grpc = f"{address}:{free_port()}"
             args += ["--grpc-port", grpc.rpartition(":")[2]]
-        server = ServerProcess(*args, env={"MLFLOW_TRACKING_URI": tracking_uri, "TMPDIR": str(home / "tmp")},
-                               log_path=home / "server.log", cwd=home, address=address,
-                               prefix=host.command([]) if host else None)
+        server = ServerProcess(
+            *args,
+            env={"MLFLOW_TRACKING_URI": tracking_uri, "TMPDIR": str(home / "tmp")},
+            log_path=home / "server.log",
+            cwd=home,
+            address=address,
+            prefix=host.command([]) if host else None,
+        )
         server.grpc = grpc
         fleet.append(server)
     started: list[ServerProcess] = []
     try:
+
         def start(server: ServerProcess) -> None:
             server.__enter__()
             started.append(server)
@@ -179,14 +230,15 @@ def replicas(n: int, tracking_uri: str, directory: Path, *, reload_interval: flo
 
 # ---- load -------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Answer:
-    target: str      # the replica (or balancer) asked
-    replica: str     # the replica that answered (for a balancer: its X-Upstream header)
-    done: float      # monotonic time the answer arrived
+    target: str  # the replica (or balancer) asked
+    replica: str  # the replica that answered (for a balancer: its X-Upstream header)
+    done: float  # monotonic time the answer arrived
     seconds: float
-    status: int      # HTTP status; 0 for a connection error or a gRPC error
-    version: str     # the receipt's version ("" when none)
+    status: int  # HTTP status; 0 for a connection error or a gRPC error
+    version: str  # the receipt's version ("" when none)
     error: str = ""
 
 
@@ -195,6 +247,7 @@ class Load:
     """`clients` threads, each in a closed loop over `targets` in turn (round robin), sending one request of
     two rows to /v2/models/digits/infer; a target starting with "grpc:" is asked over gRPC (tritonclient).
     Every answer is kept; the receipt (X-Model-Version header) must match the body's model_version."""
+
     targets: list[str]
     clients: int = 3
     answers: list[Answer] = field(default_factory=list)
@@ -202,11 +255,22 @@ class Load:
     def __post_init__(self):
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(self.clients)]
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True)
+            for i in range(self.clients)
+        ]
         x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
         self.x = x
-        self.body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
-                                 "data": x.ravel().tolist()}]}
+        self.body = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
 
     def __enter__(self) -> "Load":
         for t in self._threads:
@@ -237,28 +301,38 @@ class Load:
         try:
             r = session.post(f"{target}/v2/models/{MODEL}/infer", json=self.body, timeout=30)
         except requests.RequestException as exc:
-            return Answer(target, target, time.monotonic(), time.monotonic() - started, 0, "", repr(exc)[:300])
+            return Answer(
+                target, target, time.monotonic(), time.monotonic() - started, 0, "", repr(exc)[:300]
+            )
         done = time.monotonic()
         replica = r.headers.get("X-Upstream", target)
         version = r.headers.get("X-Model-Version", "")
         error = "" if r.status_code == 200 else r.text[:300]
         if r.status_code == 200 and r.json().get("model_version") != version:
             error = f"receipt says version {version}, the body {r.json().get('model_version')}"
-        return Answer(target, replica, done, done - started, r.status_code if not error else 0, version, error)
+        return Answer(
+            target, replica, done, done - started, r.status_code if not error else 0, version, error
+        )
 
     def _grpc(self, clients: dict, target: str, started: float) -> Answer:
         import tritonclient.grpc as triton_grpc
 
         address = target.removeprefix("grpc:")
-        client = clients.get(address) or clients.setdefault(address, triton_grpc.InferenceServerClient(address))
+        client = clients.get(address) or clients.setdefault(
+            address, triton_grpc.InferenceServerClient(address)
+        )
         image = triton_grpc.InferInput("input", list(self.x.shape), "FP32")
         image.set_data_from_numpy(self.x)
         try:
             result = client.infer(MODEL, [image], client_timeout=30)
         except Exception as exc:  # noqa: BLE001 - every failure is counted as one
-            return Answer(target, target, time.monotonic(), time.monotonic() - started, 0, "", repr(exc)[:300])
+            return Answer(
+                target, target, time.monotonic(), time.monotonic() - started, 0, "", repr(exc)[:300]
+            )
         done = time.monotonic()
-        return Answer(target, target, done, done - started, 200, result.get_response().model_version)
+        return Answer(
+            target, target, done, done - started, 200, result.get_response().model_version
+        )
 
     def snapshot(self) -> list[Answer]:
         with self._lock:
@@ -288,8 +362,14 @@ def converged(answers: list[Answer], moved: float, version: str) -> dict[str, fl
     return first
 
 
-def wait_converged(load: Load, moved: float, version: str, replicas_expected: set[str], limit: float,
-                   fail_fast: bool = False) -> dict[str, float]:
+def wait_converged(
+    load: Load,
+    moved: float,
+    version: str,
+    replicas_expected: set[str],
+    limit: float,
+    fail_fast: bool = False,
+) -> dict[str, float]:
     """Waits until every expected replica answered from `version` (at most `limit` s after the move); with
     `fail_fast`, an AssertionError at the first failed request."""
     while True:
@@ -300,8 +380,10 @@ def wait_converged(load: Load, moved: float, version: str, replicas_expected: se
         if replicas_expected <= set(seen):
             return seen
         if time.monotonic() - moved > limit:
-            raise AssertionError(f"after {limit:.0f} s only {sorted(seen)} of {sorted(replicas_expected)} answer from "
-                                 f"version {version}")
+            raise AssertionError(
+                f"after {limit:.0f} s only {sorted(seen)} of {sorted(replicas_expected)} answer from "
+                f"version {version}"
+            )
         time.sleep(0.1)
 
 
@@ -310,7 +392,9 @@ class ReadyWatch:
     holds (url, status) of every answer that was not 200."""
 
     def __init__(self, urls: list[str], every: float = 0.05):
-        self.paths = [f"{u}{p}" for u in urls for p in ("/v2/health/ready", f"/v2/models/{MODEL}/ready")]
+        self.paths = [
+            f"{u}{p}" for u in urls for p in ("/v2/health/ready", f"/v2/models/{MODEL}/ready")
+        ]
         self.every = every
         self.checks = 0
         self.not_ready: list[tuple[str, int]] = []
@@ -392,14 +476,29 @@ def nginx(upstreams: list[str], directory: Path):
     user = "user root;\n" if os.geteuid() == 0 else ""
     conf = prefix / "nginx.conf"
     conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, servers=servers, port=port))
-    proc = subprocess.Popen([binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log"),
-                             "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "-p",
+            str(prefix),
+            "-c",
+            str(conf),
+            "-e",
+            str(prefix / "error.log"),
+            "-g",
+            "daemon off;",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"nginx exited with {proc.returncode}:\n{(prefix / 'error.log').read_text()}")
+                raise RuntimeError(
+                    f"nginx exited with {proc.returncode}:\n{(prefix / 'error.log').read_text()}"
+                )
             try:
                 requests.get(url + "/v2/health/live", timeout=1)
                 break

@@ -53,6 +53,7 @@ def ip(*args: str, netns: str | None = None) -> None:
 @dataclass(eq=False)  # a host is itself, not its fields: usable as a dict key
 class Host:
     """One machine: a network namespace, its address, its own working directory."""
+
     name: str
     address: str
     workdir: Path
@@ -62,28 +63,45 @@ class Host:
     def command(self, cmd: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.name, *cmd]
 
-    def popen(self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, **kwargs
+    ) -> subprocess.Popen:
         """`cmd` started inside this host, in a session of its own (so teardown can kill its children)."""
-        proc = subprocess.Popen(self.command(cmd), env=env, cwd=cwd or self.workdir, start_new_session=True,
-                                **kwargs)
+        proc = subprocess.Popen(
+            self.command(cmd), env=env, cwd=cwd or self.workdir, start_new_session=True, **kwargs
+        )
         self.started.append(proc)
         return proc
 
-    def run(self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-            timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        timeout: float = 300,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess:
         """`cmd` run to its end inside this host, its output captured as text."""
-        proc = subprocess.run(self.command(cmd), env=env, cwd=cwd or self.workdir, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            self.command(cmd),
+            env=env,
+            cwd=cwd or self.workdir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"on {self.name}: {' '.join(cmd)} exited {proc.returncode}\n"
-                                 f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+            raise AssertionError(
+                f"on {self.name}: {' '.join(cmd)} exited {proc.returncode}\n"
+                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+            )
         return proc
 
 
 @dataclass
 class Network:
     """A bridge in the root namespace (address `gateway`) and the hosts on it."""
+
     bridge: str
     gateway: str
     hosts: list[Host]
@@ -102,10 +120,18 @@ def namespaces_unavailable() -> str | None:
 
 def free_subnet() -> ipaddress.IPv4Network:
     """A 10.x.y.0/24 that no interface of this machine is on (other sessions' networks included)."""
-    shown = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
-    taken = {ipaddress.ip_interface(word).network for word in shown.split() if "/" in word and word[0].isdigit()}
+    shown = subprocess.run(
+        ["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True
+    ).stdout
+    taken = {
+        ipaddress.ip_interface(word).network
+        for word in shown.split()
+        if "/" in word and word[0].isdigit()
+    }
     for _ in range(100):
-        subnet = ipaddress.ip_network(f"10.{secrets.randbelow(56) + 200}.{secrets.randbelow(256)}.0/24")
+        subnet = ipaddress.ip_network(
+            f"10.{secrets.randbelow(56) + 200}.{secrets.randbelow(256)}.0/24"
+        )
         if not any(subnet.overlaps(t) for t in taken):
             return subnet
     raise RuntimeError("no free 10.200-255.x.0/24 on this machine")
@@ -150,7 +176,9 @@ def remove_host(host: Host) -> None:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=30)
-    left = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["ip", "netns", "pids", host.name], capture_output=True, text=True
+    ).stdout.split()
     for pid in left:
         try:
             os.kill(int(pid), signal.SIGKILL)
@@ -177,7 +205,9 @@ def hosts(tmp_path):
         for undo in reversed(teardown):
             try:
                 undo()
-            except Exception as exc:  # keep tearing down: one stuck host must not leave the rest behind
+            except (
+                Exception
+            ) as exc:  # keep tearing down: one stuck host must not leave the rest behind
                 errors.append(exc)
         if errors:
             raise errors[0]

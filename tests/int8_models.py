@@ -14,7 +14,9 @@ class OutlierNet(nn.Module):
     [0, ~outlier]), which rounds every other channel to a step or two: the third convolution is the sensitive
     node, and the int8 variant passes only with it kept in float (its input is then not quantized at all)."""
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 16, outlier: float = 2000.0):
+    def __init__(
+        self, num_classes: int = 10, in_channels: int = 1, width: int = 16, outlier: float = 2000.0
+    ):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1)

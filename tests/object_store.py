@@ -43,13 +43,21 @@ class ObjectStore:
         """A boto3 S3 client on this store (to look at what the code under test wrote)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.env["AWS_DEFAULT_REGION"],
-                            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"])
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every object key under `prefix`, sorted."""
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        pages = (
+            self.client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=self.bucket, Prefix=prefix)
+        )
         return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
 
 
@@ -74,25 +82,37 @@ def store_env(endpoint: str) -> dict[str, str]:
     }
 
 
-def _wait_until_answering(proc: subprocess.Popen, host: str, port: int, timeout: float, log: Path) -> None:
+def _wait_until_answering(
+    proc: subprocess.Popen, host: str, port: int, timeout: float, log: Path
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {proc.returncode} before answering:\n{log.read_text()}")
+            raise RuntimeError(
+                f"moto_server exited with {proc.returncode} before answering:\n{log.read_text()}"
+            )
         with socket.socket() as s:
             s.settimeout(0.5)
             if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.1)
-    raise RuntimeError(f"moto_server not answering on {host}:{port} after {timeout} s:\n{log.read_text()}")
+    raise RuntimeError(
+        f"moto_server not answering on {host}:{port} after {timeout} s:\n{log.read_text()}"
+    )
 
 
 @contextlib.contextmanager
-def moto_s3(host: str = "127.0.0.1", bucket: str = "trainserve", log_dir: Path | None = None,
-            start_timeout: float = 60.0):
+def moto_s3(
+    host: str = "127.0.0.1",
+    bucket: str = "trainserve",
+    log_dir: Path | None = None,
+    start_timeout: float = 60.0,
+):
     """Start `moto_server` bound to `host` on a free port, create `bucket`, yield an ObjectStore; stop it."""
     if not MOTO_SERVER.exists() and shutil.which("moto_server") is None:
-        raise RuntimeError("moto_server not found: install the dev extra (pip install -e '.[dev]', it brings moto[server])")
+        raise RuntimeError(
+            "moto_server not found: install the dev extra (pip install -e '.[dev]', it brings moto[server])"
+        )
     executable = str(MOTO_SERVER) if MOTO_SERVER.exists() else shutil.which("moto_server")
     port = free_port(host)
     endpoint = f"http://{host}:{port}"
@@ -104,8 +124,12 @@ def moto_s3(host: str = "127.0.0.1", bucket: str = "trainserve", log_dir: Path |
         log_dir = Path(owned_log_dir)
     log = Path(log_dir) / f"moto_server-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([executable, "-H", host, "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [executable, "-H", host, "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         _wait_until_answering(proc, host, port, start_timeout, log)
         store = ObjectStore(endpoint=endpoint, bucket=bucket, env=store_env(endpoint))
@@ -171,19 +195,32 @@ class FaultProxy:
                     self.answer(403, "AccessDenied", "Access Denied")
                     return
                 upstream_conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                upstream_conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                upstream_conn.request(
+                    self.command, self.path, body=body, headers=dict(self.headers.items())
+                )
                 answer = upstream_conn.getresponse()
                 data = answer.read()
-                if self.command == "PUT" and self.path.split("?")[0].endswith(proxy.suffix) and proxy.armed:
+                if (
+                    self.command == "PUT"
+                    and self.path.split("?")[0].endswith(proxy.suffix)
+                    and proxy.armed
+                ):
                     proxy.armed, proxy.faults = False, proxy.faults + 1
                     self.answer(500, "InternalError", "injected")
                     return
                 self.send_response(answer.status)
-                for key, value in answer.getheaders():  # a HEAD's Content-Length is the object's size: kept
+                for (
+                    key,
+                    value,
+                ) in answer.getheaders():  # a HEAD's Content-Length is the object's size: kept
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", answer.getheader("content-length", "0")
-                                 if self.command == "HEAD" else str(len(data)))
+                self.send_header(
+                    "Content-Length",
+                    answer.getheader("content-length", "0")
+                    if self.command == "HEAD"
+                    else str(len(data)),
+                )
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

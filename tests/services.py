@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from object_store import free_port
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -39,30 +38,77 @@ def postgres():
     """A throwaway PostgreSQL server on 127.0.0.1 with a database `mlflow`; yields its SQLAlchemy URI.
     Skips the test where the server binaries are missing."""
     if not (POSTGRES_BIN / "initdb").exists():
-        pytest.skip(f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)")
+        pytest.skip(
+            f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)"
+        )
     # Not under tmp_path: pytest's base directory is private to its user, and the server runs as postgres.
     data = Path(tempfile.mkdtemp(prefix="trainserve-pg-"))
     if os.geteuid() == 0:
         shutil.chown(data, "postgres")
     port = free_port("127.0.0.1")
-    subprocess.run(as_postgres([str(POSTGRES_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]),
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "log"),
-                                "-o", f"-p {port} -k {data} -h 127.0.0.1", "start"]),
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        as_postgres(
+            [str(POSTGRES_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]
+        ),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    subprocess.run(
+        as_postgres(
+            [
+                str(POSTGRES_BIN / "pg_ctl"),
+                "-D",
+                str(data),
+                "-w",
+                "-l",
+                str(data / "log"),
+                "-o",
+                f"-p {port} -k {data} -h 127.0.0.1",
+                "start",
+            ]
+        ),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     try:
-        subprocess.run(as_postgres([str(POSTGRES_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port),
-                                    "-U", "postgres", "mlflow"]), check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            as_postgres(
+                [
+                    str(POSTGRES_BIN / "createdb"),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-U",
+                    "postgres",
+                    "mlflow",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         yield f"postgresql://postgres@127.0.0.1:{port}/mlflow"
     finally:
-        subprocess.run(as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"]),
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            as_postgres([str(POSTGRES_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"]),
+            capture_output=True,
+            timeout=120,
+        )
         shutil.rmtree(data, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def mlflow_server(backend_store: str, artifacts_destination: str, host: str = "127.0.0.1",
-                  env: dict[str, str] | None = None, workdir: Path | None = None, start_timeout: float = 120):
+def mlflow_server(
+    backend_store: str,
+    artifacts_destination: str,
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+    workdir: Path | None = None,
+    start_timeout: float = 120,
+):
     """`mlflow server` on `host` (a free port), metadata in `backend_store`, artifacts proxied to
     `artifacts_destination` (a folder or s3://bucket/prefix; for S3 `env` carries MLFLOW_S3_ENDPOINT_URL and
     the AWS_* keys, read by the server only: clients go through the server). Yields the tracking URI."""
@@ -72,14 +118,37 @@ def mlflow_server(backend_store: str, artifacts_destination: str, host: str = "1
     workdir = Path(workdir or tempfile.mkdtemp(prefix="trainserve-mlflow-"))
     log = workdir / f"mlflow-server-{port}.log"
     # No server-side job runner: it starts a handful of huey consumers that nothing here uses, on 2 shared cores.
-    server_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server_env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONUNBUFFERED": "1",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
     server_env.pop("MLFLOW_TRACKING_URI", None)
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store,
-                                 "--artifacts-destination", artifacts_destination, "--host", host, "--port", str(port),
-                                 "--workers", "1"],
-                                cwd=workdir, env=server_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                backend_store,
+                "--artifacts-destination",
+                artifacts_destination,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            cwd=workdir,
+            env=server_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     uri = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + start_timeout
@@ -90,8 +159,10 @@ def mlflow_server(backend_store: str, artifacts_destination: str, host: str = "1
             except requests.RequestException:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server on {uri} did not start (exit {proc.poll()}):\n"
-                                   f"{log.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"mlflow server on {uri} did not start (exit {proc.poll()}):\n"
+                    f"{log.read_text()[-4000:]}"
+                )
             time.sleep(0.5)
         yield uri
     finally:
@@ -109,4 +180,3 @@ def mlflow_server(backend_store: str, artifacts_destination: str, host: str = "1
 def postgres_fixture():
     with postgres() as uri:
         yield uri
-

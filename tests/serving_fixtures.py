@@ -14,40 +14,63 @@ import numpy as np
 import onnx
 import requests
 from onnx import TensorProto, helper, numpy_helper
+
 from serving import lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_model(path: Path, *, seed: int = 0, name: str | None = "tiny", labels: list[str] | None = None,
-               size: int = 8, classes: int = 3) -> Path:
+def tiny_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    name: str | None = "tiny",
+    labels: list[str] | None = None,
+    size: int = 8,
+    classes: int = 3,
+) -> Path:
     """Flatten -> Gemm -> Softmax over [batch, 1, size, size] FP32, with the exporter's names and metadata."""
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(size * size, classes)).astype(np.float32)
     b = rng.normal(size=classes).astype(np.float32)
-    nodes = [helper.make_node("Flatten", ["input"], ["flat"], axis=1),
-             helper.make_node("Gemm", ["flat", "W", "b"], ["logits"]),
-             helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1)]
-    return _save(path, nodes, [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")],
-                 size, classes, name, labels)
+    nodes = [
+        helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "W", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+    ]
+    return _save(
+        path,
+        nodes,
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")],
+        size,
+        classes,
+        name,
+        labels,
+    )
 
 
-def heavy_model(path: Path, *, size: int = 28, channels: int = 48, layers: int = 3, classes: int = 10) -> Path:
+def heavy_model(
+    path: Path, *, size: int = 28, channels: int = 48, layers: int = 3, classes: int = 10
+) -> Path:
     """A few 3x3 convolutions: milliseconds per sample, so concurrent requests really queue up."""
     rng = np.random.default_rng(1)
     inits, nodes, x, cin = [], [], "input", 1
     for i in range(layers):
         w = (rng.normal(size=(channels, cin, 3, 3)) / np.sqrt(9 * cin)).astype(np.float32)
         inits.append(numpy_helper.from_array(w, f"conv{i}"))
-        nodes += [helper.make_node("Conv", [x, f"conv{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        nodes += [
+            helper.make_node("Conv", [x, f"conv{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+        ]
         x, cin = f"r{i}", channels
     fc = (rng.normal(size=(channels, classes)) / np.sqrt(channels)).astype(np.float32)
     inits.append(numpy_helper.from_array(fc, "fc"))
-    nodes += [helper.make_node("GlobalAveragePool", [x], ["pool"]),
-              helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
-              helper.make_node("MatMul", ["flat", "fc"], ["logits"]),
-              helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1)]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [x], ["pool"]),
+        helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "fc"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+    ]
     return _save(path, nodes, inits, size, classes, "heavy", None)
 
 
@@ -55,31 +78,43 @@ def gather_model(path):
     """`ids` INT64 [batch] -> `vectors` [batch, 3]: an embedding of 5 rows. An id past 4 makes onnxruntime
     raise at run time, as a token id past a vocabulary does."""
     table = np.arange(15, dtype=np.float32).reshape(5, 3)
-    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)], "gather",
-                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
-                              [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["batch", 3])],
-                              [numpy_helper.from_array(table, "table")])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)],
+        "gather",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
+        [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(table, "table")],
+    )
     return _save_graph(path, graph, 17)
 
 
 def two_axes_model(path):
     """`x` FP32 [batch, n] -> `total` [batch]: two dynamic axes, as the review's dyn.onnx."""
-    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0, axes=[1])], "dyn",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
-                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, ["batch"])])
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0, axes=[1])],
+        "dyn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, ["batch"])],
+    )
     return _save_graph(path, graph, 12)
 
 
 def two_input_model(path):
     """`features` FP32 [batch, 4] and `code` INT64 [batch] -> `output` [batch, 4]: mixed dtypes."""
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["code"], ["code_f"], to=TensorProto.FLOAT),
-         helper.make_node("Unsqueeze", ["code_f", "axis"], ["code_col"]),
-         helper.make_node("Add", ["features", "code_col"], ["output"])], "two",
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4]),
-         helper.make_tensor_value_info("code", TensorProto.INT64, ["batch"])],
+        [
+            helper.make_node("Cast", ["code"], ["code_f"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["code_f", "axis"], ["code_col"]),
+            helper.make_node("Add", ["features", "code_col"], ["output"]),
+        ],
+        "two",
+        [
+            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("code", TensorProto.INT64, ["batch"]),
+        ],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor("axis", TensorProto.INT64, [1], [1])])
+        [helper.make_tensor("axis", TensorProto.INT64, [1], [1])],
+    )
     return _save_graph(path, graph, 17)
 
 
@@ -93,11 +128,15 @@ def _save_graph(path, graph, opset: int) -> Path:
 
 def _save(path, nodes, inits, size, classes, name, labels) -> Path:
     graph = helper.make_graph(
-        nodes, "test",
+        nodes,
+        "test",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, size, size])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes]),
-         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", classes])],
-        inits)
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes]),
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", classes]),
+        ],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     props = {}
@@ -105,6 +144,7 @@ def _save(path, nodes, inits, size, classes, name, labels) -> Path:
         props[lineage.MODEL_NAME] = name
     if labels is not None:
         import json
+
         props[lineage.LABELS] = json.dumps(labels)
     helper.set_model_props(model, props)
     onnx.checker.check_model(model)
@@ -129,30 +169,49 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m serving` in a subprocess; `with` waits until ready and always kills it by PID."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 ready_timeout: float = 90.0, wait_ready: bool = True, cwd: Path | None = None,
-                 address: str = "127.0.0.1", prefix: list[str] | None = None):
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        ready_timeout: float = 90.0,
+        wait_ready: bool = True,
+        cwd: Path | None = None,
+        address: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ):
         self.port = free_port()
         self.cwd = cwd or ROOT  # a replica of a fleet runs in its own directory
         self.url = f"http://{address}:{self.port}"
         self.args = ["--port", str(self.port), "--threads", "1", *args]
         if address != "127.0.0.1":
             self.args += ["--host", address]
-        self.prefix = prefix or []  # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
+        self.prefix = (
+            prefix or []
+        )  # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.ready_timeout = ready_timeout
-        self.wait_ready = wait_ready  # False: until it answers at all (live), for a server not ready by design
+        self.wait_ready = (
+            wait_ready  # False: until it answers at all (live), for a server not ready by design
+        )
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "serving", *self.args], cwd=self.cwd, env=self.env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*self.prefix, sys.executable, "-m", "serving", *self.args],
+            cwd=self.cwd,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before ready:\n{self.log()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before ready:\n{self.log()}"
+                )
             try:
                 path = "/v2/health/ready" if self.wait_ready else "/v2/health/live"
                 if requests.get(self.url + path, timeout=1).status_code == 200:
@@ -176,7 +235,11 @@ class ServerProcess:
             self._log.close()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+        return (
+            self.log_path.read_text(errors="replace")
+            if self.log_path and self.log_path.exists()
+            else ""
+        )
 
 
 def metric(text: str, sample_name: str, /, **labels: str) -> float:

@@ -31,12 +31,16 @@ def test_an_async_save_publishes_the_staged_state_from_a_lowest_priority_thread(
         with torch.no_grad():  # training goes on at once: the save holds its own copy
             for p in model.parameters():
                 p.add_(1.0)
-        nice = saver.writer.worker.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        nice = saver.writer.worker.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
         path = saver.finish()
     finally:
         saver.close()
     assert published == [path] and path == checkpoint.latest(tmp_path)
-    if sys.platform == "linux":  # a thread's own priority is Linux's; elsewhere the writer keeps training's
+    if (
+        sys.platform == "linux"
+    ):  # a thread's own priority is Linux's; elsewhere the writer keeps training's
         assert nice.result() == AsyncWriter.NICE == 19
     restored = torch.nn.Linear(64, 8)
     checkpoint.load(path, restored, None, info)

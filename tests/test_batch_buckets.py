@@ -16,9 +16,17 @@ import onnx
 import pytest
 import requests
 from onnx import TensorProto, helper
+from serving_fixtures import (
+    ROOT,
+    ServerProcess,
+    gather_model,
+    run_onnx,
+    tiny_model,
+    two_axes_model,
+    two_input_model,
+)
 
 from serving.engine import BatchBuckets, Engine, ModelInputError
-from serving_fixtures import ROOT, ServerProcess, gather_model, run_onnx, tiny_model, two_axes_model, two_input_model
 
 
 def test_a_run_is_padded_to_its_bucket_by_that_buckets_session_and_answers_only_its_rows(tmp_path):
@@ -44,79 +52,151 @@ def test_a_run_is_padded_to_its_bucket_by_that_buckets_session_and_answers_only_
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
     # Past the largest bucket: chunks of it, the last one padded to its own bucket. No session sees a new shape.
-    assert seen == [("bucket 2", 2), ("bucket 2", 2), ("largest", 4), ("largest", 4), ("largest", 4), ("bucket 2", 2),
-                    ("largest", 4), ("largest", 4), ("bucket 2", 2)]
+    assert seen == [
+        ("bucket 2", 2),
+        ("bucket 2", 2),
+        ("largest", 4),
+        ("largest", 4),
+        ("largest", 4),
+        ("bucket 2", 2),
+        ("largest", 4),
+        ("largest", 4),
+        ("bucket 2", 2),
+    ]
     engine.close()
     assert engine.session is None and engine._bucket_sessions == {}
 
 
 def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tmp_path):
-    engine = Engine(str(two_input_model(tmp_path / "two.onnx")), device="cpu", threads=1, batch_buckets=BatchBuckets((4,)))
+    engine = Engine(
+        str(two_input_model(tmp_path / "two.onnx")),
+        device="cpu",
+        threads=1,
+        batch_buckets=BatchBuckets((4,)),
+    )
     features = np.arange(12, dtype=np.float32).reshape(3, 4)
     got = engine.run({"features": features, "code": np.array([1, 2, 3])})["output"]
     np.testing.assert_array_equal(got, features + np.array([[1], [2], [3]], np.float32))
 
-    gather = Engine(str(gather_model(tmp_path / "gather.onnx")), device="cpu", threads=1,
-                    batch_buckets=BatchBuckets((2, 8)))
-    assert gather.run({"ids": np.array([4, 0, 1])})["vectors"].tolist() == [[12, 13, 14], [0, 1, 2], [3, 4, 5]]
+    gather = Engine(
+        str(gather_model(tmp_path / "gather.onnx")),
+        device="cpu",
+        threads=1,
+        batch_buckets=BatchBuckets((2, 8)),
+    )
+    assert gather.run({"ids": np.array([4, 0, 1])})["vectors"].tolist() == [
+        [12, 13, 14],
+        [0, 1, 2],
+        [3, 4, 5],
+    ]
     with pytest.raises(ModelInputError, match="the model cannot compute on these input values"):
         gather.run({"ids": np.array([1, 7, 2])})  # an id past the table, padded or not
 
 
 def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch(tmp_path, caplog):
     caplog.set_level("INFO", logger="serving.engine")
-    engine = Engine(str(two_axes_model(tmp_path / "m.onnx")), device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4)))
+    engine = Engine(
+        str(two_axes_model(tmp_path / "m.onnx")),
+        device="cpu",
+        threads=1,
+        batch_buckets=BatchBuckets((2, 4)),
+    )
     assert engine.buckets == () and engine._bucket_sessions == {}
     # An output without a batch axis (a sum over the batch): cutting padded rows off it is not possible.
-    graph = helper.make_graph([helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0)], "sum",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, [4])],
-                              [helper.make_tensor("axes", TensorProto.INT64, [1], [0])])
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0)],
+        "sum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [4])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [0])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(model, str(tmp_path / "sum.onnx"))
-    engine = Engine(str(tmp_path / "sum.onnx"), device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4)))
+    engine = Engine(
+        str(tmp_path / "sum.onnx"), device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4))
+    )
     assert engine.buckets == ()
     said = [r.getMessage() for r in caplog.records]
-    assert "no batch buckets for m.onnx: an input has a dynamic axis besides the batch axis" in said[0]
+    assert (
+        "no batch buckets for m.onnx: an input has a dynamic axis besides the batch axis" in said[0]
+    )
     assert "no batch buckets for sum.onnx: an input or output has no dynamic batch axis" in said[1]
     # auto's rule: the CUDA provider only (here the session runs on the CPU).
     tiny = str(tiny_model(tmp_path / "tiny.onnx"))
-    assert Engine(tiny, device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4), cuda_only=True)).buckets == ()
+    assert (
+        Engine(
+            tiny, device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4), cuda_only=True)
+        ).buckets
+        == ()
+    )
 
 
 def test_the_server_pads_to_the_buckets_asked_and_refuses_bad_ones(tmp_path):
     model = tiny_model(tmp_path / "m.onnx")
 
     def refused(*flags):
-        proc = subprocess.run([sys.executable, "-m", "serving", "--model", str(model), *flags], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "serving", "--model", str(model), *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2, proc.stderr
         return proc.stderr
 
     for value in ("0,4", "8", "two", "2,,4", "\u00b2"):
         said = refused("--batch-buckets", value, "--max-batch-size", "4")
-        assert "--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size (4) like 1,4, got" in said
+        assert (
+            "--batch-buckets must be auto, off, or batch sizes from 1 to --max-batch-size (4) like 1,4, got"
+            in said
+        )
         assert repr(value) in said
-    assert "do not apply to --device tensorrt" in refused("--batch-buckets", "2", "--device", "tensorrt")
+    assert "do not apply to --device tensorrt" in refused(
+        "--batch-buckets", "2", "--device", "tensorrt"
+    )
 
     x = np.random.default_rng(1).random((3, 1, 8, 8), dtype=np.float32)
     want = run_onnx(model, x)["probabilities"]
-    with ServerProcess("--model", str(model), "--device", "cpu", "--batch-buckets", "2", "--max-batch-size", "4",
-                       log_path=tmp_path / "log") as server:
+    with ServerProcess(
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--batch-buckets",
+        "2",
+        "--max-batch-size",
+        "4",
+        log_path=tmp_path / "log",
+    ) as server:
         url = f"{server.url}/v2/models/tiny/infer"
 
         def ask(rows):
-            body = {"inputs": [{"name": "input", "shape": [rows, 1, 8, 8], "datatype": "FP32",
-                                "data": x[:rows].ravel().tolist()}]}
+            body = {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": [rows, 1, 8, 8],
+                        "datatype": "FP32",
+                        "data": x[:rows].ravel().tolist(),
+                    }
+                ]
+            }
             return requests.post(url, json=body, timeout=30).json()["outputs"]
 
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, [1, 2, 3] * 8))
         log = server.log()
     assert "batch buckets 2,4 (a session each)" in log
-    assert "warm-up of 2 batch sizes" in log  # each bucket once: the size its session will only ever see
+    assert (
+        "warm-up of 2 batch sizes" in log
+    )  # each bucket once: the size its session will only ever see
     for rows, outputs in zip([1, 2, 3] * 8, answers):
         probabilities = next(o for o in outputs if o["name"] == "probabilities")
         assert probabilities["shape"] == [rows, 3]
-        np.testing.assert_allclose(np.asarray(probabilities["data"], np.float32).reshape(rows, 3), want[:rows],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(probabilities["data"], np.float32).reshape(rows, 3),
+            want[:rows],
+            rtol=1e-5,
+            atol=1e-6,
+        )

@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    CPU1,
+    TINY,
+    checkpoint_meta,
+    mlflow_client,
+    mlp_spec,
+    model_from_checkpoint,
+    run_cli,
+)
 
 from pipeline import checkpoint
+from pipeline.checkpoint import CheckpointError
 from pipeline.checkpoint import store as checkpoint_store
 from pipeline.components.build import instantiate_model
-from pipeline.checkpoint import CheckpointError
-
-from conftest import CPU1, TINY, checkpoint_meta, mlflow_client, mlp_spec, model_from_checkpoint, run_cli
 from serving import lineage
 
-STEPS = ["train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.log_every=1",
-         "train.eval_every=0"]
+STEPS = [
+    "train.max_steps=16",
+    "checkpoint.every_n_steps=6",
+    "checkpoint.keep_last=3",
+    "train.log_every=1",
+    "train.eval_every=0",
+]
 MLP = ["model.name=mlp", "model.args={hidden: [64]}"]
 
 
@@ -29,8 +41,10 @@ def final(workdir, name):
 
 def losses(workdir, run_name):
     client = mlflow_client(workdir)
-    run = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
-                             filter_string=f"attributes.run_name = '{run_name}'")[0]
+    run = client.search_runs(
+        [client.get_experiment_by_name("tiny").experiment_id],
+        filter_string=f"attributes.run_name = '{run_name}'",
+    )[0]
     by_step: dict[int, set[float]] = {}
     for m in client.get_metric_history(run.info.run_id, "train/loss"):
         by_step.setdefault(m.step, set()).add(m.value)
@@ -40,12 +54,25 @@ def losses(workdir, run_name):
 def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k].double() - b[k].double()).abs().max()}"
+        assert torch.equal(a[k], b[k]), (
+            f"{k} differs: max |diff| {(a[k].double() - b[k].double()).abs().max()}"
+        )
 
 
 def torchrun(workdir, args, env=None, max_restarts=0):
-    return run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", f"--max-restarts={max_restarts}",
-                    *args], cwd=workdir, env=env)
+    return run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            "--nproc-per-node",
+            "2",
+            f"--max-restarts={max_restarts}",
+            *args,
+        ],
+        cwd=workdir,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +86,12 @@ def straight(tmp_path_factory):
 @pytest.mark.slow
 def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
     workdir = straight
-    proc = torchrun(workdir, [*STEPS, "train.run_name=killed"], env={"TRAINSERVE_FAULT": "step:9:1"},
-                    max_restarts=1)
+    proc = torchrun(
+        workdir,
+        [*STEPS, "train.run_name=killed"],
+        env={"TRAINSERVE_FAULT": "step:9:1"},
+        max_restarts=1,
+    )
     assert "SIGKILL to rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
     assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr
     assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "killed")))
@@ -70,42 +101,64 @@ def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
     assert run_b.info.status == "FINISHED"
     assert sorted(loss_b) == list(range(1, 17))
     client = mlflow_client(workdir)
-    assert sorted(m.step for m in client.get_metric_history(run_b.info.run_id, "train/loss")) == list(range(1, 17))
+    assert sorted(
+        m.step for m in client.get_metric_history(run_b.info.run_id, "train/loss")
+    ) == list(range(1, 17))
     assert "already holds metrics up to step 9" in proc.stderr
     for step in range(7, 17):
         assert loss_b[step] == loss_a[step], step
 
 
 @pytest.mark.slow
-def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_from_there(straight, tmp_path,
-                                                                                         monkeypatch):
+def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_from_there(
+    straight, tmp_path, monkeypatch
+):
     """The runs above with train.output_dir on an S3-compatible store (a real moto_server), saves asynchronous,
     rank 0 killed after every shard of step 12 is on the store but before its marker: the restarted job (the
     same job: it takes the run's lease over) drops that marker-less step, resumes from step 6 bit-exact, and
     `consolidate --run-id` finds the checkpoints through the run's record of where they live."""
+    from object_store import moto_s3
     from safetensors.torch import load_file
 
-    from pipeline.checkpoint.store import fetch_checkpoint
     from pipeline.checkpoint.object_store import StoreUrl
-
-    from object_store import moto_s3
+    from pipeline.checkpoint.store import fetch_checkpoint
 
     workdir = straight
     with moto_s3(log_dir=tmp_path) as store:
         for name, value in store.env.items():
             monkeypatch.setenv(name, value)
-        proc = torchrun(workdir, [*STEPS, "train.run_name=killed_s3", f"train.output_dir={store.url}/runs",
-                                  "checkpoint.async_save=true"],
-                        env={**store.env, "TRAINSERVE_FAULT": "save:12:0"}, max_restarts=1)
+        proc = torchrun(
+            workdir,
+            [
+                *STEPS,
+                "train.run_name=killed_s3",
+                f"train.output_dir={store.url}/runs",
+                "checkpoint.async_save=true",
+            ],
+            env={**store.env, "TRAINSERVE_FAULT": "save:12:0"},
+            max_restarts=1,
+        )
         root = StoreUrl(f"{store.url}/runs/killed_s3/checkpoints")
         assert "SIGKILL to rank 0 at save 12" in proc.stderr and "torchrun restart 1" in proc.stderr
-        assert "taking over s3://trainserve/runs/killed_s3" in proc.stderr and "a restart of the same job" in proc.stderr
-        assert f"removed incomplete checkpoints step_00000012 from {root}" in proc.stderr, proc.stderr[-3000:]
+        assert (
+            "taking over s3://trainserve/runs/killed_s3" in proc.stderr
+            and "a restart of the same job" in proc.stderr
+        )
+        assert f"removed incomplete checkpoints step_00000012 from {root}" in proc.stderr, (
+            proc.stderr[-3000:]
+        )
         assert f"resumed from {root}/step_00000006" in proc.stderr, proc.stderr[-3000:]
-        assert [p.name for p in checkpoint.list_complete(root)] == ["step_00000006", "step_00000012", "step_00000016"]
-        assert {k.rsplit("/", 1)[1] for k in store.keys("runs/killed_s3/checkpoints/step_00000016/")} == \
-            {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainserve.json", "COMPLETE"}
-        assert not [k for k in store.keys("runs/killed_s3/") if k.endswith("/.owner")]  # the lease released
+        assert [p.name for p in checkpoint.list_complete(root)] == [
+            "step_00000006",
+            "step_00000012",
+            "step_00000016",
+        ]
+        assert {
+            k.rsplit("/", 1)[1] for k in store.keys("runs/killed_s3/checkpoints/step_00000016/")
+        } == {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainserve.json", "COMPLETE"}
+        assert not [
+            k for k in store.keys("runs/killed_s3/") if k.endswith("/.owner")
+        ]  # the lease released
         assert not (workdir / "outputs" / "killed_s3").exists() and not (workdir / "s3:").exists()
 
         fetched = fetch_checkpoint(root / "step_00000016", tmp_path / "fetched")
@@ -114,28 +167,42 @@ def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_f
         assert run_b.info.status == "FINISHED" and sorted(loss_b) == list(range(1, 17))
         assert run_b.data.tags[lineage.LATEST] == "step_00000016"
 
-        consolidated = run_cli(["consolidate", "--run-id", run_b.info.run_id], cwd=workdir, env=store.env)
+        consolidated = run_cli(
+            ["consolidate", "--run-id", run_b.info.run_id], cwd=workdir, env=store.env
+        )
         tensors = load_file(workdir / consolidated.stdout.strip().splitlines()[-1])
-        assert_bitwise_equal(weights(final(workdir, "straight")), {k: tensors[k] for k in weights(fetched)})
+        assert_bitwise_equal(
+            weights(final(workdir, "straight")), {k: tensors[k] for k in weights(fetched)}
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save, fault", [
-    ("sync", "save:12:0"),             # every shard written, before the marker and the rename
-    ("async", "save:12:0"),            # the background writes done on every rank, before the publish
-    ("async", "save_started:12:1"),    # one rank's background write in flight
-])
+@pytest.mark.parametrize(
+    "save, fault",
+    [
+        ("sync", "save:12:0"),  # every shard written, before the marker and the rename
+        ("async", "save:12:0"),  # the background writes done on every rank, before the publish
+        ("async", "save_started:12:1"),  # one rank's background write in flight
+    ],
+)
 def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straight, save, fault):
     workdir, name = straight, f"crash_{save}_{fault.split(':')[0]}"
-    proc = torchrun(workdir, [*STEPS, f"train.run_name={name}", f"checkpoint.async_save={save == 'async'}"],
-                    env={"TRAINSERVE_FAULT": fault}, max_restarts=1)
+    proc = torchrun(
+        workdir,
+        [*STEPS, f"train.run_name={name}", f"checkpoint.async_save={save == 'async'}"],
+        env={"TRAINSERVE_FAULT": fault},
+        max_restarts=1,
+    )
     where, step, rank = fault.split(":")
     assert f"SIGKILL to rank {rank} at {where} {step}" in proc.stderr, proc.stderr[-3000:]
-    assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr  # not the half-written 12
+    assert (
+        "resumed from" in proc.stderr and "step_00000006" in proc.stderr
+    )  # not the half-written 12
     # The asynchronous saves hold exactly what the synchronous ones do, and resume from them is bit-exact.
     assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, name)))
-    assert sorted(p.name for p in checkpoint.list_complete(workdir / "outputs" / name / "checkpoints")) == \
-        ["step_00000006", "step_00000012", "step_00000016"]
+    assert sorted(
+        p.name for p in checkpoint.list_complete(workdir / "outputs" / name / "checkpoints")
+    ) == ["step_00000006", "step_00000012", "step_00000016"]
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +219,28 @@ def test_fsdp_shards_hold_different_slices_and_resume_exactly(fsdp_straight):
     metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
     chunks = metadata.state_dict_metadata["model.body.0.weight"].chunks
     assert len(chunks) == 2 and chunks[0].offsets != chunks[1].offsets  # two ranks, two slices
-    files = {metadata.storage_data[idx].relative_path for idx in metadata.storage_data
-             if idx.fqn == "model.body.0.weight"}
+    files = {
+        metadata.storage_data[idx].relative_path
+        for idx in metadata.storage_data
+        if idx.fqn == "model.body.0.weight"
+    }
     assert files == {"__0_0.distcp", "__1_0.distcp"}
-    run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", *STEPS, *MLP, "train.strategy=fsdp",
-             "train.run_name=fsdp_resumed", "--resume", str(ckpt6)], cwd=workdir)
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            "--nproc-per-node",
+            "2",
+            *STEPS,
+            *MLP,
+            "train.strategy=fsdp",
+            "train.run_name=fsdp_resumed",
+            "--resume",
+            str(ckpt6),
+        ],
+        cwd=workdir,
+    )
     assert_bitwise_equal(weights(final(workdir, "fsdp")), weights(final(workdir, "fsdp_resumed")))
 
 
@@ -169,8 +253,22 @@ def test_resume_on_one_process_from_a_two_process_checkpoint(fsdp_straight, stra
         torchrun(workdir, [*STEPS, *MLP, "train.run_name=ddp_mlp"])
         source = "ddp_mlp"
     ckpt6 = workdir / f"outputs/{source}/checkpoints/step_00000006"
-    run_cli(["train", "--config", str(TINY), "--nproc-per-node", "1", *STEPS, *MLP, f"train.strategy={strategy}",
-             f"train.run_name={source}_on_one", "--resume", str(ckpt6)], cwd=workdir)
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            "--nproc-per-node",
+            "1",
+            *STEPS,
+            *MLP,
+            f"train.strategy={strategy}",
+            f"train.run_name={source}_on_one",
+            "--resume",
+            str(ckpt6),
+        ],
+        cwd=workdir,
+    )
     a, b = weights(final(workdir, source)), weights(final(workdir, f"{source}_on_one"))
     for k in a:  # same global batches, so equal up to the order of floating-point sums
         torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=1e-5)
@@ -207,7 +305,9 @@ def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
 def test_a_marker_of_another_shape_is_a_broken_checkpoint_not_a_crash(tmp_path, marker):
     good = save_one(tmp_path, 1)
     newer = save_one(tmp_path, 2)
-    (newer / checkpoint.MARKER).write_text(marker)  # valid JSON, not a listing: written by someone else
+    (newer / checkpoint.MARKER).write_text(
+        marker
+    )  # valid JSON, not a listing: written by someone else
     with pytest.raises(CheckpointError, match="marker is not a listing of files and sizes"):
         checkpoint.verify_complete(newer)
     assert checkpoint.latest(tmp_path) == good
@@ -244,7 +344,9 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
     found = checkpoint_store.resolve_resume(run.info.run_id, tmp_path / "new/checkpoints", CPU1)
     assert found.name == "step_00000004" and found != ckpt
     checkpoint.load(found, instantiate_model(SPEC), None, CPU1)
-    with pytest.raises(CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"):
+    with pytest.raises(
+        CheckpointError, match="not 'latest', an existing path, nor an MLflow run id"
+    ):
         checkpoint_store.resolve_resume("no-such-thing", tmp_path, CPU1)
 
 
@@ -255,13 +357,22 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
 
     from conftest import only_run, run_lineage
 
-    torchrun(tmp_path, ["train.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=1",
-                        "checkpoint.log_to_mlflow=all", "train.run_name=all"])
+    torchrun(
+        tmp_path,
+        [
+            "train.max_steps=12",
+            "checkpoint.every_n_steps=4",
+            "checkpoint.keep_last=1",
+            "checkpoint.log_to_mlflow=all",
+            "train.run_name=all",
+        ],
+    )
     run_dir = tmp_path / "outputs" / "all"
     best = json.loads((run_dir / "checkpoints" / "best.json").read_text())["step"]
     # keep_last=1 keeps the newest, and the best (saved when it was reached, never pruned).
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == sorted(
-        {f"step_{best:08d}", "step_00000012"})
+        {f"step_{best:08d}", "step_00000012"}
+    )
     assert not (run_dir / "checkpoints-uploading").exists()
     client, run = only_run(tmp_path, "tiny")
     assert run_lineage(run.info.run_id, client)["training"]["checkpoint_upload_failures"] == []
@@ -277,10 +388,15 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     (partial / ".metadata").write_bytes(b"half")
     client.log_artifacts(run.info.run_id, str(partial), "checkpoints/step_00000099")
     proc = run_cli(["consolidate", "--run-id", run.info.run_id, "--latest"], cwd=tmp_path)
-    assert "checkpoints/step_00000099 was not uploaded completely; using checkpoints/step_00000012" in proc.stderr
+    assert (
+        "checkpoints/step_00000099 was not uploaded completely; using checkpoints/step_00000012"
+        in proc.stderr
+    )
     weights = tmp_path / proc.stdout.strip().splitlines()[-1]
     assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == 12
-    proc = run_cli(["consolidate", "--run-id", run.info.run_id], cwd=tmp_path)  # the best, by default
+    proc = run_cli(
+        ["consolidate", "--run-id", run.info.run_id], cwd=tmp_path
+    )  # the best, by default
     assert f"downloading checkpoints/step_{best:08d} (the best)" in proc.stderr
     assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == best
 
@@ -291,7 +407,9 @@ def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_fa
     from pipeline.checkpoint.uploads import BackgroundUploads
 
     client = mlflow_client(tmp_path)
-    run_id = client.create_run(client.create_experiment("uploads", str(tmp_path / "artifacts"))).info.run_id
+    run_id = client.create_run(
+        client.create_experiment("uploads", str(tmp_path / "artifacts"))
+    ).info.run_id
     ckpt = save_one(tmp_path / "run/checkpoints", 4)
     uploads = BackgroundUploads(run_id, tmp_path / "run/checkpoints-uploading")
     uploads.submit(ckpt)
@@ -301,7 +419,9 @@ def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_fa
     checkpoint.verify_complete(local)
     assert not (tmp_path / "run/checkpoints-uploading").exists()
 
-    to_nowhere = BackgroundUploads("0" * 32, tmp_path / "run/checkpoints-uploading")  # a run the store lacks
+    to_nowhere = BackgroundUploads(
+        "0" * 32, tmp_path / "run/checkpoints-uploading"
+    )  # a run the store lacks
     to_nowhere.submit(save_one(tmp_path / "run/checkpoints", 8))
     failed = to_nowhere.finish()
     assert list(failed) == ["step_00000008"] and "0" * 32 in failed["step_00000008"]

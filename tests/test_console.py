@@ -24,7 +24,9 @@ def test_progress_off_a_terminal_is_a_plain_line_every_fifth_of_the_run(caplog):
             progress.set_postfix(loss=f"{1 / (step + 1):.4f}")
         progress.close()
     lines = [r.getMessage() for r in caplog.records]
-    assert [line.split(" (")[0] for line in lines] == [f"train: step {n}/66" for n in (14, 28, 42, 56, 66)]
+    assert [line.split(" (")[0] for line in lines] == [
+        f"train: step {n}/66" for n in (14, 28, 42, 56, 66)
+    ]
     assert progress.bar is None and not any("\r" in line for line in lines)
 
 
@@ -53,13 +55,20 @@ said = {
 warnings.warn("from a library", UserWarning)
 print(said)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_CONFIGURE_LOGGING", console.VERBOSE_ENV,
-                                                             "PYTHONWARNINGS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_CONFIGURE_LOGGING", console.VERBOSE_ENV, "PYTHONWARNINGS")
+    }
     if verbose:
         env[console.VERBOSE_ENV] = "1"
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     said = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own dict literal
     assert said["onnxscript"] is verbose and said["mlflow"] is verbose, said
     assert not said["mlflow_handler"], said  # MLflow's own handler would print in its own format
-    assert ("UserWarning: from a library" in out.stderr) is verbose, out.stderr  # in our format when verbose
+    assert ("UserWarning: from a library" in out.stderr) is verbose, (
+        out.stderr
+    )  # in our format when verbose
     assert not out.stderr.strip() or verbose, out.stderr

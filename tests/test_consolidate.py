@@ -18,23 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_lineage
 from safetensors.torch import load_file
 
-from pipeline import checkpoint
-from pipeline import consolidate
+from pipeline import checkpoint, consolidate
+from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec
 from pipeline.cli import main as pipeline_cli
+from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.config import Config
 from pipeline.distributed import DistInfo
-from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
-from pipeline.artifact.safetensors_writer import StreamingWriter, TensorSpec
 from serving import lineage
-
-from conftest import run_lineage
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-TINY = ModelSpec("pipeline.models:resnet18", {"num_classes": 10, "in_channels": 1, "width": 0.125,
-                                              "mean": [0.5], "std": [0.25]})
+TINY = ModelSpec(
+    "pipeline.models:resnet18",
+    {"num_classes": 10, "in_channels": 1, "width": 0.125, "mean": [0.5], "std": [0.25]},
+)
 ONE_PROCESS = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
 
@@ -42,22 +42,37 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_checkpoint(run_dir: Path, step: int = 3, spec: ModelSpec = TINY, poison: str | None = None,
-                    run_id: str | None = None) -> tuple[Path, torch.nn.Module]:
+def save_checkpoint(
+    run_dir: Path,
+    step: int = 3,
+    spec: ModelSpec = TINY,
+    poison: str | None = None,
+    run_id: str | None = None,
+) -> tuple[Path, torch.nn.Module]:
     """A model after one AdamW step (so optimizer state exists), saved as training saves it."""
     torch.manual_seed(step)
     model = instantiate_model(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.rand(8, 1, 8, 8)
-    torch.nn.functional.cross_entropy(model(x), torch.randint(0, spec.args["num_classes"], (8,))).backward()
+    torch.nn.functional.cross_entropy(
+        model(x), torch.randint(0, spec.args["num_classes"], (8,))
+    ).backward()
     optimizer.step()
     if poison:
         with torch.no_grad():
             model.state_dict()[poison].view(-1)[0] = float("nan")
-    meta = {"config": Config().model_dump(mode="json"), "model": spec.to_json(), "model_state": state_manifest(model),
-            "labels": [str(i) for i in range(spec.args["num_classes"])], "strategy": "ddp",
-            "mlflow_run_id": run_id, "train_state": {"epoch": 0}}
-    path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, meta, ONE_PROCESS, keep_last=5)
+    meta = {
+        "config": Config().model_dump(mode="json"),
+        "model": spec.to_json(),
+        "model_state": state_manifest(model),
+        "labels": [str(i) for i in range(spec.args["num_classes"])],
+        "strategy": "ddp",
+        "mlflow_run_id": run_id,
+        "train_state": {"epoch": 0},
+    }
+    path = checkpoint.save(
+        run_dir / "checkpoints", step, model, optimizer, meta, ONE_PROCESS, keep_last=5
+    )
     return path, model
 
 
@@ -119,9 +134,15 @@ def test_one_process_checkpoint_gives_the_models_state_dict_and_describes_it(ckp
     assert meta["config"] == Config().model_dump(mode="json")
     assert meta["tensors"]["fc.weight"] == {"shape": [10, 64], "dtype": "float32"}
     assert set(meta["tensors"]) == set(live)
-    assert meta["source"] == {"checkpoint": str(ckpt.resolve()), "step": 3, "world_size": 1,
-                              "strategy": "ddp", "mlflow_run_id": None,
-                              "val_metrics": None, "best": False}
+    assert meta["source"] == {
+        "checkpoint": str(ckpt.resolve()),
+        "step": 3,
+        "world_size": 1,
+        "strategy": "ddp",
+        "mlflow_run_id": None,
+        "val_metrics": None,
+        "best": False,
+    }
     assert temporaries(weights.parent) == []
 
 
@@ -139,18 +160,37 @@ def test_a_run_directory_gives_its_best_checkpoint_and_latest_its_newest_complet
     save_checkpoint(run, step=3)
     save_checkpoint(run, step=5)
     shutil.copytree(run / "checkpoints" / "step_00000005", run / "checkpoints" / "step_00000007")
-    (run / "checkpoints" / "step_00000007" / checkpoint.MARKER).unlink()  # a save that never finished
+    (
+        run / "checkpoints" / "step_00000007" / checkpoint.MARKER
+    ).unlink()  # a save that never finished
 
-    code, out, _ = run_consolidate([str(run), "--no-log"], capsys)  # no best.json: the newest complete
+    code, out, _ = run_consolidate(
+        [str(run), "--no-log"], capsys
+    )  # no best.json: the newest complete
     assert code == 0 and out.strip() == str(run.resolve() / "consolidated" / "model.safetensors")
     assert json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
 
-    (run / "checkpoints" / "best.json").write_text(json.dumps(
-        {"checkpoint": "step_00000003", "step": 3, "metric": "val/accuracy", "value": 0.9, "mode": "max"}))
+    (run / "checkpoints" / "best.json").write_text(
+        json.dumps(
+            {
+                "checkpoint": "step_00000003",
+                "step": 3,
+                "metric": "val/accuracy",
+                "value": 0.9,
+                "mode": "max",
+            }
+        )
+    )
     code, _, err = run_consolidate([str(run), "--no-log"], capsys)
-    assert code == 0 and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 3
+    assert (
+        code == 0
+        and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 3
+    )
     code, _, err = run_consolidate([str(run), "--latest", "--no-log"], capsys)
-    assert code == 0 and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
+    assert (
+        code == 0
+        and json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
+    )
 
     (run / "checkpoints" / "best.json").write_text("{not json")
     code, _, err = run_consolidate([str(run), "--no-log"], capsys)
@@ -181,18 +221,34 @@ def _no_manifest(ckpt: Path) -> None:
 
 
 DAMAGE = {
-    "no COMPLETE marker (partial save)": (lambda c: (c / checkpoint.MARKER).unlink(),
-                                          "has no COMPLETE marker"),
-    "shard file missing": (lambda c: (c / "__0_0.distcp").unlink(), "file '__0_0.distcp' is missing"),
-    "shard file truncated": (lambda c: _truncate(c / "__0_0.distcp", 1000), "truncated or overwritten"),
-    "a bit flipped in a shard": (lambda c: _flip_a_bit(c / "__0_0.distcp"),
-                                 "file '__0_0.distcp' differs from what was saved (its sha256 does not match"),
+    "no COMPLETE marker (partial save)": (
+        lambda c: (c / checkpoint.MARKER).unlink(),
+        "has no COMPLETE marker",
+    ),
+    "shard file missing": (
+        lambda c: (c / "__0_0.distcp").unlink(),
+        "file '__0_0.distcp' is missing",
+    ),
+    "shard file truncated": (
+        lambda c: _truncate(c / "__0_0.distcp", 1000),
+        "truncated or overwritten",
+    ),
+    "a bit flipped in a shard": (
+        lambda c: _flip_a_bit(c / "__0_0.distcp"),
+        "file '__0_0.distcp' differs from what was saved (its sha256 does not match",
+    ),
     "shard truncated, marker rewritten to match": (
         lambda c: rewrite(c, "__0_0.distcp", (c / "__0_0.distcp").read_bytes()[:1000]),
-        "__0_0.distcp failed: shard file corrupt or truncated?"),
+        "__0_0.distcp failed: shard file corrupt or truncated?",
+    ),
     ".metadata truncated, marker rewritten to match": (
-        lambda c: rewrite(c, ".metadata", (c / ".metadata").read_bytes()[:500]), ".metadata can't be read"),
-    "metadata from another model": (_other_model, "shape differs: fc.weight checkpoint [10, 64] vs model [5, 128]"),
+        lambda c: rewrite(c, ".metadata", (c / ".metadata").read_bytes()[:500]),
+        ".metadata can't be read",
+    ),
+    "metadata from another model": (
+        _other_model,
+        "shape differs: fc.weight checkpoint [10, 64] vs model [5, 128]",
+    ),
     "saved before components (no manifest)": (_no_manifest, "records no model_state manifest"),
 }
 
@@ -215,7 +271,9 @@ def test_a_missing_path_is_named(tmp_path, capsys):
 
 def test_an_output_that_cannot_be_written_is_named(ckpt, tmp_path, capsys):
     (tmp_path / "a_file").write_text("not a directory")
-    code, _, err = run_consolidate([str(ckpt), "--output", str(tmp_path / "a_file" / "out"), "--no-log"], capsys)
+    code, _, err = run_consolidate(
+        [str(ckpt), "--output", str(tmp_path / "a_file" / "out"), "--no-log"], capsys
+    )
     assert code == 2 and "can't be written" in err and "--output" in err
 
 
@@ -227,7 +285,9 @@ def test_nan_in_the_weights_stops_and_keeps_the_previous_consolidation(tmp_path)
     weights = consolidate.main(good, output=out, log_to_mlflow=False)
     before = (sha256(weights), (out / "model.json").read_text())
 
-    with pytest.raises(consolidate.ConsolidateError, match="tensor 'normalize.std' holds 1 NaN and 0 Inf"):
+    with pytest.raises(
+        consolidate.ConsolidateError, match="tensor 'normalize.std' holds 1 NaN and 0 Inf"
+    ):
         consolidate.main(bad, output=out, log_to_mlflow=False)
     assert (sha256(weights), (out / "model.json").read_text()) == before
     assert temporaries(out) == []
@@ -247,11 +307,17 @@ def test_a_disk_too_small_is_refused_before_writing(ckpt, tmp_path, capsys):
     before writing refuses it; the mid-write failure is the next test's."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("can't mount a tmpfs here")
     try:
-        code, _, err = run_consolidate([str(ckpt), "--output", str(mnt / "out"), "--no-log"], capsys)
+        code, _, err = run_consolidate(
+            [str(ckpt), "--output", str(mnt / "out"), "--no-log"], capsys
+        )
         assert code == 2 and "not enough disk space" in err
         assert list((mnt / "out").iterdir()) == []
     finally:
@@ -267,9 +333,23 @@ def test_a_write_failing_midway_leaves_nothing_behind(ckpt, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "consolidate", str(ckpt), "--output", str(out),
-                           "--no-log"], capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size,
-                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "consolidate",
+            str(ckpt),
+            "--output",
+            str(out),
+            "--no-log",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit_file_size,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "pipeline consolidate: error: disk full while writing" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == []
@@ -296,7 +376,9 @@ def test_logs_to_the_run_and_consolidates_from_a_run_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    experiment = mlflow.create_experiment("consolidate", artifact_location=(tmp_path / "artifacts").as_uri())
+    experiment = mlflow.create_experiment(
+        "consolidate", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     with mlflow.start_run(experiment_id=experiment) as run:
         run_id = run.info.run_id
     ckpt, model = save_checkpoint(tmp_path / "trained", run_id=run_id)
@@ -318,8 +400,9 @@ def test_logs_to_the_run_and_consolidates_from_a_run_id(tmp_path, monkeypatch):
 
 def test_an_unknown_run_id_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, _, err = run_consolidate(["--run-id", "0" * 32, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}"],
-                                   capsys)
+    code, _, err = run_consolidate(
+        ["--run-id", "0" * 32, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}"], capsys
+    )
     assert code == 2 and f"run {'0' * 32} not found" in err
 
 
@@ -327,18 +410,39 @@ def test_an_unknown_run_id_is_named(tmp_path, monkeypatch, capsys):
 
 
 def torchrun(script: str, *args: str, timeout: float = 300) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / script),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def two_process(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp(request.param)
-    torchrun("consolidate_make_checkpoint.py", "--strategy", request.param, "--model", json.dumps(TINY.to_json()),
-             "--out", str(out), "--live")
+    torchrun(
+        "consolidate_make_checkpoint.py",
+        "--strategy",
+        request.param,
+        "--model",
+        json.dumps(TINY.to_json()),
+        "--out",
+        str(out),
+        "--live",
+    )
     return request.param, out
 
 
@@ -364,20 +468,36 @@ def test_two_process_checkpoint_gives_the_live_models_weights_and_outputs(two_pr
     model.eval()
     recorded = load_file(str(out / "live_outputs.safetensors"))
     with torch.no_grad():
-        torch.testing.assert_close(model(recorded["input"]), recorded["output"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            model(recorded["input"]), recorded["output"], rtol=1e-5, atol=1e-6
+        )
     source = json.loads((weights.parent / "model.json").read_text())["source"]
     assert (source["world_size"], source["strategy"], source["step"]) == (2, strategy, 2)
 
 
 # A checkpoint of ~450 MB: MLP weights (~150 MB, largest tensor 4096x4096 fp32 = 64 MiB) + AdamW.
-BIG = ModelSpec("pipeline.models:mlp", {"num_classes": 10, "in_channels": 1, "image_size": 32,
-                                        "hidden": [4096, 4096, 4096], "mean": [0.5], "std": [0.25]})
+BIG = ModelSpec(
+    "pipeline.models:mlp",
+    {
+        "num_classes": 10,
+        "in_channels": 1,
+        "image_size": 32,
+        "hidden": [4096, 4096, 4096],
+        "mean": [0.5],
+        "std": [0.25],
+    },
+)
 
 
 def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
     """Peak resident memory over the process baseline, in bytes, measured in a fresh process (VmHWM)."""
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "consolidate_peak_rss.py"), mode, str(ckpt), str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "consolidate_peak_rss.py"), mode, str(ckpt), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result["peak"] - result["baseline"]
@@ -389,12 +509,24 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path,
     """Bound: half the largest tensor (64 MiB): the one pass streams each tensor through one 4 MiB buffer, so
     what it holds does not grow with the tensors (reading a tensor whole would take 1x; dcp_to_torch_save holds
     the whole checkpoint). Under FSDP every tensor is split between the two shard files and reassembled."""
-    torchrun("consolidate_make_checkpoint.py", "--strategy", strategy, "--steps", "1", "--model",
-             json.dumps(BIG.to_json()), "--out", str(tmp_path))
+    torchrun(
+        "consolidate_make_checkpoint.py",
+        "--strategy",
+        strategy,
+        "--steps",
+        "1",
+        "--model",
+        json.dumps(BIG.to_json()),
+        "--out",
+        str(tmp_path),
+    )
     ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
     metadata = consolidate.CachedMetadataReader(ckpt).metadata
-    sizes = [md.size.numel() * md.properties.dtype.itemsize for key, md in metadata.state_dict_metadata.items()
-             if key.startswith("model.")]
+    sizes = [
+        md.size.numel() * md.properties.dtype.itemsize
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    ]
     largest = max(sizes)
     assert largest == 4096 * 4096 * 4 and sum(sizes) > 2 * largest
     bound = 0.5 * largest
@@ -402,8 +534,12 @@ def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path,
     ours = peak_rss("ours", ckpt, tmp_path / "ours")
     theirs = peak_rss("dcp_to_torch_save", ckpt, tmp_path / "theirs")
 
-    assert ours < bound, f"ours peaked {ours / 2**20:.0f} MiB over baseline, bound {bound / 2**20:.0f} MiB"
-    assert theirs > bound, f"dcp_to_torch_save peaked {theirs / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
+    assert ours < bound, (
+        f"ours peaked {ours / 2**20:.0f} MiB over baseline, bound {bound / 2**20:.0f} MiB"
+    )
+    assert theirs > bound, (
+        f"dcp_to_torch_save peaked {theirs / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
+    )
     weights = load_file(str(tmp_path / "ours" / "model.safetensors"))
     with torch.device("meta"):
         assert set(weights) == set(instantiate_model(BIG).state_dict())
@@ -417,8 +553,19 @@ def test_consolidate_after_pipeline_train_logs_to_the_same_run(workdir):
     from conftest import TINY as TINY_CONFIG
     from conftest import only_run, run_cli
 
-    run_cli(["train", "--config", str(TINY_CONFIG), "--nproc-per-node", "2", "train.strategy=fsdp",
-             "train.run_name=fsdp_run", "train.max_steps=6"], cwd=workdir)
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY_CONFIG),
+            "--nproc-per-node",
+            "2",
+            "train.strategy=fsdp",
+            "train.run_name=fsdp_run",
+            "train.max_steps=6",
+        ],
+        cwd=workdir,
+    )
     run_dir = workdir / "outputs" / "fsdp_run"
     proc = run_cli(["consolidate", str(run_dir), "--latest"], cwd=workdir)
     weights = Path(proc.stdout.strip().splitlines()[-1])
@@ -426,15 +573,25 @@ def test_consolidate_after_pipeline_train_logs_to_the_same_run(workdir):
 
     from conftest import model_from_checkpoint
 
-    model = model_from_checkpoint(checkpoint.latest(run_dir / "checkpoints"))  # as training reads it
+    model = model_from_checkpoint(
+        checkpoint.latest(run_dir / "checkpoints")
+    )  # as training reads it
     got = load_file(str(weights))
     assert sorted(got) == sorted(model.state_dict())
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
     client, run = only_run(workdir, "tiny")
     meta = json.loads((weights.parent / "model.json").read_text())
-    assert meta["source"]["mlflow_run_id"] == run.info.run_id and meta["source"]["strategy"] == "fsdp"
-    assert run_lineage(run.info.run_id, client)["consolidated"]["sha256"] == meta["sha256"] == sha256(weights)
+    assert (
+        meta["source"]["mlflow_run_id"] == run.info.run_id and meta["source"]["strategy"] == "fsdp"
+    )
+    assert (
+        run_lineage(run.info.run_id, client)["consolidated"]["sha256"]
+        == meta["sha256"]
+        == sha256(weights)
+    )
     assert lineage.read_stages(run.data.tags[lineage.STAGES])["consolidate"] == "done"
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "consolidated")) == [
-        "consolidated/model.json", "consolidated/model.safetensors"]
+        "consolidated/model.json",
+        "consolidated/model.safetensors",
+    ]

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
 from pipeline.components.data import DataError, make_train_loader, rescale_loader_state
 from pipeline.datasets import digits, fashion_mnist
-
-from conftest import run_cli
 
 
 def write_idx(path, array: np.ndarray, gz: bool):
@@ -45,17 +44,23 @@ def test_digits_split_is_fixed_and_scaled():
     # What the training set suggests for the built-in models: input shape and its own statistics.
     hints = a["train"].model_args
     assert hints["in_channels"] == 1 and hints["image_size"] == 8
-    assert hints["mean"] == pytest.approx([x.mean().item()]) and hints["std"] == pytest.approx([x.std().item()])
+    assert hints["mean"] == pytest.approx([x.mean().item()]) and hints["std"] == pytest.approx(
+        [x.std().item()]
+    )
 
 
 def test_digits_are_scikit_learns_without_importing_it(tmp_path):
     """The built-in digits are read from the file scikit-learn ships: the same images and targets as its loader,
     and scikit-learn stays unimported (its import was most of the data's start-up time)."""
-    code = ("import sys; from pipeline.datasets.digits import load_digits; images, target = load_digits(); "
-            "assert 'sklearn' not in sys.modules, 'sklearn was imported'; "
-            "import numpy as np; np.save(sys.argv[1], images); np.save(sys.argv[2], target)")
+    code = (
+        "import sys; from pipeline.datasets.digits import load_digits; images, target = load_digits(); "
+        "assert 'sklearn' not in sys.modules, 'sklearn was imported'; "
+        "import numpy as np; np.save(sys.argv[1], images); np.save(sys.argv[2], target)"
+    )
     paths = [str(tmp_path / "images.npy"), str(tmp_path / "target.npy")]
-    subprocess.run([sys.executable, "-c", code, *paths], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run(
+        [sys.executable, "-c", code, *paths], check=True, cwd=Path(__file__).resolve().parents[1]
+    )
     images, target = np.load(paths[0]), np.load(paths[1])
     from sklearn.datasets import load_digits
 
@@ -93,7 +98,10 @@ def test_global_batches_do_not_depend_on_world_size():
     """Rank batches of a 2-process run, put together, are the 1-process run's batches."""
     s = digits(0.2, 0)["train"]
     one = next(iter(make_train_loader(s, 32, 0, 1, seed=3, num_workers=0, pin_memory=False)))[1]
-    two = [next(iter(make_train_loader(s, 16, r, 2, seed=3, num_workers=0, pin_memory=False)))[1] for r in (0, 1)]
+    two = [
+        next(iter(make_train_loader(s, 16, r, 2, seed=3, num_workers=0, pin_memory=False)))[1]
+        for r in (0, 1)
+    ]
     assert sorted(one.tolist()) == sorted(torch.cat(two).tolist())
 
 
@@ -122,8 +130,10 @@ def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch()
     s = digits(0.2, 0)["train"]
 
     def batches(world, epoch):
-        loaders = [make_train_loader(s, 32 // world, r, world, seed=5, num_workers=0, pin_memory=False)
-                   for r in range(world)]
+        loaders = [
+            make_train_loader(s, 32 // world, r, world, seed=5, num_workers=0, pin_memory=False)
+            for r in range(world)
+        ]
         for loader in loaders:
             loader.sampler.set_epoch(epoch)
         return [torch.cat([x for x, _ in parts]) for parts in zip(*loaders)]
@@ -148,7 +158,9 @@ def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(w
     """2 ranks stop after 3 batches; 1 rank resumed from rank 0's state (rescaled) continues with exactly
     the samples the 2 ranks had not seen. With workers, torchdata nests the position in a snapshot."""
     s = digits(0.2, 0)["train"]
-    loaders = [make_train_loader(s, 8, r, 2, seed=4, num_workers=workers, pin_memory=False) for r in (0, 1)]
+    loaders = [
+        make_train_loader(s, 8, r, 2, seed=4, num_workers=workers, pin_memory=False) for r in (0, 1)
+    ]
     seen = []
     for loader in loaders:
         it = iter(loader)
@@ -158,8 +170,11 @@ def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(w
     one = make_train_loader(s, 16, 0, 1, seed=4, num_workers=workers, pin_memory=False)
     one.load_state_dict(rescale_loader_state(state, saved_world=2, world=1))
     rest = [x for batch, _ in one for x in batch]
-    reference = [x for batch, _ in make_train_loader(s, 16, 0, 1, seed=4, num_workers=0, pin_memory=False)
-                 for x in batch]
+    reference = [
+        x
+        for batch, _ in make_train_loader(s, 16, 0, 1, seed=4, num_workers=0, pin_memory=False)
+        for x in batch
+    ]
     key = lambda xs: sorted(tuple(x.flatten().tolist()) for x in xs)  # noqa: E731
     assert len(seen) == 48 and len(seen) + len(rest) == len(reference)
     assert key(seen + rest) == key(reference)
@@ -230,8 +245,10 @@ def sequences(tmp_path, monkeypatch):
     project = tmp_path / "project"
     project.mkdir()
     (project / "seqdata.py").write_text(SEQUENCES)
-    (project / "seq.yaml").write_text("data: {component: seqdata:data}\nmodel: {component: seqdata:Bag}\n"
-                                      "train: {global_batch_size: 8, max_steps: 2, eval_every: 0}\n")
+    (project / "seq.yaml").write_text(
+        "data: {component: seqdata:data}\nmodel: {component: seqdata:Bag}\n"
+        "train: {global_batch_size: 8, max_steps: 2, eval_every: 0}\n"
+    )
     monkeypatch.syspath_prepend(str(project))
     yield project
     sys.modules.pop("seqdata", None)
@@ -240,8 +257,13 @@ def sequences(tmp_path, monkeypatch):
 def refused_by_the_cli(project, command: str, *overrides: str) -> str:
     """`pipeline <command> --nproc-per-node 2` on the project: exit 2, one line on stderr, no process started;
     returns the line."""
-    proc = run_cli([command, "--config", str(project / "seq.yaml"), "--nproc-per-node", "2", *overrides],
-                   cwd=project, env={"PYTHONPATH": str(project)}, timeout=120, check=False)
+    proc = run_cli(
+        [command, "--config", str(project / "seq.yaml"), "--nproc-per-node", "2", *overrides],
+        cwd=project,
+        env={"PYTHONPATH": str(project)},
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -254,16 +276,26 @@ def refused_by_the_cli(project, command: str, *overrides: str) -> str:
 def test_items_of_different_lengths_stop_before_any_process_starts(sequences, command):
     """torchrun would start both ranks and each would fail in its first step (130 lines of tracebacks)."""
     message = refused_by_the_cli(sequences, command)
-    assert ("data.component 'seqdata:data' split 'train': items 0 and 9 differ: input 'tokens' has shape [5] in "
-            "item 0, [6] in item 9, so they do not stack into one batch") in message, message
-    assert "pad them to one length" in message and "give the data set a `collate_fn`" in message, message
+    assert (
+        "data.component 'seqdata:data' split 'train': items 0 and 9 differ: input 'tokens' has shape [5] in "
+        "item 0, [6] in item 9, so they do not stack into one batch"
+    ) in message, message
+    assert "pad them to one length" in message and "give the data set a `collate_fn`" in message, (
+        message
+    )
 
 
 def test_per_token_labels_under_classification_point_to_token_classification(sequences):
-    message = refused_by_the_cli(sequences, "run", "data.args.per_token=true", "data.args.length=12")
-    assert ("split 'train' item 0: the target is a int64 tensor of shape [12]; classification needs an int64 class "
-            "index") in message, message
-    assert "set task.name=token_classification" in message and "torch.tensor(label" not in message, message
+    message = refused_by_the_cli(
+        sequences, "run", "data.args.per_token=true", "data.args.length=12"
+    )
+    assert (
+        "split 'train' item 0: the target is a int64 tensor of shape [12]; classification needs an int64 class "
+        "index"
+    ) in message, message
+    assert (
+        "set task.name=token_classification" in message and "torch.tensor(label" not in message
+    ), message
 
 
 def test_a_label_of_the_wrong_kind_still_gets_the_plain_hint(sequences):
@@ -281,17 +313,26 @@ def test_a_collate_fn_of_the_data_set_is_checked_and_used_by_every_loader(sequen
     from pipeline.config import load_config
 
     cfg = load_config(sequences / "seq.yaml", ["data.args.collate=pad"])
-    built = preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)  # ragged, and padded by the data set
+    built = preflight(
+        cfg.data, cfg.task, cfg.model, cfg.train, cfg.export
+    )  # ragged, and padded by the data set
     inputs, target = first_batch(built.splits.val, 3)
     assert inputs["tokens"].shape == (3, 7) and target.tolist() == [0, 1, 2]  # lengths 5, 6, 7
-    (inputs, _), = list(eval_loader(eval_shard(built.splits.val, 0, 8), 4))  # through a Subset: items 0 and 8
+    ((inputs, _),) = list(
+        eval_loader(eval_shard(built.splits.val, 0, 8), 4)
+    )  # through a Subset: items 0 and 8
     assert inputs["tokens"].shape == (2, 5)
     loader = make_train_loader(built.splits.train, 4, 0, 2, 0, 0, False)
     assert all(inputs["tokens"].shape[0] == 4 for inputs, _ in loader)
 
-    for collate, expected in (("broken", "split 'train': its collate_fn raised ZeroDivisionError on items [0, 9, 18, "
-                                         "27, 36, 45, 54, 63]: division by zero"),
-                              ("text", "split 'train': its `collate_fn` is a str, not callable")):
+    for collate, expected in (
+        (
+            "broken",
+            "split 'train': its collate_fn raised ZeroDivisionError on items [0, 9, 18, "
+            "27, 36, 45, 54, 63]: division by zero",
+        ),
+        ("text", "split 'train': its `collate_fn` is a str, not callable"),
+    ):
         cfg = load_config(sequences / "seq.yaml", [f"data.args.collate={collate}"])
         with pytest.raises(DataError, match=re.escape(expected)):
             build_data(cfg.data, cfg.task.name)

@@ -10,24 +10,23 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import run_lineage
 from safetensors.torch import save_file
+from serving_fixtures import ServerProcess, run_onnx
 
 from pipeline import cli
 from pipeline.artifact import gates, onnx_export, uint8_inputs
+from pipeline.artifact.weights import load_model, read_weights
 from pipeline.components.build import ModelSpec, build_data, instantiate_model, model_spec
-from serving.lineage import file_sha256 as sha256_file
+from pipeline.config import load_config
+from pipeline.datasets.images import ImageTensors
+from pipeline.export import ExportResult, main
 from pipeline.tasks import build_task
 from pipeline.tasks.classification import Classification
 from pipeline.tasks.regression import Regression
 from pipeline.tracking import free_port
-from pipeline.config import load_config
-from pipeline.artifact.weights import load_model, read_weights
-from pipeline.export import ExportResult, main
-from pipeline.datasets.images import ImageTensors
 from serving import lineage
-from serving_fixtures import ServerProcess, run_onnx
-
-from conftest import run_lineage
+from serving.lineage import file_sha256 as sha256_file
 
 EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
 
@@ -42,20 +41,32 @@ def store(tmp_path_factory) -> str:
     return uri
 
 
-def write_weights(directory: Path, model: torch.nn.Module, cfg, spec: ModelSpec, labels, run_id: str | None) -> Path:
+def write_weights(
+    directory: Path, model: torch.nn.Module, cfg, spec: ModelSpec, labels, run_id: str | None
+) -> Path:
     """What `pipeline consolidate` writes: model.safetensors and model.json (trainserve-weights/2)."""
     directory.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(directory / "model.safetensors"))
     meta = {
-        "format": "trainserve-weights/2", "config": cfg.model_dump(mode="json"), "model": spec.to_json(),
+        "format": "trainserve-weights/2",
+        "config": cfg.model_dump(mode="json"),
+        "model": spec.to_json(),
         "data": {"component": cfg.data.component, "args": cfg.data.args},
-        "task": {"name": "classification", "num_classes": len(labels), "labels": labels}, "labels": labels,
-        "inputs": [{"name": "input", "dtype": "float32", "shape": [1, 8, 8]}], "single_input": True,
+        "task": {"name": "classification", "num_classes": len(labels), "labels": labels},
+        "labels": labels,
+        "inputs": [{"name": "input", "dtype": "float32", "shape": [1, 8, 8]}],
+        "single_input": True,
         "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sd.items()},
-        "sha256": sha256_file(directory / "model.safetensors"), "dtype": "float32",
-        "source": {"checkpoint": str(directory.parent / "checkpoints" / "step_000030"), "step": 30,
-                   "world_size": 1, "strategy": "ddp", "mlflow_run_id": run_id},
+        "sha256": sha256_file(directory / "model.safetensors"),
+        "dtype": "float32",
+        "source": {
+            "checkpoint": str(directory.parent / "checkpoints" / "step_000030"),
+            "step": 30,
+            "world_size": 1,
+            "strategy": "ddp",
+            "mlflow_run_id": run_id,
+        },
     }
     (directory / "model.json").write_text(json.dumps(meta))
     return directory
@@ -63,15 +74,23 @@ def write_weights(directory: Path, model: torch.nn.Module, cfg, spec: ModelSpec,
 
 def head_of(model: torch.nn.Module) -> onnx_export.ExportHead:
     """The digits classifier as the graph runs it: `input` -> logits, probabilities."""
-    return onnx_export.ExportHead(model, Classification([str(d) for d in range(10)], top_k=5), ["input"], True)
+    return onnx_export.ExportHead(
+        model, Classification([str(d) for d in range(10)], top_k=5), ["input"], True
+    )
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, store):
     """A width-0.125 ResNet-18 trained 30 steps on digits, consolidated, with its MLflow run."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(overrides=["model.args.width=0.125", f"tracking.tracking_uri={store}",
-                                 f"tracking.experiment={EXPERIMENT}", f"train.output_dir={run_dir.parent}"])
+    cfg = load_config(
+        overrides=[
+            "model.args.width=0.125",
+            f"tracking.tracking_uri={store}",
+            f"tracking.experiment={EXPERIMENT}",
+            f"train.output_dir={run_dir.parent}",
+        ]
+    )
     splits = build_data(cfg.data, cfg.task.name)
     spec, _ = model_spec(cfg.model, splits, build_task(cfg.task, splits.classes))
     torch.manual_seed(0)
@@ -86,19 +105,30 @@ def trained(tmp_path_factory, store):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    with torch.no_grad():  # BatchNorm statistics over the whole training set: 30 steps of EMA are not enough
+    with (
+        torch.no_grad()
+    ):  # BatchNorm statistics over the whole training set: 30 steps of EMA are not enough
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.reset_running_stats()
                 m.momentum = None
         model(train_x)
     model.eval()
-    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id,
-                          run_name=run_dir.name) as run:
+    with mlflow.start_run(
+        experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id, run_name=run_dir.name
+    ) as run:
         mlflow.log_param("train.output_dir", str(run_dir.parent))
-    weights_dir = write_weights(run_dir / "consolidated", model, cfg, spec, splits.classes, run.info.run_id)
-    return {"dir": weights_dir, "run_id": run.info.run_id, "cfg": cfg, "spec": spec, "splits": splits,
-            "val_x": splits.val.x.numpy()}
+    weights_dir = write_weights(
+        run_dir / "consolidated", model, cfg, spec, splits.classes, run.info.run_id
+    )
+    return {
+        "dir": weights_dir,
+        "run_id": run.info.run_id,
+        "cfg": cfg,
+        "spec": spec,
+        "splits": splits,
+        "val_x": splits.val.x.numpy(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +138,14 @@ def exported(trained, store, tmp_path_factory) -> ExportResult:
     for name in ("model.safetensors", "model.json"):  # what `pipeline consolidate` logs to the run
         client.log_artifact(trained["run_id"], str(trained["dir"] / name), "consolidated")
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp_path_factory.mktemp("elsewhere"))  # --run-id downloads into ./outputs/<run_id>/
-        return main(run_id=trained["run_id"], tracking_uri=store,
-                    overrides=["export.ort_optimize=true", "export.fp16=true", "export.uint8_inputs=true"])
+        mp.chdir(
+            tmp_path_factory.mktemp("elsewhere")
+        )  # --run-id downloads into ./outputs/<run_id>/
+        return main(
+            run_id=trained["run_id"],
+            tracking_uri=store,
+            overrides=["export.ort_optimize=true", "export.fp16=true", "export.uint8_inputs=true"],
+        )
 
 
 def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
@@ -121,19 +156,30 @@ def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
     for size in (1, 7, 64):
         gate = report["gates"][f"parity.b{size}"]
         assert gate["passed"] and gate["samples"] == size
-        assert gate["max_abs"] <= 1e-4 and gate["max_rel"] <= 1e-3 and gate["argmax_agreement"] == 1.0
+        assert (
+            gate["max_abs"] <= 1e-4 and gate["max_rel"] <= 1e-3 and gate["argmax_agreement"] == 1.0
+        )
     assert report["gates"]["parity.val"]["samples"] == len(trained["splits"].val)
     acc = report["gates"]["accuracy"]
-    assert acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50  # trained: well above chance (10%)
+    assert (
+        acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50
+    )  # trained: well above chance (10%)
     assert json.loads(exported.report_path.read_text())["model_version"] == exported.model_version
-    assert exported.onnx_path.resolve().parts[-4:] == ("outputs", trained["run_id"], "onnx", "model.onnx")
+    assert exported.onnx_path.resolve().parts[-4:] == (
+        "outputs",
+        trained["run_id"],
+        "onnx",
+        "model.onnx",
+    )
 
 
 def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     model = onnx.load(str(exported.onnx_path))
     (inp,) = model.graph.input
     dims = inp.type.tensor_type.shape.dim
-    assert inp.name == "input" and dims[0].dim_param and [d.dim_value for d in dims[1:]] == [1, 8, 8]
+    assert (
+        inp.name == "input" and dims[0].dim_param and [d.dim_value for d in dims[1:]] == [1, 8, 8]
+    )
     assert [o.name for o in model.graph.output] == ["logits", "probabilities"]
     assert {op.domain: op.version for op in model.opset_import}[""] == 18
     props = {p.key: p.value for p in model.metadata_props}
@@ -176,52 +222,84 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     # From the version back to the training run: its metrics, the stage, and at most 12 tags a person reads.
     run = client.get_run(tags[lineage.RUN_ID])
     assert lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
-    assert len([k for k in run.data.tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(run.data.tags)
+    assert len([k for k in run.data.tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(
+        run.data.tags
+    )
     assert run.data.tags[lineage.CHECKPOINT] == tags[lineage.CHECKPOINT]
     assert run.data.tags[lineage.VERDICT] == f"resnet18-digits v{exported.model_version} @champion"
     whole = run_lineage(run.info.run_id, client)
-    assert whole["export"]["exporter"]["used"] == "dynamo" and whole["export"]["model"]["step"] == "30"
+    assert (
+        whole["export"]["exporter"]["used"] == "dynamo" and whole["export"]["model"]["step"] == "30"
+    )
     assert whole["export"]["registered"]["version"] == exported.model_version
     assert run.data.metrics["export.passed"] == 1.0 and run.data.metrics["export.failed_gates"] == 0
     # every gate's figures in one table the UI shows; a few headline ones as metrics, not dozens of one-bar charts
     exported_metrics = [k for k in run.data.metrics if k.startswith(("export.", "compare."))]
     assert len(exported_metrics) <= 10, exported_metrics
     table = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
-    assert set(table.gate) >= {"parity.b7", "parity.b64", "parity.val", "accuracy", "checker"} and table.passed.all()
+    assert (
+        set(table.gate) >= {"parity.b7", "parity.b64", "parity.val", "accuracy", "checker"}
+        and table.passed.all()
+    )
     assert table[(table.gate == "parity.b64") & (table.figure == "max_abs")].value.iloc[0] < 1e-3
     # What a server does with models:/name@alias: the registered files load and give the same numbers.
     local = Path(mlflow.artifacts.download_artifacts("models:/resnet18-digits@champion"))
     served = gates.session(local / "model.onnx")
     feeds = {"input": trained["val_x"][:5]}
-    assert np.array_equal(gates.run_onnx(served, feeds)["logits"],
-                          gates.run_onnx(gates.session(exported.onnx_path), feeds)["logits"])
+    assert np.array_equal(
+        gates.run_onnx(served, feeds)["logits"],
+        gates.run_onnx(gates.session(exported.onnx_path), feeds)["logits"],
+    )
     assert tags[lineage.MODEL] == "pipeline.models:resnet18"
     assert tags[lineage.DATA] == "pipeline.datasets:digits"
     # The report the run's page shows is the one on disk, complete: version, alias, URI and hashes filled.
-    stored = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=trained["run_id"],
-                                                                 artifact_path="onnx/export_report.json")).read_text())
+    stored = json.loads(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=trained["run_id"], artifact_path="onnx/export_report.json"
+            )
+        ).read_text()
+    )
     assert stored == json.loads(exported.report_path.read_text())
     assert stored["model_version"] == exported.model_version and stored["alias"] == "champion"
-    assert stored["model_uri"] and stored["sha256"]["model.onnx"] and stored["sha256"]["drift_reference.json"]
+    assert (
+        stored["model_uri"]
+        and stored["sha256"]["model.onnx"]
+        and stored["sha256"]["drift_reference.json"]
+    )
 
 
 def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
     reference = load_model(read_weights(trained["dir"]))
     with torch.no_grad():
-        reference.fc.weight.add_(0.05 * torch.randn_like(reference.fc.weight, generator=torch.Generator().manual_seed(1)))
+        reference.fc.weight.add_(
+            0.05 * torch.randn_like(reference.fc.weight, generator=torch.Generator().manual_seed(1))
+        )
     head = head_of(reference)
     sess = gates.session(exported.onnx_path)
     batches, _ = gates.parity_batches(trained["splits"].val, {}, head)
     results = gates.parity(sess, head, batches, head.task, atol=1e-4, rtol=1e-3)
     assert not any(g["passed"] for g in results.values())
-    assert "max_abs" in results["parity.b7"]["message"] and "exceeds atol" in results["parity.b7"]["message"]
+    assert (
+        "max_abs" in results["parity.b7"]["message"]
+        and "exceeds atol" in results["parity.b7"]["message"]
+    )
     assert results["parity.b7"]["max_abs"] > 1e-3
 
 
 def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, capsys, tmp_path):
     # A tolerance no float computation meets: the parity gates fail on real numbers.
-    code = cli.main(["export", str(trained["dir"]), "--tracking-uri", store,
-                     "export.atol=1e-12", "export.rtol=1e-12", "export.registered_model_name=never-registered"])
+    code = cli.main(
+        [
+            "export",
+            str(trained["dir"]),
+            "--tracking-uri",
+            store,
+            "export.atol=1e-12",
+            "export.rtol=1e-12",
+            "export.registered_model_name=never-registered",
+        ]
+    )
     err = capsys.readouterr().err
     report_path = trained["dir"].parent / "onnx" / "export_report.json"  # default: <run_dir>/onnx
     assert code == 1 and "gate failed" in err and str(report_path) in err
@@ -235,29 +313,45 @@ def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, 
     assert (report_path.parent / "model.rejected.onnx").is_file()
 
 
-def test_weights_that_do_not_match_their_config_are_refused_with_the_keys(trained, store, tmp_path, capsys):
+def test_weights_that_do_not_match_their_config_are_refused_with_the_keys(
+    trained, store, tmp_path, capsys
+):
     meta = json.loads((trained["dir"] / "model.json").read_text())
     # The recorded args now describe a wider model than the file holds.
     bad = ModelSpec(trained["spec"].component, {**trained["spec"].args, "width": 0.25})
     model = load_model(read_weights(trained["dir"]))
-    weights = write_weights(tmp_path / "consolidated", model, trained["cfg"], bad, meta["labels"], None)
+    weights = write_weights(
+        tmp_path / "consolidated", model, trained["cfg"], bad, meta["labels"], None
+    )
     code = cli.main(["export", str(weights), "--tracking-uri", store])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("pipeline export: error:")
-    assert "does not match the model" in err and "conv1.weight: file [8, 1, 3, 3], model [16, 1, 3, 3]" in err
+    assert (
+        "does not match the model" in err
+        and "conv1.weight: file [8, 1, 3, 3], model [16, 1, 3, 3]" in err
+    )
 
 
 def test_bad_inputs_each_get_one_clear_error(trained, store, tmp_path, capsys):
     cases = [
-        (["--run-id", "0" * 32, "--tracking-uri", store], "run 00000000000000000000000000000000 not found"),
+        (
+            ["--run-id", "0" * 32, "--tracking-uri", store],
+            "run 00000000000000000000000000000000 not found",
+        ),
         ([str(tmp_path), "--tracking-uri", store], "missing model.safetensors, model.json"),
-        ([str(trained["dir"]), "--tracking-uri", f"http://127.0.0.1:{free_port()}"], "cannot be reached"),
+        (
+            [str(trained["dir"]), "--tracking-uri", f"http://127.0.0.1:{free_port()}"],
+            "cannot be reached",
+        ),
         ([str(trained["dir"]), "--tracking-uri", store, "export.atoll=1"], "export.atoll"),
     ]
     for argv, expected in cases:
         code = cli.main(["export", *argv])
         err = capsys.readouterr().err
-        assert code == 2 and err.startswith("pipeline export: error:") and expected in err, (argv, err)
+        assert code == 2 and err.startswith("pipeline export: error:") and expected in err, (
+            argv,
+            err,
+        )
         assert len(err.strip().splitlines()) == 1, err
 
 
@@ -268,13 +362,23 @@ def test_an_operator_no_exporter_handles_is_named(tmp_path):
 
     head = onnx_export.ExportHead(Zeta(), Regression(), ["input"], True)
     with pytest.raises(onnx_export.ExportError, match="unsupported operator.*zeta"):
-        onnx_export.export(head, {"input": torch.rand(2, 1, 8, 8)}, {}, 18, {}, tmp_path / "zeta.onnx")
+        onnx_export.export(
+            head, {"input": torch.rand(2, 1, 8, 8)}, {}, 18, {}, tmp_path / "zeta.onnx"
+        )
 
 
 def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained):
     report = exported.report
-    for gate in ("optimized.checker", "optimized.parity.b7", "optimized.accuracy", "fp16.checker",
-                 "fp16.parity.b1", "fp16.parity.b64", "fp16.parity.val", "fp16.accuracy"):
+    for gate in (
+        "optimized.checker",
+        "optimized.parity.b7",
+        "optimized.accuracy",
+        "fp16.checker",
+        "fp16.parity.b1",
+        "fp16.parity.b64",
+        "fp16.parity.val",
+        "fp16.accuracy",
+    ):
         assert report["gates"][gate]["passed"], (gate, report["gates"][gate])
     assert report["gates"]["fp16.parity.val"]["prob_atol"] == gates.FP16_PROB_ATOL
     onnx_dir = exported.onnx_path.parent
@@ -284,20 +388,36 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in fp16.graph.initializer)
     assert (onnx_dir / "model.optimized.onnx").is_file()
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(trained["run_id"], "onnx")}
-    assert {"onnx/model.fp16.onnx", "onnx/model.optimized.onnx", "onnx/export_report.json"} <= logged
+    assert {
+        "onnx/model.fp16.onnx",
+        "onnx/model.optimized.onnx",
+        "onnx/export_report.json",
+    } <= logged
     # Servable: inside the registered model beside model.onnx (`serving --variant fp16` picks it), and each
     # gate names the provider it ran on (CUDA for fp16 only where the CUDA provider really loads).
-    local = Path(mlflow.artifacts.download_artifacts(f"models:/resnet18-digits/{exported.model_version}"))
+    local = Path(
+        mlflow.artifacts.download_artifacts(f"models:/resnet18-digits/{exported.model_version}")
+    )
     assert (local / "model.fp16.onnx").read_bytes() == (onnx_dir / "model.fp16.onnx").read_bytes()
     on_cuda = report["providers"]["CUDAExecutionProvider"].startswith("gated")
-    assert {g["provider"] for k, g in report["gates"].items() if k.startswith("fp16.parity")} == \
-        {"CUDAExecutionProvider" if on_cuda else "CPUExecutionProvider"}
+    assert {g["provider"] for k, g in report["gates"].items() if k.startswith("fp16.parity")} == {
+        "CUDAExecutionProvider" if on_cuda else "CPUExecutionProvider"
+    }
 
 
-def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(exported, trained, store, tmp_path):
+def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(
+    exported, trained, store, tmp_path
+):
     report = exported.report
-    for gate in ("uint8.range", "uint8.checker", "uint8.parity.b1", "uint8.parity.b64", "uint8.parity.val",
-                 "uint8.accuracy", "uint8.rounding"):
+    for gate in (
+        "uint8.range",
+        "uint8.checker",
+        "uint8.parity.b1",
+        "uint8.parity.b64",
+        "uint8.parity.val",
+        "uint8.accuracy",
+        "uint8.rounding",
+    ):
         assert report["gates"][gate]["passed"], (gate, report["gates"][gate])
     assert "rounded to 1/255 steps" in report["gates"]["uint8.rounding"]["message"]
     path = exported.onnx_path.with_name(uint8_inputs.FILE)
@@ -310,17 +430,47 @@ def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(exp
     # Served from the registry: UINT8 pixel values in, what the fp32 graph answers for those values / 255 out.
     pixels = uint8_inputs.rounded(trained["val_x"][:3])
     want = run_onnx(exported.onnx_path, pixels.astype(np.float32) / 255)["probabilities"]
-    with ServerProcess("--model", f"models:/resnet18-digits/{exported.model_version}", "--variant", "uint8",
-                       env={"MLFLOW_TRACKING_URI": store}, log_path=tmp_path / "uint8.log") as srv:
+    with ServerProcess(
+        "--model",
+        f"models:/resnet18-digits/{exported.model_version}",
+        "--variant",
+        "uint8",
+        env={"MLFLOW_TRACKING_URI": store},
+        log_path=tmp_path / "uint8.log",
+    ) as srv:
         import requests
 
         url = f"{srv.url}/v2/models/resnet18-digits/infer"
-        body = requests.post(url, json={"inputs": [{"name": "input", "shape": list(pixels.shape), "datatype": "UINT8",
-                                                   "data": pixels.ravel().tolist()}]}, timeout=30).json()
+        body = requests.post(
+            url,
+            json={
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": list(pixels.shape),
+                        "datatype": "UINT8",
+                        "data": pixels.ravel().tolist(),
+                    }
+                ]
+            },
+            timeout=30,
+        ).json()
         got = next(o for o in body["outputs"] if o["name"] == "probabilities")
         np.testing.assert_allclose(np.array(got["data"]).reshape(3, -1), want, atol=1e-6)
-        floats = requests.post(url, json={"inputs": [{"name": "input", "shape": list(pixels.shape), "datatype": "FP32",
-                                                     "data": (pixels / 255).ravel().tolist()}]}, timeout=30)
+        floats = requests.post(
+            url,
+            json={
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": list(pixels.shape),
+                        "datatype": "FP32",
+                        "data": (pixels / 255).ravel().tolist(),
+                    }
+                ]
+            },
+            timeout=30,
+        )
         assert floats.status_code == 400 and "UINT8" in floats.text, floats.text
 
 
@@ -328,7 +478,11 @@ def test_a_uint8_variant_is_refused_for_inputs_outside_0_1_or_not_in_the_graph(e
     val = trained["splits"].val
     normalized = ImageTensors(val.x * 4 - 1, val.y, val.classes)  # normalized outside the model
     gate = uint8_inputs.range_gate(normalized, ["input"])
-    assert not gate["passed"] and "input spans [-1, 3]" in gate["message"] and "mean/std" in gate["message"]
+    assert (
+        not gate["passed"]
+        and "input spans [-1, 3]" in gate["message"]
+        and "mean/std" in gate["message"]
+    )
     assert uint8_inputs.range_gate(val, ["input"])["passed"]
     graph = onnx.load(str(exported.onnx_path))
     names, why = uint8_inputs.chosen(graph, ["pixels"])
@@ -340,12 +494,20 @@ def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(traine
     # Dynamo builds opset 18 and converts down; for 17 onnx's converter fails on this graph and
     # torch returns opset 18 anyway. That counts as a failure: the TorchScript exporter takes over.
     head = head_of(instantiate_model(trained["spec"]).eval())
-    exported = onnx_export.export(head, {"input": torch.from_numpy(trained["val_x"][:2])}, {}, 17, {},
-                                  tmp_path / "model.onnx")
-    assert exported.exporter == "torchscript" and "opset 18, not the requested 17" in exported.fallback_reason
-    assert onnx.load(str(tmp_path / "model.onnx")).opset_import == exported.model.opset_import  # what it wrote
+    exported = onnx_export.export(
+        head, {"input": torch.from_numpy(trained["val_x"][:2])}, {}, 17, {}, tmp_path / "model.onnx"
+    )
+    assert (
+        exported.exporter == "torchscript"
+        and "opset 18, not the requested 17" in exported.fallback_reason
+    )
+    assert (
+        onnx.load(str(tmp_path / "model.onnx")).opset_import == exported.model.opset_import
+    )  # what it wrote
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
-    assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # batch still dynamic
+    assert (
+        exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    )  # batch still dynamic
 
 
 # --- champion vs challenger --------------------------------------------------------------------
@@ -358,65 +520,114 @@ def perturbed_weights(trained, directory: Path, scale: float) -> Path:
         noise = torch.randn_like(model.fc.weight, generator=torch.Generator().manual_seed(7))
         model.fc.weight.add_(scale * noise * model.fc.weight.abs().mean())
     meta = json.loads((trained["dir"] / "model.json").read_text())
-    return write_weights(directory, model, trained["cfg"], trained["spec"], meta["labels"], trained["run_id"])
+    return write_weights(
+        directory, model, trained["cfg"], trained["spec"], meta["labels"], trained["run_id"]
+    )
 
 
-def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(trained, store, tmp_path, capsys):
+def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
+    trained, store, tmp_path, capsys
+):
     name = "promotion-digits"
     client = mlflow.MlflowClient()
     worse = perturbed_weights(trained, tmp_path / "worse" / "consolidated", scale=3.0)
 
     def export(weights: Path, *overrides: str) -> dict:
-        code = cli.main(["export", str(weights), "--tracking-uri", store, f"export.registered_model_name={name}",
-                         *overrides])
+        code = cli.main(
+            [
+                "export",
+                str(weights),
+                "--tracking-uri",
+                store,
+                f"export.registered_model_name={name}",
+                *overrides,
+            ]
+        )
         out = capsys.readouterr()
         assert code == 0, out.err
-        return json.loads((weights.parent / "onnx" / "export_report.json").read_text()) | {"stdout": out.out}
+        return json.loads((weights.parent / "onnx" / "export_report.json").read_text()) | {
+            "stdout": out.out
+        }
 
     def champion() -> str:
         return str(client.get_model_version_by_alias(name, "champion").version)
 
-    first = export(worse)  # no champion yet: the first model takes the alias, and the report says so
-    assert first["promotion"]["promote"] and first["promotion"]["reason"].startswith(f"first model: {name}")
+    first = export(
+        worse
+    )  # no champion yet: the first model takes the alias, and the report says so
+    assert first["promotion"]["promote"] and first["promotion"]["reason"].startswith(
+        f"first model: {name}"
+    )
     assert champion() == first["model_version"] == "1"
 
     better = export(trained["dir"])
     decision = better["promotion"]
     assert decision["promote"] and decision["champion"]["version"] == "1" and champion() == "2"
-    assert decision["candidate"]["accuracy"] > decision["champion"]["accuracy"] and decision["gain"] > 0
+    assert (
+        decision["candidate"]["accuracy"] > decision["champion"]["accuracy"]
+        and decision["gain"] > 0
+    )
     # Both measured the same way, in their own process: latency and peak memory of each.
     for who in ("candidate", "champion"):
-        assert decision[who]["latency_ms_p50"] > 0 and decision[who]["peak_rss_mb"] > decision[who]["model_rss_mb"] > 0
+        assert (
+            decision[who]["latency_ms_p50"] > 0
+            and decision[who]["peak_rss_mb"] > decision[who]["model_rss_mb"] > 0
+        )
     # The candidate's accuracy through onnxruntime is the one its gate measured.
-    assert decision["candidate"]["accuracy"] * 100 == pytest.approx(better["gates"]["accuracy"]["onnx_accuracy_pct"])
+    assert decision["candidate"]["accuracy"] * 100 == pytest.approx(
+        better["gates"]["accuracy"]["onnx_accuracy_pct"]
+    )
 
     again = export(worse)  # a worse retrain: registered, gated, but not promoted
     decision = again["promotion"]
     assert not decision["promote"] and again["alias"] == "challenger" and champion() == "2"
-    assert str(client.get_model_version_by_alias(name, "challenger").version) == again["model_version"] == "3"
-    assert "candidate" in decision["reason"] and "worse" in decision["reason"] and "if_not_worse" in decision["reason"]
+    assert (
+        str(client.get_model_version_by_alias(name, "challenger").version)
+        == again["model_version"]
+        == "3"
+    )
+    assert (
+        "candidate" in decision["reason"]
+        and "worse" in decision["reason"]
+        and "if_not_worse" in decision["reason"]
+    )
     assert "not promoted" in again["stdout"] and "@challenger" in again["stdout"]
     version = client.get_model_version(name, "3")
-    assert version.tags[lineage.PROMOTION] == "not promoted" and "@challenger" in version.description
+    assert (
+        version.tags[lineage.PROMOTION] == "not promoted" and "@challenger" in version.description
+    )
     run = client.get_run(trained["run_id"])
     figures = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
     compared = figures[(figures.gate == "compare") & (figures.figure == "champion.accuracy")]
-    assert list(compared.value) == [pytest.approx(decision["champion"]["accuracy"])]  # this export's: replaced
-    assert run.data.metrics["compare.gain"] < 0 and run.data.tags[lineage.VERDICT].endswith("not promoted")
+    assert list(compared.value) == [
+        pytest.approx(decision["champion"]["accuracy"])
+    ]  # this export's: replaced
+    assert run.data.metrics["compare.gain"] < 0 and run.data.tags[lineage.VERDICT].endswith(
+        "not promoted"
+    )
 
     forced = export(worse, "export.promote=always")
     assert forced["promotion"]["promote"] and champion() == forced["model_version"] == "4"
 
     # A champion that no longer loads: said so, and the candidate (which passed every gate) replaces it.
     source = Path(client.get_model_version(name, "4").source)
-    broken = next(p for p in Path(mlflow.artifacts.download_artifacts(f"models:/{name}/4")).rglob("model.onnx"))
-    stored = [p for p in (Path(store.removeprefix("sqlite:///")).parent / "artifacts").rglob("model.onnx")
-              if p.read_bytes() == broken.read_bytes()]
+    broken = next(
+        p
+        for p in Path(mlflow.artifacts.download_artifacts(f"models:/{name}/4")).rglob("model.onnx")
+    )
+    stored = [
+        p
+        for p in (Path(store.removeprefix("sqlite:///")).parent / "artifacts").rglob("model.onnx")
+        if p.read_bytes() == broken.read_bytes()
+    ]
     assert stored, source
     for p in stored:
         p.write_bytes(b"not an onnx file")
     rescued = export(trained["dir"])
-    assert rescued["promotion"]["promote"] and "can't be loaded or run" in rescued["promotion"]["reason"]
+    assert (
+        rescued["promotion"]["promote"]
+        and "can't be loaded or run" in rescued["promotion"]["reason"]
+    )
     assert champion() == rescued["model_version"] == "5"
 
 
@@ -426,9 +637,12 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
     from pipeline.artifact.promotion import not_comparable
 
     def graph(path: Path, task: str, input_name: str) -> Path:
-        g = helper.make_graph([helper.make_node("Identity", [input_name], ["output"])], "g",
-                              [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])])
+        g = helper.make_graph(
+            [helper.make_node("Identity", [input_name], ["output"])],
+            "g",
+            [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3])],
+            [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])],
+        )
         m = helper.make_model(g)
         helper.set_model_props(m, {lineage.TASK: task})
         onnx.save(m, str(path))
@@ -436,23 +650,37 @@ def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
 
     mine = graph(tmp_path / "a.onnx", "regression", "x")
     assert not_comparable(mine, graph(tmp_path / "b.onnx", "regression", "x")) == ""
-    assert "its task is classification" in not_comparable(mine, graph(tmp_path / "c.onnx", "classification", "x"))
-    assert "its inputs are ['tokens']" in not_comparable(mine, graph(tmp_path / "d.onnx", "regression", "tokens"))
+    assert "its task is classification" in not_comparable(
+        mine, graph(tmp_path / "c.onnx", "classification", "x")
+    )
+    assert "its inputs are ['tokens']" in not_comparable(
+        mine, graph(tmp_path / "d.onnx", "regression", "tokens")
+    )
 
 
-@pytest.mark.parametrize("mine, theirs, mode, promote, tolerance, moves", [
-    (0.90, 0.90, "max", "if_not_worse", 0.0, True),     # equal: not worse
-    (0.89, 0.90, "max", "if_not_worse", 0.0, False),
-    (0.89, 0.90, "max", "if_not_worse", 0.02, True),    # within the tolerance
-    (0.90, 0.90, "max", "if_better", 0.0, False),       # equal is not better
-    (0.91, 0.90, "max", "if_better", 0.02, False),      # better, but not by more than the tolerance
-    (0.93, 0.90, "max", "if_better", 0.02, True),
-    (1.5, 2.0, "min", "if_better", 0.0, True),          # a loss or RMSE: lower is better
-    (2.5, 2.0, "min", "if_not_worse", 0.0, False),
-    (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),  # a metric that failed never wins
-    (2.0, float("nan"), "min", "if_better", 0.0, True),        # ...and a champion's that failed always loses
-    (0.1, 0.9, "max", "always", 0.0, True),
-])
+@pytest.mark.parametrize(
+    "mine, theirs, mode, promote, tolerance, moves",
+    [
+        (0.90, 0.90, "max", "if_not_worse", 0.0, True),  # equal: not worse
+        (0.89, 0.90, "max", "if_not_worse", 0.0, False),
+        (0.89, 0.90, "max", "if_not_worse", 0.02, True),  # within the tolerance
+        (0.90, 0.90, "max", "if_better", 0.0, False),  # equal is not better
+        (0.91, 0.90, "max", "if_better", 0.02, False),  # better, but not by more than the tolerance
+        (0.93, 0.90, "max", "if_better", 0.02, True),
+        (1.5, 2.0, "min", "if_better", 0.0, True),  # a loss or RMSE: lower is better
+        (2.5, 2.0, "min", "if_not_worse", 0.0, False),
+        (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),  # a metric that failed never wins
+        (
+            2.0,
+            float("nan"),
+            "min",
+            "if_better",
+            0.0,
+            True,
+        ),  # ...and a champion's that failed always loses
+        (0.1, 0.9, "max", "always", 0.0, True),
+    ],
+)
 def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
     from pipeline.artifact.promotion import verdict
 
@@ -469,20 +697,37 @@ def test_a_model_no_better_than_the_trivial_predictor_is_not_registered(trained,
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.reset_running_stats()  # what a few steps of a slow running average leave
-    unsettled = write_weights(tmp_path / "consolidated", model, trained["cfg"], trained["spec"],
-                              trained["splits"].classes, None)
-    refused = main(unsettled, tracking_uri=store, overrides=["export.registered_model_name=unsettled"])
+    unsettled = write_weights(
+        tmp_path / "consolidated",
+        model,
+        trained["cfg"],
+        trained["spec"],
+        trained["splits"].classes,
+        None,
+    )
+    refused = main(
+        unsettled, tracking_uri=store, overrides=["export.registered_model_name=unsettled"]
+    )
     gate = refused.report["gates"]["baseline"]
     assert not refused.passed and refused.failed == ["baseline"] and refused.model_version is None
-    assert gate["below_baseline"] and gate["value"] < gate["baseline"] + 0.05 < gate["batch_statistics"], gate
+    assert (
+        gate["below_baseline"]
+        and gate["value"] < gate["baseline"] + 0.05 < gate["batch_statistics"]
+    ), gate
     assert "not clearly better than the baseline (always class" in gate["message"], gate["message"]
-    assert f"{gate['baseline']:.2%}" in gate["message"] and f"{gate['value']:.2%}" in gate["message"]
+    assert (
+        f"{gate['baseline']:.2%}" in gate["message"] and f"{gate['value']:.2%}" in gate["message"]
+    )
     assert "BatchNorm running statistics have not settled" in gate["message"]
     assert "export.allow_below_baseline=true" in gate["message"]
     assert not mlflow.MlflowClient().search_registered_models("name='unsettled'")
 
-    allowed = main(unsettled, tracking_uri=store, output_dir=tmp_path / "allowed",
-                   overrides=["export.registered_model_name=unsettled", "export.allow_below_baseline=true"])
+    allowed = main(
+        unsettled,
+        tracking_uri=store,
+        output_dir=tmp_path / "allowed",
+        overrides=["export.registered_model_name=unsettled", "export.allow_below_baseline=true"],
+    )
     assert allowed.passed and allowed.model_version == "1"
     assert allowed.report["gates"]["baseline"]["below_baseline"]
     assert "registered anyway" in allowed.report["gates"]["baseline"]["message"]

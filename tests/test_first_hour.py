@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TINY, run_cli
 
 from pipeline import checkpoint
-from conftest import REPO, TINY, run_cli
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -29,14 +29,22 @@ def cpu_torch_only() -> None:
     `--with torchvision` would install one for real."""
     import torch
 
-    if not torch.__version__.endswith("+cpu") or Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+    if (
+        not torch.__version__.endswith("+cpu")
+        or Path(sys.prefix).resolve() != (REPO / ".venv").resolve()
+    ):
         pytest.skip("needs the CPU torch in the .venv scripts/setup made")
 
 
 def setup(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "TORCH_CPU_INDEX"} | (env or {})
-    return subprocess.run([str(REPO / "scripts/setup"), *args], capture_output=True, text=True, env=environ,
-                          timeout=300)
+    return subprocess.run(
+        [str(REPO / "scripts/setup"), *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=300,
+    )
 
 
 def test_setup_with_torchvision_refuses_a_build_for_another_torch_saying_what_works():
@@ -48,13 +56,30 @@ def test_setup_with_torchvision_refuses_a_build_for_another_torch_saying_what_wo
         f"{cpu_torchvision()}, is not in pip's indexes here (their torchvision wheels are CUDA builds: they install, "
         "then fail at import with 'operator torchvision::nms does not exist'); set TORCH_CPU_INDEX to PyTorch's CPU "
         "wheel index (https://download.pytorch.org/whl/cpu) and run scripts/setup --with torchvision again, or use "
-        "the CUDA pair in an environment of its own: pip install torch==2.14.1 torchvision==0.29.1 (about 5.5 GB)"]
-    assert subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode != 0
+        "the CUDA pair in an environment of its own: pip install torch==2.14.1 torchvision==0.29.1 (about 5.5 GB)"
+    ]
+    assert (
+        subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode
+        != 0
+    )
     # The way the docs install any other package refuses it too, instead of installing the registry's CUDA build
     # (pip resolves only: --dry-run).
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--disable-pip-version-check", "-c",
-                           str(REPO / ".venv/constraints.txt"), "torchvision"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--disable-pip-version-check",
+            "-c",
+            str(REPO / ".venv/constraints.txt"),
+            "torchvision",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Would install" not in said, said
     assert "(constraint) torchvision" in said and f"=={cpu_torchvision()}" in said, said
@@ -64,10 +89,15 @@ def test_setup_shows_pips_errors_without_its_index_warnings(tmp_path):
     """A configured index location that does not exist made pip say so once per package looked up: 166 lines of
     a fresh set-up. A torch that is nowhere (resolved only, nothing changes) shows both kinds of line."""
     cpu_torch_only()
-    proc = setup(env={"TORCH_VERSION": "0.0.1", "TORCH_CPU_INDEX": (tmp_path / "no-index").as_uri()})
+    proc = setup(
+        env={"TORCH_VERSION": "0.0.1", "TORCH_CPU_INDEX": (tmp_path / "no-index").as_uri()}
+    )
     assert proc.returncode != 0
-    assert [line for line in proc.stderr.splitlines() if line.startswith("ERROR:") and "torch==0.0.1" in line], \
-        proc.stderr  # pip's own error, kept
+    assert [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("ERROR:") and "torch==0.0.1" in line
+    ], proc.stderr  # pip's own error, kept
     assert "is ignored" not in proc.stdout + proc.stderr, proc.stderr
 
 
@@ -96,7 +126,9 @@ for name in ("resnet18-digits", "wine-mlp"):
 
 
 def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path):
-    subprocess.run([sys.executable, "-c", REGISTRY], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", REGISTRY], cwd=tmp_path, check=True, capture_output=True, timeout=120
+    )
     store = f"sqlite:///{tmp_path}/mlflow.db"
 
     def error(*args: str) -> str:
@@ -107,14 +139,18 @@ def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path
 
     assert error("serve", "--model", "models:/resnet18-digit@champion") == (
         f"pipeline serve: error: cannot serve: no registered model 'resnet18-digit' in {store}; did you mean "
-        "'resnet18-digits'?")
+        "'resnet18-digits'?"
+    )
     assert error("serve", "--model", "models:/resnet18-digits/7") == (
-        "pipeline serve: error: cannot serve: resnet18-digits has no version 7; its versions: 1")
+        "pipeline serve: error: cannot serve: resnet18-digits has no version 7; its versions: 1"
+    )
     assert error("verify", "models:/resnet18-digits@champoin") == (
-        "pipeline verify: error: resnet18-digits has no alias @champoin; its aliases: @champion")
+        "pipeline verify: error: resnet18-digits has no alias @champoin; its aliases: @champion"
+    )
     # promote asks the registry before the server (none listens here)
     assert error("promote", "resnet18-digit", "--server", "http://127.0.0.1:9") == (
-        f"pipeline promote: error: no registered model 'resnet18-digit' in {store}; did you mean 'resnet18-digits'?")
+        f"pipeline promote: error: no registered model 'resnet18-digit' in {store}; did you mean 'resnet18-digits'?"
+    )
 
 
 # --- 4. a shape the model can't take: the shapes fed and the shapes it takes ---------------------------------------
@@ -126,10 +162,15 @@ def mismatched_lengths_model(path: Path) -> Path:
     import onnx
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["sum"])], "add",
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", n + "_length"])
-                               for n in ("a", "b")],
-                              [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["batch", "length"])])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["sum"])],
+        "add",
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", n + "_length"])
+            for n in ("a", "b")
+        ],
+        [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["batch", "length"])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -144,10 +185,19 @@ def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(t
     from tritonclient.utils import InferenceServerException
 
     grpc_port = free_port()
-    with ServerProcess("--model", str(mismatched_lengths_model(tmp_path / "add.onnx")), "--grpc-port", str(grpc_port),
-                       log_path=tmp_path / "server.log") as server:
-        v2 = {"inputs": [{"name": "a", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
-                         {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    with ServerProcess(
+        "--model",
+        str(mismatched_lengths_model(tmp_path / "add.onnx")),
+        "--grpc-port",
+        str(grpc_port),
+        log_path=tmp_path / "server.log",
+    ) as server:
+        v2 = {
+            "inputs": [
+                {"name": "a", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]},
+                {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+            ]
+        }
         mlflow_style = {"inputs": {"a": [[1, 2, 3]], "b": [[1, 2, 3, 4]]}}
         errors = []
         for path, body in (("/v2/models/add/infer", v2), ("/invocations", mlflow_style)):
@@ -162,20 +212,25 @@ def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(t
             triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").infer("add", inputs)
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
         errors.append(refused.value.message())
-    sent = ("the model cannot compute on these input values: a [1, 3] (the model takes [-1,-1] FP32), b [1, 4] (the "
-            "model takes [-1,-1] FP32): ")
+    sent = (
+        "the model cannot compute on these input values: a [1, 3] (the model takes [-1,-1] FP32), b [1, 4] (the "
+        "model takes [-1,-1] FP32): "
+    )
     assert errors[0].startswith(sent) and "3 by 4" in errors[0], errors[0]
     assert errors[1] == errors[0] and sent in errors[2], errors  # one message for every front end
 
 
 def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
     config = tmp_path / "linear.yaml"
-    config.write_text("data:\n  name: digits\nmodel:\n  component: torch.nn:Linear\n"
-                      "  args: {in_features: 32, out_features: 10}\n")
+    config.write_text(
+        "data:\n  name: digits\nmodel:\n  component: torch.nn:Linear\n"
+        "  args: {in_features: 32, out_features: 10}\n"
+    )
     proc = run_cli(["run", "--config", str(config)], cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "pipeline run: error: model.component 'torch.nn:Linear' on 2 validation samples, fed input [2, 1, 8, 8] "
-        "float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x8 and 32x10)"], proc.stderr
+        "float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x8 and 32x10)"
+    ], proc.stderr
 
 
 # --- 5. a config key's error names the YAML file it is in ----------------------------------------------------------
@@ -183,20 +238,27 @@ def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
 
 def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
     config = tmp_path / "my.yaml"
-    config.write_text(textwrap.dedent("""\
+    config.write_text(
+        textwrap.dedent("""\
         data:
           name: digits
         train:
           max_steps: 2
           epoch: 3
-        """))
+        """)
+    )
     proc = run_cli(["train", "--config", str(config)], cwd=tmp_path, check=False, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
-    assert f"{config}:5: unknown config key 'train.epoch' in section 'train'. Did you mean 'train.epochs'?" in lines[0]
+    assert (
+        f"{config}:5: unknown config key 'train.epoch' in section 'train'. Did you mean 'train.epochs'?"
+        in lines[0]
+    )
     # The same key on the command line is named as the override it came from.
-    proc = run_cli(["train", "--config", str(config), "train.epoch=3"], cwd=tmp_path, check=False, timeout=60)
+    proc = run_cli(
+        ["train", "--config", str(config), "train.epoch=3"], cwd=tmp_path, check=False, timeout=60
+    )
     assert "override train.epoch=3: unknown config key 'train.epoch'" in proc.stderr, proc.stderr
 
 
@@ -205,17 +267,32 @@ def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_saves_are_one_summary_line_unless_verbose(tmp_path):
-    args = ["train", "--config", str(TINY), "train.run_name=quiet", "train.max_steps=6", "checkpoint.every_n_steps=1",
-            "checkpoint.keep_last=2"]
+    args = [
+        "train",
+        "--config",
+        str(TINY),
+        "train.run_name=quiet",
+        "train.max_steps=6",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=2",
+    ]
     console = run_cli(args, cwd=tmp_path, timeout=180).stderr
     assert "checkpoint saved" not in console, console
     summary = [line for line in console.splitlines() if "checkpoints to" in line]
     kept = [p.name for p in checkpoint.list_complete(tmp_path / "outputs/quiet/checkpoints")]
-    assert len(summary) == 1 and re.search(r"INFO pipeline\.checkpoint\.saver: saved 6 checkpoints to "
-                                           r"outputs/quiet/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
-                                           summary[0]).groups() == (str(len(kept)), ", ".join(kept)), console
+    assert len(summary) == 1 and re.search(
+        r"INFO pipeline\.checkpoint\.saver: saved 6 checkpoints to "
+        r"outputs/quiet/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
+        summary[0],
+    ).groups() == (str(len(kept)), ", ".join(kept)), console
     verbose = run_cli([*args, "--verbose", "train.run_name=loud"], cwd=tmp_path, timeout=180).stderr
-    assert sum("checkpoint saved: outputs/loud/checkpoints/step_" in line for line in verbose.splitlines()) == 6, verbose
+    assert (
+        sum(
+            "checkpoint saved: outputs/loud/checkpoints/step_" in line
+            for line in verbose.splitlines()
+        )
+        == 6
+    ), verbose
 
 
 # --- 2. an import error in an optional package is shown as itself ---------------------------------------------------
@@ -226,34 +303,51 @@ def broken_torchvision(directory: Path) -> Path:
     and failing at import the way it does there."""
     (directory / "torchvision").mkdir(parents=True)
     (directory / "torchvision" / "__init__.py").write_text(
-        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
     dist_info = directory / "torchvision-0.28.0.dist-info"
     dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n"
+    )
     (dist_info / "top_level.txt").write_text("torchvision\n")
     return directory
 
 
 def test_a_broken_optional_package_is_named_with_its_fix(tmp_path):
     env = {"PYTHONPATH": f"{broken_torchvision(tmp_path / 'site')}:{REPO}"}
-    fix = ("torchvision 0.28.0 was built for another torch than the installed {}: scripts/setup --with torchvision "
-           "installs one that fits (or says why none can here), or uninstall it: pip uninstall torchvision")
+    fix = (
+        "torchvision 0.28.0 was built for another torch than the installed {}: scripts/setup --with torchvision "
+        "installs one that fits (or says why none can here), or uninstall it: pip uninstall torchvision"
+    )
     import torch
 
     fix = fix.format(torch.__version__)
     # A transformers model: transformers imports torchvision on its way to the class, and said only
     # "Could not import module 'BertForSequenceClassification'. Are this object's requirements defined correctly?"
-    proc = run_cli(["run", "--config", str(REPO / "configs/digit_sequences_bert.yaml")], cwd=tmp_path, env=env,
-                   check=False, timeout=120)
+    proc = run_cli(
+        ["run", "--config", str(REPO / "configs/digit_sequences_bert.yaml")],
+        cwd=tmp_path,
+        env=env,
+        check=False,
+        timeout=120,
+    )
     lines = error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0] == ("pipeline run: error: model.component 'pipeline.models.huggingface:from_config' raised "
-                        "ModuleNotFoundError: Could not import module 'BertForSequenceClassification', because importing "
-                        "torchvision failed: RuntimeError: operator torchvision::nms does not exist; " + fix), lines[0]
+    assert lines[0] == (
+        "pipeline run: error: model.component 'pipeline.models.huggingface:from_config' raised "
+        "ModuleNotFoundError: Could not import module 'BertForSequenceClassification', because importing "
+        "torchvision failed: RuntimeError: operator torchvision::nms does not exist; " + fix
+    ), lines[0]
     # torchvision's own model: the error was already its own; now it names the fix too.
     config = tmp_path / "mobilenet.yaml"
-    config.write_text("data:\n  name: digits\nmodel:\n  component: torchvision.models:mobilenet_v3_small\n")
-    proc = run_cli(["run", "--config", str(config)], cwd=tmp_path, env=env, check=False, timeout=120)
+    config.write_text(
+        "data:\n  name: digits\nmodel:\n  component: torchvision.models:mobilenet_v3_small\n"
+    )
+    proc = run_cli(
+        ["run", "--config", str(config)], cwd=tmp_path, env=env, check=False, timeout=120
+    )
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "pipeline run: error: model.component 'torchvision.models:mobilenet_v3_small': importing 'torchvision.models' "
-        "raised RuntimeError: operator torchvision::nms does not exist; " + fix], proc.stderr
+        "raised RuntimeError: operator torchvision::nms does not exist; " + fix
+    ], proc.stderr

@@ -4,15 +4,13 @@ that must not silently start over."""
 import numpy as np
 import pytest
 import torch
-
-from pipeline import consolidate
-from pipeline import checkpoint
-from pipeline.checkpoint import store as checkpoint_store
-from pipeline.artifact import gates
-from pipeline.components.build import instantiate_model
-from pipeline.checkpoint import CheckpointError
-
 from conftest import CPU1, checkpoint_meta, mlp_spec
+
+from pipeline import checkpoint, consolidate
+from pipeline.artifact import gates
+from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint import store as checkpoint_store
+from pipeline.components.build import instantiate_model
 
 
 def test_parity_fails_on_nan_outputs_even_where_argmax_agrees():
@@ -21,12 +19,20 @@ def test_parity_fails_on_nan_outputs_even_where_argmax_agrees():
     logits = ref_logits.copy()
     logits[2] = np.nan
     probs = np.full((4, 10), 0.1, np.float32)
-    result = gates.compare({"logits": logits, "probabilities": probs},
-                           {"logits": ref_logits, "probabilities": probs}, atol=1e-4, rtol=1e-3)
+    result = gates.compare(
+        {"logits": logits, "probabilities": probs},
+        {"logits": ref_logits, "probabilities": probs},
+        atol=1e-4,
+        rtol=1e-3,
+    )
     assert not result["passed"]
     assert "1 samples with NaN/Inf outputs" in result["message"]
-    ok = gates.compare({"logits": ref_logits, "probabilities": probs},
-                       {"logits": ref_logits, "probabilities": probs}, atol=1e-4, rtol=1e-3)
+    ok = gates.compare(
+        {"logits": ref_logits, "probabilities": probs},
+        {"logits": ref_logits, "probabilities": probs},
+        atol=1e-4,
+        rtol=1e-3,
+    )
     assert ok["passed"], ok["message"]
 
 
@@ -36,9 +42,12 @@ def test_fp16_consolidation_refuses_values_that_overflow(tmp_path):
     with torch.no_grad():
         model.head.weight[0, 0] = 1e5  # fine in fp32 and bf16, Inf in fp16
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = checkpoint.save(tmp_path / "run/checkpoints", 1, model, opt, checkpoint_meta(model, spec), CPU1,
-                           keep_last=1)
-    with pytest.raises(consolidate.ConsolidateError, match="head.weight.*Inf.*float16.*--dtype bf16"):
+    ckpt = checkpoint.save(
+        tmp_path / "run/checkpoints", 1, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=1
+    )
+    with pytest.raises(
+        consolidate.ConsolidateError, match="head.weight.*Inf.*float16.*--dtype bf16"
+    ):
         consolidate.main(ckpt, dtype="fp16", log_to_mlflow=False)
     assert not (tmp_path / "run/consolidated/model.safetensors").exists()
     consolidate.main(ckpt, dtype="bf16", log_to_mlflow=False)
@@ -47,7 +56,10 @@ def test_fp16_consolidation_refuses_values_that_overflow(tmp_path):
 def test_resume_latest_with_nothing_to_resume_says_so(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint under .*train.run_name"):
         checkpoint_store.resolve_resume("latest", tmp_path / "outputs/new-run/checkpoints", CPU1)
-    assert checkpoint_store.resolve_resume("auto", tmp_path / "outputs/new-run/checkpoints", CPU1) is None
+    assert (
+        checkpoint_store.resolve_resume("auto", tmp_path / "outputs/new-run/checkpoints", CPU1)
+        is None
+    )
 
 
 class Rows(torch.utils.data.Dataset):
@@ -88,8 +100,10 @@ def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
         lengths = sorted(k for k in batches if k.startswith("input_1.len"))
         if failed_gate:
             assert lengths == [] and not failed["parity.input_1"]["passed"]
-            assert "declares input axis 1 dynamic (length 16 in the data), but the PyTorch model itself runs it at 0" \
+            assert (
+                "declares input axis 1 dynamic (length 16 in the data), but the PyTorch model itself runs it at 0"
                 in failed["parity.input_1"]["message"]
+            )
         else:
             assert failed == {} and lengths == ["input_1.len25", "input_1.len8"]
             assert batches["input_1.len25"]["input"].shape == (7, 25)
@@ -120,7 +134,11 @@ def test_the_baseline_gate_can_be_passed_on_imbalanced_classes_and_knows_no_base
     state["confusion"] += torch.tensor([[98.0, 0.0], [0.0, 2.0]], dtype=torch.float64)  # perfect
     state["n"] += 100
     found = baseline.gate(task, state, cfg, torch.nn.Identity(), None)
-    assert found["passed"] and found["baseline"] == pytest.approx(0.98) and found["needed"] == pytest.approx(0.99)
+    assert (
+        found["passed"]
+        and found["baseline"] == pytest.approx(0.98)
+        and found["needed"] == pytest.approx(0.99)
+    )
 
     regression = Regression(columns=1)
     state = regression.new_state(torch.device("cpu"))

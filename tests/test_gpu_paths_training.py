@@ -14,19 +14,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import (
+    CPU1,
+    REPO,
+    TINY,
+    checkpoint_meta,
+    cli_env,
+    mlflow_client,
+    mlp_spec,
+    resnet_spec,
+    run_killing_group,
+)
 from torch import nn
 
-from pipeline.components import amp
 from pipeline import checkpoint, tracking
 from pipeline.checkpoint import dcp_read
+from pipeline.components import amp
 from pipeline.components.build import instantiate_model
 from pipeline.components.data import make_train_loader, to_device
 from pipeline.config import ConfigError, TrackingConfig, TrainConfig, load_config
 from pipeline.distributed import DistInfo, parallelize
 from pipeline.train import TrainingDiverged, mean_loss_over_ranks, new_window, train_step
-
-from conftest import (CPU1, REPO, TINY, checkpoint_meta, cli_env, mlflow_client, mlp_spec, resnet_spec,
-                      run_killing_group)
 
 
 @pytest.fixture
@@ -53,8 +61,13 @@ def spy_fully_shard(monkeypatch) -> list[tuple[nn.Module, bool, torch.dtype | No
 
     def spy(module, **kwargs):
         policy = kwargs.get("mp_policy")
-        calls.append((module, all(p.is_contiguous() for p in module.parameters()),
-                      policy.param_dtype if policy else None))
+        calls.append(
+            (
+                module,
+                all(p.is_contiguous() for p in module.parameters()),
+                policy.param_dtype if policy else None,
+            )
+        )
         return real(module, **kwargs)
 
     monkeypatch.setattr(fsdp, "fully_shard", spy)
@@ -64,27 +77,50 @@ def spy_fully_shard(monkeypatch) -> list[tuple[nn.Module, bool, torch.dtype | No
 # --- A.1: FSDP2 + channels_last ----------------------------------------------------------------
 
 
-def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_inputs(world_of_one, monkeypatch):
+def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_inputs(
+    world_of_one, monkeypatch
+):
     """FSDP2 raises NotImplementedError on a non-contiguous parameter; a channels_last 3x3 conv weight is
     one. The CUDA branch, forced on CPU: weights stay contiguous, the inputs go NHWC, a step trains."""
-    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last)
+    monkeypatch.setattr(
+        parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last
+    )
     calls = spy_fully_shard(monkeypatch)
     torch.manual_seed(0)
-    model = parallelize.wrap_model(instantiate_model(resnet_spec()), TrainConfig(strategy="fsdp", channels_last=True),
-                                   "fp32", world_of_one)
+    model = parallelize.wrap_model(
+        instantiate_model(resnet_spec()),
+        TrainConfig(strategy="fsdp", channels_last=True),
+        "fp32",
+        world_of_one,
+    )
     assert calls and all(contiguous for _, contiguous, _ in calls)
     x, y = batch()
-    assert to_device(x, world_of_one.device, channels_last=True).is_contiguous(memory_format=torch.channels_last)
+    assert to_device(x, world_of_one.device, channels_last=True).is_contiguous(
+        memory_format=torch.channels_last
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss, _ = train_step(model, opt, amp.grad_scaler("fp32", world_of_one.device), [(x, y)], world_of_one, "fp32",
-                         0.0, want_norm=False, loss_fn=F.cross_entropy, channels_last=True)
+    loss, _ = train_step(
+        model,
+        opt,
+        amp.grad_scaler("fp32", world_of_one.device),
+        [(x, y)],
+        world_of_one,
+        "fp32",
+        0.0,
+        want_norm=False,
+        loss_fn=F.cross_entropy,
+        channels_last=True,
+    )
     assert torch.isfinite(loss)
 
 
 def test_ddp_with_channels_last_still_puts_the_weights_in_nhwc(world_of_one, monkeypatch):
-    monkeypatch.setattr(parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last)
-    model = parallelize.wrap_model(instantiate_model(resnet_spec()), TrainConfig(channels_last=True), "fp32",
-                                   world_of_one)
+    monkeypatch.setattr(
+        parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last
+    )
+    model = parallelize.wrap_model(
+        instantiate_model(resnet_spec()), TrainConfig(channels_last=True), "fp32", world_of_one
+    )
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[1] > 1]
     assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
 
@@ -114,16 +150,28 @@ def test_fsdp_bf16_keeps_batchnorm_in_fp32_and_casts_the_convolutions(world_of_o
     """A bf16 BatchNorm weight with its fp32 running statistics: 'expected scalar type BFloat16 but found
     Float', on CPU as on CUDA. Each BatchNorm is its own fp32 unit; the convolutions still get bf16."""
     torch.manual_seed(0)
-    model = parallelize.wrap_model(instantiate_model(resnet_spec()), TrainConfig(strategy="fsdp"), "bf16",
-                                   world_of_one)
+    model = parallelize.wrap_model(
+        instantiate_model(resnet_spec()), TrainConfig(strategy="fsdp"), "bf16", world_of_one
+    )
     seen = spy_weight_dtypes(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss, _ = train_step(model, opt, amp.grad_scaler("bf16", world_of_one.device), [batch()], world_of_one, "bf16",
-                         1.0, want_norm=True, loss_fn=F.cross_entropy)
+    loss, _ = train_step(
+        model,
+        opt,
+        amp.grad_scaler("bf16", world_of_one.device),
+        [batch()],
+        world_of_one,
+        "bf16",
+        1.0,
+        want_norm=True,
+        loss_fn=F.cross_entropy,
+    )
     assert torch.isfinite(loss)
     assert len(seen["bn"]) == 20 and set(seen["bn"]) == {(torch.float32, torch.float32)}
     assert len(seen["conv"]) == 20 and set(seen["conv"]) == {torch.bfloat16}
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded masters stay fp32
+    assert all(
+        p.dtype == torch.float32 for p in model.parameters()
+    )  # the sharded masters stay fp32
 
 
 def test_fsdp_bf16_gives_sync_batchnorm_an_fp32_unit_too(world_of_one, monkeypatch):
@@ -133,28 +181,39 @@ def test_fsdp_bf16_gives_sync_batchnorm_an_fp32_unit_too(world_of_one, monkeypat
     model = nn.SyncBatchNorm.convert_sync_batchnorm(instantiate_model(resnet_spec()))
     model = parallelize.shard(model, [], "bf16")
     norms = [m for m, _, dtype in calls if isinstance(m, nn.SyncBatchNorm)]
-    assert len(norms) == 20 and all(dtype is None for m, _, dtype in calls if isinstance(m, nn.SyncBatchNorm))
+    assert len(norms) == 20 and all(
+        dtype is None for m, _, dtype in calls if isinstance(m, nn.SyncBatchNorm)
+    )
     assert calls[len(norms)][2] == torch.bfloat16  # the blocks come after the norms they hold
     seen = spy_weight_dtypes(monkeypatch)
     model.eval()
     with torch.no_grad(), amp.autocast("bf16", world_of_one.device):
         model(batch()[0])
-    assert set(seen["bn"]) == {(torch.float32, torch.float32)} and set(seen["conv"]) == {torch.bfloat16}
+    assert set(seen["bn"]) == {(torch.float32, torch.float32)} and set(seen["conv"]) == {
+        torch.bfloat16
+    }
 
 
 # --- A.4: precision=auto on CUDA ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("capability,expected", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"),
-                                                 ((8, 9), "bf16"), ((9, 0), "bf16")])
-def test_auto_precision_takes_bf16_only_where_the_gpu_has_it_natively(monkeypatch, capability, expected):
+@pytest.mark.parametrize(
+    "capability,expected",
+    [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 9), "bf16"), ((9, 0), "bf16")],
+)
+def test_auto_precision_takes_bf16_only_where_the_gpu_has_it_natively(
+    monkeypatch, capability, expected
+):
     """torch.cuda.is_bf16_supported() says yes on Volta/Turing too (it can allocate a bf16 tensor there);
     faked here as torch 2.13 computes it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: capability >= (8, 0) or including_emulation)
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: capability >= (8, 0) or including_emulation,
+    )
     assert amp.resolve_precision("auto", torch.device("cuda", 0)) == expected
     assert amp.grad_scaler(expected, torch.device("cpu")).is_enabled() == (expected == "fp16")
 
@@ -173,10 +232,14 @@ def test_a_checkpoint_written_on_cpu_resumes_on_a_gpu_node(tmp_path, monkeypatch
     path = checkpoint.save(tmp_path, 1, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=1)
     after_save = torch.rand(4)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node, as checkpoint.py sees it
+    monkeypatch.setattr(
+        torch.cuda, "is_available", lambda: True
+    )  # a GPU node, as checkpoint.py sees it
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
     assert "cuda" in dcp_read.rng_state()
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: pytest.fail("no CUDA state was saved"))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state: pytest.fail("no CUDA state was saved")
+    )
     torch.manual_seed(123)
     fresh = instantiate_model(spec)
     checkpoint.load(path, fresh, torch.optim.AdamW(fresh.parameters()), CPU1)
@@ -193,7 +256,10 @@ def test_a_non_finite_window_raises_and_names_the_rank():
     window += torch.tensor(2.0, dtype=torch.float64)
     assert mean_loss_over_ranks(window, 2, 4, CPU1) == 1.0
     window += torch.tensor(float("inf"), dtype=torch.float64)
-    with pytest.raises(TrainingDiverged, match=r"the training loss is inf \(not finite on rank 0, between steps 3 and 5\)"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"the training loss is inf \(not finite on rank 0, between steps 3 and 5\)",
+    ):
         mean_loss_over_ranks(window, 3, 5, CPU1)
 
 
@@ -203,22 +269,54 @@ def test_train_step_never_waits_for_the_device_unless_asked_for_the_norm(monkeyp
     reads = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
         real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
-                            (reads.append(_name), _real(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda self, *a, _real=real, _name=name, **k: (
+                reads.append(_name),
+                _real(self, *a, **k),
+            )[1],
+        )
     torch.manual_seed(0)
     model = instantiate_model(mlp_spec())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = amp.grad_scaler("fp32", CPU1.device)
-    loss, norm = train_step(model, opt, scaler, [batch(seed=1), batch(seed=2)], CPU1, "fp32", 1.0,
-                            want_norm=False, loss_fn=F.cross_entropy)
+    loss, norm = train_step(
+        model,
+        opt,
+        scaler,
+        [batch(seed=1), batch(seed=2)],
+        CPU1,
+        "fp32",
+        1.0,
+        want_norm=False,
+        loss_fn=F.cross_entropy,
+    )
     assert reads == [] and loss.dtype == torch.float64 and norm != norm
-    _, norm = train_step(model, opt, scaler, [batch(seed=3)], CPU1, "fp32", 1.0, want_norm=True,
-                         loss_fn=F.cross_entropy)
+    _, norm = train_step(
+        model,
+        opt,
+        scaler,
+        [batch(seed=3)],
+        CPU1,
+        "fp32",
+        1.0,
+        want_norm=True,
+        loss_fn=F.cross_entropy,
+    )
     assert reads == ["item"] and norm > 0
 
 
-def poisoned_mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int] = (16,),
-                 mean=None, std=None, poison_rank: int = 1, poison_at: int = 6) -> nn.Module:
+def poisoned_mlp(
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    hidden: list[int] = (16,),
+    mean=None,
+    std=None,
+    poison_rank: int = 1,
+    poison_at: int = 6,
+) -> nn.Module:
     """Test component: the built-in MLP, whose training output on rank `poison_rank` is infinite from its
     `poison_at`-th training forward on (the loss NaN). Evaluation and other ranks are untouched."""
     from pipeline.models import mlp
@@ -245,12 +343,31 @@ def test_one_rank_diverging_stops_both_ranks_at_the_same_step_before_the_save(wo
     """Rank 1's loss turns NaN at step 6, rank 0's is finite there. Rank 1 used to raise alone (under NCCL
     its peer then hangs in the next collective until the timeout); both raise at step 6 now, where the
     checkpoint was due and is not written. Straight under torchrun: the launcher's checks add 10 s."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pipeline.train",
-           "--config", str(TINY), "train.run_name=diverged", "model.component=test_gpu_paths_training:poisoned_mlp",
-           "model.args={hidden: [16]}", "train.max_steps=12", "train.log_every=100", "train.eval_every=0",
-           "train.consistency_every=0", "checkpoint.every_n_steps=6"]
-    proc = run_killing_group(cmd, cwd=workdir, timeout=120,
-                             env=cli_env({"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "pipeline.train",
+        "--config",
+        str(TINY),
+        "train.run_name=diverged",
+        "model.component=test_gpu_paths_training:poisoned_mlp",
+        "model.args={hidden: [16]}",
+        "train.max_steps=12",
+        "train.log_every=100",
+        "train.eval_every=0",
+        "train.consistency_every=0",
+        "checkpoint.every_n_steps=6",
+    ]
+    proc = run_killing_group(
+        cmd,
+        cwd=workdir,
+        timeout=120,
+        env=cli_env({"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}),
+    )
     assert proc.returncode != 0
     said = "error: the training loss is nan (not finite on rank 1, between steps 1 and 6)"
     for rank in (0, 1):
@@ -266,10 +383,14 @@ def test_one_rank_diverging_stops_both_ranks_at_the_same_step_before_the_save(wo
 
 def test_a_gpu_run_without_pynvml_says_it_gets_no_gpu_metrics(tmp_path, monkeypatch, caplog):
     """MLflow samples NVIDIA GPUs through pynvml only, and says so at INFO when it is missing."""
-    tracking.setup(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="gpu-metrics"))
+    tracking.setup(
+        TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="gpu-metrics")
+    )
 
     def warnings_starting(gpu: bool, pynvml: types.ModuleType | None) -> list[str]:
-        monkeypatch.setitem(sys.modules, "pynvml", pynvml)  # None: `import pynvml` raises ImportError
+        monkeypatch.setitem(
+            sys.modules, "pynvml", pynvml
+        )  # None: `import pynvml` raises ImportError
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=tracking.log.name):
             tracking.start_run("run", None, {}, system_metrics=True, gpu=gpu)
@@ -278,7 +399,8 @@ def test_a_gpu_run_without_pynvml_says_it_gets_no_gpu_metrics(tmp_path, monkeypa
 
     assert warnings_starting(gpu=True, pynvml=None) == [
         "MLflow system metrics will have no GPU utilization or memory: pynvml is not installed; "
-        "pip install 'trainserve[gpu]' (nvidia-ml-py)"]
+        "pip install 'trainserve[gpu]' (nvidia-ml-py)"
+    ]
     assert warnings_starting(gpu=True, pynvml=types.ModuleType("pynvml")) == []
     assert warnings_starting(gpu=False, pynvml=None) == []  # a CPU run has no GPU to miss
 
@@ -286,7 +408,9 @@ def test_a_gpu_run_without_pynvml_says_it_gets_no_gpu_metrics(tmp_path, monkeypa
 def test_the_gpu_extra_names_nvidia_ml_py():
     import tomllib
 
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert any(req.startswith("nvidia-ml-py") for req in extras["gpu"])
 
 
@@ -309,33 +433,58 @@ def test_train_compile_without_a_compiler_is_refused_before_training(monkeypatch
     monkeypatch.setattr(shutil, "which", lambda name: None)
     info = DistInfo(0, 1, 0, 1, torch.device(device))
     with pytest.raises(ConfigError, match=f"train.compile=true on {device} needs a C.* compiler"):
-        parallelize.wrap_model(instantiate_model(mlp_spec()), TrainConfig(compile=True), "fp32", info)
+        parallelize.wrap_model(
+            instantiate_model(mlp_spec()), TrainConfig(compile=True), "fp32", info
+        )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_names(world_of_one, strategy,
-                                                                                   monkeypatch):
+def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_names(
+    world_of_one, strategy, monkeypatch
+):
     """Two steps of two micro-batches (DDP's no_sync, FSDP2's gradient-sync switch) on the MLP. Dynamo,
     DDP's graph splitting and AOTAutograd run for real; only the code generation is left out: Inductor's
     C++ build for this MLP took 54 s here, the whole test takes a few with the aot_eager backend."""
     real = nn.Module.compile
-    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: real(self, **{"backend": "aot_eager", **kw}))
+    monkeypatch.setattr(
+        nn.Module, "compile", lambda self, **kw: real(self, **{"backend": "aot_eager", **kw})
+    )
     torch._dynamo.reset()
     results = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = parallelize.wrap_model(instantiate_model(mlp_spec(hidden=[32])),
-                                       TrainConfig(strategy=strategy, compile=compiled), "fp32", world_of_one)
+        model = parallelize.wrap_model(
+            instantiate_model(mlp_spec(hidden=[32])),
+            TrainConfig(strategy=strategy, compile=compiled),
+            "fp32",
+            world_of_one,
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = amp.grad_scaler("fp32", world_of_one.device)
-        losses = [train_step(model, opt, scaler, [batch(seed=2 * s), batch(seed=2 * s + 1)], world_of_one, "fp32",
-                             0.0, want_norm=False, loss_fn=F.cross_entropy) for s in range(2)]
+        losses = [
+            train_step(
+                model,
+                opt,
+                scaler,
+                [batch(seed=2 * s), batch(seed=2 * s + 1)],
+                world_of_one,
+                "fp32",
+                0.0,
+                want_norm=False,
+                loss_fn=F.cross_entropy,
+            )
+            for s in range(2)
+        ]
         results[compiled] = [loss.item() for loss, _ in losses], model
     (eager, eager_model), (compiled, compiled_model) = results[False], results[True]
     assert compiled == pytest.approx(eager, rel=1e-5)
-    assert any(getattr(m, "_compiled_call_impl", None) is not None for m in compiled_model.modules())
+    assert any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in compiled_model.modules()
+    )
     plain = lambda m: [n.removeprefix("module.") for n, _ in m.named_parameters()]  # noqa: E731
-    assert plain(compiled_model) == plain(eager_model) and not any("_orig_mod" in n for n in plain(compiled_model))
+    assert plain(compiled_model) == plain(eager_model) and not any(
+        "_orig_mod" in n for n in plain(compiled_model)
+    )
 
 
 # --- persistent loader workers --------------------------------------------------------------------
@@ -359,7 +508,9 @@ def test_train_loader_workers_outlive_the_epoch():
     loader = make_train_loader(WorkerPids(), 4, 0, 1, seed=0, num_workers=1, pin_memory=False)
     first = pids(loader, 0)
     assert os.getpid() not in first and pids(loader, 1) == first
-    assert not make_train_loader(WorkerPids(), 4, 0, 1, seed=0, num_workers=0, pin_memory=False).persistent_workers
+    assert not make_train_loader(
+        WorkerPids(), 4, 0, 1, seed=0, num_workers=0, pin_memory=False
+    ).persistent_workers
 
 
 def test_channels_last_auto_is_on_for_a_convolutional_model_on_cuda_only():
@@ -369,11 +520,16 @@ def test_channels_last_auto_is_on_for_a_convolutional_model_on_cuda_only():
 
     from pipeline.config import TrainConfig
 
-    cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    cuda, cpu = (
+        SimpleNamespace(device=torch.device("cuda", 0)),
+        SimpleNamespace(device=torch.device("cpu")),
+    )
     conv, mlp = instantiate_model(resnet_spec()), torch.nn.Sequential(torch.nn.Linear(4, 4))
     auto = TrainConfig()
     assert auto.channels_last == "auto"
-    assert parallelize.uses_channels_last(auto, cuda, conv) and not parallelize.uses_channels_last(auto, cuda, mlp)
+    assert parallelize.uses_channels_last(auto, cuda, conv) and not parallelize.uses_channels_last(
+        auto, cuda, mlp
+    )
     assert not parallelize.uses_channels_last(auto, cpu, conv)
     assert parallelize.uses_channels_last(TrainConfig(channels_last=True), cuda, mlp)
     assert not parallelize.uses_channels_last(TrainConfig(channels_last=False), cuda, conv)

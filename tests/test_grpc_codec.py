@@ -30,8 +30,12 @@ def spec(name: str, dtype, datatype: str, shape: tuple[int, ...]) -> TensorSpec:
     return TensorSpec(name, np.dtype(dtype), datatype, shape)
 
 
-INPUTS = [spec("x", np.float32, "FP32", (-1, 4)), spec("ids", np.int64, "INT64", (-1, 3)),
-          spec("mask", np.bool_, "BOOL", (-1, 2)), spec("half", np.float16, "FP16", (-1, 2))]
+INPUTS = [
+    spec("x", np.float32, "FP32", (-1, 4)),
+    spec("ids", np.int64, "INT64", (-1, 3)),
+    spec("mask", np.bool_, "BOOL", (-1, 2)),
+    spec("half", np.float16, "FP16", (-1, 2)),
+]
 OUTPUTS = [spec("probs", np.float32, "FP32", (-1, 3)), spec("label", np.int64, "INT64", (-1,))]
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
 SMALL_INTS = [spec("i8", np.int8, "INT8", (-1, 2)), spec("u16", np.uint16, "UINT16", (-1, 2))]
@@ -49,46 +53,88 @@ KSERVE_FIELDS = {
     "ServerMetadataRequest": {},
     "ServerMetadataResponse": {"name": 1, "version": 2, "extensions": 3},
     "ModelMetadataRequest": {"name": 1, "version": 2},
-    "ModelMetadataResponse": {"name": 1, "versions": 2, "platform": 3, "inputs": 4,
-                              "outputs": 5},
+    "ModelMetadataResponse": {"name": 1, "versions": 2, "platform": 3, "inputs": 4, "outputs": 5},
     "ModelMetadataResponse.TensorMetadata": {"name": 1, "datatype": 2, "shape": 3},
-    "ModelInferRequest": {"model_name": 1, "model_version": 2, "id": 3, "parameters": 4,
-                          "inputs": 5, "outputs": 6, "raw_input_contents": 7},
-    "ModelInferRequest.InferInputTensor": {"name": 1, "datatype": 2, "shape": 3,
-                                           "parameters": 4, "contents": 5},
+    "ModelInferRequest": {
+        "model_name": 1,
+        "model_version": 2,
+        "id": 3,
+        "parameters": 4,
+        "inputs": 5,
+        "outputs": 6,
+        "raw_input_contents": 7,
+    },
+    "ModelInferRequest.InferInputTensor": {
+        "name": 1,
+        "datatype": 2,
+        "shape": 3,
+        "parameters": 4,
+        "contents": 5,
+    },
     "ModelInferRequest.InferRequestedOutputTensor": {"name": 1, "parameters": 2},
-    "ModelInferResponse": {"model_name": 1, "model_version": 2, "id": 3, "parameters": 4,
-                           "outputs": 5, "raw_output_contents": 6},
-    "ModelInferResponse.InferOutputTensor": {"name": 1, "datatype": 2, "shape": 3,
-                                             "parameters": 4, "contents": 5},
+    "ModelInferResponse": {
+        "model_name": 1,
+        "model_version": 2,
+        "id": 3,
+        "parameters": 4,
+        "outputs": 5,
+        "raw_output_contents": 6,
+    },
+    "ModelInferResponse.InferOutputTensor": {
+        "name": 1,
+        "datatype": 2,
+        "shape": 3,
+        "parameters": 4,
+        "contents": 5,
+    },
     "InferParameter": {"bool_param": 1, "int64_param": 2, "string_param": 3},
-    "InferTensorContents": {"bool_contents": 1, "int_contents": 2, "int64_contents": 3,
-                            "uint_contents": 4, "uint64_contents": 5, "fp32_contents": 6,
-                            "fp64_contents": 7, "bytes_contents": 8},
+    "InferTensorContents": {
+        "bool_contents": 1,
+        "int_contents": 2,
+        "int64_contents": 3,
+        "uint_contents": 4,
+        "uint64_contents": 5,
+        "fp32_contents": 6,
+        "fp64_contents": 7,
+        "bytes_contents": 8,
+    },
 }
 
 
 def sample_arrays(rows: int = 2) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(rows)
-    return {"x": rng.standard_normal((rows, 4)).astype(np.float32),
-            "ids": rng.integers(-2**40, 2**40, (rows, 3), dtype=np.int64),
-            "mask": rng.integers(0, 2, (rows, 2)).astype(np.bool_),
-            "half": rng.standard_normal((rows, 2)).astype(np.float16)}
+    return {
+        "x": rng.standard_normal((rows, 4)).astype(np.float32),
+        "ids": rng.integers(-(2**40), 2**40, (rows, 3), dtype=np.int64),
+        "mask": rng.integers(0, 2, (rows, 2)).astype(np.bool_),
+        "half": rng.standard_normal((rows, 2)).astype(np.float16),
+    }
 
 
-def client_request(arrays: dict[str, np.ndarray], outputs: list[str] | None = None,
-                   request_id: str = "") -> bytes:
+def client_request(
+    arrays: dict[str, np.ndarray], outputs: list[str] | None = None, request_id: str = ""
+) -> bytes:
     """What tritonclient.grpc's infer() puts on the wire for these inputs, serialized."""
     infer_inputs = []
     for name, array in arrays.items():
-        infer_input = triton.InferInput(name, list(array.shape),
-                                        triton.np_to_triton_dtype(array.dtype))
+        infer_input = triton.InferInput(
+            name, list(array.shape), triton.np_to_triton_dtype(array.dtype)
+        )
         infer_inputs.append(infer_input.set_data_from_numpy(array))
     requested = None if outputs is None else [triton.InferRequestedOutput(n) for n in outputs]
     request = triton_utils._get_inference_request(
-        model_name="m", inputs=infer_inputs, model_version="", request_id=request_id,
-        outputs=requested, sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
-        timeout=None, parameters=None)
+        model_name="m",
+        inputs=infer_inputs,
+        model_version="",
+        request_id=request_id,
+        outputs=requested,
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        parameters=None,
+    )
     return request.SerializeToString()
 
 
@@ -112,8 +158,9 @@ def typed_request(rows: int = 2) -> schema.ModelInferRequest:
     request = schema.ModelInferRequest(model_name="m")
     fields = {"x": "fp32_contents", "ids": "int64_contents", "mask": "bool_contents"}
     for s in INPUTS[:3]:
-        item = request.inputs.add(name=s.name, datatype=s.datatype,
-                                  shape=list(arrays[s.name].shape))
+        item = request.inputs.add(
+            name=s.name, datatype=s.datatype, shape=list(arrays[s.name].shape)
+        )
         getattr(item.contents, fields[s.name]).extend(arrays[s.name].reshape(-1).tolist())
     return request
 
@@ -122,11 +169,13 @@ def small_ints_request(i8: list[int], u16: list[int]) -> schema.ModelInferReques
     request = schema.ModelInferRequest(model_name="m")
     request.inputs.add(name="i8", datatype="INT8", shape=[1, 2]).contents.int_contents.extend(i8)
     request.inputs.add(name="u16", datatype="UINT16", shape=[1, 2]).contents.uint_contents.extend(
-        u16)
+        u16
+    )
     return request
 
 
 # ---- the schema against tritonclient's ----------------------------------------------------
+
 
 def _messages(descriptor) -> list:
     """A message descriptor and all its nested ones."""
@@ -143,8 +192,14 @@ def _field_rows(descriptor) -> dict[str, tuple]:
     rows = {}
     for field, live in zip(proto.field, descriptor.fields):
         oneof = oneofs[field.oneof_index] if field.HasField("oneof_index") else None
-        rows[field.name] = (field.number, field.type, field.label, field.type_name, oneof,
-                            live.is_packed)
+        rows[field.name] = (
+            field.number,
+            field.type,
+            field.label,
+            field.type_name,
+            oneof,
+            live.is_packed,
+        )
     return rows
 
 
@@ -155,18 +210,19 @@ OUR_MESSAGES = [m for top in schema.FILE.message_types_by_name.values() for m in
 def test_every_message_matches_tritonclient(ours_descriptor):
     """Each of our fields is tritonclient's field of that name: number, type, label, message
     type, oneof, packing; map entries are map entries. Triton may declare more fields."""
-    theirs_descriptor = triton_pb2.DESCRIPTOR.pool.FindMessageTypeByName(
-        ours_descriptor.full_name)
+    theirs_descriptor = triton_pb2.DESCRIPTOR.pool.FindMessageTypeByName(ours_descriptor.full_name)
     theirs = _field_rows(theirs_descriptor)
     for name, row in _field_rows(ours_descriptor).items():
         assert theirs.get(name) == row, f"{ours_descriptor.full_name}.{name}"
-    assert (ours_descriptor.GetOptions().map_entry
-            == theirs_descriptor.GetOptions().map_entry)
+    assert ours_descriptor.GetOptions().map_entry == theirs_descriptor.GetOptions().map_entry
 
 
 def test_schema_declares_kserve_messages_exactly():
-    declared = {m.full_name.removeprefix("inference."): {f.name: f.number for f in m.fields}
-                for m in OUR_MESSAGES if not m.GetOptions().map_entry}
+    declared = {
+        m.full_name.removeprefix("inference."): {f.name: f.number for f in m.fields}
+        for m in OUR_MESSAGES
+        if not m.GetOptions().map_entry
+    }
     # KServe's messages exactly, plus Triton's answer on a stream, its two more InferParameter kinds and its
     # shared-memory messages (checked field by field against tritonclient's by
     # test_every_message_matches_tritonclient).
@@ -175,21 +231,35 @@ def test_schema_declares_kserve_messages_exactly():
     assert len(triton_only) == 14, sorted(triton_only)
     declared = {name: fields for name, fields in declared.items() if name not in triton_only}
     kserve = dict(KSERVE_FIELDS)
-    assert declared.pop("InferParameter") == {**kserve.pop("InferParameter"), "double_param": 4, "uint64_param": 5}
+    assert declared.pop("InferParameter") == {
+        **kserve.pop("InferParameter"),
+        "double_param": 4,
+        "uint64_param": 5,
+    }
     assert declared == kserve
     assert schema.InferParameter.DESCRIPTOR.oneofs_by_name["parameter_choice"].fields == list(
-        schema.InferParameter.DESCRIPTOR.fields)
+        schema.InferParameter.DESCRIPTOR.fields
+    )
 
 
 def test_service_methods_match_tritonclient():
     ours_service = schema.FILE.services_by_name["GRPCInferenceService"]
     theirs_service = triton_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert ours_service.full_name == schema.SERVICE
-    assert list(schema.METHODS) == ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
-                                    "ModelMetadata", "ModelInfer", "SystemSharedMemoryStatus",
-                                    "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-                                    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
-                                    "CudaSharedMemoryUnregister"]
+    assert list(schema.METHODS) == [
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+        "SystemSharedMemoryStatus",
+        "SystemSharedMemoryRegister",
+        "SystemSharedMemoryUnregister",
+        "CudaSharedMemoryStatus",
+        "CudaSharedMemoryRegister",
+        "CudaSharedMemoryUnregister",
+    ]
     for method, (request_class, response_class) in schema.METHODS.items():
         theirs = theirs_service.methods_by_name[method]
         assert request_class.DESCRIPTOR.full_name == theirs.input_type.full_name
@@ -198,7 +268,11 @@ def test_service_methods_match_tritonclient():
     assert list(schema.STREAMS) == ["ModelStreamInfer"]  # Triton's stream, beside KServe's six
     for method, (request_class, response_class) in schema.STREAMS.items():
         ours, theirs = ours_service.methods_by_name[method], theirs_service.methods_by_name[method]
-        assert (ours.client_streaming, ours.server_streaming) == (theirs.client_streaming, theirs.server_streaming) == (True, True)
+        assert (
+            (ours.client_streaming, ours.server_streaming)
+            == (theirs.client_streaming, theirs.server_streaming)
+            == (True, True)
+        )
         assert request_class.DESCRIPTOR.full_name == theirs.input_type.full_name
         assert response_class.DESCRIPTOR.full_name == theirs.output_type.full_name
 
@@ -214,17 +288,22 @@ def test_private_pool_coexists_with_tritonclient():
 
 
 def test_metadata_messages_cross_the_wire():
-    response = schema.ModelMetadataResponse(name="m", versions=["1", "2"],
-                                            platform="onnxruntime_onnx")
+    response = schema.ModelMetadataResponse(
+        name="m", versions=["1", "2"], platform="onnxruntime_onnx"
+    )
     response.inputs.add(name="x", datatype="FP32", shape=[-1, 4])
     theirs = triton_pb2.ModelMetadataResponse.FromString(response.SerializeToString())
     assert (theirs.name, list(theirs.versions), list(theirs.inputs[0].shape)) == (
-        "m", ["1", "2"], [-1, 4])
+        "m",
+        ["1", "2"],
+        [-1, 4],
+    )
     ready = triton_pb2.ModelReadyRequest(name="m", version="3").SerializeToString()
     assert schema.ModelReadyRequest.FromString(ready).version == "3"
 
 
 # ---- round trips through tritonclient ----------------------------------------------------
+
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_tritonclient_request_decodes_to_its_arrays(rows):
@@ -253,10 +332,11 @@ def test_tritonclient_dict_inputs_in_any_order():
 
 
 def test_answer_reads_back_through_tritonclient():
-    results = {"probs": np.arange(12, dtype=np.float32).reshape(4, 3) / 7,
-               "label": np.array([3, -1, 2**40, 0], dtype=np.int64)}
-    response = encode_infer("m", "2", "req-7", results, [("label", True), ("probs", True)],
-                            OUTPUTS)
+    results = {
+        "probs": np.arange(12, dtype=np.float32).reshape(4, 3) / 7,
+        "label": np.array([3, -1, 2**40, 0], dtype=np.int64),
+    }
+    response = encode_infer("m", "2", "req-7", results, [("label", True), ("probs", True)], OUTPUTS)
     theirs = triton_pb2.ModelInferResponse.FromString(response.SerializeToString())
     assert [o.name for o in theirs.outputs] == ["label", "probs"]
     assert [o.datatype for o in theirs.outputs] == ["INT64", "FP32"]
@@ -274,8 +354,9 @@ def test_answer_is_contiguous_little_endian_and_id_optional():
     assert not response.id
     assert list(response.outputs[0].shape) == [2, 3]
     assert response.raw_output_contents[0] == probs.astype("<f4").tobytes()
-    got = triton.InferResult(triton_pb2.ModelInferResponse.FromString(
-        response.SerializeToString())).as_numpy("probs")
+    got = triton.InferResult(
+        triton_pb2.ModelInferResponse.FromString(response.SerializeToString())
+    ).as_numpy("probs")
     np.testing.assert_array_equal(got, probs)
 
 
@@ -286,8 +367,9 @@ def test_typed_contents_decode():
         if name != "half":
             assert decoded.feeds[name].dtype == array.dtype
             np.testing.assert_array_equal(decoded.feeds[name], array)
-    narrow = decode_infer(small_ints_request([-128, 127], [0, 65535]), SMALL_INTS,
-                          OUTPUT_NAMES, LIMITS)
+    narrow = decode_infer(
+        small_ints_request([-128, 127], [0, 65535]), SMALL_INTS, OUTPUT_NAMES, LIMITS
+    )
     np.testing.assert_array_equal(narrow.feeds["i8"], np.array([[-128, 127]], np.int8))
     assert narrow.feeds["u16"].dtype == np.uint16
 
@@ -311,6 +393,7 @@ def test_request_parameters_and_binary_data_are_ignored():
 
 
 # ---- refusals ------------------------------------------------------------------------------
+
 
 def _set(message, **fields):
     for key, value in fields.items():
@@ -352,71 +435,177 @@ RAW, TYPED, NARROW, HALF, ANY = "raw", "typed", "narrow", "half", "any"
 REFUSALS = [
     ("unknown input", RAW, lambda r: _set(r.inputs[0], name="nope"), "unknown input 'nope'"),
     ("duplicate input", RAW, lambda r: _set(r.inputs[1], name="x"), "input 'x' is given twice"),
-    ("wrong datatype", RAW, lambda r: _set(r.inputs[0], datatype="FP64"),
-     "datatype 'FP64', expected [-1,4] FP32"),
-    ("unknown datatype", RAW, lambda r: _set(r.inputs[0], datatype="FLOAT"),
-     "'FLOAT' is not a KServe V2 datatype"),
-    ("BYTES datatype", RAW, lambda r: _set(r.inputs[0], datatype="BYTES"),
-     "datatype 'BYTES', expected [-1,4] FP32"),
-    ("wrong rank", RAW, lambda r: _set(r.inputs[0], shape=[8]),
-     "shape [8] does not fit; expected [-1,4] FP32"),
-    ("wrong dimension", RAW, lambda r: _set(r.inputs[0], shape=[4, 2]),
-     "shape [4, 2] does not fit"),
-    ("negative dimension", RAW, lambda r: _set(r.inputs[0], shape=[-2, 4]),
-     "shape must be at most 32 non-negative integers"),
-    ("rank over 32", RAW, lambda r: _set(r.inputs[0], shape=[1] * 33),
-     "shape must be at most 32 non-negative integers"),
-    ("raw size mismatch", RAW, lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 31),
-     "raw_input_contents[0] has 31 bytes, but shape [2, 4] FP32 takes 32 bytes"),
-    ("raw count mismatch", RAW, lambda r: r.raw_input_contents.pop(),
-     "3 raw_input_contents for 4 inputs"),
-    ("raw and contents", RAW, lambda r: r.inputs[0].contents.fp32_contents.extend([0.0] * 8),
-     "input 'x' has both contents and raw_input_contents[0]"),
-    ("wrong typed field", TYPED, lambda r: _set(r.inputs[0].contents, fp32_contents=[],
-                                                int_contents=[1] * 8),
-     "FP32 data goes in contents.fp32_contents, got contents.int_contents"),
-    ("extra typed field", TYPED, lambda r: r.inputs[0].contents.fp64_contents.append(1.0),
-     "FP32 data goes in contents.fp32_contents, got contents.fp64_contents"),
-    ("typed count mismatch", TYPED, lambda r: r.inputs[0].contents.fp32_contents.pop(),
-     "shape [2, 4] needs 8 values, contents.fp32_contents has 7"),
-    ("typed no data", TYPED, lambda r: r.inputs[0].ClearField("contents"),
-     "input 'x' has no data: send it as raw_input_contents or contents.fp32_contents"),
-    ("typed FP16", HALF, lambda r: (r.ClearField("raw_input_contents"),
-                                    r.inputs[0].contents.fp32_contents.extend([0.0] * 4)),
-     "FP16 data can only come as raw_input_contents"),
-    ("INT8 out of range", NARROW, lambda r: _set(r.inputs[0].contents, int_contents=[1, 300]),
-     "value 300 in contents.int_contents is out of range for INT8 (-128..127)"),
-    ("UINT16 out of range", NARROW, lambda r: _set(r.inputs[1].contents,
-                                                   uint_contents=[65536, 0]),
-     "out of range for UINT16"),
+    (
+        "wrong datatype",
+        RAW,
+        lambda r: _set(r.inputs[0], datatype="FP64"),
+        "datatype 'FP64', expected [-1,4] FP32",
+    ),
+    (
+        "unknown datatype",
+        RAW,
+        lambda r: _set(r.inputs[0], datatype="FLOAT"),
+        "'FLOAT' is not a KServe V2 datatype",
+    ),
+    (
+        "BYTES datatype",
+        RAW,
+        lambda r: _set(r.inputs[0], datatype="BYTES"),
+        "datatype 'BYTES', expected [-1,4] FP32",
+    ),
+    (
+        "wrong rank",
+        RAW,
+        lambda r: _set(r.inputs[0], shape=[8]),
+        "shape [8] does not fit; expected [-1,4] FP32",
+    ),
+    (
+        "wrong dimension",
+        RAW,
+        lambda r: _set(r.inputs[0], shape=[4, 2]),
+        "shape [4, 2] does not fit",
+    ),
+    (
+        "negative dimension",
+        RAW,
+        lambda r: _set(r.inputs[0], shape=[-2, 4]),
+        "shape must be at most 32 non-negative integers",
+    ),
+    (
+        "rank over 32",
+        RAW,
+        lambda r: _set(r.inputs[0], shape=[1] * 33),
+        "shape must be at most 32 non-negative integers",
+    ),
+    (
+        "raw size mismatch",
+        RAW,
+        lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 31),
+        "raw_input_contents[0] has 31 bytes, but shape [2, 4] FP32 takes 32 bytes",
+    ),
+    (
+        "raw count mismatch",
+        RAW,
+        lambda r: r.raw_input_contents.pop(),
+        "3 raw_input_contents for 4 inputs",
+    ),
+    (
+        "raw and contents",
+        RAW,
+        lambda r: r.inputs[0].contents.fp32_contents.extend([0.0] * 8),
+        "input 'x' has both contents and raw_input_contents[0]",
+    ),
+    (
+        "wrong typed field",
+        TYPED,
+        lambda r: _set(r.inputs[0].contents, fp32_contents=[], int_contents=[1] * 8),
+        "FP32 data goes in contents.fp32_contents, got contents.int_contents",
+    ),
+    (
+        "extra typed field",
+        TYPED,
+        lambda r: r.inputs[0].contents.fp64_contents.append(1.0),
+        "FP32 data goes in contents.fp32_contents, got contents.fp64_contents",
+    ),
+    (
+        "typed count mismatch",
+        TYPED,
+        lambda r: r.inputs[0].contents.fp32_contents.pop(),
+        "shape [2, 4] needs 8 values, contents.fp32_contents has 7",
+    ),
+    (
+        "typed no data",
+        TYPED,
+        lambda r: r.inputs[0].ClearField("contents"),
+        "input 'x' has no data: send it as raw_input_contents or contents.fp32_contents",
+    ),
+    (
+        "typed FP16",
+        HALF,
+        lambda r: (
+            r.ClearField("raw_input_contents"),
+            r.inputs[0].contents.fp32_contents.extend([0.0] * 4),
+        ),
+        "FP16 data can only come as raw_input_contents",
+    ),
+    (
+        "INT8 out of range",
+        NARROW,
+        lambda r: _set(r.inputs[0].contents, int_contents=[1, 300]),
+        "value 300 in contents.int_contents is out of range for INT8 (-128..127)",
+    ),
+    (
+        "UINT16 out of range",
+        NARROW,
+        lambda r: _set(r.inputs[1].contents, uint_contents=[65536, 0]),
+        "out of range for UINT16",
+    ),
     ("rows over limit", RAW, _huge_rows, "1000000000 rows; this server takes at most 64"),
     ("values over body", ANY, _huge_values, "declares 1152921504606846976 values"),
     ("too big even empty", ANY, _too_big_even_empty, "is too large for an array"),
     ("missing input", RAW, _without_last_input, "missing input(s) ['half']"),
-    ("rows disagree", RAW, lambda r: (_set(r.inputs[0], shape=[1, 4]),
-                                      r.raw_input_contents.__setitem__(0, b"\0" * 16)),
-     "inputs disagree on the number of rows"),
-    ("no rows", TYPED, lambda r: [(_set(i, shape=[0, *i.shape[1:]]), i.ClearField("contents"))
-                                  for i in r.inputs], "the request has no rows"),
-    ("no inputs", RAW, lambda r: (r.ClearField("inputs"), r.ClearField("raw_input_contents")),
-     "the request has no inputs"),
-    ("too many inputs", RAW, lambda r: (r.inputs.add(name="x"), r.raw_input_contents.append(b"")),
-     "the request has 5 inputs; this model takes 'x' [-1,4] FP32"),
+    (
+        "rows disagree",
+        RAW,
+        lambda r: (
+            _set(r.inputs[0], shape=[1, 4]),
+            r.raw_input_contents.__setitem__(0, b"\0" * 16),
+        ),
+        "inputs disagree on the number of rows",
+    ),
+    (
+        "no rows",
+        TYPED,
+        lambda r: [(_set(i, shape=[0, *i.shape[1:]]), i.ClearField("contents")) for i in r.inputs],
+        "the request has no rows",
+    ),
+    (
+        "no inputs",
+        RAW,
+        lambda r: (r.ClearField("inputs"), r.ClearField("raw_input_contents")),
+        "the request has no inputs",
+    ),
+    (
+        "too many inputs",
+        RAW,
+        lambda r: (r.inputs.add(name="x"), r.raw_input_contents.append(b"")),
+        "the request has 5 inputs; this model takes 'x' [-1,4] FP32",
+    ),
     ("unknown output", RAW, lambda r: r.outputs.add(name="nope"), "unknown output 'nope'"),
-    ("repeated output", RAW, lambda r: (r.outputs.add(name="probs"), r.outputs.add(name="probs")),
-     "output 'probs' is requested twice"),
-    ("BOOL raw byte 2", RAW, lambda r: r.raw_input_contents.__setitem__(2, b"\0\1\2\0"),
-     "BOOL raw data must be bytes 0 or 1"),
-    ("shared memory without a size", RAW, lambda r: _set(
-        r.inputs[0].parameters["shared_memory_region"], string_param="region"),
-     "input 'x': parameters.shared_memory_byte_size must be a non-negative integer"),
-    ("shared memory with no reader", RAW, lambda r: (
-        _set(r.inputs[0].parameters["shared_memory_region"], string_param="region"),
-        _set(r.inputs[0].parameters["shared_memory_byte_size"], int64_param=32), r.raw_input_contents.pop(0)),
-     "input 'x' names a shared memory region, which this request can't use here"),
-    ("output classification", RAW, lambda r: _set(
-        r.outputs.add(name="probs").parameters["classification"], int64_param=2),
-     "output 'probs': parameters.classification asks for classification"),
+    (
+        "repeated output",
+        RAW,
+        lambda r: (r.outputs.add(name="probs"), r.outputs.add(name="probs")),
+        "output 'probs' is requested twice",
+    ),
+    (
+        "BOOL raw byte 2",
+        RAW,
+        lambda r: r.raw_input_contents.__setitem__(2, b"\0\1\2\0"),
+        "BOOL raw data must be bytes 0 or 1",
+    ),
+    (
+        "shared memory without a size",
+        RAW,
+        lambda r: _set(r.inputs[0].parameters["shared_memory_region"], string_param="region"),
+        "input 'x': parameters.shared_memory_byte_size must be a non-negative integer",
+    ),
+    (
+        "shared memory with no reader",
+        RAW,
+        lambda r: (
+            _set(r.inputs[0].parameters["shared_memory_region"], string_param="region"),
+            _set(r.inputs[0].parameters["shared_memory_byte_size"], int64_param=32),
+            r.raw_input_contents.pop(0),
+        ),
+        "input 'x' names a shared memory region, which this request can't use here",
+    ),
+    (
+        "output classification",
+        RAW,
+        lambda r: _set(r.outputs.add(name="probs").parameters["classification"], int64_param=2),
+        "output 'probs': parameters.classification asks for classification",
+    ),
     ("long name cut short", RAW, lambda r: _set(r.inputs[0], name="n" * 5000), "nnn'..."),
 ]
 
@@ -436,8 +625,9 @@ def _base(kind: str) -> tuple[schema.ModelInferRequest, list[TensorSpec]]:
     return _any_shape_request(), ANY_SHAPE
 
 
-@pytest.mark.parametrize(("kind", "spoil", "words"), [c[1:] for c in REFUSALS],
-                         ids=[c[0] for c in REFUSALS])
+@pytest.mark.parametrize(
+    ("kind", "spoil", "words"), [c[1:] for c in REFUSALS], ids=[c[0] for c in REFUSALS]
+)
 def test_refusal(kind, spoil, words):
     request, inputs = _base(kind)
     decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)  # valid before it is spoiled
@@ -465,6 +655,7 @@ def test_declared_size_is_refused_before_any_allocation():
 
 # ---- fuzz ------------------------------------------------------------------------------------
 
+
 def _byte_mutation(rng: random.Random, seed: bytes) -> bytes:
     data = bytearray(seed)
     for _ in range(rng.randint(1, 4)):
@@ -473,11 +664,11 @@ def _byte_mutation(rng: random.Random, seed: bytes) -> bytes:
         if choice == 0 and data:  # flip a byte
             data[min(where, len(data) - 1)] = rng.randrange(256)
         elif choice == 1:  # cut
-            del data[where:where + rng.randint(1, 16)]
+            del data[where : where + rng.randint(1, 16)]
         elif choice == 2:  # insert noise
             data[where:where] = rng.randbytes(rng.randint(1, 8))
         else:  # repeat a slice: fields given twice, shapes longer
-            data[where:where] = data[rng.randrange(len(data) + 1):][:rng.randint(1, 24)]
+            data[where:where] = data[rng.randrange(len(data) + 1) :][: rng.randint(1, 24)]
     return bytes(data)
 
 
@@ -487,8 +678,8 @@ _DIMS = [0, 1, 2, 3, 4, 5, 8, 64, 65, -1, 2**31 - 1, 2**31, 2**62]
 # Values each InferTensorContents field can hold, edges of the narrower datatypes among them.
 _CONTENT_VALUES = {
     "bool_contents": [True, False],
-    "int_contents": [0, 1, -1, 127, 128, -129, 32768, 65535, 2**31 - 1, -2**31],
-    "int64_contents": [0, -1, 2**63 - 1, -2**63],
+    "int_contents": [0, 1, -1, 127, 128, -129, 32768, 65535, 2**31 - 1, -(2**31)],
+    "int64_contents": [0, -1, 2**63 - 1, -(2**63)],
     "uint_contents": [0, 1, 255, 256, 65536, 2**32 - 1],
     "uint64_contents": [0, 2**64 - 1],
     "fp32_contents": [0.0, -1.5, float("nan"), float("inf"), 1e39],
@@ -514,7 +705,8 @@ def _field_mutation(rng: random.Random, seed: bytes) -> bytes:
             index = rng.randrange(len(request.raw_input_contents))
             blob = request.raw_input_contents[index]
             request.raw_input_contents[index] = rng.choice(
-                [blob[:-1], blob + b"\1", rng.randbytes(len(blob)), b""])
+                [blob[:-1], blob + b"\1", rng.randbytes(len(blob)), b""]
+            )
         elif choice == 4 and item is not None:
             field, values = rng.choice(list(_CONTENT_VALUES.items()))
             getattr(item.contents, field).extend(rng.choices(values, k=rng.randint(1, 9)))
@@ -531,10 +723,12 @@ def test_fuzz_only_bad_request_or_decode_error():
     answers with INVALID_ARGUMENT), and whatever parses is decoded or refused, never more."""
     assert set(_CONTENT_VALUES) == {f.name for f in schema.InferTensorContents.DESCRIPTOR.fields}
     rng = random.Random(20240601)
-    seeds = [(raw_request().SerializeToString(), INPUTS),
-             (typed_request().SerializeToString(), INPUTS[:3]),
-             (small_ints_request([1, 2], [3, 4]).SerializeToString(), SMALL_INTS),
-             (_any_shape_request().SerializeToString(), ANY_SHAPE)]
+    seeds = [
+        (raw_request().SerializeToString(), INPUTS),
+        (typed_request().SerializeToString(), INPUTS[:3]),
+        (small_ints_request([1, 2], [3, 4]).SerializeToString(), SMALL_INTS),
+        (_any_shape_request().SerializeToString(), ANY_SHAPE),
+    ]
     outcomes = {"parse error": 0, "refused": 0, "accepted": 0}
     for i in range(1200):
         seed, inputs = rng.choice(seeds)

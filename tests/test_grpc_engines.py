@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 import requests
+from serving_fixtures import ServerProcess, free_port, metric, tiny_model
 
 from serving.grpc import native, schema
-from serving_fixtures import ServerProcess, free_port, metric, tiny_model
 
 pytestmark = pytest.mark.slow
 METHOD = "/inference.GRPCInferenceService/"
@@ -26,9 +26,13 @@ METHOD = "/inference.GRPCInferenceService/"
 
 def test_the_native_engine_is_built_wherever_grpcs_cpp_library_is_installed():
     """So that a failed build (setup.py marks it optional) does not leave CI quietly testing grpc.aio twice."""
-    installed = subprocess.run(["pkg-config", "--exists", "grpc++"], capture_output=True).returncode == 0
+    installed = (
+        subprocess.run(["pkg-config", "--exists", "grpc++"], capture_output=True).returncode == 0
+    )
     if not installed:
-        pytest.skip("grpc's C++ library is not installed here (apt-get install libgrpc++-dev pkg-config)")
+        pytest.skip(
+            "grpc's C++ library is not installed here (apt-get install libgrpc++-dev pkg-config)"
+        )
     assert native.available(), native.WHY_NOT
 
 
@@ -40,8 +44,19 @@ def server(request, tmp_path_factory):
     model = tiny_model(tmp / "tiny.onnx")
     port = free_port()
     # --max-delay-ms: a lone request waits for company, so a client can give up while it is in the server
-    with ServerProcess("--model", str(model), "--grpc-port", str(port), "--grpc-engine", request.param,
-                       "--max-body-bytes", str(1 << 20), "--max-delay-ms", "1500", log_path=tmp / "server.log") as srv:
+    with ServerProcess(
+        "--model",
+        str(model),
+        "--grpc-port",
+        str(port),
+        "--grpc-engine",
+        request.param,
+        "--max-body-bytes",
+        str(1 << 20),
+        "--max-delay-ms",
+        "1500",
+        log_path=tmp / "server.log",
+    ) as srv:
         srv.grpc, srv.engine = f"127.0.0.1:{port}", request.param
         yield srv
 
@@ -64,9 +79,14 @@ def test_receipt_as_initial_metadata_on_an_answer_and_on_a_refusal(server):
         body, call = infer.with_call(infer_request(id="r-1"), timeout=30)
         assert schema.ModelInferResponse.FromString(body).id == "r-1"
         assert dict(call.initial_metadata())["x-request-id"] == "r-1"
-        with pytest.raises(grpc.RpcError) as refused:  # the version was chosen, then the shape refused
+        with pytest.raises(
+            grpc.RpcError
+        ) as refused:  # the version was chosen, then the shape refused
             infer(infer_request(shape_tail=(1, 4, 8), id="r-2"), timeout=30)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "does not fit" in refused.value.details()
+    )
     receipt = dict(refused.value.initial_metadata())
     assert receipt["x-request-id"] == "r-2" and receipt["x-model-name"] == "tiny", receipt
 
@@ -92,18 +112,24 @@ def test_a_name_with_a_nul_is_not_found_and_the_server_still_stops(server):
     fail, and the call hung until its deadline."""
     with grpc.insecure_channel(server.grpc) as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            channel.unary_unary(METHOD + "ModelReady")(schema.ModelReadyRequest(name="a\x00b").SerializeToString(),
-                                                       timeout=10)
+            channel.unary_unary(METHOD + "ModelReady")(
+                schema.ModelReadyRequest(name="a\x00b").SerializeToString(), timeout=10
+            )
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
 
 
 def test_a_message_over_max_body_bytes_is_resource_exhausted_and_the_next_one_is_answered(server):
-    with grpc.insecure_channel(server.grpc, options=[("grpc.max_send_message_length", -1)]) as channel:
+    with grpc.insecure_channel(
+        server.grpc, options=[("grpc.max_send_message_length", -1)]
+    ) as channel:
         infer = channel.unary_unary(METHOD + "ModelInfer")
         with pytest.raises(grpc.RpcError) as refused:
             infer(infer_request(rows=5000), timeout=30)  # 1.3 MB against 1 MiB
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name == "tiny"
+        assert (
+            schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name
+            == "tiny"
+        )
 
 
 def test_a_client_that_gives_up_mid_call_leaves_the_server_answering(server):
@@ -112,30 +138,56 @@ def test_a_client_that_gives_up_mid_call_leaves_the_server_answering(server):
         with pytest.raises(grpc.RpcError) as gone:
             infer(infer_request(), timeout=0.3)  # it waits 1.5 s in the batcher for company
         assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name == "tiny"
+        assert (
+            schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name
+            == "tiny"
+        )
     assert requests.get(server.url + "/v2/health/ready", timeout=10).status_code == 200
     assert "Traceback" not in server.log()
 
 
 def test_a_stream_answers_in_order_and_a_refusal_does_not_end_it(server):
-    requests_ = [infer_request(id="s-0"), infer_request(shape_tail=(1, 4, 8), id="s-1"), infer_request(id="s-2")]
+    requests_ = [
+        infer_request(id="s-0"),
+        infer_request(shape_tail=(1, 4, 8), id="s-1"),
+        infer_request(id="s-2"),
+    ]
     with grpc.insecure_channel(server.grpc) as channel:
         stream = channel.stream_stream(METHOD + "ModelStreamInfer")
-        answers = [schema.ModelStreamInferResponse.FromString(m) for m in stream(iter(requests_), timeout=30)]
+        answers = [
+            schema.ModelStreamInferResponse.FromString(m)
+            for m in stream(iter(requests_), timeout=30)
+        ]
     assert [a.infer_response.id for a in answers] == ["s-0", "s-1", "s-2"]
     assert [bool(a.error_message) for a in answers] == [False, True, False]
     assert answers[1].error_message.startswith("INVALID_ARGUMENT: ")
     assert answers[0].infer_response.parameters["x-model-name"].string_param == "tiny"
     text = requests.get(server.url + "/metrics", timeout=10).text
-    assert metric(text, "trainserve_requests_total", route="grpc ModelStreamInfer", status="OK", model="tiny") >= 2
+    assert (
+        metric(
+            text,
+            "trainserve_requests_total",
+            route="grpc ModelStreamInfer",
+            status="OK",
+            model="tiny",
+        )
+        >= 2
+    )
 
 
 # ---- the native transport on its own, in this process: what a black-box server cannot provoke at will ----
 
+
 def native_front_end(handle) -> tuple:
     port = free_port()
-    front_end = native.NativeFrontEnd(f"127.0.0.1:{port}", {"Echo": grpc.unary_unary_rpc_method_handler(handle)},
-                                      "test.Echo", {}, 100, types.SimpleNamespace(close=lambda: None))
+    front_end = native.NativeFrontEnd(
+        f"127.0.0.1:{port}",
+        {"Echo": grpc.unary_unary_rpc_method_handler(handle)},
+        "test.Echo",
+        {},
+        100,
+        types.SimpleNamespace(close=lambda: None),
+    )
     return front_end, f"127.0.0.1:{port}"
 
 
@@ -148,7 +200,9 @@ def test_native_calls_cancelled_before_their_handler_began_are_ended_and_stop_re
 
     async def handle(data, context):
         if data == b"block":
-            time.sleep(1.0)  # the loop is stuck: meanwhile two calls arrive and their clients give up
+            time.sleep(
+                1.0
+            )  # the loop is stuck: meanwhile two calls arrive and their clients give up
         return b"ok"
 
     def client(target: str) -> list:
@@ -238,12 +292,20 @@ def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_d
     async def scenario():
         port = free_port()
         front_end = native.NativeFrontEnd(
-            f"127.0.0.1:{port}", {"Talk": grpc.stream_stream_rpc_method_handler(stream)}, "test.Echo", {}, 100,
-            types.SimpleNamespace(close=lambda: None))
+            f"127.0.0.1:{port}",
+            {"Talk": grpc.stream_stream_rpc_method_handler(stream)},
+            "test.Echo",
+            {},
+            100,
+            types.SimpleNamespace(close=lambda: None),
+        )
         try:
             got = await asyncio.wait_for(asyncio.to_thread(client, f"127.0.0.1:{port}"), 60)
             await asyncio.sleep(0.5)  # the last events
-            return got, front_end.unwritten_places._value  # (asyncio.Semaphore's count: every place back?)
+            return (
+                got,
+                front_end.unwritten_places._value,
+            )  # (asyncio.Semaphore's count: every place back?)
         finally:
             await asyncio.wait_for(front_end.stop(0.5), 10)
 
@@ -263,15 +325,24 @@ def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
     c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     c.initiate_connection()
     stream = c.get_next_available_stream_id()
-    c.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", METHOD + "ModelInfer"),
-                            (":authority", "127.0.0.1"), ("content-type", "application/grpc"), ("te", "trailers"),
-                            *metadata])
+    c.send_headers(
+        stream,
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", METHOD + "ModelInfer"),
+            (":authority", "127.0.0.1"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *metadata,
+        ],
+    )
     framed = b"\x00" + len(message).to_bytes(4, "big") + message
-    c.send_data(stream, framed[:len(framed) // 2])
+    c.send_data(stream, framed[: len(framed) // 2])
     s.sendall(c.data_to_send())
 
     def finish() -> str:
-        c.send_data(stream, framed[len(framed) // 2:], end_stream=True)
+        c.send_data(stream, framed[len(framed) // 2 :], end_stream=True)
         s.sendall(c.data_to_send())
         try:
             while True:
@@ -289,7 +360,9 @@ def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
 
 
 @pytest.mark.parametrize("setup", ["one model", "two models", "a token required"])
-def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(tmp_path, setup):
+def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(
+    tmp_path, setup
+):
     """As for an HTTP body arriving (serving/batcher.py): a complete request's batch waits, at most --arrival-wait-ms,
     for a ModelInfer message the native engine is still receiving, and they run as one batch (at c=32 with 602 KB
     images, 19 rows a run against 15). A message names its model inside, so only a server of one model version
@@ -298,12 +371,21 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
     if not native.available():
         pytest.skip(native.WHY_NOT)
     model = tiny_model(tmp_path / "tiny.onnx")
-    args = ["--model", f"tiny={model}"] + (["--model", f"other={model}"] if setup == "two models" else []) \
+    args = (
+        ["--model", f"tiny={model}"]
+        + (["--model", f"other={model}"] if setup == "two models" else [])
         + (["--auth-token", "sesame"] if setup == "a token required" else [])
+    )
     metadata = (("authorization", "Bearer sesame"),) if setup == "a token required" else ()
     port = free_port()
-    with ServerProcess(*args, "--grpc-port", str(port), "--arrival-wait-ms", "1000",
-                       log_path=tmp_path / "server.log") as srv:
+    with ServerProcess(
+        *args,
+        "--grpc-port",
+        str(port),
+        "--arrival-wait-ms",
+        "1000",
+        log_path=tmp_path / "server.log",
+    ) as srv:
         half = _half_sent_call(port, infer_request(), metadata)
         time.sleep(0.3)  # its first half in: the call has begun
         answered = {}
@@ -311,7 +393,9 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         def lone_call() -> float:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 begun = time.monotonic()
-                channel.unary_unary(METHOD + "ModelInfer")(infer_request(), timeout=30, metadata=metadata)
+                channel.unary_unary(METHOD + "ModelInfer")(
+                    infer_request(), timeout=30, metadata=metadata
+                )
                 return time.monotonic() - begun
 
         caller = threading.Thread(target=lambda: answered.update(after=lone_call()))
@@ -323,11 +407,21 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         text = requests.get(srv.url + "/metrics", headers=headers).text
         runs = metric(text, "trainserve_batch_size_count", model="tiny")
         rows = metric(text, "trainserve_batch_size_sum", model="tiny")
-        _half_sent_call(port, infer_request(), metadata).abandon()  # a call given up half-sent is no longer waited for
+        _half_sent_call(
+            port, infer_request(), metadata
+        ).abandon()  # a call given up half-sent is no longer waited for
         time.sleep(0.3)
         alone = lone_call()  # nothing on its way now: a lone call waits for nothing
     assert status == "0" and alone < 0.6, (status, alone)
     if setup == "one model":
-        assert answered["after"] > 0.3 and (runs, rows) == (1, 2), (answered, runs, rows)  # one run of both
+        assert answered["after"] > 0.3 and (runs, rows) == (1, 2), (
+            answered,
+            runs,
+            rows,
+        )  # one run of both
     else:
-        assert answered["after"] < 0.3 and (runs, rows) == (2, 2), (answered, runs, rows)  # no wait, one run each
+        assert answered["after"] < 0.3 and (runs, rows) == (2, 2), (
+            answered,
+            runs,
+            rows,
+        )  # no wait, one run each

@@ -18,13 +18,15 @@ import grpc
 import numpy as np
 import pytest
 import requests
+from serving_fixtures import ServerProcess, free_port, heavy_model, metric, tiny_model
 
 from serving.grpc import native, schema
-from serving_fixtures import ServerProcess, free_port, heavy_model, metric, tiny_model
 
 pytestmark = pytest.mark.slow
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + an empty SETTINGS
+PREFACE = (
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+)  # + an empty SETTINGS
 SETTINGS_ACK = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
 METHOD = "/inference.GRPCInferenceService/"
 
@@ -47,8 +49,10 @@ def infer_request(model: str = "tiny", rows: int = 1) -> schema.ModelInferReques
 def call(target: str, method: str, message, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", -1)]) as channel:
         try:
-            channel.unary_unary(METHOD + method)(message.SerializeToString() if hasattr(message, "SerializeToString")
-                                                 else message, timeout=timeout)
+            channel.unary_unary(METHOD + method)(
+                message.SerializeToString() if hasattr(message, "SerializeToString") else message,
+                timeout=timeout,
+            )
             return grpc.StatusCode.OK, ""
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or ""
@@ -98,7 +102,10 @@ def test_silent_grpc_connections_are_closed_like_http_ones(model, tmp_path):
         started = time.monotonic()
         try:
             assert requests.get(srv.url + "/v2/health/live", timeout=5).status_code == 200
-            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (
+                grpc.StatusCode.OK,
+                "",
+            )
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
             assert time.monotonic() - started < 2.0
             assert closed_by_server(handshaken + silent, started + 40) == 250
@@ -120,13 +127,22 @@ def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(m
     (liveness stalled 1.33 s) and took ~730 MiB; four at once peaked at 3.96 GB. Here four at once are refused
     (INVALID_ARGUMENT naming the limit) from a count of their fields, in a thread; liveness stays prompt and the
     server's peak memory grows by little more than the messages' own bytes."""
-    message = b"\x0a\x04tiny" + b"\x2a\x00" * ((8 << 20) - 512)  # model_name, then empty InferInputTensors
-    with grpc_server("--model", str(model), "--max-body-bytes", str(17 << 20), tmp_path=tmp_path) as srv:
+    message = b"\x0a\x04tiny" + b"\x2a\x00" * (
+        (8 << 20) - 512
+    )  # model_name, then empty InferInputTensors
+    with grpc_server(
+        "--model", str(model), "--max-body-bytes", str(17 << 20), tmp_path=tmp_path
+    ) as srv:
         before = vm_hwm(srv.proc.pid)
         results: dict[int, tuple] = {}
-        senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, call(srv.grpc, "ModelInfer", message,
-                                                                                     timeout=60)))
-                   for i in range(4)]
+        senders = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, call(srv.grpc, "ModelInfer", message, timeout=60)
+                )
+            )
+            for i in range(4)
+        ]
         latencies = []
         for t in senders:
             t.start()
@@ -138,9 +154,13 @@ def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(m
         for t in senders:
             t.join()
         grown = vm_hwm(srv.proc.pid) - before
-        print(f"liveness max {max(latencies):.3f} s over {len(latencies)} probes; peak memory +{grown:.0f} MiB")
-        assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "more than 4096 fields" in details
-                   for code, details in results.values()), results
+        print(
+            f"liveness max {max(latencies):.3f} s over {len(latencies)} probes; peak memory +{grown:.0f} MiB"
+        )
+        assert all(
+            code == grpc.StatusCode.INVALID_ARGUMENT and "more than 4096 fields" in details
+            for code, details in results.values()
+        ), results
         assert max(latencies) < 0.5 and grown < 300, (latencies, grown)
         # a real request still works, and so does one with a few thousand parameters short of the limit
         request = infer_request()
@@ -155,14 +175,26 @@ def test_not_found_stays_small_with_hundreds_of_models(model, tmp_path):
     root = tmp_path / "repository"
     for i in range(300):
         (root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1").mkdir(parents=True)
-        shutil.copy(model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx")
-    with grpc_server("--repository", str(root), "--load-model", "model-with-a-fairly-descriptive-name-000",
-                     tmp_path=tmp_path) as srv:
-        for method, message in (("ModelInfer", infer_request("nosuch")),
-                                ("ModelReady", schema.ModelReadyRequest(name="nosuch"))):
+        shutil.copy(
+            model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx"
+        )
+    with grpc_server(
+        "--repository",
+        str(root),
+        "--load-model",
+        "model-with-a-fairly-descriptive-name-000",
+        tmp_path=tmp_path,
+    ) as srv:
+        for method, message in (
+            ("ModelInfer", infer_request("nosuch")),
+            ("ModelReady", schema.ModelReadyRequest(name="nosuch")),
+        ):
             code, details = call(srv.grpc, method, message)
-            assert code == grpc.StatusCode.NOT_FOUND and "and 290 more" in details and len(details) < 1000, \
-                (method, code, details[:200])
+            assert (
+                code == grpc.StatusCode.NOT_FOUND
+                and "and 290 more" in details
+                and len(details) < 1000
+            ), (method, code, details[:200])
         r = requests.post(srv.url + "/v2/models/nosuch/infer", json={"inputs": []}, timeout=10)
         assert r.status_code == 404 and len(r.content) < 1000
 
@@ -196,7 +228,10 @@ def test_a_burst_of_rpcs_on_one_channel_is_answered_not_cancelled(tmp_path):
         print(dict(codes))
         assert set(codes) <= {"OK", "UNAVAILABLE"} and codes["OK"] > 0, dict(codes)
         text = requests.get(srv.url + "/metrics", timeout=10).text
-        assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
+        assert (
+            metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL")
+            == 0
+        )
 
 
 def _literal(name: bytes, value: bytes) -> bytes:
@@ -212,33 +247,59 @@ def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path, e
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
     with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
-        fields = b"".join(_literal(n, v) for n, v in (
-            (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ServerLive"),
-            (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
-            (b":status", b"200" + forged)))
-        headers = len(fields).to_bytes(3, "big") + b"\x01\x05" + (1).to_bytes(4, "big") + fields  # END_STREAM|HEADERS
+        fields = b"".join(
+            _literal(n, v)
+            for n, v in (
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", METHOD.encode() + b"ServerLive"),
+                (b":authority", b"127.0.0.1"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+                (b":status", b"200" + forged),
+            )
+        )
+        headers = (
+            len(fields).to_bytes(3, "big") + b"\x01\x05" + (1).to_bytes(4, "big") + fields
+        )  # END_STREAM|HEADERS
         with socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5) as s:
-            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + headers)
+            s.sendall(
+                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                + headers
+            )
             time.sleep(0.5)
         code, _ = call(srv.grpc, "ModelInfer", infer_request(model="x" + forged.decode()))
         assert code == grpc.StatusCode.NOT_FOUND
         time.sleep(0.3)
         log = srv.log()
     assert "FORGED LINE" in log  # both were logged...
-    assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[-3000:]  # ...escaped
+    assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[
+        -3000:
+    ]  # ...escaped
 
 
 def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.socket]:
     """`connections` HTTP/2 connections, each opening `calls` ModelInfer calls that send their headers and never
     their message (no token either): the review's F1."""
-    fields = b"".join(_literal(n, v) for n, v in (
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ModelInfer"),
-        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    fields = b"".join(
+        _literal(n, v)
+        for n, v in (
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", METHOD.encode() + b"ModelInfer"),
+            (b":authority", b"127.0.0.1"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )
     opened = []
     for _ in range(connections):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        frames = b"".join(len(fields).to_bytes(3, "big") + b"\x01\x04" + (2 * i + 1).to_bytes(4, "big") + fields
-                          for i in range(calls))  # HEADERS, END_HEADERS, no END_STREAM
+        frames = b"".join(
+            len(fields).to_bytes(3, "big") + b"\x01\x04" + (2 * i + 1).to_bytes(4, "big") + fields
+            for i in range(calls)
+        )  # HEADERS, END_HEADERS, no END_STREAM
         s.sendall(PREFACE + frames)
         s.setblocking(False)
         opened.append(s)
@@ -264,7 +325,7 @@ def _ended_streams(sockets: list[socket.socket], deadline: float) -> int:
                 size, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
                 if kind == 3 or (kind == 1 and flags & 1):
                     ended.add((s.fileno(), int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF))
-                buffer = buffer[9 + size:]
+                buffer = buffer[9 + size :]
             pending[s] = buffer
         if not readable and len(ended) == len(sockets) * 128:
             break
@@ -278,18 +339,29 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
     shared place only once its message is in, and one still waiting after --read-timeout is ended."""
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
-    with grpc_server("--model", str(model), "--read-timeout", "3", "--grpc-engine", engine, tmp_path=tmp_path) as srv:
+    with grpc_server(
+        "--model", str(model), "--read-timeout", "3", "--grpc-engine", engine, tmp_path=tmp_path
+    ) as srv:
         attack = _header_only_calls(srv.grpc_port, 33, 128)
         try:
             time.sleep(0.5)
             started = time.monotonic()
-            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (grpc.StatusCode.OK, "")
+            assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest()) == (
+                grpc.StatusCode.OK,
+                "",
+            )
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
             assert time.monotonic() - started < 2.0
-            assert _ended_streams(attack, time.monotonic() + 10) == 33 * 128  # every one answered, none left open
+            assert (
+                _ended_streams(attack, time.monotonic() + 10) == 33 * 128
+            )  # every one answered, none left open
             deadline = time.monotonic() + 3
-            while (ended := sum(int(n) for n in re.findall(r"ended (\d+) call\(s\) whose request message",
-                                                            srv.log()))) < 33 * 128 and time.monotonic() < deadline:
+            while (
+                ended := sum(
+                    int(n)
+                    for n in re.findall(r"ended (\d+) call\(s\) whose request message", srv.log())
+                )
+            ) < 33 * 128 and time.monotonic() < deadline:
                 time.sleep(0.2)  # (a line a second or a sweep, not a line a call)
             # the native engine ends them all itself; on grpc.aio, grpc's core refuses those of a burst past its
             # queue of calls the server has not yet taken (RESOURCE_EXHAUSTED) and this server ends the rest
@@ -301,7 +373,14 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
 
 
 def _rss_mib(pid: int) -> float:
-    return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")).split()[1]) / 1024
+    return (
+        int(
+            next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")).split()[
+                1
+            ]
+        )
+        / 1024
+    )
 
 
 def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(model, tmp_path):
@@ -314,9 +393,18 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
     import h2.exceptions
 
     if not native.available():
-        pytest.skip(native.WHY_NOT)  # (grpc.aio has no resource quota in Python: there the bytes are bounded in time)
-    with grpc_server("--model", str(model), "--read-timeout", "60", "--grpc-memory-bytes", str(64 << 20),
-                     tmp_path=tmp_path) as srv:
+        pytest.skip(
+            native.WHY_NOT
+        )  # (grpc.aio has no resource quota in Python: there the bytes are bounded in time)
+    with grpc_server(
+        "--model",
+        str(model),
+        "--read-timeout",
+        "60",
+        "--grpc-memory-bytes",
+        str(64 << 20),
+        tmp_path=tmp_path,
+    ) as srv:
         before = _rss_mib(srv.proc.pid)
         sent, opened = 0, []
         chunk = b"\0" * 16384
@@ -328,10 +416,20 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
             streams = []
             for _ in range(64):
                 stream = c.get_next_available_stream_id()
-                c.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", METHOD + "ModelInfer"),
-                                        (":authority", "127.0.0.1"), ("content-type", "application/grpc"),
-                                        ("te", "trailers")])
-                c.send_data(stream, b"\x00" + ((16 << 20) - 1).to_bytes(4, "big"))  # 16 MiB announced
+                c.send_headers(
+                    stream,
+                    [
+                        (":method", "POST"),
+                        (":scheme", "http"),
+                        (":path", METHOD + "ModelInfer"),
+                        (":authority", "127.0.0.1"),
+                        ("content-type", "application/grpc"),
+                        ("te", "trailers"),
+                    ],
+                )
+                c.send_data(
+                    stream, b"\x00" + ((16 << 20) - 1).to_bytes(4, "big")
+                )  # 16 MiB announced
                 streams.append(stream)
             s.sendall(c.data_to_send())
             s.settimeout(0.5)
@@ -353,19 +451,30 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
                         c.send_data(stream, chunk)
                         sent += len(chunk)
                     s.sendall(c.data_to_send())
-            except (TimeoutError, ConnectionError, OSError, h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            except (
+                TimeoutError,
+                ConnectionError,
+                OSError,
+                h2.exceptions.ProtocolError,
+                h2.exceptions.StreamClosedError,
+            ):
                 pass  # the server stopped taking bytes, or closed the connection
         grown = _rss_mib(srv.proc.pid) - before
         # While the quota is full a new call may be refused (RESOURCE_EXHAUSTED, grpc's "Buffers full": the price of
         # the bound, seen in CI) or not read at all until it is (DEADLINE_EXCEEDED: seen once in 4 runs of the file
         # beside other tests); once the attacker's connections are gone the server answers again.
         assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest(), timeout=5)[0] in (
-            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            grpc.StatusCode.OK,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
         for s in opened:
             s.close()
         deadline = time.monotonic() + 10
-        while (live := call(srv.grpc, "ServerLive", schema.ServerLiveRequest())) != (grpc.StatusCode.OK, "") \
-                and time.monotonic() < deadline:
+        while (live := call(srv.grpc, "ServerLive", schema.ServerLiveRequest())) != (
+            grpc.StatusCode.OK,
+            "",
+        ) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert live == (grpc.StatusCode.OK, ""), live
     print(f"sent {sent / 2**20:.0f} MiB of unfinished messages; RSS grew {grown:.0f} MiB")
@@ -374,16 +483,28 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
 
 
 @pytest.mark.parametrize("engine", ["native", "aio"])
-def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(model, tmp_path, engine):
+def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
+    model, tmp_path, engine
+):
     """The review's F4: one connection with an HTTP/2 window of 0 (it takes no answer) on 128 ModelStreamInfer streams
     of 40 requests each took the whole server's budget of unanswered stream requests (4,096), and every other
     client's stream got no answer. A connection now holds at most service.CONNECTION_SHARE of them."""
     request = infer_request().SerializeToString()
     message = b"\x00" + len(request).to_bytes(4, "big") + request
-    fields = b"".join(_literal(n, v) for n, v in (
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode() + b"ModelStreamInfer"),
-        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
-    no_window = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04" + (0).to_bytes(4, "big")  # INITIAL_WINDOW_SIZE 0
+    fields = b"".join(
+        _literal(n, v)
+        for n, v in (
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", METHOD.encode() + b"ModelStreamInfer"),
+            (b":authority", b"127.0.0.1"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )
+    no_window = (
+        b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04" + (0).to_bytes(4, "big")
+    )  # INITIAL_WINDOW_SIZE 0
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
     with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
@@ -393,12 +514,22 @@ def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(m
             for i in range(128):
                 stream = (2 * i + 1).to_bytes(4, "big")
                 data = message * 40
-                hog.sendall(len(fields).to_bytes(3, "big") + b"\x01\x04" + stream + fields
-                            + len(data).to_bytes(3, "big") + b"\x00\x00" + stream + data)
+                hog.sendall(
+                    len(fields).to_bytes(3, "big")
+                    + b"\x01\x04"
+                    + stream
+                    + fields
+                    + len(data).to_bytes(3, "big")
+                    + b"\x00\x00"
+                    + stream
+                    + data
+                )
             hog.setblocking(False)
             time.sleep(2)  # its answers pile up, unwritten
             with grpc.insecure_channel(srv.grpc) as channel:
-                answers = channel.stream_stream(METHOD + "ModelStreamInfer")(iter([request] * 5), timeout=10)
+                answers = channel.stream_stream(METHOD + "ModelStreamInfer")(
+                    iter([request] * 5), timeout=10
+                )
                 got = list(answers)
             assert len(got) == 5 and all(b"error_message" not in a[:20] for a in got)
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK

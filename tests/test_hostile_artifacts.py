@@ -13,16 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipeline import consolidate
-from pipeline.cli import main as pipeline_cli
-from pipeline import checkpoint
-from pipeline.checkpoint import dcp_read
-from pipeline.checkpoint import store as checkpoint_store
-from pipeline.components.build import instantiate_model
-from pipeline.checkpoint import CheckpointError
-
 from conftest import CPU1, checkpoint_meta, mlflow_client, mlp_spec
+
+from pipeline import checkpoint, consolidate
+from pipeline.checkpoint import CheckpointError, dcp_read
+from pipeline.checkpoint import store as checkpoint_store
+from pipeline.cli import main as pipeline_cli
+from pipeline.components.build import instantiate_model
 
 
 class Payload:
@@ -40,7 +37,9 @@ def saved(root: Path, step: int = 1, **optimizer_extra):
     model = instantiate_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer.param_groups[0].update(optimizer_extra)
-    return checkpoint.save(root, step, model, optimizer, checkpoint_meta(model, spec), CPU1, keep_last=5), spec
+    return checkpoint.save(
+        root, step, model, optimizer, checkpoint_meta(model, spec), CPU1, keep_last=5
+    ), spec
 
 
 def as_the_attacker_rewrites(ckpt: Path, name: str, data: bytes) -> None:
@@ -57,7 +56,9 @@ def planted(tmp_path):
     ckpt, spec = saved(tmp_path / "run" / "checkpoints")
     ran = tmp_path / "RAN"
     as_the_attacker_rewrites(ckpt, ".metadata", pickle.dumps(Payload(ran)))
-    checkpoint.verify_checksums(ckpt)  # the marker vouches for the planted file: checksums prove nothing
+    checkpoint.verify_checksums(
+        ckpt
+    )  # the marker vouches for the planted file: checksums prove nothing
     return ckpt, spec, ran
 
 
@@ -78,7 +79,10 @@ def test_consolidate_refuses_a_hostile_metadata_without_running_it(planted, caps
         consolidate.main(ckpt, log_to_mlflow=False)
     assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 2
     assert "nothing in it was run" in capsys.readouterr().err
-    assert not ran.exists() and not (ckpt.parent.parent / "consolidated" / "model.safetensors").exists()
+    assert (
+        not ran.exists()
+        and not (ckpt.parent.parent / "consolidated" / "model.safetensors").exists()
+    )
 
 
 def test_a_hostile_checkpoint_in_the_store_is_refused_by_run_id(planted, tmp_path, monkeypatch):
@@ -105,8 +109,13 @@ def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
     ckpt, spec = saved(tmp_path / "run" / "checkpoints", evil=Payload(ran))
     model = instantiate_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer.param_groups[0]["evil"] = 0  # the key must be asked for, as a resume with that optimizer would
-    with pytest.raises(CheckpointError, match=r"entry optim.param_groups.[\w.]+.evil refused, nothing in it was run"):
+    optimizer.param_groups[0]["evil"] = (
+        0  # the key must be asked for, as a resume with that optimizer would
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"entry optim.param_groups.[\w.]+.evil refused, nothing in it was run",
+    ):
         checkpoint.load(ckpt, model, optimizer, CPU1)
     assert not ran.exists()
     # and a plain checkpoint still loads, hyperparameters included
@@ -114,7 +123,9 @@ def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     optimizer.param_groups[0]["momentum_note"] = 0.0
     checkpoint.load(good, model, optimizer, CPU1)
-    assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["momentum_note"] == 0.5
+    assert (
+        optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["momentum_note"] == 0.5
+    )
 
 
 @pytest.mark.parametrize("escape", ["../", "absolute", "symlink"])
@@ -127,14 +138,20 @@ def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path, escape,
     shard = next(other.glob("*.distcp"))
     if escape == "symlink":
         (ckpt / "link.distcp").symlink_to(shard)
-    target = {"../": os.path.relpath(shard, ckpt), "absolute": str(shard), "symlink": "link.distcp"}[escape]
+    target = {
+        "../": os.path.relpath(shard, ckpt),
+        "absolute": str(shard),
+        "symlink": "link.distcp",
+    }[escape]
     metadata = dcp_read.read_metadata_safely(ckpt)
     for index, info in metadata.storage_data.items():
         if index.fqn.startswith("model."):
             info.relative_path = target
     metadata.storage_meta = None
     as_the_attacker_rewrites(ckpt, ".metadata", pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"\.metadata reads 'model\..+' from .+ outside the checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata reads 'model\..+' from .+ outside the checkpoint"
+    ):
         consolidate.main(ckpt, log_to_mlflow=False)
     assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 2
     assert "outside the checkpoint directory" in capsys.readouterr().err

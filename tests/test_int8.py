@@ -15,16 +15,16 @@ import onnx
 import pytest
 import requests
 import torch
+from serving_fixtures import ServerProcess, heavy_model, run_onnx, tiny_model
+from test_export import write_weights
 
 from pipeline.artifact import int8
 from pipeline.components.build import build_data, instantiate_model, model_spec
-from serving.lineage import file_sha256
 from pipeline.config import load_config
 from pipeline.export import main
 from pipeline.tasks import build_task
-from serving_fixtures import ServerProcess, heavy_model, run_onnx, tiny_model
-from test_export import write_weights
 from serving import lineage
+from serving.lineage import file_sha256
 
 MODEL = "int8_models:OutlierNet"
 EXPERIMENT = "int8"
@@ -44,8 +44,14 @@ def weights(tmp_path_factory, store):
     """OutlierNet trained 400 Adam steps on digits (~95% validation accuracy on this machine; 150 gave 90% on an
     Intel Xeon and 71% on an AMD EPYC, whose near-tie decisions then flipped under int8), as consolidate writes it."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(overrides=[f"model.component={MODEL}", f"tracking.tracking_uri={store}",
-                                 f"tracking.experiment={EXPERIMENT}", f"train.output_dir={run_dir.parent}"])
+    cfg = load_config(
+        overrides=[
+            f"model.component={MODEL}",
+            f"tracking.tracking_uri={store}",
+            f"tracking.experiment={EXPERIMENT}",
+            f"train.output_dir={run_dir.parent}",
+        ]
+    )
     splits = build_data(cfg.data, cfg.task.name)
     spec, _ = model_spec(cfg.model, splits, build_task(cfg.task, splits.classes))
     torch.manual_seed(0)
@@ -59,14 +65,23 @@ def weights(tmp_path_factory, store):
         loss.backward()
         opt.step()
     model.eval()
-    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id) as run:
+    with mlflow.start_run(
+        experiment_id=mlflow.get_experiment_by_name(EXPERIMENT).experiment_id
+    ) as run:
         pass
-    return write_weights(run_dir / "consolidated", model, cfg, spec, splits.classes, run.info.run_id)
+    return write_weights(
+        run_dir / "consolidated", model, cfg, spec, splits.classes, run.info.run_id
+    )
 
 
 def export(weights, store, tmp_path, name: str, *overrides: str):
-    return main(weights, tracking_uri=store, output_dir=tmp_path, trusted=[MODEL],
-                overrides=[f"export.registered_model_name={name}", "export.int8=true", *overrides])
+    return main(
+        weights,
+        tracking_uri=store,
+        output_dir=tmp_path,
+        trusted=[MODEL],
+        overrides=[f"export.registered_model_name={name}", "export.int8=true", *overrides],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +100,9 @@ def test_the_sensitive_node_is_kept_in_float_and_the_variant_passes(exported):
     # that produces the tensor are kept in float, and the next round passes.
     worst = report["int8"]["sensitivity"][0]
     excluded = report["int8"]["excluded"]
-    assert worst["op"] == "Conv" and len(excluded) == 2 and excluded[0] == worst["node"], report["int8"]
+    assert worst["op"] == "Conv" and len(excluded) == 2 and excluded[0] == worst["node"], report[
+        "int8"
+    ]
     assert len(rounds) == 2 and rounds[1] == {"excluded": excluded, "failed_gates": []}, rounds
     gate = report["int8"]["gates"]["int8.parity.val"]
     assert gate["argmax_agreement"] >= 0.98 and gate["min_agreement"] == 0.98
@@ -96,11 +113,17 @@ def test_the_sensitive_node_is_kept_in_float_and_the_variant_passes(exported):
     for name in excluded:
         kept = next(n for n in quantized.graph.node if n.name == name)
         weight = next(i for i in quantized.graph.initializer if i.name == kept.input[1])
-        assert weight.data_type == onnx.TensorProto.FLOAT  # not fed by a DequantizeLinear: computed in float
-    assert any(n.op_type == "Conv" and n.input[0].endswith("DequantizeLinear_Output") for n in quantized.graph.node)
+        assert (
+            weight.data_type == onnx.TensorProto.FLOAT
+        )  # not fed by a DequantizeLinear: computed in float
+    assert any(
+        n.op_type == "Conv" and n.input[0].endswith("DequantizeLinear_Output")
+        for n in quantized.graph.node
+    )
     # The lineage the server reads from the file it serves is the fp32 file's.
-    assert {p.key: p.value for p in quantized.metadata_props} == \
-        {p.key: p.value for p in onnx.load(str(exported.onnx_path)).metadata_props}
+    assert {p.key: p.value for p in quantized.metadata_props} == {
+        p.key: p.value for p in onnx.load(str(exported.onnx_path)).metadata_props
+    }
 
 
 def test_the_variant_is_registered_measured_and_served(exported, store, tmp_path):
@@ -109,22 +132,45 @@ def test_the_variant_is_registered_measured_and_served(exported, store, tmp_path
     version = client.get_model_version("outlier", exported.model_version)
     path = exported.onnx_path.with_name(int8.FILE)
     assert lineage.recorded_sha256(version.tags, int8.FILE) == file_sha256(path)
-    local = mlflow.artifacts.download_artifacts(f"models:/outlier/{exported.model_version}", dst_path=str(tmp_path))
+    local = mlflow.artifacts.download_artifacts(
+        f"models:/outlier/{exported.model_version}", dst_path=str(tmp_path)
+    )
     assert (tmp_path / local / int8.FILE).read_bytes() == path.read_bytes()
     measured = report["variants_measured"]["CPUExecutionProvider"]
-    assert set(measured) == {"fp32", "int8"} and all(v["batch32_per_s"] > 0 for v in measured.values())
+    assert set(measured) == {"fp32", "int8"} and all(
+        v["batch32_per_s"] > 0 for v in measured.values()
+    )
     fastest = json.loads(version.tags[lineage.FASTEST_VARIANTS])["CPUExecutionProvider"]
     assert fastest == max(measured, key=lambda v: measured[v]["batch32_per_s"])
 
     x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
-    want = {"int8": run_onnx(path, x)["probabilities"], fastest: run_onnx(
-        path if fastest == "int8" else exported.onnx_path, x)["probabilities"]}
+    want = {
+        "int8": run_onnx(path, x)["probabilities"],
+        fastest: run_onnx(path if fastest == "int8" else exported.onnx_path, x)["probabilities"],
+    }
     env = {"MLFLOW_TRACKING_URI": store}
     for variant, expected in (("int8", want["int8"]), ("auto", want[fastest])):
-        with ServerProcess("--model", "models:/outlier@champion", "--variant", variant, env=env,
-                           log_path=tmp_path / f"{variant}.log") as srv:
-            body = requests.post(f"{srv.url}/v2/models/outlier/infer", json={"inputs": [
-                {"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}).json()
+        with ServerProcess(
+            "--model",
+            "models:/outlier@champion",
+            "--variant",
+            variant,
+            env=env,
+            log_path=tmp_path / f"{variant}.log",
+        ) as srv:
+            body = requests.post(
+                f"{srv.url}/v2/models/outlier/infer",
+                json={
+                    "inputs": [
+                        {
+                            "name": "input",
+                            "shape": list(x.shape),
+                            "datatype": "FP32",
+                            "data": x.ravel().tolist(),
+                        }
+                    ]
+                },
+            ).json()
             got = next(o for o in body["outputs"] if o["name"] == "probabilities")
             np.testing.assert_allclose(np.array(got["data"]).reshape(3, -1), expected, atol=1e-6)
             if variant == "auto":
@@ -136,12 +182,20 @@ def test_an_int8_that_fails_its_gates_is_rejected_and_named_so(weights, store, t
     result = export(weights, store, tmp_path, "outlier-rejected", "export.int8_exclusion_rounds=0")
     assert result.passed and result.model_version  # the fp32 model is registered regardless
     report = result.report["int8"]
-    assert not report["passed"] and report["excluded"] == [] and "int8.parity.val" in report["failed_gates"]
+    assert (
+        not report["passed"]
+        and report["excluded"] == []
+        and "int8.parity.val" in report["failed_gates"]
+    )
     assert not (tmp_path / int8.FILE).exists() and (tmp_path / int8.REJECTED).is_file()
     version = mlflow.MlflowClient().get_model_version("outlier-rejected", result.model_version)
-    assert not lineage.recorded_sha256(version.tags, int8.FILE) and lineage.FASTEST_VARIANTS not in version.tags
-    local = mlflow.artifacts.download_artifacts(f"models:/outlier-rejected/{result.model_version}",
-                                                dst_path=str(tmp_path / "dl"))
+    assert (
+        not lineage.recorded_sha256(version.tags, int8.FILE)
+        and lineage.FASTEST_VARIANTS not in version.tags
+    )
+    local = mlflow.artifacts.download_artifacts(
+        f"models:/outlier-rejected/{result.model_version}", dst_path=str(tmp_path / "dl")
+    )
     assert not list((tmp_path / "dl").rglob("*int8*")), local
 
 
@@ -151,9 +205,16 @@ def test_the_kind_follows_the_graph_and_dynamic_quantizes_a_linear_model(tmp_pat
     assert int8.choose_mode(onnx.load(str(linear)), "auto") == "dynamic"
     assert int8.choose_mode(onnx.load(str(conv)), "dynamic") == "dynamic"
     prepared = int8.prepare(linear, tmp_path / "prepared.onnx")
-    out = int8.quantize(prepared, tmp_path / "q.onnx", "dynamic", [], [], {lineage.MODEL_NAME: "tiny"})
+    out = int8.quantize(
+        prepared, tmp_path / "q.onnx", "dynamic", [], [], {lineage.MODEL_NAME: "tiny"}
+    )
     q = onnx.load(str(out))
-    assert any(n.op_type in ("DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul") for n in q.graph.node)
+    assert any(
+        n.op_type in ("DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul")
+        for n in q.graph.node
+    )
     assert {p.key: p.value for p in q.metadata_props} == {lineage.MODEL_NAME: "tiny"}
     x = np.random.default_rng(1).random((4, 1, 8, 8), dtype=np.float32)
-    np.testing.assert_allclose(run_onnx(out, x)["probabilities"], run_onnx(linear, x)["probabilities"], atol=0.05)
+    np.testing.assert_allclose(
+        run_onnx(out, x)["probabilities"], run_onnx(linear, x)["probabilities"], atol=0.05
+    )

@@ -28,19 +28,33 @@ def splits():
 def test_the_limit_is_the_models_position_table_not_the_data_length(splits):
     """The data is 64 tokens long; the model positions up to max_len. The parity gate's batches (the real
     ones export builds) are what the limit is taken from when the model has no position limit."""
-    model = SequenceClassifier(vocab_size=18, num_classes=10, dim=16, heads=2, layers=1, max_len=100)
-    head = ExportHead(model, Classification([str(i) for i in range(10)], top_k=5), ["tokens", "mask"], False)
+    model = SequenceClassifier(
+        vocab_size=18, num_classes=10, dim=16, heads=2, layers=1, max_len=100
+    )
+    head = ExportHead(
+        model, Classification([str(i) for i in range(10)], top_k=5), ["tokens", "mask"], False
+    )
     batches, failed = gates.parity_batches(splits["val"], AXES, head)
     assert not failed
     assert length_limits.limits(model, batches, AXES) == {"tokens": {1: 100}, "mask": {1: 100}}
-    plain = torch.nn.Sequential(torch.nn.Embedding(17, 4))  # no position limit: what parity proved (97 = 64 + 33)
+    plain = torch.nn.Sequential(
+        torch.nn.Embedding(17, 4)
+    )  # no position limit: what parity proved (97 = 64 + 33)
     proved = max(b["tokens"].shape[1] for b in batches.values())
-    assert length_limits.limits(plain, batches, AXES) == {"tokens": {1: proved}, "mask": {1: proved}}
-    assert length_limits.limits(model, batches, {}) == {}  # no dynamic axis: the graph's own shape says it
+    assert length_limits.limits(plain, batches, AXES) == {
+        "tokens": {1: proved},
+        "mask": {1: proved},
+    }
+    assert (
+        length_limits.limits(model, batches, {}) == {}
+    )  # no dynamic axis: the graph's own shape says it
 
     proto = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     assert length_limits.record(proto, model, batches, AXES)
-    assert lengths.read({p.key: p.value for p in proto.metadata_props}) == {"tokens": {1: 100}, "mask": {1: 100}}
+    assert lengths.read({p.key: p.value for p in proto.metadata_props}) == {
+        "tokens": {1: 100},
+        "mask": {1: 100},
+    }
 
 
 def test_hugging_face_style_config_gives_the_position_limit():

@@ -13,15 +13,23 @@ import time
 import numpy as np
 import pytest
 import requests
-
 from conftest import REPO, mlflow_client, run_cli
 from serving_fixtures import ServerProcess
+
 from serving import lineage
 
 pytestmark = pytest.mark.slow
 
-MLP = ["--config", str(REPO / "configs/digits_resnet18.yaml"), "--nproc-per-node", "1", "model.component=pipeline.models:mlp",
-       "model.args={}", "export.registered_model_name=mlp-digits", "tracking.system_metrics=false"]
+MLP = [
+    "--config",
+    str(REPO / "configs/digits_resnet18.yaml"),
+    "--nproc-per-node",
+    "1",
+    "model.component=pipeline.models:mlp",
+    "model.args={}",
+    "export.registered_model_name=mlp-digits",
+    "tracking.system_metrics=false",
+]
 NAME = "mlp-digits"
 
 
@@ -30,8 +38,16 @@ def registry(tmp_path_factory):
     """v1: a good MLP (@champion); v2: the same trained for 2 steps only (@challenger: worse, not promoted)."""
     workdir = tmp_path_factory.mktemp("live")
     run_cli(["run", *MLP, "train.epochs=3", "train.run_name=good"], cwd=workdir)
-    worse = run_cli(["run", *MLP, "train.max_steps=2", "train.run_name=worse",  # maybe below the baseline: kept
-                     "export.allow_below_baseline=true"], cwd=workdir)
+    worse = run_cli(
+        [
+            "run",
+            *MLP,
+            "train.max_steps=2",
+            "train.run_name=worse",  # maybe below the baseline: kept
+            "export.allow_below_baseline=true",
+        ],
+        cwd=workdir,
+    )
     assert "mlp-digits v2 is @challenger" in worse.stderr, worse.stderr[-2000:]
     return workdir
 
@@ -49,10 +65,19 @@ def digits(shift_sigmas: float = 0.0, count: int = 300):
 
 
 def ask(url: str, image: np.ndarray, request_id: str) -> requests.Response:
-    body = {"inputs": [{"name": "input", "shape": [1, *image.shape], "datatype": "FP32",
-                        "data": image.reshape(-1).tolist()}]}
-    answer = requests.post(f"{url}/v2/models/{NAME}/infer", json=body, headers={"X-Request-Id": request_id},
-                           timeout=30)
+    body = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": [1, *image.shape],
+                "datatype": "FP32",
+                "data": image.reshape(-1).tolist(),
+            }
+        ]
+    }
+    answer = requests.post(
+        f"{url}/v2/models/{NAME}/infer", json=body, headers={"X-Request-Id": request_id}, timeout=30
+    )
     assert answer.status_code == 200, answer.text
     return answer
 
@@ -68,18 +93,37 @@ def shadow_report(url: str, until, timeout: float = 60) -> dict:
 
 def drift_of(url: str, version: str) -> float:
     text = requests.get(f"{url}/metrics", timeout=10).text
-    found = re.search(rf'trainserve_input_drift{{input="input",model="{NAME}",version="{version}"}} ([0-9.e+-]+)', text)
+    found = re.search(
+        rf'trainserve_input_drift{{input="input",model="{NAME}",version="{version}"}} ([0-9.e+-]+)',
+        text,
+    )
     assert found, [line for line in text.splitlines() if "drift" in line]
     return float(found[1])
 
 
-def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promoted(registry, tmp_path):
+def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promoted(
+    registry, tmp_path
+):
     workdir = registry
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}"}
-    server = ServerProcess("--model", f"models:/{NAME}@champion", "--shadow", "1.0", "--reload-interval", "1",
-                           "--shadow-min-pairs", "200", "--shadow-min-labels", "100", "--drift-window", "300",
-                           "--shadow-max-source-share", "1",  # (this test is the server's only client)
-                           env=env, log_path=tmp_path / "server.log")
+    server = ServerProcess(
+        "--model",
+        f"models:/{NAME}@champion",
+        "--shadow",
+        "1.0",
+        "--reload-interval",
+        "1",
+        "--shadow-min-pairs",
+        "200",
+        "--shadow-min-labels",
+        "100",
+        "--drift-window",
+        "300",
+        "--shadow-max-source-share",
+        "1",  # (this test is the server's only client)
+        env=env,
+        log_path=tmp_path / "server.log",
+    )
     images, labels = digits()
     with server:
         # Every client is answered by the champion (v1), and its answers are right.
@@ -91,22 +135,48 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         assert correct / len(labels) > 0.9
         report = shadow_report(server.url, lambda r: r["pairs"] + r["dropped"] >= 300)
         assert report["challenger_version"] == "2" and report["challenger_errors"] == 0
-        assert report["pairs"] >= 250 and report["pairs"] + report["dropped"] == 300, report  # one client: few shed
+        assert report["pairs"] >= 250 and report["pairs"] + report["dropped"] == 300, (
+            report
+        )  # one client: few shed
         assert report["agreement"] < 0.5 and report["verdict"] == "reject", report
-        assert report["sources"] == 1 and report["largest_source_share"] == 1.0, report  # (all from 127.0.0.1)
-        assert report["latency_ms"]["champion_p50"] > 0 and report["latency_ms"]["challenger_p50"] > 0
+        assert report["sources"] == 1 and report["largest_source_share"] == 1.0, (
+            report
+        )  # (all from 127.0.0.1)
+        assert (
+            report["latency_ms"]["champion_p50"] > 0 and report["latency_ms"]["challenger_p50"] > 0
+        )
         # Labels that arrive later: both models' live accuracy on the same requests.
         body = {"labels": [{"id": f"real-{i}", "target": int(y)} for i, y in enumerate(labels)]}
-        joined = requests.post(f"{server.url}/v2/models/{NAME}/feedback", json=body, timeout=30).json()
-        assert joined["joined"] == 300 and joined["unknown"] == 0  # the champion's answers are all kept
+        joined = requests.post(
+            f"{server.url}/v2/models/{NAME}/feedback", json=body, timeout=30
+        ).json()
+        assert (
+            joined["joined"] == 300 and joined["unknown"] == 0
+        )  # the champion's answers are all kept
         live = joined["report"]["live"]
         assert live["champion"]["accuracy"] > 0.9 > 0.5 > live["challenger"]["accuracy"]
         # (labels or not, agreement below the rule's floor rejects: labels can't outvote what every request showed)
         assert "agreement" in joined["report"]["reason"] and joined["report"]["verdict"] == "reject"
-        print("worse challenger:", {k: joined["report"][k] for k in ("pairs", "dropped", "agreement", "latency_ms",
-                                                                     "live", "verdict", "reason")})
+        print(
+            "worse challenger:",
+            {
+                k: joined["report"][k]
+                for k in (
+                    "pairs",
+                    "dropped",
+                    "agreement",
+                    "latency_ms",
+                    "live",
+                    "verdict",
+                    "reason",
+                )
+            },
+        )
         metrics = requests.get(f"{server.url}/metrics", timeout=10).text
-        assert f'trainserve_shadow_verdict{{challenger_version="2",model="{NAME}",verdict="reject"}} 1.0' in metrics
+        assert (
+            f'trainserve_shadow_verdict{{challenger_version="2",model="{NAME}",verdict="reject"}} 1.0'
+            in metrics
+        )
         refused = run_cli(["promote", NAME, "--server", server.url], cwd=workdir, check=False)
         assert refused.returncode == 1 and "the shadow verdict is reject" in refused.stderr
 
@@ -122,23 +192,40 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
 
         # A retrain as good as the champion (the same run again: the same weights), kept as @challenger by
         # export.promote=if_better; the server follows the alias, judges it on new traffic: promote.
-        run_cli(["run", *MLP, "train.epochs=3", "train.run_name=again", "export.promote=if_better"], cwd=workdir)
+        run_cli(
+            ["run", *MLP, "train.epochs=3", "train.run_name=again", "export.promote=if_better"],
+            cwd=workdir,
+        )
         report = shadow_report(server.url, lambda r: r["challenger_version"] == "3", timeout=30)
         assert report["challenger_version"] == "3", report
         for i, image in enumerate(images[:250]):
             ask(server.url, image, f"again-{i}")
         report = shadow_report(server.url, lambda r: r["pairs"] + r["dropped"] >= 250)
-        assert report["pairs"] >= 200 and report["agreement"] == 1.0 and report["verdict"] == "promote", report
-        print("equal challenger:", {k: report[k] for k in ("pairs", "dropped", "agreement", "verdict", "reason")})
+        assert (
+            report["pairs"] >= 200 and report["agreement"] == 1.0 and report["verdict"] == "promote"
+        ), report
+        print(
+            "equal challenger:",
+            {k: report[k] for k in ("pairs", "dropped", "agreement", "verdict", "reason")},
+        )
         promoted = run_cli(["promote", NAME, "--server", server.url], cwd=workdir)
         assert f"promoted {NAME} version 3 to @champion" in promoted.stdout
-        assert re.search(r"judged on: \d+ distinct inputs paired, 0 repeats not counted, \d+ shed, from 1 client "
-                         r"address\(es\), the largest 100% of them", promoted.stdout), promoted.stdout
+        assert re.search(
+            r"judged on: \d+ distinct inputs paired, 0 repeats not counted, \d+ shed, from 1 client "
+            r"address\(es\), the largest 100% of them",
+            promoted.stdout,
+        ), promoted.stdout
     client = mlflow_client(workdir)
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
     tags = client.get_model_version(NAME, "3").tags
     figures = json.loads(tags[lineage.SHADOW])
-    assert tags[lineage.SHADOW_VERDICT] == "promote" and figures["pairs"] >= 200 and figures["agreement"] == 1.0
-    assert "@champion since `pipeline promote`: shadow verdict promote" in client.get_model_version(NAME, "3").description.replace("\\", "")
+    assert (
+        tags[lineage.SHADOW_VERDICT] == "promote"
+        and figures["pairs"] >= 200
+        and figures["agreement"] == 1.0
+    )
+    assert "@champion since `pipeline promote`: shadow verdict promote" in client.get_model_version(
+        NAME, "3"
+    ).description.replace("\\", "")
     log = (tmp_path / "server.log").read_text()
     assert f"drift: {NAME} version 1 input 'input': PSI" in log, log[-3000:]

@@ -21,42 +21,88 @@ import sys
 import time
 
 import pytest
-
 from conftest import TINY, cli_env, run_lineage
 from hosts import hosts  # noqa: F401  (the fixture)
 from object_store import moto_s3
 from services import mlflow_server, postgres
+
 from serving import lineage
 
 pytestmark = pytest.mark.slow
 
 RDZV_PORT = 29400  # each host has its own port space: no other session can hold it there
 # The digits MLP, a few steps: checkpoints at 6, 12 and 18, the worker on the second host killed at step 9.
-TRAINING = ["model.name=mlp", "model.args={hidden: [32]}", "train.max_steps=18", "train.log_every=1",
-            "train.eval_every=6", "checkpoint.every_n_steps=6", "train.device=cpu",
-            "train.threads_per_rank=1",  # as many threads on every rank, hosts or not: the same float sums
-            "export.registered_model_name=digits-two-hosts"]
+TRAINING = [
+    "model.name=mlp",
+    "model.args={hidden: [32]}",
+    "train.max_steps=18",
+    "train.log_every=1",
+    "train.eval_every=6",
+    "checkpoint.every_n_steps=6",
+    "train.device=cpu",
+    "train.threads_per_rank=1",  # as many threads on every rank, hosts or not: the same float sums
+    "export.registered_model_name=digits-two-hosts",
+]
 KILLED_AT = 9
 
 
-def torchrun_on(host, rendezvous: str, run_name: str, output_dir: str, tracking_uri: str, env: dict,
-                is_host: bool):
+def torchrun_on(
+    host,
+    rendezvous: str,
+    run_name: str,
+    output_dir: str,
+    tracking_uri: str,
+    env: dict,
+    is_host: bool,
+):
     """The command a user types on each machine: the same on both but for --local-addr and is_host."""
-    return host.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                       "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous, "--rdzv-id", run_name,
-                       "--local-addr", host.address, "--max-restarts", "1",
-                       *(["--rdzv-conf", "is_host=true"] if is_host else []),
-                       "-m", "pipeline.train", "--config", str(TINY), *TRAINING, f"train.run_name={run_name}",
-                       f"train.output_dir={output_dir}", f"tracking.tracking_uri={tracking_uri}"],
-                      env=env, stdout=open(host.workdir / "torchrun.log", "w"), stderr=subprocess.STDOUT)
+    return host.popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rendezvous,
+            "--rdzv-id",
+            run_name,
+            "--local-addr",
+            host.address,
+            "--max-restarts",
+            "1",
+            *(["--rdzv-conf", "is_host=true"] if is_host else []),
+            "-m",
+            "pipeline.train",
+            "--config",
+            str(TINY),
+            *TRAINING,
+            f"train.run_name={run_name}",
+            f"train.output_dir={output_dir}",
+            f"tracking.tracking_uri={tracking_uri}",
+        ],
+        env=env,
+        stdout=open(host.workdir / "torchrun.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 @contextlib.contextmanager
 def meanwhile(cmd: list[str], cwd, env: dict, log, timeout: float):
     """`cmd` running in the root namespace while the block runs; it must then exit 0 within `timeout`.
     Killed with its children (torchrun's workers) if the block fails."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),
+        start_new_session=True,
+    )
     try:
         yield proc
         assert proc.wait(timeout=timeout) == 0, f"{' '.join(cmd)}:\n{log.read_text()[-6000:]}"
@@ -72,13 +118,20 @@ def wait_all(procs: dict, timeout: float) -> None:
         try:
             proc.wait(timeout=max(1, deadline - time.monotonic()))
         except Exception:
-            raise AssertionError(f"torchrun on {host.name} still running after {timeout} s:\n"
-                                 + "\n".join(f"--- {h.name}\n{(h.workdir / 'torchrun.log').read_text()[-5000:]}"
-                                             for h in procs)) from None
+            raise AssertionError(
+                f"torchrun on {host.name} still running after {timeout} s:\n"
+                + "\n".join(
+                    f"--- {h.name}\n{(h.workdir / 'torchrun.log').read_text()[-5000:]}"
+                    for h in procs
+                )
+            ) from None
     for host, proc in procs.items():
-        assert proc.returncode == 0, (f"torchrun on {host.name} exited {proc.returncode}:\n"
-                                      + "\n".join(f"--- {h.name}\n{(h.workdir / 'torchrun.log').read_text()[-6000:]}"
-                                                  for h in procs))
+        assert proc.returncode == 0, (
+            f"torchrun on {host.name} exited {proc.returncode}:\n"
+            + "\n".join(
+                f"--- {h.name}\n{(h.workdir / 'torchrun.log').read_text()[-6000:]}" for h in procs
+            )
+        )
 
 
 def metric_history(client, run_id: str, key: str) -> dict[int, float]:
@@ -88,7 +141,10 @@ def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
-def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_tracking_server(hosts, tmp_path):  # noqa: F811
+def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_tracking_server(
+    hosts,  # noqa: F811 (the fixture imported above)
+    tmp_path,
+):
     started, phases = time.monotonic(), {}
 
     def phase(name: str) -> None:  # seconds per stage, printed at the end (pytest -rP shows them)
@@ -96,9 +152,13 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
 
     network = hosts(2)
     a, b = network.hosts
-    with postgres() as database, moto_s3(host=network.gateway, log_dir=tmp_path) as store, \
-            mlflow_server(database, f"{store.url}/mlflow", host=network.gateway, env=store.env,
-                          workdir=tmp_path) as uri:
+    with (
+        postgres() as database,
+        moto_s3(host=network.gateway, log_dir=tmp_path) as store,
+        mlflow_server(
+            database, f"{store.url}/mlflow", host=network.gateway, env=store.env, workdir=tmp_path
+        ) as uri,
+    ):
         phase("services")
         # What each host is given: where the store and the tracking server are, and which interface gloo uses.
         env = cli_env({**store.env, "GLOO_SOCKET_IFNAME": a.interface, "MLFLOW_TRACKING_URI": uri})
@@ -107,37 +167,75 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         # never interrupted.
         local = tmp_path / "local"
         local.mkdir()
-        with meanwhile([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
-                        *TRAINING, "train.run_name=local", f"train.output_dir={store.url}/local",
-                        f"tracking.tracking_uri={uri}"], local, cli_env(store.env), local / "train.log", timeout=300):
+        with meanwhile(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "train",
+                "--config",
+                str(TINY),
+                "--nproc-per-node",
+                "2",
+                *TRAINING,
+                "train.run_name=local",
+                f"train.output_dir={store.url}/local",
+                f"tracking.tracking_uri={uri}",
+            ],
+            local,
+            cli_env(store.env),
+            local / "train.log",
+            timeout=300,
+        ):
             # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its agent lives on).
             rendezvous = f"{a.address}:{RDZV_PORT}"
-            procs = {a: torchrun_on(a, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri, env, is_host=True),
-                     b: torchrun_on(b, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri,
-                                    {**env, "TRAINSERVE_FAULT": f"step:{KILLED_AT}:1"}, is_host=False)}
+            procs = {
+                a: torchrun_on(
+                    a, rendezvous, "two-hosts", f"{store.url}/two-hosts", uri, env, is_host=True
+                ),
+                b: torchrun_on(
+                    b,
+                    rendezvous,
+                    "two-hosts",
+                    f"{store.url}/two-hosts",
+                    uri,
+                    {**env, "TRAINSERVE_FAULT": f"step:{KILLED_AT}:1"},
+                    is_host=False,
+                ),
+            }
             wait_all(procs, timeout=300)
         phase("training: two hosts, and the local reference meanwhile")
         log_b = (b.workdir / "torchrun.log").read_text()
         log_a = (a.workdir / "torchrun.log").read_text()
-        assert f"SIGKILL to rank 1 at step {KILLED_AT}" in log_b and "torchrun restart 1" in log_b, log_b[-4000:]
+        assert (
+            f"SIGKILL to rank 1 at step {KILLED_AT}" in log_b and "torchrun restart 1" in log_b
+        ), log_b[-4000:]
         # Host A's agent restarted for the membership change (its own count stays 0): its rank resumed with
         # host B's in that same restart, not after a refusal of its own that spent its restart.
-        assert "resumed from" in log_a and "pipeline train: [rank0] error" not in log_a, log_a[-4000:]
+        assert "resumed from" in log_a and "pipeline train: [rank0] error" not in log_a, log_a[
+            -4000:
+        ]
 
         import mlflow
 
         client = mlflow.MlflowClient(uri)
-        runs = {r.info.run_name: r for r in client.search_runs(
-            [client.get_experiment_by_name("tiny").experiment_id])}
+        runs = {
+            r.info.run_name: r
+            for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+        }
         assert set(runs) == {"local", "two-hosts"}, set(runs)
         for run in runs.values():
             assert run.info.status == "FINISHED"
         # One run across the restart, each step logged once, the same curve as two ranks on one machine.
-        losses = {name: metric_history(client, run.info.run_id, "train/loss") for name, run in runs.items()}
+        losses = {
+            name: metric_history(client, run.info.run_id, "train/loss")
+            for name, run in runs.items()
+        }
         assert sorted(losses["two-hosts"]) == list(range(1, 19))
         assert losses["two-hosts"] == losses["local"]
-        assert (metric_history(client, runs["two-hosts"].info.run_id, "val/accuracy")
-                == metric_history(client, runs["local"].info.run_id, "val/accuracy"))
+        assert metric_history(
+            client, runs["two-hosts"].info.run_id, "val/accuracy"
+        ) == metric_history(client, runs["local"].info.run_id, "val/accuracy")
         # Every rank's shard reached the store, from the host that wrote it.
         keys = store.keys("two-hosts/")
         assert any(k.endswith("step_00000018/__0_0.distcp") for k in keys), keys
@@ -147,34 +245,93 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         run_id = runs["two-hosts"].info.run_id
         b_env = {**env}
         # Meanwhile the local reference is consolidated too, to compare the final weights.
-        with meanwhile([sys.executable, "-m", "pipeline", "consolidate", "--run-id", runs["local"].info.run_id,
-                        "--latest"], local, env, local / "consolidate.log", timeout=180):
-            b.run([sys.executable, "-m", "pipeline", "consolidate", "--run-id", run_id, "--latest"], env=b_env,
-                  timeout=180)
-            b.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], env=b_env, timeout=240)
+        with meanwhile(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "consolidate",
+                "--run-id",
+                runs["local"].info.run_id,
+                "--latest",
+            ],
+            local,
+            env,
+            local / "consolidate.log",
+            timeout=180,
+        ):
+            b.run(
+                [sys.executable, "-m", "pipeline", "consolidate", "--run-id", run_id, "--latest"],
+                env=b_env,
+                timeout=180,
+            )
+            b.run(
+                [sys.executable, "-m", "pipeline", "export", "--run-id", run_id],
+                env=b_env,
+                timeout=240,
+            )
         phase("consolidate + export on B, consolidate the reference meanwhile")
         # Bit-exact: the resumed two-host run's final weights are the uninterrupted local run's.
-        assert (run_lineage(runs["two-hosts"].info.run_id, client)["consolidated"]["sha256"]
-                == run_lineage(runs["local"].info.run_id, client)["consolidated"]["sha256"])
+        assert (
+            run_lineage(runs["two-hosts"].info.run_id, client)["consolidated"]["sha256"]
+            == run_lineage(runs["local"].info.run_id, client)["consolidated"]["sha256"]
+        )
         version = client.get_model_version_by_alias("digits-two-hosts", "champion")
         assert version.run_id == run_id and version.tags[lineage.RUN_ID] == run_id
 
         # Served on host B from the registry alias, asked from host A; then the chain re-proved from host A.
         # On an address other than loopback the server starts only with a token (TRAINSERVE_AUTH_TOKEN).
         token = {"TRAINSERVE_AUTH_TOKEN": "two-hosts-secret"}
-        server = b.popen([sys.executable, "-m", "serving", "--model", "models:/digits-two-hosts@champion",
-                          "--host", b.address, "--port", "8080"], env={**b_env, **token},
-                         stdout=open(b.workdir / "serving.log", "w"), stderr=subprocess.STDOUT)
+        server = b.popen(
+            [
+                sys.executable,
+                "-m",
+                "serving",
+                "--model",
+                "models:/digits-two-hosts@champion",
+                "--host",
+                b.address,
+                "--port",
+                "8080",
+            ],
+            env={**b_env, **token},
+            stdout=open(b.workdir / "serving.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://{b.address}:8080"
-        ask = a.run([sys.executable, "-c", READY_AND_ASK, base], env={**env, **token}, timeout=120, check=False)
-        assert ask.returncode == 0, ask.stderr[-3000:] + (b.workdir / "serving.log").read_text()[-3000:]
+        ask = a.run(
+            [sys.executable, "-c", READY_AND_ASK, base],
+            env={**env, **token},
+            timeout=120,
+            check=False,
+        )
+        assert ask.returncode == 0, (
+            ask.stderr[-3000:] + (b.workdir / "serving.log").read_text()[-3000:]
+        )
         phase("serve + one request")
         answer = json.loads(ask.stdout)
-        assert answer["headers"]["x-model-run-id"] == run_id and answer["headers"]["x-model-version"] == version.version
-        verified = a.run([sys.executable, "-m", "pipeline", "verify", "models:/digits-two-hosts@champion",
-                          "--server", base], env={**env, **token}, timeout=240, check=False)
+        assert (
+            answer["headers"]["x-model-run-id"] == run_id
+            and answer["headers"]["x-model-version"] == version.version
+        )
+        verified = a.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "verify",
+                "models:/digits-two-hosts@champion",
+                "--server",
+                base,
+            ],
+            env={**env, **token},
+            timeout=240,
+            check=False,
+        )
         assert verified.returncode == 0, verified.stdout + verified.stderr[-3000:]
-        assert re.search(r"^verified: models:/digits-two-hosts@champion", verified.stdout, re.M), verified.stdout
+        assert re.search(r"^verified: models:/digits-two-hosts@champion", verified.stdout, re.M), (
+            verified.stdout
+        )
         phase("verify")
         server.terminate()
     print("seconds per phase:", phases)

@@ -12,24 +12,34 @@ import onnxruntime as ort
 import pytest
 import requests
 import torch
+from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
+from serving_fixtures import ServerProcess, free_port
 
 from pipeline import checkpoint
 from pipeline.components.build import build_data
 from pipeline.components.data import first_batch
 from pipeline.config import load_config
-
-from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
-from serving_fixtures import ServerProcess, free_port
 from serving import lineage
 
 pytestmark = pytest.mark.slow
 
-TINY = ["train.max_steps=12", "train.eval_every=6", "train.log_every=2", "checkpoint.every_n_steps=6",
-        "tracking.system_metrics=false", "serve.port=0", "export.allow_below_baseline=true"]
+TINY = [
+    "train.max_steps=12",
+    "train.eval_every=6",
+    "train.log_every=2",
+    "checkpoint.every_n_steps=6",
+    "tracking.system_metrics=false",
+    "serve.port=0",
+    "export.allow_below_baseline=true",
+]
 EXAMPLES = {  # config -> (experiment, registered name, the task's validation metric)
     "diabetes_mlp": ("trainserve-diabetes", "diabetes-mlp", "val/rmse"),
     "diabetes_mixed_inputs": ("trainserve-diabetes", "diabetes-mixed", "val/mae"),
-    "digit_sequences_transformer": ("trainserve-digit-sequences", "digit-sequences", "val/accuracy"),
+    "digit_sequences_transformer": (
+        "trainserve-digit-sequences",
+        "digit-sequences",
+        "val/accuracy",
+    ),
     # The model contract: two heads and a dict target; a transformers model as it is; a timm-shaped
     # factory given num_classes through **kwargs; per-pixel segmentation.
     "wine_two_heads": ("trainserve-wine", "wine-two-heads", "val/alcohol_rmse"),
@@ -39,9 +49,12 @@ EXAMPLES = {  # config -> (experiment, registered name, the task's validation me
 }
 # Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts included); the
 # examples that only add a model or task shape run on one to keep the suite short.
-RUN_ARGS = {"wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
-            "digit_sequences_bert": ["--nproc-per-node", "1"], "digits_image_zoo": ["--nproc-per-node", "1"],
-            "digits_segmentation": ["--nproc-per-node", "1"]}
+RUN_ARGS = {
+    "wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
+    "digit_sequences_bert": ["--nproc-per-node", "1"],
+    "digits_image_zoo": ["--nproc-per-node", "1"],
+    "digits_segmentation": ["--nproc-per-node", "1"],
+}
 DYNAMIC_LENGTH = {"digit_sequences_transformer", "digit_sequences_bert"}
 ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
 
@@ -51,13 +64,26 @@ def example(request, tmp_path_factory):
     """`pipeline run --nproc-per-node 2 --serve-check` on an example, in a directory of its own."""
     name = request.param
     workdir = tmp_path_factory.mktemp(name)
-    proc = run_cli(["run", "--config", str(REPO / f"configs/{name}.yaml"), "--serve-check", "train.run_name=mine",
-                    *RUN_ARGS.get(name, ["--nproc-per-node", "2"]), *TINY], cwd=workdir, env=ON_PATH, timeout=600,
-                   check=False)
+    proc = run_cli(
+        [
+            "run",
+            "--config",
+            str(REPO / f"configs/{name}.yaml"),
+            "--serve-check",
+            "train.run_name=mine",
+            *RUN_ARGS.get(name, ["--nproc-per-node", "2"]),
+            *TINY,
+        ],
+        cwd=workdir,
+        env=ON_PATH,
+        timeout=600,
+        check=False,
+    )
     # 12 steps may leave a model no better than the trivial predictor: registered (TINY allows it), and
     # --serve-check then exits 1 saying so, after the server's answer was checked as usual
-    assert proc.returncode == 0 or (proc.returncode == 1 and "failed its baseline gate" in proc.stderr), \
-        f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0 or (
+        proc.returncode == 1 and "failed its baseline gate" in proc.stderr
+    ), f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
     return name, workdir, proc
 
 
@@ -71,15 +97,23 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     version = client.get_model_version_by_alias(registered, "champion")
     run = client.get_run(version.run_id)
     cfg = load_config(REPO / f"configs/{name}.yaml")
-    assert run.info.status == "FINISHED" and lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
+    assert (
+        run.info.status == "FINISHED"
+        and lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
+    )
     assert version.tags[lineage.MODEL] == cfg.model.component
     assert version.tags[lineage.DATA] == cfg.data.component
     assert metric in run.data.metrics and run.data.metrics["export.passed"] == 1.0
     # The user's component modules are logged with the run, as MLflow's code_paths would.
-    module = next(c for c in (cfg.model.component, cfg.data.component) if c.startswith("examples.")).split(":")[0]
+    module = next(
+        c for c in (cfg.model.component, cfg.data.component) if c.startswith("examples.")
+    ).split(":")[0]
     package = module.split(".")[1]
     code = {a.path for a in client.list_artifacts(run.info.run_id, f"code/examples/{package}")}
-    assert f"code/{module.replace('.', '/')}.py" in code or f"code/{module.replace('.', '/')}/__init__.py" in code, code
+    assert (
+        f"code/{module.replace('.', '/')}.py" in code
+        or f"code/{module.replace('.', '/')}/__init__.py" in code
+    ), code
     # The model's arguments as built: what the data suggested is in the params and the checkpoint.
     ckpt = checkpoint.latest(workdir / "outputs/mine/checkpoints")
     recorded = checkpoint.read_meta(ckpt)["model"]
@@ -94,43 +128,72 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     assert all(s.shape[0] == -1 for s in inputs.values())
     if name == "digit_sequences_transformer":
         assert inputs["tokens"].shape == (-1, -1) and str(inputs["mask"].type) == "bool"
-    if name == "digit_sequences_bert":  # the transformers model's forward takes these names as they are
-        assert list(inputs) == ["input_ids", "attention_mask"] and inputs["input_ids"].shape == (-1, -1)
+    if (
+        name == "digit_sequences_bert"
+    ):  # the transformers model's forward takes these names as they are
+        assert list(inputs) == ["input_ids", "attention_mask"] and inputs["input_ids"].shape == (
+            -1,
+            -1,
+        )
     report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == cfg.task.name
-    assert [i["name"] for i in report["inputs"]] == [s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]]
+    assert [i["name"] for i in report["inputs"]] == [
+        s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]
+    ]
     if name == "diabetes_mlp":
         assert "predicted_vs_actual.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
         assert report["gates"]["rmse"]["passed"] and report["outputs"] == ["prediction"]
-    if name == "digit_sequences_transformer":  # two more lengths of the dynamic token axis were gated
+    if (
+        name == "digit_sequences_transformer"
+    ):  # two more lengths of the dynamic token axis were gated
         assert sum(1 for g in report["gates"] if g.startswith("parity.tokens_1.len")) == 2
     outputs = {o.name for o in signature.outputs.inputs}
     if name == "wine_two_heads":  # both heads exported by the dict's keys, each one gated
         assert report["outputs"] == ["cultivar_logits", "alcohol"] == sorted(outputs, reverse=True)
         assert set(report["gates"]["parity.val"]["outputs"]) == {"cultivar_logits", "alcohol"}
-        figures = client.load_table(run.info.experiment_id, "onnx/gates.json", run_ids=[run.info.run_id])
+        figures = client.load_table(
+            run.info.experiment_id, "onnx/gates.json", run_ids=[run.info.run_id]
+        )
         assert "alcohol.max_abs" in set(figures[figures.gate == "parity.b7"].figure), figures
         assert "val/cultivar_accuracy" in run.data.metrics
         best = json.loads((workdir / "outputs/mine/checkpoints/best.json").read_text())
-        assert best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"  # checkpoint.monitor picks the 2nd
-    if name in ("digit_sequences_bert", "digits_image_zoo"):  # no wrapper, no num_classes in model.args
-        assert run.data.params["model.args.num_classes"] == "10" and "num_classes" not in cfg.model.args
-        assert report["outputs"] == ["logits", "probabilities"] and report["task"]["prediction"] == "logits"
-    if name == "digit_sequences_bert":  # its SequenceClassifierOutput, read by the field that carries logits
+        assert (
+            best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"
+        )  # checkpoint.monitor picks the 2nd
+    if name in (
+        "digit_sequences_bert",
+        "digits_image_zoo",
+    ):  # no wrapper, no num_classes in model.args
+        assert (
+            run.data.params["model.args.num_classes"] == "10"
+            and "num_classes" not in cfg.model.args
+        )
+        assert (
+            report["outputs"] == ["logits", "probabilities"]
+            and report["task"]["prediction"] == "logits"
+        )
+    if (
+        name == "digit_sequences_bert"
+    ):  # its SequenceClassifierOutput, read by the field that carries logits
         assert report["task"]["layout"] == {"kind": "mapping", "names": ["logits"]}
         assert sum(1 for g in report["gates"] if g.startswith("parity.input_ids_1.len")) == 2
     if name == "digits_segmentation":
         assert report["gates"]["mean_iou"]["passed"] and "val/pixel_accuracy" in run.data.metrics
-        assert report["outputs"] == ["logits", "probabilities"] and report["gates"]["parity.val"]["argmax_agreement"] == 1
+        assert (
+            report["outputs"] == ["logits", "probabilities"]
+            and report["gates"]["parity.val"]["argmax_agreement"] == 1
+        )
 
 
 def validation_requests(name: str, rows: int) -> list[dict[str, np.ndarray]]:
     """Real validation samples of the example, one request each, as numpy inputs by name."""
     cfg = load_config(REPO / f"configs/{name}.yaml")
-    splits = build_data(cfg.data, cfg.task.name)  # examples/ is importable here: pytest runs from the repository
+    splits = build_data(
+        cfg.data, cfg.task.name
+    )  # examples/ is importable here: pytest runs from the repository
     inputs, _ = first_batch(splits.val, rows)
     named = inputs if isinstance(inputs, dict) else {"input": inputs}
-    return [{k: v[i:i + 1].numpy() for k, v in named.items()} for i in range(rows)]
+    return [{k: v[i : i + 1].numpy() for k, v in named.items()} for i in range(rows)]
 
 
 V2 = {"float32": "FP32", "int64": "INT64", "bool": "BOOL"}
@@ -149,27 +212,47 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     outputs = [o.name for o in direct.get_outputs()]
     samples = validation_requests(name, 6)
     if name in DYNAMIC_LENGTH:  # other lengths than training's 64, up to the model's 128
-        samples += [{k: np.ascontiguousarray(np.resize(v, (1, length))) for k, v in s.items()}
-                    for s in samples[:3] for length in (17, 90)]
+        samples += [
+            {k: np.ascontiguousarray(np.resize(v, (1, length))) for k, v in s.items()}
+            for s in samples[:3]
+            for length in (17, 90)
+        ]
 
     def expected(feeds):
         return dict(zip(outputs, direct.run(outputs, feeds)))
 
     grpc_port = free_port()
-    with ServerProcess("--model", str(onnx_path), "--grpc-port", str(grpc_port),
-                       log_path=tmp_path / "server.log") as server:
+    with ServerProcess(
+        "--model", str(onnx_path), "--grpc-port", str(grpc_port), log_path=tmp_path / "server.log"
+    ) as server:
         model = requests.get(f"{server.url}/v2/models/{EXAMPLES[name][1]}", timeout=5).json()
         assert [i["name"] for i in model["inputs"]] == list(samples[0])
         assert [o["name"] for o in model["outputs"]] == outputs  # the metadata lists every output
 
         def v2_json(feeds):
-            body = {"inputs": [{"name": k, "shape": list(v.shape), "datatype": V2[str(v.dtype)],
-                                "data": v.reshape(-1).tolist()} for k, v in feeds.items()]}
-            answer = requests.post(f"{server.url}/v2/models/{EXAMPLES[name][1]}/infer", json=body, timeout=30)
+            body = {
+                "inputs": [
+                    {
+                        "name": k,
+                        "shape": list(v.shape),
+                        "datatype": V2[str(v.dtype)],
+                        "data": v.reshape(-1).tolist(),
+                    }
+                    for k, v in feeds.items()
+                ]
+            }
+            answer = requests.post(
+                f"{server.url}/v2/models/{EXAMPLES[name][1]}/infer", json=body, timeout=30
+            )
             assert answer.status_code == 200, answer.text
-            return {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.json()["outputs"]}
+            return {
+                o["name"]: np.asarray(o["data"]).reshape(o["shape"])
+                for o in answer.json()["outputs"]
+            }
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # concurrent: the batcher merges what fits
+        with concurrent.futures.ThreadPoolExecutor(
+            8
+        ) as pool:  # concurrent: the batcher merges what fits
             answers = list(pool.map(v2_json, samples))
         for feeds, answer in zip(samples, answers):
             for key, value in expected(feeds).items():
@@ -182,8 +265,11 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
                 item = triton.InferInput(key, list(value.shape), V2[str(value.dtype)])
                 item.set_data_from_numpy(value, binary_data=True)
                 infer_inputs.append(item)
-            result = client.infer(EXAMPLES[name][1], infer_inputs,
-                                  outputs=[triton.InferRequestedOutput(o, binary_data=True) for o in outputs])
+            result = client.infer(
+                EXAMPLES[name][1],
+                infer_inputs,
+                outputs=[triton.InferRequestedOutput(o, binary_data=True) for o in outputs],
+            )
             for key, value in expected(feeds).items():
                 np.testing.assert_allclose(result.as_numpy(key), value, rtol=1e-5, atol=1e-5)
 
@@ -200,11 +286,16 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
         over_grpc.close()
 
         batch = {k: np.concatenate([s[k] for s in samples[:4]]) for k in samples[0]}
-        answer = requests.post(f"{server.url}/invocations", timeout=30,
-                               json={"inputs": {k: v.tolist() for k, v in batch.items()}})
+        answer = requests.post(
+            f"{server.url}/invocations",
+            timeout=30,
+            json={"inputs": {k: v.tolist() for k, v in batch.items()}},
+        )
         assert answer.status_code == 200, answer.text
         for key, value in expected(batch).items():
-            np.testing.assert_allclose(np.asarray(answer.json()["predictions"][key]), value, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(answer.json()["predictions"][key]), value, rtol=1e-5, atol=1e-5
+            )
 
 
 @pytest.mark.parametrize("example", ["diabetes_mlp"], indirect=True)
@@ -213,62 +304,129 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
     imported only when trusted (pipeline run trusted its own config's)."""
     _, workdir, _ = example
     weights = workdir / "outputs/mine/consolidated"
-    proc = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"], cwd=workdir,
-                   env=ON_PATH, check=False)
+    proc = run_cli(
+        ["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"],
+        cwd=workdir,
+        env=ON_PATH,
+        check=False,
+    )
     # Every untrusted component in one refusal, one line, with one --trust that covers them all.
     both = "examples.diabetes.models:TabularMLP,examples.diabetes.data:features"
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "model.component 'examples.diabetes.models:TabularMLP', data.component 'examples.diabetes.data:features', " \
-           "which are not trusted here" in proc.stderr and proc.stderr.rstrip().endswith(f"--trust '{both}' "
-                                                                                         f"(or TRAINSERVE_TRUSTED_COMPONENTS='{both}')")
+    assert (
+        "model.component 'examples.diabetes.models:TabularMLP', data.component 'examples.diabetes.data:features', "
+        "which are not trusted here"
+        in proc.stderr
+        and proc.stderr.rstrip().endswith(
+            f"--trust '{both}' (or TRAINSERVE_TRUSTED_COMPONENTS='{both}')"
+        )
+    )
     assert not (tmp_path / "onnx" / "model.onnx").exists()
     # Trusted with that --trust, copied as it is, but not installed here (no PYTHONPATH, run from elsewhere):
     # the next error is not about trust; it says what the run logged.
     run_id = json.loads((weights / "model.json").read_text())["source"]["mlflow_run_id"]
-    lacking = run_cli(["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register", "--trust",
-                       both, "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"], cwd=tmp_path, check=False)
+    lacking = run_cli(
+        [
+            "export",
+            str(weights),
+            "--output",
+            str(tmp_path / "onnx"),
+            "--no-register",
+            "--trust",
+            both,
+            "--tracking-uri",
+            f"sqlite:///{workdir / 'mlflow.db'}",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert lacking.returncode == 2 and "No module named 'examples'" in lacking.stderr
-    assert f"the training run logged that code: `mlflow artifacts download -r {run_id} -a code -d .`" in lacking.stderr
+    assert (
+        f"the training run logged that code: `mlflow artifacts download -r {run_id} -a code -d .`"
+        in lacking.stderr
+    )
     assert "examples/diabetes/models.py" in lacking.stderr
-    assert not (tmp_path / "onnx" / "model.onnx").exists()  # trusted and importable, it exports: pipeline run did
+    assert not (
+        tmp_path / "onnx" / "model.onnx"
+    ).exists()  # trusted and importable, it exports: pipeline run did
 
 
 def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path):
     """Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica checks:
     a rank SIGKILLed at step 9 under torchrun restarts, and the final weights are bit for bit the straight run's."""
-    common = ["train", "--config", str(REPO / "configs/diabetes_mixed_inputs.yaml"), "--nproc-per-node", "2",
-              "train.max_steps=16", "checkpoint.every_n_steps=6", "checkpoint.keep_last=3", "train.eval_every=0",
-              "train.log_every=4", "train.precision=bf16", "train.grad_accum_steps=2", "train.consistency_every=4",
-              "tracking.system_metrics=false"]
+    common = [
+        "train",
+        "--config",
+        str(REPO / "configs/diabetes_mixed_inputs.yaml"),
+        "--nproc-per-node",
+        "2",
+        "train.max_steps=16",
+        "checkpoint.every_n_steps=6",
+        "checkpoint.keep_last=3",
+        "train.eval_every=0",
+        "train.log_every=4",
+        "train.precision=bf16",
+        "train.grad_accum_steps=2",
+        "train.consistency_every=4",
+        "tracking.system_metrics=false",
+    ]
     run_cli([*common, "train.run_name=straight"], cwd=tmp_path, env=ON_PATH)
-    proc = run_cli([*common, "--max-restarts=1", "train.run_name=killed"], cwd=tmp_path,
-                   env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"})
+    proc = run_cli(
+        [*common, "--max-restarts=1", "train.run_name=killed"],
+        cwd=tmp_path,
+        env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"},
+    )
     assert "SIGKILL to rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
-    a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/straight/checkpoints")).state_dict()
-    b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/killed/checkpoints")).state_dict()
+    a = model_from_checkpoint(
+        checkpoint.latest(tmp_path / "outputs/straight/checkpoints")
+    ).state_dict()
+    b = model_from_checkpoint(
+        checkpoint.latest(tmp_path / "outputs/killed/checkpoints")
+    ).state_dict()
     assert a.keys() == b.keys() and "embed.weight" in a
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
 
-def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_another_world_size(tmp_path):
+def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_another_world_size(
+    tmp_path,
+):
     # SGD, not the config's AdamW: Adam divides by the gradients' running size, so the last-bit differences
     # of another summation order grow into ~1e-5 within a few steps and blur what the comparison checks.
-    common = ["train", "--config", str(REPO / "configs/digit_sequences_transformer.yaml"), "train.strategy=fsdp",
-              "train.max_steps=12", "checkpoint.every_n_steps=6", "train.eval_every=0", "train.log_every=4",
-              "optim.name=sgd", "optim.lr=0.05", "tracking.system_metrics=false"]
-    proc = run_cli([*common, "--nproc-per-node", "2", "train.run_name=fsdp"], cwd=tmp_path, env=ON_PATH)
+    common = [
+        "train",
+        "--config",
+        str(REPO / "configs/digit_sequences_transformer.yaml"),
+        "train.strategy=fsdp",
+        "train.max_steps=12",
+        "checkpoint.every_n_steps=6",
+        "train.eval_every=0",
+        "train.log_every=4",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+        "tracking.system_metrics=false",
+    ]
+    proc = run_cli(
+        [*common, "--nproc-per-node", "2", "train.run_name=fsdp"], cwd=tmp_path, env=ON_PATH
+    )
     assert "FSDP2 units: 2 x TransformerEncoderLayer, and the root" in proc.stderr
     ckpt6 = tmp_path / "outputs/fsdp/checkpoints/step_00000006"
     metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
     chunks = metadata.state_dict_metadata["model.encoder.layers.0.linear1.weight"].chunks
     assert len(chunks) == 2  # each rank holds half of a layer's weight
-    run_cli([*common, "--nproc-per-node", "1", "train.run_name=fsdp_on_one", "--resume", str(ckpt6)],
-            cwd=tmp_path, env=ON_PATH)
+    run_cli(
+        [*common, "--nproc-per-node", "1", "train.run_name=fsdp_on_one", "--resume", str(ckpt6)],
+        cwd=tmp_path,
+        env=ON_PATH,
+    )
     a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp/checkpoints")).state_dict()
-    b = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")).state_dict()
+    b = model_from_checkpoint(
+        checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")
+    ).state_dict()
     for key in a:  # same global batches; sums in another order
-        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}"
+        )
 
 
 @pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
@@ -282,11 +440,26 @@ def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
     meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
     assert json.loads(meta[lineage.MAX_LENGTHS]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
     with ServerProcess("--model", str(exported), "--model-name", "seq") as server:
-        assert requests.get(f"{server.url}/v2/models/seq", timeout=10).json()["parameters"]["max_lengths"] == \
-            {"mask": {"1": 128}, "tokens": {"1": 128}}
+        assert requests.get(f"{server.url}/v2/models/seq", timeout=10).json()["parameters"][
+            "max_lengths"
+        ] == {"mask": {"1": 128}, "tokens": {"1": 128}}
         for length, status in ((128, 200), (129, 400)):
-            body = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, length], "data": [1] * length},
-                               {"name": "mask", "datatype": "BOOL", "shape": [1, length], "data": [True] * length}]}
+            body = {
+                "inputs": [
+                    {
+                        "name": "tokens",
+                        "datatype": "INT64",
+                        "shape": [1, length],
+                        "data": [1] * length,
+                    },
+                    {
+                        "name": "mask",
+                        "datatype": "BOOL",
+                        "shape": [1, length],
+                        "data": [True] * length,
+                    },
+                ]
+            }
             answer = requests.post(f"{server.url}/v2/models/seq/infer", json=body, timeout=30)
             assert answer.status_code == status, answer.text
         assert "model 'seq' was exported for at most 128" in answer.json()["error"]

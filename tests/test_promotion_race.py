@@ -10,10 +10,10 @@ import time
 
 import onnx
 import pytest
-
-from pipeline.artifact import promotion
-from pipeline import tracking
 from serving_fixtures import tiny_model
+
+from pipeline import tracking
+from pipeline.artifact import promotion
 
 ACCURACY_TAG = "test.accuracy"
 
@@ -36,26 +36,39 @@ def logged_model(tmp_path, seed: int) -> str:
 
     path = tiny_model(tmp_path / f"m{seed}.onnx", seed=seed)
     with mlflow.start_run():
-        return mlflow.onnx.log_model(onnx.load(str(path)), name="model", pip_requirements=["onnxruntime"]).model_uri
+        return mlflow.onnx.log_model(
+            onnx.load(str(path)), name="model", pip_requirements=["onnxruntime"]
+        ).model_uri
 
 
 def compare_as_export_does(name: str, accuracy: float):
     """promotion.decide's shape, against whoever holds @champion when called; slow as a measurement is, so
     that contenders' comparisons overlap."""
+
     def compare() -> dict:
         holder = tracking.alias_version(name, "champion")
         time.sleep(0.5)
         decision = {"candidate": {"accuracy": accuracy}, "champion": None, "metric": "accuracy"}
         if holder is None:
-            return decision | {"promote": True, "reason": f"first model: {name} has no @champion yet"}
+            return decision | {
+                "promote": True,
+                "reason": f"first model: {name} has no @champion yet",
+            }
         theirs = float(tracking.version_tags(name, holder)[ACCURACY_TAG])
         moves, gain, why = promotion.verdict(accuracy, theirs, "max", "if_better", 0.0)
-        return decision | {"promote": moves, "gain": gain, "champion": {"version": holder, "accuracy": theirs},
-                           "reason": f"accuracy: candidate {why.format(f'@champion v{holder}')}"}
+        return decision | {
+            "promote": moves,
+            "gain": gain,
+            "champion": {"version": holder, "accuracy": theirs},
+            "reason": f"accuracy: candidate {why.format(f'@champion v{holder}')}",
+        }
+
     return compare
 
 
-def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_alias(store, tmp_path):
+def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_alias(
+    store, tmp_path
+):
     """The review's H4: two exports at once both printed "registered ... as @champion"; @champion ended on the
     worse one (0.2145 over 0.9248, never compared), and a 0.9721 candidate was replaced by a 0.9248 re-export.
     Here four contenders all compare against the same champion (0.95) before any registers, then register at
@@ -75,12 +88,15 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
             compare = compare_as_export_does(name, accuracy)
             first = compare()  # every contender saw v1 as the champion
             start.wait()
-            results[accuracy] = promotion.promote_in_turn(uri, name, "champion", "challenger",
-                                                          {ACCURACY_TAG: str(accuracy)}, first, compare)
+            results[accuracy] = promotion.promote_in_turn(
+                uri, name, "champion", "challenger", {ACCURACY_TAG: str(accuracy)}, first, compare
+            )
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=export, args=(uri, acc)) for uri, acc in zip(uris[1:], accuracies)]
+    threads = [
+        threading.Thread(target=export, args=(uri, acc)) for uri, acc in zip(uris[1:], accuracies)
+    ]
     started = time.monotonic()
     for t in threads:
         t.start()
@@ -96,8 +112,10 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
         assert tags[promotion.TAG] == ("promoted" if decision["promote"] else "not promoted")
         assert alias == ("champion" if decision["promote"] else "challenger")
         if not decision["promote"]:  # a loser says whom it lost to, and that one was better
-            assert decision["champion"]["accuracy"] > accuracy and f"@champion v{decision['champion']['version']}" \
-                in decision["reason"], decision
+            assert (
+                decision["champion"]["accuracy"] > accuracy
+                and f"@champion v{decision['champion']['version']}" in decision["reason"]
+            ), decision
     # decided one at a time, in version order: each compared against the previous winner
     order = sorted(results.values(), key=lambda r: int(r[0]))
     holder, holder_accuracy = "1", 0.95

@@ -11,20 +11,34 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import pytest
-
 from conftest import REPO, cli_env
 
 README_LIMIT = 15 * 1024  # bytes: what is more goes to a page in docs/
 # The README, the server's, and the pages the README's topics moved to (docs/own-model.md, docs/cli.md, ...).
-READMES = [REPO / "README.md", REPO / "serving" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(?:^|[\s(/$])(?:\.venv/bin/)?(pipeline|python -m serving|scripts/[\w-]+|benchmarks/\w+\.py)"
-                     r"(?=\s|$)(?:\s+([a-z][a-z-]*))?")
+READMES = [
+    REPO / "README.md",
+    REPO / "serving" / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
+COMMAND = re.compile(
+    r"(?:^|[\s(/$])(?:\.venv/bin/)?(pipeline|python -m serving|scripts/[\w-]+|benchmarks/\w+\.py)"
+    r"(?=\s|$)(?:\s+([a-z][a-z-]*))?"
+)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Lines that show another tool's flags (torchrun's, pip's, curl's, docker's): not ours to check.
-OTHER_TOOLS = re.compile(r"\b(torchrun|pip|curl|docker|mlflow|git|tritonclient|grpcurl|perf_analyzer)\b")
+OTHER_TOOLS = re.compile(
+    r"\b(torchrun|pip|curl|docker|mlflow|git|tritonclient|grpcurl|perf_analyzer)\b"
+)
 # Other tools' flags that docs/docker.md names on their own in its prose (docker's, torchrun's, mlflow server's).
-OTHER_TOOLS_FLAGS = {"--cap-add", "--ipc", "--network", "--shm-size", "--rdzv-endpoint", "--rdzv-id",
-                     "--serve-artifacts"}
+OTHER_TOOLS_FLAGS = {
+    "--cap-add",
+    "--ipc",
+    "--network",
+    "--shm-size",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--serve-artifacts",
+}
 # Flags of our scripts that are not `pipeline` commands, with the command whose --help lists them.
 SCRIPTS = {"--dry-run-on-cpu": ("scripts/gpu-check",)}
 WITH_HELP = {"scripts/gpu-check"}  # scripts with an argparse --help (benchmarks/gpu.py behind it)
@@ -61,21 +75,30 @@ def named() -> tuple[dict[tuple[str, ...], set[str]], set[str]]:
                     loose.update(set(FLAG.findall(chunk)) - OTHER_TOOLS_FLAGS)
                 continue
             command = ("pipeline", match[2]) if match[1] == "pipeline" and match[2] else (match[1],)
-            commands.setdefault(command, set()).update(FLAG.findall(chunk[match.end():]))
+            commands.setdefault(command, set()).update(FLAG.findall(chunk[match.end() :]))
     return commands, loose
 
 
 @lru_cache(maxsize=None)
 def help_text(command: tuple[str, ...]) -> str:
-    argv = {("pipeline",): [sys.executable, "-m", "pipeline"],
-            ("python -m serving",): [sys.executable, "-m", "serving"]}.get(command)
+    argv = {
+        ("pipeline",): [sys.executable, "-m", "pipeline"],
+        ("python -m serving",): [sys.executable, "-m", "serving"],
+    }.get(command)
     if argv is None and command[0].endswith(".py"):
         argv = [sys.executable, str(REPO / command[0])]
     elif argv is None:
-        argv = [str(REPO / command[0])] if command[0].startswith("scripts/") else \
-            [sys.executable, "-m", "pipeline", *command[1:]]
-    proc = subprocess.run([*argv, "--help"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{' '.join(command)} --help exited {proc.returncode}: {proc.stderr[-2000:]}"
+        argv = (
+            [str(REPO / command[0])]
+            if command[0].startswith("scripts/")
+            else [sys.executable, "-m", "pipeline", *command[1:]]
+        )
+    proc = subprocess.run(
+        [*argv, "--help"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(command)} --help exited {proc.returncode}: {proc.stderr[-2000:]}"
+    )
     return proc.stdout
 
 
@@ -83,33 +106,68 @@ def test_every_command_and_flag_the_readmes_name_exists():
     from pipeline.cli import STAGES
 
     commands, loose = named()
-    assert ("pipeline", "run") in commands and ("python -m serving",) in commands  # the parser found them
-    unknown = [" ".join(c) for c in commands if (len(c) == 2 and c[1] not in STAGES)
-               or (c[0].startswith(("scripts/", "benchmarks/")) and not (REPO / c[0]).is_file())]
+    assert ("pipeline", "run") in commands and (
+        "python -m serving",
+    ) in commands  # the parser found them
+    unknown = [
+        " ".join(c)
+        for c in commands
+        if (len(c) == 2 and c[1] not in STAGES)
+        or (c[0].startswith(("scripts/", "benchmarks/")) and not (REPO / c[0]).is_file())
+    ]
     assert not unknown, f"the README names commands that don't exist: {unknown}"
     # --help only where a flag is named, and never to scripts/setup, test or gpu-wheelhouse: they take no
     # --help, and would set up, test or download.
-    commands = {c: flags for c, flags in commands.items() if flags or c[0] in ("pipeline", "python -m serving")}
-    unread = [f"{c[0]} {flag}" for c, flags in commands.items() if c[0] in READ_FOR_FLAGS for flag in sorted(flags)
-              if not re.search(rf"(?<![\w-]){flag}(?![\w-])", (REPO / c[0]).read_text())]
+    commands = {
+        c: flags
+        for c, flags in commands.items()
+        if flags or c[0] in ("pipeline", "python -m serving")
+    }
+    unread = [
+        f"{c[0]} {flag}"
+        for c, flags in commands.items()
+        if c[0] in READ_FOR_FLAGS
+        for flag in sorted(flags)
+        if not re.search(rf"(?<![\w-]){flag}(?![\w-])", (REPO / c[0]).read_text())
+    ]
     assert not unread, f"the docs name flags these scripts don't take: {unread}"
     commands = {c: flags for c, flags in commands.items() if c[0] not in READ_FOR_FLAGS}
-    assert not [c for c in commands if c[0].startswith("scripts/") and c[0] not in WITH_HELP], commands
+    assert not [c for c in commands if c[0].startswith("scripts/") and c[0] not in WITH_HELP], (
+        commands
+    )
     everything = [*commands, *{SCRIPTS[f] for f in loose if f in SCRIPTS}]
     with ThreadPoolExecutor(4) as pool:  # each --help imports torch: 2-3 s
         helps = dict(zip(everything, pool.map(help_text, everything)))
-    missing = [f"{' '.join(c)} {flag}" for c, flags in commands.items() for flag in sorted(flags)
-               if not re.search(rf"(?<![\w-]){flag}(?![\w-])", helps[c])]
+    missing = [
+        f"{' '.join(c)} {flag}"
+        for c, flags in commands.items()
+        for flag in sorted(flags)
+        if not re.search(rf"(?<![\w-]){flag}(?![\w-])", helps[c])
+    ]
     anywhere = "\n".join(helps.values())
-    missing += [f"(on its own) {flag}" for flag in sorted(loose)
-                if not re.search(rf"(?<![\w-]){flag}(?![\w-])", anywhere)]
+    missing += [
+        f"(on its own) {flag}"
+        for flag in sorted(loose)
+        if not re.search(rf"(?<![\w-]){flag}(?![\w-])", anywhere)
+    ]
     assert not missing, "the README names flags no command has:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("line, command, flags", [
-    ("`pipeline verify models:/x@champion --server URL --trust 'a.*'`", ("pipeline", "verify"), {"--server", "--trust"}),
-    (".venv/bin/python -m serving --model m.onnx --default-model x", ("python -m serving",), {"--model", "--default-model"}),
-])
+@pytest.mark.parametrize(
+    "line, command, flags",
+    [
+        (
+            "`pipeline verify models:/x@champion --server URL --trust 'a.*'`",
+            ("pipeline", "verify"),
+            {"--server", "--trust"},
+        ),
+        (
+            ".venv/bin/python -m serving --model m.onnx --default-model x",
+            ("python -m serving",),
+            {"--model", "--default-model"},
+        ),
+    ],
+)
 def test_the_parser_reads_commands_and_their_flags(line, command, flags, monkeypatch, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"```\n{line}\n```\n" if not line.startswith("`") else line + "\n")
@@ -122,15 +180,20 @@ def test_the_readmes_agree_with_the_code_and_point_only_inside_the_repository():
     engine = (REPO / "serving" / "engine.py").read_text()
     graphs = (REPO / "serving" / "cuda_graphs.py").read_text()
     # What the serving README says: plain runs feed numpy batches (pinned buffers on CUDA), only --cuda-graphs binds.
-    assert "io_binding" not in engine and "run_with_iobinding" not in engine and "io_binding()" in graphs
+    assert (
+        "io_binding" not in engine
+        and "run_with_iobinding" not in engine
+        and "io_binding()" in graphs
+    )
     assert "with IO binding" not in readme and "bound once (IOBinding" in serving_readme
     for path in READMES:
         for doc in re.findall(r"[\w./-]*[\w-]+\.md\b", path.read_text()):
             if path.name == "security.md" and re.match(r"(\.\./)?shared/reviews/", doc):
                 continue  # it cites the reviews its findings came from, kept beside the repository
             where = REPO / doc if not doc.startswith("/") else None
-            assert where is not None and (where.is_file() or (path.parent / doc).is_file()), \
+            assert where is not None and (where.is_file() or (path.parent / doc).is_file()), (
                 f"{path.relative_to(REPO)} points to {doc}, which is not in the repository"
+            )
 
 
 def headings(text: str) -> set[str]:
@@ -161,7 +224,9 @@ def broken_links(page) -> list[str]:
         path, _, anchor = target.partition("#")
         where = (page.parent / path).resolve() if path else page
         if not where.exists():
-            broken.append(f"{target} (no {where.relative_to(REPO) if where.is_relative_to(REPO) else where})")
+            broken.append(
+                f"{target} (no {where.relative_to(REPO) if where.is_relative_to(REPO) else where})"
+            )
         elif anchor and where.suffix == ".md" and anchor not in headings(where.read_text()):
             broken.append(f"{target} (no heading with that anchor in {where.relative_to(REPO)})")
     return broken
@@ -171,23 +236,33 @@ def test_the_readme_fits_a_screenful_with_contents_that_lead_to_its_headings():
     readme = REPO / "README.md"
     text = readme.read_text()
     size = len(text.encode())
-    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move a topic to a page in docs/"
+    assert size <= README_LIMIT, (
+        f"README.md is {size} bytes, over {README_LIMIT}: move a topic to a page in docs/"
+    )
     contents = next((line for line in text.splitlines() if line.startswith("**Contents:**")), None)
     assert contents is not None, "README.md has no '**Contents:**' line"
     # The contents line may wrap: take every in-page link up to the first heading after it.
-    toc = text[text.index(contents):].split("\n## ", 1)[0]
+    toc = text[text.index(contents) :].split("\n## ", 1)[0]
     anchors = re.findall(r"\]\(#([^)]+)\)", toc)
     sections = [h for h in headings(text) if h != "trainserve"]
     assert anchors and set(anchors) <= headings(text), (anchors, sorted(headings(text)))
-    assert set(sections) <= set(anchors), f"headings the contents leave out: {set(sections) - set(anchors)}"
+    assert set(sections) <= set(anchors), (
+        f"headings the contents leave out: {set(sections) - set(anchors)}"
+    )
 
 
 def test_every_link_in_the_readme_and_docs_leads_somewhere():
-    readme_docs = [t.split("#")[0] for t in links((REPO / "README.md").read_text()) if t.startswith("docs/")]
+    readme_docs = [
+        t.split("#")[0] for t in links((REPO / "README.md").read_text()) if t.startswith("docs/")
+    ]
     assert len(readme_docs) >= 8, readme_docs  # the README's map of docs/
     for page in sorted((REPO / "docs").glob("*.md")):
-        assert f"docs/{page.name}" in readme_docs, f"README.md's map of docs/ does not name docs/{page.name}"
-    broken = {str(page.relative_to(REPO)): found for page in READMES if (found := broken_links(page))}
+        assert f"docs/{page.name}" in readme_docs, (
+            f"README.md's map of docs/ does not name docs/{page.name}"
+        )
+    broken = {
+        str(page.relative_to(REPO)): found for page in READMES if (found := broken_links(page))
+    }
     assert not broken, f"links that lead nowhere: {broken}"
 
 
@@ -195,6 +270,8 @@ def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path, m
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     (tmp_path / "other.md").write_text("# Other\n\n## A `code` heading: yes, it is\n")
     page = tmp_path / "page.md"
-    page.write_text("[a](other.md#a-code-heading-yes-it-is) [b](other.md#nope) [c](gone.md) [d](#here)\n\n"
-                    "```\n[e](inside-code.md)\n```\n## Here\n")
+    page.write_text(
+        "[a](other.md#a-code-heading-yes-it-is) [b](other.md#nope) [c](gone.md) [d](#here)\n\n"
+        "```\n[e](inside-code.md)\n```\n## Here\n"
+    )
     assert [b.split()[0] for b in broken_links(page)] == ["other.md#nope", "gone.md"]

@@ -19,10 +19,10 @@ import onnx
 import pytest
 import requests
 from onnx import numpy_helper
-
-from pipeline import verify
 from serving_fixtures import ROOT, ServerProcess, free_port, metric, tiny_model
 from test_serving_receipts import affine_model, lineage_metadata
+
+from pipeline import verify
 from serving import lineage
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,10 @@ def sha256(path: Path) -> str:
 
 def stored_onnx(client, name: str, version: str) -> Path:
     model_id = client.get_model_version(name, version).source.removeprefix("models:/")
-    return Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://")) / "model.onnx"
+    return (
+        Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+        / "model.onnx"
+    )
 
 
 def tamper(path: Path) -> None:
@@ -42,7 +45,9 @@ def tamper(path: Path) -> None:
     model = onnx.load(str(path))
     for init in model.graph.initializer:
         if init.name == "b":
-            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + np.float32(50), "b"))
+            init.CopyFrom(
+                numpy_helper.from_array(numpy_helper.to_array(init) + np.float32(50), "b")
+            )
     onnx.save(model, str(path))
 
 
@@ -56,16 +61,26 @@ def registry(tmp_path):
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
-        experiment = mlflow.create_experiment("integrity", artifact_location=(tmp_path / "artifacts").as_uri())
+        experiment = mlflow.create_experiment(
+            "integrity", artifact_location=(tmp_path / "artifacts").as_uri()
+        )
         for seed in (1, 2):
             path = tiny_model(tmp_path / f"v{seed}.onnx", seed=seed, name="tiny")
             with mlflow.start_run(experiment_id=experiment):
-                mlflow.onnx.log_model(onnx.load(str(path)), name="model", registered_model_name="digits",
-                                      pip_requirements=["onnxruntime"])
+                mlflow.onnx.log_model(
+                    onnx.load(str(path)),
+                    name="model",
+                    registered_model_name="digits",
+                    pip_requirements=["onnxruntime"],
+                )
         client = mlflow.MlflowClient()
         for version in ("1", "2"):
-            client.set_model_version_tag("digits", version, lineage.SHA256,
-                                         json.dumps({"model.onnx": sha256(stored_onnx(client, "digits", version))}))
+            client.set_model_version_tag(
+                "digits",
+                version,
+                lineage.SHA256,
+                json.dumps({"model.onnx": sha256(stored_onnx(client, "digits", version))}),
+            )
         client.set_registered_model_alias("digits", "champion", "1")
     finally:
         mlflow.set_tracking_uri(previous)
@@ -74,8 +89,11 @@ def registry(tmp_path):
 
 def infer(url: str) -> requests.Response:
     x = np.full(64, 0.5).tolist()
-    return requests.post(f"{url}/v2/models/digits/infer", timeout=30,
-                         json={"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]})
+    return requests.post(
+        f"{url}/v2/models/digits/infer",
+        timeout=30,
+        json={"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]},
+    )
 
 
 def test_a_tampered_version_is_refused_and_the_old_one_keeps_serving(registry, tmp_path):
@@ -84,20 +102,48 @@ def test_a_tampered_version_is_refused_and_the_old_one_keeps_serving(registry, t
     keeps serving; a fresh server of the tampered version does not start."""
     env, client = registry
     tamper(stored_onnx(client, "digits", "2"))
-    with ServerProcess("--model", "models:/digits@champion", "--reload-interval", "0.3", env=env,
-                       log_path=tmp_path / "server.log") as srv:
+    with ServerProcess(
+        "--model",
+        "models:/digits@champion",
+        "--reload-interval",
+        "0.3",
+        env=env,
+        log_path=tmp_path / "server.log",
+    ) as srv:
         r = infer(srv.url)
-        assert r.status_code == 200 and r.headers["X-Model-Onnx-Sha256"] == sha256(stored_onnx(client, "digits", "1"))
+        assert r.status_code == 200 and r.headers["X-Model-Onnx-Sha256"] == sha256(
+            stored_onnx(client, "digits", "1")
+        )
         client.set_registered_model_alias("digits", "champion", "2")
         deadline = time.monotonic() + 30
-        while metric(requests.get(srv.url + "/metrics").text, "trainserve_model_reload_failures_total",
-                     version="2") < 1:
+        while (
+            metric(
+                requests.get(srv.url + "/metrics").text,
+                "trainserve_model_reload_failures_total",
+                version="2",
+            )
+            < 1
+        ):
             assert time.monotonic() < deadline, srv.log()
             time.sleep(0.2)
         assert infer(srv.url).headers["X-Model-Version"] == "1"
         assert "the stored file was changed after export; refusing to serve it" in srv.log()
-    fresh = subprocess.run([sys.executable, "-m", "serving", "--model", "models:/digits/2", "--port", str(free_port())],
-                           cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    fresh = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "serving",
+            "--model",
+            "models:/digits/2",
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fresh.returncode != 0 and "but the version records" in fresh.stderr, fresh.stderr[-2000:]
 
 
@@ -121,10 +167,16 @@ def test_verify_server_compares_the_bytes_served_not_their_claims(tmp_path):
 
 def test_verify_is_incomplete_when_a_link_could_not_run(capsys):
     """The review: `verify` printed "verified" and exited 0 with weights, checkpoint and gates skipped."""
-    links = [verify.Link("registry", "ok", ""), verify.Link("weights", "skip", "consolidated/ is gone"),
-             verify.Link("gates", "skip", "no weights")]
+    links = [
+        verify.Link("registry", "ok", ""),
+        verify.Link("weights", "skip", "consolidated/ is gone"),
+        verify.Link("gates", "skip", "no weights"),
+    ]
     assert verify.verdict(links, "models:/m@a") == 3
-    assert capsys.readouterr().out.strip() == "INCOMPLETE: weights, gates could not be checked (see why above): models:/m@a"
+    assert (
+        capsys.readouterr().out.strip()
+        == "INCOMPLETE: weights, gates could not be checked (see why above): models:/m@a"
+    )
     assert verify.verdict(links[:1], "models:/m@a") == 0
     assert verify.verdict([*links, verify.Link("onnx", "FAIL", "")], "models:/m@a") == 1
 
@@ -139,25 +191,56 @@ def test_trace_follows_the_resolved_source_and_every_record_of_a_reused_id(regis
     env, client = registry
     here = tiny_model(tmp_path / "local.onnx", seed=9)
     payloads = tmp_path / "payloads"
-    with ServerProcess("--model", "other=models:/digits@champion", "--model", f"digits={here}", "--payload-log",
-                       str(payloads), env=env, log_path=tmp_path / "server.log") as srv:
+    with ServerProcess(
+        "--model",
+        "other=models:/digits@champion",
+        "--model",
+        f"digits={here}",
+        "--payload-log",
+        str(payloads),
+        env=env,
+        log_path=tmp_path / "server.log",
+    ) as srv:
         x = np.full(64, 0.5).tolist()
         for name in ("other", "digits"):
-            r = requests.post(f"{srv.url}/v2/models/{name}/infer", headers={"X-Request-Id": "reused"}, timeout=30,
-                              json={"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]})
+            r = requests.post(
+                f"{srv.url}/v2/models/{name}/infer",
+                headers={"X-Request-Id": "reused"},
+                timeout=30,
+                json={
+                    "inputs": [
+                        {"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}
+                    ]
+                },
+            )
             assert r.status_code == 200
         assert srv.terminate() == 0
-    traced = run_cli(["trace", "reused", "--payload-log", str(payloads), "--tracking-uri", env["MLFLOW_TRACKING_URI"]],
-                     cwd=tmp_path).stdout
+    traced = run_cli(
+        [
+            "trace",
+            "reused",
+            "--payload-log",
+            str(payloads),
+            "--tracking-uri",
+            env["MLFLOW_TRACKING_URI"],
+        ],
+        cwd=tmp_path,
+    ).stdout
     assert "2 records carry request id reused" in traced, traced
     first, second = traced.split("request     reused")[1:]
-    assert "model       other v1" in first and "version     models:/digits/1 (@champion)" in first, traced
-    assert "model       digits v1" in second and f"source      {here}: not a registry version" in second, traced
+    assert (
+        "model       other v1" in first and "version     models:/digits/1 (@champion)" in first
+    ), traced
+    assert (
+        "model       digits v1" in second
+        and f"source      {here}: not a registry version" in second
+    ), traced
     assert "models:/digits/1" not in second, traced
 
 
 def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_file_it_does_not_list_refused(
-        registry, tmp_path):
+    registry, tmp_path
+):
     """A version registered by the export before `trainserve.sha256` (its file's hash in trainserve.onnx_sha256) is
     checked as before; a record that does not list the file served, or that can't be read, is refused, not served
     with a warning."""
@@ -165,8 +248,10 @@ def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_f
     genuine = sha256(stored_onnx(client, "digits", "1"))
     cases = {  # tags of version 1 -> what the server must say
         "legacy, wrong": ({"trainserve.onnx_sha256": "0" * 64}, "but the version records"),
-        "record without the file": ({lineage.SHA256: json.dumps({"drift_reference.json": "0" * 64})},
-                                    "is not among the files the version records"),
+        "record without the file": (
+            {lineage.SHA256: json.dumps({"drift_reference.json": "0" * 64})},
+            "is not among the files the version records",
+        ),
         "record unreadable": ({lineage.SHA256: "[1, 2]"}, "is not a JSON object"),
     }
     try:
@@ -177,15 +262,34 @@ def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_f
                     client.delete_model_version_tag("digits", "1", key)
             for key, value in tags.items():
                 client.set_model_version_tag("digits", "1", key, value)
-            run = subprocess.run([sys.executable, "-m", "serving", "--model", "models:/digits/1", "--port",
-                                  str(free_port())], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
-                                 text=True, timeout=120)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "serving",
+                    "--model",
+                    "models:/digits/1",
+                    "--port",
+                    str(free_port()),
+                ],
+                cwd=ROOT,
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert run.returncode != 0 and said in run.stderr, (name, run.stderr[-2000:])
         client.delete_model_version_tag("digits", "1", lineage.SHA256)
-        client.set_model_version_tag("digits", "1", "trainserve.onnx_sha256", genuine)  # legacy, right: served
-        with ServerProcess("--model", "models:/digits/1", env=env, log_path=tmp_path / "legacy.log") as srv:
+        client.set_model_version_tag(
+            "digits", "1", "trainserve.onnx_sha256", genuine
+        )  # legacy, right: served
+        with ServerProcess(
+            "--model", "models:/digits/1", env=env, log_path=tmp_path / "legacy.log"
+        ) as srv:
             assert infer(srv.url).status_code == 200 and "unchecked" not in srv.log()
     finally:
         with contextlib.suppress(Exception):
             client.delete_model_version_tag("digits", "1", "trainserve.onnx_sha256")
-        client.set_model_version_tag("digits", "1", lineage.SHA256, json.dumps({"model.onnx": genuine}))
+        client.set_model_version_tag(
+            "digits", "1", lineage.SHA256, json.dumps({"model.onnx": genuine})
+        )

@@ -10,18 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from serving_fixtures import ServerProcess, tiny_model
 
 pytestmark = pytest.mark.slow
 
-BODY = {"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.5] * 64}]}
+BODY = {
+    "inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.5] * 64}]
+}
 
 
 def repository(root, count: int, model):
     for i in range(count):
         (root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1").mkdir(parents=True)
-        shutil.copy(model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx")
+        shutil.copy(
+            model, root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1" / "model.onnx"
+        )
     return root
 
 
@@ -41,17 +44,28 @@ def test_symlinks_out_of_the_repository_and_unknown_load_parameters_are_refused(
     shutil.copy(outside, tmp_path / "other" / "1" / "model.onnx")
     (root / "fine" / "1").mkdir(parents=True)
     shutil.copy(outside, root / "fine" / "1" / "model.onnx")
-    with ServerProcess("--repository", str(root), log_path=tmp_path / "server.log", wait_ready=False) as srv:
+    with ServerProcess(
+        "--repository", str(root), log_path=tmp_path / "server.log", wait_ready=False
+    ) as srv:
         for name in ("linked", "elsewhere"):
             r = load(srv.url, name)
-            assert r.status_code == 404 and f"no model '{name}'" in r.json()["error"], (name, r.text)
+            assert r.status_code == 404 and f"no model '{name}'" in r.json()["error"], (
+                name,
+                r.text,
+            )
         assert "leads outside --repository" in srv.log()
         for parameters in ({"FILE:1/model.onnx": "eA=="}, {"Config": "{}"}, {"unknown": 1}):
             r = load(srv.url, "fine", {"parameters": parameters})
-            assert r.status_code == 400 and "this server takes none" in r.json()["error"] and \
-                repr(sorted(parameters)) in r.json()["error"], r.text
+            assert (
+                r.status_code == 400
+                and "this server takes none" in r.json()["error"]
+                and repr(sorted(parameters)) in r.json()["error"]
+            ), r.text
         assert load(srv.url, "fine").status_code == 200
-        assert requests.post(f"{srv.url}/v2/models/fine/infer", json=BODY, timeout=10).status_code == 200
+        assert (
+            requests.post(f"{srv.url}/v2/models/fine/infer", json=BODY, timeout=10).status_code
+            == 200
+        )
 
 
 def test_the_index_reuses_a_recent_scan_and_still_sees_new_models(tmp_path):
@@ -60,8 +74,13 @@ def test_the_index_reuses_a_recent_scan_and_still_sees_new_models(tmp_path):
     a model added to the directory is listed a second later, and loads at once."""
     model = tiny_model(tmp_path / "tiny.onnx")
     root = repository(tmp_path / "repo", 300, model)
-    with ServerProcess("--repository", str(root), "--load-model", "model-with-a-fairly-descriptive-name-000",
-                       log_path=tmp_path / "server.log") as srv:
+    with ServerProcess(
+        "--repository",
+        str(root),
+        "--load-model",
+        "model-with-a-fairly-descriptive-name-000",
+        log_path=tmp_path / "server.log",
+    ) as srv:
         index = srv.url + "/v2/repository/index"
         assert len(requests.post(index, timeout=30).json()) == 300
         live: list[float] = []
@@ -102,15 +121,28 @@ def test_replaced_versions_leave_no_series(tmp_path):
             (root / "grow" / str(version)).mkdir()
             shutil.copy(model, root / "grow" / str(version) / "model.onnx")
             assert load(srv.url, "grow").status_code == 200
-            assert requests.post(f"{srv.url}/v2/models/grow/infer", json=BODY, timeout=10).status_code == 200
+            assert (
+                requests.post(f"{srv.url}/v2/models/grow/infer", json=BODY, timeout=10).status_code
+                == 200
+            )
         text = requests.get(srv.url + "/metrics", timeout=10).text
-    versions = {line.split('version="')[1].split('"')[0] for line in text.splitlines()
-                if 'model="grow"' in line and 'version="' in line and not line.startswith("#")}
+    versions = {
+        line.split('version="')[1].split('"')[0]
+        for line in text.splitlines()
+        if 'model="grow"' in line and 'version="' in line and not line.startswith("#")
+    }
     assert versions == {"6"}, versions
 
 
 def _grow(root, model) -> ServerProcess:
     (root / "grow" / "1").mkdir(parents=True)
     shutil.copy(model, root / "grow" / "1" / "model.onnx")
-    return ServerProcess("--repository", str(root), "--load-model", "grow", "--version-policy", "latest:1",
-                         log_path=root.parent / "server.log")
+    return ServerProcess(
+        "--repository",
+        str(root),
+        "--load-model",
+        "grow",
+        "--version-policy",
+        "latest:1",
+        log_path=root.parent / "server.log",
+    )

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import time
 
+import fleet
 import pytest
 import requests
-
-import fleet
 from hosts import hosts, namespaces_unavailable  # noqa: F401  (hosts: the fixture `machines` asks for)
 from serving_fixtures import metric
 
@@ -66,19 +65,30 @@ def check_rollout(answers, seen, old: str, new: str, expected: set[str]) -> None
     # Once a replica answered from the new version, no request sent after that was answered by the old one
     # (in-flight ones drain on the old session, and may arrive just after).
     for a in answers:
-        if a.status == 200 and a.done - a.seconds > first_answer_from(answers, a.replica, new) and a.version == old:
-            raise AssertionError(f"{a.replica} answered from version {old} a request sent after its switch: {a}")
+        if (
+            a.status == 200
+            and a.done - a.seconds > first_answer_from(answers, a.replica, new)
+            and a.version == old
+        ):
+            raise AssertionError(
+                f"{a.replica} answered from version {old} a request sent after its switch: {a}"
+            )
 
 
 def first_answer_from(answers, replica: str, new: str) -> float:
-    return min((a.done for a in answers if a.replica == replica and a.version == new), default=float("inf"))
+    return min(
+        (a.done for a in answers if a.replica == replica and a.version == new), default=float("inf")
+    )
 
 
-def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(registry, tmp_path, machines):
+def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(
+    registry, tmp_path, machines
+):
     fleet.move_alias(registry, "1")
     network = machines(2)
-    with fleet.replicas(2, registry, tmp_path, grpc_first=True, extra=BATCHING,
-                        hosts=network and network.hosts) as servers:
+    with fleet.replicas(
+        2, registry, tmp_path, grpc_first=True, extra=BATCHING, hosts=network and network.hosts
+    ) as servers:
         urls = [s.url for s in servers]
         targets = [*urls, f"grpc:{servers[0].grpc}"]
         with fleet.ReadyWatch(urls) as watch, fleet.Load(targets, clients=3) as load:
@@ -88,7 +98,9 @@ def test_two_replicas_follow_champion_under_load_with_zero_failed_requests(regis
         assert watch.checks > 20 and not watch.not_ready, watch.not_ready[:5]
         for server in servers:
             meta = requests.get(server.url + "/v2/models/digits").json()
-            assert meta["versions"] == ["2"] and meta["parameters"]["alias"]["behind"] is False, meta
+            assert meta["versions"] == ["2"] and meta["parameters"]["alias"]["behind"] is False, (
+                meta
+            )
             text = requests.get(server.url + "/metrics").text
             assert metric(text, "trainserve_model_reloads_total", model="digits") == 1
 
@@ -99,14 +111,20 @@ def test_nginx_in_front_of_two_replicas(registry, tmp_path, machines):
         pytest.skip(missing)
     fleet.move_alias(registry, "1")
     network = machines(2)
-    with fleet.replicas(2, registry, tmp_path, extra=BATCHING, hosts=network and network.hosts) as servers:
+    with fleet.replicas(
+        2, registry, tmp_path, extra=BATCHING, hosts=network and network.hosts
+    ) as servers:
         upstreams = {s.url.removeprefix("http://") for s in servers}
         with fleet.nginx([s.url for s in servers], tmp_path) as balancer:
-            with fleet.ReadyWatch([balancer, *[s.url for s in servers]]) as watch, \
-                    fleet.Load([balancer], clients=4) as load:
+            with (
+                fleet.ReadyWatch([balancer, *[s.url for s in servers]]) as watch,
+                fleet.Load([balancer], clients=4) as load,
+            ):
                 seen = roll(load, registry, "2", upstreams)
         answers = load.snapshot()
-        check_rollout(answers, seen, "1", "2", upstreams)  # every answer names the replica that gave it
+        check_rollout(
+            answers, seen, "1", "2", upstreams
+        )  # every answer names the replica that gave it
         assert watch.checks > 20 and not watch.not_ready, watch.not_ready[:5]
 
 
@@ -121,25 +139,46 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
     corrupt.write_bytes(corrupt.read_bytes()[:-16] + b"\0" * 16)
     broken = fleet.stored_onnx(client, "4")
     broken.write_bytes(b"not an onnx model")
-    client.set_model_version_tag("digits", "4", fleet.SHA_TAG, fleet.sha256_record(fleet.sha256(broken)))
+    client.set_model_version_tag(
+        "digits", "4", fleet.SHA_TAG, fleet.sha256_record(fleet.sha256(broken))
+    )
     fleet.move_alias(registry, "1")
     with fleet.replicas(1, registry, tmp_path, extra=BATCHING) as (server,):
         with fleet.ReadyWatch([server.url]) as watch, fleet.Load([server.url], clients=2) as load:
             for version, why in (("3", "the version records"), ("4", "")):
                 fleet.move_alias(registry, version)
                 deadline = time.monotonic() + CONVERGE_LIMIT
-                while metric(requests.get(server.url + "/metrics").text, "trainserve_model_reload_failures_total",
-                             version=version) < 1:
+                while (
+                    metric(
+                        requests.get(server.url + "/metrics").text,
+                        "trainserve_model_reload_failures_total",
+                        version=version,
+                    )
+                    < 1
+                ):
                     assert time.monotonic() < deadline, server.log()
                     time.sleep(0.2)
                 meta = requests.get(server.url + "/v2/models/digits").json()
                 alias = meta["parameters"]["alias"]
-                assert meta["versions"] == ["1"] and alias["version"] == version and alias["behind"] is True, meta
-                assert alias["error"].startswith(f"version {version} failed to load") and why in alias["error"], alias
+                assert (
+                    meta["versions"] == ["1"]
+                    and alias["version"] == version
+                    and alias["behind"] is True
+                ), meta
+                assert (
+                    alias["error"].startswith(f"version {version} failed to load")
+                    and why in alias["error"]
+                ), alias
                 index = requests.post(server.url + "/v2/repository/index", json={}).json()
-                assert index == [{"name": "digits", "version": "1", "state": "READY", "reason":
-                                  f"models:/digits@champion names version {version}, which failed to load; "
-                                  "still serving version 1"}], index
+                assert index == [
+                    {
+                        "name": "digits",
+                        "version": "1",
+                        "state": "READY",
+                        "reason": f"models:/digits@champion names version {version}, which failed to load; "
+                        "still serving version 1",
+                    }
+                ], index
                 text = requests.get(server.url + "/metrics").text
                 assert metric(text, "trainserve_model_behind_alias", model="digits") == 1
                 time.sleep(0.5)
@@ -149,10 +188,15 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
         assert watch.checks > 20 and not watch.not_ready, watch.not_ready[:5]
         log = server.log()
         for version in ("3", "4"):
-            assert f"loading version {version} failed (attempt 1" in log and "still serving version 1" in log, log
+            assert (
+                f"loading version {version} failed (attempt 1" in log
+                and "still serving version 1" in log
+            ), log
 
 
-def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_request_answered(tmp_path, caplog):
+def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_request_answered(
+    tmp_path, caplog
+):
     """Zeros can't warm up a model whose input has a dynamic axis besides the batch axis (no size to guess):
     the new version runs the last request its model answered, through its own session, before it serves."""
     import asyncio
@@ -160,32 +204,53 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
     from types import SimpleNamespace
 
     import numpy as np
+    from serving_fixtures import two_axes_model
 
     from serving.config import Settings
     from serving.core import Server
     from serving.envelope import Exchange
     from serving.loader import load_model
-    from serving_fixtures import two_axes_model
 
     old, new = two_axes_model(tmp_path / "old.onnx"), two_axes_model(tmp_path / "new.onnx")
     x = np.arange(10, dtype=np.float32).reshape(2, 5)
 
     async def scenario():
-        server = Server(Settings(model=str(old)), load_model(str(old), device="cpu", threads=1, name="dyn"))
+        server = Server(
+            Settings(model=str(old)), load_model(str(old), device="cpu", threads=1, name="dyn")
+        )
         async with server.lifespan():
             fresh = load_model(str(new), device="cpu", threads=1, name="dyn", version="2")
-            await server.warm_up_between_batches(fresh)  # nothing answered yet: nothing to warm it with
-            answer = await server.answer(server.slot, SimpleNamespace(feeds={"x": x}, rows=2, request_id=None),
-                                         Exchange("test"), endpoint="test", follow_swap=True)
+            await server.warm_up_between_batches(
+                fresh
+            )  # nothing answered yet: nothing to warm it with
+            answer = await server.answer(
+                server.slot,
+                SimpleNamespace(feeds={"x": x}, rows=2, request_id=None),
+                Exchange("test"),
+                endpoint="test",
+                follow_swap=True,
+            )
             np.testing.assert_allclose(answer.results["total"], x.sum(axis=1))
             await server.warm_up_between_batches(fresh)
             fresh.engine.close()
-            await server.warm_up_between_batches(fresh)  # a warm-up that fails is said, the version not refused
+            await server.warm_up_between_batches(
+                fresh
+            )  # a warm-up that fails is said, the version not refused
 
     with caplog.at_level(logging.INFO, logger="serving.core"):
         asyncio.run(scenario())
-    said = [r.getMessage() for r in caplog.records if r.name == "serving.core" and "warm-up" in r.getMessage()]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "serving.core" and "warm-up" in r.getMessage()
+    ]
     assert len(said) == 3, said
-    assert "no warm-up: an input has a dynamic axis besides the batch axis, and no request answered" in said[0]
+    assert (
+        "no warm-up: an input has a dynamic axis besides the batch axis, and no request answered"
+        in said[0]
+    )
     assert "warm-up with the last request answered (an input has a dynamic axis" in said[1]
-    assert "warm-up with the last request answered failed (serving it anyway): the model was unloaded" in said[2]
+    assert (
+        "warm-up with the last request answered failed (serving it anyway): the model was unloaded"
+        in said[2]
+    )

@@ -17,8 +17,8 @@ import pytest
 
 from serving import batcher
 from serving.batcher import Batcher, BatcherClosed, QueueFull
-from serving.staging import BatchBuffers, NonFinite, concat
 from serving.runner import Runner
+from serving.staging import BatchBuffers, NonFinite, concat
 
 
 class Engine:
@@ -62,7 +62,9 @@ def executor():
 
 def kill(runner: Runner) -> None:
     """What no exception of a run can do: the engine thread itself ends (an asynchronous SystemExit)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(runner._thread.ident), ctypes.py_object(SystemExit))
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(runner._thread.ident), ctypes.py_object(SystemExit)
+    )
 
 
 def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(executor):
@@ -83,7 +85,9 @@ def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(
     assert [o["y"].tolist() for o in outs] == [[2], [4, 4], [6, 6], [8, 8]]
 
 
-def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_comes_free_in_the_middle(executor):
+def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_comes_free_in_the_middle(
+    executor,
+):
     engine = Engine(seconds=0.1)
 
     async def main():
@@ -93,10 +97,15 @@ def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_c
         await asyncio.sleep(0.02)  # the first run is under way
 
         async def busy_taking_in():  # a front end in the middle of its turn (a system call: the GIL given away)
-            time.sleep(0.2)  # the engine's run ends meanwhile; request 2 is queued, request 3 not yet
+            time.sleep(
+                0.2
+            )  # the engine's run ends meanwhile; request 2 is queued, request 3 not yet
 
-        turn = [asyncio.create_task(b.submit(rows(2), 1)), asyncio.create_task(busy_taking_in()),
-                asyncio.create_task(b.submit(rows(3), 1))]  # all three first run in the same turn of the loop
+        turn = [
+            asyncio.create_task(b.submit(rows(2), 1)),
+            asyncio.create_task(busy_taking_in()),
+            asyncio.create_task(b.submit(rows(3), 1)),
+        ]  # all three first run in the same turn of the loop
         outs = await asyncio.gather(first, *turn)
         await b.close()
         return outs
@@ -104,6 +113,7 @@ def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_c
     outs = run(main())
     assert engine.batches == [1, 2]  # not [1, 1, 1]: the engine left the batch to the loop's turn
     assert [outs[0]["y"].tolist(), outs[1]["y"].tolist(), outs[3]["y"].tolist()] == [[2], [4], [6]]
+
 
 class CountingRunner(Runner):
     """The real engine thread, counting how often it is told to look at a batcher."""
@@ -136,7 +146,11 @@ def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_i
         last = await b.submit(rows(3), 1, arrivals[2])
         outs = await asyncio.gather(*first_two)
         await b.close()
-        return told_while_waiting, [o["y"].tolist() for o in [*outs, last]], time.monotonic() - started
+        return (
+            told_while_waiting,
+            [o["y"].tolist() for o in [*outs, last]],
+            time.monotonic() - started,
+        )
 
     try:
         told_while_waiting, outs, took = run(main())
@@ -194,7 +208,9 @@ def test_a_wait_whose_batch_was_given_up_does_not_hold_the_next_request(executor
 
     out, took = run(main())
     assert out == [4] and engine.batches == [1]
-    assert took < 1.5, took  # its own 300 ms wait for the upload; it waited for the upload's end before
+    assert took < 1.5, (
+        took
+    )  # its own 300 ms wait for the upload; it waited for the upload's end before
 
 
 def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
@@ -205,7 +221,10 @@ def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
         b.start()
         blocker = asyncio.create_task(b.submit(rows(0), 1))
         await asyncio.sleep(0.02)
-        jobs = [asyncio.create_task(b.submit(rows(*[v] * n), n)) for v, n in ((1, 3), (2, 2), (3, 6), (4, 1))]
+        jobs = [
+            asyncio.create_task(b.submit(rows(*[v] * n), n))
+            for v, n in ((1, 3), (2, 2), (3, 6), (4, 1))
+        ]
         outs = await asyncio.gather(blocker, *jobs)
         await b.close()
         return outs
@@ -301,8 +320,10 @@ def test_mixed_trailing_shapes_never_merge_and_the_batcher_keeps_serving(executo
         b.start()
         blocker = asyncio.create_task(b.submit(x((1, 2), 0), 1))
         await asyncio.sleep(0.02)  # under way: the next three queue up together
-        mixed = [asyncio.create_task(b.submit(feeds, 1))
-                 for feeds in (x((1, 2), 1), x((1, 3), 2), x((1, 2), 3), x((1, 2), 4, np.float64))]
+        mixed = [
+            asyncio.create_task(b.submit(feeds, 1))
+            for feeds in (x((1, 2), 1), x((1, 3), 2), x((1, 2), 3), x((1, 2), 4, np.float64))
+        ]
         outs = await asyncio.wait_for(asyncio.gather(blocker, *mixed), 5)
         later = await asyncio.wait_for(b.submit(x((2, 5), 5), 2), 5)
         assert b.alive and b.queued_rows == 0
@@ -312,9 +333,16 @@ def test_mixed_trailing_shapes_never_merge_and_the_batcher_keeps_serving(executo
     outs, later = run(main())
     # (1,2) float32 rows merge (skipping the others, which keep their order); then (1,3); then float64.
     assert engine.batches == [1, 2, 1, 1, 2]
-    for out, (shape, value, dtype) in zip(outs, [((1, 2), 0, np.float32), ((1, 2), 1, np.float32),
-                                                 ((1, 3), 2, np.float32), ((1, 2), 3, np.float32),
-                                                 ((1, 2), 4, np.float64)]):
+    for out, (shape, value, dtype) in zip(
+        outs,
+        [
+            ((1, 2), 0, np.float32),
+            ((1, 2), 1, np.float32),
+            ((1, 3), 2, np.float32),
+            ((1, 2), 3, np.float32),
+            ((1, 2), 4, np.float64),
+        ],
+    ):
         np.testing.assert_array_equal(out["y"], np.full(shape, 2 * value, dtype=dtype))
         assert out["y"].dtype == dtype
     np.testing.assert_array_equal(later["y"], np.full((2, 5), 10, dtype=np.float32))
@@ -332,7 +360,9 @@ def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(ex
         waiting = asyncio.create_task(b.submit(rows(2), 1))
         await asyncio.sleep(0)
         kill(executor)  # the engine thread dies when the run under way returns
-        results = await asyncio.wait_for(asyncio.gather(running, waiting, return_exceptions=True), 5)
+        results = await asyncio.wait_for(
+            asyncio.gather(running, waiting, return_exceptions=True), 5
+        )
         assert not b.alive and b.queued_rows == 0
         with pytest.raises(BatcherClosed):
             await b.submit(rows(3), 1)
@@ -392,7 +422,9 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
     assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
 
 
-X_OF_2_COLUMNS = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))  # a model's input
+X_OF_2_COLUMNS = types.SimpleNamespace(
+    name="x", dtype=np.dtype(np.float32), shape=(None, 2)
+)  # a model's input
 
 
 def two_column_buffers() -> BatchBuffers:
@@ -410,11 +442,18 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
     def run_buffer(index, start, rows, free_up_to):
         running.set()
         time.sleep(0.2)  # the model reading the rows meanwhile
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
 
     async def main():
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer)
+        b = Batcher(
+            lambda parts: {},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+        )
         b.start()
         a, gone = b.arriving(rows=2), b.arriving(rows=2)
         a.views["x"][:] = 1.0
@@ -443,19 +482,28 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
     buffers = two_column_buffers()
 
     def run_buffer(index, start, rows, free_up_to):
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
 
     async def main():
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer)
+        b = Batcher(
+            lambda parts: {},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+        )
         b.start()
         for _ in range(5):  # copied into their places, and received into them
             arrivals = [b.arriving(rows=1) for _ in range(3)]
             for arrival in arrivals:
                 arrival.views["x"][:] = 1.0
                 arrival.filled = True
-            await asyncio.gather(*(b.submit(a.views, 1, a) for a in arrivals),
-                                 *(b.submit({"x": np.ones((1, 2), np.float32)}, 1) for _ in range(3)))
+            await asyncio.gather(
+                *(b.submit(a.views, 1, a) for a in arrivals),
+                *(b.submit({"x": np.ones((1, 2), np.float32)}, 1) for _ in range(3)),
+            )
         await b.close()
 
     gc.collect()
@@ -464,8 +512,11 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
         run(main())
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        left = collections.Counter(type(o).__name__ for o in gc.garbage
-                                   if isinstance(o, (batcher._Place, batcher._Group, batcher._Job)))
+        left = collections.Counter(
+            type(o).__name__
+            for o in gc.garbage
+            if isinstance(o, (batcher._Place, batcher._Group, batcher._Job))
+        )
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
@@ -481,11 +532,18 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
 
     def run_buffer(index, start, rows, free_up_to):
         runs.append((start, rows))
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
 
     async def main():
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer)
+        b = Batcher(
+            lambda parts: {},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+        )
         b.start()
         gave_up = asyncio.create_task(b.submit({"x": np.full((2, 2), 9, np.float32)}, 2))
         kept = asyncio.create_task(b.submit({"x": np.full((2, 2), 1, np.float32)}, 2))
@@ -502,7 +560,8 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
 
 @pytest.mark.parametrize("merged_run_fails", [False, True])
 def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_instead_of_running_alone(
-        executor, merged_run_fails):
+    executor, merged_run_fails
+):
     """A, B and S took places one after another in a buffer; A and B's bodies came in, S's was still arriving when
     the arrival wait ran out, so A and B ran without it. S, in then, would have run alone (its buffer sealed, its
     neighbours run): on a GPU a run of one row costs nearly what one of 16 does. It is copied next to C, the request
@@ -518,9 +577,11 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
 
     def run_buffer(index, start, rows, free_up_to):
         runs.append((index, start, rows))
-        x = buffers._buffers[index]["x"][start:start + rows]
+        x = buffers._buffers[index]["x"][start : start + rows]
         if merged_run_fails and rows > 1 and len(buffers._free) == 1:
-            buffers._buffers[buffers._free[0]]["x"][:] = 99.0  # the free buffer takes another request's body in
+            buffers._buffers[buffers._free[0]]["x"][:] = (
+                99.0  # the free buffer takes another request's body in
+            )
         fails_on_c(x)
         return {"y": x * 2}
 
@@ -530,8 +591,16 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
         return {"y": x * 2}
 
     async def main():
-        b = Batcher(run_alone, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer, arrival_wait_ms=200)
+        b = Batcher(
+            run_alone,
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+            arrival_wait_ms=200,
+        )
         b.start()
         first = [b.arriving(rows=1) for _ in range(3)]
         answers = {}
@@ -550,8 +619,10 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
         c.filled = True
         answers["c"] = asyncio.create_task(b.submit(c.views, 1, c))
         await asyncio.wait(answers.values())
-        out = {name: (str(task.exception()) if task.exception() else task.result()["y"].tolist())
-               for name, task in answers.items()}
+        out = {
+            name: (str(task.exception()) if task.exception() else task.result()["y"].tolist())
+            for name, task in answers.items()
+        }
         await b.close()
         return out, b.queued_rows, len(buffers._free)
 
@@ -578,10 +649,14 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
 
     assert _stranded(buffer("ran", "S"))
     assert _stranded(buffer("S"))
-    assert _stranded(buffer("ran", "dead", "S", "dead"))  # the refused places around it run with nothing
+    assert _stranded(
+        buffer("ran", "dead", "S", "dead")
+    )  # the refused places around it run with nothing
     assert not _stranded(buffer("ran", "S", sealed=False))  # more places may come after it
     assert not _stranded(buffer("ran", "S", "arriving"))  # it runs with that one
-    assert not _stranded(buffer("job", "dead", "S"))  # a refused place between is filler in their run
+    assert not _stranded(
+        buffer("job", "dead", "S")
+    )  # a refused place between is filler in their run
     assert not _stranded(buffer("S", "dead", "job"))
 
 
@@ -620,13 +695,22 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
     buffers = HeldCopies(held=lambda feeds: True)
 
     def run_buffer(index, start, rows, free_up_to):
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
 
     async def main(other):
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer)
+        b = Batcher(
+            lambda parts: {},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+        )
         b.start()
-        answer = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((2, 2), 3, np.float32)}, 2), other)
+        answer = asyncio.run_coroutine_threadsafe(
+            b.submit({"x": np.full((2, 2), 3, np.float32)}, 2), other
+        )
         await asyncio.to_thread(buffers.copying.wait, 5)
         closing = asyncio.create_task(b.close())
         await asyncio.sleep(0.1)
@@ -650,15 +734,24 @@ def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refuse
     def run_buffer(index, start, rows, free_up_to):
         running.set()
         time.sleep(0.6)
-        return {"y": buffers._buffers[index]["x"][start:start + rows] * 2}
+        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
 
     async def main(other):
-        b = Batcher(lambda parts: {}, executor, max_batch_size=8, max_delay_ms=0, max_queue_rows=64,
-                    buffers=buffers, run_buffer=run_buffer)
+        b = Batcher(
+            lambda parts: {},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_buffer=run_buffer,
+        )
         b.start()
         ran = asyncio.create_task(b.submit({"x": np.full((1, 2), 3, np.float32)}, 1))
         await asyncio.to_thread(running.wait, 5)
-        refused = asyncio.run_coroutine_threadsafe(b.submit({"x": np.full((1, 2), np.nan, np.float32)}, 1), other)
+        refused = asyncio.run_coroutine_threadsafe(
+            b.submit({"x": np.full((1, 2), np.nan, np.float32)}, 1), other
+        )
         await asyncio.to_thread(buffers.copying.wait, 5)
         closing = asyncio.create_task(b.close())
         await asyncio.sleep(0.05)
@@ -686,14 +779,23 @@ def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the
             order.append(label)
             time.sleep(0.01)
             return {"y": concat(parts)["x"]}
+
         return run_
 
     async def main():
         executor = Runner()
         waits = []
-        flooded = Batcher(engine("A"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000)
-        probed = Batcher(engine("B"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000,
-                         on_batch=lambda rows_, seconds, queue: waits.extend(queue))
+        flooded = Batcher(
+            engine("A"), executor, max_batch_size=1, max_delay_ms=0, max_queue_rows=1000
+        )
+        probed = Batcher(
+            engine("B"),
+            executor,
+            max_batch_size=1,
+            max_delay_ms=0,
+            max_queue_rows=1000,
+            on_batch=lambda rows_, seconds, queue: waits.extend(queue),
+        )
         flooded.start()
         probed.start()
         flood = [asyncio.ensure_future(flooded.submit(rows(i), 1)) for i in range(40)]
@@ -709,7 +811,13 @@ def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the
 
     probe_seconds, waits = run(main())
     b = order.index("B")
-    assert order[:b].count("A") < 40 and "B" not in order[b + 1:]
-    assert order[b - 1] == "A" and (b + 1 == len(order) or order[b + 1] == "A")  # A resumes right after
-    assert probe_seconds < 0.1, probe_seconds  # one A run ahead (10 ms), not the flood's remaining 300+ ms
-    assert len(waits) == 1 and waits[0] < 0.1  # its queue time, until the engine thread began its run
+    assert order[:b].count("A") < 40 and "B" not in order[b + 1 :]
+    assert order[b - 1] == "A" and (
+        b + 1 == len(order) or order[b + 1] == "A"
+    )  # A resumes right after
+    assert probe_seconds < 0.1, (
+        probe_seconds
+    )  # one A run ahead (10 ms), not the flood's remaining 300+ ms
+    assert (
+        len(waits) == 1 and waits[0] < 0.1
+    )  # its queue time, until the engine thread began its run

@@ -19,9 +19,17 @@ import requests
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from onnx import TensorProto, helper, numpy_helper
+from serving_fixtures import (
+    ROOT,
+    ServerProcess,
+    free_port,
+    heavy_model,
+    metric,
+    run_onnx,
+    tiny_model,
+    two_input_model,
+)
 from tritonclient.utils import InferenceServerException
-
-from serving_fixtures import ROOT, ServerProcess, free_port, heavy_model, metric, run_onnx, tiny_model, two_input_model
 
 TOKEN = "repo-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}  # lower case: gRPC metadata keys must be
@@ -35,12 +43,16 @@ def auth() -> dict[str, str]:
 def big_model(path: Path, megabytes: int = 64) -> Path:
     """`ids` INT64 [batch] -> `vectors` [batch, 8]: rows of a 64 MiB embedding table, memory that loading takes
     and unloading must give back (a Gather of an input: onnxruntime cannot fold the table away)."""
-    table = np.random.default_rng(0).normal(size=(megabytes * (1 << 20) // 32, 8)).astype(np.float32)
+    table = (
+        np.random.default_rng(0).normal(size=(megabytes * (1 << 20) // 32, 8)).astype(np.float32)
+    )
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)], "big",
+        [helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)],
+        "big",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
         [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["batch", 8])],
-        [numpy_helper.from_array(table, "table")])
+        [numpy_helper.from_array(table, "table")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -67,9 +79,22 @@ def server(repo, tmp_path_factory):
     root, mixed = repo
     grpc_port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    with ServerProcess("--repository", str(root), "--load-model", "tiny", "--version-policy", "latest:2",
-                       "--model", f"mixed={mixed}", "--grpc-port", str(grpc_port), "--threads", "1",
-                       env={"TRAINSERVE_AUTH_TOKEN": TOKEN}, log_path=log) as proc:
+    with ServerProcess(
+        "--repository",
+        str(root),
+        "--load-model",
+        "tiny",
+        "--version-policy",
+        "latest:2",
+        "--model",
+        f"mixed={mixed}",
+        "--grpc-port",
+        str(grpc_port),
+        "--threads",
+        "1",
+        env={"TRAINSERVE_AUTH_TOKEN": TOKEN},
+        log_path=log,
+    ) as proc:
         proc.grpc = f"127.0.0.1:{grpc_port}"
         yield proc
 
@@ -98,30 +123,52 @@ def test_two_models_side_by_side_over_http_and_grpc_with_unmodified_triton_clien
         image.set_data_from_numpy(x)
         # No version: the highest loaded (3); a version: that one.
         for version, want in (("", 3), ("2", 2), ("3", 3)):
-            got = client.infer("tiny", [image], model_version=version, headers=auth()).as_numpy("probabilities")
+            got = client.infer("tiny", [image], model_version=version, headers=auth()).as_numpy(
+                "probabilities"
+            )
             reference = run_onnx(root / "tiny" / str(want) / "model.onnx", x)["probabilities"]
             np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
         inputs, want = mixed_inputs(module)
         result = client.infer("mixed", inputs, headers=auth(), request_id="req-42")
         np.testing.assert_allclose(result.as_numpy("output"), want)
-        assert result.get_response(**({"as_json": True} if module is triton_grpc else {}))["id"] == "req-42"
-        assert client.is_model_ready("tiny", headers=auth()) and client.is_model_ready("mixed", headers=auth())
+        assert (
+            result.get_response(**({"as_json": True} if module is triton_grpc else {}))["id"]
+            == "req-42"
+        )
+        assert client.is_model_ready("tiny", headers=auth()) and client.is_model_ready(
+            "mixed", headers=auth()
+        )
         assert client.is_server_ready() and client.is_server_live()  # health: no token
     big = images(256, seed=3)  # 64 KiB of data: decoded in a thread, as a big HTTP body is
     image = triton_grpc.InferInput("input", list(big.shape), "FP32")
     image.set_data_from_numpy(big)
-    np.testing.assert_allclose(grpc.infer("tiny", [image], headers=auth()).as_numpy("probabilities"),
-                               run_onnx(root / "tiny" / "3" / "model.onnx", big)["probabilities"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        grpc.infer("tiny", [image], headers=auth()).as_numpy("probabilities"),
+        run_onnx(root / "tiny" / "3" / "model.onnx", big)["probabilities"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     metadata = grpc.get_model_metadata("tiny", headers=auth(), as_json=True)
-    assert metadata["versions"] == ["2", "3"] and metadata["inputs"][0]["shape"] == ["-1", "1", "8", "8"]
+    assert metadata["versions"] == ["2", "3"] and metadata["inputs"][0]["shape"] == [
+        "-1",
+        "1",
+        "8",
+        "8",
+    ]
     assert grpc.get_server_metadata(headers=auth(), as_json=True)["name"] == "trainserve"
     # Version 1 exists in the repository, but the policy (latest:2) did not load it.
     with pytest.raises(InferenceServerException) as refused:
         grpc.infer("tiny", [image], model_version="1", headers=auth())
-    assert refused.value.status() == "StatusCode.NOT_FOUND" and "no version 1 loaded (loaded: 2, 3)" in str(refused.value)
+    assert (
+        refused.value.status() == "StatusCode.NOT_FOUND"
+        and "no version 1 loaded (loaded: 2, 3)" in str(refused.value)
+    )
     # /invocations serves the first --model, with the receipt naming it.
-    response = requests.post(server.url + "/invocations", headers=auth(),
-                             json={"inputs": {"features": [[0.0] * 4], "code": [5]}})
+    response = requests.post(
+        server.url + "/invocations",
+        headers=auth(),
+        json={"inputs": {"features": [[0.0] * 4], "code": [5]}},
+    )
     assert response.status_code == 200 and response.json()["predictions"] == {"output": [[5.0] * 4]}
     assert response.headers["X-Model-Name"] == "mixed"
 
@@ -132,19 +179,27 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
     x.set_data_from_numpy(images(1))
     wrong = triton_grpc.InferInput("input", [1, 1, 4, 8], "FP32")
     wrong.set_data_from_numpy(np.zeros((1, 1, 4, 8), np.float32))
-    huge = triton_grpc.InferInput("input", [300, 1, 8, 8], "FP32")  # 300 rows: over the server's 256
+    huge = triton_grpc.InferInput(
+        "input", [300, 1, 8, 8], "FP32"
+    )  # 300 rows: over the server's 256
     huge.set_data_from_numpy(np.zeros((300, 1, 8, 8), np.float32))
     cases = [
         (dict(model_name="tiny", inputs=[x]), "UNAUTHENTICATED", "bearer token"),
         (dict(model_name="nope", inputs=[x], headers=auth()), "NOT_FOUND", "unknown model 'nope'"),
         (dict(model_name="heavy", inputs=[x], headers=auth()), "NOT_FOUND", "load it with POST"),
-        (dict(model_name="tiny", inputs=[wrong], headers=auth()), "INVALID_ARGUMENT", "does not fit"),
+        (
+            dict(model_name="tiny", inputs=[wrong], headers=auth()),
+            "INVALID_ARGUMENT",
+            "does not fit",
+        ),
         (dict(model_name="tiny", inputs=[huge], headers=auth()), "INVALID_ARGUMENT", "300 rows"),
     ]
     for kwargs, status, words in cases:
         with pytest.raises(InferenceServerException) as refused:
             grpc.infer(**kwargs)
-        assert refused.value.status() == f"StatusCode.{status}" and words in refused.value.message(), (kwargs, refused.value)
+        assert (
+            refused.value.status() == f"StatusCode.{status}" and words in refused.value.message()
+        ), (kwargs, refused.value)
     # Bytes that are not a ModelInferRequest: INVALID_ARGUMENT from our parse, not INTERNAL from grpc's.
     import grpc as grpc_lib
 
@@ -154,10 +209,30 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
             call(b"\xff\xff\xff", metadata=(("authorization", f"Bearer {TOKEN}"),))
     assert raw.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT
     text = requests.get(server.url + "/metrics", headers=auth()).text
-    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
-    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT",
-                  model="tiny", version="3") >= 2  # labelled by the model once known
-    assert metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INVALID_ARGUMENT", model="") == 1
+    assert (
+        metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
+    )
+    assert (
+        metric(
+            text,
+            "trainserve_requests_total",
+            route="grpc ModelInfer",
+            status="INVALID_ARGUMENT",
+            model="tiny",
+            version="3",
+        )
+        >= 2
+    )  # labelled by the model once known
+    assert (
+        metric(
+            text,
+            "trainserve_requests_total",
+            route="grpc ModelInfer",
+            status="INVALID_ARGUMENT",
+            model="",
+        )
+        == 1
+    )
 
 
 def tiny_request(**fields) -> bytes:
@@ -178,14 +253,18 @@ def test_grpc_receipt_comes_back_as_initial_metadata(server, repo):
 
     with grpc_lib.insecure_channel(server.grpc) as channel:
         infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-        body, call = infer.with_call(tiny_request(model_version="2", id="receipt-1"), metadata=tuple(AUTH.items()))
+        body, call = infer.with_call(
+            tiny_request(model_version="2", id="receipt-1"), metadata=tuple(AUTH.items())
+        )
     receipt = dict(call.initial_metadata())
     assert schema.ModelInferResponse.FromString(body).id == "receipt-1"
     assert receipt["x-request-id"] == "receipt-1" and receipt["x-model-name"] == "tiny"
     assert receipt["x-model-version"] == "2" and len(receipt["x-model-onnx-sha256"]) == 64
 
 
-def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not_end_it(server, repo):
+def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not_end_it(
+    server, repo
+):
     """ModelStreamInfer with tritonclient's own streaming API: requests for two models and two versions, two
     refused among them, then more than the server's window of 128 at once; each answered in the order sent,
     with its receipt in the answer's parameters; a refusal is an error for that request only."""
@@ -203,8 +282,14 @@ def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not
     wrong = triton_grpc.InferInput("input", [1, 1, 4, 8], "FP32")
     wrong.set_data_from_numpy(np.zeros((1, 1, 4, 8), np.float32))
     inputs, mixed_want = mixed_inputs(triton_grpc)
-    sent = [("tiny", "", [image], "a"), ("tiny", "2", [image], "b"), ("mixed", "", inputs, "c"),
-            ("tiny", "", [wrong], "d"), ("nope", "", [image], "e"), ("tiny", "", [image], "f")]
+    sent = [
+        ("tiny", "", [image], "a"),
+        ("tiny", "2", [image], "b"),
+        ("mixed", "", inputs, "c"),
+        ("tiny", "", [wrong], "d"),
+        ("nope", "", [image], "e"),
+        ("tiny", "", [image], "f"),
+    ]
     sent += [("tiny", "2", [image], f"n{i}") for i in range(STREAM_WINDOW + 72)]
     for model, version, given, rid in sent:
         client.async_stream_infer(model, given, model_version=version, request_id=rid)
@@ -213,10 +298,16 @@ def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not
 
     errors = {rid: error for (_, _, _, rid), (_, error) in zip(sent, got) if error is not None}
     assert set(errors) == {"d", "e"}, errors
-    assert str(errors["d"]).startswith("INVALID_ARGUMENT: input 'input': shape [1, 1, 4, 8] does not fit")
+    assert str(errors["d"]).startswith(
+        "INVALID_ARGUMENT: input 'input': shape [1, 1, 4, 8] does not fit"
+    )
     assert str(errors["e"]).startswith("NOT_FOUND: unknown model 'nope'")
-    answered = [(rid, result) for (_, _, _, rid), (result, error) in zip(sent, got) if error is None]
-    assert [rid for rid, _ in answered] == ["a", "b", "c", "f"] + [f"n{i}" for i in range(STREAM_WINDOW + 72)]
+    answered = [
+        (rid, result) for (_, _, _, rid), (result, error) in zip(sent, got) if error is None
+    ]
+    assert [rid for rid, _ in answered] == ["a", "b", "c", "f"] + [
+        f"n{i}" for i in range(STREAM_WINDOW + 72)
+    ]
     want = {v: run_onnx(root / "tiny" / v / "model.onnx", x)["probabilities"] for v in ("2", "3")}
     for rid, result in answered:
         response = result.get_response(as_json=True)
@@ -227,18 +318,36 @@ def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not
             np.testing.assert_allclose(result.as_numpy("output"), mixed_want)
             continue
         version = "3" if rid in ("a", "f") else "2"
-        assert (receipt["x-model-name"], receipt["x-model-version"], response["model_version"]) == ("tiny", version, version)
+        assert (receipt["x-model-name"], receipt["x-model-version"], response["model_version"]) == (
+            "tiny",
+            version,
+            version,
+        )
         assert len(receipt["x-model-onnx-sha256"]) == 64
-        np.testing.assert_allclose(result.as_numpy("probabilities"), want[version], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            result.as_numpy("probabilities"), want[version], rtol=1e-5, atol=1e-6
+        )
 
     text = requests.get(server.url + "/metrics", headers=auth()).text
     route = "grpc ModelStreamInfer"
-    assert metric(text, "trainserve_requests_total", route=route, status="OK", model="tiny", version="2") >= STREAM_WINDOW + 73
-    assert metric(text, "trainserve_requests_total", route=route, status="INVALID_ARGUMENT", model="tiny") == 1
+    assert (
+        metric(
+            text, "trainserve_requests_total", route=route, status="OK", model="tiny", version="2"
+        )
+        >= STREAM_WINDOW + 73
+    )
+    assert (
+        metric(
+            text, "trainserve_requests_total", route=route, status="INVALID_ARGUMENT", model="tiny"
+        )
+        == 1
+    )
     assert metric(text, "trainserve_requests_total", route=route, status="NOT_FOUND", model="") == 1
 
 
-def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refuses_only_itself(server):
+def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refuses_only_itself(
+    server,
+):
     import grpc as grpc_lib
 
     from serving.grpc import schema
@@ -249,14 +358,20 @@ def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refu
         with pytest.raises(grpc_lib.RpcError) as refused:
             list(stream(iter([good])))
         assert refused.value.code() == grpc_lib.StatusCode.UNAUTHENTICATED
-        answers = [schema.ModelStreamInferResponse.FromString(b) for b in
-                   stream(iter([b"\xff\xff\xff", good]), metadata=tuple(AUTH.items()))]
-    assert answers[0].error_message.startswith("INVALID_ARGUMENT: the message is not a valid inference.ModelInferRequest")
+        answers = [
+            schema.ModelStreamInferResponse.FromString(b)
+            for b in stream(iter([b"\xff\xff\xff", good]), metadata=tuple(AUTH.items()))
+        ]
+    assert answers[0].error_message.startswith(
+        "INVALID_ARGUMENT: the message is not a valid inference.ModelInferRequest"
+    )
     assert not answers[1].error_message and answers[1].infer_response.id == "good"
     assert answers[1].infer_response.parameters["x-model-name"].string_param == "tiny"
 
 
-def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_read_then_ends_it(tmp_path):
+def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_read_then_ends_it(
+    tmp_path,
+):
     """200 requests on one stream while a batch waits for rows (--max-delay-ms 20 s): the server reads 128 (the
     window) and no more. SIGTERM: those 128 are answered at once (the partial batch stops waiting), then the
     stream ends UNAVAILABLE ("send the rest elsewhere") and the server exits without waiting out the graceful
@@ -269,8 +384,19 @@ def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_rea
 
     model = tiny_model(tmp_path / "tiny.onnx")
     grpc_port = free_port()
-    with ServerProcess("--model", f"tiny={model}", "--grpc-port", str(grpc_port), "--max-delay-ms", "20000",
-                       "--max-batch-size", "256", "--graceful-timeout", "30", log_path=tmp_path / "server.log") as srv:
+    with ServerProcess(
+        "--model",
+        f"tiny={model}",
+        "--grpc-port",
+        str(grpc_port),
+        "--max-delay-ms",
+        "20000",
+        "--max-batch-size",
+        "256",
+        "--graceful-timeout",
+        "30",
+        log_path=tmp_path / "server.log",
+    ) as srv:
         answers: queue.Queue = queue.Queue()
         client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         client.start_stream(lambda result, error: answers.put((result, error)))
@@ -279,8 +405,11 @@ def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_rea
         image.set_data_from_numpy(x)
         for i in range(STREAM_WINDOW + 72):  # a partial batch: it would wait 20 s for more rows
             client.async_stream_infer("tiny", [image], request_id=f"s{i}")
+
         def queued() -> float:
-            return metric(requests.get(srv.url + "/metrics").text, "trainserve_queue_rows", model="tiny")
+            return metric(
+                requests.get(srv.url + "/metrics").text, "trainserve_queue_rows", model="tiny"
+            )
 
         deadline = time.monotonic() + 10
         while queued() < STREAM_WINDOW and time.monotonic() < deadline:
@@ -294,10 +423,17 @@ def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_rea
         took = time.monotonic() - started
         client.stop_stream()
     assert [r.get_response(as_json=True)["id"] for r, error in got[:-1] if error is None] == [
-        f"s{i}" for i in range(STREAM_WINDOW)]
+        f"s{i}" for i in range(STREAM_WINDOW)
+    ]
     result, error = got[-1]
-    assert result is None and error.status() == "StatusCode.UNAVAILABLE" and "shutting down" in error.message(), error
-    assert took < 10, f"the server took {took:.1f} s to stop with a stream open ({srv.log()[-2000:]})"
+    assert (
+        result is None
+        and error.status() == "StatusCode.UNAVAILABLE"
+        and "shutting down" in error.message()
+    ), error
+    assert took < 10, (
+        f"the server took {took:.1f} s to stop with a stream open ({srv.log()[-2000:]})"
+    )
 
 
 def rss_mib(pid: int) -> float:
@@ -309,14 +445,28 @@ def rss_mib(pid: int) -> float:
 
 def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(server):
     http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
-    index = {(r["name"], r.get("version", "")): r["state"] for r in http.get_model_repository_index(headers=auth())}
-    assert index == {("big", ""): "UNAVAILABLE", ("heavy", ""): "UNAVAILABLE", ("mixed", "1"): "READY",
-                     ("tiny", "2"): "READY", ("tiny", "3"): "READY"}
+    index = {
+        (r["name"], r.get("version", "")): r["state"]
+        for r in http.get_model_repository_index(headers=auth())
+    }
+    assert index == {
+        ("big", ""): "UNAVAILABLE",
+        ("heavy", ""): "UNAVAILABLE",
+        ("mixed", "1"): "READY",
+        ("tiny", "2"): "READY",
+        ("tiny", "3"): "READY",
+    }
     # Loading is guarded by the token, takes only names this server knows, and never client files.
     assert requests.post(server.url + "/v2/repository/models/heavy/load").status_code == 401
-    assert requests.post(server.url + "/v2/repository/models/nope/load", headers=auth()).status_code == 404
-    refused = requests.post(server.url + "/v2/repository/models/heavy/load", headers=auth(),
-                            json={"parameters": {"file:1/model.onnx": "AAAA"}})
+    assert (
+        requests.post(server.url + "/v2/repository/models/nope/load", headers=auth()).status_code
+        == 404
+    )
+    refused = requests.post(
+        server.url + "/v2/repository/models/heavy/load",
+        headers=auth(),
+        json={"parameters": {"file:1/model.onnx": "AAAA"}},
+    )
     assert refused.status_code == 400 and "never from files" in refused.json()["error"]
 
     http.load_model("heavy", headers=auth())  # returns once loaded and warmed up
@@ -324,12 +474,20 @@ def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(serv
     x = triton_http.InferInput("input", [2, 1, 28, 28], "FP32")
     x.set_data_from_numpy(np.zeros((2, 1, 28, 28), np.float32))
     assert http.infer("heavy", [x], headers=auth()).as_numpy("probabilities").shape == (2, 10)
-    assert metric(requests.get(server.url + "/metrics", headers=auth()).text, "trainserve_inference_duration_seconds_count",
-                  model="heavy") >= 1
+    assert (
+        metric(
+            requests.get(server.url + "/metrics", headers=auth()).text,
+            "trainserve_inference_duration_seconds_count",
+            model="heavy",
+        )
+        >= 1
+    )
     http.unload_model("heavy", headers=auth())
     assert not requests.get(server.url + "/v2/models/heavy/ready", headers=auth()).ok
     text = requests.get(server.url + "/metrics", headers=auth()).text
-    assert metric(text, "trainserve_inference_duration_seconds_count", model="heavy") == 0  # no stale series
+    assert (
+        metric(text, "trainserve_inference_duration_seconds_count", model="heavy") == 0
+    )  # no stale series
     with pytest.raises(InferenceServerException, match="unloaded"):
         http.infer("heavy", [x], headers=auth())
     rows = [r for r in http.get_model_repository_index(headers=auth()) if r["name"] == "heavy"]
@@ -367,33 +525,60 @@ def test_every_series_is_labelled_by_model_and_version_with_queue_and_compute_ti
     assert metric(text, "trainserve_model_info", name="tiny", version="3") == 1
     assert metric(text, "trainserve_queue_rows", model="tiny", version="2") == 0
     assert requests.get(server.url + "/v2", headers=auth()).json()["extensions"] == [
-        "binary_tensor_data", "model_configuration", "model_repository", "system_shared_memory", "grpc"]
+        "binary_tensor_data",
+        "model_configuration",
+        "model_repository",
+        "system_shared_memory",
+        "grpc",
+    ]
 
 
 def test_bad_model_flags_stop_the_server_with_a_message_naming_the_fix(tmp_path, repo):
     root, mixed = repo
     cases = [
         (["--model", "bad name=x.onnx"], "is not a model name"),
-        (["--model", f"a={mixed}", "--model", f"b={mixed}", "--model-name", "c"], "name each as --model NAME=URI"),
+        (
+            ["--model", f"a={mixed}", "--model", f"b={mixed}", "--model-name", "c"],
+            "name each as --model NAME=URI",
+        ),
         (["--model", str(mixed), "--load-model", "tiny"], "--load-model applies to --repository"),
         (["--repository", str(root), "--version-policy", "newest"], "expected latest:N"),
-        (["--repository", str(root), "--load-model", "nope"], "--load-model nope: not a model of --repository"),
+        (
+            ["--repository", str(root), "--load-model", "nope"],
+            "--load-model nope: not a model of --repository",
+        ),
         (["--repository", str(tmp_path / "missing")], "not a directory"),
         (["--model", f"tiny={mixed}", "--repository", str(root)], "also a model of --repository"),
         (["--model", f"a={mixed}", "--default-model", "b"], "--default-model b: no such model"),
         (["--model", f"a={mixed}", "--model", f"a={mixed}"], "are both version 1"),
-        (["--model", str(mixed), "--model-control", "always"], "--model-control must be none or explicit"),
+        (
+            ["--model", str(mixed), "--model-control", "always"],
+            "--model-control must be none or explicit",
+        ),
     ]
     for args, words in cases:
-        proc = subprocess.run([sys.executable, "-m", "serving", "--port", str(free_port()), *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "serving", "--port", str(free_port()), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr[-2000:])
 
 
 def test_a_server_with_nothing_loaded_is_not_ready_until_a_model_is(repo, tmp_path):
     root, _ = repo
-    with ServerProcess("--repository", str(root), "--load-model", "", "--version-policy", "latest:1",
-                       log_path=tmp_path / "log", wait_ready=False) as srv:
+    with ServerProcess(
+        "--repository",
+        str(root),
+        "--load-model",
+        "",
+        "--version-policy",
+        "latest:1",
+        log_path=tmp_path / "log",
+        wait_ready=False,
+    ) as srv:
         assert requests.get(srv.url + "/v2/health/ready").status_code == 503
         assert requests.post(srv.url + "/v2/repository/models/tiny/load").status_code == 200
         assert requests.get(srv.url + "/v2/health/ready").status_code == 200
@@ -405,6 +590,9 @@ def test_without_a_repository_clients_cannot_load_or_unload(repo, tmp_path):
     with ServerProcess("--model", f"mixed={mixed}", log_path=tmp_path / "log") as srv:
         for action in ("load", "unload"):
             refused = requests.post(f"{srv.url}/v2/repository/models/mixed/{action}")
-            assert refused.status_code == 403 and "--model-control explicit" in refused.json()["error"]
+            assert (
+                refused.status_code == 403 and "--model-control explicit" in refused.json()["error"]
+            )
         assert requests.post(srv.url + "/v2/repository/index").json() == [
-            {"name": "mixed", "version": "1", "state": "READY", "reason": ""}]
+            {"name": "mixed", "version": "1", "state": "READY", "reason": ""}
+        ]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
 
 CONSTRAINTS = REPO / ".venv" / "constraints.txt"
@@ -22,20 +21,42 @@ def fake_wheel(directory: Path, name: str, version: str, requires: list[str] = (
     """The smallest wheel pip's resolver accepts: metadata only."""
     dist_info = f"{name}-{version}.dist-info"
     path = directory / f"{name}-{version}-py3-none-any.whl"
-    metadata = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-                        *(f"Requires-Dist: {r}\n" for r in requires)])
+    metadata = "".join(
+        [
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+            *(f"Requires-Dist: {r}\n" for r in requires),
+        ]
+    )
     with zipfile.ZipFile(path, "w") as whl:
         whl.writestr(f"{dist_info}/METADATA", metadata)
-        whl.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(
+            f"{dist_info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         whl.writestr(f"{dist_info}/RECORD", "")
     return path
 
 
 def pip_dry_run(wheels: Path, *args: str) -> subprocess.CompletedProcess:
     """--isolated: this machine's pip configuration (its own constraints, indexes) plays no part."""
-    return subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--disable-pip-version-check",
-                           "--no-index", "--find-links", str(wheels), *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--isolated",
+            "--dry-run",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -53,7 +74,8 @@ def test_setup_pins_the_installed_torch_exactly():
     version, _, build = torch.__version__.partition("+")
     minor, patch = (int(p) for p in version.split(".")[1:3])
     assert CONSTRAINTS.read_text().split() == [f"torch=={torch.__version__}"] + (
-        [f"torchvision==0.{minor + 15}.{patch}+cpu"] if build == "cpu" else [])
+        [f"torchvision==0.{minor + 15}.{patch}+cpu"] if build == "cpu" else []
+    )
 
 
 def test_a_package_that_wants_another_torch_fails_loudly_under_the_constraints(wheels, tmp_path):
@@ -62,12 +84,16 @@ def test_a_package_that_wants_another_torch_fails_loudly_under_the_constraints(w
         pytest.skip("no .venv/constraints.txt: run scripts/setup")
     unguarded = pip_dry_run(wheels, "wants_other_torch")
     # What the constraints are for: without them pip would replace the installed torch.
-    assert unguarded.returncode == 0 and "torch-2.14.1" in unguarded.stdout, unguarded.stdout + unguarded.stderr
+    assert unguarded.returncode == 0 and "torch-2.14.1" in unguarded.stdout, (
+        unguarded.stdout + unguarded.stderr
+    )
     guarded = pip_dry_run(wheels, "-c", str(constraints), "wants_other_torch")
     said = guarded.stdout + guarded.stderr
     assert guarded.returncode != 0, said
     pinned = [line for line in said.splitlines() if "(constraint) torch" in line]
-    assert "conflicting dependencies" in said and pinned and f"=={torch.__version__}" in pinned[0], said
+    assert (
+        "conflicting dependencies" in said and pinned and f"=={torch.__version__}" in pinned[0]
+    ), said
 
 
 def test_readme_tells_users_to_install_with_the_constraints():

@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, TINY, cli_env, model_from_checkpoint, only_run, run_cli, run_lineage
 
 from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.config import flatten, load_config
-
-from conftest import REPO, TINY, cli_env, model_from_checkpoint, only_run, run_cli, run_lineage
 from serving import lineage
 
 pytestmark = pytest.mark.slow
@@ -26,13 +25,25 @@ def final_weights(run_dir):
 
 
 def metric_history(client, run, key):
-    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+    return [
+        m.value
+        for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+    ]
 
 
 def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir):
     """The README's main job: 2 processes, digits, real MLflow store in the working directory."""
-    run_cli(["train", "--config", str(REPO / "configs/digits_resnet18.yaml"), "--nproc-per-node", "2",
-             "train.run_name=demo"], cwd=workdir)
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(REPO / "configs/digits_resnet18.yaml"),
+            "--nproc-per-node",
+            "2",
+            "train.run_name=demo",
+        ],
+        cwd=workdir,
+    )
     client, run = only_run(workdir, "trainserve-digits")
     assert run.info.status == "FINISHED"
     accuracy = metric_history(client, run, "val/accuracy")
@@ -43,13 +54,20 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert run.data.params["optim.lr"] == "0.1"
     # The config's keys, and the model's arguments as built: the data filled in num_classes and the input stats.
     assert set(flatten(cfg)) <= set(run.data.params)
-    assert run.data.params["model.args.width"] == "0.5" and run.data.params["model.args.num_classes"] == "10"
+    assert (
+        run.data.params["model.args.width"] == "0.5"
+        and run.data.params["model.args.num_classes"] == "10"
+    )
     for key in ("train/lr", "train/grad_norm", "train/samples_per_s", "val/loss"):
         assert key in run.data.metrics, key
     assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)
     tags = run.data.tags
-    assert tags[lineage.SETUP] == "2 x cpu, ddp, fp32" and lineage.read_stages(tags[lineage.STAGES]) == {"train": "done"}
-    assert len(tags[lineage.GIT]) == 12 and lineage.PROCESS not in tags  # bookkeeping gone with the process
+    assert tags[lineage.SETUP] == "2 x cpu, ddp, fp32" and lineage.read_stages(
+        tags[lineage.STAGES]
+    ) == {"train": "done"}
+    assert (
+        len(tags[lineage.GIT]) == 12 and lineage.PROCESS not in tags
+    )  # bookkeeping gone with the process
     assert len([k for k in tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(tags)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "confusion_matrix.png", "checkpoints"} <= artifacts
@@ -59,8 +77,14 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     # The final checkpoint, and the best one when it is another (checkpoint.log_to_mlflow=last).
     best = f"checkpoints/{tags[lineage.BEST]}"
     record = run_lineage(run.info.run_id, client)["training"]
-    assert ckpts == sorted({best, "checkpoints/step_00000132"}) and record["monitor"] == "val/accuracy (max)"
-    assert record["best_value"] == pytest.approx(max(accuracy), abs=1e-6) and tags[lineage.LATEST] == "step_00000132"
+    assert (
+        ckpts == sorted({best, "checkpoints/step_00000132"})
+        and record["monitor"] == "val/accuracy (max)"
+    )
+    assert (
+        record["best_value"] == pytest.approx(max(accuracy), abs=1e-6)
+        and tags[lineage.LATEST] == "step_00000132"
+    )
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, ckpts[0])}
     assert {".metadata", "COMPLETE", "trainserve.json", "__0_0.distcp", "__1_0.distcp"} <= files
 
@@ -73,11 +97,27 @@ def tiny_runs(tmp_path_factory):
     gradient math: DDP's averaging and no_sync accumulation must give the 1-process update.
     """
     workdir = tmp_path_factory.mktemp("tiny")
-    common = ["--config", str(TINY), "model.name=mlp", "model.args={hidden: [64]}", "train.max_steps=8",
-              "train.eval_every=0", "checkpoint.every_n_steps=0"]
+    common = [
+        "--config",
+        str(TINY),
+        "model.name=mlp",
+        "model.args={hidden: [64]}",
+        "train.max_steps=8",
+        "train.eval_every=0",
+        "checkpoint.every_n_steps=0",
+    ]
     run_cli(["train", *common, "train.run_name=one"], cwd=workdir)
-    run_cli(["train", *common, "--nproc-per-node", "2", "train.grad_accum_steps=2", "train.run_name=two_accum"],
-            cwd=workdir)
+    run_cli(
+        [
+            "train",
+            *common,
+            "--nproc-per-node",
+            "2",
+            "train.grad_accum_steps=2",
+            "train.run_name=two_accum",
+        ],
+        cwd=workdir,
+    )
     run_cli(["train", *common, "train.grad_accum_steps=2", "train.run_name=one_accum"], cwd=workdir)
     return workdir, common
 
@@ -95,13 +135,20 @@ def test_ddp_two_processes_equal_one_process_over_the_same_global_batches(tiny_r
     assert_close_state(one, two, atol=2e-6, rtol=1e-5)
     # And the test can fail: a different run is not close.
     meta = checkpoint.read_meta(checkpoint.latest(workdir / "outputs/one/checkpoints"))
-    assert not torch.allclose(one["head.weight"], instantiate_model(ModelSpec(**meta["model"])).state_dict()["head.weight"])
+    assert not torch.allclose(
+        one["head.weight"],
+        instantiate_model(ModelSpec(**meta["model"])).state_dict()["head.weight"],
+    )
 
 
 def test_two_micro_batches_equal_one_double_batch(tiny_runs):
     workdir, _ = tiny_runs
-    assert_close_state(final_weights(workdir / "outputs/one"), final_weights(workdir / "outputs/one_accum"),
-                       atol=2e-6, rtol=1e-5)
+    assert_close_state(
+        final_weights(workdir / "outputs/one"),
+        final_weights(workdir / "outputs/one_accum"),
+        atol=2e-6,
+        rtol=1e-5,
+    )
 
 
 def test_same_seed_same_losses_bit_for_bit(tiny_runs):
@@ -113,8 +160,13 @@ def test_same_seed_same_losses_bit_for_bit(tiny_runs):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
-    assert metric_history(client, runs["one"], "train/loss") == metric_history(client, runs["one_again"], "train/loss")
+    runs = {
+        r.info.run_name: r
+        for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    }
+    assert metric_history(client, runs["one"], "train/loss") == metric_history(
+        client, runs["one_again"], "train/loss"
+    )
 
 
 def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
@@ -122,11 +174,33 @@ def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
     from pipeline.tracking import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=trainserve-test",
-           "-m", "pipeline.train", "--config", str(TINY), "train.run_name=multinode", "train.max_steps=4"]
-    nodes = [subprocess.Popen(cmd, cwd=workdir, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=trainserve-test",
+        "-m",
+        "pipeline.train",
+        "--config",
+        str(TINY),
+        "train.run_name=multinode",
+        "train.max_steps=4",
+    ]
+    nodes = [
+        subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     try:
         outs = [n.communicate(timeout=240)[0] for n in nodes]
     finally:
@@ -141,19 +215,47 @@ def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
 
 
 def test_replica_check_catches_a_planted_divergence(workdir):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(REPO / "tests/scripts/plant_divergence.py")], cwd=workdir, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(REPO / "tests/scripts/plant_divergence.py"),
+        ],
+        cwd=workdir,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("caught: replicas diverged at step 2: 'head.weight' differs between ranks") == 2
+    assert (
+        proc.stdout.count(
+            "caught: replicas diverged at step 2: 'head.weight' differs between ranks"
+        )
+        == 2
+    )
 
 
 def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
     accuracy = {}
     for precision in ("fp32", "bf16"):
-        run_cli(["train", "--config", str(TINY), f"train.precision={precision}",
-                 "train.max_steps=0", "train.epochs=2", "train.eval_every=0", "checkpoint.every_n_steps=0",
-                 f"train.run_name={precision}"], cwd=workdir)
+        run_cli(
+            [
+                "train",
+                "--config",
+                str(TINY),
+                f"train.precision={precision}",
+                "train.max_steps=0",
+                "train.epochs=2",
+                "train.eval_every=0",
+                "checkpoint.every_n_steps=0",
+                f"train.run_name={precision}",
+            ],
+            cwd=workdir,
+        )
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -166,8 +268,11 @@ def test_bf16_on_cpu_reaches_fp32_accuracy(workdir):
 
 def test_unreachable_tracking_server_fails_fast_before_training(workdir):
     start = time.monotonic()
-    proc = run_cli(["train", "--config", str(TINY), "tracking.tracking_uri=http://127.0.0.1:9"], cwd=workdir,
-                   check=False)
+    proc = run_cli(
+        ["train", "--config", str(TINY), "tracking.tracking_uri=http://127.0.0.1:9"],
+        cwd=workdir,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "http://127.0.0.1:9 cannot be reached" in proc.stderr
     assert time.monotonic() - start < 60
@@ -175,8 +280,11 @@ def test_unreachable_tracking_server_fails_fast_before_training(workdir):
 
 
 def test_diverging_training_stops_and_leaves_its_run_failed(workdir):
-    proc = run_cli(["train", "--config", str(TINY), "optim.lr=1e20", "train.run_name=boom"], cwd=workdir,
-                   check=False)
+    proc = run_cli(
+        ["train", "--config", str(TINY), "optim.lr=1e20", "train.run_name=boom"],
+        cwd=workdir,
+        check=False,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "the training loss is nan" in proc.stderr
     _, run = only_run(workdir, "tiny")
@@ -187,8 +295,12 @@ def test_diverging_training_stops_and_leaves_its_run_failed(workdir):
 def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdir, killed):
     """Rank 1 killed: torchrun SIGTERMs rank 0, which closes its run itself. Rank 0 killed (SIGKILL,
     like the OOM killer): it gets no chance to, and the launcher closes the run after torchrun."""
-    proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
-                   cwd=workdir, env={"TRAINSERVE_FAULT": f"step:3:{killed}"}, check=False)
+    proc = run_cli(
+        ["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
+        cwd=workdir,
+        env={"TRAINSERVE_FAULT": f"step:3:{killed}"},
+        check=False,
+    )
     assert proc.returncode != 0
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED"
@@ -198,12 +310,20 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     # Rank 0 that closed its run says so in the run directory, and the launcher then leaves the store alone
     # (opening it after torchrun took it 4.5 s, most of a failed launch's exit).
     record = json.loads(next((workdir / "outputs").rglob("mlflow_run.json")).read_text())
-    assert record == ({"run_id": run.info.run_id, "ended": "FAILED"} if killed == 1 else {"run_id": run.info.run_id})
+    assert record == (
+        {"run_id": run.info.run_id, "ended": "FAILED"}
+        if killed == 1
+        else {"run_id": run.info.run_id}
+    )
     if killed == 1:
         # The same run directory again, its rank 0 killed outright just as it reopens the run: the record must not
         # still say the run was ended, or the launcher would leave it RUNNING.
-        proc = run_cli(["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
-                       cwd=workdir, env={"TRAINSERVE_FAULT": "run_reopened:0:0"}, check=False)
+        proc = run_cli(
+            ["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
+            cwd=workdir,
+            env={"TRAINSERVE_FAULT": "run_reopened:0:0"},
+            check=False,
+        )
         assert proc.returncode != 0
         _, run = only_run(workdir, "tiny")
         assert run.info.status == "FAILED", proc.stderr[-2000:]
@@ -211,7 +331,9 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
-def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir, monkeypatch, delay):
+def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(
+    workdir, monkeypatch, delay
+):
     """The race behind a red CI run: a peer dies, this rank's collective fails, and torchrun's SIGTERM
     lands while the run is being marked FAILED. Here SIGTERMs rain on an in-process `train.main`
     from `delay` seconds after its run appears until it returns; whatever they interrupt, the run ends
@@ -221,6 +343,7 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir
     import threading
 
     from conftest import mlflow_client
+
     from pipeline import train
 
     monkeypatch.chdir(workdir)
@@ -230,7 +353,8 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(workdir
 
     def rain():
         while not stop.is_set() and not client.search_runs(
-                [e.experiment_id for e in client.search_experiments()] or ["0"]):
+            [e.experiment_id for e in client.search_experiments()] or ["0"]
+        ):
             time.sleep(0.005)
         time.sleep(delay)
         while not stop.is_set():
@@ -264,9 +388,21 @@ def test_the_cpu_training_loop_does_not_page_fault_every_step(workdir):
 
     def child_faults(steps: int) -> int:
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-        run_cli(["train", "--config", str(REPO / "configs/digits_resnet18.yaml"), f"train.max_steps={steps}",
-                 "train.eval_every=0", "train.log_every=20", "checkpoint.every_n_steps=0", "train.threads_per_rank=1",
-                 "tracking.system_metrics=false", f"train.run_name=faults{steps}"], cwd=workdir)
+        run_cli(
+            [
+                "train",
+                "--config",
+                str(REPO / "configs/digits_resnet18.yaml"),
+                f"train.max_steps={steps}",
+                "train.eval_every=0",
+                "train.log_every=20",
+                "checkpoint.every_n_steps=0",
+                "train.threads_per_rank=1",
+                "tracking.system_metrics=false",
+                f"train.run_name=faults{steps}",
+            ],
+            cwd=workdir,
+        )
         return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
 
     per_step = (child_faults(80) - child_faults(20)) / 60
@@ -283,9 +419,27 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_fails_the_run(workd
 
     from conftest import cli_env
 
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(TINY), "--nproc-per-node", "2",
-                             "train.max_steps=100000", "train.run_name=stopped", "--verbose"], cwd=workdir, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "train",
+            "--config",
+            str(TINY),
+            "--nproc-per-node",
+            "2",
+            "train.max_steps=100000",
+            "train.run_name=stopped",
+            "--verbose",
+        ],
+        cwd=workdir,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     # Should the awaited line never come, this kills the launcher's group instead of waiting out 100000 steps.
     watchdog = threading.Timer(180, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
@@ -304,4 +458,6 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_fails_the_run(workd
     assert proc.returncode != 0, rest[-3000:]
     _, run = only_run(workdir, "tiny")
     assert run.info.status == "FAILED", rest[-3000:]
-    assert subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout == b"", "workers left behind"
+    assert subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout == b"", (
+        "workers left behind"
+    )

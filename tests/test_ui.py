@@ -12,7 +12,6 @@ import time
 import psutil
 import pytest
 import requests
-
 from conftest import cli_env
 from serving_fixtures import free_port
 
@@ -23,9 +22,15 @@ def test_a_signal_to_pipeline_ui_stops_every_process_it_started(sig, tmp_path):
     # A session of our own, so that a failing test can still clean up by group; the signal goes to the pid only.
     # Started as a shell without job control starts a background command (`pipeline ui &` in a script, nohup, a
     # CI runner): SIGINT ignored from the start, which Python keeps unless told otherwise.
-    ui = subprocess.Popen([sys.executable, "-m", "pipeline", "ui", "--port", str(port)], cwd=tmp_path,
-                          env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "ui", "--port", str(port)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     started: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120

@@ -32,12 +32,19 @@ import yaml
 HERE = Path(__file__).parent
 # (CRD file, the version our manifests use) for each custom kind we write.
 CRDS = {
-    "kserve": [("serving.kserve.io_servingruntimes.yaml", "v1alpha1"),
-               ("serving.kserve.io_inferenceservices.yaml", "v1beta1")],
+    "kserve": [
+        ("serving.kserve.io_servingruntimes.yaml", "v1alpha1"),
+        ("serving.kserve.io_inferenceservices.yaml", "v1beta1"),
+    ],
     "training_operator": [("kubeflow.org_pytorchjobs.yaml", "v1")],
 }
-CORE_KINDS = ["configmap-v1.json", "secret-v1.json", "service-v1.json", "deployment-apps-v1.json",
-              "job-batch-v1.json"]  # the Kubernetes kinds our manifests use
+CORE_KINDS = [
+    "configmap-v1.json",
+    "secret-v1.json",
+    "service-v1.json",
+    "deployment-apps-v1.json",
+    "job-batch-v1.json",
+]  # the Kubernetes kinds our manifests use
 # How a kind's file points into _definitions.json, and how _definitions.json points within itself.
 DEFINITIONS_REFS = ("/api/_definitions.json#/$defs/", "#/$defs/")
 
@@ -70,12 +77,17 @@ def inline_refs(schema, definitions: dict, seen: tuple = ()):
     if ref is not None:
         prefix = next((p for p in DEFINITIONS_REFS if ref.startswith(p)), None)
         if prefix is None:
-            raise ValueError(f"unexpected $ref {ref!r}: expected one of {DEFINITIONS_REFS} + <name>")
-        name = ref[len(prefix):]
+            raise ValueError(
+                f"unexpected $ref {ref!r}: expected one of {DEFINITIONS_REFS} + <name>"
+            )
+        name = ref[len(prefix) :]
         if name in seen:
             raise ValueError(f"recursive definition {name}: cannot inline it")
         rest = {k: v for k, v in schema.items() if k != "$ref"}
-        return {**inline_refs(definitions[name], definitions, (*seen, name)), **inline_refs(rest, definitions, seen)}
+        return {
+            **inline_refs(definitions[name], definitions, (*seen, name)),
+            **inline_refs(rest, definitions, seen),
+        }
     return {key: inline_refs(value, definitions, seen) for key, value in schema.items()}
 
 
@@ -91,8 +103,11 @@ def close_structural(schema):
             out[key] = {name: close_structural(sub) for name, sub in value.items()}
         else:
             out[key] = close_structural(value)
-    if "properties" in out and "additionalProperties" not in out \
-            and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     if out.get("x-kubernetes-int-or-string") and "type" not in out and "anyOf" not in out:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
@@ -109,8 +124,10 @@ def crd_schema(path: Path, version: str, object_meta: dict) -> tuple[str, str, d
     crd = yaml.safe_load(path.read_text())
     found = [v for v in crd["spec"]["versions"] if v["name"] == version]
     if not found:
-        raise ValueError(f"{path.name} has no version {version}; it has "
-                         f"{[v['name'] for v in crd['spec']['versions']]}")
+        raise ValueError(
+            f"{path.name} has no version {version}; it has "
+            f"{[v['name'] for v in crd['spec']['versions']]}"
+        )
     schema = close_structural(drop_descriptions(found[0]["schema"]["openAPIV3Schema"]))
     schema["properties"].pop("status", None)
     schema["properties"]["metadata"] = object_meta
@@ -139,8 +156,13 @@ def main() -> None:
         object_meta = object_meta or schema["properties"]["metadata"]
         kind = schema["x-kubernetes-group-version-kind"][0]
         group = kind["group"]
-        write(f"{group + '_' if group else ''}{kind['version']}_{kind['kind'].lower()}.json", schema)
-    for folder, crds in ((args.kserve_crds, CRDS["kserve"]), (args.training_operator_crds, CRDS["training_operator"])):
+        write(
+            f"{group + '_' if group else ''}{kind['version']}_{kind['kind'].lower()}.json", schema
+        )
+    for folder, crds in (
+        (args.kserve_crds, CRDS["kserve"]),
+        (args.training_operator_crds, CRDS["training_operator"]),
+    ):
         for file, version in crds:
             group, kind, schema = crd_schema(folder / file, version, object_meta)
             write(f"{group}_{version}_{kind.lower()}.json", schema)

@@ -19,7 +19,11 @@ class Patients(Dataset):
         return len(self.target)
 
     def __getitem__(self, i):
-        inputs = {k: v[i] for k, v in self.inputs.items()} if isinstance(self.inputs, dict) else self.inputs[i]
+        inputs = (
+            {k: v[i] for k, v in self.inputs.items()}
+            if isinstance(self.inputs, dict)
+            else self.inputs[i]
+        )
         return inputs, self.target[i]
 
 
@@ -37,12 +41,22 @@ def features(val_fraction: float = 0.2, seed: int = 0) -> dict[str, Patients]:
     (tx, ty), (vx, vy) = _split(val_fraction, seed)
     train = Patients(torch.tensor(tx, dtype=torch.float32), torch.tensor(ty, dtype=torch.float32))
     # Suggestions for the model's parameters of the same names (model.args may override them).
-    train.model_args = {"in_features": tx.shape[1], "target_mean": float(ty.mean()), "target_std": float(ty.std())}
-    return {"train": train, "val": Patients(torch.tensor(vx, dtype=torch.float32), torch.tensor(vy, dtype=torch.float32))}
+    train.model_args = {
+        "in_features": tx.shape[1],
+        "target_mean": float(ty.mean()),
+        "target_std": float(ty.std()),
+    }
+    return {
+        "train": train,
+        "val": Patients(
+            torch.tensor(vx, dtype=torch.float32), torch.tensor(vy, dtype=torch.float32)
+        ),
+    }
 
 
 def mixed(val_fraction: float = 0.2, seed: int = 0) -> dict[str, Patients]:
     """Two named inputs: `features`, the nine numeric ones (float32), and `sex`, a category (int64 0/1)."""
+
     def inputs(x):
         numeric = np.delete(x, SEX_COLUMN, axis=1)
         sex = (x[:, SEX_COLUMN] > 0).astype(np.int64)
@@ -50,6 +64,9 @@ def mixed(val_fraction: float = 0.2, seed: int = 0) -> dict[str, Patients]:
 
     (tx, ty), (vx, vy) = _split(val_fraction, seed)
     train = Patients(inputs(tx), torch.tensor(ty, dtype=torch.float32))
-    train.model_args = {"numeric_features": tx.shape[1] - 1, "target_mean": float(ty.mean()),
-                        "target_std": float(ty.std())}
+    train.model_args = {
+        "numeric_features": tx.shape[1] - 1,
+        "target_mean": float(ty.mean()),
+        "target_std": float(ty.std()),
+    }
     return {"train": train, "val": Patients(inputs(vx), torch.tensor(vy, dtype=torch.float32))}

@@ -5,10 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def absolute_errors(outputs: torch.Tensor, targets: torch.Tensor, within: float = 25.0) -> dict[str, float]:
+def absolute_errors(
+    outputs: torch.Tensor, targets: torch.Tensor, within: float = 25.0
+) -> dict[str, float]:
     """The first value is the one the export gate compares and `task.metric_mode` ranks (min: lower is better)."""
     errors = (outputs.reshape(-1) - targets.reshape(-1)).abs()
-    return {"mae": errors.mean().item(), f"within_{within:g}": (errors <= within).float().mean().item()}
+    return {
+        "mae": errors.mean().item(),
+        f"within_{within:g}": (errors <= within).float().mean().item(),
+    }
 
 
 class ScaledHuberLoss(torch.nn.Module):

@@ -11,12 +11,24 @@ from torch import nn
 class TinySegmenter(nn.Module):
     def __init__(self, num_classes: int, image_size: int, width: int = 32):
         super().__init__()
-        self.local = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
-                                   nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-                                   nn.Conv2d(width, width, 3, padding=1), nn.ReLU())
-        self.context = nn.Sequential(nn.Flatten(), nn.Linear(width * image_size * image_size, 4 * width), nn.ReLU(), nn.Linear(4 * width, width),
-                                     nn.ReLU())
-        self.head = nn.Sequential(nn.Conv2d(2 * width + 1, width, 1), nn.ReLU(), nn.Conv2d(width, num_classes, 1))
+        self.local = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+        )
+        self.context = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(width * image_size * image_size, 4 * width),
+            nn.ReLU(),
+            nn.Linear(4 * width, width),
+            nn.ReLU(),
+        )
+        self.head = nn.Sequential(
+            nn.Conv2d(2 * width + 1, width, 1), nn.ReLU(), nn.Conv2d(width, num_classes, 1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.local(x)

@@ -32,13 +32,20 @@ class DigitSequences(Dataset):
 
     def __getitem__(self, i):
         if self.transformers:
-            return {"input_ids": self.tokens[i], "attention_mask": self.mask[i].long()}, self.labels[i]
+            return {
+                "input_ids": self.tokens[i],
+                "attention_mask": self.mask[i].long(),
+            }, self.labels[i]
         return {"tokens": self.tokens[i], "mask": self.mask[i]}, self.labels[i]
 
 
-def digit_sequences(val_fraction: float = 0.2, seed: int = 0, names: str = "plain") -> dict[str, DigitSequences]:
+def digit_sequences(
+    val_fraction: float = 0.2, seed: int = 0, names: str = "plain"
+) -> dict[str, DigitSequences]:
     if names not in ("plain", "transformers"):
-        raise ValueError(f"names={names!r}: choose plain (tokens, mask) or transformers (input_ids, attention_mask)")
+        raise ValueError(
+            f"names={names!r}: choose plain (tokens, mask) or transformers (input_ids, attention_mask)"
+        )
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -48,4 +55,7 @@ def digit_sequences(val_fraction: float = 0.2, seed: int = 0, names: str = "plai
     length = digits.images[0].size
     train_set = DigitSequences(digits.images[train], digits.target[train], length, names)
     train_set.model_args = {"vocab_size": VOCAB}
-    return {"train": train_set, "val": DigitSequences(digits.images[val], digits.target[val], length, names)}
+    return {
+        "train": train_set,
+        "val": DigitSequences(digits.images[val], digits.target[val], length, names),
+    }

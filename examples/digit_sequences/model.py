@@ -7,8 +7,16 @@ from torch import nn
 
 
 class SequenceClassifier(nn.Module):
-    def __init__(self, vocab_size: int, num_classes: int, dim: int = 32, heads: int = 4, layers: int = 2,
-                 max_len: int = 128, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        max_len: int = 128,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
         self.position = nn.Embedding(max_len, dim)

@@ -17,14 +17,20 @@ class DigitStream(IterableDataset):
     """Each epoch a seeded shuffle of the samples; rank r takes every world-th of it, its worker w every
     workers-th of those. The state is (epoch, samples this worker yielded in it)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict, seed: int = 0):
+    def __init__(
+        self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict, seed: int = 0
+    ):
         self.x, self.y, self.classes, self.model_args, self.seed = x, y, classes, model_args, seed
         self.epoch, self.position = 0, 0
 
     def _rank(self) -> tuple[int, int]:
         import torch.distributed as dist
 
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        return (
+            (dist.get_rank(), dist.get_world_size())
+            if dist.is_available() and dist.is_initialized()
+            else (0, 1)
+        )
 
     def __len__(self) -> int:  # the samples this rank's copy yields an epoch
         rank, world = self._rank()
@@ -38,9 +44,11 @@ class DigitStream(IterableDataset):
         rank, world = self._rank()
         worker = get_worker_info()
         w, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(
+            len(self.y), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
         mine = order[rank::world][w::workers]
-        for i in mine[self.position:].tolist():
+        for i in mine[self.position :].tolist():
             self.position += 1
             yield self.x[i], self.y[i]
 
@@ -55,7 +63,9 @@ class UnsizedDigitStream(DigitStream):
     __len__ = None  # a stream that does not know its length (len() raises TypeError): train.max_steps says how long
 
 
-def digit_stream(seed: int = 0, stateful: bool = True, sized: bool = True, val_fraction: float = 0.2) -> dict:
+def digit_stream(
+    seed: int = 0, stateful: bool = True, sized: bool = True, val_fraction: float = 0.2
+) -> dict:
     """scikit-learn's digits (8x8, intensities scaled to [0, 1]): the training split streamed, the validation split
     map-style. `stateful=False` leaves out state_dict/load_state_dict, `sized=False` len(): to see trainserve refuse
     such streams, or ask for train.max_steps."""
@@ -69,9 +79,15 @@ def digit_stream(seed: int = 0, stateful: bool = True, sized: bool = True, val_f
     train_x, train_y = x[order[n_val:]], y[order[n_val:]]
     classes = [str(d) for d in range(10)]
     # What the model takes from the data (the data contract's model_args): its input shape and normalization.
-    model_args = {"in_channels": 1, "image_size": 8, "mean": [float(train_x.mean())],
-                  "std": [float(train_x.std())]}
-    stream = (DigitStream if sized else UnsizedDigitStream)(train_x, train_y, classes, model_args, seed)
+    model_args = {
+        "in_channels": 1,
+        "image_size": 8,
+        "mean": [float(train_x.mean())],
+        "std": [float(train_x.std())],
+    }
+    stream = (DigitStream if sized else UnsizedDigitStream)(
+        train_x, train_y, classes, model_args, seed
+    )
     if not stateful:
         stream = _Forgetful(stream)
     val = TensorDataset(x[order[:n_val]], y[order[:n_val]])

@@ -9,9 +9,17 @@ from torch import nn
 
 
 def _tinynet(num_classes: int = 1000, in_chans: int = 3, width: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(in_chans, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-                         nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.BatchNorm2d(2 * width), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(in_chans, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1, stride=2),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, num_classes),
+    )
 
 
 _MODELS = {"tinynet": _tinynet}

@@ -27,7 +27,9 @@ class Clicks(Dataset):
         return self.items[i], self.clicked[i]
 
 
-def clicks(rows: int, bag: int = 8, train_samples: int = 4096, val_samples: int = 512, seed: int = 0) -> dict:
+def clicks(
+    rows: int, bag: int = 8, train_samples: int = 4096, val_samples: int = 512, seed: int = 0
+) -> dict:
     """`rows`: the catalogue's size (item ids [0, rows)), the model's too: it is passed to the model as an arg."""
     if rows < 1 or bag < 1:
         raise ValueError(f"rows ({rows}) and bag ({bag}) must be positive")

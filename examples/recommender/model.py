@@ -27,22 +27,30 @@ class ItemBlock(nn.Module):
         super().__init__()
         self.first, self.rows = first, rows
         self.embedding = nn.Embedding(rows, dim)
-        nn.init.normal_(self.embedding.weight, std=0.05)  # near zero: the head learns faster from a small table
+        nn.init.normal_(
+            self.embedding.weight, std=0.05
+        )  # near zero: the head learns faster from a small table
 
     def forward(self, items: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         # Ids of other blocks are clamped to a row of this one and zeroed: every block runs on every batch.
         local = items - self.first
         mine = (local >= 0) & (local < self.rows)
-        rows = self.embedding(local.clamp(0, self.rows - 1)) * mine.unsqueeze(-1).to(self.embedding.weight.dtype)
+        rows = self.embedding(local.clamp(0, self.rows - 1)) * mine.unsqueeze(-1).to(
+            self.embedding.weight.dtype
+        )
         return pooled + rows.sum(1)
 
 
 class BagOfItems(nn.Module):
-    def __init__(self, rows: int, dim: int = 128, blocks: int = 1, hidden: int = 64, num_classes: int = 2):
+    def __init__(
+        self, rows: int, dim: int = 128, blocks: int = 1, hidden: int = 64, num_classes: int = 2
+    ):
         super().__init__()
         if rows < 1 or blocks < 1 or rows % blocks:
-            raise ValueError(f"rows ({rows}) must be a positive multiple of blocks ({blocks}), "
-                             "so that every block holds the same number of item ids")
+            raise ValueError(
+                f"rows ({rows}) must be a positive multiple of blocks ({blocks}), "
+                "so that every block holds the same number of item ids"
+            )
         per_block = rows // blocks
         self.dim = dim
         self.table = nn.ModuleList(ItemBlock(k * per_block, per_block, dim) for k in range(blocks))
@@ -50,7 +58,9 @@ class BagOfItems(nn.Module):
 
     def forward(self, items: torch.Tensor) -> torch.Tensor:
         """`items`: (batch, bag) int64 item ids in [0, rows)."""
-        pooled = torch.zeros(items.shape[0], self.dim, dtype=self.head[0].weight.dtype, device=items.device)
+        pooled = torch.zeros(
+            items.shape[0], self.dim, dtype=self.head[0].weight.dtype, device=items.device
+        )
         for block in self.table:
             pooled = block(items, pooled)
         return self.head(pooled / items.shape[1])

@@ -38,5 +38,8 @@ def wine(val_fraction: float = 0.25, seed: int = 0) -> dict[str, Wines]:
     scaled = (features - mean) / std
     train_set = Wines(scaled[train], y[train], alcohol[train])
     train_set.classes = [str(c) for c in data.target_names]  # a hint for the model: num_classes
-    train_set.model_args = {"in_features": scaled.shape[1], "alcohol_mean": float(alcohol[train].mean())}
+    train_set.model_args = {
+        "in_features": scaled.shape[1],
+        "alcohol_mean": float(alcohol[train].mean()),
+    }
     return {"train": train_set, "val": Wines(scaled[val], y[val], alcohol[val])}

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 
 def joint_loss(outputs: dict, target: dict, alcohol_weight: float = 1.0) -> torch.Tensor:
-    return (F.cross_entropy(outputs["cultivar_logits"], target["cultivar"])
-            + alcohol_weight * F.mse_loss(outputs["alcohol"].float(), target["alcohol"].float()))
+    return F.cross_entropy(
+        outputs["cultivar_logits"], target["cultivar"]
+    ) + alcohol_weight * F.mse_loss(outputs["alcohol"].float(), target["alcohol"].float())
 
 
 def both(outputs: dict, target: dict) -> dict[str, float]:

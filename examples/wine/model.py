@@ -7,13 +7,20 @@ from torch import nn
 
 
 class TwoHeads(nn.Module):
-    def __init__(self, in_features: int, num_classes: int, hidden: int = 32, alcohol_mean: float = 13.0):
+    def __init__(
+        self, in_features: int, num_classes: int, hidden: int = 32, alcohol_mean: float = 13.0
+    ):
         super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.trunk = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
+        )
         self.cultivar = nn.Linear(hidden, num_classes)
         self.alcohol = nn.Linear(hidden, 1)
         self.register_buffer("alcohol_mean", torch.tensor(float(alcohol_mean)))
 
     def forward(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
         shared = self.trunk(features)
-        return {"cultivar_logits": self.cultivar(shared), "alcohol": self.alcohol(shared)[:, 0] + self.alcohol_mean}
+        return {
+            "cultivar_logits": self.cultivar(shared),
+            "alcohol": self.alcohol(shared)[:, 0] + self.alcohol_mean,
+        }

@@ -24,29 +24,47 @@ def gate(task, state: dict, export_cfg, head: torch.nn.Module, val) -> dict[str,
         return None
     value, base, metric = task.metrics(state)[task.primary], found["value"], task.primary
     margin = export_cfg.baseline_margin
-    if task.mode == "max":  # a fraction's margin shrinks near 1: past 95% for one class, half the headroom left
+    if (
+        task.mode == "max"
+    ):  # a fraction's margin shrinks near 1: past 95% for one class, half the headroom left
         needed = min(base + margin, base + (1 - base) / 2) if 0 <= base <= 1 else base + margin
     else:
         needed = base * (1 - margin)
     better = value >= needed if task.mode == "max" else value <= needed
     shown = _percent if task.mode == "max" and 0 <= base <= 1 else _number
-    record = {"passed": better or export_cfg.allow_below_baseline, "below_baseline": not better, "metric": metric,
-              "value": value, "baseline": base, "needed": needed, "predictor": found["predictor"]}
+    record = {
+        "passed": better or export_cfg.allow_below_baseline,
+        "below_baseline": not better,
+        "metric": metric,
+        "value": value,
+        "baseline": base,
+        "needed": needed,
+        "predictor": found["predictor"],
+    }
     if better:
-        return record | {"message": f"{metric} {shown(value)} beats the baseline ({found['predictor']}: "
-                                    f"{shown(base)}) by the margin export.baseline_margin asks ({shown(needed)})"}
-    message = (f"{metric} {shown(value)} is not clearly better than the baseline ({found['predictor']}: "
-               f"{shown(base)}); export.baseline_margin={export_cfg.baseline_margin} asks for {shown(needed)} or "
-               "better")
+        return record | {
+            "message": f"{metric} {shown(value)} beats the baseline ({found['predictor']}: "
+            f"{shown(base)}) by the margin export.baseline_margin asks ({shown(needed)})"
+        }
+    message = (
+        f"{metric} {shown(value)} is not clearly better than the baseline ({found['predictor']}: "
+        f"{shown(base)}); export.baseline_margin={export_cfg.baseline_margin} asks for {shown(needed)} or "
+        "better"
+    )
     if (settled := batch_statistics(task, head, val)) is not None:
         record["batch_statistics"] = settled
         if (settled >= needed) if task.mode == "max" else (settled <= needed):
-            message += (f". With batch statistics (its BatchNorm layers in train mode) it scores {shown(settled)}: its "
-                        "BatchNorm running statistics have not settled, and eval mode is what is exported and served "
-                        "(train more steps, or recompute the running statistics over the training data)")
-    message += ("; registered anyway (export.allow_below_baseline=true)" if export_cfg.allow_below_baseline else
-                "; train longer or check the data and labels, or set export.allow_below_baseline=true to register "
-                "it anyway")
+            message += (
+                f". With batch statistics (its BatchNorm layers in train mode) it scores {shown(settled)}: its "
+                "BatchNorm running statistics have not settled, and eval mode is what is exported and served "
+                "(train more steps, or recompute the running statistics over the training data)"
+            )
+    message += (
+        "; registered anyway (export.allow_below_baseline=true)"
+        if export_cfg.allow_below_baseline
+        else "; train longer or check the data and labels, or set export.allow_below_baseline=true to register "
+        "it anyway"
+    )
     return record | {"message": message}
 
 
@@ -68,10 +86,19 @@ def batch_statistics(task, head: torch.nn.Module, val) -> float | None:
     model_outputs = [n for n in trial.output_names if n not in task.derived]
     with torch.no_grad():
         for inputs, target in eval_loader(val, gates.VAL_BATCH):
-            feeds = gates.feeds_of(inputs)  # (gates.run_torch would put the BatchNorm layers back in eval mode)
-            if len(target) < 2:  # a batch of one has no statistics to normalize with (BatchNorm refuses it)
+            feeds = gates.feeds_of(
+                inputs
+            )  # (gates.run_torch would put the BatchNorm layers back in eval mode)
+            if (
+                len(target) < 2
+            ):  # a batch of one has no statistics to normalize with (BatchNorm refuses it)
                 continue
-            out = dict(zip(trial.output_names, trial(*(torch.from_numpy(feeds[n]) for n in trial.input_names))))
+            out = dict(
+                zip(
+                    trial.output_names,
+                    trial(*(torch.from_numpy(feeds[n]) for n in trial.input_names)),
+                )
+            )
             task.update(state, {n: out[n].float() for n in model_outputs}, target)
     task.reduce(state, DistInfo.cpu_alone())
     return task.metrics(state)[task.primary]

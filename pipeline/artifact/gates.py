@@ -38,8 +38,12 @@ VAL_BATCH = 64
 # output is held to scaled limits; a classifier's probabilities and decisions carry its gate.
 FP16_PROB_ATOL = 1e-2
 FP16_MIN_AGREEMENT = 0.99
-FP16_ACCURACY_PP = 1.0     # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
-FP16_METRIC_RTOL = 1e-2    # at least this much room on another task's metric (export.metric_rtol if larger)
+FP16_ACCURACY_PP = (
+    1.0  # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
+)
+FP16_METRIC_RTOL = (
+    1e-2  # at least this much room on another task's metric (export.metric_rtol if larger)
+)
 FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 outputs
 # int8 moves every output by whole quantization steps (~1% of a tensor's range per layer, compounding): outputs
 # are held to these multiples of export.atol/rtol, and the task's metric to its own int8 tolerance.
@@ -69,9 +73,13 @@ def provider_gate(sess, asked: str) -> dict:
     onnxruntime fell back to another provider: numbers measured there would certify nothing about `asked`."""
     ran = sess.get_providers()[0]
     if ran != asked:
-        return {"passed": False, "provider": ran, "asked": asked,
-                "message": f"asked for {asked}, but onnxruntime created the session on {ran} (the provider did not "
-                           f"load here): nothing was measured on {asked}"}
+        return {
+            "passed": False,
+            "provider": ran,
+            "asked": asked,
+            "message": f"asked for {asked}, but onnxruntime created the session on {ran} (the provider did not "
+            f"load here): nothing was measured on {asked}",
+        }
     return {"passed": True, "provider": ran, "asked": asked, "message": f"runs on {ran}"}
 
 
@@ -100,8 +108,10 @@ def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray]) -> dict[str, 
     """The PyTorch reference on `feeds`: every output of the graph (`head.output_names`), as numpy."""
     head.eval()
     outputs = head(*(torch.from_numpy(np.array(feeds[n])) for n in head.input_names))
-    return {name: (out.float() if out.is_floating_point() else out).numpy()
-            for name, out in zip(head.output_names, outputs)}
+    return {
+        name: (out.float() if out.is_floating_point() else out).numpy()
+        for name, out in zip(head.output_names, outputs)
+    }
 
 
 class ParityStats:
@@ -115,13 +125,24 @@ class ParityStats:
         self.derived = [n for n in derived if n in names]
         self.checked = [n for n in names if n not in self.derived]
         self.decision = decision
-        self.per = {n: {"max_abs": 0.0, "max_rel": 0.0, "max_excess": -np.inf, "worst": 0} for n in self.checked}
+        self.per = {
+            n: {"max_abs": 0.0, "max_rel": 0.0, "max_excess": -np.inf, "worst": 0}
+            for n in self.checked
+        }
         self.samples = self.nonfinite = self.disagree = self.decided = 0
         self.prob_max_abs = 0.0
 
-    def add(self, onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float) -> None:
+    def add(
+        self,
+        onnx_out: dict[str, np.ndarray],
+        ref_out: dict[str, np.ndarray],
+        atol: float,
+        rtol: float,
+    ) -> None:
         n = len(next(iter(ref_out.values())))
-        bad = np.zeros(n, dtype=bool)  # a sample counts once, however many of its outputs are NaN/Inf
+        bad = np.zeros(
+            n, dtype=bool
+        )  # a sample counts once, however many of its outputs are NaN/Inf
         for v in onnx_out.values():
             if np.issubdtype(v.dtype, np.floating):
                 bad |= (~np.isfinite(_rows(v))).any(axis=1)
@@ -129,22 +150,30 @@ class ParityStats:
         for name in self.checked:
             self._add_one(self.per[name], _rows(onnx_out[name]), _rows(ref_out[name]), atol, rtol)
         for name in self.derived:
-            self.prob_max_abs = max(self.prob_max_abs, float(np.abs(
-                onnx_out[name].astype(np.float64) - ref_out[name]).max(initial=0.0)))
+            self.prob_max_abs = max(
+                self.prob_max_abs,
+                float(np.abs(onnx_out[name].astype(np.float64) - ref_out[name]).max(initial=0.0)),
+            )
         if self.decision:
             got, ref = onnx_out[self.decision].argmax(1), ref_out[self.decision].argmax(1)
             self.disagree += int((got != ref).sum())
             self.decided += got.size
         self.samples += n
 
-    def _add_one(self, stats: dict, got: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> None:
+    def _add_one(
+        self, stats: dict, got: np.ndarray, ref: np.ndarray, atol: float, rtol: float
+    ) -> None:
         diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-        scale = np.maximum(np.abs(ref.astype(np.float64)).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
+        scale = np.maximum(
+            np.abs(ref.astype(np.float64)).max(axis=1, keepdims=True), np.finfo(np.float32).tiny
+        )
         if not diff.size:
             return
         finite = np.isfinite(diff).any()
         stats["max_abs"] = max(stats["max_abs"], float(np.nanmax(diff)) if finite else np.inf)
-        stats["max_rel"] = max(stats["max_rel"], float(np.nanmax(diff / scale)) if finite else np.inf)
+        stats["max_rel"] = max(
+            stats["max_rel"], float(np.nanmax(diff / scale)) if finite else np.inf
+        )
         # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|). Either
         # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
         # values make any relative measure explode. NaN counts as a miss (it compares false).
@@ -154,24 +183,41 @@ class ParityStats:
             stats["max_excess"] = batch_worst
             stats["worst"] = self.samples + int(np.unravel_index(excess.argmax(), excess.shape)[0])
 
-    def result(self, atol: float, rtol: float, prob_atol: float | None = None, min_agreement: float = 1.0) -> dict:
-        per = {name: {k: (v if self.samples else 0.0) if k == "max_excess" else v for k, v in stats.items()}
-               for name, stats in self.per.items()}
+    def result(
+        self, atol: float, rtol: float, prob_atol: float | None = None, min_agreement: float = 1.0
+    ) -> dict:
+        per = {
+            name: {
+                k: (v if self.samples else 0.0) if k == "max_excess" else v
+                for k, v in stats.items()
+            }
+            for name, stats in self.per.items()
+        }
         worst = max(per, key=lambda name: per[name]["max_excess"]) if per else None
-        out: dict[str, Any] = {"samples": self.samples, "output": worst, "atol": atol, "rtol": rtol,
-                               "max_abs": max((p["max_abs"] for p in per.values()), default=0.0),
-                               "max_rel": max((p["max_rel"] for p in per.values()), default=0.0),
-                               "max_excess": per[worst]["max_excess"] if worst else 0.0}
+        out: dict[str, Any] = {
+            "samples": self.samples,
+            "output": worst,
+            "atol": atol,
+            "rtol": rtol,
+            "max_abs": max((p["max_abs"] for p in per.values()), default=0.0),
+            "max_rel": max((p["max_rel"] for p in per.values()), default=0.0),
+            "max_excess": per[worst]["max_excess"] if worst else 0.0,
+        }
         if len(per) > 1:
-            out["outputs"] = {name: {k: p[k] for k in ("max_abs", "max_rel", "max_excess")} for name, p in per.items()}
+            out["outputs"] = {
+                name: {k: p[k] for k in ("max_abs", "max_rel", "max_excess")}
+                for name, p in per.items()
+            }
         misses = []
         if self.nonfinite:
             misses.append(f"{self.nonfinite} samples with NaN/Inf outputs")
         for name, p in per.items():
             if not p["max_excess"] <= 0:
-                misses.append(f"|diff| of {name} exceeds atol {atol:.3g} + rtol {rtol:.3g} x |{name}| by "
-                              f"{p['max_excess']:.3g} (max_abs {p['max_abs']:.3g}, max_rel {p['max_rel']:.3g}; worst at "
-                              f"sample {p['worst']})")
+                misses.append(
+                    f"|diff| of {name} exceeds atol {atol:.3g} + rtol {rtol:.3g} x |{name}| by "
+                    f"{p['max_excess']:.3g} (max_abs {p['max_abs']:.3g}, max_rel {p['max_rel']:.3g}; worst at "
+                    f"sample {p['worst']})"
+                )
         if self.derived:
             out["prob_max_abs"] = self.prob_max_abs
             if prob_atol is not None:
@@ -182,12 +228,16 @@ class ParityStats:
             agreement = 1 - self.disagree / self.decided if self.decided else 1.0
             out.update(argmax_agreement=agreement, min_agreement=min_agreement)
             if agreement < min_agreement:
-                misses.append(f"argmax agreement {agreement:.2%} < {min_agreement:.2%} "
-                              f"({self.disagree} of {self.decided} differ)")
+                misses.append(
+                    f"argmax agreement {agreement:.2%} < {min_agreement:.2%} "
+                    f"({self.disagree} of {self.decided} differ)"
+                )
         out["passed"] = not misses
-        shown = (f"max_abs {out['max_abs']:.3g}, max_rel {out['max_rel']:.3g}"
-                 + (f" over {len(per)} outputs" if len(per) > 1 else "")
-                 + (f", argmax agreement {out['argmax_agreement']:.2%}" if self.decision else ""))
+        shown = (
+            f"max_abs {out['max_abs']:.3g}, max_rel {out['max_rel']:.3g}"
+            + (f" over {len(per)} outputs" if len(per) > 1 else "")
+            + (f", argmax agreement {out['argmax_agreement']:.2%}" if self.decision else "")
+        )
         out["message"] = "; ".join(misses) if misses else shown
         return out
 
@@ -196,17 +246,26 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return a.reshape(len(a), -1)
 
 
-def compare(onnx_out: dict[str, np.ndarray], ref_out: dict[str, np.ndarray], atol: float, rtol: float,
-            prob_atol: float | None = None, min_agreement: float = 1.0, *, derived=(),
-            decision: str | None = None) -> dict:
+def compare(
+    onnx_out: dict[str, np.ndarray],
+    ref_out: dict[str, np.ndarray],
+    atol: float,
+    rtol: float,
+    prob_atol: float | None = None,
+    min_agreement: float = 1.0,
+    *,
+    derived=(),
+    decision: str | None = None,
+) -> dict:
     """One batch's outputs against the reference's (see ParityStats)."""
     stats = ParityStats(list(ref_out), derived, decision)
     stats.add(onnx_out, ref_out, atol, rtol)
     return stats.result(atol, rtol, prob_atol, min_agreement)
 
 
-def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module,
-                   sizes=PARITY_BATCHES) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict]]:
+def parity_batches(
+    val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module, sizes=PARITY_BATCHES
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict]]:
     """The inputs parity is checked on, by gate name: the first validation samples at each batch size
     (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7 cut to a
     shorter length and tiled to a longer one (axes of equal length change together: a token axis and its
@@ -222,18 +281,30 @@ def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Modul
             if (name, axis) in covered:
                 continue
             length = base[name].shape[axis]
-            together = [(n, a) for n, ax in dynamic_axes.items() for a in ax if base[n].shape[a] == length]
+            together = [
+                (n, a) for n, ax in dynamic_axes.items() for a in ax if base[n].shape[a] == length
+            ]
             covered.update(together)
-            shorter = [x for x in dict.fromkeys((length // 2, length - 1, (3 * length) // 4)) if 0 < x < length]
+            shorter = [
+                x
+                for x in dict.fromkeys((length // 2, length - 1, (3 * length) // 4))
+                if 0 < x < length
+            ]
             candidates = [length + length // 2 + 1, *shorter]
             found, errors = 0, []
             for other in candidates:
-                feeds = {n: _resized(v, [a for m, a in together if m == n], other) for n, v in base.items()}
+                feeds = {
+                    n: _resized(v, [a for m, a in together if m == n], other)
+                    for n, v in base.items()
+                }
                 try:
                     run_torch(head, feeds)
                 except Exception as exc:  # noqa: BLE001 - the model's own limit (max positions): try another length
-                    errors.append(f"{other}: {type(exc).__name__}: {clip(str(exc).splitlines()[0], 120)}" if str(exc)
-                                  else f"{other}: {type(exc).__name__}")
+                    errors.append(
+                        f"{other}: {type(exc).__name__}: {clip(str(exc).splitlines()[0], 120)}"
+                        if str(exc)
+                        else f"{other}: {type(exc).__name__}"
+                    )
                     continue
                 batches[f"{name}_{axis}.len{other}"] = feeds
                 found += 1
@@ -242,10 +313,12 @@ def parity_batches(val, dynamic_axes: dict[str, list[int]], head: torch.nn.Modul
             if found < 2:
                 axes_named = ", ".join(f"{n} axis {a}" for n, a in together)
                 failed[f"parity.{name}_{axis}"] = {
-                    "passed": False, "message": f"export.dynamic_axes declares {axes_named} dynamic (length {length} in "
+                    "passed": False,
+                    "message": f"export.dynamic_axes declares {axes_named} dynamic (length {length} in "
                     f"the data), but the PyTorch model itself runs it at {found} of the other lengths tried "
                     f"({'; '.join(errors) or 'none besides it'}): the axis does not vary, or must change together "
-                    "with another one (same length in the data)"}
+                    "with another one (same length in the data)",
+                }
     return batches, failed
 
 
@@ -257,8 +330,15 @@ def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]], task, atol: float,
-           rtol: float, **limits) -> dict[str, dict]:
+def parity(
+    sess,
+    head: torch.nn.Module,
+    batches: dict[str, dict[str, np.ndarray]],
+    task,
+    atol: float,
+    rtol: float,
+    **limits,
+) -> dict[str, dict]:
     """One gate per prepared batch, each fed as a single run; every output compared."""
     gates = {}
     for label, feeds in batches.items():
@@ -267,20 +347,40 @@ def parity(sess, head: torch.nn.Module, batches: dict[str, dict[str, np.ndarray]
         except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are untyped: a failing gate
             gates[f"parity.{label}"] = {"passed": False, "message": _ort_failure(exc, feeds)}
             continue
-        gates[f"parity.{label}"] = compare(got, run_torch(head, feeds), atol, rtol, derived=task.derived,
-                                           decision=task.decision, **limits)
+        gates[f"parity.{label}"] = compare(
+            got,
+            run_torch(head, feeds),
+            atol,
+            rtol,
+            derived=task.derived,
+            decision=task.decision,
+            **limits,
+        )
     return gates
 
 
-def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float, metric_tolerance: float,
-               metric_atol: float = 0.0, kept: dict | None = None, **limits) -> dict[str, dict]:
+def validation(
+    sess,
+    head: torch.nn.Module,
+    val,
+    task,
+    atol: float,
+    rtol: float,
+    metric_tolerance: float,
+    metric_atol: float = 0.0,
+    kept: dict | None = None,
+    **limits,
+) -> dict[str, dict]:
     """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
     a batch at a time, the task's metrics computed from each side's outputs. `kept`: given, it gets the ONNX
     side's metric state ("onnx"), from which export draws the exported model's figure."""
     from pipeline.components.data import eval_loader
 
     stats = ParityStats(head.output_names, task.derived, task.decision)
-    onnx_state, torch_state = task.new_state(torch.device("cpu")), task.new_state(torch.device("cpu"))
+    onnx_state, torch_state = (
+        task.new_state(torch.device("cpu")),
+        task.new_state(torch.device("cpu")),
+    )
     model_outputs = [n for n in head.output_names if n not in task.derived]
     for inputs, target in eval_loader(val, VAL_BATCH):
         feeds = feeds_of(inputs)
@@ -298,16 +398,24 @@ def validation(sess, head: torch.nn.Module, val, task, atol: float, rtol: float,
     task.reduce(torch_state, one)
     if kept is not None:
         kept["onnx"] = onnx_state
-    gate = task.metric_gate(task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol)
-    return {"parity.val": stats.result(atol, rtol, **limits), task.primary: gate}  # primary: known once measured
+    gate = task.metric_gate(
+        task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol
+    )
+    return {
+        "parity.val": stats.result(atol, rtol, **limits),
+        task.primary: gate,
+    }  # primary: known once measured
 
 
 def metric_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:
     """The limits of a task gated on a relative metric (regression, custom): export.metric_rtol, at least
     FP16_METRIC_RTOL for fp16, export.int8_metric_rtol for int8 (outputs within INT8_LOGIT_SCALE x atol/rtol)."""
     if variant == "int8":
-        return {"atol": export_cfg.atol * INT8_LOGIT_SCALE[0], "rtol": export_cfg.rtol * INT8_LOGIT_SCALE[1],
-                "tolerance": export_cfg.int8_metric_rtol}
+        return {
+            "atol": export_cfg.atol * INT8_LOGIT_SCALE[0],
+            "rtol": export_cfg.rtol * INT8_LOGIT_SCALE[1],
+            "tolerance": export_cfg.int8_metric_rtol,
+        }
     if variant == "fp16":
         return {"tolerance": max(export_cfg.metric_rtol, FP16_METRIC_RTOL)}
     return {"tolerance": export_cfg.metric_rtol}
@@ -317,10 +425,18 @@ def points_gate(name: str, got: float, ref: float, tolerance: float) -> dict:
     """A fraction (accuracy, mean IoU) through onnxruntime vs PyTorch, within `tolerance` percentage points."""
     gap = abs(got - ref) * 100
     passed = gap <= tolerance + 1e-9
-    return {"passed": passed, "metric": name, f"onnx_{name}_pct": got * 100, f"torch_{name}_pct": ref * 100,
-            "gap_pp": gap, "tolerance_pp": tolerance,
-            "message": (f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
-                        + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)"))}
+    return {
+        "passed": passed,
+        "metric": name,
+        f"onnx_{name}_pct": got * 100,
+        f"torch_{name}_pct": ref * 100,
+        "gap_pp": gap,
+        "tolerance_pp": tolerance,
+        "message": (
+            f"ONNX {got:.2%} vs PyTorch {ref:.2%}: gap {gap:.3f} pp"
+            + ("" if passed else f" > {tolerance} pp (by {gap - tolerance:.3f} pp)")
+        ),
+    }
 
 
 def relative_gate(name: str, got: float, ref: float, tolerance: float, atol: float = 0.0) -> dict:
@@ -328,10 +444,19 @@ def relative_gate(name: str, got: float, ref: float, tolerance: float, atol: flo
     difference = abs(got - ref)
     limit = atol + tolerance * abs(ref)
     passed = bool(difference <= limit and np.isfinite(got))
-    return {"passed": passed, "metric": name, f"onnx_{name}": got, f"torch_{name}": ref, "difference": difference,
-            "rtol": tolerance, "atol": atol,
-            "message": (f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
-                        + ("" if passed else f" > {atol:g} + {tolerance:g} x {abs(ref):.6g}"))}
+    return {
+        "passed": passed,
+        "metric": name,
+        f"onnx_{name}": got,
+        f"torch_{name}": ref,
+        "difference": difference,
+        "rtol": tolerance,
+        "atol": atol,
+        "message": (
+            f"{name}: ONNX {got:.6g} vs PyTorch {ref:.6g}, difference {difference:.3g}"
+            + ("" if passed else f" > {atol:g} + {tolerance:g} x {abs(ref):.6g}")
+        ),
+    }
 
 
 def values_text(value) -> str:
@@ -344,8 +469,11 @@ def values_text(value) -> str:
 def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
     shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
     first = first_line(exc)
-    hint = ("; an axis that varies in the data but is fixed in the graph needs export.dynamic_axes"
-            if "dimension" in first.lower() else "")
+    hint = (
+        "; an axis that varies in the data but is fixed in the graph needs export.dynamic_axes"
+        if "dimension" in first.lower()
+        else ""
+    )
     return f"onnxruntime could not run inputs {shapes}: {first}{hint}"
 
 
@@ -377,16 +505,24 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
 def headline(gates: dict[str, dict]) -> dict[str, float]:
     """The few gate figures a person reads on the run's page: passed, how many gates failed, the validation split's
     parity, and the task's metric on both sides. Every figure of every gate is in the table (`table`)."""
-    out = {"export.passed": float(all(g["passed"] for g in gates.values())),
-           "export.failed_gates": float(sum(not g["passed"] for g in gates.values()))}
+    out = {
+        "export.passed": float(all(g["passed"] for g in gates.values())),
+        "export.failed_gates": float(sum(not g["passed"] for g in gates.values())),
+    }
     val = gates.get("parity.val") or {}
     for key in ("max_abs", "argmax_agreement"):
         if _number(val.get(key)):
             out[f"export.parity.val.{key}"] = float(val[key])
-    for name, gate in gates.items():  # the task's metric gate ("accuracy", "rmse", ...; not a variant's)
+    for (
+        name,
+        gate,
+    ) in gates.items():  # the task's metric gate ("accuracy", "rmse", ...; not a variant's)
         if "." not in name and name != "checker":
-            out |= {f"export.{name}.{key}": float(v) for key, v in gate.items()
-                    if key.startswith(("onnx_", "torch_")) and _number(v)}
+            out |= {
+                f"export.{name}.{key}": float(v)
+                for key, v in gate.items()
+                if key.startswith(("onnx_", "torch_")) and _number(v)
+            }
     return out
 
 
@@ -396,15 +532,23 @@ def table(gates: dict[str, dict], prefix: str = "") -> list[dict[str, Any]]:
     rows = []
     for name, gate in gates.items():
         figures = [(key, value) for key, value in gate.items() if _number(value)]
-        figures += [(f"{output}.{key}", value) for output, numbers in (gate.get("outputs") or {}).items()
-                    for key, value in numbers.items() if _number(value)]
+        figures += [
+            (f"{output}.{key}", value)
+            for output, numbers in (gate.get("outputs") or {}).items()
+            for key, value in numbers.items()
+            if _number(value)
+        ]
         for figure, value in figures or [("", None)]:
-            rows.append({"gate": prefix + name, "passed": bool(gate["passed"]), "figure": figure,
-                         "value": None if value is None or not math.isfinite(value) else float(value)})
+            rows.append(
+                {
+                    "gate": prefix + name,
+                    "passed": bool(gate["passed"]),
+                    "figure": figure,
+                    "value": None if value is None or not math.isfinite(value) else float(value),
+                }
+            )
     return rows
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-

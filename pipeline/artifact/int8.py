@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 
 from pipeline.artifact import onnx_export
-from pipeline.components.data import eval_loader
 from pipeline.artifact.gates import feeds_of, session
+from pipeline.components.data import eval_loader
 
 log = logging.getLogger("pipeline.int8")
 
@@ -43,7 +43,11 @@ def choose_mode(model: onnx.ModelProto, asked: str) -> str:
     """static or dynamic: `asked` when it names one, else by the graph (a Conv -> static)."""
     if asked in ("static", "dynamic"):
         return asked
-    return "static" if any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node) else "dynamic"
+    return (
+        "static"
+        if any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node)
+        else "dynamic"
+    )
 
 
 def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
@@ -51,7 +55,10 @@ def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
     samples would calibrate on one class), as batches of feeds."""
     from pipeline.components.data import spread_sample
 
-    return [feeds_of(inputs) for inputs, _ in eval_loader(spread_sample(train, samples)[0], CALIBRATION_BATCH)]
+    return [
+        feeds_of(inputs)
+        for inputs, _ in eval_loader(spread_sample(train, samples)[0], CALIBRATION_BATCH)
+    ]
 
 
 def prepare(source: Path, destination: Path) -> Path:
@@ -63,14 +70,27 @@ def prepare(source: Path, destination: Path) -> Path:
     return destination
 
 
-def quantize(prepared: Path, destination: Path, mode: str, feeds: list[dict[str, np.ndarray]],
-             exclude: list[str], metadata: dict[str, str]) -> Path:
+def quantize(
+    prepared: Path,
+    destination: Path,
+    mode: str,
+    feeds: list[dict[str, np.ndarray]],
+    exclude: list[str],
+    metadata: dict[str, str],
+) -> Path:
     """`prepared` quantized to `destination`, the nodes in `exclude` kept in float; the fp32 file's metadata
     (model name, labels, lineage) copied over: the server names what it serves from it."""
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_dynamic, quantize_static)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     if mode == "static":
+
         class Reader(CalibrationDataReader):
             def __init__(self):
                 self._it = iter(feeds)
@@ -78,12 +98,27 @@ def quantize(prepared: Path, destination: Path, mode: str, feeds: list[dict[str,
             def get_next(self):
                 return next(self._it, None)
 
-        quantize_static(str(prepared), str(destination), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        reduce_range=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        nodes_to_exclude=list(exclude), calibrate_method=CalibrationMethod.MinMax)
+        quantize_static(
+            str(prepared),
+            str(destination),
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            reduce_range=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(exclude),
+            calibrate_method=CalibrationMethod.MinMax,
+        )
     else:
-        quantize_dynamic(str(prepared), str(destination), per_channel=True, reduce_range=True,
-                         weight_type=QuantType.QInt8, nodes_to_exclude=list(exclude))
+        quantize_dynamic(
+            str(prepared),
+            str(destination),
+            per_channel=True,
+            reduce_range=True,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(exclude),
+        )
     model = onnx.load(str(destination))
     onnx.helper.set_model_props(model, metadata)
     onnx_export.save(model, destination)  # the one writer of ONNX files: a data file past 2 GB
@@ -91,11 +126,16 @@ def quantize(prepared: Path, destination: Path, mode: str, feeds: list[dict[str,
 
 
 def candidates(prepared: onnx.ModelProto, exclude: list[str]) -> list[onnx.NodeProto]:
-    return [n for n in prepared.graph.node if n.op_type in QUANTIZED_OPS and n.name and n.name not in exclude]
+    return [
+        n
+        for n in prepared.graph.node
+        if n.op_type in QUANTIZED_OPS and n.name and n.name not in exclude
+    ]
 
 
-def sensitivity(prepared_path: Path, quantized_path: Path, feeds: dict[str, np.ndarray],
-                exclude: list[str]) -> list[dict]:
+def sensitivity(
+    prepared_path: Path, quantized_path: Path, feeds: dict[str, np.ndarray], exclude: list[str]
+) -> list[dict]:
     """The quantized nodes, most harmful first: for each, the error (`channel_error`, against fp32 on `feeds`) of
     its output as the next nodes see it, less the largest of its nearest quantized ancestors'. Errors compound
     down the graph; the difference is what this node's own quantization added."""
@@ -104,15 +144,24 @@ def sensitivity(prepared_path: Path, quantized_path: Path, feeds: dict[str, np.n
     pairs = _measured(nodes, prepared, quantized)
     ref = _intermediates(prepared, [r for r, _ in pairs.values()], feeds)
     got = _intermediates(quantized, [q for _, q in pairs.values()], feeds)
-    error = {node: channel_error(got[q], ref[r]) for node, (r, q) in pairs.items()
-             if r in ref and q in got and ref[r].shape == got[q].shape}
+    error = {
+        node: channel_error(got[q], ref[r])
+        for node, (r, q) in pairs.items()
+        if r in ref and q in got and ref[r].shape == got[q].shape
+    }
     ancestors = _nearest(prepared, {n.name for n in nodes})
     ranked = []
     for n in nodes:
         if n.name in error:
             before = max((error.get(a, 0.0) for a in ancestors[n.name]), default=0.0)
-            ranked.append({"node": n.name, "op": n.op_type, "output_error": round(error[n.name], 5),
-                           "added_error": round(error[n.name] - before, 5)})
+            ranked.append(
+                {
+                    "node": n.name,
+                    "op": n.op_type,
+                    "output_error": round(error[n.name], 5),
+                    "added_error": round(error[n.name] - before, 5),
+                }
+            )
     return sorted(ranked, key=lambda r: -r["added_error"])
 
 
@@ -126,7 +175,9 @@ def channel_error(got: np.ndarray, ref: np.ndarray) -> float:
         return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12))
     axes = (0, *range(2, ref.ndim))
     floor = 1e-6 * max(np.linalg.norm(ref), 1e-12)  # a dead channel (all 0) is not infinitely wrong
-    per = np.sqrt(((got - ref) ** 2).sum(axis=axes)) / np.maximum(np.sqrt((ref ** 2).sum(axis=axes)), floor)
+    per = np.sqrt(((got - ref) ** 2).sum(axis=axes)) / np.maximum(
+        np.sqrt((ref**2).sum(axis=axes)), floor
+    )
     return float(per.mean())
 
 
@@ -153,7 +204,9 @@ def with_producers(prepared: onnx.ModelProto, nodes: list[str], quantized: set[s
     return out
 
 
-def _measured(nodes, prepared: onnx.ModelProto, quantized: onnx.ModelProto) -> dict[str, tuple[str, str]]:
+def _measured(
+    nodes, prepared: onnx.ModelProto, quantized: onnx.ModelProto
+) -> dict[str, tuple[str, str]]:
     """node -> (its output in the fp32 graph, the same value in the int8 graph). Quantization keeps node names
     but may rename outputs: a Relu after a Conv is folded into its quantized range (the Conv then produces the
     Relu's output, compared with the fp32 Relu's), and an output feeding a QuantizeLinear gets a suffix."""
@@ -172,7 +225,11 @@ def _measured(nodes, prepared: onnx.ModelProto, quantized: onnx.ModelProto) -> d
         # The value the next nodes see: after its QuantizeLinear -> DequantizeLinear (which also applies a folded
         # Relu: the quantized range starts at 0), when quantization put one there.
         qz = [c for c in consumers.get(out, []) if c.op_type == "QuantizeLinear"]
-        dq = [c for c in consumers.get(qz[0].output[0], []) if c.op_type == "DequantizeLinear"] if qz else []
+        dq = (
+            [c for c in consumers.get(qz[0].output[0], []) if c.op_type == "DequantizeLinear"]
+            if qz
+            else []
+        )
         if dq:
             seen = dq[0].output[0]
         pairs[n.name] = (out if out in in_fp32 else n.output[0], seen)
@@ -200,7 +257,9 @@ def _nearest(model: onnx.ModelProto, marked: set[str]) -> dict[str, set[str]]:
     return found
 
 
-def _intermediates(model: onnx.ModelProto, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _intermediates(
+    model: onnx.ModelProto, names: list[str], feeds: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """The values of the tensors `names` (those the graph computes) on `feeds`: each made a graph output."""
     produced = {o for n in model.graph.node for o in n.output}
     wanted = [t for t in names if t in produced]
@@ -242,31 +301,53 @@ def make_variant(fp32_path: Path, out: Path, ref, batches, cfg, metadata: dict[s
         for attempt in range(cfg.int8_exclusion_rounds + 1):
             quantize(prepared, path, mode, feeds if mode == "static" else [], excluded, metadata)
             results = {"int8.checker": check_model(path)}
-            results.update({f"int8.{k}": v for k, v in
-                            run_gates(session(path), ref, batches, cfg, variant="int8").items()})
+            results.update(
+                {
+                    f"int8.{k}": v
+                    for k, v in run_gates(session(path), ref, batches, cfg, variant="int8").items()
+                }
+            )
             failed = [k for k, v in results.items() if not v["passed"]]
             rounds.append({"excluded": list(excluded), "failed_gates": failed})
             if not failed or attempt == cfg.int8_exclusion_rounds:
                 break
-            ranking = sensitivity(prepared, path, feeds[0] if feeds else _first_feeds(ref), excluded)
-            worst = [r["node"] for r in ranking[:2 ** attempt]]
+            ranking = sensitivity(
+                prepared, path, feeds[0] if feeds else _first_feeds(ref), excluded
+            )
+            worst = [r["node"] for r in ranking[: 2**attempt]]
             graph = onnx.load(str(prepared))
             quantized = {n.name for n in candidates(graph, excluded)}
             more = [n for n in with_producers(graph, worst, quantized) if n not in excluded]
             if not more:
                 break
-            log.info("int8: %s failed; keeping %s in float (most error added: %s)", ", ".join(failed),
-                     ", ".join(more), ", ".join(f"{r['added_error']:.3g}" for r in ranking[:len(more)]))
+            log.info(
+                "int8: %s failed; keeping %s in float (most error added: %s)",
+                ", ".join(failed),
+                ", ".join(more),
+                ", ".join(f"{r['added_error']:.3g}" for r in ranking[: len(more)]),
+            )
             excluded += more
     finally:
         prepared.unlink(missing_ok=True)
     passed = not failed
     if not passed:
         path = path.replace(out / REJECTED)
-        log.warning("int8 variant rejected after %d round(s): %s; kept as %s, not logged or served", len(rounds),
-                    "; ".join(f"{k}: {results[k]['message']}" for k in failed), path)
-    return {"passed": passed, "mode": mode, "path": str(path), "excluded": excluded, "rounds": rounds,
-            "sensitivity": ranking[:16], "gates": results, "failed_gates": failed}
+        log.warning(
+            "int8 variant rejected after %d round(s): %s; kept as %s, not logged or served",
+            len(rounds),
+            "; ".join(f"{k}: {results[k]['message']}" for k in failed),
+            path,
+        )
+    return {
+        "passed": passed,
+        "mode": mode,
+        "path": str(path),
+        "excluded": excluded,
+        "rounds": rounds,
+        "sensitivity": ranking[:16],
+        "gates": results,
+        "failed_gates": failed,
+    }
 
 
 def _first_feeds(ref) -> dict[str, np.ndarray]:
@@ -274,22 +355,32 @@ def _first_feeds(ref) -> dict[str, np.ndarray]:
     return calibration_feeds(ref.splits.train, CALIBRATION_BATCH)[0]
 
 
-def measure(paths: dict[str, Path], feeds_by_batch: dict[int, dict[str, np.ndarray]], device: str = "cpu",
-            rounds: int = 3, seconds: float = 0.3) -> dict:
+def measure(
+    paths: dict[str, Path],
+    feeds_by_batch: dict[int, dict[str, np.ndarray]],
+    device: str = "cpu",
+    rounds: int = 3,
+    seconds: float = 0.3,
+) -> dict:
     """{variant: {"batch<N>_per_s": samples/s}} for each file on one device, in this process, through the server's
     own Engine (its session options: threads, no spinning) since the server is what `--variant auto` picks for.
     Variants are measured in turns, `rounds` times, and the medians kept: other work on the machine then hits
     each alike."""
     from serving.engine import Engine, GpuOptions
 
-    engines = {v: Engine(str(p), device=device, gpu=GpuOptions() if device == "cuda" else None)
-               for v, p in paths.items()}
+    engines = {
+        v: Engine(str(p), device=device, gpu=GpuOptions() if device == "cuda" else None)
+        for v, p in paths.items()
+    }
     runs: dict[str, dict[int, list[float]]] = {v: {b: [] for b in feeds_by_batch} for v in paths}
     for _ in range(rounds):
         for variant, engine in engines.items():
             for batch, feeds in feeds_by_batch.items():
                 runs[variant][batch].append(images_per_second(engine, feeds, seconds))
-    return {v: {f"batch{b}_per_s": round(float(np.median(r)), 1) for b, r in per.items()} for v, per in runs.items()}
+    return {
+        v: {f"batch{b}_per_s": round(float(np.median(r)), 1) for b, r in per.items()}
+        for v, per in runs.items()
+    }
 
 
 def fastest(measured: dict[str, dict[str, float]], batch: int = 32) -> str:

@@ -68,14 +68,21 @@ EXTERNAL_DATA_ABOVE = 1_800_000_000
 
 @dataclass
 class Exported:
-    model: onnx.ModelProto   # the graph as saved; without its weights when they are in a data file
-    exporter: str            # "dynamo" (torch.export + onnxscript) or "torchscript" (legacy fallback)
-    fallback_reason: str     # why dynamo was not used; "" when it was
+    model: onnx.ModelProto  # the graph as saved; without its weights when they are in a data file
+    exporter: str  # "dynamo" (torch.export + onnxscript) or "torchscript" (legacy fallback)
+    fallback_reason: str  # why dynamo was not used; "" when it was
     seconds: float
 
 
-def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]], opset: int,
-           metadata: dict[str, str], path: Path, external_data: str = "auto") -> Exported:
+def export(
+    head: ExportHead,
+    example: dict[str, torch.Tensor],
+    dynamic_axes: dict[str, list[int]],
+    opset: int,
+    metadata: dict[str, str],
+    path: Path,
+    external_data: str = "auto",
+) -> Exported:
     """Exports `head` (eval mode, fp32) to `path` with the dynamo exporter, the legacy one only if that fails.
 
     `example`: one batch of real inputs by name; only dtypes and the sizes of fixed axes matter.
@@ -93,25 +100,38 @@ def export(head: ExportHead, example: dict[str, torch.Tensor], dynamic_axes: dic
     remove_stale(path)
     start = time.perf_counter()
     try:
-        proto = _check_opset(_export_dynamo(head, args, names, output_names, dynamic_axes, opset, path, external),
-                             opset, "dynamo")
+        proto = _check_opset(
+            _export_dynamo(head, args, names, output_names, dynamic_axes, opset, path, external),
+            opset,
+            "dynamo",
+        )
         exporter, reason = "dynamo", ""
     except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
         log.warning("dynamo exporter failed (%s); falling back to the TorchScript exporter", reason)
-        remove_stale(path)  # the dynamo attempt may have written its data file before failing a check
+        remove_stale(
+            path
+        )  # the dynamo attempt may have written its data file before failing a check
         try:
-            proto = _check_opset(_export_torchscript(head, args, names, output_names, dynamic_axes, opset),
-                                 opset, "TorchScript")
+            proto = _check_opset(
+                _export_torchscript(head, args, names, output_names, dynamic_axes, opset),
+                opset,
+                "TorchScript",
+            )
             exporter = "torchscript"
         except Exception as legacy_exc:  # noqa: BLE001
             ops = sorted(set(unsupported_ops(dynamo_exc)) | set(unsupported_ops(legacy_exc)))
-            named = f"unsupported operator(s): {', '.join(ops)}" if ops else "no operator could be named"
+            named = (
+                f"unsupported operator(s): {', '.join(ops)}"
+                if ops
+                else "no operator could be named"
+            )
             raise ExportError(
                 f"the model cannot be exported to ONNX opset {opset}: {named}. "
                 f"dynamo exporter: {reason}; TorchScript exporter: {_summary(legacy_exc)}. "
                 "Replace the operator with supported ones, or register a translation for it "
-                "(torch.onnx.export custom_translation_table)") from None
+                "(torch.onnx.export custom_translation_table)"
+            ) from None
     seconds = time.perf_counter() - start
     _name_dynamic_dims(proto, names, dynamic_axes)
     for key, value in metadata.items():
@@ -138,11 +158,18 @@ def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     if any(uses_external_data(t) for t in _get_all_tensors(proto)):
-        onnx.save_model(proto, str(path))  # names its data file already (onnx refuses to convert it again)
+        onnx.save_model(
+            proto, str(path)
+        )  # names its data file already (onnx refuses to convert it again)
         return
     external = external or proto.ByteSize() > EXTERNAL_DATA_ABOVE
-    onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=data_path(path).name if external else None)
+    onnx.save_model(
+        proto,
+        str(path),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=data_path(path).name if external else None,
+    )
 
 
 def with_weights(graph: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -163,9 +190,13 @@ def data_file(path: Path) -> Path | None:
     from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
     graph = onnx.load(str(path), load_external_data=False)
-    locations = {ExternalDataInfo(t).location for t in _get_all_tensors(graph) if uses_external_data(t)}
+    locations = {
+        ExternalDataInfo(t).location for t in _get_all_tensors(graph) if uses_external_data(t)
+    }
     if len(locations) > 1:
-        raise ExportError(f"{path} keeps its weights in several files ({sorted(locations)}); one is expected")
+        raise ExportError(
+            f"{path} keeps its weights in several files ({sorted(locations)}); one is expected"
+        )
     return path.parent / locations.pop() if locations else None
 
 
@@ -191,7 +222,9 @@ def move(src: Path, dst: Path) -> onnx.ModelProto | None:
     return graph
 
 
-def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+def example_batch(
+    example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]
+) -> dict[str, torch.Tensor]:
     """Rows of `example` as the export's example: EXPORT_BATCH rows or more, a count no dynamic axis
     has as its length (torch.export assumes dynamic sizes that are equal in the example are equal)."""
     lengths = {example[n].shape[a] for n, axes in dynamic_axes.items() for a in axes}
@@ -201,8 +234,9 @@ def example_batch(example: dict[str, torch.Tensor], dynamic_axes: dict[str, list
     return {n: t[torch.arange(rows) % len(t)].contiguous() for n, t in example.items()}
 
 
-def metadata_for(model_name: str, task_name: str, labels: list[str] | None,
-                 extra: dict[str, str] | None = None) -> dict[str, str]:
+def metadata_for(
+    model_name: str, task_name: str, labels: list[str] | None, extra: dict[str, str] | None = None
+) -> dict[str, str]:
     meta = {lineage.MODEL_NAME: model_name, lineage.TASK: task_name, **(extra or {})}
     if labels is not None:
         meta[lineage.LABELS] = json.dumps(list(labels))
@@ -218,22 +252,43 @@ def _check_opset(proto: onnx.ModelProto, opset: int, which: str) -> onnx.ModelPr
     error and returns the opset-18 graph anyway. An opset chosen on purpose must be the one we get."""
     got = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     if got != opset:
-        raise OpsetMismatch(f"the {which} exporter produced opset {got}, not the requested {opset} "
-                            "(onnx's version converter could not convert the graph)")
+        raise OpsetMismatch(
+            f"the {which} exporter produced opset {got}, not the requested {opset} "
+            "(onnx's version converter could not convert the graph)"
+        )
     return proto
 
 
-def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],
-                   dynamic_axes: dict[str, list[int]], opset: int, path: Path, external: bool) -> onnx.ModelProto:
+def _export_dynamo(
+    head: nn.Module,
+    args: tuple,
+    names: list[str],
+    output_names: tuple[str, ...],
+    dynamic_axes: dict[str, list[int]],
+    opset: int,
+    path: Path,
+    external: bool,
+) -> onnx.ModelProto:
     # Dim.DYNAMIC: torch.export works out which dynamic sizes are equal (tokens and their mask).
     dynamic = torch.export.Dim.DYNAMIC
     shapes = tuple({0: dynamic, **{a: dynamic for a in dynamic_axes.get(n, [])}} for n in names)
-    with warnings.catch_warnings():  # torch's own exporter trips a deprecation inside torch: not ours to fix
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning)
+    with (
+        warnings.catch_warnings()
+    ):  # torch's own exporter trips a deprecation inside torch: not ours to fix
+        warnings.filterwarnings(
+            "ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning
+        )
         program = torch.onnx.export(
-            head, args, dynamo=True, verbose=False, opset_version=opset, input_names=names,
-            output_names=list(output_names), dynamic_shapes=(shapes,),  # one entry: forward's *inputs
-            optimize=True)
+            head,
+            args,
+            dynamo=True,
+            verbose=False,
+            opset_version=opset,
+            input_names=names,
+            output_names=list(output_names),
+            dynamic_shapes=(shapes,),  # one entry: forward's *inputs
+            optimize=True,
+        )
     if not external:
         return program.model_proto
     # Streamed from the module's own tensors to <path>.data, one at a time; the graph read back without them.
@@ -247,21 +302,39 @@ def _export_dynamo(head: nn.Module, args: tuple, names: list[str], output_names:
     return onnx.load(str(path), load_external_data=False)
 
 
-def _export_torchscript(head: nn.Module, args: tuple, names: list[str], output_names: tuple[str, ...],
-                        dynamic_axes: dict[str, list[int]], opset: int) -> onnx.ModelProto:
+def _export_torchscript(
+    head: nn.Module,
+    args: tuple,
+    names: list[str],
+    output_names: tuple[str, ...],
+    dynamic_axes: dict[str, list[int]],
+    opset: int,
+) -> onnx.ModelProto:
     import io
 
     axes = {n: {0: "batch", **{a: f"{n}_{a}" for a in dynamic_axes.get(n, [])}} for n in names}
     axes.update({o: {0: "batch"} for o in output_names})
     buffer = io.BytesIO()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # we know it's the legacy path: that is the point
-        torch.onnx.export(head, args, buffer, dynamo=False, opset_version=opset, input_names=names,
-                          output_names=list(output_names), dynamic_axes=axes)
+        warnings.simplefilter(
+            "ignore", DeprecationWarning
+        )  # we know it's the legacy path: that is the point
+        torch.onnx.export(
+            head,
+            args,
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=names,
+            output_names=list(output_names),
+            dynamic_axes=axes,
+        )
     return onnx.load_from_string(buffer.getvalue())
 
 
-def _name_dynamic_dims(proto: onnx.ModelProto, names: list[str], dynamic_axes: dict[str, list[int]]) -> None:
+def _name_dynamic_dims(
+    proto: onnx.ModelProto, names: list[str], dynamic_axes: dict[str, list[int]]
+) -> None:
     """Readable names for the exporter's symbols (s0, s17): `batch`, and `<input>_<axis>` for the
     dynamic axes, everywhere the same symbol appears."""
     rename: dict[str, str] = {}
@@ -279,9 +352,9 @@ def _name_dynamic_dims(proto: onnx.ModelProto, names: list[str], dynamic_axes: d
 
 
 _OP_PATTERNS = (
-    re.compile(r"No ONNX function found for <OpOverload\(op='([\w.:]+)'"),   # dynamo: no translation
-    re.compile(r"target=torch\.ops\.([\w.]+)"),                             # dynamo: node that failed
-    re.compile(r"Exporting the operator '([\w:.]+)'"),                      # TorchScript exporter
+    re.compile(r"No ONNX function found for <OpOverload\(op='([\w.:]+)'"),  # dynamo: no translation
+    re.compile(r"target=torch\.ops\.([\w.]+)"),  # dynamo: node that failed
+    re.compile(r"Exporting the operator '([\w:.]+)'"),  # TorchScript exporter
     re.compile(r"Unsupported FX nodes: \{([^}]*)\}"),
 )
 
@@ -309,7 +382,7 @@ def _summary(exc: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # The dynamo exporter puts the root cause under "## Exception summary".
     if "## Exception summary" in lines:
-        lines = lines[lines.index("## Exception summary") + 1:]
+        lines = lines[lines.index("## Exception summary") + 1 :]
     head = lines[0] if lines else ""
     suffix = f" [operators: {', '.join(ops)}]" if ops else ""
     return f"{type(exc).__name__}: {clip(head, 300)}{suffix}"

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 
-def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path, subject: str = "validation") -> Path:
+def confusion_matrix_png(
+    confusion: torch.Tensor, labels: list[str], path: Path, subject: str = "validation"
+) -> Path:
     """`subject`: what the counts are of, the title's first words (which checkpoint, which step)."""
     import matplotlib
 
@@ -24,13 +26,23 @@ def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path,
     ax.set_ylabel("true")
     accuracy = counts.trace() / max(1, counts.sum())
     width = 1.0 + 0.55 * len(labels)  # inches: the title wraps to them rather than being cut
-    ax.set_title(textwrap.fill(f"{subject}: {accuracy:.2%} of {counts.sum()}", max(20, int(width * 11))), fontsize=9)
+    ax.set_title(
+        textwrap.fill(f"{subject}: {accuracy:.2%} of {counts.sum()}", max(20, int(width * 11))),
+        fontsize=9,
+    )
     threshold = counts.max() / 2
     for i in range(len(labels)):
         for j in range(len(labels)):
             if counts[i, j]:
-                ax.text(j, i, counts[i, j], ha="center", va="center", fontsize=7,
-                        color="white" if counts[i, j] > threshold else "black")
+                ax.text(
+                    j,
+                    i,
+                    counts[i, j],
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if counts[i, j] > threshold else "black",
+                )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -38,7 +50,9 @@ def confusion_matrix_png(confusion: torch.Tensor, labels: list[str], path: Path,
     return path
 
 
-def predicted_vs_actual_png(predicted: torch.Tensor, actual: torch.Tensor, path: Path, title: str) -> Path:
+def predicted_vs_actual_png(
+    predicted: torch.Tensor, actual: torch.Tensor, path: Path, title: str
+) -> Path:
     """Regression: validation samples (the first few thousand) as points; the diagonal is perfect."""
     import matplotlib
 

@@ -27,8 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from serving import lineage
 
 log = logging.getLogger(__name__)
 
-MEASURE_THREADS = 2   # the same for both models: a fair latency comparison on any machine
+MEASURE_THREADS = 2  # the same for both models: a fair latency comparison on any machine
 MEASURE_TIMEOUT_S = 600
 TAG = lineage.PROMOTION  # on a version: pending | promoted | not promoted
 PENDING = "pending"
@@ -48,13 +48,21 @@ PENDING_STALE_S = 2 * MEASURE_TIMEOUT_S + 300
 TURN_POLL_S = 0.5
 
 
-def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tolerance: float) -> dict[str, Any]:
+def decide(
+    candidate: Path, name: str, alias: str, val, task, promote: str, tolerance: float
+) -> dict[str, Any]:
     """The comparison for export_report.json: {"promote": bool, "reason", "metric", "candidate", "champion", ...}."""
     from pipeline import tracking
 
     metric, mode = task.primary, task.mode
-    result: dict[str, Any] = {"policy": promote, "tolerance": tolerance, "metric": metric, "mode": mode,
-                              "alias": alias, "champion": None}
+    result: dict[str, Any] = {
+        "policy": promote,
+        "tolerance": tolerance,
+        "metric": metric,
+        "mode": mode,
+        "alias": alias,
+        "champion": None,
+    }
     with tempfile.TemporaryDirectory(prefix="trainserve-compare-") as tmp:
         inputs, targets = _write_inputs(val, Path(tmp) / "inputs.npz")
         result["candidate"] = measure(candidate, inputs, targets, task)
@@ -70,47 +78,77 @@ def decide(candidate: Path, name: str, alias: str, val, task, promote: str, tole
         except Exception as exc:  # noqa: BLE001 - a download, a file onnxruntime refuses, a crashed measurement
             why = first_line(exc)
             log.warning("the current @%s (v%s) can't be evaluated: %s", alias, holder, why)
-            return result | {"promote": True, "champion": {"version": holder, "error": why},
-                             "reason": f"@{alias} v{holder} can't be loaded or run ({why}); a champion that can't "
-                                       "be served can't be compared, so the candidate, which passed every gate, "
-                                       "takes the alias"}
+            return result | {
+                "promote": True,
+                "champion": {"version": holder, "error": why},
+                "reason": f"@{alias} v{holder} can't be loaded or run ({why}); a champion that can't "
+                "be served can't be compared, so the candidate, which passed every gate, "
+                "takes the alias",
+            }
     if mismatch:
         result["champion"]["not_comparable"] = mismatch
-        return result | {"promote": promote == "always",
-                         "reason": f"@{alias} v{holder} is not comparable ({mismatch})" +
-                                   ("; promoted because export.promote=always" if promote == "always" else
-                                    "; not promoted: set export.promote=always, or export.registered_model_name "
-                                    "to register this model under its own name")}
-    moves, gain, why = verdict(result["candidate"][metric], result["champion"][metric], mode, promote, tolerance)
-    return result | {"promote": moves, "gain": gain, "reason": f"{metric}: candidate {why.format(f'@{alias} v{holder}')}"}
+        return result | {
+            "promote": promote == "always",
+            "reason": f"@{alias} v{holder} is not comparable ({mismatch})"
+            + (
+                "; promoted because export.promote=always"
+                if promote == "always"
+                else "; not promoted: set export.promote=always, or export.registered_model_name "
+                "to register this model under its own name"
+            ),
+        }
+    moves, gain, why = verdict(
+        result["candidate"][metric], result["champion"][metric], mode, promote, tolerance
+    )
+    return result | {
+        "promote": moves,
+        "gain": gain,
+        "reason": f"{metric}: candidate {why.format(f'@{alias} v{holder}')}",
+    }
 
 
-def promote_in_turn(model_uri: str, name: str, alias: str, challenger_alias: str, tags: dict[str, str],
-                    decision: dict[str, Any], compare: Callable[[], dict[str, Any]]) -> tuple[str, str, dict]:
+def promote_in_turn(
+    model_uri: str,
+    name: str,
+    alias: str,
+    challenger_alias: str,
+    tags: dict[str, str],
+    decision: dict[str, Any],
+    compare: Callable[[], dict[str, Any]],
+) -> tuple[str, str, dict]:
     """Register `model_uri` as a new version of `name` and move `alias` to it if it wins against the holder at
     its turn (else `challenger_alias`). `decision` is the comparison made before registering; `compare` makes
     it again, against whoever holds the alias then. Returns (version, the alias it got, the decision)."""
     from pipeline import tracking
 
-    version = tracking.register_version(model_uri, name, None,
-                                        tags | {TAG: PENDING})
+    version = tracking.register_version(model_uri, name, None, tags | {TAG: PENDING})
     try:
         _wait_for_turn(name, version)
         holder = tracking.alias_version(name, alias)
         compared = (decision.get("champion") or {}).get("version")
         if holder != compared:
-            log.info("@%s is at %s now, not %s as when this export compared: comparing again", alias,
-                     f"v{holder}" if holder else "no version", f"v{compared}" if compared else "no version")
+            log.info(
+                "@%s is at %s now, not %s as when this export compared: comparing again",
+                alias,
+                f"v{holder}" if holder else "no version",
+                f"v{compared}" if compared else "no version",
+            )
             decision = compare() | {"compared_again": {"before": compared, "now": holder}}
-            decision["reason"] += (f" (compared again: another export moved @{alias} from "
-                                   f"{f'v{compared}' if compared else 'nowhere'} to v{holder} meanwhile)")
+            decision["reason"] += (
+                f" (compared again: another export moved @{alias} from "
+                f"{f'v{compared}' if compared else 'nowhere'} to v{holder} meanwhile)"
+            )
         won = alias if decision["promote"] else challenger_alias
         tracking.move_alias(name, won, version)
     except BaseException as exc:
         tracking.set_version_tags(name, version, {TAG: "not promoted"})
-        tracking.describe_version(name, version, tracking.markdown_escaped(f"not promoted: export failed: {exc}"))
+        tracking.describe_version(
+            name, version, tracking.markdown_escaped(f"not promoted: export failed: {exc}")
+        )
         raise
-    tracking.set_version_tags(name, version, {TAG: "promoted" if decision["promote"] else "not promoted"})
+    tracking.set_version_tags(
+        name, version, {TAG: "promoted" if decision["promote"] else "not promoted"}
+    )
     return version, won, decision
 
 
@@ -121,27 +159,46 @@ def _wait_for_turn(name: str, version: str) -> None:
     said = False
     while True:
         now_ms = time.time() * 1000
-        ahead = [v for v, created in tracking.versions_tagged(name, TAG, PENDING)
-                 if int(v) < int(version) and now_ms - created < PENDING_STALE_S * 1000]
+        ahead = [
+            v
+            for v, created in tracking.versions_tagged(name, TAG, PENDING)
+            if int(v) < int(version) and now_ms - created < PENDING_STALE_S * 1000
+        ]
         if not ahead:
             return
         if not said:
-            log.info("%s v%s waits for v%s to decide its promotion first", name, version, ", v".join(sorted(ahead)))
+            log.info(
+                "%s v%s waits for v%s to decide its promotion first",
+                name,
+                version,
+                ", v".join(sorted(ahead)),
+            )
             said = True
         time.sleep(TURN_POLL_S)
 
 
-def verdict(mine: float, theirs: float, mode: str, promote: str, tolerance: float) -> tuple[bool, float, str]:
+def verdict(
+    mine: float, theirs: float, mode: str, promote: str, tolerance: float
+) -> tuple[bool, float, str]:
     """Whether the candidate's metric `mine` beats the champion's `theirs` as `promote` asks; the gain
     (positive = better, in the metric's units) and the reason, with {} where the champion is named."""
     gain = (mine - theirs) if mode == "max" else (theirs - mine)
     if gain != gain:  # a metric that could not be computed (NaN) never wins, and always loses
         gain = float("-inf") if mine != mine else float("inf")
-    moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[promote]
+    moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[
+        promote
+    ]
     word = "better" if gain > 0 else "worse" if gain < 0 else "equal"
-    rule = {"always": "always", "if_better": f"needs a gain > {tolerance:g}",
-            "if_not_worse": f"allows a loss <= {tolerance:g}"}[promote]
-    return moves, gain, f"{mine:.6g} vs {{}} {theirs:.6g} ({word}, gain {gain:+.6g}; {promote} {rule})"
+    rule = {
+        "always": "always",
+        "if_better": f"needs a gain > {tolerance:g}",
+        "if_not_worse": f"allows a loss <= {tolerance:g}",
+    }[promote]
+    return (
+        moves,
+        gain,
+        f"{mine:.6g} vs {{}} {theirs:.6g} ({word}, gain {gain:+.6g}; {promote} {rule})",
+    )
 
 
 def not_comparable(candidate: Path, champion: Path) -> str:
@@ -166,8 +223,8 @@ def not_comparable(candidate: Path, champion: Path) -> str:
 
 def _write_inputs(val, path: Path) -> tuple[Path, list]:
     """The validation split's inputs, batch by batch, for the measuring processes; its targets stay here."""
-    from pipeline.components.data import eval_loader
     from pipeline.artifact.gates import VAL_BATCH, feeds_of
+    from pipeline.components.data import eval_loader
 
     arrays, targets = {}, []
     for i, (inputs, target) in enumerate(eval_loader(val, VAL_BATCH)):
@@ -184,18 +241,36 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
 
     with tempfile.TemporaryDirectory(prefix="trainserve-measure-") as tmp:
         out = Path(tmp) / "outputs.npz"
-        proc = subprocess.run([sys.executable, "-m", "pipeline.artifact.promotion", str(onnx_path), str(inputs),
-                               str(out)], capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S,
-                              env=dict(os.environ, OMP_NUM_THREADS=str(MEASURE_THREADS)))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.artifact.promotion",
+                str(onnx_path),
+                str(inputs),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=MEASURE_TIMEOUT_S,
+            env=dict(os.environ, OMP_NUM_THREADS=str(MEASURE_THREADS)),
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"measuring {onnx_path.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            raise RuntimeError(
+                f"measuring {onnx_path.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
+            )
         stats = json.loads(proc.stdout.strip().splitlines()[-1])
         with np.load(out) as outputs:
             state = task.new_state(torch.device("cpu"))
             for i, target in enumerate(targets):
-                named = {key.split("/", 1)[1]: torch.from_numpy(outputs[key]) for key in outputs.files
-                         if key.startswith(f"{i}/")}
-                task.update(state, {k: v for k, v in named.items() if k not in task.derived}, target)
+                named = {
+                    key.split("/", 1)[1]: torch.from_numpy(outputs[key])
+                    for key in outputs.files
+                    if key.startswith(f"{i}/")
+                }
+                task.update(
+                    state, {k: v for k, v in named.items() if k not in task.derived}, target
+                )
     from pipeline.distributed import DistInfo
 
     task.reduce(state, DistInfo.cpu_alone())
@@ -241,11 +316,15 @@ def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[s
         rows += len(next(iter(batches[i].values())))
     np.savez(outputs_path, **outputs)
     peak = _peak_rss_mb()
-    return {"latency_ms_p50": round(float(np.median(times)) * 1e3, 3),
-            "latency_ms_p90": round(float(np.quantile(times, 0.9)) * 1e3, 3),
-            "batch_rows": len(next(iter(batches[0].values()))), "rows_per_s": round(rows / sum(times), 1),
-            "peak_rss_mb": round(peak, 1), "model_rss_mb": round(peak - before, 1),
-            "threads": MEASURE_THREADS}
+    return {
+        "latency_ms_p50": round(float(np.median(times)) * 1e3, 3),
+        "latency_ms_p90": round(float(np.quantile(times, 0.9)) * 1e3, 3),
+        "batch_rows": len(next(iter(batches[0].values()))),
+        "rows_per_s": round(rows / sum(times), 1),
+        "peak_rss_mb": round(peak, 1),
+        "model_rss_mb": round(peak - before, 1),
+        "threads": MEASURE_THREADS,
+    }
 
 
 if __name__ == "__main__":

@@ -22,9 +22,16 @@ import torch
 
 # torch dtype -> safetensors dtype name.
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -57,8 +64,11 @@ def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None
     for s in specs:
         if s.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor '{s.name}': dtype {s.dtype} has no safetensors name")
-        header[s.name] = {"dtype": DTYPE_NAMES[s.dtype], "shape": list(s.shape),
-                          "data_offsets": [offset, offset + s.nbytes]}
+        header[s.name] = {
+            "dtype": DTYPE_NAMES[s.dtype],
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
         offset += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
@@ -90,13 +100,17 @@ class StreamingWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._specs):
-            raise ValueError(f"tensor '{name}' is not in the header: every tensor was written already")
+            raise ValueError(
+                f"tensor '{name}' is not in the header: every tensor was written already"
+            )
         spec = self._specs[self._next]
         if name != spec.name:
             raise ValueError(f"tensor '{name}' written out of order: '{spec.name}' comes next")
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(f"tensor '{name}' is {tensor.dtype} {list(tensor.shape)}, "
-                             f"the header says {spec.dtype} {list(spec.shape)}")
+            raise ValueError(
+                f"tensor '{name}' is {tensor.dtype} {list(tensor.shape)}, "
+                f"the header says {spec.dtype} {list(spec.shape)}"
+            )
         if spec.nbytes:
             # A uint8 view shares the tensor's memory: no copy on the way to the file (for a
             # contiguous tensor). Assumes a little-endian host, as safetensors does.
@@ -108,7 +122,7 @@ class StreamingWriter:
         """Flushes to disk (fsync) and returns the sha256 of the file; refuses an incomplete file."""
         try:
             if self._next != len(self._specs):
-                missing = [s.name for s in self._specs[self._next:]]
+                missing = [s.name for s in self._specs[self._next :]]
                 raise ValueError(f"{len(missing)} tensor(s) never written, first: {missing[:5]}")
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -118,5 +132,3 @@ class StreamingWriter:
 
     def abort(self) -> None:
         self._file.close()
-
-

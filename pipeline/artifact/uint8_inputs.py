@@ -39,15 +39,23 @@ SCALE = 255.0
 
 def chosen(model: onnx.ModelProto, asked: list[str]) -> tuple[list[str], str]:
     """The inputs to take as UINT8 (["*"]: every float input) and '' , or [] and why not."""
-    floats = [i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT]
+    floats = [
+        i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT
+    ]
     names = floats if asked == ["*"] else list(asked)
     every = [i.name for i in model.graph.input]
     unknown = [n for n in names if n not in every]
     if unknown:
-        return [], f"export.uint8_inputs names {unknown}, not inputs of the graph (its inputs: {every})"
+        return (
+            [],
+            f"export.uint8_inputs names {unknown}, not inputs of the graph (its inputs: {every})",
+        )
     not_float = [n for n in names if n not in floats]
     if not_float:
-        return [], f"export.uint8_inputs: {not_float} are not FP32 inputs (only a float image input can be taken as UINT8)"
+        return (
+            [],
+            f"export.uint8_inputs: {not_float} are not FP32 inputs (only a float image input can be taken as UINT8)",
+        )
     if not names:
         return [], f"export.uint8_inputs: the graph has no FP32 input (its inputs: {every})"
     return names, ""
@@ -70,17 +78,27 @@ def make(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
             node.input[:] = [scaled if i == name else i for i in node.input]
         for output in graph.output:  # an input passed straight through stays what it was
             if output.name == name:
-                raise ValueError(f"input {name} is also an output of the graph: it cannot change its type")
+                raise ValueError(
+                    f"input {name} is also an output of the graph: it cannot change its type"
+                )
         value = next(i for i in graph.input if i.name == name)
         value.type.tensor_type.elem_type = TensorProto.UINT8
-        nodes += [helper.make_node("Cast", [name], [f"{name}__as_float"], to=TensorProto.FLOAT,
-                                   name=f"{name}__cast"),
-                  helper.make_node("Div", [f"{name}__as_float", f"{name}__scale"], [scaled], name=f"{name}__scale")]
-        graph.initializer.append(helper.make_tensor(f"{name}__scale", TensorProto.FLOAT, [], [SCALE]))
+        nodes += [
+            helper.make_node(
+                "Cast", [name], [f"{name}__as_float"], to=TensorProto.FLOAT, name=f"{name}__cast"
+            ),
+            helper.make_node(
+                "Div", [f"{name}__as_float", f"{name}__scale"], [scaled], name=f"{name}__scale"
+            ),
+        ]
+        graph.initializer.append(
+            helper.make_tensor(f"{name}__scale", TensorProto.FLOAT, [], [SCALE])
+        )
     for node in reversed(nodes):
         graph.node.insert(0, node)
-    onnx.helper.set_model_props(out, {**{p.key: p.value for p in model.metadata_props},
-                                      PIXEL_INPUTS_KEY: ",".join(names)})
+    onnx.helper.set_model_props(
+        out, {**{p.key: p.value for p in model.metadata_props}, PIXEL_INPUTS_KEY: ",".join(names)}
+    )
     return out
 
 
@@ -92,7 +110,9 @@ class RoundedFeeds:
         self.sess, self.names = sess, set(names)
 
     def run(self, output_names, feeds):
-        return self.sess.run(output_names, {k: rounded(v) if k in self.names else v for k, v in feeds.items()})
+        return self.sess.run(
+            output_names, {k: rounded(v) if k in self.names else v for k, v in feeds.items()}
+        )
 
     def __getattr__(self, attr):  # get_outputs, get_providers, ...
         return getattr(self.sess, attr)
@@ -107,8 +127,12 @@ class RoundedHead(torch.nn.Module):
         self.input_names, self.output_names = head.input_names, head.output_names
 
     def forward(self, *inputs):
-        return self.head(*(torch.from_numpy(rounded(x.numpy())).float() / SCALE if name in self.names else x
-                           for name, x in zip(self.input_names, inputs)))
+        return self.head(
+            *(
+                torch.from_numpy(rounded(x.numpy())).float() / SCALE if name in self.names else x
+                for name, x in zip(self.input_names, inputs)
+            )
+        )
 
 
 def range_gate(val, names: list[str]) -> dict:
@@ -120,18 +144,28 @@ def range_gate(val, names: list[str]) -> dict:
     for inputs, _ in eval_loader(val, 256):
         for name, x in gates.feeds_of(inputs).items():
             if name in low:
-                low[name], high[name] = min(low[name], float(x.min())), max(high[name], float(x.max()))
+                low[name], high[name] = (
+                    min(low[name], float(x.min())),
+                    max(high[name], float(x.max())),
+                )
     outside = {n: (low[n], high[n]) for n in names if low[n] < 0 or high[n] > 1}
     if outside:
         spans = ", ".join(f"{n} spans [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in outside.items())
-        return {"passed": False, "message": f"{spans} on the validation split, not [0, 1]: a UINT8 input carries pixel "
-                                            "values 0-255 that the graph scales by 1/255. Normalize inside the model "
-                                            "(pipeline.models take mean/std) or leave export.uint8_inputs off"}
-    return {"passed": True, "message": "every value of " + ", ".join(names) + " in [0, 1] on the validation split"}
+        return {
+            "passed": False,
+            "message": f"{spans} on the validation split, not [0, 1]: a UINT8 input carries pixel "
+            "values 0-255 that the graph scales by 1/255. Normalize inside the model "
+            "(pipeline.models take mean/std) or leave export.uint8_inputs off",
+        }
+    return {
+        "passed": True,
+        "message": "every value of " + ", ".join(names) + " in [0, 1] on the validation split",
+    }
 
 
-def make_variant(exported_model: onnx.ModelProto, onnx_path: Path, out: Path, ref, batches, cfg,
-                 asked: list[str]) -> tuple[Path | None, dict[str, dict]]:
+def make_variant(
+    exported_model: onnx.ModelProto, onnx_path: Path, out: Path, ref, batches, cfg, asked: list[str]
+) -> tuple[Path | None, dict[str, dict]]:
     """The variant beside `onnx_path` (the gated fp32 file) and its gates, `uint8.`-prefixed; (None, gates) when
     it cannot be made."""
     names, why_not = chosen(exported_model, asked)
@@ -145,13 +179,27 @@ def make_variant(exported_model: onnx.ModelProto, onnx_path: Path, out: Path, re
     results["uint8.checker"] = gates.check_model(path)
     rounding_ref = replace(ref, head=RoundedHead(ref.head, names))
     sess = RoundedFeeds(gates.session(path), names)
-    results.update({f"uint8.{k}": v for k, v in run_gates(sess, rounding_ref, batches, cfg).items()})
+    results.update(
+        {f"uint8.{k}": v for k, v in run_gates(sess, rounding_ref, batches, cfg).items()}
+    )
     # What rounding costs the task: the fp32 graph on the inputs as given vs PyTorch on the rounded ones (the
     # parity part is not a gate here: the inputs differ on purpose).
     limits = dict(ref.task.gate_limits(cfg, "fp32"))
-    cost = gates.validation(gates.session(onnx_path), rounding_ref.head, ref.splits.val, ref.task, np.inf, np.inf,
-                            limits["tolerance"], cfg.metric_atol)
-    results["uint8.rounding"] = {**cost[ref.task.primary], "message": "inputs as given vs rounded to 1/255 steps: "
-                                 + cost[ref.task.primary]["message"].replace("ONNX", "as given").replace("PyTorch",
-                                                                                                       "rounded")}
+    cost = gates.validation(
+        gates.session(onnx_path),
+        rounding_ref.head,
+        ref.splits.val,
+        ref.task,
+        np.inf,
+        np.inf,
+        limits["tolerance"],
+        cfg.metric_atol,
+    )
+    results["uint8.rounding"] = {
+        **cost[ref.task.primary],
+        "message": "inputs as given vs rounded to 1/255 steps: "
+        + cost[ref.task.primary]["message"]
+        .replace("ONNX", "as given")
+        .replace("PyTorch", "rounded"),
+    }
     return path, results

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from pipeline.artifact.safetensors_writer import TensorSpec
 from pipeline.components.build import ModelSpec, instantiate_model
 from pipeline.components.reference import ArtifactSource
-from pipeline.artifact.safetensors_writer import TensorSpec
-from serving.lineage import file_sha256
 from pipeline.config import Config, config_from_dict
 from pipeline.errors import WeightsError
+from serving.lineage import file_sha256
 
 WEIGHTS_FORMAT = "trainserve-weights/2"
 WEIGHTS_FILE, META_FILE = "model.safetensors", "model.json"
@@ -42,7 +42,9 @@ class Weights:
     def step(self) -> int:
         """The training step of the checkpoint the weights came from (0 when they do not say)."""
         step = self.source.get("step")
-        return int(step) if isinstance(step, int) or (isinstance(step, str) and step.isdigit()) else 0
+        return (
+            int(step) if isinstance(step, int) or (isinstance(step, str) and step.isdigit()) else 0
+        )
 
 
 def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
@@ -59,15 +61,22 @@ def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: s
         "inputs": meta.get("inputs"),
         "single_input": meta.get("single_input", True),
         "code": meta.get("code"),
-        "tensors": {s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
-                    for s in sorted(specs, key=lambda s: s.name)},
+        "tensors": {
+            s.name: {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
+            for s in sorted(specs, key=lambda s: s.name)
+        },
         "sha256": sha,
         "dtype": dtype,
-        "source": {"checkpoint": str(ckpt.resolve()), "step": meta.get("step"),
-                   "world_size": meta.get("world_size"), "strategy": meta.get("strategy"),
-                   "mlflow_run_id": meta.get("mlflow_run_id"),
-                   "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
-                   "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step") == meta.get("step")},
+        "source": {
+            "checkpoint": str(ckpt.resolve()),
+            "step": meta.get("step"),
+            "world_size": meta.get("world_size"),
+            "strategy": meta.get("strategy"),
+            "mlflow_run_id": meta.get("mlflow_run_id"),
+            "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
+            "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step")
+            == meta.get("step"),
+        },
     }
 
 
@@ -79,27 +88,36 @@ def read_weights(directory: Path) -> Weights:
     meta_path, weights_path = directory / META_FILE, directory / WEIGHTS_FILE
     missing = [p.name for p in (weights_path, meta_path) if not p.is_file()]
     if missing:
-        raise WeightsError(f"{directory}: missing {', '.join(missing)}; expected the output of "
-                           "`pipeline consolidate` (model.safetensors and model.json)")
+        raise WeightsError(
+            f"{directory}: missing {', '.join(missing)}; expected the output of "
+            "`pipeline consolidate` (model.safetensors and model.json)"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise WeightsError(f"{meta_path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != WEIGHTS_FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise WeightsError(f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}"
-                           + ("; consolidate the checkpoint again with this trainserve" if got else ""))
+        raise WeightsError(
+            f"{meta_path}: format {got!r}, expected {WEIGHTS_FORMAT!r}"
+            + ("; consolidate the checkpoint again with this trainserve" if got else "")
+        )
     absent = [k for k in ("config", "model", "sha256") if not meta.get(k)]
     model = meta.get("model")
-    if not absent and not (isinstance(model, dict) and isinstance(model.get("component"), str)
-                           and isinstance(model.get("args"), dict)):
+    if not absent and not (
+        isinstance(model, dict)
+        and isinstance(model.get("component"), str)
+        and isinstance(model.get("args"), dict)
+    ):
         absent = ["model {component, args}"]
     if absent:
         raise WeightsError(f"{meta_path}: missing field(s) {', '.join(absent)}")
     digest = file_sha256(weights_path)
     if digest != meta["sha256"]:
-        raise WeightsError(f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
-                           "the file was changed or truncated after consolidation")
+        raise WeightsError(
+            f"{weights_path}: sha256 {digest} does not match model.json ({meta['sha256']}); "
+            "the file was changed or truncated after consolidation"
+        )
     config = config_from_dict(meta["config"])
     try:  # mapped, not read: a tensor's pages are read (and count against the process) when touched
         state_dict = load_file(str(weights_path))
@@ -111,7 +129,9 @@ def read_weights(directory: Path) -> Weights:
     return Weights(directory, meta, config, state_dict)
 
 
-def load_model(weights: Weights, source: ArtifactSource | None = None, missing_hint: str = "") -> torch.nn.Module:
+def load_model(
+    weights: Weights, source: ArtifactSource | None = None, missing_hint: str = ""
+) -> torch.nn.Module:
     """The model rebuilt from its recorded component and args, with the weights checked key by key and
     shape by shape."""
     spec = ModelSpec(**weights.meta["model"])
@@ -120,17 +140,27 @@ def load_model(weights: Weights, source: ArtifactSource | None = None, missing_h
     got = {k: tuple(v.shape) for k, v in weights.state_dict.items()}
     problems = [f"missing {k} {list(s)}" for k, s in expected.items() if k not in got]
     problems += [f"unexpected {k} {list(s)}" for k, s in got.items() if k not in expected]
-    problems += [f"{k}: file {list(got[k])}, model {list(s)}" for k, s in expected.items() if k in got and got[k] != s]
+    problems += [
+        f"{k}: file {list(got[k])}, model {list(s)}"
+        for k, s in expected.items()
+        if k in got and got[k] != s
+    ]
     if problems:
-        shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise WeightsError(f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
-                           f"({spec.component} with args {_brief(spec.args)}): {shown}")
+        shown = "; ".join(problems[:20]) + (
+            f"; ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        )
+        raise WeightsError(
+            f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
+            f"({spec.component} with args {_brief(spec.args)}): {shown}"
+        )
     # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
     # the graph and its gates run at the precision the model was defined in. assign: the module takes the
     # file's tensors themselves (mapped, see read_weights) instead of copying them into its freshly initialized
     # ones, so a model of N GB costs N GB once, in pages read only as they are used (a lookup reads its rows).
     own = model.state_dict()
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True, assign=True)
+    model.load_state_dict(
+        {k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True, assign=True
+    )
     return model.eval()
 
 
@@ -145,5 +175,3 @@ def remapped(weights: Weights) -> Weights:
 def _brief(args: dict) -> str:
     text = json.dumps(args)
     return text if len(text) <= 120 else text[:117] + "..."
-
-

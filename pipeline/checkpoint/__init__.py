@@ -17,11 +17,40 @@ What the stages use is named here: the layout's functions, and the format-indepe
 """
 
 from pipeline.checkpoint.formats import load, save  # noqa: F401
-from pipeline.checkpoint.layout import (MARKER, META, STEP_DIR, check_digests, clear_incomplete,  # noqa: F401
-                                        fsync_dir, latest, list_complete, read_meta, set_aside_after,
-                                        step_dir_name, verify_checksums, verify_complete, write_json_durably)
+from pipeline.checkpoint.layout import (  # noqa: F401
+    MARKER,
+    META,
+    STEP_DIR,
+    check_digests,
+    clear_incomplete,
+    fsync_dir,
+    latest,
+    list_complete,
+    read_meta,
+    set_aside_after,
+    step_dir_name,
+    verify_checksums,
+    verify_complete,
+    write_json_durably,
+)
 from pipeline.errors import CheckpointError  # noqa: F401
 
-__all__ = ["CheckpointError", "MARKER", "META", "STEP_DIR", "check_digests", "clear_incomplete", "fsync_dir", "latest",
-           "list_complete", "load", "read_meta", "save", "set_aside_after", "step_dir_name", "verify_checksums",
-           "verify_complete", "write_json_durably"]
+__all__ = [
+    "CheckpointError",
+    "MARKER",
+    "META",
+    "STEP_DIR",
+    "check_digests",
+    "clear_incomplete",
+    "fsync_dir",
+    "latest",
+    "list_complete",
+    "load",
+    "read_meta",
+    "save",
+    "set_aside_after",
+    "step_dir_name",
+    "verify_checksums",
+    "verify_complete",
+    "write_json_durably",
+]

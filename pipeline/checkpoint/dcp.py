@@ -36,15 +36,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
+from pipeline.checkpoint.dcp_read import load, rng_state, single_process_quiet  # noqa: F401 - load: the format's reader
+from pipeline.checkpoint.layout import (
+    MARKER,
+    META,
+    fsync_dir,
+    list_complete,
+    prune,
+    publish,
+    remove,
+    step_dir_name,
+    write_json_durably,
+)
 from pipeline.checkpoint.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo, barrier
+from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
 from pipeline.tools.faults import inject_fault
 from serving.lineage import file_sha256
-from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
-
-from pipeline.checkpoint.dcp_read import load, rng_state, single_process_quiet  # noqa: F401 - load: the format's reader
-from pipeline.checkpoint.layout import (MARKER, META, fsync_dir, list_complete, prune, publish, remove, step_dir_name,
-                                        write_json_durably)
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +64,34 @@ FORMAT = "trainserve-dcp/2"  # /2: components (model/data/task references, state
 @dataclass
 class PendingSave:
     """A save whose shards are being written (`written` not yet done, when asynchronous) into `tmp`."""
+
     step: int
     tmp: Path
     final: Path
     meta: dict
-    written: Future | None = None  # asynchronous: done when this rank's shards are on disk and hashed
+    written: Future | None = (
+        None  # asynchronous: done when this rank's shards are on disk and hashed
+    )
 
 
-def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-               info: DistInfo, background: "AsyncWriter | None" = None) -> PendingSave:
+def start_save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict,
+    info: DistInfo,
+    background: "AsyncWriter | None" = None,
+) -> PendingSave:
     """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
     state is copied (staged) and the write goes on in a thread. `finish_save` publishes it. On an object store
     the shards go straight into the step directory (no rename there: the marker publishes it, see above)."""
     if is_url(root):
         root = StoreUrl(root)
         final = tmp = root / step_dir_name(step)
-        if info.is_main:  # what a crashed save left there (garbage), or a complete one being re-saved
+        if (
+            info.is_main
+        ):  # what a crashed save left there (garbage), or a complete one being re-saved
             run_dir.check_still_owned(root.parent)
             remove(final)
     else:
@@ -84,7 +104,9 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
                 shutil.rmtree(tmp)
     barrier(info)
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{info.rank}": rng_state()}}
     pending = PendingSave(step, tmp, final, dict(meta))
     try:
@@ -95,30 +117,45 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
                 pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise _save_failed(exc, root, tmp, step, _tensor_bytes(state), info) from None
-    inject_fault("save_started", step, info)  # test hook: a crash while the shards are being written
+    inject_fault(
+        "save_started", step, info
+    )  # test hook: a crash while the shards are being written
     return pending
 
 
-def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple[int | None, ...] = (),
-                group=None) -> Path:
+def finish_save(
+    pending: PendingSave,
+    info: DistInfo,
+    keep_last: int,
+    protect: tuple[int | None, ...] = (),
+    group=None,
+) -> Path:
     """Collective (on `group`, default the training's). Once every rank's shards are written (an asynchronous
     write waited for here, on each rank, before the barrier): hashes, trainserve.json, the COMPLETE marker last,
     the atomic publish, pruning."""
     tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
     # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its thread).
-    mine = pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
+    mine = (
+        pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
+    )
     _barrier(info, group)
     inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
     digests = _all_gather(mine, info, group)
     if info.is_main and is_url(final):
-        run_dir.check_still_owned(final.parent.parent)  # <run>/checkpoints/step_N: the run's lease, still ours
+        run_dir.check_still_owned(
+            final.parent.parent
+        )  # <run>/checkpoints/step_N: the run's lease, still ours
         _publish_on_store(final, step, meta, info, digests)
         prune(final.parent, keep_last, protect)
-        log.debug("checkpoint saved: %s", final)  # said by the Saver: at --verbose, when slow, and once in all
+        log.debug(
+            "checkpoint saved: %s", final
+        )  # said by the Saver: at --verbose, when slow, and once in all
     elif info.is_main:
         root = final.parent
         try:
-            write_json_durably(tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+            write_json_durably(
+                tmp / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta}
+            )
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
             sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
             sha256.update({name: file_sha256(tmp / name) for name in files if name not in sha256})
@@ -128,22 +165,30 @@ def finish_save(pending: PendingSave, info: DistInfo, keep_last: int, protect: t
             raise _save_failed(exc, root, tmp, step, 0, info) from None
         publish(tmp, final)
         prune(root, keep_last, protect)
-        log.debug("checkpoint saved: %s", final)  # said by the Saver: at --verbose, when slow, and once in all
+        log.debug(
+            "checkpoint saved: %s", final
+        )  # said by the Saver: at --verbose, when slow, and once in all
     _barrier(info, group)
     return final
 
 
-def _publish_on_store(final: StoreUrl, step: int, meta: dict, info: DistInfo, digests: list[dict]) -> None:
+def _publish_on_store(
+    final: StoreUrl, step: int, meta: dict, info: DistInfo, digests: list[dict]
+) -> None:
     """Every rank's shards are written (the caller's barrier): trainserve.json, then the marker, last, naming
     every object with its size and sha256. Until the marker's PUT completes this is not a checkpoint."""
-    object_store.write_json(final / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta})
+    object_store.write_json(
+        final / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta}
+    )
     files = object_store.files(final)
     sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
     sha256.update({name: object_store.sha256(final / name) for name in files if name not in sha256})
     missing = sorted(set(sha256) - set(files))
     if missing:  # a rank's PUT that did not land: never publish a checkpoint without it
-        raise CheckpointError(f"saving checkpoint step {step} to {final}: {', '.join(missing)} written but not on "
-                              "the object store; the previous checkpoint is intact")
+        raise CheckpointError(
+            f"saving checkpoint step {step} to {final}: {', '.join(missing)} written but not on "
+            "the object store; the previous checkpoint is intact"
+        )
     object_store.write_json(final / MARKER, {"step": step, "files": files, "sha256": sha256})
 
 
@@ -157,7 +202,11 @@ def dcp_target(directory: Path) -> dict:
     # torch 2.13 keeps DCP's fsspec storage in this module (not re-exported by torch.distributed.checkpoint).
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return {"storage_writer": FsspecWriter(str(directory), sync_files=False, **object_store.storage_options())}
+    return {
+        "storage_writer": FsspecWriter(
+            str(directory), sync_files=False, **object_store.storage_options()
+        )
+    }
 
 
 def _tensor_bytes(tree) -> int:
@@ -170,20 +219,26 @@ def _tensor_bytes(tree) -> int:
     return 0
 
 
-def _save_failed(exc: BaseException, root: Path, tmp: Path, step: int, needed: int, info: DistInfo) -> BaseException:
+def _save_failed(
+    exc: BaseException, root: Path, tmp: Path, step: int, needed: int, info: DistInfo
+) -> BaseException:
     """What a failed save raises: on a full disk, one line that says so (DCP reports it as torch.save's
     "unexpected pos 704 vs 598" inside a 65-line CheckpointException, no errno); else the error itself. The
     partial directory goes either way: it was never published, and it holds the space a retry needs."""
     try:
-        free = shutil.disk_usage(root).free  # before the partial files go: what the failed write left
+        free = shutil.disk_usage(
+            root
+        ).free  # before the partial files go: what the failed write left
     except OSError:
         free = None
     if info.is_main:
         remove(tmp) if is_url(tmp) else shutil.rmtree(tmp, ignore_errors=True)
     if is_url(root):
         return exc
-    full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
-               for e in _chain(exc)) or (free is not None and free < needed)
+    full = any(
+        getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+        for e in _chain(exc)
+    ) or (free is not None and free < needed)
     if not full:
         return exc
     last = list_complete(root)
@@ -191,7 +246,12 @@ def _save_failed(exc: BaseException, root: Path, tmp: Path, step: int, needed: i
         f"saving checkpoint step {step} to {root} failed: the disk is full ({(free or 0) / 2**20:.1f} MiB free on "
         f"its filesystem, the checkpoint takes ~{needed / 2**20:.1f} MiB per rank); free space or set "
         "train.output_dir to a larger disk. "
-        + (f"The last complete checkpoint, {last[-1].name}, is intact" if last else "No earlier checkpoint exists"))
+        + (
+            f"The last complete checkpoint, {last[-1].name}, is intact"
+            if last
+            else "No earlier checkpoint exists"
+        )
+    )
 
 
 def _chain(exc: BaseException):
@@ -205,7 +265,10 @@ def _chain(exc: BaseException):
         yield e
         todo += [getattr(e, "__cause__", None), getattr(e, "__context__", None)]
         if isinstance(e, CheckpointException):
-            todo += [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+            todo += [
+                failure[0] if isinstance(failure, tuple) else failure
+                for failure in e.failures.values()
+            ]
 
 
 def _barrier(info: DistInfo, group) -> None:
@@ -224,8 +287,11 @@ def _all_gather(obj, info: DistInfo, group) -> list:
 def shard_digests(directory: Path, rank: int) -> dict[str, str]:
     """sha256 of the shard files `rank` wrote (DCP names them __<rank>_<n>.distcp)."""
     if is_url(directory):
-        return {name: object_store.sha256(StoreUrl(directory) / name) for name in sorted(object_store.files(directory))
-                if re.fullmatch(rf"__{rank}_\d+\.distcp", name)}
+        return {
+            name: object_store.sha256(StoreUrl(directory) / name)
+            for name in sorted(object_store.files(directory))
+            if re.fullmatch(rf"__{rank}_\d+\.distcp", name)
+        }
     return {p.name: file_sha256(p) for p in sorted(Path(directory).glob(f"__{rank}_*.distcp"))}
 
 
@@ -258,10 +324,18 @@ class AsyncWriter:
         self.group = torch.distributed.new_group(backend="gloo") if info.distributed else None
         cuda = info.device.type == "cuda"
         # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
         # One thread, so a save's publish runs after its write, and saves publish in order.
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer", initializer=_lowest_priority)
+        self.worker = ThreadPoolExecutor(
+            1, thread_name_prefix="checkpoint-writer", initializer=_lowest_priority
+        )
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
         """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
@@ -274,10 +348,17 @@ class AsyncWriter:
         # One process: DCP's warning that it assumes one process is meant (a catch_warnings here, off the
         # training thread, is safe only then: with no DDP, nothing else changes the filters meanwhile).
         with single_process_quiet() if not info.distributed else contextlib.nullcontext():
-            dcp.save(staged, **dcp_target(directory), process_group=self.group, no_dist=not info.distributed)
+            dcp.save(
+                staged,
+                **dcp_target(directory),
+                process_group=self.group,
+                no_dist=not info.distributed,
+            )
         return shard_digests(directory, info.rank)
 
-    def publish(self, pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple) -> Future:
+    def publish(
+        self, pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple
+    ) -> Future:
         """The publish of `pending` (finish_save on this writer's group), in the background: a future of its path."""
         return self.worker.submit(finish_save, pending, info, keep_last, protect, self.group)
 
@@ -290,7 +371,10 @@ def _lowest_priority() -> None:
     """This thread at nice AsyncWriter.NICE (Linux: a thread's own priority); elsewhere it stays as it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), AsyncWriter.NICE)
-    except (AttributeError, OSError):  # no setpriority (Windows), or not allowed: same priority as training
+    except (
+        AttributeError,
+        OSError,
+    ):  # no setpriority (Windows), or not allowed: same priority as training
         pass
 
 

@@ -23,15 +23,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import pipeline.checkpoint.object_store as object_store
+from pipeline.checkpoint.layout import META, read_meta
 from pipeline.checkpoint.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo
 from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
-
-from pipeline.checkpoint.layout import META, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +38,9 @@ log = logging.getLogger(__name__)
 def single_process_quiet():
     """DCP warns that one process without a process group is 'assumed' single-process; it is meant."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield
 
 
@@ -59,19 +59,39 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     pos, has_gauss = (int(v) for v in state["numpy_pos"])
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
-                         float(state["numpy_gauss"][0])))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            pos,
+            has_gauss,
+            float(state["numpy_gauss"][0]),
+        )
+    )
     random.setstate((3, tuple(int(v) for v in state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
 _METADATA_TYPES = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -82,27 +102,38 @@ class UnsafeCheckpoint(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_TYPES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                  torch.dtype)):
+        if (module, name) in _METADATA_TYPES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise UnsafeCheckpoint(f"it names {module}.{name}, which a DCP checkpoint's metadata never holds")
+        raise UnsafeCheckpoint(
+            f"it names {module}.{name}, which a DCP checkpoint's metadata never holds"
+        )
 
 
 def read_metadata_safely(path: Path) -> Metadata:
     """DCP's index of a checkpoint, unpickled with only DCP's metadata types admitted."""
     try:
         if is_url(path):
-            metadata = _MetadataUnpickler(io.BytesIO(object_store.read_bytes(StoreUrl(path) / ".metadata"))).load()
+            metadata = _MetadataUnpickler(
+                io.BytesIO(object_store.read_bytes(StoreUrl(path) / ".metadata"))
+            ).load()
         else:
             with open(Path(path) / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
     except UnsafeCheckpoint as exc:
-        raise CheckpointError(f"checkpoint '{path}': .metadata refused, nothing in it was run: {exc} (a foreign or "
-                              "hostile file; use a checkpoint your own training wrote)") from None
+        raise CheckpointError(
+            f"checkpoint '{path}': .metadata refused, nothing in it was run: {exc} (a foreign or "
+            "hostile file; use a checkpoint your own training wrote)"
+        ) from None
     except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
-        raise CheckpointError(f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata")
+        raise CheckpointError(
+            f"checkpoint '{path}': .metadata holds a {type(metadata).__name__}, not DCP metadata"
+        )
     _check_storage_paths(path if is_url(path) else Path(path), metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
@@ -114,15 +145,24 @@ def _check_storage_paths(path: Path, metadata: Metadata) -> None:
     names them relative to it; the unpickler admits any string, and DCP's reader joins it to the directory, so
     an absolute or `../` relative_path would read another run's (or any) file, which the marker's checksums,
     covering only the checkpoint's own files, never see."""
-    root = Path("/checkpoint") if is_url(path) else path.resolve()  # on a store: the names alone are judged
+    root = (
+        Path("/checkpoint") if is_url(path) else path.resolve()
+    )  # on a store: the names alone are judged
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         relative = getattr(info, "relative_path", None)
         where = getattr(index, "fqn", index)
-        if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or \
-                ".." in Path(relative).parts or not (root / relative).resolve().is_relative_to(root):
-            raise CheckpointError(f"checkpoint '{path}': .metadata reads '{where}' from {relative!r:.200}, outside the "
-                                  "checkpoint directory; DCP stores data in files inside it (e.g. '__0_0.distcp'). "
-                                  "A foreign or hostile file: use a checkpoint your own training wrote")
+        if (
+            not isinstance(relative, str)
+            or not relative
+            or Path(relative).is_absolute()
+            or ".." in Path(relative).parts
+            or not (root / relative).resolve().is_relative_to(root)
+        ):
+            raise CheckpointError(
+                f"checkpoint '{path}': .metadata reads '{where}' from {relative!r:.200}, outside the "
+                "checkpoint directory; DCP stores data in files inside it (e.g. '__0_0.distcp'). "
+                "A foreign or hostile file: use a checkpoint your own training wrote"
+            )
 
 
 class CachedMetadataReader(FileSystemReader):
@@ -164,17 +204,26 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} refused, nothing in it was run: {first}") from None
+            raise UnsafeCheckpoint(
+                f"entry {read_item.dest_index.fqn} refused, nothing in it was run: {first}"
+            ) from None
         value.seek(0)
         super().load_bytes(read_item, value)
 
 
-def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata,
-                     held_elsewhere: frozenset[str] = frozenset()) -> None:
+def check_compatible(
+    path: Path,
+    model_sd: dict[str, Any],
+    metadata: Metadata,
+    held_elsewhere: frozenset[str] = frozenset(),
+) -> None:
     """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load. A pipeline
     stage loads its own keys; those of the other stages (`held_elsewhere`) are expected in the checkpoint."""
-    stored = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-              if k.startswith("model.") and hasattr(v, "size")}
+    stored = {
+        k[len("model.") :]: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     wanted = {k: tuple(v.shape) for k, v in model_sd.items()}
     missing = sorted(set(wanted) - set(stored))
     extra = sorted(set(stored) - set(wanted) - held_elsewhere)
@@ -183,14 +232,24 @@ def check_compatible(path: Path, model_sd: dict[str, Any], metadata: Metadata,
         lines = [f"checkpoint '{path}' does not match the model being built:"]
         lines += [f"  missing in checkpoint: {k} {list(wanted[k])}" for k in missing[:20]]
         lines += [f"  not in model: {k} {list(stored[k])}" for k in extra[:20]]
-        lines += [f"  shape differs: {k} checkpoint {list(stored[k])} vs model {list(wanted[k])}" for k in shapes[:20]]
-        lines.append("  check that model.* and data.* match the config the checkpoint was trained with "
-                     f"(see {Path(path) / META})")
+        lines += [
+            f"  shape differs: {k} checkpoint {list(stored[k])} vs model {list(wanted[k])}"
+            for k in shapes[:20]
+        ]
+        lines.append(
+            "  check that model.* and data.* match the config the checkpoint was trained with "
+            f"(see {Path(path) / META})"
+        )
         raise CheckpointError("\n".join(lines))
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo,
-         held_elsewhere: frozenset[str] = frozenset()) -> dict:
+def load(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    info: DistInfo,
+    held_elsewhere: frozenset[str] = frozenset(),
+) -> dict:
     """Collective. Loads model (+ optimizer, + this rank's RNG when present) in place; returns the meta.
 
     DCP reshards on load, so a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
@@ -199,9 +258,14 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     meta = read_meta(path)
     reader = metadata_reader(path)  # .metadata unpickled once, for the check and for the load
     metadata = reader.metadata
-    options = StateDictOptions(strict=True, flatten_optimizer_state_dict=optimizer_flattened(metadata))
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options) if optimizer is not None else (
-        get_state_dict(model, [], options=options)[0], None)
+    options = StateDictOptions(
+        strict=True, flatten_optimizer_state_dict=optimizer_flattened(metadata)
+    )
+    model_sd, optim_sd = (
+        get_state_dict(model, optimizer, options=options)
+        if optimizer is not None
+        else (get_state_dict(model, [], options=options)[0], None)
+    )
     check_compatible(path, model_sd, metadata, held_elsewhere)
     state: dict[str, Any] = {"model": model_sd}
     if optim_sd is not None:
@@ -209,18 +273,33 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     rng_key = f"rank{info.rank}"
     # Only the generators the checkpoint holds: DCP refuses to load a key it lacks, and a checkpoint
     # written on CPU has no `cuda` state for a resume on a GPU node (which then keeps its fresh CUDA seed).
-    stored = {k.removeprefix(f"rng.{rng_key}.") for k in metadata.state_dict_metadata if k.startswith(f"rng.{rng_key}.")}
+    stored = {
+        k.removeprefix(f"rng.{rng_key}.")
+        for k in metadata.state_dict_metadata
+        if k.startswith(f"rng.{rng_key}.")
+    }
     has_rng = bool(stored)
     if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
         state["rng"] = {rng_key: {name: t for name, t in rng_state().items() if name in stored}}
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=not info.distributed)
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=not info.distributed,
+            )
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
-        raise CheckpointError(f"checkpoint '{path}' could not be read: {first_failure(exc)}") from exc
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}),
-                   options=options)
+        raise CheckpointError(
+            f"checkpoint '{path}' could not be read: {first_failure(exc)}"
+        ) from exc
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+        options=options,
+    )
     if has_rng:
         set_rng_state(state["rng"][rng_key])
     return meta
@@ -229,7 +308,10 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
 def optimizer_flattened(metadata: Metadata) -> bool:
     """Whether the optimizer state was saved by parameter (`optim.param_groups.<fqn>.lr`, what dcp.py writes) or
     nested (`optim.param_groups.<i>.params`, checkpoints written before pipeline parallelism)."""
-    return not any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in metadata.state_dict_metadata)
+    return not any(
+        k.startswith("optim.param_groups.") and k.endswith(".params")
+        for k in metadata.state_dict_metadata
+    )
 
 
 def first_failure(exc: BaseException) -> str:

@@ -30,8 +30,8 @@ from pathlib import Path
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
 from pipeline.checkpoint.object_store import StoreUrl, is_url
-from serving.lineage import file_sha256
 from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
+from serving.lineage import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,17 @@ def verify_complete(path: Path) -> dict:
         raise CheckpointError(f"checkpoint '{path}' does not exist or is not a directory")
     marker = path / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"checkpoint '{path}' has no {MARKER} marker: the save did not finish; "
-                              "use another checkpoint or `latest`")
+        raise CheckpointError(
+            f"checkpoint '{path}' has no {MARKER} marker: the save did not finish; "
+            "use another checkpoint or `latest`"
+        )
     try:
         listing = json.loads(marker.read_text())
     except json.JSONDecodeError:
         raise CheckpointError(f"checkpoint '{path}': {MARKER} marker is corrupt") from None
-    return check_listing(path, listing, {f.name: f.stat().st_size for f in path.iterdir() if f.is_file()})
+    return check_listing(
+        path, listing, {f.name: f.stat().st_size for f in path.iterdir() if f.is_file()}
+    )
 
 
 def check_listing(where, listing, present: dict[str, int]) -> dict:
@@ -87,8 +91,10 @@ def check_listing(where, listing, present: dict[str, int]) -> dict:
         if name not in present:
             raise CheckpointError(f"checkpoint '{where}': file '{name}' is missing")
         if present[name] != size:
-            raise CheckpointError(f"checkpoint '{where}': file '{name}' has {present[name]} bytes, "
-                                  f"the marker says {size}: truncated or overwritten")
+            raise CheckpointError(
+                f"checkpoint '{where}': file '{name}' has {present[name]} bytes, "
+                f"the marker says {size}: truncated or overwritten"
+            )
     if ".metadata" not in listing["files"]:
         raise CheckpointError(f"checkpoint '{where}' has no .metadata: not a DCP checkpoint")
     return listing
@@ -98,8 +104,12 @@ def marker_files(listing, where) -> dict[str, int]:
     """The marker's {file name: size}, its shape checked: a marker is untrusted input, and valid JSON of another
     shape ({} or []) must read as a broken checkpoint, not end the caller in a KeyError."""
     files = listing.get("files") if isinstance(listing, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(k, str) and type(v) is int for k, v in files.items()):
-        raise CheckpointError(f"checkpoint '{where}': {MARKER} marker is not a listing of files and sizes")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and type(v) is int for k, v in files.items()
+    ):
+        raise CheckpointError(
+            f"checkpoint '{where}': {MARKER} marker is not a listing of files and sizes"
+        )
     return files
 
 
@@ -109,8 +119,10 @@ def _verify_complete_on_store(url: StoreUrl) -> dict:
     if not present:
         raise CheckpointError(f"checkpoint '{url}' does not exist (no objects under it)")
     if MARKER not in present:
-        raise CheckpointError(f"checkpoint '{url}' has no {MARKER} marker: the save did not finish; "
-                              "use another checkpoint or `latest`")
+        raise CheckpointError(
+            f"checkpoint '{url}' has no {MARKER} marker: the save did not finish; "
+            "use another checkpoint or `latest`"
+        )
     try:
         listing = json.loads(object_store.read_bytes(url / MARKER))
     except (ValueError, FileNotFoundError):
@@ -123,20 +135,29 @@ def verify_checksums(path: Path) -> None:
     at save: catches what keeps the size (a flipped bit on disk or in transfer). A full read, so it
     runs where everything is read or fetched anyway (consolidation, a download), not on resume."""
     listing = verify_complete(path)
-    check_digests(path, listing, {name: file_sha256(path / name) for name in sorted(listing.get("sha256") or {})})
+    check_digests(
+        path,
+        listing,
+        {name: file_sha256(path / name) for name in sorted(listing.get("sha256") or {})},
+    )
 
 
 def check_digests(path: Path, listing: dict, digests: dict[str, str]) -> None:
     """The files' sha256 `digests` (however they were computed) against the marker `listing` recorded."""
     recorded = listing.get("sha256")
     if recorded is None:
-        log.warning("checkpoint %s records no checksums (saved by an older trainserve): sizes checked only", path)
+        log.warning(
+            "checkpoint %s records no checksums (saved by an older trainserve): sizes checked only",
+            path,
+        )
         return
     for name, digest in sorted(recorded.items()):
         if digests.get(name) != digest:
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' differs from what was saved (its sha256 "
-                                  "does not match the marker's): corrupted on disk or in transfer; use another "
-                                  "checkpoint, or download it again")
+            raise CheckpointError(
+                f"checkpoint '{path}': file '{name}' differs from what was saved (its sha256 "
+                "does not match the marker's): corrupted on disk or in transfer; use another "
+                "checkpoint, or download it again"
+            )
 
 
 def list_complete(root: Path) -> list[Path]:
@@ -150,8 +171,11 @@ def list_complete(root: Path) -> list[Path]:
         return []
     found = []
     for child in sorted(root.iterdir(), key=lambda c: c.name.removeprefix(OLD)):
-        if child.name.startswith(OLD) and STEP_DIR.match(child.name[len(OLD):]) \
-                and not (root / child.name[len(OLD):]).exists():
+        if (
+            child.name.startswith(OLD)
+            and STEP_DIR.match(child.name[len(OLD) :])
+            and not (root / child.name[len(OLD) :]).exists()
+        ):
             pass  # the previous save of a step whose re-save did not finish
         elif not STEP_DIR.match(child.name):
             continue
@@ -181,11 +205,19 @@ def clear_incomplete(root: StoreUrl) -> list[str]:
     removed by the run directory's next owner before it saves anything."""
     run_dir.check_still_owned(root.parent)
     complete = {p.name for p in list_complete(root)}
-    garbage = [name for name in object_store.children(root) if STEP_DIR.match(name) and name not in complete]
+    garbage = [
+        name
+        for name in object_store.children(root)
+        if STEP_DIR.match(name) and name not in complete
+    ]
     for name in garbage:
         remove(StoreUrl(root) / name)
     if garbage:
-        log.warning("removed incomplete checkpoints %s from %s (saves that did not finish)", ", ".join(garbage), root)
+        log.warning(
+            "removed incomplete checkpoints %s from %s (saves that did not finish)",
+            ", ".join(garbage),
+            root,
+        )
     return garbage
 
 
@@ -215,7 +247,9 @@ def publish(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
     fsync_dir(root)
     shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint
-    shutil.rmtree(root / f"{OLD}{final.name}", ignore_errors=True)  # one a crashed re-save left behind
+    shutil.rmtree(
+        root / f"{OLD}{final.name}", ignore_errors=True
+    )  # one a crashed re-save left behind
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -234,7 +268,11 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
     """A resume from step `step` into a directory that holds later steps starts another timeline:
     those later checkpoints move to `<run dir>/checkpoints.abandoned/<time>/`, so that `latest` (a
     torchrun restart, --resume latest) and pruning by step follow the timeline being trained."""
-    later = [p for p in list_complete(root) if int(STEP_DIR.match(p.name.removeprefix(OLD)).group(1)) > step]
+    later = [
+        p
+        for p in list_complete(root)
+        if int(STEP_DIR.match(p.name.removeprefix(OLD)).group(1)) > step
+    ]
     if not later:
         return []
     if is_url(root):  # copied aside (marker last), then removed (marker first)
@@ -242,15 +280,23 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
         for path in later:
             object_store.copy_tree(path, aside / path.name, last=MARKER)
             remove(path)
-        log.warning("resumed from step %d: the later checkpoints %s are set aside in %s",
-                    step, ", ".join(p.name for p in later), aside)
+        log.warning(
+            "resumed from step %d: the later checkpoints %s are set aside in %s",
+            step,
+            ", ".join(p.name for p in later),
+            aside,
+        )
         return later
     aside = Path(root).parent / "checkpoints.abandoned" / time.strftime("%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
     for path in later:
         os.replace(path, aside / path.name.removeprefix(OLD))
-    log.warning("resumed from step %d: the later checkpoints %s are set aside in %s",
-                step, ", ".join(p.name for p in later), aside)
+    log.warning(
+        "resumed from step %d: the later checkpoints %s are set aside in %s",
+        step,
+        ", ".join(p.name for p in later),
+        aside,
+    )
     return later
 
 
@@ -262,11 +308,19 @@ def latest(root: Path) -> Path | None:
 def read_meta(path: Path) -> dict:
     verify_complete(path)
     try:
-        meta = json.loads(object_store.read_bytes(StoreUrl(path) / META) if is_url(path) else (Path(path) / META).read_text())
+        meta = json.loads(
+            object_store.read_bytes(StoreUrl(path) / META)
+            if is_url(path)
+            else (Path(path) / META).read_text()
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint '{path}': {META} can't be read ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(
+            f"checkpoint '{path}': {META} can't be read ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"checkpoint '{path}': {META} holds a {type(meta).__name__}, not a JSON object")
+        raise CheckpointError(
+            f"checkpoint '{path}': {META} holds a {type(meta).__name__}, not a JSON object"
+        )
     return meta
 
 
@@ -276,4 +330,3 @@ def prune(root: Path, keep_last: int, protect: tuple[int | None, ...]) -> None:
     for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
         if old.name.removeprefix(OLD) not in kept:
             remove(old)
-

@@ -93,19 +93,29 @@ def check_url(url: str, what: str = "train.output_dir") -> StoreUrl:
     """The URL's form, and that its filesystem is installed: config time, nothing is contacted."""
     scheme, _, rest = url.partition("://")
     if scheme not in SCHEMES:
-        raise ConfigError(f"{what}={url}: '{scheme}://' is not a supported object store; use s3://<bucket>/<prefix> "
-                          "(any S3-compatible server: set AWS_ENDPOINT_URL), or a local path")
+        raise ConfigError(
+            f"{what}={url}: '{scheme}://' is not a supported object store; use s3://<bucket>/<prefix> "
+            "(any S3-compatible server: set AWS_ENDPOINT_URL), or a local path"
+        )
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET.match(bucket):
-        raise ConfigError(f"{what}={url}: '{bucket}' is not a valid bucket name (3-63 characters: lowercase "
-                          "letters, digits, dots, hyphens); write s3://<bucket>/<prefix>")
-    if any(part in ("", ".", "..") for part in prefix.rstrip("/").split("/")) and prefix.rstrip("/"):
-        raise ConfigError(f"{what}={url}: the prefix '{prefix}' has an empty, '.' or '..' part; write "
-                          "s3://<bucket>/<prefix>/<more>")
+        raise ConfigError(
+            f"{what}={url}: '{bucket}' is not a valid bucket name (3-63 characters: lowercase "
+            "letters, digits, dots, hyphens); write s3://<bucket>/<prefix>"
+        )
+    if any(part in ("", ".", "..") for part in prefix.rstrip("/").split("/")) and prefix.rstrip(
+        "/"
+    ):
+        raise ConfigError(
+            f"{what}={url}: the prefix '{prefix}' has an empty, '.' or '..' part; write "
+            "s3://<bucket>/<prefix>/<more>"
+        )
     try:
         import s3fs  # noqa: F401
     except ImportError:
-        raise ConfigError(f"{what}={url} needs s3fs, which is not installed: pip install -e '.[remote]'") from None
+        raise ConfigError(
+            f"{what}={url} needs s3fs, which is not installed: pip install -e '.[remote]'"
+        ) from None
     return StoreUrl(url.rstrip("/"))
 
 
@@ -120,8 +130,10 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
 
     url = check_url(url, what)
     if botocore.session.Session().get_credentials() is None:
-        raise ConfigError(f"{what}={url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
-                          "AWS_ENDPOINT_URL for a server other than AWS S3)")
+        raise ConfigError(
+            f"{what}={url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+            "AWS_ENDPOINT_URL for a server other than AWS S3)"
+        )
     endpoint = endpoint_name()
     bucket, _, prefix = url.key.partition("/")
     try:
@@ -129,13 +141,19 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
         # large bucket's top level takes pages to list.
         filesystem().call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
     except FileNotFoundError:
-        raise ConfigError(f"{what}={url}: bucket '{bucket}' does not exist on {endpoint}; create it first") from None
+        raise ConfigError(
+            f"{what}={url}: bucket '{bucket}' does not exist on {endpoint}; create it first"
+        ) from None
     except PermissionError as exc:
-        raise ConfigError(f"{what}={url}: access to bucket '{bucket}' on {endpoint} was refused ({exc}); check "
-                          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+        raise ConfigError(
+            f"{what}={url}: access to bucket '{bucket}' on {endpoint} was refused ({exc}); check "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        ) from None
     except Exception as exc:  # connection refused, DNS, TLS: botocore's zoo of errors
-        raise ConfigError(f"{what}={url}: the object store at {endpoint} can't be reached ({type(exc).__name__}: "
-                          f"{str(exc)[:200]}); check AWS_ENDPOINT_URL") from None
+        raise ConfigError(
+            f"{what}={url}: the object store at {endpoint} can't be reached ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); check AWS_ENDPOINT_URL"
+        ) from None
     check_conditional_writes(url, endpoint, what)
 
 
@@ -153,17 +171,23 @@ def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
         except FileExistsError:
             return  # refused, as S3 (AWS, MinIO, moto) does
         except OSError as exc:
-            raise ConfigError(f"{what}={url}: the object store at {endpoint} answered a conditional write "
-                              f"(If-None-Match) with {type(exc).__name__}: {str(exc)[:200]}, not the 412 S3 gives; "
-                              "trainserve's run-directory lease needs S3's conditional writes") from None
-        raise ConfigError(f"{what}={url}: the object store at {endpoint} does not enforce conditional writes "
-                          "(If-None-Match: * let an existing object be overwritten): two jobs could both own a run "
-                          "there. Use a store that does (AWS S3, MinIO, Ceph RGW recent releases), or a local "
-                          "train.output_dir") from None
+            raise ConfigError(
+                f"{what}={url}: the object store at {endpoint} answered a conditional write "
+                f"(If-None-Match) with {type(exc).__name__}: {str(exc)[:200]}, not the 412 S3 gives; "
+                "trainserve's run-directory lease needs S3's conditional writes"
+            ) from None
+        raise ConfigError(
+            f"{what}={url}: the object store at {endpoint} does not enforce conditional writes "
+            "(If-None-Match: * let an existing object be overwritten): two jobs could both own a run "
+            "there. Use a store that does (AWS S3, MinIO, Ceph RGW recent releases), or a local "
+            "train.output_dir"
+        ) from None
     except OSError as exc:  # the first create: no write access, or a server that rejects the header
-        raise ConfigError(f"{what}={url}: creating an object under it on {endpoint} failed ({type(exc).__name__}: "
-                          f"{str(exc)[:200]}); the run needs write access to its prefix and S3's conditional "
-                          "writes (If-None-Match)") from None
+        raise ConfigError(
+            f"{what}={url}: creating an object under it on {endpoint} failed ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); the run needs write access to its prefix and S3's conditional "
+            "writes (If-None-Match)"
+        ) from None
     finally:
         try:
             filesystem().rm_file(probe.key)
@@ -226,7 +250,9 @@ def _entries(url: str) -> list[dict]:
 
 def files(url: str) -> dict[str, int]:
     """The objects directly under `url`, name -> size in bytes."""
-    return {PurePosixPath(e["name"]).name: int(e["size"]) for e in _entries(url) if e["type"] == "file"}
+    return {
+        PurePosixPath(e["name"]).name: int(e["size"]) for e in _entries(url) if e["type"] == "file"
+    }
 
 
 def children(url: str) -> list[str]:
@@ -316,7 +342,9 @@ def remove_if_unchanged(url: str, tag: str) -> bool:
         fs.call_s3("delete_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
         return False
-    except OSError as exc:  # s3fs's translation of the store's answer; the answer itself is its cause
+    except (
+        OSError
+    ) as exc:  # s3fs's translation of the store's answer; the answer itself is its cause
         answer = getattr(exc.__cause__, "response", None) or {}
         if answer.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             return False

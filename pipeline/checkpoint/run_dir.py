@@ -50,7 +50,9 @@ OWNER_FILE = ".owner"
 HEARTBEAT_S = 10.0  # how often the owner of a run directory on an object store refreshes its record
 LEASE_S = 60.0  # a record not refreshed for this long belongs to a job that is gone
 _held: dict[Path, int] = {}  # run directory -> the open, locked file descriptor of its .owner
-_leases: dict[str, "_Lease"] = {}  # run directory on an object store -> the heartbeat keeping its record
+_leases: dict[
+    str, "_Lease"
+] = {}  # run directory on an object store -> the heartbeat keeping its record
 
 
 class RunDirBusy(RuntimeError):
@@ -58,8 +60,12 @@ class RunDirBusy(RuntimeError):
 
 
 def this_process() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid()),
-            "command": _command()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": process_start(os.getpid()),
+        "command": _command(),
+    }
 
 
 def _command() -> str:
@@ -91,7 +97,9 @@ def alive(owner: dict) -> bool | None:
     if started is None:
         if not pid_alive(pid):
             return False
-        return owner.get("started") is None  # no /proc: trust a live pid only when no start time was recorded
+        return (
+            owner.get("started") is None
+        )  # no /proc: trust a live pid only when no start time was recorded
     return owner.get("started") in (None, started)
 
 
@@ -131,8 +139,10 @@ def claim(run_dir: Path) -> dict | None:
         os.close(fd)
         if owner and owner.get("host") == socket.gethostname() and owner.get("pid") in _ancestors():
             return None  # the launcher that spawned this process owns it for us
-        raise RunDirBusy(f"{run_dir} is in use by {describe(owner)}: wait for it to finish or stop it, or give this "
-                         "run another train.run_name") from None
+        raise RunDirBusy(
+            f"{run_dir} is in use by {describe(owner)}: wait for it to finish or stop it, or give this "
+            "run another train.run_name"
+        ) from None
     previous = _read(path)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(this_process()).encode(), 0)
@@ -179,7 +189,9 @@ def _ancestors() -> set[int]:
         pids.add(pid)
         try:
             status = Path(f"/proc/{pid}/status").read_text()
-            pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            pid = int(
+                next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+            )
         except (OSError, StopIteration, ValueError):
             break
     return pids
@@ -198,7 +210,9 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
     if run_dir in _leases:
         return None
     record = run_dir / OWNER_FILE
-    nonce = secrets.token_hex(8)  # this lease's own: a record holding it is ours, whatever the store answered
+    nonce = secrets.token_hex(
+        8
+    )  # this lease's own: a record holding it is ours, whatever the store answered
     for _ in range(5):  # a lost race with another claimant: look again
         mine = {**this_process(), "job": job_id(), "heartbeat": time.time(), "lease": nonce}
         try:
@@ -207,7 +221,9 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
             return None
         except FileExistsError:
             pass
-        except OSError as exc:  # AWS answers two creates racing with 409 ConditionalRequestConflict: look again
+        except (
+            OSError
+        ) as exc:  # AWS answers two creates racing with 409 ConditionalRequestConflict: look again
             log.warning("claiming %s: %s; trying again", record, exc)
             time.sleep(0.5)
             continue
@@ -221,15 +237,19 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
         if owner is None:
             continue  # released meanwhile
         tag, age = written
-        if owner.get("lease") == nonce:  # our own create: the store applied it, then answered an error (its retry
+        if (
+            owner.get("lease") == nonce
+        ):  # our own create: the store applied it, then answered an error (its retry
             _leases[run_dir] = _Lease(record, {"ETag": tag}, nonce)  # found the record there): ours
             return None
         why = _why_take_over(owner, age)
         if why is None:
-            raise RunDirBusy(f"{run_dir} is in use by job {owner.get('job') or '?'}: {describe(owner)}, alive "
-                             f"{age:.0f} s ago (its record {record} is refreshed every {HEARTBEAT_S:g} s and taken "
-                             f"as stale after {LEASE_S:g} s): wait for it to finish or stop it, or give this run "
-                             "another train.run_name")
+            raise RunDirBusy(
+                f"{run_dir} is in use by job {owner.get('job') or '?'}: {describe(owner)}, alive "
+                f"{age:.0f} s ago (its record {record} is refreshed every {HEARTBEAT_S:g} s and taken "
+                f"as stale after {LEASE_S:g} s): wait for it to finish or stop it, or give this run "
+                "another train.run_name"
+            )
         try:
             answer = object_store.write_bytes(record, json.dumps(mine).encode(), IfMatch=tag)
         except OSError:  # 412: another claimant took it over between our read and our write
@@ -237,8 +257,10 @@ def _claim_on_store(run_dir: object_store.StoreUrl) -> dict | None:
         log.warning("taking over %s from %s: %s", run_dir, describe(owner), why)
         _leases[run_dir] = _Lease(record, answer, nonce)
         return owner
-    raise RunDirBusy(f"{run_dir}: its owner record {record} keeps changing under other claimants; another job is "
-                     "starting there: wait for it, or give this run another train.run_name")
+    raise RunDirBusy(
+        f"{run_dir}: its owner record {record} keeps changing under other claimants; another job is "
+        "starting there: wait for it, or give this run another train.run_name"
+    )
 
 
 def _why_take_over(owner: dict, age: float) -> str | None:
@@ -268,9 +290,16 @@ class _Lease:
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
-            mine = {**this_process(), "job": job_id(), "heartbeat": time.time(), "lease": self.nonce}
+            mine = {
+                **this_process(),
+                "job": job_id(),
+                "heartbeat": time.time(),
+                "lease": self.nonce,
+            }
             try:
-                answer = object_store.write_bytes(self.record, json.dumps(mine).encode(), IfMatch=self.etag)
+                answer = object_store.write_bytes(
+                    self.record, json.dumps(mine).encode(), IfMatch=self.etag
+                )
                 self.etag = (answer or {}).get("ETag")
                 self.refreshed = time.monotonic()
             except OSError as exc:  # taken over (a 412), or the store is away for a moment
@@ -280,16 +309,27 @@ class _Lease:
                 except (OSError, ValueError):
                     written, holder = None, None
                 if holder and written and holder.get("lease") == self.nonce:
-                    log.info("the store took this job's heartbeat of %s but answered %s: still ours, going on",
-                             self.record, logs.first_line(exc))
+                    log.info(
+                        "the store took this job's heartbeat of %s but answered %s: still ours, going on",
+                        self.record,
+                        logs.first_line(exc),
+                    )
                     self.etag, self.refreshed = written[0], time.monotonic() - written[1]
                     continue
-                if holder and (holder.get("host"), holder.get("pid")) != (mine["host"], mine["pid"]):
-                    log.error("the run directory %s was taken over by %s: this process no longer owns it",
-                              self.record.parent, describe(holder))
+                if holder and (holder.get("host"), holder.get("pid")) != (
+                    mine["host"],
+                    mine["pid"],
+                ):
+                    log.error(
+                        "the run directory %s was taken over by %s: this process no longer owns it",
+                        self.record.parent,
+                        describe(holder),
+                    )
                     self.lost_to = holder
                     return
-                log.warning("could not refresh the owner record %s (will retry): %s", self.record, exc)
+                log.warning(
+                    "could not refresh the owner record %s (will retry): %s", self.record, exc
+                )
 
     def check(self) -> None:
         """Raises RunDirBusy unless this process still owns the run directory: taken over, or not refreshed for
@@ -297,13 +337,17 @@ class _Lease:
         each other's checkpoints (pruning, clearing marker-less steps): the one that lost stops instead."""
         run_dir = self.record.parent
         if self.lost_to is not None:
-            raise RunDirBusy(f"{run_dir} was taken over by job {self.lost_to.get('job') or '?'} "
-                             f"({describe(self.lost_to)}): this job no longer owns it and stops writing there")
+            raise RunDirBusy(
+                f"{run_dir} was taken over by job {self.lost_to.get('job') or '?'} "
+                f"({describe(self.lost_to)}): this job no longer owns it and stops writing there"
+            )
         silent = time.monotonic() - self.refreshed
         if silent > LEASE_S - HEARTBEAT_S:
-            raise RunDirBusy(f"{run_dir}: this job's owner record {self.record} could not be refreshed for "
-                             f"{silent:.0f} s (another job may take a record over after {LEASE_S:g} s): stopping "
-                             "rather than risk two jobs writing one run; resume it once the store answers again")
+            raise RunDirBusy(
+                f"{run_dir}: this job's owner record {self.record} could not be refreshed for "
+                f"{silent:.0f} s (another job may take a record over after {LEASE_S:g} s): stopping "
+                "rather than risk two jobs writing one run; resume it once the store answers again"
+            )
 
     def release(self) -> None:
         self.stop.set()

@@ -37,26 +37,43 @@ SLOW_SAVE_S = 10.0  # a save this long (staging, writing and publishing) is said
 
 class Saver:
     def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
-        self.root, self.info, self.keep_last = location(root), info, keep_last  # a Path, or an s3:// StoreUrl
+        self.root, self.info, self.keep_last = (
+            location(root),
+            info,
+            keep_last,
+        )  # a Path, or an s3:// StoreUrl
         self.writer = AsyncWriter(info) if asynchronous else None
         self.pending: tuple[Future, Callable[[Path], None], float] | None = None
         self.saved, self.seconds = 0, 0.0  # for the summary
 
-    def save(self, step: int, model, optimizer, meta: dict, protect: tuple[int | None, ...],
-             then: Callable[[Path], None]) -> None:
+    def save(
+        self,
+        step: int,
+        model,
+        optimizer,
+        meta: dict,
+        protect: tuple[int | None, ...],
+        then: Callable[[Path], None],
+    ) -> None:
         """Collective. Saves the state of `step`; `then(path)` once it is published (at once when synchronous)."""
         self.finish()
         started = time.perf_counter()
         # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the exit in a
         # CheckpointException, and a stop right after a complete save loses nothing.
         with stopping.deferred():
-            pending = formats.WRITTEN.start_save(self.root, step, model, optimizer, meta, self.info, self.writer)
+            pending = formats.WRITTEN.start_save(
+                self.root, step, model, optimizer, meta, self.info, self.writer
+            )
             if self.writer is None:
                 path = formats.WRITTEN.finish_save(pending, self.info, self.keep_last, protect)
                 self._published(path, time.perf_counter() - started)
                 then(path)
                 return
-        self.pending = (self.writer.publish(pending, self.info, self.keep_last, protect), then, started)
+        self.pending = (
+            self.writer.publish(pending, self.info, self.keep_last, protect),
+            then,
+            started,
+        )
 
     def poll(self) -> None:
         """Each step: what follows the publish of the save in flight, once it is done (a local look)."""
@@ -71,7 +88,9 @@ class Saver:
         self.pending = None
         with stopping.deferred():
             path = published.result()  # raises what the write or the publish raised
-        self._published(path, time.perf_counter() - started)  # asynchronous: until this rank saw it published
+        self._published(
+            path, time.perf_counter() - started
+        )  # asynchronous: until this rank saw it published
         then(path)
         return path
 
@@ -89,8 +108,15 @@ class Saver:
                 self.writer.close()
         if self.info.is_main and self.saved:
             kept = [p.name for p in checkpoint.list_complete(self.root)]
-            log.info("saved %d checkpoint%s to %s (%.1f s in all), kept %d (%s)", self.saved,
-                     "" if self.saved == 1 else "s", self.root, self.seconds, len(kept), ", ".join(kept))
+            log.info(
+                "saved %d checkpoint%s to %s (%.1f s in all), kept %d (%s)",
+                self.saved,
+                "" if self.saved == 1 else "s",
+                self.root,
+                self.seconds,
+                len(kept),
+                ", ".join(kept),
+            )
 
 
 def snapshot(obj):

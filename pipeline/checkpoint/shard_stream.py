@@ -37,7 +37,9 @@ import torch
 from pipeline.artifact.safetensors_writer import TensorSpec, header_bytes
 from pipeline.errors import CheckpointError
 
-BLOCK = 1 << 20  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
+BLOCK = (
+    1 << 20
+)  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
 # Bytes of a tensor read, hashed, checked and written at a time: big enough that a syscall and a NaN check per
 # block cost nothing beside the bytes, small beside a model's big tensors (peak memory is this, not a tensor).
 CHUNK = 4 << 20
@@ -46,22 +48,28 @@ CHUNK = 4 << 20
 @dataclass(frozen=True)
 class Piece:
     """One stored chunk of a model tensor: where it is in its shard file and where its bytes go."""
-    name: str            # the tensor's key in the output
-    file: str            # the shard file, relative to the checkpoint
-    offset: int          # of the chunk's blob in that file
+
+    name: str  # the tensor's key in the output
+    file: str  # the shard file, relative to the checkpoint
+    offset: int  # of the chunk's blob in that file
     length: int
-    sizes: tuple[int, ...]   # the chunk's shape
+    sizes: tuple[int, ...]  # the chunk's shape
     stored: torch.dtype
     out_dtype: torch.dtype
-    out_position: int    # byte offset in the output file
+    out_position: int  # byte offset in the output file
 
 
-def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tuple[bytes, list[Piece]] | None:
+def plan(
+    metadata, specs: list[TensorSpec], file_metadata: dict[str, str]
+) -> tuple[bytes, list[Piece]] | None:
     """(the output's header, every chunk to copy), or None when a chunk is not a dim-0 slice of a plain stored
     tensor. `specs` in file order, as the header lays them out."""
     header = header_bytes(specs, file_metadata)
-    by_chunk = {(idx.fqn, tuple(idx.offset)): info for idx, info in metadata.storage_data.items()
-                if idx.offset is not None}  # None: a non-tensor entry (an optimizer hyperparameter)
+    by_chunk = {
+        (idx.fqn, tuple(idx.offset)): info
+        for idx, info in metadata.storage_data.items()
+        if idx.offset is not None
+    }  # None: a non-tensor entry (an optimizer hyperparameter)
     pieces, position = [], len(header)
     for spec in specs:
         md = metadata.state_dict_metadata[f"model.{spec.name}"]
@@ -71,11 +79,25 @@ def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tu
         for chunk in md.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             info = by_chunk.get((f"model.{spec.name}", offsets))
-            if info is None or getattr(info, "transform_descriptors", None) or \
-                    any(offsets[1:]) or sizes[1:] != size[1:]:
+            if (
+                info is None
+                or getattr(info, "transform_descriptors", None)
+                or any(offsets[1:])
+                or sizes[1:] != size[1:]
+            ):
                 return None
-            pieces.append(Piece(spec.name, info.relative_path, info.offset, info.length, sizes,
-                                md.properties.dtype, spec.dtype, position + (offsets[0] if offsets else 0) * row_bytes))
+            pieces.append(
+                Piece(
+                    spec.name,
+                    info.relative_path,
+                    info.offset,
+                    info.length,
+                    sizes,
+                    md.properties.dtype,
+                    spec.dtype,
+                    position + (offsets[0] if offsets else 0) * row_bytes,
+                )
+            )
             rows += sizes[0] if sizes else 1
         if rows != (size[0] if size else 1):  # the chunks must cover the tensor exactly once
             return None
@@ -83,8 +105,9 @@ def plan(metadata, specs: list[TensorSpec], file_metadata: dict[str, str]) -> tu
     return header, pieces
 
 
-def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, nonfinite, refuse,
-                release=None) -> dict[str, str]:
+def copy_hashed(
+    ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, nonfinite, refuse, release=None
+) -> dict[str, str]:
     """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor (in
     the output dtype) at its place in `out_fd`. `nonfinite(tensor) -> (NaN count, Inf count)` is asked of every
     block written, and `refuse(name, nan, inf, dtype)` (which raises) is called for a piece that holds any;
@@ -103,9 +126,13 @@ def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, non
                 if not _hash_span(f, sha, piece.offset - at):
                     raise _truncated(ckpt, path.name, f"it ends before tensor '{piece.name}'")
                 where = f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}"
-                stored = _stored_tensor(_Window(f.fileno(), piece.offset, piece.length), piece.stored, where)
+                stored = _stored_tensor(
+                    _Window(f.fileno(), piece.offset, piece.length), piece.stored, where
+                )
                 if stored.sizes != piece.sizes:
-                    raise CheckpointError(f"{where} holds {list(stored.sizes)}, the metadata says {list(piece.sizes)}")
+                    raise CheckpointError(
+                        f"{where} holds {list(stored.sizes)}, the metadata says {list(piece.sizes)}"
+                    )
                 if stored.streamable and piece.out_dtype == piece.stored:
                     _stream_piece(f, sha, piece, stored, block, out_fd, nonfinite, refuse, ckpt)
                 else:
@@ -116,13 +143,24 @@ def copy_hashed(ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, non
             _hash_span(f, sha, None)
         digests[path.name] = sha.hexdigest()
     if by_file:
-        raise CheckpointError(f"checkpoint '{ckpt}': the metadata names shard files that are not there: "
-                              f"{sorted(by_file)}")
+        raise CheckpointError(
+            f"checkpoint '{ckpt}': the metadata names shard files that are not there: "
+            f"{sorted(by_file)}"
+        )
     return digests
 
 
-def _stream_piece(f, sha, piece: Piece, stored: "_Stored", block: memoryview, out_fd: int, nonfinite, refuse,
-                  ckpt: Path) -> None:
+def _stream_piece(
+    f,
+    sha,
+    piece: Piece,
+    stored: "_Stored",
+    block: memoryview,
+    out_fd: int,
+    nonfinite,
+    refuse,
+    ckpt: Path,
+) -> None:
     """`f` at the piece's blob: hashes its bytes up to the tensor's, then the tensor's, CHUNK at a time through
     `block` (hashed, counted, written), then the blob's rest."""
     if not _hash_span(f, sha, stored.start):
@@ -156,13 +194,18 @@ def _copy_whole(f, sha, piece: Piece, out_fd: int, nonfinite, refuse, ckpt: Path
     if f.readinto(buf) != piece.length:
         raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
     sha.update(buf)
-    tensor = tensor_in_blob(buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}")
+    tensor = tensor_in_blob(
+        buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}"
+    )
     tensor = tensor.to(piece.out_dtype).contiguous()  # no copy when it already is both
     nan, inf = nonfinite(tensor)  # after the cast: fp16 overflows to Inf past 65504
     if nan or inf:
         refuse(piece.name, nan, inf, piece.out_dtype)
-    _pwrite_all(out_fd, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"",
-                piece.out_position)
+    _pwrite_all(
+        out_fd,
+        memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"",
+        piece.out_position,
+    )
 
 
 def _pwrite_all(fd: int, data, position: int) -> None:
@@ -187,8 +230,10 @@ def _hash_span(f, sha, length: int | None) -> bool:
 
 
 def _truncated(ckpt: Path, name: str, how: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint '{ckpt}': reading {name} failed: shard file corrupt or truncated? ({how}, "
-                           "short of what its metadata says)")
+    return CheckpointError(
+        f"checkpoint '{ckpt}': reading {name} failed: shard file corrupt or truncated? ({how}, "
+        "short of what its metadata says)"
+    )
 
 
 class _Admitted(pickle.Unpickler):
@@ -197,7 +242,13 @@ class _Admitted(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+            return lambda storage, offset, size, stride, *rest: (
+                "tensor",
+                storage,
+                offset,
+                tuple(size),
+                tuple(stride),
+            )
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
         if module == "torch" and name.endswith("Storage"):
@@ -213,9 +264,10 @@ class _Admitted(pickle.Unpickler):
 @dataclass(frozen=True)
 class _Stored:
     """Where a `torch.save` blob keeps its tensor's bytes, and how the tensor lies in them."""
-    start: int               # of the storage's bytes, from the blob's start
-    nbytes: int              # the storage's bytes
-    offset: int              # the tensor's, in elements, and its sizes and strides
+
+    start: int  # of the storage's bytes, from the blob's start
+    nbytes: int  # the storage's bytes
+    offset: int  # the tensor's, in elements, and its sizes and strides
     sizes: tuple[int, ...]
     stride: tuple[int, ...]
     itemsize: int
@@ -227,8 +279,16 @@ class _Stored:
         for size in reversed(self.sizes):
             row_major.insert(0, numel)
             numel *= size
-        return self.offset == 0 and self.nbytes == numel * self.itemsize and \
-            (numel <= 1 or all(st == rm for size, st, rm in zip(self.sizes, self.stride, row_major) if size > 1))
+        return (
+            self.offset == 0
+            and self.nbytes == numel * self.itemsize
+            and (
+                numel <= 1
+                or all(
+                    st == rm for size, st, rm in zip(self.sizes, self.stride, row_major) if size > 1
+                )
+            )
+        )
 
 
 def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Stored:
@@ -238,10 +298,19 @@ def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Store
         archive = zipfile.ZipFile(blob)
         pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
         kind, storage, offset, size, stride = _Admitted(io.BytesIO(archive.read(pkl))).load()
-        member = archive.getinfo(f"{pkl[:-len('data.pkl')]}data/{storage[2]}")
-    except (zipfile.BadZipFile, StopIteration, KeyError, ValueError, TypeError, IndexError,
-            pickle.UnpicklingError) as exc:
-        raise CheckpointError(f"{where}: not a saved tensor ({type(exc).__name__}: {exc})") from None
+        member = archive.getinfo(f"{pkl[: -len('data.pkl')]}data/{storage[2]}")
+    except (
+        zipfile.BadZipFile,
+        StopIteration,
+        KeyError,
+        ValueError,
+        TypeError,
+        IndexError,
+        pickle.UnpicklingError,
+    ) as exc:
+        raise CheckpointError(
+            f"{where}: not a saved tensor ({type(exc).__name__}: {exc})"
+        ) from None
     if member.compress_type != zipfile.ZIP_STORED or member.file_size % dtype.itemsize:
         raise CheckpointError(f"{where}: its bytes are compressed or not whole {dtype} items")
     h = member.header_offset  # the local header: 30 bytes, then the name and an extra field
@@ -263,8 +332,12 @@ def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Store
 def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tensor:
     """The tensor a `torch.save` blob holds, as a view of `buf` (no copy)."""
     stored = _stored_tensor(_Reader(memoryview(buf)), dtype, where)
-    storage_view = memoryview(buf)[stored.start:stored.start + stored.nbytes]
-    flat = torch.frombuffer(storage_view, dtype=dtype) if stored.nbytes else torch.empty(0, dtype=dtype)
+    storage_view = memoryview(buf)[stored.start : stored.start + stored.nbytes]
+    flat = (
+        torch.frombuffer(storage_view, dtype=dtype)
+        if stored.nbytes
+        else torch.empty(0, dtype=dtype)
+    )
     return flat.as_strided(stored.sizes, stored.stride, stored.offset)
 
 
@@ -299,7 +372,7 @@ class _Seekable(io.RawIOBase):
 
     def readinto(self, b) -> int:
         data = self.read(len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         return len(data)
 
 
@@ -323,4 +396,4 @@ class _Reader(_Seekable):
         self.view = view
 
     def _read_at(self, pos: int, n: int) -> bytes:
-        return bytes(self.view[pos:pos + n])
+        return bytes(self.view[pos : pos + n])

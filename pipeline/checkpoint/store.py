@@ -36,7 +36,9 @@ def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path |
     error: str | None = None
     if info.is_main:
         try:
-            answer = str(_resolve_on_main(resume, object_store.location(str(checkpoint_root))) or "")
+            answer = str(
+                _resolve_on_main(resume, object_store.location(str(checkpoint_root))) or ""
+            )
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     answer, error = broadcast_object((answer, error), info)
@@ -51,12 +53,19 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
     if resume == "latest":
         found = checkpoint.latest(checkpoint_root)
         if found is None and object_store.is_url(checkpoint_root):
-            raise checkpoint.CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
-                                             "train.run_name=<the run to resume>")
+            raise checkpoint.CheckpointError(
+                f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
+                "train.run_name=<the run to resume>"
+            )
         if found is None:
-            runs = sorted(p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints"))
-            raise checkpoint.CheckpointError(f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
-                                  "train.run_name=<the run to resume>" + (f" (runs here: {', '.join(runs)})" if runs else ""))
+            runs = sorted(
+                p.parent.name for p in checkpoint_root.parent.parent.glob("*/checkpoints")
+            )
+            raise checkpoint.CheckpointError(
+                f"--resume latest: no complete checkpoint under {checkpoint_root}; set "
+                "train.run_name=<the run to resume>"
+                + (f" (runs here: {', '.join(runs)})" if runs else "")
+            )
         return found
     if object_store.is_url(resume):
         return _choose_on_store(object_store.check_url(resume, "--resume"), latest=True)
@@ -67,20 +76,29 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
             return p
         found = checkpoint.latest(p / "checkpoints") or checkpoint.latest(p)
         if found is None:
-            raise checkpoint.CheckpointError(f"--resume {resume}: no complete checkpoint in that directory "
-                                  "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)")
+            raise checkpoint.CheckpointError(
+                f"--resume {resume}: no complete checkpoint in that directory "
+                "(expected step_*/ with a COMPLETE marker, or a run directory holding checkpoints/)"
+            )
         return found
     if re.fullmatch(r"[0-9a-f]{32}", resume):
         where = tracking.get_run(resume).data.tags.get(lineage.RUN_DIR, "")
-        if object_store.is_url(where):  # its checkpoints are on a store every rank reads: no download
-            return _choose_on_store(object_store.check_url(where, f"the run's {lineage.RUN_DIR}"), latest=False)
+        if object_store.is_url(
+            where
+        ):  # its checkpoints are on a store every rank reads: no download
+            return _choose_on_store(
+                object_store.check_url(where, f"the run's {lineage.RUN_DIR}"), latest=False
+            )
         if object_store.is_url(checkpoint_root):
             raise checkpoint.CheckpointError(
                 f"--resume {resume}: that run's checkpoints are MLflow artifacts, which rank 0 would download to its "
                 "own disk, out of the other hosts' reach; with train.output_dir on an object store, copy the "
-                "checkpoint there and give --resume its s3:// path")
+                "checkpoint there and give --resume its s3:// path"
+            )
         return download_checkpoint(resume, checkpoint_root.parent / "downloaded")
-    raise checkpoint.CheckpointError(f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)")
+    raise checkpoint.CheckpointError(
+        f"--resume {resume}: not 'latest', an existing path, nor an MLflow run id (32 hex digits)"
+    )
 
 
 def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
@@ -92,18 +110,29 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     import mlflow
 
     where = tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR, "")
-    if object_store.is_url(where):  # trained with its run directory on an object store: fetched from there
+    if object_store.is_url(
+        where
+    ):  # trained with its run directory on an object store: fetched from there
         log.info("run %s keeps its checkpoints in %s", run_id, where)
         return fetch_checkpoint(where, dest / run_id, latest)
     client = mlflow.MlflowClient()
     entries = client.list_artifacts(run_id, "checkpoints")
-    steps = sorted(e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name))
-    complete = [s for s in steps
-                if any(Path(f.path).name == checkpoint.MARKER for f in client.list_artifacts(run_id, s))]
+    steps = sorted(
+        e.path for e in entries if e.is_dir and checkpoint.STEP_DIR.match(Path(e.path).name)
+    )
+    complete = [
+        s
+        for s in steps
+        if any(Path(f.path).name == checkpoint.MARKER for f in client.list_artifacts(run_id, s))
+    ]
     if not complete:
-        found = f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
-        raise checkpoint.CheckpointError(f"run {run_id} has no complete checkpoint logged: {found}; "
-                                         "was it trained with checkpoint.log_to_mlflow=none?")
+        found = (
+            f"only incomplete uploads ({', '.join(steps)})" if steps else "no checkpoints/step_*"
+        )
+        raise checkpoint.CheckpointError(
+            f"run {run_id} has no complete checkpoint logged: {found}; "
+            "was it trained with checkpoint.log_to_mlflow=none?"
+        )
     # The run's final checkpoint when it names one: after a resume from an older step, a higher step
     # uploaded earlier belongs to the abandoned timeline.
     tags = tracking.get_run(run_id).data.tags
@@ -115,12 +144,22 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     if not latest and best in complete:
         chosen = best
     elif not latest and best_name:
-        log.warning("run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
-                    run_id, best, chosen)
-    log.info("run %s: downloading %s (%s)", run_id, chosen, "the best" if chosen == best else
-             "the final" if chosen == final else "the newest complete")
+        log.warning(
+            "run %s: its best checkpoint %s was not uploaded (checkpoint.log_to_mlflow); using %s",
+            run_id,
+            best,
+            chosen,
+        )
+    log.info(
+        "run %s: downloading %s (%s)",
+        run_id,
+        chosen,
+        "the best" if chosen == best else "the final" if chosen == final else "the newest complete",
+    )
     if chosen == complete[-1] and complete[-1] != steps[-1]:
-        log.warning("run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1])
+        log.warning(
+            "run %s: %s was not uploaded completely; using %s", run_id, steps[-1], complete[-1]
+        )
     local = tracking.download_artifacts(run_id, chosen, dest / run_id)
     checkpoint.verify_checksums(local)
     return local
@@ -135,8 +174,12 @@ def log_checkpoint(path: Path, run_id: str) -> None:
 
     client = mlflow.MlflowClient()
     path = Path(path)
-    for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == checkpoint.MARKER, p)):
-        client.log_artifact(run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts]))
+    for f in sorted(
+        (p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == checkpoint.MARKER, p)
+    ):
+        client.log_artifact(
+            run_id, str(f), "/".join(["checkpoints", path.name, *f.parent.relative_to(path).parts])
+        )
 
 
 def _choose_on_store(url: object_store.StoreUrl, latest: bool) -> object_store.StoreUrl:
@@ -150,8 +193,10 @@ def _choose_on_store(url: object_store.StoreUrl, latest: bool) -> object_store.S
     root = url / "checkpoints" if (url / "checkpoints").is_dir() else url
     found = checkpoint.latest(root)
     if found is None:
-        raise checkpoint.CheckpointError(f"'{url}' holds no complete checkpoint (expected checkpoints/step_*/ with a "
-                                         f"{checkpoint.MARKER} marker): was training interrupted before the first save?")
+        raise checkpoint.CheckpointError(
+            f"'{url}' holds no complete checkpoint (expected checkpoints/step_*/ with a "
+            f"{checkpoint.MARKER} marker): was training interrupted before the first save?"
+        )
     best = None if latest else read_best(root)
     return root / best["checkpoint"] if best else found
 
@@ -180,12 +225,18 @@ def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
             object_store.fetch(chosen, staging)
             checkpoint.verify_checksums(staging)
         except (FileNotFoundError, checkpoint.CheckpointError) as exc:
-            if _still_complete(chosen):  # damaged on the store or in transfer: said of the checkpoint, not our copy
-                raise checkpoint.CheckpointError(str(exc).replace(str(staging), str(chosen))) from None
+            if _still_complete(
+                chosen
+            ):  # damaged on the store or in transfer: said of the checkpoint, not our copy
+                raise checkpoint.CheckpointError(
+                    str(exc).replace(str(staging), str(chosen))
+                ) from None
             # The run is still training: its pruning removed the step meanwhile.
-            raise checkpoint.CheckpointError(f"{chosen} was removed while it was being fetched: the run is probably "
-                                             "still training and pruned it; fetch again (its newest complete "
-                                             "checkpoint), or once the run has finished") from None
+            raise checkpoint.CheckpointError(
+                f"{chosen} was removed while it was being fetched: the run is probably "
+                "still training and pruned it; fetch again (its newest complete "
+                "checkpoint), or once the run has finished"
+            ) from None
         shutil.rmtree(local, ignore_errors=True)  # an older copy
         staging.rename(local)
     finally:

@@ -43,7 +43,9 @@ class BackgroundUploads:
         self.submitted: set[str] = set()
         self._todo: queue.Queue[Path | None] = queue.Queue()
         # A daemon: a failing rank exits without waiting for uploads (the marker goes up last).
-        self._thread = threading.Thread(target=self._upload_in_order, name="checkpoint-uploads", daemon=True)
+        self._thread = threading.Thread(
+            target=self._upload_in_order, name="checkpoint-uploads", daemon=True
+        )
         self._thread.start()
 
     def submit(self, checkpoint: Path) -> None:
@@ -61,7 +63,9 @@ class BackgroundUploads:
             try:
                 checkpoint_store.log_checkpoint(snap, self.run_id)
                 log.info("uploaded checkpoint %s to MLflow run %s", snap.name, self.run_id)
-            except Exception as exc:  # the next checkpoint may well go up; the caller decides at the end
+            except (
+                Exception
+            ) as exc:  # the next checkpoint may well go up; the caller decides at the end
                 self.failed[snap.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("checkpoint %s was not uploaded to MLflow: %s", snap.name, exc)
             finally:

@@ -25,23 +25,39 @@ from torch.utils.data import IterableDataset
 
 from pipeline.components.data import Splits, check_splits, first_batch, forward
 from pipeline.components.own_stream import check_length
-from pipeline.components.reference import ArtifactSource, ComponentError, accepted_parameters, call, resolve, takes_kwargs
-from pipeline.tasks import build_task, task_class
-from pipeline.tasks.base import TaskError
-from pipeline.config import ConfigError
-from pipeline.config import DataConfig, ExportConfig, ModelConfig, TaskConfig, TrainConfig
+from pipeline.components.reference import (
+    ArtifactSource,
+    ComponentError,
+    accepted_parameters,
+    call,
+    resolve,
+    takes_kwargs,
+)
+from pipeline.config import (
+    ConfigError,
+    DataConfig,
+    ExportConfig,
+    ModelConfig,
+    TaskConfig,
+    TrainConfig,
+)
 from pipeline.distributed import pipeline_parallel, tensor_parallel
 from pipeline.distributed.parallelize import fsdp_units
+from pipeline.tasks import build_task, task_class
+from pipeline.tasks.base import TaskError
 
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = 2
-PROBE_MAX_PARAMETERS = 200_000_000  # the launcher skips its test forward above this (each rank still does one)
+PROBE_MAX_PARAMETERS = (
+    200_000_000  # the launcher skips its test forward above this (each rank still does one)
+)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything that rebuilds the model anywhere: `component(**args)`."""
+
     component: str
     args: dict[str, Any]
 
@@ -57,8 +73,12 @@ class Built:
     suggested: dict[str, Any]  # the args that came from the data, for the log
 
 
-def build_data(data_cfg: DataConfig, task_name: str, source: ArtifactSource | None = None,
-               missing_hint: str = "") -> Splits:
+def build_data(
+    data_cfg: DataConfig,
+    task_name: str,
+    source: ArtifactSource | None = None,
+    missing_hint: str = "",
+) -> Splits:
     """`source`: the artifact the config was read back from, if it was (see reference.py on trust)."""
     fn = resolve("data", data_cfg.component, missing_hint, source)
     returned = call("data", data_cfg.component, fn, data_cfg.args)
@@ -72,7 +92,9 @@ def model_spec(model_cfg: ModelConfig, splits: Splits, task) -> tuple[ModelSpec,
     from_task = task.suggest(splits.classes)
     suggested = {**splits.model_hints, **from_task}
     accepted = accepted_parameters(fn)
-    if takes_kwargs(fn):  # a factory such as timm.create_model(name, **kwargs) passes num_classes on
+    if takes_kwargs(
+        fn
+    ):  # a factory such as timm.create_model(name, **kwargs) passes num_classes on
         accepted |= set(from_task)
     from_data = {k: v for k, v in suggested.items() if k in accepted and k not in model_cfg.args}
     args = plain_args({**from_data, **model_cfg.args})
@@ -81,6 +103,7 @@ def model_spec(model_cfg: ModelConfig, splits: Splits, task) -> tuple[ModelSpec,
 
 def plain_args(args: dict[str, Any]) -> dict[str, Any]:
     """`args` as JSON has them (tensors and arrays as lists); ComponentError for what JSON can't hold."""
+
     def plain(value: Any, key: str) -> Any:
         if torch.is_tensor(value) or hasattr(value, "tolist"):
             return value.tolist()
@@ -90,19 +113,31 @@ def plain_args(args: dict[str, Any]) -> dict[str, Any]:
             return {str(k): plain(v, f"{key}.{k}") for k, v in value.items()}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        raise ComponentError(f"model.args.{key} is a {type(value).__name__}; model arguments must be plain values "
-                             "(numbers, strings, lists, dicts) because they travel with every checkpoint as JSON")
+        raise ComponentError(
+            f"model.args.{key} is a {type(value).__name__}; model arguments must be plain values "
+            "(numbers, strings, lists, dicts) because they travel with every checkpoint as JSON"
+        )
+
     return json.loads(json.dumps({k: plain(v, k) for k, v in args.items()}))
 
 
-def instantiate_model(spec: ModelSpec, source: ArtifactSource | None = None,
-                      missing_hint: str = "") -> torch.nn.Module:
+def instantiate_model(
+    spec: ModelSpec, source: ArtifactSource | None = None, missing_hint: str = ""
+) -> torch.nn.Module:
     fn = resolve("model", spec.component, missing_hint, source)
-    model = call("model", spec.component, fn, spec.args, hint=" (or let the training set suggest them: num_classes "
-                 "follows from its `classes`, any other argument from its `model_args` dict)")
+    model = call(
+        "model",
+        spec.component,
+        fn,
+        spec.args,
+        hint=" (or let the training set suggest them: num_classes "
+        "follows from its `classes`, any other argument from its `model_args` dict)",
+    )
     if not isinstance(model, torch.nn.Module):
-        raise ComponentError(f"model.component '{spec.component}' returned a {type(model).__name__}; it must return "
-                             "a torch.nn.Module")
+        raise ComponentError(
+            f"model.component '{spec.component}' returned a {type(model).__name__}; it must return "
+            "a torch.nn.Module"
+        )
     return model
 
 
@@ -126,28 +161,43 @@ def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
     except Exception as exc:
         hint = ""
         if isinstance(inputs, dict) and isinstance(exc, TypeError):
-            hint = (f"; dict inputs are passed as keyword arguments, model(**inputs): forward() must take "
-                    f"{', '.join(inputs)}")
+            hint = (
+                f"; dict inputs are passed as keyword arguments, model(**inputs): forward() must take "
+                f"{', '.join(inputs)}"
+            )
         doubles = [s.name for s in splits.inputs if s.dtype == torch.float64]
         if doubles and any(p.dtype == torch.float32 for p in model.parameters()):
-            hint += (f"; input(s) {', '.join(doubles)} are float64 and the model's parameters float32: give float32 "
-                     "tensors (torch.tensor(x, dtype=torch.float32))")
-        fed = ", ".join(f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                        for name, t in (inputs.items() if isinstance(inputs, dict) else [("input", inputs)])
-                        if torch.is_tensor(t))
-        raise ComponentError(f"{where}, fed {fed}: {type(exc).__name__}: {str(exc).strip()}{hint}") from exc
+            hint += (
+                f"; input(s) {', '.join(doubles)} are float64 and the model's parameters float32: give float32 "
+                "tensors (torch.tensor(x, dtype=torch.float32))"
+            )
+        fed = ", ".join(
+            f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+            for name, t in (inputs.items() if isinstance(inputs, dict) else [("input", inputs)])
+            if torch.is_tensor(t)
+        )
+        raise ComponentError(
+            f"{where}, fed {fed}: {type(exc).__name__}: {str(exc).strip()}{hint}"
+        ) from exc
     finally:
         model.train(was_training)
     if not torch.is_tensor(loss) or loss.dim() != 0 or not torch.isfinite(loss):
         raise TaskError(f"{where}: the loss is {loss!r}, not a finite scalar")
     clash = sorted(set(task.output_names) & set(splits.input_names))
     if clash:
-        raise TaskError(f"{where}: '{clash[0]}' names both an input and an output of the model; the exported graph "
-                        "and the server need them apart: rename the input in the data or the output in the model")
+        raise TaskError(
+            f"{where}: '{clash[0]}' names both an input and an output of the model; the exported graph "
+            "and the server need them apart: rename the input in the data or the output in the model"
+        )
 
 
-def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig, train_cfg: TrainConfig,
-              export_cfg: ExportConfig) -> Built:
+def preflight(
+    data_cfg: DataConfig,
+    task_cfg: TaskConfig,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    export_cfg: ExportConfig,
+) -> Built:
     """Everything a training rank builds, checked in the launcher before any process is spawned: a bad
     component is one message here instead of one per rank after torchrun started. Settings that name
     parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here too, not
@@ -163,17 +213,27 @@ def preflight(data_cfg: DataConfig, task_cfg: TaskConfig, model_cfg: ModelConfig
             shapes_only = instantiate_model(spec)
         size = sum(p.numel() for p in shapes_only.parameters())
     except ComponentError:
-        shapes_only, size = None, 0  # some constructors can't run on the meta device; the real one below says why
+        shapes_only, size = (
+            None,
+            0,
+        )  # some constructors can't run on the meta device; the real one below says why
     if train_cfg.fsdp_wrap and shapes_only is not None:
         fsdp_units(shapes_only, train_cfg.fsdp_wrap)  # names classes the model has
     if train_cfg.parallel.tp > 1 and shapes_only is not None:
-        tensor_parallel.plan_for(shapes_only, train_cfg.parallel.tp)  # a plan, and one that fits the model
+        tensor_parallel.plan_for(
+            shapes_only, train_cfg.parallel.tp
+        )  # a plan, and one that fits the model
     if train_cfg.parallel.pp > 1 and shapes_only is not None:
-        pipeline_parallel.split_points(shapes_only, train_cfg.parallel.pp, train_cfg.parallel.pp_split)  # stages
+        pipeline_parallel.split_points(
+            shapes_only, train_cfg.parallel.pp, train_cfg.parallel.pp_split
+        )  # stages
     if size <= PROBE_MAX_PARAMETERS:
         probe(instantiate_model(spec), splits, task, spec.component)
     else:
-        log.info("model has %.0fM parameters: its test forward runs on each rank, not in the launcher", size / 1e6)
+        log.info(
+            "model has %.0fM parameters: its test forward runs on each rank, not in the launcher",
+            size / 1e6,
+        )
     return Built(splits, task, spec, suggested)
 
 
@@ -181,22 +241,34 @@ def check_dynamic_axes(dynamic_axes: dict[str, list[int]], ranks: dict[str, int]
     """export.dynamic_axes names inputs the data has, and axes they have besides the batch axis."""
     for name, axes in dynamic_axes.items():
         if name not in ranks:
-            raise ConfigError(f"export.dynamic_axes names input '{name}'; the model's inputs are "
-                              f"{', '.join(ranks)} (a lone tensor input is named input)")
+            raise ConfigError(
+                f"export.dynamic_axes names input '{name}'; the model's inputs are "
+                f"{', '.join(ranks)} (a lone tensor input is named input)"
+            )
         bad = [a for a in axes if not 1 <= a < ranks[name]]
         if bad:
-            raise ConfigError(f"export.dynamic_axes.{name}: axes {bad} don't exist besides the batch axis; "
-                              f"'{name}' has {ranks[name]} axes, so 1..{ranks[name] - 1}")
+            raise ConfigError(
+                f"export.dynamic_axes.{name}: axes {bad} don't exist besides the batch axis; "
+                f"'{name}' has {ranks[name]} axes, so 1..{ranks[name] - 1}"
+            )
 
 
-def component_references(model_cfg: ModelConfig, data_cfg: DataConfig, task_cfg: TaskConfig) -> list[str]:
+def component_references(
+    model_cfg: ModelConfig, data_cfg: DataConfig, task_cfg: TaskConfig
+) -> list[str]:
     """Every component a config names: what a run logs the code of, and what `pipeline run` trusts when
     its own model.json names them back."""
-    return [model_cfg.component, data_cfg.component, *(c.component for c in (task_cfg.loss, task_cfg.metric) if c)]
+    return [
+        model_cfg.component,
+        data_cfg.component,
+        *(c.component for c in (task_cfg.loss, task_cfg.metric) if c),
+    ]
 
 
 def state_manifest(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Every key of the plain model's state_dict with its shape and dtype: what consolidation checks the
     checkpoint and its output against, without importing the model's code."""
-    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-            for name, t in model.state_dict().items()}
+    return {
+        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for name, t in model.state_dict().items()
+    }

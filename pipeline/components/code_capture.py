@@ -37,8 +37,10 @@ class CodeSnapshot:
 
     def describe(self) -> dict:
         """For checkpoints and model.json: every file's sha256, and the installed packages."""
-        return {"files": {name: _sha256(path) for name, path in sorted(self.files.items())},
-                "packages": dict(sorted(self.packages.items()))}
+        return {
+            "files": {name: _sha256(path) for name, path in sorted(self.files.items())},
+            "packages": dict(sorted(self.packages.items())),
+        }
 
 
 def capture(references: list[str]) -> CodeSnapshot:
@@ -61,12 +63,24 @@ def capture(references: list[str]) -> CodeSnapshot:
         else:
             bases.add(origin.parent)
     tops = sorted({name.split(".")[0] for name in list(sys.modules)} - OWN)
-    local = [(top, origin) for top in tops if (origin := _origin(top)) is not None and origin.parent in bases]
+    local = [
+        (top, origin)
+        for top in tops
+        if (origin := _origin(top)) is not None and origin.parent in bases
+    ]
     for top, origin in local:
-        files = sorted(p for p in origin.rglob("*.py") if "__pycache__" not in p.parts) if origin.is_dir() else [origin]
-        if len(snapshot.files) + len(files) > MAX_FILES or \
-                sum(p.stat().st_size for p in [*snapshot.files.values(), *files]) > MAX_BYTES:
-            snapshot.skipped.append(f"{top}: past {MAX_FILES} files or {MAX_BYTES >> 20} MB of code in all")
+        files = (
+            sorted(p for p in origin.rglob("*.py") if "__pycache__" not in p.parts)
+            if origin.is_dir()
+            else [origin]
+        )
+        if (
+            len(snapshot.files) + len(files) > MAX_FILES
+            or sum(p.stat().st_size for p in [*snapshot.files.values(), *files]) > MAX_BYTES
+        ):
+            snapshot.skipped.append(
+                f"{top}: past {MAX_FILES} files or {MAX_BYTES >> 20} MB of code in all"
+            )
             continue
         for path in files:
             snapshot.files[path.relative_to(origin.parent).as_posix()] = path
@@ -88,7 +102,11 @@ def _origin(top: str) -> Path | None:
 
 def _installed_roots() -> list[Path]:
     paths = sysconfig.get_paths()
-    return [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    return [
+        Path(paths[k]).resolve()
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if k in paths
+    ]
 
 
 def _is_under(path: Path, root: Path) -> bool:
@@ -118,8 +136,12 @@ def missing_code_hint(code: dict | None, run_id: str | None) -> str:
         return ""
     parts = []
     if code.get("files") and run_id:
-        parts.append(f"; the training run logged that code: `mlflow artifacts download -r {run_id} -a {ARTIFACT_DIR} "
-                     f"-d .` then PYTHONPATH=./{ARTIFACT_DIR} (files: {', '.join(sorted(code['files'])[:5])})")
+        parts.append(
+            f"; the training run logged that code: `mlflow artifacts download -r {run_id} -a {ARTIFACT_DIR} "
+            f"-d .` then PYTHONPATH=./{ARTIFACT_DIR} (files: {', '.join(sorted(code['files'])[:5])})"
+        )
     if code.get("packages"):
-        parts.append(f"; it was trained with {', '.join(f'{k}=={v}' for k, v in code['packages'].items())}")
+        parts.append(
+            f"; it was trained with {', '.join(f'{k}=={v}' for k, v in code['packages'].items())}"
+        )
     return "".join(parts)

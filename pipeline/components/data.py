@@ -30,8 +30,8 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
-from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
+from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
 
 INPUT_NAME = "input"
@@ -57,17 +57,23 @@ def collate_of(dataset: Dataset):
 @dataclass(frozen=True)
 class InputSpec:
     """One named model input as a sample of the validation set has it (shape without the batch axis)."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.shape)}
+        return {
+            "name": self.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shape": list(self.shape),
+        }
 
 
 @dataclass
 class Splits:
     """The checked splits, and the facts the model and the task take from them."""
+
     train: Dataset
     val: Dataset
     classes: list[str] | None = None
@@ -88,15 +94,23 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     `check_data` on the classes, `check_target` on samples); DataError names the fault."""
     where = f"data.component '{reference}'"
     if not isinstance(returned, dict):
-        raise DataError(f"{where} returned a {type(returned).__name__}; it must return a dict "
-                        '{"train": Dataset, "val": Dataset}')
+        raise DataError(
+            f"{where} returned a {type(returned).__name__}; it must return a dict "
+            '{"train": Dataset, "val": Dataset}'
+        )
     keys = set(returned)
     if keys != {"train", "val"}:
         wrong = sorted(keys - {"train", "val"}, key=str)
-        hints = [f"'{k}' (did you mean '{difflib.get_close_matches(str(k), ['train', 'val'], n=1)[0]}'?)"
-                 if difflib.get_close_matches(str(k), ["train", "val"], n=1) else repr(k) for k in wrong]
-        raise DataError(f"{where} returned the keys {sorted(map(str, keys))}; it must return exactly 'train' and 'val'"
-                        + (f"; unexpected: {', '.join(hints)}" if hints else ""))
+        hints = [
+            f"'{k}' (did you mean '{difflib.get_close_matches(str(k), ['train', 'val'], n=1)[0]}'?)"
+            if difflib.get_close_matches(str(k), ["train", "val"], n=1)
+            else repr(k)
+            for k in wrong
+        ]
+        raise DataError(
+            f"{where} returned the keys {sorted(map(str, keys))}; it must return exactly 'train' and 'val'"
+            + (f"; unexpected: {', '.join(hints)}" if hints else "")
+        )
     for split, ds in returned.items():
         _check_dataset(ds, f"{where} split '{split}'", split)
     train, val = returned["train"], returned["val"]
@@ -104,22 +118,27 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     task.check_data(classes, where)
     if classes is not None:
         if not isinstance(classes, (list, tuple)) or not classes:
-            raise DataError(f"{where}: the training set's `classes` must be a non-empty list of class names, "
-                            f"got {type(classes).__name__}")
+            raise DataError(
+                f"{where}: the training set's `classes` must be a non-empty list of class names, "
+                f"got {type(classes).__name__}"
+            )
         classes = [str(c) for c in classes]
     hints = getattr(train, "model_args", {}) or {}
     if not isinstance(hints, dict):
-        raise DataError(f"{where}: the training set's `model_args` must be a dict of keyword arguments for the "
-                        f"model, got {type(hints).__name__}")
+        raise DataError(
+            f"{where}: the training set's `model_args` must be a dict of keyword arguments for the "
+            f"model, got {type(hints).__name__}"
+        )
 
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
         items = {}
         # A stream is checked on its first items as it yields them; a map-style split on items spread over it.
         read = dict(enumerate(_first_items(ds, where))) if isinstance(ds, IterableDataset) else None
-        for index in (read if read is not None else _spread(len(ds))):
-            inputs, target = items[index] = _check_item(read if read is not None else ds, index,
-                                                        f"{where} split '{split}' item {index}")
+        for index in read if read is not None else _spread(len(ds)):
+            inputs, target = items[index] = _check_item(
+                read if read is not None else ds, index, f"{where} split '{split}' item {index}"
+            )
             task.check_target(target, classes, f"{where} split '{split}' item {index}")
             if first_inputs is None:
                 first_inputs = inputs
@@ -144,7 +163,9 @@ def _first_items(ds: IterableDataset, where: str, count: int = 8) -> list:
     except DataError:
         raise
     except Exception as exc:
-        raise DataError(f"{where}: iterating the training stream raised {type(exc).__name__}: {first_line(exc)}") from exc
+        raise DataError(
+            f"{where}: iterating the training stream raised {type(exc).__name__}: {first_line(exc)}"
+        ) from exc
     if not items:
         raise DataError(f"{where}: the training stream yields no samples")
     return items
@@ -160,35 +181,50 @@ def _check_stacks(ds: Dataset, items: dict[int, tuple], where: str) -> None:
         collate_fn(getitems(indices) if getitems else list(items.values()))
     except Exception as exc:
         if collate_fn is not collate:
-            raise DataError(f"{where}: its collate_fn raised {type(exc).__name__} on items {indices}: "
-                            f"{first_line(exc)}") from exc
+            raise DataError(
+                f"{where}: its collate_fn raised {type(exc).__name__} on items {indices}: "
+                f"{first_line(exc)}"
+            ) from exc
         difference = _shape_difference(items)
-        raise DataError(f"{where}: items {difference or f'{indices} ({type(exc).__name__}: {first_line(exc)})'}, so "
-                        "they do not stack into one batch (the default collate stacks each tensor of a batch); pad "
-                        "them to one length (with a mask of the real positions), or give the data set a `collate_fn` "
-                        "attribute that pads each batch") from exc
+        raise DataError(
+            f"{where}: items {difference or f'{indices} ({type(exc).__name__}: {first_line(exc)})'}, so "
+            "they do not stack into one batch (the default collate stacks each tensor of a batch); pad "
+            "them to one length (with a mask of the real positions), or give the data set a `collate_fn` "
+            "attribute that pads each batch"
+        ) from exc
 
 
 def _shape_difference(items: dict[int, tuple]) -> str:
     """'0 and 57 differ: input 'tokens' has shape [5] in item 0, [8] in item 57'; empty if every part has one shape."""
-    parts = {index: {**_parts(inputs, "the input"), **_parts(target, "the target")}
-             for index, (inputs, target) in items.items()}
+    parts = {
+        index: {**_parts(inputs, "the input"), **_parts(target, "the target")}
+        for index, (inputs, target) in items.items()
+    }
     (first, seen), *rest = parts.items()
     for index, mine in rest:
         for name, value in mine.items():
             if name in seen and _shape(value) != _shape(seen[name]):
-                return (f"{first} and {index} differ: {name} has shape {_shape(seen[name])} in item {first}, "
-                        f"{_shape(value)} in item {index}")
+                return (
+                    f"{first} and {index} differ: {name} has shape {_shape(seen[name])} in item {first}, "
+                    f"{_shape(value)} in item {index}"
+                )
     return ""
 
 
 def _parts(value: Any, name: str) -> dict[str, Any]:
     """Each tensor, array or number of an item's inputs or target, by a name a user reads."""
     if isinstance(value, dict):
-        return {k: v for key, part in value.items()
-                for k, v in _parts(part, f"input '{key}'" if name == "the input" else f"{name}[{key!r}]").items()}
+        return {
+            k: v
+            for key, part in value.items()
+            for k, v in _parts(
+                part, f"input '{key}'" if name == "the input" else f"{name}[{key!r}]"
+            ).items()
+        }
     if isinstance(value, (tuple, list)):
-        return {k: v for i, part in enumerate(value) for k, v in _parts(part, f"{name}[{i}]").items()}
+        return {
+            k: v for i, part in enumerate(value) for k, v in _parts(part, f"{name}[{i}]").items()
+        }
     return {name: value}
 
 
@@ -199,20 +235,26 @@ def _shape(value: Any) -> list[int]:
 def _check_dataset(ds: Any, where: str, split: str) -> None:
     if isinstance(ds, IterableDataset):
         if split != "train":
-            raise DataError(f"{where} is an IterableDataset; the validation split must be map-style (indexable, with "
-                            "len()): every evaluation reads all of it, each rank its own share (the sharded data's "
-                            "val split is: pipeline.datasets:sharded)")
+            raise DataError(
+                f"{where} is an IterableDataset; the validation split must be map-style (indexable, with "
+                "len()): every evaluation reads all of it, each rank its own share (the sharded data's "
+                "val split is: pipeline.datasets:sharded)"
+            )
         if not isinstance(ds, ShardedStream) and not own_stream.is_stateful(ds):
-            raise DataError(f"{where} is an IterableDataset without state_dict()/load_state_dict(): a resume could only "
-                            "read its batches again and skip them. Implement them (torchdata's Stateful protocol: the "
-                            "stream's position, per rank and loader worker), write it as shards with `pipeline data "
-                            "shard` (data.name=sharded: exact resume at any world size), or make it map-style")
+            raise DataError(
+                f"{where} is an IterableDataset without state_dict()/load_state_dict(): a resume could only "
+                "read its batches again and skip them. Implement them (torchdata's Stateful protocol: the "
+                "stream's position, per rank and loader worker), write it as shards with `pipeline data "
+                "shard` (data.name=sharded: exact resume at any world size), or make it map-style"
+            )
         if own_stream.has_length(ds) and len(ds) == 0:
             raise DataError(f"{where} is empty")
         return
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-        raise DataError(f"{where} is a {type(ds).__name__}, not a map-style torch.utils.data.Dataset "
-                        "(it needs __getitem__ and __len__)")
+        raise DataError(
+            f"{where} is a {type(ds).__name__}, not a map-style torch.utils.data.Dataset "
+            "(it needs __getitem__ and __len__)"
+        )
     try:
         n = len(ds)
     except Exception as exc:
@@ -221,8 +263,10 @@ def _check_dataset(ds: Any, where: str, split: str) -> None:
         raise DataError(f"{where} is empty")
     collate_fn = getattr(ds, "collate_fn", None)
     if collate_fn is not None and not callable(collate_fn):
-        raise DataError(f"{where}: its `collate_fn` is a {type(collate_fn).__name__}, not callable; give a function "
-                        "(a list of items -> one (inputs, target) batch), or drop the attribute to stack the items")
+        raise DataError(
+            f"{where}: its `collate_fn` is a {type(collate_fn).__name__}, not callable; give a function "
+            "(a list of items -> one (inputs, target) batch), or drop the attribute to stack the items"
+        )
 
 
 def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
@@ -231,7 +275,9 @@ def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
     except Exception as exc:
         raise DataError(f"{where}: reading it raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        got = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+        got = f"a {type(item).__name__}" + (
+            f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
+        )
         raise DataError(f"{where} is {got}; items must be (inputs, target) pairs")
     inputs, target = item
     if torch.is_tensor(inputs):
@@ -240,35 +286,54 @@ def _check_item(ds: Dataset, index: int, where: str) -> tuple[Any, Any]:
     if isinstance(inputs, dict) and inputs:
         for name, value in inputs.items():
             if not isinstance(name, str) or not name.isidentifier():
-                raise DataError(f"{where}: input name {name!r} must be a Python identifier: dict inputs reach the "
-                                "model as keyword arguments, model(**inputs), and name the ONNX inputs")
+                raise DataError(
+                    f"{where}: input name {name!r} must be a Python identifier: dict inputs reach the "
+                    "model as keyword arguments, model(**inputs), and name the ONNX inputs"
+                )
             if not torch.is_tensor(value):
-                raise DataError(f"{where}: input '{name}' is a {type(value).__name__}, not a tensor; convert it "
-                                "with torch.as_tensor(...)")
+                raise DataError(
+                    f"{where}: input '{name}' is a {type(value).__name__}, not a tensor; convert it "
+                    "with torch.as_tensor(...)"
+                )
             _check_dtype(name, value, where)
         return inputs, target
-    raise DataError(f"{where}: inputs are a {type(inputs).__name__}; they must be a tensor or a non-empty dict of "
-                    "named tensors")
+    raise DataError(
+        f"{where}: inputs are a {type(inputs).__name__}; they must be a tensor or a non-empty dict of "
+        "named tensors"
+    )
 
 
 # Input dtypes that numpy, the ONNX graph and the server's protocols all carry.
-INPUT_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
-                torch.uint8, torch.bool)
+INPUT_DTYPES = (
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
 
 
 def _check_dtype(name: str, value: torch.Tensor, where: str) -> None:
     if value.dtype not in INPUT_DTYPES:
-        raise DataError(f"{where}: input '{name}' is {str(value.dtype).removeprefix('torch.')}, which a served model "
-                        f"can't take (numpy has no such dtype); give {', '.join(str(d).removeprefix('torch.') for d in INPUT_DTYPES)}"
-                        " (train.precision=bf16 computes in bfloat16 from float32 inputs)")
+        raise DataError(
+            f"{where}: input '{name}' is {str(value.dtype).removeprefix('torch.')}, which a served model "
+            f"can't take (numpy has no such dtype); give {', '.join(str(d).removeprefix('torch.') for d in INPUT_DTYPES)}"
+            " (train.precision=bf16 computes in bfloat16 from float32 inputs)"
+        )
 
 
 def _check_same_inputs(a: Any, b: Any, where: str) -> None:
     """Every item has the same input names and dtypes (shapes may differ along dynamic axes)."""
     sig_a, sig_b = _signature(a), _signature(b)
     if sig_a != sig_b:
-        raise DataError(f"{where} has inputs {sig_b}, the first item has {sig_a}: every item needs the same "
-                        "input names and dtypes")
+        raise DataError(
+            f"{where} has inputs {sig_b}, the first item has {sig_a}: every item needs the same "
+            "input names and dtypes"
+        )
 
 
 def _signature(inputs: Any) -> dict[str, str]:
@@ -282,6 +347,7 @@ def _signature(inputs: Any) -> dict[str, str]:
 def to_device(inputs, device: torch.device, channels_last: bool = False):
     """A batch's inputs (or targets: a tensor, or a dict/tuple of them) on `device`; 4-d float inputs go
     NHWC when the model is channels_last, or every conv would convert them."""
+
     def move(t):
         if isinstance(t, dict):
             return {k: move(v) for k, v in t.items()}
@@ -289,7 +355,11 @@ def to_device(inputs, device: torch.device, channels_last: bool = False):
             return type(t)(move(v) for v in t)
         if not torch.is_tensor(t):
             return t
-        fmt = torch.channels_last if channels_last and t.dim() == 4 and t.is_floating_point() else torch.preserve_format
+        fmt = (
+            torch.channels_last
+            if channels_last and t.dim() == 4 and t.is_floating_point()
+            else torch.preserve_format
+        )
         return t.to(device, memory_format=fmt, non_blocking=True)
 
     return move(inputs)
@@ -317,8 +387,17 @@ def named(inputs) -> dict[str, torch.Tensor]:
 # --- loaders -----------------------------------------------------------------------------------
 
 
-def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, world_size: int, seed: int,
-                      num_workers: int, pin_memory: bool, grad_accum_steps: int = 1, info=None):
+def make_train_loader(
+    dataset: Dataset,
+    batch_size_per_rank: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    num_workers: int,
+    pin_memory: bool,
+    grad_accum_steps: int = 1,
+    info=None,
+):
     """A stateful loader over this rank's shard of the training set.
 
     DistributedSampler gives rank r the indices perm[r::world] of one seeded permutation per epoch,
@@ -330,28 +409,50 @@ def make_train_loader(dataset: Dataset, batch_size_per_rank: int, rank: int, wor
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     global_batch = batch_size_per_rank * world_size * grad_accum_steps
-    if isinstance(dataset, IterableDataset) and not isinstance(dataset, ShardedStream):  # the component's own stream
+    if isinstance(dataset, IterableDataset) and not isinstance(
+        dataset, ShardedStream
+    ):  # the component's own stream
         from pipeline.distributed import DistInfo
 
-        return own_stream.OwnStreamLoader(dataset, batch_size_per_rank, num_workers, pin_memory, collate_of(dataset),
-                                          info or DistInfo.cpu_alone())
+        return own_stream.OwnStreamLoader(
+            dataset,
+            batch_size_per_rank,
+            num_workers,
+            pin_memory,
+            collate_of(dataset),
+            info or DistInfo.cpu_alone(),
+        )
     if isinstance(dataset, IterableDataset):  # a sharded stream
         if len(dataset) < global_batch:
-            raise DataError(f"the training stream has {len(dataset)} samples, fewer than one global batch "
-                            f"({global_batch}); lower train.global_batch_size")
-        return StreamLoader(dataset, batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=True)
+            raise DataError(
+                f"the training stream has {len(dataset)} samples, fewer than one global batch "
+                f"({global_batch}); lower train.global_batch_size"
+            )
+        return StreamLoader(
+            dataset, batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory
+        )
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     if len(sampler) < batch_size_per_rank * grad_accum_steps:  # not one optimizer step per epoch
-        raise DataError(f"the training set has {len(dataset)} samples, fewer than one global batch "
-                        f"({global_batch}); lower train.global_batch_size")
+        raise DataError(
+            f"the training set has {len(dataset)} samples, fewer than one global batch "
+            f"({global_batch}); lower train.global_batch_size"
+        )
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
         # would fork (and warm up) the workers anew.
-        return StatefulDataLoader(dataset, batch_size=batch_size_per_rank, sampler=sampler, drop_last=True,
-                                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_of(dataset),
-                                  persistent_workers=num_workers > 0)
+        return StatefulDataLoader(
+            dataset,
+            batch_size=batch_size_per_rank,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            collate_fn=collate_of(dataset),
+            persistent_workers=num_workers > 0,
+        )
 
 
 def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
@@ -360,20 +461,31 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
     return Subset(dataset, range(rank, len(dataset), world_size))
 
 
-def eval_loader(dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0,
-                pin_memory: bool = False) -> DataLoader:
+def eval_loader(
+    dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0, pin_memory: bool = False
+) -> DataLoader:
     """In order, every sample once, the last batch partial."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                      collate_fn=collate_of(dataset), pin_memory=pin_memory)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=collate_of(dataset),
+        pin_memory=pin_memory,
+    )
 
 
 def first_batch(dataset: Dataset, rows: int):
     """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
     indices = [i % len(dataset) for i in range(rows)]
-    return next(iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset))))
+    return next(
+        iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset)))
+    )
 
 
-def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict | None = None) -> dict[str, Any]:
+def split_digest(
+    dataset: Dataset, num_workers: int = 0, info=None, source: dict | None = None
+) -> dict[str, Any]:
     """{"sha256", "samples", "targets"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
     and what the targets hold (target_profile: class counts, or a number's statistics) for the MLflow dataset's profile.
     Each rank hashes its own samples (r, r+W, ..., as `eval_shard` deals them), one digest per sample; the
@@ -385,26 +497,45 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict
 
     if isinstance(dataset, (ShardedStream, ShardRows)):  # its manifest's digest, no sample read
         return identity_of(dataset.manifest)
-    if isinstance(dataset, IterableDataset):  # a stream of the component's own: not read through to hash it
-        described = json.dumps({"stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
-                                **(source or {})}, sort_keys=True, default=str)
-        return {"sha256": hashlib.sha256(described.encode()).hexdigest(), "samples": None, "targets": {},
-                "note": "not a content digest: a stream of the data component's own is not read through to hash it; "
-                        "this is the sha256 of its class, component and args"}
+    if isinstance(
+        dataset, IterableDataset
+    ):  # a stream of the component's own: not read through to hash it
+        described = json.dumps(
+            {
+                "stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+                **(source or {}),
+            },
+            sort_keys=True,
+            default=str,
+        )
+        return {
+            "sha256": hashlib.sha256(described.encode()).hexdigest(),
+            "samples": None,
+            "targets": {},
+            "note": "not a content digest: a stream of the data component's own is not read through to hash it; "
+            "this is the sha256 of its class, component and args",
+        }
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
     profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
     # A data set's own collate may pad each batch to its longest item: one item a batch, or the padding, and
     # with it the digest, would depend on which items share a batch, and so on the number of ranks.
     batch = EVAL_BATCH if collate_of(dataset) is collate else 1
-    for inputs, target in eval_loader(eval_shard(dataset, info.rank, info.world_size), batch, num_workers):
-        tensors = [*sorted(named(inputs).items()), *((f"target.{i}", t) for i, t in enumerate(leaves(target)))]
+    for inputs, target in eval_loader(
+        eval_shard(dataset, info.rank, info.world_size), batch, num_workers
+    ):
+        tensors = [
+            *sorted(named(inputs).items()),
+            *((f"target.{i}", t) for i, t in enumerate(leaves(target))),
+        ]
         profile = merged_profile([profile, target_profile(leaves(target)[:1])], totals=True)
         for row in range(batch_rows(inputs)):
             sample = hashlib.sha256()
             for name, tensor in tensors:
                 value = tensor[row].contiguous()
-                sample.update(f"{name}:{str(value.dtype).removeprefix('torch.')}:{list(value.shape)};".encode())
+                sample.update(
+                    f"{name}:{str(value.dtype).removeprefix('torch.')}:{list(value.shape)};".encode()
+                )
                 sample.update(value.numpy().tobytes())
             mine.append(sample.digest())
     gathered = all_gather_object((mine, profile), info)
@@ -412,7 +543,11 @@ def split_digest(dataset: Dataset, num_workers: int = 0, info=None, source: dict
     digest = hashlib.sha256()
     for index in range(len(dataset)):
         digest.update(shards[index % len(shards)][index // len(shards)])
-    return {"sha256": digest.hexdigest(), "samples": len(dataset), "targets": merged_profile(profiles)}
+    return {
+        "sha256": digest.hexdigest(),
+        "samples": len(dataset),
+        "targets": merged_profile(profiles),
+    }
 
 
 def target_profile(targets: list[torch.Tensor]) -> dict[str, Any]:
@@ -426,8 +561,13 @@ def target_profile(targets: list[torch.Tensor]) -> dict[str, Any]:
         counts = torch.bincount(kept) if len(kept) else torch.zeros(0, dtype=torch.long)
         return {"classes": {str(c): int(n) for c, n in enumerate(counts.tolist()) if n}}
     values = values.double()
-    return {"count": len(values), "sum": float(values.sum()), "sum_sq": float((values ** 2).sum()),
-            "min": float(values.min()), "max": float(values.max())}
+    return {
+        "count": len(values),
+        "sum": float(values.sum()),
+        "sum_sq": float((values**2).sum()),
+        "min": float(values.min()),
+        "max": float(values.max()),
+    }
 
 
 def merged_profile(profiles: list[dict[str, Any]], totals: bool = False) -> dict[str, Any]:
@@ -444,12 +584,22 @@ def merged_profile(profiles: list[dict[str, Any]], totals: bool = False) -> dict
         return {"classes": dict(sorted(total.items(), key=lambda kv: int(kv[0])))}
     n = sum(p["count"] for p in profiles)
     if totals:
-        return {"count": n, "sum": sum(p["sum"] for p in profiles), "sum_sq": sum(p["sum_sq"] for p in profiles),
-                "min": min(p["min"] for p in profiles), "max": max(p["max"] for p in profiles)}
+        return {
+            "count": n,
+            "sum": sum(p["sum"] for p in profiles),
+            "sum_sq": sum(p["sum_sq"] for p in profiles),
+            "min": min(p["min"] for p in profiles),
+            "max": max(p["max"] for p in profiles),
+        }
     mean = sum(p["sum"] for p in profiles) / max(n, 1)
-    var = max(sum(p["sum_sq"] for p in profiles) / max(n, 1) - mean ** 2, 0.0)
-    return {"count": n, "mean": mean, "std": var ** 0.5, "min": min(p["min"] for p in profiles),
-            "max": max(p["max"] for p in profiles)}
+    var = max(sum(p["sum_sq"] for p in profiles) / max(n, 1) - mean**2, 0.0)
+    return {
+        "count": n,
+        "mean": mean,
+        "std": var**0.5,
+        "min": min(p["min"] for p in profiles),
+        "max": max(p["max"] for p in profiles),
+    }
 
 
 def leaves(value: Any) -> list[torch.Tensor]:
@@ -475,8 +625,10 @@ def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int
     if hasattr(loader, "set_epoch"):  # a stream: its loader knows its own state's world sizes
         loader.load_state_dict(state)
     elif state.get("kind"):
-        raise DataError(f"the checkpoint's data position is a {state['kind']}'s; this run's training split is map-style: "
-                        "resume with the data it was trained on")
+        raise DataError(
+            f"the checkpoint's data position is a {state['kind']}'s; this run's training split is map-style: "
+            "resume with the data it was trained on"
+        )
     else:
         loader.load_state_dict(rescale_loader_state(state, saved_world, world))
 
@@ -487,11 +639,16 @@ def spread_sample(dataset: Dataset, count: int) -> tuple[Dataset, str]:
     bounded number of its row groups, a stream of the component's own gives its first ones."""
     if isinstance(dataset, ShardedStream):
         sample = _Listed(dataset.sample(count), collate_of(dataset))
-        return sample, f"{len(sample)} of {len(dataset)} samples, from row groups spread over its shards"
+        return (
+            sample,
+            f"{len(sample)} of {len(dataset)} samples, from row groups spread over its shards",
+        )
     if isinstance(dataset, IterableDataset):
         sample = _Listed(own_stream.first_items(dataset, count), collate_of(dataset))
         return sample, f"the first {len(sample)} samples of the data component's own stream"
-    indices = sorted(set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()))
+    indices = sorted(
+        set(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist())
+    )
     return Subset(dataset, indices), f"{len(indices)} of {len(dataset)} samples spread over it"
 
 
@@ -520,8 +677,10 @@ def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
     main = (state.get("_snapshot") or {}).get("_main_snapshot") or state
     inner = main.get("_sampler_iter_state") or {}
     if "samples_yielded" not in inner:
-        raise DataError("cannot move this data loader position to another world size: the saved loader "
-                        "state has no samples_yielded (torchdata changed its format); resume with "
-                        f"{saved_world} processes")
+        raise DataError(
+            "cannot move this data loader position to another world size: the saved loader "
+            "state has no samples_yielded (torchdata changed its format); resume with "
+            f"{saved_world} processes"
+        )
     inner["samples_yielded"] = inner["samples_yielded"] * saved_world // world
     return state

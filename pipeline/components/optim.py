@@ -9,13 +9,21 @@ import torch
 
 def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
     if optim_cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=optim_cfg.lr, momentum=optim_cfg.momentum,
-                               nesterov=optim_cfg.momentum > 0, weight_decay=optim_cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             weight_decay=optim_cfg.weight_decay)
+        return torch.optim.SGD(
+            params,
+            lr=optim_cfg.lr,
+            momentum=optim_cfg.momentum,
+            nesterov=optim_cfg.momentum > 0,
+            weight_decay=optim_cfg.weight_decay,
+        )
+    return torch.optim.AdamW(
+        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+    )
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float
+) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then cosine or flat."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -28,5 +36,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, optim_cfg.warmup_steps, optim_cfg.schedule,
-                                          optim_cfg.min_lr_ratio))
+        optimizer,
+        lambda step: lr_factor(
+            step, total_steps, optim_cfg.warmup_steps, optim_cfg.schedule, optim_cfg.min_lr_ratio
+        ),
+    )

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def is_stateful(dataset) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
 
 
 def has_length(dataset) -> bool:
@@ -45,9 +47,11 @@ def has_length(dataset) -> bool:
 def check_length(dataset, max_steps: int) -> None:
     """A stream without len() trains train.max_steps steps: without them it has no end."""
     if not has_length(dataset) and not max_steps:
-        raise ConfigError("the training split is a stream of the data component's own without len(): its epochs have "
-                          "no known length, so set train.max_steps (or give the stream __len__: the samples each "
-                          "rank's copy yields an epoch)")
+        raise ConfigError(
+            "the training split is a stream of the data component's own without len(): its epochs have "
+            "no known length, so set train.max_steps (or give the stream __len__: the samples each "
+            "rank's copy yields an epoch)"
+        )
 
 
 def first_items(dataset, count: int) -> list:
@@ -72,8 +76,14 @@ class OwnStreamLoader:
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             # Workers forked each epoch (not persistent): each takes the epoch `set_epoch` gave the stream.
-            self.loader = StatefulDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate_fn,
-                                             pin_memory=pin_memory, drop_last=True)
+            self.loader = StatefulDataLoader(
+                dataset,
+                batch_size=batch,
+                num_workers=workers,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                drop_last=True,
+            )
 
         # Each rank's copy may hold a sample more or less: every rank trains the steps the shortest one has, or
         # their step counts (and with them the evaluations and the schedule) would part and a collective hang.
@@ -113,20 +123,32 @@ class OwnStreamLoader:
         """Every rank's loader state (each worker's stream state inside it), gathered: a collective."""
         from pipeline.distributed import all_gather_object
 
-        return {"kind": "own-stream", "epoch": self.epoch, "workers": self.workers,
-                "ranks": all_gather_object(self.loader.state_dict(), self.info)}
+        return {
+            "kind": "own-stream",
+            "epoch": self.epoch,
+            "workers": self.workers,
+            "ranks": all_gather_object(self.loader.state_dict(), self.info),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "own-stream":
-            raise DataError("the checkpoint's data position is not that of a stream of your own; resume with the data "
-                            "it was trained on")
+            raise DataError(
+                "the checkpoint's data position is not that of a stream of your own; resume with the data "
+                "it was trained on"
+            )
         saved_world, world = len(state["ranks"]), self.info.world_size
         if saved_world != world or state["workers"] != self.workers:
-            raise DataError(f"the checkpoint holds the positions of a stream of your own on {saved_world} ranks x "
-                            f"{state['workers']} loader workers; this run has {world} x {self.workers}. A stream's "
-                            "own state is per rank and per worker: resume with --nproc-per-node "
-                            f"{saved_world} data.num_workers={state['workers']}, or write the data as shards "
-                            "(`pipeline data shard`), which resume at any world size")
+            raise DataError(
+                f"the checkpoint holds the positions of a stream of your own on {saved_world} ranks x "
+                f"{state['workers']} loader workers; this run has {world} x {self.workers}. A stream's "
+                "own state is per rank and per worker: resume with --nproc-per-node "
+                f"{saved_world} data.num_workers={state['workers']}, or write the data as shards "
+                "(`pipeline data shard`), which resume at any world size"
+            )
         self.set_epoch(int(state["epoch"]))
         self.loader.load_state_dict(state["ranks"][self.info.rank])
-        log.info("the stream of your own resumes at epoch %d where rank %d stopped", self.epoch, self.info.rank)
+        log.info(
+            "the stream of your own resumes at epoch %d where rank %d stopped",
+            self.epoch,
+            self.info.rank,
+        )

@@ -35,7 +35,9 @@ from typing import Any, Iterable
 
 from pipeline.errors import ComponentError, ConfigError  # noqa: F401 - raised here, defined with the others
 
-REFERENCE = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+REFERENCE = re.compile(
+    r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"
+)
 BUILTIN_PATTERNS = ("pipeline.models.*", "pipeline.datasets.*")
 TRUST_ENV = "TRAINSERVE_TRUSTED_COMPONENTS"
 
@@ -49,11 +51,15 @@ def split_reference(key: str, reference: str) -> tuple[str, str]:
     if reference and ":" not in reference and "." in reference:
         module, _, attribute = reference.rpartition(".")
         hint = f"; did you mean '{module}:{attribute}'?"
-    raise ComponentError(f"{key}.component {reference!r} is not a reference of the form 'module.path:attribute' "
-                         f"(e.g. my_project.models:TabularNet){hint}")
+    raise ComponentError(
+        f"{key}.component {reference!r} is not a reference of the form 'module.path:attribute' "
+        f"(e.g. my_project.models:TabularNet){hint}"
+    )
 
 
-def resolve(key: str, reference: str, missing_hint: str = "", source: "ArtifactSource | None" = None) -> Any:
+def resolve(
+    key: str, reference: str, missing_hint: str = "", source: "ArtifactSource | None" = None
+) -> Any:
     """The object `reference` names, imported the ordinary way; `missing_hint` is added when its
     module can't be found (e.g. where the run logged the code). `source`: the artifact the reference was
     read from, if it was: then it must be trusted before anything is imported (see the module docstring)."""
@@ -67,33 +73,59 @@ def resolve(key: str, reference: str, missing_hint: str = "", source: "ArtifactS
             raise ComponentError(
                 f"{key}.component '{reference}': cannot import module '{module_name}' (ModuleNotFoundError: {exc}). "
                 f"Install your package (pip install -e <project>), add its directory to PYTHONPATH, or run from "
-                f"the directory that holds it{missing_hint}") from None
-        raise ComponentError(f"{key}.component '{reference}': importing '{module_name}' failed inside it "
-                             f"(ModuleNotFoundError: {exc})") from exc
-    except Exception as exc:  # a syntax error or an exception raised at import time in the user's module
-        raise ComponentError(f"{key}.component '{reference}': importing '{module_name}' raised "
-                             f"{type(exc).__name__}: {_with_cause(exc, module_name)}") from exc
+                f"the directory that holds it{missing_hint}"
+            ) from None
+        raise ComponentError(
+            f"{key}.component '{reference}': importing '{module_name}' failed inside it "
+            f"(ModuleNotFoundError: {exc})"
+        ) from exc
+    except (
+        Exception
+    ) as exc:  # a syntax error or an exception raised at import time in the user's module
+        raise ComponentError(
+            f"{key}.component '{reference}': importing '{module_name}' raised "
+            f"{type(exc).__name__}: {_with_cause(exc, module_name)}"
+        ) from exc
     obj: Any = module
     for depth, part in enumerate(attribute.split(".")):
         if source is not None and (part.startswith("_") or (depth and inspect.ismodule(obj))):
-            raise ComponentError(f"{source.where} names {key}.component '{reference}': a component read from an "
-                                 "artifact must be a public class or function of the module it names")
+            raise ComponentError(
+                f"{source.where} names {key}.component '{reference}': a component read from an "
+                "artifact must be a public class or function of the module it names"
+            )
         if not hasattr(obj, part):
             owner = ".".join([module_name, *attribute.split(".")[:depth]])
             public = sorted(n for n in dir(obj) if not n.startswith("_"))
             close = difflib.get_close_matches(part, public, n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (
-                f"; it has: {', '.join(public[:15])}{' ...' if len(public) > 15 else ''}" if public else "")
-            raise ComponentError(f"{key}.component '{reference}': '{owner}' has no attribute '{part}'{hint}")
+            hint = (
+                f"; did you mean {', '.join(repr(c) for c in close)}?"
+                if close
+                else (
+                    f"; it has: {', '.join(public[:15])}{' ...' if len(public) > 15 else ''}"
+                    if public
+                    else ""
+                )
+            )
+            raise ComponentError(
+                f"{key}.component '{reference}': '{owner}' has no attribute '{part}'{hint}"
+            )
         obj = getattr(obj, part)
     if source is not None and not _defined_under(obj, module_name):
-        what = "a module" if inspect.ismodule(obj) else f"defined in '{getattr(obj, '__module__', '?')}'"
-        raise ComponentError(f"{source.where} names {key}.component '{reference}', which is {what}, not a class or "
-                             f"function of '{module_name}'; a component read from an artifact must be defined in the "
-                             "module it names")
+        what = (
+            "a module"
+            if inspect.ismodule(obj)
+            else f"defined in '{getattr(obj, '__module__', '?')}'"
+        )
+        raise ComponentError(
+            f"{source.where} names {key}.component '{reference}', which is {what}, not a class or "
+            f"function of '{module_name}'; a component read from an artifact must be defined in the "
+            "module it names"
+        )
     if not callable(obj):
-        raise ComponentError(f"{key}.component '{reference}' is a {type(obj).__name__}, not callable; name a class "
-                             "or a function")
+        raise ComponentError(
+            f"{key}.component '{reference}' is a {type(obj).__name__}, not callable; name a class "
+            "or a function"
+        )
     return obj
 
 
@@ -114,15 +146,20 @@ def call(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = ""
     except ConfigError:
         raise
     except Exception as exc:
-        raise ComponentError(f"{key}.component '{reference}' raised {type(exc).__name__}: "
-                             f"{_with_cause(exc, reference.partition(':')[0])}") from exc
+        raise ComponentError(
+            f"{key}.component '{reference}' raised {type(exc).__name__}: "
+            f"{_with_cause(exc, reference.partition(':')[0])}"
+        ) from exc
 
 
 # An extension built against another torch than the installed one: its operators can't register, its symbols
 # don't resolve (torchvision from the registry, a CUDA build, under a CPU torch: "operator torchvision::nms does
 # not exist").
-_BUILT_FOR_ANOTHER_TORCH = re.compile(r"operator \S+ does not exist|undefined symbol|compiled (with|against|for) "
-                                      r"(a )?(different|another|torch|pytorch)", re.IGNORECASE)
+_BUILT_FOR_ANOTHER_TORCH = re.compile(
+    r"operator \S+ does not exist|undefined symbol|compiled (with|against|for) "
+    r"(a )?(different|another|torch|pytorch)",
+    re.IGNORECASE,
+)
 
 
 def _with_cause(exc: BaseException, module_name: str) -> str:
@@ -130,10 +167,15 @@ def _with_cause(exc: BaseException, module_name: str) -> str:
     package: transformers says only "Could not import module 'BertForTokenClassification'", whatever the
     reason), that failure and its fix: the one thing the user must act on, which the outer message hides."""
     root = exc
-    while (nxt := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
+    while (
+        nxt := root.__cause__ or (None if root.__suppress_context__ else root.__context__)
+    ) is not None:
         root = nxt
-    bodies = [f.f_globals.get("__name__", "") for f, _ in traceback.walk_tb(root.__traceback__)
-              if f.f_code.co_name == "<module>"]  # the modules being imported when it was raised, outermost first
+    bodies = [
+        f.f_globals.get("__name__", "")
+        for f, _ in traceback.walk_tb(root.__traceback__)
+        if f.f_code.co_name == "<module>"
+    ]  # the modules being imported when it was raised, outermost first
     package = bodies[-1].partition(".")[0] if bodies else ""
     text = str(exc).strip() or type(exc).__name__
     if not package or package in ("__main__", "importlib"):
@@ -146,17 +188,29 @@ def _with_cause(exc: BaseException, module_name: str) -> str:
     built_for_another_torch = _BUILT_FOR_ANOTHER_TORCH.search(str(root))
     if same and not built_for_another_torch:  # the named package's own failure: its text says it
         return text
-    cause = "" if same and root is exc else (
-        f"{text.split('. ')[0].rstrip('.')}, because importing {package} failed: {type(root).__name__}: "
-        f"{str(root).strip().splitlines()[0] if str(root).strip() else ''}")
+    cause = (
+        ""
+        if same and root is exc
+        else (
+            f"{text.split('. ')[0].rstrip('.')}, because importing {package} failed: {type(root).__name__}: "
+            f"{str(root).strip().splitlines()[0] if str(root).strip() else ''}"
+        )
+    )
     if built_for_another_torch:
-        fix = (f"{dist} {version} was built for another torch than the installed {_installed_version('torch')}: "
-               + ("scripts/setup --with torchvision installs one that fits (or says why none can here)"
-                  if dist == "torchvision" else f"reinstall it for this torch (pip install -c .venv/constraints.txt "
-                                                 f"{dist})") + f", or uninstall it: pip uninstall {dist}")
+        fix = (
+            f"{dist} {version} was built for another torch than the installed {_installed_version('torch')}: "
+            + (
+                "scripts/setup --with torchvision installs one that fits (or says why none can here)"
+                if dist == "torchvision"
+                else f"reinstall it for this torch (pip install -c .venv/constraints.txt {dist})"
+            )
+            + f", or uninstall it: pip uninstall {dist}"
+        )
     else:
-        fix = (f"{dist} {version} is installed but can't be imported: repair it (pip install --force-reinstall -c "
-               f".venv/constraints.txt {dist}) or uninstall it (pip uninstall {dist})")
+        fix = (
+            f"{dist} {version} is installed but can't be imported: repair it (pip install --force-reinstall -c "
+            f".venv/constraints.txt {dist}) or uninstall it (pip uninstall {dist})"
+        )
     return f"{cause or text}; {fix}"
 
 
@@ -167,7 +221,9 @@ def _installed_version(distribution: str) -> str | None:
         return None
 
 
-def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = "") -> None:
+def check_arguments(
+    key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = ""
+) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature: let the call speak
@@ -177,22 +233,35 @@ def check_arguments(key: str, reference: str, fn: Any, args: dict[str, Any], hin
     except TypeError as exc:
         given = ", ".join(sorted(args)) or "none"
         missing = "missing" in str(exc)  # a required parameter: the data may be what should give it
-        raise ComponentError(f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc}"
-                             f"{_closest(args, signature)} (given: {given}); set {key}.args to what it takes"
-                             f"{hint if missing else ''}") from None
+        raise ComponentError(
+            f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc}"
+            f"{_closest(args, signature)} (given: {given}); set {key}.args to what it takes"
+            f"{hint if missing else ''}"
+        ) from None
 
 
 def _closest(args: dict[str, Any], signature: inspect.Signature) -> str:
-    """"; did you mean 'hidden'?" for an argument name close to a parameter's."""
-    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    close = [c for given in args if given not in names for c in difflib.get_close_matches(given, names, n=1)]
+    """ "; did you mean 'hidden'?" for an argument name close to a parameter's."""
+    names = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    close = [
+        c
+        for given in args
+        if given not in names
+        for c in difflib.get_close_matches(given, names, n=1)
+    ]
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def plain_signature(signature: inspect.Signature) -> inspect.Signature:
     """The parameters without annotations: what a message needs, and readable."""
-    return signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-                             return_annotation=signature.empty)
+    return signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
 
 
 def accepted_parameters(fn: Any) -> set[str]:
@@ -216,6 +285,7 @@ def takes_kwargs(fn: Any) -> bool:
 class ArtifactSource:
     """Where references were read back from (a checkpoint, a model.json), and the patterns this process
     trusts besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS (e.g. the config `pipeline run` was given)."""
+
     where: str
     trusted: tuple[str, ...] = ()
 
@@ -223,7 +293,11 @@ class ArtifactSource:
 def trusted_patterns(extra: Iterable[str] = ()) -> list[str]:
     """The built-ins, $TRAINSERVE_TRUSTED_COMPONENTS and `extra` (--trust, each repeatable): all of them
     comma-separated lists, read the same way."""
-    return [*BUILTIN_PATTERNS, *split_patterns(os.environ.get(TRUST_ENV, "")), *split_patterns(*extra)]
+    return [
+        *BUILTIN_PATTERNS,
+        *split_patterns(os.environ.get(TRUST_ENV, "")),
+        *split_patterns(*extra),
+    ]
 
 
 def split_patterns(*texts: str) -> list[str]:
@@ -236,8 +310,10 @@ def matches(reference: str, pattern: str) -> bool:
     module alone (`my_project.*` is any module below my_project), never across the colon."""
     module, _, attribute = reference.partition(":")
     module_glob, _, attribute_glob = pattern.partition(":")
-    return (fnmatch.fnmatchcase(module, module_glob) or (module_glob.endswith(".*") and module == module_glob[:-2])) \
-        and fnmatch.fnmatchcase(attribute, attribute_glob or "*")
+    return (
+        fnmatch.fnmatchcase(module, module_glob)
+        or (module_glob.endswith(".*") and module == module_glob[:-2])
+    ) and fnmatch.fnmatchcase(attribute, attribute_glob or "*")
 
 
 def check_trusted(key: str, reference: str, source: ArtifactSource | None) -> None:
@@ -252,7 +328,9 @@ def check_all_trusted(references: dict[str, str], source: ArtifactSource | None)
     if source is None:
         return
     patterns = trusted_patterns(source.trusted)
-    untrusted = {k: r for k, r in references.items() if r and not any(matches(r, p) for p in patterns)}
+    untrusted = {
+        k: r for k, r in references.items() if r and not any(matches(r, p) for p in patterns)
+    }
     if not untrusted:
         return
     named = ", ".join(f"{key}.component '{reference}'" for key, reference in untrusted.items())
@@ -262,7 +340,8 @@ def check_all_trusted(references: dict[str, str], source: ArtifactSource | None)
         f"component named by an artifact is imported and run only when it is built in or matches ${TRUST_ENV} or "
         f"--trust (comma-separated patterns such as 'my_project.*'), because a shared store could name any "
         f"callable. If you trust the run that wrote {'it' if len(untrusted) == 1 else 'them'}: "
-        f"--trust '{them}' (or {TRUST_ENV}='{them}')")
+        f"--trust '{them}' (or {TRUST_ENV}='{them}')"
+    )
 
 
 def recorded_components(*sections: Any) -> dict[str, str]:
@@ -280,7 +359,9 @@ def model_short_name(reference: str, args: dict[str, Any] | None = None) -> str:
     """A name for runs: the model a factory builds (`timm:create_model` with model_name resnet10t ->
     `resnet10t`, `transformers:AutoModel.from_pretrained` with a path -> its last part), else `short_name`."""
     attribute = reference.rpartition(":")[2].rpartition(".")[2]
-    named = next((v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None)
+    named = next(
+        (v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None
+    )
     if named and (FACTORY.match(attribute.lower()) or attribute.startswith("from_")):
         last = named.rstrip("/").rpartition("/")[2].lower()
         return re.sub(r"[^a-z0-9]+", "-", last).strip("-") or short_name(reference)

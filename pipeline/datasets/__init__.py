@@ -18,4 +18,3 @@ from pipeline.datasets.fashion_mnist import fashion_mnist  # noqa: F401
 from pipeline.datasets.image_folder import image_folder  # noqa: F401
 from pipeline.datasets.sharded import sharded  # noqa: F401
 from pipeline.datasets.synthetic import synthetic  # noqa: F401
-

@@ -18,7 +18,7 @@ from pipeline.datasets.images import ImageTensors
 
 PAD, IGNORE = 0, -100
 VOCAB = 18  # PAD and intensities 0..16
-INK = 4     # intensity (0..16) above which a pixel is stroke
+INK = 4  # intensity (0..16) above which a pixel is stroke
 
 
 class DigitTokens(Dataset):
@@ -36,12 +36,19 @@ class DigitTokens(Dataset):
         return len(self.tags)
 
     def __getitem__(self, i):
-        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}, self.tags[i]
+        return {
+            "input_ids": self.input_ids[i],
+            "attention_mask": self.attention_mask[i],
+        }, self.tags[i]
 
     def __getitems__(self, indices: list[int]):
         idx = torch.as_tensor(indices)
-        return PreBatched(({"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx]},
-                           self.tags[idx]))
+        return PreBatched(
+            (
+                {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx]},
+                self.tags[idx],
+            )
+        )
 
 
 def digit_tokens(val_fraction: float = 0.2, split_seed: int = 0) -> dict[str, DigitTokens]:

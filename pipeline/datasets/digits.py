@@ -23,7 +23,9 @@ def digits(val_fraction: float = 0.2, split_seed: int = 0) -> dict[str, ImageTen
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
     n_val = int(round(len(y) * val_fraction))
     val_idx, train_idx = perm[:n_val], perm[n_val:]
-    return image_splits(x[train_idx], y[train_idx], x[val_idx], y[val_idx], [str(d) for d in range(10)])
+    return image_splits(
+        x[train_idx], y[train_idx], x[val_idx], y[val_idx], [str(d) for d in range(10)]
+    )
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -31,8 +33,11 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     without importing scikit-learn: importing it (scipy and all) made load_digits cost 1.1 s against 0.02 s for
     the file alone, in every process that loads the data (each rank, and a launcher's pre-run check)."""
     spec = importlib.util.find_spec("sklearn")
-    csv = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" \
-        if spec is not None and spec.submodule_search_locations else None
+    csv = (
+        Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+        if spec is not None and spec.submodule_search_locations
+        else None
+    )
     if csv is None or not csv.is_file():  # another layout of scikit-learn: its own loader
         from sklearn.datasets import load_digits as sklearn_load_digits
 

@@ -17,11 +17,15 @@ from torch.utils.data import Dataset
 from pipeline.errors import DataError
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-STATS_SAMPLES = 256  # the per-channel mean/std the built-in models normalize with: from this many images
+STATS_SAMPLES = (
+    256  # the per-channel mean/std the built-in models normalize with: from this many images
+)
 
 
 class ImageFiles(Dataset):
-    def __init__(self, files: list[tuple[Path, int]], classes: list[str], image_size: int, mode: str):
+    def __init__(
+        self, files: list[tuple[Path, int]], classes: list[str], image_size: int, mode: str
+    ):
         self.files, self.classes, self.image_size, self.mode = files, classes, image_size, mode
 
     def __len__(self) -> int:
@@ -33,38 +37,62 @@ class ImageFiles(Dataset):
         path, label = self.files[i]
         try:
             with Image.open(path) as image:
-                pixels = image.convert(self.mode).resize((self.image_size, self.image_size), Image.BILINEAR)
+                pixels = image.convert(self.mode).resize(
+                    (self.image_size, self.image_size), Image.BILINEAR
+                )
         except (OSError, UnidentifiedImageError) as exc:
-            raise DataError(f"{path} can't be read as an image ({type(exc).__name__}: {exc}); remove it or replace "
-                            "it") from None
+            raise DataError(
+                f"{path} can't be read as an image ({type(exc).__name__}: {exc}); remove it or replace "
+                "it"
+            ) from None
         x = torch.from_numpy(np.asarray(pixels, dtype=np.float32) / 255.0)
         x = x.unsqueeze(0) if x.dim() == 2 else x.permute(2, 0, 1)
         return x.contiguous(), torch.tensor(label, dtype=torch.int64)
 
 
-def image_folder(root: str, image_size: int = 32, mode: str = "RGB", val_fraction: float = 0.2,
-                 split_seed: int = 0) -> dict[str, ImageFiles]:
+def image_folder(
+    root: str,
+    image_size: int = 32,
+    mode: str = "RGB",
+    val_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> dict[str, ImageFiles]:
     """A fixed, seeded train/validation split of the files (`split_seed`, independent of train.seed)."""
     folder = Path(root)
     if not folder.is_dir():
-        raise DataError(f"data.args.root={root} is not a directory; give a folder with one sub-folder per class")
+        raise DataError(
+            f"data.args.root={root} is not a directory; give a folder with one sub-folder per class"
+        )
     if mode not in ("L", "RGB"):
-        raise DataError(f"data.args.mode={mode!r}: give 'L' (grey, 1 channel) or 'RGB' (3 channels)")
+        raise DataError(
+            f"data.args.mode={mode!r}: give 'L' (grey, 1 channel) or 'RGB' (3 channels)"
+        )
     if not 0 < val_fraction < 1:
-        raise DataError(f"data.args.val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
+        raise DataError(
+            f"data.args.val_fraction={val_fraction} must be between 0 and 1 (exclusive)"
+        )
     classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    files = [(f, c) for c, name in enumerate(classes) for f in sorted((folder / name).rglob("*"))
-             if f.suffix.lower() in SUFFIXES and f.is_file()]
+    files = [
+        (f, c)
+        for c, name in enumerate(classes)
+        for f in sorted((folder / name).rglob("*"))
+        if f.suffix.lower() in SUFFIXES and f.is_file()
+    ]
     if len(classes) < 2 or not files:
-        raise DataError(f"{root} holds {len(classes)} class folder(s) and {len(files)} image(s) ({', '.join(SUFFIXES)}); "
-                        "a classification data set needs a sub-folder per class (at least 2) with images in them")
+        raise DataError(
+            f"{root} holds {len(classes)} class folder(s) and {len(files)} image(s) ({', '.join(SUFFIXES)}); "
+            "a classification data set needs a sub-folder per class (at least 2) with images in them"
+        )
     perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(split_seed)).tolist()
     n_val = max(1, int(round(len(files) * val_fraction)))
     train = ImageFiles([files[i] for i in perm[n_val:]], classes, image_size, mode)
     val = ImageFiles([files[i] for i in perm[:n_val]], classes, image_size, mode)
     spread = np.unique(np.linspace(0, len(train) - 1, min(STATS_SAMPLES, len(train))).astype(int))
     sample = torch.stack([train[int(i)][0] for i in spread])
-    train.model_args = {"in_channels": sample.shape[1], "image_size": image_size,
-                        "mean": sample.mean(dim=(0, 2, 3)).tolist(),
-                        "std": sample.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist()}
+    train.model_args = {
+        "in_channels": sample.shape[1],
+        "image_size": image_size,
+        "mean": sample.mean(dim=(0, 2, 3)).tolist(),
+        "std": sample.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist(),
+    }
     return {"train": train, "val": val}

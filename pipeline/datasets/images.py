@@ -12,7 +12,9 @@ class ImageTensors(Dataset):
     """A map-style data set of (image, label) with a batched `__getitems__`: the DataLoader gathers a
     batch with one index operation instead of collating 64 single samples."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict | None = None):
+    def __init__(
+        self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict | None = None
+    ):
         self.x, self.y = x, y
         self.classes = classes
         if model_args is not None:
@@ -29,11 +31,22 @@ class ImageTensors(Dataset):
         return PreBatched((self.x[idx], self.y[idx]))
 
 
-def image_splits(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor,
-                 classes: list[str]) -> dict[str, ImageTensors]:
+def image_splits(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    val_x: torch.Tensor,
+    val_y: torch.Tensor,
+    classes: list[str],
+) -> dict[str, ImageTensors]:
     """The two splits; the training set suggests the model's input shape and its own statistics, which
     the built-in models normalize with inside the graph (so clients send raw intensities)."""
-    suggested = {"in_channels": train_x.shape[1], "image_size": train_x.shape[2],
-                 "mean": train_x.mean(dim=(0, 2, 3)).tolist(),
-                 "std": train_x.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist()}
-    return {"train": ImageTensors(train_x, train_y, classes, suggested), "val": ImageTensors(val_x, val_y, classes)}
+    suggested = {
+        "in_channels": train_x.shape[1],
+        "image_size": train_x.shape[2],
+        "mean": train_x.mean(dim=(0, 2, 3)).tolist(),
+        "std": train_x.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist(),
+    }
+    return {
+        "train": ImageTensors(train_x, train_y, classes, suggested),
+        "val": ImageTensors(val_x, val_y, classes),
+    }

@@ -28,8 +28,11 @@ def grad_norm(parameters, stages=None) -> torch.Tensor:
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])) if norms else \
-        torch.zeros((), device=device)
+    total = (
+        torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        if norms
+        else torch.zeros((), device=device)
+    )
     if stages is not None:
         squared = total.double() ** 2
         dist.all_reduce(squared, group=stages)
@@ -41,7 +44,9 @@ def grad_norm(parameters, stages=None) -> torch.Tensor:
 def clip_grads(parameters, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scales the gradients so that their global norm is at most `max_norm`, as clip_grad_norm_ does (train_step
     calls it where clip_grad_norm_ can't: see needs_own_norm)."""
-    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # a number: DTensors of any mesh take it
+    coef = float(
+        torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    )  # a number: DTensors of any mesh take it
     if coef < 1.0:
         for p in parameters:
             if p.grad is not None:

@@ -14,10 +14,21 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def torchrun_command(module: str, nproc_per_node: int, max_restarts: int, arguments: list[str]) -> list[str]:
+def torchrun_command(
+    module: str, nproc_per_node: int, max_restarts: int, arguments: list[str]
+) -> list[str]:
     """`python -m module arguments...` under torchrun on this machine (`--standalone`: a private rendezvous)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-            f"--max-restarts={max_restarts}", "-m", module, *arguments]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        module,
+        *arguments,
+    ]
 
 
 def torchrun_env() -> dict[str, str]:

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Layout:
-    dp_rank: int     # this rank's place among the data-parallel ranks (what the loader and evaluation deal by)
+    dp_rank: int  # this rank's place among the data-parallel ranks (what the loader and evaluation deal by)
     dp_size: int
     tp_rank: int
     tp: int
@@ -31,6 +31,7 @@ class Layout:
         """The rank whose evaluation counts for its group: of a tensor-parallel group (all of them compute the same),
         the first; of a pipeline, a rank of the last stage (the one that has the model's output)."""
         return self.tp_rank == 0 and self.pp_rank == self.pp - 1
+
 
 def layout(train_cfg, info: DistInfo) -> Layout:
     degrees = train_cfg.parallel.degrees(info.world_size)
@@ -50,9 +51,14 @@ def build(train_cfg, info: DistInfo):
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (degrees["pp"], degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"])
-    log.info("device mesh: %d pipeline stages x %d replicas x %d shards x %d tensor-parallel%s", *shape,
-             " (HSDP)" if shape[1] > 1 else "")
-    return init_device_mesh(info.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    log.info(
+        "device mesh: %d pipeline stages x %d replicas x %d shards x %d tensor-parallel%s",
+        *shape,
+        " (HSDP)" if shape[1] > 1 else "",
+    )
+    return init_device_mesh(
+        info.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
+    )
 
 
 def data_parallel(mesh):

@@ -40,7 +40,9 @@ def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None
     return model is not None and any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo, device_mesh=None) -> nn.Module:
+def wrap_model(
+    model: nn.Module, train_cfg, precision: str, info: DistInfo, device_mesh=None
+) -> nn.Module:
     """`model` (the whole model, or this rank's pipeline stage) on its device, split over the mesh's tensor-parallel
     ranks and wrapped for its data-parallel ones: DDP (over the whole world, or the stage's copies on a mesh) or
     FSDP2 (HSDP on a mesh with replicas)."""
@@ -48,8 +50,10 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo, devi
         if info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:
-            log.warning("train.sync_batchnorm ignored: torch's SyncBatchNorm has no CPU kernel; "
-                        "BatchNorm statistics stay per rank")
+            log.warning(
+                "train.sync_batchnorm ignored: torch's SyncBatchNorm has no CPU kernel; "
+                "BatchNorm statistics stay per rank"
+            )
     if train_cfg.compile:
         check_compiler(info.device.type)
     model = model.to(info.device)
@@ -64,12 +68,23 @@ def wrap_model(model: nn.Module, train_cfg, precision: str, info: DistInfo, devi
         # FSDP2 refuses non-contiguous parameters (NotImplementedError in fully_shard), and its
         # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
         # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
-        return shard(model, train_cfg.fsdp_wrap, precision, train_cfg.compile, mesh.data_parallel(device_mesh))
+        return shard(
+            model,
+            train_cfg.fsdp_wrap,
+            precision,
+            train_cfg.compile,
+            mesh.data_parallel(device_mesh),
+        )
     if uses_channels_last(train_cfg, info, model):
         model = model.to(memory_format=torch.channels_last)
     if info.distributed:
-        model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                    process_group=mesh.data_parallel(device_mesh).get_group() if device_mesh is not None else None)
+        model = DDP(
+            model,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            process_group=mesh.data_parallel(device_mesh).get_group()
+            if device_mesh is not None
+            else None,
+        )
     if train_cfg.compile:
         # In place (the parameter names stay those of the checkpoints) and after DDP: compiling the
         # DDP module lets TorchDynamo's DDPOptimizer split the graph at the gradient buckets, so the
@@ -86,13 +101,16 @@ def check_compiler(device_type: str) -> None:
     names = ("cc", "gcc", "clang") if device_type == "cuda" else ("c++", "g++", "clang++")
     chosen = os.environ.get("CC" if device_type == "cuda" else "CXX")
     if not any(shutil.which(n) for n in ((chosen,) if chosen else names)):
-        raise ConfigError(f"train.compile=true on {device_type} needs a {'C' if device_type == 'cuda' else 'C++'} "
-                          f"compiler ({chosen or ', '.join(names)}) on PATH, and none is there: install one "
-                          "(e.g. apt-get install gcc g++) or set train.compile=false")
+        raise ConfigError(
+            f"train.compile=true on {device_type} needs a {'C' if device_type == 'cuda' else 'C++'} "
+            f"compiler ({chosen or ', '.join(names)}) on PATH, and none is there: install one "
+            "(e.g. apt-get install gcc g++) or set train.compile=false"
+        )
 
 
-def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False,
-          mesh=None) -> nn.Module:
+def shard(
+    model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units: bool = False, mesh=None
+) -> nn.Module:
     """FSDP2: every unit (see the module docstring) and the root, innermost first.
 
     With bf16/fp16, each BatchNorm (SyncBatchNorm included) is a unit of its own with an fp32 policy,
@@ -104,17 +122,25 @@ def shard(model: nn.Module, fsdp_wrap: list[str], precision: str, compile_units:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 casts parameters itself; gradients are reduced in fp32 for accuracy.
-    mp = MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32) \
-        if precision != "fp32" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=amp.DTYPES[precision], reduce_dtype=torch.float32)
+        if precision != "fp32"
+        else MixedPrecisionPolicy()
+    )
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm)] if precision != "fp32" else []
     units = [u for u in fsdp_units(model, fsdp_wrap) if not any(u is n for n in norms)]
-    log.info("FSDP2 units: %d x %s, and the root%s", len(units),
-             ", ".join(sorted({type(u).__name__ for u in units})) or "none",
-             f"; {len(norms)} BatchNorm kept in fp32" if norms else "")
+    log.info(
+        "FSDP2 units: %d x %s, and the root%s",
+        len(units),
+        ", ".join(sorted({type(u).__name__ for u in units})) or "none",
+        f"; {len(norms)} BatchNorm kept in fp32" if norms else "",
+    )
     for norm in norms:
         fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     for unit in units:  # innermost first: a unit inside another is sharded before its parent
-        if compile_units:  # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
+        if (
+            compile_units
+        ):  # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
             unit.compile()
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     if compile_units and not units:
@@ -128,13 +154,17 @@ def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
         present = sorted({type(m).__name__ for m in model.modules()})
         unknown = [n for n in class_names if n not in present]
         if unknown:
-            raise ConfigError(f"train.fsdp_wrap names {unknown}, but the model has no module of that class; its "
-                              f"module classes are: {', '.join(present)}")
+            raise ConfigError(
+                f"train.fsdp_wrap names {unknown}, but the model has no module of that class; its "
+                f"module classes are: {', '.join(present)}"
+            )
         wanted = set(class_names)
     else:
         block = repeated_block(model)
         wanted = {block} if block else set()
-    return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wanted]
+    return [
+        m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wanted
+    ]
 
 
 def repeated_block(model: nn.Module) -> str | None:

@@ -73,9 +73,14 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
     if (world_size > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         # device_id binds NCCL to this rank's GPU eagerly, avoiding a hang on the first collective.
-        dist.init_process_group(backend=backend, store=attempt_store(rank, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(minutes=10),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            store=attempt_store(rank, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=10),
+            device_id=device if device.type == "cuda" else None,
+        )
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
 
 
@@ -105,7 +110,9 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl, macOS, Windows
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return bool(
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    )
 
 
 ATTEMPT_STORE_KEY = "trainserve/attempt_store"  # in torchrun's agent store: "<port> <nonce>" of this attempt's store
@@ -125,12 +132,18 @@ def attempt_store(rank: int, world_size: int) -> dist.Store:
     announcement points at a dead rank 0's port, or at a reused port holding another nonce).
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 hosts MASTER_PORT's store: new per attempt
-        return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT, multi_tenant=True)
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):  # rank 0 hosts MASTER_PORT's store: new per attempt
+        return dist.TCPStore(
+            addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT, multi_tenant=True
+        )
     agent = dist.TCPStore(addr, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
     if rank == 0:
         nonce = secrets.token_hex(8)
-        own = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        own = dist.TCPStore(
+            addr, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
+        )
         own.set(ATTEMPT_STORE_KEY, nonce)
         agent.set(ATTEMPT_STORE_KEY, f"{own.port} {nonce}")
         return own
@@ -141,17 +154,26 @@ def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.St
     """The store rank 0 of this attempt announced (see attempt_store), once it answers with its nonce."""
     deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
     while time.monotonic() < deadline:
-        port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()  # waits for the first announcement
+        port, nonce = (
+            agent.get(ATTEMPT_STORE_KEY).decode().split()
+        )  # waits for the first announcement
         try:
-            own = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=timedelta(seconds=2))
+            own = dist.TCPStore(
+                addr, int(port), world_size, is_master=False, timeout=timedelta(seconds=2)
+            )
             if own.get(ATTEMPT_STORE_KEY).decode() == nonce:
                 own.set_timeout(STORE_TIMEOUT)
                 return own
-        except (RuntimeError, dist.DistStoreError):  # a dead attempt's port: rank 0 has not announced yet
+        except (
+            RuntimeError,
+            dist.DistStoreError,
+        ):  # a dead attempt's port: rank 0 has not announced yet
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"rank 0 announced no live store at {addr} in {STORE_TIMEOUT} (agent store key "
-                       f"{ATTEMPT_STORE_KEY}): did rank 0 start?")
+    raise TimeoutError(
+        f"rank 0 announced no live store at {addr} in {STORE_TIMEOUT} (agent store key "
+        f"{ATTEMPT_STORE_KEY}): did rank 0 start?"
+    )
 
 
 def job_restarts(info: DistInfo) -> int:
@@ -159,7 +181,9 @@ def job_restarts(info: DistInfo) -> int:
     counts only its own failure restarts (TORCHELASTIC_RESTART_COUNT); a node restarted because another
     node's worker died counts 0, yet its ranks resume with everyone else's. Collective."""
     # On the group's own device: NCCL reduces only CUDA tensors (a CPU tensor there fails every rank at start).
-    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], device=info.device)
+    count = torch.tensor(
+        [int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], device=info.device
+    )
     if info.distributed:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())

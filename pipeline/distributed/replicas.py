@@ -26,7 +26,10 @@ def split_over_tensor_parallel_ranks(t) -> bool:
     if not hasattr(t, "placements"):
         return False
     names = t.device_mesh.mesh_dim_names or ()
-    return any(name == "tp" and not placement.is_replicate() for name, placement in zip(names, t.placements))
+    return any(
+        name == "tp" and not placement.is_replicate()
+        for name, placement in zip(names, t.placements)
+    )
 
 
 def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
@@ -35,7 +38,9 @@ def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
         if split_over_tensor_parallel_ranks(tensor):
             continue
         t = tensor.detach()
-        t = t.to_local() if hasattr(t, "to_local") else t  # HSDP: this rank's shard, the same on each replica
+        t = (
+            t.to_local() if hasattr(t, "to_local") else t
+        )  # HSDP: this rank's shard, the same on each replica
         names.append(name)
         # Sum and sum of squares in float64: a one-ulp change in a float32 element shows up.
         d = t.double()
@@ -70,4 +75,5 @@ def check(model: torch.nn.Module, step: int, group=None) -> None:
         raise ReplicaDivergence(
             f"replicas diverged at step {step}: '{names[first]}' differs between ranks "
             f"(checksum min {lo[first, 0].item():.17g}, max {hi[first, 0].item():.17g}); "
-            f"{len(differs)} tensor(s) differ in all. This rank's value: {local[first, 0].item():.17g}")
+            f"{len(differs)} tensor(s) differ in all. This rank's value: {local[first, 0].item():.17g}"
+        )

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import re
 
-import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
@@ -28,18 +27,24 @@ log = logging.getLogger(__name__)
 
 # (family, [(regex on the module's full name, style)]): a family applies when all its patterns match something.
 FAMILIES = [
-    ("BERT-style encoder (Hugging Face)", [
-        (r"(^|\.)attention\.self\.(query|key|value)$", "colwise"),
-        (r"(^|\.)attention\.output\.dense$", "rowwise"),
-        (r"(^|\.)intermediate\.dense$", "colwise"),
-        (r"(^|\.)layer\.\d+\.output\.dense$", "rowwise"),
-    ]),
-    ("LLaMA-style decoder (Hugging Face)", [
-        (r"(^|\.)self_attn\.(q|k|v)_proj$", "colwise"),
-        (r"(^|\.)self_attn\.o_proj$", "rowwise"),
-        (r"(^|\.)mlp\.(gate|up)_proj$", "colwise"),
-        (r"(^|\.)mlp\.down_proj$", "rowwise"),
-    ]),
+    (
+        "BERT-style encoder (Hugging Face)",
+        [
+            (r"(^|\.)attention\.self\.(query|key|value)$", "colwise"),
+            (r"(^|\.)attention\.output\.dense$", "rowwise"),
+            (r"(^|\.)intermediate\.dense$", "colwise"),
+            (r"(^|\.)layer\.\d+\.output\.dense$", "rowwise"),
+        ],
+    ),
+    (
+        "LLaMA-style decoder (Hugging Face)",
+        [
+            (r"(^|\.)self_attn\.(q|k|v)_proj$", "colwise"),
+            (r"(^|\.)self_attn\.o_proj$", "rowwise"),
+            (r"(^|\.)mlp\.(gate|up)_proj$", "colwise"),
+            (r"(^|\.)mlp\.down_proj$", "rowwise"),
+        ],
+    ),
 ]
 
 
@@ -53,34 +58,50 @@ def plan_for(model: nn.Module, tp: int) -> tuple[str, dict[str, str]]:
         source, plan = None, {}
         names = [name for name, _ in model.named_modules()]
         for family, patterns in FAMILIES:
-            found = {name: style for pattern, style in patterns for name in names if re.search(pattern, name)}
+            found = {
+                name: style
+                for pattern, style in patterns
+                for name in names
+                if re.search(pattern, name)
+            }
             if all(any(re.search(p, n) for n in names) for p, _ in patterns):
                 source, plan = family, found
                 break
         if not plan:
-            known = "; ".join(f"{family}: {', '.join(p for p, _ in patterns)}" for family, patterns in FAMILIES)
+            known = "; ".join(
+                f"{family}: {', '.join(p for p, _ in patterns)}" for family, patterns in FAMILIES
+            )
             raise ConfigError(
                 f"train.parallel.tp={tp}: the model ({type(model).__name__}) has no tensor-parallel plan. Give it a "
                 "method `tensor_parallel_plan()` returning {module name: 'colwise' | 'rowwise'} (each an nn.Linear: "
                 "the first projection of a pair colwise, the second rowwise), or use a family trainserve knows by "
                 f"its module names ({known}). nn.MultiheadAttention packs q, k and v in one parameter and can't be "
-                "split this way")
+                "split this way"
+            )
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules.get(name)
         if module is None:
-            raise ConfigError(f"the tensor-parallel plan ({source}) names '{name}', which the model does not have")
+            raise ConfigError(
+                f"the tensor-parallel plan ({source}) names '{name}', which the model does not have"
+            )
         if isinstance(style, str):
             if style not in ("colwise", "rowwise"):
-                raise ConfigError(f"the tensor-parallel plan ({source}) gives '{name}' the style {style!r}; use "
-                                  "'colwise' or 'rowwise'")
+                raise ConfigError(
+                    f"the tensor-parallel plan ({source}) gives '{name}' the style {style!r}; use "
+                    "'colwise' or 'rowwise'"
+                )
             if not isinstance(module, nn.Linear):
-                raise ConfigError(f"the tensor-parallel plan ({source}) names '{name}', a {type(module).__name__}; "
-                                  "'colwise' and 'rowwise' split an nn.Linear")
+                raise ConfigError(
+                    f"the tensor-parallel plan ({source}) names '{name}', a {type(module).__name__}; "
+                    "'colwise' and 'rowwise' split an nn.Linear"
+                )
             split = module.out_features if style == "colwise" else module.in_features
             if split % tp:
-                raise ConfigError(f"'{name}' has {split} {'output' if style == 'colwise' else 'input'} features, which "
-                                  f"do not divide over train.parallel.tp={tp} ranks")
+                raise ConfigError(
+                    f"'{name}' has {split} {'output' if style == 'colwise' else 'input'} features, which "
+                    f"do not divide over train.parallel.tp={tp} ranks"
+                )
     check_heads(model, tp)
     return source, plan
 
@@ -92,17 +113,27 @@ def check_heads(model: nn.Module, tp: int) -> None:
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % tp:
-            raise ConfigError(f"the model has {heads} {key.removeprefix('num_').replace('_', ' ')} "
-                              f"(config.{key}), which do not divide over train.parallel.tp={tp} ranks: each rank "
-                              f"computes whole heads; choose a tp that divides {heads}")
+            raise ConfigError(
+                f"the model has {heads} {key.removeprefix('num_').replace('_', ' ')} "
+                f"(config.{key}), which do not divide over train.parallel.tp={tp} ranks: each rank "
+                f"computes whole heads; choose a tp that divides {heads}"
+            )
 
 
 def parallelize(model: nn.Module, tp_mesh, tp: int) -> nn.Module:
     """The model's planned projections split over `tp_mesh` (in place)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     source, plan = plan_for(model, tp)
-    styles = {name: (ColwiseParallel() if style == "colwise" else RowwiseParallel()) if isinstance(style, str)
-              else style for name, style in plan.items()}
+    styles = {
+        name: (ColwiseParallel() if style == "colwise" else RowwiseParallel())
+        if isinstance(style, str)
+        else style
+        for name, style in plan.items()
+    }
     log.info("tensor parallel over %d ranks: %d projections split (%s)", tp, len(styles), source)
     return parallelize_module(model, tp_mesh, styles)

@@ -10,4 +10,3 @@ Both take raw intensities in [0, 1]; the built-in image data sets suggest `in_ch
 
 from pipeline.models.mlp import mlp  # noqa: F401
 from pipeline.models.resnet import resnet18  # noqa: F401
-

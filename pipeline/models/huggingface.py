@@ -13,17 +13,22 @@ from __future__ import annotations
 from typing import Any
 
 
-def from_config(architecture: str, num_classes: int | None = None, vocab_size: int | None = None,
-                **config: Any):
+def from_config(
+    architecture: str, num_classes: int | None = None, vocab_size: int | None = None, **config: Any
+):
     try:
         import transformers
     except ImportError:
-        raise ImportError("pipeline.models.huggingface needs the transformers package: pip install -c "
-                          ".venv/constraints.txt transformers") from None
+        raise ImportError(
+            "pipeline.models.huggingface needs the transformers package: pip install -c "
+            ".venv/constraints.txt transformers"
+        ) from None
     model_class = getattr(transformers, architecture, None)
     if model_class is None or not hasattr(model_class, "config_class"):
-        raise ValueError(f"architecture={architecture!r} is not a transformers model class (e.g. "
-                         "BertForSequenceClassification, DistilBertForSequenceClassification)")
+        raise ValueError(
+            f"architecture={architecture!r} is not a transformers model class (e.g. "
+            "BertForSequenceClassification, DistilBertForSequenceClassification)"
+        )
     if num_classes is not None:
         config["num_labels"] = num_classes
     if vocab_size is not None:

@@ -20,7 +20,8 @@ class BasicBlock(nn.Module):
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != planes:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -29,8 +30,14 @@ class BasicBlock(nn.Module):
 
 
 class SmallImageResNet18(nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, width: float, mean: Sequence[float] | None,
-                 std: Sequence[float] | None):
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        width: float,
+        mean: Sequence[float] | None,
+        std: Sequence[float] | None,
+    ):
         super().__init__()
         planes = [max(1, round(c * width)) for c in (64, 128, 256, 512)]
         self.normalize = Normalize(in_channels, mean, std)
@@ -51,8 +58,13 @@ class SmallImageResNet18(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-def resnet18(num_classes: int, in_channels: int, width: float = 1.0, mean: Sequence[float] | None = None,
-             std: Sequence[float] | None = None) -> SmallImageResNet18:
+def resnet18(
+    num_classes: int,
+    in_channels: int,
+    width: float = 1.0,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> SmallImageResNet18:
     """`width` scales the channels: 1.0 gives 64/128/256/512, 0.125 gives 8/16/32/64 (tiny tests).
     `mean`/`std`: per-channel input statistics, normalized inside the model (None: inputs as they are)."""
     return SmallImageResNet18(in_channels, num_classes, width, mean, std)

@@ -37,8 +37,8 @@ from pipeline.errors import DataError
 
 FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
 MANIFEST = "manifest.json"
-ROW_GROUP_BYTES = 4 << 20   # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
-SHARD_BYTES = 256 << 20     # a shard file: a few hundred MiB, as object stores like them
+ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
 
 
 # --- locations ----------------------------------------------------------------------------------
@@ -57,7 +57,11 @@ def filesystem(location: str):
 
 
 def join(location: str, name: str) -> str:
-    return f"{str(location).rstrip('/')}/{name}" if "://" in str(location) else posixpath.join(str(location), name)
+    return (
+        f"{str(location).rstrip('/')}/{name}"
+        if "://" in str(location)
+        else posixpath.join(str(location), name)
+    )
 
 
 # --- the sample's tensors as columns -----------------------------------------------------------
@@ -66,12 +70,17 @@ def join(location: str, name: str) -> str:
 @dataclass(frozen=True)
 class Column:
     """One tensor of a sample: its column name, dtype and shape (None: it varies, a shape column holds it)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...] | None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Column":
@@ -83,21 +92,38 @@ class Column:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize if self.shape is not None else 0
+        return (
+            int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+            if self.shape is not None
+            else 0
+        )
 
 
 def structure_of(inputs: Any, target: Any) -> dict:
     """How a sample's tensors nest, so the reader rebuilds `(inputs, target)` as the writer was given it:
     inputs a tensor or {name: tensor}; the target a tensor, {key: tensor} or a tuple of tensors."""
+
     def shape_of(value: Any, what: str):
         if torch.is_tensor(value):
             return "tensor"
         if isinstance(value, dict) and value and all(torch.is_tensor(v) for v in value.values()):
             return {"dict": [str(k) for k in value]}
-        if what == "target" and isinstance(value, (tuple, list)) and value and all(torch.is_tensor(v) for v in value):
+        if (
+            what == "target"
+            and isinstance(value, (tuple, list))
+            and value
+            and all(torch.is_tensor(v) for v in value)
+        ):
             return {"tuple": len(value)}
-        raise DataError(f"a sample's {what} is a {type(value).__name__}; the shard format holds a tensor"
-                        + (", a dict of tensors or a tuple of tensors" if what == "target" else " or a dict of tensors"))
+        raise DataError(
+            f"a sample's {what} is a {type(value).__name__}; the shard format holds a tensor"
+            + (
+                ", a dict of tensors or a tuple of tensors"
+                if what == "target"
+                else " or a dict of tensors"
+            )
+        )
+
     return {"inputs": shape_of(inputs, "inputs"), "target": shape_of(target, "target")}
 
 
@@ -116,12 +142,14 @@ def leaves_of(inputs: Any, target: Any) -> dict[str, torch.Tensor]:
 
 def rebuild(structure: dict, columns: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     """(inputs, target) of decoded columns, nested as `structure` says."""
+
     def part(prefix: str, kind: Any):
         if kind == "tensor":
             return columns[prefix]
         if "dict" in kind:
             return {k: columns[f"{prefix}.{k}"] for k in kind["dict"]}
         return tuple(columns[f"{prefix}.{i}"] for i in range(kind["tuple"]))
+
     return part("input", structure["inputs"]), part("target", structure["target"])
 
 
@@ -129,8 +157,10 @@ def _dtype_name(t: torch.Tensor, column: str) -> str:
     try:
         return str(t.numpy().dtype) if t.dtype != torch.bool else "bool"
     except TypeError:
-        raise DataError(f"column '{column}' is {str(t.dtype).removeprefix('torch.')}, which numpy (and so the "
-                        "shard format) can't hold; convert it to float32") from None
+        raise DataError(
+            f"column '{column}' is {str(t.dtype).removeprefix('torch.')}, which numpy (and so the "
+            "shard format) can't hold; convert it to float32"
+        ) from None
 
 
 # --- the manifest -------------------------------------------------------------------------------
@@ -141,24 +171,33 @@ class Shard:
     name: str
     rows: int
     bytes: int
-    sha256: str                                   # of the file
+    sha256: str  # of the file
     row_groups: list[dict] = field(default_factory=list)  # [{"rows": n, "sha256": content digest}]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256,
-                "row_groups": self.row_groups}
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "row_groups": self.row_groups,
+        }
 
 
 @dataclass
 class Manifest:
-    location: str                  # the directory or prefix the shards are in
+    location: str  # the directory or prefix the shards are in
     columns: list[Column]
     structure: dict
     shards: list[Shard]
     classes: list[str] | None = None
     model_args: dict = field(default_factory=dict)
-    targets: dict = field(default_factory=dict)   # the targets' profile (data.target_profile), for MLflow's dataset
-    source: dict = field(default_factory=dict)    # what the shards were written from (component, args, split)
+    targets: dict = field(
+        default_factory=dict
+    )  # the targets' profile (data.target_profile), for MLflow's dataset
+    source: dict = field(
+        default_factory=dict
+    )  # what the shards were written from (component, args, split)
 
     @property
     def rows(self) -> int:
@@ -167,24 +206,42 @@ class Manifest:
     @cached_property
     def row_groups(self) -> list[tuple[int, int, int]]:
         """(shard index, row group index, rows) of every row group, in file order (read per sample: kept)."""
-        return [(s, g, group["rows"]) for s, shard in enumerate(self.shards) for g, group in enumerate(shard.row_groups)]
+        return [
+            (s, g, group["rows"])
+            for s, shard in enumerate(self.shards)
+            for g, group in enumerate(shard.row_groups)
+        ]
 
     @property
     def digest(self) -> str:
         return manifest_digest(self.body())
 
     def body(self) -> dict:
-        return {"format": FORMAT, "columns": [c.to_json() for c in self.columns], "structure": self.structure,
-                "shards": [s.to_json() for s in self.shards], "rows": self.rows, "classes": self.classes,
-                "model_args": self.model_args, "targets": self.targets, "source": self.source}
+        return {
+            "format": FORMAT,
+            "columns": [c.to_json() for c in self.columns],
+            "structure": self.structure,
+            "shards": [s.to_json() for s in self.shards],
+            "rows": self.rows,
+            "classes": self.classes,
+            "model_args": self.model_args,
+            "targets": self.targets,
+            "source": self.source,
+        }
 
 
 def manifest_digest(body: dict) -> str:
     """The split's identity: the schema and every shard's name, rows, size and sha256 (not the profile or the
     source, which describe it): two manifests of the same bytes have one digest wherever they are."""
-    identity = {"format": body["format"], "columns": body["columns"], "structure": body["structure"],
-                "shards": [{k: s[k] for k in ("name", "rows", "bytes", "sha256")} for s in body["shards"]]}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    identity = {
+        "format": body["format"],
+        "columns": body["columns"],
+        "structure": body["structure"],
+        "shards": [{k: s[k] for k in ("name", "rows", "bytes", "sha256")} for s in body["shards"]],
+    }
+    return hashlib.sha256(
+        json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 def manifest_location(location: str) -> tuple[str, str]:
@@ -205,34 +262,57 @@ def read_manifest(location: str) -> Manifest:
         with fs.open(key, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise DataError(f"no shard manifest at {path}: write one with `pipeline data shard --config <config> "
-                        f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`") from None
+        raise DataError(
+            f"no shard manifest at {path}: write one with `pipeline data shard --config <config> "
+            f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`"
+        ) from None
     except Exception as exc:
-        if "://" not in path and isinstance(exc, OSError):  # a directory of that name, no permission
-            raise DataError(f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a "
-                            f"readable file, the manifest.json `pipeline data shard` writes") from None
+        if "://" not in path and isinstance(
+            exc, OSError
+        ):  # a directory of that name, no permission
+            raise DataError(
+                f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a "
+                f"readable file, the manifest.json `pipeline data shard` writes"
+            ) from None
         # The store answered no (no connection, denied, timed out): botocore's own exceptions are not OSError.
-        raise DataError(_store_failed(f"the shard manifest {path}", path, exc, "manifest", BEFORE_TRAINING)) from None
+        raise DataError(
+            _store_failed(f"the shard manifest {path}", path, exc, "manifest", BEFORE_TRAINING)
+        ) from None
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path} is not a shard manifest: it is not JSON ({exc}); a split's manifest.json is the "
-                        f"JSON `pipeline data shard` writes ({FORMAT}): {again}") from None
+        raise DataError(
+            f"{path} is not a shard manifest: it is not JSON ({exc}); a split's manifest.json is the "
+            f"JSON `pipeline data shard` writes ({FORMAT}): {again}"
+        ) from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        found = body.get("format") if isinstance(body, dict) else f"none (a JSON {type(body).__name__})"
-        raise DataError(f"{path} is not a shard manifest of this version: its format is {found!r}, expected "
-                        f"{FORMAT!r}; {again}")
+        found = (
+            body.get("format") if isinstance(body, dict) else f"none (a JSON {type(body).__name__})"
+        )
+        raise DataError(
+            f"{path} is not a shard manifest of this version: its format is {found!r}, expected "
+            f"{FORMAT!r}; {again}"
+        )
     try:
-        manifest = Manifest(directory, [Column.from_json(c) for c in body["columns"]], body["structure"],
-                            [Shard(**s) for s in body["shards"]], body.get("classes"), body.get("model_args") or {},
-                            body.get("targets") or {}, body.get("source") or {})
+        manifest = Manifest(
+            directory,
+            [Column.from_json(c) for c in body["columns"]],
+            body["structure"],
+            [Shard(**s) for s in body["shards"]],
+            body.get("classes"),
+            body.get("model_args") or {},
+            body.get("targets") or {},
+            body.get("source") or {},
+        )
         problem = _manifest_problem(manifest)
     except (KeyError, TypeError, AttributeError) as exc:
         problem = f"{type(exc).__name__}: {exc}"
     if problem:
         raise DataError(f"{path} is a damaged shard manifest ({problem}); {again}")
     if not manifest.shards or manifest.rows == 0:
-        raise DataError(f"{path} names no rows; a split needs at least one sample: {again} from data that has some")
+        raise DataError(
+            f"{path} names no rows; a split needs at least one sample: {again} from data that has some"
+        )
     return manifest
 
 
@@ -244,29 +324,46 @@ def _manifest_problem(manifest: Manifest) -> str | None:
             np.dtype(col.dtype)
         except TypeError:
             return f"column '{col.name}' has the dtype {col.dtype!r}, which is not a numpy dtype"
-        if col.shape is not None and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                             for n in col.shape):
+        if col.shape is not None and not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in col.shape
+        ):
             return f"column '{col.name}' has the shape {list(col.shape)!r}, not a list of sizes"
     nested = _structure_columns(manifest.structure)
     if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
-        return (f"its structure {manifest.structure} nests the columns {nested}, its columns are "
-                f"{[c.name for c in manifest.columns]}")
+        return (
+            f"its structure {manifest.structure} nests the columns {nested}, its columns are "
+            f"{[c.name for c in manifest.columns]}"
+        )
     for i, shard in enumerate(manifest.shards):
-        if not isinstance(shard.name, str) or not shard.name or shard.name != posixpath.basename(shard.name) \
-                or shard.name in (".", "..", MANIFEST) or "\\" in shard.name:
-            return f"shard {i} is named {shard.name!r}; a shard is a file of the split's own directory"
+        if (
+            not isinstance(shard.name, str)
+            or not shard.name
+            or shard.name != posixpath.basename(shard.name)
+            or shard.name in (".", "..", MANIFEST)
+            or "\\" in shard.name
+        ):
+            return (
+                f"shard {i} is named {shard.name!r}; a shard is a file of the split's own directory"
+            )
         for what in ("rows", "bytes"):
             value = getattr(shard, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return f"shard {shard.name} has {what} {value!r}, not a count"
         if not isinstance(shard.row_groups, list) or not all(
-                isinstance(g, dict) and isinstance(g.get("rows"), int) and not isinstance(g.get("rows"), bool)
-                and g["rows"] >= 0 and isinstance(g.get("sha256"), str) for g in shard.row_groups):
+            isinstance(g, dict)
+            and isinstance(g.get("rows"), int)
+            and not isinstance(g.get("rows"), bool)
+            and g["rows"] >= 0
+            and isinstance(g.get("sha256"), str)
+            for g in shard.row_groups
+        ):
             return f"shard {shard.name}'s row_groups are not a list of {{rows, sha256}}"
         grouped = sum(g["rows"] for g in shard.row_groups)
         if grouped != shard.rows:
-            return (f"shard {shard.name} has {shard.rows} rows but its row groups {grouped}: the stream would "
-                    "miscount it")
+            return (
+                f"shard {shard.name} has {shard.rows} rows but its row groups {grouped}: the stream would "
+                "miscount it"
+            )
     return None
 
 
@@ -293,33 +390,56 @@ def check_against_store(manifest: Manifest) -> None:
     reads a row (a missing or truncated shard would otherwise surface mid-epoch)."""
     fs, key = filesystem(manifest.location)
     try:
-        listing = {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
-                   for e in fs.ls(key, detail=True)}
+        listing = {
+            posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+            for e in fs.ls(key, detail=True)
+        }
     except FileNotFoundError:
-        raise DataError(f"the shard directory {manifest.location} does not exist: it must hold the shards its "
-                        f"manifest names ({', '.join(s.name for s in manifest.shards[:3])}"
-                        f"{', ...' if len(manifest.shards) > 3 else ''})") from None
+        raise DataError(
+            f"the shard directory {manifest.location} does not exist: it must hold the shards its "
+            f"manifest names ({', '.join(s.name for s in manifest.shards[:3])}"
+            f"{', ...' if len(manifest.shards) > 3 else ''})"
+        ) from None
     except Exception as exc:  # the store answered no (no connection, denied ListBucket, timed out)
-        raise DataError(_store_failed(f"the listing of the split {manifest.location}", manifest.location, exc,
-                                      "shards", BEFORE_TRAINING)) from None
+        raise DataError(
+            _store_failed(
+                f"the listing of the split {manifest.location}",
+                manifest.location,
+                exc,
+                "shards",
+                BEFORE_TRAINING,
+            )
+        ) from None
     for shard in manifest.shards:
         where = f"shard {join(manifest.location, shard.name)}"
         if shard.name not in listing:
-            raise DataError(f"{where} is missing: the manifest {join(manifest.location, MANIFEST)} names "
-                            f"{len(manifest.shards)} shards; restore it, or write the split again with "
-                            "`pipeline data shard`")
+            raise DataError(
+                f"{where} is missing: the manifest {join(manifest.location, MANIFEST)} names "
+                f"{len(manifest.shards)} shards; restore it, or write the split again with "
+                "`pipeline data shard`"
+            )
         if listing[shard.name] != shard.bytes:
-            raise DataError(f"{where} is {listing[shard.name]} bytes, the manifest says {shard.bytes}: the shard is "
-                            f"{'truncated' if listing[shard.name] < shard.bytes else 'not the one the manifest names'}; "
-                            "restore it, or write the split again with `pipeline data shard`")
+            raise DataError(
+                f"{where} is {listing[shard.name]} bytes, the manifest says {shard.bytes}: the shard is "
+                f"{'truncated' if listing[shard.name] < shard.bytes else 'not the one the manifest names'}; "
+                "restore it, or write the split again with `pipeline data shard`"
+            )
 
 
 # --- writing ------------------------------------------------------------------------------------
 
 
-def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_per_shard: int = 0,
-                rows_per_group: int = 0, classes: list[str] | None = None, model_args: dict | None = None,
-                targets: dict | None = None, source: dict | None = None) -> Manifest:
+def write_split(
+    samples: Iterable[tuple[int, Any, Any]],
+    location: str,
+    *,
+    rows_per_shard: int = 0,
+    rows_per_group: int = 0,
+    classes: list[str] | None = None,
+    model_args: dict | None = None,
+    targets: dict | None = None,
+    source: dict | None = None,
+) -> Manifest:
     """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written last: a split
     without its manifest is not a split). Shard and row-group sizes default to ~256 MiB and ~4 MiB of
     samples."""
@@ -338,10 +458,14 @@ def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_
     structure = structure_of(first[1], first[2])
     first_leaves = {k: v.contiguous() for k, v in leaves_of(first[1], first[2]).items()}
     buffered = [first]
-    columns = [Column(name, _dtype_name(t, name), tuple(t.shape)) for name, t in first_leaves.items()]
+    columns = [
+        Column(name, _dtype_name(t, name), tuple(t.shape)) for name, t in first_leaves.items()
+    ]
     sample_bytes = max(1, sum(t.numel() * t.element_size() for t in first_leaves.values()))
     rows_per_group = rows_per_group or max(1, ROW_GROUP_BYTES // sample_bytes)
-    rows_per_shard = rows_per_shard or max(rows_per_group, SHARD_BYTES // sample_bytes // rows_per_group * rows_per_group)
+    rows_per_shard = rows_per_shard or max(
+        rows_per_group, SHARD_BYTES // sample_bytes // rows_per_group * rows_per_group
+    )
 
     # Shapes vary? Look through the first shard's worth before fixing the schema (a later shape change is
     # caught per sample below and named).
@@ -362,12 +486,26 @@ def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_
     for item in all_samples():
         batch.append(item)
         if len(batch) == rows_per_shard:
-            shards.append(_write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq))
+            shards.append(
+                _write_shard(
+                    fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq
+                )
+            )
             batch = []
     if batch:
-        shards.append(_write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq))
-    manifest = Manifest(str(location).rstrip("/"), columns, structure, shards, classes, model_args or {},
-                        targets or {}, source or {})
+        shards.append(
+            _write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq)
+        )
+    manifest = Manifest(
+        str(location).rstrip("/"),
+        columns,
+        structure,
+        shards,
+        classes,
+        model_args or {},
+        targets or {},
+        source or {},
+    )
     body = manifest.body() | {"digest": manifest.digest}
     try:
         with fs.open(join(root, MANIFEST), "wb") as f:
@@ -378,12 +516,23 @@ def write_split(samples: Iterable[tuple[int, Any, Any]], location: str, *, rows_
 
 
 def _unwritable(location: str, exc: OSError) -> DataError:
-    return DataError(f"can't write the split to {location} ({type(exc).__name__}: {exc}); the output must be a "
-                     "directory (or s3://bucket/prefix) that can be written, with room for the shards")
+    return DataError(
+        f"can't write the split to {location} ({type(exc).__name__}: {exc}); the output must be a "
+        "directory (or s3://bucket/prefix) that can be written, with room for the shards"
+    )
 
 
-def _write_shard(fs, root: str, index: int, rows: list, columns: list[Column], structure: dict,
-                 rows_per_group: int, pa, pq) -> Shard:
+def _write_shard(
+    fs,
+    root: str,
+    index: int,
+    rows: list,
+    columns: list[Column],
+    structure: dict,
+    rows_per_group: int,
+    pa,
+    pq,
+) -> Shard:
     name = f"shard-{index:05d}.parquet"
     arrays = {"id": pa.array([int(r[0]) for r in rows], type=pa.int64())}
     for col in columns:
@@ -391,29 +540,43 @@ def _write_shard(fs, root: str, index: int, rows: list, columns: list[Column], s
         shapes = []
         for sample_id, inputs, target in rows:
             if structure_of(inputs, target) != structure:
-                raise DataError(f"sample {sample_id} nests its tensors as {structure_of(inputs, target)}, the first "
-                                f"sample as {structure}: every sample of a split needs the same inputs and target")
+                raise DataError(
+                    f"sample {sample_id} nests its tensors as {structure_of(inputs, target)}, the first "
+                    f"sample as {structure}: every sample of a split needs the same inputs and target"
+                )
             t = leaves_of(inputs, target)[col.name].contiguous()
             if _dtype_name(t, col.name) != col.dtype:
-                raise DataError(f"sample {sample_id}: column '{col.name}' is {_dtype_name(t, col.name)}, the first "
-                                f"sample's is {col.dtype}: every sample needs one dtype per tensor")
+                raise DataError(
+                    f"sample {sample_id}: column '{col.name}' is {_dtype_name(t, col.name)}, the first "
+                    f"sample's is {col.dtype}: every sample needs one dtype per tensor"
+                )
             if col.shape is not None and tuple(t.shape) != col.shape:
-                raise DataError(f"sample {sample_id}: column '{col.name}' has shape {list(t.shape)}, the first "
-                                f"shard's samples {list(col.shape)}")
+                raise DataError(
+                    f"sample {sample_id}: column '{col.name}' has shape {list(t.shape)}, the first "
+                    f"shard's samples {list(col.shape)}"
+                )
             values.append(t.numpy().tobytes())
             shapes.append(list(t.shape))
         if col.shape is not None:
-            arrays[col.name] = pa.array(values, type=pa.binary(col.nbytes) if col.nbytes else pa.binary())
+            arrays[col.name] = pa.array(
+                values, type=pa.binary(col.nbytes) if col.nbytes else pa.binary()
+            )
         else:
             arrays[col.name] = pa.array(values, type=pa.binary())
             arrays[f"{col.name}.shape"] = pa.array(shapes, type=pa.list_(pa.int64()))
     table = pa.table(arrays)
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, row_group_size=rows_per_group, compression="none", write_statistics=False)
+    pq.write_table(
+        table, buffer, row_group_size=rows_per_group, compression="none", write_statistics=False
+    )
     data = buffer.getvalue()
-    groups = [{"rows": len(rows[i:i + rows_per_group]),
-               "sha256": content_digest(table.slice(i, rows_per_group), columns)}
-              for i in range(0, len(rows), rows_per_group)]
+    groups = [
+        {
+            "rows": len(rows[i : i + rows_per_group]),
+            "sha256": content_digest(table.slice(i, rows_per_group), columns),
+        }
+        for i in range(0, len(rows), rows_per_group)
+    ]
     try:
         with fs.open(join(root, name), "wb") as f:
             f.write(data)
@@ -442,7 +605,7 @@ def content_digest(table, columns: list[Column]) -> str:
 def _fixed_values(array, width: int) -> memoryview:
     """The contiguous bytes of a fixed_size_binary array's rows (its offset into the buffer honoured)."""
     data = array.buffers()[1]
-    return memoryview(data)[array.offset * width:(array.offset + len(array)) * width]
+    return memoryview(data)[array.offset * width : (array.offset + len(array)) * width]
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -475,7 +638,9 @@ class ShardReader:
             raise DataError(self._missing(path)) from None
         except IsADirectoryError as exc:  # a directory of that name: not a shard
             raise DataError(_unreadable(path, shard, exc)) from None
-        except Exception as exc:  # the store answered no (an S3 HEAD: no connection, denied, timed out)
+        except (
+            Exception
+        ) as exc:  # the store answered no (an S3 HEAD: no connection, denied, timed out)
             raise DataError(_store_failed(f"shard {path}", path, exc)) from None
         try:
             pf = pq.ParquetFile(handle)
@@ -485,18 +650,27 @@ class ShardReader:
             # (ArrowInvalid: no footer, not Parquet; OSError: a footer that does not parse).
             if isinstance(handle.failure, FileNotFoundError):  # deleted since it was opened
                 raise DataError(self._missing(path)) from None
-            raise DataError(_store_failed(f"shard {path}", path, handle.failure) if handle.failure is not None
-                            else _unreadable(path, shard, exc)) from None
+            raise DataError(
+                _store_failed(f"shard {path}", path, handle.failure)
+                if handle.failure is not None
+                else _unreadable(path, shard, exc)
+            ) from None
         problem = _schema_difference(pf.schema_arrow, self.manifest.columns)
-        if problem is None and (pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups)):
-            problem = (f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
-                       f"manifest says {shard.rows} in {len(shard.row_groups)}: the stream would "
-                       f"{'end early' if pf.metadata.num_rows < shard.rows else 'differ'}; restore the shard, or "
-                       "write the split again with `pipeline data shard`")
+        if problem is None and (
+            pf.metadata.num_rows != shard.rows or pf.num_row_groups != len(shard.row_groups)
+        ):
+            problem = (
+                f"shard {path} holds {pf.metadata.num_rows} rows in {pf.num_row_groups} row groups; the "
+                f"manifest says {shard.rows} in {len(shard.row_groups)}: the stream would "
+                f"{'end early' if pf.metadata.num_rows < shard.rows else 'differ'}; restore the shard, or "
+                "write the split again with `pipeline data shard`"
+            )
         elif problem is not None:
-            problem = (f"shard {path} {problem}: the schema changed between shards; every shard of a split holds "
-                       "the manifest's columns: restore the shard, or write the split again with `pipeline data "
-                       "shard`")
+            problem = (
+                f"shard {path} {problem}: the schema changed between shards; every shard of a split holds "
+                "the manifest's columns: restore the shard, or write the split again with `pipeline data "
+                "shard`"
+            )
         if problem is not None:
             handle.close()
             raise DataError(problem)
@@ -507,8 +681,10 @@ class ShardReader:
         return self._open[index]
 
     def _missing(self, path: str) -> str:
-        return (f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names it); restore "
-                "it, or write the split again with `pipeline data shard`")
+        return (
+            f"shard {path} is missing (the manifest {join(self.manifest.location, MANIFEST)} names it); restore "
+            "it, or write the split again with `pipeline data shard`"
+        )
 
     def read_group(self, shard_index: int, group: int) -> dict[str, Any]:
         """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor; else a list)}."""
@@ -522,14 +698,21 @@ class ShardReader:
             where = f"shard {path} row group {group}"
             if isinstance(opened.handle.failure, FileNotFoundError):  # deleted since it was opened
                 raise DataError(self._missing(path)) from None
-            if opened.handle.failure is not None:  # the store failed mid-shard (s3fs fetches ranges as read)
-                raise DataError(_store_failed(where, self.manifest.location, opened.handle.failure)) from None
-            raise DataError(f"{where} can't be read ({type(exc).__name__}: {str(exc)[:200]}); restore the "
-                            "shard") from None
+            if (
+                opened.handle.failure is not None
+            ):  # the store failed mid-shard (s3fs fetches ranges as read)
+                raise DataError(
+                    _store_failed(where, self.manifest.location, opened.handle.failure)
+                ) from None
+            raise DataError(
+                f"{where} can't be read ({type(exc).__name__}: {str(exc)[:200]}); restore the shard"
+            ) from None
         if content_digest(table, self.manifest.columns) != shard.row_groups[group]["sha256"]:
-            raise DataError(f"shard {path} row group {group} does not match the "
-                            "manifest's digest: the shard changed since the manifest was written; restore it, or "
-                            "write the split again with `pipeline data shard`")
+            raise DataError(
+                f"shard {path} row group {group} does not match the "
+                "manifest's digest: the shard changed since the manifest was written; restore it, or "
+                "write the split again with `pipeline data shard`"
+            )
         return decode(table, self.manifest.columns)
 
     def close(self) -> None:
@@ -574,28 +757,41 @@ class _StoreFile:
 
 
 def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:
-    return (f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is truncated or "
-            f"not a shard (the manifest says {shard.bytes} bytes of Parquet); restore it, or write the split again "
-            "with `pipeline data shard`")
+    return (
+        f"shard {path} can't be read as Parquet ({type(exc).__name__}: {str(exc)[:200]}): it is truncated or "
+        f"not a shard (the manifest says {shard.bytes} bytes of Parquet); restore it, or write the split again "
+        "with `pipeline data shard`"
+    )
 
 
-BEFORE_TRAINING = "run the command again"  # what a store's failure under a read before any step asks of the user
+BEFORE_TRAINING = (
+    "run the command again"  # what a store's failure under a read before any step asks of the user
+)
 
 
-def _store_failed(what: str, location: str, exc: BaseException, judged: str = "shard",
-                  then: str = "retry the run: `--resume latest` resumes from its last checkpoint") -> str:
+def _store_failed(
+    what: str,
+    location: str,
+    exc: BaseException,
+    judged: str = "shard",
+    then: str = "retry the run: `--resume latest` resumes from its last checkpoint",
+) -> str:
     """`what` (a shard at `location`, one of its row groups, the split's manifest or its listing) unread because
     the store failed under the read (connection refused, timed out, access denied, an I/O error): the bytes of
     `judged` (the shard, the manifest, the shards) were never judged, so nothing here says to rewrite them. `then`:
     what to do once the store answers (a read before training has no checkpoint to resume from)."""
     error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     if "://" in str(location):
-        return (f"{what} could not be read from the object store at {endpoint_name()} ({error}): the store failed, not "
-                f"the {judged}, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), "
-                f"credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then {then}")
-    return (f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the {judged}, "
-            f"whose bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
-            f"{then}")
+        return (
+            f"{what} could not be read from the object store at {endpoint_name()} ({error}): the store failed, not "
+            f"the {judged}, whose bytes were not judged; check the store's endpoint (AWS_ENDPOINT_URL), "
+            f"credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the network to it, then {then}"
+        )
+    return (
+        f"{what} could not be read from its filesystem ({error}): the filesystem failed, not the {judged}, "
+        f"whose bytes were not judged; check the file's permissions and the disk or network mount it is on, then "
+        f"{then}"
+    )
 
 
 def _schema_difference(schema, columns: list[Column]) -> str | None:
@@ -610,10 +806,14 @@ def _schema_difference(schema, columns: list[Column]) -> str | None:
             wanted[col.name], wanted[f"{col.name}.shape"] = pa.binary(), pa.list_(pa.int64())
     names = list(schema.names)
     if names != list(wanted):
-        return (f"has the columns {names}; the manifest's schema is {list(wanted)} (the columns "
-                f"{[c.name for c in columns]} of the first shard)")
+        return (
+            f"has the columns {names}; the manifest's schema is {list(wanted)} (the columns "
+            f"{[c.name for c in columns]} of the first shard)"
+        )
 
-    def same(actual, expected) -> bool:  # a list's item field may be named otherwise after a Parquet round trip
+    def same(
+        actual, expected
+    ) -> bool:  # a list's item field may be named otherwise after a Parquet round trip
         if pa.types.is_list(actual) and pa.types.is_list(expected):
             return actual.value_type == expected.value_type
         return actual == expected
@@ -622,8 +822,11 @@ def _schema_difference(schema, columns: list[Column]) -> str | None:
         actual = schema.field(name).type
         if not same(actual, expected):
             col = next((c for c in columns if name in (c.name, f"{c.name}.shape")), None)
-            held = ("" if col is None or col.shape is None else
-                    f", which holds {col.dtype} of shape {list(col.shape)} ({col.nbytes} bytes a row)")
+            held = (
+                ""
+                if col is None or col.shape is None
+                else f", which holds {col.dtype} of shape {list(col.shape)} ({col.nbytes} bytes a row)"
+            )
             return f"has column '{name}' of type {actual}; the manifest's is {expected}{held}"
     return None
 
@@ -646,12 +849,18 @@ def decode(table, columns: list[Column]) -> dict[str, Any]:
     for col in columns:
         array = table.column(col.name).combine_chunks()
         if col.shape is not None:
-            raw = np.frombuffer(_fixed_values(array, col.nbytes), dtype=col.dtype) if col.nbytes else \
-                np.zeros(0, dtype=col.dtype)
+            raw = (
+                np.frombuffer(_fixed_values(array, col.nbytes), dtype=col.dtype)
+                if col.nbytes
+                else np.zeros(0, dtype=col.dtype)
+            )
             out[col.name] = raw.reshape(len(array), *col.shape)
         else:
             shapes = table.column(f"{col.name}.shape").to_pylist()
-            out[col.name] = [np.frombuffer(v, dtype=col.dtype).reshape(s) for v, s in zip(array.to_pylist(), shapes)]
+            out[col.name] = [
+                np.frombuffer(v, dtype=col.dtype).reshape(s)
+                for v, s in zip(array.to_pylist(), shapes)
+            ]
     return out
 
 
@@ -662,8 +871,11 @@ def take(group: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     for name, value in group.items():
         if name == "id":
             continue
-        out[name] = torch.from_numpy(value[rows]) if isinstance(value, np.ndarray) else \
-            [torch.from_numpy(value[i].copy()) for i in rows]
+        out[name] = (
+            torch.from_numpy(value[rows])
+            if isinstance(value, np.ndarray)
+            else [torch.from_numpy(value[i].copy()) for i in rows]
+        )
     return out
 
 
@@ -682,5 +894,7 @@ def batch_of(parts: list[dict[str, Any]], structure: dict):
     names = [n for n in parts[0] if n != "id"]
     if not all(torch.is_tensor(parts[0][n]) for n in names):
         return None
-    return rebuild(structure, {n: parts[0][n] if len(parts) == 1 else torch.cat([p[n] for p in parts])
-                               for n in names})
+    return rebuild(
+        structure,
+        {n: parts[0][n] if len(parts) == 1 else torch.cat([p[n] for p in parts]) for n in names},
+    )

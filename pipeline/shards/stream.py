@@ -44,6 +44,7 @@ class Deal:
     """How one rank reads the stream: its per-rank batch, its place in the world, the seed; and where the epoch
     to read starts, (epoch, micro-batches already consumed), in a tensor in shared memory: the loader's
     workers live across epochs, and read it anew at the start of each."""
+
     batch: int
     rank: int
     world: int
@@ -98,8 +99,10 @@ class ShardedStream(IterableDataset):
         """About `count` samples spread over the split, read from at most SAMPLE_GROUPS row groups (the drift
         reference and int8 calibration take them): bounded reads, the same samples every time."""
         groups = [(s, g) for s, g, _ in self.manifest.row_groups]
-        picked = [groups[round(i * (len(groups) - 1) / max(1, min(SAMPLE_GROUPS, len(groups)) - 1))]
-                  for i in range(min(SAMPLE_GROUPS, len(groups)))]
+        picked = [
+            groups[round(i * (len(groups) - 1) / max(1, min(SAMPLE_GROUPS, len(groups)) - 1))]
+            for i in range(min(SAMPLE_GROUPS, len(groups)))
+        ]
         picked = list(dict.fromkeys(picked))
         per_group = -(-count // len(picked))
         reader = shard_format.ShardReader(self.manifest)
@@ -109,8 +112,12 @@ class ShardedStream(IterableDataset):
                 group = reader.read_group(s, g)
                 n = len(group["id"])
                 rows = np.unique(np.linspace(0, n - 1, min(per_group, n)).astype(int))
-                out.extend(sample for _, sample in shard_format.samples_of(shard_format.take(group, rows),
-                                                                            self.manifest.structure))
+                out.extend(
+                    sample
+                    for _, sample in shard_format.samples_of(
+                        shard_format.take(group, rows), self.manifest.structure
+                    )
+                )
         finally:
             reader.close()
         return out[:count]
@@ -133,11 +140,15 @@ class ShardRows(Dataset):
             raise IndexError(f"sample {index} of a split of {len(self)}")
         index %= len(self)
         block = int(np.searchsorted(self._starts, index, side="right")) - 1
-        if self._cache is None or self._cache.pid != os.getpid():  # a forked worker opens its own files
+        if (
+            self._cache is None or self._cache.pid != os.getpid()
+        ):  # a forked worker opens its own files
             self._cache = _GroupCache(self.manifest)
         group = self._cache.get(*self.manifest.row_groups[block][:2])
         row = np.array([index - self._starts[block]])
-        return next(shard_format.samples_of(shard_format.take(group, row), self.manifest.structure))[1]
+        return next(
+            shard_format.samples_of(shard_format.take(group, row), self.manifest.structure)
+        )[1]
 
     def __getstate__(self):  # a spawned worker process opens its own files
         return {**self.__dict__, "_cache": None}
@@ -156,8 +167,13 @@ def opened(split, location: str, check: bool) -> shard_format.Manifest:
 
 def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
     """The split's lineage, from the manifest alone: what `data.split_digest` gives for a sharded split."""
-    return {"sha256": manifest.digest, "samples": manifest.rows, "targets": manifest.targets,
-            "manifest": shard_format.join(manifest.location, shard_format.MANIFEST), "shards": len(manifest.shards)}
+    return {
+        "sha256": manifest.digest,
+        "samples": manifest.rows,
+        "targets": manifest.targets,
+        "manifest": shard_format.join(manifest.location, shard_format.MANIFEST),
+        "shards": len(manifest.shards),
+    }
 
 
 # --- the epoch's order --------------------------------------------------------------------------
@@ -166,6 +182,7 @@ def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
 @dataclass
 class EpochOrder:
     """The epoch's blocks (shard, row group) in order, where each starts, and how to read positions."""
+
     manifest: shard_format.Manifest
     seed: int
     epoch: int
@@ -181,25 +198,37 @@ class EpochOrder:
             s, g = self.blocks[block]
             end = min(stop, int(self.starts[block + 1]))
             offsets = np.arange(position - self.starts[block], end - self.starts[block])
-            rows = row_order(self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block]))[offsets]
+            rows = row_order(
+                self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block])
+            )[offsets]
             out.append(shard_format.take(reader.get(s, g), rows))
             position = end
         return out
 
     def read(self, reader: "_GroupCache", first: int, stop: int) -> list[tuple[int, tuple]]:
         """(id, sample) at positions first..stop-1 of the epoch."""
-        return [item for taken in self.takes(reader, first, stop)
-                for item in shard_format.samples_of(taken, self.manifest.structure)]
+        return [
+            item
+            for taken in self.takes(reader, first, stop)
+            for item in shard_format.samples_of(taken, self.manifest.structure)
+        ]
 
-    def read_batch(self, reader: "_GroupCache", first: int, stop: int, collate) -> tuple[list[int], Any]:
+    def read_batch(
+        self, reader: "_GroupCache", first: int, stop: int, collate
+    ) -> tuple[list[int], Any]:
         """(ids, the collated batch) of positions first..stop-1: stacked column by column where the columns allow,
         else sample by sample through `collate`."""
         takes = self.takes(reader, first, stop)
         ids = [int(i) for taken in takes for i in taken["id"]]
         batch = shard_format.batch_of(takes, self.manifest.structure)
         if batch is None:
-            batch = collate([sample for taken in takes
-                             for _, sample in shard_format.samples_of(taken, self.manifest.structure)])
+            batch = collate(
+                [
+                    sample
+                    for taken in takes
+                    for _, sample in shard_format.samples_of(taken, self.manifest.structure)
+                ]
+            )
         return ids, batch
 
 
@@ -227,8 +256,9 @@ def _file_order(manifest: shard_format.Manifest) -> Iterator[tuple[int, tuple]]:
     reader = shard_format.ShardReader(manifest)
     try:
         for s, g, rows in manifest.row_groups:
-            yield from shard_format.samples_of(shard_format.take(reader.read_group(s, g), np.arange(rows)),
-                                               manifest.structure)
+            yield from shard_format.samples_of(
+                shard_format.take(reader.read_group(s, g), np.arange(rows)), manifest.structure
+            )
     finally:
         reader.close()
 
@@ -259,12 +289,22 @@ class StreamLoader:
     """The training loader of a sharded stream: this rank's micro-batches of each epoch, through a DataLoader
     with `workers` processes, and the position (epoch, samples consumed) that a checkpoint keeps."""
 
-    def __init__(self, stream: ShardedStream, batch: int, rank: int, world: int, seed: int, workers: int,
-                 pin_memory: bool):
+    def __init__(
+        self,
+        stream: ShardedStream,
+        batch: int,
+        rank: int,
+        world: int,
+        seed: int,
+        workers: int,
+        pin_memory: bool,
+    ):
         self.stream, self.batch, self.rank, self.world, self.seed = stream, batch, rank, world, seed
         self.workers, self.pin_memory = workers, pin_memory
         self.epoch, self.position = 0, 0
-        self._where = torch.zeros(2, dtype=torch.int64).share_memory_()  # what the workers read: Deal.where
+        self._where = torch.zeros(
+            2, dtype=torch.int64
+        ).share_memory_()  # what the workers read: Deal.where
         self._loader = None
 
     @property
@@ -280,50 +320,82 @@ class StreamLoader:
             self.epoch, self.position = epoch, 0
 
     def __iter__(self):
-        from torch.utils.data import DataLoader
-
         # What a worker imports to read Parquet (pyarrow imports pandas as it reads a row group), imported here
         # before the workers fork: each would import them itself (~0.5 s) before its first batch.
         import pyarrow.parquet  # noqa: F401
+        from torch.utils.data import DataLoader
+
         try:
             import pandas  # noqa: F401
         except ImportError:
             pass
 
         self._where[0], self._where[1] = self.epoch, self.position // self.micro_batch
-        if self._loader is None:  # persistent workers: forked once, told where each epoch starts through _where
+        if (
+            self._loader is None
+        ):  # persistent workers: forked once, told where each epoch starts through _where
             deal = Deal(self.batch, self.rank, self.world, self.seed, self._where)
-            self._loader = DataLoader(self.stream.dealt(deal), batch_size=None, num_workers=self.workers,
-                                      pin_memory=self.pin_memory, persistent_workers=self.workers > 0)
+            self._loader = DataLoader(
+                self.stream.dealt(deal),
+                batch_size=None,
+                num_workers=self.workers,
+                pin_memory=self.pin_memory,
+                persistent_workers=self.workers > 0,
+            )
         batches = iter(self._loader)
         while True:
             try:
                 ids, micro_batch = next(batches)
             except StopIteration:
                 return
-            except DataError as exc:  # a shard named by a worker: its message, not torch's wrapper around it
+            except (
+                DataError
+            ) as exc:  # a shard named by a worker: its message, not torch's wrapper around it
                 raise DataError(worker_message(exc)) from None
-            record_samples({"epoch": self.epoch, "k": self.position // self.micro_batch, "rank": self.rank,
-                            "world": self.world, "ids": ids})
+            record_samples(
+                {
+                    "epoch": self.epoch,
+                    "k": self.position // self.micro_batch,
+                    "rank": self.rank,
+                    "world": self.world,
+                    "ids": ids,
+                }
+            )
             self.position += self.micro_batch
             yield micro_batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "sharded-stream", "epoch": self.epoch, "position": self.position,
-                "manifest": self.stream.manifest.digest, "micro_batch": self.micro_batch}
+        return {
+            "kind": "sharded-stream",
+            "epoch": self.epoch,
+            "position": self.position,
+            "manifest": self.stream.manifest.digest,
+            "micro_batch": self.micro_batch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "sharded-stream":
-            raise DataError("the checkpoint's data position is a map-style loader's; this run streams a sharded "
-                            "split: resume it with the data it was trained on")
+            raise DataError(
+                "the checkpoint's data position is a map-style loader's; this run streams a sharded "
+                "split: resume it with the data it was trained on"
+            )
         if state["manifest"] != self.stream.manifest.digest:
-            raise DataError(f"the checkpoint was trained on the sharded split with manifest digest "
-                            f"{state['manifest'][:16]}; {shard_format.join(self.stream.manifest.location, 'manifest.json')} "
-                            f"is {self.stream.manifest.digest[:16]}: resume with the data it was trained on")
+            raise DataError(
+                f"the checkpoint was trained on the sharded split with manifest digest "
+                f"{state['manifest'][:16]}; {shard_format.join(self.stream.manifest.location, 'manifest.json')} "
+                f"is {self.stream.manifest.digest[:16]}: resume with the data it was trained on"
+            )
         if state["position"] % self.micro_batch:
-            raise DataError(f"the checkpoint stopped {state['position']} samples into epoch {state['epoch']}, which is "
-                            f"not a whole number of this run's micro-batches of {self.micro_batch} (per-rank batch "
-                            f"{self.batch} x {self.world} ranks); resume with the same train.global_batch_size and "
-                            f"train.grad_accum_steps ({state['micro_batch']} samples a micro-batch)")
+            raise DataError(
+                f"the checkpoint stopped {state['position']} samples into epoch {state['epoch']}, which is "
+                f"not a whole number of this run's micro-batches of {self.micro_batch} (per-rank batch "
+                f"{self.batch} x {self.world} ranks); resume with the same train.global_batch_size and "
+                f"train.grad_accum_steps ({state['micro_batch']} samples a micro-batch)"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        log.info("the stream resumes at epoch %d, sample %d of %d", self.epoch, self.position, len(self.stream))
+        log.info(
+            "the stream resumes at epoch %d, sample %d of %d",
+            self.epoch,
+            self.position,
+            len(self.stream),
+        )

@@ -51,11 +51,13 @@ class Task(Protocol):
     """Every member a stage uses (train, export, gates, promotion, the serve check, the launcher's checks);
     the first four are called on the class, before the data or the model exist."""
 
-    name: str                   # task.name
-    primary: str                # the metric best.json, the gates and promotion compare
-    mode: str                   # "max" or "min": which way `primary` is better
-    probe_rows: int             # validation samples the probe's forward takes
-    derived: tuple[str, ...]    # outputs the task adds to the graph (held to prob_atol, not the model's limits)
+    name: str  # task.name
+    primary: str  # the metric best.json, the gates and promotion compare
+    mode: str  # "max" or "min": which way `primary` is better
+    probe_rows: int  # validation samples the probe's forward takes
+    derived: tuple[
+        str, ...
+    ]  # outputs the task adds to the graph (held to prob_atol, not the model's limits)
 
     @classmethod
     def from_config(cls, task_cfg, classes: list[str] | None, source, recorded: dict) -> "Task": ...
@@ -88,7 +90,9 @@ class Task(Protocol):
     def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None: ...
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]: ...
-    def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict: ...
+    def metric_gate(
+        self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float
+    ) -> dict: ...
     # The trivial predictor's primary metric on the same split (from a validation state): {"value", "predictor"},
     # or None where the task knows none (a custom metric). export's baseline gate holds the model above it.
     def baseline(self, state: dict) -> dict[str, Any] | None: ...

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from pipeline.components.data import leaves
-from pipeline.components.reference import ArtifactSource, ComponentError, call, plain_signature, resolve
+from pipeline.components.reference import (
+    ArtifactSource,
+    ComponentError,
+    call,
+    plain_signature,
+    resolve,
+)
 from pipeline.errors import TaskError
 
 TENSOR, SEQUENCE, MAPPING = "tensor", "sequence", "mapping"
@@ -30,7 +36,8 @@ TENSOR, SEQUENCE, MAPPING = "tensor", "sequence", "mapping"
 @dataclass(frozen=True)
 class OutputLayout:
     """How a model's return value is structured, and the name of each of its tensors."""
-    kind: str                 # TENSOR, SEQUENCE or MAPPING
+
+    kind: str  # TENSOR, SEQUENCE or MAPPING
     names: tuple[str, ...]
 
     def flatten(self, output: Any) -> dict[str, torch.Tensor]:
@@ -67,7 +74,9 @@ class Fields(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(f"the model's outputs have no field {name!r}; they are {list(self)}") from None
+            raise AttributeError(
+                f"the model's outputs have no field {name!r}; they are {list(self)}"
+            ) from None
 
 
 def layout_of(output: Any, single_name: str, where: str) -> OutputLayout:
@@ -77,24 +86,32 @@ def layout_of(output: Any, single_name: str, where: str) -> OutputLayout:
     if isinstance(output, (tuple, list)) and output:
         bad = [i for i, t in enumerate(output) if not torch.is_tensor(t)]
         if bad:
-            raise TaskError(f"{where}: the model returned a {type(output).__name__} whose item {bad[0]} is "
-                            f"{shape_of(output[bad[0]])}; return tensors only (tuple items are exported as output_0, "
-                            "output_1, ...)")
+            raise TaskError(
+                f"{where}: the model returned a {type(output).__name__} whose item {bad[0]} is "
+                f"{shape_of(output[bad[0]])}; return tensors only (tuple items are exported as output_0, "
+                "output_1, ...)"
+            )
         return OutputLayout(SEQUENCE, tuple(f"output_{i}" for i in range(len(output))))
     fields = _mapping_of(output)
     if fields:
         bad = {k: v for k, v in fields.items() if not torch.is_tensor(v)}
         if bad:
             name, value = next(iter(bad.items()))
-            raise TaskError(f"{where}: the model's output '{name}' is {shape_of(value)}; every output must be a "
-                            "tensor (a transformers model: leave output_hidden_states and output_attentions off)")
+            raise TaskError(
+                f"{where}: the model's output '{name}' is {shape_of(value)}; every output must be a "
+                "tensor (a transformers model: leave output_hidden_states and output_attentions off)"
+            )
         for name in fields:
             if not (isinstance(name, str) and name.isidentifier()):
-                raise TaskError(f"{where}: output name {name!r} must be a Python identifier: it names the ONNX "
-                                "output and the served one")
+                raise TaskError(
+                    f"{where}: output name {name!r} must be a Python identifier: it names the ONNX "
+                    "output and the served one"
+                )
         return OutputLayout(MAPPING, tuple(fields))
-    raise TaskError(f"{where}: the model returned {shape_of(output)}; return a tensor, a tuple of tensors, a dict "
-                    "of tensors or a ModelOutput (a mapping or dataclass of tensors)")
+    raise TaskError(
+        f"{where}: the model returned {shape_of(output)}; return a tensor, a tuple of tensors, a dict "
+        "of tensors or a ModelOutput (a mapping or dataclass of tensors)"
+    )
 
 
 def _mapping_of(output: Any) -> dict[str, Any]:
@@ -102,34 +119,45 @@ def _mapping_of(output: Any) -> dict[str, Any]:
     if isinstance(output, Mapping):
         return {k: v for k, v in output.items() if v is not None}
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)
-                if getattr(output, f.name) is not None}
+        return {
+            f.name: getattr(output, f.name)
+            for f in dataclasses.fields(output)
+            if getattr(output, f.name) is not None
+        }
     return {}
 
 
-def pick_output(layout: OutputLayout, wanted: str, preferred: tuple[str, ...], task: str, where: str) -> str:
+def pick_output(
+    layout: OutputLayout, wanted: str, preferred: tuple[str, ...], task: str, where: str
+) -> str:
     """The output that carries the task's prediction: `task.output` when set, else the only one, else the
     first of `preferred` the model returns (`logits` of a transformers classifier)."""
     if wanted:
         if wanted not in layout.names:
-            raise TaskError(f"{where}: task.output={wanted}, but the model returns {list(layout.names)}; set "
-                            f"task.output to one of them")
+            raise TaskError(
+                f"{where}: task.output={wanted}, but the model returns {list(layout.names)}; set "
+                f"task.output to one of them"
+            )
         return wanted
     if len(layout.names) == 1:
         return layout.names[0]
     found = [n for n in preferred if n in layout.names]
     if found:
         return found[0]
-    raise TaskError(f"{where}: the model returns {len(layout.names)} outputs {list(layout.names)}; say which one "
-                    f"carries the {task} prediction with task.output=<name> (e.g. task.output={layout.names[0]})")
+    raise TaskError(
+        f"{where}: the model returns {len(layout.names)} outputs {list(layout.names)}; say which one "
+        f"carries the {task} prediction with task.output=<name> (e.g. task.output={layout.names[0]})"
+    )
 
 
 def check_rows(named: dict[str, torch.Tensor], rows: int, where: str) -> None:
     """Every output has one row per sample first: the server batches and splits answers by rows."""
     for name, t in named.items():
         if t.dim() == 0 or t.shape[0] != rows:
-            raise TaskError(f"{where}: output '{name}' is {shape_of(t)} for {rows} samples; every output needs the "
-                            "batch axis first (one row per sample)")
+            raise TaskError(
+                f"{where}: output '{name}' is {shape_of(t)} for {rows} samples; every output needs the "
+                "batch axis first (one row per sample)"
+            )
 
 
 def shape_of(value: Any) -> str:
@@ -145,14 +173,18 @@ def component_callable(section, arity: int, source: ArtifactSource | None) -> Ca
     if inspect.isclass(obj):
         instance = call(key, section.component, obj, section.args)
         if not callable(instance):
-            raise ComponentError(f"{key}.component '{section.component}' built a {type(instance).__name__}, "
-                                 "which is not callable as (outputs, target)")
+            raise ComponentError(
+                f"{key}.component '{section.component}' built a {type(instance).__name__}, "
+                "which is not callable as (outputs, target)"
+            )
         return instance
     try:
         inspect.signature(obj).bind(*([None] * arity), **section.args)
     except TypeError as exc:
-        raise ComponentError(f"{key}: {section.component}{plain_signature(inspect.signature(obj))} can't be called as "
-                             f"(outputs, target, **args) with args {section.args}: {exc}") from None
+        raise ComponentError(
+            f"{key}: {section.component}{plain_signature(inspect.signature(obj))} can't be called as "
+            f"(outputs, target, **args) with args {section.args}: {exc}"
+        ) from None
     except ValueError:  # no signature to check
         pass
     return functools.partial(obj, **section.args)
@@ -181,7 +213,9 @@ def concat(parts: list[Any]) -> Any:
         return {k: concat([p[k] for p in parts]) for k in first}
     if isinstance(first, (tuple, list)):
         return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
-    raise TaskError(f"a target of type {type(first).__name__} can't be joined across batches; give tensors")
+    raise TaskError(
+        f"a target of type {type(first).__name__} can't be joined across batches; give tensors"
+    )
 
 
 def rows_of(value: Any) -> int:
@@ -220,9 +254,14 @@ def _interleave(shards: list[Any], like: Any, world: int) -> Any:
                 out[rank::world] = shard
         return out
     if isinstance(like, Mapping):
-        return {k: _interleave([s[k] if s is not None else None for s in shards], like[k], world) for k in like}
-    return type(like)(_interleave([s[i] if s is not None else None for s in shards], like[i], world)
-                      for i in range(len(like)))
+        return {
+            k: _interleave([s[k] if s is not None else None for s in shards], like[k], world)
+            for k in like
+        }
+    return type(like)(
+        _interleave([s[i] if s is not None else None for s in shards], like[i], world)
+        for i in range(len(like))
+    )
 
 
 # --- the outputs of one model, as a task sees them ---------------------------------------------
@@ -233,13 +272,14 @@ class ModelOutputs:
     one that carries its prediction. Mixed into every task; `single_name` names a lone tensor,
     `preferred` is tried when several are returned and `task.output` is unset, `derived` are outputs the
     task computes in the graph from the prediction (`derive`)."""
+
     single_name = "output"
     preferred: tuple[str, ...] = ()
     derived: tuple[str, ...] = ()
-    decides = False         # the prediction's argmax over axis 1 is the answer (classes)
+    decides = False  # the prediction's argmax over axis 1 is the answer (classes)
     needs_prediction = True
-    wanted = ""             # task.output
-    _layout: OutputLayout | None = None      # learned by the probe, or recorded with the weights
+    wanted = ""  # task.output
+    _layout: OutputLayout | None = None  # learned by the probe, or recorded with the weights
     _prediction: str | None = None
 
     @property
@@ -257,8 +297,10 @@ class ModelOutputs:
         check_rows(named, rows_of(target), where)
         clash = sorted(set(self.derived) & set(layout.names))
         if clash:
-            raise TaskError(f"{where}: the model returns an output named {clash[0]}, which the {self.name} task adds "
-                            "to the exported graph itself; rename it")
+            raise TaskError(
+                f"{where}: the model returns an output named {clash[0]}, which the {self.name} task adds "
+                "to the exported graph itself; rename it"
+            )
         self._layout = layout
         if self.needs_prediction:
             self._prediction = pick_output(layout, self.wanted, self.preferred, self.name, where)
@@ -304,13 +346,21 @@ def suggest_num_classes(classes: list[str] | None) -> dict[str, Any]:
 def refuse_others_settings(task_cfg, own: tuple[str, ...] = ()) -> None:
     """Settings of other tasks, refused by name: given to this one they would do nothing. `own`: the ones it
     takes itself."""
-    given = [k for k in ("metric", "metric_mode") if k not in own and getattr(task_cfg, k, None) is not None]
+    given = [
+        k
+        for k in ("metric", "metric_mode")
+        if k not in own and getattr(task_cfg, k, None) is not None
+    ]
     if given:
-        raise ValueError(f"{', '.join('task.' + k for k in given)} only apply to task.name=custom; "
-                         f"{task_cfg.name} has its own metrics (set task.name=custom to use yours)")
+        raise ValueError(
+            f"{', '.join('task.' + k for k in given)} only apply to task.name=custom; "
+            f"{task_cfg.name} has its own metrics (set task.name=custom to use yours)"
+        )
     if "ignore_index" not in own and getattr(task_cfg, "ignore_index", None) is not None:
-        raise ValueError(f"task.ignore_index only applies to task.name=token_classification (a class per token, "
-                         f"positions marked to leave out); {task_cfg.name} has no positions to leave out")
+        raise ValueError(
+            f"task.ignore_index only applies to task.name=token_classification (a class per token, "
+            f"positions marked to leave out); {task_cfg.name} has no positions to leave out"
+        )
 
 
 def describe_value(value: Any) -> str:

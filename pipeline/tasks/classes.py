@@ -26,8 +26,14 @@ import torch.nn.functional as F
 
 from pipeline.artifact import gates
 from pipeline.components.data import DataError
-from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, reduce_sums, refuse_others_settings,
-                                 suggest_num_classes)
+from pipeline.tasks.base import (
+    ModelOutputs,
+    TaskError,
+    component_callable,
+    reduce_sums,
+    refuse_others_settings,
+    suggest_num_classes,
+)
 
 MAX_CONFUSION_PLOT = 50  # classes beyond which a confusion matrix is unreadable
 
@@ -39,13 +45,17 @@ class ClassTask(ModelOutputs):
 
     def __init__(self, classes: list[str] | None, loss=None, num_classes: int | None = None):
         self.classes = classes
-        self.num_classes = len(classes) if classes else num_classes  # else learned by the probe, or recorded
+        self.num_classes = (
+            len(classes) if classes else num_classes
+        )  # else learned by the probe, or recorded
         self._loss = loss
 
     @classmethod
     def from_config(cls, task_cfg, classes, source, recorded: dict) -> "ClassTask":
         loss = component_callable(task_cfg.loss, 2, source) if task_cfg.loss else None
-        task = cls(classes, loss=loss, num_classes=recorded.get("num_classes"), **cls.options(task_cfg))
+        task = cls(
+            classes, loss=loss, num_classes=recorded.get("num_classes"), **cls.options(task_cfg)
+        )
         task.restore_outputs(recorded, task_cfg.output)
         return task
 
@@ -70,8 +80,14 @@ class ClassTask(ModelOutputs):
         return self.classes or [str(i) for i in range(self.num_classes)]
 
     def facts(self) -> dict[str, Any]:
-        return {"name": self.name, "num_classes": self.num_classes, "labels": self.labels, "primary": self.primary,
-                "mode": self.mode, **self.output_facts()}
+        return {
+            "name": self.name,
+            "num_classes": self.num_classes,
+            "labels": self.labels,
+            "primary": self.primary,
+            "mode": self.mode,
+            **self.output_facts(),
+        }
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return self.class_loss(self.predicted(output), target)
@@ -90,7 +106,11 @@ class ClassTask(ModelOutputs):
 
     def new_state(self, device: torch.device) -> dict:
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
-        return {"confusion": zeros(self.num_classes, self.num_classes), "loss": zeros(()), "n": zeros(())}
+        return {
+            "confusion": zeros(self.num_classes, self.num_classes),
+            "loss": zeros(()),
+            "n": zeros(()),
+        }
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: torch.Tensor) -> None:
         logits = named[self.prediction].float()
@@ -106,8 +126,9 @@ class ClassTask(ModelOutputs):
             return None
         from pipeline.artifact.plots import confusion_matrix_png
 
-        return confusion_matrix_png(state["confusion"].cpu(), self.labels, path.with_name("confusion_matrix.png"),
-                                    subject)
+        return confusion_matrix_png(
+            state["confusion"].cpu(), self.labels, path.with_name("confusion_matrix.png"), subject
+        )
 
     # --- export ----------------------------------------------------------------------------------
 
@@ -116,15 +137,25 @@ class ClassTask(ModelOutputs):
         the gate; for int8, decisions alone (logits move by whole quantization steps, so no element-wise limit:
         atol is infinite) and the metric within export.int8_accuracy_tolerance_pp."""
         if variant == "int8":
-            return {"atol": float("inf"), "min_agreement": export_cfg.int8_min_agreement,
-                    "tolerance": export_cfg.int8_accuracy_tolerance_pp}
+            return {
+                "atol": float("inf"),
+                "min_agreement": export_cfg.int8_min_agreement,
+                "tolerance": export_cfg.int8_accuracy_tolerance_pp,
+            }
         if variant != "fp16":
             return {"tolerance": export_cfg.accuracy_tolerance_pp}
-        return {"prob_atol": gates.FP16_PROB_ATOL, "min_agreement": gates.FP16_MIN_AGREEMENT,
-                "tolerance": max(export_cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP)}
+        return {
+            "prob_atol": gates.FP16_PROB_ATOL,
+            "min_agreement": gates.FP16_MIN_AGREEMENT,
+            "tolerance": max(export_cfg.accuracy_tolerance_pp, gates.FP16_ACCURACY_PP),
+        }
 
-    def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
-        return gates.points_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance)
+    def metric_gate(
+        self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float
+    ) -> dict:
+        return gates.points_gate(
+            self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance
+        )
 
     def baseline(self, state: dict) -> dict[str, Any]:
         """Always the most frequent class (per sample, pixel or token): its confusion matrix is the true counts in
@@ -133,25 +164,33 @@ class ClassTask(ModelOutputs):
         majority = int(counts.argmax())
         trivial = torch.zeros_like(state["confusion"])
         trivial[:, majority] = counts
-        return {"value": self.metrics({**state, "confusion": trivial})[self.primary],
-                "predictor": f"always class {self.labels[majority]}, the most frequent"}
+        return {
+            "value": self.metrics({**state, "confusion": trivial})[self.primary],
+            "predictor": f"always class {self.labels[majority]}, the most frequent",
+        }
 
 
 def check_index(value: int, classes: list[str] | None, where: str) -> None:
     if value < 0 or (classes is not None and value >= len(classes)):
-        raise DataError(f"{where}: class index {value} is outside 0..{len(classes) - 1 if classes else 'N-1'}"
-                        + (f" (the training set has {len(classes)} classes)" if classes else ""))
+        raise DataError(
+            f"{where}: class index {value} is outside 0..{len(classes) - 1 if classes else 'N-1'}"
+            + (f" (the training set has {len(classes)} classes)" if classes else "")
+        )
 
 
 def check_class_count(found: int, expected: int | None, where: str, per: str = "sample") -> int:
     """The model's number of class scores, against the data's classes (None: the model says how many)."""
     if expected is not None and found != expected:
-        raise TaskError(f"{where}: the model returns {found} logits per {per} but the data has {expected} classes "
-                        f"(the training set's `classes`); set model.args.num_classes={expected}, or the argument "
-                        "your model sizes its output with")
+        raise TaskError(
+            f"{where}: the model returns {found} logits per {per} but the data has {expected} classes "
+            f"(the training set's `classes`); set model.args.num_classes={expected}, or the argument "
+            "your model sizes its output with"
+        )
     return found
 
 
 def add_confusion(confusion: torch.Tensor, target: torch.Tensor, predicted: torch.Tensor) -> None:
     target, predicted = target.reshape(-1), predicted.reshape(-1)
-    confusion.index_put_((target, predicted), torch.ones_like(target, dtype=torch.float64), accumulate=True)
+    confusion.index_put_(
+        (target, predicted), torch.ones_like(target, dtype=torch.float64), accumulate=True
+    )

@@ -19,7 +19,9 @@ class Classification(ClassTask):
     name = "classification"
     primary = "accuracy"
 
-    def __init__(self, classes: list[str] | None, top_k: int, loss=None, num_classes: int | None = None):
+    def __init__(
+        self, classes: list[str] | None, top_k: int, loss=None, num_classes: int | None = None
+    ):
         super().__init__(classes, loss, num_classes)
         self.top_k = top_k
 
@@ -30,10 +32,14 @@ class Classification(ClassTask):
     @staticmethod
     def check_target(target: Any, classes: list[str] | None, where: str) -> None:
         """An int64 class index (a 0-d torch.long tensor or an int) inside the training set's classes."""
-        if isinstance(target, bool) or not (isinstance(target, int) or (
-                torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 0)):
-            raise DataError(f"{where}: the target is {describe_value(target)}; classification needs an int64 class "
-                            f"index (a 0-d torch.long tensor or an int){_fix(target)}")
+        if isinstance(target, bool) or not (
+            isinstance(target, int)
+            or (torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 0)
+        ):
+            raise DataError(
+                f"{where}: the target is {describe_value(target)}; classification needs an int64 class "
+                f"index (a 0-d torch.long tensor or an int){_fix(target)}"
+            )
         check_index(int(target), classes, where)
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
@@ -41,19 +47,28 @@ class Classification(ClassTask):
         logits = self.learn_outputs(output, target, where)[self.prediction]
         rows = len(target)
         if logits.dim() != 2:
-            raise TaskError(f"{where}: for classification the model's {self.prediction} must have shape (batch, "
-                            f"classes); on {rows} samples it is {shape_of(logits)}")
+            raise TaskError(
+                f"{where}: for classification the model's {self.prediction} must have shape (batch, "
+                f"classes); on {rows} samples it is {shape_of(logits)}"
+            )
         self.num_classes = check_class_count(logits.shape[1], self.num_classes, where)
         if int(target.max()) >= self.num_classes:
-            raise TaskError(f"{where}: class index {int(target.max())} for a model with {self.num_classes} outputs")
+            raise TaskError(
+                f"{where}: class index {int(target.max())} for a model with {self.num_classes} outputs"
+            )
 
     def new_state(self, device: torch.device) -> dict:
-        return {**super().new_state(device), "topk": torch.zeros((), dtype=torch.float64, device=device)}
+        return {
+            **super().new_state(device),
+            "topk": torch.zeros((), dtype=torch.float64, device=device),
+        }
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: torch.Tensor) -> None:
         super().update(state, named, target)
         if self._k:
-            hits = (named[self.prediction].float().topk(self._k, dim=1).indices == target[:, None]).any(1)
+            hits = (
+                named[self.prediction].float().topk(self._k, dim=1).indices == target[:, None]
+            ).any(1)
             state["topk"] += hits.sum().double()
 
     @property
@@ -71,8 +86,10 @@ class Classification(ClassTask):
     def describe(self, answer: dict[str, np.ndarray], target) -> str:
         probabilities = answer["probabilities"][0]
         label, predicted = int(target[0]), int(probabilities.argmax())
-        return (f"a real '{self.labels[label]}' from the validation split -> predicted '{self.labels[predicted]}' "
-                f"(p={probabilities[predicted]:.3f}), {'correct' if predicted == label else 'WRONG'}")
+        return (
+            f"a real '{self.labels[label]}' from the validation split -> predicted '{self.labels[predicted]}' "
+            f"(p={probabilities[predicted]:.3f}), {'correct' if predicted == label else 'WRONG'}"
+        )
 
 
 def _fix(target: Any) -> str:
@@ -80,8 +97,10 @@ def _fix(target: Any) -> str:
     if torch.is_tensor(target) and target.is_floating_point():
         return "; for regression targets set task.name=regression"
     if torch.is_tensor(target) and not target.is_floating_point() and target.dim() == 1:
-        return ("; for a class per token (per-token labels, the positions to leave out marked -100) set "
-                "task.name=token_classification")
+        return (
+            "; for a class per token (per-token labels, the positions to leave out marked -100) set "
+            "task.name=token_classification"
+        )
     if torch.is_tensor(target) and not target.is_floating_point() and target.dim() == 2:
         return "; for a class per pixel (an H x W mask) set task.name=segmentation"
     return "; use torch.tensor(label, dtype=torch.long)"

@@ -14,8 +14,18 @@ import torch
 from pipeline.artifact import gates
 from pipeline.components.data import leaves
 from pipeline.components.reference import short_name
-from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, gather_in_order, map_tensors,
-                                 reduce_sums, refuse_others_settings, rows_of, shape_of, suggest_num_classes)
+from pipeline.tasks.base import (
+    ModelOutputs,
+    TaskError,
+    component_callable,
+    gather_in_order,
+    map_tensors,
+    reduce_sums,
+    refuse_others_settings,
+    rows_of,
+    shape_of,
+    suggest_num_classes,
+)
 
 
 class Custom(ModelOutputs):
@@ -32,7 +42,9 @@ class Custom(ModelOutputs):
     def from_config(cls, task_cfg, classes, source, recorded: dict) -> "Custom":
         metric = component_callable(task_cfg.metric, 2, source)
         primary = recorded.get("primary") or short_name(task_cfg.metric.component).replace("-", "_")
-        task = cls(component_callable(task_cfg.loss, 2, source), metric, task_cfg.metric_mode, primary)
+        task = cls(
+            component_callable(task_cfg.loss, 2, source), metric, task_cfg.metric_mode, primary
+        )
         task.restore_outputs(recorded, task_cfg.output)
         return task
 
@@ -40,8 +52,10 @@ class Custom(ModelOutputs):
     def check_config(task_cfg) -> None:
         missing = [k for k in ("loss", "metric", "metric_mode") if getattr(task_cfg, k) is None]
         if missing:
-            raise ValueError(f"task.name=custom needs {', '.join('task.' + k for k in missing)}: a loss component, "
-                             "a metric component and whether the metric is better high (max) or low (min)")
+            raise ValueError(
+                f"task.name=custom needs {', '.join('task.' + k for k in missing)}: a loss component, "
+                "a metric component and whether the metric is better high (max) or low (min)"
+            )
         refuse_others_settings(task_cfg, own=("metric", "metric_mode"))
 
     @staticmethod
@@ -56,22 +70,33 @@ class Custom(ModelOutputs):
         return suggest_num_classes(classes)
 
     def facts(self) -> dict[str, Any]:
-        return {"name": self.name, "primary": self.primary, "mode": self.mode, **self.output_facts()}
+        return {
+            "name": self.name,
+            "primary": self.primary,
+            "mode": self.mode,
+            **self.output_facts(),
+        }
 
     def check_output(self, output: Any, target: Any, where: str) -> None:
         if not leaves(target):
-            raise TaskError(f"{where}: the target is a {type(target).__name__}; custom tasks take a tensor or a "
-                            "dict/tuple of tensors (the default collate makes them from numbers and arrays)")
+            raise TaskError(
+                f"{where}: the target is a {type(target).__name__}; custom tasks take a tensor or a "
+                "dict/tuple of tensors (the default collate makes them from numbers and arrays)"
+            )
         named = self.learn_outputs(output, target, where)
         value = self._loss(output, target)
         if not (torch.is_tensor(value) and value.dim() == 0):
-            raise TaskError(f"{where}: task.loss must return a scalar tensor, got {shape_of(value)}")
+            raise TaskError(
+                f"{where}: task.loss must return a scalar tensor, got {shape_of(value)}"
+            )
         try:  # as evaluation and the export gates will call it: on outputs rebuilt from their names
             self._loss(self.layout.rebuild(_float32(named)), target)
         except Exception as exc:
-            raise TaskError(f"{where}: task.loss works on the model's own output but not on the same outputs "
-                            f"rebuilt by name (as evaluation passes them: {type(exc).__name__}: {exc}); read them "
-                            "as outputs['name'] or outputs.name") from exc
+            raise TaskError(
+                f"{where}: task.loss works on the model's own output but not on the same outputs "
+                f"rebuilt by name (as evaluation passes them: {type(exc).__name__}: {exc}); read them "
+                "as outputs['name'] or outputs.name"
+            ) from exc
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         return self._loss(output, target)
@@ -88,8 +113,12 @@ class Custom(ModelOutputs):
             raise TaskError(f"{where}: task.metric raised {type(exc).__name__}: {exc}") from exc
 
     def new_state(self, device: torch.device) -> dict:
-        return {"n": torch.zeros((), dtype=torch.float64, device=device),
-                "loss": torch.zeros((), dtype=torch.float64, device=device), "outputs": [], "targets": []}
+        return {
+            "n": torch.zeros((), dtype=torch.float64, device=device),
+            "loss": torch.zeros((), dtype=torch.float64, device=device),
+            "outputs": [],
+            "targets": [],
+        }
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: Any) -> None:
         named = _float32(named)
@@ -118,8 +147,10 @@ class Custom(ModelOutputs):
                 return named
             return {self.primary: float(value)}
         except (TypeError, ValueError):
-            raise TaskError(f"{where}: task.metric must return a number or a dict of numbers, got "
-                            f"{shape_of(value) if torch.is_tensor(value) else repr(value)[:80]}") from None
+            raise TaskError(
+                f"{where}: task.metric must return a number or a dict of numbers, got "
+                f"{shape_of(value) if torch.is_tensor(value) else repr(value)[:80]}"
+            ) from None
 
     def plot(self, state: dict, path, subject: str = "validation") -> None:
         return None
@@ -127,8 +158,12 @@ class Custom(ModelOutputs):
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
         return gates.metric_gate_limits(export_cfg, variant)
 
-    def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
-        return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)
+    def metric_gate(
+        self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float
+    ) -> dict:
+        return gates.relative_gate(
+            self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol
+        )
 
     def baseline(self, state: dict) -> None:
         """A metric of the user's own: no trivial predictor is known for it."""
@@ -141,7 +176,9 @@ class Custom(ModelOutputs):
 
 def _float32(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Floating outputs in float32 (bf16 under autocast), detached; others (indices) as they are."""
-    return {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in named.items()}
+    return {
+        k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in named.items()
+    }
 
 
 def _target_text(target: Any) -> str:
@@ -150,4 +187,3 @@ def _target_text(target: Any) -> str:
     if isinstance(target, dict):
         return "{" + ", ".join(f"{k}: {gates.values_text(v[0])}" for k, v in target.items()) + "}"
     return "(" + ", ".join(gates.values_text(v[0]) for v in target) + ")"
-

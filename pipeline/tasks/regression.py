@@ -15,8 +15,16 @@ import torch.nn.functional as F
 
 from pipeline.artifact import gates
 from pipeline.components.data import DataError
-from pipeline.tasks.base import (ModelOutputs, TaskError, component_callable, describe_value, gather_in_order,
-                                 reduce_sums, refuse_others_settings, shape_of)
+from pipeline.tasks.base import (
+    ModelOutputs,
+    TaskError,
+    component_callable,
+    describe_value,
+    gather_in_order,
+    reduce_sums,
+    refuse_others_settings,
+    shape_of,
+)
 
 PLOT_POINTS = 2000  # predicted-vs-actual points kept for the plot, over all ranks
 
@@ -29,11 +37,16 @@ class Regression(ModelOutputs):
 
     def __init__(self, loss=None, columns: int | None = None):
         self._loss = loss
-        self.columns = columns  # target values per sample: learned from the data by the probe, or recorded
+        self.columns = (
+            columns  # target values per sample: learned from the data by the probe, or recorded
+        )
 
     @classmethod
     def from_config(cls, task_cfg, classes, source, recorded: dict) -> "Regression":
-        task = cls(component_callable(task_cfg.loss, 2, source) if task_cfg.loss else None, recorded.get("columns"))
+        task = cls(
+            component_callable(task_cfg.loss, 2, source) if task_cfg.loss else None,
+            recorded.get("columns"),
+        )
         task.restore_outputs(recorded, task_cfg.output)
         return task
 
@@ -45,36 +58,52 @@ class Regression(ModelOutputs):
     def check_data(classes, where: str) -> None:
         if classes is not None:
             preview = ", ".join(map(str, list(classes)[:5])) + (" ..." if len(classes) > 5 else "")
-            raise DataError(f"{where}: the training set has classes ({preview}) but task.name=regression; "
-                            "set task.name=classification, or drop the data set's `classes` attribute")
+            raise DataError(
+                f"{where}: the training set has classes ({preview}) but task.name=regression; "
+                "set task.name=classification, or drop the data set's `classes` attribute"
+            )
 
     @staticmethod
     def check_target(target: Any, classes, where: str) -> None:
         if isinstance(target, float):
             return
         if not (torch.is_tensor(target) and target.is_floating_point() and target.dim() <= 1):
-            fix = ("; for class indices set task.name=classification" if torch.is_tensor(target)
-                   and not target.is_floating_point() else "")
-            raise DataError(f"{where}: the target is {describe_value(target)}; regression needs a float tensor "
-                            f"(0-d for one value, 1-d for several){fix}")
+            fix = (
+                "; for class indices set task.name=classification"
+                if torch.is_tensor(target) and not target.is_floating_point()
+                else ""
+            )
+            raise DataError(
+                f"{where}: the target is {describe_value(target)}; regression needs a float tensor "
+                f"(0-d for one value, 1-d for several){fix}"
+            )
 
     def suggest(self, classes) -> dict[str, Any]:
         return {}
 
     def facts(self) -> dict[str, Any]:
-        return {"name": self.name, "columns": self.columns, "primary": self.primary, "mode": self.mode,
-                **self.output_facts()}
+        return {
+            "name": self.name,
+            "columns": self.columns,
+            "primary": self.primary,
+            "mode": self.mode,
+            **self.output_facts(),
+        }
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
         prediction = self.learn_outputs(output, target, where)[self.prediction]
         if not prediction.is_floating_point():
-            raise TaskError(f"{where}: for regression the model must return a float tensor, got {shape_of(prediction)}")
+            raise TaskError(
+                f"{where}: for regression the model must return a float tensor, got {shape_of(prediction)}"
+            )
         try:
             _aligned(prediction, target)
         except ValueError:
-            raise TaskError(f"{where}: the model returns {shape_of(prediction)} for targets of shape "
-                            f"{list(target.shape)}; for regression it must return the target's shape "
-                            "((batch,) or (batch, 1) for one value per sample, (batch, k) for k)") from None
+            raise TaskError(
+                f"{where}: the model returns {shape_of(prediction)} for targets of shape "
+                f"{list(target.shape)}; for regression it must return the target's shape "
+                "((batch,) or (batch, 1) for one value per sample, (batch, k) for k)"
+            ) from None
         self.columns = 1 if target.dim() == 1 else target.shape[1]
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -82,7 +111,11 @@ class Regression(ModelOutputs):
 
     def _prediction_loss(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         prediction = _aligned(prediction, target)
-        return self._loss(prediction, target) if self._loss else F.mse_loss(prediction.float(), target.float())
+        return (
+            self._loss(prediction, target)
+            if self._loss
+            else F.mse_loss(prediction.float(), target.float())
+        )
 
     def check_metric(self, output: Any, target: torch.Tensor, where: str) -> None:
         """Built-in metrics need no check."""
@@ -90,8 +123,15 @@ class Regression(ModelOutputs):
     def new_state(self, device: torch.device) -> dict:
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
         k = self.columns or 1
-        return {"n": zeros(()), "loss": zeros(()), "sse": zeros(k), "sae": zeros(k), "sy": zeros(k), "syy": zeros(k),
-                "points": []}
+        return {
+            "n": zeros(()),
+            "loss": zeros(()),
+            "sse": zeros(k),
+            "sae": zeros(k),
+            "sy": zeros(k),
+            "syy": zeros(k),
+            "points": [],
+        }
 
     def update(self, state: dict, named: dict[str, torch.Tensor], target: torch.Tensor) -> None:
         output = named[self.prediction].float()
@@ -117,35 +157,51 @@ class Regression(ModelOutputs):
         sse, sy, syy = state["sse"], state["sy"], state["syy"]
         total = syy - sy * sy / n  # sum of squares about the mean, per column
         r2 = torch.where(total > 0, 1 - sse / total.clamp_min(1e-300), torch.zeros_like(total))
-        return {"rmse": math.sqrt(sse.sum().item() / (n * len(sse))), "mae": state["sae"].sum().item() / (n * len(sse)),
-                "r2": r2.mean().item(), "loss": state["loss"].item() / n}
+        return {
+            "rmse": math.sqrt(sse.sum().item() / (n * len(sse))),
+            "mae": state["sae"].sum().item() / (n * len(sse)),
+            "r2": r2.mean().item(),
+            "loss": state["loss"].item() / n,
+        }
 
     def plot(self, state: dict, path: Path, subject: str = "validation") -> Path | None:
         from pipeline.artifact.plots import predicted_vs_actual_png
 
         points = state["points"][0] if state["points"] else torch.empty(0, 2)
         title = f"{subject}: RMSE {self.metrics(state)['rmse']:.4g} over {int(state['n'].item())} samples"
-        return predicted_vs_actual_png(points[:, 0], points[:, 1], path.with_name("predicted_vs_actual.png"), title)
+        return predicted_vs_actual_png(
+            points[:, 0], points[:, 1], path.with_name("predicted_vs_actual.png"), title
+        )
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
         return gates.metric_gate_limits(export_cfg, variant)
 
-    def metric_gate(self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float) -> dict:
-        return gates.relative_gate(self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol)
+    def metric_gate(
+        self, onnx_metrics: dict, torch_metrics: dict, tolerance: float, atol: float
+    ) -> dict:
+        return gates.relative_gate(
+            self.primary, onnx_metrics[self.primary], torch_metrics[self.primary], tolerance, atol
+        )
 
     def baseline(self, state: dict) -> dict[str, Any] | None:
         """Always the split's mean: its squared error is the targets' sum of squares about their mean; None for
         targets that do not vary (nothing beats the mean there)."""
         n = state["n"]
-        about_mean = (state["syy"] - state["sy"] * state["sy"] / n).clamp_min(0)  # (rounding: never below 0)
+        about_mean = (state["syy"] - state["sy"] * state["sy"] / n).clamp_min(
+            0
+        )  # (rounding: never below 0)
         if not bool((about_mean > 1e-12 * state["syy"].abs().clamp_min(1e-300)).any()):
             return None
-        return {"value": self.metrics({**state, "sse": about_mean})[self.primary],
-                "predictor": "always the mean of the targets"}
+        return {
+            "value": self.metrics({**state, "sse": about_mean})[self.primary],
+            "predictor": "always the mean of the targets",
+        }
 
     def describe(self, answer: dict[str, np.ndarray], target) -> str:
-        return (f"a real validation sample (target {gates.values_text(target[0])}) -> {self.prediction} "
-                f"{gates.values_text(answer[self.prediction][0])}")
+        return (
+            f"a real validation sample (target {gates.values_text(target[0])}) -> {self.prediction} "
+            f"{gates.values_text(answer[self.prediction][0])}"
+        )
 
 
 def _aligned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

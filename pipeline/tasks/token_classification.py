@@ -22,28 +22,39 @@ from pipeline.components.data import DataError
 from pipeline.tasks.base import TaskError, describe_value, refuse_others_settings, shape_of
 from pipeline.tasks.classes import ClassTask, add_confusion, check_class_count
 
-IGNORE_INDEX = -100  # torch's cross-entropy default, and what Hugging Face tokenizers' alignments write
+IGNORE_INDEX = (
+    -100
+)  # torch's cross-entropy default, and what Hugging Face tokenizers' alignments write
 
 
 class TokenClassification(ClassTask):
     name = "token_classification"
     primary = "macro_f1"
 
-    def __init__(self, classes: list[str] | None, loss=None, num_classes: int | None = None,
-                 ignore_index: int = IGNORE_INDEX):
+    def __init__(
+        self,
+        classes: list[str] | None,
+        loss=None,
+        num_classes: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ):
         super().__init__(classes, loss, num_classes)
         self.ignore_index = ignore_index
 
     @staticmethod
     def options(task_cfg) -> dict[str, Any]:
-        return {"ignore_index": IGNORE_INDEX if task_cfg.ignore_index is None else task_cfg.ignore_index}
+        return {
+            "ignore_index": IGNORE_INDEX if task_cfg.ignore_index is None else task_cfg.ignore_index
+        }
 
     @staticmethod
     def check_config(task_cfg) -> None:
         refuse_others_settings(task_cfg, own=("ignore_index",))
         if task_cfg.ignore_index is not None and task_cfg.ignore_index >= 0:
-            raise ValueError(f"task.ignore_index={task_cfg.ignore_index} is a class index; it must be negative, so that "
-                             f"no class is ever left out (the default, {IGNORE_INDEX}, is what Hugging Face writes)")
+            raise ValueError(
+                f"task.ignore_index={task_cfg.ignore_index} is a class index; it must be negative, so that "
+                f"no class is ever left out (the default, {IGNORE_INDEX}, is what Hugging Face writes)"
+            )
 
     @staticmethod
     def check_target(target: Any, classes: list[str] | None, where: str) -> None:
@@ -51,14 +62,18 @@ class TokenClassification(ClassTask):
         out (which negative value task.ignore_index is, the probe checks)."""
         if not (torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 1):
             one = isinstance(target, int) or (torch.is_tensor(target) and target.dim() == 0)
-            raise DataError(f"{where}: the target is {describe_value(target)}; token_classification needs a 1-d int64 "
-                            "tensor per sample, a class index per token (torch.as_tensor(tags, dtype=torch.long)), "
-                            f"the positions to leave out marked {IGNORE_INDEX}"
-                            + ("; for one class per sample set task.name=classification" if one else ""))
+            raise DataError(
+                f"{where}: the target is {describe_value(target)}; token_classification needs a 1-d int64 "
+                "tensor per sample, a class index per token (torch.as_tensor(tags, dtype=torch.long)), "
+                f"the positions to leave out marked {IGNORE_INDEX}"
+                + ("; for one class per sample set task.name=classification" if one else "")
+            )
         high = int(target.max()) if target.numel() else -1
         if classes is not None and high >= len(classes):
-            raise DataError(f"{where}: the tags hold class index {high}, outside 0..{len(classes) - 1} (the training "
-                            f"set has {len(classes)} classes)")
+            raise DataError(
+                f"{where}: the tags hold class index {high}, outside 0..{len(classes) - 1} (the training "
+                f"set has {len(classes)} classes)"
+            )
 
     def facts(self) -> dict[str, Any]:
         return {**super().facts(), "ignore_index": self.ignore_index}
@@ -73,23 +88,32 @@ class TokenClassification(ClassTask):
                 hint = "; that is a class per sequence: for it set task.name=classification"
             elif logits.dim() == 3 and logits.shape[2] == target.shape[1]:
                 hint = "; put the classes last, as a transformers ...ForTokenClassification does"
-            raise TaskError(f"{where}: for token_classification the model's {self.prediction} must be (batch, length, "
-                            f"classes) for targets of shape {list(target.shape)}; it is {shape_of(logits)}{hint}")
+            raise TaskError(
+                f"{where}: for token_classification the model's {self.prediction} must be (batch, length, "
+                f"classes) for targets of shape {list(target.shape)}; it is {shape_of(logits)}{hint}"
+            )
         self.num_classes = check_class_count(logits.shape[2], self.num_classes, where, per="token")
         kept = target[target != self.ignore_index]
         bad = kept[(kept < 0) | (kept >= self.num_classes)]
         if bad.numel():
             value = int(bad[0])
-            raise TaskError(f"{where}: a target holds {value}, neither a class index of a model with {self.num_classes} "
-                            f"outputs nor task.ignore_index ({self.ignore_index})"
-                            + (f"; if it marks the positions to leave out, set task.ignore_index={value}" if value < 0
-                               else ""))
+            raise TaskError(
+                f"{where}: a target holds {value}, neither a class index of a model with {self.num_classes} "
+                f"outputs nor task.ignore_index ({self.ignore_index})"
+                + (
+                    f"; if it marks the positions to leave out, set task.ignore_index={value}"
+                    if value < 0
+                    else ""
+                )
+            )
 
     def class_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """task.loss when given, else the mean cross-entropy over the tokens kept (0, not NaN, when none is)."""
         if self._loss:
             return self._loss(logits, target)
-        total = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=self.ignore_index, reduction="sum")
+        total = F.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), ignore_index=self.ignore_index, reduction="sum"
+        )
         return total / (target != self.ignore_index).sum().clamp_min(1)
 
     @property
@@ -111,12 +135,18 @@ class TokenClassification(ClassTask):
     def metrics(self, state: dict) -> dict[str, float]:
         confusion = state["confusion"]
         hits = confusion.diagonal()
-        counted = confusion.sum(0) + confusion.sum(1)  # predicted + actual, per class: 2 TP + FP + FN
+        counted = confusion.sum(0) + confusion.sum(
+            1
+        )  # predicted + actual, per class: 2 TP + FP + FN
         present = counted > 0
         tokens = max(confusion.sum().item(), 1.0)
-        return {"macro_f1": (2 * hits[present] / counted[present]).mean().item() if present.any() else 0.0,
-                "token_accuracy": hits.sum().item() / tokens,
-                "loss": state["loss"].item() / max(state["n"].item(), 1.0)}
+        return {
+            "macro_f1": (2 * hits[present] / counted[present]).mean().item()
+            if present.any()
+            else 0.0,
+            "token_accuracy": hits.sum().item() / tokens,
+            "loss": state["loss"].item() / max(state["n"].item(), 1.0),
+        }
 
     def describe(self, answer: dict[str, np.ndarray], target) -> str:
         predicted = answer["probabilities"][0].argmax(0)
@@ -124,5 +154,7 @@ class TokenClassification(ClassTask):
         kept = truth != self.ignore_index
         right = float((predicted[kept] == truth[kept]).mean()) if kept.any() else 0.0
         found = sorted({self.labels[i] for i in np.unique(predicted[kept])})
-        return (f"a real sequence of {int(kept.sum())} tagged tokens from the validation split -> {right:.1%} of them "
-                f"right, tags found: {', '.join(found[:6])}{' ...' if len(found) > 6 else ''}")
+        return (
+            f"a real sequence of {int(kept.sum())} tagged tokens from the validation split -> {right:.1%} of them "
+            f"right, tags found: {', '.join(found[:6])}{' ...' if len(found) > 6 else ''}"
+        )

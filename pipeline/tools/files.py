@@ -45,7 +45,9 @@ def write_atomically(path: Path, text: str) -> None:
 
 def _local(path) -> Path:
     if "://" in str(path):  # a URL as a plain string would become a local file named "s3:/..."
-        raise TypeError(f"{path}: a location on an object store is an object_store.StoreUrl (object_store.location)")
+        raise TypeError(
+            f"{path}: a location on an object store is an object_store.StoreUrl (object_store.location)"
+        )
     return Path(path)
 
 
@@ -62,5 +64,6 @@ def read_json(path: Path, fix: str = "") -> Any:
     except FileNotFoundError:
         raise StateFileError(f"{path} is missing{'; ' + fix if fix else ''}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StateFileError(f"{path} is damaged ({type(exc).__name__}: {exc}); {fix or 'delete it or restore it'}") \
-            from None
+        raise StateFileError(
+            f"{path} is damaged ({type(exc).__name__}: {exc}); {fix or 'delete it or restore it'}"
+        ) from None

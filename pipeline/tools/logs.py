@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from serving.console import clip, configure as _configure
+from serving.console import clip
+from serving.console import configure as _configure
 
 __all__ = ["clip", "configure", "first_line"]
 

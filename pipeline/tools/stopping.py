@@ -59,8 +59,10 @@ def deferred():
 
 def uninterrupted(fn):
     """Decorator: the whole call runs inside `deferred()`."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with deferred():
             return fn(*args, **kwargs)
+
     return wrapper

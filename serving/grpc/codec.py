@@ -38,13 +38,13 @@ from serving.codec import (
     shm_ref,
 )
 from serving.engine import TensorSpec
-from serving.staging import NonFinite
 from serving.grpc.schema import (
     InferParameter,
     InferTensorContents,
     ModelInferRequest,
     ModelInferResponse,
 )
+from serving.staging import NonFinite
 
 MAX_RANK = 32  # as over HTTP
 # Fields a ModelInferRequest may hold at its top level and inside its inputs and outputs together: a real
@@ -88,9 +88,11 @@ def check_field_count(data: bytes, limit: int = MAX_FIELDS) -> None:
         while pos < end:
             count += 1
             if count > limit:
-                raise BadRequest(f"the message holds more than {limit} fields (inputs, outputs, parameters, "
-                                 "raw_input_contents and their own fields together); a request needs a few "
-                                 "per model input and output")
+                raise BadRequest(
+                    f"the message holds more than {limit} fields (inputs, outputs, parameters, "
+                    "raw_input_contents and their own fields together); a request needs a few "
+                    "per model input and output"
+                )
             tag, pos = _varint(data, pos, end)
             if tag is None:
                 return
@@ -126,8 +128,15 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int | None, int | None]:
     return None, None
 
 
-def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_names: list[str],
-                 limits: Limits, shared=None, raw=None, place=None) -> V2Request:
+def decode_infer(
+    request: ModelInferRequest,
+    inputs: list[TensorSpec],
+    output_names: list[str],
+    limits: Limits,
+    shared=None,
+    raw=None,
+    place=None,
+) -> V2Request:
     """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
     `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count)`
     reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
@@ -137,23 +146,27 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
     if not given:
         raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
     if len(given) > len(inputs):
-        raise BadRequest(f"the request has {len(given)} inputs; this model takes "
-                         f"{expected(inputs)}")
+        raise BadRequest(
+            f"the request has {len(given)} inputs; this model takes {expected(inputs)}"
+        )
     raw = request.raw_input_contents if raw is None else raw
     refs = [shm_ref(_plain(item.parameters), f"input '{item.name[:80]}'") for item in given]
     carried = sum(ref is None for ref in refs)  # inputs whose data is in the message
     if raw and len(raw) != carried:
-        raise BadRequest(f"the request has {len(raw)} raw_input_contents for {carried} "
-                         "inputs not in shared memory; send raw data for every such input, in the order of "
-                         "inputs, or for none (typed contents)")
+        raise BadRequest(
+            f"the request has {len(raw)} raw_input_contents for {carried} "
+            "inputs not in shared memory; send raw data for every such input, in the order of "
+            "inputs, or for none (typed contents)"
+        )
     by_name = {s.name: s for s in inputs}
     declared: dict[str, tuple] = {}  # name -> (spec, shape, count, ref, raw index or None, item)
     index = 0
     for item, ref in zip(given, refs):
         spec = by_name.get(item.name)
         if spec is None:
-            raise BadRequest(f"unknown input {_quote(item.name)}; this model takes "
-                             f"{expected(inputs)}")
+            raise BadRequest(
+                f"unknown input {_quote(item.name)}; this model takes {expected(inputs)}"
+            )
         name = spec.name
         if name in declared:
             raise BadRequest(f"input '{name}' is given twice")
@@ -161,18 +174,25 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
         count = _check_size(name, shape, spec, limits)
         if ref is not None:
             if item.contents.ListFields():
-                raise BadRequest(f"input '{name}' is in shared memory and also has contents; send one")
+                raise BadRequest(
+                    f"input '{name}' is in shared memory and also has contents; send one"
+                )
             if shared is None:
-                raise BadRequest(f"input '{name}' names a shared memory region, which this request can't use here")
+                raise BadRequest(
+                    f"input '{name}' names a shared memory region, which this request can't use here"
+                )
             declared[name] = (spec, shape, count, ref, None, item)
         elif raw:
             if item.contents.ListFields():
-                raise BadRequest(f"input '{name}' has both contents and "
-                                 f"raw_input_contents[{index}]; send one")
+                raise BadRequest(
+                    f"input '{name}' has both contents and raw_input_contents[{index}]; send one"
+                )
             want = count * spec.dtype.itemsize
             if len(raw[index]) != want:
-                raise BadRequest(f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
-                                 f"bytes, but shape {shape} {spec.datatype} takes {want} bytes")
+                raise BadRequest(
+                    f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
+                    f"bytes, but shape {shape} {spec.datatype} takes {want} bytes"
+                )
             declared[name] = (spec, shape, count, None, index, item)
             index += 1
         else:
@@ -183,21 +203,35 @@ def decode_infer(request: ModelInferRequest, inputs: list[TensorSpec], output_na
         if ref is not None:
             array = shared(ref, spec, count)
         elif at is not None:
-            array = _raw_tensor(raw[at], at, spec, count, None if views is None else views[name].reshape(-1))
+            array = _raw_tensor(
+                raw[at], at, spec, count, None if views is None else views[name].reshape(-1)
+            )
         else:
             array = _typed_tensor(item.contents, spec, shape, count)
         feeds[name] = _reshaped(array, shape, name)
     rows = _rows(feeds, inputs)
     outputs, output_refs = _requested_outputs(request.outputs, output_names)
     native = raw is not None and len(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
-    return V2Request(feeds, rows, request.id or None, outputs, output_refs,
-                     checked=bool(native) and len(raw) == len(inputs), placed=views is not None)
+    return V2Request(
+        feeds,
+        rows,
+        request.id or None,
+        outputs,
+        output_refs,
+        checked=bool(native) and len(raw) == len(inputs),
+        placed=views is not None,
+    )
 
 
 def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None:
     """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
     (bytes the message parser made are copied once already), every model input one of them, all of one row count."""
-    if place is None or not raw or isinstance(raw[0], (bytes, bytearray, memoryview)) or len(declared) != len(inputs):
+    if (
+        place is None
+        or not raw
+        or isinstance(raw[0], (bytes, bytearray, memoryview))
+        or len(declared) != len(inputs)
+    ):
         return None
     if any(at is None for _, _, _, _, at, _ in declared.values()):
         return None
@@ -209,8 +243,10 @@ def _plain(parameters: Mapping[str, InferParameter]) -> dict:
     """A parameters map as plain values (what shm_ref reads)."""
     if not parameters:
         return {}
-    return {key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
-            for key, value in parameters.items()}
+    return {
+        key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+        for key, value in parameters.items()
+    }
 
 
 def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -> list[int]:
@@ -218,16 +254,19 @@ def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -
     shape, a known datatype, the model's datatype, then a shape the model takes."""
     name, shape = spec.name, list(item.shape)
     if len(shape) > MAX_RANK or not all(0 <= d < MAX_DIM for d in shape):
-        raise BadRequest(f"input '{name}': shape must be at most {MAX_RANK} non-negative "
-                         f"integers below {MAX_DIM}, got {shape!r:.100}; expected "
-                         f"{spec.describe()}")
+        raise BadRequest(
+            f"input '{name}': shape must be at most {MAX_RANK} non-negative "
+            f"integers below {MAX_DIM}, got {shape!r:.100}; expected "
+            f"{spec.describe()}"
+        )
     check_datatype(item.datatype, spec)
     _check_shape(spec, shape)
     return shape
 
 
-def _raw_tensor(blob, index: int, spec: TensorSpec, count: int,
-                destination: np.ndarray | None = None) -> np.ndarray:
+def _raw_tensor(
+    blob, index: int, spec: TensorSpec, count: int, destination: np.ndarray | None = None
+) -> np.ndarray:
     """raw_input_contents[index] as `spec`'s dtype: bytes the message parser made, read in place (read-only, like
     the HTTP path's binary data); or contents the native engine kept, copied once into `destination` (or an array
     of their own) with the NaN/Inf check on the way."""
@@ -242,35 +281,46 @@ def _raw_tensor(blob, index: int, spec: TensorSpec, count: int,
     return array.astype(spec.dtype, copy=False)  # a no-op on little-endian machines
 
 
-def _typed_tensor(contents: InferTensorContents, spec: TensorSpec, shape: list[int],
-                  count: int) -> np.ndarray:
+def _typed_tensor(
+    contents: InferTensorContents, spec: TensorSpec, shape: list[int], count: int
+) -> np.ndarray:
     """The input's `contents` as `spec`'s dtype: only the datatype's own field set, one value
     per element, each in range of the datatype."""
     name = spec.name
     present = [field.name for field, _ in contents.ListFields()]
     if spec.datatype not in _CONTENTS:
-        raise BadRequest(f"input '{name}': {spec.datatype} data can only come as "
-                         "raw_input_contents (little-endian), the protocol has no typed "
-                         f"contents field for it; got {_fields(present) or 'no data'}")
+        raise BadRequest(
+            f"input '{name}': {spec.datatype} data can only come as "
+            "raw_input_contents (little-endian), the protocol has no typed "
+            f"contents field for it; got {_fields(present) or 'no data'}"
+        )
     field, field_dtype = _CONTENTS[spec.datatype]
     strangers = [f for f in present if f != field]
     if strangers:
-        raise BadRequest(f"input '{name}': {spec.datatype} data goes in contents.{field}, "
-                         f"got {_fields(strangers)}")
+        raise BadRequest(
+            f"input '{name}': {spec.datatype} data goes in contents.{field}, "
+            f"got {_fields(strangers)}"
+        )
     values = getattr(contents, field)
     if len(values) != count:
         if not values:
-            raise BadRequest(f"input '{name}' has no data: send it as raw_input_contents or "
-                             f"contents.{field} ({count} values for shape {shape})")
-        raise BadRequest(f"input '{name}': shape {shape} needs {count} values, contents.{field} "
-                         f"has {len(values)}")
+            raise BadRequest(
+                f"input '{name}' has no data: send it as raw_input_contents or "
+                f"contents.{field} ({count} values for shape {shape})"
+            )
+        raise BadRequest(
+            f"input '{name}': shape {shape} needs {count} values, contents.{field} "
+            f"has {len(values)}"
+        )
     array = np.asarray(list(values), dtype=field_dtype)
     if spec.dtype.kind in "iu" and spec.dtype != array.dtype and array.size:
         info = np.iinfo(spec.dtype)
         outside = array[(array < info.min) | (array > info.max)]
         if outside.size:
-            raise BadRequest(f"input '{name}': value {outside[0]} in contents.{field} is out "
-                             f"of range for {spec.datatype} ({info.min}..{info.max})")
+            raise BadRequest(
+                f"input '{name}': value {outside[0]} in contents.{field} is out "
+                f"of range for {spec.datatype} ({info.min}..{info.max})"
+            )
     return array.astype(spec.dtype, copy=False)
 
 
@@ -281,12 +331,14 @@ def _reshaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
     try:
         return array.reshape(shape)
     except ValueError:
-        raise BadRequest(f"input '{name}': shape {shape} is too large for an array, even "
-                         "empty") from None
+        raise BadRequest(
+            f"input '{name}': shape {shape} is too large for an array, even empty"
+        ) from None
 
 
-def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutputTensor],
-                       output_names: list[str]) -> tuple[list[tuple[str, bool]], dict]:
+def _requested_outputs(
+    requested: Iterable[ModelInferRequest.InferRequestedOutputTensor], output_names: list[str]
+) -> tuple[list[tuple[str, bool]], dict]:
     """(name, True) per requested output in the order asked, or every output when none are
     (the answer always carries raw data, so Triton's binary_data has nothing to choose); and those to be written to
     shared memory instead, {name: Ref}."""
@@ -296,12 +348,12 @@ def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutpu
     refs = {}
     for out in requested:
         if out.name not in output_names:
-            raise BadRequest(f"unknown output {_quote(out.name)}; this model has outputs "
-                             f"{output_names}")
+            raise BadRequest(
+                f"unknown output {_quote(out.name)}; this model has outputs {output_names}"
+            )
         if any(out.name == known for known, _ in outputs):
             raise BadRequest(f"output '{out.name}' is requested twice")
-        _refuse_unsupported(out.parameters, _UNSUPPORTED_OUTPUT_PARAMETERS,
-                            f"output '{out.name}'")
+        _refuse_unsupported(out.parameters, _UNSUPPORTED_OUTPUT_PARAMETERS, f"output '{out.name}'")
         ref = shm_ref(_plain(out.parameters), f"output '{out.name}'")
         if ref is not None:
             refs[out.name] = ref
@@ -309,12 +361,15 @@ def _requested_outputs(requested: Iterable[ModelInferRequest.InferRequestedOutpu
     return outputs, refs
 
 
-def _refuse_unsupported(parameters: Mapping[str, InferParameter], unsupported: dict[str, str],
-                        where: str) -> None:
+def _refuse_unsupported(
+    parameters: Mapping[str, InferParameter], unsupported: dict[str, str], where: str
+) -> None:
     for key, what in unsupported.items():
         if key in parameters:
-            raise BadRequest(f"{where}: parameters.{key} asks for {what}, which this server "
-                             "does not offer; send and receive tensors in the message itself")
+            raise BadRequest(
+                f"{where}: parameters.{key} asks for {what}, which this server "
+                "does not offer; send and receive tensors in the message itself"
+            )
 
 
 def _fields(names: list[str]) -> str:
@@ -327,9 +382,15 @@ def _quote(text: str, limit: int = 80) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}..."
 
 
-def encode_infer(model_name: str, model_version: str, request_id: str | None,
-                 results: dict[str, np.ndarray], outputs: list[tuple[str, bool]],
-                 specs: list[TensorSpec], placed: dict[str, dict] | None = None) -> ModelInferResponse:
+def encode_infer(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    results: dict[str, np.ndarray],
+    outputs: list[tuple[str, bool]],
+    specs: list[TensorSpec],
+    placed: dict[str, dict] | None = None,
+) -> ModelInferResponse:
     """The answer: each output in the order of `outputs` with the model's datatype and the
     result's shape, its data little-endian in raw_output_contents at the same position."""
     datatypes = {s.name: s.datatype for s in specs}
@@ -340,7 +401,9 @@ def encode_infer(model_name: str, model_version: str, request_id: str | None,
     for name, _binary in outputs:
         array = np.ascontiguousarray(results[name])
         tensor = response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
-        if placed and name in placed:  # written to shared memory: where, and an empty place among the raw contents
+        if (
+            placed and name in placed
+        ):  # written to shared memory: where, and an empty place among the raw contents
             for key, value in placed[name].items():
                 if isinstance(value, str):
                     tensor.parameters[key].string_param = value

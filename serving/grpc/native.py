@@ -43,14 +43,39 @@ def available() -> bool:
 class NativeContext:
     """One call, as its handler sees it (the part of grpc.aio.ServicerContext that service.py uses)."""
 
-    __slots__ = ("bridge", "id", "metadata", "reading", "writing", "task", "finished", "inbox", "ended", "granted",
-                 "unwritten", "broken", "places", "client")
+    __slots__ = (
+        "bridge",
+        "id",
+        "metadata",
+        "reading",
+        "writing",
+        "task",
+        "finished",
+        "inbox",
+        "ended",
+        "granted",
+        "unwritten",
+        "broken",
+        "places",
+        "client",
+    )
 
-    def __init__(self, bridge, call_id: int, metadata: tuple, places: tuple[asyncio.Semaphore, ...], peer: str = ""):
+    def __init__(
+        self,
+        bridge,
+        call_id: int,
+        metadata: tuple,
+        places: tuple[asyncio.Semaphore, ...],
+        peer: str = "",
+    ):
         self.bridge, self.id, self.metadata, self.client = bridge, call_id, metadata, peer
         self.places = places  # its connection's and the front end's (every stream's): one each an unwritten answer
-        self.inbox: collections.deque = collections.deque()  # a stream's messages read ahead, not yet taken
-        self.ended = False  # a stream's reading is over: the client's last message came (or the call broke)
+        self.inbox: collections.deque = (
+            collections.deque()
+        )  # a stream's messages read ahead, not yet taken
+        self.ended = (
+            False  # a stream's reading is over: the client's last message came (or the call broke)
+        )
         self.granted = False  # whether the read-ahead was granted yet
         self.unwritten = 0  # a stream's answers handed to C++ and not yet written
         self.broken = False  # a write failed: the client is gone
@@ -156,6 +181,7 @@ class RawContents:
     """A ModelInferRequest's raw_input_contents, left by C++ in grpc's own buffers (the message Python parses comes
     without them): each is copied once, into the array it will be, by `copy_into` (serving/grpc/codec.py), with
     the NaN/Inf check on the way. `len(raw[i])` is its byte count."""
+
     __slots__ = ("parts", "lengths")
 
     def __init__(self, parts, lengths: tuple[int, ...]):
@@ -195,23 +221,43 @@ def _message(message):
 
 class NativeFrontEnd:
     """The running C++ server and the loop's side of it; `await stop(grace)` at shutdown, as grpc.aio's."""
+
     layout = "gRPC on grpc's C++ server (its threads take the calls in; the handlers run on the server's loop)"
 
-    def __init__(self, address: str, handlers: dict, service_name: str, options: dict[str, int], max_calls: int,
-                 streams, split: frozenset[str] = frozenset(), first_message_s: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        handlers: dict,
+        service_name: str,
+        options: dict[str, int],
+        max_calls: int,
+        streams,
+        split: frozenset[str] = frozenset(),
+        first_message_s: float = 30.0,
+    ):
         self.loop = asyncio.get_running_loop()
-        self.first_message_s = first_message_s  # a unary call whose message has not come by then is ended
+        self.first_message_s = (
+            first_message_s  # a unary call whose message has not come by then is ended
+        )
         # full method name -> (is it a stream, its handler's coroutine function)
-        self.methods = {f"/{service_name}/{name}": (handler.stream_stream is not None,
-                                                    handler.stream_stream or handler.unary_unary)
-                        for name, handler in handlers.items()}
+        self.methods = {
+            f"/{service_name}/{name}": (
+                handler.stream_stream is not None,
+                handler.stream_stream or handler.unary_unary,
+            )
+            for name, handler in handlers.items()
+        }
         self.streams = streams
         self.calls: dict[int, NativeContext] = {}
         self.unwritten_places = asyncio.Semaphore(UNWRITTEN)
-        self.connection_places: dict[str, list] = {}  # peer -> [its CONNECTION_UNWRITTEN semaphore, its calls]
+        self.connection_places: dict[
+            str, list
+        ] = {}  # peer -> [its CONNECTION_UNWRITTEN semaphore, its calls]
         # mode per method: 1 a stream (read on credits), 2 its messages split (see RawContents)
-        modes = {name: int(stream) | (2 if name.rpartition("/")[2] in split else 0)
-                 for name, (stream, _) in self.methods.items()}
+        modes = {
+            name: int(stream) | (2 if name.rpartition("/")[2] in split else 0)
+            for name, (stream, _) in self.methods.items()
+        }
         self.bridge, self.efd = _native.start(address, modes, options, max_calls)
         self.loop.add_reader(self.efd, self._drain)
         self._sweeping = self.loop.call_later(self._sweep_every, self._sweep)
@@ -225,8 +271,11 @@ class NativeFrontEnd:
         hold no shared place (native.cc, Slot), and this is what bounds them in time, as HTTP's read deadline."""
         ended = _native.sweep(self.bridge, self.first_message_s)
         if ended:
-            log.warning("gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
-                        ended, self.first_message_s)
+            log.warning(
+                "gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
+                ended,
+                self.first_message_s,
+            )
         self._sweeping = self.loop.call_later(self._sweep_every, self._sweep)
 
     def _drain(self) -> None:
@@ -251,16 +300,22 @@ class NativeFrontEnd:
             call.written(rest[0])
             if call.task is not None and call.task.done():
                 self._forget(call)
-        elif kind == _native.CANCELLED:  # the client went away (C++ has ended the call): as grpc.aio, the handler's
+        elif (
+            kind == _native.CANCELLED
+        ):  # the client went away (C++ has ended the call): as grpc.aio, the handler's
             call.ended = True  # task is cancelled
             if call.task is not None and not call.task.done():
                 call.task.cancel()
 
-    def _begin(self, call_id: int, method: str, metadata: tuple, message: bytes | None, peer: str) -> None:
+    def _begin(
+        self, call_id: int, method: str, metadata: tuple, message: bytes | None, peer: str
+    ) -> None:
         stream, handle = self.methods[method]  # C++ lets only these through
         places = (self.unwritten_places,)
         if stream:  # (a unary call's one answer goes with its end: it takes no place)
-            entry = self.connection_places.setdefault(peer, [asyncio.Semaphore(CONNECTION_UNWRITTEN), 0])
+            entry = self.connection_places.setdefault(
+                peer, [asyncio.Semaphore(CONNECTION_UNWRITTEN), 0]
+            )
             entry[1] += 1
             places = (entry[0], self.unwritten_places)
         call = NativeContext(self.bridge, call_id, metadata, places, peer)
@@ -270,16 +325,22 @@ class NativeFrontEnd:
 
     def _forget(self, call: NativeContext) -> None:
         """When its task is done, and again at each WRITTEN after it."""
-        if not call.unwritten:  # else kept until its answers are written: their places come back then
+        if (
+            not call.unwritten
+        ):  # else kept until its answers are written: their places come back then
             if self.calls.pop(call.id, None) is not None and len(call.places) > 1:
                 entry = self.connection_places[call.client]
                 entry[1] -= 1
                 if not entry[1]:
                     del self.connection_places[call.client]
-        if not call.finished:  # a task cancelled before it began (the loop closing): its call still ends
+        if (
+            not call.finished
+        ):  # a task cancelled before it began (the loop closing): its call still ends
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
 
-    async def _serve(self, call: NativeContext, handle, message: bytes | None, stream: bool) -> None:
+    async def _serve(
+        self, call: NativeContext, handle, message: bytes | None, stream: bool
+    ) -> None:
         """Runs the handler and ends the call as grpc.aio would: the answer (unary) or OK (a stream), the abort's
         status, CANCELLED, or UNKNOWN for a handler's bug (logged)."""
         try:
@@ -290,11 +351,17 @@ class NativeFrontEnd:
                 call.answer(result)
         except grpc.aio.AbortError:
             pass  # the status went with the abort
-        except (asyncio.CancelledError, ConnectionError):  # (ConnectionError: a stream's write to a client gone)
+        except (
+            asyncio.CancelledError,
+            ConnectionError,
+        ):  # (ConnectionError: a stream's write to a client gone)
             call.end(grpc.StatusCode.CANCELLED, "the call was cancelled")
         except Exception as exc:  # noqa: BLE001 - as grpc.aio: a handler's bug is UNKNOWN, and logged
             log.exception("gRPC handler failed")
-            call.end(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}: {exc}")
+            call.end(
+                grpc.StatusCode.UNKNOWN,
+                f"Unexpected error in the handler: {type(exc).__name__}: {exc}",
+            )
 
     def receiving(self) -> int:
         """ModelInfer calls begun whose message is not all in yet (counted in C++, read from any thread)."""
@@ -307,12 +374,16 @@ class NativeFrontEnd:
         self._sweeping.cancel()
         stopped = self.loop.create_future()
 
-        def stop() -> None:  # grpc's Shutdown blocks until every call is done: off the loop, which must run them
+        def stop() -> (
+            None
+        ):  # grpc's Shutdown blocks until every call is done: off the loop, which must run them
             try:
                 _native.stop(self.bridge, grace or 0.0)
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    self.loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+                    self.loop.call_soon_threadsafe(
+                        lambda: stopped.done() or stopped.set_result(None)
+                    )
 
         # A daemon thread, not the loop's executor: were a call never to end, the process could still exit.
         threading.Thread(target=stop, name="grpc-stop", daemon=True).start()

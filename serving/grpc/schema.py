@@ -37,7 +37,10 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     "ModelReadyResponse": ("bool ready = 1",),
     "ServerMetadataRequest": (),
     "ServerMetadataResponse": (
-        "string name = 1", "string version = 2", "repeated string extensions = 3"),
+        "string name = 1",
+        "string version = 2",
+        "repeated string extensions = 3",
+    ),
     "ModelMetadataRequest": ("string name = 1", "string version = 2"),
     "ModelMetadataResponse": (
         "string name = 1",
@@ -47,7 +50,10 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
         "repeated ModelMetadataResponse.TensorMetadata outputs = 5",
     ),
     "ModelMetadataResponse.TensorMetadata": (
-        "string name = 1", "string datatype = 2", "repeated int64 shape = 3"),
+        "string name = 1",
+        "string datatype = 2",
+        "repeated int64 shape = 3",
+    ),
     "ModelInferRequest": (
         "string model_name = 1",
         "string model_version = 2",
@@ -65,7 +71,9 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
         "InferTensorContents contents = 5",
     ),
     "ModelInferRequest.InferRequestedOutputTensor": (
-        "string name = 1", "map<string,InferParameter> parameters = 2"),
+        "string name = 1",
+        "map<string,InferParameter> parameters = 2",
+    ),
     "ModelInferResponse": (
         "string model_name = 1",
         "string model_version = 2",
@@ -83,26 +91,52 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     ),
     # Triton's streaming answer (its grpc_service.proto; not in KServe's minimal proto): one per request
     # on a ModelStreamInfer stream, the answer or why there is none.
-    "ModelStreamInferResponse": ("string error_message = 1", "ModelInferResponse infer_response = 2"),
+    "ModelStreamInferResponse": (
+        "string error_message = 1",
+        "ModelInferResponse infer_response = 2",
+    ),
     "InferParameter": (
-        "bool bool_param = 1", "int64 int64_param = 2", "string string_param = 3", "double double_param = 4",
-        "uint64 uint64_param = 5"),
+        "bool bool_param = 1",
+        "int64 int64_param = 2",
+        "string string_param = 3",
+        "double double_param = 4",
+        "uint64 uint64_param = 5",
+    ),
     # Triton's shared-memory extension (its grpc_service.proto), as tritonclient.grpc calls it.
     "SystemSharedMemoryStatusRequest": ("string name = 1",),
     "SystemSharedMemoryStatusResponse": (
-        "map<string,SystemSharedMemoryStatusResponse.RegionStatus> regions = 1",),
+        "map<string,SystemSharedMemoryStatusResponse.RegionStatus> regions = 1",
+    ),
     "SystemSharedMemoryStatusResponse.RegionStatus": (
-        "string name = 1", "string key = 2", "uint64 offset = 3", "uint64 byte_size = 4"),
+        "string name = 1",
+        "string key = 2",
+        "uint64 offset = 3",
+        "uint64 byte_size = 4",
+    ),
     "SystemSharedMemoryRegisterRequest": (
-        "string name = 1", "string key = 2", "uint64 offset = 3", "uint64 byte_size = 4"),
+        "string name = 1",
+        "string key = 2",
+        "uint64 offset = 3",
+        "uint64 byte_size = 4",
+    ),
     "SystemSharedMemoryRegisterResponse": (),
     "SystemSharedMemoryUnregisterRequest": ("string name = 1",),
     "SystemSharedMemoryUnregisterResponse": (),
     "CudaSharedMemoryStatusRequest": ("string name = 1",),
-    "CudaSharedMemoryStatusResponse": ("map<string,CudaSharedMemoryStatusResponse.RegionStatus> regions = 1",),
-    "CudaSharedMemoryStatusResponse.RegionStatus": ("string name = 1", "uint64 device_id = 2", "uint64 byte_size = 3"),
+    "CudaSharedMemoryStatusResponse": (
+        "map<string,CudaSharedMemoryStatusResponse.RegionStatus> regions = 1",
+    ),
+    "CudaSharedMemoryStatusResponse.RegionStatus": (
+        "string name = 1",
+        "uint64 device_id = 2",
+        "uint64 byte_size = 3",
+    ),
     "CudaSharedMemoryRegisterRequest": (
-        "string name = 1", "bytes raw_handle = 2", "int64 device_id = 3", "uint64 byte_size = 4"),
+        "string name = 1",
+        "bytes raw_handle = 2",
+        "int64 device_id = 3",
+        "uint64 byte_size = 4",
+    ),
     "CudaSharedMemoryRegisterResponse": (),
     "CudaSharedMemoryUnregisterRequest": ("string name = 1",),
     "CudaSharedMemoryUnregisterResponse": (),
@@ -120,17 +154,34 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
 # Messages whose fields all belong to one oneof, by the oneof's name.
 _ONEOFS = {"InferParameter": "parameter_choice"}
 # The RPCs this server answers; each takes <name>Request and returns <name>Response.
-_RPCS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-         "ModelInfer", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-         "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")
+_RPCS = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+)
 # Triton's bidirectional stream, RPC -> (request message, response message): as in its grpc_service.proto.
 _STREAMS = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
-    "bool": _F.TYPE_BOOL, "string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES,
-    "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64, "uint32": _F.TYPE_UINT32,
-    "uint64": _F.TYPE_UINT64, "float": _F.TYPE_FLOAT, "double": _F.TYPE_DOUBLE,
+    "bool": _F.TYPE_BOOL,
+    "string": _F.TYPE_STRING,
+    "bytes": _F.TYPE_BYTES,
+    "int32": _F.TYPE_INT32,
+    "int64": _F.TYPE_INT64,
+    "uint32": _F.TYPE_UINT32,
+    "uint64": _F.TYPE_UINT64,
+    "float": _F.TYPE_FLOAT,
+    "double": _F.TYPE_DOUBLE,
 }
 
 
@@ -152,16 +203,21 @@ def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
             field.oneof_index = 0
     service = file.service.add(name=SERVICE.rpartition(".")[2])
     for rpc in _RPCS:
-        service.method.add(name=rpc, input_type=f".{PACKAGE}.{rpc}Request",
-                           output_type=f".{PACKAGE}.{rpc}Response")
+        service.method.add(
+            name=rpc, input_type=f".{PACKAGE}.{rpc}Request", output_type=f".{PACKAGE}.{rpc}Response"
+        )
     for rpc, (request, response) in _STREAMS.items():
-        service.method.add(name=rpc, input_type=f".{PACKAGE}.{request}", output_type=f".{PACKAGE}.{response}",
-                           client_streaming=True, server_streaming=True)
+        service.method.add(
+            name=rpc,
+            input_type=f".{PACKAGE}.{request}",
+            output_type=f".{PACKAGE}.{response}",
+            client_streaming=True,
+            server_streaming=True,
+        )
     return file
 
 
-def _add_field(message: descriptor_pb2.DescriptorProto, full_name: str,
-               declaration: str) -> None:
+def _add_field(message: descriptor_pb2.DescriptorProto, full_name: str, declaration: str) -> None:
     """One "[repeated] <type> <name> = <number>" line as a field of `message`."""
     words, _, number = declaration.partition(" = ")
     *qualifiers, kind, name = words.split()
@@ -173,16 +229,30 @@ def _add_field(message: descriptor_pb2.DescriptorProto, full_name: str,
         entry.options.map_entry = True
         entry.field.add(name="key", number=1, label=_F.LABEL_OPTIONAL, type=_F.TYPE_STRING)
         value = kind.removeprefix("map<string,").removesuffix(">")
-        entry.field.add(name="value", number=2, label=_F.LABEL_OPTIONAL, type=_F.TYPE_MESSAGE,
-                        type_name=f".{PACKAGE}.{value}")
-        message.field.add(name=name, number=int(number), label=_F.LABEL_REPEATED,
-                          type=_F.TYPE_MESSAGE,
-                          type_name=f".{PACKAGE}.{full_name}.{entry.name}")
+        entry.field.add(
+            name="value",
+            number=2,
+            label=_F.LABEL_OPTIONAL,
+            type=_F.TYPE_MESSAGE,
+            type_name=f".{PACKAGE}.{value}",
+        )
+        message.field.add(
+            name=name,
+            number=int(number),
+            label=_F.LABEL_REPEATED,
+            type=_F.TYPE_MESSAGE,
+            type_name=f".{PACKAGE}.{full_name}.{entry.name}",
+        )
     elif kind in _SCALARS:
         message.field.add(name=name, number=int(number), label=label, type=_SCALARS[kind])
     else:
-        message.field.add(name=name, number=int(number), label=label, type=_F.TYPE_MESSAGE,
-                          type_name=f".{PACKAGE}.{kind}")
+        message.field.add(
+            name=name,
+            number=int(number),
+            label=label,
+            type=_F.TYPE_MESSAGE,
+            type_name=f".{PACKAGE}.{kind}",
+        )
 
 
 def _camel(name: str) -> str:
@@ -227,7 +297,9 @@ InferTensorContents = _message("InferTensorContents")
 
 # RPC name -> (request class, response class), for the server's method handlers.
 METHODS: dict[str, tuple[type, type]] = {
-    rpc: (_message(f"{rpc}Request"), _message(f"{rpc}Response")) for rpc in _RPCS}
+    rpc: (_message(f"{rpc}Request"), _message(f"{rpc}Response")) for rpc in _RPCS
+}
 # Streaming RPC name -> (request class, response class).
-STREAMS: dict[str, tuple[type, type]] = {rpc: (_message(request), _message(response))
-                                         for rpc, (request, response) in _STREAMS.items()}
+STREAMS: dict[str, tuple[type, type]] = {
+    rpc: (_message(request), _message(response)) for rpc, (request, response) in _STREAMS.items()
+}

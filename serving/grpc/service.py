@@ -46,12 +46,20 @@ from serving.repository import version_key
 log = logging.getLogger("serving.grpc")
 
 # The HTTP status each refusal has on the HTTP side -> its gRPC status code.
-STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-                408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                415: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL,
-                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
 # Parsed in a thread above this, two at a time: a message of typed contents (a list of numbers per value) costs
 # milliseconds to parse; raw bytes cost a copy (~25 us for a 602 KB image), less than a hop to a thread and back.
@@ -74,7 +82,9 @@ STREAM_WINDOW = 128
 
 def code_of(status: int) -> grpc.StatusCode:
     """The gRPC status of a refusal's HTTP status."""
-    return STATUS_CODES.get(status, grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL)
+    return STATUS_CODES.get(
+        status, grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
+    )
 
 
 def label(status: int) -> str:
@@ -104,15 +114,18 @@ class Service:
     async def ServerMetadata(self, request, context):
         # The V2 extensions (repository control, model configuration) are HTTP routes here; over gRPC the
         # six methods of the protocol are all there is, so none is claimed (GET /v2 lists the HTTP ones).
-        return schema.ServerMetadataResponse(name="trainserve", version=serving.__version__, extensions=[])
+        return schema.ServerMetadataResponse(
+            name="trainserve", version=serving.__version__, extensions=[]
+        )
 
     async def ModelMetadata(self, request, context):
         slot = self.server.model_slot(request.name, request.version or None)
         model = self.server.repository.models[slot.model.info.name]
         engine = slot.model.engine
         versions = [slot.version] if request.version else sorted(model.slots, key=version_key)
-        response = schema.ModelMetadataResponse(name=slot.model.info.name, versions=versions,
-                                                platform="onnxruntime_onnx")
+        response = schema.ModelMetadataResponse(
+            name=slot.model.info.name, versions=versions, platform="onnxruntime_onnx"
+        )
         for specs, field in ((engine.inputs, response.inputs), (engine.outputs, response.outputs)):
             for spec in specs:
                 field.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
@@ -128,39 +141,77 @@ class Service:
         engine = slot.model.engine
         arrival = None
 
-        def place(rows: int):  # raw contents the native engine kept: copied straight into the batch they run in
+        def place(
+            rows: int,
+        ):  # raw contents the native engine kept: copied straight into the batch they run in
             nonlocal arrival
             arrival = slot.batcher.arriving(rows)
             return arrival.views
 
-        typed = not (request.raw_input_contents or call.raw)  # typed contents: a list of numbers to convert
+        typed = not (
+            request.raw_input_contents or call.raw
+        )  # typed contents: a list of numbers to convert
         try:
-            decoded = await server.decode(partial(codec.decode_infer, request, engine.inputs, engine.output_names,
-                                                  server.limits, server.shared_memory.reader(call.authorization),
-                                                  call.raw, place if call.raw is not None else None),
-                                          call.size if typed else 0)
+            decoded = await server.decode(
+                partial(
+                    codec.decode_infer,
+                    request,
+                    engine.inputs,
+                    engine.output_names,
+                    server.limits,
+                    server.shared_memory.reader(call.authorization),
+                    call.raw,
+                    place if call.raw is not None else None,
+                ),
+                call.size if typed else 0,
+            )
             if arrival is not None:
                 arrival.checked, arrival.filled = decoded.checked, decoded.placed
-            answer = await server.answer(slot, decoded, call.exchange, endpoint=call.endpoint, request_id=rid,
-                                         follow_swap=not request.model_version, arrival=arrival)
+            answer = await server.answer(
+                slot,
+                decoded,
+                call.exchange,
+                endpoint=call.endpoint,
+                request_id=rid,
+                follow_swap=not request.model_version,
+                arrival=arrival,
+            )
         finally:
             if arrival is not None:
                 arrival.end()  # (queued: ended already; refused: its place freed)
-        placed = server.shared_memory.write(call.authorization, decoded.output_refs, answer.results) \
-            if decoded.output_refs else None
+        placed = (
+            server.shared_memory.write(call.authorization, decoded.output_refs, answer.results)
+            if decoded.output_refs
+            else None
+        )
         info = answer.slot.model.info
-        return codec.encode_infer(info.name, info.version, request.id or None, answer.results, decoded.outputs,
-                                  answer.slot.model.engine.outputs, placed)
+        return codec.encode_infer(
+            info.name,
+            info.version,
+            request.id or None,
+            answer.results,
+            decoded.outputs,
+            answer.slot.model.engine.outputs,
+            placed,
+        )
 
     # ---- shared memory (serving/shm.py), as Triton's RPCs ----
 
     async def SystemSharedMemoryStatus(self, request, call: "Call"):
-        return _regions(schema.SystemSharedMemoryStatusResponse(),
-                        self.server.shared_memory.status(call.authorization, "system", request.name or None))
+        return _regions(
+            schema.SystemSharedMemoryStatusResponse(),
+            self.server.shared_memory.status(call.authorization, "system", request.name or None),
+        )
 
     async def SystemSharedMemoryRegister(self, request, call: "Call"):
-        self.server.shared_memory.register(call.authorization, "system", request.name, key=request.key,
-                                           offset=request.offset, byte_size=request.byte_size)
+        self.server.shared_memory.register(
+            call.authorization,
+            "system",
+            request.name,
+            key=request.key,
+            offset=request.offset,
+            byte_size=request.byte_size,
+        )
         return schema.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, call: "Call"):
@@ -168,12 +219,20 @@ class Service:
         return schema.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request, call: "Call"):
-        return _regions(schema.CudaSharedMemoryStatusResponse(),
-                        self.server.shared_memory.status(call.authorization, "cuda", request.name or None))
+        return _regions(
+            schema.CudaSharedMemoryStatusResponse(),
+            self.server.shared_memory.status(call.authorization, "cuda", request.name or None),
+        )
 
     async def CudaSharedMemoryRegister(self, request, call: "Call"):
-        self.server.shared_memory.register(call.authorization, "cuda", request.name, raw_handle=request.raw_handle,
-                                           device_id=request.device_id, byte_size=request.byte_size)
+        self.server.shared_memory.register(
+            call.authorization,
+            "cuda",
+            request.name,
+            raw_handle=request.raw_handle,
+            device_id=request.device_id,
+            byte_size=request.byte_size,
+        )
         return schema.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request, call: "Call"):
@@ -198,13 +257,21 @@ class Call:
 
     __slots__ = ("metadata", "size", "endpoint", "exchange", "raw")
 
-    def __init__(self, metadata: dict[str, str], size: int, exchange: Exchange, endpoint: str = "grpc ModelInfer",
-                 raw=None):
+    def __init__(
+        self,
+        metadata: dict[str, str],
+        size: int,
+        exchange: Exchange,
+        endpoint: str = "grpc ModelInfer",
+        raw=None,
+    ):
         self.metadata = metadata
         self.size = size  # of the message on the wire
         self.endpoint = endpoint  # as the payload log names it
         self.exchange = exchange
-        self.raw = raw  # raw_input_contents handed over apart from the message (native engine), else None
+        self.raw = (
+            raw  # raw_input_contents handed over apart from the message (native engine), else None
+        )
 
     @property
     def authorization(self) -> str:
@@ -227,7 +294,9 @@ def _parse(request_class, data: bytes):
     try:
         return request_class.FromString(data)
     except DecodeError as exc:
-        raise BadRequest(f"the message is not a valid inference.{request_class.__name__}: {exc}") from None
+        raise BadRequest(
+            f"the message is not a valid inference.{request_class.__name__}: {exc}"
+        ) from None
 
 
 async def _parsed(server, request_class, data: bytes):
@@ -246,9 +315,13 @@ def _handler(server, service: Service, method: str, request_class):
     async def handle(data, context):
         exchange = Exchange(f"grpc {method}", source_of(context.peer()))
         raw = None
-        if isinstance(data, tuple):  # the native engine: (the message without its raw contents, the contents)
+        if isinstance(
+            data, tuple
+        ):  # the native engine: (the message without its raw contents, the contents)
             data, raw = data
-        info = Call(_metadata(context), len(data) + sum(len(r) for r in raw or ()), exchange, raw=raw)
+        info = Call(
+            _metadata(context), len(data) + sum(len(r) for r in raw or ()), exchange, raw=raw
+        )
         status, response = 200, None
         try:
             if method not in OPEN:
@@ -277,7 +350,9 @@ class _Streams:
 
     def close(self) -> None:
         self.closing = True
-        for reader in list(self.readers):  # a cancelled reader leaves the set (its done callback) later
+        for reader in list(
+            self.readers
+        ):  # a cancelled reader leaves the set (its done callback) later
             reader.cancel()
 
 
@@ -302,7 +377,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
     client knows to send the rest elsewhere."""
     route = "grpc ModelStreamInfer"
     everywhere = asyncio.Semaphore(MAX_CONCURRENT_RPCS)
-    shares: dict[str, list] = {}  # a connection (peer) -> [its CONNECTION_SHARE semaphore, its open streams]
+    shares: dict[
+        str, list
+    ] = {}  # a connection (peer) -> [its CONNECTION_SHARE semaphore, its open streams]
 
     def share_of(peer: str) -> asyncio.Semaphore:
         entry = shares.setdefault(peer, [asyncio.Semaphore(CONNECTION_SHARE), 0])
@@ -318,17 +395,25 @@ def _stream_handler(server, service: Service, streams: _Streams):
     async def answer(data, metadata: dict[str, str], source: str) -> bytes:
         exchange = Exchange(route, source)
         raw = None
-        if isinstance(data, tuple):  # the native engine: (the message without its raw contents, the contents)
+        if isinstance(
+            data, tuple
+        ):  # the native engine: (the message without its raw contents, the contents)
             data, raw = data
-        info = Call(metadata, len(data) + sum(len(r) for r in raw or ()), exchange, endpoint=route, raw=raw)
+        info = Call(
+            metadata, len(data) + sum(len(r) for r in raw or ()), exchange, endpoint=route, raw=raw
+        )
         status, request = 200, None
         try:
             request = await _parsed(server, schema.ModelInferRequest, data)
-            message = schema.ModelStreamInferResponse(infer_response=await service.ModelInfer(request, info))
+            message = schema.ModelStreamInferResponse(
+                infer_response=await service.ModelInfer(request, info)
+            )
         except Exception as exc:  # noqa: BLE001 - a refused request is answered; the stream goes on
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             status = found.status
-            message = schema.ModelStreamInferResponse(error_message=f"{label(status)}: {found.message}")
+            message = schema.ModelStreamInferResponse(
+                error_message=f"{label(status)}: {found.message}"
+            )
             if request is not None:  # what the client needs to tell which request it was
                 message.infer_response.model_name = request.model_name
                 message.infer_response.model_version = request.model_version
@@ -338,8 +423,13 @@ def _stream_handler(server, service: Service, streams: _Streams):
         exchange.finish(server.metrics, "OK" if status == 200 else label(status))
         return message.SerializeToString()
 
-    async def read(context, metadata: dict[str, str], answers: asyncio.Queue, window: asyncio.Semaphore,
-                   share: asyncio.Semaphore) -> bool:
+    async def read(
+        context,
+        metadata: dict[str, str],
+        answers: asyncio.Queue,
+        window: asyncio.Semaphore,
+        share: asyncio.Semaphore,
+    ) -> bool:
         """Starts each request's answer, in order, and queues it; None last. True when a stop cut the reading
         short (the client's further requests were not read)."""
         cut = False
@@ -374,7 +464,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
 
     async def handle(unused_requests, context: grpc.aio.ServicerContext):
         metadata = _metadata(context)
-        metadata.pop("x-request-id", None)  # one id for many requests would not be an id: each gets its own
+        metadata.pop(
+            "x-request-id", None
+        )  # one id for many requests would not be an id: each gets its own
         try:
             server.check_token(metadata.get("authorization", ""))
         except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
@@ -382,7 +474,10 @@ def _stream_handler(server, service: Service, streams: _Streams):
             Exchange(route).finish(server.metrics, label(found.status))
             await context.abort(code_of(found.status), found.message)
         if streams.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream elsewhere")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down; open the stream elsewhere",
+            )
         answers: asyncio.Queue = asyncio.Queue()  # bounded by the window
         window = asyncio.Semaphore(STREAM_WINDOW)
         peer = context.peer()
@@ -410,8 +505,11 @@ def _stream_handler(server, service: Service, streams: _Streams):
                     everywhere.release()
             leave_share(peer)
         if cut:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: every request it read on "
-                                "this stream was answered; send the rest on a stream to another server")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: every request it read on "
+                "this stream was answered; send the rest on a stream to another server",
+            )
 
     return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
 
@@ -440,8 +538,11 @@ class _Admission:
         self.active -= 1
 
     def _log_ended(self) -> None:
-        log.warning("gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
-                    self.ended, self.first_message_s)
+        log.warning(
+            "gRPC: ended %d call(s) whose request message did not come within --read-timeout (%g s)",
+            self.ended,
+            self.first_message_s,
+        )
         self.ended = 0
 
     async def first_message(self, context) -> bytes:
@@ -452,9 +553,13 @@ class _Admission:
             if not self.ended:
                 asyncio.get_running_loop().call_later(1.0, self._log_ended)
             self.ended += 1
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no request message within --read-timeout")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no request message within --read-timeout"
+            )
         if data is grpc.aio.EOF:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message"
+            )
         return data
 
     def unary(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -463,7 +568,10 @@ class _Admission:
         async def admitted(_requests, context):
             data = await self.first_message(context)
             if not self.take():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "the server has as many calls as it takes at once",
+                )
             try:
                 return await handle(data, context)
             finally:
@@ -476,7 +584,10 @@ class _Admission:
 
         async def admitted(requests, context):
             if not self.take():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server has as many calls as it takes at once")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "the server has as many calls as it takes at once",
+                )
             try:
                 await handle(requests, context)
             finally:
@@ -487,6 +598,7 @@ class _Admission:
 
 class GrpcFrontEnd:
     """The running grpc.aio server, as the core stops it: the streams' reading first, then the server."""
+
     layout = "gRPC on grpc.aio (on the server's loop)"
 
     def __init__(self, aio: grpc.aio.Server, streams: _Streams):
@@ -513,7 +625,9 @@ def _options(settings) -> dict[str, int]:
         "grpc.max_connection_idle_ms": idle_ms,
         "grpc.server_handshake_timeout_ms": idle_ms,  # one that never finishes its HTTP/2 handshake
         "grpc.max_connection_age_ms": MAX_CONNECTION_AGE_S * 1000,
-        "grpc.max_connection_age_grace_ms": int(settings.graceful_timeout * 1000),  # in-flight RPCs finish
+        "grpc.max_connection_age_grace_ms": int(
+            settings.graceful_timeout * 1000
+        ),  # in-flight RPCs finish
         "grpc.max_concurrent_streams": MAX_STREAMS_PER_CONNECTION,
     }
 
@@ -526,31 +640,51 @@ async def start_grpc(server):
 
     settings = server.settings
     service = Service(server)
-    handlers = {method: _handler(server, service, method, request_class)
-                for method, (request_class, _) in schema.METHODS.items()}
+    handlers = {
+        method: _handler(server, service, method, request_class)
+        for method, (request_class, _) in schema.METHODS.items()
+    }
     streams = _Streams()
     handlers["ModelStreamInfer"] = _stream_handler(server, service, streams)
-    address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else f"{settings.host}:{settings.grpc_port}"
+    address = (
+        f"[{settings.host}]:{settings.grpc_port}"
+        if ":" in settings.host
+        else f"{settings.host}:{settings.grpc_port}"
+    )
     if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
         # grpc's resource quota (native.cc): what unfinished messages may hold in all, by anyone, token or not
         quota = {"trainserve-memory-quota": settings.grpc_memory()}
-        front_end = native.NativeFrontEnd(address, handlers, schema.SERVICE, _options(settings) | quota, MAX_CONCURRENT_RPCS,
-                                          streams, split=frozenset({"ModelInfer", "ModelStreamInfer"}),
-                                          first_message_s=settings.read_timeout)
+        front_end = native.NativeFrontEnd(
+            address,
+            handlers,
+            schema.SERVICE,
+            _options(settings) | quota,
+            MAX_CONCURRENT_RPCS,
+            streams,
+            split=frozenset({"ModelInfer", "ModelStreamInfer"}),
+            first_message_s=settings.read_timeout,
+        )
         log.info("KServe V2 gRPC on %s (grpc's C++ server)", address)
         return front_end
     if settings.grpc_engine == "auto":
         log.info("gRPC on grpc.aio: %s", native.WHY_NOT)
     admission = _Admission(settings.read_timeout)
-    admitted = {method: admission.stream(h) if h.stream_stream else admission.unary(h) for method, h in handlers.items()}
-    aio = grpc.aio.server(options=list(_options(settings).items()))  # (no maximum_concurrent_rpcs: see _Admission)
+    admitted = {
+        method: admission.stream(h) if h.stream_stream else admission.unary(h)
+        for method, h in handlers.items()
+    }
+    aio = grpc.aio.server(
+        options=list(_options(settings).items())
+    )  # (no maximum_concurrent_rpcs: see _Admission)
     aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, admitted),))
     try:
         bound = aio.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
     if not bound:
-        raise OSError(f"cannot serve gRPC on {address}: the port is taken or the address is not this machine's")
+        raise OSError(
+            f"cannot serve gRPC on {address}: the port is taken or the address is not this machine's"
+        )
     await aio.start()
     log.info("KServe V2 gRPC on %s (grpc.aio)", address)
     return GrpcFrontEnd(aio, streams)

@@ -37,14 +37,14 @@ class Bytes:
         return self.filled >= len(self.data)
 
     def view(self) -> memoryview:
-        return memoryview(self.data)[self.filled:]
+        return memoryview(self.data)[self.filled :]
 
     def wrote(self, n: int) -> None:
         self.filled += n
 
     def take(self, data: memoryview) -> int:
         n = min(len(data), len(self.data) - self.filled)
-        self.data[self.filled:self.filled + n] = data[:n]
+        self.data[self.filled : self.filled + n] = data[:n]
         self.filled += n
         return n
 
@@ -64,7 +64,7 @@ class Discard:
         return self.remaining <= 0
 
     def view(self) -> memoryview:
-        return _SCRATCH[:min(len(_SCRATCH), self.remaining)]
+        return _SCRATCH[: min(len(_SCRATCH), self.remaining)]
 
     def wrote(self, n: int) -> None:
         self.remaining -= n
@@ -81,6 +81,7 @@ class Discard:
 class Chunked:
     """Pieces of a chunked body from the HTTP parser (the connection feeds it the raw bytes); past `limit` the
     body is refused (413) and the connection closed."""
+
     direct = False
 
     def __init__(self, limit: int):
@@ -103,11 +104,22 @@ class V2Binary:
     """A V2 request body of `length` bytes whose first `header_length` are its JSON header (Triton's binary tensor
     extension). The header is checked against `specs` as soon as it is whole; the binary data then lands in the
     arrays the request's feeds will be."""
+
     direct = True
 
-    def __init__(self, header_length: int, length: int, specs, output_names: list[str], limits: Limits,
-                 place=None, seen: dict | None = None):
-        self.place = place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
+    def __init__(
+        self,
+        header_length: int,
+        length: int,
+        specs,
+        output_names: list[str],
+        limits: Limits,
+        place=None,
+        seen: dict | None = None,
+    ):
+        self.place = (
+            place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
+        )
         self.seen = seen  # headers of this model already checked (see _parse), or None
         self.header = bytearray(header_length)
         self.length = length
@@ -115,7 +127,9 @@ class V2Binary:
         self.filled = 0  # bytes of the body in so far
         self.parsed: V2Header | None = None
         self.arrays: dict[str, np.ndarray] = {}
-        self._targets: list[tuple[memoryview, int, str]] = []  # the binary inputs' bytes, their check's value width
+        self._targets: list[
+            tuple[memoryview, int, str]
+        ] = []  # the binary inputs' bytes, their check's value width
         self._at = 0  # bytes into the current target
         self._checked = 0  # of which checked for NaN and Inf (see `wrote`)
         self.nonfinite: str | None = None  # the first input found to hold NaN or Inf
@@ -133,8 +147,8 @@ class V2Binary:
         if self._discard is not None:
             return self._discard.view()
         if self.filled < len(self.header):
-            return memoryview(self.header)[self.filled:]
-        return self._targets[0][0][self._at:]
+            return memoryview(self.header)[self.filled :]
+        return self._targets[0][0][self._at :]
 
     def wrote(self, n: int) -> None:
         self.filled += n
@@ -150,8 +164,12 @@ class V2Binary:
             target, width, name = self._targets[0]
             self._at += n
             whole = self._at - self._at % width if width else self._at
-            if width and whole > self._checked and self.nonfinite is None and \
-                    not finite_bytes(target[self._checked:whole], width):
+            if (
+                width
+                and whole > self._checked
+                and self.nonfinite is None
+                and not finite_bytes(target[self._checked : whole], width)
+            ):
                 self.nonfinite = name
             self._checked = whole
             if self._at == len(target):
@@ -163,18 +181,33 @@ class V2Binary:
         while taken < len(data) and not self.done:
             view = self.view()
             n = min(len(view), len(data) - taken)
-            view[:n] = data[taken:taken + n]
+            view[:n] = data[taken : taken + n]
             self.wrote(n)
             taken += n
         return taken
 
     def _parse(self) -> None:
         try:
-            self.parsed = codec.parse_v2_header_once(self.seen, self.header, len(self.header), self.length,
-                                                     self.specs, self.output_names, self.limits)
+            self.parsed = codec.parse_v2_header_once(
+                self.seen,
+                self.header,
+                len(self.header),
+                self.length,
+                self.specs,
+                self.output_names,
+                self.limits,
+            )
         except BadRequest as exc:
             self.error = exc
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            IndexError,
+            AttributeError,
+            OverflowError,
+            MemoryError,
+        ) as exc:
             self.error = BadRequest(f"malformed request: {type(exc).__name__}: {str(exc)[:200]}")
         if self.error is not None:
             self._discard = Discard(self.length - self.filled)
@@ -182,7 +215,11 @@ class V2Binary:
         views = self._placed()
         self.placed = views is not None
         for item in self.parsed.binary_inputs:
-            array = views[item.spec.name].reshape(-1) if views else np.empty(item.count, dtype=item.spec.dtype)
+            array = (
+                views[item.spec.name].reshape(-1)
+                if views
+                else np.empty(item.count, dtype=item.spec.dtype)
+            )
             self.arrays[item.spec.name] = array
             if item.binary:
                 width = item.spec.dtype.itemsize if item.spec.dtype.kind == "f" else 0
@@ -192,7 +229,11 @@ class V2Binary:
         """The rows of a batch buffer this request's inputs go straight into, when it can have them: every model
         input sent as binary data, all with the same rows (see serving/batcher.py)."""
         items = self.parsed.binary_inputs
-        if self.place is None or len(items) != len(self.specs) or any(i.ref is not None for i in self.parsed.inputs):
+        if (
+            self.place is None
+            or len(items) != len(self.specs)
+            or any(i.ref is not None for i in self.parsed.inputs)
+        ):
             return None
         rows = {item.shape[0] if item.shape else -1 for item in items}
         if len(rows) != 1 or min(rows) <= 0:

@@ -42,8 +42,13 @@ from serving.http import bodies
 from serving.http.wire import Request, Response, error_response
 
 try:
-    from serving._ingest import wake_at as set_rcvlowat  # a system call (uvloop's socket object: 2 us a call)
-except ImportError:  # not built: through a socket object made around the descriptor and let go (as uvloop's does)
+    from serving._ingest import (
+        wake_at as set_rcvlowat,  # a system call (uvloop's socket object: 2 us a call)
+    )
+except (
+    ImportError
+):  # not built: through a socket object made around the descriptor and let go (as uvloop's does)
+
     def set_rcvlowat(fd: int, nbytes: int) -> None:
         sock = socket.socket(fileno=fd)
         try:
@@ -51,12 +56,17 @@ except ImportError:  # not built: through a socket object made around the descri
         finally:
             sock.detach()
 
+
 log = logging.getLogger("serving.http")
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this long
 BUFFER_BYTES = 64 * 1024  # the connection's buffer for heads (and what arrives with them)
 FIRST_READ_BYTES = 4096  # the first read of a request (see get_buffer)
-BODY_WAKE_MIN_BYTES = 256 * 1024  # less of a body left than this: read as it comes, as before (a mark costs two calls)
-BODY_WAKE_MAX_BYTES = 1 << 20  # most a body read waits for (the kernel's buffer for the socket grows to twice it)
+BODY_WAKE_MIN_BYTES = (
+    256 * 1024
+)  # less of a body left than this: read as it comes, as before (a mark costs two calls)
+BODY_WAKE_MAX_BYTES = (
+    1 << 20
+)  # most a body read waits for (the kernel's buffer for the socket grows to twice it)
 IDLE, HEAD, BODY, BUSY, CLOSED = range(5)
 _TIMEOUT_408 = error_response(408, "the whole request did not arrive within --read-timeout")
 
@@ -73,14 +83,18 @@ WAKE_ON_BODY = _kernel_wakes_on_body()
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, site, listener):
         self.site = site  # the front end: what every connection shares
-        self.listener = listener  # the event loop this connection is served on, and its other connections
+        self.listener = (
+            listener  # the event loop this connection is served on, and its other connections
+        )
         self.loop = listener.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.start = self.end = 0  # the unread bytes are buf[start:end]
         self.scanned = 0  # buf[start:scanned] holds no end of head
         self.state = IDLE
-        self.deadline: float | None = None  # loop.time() past which the front end's sweep closes it (see `_arm`)
+        self.deadline: float | None = (
+            None  # loop.time() past which the front end's sweep closes it (see `_arm`)
+        )
         self.deadline_idle = False  # the deadline is the keep-alive pause's, not a request's
         self.keep_alive = True
         self.paused = False
@@ -101,7 +115,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.fd = transport.get_extra_info("socket").fileno() if WAKE_ON_BODY else -1  # -1: bodies read as they come
+        self.fd = (
+            transport.get_extra_info("socket").fileno() if WAKE_ON_BODY else -1
+        )  # -1: bodies read as they come
         self.wake_bytes = 1  # the socket's SO_RCVLOWAT (see _wake_at)
         self.source = source_of(transport.get_extra_info("peername"))
         self.listener.connections.add(self)
@@ -110,9 +126,14 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self._end_arrival()
         if self.state in (HEAD, BODY) and self.exchange is not None and not self.answered:
-            self.exchange.finish(self.site.server.metrics, "499")  # gone mid-request: its doing, answered to nobody
-            log.debug("%s %s: the client disconnected before its request arrived", self.request.method
-                      if self.request else "", self.request.path if self.request else "")
+            self.exchange.finish(
+                self.site.server.metrics, "499"
+            )  # gone mid-request: its doing, answered to nobody
+            log.debug(
+                "%s %s: the client disconnected before its request arrived",
+                self.request.method if self.request else "",
+                self.request.path if self.request else "",
+            )
         self.state = CLOSED
         self._disarm()
         self.listener.connections.discard(self)
@@ -130,8 +151,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.state in (IDLE, HEAD) and self.start == self.end:
             # A new request's first read: its head (and a V2 JSON header) fit in this much, and what the read takes
             # beyond them is body bytes copied out of here again: a small read first, then the body's own memory.
-            return memoryview(self.buf)[self.end:self.end + FIRST_READ_BYTES]
-        return memoryview(self.buf)[self.end:]
+            return memoryview(self.buf)[self.end : self.end + FIRST_READ_BYTES]
+        return memoryview(self.buf)[self.end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.into_body:
@@ -140,7 +161,9 @@ class Connection(asyncio.BufferedProtocol):
             if self.body.done:
                 self._body_arrived()
             else:
-                self._wake_at(len(self.body.view()))  # what is left of it (or of its current part), at least
+                self._wake_at(
+                    len(self.body.view())
+                )  # what is left of it (or of its current part), at least
             return
         self.end += nbytes
         self._advance()
@@ -155,7 +178,9 @@ class Connection(asyncio.BufferedProtocol):
                 self.wake_bytes = nbytes
             except OSError:  # (a socket without it): reads then take what there is, as before
                 self.fd = -1
-                if self.wake_bytes != 1:  # left waiting for more than may come: nothing more is read here
+                if (
+                    self.wake_bytes != 1
+                ):  # left waiting for more than may come: nothing more is read here
                     self._close()
 
     def eof_received(self) -> bool:
@@ -170,7 +195,9 @@ class Connection(asyncio.BufferedProtocol):
                 if self.start == self.end:
                     return
                 self.state = HEAD
-                if self.deadline is None or self.deadline_idle:  # (a new connection's counts from its opening)
+                if (
+                    self.deadline is None or self.deadline_idle
+                ):  # (a new connection's counts from its opening)
                     self._arm(self.site.read_timeout)
             if self.state == HEAD:
                 if not self._head():
@@ -187,7 +214,7 @@ class Connection(asyncio.BufferedProtocol):
     def _make_room(self) -> None:
         if self.start:
             n = self.end - self.start
-            self.buf[:n] = self.buf[self.start:self.end]
+            self.buf[:n] = self.buf[self.start : self.end]
             self.scanned -= self.start
             self.start, self.end = 0, n
         if len(self.buf) - self.end < 4096:
@@ -197,13 +224,19 @@ class Connection(asyncio.BufferedProtocol):
         """Parses a whole head from the buffer and starts its request; False while it is incomplete."""
         limit = self.site.max_header_bytes
         at = max(self.start, self.scanned - 3)
-        stop = min(self.end, self.start + limit + 4)  # never search a body that follows (a binary one is large)
+        stop = min(
+            self.end, self.start + limit + 4
+        )  # never search a body that follows (a binary one is large)
         crlf = self.buf.find(b"\n\r\n", at, stop)
-        lf = self.buf.find(b"\n\n", at, crlf + 2 if crlf >= 0 else stop)  # a bare-LF head, before any CRLF end
+        lf = self.buf.find(
+            b"\n\n", at, crlf + 2 if crlf >= 0 else stop
+        )  # a bare-LF head, before any CRLF end
         if crlf < 0 and lf < 0:
             self.scanned = stop
             if self.end - self.start > limit:
-                self._refuse_head(431, f"the request head exceeds {limit} bytes (--max-header-bytes)")
+                self._refuse_head(
+                    431, f"the request head exceeds {limit} bytes (--max-header-bytes)"
+                )
             return False
         head_end = lf + 2 if lf >= 0 else crlf + 3
         if head_end - self.start > limit:
@@ -212,14 +245,16 @@ class Connection(asyncio.BufferedProtocol):
         self.url, self.headers, self.head_done, self.message_done = b"", {}, False, False
         self.parser = httptools.HttpRequestParser(self)
         try:
-            self.parser.feed_data(memoryview(self.buf)[self.start:head_end])
+            self.parser.feed_data(memoryview(self.buf)[self.start : head_end])
         except httptools.HttpParserUpgrade:
             pass  # an Upgrade (h2c, websocket) asked for: this server speaks HTTP/1.1, and answers it as such
         except httptools.HttpParserError as exc:
             self._refuse_head(400, f"malformed HTTP request: {exc}.")
             return False
         if not self.head_done:
-            self._refuse_head(400, "malformed HTTP request: the head did not end where a blank line ends it.")
+            self._refuse_head(
+                400, "malformed HTTP request: the head did not end where a blank line ends it."
+            )
             return False
         self.start = self.scanned = head_end
         self._begin()
@@ -266,7 +301,9 @@ class Connection(asyncio.BufferedProtocol):
         self.request = request = Request(method, path, query, headers)
         route, params, allowed = site.routes.match(method, path)
         self.route = route
-        self.exchange = exchange = Exchange(route.path if route is not None else "unmatched", self.source)
+        self.exchange = exchange = Exchange(
+            route.path if route is not None else "unmatched", self.source
+        )
         self.answered = False
         try:
             if route is None:
@@ -274,11 +311,18 @@ class Connection(asyncio.BufferedProtocol):
             request.params = params
             if not route.open:
                 site.check_origin(request)
-                check = site.server.check_feedback_token if route.labels else site.server.check_token
+                check = (
+                    site.server.check_feedback_token if route.labels else site.server.check_token
+                )
                 check(headers.get("authorization", ""))
             if length > site.max_body_bytes:
-                raise Refused(413, f"the body exceeds the limit of {site.max_body_bytes} bytes (--max-body-bytes)")
-            body = route.body(site.server, request, exchange, length, chunked) if route.body else None
+                raise Refused(
+                    413,
+                    f"the body exceeds the limit of {site.max_body_bytes} bytes (--max-body-bytes)",
+                )
+            body = (
+                route.body(site.server, request, exchange, length, chunked) if route.body else None
+            )
         except Exception as exc:  # noqa: BLE001 - refused on its head: answered now, its body dropped unread
             self._refuse(exc, chunked, length)
             return
@@ -296,17 +340,26 @@ class Connection(asyncio.BufferedProtocol):
         """Buffered bytes into the body; True once the body is whole."""
         if self.start == self.end:
             return False
-        data = memoryview(self.buf)[self.start:self.end]
+        data = memoryview(self.buf)[self.start : self.end]
         if isinstance(self.body, bodies.Chunked):
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError as exc:
                 self._refuse_head(400, f"malformed chunked body: {exc}.")
                 return False
-            self.start = self.end  # (what follows a chunked body is not read: the connection closes after it)
+            self.start = (
+                self.end
+            )  # (what follows a chunked body is not read: the connection closes after it)
             if self.body.size > self.site.max_body_bytes and not self.answered:
-                self._refuse(Refused(413, f"the body exceeds the limit of {self.site.max_body_bytes} bytes "
-                                          "(--max-body-bytes)"), True, 0)
+                self._refuse(
+                    Refused(
+                        413,
+                        f"the body exceeds the limit of {self.site.max_body_bytes} bytes "
+                        "(--max-body-bytes)",
+                    ),
+                    True,
+                    0,
+                )
                 return False
             if self.body.done:
                 self.keep_alive = False
@@ -335,14 +388,21 @@ class Connection(asyncio.BufferedProtocol):
 
     # ---- answering ----
 
-    async def _answer(self, route, request: Request, exchange: Exchange, error: Exception | None) -> None:
+    async def _answer(
+        self, route, request: Request, exchange: Exchange, error: Exception | None
+    ) -> None:
         site = self.site
         try:
             if error is not None:
                 raise error
-            if route.main and self.loop is not site.loop:  # (the repository API: where the server's model locks are)
-                response = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                    route.handler(site.server, request, exchange), site.loop))
+            if (
+                route.main and self.loop is not site.loop
+            ):  # (the repository API: where the server's model locks are)
+                response = await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(
+                        route.handler(site.server, request, exchange), site.loop
+                    )
+                )
             else:
                 response = await route.handler(site.server, request, exchange)
         except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
@@ -382,7 +442,9 @@ class Connection(asyncio.BufferedProtocol):
         """A request refused on its head: answered now; its body (if any) dropped as it arrives, or the connection
         closed when the body is chunked or too large to drop."""
         request = self.request
-        if self.route is None and isinstance(exc, Refused):  # no such route: no warning each (scanners probe)
+        if self.route is None and isinstance(
+            exc, Refused
+        ):  # no such route: no warning each (scanners probe)
             found = Refusal(exc.status, str(exc), exc.headers)
         else:
             found = refusal(exc, f"{request.method} {request.path}", log)
@@ -451,7 +513,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def _end_arrival(self) -> None:
         """The request being received goes no further (its connection closes): no batch waits for it."""
-        if self.request is not None and self.request.arrival is not None and self.state in (HEAD, BODY):
+        if (
+            self.request is not None
+            and self.request.arrival is not None
+            and self.state in (HEAD, BODY)
+        ):
             self.request.arrival.end()
 
     def _close(self) -> None:
@@ -465,4 +531,7 @@ class Connection(asyncio.BufferedProtocol):
 def _unrouted(method: str, path: str, allowed: bool) -> Refused:
     status = 405 if allowed else 404
     detail = "Method Not Allowed" if allowed else "Not Found"
-    return Refused(status, f"{method} {path[:200]}: {detail}; see /v2 (KServe V2), /invocations (MLflow), /metrics")
+    return Refused(
+        status,
+        f"{method} {path[:200]}: {detail}; see /v2 (KServe V2), /invocations (MLflow), /metrics",
+    )

@@ -34,7 +34,12 @@ SWEEP_S = 0.25  # how often connection deadlines are looked at
 class Listener:
     """One event loop's socket and the connections it accepted."""
 
-    def __init__(self, site: "HttpFrontEnd", loop: asyncio.AbstractEventLoop, thread: threading.Thread | None = None):
+    def __init__(
+        self,
+        site: "HttpFrontEnd",
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread | None = None,
+    ):
         self.site, self.loop, self.thread = site, loop, thread
         self.connections: set[Connection] = set()
         self.server: asyncio.AbstractServer | None = None
@@ -42,8 +47,15 @@ class Listener:
 
     async def start(self, host: str, port: int, reuse_port: bool) -> list[tuple]:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.server = await self.loop.create_server(lambda: Connection(self.site, self), host, port, family=family,
-                                                    reuse_address=True, reuse_port=reuse_port or None, backlog=2048)
+        self.server = await self.loop.create_server(
+            lambda: Connection(self.site, self),
+            host,
+            port,
+            family=family,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=2048,
+        )
         self.sweeper = self.loop.create_task(self._sweep(), name="http deadlines")
         return [s.getsockname() for s in self.server.sockets]
 
@@ -94,13 +106,20 @@ class HttpFrontEnd:
 
     def check_origin(self, request: Request) -> None:
         """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
-        host = request.headers.get("host", "")  # absent only without HTTP/1.1 (never from a browser)
+        host = request.headers.get(
+            "host", ""
+        )  # absent only without HTTP/1.1 (never from a browser)
         if host and not self._host_ok(host):
-            raise Refused(403, f"Host {host!r} is not one this server answers; add it with --allowed-hosts")
+            raise Refused(
+                403, f"Host {host!r} is not one this server answers; add it with --allowed-hosts"
+            )
         origin = request.headers.get("origin")
         if origin is not None and origin.rstrip("/") not in self._origins:
-            raise Refused(403, f"cross-site requests from {origin!r} are refused; allow an origin with "
-                               "--allowed-origins")
+            raise Refused(
+                403,
+                f"cross-site requests from {origin!r} are refused; allow an origin with "
+                "--allowed-origins",
+            )
 
     def _host_ok(self, host: str) -> bool:
         known = self._hosts_seen.get(host)
@@ -130,7 +149,9 @@ class HttpFrontEnd:
             thread.start()
             listener = Listener(self, loop, thread)
             try:
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(listener.start(host, port, True), loop))
+                await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(listener.start(host, port, True), loop)
+                )
             except BaseException:
                 loop.call_soon_threadsafe(loop.stop)
                 raise

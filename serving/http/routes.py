@@ -40,25 +40,38 @@ from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
 from serving.repository import READY, RepositoryError, off_loop, version_key
 
-INDEX_MAX_AGE_S = 1.0  # the repository index reuses a directory scan this recent; a load always scans afresh
+INDEX_MAX_AGE_S = (
+    1.0  # the repository index reuses a directory scan this recent; a load always scans afresh
+)
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 FEEDBACK_MAX = 10000  # labels in one feedback request
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "system_shared_memory",
-              "cuda_shared_memory", "grpc"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_configuration",
+    "model_repository",
+    "system_shared_memory",
+    "cuda_shared_memory",
+    "grpc",
+]
 # A binary V2 request's last step (NaN/Inf over its arrays) runs on the event loop up to this many bytes: it costs
 # ~25 us for a 602 KB image, less than a hop to a thread and back.
 FINISH_INLINE_BYTES = 4 << 20
-SEEN_BODY_BYTES = 4096  # a JSON body this small (shared-memory requests) is looked up among the headers seen
+SEEN_BODY_BYTES = (
+    4096  # a JSON body this small (shared-memory requests) is looked up among the headers seen
+)
 Handler = Callable[[Server, Request, Exchange], Awaitable[Response]]
 
 
 # ---- bodies: where each route's body goes, and its checks made when the head arrived ---------------------------
 
+
 def content_encoding(request: Request) -> str:
     encoding = request.header("content-encoding", "identity").lower()
     if encoding not in ("identity", "gzip", "deflate"):
-        raise Refused(415, f"Content-Encoding {encoding} is not supported; use gzip, deflate or none")
+        raise Refused(
+            415, f"Content-Encoding {encoding} is not supported; use gzip, deflate or none"
+        )
     return encoding
 
 
@@ -81,7 +94,9 @@ def body_bytes(server: Server, request: Request) -> bytes:
     except zlib.error as exc:
         raise Refused(400, f"the body is not valid {encoding} data: {exc}") from None
     if len(data) > limit:
-        raise Refused(413, f"the body exceeds the limit of {limit} bytes (--max-body-bytes) once decompressed")
+        raise Refused(
+            413, f"the body exceeds the limit of {limit} bytes (--max-body-bytes) once decompressed"
+        )
     if not inflater.eof:
         raise Refused(400, f"the {encoding} body is truncated")
     return data
@@ -97,7 +112,9 @@ def header_length(request: Request) -> int | None:
     if value is None:
         return None
     if not re.fullmatch(r"[0-9]{1,19}", value):
-        raise Refused(400, f"Inference-Header-Content-Length must be a byte count, got {value!r:.40}")
+        raise Refused(
+            400, f"Inference-Header-Content-Length must be a byte count, got {value!r:.40}"
+        )
     return int(value)
 
 
@@ -111,19 +128,37 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
         exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type").split(";")[0].strip().lower()
     if content_type in SIMPLE_TYPES:
-        raise Refused(415, f"Content-Type {content_type} is not taken for inference (a web page can send it "
-                           "cross-site); send application/json, or application/octet-stream with binary data")
+        raise Refused(
+            415,
+            f"Content-Type {content_type} is not taken for inference (a web page can send it "
+            "cross-site); send application/json, or application/octet-stream with binary data",
+        )
     json_length = header_length(request)
-    request.arrival = arrival = slot.batcher.arriving()  # a batch about to run waits for it a little (Batcher)
-    if (json_length is not None and not chunked and 0 < json_length <= length
-            and content_encoding(request) == "identity"):
+    request.arrival = arrival = (
+        slot.batcher.arriving()
+    )  # a batch about to run waits for it a little (Batcher)
+    if (
+        json_length is not None
+        and not chunked
+        and 0 < json_length <= length
+        and content_encoding(request) == "identity"
+    ):
         engine = slot.model.engine
-        return bodies.V2Binary(json_length, length, engine.inputs, engine.output_names, server.limits,
-                               place=partial(slot.batcher.place, arrival), seen=_seen_headers(engine))
+        return bodies.V2Binary(
+            json_length,
+            length,
+            engine.inputs,
+            engine.output_names,
+            server.limits,
+            place=partial(slot.batcher.place, arrival),
+            seen=_seen_headers(engine),
+        )
     return whole_body(server, request, exchange, length, chunked)
 
 
-_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its V2 headers already checked
+_SEEN: "weakref.WeakKeyDictionary" = (
+    weakref.WeakKeyDictionary()
+)  # engine -> its V2 headers already checked
 
 
 def _seen_headers(engine) -> dict:
@@ -133,7 +168,9 @@ def _seen_headers(engine) -> dict:
     return seen
 
 
-def invocations_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
+def invocations_body(
+    server: Server, request: Request, exchange: Exchange, length: int, chunked: bool
+):
     slot = request.slot = server.invocations_slot()
     request.request_id = request_id(request) or new_request_id()
     exchange.answered_by(slot, request.request_id)
@@ -145,12 +182,18 @@ def invocations_body(server: Server, request: Request, exchange: Exchange, lengt
 
 # ---- KServe V2 ------------------------------------------------------------------------------------------------
 
+
 async def v2_server(server: Server, request: Request, exchange: Exchange) -> Response:
     shared = server.shared_memory
-    offered = {"grpc": server.settings.grpc_port is not None, "system_shared_memory": shared.enabled,
-               "cuda_shared_memory": shared.enabled and shared.cuda_device is not None}
+    offered = {
+        "grpc": server.settings.grpc_port is not None,
+        "system_shared_memory": shared.enabled,
+        "cuda_shared_memory": shared.enabled and shared.cuda_device is not None,
+    }
     extensions = [e for e in EXTENSIONS if offered.get(e, True)]
-    return json_response({"name": "trainserve", "version": serving.__version__, "extensions": extensions})
+    return json_response(
+        {"name": "trainserve", "version": serving.__version__, "extensions": extensions}
+    )
 
 
 async def live(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -169,22 +212,35 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     slot = _slot(server, request)
     model = server.repository.models[slot.model.info.name]
     engine, info = slot.model.engine, slot.model.info
-    body = {"name": info.name, "versions": sorted(model.slots, key=version_key), "platform": "onnxruntime_onnx",
-            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs],
-            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs]}
+    body = {
+        "name": info.name,
+        "versions": sorted(model.slots, key=version_key),
+        "platform": "onnxruntime_onnx",
+        "inputs": [
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs
+        ],
+        "outputs": [
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs
+        ],
+    }
     if "version" in request.params:
         body["versions"] = [info.version]
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
     parameters.update(info.lineage)  # the version's lineage, from the file's metadata
     parameters["source"] = info.source
     if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
-        parameters["max_lengths"] = {name: {str(a): n for a, n in axes.items()}
-                                     for name, axes in info.max_lengths.items()}
+        parameters["max_lengths"] = {
+            name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()
+        }
     alias = slot.source.alias
-    if alias is not None and server.settings.reload_interval:  # following an alias: what it names, and whether served
+    if (
+        alias is not None and server.settings.reload_interval
+    ):  # following an alias: what it names, and whether served
         named = model.alias_versions.get(alias, info.version)
         parameters["alias"] = {"source": alias, "version": named, "behind": model.behind(alias)}
-        if alias in model.alias_errors:  # behind because its load failed: why, and that the old one serves
+        if (
+            alias in model.alias_errors
+        ):  # behind because its load failed: why, and that the old one serves
             parameters["alias"]["error"] = model.alias_errors[alias]
     body["parameters"] = parameters
     return json_response(body)
@@ -207,18 +263,31 @@ async def model_config(server: Server, request: Request, exchange: Exchange) -> 
     def dims(s):
         return list(s.shape[1:] if batched else s.shape)
 
-    return json_response({
-        "name": slot.model.info.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
-        "max_batch_size": server.settings.max_batch_size if batched else 0,
-        "input": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)} for s in engine.inputs],
-        "output": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)} for s in engine.outputs]})
+    return json_response(
+        {
+            "name": slot.model.info.name,
+            "platform": "onnxruntime_onnx",
+            "backend": "onnxruntime",
+            "max_batch_size": server.settings.max_batch_size if batched else 0,
+            "input": [
+                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
+                for s in engine.inputs
+            ],
+            "output": [
+                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
+                for s in engine.outputs
+            ],
+        }
+    )
 
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
     slot, named = request.slot, "version" in request.params
     engine = slot.model.engine
     body, authorization = request.body, request.header("authorization")
-    shared = server.shared_memory.reader(authorization)  # for inputs placed in shared memory (serving/shm.py)
+    shared = server.shared_memory.reader(
+        authorization
+    )  # for inputs placed in shared memory (serving/shm.py)
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
         decoded = server.decode_now(partial(body.finish, shared))
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
@@ -226,35 +295,67 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
         decoded = await server.decode(partial(body.finish, shared), body.length)
     else:
         data = body_bytes(server, request)
-        decoded = await server.decode(partial(codec.decode_v2, data, header_length(request), engine.inputs,
-                                              engine.output_names, server.limits, shared,
-                                              _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None),
-                                      len(data))
-    answer = await server.answer(slot, decoded, exchange, request_id=request.request_id, follow_swap=not named,
-                                 endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer",
-                                 arrival=request.arrival)
+        decoded = await server.decode(
+            partial(
+                codec.decode_v2,
+                data,
+                header_length(request),
+                engine.inputs,
+                engine.output_names,
+                server.limits,
+                shared,
+                _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None,
+            ),
+            len(data),
+        )
+    answer = await server.answer(
+        slot,
+        decoded,
+        exchange,
+        request_id=request.request_id,
+        follow_swap=not named,
+        endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer",
+        arrival=request.arrival,
+    )
     info, engine = answer.slot.model.info, answer.slot.model.engine
     # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
     v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
-    placed = server.shared_memory.write(authorization, decoded.output_refs, answer.results) \
-        if decoded.output_refs else None
-    payload, json_length = codec.encode_v2(info.name, info.version, v2_id, answer.results, decoded.outputs,
-                                           engine.outputs, placed)
+    placed = (
+        server.shared_memory.write(authorization, decoded.output_refs, answer.results)
+        if decoded.output_refs
+        else None
+    )
+    payload, json_length = codec.encode_v2(
+        info.name, info.version, v2_id, answer.results, decoded.outputs, engine.outputs, placed
+    )
     if json_length is None:
         return Response(200, payload)
-    return Response(200, payload, "application/octet-stream", {"Inference-Header-Content-Length": str(json_length)})
+    return Response(
+        200,
+        payload,
+        "application/octet-stream",
+        {"Inference-Header-Content-Length": str(json_length)},
+    )
 
 
 # ---- MLflow scoring -------------------------------------------------------------------------------------------
+
 
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
     slot = request.slot
     data = body_bytes(server, request)
     try:
-        decoded = await server.decode(partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits),
-                                      len(data))
-        answer = await server.answer(slot, decoded, exchange, request_id=request.request_id, follow_swap=True,
-                                     endpoint="/invocations")
+        decoded = await server.decode(
+            partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits), len(data)
+        )
+        answer = await server.answer(
+            slot,
+            decoded,
+            exchange,
+            request_id=request.request_id,
+            follow_swap=True,
+            endpoint="/invocations",
+        )
     except (BadRequest, Refused) as exc:
         if exc.status != 400:
             raise
@@ -269,11 +370,18 @@ async def ping(server: Server, request: Request, exchange: Exchange) -> Response
 
 async def version(server: Server, request: Request, exchange: Exchange) -> Response:
     info = server.invocations_slot().model.info
-    return json_response({"server": "trainserve", "version": serving.__version__, "model_name": info.name,
-                          "model_version": info.version})
+    return json_response(
+        {
+            "server": "trainserve",
+            "version": serving.__version__,
+            "model_name": info.name,
+            "model_version": info.version,
+        }
+    )
 
 
 # ---- the challenger on live traffic ----------------------------------------------------------------------------
+
 
 async def shadow(server: Server, request: Request, exchange: Exchange) -> Response:
     return json_response(server.shadow(request.params["name"]).report())
@@ -286,19 +394,29 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or not items:
-        raise Refused(400, 'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
-                           '<its true class index, mask or value>}, ...]}')
+        raise Refused(
+            400,
+            'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
+            "<its true class index, mask or value>}, ...]}",
+        )
     if len(items) > FEEDBACK_MAX:
-        raise Refused(413, f"{len(items)} labels in one request; send at most {FEEDBACK_MAX} at a time")
+        raise Refused(
+            413, f"{len(items)} labels in one request; send at most {FEEDBACK_MAX} at a time"
+        )
     labels = {}
     for i, item in enumerate(items):
         if not (isinstance(item, dict) and isinstance(item.get("id"), str) and "target" in item):
-            raise Refused(400, f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
-                               f"{codec.dumps(item)[:80]!r}")
+            raise Refused(
+                400,
+                f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
+                f"{codec.dumps(item)[:80]!r}",
+            )
         try:
             labels[item["id"]] = np.asarray(item["target"], dtype=np.float64)
         except (TypeError, ValueError):
-            raise Refused(400, f"labels[{i}].target must be a number or a (nested) list of numbers") from None
+            raise Refused(
+                400, f"labels[{i}].target must be a number or a (nested) list of numbers"
+            ) from None
     try:  # off the loop: thousands of per-pixel labels are real work
         joined = await asyncio.to_thread(comparison.feedback, labels)
     except ValueError as exc:
@@ -307,6 +425,7 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
 
 
 # ---- V2 repository extension ------------------------------------------------------------------------------------
+
 
 def control_body(server: Server, request: Request) -> dict:
     """The optional JSON object of a repository request."""
@@ -321,8 +440,11 @@ def control_body(server: Server, request: Request) -> dict:
 
 def check_control(server: Server) -> None:
     if server.settings.control() != "explicit":
-        raise Refused(403, "loading and unloading models is off on this server; start it with "
-                           "--model-control explicit to allow it")
+        raise Refused(
+            403,
+            "loading and unloading models is off on this server; start it with "
+            "--model-control explicit to allow it",
+        )
 
 
 async def repository_index(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -331,7 +453,9 @@ async def repository_index(server: Server, request: Request, exchange: Exchange)
         raise Refused(400, f'"ready" must be true or false, got {only_ready!r:.40}')
     if server.settings.repository:  # models added to the directory since are listed (not loaded)
         try:
-            await off_loop(partial(server.repository.add_repository_models, max_age=INDEX_MAX_AGE_S))
+            await off_loop(
+                partial(server.repository.add_repository_models, max_age=INDEX_MAX_AGE_S)
+            )
         except Exception as exc:  # noqa: BLE001 - a directory gone unreadable: the index of what is known
             from serving.loader import SourceError
 
@@ -349,10 +473,15 @@ async def repository_load(server: Server, request: Request, exchange: Exchange) 
     parameters = control_body(server, request).get("parameters", {})
     if not isinstance(parameters, dict):
         raise Refused(400, '"parameters" must be a JSON object')
-    if parameters:  # Triton's are `config` and `file:<path>`; answering 200 to ignore them would mislead
-        raise Refused(400, f"load parameters {sorted(parameters)[:10]} are not taken: this server takes none; it "
-                           "loads a model only from its --model flags or --repository directory (with "
-                           "--version-policy), never from files, a config or options a client sends")
+    if (
+        parameters
+    ):  # Triton's are `config` and `file:<path>`; answering 200 to ignore them would mislead
+        raise Refused(
+            400,
+            f"load parameters {sorted(parameters)[:10]} are not taken: this server takes none; it "
+            "loads a model only from its --model flags or --repository directory (with "
+            "--version-policy), never from files, a config or options a client sends",
+        )
     name = request.params["name"]
     try:
         await server.repository.load(name)
@@ -376,43 +505,74 @@ async def metrics(server: Server, request: Request, exchange: Exchange) -> Respo
 
 # ---- V2 shared memory (serving/shm.py): system, and CUDA on a GPU ---------------------------------------------
 
+
 async def shm_status(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
-    return json_response(server.shared_memory.status(request.header("authorization"), kind,
-                                                     request.params.get("region")))
+    return json_response(
+        server.shared_memory.status(
+            request.header("authorization"), kind, request.params.get("region")
+        )
+    )
 
 
 async def shm_register(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
     parsed = codec.parse_json(body_bytes(server, request) or b"null")
     name = request.params["region"]
-    fields = ("key", "offset", "byte_size") if kind == "system" else ("raw_handle", "device_id", "byte_size")
+    fields = (
+        ("key", "offset", "byte_size")
+        if kind == "system"
+        else ("raw_handle", "device_id", "byte_size")
+    )
     if not isinstance(parsed, dict) or not all(f in parsed for f in fields if f != "offset"):
-        raise Refused(400, f"the body must be a JSON object {{{', '.join(repr(f) for f in fields)}}} (what "
-                           f"tritonclient's register_{kind}_shared_memory sends)")
+        raise Refused(
+            400,
+            f"the body must be a JSON object {{{', '.join(repr(f) for f in fields)}}} (what "
+            f"tritonclient's register_{kind}_shared_memory sends)",
+        )
     numbers = {f: parsed.get(f, 0) for f in fields if f not in ("key", "raw_handle")}
     bad = [f for f, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool)]
     if bad:
         raise Refused(400, f"{kind} shared memory region '{name}': {bad[0]} must be an integer")
     if kind == "system":
-        server.shared_memory.register(request.header("authorization"), kind, name, key=parsed["key"],
-                                      offset=numbers["offset"], byte_size=numbers["byte_size"])
+        server.shared_memory.register(
+            request.header("authorization"),
+            kind,
+            name,
+            key=parsed["key"],
+            offset=numbers["offset"],
+            byte_size=numbers["byte_size"],
+        )
     else:
         handle = parsed["raw_handle"]
         try:
             raw = base64.b64decode(handle["b64"], validate=True)
         except (TypeError, KeyError, ValueError, binascii.Error):
-            raise Refused(400, f"cuda shared memory region '{name}': raw_handle must be {{\"b64\": <the base64 "
-                               "of a cudaIpcMemHandle_t>}") from None
-        server.shared_memory.register(request.header("authorization"), kind, name, raw_handle=raw,
-                                      device_id=numbers["device_id"], byte_size=numbers["byte_size"])
+            raise Refused(
+                400,
+                f"cuda shared memory region '{name}': raw_handle must be {{\"b64\": <the base64 "
+                "of a cudaIpcMemHandle_t>}",
+            ) from None
+        server.shared_memory.register(
+            request.header("authorization"),
+            kind,
+            name,
+            raw_handle=raw,
+            device_id=numbers["device_id"],
+            byte_size=numbers["byte_size"],
+        )
     return json_response({})
 
 
-async def shm_unregister(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
-    server.shared_memory.unregister(request.header("authorization"), kind, request.params.get("region"))
+async def shm_unregister(
+    kind: str, server: Server, request: Request, exchange: Exchange
+) -> Response:
+    server.shared_memory.unregister(
+        request.header("authorization"), kind, request.params.get("region")
+    )
     return json_response({})
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Route:
@@ -420,36 +580,64 @@ class Route:
     path: str  # the pattern, as the metrics name the route
     handler: Handler
     open: bool = False  # no token needed (health checks)
-    labels: bool = False  # the feedback token, not the inference token (Server.check_feedback_token)
-    body: Callable | None = None  # where its body goes: (server, request, exchange, length, chunked) -> a body
+    labels: bool = (
+        False  # the feedback token, not the inference token (Server.check_feedback_token)
+    )
+    body: Callable | None = (
+        None  # where its body goes: (server, request, exchange, length, chunked) -> a body
+    )
     main: bool = False  # run on the server's own event loop (it changes what is loaded: the model locks live there)
 
 
 def table() -> list[Route]:
-    routes = [Route("GET", "/v2", v2_server),
-              Route("GET", "/v2/health/live", live, open=True),
-              Route("GET", "/v2/health/ready", ready, open=True)]
+    routes = [
+        Route("GET", "/v2", v2_server),
+        Route("GET", "/v2/health/live", live, open=True),
+        Route("GET", "/v2/health/ready", ready, open=True),
+    ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        routes += [Route("GET", prefix, model_metadata),
-                   Route("GET", prefix + "/ready", model_ready),
-                   Route("GET", prefix + "/config", model_config),
-                   Route("POST", prefix + "/infer", v2_infer, body=v2_body)]
-    routes += [Route("GET", "/v2/models/{name}/shadow", shadow),
-               Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body, labels=True),
-               Route("POST", "/v2/repository/index", repository_index, body=whole_body, main=True),
-               Route("POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body, main=True),
-               Route("POST", "/v2/repository/models/{name}/unload", repository_unload, body=whole_body, main=True),
-               Route("POST", "/invocations", invocations, body=invocations_body),
-               Route("GET", "/ping", ping, open=True),
-               Route("GET", "/health", ping, open=True),
-               Route("GET", "/version", version),
-               Route("GET", "/metrics", metrics)]
+        routes += [
+            Route("GET", prefix, model_metadata),
+            Route("GET", prefix + "/ready", model_ready),
+            Route("GET", prefix + "/config", model_config),
+            Route("POST", prefix + "/infer", v2_infer, body=v2_body),
+        ]
+    routes += [
+        Route("GET", "/v2/models/{name}/shadow", shadow),
+        Route("POST", "/v2/models/{name}/feedback", feedback, body=whole_body, labels=True),
+        Route("POST", "/v2/repository/index", repository_index, body=whole_body, main=True),
+        Route(
+            "POST", "/v2/repository/models/{name}/load", repository_load, body=whole_body, main=True
+        ),
+        Route(
+            "POST",
+            "/v2/repository/models/{name}/unload",
+            repository_unload,
+            body=whole_body,
+            main=True,
+        ),
+        Route("POST", "/invocations", invocations, body=invocations_body),
+        Route("GET", "/ping", ping, open=True),
+        Route("GET", "/health", ping, open=True),
+        Route("GET", "/version", version),
+        Route("GET", "/metrics", metrics),
+    ]
     for kind in ("system", "cuda"):
         for prefix in (f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region}}"):
-            routes += [Route("GET", prefix + "/status", partial(shm_status, kind)),
-                       Route("POST", prefix + "/unregister", partial(shm_unregister, kind), body=whole_body)]
-        routes.append(Route("POST", f"/v2/{kind}sharedmemory/region/{{region}}/register", partial(shm_register, kind),
-                            body=whole_body))
+            routes += [
+                Route("GET", prefix + "/status", partial(shm_status, kind)),
+                Route(
+                    "POST", prefix + "/unregister", partial(shm_unregister, kind), body=whole_body
+                ),
+            ]
+        routes.append(
+            Route(
+                "POST",
+                f"/v2/{kind}sharedmemory/region/{{region}}/register",
+                partial(shm_register, kind),
+                body=whole_body,
+            )
+        )
     return routes
 
 
@@ -470,7 +658,9 @@ class Router:
         found = self._seen.get((method, path))
         if found is None:
             found = self._match(method, path)
-            if len(self._seen) >= 4096:  # paths name models: bounded, a client sending random ones can't grow it
+            if (
+                len(self._seen) >= 4096
+            ):  # paths name models: bounded, a client sending random ones can't grow it
                 self._seen.clear()
             self._seen[(method, path)] = found
         return found  # (the parameters are shared by the requests of one path: handlers only read them)

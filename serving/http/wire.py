@@ -15,6 +15,7 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Reques
 class Request:
     """One request: its head as parsed, the route's parameters, and its body once arrived (bytes, or what the
     route's body sink made of it)."""
+
     method: str
     path: str  # percent-decoded
     query: str
@@ -23,7 +24,9 @@ class Request:
     body: object = b""
     slot: object = None  # the model version an inference route picked when the head arrived
     request_id: str | None = None  # the client's X-Request-Id, checked
-    arrival: object = None  # the batcher's note that this request's body is on its way (Batcher.arriving)
+    arrival: object = (
+        None  # the batcher's note that this request's body is on its way (Batcher.arriving)
+    )
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)

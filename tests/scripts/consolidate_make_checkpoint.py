@@ -76,21 +76,35 @@ def main() -> None:
                 dist.broadcast(buf, 0)
 
         config = Config().model_dump(mode="json")
-        meta = {"config": config, "model": spec.to_json(), "model_state": manifest,
-                "labels": [str(i) for i in range(spec.args["num_classes"])], "strategy": args.strategy,
-                "mlflow_run_id": None, "train_state": {"epoch": 0}}
-        checkpoint.save(out / "run" / "checkpoints", args.steps, model, optimizer, meta, info, keep_last=2)
+        meta = {
+            "config": config,
+            "model": spec.to_json(),
+            "model_state": manifest,
+            "labels": [str(i) for i in range(spec.args["num_classes"])],
+            "strategy": args.strategy,
+            "mlflow_run_id": None,
+            "train_state": {"epoch": 0},
+        }
+        checkpoint.save(
+            out / "run" / "checkpoints", args.steps, model, optimizer, meta, info, keep_last=2
+        )
 
         if args.live:
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
             model.eval()
             torch.manual_seed(123)
             x = torch.rand(16, *input_shape(spec))
             with torch.no_grad():
                 y = model(x)  # collective under FSDP: every rank runs it
             if info.is_main:
-                save_file({k: v.contiguous() for k, v in full.items()}, str(out / "live.safetensors"))
-                save_file({"input": x, "output": y.contiguous()}, str(out / "live_outputs.safetensors"))
+                save_file(
+                    {k: v.contiguous() for k, v in full.items()}, str(out / "live.safetensors")
+                )
+                save_file(
+                    {"input": x, "output": y.contiguous()}, str(out / "live_outputs.safetensors")
+                )
         dist.barrier()
     finally:
         teardown()

@@ -38,12 +38,15 @@ def read_shards(ckpt: Path) -> None:
 
 
 def floor(ckpt: Path, out: Path, size: int) -> None:
-    subprocess.run(["sha256sum", *sorted(str(f) for f in ckpt.iterdir() if f.is_file())], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["sha256sum", *sorted(str(f) for f in ckpt.iterdir() if f.is_file())],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     block = bytes(8 << 20)
     with open(out / "floor.bin", "wb") as f:
         for start in range(0, size, len(block)):
-            f.write(memoryview(block)[:min(len(block), size - start)])
+            f.write(memoryview(block)[: min(len(block), size - start)])
         f.flush()
         os.fsync(f.fileno())
 
@@ -79,8 +82,17 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     seconds = time.perf_counter() - start
-    print(json.dumps({"mode": mode, "baseline": baseline, "peak": peak_rss(), "ru_maxrss": ru_maxrss(),
-                      "seconds": seconds}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "baseline": baseline,
+                "peak": peak_rss(),
+                "ru_maxrss": ru_maxrss(),
+                "seconds": seconds,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline import distributed
-from pipeline.distributed import replicas
 from pipeline.components.build import ModelSpec, instantiate_model
+from pipeline.distributed import replicas
 
 
 def caught_divergence(rank: int) -> bool:
     torch.manual_seed(0)
-    spec = ModelSpec("pipeline.models:mlp", {"num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]})
+    spec = ModelSpec(
+        "pipeline.models:mlp",
+        {"num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]},
+    )
     model = DDP(instantiate_model(spec))
     replicas.check(model, step=1)  # identical replicas pass
     if rank == 1:
