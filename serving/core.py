@@ -815,8 +815,13 @@ class Server:
                 slot, request.feeds, request.rows, follow_swap, arrival
             )
         except (Refused, BadRequest) as exc:
+            slot.batcher.statistics.answered(False, exchange.started)
             self.log_payload(rid, endpoint, slot, feeds, None, exc.status, str(exc))
             raise
+        except Exception:
+            slot.batcher.statistics.answered(False, exchange.started)
+            raise
+        slot.batcher.statistics.answered(True, exchange.started)
         exchange.answered_by(
             slot, rid
         )  # the version that ran it, whatever the server serves by now
