@@ -796,11 +796,8 @@ class Server:
         rid = request_id
         if rid is None:
             given = getattr(request, "request_id", None)
-            rid = (
-                check_request_id(given, 'the "id" of the request')
-                if given is not None
-                else new_request_id()
-            )
+            # an empty "id" is no id (perf_analyzer sends one): the request gets a fresh one
+            rid = check_request_id(given, 'the "id" of the request') if given else new_request_id()
         exchange.answered_by(slot, rid)
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.

@@ -274,3 +274,15 @@ def test_shared_memory_rpcs_answer_over_grpc_as_over_http(server):
                 if grpc_outcome[0] == "refused":
                     # the same words, but for the fields' own spelling of the handle
                     assert grpc_outcome[1].split(":")[0] == http_outcome[1].split(":")[0]
+
+
+def test_an_empty_request_id_is_no_id_as_perf_analyzer_sends_it(server):
+    """perf_analyzer's JSON header carries `"id": ""`: the request is answered, with an id of its own."""
+    body = {
+        "id": "",
+        "inputs": [{"name": "ids", "shape": [1], "datatype": "INT64", "data": [2]}],
+    }
+    response = requests.post(server.url + "/v2/models/gather/infer", headers=auth(), json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.headers["X-Request-Id"]) == 32
+    assert response.json()["outputs"][0]["data"] == [6.0, 7.0, 8.0]
