@@ -19,6 +19,8 @@ What each figure is here (Triton's meaning, mapped onto this server's path):
   Decoding a request's tensors and encoding its answer happen on the front end, outside these phases (in
   Triton too): they are the part of `success` that perf_analyzer calls overhead.
 - batch_stats: per run size (rows), the runs of that size and their three phases.
+A shadow challenger's mirrored requests (serving/shadow.py) run on its batcher: they count in its runs, rows and
+phases, not as requests (no client asked them).
 Figures start at zero when a version is loaded (a reload starts them again, as in Triton).
 """
 
