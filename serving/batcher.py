@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving.statistics import VersionStatistics
+
 Feeds = dict[str, np.ndarray]
 log = logging.getLogger("serving.batcher")
 
@@ -134,12 +136,13 @@ class Arrival:
 
 
 class Run:
-    """One batch on the engine thread, as the runner's watchdog sees it."""
+    """One batch on the engine thread, as the runner's watchdog sees it (and its times, for the statistics)."""
 
     def __init__(self, batcher: "Batcher", jobs: list[_Job]):
         self.batcher, self.jobs = batcher, jobs
         self.timeout = batcher.run_timeout
         self.started = time.monotonic()
+        self.ended = self.started
         self._lock = threading.Lock()
         self._returned = False
         self.expired = False
@@ -245,6 +248,10 @@ class Batcher:
         self._started = False
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.stalled = False  # a run is past run_timeout and still inside the engine
+        # Triton's statistics of this version (serving/statistics.py), fed per successful run
+        self.statistics = VersionStatistics()
+        # (engine thread) when the run in progress was taken: its input phase begins
+        self._taken = 0.0
 
     def start(self) -> None:
         self._started = True
@@ -509,6 +516,7 @@ class Batcher:
 
     def serve(self, runner) -> None:
         """This batcher's turn: take a batch (or, waiting, ask for a turn later) and run it."""
+        self._taken = time.monotonic()
         with self._lock:
             self._drop_abandoned()
             next_batch = self._next_batch()
@@ -693,7 +701,7 @@ class Batcher:
         )
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
-        outputs, error = outcome
+        outputs, error, run = outcome
         if error is None:
             _deliver(
                 [
@@ -711,6 +719,7 @@ class Batcher:
                     if p.job is not None
                 ]
             )
+            self._executed(run)
             return
         self._one_by_one(runner, jobs, error)
 
@@ -719,7 +728,7 @@ class Batcher:
         outcome = self._timed_run(runner, jobs, lambda: self._run([job.feeds for job in jobs]))
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
-        outputs, error = outcome
+        outputs, error, run = outcome
         if error is None:
             start, answers = 0, []
             for job in (
@@ -736,6 +745,7 @@ class Batcher:
                 )
                 start += job.rows
             _deliver(answers)
+            self._executed(run)
             return
         self._one_by_one(runner, jobs, error)
 
@@ -747,16 +757,20 @@ class Batcher:
         for job in jobs:
             if job.future.done():
                 continue
+            self._taken = time.monotonic()
             outcome = self._timed_run(runner, [job], lambda: self._run([job.feeds]))
             if outcome is None:
                 return
-            outputs, error = outcome
+            outputs, error, run = outcome
             _deliver([(job, error, True) if error is not None else (job, outputs, False)])
+            if error is None:
+                self._executed(run)
 
     def _timed_run(
         self, runner, jobs: list[_Job], run: Callable[[], Feeds]
-    ) -> tuple[Feeds | None, Exception | None] | None:
-        """(outputs, None) or (None, error); None when the run outlived run_timeout (already answered)."""
+    ) -> tuple[Feeds | None, Exception | None, Run] | None:
+        """(outputs, None, the run) or (None, error, the run); None when the run outlived run_timeout (already
+        answered)."""
         timed = Run(self, jobs)
         runner.began(timed)
         try:
@@ -765,7 +779,7 @@ class Batcher:
             outputs, error = None, exc
         finally:
             runner.ended()
-        ended = time.monotonic()
+        ended = timed.ended = time.monotonic()
         if timed.returned():
             self.stalled = False
             log.warning(
@@ -783,7 +797,17 @@ class Batcher:
                 )
             except Exception:  # noqa: BLE001 - a metric must never fail an answer
                 log.exception("recording a batch's metrics failed")
-        return outputs, error
+        return outputs, error, timed
+
+    def _executed(self, run: Run) -> None:
+        """(engine thread) A successful run's answers were handed out: its rows and phases to the statistics. A
+        model run unbatched counts one inference a request, as Triton counts a model of max_batch_size 0."""
+        jobs = run.jobs
+        rows = sum(job.rows for job in jobs) if self.merge else len(jobs)
+        arrivals = [job.arrived for job in jobs]
+        self.statistics.executed(
+            rows, arrivals, self._taken, run.started, run.ended, time.monotonic()
+        )
 
     def _drop_abandoned(self) -> None:
         """(under _lock) Jobs whose callers gave up (a request deadline): never run. Queued ones at the head; those

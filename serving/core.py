@@ -796,11 +796,8 @@ class Server:
         rid = request_id
         if rid is None:
             given = getattr(request, "request_id", None)
-            rid = (
-                check_request_id(given, 'the "id" of the request')
-                if given is not None
-                else new_request_id()
-            )
+            # an empty "id" is no id (perf_analyzer sends one): the request gets a fresh one
+            rid = check_request_id(given, 'the "id" of the request') if given else new_request_id()
         exchange.answered_by(slot, rid)
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.
@@ -815,8 +812,13 @@ class Server:
                 slot, request.feeds, request.rows, follow_swap, arrival
             )
         except (Refused, BadRequest) as exc:
+            slot.batcher.statistics.answered(False, exchange.started)
             self.log_payload(rid, endpoint, slot, feeds, None, exc.status, str(exc))
             raise
+        except Exception:
+            slot.batcher.statistics.answered(False, exchange.started)
+            raise
+        slot.batcher.statistics.answered(True, exchange.started)
         exchange.answered_by(
             slot, rid
         )  # the version that ran it, whatever the server serves by now

@@ -42,6 +42,31 @@ SMALL_INTS = [spec("i8", np.int8, "INT8", (-1, 2)), spec("u16", np.uint16, "UINT
 ANY_SHAPE = [spec("t", np.float32, "FP32", (-1, -1, -1, -1, -1))]
 LIMITS = Limits(max_rows=64, max_body_bytes=1 << 20)
 
+# Triton's messages of the extensions this server answers over gRPC as over HTTP (its grpc_service.proto
+# and model_config.proto).
+TRITON_EXTENSION_MESSAGES = (
+    "ModelConfigRequest",
+    "ModelConfigResponse",
+    "ModelConfig",
+    "ModelInput",
+    "ModelOutput",
+    "RepositoryIndexRequest",
+    "RepositoryIndexResponse",
+    "RepositoryIndexResponse.ModelIndex",
+    "ModelRepositoryParameter",
+    "RepositoryModelLoadRequest",
+    "RepositoryModelLoadResponse",
+    "RepositoryModelUnloadRequest",
+    "RepositoryModelUnloadResponse",
+    "ModelStatisticsRequest",
+    "ModelStatisticsResponse",
+    "StatisticDuration",
+    "ModelStatistics",
+    "InferStatistics",
+    "InferResponseStatistics",
+    "InferBatchStatistics",
+    "MemoryUsage",
+)
 # KServe's grpc_predict_v2.proto, the protocol itself: message -> {field: number}.
 KSERVE_FIELDS = {
     "ServerLiveRequest": {},
@@ -223,12 +248,17 @@ def test_schema_declares_kserve_messages_exactly():
         for m in OUR_MESSAGES
         if not m.GetOptions().map_entry
     }
-    # KServe's messages exactly, plus Triton's answer on a stream, its two more InferParameter kinds and its
-    # shared-memory messages (checked field by field against tritonclient's by
-    # test_every_message_matches_tritonclient).
+    # KServe's messages exactly, plus Triton's answer on a stream, its two more InferParameter kinds, its
+    # shared-memory messages and those of its extensions (model configuration, repository, statistics)
+    # (checked field by field against tritonclient's by test_every_message_matches_tritonclient).
     assert declared.pop("ModelStreamInferResponse") == {"error_message": 1, "infer_response": 2}
     triton_only = {name: fields for name, fields in declared.items() if "SharedMemory" in name}
     assert len(triton_only) == 14, sorted(triton_only)
+    extensions = {
+        name: fields for name, fields in declared.items() if name in TRITON_EXTENSION_MESSAGES
+    }
+    assert sorted(extensions) == sorted(TRITON_EXTENSION_MESSAGES)
+    triton_only |= extensions
     declared = {name: fields for name, fields in declared.items() if name not in triton_only}
     kserve = dict(KSERVE_FIELDS)
     assert declared.pop("InferParameter") == {
@@ -253,6 +283,11 @@ def test_service_methods_match_tritonclient():
         "ServerMetadata",
         "ModelMetadata",
         "ModelInfer",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
         "SystemSharedMemoryStatus",
         "SystemSharedMemoryRegister",
         "SystemSharedMemoryUnregister",

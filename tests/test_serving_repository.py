@@ -528,6 +528,7 @@ def test_every_series_is_labelled_by_model_and_version_with_queue_and_compute_ti
         "binary_tensor_data",
         "model_configuration",
         "model_repository",
+        "statistics",
         "system_shared_memory",
         "grpc",
     ]

@@ -13,8 +13,9 @@ protoc's `*_pb2.py`:
   types, so their messages and ours read each other's bytes.
 
 Fields and numbers are KServe's `grpc_predict_v2.proto`, with what Triton's `grpc_service.proto` adds that
-this server answers: `double_param`/`uint64_param` in InferParameter, the ModelStreamInfer stream and the six
-shared-memory RPCs, as Triton numbers them. proto3: repeated scalars are packed, as both of theirs are.
+this server answers: `double_param`/`uint64_param` in InferParameter, the ModelStreamInfer stream, the six
+shared-memory RPCs, ModelConfig (the part of its model_config.proto this server fills in), the repository
+RPCs (RepositoryIndex, RepositoryModelLoad/Unload) and ModelStatistics, as Triton numbers them. proto3: repeated scalars are packed, as both of theirs are.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ PACKAGE = "inference"
 FILE_NAME = "trainserve/grpc_predict_v2.proto"
 SERVICE = f"{PACKAGE}.GRPCInferenceService"
 
-# Every message's fields as "[repeated] <type> <name> = <number>". <type> is a scalar, a message
-# of this file by its name inside the package (nested: Outer.Inner), or map<string,Message>.
+# Every message's fields as "[repeated] <type> <name> = <number>". <type> is a scalar, an enum of
+# _ENUMS, a message of this file by its name inside the package (nested: Outer.Inner), or
+# map<string,Message>.
 # A dotted key is a nested message: it is placed inside its outer one, listed before it.
 _MESSAGES: dict[str, tuple[str, ...]] = {
     "ServerLiveRequest": (),
@@ -140,6 +142,98 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     "CudaSharedMemoryRegisterResponse": (),
     "CudaSharedMemoryUnregisterRequest": ("string name = 1",),
     "CudaSharedMemoryUnregisterResponse": (),
+    # Triton's model configuration (its model_config.proto), the part this server fills in (ModelConfig RPC).
+    "ModelConfigRequest": ("string name = 1", "string version = 2"),
+    "ModelConfigResponse": ("ModelConfig config = 1",),
+    "ModelConfig": (
+        "string name = 1",
+        "string platform = 2",
+        "int32 max_batch_size = 4",
+        "repeated ModelInput input = 5",
+        "repeated ModelOutput output = 6",
+        "string backend = 17",
+    ),
+    "ModelInput": (
+        "string name = 1",
+        "DataType data_type = 2",
+        "repeated int64 dims = 4",
+        "bool is_shape_tensor = 6",
+        "bool optional = 8",
+    ),
+    "ModelOutput": (
+        "string name = 1",
+        "DataType data_type = 2",
+        "repeated int64 dims = 3",
+        "string label_filename = 4",
+        "bool is_shape_tensor = 6",
+    ),
+    # Triton's model repository extension (its grpc_service.proto).
+    "RepositoryIndexRequest": ("string repository_name = 1", "bool ready = 2"),
+    "RepositoryIndexResponse": ("repeated RepositoryIndexResponse.ModelIndex models = 1",),
+    "RepositoryIndexResponse.ModelIndex": (
+        "string name = 1",
+        "string version = 2",
+        "string state = 3",
+        "string reason = 4",
+    ),
+    "ModelRepositoryParameter": (
+        "bool bool_param = 1",
+        "int64 int64_param = 2",
+        "string string_param = 3",
+        "bytes bytes_param = 4",
+    ),
+    "RepositoryModelLoadRequest": (
+        "string repository_name = 1",
+        "string model_name = 2",
+        "map<string,ModelRepositoryParameter> parameters = 3",
+    ),
+    "RepositoryModelLoadResponse": (),
+    "RepositoryModelUnloadRequest": (
+        "string repository_name = 1",
+        "string model_name = 2",
+        "map<string,ModelRepositoryParameter> parameters = 3",
+    ),
+    "RepositoryModelUnloadResponse": (),
+    # Triton's statistics extension (its grpc_service.proto).
+    "ModelStatisticsRequest": ("string name = 1", "string version = 2"),
+    "ModelStatisticsResponse": ("repeated ModelStatistics model_stats = 1",),
+    "StatisticDuration": ("uint64 count = 1", "uint64 ns = 2"),
+    "ModelStatistics": (
+        "string name = 1",
+        "string version = 2",
+        "uint64 last_inference = 3",
+        "uint64 inference_count = 4",
+        "uint64 execution_count = 5",
+        "InferStatistics inference_stats = 6",
+        "repeated InferBatchStatistics batch_stats = 7",
+        "repeated MemoryUsage memory_usage = 8",
+        "map<string,InferResponseStatistics> response_stats = 9",
+    ),
+    "InferStatistics": (
+        "StatisticDuration success = 1",
+        "StatisticDuration fail = 2",
+        "StatisticDuration queue = 3",
+        "StatisticDuration compute_input = 4",
+        "StatisticDuration compute_infer = 5",
+        "StatisticDuration compute_output = 6",
+        "StatisticDuration cache_hit = 7",
+        "StatisticDuration cache_miss = 8",
+    ),
+    "InferResponseStatistics": (
+        "StatisticDuration compute_infer = 1",
+        "StatisticDuration compute_output = 2",
+        "StatisticDuration success = 3",
+        "StatisticDuration fail = 4",
+        "StatisticDuration empty_response = 5",
+        "StatisticDuration cancel = 6",
+    ),
+    "InferBatchStatistics": (
+        "uint64 batch_size = 1",
+        "StatisticDuration compute_input = 2",
+        "StatisticDuration compute_infer = 3",
+        "StatisticDuration compute_output = 4",
+    ),
+    "MemoryUsage": ("string type = 1", "int64 id = 2", "uint64 byte_size = 3"),
     "InferTensorContents": (
         "repeated bool bool_contents = 1",
         "repeated int32 int_contents = 2",
@@ -152,7 +246,27 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     ),
 }
 # Messages whose fields all belong to one oneof, by the oneof's name.
-_ONEOFS = {"InferParameter": "parameter_choice"}
+_ONEOFS = {"InferParameter": "parameter_choice", "ModelRepositoryParameter": "parameter_choice"}
+# Enums, by name: their values, numbered from 0 in this order (Triton's model_config.proto).
+_ENUMS = {
+    "DataType": (
+        "TYPE_INVALID",
+        "TYPE_BOOL",
+        "TYPE_UINT8",
+        "TYPE_UINT16",
+        "TYPE_UINT32",
+        "TYPE_UINT64",
+        "TYPE_INT8",
+        "TYPE_INT16",
+        "TYPE_INT32",
+        "TYPE_INT64",
+        "TYPE_FP16",
+        "TYPE_FP32",
+        "TYPE_FP64",
+        "TYPE_STRING",
+        "TYPE_BF16",
+    ),
+}
 # The RPCs this server answers; each takes <name>Request and returns <name>Response.
 _RPCS = (
     "ServerLive",
@@ -161,6 +275,11 @@ _RPCS = (
     "ServerMetadata",
     "ModelMetadata",
     "ModelInfer",
+    "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
     "SystemSharedMemoryStatus",
     "SystemSharedMemoryRegister",
     "SystemSharedMemoryUnregister",
@@ -188,6 +307,10 @@ _SCALARS = {
 def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
     """The protocol's .proto file as a descriptor, built from the tables above."""
     file = descriptor_pb2.FileDescriptorProto(name=FILE_NAME, package=PACKAGE, syntax="proto3")
+    for name, values in _ENUMS.items():
+        enum = file.enum_type.add(name=name)
+        for number, value in enumerate(values):
+            enum.value.add(name=value, number=number)
     protos: dict[str, descriptor_pb2.DescriptorProto] = {}
     for full_name in _MESSAGES:
         outer, _, name = full_name.rpartition(".")
@@ -245,6 +368,14 @@ def _add_field(message: descriptor_pb2.DescriptorProto, full_name: str, declarat
         )
     elif kind in _SCALARS:
         message.field.add(name=name, number=int(number), label=label, type=_SCALARS[kind])
+    elif kind in _ENUMS:
+        message.field.add(
+            name=name,
+            number=int(number),
+            label=label,
+            type=_F.TYPE_ENUM,
+            type_name=f".{PACKAGE}.{kind}",
+        )
     else:
         message.field.add(
             name=name,
@@ -294,6 +425,16 @@ CudaSharedMemoryRegisterResponse = _message("CudaSharedMemoryRegisterResponse")
 CudaSharedMemoryUnregisterRequest = _message("CudaSharedMemoryUnregisterRequest")
 CudaSharedMemoryUnregisterResponse = _message("CudaSharedMemoryUnregisterResponse")
 InferTensorContents = _message("InferTensorContents")
+ModelConfigRequest = _message("ModelConfigRequest")
+ModelConfigResponse = _message("ModelConfigResponse")
+RepositoryIndexRequest = _message("RepositoryIndexRequest")
+RepositoryIndexResponse = _message("RepositoryIndexResponse")
+RepositoryModelLoadRequest = _message("RepositoryModelLoadRequest")
+RepositoryModelLoadResponse = _message("RepositoryModelLoadResponse")
+RepositoryModelUnloadRequest = _message("RepositoryModelUnloadRequest")
+RepositoryModelUnloadResponse = _message("RepositoryModelUnloadResponse")
+ModelStatisticsRequest = _message("ModelStatisticsRequest")
+ModelStatisticsResponse = _message("ModelStatisticsResponse")
 
 # RPC name -> (request class, response class), for the server's method handlers.
 METHODS: dict[str, tuple[type, type]] = {

@@ -1,7 +1,9 @@
 """KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, a front end of the server's core.
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, in the same event loop as the
-HTTP server. The handlers below take bytes and give bytes; what carries them is grpc's C++ server
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, and the extensions HTTP has:
+ModelConfig, RepositoryIndex, RepositoryModelLoad/Unload, ModelStatistics (each serving/extensions.py's one
+operation, its JSON answer carried as Triton's message of the same field names) and the six shared-memory
+RPCs, in the same event loop as the HTTP server. The handlers below take bytes and give bytes; what carries them is grpc's C++ server
 (serving/grpc/native.py, `--grpc-engine native`, the default where it is built) or grpc.aio, and start_grpc picks
 one. A ModelInfer request becomes a call of the core's one inference path
 (serving/core.py: version, receipt, decode with serving/grpc/codec.py, infer on the same batcher as HTTP,
@@ -30,14 +32,16 @@ unary call's initial metadata).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from functools import partial
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 import serving
-from serving import core
+from serving import core, extensions
 from serving.codec import BadRequest
 from serving.envelope import Exchange, new_request_id, refusal, source_of
 from serving.grpc import codec, schema
@@ -112,10 +116,10 @@ class Service:
         return schema.ModelReadyResponse(ready=self.server.model_ready(model))
 
     async def ServerMetadata(self, request, context):
-        # The V2 extensions (repository control, model configuration) are HTTP routes here; over gRPC the
-        # six methods of the protocol are all there is, so none is claimed (GET /v2 lists the HTTP ones).
         return schema.ServerMetadataResponse(
-            name="trainserve", version=serving.__version__, extensions=[]
+            name="trainserve",
+            version=serving.__version__,
+            extensions=extensions.extensions(self.server),
         )
 
     async def ModelMetadata(self, request, context):
@@ -130,6 +134,36 @@ class Service:
             for spec in specs:
                 field.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
         return response
+
+    # ---- the extensions: serving/extensions.py's operations, their JSON as Triton's messages ----
+
+    async def ModelConfig(self, request, call: "Call"):
+        config = extensions.model_config(self.server, request.name, request.version or None)
+        # (fields this schema does not declare are left out: the message is Triton's part we fill in)
+        return json_format.ParseDict(
+            {"config": config}, schema.ModelConfigResponse(), ignore_unknown_fields=True
+        )
+
+    async def ModelStatistics(self, request, call: "Call"):
+        report = extensions.statistics(self.server, request.name, request.version or None)
+        return json_format.ParseDict(report, schema.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request, call: "Call"):
+        extensions.check_repository(request.repository_name)
+        response = schema.RepositoryIndexResponse()
+        for row in await extensions.repository_index(self.server, request.ready):
+            response.models.add(**row)
+        return response
+
+    async def RepositoryModelLoad(self, request, call: "Call"):
+        extensions.check_repository(request.repository_name)
+        await extensions.repository_load(self.server, request.model_name, dict(request.parameters))
+        return schema.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, call: "Call"):
+        extensions.check_repository(request.repository_name)
+        await extensions.repository_unload(self.server, request.model_name)
+        return schema.RepositoryModelUnloadResponse()
 
     # ---- inference ----
 
@@ -195,49 +229,57 @@ class Service:
             placed,
         )
 
-    # ---- shared memory (serving/shm.py), as Triton's RPCs ----
+    def call(self, method: str):
+        """The coroutine that answers `method`: one of the methods above, or a shared-memory RPC."""
+        found = getattr(self, method, None)
+        return found if found is not None else self.shared_memory[method]
 
-    async def SystemSharedMemoryStatus(self, request, call: "Call"):
-        return _regions(
-            schema.SystemSharedMemoryStatusResponse(),
-            self.server.shared_memory.status(call.authorization, "system", request.name or None),
-        )
+    @functools.cached_property
+    def shared_memory(self) -> dict:
+        """Triton's shared-memory RPCs, {System,Cuda}SharedMemory{Status,Register,Unregister} (serving/shm.py does
+        the work), built in one loop as routes.py builds their HTTP routes."""
+        calls = {}
+        for kind, fields in SHM_FIELDS.items():
+            rpc = f"{kind.capitalize()}SharedMemory"
+            calls |= {
+                rpc + "Status": partial(
+                    _shm_status, self.server, kind, schema.METHODS[rpc + "Status"][1]
+                ),
+                rpc + "Register": partial(
+                    _shm_register, self.server, kind, fields, schema.METHODS[rpc + "Register"][1]
+                ),
+                rpc + "Unregister": partial(
+                    _shm_unregister, self.server, kind, schema.METHODS[rpc + "Unregister"][1]
+                ),
+            }
+        return calls
 
-    async def SystemSharedMemoryRegister(self, request, call: "Call"):
-        self.server.shared_memory.register(
-            call.authorization,
-            "system",
-            request.name,
-            key=request.key,
-            offset=request.offset,
-            byte_size=request.byte_size,
-        )
-        return schema.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request, call: "Call"):
-        self.server.shared_memory.unregister(call.authorization, "system", request.name or None)
-        return schema.SystemSharedMemoryUnregisterResponse()
+# A region's description in each kind's Register message (after its name): what serving/shm.py registers.
+SHM_FIELDS = {
+    "system": ("key", "offset", "byte_size"),
+    "cuda": ("raw_handle", "device_id", "byte_size"),
+}
 
-    async def CudaSharedMemoryStatus(self, request, call: "Call"):
-        return _regions(
-            schema.CudaSharedMemoryStatusResponse(),
-            self.server.shared_memory.status(call.authorization, "cuda", request.name or None),
-        )
 
-    async def CudaSharedMemoryRegister(self, request, call: "Call"):
-        self.server.shared_memory.register(
-            call.authorization,
-            "cuda",
-            request.name,
-            raw_handle=request.raw_handle,
-            device_id=request.device_id,
-            byte_size=request.byte_size,
-        )
-        return schema.CudaSharedMemoryRegisterResponse()
+async def _shm_status(server, kind: str, response, request, call: "Call"):
+    return _regions(
+        response(), server.shared_memory.status(call.authorization, kind, request.name or None)
+    )
 
-    async def CudaSharedMemoryUnregister(self, request, call: "Call"):
-        self.server.shared_memory.unregister(call.authorization, "cuda", request.name or None)
-        return schema.CudaSharedMemoryUnregisterResponse()
+
+async def _shm_register(
+    server, kind: str, fields: tuple[str, ...], response, request, call: "Call"
+):
+    server.shared_memory.register(
+        call.authorization, kind, request.name, **{f: getattr(request, f) for f in fields}
+    )
+    return response()
+
+
+async def _shm_unregister(server, kind: str, response, request, call: "Call"):
+    server.shared_memory.unregister(call.authorization, kind, request.name or None)
+    return response()
 
 
 def _regions(response, regions: list[dict]):
@@ -309,7 +351,7 @@ async def _parsed(server, request_class, data: bytes):
 def _handler(server, service: Service, method: str, request_class):
     """One RPC in its envelope: bytes in (parsed here, so a malformed message is INVALID_ARGUMENT, not
     INTERNAL), the token, every failure its status, the receipt as initial metadata, the metrics."""
-    call = getattr(service, method)
+    call = service.call(method)
     where = f"gRPC {method}"
 
     async def handle(data, context):

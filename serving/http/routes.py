@@ -1,12 +1,13 @@
 """The HTTP routes: one table, and a plain function per route, `handler(server, request, exchange) -> Response`.
 
     KServe V2   GET  /v2, /v2/health/live, /v2/health/ready
-                GET  /v2/models/{name}[/versions/{v}], .../ready, .../config
+                GET  /v2/models/{name}[/versions/{v}], .../ready, .../config, .../stats; /v2/models/stats
                 POST /v2/models/{name}[/versions/{v}]/infer
                      /v2/{system,cuda}sharedmemory[/region/{region}]/status|register|unregister (serving/shm.py)
     MLflow      POST /invocations; GET /ping, /health, /version
     Shadow      GET  /v2/models/{name}/shadow (--shadow); POST /v2/models/{name}/feedback (labels)
     Repository  POST /v2/repository/index, /v2/repository/models/{name}/load, .../unload
+The extensions' operations (config, repository, statistics) are serving/extensions.py's, shared with gRPC.
     Prometheus  GET  /metrics
 
 A route that takes a body names where it goes (`body(server, request, exchange, length, chunked)`, called when
@@ -32,28 +33,17 @@ from typing import Awaitable, Callable
 import numpy as np
 
 import serving
-from serving import codec
+from serving import codec, extensions
 from serving.codec import BadRequest
 from serving.core import Server, check_request_id
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
-from serving.repository import READY, RepositoryError, off_loop, version_key
+from serving.repository import version_key
 
-INDEX_MAX_AGE_S = (
-    1.0  # the repository index reuses a directory scan this recent; a load always scans afresh
-)
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 FEEDBACK_MAX = 10000  # labels in one feedback request
-EXTENSIONS = [
-    "binary_tensor_data",
-    "model_configuration",
-    "model_repository",
-    "system_shared_memory",
-    "cuda_shared_memory",
-    "grpc",
-]
 # A binary V2 request's last step (NaN/Inf over its arrays) runs on the event loop up to this many bytes: it costs
 # ~25 us for a 602 KB image, less than a hop to a thread and back.
 FINISH_INLINE_BYTES = 4 << 20
@@ -184,15 +174,12 @@ def invocations_body(
 
 
 async def v2_server(server: Server, request: Request, exchange: Exchange) -> Response:
-    shared = server.shared_memory
-    offered = {
-        "grpc": server.settings.grpc_port is not None,
-        "system_shared_memory": shared.enabled,
-        "cuda_shared_memory": shared.enabled and shared.cuda_device is not None,
-    }
-    extensions = [e for e in EXTENSIONS if offered.get(e, True)]
     return json_response(
-        {"name": "trainserve", "version": serving.__version__, "extensions": extensions}
+        {
+            "name": "trainserve",
+            "version": serving.__version__,
+            "extensions": extensions.extensions(server),
+        }
     )
 
 
@@ -256,28 +243,14 @@ async def model_ready(server: Server, request: Request, exchange: Exchange) -> R
 
 
 async def model_config(server: Server, request: Request, exchange: Exchange) -> Response:
-    slot = _slot(server, request)
-    engine = slot.model.engine
-    batched = engine.batchable
-
-    def dims(s):
-        return list(s.shape[1:] if batched else s.shape)
-
     return json_response(
-        {
-            "name": slot.model.info.name,
-            "platform": "onnxruntime_onnx",
-            "backend": "onnxruntime",
-            "max_batch_size": server.settings.max_batch_size if batched else 0,
-            "input": [
-                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
-                for s in engine.inputs
-            ],
-            "output": [
-                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
-                for s in engine.outputs
-            ],
-        }
+        extensions.model_config(server, request.params["name"], request.params.get("version"))
+    )
+
+
+async def model_stats(server: Server, request: Request, exchange: Exchange) -> Response:
+    return json_response(
+        extensions.statistics(server, request.params.get("name"), request.params.get("version"))
     )
 
 
@@ -438,64 +411,26 @@ def control_body(server: Server, request: Request) -> dict:
     return parsed
 
 
-def check_control(server: Server) -> None:
-    if server.settings.control() != "explicit":
-        raise Refused(
-            403,
-            "loading and unloading models is off on this server; start it with "
-            "--model-control explicit to allow it",
-        )
-
-
 async def repository_index(server: Server, request: Request, exchange: Exchange) -> Response:
     only_ready = control_body(server, request).get("ready", False)
     if not isinstance(only_ready, bool):
         raise Refused(400, f'"ready" must be true or false, got {only_ready!r:.40}')
-    if server.settings.repository:  # models added to the directory since are listed (not loaded)
-        try:
-            await off_loop(
-                partial(server.repository.add_repository_models, max_age=INDEX_MAX_AGE_S)
-            )
-        except Exception as exc:  # noqa: BLE001 - a directory gone unreadable: the index of what is known
-            from serving.loader import SourceError
-
-            if not isinstance(exc, SourceError):
-                raise
-            import logging
-
-            logging.getLogger("serving.http").warning("reading --repository: %s", exc)
-    rows = server.repository.index()
-    return json_response([r for r in rows if r["state"] == READY] if only_ready else rows)
+    return json_response(await extensions.repository_index(server, only_ready))
 
 
 async def repository_load(server: Server, request: Request, exchange: Exchange) -> Response:
-    check_control(server)
+    extensions.check_control(server)
     parameters = control_body(server, request).get("parameters", {})
     if not isinstance(parameters, dict):
         raise Refused(400, '"parameters" must be a JSON object')
-    if (
-        parameters
-    ):  # Triton's are `config` and `file:<path>`; answering 200 to ignore them would mislead
-        raise Refused(
-            400,
-            f"load parameters {sorted(parameters)[:10]} are not taken: this server takes none; it "
-            "loads a model only from its --model flags or --repository directory (with "
-            "--version-policy), never from files, a config or options a client sends",
-        )
-    name = request.params["name"]
-    try:
-        await server.repository.load(name)
-    except RepositoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded: the client named it
-        raise Refused(400, f"failed to load '{name}': {exc}") from None
+    await extensions.repository_load(server, request.params["name"], parameters)
     return json_response({})
 
 
 async def repository_unload(server: Server, request: Request, exchange: Exchange) -> Response:
-    check_control(server)
+    extensions.check_control(server)
     control_body(server, request)
-    await server.repository.unload(request.params["name"])
+    await extensions.repository_unload(server, request.params["name"])
     return json_response({})
 
 
@@ -594,12 +529,15 @@ def table() -> list[Route]:
         Route("GET", "/v2", v2_server),
         Route("GET", "/v2/health/live", live, open=True),
         Route("GET", "/v2/health/ready", ready, open=True),
+        # before /v2/models/{name}: as in Triton, "stats" here is the statistics of every model
+        Route("GET", "/v2/models/stats", model_stats),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         routes += [
             Route("GET", prefix, model_metadata),
             Route("GET", prefix + "/ready", model_ready),
             Route("GET", prefix + "/config", model_config),
+            Route("GET", prefix + "/stats", model_stats),
             Route("POST", prefix + "/infer", v2_infer, body=v2_body),
         ]
     routes += [

@@ -1,0 +1,901 @@
+"""Triton's own client tests (`qa/` of triton-inference-server/server) against this server: a yardstick.
+
+    python benchmarks/triton_qa.py TRITON_REPO [--suites L0_http,L0_grpc] [--workdir DIR] [--server-root DIR]
+
+TRITON_REPO is a clone of triton-inference-server/server (a bare git directory will do): its qa/ files are read
+with `git archive` (--commit, default HEAD) into a temporary directory; none of Triton's code is kept here.
+
+1. Models: Triton's generators (qa/common/gen_qa_models.py, its --variable run, gen_qa_identity_models.py,
+   gen_qa_ort_scalar_models.py) make the ONNX models of its QA repositories with their config.pbtxt, as
+   qa/common/gen_qa_model_repository does, at --onnx_opset 17 and that opset's IR version (Triton pins an
+   older onnx for this; a newer one writes an IR version this onnxruntime cannot read). BF16 models are left
+   out on this CPU, as L0_infer's test.sh does for its CPU target. The few models Triton takes from its
+   examples and its python and custom backends are made as ONNX models of the same signature (`simple`,
+   `simple_identity`, `string_identity`, and `custom_identity_int32`, an identity calibrated to take 3 s
+   a run as that backend's execute_delay_ms does). Kept in --workdir between runs.
+2. Configurations: each python test run of each test.sh (`runs()` below), with the models it copies into
+   its repository and this server started over it on the ports the tests call (HTTP 8000, gRPC 8001), with
+   the flags that match Triton's: --allow-client-shm=true -> `--shared-memory on`, its absence -> off;
+   --model-control-mode=explicit -> `--model-control explicit`, its absence -> none; --http-max-input-size
+   -> --max-body-bytes. A repository holding a model this server cannot load stops it at start: it is then
+   started with nothing loaded (and explicit control) and each model loaded on its own; the table names the
+   models that failed.
+3. Tests: each file runs as its test.sh runs it (`python test.py`, unittest's runner) with the environment
+   it sets, unchanged but for what this environment has: BACKENDS=onnx and ENSEMBLES=0 where the tests read
+   them, and qa/common/test_util.py's probes for TensorRT, libtorch, OpenVINO and ensemble models answering
+   none. Left out (not run, not counted): ensembles, other backends and python-backend models, the generate
+   endpoint, tracing, restricted-protocol and basic-auth (nginx) cases, CUDA shared memory (no GPU here),
+   the C++ clients. Each test case of each configuration is a run.
+
+It prints, per L0 directory, the runs, passed and failed per configuration, and the failures grouped by
+reason (REASONS, named after the items of issue 49 where they belong), each with an example. A test that
+asserts Triton's own error wording fails here as written: the table is what Triton's tests say, unchanged.
+--server-root runs another checkout's `python -m serving` (e.g. main's) under the same harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+HTTP_PORT, GRPC_PORT = 8000, 8001  # the addresses Triton's tests call (localhost:8000, :8001)
+SUITES = (
+    "L0_http",
+    "L0_grpc",
+    "L0_shared_memory",
+    "L0_infer",
+    "L0_infer_zero",
+    "L0_infer_variable",
+    "L0_input_validation",
+    "L0_client_nobatch",
+    "L0_client_timeout",
+    "L0_scalar_io",
+)
+RUN_TIMEOUT_S = 1500  # one configuration's test file, at most
+SLOW_MODEL_S = 3.0  # custom_identity_int32's run (its config's execute_delay_ms: 3000)
+# The generators' --onnx_opset (Triton's default, 0, is the installed onnx's newest) and its IR version.
+ONNX_OPSET, ONNX_IR_VERSION = 17, 8
+
+
+@dataclass
+class Run:
+    """One configuration of a test.sh: a test file (or some of its tests) against a server over a repository."""
+
+    suite: str
+    script: str
+    label: str
+    # repository models: "REPOSITORY/NAME" (a glob in NAME), "REPOSITORY/NAME=COPY" a renamed copy
+    models: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    # unittest names in the file (Class[.test]); all if none
+    tests: list[str] = field(default_factory=list)
+    # cases left out (not run, not counted): a class or test name, or a word in a test's name
+    exclude: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # this server's, beyond the repository and ports
+    directory: str = "models"  # the repository's folder name (client_test.py names it)
+
+
+# Words of test names left out everywhere: tracing and the generate endpoint are not this server's, and CUDA
+# shared memory needs a GPU (and cuda-python) here.
+LEFT_OUT = ["trace", "generate", "cuda"]
+# Appended to the tests' copy of qa/common/test_util.py: the probes its tests ask which other backends'
+# models (TensorRT, libtorch, OpenVINO) and ensembles this environment has answer none, as BACKENDS=onnx and
+# ENSEMBLES=0 say to the tests that read them (infer_zero_test.py and infer_variable_test.py only ask these).
+ONNX_ONLY = """
+
+# (benchmarks/triton_qa.py of trainserve) ONNX models only in this environment:
+def validate_for_trt_model(*args, **kwargs):
+    return False
+
+
+def validate_for_libtorch_model(*args, **kwargs):
+    return False
+
+
+def validate_for_openvino_model(*args, **kwargs):
+    return False
+
+
+def validate_for_ensemble_model(*args, **kwargs):
+    return False
+"""
+SHM_TESTS = [
+    "test_invalid_create_shm",
+    "test_valid_create_set_register",
+    "test_unregister_before_register",
+    "test_unregister_after_register",
+    "test_reregister_after_register",
+    "test_unregister_after_inference",
+    "test_register_after_inference",
+    "test_too_big_shm",
+    "test_mixed_raw_shm",
+    "test_unregisterall",
+    "test_infer_offset_out_of_bound",
+    "test_infer_byte_size_out_of_bound",
+    "test_infer_integer_overflow",
+    "test_register_out_of_bound",
+    "test_register_reserved_names",
+    "test_register_invalid_shm_key",
+    "test_python_client_leak",
+]
+SIZE_LIMIT_DEFAULT = [
+    "test_default_limit_raw_binary",
+    "test_default_limit_json",
+    "test_large_string_in_json",
+    "test_default_limit_compressed",
+    "test_json_dtype_size_expansion_exceeds_limit_error",
+    "test_no_leak_on_invalid_inference_header_length",
+]
+SIZE_LIMIT_LARGE = [
+    "test_large_input_raw_binary",
+    "test_large_input_json",
+    "test_large_input_compressed",
+]
+TIMEOUT_TESTS = [
+    "test_grpc_infer",
+    "test_grpc_async_infer",
+    "test_grpc_stream_infer",
+    "test_http_infer",
+    "test_http_async_infer",
+]
+QA, VARIABLE, IDENTITY, SCALAR, EXTRA = (
+    "qa_model_repository",
+    "qa_variable_model_repository",
+    "qa_identity_model_repository",
+    "qa_scalar_models",
+    "extra",
+)
+ONNX_NO_BF16 = f"{QA}/onnx_*"  # (bf16 models are not generated here: see `generate`)
+SHM_ON = ["--shared-memory", "on"]
+SHM_OFF = ["--shared-memory", "off"]
+EXPLICIT = ["--model-control", "explicit"]
+HTTP_UNIT_MODELS = [
+    f"{IDENTITY}/onnx_zero_1_float32",
+    f"{IDENTITY}/onnx_zero_1_object",
+    f"{IDENTITY}/onnx_zero_1_float16",
+    f"{IDENTITY}/onnx_zero_3_float32",
+    f"{IDENTITY}/onnx_zero_1_object=onnx_zero_1_object_1_element",
+    f"{IDENTITY}/onnx_zero_1_float32=onnx_zero_1_float32_queue",
+    f"{EXTRA}/simple_identity",
+]
+
+
+def runs() -> list[Run]:
+    """Each test.sh's python test runs: its test files, environment, server flags and models (their
+    configurations as the test.sh runs them; see the module's docstring for what is left out)."""
+    found = [
+        Run("L0_http", "http_test.py", "explicit", HTTP_UNIT_MODELS, flags=SHM_OFF + EXPLICIT),
+        Run("L0_http", "python_http_aio_test.py", "shm", [f"{EXTRA}/simple"], flags=SHM_ON),
+        Run(
+            "L0_http",
+            "http_input_size_limit_test.py",
+            "default limit",
+            [f"{IDENTITY}/onnx_zero_1_float32", f"{EXTRA}/simple_identity"],
+            tests=[f"InferSizeLimitTest.{t}" for t in SIZE_LIMIT_DEFAULT],
+            flags=SHM_OFF,
+        ),
+        Run(
+            "L0_http",
+            "http_input_size_limit_test.py",
+            "--http-max-input-size=2**27",
+            [f"{IDENTITY}/onnx_zero_1_float32", f"{EXTRA}/simple_identity"],
+            tests=[f"InferSizeLimitTest.{t}" for t in SIZE_LIMIT_LARGE],
+            flags=SHM_OFF + ["--max-body-bytes", str(2**27 + (1 << 20))],
+        ),
+        Run(
+            "L0_grpc",
+            "python_unit_test.py",
+            "default",
+            [f"{EXTRA}/simple", f"{EXTRA}/string_identity"],
+            # (its test.sh runs RestrictedProtocolTest against a server started with
+            # --grpc-restricted-protocol: left out)
+            exclude=["RestrictedProtocolTest"],
+            flags=SHM_OFF,
+        ),
+        Run("L0_grpc", "python_grpc_aio_test.py", "shm", [f"{EXTRA}/simple"], flags=SHM_ON),
+    ]
+    for client in ("http", "grpc"):
+        found += [
+            Run(
+                "L0_shared_memory",
+                "shared_memory_test.py",
+                f"{client}, shm off",
+                [f"{QA}/onnx_int32_int32_int32"],
+                env={"CLIENT_TYPE": client},
+                tests=["SharedMemoryTest.test_client_shm_disabled_by_default"],
+                flags=SHM_OFF,
+            ),
+            Run(
+                "L0_shared_memory",
+                "shared_memory_test.py",
+                f"{client}, shm on",
+                [f"{QA}/onnx_int32_int32_int32=simple"],
+                env={"CLIENT_TYPE": client},
+                tests=[f"SharedMemoryTest.{t}" for t in SHM_TESTS],
+                flags=SHM_ON,
+            ),
+            Run(
+                "L0_shared_memory",
+                "shared_memory_test.py",
+                f"{client}, large offset",
+                [f"{QA}/onnx_int32_int32_int32"],
+                env={"CLIENT_TYPE": client, "BACKENDS": "onnx"},
+                tests=["SharedMemoryTest.test_large_shm_register_offset"],
+                flags=SHM_ON,
+            ),
+        ]
+    onnx_only = {"BACKENDS": "onnx", "ENSEMBLES": "0", "TRITON_SERVER_CPU_ONLY": "1"}
+    found += [
+        Run("L0_infer", "infer_test.py", "cpu", [ONNX_NO_BF16], env=onnx_only, flags=SHM_OFF),
+        Run(
+            "L0_infer",
+            "infer_test.py",
+            "cpu, system shm",
+            [ONNX_NO_BF16],
+            env=onnx_only | {"TEST_SYSTEM_SHARED_MEMORY": "1"},
+            flags=SHM_ON,
+        ),
+        Run(
+            "L0_infer_zero",
+            "infer_zero_test.py",
+            "default",
+            [f"{IDENTITY}/*"],
+            env=onnx_only,
+            flags=SHM_OFF,
+        ),
+        Run(
+            "L0_infer_variable",
+            "infer_variable_test.py",
+            "cpu",
+            [f"{VARIABLE}/*"],
+            env=onnx_only,
+            flags=SHM_OFF,
+        ),
+        Run(
+            "L0_input_validation",
+            "input_validation_test.py",
+            "shape",
+            [f"{QA}/onnx_object_int32_int32"],
+            tests=["InputShapeTest"],
+            # (pt_identity is a PyTorch model, the shape-tensor models TensorRT ones)
+            exclude=["test_input_shape_validation", "test_wrong_input_shape_tensor_size"],
+            flags=SHM_ON,
+        ),
+        Run(
+            "L0_input_validation",
+            "input_validation_test.py",
+            "model names",
+            [],
+            tests=["ModelNameValidationTest"],
+            flags=SHM_OFF + EXPLICIT,
+        ),
+        Run(
+            "L0_client_nobatch",
+            "client_test.py",
+            "default",
+            [ONNX_NO_BF16],
+            flags=SHM_OFF,
+            directory=QA,
+        ),
+        Run(
+            "L0_client_timeout",
+            "client_infer_timeout_test.py",
+            "default",
+            [f"{EXTRA}/custom_identity_int32"],
+            tests=[f"ClientInferTimeoutTest.{t}" for t in TIMEOUT_TESTS],
+            flags=SHM_OFF,
+        ),
+        Run(
+            "L0_client_timeout",
+            "client_non_infer_timeout_test.py",
+            "explicit, shm",
+            [f"{EXTRA}/custom_identity_int32"],
+            env={"TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC": "2"},
+            flags=SHM_ON + EXPLICIT,
+        ),
+        Run(
+            "L0_scalar_io",
+            "scalar_test.py",
+            "default",
+            [f"{SCALAR}/*"],
+            env={"BACKENDS": "onnx"},
+            flags=SHM_OFF,
+        ),
+    ]
+    return found
+
+
+# ---- Triton's files and models ----------------------------------------------------------------------------------
+
+
+def fetch_qa(repo: Path, commit: str, into: Path) -> Path:
+    """qa/common and the suites' directories of `repo` at `commit`, copied into `into`/qa."""
+    paths = ["qa/common", *(f"qa/{suite}" for suite in SUITES)]
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", commit, *paths], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "qa"
+
+
+def generate(qa: Path, models: Path) -> None:
+    """Triton's ONNX QA repositories (as gen_qa_model_repository makes them), and the few models it takes
+    from elsewhere. Kept in `models` between runs of this script."""
+    common = qa / "common"
+    opset = ["--onnx_opset", str(ONNX_OPSET)]
+    steps = {
+        QA: ["gen_qa_models.py", "--onnx", *opset],
+        VARIABLE: ["gen_qa_models.py", "--onnx", "--variable", *opset],
+        IDENTITY: ["gen_qa_identity_models.py", "--onnx", *opset],
+        SCALAR: ["gen_qa_ort_scalar_models.py", *opset],
+    }
+    for repository, command in steps.items():
+        target = models / repository
+        if target.is_dir() and any(target.iterdir()):
+            continue
+        print(f"generating {repository} ({' '.join(command)})", flush=True)
+        subprocess.run(
+            [PYTHON, *command, "--models_dir", str(target)],
+            cwd=common,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        # onnxruntime has no CPU kernels for their BF16 arithmetic (L0_infer removes them on its CPU target)
+        for bf16 in target.glob("*bf16*"):
+            shutil.rmtree(bf16)
+        for path in target.glob("*/*/model.onnx"):
+            readable_ir(path)
+    extra = models / EXTRA
+    if not (extra / "custom_identity_int32").is_dir():
+        make_extra_models(models, extra)
+
+
+def readable_ir(path: Path) -> None:
+    """Triton generates its models with the onnx it pins (1.20.1); a newer onnx writes an IR version that this
+    onnxruntime may not read yet. The generators' ops are those of ONNX_OPSET: the model is stamped with that
+    opset's IR version (its graph is unchanged)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    if model.ir_version > ONNX_IR_VERSION:
+        model.ir_version = ONNX_IR_VERSION
+        onnx.save(model, str(path))
+
+
+def copy_model(source: Path, target: Path) -> None:
+    """A model directory under another name: its config.pbtxt's name follows (as test.sh's sed does)."""
+    shutil.copytree(source, target)
+    config = target / "config.pbtxt"
+    if config.exists():
+        text = re.sub(
+            r'^name: ".*"', f'name: "{target.name}"', config.read_text(), count=1, flags=re.M
+        )
+        config.write_text(text)
+
+
+def make_extra_models(models: Path, extra: Path) -> None:
+    """The models Triton's QA takes from its examples or its python and custom backends, as ONNX models of the
+    same signature: `simple` (INT32 INPUT0, INPUT1 [16] -> sum, difference; max_batch_size 8: the generated
+    onnx_int32_int32_int32), `simple_identity` and `string_identity` (BYTES identity, batched and not), and
+    `custom_identity_int32` (INT32 identity that takes SLOW_MODEL_S a run)."""
+    extra.mkdir(parents=True, exist_ok=True)
+    copy_model(models / QA / "onnx_int32_int32_int32", extra / "simple")
+    copy_model(models / IDENTITY / "onnx_zero_1_object", extra / "simple_identity")
+    copy_model(models / IDENTITY / "onnx_nobatch_zero_1_object", extra / "string_identity")
+    slow = extra / "custom_identity_int32"
+    (slow / "1").mkdir(parents=True)
+    write_slow_identity(slow / "1" / "model.onnx", SLOW_MODEL_S)
+    (slow / "config.pbtxt").write_text(
+        'name: "custom_identity_int32"\nbackend: "onnxruntime"\nmax_batch_size: 1024\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+    )
+
+
+def slow_identity(iterations: int):
+    """OUTPUT0 = INPUT0 + 0 * (a loop of `iterations` 256x256 matrix products that depends on the input, so
+    that onnxruntime cannot fold it away)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    size = 256
+    weights = np.random.default_rng(0).normal(scale=1 / 16, size=(size, size)).astype(np.float32)
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x_in", "W"], ["product"]),
+            helper.make_node("Tanh", ["product"], ["x_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [size, size]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [size, size]),
+        ],
+    )
+    nodes = [
+        helper.make_node("ReduceSum", ["INPUT0"], ["total"], keepdims=0),
+        helper.make_node("Cast", ["total"], ["total_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["total_f", "zero_f"], ["nothing_f"]),
+        helper.make_node("Add", ["W", "nothing_f"], ["x0"]),
+        helper.make_node("Loop", ["trips", "true", "x0"], ["x_final"], body=body),
+        helper.make_node("ReduceSum", ["x_final"], ["s"], keepdims=0),
+        helper.make_node("Mul", ["s", "zero_f"], ["z"]),
+        helper.make_node("Cast", ["z"], ["z_i"], to=TensorProto.INT32),
+        helper.make_node("Add", ["INPUT0", "z_i"], ["OUTPUT0"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "custom_identity_int32",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.INT32, [-1, -1])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.INT32, [-1, -1])],
+        [
+            numpy_helper.from_array(weights, "W"),
+            numpy_helper.from_array(np.array(0.0, np.float32), "zero_f"),
+            numpy_helper.from_array(np.array(iterations, np.int64), "trips"),
+            numpy_helper.from_array(np.array(True), "true"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def write_slow_identity(path: Path, seconds: float) -> None:
+    """The slow identity, its loop count calibrated on this machine (one onnxruntime thread) to `seconds`."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    trial = 200
+    session = ort.InferenceSession(slow_identity(trial).SerializeToString(), options)
+    feed = {"INPUT0": np.array([[10]], np.int32)}
+    session.run(None, feed)
+    started = time.perf_counter()
+    session.run(None, feed)
+    per_iteration = (time.perf_counter() - started) / trial
+    onnx.save(slow_identity(max(1, round(seconds / per_iteration))), str(path))
+
+
+def build_repository(run: Run, models: Path, into: Path) -> Path:
+    repository = into / run.directory
+    repository.mkdir(parents=True)
+    for spec in run.models:
+        source, _, renamed = spec.partition("=")
+        parent, _, pattern = source.rpartition("/")
+        for found in sorted((models / parent).glob(pattern)):
+            copy_model(found, repository / (renamed or found.name))
+    return repository
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+
+
+class Server:
+    """`python -m serving` over a repository on the tests' ports; killed by its pid."""
+
+    def __init__(self, repository: Path, flags: list[str], log: Path, root: Path = ROOT):
+        self.repository, self.flags, self.log_path = repository, flags, log
+        self.root = root  # the checkout whose `serving` runs
+        self.process: subprocess.Popen | None = None
+        self.note = ""  # how it was started, when not as asked
+        self.unloadable: dict[str, str] = {}  # model -> why it did not load
+
+    def _start(self, extra: list[str]) -> bool:
+        # Triton's default --model-control-mode is none (no load API); this server's, with a repository,
+        # is explicit
+        control = [] if "--model-control" in self.flags + extra else ["--model-control", "none"]
+        command = [
+            PYTHON,
+            "-m",
+            "serving",
+            "--repository",
+            str(self.repository),
+            "--port",
+            str(HTTP_PORT),
+            "--grpc-port",
+            str(GRPC_PORT),
+            "--threads",
+            "1",
+            *self.flags,
+            *control,
+            *extra,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.root, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            code = http_status("/v2/health/live")
+            if code == 200:
+                # live; ready once every model it loads at start is warm (or none is asked)
+                if http_status("/v2/health/ready") == 200 or "--load-model" in extra:
+                    return True
+            time.sleep(0.2)
+        self.stop()
+        return False
+
+    def start(self) -> None:
+        """Over the whole repository, as Triton starts; if that stops it, with nothing loaded and then each
+        model loaded on its own (the ones that fail are `unloadable`)."""
+        models = sorted(p.name for p in self.repository.iterdir() if p.is_dir())
+        if models and self._start([]):
+            return
+        if models:
+            why = last_error(self.log_path)
+            self.note = (
+                f"refused to start over the repository ({why[:160]}); models loaded one by one"
+            )
+        explicit = [] if "--model-control" in self.flags else EXPLICIT
+        if not self._start([*explicit, "--load-model", ""]):
+            raise RuntimeError(f"the server did not start: {last_error(self.log_path)}")
+        for model in models:
+            code, body = http_post(f"/v2/repository/models/{model}/load")
+            if code != 200:
+                self.unloadable[model] = body[:200]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+
+def http_status(path: str) -> int:
+    import requests
+
+    try:
+        return requests.get(f"http://127.0.0.1:{HTTP_PORT}{path}", timeout=2).status_code
+    except requests.RequestException:
+        return 0
+
+
+def http_post(path: str) -> tuple[int, str]:
+    import requests
+
+    try:
+        response = requests.post(f"http://127.0.0.1:{HTTP_PORT}{path}", timeout=300)
+        return response.status_code, response.text
+    except requests.RequestException as exc:
+        return 0, str(exc)
+
+
+def last_error(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    wanted = [line for line in lines if "error" in line.lower()]
+    return (wanted or lines or ["(no log)"])[-1][:300]
+
+
+def ports_free() -> bool:
+    import socket
+
+    for port in (HTTP_PORT, GRPC_PORT):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+# ---- running and reading the tests ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    run: Run
+    results: dict[str, tuple[str, str]]  # test -> (passed|failed|skipped, the failure's message)
+    note: str = ""
+
+
+# Runs a test file's unittest cases as its test.sh does (`python test.py`: their TestResultCollector needs
+# unittest's runner, not pytest's) and writes each case's outcome to a JSON file after every case.
+RUNNER = """
+import importlib, json, os, sys, unittest
+
+module_name, out, *names = sys.argv[1:]
+sys.argv = sys.argv[:1]
+sys.path.insert(0, ".")
+module = importlib.import_module(module_name)
+loader = unittest.TestLoader()
+suite = loader.loadTestsFromNames(names, module) if names else loader.loadTestsFromModule(module)
+excluded = [word for word in os.environ.get("TRITON_QA_EXCLUDE", "").split(",") if word]
+
+
+def cases(tests):
+    for test in tests:
+        if isinstance(test, unittest.TestSuite):
+            yield from cases(test)
+        elif not any(word in test.id() for word in excluded):
+            yield test
+
+
+suite = unittest.TestSuite(cases(suite))
+
+
+class Result(unittest.TextTestResult):
+    outcomes = {}
+
+    def note(self, test, status, text=""):
+        self.outcomes[test.id()] = (status, text)
+        with open(out, "w") as f:
+            json.dump(self.outcomes, f)
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.note(test, "passed")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.note(test, "failed", self._exc_info_to_string(err, test)[-1500:])
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.note(test, "failed", self._exc_info_to_string(err, test)[-1500:])
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.note(test, "skipped", reason)
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self.note(test, "passed")
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self.note(test, "failed", "unexpected success")
+
+
+with open(out, "w") as f:
+    json.dump({}, f)
+unittest.TextTestRunner(resultclass=Result, verbosity=2).run(suite)
+"""
+
+
+def run_tests(
+    run: Run, qa: Path, work: Path, report: Path, server_pid: int, log: Path
+) -> dict[str, tuple[str, str]]:
+    """The test file's cases in a copy of its suite's directory; test -> (status, message)."""
+    suite = work / run.suite
+    if not suite.exists():
+        shutil.copytree(qa / run.suite, suite)
+    if not (work / "common").exists():
+        # the tests import qa/common's helpers from ../common
+        os.symlink(qa / "common", work / "common", target_is_directory=True)
+    runner = work / "run_unittest.py"
+    runner.write_text(RUNNER)
+    command = [PYTHON, str(runner), run.script.removesuffix(".py"), str(report), *run.tests]
+    env = (
+        os.environ
+        | {
+            "PYTHONPATH": str(qa / "common"),
+            "SERVER_PID": str(server_pid),
+            "TRITON_QA_EXCLUDE": ",".join(run.exclude + LEFT_OUT),
+        }
+        | run.env
+    )
+    with open(log, "ab") as output:
+        try:
+            subprocess.run(
+                command,
+                cwd=suite,
+                env=env,
+                timeout=RUN_TIMEOUT_S,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        except subprocess.TimeoutExpired:
+            pass
+    results = {}
+    if report.exists():
+        for test, (status, message) in json.loads(report.read_text()).items():
+            results[test.removeprefix(run.script.removesuffix(".py") + ".")] = (status, message)
+    if not results:
+        results["(the whole file)"] = ("failed", f"no test ran (see {log})")
+    return results
+
+
+def reason(test: str, message: str) -> str:
+    """A failure as a reason: the first of REASONS that matches "<test id> | <the last line of its traceback>"
+    (the server's or the assertion's words), else that line with numbers and names made alike."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    text = lines[-1] if lines else message
+    for pattern, reason_ in REASONS:
+        if re.search(pattern, f"{test} | {text}"):
+            return reason_
+    text = re.sub(r"'[^']{0,80}'", "'…'", text)
+    text = re.sub(r"\b\d+(\.\d+)?\b", "N", text)
+    return text[:140]
+
+
+# First match wins, over "<test id> | <last line>": the reasons found, named by the item of issue 49 (or the
+# protocol feature) they belong to.
+REASONS = [
+    (r"UNIMPLEMENTED", "gRPC: method not implemented (item 5)"),
+    (r"unknown model '(stats|…)'|/stats", "statistics extension missing (item 5)"),
+    (
+        r"tensor\(string\)|TYPE_STRING|BYTES|_object|simple_identity|string_identity",
+        "BYTES tensors (item 3)",
+    ),
+    (r"test_class_|test_mix_|classification", "classification extension ignored (item 4)"),
+    (
+        r"unable to set the shared memory region",
+        "shared memory: a client region left over from a refused unregister (item 2)",
+    ),
+    (
+        r"already registered; unregister it first|not registered|is not registered",
+        "shared memory: unregistering an unknown region, re-registering (item 2)",
+    ),
+    (r"shared memory is off|--shared-memory off", "shared memory off: status refused (item 2)"),
+    (
+        r"zero-length, empty document|Raw request|raw input|test_raw_binary",
+        "raw binary requests (item 6)",
+    ),
+    (
+        r"the request has no rows|disagree on the number of rows",
+        "first axis taken as rows (item 1)",
+    ),
+    (r"has no version \d+ loaded|test_raw_version", "config.pbtxt version_policy not followed"),
+    (
+        r"ClientNonInferTimeoutTest",
+        "needs Triton's server-side delay hook (TRITONSERVER_SERVER_DELAY_*)",
+    ),
+    (r"test_get_server_metadata", "the server's name asserted ('triton')"),
+    (r"not found in|does not match|!= \d+ : Expected", "Triton's error wording or status asserted"),
+    (r"Connection refused|failed to connect|UNAVAILABLE", "server not reachable"),
+    (r"timed out after|no test ran", "the test file did not finish"),
+]
+
+
+def table(outcomes: list[Outcome]) -> str:
+    lines = []
+    by_suite: dict[str, list[Outcome]] = collections.defaultdict(list)
+    for outcome in outcomes:
+        by_suite[outcome.run.suite].append(outcome)
+    grand = collections.Counter()
+    for suite, items in by_suite.items():
+        lines += [
+            "",
+            f"## {suite}",
+            "",
+            "| configuration | runs | passed | failed |",
+            "|---|---:|---:|---:|",
+        ]
+        reasons: dict[str, list[str]] = collections.defaultdict(list)
+        for outcome in items:
+            counts = collections.Counter(status for status, _ in outcome.results.values())
+            runs_ = counts["passed"] + counts["failed"]
+            label = f"{outcome.run.script} ({outcome.run.label})"
+            lines.append(f"| {label} | {runs_} | {counts['passed']} | {counts['failed']} |")
+            grand.update(runs=runs_, passed=counts["passed"], failed=counts["failed"])
+            grand[f"{suite}.runs"] += runs_
+            for test, (status, message) in outcome.results.items():
+                if status == "failed":
+                    last = [line for line in message.splitlines() if line.strip()][-1:] or [""]
+                    reasons[reason(test, message)].append(f"{test}: {last[0].strip()[:160]}")
+            if outcome.note:
+                lines.append(f"| ↳ {outcome.note[:600]} | | | |")
+        if reasons:
+            lines += ["", "failures by reason:"]
+            for why, examples in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"- {len(examples)} × {why}  (e.g. {examples[0][:220]})")
+    lines += [
+        "",
+        f"**all: {grand['runs']} runs, {grand['passed']} passed, {grand['failed']} failed**",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "repo", type=Path, help="a clone of triton-inference-server/server (bare is fine)"
+    )
+    parser.add_argument("--commit", default="HEAD", help="the commit of it to read (default HEAD)")
+    parser.add_argument(
+        "--suites", default=",".join(SUITES), help="comma-separated L0 directories (default: all)"
+    )
+    parser.add_argument(
+        "--server-root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose `python -m serving` runs (default: this one), e.g. another commit's",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the generated models (and logs) here between runs (default: a temporary directory)",
+    )
+    args = parser.parse_args(argv)
+    wanted = [s.strip() for s in args.suites.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SUITES))
+    if unknown:
+        print(
+            f"triton_qa: unknown suite(s) {unknown}; choose from {', '.join(SUITES)}",
+            file=sys.stderr,
+        )
+        return 2
+    if not (args.repo / "HEAD").exists() and not (args.repo / ".git").exists():
+        print(f"triton_qa: {args.repo} is not a git repository", file=sys.stderr)
+        return 2
+    if not ports_free():
+        print(
+            f"triton_qa: ports {HTTP_PORT} and {GRPC_PORT} (Triton's tests' own) must be free",
+            file=sys.stderr,
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="triton-qa-") as temporary:
+        base = args.workdir or Path(temporary)
+        base.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="runs-", dir=base))
+        qa = fetch_qa(args.repo, args.commit, scratch)
+        models = base / "models"
+        generate(qa, models)
+        with open(qa / "common" / "test_util.py", "a") as test_util:
+            test_util.write(ONNX_ONLY)
+        outcomes = []
+        for index, run in enumerate(r for r in runs() if r.suite in wanted):
+            where = scratch / f"repository-{index}"
+            repository = build_repository(run, models, where)
+            server = Server(
+                repository, run.flags, scratch / f"server-{index}.log", args.server_root
+            )
+            started = time.monotonic()
+            try:
+                server.start()
+                report = scratch / f"report-{index}.json"
+                log = scratch / f"client-{index}.log"
+                results = run_tests(run, qa, scratch / "tests", report, server.pid, log)
+            except RuntimeError as exc:
+                results = {"(the whole file)": ("failed", str(exc))}
+            finally:
+                server.stop()
+            note = server.note
+            if server.unloadable:
+                note += f"; {len(server.unloadable)} not loaded: " + ", ".join(
+                    sorted(server.unloadable)
+                )
+            outcomes.append(Outcome(run, results, note))
+            passed = sum(1 for s, _ in results.values() if s == "passed")
+            print(
+                f"{run.suite} {run.script} ({run.label}): {passed}/{len(results)} passed "
+                f"in {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+        print(table(outcomes))
+        print(f"\n(logs: {scratch})" if args.workdir else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
