@@ -160,7 +160,9 @@ class Server:
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
         # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU (lifespan).
         self.shared_memory = SharedMemory(
-            int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on"
+            int(settings.max_shared_memory_mb * (1 << 20)),
+            settings.shared_memory == "on",
+            tokened=bool(self._tokens),
         )
         # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken by the
         # decoding thread itself, so no loop waits on it.

@@ -134,6 +134,7 @@ class V2Binary:
         self._checked = 0  # of which checked for NaN and Inf (see `wrote`)
         self.nonfinite: str | None = None  # the first input found to hold NaN or Inf
         self.placed = False  # received into a batch buffer's rows
+        self.views: dict | None = None  # those rows
         self.error: Exception | None = None
         self._discard: Discard | None = None
         if header_length == 0:
@@ -212,7 +213,7 @@ class V2Binary:
         if self.error is not None:
             self._discard = Discard(self.length - self.filled)
             return
-        views = self._placed()
+        views = self.views = self._placed()
         self.placed = views is not None
         for item in self.parsed.binary_inputs:
             array = (
@@ -227,18 +228,11 @@ class V2Binary:
 
     def _placed(self) -> dict | None:
         """The rows of a batch buffer this request's inputs go straight into, when it can have them: every model
-        input sent as binary data, all with the same rows (see serving/batcher.py)."""
-        items = self.parsed.binary_inputs
-        if (
-            self.place is None
-            or len(items) != len(self.specs)
-            or any(i.ref is not None for i in self.parsed.inputs)
-        ):
+        input sent as binary data or placed in shared memory (read into them at `finish`), all with the same rows
+        (see serving/batcher.py)."""
+        if self.place is None:
             return None
-        rows = {item.shape[0] if item.shape else -1 for item in items}
-        if len(rows) != 1 or min(rows) <= 0:
-            return None
-        return self.place(rows.pop())
+        return codec.placed_rows(self.parsed, self.specs, self.place)
 
     def result(self) -> "V2Binary":
         return self
@@ -252,9 +246,14 @@ class V2Binary:
         arrived); `shared` reads the inputs placed in shared memory."""
         if self.nonfinite is not None:
             raise BadRequest(str(NonFinite(self.nonfinite)))
-        return codec.finish_v2(self.parsed, self.arrays, self.specs, shared)
+        return codec.finish_v2(self.parsed, self.arrays, self.specs, shared, self.views)
 
     @property
     def checked(self) -> bool:
-        """Every value of its binary data was checked as it arrived (it needs no other pass)."""
-        return self.parsed is not None and self.nonfinite is None
+        """Every value of its binary data was checked as it arrived (it needs no other pass): none of its inputs
+        is read from shared memory at `finish`."""
+        return (
+            self.parsed is not None
+            and self.nonfinite is None
+            and all(item.ref is None for item in self.parsed.inputs)
+        )
