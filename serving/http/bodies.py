@@ -11,6 +11,11 @@
 A body is `direct` when the connection may receive into its memory itself (`view`/`wrote`); bytes that arrived
 with the head are handed in with `take`. `done` once every byte is in; an error found on the way (a malformed V2
 header) is kept in `error`, the rest of the body still read and dropped, so that the client reads the refusal.
+
+Memory for a body becomes resident only as its bytes land in it (`receiving`): a head declares a size, and a
+buffer of that size zero-filled at once would be resident before a byte arrives (40 connections sending only
+heads that declared 16 MiB held 642 MiB until their read timeout). What is received is still received once, into
+the memory it is read from.
 """
 
 from __future__ import annotations
@@ -24,11 +29,18 @@ from serving.staging import NonFinite, finite_bytes
 _SCRATCH = memoryview(bytearray(1 << 16))  # what discarded bytes are received into (never read)
 
 
+def receiving(nbytes: int) -> memoryview:
+    """`nbytes` of writable memory for a body to be received into, never written before the body's bytes are:
+    malloc's fresh pages become resident only when touched (a bytearray is zero-filled, every page touched at
+    once), and pages it reuses were resident already."""
+    return memoryview(np.empty(nbytes, np.uint8))
+
+
 class Bytes:
     direct = True
 
     def __init__(self, length: int):
-        self.data = bytearray(length)
+        self.data = receiving(length)
         self.filled = 0
         self.error: Exception | None = None
 
@@ -37,7 +49,7 @@ class Bytes:
         return self.filled >= len(self.data)
 
     def view(self) -> memoryview:
-        return memoryview(self.data)[self.filled :]
+        return self.data[self.filled :]
 
     def wrote(self, n: int) -> None:
         self.filled += n
@@ -49,7 +61,7 @@ class Bytes:
         return n
 
     def result(self) -> bytes:
-        return bytes(self.data)
+        return self.data.tobytes()
 
 
 class Discard:
@@ -121,7 +133,7 @@ class V2Binary:
             place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
         )
         self.seen = seen  # headers of this model already checked (see _parse), or None
-        self.header = bytearray(header_length)
+        self.header = receiving(header_length)
         self.length = length
         self.specs, self.output_names, self.limits = specs, output_names, limits
         self.filled = 0  # bytes of the body in so far
@@ -148,7 +160,7 @@ class V2Binary:
         if self._discard is not None:
             return self._discard.view()
         if self.filled < len(self.header):
-            return memoryview(self.header)[self.filled :]
+            return self.header[self.filled :]
         return self._targets[0][0][self._at :]
 
     def wrote(self, n: int) -> None:
