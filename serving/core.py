@@ -342,7 +342,7 @@ class Server:
     def mirror(
         self,
         slot: Slot,
-        request_id: str,
+        server_id: str,
         feeds: dict[str, np.ndarray],
         rows: int,
         results: dict[str, np.ndarray],
@@ -352,7 +352,8 @@ class Server:
     ) -> None:
         """Hands a request drawn for the sample (`mirrored`) to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
-        counted; the champion's answer is never held up by it."""
+        counted; the champion's answer is never held up by it. Both answers are kept under `server_id`, the
+        server's own id of the request (never one a client chose)."""
         name = slot.model.info.name
         shadow = self.shadows.get(name)
         if shadow is None:
@@ -360,10 +361,10 @@ class Server:
         champion, challenger = self._pair(name, shadow)
         if challenger is None or slot is not champion:
             return  # a request that named another version: not the champion's traffic
-        shadow.answered(request_id, results)
+        shadow.answered(server_id, results)
         if not mirrored:
             return
-        pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms, source)
+        pair = (challenger, slot.version, server_id, feeds, rows, results, champion_ms, source)
         if asyncio.get_running_loop() is self.loop:
             self._enqueue_mirror(name, slot, pair)
         else:  # answered on another HTTP loop: the mirror's queue is the main loop's
@@ -804,6 +805,9 @@ class Server:
                 else new_request_id()
             )
         exchange.answered_by(slot, rid)
+        # The server's own id of this answer, whatever the client sent: what the shadow keeps its answers under,
+        # so that a client can neither predict nor reuse another's (the receipt's X-Server-Request-Id).
+        server_id = exchange.server_id = new_request_id()
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.
         mirrored = (
@@ -835,7 +839,7 @@ class Server:
         self.log_payload(rid, endpoint, slot, feeds, results)
         self.mirror(
             slot,
-            rid,
+            server_id,
             feeds,
             request.rows,
             results,

@@ -392,15 +392,15 @@ async def shadow(server: Server, request: Request, exchange: Exchange) -> Respon
 
 
 async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
-    """Labels that arrived later: {"labels": [{"id": "<X-Request-Id>", "target": ...}, ...]}, joined with what
-    the champion and the challenger answered for those requests."""
+    """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]}, joined with
+    what the champion and the challenger answered for those requests (serving/shadow.py)."""
     comparison = server.shadow(request.params["name"])
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or not items:
         raise Refused(
             400,
-            'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
+            'the body must be {"labels": [{"id": "<the X-Server-Request-Id of an answer>", "target": '
             "<its true class index, mask or value>}, ...]}",
         )
     if len(items) > FEEDBACK_MAX:
@@ -412,7 +412,7 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
         if not (isinstance(item, dict) and isinstance(item.get("id"), str) and "target" in item):
             raise Refused(
                 400,
-                f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
+                f'labels[{i}] must be {{"id": "<X-Server-Request-Id>", "target": <value>}}, got '
                 f"{codec.dumps(item)[:80]!r}",
             )
         try:
