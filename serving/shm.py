@@ -279,10 +279,17 @@ class SharedMemory:
             return [mine[key].status() for key in sorted(mine) if key[0] == kind]
 
     def close(self) -> None:
+        """Every region let go: now, or (one a request still holds) when that request ends; a descriptor closed
+        under a read could be another file's by the time the read runs."""
+        gone = []
         with self._lock:
-            regions = [r for mine in self._owners.values() for r in mine.values()]
-            self._owners, self._bytes, self._count = {}, {}, 0
-        for region in regions:
+            for owner, mine in list(self._owners.items()):
+                for region in list(mine.values()):
+                    if region.users:
+                        region.leaving = True
+                    else:
+                        gone.append(self._forget(owner, region))
+        for region in gone:
             region.release()
 
     # ---- inference ----
