@@ -76,9 +76,8 @@ class Rule:
     min_labels: int = 100  # labels needed before they decide
     tolerance: float = 0.01  # labels: the challenger's live metric may be this much worse
     max_latency_ratio: float = math.inf
-    max_source_share: float = (
-        0.5  # of the labelled pairs, the most one client (address) may have sent
-    )
+    # of the labelled pairs, the most one client (address) may have sent for labels to promote
+    max_source_share: float = 0.5
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -227,9 +226,8 @@ class Shadow:
         if old is not None:
             if old[1] is not None or kept[1] is None:
                 return
-            s.answer_bytes += kept[1].nbytes
-            s.answers[request_id] = (old[0], kept[1], kept[2])
-            return
+            kept = (old[0], kept[1], kept[2])
+            s.answer_bytes -= _nbytes(old)
         s.answers[request_id] = kept
         s.answer_bytes += _nbytes(kept)
         while s.answers and (len(s.answers) > ANSWERS_KEPT or s.answer_bytes > ANSWER_BYTES_KEPT):

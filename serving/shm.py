@@ -51,7 +51,8 @@ from serving.codec import BadRequest, Ref
 from serving.envelope import Refused
 
 MAX_REGIONS = 256  # per client (token)
-MAX_REGIONS_TOTAL = 4096  # over every client: each system region holds one descriptor
+# over every client: each system region holds one descriptor
+MAX_REGIONS_TOTAL = 4096
 SHM_DIR = "/dev/shm"
 RETRY_AFTER = {"Retry-After": "1"}
 _KEY = re.compile(r"/?[A-Za-z0-9_.@:+-]{1,250}")
@@ -142,7 +143,8 @@ class SharedMemory:
         tokened: bool = True,
         max_regions: int | None = None,
     ):
-        self.max_bytes = max_bytes  # per client
+        # per client
+        self.max_bytes = max_bytes
         self.enabled = enabled
         # the server's GPU when it serves on one; None: no CUDA regions
         self.cuda_device = cuda_device
@@ -150,8 +152,9 @@ class SharedMemory:
         self.max_regions = fd_budget() if max_regions is None else max_regions
         self._lock = threading.Lock()
         self._owners: dict[str, dict[tuple[str, str], Region]] = {}
-        self._bytes: dict[str, int] = {}  # owner -> byte_size of its regions
-        self._count = 0  # regions over every owner
+        # owner -> the byte_size of its regions; and the regions of every owner
+        self._bytes: dict[str, int] = {}
+        self._count = 0
 
     # ---- registering ----
 

@@ -146,7 +146,8 @@ class V2Binary:
         self._checked = 0  # of which checked for NaN and Inf (see `wrote`)
         self.nonfinite: str | None = None  # the first input found to hold NaN or Inf
         self.placed = False  # received into a batch buffer's rows
-        self.views: dict | None = None  # those rows
+        # those rows (inputs in shared memory are read into theirs at `finish`)
+        self.views: dict | None = None
         self.error: Exception | None = None
         self._discard: Discard | None = None
         if header_length == 0:
