@@ -226,7 +226,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     ),
     "shadow-min-labels": (
         int,
-        "labelled pairs (POST /v2/models/NAME/feedback) before labels decide (default 100)",
+        "labelled pairs (POST /v2/models/NAME/feedback) before labels decide; only labels "
+        "promote (default 100)",
     ),
     "shadow-tolerance": (
         float,
@@ -239,8 +240,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     ),
     "shadow-max-source-share": (
         float,
-        "largest share of the pairs one client address may have sent for the "
-        "verdict to decide (default 0.5; 1: no limit, for a server behind a proxy, "
+        "largest share of the labelled pairs one client address may have sent for "
+        "labels to promote (default 0.5; 1: no limit, for a server behind a proxy, "
         "where every client is one address)",
     ),
 }

@@ -190,10 +190,12 @@ def decode_v2(
     limits: Limits,
     shared=None,
     seen: dict | None = None,
+    place=None,
 ) -> V2Request:
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
-    `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py);
-    `seen`: the model version's headers checked already (parse_v2_header_once)."""
+    `body`, not copies). `shared(ref, spec, count, into)` reads an input placed in shared memory
+    (serving/shm.py); `seen`: the model version's headers checked already (parse_v2_header_once); `place(rows)`:
+    the rows of a batch buffer that inputs all in shared memory may be read straight into, or None."""
     header = parse_v2_header_once(
         seen, body, header_length, len(body), inputs, output_names, limits
     )
@@ -203,7 +205,10 @@ def decode_v2(
             body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count, offset=offset
         )
         offset += item.binary
-    return finish_v2(header, arrays, inputs, shared)
+    views = None
+    if place is not None and all(item.ref is not None for item in header.inputs):
+        views = placed_rows(header, inputs, place)
+    return finish_v2(header, arrays, inputs, shared, views)
 
 
 def parse_v2_header(
@@ -357,12 +362,29 @@ def parse_v2_header(
     return V2Header(list(declared.values()), request_id, outputs, refs)
 
 
+def placed_rows(header: V2Header, inputs: list[TensorSpec], place) -> dict | None:
+    """The rows of a batch buffer a request's inputs can go straight into (`place(rows)`, serving/batcher.py),
+    when it can have them: every model input in the request and none of them JSON data, all with the same rows."""
+    items = header.inputs
+    if len(items) != len(inputs) or any(i.array is not None for i in items):
+        return None
+    rows = {item.shape[0] if item.shape else -1 for item in items}
+    if len(rows) != 1 or min(rows) <= 0:
+        return None
+    return place(rows.pop())
+
+
 def finish_v2(
-    header: V2Header, binary: dict[str, np.ndarray], inputs: list[TensorSpec], shared=None
+    header: V2Header,
+    binary: dict[str, np.ndarray],
+    inputs: list[TensorSpec],
+    shared=None,
+    views: dict | None = None,
 ) -> V2Request:
     """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the input's
-    dtype; `shared(ref, spec, count)` reads one placed in shared memory): BOOL bytes checked, every array in its
-    shape, the rows counted. (NaN and Inf are refused by the engine, where each batch is copied anyway.)"""
+    dtype; `shared(ref, spec, count, into)` reads one placed in shared memory, into its rows of a batch buffer
+    when `views` gives them): BOOL bytes checked, every array in its shape, the rows counted. (NaN and Inf are
+    refused by the engine, where each batch is copied anyway.)"""
     feeds: dict[str, np.ndarray] = {}
     for item in header.inputs:
         name, spec = item.spec.name, item.spec
@@ -372,7 +394,8 @@ def finish_v2(
                 raise BadRequest(
                     f"input '{name}' names a shared memory region, which this request can't use here"
                 )
-            array = shared(item.ref, spec, item.count)
+            into = None if views is None else views[name].reshape(-1)
+            array = shared(item.ref, spec, item.count, into)
         elif item.binary is not None:
             array = binary[name]
         if (

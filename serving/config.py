@@ -142,7 +142,8 @@ class Settings:
     shadow_alias: str = "challenger"
     # The shadow verdict's rule: pairs needed, top-1 agreement needed (decision outputs), the largest mean
     # |difference| per output (others), labels needed before they decide, how much worse a live metric may
-    # be, and the largest challenger/champion p50 ratio.
+    # be, the largest challenger/champion p50 ratio, and the largest share of the labelled pairs one client
+    # address may have sent for labels to promote.
     shadow_min_pairs: int = 200
     shadow_min_agreement: float = 0.95
     shadow_max_difference: float = float("inf")
@@ -357,7 +358,7 @@ class Settings:
             )
         if not 0 < self.shadow_max_source_share <= 1:
             raise ValueError(
-                "--shadow-max-source-share must be a fraction of the pairs above 0 and at most 1 (1: "
+                "--shadow-max-source-share must be a fraction of the labelled pairs above 0 and at most 1 (1: "
                 f"no limit; 0.5: no client may send more than half), got {self.shadow_max_source_share}"
             )
         for flag, value in {

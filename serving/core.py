@@ -160,7 +160,9 @@ class Server:
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
         # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU (lifespan).
         self.shared_memory = SharedMemory(
-            int(settings.max_shared_memory_mb * (1 << 20)), settings.shared_memory == "on"
+            int(settings.max_shared_memory_mb * (1 << 20)),
+            settings.shared_memory == "on",
+            tokened=bool(self._tokens),
         )
         # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken by the
         # decoding thread itself, so no loop waits on it.
@@ -340,7 +342,7 @@ class Server:
     def mirror(
         self,
         slot: Slot,
-        request_id: str,
+        server_id: str,
         feeds: dict[str, np.ndarray],
         rows: int,
         results: dict[str, np.ndarray],
@@ -350,7 +352,8 @@ class Server:
     ) -> None:
         """Hands a request drawn for the sample (`mirrored`) to its challenger (never waited for). Shed first
         under load: when the mirror queue is full, or the champion has rows waiting, the pair is dropped and
-        counted; the champion's answer is never held up by it."""
+        counted; the champion's answer is never held up by it. Both answers are kept under `server_id`, the
+        server's own id of the request (never one a client chose)."""
         name = slot.model.info.name
         shadow = self.shadows.get(name)
         if shadow is None:
@@ -358,10 +361,10 @@ class Server:
         champion, challenger = self._pair(name, shadow)
         if challenger is None or slot is not champion:
             return  # a request that named another version: not the champion's traffic
-        shadow.answered(request_id, results)
+        shadow.answered(server_id, results)
         if not mirrored:
             return
-        pair = (challenger, slot.version, request_id, feeds, rows, results, champion_ms, source)
+        pair = (challenger, slot.version, server_id, feeds, rows, results, champion_ms, source)
         if asyncio.get_running_loop() is self.loop:
             self._enqueue_mirror(name, slot, pair)
         else:  # answered on another HTTP loop: the mirror's queue is the main loop's
@@ -799,6 +802,9 @@ class Server:
             # an empty "id" is no id (perf_analyzer sends one): the request gets a fresh one
             rid = check_request_id(given, 'the "id" of the request') if given else new_request_id()
         exchange.answered_by(slot, rid)
+        # The server's own id of this answer, whatever the client sent: what the shadow keeps its answers under,
+        # so that a client can neither predict nor reuse another's (the receipt's X-Server-Request-Id).
+        server_id = exchange.server_id = new_request_id()
         # What outlives the run (the payload log's record, the shadow's mirror) takes a copy of the inputs now: a
         # request received into a batch buffer has views of rows the next batch is received into.
         mirrored = (
@@ -835,7 +841,7 @@ class Server:
         self.log_payload(rid, endpoint, slot, feeds, results)
         self.mirror(
             slot,
-            rid,
+            server_id,
             feeds,
             request.rows,
             results,

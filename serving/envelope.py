@@ -3,7 +3,9 @@ stream): what became of it (a refusal -> a status and a message), the receipt na
 answered, and the request's line in the metrics.
 
     Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
-                  the receipt naming it (the core fills it in: `answered_by`)
+                  the receipt naming it (the core fills it in: `answered_by`): X-Request-Id (the client's id echoed,
+                  else a fresh one), X-Server-Request-Id (the server's own id of an answer, random, never the
+                  client's: labels for the answer are posted under it), X-Model-*
     Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
     refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
                   warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
@@ -14,16 +16,12 @@ A front end decides only how to carry these: HTTP puts the receipt in headers an
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
 from typing import NamedTuple
 
 from serving.codec import BadRequest
-
-_ID_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across restarts and replicas
-_ID_COUNTER = itertools.count()
 
 
 def source_of(peer) -> str:
@@ -41,9 +39,10 @@ def source_of(peer) -> str:
 
 
 def new_request_id() -> str:
-    """A fresh request id, 32 hex digits as a uuid4's hex, unique without a system call or a UUID object per
-    request (uuid4 cost a tenth of a request's Python time): a random prefix per process and a counter."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+    """A fresh request id: 32 hex digits of the system's randomness (os.urandom), as a uuid4's hex is. No one can
+    tell the next from those seen (a prefix and a counter let a client predict other clients' ids: the shadow's
+    answers are kept under the server's ids, serving/shadow.py), and ids are unique across processes."""
+    return os.urandom(16).hex()
 
 
 class Refused(Exception):
@@ -69,7 +68,7 @@ class Exchange:
     """One request through any front end: its route (as metrics name it), when it began, and once the version is
     known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
 
-    __slots__ = ("route", "started", "slot", "request_id", "source")
+    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
@@ -79,6 +78,8 @@ class Exchange:
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None
+        # the server's own id of the answer (new_request_id), set once the request is answered
+        self.server_id: str | None = None
 
     def answered_by(self, slot, request_id: str | None = None) -> None:
         """The version the request is (now) for, and its id when known: also given with a refusal."""
@@ -90,14 +91,18 @@ class Exchange:
 
     @property
     def receipt(self) -> dict[str, str]:
-        """X-Request-Id and the X-Model-* headers of the version that answered ({} before one was chosen)."""
+        """X-Request-Id, X-Server-Request-Id and the X-Model-* headers of the version that answered ({} before one
+        was chosen)."""
         if self.slot is None:
             return {}
-        return (
-            self.slot.headers
-            if self.request_id is None
-            else {**self.slot.headers, "X-Request-Id": self.request_id}
-        )
+        if self.request_id is None and self.server_id is None:
+            return self.slot.headers
+        receipt = {**self.slot.headers}
+        if self.request_id is not None:
+            receipt["X-Request-Id"] = self.request_id
+        if self.server_id is not None:
+            receipt["X-Server-Request-Id"] = self.server_id
+        return receipt
 
     def finish(self, metrics, status: str) -> None:
         metrics.observe_request(self.route, status, time.perf_counter() - self.started, *self.model)

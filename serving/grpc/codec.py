@@ -138,10 +138,11 @@ def decode_infer(
     place=None,
 ) -> V2Request:
     """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
-    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count)`
+    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count, into)`
     reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
     from the message (the native engine keeps them, and copies each once: `copy_into`, NaN/Inf checked on the way);
-    then `place(rows)` may give the rows of a batch buffer to copy them straight into (serving/batcher.py)."""
+    then `place(rows)` may give the rows of a batch buffer to copy them, and inputs in shared memory, straight
+    into (serving/batcher.py)."""
     given = request.inputs
     if not given:
         raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
@@ -201,7 +202,7 @@ def decode_infer(
     feeds: dict[str, np.ndarray] = {}
     for name, (spec, shape, count, ref, at, item) in declared.items():
         if ref is not None:
-            array = shared(ref, spec, count)
+            array = shared(ref, spec, count, None if views is None else views[name].reshape(-1))
         elif at is not None:
             array = _raw_tensor(
                 raw[at], at, spec, count, None if views is None else views[name].reshape(-1)
@@ -225,15 +226,12 @@ def decode_infer(
 
 def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None:
     """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
-    (bytes the message parser made are copied once already), every model input one of them, all of one row count."""
-    if (
-        place is None
-        or not raw
-        or isinstance(raw[0], (bytes, bytearray, memoryview))
-        or len(declared) != len(inputs)
-    ):
+    (bytes the message parser made are copied once already) and inputs in shared memory (read into them), every
+    model input one of those, all of one row count."""
+    if place is None or len(declared) != len(inputs):
         return None
-    if any(at is None for _, _, _, _, at, _ in declared.values()):
+    kept = bool(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
+    if any(ref is None and (at is None or not kept) for _, _, _, ref, at, _ in declared.values()):
         return None
     rows = {shape[0] if shape else -1 for _, shape, *_ in declared.values()}
     return place(rows.pop()) if len(rows) == 1 and min(rows) > 0 else None

@@ -168,6 +168,14 @@ class Service:
     # ---- inference ----
 
     async def ModelInfer(self, request, call: "Call"):
+        # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
+        regions = self.server.shared_memory.use(call.authorization)
+        try:
+            return await self._model_infer(request, call, regions)
+        finally:
+            regions.close()
+
+    async def _model_infer(self, request, call: "Call", regions):
         server = self.server
         rid = _request_id(request.id or call.metadata.get("x-request-id"))
         slot = server.model_slot(request.model_name, request.model_version or None)
@@ -193,12 +201,13 @@ class Service:
                     engine.inputs,
                     engine.output_names,
                     server.limits,
-                    server.shared_memory.reader(call.authorization),
+                    regions.read,
                     call.raw,
-                    place if call.raw is not None else None,
+                    place,
                 ),
                 call.size if typed else 0,
             )
+            regions.hold(decoded.output_refs)
             if arrival is not None:
                 arrival.checked, arrival.filled = decoded.checked, decoded.placed
             answer = await server.answer(
@@ -213,11 +222,7 @@ class Service:
         finally:
             if arrival is not None:
                 arrival.end()  # (queued: ended already; refused: its place freed)
-        placed = (
-            server.shared_memory.write(call.authorization, decoded.output_refs, answer.results)
-            if decoded.output_refs
-            else None
-        )
+        placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
         info = answer.slot.model.info
         return codec.encode_infer(
             info.name,

@@ -255,12 +255,18 @@ async def model_stats(server: Server, request: Request, exchange: Exchange) -> R
 
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
+    # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
+    regions = server.shared_memory.use(request.header("authorization"))
+    try:
+        return await _v2_infer(server, request, exchange, regions)
+    finally:
+        regions.close()
+
+
+async def _v2_infer(server: Server, request: Request, exchange: Exchange, regions) -> Response:
     slot, named = request.slot, "version" in request.params
     engine = slot.model.engine
-    body, authorization = request.body, request.header("authorization")
-    shared = server.shared_memory.reader(
-        authorization
-    )  # for inputs placed in shared memory (serving/shm.py)
+    body, shared = request.body, regions.read
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
         decoded = server.decode_now(partial(body.finish, shared))
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
@@ -278,9 +284,11 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
                 server.limits,
                 shared,
                 _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None,
+                partial(slot.batcher.place, request.arrival),
             ),
             len(data),
         )
+    regions.hold(decoded.output_refs)
     answer = await server.answer(
         slot,
         decoded,
@@ -293,11 +301,7 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
     info, engine = answer.slot.model.info, answer.slot.model.engine
     # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
     v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
-    placed = (
-        server.shared_memory.write(authorization, decoded.output_refs, answer.results)
-        if decoded.output_refs
-        else None
-    )
+    placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
     payload, json_length = codec.encode_v2(
         info.name, info.version, v2_id, answer.results, decoded.outputs, engine.outputs, placed
     )
@@ -361,15 +365,15 @@ async def shadow(server: Server, request: Request, exchange: Exchange) -> Respon
 
 
 async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
-    """Labels that arrived later: {"labels": [{"id": "<X-Request-Id>", "target": ...}, ...]}, joined with what
-    the champion and the challenger answered for those requests."""
+    """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]}, joined with
+    what the champion and the challenger answered for those requests (serving/shadow.py)."""
     comparison = server.shadow(request.params["name"])
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or not items:
         raise Refused(
             400,
-            'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
+            'the body must be {"labels": [{"id": "<the X-Server-Request-Id of an answer>", "target": '
             "<its true class index, mask or value>}, ...]}",
         )
     if len(items) > FEEDBACK_MAX:
@@ -381,7 +385,7 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
         if not (isinstance(item, dict) and isinstance(item.get("id"), str) and "target" in item):
             raise Refused(
                 400,
-                f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
+                f'labels[{i}] must be {{"id": "<X-Server-Request-Id>", "target": <value>}}, got '
                 f"{codec.dumps(item)[:80]!r}",
             )
         try:
