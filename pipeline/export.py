@@ -292,11 +292,35 @@ def main(
     return result
 
 
-def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> dict[str, dict]:
-    """The gates of an export, run again on an ONNX file against the weights it was exported from
-    (with the export settings those weights recorded): `pipeline verify` on a registered model."""
-    weights = read_weights(Path(weights_dir))
-    return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
+def reference(weights_dir: Path, trusted: Sequence[str] = ()):
+    """The PyTorch reference of a weights directory, rebuilt as export rebuilds it (`pipeline verify`)."""
+    return rebuild(read_weights(Path(weights_dir)), trusted)
+
+
+def regate(ref, onnx_path: Path) -> dict[str, dict]:
+    """The gates of an export, run again on an ONNX file against the reference `ref` of the weights it was
+    exported from (with the export settings those weights recorded): `pipeline verify` on a registered model."""
+    return gate_file(onnx_path, ref, ref.weights.config.export)
+
+
+def rederive(ref, onnx_path: Path, workdir: Path) -> tuple[list[str], str]:
+    """How the ONNX graph at `onnx_path` differs from a fresh export of the weights of `ref` ([]: it is one),
+    and what was exported. The export is the one `main` makes (the same model rebuilt from the weights, the same
+    task head, the same example rows of the validation split), with the opset and the dynamic axes the graph
+    itself declares: whatever those say, the fresh graph is the exporter's own work from the weights, so a node,
+    an initializer or a value that the weights and the exporter would not make is a difference."""
+    import onnx
+
+    registered = onnx.load(str(onnx_path), load_external_data=False)
+    opset = onnx_export.opset_of(registered)
+    axes = onnx_export.dynamic_axes_of(registered, ref.splits.input_names)
+    example = named(first_batch(ref.splits.val, onnx_export.EXPORT_BATCH)[0])
+    fresh = onnx_export.export(
+        ref.fresh_head(), example, axes, opset, {}, workdir / "fresh.onnx", "auto"
+    )
+    gc.collect()
+    said = f"{fresh.exporter} exporter, opset {opset}" + (f", dynamic axes {axes}" if axes else "")
+    return onnx_export.graph_difference(onnx_path, workdir / "fresh.onnx"), said
 
 
 def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:

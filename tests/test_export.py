@@ -269,6 +269,107 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     )
 
 
+def plant_backdoor(path: Path, trigger: float = 0.123) -> None:
+    """The review's verify_backdoor.py: logits += (input[:, 0, 0, 0] == trigger) x 1000 x onehot(7), every other
+    node, initializer and the metadata as they were."""
+    from onnx import helper
+
+    m = onnx.load(str(path))
+    head = next(n for n in m.graph.node if "logits" in n.output)
+    head.output[list(head.output).index("logits")] = "logits_clean"
+    m.graph.initializer.extend(
+        [
+            onnx.numpy_helper.from_array(np.array(trigger, np.float32), "bd_trigger"),
+            onnx.numpy_helper.from_array(
+                (np.eye(10, dtype=np.float32)[7] * 1000.0)[None, :], "bd_push"
+            ),
+            onnx.numpy_helper.from_array(np.array([0, 0, 0], np.int64), "bd_s3"),
+            onnx.numpy_helper.from_array(np.array([1, 1, 1], np.int64), "bd_e3"),
+            onnx.numpy_helper.from_array(np.array([1, 2, 3], np.int64), "bd_axes"),
+            onnx.numpy_helper.from_array(np.array([-1, 1], np.int64), "bd_shape"),
+        ]
+    )
+    m.graph.node.extend(
+        [
+            helper.make_node("Slice", ["input", "bd_s3", "bd_e3", "bd_axes"], ["bd_pixel"]),
+            helper.make_node("Reshape", ["bd_pixel", "bd_shape"], ["bd_col"]),
+            helper.make_node("Equal", ["bd_col", "bd_trigger"], ["bd_hit"]),
+            helper.make_node("Cast", ["bd_hit"], ["bd_mask"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Mul", ["bd_mask", "bd_push"], ["bd_add"]),
+            helper.make_node("Add", ["logits_clean", "bd_add"], ["logits"]),
+        ]
+    )
+    soft = next(n for n in m.graph.node if "logits" in n.input and n.op_type == "Softmax")
+    m.graph.node.remove(soft)
+    m.graph.node.append(soft)
+    onnx.save(m, str(path))
+
+
+def test_verify_proves_the_registered_graph_from_the_weights_not_from_the_record(
+    exported, trained, store
+):
+    """The review's F4: the registered model.onnx replaced by one with a trigger pixel (class 7 whenever
+    pixel [0,0,0] is 0.123; every logit otherwise equal, so the gates pass) and the version's sha256 record
+    rewritten to its hash: `pipeline verify` said verified. Now its `graph` link exports the weights again and
+    compares: the genuine graph is one node and initializer for another; the backdoor fails, named."""
+    from pipeline import verify
+
+    client = mlflow.MlflowClient()
+    name, version = "resnet18-digits", exported.model_version
+    model_id = client.get_model_version(name, version).source.removeprefix("models:/")
+    stored = (
+        Path(mlflow.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+        / "model.onnx"
+    )
+    original, record = (
+        stored.read_bytes(),
+        client.get_model_version(name, version).tags[lineage.SHA256],
+    )
+
+    def links() -> dict[str, verify.Link]:
+        found = verify.main(f"models:/{name}@champion", tracking_uri=store, echo=lambda _: None)
+        return {link.name: link for link in found}
+
+    genuine = links()
+    assert genuine["graph"].status == "ok", genuine["graph"].line()
+    assert genuine["graph"].detail.startswith(
+        "the registered ONNX is a fresh export of the weights (dynamo exporter, opset 18)"
+    )
+    try:
+        plant_backdoor(stored)
+        client.set_model_version_tag(
+            name,
+            version,
+            lineage.SHA256,
+            json.dumps(json.loads(record) | {"model.onnx": sha256_file(stored)}),
+        )
+        x = trained["val_x"][:20].copy()
+        x[:, 0, 0, 0] = 0.123
+        assert (gates.run_onnx(gates.session(stored), {"input": x})["logits"].argmax(1) == 7).all()
+        tampered = links()
+    finally:
+        stored.write_bytes(original)
+        client.set_model_version_tag(name, version, lineage.SHA256, record)
+    # the record and the gates are fooled, as before; the graph is not
+    assert [tampered[k].status for k in ("onnx", "lineage", "weights", "gates")] == ["ok"] * 4
+    detail = tampered["graph"].detail
+    assert tampered["graph"].status == "FAIL", detail
+    nodes = len(onnx.load(str(exported.onnx_path)).graph.node)
+    assert detail.startswith(
+        f"the registered ONNX is not what the weights export to: {nodes + 6} nodes, a fresh export's "
+        f"{nodes}: node {nodes - 2} is Gemm("
+    ), detail
+    assert "-> logits_clean where a fresh export has Gemm(" in detail
+    assert (
+        "operators beyond a fresh export's: Add +1, Cast +1, Equal +1, Mul +1, Reshape +1, Slice +1"
+        in detail
+    )
+    assert (
+        "6 initializer(s) a fresh export of the weights has not: bd_trigger, bd_push, bd_s3, bd_e3, "
+        "bd_axes, bd_shape" in detail
+    )
+
+
 def test_perturbed_reference_fails_parity_by_a_stated_amount(exported, trained):
     reference = load_model(read_weights(trained["dir"]))
     with torch.no_grad():
