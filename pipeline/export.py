@@ -275,6 +275,7 @@ def main(
         task,
         cfg.promote,
         cfg.promote_tolerance,
+        cfg.allow_contract_change,
     )
     if report["passed"] and register:
         report["promotion"] = compare()
@@ -492,10 +493,13 @@ def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
     return (
-        f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
-        f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
-        "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
-        "its gates and why it holds its alias."
+        f"{esc(found.model)} ({esc(found.task)}), first trained on {esc(found.data)}, then every version "
+        f"trained, exported and gated by trainserve. Its alias {esc('@' + alias)} is on a version that passed "
+        "every export gate, has the input/output contract of the one before it (unless a change was allowed) "
+        "and won the comparison `export.promote` asks for on the validation metric, or won `pipeline "
+        "promote`'s shadow verdict, or replaced one "
+        "that could not be served; each version's description lists its gates and why it holds, or held, its "
+        "alias."
     )
 
 
