@@ -606,6 +606,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
+    # torch sets its loggers' levels when it is imported (its exporter's warnings among them): imported
+    # first, so that the quiet levels configure sets are the last word.
+    import torch  # noqa: F401
+
     logs.configure(level=logging.WARNING)  # the links are the output
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from pipeline.tracking import TrackingError
