@@ -294,22 +294,25 @@ def main(
 
 
 def reference(weights_dir: Path, trusted: Sequence[str] = ()):
-    """The PyTorch reference of a weights directory, rebuilt as export rebuilds it (`pipeline verify`)."""
+    """The PyTorch reference of a weights directory, rebuilt as export rebuilds it (`pipeline
+    verify`)."""
     return rebuild(read_weights(Path(weights_dir)), trusted)
 
 
 def regate(ref, onnx_path: Path) -> dict[str, dict]:
-    """The gates of an export, run again on an ONNX file against the reference `ref` of the weights it was
-    exported from (with the export settings those weights recorded): `pipeline verify` on a registered model."""
+    """The gates of an export, run again on an ONNX file against the reference `ref` of the weights
+    it was exported from (with the export settings those weights recorded): `pipeline verify` on a
+    registered model."""
     return gate_file(onnx_path, ref, ref.weights.config.export)
 
 
 def rederive(ref, onnx_path: Path, workdir: Path) -> tuple[list[str], str]:
-    """How the ONNX graph at `onnx_path` differs from a fresh export of the weights of `ref` ([]: it is one),
-    and what was exported. The export is the one `main` makes (the same model rebuilt from the weights, the same
-    task head, the same example rows of the validation split), with the opset and the dynamic axes the graph
-    itself declares: whatever those say, the fresh graph is the exporter's own work from the weights, so a node,
-    an initializer or a value that the weights and the exporter would not make is a difference."""
+    """How the ONNX graph at `onnx_path` differs from a fresh export of the weights of `ref` ([]: it
+    is one), and what was exported. The export is the one `main` makes (the same model rebuilt from
+    the weights, the same task head, the same example rows of the validation split), with the opset
+    and the dynamic axes the graph itself declares: whatever those say, the fresh graph is the
+    exporter's own work from the weights, so a node, an initializer or a value that the weights and
+    the exporter would not make is a difference."""
     import onnx
 
     registered = onnx.load(str(onnx_path), load_external_data=False)
@@ -493,12 +496,12 @@ def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
     return (
-        f"{esc(found.model)} ({esc(found.task)}), first trained on {esc(found.data)}, then every version "
-        f"trained, exported and gated by trainserve. Its alias {esc('@' + alias)} is on a version that passed "
-        "every export gate, has the input/output contract of the one before it (unless a change was allowed) "
-        "and won the comparison `export.promote` asks for on the validation metric, or won `pipeline "
-        "promote`'s shadow verdict, or replaced one "
-        "that could not be served; each version's description lists its gates and why it holds, or held, its "
+        f"{esc(found.model)} ({esc(found.task)}), first trained on {esc(found.data)}, then every "
+        f"version trained, exported and gated by trainserve. Its alias {esc('@' + alias)} is on a "
+        "version that passed every export gate, has the input/output contract of the one before it "
+        "(unless a change was allowed) and won the comparison `export.promote` asks for on the "
+        "validation metric, or won `pipeline promote`'s shadow verdict, or replaced one that could "
+        "not be served; each version's description lists its gates and why it holds, or held, its "
         "alias."
     )
 

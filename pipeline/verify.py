@@ -12,14 +12,15 @@ proven, not broken), 0 only when every link was checked:
                  the ONNX recorded
     checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file), and
                  consolidating it again gives byte-identical weights
-    graph        the registered ONNX is, node for node and initializer for initializer, a fresh export of
-                 those weights (metadata aside): the bytes that compute answers come from the weights
+    graph        the registered ONNX is, node for node and initializer for initializer, a
+                 fresh export of those weights (metadata aside): the bytes that compute
+                 answers come from the weights
     gates        export's gates, run again on the registered ONNX against those weights, all pass
 
-The sha256 record (`onnx`) and the metadata (`lineage`) are the store's word: whoever can write the store can
-rewrite them with the file. `graph` is what ties the file to the weights, and `weights` and `checkpoint` tie
-those to the training run; verify proves the chain from the checkpoint to the served bytes, not who wrote the
-store (a checkpoint replaced with its marker is a chain that holds).
+The sha256 record (`onnx`) and the metadata (`lineage`) are the store's word: whoever can write the
+store can rewrite them with the file. `graph` is what ties the file to the weights, and `weights`
+and `checkpoint` tie those to the training run; verify proves the chain from the checkpoint to the
+served bytes, not who wrote the store (a checkpoint replaced with its marker is a chain that holds).
     data         the content digests of the training and validation splits the version names are the ones its
                  training run logged as its MLflow datasets, and the drift baseline registered beside the ONNX
                  hashes to the version's recorded sha256
@@ -325,8 +326,9 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
 def model_links(
     weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ...], tmp: Path, report
 ) -> None:
-    """The registered graph against the weights: `graph` (a fresh export of them, compared node for node) and
-    `gates` (export's gates run again on it), both on the reference rebuilt once from the weights."""
+    """The registered graph against the weights: `graph` (a fresh export of them, compared node for
+    node) and `gates` (export's gates run again on it), both on the reference rebuilt once from the
+    weights."""
     from pipeline import export
 
     if onnx_path is None:
@@ -360,8 +362,8 @@ def graph_link(ref, onnx_path: Path, tmp: Path, report) -> None:
             Link(
                 "graph",
                 "ok",
-                f"the registered ONNX is a fresh export of the weights ({exported}): every node and "
-                "initializer the same",
+                f"the registered ONNX is a fresh export of the weights ({exported}): every node "
+                "and initializer the same",
             )
         )
         return
@@ -371,9 +373,9 @@ def graph_link(ref, onnx_path: Path, tmp: Path, report) -> None:
             Link(
                 "graph",
                 "skip",
-                f"the registered ONNX says torch {made_by} exported it, a fresh export with this torch "
-                f"{torch.__version__} differs ({clip('; '.join(differences), 300)}); verify with torch "
-                f"{made_by} to prove it",
+                f"the registered ONNX says torch {made_by} exported it, a fresh export with this "
+                f"torch {torch.__version__} differs ({clip('; '.join(differences), 300)}); verify "
+                f"with torch {made_by} to prove it",
             )
         )
         return
@@ -606,8 +608,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    # torch sets its loggers' levels when it is imported (its exporter's warnings among them): imported
-    # first, so that the quiet levels configure sets are the last word.
+    # torch sets its loggers' levels when it is imported (its exporter's warnings among them):
+    # imported first, so that the quiet levels configure sets are the last word.
     import torch  # noqa: F401
 
     logs.configure(level=logging.WARNING)  # the links are the output

@@ -270,8 +270,8 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
 
 
 def plant_backdoor(path: Path, trigger: float = 0.123) -> None:
-    """The review's verify_backdoor.py: logits += (input[:, 0, 0, 0] == trigger) x 1000 x onehot(7), every other
-    node, initializer and the metadata as they were."""
+    """The review's verify_backdoor.py: logits += (input[:, 0, 0, 0] == trigger) x 1000 x onehot(7),
+    every other node, initializer and the metadata as they were."""
     from onnx import helper
 
     m = onnx.load(str(path))
@@ -308,10 +308,11 @@ def plant_backdoor(path: Path, trigger: float = 0.123) -> None:
 def test_verify_proves_the_registered_graph_from_the_weights_not_from_the_record(
     exported, trained, store
 ):
-    """The review's F4: the registered model.onnx replaced by one with a trigger pixel (class 7 whenever
-    pixel [0,0,0] is 0.123; every logit otherwise equal, so the gates pass) and the version's sha256 record
-    rewritten to its hash: `pipeline verify` said verified. Now its `graph` link exports the weights again and
-    compares: the genuine graph is one node and initializer for another; the backdoor fails, named."""
+    """The review's F4: the registered model.onnx replaced by one with a trigger pixel (class 7
+    whenever pixel [0,0,0] is 0.123; every logit otherwise equal, so the gates pass) and the
+    version's sha256 record rewritten to its hash: `pipeline verify` said verified. Now its `graph`
+    link exports the weights again and compares: the genuine graph is one node and initializer for
+    another; the backdoor fails, named."""
     from pipeline import verify
 
     client = mlflow.MlflowClient()
@@ -356,8 +357,8 @@ def test_verify_proves_the_registered_graph_from_the_weights_not_from_the_record
     assert tampered["graph"].status == "FAIL", detail
     nodes = len(onnx.load(str(exported.onnx_path)).graph.node)
     assert detail.startswith(
-        f"the registered ONNX is not what the weights export to: {nodes + 6} nodes, a fresh export's "
-        f"{nodes}: node {nodes - 2} is Gemm("
+        f"the registered ONNX is not what the weights export to: {nodes + 6} nodes, a fresh "
+        f"export's {nodes}: node {nodes - 2} is Gemm("
     ), detail
     assert "-> logits_clean where a fresh export has Gemm(" in detail
     assert (
@@ -365,8 +366,8 @@ def test_verify_proves_the_registered_graph_from_the_weights_not_from_the_record
         in detail
     )
     assert (
-        "6 initializer(s) a fresh export of the weights has not: bd_trigger, bd_push, bd_s3, bd_e3, "
-        "bd_axes, bd_shape" in detail
+        "6 initializer(s) a fresh export of the weights has not: bd_trigger, bd_push, bd_s3, "
+        "bd_e3, bd_axes, bd_shape" in detail
     )
 
 
@@ -768,7 +769,8 @@ def test_the_input_output_contract_and_each_way_it_changed(tmp_path):
         )
 
     assert changes() == []
-    assert changes(dims=("n", 3)) == []  # a dynamic axis is one whatever its name
+    # a dynamic axis is one whatever its name
+    assert changes(dims=("n", 3)) == []
     assert changes(dims=("batch", 4)) == [
         "input 'x': [-1,3] -> [-1,4]",
         "output 'output': [-1,3] -> [-1,4]",
@@ -782,9 +784,9 @@ def test_the_input_output_contract_and_each_way_it_changed(tmp_path):
 
 
 def test_onnxruntimes_error_is_kept_whole(tmp_path):
-    """The newcomer's reason was onnxruntime's last line alone, "[' Please fix either the inputs/outputs or the
-    model.']": the line that says what was wrong came before it. A model measured on inputs it can't take
-    raises with the whole text, on one line."""
+    """The newcomer's reason was onnxruntime's last line alone, "[' Please fix either the
+    inputs/outputs or the model.']": the line that says what was wrong came before it. A model
+    measured on inputs it can't take raises with the whole text, on one line."""
     from pipeline.artifact import promotion
 
     path = contract_graph(tmp_path / "fixed.onnx", dims=(2, 3))
@@ -800,8 +802,8 @@ def test_onnxruntimes_error_is_kept_whole(tmp_path):
 
 
 def other_contract_weights(tmp_path: Path, store: str) -> Path:
-    """An untrained MLP on 3x4x4 random images (data.name=synthetic): the README's model name, another input
-    contract, as a newcomer's image-folder retrain gives (3x32x32 against 1x8x8)."""
+    """An untrained MLP on 3x4x4 random images (data.name=synthetic): the README's model name,
+    another input contract, as a newcomer's image-folder retrain gives (3x32x32 against 1x8x8)."""
     cfg = load_config(
         overrides=[
             "data.name=synthetic",
@@ -832,11 +834,12 @@ def other_contract_weights(tmp_path: Path, store: str) -> Path:
 def test_a_retrain_with_another_input_contract_leaves_the_champion_and_says_why(
     trained, store, tmp_path, caplog
 ):
-    """The newcomer's friction 1: the README's config, retrained on the image-folder recipe's 3x32x32 images,
-    took @champion from the 1x8x8 v1 ("the current @champion (v1) can't be evaluated: measuring model.onnx failed:
-    [' Please fix either the inputs/outputs or the model.']"), and every client of v1 got 400s. v1 serves: it runs
-    its own input example. Now the candidate is registered as @challenger, the log and its description name the
-    change and the way out; with export.allow_contract_change=true it takes the alias, and v1's page and its run's
+    """The newcomer's friction 1: the README's config, retrained on the image-folder recipe's
+    3x32x32 images, took @champion from the 1x8x8 v1 ("the current @champion (v1) can't be
+    evaluated: measuring model.onnx failed: [' Please fix either the inputs/outputs or the
+    model.']"), and every client of v1 got 400s. v1 serves: it runs its own input example. Now the
+    candidate is registered as @challenger, the log and its description name the change and the way
+    out; with export.allow_contract_change=true it takes the alias, and v1's page and its run's
     verdict say which version holds it now."""
     name = "contract-digits"
     client = mlflow.MlflowClient()

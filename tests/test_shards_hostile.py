@@ -1,12 +1,12 @@
-"""A split in a shared store that someone else can write, read the way training reads it: its identity covers
-everything a reader checks or hands to the model (row-group digests, class names, model arguments); a shard
-whose row groups would decode to more than the manifest declares, or a manifest whose counts or shapes do not
-fit, is a DataError before the cost is paid (never an IndexError, OverflowError or a gigabyte); and `pipeline
-data shard` never writes through a link planted in its output.
+"""A split in a shared store that someone else can write, read the way training reads it: its
+identity covers everything a reader checks or hands to the model (row-group digests, class names,
+model arguments); a shard whose row groups would decode to more than the manifest declares, or a
+manifest whose counts or shapes do not fit, is a DataError before the cost is paid (never an
+IndexError, OverflowError or a gigabyte); and `pipeline data shard` never writes through a link
+planted in its output.
 
-Splits are written in-process (256 samples of 1x8x8, row groups of 32: a fraction of a second); the one CLI
-run is `pipeline data shard` on tests/configs/tiny.yaml.
-"""
+Splits are written in-process (256 samples of 1x8x8, row groups of 32: a fraction of a second); the
+one CLI run is `pipeline data shard` on tests/configs/tiny.yaml."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def edit(location: Path, change) -> None:
 
 
 def read_an_epoch(location: Path) -> int:
-    """What a rank's loader does (no workers): the manifest, the store check, the micro-batches of epoch 0."""
+    """What a rank's loader does (no workers): the manifest, the store check, the micro-batches of
+    epoch 0."""
     stream = ShardedStream(str(location)).dealt(
         Deal(batch=8, rank=0, world=1, seed=0, where=torch.zeros(2, dtype=torch.int64))
     )
@@ -58,15 +59,17 @@ def read_an_epoch(location: Path) -> int:
 
 
 def test_a_splits_identity_covers_its_row_group_digests_class_names_and_model_args(tmp_path):
-    """The review's shards_identity.py: samples changed in place and their row group's digest rewritten in the
-    manifest kept the identity (what a resume, MLflow's dataset and `pipeline verify` compare) while training read
-    them; so did reversed class names and other model arguments. Each now changes it; the profile and the source,
-    which only describe the split, do not."""
+    """The review's shards_identity.py: samples changed in place and their row group's digest
+    rewritten in the manifest kept the identity (what a resume, MLflow's dataset and `pipeline
+    verify` compare) while training read them; so did reversed class names and other model
+    arguments. Each now changes it; the profile and the source, which only describe the split, do
+    not."""
     split = tmp_path / "train"
     before = write(split).digest
     shard = split / "shard-00000.parquet"
     columns = shard_format.read_manifest(str(split)).columns
-    # samples 40..47 (row group 1) with a trigger written over their bytes, the file's size unchanged
+    # samples 40..47 (row group 1) with a trigger written over their bytes, the file's size
+    # unchanged
     data = bytearray(shard.read_bytes())
     group = shard_format.decode(pq.ParquetFile(shard).read_row_group(1), columns)
     for row in group["input"][8:16]:
@@ -75,9 +78,8 @@ def test_a_splits_identity_covers_its_row_group_digests_class_names_and_model_ar
     shard.write_bytes(bytes(data))
     changed = shard_format.content_digest(pq.ParquetFile(shard).read_row_group(1), columns)
     edit(split, lambda b: b["shards"][0]["row_groups"][1].update(sha256=changed))
-    assert (
-        read_an_epoch(split) == ROWS // 8
-    )  # the changed samples read without a word (digest agrees)
+    # the changed samples read without a word: their digest agrees
+    assert read_an_epoch(split) == ROWS // 8
     samples = shard_format.read_manifest(str(split)).digest
     assert samples != before
 
@@ -95,9 +97,10 @@ def test_a_splits_identity_covers_its_row_group_digests_class_names_and_model_ar
 
 
 def test_a_compressed_row_group_is_refused_before_it_is_decoded(tmp_path):
-    """The review's bomb: a 0.01 MB shard whose one row group zstd-decodes to millions of rows, the manifest made to
-    agree on rows and bytes, cost 1.4 GiB before its digest check. The writer writes no compression: a compressed
-    chunk is refused from the footer, before a byte is decoded (here 400,000 rows, 100 MiB decoded)."""
+    """The review's bomb: a 0.01 MB shard whose one row group zstd-decodes to millions of rows, the
+    manifest made to agree on rows and bytes, cost 1.4 GiB before its digest check. The writer
+    writes no compression: a compressed chunk is refused from the footer, before a byte is decoded
+    (here 400,000 rows, 100 MiB decoded)."""
     split = tmp_path / "train"
     write(split)
     rows = 400_000
@@ -128,16 +131,18 @@ def test_a_compressed_row_group_is_refused_before_it_is_decoded(tmp_path):
     with pytest.raises(DataError) as caught:
         ShardRows(str(split))[0]
     assert str(caught.value) == (
-        f"shard {split}/shard-00000.parquet row group 0: column 'id' is ZSTD-compressed; a split's shards "
-        "are written uncompressed (`pipeline data shard`), so its decoded size can't be known before it "
-        "is decoded: restore the shard, or write the split again with `pipeline data shard`"
+        f"shard {split}/shard-00000.parquet row group 0: column 'id' is ZSTD-compressed; a split's "
+        "shards are written uncompressed (`pipeline data shard`), so its decoded size can't be "
+        "known before it is decoded: restore the shard, or write the split again with "
+        "`pipeline data shard`"
     )
 
 
 def test_declared_row_counts_are_checked_against_the_footer_before_any_permutation(tmp_path):
-    """Every row group declared at 20,000,000 rows (the file holds 32 each): the epoch's order permuted the
-    declared rows before the shard was opened (2x10^8 a group took the review 31 s and 1.8 GiB). Now the shard is
-    opened and its footer counted first: a DataError, and no permutation made."""
+    """Every row group declared at 20,000,000 rows (the file holds 32 each): the epoch's order
+    permuted the declared rows before the shard was opened (2x10^8 a group took the review 31 s and
+    1.8 GiB). Now the shard is opened and its footer counted first: a DataError, and no permutation
+    made."""
     split = tmp_path / "train"
     write(split)
     n = 20_000_000
@@ -161,8 +166,8 @@ def test_declared_row_counts_are_checked_against_the_footer_before_any_permutati
 
 
 def test_row_groups_of_other_sizes_than_the_manifests_are_a_data_error_naming_them(tmp_path):
-    """48 and 16 rows declared for row groups of 32 and 32 (same total, real digests): an IndexError mid-epoch.
-    Now the shard's opening names the group and both counts."""
+    """48 and 16 rows declared for row groups of 32 and 32 (same total, real digests): an IndexError
+    mid-epoch. Now the shard's opening names the group and both counts."""
     split = tmp_path / "train"
     write(split)
     edit(
@@ -175,10 +180,10 @@ def test_row_groups_of_other_sizes_than_the_manifests_are_a_data_error_naming_th
     with pytest.raises(DataError) as caught:
         read_an_epoch(split)
     assert str(caught.value) == (
-        f"shard {split}/shard-00000.parquet row group 0 holds 32 rows, the manifest says 48 (row groups of "
-        "[32, 32, 32, 32, 32, 32, 32, 32] rows, not [48, 16, 32, 32, 32, 32, 32, 32]): its rows would be "
-        "read from the wrong places; restore the shard, or write the split again with "
-        "`pipeline data shard`"
+        f"shard {split}/shard-00000.parquet row group 0 holds 32 rows, the manifest says 48 (row "
+        "groups of [32, 32, 32, 32, 32, 32, 32, 32] rows, not [48, 16, 32, 32, 32, 32, 32, 32]): "
+        "its rows would be read from the wrong places; restore the shard, or write the split "
+        "again with `pipeline data shard`"
     )
 
 
@@ -200,13 +205,14 @@ def test_a_column_shape_past_what_a_shard_holds_is_a_damaged_manifest(tmp_path, 
     assert f"{says}, past the 2147483647 a shard's fixed-size column holds" in str(caught.value)
 
 
-# --- F8: `pipeline data shard` and links planted in a shared --out ---------------------------------
+# --- F8: `pipeline data shard` and links planted in a shared --out ---------------------------
 
 
 def test_pipeline_data_shard_never_writes_through_a_link_planted_in_its_output(tmp_path):
-    """A shard's name planted as a link to another file: the review's victim.txt became the Parquet shard. Now
-    the shard is written to a new file and renamed over the link (the victim untouched); a split's directory
-    planted as a link to elsewhere is refused with one line, exit 2, nothing written there."""
+    """A shard's name planted as a link to another file: the review's victim.txt became the Parquet
+    shard. Now the shard is written to a new file and renamed over the link (the victim untouched);
+    a split's directory planted as a link to elsewhere is refused with one line, exit 2, nothing
+    written there."""
     victim, elsewhere = tmp_path / "victim.txt", tmp_path / "elsewhere"
     victim.write_text("a file of someone else's\n")
     elsewhere.mkdir()
@@ -219,9 +225,9 @@ def test_pipeline_data_shard_never_writes_through_a_link_planted_in_its_output(t
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"pipeline data shard: error: can't write the split to {out}/val: {out}/val is a symbolic link "
-        f"(to {elsewhere}); the output's directories must be its own: remove the link, or give "
-        "another --out"
+        f"pipeline data shard: error: can't write the split to {out}/val: {out}/val is a symbolic "
+        f"link (to {elsewhere}); the output's directories must be its own: remove the link, or "
+        "give another --out"
     )
     assert victim.read_text() == "a file of someone else's\n" and list(elsewhere.iterdir()) == []
     shard = out / "train" / "shard-00000.parquet"

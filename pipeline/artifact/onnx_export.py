@@ -391,17 +391,19 @@ def _summary(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 # A registered graph against a fresh export of the same weights (`pipeline verify`)
 #
-# What the dynamo exporter does to the weights here, so that they can't be compared with model.safetensors
-# one to one: an initializer is named `model.<state_dict key>` (ExportHead holds the model as `model`), a
-# Linear's weight keeps its [out, in] layout (Gemm transB=1); onnxscript's optimizer folds each BatchNorm into
-# the Conv before it (the Conv's weight name then holds W * gamma / sqrt(var + eps), and a bias appears) and
-# folds shapes and axes into constants (`val_<n>`). So the proof is a fresh export of the weights, which is
-# deterministic (the same bytes from one process to the next), compared node for node.
+# What the dynamo exporter does to the weights here, so that they can't be compared with
+# model.safetensors one to one: an initializer is named `model.<state_dict key>` (ExportHead holds
+# the model as `model`), a Linear's weight keeps its [out, in] layout (Gemm transB=1); onnxscript's
+# optimizer folds each BatchNorm into the Conv before it (the Conv's weight name then holds W *
+# gamma / sqrt(var + eps), and a bias appears) and folds shapes and axes into constants (`val_<n>`).
+# So the proof is a fresh export of the weights, which is deterministic (the same bytes from one
+# process to the next), compared node for node.
 
 
 def dynamic_axes_of(model: onnx.ModelProto, input_names: list[str]) -> dict[str, list[int]]:
     """The dynamic axes besides the batch that a graph's inputs declare (a symbolic dimension), as
-    `export.dynamic_axes` names them: what a fresh export of the same model must be given to match it."""
+    `export.dynamic_axes` names them: what a fresh export of the same model must be given to match
+    it."""
     axes: dict[str, list[int]] = {}
     for value in model.graph.input:
         if value.name in input_names:
@@ -417,12 +419,12 @@ def opset_of(model: onnx.ModelProto) -> int:
 
 
 def graph_difference(registered: Path, fresh: Path, shown: int = 6) -> list[str]:
-    """How the computation of the ONNX file `registered` differs from that of `fresh` (nothing: []): the
-    opsets, the graph's inputs and outputs (names, dtypes, shapes), every node in order (its operator, its
-    attributes and which values it connects) and every initializer by name, its dtype, shape and bytes. The
-    names of the values between nodes count only by where they are made and used, so a renamed intermediate is
-    no difference; metadata, doc strings and node names are not compared.
-    Weights in an external data file are hashed from that file, a tensor at a time."""
+    """How the computation of the ONNX file `registered` differs from that of `fresh` (nothing: []):
+    the opsets, the graph's inputs and outputs (names, dtypes, shapes), every node in order (its
+    operator, its attributes and which values it connects) and every initializer by name, its dtype,
+    shape and bytes. The names of the values between nodes count only by where they are made and
+    used, so a renamed intermediate is no difference; metadata, doc strings and node names are not
+    compared. Weights in an external data file are hashed from that file, a tensor at a time."""
     a, b = _canonical(registered), _canonical(fresh)
     found: list[str] = []
     if a.opsets != b.opsets:
@@ -474,14 +476,17 @@ class _Canonical:
     inputs: list[tuple]
     outputs: list[tuple]
     nodes: list[tuple]
-    described: list[str]  # each node with the graph's own names, to say where they differ
-    tensors: dict[str, tuple]  # initializer name -> (dtype, dims, sha256 of the bytes)
+    # each node with the graph's own names, to say where they differ
+    described: list[str]
+    # initializer name -> (dtype, dims, sha256 of the bytes)
+    tensors: dict[str, tuple]
 
 
 def _canonical(path: Path) -> _Canonical:
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    # Inputs, outputs and initializers keep their names (the exporter's are the state_dict's, deterministic).
+    # Inputs, outputs and initializers keep their names (the exporter's are the state_dict's,
+    # deterministic).
     boundary = {v.name for v in [*graph.input, *graph.output, *graph.initializer]}
     canonical: dict[str, str] = {}
 
@@ -533,8 +538,8 @@ def _canonical(path: Path) -> _Canonical:
 
 
 def _tensor_sha256(tensor: onnx.TensorProto, path: Path) -> str:
-    """The sha256 of a tensor's bytes: inline, or read from the external data file beside `path` (only a
-    plain file name there is followed: a location is the graph's word, not ours)."""
+    """The sha256 of a tensor's bytes: inline, or read from the external data file beside `path`
+    (only a plain file name there is followed: a location is the graph's word, not ours)."""
     import hashlib
 
     from onnx import numpy_helper

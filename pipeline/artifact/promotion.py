@@ -1,28 +1,29 @@
-"""Champion vs challenger: the alias moves only to a model at least as good as the one holding it, and only to
-one its clients can still call.
+"""Champion vs challenger: the alias moves only to a model at least as good as the one holding it,
+and only to one its clients can still call.
 
-Export calls `decide` after every gate passed. First the input/output contract (`contract_of`: input and
-output names, dtypes and shapes apart from dynamic axes, the task, which outputs carry the decision and the
-prediction, the class labels): a candidate whose contract differs from the holder's would break every client
-of the alias, so it is registered under the challenger alias and the reason names each difference, unless
-export.allow_contract_change says the change is meant. Then the metric: the candidate and the holder are
-measured the same way, each ONNX file over the same validation inputs in its own fresh process (so that peak
-memory is the model's alone), with onnxruntime's CPU provider and the same thread count; the task's metric
-is computed here from their outputs and the split's targets. The report says what was measured and why the
-alias moved or did not.
+Export calls `decide` after every gate passed. First the input/output contract (`contract_of`: input
+and output names, dtypes and shapes apart from dynamic axes, the task, which outputs carry the
+decision and the prediction, the class labels): a candidate whose contract differs from the holder's
+would break every client of the alias, so it is registered under the challenger alias and the reason
+names each difference, unless export.allow_contract_change says the change is meant. Then the
+metric: the candidate and the holder are measured the same way, each ONNX file over the same
+validation inputs in its own fresh process (so that peak memory is the model's alone), with
+onnxruntime's CPU provider and the same thread count; the task's metric is computed here from their
+outputs and the split's targets. The report says what was measured and why the alias moved or did
+not.
 
-"The holder is broken" is decided on the holder alone: it can't be fetched, or it does not load and run its
-own input example (the one logged with it; zeros in its declared shapes where none was). Then a server
-following the alias can't serve it either, and the candidate takes the alias. A holder that runs its own
-inputs but not this split's is not broken: it is another contract, or not comparable on this data.
-onnxruntime's error text is kept whole, on one line.
+"The holder is broken" is decided on the holder alone: it can't be fetched, or it does not load and
+run its own input example (the one logged with it; zeros in its declared shapes where none was).
+Then a server following the alias can't serve it either, and the candidate takes the alias. A holder
+that runs its own inputs but not this split's is not broken: it is another contract, or not
+comparable on this data. onnxruntime's error text is kept whole, on one line.
 
 One decision at a time per registered model: MLflow has no lock, but it numbers versions atomically. So
 the candidate is registered first (no alias, tagged lineage.PROMOTION=pending), waits until every
 lower-numbered pending version has decided, and only then compares against whoever holds the alias now
 (again, if it moved since the first comparison) and moves it. Two exports at once are thus compared with
-each other, never both promoted over a champion only one of them saw (`promote_in_turn`). When an alias
-moves, the version that held it and its run's verdict tag say which version holds it now
+each other, never both promoted over a champion only one of them saw (`promote_in_turn`). When an
+alias moves, the version that held it and its run's verdict tag say which version holds it now
 (`record_alias_moved`).
 """
 
@@ -54,13 +55,13 @@ PENDING = "pending"
 # and the registry calls fit well within it).
 PENDING_STALE_S = 2 * MEASURE_TIMEOUT_S + 300
 TURN_POLL_S = 0.5
-EXAMPLE_BYTES = (
-    64 << 20
-)  # a holder's logged input example is read only below this size (export logs 2 rows)
+# A holder's logged input example is read only below this size (export logs 2 rows).
+EXAMPLE_BYTES = 64 << 20
 
 
 class MeasureError(RuntimeError):
-    """A model could not be loaded or run in the measuring process; the message is the error's whole text."""
+    """A model could not be loaded or run in the measuring process; the message is the error's whole
+    text."""
 
 
 def decide(
@@ -112,26 +113,27 @@ def decide(
                 )
                 return result | {
                     "promote": False,
-                    "reason": f"the input/output contract differs from {held}'s: {said}; clients of "
-                    f"@{alias} would break; register it under another name "
+                    "reason": f"the input/output contract differs from {held}'s: {said}; "
+                    f"clients of @{alias} would break; register it under another name "
                     "(export.registered_model_name) or pass `export.allow_contract_change=true`",
                 }
             if not comparable(changes):
                 return result | {
                     "promote": True,
                     "reason": f"the input/output contract differs from {held}'s ({said}), which "
-                    "export.allow_contract_change=true allows; the two can't be measured on the same "
-                    "inputs, so the candidate, which passed every gate, takes the alias",
+                    "export.allow_contract_change=true allows; the two can't be measured on the "
+                    "same inputs, so the candidate, which passed every gate, takes the alias",
                 }
         try:
             result["champion"] |= measure(champion, inputs, targets, task)
         except MeasureError as exc:
-            # It runs its own example (above): this split is what it can't take, which breaks nothing.
+            # It runs its own example (above): this split is what it can't take, which breaks
+            # nothing.
             result["champion"]["error"] = str(exc)
             return result | {
                 "promote": promote == "always",
-                "reason": f"{held} runs its own input example but not this validation split ({exc}); "
-                "not compared"
+                "reason": f"{held} runs its own input example but not this validation split "
+                f"({exc}); not compared"
                 + (
                     ": promoted because export.promote=always"
                     if promote == "always"
@@ -154,23 +156,24 @@ def _broken(result: dict, held: str, why: str) -> dict[str, Any]:
     return result | {
         "promote": True,
         "champion": result["champion"] | {"error": why},
-        "reason": f"{held} can't be served: {why}; a champion that can't be served can't be compared, "
-        "so the candidate, which passed every gate, takes the alias",
+        "reason": f"{held} can't be served: {why}; a champion that can't be served can't be "
+        "compared, so the candidate, which passed every gate, takes the alias",
     }
 
 
 def one_line(exc: BaseException) -> str:
-    """An error's whole text on one line (onnxruntime's span several: the cause is rarely the last)."""
+    """An error's whole text on one line (onnxruntime's span several: the cause is rarely the
+    last)."""
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-# --- the input/output contract ----------------------------------------------------------------------
+# --- the input/output contract ------------------------------------------------------------------
 
 
 def contract_of(path: Path) -> dict[str, Any]:
-    """What a client of the model at `path` relies on, from the graph and its metadata alone: every input and
-    output by name with its dtype and shape (-1 on a dynamic axis), the task, the outputs that carry the
-    decision and the prediction, and the class labels."""
+    """What a client of the model at `path` relies on, from the graph and its metadata alone: every
+    input and output by name with its dtype and shape (-1 on a dynamic axis), the task, the outputs
+    that carry the decision and the prediction, and the class labels."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -205,8 +208,8 @@ def contract_of(path: Path) -> dict[str, Any]:
 
 
 def contract_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Each way a client of `old` would find `new` different, in words: "input 'input': [-1,1,8,8] ->
-    [-1,3,32,32]", "output 'logits' removed", "labels: 10 -> 12 (...)" ([]: none)."""
+    """Each way a client of `old` would find `new` different, in words: "input 'input': [-1,1,8,8]
+    -> [-1,3,32,32]", "output 'logits' removed", "labels: 10 -> 12 (...)" ([]: none)."""
 
     def shape(dims: tuple) -> str:
         return "[" + ",".join(str(d) for d in dims) + "]"
@@ -237,8 +240,8 @@ def contract_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def comparable(changes: list[str]) -> bool:
-    """Whether two models whose contracts differ by `changes` can still be measured on the same inputs by the
-    same metric: only their class labels (names) may differ."""
+    """Whether two models whose contracts differ by `changes` can still be measured on the same
+    inputs by the same metric: only their class labels (names) may differ."""
     return all(change.startswith("class labels:") for change in changes)
 
 
@@ -250,9 +253,9 @@ def _labels(labels) -> str:
 
 
 def run_own_example(onnx_path: Path, npz: Path) -> str:
-    """Why the model at `onnx_path` can't be served ("" when it can): it is loaded and run, in a process of its
-    own, on its own input example (`input_example.json`, which export logs beside model.onnx), else on zeros in
-    its declared shapes (1 on a dynamic axis)."""
+    """Why the model at `onnx_path` can't be served ("" when it can): it is loaded and run, in a
+    process of its own, on its own input example (`input_example.json`, which export logs beside
+    model.onnx), else on zeros in its declared shapes (1 on a dynamic axis)."""
     try:
         feeds = own_example(onnx_path)
     except Exception as exc:  # noqa: BLE001 - a file that does not parse as ONNX
@@ -339,10 +342,11 @@ def promote_in_turn(
 
 
 def record_alias_moved(name: str, alias: str, old: str, new: str, why: str) -> None:
-    """`alias` moved from version `old` to `new` (because `why`): what described `old` as its holder says so now.
-    Its description's "Why it holds @alias" becomes "Why it held", with a last paragraph naming the new holder
-    and why; the verdict tag of the run it was registered from, where it named `old` with that alias, names the
-    new holder. A store that refuses is said in the log, never a failed export: the alias has moved."""
+    """`alias` moved from version `old` to `new` (because `why`): what described `old` as its holder
+    says so now. Its description's "Why it holds @alias" becomes "Why it held", with a last
+    paragraph naming the new holder and why; the verdict tag of the run it was registered from,
+    where it named `old` with that alias, names the new holder. A store that refuses is said in the
+    log, never a failed export: the alias has moved."""
     from pipeline import tracking
 
     esc = tracking.markdown_escaped
@@ -375,9 +379,9 @@ def record_alias_moved(name: str, alias: str, old: str, new: str, why: str) -> N
 
 
 def record_alias_taken(name: str, version: str, old_alias: str, alias: str, why: str) -> None:
-    """Version `version` left `old_alias` for `alias` (`pipeline promote`): its description's "Why it holds
-    @old_alias" becomes "Why it held", and its run's verdict tag, where it named it with `old_alias`, names
-    `alias` and why."""
+    """Version `version` left `old_alias` for `alias` (`pipeline promote`): its description's "Why
+    it holds @old_alias" becomes "Why it held", and its run's verdict tag, where it named it with
+    `old_alias`, names `alias` and why."""
     from pipeline import tracking
 
     esc = tracking.markdown_escaped
@@ -486,7 +490,8 @@ def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any
 
 
 def _run_measuring(onnx_path: Path, inputs: Path, outputs: Path) -> dict[str, Any]:
-    """`_measure_here` in a fresh process; its figures, or MeasureError with the error's whole text."""
+    """`_measure_here` in a fresh process; its figures, or MeasureError with the error's whole
+    text."""
     try:
         proc = subprocess.run(
             [

@@ -11,11 +11,11 @@ A tensor column of one shape in every row is `fixed_size_binary` (a row group's 
 buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside a `<column>.shape`
 list column. Each shard's row groups are the blocks the stream shuffles and reads (stream.py): a reader
 fetches the row groups it needs, never a whole shard, and checks each against the content digest the
-manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema, of every
-shard's name, rows, size and file sha256, of every row group's rows and content digest, and of the class
-names and model arguments, computed from the manifest alone (`manifest_digest`), which is what MLflow's
-dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it: whatever a reader checks
-or hands to the model is inside it.
+manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema, of
+every shard's name, rows, size and file sha256, of every row group's rows and content digest, and of
+the class names and model arguments, computed from the manifest alone (`manifest_digest`), which is
+what MLflow's dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it:
+whatever a reader checks or hands to the model is inside it.
 
 Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
 of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
@@ -43,7 +43,8 @@ from pipeline.errors import DataError
 FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
 MANIFEST = "manifest.json"
 ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
-# Arrow's fixed_size_binary holds at most this many bytes a value: a fixed-shape column's row, at most.
+# Arrow's fixed_size_binary holds at most this many bytes a value: a fixed-shape column's row, at
+# most.
 MAX_ROW_BYTES = 2**31 - 1
 SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
 
@@ -99,7 +100,8 @@ class Column:
 
     @property
     def nbytes(self) -> int:
-        # Python's integers: a hostile shape such as [2**32, 2**32] must not wrap to 0 as int64 would.
+        # Python's integers: a hostile shape such as [2**32, 2**32] must not wrap to 0 as int64
+        # would.
         return math.prod(self.shape) * self.itemsize if self.shape is not None else 0
 
 
@@ -235,10 +237,11 @@ class Manifest:
 
 
 def manifest_digest(body: dict) -> str:
-    """The split's identity: the schema, every shard's name, rows, size and file sha256, every row group's rows
-    and content digest (what a reader checks the bytes it reads against), the class names and the model
-    arguments the split suggests (both reach the model). Not the targets' profile or the source, which
-    describe it: two manifests of the same bytes have one digest wherever they are."""
+    """The split's identity: the schema, every shard's name, rows, size and file sha256, every row
+    group's rows and content digest (what a reader checks the bytes it reads against), the class
+    names and the model arguments the split suggests (both reach the model). Not the targets'
+    profile or the source, which describe it: two manifests of the same bytes have one digest
+    wherever they are."""
     identity = {
         "format": body["format"],
         "columns": body["columns"],
@@ -341,8 +344,8 @@ def _manifest_problem(manifest: Manifest) -> str | None:
             return f"column '{col.name}' has the shape {list(col.shape)!r}, not a list of sizes"
         if col.nbytes > MAX_ROW_BYTES:
             return (
-                f"column '{col.name}' has the shape {list(col.shape)}: {col.nbytes} bytes a sample, "
-                f"past the {MAX_ROW_BYTES} a shard's fixed-size column holds"
+                f"column '{col.name}' has the shape {list(col.shape)}: {col.nbytes} bytes a "
+                f"sample, past the {MAX_ROW_BYTES} a shard's fixed-size column holds"
             )
     nested = _structure_columns(manifest.structure)
     if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
@@ -528,10 +531,11 @@ def write_split(
 
 
 def _write_file(fs, root: str, name: str, data: bytes, location: str) -> None:
-    """`data` as the file `name` of the split's directory `root`. On a local filesystem, never through a link
-    someone planted in a shared output: the directory is opened without following a link, the bytes go to a
-    new file of a random name opened O_EXCL|O_NOFOLLOW in it, then renamed over `name` (a link there is
-    replaced, its target untouched). An object store has no links: one PUT."""
+    """`data` as the file `name` of the split's directory `root`. On a local filesystem, never
+    through a link someone planted in a shared output: the directory is opened without following a
+    link, the bytes go to a new file of a random name opened O_EXCL|O_NOFOLLOW in it, then renamed
+    over `name` (a link there is replaced, its target untouched). An object store has no links: one
+    PUT."""
     from fsspec.implementations.local import LocalFileSystem
 
     if not isinstance(fs, LocalFileSystem):
@@ -547,8 +551,8 @@ def _write_file(fs, root: str, name: str, data: bytes, location: str) -> None:
         if os.path.islink(root):
             raise DataError(
                 f"can't write the split to {location}: {root} is a symbolic link (to "
-                f"{os.readlink(root)}); the output's directories must be its own: remove the link, or "
-                "give another --out"
+                f"{os.readlink(root)}); the output's directories must be its own: remove the "
+                "link, or give another --out"
             ) from None
         raise _unwritable(location, exc) from None
     temporary = f".{name}.{secrets.token_hex(8)}.tmp"
@@ -819,17 +823,18 @@ AGAIN = "restore the shard, or write the split again with `pipeline data shard`"
 
 
 def _groups_difference(metadata, shard: Shard, path: str) -> str | None:
-    """How the rows of a shard's row groups, as its Parquet footer counts them, differ from the manifest's
-    (None: they don't). Checked when the shard is opened: a reader addresses rows by the manifest's counts."""
+    """How the rows of a shard's row groups, as its Parquet footer counts them, differ from the
+    manifest's (None: they don't). Checked when the shard is opened: a reader addresses rows by the
+    manifest's counts."""
     held = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
     declared = [group["rows"] for group in shard.row_groups]
     if held == declared:
         return None
     g = next(i for i, (a, b) in enumerate(zip(held, declared)) if a != b)
     return (
-        f"shard {path} row group {g} holds {held[g]} rows, the manifest says {declared[g]} (row groups of "
-        f"{_counts(held)} rows, not {_counts(declared)}): its rows would be read from the wrong places; "
-        f"{AGAIN}"
+        f"shard {path} row group {g} holds {held[g]} rows, the manifest says {declared[g]} (row "
+        f"groups of {_counts(held)} rows, not {_counts(declared)}): its rows would be read from the "
+        f"wrong places; {AGAIN}"
     )
 
 
@@ -839,11 +844,11 @@ def _counts(rows: list[int]) -> str:
 
 
 def _group_cost_problem(metadata, group: int, shard: Shard, path: str) -> str | None:
-    """Why row group `group` must not be decoded (None: it may), from the footer alone. The writer writes no
-    compression: a compressed chunk (which could inflate to any size before its digest is checked) is
-    refused, and the chunks' stated sizes must fit in the file the manifest names. Its rows equal the
-    manifest's (`_groups_difference`, at open), so a fixed-shape column decodes to exactly the declared
-    rows x its row bytes."""
+    """Why row group `group` must not be decoded (None: it may), from the footer alone. The writer
+    writes no compression: a compressed chunk (which could inflate to any size before its digest is
+    checked) is refused, and the chunks' stated sizes must fit in the file the manifest names. Its
+    rows equal the manifest's (`_groups_difference`, at open), so a fixed-shape column decodes to
+    exactly the declared rows x its row bytes."""
     meta = metadata.row_group(group)
     where = f"shard {path} row group {group}"
     stored = 0
@@ -851,15 +856,15 @@ def _group_cost_problem(metadata, group: int, shard: Shard, path: str) -> str | 
         chunk = meta.column(i)
         if chunk.compression != "UNCOMPRESSED":
             return (
-                f"{where}: column '{chunk.path_in_schema}' is {chunk.compression}-compressed; a split's "
-                f"shards are written uncompressed (`pipeline data shard`), so its decoded size can't be "
-                f"known before it is decoded: {AGAIN}"
+                f"{where}: column '{chunk.path_in_schema}' is {chunk.compression}-compressed; a "
+                "split's shards are written uncompressed (`pipeline data shard`), so its decoded "
+                f"size can't be known before it is decoded: {AGAIN}"
             )
         stored += max(chunk.total_uncompressed_size, chunk.total_compressed_size)
     if stored > shard.bytes:
         return (
-            f"{where}: its footer says its columns hold {stored} bytes, more than the whole file the "
-            f"manifest names ({shard.bytes} bytes): the footer is damaged; {AGAIN}"
+            f"{where}: its footer says its columns hold {stored} bytes, more than the whole file "
+            f"the manifest names ({shard.bytes} bytes): the footer is damaged; {AGAIN}"
         )
     return None
 
