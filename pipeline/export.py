@@ -275,6 +275,7 @@ def main(
         task,
         cfg.promote,
         cfg.promote_tolerance,
+        cfg.allow_contract_change,
     )
     if report["passed"] and register:
         report["promotion"] = compare()
@@ -292,11 +293,38 @@ def main(
     return result
 
 
-def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> dict[str, dict]:
-    """The gates of an export, run again on an ONNX file against the weights it was exported from
-    (with the export settings those weights recorded): `pipeline verify` on a registered model."""
-    weights = read_weights(Path(weights_dir))
-    return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
+def reference(weights_dir: Path, trusted: Sequence[str] = ()):
+    """The PyTorch reference of a weights directory, rebuilt as export rebuilds it (`pipeline
+    verify`)."""
+    return rebuild(read_weights(Path(weights_dir)), trusted)
+
+
+def regate(ref, onnx_path: Path) -> dict[str, dict]:
+    """The gates of an export, run again on an ONNX file against the reference `ref` of the weights
+    it was exported from (with the export settings those weights recorded): `pipeline verify` on a
+    registered model."""
+    return gate_file(onnx_path, ref, ref.weights.config.export)
+
+
+def rederive(ref, onnx_path: Path, workdir: Path) -> tuple[list[str], str]:
+    """How the ONNX graph at `onnx_path` differs from a fresh export of the weights of `ref` ([]: it
+    is one), and what was exported. The export is the one `main` makes (the same model rebuilt from
+    the weights, the same task head, the same example rows of the validation split), with the opset
+    and the dynamic axes the graph itself declares: whatever those say, the fresh graph is the
+    exporter's own work from the weights, so a node, an initializer or a value that the weights and
+    the exporter would not make is a difference."""
+    import onnx
+
+    registered = onnx.load(str(onnx_path), load_external_data=False)
+    opset = onnx_export.opset_of(registered)
+    axes = onnx_export.dynamic_axes_of(registered, ref.splits.input_names)
+    example = named(first_batch(ref.splits.val, onnx_export.EXPORT_BATCH)[0])
+    fresh = onnx_export.export(
+        ref.fresh_head(), example, axes, opset, {}, workdir / "fresh.onnx", "auto"
+    )
+    gc.collect()
+    said = f"{fresh.exporter} exporter, opset {opset}" + (f", dynamic axes {axes}" if axes else "")
+    return onnx_export.graph_difference(onnx_path, workdir / "fresh.onnx"), said
 
 
 def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
@@ -468,10 +496,13 @@ def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
     return (
-        f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
-        f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
-        "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
-        "its gates and why it holds its alias."
+        f"{esc(found.model)} ({esc(found.task)}), first trained on {esc(found.data)}, then every "
+        f"version trained, exported and gated by trainserve. Its alias {esc('@' + alias)} is on a "
+        "version that passed every export gate, has the input/output contract of the one before it "
+        "(unless a change was allowed) and won the comparison `export.promote` asks for on the "
+        "validation metric, or won `pipeline promote`'s shadow verdict, or replaced one that could "
+        "not be served; each version's description lists its gates and why it holds, or held, its "
+        "alias."
     )
 
 

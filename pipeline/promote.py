@@ -23,6 +23,7 @@ from typing import Any
 import requests
 
 from pipeline import tracking
+from pipeline.artifact import promotion
 from pipeline.errors import TrackingError
 from pipeline.tools import logs
 from serving import lineage
@@ -111,6 +112,12 @@ def main(
             "reason": f"@{champion} moved to version {now} while this promotion moved it to {behind}",
         }
     tracking.delete_alias(name, challenger)
+    said = (
+        f"pipeline promote: shadow verdict {verdict}{' (forced)' if verdict != 'promote' else ''}"
+    )
+    if holder is not None:
+        promotion.record_alias_moved(name, champion, holder, behind, said)
+    promotion.record_alias_taken(name, behind, challenger, champion, said)
     return {
         "promoted": True,
         "version": behind,

@@ -11,9 +11,11 @@ A tensor column of one shape in every row is `fixed_size_binary` (a row group's 
 buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside a `<column>.shape`
 list column. Each shard's row groups are the blocks the stream shuffles and reads (stream.py): a reader
 fetches the row groups it needs, never a whole shard, and checks each against the content digest the
-manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema and of every
-shard's name, rows, size and file sha256, computed from the manifest alone (`manifest_digest`), which is
-what MLflow's dataset inputs, `trace` and `verify` carry for it.
+manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema, of
+every shard's name, rows, size and file sha256, of every row group's rows and content digest, and of
+the class names and model arguments, computed from the manifest alone (`manifest_digest`), which is
+what MLflow's dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it:
+whatever a reader checks or hands to the model is inside it.
 
 Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
 of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
@@ -24,7 +26,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import os
 import posixpath
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Iterator
@@ -38,6 +43,9 @@ from pipeline.errors import DataError
 FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
 MANIFEST = "manifest.json"
 ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+# Arrow's fixed_size_binary holds at most this many bytes a value: a fixed-shape column's row, at
+# most.
+MAX_ROW_BYTES = 2**31 - 1
 SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
 
 
@@ -92,11 +100,9 @@ class Column:
 
     @property
     def nbytes(self) -> int:
-        return (
-            int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
-            if self.shape is not None
-            else 0
-        )
+        # Python's integers: a hostile shape such as [2**32, 2**32] must not wrap to 0 as int64
+        # would.
+        return math.prod(self.shape) * self.itemsize if self.shape is not None else 0
 
 
 def structure_of(inputs: Any, target: Any) -> dict:
@@ -231,13 +237,21 @@ class Manifest:
 
 
 def manifest_digest(body: dict) -> str:
-    """The split's identity: the schema and every shard's name, rows, size and sha256 (not the profile or the
-    source, which describe it): two manifests of the same bytes have one digest wherever they are."""
+    """The split's identity: the schema, every shard's name, rows, size and file sha256, every row
+    group's rows and content digest (what a reader checks the bytes it reads against), the class
+    names and the model arguments the split suggests (both reach the model). Not the targets'
+    profile or the source, which describe it: two manifests of the same bytes have one digest
+    wherever they are."""
     identity = {
         "format": body["format"],
         "columns": body["columns"],
         "structure": body["structure"],
-        "shards": [{k: s[k] for k in ("name", "rows", "bytes", "sha256")} for s in body["shards"]],
+        "shards": [
+            {k: s[k] for k in ("name", "rows", "bytes", "sha256", "row_groups")}
+            for s in body["shards"]
+        ],
+        "classes": body.get("classes"),
+        "model_args": body.get("model_args") or {},
     }
     return hashlib.sha256(
         json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
@@ -328,6 +342,11 @@ def _manifest_problem(manifest: Manifest) -> str | None:
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in col.shape
         ):
             return f"column '{col.name}' has the shape {list(col.shape)!r}, not a list of sizes"
+        if col.nbytes > MAX_ROW_BYTES:
+            return (
+                f"column '{col.name}' has the shape {list(col.shape)}: {col.nbytes} bytes a "
+                f"sample, past the {MAX_ROW_BYTES} a shard's fixed-size column holds"
+            )
     nested = _structure_columns(manifest.structure)
     if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
         return (
@@ -507,12 +526,54 @@ def write_split(
         source or {},
     )
     body = manifest.body() | {"digest": manifest.digest}
+    _write_file(fs, root, MANIFEST, json.dumps(body, indent=1).encode(), location)
+    return manifest
+
+
+def _write_file(fs, root: str, name: str, data: bytes, location: str) -> None:
+    """`data` as the file `name` of the split's directory `root`. On a local filesystem, never
+    through a link someone planted in a shared output: the directory is opened without following a
+    link, the bytes go to a new file of a random name opened O_EXCL|O_NOFOLLOW in it, then renamed
+    over `name` (a link there is replaced, its target untouched). An object store has no links: one
+    PUT."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        try:
+            with fs.open(join(root, name), "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise _unwritable(location, exc) from None
+        return
     try:
-        with fs.open(join(root, MANIFEST), "wb") as f:
-            f.write(json.dumps(body, indent=1).encode())
+        directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if os.path.islink(root):
+            raise DataError(
+                f"can't write the split to {location}: {root} is a symbolic link (to "
+                f"{os.readlink(root)}); the output's directories must be its own: remove the "
+                "link, or give another --out"
+            ) from None
+        raise _unwritable(location, exc) from None
+    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(
+            temporary,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+            dir_fd=directory,
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            os.unlink(temporary, dir_fd=directory)
+            raise
     except OSError as exc:
         raise _unwritable(location, exc) from None
-    return manifest
+    finally:
+        os.close(directory)
 
 
 def _unwritable(location: str, exc: OSError) -> DataError:
@@ -577,11 +638,7 @@ def _write_shard(
         }
         for i in range(0, len(rows), rows_per_group)
     ]
-    try:
-        with fs.open(join(root, name), "wb") as f:
-            f.write(data)
-    except OSError as exc:
-        raise _unwritable(root, exc) from None
+    _write_file(fs, root, name, data, root)
     return Shard(name, len(rows), len(data), hashlib.sha256(data).hexdigest(), groups)
 
 
@@ -665,7 +722,9 @@ class ShardReader:
                 f"{'end early' if pf.metadata.num_rows < shard.rows else 'differ'}; restore the shard, or "
                 "write the split again with `pipeline data shard`"
             )
-        elif problem is not None:
+        elif problem is None:
+            problem = _groups_difference(pf.metadata, shard, path)
+        else:
             problem = (
                 f"shard {path} {problem}: the schema changed between shards; every shard of a split holds "
                 "the manifest's columns: restore the shard, or write the split again with `pipeline data "
@@ -691,6 +750,10 @@ class ShardReader:
         opened = self._file(shard_index)
         shard = self.manifest.shards[shard_index]
         path = join(self.manifest.location, shard.name)
+        # What decoding will cost, judged from the footer before a byte is decoded: at most the
+        # manifest's rows of this group times its row bytes (the digest is only checked after).
+        if (problem := _group_cost_problem(opened.pf.metadata, group, shard, path)) is not None:
+            raise DataError(problem)
         opened.handle.failure = None
         try:
             table = opened.pf.read_row_group(group)
@@ -754,6 +817,56 @@ class _StoreFile:
 
     def close(self) -> None:
         self.handle.close()
+
+
+AGAIN = "restore the shard, or write the split again with `pipeline data shard`"
+
+
+def _groups_difference(metadata, shard: Shard, path: str) -> str | None:
+    """How the rows of a shard's row groups, as its Parquet footer counts them, differ from the
+    manifest's (None: they don't). Checked when the shard is opened: a reader addresses rows by the
+    manifest's counts."""
+    held = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+    declared = [group["rows"] for group in shard.row_groups]
+    if held == declared:
+        return None
+    g = next(i for i, (a, b) in enumerate(zip(held, declared)) if a != b)
+    return (
+        f"shard {path} row group {g} holds {held[g]} rows, the manifest says {declared[g]} (row "
+        f"groups of {_counts(held)} rows, not {_counts(declared)}): its rows would be read from the "
+        f"wrong places; {AGAIN}"
+    )
+
+
+def _counts(rows: list[int]) -> str:
+    shown = ", ".join(str(n) for n in rows[:8])
+    return f"[{shown}{', ...' if len(rows) > 8 else ''}]"
+
+
+def _group_cost_problem(metadata, group: int, shard: Shard, path: str) -> str | None:
+    """Why row group `group` must not be decoded (None: it may), from the footer alone. The writer
+    writes no compression: a compressed chunk (which could inflate to any size before its digest is
+    checked) is refused, and the chunks' stated sizes must fit in the file the manifest names. Its
+    rows equal the manifest's (`_groups_difference`, at open), so a fixed-shape column decodes to
+    exactly the declared rows x its row bytes."""
+    meta = metadata.row_group(group)
+    where = f"shard {path} row group {group}"
+    stored = 0
+    for i in range(meta.num_columns):
+        chunk = meta.column(i)
+        if chunk.compression != "UNCOMPRESSED":
+            return (
+                f"{where}: column '{chunk.path_in_schema}' is {chunk.compression}-compressed; a "
+                "split's shards are written uncompressed (`pipeline data shard`), so its decoded "
+                f"size can't be known before it is decoded: {AGAIN}"
+            )
+        stored += max(chunk.total_uncompressed_size, chunk.total_compressed_size)
+    if stored > shard.bytes:
+        return (
+            f"{where}: its footer says its columns hold {stored} bytes, more than the whole file "
+            f"the manifest names ({shard.bytes} bytes): the footer is damaged; {AGAIN}"
+        )
+    return None
 
 
 def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:

@@ -198,10 +198,14 @@ class EpochOrder:
             s, g = self.blocks[block]
             end = min(stop, int(self.starts[block + 1]))
             offsets = np.arange(position - self.starts[block], end - self.starts[block])
+            # Read (its shard opened, its footer's rows checked against the manifest's) before its
+            # rows are permuted: a permutation of declared rows costs what the manifest says, not
+            # the file.
+            group = reader.get(s, g)
             rows = row_order(
                 self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block])
             )[offsets]
-            out.append(shard_format.take(reader.get(s, g), rows))
+            out.append(shard_format.take(group, rows))
             position = end
         return out
 
