@@ -431,7 +431,7 @@ def check_datatype(datatype, spec: TensorSpec) -> None:
 def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -> int:
     """The declared element count, refused before any data is touched when it can't be right: more rows
     than a request may have, or more values than the body could carry."""
-    if shape and spec.shape and spec.shape[0] == -1 and shape[0] > limits.max_rows:
+    if spec.batched and shape and shape[0] > limits.max_rows:
         raise BadRequest(
             f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
             "(--max-rows-per-request): split it"
@@ -689,7 +689,10 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
 
 
 def shape_fits(spec: TensorSpec, shape) -> bool:
-    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size)."""
+    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size); any shape for an input
+    the graph gives no rank (onnxruntime judges it)."""
+    if not spec.ranked:
+        return True
     return len(shape) == len(spec.shape) and all(w in (-1, g) for w, g in zip(spec.shape, shape))
 
 
@@ -702,9 +705,13 @@ def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -
 
 
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
+    """The rows of a batched version's request (every input's first axis, one count); 1 for a version that runs each
+    request alone, whatever its tensors' shapes (empty ones too: the model judges them)."""
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
+    if not all(s.batched for s in inputs):
+        return 1
     counts = {name: (a.shape[0] if a.ndim else 1) for name, a in feeds.items()}
     if len(set(counts.values())) > 1:
         raise BadRequest(f"inputs disagree on the number of rows (first axis): {counts}")

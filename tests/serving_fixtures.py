@@ -118,6 +118,39 @@ def two_input_model(path):
     return _save_graph(path, graph, 17)
 
 
+def sum_model(path, *, rank: int = 1) -> Path:
+    """INPUT0, INPUT1, INPUT2 FP32 [-1] (`rank` 2: [-1, -1]) -> OUTPUT FP32 [1], the sum of every value sent: each
+    request's answer is its own three inputs' total, and no row of it is a row of any input. A model whose every
+    input has a dynamic first axis and whose rows are not independent (Triton serves it with max_batch_size 0)."""
+    dims = [["n", "m"][:rank] for _ in range(3)]
+    graph = helper.make_graph(
+        [
+            *[helper.make_node("Reshape", [f"INPUT{i}", "flat"], [f"f{i}"]) for i in range(3)],
+            helper.make_node("Concat", ["f0", "f1", "f2"], ["all"], axis=0),
+            helper.make_node("ReduceSum", ["all"], ["OUTPUT"], keepdims=1),
+        ],
+        "sum",
+        [
+            helper.make_tensor_value_info(
+                f"INPUT{i}", TensorProto.FLOAT, [f"{d}{i}" for d in dims[i]]
+            )
+            for i in range(3)
+        ],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("flat", TensorProto.INT64, [1], [-1])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def triton_config(model_dir: Path, text: str, labels: dict[str, list[str]] | None = None) -> Path:
+    """A Triton config.pbtxt (and label files) in a repository model's directory."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name, lines in (labels or {}).items():
+        (model_dir / name).write_text("".join(f"{line}\n" for line in lines))
+    (model_dir / "config.pbtxt").write_text(text)
+    return model_dir / "config.pbtxt"
+
+
 def _save_graph(path, graph, opset: int) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
@@ -139,7 +172,8 @@ def _save(path, nodes, inits, size, classes, name, labels) -> Path:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    props = {}
+    # As `pipeline export` records it: the rows of a Flatten-Gemm-Softmax are the samples' own.
+    props = {lineage.ROWS_INDEPENDENT: "1,7,64"}
     if name:
         props[lineage.MODEL_NAME] = name
     if labels is not None:

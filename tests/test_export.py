@@ -185,6 +185,34 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     props = {p.key: p.value for p in model.metadata_props}
     assert props[lineage.MODEL_NAME] == "resnet18-digits"
     assert json.loads(props[lineage.LABELS]) == [str(d) for d in range(10)]
+    # Its rows are its samples' own (a ResNet in eval mode): the server may batch its requests together.
+    assert props[lineage.ROWS_INDEPENDENT] == "1,7,64"
+    assert exported.report["rows_independent"]["independent"]
+
+
+class _Head(torch.nn.Module):
+    """A graph head as export makes one: `fn` of one input named `input`, one output named `out`."""
+
+    input_names, output_names = ["input"], ["out"]
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return (self.fn(x),)
+
+
+def test_rows_are_independent_only_when_each_samples_output_is_its_own():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    batches = {f"b{n}": {"input": x[:n]} for n in (1, 7, 64)}
+    linear = torch.nn.Linear(4, 3)
+    assert gates.rows_independent(_Head(linear), batches, 1e-5, 1e-4)["independent"]
+    # Normalized over the batch, a summary of it: each answer depends on the other samples, or has no rows.
+    centred = gates.rows_independent(_Head(lambda t: t - t.mean(0)), batches, 1e-5, 1e-4)
+    assert not centred["independent"] and "the first 1 rows at batch 7 differ" in centred["message"]
+    summed = gates.rows_independent(_Head(lambda t: t.sum(0)), batches, 1e-5, 1e-4)
+    assert not summed["independent"] and "out of shape [4] at batch 1" in summed["message"]
 
 
 def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):

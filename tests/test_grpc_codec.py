@@ -27,7 +27,8 @@ from serving.grpc.codec import decode_infer, encode_infer
 
 
 def spec(name: str, dtype, datatype: str, shape: tuple[int, ...]) -> TensorSpec:
-    return TensorSpec(name, np.dtype(dtype), datatype, shape)
+    """A tensor of a batched model (its first axis the batch axis) when that axis is dynamic."""
+    return TensorSpec(name, np.dtype(dtype), datatype, shape, batched=shape[:1] == (-1,))
 
 
 INPUTS = [

@@ -34,7 +34,7 @@ import numpy as np
 import serving
 from serving import codec
 from serving.codec import BadRequest
-from serving.core import Server, check_request_id
+from serving.core import Server, batch_cap, check_request_id
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
@@ -256,6 +256,8 @@ async def model_ready(server: Server, request: Request, exchange: Exchange) -> R
 
 
 async def model_config(server: Server, request: Request, exchange: Exchange) -> Response:
+    """Triton's model configuration, as this server runs the version now: max_batch_size 0 unless its requests
+    share runs (then dims leave the batch axis out, as Triton's do)."""
     slot = _slot(server, request)
     engine = slot.model.engine
     batched = engine.batchable
@@ -268,7 +270,9 @@ async def model_config(server: Server, request: Request, exchange: Exchange) -> 
             "name": slot.model.info.name,
             "platform": "onnxruntime_onnx",
             "backend": "onnxruntime",
-            "max_batch_size": server.settings.max_batch_size if batched else 0,
+            "max_batch_size": batch_cap(slot.model, server.settings.max_batch_size)
+            if batched
+            else 0,
             "input": [
                 {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
                 for s in engine.inputs
