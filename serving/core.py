@@ -38,6 +38,7 @@ import numpy as np
 
 from serving import drift, lengths
 from serving.batcher import Batcher, BatcherClosed, NotRowWise, QueueFull, RunTimedOut
+from serving.classification import classify
 from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import LARGE_ROW_BYTES, Settings
 from serving.console import clip
@@ -849,7 +850,7 @@ class Server:
             mirrored,
             exchange.source,
         )
-        return Answer(slot, rid, request, results)
+        return Answer(slot, rid, request, answered(slot, request, results))
 
     def _keeps(self, slot: Slot, request_id: str, mirrored: bool) -> bool:
         """Whether the payload log or the shadow mirror will keep this request's inputs."""
@@ -950,6 +951,25 @@ class Server:
                     error,
                 )
             )
+
+
+def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py);
+    BadRequest for a BYTES output asked into shared memory (its elements have no fixed size to place)."""
+    model = slot.model
+    results = classify(
+        results,
+        getattr(request, "classification", None) or {},
+        model.engine.batchable,
+        model.info.labels_for,
+    )
+    for name in getattr(request, "output_refs", None) or {}:
+        if results[name].dtype == object:
+            raise BadRequest(
+                f"output '{name}' is BYTES, which this server does not write to shared memory; receive "
+                "it in the response"
+            )
+    return results
 
 
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

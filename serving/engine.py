@@ -53,6 +53,9 @@ _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
     "tensor(uint32)": (np.dtype(np.uint32), "UINT32"),
     "tensor(uint64)": (np.dtype(np.uint64), "UINT64"),
     "tensor(bool)": (np.dtype(np.bool_), "BOOL"),
+    # KServe V2's BYTES: each element a byte string of its own length (numpy objects: bytes in, str out of
+    # onnxruntime). Never in a batch buffer, whose rows are of one fixed size (see Engine.fixed_rows).
+    "tensor(string)": (np.dtype(object), "BYTES"),
 }
 
 
@@ -387,9 +390,10 @@ def feed_values(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def zeros(spec: TensorSpec, shape) -> np.ndarray:
-    """A warm-up value of the input's type: zeros, or empty strings."""
+    """A warm-up value of the input's type: zeros; for strings "0" (what a Cast to a number takes, as text
+    does)."""
     if spec.dtype == object:
-        return np.full(shape, "", dtype=object)
+        return np.full(shape, "0", dtype=object)
     return np.zeros(shape, dtype=spec.dtype)
 
 

@@ -142,6 +142,63 @@ def sum_model(path, *, rank: int = 1) -> Path:
     return _save_graph(path, graph, 17)
 
 
+def text_model(path, *, number: bool = False, batch: bool = True) -> Path:
+    """`TEXT` STRING [batch, 2] -> `ECHO`, the same strings (an Identity); `number`: -> `NUMBER` INT32 [batch, 2], the
+    strings read as integers (a Cast, as Triton's string models do). Its rows are independent, and its file says
+    so unless `batch` is False."""
+    out = ("NUMBER", TensorProto.INT32) if number else ("ECHO", TensorProto.STRING)
+    node = (
+        helper.make_node("Cast", ["TEXT"], ["NUMBER"], to=TensorProto.INT32)
+        if number
+        else helper.make_node("Identity", ["TEXT"], ["ECHO"])
+    )
+    graph = helper.make_graph(
+        [node],
+        "text",
+        [helper.make_tensor_value_info("TEXT", TensorProto.STRING, ["batch", 2])],
+        [helper.make_tensor_value_info(out[0], out[1], ["batch", 2])],
+    )
+    return _save_graph(
+        path, graph, 17, {lineage.ROWS_INDEPENDENT: "by construction"} if batch else {}
+    )
+
+
+def word_model(path) -> Path:
+    """`WORD` STRING [1] -> `SAME` STRING [1]: one string in, the same one out (no batch axis)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["WORD"], ["SAME"])],
+        "word",
+        [helper.make_tensor_value_info("WORD", TensorProto.STRING, [1])],
+        [helper.make_tensor_value_info("SAME", TensorProto.STRING, [1])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def double_model(path) -> Path:
+    """`VALUES` FP32 [-1] -> `TWICE` FP32 [-1]: one input, no batch axis recorded (runs as sent)."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["VALUES", "VALUES"], ["TWICE"])],
+        "double",
+        [helper.make_tensor_value_info("VALUES", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("TWICE", TensorProto.FLOAT, ["n"])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def any_rank_model(path) -> Path:
+    """`ANY` FP32 of no declared shape at all (not even a rank) -> `SAME`, the same tensor."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["ANY"], ["SAME"])],
+        "any_rank",
+        [helper.make_tensor_value_info("ANY", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("SAME", TensorProto.FLOAT, None)],
+    )
+    # (onnx's checker wants a shape on every graph input; onnxruntime, and the ONNX spec, do not)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, str(path))
+    return Path(path)
+
+
 def triton_config(model_dir: Path, text: str, labels: dict[str, list[str]] | None = None) -> Path:
     """A Triton config.pbtxt (and label files) in a repository model's directory."""
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -151,9 +208,11 @@ def triton_config(model_dir: Path, text: str, labels: dict[str, list[str]] | Non
     return model_dir / "config.pbtxt"
 
 
-def _save_graph(path, graph, opset: int) -> Path:
+def _save_graph(path, graph, opset: int, props: dict[str, str] | None = None) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
+    if props:
+        helper.set_model_props(model, props)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return Path(path)

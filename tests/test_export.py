@@ -190,6 +190,36 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     assert exported.report["rows_independent"]["independent"]
 
 
+def test_the_exported_classifier_is_batched_and_answers_its_top_classes_by_name(exported, trained):
+    """Served as exported: its requests share runs (its file records independent rows), and the classification
+    extension answers with the class names export recorded."""
+    import requests
+
+    x = trained["val_x"][:2]
+    want = run_onnx(exported.onnx_path, x)["probabilities"]
+    with ServerProcess("--model", f"digits={exported.onnx_path}") as srv:
+        config = requests.get(f"{srv.url}/v2/models/digits/config", timeout=10).json()
+        body = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ],
+            "outputs": [{"name": "probabilities", "parameters": {"classification": 3}}],
+        }
+        answer = requests.post(f"{srv.url}/v2/models/digits/infer", json=body, timeout=30).json()
+    assert config["max_batch_size"] == 32
+    (out,) = answer["outputs"]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, 3]
+    labels = [str(d) for d in range(10)]  # what the digits data names its classes
+    for row, entries in zip(want, np.array(out["data"]).reshape(2, 3)):
+        top = np.argsort(-row)[:3]
+        assert [e.split(":")[1:] for e in entries] == [[str(i), labels[i]] for i in top]
+
+
 class _Head(torch.nn.Module):
     """A graph head as export makes one: `fn` of one input named `input`, one output named `out`."""
 

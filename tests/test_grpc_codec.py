@@ -602,10 +602,10 @@ REFUSALS = [
         "input 'x' names a shared memory region, which this request can't use here",
     ),
     (
-        "output classification",
+        "output classification of no classes",
         RAW,
-        lambda r: _set(r.outputs.add(name="probs").parameters["classification"], int64_param=2),
-        "output 'probs': parameters.classification asks for classification",
+        lambda r: _set(r.outputs.add(name="probs").parameters["classification"], string_param="2"),
+        "output 'probs': parameters.classification must be a whole number of classes, at least 1",
     ),
     ("long name cut short", RAW, lambda r: _set(r.inputs[0], name="n" * 5000), "nnn'..."),
 ]

@@ -48,6 +48,7 @@ SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/fo
 FEEDBACK_MAX = 10000  # labels in one feedback request
 EXTENSIONS = [
     "binary_tensor_data",
+    "classification",
     "model_configuration",
     "model_repository",
     "system_shared_memory",
@@ -137,13 +138,16 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     request.arrival = arrival = (
         slot.batcher.arriving()
     )  # a batch about to run waits for it a little (Batcher)
+    engine = slot.model.engine
+    # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
+    # from the whole body, element by element: codec.decode_v2).
     if (
         json_length is not None
         and not chunked
         and 0 < json_length <= length
         and content_encoding(request) == "identity"
+        and not any(codec.is_bytes(s) for s in engine.inputs)
     ):
-        engine = slot.model.engine
         return bodies.V2Binary(
             json_length,
             length,
@@ -274,15 +278,20 @@ async def model_config(server: Server, request: Request, exchange: Exchange) -> 
             if batched
             else 0,
             "input": [
-                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
+                {"name": s.name, "data_type": config_type(s), "dims": dims(s)}
                 for s in engine.inputs
             ],
             "output": [
-                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": dims(s)}
+                {"name": s.name, "data_type": config_type(s), "dims": dims(s)}
                 for s in engine.outputs
             ],
         }
     )
+
+
+def config_type(spec) -> str:
+    """A tensor's data_type as Triton's model configuration names it (BYTES is TYPE_STRING there)."""
+    return "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
 
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
