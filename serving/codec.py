@@ -4,7 +4,8 @@ Two protocols:
 - Open Inference Protocol (KServe V2) with Triton's binary tensor extension: a JSON header of
   `Inference-Header-Content-Length` bytes, then the raw little-endian bytes of every input whose
   parameters carry `binary_data_size`, in input order. Outputs come back the same way when asked
-  (`binary_data` per output, or `binary_data_output` for all).
+  (`binary_data` per output, or `binary_data_output` for all). A header length of 0 is a raw binary request:
+  the body is a one-input model's input, its shape deduced from its size (`decode_raw`), every output binary.
 - MLflow's scoring protocol: exactly one of `inputs` (a tensor, or name -> tensor),
   `instances` (a list of rows), `dataframe_split` / `dataframe_records` (one row per sample, either a
   column per model input holding a tensor, or the sample's values flattened into columns).
@@ -199,6 +200,8 @@ def decode_v2(
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
     `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py);
     `seen`: the model version's headers checked already (parse_v2_header_once)."""
+    if header_length == 0:
+        return decode_raw(body, inputs, output_names, limits)
     header = parse_v2_header_once(
         seen, body, header_length, len(body), inputs, output_names, limits
     )
@@ -213,6 +216,71 @@ def decode_v2(
             )
         offset += item.binary
     return finish_v2(header, arrays, inputs, shared)
+
+
+def decode_raw(
+    body, inputs: list[TensorSpec], output_names: list[str], limits: Limits
+) -> V2Request:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data of a model's
+    one input, in the shape `raw_shape` deduces from its size; every output comes back as binary data."""
+    if len(inputs) != 1:
+        raise BadRequest(
+            "a raw binary request (Inference-Header-Content-Length: 0) carries one input; this model "
+            f"takes {expected(inputs)}: send a JSON header naming each"
+        )
+    spec = inputs[0]
+    shape = raw_shape(spec, len(body))
+    count = _check_size(spec.name, shape, spec, limits)
+    if is_bytes(spec):
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+    else:
+        array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<"), count=count)
+        if array.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
+            raise BadRequest(f"input '{spec.name}': BOOL binary data must be bytes 0 or 1")
+    feeds = {spec.name: array.reshape(shape).astype(spec.dtype, copy=False)}
+    return V2Request(feeds, _rows(feeds, inputs), None, [(n, True) for n in output_names])
+
+
+def raw_shape(spec: TensorSpec, size: int) -> list[int]:
+    """The shape of a raw binary request's `size` bytes for input `spec`, as Triton deduces it: one row of a
+    batched model; its one dynamic axis (besides the batch axis) from the byte count; a BYTES input of shape [1]
+    is the body as its one element. An input of no rank takes the values as a list. BadRequest where it can't."""
+    where = f"a raw binary request (Inference-Header-Content-Length: 0) for input '{spec.name}'"
+    dims = list(spec.shape[1:]) if spec.batched else list(spec.shape) if spec.ranked else [-1]
+    lead = [1] if spec.batched else []
+    if is_bytes(spec):
+        if dims != [1]:
+            raise BadRequest(
+                f"{where}: a BYTES input takes the body as one element only when its shape is [1]; "
+                f"this one is {spec.describe()}: send a JSON header"
+            )
+        return lead + dims
+    itemsize = spec.dtype.itemsize
+    if size % itemsize:
+        raise BadRequest(
+            f"{where}: {size} bytes is not a whole number of {spec.datatype} values ({itemsize} "
+            "bytes each)"
+        )
+    values, dynamic = size // itemsize, [i for i, d in enumerate(dims) if d == -1]
+    fixed = math.prod(d for d in dims if d != -1)
+    if len(dynamic) > 1:
+        raise BadRequest(
+            f"{where}: its shape {spec.describe()} has more than one dynamic axis to deduce from the "
+            "byte count; send a JSON header with the shape"
+        )
+    if dynamic and (fixed == 0 or values % fixed):
+        raise BadRequest(
+            f"{where}: {values} {spec.datatype} values do not fill {spec.describe()} (rows of {fixed})"
+        )
+    if dynamic:
+        dims[dynamic[0]] = values // fixed
+    elif values != fixed:
+        raise BadRequest(
+            f"{where}: {size} bytes, but {spec.describe()} takes {fixed * itemsize} bytes"
+            + (" (one row)" if spec.batched else "")
+        )
+    return lead + dims
 
 
 def parse_v2_header(
