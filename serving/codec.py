@@ -358,7 +358,7 @@ def parse_v2_header(
                 )
             declared[name] = V2Input(spec, shape, count, None, ref=ref)
         elif binary_size is not None:
-            if not isinstance(binary_size, int) or isinstance(binary_size, bool):
+            if not isinstance(binary_size, int) or isinstance(binary_size, bool) or binary_size < 0:
                 raise BadRequest(
                     f"input '{name}': binary_data_size must be an integer byte count, got "
                     f"{binary_size!r:.40}"
@@ -373,7 +373,7 @@ def parse_v2_header(
                     "Inference-Header-Content-Length header"
                 )
             want = binary_size if is_bytes(spec) else count * spec.dtype.itemsize
-            if binary_size != want or binary_size < 0:
+            if binary_size != want:
                 raise BadRequest(
                     f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
                     f"{spec.datatype} takes {want} bytes"
