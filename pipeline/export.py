@@ -174,8 +174,17 @@ def main(
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
-    if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
-        # the longest token inputs in its metadata: the server's 400 past them
+    # Whether the rows are the samples' own (the server batches requests together only then), and the longest
+    # token inputs (the server's 400 past them): into the file's metadata, before any gate or variant reads it.
+    rows = gates.rows_independent(ref.head, batches, cfg.atol, cfg.rtol)
+    log.info("%s", rows["message"])
+    if rows["independent"]:
+        metadata[lineage.ROWS_INDEPENDENT] = ",".join(map(str, rows["batch_sizes"]))
+        exported.model.metadata_props.add(
+            key=lineage.ROWS_INDEPENDENT, value=metadata[lineage.ROWS_INDEPENDENT]
+        )
+    limited = length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes)
+    if limited or rows["independent"]:
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     cpu_sess = gates.session(
@@ -243,6 +252,7 @@ def main(
         weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names
     )
     report["providers"] = providers
+    report["rows_independent"] = rows
     if figure:
         report["figure"] = str(
             figure

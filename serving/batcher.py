@@ -76,6 +76,12 @@ class RunTimedOut(Exception):
     """A model run took longer than the batcher's run_timeout; it may still be running."""
 
 
+class NotRowWise(Exception):
+    """A batched run's outputs do not have the run's rows on their first axis: the model's rows are not independent
+    (it was declared batchable wrongly). The run's requests fail with it (never an answer cut from the outputs),
+    and the batcher runs every request alone from then on."""
+
+
 @dataclass
 class _Job:
     feeds: Feeds
@@ -181,7 +187,8 @@ class Batcher:
     - the queue never holds more than `max_queue_rows` rows (a job is refused, never truncated);
     - a job larger than `max_batch_size` rows runs alone, never split; the caller caps rows per
       request;
-    - with `merge=False` (a model without a dynamic batch axis), every job runs alone;
+    - with `merge=False` (a model not known to be row-wise), every job runs alone; a run that raises NotRowWise
+      turns `merge` off for good (one log line), and its jobs fail with it, never run again one by one;
     - a batch only holds jobs with the same input names, trailing shapes and dtypes as its first
       job; jobs skipped for that keep their order and lead a later batch;
     - no row of a batch buffer is written while a run reads it, and no run reads a place still arriving;
@@ -205,7 +212,9 @@ class Batcher:
         run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
         arrival_wait_ms: float = 0.0,
         incoming: Callable[[], int] | None = None,
+        name: str = "the model",
     ):
+        self.name = name  # the version it runs, in its log lines
         self._run = run
         self._buffers = (
             buffers if run_buffer is not None and merge else None
@@ -476,7 +485,7 @@ class Batcher:
         """(under _lock) The next `rows` rows of the buffer being filled (a new buffer when it is full or sealed), or
         None when no buffer is free or the rows fit none."""
         capacity = self._place_capacity()
-        if rows > capacity:
+        if rows > capacity or not self.merge:
             return None
         group = self._groups[-1] if self._groups and not self._groups[-1].sealed else None
         if group is not None and group.rows + rows > capacity:
@@ -526,7 +535,7 @@ class Batcher:
                 return
             span, rows, oldest, open_ = next_batch
             take_span = span is not None
-            if rows < self.max_batch_size and self._kick_coming():
+            if self.merge and rows < self.max_batch_size and self._kick_coming():
                 return  # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
             if self._should_wait(runner, rows, oldest, open_):
                 return
@@ -582,7 +591,7 @@ class Batcher:
     def _should_wait(self, runner, rows: int, oldest: float, open_: bool) -> bool:
         """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see the module's
         docstring); asks for a turn when the wait ends at the latest."""
-        if self._closing or rows >= self.max_batch_size or not open_:
+        if self._closing or not self.merge or rows >= self.max_batch_size or not open_:
             self._wait_until = None
             return False
         now = time.monotonic()
@@ -619,6 +628,8 @@ class Batcher:
                 j = i
                 while j < len(places) and not places[j].ran and places[j].complete:
                     j += 1
+                    if not self.merge and places[j - 1].job is not None:
+                        break  # (no longer merging: places reserved before run one at a time)
                 while i < j and places[i].job is None:  # dead at its start: never computed
                     places[i].ran = True
                     i += 1
@@ -750,9 +761,10 @@ class Batcher:
         self._one_by_one(runner, jobs, error)
 
     def _one_by_one(self, runner, jobs: list[_Job], error: Exception) -> None:
-        """A merged batch failed: whose values made it fail? Each alone answers: the others' requests succeed."""
-        if len(jobs) == 1:
-            _deliver([(jobs[0], error, True)])
+        """A merged batch failed: whose values made it fail? Each alone answers: the others' requests succeed. Not
+        after NotRowWise: those requests fail (their run proved the version was declared batchable wrongly)."""
+        if len(jobs) == 1 or isinstance(error, NotRowWise):
+            _deliver([(job, error, True) for job in jobs])
             return
         for job in jobs:
             if job.future.done():
@@ -779,6 +791,10 @@ class Batcher:
             outputs, error = None, exc
         finally:
             runner.ended()
+        if isinstance(error, NotRowWise) and self.merge:
+            with self._lock:
+                self.merge = False
+            log.error("%s: %s", self.name, error)
         ended = timed.ended = time.monotonic()
         if timed.returned():
             self.stalled = False

@@ -19,7 +19,7 @@ from serving.config import Settings
 
 log = logging.getLogger("serving")
 ENV_PREFIX = "TRAINSERVE_"
-REPEATABLE = {"model"}  # flags that may be given several times
+REPEATABLE = {"model", "batching"}  # flags that may be given several times
 
 # flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
 FLAGS: dict[str, tuple[type, str]] = {
@@ -106,7 +106,16 @@ FLAGS: dict[str, tuple[type, str]] = {
         "(default ~/.cache/trainserve/tensorrt)",
     ),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
-    "max-batch-size": (int, "most rows per model run (default 32)"),
+    "max-batch-size": (
+        int,
+        "most rows per model run (default 32): a cap; which models batch at all is each one's own "
+        "(its export's record of independent rows, its config.pbtxt's max_batch_size, --batching)",
+    ),
+    "batching": (
+        str,
+        "NAME=on|off, repeatable: whether requests to model NAME share model runs (on: its rows are "
+        "independent along the first axis), over what its file and config.pbtxt say",
+    ),
     "batch-buckets": (
         str,
         "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "

@@ -67,8 +67,12 @@ class Settings:
     trt_cache_dir: str | None = None
     # onnxruntime intra-op threads; default: the CPUs this process may use.
     threads: int | None = None
-    # Most rows one model run gathers from concurrent requests.
+    # Most rows one model run gathers from concurrent requests: a cap, never a claim that a model's rows are
+    # independent (only its export's record, its config.pbtxt or --batching says that).
     max_batch_size: int = 32
+    # Per model, NAME=on|off: whether requests to NAME share model runs (its rows independent along the first
+    # axis), over what its file records and its config.pbtxt says.
+    batching: str | tuple[str, ...] = ()
     # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine; why: the GPU section
     # of serving/README.md): auto (powers of two up to --max-batch-size, on the CUDA provider only), off, or
     # sizes like 1,8,32 (any provider but TensorRT; --max-batch-size is always the largest).
@@ -158,6 +162,20 @@ class Settings:
 
         specs = (self.model,) if isinstance(self.model, str) else tuple(self.model)
         return [parse_model_flag(spec) for spec in specs]
+
+    def batching_flags(self) -> dict[str, bool]:
+        """--batching NAME=on|off as {NAME: on}; ValueError for a malformed or repeated one."""
+        from serving.repository import NAME
+
+        found: dict[str, bool] = {}
+        for flag in (self.batching,) if isinstance(self.batching, str) else self.batching:
+            name, _, value = flag.partition("=")
+            if not NAME.fullmatch(name) or value not in ("on", "off"):
+                raise ValueError(f"--batching {flag!r}: expected NAME=on or NAME=off")
+            if name in found:
+                raise ValueError(f"--batching names {name} twice")
+            found[name] = value == "on"
+        return found
 
     def shadow_sources(self):
         """The --shadow-alias source of every --model that is a registry alias: the challengers to load."""
@@ -287,6 +305,7 @@ class Settings:
     def _check_models(self) -> None:
         from serving.loader import SourceError
 
+        self.batching_flags()
         try:
             sources = self.sources()
         except SourceError as exc:

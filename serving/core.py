@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from serving import drift, lengths
-from serving.batcher import Batcher, BatcherClosed, QueueFull, RunTimedOut
+from serving.batcher import Batcher, BatcherClosed, NotRowWise, QueueFull, RunTimedOut
+from serving.classification import classify
 from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import LARGE_ROW_BYTES, Settings
 from serving.console import clip
@@ -151,6 +152,12 @@ class Server:
                 f"--default-model {settings.default_model}: no such model (this server has "
                 f"{self.repository.describe()})"
             )
+        unknown = [n for n in settings.batching_flags() if n not in self.repository.models]
+        if unknown:
+            raise RepositoryError(
+                f"--batching {unknown[0]}: no such model (this server has "
+                f"{self.repository.describe()}); name a model as it is served"
+            )
         self._serving = False  # between startup and shutdown
         self._tokens = settings.tokens()  # each client's; none: no auth
         self._followers: list[asyncio.Task] = []
@@ -228,19 +235,21 @@ class Server:
             self.metrics.observe_batch(name, version, rows, seconds, waits)
 
         run, run_buffer = self._observed(model)
+        cap = batch_cap(model, s.max_batch_size)
         return Batcher(
             run,
             self.executor,
-            max_batch_size=s.max_batch_size,
+            max_batch_size=cap,
             max_delay_ms=s.max_delay_ms,
             max_queue_rows=s.max_queue_rows,
             merge=model.engine.batchable,
             on_batch=observe,
             run_timeout=s.run_timeout,
-            buffers=model.engine.batch_buffers(s.max_batch_size),
+            buffers=model.engine.batch_buffers(cap),
             run_buffer=run_buffer,
             arrival_wait_ms=s.arrival_wait_ms,
             incoming=self.incoming,
+            name=f"model '{name}' version {version}",
         )
 
     def incoming(self) -> int:
@@ -634,9 +643,9 @@ class Server:
         batch waits for at most one warm-up run."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        sizes = warm_up_sizes(model.engine, self.settings.max_batch_size)
+        sizes = warm_up_sizes(model.engine, batch_cap(model, self.settings.max_batch_size))
         for n in sizes:
-            if not await loop.run_in_executor(self.executor, model.engine.warm_up, (n,)):
+            if not await loop.run_in_executor(self.executor, warmed, model, (n,)):
                 await self._warm_up_with_last_request(model)
                 return
         log.info(
@@ -849,7 +858,7 @@ class Server:
             mirrored,
             exchange.source,
         )
-        return Answer(slot, rid, request, results)
+        return Answer(slot, rid, request, answered(slot, request, results))
 
     def _keeps(self, slot: Slot, request_id: str, mirrored: bool) -> bool:
         """Whether the payload log or the shadow mirror will keep this request's inputs."""
@@ -891,6 +900,10 @@ class Server:
             raise Refused(504, str(exc)) from None
         except (ModelInputError, NonFinite) as exc:
             raise Refused(400, str(exc)) from None
+        except NotRowWise as exc:
+            raise Refused(
+                500, f"model '{slot.model.info.name}' version {slot.version}: {exc}"
+            ) from None
         except QueueFull as exc:
             raise Refused(503, f"{exc}; retry later", RETRY_AFTER) from None
         except BatcherClosed as exc:
@@ -948,6 +961,25 @@ class Server:
             )
 
 
+def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py);
+    BadRequest for a BYTES output asked into shared memory (its elements have no fixed size to place)."""
+    model = slot.model
+    results = classify(
+        results,
+        getattr(request, "classification", None) or {},
+        model.engine.batchable,
+        model.info.labels_for,
+    )
+    for name in getattr(request, "output_refs", None) or {}:
+        if results[name].dtype == object:
+            raise BadRequest(
+                f"output '{name}' is BYTES, which this server does not write to shared memory; receive "
+                "it in the response"
+            )
+    return results
+
+
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A request's feeds as arrays of their own, for what keeps them past its run (the payload log, the shadow
     mirror): a request received into a batch buffer has views of rows the next batch reuses."""
@@ -979,6 +1011,8 @@ def open_source(settings: Settings, source: Source, version: str | None = None) 
         variant=s.variant,
         gpu=s.gpu_options(),
         batch_buckets=s.bucket_sizes(),
+        batching=s.batching_flags(),
+        config=source.config,
     )
 
 
@@ -1001,11 +1035,28 @@ def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys((1, max_batch_size)))
 
 
+def warmed(model: LoadedModel, sizes: tuple[int, ...]) -> bool:
+    """engine.warm_up at `sizes`; a run that shows the version's rows are not independent turned its batching off:
+    said in one line naming it, and the warm-up goes on unbatched."""
+    try:
+        return model.engine.warm_up(sizes)
+    except NotRowWise as exc:
+        log.error("model '%s' version %s: warm-up: %s", model.info.name, model.info.version, exc)
+        return model.engine.warm_up(sizes)
+
+
+def batch_cap(model: LoadedModel, max_batch_size: int) -> int:
+    """The most rows a run of this version gathers: --max-batch-size, or its config.pbtxt's max_batch_size when
+    smaller."""
+    own = model.info.max_batch_size
+    return min(max_batch_size, own) if own else max_batch_size
+
+
 def warm_up(model: LoadedModel, max_batch_size: int) -> None:
     """Run the model at the warm-up sizes (warm_up_sizes) before the server says it is ready."""
     started = time.perf_counter()
-    sizes = warm_up_sizes(model.engine, max_batch_size)
-    if model.engine.warm_up(sizes):
+    sizes = warm_up_sizes(model.engine, batch_cap(model, max_batch_size))
+    if warmed(model, sizes):
         log.info(
             "%s version %s: warm-up of %d batch sizes done in %.2f s",
             model.info.name,
@@ -1015,7 +1066,8 @@ def warm_up(model: LoadedModel, max_batch_size: int) -> None:
         )
     else:
         log.info(
-            "%s: no warm-up: an input has a dynamic axis besides the batch axis", model.info.name
+            "%s: no warm-up: an input has a dynamic axis besides the batch axis",
+            model.info.name,
         )
 
 

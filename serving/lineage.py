@@ -69,6 +69,10 @@ UINT8_INPUTS = (
 REPORT = (
     "trainserve.report"  # the logged MLflow model's metadata: the validation parity gate's sentence
 )
+# The model's rows are independent along the first axis: the batch sizes export checked it at ("1,7,64"), or how
+# else it is known. The server batches requests together only for a file that records it (or on its operator's
+# say-so: --batching, config.pbtxt).
+ROWS_INDEPENDENT = "trainserve.rows_independent"
 
 # --- on a registered version only ----------------------------------------------------------------------------
 SHA256 = "trainserve.sha256"  # JSON {file name or digest name: sha256}: what the server and `verify` check (below)

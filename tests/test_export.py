@@ -185,6 +185,64 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     props = {p.key: p.value for p in model.metadata_props}
     assert props[lineage.MODEL_NAME] == "resnet18-digits"
     assert json.loads(props[lineage.LABELS]) == [str(d) for d in range(10)]
+    # Its rows are its samples' own (a ResNet in eval mode): the server may batch its requests together.
+    assert props[lineage.ROWS_INDEPENDENT] == "1,7,64"
+    assert exported.report["rows_independent"]["independent"]
+
+
+def test_the_exported_classifier_is_batched_and_answers_its_top_classes_by_name(exported, trained):
+    """Served as exported: its requests share runs (its file records independent rows), and the classification
+    extension answers with the class names export recorded."""
+    import requests
+
+    x = trained["val_x"][:2]
+    want = run_onnx(exported.onnx_path, x)["probabilities"]
+    with ServerProcess("--model", f"digits={exported.onnx_path}") as srv:
+        config = requests.get(f"{srv.url}/v2/models/digits/config", timeout=10).json()
+        body = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ],
+            "outputs": [{"name": "probabilities", "parameters": {"classification": 3}}],
+        }
+        answer = requests.post(f"{srv.url}/v2/models/digits/infer", json=body, timeout=30).json()
+    assert config["max_batch_size"] == 32
+    (out,) = answer["outputs"]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, 3]
+    labels = [str(d) for d in range(10)]  # what the digits data names its classes
+    for row, entries in zip(want, np.array(out["data"]).reshape(2, 3)):
+        top = np.argsort(-row)[:3]
+        assert [e.split(":")[1:] for e in entries] == [[str(i), labels[i]] for i in top]
+
+
+class _Head(torch.nn.Module):
+    """A graph head as export makes one: `fn` of one input named `input`, one output named `out`."""
+
+    input_names, output_names = ["input"], ["out"]
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return (self.fn(x),)
+
+
+def test_rows_are_independent_only_when_each_samples_output_is_its_own():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    batches = {f"b{n}": {"input": x[:n]} for n in (1, 7, 64)}
+    linear = torch.nn.Linear(4, 3)
+    assert gates.rows_independent(_Head(linear), batches, 1e-5, 1e-4)["independent"]
+    # Normalized over the batch, a summary of it: each answer depends on the other samples, or has no rows.
+    centred = gates.rows_independent(_Head(lambda t: t - t.mean(0)), batches, 1e-5, 1e-4)
+    assert not centred["independent"] and "the first 1 rows at batch 7 differ" in centred["message"]
+    summed = gates.rows_independent(_Head(lambda t: t.sum(0)), batches, 1e-5, 1e-4)
+    assert not summed["independent"] and "out of shape [4] at batch 1" in summed["message"]
 
 
 def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):

@@ -374,6 +374,7 @@ def test_cuda_graphs_are_refused_with_the_reason_where_they_cannot_run(tmp_path,
             device="cuda",
             gpu=GpuOptions(cuda_graphs=True),
             batch_buckets=BatchBuckets((1, 2, 4), cuda_only=True),
+            batching=True,
         )
 
 

@@ -216,7 +216,13 @@ def test_a_value_the_model_cannot_take_fails_its_own_request_only(models, tmp_pa
     """An id past the embedding (onnxruntime raises inside Gather) was a 500, and failed every request
     merged into the same batch. Now it is that request's 400, and the others are answered."""
     with ServerProcess(
-        "--model", str(models["gather"]), "--max-delay-ms", "300", log_path=tmp_path / "log"
+        "--model",
+        str(models["gather"]),
+        "--batching",
+        "gather=on",  # an embedding's rows are independent: its requests may share a run
+        "--max-delay-ms",
+        "300",
+        log_path=tmp_path / "log",
     ) as srv:
 
         def ask(i):

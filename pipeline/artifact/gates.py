@@ -21,6 +21,7 @@ within the export's tolerance.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +321,36 @@ def parity_batches(
                     "with another one (same length in the data)",
                 }
     return batches, failed
+
+
+def rows_independent(head: torch.nn.Module, batches, atol: float, rtol: float) -> dict:
+    """Whether the model's rows are its samples' own, which the server's batching rests on: at each parity batch
+    size (b1, b7, b64: the first validation samples, so a smaller batch is the first rows of a larger one), every
+    output's first axis is the batch size, and a smaller batch's outputs are the larger one's first rows within
+    atol/rtol. Checked on the PyTorch model; the parity gates hold the graph to it at each of those sizes."""
+    sizes = sorted(int(label[1:]) for label in batches if re.fullmatch(r"b[0-9]+", label))
+    outputs = {size: run_torch(head, batches[f"b{size}"]) for size in sizes}
+    misses = [
+        f"{name} of shape {list(out.shape)} at batch {size}"
+        for size, found in outputs.items()
+        for name, out in found.items()
+        if not out.ndim or len(out) != size
+    ]
+    for small, large in zip(sizes, sizes[1:]):
+        if misses:
+            break
+        first = {name: out[:small] for name, out in outputs[large].items()}
+        found = compare(first, outputs[small], atol, rtol)
+        if not found["passed"]:
+            misses.append(f"the first {small} rows at batch {large} differ: {found['message']}")
+    independent = not misses and len(sizes) > 1
+    return {
+        "independent": independent,
+        "batch_sizes": sizes,
+        "message": f"rows independent at batch sizes {', '.join(map(str, sizes))}"
+        if independent
+        else f"rows not independent: {'; '.join(misses) or 'fewer than two batch sizes'}",
+    }
 
 
 def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:

@@ -127,13 +127,16 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     request.arrival = arrival = (
         slot.batcher.arriving()
     )  # a batch about to run waits for it a little (Batcher)
+    engine = slot.model.engine
+    # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
+    # from the whole body, element by element: codec.decode_v2).
     if (
         json_length is not None
         and not chunked
         and 0 < json_length <= length
         and content_encoding(request) == "identity"
+        and not any(codec.is_bytes(s) for s in engine.inputs)
     ):
-        engine = slot.model.engine
         return bodies.V2Binary(
             json_length,
             length,
