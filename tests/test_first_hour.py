@@ -351,3 +351,32 @@ def test_a_broken_optional_package_is_named_with_its_fix(tmp_path):
         "pipeline run: error: model.component 'torchvision.models:mobilenet_v3_small': importing 'torchvision.models' "
         "raised RuntimeError: operator torchvision::nms does not exist; " + fix
     ], proc.stderr
+
+
+def test_args_another_component_does_not_take_get_the_override_that_replaces_them(
+    tmp_path, monkeypatch
+):
+    """The digits config's `val_fraction` kept by `data.args.root=DIR` (a dotted override keeps the file's
+    other args): the error shows the override that drops it, and that override, pasted, works."""
+    import shlex
+
+    from pipeline import data_cli
+    from pipeline.components.build import build_data
+    from pipeline.config import load_config
+    from pipeline.errors import ComponentError
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs/digits_resnet18.yaml")
+    data_cli.main(config, [], "shards")
+    cfg = load_config(config, ["data.name=sharded", "data.args.root=shards"])
+    with pytest.raises(ComponentError) as refused:
+        build_data(cfg.data, cfg.task.name)
+    assert str(refused.value) == (
+        "data.args do not fit pipeline.datasets:sharded(root=None, train=None, val=None, check=True): got an "
+        "unexpected keyword argument 'val_fraction' (given: root, val_fraction); set data.args to what it "
+        "takes: 'data.args={root: shards}' on the command line replaces the whole mapping "
+        "(data.args.NAME=VALUE sets one key and keeps the others)"
+    )
+    pasted = shlex.split(re.search(r"takes: ('[^']+')", str(refused.value))[1])
+    cfg = load_config(config, ["data.name=sharded", *pasted])
+    assert len(build_data(cfg.data, cfg.task.name).train.manifest.shards) == 1
