@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, cli_env, run_cli
 
 from pipeline import checkpoint
 
@@ -353,6 +353,73 @@ def test_a_broken_optional_package_is_named_with_its_fix(tmp_path):
     ], proc.stderr
 
 
+# --- their own folder of grey images: shards, the command the shard hint prints, a bad file on any rank ------------
+
+NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def grey_photos(root: Path, count: int) -> Path:
+    """`count` of scikit-learn's real digits as grey 8x8 PNG files (Pillow mode L), a folder a class named as a
+    person would (`zero` ... `nine`)."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:count], digits.target[:count])):
+        (root / NAMES[label]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 16).astype(np.uint8)).save(root / NAMES[label] / f"{i:04d}.png")
+    return root
+
+
+def docs_image_folder_shard_command() -> list[str]:
+    """docs/data.md's `pipeline data shard` of a folder of image files, as its arguments."""
+    import shlex
+
+    from test_readme_commands import pasted_commands
+
+    return next(
+        shlex.split(command, comments=True)[1:]
+        for page, command, _ in pasted_commands()
+        if page == "docs/data.md" and "image_folder" in command
+    )
+
+
+@pytest.mark.slow
+def test_grey_photos_shard_and_train_with_the_command_the_hint_prints(tmp_path):
+    """docs/data.md's image-folder command on grey PNGs, then the `pipeline run` command it prints, pasted into a
+    shell as printed (a tiny run's settings after it): the grey images stay 1-channel, and the run trains from
+    the shards and registers under the name given to the shard command."""
+    grey_photos(tmp_path / "photos", 300)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "configs").symlink_to(REPO / "configs")
+    argv = docs_image_folder_shard_command()
+    assert "../photos" in " ".join(argv) and "../shards/photos" in argv, argv
+    wrote = run_cli(argv, cwd=work, timeout=120)
+    assert "train 240 samples" in wrote.stdout, wrote.stdout
+    printed = wrote.stdout.strip().splitlines()[-1].strip()
+    assert printed.startswith(
+        f"{sys.executable} -m pipeline run --config configs/digits_resnet18.yaml "
+    )
+    assert printed.endswith(" data.name=sharded 'data.args={root: ../shards/photos}'"), printed
+    from pipeline.shards import format as shard_format
+
+    assert shard_format.read_manifest(tmp_path / "shards/photos/train").columns[0].shape[0] == 1
+    tiny = "model.args.width=0.125 train.max_steps=2 train.eval_every=0 export.allow_below_baseline=true"
+    proc = subprocess.run(
+        ["bash", "-c", f"{printed} {tiny}"],
+        cwd=work,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "model args from the data: in_channels=1," in proc.stderr, proc.stderr[-6000:]
+    assert "registered photos-resnet18 version 1 as @champion" in proc.stderr, proc.stderr[-6000:]
+
+
 def test_args_another_component_does_not_take_get_the_override_that_replaces_them(
     tmp_path, monkeypatch
 ):
@@ -380,3 +447,29 @@ def test_args_another_component_does_not_take_get_the_override_that_replaces_the
     pasted = shlex.split(re.search(r"takes: ('[^']+')", str(refused.value))[1])
     cfg = load_config(config, ["data.name=sharded", *pasted])
     assert len(build_data(cfg.data, cfg.task.name).train.manifest.shards) == 1
+
+
+def test_image_folder_keeps_the_images_own_channels_unless_mode_says(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.datasets.image_folder import image_folder
+
+    def folder(name: str, modes: list[str]) -> str:
+        for i, mode in enumerate(modes):
+            (tmp_path / name / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            pixels = np.full((6, 6, len(mode)) if len(mode) > 1 else (6, 6), 200, np.uint8)
+            Image.fromarray(pixels, mode).save(tmp_path / name / f"c{i % 2}" / f"{i}.png")
+        return str(tmp_path / name)
+
+    def channels(root: str, **args) -> int:
+        splits = image_folder(root, image_size=4, **args)
+        assert splits["train"].model_args["in_channels"] == splits["train"][0][0].shape[0]
+        return splits["val"][0][0].shape[0]
+
+    grey = folder("grey", ["L"] * 4)
+    assert channels(grey) == 1 and channels(grey, mode="RGB") == 3
+    assert channels(folder("colour", ["RGB"] * 4)) == 3
+    assert channels(folder("alpha", ["RGBA"] * 4)) == 3
+    mixed = folder("mixed", ["L", "L", "RGB", "L"])
+    assert channels(mixed) == 3 and channels(mixed, mode="L") == 1
