@@ -420,6 +420,60 @@ def test_grey_photos_shard_and_train_with_the_command_the_hint_prints(tmp_path):
     assert "registered photos-resnet18 version 1 as @champion" in proc.stderr, proc.stderr[-6000:]
 
 
+@pytest.mark.slow
+def test_a_corrupt_image_met_by_one_rank_of_two_is_one_line_and_exit_2(tmp_path):
+    """A truncated PNG in a map-style image folder, met by rank 1 as it hashes its part of the training split:
+    the line naming the file is all the user sees (no traceback from rank 0, whose collective lost its peer,
+    nor torchrun's report of the failed workers), and the exit code is 2."""
+    from pipeline.datasets.image_folder import image_folder, spread
+
+    photos = grey_photos(tmp_path / "photos", 600)
+    train = image_folder(str(photos))["train"]
+    # Rank r hashes positions r, r + 2, ... of the split; the positions the data set reads when it is built
+    # (its statistics) would stop the run in the launcher, before torchrun.
+    position = next(p for p in range(1, len(train), 2) if p not in spread(len(train)))
+    bad = train.files[position][0]
+    bad.write_bytes(bad.read_bytes()[:60])
+    proc = run_cli(
+        [
+            "run",
+            "--config",
+            str(TINY),
+            "--nproc-per-node",
+            "2",
+            "data.component=pipeline.datasets:image_folder",
+            f"data.args={{root: {photos}}}",
+        ],
+        cwd=tmp_path,
+        check=False,
+        timeout=300,
+    )
+    # The ranks' progress before it ("[rank0] 12:00:01 INFO pipeline.train: world size 2, ...") is the run's log.
+    said = [
+        line for line in error_lines(proc.stderr) if not re.match(r"\[rank\d\] [\d:]+ INFO ", line)
+    ]
+    assert proc.returncode == 2 and said == [
+        f"pipeline train: [rank1] error: {bad} can't be read as an image (OSError: image file is truncated); "
+        "remove it or replace it"
+    ], proc.stdout[-3000:] + proc.stderr
+    assert not re.search(r"Traceback|ChildFailedError|Connection closed", proc.stdout + proc.stderr)
+
+
+def test_bad_input_is_said_by_the_first_rank_only_and_the_others_know(
+    tmp_path, monkeypatch, capsys
+):
+    from pipeline.distributed import launch
+
+    monkeypatch.setenv(launch.ERROR_FILE, str(tmp_path / "error"))
+    assert not launch.another_rank_said_why(wait=0)
+    launch.say_error("pipeline train: [rank1] error: photos/4/0270.png can't be read")
+    launch.say_error("pipeline train: [rank0] error: photos/5/0001.png can't be read")
+    assert launch.another_rank_said_why(wait=0)
+    assert capsys.readouterr().err.splitlines() == [
+        "pipeline train: [rank1] error: photos/4/0270.png can't be read"
+    ]
+
+
 def test_args_another_component_does_not_take_get_the_override_that_replaces_them(
     tmp_path, monkeypatch
 ):
