@@ -47,21 +47,58 @@ def setup(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )
 
 
-def test_setup_with_torchvision_refuses_a_build_for_another_torch_saying_what_works():
+def pip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_setup_with_torchvision_removes_a_broken_one_and_refuses_saying_what_works(tmp_path):
+    """The review's order: a bare `pip install torch torchvision` left a torchvision that fails at import, then
+    `scripts/setup --with torchvision` refused but kept it. Now it removes it, says so, and refuses with the line
+    docs/install.md shows (one path, the same in docs/own-model.md)."""
+    from test_setup_constraints import fake_wheel
+
     cpu_torch_only()
-    proc = setup("--with", "torchvision")
+    wheel = fake_wheel(
+        tmp_path,
+        "torchvision",
+        "0.28.0",
+        files={"torchvision/__init__.py": BROKEN, "torchvision/ops.py": ""},
+    )
+    installed = pip("install", "--no-deps", "--no-index", str(wheel))
+    assert installed.returncode == 0, installed.stderr
+    try:
+        proc = setup("--with", "torchvision")
+    finally:
+        pip("uninstall", "-y", "torchvision")
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert error_lines(proc.stderr) == [
+    assert (
+        f"setup: removed torchvision 0.28.0, which fails at import under torch {torch_version()} "
+        "(RuntimeError: operator torchvision::nms does not exist)"
+    ) in proc.stdout.splitlines(), proc.stdout
+    refusal = (
         f"setup: --with torchvision: torch {torch_version()} is a CPU build and its torchvision, torchvision=="
         f"{cpu_torchvision()}, is not in pip's indexes here (their torchvision wheels are CUDA builds: they install, "
         "then fail at import with 'operator torchvision::nms does not exist'); set TORCH_CPU_INDEX to PyTorch's CPU "
         "wheel index (https://download.pytorch.org/whl/cpu) and run scripts/setup --with torchvision again, or use "
-        "the CUDA pair in an environment of its own: pip install torch==2.14.1 torchvision==0.29.1 (about 5.5 GB)"
-    ]
-    assert (
-        subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode
-        != 0
+        "the CUDA pair in an environment of its own: pip install torch==2.14.1 torchvision==0.29.1 (about 5.5 GB), "
+        f"then pip install -e {REPO} in it (docs/install.md#torchvision)"
     )
+    assert error_lines(proc.stderr) == [refusal]
+    assert pip("show", "torchvision").returncode != 0, "the broken torchvision is still installed"
+    install, own_model = (
+        (REPO / "docs" / page).read_text() for page in ("install.md", "own-model.md")
+    )
+    shown = refusal.replace(str(REPO), "/path/to/trainserve")
+    assert shown in (line.strip() for line in install.splitlines()), (
+        "docs/install.md does not show the refusal scripts/setup prints"
+    )
+    # One path: docs/own-model.md sends the reader to install.md's, and installs no pair of its own.
+    assert "install.md#torchvision" in own_model and "torchvision==" not in own_model
     # The way the docs install any other package refuses it too, instead of installing the registry's CUDA build
     # (pip resolves only: --dry-run).
     proc = subprocess.run(
@@ -110,6 +147,9 @@ def torch_version() -> str:
 def cpu_torchvision() -> str:
     minor, patch = (int(p) for p in torch_version().partition("+")[0].split(".")[1:3])
     return f"0.{minor + 15}.{patch}+cpu"
+
+
+BROKEN = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 
 
 # --- 3. a misspelt registered model, alias or version: the names there are ---------------------------------------
@@ -302,9 +342,7 @@ def broken_torchvision(directory: Path) -> Path:
     """A torchvision as the registry's CUDA build is under a CPU torch: installed (so transformers imports it too),
     and failing at import the way it does there."""
     (directory / "torchvision").mkdir(parents=True)
-    (directory / "torchvision" / "__init__.py").write_text(
-        'raise RuntimeError("operator torchvision::nms does not exist")\n'
-    )
+    (directory / "torchvision" / "__init__.py").write_text(BROKEN)
     dist_info = directory / "torchvision-0.28.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text(
