@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args) -> int:
     uri = tracking.resolve_tracking_uri(args.tracking_uri)
     if uri.startswith(("http://", "https://")):
-        print(f"the tracking store is a server already: open {runs_address(uri, uri)} in a browser")
+        print(f"the tracking store is a server already: open {remote_address(uri)} in a browser")
         return 0
     try:
         tracking.check_reachable(uri)
@@ -88,6 +88,19 @@ def cli(args) -> int:
         f"MLflow UI: open {address} (Ctrl-C to stop)",
         args.verbose,
     )
+
+
+def remote_address(uri: str) -> str:
+    """The runs address on a tracking server (runs_address), or the server's own where it can't be read."""
+    import mlflow
+
+    # Retries on a dead server would hide it for minutes, as in tracking.setup.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    try:
+        return runs_address(uri, uri.rstrip("/"))
+    except (mlflow.exceptions.MlflowException, OSError):
+        return uri
 
 
 def runs_address(tracking_uri: str, base: str) -> str:
