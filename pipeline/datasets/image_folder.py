@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pipeline.errors import DataError
+from serving.images import Preprocessing, apply
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # The per-channel mean/std the built-in models normalize with, and the images' own mode, are read
@@ -27,10 +28,13 @@ GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
 
 
 class ImageFiles(Dataset):
+    """The files, each read through `preprocessing` (serving/images.py: the description an exported model
+    can carry, applied by the same function a server applies)."""
+
     def __init__(
-        self, files: list[tuple[Path, int]], classes: list[str], image_size: int, mode: str
+        self, files: list[tuple[Path, int]], classes: list[str], preprocessing: Preprocessing
     ):
-        self.files, self.classes, self.image_size, self.mode = files, classes, image_size, mode
+        self.files, self.classes, self.preprocessing = files, classes, preprocessing
 
     def __len__(self) -> int:
         return len(self.files)
@@ -41,14 +45,10 @@ class ImageFiles(Dataset):
         path, label = self.files[i]
         try:
             with Image.open(path) as image:
-                pixels = image.convert(self.mode).resize(
-                    (self.image_size, self.image_size), Image.BILINEAR
-                )
+                x = apply(self.preprocessing, image)
         except (OSError, UnidentifiedImageError) as exc:
             raise unreadable(path, exc) from None
-        x = torch.from_numpy(np.asarray(pixels, dtype=np.float32) / 255.0)
-        x = x.unsqueeze(0) if x.dim() == 2 else x.permute(2, 0, 1)
-        return x.contiguous(), torch.tensor(label, dtype=torch.int64)
+        return torch.from_numpy(x), torch.tensor(label, dtype=torch.int64)
 
 
 def image_folder(
@@ -89,8 +89,10 @@ def image_folder(
     mode = mode or own_mode([f for f, _ in files])
     perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(split_seed)).tolist()
     n_val = max(1, int(round(len(files) * val_fraction)))
-    train = ImageFiles([files[i] for i in perm[n_val:]], classes, image_size, mode)
-    val = ImageFiles([files[i] for i in perm[:n_val]], classes, image_size, mode)
+    # Pixel values in [0, 1], channels first; the built-in models normalize inside (model_args below).
+    preprocessing = Preprocessing(mode=mode, size=(image_size, image_size), resample="bilinear")
+    train = ImageFiles([files[i] for i in perm[n_val:]], classes, preprocessing)
+    val = ImageFiles([files[i] for i in perm[:n_val]], classes, preprocessing)
     sample = torch.stack([train[i][0] for i in spread(len(train))])
     train.model_args = {
         "in_channels": sample.shape[1],
