@@ -1295,11 +1295,17 @@ def cli(args) -> int:
         run_dir_owner.RunDirBusy,
         StateFileError,
     ) as exc:
-        print(f"{prefix} {worker_message(exc)}", file=sys.stderr)
+        launch.say_error(f"{prefix} {worker_message(exc)}")
         return 2
     except (replicas.ReplicaDivergence, TrainingDiverged) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 3
+    except Exception:
+        # Another rank met bad input and said so (launch.say_error): this rank's failure, a collective
+        # whose peer left ("Connection closed by peer"), is its echo, not news.
+        if launch.another_rank_said_why():
+            return 2
+        raise
 
 
 if __name__ == "__main__":
