@@ -5,8 +5,8 @@ tensor and pipeline parallelism), killed mid-epoch and right after an epoch-boun
 The randomness: the model's dropout, and a data set that draws per item from torch's, numpy's and Python's
 generators, read in the training process or in loader workers. One table: a row is a mesh and where it is killed.
 Each mesh's uninterrupted run is shared by its rows, and each mesh proves its randomness drawn: the same run with
-it turned off ends elsewhere. The generators themselves, and a checkpoint from before they were all saved, are
-checked in process at the end."""
+it turned off ends elsewhere. The generators, a checkpoint from before they were all saved, and the loaders' own
+seeds are checked in process at the end, in seconds."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ STEPS = [
     "train.eval_every=7",
     "train.log_every=1",
     "tracking.system_metrics=false",
+    # This file's data component (the runs have tests/ on their PYTHONPATH).
     "data.component=test_exact_resume:noisy_digit_sequences",
 ]
 SMALL_TRANSFORMER = "model.args={dim: 16, heads: 2, layers: 2, dropout: 0.1}"
