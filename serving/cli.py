@@ -420,9 +420,10 @@ def serve(settings: Settings) -> int:
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
-    check_ports_free(
-        settings.host, [settings.port, settings.grpc_port]
-    )  # before a model download, not after
+    # KServe V2 over gRPC on its own port, started and stopped with the server.
+    front_ends = (grpc_start(settings),) if settings.grpc_port is not None else ()
+    # Before a model download, not after.
+    check_ports_free(settings.host, [settings.port, settings.grpc_port])
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
@@ -431,13 +432,6 @@ def serve(settings: Settings) -> int:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
-    front_ends = ()
-    if (
-        settings.grpc_port is not None
-    ):  # KServe V2 over gRPC on its own port, started and stopped with the server
-        from serving.grpc.service import start_grpc
-
-        front_ends = (start_grpc,)
     try:
         server = Server(settings, models, payload_log, front_ends)
     except (RepositoryError, SourceError) as exc:
@@ -447,6 +441,17 @@ def serve(settings: Settings) -> int:
     raise_open_files_limit()
     keep_freed_memory()
     return run(server)
+
+
+def grpc_start(settings: Settings):
+    """The gRPC front end's start function; ServeError for `--grpc-engine native` where grpc's C++
+    server was not built (found before a model loads)."""
+    from serving.grpc import native
+    from serving.grpc.service import start_grpc
+
+    if settings.grpc_engine == "native" and not native.available():
+        raise ServeError(f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio")
+    return start_grpc
 
 
 def keep_freed_memory() -> None:
