@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import random
 import threading
@@ -43,7 +42,7 @@ from serving.codec import BadRequest, Limits, shape_fits
 from serving.config import LARGE_ROW_BYTES, Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
-from serving.envelope import Exchange, Refused, new_request_id
+from serving.envelope import Auth, Exchange, Refused, new_request_id
 from serving.loader import LoadedModel, ModelInfo, SourceError, load_model
 from serving.metrics import Metrics
 from serving.payload_log import PayloadLog, Record
@@ -117,6 +116,7 @@ class Server:
         front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = (),
     ):
         self.settings = settings
+        self.auth = Auth(settings.tokens(), settings.feedback_token)
         self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
         self._drift_high: set[tuple[str, str, str, str]] = (
             set()
@@ -159,7 +159,6 @@ class Server:
                 f"{self.repository.describe()}); name a model as it is served"
             )
         self._serving = False  # between startup and shutdown
-        self._tokens = settings.tokens()  # each client's; none: no auth
         self._followers: list[asyncio.Task] = []
         self._last_request: dict[
             str, dict[str, np.ndarray]
@@ -169,7 +168,7 @@ class Server:
         self.shared_memory = SharedMemory(
             int(settings.max_shared_memory_mb * (1 << 20)),
             settings.shared_memory == "on",
-            tokened=bool(self._tokens),
+            tokened=self.auth.required,
         )
         # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken by the
         # decoding thread itself, so no loop waits on it.
@@ -260,7 +259,7 @@ class Server:
         headers, before its token is checked, and HTTP counts a body arriving only once its token passed (anyone
         could otherwise hold every batch by opening calls and sending nothing). (Called under a batcher's lock, on the
         engine thread or a loop's kick.)"""
-        if self._tokens:
+        if self.auth.required:
             return 0
         loaded = 0
         for model in list(
@@ -691,47 +690,6 @@ class Server:
         )
 
     # ---- the one inference path ------------------------------------------------------------------
-    def check_token(self, header: str) -> None:
-        """An `Authorization` value (HTTP header or gRPC metadata) against the tokens, when any is set."""
-        if not self._tokens:
-            return
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode()
-        # every token compared, in constant time each: which one matched (or none) takes no less time to find
-        matched = [hmac.compare_digest(given, known) for known in self._tokens]
-        if scheme.lower() != "bearer" or not any(matched):
-            raise Refused(
-                401,
-                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                {"WWW-Authenticate": "Bearer"},
-            )
-
-    def check_feedback_token(self, header: str) -> None:
-        """Labels' credential (--feedback-token), never the inference token: whoever may ask for answers must not
-        thereby decide which version becomes champion."""
-        wanted = self.settings.feedback_token
-        if wanted is None:
-            if self._tokens:
-                raise Refused(
-                    403,
-                    "this server takes no labels: start it with --feedback-token (env "
-                    "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one",
-                )
-            return  # no auth at all (a loopback server): labels as open as the rest
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), wanted.strip().encode()
-        ):
-            return
-        if any(hmac.compare_digest(token.strip().encode(), known) for known in self._tokens):
-            raise Refused(
-                403, "labels need the feedback token (--feedback-token), not the inference token"
-            )
-        raise Refused(
-            401,
-            "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
-            {"WWW-Authenticate": "Bearer"},
-        )
 
     def model_slot(self, name: str, version: str | None) -> Slot:
         try:

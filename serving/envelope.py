@@ -2,6 +2,7 @@
 stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
 answered, and the request's line in the metrics.
 
+    Auth          who may call what: the inference tokens (--auth-token) and the labels' own (--feedback-token)
     Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
                   the receipt naming it (the core fills it in: `answered_by`): X-Request-Id (the client's id echoed,
                   else a fresh one), X-Server-Request-Id (the server's own id of an answer, random, never the
@@ -16,6 +17,7 @@ A front end decides only how to carry these: HTTP puts the receipt in headers an
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -52,6 +54,63 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers
+
+
+class Auth:
+    """Who may call what. Inference and everything else but the health checks: one of the clients' tokens
+    (--auth-token), when any is set. Labels (feedback): their own token (--feedback-token), never an
+    inference token, so that whoever may ask for answers does not thereby decide which version becomes
+    champion. Every comparison takes constant time.
+    """
+
+    def __init__(self, tokens: list[bytes], feedback: str | None = None):
+        self.tokens = tokens
+        self.feedback = None if feedback is None else feedback.strip().encode()
+
+    @property
+    def required(self) -> bool:
+        """Whether a token is needed at all (none set: a loopback server, open to whoever reaches it)."""
+        return bool(self.tokens)
+
+    def check(self, authorization: str) -> None:
+        """An `Authorization` value (an HTTP header or gRPC metadata) against the clients' tokens."""
+        if not self.tokens:
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        # Every token compared: which one matched, or none, takes no less time to find.
+        matched = [hmac.compare_digest(given, known) for known in self.tokens]
+        if scheme.lower() != "bearer" or not any(matched):
+            raise Refused(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_labels(self, authorization: str) -> None:
+        """An `Authorization` value against the feedback token."""
+        if self.feedback is None:
+            if self.tokens:
+                raise Refused(
+                    403,
+                    "this server takes no labels: start it with --feedback-token (env "
+                    "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one",
+                )
+            # No auth at all: labels as open as the rest.
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() == "bearer" and hmac.compare_digest(given, self.feedback):
+            return
+        if any(hmac.compare_digest(given, known) for known in self.tokens):
+            raise Refused(
+                403, "labels need the feedback token (--feedback-token), not the inference token"
+            )
+        raise Refused(
+            401,
+            "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
 
 class ClientGone(Exception):

@@ -24,7 +24,7 @@ The verdict, under `Rule` (the user's thresholds):
 
 Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to "promote" for a
 7%-accurate challenger with near-copies of one input the two versions answer alike, from several addresses). The
-labels come from the holder of the feedback token (serving/core.py, check_feedback_token), are range-checked
+labels come from the holder of the feedback token (serving/envelope.py, Auth.check_labels), are range-checked
 against the model's answers, and are joined only with answers the server kept under its own ids. What else no one
 client can shape: a pair counts once per distinct input (an input sent again is counted as repeated, not as
 another pair), the requests mirrored are the server's random draw, and the report says how many distinct inputs,

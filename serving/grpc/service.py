@@ -372,7 +372,7 @@ def _handler(server, service: Service, method: str, request_class):
         status, response = 200, None
         try:
             if method not in OPEN:
-                server.check_token(info.authorization)
+                server.auth.check(info.authorization)
             request = await _parsed(server, request_class, data)
             response = await call(request, info)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
@@ -515,7 +515,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
             "x-request-id", None
         )  # one id for many requests would not be an id: each gets its own
         try:
-            server.check_token(metadata.get("authorization", ""))
+            server.auth.check(metadata.get("authorization", ""))
         except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             Exchange(route).finish(server.metrics, label(found.status))
