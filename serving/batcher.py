@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -213,8 +214,14 @@ class Batcher:
         arrival_wait_ms: float = 0.0,
         incoming: Callable[[], int] | None = None,
         name: str = "the model",
+        observe: Callable[[Feeds, Feeds], None] | None = None,
     ):
         self.name = name  # the version it runs, in its log lines
+        # `observe(feeds, outputs)` is told of each batch the model ran (drift): handed to the runs, which
+        # alone see the batch's rows as they ran, padding cut off, before their buffer is reused.
+        if observe is not None:
+            run = partial(run, observe=observe)
+            run_buffer = run_buffer and partial(run_buffer, observe=observe)
         self._run = run
         self._buffers = (
             buffers if run_buffer is not None and merge else None

@@ -15,7 +15,7 @@ module imports none of them.
 
 Every model run of every model happens on one engine thread (serving/runner.py), which takes each batch when it
 is free to run it. Also here: opening and warming up models at start (`open_models`), the drift window of every
-loaded version (serving/drift.py; observed on the engine thread, a batch at a time), and the shadow comparison
+loaded version (serving/drift.py; told by its batcher, on the engine thread, a batch at a time), and the shadow comparison
 of each model that has a challenger (serving/shadow.py).
 """
 
@@ -69,9 +69,6 @@ SHADOW_QUEUE = (
 GC_THRESHOLD = (
     20_000  # allocations between two collections of the youngest generation (default 700)
 )
-DRIFT_CHECK_EVERY = (
-    50  # batches between two looks at a version's drift (a log line when it crosses the threshold)
-)
 
 
 def model_summary(info: ModelInfo) -> dict:
@@ -117,10 +114,7 @@ class Server:
     ):
         self.settings = settings
         self.auth = Auth(settings.tokens(), settings.feedback_token)
-        self.drift: dict[tuple[str, str], drift.DriftWindow] = {}  # (model, version) -> its window
-        self._drift_high: set[tuple[str, str, str, str]] = (
-            set()
-        )  # (model, version, kind, name) above the threshold
+        self.drift = drift.Watch(settings.drift_window, settings.drift_threshold)
         # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two runs
         # at once on the same cores only fight. It takes each batch when it is free to run it, the models' batchers
         # in turn (serving/runner.py); warm-ups and other engine work take their turns too (an Executor).
@@ -196,7 +190,7 @@ class Server:
                 for name, alias in self.repository.aliases()
                 if alias.rpartition("@")[2] == settings.shadow_alias
             }
-        self.metrics.watch_drift(self._drift_scores)
+        self.metrics.watch_drift(lambda: self.drift.scores(self._loaded()))
         self.metrics.watch_shadows(
             lambda: {
                 name: self.shadow(name).report()
@@ -221,6 +215,9 @@ class Server:
         """The default model's default version (what /invocations serves)."""
         return self.repository.slot(self.repository.default_model().name, None)
 
+    def _loaded(self) -> set[tuple[str, str]]:
+        return {(name, slot.version) for name, slot in self.repository.slots()}
+
     def _queued_rows(self) -> list[tuple[str, str, float]]:
         return [
             (name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()
@@ -233,10 +230,9 @@ class Server:
         def observe(rows: int, seconds: float, waits: list[float]) -> None:
             self.metrics.observe_batch(name, version, rows, seconds, waits)
 
-        run, run_buffer = self._observed(model)
         cap = batch_cap(model, s.max_batch_size)
         return Batcher(
-            run,
+            model.engine.run_parts,
             self.executor,
             max_batch_size=cap,
             max_delay_ms=s.max_delay_ms,
@@ -245,10 +241,13 @@ class Server:
             on_batch=observe,
             run_timeout=s.run_timeout,
             buffers=model.engine.batch_buffers(cap),
-            run_buffer=run_buffer,
+            run_buffer=model.engine.run_buffer,
             arrival_wait_ms=s.arrival_wait_ms,
             incoming=self.incoming,
             name=f"model '{name}' version {version}",
+            observe=self.drift.observer(
+                name, version, model.drift_reference, model.engine.metadata
+            ),
         )
 
     def incoming(self) -> int:
@@ -269,74 +268,6 @@ class Server:
         if loaded != 1:
             return 0
         return sum(front_end.receiving() for front_end in self._listening)
-
-    # ---- drift -----------------------------------------------------------------------------------
-
-    def _observed(self, model: LoadedModel) -> tuple[Callable, Callable]:
-        """The engine's runs of a batch (its requests' feeds, or a batch buffer), with the batch's inputs and outputs
-        added to the version's drift window: on the engine thread, once per batch (not per request, and never on
-        the event loop)."""
-        reference, window = model.drift_reference, self.settings.drift_window
-        if reference is None or not window:
-            return model.engine.run_parts, model.engine.run_buffer
-        key = (model.info.name, model.info.version)
-        self.drift[key] = tracker = drift.DriftWindow(reference, window, model.engine.metadata)
-        batches = 0
-
-        def observe(feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
-            nonlocal batches
-            try:
-                tracker.observe(feeds, outputs)
-                batches += 1
-                if batches % DRIFT_CHECK_EVERY == 0:
-                    self._say_drift(key, tracker)
-            except Exception:  # noqa: BLE001 - a statistic must never fail an answer
-                log.exception("drift statistics of %s version %s failed", *key)
-
-        return partial(model.engine.run_parts, observe=observe), partial(
-            model.engine.run_buffer, observe=observe
-        )
-
-    def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
-        """One log line when a tensor's PSI crosses the threshold (and one when it is back under)."""
-        threshold = self.settings.drift_threshold
-        for (kind, name), (value, samples) in tracker.scores().items():
-            if samples < tracker.window // 2:
-                continue  # too few samples to say
-            flag = (*key, kind, name)
-            if value > threshold and flag not in self._drift_high:
-                self._drift_high.add(flag)
-                log.warning(
-                    "drift: %s version %s %s '%s': PSI %.3f > %.2f over the last %d samples",
-                    key[0],
-                    key[1],
-                    kind[:-1],
-                    name,
-                    value,
-                    threshold,
-                    samples,
-                )
-            elif value <= threshold and flag in self._drift_high:
-                self._drift_high.discard(flag)
-                log.info(
-                    "drift: %s version %s %s '%s' back under %.2f (PSI %.3f)",
-                    key[0],
-                    key[1],
-                    kind[:-1],
-                    name,
-                    threshold,
-                    value,
-                )
-
-    def _drift_scores(self) -> dict[tuple[str, str, str, str], float]:
-        """{(model, version, "inputs"|"outputs", tensor): PSI} of the loaded versions, for /metrics."""
-        loaded = {(name, slot.version) for name, slot in self.repository.slots()}
-        return {
-            (*key, kind, name): value
-            for key, tracker in list(self.drift.items())
-            if key in loaded
-            for (kind, name), (value, _) in tracker.scores().items()
-        }
 
     # ---- the shadow --------------------------------------------------------------------------------
 
@@ -619,10 +550,7 @@ class Server:
                     ", ".join(unsafe),
                 )
         self.metrics.set_models(served)
-        versions = {(name, slot.version) for name, slot in self.repository.slots()}
-        self.drift = {
-            key: window for key, window in self.drift.items() if key in versions
-        }  # unloaded: gone
+        self.drift.keep(self._loaded())
         loaded = {name for name, _ in self.repository.slots()}
         self.metrics.forget_aliases(lambda model: model not in loaded)
 
