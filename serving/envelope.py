@@ -4,9 +4,9 @@ answered, and the request's line in the metrics.
 
     Auth          who may call what: the inference tokens (--auth-token) and the labels' own (--feedback-token)
     Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
-                  the receipt naming it (the core fills it in: `answered_by`): X-Request-Id (the client's id echoed,
-                  else a fresh one), X-Server-Request-Id (the server's own id of an answer, random, never the
-                  client's: labels for the answer are posted under it), X-Model-*
+                  the receipt naming it: X-Request-Id (the client's id echoed, else a fresh one),
+                  X-Server-Request-Id (the server's own id of an answer, random, never the client's: labels for
+                  the answer are posted under it), X-Model-*
     Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
     refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
                   warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
@@ -125,24 +125,26 @@ class Refusal(NamedTuple):
 
 class Exchange:
     """One request through any front end: its route (as metrics name it), when it began, and once the version is
-    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
+    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*).
+
+    Each part of the receipt is written once:
+    - `slot`: by the front end when it picks the version (a refusal names it from then on); rewritten by
+      Server.answer only when a reload swap had another version answer;
+    - `request_id`: by the front end when it knows one before decoding (HTTP's X-Request-Id, a gRPC
+      message's id or metadata; checked), else by Server.answer (the V2 body's id, or a fresh one);
+    - `server_id`: by Server.answer.
+    """
 
     __slots__ = ("route", "started", "slot", "request_id", "server_id", "source")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
-        self.source = (
-            source  # the client's address (its host, not its port): the shadow counts pairs by it
-        )
+        # The client's address (its host, not its port): the shadow counts pairs by it.
+        self.source = source
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None
-        # the server's own id of the answer (new_request_id), set once the request is answered
         self.server_id: str | None = None
-
-    def answered_by(self, slot, request_id: str | None = None) -> None:
-        """The version the request is (now) for, and its id when known: also given with a refusal."""
-        self.slot, self.request_id = slot, request_id
 
     @property
     def model(self) -> tuple[str, str]:

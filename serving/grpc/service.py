@@ -179,7 +179,8 @@ class Service:
         server = self.server
         rid = _request_id(request.id or call.metadata.get("x-request-id"))
         slot = server.model_slot(request.model_name, request.model_version or None)
-        call.exchange.answered_by(slot, rid)  # the receipt, with a refusal too, as over HTTP
+        # The receipt, with a refusal too, as over HTTP.
+        call.exchange.slot, call.exchange.request_id = slot, rid
         engine = slot.model.engine
         arrival = None
 
@@ -215,7 +216,6 @@ class Service:
                 decoded,
                 call.exchange,
                 endpoint=call.endpoint,
-                request_id=rid,
                 follow_swap=not request.model_version,
                 arrival=arrival,
             )
