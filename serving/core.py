@@ -40,7 +40,7 @@ from serving import drift, lengths
 from serving.batcher import Batcher, BatcherClosed, NotRowWise, QueueFull, RunTimedOut
 from serving.classification import classify
 from serving.codec import BadRequest, Limits, shape_fits
-from serving.config import LARGE_ROW_BYTES, Settings
+from serving.config import Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
 from serving.envelope import Auth, Exchange, Refused, new_request_id
@@ -325,46 +325,6 @@ class Server:
         # gRPC drains alongside HTTP, not after it.
         self._stop_front_ends()
 
-    def largest_row_bytes(self) -> int:
-        """The bytes of one row of the largest-rowed model loaded now (Engine.row_bytes; 0 when none is loaded or
-        none has rows of one size): how large a request's body is, for how many loops take them in
-        (Settings.http_loops)."""
-        return max((slot.model.engine.row_bytes for _, slot in self.repository.slots()), default=0)
-
-    def layout(self, http_loops: int) -> str:
-        """How this server is laid out over threads and cores, in one line for its log."""
-        from serving.engine import usable_cpus
-
-        parts = [
-            f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
-            + (" (threads, a socket each: SO_REUSEPORT)" if http_loops > 1 else "")
-            + (
-                f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more loops "
-                "would share the GIL for little; --http-threads N sets them)"
-                if self.settings.http_threads is None and http_loops == 1 and usable_cpus() > 1
-                else ""
-            )
-        ]
-        for front_end in self.listening:
-            parts.append(getattr(front_end, "layout", "gRPC"))
-        engines = {slot.model.engine.threads for _, slot in self.repository.slots()}
-        buffers = [
-            slot.batcher.buffers
-            for _, slot in self.repository.slots()
-            if slot.batcher.buffers is not None
-        ]
-        parts.append(
-            f"1 engine thread running every model's batches in turn (onnxruntime "
-            f"{'/'.join(map(str, sorted(engines))) or '-'} intra-op threads)"
-        )
-        if buffers:
-            b = buffers[0]
-            parts.append(
-                f"batch buffers of {b.capacity} rows, up to {b.count} a model version"
-                + (", pinned" if b.pin else "")
-            )
-        return f"{'; '.join(parts)}; {usable_cpus()} CPUs usable"
-
     def _stop_front_ends(self) -> None:
         if not self._stopping:
             self._stopping = [
@@ -410,45 +370,11 @@ class Server:
         except RepositoryError as exc:
             raise Refused(exc.status, f"/invocations serves the default model: {exc}") from None
 
-    def invocations_hint(self, slot: Slot) -> str:
-        """On a server of several models, a refusal on /invocations says which one it serves and how to reach
-        the others: a client sending another model's inputs would otherwise not know why they don't fit."""
-        others = sorted(n for n in self.repository.models if n != slot.model.info.name)
-        if not others:
-            return ""
-        return (
-            f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
-            f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server with "
-            f"--default-model NAME)"
-        )
-
-    @staticmethod
-    def decode_now(decode: Callable[[], Any]):
-        """A protocol's decoder on its request, here and now. An exception the decoder did not foresee is still the
-        client's malformed request: a 400."""
-        try:
-            return decode()
-        except BadRequest:
-            raise
-        except (
-            ValueError,
-            TypeError,
-            KeyError,
-            IndexError,
-            AttributeError,
-            OverflowError,
-            MemoryError,
-        ) as exc:
-            log.debug("a request the decoder did not foresee", exc_info=True)
-            raise BadRequest(
-                f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}"
-            ) from None
-
     async def decode(self, decode: Callable[[], Any], size: int):
         """decode_now, in a thread for a big request (two at a time), inline for a small one."""
         if size <= BIG_BODY:
-            return self.decode_now(decode)
-        return await asyncio.to_thread(self.in_turn, self.decode_now, decode)
+            return decode_now(decode)
+        return await asyncio.to_thread(self.in_turn, decode_now, decode)
 
     def in_turn(self, fn: Callable, *args):
         """`fn(*args)` (in a thread) once one of the two decoding places is free."""
@@ -662,6 +588,28 @@ class WarmUp:
             version,
             time.perf_counter() - started,
         )
+
+
+def decode_now(decode: Callable[[], Any]):
+    """A protocol's decoder on its request, here and now. An exception the decoder did not foresee is
+    still the client's malformed request: a 400."""
+    try:
+        return decode()
+    except BadRequest:
+        raise
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        MemoryError,
+    ) as exc:
+        log.debug("a request the decoder did not foresee", exc_info=True)
+        raise BadRequest(
+            f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}"
+        ) from None
 
 
 def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

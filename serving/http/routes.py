@@ -35,7 +35,7 @@ import numpy as np
 import serving
 from serving import codec, extensions
 from serving.codec import BadRequest
-from serving.core import Server, check_request_id
+from serving.core import Server, check_request_id, decode_now
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
@@ -269,7 +269,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
     engine = slot.model.engine
     body, shared = request.body, regions.read
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
-        decoded = server.decode_now(partial(body.finish, shared))
+        decoded = decode_now(partial(body.finish, shared))
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
@@ -331,9 +331,22 @@ async def invocations(server: Server, request: Request, exchange: Exchange) -> R
     except (BadRequest, Refused) as exc:
         if exc.status != 400:
             raise
-        # Another model's inputs sent here: say which model /invocations serves and how to reach the others.
-        raise Refused(400, f"{exc}{server.invocations_hint(server.invocations_slot())}") from None
+        raise Refused(400, f"{exc}{invocations_hint(server, server.invocations_slot())}") from None
     return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
+
+
+def invocations_hint(server: Server, slot) -> str:
+    """On a server of several models, a refusal on /invocations says which one it serves and how to
+    reach the others: a client sending another model's inputs would otherwise not know why they
+    don't fit."""
+    others = sorted(n for n in server.repository.models if n != slot.model.info.name)
+    if not others:
+        return ""
+    return (
+        f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+        f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server "
+        f"with --default-model NAME)"
+    )
 
 
 async def ping(server: Server, request: Request, exchange: Exchange) -> Response:
