@@ -1,8 +1,8 @@
 """trainserve's inference server: ONNX models on onnxruntime behind HTTP and gRPC (KServe V2).
 
 The core (one inference path for every front end):
-    core.py     the Server: the models served, `answer(slot, request, exchange)` (receipt, infer, its
-                observers told: payload log, shadow mirror, warm-up), start-up and shutdown
+    core.py     the Server: the models served, `answer(slot, request, exchange)` (receipt, infer,
+                its observers told: payload log, shadow mirror, warm-up), start-up and shutdown
     envelope.py what every front end puts around a request, written once: auth, refusal -> status,
                 receipt, metrics
     repository.py  the models and versions served: sources, version policy, load/unload, alias following

@@ -217,8 +217,8 @@ class Batcher:
         observe: Callable[[Feeds, Feeds], None] | None = None,
     ):
         self.name = name  # the version it runs, in its log lines
-        # `observe(feeds, outputs)` is told of each batch the model ran (drift): handed to the runs, which
-        # alone see the batch's rows as they ran, padding cut off, before their buffer is reused.
+        # `observe(feeds, outputs)` is told of each batch the model ran (drift). It is handed to the
+        # runs: only they see the rows as they ran, padding cut off, before the buffer is reused.
         if observe is not None:
             run = partial(run, observe=observe)
             run_buffer = run_buffer and partial(run_buffer, observe=observe)

@@ -456,8 +456,8 @@ def grpc_start(settings: Settings):
 
 def largest_row_bytes(server) -> int:
     """The bytes of one row of the largest-rowed model loaded now (Engine.row_bytes; 0 when none is
-    loaded or none has rows of one size): how large a request's body is, for how many loops take them
-    in (Settings.http_loops)."""
+    loaded or none has rows of one size): how large a request's body is, for how many loops take
+    them in (Settings.http_loops)."""
     return max((slot.model.engine.row_bytes for _, slot in server.repository.slots()), default=0)
 
 

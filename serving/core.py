@@ -1,24 +1,26 @@
-"""The server's protocol-neutral core: the models it serves, and the one inference path every front end
-calls (KServe V2 over HTTP, MLflow's /invocations, KServe V2 over gRPC).
+"""The server's protocol-neutral core: the models it serves, and the one inference path every
+front end calls (KServe V2 over HTTP, MLflow's /invocations, KServe V2 over gRPC).
 
-    `Server.answer(slot, request, exchange)`  the decoded request of a version -> the rest of its receipt
-                            -> infer (the batcher, following a reload that swapped the version meanwhile)
-                            -> its observers told -> the Answer, which the front end encodes
-    `Server.decode(fn, size)` a protocol's decoder on a request: in a thread for a big one, two at a time
+    `Server.answer(slot, request, exchange)`
+        the decoded request of a version -> the rest of its receipt -> infer (the batcher,
+        following a reload that swapped the version meanwhile) -> its observers told -> the
+        Answer, which the front end encodes
+    `Server.decode(fn, size)`
+        a protocol's decoder on a request: in a thread for a big one, two at a time
 
-A front end (serving/http/ for HTTP, serving/grpc/service.py for gRPC) picks the version a request names
-(`model_slot`, `invocations_slot`), writes it and the id its headers give on the request's Exchange (the
-receipt, serving/envelope.py), decodes the request with its codec (codec.py, grpc/codec.py) and hands both
-to `answer`. Nothing here calls back into a front end. Front ends that listen on their own port (gRPC) are
-started and stopped by the server's lifespan, which is handed their start functions: this module imports
-none of them.
+A front end (serving/http/ for HTTP, serving/grpc/service.py for gRPC) picks the version a
+request names (`model_slot`, `invocations_slot`), writes it and the id it knows on the request's
+Exchange (the receipt, serving/envelope.py), decodes the request with its codec (codec.py,
+grpc/codec.py) and hands both to `answer`. Nothing here calls back into a front end. Front ends
+that listen on their own port (gRPC) are started and stopped by the server's lifespan, which is
+handed their start functions: this module imports none of them.
 
-What watches the answers subscribes to them (`Observer`): the payload log (serving/payload_log.py), the
-shadow's mirror (serving/shadow.py) and the last requests a new version warms up with (`LastRequests`).
-What watches the batches subscribes to each version's batcher: the metrics, and drift
-(serving/drift.py: on the engine thread, a batch at a time). Every model run of every model happens on one
-engine thread (serving/runner.py), which takes each batch when it is free to run it. Also here: opening
-and warming up models at start (`open_models`).
+What watches the answers subscribes to them (`Observer`): the payload log (serving/payload_log.py),
+the shadow's mirror (serving/shadow.py) and the warm-up of new versions (`WarmUp`). What watches
+the batches subscribes to each version's batcher: the metrics, and drift (serving/drift.py: on the
+engine thread, a batch at a time). Every model run of every model happens on one engine thread
+(serving/runner.py), which takes each batch when it is free to run it. Also here: opening and
+warming up models at start (`open_models`).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def check_request_id(value: str, where: str) -> str:
 
 @dataclass(slots=True)
 class Answer:
-    """One request that reached the model: what its front end encodes, and what its observers are told."""
+    """One request that reached the model: what its front end encodes, and its observers see."""
 
     # The version that computed it (after a reload swap too).
     slot: Slot
@@ -119,8 +121,8 @@ class Observer(Protocol):
 
 
 class Server:
-    """The state behind the front ends (HTTP and gRPC): settings, the model repository, the engine thread,
-    metrics, and what watches the answers."""
+    """The state behind the front ends (HTTP and gRPC): settings, the model repository, the engine
+    thread, metrics, and what watches the answers."""
 
     def __init__(
         self,
@@ -131,9 +133,9 @@ class Server:
     ):
         self.settings = settings
         self.auth = Auth(settings.tokens(), settings.feedback_token)
-        # One thread runs every model run of every model: onnxruntime parallelizes inside a run, and two
-        # runs at once on the same cores only fight. It takes each batch when it is free to run it, the
-        # models' batchers in turn (serving/runner.py); warm-ups and other engine work take turns too.
+        # One thread runs every model run of every model: onnxruntime parallelizes inside a run,
+        # and two runs at once on the same cores only fight. It takes each batch when it is free to,
+        # the models' batchers in turn (serving/runner.py); warm-ups take their turns too.
         self.executor = Runner()
         self.metrics = Metrics(queue_rows=self._queued_rows)
         self.drift = drift.Watch(settings.drift_window, settings.drift_threshold)
@@ -159,14 +161,14 @@ class Server:
         self._serving = False
         self._followers: list[asyncio.Task] = []
         self.limits = Limits(settings.max_rows_per_request, settings.max_body_bytes)
-        # Clients' shared memory regions (the V2 extensions); CUDA ones once a version runs on a GPU.
+        # Clients' shared memory regions (the V2 extensions); CUDA ones once a version is on a GPU.
         self.shared_memory = SharedMemory(
             int(settings.max_shared_memory_mb * (1 << 20)),
             settings.shared_memory == "on",
             tokened=self.auth.required,
         )
-        # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their memory. Taken
-        # by the decoding thread itself, so no loop waits on it.
+        # Big bodies decoded at once, over every event loop (HTTP runs several): bounds their
+        # memory. Taken by the decoding thread itself, so no loop waits on it.
         self.decoding = threading.BoundedSemaphore(2)
         # Started and closed with the server.
         self.payload_log = payload_log
@@ -190,9 +192,9 @@ class Server:
 
     @property
     def ready(self) -> bool:
-        """Started, not shutting down, at least one version loaded, and every loaded version's batcher
-        running with no model run past its deadline. A model unloaded or still loading does not make the
-        server unready (its own ready says so); a server with nothing loaded is not ready."""
+        """Started, not shutting down, at least one version loaded, and every loaded version's
+        batcher running with no model run past its deadline. A model unloaded or still loading
+        leaves the server ready (its own ready says no); a server with nothing loaded is not."""
         slots = [slot for _, slot in self.repository.slots()]
         return self._serving and bool(slots) and all(slot.healthy for slot in slots)
 
@@ -240,11 +242,12 @@ class Server:
         )
 
     def incoming(self) -> int:
-        """Requests on their way whose model is not named yet (ModelInfer messages the native gRPC engine
-        is still receiving), which batches wait for as for HTTP bodies arriving (serving/batcher.py).
-        Counted only where one version is loaded (a flood to one model must not hold another's batches)
-        and no token is required (a call is counted before its token is checked: anyone could otherwise
-        hold every batch). Called under a batcher's lock, on the engine thread or a loop's kick."""
+        """Requests on their way whose model is not named yet (ModelInfer messages the native gRPC
+        engine is still receiving), which batches wait for as for HTTP bodies arriving
+        (serving/batcher.py). Counted only where one version is loaded (a flood to one model must
+        not hold another's batches) and no token is required (a call is counted before its token is
+        checked: anyone could otherwise hold every batch). Called under a batcher's lock, on the
+        engine thread or a loop's kick."""
         if self.auth.required:
             return 0
         # Registered models with no version loaded count too.
@@ -285,12 +288,12 @@ class Server:
         for start in self.front_ends:
             self.listening.append(await start(self))
         self.mirror.start()
-        # What start-up made (imports, MLflow's among them, the models) lives as long as the server: out
-        # of the collector's sight, a full collection (an alias move's, or the interpreter's own) scans
-        # only what came since, not every object of start-up on the event loop.
+        # What start-up made (imports, MLflow's among them, the models) lives as long as the server:
+        # out of the collector's sight, a full collection (an alias move's, or the interpreter's
+        # own) scans only what came since, not every object of start-up on the event loop.
         gc.freeze()
-        # A request allocates a few hundred objects, almost none in cycles: the youngest generation's
-        # default threshold ran the collector every few requests for nothing.
+        # A request allocates a few hundred objects, almost none in cycles: the youngest
+        # generation's default threshold ran the collector every few requests for nothing.
         gc.set_threshold(GC_THRESHOLD, 20, 20)
         self._serving = True
         try:
@@ -316,9 +319,9 @@ class Server:
             log.info("stopped")
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: report not ready at once (load balancers stop sending), and let queued requests run
-        now instead of waiting out --max-delay-ms, so that the front ends' wait for in-flight requests
-        ends with them answered, not cut at --graceful-timeout."""
+        """SIGTERM: report not ready at once (load balancers stop sending), and let queued requests
+        run now instead of waiting out --max-delay-ms, so that the front ends' wait for in-flight
+        requests ends with them answered, not cut at --graceful-timeout."""
         self._serving = False
         for _, slot in self.repository.slots():
             slot.batcher.flush()
@@ -391,13 +394,15 @@ class Server:
         follow_swap: bool,
         arrival=None,
     ) -> Answer:
-        """The one inference path (see the module's docstring). `request` is what the front end decoded
-        for `slot`: .feeds, .rows, and .request_id, the body's id (None when it has none); `arrival` the
-        batcher's note that its body was on its way (Batcher.arriving), ended once it is queued.
+        """The one inference path (see the module's docstring). `request` is what the front end
+        decoded for `slot`: .feeds, .rows, and .request_id, the body's id (None when it has none);
+        `arrival` the batcher's note that its body was on its way (Batcher.arriving), ended once it
+        is queued.
 
-        The receipt is settled here (Exchange): the request id unless the front end's headers gave one
-        (the body's, or a fresh one), the server's own id of the answer, and the version that ran when a
-        reload swap moved the request. Refusals raise Refused or BadRequest, the receipt on `exchange`.
+        The receipt is settled here (Exchange): the request id where the front end knew none (the
+        body's, or a fresh one), the server's own id of the answer, and the version that ran when
+        a reload swap moved the request. Refusals raise Refused or BadRequest, with the
+        receipt on `exchange`.
         """
         if exchange.request_id is None:
             given = getattr(request, "request_id", None)
@@ -409,8 +414,8 @@ class Server:
         # neither predict nor reuse another's (the receipt's X-Server-Request-Id).
         exchange.server_id = new_request_id()
         keepers = tuple(o for o in self.observers if o.keeps(slot, exchange.request_id))
-        # What outlives the run takes a copy of the inputs now: a request received into a batch buffer
-        # has views of rows the next batch is received into.
+        # What outlives the run takes a copy of the inputs now: a request received into a batch
+        # buffer has views of rows the next batch is received into.
         inputs = owned(request.feeds) if keepers else request.feeds
         answer = Answer(slot, request, exchange, endpoint, inputs, keepers)
         started = time.perf_counter()
@@ -491,8 +496,8 @@ class Server:
         except BatcherClosed:
             if arrival is not None:
                 arrival.end()
-            # A reload swapped the model between choosing this slot and queueing on it (decoding a big
-            # body lies in between): the new model takes it if its inputs are the same. Named a
+            # A reload swapped the model between choosing this slot and queueing on it (decoding a
+            # big body lies in between): the new model takes it if its inputs are the same. Named a
             # version: the same version's new slot (a reload of it). Unloaded meanwhile: a 404.
             name = slot.model.info.name
             model = self.repository.models.get(name)
@@ -512,15 +517,15 @@ class Server:
 
 class WarmUp:
     """The warm-up of a version loaded while its model serves: one run per batch size on the engine
-    thread, queued between live batches, never two runs at once on the device (on a GPU, cuDNN picking
-    algorithms for the new model while live traffic runs would time them on a busy device and slow the
-    requests in flight). A live batch waits for at most one warm-up run.
+    thread, queued between live batches, never two runs at once on the device (on a GPU, cuDNN
+    picking algorithms for the new model while live traffic runs would time them on a busy device
+    and slow the requests in flight). A live batch waits for at most one warm-up run.
 
-    No size can be guessed for zeros where an input has a dynamic axis besides the batch axis (a sequence
-    length, an image size): the new version runs the last request its model answered instead, so that the
-    first requests after a swap do not pay for its allocations. As an observer of answers it keeps one
-    row of that request, for such models only: a client's data, kept for nothing else (such a model has
-    no batch buffers, so its feeds are its own).
+    No size can be guessed for zeros where an input has a dynamic axis besides the batch axis (a
+    sequence length, an image size): the new version runs the last request its model answered
+    instead, so that the first requests after a swap do not pay for its allocations. As an observer
+    of answers it keeps one row of that request, for such models only: a client's data, kept for
+    nothing else (such a model has no batch buffers, so its feeds are its own).
     """
 
     def __init__(self, executor, max_batch_size: int):
@@ -557,14 +562,14 @@ class WarmUp:
         )
 
     async def _with_last_request(self, model: LoadedModel) -> None:
-        """Only a warm-up: its failure is said, not a refusal of the version (another version's request
-        may hold values this one does not take)."""
+        """Only a warm-up: its failure is said, not a refusal of the version (another version's
+        request may hold values this one does not take)."""
         name, version = model.info.name, model.info.version
         feeds = self._last.get(name)
         if feeds is None or not fits(model.engine.inputs, feeds):
             log.info(
-                "%s version %s: no warm-up: an input has a dynamic axis besides the batch axis, and "
-                "no request answered yet fits this version",
+                "%s version %s: no warm-up: an input has a dynamic axis besides the batch axis, "
+                "and no request answered yet fits this version",
                 name,
                 version,
             )
@@ -591,8 +596,8 @@ class WarmUp:
 
 
 def decode_now(decode: Callable[[], Any]):
-    """A protocol's decoder on its request, here and now. An exception the decoder did not foresee is
-    still the client's malformed request: a 400."""
+    """A protocol's decoder on its request, here and now. An exception the decoder did not foresee
+    is still the client's malformed request: a 400."""
     try:
         return decode()
     except BadRequest:
@@ -662,7 +667,7 @@ def check_names(settings: Settings, repository: Repository) -> None:
 
 
 def say_unsent_receipt(name: str, info) -> None:
-    """One log line naming the receipt's X-Model-* headers a version's values keep out of answers."""
+    """One log line naming the X-Model-* headers a version's values keep out of its receipts."""
     unsafe = [h for h, v in receipt_values(info).items() if v and not HEADER_SAFE.fullmatch(v)]
     if unsafe:
         log.warning(

@@ -251,10 +251,10 @@ def names(reference: dict[str, Any]) -> Iterable[tuple[str, str]]:
 
 
 class Watch:
-    """The drift window of every loaded version that has a reference, fed a batch at a time on the engine
-    thread (the batcher's `observe` hook, never the event loop), read by /metrics. A tensor whose PSI
-    crosses the threshold is said in one log line, and once more when it is back under. A failing
-    statistic is logged, never an answer's failure.
+    """The drift window of every loaded version that has a reference, fed a batch at a time on the
+    engine thread (the batcher's `observe` hook, never the event loop), read by /metrics. A tensor
+    whose PSI crosses the threshold is said in one log line, and once more when it is back under. A
+    failing statistic is logged, never an answer's failure.
     """
 
     def __init__(self, window: int, threshold: float):
@@ -314,7 +314,7 @@ class Watch:
                 )
 
     def scores(self, loaded: set[tuple[str, str]]) -> dict[tuple[str, str, str, str], float]:
-        """{(model, version, "inputs"|"outputs", tensor): PSI} of the `loaded` (model, version) pairs."""
+        """{(model, version, "inputs"|"outputs", tensor): PSI} of the `loaded` versions."""
         return {
             (*key, kind, name): value
             for key, window in list(self.windows.items())

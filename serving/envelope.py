@@ -2,11 +2,12 @@
 stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
 answered, and the request's line in the metrics.
 
-    Auth          who may call what: the inference tokens (--auth-token) and the labels' own (--feedback-token)
-    Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
-                  the receipt naming it: X-Request-Id (the client's id echoed, else a fresh one),
-                  X-Server-Request-Id (the server's own id of an answer, random, never the client's: labels for
-                  the answer are posted under it), X-Model-*
+    Auth          who may call what: the clients' tokens (--auth-token), the labels' own
+                  (--feedback-token)
+    Exchange      one request as the envelope follows it: its route, when it began, the version
+                  that answered and the receipt naming it: X-Request-Id (the client's id echoed,
+                  else a fresh one), X-Server-Request-Id (the server's own id of an answer,
+                  random, never the client's: labels for the answer are posted under it), X-Model-*
     Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
     refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
                   warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
@@ -57,10 +58,10 @@ class Refused(Exception):
 
 
 class Auth:
-    """Who may call what. Inference and everything else but the health checks: one of the clients' tokens
-    (--auth-token), when any is set. Labels (feedback): their own token (--feedback-token), never an
-    inference token, so that whoever may ask for answers does not thereby decide which version becomes
-    champion. Every comparison takes constant time.
+    """Who may call what. Inference and everything else but the health checks: one of the clients'
+    tokens (--auth-token), when any is set. Labels (feedback): their own token (--feedback-token),
+    never an inference token, so that whoever may ask for answers does not thereby decide which
+    version becomes champion. Every comparison takes constant time.
     """
 
     def __init__(self, tokens: list[bytes], feedback: str | None = None):
@@ -69,11 +70,11 @@ class Auth:
 
     @property
     def required(self) -> bool:
-        """Whether a token is needed at all (none set: a loopback server, open to whoever reaches it)."""
+        """Whether a token is needed at all (none: a loopback server, open to all who reach it)."""
         return bool(self.tokens)
 
     def check(self, authorization: str) -> None:
-        """An `Authorization` value (an HTTP header or gRPC metadata) against the clients' tokens."""
+        """An `Authorization` value (HTTP header or gRPC metadata) against the clients' tokens."""
         if not self.tokens:
             return
         scheme, _, token = authorization.partition(" ")
@@ -108,7 +109,8 @@ class Auth:
             )
         raise Refused(
             401,
-            "missing or wrong bearer token: labels need 'Authorization: Bearer <the feedback token>'",
+            "missing or wrong bearer token: labels need "
+            "'Authorization: Bearer <the feedback token>'",
             {"WWW-Authenticate": "Bearer"},
         )
 
@@ -124,12 +126,13 @@ class Refusal(NamedTuple):
 
 
 class Exchange:
-    """One request through any front end: its route (as metrics name it), when it began, and once the version is
-    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*).
+    """One request through any front end: its route (as metrics name it), when it began, and once
+    the version is known, the model that answered and the receipt naming it and the request
+    (X-Request-Id, X-Model-*).
 
     Each part of the receipt is written once:
-    - `slot`: by the front end when it picks the version (a refusal names it from then on); rewritten by
-      Server.answer only when a reload swap had another version answer;
+    - `slot`: by the front end when it picks the version (a refusal names it from then on);
+      rewritten by Server.answer only when a reload swap had another version answer;
     - `request_id`: by the front end when it knows one before decoding (HTTP's X-Request-Id, a gRPC
       message's id or metadata; checked), else by Server.answer (the V2 body's id, or a fresh one);
     - `server_id`: by Server.answer.

@@ -72,8 +72,8 @@ def in_sample(request_id: str, fraction: float) -> bool:
 
 
 def model_summary(info) -> dict:
-    """The model as a record names it (a loader.ModelInfo): `pipeline trace` follows its lineage, not the
-    served name."""
+    """The model as a record names it (a loader.ModelInfo): `pipeline trace` follows its lineage,
+    not the served name."""
     return {
         "name": info.name,
         "version": info.version,
@@ -170,11 +170,11 @@ class PayloadLog:
         return in_sample(request_id, self.sample)
 
     def keeps(self, slot, request_id: str) -> bool:
-        """An observer of answers (serving/core.py): whether this request's inputs are kept past its run."""
+        """An observer of answers (serving/core.py): whether a request's inputs outlive its run."""
         return self.sampled(request_id)
 
     def answered(self, answer) -> None:
-        """An observer of answers: a request of the sample, answered or refused at the model, queued."""
+        """An observer of answers: a request of the sample, answered or refused, queued."""
         if self not in answer.keepers:
             return
         self.submit(

@@ -24,7 +24,7 @@ The verdict, under `Rule` (the user's thresholds):
 
 Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to "promote" for a
 7%-accurate challenger with near-copies of one input the two versions answer alike, from several addresses). The
-labels come from the holder of the feedback token (serving/envelope.py, Auth.check_labels), are range-checked
+labels come from the holder of the feedback token (serving/envelope.py, Auth), are range-checked
 against the model's answers, and are joined only with answers the server kept under its own ids. What else no one
 client can shape: a pair counts once per distinct input (an input sent again is counted as repeated, not as
 another pair), the requests mirrored are the server's random draw, and the report says how many distinct inputs,
@@ -520,11 +520,11 @@ def _pct(values, q: float) -> float:
 class Mirror:
     """The challenger's half of the pairs, an observer of the server's answers (serving/core.py).
 
-    A random `fraction` of each shadowed model's champion answers, drawn by the server (never from an id a
-    client chose), runs again on the challenger: off the request path, on the server's main loop, one
-    request at a time per model. Shed first under load: when its queue is full, or the champion has rows
-    waiting, the pair is dropped and counted; the champion's answer never waits for it. Both answers are
-    kept under the server's own id of the request.
+    A random `fraction` of each shadowed model's champion answers, drawn by the server (never from
+    an id a client chose), runs again on the challenger: off the request path, on the server's main
+    loop, one request at a time per model. Shed first under load: when its queue is full, or the
+    champion has rows waiting, the pair is dropped and counted; the champion's answer never waits
+    for it. Both answers are kept under the server's own id of the request.
     """
 
     def __init__(self, repository, alias: str, fraction: float, rule: Rule, timeout: float):
@@ -532,8 +532,8 @@ class Mirror:
         self.alias = alias
         self.fraction = fraction
         self.timeout = timeout
-        # model -> its comparison: with a fraction to mirror (--shadow), each model loaded from an alias
-        # that ends in @<alias>
+        # model -> its comparison: with a fraction to mirror (--shadow), each model loaded from an
+        # alias that ends in @<alias>
         self.comparisons = {
             name: Shadow(rule)
             for name, served in repository.aliases()
@@ -623,7 +623,7 @@ class Mirror:
                 # The server's load, not the challenger's fault.
                 shadow.dropped(versions)
                 continue
-            except Exception as exc:  # noqa: BLE001 - the challenger failing is what the comparison counts
+            except Exception as exc:  # noqa: BLE001 - a failing challenger is what is counted
                 log.warning(
                     "shadow: %s version %s failed request %s: %s",
                     name,
@@ -639,8 +639,8 @@ class Mirror:
             shadow.pair(server_id, champion, answer, champion_ms, took, versions, digest, source)
 
     def _pair(self, name: str, shadow: Shadow):
-        """(champion, challenger) served now, and the comparison set to that pairing (afresh when either
-        moved); (None, None) when there is nothing to compare."""
+        """(champion, challenger) served now, and the comparison set to that pairing (afresh when
+        either moved); (None, None) when there is nothing to compare."""
         model = self.repository.models.get(name)
         champion = model.default_slot() if model is not None else None
         challenger = self._challenger(model) if champion is not None else None
@@ -656,7 +656,7 @@ class Mirror:
         return model.slots.get(model.alias_served[served[0]]) if served else None
 
     def comparison(self, name: str) -> Shadow:
-        """The comparison of `name`, paired with the versions served now; Refused 404 when there is none."""
+        """The comparison of `name`, paired with the versions served now; Refused 404 if none."""
         # A 404 naming the models for an unknown one.
         self.repository.model(name)
         shadow = self.comparisons.get(name)

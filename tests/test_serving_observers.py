@@ -1,7 +1,7 @@
 """What the inference path asks of what surrounds it, in process: the tokens (envelope.Auth) and the
 observers of answers (core.Observer: the payload log, the shadow's mirror and the warm-up subscribe
-there). The front ends' end of both is tested through real servers elsewhere (test_serving_receipts.py,
-test_payload_log.py, test_shadow_and_drift.py); here, the rules those share."""
+there). Real servers test the front ends' side elsewhere (test_serving_receipts.py,
+test_payload_log.py, test_shadow_and_drift.py); here, the rules they share."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_observers_are_told_each_answer_once_and_one_that_fails_fails_no_answer(
         asked = asyncio.run(scenario())
     assert [a.request_id for a in watcher.seen] == ["kept", "h-1", asked[2][0].request_id]
     assert [a.status for a in watcher.seen] == [200, 200, 400]
-    # The receipt: the headers' id, else the body's, else a fresh one; the server's own id each time.
+    # The receipt: the headers' id, else the body's, else a fresh one; a server's id each time.
     for (exchange, _), answer in zip(asked, watcher.seen):
         assert answer.exchange is exchange and len(exchange.server_id) == 32
         assert exchange.receipt["X-Request-Id"] == answer.request_id
