@@ -260,6 +260,8 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app=None):
+        # The mirror's queues live on this loop: an answer on another one hands its pair over.
+        self.mirror.start()
         self.repository.start()
         self._announce()
         if any(slot.model.engine.provider in GPU_PROVIDERS for _, slot in self.repository.slots()):
@@ -287,7 +289,6 @@ class Server:
             ]
         for start in self.front_ends:
             self.listening.append(await start(self))
-        self.mirror.start()
         # What start-up made (imports, MLflow's among them, the models) lives as long as the server:
         # out of the collector's sight, a full collection (an alias move's, or the interpreter's
         # own) scans only what came since, not every object of start-up on the event loop.
