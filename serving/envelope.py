@@ -68,7 +68,7 @@ class Exchange:
     """One request through any front end: its route (as metrics name it), when it began, and once the version is
     known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
 
-    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source")
+    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source", "warning")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
@@ -80,6 +80,8 @@ class Exchange:
         self.request_id: str | None = None
         # the server's own id of the answer (new_request_id), set once the request is answered
         self.server_id: str | None = None
+        # a Warning header's value for an answer given despite something off (serving/input_range.py)
+        self.warning: str | None = None
 
     def answered_by(self, slot, request_id: str | None = None) -> None:
         """The version the request is (now) for, and its id when known: also given with a refusal."""
@@ -102,6 +104,8 @@ class Exchange:
             receipt["X-Request-Id"] = self.request_id
         if self.server_id is not None:
             receipt["X-Server-Request-Id"] = self.server_id
+        if self.warning is not None:
+            receipt["Warning"] = self.warning
         return receipt
 
     def finish(self, metrics, status: str) -> None:

@@ -33,7 +33,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 import serving
-from serving import codec, extensions
+from serving import codec, extensions, image_inputs
 from serving.codec import BadRequest
 from serving.core import Server, check_request_id
 from serving.envelope import Exchange, Refused, new_request_id
@@ -117,6 +117,9 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     if request.request_id is not None:
         exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type").split(";")[0].strip().lower()
+    if image_inputs.is_image(content_type):  # an image file, for a version that takes them
+        image_inputs.takes_files(slot, content_type)
+        return whole_body(server, request, exchange, length, chunked)
     if content_type in SIMPLE_TYPES:
         raise Refused(
             415,
@@ -127,7 +130,7 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     request.arrival = arrival = (
         slot.batcher.arriving()
     )  # a batch about to run waits for it a little (Batcher)
-    engine = slot.model.engine
+    engine, inputs = slot.model.engine, image_inputs.request_inputs(slot.model)
     # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
     # from the whole body, element by element: codec.decode_v2).
     if (
@@ -135,12 +138,12 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
         and not chunked
         and 0 < json_length <= length
         and content_encoding(request) == "identity"
-        and not any(codec.is_bytes(s) for s in engine.inputs)
+        and not any(codec.is_bytes(s) for s in inputs)
     ):
         return bodies.V2Binary(
             json_length,
             length,
-            engine.inputs,
+            inputs,
             engine.output_names,
             server.limits,
             place=partial(slot.batcher.place, arrival),
@@ -168,8 +171,18 @@ def invocations_body(
     request.request_id = request_id(request) or new_request_id()
     exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
-    if content_type != JSON:
-        raise Refused(415, f"Content-Type {content_type} is not supported; send application/json")
+    if image_inputs.is_image(content_type):  # an image file, for a version that takes them
+        image_inputs.takes_files(slot, content_type)
+    elif content_type != JSON:
+        raise Refused(
+            415,
+            f"Content-Type {content_type} is not supported; send application/json"
+            + (
+                f", or an image file as {', '.join(sorted(image_inputs.CONTENT_TYPES))}"
+                if slot.model.images is not None
+                else ""
+            ),
+        )
     return whole_body(server, request, exchange, length, chunked)
 
 
@@ -207,7 +220,8 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
         "versions": sorted(model.slots, key=version_key),
         "platform": "onnxruntime_onnx",
         "inputs": [
-            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+            for s in image_inputs.request_inputs(slot.model)
         ],
         "outputs": [
             {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs
@@ -218,6 +232,10 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
     parameters.update(info.lineage)  # the version's lineage, from the file's metadata
     parameters["source"] = info.source
+    if (
+        slot.model.images is not None
+    ):  # what its image input is: what a file becomes, and how to send one
+        parameters["image_input"] = slot.model.images.describe()
     if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
         parameters["max_lengths"] = {
             name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()
@@ -275,6 +293,10 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
+    elif image_inputs.is_image(
+        content_type := request.header("content-type").split(";")[0].strip().lower()
+    ):
+        decoded = image_inputs.file_request(slot, body_bytes(server, request), content_type)
     else:
         data = body_bytes(server, request)
         decoded = await server.decode(
@@ -282,7 +304,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
                 codec.decode_v2,
                 data,
                 header_length(request),
-                engine.inputs,
+                image_inputs.request_inputs(slot.model),
                 engine.output_names,
                 server.limits,
                 shared,
@@ -324,10 +346,15 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
     slot = request.slot
     data = body_bytes(server, request)
+    content_type = request.header("content-type").split(";")[0].strip().lower()
     try:
-        decoded = await server.decode(
-            partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits), len(data)
-        )
+        if image_inputs.is_image(content_type):
+            decoded = image_inputs.file_request(slot, data, content_type, classified=False)
+        else:
+            decoded = await server.decode(
+                partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits),
+                len(data),
+            )
         answer = await server.answer(
             slot,
             decoded,
@@ -341,6 +368,8 @@ async def invocations(server: Server, request: Request, exchange: Exchange) -> R
             raise
         # Another model's inputs sent here: say which model /invocations serves and how to reach the others.
         raise Refused(400, f"{exc}{server.invocations_hint(server.invocations_slot())}") from None
+    if isinstance(decoded, image_inputs.FileRequest):
+        return Response(200, image_inputs.invocations_answer(answer))
     return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
 
 
