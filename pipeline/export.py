@@ -701,9 +701,8 @@ def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict
     sha256 = {name: file_sha256(path) for name, path in files.items()} | found.digests()
     report["sha256"] = sha256
     tags = found.version_tags() | {lineage.SHA256: json.dumps(sha256, sort_keys=True)}
-    if report.get(
-        "preprocessing"
-    ):  # how an image file becomes its input, as its ONNX file records it
+    # how an image file becomes its input, as its ONNX file records it
+    if report.get("preprocessing"):
         tags[lineage.PREPROCESSING] = report["preprocessing"]
     if report.get("fastest_variants"):  # what `serve --variant auto` reads
         tags[lineage.FASTEST_VARIANTS] = json.dumps(report["fastest_variants"], sort_keys=True)

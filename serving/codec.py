@@ -484,10 +484,11 @@ def placed_rows(header: V2Header, inputs: list[TensorSpec], place) -> dict | Non
     when it can have them: every model input in the request and none of them JSON data, all with the same rows."""
     items = header.inputs
     given = given_inputs(inputs, [i.spec.name for i in items])
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
     if (
         len(items) != len(given)
         or any(i.array is not None for i in items)
-        or any(is_bytes(i.spec) for i in items)  # (elements of no fixed size: no rows)
+        or any(is_bytes(i.spec) for i in items)
     ):
         return None
     rows = {item.shape[0] if item.shape else -1 for item in items}

@@ -37,12 +37,11 @@ from serving.lineage import DECISION, PREPROCESSING, SCORES
 
 log = logging.getLogger("serving.image_inputs")
 
-NAMES = (
-    "image",
-    "encoded_image",
-)  # the request input's name: the first the model does not have already
+# The request input's name: the first of these the model does not have already.
+NAMES = ("image", "encoded_image")
 CONTENT_TYPES = {f"image/{f.lower()}": f for f in FORMATS}
-TOP = 5  # classes in the answer to a POSTed file
+# Classes in the answer to a POSTed file.
+TOP = 5
 
 
 @dataclass

@@ -46,7 +46,8 @@ class InputRanges:
 
     def __init__(self, spans: dict[str, Span], where: str):
         self.spans = spans
-        self.where = where  # the version, as the log names it
+        # the version, as the log names it
+        self.where = where
         self._lock = threading.Lock()
         self._said_at = -LOG_EVERY_S
         self._unsaid = 0

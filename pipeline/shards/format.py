@@ -55,7 +55,8 @@ ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads
 # most.
 MAX_ROW_BYTES = 2**31 - 1
 SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
-EXAMPLE_PREFIX = "example-"  # an image file kept beside an image split's shards (`read_examples`)
+# An image file kept beside an image split's shards (`read_examples`) is named this, then its sample's id.
+EXAMPLE_PREFIX = "example-"
 _SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
 
 

@@ -238,9 +238,8 @@ def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None
     model input one of those, all of one row count."""
     if place is None or len(declared) != len(given_inputs(inputs, declared)):
         return None
-    if any(
-        is_bytes(spec) for spec, *_ in declared.values()
-    ):  # (elements of no fixed size: no rows)
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if any(is_bytes(spec) for spec, *_ in declared.values()):
         return None
     kept = bool(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
     if any(ref is None and (at is None or not kept) for _, _, _, ref, at, _ in declared.values()):

@@ -117,7 +117,8 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     if request.request_id is not None:
         exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type").split(";")[0].strip().lower()
-    if image_inputs.is_image(content_type):  # an image file, for a version that takes them
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
         image_inputs.takes_files(slot, content_type)
         return whole_body(server, request, exchange, length, chunked)
     if content_type in SIMPLE_TYPES:
@@ -171,7 +172,8 @@ def invocations_body(
     request.request_id = request_id(request) or new_request_id()
     exchange.answered_by(slot, request.request_id)
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
-    if image_inputs.is_image(content_type):  # an image file, for a version that takes them
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
         image_inputs.takes_files(slot, content_type)
     elif content_type != JSON:
         raise Refused(
@@ -232,9 +234,8 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
     parameters.update(info.lineage)  # the version's lineage, from the file's metadata
     parameters["source"] = info.source
-    if (
-        slot.model.images is not None
-    ):  # what its image input is: what a file becomes, and how to send one
+    # what its image input is: what a file becomes, and how to send one
+    if slot.model.images is not None:
         parameters["image_input"] = slot.model.images.describe()
     if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
         parameters["max_lengths"] = {
