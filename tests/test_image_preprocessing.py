@@ -133,7 +133,8 @@ def test_shards_of_an_image_folder_carry_its_transform_and_files_to_prove_it_on(
         assert body["digest"] == written[split].digest
     assert written["train"].preprocessing["examples"] == []
     kept = written["val"].preprocessing["examples"]
-    assert len(kept) == written["val"].rows  # a small split: every file (at most 64)
+    # a small split: every file (at most 64)
+    assert len(kept) == written["val"].rows
     train, val = (
         ShardedStream(str(tmp_path / "shards/train")),
         ShardRows(str(tmp_path / "shards/val")),

@@ -18,7 +18,7 @@ import requests
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from PIL import Image
-from serving_fixtures import ServerProcess, free_port, run_onnx, tiny_model
+from serving_fixtures import ServerProcess, free_port, heavy_model, run_onnx, tiny_model
 from tritonclient.utils import InferenceServerException
 
 from serving import drift, lineage
@@ -29,22 +29,23 @@ LABELS = ["zero", "one", "two"]
 GREY = Preprocessing(mode="L", size=(8, 8))
 
 
-def image_model(path, preprocessing: Preprocessing = GREY, labels=LABELS):
+def image_model(path, preprocessing: Preprocessing = GREY):
     """tiny_model ([batch, 1, 8, 8] -> logits, probabilities over 3 classes) recording `preprocessing` and its
     scores output, as `pipeline export` records them, with a drift reference of values in [0, 1] beside it."""
-    tiny_model(path, labels=labels)
-    model = onnx.load(str(path))
-    props = {p.key: p.value for p in model.metadata_props}
-    props |= {
-        lineage.PREPROCESSING: record("input", preprocessing),
-        lineage.SCORES: "probabilities",
-    }
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(path))
+    tiny_model(path, labels=LABELS)
+    recording(path, preprocessing)
     reference = drift.ReferenceBuilder()
     reference.add("inputs", {"input": np.random.default_rng(0).random((300, 1, 8, 8), np.float32)})
     drift.write(reference.build(), path.parent / drift.FILE)
+    return path
+
+
+def recording(path, preprocessing: Preprocessing):
+    """The ONNX file at `path` with `preprocessing` and its scores output in its metadata."""
+    model = onnx.load(str(path))
+    model.metadata_props.add(key=lineage.PREPROCESSING, value=record("input", preprocessing))
+    model.metadata_props.add(key=lineage.SCORES, value="probabilities")
+    onnx.save(model, str(path))
     return path
 
 
@@ -79,11 +80,14 @@ def server(tmp_path_factory):
     (tmp / "images").mkdir()
     (tmp / "plain").mkdir()
     grpc_port = free_port()
+    heavy = recording(heavy_model(tmp / "heavy.onnx"), Preprocessing(mode="L", size=(28, 28)))
     srv = ServerProcess(
         "--model",
         f"digits={image_model(tmp / 'images' / 'model.onnx')}",
         "--model",
         f"plain={tiny_model(tmp / 'plain' / 'model.onnx', labels=LABELS)}",
+        "--model",
+        f"heavy={heavy}",
         "--default-model",
         "digits",
         "--grpc-port",
@@ -92,7 +96,7 @@ def server(tmp_path_factory):
     )
     with srv:
         srv.grpc, srv.http = f"127.0.0.1:{grpc_port}", srv.url.removeprefix("http://")
-        srv.onnx = tmp / "images" / "model.onnx"
+        srv.onnx, srv.heavy = tmp / "images" / "model.onnx", heavy
         yield srv
 
 
@@ -227,7 +231,8 @@ def test_values_far_outside_the_training_range_get_a_warning_header_and_one_log_
         )
         assert "send values scaled as training scaled them" in warning
     said = [line for line in server.log().splitlines() if "far outside the range" in line]
-    assert len(said) == 1, said  # the log line is rate-limited: one a minute
+    # the log line is rate-limited: one a minute
+    assert len(said) == 1, said
     # over gRPC the same warning is initial metadata
     channel = grpc.insecure_channel(server.grpc)
     request = schema.ModelInferRequest(model_name="digits")
@@ -241,6 +246,38 @@ def test_values_far_outside_the_training_range_get_a_warning_header_and_one_log_
     _, call = infer.with_call(request)
     assert "far outside the range" in dict(call.initial_metadata())["warning"]
     channel.close()
+
+
+def test_image_requests_share_runs_and_each_gets_its_own_rows(server):
+    """Concurrent files to a model that takes milliseconds a run: the rows they are decoded into queue while it
+    runs and share the next runs (the batcher copies them into batch rows like any request's), and each answer is
+    its own file's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [png(pixels(i, (28, 28))) for i in range(24)]
+
+    def post(data: bytes) -> str:
+        answer = requests.post(
+            server.url + "/v2/models/heavy/infer", data=data, headers={"Content-Type": "image/png"}
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()["outputs"][0]["data"][0]
+
+    with ThreadPoolExecutor(len(files)) as pool:
+        best = list(pool.map(post, files))
+    for said, data in zip(best, files):
+        with Image.open(io.BytesIO(data)) as image:
+            x = apply(Preprocessing(mode="L", size=(28, 28)), image)[None]
+        scores = run_onnx(server.heavy, x)["probabilities"][0]
+        assert said == f"{scores.max()}:{scores.argmax()}"
+    metrics = requests.get(server.url + "/metrics").text
+    counted = {
+        name: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        for name in ("count", "sum")
+        if line.startswith(f"trainserve_batch_size_{name}{{") and 'model="heavy"' in line
+    }
+    assert counted["sum"] == len(files) and counted["count"] < len(files), counted
 
 
 def test_the_model_metadata_says_how_files_become_the_input(server):
