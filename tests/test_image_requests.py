@@ -280,6 +280,16 @@ def test_image_requests_share_runs_and_each_gets_its_own_rows(server):
     assert counted["sum"] == len(files) and counted["count"] < len(files), counted
 
 
+def test_pipeline_verify_asks_an_image_model_with_its_tensor_input_only(server):
+    """`pipeline verify --server` sends zeros for the inputs the metadata lists: not the image input too, which
+    stands in for the tensor (both together are refused)."""
+    from pipeline.verify import _infer_receipt
+
+    meta = requests.get(server.url + "/v2/models/digits").json()
+    receipt = _infer_receipt(server.url, "digits", meta, {})
+    assert receipt["x-model-version"] == "1" and receipt["x-request-id"] == "pipeline-verify"
+
+
 def test_the_model_metadata_says_how_files_become_the_input(server):
     described = requests.get(server.url + "/v2/models/digits").json()["parameters"]["image_input"]
     assert described["preprocessing"] == json.loads(record("input", GREY))["input"]
