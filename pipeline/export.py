@@ -359,8 +359,22 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
 def image_metadata(splits: Splits, task, output_names: list[str]) -> dict[str, str]:
     """For a model of images whose data says how a file became its input: that transform (a server applies it
     to the files it is sent; the `preprocessing` gate proves it), and the output whose row holds a score per class
-    (what the server's answer to an image ranks). {} for other data."""
+    (what the server's answer to an image ranks). {} for other data, and for images of formats a server does not
+    decode (TIFF: said in the log; the model then takes tensors only)."""
     if splits.preprocessing is None:
+        return {}
+    try:
+        files = splits.val.source_images() if hasattr(splits.val, "source_images") else []
+    except DataError:
+        # (the gate names what is wrong with them)
+        files = []
+    suffixes = {suffix.lower() for _, suffix, _ in files}
+    if suffixes and not suffixes & set(images.SUFFIXES):
+        log.warning(
+            "the model's images are %s files, which a server does not decode (%s): it will take tensors only",
+            ", ".join(sorted(suffixes)),
+            ", ".join(images.FORMATS),
+        )
         return {}
     found = {lineage.PREPROCESSING: images.record(splits.input_names[0], splits.preprocessing)}
     scores = [o for o in getattr(task, "derived", ()) if o in output_names and task.decision]

@@ -36,6 +36,8 @@ LAYOUTS = ("CHW", "HWC")
 # What a server decodes: the formats a folder of photos for image_folder holds, but TIFF (a large attack surface
 # for files from anyone).
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")
+# The file names of those formats (what a folder of them holds).
+SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
 # Pixels of one image a server decodes at most (a 7000 x 7000 photo): a small file can declare any size, and its
 # decoded pixels would take that memory.
 MAX_PIXELS = 50_000_000

@@ -209,3 +209,29 @@ def test_digits_carry_no_preprocessing_and_their_shards_none(tmp_path):
     written = data_cli.main(str(REPO / "configs/digits_resnet18.yaml"), [], str(tmp_path / "d"))
     assert written["train"].preprocessing == written["val"].preprocessing == {}
     assert "preprocessing" not in json.loads((tmp_path / "d/val/manifest.json").read_text())
+
+
+def test_export_records_the_transform_and_the_scores_of_an_image_classifier_and_none_for_tiff(
+    tmp_path,
+):
+    """What export writes into the ONNX metadata from the data: the transform and the output an answer ranks; a
+    folder of TIFF files, which a server does not decode, gets none (its model takes tensors only)."""
+    from pipeline.components.data import check_splits
+    from pipeline.config import TaskConfig
+    from pipeline.datasets.image_folder import image_folder
+    from pipeline.export import image_metadata
+    from pipeline.tasks import build_task
+
+    task = build_task(TaskConfig(), ["zero", "one", "two"])
+    outputs = ["logits", "probabilities"]
+    folder = photos(tmp_path / "png", 12)
+    found = image_metadata(check_splits(image_folder(str(folder), 8), "f", task), task, outputs)
+    assert json.loads(found[lineage.PREPROCESSING]) == {"input": GREY.to_json()}
+    assert found[lineage.SCORES] == "probabilities"
+    for path in list(folder.rglob("*.png")):
+        Image.open(path).save(path.with_suffix(".tif"))
+        path.unlink()
+    splits = check_splits(image_folder(str(folder), 8), "f", task)
+    assert image_metadata(splits, task, outputs) == {}
+    gate = gates.preprocessing(recording(tmp_path / "m.onnx", GREY), splits.val)["preprocessing"]
+    assert not gate["passed"] and "is of a format a server decodes" in gate["message"], gate

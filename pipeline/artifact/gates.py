@@ -124,7 +124,15 @@ def preprocessing(onnx_path: Path, val) -> dict[str, dict]:
         files, missing = [], str(exc)
     else:
         missing = "the validation data gives no image files (its `source_images()`) to prove it on"
+    # files of a format a server does not decode (TIFF) prove nothing of what it serves
+    skipped = [f for f in files if f[1].lower() not in images.SUFFIXES]
+    files = [f for f in files if f[1].lower() in images.SUFFIXES]
     if not files:
+        if skipped:
+            missing = (
+                f"none of the validation data's {len(skipped)} image files is of a format a server decodes "
+                f"({', '.join(images.FORMATS)})"
+            )
         return {"preprocessing": {"passed": False, "message": missing}}
     worst, worst_at, problems = 0.0, None, []
     for index, suffix, data in files:
@@ -151,6 +159,7 @@ def preprocessing(onnx_path: Path, val) -> dict[str, dict]:
     gate = {
         "passed": not problems,
         "images": len(files),
+        "skipped": len(skipped),
         "max_abs": worst,
         "atol": PREPROCESSING_ATOL,
         "preprocessing": served.to_json(),
@@ -163,6 +172,7 @@ def preprocessing(onnx_path: Path, val) -> dict[str, dict]:
             "message": f"{len(files)} validation image files, decoded and transformed as a server does with "
             f"the preprocessing the file records, give the tensors training fed the model (max abs diff "
             f"{worst:.2g} <= {PREPROCESSING_ATOL:g})"
+            + (f"; {len(skipped)} of a format a server does not decode left out" if skipped else "")
         }
     }
 
