@@ -32,7 +32,7 @@ import numpy as np
 from serving.codec import BadRequest, V2Request, dumps, encode_mlflow, shape_fits
 from serving.engine import TensorSpec
 from serving.envelope import Refused
-from serving.images import FORMATS, Preprocessing, recorded, tensor
+from serving.images import FORMATS, Preprocessing, applied, decode, recorded
 from serving.lineage import DECISION, PREPROCESSING, SCORES
 
 log = logging.getLogger("serving.image_inputs")
@@ -155,25 +155,38 @@ async def decoded(server, slot, request):
     if images is None or images.name not in request.feeds:
         return request
     files = request.feeds[images.name]
-    size = sum(len(f) for f in files.reshape(-1))
     where = (
         f"the body ({request.content_type})"
         if isinstance(request, FileRequest)
         else f"input '{images.name}' element {{i}}"
     )
-    rows = await server.decode(partial(tensors_of, images.preprocessing, files, where), size)
+    # Headers first, here: what the pixels will take, not the files' bytes (a small file can hold a large image),
+    # decides whether they are decoded on this loop or in a decoding thread.
+    opened = [opened_file(data, where.format(i=i)) for i, data in enumerate(files.reshape(-1))]
+    pixels = sum(image.size[0] * image.size[1] * len(image.getbands()) for image in opened)
+    rows = await server.decode(
+        partial(tensors_of, images.preprocessing, opened, files.shape, where), pixels
+    )
     feeds = {k: v for k, v in request.feeds.items() if k != images.name}
     return replace(request, feeds={**feeds, images.target: rows})
 
 
-def tensors_of(preprocessing: Preprocessing, files: np.ndarray, where: str) -> np.ndarray:
-    """Every file's tensor, one row each (in the shape of `files`, then the preprocessing's); BadRequest naming
-    the file that is not an image or can't be decoded (`where`, formatted with its index `i`)."""
-    out = np.empty((*files.shape, *preprocessing.shape), np.float32)
+def opened_file(data: bytes, where: str):
+    """images.decode (the header read); BadRequest naming the file (`where`) that is not an image or too large."""
+    try:
+        return decode(data)
+    except ValueError as exc:
+        raise BadRequest(f"{where}: {exc}") from None
+
+
+def tensors_of(preprocessing: Preprocessing, opened: list, shape: tuple, where: str) -> np.ndarray:
+    """Every opened file's tensor, one row each (in `shape`, then the preprocessing's); BadRequest naming the file
+    whose pixels can't be decoded (`where`, formatted with its index `i`)."""
+    out = np.empty((*shape, *preprocessing.shape), np.float32)
     rows = out.reshape(-1, *preprocessing.shape)
-    for i, data in enumerate(files.reshape(-1)):
+    for i, image in enumerate(opened):
         try:
-            rows[i] = tensor(preprocessing, data)
+            rows[i] = applied(preprocessing, image)
         except ValueError as exc:
             raise BadRequest(f"{where.format(i=i)}: {exc}") from None
     return out

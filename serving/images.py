@@ -149,9 +149,14 @@ def decode(data: bytes) -> Image.Image:
 
 
 def tensor(preprocessing: Preprocessing, data: bytes) -> np.ndarray:
-    """The float32 array training computed from an image file with these bytes: `decode`, then `apply`.
+    """The float32 array training computed from an image file with these bytes: `decode`, then `applied`.
     ValueError naming what is wrong with the file (truncated, damaged, not an image)."""
-    image = decode(data)
+    return applied(preprocessing, decode(data))
+
+
+def applied(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
+    """`apply` on an image `decode` opened, which it then closes; ValueError naming a file whose pixels can't be
+    decoded (truncated, damaged)."""
     try:
         with image:
             return apply(preprocessing, image)
