@@ -6,7 +6,8 @@ The core (one inference path for every front end):
     envelope.py what every front end puts around a request, written once: refusal -> status, receipt, metrics
     repository.py  the models and versions served: sources, version policy, load/unload, alias following
     loader.py   where a model comes from (a file, the MLflow registry: lazy import) and its name
-    batcher.py  dynamic batching; a request's place in a batch buffer; knows neither HTTP nor onnxruntime
+    batcher.py  dynamic batching: the queue, when a batch runs; knows neither HTTP nor onnxruntime
+    placements.py  the batch buffers' rows: a request's place, a run's span, the pool's one owner
     runner.py   the engine thread: takes each batch when it is free to run it, the models' batchers in turn
     engine.py   the onnxruntime sessions (a batch bucket each): providers, threads, warm-up; no HTTP
     staging.py  the batch buffers (pinned on CUDA) and the NaN/Inf check where bytes are copied anyway

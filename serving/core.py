@@ -234,7 +234,7 @@ class Server:
         def observe(rows: int, seconds: float, waits: list[float]) -> None:
             self.metrics.observe_batch(name, version, rows, seconds, waits)
 
-        run, run_buffer = self._observed(model)
+        run, run_gathered = self._observed(model)
         cap = batch_cap(model, s.max_batch_size)
         return Batcher(
             run,
@@ -246,7 +246,8 @@ class Server:
             on_batch=observe,
             run_timeout=s.run_timeout,
             buffers=model.engine.batch_buffers(cap),
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
+            bucket_for=model.engine.bucket_for,
             arrival_wait_ms=s.arrival_wait_ms,
             incoming=self.incoming,
             name=f"model '{name}' version {version}",
@@ -279,7 +280,7 @@ class Server:
         the event loop)."""
         reference, window = model.drift_reference, self.settings.drift_window
         if reference is None or not window:
-            return model.engine.run_parts, model.engine.run_buffer
+            return model.engine.run_parts, model.engine.run_gathered
         key = (model.info.name, model.info.version)
         self.drift[key] = tracker = drift.DriftWindow(reference, window, model.engine.metadata)
         batches = 0
@@ -295,7 +296,7 @@ class Server:
                 log.exception("drift statistics of %s version %s failed", *key)
 
         return partial(model.engine.run_parts, observe=observe), partial(
-            model.engine.run_buffer, observe=observe
+            model.engine.run_gathered, observe=observe
         )
 
     def _say_drift(self, key: tuple[str, str], tracker: drift.DriftWindow) -> None:
