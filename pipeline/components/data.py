@@ -33,6 +33,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
+from pipeline.components.random_streams import WorkerSeeded, loader_generator
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
@@ -439,7 +440,12 @@ def make_train_loader(
     so the union of all ranks' k-th batches is perm[k*B:(k+1)*B] whatever the world size: the same
     global batches for 1, 2 or 8 processes, which is what makes a resume at another world size exact.
     `drop_last` on both, so every step sees a full global batch. torchdata's StatefulDataLoader
-    keeps the position inside the epoch for checkpoints.
+    keeps the position inside the epoch for checkpoints, and the workers' base seed with it (rank 0's
+    state stands for every rank's: the loader's own generator, random_streams.py, is seeded alike on all).
+    Its workers seed their generators before each batch from the batch (WorkerSeeded), so the ranks draw
+    apart on their own batches, and the ranks of a tensor-parallel group or a pipeline, which read one
+    batch, draw alike; unless the data set keeps a state of its own (state_dict), which torchdata then
+    saves per worker as it is.
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -456,6 +462,7 @@ def make_train_loader(
             pin_memory,
             collate_of(dataset),
             info or DistInfo.cpu_alone(),
+            seed,
         )
     if isinstance(dataset, IterableDataset):  # a sharded stream
         if len(dataset) < global_batch:
@@ -479,7 +486,9 @@ def make_train_loader(
         # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
         # would fork (and warm up) the workers anew.
         return StatefulDataLoader(
-            dataset,
+            WorkerSeeded(dataset)
+            if num_workers > 0 and not own_stream.is_stateful(dataset)
+            else dataset,
             batch_size=batch_size_per_rank,
             sampler=sampler,
             drop_last=True,
@@ -487,6 +496,7 @@ def make_train_loader(
             pin_memory=pin_memory,
             collate_fn=collate_of(dataset),
             persistent_workers=num_workers > 0,
+            generator=loader_generator(seed),
         )
 
 
@@ -499,7 +509,8 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
 def eval_loader(
     dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
-    """In order, every sample once, the last batch partial."""
+    """In order, every sample once, the last batch partial; its own generator (loader_generator), the
+    same for every evaluation."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -507,15 +518,20 @@ def eval_loader(
         num_workers=num_workers,
         collate_fn=collate_of(dataset),
         pin_memory=pin_memory,
+        generator=loader_generator(0),
     )
 
 
 def first_batch(dataset: Dataset, rows: int):
     """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
     indices = [i % len(dataset) for i in range(rows)]
-    return next(
-        iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset)))
+    loader = DataLoader(
+        Subset(dataset, indices),
+        batch_size=rows,
+        collate_fn=collate_of(dataset),
+        generator=loader_generator(0),
     )
+    return next(iter(loader))
 
 
 def split_digest(
@@ -650,8 +666,14 @@ def leaves(value: Any) -> list[torch.Tensor]:
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it)."""
-    (loader if hasattr(loader, "set_epoch") else loader.sampler).set_epoch(epoch)
+    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it), and
+    the epoch its workers seed each batch with (WorkerSeeded)."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+        return
+    loader.sampler.set_epoch(epoch)
+    if isinstance(loader.dataset, WorkerSeeded):
+        loader.dataset.set_epoch(epoch)
 
 
 def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int) -> None:

@@ -347,12 +347,15 @@ class StreamLoader:
             self._loader is None
         ):  # persistent workers: forked once, told where each epoch starts through _where
             deal = Deal(self.batch, self.rank, self.world, self.seed, self._where)
+            # Its own generator: the iterator's draw of a worker seed leaves training's stream alone (the
+            # workers draw nothing: the order is a function of the seed and the epoch).
             self._loader = DataLoader(
                 self.stream.dealt(deal),
                 batch_size=None,
                 num_workers=self.workers,
                 pin_memory=self.pin_memory,
                 persistent_workers=self.workers > 0,
+                generator=torch.Generator().manual_seed(self.seed),
             )
         batches = iter(self._loader)
         while True:
