@@ -1,7 +1,7 @@
-"""What an image request costs the server before its model runs: decoding the file and applying the training
-transform (serving/images.py `tensor`: Pillow's decode, convert, resize, /255, layout), per image, for the files
-clients send, against the same with Pillow's JPEG `draft` (libjpeg scales the DCT down by 1/2, 1/4 or 1/8 while it
-decodes, when the target is that much smaller).
+"""What an image request costs the server before its model runs: decoding the file and applying the
+training transform (serving/images.py `tensor`: Pillow's decode, convert, resize, /255, layout), per
+image, for the files clients send, against the same with Pillow's JPEG `draft` (libjpeg scales the
+DCT down by 1/2, 1/4 or 1/8 while it decodes, when the target is that much smaller).
 
 Files (made here with Pillow from a smooth random image, so JPEG compresses them as it does photos):
 
@@ -11,12 +11,12 @@ Files (made here with Pillow from a smooth random image, so JPEG compresses them
   RGB JPEG 1024x768 -> RGB 224x224     a phone photo, resized down
   RGB JPEG 4032x3024 -> RGB 224x224    a 12-megapixel camera photo
 
-Each line: the median of REPEATS runs of a loop over the file (after one warm-up), in microseconds per image, and
-the encoded size; `draft` lines also give how far the draft tensor is from the exact one (max abs, on [0, 1]):
-the server applies the exact transform (the one training applied), so draft is measured, not used. Run in an
-environment with pillow-simd instead of Pillow, it measures that: its resize is several times faster, and its
-pixels differ from Pillow's by up to 1/255, so a server on it would not compute training's tensors unless
-training read its files with it too.
+Each line: the median of REPEATS runs of a loop over the file (after one warm-up), in microseconds
+per image, and the encoded size; `draft` lines also give how far the draft tensor is from the exact
+one (max abs, on [0, 1]): the server applies the exact transform (the one training applied), so
+draft is measured, not used. Run in an environment with pillow-simd instead of Pillow, it measures
+that: its resize is several times faster, and its pixels differ from Pillow's by up to 1/255, so a
+server on it would not compute training's tensors unless training read its files with it too.
 
     .venv/bin/python benchmarks/image_decode.py
 """
@@ -68,7 +68,8 @@ def per_image_us(fn, data: bytes, loops: int) -> float:
 
 
 def drafted(preprocessing: Preprocessing, data: bytes) -> np.ndarray:
-    """`tensor` with Pillow's draft asked first: libjpeg decodes at the smallest 1/2^k scale still >= the size."""
+    """`tensor` with Pillow's draft asked first: libjpeg decodes at the smallest 1/2^k scale still
+    >= the size."""
     with Image.open(io.BytesIO(data)) as image:
         image.draft(preprocessing.mode, preprocessing.size)
         return apply(preprocessing, image)
@@ -101,7 +102,8 @@ def main() -> None:
 
     print(f"Pillow {PIL.__version__}; median of {REPEATS} runs, microseconds per image")
     print(
-        f"{'file -> tensor':34s} {'bytes':>9s} {'exact us':>10s} {'draft us':>10s} {'draft max abs':>14s}"
+        f"{'file -> tensor':34s} {'bytes':>9s} {'exact us':>10s} {'draft us':>10s} "
+        f"{'draft max abs':>14s}"
     )
     for name, pixels, format_, preprocessing in cases:
         data = encoded(pixels, format_)

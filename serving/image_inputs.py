@@ -1,24 +1,26 @@
 """Encoded images in, for a model version whose export recorded how an image file becomes its input
-(lineage.PREPROCESSING, read by serving/images.py): one stage of the server's one inference path, and what the
-front ends need to offer it.
+(lineage.PREPROCESSING, read by serving/images.py): one stage of the server's one inference path,
+and what the front ends need to offer it.
 
-The request input. Such a version takes, in place of that input (`input` for the built-in models), the BYTES
-input `image` (`encoded_image` where the model has an input named `image`) of shape [-1]: one encoded file an
-element (serving/images.py FORMATS: PNG, JPEG, GIF, BMP, WebP), each one row of the model's input. It is listed in
-the model's metadata after the model's own inputs, over HTTP and gRPC, so a client that reads the metadata
-(tritonclient) finds it; a request gives one of the two (TensorSpec.stands_for, codec.given_inputs). A file POSTed
-whole with its Content-Type (CONTENT_TYPES) to /invocations or /v2/models/NAME/infer is that input's one element
+The request input. Such a version takes, in place of that input (`input` for the built-in models),
+the BYTES input `image` (`encoded_image` where the model has an input named `image`) of shape [-1]:
+one encoded file an element (serving/images.py FORMATS: PNG, JPEG, GIF, BMP, WebP), each one row of
+the model's input. It is listed in the model's metadata after the model's own inputs, over HTTP and
+gRPC, so a client that reads the metadata (tritonclient) finds it; a request gives one of the two
+(TensorSpec.stands_for, codec.given_inputs). A file POSTed whole with its Content-Type
+(CONTENT_TYPES) to /invocations or /v2/models/NAME/infer is that input's one element
 (`file_request`).
 
-The stage (`decoded`, which Server.answer runs on every request before anything else): each element decoded with
-Pillow and turned by `images.apply` into exactly the tensor training computed from that file, in a decoding thread
-for a big request as a big body is; the rows then go the way of every other request's (the batcher copies them
-into batch rows beside other requests'). An element that is not an image file, or a damaged one, is a 400 naming
-it and what is wrong.
+The stage (`decoded`, which Server.answer runs on every request before anything else): each element
+decoded with Pillow and turned by `images.apply` into exactly the tensor training computed from that
+file, in a decoding thread for a big request as a big body is; the rows then go the way of every
+other request's (the batcher copies them into batch rows beside other requests'). An element that is
+not an image file, or a damaged one, is a 400 naming it and what is wrong.
 
-The answer to a POSTed file is the class names with their scores, best first, at most TOP: over V2 the
-classification extension (serving/classification.py) on the scores output (lineage.SCORES, else the decision
-output); over /invocations {"predictions": [[{"label": ..., "score": ...}, ...]]}, a list per file.
+The answer to a POSTed file is the class names with their scores, best first, at most TOP: over V2
+the classification extension (serving/classification.py) on the scores output (lineage.SCORES, else
+the decision output); over /invocations {"predictions": [[{"label": ..., "score": ...}, ...]]}, a
+list per file.
 """
 
 from __future__ import annotations
@@ -46,19 +48,21 @@ TOP = 5
 
 @dataclass
 class ImageInput:
-    """What a loaded version takes as encoded images: the request input's name, the model input it is decoded into,
-    how, and the output whose scores an answer ranks (None: the model has none to rank)."""
+    """What a loaded version takes as encoded images: the request input's name, the model input it
+    is decoded into, how, and the output whose scores an answer ranks (None: the model has none to
+    rank)."""
 
     name: str
     target: str
     preprocessing: Preprocessing
     scores: str | None
-    # (the engine's inputs the request inputs were made from, those request inputs): see request_inputs
+    # (the engine's inputs the request inputs were made from, those request inputs): see
+    # request_inputs
     _made: tuple = field(default=((), ()), repr=False, compare=False)
 
     def request_inputs(self, inputs: list[TensorSpec]) -> list[TensorSpec]:
-        """The model's `inputs`, then this one in the place of its target: made again only when the engine's inputs
-        change (Engine.set_batching replaces them)."""
+        """The model's `inputs`, then this one in the place of its target: made again only when the
+        engine's inputs change (Engine.set_batching replaces them)."""
         if self._made[0] is not inputs:
             target = next(s for s in inputs if s.name == self.target)
             spec = TensorSpec(
@@ -84,9 +88,10 @@ class ImageInput:
 
 
 def image_input(engine, where: str) -> ImageInput | None:
-    """What `engine`'s model takes as images, from its file's metadata; None where it records no preprocessing. A
-    record that does not fit the model (no such float input, another shape) is said once in the log (`where` names
-    the version) and the version takes no images: a server must not compute tensors the model was not trained on."""
+    """What `engine`'s model takes as images, from its file's metadata; None where it records no
+    preprocessing. A record that does not fit the model (no such float input, another shape) is said
+    once in the log (`where` names the version) and the version takes no images: a server must not
+    compute tensors the model was not trained on."""
     metadata = engine.metadata
     try:
         found = recorded(metadata)
@@ -134,23 +139,27 @@ def image_input(engine, where: str) -> ImageInput | None:
 
 
 def request_inputs(model) -> list[TensorSpec]:
-    """The inputs a request to the loaded version `model` may give: its engine's, and its image input if any."""
+    """The inputs a request to the loaded version `model` may give: its engine's, and its image
+    input if any."""
     images = model.images
     return model.engine.inputs if images is None else images.request_inputs(model.engine.inputs)
 
 
-# ---- the stage ------------------------------------------------------------------------------------------------
+# ---- the stage
+# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class FileRequest(V2Request):
-    """A file POSTed whole as the body (`content_type` its Content-Type): the image input's one element."""
+    """A file POSTed whole as the body (`content_type` its Content-Type): the image input's one
+    element."""
 
     content_type: str = ""
 
 
 async def decoded(server, slot, request):
-    """`request` with its encoded images, if any, decoded into the model's input (see the module's docstring)."""
+    """`request` with its encoded images, if any, decoded into the model's input (see the module's
+    docstring)."""
     images = slot.model.images
     if images is None or images.name not in request.feeds:
         return request
@@ -160,8 +169,8 @@ async def decoded(server, slot, request):
         if isinstance(request, FileRequest)
         else f"input '{images.name}' element {{i}}"
     )
-    # Headers first, here: what the pixels will take, not the files' bytes (a small file can hold a large image),
-    # decides whether they are decoded on this loop or in a decoding thread.
+    # Headers first, here: what the pixels will take, not the files' bytes (a small file can hold a
+    # large image), decides whether they are decoded on this loop or in a decoding thread.
     opened = [opened_file(data, where.format(i=i)) for i, data in enumerate(files.reshape(-1))]
     pixels = sum(image.size[0] * image.size[1] * len(image.getbands()) for image in opened)
     rows = await server.decode(
@@ -172,7 +181,8 @@ async def decoded(server, slot, request):
 
 
 def opened_file(data: bytes, where: str):
-    """images.decode (the header read); BadRequest naming the file (`where`) that is not an image or too large."""
+    """images.decode (the header read); BadRequest naming the file (`where`) that is not an image or
+    too large."""
     try:
         return decode(data)
     except ValueError as exc:
@@ -180,8 +190,8 @@ def opened_file(data: bytes, where: str):
 
 
 def tensors_of(preprocessing: Preprocessing, opened: list, shape: tuple, where: str) -> np.ndarray:
-    """Every opened file's tensor, one row each (in `shape`, then the preprocessing's); BadRequest naming the file
-    whose pixels can't be decoded (`where`, formatted with its index `i`)."""
+    """Every opened file's tensor, one row each (in `shape`, then the preprocessing's); BadRequest
+    naming the file whose pixels can't be decoded (`where`, formatted with its index `i`)."""
     out = np.empty((*shape, *preprocessing.shape), np.float32)
     rows = out.reshape(-1, *preprocessing.shape)
     for i, image in enumerate(opened):
@@ -192,7 +202,8 @@ def tensors_of(preprocessing: Preprocessing, opened: list, shape: tuple, where: 
     return out
 
 
-# ---- a file POSTed whole ----------------------------------------------------------------------------------------
+# ---- a file POSTed whole
+# ----------------------------------------------------------------------------------------
 
 
 def is_image(content_type: str) -> bool:
@@ -200,16 +211,16 @@ def is_image(content_type: str) -> bool:
 
 
 def takes_files(slot, content_type: str) -> ImageInput:
-    """The version's image input, for a body of `content_type` (an image/ type); Refused 415 naming what it takes
-    when the type is not one of CONTENT_TYPES or the version takes no images."""
+    """The version's image input, for a body of `content_type` (an image/ type); Refused 415 naming
+    what it takes when the type is not one of CONTENT_TYPES or the version takes no images."""
     images = slot.model.images
     info = slot.model.info
     if images is None:
         raise Refused(
             415,
-            f"Content-Type {content_type}: model '{info.name}' version {info.version} takes no image files (its "
-            f"export recorded no image preprocessing, {PREPROCESSING}); send its inputs as tensors, "
-            "application/json",
+            f"Content-Type {content_type}: model '{info.name}' version {info.version} takes no "
+            f"image files (its export recorded no image preprocessing, {PREPROCESSING}); send its "
+            "inputs as tensors, application/json",
         )
     if content_type not in CONTENT_TYPES:
         raise Refused(
@@ -221,8 +232,9 @@ def takes_files(slot, content_type: str) -> ImageInput:
 
 
 def file_request(slot, data: bytes, content_type: str, classified: bool = True) -> FileRequest:
-    """A POSTed file as a request of the version's image input; `classified`: its scores output asked as its top
-    TOP classes (the V2 answer), else every output (/invocations ranks them: invocations_answer)."""
+    """A POSTed file as a request of the version's image input; `classified`: its scores output
+    asked as its top TOP classes (the V2 answer), else every output (/invocations ranks them:
+    invocations_answer)."""
     images = takes_files(slot, content_type)
     if not data:
         raise BadRequest(f"the body is empty; send the image file's bytes as {content_type}")
@@ -238,8 +250,9 @@ def file_request(slot, data: bytes, content_type: str, classified: bool = True) 
 
 
 def invocations_answer(answer) -> bytes:
-    """/invocations' answer to a POSTed file: its class names with their scores, best first (at most TOP), one list
-    per file; the outputs as MLflow answers tensors where the version has no scores output."""
+    """/invocations' answer to a POSTed file: its class names with their scores, best first (at most
+    TOP), one list per file; the outputs as MLflow answers tensors where the version has no scores
+    output."""
     model = answer.slot.model
     images = model.images
     if images is None or images.scores is None:

@@ -1,14 +1,16 @@
-"""A request far outside the range its model was trained on (pixel values 0-255 sent to a model trained on values in
-[0, 1]) is answered, with a warning: a `Warning` header (gRPC: `warning` initial metadata) and a log line, at most
-one every LOG_EVERY_S seconds per model version (saying how many more there were).
+"""A request far outside the range its model was trained on (pixel values 0-255 sent to a model
+trained on values in [0, 1]) is answered, with a warning: a `Warning` header (gRPC: `warning`
+initial metadata) and a log line, at most one every LOG_EVERY_S seconds per model version (saying
+how many more there were).
 
-The range is what export already records of the training data: the drift reference (serving/drift.py, written
-beside the model) holds for each float input the deciles of each sample's features (a channel's mean: drift.features);
-its first and last edges span the training samples' 10th to 90th percentile. A sample is far outside when a
-feature lies further from that span than FAR times the span's scale (the largest of its width and its ends'
-magnitudes): an order of magnitude, as 0-255 against [0, 1] is, and a normalized sample, an all-white or an all-black
-image are not. At most ROWS rows of a request are looked at, a channel's mean taken over at most VALUES of its
-values evenly strided (the cost stays a few microseconds for any image size): the mistake this catches is a
+The range is what export already records of the training data: the drift reference
+(serving/drift.py, written beside the model) holds for each float input the deciles of each sample's
+features (a channel's mean: drift.features); its first and last edges span the training samples'
+10th to 90th percentile. A sample is far outside when a feature lies further from that span than FAR
+times the span's scale (the largest of its width and its ends' magnitudes): an order of magnitude,
+as 0-255 against [0, 1] is, and a normalized sample, an all-white or an all-black image are not. At
+most ROWS rows of a request are looked at, a channel's mean taken over at most VALUES of its values
+evenly strided (the cost stays a few microseconds for any image size): the mistake this catches is a
 client's, made on every value it sends.
 """
 
@@ -34,7 +36,8 @@ LOG_EVERY_S = 60.0
 
 @dataclass(frozen=True)
 class Span:
-    """The training samples' 10th to 90th percentile of each feature of one input, and how far off is far."""
+    """The training samples' 10th to 90th percentile of each feature of one input, and how far off
+    is far."""
 
     low: np.ndarray
     high: np.ndarray
@@ -66,16 +69,16 @@ class InputRanges:
                 continue
             row, j = (int(i) for i in np.argwhere(far)[0])
             return (
-                f"input '{name}' is far outside the range the model was trained on: feature {j} (the "
-                f"mean of channel {j}) is {features[row, j]:.4g} in row {row}, where the training samples' lie "
-                f"between {low[j]:.4g} and {high[j]:.4g} (10th to 90th percentile); send values scaled as "
-                "training scaled them"
+                f"input '{name}' is far outside the range the model was trained on: feature {j} "
+                f"(the mean of channel {j}) is {features[row, j]:.4g} in row {row}, where the "
+                f"training samples' lie between {low[j]:.4g} and {high[j]:.4g} (10th to 90th "
+                "percentile); send values scaled as training scaled them"
             )
         return None
 
     def warning(self, feeds: dict[str, np.ndarray]) -> str | None:
-        """The Warning header's value for a request whose feeds are far outside (None: they are not); said in the
-        log too, at most once every LOG_EVERY_S seconds."""
+        """The Warning header's value for a request whose feeds are far outside (None: they are
+        not); said in the log too, at most once every LOG_EVERY_S seconds."""
         found = self.outside(feeds)
         if found is None:
             return None
@@ -97,7 +100,8 @@ class InputRanges:
 
 
 def sampled_features(rows: np.ndarray) -> np.ndarray:
-    """drift.features of a few rows (a channel's mean), the mean over at most VALUES of each channel's values."""
+    """drift.features of a few rows (a channel's mean), the mean over at most VALUES of each
+    channel's values."""
     if rows.ndim <= 2:
         return drift.features(rows)
     flat = rows.reshape(len(rows), rows.shape[1], -1)[:, : drift.MAX_FEATURES]
@@ -106,8 +110,8 @@ def sampled_features(rows: np.ndarray) -> np.ndarray:
 
 
 def input_ranges(reference: dict | None, inputs, where: str) -> InputRanges | None:
-    """The spans of a version's float inputs from its drift reference; None when it has none (or no float input
-    the reference describes)."""
+    """The spans of a version's float inputs from its drift reference; None when it has none (or no
+    float input the reference describes)."""
     if not reference:
         return None
     spans = {}

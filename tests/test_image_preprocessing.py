@@ -1,8 +1,8 @@
-"""An image model's preprocessing travels with the data and the model: `image_folder` carries it, `pipeline data
-shard` keeps it in both manifests (and a few validation files beside the shards), the sharded splits give it back,
-and export's `preprocessing` gate proves that the transform a file records, applied by the server to the
-validation split's own files, gives the tensors training fed the model. Real image files, real shards, small ONNX
-files with the metadata export writes."""
+"""An image model's preprocessing travels with the data and the model: `image_folder` carries it,
+`pipeline data shard` keeps it in both manifests (and a few validation files beside the shards), the
+sharded splits give it back, and export's `preprocessing` gate proves that the transform a file
+records, applied by the server to the validation split's own files, gives the tensors training fed
+the model. Real image files, real shards, small ONNX files with the metadata export writes."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def photos(root, count: int = 40):
 
 
 def recording(path, preprocessing: Preprocessing | None):
-    """tiny_model (input [batch, 1, 8, 8]) with `preprocessing` in its metadata, as export records it."""
+    """tiny_model (input [batch, 1, 8, 8]) with `preprocessing` in its metadata, as export records
+    it."""
     tiny_model(path)
     if preprocessing is not None:
         model = onnx.load(str(path))
@@ -214,8 +215,9 @@ def test_digits_carry_no_preprocessing_and_their_shards_none(tmp_path):
 def test_export_records_the_transform_and_the_scores_of_an_image_classifier_and_none_for_tiff(
     tmp_path,
 ):
-    """What export writes into the ONNX metadata from the data: the transform and the output an answer ranks; a
-    folder of TIFF files, which a server does not decode, gets none (its model takes tensors only)."""
+    """What export writes into the ONNX metadata from the data: the transform and the output an
+    answer ranks; a folder of TIFF files, which a server does not decode, gets none (its model takes
+    tensors only)."""
     from pipeline.components.data import check_splits
     from pipeline.config import TaskConfig
     from pipeline.datasets.image_folder import image_folder

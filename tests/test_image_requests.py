@@ -1,8 +1,9 @@
-"""Images in, class names out (serving/image_inputs.py): a version whose export recorded how an image file becomes
-its input takes encoded files, as the BYTES input its metadata lists (tritonclient over HTTP and gRPC) and as the
-file itself POSTed to /invocations and /v2/models/NAME/infer; each is decoded and transformed exactly as training
-transformed its files, and the answer is the class names with their scores, best first. Bad files are a 400 naming
-what is wrong; FP32 values far outside the training data's range get a Warning header and a log line
+"""Images in, class names out (serving/image_inputs.py): a version whose export recorded how an
+image file becomes its input takes encoded files, as the BYTES input its metadata lists
+(tritonclient over HTTP and gRPC) and as the file itself POSTed to /invocations and
+/v2/models/NAME/infer; each is decoded and transformed exactly as training transformed its files,
+and the answer is the class names with their scores, best first. Bad files are a 400 naming what is
+wrong; FP32 values far outside the training data's range get a Warning header and a log line
 (serving/input_range.py). A real server process, real PNG and JPEG files, tritonclient's clients."""
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ GREY = Preprocessing(mode="L", size=(8, 8))
 
 
 def image_model(path, preprocessing: Preprocessing = GREY):
-    """tiny_model ([batch, 1, 8, 8] -> logits, probabilities over 3 classes) recording `preprocessing` and its
-    scores output, as `pipeline export` records them, with a drift reference of values in [0, 1] beside it."""
+    """tiny_model ([batch, 1, 8, 8] -> logits, probabilities over 3 classes) recording
+    `preprocessing` and its scores output, as `pipeline export` records them, with a drift reference
+    of values in [0, 1] beside it."""
     tiny_model(path, labels=LABELS)
     recording(path, preprocessing)
     reference = drift.ReferenceBuilder()
@@ -249,9 +251,9 @@ def test_values_far_outside_the_training_range_get_a_warning_header_and_one_log_
 
 
 def test_image_requests_share_runs_and_each_gets_its_own_rows(server):
-    """Concurrent files to a model that takes milliseconds a run: the rows they are decoded into queue while it
-    runs and share the next runs (the batcher copies them into batch rows like any request's), and each answer is
-    its own file's."""
+    """Concurrent files to a model that takes milliseconds a run: the rows they are decoded into
+    queue while it runs and share the next runs (the batcher copies them into batch rows like any
+    request's), and each answer is its own file's."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = [png(pixels(i, (28, 28))) for i in range(24)]
@@ -281,8 +283,8 @@ def test_image_requests_share_runs_and_each_gets_its_own_rows(server):
 
 
 def test_pipeline_verify_asks_an_image_model_with_its_tensor_input_only(server):
-    """`pipeline verify --server` sends zeros for the inputs the metadata lists: not the image input too, which
-    stands in for the tensor (both together are refused)."""
+    """`pipeline verify --server` sends zeros for the inputs the metadata lists: not the image input
+    too, which stands in for the tensor (both together are refused)."""
     from pipeline.verify import _infer_receipt
 
     meta = requests.get(server.url + "/v2/models/digits").json()
@@ -299,11 +301,12 @@ def test_the_model_metadata_says_how_files_become_the_input(server):
 
 @pytest.mark.slow
 def test_grey_photos_to_shards_to_a_served_model_that_names_a_seven(tmp_path):
-    """Issue 51's first hour with one's own images, as a user does it: grey PNG digits in class folders named
-    `zero` ... `nine` -> docs/data.md's `pipeline data shard` (at the digits' own 8x8) -> the train command it
-    prints, pasted as printed (a small MLP and a few epochs after it) -> export and registry -> a server of the
-    registered version -> curl POSTs seven.png and hears "seven" with its score; tritonclient over HTTP and gRPC
-    sends the same file as the BYTES input and hears the same."""
+    """Issue 51's first hour with one's own images, as a user does it: grey PNG digits in class
+    folders named `zero` ... `nine` -> docs/data.md's `pipeline data shard` (at the digits' own 8x8)
+    -> the train command it prints, pasted as printed (a small MLP and a few epochs after it) ->
+    export and registry -> a server of the registered version -> curl POSTs seven.png and hears
+    "seven" with its score; tritonclient over HTTP and gRPC sends the same file as the BYTES input
+    and hears the same."""
     import shutil
     import subprocess
     import sys
