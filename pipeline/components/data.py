@@ -6,10 +6,13 @@ The contract (README, "Train your own model"): `data.component(**data.args)` ret
 `check_target`: an int64 class index for classification, a float tensor for regression, an H x W
 mask for segmentation, a tensor or a dict/tuple of tensors for custom). The
 training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
-the model: input sizes, normalization statistics). Data sets need not fit in memory: every stage
-reads them through a DataLoader with `data.num_workers` and the default collate, which stacks the items
-of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of items
--> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
+the model: input sizes, normalization statistics), and images may carry `preprocessing` (how an image file
+becomes the lone input: serving/images.py; export records it with the model, so that a server takes image files;
+its validation set then gives `source_images()`, (index, file suffix, file bytes) of samples spread over it, the
+files their inputs were made from, which an export gate proves the recorded transform on). Data sets need not fit
+in memory: every stage reads them through a DataLoader with `data.num_workers` and the default collate, which
+stacks the items of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of
+items -> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
 
 A lone tensor input is named `input` wherever a name is needed (the ONNX graph, the server); dict
 inputs keep their keys and reach the model as keyword arguments, `model(**inputs)`.
@@ -34,6 +37,7 @@ from pipeline.components.random_streams import WorkerSeeded, loader_generator
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
+from serving.images import Preprocessing
 
 INPUT_NAME = "input"
 EVAL_BATCH = 256
@@ -81,6 +85,9 @@ class Splits:
     model_hints: dict[str, Any] = field(default_factory=dict)  # the training set's `model_args`
     inputs: list[InputSpec] = field(default_factory=list)
     single_input: bool = True  # a lone tensor (named `input`), not a dict
+    # How an image file became the lone input (serving/images.py), when the data says: export records it with the
+    # model, and a server then takes image files for it.
+    preprocessing: Preprocessing | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -131,6 +138,13 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
             f"model, got {type(hints).__name__}"
         )
 
+    preprocessing = getattr(train, "preprocessing", None)
+    if preprocessing is not None and not isinstance(preprocessing, Preprocessing):
+        raise DataError(
+            f"{where}: the training set's `preprocessing` must be a serving.images.Preprocessing, got "
+            f"{type(preprocessing).__name__}"
+        )
+
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
         items = {}
@@ -150,7 +164,28 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     single = torch.is_tensor(val_inputs)
     named = {INPUT_NAME: val_inputs} if single else val_inputs
     specs = [InputSpec(name, t.dtype, tuple(t.shape)) for name, t in named.items()]
-    return Splits(train, val, classes, dict(hints), specs, single)
+    if preprocessing is not None:
+        _check_preprocessing(preprocessing, val_inputs, where)
+    return Splits(train, val, classes, dict(hints), specs, single, preprocessing)
+
+
+def _check_preprocessing(found: Preprocessing, val_inputs, where: str) -> None:
+    """The training set's `preprocessing` (how an image file becomes its lone input) makes the inputs it
+    describes."""
+    if not (
+        torch.is_tensor(val_inputs)
+        and val_inputs.dtype == torch.float32
+        and tuple(val_inputs.shape) == found.shape
+    ):
+        got = (
+            f"{str(val_inputs.dtype).removeprefix('torch.')} {list(val_inputs.shape)}"
+            if torch.is_tensor(val_inputs)
+            else f"inputs {sorted(val_inputs)}"
+        )
+        raise DataError(
+            f"{where}: the training set's `preprocessing` makes float32 {list(found.shape)} from an image, but "
+            f"a sample's input is {got}; it describes a lone float32 input, made by it"
+        )
 
 
 def _spread(n: int, count: int = 8) -> list[int]:
