@@ -126,6 +126,7 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     from pipeline.components import amp
     from pipeline.components.data import make_train_loader, set_epoch
     from pipeline.components.optim import build_optimizer, build_scheduler
+    from pipeline.plan import BatchPlan
     from pipeline.train import chunked, train_step
 
     optimizer = build_optimizer(model.parameters(), optim_cfg())
@@ -133,9 +134,8 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     scaler = amp.grad_scaler(precision, info.device)
     loader = make_train_loader(
         splits,
-        batch_per_rank,
+        BatchPlan(rows=batch_per_rank, data_parallel=info.world_size),
         info.rank,
-        info.world_size,
         seed=0,
         num_workers=num_workers,
         pin_memory=False,

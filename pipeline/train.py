@@ -77,6 +77,7 @@ from pipeline.config import (
 from pipeline.distributed import DistInfo, gradients, launch, mesh, pipeline_parallel, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.errors import worker_message
+from pipeline.plan import BatchPlan, Degrees, Plan
 from pipeline.tasks import build_task
 from pipeline.tools import stopping
 from pipeline.tools.faults import inject_fault
@@ -103,7 +104,7 @@ class TrainResult:
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
-    check_runtime(
+    plan = check_runtime(
         cfg,
         int(os.environ.get("WORLD_SIZE", 1)),
         torch.cuda.is_available(),
@@ -159,46 +160,40 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "on" if channels_last else "off",
                 cfg.train.channels_last,
             )
-        device_mesh = mesh.build(cfg.train, info)
-        layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
-        batch_per_rank = cfg.train.global_batch_size // (
-            layout.dp_size * cfg.train.grad_accum_steps
-        )
-        pipe = (
-            build_pipeline(
+        # The model on the mesh: this rank's pipeline stage, or the whole model wrapped.
+        run_mesh = mesh.build(plan.degrees, cfg.train.strategy, info)
+        pipe = None
+        if plan.degrees.pp > 1:
+            pipe = build_pipeline(
                 plain_model,
                 cfg.train,
-                splits,
-                task,
-                layout,
-                device_mesh,
-                info,
-                precision,
-                channels_last,
-                batch_per_rank,
+                batch=plan.batch,
+                splits=splits,
+                task=task,
+                run_mesh=run_mesh,
+                info=info,
+                precision=precision,
+                channels_last=channels_last,
             )
-            if layout.pp > 1
-            else None
-        )
         model = (
             pipe.module
             if pipe
-            else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+            else wrap_model(plain_model, cfg.train, precision, info, run_mesh.device)
         )
-        plain_model = None  # a pipeline stage's rank keeps its own stage only
+        # A pipeline stage's rank keeps its own stage only
+        plain_model = None
         optimizer = build_optimizer(model.parameters(), cfg.optim)
+        # The data is dealt over the data-parallel ranks
         loader = make_train_loader(
             splits.train,
-            batch_per_rank,
-            layout.dp_rank,
-            layout.dp_size,
+            plan.batch,
+            run_mesh.layout.dp_rank,
             cfg.train.seed,
             cfg.data.num_workers,
             pin_memory=info.device.type == "cuda",
-            grad_accum_steps=cfg.train.grad_accum_steps,
             info=info,
         )
-        steps_per_epoch = epoch_steps(loader, cfg.train, layout)
+        steps_per_epoch = epoch_steps(loader, plan, cfg.train.max_steps)
         total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = amp.grad_scaler(precision, info.device)
@@ -215,7 +210,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             # The generators as the checkpoint left them: the loop's first step starts from them, whatever
             # the setup below draws (a data set's own randomness, read through for its digest).
             resumed_rng = checkpoint.rng_state()
-            step, epoch = restore_train_state(meta, scheduler, scaler, loader, layout)
+            step, epoch = restore_train_state(
+                meta, scheduler, scaler, loader, plan.batch.data_parallel
+            )
             monitor.restore(meta["train_state"].get("monitor"))
             if (
                 info.is_main
@@ -250,7 +247,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 run_dir,
                 run_id,
                 info,
-                precision,
+                setup_words(info, cfg.train.strategy, plan.degrees, precision),
                 spec,
                 from_data,
                 code,
@@ -296,11 +293,11 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             eval_every,
             step,
             epoch,
-            layout,
+            run_mesh.layout,
             channels_last,
             pipe,
-            mesh.replica_group(cfg.train, info, device_mesh),
-            mesh.stage_group(device_mesh),
+            run_mesh.replica_group,
+            run_mesh.stage_group,
             resumed_rng,
         )
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
@@ -316,7 +313,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             cfg.data.num_workers,
             loop.step,
             channels_last,
-            layout,
+            run_mesh.layout,
             pipe,
             run.stage_group,
         )
@@ -344,68 +341,65 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         signal.signal(signal.SIGTERM, previous_sigterm)
 
 
-def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
-    """Optimizer steps an epoch; None for a stream of the data component's own that has no len() (then
-    train.max_steps says how long to train)."""
+def epoch_steps(loader, plan: Plan, max_steps: int) -> int | None:
+    """Optimizer steps an epoch; None for a stream of the data component's own that has no len()
+    (then train.max_steps says how long to train)."""
     if isinstance(loader, OwnStreamLoader):
-        if layout.tp > 1 or layout.pp > 1:
+        degrees = plan.degrees
+        if degrees.tp > 1 or degrees.pp > 1:
             raise ConfigError(
                 "a stream of the data component's own deals itself by rank, and the ranks of a "
-                f"tensor-parallel group or a pipeline (train.parallel.tp={layout.tp}, pp={layout.pp}) must "
-                "read the same batches: write it as shards (`pipeline data shard`), which are dealt over "
-                "the data-parallel ranks"
+                f"tensor-parallel group or a pipeline (train.parallel.tp={degrees.tp}, "
+                f"pp={degrees.pp}) must read the same batches: write it as shards "
+                "(`pipeline data shard`), which are dealt over the data-parallel ranks"
             )
-        check_length(
-            loader.dataset, t.max_steps
-        )  # (the launcher checked it too; not a run under your own torchrun)
+        # The launcher checked it too; not a run under your own torchrun
+        check_length(loader.dataset, max_steps)
         if not has_length(loader.dataset):
             return None
-    return len(loader) // t.grad_accum_steps
+    return len(loader) // plan.batch.accumulation
 
 
 def build_pipeline(
     plain_model,
     t: TrainConfig,
+    *,
+    batch: BatchPlan,
     splits: Splits,
     task,
-    layout: mesh.Layout,
-    device_mesh,
+    run_mesh: mesh.Mesh,
     info: DistInfo,
     precision: str,
     channels_last: bool,
-    batch_per_rank: int,
 ) -> pipeline_parallel.Pipeline:
-    """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
-    micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
-    gradients are their mean, as one batch's would be."""
-    if (
-        precision == "fp16"
-    ):  # train.precision=auto on a GPU without bf16 (check_runtime refused it when asked for)
+    """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules,
+    traced on a micro-batch of the training data. Each micro-batch's loss is divided by the pieces
+    of a step, so the gradients are their mean, as one batch's would be."""
+    # train.precision=auto on a GPU without bf16 (check_runtime refused fp16 when asked for)
+    if precision == "fp16":
         raise ConfigError(
             "train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
             "bf16): GradScaler's step skipping would have to agree across the stages; set "
             "train.precision=fp32"
         )
-    microbatches = t.parallel.microbatches()
-    example, target = first_batch(splits.train, batch_per_rank // microbatches)
+    example, target = first_batch(splits.train, batch.micro_rows)
     if not torch.is_tensor(target):
         raise ConfigError(
             f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
             "schedule cuts only a tensor target into micro-batches; train this task without "
             "train.parallel.pp"
         )
-    per_step = microbatches * t.grad_accum_steps
     return pipeline_parallel.build(
         plain_model.to(info.device),
         to_device(example, info.device, channels_last),
-        layout,
-        device_mesh["pp"].get_group(),
+        run_mesh.layout,
+        run_mesh.device["pp"].get_group(),
         info.device,
-        microbatches,
+        batch.microbatches,
         t.parallel.pp_split,
         t.parallel.pp_schedule,
-        loss_fn=lambda output, target: task.loss(output, target) / per_step,
-        wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh),
+        loss_fn=lambda output, target: task.loss(output, target) / batch.pieces,
+        wrap=lambda stage: wrap_model(stage, t, precision, info, run_mesh.device),
     )
 
 
@@ -1008,14 +1002,16 @@ def train_state(
 
 
 def restore_train_state(
-    meta: dict, scheduler, scaler, loader, layout: mesh.Layout
+    meta: dict, scheduler, scaler, loader, data_parallel: int
 ) -> tuple[int, int]:
+    """A checkpoint's step and epoch; its scheduler, scaler and loader state restored, the loader's
+    rescaled from the ranks the checkpoint dealt its data over to this run's `data_parallel`."""
     state = meta["train_state"]
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
     restore_loader(
-        loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), layout.dp_size
+        loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), data_parallel
     )
     return state["step"], state["epoch"]
 
@@ -1041,21 +1037,21 @@ def start_tracking(
     run_dir: Path,
     run_id: str | None,
     info: DistInfo,
-    precision: str,
+    setup: str,
     spec,
     from_data: dict,
     code,
     replaying: bool,
 ) -> str:
-    """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
-    the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
+    """`setup`: the run's setup tag (setup_words). `replaying`: a torchrun restart re-runs the steps
+    since the checkpoint with the same config; the run already holds their metrics. (A deliberate
+    --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
     tags = {
         lineage.TASK: cfg.task.name,
         lineage.MODEL: cfg.model.component,
         lineage.DATA: cfg.data.component,
-        lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {mesh_words(cfg.train, info)}"
-        f"{precision}",
+        lineage.SETUP: setup,
         lineage.GIT: tracking.git_commit()[:12],
         lineage.RUN_DIR: str(run_dir.resolve()),
         **tracking.process_tag(),
@@ -1098,13 +1094,14 @@ def start_tracking(
     return run_id
 
 
-def mesh_words(t: TrainConfig, info: DistInfo) -> str:
-    """The device mesh for the run's setup tag ("dp_shard 2 x pp 2, "), where train.parallel asks for more than
-    data parallelism over every rank; else nothing."""
-    degrees = t.parallel.degrees(info.world_size)
-    if degrees["dp_replicate"] == degrees["tp"] == degrees["pp"] == 1:
-        return ""
-    return " x ".join(f"{name} {degree}" for name, degree in degrees.items() if degree > 1) + ", "
+def setup_words(info: DistInfo, strategy: str, degrees: Degrees, precision: str) -> str:
+    """The run's setup tag, "2 x cpu, ddp, pp 2, fp32": the mesh's degrees named only where
+    train.parallel asks for more than data parallelism over every rank."""
+    mesh_words = ""
+    if degrees.needs_mesh:
+        named = degrees.named().items()
+        mesh_words = " x ".join(f"{name} {degree}" for name, degree in named if degree > 1) + ", "
+    return f"{info.world_size} x {info.device.type}, {strategy}, {mesh_words}{precision}"
 
 
 def _short(value) -> str:

@@ -34,6 +34,7 @@ from pipeline.components.build import instantiate_model
 from pipeline.components.data import make_train_loader, to_device
 from pipeline.config import ConfigError, TrackingConfig, TrainConfig, load_config
 from pipeline.distributed import DistInfo, parallelize
+from pipeline.plan import BatchPlan
 from pipeline.train import TrainingDiverged, mean_loss_over_ranks, new_window, train_step
 
 
@@ -505,11 +506,13 @@ def test_train_loader_workers_outlive_the_epoch():
         loader.sampler.set_epoch(epoch)
         return {int(x) for inputs, _ in loader for x in inputs.flatten()}
 
-    loader = make_train_loader(WorkerPids(), 4, 0, 1, seed=0, num_workers=1, pin_memory=False)
+    loader = make_train_loader(
+        WorkerPids(), BatchPlan(rows=4), 0, seed=0, num_workers=1, pin_memory=False
+    )
     first = pids(loader, 0)
     assert os.getpid() not in first and pids(loader, 1) == first
     assert not make_train_loader(
-        WorkerPids(), 4, 0, 1, seed=0, num_workers=0, pin_memory=False
+        WorkerPids(), BatchPlan(rows=4), 0, seed=0, num_workers=0, pin_memory=False
     ).persistent_workers
 
 
