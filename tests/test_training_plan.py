@@ -4,6 +4,8 @@ config.check_runtime returns the run's Plan: the mesh's degrees and the batch pl
 the loaders and the pipeline's build read. Saving, evaluating and logging each say when they are
 due with `due(step, last)`."""
 
+import dataclasses
+
 import pytest
 from conftest import CPU1, TINY
 
@@ -11,6 +13,7 @@ from pipeline.checkpoint.saver import Saver
 from pipeline.config import ConfigError, check_runtime, load_config
 from pipeline.plan import BatchPlan, Degrees, deal_batch
 from pipeline.tools.every import Every
+from pipeline.train import Learner, MetricsLog, Training
 
 
 def plan_of(world: int, *overrides: str):
@@ -128,3 +131,18 @@ def test_the_saver_is_due_at_every_n_steps_and_the_last(tmp_path):
     assert due_steps(Saver(tmp_path, CPU1, keep_last=2, asynchronous=False)) == [10]
     # A run that stops early: its step is the last, whatever the period
     assert Saver(tmp_path, CPU1, keep_last=2, asynchronous=False, every=3).due(7, last=True)
+
+
+def test_the_metrics_log_is_due_at_every_log_step_and_the_last():
+    metrics_log = MetricsLog(CPU1, total_steps=10, start=0, every=4)
+    try:
+        assert due_steps(metrics_log) == [4, 8, 10]
+    finally:
+        metrics_log.close()
+
+
+def test_the_run_and_its_learner_are_built_with_keywords_only():
+    with pytest.raises(TypeError, match="positional"):
+        Training(*[None] * len(dataclasses.fields(Training)))
+    with pytest.raises(TypeError, match="positional"):
+        Learner(*[None] * len(dataclasses.fields(Learner)))
