@@ -60,8 +60,8 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = pick_device(device_request, local_rank)
 
-    # Oversubscribed CPU threads make gloo ranks collapse (2 ranks x 2 threads on 2 cores ran at
-    # 0.14x of 2 x 1): give each local rank its share of the usable cores.
+    # Oversubscribed CPU threads make gloo ranks collapse (docs/benchmarks.md#pipelinedistributedprocess_grouppy):
+    # give each local rank its share of the usable cores.
     threads = threads_per_rank or max(1, usable_cpus() // local_world_size)
     torch.set_num_threads(threads)
     if device.type == "cpu":
