@@ -452,7 +452,8 @@ def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_name
 ):
     """Two steps of two micro-batches (DDP's no_sync, FSDP2's gradient-sync switch) on the MLP. Dynamo,
     DDP's graph splitting and AOTAutograd run for real; only the code generation is left out: Inductor's
-    C++ build for this MLP took 54 s here, the whole test takes a few with the aot_eager backend."""
+    C++ build is slow even for this MLP (docs/benchmarks.md#teststest_gpu_paths_trainingpy), the
+    aot_eager backend keeps the test to seconds."""
     real = nn.Module.compile
     monkeypatch.setattr(
         nn.Module, "compile", lambda self, **kw: real(self, **{"backend": "aot_eager", **kw})
