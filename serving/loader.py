@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from serving import drift, lengths
@@ -45,7 +45,7 @@ from serving.lineage import (
     recorded_sha256,
     sha256_record,
 )
-from serving.model_config import ModelConfig
+from serving.model_config import ConfigError, ModelConfig, narrowed
 
 log = logging.getLogger("serving.loader")
 
@@ -293,6 +293,8 @@ def load_model(
             batching=asked,
             batching_why=why,
         )
+        if config is not None:
+            narrow_inputs(engine, config)
         served = known or engine.metadata.get(MODEL_NAME) or path.stem
         if known is None and served in batching:
             engine.set_batching(
@@ -322,6 +324,25 @@ def load_model(
         output_labels=config.output_labels() if config is not None else {},
     )
     return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
+
+
+def narrow_inputs(engine: Engine, config: ModelConfig) -> None:
+    """The shapes requests may send, as the config's dims narrow the file's (model_config.narrowed). An input
+    the config names that the model lacks is refused: the config was written for another model."""
+    specs = {s.name: s for s in engine.inputs}
+    for name, declared in config.input_dims:
+        if name not in specs:
+            raise SourceError(
+                f"{config.path}: input {name!r} is not one of the model's inputs "
+                f"({', '.join(specs)})"
+            )
+        spec = specs[name]
+        try:
+            shape = narrowed(config.path, name, spec.shape if spec.ranked else None, declared)
+        except ConfigError as exc:
+            raise SourceError(str(exc)) from None
+        specs[name] = replace(spec, shape=shape, ranked=True)
+    engine.inputs = list(specs.values())
 
 
 def _drift_reference(path: Path) -> dict | None:

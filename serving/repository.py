@@ -6,8 +6,9 @@ Sources (flags):
                               `--model digits=models:/digits@champion --model digits=models:/digits@challenger`
                               keeps the version behind every alias named loaded
     --repository DIR          DIR/NAME/VERSION/model.onnx, as Triton lays a repository out; which
-                              versions of each model are loaded is the --version-policy
-                              (latest:N, all, specific:V,V); a DIR/NAME/config.pbtxt says whether its
+                              versions of each model are loaded is its config.pbtxt's
+                              version_policy, else the --version-policy (latest:N, all,
+                              specific:V,V); a DIR/NAME/config.pbtxt also says whether its
                               requests share runs (max_batch_size) and its outputs' class names
                               (serving/model_config.py)
 
@@ -49,6 +50,7 @@ from serving.loader import (
     alias_version,
     check_source,
 )
+from serving.model_config import VersionPolicy
 
 log = logging.getLogger("serving.repository")
 
@@ -102,28 +104,6 @@ def parse_model_flag(value: str) -> Source:
         return Source(rest, head)
     check_source(value)
     return Source(value)
-
-
-@dataclass(frozen=True)
-class VersionPolicy:
-    """Which versions of a repository model are loaded (Triton's version_policy)."""
-
-    kind: str  # latest | all | specific
-    count: int = 1
-    versions: tuple[str, ...] = ()
-
-    def select(self, available: list[str]) -> list[str]:
-        ordered = sorted(available, key=int)
-        if self.kind == "all":
-            return ordered
-        if self.kind == "latest":
-            return ordered[-self.count :]
-        return [v for v in ordered if v in self.versions]
-
-    def __str__(self) -> str:
-        return {"all": "all", "latest": f"latest:{self.count}"}.get(
-            self.kind, f"specific:{','.join(self.versions)}"
-        )
 
 
 def parse_version_policy(text: str) -> VersionPolicy:
@@ -443,16 +423,30 @@ class Repository:
                 f"{self.describe()}",
                 404,
             )
-        versions = self.policy.select(list(found))
-        if not versions:
-            raise RepositoryError(
-                f"model '{name}': --version-policy {self.policy} selects none of its versions "
-                f"({', '.join(sorted(found, key=int))})"
-            )
+        # The model's own config.pbtxt says which of its versions it serves; the flag is the default.
         try:
-            config = model_config.read(found[versions[0]].parent)
+            config = model_config.read(next(iter(found.values())).parent)
         except model_config.ConfigError as exc:
             raise SourceError(str(exc)) from None
+        if config is not None and config.version_policy is not None:
+            policy, said = config.version_policy, f"the version_policy of {config.path}"
+        else:
+            policy, said = self.policy, "--version-policy"
+        versions = policy.select(list(found))
+        if not versions:
+            raise RepositoryError(
+                f"model '{name}': {said} ({policy}) selects none of its versions "
+                f"({', '.join(sorted(found, key=int))})"
+            )
+        missing = [v for v in policy.versions if v not in found]
+        if missing:
+            log.warning(
+                "model '%s': %s names version(s) %s, which the repository does not have; loading %s",
+                name,
+                said,
+                ", ".join(missing),
+                ", ".join(versions),
+            )
         return [Source(str(found[v]), name, v, config) for v in versions]
 
     def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
