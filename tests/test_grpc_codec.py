@@ -612,7 +612,7 @@ REFUSALS = [
         "repeated output",
         RAW,
         lambda r: (r.outputs.add(name="probs"), r.outputs.add(name="probs")),
-        "output 'probs' is requested twice",
+        "output 'probs' already exists in request (requested twice)",
     ),
     (
         "BOOL raw byte 2",

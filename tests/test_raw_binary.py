@@ -22,7 +22,9 @@ from serving_fixtures import (
     any_rank_model,
     double_model,
     run_onnx,
+    text_model,
     tiny_model,
+    two_axes_model,
     two_input_model,
     word_model,
 )
@@ -44,6 +46,10 @@ def server(tmp_path_factory):
         f"two={two_input_model(tmp / 'two.onnx')}",
         "--model",
         f"any={any_rank_model(tmp / 'any.onnx')}",
+        "--model",
+        f"text={text_model(tmp / 'text.onnx')}",
+        "--model",
+        f"dyn={two_axes_model(tmp / 'dyn.onnx')}",
         log_path=tmp / "server.log",
     ) as srv:
         srv.tiny = tmp / "tiny.onnx"
@@ -105,8 +111,13 @@ def test_raw_bodies_that_fit_no_shape_are_a_400(server):
         (
             "two",
             b"\x00" * 16,
-        ): "a raw binary request (Inference-Header-Content-Length: 0) carries one "
-        "input; this model takes",
+        ): "a raw binary request (Inference-Header-Content-Length: 0) carries one input. Raw "
+        "request must only have 1 input (found 1) to be deduced but got 2 inputs in 'two' model "
+        "configuration",
+        # Triton's words for what is wrong are in each message, beside ours
+        ("text", b"abc"): "For BYTE datatype raw input 'TEXT', the model must have input shape [1]",
+        ("dyn", b"\x00" * 8): "The shape of the raw input 'x' can not be deduced because there are "
+        "more than one variable-sized dimension in [-1,-1] FP32",
     }
     for (model, body), needle in cases.items():
         r = raw(server, model, body)

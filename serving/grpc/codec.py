@@ -39,6 +39,7 @@ from serving.codec import (
     check_datatype,
     classified,
     datatype_of,
+    duplicate_output,
     expected,
     is_bytes,
     little_endian,
@@ -367,7 +368,7 @@ def _requested_outputs(
                 f"unknown output {_quote(out.name)}; this model has outputs {output_names}"
             )
         if any(out.name == known for known, _ in outputs):
-            raise BadRequest(f"output '{out.name}' is requested twice")
+            raise BadRequest(duplicate_output(out.name))
         parameters = _plain(out.parameters)
         ref = shm_ref(parameters, f"output '{out.name}'")
         if ref is not None:

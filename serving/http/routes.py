@@ -288,6 +288,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
                 shared,
                 _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None,
                 partial(slot.batcher.place, request.arrival),
+                model=slot.model.info.name,
             ),
             len(data),
         )
