@@ -462,6 +462,11 @@ def bad_shape(name: str, shape, spec: TensorSpec) -> str:
     return f"input '{name}': {rule}, got {shape!r:.100}; expected {spec.describe()}"
 
 
+def byte_size_mismatch(name: str, model: str, want: int, got: int) -> str:
+    """An input whose bytes are not what its shape takes, in Triton's words (its clients look for them)."""
+    return f"input byte size mismatch for input '{name}' for model '{model}'. Expected {want}, got {got}"
+
+
 def duplicate_output(name: str) -> str:
     return f"output '{name}' already exists in request (requested twice); ask for each output once"
 

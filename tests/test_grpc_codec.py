@@ -517,7 +517,7 @@ REFUSALS = [
         "raw size mismatch",
         RAW,
         lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 31),
-        "raw_input_contents[0] has 31 bytes, but shape [2, 4] FP32 takes 32 bytes",
+        "Expected 32, got 31: raw_input_contents[0] must hold the 32 bytes shape [2, 4] FP32 takes",
     ),
     (
         "raw count mismatch",

@@ -35,6 +35,7 @@ from serving.codec import (
     _check_shape,
     _check_size,
     _rows,
+    byte_size_mismatch,
     bytes_elements,
     check_datatype,
     classified,
@@ -197,8 +198,9 @@ def decode_infer(
             want = len(raw[index]) if is_bytes(spec) else count * spec.dtype.itemsize
             if len(raw[index]) != want:
                 raise BadRequest(
-                    f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
-                    f"bytes, but shape {shape} {spec.datatype} takes {want} bytes"
+                    byte_size_mismatch(name, request.model_name, want, len(raw[index]))
+                    + f": raw_input_contents[{index}] must hold the {want} bytes shape {shape} "
+                    f"{spec.datatype} takes"
                 )
             declared[name] = (spec, shape, count, None, index, item)
             index += 1

@@ -259,7 +259,7 @@ async def model_stats(server: Server, request: Request, exchange: Exchange) -> R
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
     # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
-    regions = server.shared_memory.use(request.header("authorization"))
+    regions = server.shared_memory.use(request.header("authorization"), request.params["name"])
     try:
         return await _v2_infer(server, request, exchange, regions)
     finally:
