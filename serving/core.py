@@ -962,22 +962,14 @@ class Server:
 
 
 def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py);
-    BadRequest for a BYTES output asked into shared memory (its elements have no fixed size to place)."""
+    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py)."""
     model = slot.model
-    results = classify(
+    return classify(
         results,
         getattr(request, "classification", None) or {},
         model.engine.batchable,
         model.info.labels_for,
     )
-    for name in getattr(request, "output_refs", None) or {}:
-        if results[name].dtype == object:
-            raise BadRequest(
-                f"output '{name}' is BYTES, which this server does not write to shared memory; receive "
-                "it in the response"
-            )
-    return results
 
 
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

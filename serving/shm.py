@@ -47,7 +47,7 @@ import threading
 import numpy as np
 
 from serving import cuda
-from serving.codec import BadRequest, Ref, byte_size_mismatch
+from serving.codec import BadRequest, Ref, byte_size_mismatch, serialized
 from serving.envelope import Refused
 
 MAX_REGIONS = 256  # per client (token)
@@ -399,16 +399,22 @@ class Use:
         return array
 
     def write(self, placed: dict[str, Ref], results: dict[str, np.ndarray]) -> dict[str, dict]:
-        """Each output placed in shared memory written there; {output: its parameters in the answer}."""
+        """Each output placed in shared memory written there (a BYTES one serialized); {output: its parameters
+        in the answer, shared_memory_byte_size the bytes written}."""
         said = {}
         for name, ref in placed.items():
             region = self.region(ref.region)
-            array = np.ascontiguousarray(results[name])
+            array = results[name]
+            # A BYTES output goes in its binary form (each element a 4-byte length, then its bytes), as Triton
+            # writes it and tritonclient's shared_memory.get_contents_as_numpy reads it.
+            if array.dtype == object:
+                array = np.frombuffer(serialized(array), dtype=np.uint8)
+            array = np.ascontiguousarray(array)
             if array.nbytes > ref.byte_size:
                 raise BadRequest(
-                    f"output '{name}': {array.nbytes} bytes ({list(array.shape)} "
-                    f"{array.dtype}) do not fit the {ref.byte_size} bytes given in shared memory "
-                    f"region '{ref.region}'"
+                    f"output '{name}': {array.nbytes} bytes ({list(results[name].shape)} "
+                    f"{results[name].dtype}) do not fit the {ref.byte_size} bytes given in shared "
+                    f"memory region '{ref.region}'"
                 )
             _inside(region, ref, f"output '{name}'")
             if region.kind == "cuda" and array.nbytes:
