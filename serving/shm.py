@@ -518,10 +518,10 @@ def _inside(region: Region, ref: Ref, what: str) -> None:
             f"shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} pass the "
             f"end of region '{region.name}' ({region.byte_size} bytes registered)"
         )
-        if ref.offset + ref.byte_size > 2**64 - 1:
-            why = f"Integer overflow detected: byte_size {ref.byte_size} + offset {ref.offset}"
-        elif ref.offset >= region.byte_size:
+        if ref.offset >= region.byte_size:
             why = f"Invalid offset for shared memory region '{region.name}'"
+        elif ref.offset + ref.byte_size > 2**64 - 1:
+            why = f"Integer overflow detected: byte_size {ref.byte_size} + offset {ref.offset}"
         else:
             why = f"Invalid offset + byte size for shared memory region '{region.name}'"
         raise BadRequest(f"{what}: {why}: {where}")

@@ -179,6 +179,15 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         assert "Invalid offset + byte size for shared memory region 'small'" in message, message
         message = refused(lambda: infer(server, protocol, ALICE, [("small", x.nbytes, 100)], None))
         assert "Invalid offset for shared memory region 'small'" in message, message
+        if protocol == "http":  # (gRPC's offsets are int64)
+            far = [("small", x.nbytes, 2**64 - 32)]
+            message = refused(lambda: infer(server, protocol, ALICE, far, None))
+            assert "Invalid offset for shared memory region 'small'" in message, message
+            out = ("small", 2**64 - 32, 32)
+            message = refused(lambda: infer(server, protocol, ALICE, [("big", x.nbytes, 0)], out))
+            assert (
+                "Integer overflow detected: byte_size 18446744073709551584 + offset 32" in message
+            )
         # an input's byte size that is not its tensor's
         message = refused(lambda: infer(server, protocol, ALICE, [("big", x.nbytes - 4, 0)], None))
         assert (
