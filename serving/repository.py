@@ -335,7 +335,9 @@ class Repository:
         if slot is None:
             loaded = ", ".join(sorted(model.slots, key=version_key)) or "none"
             raise RepositoryError(
-                f"model '{name}' has no version {version[:40]} loaded (loaded: {loaded})", 404
+                f"Request for unknown model: '{name}' has no version {version[:40]} loaded "
+                f"(loaded: {loaded}); name one of those, or none for the highest",
+                404,
             )
         return slot
 
