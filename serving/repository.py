@@ -86,6 +86,19 @@ class Source:
         return self.uri if check_source(self.uri) == "alias" else None
 
 
+def not_a_name(name: str) -> str:
+    """Why `name` is not a model name, in Triton's words too where they apply (an empty name, a path)."""
+    rule = "a model name is a letter or digit, then letters, digits, '_', '.', '-'; at most 128"
+    if not name.strip():
+        return f"Model name cannot be empty. Please enter a valid name to deploy. ({rule})"
+    if "/" in name or "\\" in name or name.strip() in (".", ".."):
+        return (
+            f"{name[:60]!r}: model name must not contain path traversal characters ('/', or '..' "
+            f"as the whole name); {rule}"
+        )
+    return f"{name[:60]!r} is not a model name ({rule})"
+
+
 def parse_model_flag(value: str) -> Source:
     """`NAME=URI` or `URI`. A NAME= prefix is a model name before the first '=' (no '/' or ':' in it), so a
     path or URI with an '=' further on is still a plain URI."""
@@ -545,10 +558,7 @@ class Repository:
         """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
         requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
         if not NAME.fullmatch(name):
-            raise RepositoryError(
-                f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
-                "'_', '.', '-')"
-            )
+            raise RepositoryError(not_a_name(name))
         sources = await off_loop(self.sources_of, name)  # may read the repository directory
         model = self.models[name]
         async with model.lock:
