@@ -240,8 +240,11 @@ class Server:
             run,
             self.executor,
             max_batch_size=cap,
-            max_delay_ms=s.max_delay_ms,
-            max_queue_rows=s.max_queue_rows,
+            # (a repository model's config.pbtxt may set its own: ModelInfo)
+            max_delay_ms=(
+                s.max_delay_ms if model.info.max_delay_ms is None else model.info.max_delay_ms
+            ),
+            max_queue_rows=min(s.max_queue_rows, model.info.max_queue_rows or s.max_queue_rows),
             merge=model.engine.batchable,
             on_batch=observe,
             run_timeout=s.run_timeout,

@@ -96,6 +96,9 @@ class ModelInfo:
     # output's class names (label_filename, for the classification extension).
     max_batch_size: int | None = None
     output_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Its dynamic_batching: how long a partial batch waits (ms), the most rows its queue holds (None: the flags')
+    max_delay_ms: float | None = None
+    max_queue_rows: int | None = None
 
     def labels_for(self, output: str, classes: int) -> tuple[str, ...] | None:
         """The class names of `output` whose rows hold `classes` values: its config's label file, else the labels
@@ -322,6 +325,12 @@ def load_model(
         prediction=engine.metadata.get(PREDICTION) or None,
         max_batch_size=config.max_batch_size if config is not None else None,
         output_labels=config.output_labels() if config is not None else {},
+        max_delay_ms=(
+            config.max_queue_delay_us / 1000
+            if config is not None and config.max_queue_delay_us is not None
+            else None
+        ),
+        max_queue_rows=config.max_queue_size if config is not None else None,
     )
     return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
 

@@ -5,7 +5,10 @@ caps a batch at N; 0: every request runs alone, exactly as sent), `version_polic
 directories are loaded: `latest { num_versions: N }`, `all {}`, `specific { versions: [V, ...] }`; none given:
 the server's --version-policy), each input's `dims` (with max_batch_size > 0 the batch axis before them: the
 shapes requests may send, which may be narrower than the model file's, never wider), and each output's
-`label_filename` (one class name a line, beside the config: the labels of the classification extension). An
+`label_filename` (one class name a line, beside the config: the labels of the classification extension), and of
+`dynamic_batching` its `max_queue_delay_microseconds` (how long a partial batch of this model waits for more
+rows, over --max-delay-ms) and `default_queue_policy { max_queue_size }` (the most rows its queue holds, under
+--max-queue-rows: a request past it is a 503; Triton counts requests, this server rows). An
 input with a `reshape` keeps the file's shape (the request's shape is the model's here). The rest of Triton's
 ModelConfig
 (instance groups, dynamic batching, warm-up, ...) is allowed and not used; a top-level name that is not one of
@@ -96,6 +99,10 @@ class ModelConfig:
     version_policy: VersionPolicy | None = None
     # (input name, the full shape requests may send: [-1] + dims when max_batch_size > 0, else dims)
     input_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size (None: not given;
+    # a queue size of 0: no bound of its own)
+    max_queue_delay_us: int | None = None
+    max_queue_size: int | None = None
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (output name, its class names)
 
     def output_labels(self) -> dict[str, tuple[str, ...]]:
@@ -151,7 +158,40 @@ def read(model_dir: Path) -> ModelConfig | None:
         label_file = _scalar(output, "label_filename", str, path)
         if label_file is not None:
             labels.append((output_name or "", _labels(Path(model_dir), label_file, path)))
-    return ModelConfig(str(path), batch, policy, tuple(inputs), tuple(labels))
+    delay, queue = _dynamic_batching(fields, path)
+    return ModelConfig(
+        str(path),
+        batch,
+        policy,
+        tuple(inputs),
+        delay,
+        queue if queue else None,
+        tuple(labels),
+    )
+
+
+def _message_of(fields: dict, name: str, path: Path) -> dict | None:
+    """The field's one nested message, or None when absent."""
+    values = fields.get(name)
+    if values is None:
+        return None
+    if len(values) != 1 or not isinstance(values[0], dict):
+        raise ConfigError(f"{path}: {name} must be one message {{ ... }}, got {values!r:.80}")
+    return values[0]
+
+
+def _dynamic_batching(fields: dict, path: Path) -> tuple[int | None, int | None]:
+    """dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size."""
+    batching = _message_of(fields, "dynamic_batching", path)
+    if batching is None:
+        return None, None
+    delay = _scalar(batching, "max_queue_delay_microseconds", int, path)
+    policy = _message_of(batching, "default_queue_policy", path)
+    queue = _scalar(policy, "max_queue_size", int, path) if policy is not None else None
+    for name, value in (("max_queue_delay_microseconds", delay), ("max_queue_size", queue)):
+        if value is not None and not 0 <= value < 1 << 63:
+            raise ConfigError(f"{path}: dynamic_batching {name} must be 0 or more, got {value}")
+    return delay, queue
 
 
 def narrowed(

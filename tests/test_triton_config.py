@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -70,6 +72,13 @@ def server(tmp_path_factory):
     triton_config(
         root / "narrow",
         'max_batch_size: 8\ninput [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n',
+    )
+    (root / "queued" / "1").mkdir(parents=True)
+    identity_model(root / "queued" / "1" / "model.onnx")
+    triton_config(
+        root / "queued",
+        "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 1000000\n"
+        "  default_queue_policy { max_queue_size: 1 } }\n",
     )
     grpc_port = free_port()
     with ServerProcess(
@@ -139,6 +148,30 @@ def test_config_dims_narrow_the_shapes_a_request_may_send(server):
         assert "INPUT0" in str(refused.value)
 
 
+def test_config_dynamic_batching_sets_the_models_own_wait_and_queue_bound(server):
+    """max_queue_delay_microseconds: a lone request waits that long for others to share its run;
+    default_queue_policy.max_queue_size: what the queue holds past it is refused with a 503, retry later."""
+    url = f"{server.url}/v2/models/queued/infer"
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+    first = {}
+
+    def send_first():
+        started = time.monotonic()
+        first["response"] = requests.post(url, json=body, timeout=30)
+        first["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send_first)
+    thread.start()
+    time.sleep(0.3)
+    second = requests.post(url, json=body, timeout=30)
+    thread.join()
+    assert second.status_code == 503 and "queue is full" in second.json()["error"], second.text
+    assert first["response"].status_code == 200, first["response"].text
+    assert first["seconds"] > 0.8, first
+    # the queue empty again: served
+    assert requests.post(url, json=body, timeout=30).status_code == 200
+
+
 def test_a_config_that_contradicts_its_model_stops_the_server_with_one_line(tmp_path):
     repo = tmp_path / "repo"
     (repo / "narrow" / "1").mkdir(parents=True)
@@ -187,6 +220,10 @@ def test_a_config_that_contradicts_its_model_stops_the_server_with_one_line(tmp_
         ("version_policy: { specific { versions: [-1] }}", "needs versions: [V, ...]"),
         ("version_policy: { latest { versions: [1] }}", "latest has no field 'versions'"),
         ('input [ { name: "X" dims: [ -2 ] } ]', "dims must be sizes or -1"),
+        (
+            "dynamic_batching { max_queue_delay_microseconds: -1 }",
+            "dynamic_batching max_queue_delay_microseconds must be 0 or more, got -1",
+        ),
     ],
 )
 def test_config_pbtxt_refusals_name_the_field_and_the_forms_it_takes(tmp_path, text, said):
