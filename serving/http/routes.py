@@ -38,7 +38,7 @@ from serving.codec import BadRequest
 from serving.core import Server, check_request_id
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
-from serving.http.wire import JSON, Request, Response, json_response
+from serving.http.wire import JSON, Request, Response, json_response, too_large
 from serving.repository import version_key
 
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
@@ -85,7 +85,7 @@ def body_bytes(server: Server, request: Request) -> bytes:
         raise Refused(400, f"the body is not valid {encoding} data: {exc}") from None
     if len(data) > limit:
         raise Refused(
-            413, f"the body exceeds the limit of {limit} bytes (--max-body-bytes) once decompressed"
+            413, too_large(request.headers, f"more than {limit} bytes", limit, " once decompressed")
         )
     if not inflater.eof:
         raise Refused(400, f"the {encoding} body is truncated")
