@@ -173,7 +173,10 @@ class SharedMemory:
         self._check_on(kind)
         owner = owner_of(authorization, self.tokened)
         if not name or len(name) > 256:
-            raise BadRequest(f"a {kind} shared memory region needs a name of 1 to 256 characters")
+            raise BadRequest(
+                f"failed to register shared memory region {name[:40]!r}: invalid args: a {kind} "
+                "shared memory region needs a name of 1 to 256 characters"
+            )
         if byte_size <= 0 or offset < 0:
             raise BadRequest(
                 f"failed to register shared memory region '{name}': invalid args: byte_size must be "
