@@ -704,12 +704,13 @@ def write_slow_model(path: Path, seconds: float, add_sub: bool) -> None:
     session = ort.InferenceSession(slow_model(trial, add_sub).SerializeToString(), options)
     feed = {name: np.ones((1, 16), np.int32) for name in ("INPUT0", "INPUT1")[: 1 + add_sub]}
     session.run(None, feed)
-    # the fastest of a few trials: on a machine busy now, a run later takes at least `seconds`
+    # CPU time of this thread (onnxruntime runs a one-thread session on it): what a busy machine adds to the
+    # wall time is not counted, so that a run later takes at least `seconds`, busy or not
     timings = []
-    for _ in range(5):
-        started = time.perf_counter()
+    for _ in range(3):
+        started = time.thread_time()
         session.run(None, feed)
-        timings.append(time.perf_counter() - started)
+        timings.append(time.thread_time() - started)
     per_iteration = min(timings) / trial
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(slow_model(max(1, round(seconds / per_iteration)), add_sub), str(path))
