@@ -174,6 +174,7 @@ def parse_v2_header_once(
     inputs: list[TensorSpec],
     output_names: list[str],
     limits: Limits,
+    model: str = "",
 ) -> V2Header:
     """parse_v2_header, checked once per distinct header: a client sends the same one request after request (the
     same shapes, regions, no id or the same), so `seen` (a model version's) keeps those without JSON data (small;
@@ -182,7 +183,9 @@ def parse_v2_header_once(
     key = (bytes(data[:end]) if len(data) != end else bytes(data), body_length)
     parsed = seen.get(key) if seen is not None else None
     if parsed is None:
-        parsed = parse_v2_header(data, header_length, body_length, inputs, output_names, limits)
+        parsed = parse_v2_header(
+            data, header_length, body_length, inputs, output_names, limits, model
+        )
         if seen is not None and all(item.array is None for item in parsed.inputs):
             if len(seen) >= SEEN_HEADERS:
                 seen.clear()
@@ -208,7 +211,7 @@ def decode_v2(
     if header_length == 0:
         return decode_raw(body, inputs, output_names, limits, model)
     header = parse_v2_header_once(
-        seen, body, header_length, len(body), inputs, output_names, limits
+        seen, body, header_length, len(body), inputs, output_names, limits, model
     )
     offset, arrays = (len(body) if header_length is None else header_length), {}
     for item in header.binary_inputs:
@@ -301,6 +304,7 @@ def parse_v2_header(
     inputs: list[TensorSpec],
     output_names: list[str],
     limits: Limits,
+    model: str = "",
 ) -> V2Header:
     """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary data) of a body
     of `body_length` bytes: every field checked, each JSON input converted; the binary data's sizes checked
@@ -405,9 +409,8 @@ def parse_v2_header(
         raise BadRequest(
             f"{body_length - offset} bytes of binary data follow the inputs that no input claims"
         )
-    missing = [s.name for s in inputs if s.name not in declared]
-    if missing:
-        raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
+    if any(s.name not in declared for s in inputs):
+        raise BadRequest(missing_inputs(inputs, list(declared), model))
 
     binary_all = parameters.get("binary_data_output", False)
     if not isinstance(binary_all, bool):
@@ -465,6 +468,17 @@ def bad_shape(name: str, shape, spec: TensorSpec) -> str:
 def byte_size_mismatch(name: str, model: str, want: int, got: int) -> str:
     """An input whose bytes are not what its shape takes, in Triton's words (its clients look for them)."""
     return f"input byte size mismatch for input '{name}' for model '{model}'. Expected {want}, got {got}"
+
+
+def missing_inputs(inputs: list[TensorSpec], given: list[str], model: str = "") -> str:
+    """A request without every input the model takes, in Triton's words too (its clients look for them)."""
+    missing = ",".join(f"'{s.name}'" for s in inputs if s.name not in given)
+    sent = ",".join(f"'{name}'" for name in given)
+    return (
+        f"expected {len(inputs)} inputs but got {len(given)} inputs for model "
+        f"'{model or '(this model)'}'. Got input(s) [{sent}], but missing required input(s) "
+        f"[{missing}]. Please provide all required input(s): this model takes {expected(inputs)}"
+    )
 
 
 def duplicate_output(name: str) -> str:

@@ -143,7 +143,9 @@ def read(model_dir: Path) -> ModelConfig | None:
             raise ConfigError(f"{path}: every input must be a message {{ name: ... dims: [...] }}")
         input_name = _scalar(entry, "name", str, path)
         dims = entry.get("dims")
-        if input_name is None or dims is None or "reshape" in entry:
+        # (an optional input is one the model file gives a default: onnxruntime does not list it as an input)
+        optional = entry.get("optional") == ["true"]
+        if input_name is None or dims is None or "reshape" in entry or optional:
             continue
         if not all(type(d) is int and d >= -1 for d in dims):
             raise ConfigError(

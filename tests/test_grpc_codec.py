@@ -579,7 +579,13 @@ REFUSALS = [
     ("rows over limit", RAW, _huge_rows, "1000000000 rows; this server takes at most 64"),
     ("values over body", ANY, _huge_values, "declares 1152921504606846976 values"),
     ("too big even empty", ANY, _too_big_even_empty, "is too large for an array"),
-    ("missing input", RAW, _without_last_input, "missing input(s) ['half']"),
+    (
+        "missing input",
+        RAW,
+        _without_last_input,
+        "expected 4 inputs but got 3 inputs for model 'm'. Got input(s) ['x','ids','mask'], but "
+        "missing required input(s) ['half']. Please provide all required input(s): this model takes",
+    ),
     (
         "rows disagree",
         RAW,
@@ -599,7 +605,8 @@ REFUSALS = [
         "no inputs",
         RAW,
         lambda r: (r.ClearField("inputs"), r.ClearField("raw_input_contents")),
-        "the request has no inputs",
+        "expected 4 inputs but got 0 inputs for model 'm'. Got input(s) [], but missing "
+        "required input(s) ['x','ids','mask','half']",
     ),
     (
         "too many inputs",

@@ -137,3 +137,25 @@ def test_an_input_of_unknown_rank_takes_any_shape_the_graph_computes_on(server):
         assert r.status_code == 200, r.text
         (out,) = r.json()["outputs"]
         assert out["shape"] == shape and out["data"] == values
+
+
+def test_a_request_missing_an_input_names_what_it_sent_and_what_it_lacks(server):
+    """Not a raw body: a V2 request (JSON, or a JSON header and binary data) without every input, refused in
+    Triton's words too (its clients look for them) with the inputs the model takes."""
+    url = f"{server.url}/v2/models/two/infer"
+    features = {"name": "features", "shape": [1, 4], "datatype": "FP32"}
+    said = (
+        "expected 2 inputs but got 1 inputs for model 'two'. Got input(s) ['features'], but missing "
+        "required input(s) ['code']. Please provide all required input(s): this model takes "
+        "'features' [-1,4] FP32, 'code' [-1] INT64"
+    )
+    r = requests.post(url, json={"inputs": [{**features, "data": [1, 2, 3, 4]}]}, timeout=30)
+    assert r.status_code == 400 and said in r.json()["error"], r.text
+    header = json.dumps({"inputs": [{**features, "parameters": {"binary_data_size": 16}}]}).encode()
+    r = requests.post(
+        url,
+        data=header + np.zeros(4, np.float32).tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+        timeout=30,
+    )
+    assert r.status_code == 400 and said in r.json()["error"], r.text

@@ -44,6 +44,7 @@ from serving.codec import (
     expected,
     is_bytes,
     little_endian,
+    missing_inputs,
     shared_tensor,
     shm_ref,
 )
@@ -152,7 +153,7 @@ def decode_infer(
     into (serving/batcher.py)."""
     given = request.inputs
     if not given:
-        raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
+        raise BadRequest(missing_inputs(inputs, [], request.model_name))
     if len(given) > len(inputs):
         raise BadRequest(
             f"the request has {len(given)} inputs; this model takes {expected(inputs)}"
@@ -206,6 +207,8 @@ def decode_infer(
             index += 1
         else:
             declared[name] = (spec, shape, count, None, None, item)
+    if any(s.name not in declared for s in inputs):
+        raise BadRequest(missing_inputs(inputs, list(declared), request.model_name))
     views = _placed(declared, inputs, raw, place)
     feeds: dict[str, np.ndarray] = {}
     for name, (spec, shape, count, ref, at, item) in declared.items():

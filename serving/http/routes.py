@@ -145,6 +145,7 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
             server.limits,
             place=partial(slot.batcher.place, arrival),
             seen=_seen_headers(engine),
+            model=slot.model.info.name,
         )
     return whole_body(server, request, exchange, length, chunked)
 
