@@ -319,7 +319,7 @@ def parse_v2_header(
     if (
         not isinstance(request, dict)
         or not isinstance(request.get("inputs"), list)
-        or not request["inputs"]
+        or (not request["inputs"] and inputs)
     ):
         raise BadRequest(
             'expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
@@ -477,7 +477,7 @@ def missing_inputs(inputs: list[TensorSpec], given: list[str], model: str = "") 
     return (
         f"expected {len(inputs)} inputs but got {len(given)} inputs for model "
         f"'{model or '(this model)'}'. Got input(s) [{sent}], but missing required input(s) "
-        f"[{missing}]. Please provide all required input(s): this model takes {expected(inputs)}"
+        f"[{missing}]. Please provide all required input(s). This model takes {expected(inputs)}"
     )
 
 
@@ -1005,7 +1005,8 @@ def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
-    if not all(s.batched for s in inputs):
+    # (a model of no inputs, or whose inputs all have defaults in its file, runs on none)
+    if not inputs or not all(s.batched for s in inputs):
         return 1
     counts = {name: (a.shape[0] if a.ndim else 1) for name, a in feeds.items()}
     if len(set(counts.values())) > 1:

@@ -584,7 +584,7 @@ REFUSALS = [
         RAW,
         _without_last_input,
         "expected 4 inputs but got 3 inputs for model 'm'. Got input(s) ['x','ids','mask'], but "
-        "missing required input(s) ['half']. Please provide all required input(s): this model takes",
+        "missing required input(s) ['half']. Please provide all required input(s). This model takes",
     ),
     (
         "rows disagree",

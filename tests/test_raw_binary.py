@@ -146,7 +146,7 @@ def test_a_request_missing_an_input_names_what_it_sent_and_what_it_lacks(server)
     features = {"name": "features", "shape": [1, 4], "datatype": "FP32"}
     said = (
         "expected 2 inputs but got 1 inputs for model 'two'. Got input(s) ['features'], but missing "
-        "required input(s) ['code']. Please provide all required input(s): this model takes "
+        "required input(s) ['code']. Please provide all required input(s). This model takes "
         "'features' [-1,4] FP32, 'code' [-1] INT64"
     )
     r = requests.post(url, json={"inputs": [{**features, "data": [1, 2, 3, 4]}]}, timeout=30)

@@ -50,6 +50,18 @@ def identity_model(path):
     return _save_graph(path, graph, 17)
 
 
+def default_model(path):
+    """`X` FP32 [-1] with a default in the file ([2.0]: ONNX's optional input) -> `Y` = X + X."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["X", "X"], ["Y"])],
+        "defaults",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor("X", TensorProto.FLOAT, [1], [2.0])],
+    )
+    return _save_graph(path, graph, 17)
+
+
 POLICIES = {
     # model name -> (its config's version_policy, the versions served)
     "pinned": ("version_policy: { specific { versions: [1] }}", ["1"]),
@@ -72,6 +84,12 @@ def server(tmp_path_factory):
     triton_config(
         root / "narrow",
         'max_batch_size: 8\ninput [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n',
+    )
+    (root / "defaults" / "1").mkdir(parents=True)
+    default_model(root / "defaults" / "1" / "model.onnx")
+    triton_config(
+        root / "defaults",
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] optional: true } ]\n',
     )
     (root / "queued" / "1").mkdir(parents=True)
     identity_model(root / "queued" / "1" / "model.onnx")
@@ -170,6 +188,18 @@ def test_config_dynamic_batching_sets_the_models_own_wait_and_queue_bound(server
     assert first["seconds"] > 0.8, first
     # the queue empty again: served
     assert requests.post(url, json=body, timeout=30).status_code == 200
+
+
+def test_a_model_whose_inputs_all_have_defaults_answers_a_request_of_none(server):
+    """(Triton's optional inputs: here an input the ONNX file gives a default, which onnxruntime does not list
+    as an input; the config's `optional: true` says the same.)"""
+    answer = requests.post(
+        f"{server.url}/v2/models/defaults/infer", json={"inputs": []}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == [4.0]
+    with triton_grpc.InferenceServerClient(server.grpc) as client:
+        assert client.infer("defaults", []).as_numpy("Y").tolist() == [4.0]
 
 
 def test_a_config_that_contradicts_its_model_stops_the_server_with_one_line(tmp_path):

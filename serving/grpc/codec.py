@@ -152,7 +152,7 @@ def decode_infer(
     then `place(rows)` may give the rows of a batch buffer to copy them, and inputs in shared memory, straight
     into (serving/batcher.py)."""
     given = request.inputs
-    if not given:
+    if not given and inputs:
         raise BadRequest(missing_inputs(inputs, [], request.model_name))
     if len(given) > len(inputs):
         raise BadRequest(
