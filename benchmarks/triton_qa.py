@@ -28,11 +28,12 @@ with `git archive` (--commit, default HEAD) into a temporary directory; none of 
    them, and qa/common/test_util.py's probes for TensorRT, libtorch, OpenVINO and ensemble models answering
    none. Each test case of each configuration is a run (a test whose subtests fail is one failed run).
    Left out (not run, not counted), as issue 49 lists them: ensembles; TensorRT models (the shape-tensor case
-   of L0_input_validation); python-backend cases whose model is the point of the test (InputValTest's
-   optional inputs, L0_grpc's client plugin test: a model that checks forwarded headers); the generate
-   endpoint (and the size-limit test that posts to it); tracing; restricted-protocol cases. Also left out,
-   because they cannot run here: CUDA shared memory (no GPU), the C++ clients and the example clients of
-   Triton's client repository (not in its qa/), L0_scalar_io's start-failure check (not a python test).
+   of L0_input_validation); python-backend cases whose python model is the point of the test (L0_grpc's client
+   plugin test: a model that checks the headers the server forwards to it); the generate endpoint (and the
+   size-limit test that posts to it); tracing; restricted-protocol cases. Also left out, because they cannot
+   run here: infer_test over CUDA shared memory (its client needs a GPU; the CUDA shared-memory calls that
+   need none run), the C++ clients and the example clients of Triton's client repository (not in its qa/),
+   L0_scalar_io's start-failure check (not a python test).
 
 It prints, per L0 directory, the runs, passed and failed per configuration, and the failures grouped by
 reason (REASONS: first what differs from Triton on purpose, as docs/serving.md lists it, then the items of
@@ -359,6 +360,18 @@ def runs() -> list[Run]:
         Run(
             "L0_input_validation",
             "input_validation_test.py",
+            "required and optional inputs",
+            [
+                f"{EXTRA}/input_all_required",
+                f"{EXTRA}/input_optional",
+                f"{EXTRA}/input_all_optional",
+            ],
+            tests=["InputValTest"],
+            flags=SHM_OFF,
+        ),
+        Run(
+            "L0_input_validation",
+            "input_validation_test.py",
             "model names",
             [],
             tests=["ModelNameValidationTest"],
@@ -612,6 +625,39 @@ def execute_delayed_model(models: Path, examples: Path, target: Path) -> None:
     sed(target / "config.pbtxt", r'^name: ".*"', f'name: "{target.name}"', count=1)
 
 
+def input_validation_model(models: Path, examples: Path, target: Path) -> None:
+    """qa/L0_input_validation/models' python models answer OUTPUT0 [1] and nothing else: here an ONNX model of
+    the same inputs (each FP32 [-1]; an `optional: true` one with a default in the file, as ONNX makes an input
+    optional) giving OUTPUT0 = [1], with its config (the test is of the server's input checks)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    source = examples.parents[2] / "qa" / "L0_input_validation" / "models" / target.name
+    config = (source / "config.pbtxt").read_text()
+    names = re.findall(r'name: "(INPUT\d)"', config)
+    optional = [
+        name
+        for name, block in zip(names, re.split(r'name: "INPUT\d"', config)[1:])
+        if "optional: true" in block.split("}")[0]
+    ]
+    save_onnx(
+        target / "1" / "model.onnx",
+        [
+            helper.make_node(
+                "Constant",
+                [],
+                ["OUTPUT0"],
+                value=numpy_helper.from_array(np.ones(1, np.float32), "one"),
+            )
+        ],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [-1]) for name in names],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.zeros(1, np.float32), name) for name in optional],
+    )
+    (target / "config.pbtxt").write_text(
+        config.replace('backend: "python"', 'backend: "onnxruntime"')
+    )
+
+
 EXTRA_MODELS = {
     "simple_identity": simple_identity,
     "string_identity": string_identity,
@@ -623,6 +669,9 @@ EXTRA_MODELS = {
     "pt_identity": pt_identity,
     "custom_identity_int32": custom_identity_int32,
     "execute_delayed_model": execute_delayed_model,
+    "input_all_required": input_validation_model,
+    "input_optional": input_validation_model,
+    "input_all_optional": input_validation_model,
 }
 
 
