@@ -92,6 +92,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     batched: bool = False
     ranked: bool = True
+    # The model input this request input is another form of (an image version's encoded image file, for the tensor
+    # it is decoded into: serving/image_inputs.py); a request gives one of the two. "" for the model's own inputs.
+    stands_for: str = ""
 
     def describe(self) -> str:
         if not self.ranked:
@@ -499,8 +502,6 @@ class Engine:
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
         self._graphs: dict = {}  # bucket size -> cuda_graphs.BucketGraph (--cuda-graphs)
         self._bucket_args = (path, options, providers, batch_buckets or BatchBuckets())
-        # The batch buffers batches are assembled in (batch_buffers: for models of fixed shapes past the batch axis).
-        self.buffers: BatchBuffers | None = None
         if batching is None:
             recorded = self.metadata.get(ROWS_INDEPENDENT, "")
             why = (
@@ -619,8 +620,6 @@ class Engine:
         self.session = None
         self._bucket_sessions = {}
         self._graphs = {}
-        if self.buffers is not None:
-            self.buffers.close()
 
     def bucket_for(self, rows: int) -> int:
         """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
@@ -634,29 +633,13 @@ class Engine:
     def run_parts(self, parts: list[dict[str, np.ndarray]], observe=None) -> dict[str, np.ndarray]:
         """A batch of requests' feeds (of one layout) through the model: the outputs of all their rows, in order.
 
-        For a model of fixed input shapes past the batch axis, the parts are copied into a batch buffer
-        (serving/staging.py: pinned on CUDA), padded up to the batch bucket and run by that bucket's session; one
-        part that needs no padding runs as it is. Past the largest bucket (one large request) the run goes in
-        chunks of it. Other models: the parts concatenated, one session run. NaN or Inf in a part: ModelInputError.
-        `observe(feeds, outputs)` sees the batch (without padding) before its buffer is reused (drift)."""
+        The parts concatenated (one part: as it is), padded up to the batch bucket and run by that
+        bucket's session; past the largest bucket (one large request) the run goes in chunks of it.
+        NaN or Inf in a part: ModelInputError. `observe(feeds, outputs)` sees the batch without
+        padding (drift). A batch gathered in a batch buffer runs through `run_gathered` instead."""
         with self._mapped_errors(lambda: sent_shapes(parts)):
-            buffers = self.buffers
             rows = sum(rows_of(p) for p in parts) if self.batchable else 0
             size = self.bucket_for(rows)
-            index = None
-            if (
-                buffers is not None
-                and (len(parts) > 1 or size != rows)
-                and size <= buffers.capacity
-            ):
-                index = buffers.acquire()
-            if index is not None:
-                try:
-                    return self._run_sized(
-                        buffers.gather(index, parts, rows, size), rows, size, observe
-                    )
-                finally:
-                    buffers.release(index)
             for part in parts:
                 check_finite(part)
             feeds = concat(parts)
@@ -675,28 +658,23 @@ class Engine:
             }
             return self._run_sized(feeds, rows, size, observe)
 
-    def run_buffer(
-        self, index: int, start: int, rows: int, free_up_to: int, observe=None
+    def run_gathered(
+        self, feeds: dict[str, np.ndarray], rows: int, observe=None
     ) -> dict[str, np.ndarray]:
-        """Rows start..start+rows of batch buffer `index` (assembled and checked by the batcher) through the model.
-        Padded up to the batch bucket in place when the rows up to `free_up_to` allow it, else copied into a free
-        buffer (or concatenated) first."""
-        with self._mapped_errors(
-            lambda: {s.name: [rows, *s.shape[1:]] for s in self.inputs}
-        ):  # fixed past rows
-            size = self.bucket_for(rows)
-            if start + size <= free_up_to:
-                return self._run_sized(
-                    self.buffers.batch(index, rows, size, start), rows, size, observe
-                )
-            return self.run_parts([self.buffers.views(index, start, rows)], observe)
+        """A batch gathered in a batch buffer (serving/placements.py: checked, pinned on CUDA)
+        through the model: `feeds` hold a batch bucket's rows, the first `rows` of them the
+        requests' and the rest padding. Run as they are by that bucket's session; the engine writes
+        none of them."""
+        with self._mapped_errors(lambda: {name: [rows, *x.shape[1:]] for name, x in feeds.items()}):
+            return self._run_sized(feeds, rows, rows_of(feeds), observe)
 
     def batch_buffers(self, capacity: int) -> BatchBuffers | None:
-        """This model's batch buffers of `capacity` rows (made once), for the batcher to assemble batches in; None for
-        a model whose inputs have another dynamic axis or no batch axis."""
-        if self.buffers is None and self.fixed_rows:
-            self.buffers = BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
-        return self.buffers
+        """A new pool of batch buffers of `capacity` rows for this model's rows (pinned on a GPU),
+        for a batcher's placements, which alone use it (serving/placements.py); None for a model
+        whose inputs have another dynamic axis or no batch axis."""
+        if not self.fixed_rows:
+            return None
+        return BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
 
     def _run_sized(
         self, feeds: dict[str, np.ndarray], rows: int, size: int, observe

@@ -37,14 +37,15 @@ from serving.codec import (
     _rows,
     byte_size_mismatch,
     bytes_elements,
+    check_all_given,
     check_datatype,
     classified,
     datatype_of,
     duplicate_output,
     expected,
+    given_inputs,
     is_bytes,
     little_endian,
-    missing_inputs,
     shared_tensor,
     shm_ref,
 )
@@ -152,8 +153,8 @@ def decode_infer(
     then `place(rows)` may give the rows of a batch buffer to copy them, and inputs in shared memory, straight
     into (serving/batcher.py)."""
     given = request.inputs
-    if not given and inputs:
-        raise BadRequest(missing_inputs(inputs, [], request.model_name))
+    if not given:
+        check_all_given(inputs, [], request.model_name)
     if len(given) > len(inputs):
         raise BadRequest(
             f"the request has {len(given)} inputs; this model takes {expected(inputs)}"
@@ -207,8 +208,7 @@ def decode_infer(
             index += 1
         else:
             declared[name] = (spec, shape, count, None, None, item)
-    if any(s.name not in declared for s in inputs):
-        raise BadRequest(missing_inputs(inputs, list(declared), request.model_name))
+    check_all_given(inputs, list(declared), request.model_name)
     views = _placed(declared, inputs, raw, place)
     feeds: dict[str, np.ndarray] = {}
     for name, (spec, shape, count, ref, at, item) in declared.items():
@@ -231,7 +231,7 @@ def decode_infer(
         request.id or None,
         outputs,
         output_refs,
-        checked=bool(native) and len(raw) == len(inputs),
+        checked=bool(native) and len(raw) == len(given_inputs(inputs, declared)),
         placed=views is not None,
         classification=classes,
     )
@@ -241,7 +241,10 @@ def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None
     """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
     (bytes the message parser made are copied once already) and inputs in shared memory (read into them), every
     model input one of those, all of one row count."""
-    if place is None or len(declared) != len(inputs):
+    if place is None or len(declared) != len(given_inputs(inputs, declared)):
+        return None
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if any(is_bytes(spec) for spec, *_ in declared.values()):
         return None
     kept = bool(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
     if any(ref is None and (at is None or not kept) for _, _, _, ref, at, _ in declared.values()):
