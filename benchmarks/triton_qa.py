@@ -1,46 +1,50 @@
-"""Triton's own client tests (`qa/` of triton-inference-server/server) against this server: a yardstick.
+"""Triton's own client tests (`qa/` of triton-inference-server/server) against this server.
 
-    python benchmarks/triton_qa.py TRITON_REPO [--suites L0_http,L0_grpc] [--workdir DIR] [--server-root DIR]
+    python benchmarks/triton_qa.py TRITON_REPO [--suites L0_http,L0_grpc] [--workdir DIR] \
+        [--server-root DIR]
 
-TRITON_REPO is a clone of triton-inference-server/server (a bare git directory will do): its qa/ files are read
-with `git archive` (--commit, default HEAD) into a temporary directory; none of Triton's code is kept here.
+TRITON_REPO is a clone of triton-inference-server/server (a bare git directory will do): its qa/
+files are read with `git archive` (--commit, default HEAD) into a temporary directory; none of
+Triton's code is kept here.
 
-1. Models: Triton's generators (qa/common/gen_qa_models.py, its --variable run, gen_qa_identity_models.py,
-   gen_qa_ort_scalar_models.py) make the ONNX models of its QA repositories with their config.pbtxt, as
-   qa/common/gen_qa_model_repository does, at --onnx_opset 17 and that opset's IR version (Triton pins an
-   older onnx for this; a newer one writes an IR version this onnxruntime cannot read). BF16 models are left
-   out on this CPU, as L0_infer's test.sh does for its CPU target. The models of docs/examples/model_repository
-   that are ONNX files in Triton's tree (`simple`, `simple_string`, ...) are used as they are, in the suites'
-   models/ directories as Triton's Dockerfile.QA fills them. The few that are python or custom backend models,
-   a download, or a test.sh's sed are made as the test.sh makes them or as ONNX models of the same signature
-   (EXTRA_MODELS: e.g. `custom_identity_int32`, an identity calibrated to take 3 s a run as that backend's
-   execute_delay_ms does). Kept in --workdir between runs.
-2. Configurations: each python test run of each test.sh (`runs()` below), with the models it copies into
-   its repository and this server started over it on the ports the tests call (HTTP 8000, gRPC 8001), with
-   the flags that match Triton's: --allow-client-shm=true -> `--shared-memory on`, its absence -> off;
-   --model-control-mode=explicit -> `--model-control explicit`, its absence -> none; --http-max-input-size
-   -> --max-body-bytes. A server per test case where the test.sh starts one per case (L0_shared_memory), and
-   the suite's nginx.conf in front of it where the test.sh runs nginx (basic auth, port 8004). A repository
-   holding a model this server cannot load stops it at start: it is then started with nothing loaded (and
-   explicit control) and each model loaded on its own; the table names the models that failed.
-3. Tests: each file runs as its test.sh runs it (`python test.py`, unittest's runner) with the environment
-   it sets, unchanged but for what this environment has: BACKENDS=onnx and ENSEMBLES=0 where the tests read
-   them, and qa/common/test_util.py's probes for TensorRT, libtorch, OpenVINO and ensemble models answering
-   none. Each test case of each configuration is a run (a test whose subtests fail is one failed run).
-   Left out (not run, not counted), as issue 49 lists them: ensembles; TensorRT models (the shape-tensor case
-   of L0_input_validation); python-backend cases whose python model is the point of the test (L0_grpc's client
-   plugin test: a model that checks the headers the server forwards to it); the generate endpoint (and the
-   size-limit test that posts to it); tracing; restricted-protocol cases. Also left out, because they cannot
-   run here: infer_test over CUDA shared memory (its client needs a GPU; the CUDA shared-memory calls that
-   need none run), the C++ clients and the example clients of Triton's client repository (not in its qa/),
-   L0_scalar_io's start-failure check (not a python test).
+1. Models: Triton's generators (qa/common/gen_qa_models.py, its --variable run,
+   gen_qa_identity_models.py, gen_qa_ort_scalar_models.py) make the ONNX models of its QA
+   repositories with their config.pbtxt, as qa/common/gen_qa_model_repository does, at --onnx_opset
+   17 and that opset's IR version (Triton pins an older onnx for this; a newer one writes an IR
+   version this onnxruntime cannot read). BF16 models are left out on this CPU, as L0_infer's
+   test.sh does for its CPU target. The models of docs/examples/model_repository that are ONNX files
+   in Triton's tree (`simple`, `simple_string`, ...) are used as they are, in the suites' models/
+   directories as Triton's Dockerfile.QA fills them. The few that are python or custom backend
+   models, a download, or a test.sh's sed are made as the test.sh makes them or as ONNX models of
+   the same signature (EXTRA_MODELS: e.g. `custom_identity_int32`, an identity calibrated to take 3
+   s a run as that backend's execute_delay_ms does). Kept in --workdir between runs.
+2. Configurations: each python test run of each test.sh (`runs()` below), with the models it copies
+   into its repository and this server started over it on the ports the tests call (HTTP 8000, gRPC
+   8001), with the flags that match Triton's: --allow-client-shm=true -> `--shared-memory on`, its
+   absence -> off; --model-control-mode=explicit -> `--model-control explicit`, its absence -> none;
+   --http-max-input-size -> --max-body-bytes. A server per test case where the test.sh starts one
+   per case (L0_shared_memory), and the suite's nginx.conf in front of it where the test.sh runs
+   nginx (basic auth, port 8004). A repository holding a model this server cannot load stops it at
+   start: it is then started with nothing loaded (and explicit control) and each model loaded on its
+   own; the table names the models that failed.
+3. Tests: each file runs as its test.sh runs it (`python test.py`, unittest's runner) with the
+   environment it sets, unchanged but for what this environment has: BACKENDS=onnx and ENSEMBLES=0
+   where the tests read them, and qa/common/test_util.py's probes for TensorRT, libtorch, OpenVINO
+   and ensemble models answering none. Each test case of each configuration is a run (a test whose
+   subtests fail is one failed run). Left out (not run, not counted), as issue 49 lists them:
+   ensembles; TensorRT models (the shape-tensor case of L0_input_validation); python-backend cases
+   whose python model is the point of the test (L0_grpc's client plugin test: a model that checks
+   the headers the server forwards to it); the generate endpoint (and the size-limit test that posts
+   to it); tracing; restricted-protocol cases. Also left out, because they cannot run here:
+   infer_test over CUDA shared memory (its client needs a GPU; the CUDA shared-memory calls that
+   need none run), the C++ clients and the example clients of Triton's client repository (not in its
+   qa/), L0_scalar_io's start-failure check (not a python test).
 
-It prints, per L0 directory, the runs, passed and failed per configuration, and the failures grouped by
-reason (REASONS: first what differs from Triton on purpose, as docs/serving.md lists it, then the items of
-issue 49), each with an example. A test that asserts Triton's own error wording or status fails here as
-written: the table is what Triton's tests say, unchanged.
---server-root runs another checkout's `python -m serving` (e.g. main's) under the same harness.
-"""
+It prints, per L0 directory, the runs, passed and failed per configuration, and the failures grouped
+by reason (REASONS: first what differs from Triton on purpose, as docs/serving.md lists it, then the
+items of issue 49), each with an example. A test that asserts Triton's own error wording or status
+fails here as written: the table is what Triton's tests say, unchanged.
+--server-root runs another checkout's `python -m serving` (e.g. main's) under the same harness."""
 
 from __future__ import annotations
 
@@ -99,15 +103,17 @@ class Run:
     exclude: list[str] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)  # this server's, beyond the repository and ports
     directory: str = "models"  # the repository's folder name (client_test.py names it)
-    # each test in `tests` against a server of its own, in a process of its own (as L0_shared_memory's test.sh)
+    # each test in `tests` against a server of its own, in a process of its own (as
+    # L0_shared_memory's test.sh)
     per_case: bool = False
-    # an nginx.conf of the suite (basic auth on port 8004) run in front of the server, as its test.sh does
+    # an nginx.conf of the suite (basic auth on port 8004) run in front of the server, as its
+    # test.sh does
     proxy: str = ""
 
 
-# Words of test names left out everywhere: tracing is not this server's (the generate endpoint's tests are in
-# files of their own, not run). (The CUDA shared-memory tests of the aio files ask for status, an invalid
-# registration and an unregister: they need no GPU, and run.)
+# Words of test names left out everywhere: tracing is not this server's (the generate endpoint's
+# tests are in files of their own, not run). (The CUDA shared-memory tests of the aio files ask for
+# status, an invalid registration and an unregister: they need no GPU, and run.)
 LEFT_OUT = ["trace", "generate"]
 # Appended to the tests' copy of qa/common/test_util.py: the probes its tests ask which other backends'
 # models (TensorRT, libtorch, OpenVINO) and ensembles this environment has answer none, as BACKENDS=onnx and
@@ -154,8 +160,8 @@ SIZE_LIMIT_DEFAULT = [
     "test_default_limit_json",
     "test_large_string_in_json",
     "test_default_limit_compressed",
-    # (test_json_dtype_size_expansion_exceeds_limit_error, which its test.sh runs here too, posts to the
-    # generate endpoint: left out)
+    # (test_json_dtype_size_expansion_exceeds_limit_error, which its test.sh runs here too, posts to
+    # the generate endpoint: left out)
     "test_no_leak_on_invalid_inference_header_length",
 ]
 SIZE_LIMIT_LARGE = [
@@ -183,8 +189,8 @@ QA, VARIABLE, IDENTITY, SCALAR, EXAMPLES, EXTRA = (
     "examples",
     "extra",
 )
-# Triton's docs/examples/model_repository models that are ONNX files in its git tree (qa's Dockerfile copies them
-# into the suites' models/ directories)
+# Triton's docs/examples/model_repository models that are ONNX files in its git tree (qa's
+# Dockerfile copies them into the suites' models/ directories)
 EXAMPLE_MODELS = (
     "simple",
     "simple_int8",
@@ -417,8 +423,8 @@ def runs() -> list[Run]:
 
 
 def fetch_qa(repo: Path, commit: str, into: Path) -> Path:
-    """qa/common, the suites' directories and docs/examples/model_repository of `repo` at `commit`, copied into
-    `into` (qa/ and docs/ there)."""
+    """qa/common, the suites' directories and docs/examples/model_repository of `repo` at `commit`,
+    copied into `into` (qa/ and docs/ there)."""
     paths = ["qa/common", *(f"qa/{suite}" for suite in SUITES), "docs/examples/model_repository"]
     archive = subprocess.run(
         ["git", "-C", str(repo), "archive", commit, *paths], capture_output=True, check=True
@@ -618,8 +624,8 @@ def custom_identity_int32(models: Path, examples: Path, target: Path) -> None:
 
 
 def execute_delayed_model(models: Path, examples: Path, target: Path) -> None:
-    """qa/python_models/execute_delayed_model: `simple`'s sum and difference after a 15 s sleep, with `simple`'s
-    config (the same signature; L0_shared_memory serves it as `simple`)."""
+    """qa/python_models/execute_delayed_model: `simple`'s sum and difference after a 15 s sleep,
+    with `simple`'s config (the same signature; L0_shared_memory serves it as `simple`)."""
     write_slow_model(target / "1" / "model.onnx", DELAYED_MODEL_S, add_sub=True)
     shutil.copy(examples / "simple" / "config.pbtxt", target / "config.pbtxt")
     sed(target / "config.pbtxt", r'^name: ".*"', f'name: "{target.name}"', count=1)
@@ -676,9 +682,9 @@ EXTRA_MODELS = {
 
 
 def slow_model(iterations: int, add_sub: bool):
-    """OUTPUT0 = INPUT0 + 0 * (a loop of `iterations` 256x256 matrix products that depends on the input, so
-    that onnxruntime cannot fold it away); `add_sub`: INT32 INPUT0, INPUT1 [-1, 16] -> OUTPUT0 their sum and
-    OUTPUT1 their difference (plus the same zero), as Triton's `simple`."""
+    """OUTPUT0 = INPUT0 + 0 * (a loop of `iterations` 256x256 matrix products that depends on the
+    input, so that onnxruntime cannot fold it away); `add_sub`: INT32 INPUT0, INPUT1 [-1, 16] ->
+    OUTPUT0 their sum and OUTPUT1 their difference (plus the same zero), as Triton's `simple`."""
     from onnx import TensorProto, helper, numpy_helper
 
     size = 256
@@ -742,8 +748,8 @@ def slow_model(iterations: int, add_sub: bool):
 
 
 def write_slow_model(path: Path, seconds: float, add_sub: bool) -> None:
-    """The slow model, its loop count calibrated on this machine (one onnxruntime thread) to take `seconds`
-    at the least."""
+    """The slow model, its loop count calibrated on this machine (one onnxruntime thread) to take
+    `seconds` at the least."""
     import onnx
     import onnxruntime as ort
 
@@ -753,8 +759,8 @@ def write_slow_model(path: Path, seconds: float, add_sub: bool) -> None:
     session = ort.InferenceSession(slow_model(trial, add_sub).SerializeToString(), options)
     feed = {name: np.ones((1, 16), np.int32) for name in ("INPUT0", "INPUT1")[: 1 + add_sub]}
     session.run(None, feed)
-    # CPU time of this thread (onnxruntime runs a one-thread session on it): what a busy machine adds to the
-    # wall time is not counted, so that a run later takes at least `seconds`, busy or not
+    # CPU time of this thread (onnxruntime runs a one-thread session on it): what a busy machine
+    # adds to the wall time is not counted, so that a later run takes `seconds` at the least
     timings = []
     for _ in range(3):
         started = time.thread_time()
@@ -1004,7 +1010,7 @@ class Result(unittest.TextTestResult):
         self.note(test, "failed", self._exc_info_to_string(err, test)[-1500:])
 
     def addSubTest(self, test, subtest, err):
-        # unittest reports a failed subtest here and never calls addFailure for its test: the test fails
+        # unittest reports a failed subtest here, never calling addFailure for its test: it fails
         super().addSubTest(test, subtest, err)
         if err is not None:
             self.note(test, "failed", self._exc_info_to_string(err, test)[-1500:])
@@ -1084,9 +1090,9 @@ def reason(test: str, message: str) -> str:
     return text[:140]
 
 
-# First match wins, over "<test id> | <last line>": the reasons found. First what differs on purpose or is not
-# built (docs/serving.md lists them with their reasons), then the items of issue 49 (a failure there is a
-# regression), then what keeps a test from running at all.
+# First match wins, over "<test id> | <last line>": the reasons found. First what differs on purpose
+# or is not built (docs/serving.md lists them with their reasons), then the items of issue 49 (a
+# failure there is a regression), then what keeps a test from running at all.
 REASONS = [
     (
         r"ClientNonInferTimeoutTest",

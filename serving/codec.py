@@ -54,7 +54,8 @@ V2_DTYPES = {
 KNOWN_DATATYPES = (*V2_DTYPES, "BF16")  # the protocol's names; BF16 this server can't take
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 MAX_DIM = 2**31  # no model dimension is larger; numpy refuses some that are (a 500 once)
-# JSON data nested more deeply than this is refused: no tensor has that many axes (numpy stops at 64)
+# JSON data nested more deeply than this is refused: no tensor has that many axes (numpy stops at
+# 64)
 MAX_DATA_DEPTH = 100
 
 

@@ -98,7 +98,8 @@ class ModelInfo:
     # output's class names (label_filename, for the classification extension).
     max_batch_size: int | None = None
     output_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # Its dynamic_batching: how long a partial batch waits (ms), the most rows its queue holds (None: the flags')
+    # Its dynamic_batching: how long a partial batch waits (ms), the most rows its queue holds
+    # (None: the flags')
     max_delay_ms: float | None = None
     max_queue_rows: int | None = None
 
@@ -347,8 +348,9 @@ def load_model(
 
 
 def narrow_inputs(engine: Engine, config: ModelConfig) -> None:
-    """The shapes requests may send, as the config's dims narrow the file's (model_config.narrowed). An input
-    the config names that the model lacks is refused: the config was written for another model."""
+    """The shapes requests may send, as the config's dims narrow the file's (model_config.narrowed).
+    An input the config names that the model lacks is refused: the config was written for another
+    model."""
     specs = {s.name: s for s in engine.inputs}
     for name, declared in config.input_dims:
         if name not in specs:

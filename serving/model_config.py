@@ -1,18 +1,19 @@
 """A Triton `config.pbtxt` beside a repository model (DIR/NAME/config.pbtxt): what this server takes from it.
 
-Read: `max_batch_size` (N > 0: the operator says the model's rows are independent along the first axis and
-caps a batch at N; 0: every request runs alone, exactly as sent), `version_policy` (which of its version
-directories are loaded: `latest { num_versions: N }`, `all {}`, `specific { versions: [V, ...] }`; none given:
-the server's --version-policy), each input's `dims` (with max_batch_size > 0 the batch axis before them: the
-shapes requests may send, which may be narrower than the model file's, never wider), and each output's
-`label_filename` (one class name a line, beside the config: the labels of the classification extension), and of
-`dynamic_batching` its `max_queue_delay_microseconds` (how long a partial batch of this model waits for more
-rows, over --max-delay-ms) and `default_queue_policy { max_queue_size }` (the most rows its queue holds, under
---max-queue-rows: a request past it is a 503; Triton counts requests, this server rows). An
-input with a `reshape` keeps the file's shape (the request's shape is the model's here). The rest of Triton's
-ModelConfig
-(instance groups, dynamic batching, warm-up, ...) is allowed and not used; a top-level name that is not one of
-ModelConfig's, a value of the wrong kind, or broken text is refused, naming the file, line and column.
+Read: `max_batch_size` (N > 0: the operator says the model's rows are independent along the first
+axis and caps a batch at N; 0: every request runs alone, exactly as sent), `version_policy` (which
+of its version directories are loaded: `latest { num_versions: N }`, `all {}`, `specific { versions:
+[V, ...] }`; none given: the server's --version-policy), each input's `dims` (with max_batch_size >
+0 the batch axis before them: the shapes requests may send, which may be narrower than the model
+file's, never wider), and each output's `label_filename` (one class name a line, beside the config:
+the labels of the classification extension), and of `dynamic_batching` its
+`max_queue_delay_microseconds` (how long a partial batch of this model waits for more rows, over
+--max-delay-ms) and `default_queue_policy { max_queue_size }` (the most rows its queue holds, under
+--max-queue-rows: a request past it is a 503; Triton counts requests, this server rows). An input
+with a `reshape` keeps the file's shape (the request's shape is the model's here). The rest of
+Triton's ModelConfig (instance groups, dynamic batching, warm-up, ...) is allowed and not used; a
+top-level name that is not one of ModelConfig's, a value of the wrong kind, or broken text is
+refused, naming the file, line and column.
 
 The text format is parsed with protobuf's own tokenizer into plain values (no message classes: Triton's
 model_config.proto is not shipped with this server); only the fields read here are given types.
@@ -64,8 +65,8 @@ _FLOAT = re.compile(
 
 @dataclass(frozen=True)
 class VersionPolicy:
-    """Which versions of a repository model are loaded (Triton's ModelVersionPolicy): the `count` highest
-    (latest), every one (all), or those listed that exist (specific)."""
+    """Which versions of a repository model are loaded (Triton's ModelVersionPolicy): the `count`
+    highest (latest), every one (all), or those listed that exist (specific)."""
 
     kind: str  # latest | all | specific
     count: int = 1
@@ -99,8 +100,8 @@ class ModelConfig:
     version_policy: VersionPolicy | None = None
     # (input name, the full shape requests may send: [-1] + dims when max_batch_size > 0, else dims)
     input_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    # dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size (None: not given;
-    # a queue size of 0: no bound of its own)
+    # dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size (None:
+    # not given; a queue size of 0: no bound of its own)
     max_queue_delay_us: int | None = None
     max_queue_size: int | None = None
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (output name, its class names)
@@ -143,7 +144,8 @@ def read(model_dir: Path) -> ModelConfig | None:
             raise ConfigError(f"{path}: every input must be a message {{ name: ... dims: [...] }}")
         input_name = _scalar(entry, "name", str, path)
         dims = entry.get("dims")
-        # (an optional input is one the model file gives a default: onnxruntime does not list it as an input)
+        # (an optional input is one the model file gives a default: onnxruntime does not list it as
+        # an input)
         optional = entry.get("optional") == ["true"]
         if input_name is None or dims is None or "reshape" in entry or optional:
             continue

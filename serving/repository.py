@@ -438,7 +438,8 @@ class Repository:
                 f"{self.describe()}",
                 404,
             )
-        # The model's own config.pbtxt says which of its versions it serves; the flag is the default.
+        # The model's own config.pbtxt says which of its versions it serves; the flag is the
+        # default.
         try:
             config = model_config.read(next(iter(found.values())).parent)
         except model_config.ConfigError as exc:

@@ -302,8 +302,8 @@ class SharedMemory:
     # ---- inference ----
 
     def use(self, authorization: str, model: str = "") -> "Use":
-        """One request's use of its client's regions (see Use), for model `model` (named in its refusals);
-        `close` it when the request ends."""
+        """One request's use of its client's regions (see Use), for model `model` (named in its
+        refusals); `close` it when the request ends."""
         return Use(self, owner_of(authorization, self.tokened), model)
 
     def _hold(self, owner: str, name: str) -> Region:
@@ -402,14 +402,14 @@ class Use:
         return array
 
     def write(self, placed: dict[str, Ref], results: dict[str, np.ndarray]) -> dict[str, dict]:
-        """Each output placed in shared memory written there (a BYTES one serialized); {output: its parameters
-        in the answer, shared_memory_byte_size the bytes written}."""
+        """Each output placed in shared memory written there (a BYTES one serialized); {output: its
+        parameters in the answer, shared_memory_byte_size the bytes written}."""
         said = {}
         for name, ref in placed.items():
             region = self.region(ref.region)
             array = results[name]
-            # A BYTES output goes in its binary form (each element a 4-byte length, then its bytes), as Triton
-            # writes it and tritonclient's shared_memory.get_contents_as_numpy reads it.
+            # A BYTES output goes in its binary form (each element a 4-byte length, then its bytes),
+            # as Triton writes it and tritonclient's shared_memory.get_contents_as_numpy reads it.
             if array.dtype == object:
                 array = np.frombuffer(serialized(array), dtype=np.uint8)
             array = np.ascontiguousarray(array)
@@ -514,8 +514,9 @@ def _short(region: Region, what: str, end: int) -> BadRequest:
 
 
 def _inside(region: Region, ref: Ref, what: str) -> None:
-    """The tensor's bytes lie inside the registered region; else a 400 naming which bound they cross (in
-    Triton's words too: an offset past the region, an offset and size past it, a sum past 64 bits)."""
+    """The tensor's bytes lie inside the registered region; else a 400 naming which bound they cross
+    (in Triton's words too: an offset past the region, an offset and size past it, a sum past 64
+    bits)."""
     if ref.offset < 0 or ref.byte_size < 0 or ref.offset + ref.byte_size > region.byte_size:
         where = (
             f"shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} pass the "

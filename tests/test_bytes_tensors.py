@@ -214,9 +214,9 @@ def test_concurrent_bytes_requests_share_runs_and_each_gets_its_own_strings(serv
 
 
 def test_bytes_in_and_out_of_shared_memory_in_their_binary_form(server):
-    """Triton's shared-memory extension: a BYTES tensor's region holds its serialized elements, in and out; the
-    answer names the bytes written (shared_memory_byte_size), and tritonclient reads them back. An output region
-    too small for them is a 400 naming both sizes."""
+    """Triton's shared-memory extension: a BYTES tensor's region holds its serialized elements, in
+    and out; the answer names the bytes written (shared_memory_byte_size), and tritonclient reads
+    them back. An output region too small for them is a 400 naming both sizes."""
     import tritonclient.utils.shared_memory as shm
 
     sent = np.array([[b"3", b"14"]], dtype=object)

@@ -177,7 +177,8 @@ def test_every_malformed_request_is_a_400_that_names_the_field(tiny_server):
             r.status_code,
             r.text[:300],
         )
-    # Nested deeper than its rank, within the limit: the values in row-major order (numpy stops at 64 axes).
+    # Nested deeper than its rank, within the limit: the values in row-major order (numpy stops at
+    # 64 axes).
     r = requests.post(url, json={"inputs": [fp32([1, 1, 8, 8], nested(IMAGE, 70))]}, timeout=30)
     assert r.status_code == 200, r.text[:300]
     # The header length: a Unicode digit passed str.isdigit() and broke int(); 5000 digits broke int() too.

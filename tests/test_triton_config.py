@@ -1,11 +1,11 @@
-"""A repository model's config.pbtxt decides which of its versions are served and which shapes its requests may
-have, as Triton's model configuration says.
+"""A repository model's config.pbtxt decides which of its versions are served and which shapes its
+requests may have, as Triton's model configuration says.
 
-`version_policy` (latest N, all, specific versions) picks the version directories loaded; the server's
---version-policy is the default for a model whose config says nothing. An input's `dims` (after the batch axis
-when max_batch_size > 0) narrow the shape the model file accepts: a request of another shape is a 400 naming
-the shape the model takes. A real `python -m serving` over a repository, reached with tritonclient.
-"""
+`version_policy` (latest N, all, specific versions) picks the version directories loaded; the
+server's --version-policy is the default for a model whose config says nothing. An input's `dims`
+(after the batch axis when max_batch_size > 0) narrow the shape the model file accepts: a request of
+another shape is a 400 naming the shape the model takes. A real `python -m serving` over a
+repository, reached with tritonclient."""
 
 from __future__ import annotations
 
