@@ -1118,10 +1118,6 @@ REASONS = [
         r"reserved prefix",
         "Triton's python-backend shared memory key prefix (no python backend here)",
     ),
-    (
-        r"test_model_name_valid",
-        "model names starting with '.' refused (hidden directories, on purpose)",
-    ),
     (r"Invalid value for 'ready'", "JSON nested past the parser's depth limit refused as not JSON"),
     (
         r"Unable to open shared memory region",

@@ -56,6 +56,8 @@ log = logging.getLogger("serving.repository")
 
 # A model name as it may appear in a URL and as a directory name.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# a name NAME's characters make that starts with '.': a hidden directory's
+HIDDEN = re.compile(r"\.[A-Za-z0-9_.-]{0,127}")
 # Model states, as the V2 repository extension (and Triton) reports them.
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")  # printable ASCII: safe in a response header
@@ -433,9 +435,10 @@ class Repository:
         found = self.add_repository_models().get(name) if self.directory else None
         if not found:
             where = f" or in --repository {self.directory}" if self.directory else ""
+            # (Triton's words first: its clients look for them)
             raise RepositoryError(
-                f"no model '{name[:128]}' among the --model flags{where}; this server has "
-                f"{self.describe()}",
+                f"failed to poll from model repository: no model '{name[:128]}' among the --model "
+                f"flags{where}; this server has {self.describe()}",
                 404,
             )
         # The model's own config.pbtxt says which of its versions it serves; the flag is the
@@ -558,6 +561,15 @@ class Repository:
     async def load(self, name: str) -> None:
         """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
         requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
+        if HIDDEN.fullmatch(name) and name not in (".", "..") and self.directory:
+            # a directory of that name would be hidden: never a model, so none is found (not refused
+            # as a bad name: Triton takes such names, and finds no model)
+            raise RepositoryError(
+                f"failed to poll from model repository: no model {name[:128]!r} in --repository "
+                f"{self.directory} (a name starting with '.' is a hidden directory, never a model); "
+                f"this server has {self.describe()}",
+                404,
+            )
         if not NAME.fullmatch(name):
             raise RepositoryError(not_a_name(name))
         sources = await off_loop(self.sources_of, name)  # may read the repository directory
