@@ -1,6 +1,6 @@
 """The KServe V2 shared-memory extensions as Triton defines them and `tritonclient` speaks them: a client on the
 same host registers a region of its shared memory once, then sends each request's inputs, and takes its outputs,
-by region, offset and size instead of as bytes in the message. A 602 KB image then costs the server no bytes off
+by region, offset and size instead of as bytes in the message. A large image then costs the server no bytes off
 a socket at all.
 
     system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes): the server keeps

@@ -61,7 +61,7 @@ from serving.staging import NonFinite
 MAX_RANK = 32  # as over HTTP
 # Fields a ModelInferRequest may hold at its top level and inside its inputs and outputs together: a real
 # request has a handful per model input and output. Counted on the wire before any message is built,
-# because an empty repeated entry costs 2 bytes on the wire and ~90 in memory (16 MiB of them: ~730 MiB).
+# because an empty repeated entry costs far more in memory than on the wire (docs/benchmarks.md#servinggrpccodecpy).
 MAX_FIELDS = 4096
 # ModelInferRequest's fields worth counting inside: inputs (5) and outputs (6). Their own fields are counted
 # but not descended into (contents' packed numbers are one field each).
