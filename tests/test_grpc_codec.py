@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -797,3 +798,19 @@ def test_fuzz_only_bad_request_or_decode_error():
             assert decoded.feeds[s.name].dtype == s.dtype
             assert len(decoded.feeds[s.name].shape) == len(s.shape)
     assert min(outcomes.values()) >= 30, outcomes  # every path was taken, often
+
+
+def test_a_missing_input_of_an_image_version_names_the_tensor_not_both_forms():
+    """An image version takes the tensor or the file that stands for it (codec.given_inputs): a request
+    with neither is missing one input, the tensor, in Triton's words too."""
+    inputs = [
+        spec("x", "float32", "FP32", (-1, 4)),
+        replace(spec("image", "object", "BYTES", (-1,)), stands_for="x"),
+    ]
+    request = schema.ModelInferRequest(model_name="m")
+    with pytest.raises(BadRequest) as refused:
+        decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)
+    assert str(refused.value).startswith(
+        "expected 1 inputs but got 0 inputs for model 'm'. Got input(s) [], but missing required "
+        "input(s) ['x']. Please provide all required input(s)."
+    ), refused.value
