@@ -541,7 +541,11 @@ class Batcher:
     def _run_batch(self, runner, jobs: list[_Job]) -> None:
         """Runs queued `jobs` as one batch and answers each; if it fails, each job runs again alone."""
         outcome = self._timed_run(
-            runner, jobs, lambda: self._run_rows(self._placements.gather([j.feeds for j in jobs]))
+            runner,
+            jobs,
+            lambda: self._run_rows(
+                self._placements.gather([j.feeds for j in jobs], sum(j.rows for j in jobs))
+            ),
         )
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
@@ -587,7 +591,9 @@ class Batcher:
                 continue
             self._taken = time.monotonic()
             outcome = self._timed_run(
-                runner, [job], lambda: self._run_rows(self._placements.gather([job.feeds]))
+                runner,
+                [job],
+                lambda: self._run_rows(self._placements.gather([job.feeds], job.rows)),
             )
             if outcome is None:
                 return

@@ -170,7 +170,7 @@ class Service:
 
     async def ModelInfer(self, request, call: "Call"):
         # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
-        regions = self.server.shared_memory.use(call.authorization)
+        regions = self.server.shared_memory.use(call.authorization, request.model_name)
         try:
             return await self._model_infer(request, call, regions)
         finally:

@@ -38,7 +38,7 @@ import httptools
 
 from serving.envelope import Exchange, Refusal, Refused, refusal, source_of
 from serving.http import bodies
-from serving.http.wire import Request, Response, error_response
+from serving.http.wire import Request, Response, error_response, too_large
 
 try:
     from serving._ingest import (
@@ -314,10 +314,7 @@ class Connection(asyncio.BufferedProtocol):
                 check = auth.check_labels if route.labels else auth.check
                 check(headers.get("authorization", ""))
             if length > site.max_body_bytes:
-                raise Refused(
-                    413,
-                    f"the body exceeds the limit of {site.max_body_bytes} bytes (--max-body-bytes)",
-                )
+                raise Refused(413, too_large(headers, f"{length} bytes", site.max_body_bytes))
             body = (
                 route.body(site.server, request, exchange, length, chunked) if route.body else None
             )
@@ -352,8 +349,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._refuse(
                     Refused(
                         413,
-                        f"the body exceeds the limit of {self.site.max_body_bytes} bytes "
-                        "(--max-body-bytes)",
+                        too_large(
+                            self.headers,
+                            f"more than {self.site.max_body_bytes} bytes",
+                            self.site.max_body_bytes,
+                        ),
                     ),
                     True,
                     0,
