@@ -287,6 +287,9 @@ class Batcher:
                 raise
             if place is not None:
                 place = placements.fill(place, job)
+                if place is None:
+                    # (killed meanwhile: the front-end process that held it went away)
+                    raise BatcherClosed("the request's front end went away")
                 # its place's rows (a moved request's new place: its old one may be handed out)
                 job.feeds = place.views
             else:
