@@ -1,9 +1,10 @@
 """trainserve's inference server: ONNX models on onnxruntime behind HTTP and gRPC (KServe V2).
 
 The core (one inference path for every front end):
-    core.py     the Server: the models served, `answer(slot, request, exchange)` (version, receipt, infer, payload
-                log, shadow mirror), drift windows, start-up and shutdown
-    envelope.py what every front end puts around a request, written once: refusal -> status, receipt, metrics
+    core.py     the Server: the models served, `answer(slot, request, exchange)` (receipt, infer,
+                its observers told: payload log, shadow mirror, warm-up), start-up and shutdown
+    envelope.py what every front end puts around a request, written once: auth, refusal -> status,
+                receipt, metrics
     repository.py  the models and versions served: sources, version policy, load/unload, alias following
     loader.py   where a model comes from (a file, the MLflow registry: lazy import) and its name
     batcher.py  dynamic batching: the queue, when a batch runs; knows neither HTTP nor onnxruntime
@@ -20,8 +21,10 @@ The front ends (each a thin adapter: its protocol in, the core's answer out):
 And around them:
     metrics.py  Prometheus metrics of one server
     payload_log.py  the opt-in sampled log of requests and answers (JSONL, rotated, capped)
-    shadow.py   the challenger judged on live traffic: pairs, labels, the verdict
+    shadow.py   the challenger judged on live traffic: the mirror (an observer of answers), pairs,
+                labels, the verdict
     drift.py    the drift reference format (written at export), PSI, the sliding window per version
+                (observed per batch: each batcher's `observe` hook)
     cuda.py     the CUDA runtime calls the server makes itself (pinning, IPC handles), through ctypes
     config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> a running server
 

@@ -53,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -168,9 +169,15 @@ class Batcher:
         arrival_wait_ms: float = 0.0,
         incoming: Callable[[], int] | None = None,
         name: str = "the model",
+        observe: Callable[[Feeds, Feeds], None] | None = None,
     ):
         # the version it runs, in its log lines
         self.name = name
+        # `observe(feeds, outputs)` is told of each batch the model ran (drift). It is handed to the
+        # runs: only they see the rows as they ran, padding cut off, before the buffer is reused.
+        if observe is not None:
+            run = partial(run, observe=observe)
+            run_gathered = run_gathered and partial(run_gathered, observe=observe)
         self._run = run
         # (feeds of a batch bucket's rows, the requests' rows among them) -> outputs
         self._run_gathered = run_gathered

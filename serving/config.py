@@ -340,15 +340,9 @@ class Settings:
             raise ValueError(
                 f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}"
             )
+        # Whether the native engine was built is checked where gRPC is started (serving/cli.py).
         if self.grpc_engine not in ("auto", "native", "aio"):
             raise ValueError(f"--grpc-engine must be auto, native or aio, got {self.grpc_engine!r}")
-        if self.grpc_engine == "native" and self.grpc_port is not None:
-            from serving.grpc import native
-
-            if not native.available():
-                raise ValueError(
-                    f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio"
-                )
 
     def _check_drift_and_shadow(self) -> None:
         if self.drift_window < 0:

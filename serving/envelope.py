@@ -2,10 +2,12 @@
 stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
 answered, and the request's line in the metrics.
 
-    Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
-                  the receipt naming it (the core fills it in: `answered_by`): X-Request-Id (the client's id echoed,
-                  else a fresh one), X-Server-Request-Id (the server's own id of an answer, random, never the
-                  client's: labels for the answer are posted under it), X-Model-*
+    Auth          who may call what: the clients' tokens (--auth-token), the labels' own
+                  (--feedback-token)
+    Exchange      one request as the envelope follows it: its route, when it began, the version
+                  that answered and the receipt naming it: X-Request-Id (the client's id echoed,
+                  else a fresh one), X-Server-Request-Id (the server's own id of an answer,
+                  random, never the client's: labels for the answer are posted under it), X-Model-*
     Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
     refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
                   warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
@@ -16,6 +18,7 @@ A front end decides only how to carry these: HTTP puts the receipt in headers an
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -54,6 +57,64 @@ class Refused(Exception):
         self.headers = headers
 
 
+class Auth:
+    """Who may call what. Inference and everything else but the health checks: one of the clients'
+    tokens (--auth-token), when any is set. Labels (feedback): their own token (--feedback-token),
+    never an inference token, so that whoever may ask for answers does not thereby decide which
+    version becomes champion. Every comparison takes constant time.
+    """
+
+    def __init__(self, tokens: list[bytes], feedback: str | None = None):
+        self.tokens = tokens
+        self.feedback = None if feedback is None else feedback.strip().encode()
+
+    @property
+    def required(self) -> bool:
+        """Whether a token is needed at all (none: a loopback server, open to all who reach it)."""
+        return bool(self.tokens)
+
+    def check(self, authorization: str) -> None:
+        """An `Authorization` value (HTTP header or gRPC metadata) against the clients' tokens."""
+        if not self.tokens:
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        # Every token compared: which one matched, or none, takes no less time to find.
+        matched = [hmac.compare_digest(given, known) for known in self.tokens]
+        if scheme.lower() != "bearer" or not any(matched):
+            raise Refused(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_labels(self, authorization: str) -> None:
+        """An `Authorization` value against the feedback token."""
+        if self.feedback is None:
+            if self.tokens:
+                raise Refused(
+                    403,
+                    "this server takes no labels: start it with --feedback-token (env "
+                    "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one",
+                )
+            # No auth at all: labels as open as the rest.
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() == "bearer" and hmac.compare_digest(given, self.feedback):
+            return
+        if any(hmac.compare_digest(given, known) for known in self.tokens):
+            raise Refused(
+                403, "labels need the feedback token (--feedback-token), not the inference token"
+            )
+        raise Refused(
+            401,
+            "missing or wrong bearer token: labels need "
+            "'Authorization: Bearer <the feedback token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+
 class ClientGone(Exception):
     """The client went away before its request had arrived: its own doing, answered to nobody (499)."""
 
@@ -65,25 +126,28 @@ class Refusal(NamedTuple):
 
 
 class Exchange:
-    """One request through any front end: its route (as metrics name it), when it began, and once the version is
-    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
+    """One request through any front end: its route (as metrics name it), when it began, and once
+    the version is known, the model that answered and the receipt naming it and the request
+    (X-Request-Id, X-Model-*).
+
+    Each part of the receipt is written once:
+    - `slot`: by the front end when it picks the version (a refusal names it from then on);
+      rewritten by Server.answer only when a reload swap had another version answer;
+    - `request_id`: by the front end when it knows one before decoding (HTTP's X-Request-Id, a gRPC
+      message's id or metadata; checked), else by Server.answer (the V2 body's id, or a fresh one);
+    - `server_id`: by Server.answer.
+    """
 
     __slots__ = ("route", "started", "slot", "request_id", "server_id", "source")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
-        self.source = (
-            source  # the client's address (its host, not its port): the shadow counts pairs by it
-        )
+        # The client's address (its host, not its port): the shadow counts pairs by it.
+        self.source = source
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None
-        # the server's own id of the answer (new_request_id), set once the request is answered
         self.server_id: str | None = None
-
-    def answered_by(self, slot, request_id: str | None = None) -> None:
-        """The version the request is (now) for, and its id when known: also given with a refusal."""
-        self.slot, self.request_id = slot, request_id
 
     @property
     def model(self) -> tuple[str, str]:

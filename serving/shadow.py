@@ -24,7 +24,7 @@ The verdict, under `Rule` (the user's thresholds):
 
 Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to "promote" for a
 7%-accurate challenger with near-copies of one input the two versions answer alike, from several addresses). The
-labels come from the holder of the feedback token (serving/core.py, check_feedback_token), are range-checked
+labels come from the holder of the feedback token (serving/envelope.py, Auth), are range-checked
 against the model's answers, and are joined only with answers the server kept under its own ids. What else no one
 client can shape: a pair counts once per distinct input (an input sent again is counted as repeated, not as
 another pair), the requests mirrored are the server's random draw, and the report says how many distinct inputs,
@@ -33,15 +33,28 @@ and how many clients (by address), made the pairs and the labelled pairs, and th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import math
+import random
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from serving.batcher import BatcherClosed, QueueFull, RunTimedOut
+from serving.console import clip
+from serving.envelope import Refused
+
+log = logging.getLogger("serving.shadow")
+
+# Mirrored requests waiting for the challenger, per model: past it they are dropped.
+MIRROR_QUEUE = 64
 LATENCIES_KEPT = 2000  # per side, for the percentiles
 ANSWERS_KEPT = 10000  # request ids whose answers wait for a label
 ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
@@ -502,3 +515,164 @@ def _nbytes(kept: tuple) -> int:
 
 def _pct(values, q: float) -> float:
     return round(float(np.percentile(np.asarray(values), q)), 3) if values else 0.0
+
+
+class Mirror:
+    """The challenger's half of the pairs, an observer of the server's answers (serving/core.py).
+
+    A random `fraction` of each shadowed model's champion answers, drawn by the server (never from
+    an id a client chose), runs again on the challenger: off the request path, on the server's main
+    loop, one request at a time per model. Shed first under load: when its queue is full, or the
+    champion has rows waiting, the pair is dropped and counted; the champion's answer never waits
+    for it. Both answers are kept under the server's own id of the request.
+    """
+
+    def __init__(self, repository, alias: str, fraction: float, rule: Rule, timeout: float):
+        self.repository = repository
+        self.alias = alias
+        self.fraction = fraction
+        self.timeout = timeout
+        # model -> its comparison: with a fraction to mirror (--shadow), each model loaded from an
+        # alias that ends in @<alias>
+        self.comparisons = {
+            name: Shadow(rule)
+            for name, served in repository.aliases()
+            if fraction and served.rpartition("@")[2] == alias
+        }
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._workers: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """On the server's main loop: each model's queue and the worker that empties it."""
+        self.loop = asyncio.get_running_loop()
+        for name in self.comparisons:
+            self._queues[name] = asyncio.Queue(MIRROR_QUEUE)
+            self._workers.append(asyncio.create_task(self._worker(name), name=f"shadow {name}"))
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def keeps(self, slot, request_id: str) -> bool:
+        """Whether this request is drawn for the sample: its inputs are then kept past its run."""
+        return slot.model.info.name in self.comparisons and random.random() < self.fraction
+
+    def answered(self, answer) -> None:
+        """The champion's answer kept for labels; a drawn one queued for the challenger."""
+        if answer.results is None:
+            return
+        name, slot = answer.slot.model.info.name, answer.slot
+        shadow = self.comparisons.get(name)
+        if shadow is None:
+            return
+        champion, challenger = self._pair(name, shadow)
+        # A request that named another version is not the champion's traffic.
+        if challenger is None or slot is not champion:
+            return
+        server_id = answer.exchange.server_id
+        shadow.answered(server_id, answer.results)
+        if self not in answer.keepers:
+            return
+        pair = (
+            challenger,
+            slot.version,
+            server_id,
+            answer.inputs,
+            answer.request.rows,
+            answer.results,
+            answer.ms,
+            answer.exchange.source,
+        )
+        if asyncio.get_running_loop() is self.loop:
+            self._enqueue(name, slot, pair)
+        else:
+            # Answered on another HTTP loop: the queues are the main loop's.
+            self.loop.call_soon_threadsafe(self._enqueue, name, slot, pair)
+
+    def _enqueue(self, name: str, slot, pair: tuple) -> None:
+        queue = self._queues.get(name)
+        if queue is None or queue.full() or slot.batcher.queued_rows > 0:
+            self.comparisons[name].dropped((slot.version, pair[0].version))
+            return
+        queue.put_nowait(pair)
+
+    async def _worker(self, name: str) -> None:
+        """One model's mirrored requests, one at a time, on its challenger's batcher."""
+        queue, shadow = self._queues[name], self.comparisons[name]
+        while True:
+            (
+                challenger,
+                version,
+                server_id,
+                feeds,
+                rows,
+                champion,
+                champion_ms,
+                source,
+            ) = await queue.get()
+            versions = (version, challenger.version)
+            started = time.perf_counter()
+            try:
+                answer = await asyncio.wait_for(
+                    challenger.batcher.submit(feeds, rows), self.timeout
+                )
+            except (QueueFull, BatcherClosed, RunTimedOut, asyncio.TimeoutError):
+                # The server's load, not the challenger's fault.
+                shadow.dropped(versions)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failing challenger is what is counted
+                log.warning(
+                    "shadow: %s version %s failed request %s: %s",
+                    name,
+                    challenger.version,
+                    server_id,
+                    clip(str(exc) or type(exc).__name__, 200),
+                )
+                shadow.error(versions)
+                continue
+            took = (time.perf_counter() - started) * 1e3
+            # Hashing a large input takes a while: off the loop.
+            digest = await asyncio.to_thread(input_digest, feeds)
+            shadow.pair(server_id, champion, answer, champion_ms, took, versions, digest, source)
+
+    def _pair(self, name: str, shadow: Shadow):
+        """(champion, challenger) served now, and the comparison set to that pairing (afresh when
+        either moved); (None, None) when there is nothing to compare."""
+        model = self.repository.models.get(name)
+        champion = model.default_slot() if model is not None else None
+        challenger = self._challenger(model) if champion is not None else None
+        if challenger is None or challenger is champion:
+            return None, None
+        info = champion.model.info
+        shadow.pairing(champion.version, challenger.version, info.decision, info.prediction)
+        return champion, challenger
+
+    def _challenger(self, model):
+        """The loaded version behind the model's @<alias>, if any."""
+        served = [a for a in model.alias_served if a.rpartition("@")[2] == self.alias]
+        return model.slots.get(model.alias_served[served[0]]) if served else None
+
+    def comparison(self, name: str) -> Shadow:
+        """The comparison of `name`, paired with the versions served now; Refused 404 if none."""
+        # A 404 naming the models for an unknown one.
+        self.repository.model(name)
+        shadow = self.comparisons.get(name)
+        if shadow is None:
+            raise Refused(
+                404,
+                f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
+                f"and the model as models:/<name>@<alias> with an @{self.alias}",
+            )
+        self._pair(name, shadow)
+        return shadow
+
+    def reports(self) -> dict[str, dict]:
+        """The report of each loaded model's comparison, for /metrics."""
+        return {
+            name: self.comparison(name).report()
+            for name in self.comparisons
+            if name in self.repository.models
+        }

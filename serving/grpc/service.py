@@ -179,7 +179,8 @@ class Service:
         server = self.server
         rid = _request_id(request.id or call.metadata.get("x-request-id"))
         slot = server.model_slot(request.model_name, request.model_version or None)
-        call.exchange.answered_by(slot, rid)  # the receipt, with a refusal too, as over HTTP
+        # The receipt, with a refusal too, as over HTTP.
+        call.exchange.slot, call.exchange.request_id = slot, rid
         engine = slot.model.engine
         arrival = None
 
@@ -215,7 +216,6 @@ class Service:
                 decoded,
                 call.exchange,
                 endpoint=call.endpoint,
-                request_id=rid,
                 follow_swap=not request.model_version,
                 arrival=arrival,
             )
@@ -372,7 +372,7 @@ def _handler(server, service: Service, method: str, request_class):
         status, response = 200, None
         try:
             if method not in OPEN:
-                server.check_token(info.authorization)
+                server.auth.check(info.authorization)
             request = await _parsed(server, request_class, data)
             response = await call(request, info)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
@@ -515,7 +515,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
             "x-request-id", None
         )  # one id for many requests would not be an id: each gets its own
         try:
-            server.check_token(metadata.get("authorization", ""))
+            server.auth.check(metadata.get("authorization", ""))
         except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             Exchange(route).finish(server.metrics, label(found.status))

@@ -35,7 +35,7 @@ import numpy as np
 import serving
 from serving import codec, extensions
 from serving.codec import BadRequest
-from serving.core import Server, check_request_id
+from serving.core import Server, check_request_id, decode_now
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
@@ -93,6 +93,7 @@ def body_bytes(server: Server, request: Request) -> bytes:
 
 
 def request_id(request: Request) -> str | None:
+    """The client's X-Request-Id, checked; None when it sent none."""
     given = request.headers.get("x-request-id")
     return None if given is None else check_request_id(given, "the X-Request-Id header")
 
@@ -111,11 +112,9 @@ def header_length(request: Request) -> int | None:
 def v2_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
     """A V2 inference request: its version (404 before the body), id, content type and header length checked; a
     binary request's body straight into its arrays (bodies.V2Binary)."""
-    slot = request.slot = server.model_slot(request.params["name"], request.params.get("version"))
-    exchange.answered_by(slot)
-    request.request_id = request_id(request)
-    if request.request_id is not None:
-        exchange.answered_by(slot, request.request_id)
+    # The receipt from here on: the version, then the header's id (else the body's, or a fresh one).
+    slot = exchange.slot = server.model_slot(request.params["name"], request.params.get("version"))
+    exchange.request_id = request_id(request)
     content_type = request.header("content-type").split(";")[0].strip().lower()
     if content_type in SIMPLE_TYPES:
         raise Refused(
@@ -124,9 +123,8 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
             "cross-site); send application/json, or application/octet-stream with binary data",
         )
     json_length = header_length(request)
-    request.arrival = arrival = (
-        slot.batcher.arriving()
-    )  # a batch about to run waits for it a little (Batcher)
+    # A batch about to run waits for it a little (Batcher).
+    request.arrival = arrival = slot.batcher.arriving()
     engine = slot.model.engine
     # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
     # from the whole body, element by element: codec.decode_v2).
@@ -164,9 +162,9 @@ def _seen_headers(engine) -> dict:
 def invocations_body(
     server: Server, request: Request, exchange: Exchange, length: int, chunked: bool
 ):
-    slot = request.slot = server.invocations_slot()
-    request.request_id = request_id(request) or new_request_id()
-    exchange.answered_by(slot, request.request_id)
+    # The receipt: MLflow's body has no id, so the header's or a fresh one is the request's.
+    slot = server.invocations_slot()
+    exchange.slot, exchange.request_id = slot, request_id(request) or new_request_id()
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
     if content_type != JSON:
         raise Refused(415, f"Content-Type {content_type} is not supported; send application/json")
@@ -267,11 +265,11 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
 
 
 async def _v2_infer(server: Server, request: Request, exchange: Exchange, regions) -> Response:
-    slot, named = request.slot, "version" in request.params
+    slot, named = exchange.slot, "version" in request.params
     engine = slot.model.engine
     body, shared = request.body, regions.read
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
-        decoded = server.decode_now(partial(body.finish, shared))
+        decoded = decode_now(partial(body.finish, shared))
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
@@ -296,13 +294,12 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
         slot,
         decoded,
         exchange,
-        request_id=request.request_id,
         follow_swap=not named,
         endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer",
         arrival=request.arrival,
     )
     info, engine = answer.slot.model.info, answer.slot.model.engine
-    # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
+    # The V2 "id": the body's when given (the protocol echoes it), else the request's.
     v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
     placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
     payload, json_length = codec.encode_v2(
@@ -322,26 +319,34 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
 
 
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
-    slot = request.slot
+    slot = exchange.slot
     data = body_bytes(server, request)
     try:
         decoded = await server.decode(
             partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits), len(data)
         )
         answer = await server.answer(
-            slot,
-            decoded,
-            exchange,
-            request_id=request.request_id,
-            follow_swap=True,
-            endpoint="/invocations",
+            slot, decoded, exchange, follow_swap=True, endpoint="/invocations"
         )
     except (BadRequest, Refused) as exc:
         if exc.status != 400:
             raise
-        # Another model's inputs sent here: say which model /invocations serves and how to reach the others.
-        raise Refused(400, f"{exc}{server.invocations_hint(server.invocations_slot())}") from None
+        raise Refused(400, f"{exc}{invocations_hint(server, server.invocations_slot())}") from None
     return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
+
+
+def invocations_hint(server: Server, slot) -> str:
+    """On a server of several models, a refusal on /invocations says which one it serves and how to
+    reach the others: a client sending another model's inputs would otherwise not know why they
+    don't fit."""
+    others = sorted(n for n in server.repository.models if n != slot.model.info.name)
+    if not others:
+        return ""
+    return (
+        f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+        f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server "
+        f"with --default-model NAME)"
+    )
 
 
 async def ping(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -364,13 +369,13 @@ async def version(server: Server, request: Request, exchange: Exchange) -> Respo
 
 
 async def shadow(server: Server, request: Request, exchange: Exchange) -> Response:
-    return json_response(server.shadow(request.params["name"]).report())
+    return json_response(server.mirror.comparison(request.params["name"]).report())
 
 
 async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
     """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]}, joined with
     what the champion and the challenger answered for those requests (serving/shadow.py)."""
-    comparison = server.shadow(request.params["name"])
+    comparison = server.mirror.comparison(request.params["name"])
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or not items:
@@ -522,9 +527,8 @@ class Route:
     path: str  # the pattern, as the metrics name the route
     handler: Handler
     open: bool = False  # no token needed (health checks)
-    labels: bool = (
-        False  # the feedback token, not the inference token (Server.check_feedback_token)
-    )
+    # The feedback token, not the inference token (Auth.check_labels).
+    labels: bool = False
     body: Callable | None = (
         None  # where its body goes: (server, request, exchange, length, chunked) -> a body
     )
