@@ -170,6 +170,7 @@ class Batcher:
         incoming: Callable[[], int] | None = None,
         name: str = "the model",
         observe: Callable[[Feeds, Feeds], None] | None = None,
+        placements: Placements | None = None,
     ):
         # the version it runs, in its log lines
         self.name = name
@@ -181,8 +182,10 @@ class Batcher:
         self._run = run
         # (feeds of a batch bucket's rows, the requests' rows among them) -> outputs
         self._run_gathered = run_gathered
-        # the batch buffers' rows (`buffers`: a staging.BatchBuffers), the requests on their way
-        self._placements = Placements(
+        # the batch buffers' rows (`buffers`: a staging.BatchBuffers), the requests on their way;
+        # or `placements` the caller made (an arena's, serving/arena.py: front-end processes place
+        # requests in its rows too)
+        self._placements = placements or Placements(
             buffers if run_gathered is not None and merge else None, max_batch_size, bucket_for
         )
         self._runner = runner
@@ -249,6 +252,23 @@ class Batcher:
         was read): the views to receive its body into, or None (no buffer free, too many rows, or it
         has one already)."""
         return self._placements.place(arrival, rows)
+
+    @property
+    def placements(self) -> Placements:
+        return self._placements
+
+    def adopt(self, source: int, index: int, k: int, ticket: int) -> Arrival:
+        """A front-end process's arrival (counted under `source`, in place `k` of buffer `index`
+        when it has one), handed to this process: to submit, or to end (Placements.adopt)."""
+        return self._placements.adopt(self, source, index, k, ticket)
+
+    def look_again(self) -> None:
+        """Arrivals counted in another process were forgotten (it died): a batch that waited for
+        them is looked at now."""
+        with self._lock:
+            waiting = self._wait_until is not None
+        if waiting:
+            self._runner.ready(self)
 
     def ended(self, arrival: Arrival) -> None:
         """An arrival that goes no further (Arrival.end): its place (if any) is dead."""

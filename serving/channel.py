@@ -1,5 +1,6 @@
-"""What the engine's process and each of its front-end processes say to each other: small records
-over a Unix stream socket, a pair per front end (serving/front_ends.py, serving/front_end_process.py).
+"""What the engine's process and each of its front-end processes say to each other: small
+records over a Unix stream socket, a pair per front end (serving/front_ends.py,
+serving/front_end_process.py).
 
 A record is its length (4 bytes), its kind (1 byte) and its fields, packed with `struct`: never
 pickled (what crosses is data, and a record from a front end is no more trusted than a request). A
@@ -14,7 +15,8 @@ Records are written at the end of the event loop's turn, every one of that turn 
 engine a turn's worth at once, as grpc's C++ threads hand the loop theirs (serving/grpc/native.cc).
 
     front end -> engine              engine -> front end
-    LISTENING  its addresses          SETUP    settings, models; descriptors follow on the side socket
+    WAITING    started, imports done  SETUP    its number, settings, models; descriptors follow on
+    LISTENING  its addresses                   the side socket
     SUBMIT     a request in its place VERSIONS the models again (a load, an unload, a swap)
     ENDED      an arrival given up    ANSWER   a request's outputs and receipt
     FORWARD    a request the engine   REFUSED  a request's refusal (status, message, headers)
@@ -48,7 +50,8 @@ log = logging.getLogger("serving.channel")
     REPLY,
     ASK_METRICS,
     DRAIN,
-) = range(1, 13)
+    WAITING,
+) = range(1, 14)
 NAMES = {
     LISTENING: "LISTENING",
     SUBMIT: "SUBMIT",
@@ -62,6 +65,7 @@ NAMES = {
     REPLY: "REPLY",
     ASK_METRICS: "METRICS?",
     DRAIN: "DRAIN",
+    WAITING: "WAITING",
 }
 HEAD = struct.Struct("<IB")
 # a record's largest length: a forwarded request's body is at most --max-body-bytes (< 2 GiB)

@@ -2,7 +2,7 @@
 (serving/front_ends.py), on the same ports as its sibling front ends (SO_REUSEPORT), with the code
 one process runs (serving/http/, serving/grpc/). It imports no onnxruntime and runs no model.
 
-    python -m serving.front_end_process CHANNEL SIDE ENGINE_PID NUMBER    (its engine starts it)
+    python -m serving.front_end_process CHANNEL SIDE ENGINE_PID    (its engine starts it)
 
 What it does itself, for an inference request (V2 over HTTP, binary or JSON; /invocations; gRPC
 ModelInfer, unary or on a stream): the checks on its head (Host, Origin, token, sizes, the model
@@ -21,6 +21,9 @@ region registered through one front end serves all of them).
 What it is told (VERSIONS, at start and after every load, unload and alias move): the models, each
 version's inputs, outputs and receipt, and each version's arena, whose descriptor comes over the
 side socket. A version that goes keeps its rows here until this process lets go of them.
+
+It is started not knowing its number: the engine keeps one started as a spare (serving/processes.py)
+and tells it its number with its settings (SETUP) when it takes a dead front end's place.
 
 It dies with its engine: the kernel kills it when the engine's process ends (PR_SET_PDEATHSIG), and
 it exits when its channel closes. DRAIN, SIGTERM or SIGINT: it stops accepting, answers what is in
@@ -41,6 +44,7 @@ import struct
 import sys
 import threading
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -226,7 +230,9 @@ class Remote:
                 waiting.set_result((kind, bytes(fields)))
         elif kind == channel.SETUP:
             setup = channel.unjson(fields)
+            self.owner = setup["owner"]
             self.settings = settings_of(setup["settings"])
+            log_as(self.owner, self.settings.log_level)
             self.auth = Auth(self.settings.tokens(), self.settings.feedback_token)
             self.limits = Limits(self.settings.max_rows_per_request, self.settings.max_body_bytes)
             self._versions(setup["versions"])
@@ -484,30 +490,68 @@ def front_end_routes() -> list:
     return table
 
 
+def forwarding_service(remote: Remote):
+    """The gRPC service of one process (serving/grpc/service.py) with ModelInfer answered here
+    (the engine's when it names a shared-memory region) and every other method the engine's."""
+    from serving.grpc import schema
+    from serving.grpc.service import Service
+
+    class Forwarding(Service):
+        def call(self, method: str):
+            if method == "ModelInfer":
+                return self.ModelInfer
+            return partial(self.forward, method)
+
+        async def ModelInfer(self, request, call):
+            try:
+                return await super().ModelInfer(request, call)
+            except Elsewhere:
+                return await self.forward("ModelInfer", request, call)
+
+        async def forward(self, method: str, request, call):
+            if call.raw:
+                # (the native engine kept the raw contents apart from the message)
+                request.raw_input_contents.extend(bytes(raw) for raw in call.raw)
+            head = {"method": method, "metadata": call.metadata}
+            data = request.SerializeToString()
+            status, said, payload = await remote.forward("grpc", head, data, call.exchange)
+            if status != 200:
+                raise Refused(status, said.get("message", ""))
+            return schema.METHODS[method][1].FromString(payload)
+
+    return Forwarding(remote)
+
+
 # ---- the process ------------------------------------------------------------------------------
 
 
-async def _serve(channel_fd: int, side_fd: int, owner: int) -> int:
+async def _serve(channel_fd: int, side_fd: int) -> int:
     from serving.http.front_end import HttpFrontEnd
 
     loop = asyncio.get_running_loop()
     side = socket.socket(fileno=side_fd)
     side.setblocking(True)
-    remote = Remote(owner, side)
+    remote = Remote(0, side)
     await loop.connect_accepted_socket(lambda: remote.channel, socket.socket(fileno=channel_fd))
-    await remote.set_up
+    # (the spare waits here, its imports done, until it is given a number or told to go)
+    remote.channel.send(channel.WAITING, b"")
+    drained = loop.create_task(remote.drained.wait())
+    await asyncio.wait([remote.set_up, drained], return_when=asyncio.FIRST_COMPLETED)
+    if not remote.set_up.done():
+        return 0
     settings = remote.settings
-    logging.getLogger().setLevel(settings.log_level.upper())
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.create_task(_set_when(remote.drained, stop))
+    drained.add_done_callback(lambda _: stop.set())
     http = HttpFrontEnd(remote, front_end_routes())
     bound = await http.listen(settings.host, settings.port, 1, reuse_port=True)
     if settings.grpc_port is not None:
         from serving.grpc import service
 
-        remote.listening.append(await service.start_grpc(remote, shared_port=True))
+        remote.listening.append(
+            await service.start_grpc(remote, forwarding_service(remote), shared_port=True)
+        )
     remote.channel.send(
         channel.LISTENING, channel.json({"http": [list(a) for a in bound], "pid": os.getpid()})
     )
@@ -519,23 +563,30 @@ async def _serve(channel_fd: int, side_fd: int, owner: int) -> int:
     return 0
 
 
-async def _set_when(event: asyncio.Event, then: asyncio.Event) -> None:
-    await event.wait()
-    then.set()
+def log_as(owner: int, level: str) -> None:
+    """Its log lines as the engine's (serving/console.py), each naming the front end."""
+    from serving.console import OneLine
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        OneLine(
+            f"[front end {owner}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
 
 
 def main(argv: list[str] | None = None) -> int:
-    channel_fd, side_fd, engine, owner = (int(a) for a in (argv or sys.argv[1:]))
+    channel_fd, side_fd, engine = (int(a) for a in (argv or sys.argv[1:]))
     die_with(engine)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s front end {owner} %(levelname)s %(name)s: %(message)s",
-    )
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(channel_fd, side_fd, owner))
-    return uvloop.run(_serve(channel_fd, side_fd, owner))
+        return asyncio.run(_serve(channel_fd, side_fd))
+    return uvloop.run(_serve(channel_fd, side_fd))
 
 
 if __name__ == "__main__":

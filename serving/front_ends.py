@@ -75,7 +75,8 @@ class FrontEnds:
         self._slots: dict[int, object] = {}
         self._retired: dict[int, float] = {}
         self._arenas: dict[int, arena.Arena] = {}
-        self._pending_arenas: dict[int, arena.Arena] = {}
+        # a new version's rows, by its placements, until its slot is named (_key)
+        self._made: dict[int, tuple[object, arena.Arena]] = {}
         self._keys = 0
         self._table: dict | None = None
         # per front end, its requests being answered here
@@ -100,10 +101,8 @@ class FrontEnds:
             pin=model.engine.provider in GPU_PROVIDERS,
             name=f"{model.info.name}-{model.info.version}",
         )
-        self._keys += 1
-        self._pending_arenas[id(model)] = rows
         placements = rows.placements(capacity, bucket_for)
-        placements.key = self._keys
+        self._made[id(placements)] = (placements, rows)
         return placements
 
     async def start(self, server) -> FrontEnds:
@@ -130,6 +129,7 @@ class FrontEnds:
             self.announce()
 
         server.repository.on_change = changed
+        server.metrics.watch_front_ends(lambda: (self.processes.states(), self.processes.replaced))
         self._versions()
         await self.processes.start()
         return self
@@ -177,7 +177,7 @@ class FrontEnds:
             if rows is not None:
                 described["arena"] = len(fds)
                 described["layout"] = rows.layout
-                described["capacity"] = slot.batcher._placements.capacity
+                described["capacity"] = slot.batcher.placements.capacity
                 fds.append(rows.fd)
             versions.append(described)
         now = time.monotonic()
@@ -200,15 +200,12 @@ class FrontEnds:
         for key, known in self._slots.items():
             if known is slot:
                 return key
-        placements = slot.batcher._placements
-        key = getattr(placements, "key", None)
-        if key is None:
-            self._keys += 1
-            key = self._keys
+        self._keys += 1
+        key = self._keys
         self._slots[key] = slot
-        rows = self._pending_arenas.pop(id(slot.model), None)
-        if rows is not None:
-            self._arenas[key] = rows
+        made = self._made.pop(id(slot.batcher.placements), None)
+        if made is not None:
+            self._arenas[key] = made[1]
         return key
 
     def _prune(self, now: float) -> None:
@@ -217,7 +214,7 @@ class FrontEnds:
         without a place names its version within that of its body's end)."""
         wait = self.server.settings.read_timeout + self.server.settings.request_timeout
         for key, since in list(self._retired.items()):
-            placements = self._slots[key].batcher._placements
+            placements = self._slots[key].batcher.placements
             busy = (
                 placements.on_the_way() or len(placements.free_buffers()) < placements.table.count
             )
@@ -235,7 +232,9 @@ class FrontEnds:
     def _setup(self, process) -> tuple[bytes, list[int]]:
         found = self._versions()
         settings = dataclasses.asdict(self.server.settings)
-        fields = channel.json({"settings": settings, "versions": found["table"]})
+        fields = channel.json(
+            {"owner": process.owner, "settings": settings, "versions": found["table"]}
+        )
         self._tasks[process.owner] = set()
         return fields, found["fds"]
 
@@ -407,7 +406,7 @@ class FrontEnds:
         nobody; batches that waited for its arrivals are looked at again."""
         for slot in list(self._slots.values()):
             batcher = slot.batcher
-            if batcher._placements.gone(process.owner):
+            if batcher.placements.gone(process.owner):
                 batcher.look_again()
         for task in self._tasks.pop(process.owner, set()):
             task.cancel()

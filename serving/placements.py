@@ -303,6 +303,10 @@ class Placements:
         """Whether requests are on their way (an arrival not over), in any process."""
         return self._words[self._header + ARRIVING] > 0
 
+    def arriving_now(self) -> int:
+        """How many requests are on their way, in every process (a look, not under the lock)."""
+        return self._words[self._header + ARRIVING]
+
     def forget(self, arrival: Arrival) -> bool:
         """The arrival is over (its request submitted, refused or gone); True if it was the last on
         its way."""

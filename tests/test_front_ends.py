@@ -32,8 +32,9 @@ pytestmark = pytest.mark.skipif(bool(arena.WHY_NOT), reason=arena.WHY_NOT or "bu
 INFER = "/v2/models/tiny/infer"
 
 
-def front_ends(engine: int) -> list[int]:
-    """The engine's front-end processes (its children running serving.front_end_process)."""
+def front_ends(engine: int, port: int | None = None) -> list[int]:
+    """The engine's front-end processes (its children running serving.front_end_process): those
+    listening on `port` when given (not the spare, started and waiting to replace one)."""
     found = []
     for task in Path(f"/proc/{engine}/task").iterdir():
         for pid in (task / "children").read_text().split():
@@ -42,7 +43,8 @@ def front_ends(engine: int) -> list[int]:
             except FileNotFoundError:
                 continue
             if b"serving.front_end_process" in command:
-                found.append(int(pid))
+                if port is None or listening(int(pid), port):
+                    found.append(int(pid))
     return sorted(found)
 
 
@@ -58,6 +60,12 @@ def listening(pid: int, port: int) -> bool:
     except FileNotFoundError:
         return False
     return any(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+
+
+def spare(server) -> float:
+    """Whether a spare front end waits to replace one that dies (its /metrics)."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return metric(text, "trainserve_front_ends", state="spare")
 
 
 def wait_for(condition, seconds: float, what: str):
@@ -81,7 +89,7 @@ def binary_request(x: np.ndarray) -> tuple[bytes, dict]:
                     "parameters": {"binary_data_size": x.nbytes},
                 }
             ],
-            "outputs": [{"name": "probabilities"}],
+            "outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}],
         }
     ).encode()
     return header + x.tobytes(), {
@@ -124,8 +132,9 @@ def test_every_protocol_through_two_front_ends(served):
     import tritonclient.utils.shared_memory as shm
 
     engine = served.proc.pid
+    assert len(front_ends(engine, served.port)) == 2
     pids = front_ends(engine)
-    assert len(pids) == 2, pids
+    assert len(pids) == 3, pids
     for pid in pids:
         assert b"onnxruntime" not in Path(f"/proc/{pid}/maps").read_bytes()
     assert b"onnxruntime" in Path(f"/proc/{engine}/maps").read_bytes()
@@ -145,8 +154,16 @@ def test_every_protocol_through_two_front_ends(served):
         np.testing.assert_allclose(np.frombuffer(raw, np.float32).reshape(want.shape), want, 1e-5)
         r = requests.post(
             url + INFER,
-            json={"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
-                              "data": x.ravel().tolist()}]},
+            json={
+                "inputs": [
+                    {
+                        "name": "input",
+                        "datatype": "FP32",
+                        "shape": list(x.shape),
+                        "data": x.ravel().tolist(),
+                    }
+                ]
+            },
         )
         assert r.status_code == 200, r.text[:300]
         out = {o["name"]: o for o in r.json()["outputs"]}["probabilities"]
@@ -315,17 +332,20 @@ def test_front_ends_killed_under_load_are_replaced_and_fail_only_their_own_reque
         replaced = []
         with Load(server.url) as load:
             for i in range(20):
-                wait_for(lambda: len(front_ends(engine)) == 2, 10, "two front ends")
-                pids = front_ends(engine)
+                # (a spare ready: its imports took a second or two after the last kill)
+                wait_for(lambda: spare(server) == 1, 30, "a spare front end waiting")
+                wait_for(lambda: len(front_ends(engine, server.port)) == 2, 10, "two front ends")
+                pids = front_ends(engine, server.port)
                 victim = pids[i % 2]
                 answered = load.count()
                 wait_for(lambda: load.count() > answered + 10, 30, "answers before the kill")
                 os.kill(victim, signal.SIGKILL)
                 killed = time.monotonic()
-                new = wait_for(
-                    lambda: [p for p in front_ends(engine) if p not in pids], 10, "a new front end"
+                wait_for(
+                    lambda: [p for p in front_ends(engine, server.port) if p not in pids],
+                    10,
+                    "another front end listening",
                 )
-                wait_for(lambda: listening(new[0], server.port), 10, "it listening")
                 replaced.append(time.monotonic() - killed)
         assert max(replaced) < 2.0, replaced
         assert not load.statuses, load.statuses[:5]
@@ -347,7 +367,7 @@ def test_the_engine_killed_takes_its_front_ends_down(tmp_path):
             "--model", str(model), "--front-ends", "2", log_path=tmp_path / "log"
         ) as server:
             pids = front_ends(server.proc.pid)
-            assert len(pids) == 2
+            assert len(pids) == 3
             server.proc.send_signal(signal.SIGKILL)
             assert server.proc.wait(10) != 0
             wait_for(
@@ -403,8 +423,11 @@ def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):
         assert r.status_code == 200, r.text[:200]
         r = requests.post(
             server.url + "/v2/cudasharedmemory/region/gpu/register",
-            json={"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": 0,
-                  "byte_size": 16},
+            json={
+                "raw_handle": {"b64": base64.b64encode(bytes(64)).decode()},
+                "device_id": 0,
+                "byte_size": 16,
+            },
             headers=auth,
         )
         assert r.status_code in (400, 403, 503), r.text[:200]
