@@ -2,7 +2,8 @@
 written as shards.
 
 Builds the config's data component (checked as training checks it), writes its training and validation
-splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a manifest each), and
+splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a manifest each; images with
+the transform that made them and, for validation, a few of their files), and
 prints the manifests' digests and the whole `pipeline run` command that trains from them
 (`data.name=sharded "data.args={root: OUT}"`): the way a map-style data set, or one too large to hash at
 every start, becomes a stream any number of ranks can read.
@@ -79,9 +80,13 @@ def main(
             "data (indexable, with len()): give it the map-style form of the data"
         )
     written = {}
+    # Images: the transform travels with both splits; the validation split keeps the files it is proven on.
+    transform = splits.preprocessing.to_json() if splits.preprocessing is not None else None
     for split in ("train", "val"):
         dataset = getattr(splits, split)
         profile: dict = {}
+        source = getattr(dataset, "source_images", None) if transform and split == "val" else None
+        examples = source() if source is not None else []
         samples = _profiled(dataset, profile)
         written[split] = shard_format.write_split(
             samples,
@@ -92,6 +97,8 @@ def main(
             model_args=splits.model_hints if split == "train" else {},
             source={"component": cfg.data.component, "args": cfg.data.args, "split": split},
             targets=profile,
+            preprocessing=transform,
+            examples=examples,
         )
     return written
 

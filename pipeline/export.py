@@ -70,7 +70,7 @@ from pipeline.config import (
 from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
-from serving import drift, lineage
+from serving import drift, images, lineage
 from serving.lineage import Lineage, file_sha256
 
 log = logging.getLogger("pipeline.export")
@@ -150,6 +150,7 @@ def main(
             # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
             lineage.DECISION: task.decision or "",
             lineage.PREDICTION: task.prediction or "",
+            **image_metadata(splits, task, ref.head.output_names),
         },
     )
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
@@ -187,6 +188,7 @@ def main(
     if limited or rows["independent"]:
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
+    results |= gates.preprocessing(onnx_path, splits.val)
     cpu_sess = gates.session(
         onnx_path
     )  # the gates' session; the drift baseline is computed with it too
@@ -253,6 +255,8 @@ def main(
     )
     report["providers"] = providers
     report["rows_independent"] = rows
+    if lineage.PREPROCESSING in metadata:
+        report["preprocessing"] = metadata[lineage.PREPROCESSING]
     if figure:
         report["figure"] = str(
             figure
@@ -350,6 +354,33 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
         builder.add("inputs", feeds)
         builder.add("outputs", gates.run_onnx(sess, feeds))
     return drift.write(builder.build(f"training split, {how}"), path)
+
+
+def image_metadata(splits: Splits, task, output_names: list[str]) -> dict[str, str]:
+    """For a model of images whose data says how a file became its input: that transform (a server applies it
+    to the files it is sent; the `preprocessing` gate proves it), and the output whose row holds a score per class
+    (what the server's answer to an image ranks). {} for other data, and for images of formats a server does not
+    decode (TIFF: said in the log; the model then takes tensors only)."""
+    if splits.preprocessing is None:
+        return {}
+    try:
+        files = splits.val.source_images() if hasattr(splits.val, "source_images") else []
+    except DataError:
+        # (the gate names what is wrong with them)
+        files = []
+    suffixes = {suffix.lower() for _, suffix, _ in files}
+    if suffixes and not suffixes & set(images.SUFFIXES):
+        log.warning(
+            "the model's images are %s files, which a server does not decode (%s): it will take tensors only",
+            ", ".join(sorted(suffixes)),
+            ", ".join(images.FORMATS),
+        )
+        return {}
+    found = {lineage.PREPROCESSING: images.record(splits.input_names[0], splits.preprocessing)}
+    scores = [o for o in getattr(task, "derived", ()) if o in output_names and task.decision]
+    if scores:
+        found[lineage.SCORES] = scores[0]
+    return found
 
 
 def describe_source(source: dict) -> str:
@@ -684,6 +715,9 @@ def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict
     sha256 = {name: file_sha256(path) for name, path in files.items()} | found.digests()
     report["sha256"] = sha256
     tags = found.version_tags() | {lineage.SHA256: json.dumps(sha256, sort_keys=True)}
+    # how an image file becomes its input, as its ONNX file records it
+    if report.get("preprocessing"):
+        tags[lineage.PREPROCESSING] = report["preprocessing"]
     if report.get("fastest_variants"):  # what `serve --variant auto` reads
         tags[lineage.FASTEST_VARIANTS] = json.dumps(report["fastest_variants"], sort_keys=True)
     return tags

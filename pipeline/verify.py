@@ -548,13 +548,17 @@ def _get_json(url: str, headers: dict) -> dict:
 
 
 def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str, str]:
-    """One V2 inference of zeros in the shapes the server declares; returns its response headers."""
+    """One V2 inference of zeros in the shapes the server declares (not the image files an image model also takes
+    in place of its input: parameters.image_input); returns its response headers."""
     import numpy as np
 
     from serving.codec import V2_DTYPES
 
     inputs = []
+    stand_in = ((meta.get("parameters") or {}).get("image_input") or {}).get("name")
     for spec in meta.get("inputs", []):
+        if spec["name"] == stand_in:
+            continue
         shape = [1 if d < 0 else d for d in spec["shape"]]
         inputs.append(
             {

@@ -13,6 +13,8 @@ The core (one inference path for every front end):
     engine.py   the onnxruntime sessions (a batch bucket each): providers, threads, warm-up; no HTTP
     staging.py  the batch buffers (pinned on CUDA) and the NaN/Inf check where bytes are copied anyway
     codec.py    request bodies -> arrays and arrays -> response bodies (KServe V2, MLflow); pure
+    image_inputs.py  encoded image files in (a BYTES input, a POSTed file), decoded as training decoded its own
+    images.py   an image model's preprocessing as data, and the one function that applies it (training's too)
     shm.py      the V2 system and CUDA shared-memory extensions (clients' regions, by token)
 The front ends (each a thin adapter: its protocol in, the core's answer out):
     http/       HTTP/1.1 on uvloop + llhttp: a route table of plain handlers, bodies received in place
@@ -25,6 +27,8 @@ And around them:
                 labels, the verdict
     drift.py    the drift reference format (written at export), PSI, the sliding window per version
                 (observed per batch: each batcher's `observe` hook)
+    input_range.py  a warning for requests far outside the training data's range (from the drift
+                reference)
     cuda.py     the CUDA runtime calls the server makes itself (pinning, IPC handles), through ctypes
     config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> a running server
 

@@ -99,7 +99,27 @@ class MlflowRequest:
 
 
 def expected(specs: list[TensorSpec]) -> str:
-    return ", ".join(f"'{s.name}' {s.describe()}" for s in specs)
+    return ", ".join(
+        f"'{s.name}' {s.describe()}" + (f" (in place of '{s.stands_for}')" if s.stands_for else "")
+        for s in specs
+    )
+
+
+def given_inputs(inputs: list[TensorSpec], names) -> list[TensorSpec]:
+    """The inputs a request that names `names` is to give: `inputs`, where one that stands for another (an image
+    version's encoded images, for the tensor they become: serving/image_inputs.py) replaces it when named, and is
+    left out when not. BadRequest for a request that names both."""
+    if not any(s.stands_for for s in inputs):
+        return inputs
+    names, left_out = set(names), set()
+    for s in inputs:
+        if s.stands_for and s.name in names and s.stands_for in names:
+            raise BadRequest(
+                f"inputs '{s.name}' and '{s.stands_for}' are two forms of the same input; send one"
+            )
+        if s.stands_for:
+            left_out.add(s.stands_for if s.name in names else s.name)
+    return [s for s in inputs if s.name not in left_out]
 
 
 def parse_json(data: bytes):
@@ -402,7 +422,7 @@ def parse_v2_header(
         raise BadRequest(
             f"{body_length - offset} bytes of binary data follow the inputs that no input claims"
         )
-    missing = [s.name for s in inputs if s.name not in declared]
+    missing = [s.name for s in given_inputs(inputs, declared) if s.name not in declared]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
 
@@ -463,7 +483,13 @@ def placed_rows(header: V2Header, inputs: list[TensorSpec], place) -> dict | Non
     """The rows of a batch buffer a request's inputs can go straight into (`place(rows)`, serving/batcher.py),
     when it can have them: every model input in the request and none of them JSON data, all with the same rows."""
     items = header.inputs
-    if len(items) != len(inputs) or any(i.array is not None for i in items):
+    given = given_inputs(inputs, [i.spec.name for i in items])
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if (
+        len(items) != len(given)
+        or any(i.array is not None for i in items)
+        or any(is_bytes(i.spec) for i in items)
+    ):
         return None
     rows = {item.shape[0] if item.shape else -1 for item in items}
     if len(rows) != 1 or min(rows) <= 0:
@@ -942,6 +968,7 @@ def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
     """The rows of a batched version's request (every input's first axis, one count); 1 for a version that runs each
     request alone, whatever its tensors' shapes (empty ones too: the model judges them)."""
+    inputs = given_inputs(inputs, feeds)
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")

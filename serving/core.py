@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving import drift, lengths
+from serving import drift, image_inputs, input_range, lengths
 from serving.batcher import Batcher, BatcherClosed, NotRowWise, QueueFull, RunTimedOut
 from serving.classification import classify
 from serving.codec import BadRequest, Limits, shape_fits
@@ -432,6 +432,10 @@ class Server:
         # Whatever the client sent: what the shadow keeps its answers under, so that a client can
         # neither predict nor reuse another's (the receipt's X-Server-Request-Id).
         exchange.server_id = new_request_id()
+        # Encoded images become the model's input here, for every front end; a request far
+        # outside the training data's range is answered with a warning.
+        request = await image_inputs.decoded(self, slot, request)
+        exchange.warning = input_range.warning(slot.model, request.feeds)
         keepers = tuple(o for o in self.observers if o.keeps(slot, exchange.request_id))
         # What outlives the run takes a copy of the inputs now: a request received into a batch
         # buffer has views of rows the next batch is received into.

@@ -96,6 +96,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     batched: bool = False
     ranked: bool = True
+    # The model input this request input is another form of (an image version's encoded image file, for the tensor
+    # it is decoded into: serving/image_inputs.py); a request gives one of the two. "" for the model's own inputs.
+    stands_for: str = ""
 
     def describe(self) -> str:
         if not self.ranked:

@@ -138,7 +138,7 @@ class Exchange:
     - `server_id`: by Server.answer.
     """
 
-    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source")
+    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source", "warning")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
@@ -148,6 +148,8 @@ class Exchange:
         self.slot = None
         self.request_id: str | None = None
         self.server_id: str | None = None
+        # a Warning header's value for an answer given despite something off (serving/input_range.py)
+        self.warning: str | None = None
 
     @property
     def model(self) -> tuple[str, str]:
@@ -166,6 +168,8 @@ class Exchange:
             receipt["X-Request-Id"] = self.request_id
         if self.server_id is not None:
             receipt["X-Server-Request-Id"] = self.server_id
+        if self.warning is not None:
+            receipt["Warning"] = self.warning
         return receipt
 
     def finish(self, metrics, status: str) -> None:

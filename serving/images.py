@@ -8,14 +8,22 @@ channels first, or `HWC`). `apply` turns a decoded image into exactly that float
 without a batch axis. The training data (`pipeline.datasets:image_folder`) reads its files through this
 same function, so a server that decodes an image and applies its model's description computes the tensor
 training computed, bit for bit. numpy and Pillow only: the server never imports torch.
+
+An exported model carries its description in its ONNX metadata (`lineage.PREPROCESSING`: `recorded` reads it,
+`record` writes it); `tensor` is what a server computes from a file's bytes: `decode` (the formats in FORMATS
+only, at most MAX_PIXELS pixels, read from the header before a pixel is decoded), then `apply`.
 """
 
 from __future__ import annotations
 
+import io
+import json
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
+
+from serving.lineage import PREPROCESSING
 
 MODES = {"L": 1, "RGB": 3}
 RESAMPLING = {
@@ -25,6 +33,14 @@ RESAMPLING = {
     "lanczos": Image.LANCZOS,
 }
 LAYOUTS = ("CHW", "HWC")
+# What a server decodes: the formats a folder of photos for image_folder holds, but TIFF (a large attack surface
+# for files from anyone).
+FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")
+# The file names of those formats (what a folder of them holds).
+SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
+# Pixels of one image a server decodes at most (a 7000 x 7000 photo): a small file can declare any size, and its
+# decoded pixels would take that memory.
+MAX_PIXELS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -110,3 +126,62 @@ def apply(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
     if p.mean is not None:
         x = (x - np.asarray(p.mean, np.float32)) / np.asarray(p.std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1) if p.layout == "CHW" else x)
+
+
+def decode(data: bytes) -> Image.Image:
+    """An encoded image file's bytes, opened: its header read, its pixels decoded when `apply` reads them.
+    ValueError naming what is wrong: not a file of FORMATS, or more than MAX_PIXELS pixels."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise ValueError(
+            f"not an image file Pillow can read as {', '.join(FORMATS)} (another format, or a damaged or "
+            f"truncated file: {len(data)} bytes, beginning {bytes(data[:8])!r})"
+        ) from None
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        image.close()
+        raise ValueError(
+            f"a {width} x {height} {image.format}: more than the {MAX_PIXELS} pixels an image may have; "
+            "resize it first"
+        )
+    return image
+
+
+def tensor(preprocessing: Preprocessing, data: bytes) -> np.ndarray:
+    """The float32 array training computed from an image file with these bytes: `decode`, then `applied`.
+    ValueError naming what is wrong with the file (truncated, damaged, not an image)."""
+    return applied(preprocessing, decode(data))
+
+
+def applied(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
+    """`apply` on an image `decode` opened, which it then closes; ValueError naming a file whose pixels can't be
+    decoded (truncated, damaged)."""
+    try:
+        with image:
+            return apply(preprocessing, image)
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise ValueError(
+            f"a {image.format} file that can't be decoded ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def record(input_name: str, preprocessing: Preprocessing) -> str:
+    """The PREPROCESSING metadata value: which input the description makes, and the description."""
+    return json.dumps({input_name: preprocessing.to_json()}, sort_keys=True)
+
+
+def recorded(metadata: dict[str, str]) -> tuple[str, Preprocessing] | None:
+    """(input name, description) an ONNX file's metadata records, None when it records none. ValueError naming
+    what is wrong with a value that is not one `record` writes."""
+    raw = metadata.get(PREPROCESSING)
+    if not raw:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{PREPROCESSING} is not JSON ({exc})") from None
+    if not isinstance(found, dict) or len(found) != 1:
+        raise ValueError(f"{PREPROCESSING} must be {{input name: description}} of one input")
+    ((name, description),) = found.items()
+    return str(name), Preprocessing.from_json(description)

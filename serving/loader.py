@@ -32,6 +32,8 @@ from serving.engine import (
     GpuOptions,
     choose_provider,
 )
+from serving.image_inputs import ImageInput, image_input
+from serving.input_range import InputRanges, input_ranges
 from serving.lineage import (
     DECISION,
     FASTEST_VARIANTS,
@@ -122,6 +124,10 @@ class LoadedModel:
     drift_reference: dict | None = (
         None  # the training data's statistics beside the file (serving/drift.py)
     )
+    # What it takes as encoded image files, when its export recorded its preprocessing (serving/image_inputs.py).
+    images: ImageInput | None = None
+    # Where its float inputs' training values lie, from the drift reference (serving/input_range.py), or None.
+    ranges: InputRanges | None = None
 
     def discard(self) -> None:
         if self.workdir:
@@ -321,7 +327,12 @@ def load_model(
         max_batch_size=config.max_batch_size if config is not None else None,
         output_labels=config.output_labels() if config is not None else {},
     )
-    return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
+    where = f"model '{served}' version {version}"
+    reference = _drift_reference(path)
+    ranges = input_ranges(reference, engine.inputs, where)
+    return LoadedModel(
+        engine, info, workdir, variant, reference, image_input(engine, where), ranges
+    )
 
 
 def _drift_reference(path: Path) -> dict | None:

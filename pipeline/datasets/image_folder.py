@@ -2,7 +2,9 @@
 usually come in. Every image is decoded with Pillow, converted to `mode` (L: 1 channel, RGB: 3) and resized to
 `image_size` x `image_size`, as float32 in [0, 1], channels first. `mode` unset keeps the images' own
 channels: L when the images are grey (every one of up to 256 spread over the folder: Pillow's 1, L, LA,
-I, I;16 or F), else RGB (alpha dropped). `pipeline data shard` turns it into shards (docs/data.md):
+I, I;16 or F), else RGB (alpha dropped). Both splits carry that transform as data (`preprocessing`,
+serving/images.py): export records it with the model, and its server then takes image files and computes the
+tensors training computed. `pipeline data shard` turns it into shards, which carry it too (docs/data.md):
 
     pipeline data shard --config C --out OUT data.component=pipeline.datasets:image_folder \
         "data.args={root: photos}"
@@ -23,6 +25,8 @@ SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # The per-channel mean/std the built-in models normalize with, and the images' own mode, are read
 # from this many images spread over the folder.
 STATS_SAMPLES = 256
+# The files a split gives to prove its preprocessing on (ImageFiles.source_images).
+SOURCE_IMAGES = 64
 # Pillow's modes of one grey channel: such images stay 1-channel (L) unless `mode` says otherwise.
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
 
@@ -49,6 +53,18 @@ class ImageFiles(Dataset):
         except (OSError, UnidentifiedImageError) as exc:
             raise unreadable(path, exc) from None
         return torch.from_numpy(x), torch.tensor(label, dtype=torch.int64)
+
+    def source_images(self) -> list[tuple[int, str, bytes]]:
+        """(index, file suffix, file bytes) of up to SOURCE_IMAGES samples spread over the split: the files their
+        inputs are made from (the export gate decodes them as a server does; `pipeline data shard` keeps them)."""
+        found = []
+        for i in spread(len(self.files), SOURCE_IMAGES):
+            path = self.files[i][0]
+            try:
+                found.append((i, path.suffix.lower(), path.read_bytes()))
+            except OSError as exc:
+                raise unreadable(path, exc) from None
+        return found
 
 
 def image_folder(
@@ -118,9 +134,9 @@ def own_mode(files: list[Path]) -> str:
     return "L"
 
 
-def spread(n: int) -> list[int]:
-    """Up to STATS_SAMPLES positions spread evenly over `n` items, first and last included."""
-    return np.unique(np.linspace(0, n - 1, min(STATS_SAMPLES, n)).astype(int)).tolist()
+def spread(n: int, count: int = STATS_SAMPLES) -> list[int]:
+    """Up to `count` positions spread evenly over `n` items, first and last included."""
+    return np.unique(np.linspace(0, n - 1, min(count, n)).astype(int)).tolist()
 
 
 def unreadable(path: Path, exc: Exception) -> DataError:

@@ -17,6 +17,13 @@ the class names and model arguments, computed from the manifest alone (`manifest
 what MLflow's dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it:
 whatever a reader checks or hands to the model is inside it.
 
+Images written from a data set that says how a file became its input (`preprocessing`, serving/images.py) keep
+that transform in the manifest, and the validation split keeps a few of the files beside its shards
+(`example-<id>.<suffix>`, each with its sha256): export records the transform with the model and its gate proves
+it on those files (`read_examples`), so a model trained from the shards serves images as training made them.
+Both are in the identity when present (the transform is what a server applies to every image; the files are what
+the gate checks); a manifest without them has the digest it had before they existed.
+
 Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
 of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
 """
@@ -29,6 +36,7 @@ import json
 import math
 import os
 import posixpath
+import re
 import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -47,6 +55,9 @@ ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads
 # most.
 MAX_ROW_BYTES = 2**31 - 1
 SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
+# An image file kept beside an image split's shards (`read_examples`) is named this, then its sample's id.
+EXAMPLE_PREFIX = "example-"
+_SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
 
 
 # --- locations ----------------------------------------------------------------------------------
@@ -204,6 +215,8 @@ class Manifest:
     source: dict = field(
         default_factory=dict
     )  # what the shards were written from (component, args, split)
+    # {"transform": serving/images.py Preprocessing, "examples": [{"id", "file", "sha256"}]}, or {}: images only
+    preprocessing: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -233,15 +246,16 @@ class Manifest:
             "model_args": self.model_args,
             "targets": self.targets,
             "source": self.source,
-        }
+        } | ({"preprocessing": self.preprocessing} if self.preprocessing else {})
 
 
 def manifest_digest(body: dict) -> str:
     """The split's identity: the schema, every shard's name, rows, size and file sha256, every row
     group's rows and content digest (what a reader checks the bytes it reads against), the class
-    names and the model arguments the split suggests (both reach the model). Not the targets'
-    profile or the source, which describe it: two manifests of the same bytes have one digest
-    wherever they are."""
+    names and the model arguments the split suggests (both reach the model), and an image split's
+    preprocessing (its transform reaches every served image, its example files' digests are what the
+    export gate checks). Not the targets' profile or the source, which describe it: two manifests of
+    the same bytes have one digest wherever they are."""
     identity = {
         "format": body["format"],
         "columns": body["columns"],
@@ -253,6 +267,8 @@ def manifest_digest(body: dict) -> str:
         "classes": body.get("classes"),
         "model_args": body.get("model_args") or {},
     }
+    if body.get("preprocessing"):
+        identity["preprocessing"] = body["preprocessing"]
     return hashlib.sha256(
         json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
@@ -317,6 +333,7 @@ def read_manifest(location: str) -> Manifest:
             body.get("model_args") or {},
             body.get("targets") or {},
             body.get("source") or {},
+            body.get("preprocessing") or {},
         )
         problem = _manifest_problem(manifest)
     except (KeyError, TypeError, AttributeError) as exc:
@@ -347,6 +364,8 @@ def _manifest_problem(manifest: Manifest) -> str | None:
                 f"column '{col.name}' has the shape {list(col.shape)}: {col.nbytes} bytes a "
                 f"sample, past the {MAX_ROW_BYTES} a shard's fixed-size column holds"
             )
+    if manifest.preprocessing and (problem := _preprocessing_problem(manifest)):
+        return problem
     nested = _structure_columns(manifest.structure)
     if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
         return (
@@ -384,6 +403,64 @@ def _manifest_problem(manifest: Manifest) -> str | None:
                 "miscount it"
             )
     return None
+
+
+def _preprocessing_problem(manifest: Manifest) -> str | None:
+    """What is wrong with a manifest's preprocessing entry (None: nothing): a transform serving/images.py reads,
+    which makes the input column's shape; examples that are files of the split's own directory."""
+    from serving.images import Preprocessing
+
+    entry = manifest.preprocessing
+    try:
+        transform = Preprocessing.from_json(entry.get("transform"))
+    except (ValueError, TypeError) as exc:
+        return f"its preprocessing: {exc}"
+    column = next((c for c in manifest.columns if c.name == "input"), None)
+    if column is None or column.dtype != "float32" or column.shape != transform.shape:
+        shown = "no input column" if column is None else f"{column.dtype} {column.shape}"
+        return (
+            f"its preprocessing makes float32 {list(transform.shape)}, its input column is {shown}"
+        )
+    examples = entry.get("examples", [])
+    for example in examples if isinstance(examples, list) else [None]:
+        if not (
+            isinstance(example, dict)
+            and isinstance(example.get("id"), int)
+            and isinstance(example.get("file"), str)
+            and example["file"].startswith(EXAMPLE_PREFIX)
+            and example["file"] == posixpath.basename(example["file"])
+            and "\\" not in example["file"]
+            and isinstance(example.get("sha256"), str)
+        ):
+            return (
+                f"its preprocessing's examples must be a list of {{id, file: {EXAMPLE_PREFIX}..., sha256}}, "
+                f"got {example!r:.80}"
+            )
+    return None
+
+
+def read_examples(manifest: Manifest) -> list[tuple[int, str, bytes]]:
+    """(id, file suffix, file bytes) of the image files an image split keeps beside its shards, each checked
+    against its sha256; DataError naming a file that is missing or changed."""
+    found = []
+    for example in manifest.preprocessing.get("examples", []):
+        path = join(manifest.location, example["file"])
+        fs, key = filesystem(path)
+        try:
+            with fs.open(key, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise DataError(
+                f"{path} is missing: the manifest names it among the image files its preprocessing is proven on; "
+                "restore it, or write the split again with `pipeline data shard`"
+            ) from None
+        if hashlib.sha256(data).hexdigest() != example["sha256"]:
+            raise DataError(
+                f"{path} is not the file the manifest names (its sha256 differs); restore it, or write the "
+                "split again with `pipeline data shard`"
+            )
+        found.append((example["id"], posixpath.splitext(example["file"])[1], data))
+    return found
 
 
 def _structure_columns(structure: Any) -> list[str] | None:
@@ -458,10 +535,13 @@ def write_split(
     model_args: dict | None = None,
     targets: dict | None = None,
     source: dict | None = None,
+    preprocessing: dict | None = None,
+    examples: list[tuple[int, str, bytes]] = (),
 ) -> Manifest:
     """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written last: a split
     without its manifest is not a split). Shard and row-group sizes default to ~256 MiB and ~4 MiB of
-    samples."""
+    samples. `preprocessing`: an image split's transform (serving/images.py Preprocessing.to_json), and
+    `examples` (id, file suffix, file bytes) the image files of samples it keeps beside its shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -515,6 +595,13 @@ def write_split(
         shards.append(
             _write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq)
         )
+    kept = []
+    for sample_id, suffix, data in examples:
+        name = f"{EXAMPLE_PREFIX}{int(sample_id):08d}{suffix if _SUFFIX.fullmatch(suffix) else ''}"
+        _write_file(fs, root, name, data, location)
+        kept.append(
+            {"id": int(sample_id), "file": name, "sha256": hashlib.sha256(data).hexdigest()}
+        )
     manifest = Manifest(
         str(location).rstrip("/"),
         columns,
@@ -524,7 +611,10 @@ def write_split(
         model_args or {},
         targets or {},
         source or {},
+        {"transform": preprocessing, "examples": kept} if preprocessing else {},
     )
+    if manifest.preprocessing and (problem := _preprocessing_problem(manifest)):
+        raise DataError(f"can't write the split to {location}: {problem}")
     body = manifest.body() | {"digest": manifest.digest}
     _write_file(fs, root, MANIFEST, json.dumps(body, indent=1).encode(), location)
     return manifest

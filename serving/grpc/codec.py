@@ -40,6 +40,7 @@ from serving.codec import (
     classified,
     datatype_of,
     expected,
+    given_inputs,
     is_bytes,
     little_endian,
     shared_tensor,
@@ -225,7 +226,7 @@ def decode_infer(
         request.id or None,
         outputs,
         output_refs,
-        checked=bool(native) and len(raw) == len(inputs),
+        checked=bool(native) and len(raw) == len(given_inputs(inputs, declared)),
         placed=views is not None,
         classification=classes,
     )
@@ -235,7 +236,10 @@ def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None
     """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
     (bytes the message parser made are copied once already) and inputs in shared memory (read into them), every
     model input one of those, all of one row count."""
-    if place is None or len(declared) != len(inputs):
+    if place is None or len(declared) != len(given_inputs(inputs, declared)):
+        return None
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if any(is_bytes(spec) for spec, *_ in declared.values()):
         return None
     kept = bool(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
     if any(ref is None and (at is None or not kept) for _, _, _, ref, at, _ in declared.values()):

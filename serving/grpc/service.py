@@ -41,7 +41,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 import serving
-from serving import core, extensions
+from serving import core, extensions, image_inputs
 from serving.codec import BadRequest
 from serving.envelope import Exchange, new_request_id, refusal, source_of
 from serving.grpc import codec, schema
@@ -130,7 +130,8 @@ class Service:
         response = schema.ModelMetadataResponse(
             name=slot.model.info.name, versions=versions, platform="onnxruntime_onnx"
         )
-        for specs, field in ((engine.inputs, response.inputs), (engine.outputs, response.outputs)):
+        inputs = image_inputs.request_inputs(slot.model)
+        for specs, field in ((inputs, response.inputs), (engine.outputs, response.outputs)):
             for spec in specs:
                 field.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
         return response
@@ -199,7 +200,7 @@ class Service:
                 partial(
                     codec.decode_infer,
                     request,
-                    engine.inputs,
+                    image_inputs.request_inputs(slot.model),
                     engine.output_names,
                     server.limits,
                     regions.read,

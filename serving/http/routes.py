@@ -33,7 +33,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 import serving
-from serving import codec, extensions
+from serving import codec, extensions, image_inputs
 from serving.codec import BadRequest
 from serving.core import Server, check_request_id, decode_now
 from serving.envelope import Exchange, Refused, new_request_id
@@ -116,6 +116,10 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     slot = exchange.slot = server.model_slot(request.params["name"], request.params.get("version"))
     exchange.request_id = request_id(request)
     content_type = request.header("content-type").split(";")[0].strip().lower()
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
+        image_inputs.takes_files(slot, content_type)
+        return whole_body(server, request, exchange, length, chunked)
     if content_type in SIMPLE_TYPES:
         raise Refused(
             415,
@@ -125,7 +129,7 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     json_length = header_length(request)
     # A batch about to run waits for it a little (Batcher).
     request.arrival = arrival = slot.batcher.arriving()
-    engine = slot.model.engine
+    engine, inputs = slot.model.engine, image_inputs.request_inputs(slot.model)
     # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
     # from the whole body, element by element: codec.decode_v2).
     if (
@@ -133,12 +137,12 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
         and not chunked
         and 0 < json_length <= length
         and content_encoding(request) == "identity"
-        and not any(codec.is_bytes(s) for s in engine.inputs)
+        and not any(codec.is_bytes(s) for s in inputs)
     ):
         return bodies.V2Binary(
             json_length,
             length,
-            engine.inputs,
+            inputs,
             engine.output_names,
             server.limits,
             place=partial(slot.batcher.place, arrival),
@@ -166,8 +170,19 @@ def invocations_body(
     slot = server.invocations_slot()
     exchange.slot, exchange.request_id = slot, request_id(request) or new_request_id()
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
-    if content_type != JSON:
-        raise Refused(415, f"Content-Type {content_type} is not supported; send application/json")
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
+        image_inputs.takes_files(slot, content_type)
+    elif content_type != JSON:
+        raise Refused(
+            415,
+            f"Content-Type {content_type} is not supported; send application/json"
+            + (
+                f", or an image file as {', '.join(sorted(image_inputs.CONTENT_TYPES))}"
+                if slot.model.images is not None
+                else ""
+            ),
+        )
     return whole_body(server, request, exchange, length, chunked)
 
 
@@ -205,7 +220,8 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
         "versions": sorted(model.slots, key=version_key),
         "platform": "onnxruntime_onnx",
         "inputs": [
-            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+            for s in image_inputs.request_inputs(slot.model)
         ],
         "outputs": [
             {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs
@@ -216,6 +232,9 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
     parameters.update(info.lineage)  # the version's lineage, from the file's metadata
     parameters["source"] = info.source
+    # what its image input is: what a file becomes, and how to send one
+    if slot.model.images is not None:
+        parameters["image_input"] = slot.model.images.describe()
     if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
         parameters["max_lengths"] = {
             name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()
@@ -273,6 +292,10 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
+    elif image_inputs.is_image(
+        content_type := request.header("content-type").split(";")[0].strip().lower()
+    ):
+        decoded = image_inputs.file_request(slot, body_bytes(server, request), content_type)
     else:
         data = body_bytes(server, request)
         decoded = await server.decode(
@@ -280,7 +303,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
                 codec.decode_v2,
                 data,
                 header_length(request),
-                engine.inputs,
+                image_inputs.request_inputs(slot.model),
                 engine.output_names,
                 server.limits,
                 shared,
@@ -321,10 +344,15 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
     slot = exchange.slot
     data = body_bytes(server, request)
+    content_type = request.header("content-type").split(";")[0].strip().lower()
     try:
-        decoded = await server.decode(
-            partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits), len(data)
-        )
+        if image_inputs.is_image(content_type):
+            decoded = image_inputs.file_request(slot, data, content_type, classified=False)
+        else:
+            decoded = await server.decode(
+                partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits),
+                len(data),
+            )
         answer = await server.answer(
             slot, decoded, exchange, follow_swap=True, endpoint="/invocations"
         )
@@ -332,6 +360,8 @@ async def invocations(server: Server, request: Request, exchange: Exchange) -> R
         if exc.status != 400:
             raise
         raise Refused(400, f"{exc}{invocations_hint(server, server.invocations_slot())}") from None
+    if isinstance(decoded, image_inputs.FileRequest):
+        return Response(200, image_inputs.invocations_answer(answer))
     return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
 
 
