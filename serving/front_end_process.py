@@ -131,10 +131,14 @@ class Info:
 
 
 class Model:
-    """A version's model: its engine's specs and its info."""
+    """A version's model: its engine's specs and its info. A version that takes image files
+    (`takes_images`) has its inference requests answered whole by the engine, which decodes them:
+    here it takes none (`images`, as serving/image_inputs.py reads it)."""
 
     def __init__(self, described: dict):
         self.engine, self.info = Engine(described), Info(described)
+        self.images = None
+        self.takes_images = described["images"]
 
 
 class Rows:
@@ -295,6 +299,14 @@ class Remote:
             )
         return self.slots[key]
 
+    def takes_images(self, name: str, version: str | None) -> bool:
+        """Whether the version named takes image files (False where none is found: the inference
+        path refuses it)."""
+        try:
+            return self.model_slot(name, version).model.takes_images
+        except Refused:
+            return False
+
     def invocations_slot(self) -> Slot:
         try:
             return self.model_slot(self.default_model or "", None)
@@ -366,6 +378,8 @@ class Remote:
         reader = channel.Reader(memoryview(data))
         _, status, key = reader.take(REPLIED)
         exchange.request_id, exchange.server_id = reader.text() or None, reader.text() or None
+        if kind == channel.ANSWER:
+            exchange.warning = reader.text() or None
         answered = self.slots.get(key, slot)
         if answered is not slot:
             exchange.slot = answered
@@ -403,6 +417,7 @@ class Remote:
         exchange.slot = self.slots.get(key, exchange.slot)
         exchange.request_id = said.get("request_id") or exchange.request_id
         exchange.server_id = said.get("server_id") or exchange.server_id
+        exchange.warning = said.get("warning") or exchange.warning
         return status, said, bytes(reader.blob())
 
 
@@ -454,8 +469,37 @@ async def forward_http(remote: Remote, request, exchange) -> Response:
     return Response(status, payload, said.get("content_type"), said.get("headers") or {})
 
 
+def v2_body(remote: Remote, request, exchange, length: int, chunked: bool):
+    """routes.v2_body, or the body whole for a version that takes image files (the engine answers
+    its requests whole)."""
+    slot = remote.model_slot(request.params["name"], request.params.get("version"))
+    if slot.model.takes_images:
+        exchange.slot = slot
+        return routes.whole_body(remote, request, exchange, length, chunked)
+    return routes.v2_body(remote, request, exchange, length, chunked)
+
+
+def invocations_body(remote: Remote, request, exchange, length: int, chunked: bool):
+    """routes.invocations_body, or the body whole for a version that takes image files."""
+    slot = remote.invocations_slot()
+    if slot.model.takes_images:
+        exchange.slot = slot
+        return routes.whole_body(remote, request, exchange, length, chunked)
+    return routes.invocations_body(remote, request, exchange, length, chunked)
+
+
+async def invocations(remote: Remote, request, exchange) -> Response:
+    """routes.invocations here, or at the engine for a version that takes image files."""
+    if exchange.slot.model.takes_images:
+        return await forward_http(remote, request, exchange)
+    return await routes.invocations(remote, request, exchange)
+
+
 async def v2_infer(remote: Remote, request, exchange) -> Response:
-    """routes.v2_infer here, or at the engine when the request names a shared-memory region."""
+    """routes.v2_infer here, or at the engine when the request names a shared-memory region or its
+    version takes image files."""
+    if exchange.slot.model.takes_images:
+        return await forward_http(remote, request, exchange)
     try:
         return await routes.v2_infer(remote, request, exchange)
     except Elsewhere:
@@ -480,11 +524,16 @@ def _whole(request):
 def front_end_routes() -> list:
     """The route table of one process (serving/http/routes.py), each route the engine answers
     whole swapped for forward_http."""
-    here = {routes.v2_infer: v2_infer, routes.invocations: routes.invocations, routes.live: None}
+    here = {
+        routes.v2_infer: (v2_infer, v2_body),
+        routes.invocations: (invocations, invocations_body),
+        routes.live: None,
+    }
     table = []
     for route in routes.table():
         if route.handler in here:
-            table.append(replace(route, handler=here[route.handler] or route.handler))
+            handler, body = here[route.handler] or (route.handler, route.body)
+            table.append(replace(route, handler=handler, body=body))
         else:
             table.append(replace(route, handler=forward_http, body=routes.whole_body, main=False))
     return table
@@ -503,6 +552,8 @@ def forwarding_service(remote: Remote):
             return partial(self.forward, method)
 
         async def ModelInfer(self, request, call):
+            if remote.takes_images(request.model_name, request.model_version or None):
+                return await self.forward("ModelInfer", request, call)
             try:
                 return await super().ModelInfer(request, call)
             except Elsewhere:
@@ -511,7 +562,7 @@ def forwarding_service(remote: Remote):
         async def forward(self, method: str, request, call):
             if call.raw:
                 # (the native engine kept the raw contents apart from the message)
-                request.raw_input_contents.extend(bytes(raw) for raw in call.raw)
+                request.raw_input_contents.extend(raw_bytes(raw) for raw in call.raw)
             head = {"method": method, "metadata": call.metadata}
             data = request.SerializeToString()
             status, said, payload = await remote.forward("grpc", head, data, call.exchange)
@@ -520,6 +571,15 @@ def forwarding_service(remote: Remote):
             return schema.METHODS[method][1].FromString(payload)
 
     return Forwarding(remote)
+
+
+def raw_bytes(raw) -> bytes:
+    """A raw input's bytes: the native engine's RawInput (serving/grpc/native.py) copied out."""
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return bytes(raw)
+    out = bytearray(len(raw))
+    raw.copy_into(out, 0)
+    return bytes(out)
 
 
 # ---- the process ------------------------------------------------------------------------------

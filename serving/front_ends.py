@@ -314,6 +314,7 @@ class FrontEnds:
             REPLIED.pack(number, 200, self._key(answer.slot)),
             channel.text(exchange.request_id or ""),
             channel.text(exchange.server_id or ""),
+            channel.text(exchange.warning or ""),
             *channel.tensors(answer.results),
         )
 
@@ -351,7 +352,11 @@ class FrontEnds:
         else:
             status, payload, exchange, said = await self._grpc(head, body)
         key = self._key(exchange.slot) if exchange.slot is not None else 0
-        said |= {"request_id": exchange.request_id, "server_id": exchange.server_id}
+        said |= {
+            "request_id": exchange.request_id,
+            "server_id": exchange.server_id,
+            "warning": exchange.warning,
+        }
         process.channel.send(
             channel.REPLY,
             REPLIED.pack(number, status, key),
@@ -436,6 +441,7 @@ def describe(slot, key: int) -> dict:
         "inputs": specs(engine.inputs),
         "outputs": specs(engine.outputs),
         "batchable": engine.batchable,
+        "images": model.images is not None,
         "headers": slot.headers,
         "arena": None,
     }
