@@ -263,12 +263,9 @@ class Batcher:
         return self._placements.adopt(self, source, index, k, ticket)
 
     def look_again(self) -> None:
-        """Arrivals counted in another process were forgotten (it died): a batch that waited for
-        them is looked at now."""
-        with self._lock:
-            waiting = self._wait_until is not None
-        if waiting:
-            self._runner.ready(self)
+        """Arrivals or a turn counted in another process were forgotten (it died): a batch that
+        waited for them, or was left to that turn (_kick_coming), is looked at now."""
+        self._runner.ready(self)
 
     def ended(self, arrival: Arrival) -> None:
         """An arrival that goes no further (Arrival.end): its place (if any) is dead."""
@@ -381,8 +378,13 @@ class Batcher:
         turn. The engine, free between two runs, then leaves the batch to it rather than taking the
         one or two requests complete so far: a loop saturated with uploads gives the GIL away at
         every system call, and an engine that took a batch at each would run batches of 1-3 rows
-        (measured: 3.3 rows a run at c=32, 14.5 when left to the loop)."""
-        return any(loop.is_running() for loop in tuple(self._kicks))
+        (measured: 3.3 rows a run at c=32, 14.5 when left to the loop). Likewise a front-end
+        process in a turn of handing requests over (Placements.turns_under_way): its records come
+        at the turn's end, and their submits kick."""
+        return (
+            any(loop.is_running() for loop in tuple(self._kicks))
+            or self._placements.turns_under_way()
+        )
 
     def _admit(self, rows: int) -> None:
         """(under _lock) Refusals of a new job."""

@@ -94,6 +94,8 @@ class Channel(asyncio.BufferedProtocol):
         self._out: list[bytes] = []
         self._flushing = False
         self.closed = False
+        # called at the end of each turn that sent records, before they are written
+        self.before_flush: Callable[[], None] | None = None
 
     # ---- asyncio's calls ----
 
@@ -161,6 +163,8 @@ class Channel(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         self._flushing = False
+        if self.before_flush is not None:
+            self.before_flush()
         out, self._out = self._out, []
         if out and not self.transport.is_closing():
             self.transport.writelines(out)

@@ -223,6 +223,9 @@ class Remote:
         self.described = "no models"
         self._waiting: dict[int, asyncio.Future] = {}
         self._number = 0
+        # the versions' rows this turn handed requests of over (Placements.turn_begun)
+        self._turns: set[Placements] = set()
+        self.channel.before_flush = self._turn_over
 
     # ---- from the engine ----
 
@@ -269,6 +272,12 @@ class Remote:
         self.models = table["models"]
         self.default_model = table["default_model"]
         self.described = table["described"]
+
+    def _turn_over(self) -> None:
+        """The turn's records are about to be written: the engine may take its batches."""
+        for placements in self._turns:
+            placements.turn_over()
+        self._turns.clear()
 
     def _lost(self, exc) -> None:
         """The engine is gone: nothing here can be answered any more."""
@@ -365,6 +374,10 @@ class Remote:
             parts += channel.tensors(feeds)
         waiting = self._waiting[number] = asyncio.get_running_loop().create_future()
         self.channel.send(channel.SUBMIT, *parts)
+        placements = batcher.placements
+        if placements is not None and placements not in self._turns:
+            placements.turn_begun()
+            self._turns.add(placements)
         # the engine forgets it now
         arrival.over = True
         try:
@@ -640,8 +653,14 @@ def log_as(owner: int, level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from serving.cli import keep_freed_memory, raise_open_files_limit
+
     channel_fd, side_fd, engine = (int(a) for a in (argv or sys.argv[1:]))
     die_with(engine)
+    # as one process: a connection is a descriptor; a 602 KB message's memory is reused, not
+    # faulted in and zeroed again
+    raise_open_files_limit()
+    keep_freed_memory()
     try:
         import uvloop
     except ImportError:

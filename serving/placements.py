@@ -65,9 +65,10 @@ RESERVED, COPYING, FILLED, DEAD, RAN = range(5)
 # The table, in 8-byte words: LOCK_WORDS for the process-shared lock, then the header, then each
 # buffer's words, then each buffer's places' words (a place per row at most).
 LOCK_WORDS = 8
-CLOSING, NOT_MERGING, ORDERS, TICKETS, ARRIVING = range(5)
+CLOSING, NOT_MERGING, ORDERS, TICKETS, ARRIVING, TURNS = range(6)
 HEADER_WORDS = 8
-# arrivals counted per process: 0 the engine's own, 1.. its front ends
+# arrivals counted per process, and whether it is in a turn of handing requests over: 0 the
+# engine's own, 1.. its front ends
 OWNERS = 64
 IN_USE, ORDER, SEALED, RUNNING, PLACES, LENT = range(6)
 GROUP_WORDS = 6
@@ -85,7 +86,8 @@ class Table:
         self.words = memoryview(memory)[: self.nbytes(count, places)].cast("B").cast("q")
         self.header = LOCK_WORDS
         self.arrivals = self.header + HEADER_WORDS
-        self.groups = self.arrivals + OWNERS
+        self.turns = self.arrivals + OWNERS
+        self.groups = self.turns + OWNERS
         self.place_words = self.groups + count * GROUP_WORDS
         if create:
             self.words[self.header + ORDERS] = 1
@@ -93,7 +95,7 @@ class Table:
     @staticmethod
     def nbytes(count: int, places: int) -> int:
         return 8 * (
-            LOCK_WORDS + HEADER_WORDS + OWNERS + count * (GROUP_WORDS + places * PLACE_WORDS)
+            LOCK_WORDS + HEADER_WORDS + 2 * OWNERS + count * (GROUP_WORDS + places * PLACE_WORDS)
         )
 
     @classmethod
@@ -303,6 +305,25 @@ class Placements:
         """Whether requests are on their way (an arrival not over), in any process."""
         return self._words[self._header + ARRIVING] > 0
 
+    def turn_begun(self) -> None:
+        """(a front end) It has handed over a request in this turn of its event loop and will hand
+        over the rest of the turn's at its end (`turn_over`): a batch that could run leaves the
+        requests to that (`turns_under_way`), as the engine leaves them to a loop of its own
+        process in the middle of a turn (Batcher._kick_coming)."""
+        with self._lock:
+            self._turn(self.owner, 1)
+
+    def turn_over(self) -> None:
+        """(a front end) Its turn's requests are about to be handed over (before they are: the
+        engine then looks again when they come)."""
+        with self._lock:
+            self._turn(self.owner, 0)
+
+    def turns_under_way(self) -> bool:
+        """Whether a front end is in a turn of handing requests over (a look, not under the
+        lock)."""
+        return self._words[self._header + TURNS] > 0
+
     def arriving_now(self) -> int:
         """How many requests are on their way, in every process (a look, not under the lock)."""
         return self._words[self._header + ARRIVING]
@@ -342,6 +363,7 @@ class Placements:
             words, at = self._words, self.table.arrivals + owner
             words[self._header + ARRIVING] -= words[at]
             words[at] = 0
+            self._turn(owner, 0)
             for group in self._groups():
                 for place in group.places:
                     if place.owner == owner and place.state in (RESERVED, COPYING):
@@ -598,6 +620,11 @@ class Placements:
         place = Place(group, k, self.table, self.buffers)
         group.places.append(place)
         return place
+
+    def _turn(self, owner: int, under_way: int) -> None:
+        words, at = self._words, self.table.turns + owner
+        words[self._header + TURNS] += under_way - words[at]
+        words[at] = under_way
 
     def _count_arrival(self, source: int, n: int) -> None:
         self._words[self.table.arrivals + source] += n

@@ -92,6 +92,15 @@ print(arrival.place.group.index, arrival.place.k, flush=True)
 time.sleep(60)
 """
 )
+TURN = (
+    OPEN
+    + """
+p = arena.placements(8, owner=int(sys.argv[3]))
+p.turn_begun()
+print("in a turn", flush=True)
+time.sleep(60)
+"""
+)
 
 
 def child(arena: shared.Arena, code: str, *args) -> subprocess.Popen:
@@ -256,3 +265,19 @@ def test_a_process_killed_with_a_body_half_in_leaves_no_place_and_no_buffer(proc
     p.done(span)
     assert p.free_buffers() == [0, 1, 2]
     assert set(os.listdir("/dev/shm")) == before
+
+
+def test_a_process_killed_in_a_turn_of_handing_requests_over_holds_no_batch_back(processes):
+    """A front end SIGKILLed between handing a request over and the end of its event loop's turn:
+    while it lives the engine leaves a batch to the turn's records (turns_under_way); once `gone`
+    forgets it, no turn is under way and the batch is the engine's to run."""
+    arena = shared.Arena.create([X], 8)
+    p = arena.placements(8)
+    proc = child(arena, TURN, 4)
+    processes.append(proc)
+    assert proc.stdout.readline().strip() == "in a turn"
+    assert p.turns_under_way()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    p.gone(4)
+    assert not p.turns_under_way()
