@@ -54,9 +54,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "front-ends": (
         int,
         "front-end processes taking HTTP and gRPC requests in on the same ports, writing tensors "
-        "straight into the batch rows of this process, the engine (default: half the CPUs, at most "
-        "8, when there are 4 or more and a model loaded at start has input rows of 512 KiB or "
-        "more; else 0: one process)",
+        "straight into the batch rows of this process, the engine (default 0: one process)",
     ),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (
@@ -440,7 +438,7 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
     rows = None
-    processes = front_end_processes(settings, models)
+    processes = front_end_processes(settings)
     if processes is not None:
         # the front ends take HTTP and gRPC in; this process is their engine
         front_ends, rows = (processes.start,), processes.placements_for
@@ -455,18 +453,15 @@ def serve(settings: Settings) -> int:
     return run(server)
 
 
-def front_end_processes(settings: Settings, models):
-    """The front-end processes the settings and the models opened ask for (serving/front_ends.py),
+def front_end_processes(settings: Settings):
+    """The front-end processes the settings ask for (serving/front_ends.py),
     said in the log with why; None for one process. ServeError where --front-ends asks for them and
     this install can't run them."""
     from serving.arena import WHY_NOT
 
-    row_bytes = max((model.engine.row_bytes for _, model in models), default=0)
-    count, why = settings.front_end_processes(row_bytes)
+    count, why = settings.front_end_processes()
     if count and WHY_NOT:
-        if settings.front_ends:
-            raise ServeError(f"--front-ends {count}: {WHY_NOT}; or --front-ends 0")
-        count, why = 0, WHY_NOT
+        raise ServeError(f"--front-ends {count}: {WHY_NOT}; or --front-ends 0")
     log.info(
         "front ends: %s (%s)",
         f"{count} process{'es' if count > 1 else ''}" if count else "none, one process",

@@ -14,8 +14,6 @@ MAX_BODY_LIMIT = (
 ) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
 # --front-ends at most (serving/placements.py counts arrivals for 64 processes, the engine's first)
 MAX_FRONT_ENDS = 32
-# front ends by default at most (Settings.front_end_processes)
-MAX_DEFAULT_FRONT_ENDS = 8
 LARGE_ROW_BYTES = (
     512 * 1024
 )  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
@@ -419,34 +417,15 @@ class Settings:
 
         return max(1, min(8, usable_cpus()))
 
-    def front_end_processes(self, row_bytes: int) -> tuple[int, str]:
+    def front_end_processes(self) -> tuple[int, str]:
         """How many front-end processes take requests in, and why, in words for the log:
-        --front-ends, else half the usable CPUs (at most 8) when there are 4 or more and the models
-        loaded at start have input rows of LARGE_ROW_BYTES or more (`row_bytes`: the largest), else
-        none (one process).
-
-        Why not always: a front end takes a request in for about what the single process does (its
-        Python and the kernel's copy of the body), and the engine's process adds a record and an
-        answer per request. That pays where one interpreter is the limit: large bodies, cores to
-        spare beside the engine and its runs. Small bodies are mostly per-request Python, which
-        the extra hop grows, and on 2 or 3 cores the front ends take turns with the engine."""
+        --front-ends, else none (one process). Front ends are asked for, never chosen: a front end
+        takes a request in for about what the single process does, and the engine's process adds
+        a record and an answer per request, which pays only where one interpreter is the limit
+        (large bodies, cores to spare beside the engine and its runs)."""
         if self.front_ends is not None:
             return self.front_ends, "--front-ends"
-        from serving.engine import usable_cpus
-
-        cpus = usable_cpus()
-        if row_bytes < LARGE_ROW_BYTES:
-            return 0, (
-                f"no model loaded at start has input rows of {LARGE_ROW_BYTES >> 10} KiB or more: "
-                "one process takes such requests in for less"
-            )
-        if cpus < 4:
-            return 0, f"{cpus} CPUs: front ends would take turns with the engine and its runs"
-        count = min(MAX_DEFAULT_FRONT_ENDS, cpus // 2)
-        return count, (
-            f"{cpus} CPUs and input rows of {LARGE_ROW_BYTES >> 10} KiB or more: half the CPUs "
-            f"(at most {MAX_DEFAULT_FRONT_ENDS}) take requests in, the rest are the engine's"
-        )
+        return 0, "the default; --front-ends N for N front-end processes"
 
     def tokens(self) -> list[bytes]:
         """The bearer tokens clients may send (none: no auth)."""

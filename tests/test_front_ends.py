@@ -431,3 +431,11 @@ def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):
             headers=auth,
         )
         assert r.status_code in (400, 403, 503), r.text[:200]
+
+
+def test_one_process_unless_front_ends_are_asked_for():
+    """Front ends are opt-in: the default is one process whatever the CPUs and the rows' size."""
+    from serving.config import Settings
+
+    assert Settings().front_end_processes()[0] == 0
+    assert Settings(front_ends=2).front_end_processes() == (2, "--front-ends")
