@@ -533,7 +533,13 @@ class Server:
                     f"model '{name}' version {slot.version} was unloaded while the request "
                     f"waited ({model.state.lower()})",
                 ) from None
-            if current is slot or current.model.engine.inputs != slot.model.engine.inputs:
+            # the feeds were decoded from image files by this version's preprocessing: another's
+            # would have made other tensors of the same files
+            if (
+                current is slot
+                or current.model.engine.inputs != slot.model.engine.inputs
+                or current.model.images != slot.model.images
+            ):
                 raise
             return await current.batcher.submit(feeds, rows), current
 
