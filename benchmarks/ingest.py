@@ -14,10 +14,11 @@ settings (and --grpc-port); a closed loop of C clients sends one image a request
                      input in a region the client registered, the output in another, a region pair per request in
                      flight; clients in several processes of threads (tritonclient's clients are not thread-safe)
 
-Reported per row: req/s, the server's mean rows per model run (from /metrics), the server process's CPU ms per
-request (utime + stime of every thread, from /proc), errors. With the model's cost near zero, the CPU per request
-is what the front end, the batcher and the copies cost: what sets a GPU server's pace (what it cost on one H100:
-docs/benchmarks.md#benchmarksingestpy).
+Reported per row: req/s, the server's mean rows per model run (from /metrics), the server's CPU ms
+per request (utime + stime of every thread of every process of it, from /proc: with front ends, the
+engine's and each front end's), errors; with front ends, each front end's share of the front ends'
+CPU. With the model's cost near zero, the CPU per request is what the front end, the batcher and
+the copies cost: what sets a GPU server's pace (docs/benchmarks.md#benchmarksingestpy).
 
 C references, pinned as the server is, each only receiving requests and answering a fixed message: what this
 machine's kernel and a server in C or C++ cost for those bytes, with no model, no checks and no Python.
@@ -40,6 +41,15 @@ the generator, not the server, sets the pace on 2 cores; `--image 3x32x32` (12 K
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --concurrency 32
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --image 3x32x32   # scaling, small images
     python benchmarks/ingest.py --against ../base --protocols http --rounds 8 --seconds 3
+    python benchmarks/ingest.py --protocols http,grpc --front-ends 1,2   # front-end processes
+
+`--front-ends 1,2,...`: a server of each count of front-end processes (`--front-ends N`: the process
+started is the engine, N processes take requests in, serving/front_ends.py), all started at once,
+the rounds alternating between them as with --against; the load then comes from `--generators`
+h2load processes at once (default 2), each with its share of the connections, so that one generator
+is not the pace, and gRPC from `--grpc-connections` connections per generator (default 4: the
+kernel spreads connections, not streams, over the front ends). Below the table, the CPU per request
+of each count as a multiple of the first's, in the same run.
 
 `--against DIR` compares this tree's server with another checkout's (e.g. `git worktree add ../base main`, its
 extensions built with `python setup.py build_ext --inplace`): both servers run at once, pinned alike, and the rounds
@@ -58,6 +68,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +134,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def processes_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of a server's processes: `pid` and its children (its front ends, and the spare
+    that waits to replace one), each process's threads together."""
+    found = {pid: cpu_seconds(pid)}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    found[int(child)] = cpu_seconds(int(child))
+    return found
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on `port` (a front end; not the spare)."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            inodes.add(fields[9])
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
 def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *cmd] if cpus and shutil.which("taskset") else cmd
 
@@ -149,9 +188,12 @@ class Server:
         extra: list[str],
         model_name: str = MODEL,
         root: Path = ROOT,
+        front_ends: int | None = None,
     ):
         self.port, self.grpc_port = bench.two_free_ports()
-        self.work, self.root = work, root
+        self.work, self.root, self.front_ends = work, root, front_ends
+        if front_ends is not None:
+            extra = [*extra, "--front-ends", str(front_ends)]
         self.log = work / (
             f"server-{root.name}-{cpus or 'all'}-"
             f"{'-'.join(a.strip('-') for a in extra) or 'defaults'}.log"
@@ -413,14 +455,48 @@ def nginx_body(kind: str) -> bytes:
 # ---- load generators ------------------------------------------------------------------------------------------
 
 
+# h2load processes at once, and gRPC connections each (main: --generators, --grpc-connections)
+GENERATORS, GRPC_CONNECTIONS = 1, 1
+
+
 def h2load_load(
     protocol: str, server: Server, c: int, seconds: float, work: Path, cpus: str | None
 ) -> dict:
+    """GENERATORS h2load processes at once, each with its share of the `c` requests in flight (and
+    over gRPC GRPC_CONNECTIONS connections each); their counts added up."""
     which = bench.GRPC if protocol == "grpc" else bench.BINARY_HTTP
     model, x = (MODEL_UINT8, pixels()) if protocol == "http-uint8" else (MODEL, image())
     request = bench.v2_request(which, model, x, server.port)
+    shares = [c // GENERATORS + (1 if i < c % GENERATORS else 0) for i in range(GENERATORS)]
+    results: list[dict] = [{} for _ in shares]
+
+    def generate(i: int) -> None:
+        own = work / f"generator-{i}"
+        own.mkdir(exist_ok=True)
+        connections = min(GRPC_CONNECTIONS, shares[i])
+        results[i] = bench.h2load(
+            which,
+            request,
+            server.port,
+            server.grpc_port,
+            model,
+            shares[i],
+            seconds,
+            own,
+            connections,
+        )
+
     with generator_on(cpus):
-        return bench.h2load(which, request, server.port, server.grpc_port, model, c, seconds, work)
+        threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(shares))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return {
+        "rps": sum(r["rps"] for r in results),
+        "n": sum(r["n"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+    }
 
 
 def python_load(
@@ -585,19 +661,26 @@ def measure(
     load(protocol, server, c, min(2.0, seconds), work, cpus)  # warm (h2load: its first seconds)
     bench.wait_until_idle(server.port)
     runs0, rows0 = server.batches()
-    cpu0 = cpu_seconds(server.proc.pid)
+    pid = server.proc.pid
+    cpu0 = processes_cpu(pid)
     result = load(protocol, server, c, seconds, work, cpus)
     if (
         "started" in result
     ):  # the shm load began at a set time: the server's CPU is counted from its start
-        cpu0 = cpu_seconds(server.proc.pid) if time.time() < result["started"] else cpu0
-    cpu = cpu_seconds(server.proc.pid) - cpu0
+        cpu0 = processes_cpu(pid) if time.time() < result["started"] else cpu0
+    cpu1 = processes_cpu(pid)
+    # (each process that lived through the round: a front end replaced meanwhile would be left out)
+    spent = {p: cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0}
+    cpu = sum(spent.values())
+    front_ends = [spent[p] for p in sorted(spent) if p != pid and listening(p, server.port)]
     runs1, rows1 = server.batches()
     n = max(result["n"], 1)
     return {
         "rps": result["rps"],
         "rows_per_run": (rows1 - rows0) / max(runs1 - runs0, 1),
         "cpu_ms": 1e3 * cpu / n,
+        "engine_share": spent[pid] / cpu if cpu else float("nan"),
+        "shares": [f / sum(front_ends) for f in front_ends] if sum(front_ends) else [],
         "errors": result["errors"],
         "first_error": result.get("first_error"),
         "generator": "h2load"
@@ -659,6 +742,22 @@ def main(argv: list[str] | None = None) -> int:
         "--server-args", default="", help="more flags for the server (its defaults otherwise)"
     )
     parser.add_argument(
+        "--front-ends",
+        metavar="N,N,...",
+        help="a server of each of these counts of front-end processes (--front-ends N), started "
+        "together, the rounds alternating between them",
+    )
+    parser.add_argument(
+        "--generators",
+        type=int,
+        help="h2load processes sending at once (default 2 with --front-ends, else 1)",
+    )
+    parser.add_argument(
+        "--grpc-connections",
+        type=int,
+        help="gRPC connections of each h2load process (default 4 with --front-ends, else 1)",
+    )
+    parser.add_argument(
         "--against",
         type=Path,
         metavar="DIR",
@@ -668,6 +767,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds = 1, 3.0
+    global GENERATORS, GRPC_CONNECTIONS
+    counts: list[int | None] = [None]
+    if args.front_ends:
+        if args.against is not None:
+            parser.error("--front-ends compares counts of this tree's front ends: no --against")
+        try:
+            counts = [int(n) for n in args.front_ends.split(",")]
+        except ValueError:
+            parser.error(f"--front-ends {args.front_ends}: give counts like 1,2")
+    GENERATORS = args.generators or (2 if args.front_ends else 1)
+    GRPC_CONNECTIONS = args.grpc_connections or (4 if args.front_ends else 1)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown:
@@ -713,9 +823,11 @@ def main(argv: list[str] | None = None) -> int:
                             server_cpus,
                             args.server_args.split(),
                             root=root,
+                            front_ends=count,
                         )
                     )
                     for root in roots
+                    for count in counts
                 ]
                 runs: dict[int, list[dict]] = {i: [] for i in range(len(started))}
                 for round_ in range(
@@ -742,6 +854,13 @@ def main(argv: list[str] | None = None) -> int:
                         if args.against is None
                         else ("this tree, " if server.root == ROOT else f"{server.root}, ")
                     )
+                    if server.front_ends is not None:
+                        code += f"{server.front_ends} front end{'s' * (server.front_ends != 1)}, "
+                        med["shares"] = [
+                            float(np.median([r["shares"][j] for r in runs[i]]))
+                            for j in range(min(len(r["shares"]) for r in runs[i]))
+                        ]
+                        med["engine_share"] = float(np.median([r["engine_share"] for r in runs[i]]))
                     rows.append(
                         (
                             PROTOCOLS[protocol],
@@ -757,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"  {rows[-1][0]:<26} {rows[-1][1]:<18} {med['rps']:7.0f} req/s  "
                         f"{med['rows_per_run']:5.1f} rows/run  {med['cpu_ms']:.3f} ms CPU/request  errors {errors}  "
-                        f"(rounds: {each} us)",
+                        f"(rounds: {each} us){shares_text(med)}",
                         flush=True,
                     )
                 if model == MODEL:
@@ -779,19 +898,45 @@ def main(argv: list[str] | None = None) -> int:
         "cast and scaled) -> ReduceMean -> MatMul -> 10 logits; "
         f"c={args.concurrency}, {args.rounds} round(s) of {args.seconds:g} s, medians\n"
     )
-    print(
-        "| protocol | server on | load generator | req/s | rows per run | server CPU ms per request | "
-        "x the C reference's CPU, same bytes | errors |"
+    generator_text = (f"{GENERATORS} h2load processes" if GENERATORS > 1 else "h2load") + (
+        f", gRPC on {GRPC_CONNECTIONS} connections each" if GRPC_CONNECTIONS > 1 else ""
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| protocol | server on | load generator | req/s | rows per run | server CPU ms per "
+        "request | x the C reference's CPU, same bytes | engine's share of the CPU | each front "
+        "end's share of the front ends' CPU | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, where, generator, med, errors, first, kind in rows:
         times = f"{med['cpu_ms'] / reference_ms[kind]:.2f}" if kind in reference_ms else ""
         batches = "" if np.isnan(med["rows_per_run"]) else f"{med['rows_per_run']:.1f}"
+        engine = f"{100 * med['engine_share']:.0f}%" if "engine_share" in med else ""
+        shares = " / ".join(f"{100 * share:.0f}%" for share in med.get("shares", []))
+        if generator == "h2load":
+            generator = generator_text
         print(
             f"| {name} | {where} | {generator} | {med['rps']:.0f} | {batches} | {med['cpu_ms']:.3f} | "
-            f"{times} | {errors}{' (' + first[:80] + ')' if first else ''} |"
+            f"{times} | {engine} | {shares} | {errors}{' (' + first[:80] + ')' if first else ''} |"
         )
+    if len(counts) > 1:
+        print()
+        for name in dict.fromkeys(row[0] for row in rows):
+            mine = [row for row in rows if row[0] == name and "front end" in row[1]]
+            if len(mine) > 1:
+                first = mine[0][3]["cpu_ms"]
+                said = ", ".join(
+                    f"{row[1].split(',')[0]} {row[3]['cpu_ms'] / first:.2f}x" for row in mine[1:]
+                )
+                print(f"{name}: CPU per request against {mine[0][1].split(',')[0]}'s: {said}")
     return 0
+
+
+def shares_text(med: dict) -> str:
+    """With front ends: the engine's share of the server's CPU and each front end's of theirs."""
+    if "engine_share" not in med:
+        return ""
+    shares = "/".join(f"{100 * share:.0f}%" for share in med.get("shares", []))
+    return f"  engine {100 * med['engine_share']:.0f}% of the CPU, front ends {shares} of theirs"
 
 
 if __name__ == "__main__":

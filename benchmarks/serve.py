@@ -986,10 +986,12 @@ def h2load(
     concurrency: int,
     seconds: float,
     work: Path,
+    connections: int = 1,
 ) -> dict:
     """The protocol's prebuilt request sent by h2load (nghttp2's C load generator, Debian package nghttp2-client),
-    closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections, over gRPC one connection
-    with `concurrency` streams (as the Python generator's one channel). h2load gives the mean latency, not
+    closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections, over gRPC
+    `connections` connections (default one, as the Python generator's one channel) with
+    `concurrency` streams in all. h2load gives the mean latency, not
     percentiles (p50/p99 are NaN), and sees HTTP statuses only: a gRPC error (a 200 with a non-zero
     grpc-status trailer) is not counted, which is why the Python generator checks each protocol's answer first.
     ModelStreamInfer: h2load sends a stream's whole body at once, so a "request" of its is a stream of
@@ -1006,9 +1008,9 @@ def h2load(
         cmd = [
             "h2load",
             "-c",
-            "1",
+            str(connections),
             "-m",
-            str(streams),
+            str(max(1, streams // connections)),
             "-H",
             "content-type: application/grpc",
             "-H",

@@ -171,6 +171,7 @@ class Batcher:
         incoming: Callable[[], int] | None = None,
         name: str = "the model",
         observe: Callable[[Feeds, Feeds], None] | None = None,
+        placements: Placements | None = None,
     ):
         # the version it runs, in its log lines
         self.name = name
@@ -182,8 +183,10 @@ class Batcher:
         self._run = run
         # (feeds of a batch bucket's rows, the requests' rows among them) -> outputs
         self._run_gathered = run_gathered
-        # the batch buffers' rows (`buffers`: a staging.BatchBuffers), the requests on their way
-        self._placements = Placements(
+        # the batch buffers' rows (`buffers`: a staging.BatchBuffers), the requests on their way;
+        # or `placements` the caller made (an arena's, serving/arena.py: front-end processes place
+        # requests in its rows too)
+        self._placements = placements or Placements(
             buffers if run_gathered is not None and merge else None, max_batch_size, bucket_for
         )
         self._runner = runner
@@ -251,6 +254,20 @@ class Batcher:
         has one already)."""
         return self._placements.place(arrival, rows)
 
+    @property
+    def placements(self) -> Placements:
+        return self._placements
+
+    def adopt(self, source: int, index: int, k: int, ticket: int) -> Arrival:
+        """A front-end process's arrival (counted under `source`, in place `k` of buffer `index`
+        when it has one), handed to this process: to submit, or to end (Placements.adopt)."""
+        return self._placements.adopt(self, source, index, k, ticket)
+
+    def look_again(self) -> None:
+        """Arrivals or a turn counted in another process were forgotten (it died): a batch that
+        waited for them, or was left to that turn (_kick_coming), is looked at now."""
+        self._runner.ready(self)
+
     def ended(self, arrival: Arrival) -> None:
         """An arrival that goes no further (Arrival.end): its place (if any) is dead."""
         with self._lock:
@@ -295,6 +312,9 @@ class Batcher:
                 raise
             if place is not None:
                 place = placements.fill(place, job)
+                if place is None:
+                    # (killed meanwhile: the front-end process that held it went away)
+                    raise BatcherClosed("the request's front end went away")
                 # its place's rows (a moved request's new place: its old one may be handed out)
                 job.feeds = place.views
             else:
@@ -359,8 +379,13 @@ class Batcher:
         turn. The engine, free between two runs, then leaves the batch to it rather than taking the
         one or two requests complete so far: a loop saturated with uploads gives the GIL away at
         every system call, and an engine that took a batch at each would run batches of a few rows
-        (docs/benchmarks.md#servingbatcherpy)."""
-        return any(loop.is_running() for loop in tuple(self._kicks))
+        (docs/benchmarks.md#servingbatcherpy). Likewise a front-end process in a turn of handing
+        requests over (Placements.turns_under_way): its records come at the turn's end, and their
+        submits kick."""
+        return (
+            any(loop.is_running() for loop in tuple(self._kicks))
+            or self._placements.turns_under_way()
+        )
 
     def _admit(self, rows: int) -> None:
         """(under _lock) Refusals of a new job."""

@@ -51,6 +51,11 @@ FLAGS: dict[str, tuple[type, str]] = {
         "(default: one; one per CPU this process may use, at most 8, when a model loaded at start "
         "has input rows of 512 KiB or more: the loops share the GIL, and only large bodies gain)",
     ),
+    "front-ends": (
+        int,
+        "front-end processes taking HTTP and gRPC requests in on the same ports, writing tensors "
+        "straight into the batch rows of this process, the engine (default 0: one process)",
+    ),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (
         str,
@@ -432,8 +437,13 @@ def serve(settings: Settings) -> int:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
+    rows = None
+    processes = front_end_processes(settings)
+    if processes is not None:
+        # the front ends take HTTP and gRPC in; this process is their engine
+        front_ends, rows = (processes.start,), processes.placements_for
     try:
-        server = Server(settings, models, payload_log, front_ends)
+        server = Server(settings, models, payload_log, front_ends, rows)
     except (RepositoryError, SourceError) as exc:
         for _, model in models:
             model.discard()
@@ -441,6 +451,27 @@ def serve(settings: Settings) -> int:
     raise_open_files_limit()
     keep_freed_memory()
     return run(server)
+
+
+def front_end_processes(settings: Settings):
+    """The front-end processes the settings ask for (serving/front_ends.py),
+    said in the log with why; None for one process. ServeError where --front-ends asks for them and
+    this install can't run them."""
+    from serving.arena import WHY_NOT
+
+    count, why = settings.front_end_processes()
+    if count and WHY_NOT:
+        raise ServeError(f"--front-ends {count}: {WHY_NOT}; or --front-ends 0")
+    log.info(
+        "front ends: %s (%s)",
+        f"{count} process{'es' if count > 1 else ''}" if count else "none, one process",
+        why,
+    )
+    if not count:
+        return None
+    from serving.front_ends import FrontEnds
+
+    return FrontEnds(count, why)
 
 
 def grpc_start(settings: Settings):
@@ -475,7 +506,8 @@ def layout(server, http_loops: int) -> str:
             f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more "
             "loops would share the GIL for little; --http-threads N sets them)"
         )
-    parts = [loops, *(getattr(f, "layout", "gRPC") for f in server.listening)]
+    parts = [loops] if http_loops else []
+    parts += [getattr(f, "layout", "gRPC") for f in server.listening]
     threads = sorted({slot.model.engine.threads for slot in slots})
     parts.append(
         f"1 engine thread running every model's batches in turn (onnxruntime "
@@ -524,6 +556,8 @@ async def _serve(server) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.rows is not None:
+        return await _serve_front_ends(server, stop)
     http = HttpFrontEnd(server)
     async with server.lifespan():
         try:
@@ -546,4 +580,23 @@ async def _serve(server) -> int:
         server.begin_shutdown()
         http.stop_accepting()
         await http.drain(settings.graceful_timeout)
+    return 0
+
+
+async def _serve_front_ends(server, stop: asyncio.Event) -> int:
+    """The engine of front-end processes (serving/front_ends.py): they listen, it serves them until
+    SIGTERM or SIGINT, then they drain (the server's lifespan stops them) and it stops."""
+    try:
+        async with server.lifespan():
+            log.info(
+                "listening on http://%s:%d (front ends)", server.settings.host, server.settings.port
+            )
+            log.info("laid out as: %s", layout(server, 0))
+            await stop.wait()
+            # Not ready at once; queued requests run without waiting out --max-delay-ms; the front
+            # ends stop accepting and answer what is in flight.
+            server.begin_shutdown()
+    except RuntimeError as exc:
+        log.error("%s; the server did not start", exc)
+        return 1
     return 0

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 MAX_BODY_LIMIT = (
     1 << 31
 ) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+# --front-ends at most (serving/placements.py counts arrivals for 64 processes, the engine's first)
+MAX_FRONT_ENDS = 32
 LARGE_ROW_BYTES = (
     512 * 1024
 )  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
@@ -36,6 +38,10 @@ class Settings:
     # Event loops taking HTTP requests in (the server's own and the rest in threads, one socket each on the port);
     # None: see http_loops.
     http_threads: int | None = None
+    # Front-end processes taking HTTP and gRPC requests in, on the same ports (SO_REUSEPORT),
+    # writing tensors straight into the batch rows of the process started, which becomes the engine
+    # (serving/front_ends.py); 0: one process does everything; None: see front_end_processes.
+    front_ends: int | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
     # What serves that port: native (grpc's C++ server, serving/grpc/native.cc: a unary call costs the event loop
@@ -242,6 +248,16 @@ class Settings:
             raise ValueError(f"--device-id must be >= 0, got {self.device_id}")
         if self.http_threads is not None and not 1 <= self.http_threads <= 64:
             raise ValueError(f"--http-threads must be from 1 to 64, got {self.http_threads}")
+        if self.front_ends is not None and not 0 <= self.front_ends <= MAX_FRONT_ENDS:
+            raise ValueError(
+                f"--front-ends must be from 0 to {MAX_FRONT_ENDS}, got {self.front_ends}"
+            )
+        if self.front_ends and self.http_threads is not None and self.http_threads > 1:
+            raise ValueError(
+                "--http-threads with --front-ends: each front-end process takes HTTP in on one "
+                "event loop; for more, ask for more front ends (--front-ends N), or drop "
+                "--front-ends"
+            )
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"--threads must be positive, got {self.threads}")
         if self.max_delay_ms < 0:
@@ -399,6 +415,16 @@ class Settings:
         from serving.engine import usable_cpus
 
         return max(1, min(8, usable_cpus()))
+
+    def front_end_processes(self) -> tuple[int, str]:
+        """How many front-end processes take requests in, and why, in words for the log:
+        --front-ends, else none (one process). Front ends are asked for, never chosen: a front end
+        takes a request in for about what the single process does, and the engine's process adds
+        a record and an answer per request, which pays only where one interpreter is the limit
+        (large bodies, cores to spare beside the engine and its runs)."""
+        if self.front_ends is not None:
+            return self.front_ends, "--front-ends"
+        return 0, "the default; --front-ends N for N front-end processes"
 
     def tokens(self) -> list[bytes]:
         """The bearer tokens clients may send (none: no auth)."""

@@ -130,8 +130,13 @@ class Server:
         models: LoadedModel | list[tuple[Source, LoadedModel]],
         payload_log: PayloadLog | None = None,
         front_ends: tuple[Callable[["Server"], Awaitable[Any]], ...] = (),
+        rows: Callable[[LoadedModel, int, Callable[[int], int]], Any] | None = None,
     ):
         self.settings = settings
+        # Each version's batch rows where front-end processes share them (serving/front_ends.py:
+        # (model, rows a run, its buckets) -> Placements over an arena, or None); else the
+        # batcher's own.
+        self.rows = rows
         self.auth = Auth(settings.tokens(), settings.feedback_token)
         # One thread runs every model run of every model: onnxruntime parallelizes inside a run,
         # and two runs at once on the same cores only fight. It takes each batch when it is free to,
@@ -189,6 +194,7 @@ class Server:
             self.metrics.watch_payload_log(payload_log.stats)
         self.metrics.watch_drift(lambda: self.drift.scores(self._loaded()))
         self.metrics.watch_shadows(self.mirror.reports)
+        self.metrics.watch_rows(self._rows)
 
     @property
     def ready(self) -> bool:
@@ -208,6 +214,14 @@ class Server:
 
     def _loaded(self) -> set[tuple[str, str]]:
         return {(name, slot.version) for name, slot in self.repository.slots()}
+
+    def _rows(self) -> list[tuple[str, str, int, int]]:
+        found = []
+        for name, slot in self.repository.slots():
+            placements = slot.batcher.placements
+            in_use = placements.table.count - len(placements.free_buffers())
+            found.append((name, slot.version, in_use, placements.arriving_now()))
+        return found
 
     def _queued_rows(self) -> list[tuple[str, str, float]]:
         return [
@@ -237,6 +251,9 @@ class Server:
             buffers=model.engine.batch_buffers(cap),
             run_gathered=model.engine.run_gathered,
             bucket_for=model.engine.bucket_for,
+            placements=None
+            if self.rows is None
+            else self.rows(model, cap, model.engine.bucket_for),
             arrival_wait_ms=s.arrival_wait_ms,
             incoming=self.incoming,
             name=f"model '{name}' version {version}",

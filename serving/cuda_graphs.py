@@ -17,9 +17,14 @@ capture (a node on the CPU, an output shape it cannot know) is refused with onnx
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
+
+# onnxruntime is imported where it is used: the front-end processes import this module's
+# names (serving/front_end_process.py) and never run a model.
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 log = logging.getLogger("serving.cuda_graphs")
 GRAPH_RTOL, GRAPH_ATOL = (
@@ -36,6 +41,8 @@ class BucketGraph:
     """One bucket size's session, its device inputs and outputs bound at fixed addresses."""
 
     def __init__(self, session: ort.InferenceSession, inputs, outputs, size: int, device_id: int):
+        import onnxruntime as ort
+
         self.session, self.size = session, size
         self.binding = session.io_binding()
         self.inputs: dict[str, ort.OrtValue] = {}

@@ -19,16 +19,20 @@ import shutil
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import onnxruntime as ort
 
 from serving.batcher import NotRowWise
 from serving.console import clip, ort_severity
 from serving.cuda_graphs import GraphError, open_graphs
 from serving.lineage import ROWS_INDEPENDENT
 from serving.staging import BatchBuffers, NonFinite, check_finite, concat, nbytes, rows_of
+
+# onnxruntime is imported where it is used: the front-end processes import this module's
+# names (serving/front_end_process.py) and never run a model.
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 log = logging.getLogger("serving.engine")
 
@@ -121,6 +125,8 @@ def choose_provider(device: str) -> str:
 
     This is what the build and the machine offer; whether the provider really loads is only known once a
     session exists (see Engine)."""
+    import onnxruntime as ort
+
     if device not in DEVICES:
         raise EngineError(f"unknown device '{device}'; expected {', '.join(DEVICES)}")
     if device == "cpu":
@@ -224,6 +230,8 @@ def preload_cuda_libraries() -> str:
     fall back to the CPU provider. Not needed after `import torch` with a torch of the same CUDA major, but
     the server never imports torch. onnxruntime prints its findings to stdout; they are captured here.
     """
+    import onnxruntime as ort
+
     global _preload_report
     if _preload_report is None:
         preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
@@ -270,6 +278,8 @@ def system_cuda_libraries_missing() -> list[str]:
     """The libraries onnxruntime's CUDA provider needs that the system loader cannot find: what an image
     that serves on CUDA without pip's nvidia-* packages must carry (the Dockerfile checks it at build time,
     where get_available_providers() would list CUDA whatever is installed)."""
+    import onnxruntime as ort
+
     library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
     if not library.is_file():
         return [f"{library.name} (this onnxruntime has no CUDA provider: install onnxruntime-gpu)"]
@@ -303,6 +313,8 @@ def _cuda_major() -> str:
 
 def _not_on_gpu(device: str, wanted: str, ran: str, preload_report: str, printed: str) -> str:
     """Why a session asked for on `wanted` ended up on `ran`, and how to fix it."""
+    import onnxruntime as ort
+
     major = _cuda_major()
     if wanted == TENSORRT:
         cause = (
@@ -336,6 +348,8 @@ def usable_cpus() -> int:
 
 def _open_session(path: str, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:
     """An InferenceSession without onnxruntime's run-time fallback to the CPU (see Engine)."""
+    import onnxruntime as ort
+
     try:
         session = ort.InferenceSession(path, sess_options=options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types for bad files
@@ -437,6 +451,8 @@ class Engine:
         batching: bool | None = None,
         batching_why: str = "",
     ):
+        import onnxruntime as ort
+
         wanted = choose_provider(device)
         self.threads = threads or usable_cpus()
         self.device_id = device_id
@@ -838,6 +854,8 @@ class Engine:
         return ",".join(f"{k}={v}" for k, v in sorted(self.provider_options.items()))
 
     def describe(self) -> str:
+        import onnxruntime as ort
+
         ins = ", ".join(f"{s.name} {s.describe()}" for s in self.inputs)
         gpu = (
             f" device {self.device_id} ({self.options_text()})"

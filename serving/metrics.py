@@ -151,6 +151,18 @@ class Metrics:
         verdict (one series with value 1), read at each scrape."""
         self.registry.register(_ShadowCollector(reports))
 
+    def watch_rows(self, rows: Callable[[], list[tuple[str, str, int, int]]]) -> None:
+        """trainserve_batch_buffers_in_use and trainserve_requests_arriving{model,version}, read
+        from the batchers' rows at each scrape (`rows()`: (model, version, buffers in use,
+        requests on their way) each)."""
+        self.registry.register(_RowsCollector(rows))
+
+    def watch_front_ends(self, found: Callable[[], tuple[dict[str, int], int]]) -> None:
+        """trainserve_front_ends{state} (listening, starting, spare: one waits to replace a front
+        end that dies) and trainserve_front_ends_replaced_total, read from the engine's front-end
+        processes at each scrape (`found()`: (states, replaced), serving/processes.py)."""
+        self.registry.register(_FrontEndsCollector(found))
+
     def watch_payload_log(self, stats: Callable[[], dict]) -> None:
         """Export the payload log's counters (`PayloadLog.stats`), read at each scrape."""
         self.registry.register(_PayloadLogCollector(stats))
@@ -225,6 +237,50 @@ class _QueueCollector:
         for model, version, rows in self.rows():
             family.add_metric([model, version], rows)
         yield family
+
+
+class _RowsCollector:
+    def __init__(self, rows: Callable[[], list[tuple[str, str, int, int]]]):
+        self.rows = rows
+
+    def collect(self):
+        labels = ["model", "version"]
+        buffers = GaugeMetricFamily(
+            "trainserve_batch_buffers_in_use",
+            "Batch buffers holding requests' rows or a run's (of the version's few)",
+            labels=labels,
+        )
+        arriving = GaugeMetricFamily(
+            "trainserve_requests_arriving",
+            "Requests whose head is in and whose body is arriving (a batch may wait for them)",
+            labels=labels,
+        )
+        for model, version, in_use, on_the_way in self.rows():
+            buffers.add_metric([model, version], in_use)
+            arriving.add_metric([model, version], on_the_way)
+        yield buffers
+        yield arriving
+
+
+class _FrontEndsCollector:
+    def __init__(self, found: Callable[[], tuple[dict[str, int], int]]):
+        self.found = found
+
+    def collect(self):
+        states, replaced = self.found()
+        family = GaugeMetricFamily(
+            "trainserve_front_ends",
+            "Front-end processes taking requests in, by state (a spare waits to replace one)",
+            labels=["state"],
+        )
+        for state, count in states.items():
+            family.add_metric([state], count)
+        yield family
+        yield CounterMetricFamily(
+            "trainserve_front_ends_replaced",
+            "Front-end processes that died and were replaced",
+            value=replaced,
+        )
 
 
 class _PayloadLogCollector:
@@ -317,3 +373,41 @@ class _ShadowCollector:
                 latency.add_metric([model, version, side, quantile], value)
             verdict.add_metric([model, version, report["verdict"]], 1)
         yield from (*counters.values(), agreement, latency, verdict)
+
+
+def merged(texts: list[bytes]) -> bytes:
+    """Several processes' expositions as one (the engine's and its front ends':
+    serving/front_ends.py): each family once, its samples of the same name and labels added up
+    (the front ends' request counts and latency buckets with one another's), families and samples
+    in the order first seen."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, list]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type)
+                values[family.name] = {}
+            seen = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key in seen:
+                    seen[key][2] += sample.value
+                else:
+                    seen[key] = [sample.name, sample.labels, sample.value]
+    for name, family in families.items():
+        for sample_name, labels, value in values[name].values():
+            family.add_sample(sample_name, labels, value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        yield from self.families

@@ -31,6 +31,7 @@ log = logging.getLogger("serving.staging")
 Feeds = dict[str, np.ndarray]
 BUFFERS = 3  # one running, one assembling, one full and waiting
 MAX_BYTES = 1 << 30  # all of a model's batch buffers together; past it fewer buffers (at least one)
+PAGE = 4096
 
 
 class NonFinite(ValueError):
@@ -98,19 +99,60 @@ def rows_of(feeds: Feeds) -> int:
 
 
 class BatchBuffers:
-    """Up to `count` buffers of `capacity` rows for every input, made when first needed (pinned when `pin`).
-    `acquire`/`release` hand them out. Its one user, a batcher's placements (serving/placements.py),
-    calls them under its lock."""
+    """`count` buffers of `capacity` rows for every input (pinned when `pin`). In `memory` when
+    given (a writable buffer of `nbytes_for` bytes, e.g. a mapping of a memfd that front-end
+    processes map too: serving/arena.py), all made at once; else each made when first asked for
+    (`make`). Which buffer is free is its one user's business, a batcher's placements
+    (serving/placements.py)."""
 
-    def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS):
-        self.inputs = [(spec.name, spec.dtype, tuple(spec.shape[1:])) for spec in inputs]
+    def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS, memory=None):
+        self.inputs = _layout(inputs)
         self.capacity = capacity
-        row_bytes = nbytes((dtype, shape) for _, dtype, shape in self.inputs)
-        self.count = max(1, min(count, MAX_BYTES // max(1, row_bytes * capacity)))
+        self.count = _count(self.inputs, capacity, count)
         self.pin = pin
         self._lock = threading.Lock()
         self._buffers: list[Feeds] = []
-        self._free: list[int] = []
+        self._memory = memory
+        self._offsets = _laid_out(self.inputs, capacity, self.count)[0]
+        if memory is not None:
+            self.make(self.count - 1)
+
+    @staticmethod
+    def nbytes_for(inputs, capacity: int, count: int = BUFFERS) -> int:
+        """The bytes the buffers of BatchBuffers(inputs, capacity, count=count) take in one piece
+        of memory."""
+        layout = _layout(inputs)
+        return _laid_out(layout, capacity, _count(layout, capacity, count))[1]
+
+    def make(self, index: int) -> Feeds:
+        """Buffer `index` (made now if it was not: those before it first)."""
+        with self._lock:
+            while len(self._buffers) <= index:
+                self._buffers.append(self._new(len(self._buffers)))
+            return self._buffers[index]
+
+    def _new(self, index: int) -> Feeds:
+        if self._memory is None:
+            buffer = {
+                name: np.empty((self.capacity, *shape), dtype) for name, dtype, shape in self.inputs
+            }
+        else:
+            buffer = {
+                name: np.frombuffer(
+                    self._memory,
+                    dtype,
+                    self.capacity * int(np.prod(shape, dtype=np.int64)),
+                    self._offsets[index][name],
+                ).reshape(self.capacity, *shape)
+                for name, dtype, shape in self.inputs
+            }
+        if self.pin and not all([cuda.pin(array) for array in buffer.values()]):
+            log.info(
+                "batch buffers could not be pinned (cudaHostRegister refused): copies to the GPU "
+                "go through pageable memory, slower"
+            )
+            self.pin = False
+        return buffer
 
     def fits(self, feeds: Feeds, rows: int) -> bool:
         """Whether a request's feeds have this layout (names, shapes past the batch axis, dtypes) and fit a buffer."""
@@ -121,29 +163,6 @@ class BatchBuffers:
             if x is None or x.dtype != dtype or x.shape[1:] != shape:
                 return False
         return True
-
-    def acquire(self) -> int | None:
-        """A free buffer's index (a new one while fewer than `count` exist), or None."""
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            if len(self._buffers) >= self.count:
-                return None
-            buffer = {
-                name: np.empty((self.capacity, *shape), dtype) for name, dtype, shape in self.inputs
-            }
-            if self.pin and not all([cuda.pin(array) for array in buffer.values()]):
-                log.info(
-                    "batch buffers could not be pinned (cudaHostRegister refused): copies to the GPU go through "
-                    "pageable memory, slower"
-                )
-                self.pin = False
-            self._buffers.append(buffer)
-            return len(self._buffers) - 1
-
-    def release(self, index: int) -> None:
-        with self._lock:
-            self._free.append(index)
 
     def views(self, index: int, start: int, rows: int) -> Feeds:
         """Rows start..start+rows of buffer `index`, every input's (where a request's body may be received into)."""
@@ -180,8 +199,35 @@ class BatchBuffers:
         return self.batch(index, rows, size)
 
     def close(self) -> None:
+        """Unpinned and let go (a mapping goes once no view of it is left)."""
         with self._lock:
             for buffer in self._buffers:
                 for array in buffer.values():
                     cuda.unpin(array)
-            self._buffers, self._free = [], []
+            self._buffers, self._memory = [], None
+
+
+def _layout(inputs) -> list[tuple[str, np.dtype, tuple]]:
+    """(name, dtype, shape past the batch axis) of each input spec."""
+    return [(spec.name, np.dtype(spec.dtype), tuple(spec.shape[1:])) for spec in inputs]
+
+
+def _count(layout, capacity: int, count: int) -> int:
+    """How many buffers are made of the `count` asked for: fewer past MAX_BYTES in all, at least
+    one."""
+    row_bytes = nbytes((dtype, shape) for _, dtype, shape in layout)
+    return max(1, min(count, MAX_BYTES // max(1, row_bytes * capacity)))
+
+
+def _laid_out(layout, capacity: int, count: int) -> tuple[list[dict[str, int]], int]:
+    """Where each buffer's array of each input begins in one piece of memory (page-aligned: what
+    is pinned), and the bytes in all."""
+    offsets, at = [], 0
+    for _ in range(count):
+        buffer = {}
+        for name, dtype, shape in layout:
+            buffer[name] = at
+            size = capacity * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            at += -(-size // PAGE) * PAGE
+        offsets.append(buffer)
+    return offsets, at

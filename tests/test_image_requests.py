@@ -22,7 +22,7 @@ from PIL import Image
 from serving_fixtures import ServerProcess, free_port, heavy_model, run_onnx, tiny_model
 from tritonclient.utils import InferenceServerException
 
-from serving import drift, lineage
+from serving import arena, drift, lineage
 from serving.grpc import schema
 from serving.images import Preprocessing, apply, record
 
@@ -76,8 +76,20 @@ def ranked(scores: np.ndarray) -> list[tuple[str, float]]:
     return [(LABELS[i], float(scores[i])) for i in np.argsort(-scores, kind="stable")]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(
+    scope="module",
+    params=[
+        [],
+        pytest.param(
+            ["--front-ends", "2"],
+            marks=pytest.mark.skipif(bool(arena.WHY_NOT), reason=arena.WHY_NOT or "built"),
+        ),
+    ],
+    ids=["one process", "two front ends"],
+)
+def server(tmp_path_factory, request):
+    """One process, and an engine of two front-end processes (which hand a version's image
+    requests to the engine whole: serving/front_end_process.py)."""
     tmp = tmp_path_factory.mktemp("images")
     (tmp / "images").mkdir()
     (tmp / "plain").mkdir()
@@ -94,6 +106,7 @@ def server(tmp_path_factory):
         "digits",
         "--grpc-port",
         str(grpc_port),
+        *request.param,
         log_path=tmp / "server.log",
     )
     with srv:

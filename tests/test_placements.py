@@ -68,9 +68,10 @@ def test_ed9b7ce_a_buffer_being_run_is_not_handed_out_when_its_last_other_place_
     p.leave(b)
     c = received(p, 7.0, 2)
     assert reading["x"].tolist() == [[1.0, 1.0]] * 2, "C's body landed in the rows A's run reads"
-    assert c.place.group is not a.place.group
+    assert c.place.group.index != a.place.group.index
+    assert p.free_buffers() == []
     p.done(span)
-    assert pool._free == [a.place.group.index]  # A's buffer is back in the pool now
+    assert p.free_buffers() == [a.place.group.index]  # A's buffer is back in the pool now
 
 
 def test_6d27c5f_a_moved_request_runs_from_its_new_rows_not_the_buffer_it_left():

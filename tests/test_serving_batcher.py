@@ -429,14 +429,17 @@ X_OF_2_COLUMNS = types.SimpleNamespace(
 
 class TwoColumnBuffers(BatchBuffers):
     """Two batch buffers of 8 rows for one FP32 input "x" of 2 columns (a model of that one input),
-    saying how many of them were free when the pool was closed (once every buffer was back)."""
+    saying how many of them were free when the pool was closed (once every buffer was back);
+    `placements`: the batcher's, which hands them out (set by the test)."""
 
     def __init__(self):
         super().__init__([X_OF_2_COLUMNS], capacity=8, count=2)
         self.free_when_closed: int | None = None
+        self.placements = None
 
     def close(self) -> None:
-        self.free_when_closed = len(self._free)
+        if self.placements is not None:
+            self.free_when_closed = len(self.placements.free_buffers())
         super().close()
 
 
@@ -600,10 +603,10 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
     def run_gathered(feeds, rows):
         runs.append((*where(buffers, feeds), rows))
         x = feeds["x"][:rows]
-        if merged_run_fails and rows > 1 and len(buffers._free) == 1:
-            buffers._buffers[buffers._free[0]]["x"][:] = (
-                99.0  # the free buffer takes another request's body in
-            )
+        free = buffers.placements.free_buffers()
+        if merged_run_fails and rows > 1 and len(free) == 1:
+            # the free buffer takes another request's body in
+            buffers.make(free[0])["x"][:] = 99.0
         fails_on_c(x)
         return {"y": x * 2}
 
@@ -623,6 +626,7 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
             run_gathered=run_gathered,
             arrival_wait_ms=200,
         )
+        buffers.placements = b._placements
         b.start()
         first = [b.arriving(rows=1) for _ in range(3)]
         answers = {}
@@ -656,31 +660,32 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
 
 
 def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
-    from serving.placements import DEAD, FILLED, RAN, RESERVED, Place, _Group, _stranded
+    from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements, _stranded
 
     def buffer(*states: str, sealed: bool = True):
         """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not run) or "S"."""
-        group = _Group(0)
-        group.sealed = sealed
+        p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
+        owner = types.SimpleNamespace(ended=lambda arrival: None)
+        places = [p.arriving(owner, rows=1).place for _ in states]
         named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED, "S": RESERVED}
-        for i, state in enumerate(states):
-            place = Place(group, i, 1, {})
+        for place, state in zip(places, states):
             place.state = named[state]
             place.job = object() if state == "job" else None
-            group.places.append(place)
-        return group.places[states.index("S")]
+        places[0].group.sealed = sealed
+        s = places[states.index("S")]
+        return s, places
 
-    assert _stranded(buffer("ran", "S"))
-    assert _stranded(buffer("S"))
+    assert _stranded(*buffer("ran", "S"))
+    assert _stranded(*buffer("S"))
     assert _stranded(
-        buffer("ran", "dead", "S", "dead")
+        *buffer("ran", "dead", "S", "dead")
     )  # the refused places around it run with nothing
-    assert not _stranded(buffer("ran", "S", sealed=False))  # more places may come after it
-    assert not _stranded(buffer("ran", "S", "arriving"))  # it runs with that one
+    assert not _stranded(*buffer("ran", "S", sealed=False))  # more places may come after it
+    assert not _stranded(*buffer("ran", "S", "arriving"))  # it runs with that one
     assert not _stranded(
-        buffer("job", "dead", "S")
+        *buffer("job", "dead", "S")
     )  # a refused place between is filler in their run
-    assert not _stranded(buffer("S", "dead", "job"))
+    assert not _stranded(*buffer("S", "dead", "job"))
 
 
 class HeldCopies(BatchBuffers):

@@ -661,13 +661,14 @@ class GrpcFrontEnd:
         await self.aio.stop(grace)
 
 
-def _options(settings) -> dict[str, int]:
+def _options(settings, shared_port: bool = False) -> dict[str, int]:
     """grpc's channel arguments for the server, the same for either engine."""
     idle_ms = int(settings.read_timeout * 1000)
     return {
         "grpc.max_receive_message_length": settings.max_body_bytes,  # past it: RESOURCE_EXHAUSTED
         "grpc.max_send_message_length": -1,
-        "grpc.so_reuseport": 0,  # a port another process holds is an error, not shared
+        # a port another process holds is an error, not shared, but among front-end processes
+        "grpc.so_reuseport": int(shared_port),
         # Without these a silent client keeps a connection (a file descriptor) for ever: 20,000 of them
         # took every descriptor, HTTP's included. Idle = no RPC in flight, as HTTP's --read-timeout.
         "grpc.max_connection_idle_ms": idle_ms,
@@ -680,14 +681,15 @@ def _options(settings) -> dict[str, int]:
     }
 
 
-async def start_grpc(server):
-    """The gRPC server on --host:--grpc-port, started on the engine --grpc-engine picks (serving/grpc/native.py:
-    grpc's C++ server; or grpc.aio), both running the handlers above; `await it.stop(grace)` at shutdown.
-    OSError if the port cannot be bound."""
+async def start_grpc(server, service: Service | None = None, shared_port: bool = False):
+    """The gRPC server on --host:--grpc-port, started on the engine --grpc-engine picks
+    (serving/grpc/native.py: grpc's C++ server; or grpc.aio), both running the handlers above (of
+    `service`, default Service(server)); `await it.stop(grace)` at shutdown. OSError if the port
+    cannot be bound. `shared_port`: other processes serve it too (front ends, SO_REUSEPORT)."""
     from serving.grpc import native
 
     settings = server.settings
-    service = Service(server)
+    service = service or Service(server)
     handlers = {
         method: _handler(server, service, method, request_class)
         for method, (request_class, _) in schema.METHODS.items()
@@ -706,7 +708,7 @@ async def start_grpc(server):
             address,
             handlers,
             schema.SERVICE,
-            _options(settings) | quota,
+            _options(settings, shared_port) | quota,
             MAX_CONCURRENT_RPCS,
             streams,
             split=frozenset({"ModelInfer", "ModelStreamInfer"}),
@@ -722,7 +724,7 @@ async def start_grpc(server):
         for method, h in handlers.items()
     }
     aio = grpc.aio.server(
-        options=list(_options(settings).items())
+        options=list(_options(settings, shared_port).items())
     )  # (no maximum_concurrent_rpcs: see _Admission)
     aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, admitted),))
     try:

@@ -306,18 +306,9 @@ class Connection(asyncio.BufferedProtocol):
         self.answered = False
         try:
             if route is None:
-                raise _unrouted(method, path, allowed)
+                raise unrouted(method, path, allowed)
             request.params = params
-            if not route.open:
-                site.check_origin(request)
-                auth = site.server.auth
-                check = auth.check_labels if route.labels else auth.check
-                check(headers.get("authorization", ""))
-            if length > site.max_body_bytes:
-                raise Refused(413, too_large(headers, f"{length} bytes", site.max_body_bytes))
-            body = (
-                route.body(site.server, request, exchange, length, chunked) if route.body else None
-            )
+            body = site.admit(route, request, exchange, length, chunked)
         except Exception as exc:  # noqa: BLE001 - refused on its head: answered now, its body dropped unread
             self._refuse(exc, chunked, length)
             return
@@ -390,22 +381,11 @@ class Connection(asyncio.BufferedProtocol):
         self, route, request: Request, exchange: Exchange, error: Exception | None
     ) -> None:
         site = self.site
-        try:
-            if error is not None:
-                raise error
-            if (
-                route.main and self.loop is not site.loop
-            ):  # (the repository API: where the server's model locks are)
-                response = await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(
-                        route.handler(site.server, request, exchange), site.loop
-                    )
-                )
-            else:
-                response = await route.handler(site.server, request, exchange)
-        except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
-            found = refusal(exc, f"{request.method} {request.path}", log)
+        if error is not None:
+            found = refusal(error, f"{request.method} {request.path}", log)
             response = error_response(found.status, found.message, found.headers)
+        else:
+            response = await site.respond(route, request, exchange, self.loop)
         if request.arrival is not None:
             request.arrival.end()  # (queued: ended already; refused before: ended here)
         exchange.finish(site.server.metrics, str(response.status))
@@ -526,7 +506,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.close()
 
 
-def _unrouted(method: str, path: str, allowed: bool) -> Refused:
+def unrouted(method: str, path: str, allowed: bool) -> Refused:
     status = 405 if allowed else 404
     detail = "Method Not Allowed" if allowed else "Not Found"
     return Refused(

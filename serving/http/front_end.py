@@ -22,10 +22,10 @@ import logging
 import socket
 import threading
 
-from serving.envelope import Refused
-from serving.http.connection import BUFFER_BYTES, Connection
+from serving.envelope import Exchange, Refused, refusal
+from serving.http.connection import BUFFER_BYTES, Connection, unrouted
 from serving.http.routes import Router, table
-from serving.http.wire import Request
+from serving.http.wire import Request, Response, error_response, too_large
 
 log = logging.getLogger("serving.http")
 SWEEP_S = 0.25  # how often connection deadlines are looked at
@@ -89,10 +89,13 @@ class Listener:
 
 
 class HttpFrontEnd:
-    def __init__(self, server):
+    """`routes`: the route table (default: routes.table(); a front-end process's answers some routes
+    itself and hands the engine the rest, serving/front_end_process.py)."""
+
+    def __init__(self, server, routes=None):
         settings = server.settings
         self.server = server
-        self.routes = Router(table())
+        self.routes = Router(table() if routes is None else routes)
         self.read_timeout = settings.read_timeout
         self.max_body_bytes = settings.max_body_bytes
         self.max_header_bytes = settings.max_header_bytes
@@ -131,16 +134,80 @@ class HttpFrontEnd:
             self._hosts_seen[host] = known
         return known
 
+    def admit(self, route, request: Request, exchange, length: int, chunked: bool):
+        """A request's head checked as it arrived (its route, Host and Origin, token, size) and its
+        body's memory from its route (None: it takes none); raises what refuses it."""
+        if route is None:
+            raise unrouted(request.method, request.path, False)
+        if not route.open:
+            self.check_origin(request)
+            auth = self.server.auth
+            check = auth.check_labels if route.labels else auth.check
+            check(request.headers.get("authorization", ""))
+        if length > self.max_body_bytes:
+            raise Refused(413, too_large(request.headers, f"{length} bytes", self.max_body_bytes))
+        return route.body(self.server, request, exchange, length, chunked) if route.body else None
+
+    async def respond(self, route, request: Request, exchange, loop) -> Response:
+        """A whole request's response from its route's handler (on the server's own loop for the
+        routes that change what is loaded), or its refusal as one: the envelope."""
+        try:
+            if route.main and loop is not self.loop and self.loop is not None:
+                # (the repository API: where the server's model locks are)
+                return await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(
+                        route.handler(self.server, request, exchange), self.loop
+                    )
+                )
+            return await route.handler(self.server, request, exchange)
+        except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
+            found = refusal(exc, f"{request.method} {request.path}", log)
+            return error_response(found.status, found.message, found.headers)
+
+    async def answer_whole(
+        self, method: str, path: str, query: str, headers: dict, body: bytes, source: str
+    ) -> tuple[Response, Exchange]:
+        """A request that arrived whole elsewhere (a front-end process hands the engine what it
+        does not answer itself: serving/front_ends.py), answered as a connection answers one, with
+        its receipt on the exchange. Its line in the metrics is the front end's."""
+        request = Request(method, path, query, headers)
+        route, params, allowed = self.routes.match(method, path)
+        exchange = Exchange(route.path if route is not None else "unmatched", source)
+        request.params = params
+        try:
+            if route is None:
+                raise unrouted(method, path, allowed)
+            taken = self.admit(route, request, exchange, len(body), False)
+        except Exception as exc:  # noqa: BLE001 - refused on its head, as a connection refuses it
+            found = refusal(exc, f"{method} {path}", log)
+            return error_response(found.status, found.message, found.headers), exchange
+        if taken is not None:
+            taken.take(memoryview(body))
+            if taken.error is not None:
+                found = refusal(taken.error, f"{method} {path}", log)
+                response = error_response(found.status, found.message, found.headers)
+                if request.arrival is not None:
+                    request.arrival.end()
+                return response, exchange
+            request.body = taken.result()
+        response = await self.respond(route, request, exchange, asyncio.get_running_loop())
+        if request.arrival is not None:
+            request.arrival.end()
+        return response, exchange
+
     @property
     def connections(self) -> int:
         return sum(len(listener.connections) for listener in self.listeners)
 
-    async def listen(self, host: str, port: int, loops: int = 1) -> list[tuple]:
-        """Accept on host:port on `loops` event loops: this one and loops-1 more in threads (OSError when the port
-        can't be bound); the addresses bound."""
+    async def listen(
+        self, host: str, port: int, loops: int = 1, reuse_port: bool = False
+    ) -> list[tuple]:
+        """Accept on host:port on `loops` event loops: this one and loops-1 more in threads
+        (OSError when the port can't be bound); the addresses bound. `reuse_port`: other processes
+        listen on it too (front ends)."""
         self.loop = asyncio.get_running_loop()
         main = Listener(self, self.loop)
-        bound = await main.start(host, port, reuse_port=loops > 1)
+        bound = await main.start(host, port, reuse_port=reuse_port or loops > 1)
         self.listeners.append(main)
         port = bound[0][1]  # (a port 0 asked for: the others bind the one this got)
         for n in range(1, loops):
