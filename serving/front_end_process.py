@@ -438,7 +438,7 @@ class NoRegions:
     """The shared-memory registry as the front ends' inference path reads it: a request that names
     a region is the engine's to answer (Elsewhere), as are the registry's own routes."""
 
-    def use(self, authorization: str) -> NoRegions:
+    def use(self, authorization: str, model: str = "") -> NoRegions:
         return self
 
     def read(self, *args, **kwargs):
