@@ -147,7 +147,7 @@ class Server:
         self.warm_up = WarmUp(self.executor, settings.max_batch_size)
         self.repository = Repository(
             partial(open_source, settings),
-            self._batcher,
+            partial(make_batcher, self),
             self.warm_up.between_batches,
             directory=settings.repository,
             policy=settings.policy(),
@@ -227,40 +227,6 @@ class Server:
         return [
             (name, slot.version, slot.batcher.queued_rows) for name, slot in self.repository.slots()
         ]
-
-    def _batcher(self, model: LoadedModel) -> Batcher:
-        s = self.settings
-        name, version = model.info.name, model.info.version
-
-        def observe(rows: int, seconds: float, waits: list[float]) -> None:
-            self.metrics.observe_batch(name, version, rows, seconds, waits)
-
-        cap = batch_cap(model, s.max_batch_size)
-        return Batcher(
-            model.engine.run_parts,
-            self.executor,
-            max_batch_size=cap,
-            # (a repository model's config.pbtxt may set its own: ModelInfo)
-            max_delay_ms=(
-                s.max_delay_ms if model.info.max_delay_ms is None else model.info.max_delay_ms
-            ),
-            max_queue_rows=min(s.max_queue_rows, model.info.max_queue_rows or s.max_queue_rows),
-            merge=model.engine.batchable,
-            on_batch=observe,
-            run_timeout=s.run_timeout,
-            buffers=model.engine.batch_buffers(cap),
-            run_gathered=model.engine.run_gathered,
-            bucket_for=model.engine.bucket_for,
-            placements=None
-            if self.rows is None
-            else self.rows(model, cap, model.engine.bucket_for),
-            arrival_wait_ms=s.arrival_wait_ms,
-            incoming=self.incoming,
-            name=f"model '{name}' version {version}",
-            observe=self.drift.observer(
-                name, version, model.drift_reference, model.engine.metadata
-            ),
-        )
 
     def incoming(self) -> int:
         """Requests on their way whose model is not named yet (ModelInfer messages the native gRPC
@@ -522,29 +488,76 @@ class Server:
         except BatcherClosed:
             if arrival is not None:
                 arrival.end()
-            # A reload swapped the model between choosing this slot and queueing on it (decoding a
-            # big body lies in between): the new model takes it if its inputs are the same. Named a
-            # version: the same version's new slot (a reload of it). Unloaded meanwhile: a 404.
-            name = slot.model.info.name
-            model = self.repository.models.get(name)
-            if model is None or not self._serving:
+            if not self._serving:
                 raise
-            current = model.default_slot() if follow_swap else model.slots.get(slot.version)
+            current = swapped_in(self.repository, slot, follow_swap)
             if current is None:
-                raise Refused(
-                    404,
-                    f"model '{name}' version {slot.version} was unloaded while the request "
-                    f"waited ({model.state.lower()})",
-                ) from None
-            # the feeds were decoded from image files by this version's preprocessing: another's
-            # would have made other tensors of the same files
-            if (
-                current is slot
-                or current.model.engine.inputs != slot.model.engine.inputs
-                or current.model.images != slot.model.images
-            ):
                 raise
             return await current.batcher.submit(feeds, rows), current
+
+
+def make_batcher(server: "Server", model: LoadedModel) -> Batcher:
+    """A loaded version's batcher, with the server's settings where its config.pbtxt sets none."""
+    s = server.settings
+    name, version = model.info.name, model.info.version
+
+    def observe(rows: int, seconds: float, waits: list[float]) -> None:
+        server.metrics.observe_batch(name, version, rows, seconds, waits)
+
+    cap = batch_cap(model, s.max_batch_size)
+    return Batcher(
+        model.engine.run_parts,
+        server.executor,
+        max_batch_size=cap,
+        # (a repository model's config.pbtxt may set its own: ModelInfo)
+        max_delay_ms=(
+            s.max_delay_ms if model.info.max_delay_ms is None else model.info.max_delay_ms
+        ),
+        max_queue_rows=min(s.max_queue_rows, model.info.max_queue_rows or s.max_queue_rows),
+        merge=model.engine.batchable,
+        on_batch=observe,
+        run_timeout=s.run_timeout,
+        buffers=model.engine.batch_buffers(cap),
+        run_gathered=model.engine.run_gathered,
+        bucket_for=model.engine.bucket_for,
+        placements=None
+        if server.rows is None
+        else server.rows(model, cap, model.engine.bucket_for),
+        arrival_wait_ms=s.arrival_wait_ms,
+        incoming=server.incoming,
+        name=f"model '{name}' version {version}",
+        observe=server.drift.observer(name, version, model.drift_reference, model.engine.metadata),
+    )
+
+
+def swapped_in(repository: Repository, slot: Slot, follow_swap: bool) -> Slot | None:
+    """The slot a request queued on `slot` goes to after a reload closed that slot's batcher.
+
+    A reload swapped the model between choosing this slot and queueing on it (decoding a big body
+    lies in between): the new model takes it if its inputs are the same. Named a version: the same
+    version's new slot (a reload of it). Unloaded meanwhile: a 404. None: no slot takes it (the
+    caller's BatcherClosed stands, a 503).
+    """
+    name = slot.model.info.name
+    model = repository.models.get(name)
+    if model is None:
+        return None
+    current = model.default_slot() if follow_swap else model.slots.get(slot.version)
+    if current is None:
+        raise Refused(
+            404,
+            f"model '{name}' version {slot.version} was unloaded while the request "
+            f"waited ({model.state.lower()})",
+        )
+    # the feeds were decoded from image files by this version's preprocessing: another's
+    # would have made other tensors of the same files
+    if (
+        current is slot
+        or current.model.engine.inputs != slot.model.engine.inputs
+        or current.model.images != slot.model.images
+    ):
+        return None
+    return current
 
 
 class WarmUp:

@@ -106,3 +106,40 @@ def test_observers_are_told_each_answer_once_and_one_that_fails_fails_no_answer(
     assert watcher.seen[2].results is None and "at most 2 per request" in watcher.seen[2].error
     said = [r.getMessage() for r in caplog.records]
     assert said.count("Broken failed on request kept") == 1, said
+
+
+def test_a_request_queued_on_a_swapped_version_follows_only_a_version_that_decodes_it_alike():
+    """serving.core.swapped_in: the version a request goes to after a reload closed the one it
+    queued on. The same inputs and the same image preprocessing: the new one; other preprocessing
+    (its feeds were decoded from files by the old one's): none, the 503 stands; unloaded: none;
+    the named version gone: a 404."""
+    from serving.core import swapped_in
+    from serving.image_inputs import ImageInput
+    from serving.images import Preprocessing
+
+    def slot(version, images):
+        engine = SimpleNamespace(inputs=["x"])
+        info = SimpleNamespace(name="m")
+        return SimpleNamespace(
+            version=version, model=SimpleNamespace(engine=engine, info=info, images=images)
+        )
+
+    def takes(mode):
+        return ImageInput("image", "x", Preprocessing(mode=mode, size=(8, 8)), scores=None)
+
+    grey, rgb = takes("L"), takes("RGB")
+    old = slot("1", grey)
+
+    def repository(current):
+        model = SimpleNamespace(default_slot=lambda: current, slots={"1": current}, state="READY")
+        return SimpleNamespace(models={"m": model})
+
+    same = slot("2", grey)
+    assert swapped_in(repository(same), old, follow_swap=True) is same
+    assert swapped_in(repository(slot("2", rgb)), old, follow_swap=True) is None
+    assert swapped_in(SimpleNamespace(models={}), old, follow_swap=True) is None
+    gone = SimpleNamespace(
+        models={"m": SimpleNamespace(default_slot=lambda: None, slots={}, state="UNAVAILABLE")}
+    )
+    with pytest.raises(Refused, match="was unloaded while the request waited"):
+        swapped_in(gone, old, follow_swap=False)
