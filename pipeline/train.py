@@ -503,7 +503,7 @@ def end_run_after_failure(run_dir: Path | None) -> None:
         log.error("could not mark the MLflow run %s: %s", status, exc)
         return
     if ended and run_dir is not None and not object_store.is_url(run_dir):
-        try:  # the launcher then need not open the store to close it (importing MLflow alone took it 4.5 s)
+        try:  # the launcher then need not open the store to close it (importing MLflow alone takes seconds)
             write_run_record(run_dir, ended, status)
         except OSError as exc:
             log.error(

@@ -52,7 +52,7 @@ def new_request_id() -> str:
     answers are kept under the server's ids, serving/shadow.py), and ids are unique across processes.
 
     Read IDS_AT_ONCE ids' worth at a time: os.urandom lets go of the GIL, and the engine thread, waiting for it,
-    took it at each call (two a request: 28 us each in the engine process of front ends, serving/front_ends.py).
+    took it at each call (docs/benchmarks.md#servingenvelopepy).
     Taking the next id of the list is atomic under the GIL; two threads refilling at once only read more. A forked
     child starts without the parent's (os.register_at_fork), whose ids it would hand out again."""
     global _ids
