@@ -266,32 +266,43 @@ def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_saves_are_one_summary_line_unless_verbose(tmp_path):
-    args = [
-        "train",
-        "--config",
-        str(TINY),
-        "train.run_name=quiet",
-        "train.max_steps=6",
-        "checkpoint.every_n_steps=1",
-        "checkpoint.keep_last=2",
-    ]
-    console = run_cli(args, cwd=tmp_path, timeout=180).stderr
+def test_checkpoint_saves_are_one_summary_line_unless_verbose(tiny_run, tmp_path):
+    # Quiet: the session's tiny run (checkpoints at steps 6 and 12), its console as `pipeline run` left it.
+    console = tiny_run.proc.stderr
     assert "checkpoint saved" not in console, console
     summary = [line for line in console.splitlines() if "checkpoints to" in line]
-    kept = [p.name for p in checkpoint.list_complete(tmp_path / "outputs/quiet/checkpoints")]
+    kept = [p.name for p in checkpoint.list_complete(tiny_run.run_dir / "checkpoints")]
     assert len(summary) == 1 and re.search(
-        r"INFO pipeline\.checkpoint\.saver: saved 6 checkpoints to "
-        r"outputs/quiet/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
+        r"INFO pipeline\.checkpoint\.saver: saved 2 checkpoints to "
+        r"outputs/tiny/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
         summary[0],
     ).groups() == (str(len(kept)), ", ".join(kept)), console
-    verbose = run_cli([*args, "--verbose", "train.run_name=loud"], cwd=tmp_path, timeout=180).stderr
+    verbose = run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            "train.run_name=loud",
+            "train.max_steps=3",
+            "train.eval_every=0",
+            "checkpoint.every_n_steps=1",
+            "checkpoint.keep_last=2",
+            "--verbose",
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    ).stderr
     assert (
         sum(
             "checkpoint saved: outputs/loud/checkpoints/step_" in line
             for line in verbose.splitlines()
         )
-        == 6
+        == 3
+    ), verbose
+    # The summary counts every save and names what keep_last left.
+    assert (
+        "saved 3 checkpoints to outputs/loud/checkpoints" in verbose
+        and "kept 2 (step_00000002, step_00000003)" in verbose
     ), verbose
 
 
