@@ -1,5 +1,6 @@
-"""Sharded DCP checkpoints: exact resume after kill -9, crashes mid-save, FSDP2 shards, world-size
-changes, and clear refusals of checkpoints that can't be used."""
+"""Sharded DCP checkpoints: exact resume after kill -9, crashes mid-save, and clear refusals of
+checkpoints that can't be used. FSDP2's shards and a resume on another world size launch in
+tests/test_launches.py (rows fsdp, fsdp_resumed, fsdp_on_one, ddp_on_one)."""
 
 from __future__ import annotations
 
@@ -203,75 +204,6 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straig
     assert sorted(
         p.name for p in checkpoint.list_complete(workdir / "outputs" / name / "checkpoints")
     ) == ["step_00000006", "step_00000012", "step_00000016"]
-
-
-@pytest.fixture(scope="module")
-def fsdp_straight(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fsdp")
-    torchrun(workdir, [*STEPS, *MLP, "train.strategy=fsdp", "train.run_name=fsdp"])
-    return workdir
-
-
-@pytest.mark.slow
-def test_fsdp_shards_hold_different_slices_and_resume_exactly(fsdp_straight):
-    workdir = fsdp_straight
-    ckpt6 = workdir / "outputs/fsdp/checkpoints/step_00000006"
-    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
-    chunks = metadata.state_dict_metadata["model.body.0.weight"].chunks
-    assert len(chunks) == 2 and chunks[0].offsets != chunks[1].offsets  # two ranks, two slices
-    files = {
-        metadata.storage_data[idx].relative_path
-        for idx in metadata.storage_data
-        if idx.fqn == "model.body.0.weight"
-    }
-    assert files == {"__0_0.distcp", "__1_0.distcp"}
-    run_cli(
-        [
-            "train",
-            "--config",
-            str(TINY),
-            "--nproc-per-node",
-            "2",
-            *STEPS,
-            *MLP,
-            "train.strategy=fsdp",
-            "train.run_name=fsdp_resumed",
-            "--resume",
-            str(ckpt6),
-        ],
-        cwd=workdir,
-    )
-    assert_bitwise_equal(weights(final(workdir, "fsdp")), weights(final(workdir, "fsdp_resumed")))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_on_one_process_from_a_two_process_checkpoint(fsdp_straight, strategy):
-    workdir = fsdp_straight
-    source = "fsdp"
-    if strategy == "ddp":
-        torchrun(workdir, [*STEPS, *MLP, "train.run_name=ddp_mlp"])
-        source = "ddp_mlp"
-    ckpt6 = workdir / f"outputs/{source}/checkpoints/step_00000006"
-    run_cli(
-        [
-            "train",
-            "--config",
-            str(TINY),
-            "--nproc-per-node",
-            "1",
-            *STEPS,
-            *MLP,
-            f"train.strategy={strategy}",
-            f"train.run_name={source}_on_one",
-            "--resume",
-            str(ckpt6),
-        ],
-        cwd=workdir,
-    )
-    a, b = weights(final(workdir, source)), weights(final(workdir, f"{source}_on_one"))
-    for k in a:  # same global batches, so equal up to the order of floating-point sums
-        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=1e-5)
 
 
 # --- refusals, in one process -----------------------------------------------------------------
