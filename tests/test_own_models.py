@@ -11,8 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import requests
-import torch
-from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
+from conftest import REPO, mlflow_client, run_cli
 from serving_fixtures import ServerProcess, free_port
 
 from pipeline import checkpoint
@@ -349,84 +348,6 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
     assert not (
         tmp_path / "onnx" / "model.onnx"
     ).exists()  # trusted and importable, it exports: pipeline run did
-
-
-def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path):
-    """Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica checks:
-    a rank SIGKILLed at step 9 under torchrun restarts, and the final weights are bit for bit the straight run's."""
-    common = [
-        "train",
-        "--config",
-        str(REPO / "configs/diabetes_mixed_inputs.yaml"),
-        "--nproc-per-node",
-        "2",
-        "train.max_steps=16",
-        "checkpoint.every_n_steps=6",
-        "checkpoint.keep_last=3",
-        "train.eval_every=0",
-        "train.log_every=4",
-        "train.precision=bf16",
-        "train.grad_accum_steps=2",
-        "train.consistency_every=4",
-        "tracking.system_metrics=false",
-    ]
-    run_cli([*common, "train.run_name=straight"], cwd=tmp_path, env=ON_PATH)
-    proc = run_cli(
-        [*common, "--max-restarts=1", "train.run_name=killed"],
-        cwd=tmp_path,
-        env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"},
-    )
-    assert "SIGKILL to rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
-    a = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/straight/checkpoints")
-    ).state_dict()
-    b = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/killed/checkpoints")
-    ).state_dict()
-    assert a.keys() == b.keys() and "embed.weight" in a
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_another_world_size(
-    tmp_path,
-):
-    # SGD, not the config's AdamW: Adam divides by the gradients' running size, so the last-bit differences
-    # of another summation order grow into ~1e-5 within a few steps and blur what the comparison checks.
-    common = [
-        "train",
-        "--config",
-        str(REPO / "configs/digit_sequences_transformer.yaml"),
-        "train.strategy=fsdp",
-        "train.max_steps=12",
-        "checkpoint.every_n_steps=6",
-        "train.eval_every=0",
-        "train.log_every=4",
-        "optim.name=sgd",
-        "optim.lr=0.05",
-        "tracking.system_metrics=false",
-    ]
-    proc = run_cli(
-        [*common, "--nproc-per-node", "2", "train.run_name=fsdp"], cwd=tmp_path, env=ON_PATH
-    )
-    assert "FSDP2 units: 2 x TransformerEncoderLayer, and the root" in proc.stderr
-    ckpt6 = tmp_path / "outputs/fsdp/checkpoints/step_00000006"
-    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
-    chunks = metadata.state_dict_metadata["model.encoder.layers.0.linear1.weight"].chunks
-    assert len(chunks) == 2  # each rank holds half of a layer's weight
-    run_cli(
-        [*common, "--nproc-per-node", "1", "train.run_name=fsdp_on_one", "--resume", str(ckpt6)],
-        cwd=tmp_path,
-        env=ON_PATH,
-    )
-    a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp/checkpoints")).state_dict()
-    b = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")
-    ).state_dict()
-    for key in a:  # same global batches; sums in another order
-        torch.testing.assert_close(
-            a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}"
-        )
 
 
 @pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
