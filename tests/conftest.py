@@ -31,6 +31,9 @@ from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.distributed import DistInfo
 
+# The launch table's runner, `launched` (tests/launches.py), for every test module.
+pytest_plugins = ["launches"]
+
 REPO = Path(__file__).resolve().parents[1]
 # Scratch needs this much free room to go to memory (/dev/shm) rather than to disk.
 SCRATCH_MIN_FREE = 4 * 2**30
