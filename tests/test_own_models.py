@@ -5,7 +5,10 @@ CLI and by every torchrun worker, under real torchrun, a real MLflow store and a
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -47,21 +50,36 @@ EXAMPLES = {  # config -> (experiment, registered name, the task's validation me
     "digits_segmentation": ("trainserve-digit-masks", "digit-masks", "val/mean_iou"),
 }
 # Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts included); the
-# examples that only add a model or task shape run on one to keep the suite short.
+# examples that only add a model or task shape train in the command's own process to keep the suite short.
 RUN_ARGS = {
     "wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
-    "digit_sequences_bert": ["--nproc-per-node", "1"],
-    "digits_image_zoo": ["--nproc-per-node", "1"],
-    "digits_segmentation": ["--nproc-per-node", "1"],
+    "digits_image_zoo": [],
+    "digits_segmentation": [],
 }
+# The sequence examples' finished runs are the launch table's (tests/launches.py): the transformer's
+# through every stage under pipeline parallelism, BERT's under tensor parallelism, each on 2 ranks.
+FROM_THE_TABLE = {"digit_sequences_transformer": "pp", "digit_sequences_bert": "tp"}
 DYNAMIC_LENGTH = {"digit_sequences_transformer", "digit_sequences_bert"}
 ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
 
 
+@dataclasses.dataclass(frozen=True)
+class Example:
+    name: str
+    workdir: Path
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+
 @pytest.fixture(scope="module", params=list(EXAMPLES))
-def example(request, tmp_path_factory):
-    """`pipeline run --nproc-per-node 2 --serve-check` on an example, in a directory of its own."""
+def example(request, tmp_path_factory, launched) -> Example:
+    """`pipeline run --serve-check` on an example, in a directory of its own, run from elsewhere with
+    the example's package on PYTHONPATH."""
     name = request.param
+    if name in FROM_THE_TABLE:
+        row = FROM_THE_TABLE[name]
+        ran = launched(row)
+        return Example(name, ran.workdir, ran.proc, ran.workdir / "outputs" / row)
     workdir = tmp_path_factory.mktemp(name)
     proc = run_cli(
         [
@@ -83,11 +101,11 @@ def example(request, tmp_path_factory):
     assert proc.returncode == 0 or (
         proc.returncode == 1 and "failed its baseline gate" in proc.stderr
     ), f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
-    return name, workdir, proc
+    return Example(name, workdir, proc, workdir / "outputs/mine")
 
 
 def test_an_example_goes_through_every_stage_with_one_command(example):
-    name, workdir, proc = example
+    name, workdir, proc, run_dir = example.name, example.workdir, example.proc, example.run_dir
     experiment, registered, metric = EXAMPLES[name]
     assert "sample request: a real" in proc.stdout, proc.stdout[-2000:]
     assert "the server's answer equals the PyTorch model's" in proc.stdout, proc.stdout[-2000:]
@@ -114,7 +132,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         or f"code/{module.replace('.', '/')}/__init__.py" in code
     ), code
     # The model's arguments as built: what the data suggested is in the params and the checkpoint.
-    ckpt = checkpoint.latest(workdir / "outputs/mine/checkpoints")
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
     recorded = checkpoint.read_meta(ckpt)["model"]
     for key, value in recorded["args"].items():
         assert run.data.params[f"model.args.{key}"] == str(value)[:6000]
@@ -134,7 +152,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
             -1,
             -1,
         )
-    report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
+    report = json.loads((run_dir / "onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == cfg.task.name
     assert [i["name"] for i in report["inputs"]] == [
         s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]
@@ -155,7 +173,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         )
         assert "alcohol.max_abs" in set(figures[figures.gate == "parity.b7"].figure), figures
         assert "val/cultivar_accuracy" in run.data.metrics
-        best = json.loads((workdir / "outputs/mine/checkpoints/best.json").read_text())
+        best = json.loads((run_dir / "checkpoints/best.json").read_text())
         assert (
             best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"
         )  # checkpoint.monitor picks the 2nd
@@ -205,8 +223,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton
 
-    name, workdir, _ = example
-    onnx_path = workdir / "outputs/mine/onnx/model.onnx"
+    name = example.name
+    onnx_path = example.run_dir / "onnx/model.onnx"
     direct = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in direct.get_outputs()]
     samples = validation_requests(name, 6)
@@ -301,8 +319,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
 def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(example, tmp_path):
     """`pipeline export` of a user's weights on its own: model.json names the user's components, which are
     imported only when trusted (pipeline run trusted its own config's)."""
-    _, workdir, _ = example
-    weights = workdir / "outputs/mine/consolidated"
+    workdir = example.workdir
+    weights = example.run_dir / "consolidated"
     proc = run_cli(
         ["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"],
         cwd=workdir,
@@ -356,8 +374,7 @@ def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
     answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid expand shape"."""
     import onnx
 
-    _, workdir, _ = example
-    exported = workdir / "outputs/mine/onnx/model.onnx"
+    exported = example.run_dir / "onnx/model.onnx"
     meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
     assert json.loads(meta[lineage.MAX_LENGTHS]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
     with ServerProcess("--model", str(exported), "--model-name", "seq") as server:
