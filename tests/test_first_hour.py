@@ -115,24 +115,12 @@ def cpu_torchvision() -> str:
 # --- 3. a misspelt registered model, alias or version: the names there are ---------------------------------------
 
 
-REGISTRY = """
-import mlflow
-client = mlflow.MlflowClient("sqlite:///mlflow.db")
-for name in ("resnet18-digits", "wine-mlp"):
-    client.create_registered_model(name)
-    version = client.create_model_version(name, source="file:///nowhere", run_id=None).version
-    client.set_registered_model_alias(name, "champion", version)
-"""
-
-
-def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path):
-    subprocess.run(
-        [sys.executable, "-c", REGISTRY], cwd=tmp_path, check=True, capture_output=True, timeout=120
-    )
-    store = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tiny_run):
+    # The session's tiny run registered resnet18-digits version 1 as @champion.
+    store = tiny_run.uri
 
     def error(*args: str) -> str:
-        proc = run_cli(list(args), cwd=tmp_path, check=False, timeout=120)
+        proc = run_cli(list(args), cwd=tiny_run.workdir, check=False, timeout=120)
         lines = error_lines(proc.stderr)
         assert proc.returncode != 0 and len(lines) == 1, proc.stderr
         return lines[0]
