@@ -112,10 +112,10 @@ def trivial_model(path: Path, uint8: bool = False) -> None:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
         inits,
     )
-    onnx.save(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
-        str(path),
-    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    # Row-wise by construction, said as export records it: the server batches only such a model.
+    helper.set_model_props(model, {"trainserve.rows_independent": "by construction"})
+    onnx.save(model, str(path))
 
 
 def cpu_seconds(pid: int) -> float:

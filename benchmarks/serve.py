@@ -110,7 +110,9 @@ def build_and_export(name: str, out_dir: Path):
     model = instantiate_model(ModelSpec(*MODELS[name])).eval()
     sample = torch.rand(2, 1, 28, 28)
     path = out_dir / f"{name}.onnx"
-    metadata = {"trainserve.model_name": name}
+    # A CNN in eval mode: its rows are its samples' own, said as export would record it (the server batches only
+    # a model whose rows are known to be independent).
+    metadata = {"trainserve.model_name": name, "trainserve.rows_independent": "by construction"}
     try:
         from pipeline.artifact.onnx_export import ExportHead, export
         from pipeline.tasks.classification import Classification

@@ -421,6 +421,12 @@ class ExportConfig(Section):
         "challenger",
         description="Alias set on a version that passed its gates but was not promoted.",
     )
+    # A new contract under the same name breaks every client of the alias: said, and not done unless
+    # asked.
+    allow_contract_change: bool = Field(
+        False,
+        description="Let a model whose input/output contract (input and output names, dtypes and shapes apart from dynamic axes, the task, which outputs carry the decision and the prediction, the class labels) differs from the alias holder's take the alias; without it such a model is registered under `challenger_alias` and the log names every difference. Better: a new `registered_model_name` for a new contract.",
+    )
     atol: float = Field(
         1e-4,
         gt=0,

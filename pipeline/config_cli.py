@@ -22,8 +22,16 @@ rules across fields (fp16 needs CUDA; the global batch must divide by world size
 steps) are checked before anything starts. The resolved config is saved with every run
 (`config/resolved.yaml` in MLflow, `outputs/<run>/config.yaml`) and inside every checkpoint.
 `pipeline config --describe` prints the fields below as plain text, `pipeline config --config C [k=v ...]`
-the resolved config of a file. The built-in data sets and models, and the contract your own
-components follow: [own-model.md](own-model.md).
+the resolved config of a file.
+
+**How an override combines with the file.** The value after `=` is read as YAML. A dotted key sets that
+one key and keeps the rest of its section: `data.args.root=DIR` changes `root` and keeps the file's other
+`data.args` (the digits config's `val_fraction`, say). A mapping or a list as the value replaces the
+file's whole mapping or list: `"data.args={{root: DIR}}"` (quoted for the shell) leaves only `root`.
+`data.name=X` and `data.component=X` (and `model.*`) replace each other, not the args: a component of
+another kind takes its args as a mapping, e.g. `data.name=sharded "data.args={{root: DIR}}"`.
+
+The built-in data sets and models, and the contract your own components follow: [own-model.md](own-model.md).
 """
 
 

@@ -2,10 +2,11 @@
 written as shards.
 
 Builds the config's data component (checked as training checks it), writes its training and validation
-splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a manifest each), and
-prints the manifests' digests and the config lines that train from them (`data.name=sharded
-data.args.root=OUT`): the way a map-style data set, or one too large to hash at every start, becomes a
-stream any number of ranks can read.
+splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a manifest each; images with
+the transform that made them and, for validation, a few of their files), and
+prints the manifests' digests and the whole `pipeline run` command that trains from them
+(`data.name=sharded "data.args={root: OUT}"`): the way a map-style data set, or one too large to hash at
+every start, becomes a stream any number of ranks can read.
 """
 
 from __future__ import annotations
@@ -79,9 +80,13 @@ def main(
             "data (indexable, with len()): give it the map-style form of the data"
         )
     written = {}
+    # Images: the transform travels with both splits; the validation split keeps the files it is proven on.
+    transform = splits.preprocessing.to_json() if splits.preprocessing is not None else None
     for split in ("train", "val"):
         dataset = getattr(splits, split)
         profile: dict = {}
+        source = getattr(dataset, "source_images", None) if transform and split == "val" else None
+        examples = source() if source is not None else []
         samples = _profiled(dataset, profile)
         written[split] = shard_format.write_split(
             samples,
@@ -92,6 +97,8 @@ def main(
             model_args=splits.model_hints if split == "train" else {},
             source={"component": cfg.data.component, "args": cfg.data.args, "split": split},
             targets=profile,
+            preprocessing=transform,
+            examples=examples,
         )
     return written
 
@@ -134,8 +141,40 @@ def cli(args) -> int:
             f"{split:5s} {manifest.rows} samples in {len(manifest.shards)} shards ({groups} row groups), manifest "
             f"sha256 {manifest.digest[:16]}: {manifest.location}"
         )
-    print(
-        f"written in {time.perf_counter() - started:.1f} s; train from them with: "
-        f"data.name=sharded data.args.root={args.out.rstrip('/')}"
-    )
+    print(f"written in {time.perf_counter() - started:.1f} s; train from them with:")
+    print("  " + train_command(args.config, args.overrides, args.out))
     return 0
+
+
+def train_command(config: str | None, overrides: list[str], out: str) -> str:
+    """The whole `pipeline run` command, one line for a shell, that trains from the shards in `out` with the
+    config the shards were written with: its overrides of the data's component and args give way to
+    `data.name=sharded` and a `data.args` mapping that replaces the file's (data.args.root=OUT alone
+    would keep the file's other args, such as the digits' val_fraction, which the shards don't take)."""
+    import shlex
+
+    import yaml
+
+    replaced = ("data.component", "data.name", "data.args")
+    kept = [o for o in overrides if not o.partition("=")[0].strip().startswith(replaced)]
+    root = yaml.safe_dump({"root": out.rstrip("/")}, default_flow_style=True, width=1 << 30)
+    return shlex.join(
+        [
+            *program(),
+            "run",
+            *(["--config", config] if config else []),
+            *kept,
+            "data.name=sharded",
+            f"data.args={root.strip()}",
+        ]
+    )
+
+
+def program() -> list[str]:
+    """`pipeline` as this process was started: the script's path as typed (`.venv/bin/pipeline`), or the
+    interpreter with `-m pipeline`."""
+    from pathlib import Path
+
+    if Path(sys.argv[0]).name == "pipeline":
+        return [sys.argv[0]]
+    return [sys.executable, "-m", "pipeline"]

@@ -70,7 +70,7 @@ from pipeline.config import (
 from pipeline.errors import WeightsError
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import write_json
-from serving import drift, lineage
+from serving import drift, images, lineage
 from serving.lineage import Lineage, file_sha256
 
 log = logging.getLogger("pipeline.export")
@@ -150,6 +150,7 @@ def main(
             # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
             lineage.DECISION: task.decision or "",
             lineage.PREDICTION: task.prediction or "",
+            **image_metadata(splits, task, ref.head.output_names),
         },
     )
     # Gated under another name: model.onnx is only ever a model that passed (or the previous one).
@@ -174,10 +175,20 @@ def main(
     # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
     #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
-    if length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes):
-        # the longest token inputs in its metadata: the server's 400 past them
+    # Whether the rows are the samples' own (the server batches requests together only then), and the longest
+    # token inputs (the server's 400 past them): into the file's metadata, before any gate or variant reads it.
+    rows = gates.rows_independent(ref.head, batches, cfg.atol, cfg.rtol)
+    log.info("%s", rows["message"])
+    if rows["independent"]:
+        metadata[lineage.ROWS_INDEPENDENT] = ",".join(map(str, rows["batch_sizes"]))
+        exported.model.metadata_props.add(
+            key=lineage.ROWS_INDEPENDENT, value=metadata[lineage.ROWS_INDEPENDENT]
+        )
+    limited = length_limits.record(exported.model, ref.head.model, batches, cfg.dynamic_axes)
+    if limited or rows["independent"]:
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
+    results |= gates.preprocessing(onnx_path, splits.val)
     cpu_sess = gates.session(
         onnx_path
     )  # the gates' session; the drift baseline is computed with it too
@@ -243,6 +254,9 @@ def main(
         weights, cfg, name, exported, results, variants, task, splits, ref.head.output_names
     )
     report["providers"] = providers
+    report["rows_independent"] = rows
+    if lineage.PREPROCESSING in metadata:
+        report["preprocessing"] = metadata[lineage.PREPROCESSING]
     if figure:
         report["figure"] = str(
             figure
@@ -275,6 +289,7 @@ def main(
         task,
         cfg.promote,
         cfg.promote_tolerance,
+        cfg.allow_contract_change,
     )
     if report["passed"] and register:
         report["promotion"] = compare()
@@ -292,11 +307,38 @@ def main(
     return result
 
 
-def regate(weights_dir: Path, onnx_path: Path, trusted: Sequence[str] = ()) -> dict[str, dict]:
-    """The gates of an export, run again on an ONNX file against the weights it was exported from
-    (with the export settings those weights recorded): `pipeline verify` on a registered model."""
-    weights = read_weights(Path(weights_dir))
-    return gate_file(onnx_path, rebuild(weights, trusted), weights.config.export)
+def reference(weights_dir: Path, trusted: Sequence[str] = ()):
+    """The PyTorch reference of a weights directory, rebuilt as export rebuilds it (`pipeline
+    verify`)."""
+    return rebuild(read_weights(Path(weights_dir)), trusted)
+
+
+def regate(ref, onnx_path: Path) -> dict[str, dict]:
+    """The gates of an export, run again on an ONNX file against the reference `ref` of the weights
+    it was exported from (with the export settings those weights recorded): `pipeline verify` on a
+    registered model."""
+    return gate_file(onnx_path, ref, ref.weights.config.export)
+
+
+def rederive(ref, onnx_path: Path, workdir: Path) -> tuple[list[str], str]:
+    """How the ONNX graph at `onnx_path` differs from a fresh export of the weights of `ref` ([]: it
+    is one), and what was exported. The export is the one `main` makes (the same model rebuilt from
+    the weights, the same task head, the same example rows of the validation split), with the opset
+    and the dynamic axes the graph itself declares: whatever those say, the fresh graph is the
+    exporter's own work from the weights, so a node, an initializer or a value that the weights and
+    the exporter would not make is a difference."""
+    import onnx
+
+    registered = onnx.load(str(onnx_path), load_external_data=False)
+    opset = onnx_export.opset_of(registered)
+    axes = onnx_export.dynamic_axes_of(registered, ref.splits.input_names)
+    example = named(first_batch(ref.splits.val, onnx_export.EXPORT_BATCH)[0])
+    fresh = onnx_export.export(
+        ref.fresh_head(), example, axes, opset, {}, workdir / "fresh.onnx", "auto"
+    )
+    gc.collect()
+    said = f"{fresh.exporter} exporter, opset {opset}" + (f", dynamic axes {axes}" if axes else "")
+    return onnx_export.graph_difference(onnx_path, workdir / "fresh.onnx"), said
 
 
 def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
@@ -312,6 +354,33 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
         builder.add("inputs", feeds)
         builder.add("outputs", gates.run_onnx(sess, feeds))
     return drift.write(builder.build(f"training split, {how}"), path)
+
+
+def image_metadata(splits: Splits, task, output_names: list[str]) -> dict[str, str]:
+    """For a model of images whose data says how a file became its input: that transform (a server applies it
+    to the files it is sent; the `preprocessing` gate proves it), and the output whose row holds a score per class
+    (what the server's answer to an image ranks). {} for other data, and for images of formats a server does not
+    decode (TIFF: said in the log; the model then takes tensors only)."""
+    if splits.preprocessing is None:
+        return {}
+    try:
+        files = splits.val.source_images() if hasattr(splits.val, "source_images") else []
+    except DataError:
+        # (the gate names what is wrong with them)
+        files = []
+    suffixes = {suffix.lower() for _, suffix, _ in files}
+    if suffixes and not suffixes & set(images.SUFFIXES):
+        log.warning(
+            "the model's images are %s files, which a server does not decode (%s): it will take tensors only",
+            ", ".join(sorted(suffixes)),
+            ", ".join(images.FORMATS),
+        )
+        return {}
+    found = {lineage.PREPROCESSING: images.record(splits.input_names[0], splits.preprocessing)}
+    scores = [o for o in getattr(task, "derived", ()) if o in output_names and task.decision]
+    if scores:
+        found[lineage.SCORES] = scores[0]
+    return found
 
 
 def describe_source(source: dict) -> str:
@@ -468,10 +537,13 @@ def model_description(found: Lineage, alias: str) -> str:
     """The registered model's description: what its versions are, and what its alias means."""
     esc = tracking.markdown_escaped
     return (
-        f"{esc(found.model)} ({esc(found.task)}) on {esc(found.data)}, trained, exported and gated by trainserve. "
-        f"Its alias {esc('@' + alias)} is on the version that passed every export gate and beat the one before it "
-        "on the validation metric (or won `pipeline promote`'s shadow verdict); each version's description lists "
-        "its gates and why it holds its alias."
+        f"{esc(found.model)} ({esc(found.task)}), first trained on {esc(found.data)}, then every "
+        f"version trained, exported and gated by trainserve. Its alias {esc('@' + alias)} is on a "
+        "version that passed every export gate, has the input/output contract of the one before it "
+        "(unless a change was allowed) and won the comparison `export.promote` asks for on the "
+        "validation metric, or won `pipeline promote`'s shadow verdict, or replaced one that could "
+        "not be served; each version's description lists its gates and why it holds, or held, its "
+        "alias."
     )
 
 
@@ -643,6 +715,9 @@ def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict
     sha256 = {name: file_sha256(path) for name, path in files.items()} | found.digests()
     report["sha256"] = sha256
     tags = found.version_tags() | {lineage.SHA256: json.dumps(sha256, sort_keys=True)}
+    # how an image file becomes its input, as its ONNX file records it
+    if report.get("preprocessing"):
+        tags[lineage.PREPROCESSING] = report["preprocessing"]
     if report.get("fastest_variants"):  # what `serve --variant auto` reads
         tags[lineage.FASTEST_VARIANTS] = json.dumps(report["fastest_variants"], sort_keys=True)
     return tags

@@ -4,8 +4,9 @@ A server run with `--shadow FRACTION` mirrors a model's traffic to the version b
 judges the pair (`GET /v2/models/NAME/shadow`, serving/shadow.py). This command reads that verdict and,
 when it says `promote` for the very version the registry's `@challenger` names now, moves `@champion`
 to it, records the figures it was judged on as that version's tags (lineage.SHADOW_VERDICT and lineage.SHADOW), and drops
-`@challenger` (nothing is left to shadow). Any other verdict changes nothing and says why (exit 1);
-`--force` moves the alias whatever the verdict, recording it as forced.
+`@challenger` (nothing is left to shadow). A promote verdict counts only when it rests on labels (the report's
+`decided_by`): agreement any inference client can steer never promotes. Any other verdict changes nothing and
+says why (exit 1); `--force` moves the alias whatever the verdict, recording it as forced.
 
 The move is checked after it is made: if another promotion moved `@champion` meanwhile, the command says
 so (exit 1) instead of reporting a promotion that did not hold.
@@ -22,9 +23,11 @@ from typing import Any
 import requests
 
 from pipeline import tracking
+from pipeline.artifact import promotion
 from pipeline.errors import TrackingError
 from pipeline.tools import logs
 from serving import lineage
+from serving.shadow import LABELS
 
 log = logging.getLogger("pipeline.promote")
 
@@ -70,6 +73,17 @@ def main(
             f"names version {holder} now; wait for the server to follow it and judge again"
         )
     verdict, reason = report.get("verdict"), report.get("reason", "")
+    if verdict == "promote" and report.get("decided_by") != LABELS and not force:
+        return {
+            "promoted": False,
+            "version": behind,
+            "reason": (
+                f"the shadow verdict is promote, but it does not rest on labels ({reason}): agreement, "
+                "which any inference client can steer, never promotes; serve with this version of "
+                "trainserve and post labels with the feedback token, or pass --force"
+            ),
+            "shadow": report,
+        }
     if verdict != "promote" and not force:
         return {
             "promoted": False,
@@ -98,6 +112,12 @@ def main(
             "reason": f"@{champion} moved to version {now} while this promotion moved it to {behind}",
         }
     tracking.delete_alias(name, challenger)
+    said = (
+        f"pipeline promote: shadow verdict {verdict}{' (forced)' if verdict != 'promote' else ''}"
+    )
+    if holder is not None:
+        promotion.record_alias_moved(name, champion, holder, behind, said)
+    promotion.record_alias_taken(name, behind, challenger, champion, said)
     return {
         "promoted": True,
         "version": behind,
@@ -135,6 +155,10 @@ def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
             "repeated_inputs",
             "sources",
             "largest_source_share",
+            "labelled_pairs",
+            "labelled_sources",
+            "largest_labelled_source_share",
+            "decided_by",
             "agreement",
             "mean_abs_difference",
             "live",
@@ -218,5 +242,11 @@ def rested_on(report: dict[str, Any]) -> str:
         )
     if "agreement" in report:
         parts.append(f"top-1 agreement {report['agreement']:.1%}")
-    parts.append(f"{report.get('labels', 0)} labels ({report.get('labelled_pairs', 0)} on pairs)")
+    labelled = f"{report.get('labels', 0)} labels ({report.get('labelled_pairs', 0)} on pairs"
+    if "labelled_sources" in report:
+        labelled += (
+            f", from {report['labelled_sources']} client address(es), the largest "
+            f"{report.get('largest_labelled_source_share', 0):.0%} of them"
+        )
+    parts.append(labelled + ")")
     return ", ".join(parts)

@@ -69,7 +69,9 @@ def main(
     if force or not train_done(run_dir):
         code = run_train(cfg, run_dir, nproc_per_node, force)
         if code:
-            log.error("train failed (exit %d); see its log above", code)
+            # Exit 2: a rank met bad input and said so in one line; nothing to add to it.
+            if code != 2:
+                log.error("train failed (exit %d); see its log above", code)
             return code
     else:
         log.info("train: already done for %s (--force to redo)", run_dir)

@@ -864,6 +864,19 @@ def version_tags(name: str, version: str) -> dict[str, str]:
     return dict(mlflow.MlflowClient().get_model_version(name, version).tags)
 
 
+def version_run_id(name: str, version: str) -> str:
+    """The run a version's model was logged to ("" for one registered from elsewhere)."""
+    import mlflow
+
+    return mlflow.MlflowClient().get_model_version(name, version).run_id or ""
+
+
+def run_tags(run_id: str) -> dict[str, str]:
+    import mlflow
+
+    return dict(mlflow.MlflowClient().get_run(run_id).data.tags)
+
+
 def current_uri() -> str:
     import mlflow
 

@@ -203,7 +203,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = amp.grad_scaler(precision, info.device)
 
-        step, epoch, run_id = 0, 0, read_run_id(run_dir)
+        step, epoch, run_id, resumed_rng = 0, 0, read_run_id(run_dir), None
         resume_path = checkpoint_store.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
             check_same_model(
@@ -212,6 +212,9 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             meta = checkpoint.load(
                 resume_path, model, optimizer, info, held_elsewhere(manifest, model)
             )
+            # The generators as the checkpoint left them: the loop's first step starts from them, whatever
+            # the setup below draws (a data set's own randomness, read through for its digest).
+            resumed_rng = checkpoint.rng_state()
             step, epoch = restore_train_state(meta, scheduler, scaler, loader, layout)
             monitor.restore(meta["train_state"].get("monitor"))
             if (
@@ -298,6 +301,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             pipe,
             mesh.replica_group(cfg.train, info, device_mesh),
             mesh.stage_group(device_mesh),
+            resumed_rng,
         )
         loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
@@ -559,6 +563,8 @@ class Training:
         None  # the ranks holding copies of this rank's tensors (mesh.replica_group)
     )
     stage_group: Any = None  # the ranks holding this rank's pipeline stage (None: the world)
+    # A resume's random generators as its checkpoint saved them (checkpoint.rng_state), set before its first step
+    rng: dict | None = None
 
 
 @dataclass
@@ -608,6 +614,8 @@ def train_loop(
     # The loss stays on the device between reads: a .item() per step would be a host sync per step on CUDA.
     window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
     progress = make_progress(info, total_steps, step)
+    if run.rng is not None:
+        checkpoint.set_rng_state(run.rng)
     while step < total_steps and not monitor.stopped:
         set_epoch(loader, epoch)  # a new shuffle each epoch, the same on every rank
         steps_before_epoch = step
@@ -1295,11 +1303,17 @@ def cli(args) -> int:
         run_dir_owner.RunDirBusy,
         StateFileError,
     ) as exc:
-        print(f"{prefix} {worker_message(exc)}", file=sys.stderr)
+        launch.say_error(f"{prefix} {worker_message(exc)}")
         return 2
     except (replicas.ReplicaDivergence, TrainingDiverged) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 3
+    except Exception:
+        # Another rank met bad input and said so (launch.say_error): this rank's failure, a collective
+        # whose peer left ("Connection closed by peer"), is its echo, not news.
+        if launch.another_rank_said_why():
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -12,7 +12,15 @@ proven, not broken), 0 only when every link was checked:
                  the ONNX recorded
     checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file), and
                  consolidating it again gives byte-identical weights
+    graph        the registered ONNX is, node for node and initializer for initializer, a
+                 fresh export of those weights (metadata aside): the bytes that compute
+                 answers come from the weights
     gates        export's gates, run again on the registered ONNX against those weights, all pass
+
+The sha256 record (`onnx`) and the metadata (`lineage`) are the store's word: whoever can write the
+store can rewrite them with the file. `graph` is what ties the file to the weights, and `weights`
+and `checkpoint` tie those to the training run; verify proves the chain from the checkpoint to the
+served bytes, not who wrote the store (a checkpoint replaced with its marker is a chain that holds).
     data         the content digests of the training and validation splits the version names are the ones its
                  training run logged as its MLflow datasets, and the drift baseline registered beside the ONNX
                  hashes to the version's recorded sha256
@@ -84,9 +92,10 @@ def main(
         weights_dir = weights_link(tags, props, tmp, report)
         if weights_dir:
             checkpoint_link(weights_dir, tmp, report)
-            gates_link(weights_dir, onnx_path, trusted, report)
+            model_links(weights_dir, onnx_path, trusted, tmp, report)
         else:
             report(Link("checkpoint", "skip", "no weights to trace it from"))
+            report(Link("graph", "skip", "no weights to export again"))
             report(Link("gates", "skip", "no weights to run them against"))
         data_link(tags, onnx_path, report)
         if server:
@@ -314,14 +323,77 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
     )
 
 
-def gates_link(weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ...], report) -> None:
+def model_links(
+    weights_dir: Path, onnx_path: Path | None, trusted: tuple[str, ...], tmp: Path, report
+) -> None:
+    """The registered graph against the weights: `graph` (a fresh export of them, compared node for
+    node) and `gates` (export's gates run again on it), both on the reference rebuilt once from the
+    weights."""
     from pipeline import export
 
     if onnx_path is None:
+        report(Link("graph", "skip", "no ONNX file"))
         report(Link("gates", "skip", "no ONNX file"))
         return
     try:
-        results = export.regate(weights_dir, onnx_path, trusted)
+        ref = export.reference(weights_dir, trusted)
+    except Exception as exc:  # noqa: BLE001 - an untrusted component, data that can't be read: said
+        why = f"the model can't be rebuilt from the weights: {first_line(exc)}"
+        report(Link("graph", "FAIL", why))
+        report(Link("gates", "FAIL", f"could not run: {why}"))
+        return
+    graph_link(ref, onnx_path, tmp, report)
+    gates_link(ref, onnx_path, report)
+
+
+def graph_link(ref, onnx_path: Path, tmp: Path, report) -> None:
+    import onnx
+    import torch
+
+    from pipeline import export
+
+    try:
+        differences, exported = export.rederive(ref, onnx_path, tmp)
+    except Exception as exc:  # noqa: BLE001 - a graph that does not parse, an exporter failure
+        report(Link("graph", "FAIL", f"could not export the weights again: {first_line(exc)}"))
+        return
+    if not differences:
+        report(
+            Link(
+                "graph",
+                "ok",
+                f"the registered ONNX is a fresh export of the weights ({exported}): every node "
+                "and initializer the same",
+            )
+        )
+        return
+    made_by = onnx.load(str(onnx_path), load_external_data=False).producer_version
+    if made_by and made_by != torch.__version__:
+        report(
+            Link(
+                "graph",
+                "skip",
+                f"the registered ONNX says torch {made_by} exported it, a fresh export with this "
+                f"torch {torch.__version__} differs ({clip('; '.join(differences), 300)}); verify "
+                f"with torch {made_by} to prove it",
+            )
+        )
+        return
+    report(
+        Link(
+            "graph",
+            "FAIL",
+            "the registered ONNX is not what the weights export to: "
+            + clip("; ".join(differences), 900),
+        )
+    )
+
+
+def gates_link(ref, onnx_path: Path, report) -> None:
+    from pipeline import export
+
+    try:
+        results = export.regate(ref, onnx_path)
     except Exception as exc:  # noqa: BLE001 - a broken file fails the gates with the reason
         report(Link("gates", "FAIL", f"could not run: {first_line(exc)}"))
         return
@@ -476,13 +548,17 @@ def _get_json(url: str, headers: dict) -> dict:
 
 
 def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str, str]:
-    """One V2 inference of zeros in the shapes the server declares; returns its response headers."""
+    """One V2 inference of zeros in the shapes the server declares (not the image files an image model also takes
+    in place of its input: parameters.image_input); returns its response headers."""
     import numpy as np
 
     from serving.codec import V2_DTYPES
 
     inputs = []
+    stand_in = ((meta.get("parameters") or {}).get("image_input") or {}).get("name")
     for spec in meta.get("inputs", []):
+        if spec["name"] == stand_in:
+            continue
         shape = [1 if d < 0 else d for d in spec["shape"]]
         inputs.append(
             {
@@ -536,6 +612,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
+    # torch sets its loggers' levels when it is imported (its exporter's warnings among them):
+    # imported first, so that the quiet levels configure sets are the last word.
+    import torch  # noqa: F401
+
     logs.configure(level=logging.WARNING)  # the links are the output
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from pipeline.tracking import TrackingError

@@ -1,49 +1,47 @@
 """Dynamic batching: concurrent requests are gathered into one model run.
 
-Knows neither HTTP nor onnxruntime: it is given `run(parts) -> outputs`, where `parts` are the batch's requests'
-feeds (dicts of arrays whose first axis is the row axis; gathering them into one batch is the run's business),
-and the server's Runner (serving/runner.py), the thread that runs it. `submit` may be awaited from any event loop:
-a request's answer comes back to the loop it was asked on.
+Knows neither HTTP nor onnxruntime: it is given `run(parts) -> outputs`, where `parts` are the
+batch's requests' feeds (dicts of arrays whose first axis is the row axis; gathering them into one
+batch is the run's business), `run_gathered(feeds, rows) -> outputs` for a batch gathered in a batch
+buffer (padded to a bucket), and the server's Runner (serving/runner.py), the thread that runs it.
+`submit` may be awaited from any event loop: a request's answer comes back to the loop it was asked
+on.
 
-Batch buffers (a model of fixed shapes past the batch axis, given `buffers` and `run_buffer`): requests take
-rows one after another in the buffer being filled, and the engine runs a buffer's rows as they are, with no copy
-and no array made per batch. A front end that knows a request's size before its body arrives asks for its place
-with the request (`arriving(rows)`): the body is received straight into those rows (the kernel's copy off the
-socket is the only one). Other requests are copied into their place when submitted, on the thread that took them
-in (their bytes still in its cache). Either way the values are checked for NaN and Inf there (a refusal at once).
-A run takes the first run of consecutive complete places (one still arriving ends it; a place whose request was
-refused is filled with a copy of a good row); it pads up to the engine's batch bucket in place when the rows after
-it are free, else the engine copies. A request still arriving when its neighbours ran (the arrival wait ran out
-first) would then run alone: it is copied into the buffer being filled instead, to run with the requests arriving
-there (at c=32 over binary HTTP with 602 KB images, a third of all runs had been such runs of one row: 14 rows a
-run on average, 19 with the copy). A buffer returns to the pool when every place in it ran or was refused. A
-request that fits no buffer (more rows than a batch, or every buffer taken, e.g. by slow uploads) waits in the
-queue, and the engine copies it when it runs.
+Batch buffers (a model of fixed shapes past the batch axis, given `buffers` and `run_gathered`): a
+request takes rows in a batch buffer, received straight into them or copied in when submitted
+(checked for NaN and Inf there), and the engine runs a buffer's rows as they are.
+serving/placements.py owns those rows and the pool; the batcher asks it for a request's place
+(`arriving(rows)`, `place`), hands it each job, and takes its runs from it. A request that fits no
+buffer (more rows than a batch, or every buffer taken, e.g. by slow uploads) waits in the queue, and
+is gathered into a free buffer (or by the engine) when it runs.
 
-Policy (measured, see DESIGN.md): never wait for requests that have not begun to arrive. The batch is taken when the
-engine thread is free to run it: what is queued then runs at once, as one batch of up to `max_batch_size` rows, and
-requests that arrive during a run form the next batch; a loop in the middle of a turn of taking requests in tells
-the engine when the turn is over, if the batch is due then (so what it took in runs together, never waiting past the
-turn, and the engine is not woken to find it should wait). While requests are
-on their way (`arriving()`), the batch waits for them, at most `arrival_wait_ms` from when it could first have run:
-a 602 KB image takes the event loop a tenth of a millisecond to take in, and 32 clients uploading at once would
-otherwise make batches of the one or two that happened to be complete. The wait ends by itself when every client in
-flight has its request in (no more can arrive before an answer goes out), and never starts for a lone client.
-Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++ server is still
-receiving, whose model is named inside; the server counts them only where one model version is loaded and no
-token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a partial batch wait at most that long
-(from its oldest request) for more rows, arriving or not, for models where a bigger batch pays.
+Policy (measured, see DESIGN.md): never wait for requests that have not begun to arrive. The batch
+is taken when the engine thread is free to run it: what is queued then runs at once, as one batch of
+up to `max_batch_size` rows, and requests that arrive during a run form the next batch; a loop in
+the middle of a turn of taking requests in tells the engine when the turn is over, if the batch is
+due then (so what it took in runs together, never waiting past the turn, and the engine is not woken
+to find it should wait). While requests are on their way (`arriving()`), the batch waits for them,
+at most `arrival_wait_ms` from when it could first have run: a 602 KB image takes the event loop a
+tenth of a millisecond to take in, and 32 clients uploading at once would otherwise make batches of
+the one or two that happened to be complete. The wait ends by itself when every client in flight has
+its request in (no more can arrive before an answer goes out), and never starts for a lone client.
+Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++
+server is still receiving, whose model is named inside; the server counts them only where one model
+version is loaded and no token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a
+partial batch wait at most that long (from its oldest request) for more rows, arriving or not, for
+models where a bigger batch pays.
 
-Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged:
-a model with another dynamic axis (image size, sequence length) gets requests of different shapes,
-and those wait, in order, for a batch of their own. When a merged batch fails, each of its jobs runs
+Only jobs whose arrays match the batch's first job past the row axis (shape and dtype) are merged: a
+model with another dynamic axis (image size, sequence length) gets requests of different shapes, and
+those wait, in order, for a batch of their own. When a merged batch fails, each of its jobs runs
 alone: one client's values (an index past an embedding's size) fail that client's request only. A
-failure anywhere else fails that batch's requests and the batcher goes on; should the engine thread die
-anyway, `alive` turns False (the server reports not ready), waiting requests fail and new ones are refused.
+failure anywhere else fails that batch's requests and the batcher goes on; should the engine thread
+die anyway, `alive` turns False (the server reports not ready), waiting requests fail and new ones
+are refused.
 
 A run that takes longer than `run_timeout` fails its batch with RunTimedOut and `stalled` turns True
-(the server reports not ready) until the run returns: the engine thread is still inside it, so
-the next batch waits for it. Jobs whose callers gave up (a request deadline) are dropped, not run.
+(the server reports not ready) until the run returns: the engine thread is still inside it, so the
+next batch waits for it. Jobs whose callers gave up (a request deadline) are dropped, not run.
 """
 
 from __future__ import annotations
@@ -55,9 +53,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
+from serving.placements import Arrival, Gathered, Placements, Span
+from serving.staging import check_finite
 from serving.statistics import VersionStatistics
 
 Feeds = dict[str, np.ndarray]
@@ -76,6 +77,12 @@ class RunTimedOut(Exception):
     """A model run took longer than the batcher's run_timeout; it may still be running."""
 
 
+class NotRowWise(Exception):
+    """A batched run's outputs do not have the run's rows on their first axis: the model's rows are
+    not independent (it was declared batchable wrongly). The run's requests fail with it (never an
+    answer cut from the outputs), and the batcher runs every request alone from then on."""
+
+
 @dataclass
 class _Job:
     feeds: Feeds
@@ -85,58 +92,9 @@ class _Job:
     arrived: float = field(default_factory=time.monotonic)
 
 
-class _Place:
-    """Rows start..start+rows of a group's buffer: a request's. Incomplete until its job is there (or it is dead)."""
-
-    __slots__ = ("group", "start", "rows", "job", "dead", "ran", "views")
-
-    def __init__(self, group: "_Group", start: int, rows: int, views: Feeds):
-        self.group, self.start, self.rows, self.views = group, start, rows, views
-        self.job: _Job | None = None
-        self.dead = (
-            False  # its request was refused, or went away before it arrived: nothing of it runs
-        )
-        self.ran = False
-
-    @property
-    def complete(self) -> bool:
-        return self.job is not None or self.dead
-
-
-class _Group:
-    """The places taken one after another in batch buffer `index`; sealed once one of its runs began."""
-
-    __slots__ = ("index", "places", "rows", "sealed")
-
-    def __init__(self, index: int):
-        self.index, self.places, self.rows, self.sealed = index, [], 0, False
-
-
-class Arrival:
-    """A request on its way to this batcher (its head in, its body arriving), and, when it has one, the place in a
-    batch buffer its body is received into (`views`: each input's rows there). Ended once: by `submit`, or by the
-    front end (`end`) when the request goes no further."""
-
-    __slots__ = ("batcher", "seq", "over", "place", "checked", "filled")
-
-    def __init__(self, batcher: "Batcher", seq: int, place: _Place | None):
-        self.batcher, self.seq, self.over, self.place = batcher, seq, False, place
-        self.checked = False  # its values were checked for NaN and Inf as they arrived
-        self.filled = (
-            False  # its body was received into its place (the feeds submitted are its views)
-        )
-
-    @property
-    def views(self) -> Feeds | None:
-        return None if self.place is None else self.place.views
-
-    def end(self) -> None:
-        if not self.over:
-            self.batcher._end(self)
-
-
 class Run:
-    """One batch on the engine thread, as the runner's watchdog sees it (and its times, for the statistics)."""
+    """One batch on the engine thread, as the runner's watchdog sees it (and its times, for the
+    statistics)."""
 
     def __init__(self, batcher: "Batcher", jobs: list[_Job]):
         self.batcher, self.jobs = batcher, jobs
@@ -148,8 +106,8 @@ class Run:
         self.expired = False
 
     def timed_out(self) -> None:
-        """The watchdog's call: the run is past its deadline. Its requests fail now; the batcher is stalled until
-        the run returns."""
+        """The watchdog's call: the run is past its deadline. Its requests fail now; the batcher is
+        stalled until the run returns."""
         with self._lock:
             if self._returned:
                 return
@@ -176,18 +134,22 @@ class Batcher:
     """Gathers jobs (a request's rows) into batches that its runner's thread runs, one at a time.
 
     Invariants:
-    - at most one `run` of this batcher is in flight (the runner has one thread, and a batcher holds at most
-      one turn in its queue);
+    - at most one `run` of this batcher is in flight (the runner has one thread, and a batcher holds
+      at most one turn in its queue);
     - the queue never holds more than `max_queue_rows` rows (a job is refused, never truncated);
     - a job larger than `max_batch_size` rows runs alone, never split; the caller caps rows per
       request;
-    - with `merge=False` (a model without a dynamic batch axis), every job runs alone;
+    - with `merge=False` (a model not known to be row-wise), every job runs alone; a run that raises
+      NotRowWise turns `merge` off for good (one log line), and its jobs fail with it, never run
+      again one by one;
     - a batch only holds jobs with the same input names, trailing shapes and dtypes as its first
       job; jobs skipped for that keep their order and lead a later batch;
-    - no row of a batch buffer is written while a run reads it, and no run reads a place still arriving;
+    - the batch buffers' rows are serving/placements.py's, with its invariants: no row is written
+      while a run reads it; a buffer returns to the pool only when every place ran or died;
     - every job's future is resolved: with its outputs, with the batch's error, or with
       BatcherClosed if the engine thread dies.
-    Its state is shared by the event loops that submit and the engine thread that takes: under `_lock`.
+    Its state is shared by the event loops that submit and the engine thread that takes: under
+    `_lock`, which is taken before the placements' own, never after.
     """
 
     def __init__(
@@ -202,15 +164,27 @@ class Batcher:
         on_batch: Callable[[int, float, list[float]], None] | None = None,
         run_timeout: float | None = None,
         buffers=None,
-        run_buffer: Callable[[int, int, int, int], Feeds] | None = None,
+        run_gathered: Callable[[Feeds, int], Feeds] | None = None,
+        bucket_for: Callable[[int], int] = lambda rows: rows,
         arrival_wait_ms: float = 0.0,
         incoming: Callable[[], int] | None = None,
+        name: str = "the model",
+        observe: Callable[[Feeds, Feeds], None] | None = None,
     ):
+        # the version it runs, in its log lines
+        self.name = name
+        # `observe(feeds, outputs)` is told of each batch the model ran (drift). It is handed to the
+        # runs: only they see the rows as they ran, padding cut off, before the buffer is reused.
+        if observe is not None:
+            run = partial(run, observe=observe)
+            run_gathered = run_gathered and partial(run_gathered, observe=observe)
         self._run = run
-        self._buffers = (
-            buffers if run_buffer is not None and merge else None
-        )  # staging.BatchBuffers
-        self._run_buffer = run_buffer  # (buffer, start, rows, free up to) -> outputs
+        # (feeds of a batch bucket's rows, the requests' rows among them) -> outputs
+        self._run_gathered = run_gathered
+        # the batch buffers' rows (`buffers`: a staging.BatchBuffers), the requests on their way
+        self._placements = Placements(
+            buffers if run_gathered is not None and merge else None, max_batch_size, bucket_for
+        )
         self._runner = runner
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay_ms / 1000.0
@@ -219,35 +193,27 @@ class Batcher:
         self._on_batch = on_batch
         self.run_timeout = run_timeout
         self.arrival_wait = arrival_wait_ms / 1000.0
-        self._incoming = incoming  # requests on their way no model is named for yet (gRPC messages): see _should_wait
+        # requests on their way no model is named for yet (gRPC messages): see _should_wait
+        self._incoming = incoming
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Job] = collections.deque()  # jobs with no place in a buffer
-        self._groups: collections.deque[_Group] = (
-            collections.deque()
-        )  # oldest first; the last may be filling
-        self._arrivals: dict[int, Arrival] = {}  # the requests on their way, oldest first
-        self._next_arrival = 0
-        self._wait_until: float | None = None  # a batch waits for arrivals until then
-        self._delay_until: float | None = (
-            None  # the engine's turn asked for at the end of --max-delay-ms
-        )
-        self._kicks: set[asyncio.AbstractEventLoop] = (
-            set()
-        )  # loops that will tell the engine thread (see _kick)
+        # jobs with no place in a buffer
+        self._queue: collections.deque[_Job] = collections.deque()
+        # a batch waits for arrivals until then
+        self._wait_until: float | None = None
+        # the engine's turn asked for at the end of --max-delay-ms
+        self._delay_until: float | None = None
+        # loops that will tell the engine thread (see _kick)
+        self._kicks: set[asyncio.AbstractEventLoop] = set()
         self.queued_rows = 0
-        self._copying = (
-            0  # requests being copied into their place, outside the lock (close waits for them)
-        )
-        self._batch: list[_Job] = []  # taken, being run
-        self._running: _Group | None = (
-            None  # the buffer a run is reading: not handed out again until it returns
-        )
+        # taken, being run
+        self._batch: list[_Job] = []
         self._closing = False
         self._closed = False
         self._dead = False
         self._started = False
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self.stalled = False  # a run is past run_timeout and still inside the engine
+        # a run is past run_timeout and still inside the engine
+        self.stalled = False
         # Triton's statistics of this version (serving/statistics.py), fed per successful run
         self.statistics = VersionStatistics()
         # (engine thread) when the run in progress was taken: its input phase begins
@@ -259,7 +225,7 @@ class Batcher:
     @property
     def buffers(self):
         """The batch buffers requests are placed in (staging.BatchBuffers), or None."""
-        return self._buffers
+        return self._placements.buffers
 
     @property
     def started(self) -> bool:
@@ -273,145 +239,110 @@ class Batcher:
     # ---- from the front ends (any event loop) ----
 
     def arriving(self, rows: int | None = None) -> Arrival:
-        """A request for this batcher has begun to arrive (its head is in, its body on its way); with `rows`, it
-        asks for a place in a batch buffer to receive its body into (see `Arrival.views`: None when there is none
-        to be had)."""
-        with self._lock:
-            place = None
-            if (
-                rows is not None
-                and self._buffers is not None
-                and not self._closing
-                and not self._dead
-            ):
-                place = self._reserve(rows)
-            arrival = Arrival(self, self._next_arrival, place)
-            self._arrivals[arrival.seq] = arrival
-            self._next_arrival += 1
-        return arrival
+        """A request for this batcher has begun to arrive (its head is in, its body on its way);
+        with `rows`, it asks for a place in a batch buffer to receive its body into (see
+        `Arrival.views`: None when there is none to be had)."""
+        return self._placements.arriving(self, rows)
 
     def place(self, arrival: Arrival, rows: int) -> Feeds | None:
-        """A place in a batch buffer for an arrival that now knows its rows (a V2 body whose header was read): the
-        views to receive its body into, or None (no buffer free, too many rows, or it has one already)."""
-        with self._lock:
-            if (
-                arrival.over
-                or arrival.place is not None
-                or self._buffers is None
-                or self._closing
-                or self._dead
-            ):
-                return None
-            arrival.place = self._reserve(rows)
-        return arrival.views
+        """A place in a batch buffer for an arrival that now knows its rows (a V2 body whose header
+        was read): the views to receive its body into, or None (no buffer free, too many rows, or it
+        has one already)."""
+        return self._placements.place(arrival, rows)
 
-    def _end(self, arrival: Arrival) -> None:
-        """An arrival that goes no further: its place (if any) is dead."""
+    def ended(self, arrival: Arrival) -> None:
+        """An arrival that goes no further (Arrival.end): its place (if any) is dead."""
         with self._lock:
             if self._forget(arrival):
                 self._runner.ready(self)
-            if arrival.place is not None and arrival.place.job is None:
-                arrival.place.dead = True
-                self._release_done_groups()
+            self._placements.leave(arrival)
 
     def _forget(self, arrival: Arrival) -> bool:
-        """(under _lock) True if the batch waited for this one, the last on its way: the engine is to look again
-        (submit kicks its loop for it, whether the request is queued or refused)."""
-        arrival.over = True
-        self._arrivals.pop(arrival.seq, None)
-        return not self._arrivals and self._wait_until is not None
+        """(under _lock) True if the batch waited for this one, the last on its way: the engine is
+        to look again (submit kicks its loop for it, whether the request is queued or refused)."""
+        return self._placements.forget(arrival) and self._wait_until is not None
 
     async def submit(self, feeds: Feeds, rows: int, arrival: Arrival | None = None) -> Feeds:
-        """Queue `rows` rows and wait for their outputs (same row order). `arrival`: this request's (ended now); when
-        it has a place, `feeds` are its views, filled. NonFinite (staging) for a value that is NaN or Inf."""
+        """Queue `rows` rows and wait for their outputs (same row order). `arrival`: this request's
+        (ended now); when it has a place, `feeds` are its views, filled. NonFinite (staging) for a
+        value that is NaN or Inf."""
         loop = asyncio.get_running_loop()
         job = _Job(feeds, rows, loop.create_future(), loop)
         place = arrival.place if arrival is not None and not arrival.over else None
         if place is not None and not arrival.filled and not _same_memory(feeds, place.views):
-            place = None  # not what was received into it (a reload's other batcher): copied like any other
+            # not what was received into it (a reload's other batcher): copied like any other
+            place = None
         if place is not None and not arrival.checked:
             try:
-                self._buffers.check(
-                    feeds
-                )  # here, on the thread that received it: its values are in this cache
+                # here, on the thread that received it: its values are in this cache
+                check_finite(feeds)
             except BaseException:
                 arrival.end()
                 raise
-        copy = False
+        placements, copy = self._placements, None
         with self._lock:
             if arrival is not None:
                 if not arrival.over and self._forget(arrival):
-                    self._kick(
-                        loop
-                    )  # the batch waited for this one, the last: queued or refused below, it judges
-                if (
-                    arrival.place is not None
-                    and arrival.place is not place
-                    and arrival.place.job is None
-                ):
-                    arrival.place.dead = True
+                    # the batch waited for this one, the last: queued or refused below, it judges
+                    self._kick(loop)
+                placements.leave(arrival, keep=place)
             try:
                 self._admit(rows)
             except BaseException:
                 if place is not None:
-                    place.dead = True
-                self._release_done_groups()
+                    placements.kill(place)
                 raise
-            if place is not None and _stranded(place):
-                place = self._move(place, feeds, rows)
-                job.feeds = (
-                    place.views
-                )  # (a merged run that fails runs each job again from its feeds)
             if place is not None:
-                place.job = job
+                place = placements.fill(place, job)
+                # its place's rows (a moved request's new place: its old one may be handed out)
+                job.feeds = place.views
             else:
-                if self._buffers is not None and self._buffers.fits(feeds, rows):
-                    place = self._reserve(rows)
-                copy = place is not None
-                if place is None:
+                copy = placements.reserve_copy(feeds, rows)
+                if copy is None:
                     self._queue.append(job)
             self.queued_rows += rows
-            self._copying += copy
-        if copy:  # a place of its own: copied in (and checked) here, outside the lock
+        if copy is not None:
+            # a place of its own: copied in (and checked) here, outside the lock
             try:
-                self._buffers.put(place.group.index, place.start, feeds)
+                placements.copy(copy, feeds)
             except BaseException:
                 with self._lock:
-                    self._copying -= 1
-                    place.dead = True
-                    if not self._dead:  # (else runner_died counted it out with everything)
+                    placements.kill(copy)
+                    # (else runner_died counted it out with everything)
+                    if not self._dead:
                         self.queued_rows -= rows
-                    self._release_done_groups()
                     self._settle_drained()
                 raise
             with self._lock:
-                self._copying -= 1
-                if (
-                    self._dead
-                ):  # the engine thread died meanwhile: runner_died failed what it could see
+                if self._dead:
+                    # the engine thread died meanwhile: runner_died failed what it could see
+                    placements.kill(copy)
                     raise BatcherClosed("the batcher has stopped (see the server log)")
-                place.job = job
+                placements.copied(copy, job)
         if (
             self._wait_until is None
-            or not self._arrivals
+            or not placements.on_the_way()
             or self.queued_rows >= self.max_batch_size
         ):
-            self._kick(loop)  # (a batch waiting for arrivals is told when they are in: see _forget)
+            # (a batch waiting for arrivals is told when they are in: see _forget)
+            self._kick(loop)
         return await job.future
 
     def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Tell the engine thread there is work, once this turn of the submitting loop is over: the requests whose
-        handlers run in the same turn (taken in together, or answered together) then make one batch, not one each
-        (an engine woken at the first would take it alone, the loop giving up the GIL at its next system call)."""
+        """Tell the engine thread there is work, once this turn of the submitting loop is over: the
+        requests whose handlers run in the same turn (taken in together, or answered together) then
+        make one batch, not one each (an engine woken at the first would take it alone, the loop
+        giving up the GIL at its next system call)."""
         if loop not in self._kicks:
             self._kicks.add(loop)
             loop.call_soon(self._kicked, loop)
 
     def _kicked(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The loop's turn is over: the engine thread is told if the batch is due now (`_should_wait` arms the
-        wait's own wake-up otherwise). Deciding here rather than waking the engine to decide: on a loop saturated
-        with uploads a kick comes every turn, and an engine woken by each went back to sleep at 11 of 12 wakes
-        (measured at c=32, 602 KB images: 0.6 wakes a request, each a thread switch and a GIL hand-off)."""
+        """The loop's turn is over: the engine thread is told if the batch is due now
+        (`_should_wait` arms the wait's own wake-up otherwise). Deciding here rather than waking the
+        engine to decide: on a loop saturated with uploads a kick comes every turn, and an engine
+        woken by each went back to sleep at 11 of 12 wakes (measured at c=32, 602 KB images: 0.6
+        wakes a request, each a thread switch and a GIL hand-off)."""
         self._kicks.discard(loop)
         with self._lock:
             if not self._closing:
@@ -423,10 +354,11 @@ class Batcher:
         self._runner.ready(self)
 
     def _kick_coming(self) -> bool:
-        """(engine thread) Whether a running loop will give this batcher a turn at the end of its turn. The engine,
-        free between two runs, then leaves the batch to it rather than taking the one or two requests complete so
-        far: a loop saturated with uploads gives the GIL away at every system call, and an engine that took a batch
-        at each would run batches of 1-3 rows (measured: 3.3 rows a run at c=32, 14.5 when left to the loop)."""
+        """(engine thread) Whether a running loop will give this batcher a turn at the end of its
+        turn. The engine, free between two runs, then leaves the batch to it rather than taking the
+        one or two requests complete so far: a loop saturated with uploads gives the GIL away at
+        every system call, and an engine that took a batch at each would run batches of 1-3 rows
+        (measured: 3.3 rows a run at c=32, 14.5 when left to the loop)."""
         return any(loop.is_running() for loop in tuple(self._kicks))
 
     def _admit(self, rows: int) -> None:
@@ -440,71 +372,21 @@ class Batcher:
                 f"the queue is full ({self.queued_rows} of {self.max_queue_rows} rows waiting)"
             )
 
-    def _move(self, stranded: _Place, feeds: Feeds, rows: int) -> _Place:
-        """(under _lock) A stranded place's rows (see _stranded) copied into the buffer being filled: the place they
-        are in now, or the stranded one where they can't be (no buffer free, or they would seal the one being
-        filled for a place of their own). Copied here, under the lock, so that no other thread ever sees a
-        half-moved request (a few in a hundred are moved: at c=32, ~3%)."""
-        capacity = self._place_capacity()
-        filling = self._groups[-1] if self._groups and not self._groups[-1].sealed else None
-        if rows >= capacity or (filling is not None and filling.rows + rows > capacity):
-            return stranded
-        try:
-            moved = self._reserve(rows)
-            if moved is None:
-                return stranded
-            try:
-                self._buffers.put(
-                    moved.group.index, moved.start, feeds
-                )  # (NonFinite: checked already)
-            except BaseException:
-                moved.dead = True
-                raise
-        except BaseException:
-            stranded.dead = True
-            self._release_done_groups()
-            raise
-        stranded.dead = True  # its buffer may go back to the pool now: the job's feeds are the new place's views
-        self._release_done_groups()
-        return moved
-
-    def _place_capacity(self) -> int:
-        """The rows one buffer's places may hold in all: a batch's, at most."""
-        return min(self.max_batch_size, self._buffers.capacity)
-
-    def _reserve(self, rows: int) -> _Place | None:
-        """(under _lock) The next `rows` rows of the buffer being filled (a new buffer when it is full or sealed), or
-        None when no buffer is free or the rows fit none."""
-        capacity = self._place_capacity()
-        if rows > capacity:
-            return None
-        group = self._groups[-1] if self._groups and not self._groups[-1].sealed else None
-        if group is not None and group.rows + rows > capacity:
-            group.sealed = True
-            group = None
-        if group is None:
-            index = self._buffers.acquire()
-            if index is None:
-                return None
-            group = _Group(index)
-            self._groups.append(group)
-        place = _Place(group, group.rows, rows, self._buffers.views(group.index, group.rows, rows))
-        group.places.append(place)
-        group.rows += rows
-        return place
-
     def flush(self) -> None:
-        """From now on, never let a partial batch wait for more rows (shutdown has begun: run what is queued)."""
+        """From now on, never let a partial batch wait for more rows (shutdown has begun: run what
+        is queued)."""
         self.max_delay = 0.0
         self.arrival_wait = 0.0
         self._runner.ready(self)
 
     async def close(self) -> None:
-        """Take no new jobs, run every queued one (without waiting out any delay), then stop."""
+        """Take no new jobs, run every queued one (without waiting out any delay), then stop; the
+        batch buffers are given back once the last of them is."""
         loop = asyncio.get_running_loop()
         with self._lock:
             self._closing = True
-            if self._dead or (not self._pending() and not self._batch and not self._copying):
+            self._placements.close()
+            if self._dead or not (self._pending() or self._batch or self._placements.copying()):
                 self._closed = True
                 return
             done = loop.create_future()
@@ -521,32 +403,22 @@ class Batcher:
             self._drop_abandoned()
             next_batch = self._next_batch()
             if next_batch is None:
-                self._release_done_groups()  # (places whose callers all gave up)
                 self._settle_drained()
                 return
             span, rows, oldest, open_ = next_batch
-            take_span = span is not None
-            if rows < self.max_batch_size and self._kick_coming():
+            if self.merge and rows < self.max_batch_size and self._kick_coming():
                 return  # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
             if self._should_wait(runner, rows, oldest, open_):
                 return
-            if take_span:
-                group, places, _ = span
-                group.sealed = (
-                    True  # no new place in it: the rows after this run's stay as they are
-                )
-                for place in places:
-                    place.ran = True
-                jobs = [p.job for p in places if p.job is not None]
+            if span is not None:
+                jobs = self._placements.take(span)
                 self.queued_rows -= sum(job.rows for job in jobs)
-                free_up_to = self._free_up_to(group, span[2])
-                self._running = group
             else:
                 jobs = self._take()
             self._batch = jobs
         try:
-            if take_span:
-                self._run_span(runner, group, places, jobs, free_up_to)
+            if span is not None:
+                self._run_span(runner, span, jobs)
             else:
                 self._run_batch(runner, jobs)
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the batch's requests still get an answer
@@ -554,47 +426,46 @@ class Batcher:
             _deliver([(job, exc, True) for job in jobs])
         # (a BaseException, the thread being killed, leaves self._batch for runner_died to fail)
         with self._lock:
-            self._batch, self._running = [], None
-            self._release_done_groups()
+            self._batch = []
+            if span is not None:
+                self._placements.done(span)
             more = self._pending()
             if not more:
                 self._settle_drained()
         if more:
             runner.ready(self)
 
-    def _next_batch(self) -> tuple[tuple | None, int, float, bool] | None:
-        """(under _lock) What the next run would take: (the span of places (_next_span), or None for the queue; its
-        rows; its oldest request's arrival; whether its buffer still takes places). The span or the queue, whichever
-        holds the oldest request. None when nothing is queued, and then no wait is left standing either: one whose
-        requests were given up would keep the next request's kick from being sent (see submit)."""
-        span = self._next_span()
+    def _next_batch(self) -> tuple[Span | None, int, float, bool] | None:
+        """(under _lock) What the next run would take: (the span of places (Placements.next_span),
+        or None for the queue; its rows; its oldest request's arrival; whether its buffer still
+        takes places). The span or the queue, whichever holds the oldest request. None when nothing
+        is queued, and then no wait is left standing either: one whose requests were given up would
+        keep the next request's kick from being sent (see submit)."""
+        span = self._placements.next_span()
         head = self._queue[0] if self._queue else None
         if span is None and head is None:
             self._wait_until = None
             return None
-        oldest_placed = (
-            min(p.job.arrived for p in span[1] if p.job is not None) if span is not None else 0.0
-        )
+        oldest_placed = min(job.arrived for job in span.jobs) if span is not None else 0.0
         if span is not None and (head is None or oldest_placed <= head.arrived):
-            return span, sum(p.rows for p in span[1]), oldest_placed, not span[0].sealed
+            return span, span.rows, oldest_placed, span.open
         return None, self.queued_rows, head.arrived, True
 
     def _should_wait(self, runner, rows: int, oldest: float, open_: bool) -> bool:
-        """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see the module's
-        docstring); asks for a turn when the wait ends at the latest."""
-        if self._closing or rows >= self.max_batch_size or not open_:
+        """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see
+        the module's docstring); asks for a turn when the wait ends at the latest."""
+        if self._closing or not self.merge or rows >= self.max_batch_size or not open_:
             self._wait_until = None
             return False
         now = time.monotonic()
         if self.max_delay > 0 and oldest + self.max_delay > now:
-            if (
-                self._delay_until != oldest + self.max_delay
-            ):  # (asked once, however often it is asked)
+            # (asked once, however often it is asked)
+            if self._delay_until != oldest + self.max_delay:
                 self._delay_until = oldest + self.max_delay
                 runner.ready_at(self, self._delay_until)
             return True
         if self.arrival_wait <= 0 or not (
-            self._arrivals or (self._incoming is not None and self._incoming())
+            self._placements.on_the_way() or (self._incoming is not None and self._incoming())
         ):
             self._wait_until = None
             return False
@@ -606,69 +477,16 @@ class Batcher:
         self._wait_until = None
         return False
 
-    def _next_span(self) -> tuple[_Group, list[_Place], int] | None:
-        """(under _lock) The first run of consecutive places not run yet, each complete (a job, or dead), from its
-        first job to its last: (group, places, the index after them). Dead places before it are marked run on the
-        way (a dead place between two jobs stays: the rows run must be contiguous)."""
-        for group in self._groups:
-            places, i = group.places, 0
-            while i < len(places):
-                if places[i].ran or not places[i].complete:
-                    i += 1
-                    continue
-                j = i
-                while j < len(places) and not places[j].ran and places[j].complete:
-                    j += 1
-                while i < j and places[i].job is None:  # dead at its start: never computed
-                    places[i].ran = True
-                    i += 1
-                while j > i and places[j - 1].job is None:  # nor at its end (left to a later look)
-                    j -= 1
-                if i < j:
-                    return group, places[i:j], j
-                # (all of it dead: marked run above, and i is past it)
-        return None
-
-    def _free_up_to(self, group: _Group, after: int) -> int:
-        """(under _lock) The row up to which the buffer is free after the places before index `after` (a run may pad
-        into it): the next place still to be run or arriving, else the buffer's end."""
-        for place in group.places[after:]:
-            if not place.ran and not place.dead:
-                return place.start
-        return self._buffers.capacity
-
     def _pending(self) -> bool:
         """(under _lock) Jobs to run: queued, or complete in a place not run yet."""
-        return bool(self._queue) or any(
-            p.job is not None and not p.ran for g in self._groups for p in g.places
-        )
-
-    def _release_done_groups(self) -> None:
-        """(under _lock) Buffers whose every place ran or was refused go back to the pool, but not the one a run is
-        reading (a place's ran is set as its run begins): a request given up meanwhile (a client gone mid-body)
-        would free it, and the next body would land in the rows the model is reading."""
-        for group in [
-            g
-            for g in self._groups
-            if g is not self._running and all(p.ran or p.dead for p in g.places)
-        ]:
-            self._groups.remove(group)
-            self._buffers.release(group.index)
-            # Its places point at it and it at them: a cycle that only the collector frees, with each place's job and
-            # future. ~10 objects a request piled up so, and the collector's runs (every ~2,000 requests at c=32) took
-            # 12 ms each on the loop, holding every request in flight.
-            group.places = []
+        return bool(self._queue) or self._placements.pending()
 
     def runner_died(self) -> None:
         """The engine thread is gone: fail what waits, refuse what comes."""
         with self._lock:
             self._dead = True
-            jobs = [
-                *self._batch,
-                *self._queue,
-                *(p.job for g in self._groups for p in g.places if p.job is not None and not p.ran),
-            ]
-            self._batch, self._queue, self._groups = [], collections.deque(), collections.deque()
+            jobs = [*self._batch, *self._queue, *self._placements.clear()]
+            self._batch, self._queue = [], collections.deque()
             self.queued_rows = 0
             waiters, self._drain_waiters = self._drain_waiters, []
         error = BatcherClosed("the batcher has stopped (see the server log)")
@@ -678,44 +496,40 @@ class Batcher:
 
     def _settle_drained(self) -> None:
         """(under _lock) Closing and nothing left: wake those waiting in close()."""
-        if self._closing and not self._pending() and not self._copying and not self._batch:
+        if (
+            self._closing
+            and not self._pending()
+            and not self._placements.copying()
+            and not self._batch
+        ):
             self._closed = True
             waiters, self._drain_waiters = self._drain_waiters, []
             for loop, done in waiters:
                 _call_soon(loop, _resolve, done)
 
-    def _run_span(
-        self, runner, group: _Group, places: list[_Place], jobs: list[_Job], free_up_to: int
-    ) -> None:
-        """Runs the places' rows of `group`'s buffer as they are (a refused place's rows filled with a good row) and
-        answers each job; if it fails, each job runs again alone."""
-        good = next(p for p in places if p.job is not None)
-        for place in places:
-            if (
-                place.job is None
-            ):  # refused: rows nobody will read, which must still be values the model takes
-                self._buffers.fill(group.index, place.start, place.rows, good.start)
-        start, rows = places[0].start, sum(p.rows for p in places)
-        outcome = self._timed_run(
-            runner, jobs, lambda: self._run_buffer(group.index, start, rows, free_up_to)
-        )
+    def _run_span(self, runner, span: Span, jobs: list[_Job]) -> None:
+        """Runs a taken span's rows as they are (Placements.batch) and answers each job; if it
+        fails, each job runs again alone."""
+        placements = self._placements
+        outcome = self._timed_run(runner, jobs, lambda: self._run_rows(placements.batch(span)))
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
         outputs, error, run = outcome
         if error is None:
+            start, whole = span.start, len(span.places) == 1
             _deliver(
                 [
                     (
                         p.job,
-                        {
+                        outputs
+                        if whole
+                        else {
                             k: v[p.start - start : p.start - start + p.rows]
                             for k, v in outputs.items()
-                        }
-                        if len(places) > 1
-                        else outputs,
+                        },
                         False,
                     )
-                    for p in places
+                    for p in span.places
                     if p.job is not None
                 ]
             )
@@ -724,16 +538,17 @@ class Batcher:
         self._one_by_one(runner, jobs, error)
 
     def _run_batch(self, runner, jobs: list[_Job]) -> None:
-        """Runs `jobs` (gathered by the run) as one batch and answers each; if it fails, each job runs again alone."""
-        outcome = self._timed_run(runner, jobs, lambda: self._run([job.feeds for job in jobs]))
+        """Runs queued `jobs` as one batch and answers each; if it fails, each job runs again alone."""
+        outcome = self._timed_run(
+            runner, jobs, lambda: self._run_rows(self._placements.gather([j.feeds for j in jobs]))
+        )
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
         outputs, error, run = outcome
         if error is None:
             start, answers = 0, []
-            for job in (
-                jobs
-            ):  # (the engine's outputs have exactly the batch's rows: its padding is cut off)
+            # (the engine's outputs have exactly the batch's rows: its padding is cut off)
+            for job in jobs:
                 answers.append(
                     (
                         job,
@@ -749,16 +564,30 @@ class Batcher:
             return
         self._one_by_one(runner, jobs, error)
 
+    def _run_rows(self, gathered: Gathered) -> Feeds:
+        """(engine thread) A batch through the engine: gathered in a batch buffer (which goes back
+        once the run returns), or its parts for the engine to gather."""
+        if gathered.feeds is None:
+            return self._run(gathered.parts)
+        try:
+            return self._run_gathered(gathered.feeds, gathered.rows)
+        finally:
+            self._placements.let_go(gathered)
+
     def _one_by_one(self, runner, jobs: list[_Job], error: Exception) -> None:
-        """A merged batch failed: whose values made it fail? Each alone answers: the others' requests succeed."""
-        if len(jobs) == 1:
-            _deliver([(jobs[0], error, True)])
+        """A merged batch failed: whose values made it fail? Each alone answers: the others'
+        requests succeed. Not after NotRowWise: those requests fail (their run proved the version
+        was declared batchable wrongly)."""
+        if len(jobs) == 1 or isinstance(error, NotRowWise):
+            _deliver([(job, error, True) for job in jobs])
             return
         for job in jobs:
             if job.future.done():
                 continue
             self._taken = time.monotonic()
-            outcome = self._timed_run(runner, [job], lambda: self._run([job.feeds]))
+            outcome = self._timed_run(
+                runner, [job], lambda: self._run_rows(self._placements.gather([job.feeds]))
+            )
             if outcome is None:
                 return
             outputs, error, run = outcome
@@ -769,8 +598,8 @@ class Batcher:
     def _timed_run(
         self, runner, jobs: list[_Job], run: Callable[[], Feeds]
     ) -> tuple[Feeds | None, Exception | None, Run] | None:
-        """(outputs, None, the run) or (None, error, the run); None when the run outlived run_timeout (already
-        answered)."""
+        """(outputs, None, the run) or (None, error, the run); None when the run outlived
+        run_timeout (already answered)."""
         timed = Run(self, jobs)
         runner.began(timed)
         try:
@@ -779,6 +608,10 @@ class Batcher:
             outputs, error = None, exc
         finally:
             runner.ended()
+        if isinstance(error, NotRowWise) and self.merge:
+            with self._lock:
+                self.merge = self._placements.merging = False
+            log.error("%s: %s", self.name, error)
         ended = timed.ended = time.monotonic()
         if timed.returned():
             self.stalled = False
@@ -800,8 +633,9 @@ class Batcher:
         return outputs, error, timed
 
     def _executed(self, run: Run) -> None:
-        """(engine thread) A successful run's answers were handed out: its rows and phases to the statistics. A
-        model run unbatched counts one inference a request, as Triton counts a model of max_batch_size 0."""
+        """(engine thread) A successful run's answers were handed out: its rows and phases to the
+        statistics. A model run unbatched counts one inference a request, as Triton counts a model
+        of max_batch_size 0."""
         jobs = run.jobs
         rows = sum(job.rows for job in jobs) if self.merge else len(jobs)
         arrivals = [job.arrived for job in jobs]
@@ -810,19 +644,16 @@ class Batcher:
         )
 
     def _drop_abandoned(self) -> None:
-        """(under _lock) Jobs whose callers gave up (a request deadline): never run. Queued ones at the head; those
-        in a batch buffer's place anywhere (the place turns dead: its rows are filled with a good row if its span
-        runs)."""
+        """(under _lock) Jobs whose callers gave up (a request deadline): never run. Queued ones at
+        the head; those in a batch buffer's place anywhere (Placements.drop)."""
         while self._queue and self._queue[0].future.done():
             self.queued_rows -= self._queue.popleft().rows
-        for group in self._groups:
-            for place in group.places:
-                if place.job is not None and not place.ran and place.job.future.done():
-                    self.queued_rows -= place.job.rows
-                    place.job, place.dead = None, True
+        for job in self._placements.drop(_given_up):
+            self.queued_rows -= job.rows
 
     def _take(self) -> list[_Job]:
-        """(under _lock) The next batch: the oldest job, then following jobs of the same layout while they fit.
+        """(under _lock) The next batch: the oldest job, then following jobs of the same layout
+        while they fit.
 
         A job of another layout is skipped and keeps its place; the first one of the right layout
         that does not fit ends the batch (it must not be overtaken by smaller ones behind it).
@@ -849,22 +680,8 @@ class Batcher:
         return jobs
 
 
-def _stranded(place: _Place) -> bool:
-    """Whether a place just filled would run alone: its buffer is sealed and no place it could share a run with is
-    left (its neighbours ran without it, while it was arriving; a refused place between is no boundary, a run
-    takes it as filler). Its rows are then better copied next to the requests still arriving: one copy of a
-    request, where a run of one row costs a GPU nearly what 8 or 16 do."""
-    if not place.group.sealed or place.ran or place.dead:
-        return False
-    places = place.group.places
-    i = places.index(place)
-    for side in (reversed(places[:i]), places[i + 1 :]):
-        for other in side:
-            if other.ran:
-                break
-            if not other.dead:
-                return False
-    return True
+def _given_up(job: _Job) -> bool:
+    return job.future.done()
 
 
 def _same_memory(feeds: Feeds, views: Feeds) -> bool:
@@ -883,7 +700,8 @@ def _same_memory(feeds: Feeds, views: Feeds) -> bool:
 
 
 def _layout(feeds: Feeds) -> tuple:
-    """What must match for arrays to be concatenated along the row axis: names, trailing shapes, dtypes."""
+    """What must match for arrays to be concatenated along the row axis: names, trailing shapes,
+    dtypes."""
     try:
         return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in feeds.items()))
     except (
@@ -894,8 +712,8 @@ def _layout(feeds: Feeds) -> tuple:
 
 
 def _deliver(answers: list[tuple[_Job, object, bool]]) -> None:
-    """Each job's answer (outputs, or an exception when the flag says so), on the loop it was asked on: one
-    wake-up per loop and batch."""
+    """Each job's answer (outputs, or an exception when the flag says so), on the loop it was asked
+    on: one wake-up per loop and batch."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for job, value, is_error in answers:
         by_loop.setdefault(job.loop, []).append((job.future, value, is_error))

@@ -19,7 +19,7 @@ from serving.config import Settings
 
 log = logging.getLogger("serving")
 ENV_PREFIX = "TRAINSERVE_"
-REPEATABLE = {"model"}  # flags that may be given several times
+REPEATABLE = {"model", "batching"}  # flags that may be given several times
 
 # flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
 FLAGS: dict[str, tuple[type, str]] = {
@@ -106,7 +106,16 @@ FLAGS: dict[str, tuple[type, str]] = {
         "(default ~/.cache/trainserve/tensorrt)",
     ),
     "threads": (int, "onnxruntime intra-op threads (default: CPUs this process may use)"),
-    "max-batch-size": (int, "most rows per model run (default 32)"),
+    "max-batch-size": (
+        int,
+        "most rows per model run (default 32): a cap; which models batch at all is each one's own "
+        "(its export's record of independent rows, its config.pbtxt's max_batch_size, --batching)",
+    ),
+    "batching": (
+        str,
+        "NAME=on|off, repeatable: whether requests to model NAME share model runs (on: its rows are "
+        "independent along the first axis), over what its file and config.pbtxt say",
+    ),
     "batch-buckets": (
         str,
         "auto|off|sizes like 1,8,32: batch sizes a run is padded up to, an onnxruntime session "
@@ -226,7 +235,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     ),
     "shadow-min-labels": (
         int,
-        "labelled pairs (POST /v2/models/NAME/feedback) before labels decide (default 100)",
+        "labelled pairs (POST /v2/models/NAME/feedback) before labels decide; only labels "
+        "promote (default 100)",
     ),
     "shadow-tolerance": (
         float,
@@ -239,8 +249,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     ),
     "shadow-max-source-share": (
         float,
-        "largest share of the pairs one client address may have sent for the "
-        "verdict to decide (default 0.5; 1: no limit, for a server behind a proxy, "
+        "largest share of the labelled pairs one client address may have sent for "
+        "labels to promote (default 0.5; 1: no limit, for a server behind a proxy, "
         "where every client is one address)",
     ),
 }
@@ -410,9 +420,10 @@ def serve(settings: Settings) -> int:
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
-    check_ports_free(
-        settings.host, [settings.port, settings.grpc_port]
-    )  # before a model download, not after
+    # KServe V2 over gRPC on its own port, started and stopped with the server.
+    front_ends = (grpc_start(settings),) if settings.grpc_port is not None else ()
+    # Before a model download, not after.
+    check_ports_free(settings.host, [settings.port, settings.grpc_port])
     try:  # before the model: a directory we can't write is found in a second, not after a long load
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
@@ -421,13 +432,6 @@ def serve(settings: Settings) -> int:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
-    front_ends = ()
-    if (
-        settings.grpc_port is not None
-    ):  # KServe V2 over gRPC on its own port, started and stopped with the server
-        from serving.grpc.service import start_grpc
-
-        front_ends = (start_grpc,)
     try:
         server = Server(settings, models, payload_log, front_ends)
     except (RepositoryError, SourceError) as exc:
@@ -437,6 +441,54 @@ def serve(settings: Settings) -> int:
     raise_open_files_limit()
     keep_freed_memory()
     return run(server)
+
+
+def grpc_start(settings: Settings):
+    """The gRPC front end's start function; ServeError for `--grpc-engine native` where grpc's C++
+    server was not built (found before a model loads)."""
+    from serving.grpc import native
+    from serving.grpc.service import start_grpc
+
+    if settings.grpc_engine == "native" and not native.available():
+        raise ServeError(f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio")
+    return start_grpc
+
+
+def largest_row_bytes(server) -> int:
+    """The bytes of one row of the largest-rowed model loaded now (Engine.row_bytes; 0 when none is
+    loaded or none has rows of one size): how large a request's body is, for how many loops take
+    them in (Settings.http_loops)."""
+    return max((slot.model.engine.row_bytes for _, slot in server.repository.slots()), default=0)
+
+
+def layout(server, http_loops: int) -> str:
+    """How the server is laid out over threads and cores, in one line for its log."""
+    from serving.config import LARGE_ROW_BYTES
+    from serving.engine import usable_cpus
+
+    slots = [slot for _, slot in server.repository.slots()]
+    loops = f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"
+    if http_loops > 1:
+        loops += " (threads, a socket each: SO_REUSEPORT)"
+    elif server.settings.http_threads is None and usable_cpus() > 1:
+        loops += (
+            f" (no model loaded at start has rows of {LARGE_ROW_BYTES >> 10} KiB or more: more "
+            "loops would share the GIL for little; --http-threads N sets them)"
+        )
+    parts = [loops, *(getattr(f, "layout", "gRPC") for f in server.listening)]
+    threads = sorted({slot.model.engine.threads for slot in slots})
+    parts.append(
+        f"1 engine thread running every model's batches in turn (onnxruntime "
+        f"{'/'.join(map(str, threads)) or '-'} intra-op threads)"
+    )
+    buffers = [slot.batcher.buffers for slot in slots if slot.batcher.buffers is not None]
+    if buffers:
+        b = buffers[0]
+        parts.append(
+            f"batch buffers of {b.capacity} rows, up to {b.count} a model version"
+            + (", pinned" if b.pin else "")
+        )
+    return f"{'; '.join(parts)}; {usable_cpus()} CPUs usable"
 
 
 def keep_freed_memory() -> None:
@@ -476,7 +528,7 @@ async def _serve(server) -> int:
     async with server.lifespan():
         try:
             bound = await http.listen(
-                settings.host, settings.port, settings.http_loops(server.largest_row_bytes())
+                settings.host, settings.port, settings.http_loops(largest_row_bytes(server))
             )
         except OSError as exc:
             log.error(
@@ -487,7 +539,7 @@ async def _serve(server) -> int:
             )
             return 1
         log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
-        log.info("laid out as: %s", server.layout(len(http.listeners)))
+        log.info("laid out as: %s", layout(server, len(http.listeners)))
         await stop.wait()
         # Not ready at once (load balancers stop sending), queued requests run without waiting out --max-delay-ms,
         # gRPC drains alongside; connections still uploading close, the others after their answer.

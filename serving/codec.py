@@ -4,10 +4,16 @@ Two protocols:
 - Open Inference Protocol (KServe V2) with Triton's binary tensor extension: a JSON header of
   `Inference-Header-Content-Length` bytes, then the raw little-endian bytes of every input whose
   parameters carry `binary_data_size`, in input order. Outputs come back the same way when asked
-  (`binary_data` per output, or `binary_data_output` for all).
+  (`binary_data` per output, or `binary_data_output` for all). A header length of 0 is a raw binary request:
+  the body is a one-input model's input, its shape deduced from its size (`decode_raw`), every output binary.
 - MLflow's scoring protocol: exactly one of `inputs` (a tensor, or name -> tensor),
   `instances` (a list of rows), `dataframe_split` / `dataframe_records` (one row per sample, either a
   column per model input holding a tensor, or the sample's values flattened into columns).
+
+BYTES tensors (strings, onnxruntime's STRING) are numpy object arrays of `bytes`, one an element, from every
+encoding: JSON strings (UTF-8), binary data of a 4-byte little-endian length then the bytes per element
+(`bytes_elements` reads it, `serialized` writes it), gRPC's raw contents in the same form or `bytes_contents`.
+Outputs of them (a model's, or classification's) go out the same ways.
 
 Every client mistake is a BadRequest (a 4xx) naming the field, never an exception of ours; as strict as
 Triton: objects where objects belong (`parameters`), JSON numbers for numeric datatypes (no strings,
@@ -22,7 +28,7 @@ binary data can, and a too-large JSON number becomes Inf in FP32); checked by th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import orjson
@@ -43,12 +49,9 @@ V2_DTYPES = {
     "FP16": np.float16,
     "FP32": np.float32,
     "FP64": np.float64,
+    "BYTES": np.object_,
 }
-KNOWN_DATATYPES = (
-    *V2_DTYPES,
-    "BF16",
-    "BYTES",
-)  # the protocol's names; the last two this server can't take
+KNOWN_DATATYPES = (*V2_DTYPES, "BF16")  # the protocol's names; BF16 this server can't take
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 MAX_DIM = 2**31  # no model dimension is larger; numpy refuses some that are (a 500 once)
 
@@ -84,6 +87,8 @@ class V2Request:
         False  # every value was checked for NaN/Inf as it was copied in (needs no other pass)
     )
     placed: bool = False  # its inputs are rows of a batch buffer (serving/batcher.py)
+    # output name -> K: answered as its top K classes (the classification extension, serving/classification.py)
+    classification: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +99,27 @@ class MlflowRequest:
 
 
 def expected(specs: list[TensorSpec]) -> str:
-    return ", ".join(f"'{s.name}' {s.describe()}" for s in specs)
+    return ", ".join(
+        f"'{s.name}' {s.describe()}" + (f" (in place of '{s.stands_for}')" if s.stands_for else "")
+        for s in specs
+    )
+
+
+def given_inputs(inputs: list[TensorSpec], names) -> list[TensorSpec]:
+    """The inputs a request that names `names` is to give: `inputs`, where one that stands for another (an image
+    version's encoded images, for the tensor they become: serving/image_inputs.py) replaces it when named, and is
+    left out when not. BadRequest for a request that names both."""
+    if not any(s.stands_for for s in inputs):
+        return inputs
+    names, left_out = set(names), set()
+    for s in inputs:
+        if s.stands_for and s.name in names and s.stands_for in names:
+            raise BadRequest(
+                f"inputs '{s.name}' and '{s.stands_for}' are two forms of the same input; send one"
+            )
+        if s.stands_for:
+            left_out.add(s.stands_for if s.name in names else s.name)
+    return [s for s in inputs if s.name not in left_out]
 
 
 def parse_json(data: bytes):
@@ -149,6 +174,7 @@ class V2Header:
     request_id: str | None
     outputs: list[tuple[str, bool]]
     output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref
+    classification: dict[str, int] = field(default_factory=dict)  # output name -> K
 
     @property
     def binary_inputs(self) -> list[V2Input]:
@@ -190,20 +216,96 @@ def decode_v2(
     limits: Limits,
     shared=None,
     seen: dict | None = None,
+    place=None,
 ) -> V2Request:
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
-    `body`, not copies). `shared(ref, spec, count)` reads an input placed in shared memory (serving/shm.py);
-    `seen`: the model version's headers checked already (parse_v2_header_once)."""
+    `body`, not copies). `shared(ref, spec, count, into)` reads an input placed in shared memory
+    (serving/shm.py); `seen`: the model version's headers checked already (parse_v2_header_once); `place(rows)`:
+    the rows of a batch buffer that inputs all in shared memory may be read straight into, or None."""
+    if header_length == 0:
+        return decode_raw(body, inputs, output_names, limits)
     header = parse_v2_header_once(
         seen, body, header_length, len(body), inputs, output_names, limits
     )
     offset, arrays = (len(body) if header_length is None else header_length), {}
     for item in header.binary_inputs:
-        arrays[item.spec.name] = np.frombuffer(
-            body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count, offset=offset
-        )
+        if is_bytes(item.spec):
+            data = memoryview(body)[offset : offset + item.binary]
+            arrays[item.spec.name] = bytes_elements(data, item.count, item.spec.name)
+        else:
+            arrays[item.spec.name] = np.frombuffer(
+                body, dtype=item.spec.dtype.newbyteorder("<"), count=item.count, offset=offset
+            )
         offset += item.binary
-    return finish_v2(header, arrays, inputs, shared)
+    views = None
+    if place is not None and all(item.ref is not None for item in header.inputs):
+        views = placed_rows(header, inputs, place)
+    return finish_v2(header, arrays, inputs, shared, views)
+
+
+def decode_raw(
+    body, inputs: list[TensorSpec], output_names: list[str], limits: Limits
+) -> V2Request:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data of a model's
+    one input, in the shape `raw_shape` deduces from its size; every output comes back as binary data."""
+    if len(inputs) != 1:
+        raise BadRequest(
+            "a raw binary request (Inference-Header-Content-Length: 0) carries one input; this model "
+            f"takes {expected(inputs)}: send a JSON header naming each"
+        )
+    spec = inputs[0]
+    shape = raw_shape(spec, len(body))
+    count = _check_size(spec.name, shape, spec, limits)
+    if is_bytes(spec):
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+    else:
+        array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<"), count=count)
+        if array.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
+            raise BadRequest(f"input '{spec.name}': BOOL binary data must be bytes 0 or 1")
+    feeds = {spec.name: array.reshape(shape).astype(spec.dtype, copy=False)}
+    return V2Request(feeds, _rows(feeds, inputs), None, [(n, True) for n in output_names])
+
+
+def raw_shape(spec: TensorSpec, size: int) -> list[int]:
+    """The shape of a raw binary request's `size` bytes for input `spec`, as Triton deduces it: one row of a
+    batched model; its one dynamic axis (besides the batch axis) from the byte count; a BYTES input of shape [1]
+    is the body as its one element. An input of no rank takes the values as a list. BadRequest where it can't."""
+    where = f"a raw binary request (Inference-Header-Content-Length: 0) for input '{spec.name}'"
+    dims = list(spec.shape[1:]) if spec.batched else list(spec.shape) if spec.ranked else [-1]
+    lead = [1] if spec.batched else []
+    if is_bytes(spec):
+        if dims != [1]:
+            raise BadRequest(
+                f"{where}: a BYTES input takes the body as one element only when its shape is [1]; "
+                f"this one is {spec.describe()}: send a JSON header"
+            )
+        return lead + dims
+    itemsize = spec.dtype.itemsize
+    if size % itemsize:
+        raise BadRequest(
+            f"{where}: {size} bytes is not a whole number of {spec.datatype} values ({itemsize} "
+            "bytes each)"
+        )
+    values, dynamic = size // itemsize, [i for i, d in enumerate(dims) if d == -1]
+    fixed = math.prod(d for d in dims if d != -1)
+    if len(dynamic) > 1:
+        raise BadRequest(
+            f"{where}: its shape {spec.describe()} has more than one dynamic axis to deduce from the "
+            "byte count; send a JSON header with the shape"
+        )
+    if dynamic and (fixed == 0 or values % fixed):
+        raise BadRequest(
+            f"{where}: {values} {spec.datatype} values do not fill {spec.describe()} (rows of {fixed})"
+        )
+    if dynamic:
+        dims[dynamic[0]] = values // fixed
+    elif values != fixed:
+        raise BadRequest(
+            f"{where}: {size} bytes, but {spec.describe()} takes {fixed * itemsize} bytes"
+            + (" (one row)" if spec.batched else "")
+        )
+    return lead + dims
 
 
 def parse_v2_header(
@@ -281,7 +383,7 @@ def parse_v2_header(
                 )
             declared[name] = V2Input(spec, shape, count, None, ref=ref)
         elif binary_size is not None:
-            if not isinstance(binary_size, int) or isinstance(binary_size, bool):
+            if not isinstance(binary_size, int) or isinstance(binary_size, bool) or binary_size < 0:
                 raise BadRequest(
                     f"input '{name}': binary_data_size must be an integer byte count, got "
                     f"{binary_size!r:.40}"
@@ -295,7 +397,7 @@ def parse_v2_header(
                     f"input '{name}' has binary_data_size but the request has no "
                     "Inference-Header-Content-Length header"
                 )
-            want = count * spec.dtype.itemsize
+            want = binary_size if is_bytes(spec) else count * spec.dtype.itemsize
             if binary_size != want:
                 raise BadRequest(
                     f"input '{name}': binary_data_size {binary_size}, but shape {shape} "
@@ -320,7 +422,7 @@ def parse_v2_header(
         raise BadRequest(
             f"{body_length - offset} bytes of binary data follow the inputs that no input claims"
         )
-    missing = [s.name for s in inputs if s.name not in declared]
+    missing = [s.name for s in given_inputs(inputs, declared) if s.name not in declared]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
 
@@ -330,7 +432,7 @@ def parse_v2_header(
             f"parameters.binary_data_output must be true or false, got {binary_all!r:.40}"
         )
     wanted = request.get("outputs")
-    refs = {}
+    refs, classes = {}, {}
     if wanted is None:
         outputs = [(n, binary_all) for n in output_names]
     else:
@@ -353,16 +455,59 @@ def parse_v2_header(
             ref = shm_ref(out_parameters, f"output '{out['name']}'")
             if ref is not None:
                 refs[out["name"]] = ref
+            # Triton's: 0 (or none) is the tensor itself
+            if out_parameters.get("classification", 0) != 0:
+                classes[out["name"]] = classified(out_parameters, out["name"], ref)
             outputs.append((out["name"], binary))
-    return V2Header(list(declared.values()), request_id, outputs, refs)
+    return V2Header(list(declared.values()), request_id, outputs, refs, classes)
+
+
+def classified(parameters: dict, name: str, ref) -> int:
+    """An output's classification count K (its top K classes come back as strings: serving/classification.py),
+    checked: a whole number, at least 1, and not with shared memory (Triton's rule too)."""
+    value = parameters["classification"]
+    if ref is not None:
+        raise BadRequest(
+            f"output '{name}': classification and shared memory can't be asked together (the classes "
+            "come back as strings in the response); ask for one"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(
+            f"output '{name}': parameters.classification must be a whole number of classes, at least "
+            f"1; got {value!r:.40}"
+        )
+    return value
+
+
+def placed_rows(header: V2Header, inputs: list[TensorSpec], place) -> dict | None:
+    """The rows of a batch buffer a request's inputs can go straight into (`place(rows)`, serving/batcher.py),
+    when it can have them: every model input in the request and none of them JSON data, all with the same rows."""
+    items = header.inputs
+    given = given_inputs(inputs, [i.spec.name for i in items])
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if (
+        len(items) != len(given)
+        or any(i.array is not None for i in items)
+        or any(is_bytes(i.spec) for i in items)
+    ):
+        return None
+    rows = {item.shape[0] if item.shape else -1 for item in items}
+    if len(rows) != 1 or min(rows) <= 0:
+        return None
+    return place(rows.pop())
 
 
 def finish_v2(
-    header: V2Header, binary: dict[str, np.ndarray], inputs: list[TensorSpec], shared=None
+    header: V2Header,
+    binary: dict[str, np.ndarray],
+    inputs: list[TensorSpec],
+    shared=None,
+    views: dict | None = None,
 ) -> V2Request:
     """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the input's
-    dtype; `shared(ref, spec, count)` reads one placed in shared memory): BOOL bytes checked, every array in its
-    shape, the rows counted. (NaN and Inf are refused by the engine, where each batch is copied anyway.)"""
+    dtype; `shared(ref, spec, count, into)` reads one placed in shared memory, into its rows of a batch buffer
+    when `views` gives them): BOOL bytes checked, every array in its shape, the rows counted. (NaN and Inf are
+    refused by the engine, where each batch is copied anyway.)"""
     feeds: dict[str, np.ndarray] = {}
     for item in header.inputs:
         name, spec = item.spec.name, item.spec
@@ -372,7 +517,8 @@ def finish_v2(
                 raise BadRequest(
                     f"input '{name}' names a shared memory region, which this request can't use here"
                 )
-            array = shared(item.ref, spec, item.count)
+            into = None if views is None else views[name].reshape(-1)
+            array = shared_tensor(shared, item.ref, spec, item.count, into)
         elif item.binary is not None:
             array = binary[name]
         if (
@@ -383,8 +529,82 @@ def finish_v2(
             raise BadRequest(f"input '{name}': BOOL binary data must be bytes 0 or 1")
         feeds[name] = array.reshape(item.shape).astype(spec.dtype, copy=False)
     return V2Request(
-        feeds, _rows(feeds, inputs), header.request_id, header.outputs, header.output_refs
+        feeds,
+        _rows(feeds, inputs),
+        header.request_id,
+        header.outputs,
+        header.output_refs,
+        classification=header.classification,
     )
+
+
+def shared_tensor(shared, ref, spec: TensorSpec, count: int, into=None) -> np.ndarray:
+    """An input placed in shared memory, read by `shared(ref, spec, count, into)` (into its batch rows where
+    `into` gives them): a BYTES one as the region's bytes (its serialized elements, shared_memory_byte_size of
+    them), then its elements."""
+    if not is_bytes(spec):
+        return shared(ref, spec, count, into)
+    raw = shared(ref, replace(spec, dtype=np.dtype(np.uint8), datatype="UINT8"), ref.byte_size)
+    return bytes_elements(memoryview(np.ascontiguousarray(raw)), count, spec.name)
+
+
+def is_bytes(spec: TensorSpec) -> bool:
+    return spec.dtype == object
+
+
+def bytes_elements(data, count: int, name: str) -> np.ndarray:
+    """`count` BYTES elements from their binary form (each a 4-byte little-endian length, then that many bytes):
+    an object array of bytes. BadRequest naming the element for a length past the data, and for data left over."""
+    view = memoryview(data).cast("B")
+    out = np.empty(count, dtype=object)
+    at = 0
+    for i in range(count):
+        if at + 4 > len(view):
+            raise BadRequest(
+                f"BYTES element {i} of input '{name}': the data ends inside its 4-byte length "
+                f"({len(view)} bytes for {count} elements)"
+            )
+        length = int.from_bytes(view[at : at + 4], "little")
+        at += 4
+        if at + length > len(view):
+            raise BadRequest(
+                f"BYTES element {i} of input '{name}' declares {length} bytes, but only "
+                f"{len(view) - at} remain"
+            )
+        out[i] = bytes(view[at : at + length])
+        at += length
+    if at != len(view):
+        raise BadRequest(
+            f"{len(view) - at} bytes follow the {count} BYTES elements of input '{name}' that its "
+            "shape declares; each element is a 4-byte little-endian length, then its bytes"
+        )
+    return out
+
+
+def serialized(array: np.ndarray) -> bytes:
+    """A BYTES tensor in its binary form: each element (bytes, or str as UTF-8) as a 4-byte little-endian length,
+    then its bytes."""
+    parts = []
+    for element in array.reshape(-1):
+        data = element.encode("utf-8") if isinstance(element, str) else bytes(element)
+        parts += [len(data).to_bytes(4, "little"), data]
+    return b"".join(parts)
+
+
+def json_strings(name: str, array: np.ndarray) -> list[str]:
+    """A BYTES output's elements as JSON strings; BadRequest for one that is not UTF-8 (binary data carries it)."""
+    try:
+        return [e if isinstance(e, str) else bytes(e).decode("utf-8") for e in array.reshape(-1)]
+    except UnicodeDecodeError:
+        raise BadRequest(
+            f"output '{name}' holds bytes that are not UTF-8 text, which JSON cannot carry; ask for it as "
+            'binary data ("parameters": {"binary_data": true})'
+        ) from None
+
+
+def datatype_of(array: np.ndarray, spec_datatype: str) -> str:
+    """An output's datatype as answered: BYTES for strings (a model's, or classification's), else the model's."""
+    return "BYTES" if array.dtype == object else spec_datatype
 
 
 @dataclass(frozen=True)
@@ -431,7 +651,7 @@ def check_datatype(datatype, spec: TensorSpec) -> None:
 def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -> int:
     """The declared element count, refused before any data is touched when it can't be right: more rows
     than a request may have, or more values than the body could carry."""
-    if shape and spec.shape and spec.shape[0] == -1 and shape[0] > limits.max_rows:
+    if spec.batched and shape and shape[0] > limits.max_rows:
         raise BadRequest(
             f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
             "(--max-rows-per-request): split it"
@@ -463,15 +683,19 @@ def encode_v2(
     described, blobs = [], []
     for name, binary in outputs:
         array = np.ascontiguousarray(results[name])
-        out = {"name": name, "datatype": datatypes[name], "shape": list(array.shape)}
+        out = {
+            "name": name,
+            "datatype": datatype_of(array, datatypes[name]),
+            "shape": list(array.shape),
+        }
         if placed and name in placed:
             out["parameters"] = placed[name]
         elif binary:
-            blob = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+            blob = little_endian(array)
             out["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            out["data"] = array.reshape(-1)
+            out["data"] = json_strings(name, array) if array.dtype == object else array.reshape(-1)
         described.append(out)
     response = {"model_name": model_name, "model_version": model_version, "outputs": described}
     if request_id is not None:
@@ -480,6 +704,13 @@ def encode_v2(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
+
+
+def little_endian(array: np.ndarray) -> bytes:
+    """An output's binary form: its values little-endian, row-major; a BYTES one serialized."""
+    if array.dtype == object:
+        return serialized(array)
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 # ---- MLflow scoring ----------------------------------------------------------------------------
@@ -631,10 +862,13 @@ def _flat_rows(data: list, inputs: list[TensorSpec], key: str) -> dict[str, np.n
 
 def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -> np.ndarray:
     """A JSON array (nested or flat) as `spec`'s dtype; its elements must be of the datatype's JSON kind.
-    `count`: the values the declared shape needs (V2), checked before any array is built."""
+    `count`: the values the declared shape needs (V2), checked before any array is built. BYTES: strings, each
+    an element as its UTF-8 bytes."""
     values = _leaves(
         data if isinstance(data, list) else [data], f"{where}: {spec.datatype} data", spec
     )
+    if is_bytes(spec):
+        return _json_bytes(data, values, spec, where, count)
     if count is not None and len(values) != count:
         raise BadRequest(
             f"{where}: the declared shape needs {count} values, data has {len(values)}"
@@ -669,8 +903,35 @@ def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -
 _NONE = object()
 
 
+def _json_bytes(data, values: list, spec: TensorSpec, where: str, count: int | None) -> np.ndarray:
+    """A BYTES input's JSON strings as an object array of their UTF-8 bytes: flat for V2 (`count`: its shape
+    declares it), else in the nesting's shape."""
+    if count is not None and len(values) != count:
+        raise BadRequest(
+            f"{where}: the declared shape needs {count} values, data has {len(values)}"
+        )
+    bad = next((v for v in values if not isinstance(v, str)), _NONE)
+    if bad is not _NONE:
+        raise BadRequest(
+            f"{where}: BYTES data must be strings, got {bad!r:.40}; expected {spec.describe()}"
+        )
+    out = np.empty(len(values), dtype=object)
+    out[:] = [v.encode("utf-8") for v in values]
+    if count is not None:
+        return out
+    try:
+        shape = np.shape(data) if isinstance(data, list) else (1,)
+    except ValueError:
+        shape = ()
+    if int(np.prod(shape)) != len(values):
+        raise BadRequest(f"{where}: data is not a regular array; expected {spec.describe()}")
+    return out.reshape(shape)
+
+
 def _leaves(data: list, where: str, spec: TensorSpec) -> list:
-    """Every value of a nested JSON array, in order (objects, strings and nulls are refused on the way)."""
+    """Every value of a nested JSON array, in order (objects, nulls, and strings but for BYTES, are refused on the
+    way)."""
+    text = is_bytes(spec)
     out: list = []
     stack = [iter(data)]
     while stack:
@@ -678,7 +939,7 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
             if isinstance(value, list):
                 stack.append(iter(value))
                 break
-            if isinstance(value, dict) or value is None or isinstance(value, str):
+            if isinstance(value, dict) or value is None or (isinstance(value, str) and not text):
                 raise BadRequest(
                     f"{where} holds {_kind(value)} ({value!r:.40}), not a value; expected {spec.describe()}"
                 )
@@ -689,7 +950,10 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
 
 
 def shape_fits(spec: TensorSpec, shape) -> bool:
-    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size)."""
+    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size); any shape for an input
+    the graph gives no rank (onnxruntime judges it)."""
+    if not spec.ranked:
+        return True
     return len(shape) == len(spec.shape) and all(w in (-1, g) for w, g in zip(spec.shape, shape))
 
 
@@ -702,9 +966,14 @@ def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -
 
 
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
+    """The rows of a batched version's request (every input's first axis, one count); 1 for a version that runs each
+    request alone, whatever its tensors' shapes (empty ones too: the model judges them)."""
+    inputs = given_inputs(inputs, feeds)
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
+    if not all(s.batched for s in inputs):
+        return 1
     counts = {name: (a.shape[0] if a.ndim else 1) for name, a in feeds.items()}
     if len(set(counts.values())) > 1:
         raise BadRequest(f"inputs disagree on the number of rows (first axis): {counts}")
@@ -719,7 +988,9 @@ def dumps(obj) -> bytes:
 
 
 def _plain(obj):
-    """What orjson can't write natively (non-contiguous arrays, numpy scalars of some types)."""
+    """What orjson can't write natively (non-contiguous arrays, numpy scalars of some types, BYTES elements)."""
+    if isinstance(obj, bytes):
+        return obj.decode("utf-8", errors="replace")
     if isinstance(obj, (np.ndarray, np.generic)):
         return obj.tolist()
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")

@@ -67,8 +67,12 @@ class Settings:
     trt_cache_dir: str | None = None
     # onnxruntime intra-op threads; default: the CPUs this process may use.
     threads: int | None = None
-    # Most rows one model run gathers from concurrent requests.
+    # Most rows one model run gathers from concurrent requests: a cap, never a claim that a model's rows are
+    # independent (only its export's record, its config.pbtxt or --batching says that).
     max_batch_size: int = 32
+    # Per model, NAME=on|off: whether requests to NAME share model runs (its rows independent along the first
+    # axis), over what its file records and its config.pbtxt says.
+    batching: str | tuple[str, ...] = ()
     # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine; why: the GPU section
     # of serving/README.md): auto (powers of two up to --max-batch-size, on the CUDA provider only), off, or
     # sizes like 1,8,32 (any provider but TensorRT; --max-batch-size is always the largest).
@@ -142,7 +146,8 @@ class Settings:
     shadow_alias: str = "challenger"
     # The shadow verdict's rule: pairs needed, top-1 agreement needed (decision outputs), the largest mean
     # |difference| per output (others), labels needed before they decide, how much worse a live metric may
-    # be, and the largest challenger/champion p50 ratio.
+    # be, the largest challenger/champion p50 ratio, and the largest share of the labelled pairs one client
+    # address may have sent for labels to promote.
     shadow_min_pairs: int = 200
     shadow_min_agreement: float = 0.95
     shadow_max_difference: float = float("inf")
@@ -157,6 +162,20 @@ class Settings:
 
         specs = (self.model,) if isinstance(self.model, str) else tuple(self.model)
         return [parse_model_flag(spec) for spec in specs]
+
+    def batching_flags(self) -> dict[str, bool]:
+        """--batching NAME=on|off as {NAME: on}; ValueError for a malformed or repeated one."""
+        from serving.repository import NAME
+
+        found: dict[str, bool] = {}
+        for flag in (self.batching,) if isinstance(self.batching, str) else self.batching:
+            name, _, value = flag.partition("=")
+            if not NAME.fullmatch(name) or value not in ("on", "off"):
+                raise ValueError(f"--batching {flag!r}: expected NAME=on or NAME=off")
+            if name in found:
+                raise ValueError(f"--batching names {name} twice")
+            found[name] = value == "on"
+        return found
 
     def shadow_sources(self):
         """The --shadow-alias source of every --model that is a registry alias: the challengers to load."""
@@ -286,6 +305,7 @@ class Settings:
     def _check_models(self) -> None:
         from serving.loader import SourceError
 
+        self.batching_flags()
         try:
             sources = self.sources()
         except SourceError as exc:
@@ -320,15 +340,9 @@ class Settings:
             raise ValueError(
                 f"--grpc-port must be a port (1-65535) other than --port {self.port}, got {self.grpc_port}"
             )
+        # Whether the native engine was built is checked where gRPC is started (serving/cli.py).
         if self.grpc_engine not in ("auto", "native", "aio"):
             raise ValueError(f"--grpc-engine must be auto, native or aio, got {self.grpc_engine!r}")
-        if self.grpc_engine == "native" and self.grpc_port is not None:
-            from serving.grpc import native
-
-            if not native.available():
-                raise ValueError(
-                    f"--grpc-engine native: {native.WHY_NOT}; or use --grpc-engine aio"
-                )
 
     def _check_drift_and_shadow(self) -> None:
         if self.drift_window < 0:
@@ -357,7 +371,7 @@ class Settings:
             )
         if not 0 < self.shadow_max_source_share <= 1:
             raise ValueError(
-                "--shadow-max-source-share must be a fraction of the pairs above 0 and at most 1 (1: "
+                "--shadow-max-source-share must be a fraction of the labelled pairs above 0 and at most 1 (1: "
                 f"no limit; 0.5: no client may send more than half), got {self.shadow_max_source_share}"
             )
         for flag, value in {

@@ -25,6 +25,7 @@ This module is the one that writes and reads the format; it needs numpy only (th
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections import deque
@@ -35,6 +36,7 @@ import numpy as np
 
 from serving.lineage import UINT8_INPUTS
 
+log = logging.getLogger("serving.drift")
 FORMAT = "trainserve-drift/1"
 # A graph's inputs taken as UINT8 pixel values and scaled by 1/255 inside it (the uint8 variant's ONNX metadata,
 # written by pipeline/artifact/uint8_inputs.py): compared with the training data's [0, 1] values once scaled.
@@ -46,6 +48,8 @@ MAX_CATEGORIES = 50
 EPSILON = 1e-4
 DEFAULT_WINDOW = 500
 DEFAULT_THRESHOLD = 0.2
+# Batches between two looks at a version's scores (a log line when one crosses the threshold).
+CHECK_EVERY = 50
 
 
 def features(array: np.ndarray) -> np.ndarray:
@@ -244,3 +248,80 @@ class DriftWindow:
 
 def names(reference: dict[str, Any]) -> Iterable[tuple[str, str]]:
     return [(kind, name) for kind in ("inputs", "outputs") for name in reference.get(kind, {})]
+
+
+class Watch:
+    """The drift window of every loaded version that has a reference, fed a batch at a time on the
+    engine thread (the batcher's `observe` hook, never the event loop), read by /metrics. A tensor
+    whose PSI crosses the threshold is said in one log line, and once more when it is back under. A
+    failing statistic is logged, never an answer's failure.
+    """
+
+    def __init__(self, window: int, threshold: float):
+        self.window = window
+        self.threshold = threshold
+        self.windows: dict[tuple[str, str], DriftWindow] = {}
+        # (model, version, kind, tensor) above the threshold, as last said
+        self._high: set[tuple[str, str, str, str]] = set()
+
+    def observer(self, name: str, version: str, reference: dict | None, metadata: dict[str, str]):
+        """What a version's batcher calls with each batch's feeds and outputs; None when it is not
+        watched (no reference, or --drift-window 0)."""
+        if reference is None or not self.window:
+            return None
+        key = (name, version)
+        self.windows[key] = window = DriftWindow(reference, self.window, metadata)
+        batches = 0
+
+        def observe(feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+            nonlocal batches
+            try:
+                window.observe(feeds, outputs)
+                batches += 1
+                if batches % CHECK_EVERY == 0:
+                    self._say(key, window)
+            except Exception:  # noqa: BLE001 - a statistic must never fail an answer
+                log.exception("drift statistics of %s version %s failed", *key)
+
+        return observe
+
+    def _say(self, key: tuple[str, str], window: DriftWindow) -> None:
+        for (kind, name), (value, samples) in window.scores().items():
+            # Too few samples to say.
+            if samples < window.window // 2:
+                continue
+            flag = (*key, kind, name)
+            if value > self.threshold and flag not in self._high:
+                self._high.add(flag)
+                log.warning(
+                    "drift: %s version %s %s '%s': PSI %.3f > %.2f over the last %d samples",
+                    *key,
+                    kind[:-1],
+                    name,
+                    value,
+                    self.threshold,
+                    samples,
+                )
+            elif value <= self.threshold and flag in self._high:
+                self._high.discard(flag)
+                log.info(
+                    "drift: %s version %s %s '%s' back under %.2f (PSI %.3f)",
+                    *key,
+                    kind[:-1],
+                    name,
+                    self.threshold,
+                    value,
+                )
+
+    def scores(self, loaded: set[tuple[str, str]]) -> dict[tuple[str, str, str, str], float]:
+        """{(model, version, "inputs"|"outputs", tensor): PSI} of the `loaded` versions."""
+        return {
+            (*key, kind, name): value
+            for key, window in list(self.windows.items())
+            if key in loaded
+            for (kind, name), (value, _) in window.scores().items()
+        }
+
+    def keep(self, loaded: set[tuple[str, str]]) -> None:
+        """Forget the windows of versions no longer loaded."""
+        self.windows = {key: w for key, w in self.windows.items() if key in loaded}

@@ -1,8 +1,8 @@
 """The onnxruntime engine: an InferenceSession (one per batch bucket, where asked), its inputs and outputs,
 and `run(feeds)`.
 
-Knows nothing of HTTP or batching. `run` is called from one worker thread at a time (the batcher's),
-so the engine holds no lock.
+Knows nothing of HTTP or of how batches are formed. `run` is called from one worker thread at a time (the
+batcher's), so the engine holds no lock.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
 
+from serving.batcher import NotRowWise
 from serving.console import clip, ort_severity
 from serving.cuda_graphs import GraphError, open_graphs
+from serving.lineage import ROWS_INDEPENDENT
 from serving.staging import BatchBuffers, NonFinite, check_finite, concat, nbytes, rows_of
 
 log = logging.getLogger("serving.engine")
@@ -51,6 +53,9 @@ _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
     "tensor(uint32)": (np.dtype(np.uint32), "UINT32"),
     "tensor(uint64)": (np.dtype(np.uint64), "UINT64"),
     "tensor(bool)": (np.dtype(np.bool_), "BOOL"),
+    # KServe V2's BYTES: each element a byte string of its own length (numpy objects: bytes in, str out of
+    # onnxruntime). Never in a batch buffer, whose rows are of one fixed size (see Engine.fixed_rows).
+    "tensor(string)": (np.dtype(object), "BYTES"),
 }
 
 
@@ -77,14 +82,23 @@ class ModelInputError(EngineError):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One model input or output. `shape` uses -1 for a dynamic axis."""
+    """One model input or output. `shape` uses -1 for a dynamic axis; (-1,) for a tensor the graph gives no rank
+    (`ranked` False: it takes whatever shape onnxruntime accepts). `batched`: its first axis is the batch axis of
+    a version whose requests share runs (Engine.set_batching)."""
 
     name: str
     dtype: np.dtype
     datatype: str  # KServe V2 name: FP32, INT64, ...
     shape: tuple[int, ...]
+    batched: bool = False
+    ranked: bool = True
+    # The model input this request input is another form of (an image version's encoded image file, for the tensor
+    # it is decoded into: serving/image_inputs.py); a request gives one of the two. "" for the model's own inputs.
+    stands_for: str = ""
 
     def describe(self) -> str:
+        if not self.ranked:
+            return f"[any shape] {self.datatype}"
         return f"[{','.join(map(str, self.shape))}] {self.datatype}"
 
 
@@ -330,22 +344,71 @@ def _open_session(path: str, options: ort.SessionOptions, providers: list) -> or
     return session
 
 
-def _spec(arg) -> TensorSpec:
+def _spec(arg, unranked: set[str]) -> TensorSpec:
     if arg.type not in _ORT_TYPES:
         raise EngineError(
             f"tensor '{arg.name}' has type {arg.type}, which this server does not serve; "
             f"supported: {', '.join(_ORT_TYPES)}"
         )
     dtype, datatype = _ORT_TYPES[arg.type]
+    if arg.name in unranked:
+        return TensorSpec(arg.name, dtype, datatype, (-1,), ranked=False)
     shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or []))
     return TensorSpec(arg.name, dtype, datatype, shape)
+
+
+def unranked_tensors(path: str, args) -> set[str]:
+    """The names among `args` (onnxruntime's inputs and outputs) whose graph type has no shape at all. onnxruntime
+    reports those as [], as it does a scalar: the graph itself is read to tell them apart, only when one says []."""
+    if not any(not a.shape for a in args):
+        return set()
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    return {
+        v.name
+        for v in [*graph.input, *graph.output]
+        if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+    }
+
+
+def feed_values(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds as onnxruntime's Python API takes them: a BYTES input's elements as str (it would run bytes
+    objects as their repr). ModelInputError for an element that is not UTF-8: a STRING tensor holds text."""
+    out = feeds
+    for name, x in feeds.items():
+        if x.dtype != object or not x.size:
+            continue
+        try:
+            text = [v.decode("utf-8") if isinstance(v, bytes) else v for v in x.reshape(-1)]
+        except UnicodeDecodeError as exc:
+            raise ModelInputError(
+                f"input '{name}': an element is not UTF-8 text ({exc.reason} at byte {exc.start}); the "
+                "model's STRING input takes text"
+            ) from None
+        if out is feeds:
+            out = dict(feeds)
+        out[name] = np.array(text, dtype=object).reshape(x.shape)
+    return out
+
+
+def zeros(spec: TensorSpec, shape) -> np.ndarray:
+    """A warm-up value of the input's type: zeros; for strings "0" (what a Cast to a number takes, as text
+    does)."""
+    if spec.dtype == object:
+        return np.full(shape, "0", dtype=object)
+    return np.zeros(shape, dtype=spec.dtype)
 
 
 class Engine:
     """An onnxruntime session over one model file, with its tensor specs.
 
-    `batchable` is True when every input has a dynamic first axis: then rows of different requests
-    can be concatenated into one run. Otherwise each request runs alone.
+    `batchable`: rows of different requests may be concatenated into one run. Only when the model's rows are
+    known to be independent along the first axis (`batching`: True, the operator's say-so; None, what the file's
+    metadata records: export checked it, lineage.ROWS_INDEPENDENT; False: never) and every input has a dynamic
+    first axis. Otherwise each request runs alone, exactly the tensors it was sent. Every run of a batched
+    version checks that each output's first axis is the rows it ran (padding included): a mismatch raises
+    NotRowWise and turns batching off for good (set_batching), so that no answer is ever cut from another's.
 
     `batch_buckets`: batch sizes a run is padded up to, each run by a session that only ever sees that shape:
     the CUDA provider redoes its convolutions' cuDNN set-up at every change of a session's input shape, and
@@ -371,6 +434,8 @@ class Engine:
         device_id: int = 0,
         gpu: GpuOptions | None = None,
         batch_buckets: BatchBuckets | None = None,
+        batching: bool | None = None,
+        batching_why: str = "",
     ):
         wanted = choose_provider(device)
         self.threads = threads or usable_cpus()
@@ -425,17 +490,59 @@ class Engine:
             asked = dict(p for p in providers if isinstance(p, tuple))[self.provider]
             given = self.session.get_provider_options().get(self.provider, {})
             self.provider_options = {k: str(given.get(k, v)) for k, v in asked.items()}
-        self.inputs = [_spec(a) for a in self.session.get_inputs()]
-        self.outputs = [_spec(a) for a in self.session.get_outputs()]
+        args = [*self.session.get_inputs(), *self.session.get_outputs()]
+        unranked = unranked_tensors(path, args)
+        self.inputs = [_spec(a, unranked) for a in self.session.get_inputs()]
+        self.outputs = [_spec(a, unranked) for a in self.session.get_outputs()]
         self.output_names = [o.name for o in self.outputs]
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
-        self.batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs)
+        self.batchable = False
+        self.batching = ""  # why it is batched or not, for the log
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
         self._graphs: dict = {}  # bucket size -> cuda_graphs.BucketGraph (--cuda-graphs)
-        self._open_buckets(path, options, providers, batch_buckets or BatchBuckets())
-        # The batch buffers batches are assembled in (batch_buffers: for models of fixed shapes past the batch axis).
-        self.buffers: BatchBuffers | None = None
+        self._bucket_args = (path, options, providers, batch_buckets or BatchBuckets())
+        if batching is None:
+            recorded = self.metadata.get(ROWS_INDEPENDENT, "")
+            why = (
+                f"its file records independent rows ({ROWS_INDEPENDENT}: {recorded})"
+                if recorded
+                else "no record that its rows are independent (export records it; or --batching "
+                "NAME=on, or max_batch_size in its config.pbtxt)"
+            )
+            self.set_batching(bool(recorded) and self.batch_axis, why)
+        else:
+            self.set_batching(batching, batching_why or f"batching={batching}")
+        if self.gpu.cuda_graphs and not self.batchable:
+            raise EngineError(
+                f"--cuda-graphs runs each batch bucket as a CUDA graph, and {Path(path).name} is not "
+                f"batched ({self.batching}); serve without --cuda-graphs"
+            )
+
+    @property
+    def batch_axis(self) -> bool:
+        """Every input has a known rank and a dynamic first axis: requests' rows could be concatenated there."""
+        return bool(self.inputs) and all(
+            s.ranked and len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs
+        )
+
+    def set_batching(self, on: bool, why: str) -> None:
+        """Whether requests' rows share runs from now on (`why`: for the log). On: EngineError for a model with no
+        batch axis; the batch buckets asked for are opened. Off (also while serving, on the engine thread, when a
+        run's outputs proved its rows are not independent): each request runs alone, no bucket pads it."""
+        if on and not self.batch_axis:
+            first = next(s for s in self.inputs if not (s.ranked and s.shape and s.shape[0] == -1))
+            raise EngineError(
+                f"{why} asks for batching, but input '{first.name}' {first.describe()} has no dynamic "
+                "first axis to batch along; serve it unbatched"
+            )
+        self.batchable, self.batching = on, why
+        self.inputs = [replace(s, batched=on) for s in self.inputs]
+        self.outputs = [replace(s, batched=on) for s in self.outputs]
+        if not on:
+            self.buckets, self._bucket_sessions, self._graphs = (), {}, {}
+        elif not self.buckets:
+            self._open_buckets(*self._bucket_args)
 
     def _open_buckets(
         self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets
@@ -513,8 +620,6 @@ class Engine:
         self.session = None
         self._bucket_sessions = {}
         self._graphs = {}
-        if self.buffers is not None:
-            self.buffers.close()
 
     def bucket_for(self, rows: int) -> int:
         """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
@@ -528,33 +633,13 @@ class Engine:
     def run_parts(self, parts: list[dict[str, np.ndarray]], observe=None) -> dict[str, np.ndarray]:
         """A batch of requests' feeds (of one layout) through the model: the outputs of all their rows, in order.
 
-        For a model of fixed input shapes past the batch axis, the parts are copied into a batch buffer
-        (serving/staging.py: pinned on CUDA), padded up to the batch bucket and run by that bucket's session; one
-        part that needs no padding runs as it is. Past the largest bucket (one large request) the run goes in
-        chunks of it. Other models: the parts concatenated, one session run. NaN or Inf in a part: ModelInputError.
-        `observe(feeds, outputs)` sees the batch (without padding) before its buffer is reused (drift)."""
+        The parts concatenated (one part: as it is), padded up to the batch bucket and run by that
+        bucket's session; past the largest bucket (one large request) the run goes in chunks of it.
+        NaN or Inf in a part: ModelInputError. `observe(feeds, outputs)` sees the batch without
+        padding (drift). A batch gathered in a batch buffer runs through `run_gathered` instead."""
         with self._mapped_errors(lambda: sent_shapes(parts)):
-            buffers = self.buffers
-            rows = (
-                sum(rows_of(p) for p in parts)
-                if self.batchable and not self.other_dynamic_axes
-                else 0
-            )
+            rows = sum(rows_of(p) for p in parts) if self.batchable else 0
             size = self.bucket_for(rows)
-            index = None
-            if (
-                buffers is not None
-                and (len(parts) > 1 or size != rows)
-                and size <= buffers.capacity
-            ):
-                index = buffers.acquire()
-            if index is not None:
-                try:
-                    return self._run_sized(
-                        buffers.gather(index, parts, rows, size), rows, size, observe
-                    )
-                finally:
-                    buffers.release(index)
             for part in parts:
                 check_finite(part)
             feeds = concat(parts)
@@ -562,6 +647,8 @@ class Engine:
                 self.buckets[-1] if self.buckets else rows
             ):  # as it is, or in chunks
                 outputs = self._run_unstaged(feeds, rows)
+                if self.batchable and not self.buckets:
+                    self._check_rows(outputs, rows)
                 if observe is not None:
                     observe(feeds, outputs)
                 return outputs
@@ -571,28 +658,23 @@ class Engine:
             }
             return self._run_sized(feeds, rows, size, observe)
 
-    def run_buffer(
-        self, index: int, start: int, rows: int, free_up_to: int, observe=None
+    def run_gathered(
+        self, feeds: dict[str, np.ndarray], rows: int, observe=None
     ) -> dict[str, np.ndarray]:
-        """Rows start..start+rows of batch buffer `index` (assembled and checked by the batcher) through the model.
-        Padded up to the batch bucket in place when the rows up to `free_up_to` allow it, else copied into a free
-        buffer (or concatenated) first."""
-        with self._mapped_errors(
-            lambda: {s.name: [rows, *s.shape[1:]] for s in self.inputs}
-        ):  # fixed past rows
-            size = self.bucket_for(rows)
-            if start + size <= free_up_to:
-                return self._run_sized(
-                    self.buffers.batch(index, rows, size, start), rows, size, observe
-                )
-            return self.run_parts([self.buffers.views(index, start, rows)], observe)
+        """A batch gathered in a batch buffer (serving/placements.py: checked, pinned on CUDA)
+        through the model: `feeds` hold a batch bucket's rows, the first `rows` of them the
+        requests' and the rest padding. Run as they are by that bucket's session; the engine writes
+        none of them."""
+        with self._mapped_errors(lambda: {name: [rows, *x.shape[1:]] for name, x in feeds.items()}):
+            return self._run_sized(feeds, rows, rows_of(feeds), observe)
 
     def batch_buffers(self, capacity: int) -> BatchBuffers | None:
-        """This model's batch buffers of `capacity` rows (made once), for the batcher to assemble batches in; None for
-        a model whose inputs have another dynamic axis or no batch axis."""
-        if self.buffers is None and self.batchable and not self.other_dynamic_axes:
-            self.buffers = BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
-        return self.buffers
+        """A new pool of batch buffers of `capacity` rows for this model's rows (pinned on a GPU),
+        for a batcher's placements, which alone use it (serving/placements.py); None for a model
+        whose inputs have another dynamic axis or no batch axis."""
+        if not self.fixed_rows:
+            return None
+        return BatchBuffers(self.inputs, capacity, pin=self.provider in GPU_PROVIDERS)
 
     def _run_sized(
         self, feeds: dict[str, np.ndarray], rows: int, size: int, observe
@@ -604,8 +686,10 @@ class Engine:
         outputs = (
             graph.run(feeds)
             if graph is not None
-            else dict(zip(self.output_names, session.run(self.output_names, feeds)))
+            else dict(zip(self.output_names, session.run(self.output_names, feed_values(feeds))))
         )
+        if self.batchable:
+            self._check_rows(outputs, size)
         if size != rows:
             outputs = {name: out[:rows] for name, out in outputs.items()}
             feeds = {name: x[:rows] for name, x in feeds.items()}
@@ -652,7 +736,7 @@ class Engine:
         if session is None:
             raise EngineError("the model was unloaded")
         if not self.buckets or not rows:
-            return dict(zip(self.output_names, session.run(self.output_names, feeds)))
+            return dict(zip(self.output_names, session.run(self.output_names, feed_values(feeds))))
         largest = self.buckets[-1]
         chunks = [
             self._run_padded(session, buckets, feeds, start, min(largest, rows - start))
@@ -685,30 +769,58 @@ class Engine:
             outputs = self._graphs[size].run(
                 {name: np.ascontiguousarray(x) for name, x in part.items()}
             )
-            return [outputs[name][:rows] for name in self.output_names]
-        return [out[:rows] for out in buckets.get(size, largest).run(self.output_names, part)]
+        else:
+            run = buckets.get(size, largest).run(self.output_names, feed_values(part))
+            outputs = dict(zip(self.output_names, run))
+        self._check_rows(outputs, size)
+        return [outputs[name][:rows] for name in self.output_names]
+
+    def _check_rows(self, outputs: dict[str, np.ndarray], rows: int) -> None:
+        """A batched version's run: every output's first axis is the `rows` it ran, or its rows are not independent
+        after all; then batching is off from now on (this is the engine thread), and NotRowWise names the shapes."""
+        wrong = {n: list(x.shape) for n, x in outputs.items() if not x.ndim or len(x) != rows}
+        if wrong:
+            self.set_batching(False, f"a run of {rows} rows gave outputs {wrong}")
+            raise NotRowWise(
+                f"a batched run of {rows} rows gave output(s) "
+                + ", ".join(f"'{n}' of shape {shape}" for n, shape in wrong.items())
+                + ": each output's first axis must be the rows run, so the model's rows are not "
+                "independent; batching is off for this version from now on"
+            )
 
     @property
     def row_bytes(self) -> int:
         """The bytes of one row of every input together (of the whole inputs, for a model without a batch axis);
         0 when an axis besides the batch one is dynamic (the size is the request's)."""
-        if self.other_dynamic_axes or (
-            not self.batchable and any(-1 in s.shape for s in self.inputs)
+        if (
+            self.other_dynamic_axes
+            or any(s.dtype == object for s in self.inputs)
+            or (not self.batchable and any(-1 in s.shape for s in self.inputs))
         ):
             return 0
         return nbytes((s.dtype, s.shape[1:] if self.batchable else s.shape) for s in self.inputs)
 
     @property
     def other_dynamic_axes(self) -> bool:
-        """An input has a dynamic axis besides the batch one (a sequence length, an image size)."""
-        return any(-1 in s.shape[1:] for s in self.inputs)
+        """An input has a dynamic axis besides the batch one (a sequence length, an image size), or no rank."""
+        return any(-1 in s.shape[1:] or not s.ranked for s in self.inputs)
+
+    @property
+    def fixed_rows(self) -> bool:
+        """Batched, and every input's row is of one fixed byte size (no other dynamic axis, no BYTES): what a batch
+        buffer holds."""
+        return (
+            self.batchable
+            and not self.other_dynamic_axes
+            and all(s.dtype != object for s in self.inputs)
+        )
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> bool:
         """Run zeros through the model so that the first real request does not pay for allocation (and, on
         a GPU, for cuDNN's choice of algorithms for that input shape).
 
-        Returns False (and runs nothing) when an input has a dynamic axis other than the batch one:
-        no size can be guessed for it safely.
+        Returns False (and runs nothing) when an input has a dynamic axis other than the first one (or no rank): no
+        size can be guessed for it safely.
         """
         if self.other_dynamic_axes:
             return False
@@ -716,8 +828,8 @@ class Engine:
         for n in sizes:
             feeds = {}
             for s in self.inputs:
-                shape = s.shape if not self.batchable else (n, *s.shape[1:])
-                feeds[s.name] = np.zeros(shape, dtype=s.dtype)
+                shape = (n, *s.shape[1:]) if s.shape and s.shape[0] == -1 else s.shape
+                feeds[s.name] = zeros(s, shape)
             self.run(feeds)
         return True
 
@@ -726,7 +838,7 @@ class Engine:
         return ",".join(f"{k}={v}" for k, v in sorted(self.provider_options.items()))
 
     def describe(self) -> str:
-        ins = ", ".join(f"{s.name} {list(s.shape)} {s.datatype}" for s in self.inputs)
+        ins = ", ".join(f"{s.name} {s.describe()}" for s in self.inputs)
         gpu = (
             f" device {self.device_id} ({self.options_text()})"
             if self.provider in GPU_PROVIDERS
@@ -738,7 +850,8 @@ class Engine:
             if self.buckets
             else ""
         )
+        batched = "batched" if self.batchable else "one request a run"
         return (
             f"{self.provider}{gpu}, {self.threads} intra-op threads{buckets} "
-            f"(onnxruntime {ort.__version__}); inputs: {ins}"
+            f"(onnxruntime {ort.__version__}); {batched}: {self.batching}; inputs: {ins}"
         )

@@ -2,8 +2,12 @@
 stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
 answered, and the request's line in the metrics.
 
-    Exchange      one request as the envelope follows it: its route, when it began, the version that answered and
-                  the receipt naming it (the core fills it in: `answered_by`)
+    Auth          who may call what: the clients' tokens (--auth-token), the labels' own
+                  (--feedback-token)
+    Exchange      one request as the envelope follows it: its route, when it began, the version
+                  that answered and the receipt naming it: X-Request-Id (the client's id echoed,
+                  else a fresh one), X-Server-Request-Id (the server's own id of an answer,
+                  random, never the client's: labels for the answer are posted under it), X-Model-*
     Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
     refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
                   warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
@@ -14,16 +18,13 @@ A front end decides only how to carry these: HTTP puts the receipt in headers an
 
 from __future__ import annotations
 
-import itertools
+import hmac
 import logging
 import os
 import time
 from typing import NamedTuple
 
 from serving.codec import BadRequest
-
-_ID_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across restarts and replicas
-_ID_COUNTER = itertools.count()
 
 
 def source_of(peer) -> str:
@@ -41,9 +42,10 @@ def source_of(peer) -> str:
 
 
 def new_request_id() -> str:
-    """A fresh request id, 32 hex digits as a uuid4's hex, unique without a system call or a UUID object per
-    request (uuid4 cost a tenth of a request's Python time): a random prefix per process and a counter."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+    """A fresh request id: 32 hex digits of the system's randomness (os.urandom), as a uuid4's hex is. No one can
+    tell the next from those seen (a prefix and a counter let a client predict other clients' ids: the shadow's
+    answers are kept under the server's ids, serving/shadow.py), and ids are unique across processes."""
+    return os.urandom(16).hex()
 
 
 class Refused(Exception):
@@ -53,6 +55,64 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers
+
+
+class Auth:
+    """Who may call what. Inference and everything else but the health checks: one of the clients'
+    tokens (--auth-token), when any is set. Labels (feedback): their own token (--feedback-token),
+    never an inference token, so that whoever may ask for answers does not thereby decide which
+    version becomes champion. Every comparison takes constant time.
+    """
+
+    def __init__(self, tokens: list[bytes], feedback: str | None = None):
+        self.tokens = tokens
+        self.feedback = None if feedback is None else feedback.strip().encode()
+
+    @property
+    def required(self) -> bool:
+        """Whether a token is needed at all (none: a loopback server, open to all who reach it)."""
+        return bool(self.tokens)
+
+    def check(self, authorization: str) -> None:
+        """An `Authorization` value (HTTP header or gRPC metadata) against the clients' tokens."""
+        if not self.tokens:
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        # Every token compared: which one matched, or none, takes no less time to find.
+        matched = [hmac.compare_digest(given, known) for known in self.tokens]
+        if scheme.lower() != "bearer" or not any(matched):
+            raise Refused(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_labels(self, authorization: str) -> None:
+        """An `Authorization` value against the feedback token."""
+        if self.feedback is None:
+            if self.tokens:
+                raise Refused(
+                    403,
+                    "this server takes no labels: start it with --feedback-token (env "
+                    "TRAINSERVE_FEEDBACK_TOKEN), a token of their own, and send that one",
+                )
+            # No auth at all: labels as open as the rest.
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() == "bearer" and hmac.compare_digest(given, self.feedback):
+            return
+        if any(hmac.compare_digest(given, known) for known in self.tokens):
+            raise Refused(
+                403, "labels need the feedback token (--feedback-token), not the inference token"
+            )
+        raise Refused(
+            401,
+            "missing or wrong bearer token: labels need "
+            "'Authorization: Bearer <the feedback token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
 
 class ClientGone(Exception):
@@ -66,23 +126,30 @@ class Refusal(NamedTuple):
 
 
 class Exchange:
-    """One request through any front end: its route (as metrics name it), when it began, and once the version is
-    known, the model that answered and the receipt naming it and the request (X-Request-Id, X-Model-*)."""
+    """One request through any front end: its route (as metrics name it), when it began, and once
+    the version is known, the model that answered and the receipt naming it and the request
+    (X-Request-Id, X-Model-*).
 
-    __slots__ = ("route", "started", "slot", "request_id", "source")
+    Each part of the receipt is written once:
+    - `slot`: by the front end when it picks the version (a refusal names it from then on);
+      rewritten by Server.answer only when a reload swap had another version answer;
+    - `request_id`: by the front end when it knows one before decoding (HTTP's X-Request-Id, a gRPC
+      message's id or metadata; checked), else by Server.answer (the V2 body's id, or a fresh one);
+    - `server_id`: by Server.answer.
+    """
+
+    __slots__ = ("route", "started", "slot", "request_id", "server_id", "source", "warning")
 
     def __init__(self, route: str, source: str = ""):
         self.route = route
-        self.source = (
-            source  # the client's address (its host, not its port): the shadow counts pairs by it
-        )
+        # The client's address (its host, not its port): the shadow counts pairs by it.
+        self.source = source
         self.started = time.perf_counter()
         self.slot = None
         self.request_id: str | None = None
-
-    def answered_by(self, slot, request_id: str | None = None) -> None:
-        """The version the request is (now) for, and its id when known: also given with a refusal."""
-        self.slot, self.request_id = slot, request_id
+        self.server_id: str | None = None
+        # a Warning header's value for an answer given despite something off (serving/input_range.py)
+        self.warning: str | None = None
 
     @property
     def model(self) -> tuple[str, str]:
@@ -90,14 +157,20 @@ class Exchange:
 
     @property
     def receipt(self) -> dict[str, str]:
-        """X-Request-Id and the X-Model-* headers of the version that answered ({} before one was chosen)."""
+        """X-Request-Id, X-Server-Request-Id and the X-Model-* headers of the version that answered ({} before one
+        was chosen)."""
         if self.slot is None:
             return {}
-        return (
-            self.slot.headers
-            if self.request_id is None
-            else {**self.slot.headers, "X-Request-Id": self.request_id}
-        )
+        if self.request_id is None and self.server_id is None:
+            return self.slot.headers
+        receipt = {**self.slot.headers}
+        if self.request_id is not None:
+            receipt["X-Request-Id"] = self.request_id
+        if self.server_id is not None:
+            receipt["X-Server-Request-Id"] = self.server_id
+        if self.warning is not None:
+            receipt["Warning"] = self.warning
+        return receipt
 
     def finish(self, metrics, status: str) -> None:
         metrics.observe_request(self.route, status, time.perf_counter() - self.started, *self.model)

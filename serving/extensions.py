@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from serving.core import batch_cap
 from serving.envelope import Refused
 from serving.loader import SourceError
 from serving.repository import READY, RepositoryError, off_loop, version_key
@@ -27,6 +28,7 @@ log = logging.getLogger("serving.extensions")
 # In the order Triton lists them; each offered where this server has it on (see `extensions`).
 EXTENSIONS = (
     "binary_tensor_data",
+    "classification",
     "model_configuration",
     "model_repository",
     "statistics",
@@ -49,7 +51,8 @@ def extensions(server) -> list[str]:
 
 def model_config(server, name: str, version: str | None) -> dict:
     """The version's configuration as Triton's config.pbtxt would give it (JSON field names of its
-    model_config.proto): dims without the batch axis when the model is batched."""
+    model_config.proto), as this server runs the version now: max_batch_size 0 unless its requests share
+    runs (then dims leave the batch axis out, as Triton's do)."""
     slot = server.model_slot(name, version)
     engine = slot.model.engine
     batched = engine.batchable
@@ -58,7 +61,7 @@ def model_config(server, name: str, version: str | None) -> dict:
         return [
             {
                 "name": s.name,
-                "data_type": f"TYPE_{s.datatype}",
+                "data_type": config_type(s),
                 "dims": list(s.shape[1:] if batched else s.shape),
             }
             for s in specs
@@ -68,10 +71,15 @@ def model_config(server, name: str, version: str | None) -> dict:
         "name": slot.model.info.name,
         "platform": "onnxruntime_onnx",
         "backend": "onnxruntime",
-        "max_batch_size": server.settings.max_batch_size if batched else 0,
+        "max_batch_size": batch_cap(slot.model, server.settings.max_batch_size) if batched else 0,
         "input": tensors(engine.inputs),
         "output": tensors(engine.outputs),
     }
+
+
+def config_type(spec) -> str:
+    """A tensor's data_type as Triton's model configuration names it (BYTES is TYPE_STRING there)."""
+    return "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
 
 
 def check_repository(name: str) -> None:

@@ -69,6 +69,17 @@ UINT8_INPUTS = (
 REPORT = (
     "trainserve.report"  # the logged MLflow model's metadata: the validation parity gate's sentence
 )
+# How an image file becomes the model's input, as training made it: JSON {input: serving/images.py Preprocessing}
+# (one input). Written from the data component at export, also on the registered version; a server takes encoded
+# images (PNG, JPEG) for that input (serving/image_inputs.py), applying exactly this.
+PREPROCESSING = "trainserve.preprocessing"
+# The output whose row holds a score per class name (a classifier's probabilities): what an image request's answer
+# ranks, the class names with their scores, best first.
+SCORES = "trainserve.scores"
+# The model's rows are independent along the first axis: the batch sizes export checked it at ("1,7,64"), or how
+# else it is known. The server batches requests together only for a file that records it (or on its operator's
+# say-so: --batching, config.pbtxt).
+ROWS_INDEPENDENT = "trainserve.rows_independent"
 
 # --- on a registered version only ----------------------------------------------------------------------------
 SHA256 = "trainserve.sha256"  # JSON {file name or digest name: sha256}: what the server and `verify` check (below)

@@ -32,6 +32,8 @@ from serving.engine import (
     GpuOptions,
     choose_provider,
 )
+from serving.image_inputs import ImageInput, image_input
+from serving.input_range import InputRanges, input_ranges
 from serving.lineage import (
     DECISION,
     FASTEST_VARIANTS,
@@ -45,6 +47,7 @@ from serving.lineage import (
     recorded_sha256,
     sha256_record,
 )
+from serving.model_config import ModelConfig
 
 log = logging.getLogger("serving.loader")
 
@@ -91,6 +94,19 @@ class ModelInfo:
     # over axis 1 is its answer, and the one that carries its prediction; None when not recorded.
     decision: str | None = None
     prediction: str | None = None
+    # What its config.pbtxt says (a repository model): max_batch_size (a cap on its batches when > 0) and each
+    # output's class names (label_filename, for the classification extension).
+    max_batch_size: int | None = None
+    output_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def labels_for(self, output: str, classes: int) -> tuple[str, ...] | None:
+        """The class names of `output` whose rows hold `classes` values: its config's label file, else the labels
+        export recorded when there is one per value (a classifier's logits or probabilities), else None."""
+        if output in self.output_labels:
+            return self.output_labels[output]
+        if self.labels is not None and len(self.labels) == classes:
+            return self.labels
+        return None
 
     @property
     def resolved_source(self) -> str:
@@ -108,6 +124,10 @@ class LoadedModel:
     drift_reference: dict | None = (
         None  # the training data's statistics beside the file (serving/drift.py)
     )
+    # What it takes as encoded image files, when its export recorded its preprocessing (serving/image_inputs.py).
+    images: ImageInput | None = None
+    # Where its float inputs' training values lie, from the drift reference (serving/input_range.py), or None.
+    ranges: InputRanges | None = None
 
     def discard(self) -> None:
         if self.workdir:
@@ -219,6 +239,8 @@ def load_model(
     variant: str = "fp32",
     gpu: GpuOptions | None = None,
     batch_buckets: BatchBuckets | None = None,
+    batching: dict[str, bool] | None = None,
+    config: ModelConfig | None = None,
 ) -> LoadedModel:
     """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
 
@@ -226,6 +248,9 @@ def load_model(
     MODEL_NAME metadata, else the file stem. `variant` picks the file of a model directory
     (VARIANT_FILES), or `auto` the fastest the export measured for the provider (_auto_variant); fp16 is served
     on a GPU provider only (EngineError otherwise, before any download).
+
+    Whether its requests share runs (Engine's `batching`), first that holds: `batching` {name: on} (--batching
+    NAME=on|off), the repository's `config` (max_batch_size > 0 or 0), what the file records (export's check).
     """
     kind = check_source(uri)
     if variant == "auto":
@@ -256,6 +281,14 @@ def load_model(
                 data := data_file_of(path)
             ) is not None:  # the weights of a graph past 2 GB: checked the same way
                 _check_recorded_hash(registered, version, data.name, data, file_sha256(data))
+        batching = batching or {}
+        known = name or registered
+        asked, why = None, ""
+        if known in batching:
+            asked, why = batching[known], f"--batching {known}={'on' if batching[known] else 'off'}"
+        elif config is not None and config.max_batch_size is not None:
+            asked = config.max_batch_size > 0
+            why = f"max_batch_size {config.max_batch_size} in {config.path}"
         engine = Engine(
             str(path),
             device=device,
@@ -263,7 +296,14 @@ def load_model(
             device_id=device_id,
             gpu=gpu,
             batch_buckets=batch_buckets,
+            batching=asked,
+            batching_why=why,
         )
+        served = known or engine.metadata.get(MODEL_NAME) or path.stem
+        if known is None and served in batching:
+            engine.set_batching(
+                batching[served], f"--batching {served}={'on' if batching[served] else 'off'}"
+            )
         if (
             variant == "fp16" and engine.provider not in GPU_PROVIDERS
         ):  # auto, and the GPU provider did not load
@@ -275,7 +315,7 @@ def load_model(
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     info = ModelInfo(
-        name=name or registered or engine.metadata.get(MODEL_NAME) or path.stem,
+        name=served,
         version=str(version),
         source=uri,
         labels=_labels(engine.metadata),
@@ -284,8 +324,15 @@ def load_model(
         max_lengths=lengths.read(engine.metadata),
         decision=engine.metadata.get(DECISION) or None,
         prediction=engine.metadata.get(PREDICTION) or None,
+        max_batch_size=config.max_batch_size if config is not None else None,
+        output_labels=config.output_labels() if config is not None else {},
     )
-    return LoadedModel(engine, info, workdir, variant, _drift_reference(path))
+    where = f"model '{served}' version {version}"
+    reference = _drift_reference(path)
+    ranges = input_ranges(reference, engine.inputs, where)
+    return LoadedModel(
+        engine, info, workdir, variant, reference, image_input(engine, where), ranges
+    )
 
 
 def _drift_reference(path: Path) -> dict | None:

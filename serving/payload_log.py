@@ -71,6 +71,19 @@ def in_sample(request_id: str, fraction: float) -> bool:
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
+def model_summary(info) -> dict:
+    """The model as a record names it (a loader.ModelInfo): `pipeline trace` follows its lineage,
+    not the served name."""
+    return {
+        "name": info.name,
+        "version": info.version,
+        "run_id": info.lineage.get("run_id"),
+        "weights_sha256": info.lineage.get("weights_sha256"),
+        "onnx_sha256": info.lineage.get("onnx_sha256"),
+        "source": info.resolved_source,
+    }
+
+
 @dataclass
 class Record:
     """What the request path hands over: references only, nothing serialized yet."""
@@ -156,6 +169,27 @@ class PayloadLog:
     def sampled(self, request_id: str) -> bool:
         return in_sample(request_id, self.sample)
 
+    def keeps(self, slot, request_id: str) -> bool:
+        """An observer of answers (serving/core.py): whether a request's inputs outlive its run."""
+        return self.sampled(request_id)
+
+    def answered(self, answer) -> None:
+        """An observer of answers: a request of the sample, answered or refused, queued."""
+        if self not in answer.keepers:
+            return
+        self.submit(
+            Record(
+                answer.request_id,
+                time.time(),
+                answer.endpoint,
+                answer.status,
+                model_summary(answer.slot.model.info),
+                answer.inputs,
+                answer.results,
+                answer.error,
+            )
+        )
+
     def submit(self, record: Record) -> None:
         """Queue a record for the writer, never waiting: when the queue is full it is dropped and counted."""
         size = record.nbytes
@@ -179,6 +213,13 @@ class PayloadLog:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="payload-log", daemon=True)
         self._thread.start()
+        log.info(
+            "payload log: %.0f%% of requests to %s (at most %d bytes, files of %d)",
+            self.sample * 100,
+            self.directory,
+            self.max_bytes,
+            self.file_bytes,
+        )
 
     def close(self, timeout: float = 60.0) -> None:
         """Write what is queued, close (and upload) the open files, stop the thread. Blocks, at most about

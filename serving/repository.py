@@ -7,7 +7,9 @@ Sources (flags):
                               keeps the version behind every alias named loaded
     --repository DIR          DIR/NAME/VERSION/model.onnx, as Triton lays a repository out; which
                               versions of each model are loaded is the --version-policy
-                              (latest:N, all, specific:V,V)
+                              (latest:N, all, specific:V,V); a DIR/NAME/config.pbtxt says whether its
+                              requests share runs (max_batch_size) and its outputs' class names
+                              (serving/model_config.py)
 
 Every loaded version is a `Slot`: its model and the batcher in front of it, made and dropped as one.
 All slots share one engine thread (onnxruntime parallelizes inside a run; two runs at once on the same
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from serving import model_config
 from serving.batcher import Batcher
 from serving.codec import BadRequest
 from serving.console import clip
@@ -73,6 +76,7 @@ class Source:
         None  # NAME= given (or the repository's directory name); else resolved when loaded
     )
     version: str | None = None  # a repository version directory's number
+    config: model_config.ModelConfig | None = None  # a repository model's config.pbtxt
 
     @cached_property
     def alias(self) -> str | None:
@@ -445,7 +449,11 @@ class Repository:
                 f"model '{name}': --version-policy {self.policy} selects none of its versions "
                 f"({', '.join(sorted(found, key=int))})"
             )
-        return [Source(str(found[v]), name, v) for v in versions]
+        try:
+            config = model_config.read(found[versions[0]].parent)
+        except model_config.ConfigError as exc:
+            raise SourceError(str(exc)) from None
+        return [Source(str(found[v]), name, v, config) for v in versions]
 
     def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
         """Open every source (blocking). All or nothing: on a failure those already open are dropped."""

@@ -6,42 +6,69 @@ What a pair compares depends on what the model's metadata says it answers (never
         sample or per pixel)   top-1 agreement of the two
     every other output         the mean |champion - challenger| per output
 Both latencies are kept (the champion's as the client saw it, the challenger's run), and the
-challenger's errors are counted. Labels posted later (`feedback`) are joined by request id with what
-both answered, within a bounded window, into live metrics for each: accuracy on the decision output,
-RMSE on the prediction output.
+challenger's errors are counted. Labels posted later (`feedback`) are joined with what both answered,
+within a bounded window, into live metrics for each: accuracy on the decision output, RMSE on the
+prediction output. Answers are kept under the server's own id of the request (envelope.new_request_id,
+random, the receipt's X-Server-Request-Id), never an id the client chose: no client can predict another's or
+send its own answers under it, and an id kept is never replaced by a later request's.
 
 The verdict, under `Rule` (the user's thresholds):
-    undecided  fewer than `min_pairs` pairs (or, judging on labels, fewer than `min_labels` of them)
     reject     any challenger error; agreement below `min_agreement` (or a mean difference above
-               `max_difference`), labels or not; with labels, a live metric worse than the champion's by more
-               than `tolerance`; a challenger p50 above `max_latency_ratio` x the champion's
-    promote    otherwise
+               `max_difference`), labels or not, from any number of clients; a challenger p50 above
+               `max_latency_ratio` x the champion's; with labels, a live metric worse than the champion's by more
+               than `tolerance`
+    promote    only on labels: at least `min_labels` of them on mirrored requests, the challenger's live metric
+               within `tolerance` of the champion's on the same requests, agreement at its floor
+    undecided  otherwise: fewer than `min_pairs` pairs; agreement alone (it can reject, never promote); labelled
+               pairs more than `max_source_share` of which one client address sent
 
-What no one client can shape (a hostile review steered it both ways): a pair counts once per distinct input (an
-input sent again is counted as repeated, not as another pair), the requests mirrored are the server's random draw
-(not a hash of ids the client chooses), labels are range-checked against the model's answers and need a token of
-their own (serving/core.py, check_feedback_token), and the report says how many distinct inputs, and how many clients (by address), decided it, and the largest
-share one client sent: past `max_source_share` (--shadow-max-source-share, half by default; 1 behind a proxy, where
-every client is one address) the verdict stays undecided, either way: an input digest tells only identical bytes
-apart, so one client varying an input a little still sends "distinct" inputs, and its share is what bounds it.
+Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to "promote" for a
+7%-accurate challenger with near-copies of one input the two versions answer alike, from several addresses). The
+labels come from the holder of the feedback token (serving/envelope.py, Auth), are range-checked
+against the model's answers, and are joined only with answers the server kept under its own ids. What else no one
+client can shape: a pair counts once per distinct input (an input sent again is counted as repeated, not as
+another pair), the requests mirrored are the server's random draw, and the report says how many distinct inputs,
+and how many clients (by address), made the pairs and the labelled pairs, and the largest share one client sent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import math
+import random
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from serving.batcher import BatcherClosed, QueueFull, RunTimedOut
+from serving.console import clip
+from serving.envelope import Refused
+
+log = logging.getLogger("serving.shadow")
+
+# Mirrored requests waiting for the challenger, per model: past it they are dropped.
+MIRROR_QUEUE = 64
 LATENCIES_KEPT = 2000  # per side, for the percentiles
 ANSWERS_KEPT = 10000  # request ids whose answers wait for a label
 ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
 INPUTS_KEPT = 100_000  # digests of the inputs paired so far (a repeat beyond them counts as new)
 SOURCES_KEPT = 10_000  # clients counted by address; pairs of any further ones count as one more source, "other"
+# The verdict's basis (the report's "decided_by"): what `pipeline promote` checks a promote rests on.
+LABELS, AGREEMENT, DIFFERENCE, ERRORS, LATENCY, PAIRS = (
+    "labels",
+    "agreement",
+    "difference",
+    "errors",
+    "latency",
+    "pairs",
+)
 
 
 def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
@@ -62,7 +89,8 @@ class Rule:
     min_labels: int = 100  # labels needed before they decide
     tolerance: float = 0.01  # labels: the challenger's live metric may be this much worse
     max_latency_ratio: float = math.inf
-    max_source_share: float = 0.5  # of the pairs, the most that one client (address) may have sent
+    # of the labelled pairs, the most one client (address) may have sent for labels to promote
+    max_source_share: float = 0.5
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,6 +147,8 @@ class ShadowState:
     sources: dict = field(
         default_factory=dict
     )  # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
+    # client address -> labelled pairs of its requests (SOURCES_KEPT)
+    labelled_sources: dict = field(default_factory=dict)
     dropped: int = 0
     errors: int = 0
     agree: int = 0
@@ -127,9 +157,8 @@ class ShadowState:
     difference_counts: dict[str, int] = field(default_factory=dict)
     champion_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
-    answers: OrderedDict = field(
-        default_factory=OrderedDict
-    )  # request id -> (champion's, challenger's) compact
+    # the server's request id -> (champion's compact answer, challenger's or None, the client's address)
+    answers: OrderedDict = field(default_factory=OrderedDict)
     answer_bytes: int = 0
     labelled: OrderedDict = field(
         default_factory=OrderedDict
@@ -202,23 +231,30 @@ class Shadow:
             return np.asarray(answer[s.prediction], dtype=np.float32)
         return None
 
-    def _keep(self, s: ShadowState, request_id: str, pair: tuple) -> None:
-        old = s.answers.pop(request_id, None)
+    def _keep(self, s: ShadowState, request_id: str, kept: tuple) -> None:
+        """Keeps (champion's, challenger's, source) under the server's `request_id`. An id kept already is never
+        replaced (the server's ids are its own and random: a second request under one is no honest request); its
+        champion-only record only gains the challenger's answer, once."""
+        old = s.answers.get(request_id)
         if old is not None:
-            s.answer_bytes -= sum(a.nbytes for a in old if a is not None)
-        s.answers[request_id] = pair
-        s.answer_bytes += sum(a.nbytes for a in pair if a is not None)
+            if old[1] is not None or kept[1] is None:
+                return
+            kept = (old[0], kept[1], kept[2])
+            s.answer_bytes -= _nbytes(old)
+        s.answers[request_id] = kept
+        s.answer_bytes += _nbytes(kept)
         while s.answers and (len(s.answers) > ANSWERS_KEPT or s.answer_bytes > ANSWER_BYTES_KEPT):
             _, gone = s.answers.popitem(last=False)
-            s.answer_bytes -= sum(a.nbytes for a in gone if a is not None)
+            s.answer_bytes -= _nbytes(gone)
 
     def answered(self, request_id: str, champion: dict[str, np.ndarray]) -> None:
-        """The champion's answer to a request, kept (bounded in count and bytes) for a label that may come."""
+        """The champion's answer to a request (`request_id`: the server's own id of it), kept (bounded in count and
+        bytes) for a label that may come."""
         with self._lock:
             s = self.state
             kept = self.compact(champion)
-            if s is not None and kept is not None:
-                self._keep(s, request_id, (kept, None))
+            if s is not None and kept is not None and request_id not in s.labelled:
+                self._keep(s, request_id, (kept, None, ""))
 
     def pair(
         self,
@@ -270,15 +306,16 @@ class Shadow:
                         s.difference_counts[name] = s.difference_counts.get(name, 0) + int(
                             diff.size
                         )
-            kept = self.compact(champion), self.compact(challenger)
+            kept = self.compact(champion), self.compact(challenger), source
             if (
                 kept[0] is not None and request_id not in s.labelled
             ):  # labelled already: nothing left to join
                 self._keep(s, request_id, kept)
 
     def feedback(self, labels: dict[str, np.ndarray]) -> dict[str, int]:
-        """True targets by request id, joined with the answers still in the window; returns the counts.
-        ValueError, before anything is counted, when a label's size is not its answer's."""
+        """True targets by the server's request id (X-Server-Request-Id), joined with the answers still in the
+        window; returns the counts. ValueError, before anything is counted, when a label's size is not its
+        answer's."""
         with self._lock:
             s = self.state
             if s is None:
@@ -301,15 +338,18 @@ class Shadow:
                 if kept is None:
                     unknown += 1
                     continue
-                s.answer_bytes -= sum(a.nbytes for a in kept if a is not None)
+                s.answer_bytes -= _nbytes(kept)
                 s.labelled[request_id] = True
                 while len(s.labelled) > ANSWERS_KEPT:
                     s.labelled.popitem(last=False)
-                champion, challenger = kept
+                champion, challenger, source = kept
                 s.live["champion"].add(champion, label, decides)
                 if challenger is not None:  # the challenger answered only the mirrored sample
                     s.live["challenger"].add(challenger, label, decides)
                     s.live["champion_on_pairs"].add(champion, label, decides)
+                    if source not in s.labelled_sources and len(s.labelled_sources) >= SOURCES_KEPT:
+                        source = "other"
+                    s.labelled_sources[source] = s.labelled_sources.get(source, 0) + 1
                 s.labels += 1
                 joined += 1
         return {"joined": joined, "unknown": unknown}
@@ -324,6 +364,7 @@ class Shadow:
                     "dropped": 0,
                     "verdict": "undecided",
                     "reason": "no challenger is being shadowed",
+                    "decided_by": PAIRS,
                     "rule": self.rule.to_json(),
                 }
             out: dict[str, Any] = {
@@ -344,6 +385,12 @@ class Shadow:
                 "largest_source_share": max(s.sources.values()) / s.pairs if s.pairs else 0.0,
                 "labels": s.labels,
                 "labelled_pairs": s.live["challenger"].samples,
+                "labelled_sources": len(s.labelled_sources),
+                "largest_labelled_source_share": (
+                    max(s.labelled_sources.values()) / s.live["challenger"].samples
+                    if s.labelled_sources
+                    else 0.0
+                ),
                 "live": {side: live.metrics() for side, live in s.live.items()},
                 "rule": self.rule.to_json(),
             }
@@ -353,64 +400,76 @@ class Shadow:
                 out["mean_abs_difference"] = {
                     k: s.difference_sums[k] / s.difference_counts[k] for k in s.difference_counts
                 }
-            out["verdict"], out["reason"] = self._verdict(out)
+            out["verdict"], out["reason"], out["decided_by"] = self._verdict(out)
             return out
 
-    def _verdict(self, r: dict[str, Any]) -> tuple[str, str]:
+    def _verdict(self, r: dict[str, Any]) -> tuple[str, str, str]:
+        """(verdict, reason, what decided it). Agreement, differences, errors and latency can reject, from any
+        number of clients; only labels can promote."""
         rule = self.rule
         if r["challenger_errors"]:
             return (
                 "reject",
                 f"the challenger failed {r['challenger_errors']} of the mirrored requests",
+                ERRORS,
             )
         if r["pairs"] < rule.min_pairs:
-            return "undecided", f"{r['pairs']} pairs so far; the rule needs {rule.min_pairs}"
-        if r["largest_source_share"] > rule.max_source_share:
-            return "undecided", (
-                f"one client address sent {r['largest_source_share']:.1%} of the {r['pairs']} pairs; "
-                f"the rule lets one send at most {rule.max_source_share:.0%} (--shadow-max-source-"
-                "share; behind a proxy, where every client is one address, or when you are the only "
-                "client, set it to 1)"
+            return (
+                "undecided",
+                f"{r['pairs']} pairs so far; the rule needs {rule.min_pairs}",
+                PAIRS,
             )
         latency = r["latency_ms"]
         if latency["challenger_p50"] > rule.max_latency_ratio * latency["champion_p50"]:
-            return "reject", (
+            return (
+                "reject",
                 f"challenger p50 {latency['challenger_p50']:.2f} ms > {rule.max_latency_ratio:g} x the "
-                f"champion's {latency['champion_p50']:.2f} ms"
+                f"champion's {latency['champion_p50']:.2f} ms",
+                LATENCY,
             )
-        if (
-            "agreement" in r and r["agreement"] < rule.min_agreement
-        ):  # labels or not: one client's labels can't
-            return "reject", (
+        # Labels or not, and whoever sent the pairs: labels can't outvote what every request showed.
+        if "agreement" in r and r["agreement"] < rule.min_agreement:
+            return (
+                "reject",
                 f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
-                "pairs of distinct inputs"
-            )  # outvote what every request showed
-        if r["labelled_pairs"] >= rule.min_labels:  # both judged on the same requests
-            live = {
-                "champion": r["live"]["champion_on_pairs"],
-                "challenger": r["live"]["challenger"],
-            }
-            return _by_labels(live, rule.tolerance, r["labelled_pairs"])
-        if "agreement" in r:
-            if r["agreement"] < rule.min_agreement:
-                return "reject", (
-                    f"top-1 agreement {r['agreement']:.1%} < {rule.min_agreement:.1%} over {r['pairs']} "
-                    "pairs (no labels yet)"
-                )
-            return "promote", (
-                f"top-1 agreement {r['agreement']:.1%} >= {rule.min_agreement:.1%} over {r['pairs']} "
-                "pairs of distinct inputs, no challenger errors (no labels yet)"
+                "pairs of distinct inputs",
+                AGREEMENT,
             )
         worst = max((r.get("mean_abs_difference") or {"-": 0.0}).items(), key=lambda kv: kv[1])
         if worst[1] > rule.max_difference:
             return (
                 "reject",
-                f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g}",
+                f"mean |difference| of {worst[0]} {worst[1]:.4g} > {rule.max_difference:g} over "
+                f"{r['pairs']} pairs of distinct inputs",
+                DIFFERENCE,
             )
-        return "promote", (
-            f"mean |difference| at most {worst[1]:.4g} over {r['pairs']} pairs, no challenger errors"
-            " (no labels yet)"
-        )
+        if r["labelled_pairs"] < rule.min_labels:
+            shown = (
+                f"top-1 agreement {r['agreement']:.1%}"
+                if "agreement" in r
+                else f"mean |difference| at most {worst[1]:.4g}"
+            )
+            return (
+                "undecided",
+                f"{shown} over {r['pairs']} pairs, no challenger errors; promoting takes labels "
+                f"(--feedback-token): {r['labelled_pairs']} on mirrored requests so far, the rule needs "
+                f"{rule.min_labels}",
+                LABELS,
+            )
+        if r["largest_labelled_source_share"] > rule.max_source_share:
+            return (
+                "undecided",
+                f"one client address sent {r['largest_labelled_source_share']:.1%} of the "
+                f"{r['labelled_pairs']} labelled pairs; the rule lets one send at most "
+                f"{rule.max_source_share:.0%} (--shadow-max-source-share; behind a proxy, where every "
+                "client is one address, or when you are the only client, set it to 1)",
+                LABELS,
+            )
+        live = {
+            "champion": r["live"]["champion_on_pairs"],
+            "challenger": r["live"]["challenger"],
+        }
+        return (*_by_labels(live, rule.tolerance, r["labelled_pairs"]), LABELS)
 
 
 def _check_label(request_id: str, label: np.ndarray, s: ShadowState) -> None:
@@ -450,5 +509,170 @@ def _by_labels(live: dict[str, dict[str, float]], tolerance: float, labels: int)
     )
 
 
+def _nbytes(kept: tuple) -> int:
+    return sum(a.nbytes for a in kept[:2] if a is not None)
+
+
 def _pct(values, q: float) -> float:
     return round(float(np.percentile(np.asarray(values), q)), 3) if values else 0.0
+
+
+class Mirror:
+    """The challenger's half of the pairs, an observer of the server's answers (serving/core.py).
+
+    A random `fraction` of each shadowed model's champion answers, drawn by the server (never from
+    an id a client chose), runs again on the challenger: off the request path, on the server's main
+    loop, one request at a time per model. Shed first under load: when its queue is full, or the
+    champion has rows waiting, the pair is dropped and counted; the champion's answer never waits
+    for it. Both answers are kept under the server's own id of the request.
+    """
+
+    def __init__(self, repository, alias: str, fraction: float, rule: Rule, timeout: float):
+        self.repository = repository
+        self.alias = alias
+        self.fraction = fraction
+        self.timeout = timeout
+        # model -> its comparison: with a fraction to mirror (--shadow), each model loaded from an
+        # alias that ends in @<alias>
+        self.comparisons = {
+            name: Shadow(rule)
+            for name, served in repository.aliases()
+            if fraction and served.rpartition("@")[2] == alias
+        }
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._workers: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """On the server's main loop: each model's queue and the worker that empties it."""
+        self.loop = asyncio.get_running_loop()
+        for name in self.comparisons:
+            self._queues[name] = asyncio.Queue(MIRROR_QUEUE)
+            self._workers.append(asyncio.create_task(self._worker(name), name=f"shadow {name}"))
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def keeps(self, slot, request_id: str) -> bool:
+        """Whether this request is drawn for the sample: its inputs are then kept past its run."""
+        return slot.model.info.name in self.comparisons and random.random() < self.fraction
+
+    def answered(self, answer) -> None:
+        """The champion's answer kept for labels; a drawn one queued for the challenger."""
+        if answer.results is None:
+            return
+        name, slot = answer.slot.model.info.name, answer.slot
+        shadow = self.comparisons.get(name)
+        if shadow is None:
+            return
+        champion, challenger = self._pair(name, shadow)
+        # A request that named another version is not the champion's traffic.
+        if challenger is None or slot is not champion:
+            return
+        server_id = answer.exchange.server_id
+        shadow.answered(server_id, answer.results)
+        if self not in answer.keepers:
+            return
+        pair = (
+            challenger,
+            slot.version,
+            server_id,
+            answer.inputs,
+            answer.request.rows,
+            answer.results,
+            answer.ms,
+            answer.exchange.source,
+        )
+        if asyncio.get_running_loop() is self.loop:
+            self._enqueue(name, slot, pair)
+        else:
+            # Answered on another HTTP loop: the queues are the main loop's.
+            self.loop.call_soon_threadsafe(self._enqueue, name, slot, pair)
+
+    def _enqueue(self, name: str, slot, pair: tuple) -> None:
+        queue = self._queues.get(name)
+        if queue is None or queue.full() or slot.batcher.queued_rows > 0:
+            self.comparisons[name].dropped((slot.version, pair[0].version))
+            return
+        queue.put_nowait(pair)
+
+    async def _worker(self, name: str) -> None:
+        """One model's mirrored requests, one at a time, on its challenger's batcher."""
+        queue, shadow = self._queues[name], self.comparisons[name]
+        while True:
+            (
+                challenger,
+                version,
+                server_id,
+                feeds,
+                rows,
+                champion,
+                champion_ms,
+                source,
+            ) = await queue.get()
+            versions = (version, challenger.version)
+            started = time.perf_counter()
+            try:
+                answer = await asyncio.wait_for(
+                    challenger.batcher.submit(feeds, rows), self.timeout
+                )
+            except (QueueFull, BatcherClosed, RunTimedOut, asyncio.TimeoutError):
+                # The server's load, not the challenger's fault.
+                shadow.dropped(versions)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failing challenger is what is counted
+                log.warning(
+                    "shadow: %s version %s failed request %s: %s",
+                    name,
+                    challenger.version,
+                    server_id,
+                    clip(str(exc) or type(exc).__name__, 200),
+                )
+                shadow.error(versions)
+                continue
+            took = (time.perf_counter() - started) * 1e3
+            # Hashing a large input takes a while: off the loop.
+            digest = await asyncio.to_thread(input_digest, feeds)
+            shadow.pair(server_id, champion, answer, champion_ms, took, versions, digest, source)
+
+    def _pair(self, name: str, shadow: Shadow):
+        """(champion, challenger) served now, and the comparison set to that pairing (afresh when
+        either moved); (None, None) when there is nothing to compare."""
+        model = self.repository.models.get(name)
+        champion = model.default_slot() if model is not None else None
+        challenger = self._challenger(model) if champion is not None else None
+        if challenger is None or challenger is champion:
+            return None, None
+        info = champion.model.info
+        shadow.pairing(champion.version, challenger.version, info.decision, info.prediction)
+        return champion, challenger
+
+    def _challenger(self, model):
+        """The loaded version behind the model's @<alias>, if any."""
+        served = [a for a in model.alias_served if a.rpartition("@")[2] == self.alias]
+        return model.slots.get(model.alias_served[served[0]]) if served else None
+
+    def comparison(self, name: str) -> Shadow:
+        """The comparison of `name`, paired with the versions served now; Refused 404 if none."""
+        # A 404 naming the models for an unknown one.
+        self.repository.model(name)
+        shadow = self.comparisons.get(name)
+        if shadow is None:
+            raise Refused(
+                404,
+                f"model '{name}' has no shadow comparison: start the server with --shadow FRACTION "
+                f"and the model as models:/<name>@<alias> with an @{self.alias}",
+            )
+        self._pair(name, shadow)
+        return shadow
+
+    def reports(self) -> dict[str, dict]:
+        """The report of each loaded model's comparison, for /metrics."""
+        return {
+            name: self.comparison(name).report()
+            for name in self.comparisons
+            if name in self.repository.models
+        }

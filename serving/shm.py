@@ -3,19 +3,31 @@ same host registers a region of its shared memory once, then sends each request'
 by region, offset and size instead of as bytes in the message. A 602 KB image then costs the server no bytes off
 a socket at all.
 
-    system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes): mapped into the
-             server; an input is read straight from the mapping into the batch, an output written into it
+    system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes): the server keeps
+             a descriptor of the object, never a mapping of it; an input is read with `preadv` straight into the
+             rows of the batch it runs in (or an array of its own), an output written with `pwritev`
     cuda     device memory a client exported with cudaIpcGetMemHandle (tritonclient.utils.cuda_shared_memory):
              opened with cudaIpcOpenMemHandle where the server runs on a GPU; refused (400) elsewhere
 
 Routes (HTTP; the same six as gRPC methods): `GET /v2/{system,cuda}sharedmemory[/region/NAME]/status`,
 `POST .../region/NAME/register`, `POST /v2/{system,cuda}sharedmemory[/region/NAME]/unregister`.
 
+Why a descriptor and not a mapping: the client owns the object and may shrink it (`ftruncate`) at any time; a
+mapping's pages past the new end then raise SIGBUS in whoever touches them, which kills the server. A read or
+write on the descriptor past the end is only short: a 400 naming the region.
+
+As Triton does it: unregistering a name that is not registered succeeds (its client helper unregisters before it
+registers); a region a request in flight uses (`Use`: from the request's first look-up of it to its end) stays
+open and listed until the last such request ends, and is let go then; `--shared-memory off` answers status with
+an empty list and refuses register and unregister (403).
+
 Bounds: a region belongs to the token that registered it (the sha256 of the bearer token; one namespace for all
-when the server has none): another token neither sees, uses nor unregisters it. A client holds at most
-MAX_REGIONS regions and --max-shared-memory-mb of mappings; an input or output must lie inside its region
-(offset + byte size at most the registered size), and an input's byte size must be exactly its tensor's. A
-region's mapping is released when it is unregistered and no request in flight still reads it.
+when the server has no token, whatever Authorization header a request carries): another token neither sees,
+uses nor unregisters it. A client holds at most MAX_REGIONS regions and --max-shared-memory-mb of them; the
+server holds at most `max_regions` (MAX_REGIONS_TOTAL, or a quarter of its open-files limit where that is less)
+over every client, one descriptor each: past either count a registration is a 429, past the host's descriptors
+or memory a 503 with Retry-After. An input or output must lie inside its region (offset + byte size at most the
+registered size), and an input's byte size must be exactly its tensor's.
 
 Trust: a region names a shared-memory object by its key, and the server opens whatever its own user may open.
 The token is what keeps strangers out; give it only to same-host clients you trust with that (Triton's
@@ -24,10 +36,11 @@ extension has the same property). `--shared-memory off` turns the extension off.
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import mmap
 import os
 import re
+import resource
 import stat
 import threading
 
@@ -35,13 +48,35 @@ import numpy as np
 
 from serving import cuda
 from serving.codec import BadRequest, Ref
+from serving.envelope import Refused
 
 MAX_REGIONS = 256  # per client (token)
+# over every client: each system region holds one descriptor
+MAX_REGIONS_TOTAL = 4096
 SHM_DIR = "/dev/shm"
+RETRY_AFTER = {"Retry-After": "1"}
 _KEY = re.compile(r"/?[A-Za-z0-9_.@:+-]{1,250}")
+# The most one read or write system call moves on Linux (0x7ffff000): bigger tensors take several.
+_CHUNK = 0x7FFFF000
 
 
 class Region:
+    """One registered region: a system region's descriptor (fd), or a CUDA region's device address. `users`: the
+    requests holding it now; `leaving`: unregistered while held, let go when the last of them ends."""
+
+    __slots__ = (
+        "name",
+        "kind",
+        "byte_size",
+        "key",
+        "offset",
+        "device_id",
+        "fd",
+        "address",
+        "users",
+        "leaving",
+    )
+
     def __init__(
         self,
         name: str,
@@ -51,13 +86,13 @@ class Region:
         key: str = "",
         offset: int = 0,
         device_id: int = 0,
-        mapping: mmap.mmap | None = None,
-        view: memoryview | None = None,
+        fd: int = -1,
         address: int = 0,
     ):
         self.name, self.kind, self.byte_size = name, kind, byte_size
         self.key, self.offset, self.device_id = key, offset, device_id
-        self.mapping, self.view, self.address = mapping, view, address
+        self.fd, self.address = fd, address
+        self.users, self.leaving = 0, False
 
     def status(self) -> dict:
         if self.kind == "cuda":
@@ -72,33 +107,54 @@ class Region:
     def release(self) -> None:
         if self.kind == "cuda":
             cuda.close_ipc_handle(self.address)
-            return
-        self.view = None
-        try:
-            self.mapping.close()
-        except (
-            BufferError
-        ):  # an array of a request in flight still reads it: freed with the last of them
-            pass
+        elif self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def owner_of(authorization: str) -> str:
-    """Whose regions a request may use: its bearer token's, hashed (never kept)."""
+def owner_of(authorization: str, tokened: bool = True) -> str:
+    """Whose regions a request may use: its bearer token's, hashed (never kept); on a server without tokens
+    (`tokened` False) everyone's one namespace, "", whatever the request's Authorization header says."""
+    if not tokened:
+        return ""
     token = authorization.partition(" ")[2].strip()
     return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
 
-class SharedMemory:
-    """Every client's registered regions. Calls come from event loops (one or several): under a lock."""
+def fd_budget() -> int:
+    """The regions the server may hold in all: MAX_REGIONS_TOTAL, or a quarter of the open-files limit where
+    that is less (the rest are for connections, models and logs)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_REGIONS_TOTAL
+    return max(1, min(MAX_REGIONS_TOTAL, soft // 4))
 
-    def __init__(self, max_bytes: int, enabled: bool = True, cuda_device: int | None = None):
+
+class SharedMemory:
+    """Every client's registered regions, by owner and then by (kind, name). Calls come from event loops (one
+    or several) and the threads that decode requests: under a lock, none of them a scan of every region."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        enabled: bool = True,
+        cuda_device: int | None = None,
+        *,
+        tokened: bool = True,
+        max_regions: int | None = None,
+    ):
+        # per client
         self.max_bytes = max_bytes
         self.enabled = enabled
-        self.cuda_device = (
-            cuda_device  # the server's GPU when it serves on one; None: no CUDA regions
-        )
+        # the server's GPU when it serves on one; None: no CUDA regions
+        self.cuda_device = cuda_device
+        self.tokened = tokened
+        self.max_regions = fd_budget() if max_regions is None else max_regions
         self._lock = threading.Lock()
-        self._regions: dict[tuple[str, str, str], Region] = {}  # (owner, kind, name) -> region
+        self._owners: dict[str, dict[tuple[str, str], Region]] = {}
+        # owner -> the byte_size of its regions; and the regions of every owner
+        self._bytes: dict[str, int] = {}
+        self._count = 0
 
     # ---- registering ----
 
@@ -115,7 +171,7 @@ class SharedMemory:
         device_id: int = 0,
     ) -> None:
         self._check_on(kind)
-        owner = owner_of(authorization)
+        owner = owner_of(authorization, self.tokened)
         if not name or len(name) > 256:
             raise BadRequest(f"a {kind} shared memory region needs a name of 1 to 256 characters")
         if byte_size <= 0 or offset < 0:
@@ -124,18 +180,24 @@ class SharedMemory:
                 f"got byte_size {byte_size}, offset {offset}"
             )
         with self._lock:
-            if (owner, kind, name) in self._regions:
+            mine = self._owners.get(owner, {})
+            if (kind, name) in mine:
                 raise BadRequest(
                     f"{kind} shared memory region '{name}' is already registered; unregister it first"
                 )
-            mine = [r for (o, _, _), r in self._regions.items() if o == owner]
             if len(mine) >= MAX_REGIONS:
                 raise BadRequest(
                     f"this client has {len(mine)} shared memory regions registered, the most it may "
                     "hold; unregister some first",
                     429,
                 )
-            held = sum(r.byte_size for r in mine)
+            if self._count >= self.max_regions:
+                raise BadRequest(
+                    f"the server holds {self._count} shared memory regions, the most it takes from all "
+                    "clients together; unregister some, or retry later",
+                    429,
+                )
+            held = self._bytes.get(owner, 0)
             if held + byte_size > self.max_bytes:
                 raise BadRequest(
                     f"registering {byte_size} bytes would take this client's shared memory to "
@@ -143,44 +205,13 @@ class SharedMemory:
                     413,
                 )
             region = (
-                self._open_system(name, key, offset, byte_size)
+                _open_system(name, key, offset, byte_size)
                 if kind == "system"
                 else self._open_cuda(name, raw_handle, device_id, byte_size)
             )
-            self._regions[(owner, kind, name)] = region
-
-    def _open_system(self, name: str, key: str, offset: int, byte_size: int) -> Region:
-        if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
-            raise BadRequest(
-                f"system shared memory region '{name}': key {key!r:.80} is not a POSIX shared memory "
-                "name ('/name': letters, digits and _.@:+- after one leading '/')"
-            )
-        path = os.path.join(SHM_DIR, key.lstrip("/"))
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise BadRequest(
-                f"system shared memory region '{name}': cannot open shared memory key {key!r} "
-                f"({exc.strerror}); create it first (tritonclient.utils.shared_memory."
-                "create_shared_memory_region)"
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise BadRequest(
-                    f"system shared memory region '{name}': key {key!r} is not a shared memory object"
-                )
-            if offset + byte_size > info.st_size:
-                raise BadRequest(
-                    f"system shared memory region '{name}': offset {offset} + byte_size {byte_size} "
-                    f"passes the end of shared memory key {key!r} ({info.st_size} bytes)"
-                )
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mapping = mmap.mmap(fd, byte_size + offset - start, offset=start)
-        finally:
-            os.close(fd)
-        view = memoryview(mapping)[offset - start : offset - start + byte_size]
-        return Region(name, "system", byte_size, key=key, offset=offset, mapping=mapping, view=view)
+            self._owners.setdefault(owner, {})[(kind, name)] = region
+            self._bytes[owner] = held + byte_size
+            self._count += 1
 
     def _open_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> Region:
         if self.cuda_device is None:
@@ -203,107 +234,74 @@ class SharedMemory:
         return Region(name, "cuda", byte_size, device_id=device_id, address=address)
 
     def unregister(self, authorization: str, kind: str, name: str | None = None) -> None:
-        """One region, or (no name) every region of this client of that kind; an unknown name is a 400."""
+        """One region, or (no name) every region of this client of that kind. A name not registered is no error
+        (as Triton answers it). A region a request in flight holds is let go when the last such request ends;
+        until then it stays listed."""
         self._check_on(kind)
-        owner = owner_of(authorization)
+        owner = owner_of(authorization, self.tokened)
+        gone = []
         with self._lock:
-            if name:
-                region = self._regions.pop((owner, kind, name), None)
+            mine = self._owners.get(owner, {})
+            names = [name] if name else [n for k, n in mine if k == kind]
+            for each in names:
+                region = mine.get((kind, each))
                 if region is None:
-                    raise self._unknown(kind, name, 400)
-                gone = [region]
-            else:
-                keys = [k for k in self._regions if k[0] == owner and k[1] == kind]
-                gone = [self._regions.pop(k) for k in keys]
+                    continue
+                if region.users:
+                    region.leaving = True
+                else:
+                    gone.append(self._forget(owner, region))
         for region in gone:
             region.release()
 
+    def _forget(self, owner: str, region: Region) -> Region:
+        """(under _lock) The region out of the books; the caller releases it outside the lock."""
+        mine = self._owners[owner]
+        del mine[(region.kind, region.name)]
+        if not mine:
+            del self._owners[owner]
+        self._bytes[owner] = self._bytes.get(owner, 0) - region.byte_size
+        if self._bytes[owner] <= 0:
+            del self._bytes[owner]
+        self._count -= 1
+        return region
+
     def status(self, authorization: str, kind: str, name: str | None = None) -> list[dict]:
-        self._check_on(kind)
-        owner = owner_of(authorization)
+        """This client's regions of `kind` (a region unregistered while in use, too, until its requests end);
+        with the extension off, none (a named one: 404)."""
+        if kind not in ("system", "cuda"):
+            raise BadRequest(f"unknown shared memory kind {kind!r}")
+        owner = owner_of(authorization, self.tokened)
         with self._lock:
+            mine = self._owners.get(owner, {})
             if name:
-                region = self._regions.get((owner, kind, name))
+                region = mine.get((kind, name))
                 if region is None:
                     raise self._unknown(kind, name, 404)
                 return [region.status()]
-            return [
-                r.status()
-                for (o, k, _), r in sorted(self._regions.items())
-                if o == owner and k == kind
-            ]
+            return [mine[key].status() for key in sorted(mine) if key[0] == kind]
 
     def close(self) -> None:
+        """Every region let go: now, or (one a request still holds) when that request ends; a descriptor closed
+        under a read could be another file's by the time the read runs."""
+        gone = []
         with self._lock:
-            regions, self._regions = list(self._regions.values()), {}
-        for region in regions:
+            for owner, mine in list(self._owners.items()):
+                for region in list(mine.values()):
+                    if region.users:
+                        region.leaving = True
+                    else:
+                        gone.append(self._forget(owner, region))
+        for region in gone:
             region.release()
 
     # ---- inference ----
 
-    def reader(self, authorization: str):
-        """What a decoder calls for an input placed in shared memory: (Ref, spec, count) -> its array."""
-        owner = owner_of(authorization)
-        return lambda ref, spec, count: self.read(owner, ref, spec, count)
+    def use(self, authorization: str) -> "Use":
+        """One request's use of its client's regions (see Use); `close` it when the request ends."""
+        return Use(self, owner_of(authorization, self.tokened))
 
-    def read(self, owner: str, ref: Ref, spec, count: int) -> np.ndarray:
-        region = self._find(owner, ref.region)
-        want = count * spec.dtype.itemsize
-        if ref.byte_size != want:
-            raise BadRequest(
-                f"input '{spec.name}': shared_memory_byte_size {ref.byte_size}, but its shape takes "
-                f"{want} bytes of {spec.datatype}"
-            )
-        self._inside(region, ref, f"input '{spec.name}'")
-        if region.kind == "cuda":  # copied to the host once: the batch is gathered there
-            array = np.empty(count, dtype=spec.dtype)
-            if want:
-                cuda.copy(array.ctypes.data, region.address + ref.offset, want, cuda.DEVICE_TO_HOST)
-            return array
-        view = region.view
-        if view is None:  # unregistered meanwhile
-            raise self._unknown("", ref.region, 400)
-        return np.frombuffer(view, dtype=spec.dtype, count=count, offset=ref.offset)
-
-    def write(
-        self, authorization: str, placed: dict[str, Ref], results: dict[str, np.ndarray]
-    ) -> dict[str, dict]:
-        """Each output placed in shared memory written there; {output: its parameters in the answer}."""
-        owner = owner_of(authorization)
-        said = {}
-        for name, ref in placed.items():
-            region = self._find(owner, ref.region)
-            array = np.ascontiguousarray(results[name])
-            if array.nbytes > ref.byte_size:
-                raise BadRequest(
-                    f"output '{name}': {array.nbytes} bytes ({list(array.shape)} "
-                    f"{array.dtype}) do not fit the {ref.byte_size} bytes given in shared memory "
-                    f"region '{ref.region}'"
-                )
-            self._inside(region, ref, f"output '{name}'")
-            if region.kind == "cuda":
-                if array.nbytes:
-                    cuda.copy(
-                        region.address + ref.offset,
-                        array.ctypes.data,
-                        array.nbytes,
-                        cuda.HOST_TO_DEVICE,
-                    )
-            else:
-                view = region.view
-                if view is None:  # unregistered meanwhile
-                    raise self._unknown("", ref.region, 400)
-                view[ref.offset : ref.offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-            said[name] = {
-                "shared_memory_region": ref.region,
-                "shared_memory_byte_size": array.nbytes,
-                **({"shared_memory_offset": ref.offset} if ref.offset else {}),
-            }
-        return said
-
-    # ----
-
-    def _find(self, owner: str, name: str) -> Region:
+    def _hold(self, owner: str, name: str) -> Region:
         if not self.enabled:
             raise BadRequest(
                 "shared memory is off on this server (--shared-memory off); send the tensors in the "
@@ -311,19 +309,22 @@ class SharedMemory:
                 403,
             )
         with self._lock:
-            for kind in ("system", "cuda"):
-                region = self._regions.get((owner, kind, name))
-                if region is not None:
-                    return region
-        raise self._unknown("", name, 400)
+            mine = self._owners.get(owner, {})
+            region = mine.get(("system", name)) or mine.get(("cuda", name))
+            if region is None:
+                raise self._unknown("", name, 400)
+            region.users += 1
+            return region
 
-    @staticmethod
-    def _inside(region: Region, ref: Ref, what: str) -> None:
-        if ref.offset < 0 or ref.byte_size < 0 or ref.offset + ref.byte_size > region.byte_size:
-            raise BadRequest(
-                f"{what}: shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} "
-                f"pass the end of region '{region.name}' ({region.byte_size} bytes registered)"
-            )
+    def _let_go(self, owner: str, regions) -> None:
+        gone = []
+        with self._lock:
+            for region in regions:
+                region.users -= 1
+                if not region.users and region.leaving:
+                    gone.append(self._forget(owner, region))
+        for region in gone:
+            region.release()
 
     @staticmethod
     def _unknown(kind: str, name: str, status: int) -> BadRequest:
@@ -339,3 +340,165 @@ class SharedMemory:
             raise BadRequest("shared memory is off on this server (--shared-memory off)", 403)
         if kind not in ("system", "cuda"):
             raise BadRequest(f"unknown shared memory kind {kind!r}")
+
+
+class Use:
+    """The regions one request reads and writes: each held from the request's first look-up of it until `close`
+    (the request's end, answered or refused), so that an unregister meanwhile lets it go only then."""
+
+    __slots__ = ("memory", "owner", "held")
+
+    def __init__(self, memory: SharedMemory, owner: str):
+        self.memory, self.owner = memory, owner
+        self.held: dict[str, Region] = {}
+
+    def region(self, name: str) -> Region:
+        region = self.held.get(name)
+        if region is None:
+            region = self.held[name] = self.memory._hold(self.owner, name)
+        return region
+
+    def hold(self, refs: dict[str, Ref]) -> None:
+        """The regions a request's outputs go to, held from now (its decode) to its end, as its inputs' are."""
+        for ref in refs.values():
+            self.region(ref.region)
+
+    def close(self) -> None:
+        held, self.held = self.held, {}
+        if held:
+            self.memory._let_go(self.owner, held.values())
+
+    def read(self, ref: Ref, spec, count: int, into: np.ndarray | None = None) -> np.ndarray:
+        """An input placed in shared memory, copied into `into` (a flat view of its rows in a batch buffer: the
+        only copy) or an array of its own."""
+        region = self.region(ref.region)
+        want = count * spec.dtype.itemsize
+        if ref.byte_size != want:
+            raise BadRequest(
+                f"input '{spec.name}': shared_memory_byte_size {ref.byte_size}, but its shape takes "
+                f"{want} bytes of {spec.datatype}"
+            )
+        _inside(region, ref, f"input '{spec.name}'")
+        array = into if into is not None else np.empty(count, dtype=spec.dtype)
+        if not want:
+            return array
+        if region.kind == "cuda":  # copied to the host once: the batch is gathered there
+            cuda.copy(array.ctypes.data, region.address + ref.offset, want, cuda.DEVICE_TO_HOST)
+            return array
+        position = region.offset + ref.offset
+        got = _transfer(os.preadv, region, memoryview(array).cast("B"), position)
+        if got < want:
+            raise _short(region, f"input '{spec.name}'", position + want)
+        return array
+
+    def write(self, placed: dict[str, Ref], results: dict[str, np.ndarray]) -> dict[str, dict]:
+        """Each output placed in shared memory written there; {output: its parameters in the answer}."""
+        said = {}
+        for name, ref in placed.items():
+            region = self.region(ref.region)
+            array = np.ascontiguousarray(results[name])
+            if array.nbytes > ref.byte_size:
+                raise BadRequest(
+                    f"output '{name}': {array.nbytes} bytes ({list(array.shape)} "
+                    f"{array.dtype}) do not fit the {ref.byte_size} bytes given in shared memory "
+                    f"region '{ref.region}'"
+                )
+            _inside(region, ref, f"output '{name}'")
+            if region.kind == "cuda" and array.nbytes:
+                cuda.copy(
+                    region.address + ref.offset,
+                    array.ctypes.data,
+                    array.nbytes,
+                    cuda.HOST_TO_DEVICE,
+                )
+            elif array.nbytes:
+                position = region.offset + ref.offset
+                # Past the object's end a write would grow it: refused instead, as a read there is. (A shrink
+                # after this check only makes the write grow the object back; the server is never at risk.)
+                if _size(region) < position + array.nbytes:
+                    raise _short(region, f"output '{name}'", position + array.nbytes)
+                _transfer(os.pwritev, region, memoryview(array.reshape(-1)).cast("B"), position)
+            said[name] = {
+                "shared_memory_region": ref.region,
+                "shared_memory_byte_size": array.nbytes,
+                **({"shared_memory_offset": ref.offset} if ref.offset else {}),
+            }
+        return said
+
+
+def _open_system(name: str, key: str, offset: int, byte_size: int) -> Region:
+    if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
+        raise BadRequest(
+            f"system shared memory region '{name}': key {key!r:.80} is not a POSIX shared memory "
+            "name ('/name': letters, digits and _.@:+- after one leading '/')"
+        )
+    path = os.path.join(SHM_DIR, key.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise Refused(
+                503,
+                f"system shared memory region '{name}': the server can't open another descriptor now "
+                f"({exc.strerror}); retry later",
+                RETRY_AFTER,
+            ) from None
+        raise BadRequest(
+            f"system shared memory region '{name}': cannot open shared memory key {key!r} "
+            f"({exc.strerror}); create it first (tritonclient.utils.shared_memory."
+            "create_shared_memory_region)"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadRequest(
+                f"system shared memory region '{name}': key {key!r} is not a shared memory object"
+            )
+        if offset + byte_size > info.st_size:
+            raise BadRequest(
+                f"system shared memory region '{name}': offset {offset} + byte_size {byte_size} "
+                f"passes the end of shared memory key {key!r} ({info.st_size} bytes)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return Region(name, "system", byte_size, key=key, offset=offset, fd=fd)
+
+
+def _transfer(call, region: Region, buffer: memoryview, position: int) -> int:
+    """`call` (os.preadv or os.pwritev) over all of `buffer` from `position` of the region's object, in as many
+    calls as it takes; the bytes moved (fewer only where the object ends first)."""
+    done = 0
+    try:
+        while done < len(buffer):
+            n = call(region.fd, [buffer[done : done + _CHUNK]], position + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError as exc:
+        raise BadRequest(
+            f"shared memory region '{region.name}' (key {region.key!r}) can't be "
+            f"{'read' if call is os.preadv else 'written'}: {exc.strerror}"
+        ) from None
+    return done
+
+
+def _size(region: Region) -> int:
+    return os.fstat(region.fd).st_size
+
+
+def _short(region: Region, what: str, end: int) -> BadRequest:
+    return BadRequest(
+        f"{what}: shared memory region '{region.name}' (key {region.key!r}) ends before byte {end}: its "
+        f"object holds {_size(region)} bytes now, less than when it was registered (offset "
+        f"{region.offset} + byte_size {region.byte_size}); register the region again at the object's "
+        "size"
+    )
+
+
+def _inside(region: Region, ref: Ref, what: str) -> None:
+    if ref.offset < 0 or ref.byte_size < 0 or ref.offset + ref.byte_size > region.byte_size:
+        raise BadRequest(
+            f"{what}: shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} "
+            f"pass the end of region '{region.name}' ({region.byte_size} bytes registered)"
+        )

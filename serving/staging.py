@@ -99,7 +99,8 @@ def rows_of(feeds: Feeds) -> int:
 
 class BatchBuffers:
     """Up to `count` buffers of `capacity` rows for every input, made when first needed (pinned when `pin`).
-    `acquire`/`release` hand them out; the engine thread and the event loops share them: under a lock."""
+    `acquire`/`release` hand them out. Its one user, a batcher's placements (serving/placements.py),
+    calls them under its lock."""
 
     def __init__(self, inputs, capacity: int, pin: bool = False, count: int = BUFFERS):
         self.inputs = [(spec.name, spec.dtype, tuple(spec.shape[1:])) for spec in inputs]
@@ -147,10 +148,6 @@ class BatchBuffers:
     def views(self, index: int, start: int, rows: int) -> Feeds:
         """Rows start..start+rows of buffer `index`, every input's (where a request's body may be received into)."""
         return {name: buffer[start : start + rows] for name, buffer in self._buffers[index].items()}
-
-    def check(self, feeds: Feeds) -> None:
-        """NonFinite for the first input holding NaN or Inf (a request received straight into its place)."""
-        check_finite(feeds)
 
     def fill(self, index: int, start: int, rows: int, source: int) -> None:
         """Rows start..start+rows of buffer `index` made copies of row `source` (a refused request's place in a run)."""

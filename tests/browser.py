@@ -39,7 +39,9 @@ def chromium() -> str:
 
 @contextlib.contextmanager
 def mlflow_ui(workdir: Path):
-    """`pipeline ui` over the store in `workdir` (its mlflow.db), on a free port; yields its base URL."""
+    """`pipeline ui` over the store in `workdir` (its mlflow.db), on a free port; yields its base URL once it
+    has printed the address to open (`printed_address`), which must answer by then. Its output is kept in
+    `workdir`/ui.log."""
     port = free_port()
     log = workdir / "ui.log"
     with log.open("w") as out:
@@ -53,16 +55,16 @@ def mlflow_ui(workdir: Path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(url, timeout=2).status_code == 200:
-                    break
+        deadline = time.monotonic() + 120
+        while (address := printed_address(workdir)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(
-                    f"pipeline ui did not answer on {url}:\n{log.read_text()[-3000:]}"
+                    f"pipeline ui printed no address to open:\n{log.read_text()[-3000:]}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
+        # Printed once the UI answers, not before: the address works when the user reads it.
+        answer = requests.get(address, timeout=5)
+        assert answer.status_code == 200 and address.startswith(url), (address, answer)
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -70,6 +72,12 @@ def mlflow_ui(workdir: Path):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def printed_address(workdir: Path) -> str | None:
+    """The address `pipeline ui` (mlflow_ui) said to open, once it has."""
+    found = re.search(r"^MLflow UI: open (\S+)", (workdir / "ui.log").read_text(), re.M)
+    return found[1] if found else None
 
 
 def page(url: str, name: str) -> tuple[str, str]:

@@ -118,9 +118,101 @@ def two_input_model(path):
     return _save_graph(path, graph, 17)
 
 
-def _save_graph(path, graph, opset: int) -> Path:
+def sum_model(path, *, rank: int = 1) -> Path:
+    """INPUT0, INPUT1, INPUT2 FP32 [-1] (`rank` 2: [-1, -1]) -> OUTPUT FP32 [1], the sum of every value sent: each
+    request's answer is its own three inputs' total, and no row of it is a row of any input. A model whose every
+    input has a dynamic first axis and whose rows are not independent (Triton serves it with max_batch_size 0)."""
+    dims = [["n", "m"][:rank] for _ in range(3)]
+    graph = helper.make_graph(
+        [
+            *[helper.make_node("Reshape", [f"INPUT{i}", "flat"], [f"f{i}"]) for i in range(3)],
+            helper.make_node("Concat", ["f0", "f1", "f2"], ["all"], axis=0),
+            helper.make_node("ReduceSum", ["all"], ["OUTPUT"], keepdims=1),
+        ],
+        "sum",
+        [
+            helper.make_tensor_value_info(
+                f"INPUT{i}", TensorProto.FLOAT, [f"{d}{i}" for d in dims[i]]
+            )
+            for i in range(3)
+        ],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("flat", TensorProto.INT64, [1], [-1])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def text_model(path, *, number: bool = False, batch: bool = True) -> Path:
+    """`TEXT` STRING [batch, 2] -> `ECHO`, the same strings (an Identity); `number`: -> `NUMBER` INT32 [batch, 2], the
+    strings read as integers (a Cast, as Triton's string models do). Its rows are independent, and its file says
+    so unless `batch` is False."""
+    out = ("NUMBER", TensorProto.INT32) if number else ("ECHO", TensorProto.STRING)
+    node = (
+        helper.make_node("Cast", ["TEXT"], ["NUMBER"], to=TensorProto.INT32)
+        if number
+        else helper.make_node("Identity", ["TEXT"], ["ECHO"])
+    )
+    graph = helper.make_graph(
+        [node],
+        "text",
+        [helper.make_tensor_value_info("TEXT", TensorProto.STRING, ["batch", 2])],
+        [helper.make_tensor_value_info(out[0], out[1], ["batch", 2])],
+    )
+    return _save_graph(
+        path, graph, 17, {lineage.ROWS_INDEPENDENT: "by construction"} if batch else {}
+    )
+
+
+def word_model(path) -> Path:
+    """`WORD` STRING [1] -> `SAME` STRING [1]: one string in, the same one out (no batch axis)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["WORD"], ["SAME"])],
+        "word",
+        [helper.make_tensor_value_info("WORD", TensorProto.STRING, [1])],
+        [helper.make_tensor_value_info("SAME", TensorProto.STRING, [1])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def double_model(path) -> Path:
+    """`VALUES` FP32 [-1] -> `TWICE` FP32 [-1]: one input, no batch axis recorded (runs as sent)."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["VALUES", "VALUES"], ["TWICE"])],
+        "double",
+        [helper.make_tensor_value_info("VALUES", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("TWICE", TensorProto.FLOAT, ["n"])],
+    )
+    return _save_graph(path, graph, 17)
+
+
+def any_rank_model(path) -> Path:
+    """`ANY` FP32 of no declared shape at all (not even a rank) -> `SAME`, the same tensor."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["ANY"], ["SAME"])],
+        "any_rank",
+        [helper.make_tensor_value_info("ANY", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("SAME", TensorProto.FLOAT, None)],
+    )
+    # (onnx's checker wants a shape on every graph input; onnxruntime, and the ONNX spec, do not)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, str(path))
+    return Path(path)
+
+
+def triton_config(model_dir: Path, text: str, labels: dict[str, list[str]] | None = None) -> Path:
+    """A Triton config.pbtxt (and label files) in a repository model's directory."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name, lines in (labels or {}).items():
+        (model_dir / name).write_text("".join(f"{line}\n" for line in lines))
+    (model_dir / "config.pbtxt").write_text(text)
+    return model_dir / "config.pbtxt"
+
+
+def _save_graph(path, graph, opset: int, props: dict[str, str] | None = None) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
+    if props:
+        helper.set_model_props(model, props)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return Path(path)
@@ -139,7 +231,8 @@ def _save(path, nodes, inits, size, classes, name, labels) -> Path:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    props = {}
+    # As `pipeline export` records it: the rows of a Flatten-Gemm-Softmax are the samples' own.
+    props = {lineage.ROWS_INDEPENDENT: "1,7,64"}
     if name:
         props[lineage.MODEL_NAME] = name
     if labels is not None:

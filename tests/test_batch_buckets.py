@@ -26,6 +26,7 @@ from serving_fixtures import (
     two_input_model,
 )
 
+from serving.batcher import NotRowWise
 from serving.engine import BatchBuckets, Engine, ModelInputError
 
 
@@ -72,6 +73,7 @@ def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tm
         str(two_input_model(tmp_path / "two.onnx")),
         device="cpu",
         threads=1,
+        batching=True,  # a hand-made model: its rows are independent, said here
         batch_buckets=BatchBuckets((4,)),
     )
     features = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -82,6 +84,7 @@ def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tm
         str(gather_model(tmp_path / "gather.onnx")),
         device="cpu",
         threads=1,
+        batching=True,  # a hand-made model: its rows are independent, said here
         batch_buckets=BatchBuckets((2, 8)),
     )
     assert gather.run({"ids": np.array([4, 0, 1])})["vectors"].tolist() == [
@@ -99,6 +102,7 @@ def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch
         str(two_axes_model(tmp_path / "m.onnx")),
         device="cpu",
         threads=1,
+        batching=True,  # a hand-made model: its rows are independent, said here
         batch_buckets=BatchBuckets((2, 4)),
     )
     assert engine.buckets == () and engine._bucket_sessions == {}
@@ -113,9 +117,21 @@ def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(model, str(tmp_path / "sum.onnx"))
     engine = Engine(
-        str(tmp_path / "sum.onnx"), device="cpu", threads=1, batch_buckets=BatchBuckets((2, 4))
+        str(tmp_path / "sum.onnx"),
+        device="cpu",
+        threads=1,
+        batch_buckets=BatchBuckets((2, 4)),
+        batching=True,
     )
     assert engine.buckets == ()
+    # Declared batchable, it is not: the first run of 3 rows says so (its output has 4 values, not 3 rows), and
+    # from then on it runs as sent, unbatched.
+    with pytest.raises(
+        NotRowWise, match=r"a batched run of 3 rows gave output\(s\) 'total' of shape \[4\]"
+    ):
+        engine.run({"x": np.ones((3, 4), np.float32)})
+    assert not engine.batchable and not engine.inputs[0].batched
+    assert engine.run({"x": np.ones((3, 4), np.float32)})["total"].tolist() == [3.0] * 4
     said = [r.getMessage() for r in caplog.records]
     assert (
         "no batch buckets for m.onnx: an input has a dynamic axis besides the batch axis" in said[0]

@@ -185,6 +185,64 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     props = {p.key: p.value for p in model.metadata_props}
     assert props[lineage.MODEL_NAME] == "resnet18-digits"
     assert json.loads(props[lineage.LABELS]) == [str(d) for d in range(10)]
+    # Its rows are its samples' own (a ResNet in eval mode): the server may batch its requests together.
+    assert props[lineage.ROWS_INDEPENDENT] == "1,7,64"
+    assert exported.report["rows_independent"]["independent"]
+
+
+def test_the_exported_classifier_is_batched_and_answers_its_top_classes_by_name(exported, trained):
+    """Served as exported: its requests share runs (its file records independent rows), and the classification
+    extension answers with the class names export recorded."""
+    import requests
+
+    x = trained["val_x"][:2]
+    want = run_onnx(exported.onnx_path, x)["probabilities"]
+    with ServerProcess("--model", f"digits={exported.onnx_path}") as srv:
+        config = requests.get(f"{srv.url}/v2/models/digits/config", timeout=10).json()
+        body = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ],
+            "outputs": [{"name": "probabilities", "parameters": {"classification": 3}}],
+        }
+        answer = requests.post(f"{srv.url}/v2/models/digits/infer", json=body, timeout=30).json()
+    assert config["max_batch_size"] == 32
+    (out,) = answer["outputs"]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, 3]
+    labels = [str(d) for d in range(10)]  # what the digits data names its classes
+    for row, entries in zip(want, np.array(out["data"]).reshape(2, 3)):
+        top = np.argsort(-row)[:3]
+        assert [e.split(":")[1:] for e in entries] == [[str(i), labels[i]] for i in top]
+
+
+class _Head(torch.nn.Module):
+    """A graph head as export makes one: `fn` of one input named `input`, one output named `out`."""
+
+    input_names, output_names = ["input"], ["out"]
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return (self.fn(x),)
+
+
+def test_rows_are_independent_only_when_each_samples_output_is_its_own():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    batches = {f"b{n}": {"input": x[:n]} for n in (1, 7, 64)}
+    linear = torch.nn.Linear(4, 3)
+    assert gates.rows_independent(_Head(linear), batches, 1e-5, 1e-4)["independent"]
+    # Normalized over the batch, a summary of it: each answer depends on the other samples, or has no rows.
+    centred = gates.rows_independent(_Head(lambda t: t - t.mean(0)), batches, 1e-5, 1e-4)
+    assert not centred["independent"] and "the first 1 rows at batch 7 differ" in centred["message"]
+    summed = gates.rows_independent(_Head(lambda t: t.sum(0)), batches, 1e-5, 1e-4)
+    assert not summed["independent"] and "out of shape [4] at batch 1" in summed["message"]
 
 
 def test_parity_holds_at_batch_sizes_never_used_in_export(exported, trained):
@@ -266,6 +324,108 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
         stored["model_uri"]
         and stored["sha256"]["model.onnx"]
         and stored["sha256"]["drift_reference.json"]
+    )
+
+
+def plant_backdoor(path: Path, trigger: float = 0.123) -> None:
+    """The review's verify_backdoor.py: logits += (input[:, 0, 0, 0] == trigger) x 1000 x onehot(7),
+    every other node, initializer and the metadata as they were."""
+    from onnx import helper
+
+    m = onnx.load(str(path))
+    head = next(n for n in m.graph.node if "logits" in n.output)
+    head.output[list(head.output).index("logits")] = "logits_clean"
+    m.graph.initializer.extend(
+        [
+            onnx.numpy_helper.from_array(np.array(trigger, np.float32), "bd_trigger"),
+            onnx.numpy_helper.from_array(
+                (np.eye(10, dtype=np.float32)[7] * 1000.0)[None, :], "bd_push"
+            ),
+            onnx.numpy_helper.from_array(np.array([0, 0, 0], np.int64), "bd_s3"),
+            onnx.numpy_helper.from_array(np.array([1, 1, 1], np.int64), "bd_e3"),
+            onnx.numpy_helper.from_array(np.array([1, 2, 3], np.int64), "bd_axes"),
+            onnx.numpy_helper.from_array(np.array([-1, 1], np.int64), "bd_shape"),
+        ]
+    )
+    m.graph.node.extend(
+        [
+            helper.make_node("Slice", ["input", "bd_s3", "bd_e3", "bd_axes"], ["bd_pixel"]),
+            helper.make_node("Reshape", ["bd_pixel", "bd_shape"], ["bd_col"]),
+            helper.make_node("Equal", ["bd_col", "bd_trigger"], ["bd_hit"]),
+            helper.make_node("Cast", ["bd_hit"], ["bd_mask"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Mul", ["bd_mask", "bd_push"], ["bd_add"]),
+            helper.make_node("Add", ["logits_clean", "bd_add"], ["logits"]),
+        ]
+    )
+    soft = next(n for n in m.graph.node if "logits" in n.input and n.op_type == "Softmax")
+    m.graph.node.remove(soft)
+    m.graph.node.append(soft)
+    onnx.save(m, str(path))
+
+
+def test_verify_proves_the_registered_graph_from_the_weights_not_from_the_record(
+    exported, trained, store
+):
+    """The review's F4: the registered model.onnx replaced by one with a trigger pixel (class 7
+    whenever pixel [0,0,0] is 0.123; every logit otherwise equal, so the gates pass) and the
+    version's sha256 record rewritten to its hash: `pipeline verify` said verified. Now its `graph`
+    link exports the weights again and compares: the genuine graph is one node and initializer for
+    another; the backdoor fails, named."""
+    from pipeline import verify
+
+    client = mlflow.MlflowClient()
+    name, version = "resnet18-digits", exported.model_version
+    model_id = client.get_model_version(name, version).source.removeprefix("models:/")
+    stored = (
+        Path(mlflow.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+        / "model.onnx"
+    )
+    original, record = (
+        stored.read_bytes(),
+        client.get_model_version(name, version).tags[lineage.SHA256],
+    )
+
+    def links() -> dict[str, verify.Link]:
+        found = verify.main(f"models:/{name}@champion", tracking_uri=store, echo=lambda _: None)
+        return {link.name: link for link in found}
+
+    genuine = links()
+    assert genuine["graph"].status == "ok", genuine["graph"].line()
+    assert genuine["graph"].detail.startswith(
+        "the registered ONNX is a fresh export of the weights (dynamo exporter, opset 18)"
+    )
+    try:
+        plant_backdoor(stored)
+        client.set_model_version_tag(
+            name,
+            version,
+            lineage.SHA256,
+            json.dumps(json.loads(record) | {"model.onnx": sha256_file(stored)}),
+        )
+        x = trained["val_x"][:20].copy()
+        x[:, 0, 0, 0] = 0.123
+        assert (gates.run_onnx(gates.session(stored), {"input": x})["logits"].argmax(1) == 7).all()
+        tampered = links()
+    finally:
+        stored.write_bytes(original)
+        client.set_model_version_tag(name, version, lineage.SHA256, record)
+    # the record and the gates are fooled, as before; the graph is not
+    assert [tampered[k].status for k in ("onnx", "lineage", "weights", "gates")] == ["ok"] * 4
+    detail = tampered["graph"].detail
+    assert tampered["graph"].status == "FAIL", detail
+    nodes = len(onnx.load(str(exported.onnx_path)).graph.node)
+    assert detail.startswith(
+        f"the registered ONNX is not what the weights export to: {nodes + 6} nodes, a fresh "
+        f"export's {nodes}: node {nodes - 2} is Gemm("
+    ), detail
+    assert "-> logits_clean where a fresh export has Gemm(" in detail
+    assert (
+        "operators beyond a fresh export's: Add +1, Cast +1, Equal +1, Mul +1, Reshape +1, Slice +1"
+        in detail
+    )
+    assert (
+        "6 initializer(s) a fresh export of the weights has not: bd_trigger, bd_push, bd_s3, "
+        "bd_e3, bd_axes, bd_shape" in detail
     )
 
 
@@ -626,36 +786,164 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
     rescued = export(trained["dir"])
     assert (
         rescued["promotion"]["promote"]
-        and "can't be loaded or run" in rescued["promotion"]["reason"]
-    )
+        and "@champion v4 can't be served: its graph can't be read"
+        in rescued["promotion"]["reason"]
+    ), rescued["promotion"]["reason"]
     assert champion() == rescued["model_version"] == "5"
 
 
-def test_a_champion_of_another_task_or_inputs_is_not_comparable(tmp_path):
-    from onnx import TensorProto, helper
+def contract_graph(
+    path: Path,
+    task: str = "regression",
+    input_name: str = "x",
+    dims=("batch", 3),
+    dtype=onnx.TensorProto.FLOAT,
+    labels=None,
+) -> Path:
+    """A one-node graph with the contract named: its input, output, task and labels."""
+    from onnx import helper
 
-    from pipeline.artifact.promotion import not_comparable
+    g = helper.make_graph(
+        [helper.make_node("Identity", [input_name], ["output"])],
+        "g",
+        [helper.make_tensor_value_info(input_name, dtype, list(dims))],
+        [helper.make_tensor_value_info("output", dtype, list(dims))],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    props = {lineage.TASK: task} | ({lineage.LABELS: json.dumps(labels)} if labels else {})
+    helper.set_model_props(m, props)
+    onnx.save(m, str(path))
+    return path
 
-    def graph(path: Path, task: str, input_name: str) -> Path:
-        g = helper.make_graph(
-            [helper.make_node("Identity", [input_name], ["output"])],
-            "g",
-            [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3])],
-            [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])],
+
+def test_the_input_output_contract_and_each_way_it_changed(tmp_path):
+    from pipeline.artifact.promotion import comparable, contract_changes, contract_of
+
+    def changes(**kw) -> list[str]:
+        return contract_changes(
+            contract_of(contract_graph(tmp_path / "a.onnx")),
+            contract_of(contract_graph(tmp_path / "b.onnx", **kw)),
         )
-        m = helper.make_model(g)
-        helper.set_model_props(m, {lineage.TASK: task})
-        onnx.save(m, str(path))
-        return path
 
-    mine = graph(tmp_path / "a.onnx", "regression", "x")
-    assert not_comparable(mine, graph(tmp_path / "b.onnx", "regression", "x")) == ""
-    assert "its task is classification" in not_comparable(
-        mine, graph(tmp_path / "c.onnx", "classification", "x")
+    assert changes() == []
+    # a dynamic axis is one whatever its name
+    assert changes(dims=("n", 3)) == []
+    assert changes(dims=("batch", 4)) == [
+        "input 'x': [-1,3] -> [-1,4]",
+        "output 'output': [-1,3] -> [-1,4]",
+    ]
+    assert changes(dtype=onnx.TensorProto.INT64)[0] == "input 'x': float32 -> int64"
+    assert changes(input_name="tokens")[:2] == ["input 'x' removed", "input 'tokens' added"]
+    assert changes(task="classification") == ["task: regression -> classification"]
+    relabelled = changes(labels=["cat", "dog", "eel"])
+    assert relabelled == ["class labels: (none) -> 3 [cat, dog, eel]"] and comparable(relabelled)
+    assert not comparable(changes(dims=("batch", 4)))
+
+
+def test_onnxruntimes_error_is_kept_whole(tmp_path):
+    """The newcomer's reason was onnxruntime's last line alone, "[' Please fix either the
+    inputs/outputs or the model.']": the line that says what was wrong came before it. A model
+    measured on inputs it can't take raises with the whole text, on one line."""
+    from pipeline.artifact import promotion
+
+    path = contract_graph(tmp_path / "fixed.onnx", dims=(2, 3))
+    np.savez(tmp_path / "inputs.npz", **{"0/x": np.zeros((2, 4), np.float32)})
+    with pytest.raises(promotion.MeasureError) as caught:
+        promotion.measure(path, tmp_path / "inputs.npz", [], Regression())
+    said = str(caught.value)
+    assert "Got invalid dimensions for input: x for the following indices" in said, said
+    assert "index: 1 Got: 4 Expected: 3" in said and said.endswith(
+        "Please fix either the inputs/outputs or the model."
     )
-    assert "its inputs are ['tokens']" in not_comparable(
-        mine, graph(tmp_path / "d.onnx", "regression", "tokens")
+    assert "\n" not in said
+
+
+def other_contract_weights(tmp_path: Path, store: str) -> Path:
+    """An untrained MLP on 3x4x4 random images (data.name=synthetic): the README's model name,
+    another input contract, as a newcomer's image-folder retrain gives (3x32x32 against 1x8x8)."""
+    cfg = load_config(
+        overrides=[
+            "data.name=synthetic",
+            "data.args={channels: 3, size: 4, samples: 80}",
+            "model.name=mlp",
+            "model.args={hidden: [8]}",
+            f"tracking.tracking_uri={store}",
+            f"tracking.experiment={EXPERIMENT}",
+        ]
     )
+    splits = build_data(cfg.data, cfg.task.name)
+    spec, _ = model_spec(cfg.model, splits, build_task(cfg.task, splits.classes))
+    torch.manual_seed(0)
+    weights = write_weights(
+        tmp_path / "other" / "consolidated",
+        instantiate_model(spec).eval(),
+        cfg,
+        spec,
+        splits.classes,
+        None,
+    )
+    meta = json.loads((weights / "model.json").read_text())
+    meta["inputs"] = [{"name": "input", "dtype": "float32", "shape": [3, 4, 4]}]
+    (weights / "model.json").write_text(json.dumps(meta))
+    return weights
+
+
+def test_a_retrain_with_another_input_contract_leaves_the_champion_and_says_why(
+    trained, store, tmp_path, caplog
+):
+    """The newcomer's friction 1: the README's config, retrained on the image-folder recipe's
+    3x32x32 images, took @champion from the 1x8x8 v1 ("the current @champion (v1) can't be
+    evaluated: measuring model.onnx failed: [' Please fix either the inputs/outputs or the
+    model.']"), and every client of v1 got 400s. v1 serves: it runs its own input example. Now the
+    candidate is registered as @challenger, the log and its description name the change and the way
+    out; with export.allow_contract_change=true it takes the alias, and v1's page and its run's
+    verdict say which version holds it now."""
+    name = "contract-digits"
+    client = mlflow.MlflowClient()
+    model = load_model(read_weights(trained["dir"]))
+    first = write_weights(
+        tmp_path / "first" / "consolidated",
+        model,
+        trained["cfg"],
+        trained["spec"],
+        trained["splits"].classes,
+        None,
+    )
+    naming = [f"export.registered_model_name={name}", "export.allow_below_baseline=true"]
+    v1 = main(first, tracking_uri=store, overrides=naming)
+    assert v1.model_version == "1" and v1.report["alias"] == "champion"
+    other = other_contract_weights(tmp_path, store)
+
+    caplog.set_level("INFO")
+    v2 = main(other, tracking_uri=store, overrides=naming)
+    decision = v2.report["promotion"]
+    assert v2.passed and v2.model_version == "2" and v2.report["alias"] == "challenger"
+    assert not decision["promote"] and "error" not in decision["champion"], decision
+    says = (
+        "the input/output contract differs from @champion v1's: input 'input': [-1,1,8,8] -> "
+        "[-1,3,4,4]; clients of @champion would break; register it under another name "
+        "(export.registered_model_name) or pass `export.allow_contract_change=true`"
+    )
+    assert decision["reason"] == says
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    assert f"not promoted: {says}" in caplog.text
+    assert "input 'input': [-1,1,8,8] -> [-1,3,4,4]" in caplog.text.split("not promoted: ")[0]
+    description = client.get_model_version(name, "2").description
+    assert "Why it holds \\@challenger: the input/output contract differs" in description
+
+    v3 = main(other, tracking_uri=store, overrides=[*naming, "export.allow_contract_change=true"])
+    assert v3.model_version == "3" and v3.report["alias"] == "champion", v3.report["promotion"]
+    assert "which export.allow_contract_change=true allows" in v3.report["promotion"]["reason"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+    held = client.get_model_version(name, "1")
+    assert "Why it held \\@champion: first model" in held.description, held.description
+    last = held.description.rsplit("\n\n", 1)[1]
+    assert last.startswith("\\@champion is on v3 since ") and last.endswith(
+        "This version no longer holds it."
+    ), last
+    verdict = client.get_run(held.run_id).data.tags[lineage.VERDICT]
+    assert verdict.startswith(f"{name} v1: @champion moved to v3 ("), verdict
 
 
 @pytest.mark.parametrize(

@@ -374,6 +374,7 @@ def test_cuda_graphs_are_refused_with_the_reason_where_they_cannot_run(tmp_path,
             device="cuda",
             gpu=GpuOptions(cuda_graphs=True),
             batch_buckets=BatchBuckets((1, 2, 4), cuda_only=True),
+            batching=True,
         )
 
 
@@ -652,7 +653,7 @@ def test_a_reloads_warm_up_runs_on_the_engine_thread_one_size_at_a_time(tmp_path
     server = serving_app.Server(Settings(model="models:/m@champion", max_batch_size=4), current)
     new = RecordingEngine(CUDA)
     try:
-        asyncio.run(server.warm_up_between_batches(LoadedModel(new, ModelInfo("m", "2", "x"))))
+        asyncio.run(server.warm_up.between_batches(LoadedModel(new, ModelInfo("m", "2", "x"))))
     finally:
         server.executor.shutdown(wait=True)
     assert [sizes for sizes, _ in new.calls] == [(4,), (1,), (2,), (3,)]

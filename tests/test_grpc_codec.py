@@ -27,7 +27,8 @@ from serving.grpc.codec import decode_infer, encode_infer
 
 
 def spec(name: str, dtype, datatype: str, shape: tuple[int, ...]) -> TensorSpec:
-    return TensorSpec(name, np.dtype(dtype), datatype, shape)
+    """A tensor of a batched model (its first axis the batch axis) when that axis is dynamic."""
+    return TensorSpec(name, np.dtype(dtype), datatype, shape, batched=shape[:1] == (-1,))
 
 
 INPUTS = [
@@ -636,10 +637,10 @@ REFUSALS = [
         "input 'x' names a shared memory region, which this request can't use here",
     ),
     (
-        "output classification",
+        "output classification of no classes",
         RAW,
-        lambda r: _set(r.outputs.add(name="probs").parameters["classification"], int64_param=2),
-        "output 'probs': parameters.classification asks for classification",
+        lambda r: _set(r.outputs.add(name="probs").parameters["classification"], string_param="2"),
+        "output 'probs': parameters.classification must be a whole number of classes, at least 1",
     ),
     ("long name cut short", RAW, lambda r: _set(r.inputs[0], name="n" * 5000), "nnn'..."),
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import re
 import select
 import shutil
@@ -18,7 +19,9 @@ import grpc
 import numpy as np
 import pytest
 import requests
+import tritonclient.grpc as triton_grpc
 from serving_fixtures import ServerProcess, free_port, heavy_model, metric, tiny_model
+from tritonclient.utils import InferenceServerException
 
 from serving.grpc import native, schema
 
@@ -535,3 +538,42 @@ def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
         finally:
             hog.close()
+
+
+@pytest.mark.parametrize("engine", ["native", "aio"])
+def test_an_object_shrunk_under_a_shared_memory_region_is_a_400_on_either_engine(
+    model, tmp_path, engine
+):
+    """A client shrinks (ftruncate) the object under its registered region, then asks for an inference from it
+    and for one into it: INVALID_ARGUMENT naming the region, and the server goes on (it died of SIGBUS); and
+    unregistering a name never registered succeeds, as Triton answers it."""
+    if engine == "native" and not native.available():
+        pytest.skip(native.WHY_NOT)
+    key = f"/trainserve-test-{os.getpid()}-shrunk-{engine}"
+    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
+            c = triton_grpc.InferenceServerClient(srv.grpc)
+            c.unregister_system_shared_memory("r1")
+            c.register_system_shared_memory("r1", key, 1 << 16)
+            x = triton_grpc.InferInput("input", [1, 1, 8, 8], "FP32")
+            x.set_shared_memory("r1", 256)
+            out = triton_grpc.InferRequestedOutput("probabilities")
+            out.set_shared_memory("r1", 12, 40960)
+            c.infer("tiny", [x], outputs=[out])
+            os.ftruncate(fd, 0)
+            for outputs in (None, [out]):
+                with pytest.raises(InferenceServerException) as caught:
+                    c.infer("tiny", [x], outputs=outputs)
+                assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+                assert "shared memory region 'r1'" in caught.value.message()
+                assert "holds 0 bytes now" in caught.value.message()
+            given = triton_grpc.InferInput("input", [1, 1, 8, 8], "FP32")
+            given.set_data_from_numpy(np.zeros((1, 1, 8, 8), np.float32))
+            assert c.infer("tiny", [given]).as_numpy("probabilities").shape == (1, 3)
+            assert srv.proc.poll() is None
+            c.unregister_system_shared_memory()
+    finally:
+        os.close(fd)
+        os.unlink("/dev/shm" + key)

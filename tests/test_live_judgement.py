@@ -1,8 +1,9 @@
 """After deployment, as a user lives it: a deliberately worse retrain becomes @challenger; a server with
 --shadow 1.0 answers every client from the champion while it judges the challenger on the same traffic,
 rejects it, and labels posted later give both models' live accuracy; drift stays low for real digits and
-rises for shifted ones; a retrain as good as the champion is judged `promote`, and `pipeline promote`
-moves the alias. Real torchrun training, a real MLflow registry, a real server, real HTTP clients."""
+rises for shifted ones; a retrain as good as the champion agrees on every request, is judged `promote` once the
+labeller's labels say it is as accurate, and `pipeline promote` moves the alias. Real torchrun training, a real
+MLflow registry, a real server, real HTTP clients."""
 
 from __future__ import annotations
 
@@ -127,10 +128,11 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
     images, labels = digits()
     with server:
         # Every client is answered by the champion (v1), and its answers are right.
-        correct = 0
+        correct, server_ids = 0, []
         for i, (image, label) in enumerate(zip(images, labels)):
             answer = ask(server.url, image, f"real-{i}")
             assert answer.headers["X-Model-Version"] == "1"
+            server_ids.append(answer.headers["X-Server-Request-Id"])
             correct += int(np.argmax(answer.json()["outputs"][1]["data"]) == label)
         assert correct / len(labels) > 0.9
         report = shadow_report(server.url, lambda r: r["pairs"] + r["dropped"] >= 300)
@@ -145,8 +147,9 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         assert (
             report["latency_ms"]["champion_p50"] > 0 and report["latency_ms"]["challenger_p50"] > 0
         )
-        # Labels that arrive later: both models' live accuracy on the same requests.
-        body = {"labels": [{"id": f"real-{i}", "target": int(y)} for i, y in enumerate(labels)]}
+        # Labels that arrive later, under the server's ids of the answers: both models' live accuracy on the
+        # same requests.
+        body = {"labels": [{"id": rid, "target": int(y)} for rid, y in zip(server_ids, labels)]}
         joined = requests.post(
             f"{server.url}/v2/models/{NAME}/feedback", json=body, timeout=30
         ).json()
@@ -191,19 +194,32 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         print(f"drift PSI: real validation digits {calm:.3f}, shifted by 0.5 sigma {moved:.3f}")
 
         # A retrain as good as the champion (the same run again: the same weights), kept as @challenger by
-        # export.promote=if_better; the server follows the alias, judges it on new traffic: promote.
+        # export.promote=if_better; the server follows the alias, judges it on new traffic: agreement alone
+        # leaves it undecided, the labeller's labels promote it.
         run_cli(
             ["run", *MLP, "train.epochs=3", "train.run_name=again", "export.promote=if_better"],
             cwd=workdir,
         )
         report = shadow_report(server.url, lambda r: r["challenger_version"] == "3", timeout=30)
         assert report["challenger_version"] == "3", report
-        for i, image in enumerate(images[:250]):
-            ask(server.url, image, f"again-{i}")
+        again = [ask(server.url, image, f"again-{i}") for i, image in enumerate(images[:250])]
         report = shadow_report(server.url, lambda r: r["pairs"] + r["dropped"] >= 250)
         assert (
-            report["pairs"] >= 200 and report["agreement"] == 1.0 and report["verdict"] == "promote"
+            report["pairs"] >= 200
+            and report["agreement"] == 1.0
+            and report["verdict"] == "undecided"
+            and "promoting takes labels" in report["reason"]
         ), report
+        body = {
+            "labels": [
+                {"id": answer.headers["X-Server-Request-Id"], "target": int(y)}
+                for answer, y in zip(again, labels)
+            ]
+        }
+        report = requests.post(
+            f"{server.url}/v2/models/{NAME}/feedback", json=body, timeout=30
+        ).json()["report"]
+        assert report["verdict"] == "promote" and report["decided_by"] == "labels", report
         print(
             "equal challenger:",
             {k: report[k] for k in ("pairs", "dropped", "agreement", "verdict", "reason")},

@@ -175,6 +175,7 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
                 "lineage",
                 "weights",
                 "checkpoint",
+                "graph",
                 "gates",
                 "data",
                 "server",

@@ -14,6 +14,7 @@ from serving_fixtures import tiny_model
 
 from pipeline import tracking
 from pipeline.artifact import promotion
+from serving import lineage
 
 ACCURACY_TAG = "test.accuracy"
 
@@ -125,3 +126,43 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
             holder, holder_accuracy = version, decision["candidate"]["accuracy"]
     assert holder == champion and holder_accuracy == 0.99
     assert not tracking.versions_tagged(name, promotion.TAG, promotion.PENDING)
+
+
+def test_when_pipeline_promote_moves_the_alias_both_versions_records_say_who_holds_what(
+    store, tmp_path
+):
+    """The newcomer's friction 8, as `pipeline promote` leaves it: v1's page said "Why it holds @champion"
+    and its run's verdict "v1 @champion" after @champion had moved. The two records `pipeline promote`
+    writes through (the same as export's): the old holder names the new one; the promoted version's
+    "Why it holds @challenger" and its run's verdict say it holds @champion now."""
+    import mlflow
+
+    name = "promoted-live"
+    esc = tracking.markdown_escaped
+    versions = {}
+    for seed, alias, why in ((1, "champion", "first model"), (2, "challenger", "worse")):
+        path = tiny_model(tmp_path / f"m{seed}.onnx", seed=seed)
+        with mlflow.start_run() as run:
+            uri = mlflow.onnx.log_model(
+                onnx.load(str(path)), name="model", pip_requirements=["onnxruntime"]
+            ).model_uri
+            version = tracking.register_version(uri, name, alias, {})
+            mlflow.set_tag(lineage.VERDICT, f"{name} v{version} @{alias}")
+        tracking.describe_version(name, version, f"gates\n\nWhy it holds {esc('@' + alias)}: {why}")
+        versions[alias] = (version, run.info.run_id)
+    tracking.move_alias(name, "champion", "2")
+    said = "pipeline promote: shadow verdict promote"
+    promotion.record_alias_moved(name, "champion", "1", "2", said)
+    promotion.record_alias_taken(name, "2", "challenger", "champion", said)
+
+    old = store.get_model_version(name, "1").description.replace("\\", "")
+    assert "Why it held @champion: first model" in old, old
+    assert old.rsplit("\n\n", 1)[1].startswith("@champion is on v2 since ")
+    assert old.endswith(f": {said}. This version no longer holds it."), old
+    verdict = store.get_run(versions["champion"][1]).data.tags[lineage.VERDICT]
+    assert verdict.startswith(f"{name} v1: @champion moved to v2 ("), verdict
+    new = store.get_model_version(name, "2").description.replace("\\", "")
+    assert "Why it held @challenger: worse" in new, new
+    assert store.get_run(versions["challenger"][1]).data.tags[lineage.VERDICT] == (
+        f"{name} v2 @champion ({said})"
+    )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_env
@@ -46,7 +47,7 @@ WITH_HELP = {"scripts/gpu-check"}  # scripts with an argparse --help (benchmarks
 READ_FOR_FLAGS = {"scripts/setup"}
 
 
-def chunks(text: str) -> list[str]:
+def chunks(text: str, inline: bool = True) -> list[str]:
     """Code: each line of a fenced block (backslash continuations joined), and each `inline span`."""
     found, block, pending = [], False, ""
     for line in text.splitlines():
@@ -58,7 +59,7 @@ def chunks(text: str) -> list[str]:
             if not line.endswith("\\"):
                 found.append(pending)
                 pending = ""
-        else:
+        elif inline:
             found += re.findall(r"`([^`]+)`", line)
     return found
 
@@ -275,3 +276,132 @@ def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path, m
         "```\n[e](inside-code.md)\n```\n## Here\n"
     )
     assert [b.split()[0] for b in broken_links(page)] == ["other.md#nope", "gone.md"]
+
+
+# --- the commands the docs show, as a user pastes them -------------------------------------------------------------
+
+PASTED = re.compile(r"^(?:\S*/)?pipeline\s+(run|train|data|config)(?=\s|$)")
+# What the docs' commands name as the user's own, and a fresh clone lacks: made by the test, each stand-in beside
+# the path it replaces. `s3://...` is the docs' "or a directory".
+STAND_INS = {
+    "s3://my-bucket/data/digits": "digits-shards",
+    "../shards/photos": "photo-shards",
+    "../photos": "photos",
+    "/data/fashion-mnist": "fashion-mnist",
+}
+# Commands shown that this test does not check, and where each is proven instead.
+PROVEN_ELSEWHERE = {
+    "mine.yaml": "tests/test_pipeline_run.py writes docs/own-model.md's my_project/ and mine.yaml and runs them",
+}
+
+
+def pasted_commands() -> list[tuple[str, str, str | None]]:
+    """(page, command, the error line the page shows it printing, if any) of every `pipeline run|train|data|config`
+    the README and docs/ show in a code block, as a user would paste it: the `$ ` prompt left out, `&&` chains
+    split; the comment after `#` is dropped by the shell."""
+    found = []
+    for readme in READMES:
+        lines = [re.sub(r"^\$\s+", "", c.strip()) for c in chunks(readme.read_text(), inline=False)]
+        for i, line in enumerate(lines):
+            for part in line.split("&&"):
+                match = PASTED.match(part.strip())
+                if match is None:
+                    continue
+                shown = lines[i + 1] if i + 1 < len(lines) else ""
+                error = shown if shown.startswith(f"pipeline {match[1]}: error:") else None
+                found.append((str(readme.relative_to(REPO)), part.strip(), error))
+    return found
+
+
+def stand_ins(root: Path) -> dict[str, str]:
+    """The user's own files the docs' commands name, made small under `root`: a folder of grey PNG digits in
+    class folders, the four Fashion-MNIST files (random pixels); shards are written by the docs' own
+    `pipeline data shard` commands."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from test_data import write_fashion
+
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:200], digits.target[:200])):
+        folder = root / "photos" / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 16).astype(np.uint8)).save(folder / f"{i:04d}.png")
+    (root / "fashion-mnist").mkdir()
+    write_fashion(root / "fashion-mnist", gz=False)
+    return {shown: str(root / made) for shown, made in STAND_INS.items()}
+
+
+def check_as_written(argv: list[str]) -> None:
+    """What `pipeline <argv>` checks before it starts anything, in this process: the config and its overrides,
+    the launch's rules, and the data, task and model components on real samples (pipeline/components/build.py:
+    preflight); `pipeline data shard` runs for real (it takes seconds), writing the shards later commands
+    train from."""
+    import argparse
+    import importlib
+
+    from pipeline import data_cli
+    from pipeline.cli import STAGES
+    from pipeline.components.build import preflight
+    from pipeline.config import check_runtime, load_config
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    importlib.import_module(STAGES[argv[0]][0]).add_arguments(parser)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_intermixed_args(argv[1:])
+    if argv[0] == "data":
+        data_cli.main(args.config, args.overrides, args.out)
+        return
+    cfg = load_config(args.config, args.overrides)
+    if argv[0] in ("run", "train"):
+        processes = args.nproc_per_node or 1
+        check_runtime(cfg, processes, False, processes)
+        preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
+
+
+def test_every_command_the_docs_show_passes_its_checks_as_written(tmp_path, monkeypatch):
+    """Each `pipeline run|train|data|config` the README and docs/ show, from the repository root as they say,
+    with a stand-in for the user's own files: a command that stops at its first check as written (the digits
+    config with `data.args.root=...`, which keeps the file's val_fraction) fails here. A command shown with its
+    error is run for real and must print that error."""
+    import shlex
+
+    from pipeline.errors import ConfigError, DataError
+
+    commands = pasted_commands()
+    pages = {page for page, _, _ in commands}
+    assert {"README.md", "docs/data.md", "docs/cli.md", "docs/own-model.md"} <= pages, pages
+    made = stand_ins(tmp_path)
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))  # `examples` is importable from the repository root
+    failed, elsewhere = [], set()
+    for page, command, error in commands:
+        argv = shlex.split(command, comments=True)[1:]
+        argv = [made.get(a, a) for a in argv]
+        argv = [re.sub(r"(?<=root: )[^,}]+", lambda m: made.get(m[0], m[0]), a) for a in argv]
+        argv = [re.sub(r"(?<==)\S+$", lambda m: made.get(m[0], m[0]), a) for a in argv]
+        if reason := next((why for key, why in PROVEN_ELSEWHERE.items() if key in argv), None):
+            elsewhere.add(reason)
+            continue
+        if error is not None:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pipeline", *argv],
+                cwd=REPO,
+                env=cli_env(),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if proc.returncode != 2 or proc.stderr.strip() != error:
+                failed.append(
+                    f"{page}: {command}\n  shows: {error}\n  prints: {proc.stderr.strip()}"
+                )
+            continue
+        try:
+            check_as_written(argv)
+        except (ConfigError, DataError, SystemExit) as exc:
+            failed.append(f"{page}: {command}\n  {type(exc).__name__}: {exc}")
+    assert not failed, "commands in the docs that fail as written:\n" + "\n".join(failed)
+    assert elsewhere == set(PROVEN_ELSEWHERE.values()), (
+        "PROVEN_ELSEWHERE names a command no page shows"
+    )

@@ -220,7 +220,7 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
         )
         async with server.lifespan():
             fresh = load_model(str(new), device="cpu", threads=1, name="dyn", version="2")
-            await server.warm_up_between_batches(
+            await server.warm_up.between_batches(
                 fresh
             )  # nothing answered yet: nothing to warm it with
             answer = await server.answer(
@@ -231,9 +231,9 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
                 follow_swap=True,
             )
             np.testing.assert_allclose(answer.results["total"], x.sum(axis=1))
-            await server.warm_up_between_batches(fresh)
+            await server.warm_up.between_batches(fresh)
             fresh.engine.close()
-            await server.warm_up_between_batches(
+            await server.warm_up.between_batches(
                 fresh
             )  # a warm-up that fails is said, the version not refused
 

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from serving import batcher
+from serving import batcher, placements
 from serving.batcher import Batcher, BatcherClosed, QueueFull
 from serving.runner import Runner
 from serving.staging import BatchBuffers, NonFinite, concat
@@ -427,9 +427,31 @@ X_OF_2_COLUMNS = types.SimpleNamespace(
 )  # a model's input
 
 
-def two_column_buffers() -> BatchBuffers:
-    """Two batch buffers of 8 rows for one FP32 input "x" of 2 columns (a model of that one input)."""
-    return BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=2)
+class TwoColumnBuffers(BatchBuffers):
+    """Two batch buffers of 8 rows for one FP32 input "x" of 2 columns (a model of that one input),
+    saying how many of them were free when the pool was closed (once every buffer was back)."""
+
+    def __init__(self):
+        super().__init__([X_OF_2_COLUMNS], capacity=8, count=2)
+        self.free_when_closed: int | None = None
+
+    def close(self) -> None:
+        self.free_when_closed = len(self._free)
+        super().close()
+
+
+def two_column_buffers() -> TwoColumnBuffers:
+    return TwoColumnBuffers()
+
+
+def where(buffers: BatchBuffers, feeds) -> tuple[int, int]:
+    """(buffer index, first row) of a run's feeds in `buffers`."""
+    x = feeds["x"]
+    for index, buffer in enumerate(buffers._buffers):
+        offset = x.ctypes.data - buffer["x"].ctypes.data
+        if 0 <= offset < buffer["x"].nbytes:
+            return index, offset // buffer["x"][0].nbytes
+    raise AssertionError("the run's rows are in no batch buffer")
 
 
 def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is_given_up(executor):
@@ -439,10 +461,10 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
     buffers = two_column_buffers()
     running = threading.Event()
 
-    def run_buffer(index, start, rows, free_up_to):
+    def run_gathered(feeds, rows):
         running.set()
         time.sleep(0.2)  # the model reading the rows meanwhile
-        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
+        return {"y": feeds["x"][:rows] * 2}
 
     async def main():
         b = Batcher(
@@ -452,7 +474,7 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
         )
         b.start()
         a, gone = b.arriving(rows=2), b.arriving(rows=2)
@@ -481,8 +503,8 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
     ~2,000 requests that held the event loop 12 ms."""
     buffers = two_column_buffers()
 
-    def run_buffer(index, start, rows, free_up_to):
-        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
+    def run_gathered(feeds, rows):
+        return {"y": feeds["x"][:rows] * 2}
 
     async def main():
         b = Batcher(
@@ -492,7 +514,7 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
         )
         b.start()
         for _ in range(5):  # copied into their places, and received into them
@@ -515,7 +537,7 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
         left = collections.Counter(
             type(o).__name__
             for o in gc.garbage
-            if isinstance(o, (batcher._Place, batcher._Group, batcher._Job))
+            if isinstance(o, (placements.Place, placements._Group, batcher._Job))
         )
     finally:
         gc.set_debug(0)
@@ -530,9 +552,9 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
     buffers = two_column_buffers()
     runs = []
 
-    def run_buffer(index, start, rows, free_up_to):
-        runs.append((start, rows))
-        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
+    def run_gathered(feeds, rows):
+        runs.append((where(buffers, feeds)[1], rows))
+        return {"y": feeds["x"][:rows] * 2}
 
     async def main():
         b = Batcher(
@@ -542,7 +564,7 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
         )
         b.start()
         gave_up = asyncio.create_task(b.submit({"x": np.full((2, 2), 9, np.float32)}, 2))
@@ -575,9 +597,9 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
         if merged_run_fails and (x == 4.0).any():
             raise RuntimeError("model failed")
 
-    def run_buffer(index, start, rows, free_up_to):
-        runs.append((index, start, rows))
-        x = buffers._buffers[index]["x"][start : start + rows]
+    def run_gathered(feeds, rows):
+        runs.append((*where(buffers, feeds), rows))
+        x = feeds["x"][:rows]
         if merged_run_fails and rows > 1 and len(buffers._free) == 1:
             buffers._buffers[buffers._free[0]]["x"][:] = (
                 99.0  # the free buffer takes another request's body in
@@ -598,7 +620,7 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
             arrival_wait_ms=200,
         )
         b.start()
@@ -624,7 +646,7 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
             for name, task in answers.items()
         }
         await b.close()
-        return out, b.queued_rows, len(buffers._free)
+        return out, b.queued_rows, buffers.free_when_closed
 
     out, queued, free = run(main())
     c_answer = "model failed" if merged_run_fails else [[8.0, 8.0]]
@@ -634,15 +656,16 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
 
 
 def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
-    from serving.batcher import _Group, _Place, _stranded
+    from serving.placements import DEAD, FILLED, RAN, RESERVED, Place, _Group, _stranded
 
     def buffer(*states: str, sealed: bool = True):
         """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not run) or "S"."""
         group = _Group(0)
         group.sealed = sealed
+        named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED, "S": RESERVED}
         for i, state in enumerate(states):
-            place = _Place(group, i, 1, {})
-            place.ran, place.dead = state == "ran", state == "dead"
+            place = Place(group, i, 1, {})
+            place.state = named[state]
             place.job = object() if state == "job" else None
             group.places.append(place)
         return group.places[states.index("S")]
@@ -694,8 +717,8 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
     pending and returned: the buffers were closed under the copy. It waits for the request, which is answered."""
     buffers = HeldCopies(held=lambda feeds: True)
 
-    def run_buffer(index, start, rows, free_up_to):
-        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
+    def run_gathered(feeds, rows):
+        return {"y": feeds["x"][:rows] * 2}
 
     async def main(other):
         b = Batcher(
@@ -705,7 +728,7 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
         )
         b.start()
         answer = asyncio.run_coroutine_threadsafe(
@@ -731,10 +754,10 @@ def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refuse
     buffers = HeldCopies(held=lambda feeds: np.isnan(feeds["x"]).any())
     running = threading.Event()
 
-    def run_buffer(index, start, rows, free_up_to):
+    def run_gathered(feeds, rows):
         running.set()
         time.sleep(0.6)
-        return {"y": buffers._buffers[index]["x"][start : start + rows] * 2}
+        return {"y": feeds["x"][:rows] * 2}
 
     async def main(other):
         b = Batcher(
@@ -744,7 +767,7 @@ def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refuse
             max_delay_ms=0,
             max_queue_rows=64,
             buffers=buffers,
-            run_buffer=run_buffer,
+            run_gathered=run_gathered,
         )
         b.start()
         ran = asyncio.create_task(b.submit({"x": np.full((1, 2), 3, np.float32)}, 1))

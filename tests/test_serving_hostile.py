@@ -6,6 +6,7 @@ sockets, real HTTP, all on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -215,7 +216,13 @@ def test_a_value_the_model_cannot_take_fails_its_own_request_only(models, tmp_pa
     """An id past the embedding (onnxruntime raises inside Gather) was a 500, and failed every request
     merged into the same batch. Now it is that request's 400, and the others are answered."""
     with ServerProcess(
-        "--model", str(models["gather"]), "--max-delay-ms", "300", log_path=tmp_path / "log"
+        "--model",
+        str(models["gather"]),
+        "--batching",
+        "gather=on",  # an embedding's rows are independent: its requests may share a run
+        "--max-delay-ms",
+        "300",
+        log_path=tmp_path / "log",
     ) as srv:
 
         def ask(i):
@@ -285,6 +292,49 @@ def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(tiny_server):
         == 0
     )
     assert "Traceback" not in tiny_server.log()
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of a process and its children (/proc/PID/status VmRSS), in MiB."""
+    total, todo = 0, [pid]
+    while todo:
+        each = todo.pop()
+        with open(f"/proc/{each}/status") as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        for task in os.listdir(f"/proc/{each}/task"):
+            with open(f"/proc/{each}/task/{task}/children") as f:
+                todo += [int(child) for child in f.read().split()]
+    return total / 1024
+
+
+def test_request_heads_alone_cost_the_server_no_memory_for_their_bodies(tiny_server):
+    """The review's F2: a head declaring a 16 MiB body made the server allocate it, zero-filled, until the read
+    timeout (40 connections: +642 MiB, no body byte sent). Here 40 such heads (a JSON body, a binary V2 body
+    whose JSON header is that long, an /invocations body) raise the server's memory by less than 100 MiB, and
+    bodies that do arrive are answered."""
+    heads = [
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Type: application/json\r\n",
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Type: application/octet-stream\r\n"
+        b"Inference-Header-Content-Length: 16777216\r\n",
+        b"POST /invocations HTTP/1.1\r\nContent-Type: application/json\r\n",
+    ]
+    before = rss_mib(tiny_server.proc.pid)
+    held = []
+    try:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", tiny_server.port))
+            s.sendall(heads[i % 3] + b"Host: 127.0.0.1\r\nContent-Length: 16777216\r\n\r\n")
+            held.append(s)
+        time.sleep(1.0)
+        grown = rss_mib(tiny_server.proc.pid) - before
+        assert grown < 100, f"+{grown:.0f} MiB for 40 heads declaring 16 MiB each"
+        r = requests.post(
+            tiny_server.url + "/v2/models/tiny/infer", json={"inputs": [fp32([1, 1, 8, 8], IMAGE)]}
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        for s in held:
+            s.close()
 
 
 def test_idle_and_slow_connections_cannot_hold_the_server_off(models, tmp_path):

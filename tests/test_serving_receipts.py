@@ -332,6 +332,8 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
         "2",
         "--max-delay-ms",
         "10000",
+        "--batching",
+        "affine=on",  # a hand-made model: its rows are independent, said here
         "--payload-log",
         str(payloads),
         "--payload-log-mlflow",

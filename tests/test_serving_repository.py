@@ -526,6 +526,7 @@ def test_every_series_is_labelled_by_model_and_version_with_queue_and_compute_ti
     assert metric(text, "trainserve_queue_rows", model="tiny", version="2") == 0
     assert requests.get(server.url + "/v2", headers=auth()).json()["extensions"] == [
         "binary_tensor_data",
+        "classification",
         "model_configuration",
         "model_repository",
         "statistics",

@@ -17,8 +17,10 @@ from conftest import REPO
 CONSTRAINTS = REPO / ".venv" / "constraints.txt"
 
 
-def fake_wheel(directory: Path, name: str, version: str, requires: list[str] = ()) -> Path:
-    """The smallest wheel pip's resolver accepts: metadata only."""
+def fake_wheel(
+    directory: Path, name: str, version: str, requires: list[str] = (), files: dict[str, str] = {}
+) -> Path:
+    """The smallest wheel pip's resolver accepts: metadata, and `files` ({path in the wheel: text})."""
     dist_info = f"{name}-{version}.dist-info"
     path = directory / f"{name}-{version}-py3-none-any.whl"
     metadata = "".join(
@@ -33,6 +35,8 @@ def fake_wheel(directory: Path, name: str, version: str, requires: list[str] = (
             f"{dist_info}/WHEEL",
             "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         )
+        for inside, text in files.items():
+            whl.writestr(inside, text)
         whl.writestr(f"{dist_info}/RECORD", "")
     return path
 

@@ -43,7 +43,7 @@ def shards(tmp_path_factory):
         ["data", "shard", "--config", str(TINY), "--out", str(out), *ROWS], cwd=out.parent
     )
     assert "train 1438 samples in 5 shards (29 row groups)" in proc.stdout, proc.stdout
-    assert f"data.name=sharded data.args.root={out}" in proc.stdout
+    assert f"data.name=sharded 'data.args={{root: {out}}}'" in proc.stdout
     return out
 
 

@@ -4,6 +4,7 @@ process behind (they used to keep serving the port after the command was gone)."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,3 +58,40 @@ def test_a_signal_to_pipeline_ui_stops_every_process_it_started(sig, tmp_path):
                 process.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+TRAINED = """
+import mlflow
+from pipeline import tracking
+from pipeline.config import TrackingConfig
+
+tracking.setup(TrackingConfig(experiment="photos"))
+with mlflow.start_run(run_name="photos-resnet18-run"):
+    for step, accuracy in ((10, 0.61), (20, 0.934)):
+        mlflow.log_metrics({"val/accuracy": accuracy, "train/loss": 1 - accuracy}, step=step)
+    mlflow.log_metrics({"best/val_accuracy": 0.934, "best/step": 20}, step=20)
+"""
+
+
+@pytest.mark.slow
+def test_pipeline_ui_prints_once_it_answers_an_address_that_lists_the_training_runs(tmp_path):
+    """The address `pipeline ui` prints opens the training runs of the experiment trained last, with the
+    metric its best checkpoint was chosen by as a column, in MLflow's model-training mode: not MLflow 3's GenAI
+    traces page, and not its home page. MLflow's start-up chatter stays out of the terminal."""
+    import browser
+
+    browser.chromium()  # (skips here, not half-way, where it can't be installed)
+    subprocess.run(
+        [sys.executable, "-c", TRAINED], cwd=tmp_path, env=cli_env(), check=True, timeout=120
+    )
+    with browser.mlflow_ui(tmp_path):
+        address = browser.printed_address(tmp_path)
+        text, _ = browser.page(address, "mlflow-ui-address")
+    assert "/#/experiments/1/runs?" in address and "workflowType=machine_learning" in address
+    assert "photos-resnet18-run" in text and re.search(r"\bval/accuracy\b.*\b0\.934\b", text), text
+    assert "Model training" in text and not re.search(
+        r"No data available|Detect Issues|Training runs", text
+    ), text[:3000]
+    said = (tmp_path / "ui.log").read_text()
+    assert not re.search(r"Registry store URI|Security middleware|Warning|INFO", said), said
+    assert len(said.splitlines()) == 2, said  # starting, then the address

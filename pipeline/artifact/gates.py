@@ -13,6 +13,10 @@ near zero and would fail for nothing. Outputs a task adds (`probabilities`) are 
 for the fp16 variant), and where the task decides by an argmax over axis 1 (a class per sample or
 per pixel) the decisions must agree.
 
+An image model's recorded preprocessing (how a server turns an image file into its input) is proven on the
+validation split's own image files: decoded and transformed as a server does, they give the tensors training fed
+the model (`preprocessing`).
+
 The task's primary metric is computed on the whole validation split twice, through onnxruntime and
 through PyTorch, streaming batch by batch (the split need not fit in memory), and the two must agree
 within the export's tolerance.
@@ -20,7 +24,9 @@ within the export's tolerance.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +36,13 @@ import torch
 
 from pipeline.components.data import first_batch, named
 from pipeline.distributed.process_group import DistInfo
+from pipeline.errors import DataError
 from pipeline.tools.logs import clip, first_line
 
 PARITY_BATCHES = (1, 7, 64)
+# The served transform of an image file against training's tensor (the same float32 computation, in numpy both
+# times: 0 but for a library that rounds otherwise).
+PREPROCESSING_ATOL = 1e-6
 VAL_BATCH = 64
 # fp16 keeps ~3 decimal digits: outputs of magnitude ~10 move by ~1e-2, so the fp16 variant's first
 # output is held to scaled limits; a classifier's probabilities and decisions carry its gate.
@@ -91,6 +101,80 @@ def check_model(path: Path) -> dict:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return {"passed": False, "message": f"onnx.checker failed: {first}"}
     return {"passed": True, "message": "onnx.checker.check_model(full_check=True) passed"}
+
+
+def preprocessing(onnx_path: Path, val) -> dict[str, dict]:
+    """{"preprocessing": gate} for a file that records how an image file becomes its input (serving/images.py):
+    the validation split's own image files (its `source_images()`), decoded and transformed as a server of this
+    file does, must give the tensors training fed the model for those samples, within PREPROCESSING_ATOL. {} for a
+    file that records none."""
+    from serving import images
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    try:
+        found = images.recorded({p.key: p.value for p in model.metadata_props})
+    except ValueError as exc:
+        return {"preprocessing": {"passed": False, "message": f"the file's record: {exc}"}}
+    if found is None:
+        return {}
+    name, served = found
+    try:
+        files = val.source_images() if hasattr(val, "source_images") else []
+    except DataError as exc:
+        files, missing = [], str(exc)
+    else:
+        missing = "the validation data gives no image files (its `source_images()`) to prove it on"
+    # files of a format a server does not decode (TIFF) prove nothing of what it serves
+    skipped = [f for f in files if f[1].lower() not in images.SUFFIXES]
+    files = [f for f in files if f[1].lower() in images.SUFFIXES]
+    if not files:
+        if skipped:
+            missing = (
+                f"none of the validation data's {len(skipped)} image files is of a format a server decodes "
+                f"({', '.join(images.FORMATS)})"
+            )
+        return {"preprocessing": {"passed": False, "message": missing}}
+    worst, worst_at, problems = 0.0, None, []
+    for index, suffix, data in files:
+        trained = named(val[index][0])[name].numpy()
+        try:
+            got = images.tensor(served, data)
+        except ValueError as exc:
+            problems.append(f"sample {index} ({suffix}) is a file a server can't decode: {exc}")
+            continue
+        if got.shape != trained.shape:
+            problems.append(
+                f"sample {index}: the server makes {list(got.shape)}, training fed {list(trained.shape)}"
+            )
+            continue
+        diff = float(np.max(np.abs(got.astype(np.float64) - trained))) if got.size else 0.0
+        if not diff <= worst:
+            worst, worst_at = diff, index
+    if not problems and worst > PREPROCESSING_ATOL:
+        problems.append(
+            f"the server's tensors differ from training's by up to {worst:.4g} (> {PREPROCESSING_ATOL:g}, "
+            f"sample {worst_at}): the file records {json.dumps(served.to_json())}, which is not how training "
+            "made its inputs"
+        )
+    gate = {
+        "passed": not problems,
+        "images": len(files),
+        "skipped": len(skipped),
+        "max_abs": worst,
+        "atol": PREPROCESSING_ATOL,
+        "preprocessing": served.to_json(),
+    }
+    if problems:
+        return {"preprocessing": gate | {"message": "; ".join(problems[:3])}}
+    return {
+        "preprocessing": gate
+        | {
+            "message": f"{len(files)} validation image files, decoded and transformed as a server does with "
+            f"the preprocessing the file records, give the tensors training fed the model (max abs diff "
+            f"{worst:.2g} <= {PREPROCESSING_ATOL:g})"
+            + (f"; {len(skipped)} of a format a server does not decode left out" if skipped else "")
+        }
+    }
 
 
 def feeds_of(inputs) -> dict[str, np.ndarray]:
@@ -320,6 +404,36 @@ def parity_batches(
                     "with another one (same length in the data)",
                 }
     return batches, failed
+
+
+def rows_independent(head: torch.nn.Module, batches, atol: float, rtol: float) -> dict:
+    """Whether the model's rows are its samples' own, which the server's batching rests on: at each parity batch
+    size (b1, b7, b64: the first validation samples, so a smaller batch is the first rows of a larger one), every
+    output's first axis is the batch size, and a smaller batch's outputs are the larger one's first rows within
+    atol/rtol. Checked on the PyTorch model; the parity gates hold the graph to it at each of those sizes."""
+    sizes = sorted(int(label[1:]) for label in batches if re.fullmatch(r"b[0-9]+", label))
+    outputs = {size: run_torch(head, batches[f"b{size}"]) for size in sizes}
+    misses = [
+        f"{name} of shape {list(out.shape)} at batch {size}"
+        for size, found in outputs.items()
+        for name, out in found.items()
+        if not out.ndim or len(out) != size
+    ]
+    for small, large in zip(sizes, sizes[1:]):
+        if misses:
+            break
+        first = {name: out[:small] for name, out in outputs[large].items()}
+        found = compare(first, outputs[small], atol, rtol)
+        if not found["passed"]:
+            misses.append(f"the first {small} rows at batch {large} differ: {found['message']}")
+    independent = not misses and len(sizes) > 1
+    return {
+        "independent": independent,
+        "batch_sizes": sizes,
+        "message": f"rows independent at batch sizes {', '.join(map(str, sizes))}"
+        if independent
+        else f"rows not independent: {'; '.join(misses) or 'fewer than two batch sizes'}",
+    }
 
 
 def _resized(array: np.ndarray, axes: list[int], length: int) -> np.ndarray:

@@ -386,3 +386,185 @@ def _summary(exc: BaseException) -> str:
     head = lines[0] if lines else ""
     suffix = f" [operators: {', '.join(ops)}]" if ops else ""
     return f"{type(exc).__name__}: {clip(head, 300)}{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A registered graph against a fresh export of the same weights (`pipeline verify`)
+#
+# What the dynamo exporter does to the weights here, so that they can't be compared with
+# model.safetensors one to one: an initializer is named `model.<state_dict key>` (ExportHead holds
+# the model as `model`), a Linear's weight keeps its [out, in] layout (Gemm transB=1); onnxscript's
+# optimizer folds each BatchNorm into the Conv before it (the Conv's weight name then holds W *
+# gamma / sqrt(var + eps), and a bias appears) and folds shapes and axes into constants (`val_<n>`).
+# So the proof is a fresh export of the weights, which is deterministic (the same bytes from one
+# process to the next), compared node for node.
+
+
+def dynamic_axes_of(model: onnx.ModelProto, input_names: list[str]) -> dict[str, list[int]]:
+    """The dynamic axes besides the batch that a graph's inputs declare (a symbolic dimension), as
+    `export.dynamic_axes` names them: what a fresh export of the same model must be given to match
+    it."""
+    axes: dict[str, list[int]] = {}
+    for value in model.graph.input:
+        if value.name in input_names:
+            dims = value.type.tensor_type.shape.dim
+            found = [a for a, d in enumerate(dims) if a > 0 and not d.HasField("dim_value")]
+            if found:
+                axes[value.name] = found
+    return axes
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def graph_difference(registered: Path, fresh: Path, shown: int = 6) -> list[str]:
+    """How the computation of the ONNX file `registered` differs from that of `fresh` (nothing: []):
+    the opsets, the graph's inputs and outputs (names, dtypes, shapes), every node in order (its
+    operator, its attributes and which values it connects) and every initializer by name, its dtype,
+    shape and bytes. The names of the values between nodes count only by where they are made and
+    used, so a renamed intermediate is no difference; metadata, doc strings and node names are not
+    compared. Weights in an external data file are hashed from that file, a tensor at a time."""
+    a, b = _canonical(registered), _canonical(fresh)
+    found: list[str] = []
+    if a.opsets != b.opsets:
+        found.append(f"opsets {a.opsets}, a fresh export's {b.opsets}")
+    for what in ("inputs", "outputs"):
+        if getattr(a, what) != getattr(b, what):
+            found.append(f"{what} {getattr(a, what)}, a fresh export's {getattr(b, what)}")
+    if a.nodes != b.nodes:
+        i = next(
+            (i for i, (x, y) in enumerate(zip(a.nodes, b.nodes)) if x != y),
+            min(len(a.nodes), len(b.nodes)),
+        )
+        first = (
+            f"node {i} is {a.described[i]}" if i < len(a.nodes) else f"node {i} is missing"
+        ) + (
+            f" where a fresh export has {b.described[i]}"
+            if i < len(b.nodes)
+            else ", past the fresh export's last"
+        )
+        found.append(f"{len(a.nodes)} nodes, a fresh export's {len(b.nodes)}: {first}")
+        ops = _counted([n[1] for n in a.nodes], [n[1] for n in b.nodes])
+        if ops:
+            found.append(f"operators beyond a fresh export's: {ops}")
+    extra = [k for k in a.tensors if k not in b.tensors]
+    missing = [k for k in b.tensors if k not in a.tensors]
+    changed = [k for k in a.tensors if k in b.tensors and a.tensors[k] != b.tensors[k]]
+    for count, names, says in (
+        (len(extra), extra, "a fresh export of the weights has not"),
+        (len(missing), missing, "missing that a fresh export has"),
+        (len(changed), changed, "whose dtype, shape or values differ from a fresh export's"),
+    ):
+        if count:
+            listed = ", ".join(names[:shown]) + (", ..." if count > shown else "")
+            found.append(f"{count} initializer(s) {says}: {listed}")
+    return found
+
+
+def _counted(mine: list[str], theirs: list[str]) -> str:
+    """The operators `mine` has more of than `theirs`, with how many more."""
+    from collections import Counter
+
+    more = Counter(mine) - Counter(theirs)
+    return ", ".join(f"{op} +{n}" for op, n in sorted(more.items()))
+
+
+@dataclass
+class _Canonical:
+    opsets: list[tuple[str, int]]
+    inputs: list[tuple]
+    outputs: list[tuple]
+    nodes: list[tuple]
+    # each node with the graph's own names, to say where they differ
+    described: list[str]
+    # initializer name -> (dtype, dims, sha256 of the bytes)
+    tensors: dict[str, tuple]
+
+
+def _canonical(path: Path) -> _Canonical:
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    # Inputs, outputs and initializers keep their names (the exporter's are the state_dict's,
+    # deterministic).
+    boundary = {v.name for v in [*graph.input, *graph.output, *graph.initializer]}
+    canonical: dict[str, str] = {}
+
+    def name(value: str) -> str:
+        if value == "" or value in boundary:
+            return value
+        if value not in canonical:
+            canonical[value] = f"%{len(canonical)}"
+        return canonical[value]
+
+    nodes, described = [], []
+    for node in graph.node:
+        attributes = tuple(sorted((x.name, x.SerializeToString()) for x in node.attribute))
+        nodes.append(
+            (
+                node.domain or "",
+                node.op_type,
+                tuple(name(v) for v in node.input),
+                tuple(name(v) for v in node.output),
+                attributes,
+            )
+        )
+        described.append(f"{node.op_type}({', '.join(node.input)}) -> {', '.join(node.output)}")
+    tensors = {
+        t.name: (t.data_type, tuple(t.dims), _tensor_sha256(t, path)) for t in graph.initializer
+    }
+
+    def values(vs) -> list[tuple]:
+        return [
+            (
+                v.name,
+                v.type.tensor_type.elem_type,
+                tuple(
+                    d.dim_value if d.HasField("dim_value") else "?"
+                    for d in v.type.tensor_type.shape.dim
+                ),
+            )
+            for v in vs
+        ]
+
+    return _Canonical(
+        sorted((o.domain or "", o.version) for o in model.opset_import),
+        values(graph.input),
+        values(graph.output),
+        nodes,
+        described,
+        tensors,
+    )
+
+
+def _tensor_sha256(tensor: onnx.TensorProto, path: Path) -> str:
+    """The sha256 of a tensor's bytes: inline, or read from the external data file beside `path`
+    (only a plain file name there is followed: a location is the graph's word, not ours)."""
+    import hashlib
+
+    from onnx import numpy_helper
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    digest = hashlib.sha256()
+    if not uses_external_data(tensor):
+        digest.update(
+            tensor.raw_data
+            if tensor.HasField("raw_data")
+            else numpy_helper.to_array(tensor).tobytes()
+        )
+        return digest.hexdigest()
+    info = ExternalDataInfo(tensor)
+    if Path(info.location).name != info.location or info.location in ("", ".", ".."):
+        return f"(external data at {info.location!r}, outside the graph's directory)"
+    data = path.parent / info.location
+    offset = int(info.offset or 0)
+    length = int(info.length) if info.length is not None else max(0, data.stat().st_size - offset)
+    with open(data, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            chunk = f.read(min(length, 1 << 20))
+            if not chunk:
+                return "(external data shorter than the graph says)"
+            digest.update(chunk)
+            length -= len(chunk)
+    return digest.hexdigest()

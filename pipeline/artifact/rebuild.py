@@ -134,8 +134,9 @@ def run_gates(
 
 
 def gate_file(onnx_path: Path, ref: Reference, cfg) -> dict[str, dict]:
-    """Every gate export runs on the CPU provider, on a saved ONNX file: the checker, the dynamic axes, parity
-    and the metric. What `pipeline verify` re-runs on a registered version."""
+    """Every gate export runs on the CPU provider, on a saved ONNX file: the checker, the dynamic axes, an image
+    model's preprocessing, parity and the metric. What `pipeline verify` re-runs on a registered version."""
     batches, axes_failed = gates.parity_batches(ref.splits.val, cfg.dynamic_axes, ref.head)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
+    results |= gates.preprocessing(onnx_path, ref.splits.val)
     return results | run_gates(gates.session(onnx_path), ref, batches, cfg)

@@ -13,9 +13,11 @@
     run_dir.py       one owner per run directory
     shard_stream.py  DCP shards read a tensor at a time (consolidation's bounded memory)
 
-What the stages use is named here: the layout's functions, and the format-independent save and load.
+What the stages use is named here: the layout's functions, the format-independent save and load, and the
+process's random generators as a checkpoint holds them (rng_state, set_rng_state).
 """
 
+from pipeline.checkpoint.dcp_read import rng_state, set_rng_state  # noqa: F401
 from pipeline.checkpoint.formats import load, save  # noqa: F401
 from pipeline.checkpoint.layout import (  # noqa: F401
     MARKER,
@@ -47,7 +49,9 @@ __all__ = [
     "list_complete",
     "load",
     "read_meta",
+    "rng_state",
     "save",
+    "set_rng_state",
     "set_aside_after",
     "step_dir_name",
     "verify_checksums",

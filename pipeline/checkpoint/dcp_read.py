@@ -45,18 +45,28 @@ def single_process_quiet():
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's generators, each whole: torch's CPU generator and this rank's CUDA device's (which
+    also carries DTensor's random ops: torch's tensor-parallel RNG tracker keeps its offsets in it, no state
+    of its own), numpy's global MT19937 with its cached Gaussian, Python's `random` with its own
+    (`python_gauss`: [1, value] when random.gauss holds the second of a pair, else [0, 0])."""
     np_state = np.random.get_state()
+    python_version, python_keys, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
         "numpy_pos": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
         "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
-        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
+        "python": torch.tensor(python_keys, dtype=torch.int64),
+        "python_gauss": torch.tensor(
+            [0.0, 0.0] if gauss_next is None else [1.0, gauss_next], dtype=torch.float64
+        ),
         **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}),
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Sets the generators `state` holds (rng_state's keys; a checkpoint from before `python_gauss`
+    leaves Python's cached Gaussian empty)."""
     torch.set_rng_state(state["torch"])
     pos, has_gauss = (int(v) for v in state["numpy_pos"])
     np.random.set_state(
@@ -68,7 +78,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
             float(state["numpy_gauss"][0]),
         )
     )
-    random.setstate((3, tuple(int(v) for v in state["python"]), None))
+    held, value = state.get("python_gauss", torch.zeros(2, dtype=torch.float64)).tolist()
+    random.setstate((3, tuple(int(v) for v in state["python"]), value if held else None))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

@@ -6,10 +6,13 @@ The contract (README, "Train your own model"): `data.component(**data.args)` ret
 `check_target`: an int64 class index for classification, a float tensor for regression, an H x W
 mask for segmentation, a tensor or a dict/tuple of tensors for custom). The
 training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
-the model: input sizes, normalization statistics). Data sets need not fit in memory: every stage
-reads them through a DataLoader with `data.num_workers` and the default collate, which stacks the items
-of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of items
--> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
+the model: input sizes, normalization statistics), and images may carry `preprocessing` (how an image file
+becomes the lone input: serving/images.py; export records it with the model, so that a server takes image files;
+its validation set then gives `source_images()`, (index, file suffix, file bytes) of samples spread over it, the
+files their inputs were made from, which an export gate proves the recorded transform on). Data sets need not fit
+in memory: every stage reads them through a DataLoader with `data.num_workers` and the default collate, which
+stacks the items of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of
+items -> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
 
 A lone tensor input is named `input` wherever a name is needed (the ONNX graph, the server); dict
 inputs keep their keys and reach the model as keyword arguments, `model(**inputs)`.
@@ -30,9 +33,11 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
+from pipeline.components.random_streams import WorkerSeeded, loader_generator
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
 from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
+from serving.images import Preprocessing
 
 INPUT_NAME = "input"
 EVAL_BATCH = 256
@@ -80,6 +85,9 @@ class Splits:
     model_hints: dict[str, Any] = field(default_factory=dict)  # the training set's `model_args`
     inputs: list[InputSpec] = field(default_factory=list)
     single_input: bool = True  # a lone tensor (named `input`), not a dict
+    # How an image file became the lone input (serving/images.py), when the data says: export records it with the
+    # model, and a server then takes image files for it.
+    preprocessing: Preprocessing | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -130,6 +138,13 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
             f"model, got {type(hints).__name__}"
         )
 
+    preprocessing = getattr(train, "preprocessing", None)
+    if preprocessing is not None and not isinstance(preprocessing, Preprocessing):
+        raise DataError(
+            f"{where}: the training set's `preprocessing` must be a serving.images.Preprocessing, got "
+            f"{type(preprocessing).__name__}"
+        )
+
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
         items = {}
@@ -149,7 +164,28 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     single = torch.is_tensor(val_inputs)
     named = {INPUT_NAME: val_inputs} if single else val_inputs
     specs = [InputSpec(name, t.dtype, tuple(t.shape)) for name, t in named.items()]
-    return Splits(train, val, classes, dict(hints), specs, single)
+    if preprocessing is not None:
+        _check_preprocessing(preprocessing, val_inputs, where)
+    return Splits(train, val, classes, dict(hints), specs, single, preprocessing)
+
+
+def _check_preprocessing(found: Preprocessing, val_inputs, where: str) -> None:
+    """The training set's `preprocessing` (how an image file becomes its lone input) makes the inputs it
+    describes."""
+    if not (
+        torch.is_tensor(val_inputs)
+        and val_inputs.dtype == torch.float32
+        and tuple(val_inputs.shape) == found.shape
+    ):
+        got = (
+            f"{str(val_inputs.dtype).removeprefix('torch.')} {list(val_inputs.shape)}"
+            if torch.is_tensor(val_inputs)
+            else f"inputs {sorted(val_inputs)}"
+        )
+        raise DataError(
+            f"{where}: the training set's `preprocessing` makes float32 {list(found.shape)} from an image, but "
+            f"a sample's input is {got}; it describes a lone float32 input, made by it"
+        )
 
 
 def _spread(n: int, count: int = 8) -> list[int]:
@@ -404,7 +440,12 @@ def make_train_loader(
     so the union of all ranks' k-th batches is perm[k*B:(k+1)*B] whatever the world size: the same
     global batches for 1, 2 or 8 processes, which is what makes a resume at another world size exact.
     `drop_last` on both, so every step sees a full global batch. torchdata's StatefulDataLoader
-    keeps the position inside the epoch for checkpoints.
+    keeps the position inside the epoch for checkpoints, and the workers' base seed with it (rank 0's
+    state stands for every rank's: the loader's own generator, random_streams.py, is seeded alike on all).
+    Its workers seed their generators before each batch from the batch (WorkerSeeded), so the ranks draw
+    apart on their own batches, and the ranks of a tensor-parallel group or a pipeline, which read one
+    batch, draw alike; unless the data set keeps a state of its own (state_dict), which torchdata then
+    saves per worker as it is.
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -421,6 +462,7 @@ def make_train_loader(
             pin_memory,
             collate_of(dataset),
             info or DistInfo.cpu_alone(),
+            seed,
         )
     if isinstance(dataset, IterableDataset):  # a sharded stream
         if len(dataset) < global_batch:
@@ -444,7 +486,9 @@ def make_train_loader(
         # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
         # would fork (and warm up) the workers anew.
         return StatefulDataLoader(
-            dataset,
+            WorkerSeeded(dataset)
+            if num_workers > 0 and not own_stream.is_stateful(dataset)
+            else dataset,
             batch_size=batch_size_per_rank,
             sampler=sampler,
             drop_last=True,
@@ -452,6 +496,7 @@ def make_train_loader(
             pin_memory=pin_memory,
             collate_fn=collate_of(dataset),
             persistent_workers=num_workers > 0,
+            generator=loader_generator(seed),
         )
 
 
@@ -464,7 +509,8 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
 def eval_loader(
     dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
-    """In order, every sample once, the last batch partial."""
+    """In order, every sample once, the last batch partial; its own generator (loader_generator), the
+    same for every evaluation."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -472,15 +518,20 @@ def eval_loader(
         num_workers=num_workers,
         collate_fn=collate_of(dataset),
         pin_memory=pin_memory,
+        generator=loader_generator(0),
     )
 
 
 def first_batch(dataset: Dataset, rows: int):
     """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
     indices = [i % len(dataset) for i in range(rows)]
-    return next(
-        iter(DataLoader(Subset(dataset, indices), batch_size=rows, collate_fn=collate_of(dataset)))
+    loader = DataLoader(
+        Subset(dataset, indices),
+        batch_size=rows,
+        collate_fn=collate_of(dataset),
+        generator=loader_generator(0),
     )
+    return next(iter(loader))
 
 
 def split_digest(
@@ -615,8 +666,14 @@ def leaves(value: Any) -> list[torch.Tensor]:
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it)."""
-    (loader if hasattr(loader, "set_epoch") else loader.sampler).set_epoch(epoch)
+    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it), and
+    the epoch its workers seed each batch with (WorkerSeeded)."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+        return
+    loader.sampler.set_epoch(epoch)
+    if isinstance(loader.dataset, WorkerSeeded):
+        loader.dataset.set_epoch(epoch)
 
 
 def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeline.components.random_streams import loader_generator
 from pipeline.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,17 @@ def first_items(dataset, count: int) -> list:
 
 
 class OwnStreamLoader:
-    def __init__(self, dataset, batch: int, workers: int, pin_memory: bool, collate_fn, info):
+    """Batches of the stream on this rank. Its workers' base seed comes from a generator of its own,
+    re-seeded from (seed, rank, epoch) at each epoch: a function of the epoch alone, so a resume's epochs
+    draw the seeds the uninterrupted run's did (torchdata restores the seed of the epoch it resumes in)."""
+
+    def __init__(
+        self, dataset, batch: int, workers: int, pin_memory: bool, collate_fn, info, seed: int = 0
+    ):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self.dataset, self.batch, self.workers, self.info = dataset, batch, workers, info
-        self.epoch = 0
+        self.seed, self.epoch = seed, 0
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             # Workers forked each epoch (not persistent): each takes the epoch `set_epoch` gave the stream.
@@ -83,6 +90,7 @@ class OwnStreamLoader:
                 collate_fn=collate_fn,
                 pin_memory=pin_memory,
                 drop_last=True,
+                generator=loader_generator(seed, info.rank, 0),
             )
 
         # Each rank's copy may hold a sample more or less: every rank trains the steps the shortest one has, or
@@ -103,6 +111,7 @@ class OwnStreamLoader:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
         self.epoch = epoch
+        self.loader.generator = loader_generator(self.seed, self.info.rank, epoch)
 
     def __iter__(self):
         batches = iter(self.loader)

@@ -233,11 +233,37 @@ def check_arguments(
     except TypeError as exc:
         given = ", ".join(sorted(args)) or "none"
         missing = "missing" in str(exc)  # a required parameter: the data may be what should give it
+        closest = _closest(args, signature)
         raise ComponentError(
             f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc}"
-            f"{_closest(args, signature)} (given: {given}); set {key}.args to what it takes"
-            f"{hint if missing else ''}"
+            f"{closest} (given: {given}); set {key}.args to what it takes"
+            f"{hint if missing else ''}{'' if closest else _replacement(key, args, signature)}"
         ) from None
+
+
+def _replacement(key: str, args: dict[str, Any], signature: inspect.Signature) -> str:
+    """ ": 'data.args={root: DIR}' on the command line replaces the whole mapping ..." when `args` hold keys
+    the signature does not take: the override that drops them. A dotted override (data.args.root=DIR) sets
+    one key and keeps the config file's others, which is how a stray key usually gets in."""
+    import shlex
+
+    import yaml
+
+    parameters = signature.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return ""
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    kept = {k: v for k, v in args.items() if k in names}
+    if len(kept) == len(args):
+        return ""
+    try:
+        mapping = yaml.safe_dump(kept, default_flow_style=True, width=1 << 30).strip()
+    except yaml.YAMLError:  # not plain values: no override can be written for them
+        return ""
+    return (
+        f": {shlex.quote(f'{key}.args={mapping}')} on the command line replaces the whole mapping "
+        f"({key}.args.NAME=VALUE sets one key and keeps the others)"
+    )
 
 
 def _closest(args: dict[str, Any], signature: inspect.Signature) -> str:

@@ -136,4 +136,25 @@ def parallelize(model: nn.Module, tp_mesh, tp: int) -> nn.Module:
         for name, style in plan.items()
     }
     log.info("tensor parallel over %d ranks: %d projections split (%s)", tp, len(styles), source)
-    return parallelize_module(model, tp_mesh, styles)
+    model = parallelize_module(model, tp_mesh, styles)
+    keep_generators_per_rank(tp_mesh)
+    return model
+
+
+def keep_generators_per_rank(tp_mesh) -> None:
+    """DTensor's random ops on a GPU (dropout on a DTensor: a plan's own styles that keep DTensor outputs) go
+    through torch's RNG tracker, which keeps its offsets in each rank's CUDA generator (a checkpoint holds it).
+    torch creates the tracker at the first such op and sets every rank's generator to rank 0's there; in a
+    resume that op comes after each rank restored its own generator, which rank 0's would overwrite. Created
+    here, at setup, without that sync: the ranks' generators start alike anyway (train.seed on every rank).
+    On a CPU mesh there is no tracker: each rank draws from its own generator."""
+    # torch 2.13 keeps the tracker in this private module.
+    from torch.distributed.tensor import _random as dtensor_random
+
+    if tp_mesh.device_type == "cpu" or dtensor_random._rng_tracker is not None:
+        return
+    if not dtensor_random.is_rng_supported_mesh(tp_mesh):
+        return
+    dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(
+        tp_mesh, run_state_sync=False
+    )

@@ -11,9 +11,18 @@ A tensor column of one shape in every row is `fixed_size_binary` (a row group's 
 buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside a `<column>.shape`
 list column. Each shard's row groups are the blocks the stream shuffles and reads (stream.py): a reader
 fetches the row groups it needs, never a whole shard, and checks each against the content digest the
-manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema and of every
-shard's name, rows, size and file sha256, computed from the manifest alone (`manifest_digest`), which is
-what MLflow's dataset inputs, `trace` and `verify` carry for it.
+manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema, of
+every shard's name, rows, size and file sha256, of every row group's rows and content digest, and of
+the class names and model arguments, computed from the manifest alone (`manifest_digest`), which is
+what MLflow's dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it:
+whatever a reader checks or hands to the model is inside it.
+
+Images written from a data set that says how a file became its input (`preprocessing`, serving/images.py) keep
+that transform in the manifest, and the validation split keeps a few of the files beside its shards
+(`example-<id>.<suffix>`, each with its sha256): export records the transform with the model and its gate proves
+it on those files (`read_examples`), so a model trained from the shards serves images as training made them.
+Both are in the identity when present (the transform is what a server applies to every image; the files are what
+the gate checks); a manifest without them has the digest it had before they existed.
 
 Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
 of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
@@ -24,7 +33,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import os
 import posixpath
+import re
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Iterator
@@ -38,7 +51,13 @@ from pipeline.errors import DataError
 FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
 MANIFEST = "manifest.json"
 ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+# Arrow's fixed_size_binary holds at most this many bytes a value: a fixed-shape column's row, at
+# most.
+MAX_ROW_BYTES = 2**31 - 1
 SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
+# An image file kept beside an image split's shards (`read_examples`) is named this, then its sample's id.
+EXAMPLE_PREFIX = "example-"
+_SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
 
 
 # --- locations ----------------------------------------------------------------------------------
@@ -92,11 +111,9 @@ class Column:
 
     @property
     def nbytes(self) -> int:
-        return (
-            int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
-            if self.shape is not None
-            else 0
-        )
+        # Python's integers: a hostile shape such as [2**32, 2**32] must not wrap to 0 as int64
+        # would.
+        return math.prod(self.shape) * self.itemsize if self.shape is not None else 0
 
 
 def structure_of(inputs: Any, target: Any) -> dict:
@@ -198,6 +215,8 @@ class Manifest:
     source: dict = field(
         default_factory=dict
     )  # what the shards were written from (component, args, split)
+    # {"transform": serving/images.py Preprocessing, "examples": [{"id", "file", "sha256"}]}, or {}: images only
+    preprocessing: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -227,18 +246,29 @@ class Manifest:
             "model_args": self.model_args,
             "targets": self.targets,
             "source": self.source,
-        }
+        } | ({"preprocessing": self.preprocessing} if self.preprocessing else {})
 
 
 def manifest_digest(body: dict) -> str:
-    """The split's identity: the schema and every shard's name, rows, size and sha256 (not the profile or the
-    source, which describe it): two manifests of the same bytes have one digest wherever they are."""
+    """The split's identity: the schema, every shard's name, rows, size and file sha256, every row
+    group's rows and content digest (what a reader checks the bytes it reads against), the class
+    names and the model arguments the split suggests (both reach the model), and an image split's
+    preprocessing (its transform reaches every served image, its example files' digests are what the
+    export gate checks). Not the targets' profile or the source, which describe it: two manifests of
+    the same bytes have one digest wherever they are."""
     identity = {
         "format": body["format"],
         "columns": body["columns"],
         "structure": body["structure"],
-        "shards": [{k: s[k] for k in ("name", "rows", "bytes", "sha256")} for s in body["shards"]],
+        "shards": [
+            {k: s[k] for k in ("name", "rows", "bytes", "sha256", "row_groups")}
+            for s in body["shards"]
+        ],
+        "classes": body.get("classes"),
+        "model_args": body.get("model_args") or {},
     }
+    if body.get("preprocessing"):
+        identity["preprocessing"] = body["preprocessing"]
     return hashlib.sha256(
         json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
@@ -303,6 +333,7 @@ def read_manifest(location: str) -> Manifest:
             body.get("model_args") or {},
             body.get("targets") or {},
             body.get("source") or {},
+            body.get("preprocessing") or {},
         )
         problem = _manifest_problem(manifest)
     except (KeyError, TypeError, AttributeError) as exc:
@@ -328,6 +359,13 @@ def _manifest_problem(manifest: Manifest) -> str | None:
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in col.shape
         ):
             return f"column '{col.name}' has the shape {list(col.shape)!r}, not a list of sizes"
+        if col.nbytes > MAX_ROW_BYTES:
+            return (
+                f"column '{col.name}' has the shape {list(col.shape)}: {col.nbytes} bytes a "
+                f"sample, past the {MAX_ROW_BYTES} a shard's fixed-size column holds"
+            )
+    if manifest.preprocessing and (problem := _preprocessing_problem(manifest)):
+        return problem
     nested = _structure_columns(manifest.structure)
     if nested is None or sorted(nested) != sorted(c.name for c in manifest.columns):
         return (
@@ -365,6 +403,64 @@ def _manifest_problem(manifest: Manifest) -> str | None:
                 "miscount it"
             )
     return None
+
+
+def _preprocessing_problem(manifest: Manifest) -> str | None:
+    """What is wrong with a manifest's preprocessing entry (None: nothing): a transform serving/images.py reads,
+    which makes the input column's shape; examples that are files of the split's own directory."""
+    from serving.images import Preprocessing
+
+    entry = manifest.preprocessing
+    try:
+        transform = Preprocessing.from_json(entry.get("transform"))
+    except (ValueError, TypeError) as exc:
+        return f"its preprocessing: {exc}"
+    column = next((c for c in manifest.columns if c.name == "input"), None)
+    if column is None or column.dtype != "float32" or column.shape != transform.shape:
+        shown = "no input column" if column is None else f"{column.dtype} {column.shape}"
+        return (
+            f"its preprocessing makes float32 {list(transform.shape)}, its input column is {shown}"
+        )
+    examples = entry.get("examples", [])
+    for example in examples if isinstance(examples, list) else [None]:
+        if not (
+            isinstance(example, dict)
+            and isinstance(example.get("id"), int)
+            and isinstance(example.get("file"), str)
+            and example["file"].startswith(EXAMPLE_PREFIX)
+            and example["file"] == posixpath.basename(example["file"])
+            and "\\" not in example["file"]
+            and isinstance(example.get("sha256"), str)
+        ):
+            return (
+                f"its preprocessing's examples must be a list of {{id, file: {EXAMPLE_PREFIX}..., sha256}}, "
+                f"got {example!r:.80}"
+            )
+    return None
+
+
+def read_examples(manifest: Manifest) -> list[tuple[int, str, bytes]]:
+    """(id, file suffix, file bytes) of the image files an image split keeps beside its shards, each checked
+    against its sha256; DataError naming a file that is missing or changed."""
+    found = []
+    for example in manifest.preprocessing.get("examples", []):
+        path = join(manifest.location, example["file"])
+        fs, key = filesystem(path)
+        try:
+            with fs.open(key, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise DataError(
+                f"{path} is missing: the manifest names it among the image files its preprocessing is proven on; "
+                "restore it, or write the split again with `pipeline data shard`"
+            ) from None
+        if hashlib.sha256(data).hexdigest() != example["sha256"]:
+            raise DataError(
+                f"{path} is not the file the manifest names (its sha256 differs); restore it, or write the "
+                "split again with `pipeline data shard`"
+            )
+        found.append((example["id"], posixpath.splitext(example["file"])[1], data))
+    return found
 
 
 def _structure_columns(structure: Any) -> list[str] | None:
@@ -439,10 +535,13 @@ def write_split(
     model_args: dict | None = None,
     targets: dict | None = None,
     source: dict | None = None,
+    preprocessing: dict | None = None,
+    examples: list[tuple[int, str, bytes]] = (),
 ) -> Manifest:
     """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written last: a split
     without its manifest is not a split). Shard and row-group sizes default to ~256 MiB and ~4 MiB of
-    samples."""
+    samples. `preprocessing`: an image split's transform (serving/images.py Preprocessing.to_json), and
+    `examples` (id, file suffix, file bytes) the image files of samples it keeps beside its shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -496,6 +595,13 @@ def write_split(
         shards.append(
             _write_shard(fs, root, len(shards), batch, columns, structure, rows_per_group, pa, pq)
         )
+    kept = []
+    for sample_id, suffix, data in examples:
+        name = f"{EXAMPLE_PREFIX}{int(sample_id):08d}{suffix if _SUFFIX.fullmatch(suffix) else ''}"
+        _write_file(fs, root, name, data, location)
+        kept.append(
+            {"id": int(sample_id), "file": name, "sha256": hashlib.sha256(data).hexdigest()}
+        )
     manifest = Manifest(
         str(location).rstrip("/"),
         columns,
@@ -505,14 +611,59 @@ def write_split(
         model_args or {},
         targets or {},
         source or {},
+        {"transform": preprocessing, "examples": kept} if preprocessing else {},
     )
+    if manifest.preprocessing and (problem := _preprocessing_problem(manifest)):
+        raise DataError(f"can't write the split to {location}: {problem}")
     body = manifest.body() | {"digest": manifest.digest}
+    _write_file(fs, root, MANIFEST, json.dumps(body, indent=1).encode(), location)
+    return manifest
+
+
+def _write_file(fs, root: str, name: str, data: bytes, location: str) -> None:
+    """`data` as the file `name` of the split's directory `root`. On a local filesystem, never
+    through a link someone planted in a shared output: the directory is opened without following a
+    link, the bytes go to a new file of a random name opened O_EXCL|O_NOFOLLOW in it, then renamed
+    over `name` (a link there is replaced, its target untouched). An object store has no links: one
+    PUT."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        try:
+            with fs.open(join(root, name), "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise _unwritable(location, exc) from None
+        return
     try:
-        with fs.open(join(root, MANIFEST), "wb") as f:
-            f.write(json.dumps(body, indent=1).encode())
+        directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if os.path.islink(root):
+            raise DataError(
+                f"can't write the split to {location}: {root} is a symbolic link (to "
+                f"{os.readlink(root)}); the output's directories must be its own: remove the "
+                "link, or give another --out"
+            ) from None
+        raise _unwritable(location, exc) from None
+    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(
+            temporary,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+            dir_fd=directory,
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            os.unlink(temporary, dir_fd=directory)
+            raise
     except OSError as exc:
         raise _unwritable(location, exc) from None
-    return manifest
+    finally:
+        os.close(directory)
 
 
 def _unwritable(location: str, exc: OSError) -> DataError:
@@ -577,11 +728,7 @@ def _write_shard(
         }
         for i in range(0, len(rows), rows_per_group)
     ]
-    try:
-        with fs.open(join(root, name), "wb") as f:
-            f.write(data)
-    except OSError as exc:
-        raise _unwritable(root, exc) from None
+    _write_file(fs, root, name, data, root)
     return Shard(name, len(rows), len(data), hashlib.sha256(data).hexdigest(), groups)
 
 
@@ -665,7 +812,9 @@ class ShardReader:
                 f"{'end early' if pf.metadata.num_rows < shard.rows else 'differ'}; restore the shard, or "
                 "write the split again with `pipeline data shard`"
             )
-        elif problem is not None:
+        elif problem is None:
+            problem = _groups_difference(pf.metadata, shard, path)
+        else:
             problem = (
                 f"shard {path} {problem}: the schema changed between shards; every shard of a split holds "
                 "the manifest's columns: restore the shard, or write the split again with `pipeline data "
@@ -691,6 +840,10 @@ class ShardReader:
         opened = self._file(shard_index)
         shard = self.manifest.shards[shard_index]
         path = join(self.manifest.location, shard.name)
+        # What decoding will cost, judged from the footer before a byte is decoded: at most the
+        # manifest's rows of this group times its row bytes (the digest is only checked after).
+        if (problem := _group_cost_problem(opened.pf.metadata, group, shard, path)) is not None:
+            raise DataError(problem)
         opened.handle.failure = None
         try:
             table = opened.pf.read_row_group(group)
@@ -754,6 +907,56 @@ class _StoreFile:
 
     def close(self) -> None:
         self.handle.close()
+
+
+AGAIN = "restore the shard, or write the split again with `pipeline data shard`"
+
+
+def _groups_difference(metadata, shard: Shard, path: str) -> str | None:
+    """How the rows of a shard's row groups, as its Parquet footer counts them, differ from the
+    manifest's (None: they don't). Checked when the shard is opened: a reader addresses rows by the
+    manifest's counts."""
+    held = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+    declared = [group["rows"] for group in shard.row_groups]
+    if held == declared:
+        return None
+    g = next(i for i, (a, b) in enumerate(zip(held, declared)) if a != b)
+    return (
+        f"shard {path} row group {g} holds {held[g]} rows, the manifest says {declared[g]} (row "
+        f"groups of {_counts(held)} rows, not {_counts(declared)}): its rows would be read from the "
+        f"wrong places; {AGAIN}"
+    )
+
+
+def _counts(rows: list[int]) -> str:
+    shown = ", ".join(str(n) for n in rows[:8])
+    return f"[{shown}{', ...' if len(rows) > 8 else ''}]"
+
+
+def _group_cost_problem(metadata, group: int, shard: Shard, path: str) -> str | None:
+    """Why row group `group` must not be decoded (None: it may), from the footer alone. The writer
+    writes no compression: a compressed chunk (which could inflate to any size before its digest is
+    checked) is refused, and the chunks' stated sizes must fit in the file the manifest names. Its
+    rows equal the manifest's (`_groups_difference`, at open), so a fixed-shape column decodes to
+    exactly the declared rows x its row bytes."""
+    meta = metadata.row_group(group)
+    where = f"shard {path} row group {group}"
+    stored = 0
+    for i in range(meta.num_columns):
+        chunk = meta.column(i)
+        if chunk.compression != "UNCOMPRESSED":
+            return (
+                f"{where}: column '{chunk.path_in_schema}' is {chunk.compression}-compressed; a "
+                "split's shards are written uncompressed (`pipeline data shard`), so its decoded "
+                f"size can't be known before it is decoded: {AGAIN}"
+            )
+        stored += max(chunk.total_uncompressed_size, chunk.total_compressed_size)
+    if stored > shard.bytes:
+        return (
+            f"{where}: its footer says its columns hold {stored} bytes, more than the whole file "
+            f"the manifest names ({shard.bytes} bytes): the footer is damaged; {AGAIN}"
+        )
+    return None
 
 
 def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:

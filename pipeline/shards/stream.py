@@ -33,6 +33,7 @@ from torch.utils.data._utils.collate import default_collate
 from pipeline.errors import DataError, worker_message
 from pipeline.shards import format as shard_format
 from pipeline.tools.faults import record_samples
+from serving.images import Preprocessing
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,11 @@ class ShardRows(Dataset):
     def __getstate__(self):  # a spawned worker process opens its own files
         return {**self.__dict__, "_cache": None}
 
+    def source_images(self) -> list[tuple[int, str, bytes]]:
+        """(index, file suffix, file bytes) of the image files kept beside the shards (the data contract's,
+        pipeline/components/data.py): sample `id` of a validation split written in order is its index."""
+        return shard_format.read_examples(self.manifest)
+
 
 def opened(split, location: str, check: bool) -> shard_format.Manifest:
     """The manifest of the split at `location`, checked against the store when `check`; its class names given to
@@ -162,6 +168,8 @@ def opened(split, location: str, check: bool) -> shard_format.Manifest:
         shard_format.check_against_store(manifest)
     if manifest.classes is not None:
         split.classes = list(manifest.classes)
+    if manifest.preprocessing:
+        split.preprocessing = Preprocessing.from_json(manifest.preprocessing["transform"])
     return manifest
 
 
@@ -198,10 +206,14 @@ class EpochOrder:
             s, g = self.blocks[block]
             end = min(stop, int(self.starts[block + 1]))
             offsets = np.arange(position - self.starts[block], end - self.starts[block])
+            # Read (its shard opened, its footer's rows checked against the manifest's) before its
+            # rows are permuted: a permutation of declared rows costs what the manifest says, not
+            # the file.
+            group = reader.get(s, g)
             rows = row_order(
                 self.seed, self.epoch, s, g, int(self.starts[block + 1] - self.starts[block])
             )[offsets]
-            out.append(shard_format.take(reader.get(s, g), rows))
+            out.append(shard_format.take(group, rows))
             position = end
         return out
 
@@ -335,12 +347,15 @@ class StreamLoader:
             self._loader is None
         ):  # persistent workers: forked once, told where each epoch starts through _where
             deal = Deal(self.batch, self.rank, self.world, self.seed, self._where)
+            # Its own generator: the iterator's draw of a worker seed leaves training's stream alone (the
+            # workers draw nothing: the order is a function of the seed and the epoch).
             self._loader = DataLoader(
                 self.stream.dealt(deal),
                 batch_size=None,
                 num_workers=self.workers,
                 pin_memory=self.pin_memory,
                 persistent_workers=self.workers > 0,
+                generator=torch.Generator().manual_seed(self.seed),
             )
         batches = iter(self._loader)
         while True:

@@ -6,17 +6,19 @@ field and what it should be; nothing else is raised, whatever the message holds.
 
 An input's data comes one of two ways, never both:
 - `raw_input_contents`: one blob per input, for every input or for none, in the order of
-  `inputs`; little-endian, exactly count * itemsize bytes. What tritonclient sends, and the only
-  way for FP16 (the protocol has no typed field for it).
+  `inputs`; little-endian, exactly count * itemsize bytes (BYTES: each element's 4-byte length, then its
+  bytes). What tritonclient sends, and the only way for FP16 (the protocol has no typed field for it).
 - the input's `contents`, in the one field of its datatype (FP32 -> fp32_contents, INT8/16/32 ->
-  int_contents, ...), as many values as the shape has elements, in range of the datatype.
+  int_contents, BYTES -> bytes_contents, ...), as many values as the shape has elements, in range of the
+  datatype.
 
 The answer always carries outputs as `raw_output_contents`, in the order of `outputs`: what Triton
-does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position).
+does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position); BYTES ones
+serialized as their input is.
 Inputs and outputs may be placed in shared memory (parameters shared_memory_region, _byte_size, _offset: the
 V2 shared-memory extensions, serving/shm.py); raw_input_contents then carries the other inputs only, in order.
-Client parameters that would change what comes back, which this server can't do (classification), are refused;
-the rest (binary_data, request-level priority, timeout, ...) are ignored.
+An output's `classification` parameter (int64_param K > 0) asks for its top-K classes (serving/classification.py);
+the other client parameters (binary_data, request-level priority, timeout, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ from serving.codec import (
     _check_shape,
     _check_size,
     _rows,
+    bytes_elements,
     check_datatype,
+    classified,
+    datatype_of,
     expected,
+    given_inputs,
+    is_bytes,
+    little_endian,
+    shared_tensor,
     shm_ref,
 )
 from serving.engine import TensorSpec
@@ -57,7 +66,7 @@ _NESTED_COUNTED = (5, 6)
 
 # V2 datatype -> the InferTensorContents field that carries it typed, and that field's own
 # numpy type (narrower ints travel in the 32-bit fields and are range-checked). FP16 has no
-# field in the protocol: raw only. BF16 and BYTES never reach here (no model input has them).
+# field in the protocol: raw only. BF16 never reaches here (no model input has it).
 _CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
     "BOOL": ("bool_contents", np.bool_),
     "INT8": ("int_contents", np.int32),
@@ -70,11 +79,8 @@ _CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
     "UINT64": ("uint64_contents", np.uint64),
     "FP32": ("fp32_contents", np.float32),
     "FP64": ("fp64_contents", np.float64),
+    "BYTES": ("bytes_contents", np.object_),
 }
-
-# Tensor parameters asking for what this server does not do: answering as if they weren't
-# there would hand the client something other than it asked for (a tensor instead of top-k labels).
-_UNSUPPORTED_OUTPUT_PARAMETERS = {"classification": "classification (top-k labels)"}
 
 
 def check_field_count(data: bytes, limit: int = MAX_FIELDS) -> None:
@@ -138,10 +144,11 @@ def decode_infer(
     place=None,
 ) -> V2Request:
     """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
-    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count)`
+    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count, into)`
     reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
     from the message (the native engine keeps them, and copies each once: `copy_into`, NaN/Inf checked on the way);
-    then `place(rows)` may give the rows of a batch buffer to copy them straight into (serving/batcher.py)."""
+    then `place(rows)` may give the rows of a batch buffer to copy them, and inputs in shared memory, straight
+    into (serving/batcher.py)."""
     given = request.inputs
     if not given:
         raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
@@ -187,7 +194,7 @@ def decode_infer(
                 raise BadRequest(
                     f"input '{name}' has both contents and raw_input_contents[{index}]; send one"
                 )
-            want = count * spec.dtype.itemsize
+            want = len(raw[index]) if is_bytes(spec) else count * spec.dtype.itemsize
             if len(raw[index]) != want:
                 raise BadRequest(
                     f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
@@ -201,7 +208,8 @@ def decode_infer(
     feeds: dict[str, np.ndarray] = {}
     for name, (spec, shape, count, ref, at, item) in declared.items():
         if ref is not None:
-            array = shared(ref, spec, count)
+            into = None if views is None else views[name].reshape(-1)
+            array = shared_tensor(shared, ref, spec, count, into)
         elif at is not None:
             array = _raw_tensor(
                 raw[at], at, spec, count, None if views is None else views[name].reshape(-1)
@@ -210,7 +218,7 @@ def decode_infer(
             array = _typed_tensor(item.contents, spec, shape, count)
         feeds[name] = _reshaped(array, shape, name)
     rows = _rows(feeds, inputs)
-    outputs, output_refs = _requested_outputs(request.outputs, output_names)
+    outputs, output_refs, classes = _requested_outputs(request.outputs, output_names)
     native = raw is not None and len(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
     return V2Request(
         feeds,
@@ -218,22 +226,23 @@ def decode_infer(
         request.id or None,
         outputs,
         output_refs,
-        checked=bool(native) and len(raw) == len(inputs),
+        checked=bool(native) and len(raw) == len(given_inputs(inputs, declared)),
         placed=views is not None,
+        classification=classes,
     )
 
 
 def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None:
     """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
-    (bytes the message parser made are copied once already), every model input one of them, all of one row count."""
-    if (
-        place is None
-        or not raw
-        or isinstance(raw[0], (bytes, bytearray, memoryview))
-        or len(declared) != len(inputs)
-    ):
+    (bytes the message parser made are copied once already) and inputs in shared memory (read into them), every
+    model input one of those, all of one row count."""
+    if place is None or len(declared) != len(given_inputs(inputs, declared)):
         return None
-    if any(at is None for _, _, _, _, at, _ in declared.values()):
+    # (BYTES elements have no fixed size: no rows of a buffer to go into)
+    if any(is_bytes(spec) for spec, *_ in declared.values()):
+        return None
+    kept = bool(raw) and not isinstance(raw[0], (bytes, bytearray, memoryview))
+    if any(ref is None and (at is None or not kept) for _, _, _, ref, at, _ in declared.values()):
         return None
     rows = {shape[0] if shape else -1 for _, shape, *_ in declared.values()}
     return place(rows.pop()) if len(rows) == 1 and min(rows) > 0 else None
@@ -269,7 +278,13 @@ def _raw_tensor(
 ) -> np.ndarray:
     """raw_input_contents[index] as `spec`'s dtype: bytes the message parser made, read in place (read-only, like
     the HTTP path's binary data); or contents the native engine kept, copied once into `destination` (or an array
-    of their own) with the NaN/Inf check on the way."""
+    of their own) with the NaN/Inf check on the way. BYTES: its serialized elements, read one by one."""
+    if is_bytes(spec):
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            data = np.empty(len(blob), dtype=np.uint8)
+            blob.copy_into(data, 0)
+            blob = data
+        return bytes_elements(blob, count, spec.name)
     if isinstance(blob, (bytes, bytearray, memoryview)):
         array = np.frombuffer(blob, dtype=spec.dtype.newbyteorder("<"), count=count)
     else:
@@ -312,6 +327,10 @@ def _typed_tensor(
             f"input '{name}': shape {shape} needs {count} values, contents.{field} "
             f"has {len(values)}"
         )
+    if is_bytes(spec):
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array
     array = np.asarray(list(values), dtype=field_dtype)
     if spec.dtype.kind in "iu" and spec.dtype != array.dtype and array.size:
         info = np.iinfo(spec.dtype)
@@ -338,14 +357,14 @@ def _reshaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
 
 def _requested_outputs(
     requested: Iterable[ModelInferRequest.InferRequestedOutputTensor], output_names: list[str]
-) -> tuple[list[tuple[str, bool]], dict]:
+) -> tuple[list[tuple[str, bool]], dict, dict[str, int]]:
     """(name, True) per requested output in the order asked, or every output when none are
-    (the answer always carries raw data, so Triton's binary_data has nothing to choose); and those to be written to
-    shared memory instead, {name: Ref}."""
+    (the answer always carries raw data, so Triton's binary_data has nothing to choose); those to be written to
+    shared memory instead, {name: Ref}; and those asked for as their top K classes, {name: K}."""
     if not requested:
-        return [(name, True) for name in output_names], {}
+        return [(name, True) for name in output_names], {}, {}
     outputs: list[tuple[str, bool]] = []
-    refs = {}
+    refs, classes = {}, {}
     for out in requested:
         if out.name not in output_names:
             raise BadRequest(
@@ -353,23 +372,14 @@ def _requested_outputs(
             )
         if any(out.name == known for known, _ in outputs):
             raise BadRequest(f"output '{out.name}' is requested twice")
-        _refuse_unsupported(out.parameters, _UNSUPPORTED_OUTPUT_PARAMETERS, f"output '{out.name}'")
-        ref = shm_ref(_plain(out.parameters), f"output '{out.name}'")
+        parameters = _plain(out.parameters)
+        ref = shm_ref(parameters, f"output '{out.name}'")
         if ref is not None:
             refs[out.name] = ref
+        if "classification" in parameters:
+            classes[out.name] = classified(parameters, out.name, ref)
         outputs.append((out.name, True))
-    return outputs, refs
-
-
-def _refuse_unsupported(
-    parameters: Mapping[str, InferParameter], unsupported: dict[str, str], where: str
-) -> None:
-    for key, what in unsupported.items():
-        if key in parameters:
-            raise BadRequest(
-                f"{where}: parameters.{key} asks for {what}, which this server "
-                "does not offer; send and receive tensors in the message itself"
-            )
+    return outputs, refs, classes
 
 
 def _fields(names: list[str]) -> str:
@@ -400,7 +410,9 @@ def encode_infer(
     blobs = []
     for name, _binary in outputs:
         array = np.ascontiguousarray(results[name])
-        tensor = response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
+        tensor = response.outputs.add(
+            name=name, datatype=datatype_of(array, datatypes[name]), shape=list(array.shape)
+        )
         if (
             placed and name in placed
         ):  # written to shared memory: where, and an empty place among the raw contents
@@ -411,6 +423,6 @@ def encode_infer(
                     tensor.parameters[key].int64_param = value
             blobs.append(b"")
             continue
-        blobs.append(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+        blobs.append(little_endian(array))
     response.raw_output_contents.extend(blobs)
     return response

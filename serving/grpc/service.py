@@ -41,7 +41,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 import serving
-from serving import core, extensions
+from serving import core, extensions, image_inputs
 from serving.codec import BadRequest
 from serving.envelope import Exchange, new_request_id, refusal, source_of
 from serving.grpc import codec, schema
@@ -130,7 +130,8 @@ class Service:
         response = schema.ModelMetadataResponse(
             name=slot.model.info.name, versions=versions, platform="onnxruntime_onnx"
         )
-        for specs, field in ((engine.inputs, response.inputs), (engine.outputs, response.outputs)):
+        inputs = image_inputs.request_inputs(slot.model)
+        for specs, field in ((inputs, response.inputs), (engine.outputs, response.outputs)):
             for spec in specs:
                 field.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
         return response
@@ -168,10 +169,19 @@ class Service:
     # ---- inference ----
 
     async def ModelInfer(self, request, call: "Call"):
+        # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
+        regions = self.server.shared_memory.use(call.authorization)
+        try:
+            return await self._model_infer(request, call, regions)
+        finally:
+            regions.close()
+
+    async def _model_infer(self, request, call: "Call", regions):
         server = self.server
         rid = _request_id(request.id or call.metadata.get("x-request-id"))
         slot = server.model_slot(request.model_name, request.model_version or None)
-        call.exchange.answered_by(slot, rid)  # the receipt, with a refusal too, as over HTTP
+        # The receipt, with a refusal too, as over HTTP.
+        call.exchange.slot, call.exchange.request_id = slot, rid
         engine = slot.model.engine
         arrival = None
 
@@ -190,15 +200,16 @@ class Service:
                 partial(
                     codec.decode_infer,
                     request,
-                    engine.inputs,
+                    image_inputs.request_inputs(slot.model),
                     engine.output_names,
                     server.limits,
-                    server.shared_memory.reader(call.authorization),
+                    regions.read,
                     call.raw,
-                    place if call.raw is not None else None,
+                    place,
                 ),
                 call.size if typed else 0,
             )
+            regions.hold(decoded.output_refs)
             if arrival is not None:
                 arrival.checked, arrival.filled = decoded.checked, decoded.placed
             answer = await server.answer(
@@ -206,18 +217,13 @@ class Service:
                 decoded,
                 call.exchange,
                 endpoint=call.endpoint,
-                request_id=rid,
                 follow_swap=not request.model_version,
                 arrival=arrival,
             )
         finally:
             if arrival is not None:
                 arrival.end()  # (queued: ended already; refused: its place freed)
-        placed = (
-            server.shared_memory.write(call.authorization, decoded.output_refs, answer.results)
-            if decoded.output_refs
-            else None
-        )
+        placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
         info = answer.slot.model.info
         return codec.encode_infer(
             info.name,
@@ -367,7 +373,7 @@ def _handler(server, service: Service, method: str, request_class):
         status, response = 200, None
         try:
             if method not in OPEN:
-                server.check_token(info.authorization)
+                server.auth.check(info.authorization)
             request = await _parsed(server, request_class, data)
             response = await call(request, info)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
@@ -510,7 +516,7 @@ def _stream_handler(server, service: Service, streams: _Streams):
             "x-request-id", None
         )  # one id for many requests would not be an id: each gets its own
         try:
-            server.check_token(metadata.get("authorization", ""))
+            server.auth.check(metadata.get("authorization", ""))
         except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             Exchange(route).finish(server.metrics, label(found.status))

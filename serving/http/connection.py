@@ -311,9 +311,8 @@ class Connection(asyncio.BufferedProtocol):
             request.params = params
             if not route.open:
                 site.check_origin(request)
-                check = (
-                    site.server.check_feedback_token if route.labels else site.server.check_token
-                )
+                auth = site.server.auth
+                check = auth.check_labels if route.labels else auth.check
                 check(headers.get("authorization", ""))
             if length > site.max_body_bytes:
                 raise Refused(

@@ -33,9 +33,9 @@ from typing import Awaitable, Callable
 import numpy as np
 
 import serving
-from serving import codec, extensions
+from serving import codec, extensions, image_inputs
 from serving.codec import BadRequest
-from serving.core import Server, check_request_id
+from serving.core import Server, check_request_id, decode_now
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
 from serving.http.wire import JSON, Request, Response, json_response
@@ -93,6 +93,7 @@ def body_bytes(server: Server, request: Request) -> bytes:
 
 
 def request_id(request: Request) -> str | None:
+    """The client's X-Request-Id, checked; None when it sent none."""
     given = request.headers.get("x-request-id")
     return None if given is None else check_request_id(given, "the X-Request-Id header")
 
@@ -111,12 +112,14 @@ def header_length(request: Request) -> int | None:
 def v2_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
     """A V2 inference request: its version (404 before the body), id, content type and header length checked; a
     binary request's body straight into its arrays (bodies.V2Binary)."""
-    slot = request.slot = server.model_slot(request.params["name"], request.params.get("version"))
-    exchange.answered_by(slot)
-    request.request_id = request_id(request)
-    if request.request_id is not None:
-        exchange.answered_by(slot, request.request_id)
+    # The receipt from here on: the version, then the header's id (else the body's, or a fresh one).
+    slot = exchange.slot = server.model_slot(request.params["name"], request.params.get("version"))
+    exchange.request_id = request_id(request)
     content_type = request.header("content-type").split(";")[0].strip().lower()
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
+        image_inputs.takes_files(slot, content_type)
+        return whole_body(server, request, exchange, length, chunked)
     if content_type in SIMPLE_TYPES:
         raise Refused(
             415,
@@ -124,20 +127,22 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
             "cross-site); send application/json, or application/octet-stream with binary data",
         )
     json_length = header_length(request)
-    request.arrival = arrival = (
-        slot.batcher.arriving()
-    )  # a batch about to run waits for it a little (Batcher)
+    # A batch about to run waits for it a little (Batcher).
+    request.arrival = arrival = slot.batcher.arriving()
+    engine, inputs = slot.model.engine, image_inputs.request_inputs(slot.model)
+    # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
+    # from the whole body, element by element: codec.decode_v2).
     if (
         json_length is not None
         and not chunked
         and 0 < json_length <= length
         and content_encoding(request) == "identity"
+        and not any(codec.is_bytes(s) for s in inputs)
     ):
-        engine = slot.model.engine
         return bodies.V2Binary(
             json_length,
             length,
-            engine.inputs,
+            inputs,
             engine.output_names,
             server.limits,
             place=partial(slot.batcher.place, arrival),
@@ -161,12 +166,23 @@ def _seen_headers(engine) -> dict:
 def invocations_body(
     server: Server, request: Request, exchange: Exchange, length: int, chunked: bool
 ):
-    slot = request.slot = server.invocations_slot()
-    request.request_id = request_id(request) or new_request_id()
-    exchange.answered_by(slot, request.request_id)
+    # The receipt: MLflow's body has no id, so the header's or a fresh one is the request's.
+    slot = server.invocations_slot()
+    exchange.slot, exchange.request_id = slot, request_id(request) or new_request_id()
     content_type = request.header("content-type", JSON).split(";")[0].strip().lower()
-    if content_type != JSON:
-        raise Refused(415, f"Content-Type {content_type} is not supported; send application/json")
+    # an image file, for a version that takes them
+    if image_inputs.is_image(content_type):
+        image_inputs.takes_files(slot, content_type)
+    elif content_type != JSON:
+        raise Refused(
+            415,
+            f"Content-Type {content_type} is not supported; send application/json"
+            + (
+                f", or an image file as {', '.join(sorted(image_inputs.CONTENT_TYPES))}"
+                if slot.model.images is not None
+                else ""
+            ),
+        )
     return whole_body(server, request, exchange, length, chunked)
 
 
@@ -204,7 +220,8 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
         "versions": sorted(model.slots, key=version_key),
         "platform": "onnxruntime_onnx",
         "inputs": [
-            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.inputs
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+            for s in image_inputs.request_inputs(slot.model)
         ],
         "outputs": [
             {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in engine.outputs
@@ -215,6 +232,9 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
     parameters.update(info.lineage)  # the version's lineage, from the file's metadata
     parameters["source"] = info.source
+    # what its image input is: what a file becomes, and how to send one
+    if slot.model.images is not None:
+        parameters["image_input"] = slot.model.images.describe()
     if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
         parameters["max_lengths"] = {
             name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()
@@ -255,17 +275,27 @@ async def model_stats(server: Server, request: Request, exchange: Exchange) -> R
 
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
-    slot, named = request.slot, "version" in request.params
+    # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
+    regions = server.shared_memory.use(request.header("authorization"))
+    try:
+        return await _v2_infer(server, request, exchange, regions)
+    finally:
+        regions.close()
+
+
+async def _v2_infer(server: Server, request: Request, exchange: Exchange, regions) -> Response:
+    slot, named = exchange.slot, "version" in request.params
     engine = slot.model.engine
-    body, authorization = request.body, request.header("authorization")
-    shared = server.shared_memory.reader(
-        authorization
-    )  # for inputs placed in shared memory (serving/shm.py)
+    body, shared = request.body, regions.read
     if isinstance(body, bodies.V2Binary) and body.binary_bytes <= FINISH_INLINE_BYTES:
-        decoded = server.decode_now(partial(body.finish, shared))
+        decoded = decode_now(partial(body.finish, shared))
         request.arrival.checked, request.arrival.filled = body.checked, body.placed
     elif isinstance(body, bodies.V2Binary):
         decoded = await server.decode(partial(body.finish, shared), body.length)
+    elif image_inputs.is_image(
+        content_type := request.header("content-type").split(";")[0].strip().lower()
+    ):
+        decoded = image_inputs.file_request(slot, body_bytes(server, request), content_type)
     else:
         data = body_bytes(server, request)
         decoded = await server.decode(
@@ -273,31 +303,28 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
                 codec.decode_v2,
                 data,
                 header_length(request),
-                engine.inputs,
+                image_inputs.request_inputs(slot.model),
                 engine.output_names,
                 server.limits,
                 shared,
                 _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None,
+                partial(slot.batcher.place, request.arrival),
             ),
             len(data),
         )
+    regions.hold(decoded.output_refs)
     answer = await server.answer(
         slot,
         decoded,
         exchange,
-        request_id=request.request_id,
         follow_swap=not named,
         endpoint="/v2/models/{name}" + ("/versions/{version}" if named else "") + "/infer",
         arrival=request.arrival,
     )
     info, engine = answer.slot.model.info, answer.slot.model.engine
-    # The V2 "id": the body's when given (the protocol echoes it), else the request id of the headers.
+    # The V2 "id": the body's when given (the protocol echoes it), else the request's.
     v2_id = answer.request_id if decoded.request_id is None else decoded.request_id
-    placed = (
-        server.shared_memory.write(authorization, decoded.output_refs, answer.results)
-        if decoded.output_refs
-        else None
-    )
+    placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
     payload, json_length = codec.encode_v2(
         info.name, info.version, v2_id, answer.results, decoded.outputs, engine.outputs, placed
     )
@@ -315,26 +342,41 @@ async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Resp
 
 
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
-    slot = request.slot
+    slot = exchange.slot
     data = body_bytes(server, request)
+    content_type = request.header("content-type").split(";")[0].strip().lower()
     try:
-        decoded = await server.decode(
-            partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits), len(data)
-        )
+        if image_inputs.is_image(content_type):
+            decoded = image_inputs.file_request(slot, data, content_type, classified=False)
+        else:
+            decoded = await server.decode(
+                partial(codec.decode_mlflow, data, slot.model.engine.inputs, server.limits),
+                len(data),
+            )
         answer = await server.answer(
-            slot,
-            decoded,
-            exchange,
-            request_id=request.request_id,
-            follow_swap=True,
-            endpoint="/invocations",
+            slot, decoded, exchange, follow_swap=True, endpoint="/invocations"
         )
     except (BadRequest, Refused) as exc:
         if exc.status != 400:
             raise
-        # Another model's inputs sent here: say which model /invocations serves and how to reach the others.
-        raise Refused(400, f"{exc}{server.invocations_hint(server.invocations_slot())}") from None
+        raise Refused(400, f"{exc}{invocations_hint(server, server.invocations_slot())}") from None
+    if isinstance(decoded, image_inputs.FileRequest):
+        return Response(200, image_inputs.invocations_answer(answer))
     return Response(200, codec.encode_mlflow(answer.results, answer.request.records))
+
+
+def invocations_hint(server: Server, slot) -> str:
+    """On a server of several models, a refusal on /invocations says which one it serves and how to
+    reach the others: a client sending another model's inputs would otherwise not know why they
+    don't fit."""
+    others = sorted(n for n in server.repository.models if n != slot.model.info.name)
+    if not others:
+        return ""
+    return (
+        f" (/invocations serves '{slot.model.info.name}', this server's default model; for "
+        f"{', '.join(repr(n) for n in others)} POST /v2/models/{{name}}/infer, or start the server "
+        f"with --default-model NAME)"
+    )
 
 
 async def ping(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -357,19 +399,19 @@ async def version(server: Server, request: Request, exchange: Exchange) -> Respo
 
 
 async def shadow(server: Server, request: Request, exchange: Exchange) -> Response:
-    return json_response(server.shadow(request.params["name"]).report())
+    return json_response(server.mirror.comparison(request.params["name"]).report())
 
 
 async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
-    """Labels that arrived later: {"labels": [{"id": "<X-Request-Id>", "target": ...}, ...]}, joined with what
-    the champion and the challenger answered for those requests."""
-    comparison = server.shadow(request.params["name"])
+    """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]}, joined with
+    what the champion and the challenger answered for those requests (serving/shadow.py)."""
+    comparison = server.mirror.comparison(request.params["name"])
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or not items:
         raise Refused(
             400,
-            'the body must be {"labels": [{"id": "<the X-Request-Id of an answer>", "target": '
+            'the body must be {"labels": [{"id": "<the X-Server-Request-Id of an answer>", "target": '
             "<its true class index, mask or value>}, ...]}",
         )
     if len(items) > FEEDBACK_MAX:
@@ -381,7 +423,7 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
         if not (isinstance(item, dict) and isinstance(item.get("id"), str) and "target" in item):
             raise Refused(
                 400,
-                f'labels[{i}] must be {{"id": "<request id>", "target": <value>}}, got '
+                f'labels[{i}] must be {{"id": "<X-Server-Request-Id>", "target": <value>}}, got '
                 f"{codec.dumps(item)[:80]!r}",
             )
         try:
@@ -515,9 +557,8 @@ class Route:
     path: str  # the pattern, as the metrics name the route
     handler: Handler
     open: bool = False  # no token needed (health checks)
-    labels: bool = (
-        False  # the feedback token, not the inference token (Server.check_feedback_token)
-    )
+    # The feedback token, not the inference token (Auth.check_labels).
+    labels: bool = False
     body: Callable | None = (
         None  # where its body goes: (server, request, exchange, length, chunked) -> a body
     )

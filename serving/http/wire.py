@@ -22,11 +22,8 @@ class Request:
     headers: dict[str, str]  # lower-case names; a repeated header's values joined with ", "
     params: dict[str, str] = field(default_factory=dict)
     body: object = b""
-    slot: object = None  # the model version an inference route picked when the head arrived
-    request_id: str | None = None  # the client's X-Request-Id, checked
-    arrival: object = (
-        None  # the batcher's note that this request's body is on its way (Batcher.arriving)
-    )
+    # The batcher's note that this request's body is on its way (Batcher.arriving).
+    arrival: object = None
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)
