@@ -1,6 +1,7 @@
 """Sharded DCP checkpoints: exact resume after kill -9, crashes mid-save, and clear refusals of
 checkpoints that can't be used. FSDP2's shards and a resume on another world size launch in
-tests/test_launches.py (rows fsdp, fsdp_resumed, fsdp_on_one, ddp_on_one)."""
+tests/launches.py (rows fsdp, fsdp_on_one, ddp_on_one); FSDP2's exact resume in
+tests/test_exact_resume.py."""
 
 from __future__ import annotations
 
