@@ -103,6 +103,7 @@ def model_from_checkpoint(ckpt: Path) -> torch.nn.Module:
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("MLFLOW_REGISTRY_URI", None)
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     env.update(extra or {})
     return env

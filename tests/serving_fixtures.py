@@ -282,7 +282,14 @@ class ServerProcess:
         self.prefix = (
             prefix or []
         )  # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
-        self.env = {**os.environ, **(env or {})}
+        # mlflow.set_tracking_uri() in an earlier in-process test leaves its store in
+        # os.environ; a server finds the store its own test names, or its cwd's
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+        }
+        self.env = {**inherited, **(env or {})}
         self.log_path = log_path
         self.ready_timeout = ready_timeout
         self.wait_ready = (
