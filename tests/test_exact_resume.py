@@ -16,7 +16,15 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import CPU1, REPO, checkpoint_meta, mlp_spec, model_from_checkpoint, run_cli
+from conftest import (
+    CPU1,
+    REPO,
+    checkpoint_meta,
+    mlflow_client,
+    mlp_spec,
+    model_from_checkpoint,
+    run_cli,
+)
 from torch.utils.data import Dataset
 
 from pipeline import checkpoint
@@ -128,6 +136,15 @@ def weights(workdir, name: str) -> dict[str, torch.Tensor]:
     ).state_dict()
 
 
+def losses(workdir, name: str):
+    """Run `name`'s MLflow run and its train/loss history, (step, value) in step order."""
+    client = mlflow_client(workdir)
+    experiment = client.get_experiment_by_name("trainserve-digit-sequences").experiment_id
+    run = client.search_runs([experiment], filter_string=f"attributes.run_name = '{name}'")[0]
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    return run, sorted((m.step, m.value) for m in history)
+
+
 def differing(a: dict, b: dict) -> list[str]:
     assert a.keys() == b.keys()
     return [k for k in a if not torch.equal(a[k], b[k])]
@@ -166,6 +183,13 @@ def test_a_kill_9_resumes_to_the_weights_of_an_uninterrupted_run(uninterrupted, 
         proc.stderr
     )
     assert differing(weights(workdir, f"{mesh}-straight"), weights(workdir, name)) == []
+    # One MLflow run across the restart, each step's loss logged once (the replay is not logged
+    # again), and the losses the uninterrupted run logged.
+    run, logged = losses(workdir, name)
+    assert run.info.status == "FINISHED"
+    assert f"already holds metrics up to step {killed_at}" in proc.stderr
+    assert [step for step, _ in logged] == list(range(1, 8))
+    assert logged == losses(workdir, f"{mesh}-straight")[1]
 
 
 # --- the generators, in process ------------------------------------------------------------------
