@@ -478,7 +478,7 @@ def engine_sums(metrics: str) -> dict[str, float]:
 def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float, float, float]:
     """Closed-loop load: `concurrency` clients, each one request at a time, for `seconds`. The clients are
     threads of up to one process per 8 (at most half the CPUs): one Python process of HTTP clients tops out
-    near 1,000 requests/s, below what the server does on a GPU."""
+    below what the server does on a GPU (docs/benchmarks.md#benchmarksgpupy)."""
     import multiprocessing
 
     import numpy as np

@@ -1,7 +1,7 @@
 """What it costs the server to take a large tensor in: its own CPU per request, every thread of it counted.
 
 A trivial ONNX model with, by default, a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; `--image`
-sets another; the model reduces it to 10 logits, ~20-30 us of onnxruntime per image here: it must read it) is served by `python -m serving` with its default
+sets another; the model reduces it to 10 logits, a small cost of onnxruntime per image: it must read it) is served by `python -m serving` with its default
 settings (and --grpc-port); a closed loop of C clients sends one image a request for S seconds, over each protocol:
 
     binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client) where installed,
@@ -16,8 +16,8 @@ settings (and --grpc-port); a closed loop of C clients sends one image a request
 
 Reported per row: req/s, the server's mean rows per model run (from /metrics), the server process's CPU ms per
 request (utime + stime of every thread, from /proc), errors. With the model's cost near zero, the CPU per request
-is what the front end, the batcher and the copies cost: what sets a GPU server's pace (on one H100 the server
-before this work ran ResNet-50 at 0.31x its engine, forming batches of 5.4 rows: ../shared/gpu/resnet50_h100.md).
+is what the front end, the batcher and the copies cost: what sets a GPU server's pace (what it cost on one H100:
+docs/benchmarks.md#benchmarksingestpy).
 
 C references, pinned as the server is, each only receiving requests and answering a fixed message: what this
 machine's kernel and a server in C or C++ cost for those bytes, with no model, no checks and no Python.

@@ -27,7 +27,7 @@ on the same 2 cores as the server: its numbers are lower than wrk's, and only ro
 The ResNet's run dwarfs what a protocol costs; `--protocol-models resnet18,mlp` adds the tiny MLP,
 where the protocols' own costs show. Where `h2load` is installed (Debian package nghttp2-client), binary HTTP
 and gRPC at c=32 are also driven by it, a C client whose own cost is small: rows (b'), which tell whether the
-Python generator is what limits a protocol (for gRPC it was not: the same rate and batch).
+Python generator is what limits a protocol (what they told: docs/benchmarks.md#benchmarksservepy).
 
 --two-models. One server with `--model flooded=resnet18.onnx --model probed=mlp.onnx` (each model its
 own batcher; the one engine thread takes the models' runs in turn). A probe of single-image binary V2

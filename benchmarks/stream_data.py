@@ -69,6 +69,7 @@ def worker_load(a) -> None:
     import torch
 
     from pipeline.components.data import make_train_loader, set_epoch
+    from pipeline.plan import BatchPlan
     from pipeline.shards.stream import ShardedStream
 
     torch.set_num_threads(1)
@@ -97,7 +98,7 @@ def worker_load(a) -> None:
         reader.close()
         dataset = ImageTensors(x, y, list(stream.classes))
     loader = make_train_loader(
-        dataset, BATCH, 0, 1, seed=0, num_workers=a.workers, pin_memory=False
+        dataset, BatchPlan(rows=BATCH), 0, seed=0, num_workers=a.workers, pin_memory=False
     )
     set_epoch(loader, 0)
     before = rss_mb()

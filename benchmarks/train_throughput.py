@@ -126,16 +126,23 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     from pipeline.components import amp
     from pipeline.components.data import make_train_loader, set_epoch
     from pipeline.components.optim import build_optimizer, build_scheduler
-    from pipeline.train import chunked, train_step
+    from pipeline.plan import BatchPlan
+    from pipeline.train import Learner, chunked, train_step
 
     optimizer = build_optimizer(model.parameters(), optim_cfg())
     scheduler = build_scheduler(optimizer, optim_cfg(), total_steps=10**9)
-    scaler = amp.grad_scaler(precision, info.device)
+    learner = Learner(
+        model=model,
+        optimizer=optimizer,
+        scaler=amp.grad_scaler(precision, info.device),
+        device=info.device,
+        precision=precision,
+        loss_fn=F.cross_entropy,
+    )
     loader = make_train_loader(
         splits,
-        batch_per_rank,
+        BatchPlan(rows=batch_per_rank, data_parallel=info.world_size),
         info.rank,
-        info.world_size,
         seed=0,
         num_workers=num_workers,
         pin_memory=False,
@@ -153,17 +160,7 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     def step_fn() -> float:
         nonlocal step
         step += 1
-        loss, _ = train_step(
-            model,
-            optimizer,
-            scaler,
-            next(it),
-            info,
-            precision,
-            0.0,
-            want_norm=step % LOG_EVERY == 0,
-            loss_fn=F.cross_entropy,
-        )
+        loss, _ = train_step(learner, next(it), want_norm=step % LOG_EVERY == 0)
         scheduler.step()
         return loss
 

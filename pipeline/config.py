@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError  # noqa: F401 - raised here, defined with the others
+from pipeline.plan import BatchPlan, Degrees, Plan, deal_batch
 from pipeline.tasks import TASKS, task_class
 
 DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
@@ -256,8 +257,9 @@ class ParallelConfig(Section):
         """The micro-batches of each rank's batch under pipeline parallelism (pp_microbatches; 0 = 2 x pp)."""
         return self.pp_microbatches or 2 * self.pp
 
-    def degrees(self, world_size: int) -> dict[str, int]:
-        """{dp_replicate, dp_shard, tp, pp} with dp_shard resolved; ConfigError when their product is not the world."""
+    def degrees(self, world_size: int) -> Degrees:
+        """The degrees with dp_shard resolved; ConfigError when their product is not the world.
+        config.check_runtime is their one caller: the run reads them from its Plan."""
         others = self.dp_replicate * self.tp * self.pp
         shard = self.dp_shard or world_size // others
         if shard < 1 or others * shard != world_size:
@@ -266,7 +268,7 @@ class ParallelConfig(Section):
                 f"{self.tp} x pp {self.pp} = {others * max(shard, 1)}, but the world has {world_size} "
                 f"processes; their product must be the world size (dp_shard=0 takes what the others leave)"
             )
-        return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp, "pp": self.pp}
+        return Degrees(self.dp_replicate, shard, self.tp, self.pp)
 
 
 class TrainConfig(Section):
@@ -582,17 +584,17 @@ class Config(Section):
         return self
 
 
-def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) -> None:
+def check_pipeline(t: TrainConfig, degrees: Degrees, batch: BatchPlan) -> None:
     """What pipeline parallelism does not combine with yet, and a batch its micro-batches divide."""
-    pp = degrees["pp"]
+    pp = degrees.pp
     refused = {
-        "train.parallel.tp": ("train.parallel.tp=1", degrees["tp"] > 1),
+        "train.parallel.tp": ("train.parallel.tp=1", degrees.tp > 1),
         "train.compile": ("train.compile=false", t.compile),
         "train.precision=fp16": ("train.precision=bf16 or fp32", t.precision == "fp16"),
         "train.sync_batchnorm": ("train.sync_batchnorm=false", t.sync_batchnorm),
         "train.strategy=fsdp beside data-parallel ranks": (
             "train.strategy=ddp",
-            t.strategy == "fsdp" and data_parallel > 1,
+            t.strategy == "fsdp" and batch.data_parallel > 1,
         ),
     }
     named = [(name, instead) for name, (instead, on) in refused.items() if on]
@@ -602,27 +604,28 @@ def check_pipeline(t: TrainConfig, degrees: dict[str, int], data_parallel: int) 
             "run as traced graphs, with DDP over each stage's data-parallel copies, in fp32 or bf16); "
             f"set {', '.join(i for _, i in named)}"
         )
-    microbatches = t.parallel.microbatches()
-    rows = t.global_batch_size // (data_parallel * t.grad_accum_steps)
-    if rows % microbatches:
+    if batch.rows % batch.microbatches:
         raise ConfigError(
-            f"train.parallel.pp={pp}: each rank's batch of {rows} rows (global_batch_size "
-            f"{t.global_batch_size} / {data_parallel} data-parallel rank(s) / grad_accum_steps "
-            f"{t.grad_accum_steps}) does not split into {microbatches} equal micro-batches "
+            f"train.parallel.pp={pp}: each rank's batch of {batch.rows} rows (global_batch_size "
+            f"{t.global_batch_size} / {batch.data_parallel} data-parallel rank(s) / "
+            f"grad_accum_steps {t.grad_accum_steps}) does not split into {batch.microbatches} "
+            "equal micro-batches "
             f"(train.parallel.pp_microbatches{'=0: 2 x pp' if not t.parallel.pp_microbatches else ''}); "
             "choose pp_microbatches dividing it, or a global_batch_size it divides"
         )
-    if t.parallel.pp_schedule == "1f1b" and microbatches < pp:
+    if t.parallel.pp_schedule == "1f1b" and batch.microbatches < pp:
         raise ConfigError(
             f"train.parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
-            f"pp_microbatches={microbatches} < pp={pp}; raise pp_microbatches or use pp_schedule=gpipe"
+            f"pp_microbatches={batch.microbatches} < pp={pp}; raise pp_microbatches or use "
+            "pp_schedule=gpipe"
         )
 
 
 def check_runtime(
     cfg: Config, world_size: int, cuda_available: bool, local_world_size: int = 1
-) -> None:
-    """Rules that depend on the launch, checked before any work starts."""
+) -> Plan:
+    """Rules that depend on the launch, checked before any work starts. Returns what the run
+    derives from them, the mesh's degrees and the batch plan, which nothing works out again."""
     t = cfg.train
     if cuda_available and t.device != "cpu":
         import torch
@@ -643,38 +646,28 @@ def check_runtime(
             "train.device=cuda but torch sees no CUDA device; use train.device=auto or cpu"
         )
     degrees = t.parallel.degrees(world_size)
-    data_parallel = degrees["dp_replicate"] * degrees["dp_shard"]
-    if degrees["tp"] > 1 and t.compile:
+    if degrees.tp > 1 and t.compile:
         raise ConfigError(
-            f"train.compile with train.parallel.tp={degrees['tp']}: compiling a tensor-parallel model is "
-            "not built yet; set train.compile=false"
+            f"train.compile with train.parallel.tp={degrees.tp}: compiling a tensor-parallel model "
+            "is not built yet; set train.compile=false"
         )
-    if degrees["tp"] > 1 and data_parallel > 1 and t.strategy != "fsdp":
+    if degrees.tp > 1 and degrees.data_parallel > 1 and t.strategy != "fsdp":
         raise ConfigError(
-            f"train.parallel.tp={degrees['tp']} beside {data_parallel} data-parallel ranks needs "
-            "train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)"
+            f"train.parallel.tp={degrees.tp} beside {degrees.data_parallel} data-parallel ranks "
+            "needs train.strategy=fsdp (FSDP2 composes with tensor-parallel DTensors; DDP does not)"
         )
-    if degrees["dp_replicate"] > 1 and t.strategy != "fsdp":
+    if degrees.dp_replicate > 1 and t.strategy != "fsdp":
         raise ConfigError(
-            f"train.parallel.dp_replicate={degrees['dp_replicate']} shards each replica over "
-            f"dp_shard={degrees['dp_shard']} ranks: that is HSDP, set train.strategy=fsdp (DDP replicates "
-            "over every rank already)"
+            f"train.parallel.dp_replicate={degrees.dp_replicate} shards each replica over "
+            f"dp_shard={degrees.dp_shard} ranks: that is HSDP, set train.strategy=fsdp (DDP "
+            "replicates over every rank already)"
         )
-    per_step = data_parallel * t.grad_accum_steps
-    if t.global_batch_size % per_step:
-        lower = (t.global_batch_size // per_step) * per_step or per_step
-        ranks = (
-            f"world size ({world_size})"
-            if data_parallel == world_size
-            else f"the data-parallel ranks ({data_parallel} = world size {world_size} / tp {degrees['tp']} / pp {degrees['pp']})"
-        )
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must divide by {ranks} x "
-            f"train.grad_accum_steps ({t.grad_accum_steps}) = {per_step}; "
-            f"try train.global_batch_size={lower} or {lower + per_step}"
-        )
-    if degrees["pp"] > 1:
-        check_pipeline(t, degrees, data_parallel)
+    # Without a pipeline each rank's batch is one micro-batch, whatever pp_microbatches says.
+    microbatches = t.parallel.microbatches() if degrees.pp > 1 else 1
+    batch = deal_batch(t.global_batch_size, t.grad_accum_steps, degrees, microbatches)
+    if degrees.pp > 1:
+        check_pipeline(t, degrees, batch)
+    return Plan(degrees, batch)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -77,8 +77,10 @@ from pipeline.config import (
 from pipeline.distributed import DistInfo, gradients, launch, mesh, pipeline_parallel, replicas
 from pipeline.distributed.parallelize import uses_channels_last, wrap_model
 from pipeline.errors import worker_message
+from pipeline.plan import BatchPlan, Degrees, Plan
 from pipeline.tasks import build_task
 from pipeline.tools import stopping
+from pipeline.tools.every import Every
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.files import StateFileError, read_json, write_atomically, write_json
 from serving import lineage
@@ -96,14 +98,14 @@ class TrainResult:
     run_id: str | None
     checkpoint: Path
     losses: list[float] = field(default_factory=list)
-    val_metrics: dict[str, float] = field(default_factory=dict)  # at the final step
-    best: dict = field(
-        default_factory=dict
-    )  # the monitor's state: best step and value, early stop reason
+    # At the final step
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    # The monitor's state: best step and value, early stop reason
+    best: dict = field(default_factory=dict)
 
 
 def main(cfg: Config, resume: str | None = None) -> TrainResult:
-    check_runtime(
+    plan = check_runtime(
         cfg,
         int(os.environ.get("WORLD_SIZE", 1)),
         torch.cuda.is_available(),
@@ -118,17 +120,15 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         run_dir = object_store.location(cfg.train.output_dir) / distributed.broadcast_object(
             default_run_name(cfg), info
         )
-        check_reachable_everywhere(
-            run_dir, info
-        )  # an object store: every host's credentials and endpoint
-        claim_run_dir(run_dir, info)  # before anything is written there
-        check_shared(
-            run_dir, info
-        )  # a local directory: every rank writes its shard there, all must see it
+        # An object store: every host's credentials and endpoint
+        check_reachable_everywhere(run_dir, info)
+        # Before anything is written there
+        claim_run_dir(run_dir, info)
+        # A local directory: every rank writes its shard there, all must see it
+        check_shared(run_dir, info)
         ckpt_root = run_dir / "checkpoints"
-        if info.is_main and object_store.is_url(
-            ckpt_root
-        ):  # no .tmp- directories there: marker-less ones instead
+        # No .tmp- directories on an object store: marker-less ones instead
+        if info.is_main and object_store.is_url(ckpt_root):
             checkpoint.clear_incomplete(ckpt_root)
         resume = choose_resume(resume, ckpt_root, distributed.job_restarts(info))
         log.info(
@@ -142,15 +142,15 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         )
 
         # The data, the task and the model, each checked on real samples before training starts.
-        seed_everything(cfg.train.seed)  # same seed on every rank: identical initial replicas
+        # The same seed on every rank: identical initial replicas
+        seed_everything(cfg.train.seed)
         splits = build_data(cfg.data, cfg.task.name)
         task = build_task(cfg.task, splits.classes)
         spec, from_data = model_spec(cfg.model, splits, task)
         plain_model = instantiate_model(spec)
         probe(plain_model, splits, task, spec.component)
-        monitor = build_monitor(
-            cfg.checkpoint, cfg.train, task
-        )  # after the probe: it names a custom metric
+        # After the probe: it names a custom metric
+        monitor = build_monitor(cfg.checkpoint, cfg.train, task)
         manifest = state_manifest(plain_model)
         channels_last = uses_channels_last(cfg.train, info, plain_model)
         if info.device.type == "cuda":
@@ -159,46 +159,41 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 "on" if channels_last else "off",
                 cfg.train.channels_last,
             )
-        device_mesh = mesh.build(cfg.train, info)
-        layout = mesh.layout(cfg.train, info)  # the data is dealt over the data-parallel ranks
-        batch_per_rank = cfg.train.global_batch_size // (
-            layout.dp_size * cfg.train.grad_accum_steps
-        )
-        pipe = (
-            build_pipeline(
+
+        # The model on the mesh: this rank's pipeline stage, or the whole model wrapped.
+        run_mesh = mesh.build(plan.degrees, cfg.train.strategy, info)
+        pipe = None
+        if plan.degrees.pp > 1:
+            pipe = build_pipeline(
                 plain_model,
                 cfg.train,
-                splits,
-                task,
-                layout,
-                device_mesh,
-                info,
-                precision,
-                channels_last,
-                batch_per_rank,
+                batch=plan.batch,
+                splits=splits,
+                task=task,
+                run_mesh=run_mesh,
+                info=info,
+                precision=precision,
+                channels_last=channels_last,
             )
-            if layout.pp > 1
-            else None
-        )
         model = (
             pipe.module
             if pipe
-            else wrap_model(plain_model, cfg.train, precision, info, device_mesh)
+            else wrap_model(plain_model, cfg.train, precision, info, run_mesh.device)
         )
-        plain_model = None  # a pipeline stage's rank keeps its own stage only
+        # A pipeline stage's rank keeps its own stage only
+        plain_model = None
         optimizer = build_optimizer(model.parameters(), cfg.optim)
+        # The data is dealt over the data-parallel ranks
         loader = make_train_loader(
             splits.train,
-            batch_per_rank,
-            layout.dp_rank,
-            layout.dp_size,
+            plan.batch,
+            run_mesh.layout.dp_rank,
             cfg.train.seed,
             cfg.data.num_workers,
             pin_memory=info.device.type == "cuda",
-            grad_accum_steps=cfg.train.grad_accum_steps,
             info=info,
         )
-        steps_per_epoch = epoch_steps(loader, cfg.train, layout)
+        steps_per_epoch = epoch_steps(loader, plan, cfg.train.max_steps)
         total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = amp.grad_scaler(precision, info.device)
@@ -206,20 +201,20 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         step, epoch, run_id, resumed_rng = 0, 0, read_run_id(run_dir), None
         resume_path = checkpoint_store.resolve_resume(resume, ckpt_root, info) if resume else None
         if resume_path:
-            check_same_model(
-                checkpoint.read_meta(resume_path), spec, resume_path
-            )  # before any shape check
+            # Before any shape check
+            check_same_model(checkpoint.read_meta(resume_path), spec, resume_path)
             meta = checkpoint.load(
                 resume_path, model, optimizer, info, held_elsewhere(manifest, model)
             )
-            # The generators as the checkpoint left them: the loop's first step starts from them, whatever
-            # the setup below draws (a data set's own randomness, read through for its digest).
+            # The generators as the checkpoint left them: the loop's first step starts from them,
+            # whatever the setup below draws (a data set's own randomness, read for its digest).
             resumed_rng = checkpoint.rng_state()
-            step, epoch = restore_train_state(meta, scheduler, scaler, loader, layout)
+            step, epoch = restore_train_state(
+                meta, scheduler, scaler, loader, plan.batch.data_parallel
+            )
             monitor.restore(meta["train_state"].get("monitor"))
-            if (
-                info.is_main
-            ):  # later steps in this run's directory belong to a timeline this resume leaves
+            # Later steps in this run's directory belong to a timeline this resume leaves
+            if info.is_main:
                 checkpoint.set_aside_after(ckpt_root, step)
                 sync_best_file(ckpt_root, monitor)
             distributed.barrier(info)
@@ -232,8 +227,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             )
 
         uploads, code = None, None
-        # Which data trained it: a content digest of each split (every rank hashes its share), logged by rank 0
-        # as the run's MLflow datasets.
+        # Which data trained it: a content digest of each split (every rank hashes its share),
+        # logged by rank 0 as the run's MLflow datasets.
         digests = {
             split: split_digest(
                 getattr(splits, split),
@@ -250,7 +245,7 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
                 run_dir,
                 run_id,
                 info,
-                precision,
+                setup_words(info, cfg.train.strategy, plan.degrees, precision),
                 spec,
                 from_data,
                 code,
@@ -277,55 +272,49 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
             "mlflow_run_id": run_id,
         }
 
-        eval_every = cfg.train.eval_every or max(1, steps_per_epoch or total_steps)
-        run = Training(
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-            loader,
-            splits,
-            task,
-            monitor,
-            info,
-            precision,
-            ckpt_root,
-            meta,
-            uploads,
-            total_steps,
-            eval_every,
-            step,
-            epoch,
-            layout,
-            channels_last,
-            pipe,
-            mesh.replica_group(cfg.train, info, device_mesh),
-            mesh.stage_group(device_mesh),
-            resumed_rng,
+        learner = Learner(
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            device=info.device,
+            precision=precision,
+            loss_fn=task.loss,
+            clip_grad_norm=cfg.train.clip_grad_norm,
+            channels_last=channels_last,
+            pipe=pipe,
         )
-        loop = train_loop(run, cfg.train, cfg.checkpoint, cfg.data.num_workers)
+        run = Training(
+            learner=learner,
+            scheduler=scheduler,
+            loader=loader,
+            splits=splits,
+            task=task,
+            monitor=monitor,
+            info=info,
+            batch=plan.batch,
+            mesh=run_mesh,
+            ckpt_root=ckpt_root,
+            meta=meta,
+            uploads=uploads,
+            total_steps=total_steps,
+            eval_every=cfg.train.eval_every or max(1, steps_per_epoch or total_steps),
+            num_workers=cfg.data.num_workers,
+            step=step,
+            epoch=epoch,
+            rng=resumed_rng,
+        )
+        loop = train_loop(run, cfg.train, cfg.checkpoint)
         final = final_checkpoint(ckpt_root, loop.step) if info.is_main else None
         final = object_store.location(distributed.broadcast_object(str(final), info))
         # The final step's evaluation; a resume of a finished (or early-stopped) run trains no step.
-        metrics, state = loop.evaluated or evaluate(
-            model,
-            splits,
-            task,
-            info,
-            precision,
-            cfg.data.num_workers,
-            loop.step,
-            channels_last,
-            layout,
-            pipe,
-            run.stage_group,
-        )
+        metrics, state = loop.evaluated or evaluate(run, loop.step)
         # Leave the process group before rank 0's final uploads, which can outlast the group's
         # timeout that the other ranks would otherwise spend waiting in teardown's barrier.
-        model = optimizer = scheduler = None  # noqa: F841  (DDP first: see the finally below)
+        # DDP first: see the finally below
+        model = optimizer = scheduler = None  # noqa: F841
         distributed.teardown(clean=True)
         if info.is_main:
-            finish_tracking(cfg, final, task, state, run_id, uploads, monitor, loop.step)
+            finish_tracking(cfg, run, final, state, run_id, loop.step)
         return TrainResult(run_dir, run_id, final, loop.losses, metrics, monitor.state())
     except BaseException:
         end_run_after_failure(run_dir)
@@ -335,7 +324,8 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         if not clean:
             end_run_after_failure(run_dir)
         if info.is_main and run_dir is not None:
-            run_dir_owner.release(run_dir)  # an object store's lease; nothing for a local flock
+            # An object store's lease; nothing for a local flock
+            run_dir_owner.release(run_dir)
         # Drop DDP (its reducer holds the process group) before destroying the group: if the
         # reducer held the last reference, gloo's destructor would join its worker threads with
         # the GIL held while a worker waits for the GIL to free a tensor, and the rank would hang.
@@ -344,68 +334,65 @@ def main(cfg: Config, resume: str | None = None) -> TrainResult:
         signal.signal(signal.SIGTERM, previous_sigterm)
 
 
-def epoch_steps(loader, t: TrainConfig, layout: mesh.Layout) -> int | None:
-    """Optimizer steps an epoch; None for a stream of the data component's own that has no len() (then
-    train.max_steps says how long to train)."""
+def epoch_steps(loader, plan: Plan, max_steps: int) -> int | None:
+    """Optimizer steps an epoch; None for a stream of the data component's own that has no len()
+    (then train.max_steps says how long to train)."""
     if isinstance(loader, OwnStreamLoader):
-        if layout.tp > 1 or layout.pp > 1:
+        degrees = plan.degrees
+        if degrees.tp > 1 or degrees.pp > 1:
             raise ConfigError(
                 "a stream of the data component's own deals itself by rank, and the ranks of a "
-                f"tensor-parallel group or a pipeline (train.parallel.tp={layout.tp}, pp={layout.pp}) must "
-                "read the same batches: write it as shards (`pipeline data shard`), which are dealt over "
-                "the data-parallel ranks"
+                f"tensor-parallel group or a pipeline (train.parallel.tp={degrees.tp}, "
+                f"pp={degrees.pp}) must read the same batches: write it as shards "
+                "(`pipeline data shard`), which are dealt over the data-parallel ranks"
             )
-        check_length(
-            loader.dataset, t.max_steps
-        )  # (the launcher checked it too; not a run under your own torchrun)
+        # The launcher checked it too; not a run under your own torchrun
+        check_length(loader.dataset, max_steps)
         if not has_length(loader.dataset):
             return None
-    return len(loader) // t.grad_accum_steps
+    return len(loader) // plan.batch.accumulation
 
 
 def build_pipeline(
     plain_model,
     t: TrainConfig,
+    *,
+    batch: BatchPlan,
     splits: Splits,
     task,
-    layout: mesh.Layout,
-    device_mesh,
+    run_mesh: mesh.Mesh,
     info: DistInfo,
     precision: str,
     channels_last: bool,
-    batch_per_rank: int,
 ) -> pipeline_parallel.Pipeline:
-    """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules, traced on a
-    micro-batch of the training data. Each micro-batch's loss is divided by the micro-batches of a step, so the
-    gradients are their mean, as one batch's would be."""
-    if (
-        precision == "fp16"
-    ):  # train.precision=auto on a GPU without bf16 (check_runtime refused it when asked for)
+    """This rank's pipeline stage (wrapped as wrap_model wraps a whole model) and its schedules,
+    traced on a micro-batch of the training data. Each micro-batch's loss is divided by the pieces
+    of a step, so the gradients are their mean, as one batch's would be."""
+    # train.precision=auto on a GPU without bf16 (check_runtime refused fp16 when asked for)
+    if precision == "fp16":
         raise ConfigError(
             "train.parallel.pp with fp16 (what train.precision=auto takes on this GPU, which has no "
             "bf16): GradScaler's step skipping would have to agree across the stages; set "
             "train.precision=fp32"
         )
-    microbatches = t.parallel.microbatches()
-    example, target = first_batch(splits.train, batch_per_rank // microbatches)
+    example, target = first_batch(splits.train, batch.micro_rows)
     if not torch.is_tensor(target):
         raise ConfigError(
             f"train.parallel.pp: the task's target is a {type(target).__name__}, and the pipeline's "
             "schedule cuts only a tensor target into micro-batches; train this task without "
             "train.parallel.pp"
         )
-    per_step = microbatches * t.grad_accum_steps
     return pipeline_parallel.build(
         plain_model.to(info.device),
         to_device(example, info.device, channels_last),
-        layout,
-        device_mesh["pp"].get_group(),
+        run_mesh.layout,
+        run_mesh.device["pp"].get_group(),
         info.device,
-        microbatches,
+        batch.microbatches,
         t.parallel.pp_split,
         t.parallel.pp_schedule,
-        loss_fn=lambda output, target: task.loss(output, target) / per_step,
-        wrap=lambda stage: wrap_model(stage, t, precision, info, device_mesh),
+        loss_fn=lambda output, target: task.loss(output, target) / batch.pieces,
+        wrap=lambda stage: wrap_model(stage, t, precision, info, run_mesh.device),
     )
 
 
@@ -528,207 +515,220 @@ def end_run_after_failure(run_dir: Path | None) -> None:
             )
 
 
-@dataclass
-class Training:
-    """What the training loop works on, built once by `main`: the model and its optimizer state, the data,
-    the task and its monitor, where checkpoints go, and where the loop starts (a resume's step and epoch)."""
+@dataclass(kw_only=True)
+class Learner:
+    """The model as this rank trains it, and what one optimizer step needs besides the batch
+    (train_step): its optimizer and loss scaler, how the inputs reach the device, the loss."""
 
     model: Any
     optimizer: Any
-    scheduler: Any
     scaler: Any
+    device: torch.device
+    precision: str
+    loss_fn: Callable
+    # 0: the norm is not clipped (it is still measured when asked for)
+    clip_grad_norm: float = 0.0
+    # NHWC inputs (parallelize.uses_channels_last decided it for this model)
+    channels_last: bool = False
+    # This rank's pipeline stage and its schedules (train.parallel.pp); None: the whole model
+    pipe: pipeline_parallel.Pipeline | None = None
+
+
+@dataclass(kw_only=True)
+class Training:
+    """What the training loop works on, built once by `main`: the learner, the data, the task and
+    its monitor, where this rank sits, where checkpoints go, and where the loop starts (a resume's
+    step and epoch)."""
+
+    learner: Learner
+    scheduler: Any
     loader: Any
     splits: Splits
     task: Any
     monitor: Monitor
     info: DistInfo
-    precision: str
+    batch: BatchPlan
+    mesh: mesh.Mesh
     ckpt_root: Path
-    meta: dict  # what every checkpoint says about itself (train_state is added per save)
+    # What every checkpoint says about itself (train_state is added per save)
+    meta: dict
     uploads: BackgroundUploads | None
     total_steps: int
     eval_every: int
+    # The evaluation loader's worker processes (data.num_workers)
+    num_workers: int = 0
+    # Where the loop starts: a resume's step and epoch (0 for a new run)
     step: int = 0
     epoch: int = 0
-    layout: mesh.Layout | None = (
-        None  # where this rank sits in train.parallel's mesh (None: plain data parallel)
-    )
-    channels_last: bool = (
-        False  # NHWC inputs (parallelize.uses_channels_last decided it for this model)
-    )
-    pipe: pipeline_parallel.Pipeline | None = (
-        None  # this rank's pipeline stage and its schedules (train.parallel.pp)
-    )
-    replica_group: Any = (
-        None  # the ranks holding copies of this rank's tensors (mesh.replica_group)
-    )
-    stage_group: Any = None  # the ranks holding this rank's pipeline stage (None: the world)
-    # A resume's random generators as its checkpoint saved them (checkpoint.rng_state), set before its first step
+    # A resume's random generators as its checkpoint saved them (checkpoint.rng_state), set
+    # immediately before its first step
     rng: dict | None = None
 
 
 @dataclass
 class LoopResult:
     losses: list[float]
-    step: int  # the last step trained: total_steps, or where early stopping stopped
-    evaluated: tuple | None  # (metrics, state) of the last step's evaluation; None if no step ran
+    # The last step trained: total_steps, or where early stopping stopped
+    step: int
+    # (metrics, state) of the last step's evaluation; None if no step ran
+    evaluated: tuple | None
 
 
-def train_loop(
-    run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig, num_workers: int = 0
-) -> LoopResult:
-    """Trains to `run.total_steps` or until the monitor stops early; evaluates every `run.eval_every` steps
-    and at the last, saves every `checkpoint.every_n_steps`, at each new best and at the last step."""
-    model, optimizer, scheduler, scaler, loader = (
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        run.scaler,
-        run.loader,
+def train_loop(run: Training, t: TrainConfig, ckpt_cfg: CheckpointConfig) -> LoopResult:
+    """Trains to `run.total_steps` or until the monitor stops early. After each step, what is due
+    by its own rule runs: the log (train.log_every), the evaluation (`run.eval_every`), the replica
+    check (train.consistency_every) and the save (checkpoint.every_n_steps, and each new best); each
+    of them at the last step too."""
+    info, monitor, model = run.info, run.monitor, run.learner.model
+    saver = Saver(
+        run.ckpt_root, info, ckpt_cfg.keep_last, ckpt_cfg.async_save, every=ckpt_cfg.every_n_steps
     )
-    splits, task, monitor, info, precision = (
-        run.splits,
-        run.task,
-        run.monitor,
-        run.info,
-        run.precision,
-    )
-    step, epoch, total_steps, eval_every = run.step, run.epoch, run.total_steps, run.eval_every
-    ckpt_root, meta, uploads = run.ckpt_root, run.meta, run.uploads
-    channels_last, pipe, layout = (
-        run.channels_last,
-        run.pipe,
-        run.layout or mesh.Layout(info.rank, info.world_size, 0, 1),
-    )
-    stages = pipe.group if pipe else None
-    losses: list[float] = []
-    evaluated = None
-    saver = Saver(ckpt_root, info, ckpt_cfg.keep_last, ckpt_cfg.async_save)
-
-    def published(path: Path, best: bool, monitor: Monitor) -> None:
-        if best and info.is_main:
-            write_best(ckpt_root, monitor, path)
-        if uploads:
-            uploads.submit(path)
-
-    # The loss stays on the device between reads: a .item() per step would be a host sync per step on CUDA.
-    window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
-    progress = make_progress(info, total_steps, step)
+    metrics_log = MetricsLog(info, run.total_steps, run.step, every=t.log_every)
+    evaluation = Every(run.eval_every)
+    # Only where another rank holds a copy of this rank's tensors
+    replica_check = Every(t.consistency_every) if run.mesh.replica_group is not None else None
+    step, epoch, evaluated = run.step, run.epoch, None
     if run.rng is not None:
         checkpoint.set_rng_state(run.rng)
-    while step < total_steps and not monitor.stopped:
-        set_epoch(loader, epoch)  # a new shuffle each epoch, the same on every rank
+    while step < run.total_steps and not monitor.stopped:
+        # A new shuffle each epoch, the same on every rank
+        set_epoch(run.loader, epoch)
         steps_before_epoch = step
-        for micro_batches in chunked(loader, t.grad_accum_steps):
-            log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
+        for micro_batches in chunked(run.loader, run.batch.accumulation):
+            log_now = metrics_log.due(step + 1, last=step + 1 == run.total_steps)
             started = time.perf_counter()
-            loss, norm = train_step(
-                model,
-                optimizer,
-                scaler,
-                micro_batches,
-                info,
-                precision,
-                t.clip_grad_norm,
-                want_norm=log_now,
-                channels_last=channels_last,
-                loss_fn=task.loss,
-                pipe=pipe,
-                stages=stages,
-            )
-            if t.compile and step == run.step:  # the warm-up a user waits through, said once
+            loss, norm = train_step(run.learner, micro_batches, want_norm=log_now)
+            # The warm-up a user waits through, said once
+            if t.compile and step == run.step:
                 log.info(
-                    "train.compile: the first step took %.1f s, compiling the model; the steps after it run "
-                    "the compiled code",
+                    "train.compile: the first step took %.1f s, compiling the model; the steps "
+                    "after it run the compiled code",
                     time.perf_counter() - started,
                 )
-            scheduler.step()
+            run.scheduler.step()
             step += 1
-            window_loss += loss
-            window_steps += 1
-            progress.update(1)
-            every = ckpt_cfg.every_n_steps
-            eval_now = step % eval_every == 0 or step == total_steps
-            check_now = run.replica_group is not None and (
-                step == total_steps or (t.consistency_every and step % t.consistency_every == 0)
-            )
-            if log_now or eval_now or check_now or (every and step % every == 0):
-                # Also before anything reads the weights (an evaluation, the replica check, a save), not
-                # only at log steps: diverged weights must not be judged, compared, or saved for a resume.
-                mean_loss = mean_loss_over_ranks(window_loss, window_steps, step, info, layout)
+            metrics_log.add(loss)
+            last = step == run.total_steps
+            eval_now = evaluation.due(step, last)
+            check_now = replica_check is not None and replica_check.due(step, last)
+            # Also before anything reads the weights (an evaluation, the replica check, a save),
+            # not only at log steps: diverged weights must not be judged, compared, or saved for a
+            # resume.
+            if log_now or eval_now or check_now or saver.due(step, last):
+                mean_loss = metrics_log.mean(step, run.mesh.layout)
             if log_now:
-                elapsed = time.perf_counter() - window_start
-                metrics = {
-                    "train/loss": mean_loss,
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": norm,
-                    "train/samples_per_s": window_steps * t.global_batch_size / elapsed,
-                    "train/epoch": epoch,
-                }
-                if scaler.is_enabled():
-                    metrics["train/loss_scale"] = scaler.get_scale()
-                losses.append(mean_loss)
-                if info.is_main:
-                    tracking.log_metrics(metrics, step)
-                    progress.set_postfix(
-                        loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}"
-                    )
-                window_loss, window_steps, window_start = new_window(info), 0, time.perf_counter()
+                metrics_log.write(run, step, epoch, mean_loss, norm)
             evaluated, best = None, False
             if eval_now:
-                evaluated = evaluate(
-                    model,
-                    splits,
-                    task,
-                    info,
-                    precision,
-                    num_workers,
-                    step,
-                    channels_last,
-                    run.layout,
-                    pipe,
-                    run.stage_group,
-                )
+                evaluated = evaluate(run, step)
                 best = judge(monitor, evaluated[0], step, info)
             if check_now:
-                replicas.sync_buffers(model, run.stage_group)
-                replicas.check(
-                    model, step, run.replica_group
-                )  # the final weights are what every later stage uses
+                replicas.sync_buffers(model, run.mesh.stage_group)
+                # The final weights are what every later stage uses
+                replicas.check(model, step, run.mesh.replica_group)
             inject_fault("step", step, info)
-            if (every and step % every == 0) or step == total_steps or best or monitor.stopped:
-                replicas.sync_buffers(
-                    model, run.stage_group
-                )  # save one BatchNorm statistics, whichever rank DCP picks
-                meta["train_state"] = train_state(
-                    step, epoch, scheduler, scaler, loader, info, monitor, layout
-                )
-                meta["val_metrics"] = evaluated[0] if evaluated else None
-                saver.save(
-                    step,
-                    model,
-                    optimizer,
-                    meta,
-                    (monitor.best_step,),
-                    functools.partial(published, best=best, monitor=snapshot(monitor)),
-                )
+            if saver.due(step, last or bool(monitor.stopped)) or best:
+                save(run, saver, step, epoch, evaluated, best)
             else:
-                saver.poll()  # an asynchronous save is published once every rank has written it
-            if step >= total_steps or monitor.stopped:
+                # An asynchronous save is published once every rank has written it
+                saver.poll()
+            if last or monitor.stopped:
                 break
-        else:  # the epoch ran out (or a resume landed exactly on its end)
+        # The epoch ran out (or a resume landed exactly on its end)
+        else:
             if step == steps_before_epoch and not resumed_at_epoch_end(run, epoch):
                 raise DataError(
                     f"epoch {epoch} gave no optimizer step: the training stream ended before "
-                    f"{t.grad_accum_steps} micro-batch(es) of {t.global_batch_size} samples a step; a "
-                    "stream of your own must start again at set_epoch(epoch), and hold a global batch"
+                    f"{run.batch.accumulation} micro-batch(es) of {run.batch.global_batch_size} "
+                    "samples a step; a stream of your own must start again at set_epoch(epoch), "
+                    "and hold a global batch"
                 )
             epoch += 1
     saver.close()
-    progress.close()
+    metrics_log.close()
     if monitor.stopped:
         log.warning("%s", monitor.stopped)
-    return LoopResult(losses, step, evaluated)
+    return LoopResult(metrics_log.losses, step, evaluated)
+
+
+def save(
+    run: Training, saver: Saver, step: int, epoch: int, evaluated: tuple | None, best: bool
+) -> None:
+    """Collective: the state of `step` saved; best.json and the MLflow upload once it is
+    published."""
+    # One copy of the BatchNorm statistics saved, whichever rank DCP picks
+    replicas.sync_buffers(run.learner.model, run.mesh.stage_group)
+    run.meta["train_state"] = train_state(run, step, epoch)
+    run.meta["val_metrics"] = evaluated[0] if evaluated else None
+    saver.save(
+        step,
+        run.learner.model,
+        run.learner.optimizer,
+        run.meta,
+        (run.monitor.best_step,),
+        functools.partial(published, run, best=best, monitor=snapshot(run.monitor)),
+    )
+
+
+def published(run: Training, path: Path, best: bool, monitor: Monitor) -> None:
+    """What follows a save's publish: best.json at a new best, the upload to MLflow."""
+    if best and run.info.is_main:
+        write_best(run.ckpt_root, monitor, path)
+    if run.uploads:
+        run.uploads.submit(path)
+
+
+class MetricsLog:
+    """The training metrics of the steps since the last log, and the progress bar. The loss is
+    summed on the device between logs: a .item() per step would be a host sync per step on CUDA."""
+
+    def __init__(self, info: DistInfo, total_steps: int, start: int, every: int):
+        self.every, self.info = Every(every), info
+        self.losses: list[float] = []
+        self._new_window()
+        self.progress = make_progress(info, total_steps, start)
+
+    def due(self, step: int, last: bool) -> bool:
+        """A log at each train.log_every-th step and at the last."""
+        return self.every.due(step, last)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.window_loss += loss
+        self.window_steps += 1
+        self.progress.update(1)
+
+    def mean(self, step: int, layout: mesh.Layout) -> float:
+        """Collective: the window's mean loss over the ranks (see mean_loss_over_ranks)."""
+        return mean_loss_over_ranks(self.window_loss, self.window_steps, step, self.info, layout)
+
+    def write(self, run: Training, step: int, epoch: int, mean_loss: float, norm: float) -> None:
+        """The window's metrics logged at `step` (MLflow and the progress bar on the main rank);
+        a new window starts."""
+        elapsed = time.perf_counter() - self.window_start
+        scaler = run.learner.scaler
+        metrics = {
+            "train/loss": mean_loss,
+            "train/lr": run.scheduler.get_last_lr()[0],
+            "train/grad_norm": norm,
+            "train/samples_per_s": self.window_steps * run.batch.global_batch_size / elapsed,
+            "train/epoch": epoch,
+        }
+        if scaler.is_enabled():
+            metrics["train/loss_scale"] = scaler.get_scale()
+        self.losses.append(mean_loss)
+        if self.info.is_main:
+            tracking.log_metrics(metrics, step)
+            self.progress.set_postfix(
+                loss=f"{mean_loss:.4f}", samples_s=f"{metrics['train/samples_per_s']:.0f}"
+            )
+        self._new_window()
+
+    def close(self) -> None:
+        self.progress.close()
+
+    def _new_window(self) -> None:
+        self.window_loss = new_window(self.info)
+        self.window_steps, self.window_start = 0, time.perf_counter()
 
 
 def resumed_at_epoch_end(run: Training, epoch: int) -> bool:
@@ -794,66 +794,56 @@ def chunked(loader, size: int):
         yield group
 
 
-def train_step(
-    model,
-    optimizer,
-    scaler,
-    micro_batches,
-    info: DistInfo,
-    precision: str,
-    clip_grad_norm: float,
-    want_norm: bool,
-    *,
-    loss_fn: Callable,
-    channels_last: bool = False,
-    pipe: pipeline_parallel.Pipeline | None = None,
-    stages=None,
-) -> tuple[torch.Tensor, float]:
-    """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss, a 0-d
-    float64 tensor on the device (0 on a pipeline's earlier stages), and the global grad norm (NaN unless asked
-    for: reading it, like reading the loss, waits for the GPU; the loop reads both only when it logs, and checks
-    there that the loss is finite, see `mean_loss_over_ranks`). With `pipe`, each micro-batch goes through the
-    pipeline's schedule (its own micro-batches, forward and backward, its loss function scaled for both), and
-    `stages` is the pipeline's process group, over which the gradient norm is whole."""
+def train_step(learner: Learner, micro_batches, want_norm: bool) -> tuple[torch.Tensor, float]:
+    """One optimizer step over the micro-batches of (inputs, target); returns this rank's loss, a
+    0-d float64 tensor on the device (0 on a pipeline's earlier stages), and the global grad norm
+    (NaN unless asked for: reading it, like reading the loss, waits for the GPU; the loop reads
+    both only when it logs, and checks there that the loss is finite, see `mean_loss_over_ranks`).
+    With a pipeline, each micro-batch goes through its schedule (its own micro-batches, forward and
+    backward, its loss function scaled for both), and the gradient norm is whole over its stages."""
+    model, optimizer, scaler = learner.model, learner.optimizer, learner.scaler
+    device, precision, pipe = learner.device, learner.precision, learner.pipe
     accum = len(micro_batches)
-    total = torch.zeros((), dtype=torch.float64, device=info.device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for i, (inputs, target) in enumerate(micro_batches):
-        inputs = to_device(inputs, info.device, channels_last)
-        target = to_device(target, info.device)  # a tensor, or a dict/tuple of them (custom tasks)
+        inputs = to_device(inputs, device, learner.channels_last)
+        # A tensor, or a dict/tuple of them (custom tasks)
+        target = to_device(target, device)
         if pipe:
-            with amp.autocast(
-                precision, info.device
-            ):  # the stage's forwards run inside the schedule's step
+            # The stage's forwards run inside the schedule's step
+            with amp.autocast(precision, device):
                 loss = pipe.step(inputs, target)
             total += loss if loss is not None else 0.0
             continue
         # Without no_sync DDP would all-reduce every micro-batch; FSDP2 has its own switch.
         with (
             sync_context(model, last_micro_batch=i == accum - 1),
-            amp.autocast(precision, info.device),
+            amp.autocast(precision, device),
         ):
-            loss = loss_fn(forward(model, inputs), target) / accum
+            loss = learner.loss_fn(forward(model, inputs), target) / accum
         scaler.scale(loss).backward()
         total += loss.detach()
     norm = float("nan")
-    if clip_grad_norm or want_norm:
-        scaler.unscale_(optimizer)  # clip and report true gradients, not scaled ones
-        if gradients.needs_own_norm(
-            model.parameters(), stages
-        ):  # split projections, or a pipeline's stages
+    clip = learner.clip_grad_norm
+    if clip or want_norm:
+        # Clip and report true gradients, not scaled ones
+        scaler.unscale_(optimizer)
+        stages = pipe.group if pipe else None
+        # Split projections, or a pipeline's stages
+        if gradients.needs_own_norm(model.parameters(), stages):
             total_norm = gradients.grad_norm(model.parameters(), stages)
-            if clip_grad_norm:
-                gradients.clip_grads(model.parameters(), clip_grad_norm, total_norm)
-        elif clip_grad_norm:
-            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        else:  # only reported: skip clip_grad_norm_'s multiply of every gradient by 1
+            if clip:
+                gradients.clip_grads(model.parameters(), clip, total_norm)
+        elif clip:
+            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        # Only reported: skip clip_grad_norm_'s multiply of every gradient by 1
+        else:
             total_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in model.parameters() if p.grad is not None]
             )
         if want_norm:
-            norm = (
-                total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm
-            ).item()
+            whole = total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm
+            norm = whole.item()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -869,49 +859,37 @@ def sync_context(model, last_micro_batch: bool):
 
 
 @torch.no_grad()
-def evaluate(
-    model,
-    splits: Splits,
-    task,
-    info: DistInfo,
-    precision: str,
-    num_workers: int = 0,
-    step: int | None = None,
-    channels_last: bool = False,
-    layout: mesh.Layout | None = None,
-    pipe: pipeline_parallel.Pipeline | None = None,
-    stage_group=None,
-) -> tuple[dict[str, float], dict]:
-    """The task's metrics over the whole validation split, each data-parallel rank on its own disjoint shard
-    (the ranks of a tensor-parallel group compute one shard together, and one of them counts it; a pipeline's
-    stages pass each batch on, and its last stage counts it); returns them and the reduced state (for the plot).
-    Logged as val/<metric> at `step`."""
-    layout = layout or mesh.Layout(info.rank, info.world_size, 0, 1)
-    replicas.sync_buffers(
-        model, stage_group
-    )  # every rank evaluates with the same BatchNorm statistics
+def evaluate(run: Training, step: int | None = None) -> tuple[dict[str, float], dict]:
+    """The task's metrics over the whole validation split, each data-parallel rank on its own
+    disjoint shard (the ranks of a tensor-parallel group compute one shard together, and one of
+    them counts it; a pipeline's stages pass each batch on, and its last stage counts it); returns
+    them and the reduced state (for the plot). Logged as val/<metric> at `step`."""
+    learner, layout, info, task = run.learner, run.mesh.layout, run.info, run.task
+    model, pipe, device = learner.model, learner.pipe, learner.device
+    # Every rank evaluates with the same BatchNorm statistics
+    replicas.sync_buffers(model, run.mesh.stage_group)
     model.eval()
-    shard = eval_shard(splits.val, layout.dp_rank, layout.dp_size)
-    # Every rank runs the same number of forwards (FSDP all-gathers inside each one). A pipeline's batches are
-    # the size its graphs were traced at.
+    val = run.splits.val
+    shard = eval_shard(val, layout.dp_rank, layout.dp_size)
+    # Every rank runs the same number of forwards (FSDP all-gathers inside each one). A pipeline's
+    # batches are the size its graphs were traced at.
     batch_size = pipe.rows if pipe else EVAL_BATCH
-    per_rank = -(-len(splits.val) // layout.dp_size)
+    per_rank = -(-len(val) // layout.dp_size)
     n_batches = max(1, -(-per_rank // batch_size))
     batches = iter(
-        eval_loader(shard, batch_size, num_workers, pin_memory=info.device.type == "cuda")
+        eval_loader(shard, batch_size, run.num_workers, pin_memory=device.type == "cuda")
     )
-    state = task.new_state(info.device)
+    state = task.new_state(device)
     for _ in range(n_batches):
         batch = next(batches, None)
-        filler = (
-            batch is None
-        )  # this rank's shard ran out: a forward all the same, its output unused
-        inputs, target = first_batch(splits.val, 1) if filler else batch
-        with amp.autocast(precision, info.device):
-            inputs = to_device(inputs, info.device, channels_last)
+        # This rank's shard ran out: a forward all the same, its output unused
+        filler = batch is None
+        inputs, target = first_batch(val, 1) if filler else batch
+        with amp.autocast(learner.precision, device):
+            inputs = to_device(inputs, device, learner.channels_last)
             output = pipe.forward(inputs) if pipe else forward(model, inputs)
         if not filler and layout.reads_for_its_group:
-            task.update(state, task.named(output), to_device(target, info.device))
+            task.update(state, task.named(output), to_device(target, device))
     task.reduce(state, info)
     metrics = task.metrics(state)
     if info.is_main and step is not None:
@@ -981,41 +959,36 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_state(
-    step: int,
-    epoch: int,
-    scheduler,
-    scaler,
-    loader,
-    info: DistInfo,
-    monitor: Monitor,
-    layout: mesh.Layout,
-) -> dict:
+def train_state(run: Training, step: int, epoch: int) -> dict:
     """What a resume needs besides the tensors DCP stores. Rank 0's loader state stands for all
-    ranks: they are at the same place of the same epoch's shuffle (a stream of the component's own gathers
-    every rank's: a collective, which every rank calls here). `data_parallel`: the ranks the data was dealt
-    over (the world, less its tensor-parallel and pipeline ranks, which read their group's batch)."""
+    ranks: they are at the same place of the same epoch's shuffle (a stream of the component's own
+    gathers every rank's: a collective, which every rank calls here). `data_parallel`: the ranks
+    the data was dealt over (the world, less its tensor-parallel and pipeline ranks, which read
+    their group's batch)."""
+    scaler = run.learner.scaler
     return {
         "step": step,
         "epoch": epoch,
-        "world_size": info.world_size,
-        "data_parallel": layout.dp_size,
-        "scheduler": scheduler.state_dict(),
+        "world_size": run.info.world_size,
+        "data_parallel": run.batch.data_parallel,
+        "scheduler": run.scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else {},
-        "dataloader": loader.state_dict(),
-        "monitor": monitor.state(),
+        "dataloader": run.loader.state_dict(),
+        "monitor": run.monitor.state(),
     }
 
 
 def restore_train_state(
-    meta: dict, scheduler, scaler, loader, layout: mesh.Layout
+    meta: dict, scheduler, scaler, loader, data_parallel: int
 ) -> tuple[int, int]:
+    """A checkpoint's step and epoch; its scheduler, scaler and loader state restored, the loader's
+    rescaled from the ranks the checkpoint dealt its data over to this run's `data_parallel`."""
     state = meta["train_state"]
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
     restore_loader(
-        loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), layout.dp_size
+        loader, state["dataloader"], state["epoch"], saved_data_parallel(meta), data_parallel
     )
     return state["step"], state["epoch"]
 
@@ -1041,21 +1014,21 @@ def start_tracking(
     run_dir: Path,
     run_id: str | None,
     info: DistInfo,
-    precision: str,
+    setup: str,
     spec,
     from_data: dict,
     code,
     replaying: bool,
 ) -> str:
-    """`replaying`: a torchrun restart re-runs the steps since the checkpoint with the same config;
-    the run already holds their metrics. (A deliberate --resume logs its steps again.)"""
+    """`setup`: the run's setup tag (setup_words). `replaying`: a torchrun restart re-runs the steps
+    since the checkpoint with the same config; the run already holds their metrics. (A deliberate
+    --resume logs its steps again.)"""
     tracking.setup(cfg.tracking)
     tags = {
         lineage.TASK: cfg.task.name,
         lineage.MODEL: cfg.model.component,
         lineage.DATA: cfg.data.component,
-        lineage.SETUP: f"{info.world_size} x {info.device.type}, {cfg.train.strategy}, {mesh_words(cfg.train, info)}"
-        f"{precision}",
+        lineage.SETUP: setup,
         lineage.GIT: tracking.git_commit()[:12],
         lineage.RUN_DIR: str(run_dir.resolve()),
         **tracking.process_tag(),
@@ -1098,13 +1071,14 @@ def start_tracking(
     return run_id
 
 
-def mesh_words(t: TrainConfig, info: DistInfo) -> str:
-    """The device mesh for the run's setup tag ("dp_shard 2 x pp 2, "), where train.parallel asks for more than
-    data parallelism over every rank; else nothing."""
-    degrees = t.parallel.degrees(info.world_size)
-    if degrees["dp_replicate"] == degrees["tp"] == degrees["pp"] == 1:
-        return ""
-    return " x ".join(f"{name} {degree}" for name, degree in degrees.items() if degree > 1) + ", "
+def setup_words(info: DistInfo, strategy: str, degrees: Degrees, precision: str) -> str:
+    """The run's setup tag, "2 x cpu, ddp, pp 2, fp32": the mesh's degrees named only where
+    train.parallel asks for more than data parallelism over every rank."""
+    mesh_words = ""
+    if degrees.needs_mesh:
+        named = degrees.named().items()
+        mesh_words = " x ".join(f"{name} {degree}" for name, degree in named if degree > 1) + ", "
+    return f"{info.world_size} x {info.device.type}, {strategy}, {mesh_words}{precision}"
 
 
 def _short(value) -> str:
@@ -1113,20 +1087,15 @@ def _short(value) -> str:
 
 
 def finish_tracking(
-    cfg: Config,
-    final: Path,
-    task,
-    state: dict,
-    run_id: str,
-    uploads: BackgroundUploads | None,
-    monitor: Monitor,
-    step: int,
+    cfg: Config, run: Training, final: Path, state: dict, run_id: str, step: int
 ) -> None:
+    """Rank 0, once the process group is gone: the validation plot, the final (and best)
+    checkpoint to MLflow, the run's lineage; the run ends FINISHED."""
+    task, uploads, monitor = run.task, run.uploads, run.monitor
     on_store = object_store.is_url(final)
-    with tempfile.TemporaryDirectory(
-        prefix="trainserve-plot-"
-    ) as scratch:  # a figure is a local file first
-        # (the last evaluation's, the newest checkpoint's: export draws the exported checkpoint's beside its model)
+    # A figure is a local file first. The last evaluation's, the newest checkpoint's: export draws
+    # the exported checkpoint's beside its model.
+    with tempfile.TemporaryDirectory(prefix="trainserve-plot-") as scratch:
         figure = task.plot(
             state,
             (Path(scratch) if on_store else final.parent.parent) / "validation.png",
@@ -1143,8 +1112,8 @@ def finish_tracking(
         # Already where every host can read them; the run's tags (lineage.RUN_DIR, lineage.LATEST)
         # say where, and `consolidate --run-id` fetches from there.
         log.info(
-            "checkpoints stay on the object store (%s), recorded on the run, not uploaded again (checkpoint."
-            "log_to_mlflow=%s applies to a local train.output_dir)",
+            "checkpoints stay on the object store (%s), recorded on the run, not uploaded again "
+            "(checkpoint.log_to_mlflow=%s applies to a local train.output_dir)",
             final.parent,
             cfg.checkpoint.log_to_mlflow,
         )
@@ -1154,18 +1123,19 @@ def finish_tracking(
             checkpoint_store.log_checkpoint(best, run_id)
     failed = {}
     if uploads:
-        if final.name not in uploads.submitted:  # saved by an attempt that died before uploading it
+        # Saved by an attempt that died before uploading it
+        if final.name not in uploads.submitted:
             uploads.submit(final)
         failed = uploads.finish()
         if failed:
             log.warning(
                 "checkpoints not uploaded to MLflow run %s: %s", run_id, ", ".join(sorted(failed))
             )
-        if (
-            final.name in failed
-        ):  # a later stage on another machine would silently take an older one
+        # A later stage on another machine would silently take an older one
+        if final.name in failed:
             raise tracking.TrackingError(
-                f"the final checkpoint could not be uploaded to MLflow run {run_id} ({failed[final.name]}); "
+                f"the final checkpoint could not be uploaded to MLflow run {run_id} "
+                f"({failed[final.name]}); "
                 f"it is intact at {final}: consolidate it by path, or fix the store and upload it with "
                 f"`mlflow artifacts log-artifacts -l {final} -r {run_id} -a checkpoints/{final.name}`"
             )

@@ -15,15 +15,16 @@ serving/placements.py owns those rows and the pool; the batcher asks it for a re
 buffer (more rows than a batch, or every buffer taken, e.g. by slow uploads) waits in the queue, and
 is gathered into a free buffer (or by the engine) when it runs.
 
-Policy (measured, see DESIGN.md): never wait for requests that have not begun to arrive. The batch
+Policy (see DESIGN.md; the measurements behind it: docs/benchmarks.md#servingbatcherpy): never wait
+for requests that have not begun to arrive. The batch
 is taken when the engine thread is free to run it: what is queued then runs at once, as one batch of
 up to `max_batch_size` rows, and requests that arrive during a run form the next batch; a loop in
 the middle of a turn of taking requests in tells the engine when the turn is over, if the batch is
 due then (so what it took in runs together, never waiting past the turn, and the engine is not woken
 to find it should wait). While requests are on their way (`arriving()`), the batch waits for them,
-at most `arrival_wait_ms` from when it could first have run: a 602 KB image takes the event loop a
-tenth of a millisecond to take in, and 32 clients uploading at once would otherwise make batches of
-the one or two that happened to be complete. The wait ends by itself when every client in flight has
+at most `arrival_wait_ms` from when it could first have run: taking a large body in costs the event
+loop time, and many clients uploading at once would otherwise make batches of the one or two that
+happened to be complete. The wait ends by itself when every client in flight has
 its request in (no more can arrive before an answer goes out), and never starts for a lone client.
 Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++
 server is still receiving, whose model is named inside; the server counts them only where one model
@@ -341,8 +342,8 @@ class Batcher:
         """The loop's turn is over: the engine thread is told if the batch is due now
         (`_should_wait` arms the wait's own wake-up otherwise). Deciding here rather than waking the
         engine to decide: on a loop saturated with uploads a kick comes every turn, and an engine
-        woken by each went back to sleep at 11 of 12 wakes (measured at c=32, 602 KB images: 0.6
-        wakes a request, each a thread switch and a GIL hand-off)."""
+        woken by each would mostly go back to sleep, each wake a thread switch and a GIL hand-off
+        (docs/benchmarks.md#servingbatcherpy)."""
         self._kicks.discard(loop)
         with self._lock:
             if not self._closing:
@@ -357,8 +358,8 @@ class Batcher:
         """(engine thread) Whether a running loop will give this batcher a turn at the end of its
         turn. The engine, free between two runs, then leaves the batch to it rather than taking the
         one or two requests complete so far: a loop saturated with uploads gives the GIL away at
-        every system call, and an engine that took a batch at each would run batches of 1-3 rows
-        (measured: 3.3 rows a run at c=32, 14.5 when left to the loop)."""
+        every system call, and an engine that took a batch at each would run batches of a few rows
+        (docs/benchmarks.md#servingbatcherpy)."""
         return any(loop.is_running() for loop in tuple(self._kicks))
 
     def _admit(self, rows: int) -> None:
@@ -540,7 +541,11 @@ class Batcher:
     def _run_batch(self, runner, jobs: list[_Job]) -> None:
         """Runs queued `jobs` as one batch and answers each; if it fails, each job runs again alone."""
         outcome = self._timed_run(
-            runner, jobs, lambda: self._run_rows(self._placements.gather([j.feeds for j in jobs]))
+            runner,
+            jobs,
+            lambda: self._run_rows(
+                self._placements.gather([j.feeds for j in jobs], sum(j.rows for j in jobs))
+            ),
         )
         if outcome is None:  # timed out: its requests were failed by the watchdog
             return
@@ -586,7 +591,9 @@ class Batcher:
                 continue
             self._taken = time.monotonic()
             outcome = self._timed_run(
-                runner, [job], lambda: self._run_rows(self._placements.gather([job.feeds]))
+                runner,
+                [job],
+                lambda: self._run_rows(self._placements.gather([job.feeds], job.rows)),
             )
             if outcome is None:
                 return

@@ -54,6 +54,9 @@ V2_DTYPES = {
 KNOWN_DATATYPES = (*V2_DTYPES, "BF16")  # the protocol's names; BF16 this server can't take
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 MAX_DIM = 2**31  # no model dimension is larger; numpy refuses some that are (a 500 once)
+# JSON data nested more deeply than this is refused: no tensor has that many axes (numpy stops at
+# 64)
+MAX_DATA_DEPTH = 100
 
 
 class BadRequest(Exception):
@@ -192,6 +195,7 @@ def parse_v2_header_once(
     inputs: list[TensorSpec],
     output_names: list[str],
     limits: Limits,
+    model: str = "",
 ) -> V2Header:
     """parse_v2_header, checked once per distinct header: a client sends the same one request after request (the
     same shapes, regions, no id or the same), so `seen` (a model version's) keeps those without JSON data (small;
@@ -200,7 +204,9 @@ def parse_v2_header_once(
     key = (bytes(data[:end]) if len(data) != end else bytes(data), body_length)
     parsed = seen.get(key) if seen is not None else None
     if parsed is None:
-        parsed = parse_v2_header(data, header_length, body_length, inputs, output_names, limits)
+        parsed = parse_v2_header(
+            data, header_length, body_length, inputs, output_names, limits, model
+        )
         if seen is not None and all(item.array is None for item in parsed.inputs):
             if len(seen) >= SEEN_HEADERS:
                 seen.clear()
@@ -217,15 +223,16 @@ def decode_v2(
     shared=None,
     seen: dict | None = None,
     place=None,
+    model: str = "",
 ) -> V2Request:
     """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
     `body`, not copies). `shared(ref, spec, count, into)` reads an input placed in shared memory
     (serving/shm.py); `seen`: the model version's headers checked already (parse_v2_header_once); `place(rows)`:
     the rows of a batch buffer that inputs all in shared memory may be read straight into, or None."""
     if header_length == 0:
-        return decode_raw(body, inputs, output_names, limits)
+        return decode_raw(body, inputs, output_names, limits, model)
     header = parse_v2_header_once(
-        seen, body, header_length, len(body), inputs, output_names, limits
+        seen, body, header_length, len(body), inputs, output_names, limits, model
     )
     offset, arrays = (len(body) if header_length is None else header_length), {}
     for item in header.binary_inputs:
@@ -244,14 +251,15 @@ def decode_v2(
 
 
 def decode_raw(
-    body, inputs: list[TensorSpec], output_names: list[str], limits: Limits
+    body, inputs: list[TensorSpec], output_names: list[str], limits: Limits, model: str = ""
 ) -> V2Request:
     """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data of a model's
     one input, in the shape `raw_shape` deduces from its size; every output comes back as binary data."""
     if len(inputs) != 1:
         raise BadRequest(
-            "a raw binary request (Inference-Header-Content-Length: 0) carries one input; this model "
-            f"takes {expected(inputs)}: send a JSON header naming each"
+            "a raw binary request (Inference-Header-Content-Length: 0) carries one input. Raw request "
+            f"must only have 1 input (found 1) to be deduced but got {len(inputs)} inputs in "
+            f"'{model}' model configuration ({expected(inputs)}): send a JSON header naming each"
         )
     spec = inputs[0]
     shape = raw_shape(spec, len(body))
@@ -277,8 +285,9 @@ def raw_shape(spec: TensorSpec, size: int) -> list[int]:
     if is_bytes(spec):
         if dims != [1]:
             raise BadRequest(
-                f"{where}: a BYTES input takes the body as one element only when its shape is [1]; "
-                f"this one is {spec.describe()}: send a JSON header"
+                f"{where}: the body is one BYTES element. For BYTE datatype raw input "
+                f"'{spec.name}', the model must have input shape [1]; this one is "
+                f"{spec.describe()}: send a JSON header"
             )
         return lead + dims
     itemsize = spec.dtype.itemsize
@@ -291,8 +300,9 @@ def raw_shape(spec: TensorSpec, size: int) -> list[int]:
     fixed = math.prod(d for d in dims if d != -1)
     if len(dynamic) > 1:
         raise BadRequest(
-            f"{where}: its shape {spec.describe()} has more than one dynamic axis to deduce from the "
-            "byte count; send a JSON header with the shape"
+            f"{where}: The shape of the raw input '{spec.name}' can not be deduced because there "
+            f"are more than one variable-sized dimension in {spec.describe()}; send a JSON header "
+            "with the shape"
         )
     if dynamic and (fixed == 0 or values % fixed):
         raise BadRequest(
@@ -315,6 +325,7 @@ def parse_v2_header(
     inputs: list[TensorSpec],
     output_names: list[str],
     limits: Limits,
+    model: str = "",
 ) -> V2Header:
     """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary data) of a body
     of `body_length` bytes: every field checked, each JSON input converted; the binary data's sizes checked
@@ -329,7 +340,7 @@ def parse_v2_header(
     if (
         not isinstance(request, dict)
         or not isinstance(request.get("inputs"), list)
-        or not request["inputs"]
+        or (not request["inputs"] and inputs)
     ):
         raise BadRequest(
             'expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]; '
@@ -366,10 +377,7 @@ def parse_v2_header(
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
             )
         ):
-            raise BadRequest(
-                f"input '{name}': shape must be a list of non-negative integers below {MAX_DIM}, "
-                f"got {shape!r:.100}; expected {spec.describe()}"
-            )
+            raise BadRequest(bad_shape(name, shape, spec))
         check_datatype(item.get("datatype"), spec)
         _check_shape(spec, shape)
         count = _check_size(name, shape, spec, limits)
@@ -422,9 +430,7 @@ def parse_v2_header(
         raise BadRequest(
             f"{body_length - offset} bytes of binary data follow the inputs that no input claims"
         )
-    missing = [s.name for s in given_inputs(inputs, declared) if s.name not in declared]
-    if missing:
-        raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
+    check_all_given(inputs, list(declared), model)
 
     binary_all = parameters.get("binary_data_output", False)
     if not isinstance(binary_all, bool):
@@ -445,7 +451,7 @@ def parse_v2_header(
                     f"unknown output {out!r:.100}; this model has outputs {output_names}"
                 )
             if any(out["name"] == known for known, _ in outputs):
-                raise BadRequest(f"output '{out['name']}' is requested twice")
+                raise BadRequest(duplicate_output(out["name"]))
             out_parameters = _object(out.get("parameters"), f"output '{out['name']}': parameters")
             binary = out_parameters.get("binary_data", binary_all)
             if not isinstance(binary, bool):
@@ -460,6 +466,47 @@ def parse_v2_header(
                 classes[out["name"]] = classified(out_parameters, out["name"], ref)
             outputs.append((out["name"], binary))
     return V2Header(list(declared.values()), request_id, outputs, refs, classes)
+
+
+def bad_shape(name: str, shape, spec: TensorSpec) -> str:
+    """Why a declared shape is refused; where its sizes overflow, the overflow named as Triton names it."""
+    rule = f"shape must be a list of non-negative integers below {MAX_DIM}"
+    sizes = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    if sizes and math.prod(shape) > 2**63 - 1:
+        return (
+            f"input '{name}': shape {shape!r:.100} causes total element count to exceed maximum "
+            f"size of {2**63 - 1} ({rule}); expected {spec.describe()}"
+        )
+    if sizes and not is_bytes(spec) and math.prod(shape) * spec.dtype.itemsize > 2**64 - 1:
+        return (
+            f"input '{name}': byte size overflow for input '{name}': shape {shape!r:.100} of "
+            f"{spec.datatype} takes more than 2**64 bytes ({rule}); expected {spec.describe()}"
+        )
+    return f"input '{name}': {rule}, got {shape!r:.100}; expected {spec.describe()}"
+
+
+def byte_size_mismatch(name: str, model: str, want: int, got: int) -> str:
+    """An input whose bytes are not what its shape takes, in Triton's words (its clients look for them)."""
+    return f"input byte size mismatch for input '{name}' for model '{model}'. Expected {want}, got {got}"
+
+
+def check_all_given(inputs: list[TensorSpec], given: list[str], model: str = "") -> None:
+    """BadRequest unless `given` names every input the model takes (one form of an input that has two:
+    given_inputs), in Triton's words too (its clients look for them)."""
+    wanted = given_inputs(inputs, given)
+    if all(s.name in given for s in wanted):
+        return
+    missing = ",".join(f"'{s.name}'" for s in wanted if s.name not in given)
+    sent = ",".join(f"'{name}'" for name in given)
+    raise BadRequest(
+        f"expected {len(wanted)} inputs but got {len(given)} inputs for model "
+        f"'{model or '(this model)'}'. Got input(s) [{sent}], but missing required input(s) "
+        f"[{missing}]. Please provide all required input(s). This model takes {expected(inputs)}"
+    )
+
+
+def duplicate_output(name: str) -> str:
+    return f"output '{name}' already exists in request (requested twice); ask for each output once"
 
 
 def classified(parameters: dict, name: str, ref) -> int:
@@ -889,8 +936,10 @@ def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -
         raise BadRequest(
             f"{where}: {spec.datatype} data must be {want}, got {bad!r:.40}; expected {spec.describe()}"
         )
+    # Nested past any tensor's rank (numpy refuses more than 64 axes): the values, flat.
+    nested = data if isinstance(data, list) and _depth(data) <= 32 else values
     try:
-        return np.asarray(data if isinstance(data, list) else [data], dtype=spec.dtype)
+        return np.asarray(nested, dtype=spec.dtype)
     except OverflowError as exc:
         raise BadRequest(f"{where}: a value is out of range for {spec.datatype} ({exc})") from None
     except (ValueError, TypeError) as exc:
@@ -901,6 +950,15 @@ def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -
 
 
 _NONE = object()
+
+
+def _depth(data: list) -> int:
+    """How deep the first element of a JSON array is nested (a regular array's rank)."""
+    depth = 0
+    while isinstance(data, list):
+        depth += 1
+        data = data[0] if data else None
+    return depth
 
 
 def _json_bytes(data, values: list, spec: TensorSpec, where: str, count: int | None) -> np.ndarray:
@@ -930,13 +988,19 @@ def _json_bytes(data, values: list, spec: TensorSpec, where: str, count: int | N
 
 def _leaves(data: list, where: str, spec: TensorSpec) -> list:
     """Every value of a nested JSON array, in order (objects, nulls, and strings but for BYTES, are refused on the
-    way)."""
+    way; so is nesting deeper than MAX_DATA_DEPTH)."""
     text = is_bytes(spec)
     out: list = []
     stack = [iter(data)]
     while stack:
         for value in stack[-1]:
             if isinstance(value, list):
+                if len(stack) >= MAX_DATA_DEPTH:
+                    raise BadRequest(
+                        f"{where}: JSON nesting depth exceeds maximum allowed limit "
+                        f"({MAX_DATA_DEPTH}); send the values flat in row-major order, or nested as "
+                        f"the shape is; expected {spec.describe()}"
+                    )
                 stack.append(iter(value))
                 break
             if isinstance(value, dict) or value is None or (isinstance(value, str) and not text):
@@ -972,7 +1036,8 @@ def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
         raise BadRequest(f"missing input(s) {missing}; this model takes {expected(inputs)}")
-    if not all(s.batched for s in inputs):
+    # (a model of no inputs, or whose inputs all have defaults in its file, runs on none)
+    if not inputs or not all(s.batched for s in inputs):
         return 1
     counts = {name: (a.shape[0] if a.ndim else 1) for name, a in feeds.items()}
     if len(set(counts.values())) > 1:

@@ -389,10 +389,9 @@ class Settings:
 
         Why not always several: the loops share one GIL. What they do side by side is only the kernel's copy of a
         body off the socket (done without the GIL); everything else a request costs in Python, they take turns at,
-        and each turn taken from the other loop costs a hand-off. Measured on one 2-core VM sharing its cores with
-        the load generator (benchmarks/ingest.py --cores 2, docs/benchmarks.md): a second loop cost 48-91% more CPU
-        a request for 12-49 KB images and 4-30% for 150 KB; about even at 307 KB; 7-12% less at 602 KB, where the
-        copy is most of a request."""
+        and each turn taken from the other loop costs a hand-off. A second loop pays only for rows large enough
+        that the copy is most of a request (hence LARGE_ROW_BYTES; the measurements:
+        docs/benchmarks.md#servingconfigpy)."""
         if self.http_threads is not None:
             return self.http_threads
         if row_bytes < LARGE_ROW_BYTES:

@@ -226,8 +226,11 @@ class Server:
             model.engine.run_parts,
             self.executor,
             max_batch_size=cap,
-            max_delay_ms=s.max_delay_ms,
-            max_queue_rows=s.max_queue_rows,
+            # (a repository model's config.pbtxt may set its own: ModelInfo)
+            max_delay_ms=(
+                s.max_delay_ms if model.info.max_delay_ms is None else model.info.max_delay_ms
+            ),
+            max_queue_rows=min(s.max_queue_rows, model.info.max_queue_rows or s.max_queue_rows),
             merge=model.engine.batchable,
             on_batch=observe,
             run_timeout=s.run_timeout,
@@ -516,7 +519,13 @@ class Server:
                     f"model '{name}' version {slot.version} was unloaded while the request "
                     f"waited ({model.state.lower()})",
                 ) from None
-            if current is slot or current.model.engine.inputs != slot.model.engine.inputs:
+            # the feeds were decoded from image files by this version's preprocessing: another's
+            # would have made other tensors of the same files
+            if (
+                current is slot
+                or current.model.engine.inputs != slot.model.engine.inputs
+                or current.model.images != slot.model.images
+            ):
                 raise
             return await current.batcher.submit(feeds, rows), current
 
@@ -624,22 +633,14 @@ def decode_now(decode: Callable[[], Any]):
 
 
 def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py);
-    BadRequest for a BYTES output asked into shared memory (its elements have no fixed size to place)."""
+    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py)."""
     model = slot.model
-    results = classify(
+    return classify(
         results,
         getattr(request, "classification", None) or {},
         model.engine.batchable,
         model.info.labels_for,
     )
-    for name in getattr(request, "output_refs", None) or {}:
-        if results[name].dtype == object:
-            raise BadRequest(
-                f"output '{name}' is BYTES, which this server does not write to shared memory; receive "
-                "it in the response"
-            )
-    return results
 
 
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from serving import image_inputs
 from serving.core import batch_cap
 from serving.envelope import Refused
 from serving.loader import SourceError
@@ -57,12 +58,18 @@ def model_config(server, name: str, version: str | None) -> dict:
     engine = slot.model.engine
     batched = engine.batchable
 
+    # an image input and the input it stands for: a request gives one of the two, so each is
+    # optional as Triton's config marks an input a request may leave out
+    inputs = image_inputs.request_inputs(slot.model)
+    either = {s.name for s in inputs if s.stands_for} | {s.stands_for for s in inputs}
+
     def tensors(specs) -> list[dict]:
         return [
             {
                 "name": s.name,
                 "data_type": config_type(s),
                 "dims": list(s.shape[1:] if batched else s.shape),
+                **({"optional": True} if s.name in either else {}),
             }
             for s in specs
         ]
@@ -72,7 +79,7 @@ def model_config(server, name: str, version: str | None) -> dict:
         "platform": "onnxruntime_onnx",
         "backend": "onnxruntime",
         "max_batch_size": batch_cap(slot.model, server.settings.max_batch_size) if batched else 0,
-        "input": tensors(engine.inputs),
+        "input": tensors(inputs),
         "output": tensors(engine.outputs),
     }
 

@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from serving import drift, lengths
@@ -47,7 +47,7 @@ from serving.lineage import (
     recorded_sha256,
     sha256_record,
 )
-from serving.model_config import ModelConfig
+from serving.model_config import ConfigError, ModelConfig, narrowed
 
 log = logging.getLogger("serving.loader")
 
@@ -98,6 +98,10 @@ class ModelInfo:
     # output's class names (label_filename, for the classification extension).
     max_batch_size: int | None = None
     output_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Its dynamic_batching: how long a partial batch waits (ms), the most rows its queue holds
+    # (None: the flags')
+    max_delay_ms: float | None = None
+    max_queue_rows: int | None = None
 
     def labels_for(self, output: str, classes: int) -> tuple[str, ...] | None:
         """The class names of `output` whose rows hold `classes` values: its config's label file, else the labels
@@ -299,6 +303,8 @@ def load_model(
             batching=asked,
             batching_why=why,
         )
+        if config is not None:
+            narrow_inputs(engine, config)
         served = known or engine.metadata.get(MODEL_NAME) or path.stem
         if known is None and served in batching:
             engine.set_batching(
@@ -326,6 +332,12 @@ def load_model(
         prediction=engine.metadata.get(PREDICTION) or None,
         max_batch_size=config.max_batch_size if config is not None else None,
         output_labels=config.output_labels() if config is not None else {},
+        max_delay_ms=(
+            config.max_queue_delay_us / 1000
+            if config is not None and config.max_queue_delay_us is not None
+            else None
+        ),
+        max_queue_rows=config.max_queue_size if config is not None else None,
     )
     where = f"model '{served}' version {version}"
     reference = _drift_reference(path)
@@ -333,6 +345,26 @@ def load_model(
     return LoadedModel(
         engine, info, workdir, variant, reference, image_input(engine, where), ranges
     )
+
+
+def narrow_inputs(engine: Engine, config: ModelConfig) -> None:
+    """The shapes requests may send, as the config's dims narrow the file's (model_config.narrowed).
+    An input the config names that the model lacks is refused: the config was written for another
+    model."""
+    specs = {s.name: s for s in engine.inputs}
+    for name, declared in config.input_dims:
+        if name not in specs:
+            raise SourceError(
+                f"{config.path}: input {name!r} is not one of the model's inputs "
+                f"({', '.join(specs)})"
+            )
+        spec = specs[name]
+        try:
+            shape = narrowed(config.path, name, spec.shape if spec.ranked else None, declared)
+        except ConfigError as exc:
+            raise SourceError(str(exc)) from None
+        specs[name] = replace(spec, shape=shape, ranked=True)
+    engine.inputs = list(specs.values())
 
 
 def _drift_reference(path: Path) -> dict | None:

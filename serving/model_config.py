@@ -1,10 +1,19 @@
 """A Triton `config.pbtxt` beside a repository model (DIR/NAME/config.pbtxt): what this server takes from it.
 
-Read: `max_batch_size` (N > 0: the operator says the model's rows are independent along the first axis and
-caps a batch at N; 0: every request runs alone, exactly as sent), and each output's `label_filename` (one class
-name a line, beside the config: the labels of the classification extension). The rest of Triton's ModelConfig
-(instance groups, dynamic batching, warm-up, ...) is allowed and not used; a top-level name that is not one of
-ModelConfig's, a value of the wrong kind, or broken text is refused, naming the file, line and column.
+Read: `max_batch_size` (N > 0: the operator says the model's rows are independent along the first
+axis and caps a batch at N; 0: every request runs alone, exactly as sent), `version_policy` (which
+of its version directories are loaded: `latest { num_versions: N }`, `all {}`, `specific { versions:
+[V, ...] }`; none given: the server's --version-policy), each input's `dims` (with max_batch_size >
+0 the batch axis before them: the shapes requests may send, which may be narrower than the model
+file's, never wider), and each output's `label_filename` (one class name a line, beside the config:
+the labels of the classification extension), and of `dynamic_batching` its
+`max_queue_delay_microseconds` (how long a partial batch of this model waits for more rows, over
+--max-delay-ms) and `default_queue_policy { max_queue_size }` (the most rows its queue holds, under
+--max-queue-rows: a request past it is a 503; Triton counts requests, this server rows). An input
+with a `reshape` keeps the file's shape (the request's shape is the model's here). The rest of
+Triton's ModelConfig (instance groups, dynamic batching, warm-up, ...) is allowed and not used; a
+top-level name that is not one of ModelConfig's, a value of the wrong kind, or broken text is
+refused, naming the file, line and column.
 
 The text format is parsed with protobuf's own tokenizer into plain values (no message classes: Triton's
 model_config.proto is not shipped with this server); only the fields read here are given types.
@@ -54,6 +63,29 @@ _FLOAT = re.compile(
 )
 
 
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a repository model are loaded (Triton's ModelVersionPolicy): the `count`
+    highest (latest), every one (all), or those listed that exist (specific)."""
+
+    kind: str  # latest | all | specific
+    count: int = 1
+    versions: tuple[str, ...] = ()
+
+    def select(self, available: list[str]) -> list[str]:
+        ordered = sorted(available, key=int)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "latest":
+            return ordered[-self.count :]
+        return [v for v in ordered if v in self.versions]
+
+    def __str__(self) -> str:
+        return {"all": "all", "latest": f"latest:{self.count}"}.get(
+            self.kind, f"specific:{','.join(self.versions)}"
+        )
+
+
 class ConfigError(ValueError):
     """A config.pbtxt that cannot be read as Triton's ModelConfig text, or that says something impossible."""
 
@@ -64,6 +96,14 @@ class ModelConfig:
 
     path: str
     max_batch_size: int | None  # None: not given (Triton's default, 0)
+    # None: not given (the server's --version-policy decides)
+    version_policy: VersionPolicy | None = None
+    # (input name, the full shape requests may send: [-1] + dims when max_batch_size > 0, else dims)
+    input_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size (None:
+    # not given; a queue size of 0: no bound of its own)
+    max_queue_delay_us: int | None = None
+    max_queue_size: int | None = None
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (output name, its class names)
 
     def output_labels(self) -> dict[str, tuple[str, ...]]:
@@ -97,6 +137,23 @@ def read(model_dir: Path) -> ModelConfig | None:
     batch = _scalar(fields, "max_batch_size", int, path)
     if batch is not None and not 0 <= batch < 1 << 31:
         raise ConfigError(f"{path}: max_batch_size must be 0 or a positive count, got {batch}")
+    policy = _version_policy(fields, path)
+    inputs = []
+    for entry in fields.get("input", []):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: every input must be a message {{ name: ... dims: [...] }}")
+        input_name = _scalar(entry, "name", str, path)
+        dims = entry.get("dims")
+        # (an optional input is one the model file gives a default: onnxruntime does not list it as
+        # an input)
+        optional = entry.get("optional") == ["true"]
+        if input_name is None or dims is None or "reshape" in entry or optional:
+            continue
+        if not all(type(d) is int and d >= -1 for d in dims):
+            raise ConfigError(
+                f"{path}: input {input_name!r}: dims must be sizes or -1 (any), got {dims!r:.80}"
+            )
+        inputs.append((input_name, tuple(([-1] if batch else []) + dims)))
     labels = []
     for output in fields.get("output", []):
         if not isinstance(output, dict):
@@ -105,7 +162,104 @@ def read(model_dir: Path) -> ModelConfig | None:
         label_file = _scalar(output, "label_filename", str, path)
         if label_file is not None:
             labels.append((output_name or "", _labels(Path(model_dir), label_file, path)))
-    return ModelConfig(str(path), batch, tuple(labels))
+    delay, queue = _dynamic_batching(fields, path)
+    return ModelConfig(
+        str(path),
+        batch,
+        policy,
+        tuple(inputs),
+        delay,
+        queue if queue else None,
+        tuple(labels),
+    )
+
+
+def _message_of(fields: dict, name: str, path: Path) -> dict | None:
+    """The field's one nested message, or None when absent."""
+    values = fields.get(name)
+    if values is None:
+        return None
+    if len(values) != 1 or not isinstance(values[0], dict):
+        raise ConfigError(f"{path}: {name} must be one message {{ ... }}, got {values!r:.80}")
+    return values[0]
+
+
+def _dynamic_batching(fields: dict, path: Path) -> tuple[int | None, int | None]:
+    """dynamic_batching's max_queue_delay_microseconds and default_queue_policy.max_queue_size."""
+    batching = _message_of(fields, "dynamic_batching", path)
+    if batching is None:
+        return None, None
+    delay = _scalar(batching, "max_queue_delay_microseconds", int, path)
+    policy = _message_of(batching, "default_queue_policy", path)
+    queue = _scalar(policy, "max_queue_size", int, path) if policy is not None else None
+    for name, value in (("max_queue_delay_microseconds", delay), ("max_queue_size", queue)):
+        if value is not None and not 0 <= value < 1 << 63:
+            raise ConfigError(f"{path}: dynamic_batching {name} must be 0 or more, got {value}")
+    return delay, queue
+
+
+def narrowed(
+    path: str, name: str, graph: tuple[int, ...] | None, declared: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The shape input `name` takes: the model file's (`graph`; None when it gives no rank) narrowed by the
+    config's `declared` (an axis either gives a size for is that size). ConfigError where they disagree: another
+    rank, or two different sizes for one axis (the config may narrow what the model takes, never widen it)."""
+    if graph is None:
+        return declared
+    fits = len(graph) == len(declared) and all(
+        g == d or -1 in (g, d) for g, d in zip(graph, declared)
+    )
+    if not fits:
+        raise ConfigError(
+            f"{path}: input {name!r} is [{','.join(map(str, declared))}] there (the batch axis "
+            f"first when max_batch_size > 0), but the model takes [{','.join(map(str, graph))}]; "
+            "the config may only narrow the model's shape (a size where the model has -1)"
+        )
+    return tuple(d if g == -1 else g for g, d in zip(graph, declared))
+
+
+POLICY_FORMS = "version_policy: { latest { num_versions: N } }, { all { } } or { specific { versions: [V, ...] } }"
+
+
+def _version_policy(fields: dict, path: Path) -> VersionPolicy | None:
+    """The config's version_policy: exactly one of latest (N >= 1), all, specific (versions >= 0)."""
+    values = fields.get("version_policy")
+    if values is None:
+        return None
+    if len(values) != 1 or not isinstance(values[0], dict) or len(values[0]) != 1:
+        raise ConfigError(
+            f"{path}: version_policy must be one of {POLICY_FORMS}; got {values!r:.80}"
+        )
+    ((kind, inner),) = values[0].items()
+    if (
+        kind not in ("latest", "all", "specific")
+        or len(inner) != 1
+        or not isinstance(inner[0], dict)
+    ):
+        raise ConfigError(f"{path}: version_policy must be one of {POLICY_FORMS}; got {kind!r}")
+    body = inner[0]
+    allowed = {"latest": {"num_versions"}, "all": set(), "specific": {"versions"}}[kind]
+    if set(body) - allowed:
+        raise ConfigError(
+            f"{path}: version_policy {kind} has no field {sorted(set(body) - allowed)[0]!r}; "
+            f"use {POLICY_FORMS}"
+        )
+    if kind == "all":
+        return VersionPolicy("all")
+    if kind == "latest":
+        count = _scalar(body, "num_versions", int, path)
+        if count is None or count < 1:
+            raise ConfigError(
+                f"{path}: version_policy latest needs num_versions of 1 or more, got {count}"
+            )
+        return VersionPolicy("latest", count)
+    versions = body.get("versions", [])
+    if not versions or not all(type(v) is int and v >= 0 for v in versions):
+        raise ConfigError(
+            f"{path}: version_policy specific needs versions: [V, ...], whole numbers of 0 or "
+            f"more; got {versions!r:.80}"
+        )
+    return VersionPolicy("specific", versions=tuple(str(v) for v in versions))
 
 
 def _labels(model_dir: Path, name: str, config: Path) -> tuple[str, ...]:

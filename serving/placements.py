@@ -328,11 +328,11 @@ class Placements:
             return Gathered(buffers.batch(index, span.rows, size, span.start), span.rows, [])
         return self._gathered([buffers.views(index, span.start, span.rows)], span.rows, size)
 
-    def gather(self, parts: list[Feeds]) -> Gathered:
-        """(engine thread) Queued requests' feeds as one run: copied one after another into a free
-        buffer (checked: NonFinite) and padded up to the batch bucket there, when they need a copy
-        at all (several, or padding)."""
-        rows = sum(rows_of(p) for p in parts)
+    def gather(self, parts: list[Feeds], rows: int) -> Gathered:
+        """(engine thread) Queued requests' feeds, of `rows` rows in all, as one run: copied one
+        after another into a free buffer (checked: NonFinite) and padded up to the batch bucket
+        there, when they need a copy at all (several, or padding). `rows` is the requests' count
+        (codec): a version that runs each request alone has no row axis to read it from."""
         size = self._bucket_for(rows)
         if len(parts) == 1 and size == rows:
             return Gathered(None, rows, parts)

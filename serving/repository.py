@@ -6,8 +6,9 @@ Sources (flags):
                               `--model digits=models:/digits@champion --model digits=models:/digits@challenger`
                               keeps the version behind every alias named loaded
     --repository DIR          DIR/NAME/VERSION/model.onnx, as Triton lays a repository out; which
-                              versions of each model are loaded is the --version-policy
-                              (latest:N, all, specific:V,V); a DIR/NAME/config.pbtxt says whether its
+                              versions of each model are loaded is its config.pbtxt's
+                              version_policy, else the --version-policy (latest:N, all,
+                              specific:V,V); a DIR/NAME/config.pbtxt also says whether its
                               requests share runs (max_batch_size) and its outputs' class names
                               (serving/model_config.py)
 
@@ -49,11 +50,14 @@ from serving.loader import (
     alias_version,
     check_source,
 )
+from serving.model_config import VersionPolicy
 
 log = logging.getLogger("serving.repository")
 
 # A model name as it may appear in a URL and as a directory name.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# a name NAME's characters make that starts with '.': a hidden directory's
+HIDDEN = re.compile(r"\.[A-Za-z0-9_.-]{0,127}")
 # Model states, as the V2 repository extension (and Triton) reports them.
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")  # printable ASCII: safe in a response header
@@ -84,6 +88,19 @@ class Source:
         return self.uri if check_source(self.uri) == "alias" else None
 
 
+def not_a_name(name: str) -> str:
+    """Why `name` is not a model name, in Triton's words too where they apply (an empty name, a path)."""
+    rule = "a model name is a letter or digit, then letters, digits, '_', '.', '-'; at most 128"
+    if not name.strip():
+        return f"Model name cannot be empty. Please enter a valid name to deploy. ({rule})"
+    if "/" in name or "\\" in name or name.strip() in (".", ".."):
+        return (
+            f"{name[:60]!r}: model name must not contain path traversal characters ('/', or '..' "
+            f"as the whole name); {rule}"
+        )
+    return f"{name[:60]!r} is not a model name ({rule})"
+
+
 def parse_model_flag(value: str) -> Source:
     """`NAME=URI` or `URI`. A NAME= prefix is a model name before the first '=' (no '/' or ':' in it), so a
     path or URI with an '=' further on is still a plain URI."""
@@ -102,28 +119,6 @@ def parse_model_flag(value: str) -> Source:
         return Source(rest, head)
     check_source(value)
     return Source(value)
-
-
-@dataclass(frozen=True)
-class VersionPolicy:
-    """Which versions of a repository model are loaded (Triton's version_policy)."""
-
-    kind: str  # latest | all | specific
-    count: int = 1
-    versions: tuple[str, ...] = ()
-
-    def select(self, available: list[str]) -> list[str]:
-        ordered = sorted(available, key=int)
-        if self.kind == "all":
-            return ordered
-        if self.kind == "latest":
-            return ordered[-self.count :]
-        return [v for v in ordered if v in self.versions]
-
-    def __str__(self) -> str:
-        return {"all": "all", "latest": f"latest:{self.count}"}.get(
-            self.kind, f"specific:{','.join(self.versions)}"
-        )
 
 
 def parse_version_policy(text: str) -> VersionPolicy:
@@ -355,7 +350,9 @@ class Repository:
         if slot is None:
             loaded = ", ".join(sorted(model.slots, key=version_key)) or "none"
             raise RepositoryError(
-                f"model '{name}' has no version {version[:40]} loaded (loaded: {loaded})", 404
+                f"Request for unknown model: '{name}' has no version {version[:40]} loaded "
+                f"(loaded: {loaded}); name one of those, or none for the highest",
+                404,
             )
         return slot
 
@@ -438,21 +435,37 @@ class Repository:
         found = self.add_repository_models().get(name) if self.directory else None
         if not found:
             where = f" or in --repository {self.directory}" if self.directory else ""
+            # (Triton's words first: its clients look for them)
             raise RepositoryError(
-                f"no model '{name[:128]}' among the --model flags{where}; this server has "
-                f"{self.describe()}",
+                f"failed to poll from model repository: no model '{name[:128]}' among the --model "
+                f"flags{where}; this server has {self.describe()}",
                 404,
             )
-        versions = self.policy.select(list(found))
-        if not versions:
-            raise RepositoryError(
-                f"model '{name}': --version-policy {self.policy} selects none of its versions "
-                f"({', '.join(sorted(found, key=int))})"
-            )
+        # The model's own config.pbtxt says which of its versions it serves; the flag is the
+        # default.
         try:
-            config = model_config.read(found[versions[0]].parent)
+            config = model_config.read(next(iter(found.values())).parent)
         except model_config.ConfigError as exc:
             raise SourceError(str(exc)) from None
+        if config is not None and config.version_policy is not None:
+            policy, said = config.version_policy, f"the version_policy of {config.path}"
+        else:
+            policy, said = self.policy, "--version-policy"
+        versions = policy.select(list(found))
+        if not versions:
+            raise RepositoryError(
+                f"model '{name}': {said} ({policy}) selects none of its versions "
+                f"({', '.join(sorted(found, key=int))})"
+            )
+        missing = [v for v in policy.versions if v not in found]
+        if missing:
+            log.warning(
+                "model '%s': %s names version(s) %s, which the repository does not have; loading %s",
+                name,
+                said,
+                ", ".join(missing),
+                ", ".join(versions),
+            )
         return [Source(str(found[v]), name, v, config) for v in versions]
 
     def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
@@ -548,11 +561,17 @@ class Repository:
     async def load(self, name: str) -> None:
         """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
         requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
-        if not NAME.fullmatch(name):
+        if HIDDEN.fullmatch(name) and name not in (".", "..") and self.directory:
+            # a directory of that name would be hidden: never a model, so none is found (not refused
+            # as a bad name: Triton takes such names, and finds no model)
             raise RepositoryError(
-                f"{name[:60]!r} is not a model name (a letter or digit, then letters, digits, "
-                "'_', '.', '-')"
+                f"failed to poll from model repository: no model {name[:128]!r} in --repository "
+                f"{self.directory} (a name starting with '.' is a hidden directory, never a model); "
+                f"this server has {self.describe()}",
+                404,
             )
+        if not NAME.fullmatch(name):
+            raise RepositoryError(not_a_name(name))
         sources = await off_loop(self.sources_of, name)  # may read the repository directory
         model = self.models[name]
         async with model.lock:

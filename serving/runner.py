@@ -2,8 +2,8 @@
 
 Why a thread of its own that *pulls* its work: a batch is formed the moment the engine can run it, not
 earlier, and the engine never waits for an event loop to hand it the next one. An event loop busy taking
-requests in (a 602 KB image costs it a tenth of a millisecond in the kernel alone) would otherwise leave the
-GPU idle between batches; and requests that arrive while a run is under way all join the next batch.
+requests in (a large body costs it time in the kernel alone: docs/benchmarks.md#servingrunnerpy) would
+otherwise leave the GPU idle between batches; and requests that arrive while a run is under way all join the next batch.
 
     Runner.ready(batcher)   a batcher has queued work: it takes its turn (once, however often it is told)
     Runner.submit(fn, ...)  any other engine task (a warm-up run, a load's first run): a turn of its own;

@@ -1,6 +1,6 @@
 """The KServe V2 shared-memory extensions as Triton defines them and `tritonclient` speaks them: a client on the
 same host registers a region of its shared memory once, then sends each request's inputs, and takes its outputs,
-by region, offset and size instead of as bytes in the message. A 602 KB image then costs the server no bytes off
+by region, offset and size instead of as bytes in the message. A large image then costs the server no bytes off
 a socket at all.
 
     system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes): the server keeps
@@ -47,7 +47,7 @@ import threading
 import numpy as np
 
 from serving import cuda
-from serving.codec import BadRequest, Ref
+from serving.codec import BadRequest, Ref, byte_size_mismatch, serialized
 from serving.envelope import Refused
 
 MAX_REGIONS = 256  # per client (token)
@@ -173,17 +173,21 @@ class SharedMemory:
         self._check_on(kind)
         owner = owner_of(authorization, self.tokened)
         if not name or len(name) > 256:
-            raise BadRequest(f"a {kind} shared memory region needs a name of 1 to 256 characters")
+            raise BadRequest(
+                f"failed to register shared memory region {name[:40]!r}: invalid args: a {kind} "
+                "shared memory region needs a name of 1 to 256 characters"
+            )
         if byte_size <= 0 or offset < 0:
             raise BadRequest(
-                f"{kind} shared memory region '{name}': byte_size must be positive and offset >= 0, "
-                f"got byte_size {byte_size}, offset {offset}"
+                f"failed to register shared memory region '{name}': invalid args: byte_size must be "
+                f"positive and offset >= 0, got byte_size {byte_size}, offset {offset}"
             )
         with self._lock:
             mine = self._owners.get(owner, {})
             if (kind, name) in mine:
                 raise BadRequest(
-                    f"{kind} shared memory region '{name}' is already registered; unregister it first"
+                    f"{kind} shared memory region '{name}' already in manager: unregister it first "
+                    "or register under another name"
                 )
             if len(mine) >= MAX_REGIONS:
                 raise BadRequest(
@@ -297,15 +301,16 @@ class SharedMemory:
 
     # ---- inference ----
 
-    def use(self, authorization: str) -> "Use":
-        """One request's use of its client's regions (see Use); `close` it when the request ends."""
-        return Use(self, owner_of(authorization, self.tokened))
+    def use(self, authorization: str, model: str = "") -> "Use":
+        """One request's use of its client's regions (see Use), for model `model` (named in its
+        refusals); `close` it when the request ends."""
+        return Use(self, owner_of(authorization, self.tokened), model)
 
     def _hold(self, owner: str, name: str) -> Region:
         if not self.enabled:
             raise BadRequest(
-                "shared memory is off on this server (--shared-memory off); send the tensors in the "
-                "request",
+                "Client shared memory is disabled on this server (--shared-memory off); send the "
+                "tensors in the request",
                 403,
             )
         with self._lock:
@@ -337,7 +342,11 @@ class SharedMemory:
 
     def _check_on(self, kind: str) -> None:
         if not self.enabled:
-            raise BadRequest("shared memory is off on this server (--shared-memory off)", 403)
+            raise BadRequest(
+                "Client shared memory is disabled on this server (--shared-memory off); send the "
+                "tensors in the request, or start it with --shared-memory on",
+                403,
+            )
         if kind not in ("system", "cuda"):
             raise BadRequest(f"unknown shared memory kind {kind!r}")
 
@@ -346,10 +355,10 @@ class Use:
     """The regions one request reads and writes: each held from the request's first look-up of it until `close`
     (the request's end, answered or refused), so that an unregister meanwhile lets it go only then."""
 
-    __slots__ = ("memory", "owner", "held")
+    __slots__ = ("memory", "owner", "held", "model")
 
-    def __init__(self, memory: SharedMemory, owner: str):
-        self.memory, self.owner = memory, owner
+    def __init__(self, memory: SharedMemory, owner: str, model: str = ""):
+        self.memory, self.owner, self.model = memory, owner, model
         self.held: dict[str, Region] = {}
 
     def region(self, name: str) -> Region:
@@ -375,8 +384,9 @@ class Use:
         want = count * spec.dtype.itemsize
         if ref.byte_size != want:
             raise BadRequest(
-                f"input '{spec.name}': shared_memory_byte_size {ref.byte_size}, but its shape takes "
-                f"{want} bytes of {spec.datatype}"
+                byte_size_mismatch(spec.name, self.model, want, ref.byte_size)
+                + f": shared_memory_byte_size must be the {want} bytes its shape takes of "
+                f"{spec.datatype}"
             )
         _inside(region, ref, f"input '{spec.name}'")
         array = into if into is not None else np.empty(count, dtype=spec.dtype)
@@ -392,16 +402,22 @@ class Use:
         return array
 
     def write(self, placed: dict[str, Ref], results: dict[str, np.ndarray]) -> dict[str, dict]:
-        """Each output placed in shared memory written there; {output: its parameters in the answer}."""
+        """Each output placed in shared memory written there (a BYTES one serialized); {output: its
+        parameters in the answer, shared_memory_byte_size the bytes written}."""
         said = {}
         for name, ref in placed.items():
             region = self.region(ref.region)
-            array = np.ascontiguousarray(results[name])
+            array = results[name]
+            # A BYTES output goes in its binary form (each element a 4-byte length, then its bytes),
+            # as Triton writes it and tritonclient's shared_memory.get_contents_as_numpy reads it.
+            if array.dtype == object:
+                array = np.frombuffer(serialized(array), dtype=np.uint8)
+            array = np.ascontiguousarray(array)
             if array.nbytes > ref.byte_size:
                 raise BadRequest(
-                    f"output '{name}': {array.nbytes} bytes ({list(array.shape)} "
-                    f"{array.dtype}) do not fit the {ref.byte_size} bytes given in shared memory "
-                    f"region '{ref.region}'"
+                    f"output '{name}': {array.nbytes} bytes ({list(results[name].shape)} "
+                    f"{results[name].dtype}) do not fit the {ref.byte_size} bytes given in shared "
+                    f"memory region '{ref.region}'"
                 )
             _inside(region, ref, f"output '{name}'")
             if region.kind == "cuda" and array.nbytes:
@@ -429,8 +445,8 @@ class Use:
 def _open_system(name: str, key: str, offset: int, byte_size: int) -> Region:
     if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
         raise BadRequest(
-            f"system shared memory region '{name}': key {key!r:.80} is not a POSIX shared memory "
-            "name ('/name': letters, digits and _.@:+- after one leading '/')"
+            f"cannot register shared memory region '{name}' - invalid shm key {key!r:.80}: not a "
+            "POSIX shared memory name ('/name': letters, digits and _.@:+- after one leading '/')"
         )
     path = os.path.join(SHM_DIR, key.lstrip("/"))
     try:
@@ -456,8 +472,9 @@ def _open_system(name: str, key: str, offset: int, byte_size: int) -> Region:
             )
         if offset + byte_size > info.st_size:
             raise BadRequest(
-                f"system shared memory region '{name}': offset {offset} + byte_size {byte_size} "
-                f"passes the end of shared memory key {key!r} ({info.st_size} bytes)"
+                f"failed to register shared memory region '{name}': invalid args: offset {offset} + "
+                f"byte_size {byte_size} passes the end of shared memory key {key!r} "
+                f"({info.st_size} bytes)"
             )
     except BaseException:
         os.close(fd)
@@ -497,8 +514,18 @@ def _short(region: Region, what: str, end: int) -> BadRequest:
 
 
 def _inside(region: Region, ref: Ref, what: str) -> None:
+    """The tensor's bytes lie inside the registered region; else a 400 naming which bound they cross
+    (in Triton's words too: an offset past the region, an offset and size past it, a sum past 64
+    bits)."""
     if ref.offset < 0 or ref.byte_size < 0 or ref.offset + ref.byte_size > region.byte_size:
-        raise BadRequest(
-            f"{what}: shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} "
-            f"pass the end of region '{region.name}' ({region.byte_size} bytes registered)"
+        where = (
+            f"shared_memory_offset {ref.offset} + shared_memory_byte_size {ref.byte_size} pass the "
+            f"end of region '{region.name}' ({region.byte_size} bytes registered)"
         )
+        if ref.offset >= region.byte_size:
+            why = f"Invalid offset for shared memory region '{region.name}'"
+        elif ref.offset + ref.byte_size > 2**64 - 1:
+            why = f"Integer overflow detected: byte_size {ref.byte_size} + offset {ref.offset}"
+        else:
+            why = f"Invalid offset + byte size for shared memory region '{region.name}'"
+        raise BadRequest(f"{what}: {why}: {where}")

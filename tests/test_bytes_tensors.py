@@ -213,27 +213,45 @@ def test_concurrent_bytes_requests_share_runs_and_each_gets_its_own_strings(serv
     assert metric(text, "trainserve_batch_size_count", model="text") - runs < 12  # runs were shared
 
 
-def test_bytes_in_shared_memory_are_read_and_bytes_out_to_it_refused(server):
-    """Triton's shared-memory extension: a BYTES input's region holds its serialized elements. An output of BYTES
-    has no fixed size to place: asked into a region, it is a 400 (receive it in the response)."""
+def test_bytes_in_and_out_of_shared_memory_in_their_binary_form(server):
+    """Triton's shared-memory extension: a BYTES tensor's region holds its serialized elements, in
+    and out; the answer names the bytes written (shared_memory_byte_size), and tritonclient reads
+    them back. An output region too small for them is a 400 naming both sizes."""
     import tritonclient.utils.shared_memory as shm
 
     sent = np.array([[b"3", b"14"]], dtype=object)
     data = serialized(sent.ravel())
     handle = shm.create_shared_memory_region("bytes_in", "/trainserve_bytes_in", len(data))
+    out = shm.create_shared_memory_region("bytes_out", "/trainserve_bytes_out", 64)
     try:
         shm.set_shared_memory_region(handle, [np.frombuffer(data, np.uint8)])
-        with triton_http.InferenceServerClient(server.http) as client:
+        for module, client in (
+            (triton_http, triton_http.InferenceServerClient(server.http)),
+            (triton_grpc, triton_grpc.InferenceServerClient(server.grpc)),
+        ):
             client.register_system_shared_memory("bytes_in", "/trainserve_bytes_in", len(data))
-            tensor = triton_http.InferInput("TEXT", [1, 2], "BYTES")
+            client.register_system_shared_memory("bytes_out", "/trainserve_bytes_out", 64)
+            tensor = module.InferInput("TEXT", [1, 2], "BYTES")
             tensor.set_shared_memory("bytes_in", len(data))
             assert client.infer("number", [tensor]).as_numpy("NUMBER").tolist() == [[3, 14]]
-            asked = triton_http.InferRequestedOutput("ECHO")
-            asked.set_shared_memory("bytes_in", len(data))
-            with pytest.raises(
-                InferenceServerException, match="is BYTES, which this server does not"
-            ):
-                client.infer("text", [tensor], outputs=[asked])
-            client.unregister_system_shared_memory("bytes_in")
+            asked = module.InferRequestedOutput("ECHO")
+            asked.set_shared_memory("bytes_out", 64)
+            result = client.infer("text", [tensor], outputs=[asked])
+            output = result.get_output("ECHO")
+            parameters = (
+                output["parameters"]
+                if module is triton_http
+                else {k: v.int64_param or v.string_param for k, v in output.parameters.items()}
+            )
+            assert parameters["shared_memory_byte_size"] == len(data), parameters
+            got = shm.get_contents_as_numpy(out, np.object_, [1, 2])
+            assert got.tolist() == sent.tolist()
+            small = module.InferRequestedOutput("ECHO")
+            small.set_shared_memory("bytes_out", len(data) - 1)
+            with pytest.raises(InferenceServerException, match=f"{len(data)} bytes .* do not fit"):
+                client.infer("text", [tensor], outputs=[small])
+            client.unregister_system_shared_memory()
+            client.close()
     finally:
         shm.destroy_shared_memory_region(handle)
+        shm.destroy_shared_memory_region(out)

@@ -15,6 +15,7 @@ from conftest import run_cli
 
 from pipeline.components.data import DataError, make_train_loader, rescale_loader_state
 from pipeline.datasets import digits, fashion_mnist
+from pipeline.plan import BatchPlan
 
 
 def write_idx(path, array: np.ndarray, gz: bool):
@@ -97,9 +98,10 @@ def test_fashion_mnist_truncated_file_is_named(tmp_path):
 def test_global_batches_do_not_depend_on_world_size():
     """Rank batches of a 2-process run, put together, are the 1-process run's batches."""
     s = digits(0.2, 0)["train"]
-    one = next(iter(make_train_loader(s, 32, 0, 1, seed=3, num_workers=0, pin_memory=False)))[1]
+    whole, halves = BatchPlan(rows=32), BatchPlan(rows=16, data_parallel=2)
+    one = next(iter(make_train_loader(s, whole, 0, seed=3, num_workers=0, pin_memory=False)))[1]
     two = [
-        next(iter(make_train_loader(s, 16, r, 2, seed=3, num_workers=0, pin_memory=False)))[1]
+        next(iter(make_train_loader(s, halves, r, seed=3, num_workers=0, pin_memory=False)))[1]
         for r in (0, 1)
     ]
     assert sorted(one.tolist()) == sorted(torch.cat(two).tolist())
@@ -107,15 +109,15 @@ def test_global_batches_do_not_depend_on_world_size():
 
 def test_loader_resumes_mid_epoch_without_repeating_or_skipping():
     s = digits(0.2, 0)["train"]
-    full = make_train_loader(s, 16, 0, 1, seed=1, num_workers=0, pin_memory=False)
+    full = make_train_loader(s, BatchPlan(rows=16), 0, seed=1, num_workers=0, pin_memory=False)
     full.sampler.set_epoch(2)
     expected = [y for _, y in full]
-    part = make_train_loader(s, 16, 0, 1, seed=1, num_workers=0, pin_memory=False)
+    part = make_train_loader(s, BatchPlan(rows=16), 0, seed=1, num_workers=0, pin_memory=False)
     part.sampler.set_epoch(2)
     it = iter(part)
     seen = [next(it)[1] for _ in range(5)]
     state = part.state_dict()
-    resumed = make_train_loader(s, 16, 0, 1, seed=1, num_workers=0, pin_memory=False)
+    resumed = make_train_loader(s, BatchPlan(rows=16), 0, seed=1, num_workers=0, pin_memory=False)
     resumed.sampler.set_epoch(2)
     resumed.load_state_dict(state)
     rest = [y for _, y in resumed]
@@ -130,8 +132,9 @@ def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch()
     s = digits(0.2, 0)["train"]
 
     def batches(world, epoch):
+        plan = BatchPlan(rows=32 // world, data_parallel=world)
         loaders = [
-            make_train_loader(s, 32 // world, r, world, seed=5, num_workers=0, pin_memory=False)
+            make_train_loader(s, plan, r, seed=5, num_workers=0, pin_memory=False)
             for r in range(world)
         ]
         for loader in loaders:
@@ -150,7 +153,14 @@ def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch()
 def test_a_training_set_smaller_than_one_global_batch_is_refused():
     s = digits(0.2, 0)["train"]
     with pytest.raises(DataError, match="fewer than one global batch \\(2048\\)"):
-        make_train_loader(s, 512, 0, 2, seed=0, num_workers=0, pin_memory=False, grad_accum_steps=2)
+        make_train_loader(
+            s,
+            BatchPlan(rows=512, data_parallel=2, accumulation=2),
+            0,
+            seed=0,
+            num_workers=0,
+            pin_memory=False,
+        )
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -159,7 +169,10 @@ def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(w
     the samples the 2 ranks had not seen. With workers, torchdata nests the position in a snapshot."""
     s = digits(0.2, 0)["train"]
     loaders = [
-        make_train_loader(s, 8, r, 2, seed=4, num_workers=workers, pin_memory=False) for r in (0, 1)
+        make_train_loader(
+            s, BatchPlan(rows=8, data_parallel=2), r, seed=4, num_workers=workers, pin_memory=False
+        )
+        for r in (0, 1)
     ]
     seen = []
     for loader in loaders:
@@ -167,12 +180,14 @@ def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(w
         seen += [x for _ in range(3) for x in next(it)[0]]
     state = loaders[0].state_dict()
 
-    one = make_train_loader(s, 16, 0, 1, seed=4, num_workers=workers, pin_memory=False)
+    one = make_train_loader(s, BatchPlan(rows=16), 0, seed=4, num_workers=workers, pin_memory=False)
     one.load_state_dict(rescale_loader_state(state, saved_world=2, world=1))
     rest = [x for batch, _ in one for x in batch]
     reference = [
         x
-        for batch, _ in make_train_loader(s, 16, 0, 1, seed=4, num_workers=0, pin_memory=False)
+        for batch, _ in make_train_loader(
+            s, BatchPlan(rows=16), 0, seed=4, num_workers=0, pin_memory=False
+        )
         for x in batch
     ]
     key = lambda xs: sorted(tuple(x.flatten().tolist()) for x in xs)  # noqa: E731
@@ -322,7 +337,9 @@ def test_a_collate_fn_of_the_data_set_is_checked_and_used_by_every_loader(sequen
         eval_loader(eval_shard(built.splits.val, 0, 8), 4)
     )  # through a Subset: items 0 and 8
     assert inputs["tokens"].shape == (2, 5)
-    loader = make_train_loader(built.splits.train, 4, 0, 2, 0, 0, False)
+    loader = make_train_loader(
+        built.splits.train, BatchPlan(rows=4, data_parallel=2), 0, 0, 0, False
+    )
     assert all(inputs["tokens"].shape[0] == 4 for inputs, _ in loader)
 
     for collate, expected in (

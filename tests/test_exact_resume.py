@@ -247,10 +247,13 @@ def test_the_loaders_leave_the_training_generators_alone():
     """A DataLoader draws its workers' base seed from torch's default generator when it has none of its own, at
     every iterator it creates; a resume creates its iterators at other points than the uninterrupted run did."""
     from pipeline.components.data import eval_loader, first_batch, make_train_loader
+    from pipeline.plan import BatchPlan
 
     splits = noisy_digit_sequences(noise=0)
     before = torch.get_rng_state()
-    train_loader = make_train_loader(splits["train"], 8, 0, 2, 0, 0, False)
+    train_loader = make_train_loader(
+        splits["train"], BatchPlan(rows=8, data_parallel=2), 0, 0, 0, False
+    )
     next(iter(train_loader))
     next(iter(eval_loader(splits["val"])))
     first_batch(splits["val"], 2)
@@ -261,11 +264,12 @@ def test_loader_workers_draw_for_a_batch_what_the_batch_alone_decides():
     """A resume starts fresh workers mid-epoch: what they draw for the rest of the epoch is what the first run's
     workers drew; and what 2 workers draw, 1 draws."""
     from pipeline.components.data import make_train_loader, restore_loader, set_epoch
+    from pipeline.plan import BatchPlan
 
     data = noisy_digit_sequences()["train"]
 
     def loader(workers: int):
-        made = make_train_loader(data, 16, 1, 2, 0, workers, False)
+        made = make_train_loader(data, BatchPlan(rows=16, data_parallel=2), 1, 0, workers, False)
         set_epoch(made, 1)
         return made
 

@@ -34,7 +34,8 @@ from pipeline.components.build import instantiate_model
 from pipeline.components.data import make_train_loader, to_device
 from pipeline.config import ConfigError, TrackingConfig, TrainConfig, load_config
 from pipeline.distributed import DistInfo, parallelize
-from pipeline.train import TrainingDiverged, mean_loss_over_ranks, new_window, train_step
+from pipeline.plan import BatchPlan
+from pipeline.train import Learner, TrainingDiverged, mean_loss_over_ranks, new_window, train_step
 
 
 @pytest.fixture
@@ -100,16 +101,17 @@ def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_in
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss, _ = train_step(
-        model,
-        opt,
-        amp.grad_scaler("fp32", world_of_one.device),
+        Learner(
+            model=model,
+            optimizer=opt,
+            scaler=amp.grad_scaler("fp32", world_of_one.device),
+            device=world_of_one.device,
+            precision="fp32",
+            loss_fn=F.cross_entropy,
+            channels_last=True,
+        ),
         [(x, y)],
-        world_of_one,
-        "fp32",
-        0.0,
         want_norm=False,
-        loss_fn=F.cross_entropy,
-        channels_last=True,
     )
     assert torch.isfinite(loss)
 
@@ -156,15 +158,17 @@ def test_fsdp_bf16_keeps_batchnorm_in_fp32_and_casts_the_convolutions(world_of_o
     seen = spy_weight_dtypes(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss, _ = train_step(
-        model,
-        opt,
-        amp.grad_scaler("bf16", world_of_one.device),
+        Learner(
+            model=model,
+            optimizer=opt,
+            scaler=amp.grad_scaler("bf16", world_of_one.device),
+            device=world_of_one.device,
+            precision="bf16",
+            loss_fn=F.cross_entropy,
+            clip_grad_norm=1.0,
+        ),
         [batch()],
-        world_of_one,
-        "bf16",
-        1.0,
         want_norm=True,
-        loss_fn=F.cross_entropy,
     )
     assert torch.isfinite(loss)
     assert len(seen["bn"]) == 20 and set(seen["bn"]) == {(torch.float32, torch.float32)}
@@ -282,27 +286,31 @@ def test_train_step_never_waits_for_the_device_unless_asked_for_the_norm(monkeyp
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = amp.grad_scaler("fp32", CPU1.device)
     loss, norm = train_step(
-        model,
-        opt,
-        scaler,
+        Learner(
+            model=model,
+            optimizer=opt,
+            scaler=scaler,
+            device=CPU1.device,
+            precision="fp32",
+            loss_fn=F.cross_entropy,
+            clip_grad_norm=1.0,
+        ),
         [batch(seed=1), batch(seed=2)],
-        CPU1,
-        "fp32",
-        1.0,
         want_norm=False,
-        loss_fn=F.cross_entropy,
     )
     assert reads == [] and loss.dtype == torch.float64 and norm != norm
     _, norm = train_step(
-        model,
-        opt,
-        scaler,
+        Learner(
+            model=model,
+            optimizer=opt,
+            scaler=scaler,
+            device=CPU1.device,
+            precision="fp32",
+            loss_fn=F.cross_entropy,
+            clip_grad_norm=1.0,
+        ),
         [batch(seed=3)],
-        CPU1,
-        "fp32",
-        1.0,
         want_norm=True,
-        loss_fn=F.cross_entropy,
     )
     assert reads == ["item"] and norm > 0
 
@@ -444,7 +452,8 @@ def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_name
 ):
     """Two steps of two micro-batches (DDP's no_sync, FSDP2's gradient-sync switch) on the MLP. Dynamo,
     DDP's graph splitting and AOTAutograd run for real; only the code generation is left out: Inductor's
-    C++ build for this MLP took 54 s here, the whole test takes a few with the aot_eager backend."""
+    C++ build is slow even for this MLP (docs/benchmarks.md#teststest_gpu_paths_trainingpy), the
+    aot_eager backend keeps the test to seconds."""
     real = nn.Module.compile
     monkeypatch.setattr(
         nn.Module, "compile", lambda self, **kw: real(self, **{"backend": "aot_eager", **kw})
@@ -460,19 +469,16 @@ def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_name
             world_of_one,
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = amp.grad_scaler("fp32", world_of_one.device)
+        learner = Learner(
+            model=model,
+            optimizer=opt,
+            scaler=amp.grad_scaler("fp32", world_of_one.device),
+            device=world_of_one.device,
+            precision="fp32",
+            loss_fn=F.cross_entropy,
+        )
         losses = [
-            train_step(
-                model,
-                opt,
-                scaler,
-                [batch(seed=2 * s), batch(seed=2 * s + 1)],
-                world_of_one,
-                "fp32",
-                0.0,
-                want_norm=False,
-                loss_fn=F.cross_entropy,
-            )
+            train_step(learner, [batch(seed=2 * s), batch(seed=2 * s + 1)], want_norm=False)
             for s in range(2)
         ]
         results[compiled] = [loss.item() for loss, _ in losses], model
@@ -505,11 +511,13 @@ def test_train_loader_workers_outlive_the_epoch():
         loader.sampler.set_epoch(epoch)
         return {int(x) for inputs, _ in loader for x in inputs.flatten()}
 
-    loader = make_train_loader(WorkerPids(), 4, 0, 1, seed=0, num_workers=1, pin_memory=False)
+    loader = make_train_loader(
+        WorkerPids(), BatchPlan(rows=4), 0, seed=0, num_workers=1, pin_memory=False
+    )
     first = pids(loader, 0)
     assert os.getpid() not in first and pids(loader, 1) == first
     assert not make_train_loader(
-        WorkerPids(), 4, 0, 1, seed=0, num_workers=0, pin_memory=False
+        WorkerPids(), BatchPlan(rows=4), 0, seed=0, num_workers=0, pin_memory=False
     ).persistent_workers
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -517,7 +518,7 @@ REFUSALS = [
         "raw size mismatch",
         RAW,
         lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 31),
-        "raw_input_contents[0] has 31 bytes, but shape [2, 4] FP32 takes 32 bytes",
+        "Expected 32, got 31: raw_input_contents[0] must hold the 32 bytes shape [2, 4] FP32 takes",
     ),
     (
         "raw count mismatch",
@@ -579,7 +580,13 @@ REFUSALS = [
     ("rows over limit", RAW, _huge_rows, "1000000000 rows; this server takes at most 64"),
     ("values over body", ANY, _huge_values, "declares 1152921504606846976 values"),
     ("too big even empty", ANY, _too_big_even_empty, "is too large for an array"),
-    ("missing input", RAW, _without_last_input, "missing input(s) ['half']"),
+    (
+        "missing input",
+        RAW,
+        _without_last_input,
+        "expected 4 inputs but got 3 inputs for model 'm'. Got input(s) ['x','ids','mask'], but "
+        "missing required input(s) ['half']. Please provide all required input(s). This model takes",
+    ),
     (
         "rows disagree",
         RAW,
@@ -599,7 +606,8 @@ REFUSALS = [
         "no inputs",
         RAW,
         lambda r: (r.ClearField("inputs"), r.ClearField("raw_input_contents")),
-        "the request has no inputs",
+        "expected 4 inputs but got 0 inputs for model 'm'. Got input(s) [], but missing "
+        "required input(s) ['x','ids','mask','half']",
     ),
     (
         "too many inputs",
@@ -612,7 +620,7 @@ REFUSALS = [
         "repeated output",
         RAW,
         lambda r: (r.outputs.add(name="probs"), r.outputs.add(name="probs")),
-        "output 'probs' is requested twice",
+        "output 'probs' already exists in request (requested twice)",
     ),
     (
         "BOOL raw byte 2",
@@ -790,3 +798,19 @@ def test_fuzz_only_bad_request_or_decode_error():
             assert decoded.feeds[s.name].dtype == s.dtype
             assert len(decoded.feeds[s.name].shape) == len(s.shape)
     assert min(outcomes.values()) >= 30, outcomes  # every path was taken, often
+
+
+def test_a_missing_input_of_an_image_version_names_the_tensor_not_both_forms():
+    """An image version takes the tensor or the file that stands for it (codec.given_inputs): a request
+    with neither is missing one input, the tensor, in Triton's words too."""
+    inputs = [
+        spec("x", "float32", "FP32", (-1, 4)),
+        replace(spec("image", "object", "BYTES", (-1,)), stands_for="x"),
+    ]
+    request = schema.ModelInferRequest(model_name="m")
+    with pytest.raises(BadRequest) as refused:
+        decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)
+    assert str(refused.value).startswith(
+        "expected 1 inputs but got 0 inputs for model 'm'. Got input(s) [], but missing required "
+        "input(s) ['x']. Please provide all required input(s)."
+    ), refused.value

@@ -364,8 +364,8 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
     tmp_path, setup
 ):
     """As for an HTTP body arriving (serving/batcher.py): a complete request's batch waits, at most --arrival-wait-ms,
-    for a ModelInfer message the native engine is still receiving, and they run as one batch (at c=32 with 602 KB
-    images, 19 rows a run against 15). A message names its model inside, so only a server of one model version
+    for a ModelInfer message the native engine is still receiving, and they run as one batch (what that gained:
+    docs/benchmarks.md#teststest_grpc_enginespy). A message names its model inside, so only a server of one model version
     waits: with two, one on its way to a model must not hold the other's batches. Nor where a token is required:
     a call is counted from its headers, before its token is checked."""
     if not native.available():

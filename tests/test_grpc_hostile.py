@@ -126,8 +126,9 @@ def vm_hwm(pid: int) -> float:
 
 
 def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(model, tmp_path):
-    """The review's H3: a 16 MiB ModelInferRequest of 8 million empty `inputs` was parsed on the event loop
-    (liveness stalled 1.33 s) and took ~730 MiB; four at once peaked at 3.96 GB. Here four at once are refused
+    """The review's H3: a 16 MiB ModelInferRequest of 8 million empty `inputs` was parsed on the event loop,
+    stalling liveness and taking many times its size (docs/benchmarks.md#teststest_grpc_hostilepy). Here four
+    at once are refused
     (INVALID_ARGUMENT naming the limit) from a count of their fields, in a thread; liveness stays prompt and the
     server's peak memory grows by little more than the messages' own bytes."""
     message = b"\x0a\x04tiny" + b"\x2a\x00" * (
@@ -387,8 +388,8 @@ def _rss_mib(pid: int) -> float:
 
 
 def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(model, tmp_path):
-    """The review's F1, memory: 128 calls announcing 16 MiB and sending 8 MiB, no token, took the server from 188 to
-    1,150 MiB, held as long as the connections lived. grpc's C++ server now has a resource quota
+    """The review's F1, memory: 128 calls announcing 16 MiB and sending 8 MiB, no token, held the server's memory
+    as long as the connections lived (docs/benchmarks.md#teststest_grpc_hostilepy). grpc's C++ server now has a resource quota
     (--grpc-memory-bytes): past it grpc stops reading and closes the connections that hold the most. Here 2 x 64
     calls try to leave 4 MiB each (512 MiB) under a quota of 64 MiB."""
     import h2.config

@@ -405,7 +405,8 @@ def test_a_large_body_cut_short_or_stalled_is_still_ended(large_rows_server):
 def test_bodies_are_waited_for_whole_only_on_kernels_that_do_it_without_hanging(
     monkeypatch, release, wakes
 ):
-    """A container runs on its host's kernel: before 5.10 a body waited for with SO_RCVLOWAT could hang to its 408."""
+    """A container runs on its host's kernel: below Linux 5.10 a body is not waited for with SO_RCVLOWAT
+    (why: docs/benchmarks.md#servinghttpconnectionpy)."""
     from serving.http import connection
 
     monkeypatch.setattr(connection.platform, "system", lambda: "Linux")

@@ -143,6 +143,12 @@ def test_the_metadata_lists_the_bytes_input_that_tritonclient_sends_files_as(ser
         {"name": "image", "datatype": "BYTES", "shape": [-1]},
     ]
     assert metadata["parameters"]["image_input"]["in_place_of"] == "input"
+    # the model's configuration lists it too, each of the two forms optional
+    config = client.get_model_config("digits")
+    assert [(i["name"], i["data_type"], i.get("optional")) for i in config["input"]] == [
+        ("input", "TYPE_FP32", True),
+        ("image", "TYPE_STRING", True),
+    ]
     files = [png(pixels(3)), jpeg(pixels(4))]
     sent = triton_http.InferInput("image", [2], "BYTES")
     sent.set_data_from_numpy(np.array(files, dtype=object))

@@ -22,7 +22,9 @@ from serving_fixtures import (
     any_rank_model,
     double_model,
     run_onnx,
+    text_model,
     tiny_model,
+    two_axes_model,
     two_input_model,
     word_model,
 )
@@ -44,6 +46,10 @@ def server(tmp_path_factory):
         f"two={two_input_model(tmp / 'two.onnx')}",
         "--model",
         f"any={any_rank_model(tmp / 'any.onnx')}",
+        "--model",
+        f"text={text_model(tmp / 'text.onnx')}",
+        "--model",
+        f"dyn={two_axes_model(tmp / 'dyn.onnx')}",
         log_path=tmp / "server.log",
     ) as srv:
         srv.tiny = tmp / "tiny.onnx"
@@ -105,8 +111,13 @@ def test_raw_bodies_that_fit_no_shape_are_a_400(server):
         (
             "two",
             b"\x00" * 16,
-        ): "a raw binary request (Inference-Header-Content-Length: 0) carries one "
-        "input; this model takes",
+        ): "a raw binary request (Inference-Header-Content-Length: 0) carries one input. Raw "
+        "request must only have 1 input (found 1) to be deduced but got 2 inputs in 'two' model "
+        "configuration",
+        # Triton's words for what is wrong are in each message, beside ours
+        ("text", b"abc"): "For BYTE datatype raw input 'TEXT', the model must have input shape [1]",
+        ("dyn", b"\x00" * 8): "The shape of the raw input 'x' can not be deduced because there are "
+        "more than one variable-sized dimension in [-1,-1] FP32",
     }
     for (model, body), needle in cases.items():
         r = raw(server, model, body)
@@ -126,3 +137,25 @@ def test_an_input_of_unknown_rank_takes_any_shape_the_graph_computes_on(server):
         assert r.status_code == 200, r.text
         (out,) = r.json()["outputs"]
         assert out["shape"] == shape and out["data"] == values
+
+
+def test_a_request_missing_an_input_names_what_it_sent_and_what_it_lacks(server):
+    """Not a raw body: a V2 request (JSON, or a JSON header and binary data) without every input, refused in
+    Triton's words too (its clients look for them) with the inputs the model takes."""
+    url = f"{server.url}/v2/models/two/infer"
+    features = {"name": "features", "shape": [1, 4], "datatype": "FP32"}
+    said = (
+        "expected 2 inputs but got 1 inputs for model 'two'. Got input(s) ['features'], but missing "
+        "required input(s) ['code']. Please provide all required input(s). This model takes "
+        "'features' [-1,4] FP32, 'code' [-1] INT64"
+    )
+    r = requests.post(url, json={"inputs": [{**features, "data": [1, 2, 3, 4]}]}, timeout=30)
+    assert r.status_code == 400 and said in r.json()["error"], r.text
+    header = json.dumps({"inputs": [{**features, "parameters": {"binary_data_size": 16}}]}).encode()
+    r = requests.post(
+        url,
+        data=header + np.zeros(4, np.float32).tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+        timeout=30,
+    )
+    assert r.status_code == 400 and said in r.json()["error"], r.text

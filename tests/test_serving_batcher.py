@@ -129,8 +129,8 @@ class CountingRunner(Runner):
 
 def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_is_in():
     """Each loop turn's kick decides whether the batch is due, rather than waking the engine to decide: every wake is
-    a thread switch and a GIL hand-off, and an engine woken at each kick of a busy loop went back to sleep at 11 of
-    12 (measured at c=32, 602 KB images)."""
+    a thread switch and a GIL hand-off, and an engine woken at each kick of a busy loop would mostly go back to
+    sleep (docs/benchmarks.md#servingbatcherpy)."""
     engine, runner = Engine(seconds=0.0), CountingRunner()
 
     async def main():

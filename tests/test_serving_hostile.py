@@ -67,6 +67,15 @@ def fp32(shape, data, **extra) -> dict:
 
 
 IMAGE = [0.5] * 64
+
+
+def nested(values: list, depth: int) -> list:
+    """`values` inside `depth` - 1 more arrays: a list `depth` deep."""
+    for _ in range(depth - 1):
+        values = [values]
+    return values
+
+
 # name -> (path, body or (body, headers), the words the 400 must name). The first eight are the review's
 # 500s (finding 4), the rest Triton's rules (finding 11) and the limits (finding 5).
 V2_CASES = {
@@ -105,7 +114,7 @@ V2_CASES = {
     ),
     "an output twice": (
         {"inputs": [fp32([1, 1, 8, 8], IMAGE)], "outputs": [{"name": "logits"}] * 900},
-        "output 'logits' is requested twice",
+        "output 'logits' already exists in request (requested twice)",
     ),
     "an id that is not a string": (
         {"id": {"a": 1}, "inputs": [fp32([1, 1, 8, 8], IMAGE)]},
@@ -122,6 +131,19 @@ V2_CASES = {
     "a huge dimension": (
         {"inputs": [fp32([1, 1, 8, 9223372036854775808], [])]},
         "shape must be a list of non-negative",
+    ),
+    # Triton's words for an overflow are in the message as well, and the rule
+    "an element count past 2**63": (
+        {"inputs": [fp32([1, 1, 8, 2**60 + 2], [])]},
+        "causes total element count to exceed maximum size of 9223372036854775807",
+    ),
+    "a byte size past 2**64": (
+        {"inputs": [fp32([1, 1, 8, 2**59 + 1], [])]},
+        "byte size overflow for input 'input'",
+    ),
+    "data nested past any rank": (
+        {"inputs": [fp32([1, 1, 8, 8], nested(IMAGE, 101))]},
+        "JSON nesting depth exceeds maximum allowed limit (100)",
     ),
     "an input twice": ({"inputs": [fp32([1, 1, 8, 8], IMAGE)] * 2}, "the request has 2 inputs"),
     "a binary output flag that is not a boolean": (
@@ -155,6 +177,10 @@ def test_every_malformed_request_is_a_400_that_names_the_field(tiny_server):
             r.status_code,
             r.text[:300],
         )
+    # Nested deeper than its rank, within the limit: the values in row-major order (numpy stops at
+    # 64 axes).
+    r = requests.post(url, json={"inputs": [fp32([1, 1, 8, 8], nested(IMAGE, 70))]}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
     # The header length: a Unicode digit passed str.isdigit() and broke int(); 5000 digits broke int() too.
     for value in (b"\xb2", b"9" * 5000, b"-1", b"1e3"):
         reply = raw(

@@ -598,3 +598,40 @@ def test_without_a_repository_clients_cannot_load_or_unload(repo, tmp_path):
         assert requests.post(srv.url + "/v2/repository/index").json() == [
             {"name": "mixed", "version": "1", "state": "READY", "reason": ""}
         ]
+
+
+def test_a_load_of_a_name_no_model_has_is_not_found_in_tritons_words_too(server):
+    """A name that could be a model's but is not (one starting with '.' too: a hidden directory, never a
+    model, but no path) is not found, saying so in Triton's words (its clients look for them)."""
+    grpc = triton_grpc.InferenceServerClient(server.grpc)
+    for name in ("model123", "model..1", "...", "..my_model", ".hidden"):
+        with pytest.raises(InferenceServerException) as refused:
+            grpc.load_model(name, headers=auth())
+        assert "StatusCode.NOT_FOUND" in str(refused.value), (name, refused.value)
+        said = refused.value.message()
+        assert said.startswith("failed to poll from model repository: no model"), (name, said)
+        assert "path traversal" not in said
+    refused = requests.post(f"{server.url}/v2/repository/models/..my_model/load", headers=auth())
+    assert refused.status_code == 404, refused.text
+    assert "a name starting with '.' is a hidden directory" in refused.json()["error"]
+
+
+def test_a_load_of_a_name_that_is_empty_or_a_path_is_refused_saying_so(server):
+    """Names a model directory can't have: refused before the repository is read, in Triton's words too (its
+    clients look for them) and with the rule."""
+    grpc = triton_grpc.InferenceServerClient(server.grpc)
+    cases = {
+        "": "Model name cannot be empty. Please enter a valid name to deploy.",
+        " \t\n": "Model name cannot be empty. Please enter a valid name to deploy.",
+        "../etc": "'../etc': model name must not contain path traversal characters",
+        "model/": "'model/': model name must not contain path traversal characters",
+        " ..": "' ..': model name must not contain path traversal characters",
+        "bad name": "'bad name' is not a model name (a model name is a letter or digit",
+    }
+    for name, said in cases.items():
+        with pytest.raises(InferenceServerException) as refused:
+            grpc.load_model(name, headers=auth())
+        assert "StatusCode.INVALID_ARGUMENT" in str(refused.value), refused.value
+        assert said in refused.value.message(), (name, refused.value.message())
+    refused = requests.post(f"{server.url}/v2/repository/models/bad%20name/load", headers=auth())
+    assert refused.status_code == 400 and "is not a model name" in refused.json()["error"]

@@ -29,6 +29,7 @@ from pipeline import checkpoint
 from pipeline.components.data import make_train_loader
 from pipeline.datasets.sharded import sharded
 from pipeline.errors import DataError
+from pipeline.plan import BatchPlan
 from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
@@ -106,7 +107,7 @@ def train_until_error(root: Path, workers: int = 0, check: bool = True) -> tuple
     """The data component built as training builds it, its training loader iterated over epoch 0: (the
     micro-batches it gave before the error, the error)."""
     train = sharded(str(root), check=check)["train"]
-    loader = make_train_loader(train, BATCH, 0, 1, 0, workers, False)
+    loader = make_train_loader(train, BatchPlan(rows=BATCH), 0, 0, workers, False)
     given = 0
     with pytest.raises(DataError) as caught:
         for _ in loader:
@@ -486,7 +487,7 @@ def test_a_store_that_stopped_answering_is_named_as_the_store_not_as_a_truncated
         train = sharded(root)[
             "train"
         ]  # the manifest read and the shards listed while the store answers
-        loader = make_train_loader(train, BATCH, 0, 1, 0, 0, False)
+        loader = make_train_loader(train, BatchPlan(rows=BATCH), 0, 0, 0, False)
     # moto_server stopped: the first shard the stream opens is on an endpoint that refuses connections.
     message = first_batch_error(loader)
     shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
@@ -509,7 +510,7 @@ def test_a_store_that_denies_the_shards_is_named_as_the_store_with_its_answer(
         monkeypatch.setenv("AWS_ENDPOINT_URL", denying.endpoint)
         root = f"{store.url}/data"
         loader = make_train_loader(
-            sharded(root)["train"], BATCH, 0, 1, 0, 0, False
+            sharded(root)["train"], BatchPlan(rows=BATCH), 0, 0, 0, False
         )  # manifest and listing pass
         message = first_batch_error(loader)
     shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]

@@ -97,8 +97,9 @@ def test_a_splits_identity_covers_its_row_group_digests_class_names_and_model_ar
 
 
 def test_a_compressed_row_group_is_refused_before_it_is_decoded(tmp_path):
-    """The review's bomb: a 0.01 MB shard whose one row group zstd-decodes to millions of rows, the
-    manifest made to agree on rows and bytes, cost 1.4 GiB before its digest check. The writer
+    """The review's bomb: a tiny shard whose one row group zstd-decodes to millions of rows, the
+    manifest made to agree on rows and bytes, cost gigabytes before its digest check
+    (docs/benchmarks.md#teststest_shards_hostilepy). The writer
     writes no compression: a compressed chunk is refused from the footer, before a byte is decoded
     (here 400,000 rows, 100 MiB decoded)."""
     split = tmp_path / "train"
@@ -140,8 +141,8 @@ def test_a_compressed_row_group_is_refused_before_it_is_decoded(tmp_path):
 
 def test_declared_row_counts_are_checked_against_the_footer_before_any_permutation(tmp_path):
     """Every row group declared at 20,000,000 rows (the file holds 32 each): the epoch's order
-    permuted the declared rows before the shard was opened (2x10^8 a group took the review 31 s and
-    1.8 GiB). Now the shard is opened and its footer counted first: a DataError, and no permutation
+    permuted the declared rows before the shard was opened (what that cost the review:
+    docs/benchmarks.md#teststest_shards_hostilepy). Now the shard is opened and its footer counted first: a DataError, and no permutation
     made."""
     split = tmp_path / "train"
     write(split)

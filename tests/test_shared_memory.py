@@ -175,9 +175,25 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         # an input that runs past its region
         message = refused(lambda: infer(server, protocol, ALICE, [("small", x.nbytes, 0)], None))
         assert "pass the end of region 'small' (100 bytes registered)" in message, message
+        # (Triton's words for it too, which its clients look for)
+        assert "Invalid offset + byte size for shared memory region 'small'" in message, message
+        message = refused(lambda: infer(server, protocol, ALICE, [("small", x.nbytes, 100)], None))
+        assert "Invalid offset for shared memory region 'small'" in message, message
+        if protocol == "http":  # (gRPC's offsets are int64)
+            far = [("small", x.nbytes, 2**64 - 32)]
+            message = refused(lambda: infer(server, protocol, ALICE, far, None))
+            assert "Invalid offset for shared memory region 'small'" in message, message
+            out = ("small", 2**64 - 32, 32)
+            message = refused(lambda: infer(server, protocol, ALICE, [("big", x.nbytes, 0)], out))
+            assert (
+                "Integer overflow detected: byte_size 18446744073709551584 + offset 32" in message
+            )
         # an input's byte size that is not its tensor's
         message = refused(lambda: infer(server, protocol, ALICE, [("big", x.nbytes - 4, 0)], None))
-        assert "shared_memory_byte_size 508, but its shape takes 512 bytes" in message, message
+        assert (
+            "input byte size mismatch for input 'input' for model 'tiny'. Expected 512, got 508: "
+            "shared_memory_byte_size must be the 512 bytes its shape takes of FP32" in message
+        ), message
         # an output region too small for the answer
         message = refused(
             lambda: infer(server, protocol, ALICE, [("big", x.nbytes, 0)], ("small", 8, 0))
@@ -198,7 +214,15 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         message = refused(
             lambda: c.register_system_shared_memory("big", big_key, 8, headers=auth(ALICE))
         )
-        assert "'big' is already registered" in message, message
+        assert "'big' already in manager: unregister it first or register" in message, message
+        if protocol == "grpc":  # (over HTTP the name is in the path: no route has an empty one)
+            message = refused(
+                lambda: c.register_system_shared_memory("", big_key, 8, headers=auth(ALICE))
+            )
+            assert (
+                "failed to register shared memory region '': invalid args: a system shared memory "
+                "region needs a name of 1 to 256 characters" in message
+            ), message
         message = refused(
             lambda: c.register_system_shared_memory(
                 "gone", "/no-such-key-here", 8, headers=auth(ALICE)
@@ -208,12 +232,18 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         message = refused(
             lambda: c.register_system_shared_memory("etc", "/../etc/passwd", 8, headers=auth(ALICE))
         )
-        assert "is not a POSIX shared memory name" in message, message
+        assert (
+            "cannot register shared memory region 'etc' - invalid shm key '/../etc/passwd': not a "
+            "POSIX shared memory name" in message
+        ), message
         # a region larger than the object it names
         message = refused(
             lambda: c.register_system_shared_memory("huge", big_key, 1 << 20, headers=auth(ALICE))
         )
-        assert "passes the end of shared memory key" in message, message
+        assert (
+            "failed to register shared memory region 'huge': invalid args: offset 0 + byte_size "
+            "1048576 passes the end of shared memory key" in message
+        ), message
         # no token: 401 before anything
         message = refused(lambda: c.get_system_shared_memory_status())
         assert "bearer token" in message, message
@@ -255,7 +285,10 @@ def test_shared_memory_off_lists_none_and_refuses_registering_with_403(tmp_path,
                 with pytest.raises(InferenceServerException) as caught:
                     call()
                 assert caught.value.status() in ("403", "StatusCode.PERMISSION_DENIED")
-                assert "--shared-memory off" in caught.value.message()
+                assert (
+                    "Client shared memory is disabled on this server (--shared-memory off)"
+                    in caught.value.message()
+                )
         extensions = client(srv, "http").get_server_metadata()["extensions"]
         assert "system_shared_memory" not in extensions and "binary_tensor_data" in extensions
 
@@ -353,7 +386,7 @@ def test_a_region_in_use_stays_listed_until_its_request_ends_and_one_namespace_w
         message = refused(
             lambda: c.register_system_shared_memory("r0", key, 64, headers=auth("made-up-x"))
         )
-        assert "'r0' is already registered" in message, message
+        assert "'r0' already in manager" in message, message
         with pytest.raises(InferenceServerException) as caught:
             c.register_system_shared_memory("r256", key, 64, headers=auth("made-up-y"))
         assert caught.value.status() == "429", caught.value

@@ -9,7 +9,7 @@ from conftest import CPU1, mlp_spec
 
 from pipeline.components import amp
 from pipeline.components.build import instantiate_model
-from pipeline.train import train_step
+from pipeline.train import Learner, train_step
 
 SPEC = mlp_spec(hidden=[32])
 
@@ -19,15 +19,17 @@ def one_step(scaler, clip: float, micro_batches):
     model = instantiate_model(SPEC)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss, norm = train_step(
-        model,
-        opt,
-        scaler,
+        Learner(
+            model=model,
+            optimizer=opt,
+            scaler=scaler,
+            device=CPU1.device,
+            precision="fp32",
+            loss_fn=F.cross_entropy,
+            clip_grad_norm=clip,
+        ),
         micro_batches,
-        CPU1,
-        "fp32",
-        clip,
         want_norm=True,
-        loss_fn=F.cross_entropy,
     )
     return model, loss, norm
 

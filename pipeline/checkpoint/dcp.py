@@ -306,10 +306,10 @@ class AsyncWriter:
     priority it is taken mostly where a rank waits (its all-reduce), spread over more steps instead of
     slowing a few. DCP's own async_save runs the write in a thread it creates, which can't be given a priority;
     its process-based saver (AsyncCheckpointerType.PROCESS) spawns a torch-importing process per rank at the
-    first save and stages through shared memory (64 MB in a default Docker container). Measured in separate
-    runs of benchmarks/checkpoint_async.py on the shared 2 cores (load 10-13, so indicative only): a step while
-    writing 2.20x a plain one with DCP's thread, 2.20x with its process, 1.49x with this thread. A thread keeps
-    the GIL for the pickling parts of a write, so the training thread still waits on it now and then.
+    first save and stages through shared memory (64 MB in a default Docker container). Of the three, a step
+    while writing slows least with this thread (benchmarks/checkpoint_async.py; the figures:
+    docs/benchmarks.md#pipelinecheckpointdcppy). A thread keeps the GIL for the pickling parts of a write,
+    so the training thread still waits on it now and then.
 
     The thread's collectives (DCP's planning and metadata exchange, the publish's barrier and digests) run on
     a process group of their own: collectives from two threads on the training's group could interleave with

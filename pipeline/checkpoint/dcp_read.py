@@ -178,7 +178,8 @@ def _check_storage_paths(path: Path, metadata: Metadata) -> None:
 
 class CachedMetadataReader(FileSystemReader):
     """A FileSystemReader that reads `.metadata` once, safely (see read_metadata_safely). `dcp.load`
-    reads it on every call, and with the optimizer's thousands of entries that costs 0.1-0.4 s per call."""
+    reads it on every call, and with the optimizer's thousands of entries that is a cost each call pays
+    again (docs/benchmarks.md#pipelinecheckpointdcp_readpy)."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))

@@ -28,6 +28,7 @@ from pipeline.checkpoint.dcp import AsyncWriter
 from pipeline.checkpoint.object_store import location
 from pipeline.distributed import DistInfo
 from pipeline.tools import stopping
+from pipeline.tools.every import Every
 from serving.console import verbose
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,21 @@ SLOW_SAVE_S = 10.0  # a save this long (staging, writing and publishing) is said
 
 
 class Saver:
-    def __init__(self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool):
-        self.root, self.info, self.keep_last = (
-            location(root),
-            info,
-            keep_last,
-        )  # a Path, or an s3:// StoreUrl
+    def __init__(
+        self, root: Path, info: DistInfo, keep_last: int, asynchronous: bool, every: int = 0
+    ):
+        # A Path, or an s3:// StoreUrl
+        self.root = location(root)
+        self.info, self.keep_last, self.every = info, keep_last, Every(every)
         self.writer = AsyncWriter(info) if asynchronous else None
         self.pending: tuple[Future, Callable[[Path], None], float] | None = None
-        self.saved, self.seconds = 0, 0.0  # for the summary
+        # For the summary
+        self.saved, self.seconds = 0, 0.0
+
+    def due(self, step: int, last: bool) -> bool:
+        """A save at each `every`-th step (checkpoint.every_n_steps; none when 0) and at the last.
+        The loop saves at each new best too."""
+        return self.every.due(step, last)
 
     def save(
         self,

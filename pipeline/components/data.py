@@ -35,6 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pipeline.components import own_stream
 from pipeline.components.random_streams import WorkerSeeded, loader_generator
 from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
+from pipeline.plan import BatchPlan
 from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
 from serving.images import Preprocessing
@@ -425,16 +426,15 @@ def named(inputs) -> dict[str, torch.Tensor]:
 
 def make_train_loader(
     dataset: Dataset,
-    batch_size_per_rank: int,
-    rank: int,
-    world_size: int,
+    batch: BatchPlan,
+    dp_rank: int,
     seed: int,
     num_workers: int,
     pin_memory: bool,
-    grad_accum_steps: int = 1,
     info=None,
 ):
-    """A stateful loader over this rank's shard of the training set.
+    """A stateful loader over this rank's shard of the training set: `batch.rows` samples a read,
+    the set dealt over `batch.data_parallel` ranks, of which this is `dp_rank`.
 
     DistributedSampler gives rank r the indices perm[r::world] of one seeded permutation per epoch,
     so the union of all ranks' k-th batches is perm[k*B:(k+1)*B] whatever the world size: the same
@@ -449,39 +449,44 @@ def make_train_loader(
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    global_batch = batch_size_per_rank * world_size * grad_accum_steps
-    if isinstance(dataset, IterableDataset) and not isinstance(
-        dataset, ShardedStream
-    ):  # the component's own stream
+    # The component's own stream
+    if isinstance(dataset, IterableDataset) and not isinstance(dataset, ShardedStream):
         from pipeline.distributed import DistInfo
 
         return own_stream.OwnStreamLoader(
             dataset,
-            batch_size_per_rank,
+            batch.rows,
             num_workers,
             pin_memory,
             collate_of(dataset),
             info or DistInfo.cpu_alone(),
             seed,
         )
-    if isinstance(dataset, IterableDataset):  # a sharded stream
-        if len(dataset) < global_batch:
+    if isinstance(dataset, IterableDataset):
+        if len(dataset) < batch.global_batch_size:
             raise DataError(
                 f"the training stream has {len(dataset)} samples, fewer than one global batch "
-                f"({global_batch}); lower train.global_batch_size"
+                f"({batch.global_batch_size}); lower train.global_batch_size"
             )
         return StreamLoader(
-            dataset, batch_size_per_rank, rank, world_size, seed, num_workers, pin_memory
+            dataset, batch.rows, dp_rank, batch.data_parallel, seed, num_workers, pin_memory
         )
     sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        dataset,
+        num_replicas=batch.data_parallel,
+        rank=dp_rank,
+        shuffle=True,
+        seed=seed,
+        drop_last=True,
     )
-    if len(sampler) < batch_size_per_rank * grad_accum_steps:  # not one optimizer step per epoch
+    # Not one optimizer step an epoch
+    if len(sampler) < batch.rows_per_step:
         raise DataError(
             f"the training set has {len(dataset)} samples, fewer than one global batch "
-            f"({global_batch}); lower train.global_batch_size"
+            f"({batch.global_batch_size}); lower train.global_batch_size"
         )
-    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
+    # torchdata 0.11 calls a deprecated torch API; harmless
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
         # would fork (and warm up) the workers anew.
@@ -489,7 +494,7 @@ def make_train_loader(
             WorkerSeeded(dataset)
             if num_workers > 0 and not own_stream.is_stateful(dataset)
             else dataset,
-            batch_size=batch_size_per_rank,
+            batch_size=batch.rows,
             sampler=sampler,
             drop_last=True,
             num_workers=num_workers,

@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None) -> bool:
     """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want it. `auto`
-    (the default) turns it on for a model with 2-d convolutions: on one H100, ResNet-50 at 224 in bf16 trained at
-    2,538-2,774 samples/s in channels_last against 1,930 without (../shared/gpu/resnet50_h100.md); a model without
-    convolutions gains nothing from it."""
+    (the default) turns it on for a model with 2-d convolutions, which train faster in channels_last on a GPU
+    (docs/benchmarks.md#pipelinedistributedparallelizepy); a model without convolutions gains nothing from it."""
     if info.device.type != "cuda" or train_cfg.channels_last is False:
         return False
     if train_cfg.channels_last is True:

@@ -60,8 +60,8 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = pick_device(device_request, local_rank)
 
-    # Oversubscribed CPU threads make gloo ranks collapse (2 ranks x 2 threads on 2 cores ran at
-    # 0.14x of 2 x 1): give each local rank its share of the usable cores.
+    # Oversubscribed CPU threads make gloo ranks collapse (docs/benchmarks.md#pipelinedistributedprocess_grouppy):
+    # give each local rank its share of the usable cores.
     threads = threads_per_rank or max(1, usable_cpus() // local_world_size)
     torch.set_num_threads(threads)
     if device.type == "cpu":
@@ -94,9 +94,8 @@ def keep_freed_memory() -> bool:
 
     With its defaults, the gradients freed by `zero_grad(set_to_none=True)` and the activations freed
     by backward go back to the kernel (heap trimming, per-allocation mmap), and every step faults
-    them in again: the demo config's loop took ~400-2500 page faults per step, and ran ~14% slower
-    (median samples/s of 4 runs each, 1 thread); the train benchmark's 8x8 ours/bare gap came from
-    the same faults. Allocations up to 32 MiB now stay in the heap and the heap is never trimmed,
+    them in again, which slows every step (docs/benchmarks.md#pipelinedistributedprocess_grouppy).
+    Allocations up to 32 MiB now stay in the heap and the heap is never trimmed,
     much as jemalloc or tcmalloc behave (PyTorch's CPU tuning guide preloads one; this needs nothing
     installed). The rank keeps its peak heap until it exits. Returns False where the C library is
     not glibc, or when the user set MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ themselves.

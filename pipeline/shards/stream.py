@@ -333,7 +333,7 @@ class StreamLoader:
 
     def __iter__(self):
         # What a worker imports to read Parquet (pyarrow imports pandas as it reads a row group), imported here
-        # before the workers fork: each would import them itself (~0.5 s) before its first batch.
+        # before the workers fork: each would otherwise import them itself before its first batch.
         import pyarrow.parquet  # noqa: F401
         from torch.utils.data import DataLoader
 

@@ -35,10 +35,13 @@ from serving.codec import (
     _check_shape,
     _check_size,
     _rows,
+    byte_size_mismatch,
     bytes_elements,
+    check_all_given,
     check_datatype,
     classified,
     datatype_of,
+    duplicate_output,
     expected,
     given_inputs,
     is_bytes,
@@ -58,7 +61,7 @@ from serving.staging import NonFinite
 MAX_RANK = 32  # as over HTTP
 # Fields a ModelInferRequest may hold at its top level and inside its inputs and outputs together: a real
 # request has a handful per model input and output. Counted on the wire before any message is built,
-# because an empty repeated entry costs 2 bytes on the wire and ~90 in memory (16 MiB of them: ~730 MiB).
+# because an empty repeated entry costs far more in memory than on the wire (docs/benchmarks.md#servinggrpccodecpy).
 MAX_FIELDS = 4096
 # ModelInferRequest's fields worth counting inside: inputs (5) and outputs (6). Their own fields are counted
 # but not descended into (contents' packed numbers are one field each).
@@ -151,7 +154,7 @@ def decode_infer(
     into (serving/batcher.py)."""
     given = request.inputs
     if not given:
-        raise BadRequest(f"the request has no inputs; this model takes {expected(inputs)}")
+        check_all_given(inputs, [], request.model_name)
     if len(given) > len(inputs):
         raise BadRequest(
             f"the request has {len(given)} inputs; this model takes {expected(inputs)}"
@@ -197,13 +200,15 @@ def decode_infer(
             want = len(raw[index]) if is_bytes(spec) else count * spec.dtype.itemsize
             if len(raw[index]) != want:
                 raise BadRequest(
-                    f"input '{name}': raw_input_contents[{index}] has {len(raw[index])} "
-                    f"bytes, but shape {shape} {spec.datatype} takes {want} bytes"
+                    byte_size_mismatch(name, request.model_name, want, len(raw[index]))
+                    + f": raw_input_contents[{index}] must hold the {want} bytes shape {shape} "
+                    f"{spec.datatype} takes"
                 )
             declared[name] = (spec, shape, count, None, index, item)
             index += 1
         else:
             declared[name] = (spec, shape, count, None, None, item)
+    check_all_given(inputs, list(declared), request.model_name)
     views = _placed(declared, inputs, raw, place)
     feeds: dict[str, np.ndarray] = {}
     for name, (spec, shape, count, ref, at, item) in declared.items():
@@ -371,7 +376,7 @@ def _requested_outputs(
                 f"unknown output {_quote(out.name)}; this model has outputs {output_names}"
             )
         if any(out.name == known for known, _ in outputs):
-            raise BadRequest(f"output '{out.name}' is requested twice")
+            raise BadRequest(duplicate_output(out.name))
         parameters = _plain(out.parameters)
         ref = shm_ref(parameters, f"output '{out.name}'")
         if ref is not None:

@@ -65,8 +65,8 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
-# Parsed in a thread above this, two at a time: a message of typed contents (a list of numbers per value) costs
-# milliseconds to parse; raw bytes cost a copy (~25 us for a 602 KB image), less than a hop to a thread and back.
+# Parsed in a thread above this, two at a time: a message of typed contents (a list of numbers per value) is
+# slow to parse; raw bytes cost only a copy, less than a hop to a thread and back (docs/benchmarks.md#servinggrpcservicepy).
 BIG_MESSAGE = 1 << 20
 # Connections: HTTP closes one idle for --read-timeout; gRPC's own options do the same here (a GOAWAY and the
 # close: 250 silent connections were all closed 2.2 s after opening with --read-timeout 2), and bound what one
@@ -170,7 +170,7 @@ class Service:
 
     async def ModelInfer(self, request, call: "Call"):
         # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
-        regions = self.server.shared_memory.use(call.authorization)
+        regions = self.server.shared_memory.use(call.authorization, request.model_name)
         try:
             return await self._model_infer(request, call, regions)
         finally:

@@ -128,7 +128,9 @@ class V2Binary:
         limits: Limits,
         place=None,
         seen: dict | None = None,
+        model: str = "",
     ):
+        self.model = model  # its name, for refusals
         self.place = (
             place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
         )
@@ -210,6 +212,7 @@ class V2Binary:
                 self.specs,
                 self.output_names,
                 self.limits,
+                self.model,
             )
         except BadRequest as exc:
             self.error = exc

@@ -9,14 +9,13 @@ each input's bytes go from the kernel into the array that will be its feed, the 
 
 A large body's read (BODY_WAKE_MIN_BYTES or more left) wakes the loop only once the rest of it is in, up to
 BODY_WAKE_MAX_BYTES at a time (SO_RCVLOWAT: Linux's epoll then reports the socket readable only once that many bytes
-are queued, growing its receive buffer to hold them). Read as it trickled in, a 602 KB image took 7-8 reads at c=32,
-each a loop wake-up, two calls into this class, a NaN check and a window update sent back to the client; now about
-3 (the head's, the body's, and one that finds nothing). A smaller rest is read as it comes: setting the mark and
-setting it back cost two system calls, more than the reads they save. The mark is never more than the client is
+are queued, growing its receive buffer to hold them). Read as it trickled in, a large body takes many reads,
+each a loop wake-up, two calls into this class, a NaN check and a window update sent back to the client; with the
+mark it takes about 3 (the head's, the body's, and one that finds nothing). A smaller rest is read as it comes:
+setting the mark and setting it back cost two system calls, more than the reads they save. The mark is never more than the client is
 sending anyway: a body cut short still ends when the client closes, and one that stalls still meets its deadline.
-Only on Linux 5.10 and later (WAKE_ON_BODY): before 4.18 the kernel did not grow the buffer to the mark, and until
-~5.7 a buffer filled short of it by packet overhead never woke the reader (a 602 KB body would have waited for its
-408); a container runs on its host's kernel.
+Only on Linux 5.10 and later (WAKE_ON_BODY; what earlier kernels do with the mark:
+docs/benchmarks.md#servinghttpconnectionpy); a container runs on its host's kernel.
 
 Deadlines: a connection has --read-timeout seconds to deliver a whole request, counted from when the server
 starts waiting for it (the connection opening, or the first byte after a keep-alive pause); past that it is
@@ -39,7 +38,7 @@ import httptools
 
 from serving.envelope import Exchange, Refusal, Refused, refusal, source_of
 from serving.http import bodies
-from serving.http.wire import Request, Response, error_response
+from serving.http.wire import Request, Response, error_response, too_large
 
 try:
     from serving._ingest import (
@@ -315,10 +314,7 @@ class Connection(asyncio.BufferedProtocol):
                 check = auth.check_labels if route.labels else auth.check
                 check(headers.get("authorization", ""))
             if length > site.max_body_bytes:
-                raise Refused(
-                    413,
-                    f"the body exceeds the limit of {site.max_body_bytes} bytes (--max-body-bytes)",
-                )
+                raise Refused(413, too_large(headers, f"{length} bytes", site.max_body_bytes))
             body = (
                 route.body(site.server, request, exchange, length, chunked) if route.body else None
             )
@@ -353,8 +349,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._refuse(
                     Refused(
                         413,
-                        f"the body exceeds the limit of {self.site.max_body_bytes} bytes "
-                        "(--max-body-bytes)",
+                        too_large(
+                            self.headers,
+                            f"more than {self.site.max_body_bytes} bytes",
+                            self.site.max_body_bytes,
+                        ),
                     ),
                     True,
                     0,

@@ -38,7 +38,7 @@ from serving.codec import BadRequest
 from serving.core import Server, check_request_id, decode_now
 from serving.envelope import Exchange, Refused, new_request_id
 from serving.http import bodies
-from serving.http.wire import JSON, Request, Response, json_response
+from serving.http.wire import JSON, Request, Response, json_response, too_large
 from serving.repository import version_key
 
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
@@ -85,7 +85,7 @@ def body_bytes(server: Server, request: Request) -> bytes:
         raise Refused(400, f"the body is not valid {encoding} data: {exc}") from None
     if len(data) > limit:
         raise Refused(
-            413, f"the body exceeds the limit of {limit} bytes (--max-body-bytes) once decompressed"
+            413, too_large(request.headers, f"more than {limit} bytes", limit, " once decompressed")
         )
     if not inflater.eof:
         raise Refused(400, f"the {encoding} body is truncated")
@@ -147,6 +147,7 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
             server.limits,
             place=partial(slot.batcher.place, arrival),
             seen=_seen_headers(engine),
+            model=slot.model.info.name,
         )
     return whole_body(server, request, exchange, length, chunked)
 
@@ -276,7 +277,7 @@ async def model_stats(server: Server, request: Request, exchange: Exchange) -> R
 
 async def v2_infer(server: Server, request: Request, exchange: Exchange) -> Response:
     # The shared memory regions the request names are held until it ends (serving/shm.py: Use).
-    regions = server.shared_memory.use(request.header("authorization"))
+    regions = server.shared_memory.use(request.header("authorization"), request.params["name"])
     try:
         return await _v2_infer(server, request, exchange, regions)
     finally:
@@ -309,6 +310,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
                 shared,
                 _seen_headers(engine) if len(data) <= SEEN_BODY_BYTES else None,
                 partial(slot.batcher.place, request.arrival),
+                model=slot.model.info.name,
             ),
             len(data),
         )

@@ -56,3 +56,13 @@ def json_response(obj, status: int = 200) -> Response:
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(status, orjson.dumps({"error": message}), JSON, headers)
+
+
+def too_large(headers, size: str, limit: int, how: str = "") -> str:
+    """The 413 of a body past --max-body-bytes, in Triton's words too ('request JSON size of ... exceeds the
+    maximum allowed input size of ...'), which its clients look for."""
+    kind = "JSON" if "json" in headers.get("content-type", "").lower() else "body"
+    return (
+        f"request {kind} size of {size}{how} exceeds the maximum allowed input size of {limit} "
+        "bytes: send less, or start the server with a larger --max-body-bytes"
+    )

@@ -5,7 +5,7 @@
 `baseline` is the resident size once everything is imported, just before the work starts;
 `peak` is this process image's high-water mark (VmHWM) after it; `seconds` the work's time.
 `ru_maxrss` (getrusage) is reported too but not used: Linux carries it across execve, so a child
-spawned by a big process starts at its parent's peak (a child of a 550 MB pytest reported 550 MB).
+spawned by a big process starts at its parent's peak (a child of a big pytest reports the pytest's).
 Mode `read` reads every shard file once in 8 MiB blocks (from the page cache, here: no hashing, no writing).
 Mode `floor` is what any consolidation that verifies its input must do at least: every shard byte read and
 hashed once (`sha256sum` of the checkpoint's files, the real tool) plus the output's bytes written once
