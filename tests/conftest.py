@@ -1,17 +1,27 @@
-"""Shared test helpers: a throwaway MLflow store, and running the real CLI in a subprocess.
+"""Shared test helpers: a throwaway MLflow store, running the real CLI in a subprocess, and one
+finished tiny run for the session.
 
 Every subprocess a test starts runs in its own temporary directory, so the embedded default
 store (./mlflow.db, ./mlartifacts) and ./outputs land there and are removed with it.
+
+`tiny_run` is trained, consolidated, exported and registered once per session. Tests read it and
+never change it (its teardown fails the session if one did); a test that changes a finished run
+takes its own copy with `copy_run`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +31,37 @@ from pipeline import checkpoint
 from pipeline.components.build import ModelSpec, instantiate_model, state_manifest
 from pipeline.distributed import DistInfo
 
+# The launch table's runner, `launched` (tests/launches.py), for every test module.
+pytest_plugins = ["launches"]
+
 REPO = Path(__file__).resolve().parents[1]
+# Scratch needs this much free room to go to memory (/dev/shm) rather than to disk.
+SCRATCH_MIN_FREE = 4 * 2**30
+
+
+def scratch_root() -> str | None:
+    """Where the session's temporary directories go: $TRAINSERVE_TEST_TMPDIR when set, else /dev/shm
+    when it is writable with room to spare, else the system's default (None)."""
+    chosen = os.environ.get("TRAINSERVE_TEST_TMPDIR")
+    if chosen:
+        return chosen
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SCRATCH_MIN_FREE:
+        return str(shm)
+    return None
+
+
+def pytest_configure(config):
+    """tmp_path and the working directories the CLI runs in (their MLflow stores, checkpoints and
+    outputs) go to memory. On a disk, SQLite syncs every MLflow write: a fresh store alone is ~1,200
+    fdatasyncs, 2-3 s of waiting on this machine's disk, which tests nothing. Subprocesses keep the
+    system's TMPDIR for their own temporary files. A --basetemp given on the command line wins."""
+    root = scratch_root()
+    if root and not config.option.basetemp and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        # pytest's basetemp comes from tempfile.gettempdir(), which returns this once set.
+        tempfile.tempdir = root
+
+
 TINY = REPO / "tests" / "configs" / "tiny.yaml"
 CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
@@ -166,3 +206,76 @@ def small_tmpfs(directory: Path, size: str):
         yield directory
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRun:
+    """A run `pipeline run` took through every stage, in `workdir` (its mlflow.db and mlartifacts/
+    beside outputs/). `proc` is the command's CompletedProcess: its console, its exit status."""
+
+    workdir: Path
+    name: str
+    proc: subprocess.CompletedProcess
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / "outputs" / self.name
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.workdir / 'mlflow.db'}"
+
+    @property
+    def run_id(self) -> str:
+        return json.loads((self.run_dir / "mlflow_run.json").read_text())["run_id"]
+
+
+# tests/configs/tiny.yaml's registered model: 12 steps leave it below the baseline, which the config
+# allows, so `--serve-check` exits 1 after the server's answer was checked.
+TINY_MODEL = "resnet18-digits"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> FinishedRun:
+    """`pipeline run --config tests/configs/tiny.yaml --serve-check` once for the session, on one
+    process: trained (checkpoints at steps 6 and 12), consolidated, exported, registered as
+    resnet18-digits v1 @champion, served and checked. Read only: `copy_run` for a test that writes."""
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    proc = run_cli(
+        ["run", "--config", str(TINY), "--serve-check", "serve.port=0", "train.run_name=tiny"],
+        cwd=workdir,
+        check=False,
+    )
+    assert proc.returncode == 1 and "failed its baseline gate" in proc.stderr, (
+        f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
+    )
+    before = tree_digest(workdir)
+    yield FinishedRun(workdir, "tiny", proc)
+    assert tree_digest(workdir) == before, "a test changed the session's tiny_run: use copy_run"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under `root` by its sha256 (the MLflow store's logs of a read excluded)."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and not path.name.endswith(("-journal", "-wal", "-shm"))
+    }
+
+
+def copy_run(run: FinishedRun, workdir: Path) -> FinishedRun:
+    """`run` copied into `workdir` for a test that changes it: the files, and its store with every
+    path that named the old directory (artifact locations, the run-directory tag) naming the new."""
+    shutil.copytree(run.workdir, workdir, dirs_exist_ok=True)
+    old, new = str(run.workdir), str(workdir)
+    with contextlib.closing(sqlite3.connect(workdir / "mlflow.db")) as db, db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        for table in tables:
+            for column in db.execute(f'PRAGMA table_info("{table}")').fetchall():
+                if column[2].upper().startswith(("VARCHAR", "TEXT")):
+                    db.execute(
+                        f'UPDATE "{table}" SET "{column[1]}" = replace("{column[1]}", ?, ?) '
+                        f'WHERE instr("{column[1]}", ?) > 0',
+                        (old, new, old),
+                    )
+    return dataclasses.replace(run, workdir=workdir)

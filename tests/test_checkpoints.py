@@ -1,5 +1,7 @@
-"""Sharded DCP checkpoints: exact resume after kill -9, crashes mid-save, FSDP2 shards, world-size
-changes, and clear refusals of checkpoints that can't be used."""
+"""Sharded DCP checkpoints: exact resume after a kill -9 mid-save, crashes mid-save, and clear
+refusals of checkpoints that can't be used. FSDP2's shards and a resume on another world size launch
+in tests/launches.py (rows fsdp, fsdp_on_one, ddp_on_one); a kill -9 between saves under every mesh,
+one MLflow run across the restart with each step logged once, in tests/test_exact_resume.py."""
 
 from __future__ import annotations
 
@@ -81,32 +83,6 @@ def straight(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ckpt")
     torchrun(workdir, [*STEPS, "train.run_name=straight"])
     return workdir
-
-
-@pytest.mark.slow
-def test_kill_9_of_one_rank_resumes_exactly_under_torchrun_restarts(straight):
-    workdir = straight
-    proc = torchrun(
-        workdir,
-        [*STEPS, "train.run_name=killed"],
-        env={"TRAINSERVE_FAULT": "step:9:1"},
-        max_restarts=1,
-    )
-    assert "SIGKILL to rank 1 at step 9" in proc.stderr and "torchrun restart 1" in proc.stderr
-    assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr
-    assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, "killed")))
-    run_a, loss_a = losses(workdir, "straight")
-    run_b, loss_b = losses(workdir, "killed")
-    # One MLflow run across the restart, each step logged once: the replay of steps 7-9 is not logged again.
-    assert run_b.info.status == "FINISHED"
-    assert sorted(loss_b) == list(range(1, 17))
-    client = mlflow_client(workdir)
-    assert sorted(
-        m.step for m in client.get_metric_history(run_b.info.run_id, "train/loss")
-    ) == list(range(1, 17))
-    assert "already holds metrics up to step 9" in proc.stderr
-    for step in range(7, 17):
-        assert loss_b[step] == loss_a[step], step
 
 
 @pytest.mark.slow
@@ -203,75 +179,6 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straig
     assert sorted(
         p.name for p in checkpoint.list_complete(workdir / "outputs" / name / "checkpoints")
     ) == ["step_00000006", "step_00000012", "step_00000016"]
-
-
-@pytest.fixture(scope="module")
-def fsdp_straight(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fsdp")
-    torchrun(workdir, [*STEPS, *MLP, "train.strategy=fsdp", "train.run_name=fsdp"])
-    return workdir
-
-
-@pytest.mark.slow
-def test_fsdp_shards_hold_different_slices_and_resume_exactly(fsdp_straight):
-    workdir = fsdp_straight
-    ckpt6 = workdir / "outputs/fsdp/checkpoints/step_00000006"
-    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
-    chunks = metadata.state_dict_metadata["model.body.0.weight"].chunks
-    assert len(chunks) == 2 and chunks[0].offsets != chunks[1].offsets  # two ranks, two slices
-    files = {
-        metadata.storage_data[idx].relative_path
-        for idx in metadata.storage_data
-        if idx.fqn == "model.body.0.weight"
-    }
-    assert files == {"__0_0.distcp", "__1_0.distcp"}
-    run_cli(
-        [
-            "train",
-            "--config",
-            str(TINY),
-            "--nproc-per-node",
-            "2",
-            *STEPS,
-            *MLP,
-            "train.strategy=fsdp",
-            "train.run_name=fsdp_resumed",
-            "--resume",
-            str(ckpt6),
-        ],
-        cwd=workdir,
-    )
-    assert_bitwise_equal(weights(final(workdir, "fsdp")), weights(final(workdir, "fsdp_resumed")))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_on_one_process_from_a_two_process_checkpoint(fsdp_straight, strategy):
-    workdir = fsdp_straight
-    source = "fsdp"
-    if strategy == "ddp":
-        torchrun(workdir, [*STEPS, *MLP, "train.run_name=ddp_mlp"])
-        source = "ddp_mlp"
-    ckpt6 = workdir / f"outputs/{source}/checkpoints/step_00000006"
-    run_cli(
-        [
-            "train",
-            "--config",
-            str(TINY),
-            "--nproc-per-node",
-            "1",
-            *STEPS,
-            *MLP,
-            f"train.strategy={strategy}",
-            f"train.run_name={source}_on_one",
-            "--resume",
-            str(ckpt6),
-        ],
-        cwd=workdir,
-    )
-    a, b = weights(final(workdir, source)), weights(final(workdir, f"{source}_on_one"))
-    for k in a:  # same global batches, so equal up to the order of floating-point sums
-        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=1e-5)
 
 
 # --- refusals, in one process -----------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Exact resume with randomness in every step: one rank killed with SIGKILL, torchrun restarts the job, and the
-resumed run ends with the weights of a run that was never interrupted, to the byte, under every mesh (DDP, FSDP2,
-tensor and pipeline parallelism), killed mid-epoch and right after an epoch-boundary checkpoint.
+resumed run ends with the weights of a run that was never interrupted, to the byte, under every mesh (DDP with
+loader workers, FSDP2, tensor and pipeline parallelism), killed mid-epoch, and under DDP also right after an
+epoch-boundary checkpoint.
 
 The randomness: the model's dropout, and a data set that draws per item from torch's, numpy's and Python's
 generators, read in the training process or in loader workers. One table: a row is a mesh and where it is killed.
-Each mesh's uninterrupted run is shared by its rows, and each mesh proves its randomness drawn: the same run with
-it turned off ends elsewhere. The generators, a checkpoint from before they were all saved, and the loaders' own
+Each mesh's uninterrupted run is shared by its rows. That the randomness is really drawn (dropout in training
+mode, the data set's noise), the generators, a checkpoint from before they were all saved, and the loaders' own
 seeds are checked in process at the end, in seconds."""
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import CPU1, REPO, checkpoint_meta, mlp_spec, model_from_checkpoint, run_cli
+from conftest import (
+    CPU1,
+    REPO,
+    checkpoint_meta,
+    mlflow_client,
+    mlp_spec,
+    model_from_checkpoint,
+    run_cli,
+)
 from torch.utils.data import Dataset
 
 from pipeline import checkpoint
-from pipeline.components.build import instantiate_model
+from pipeline.components.build import build_data, instantiate_model, model_spec, probe
+from pipeline.components.data import first_batch, forward
+from pipeline.config import load_config
+from pipeline.tasks import build_task
 
 TRANSFORMER = str(REPO / "configs/digit_sequences_transformer.yaml")
 BERT = str(REPO / "configs/digit_sequences_bert.yaml")
@@ -45,28 +57,24 @@ SMALL_BERT = [
     "model.args.intermediate_size=32",
 ]
 NO_DROPOUT = ["model.args.dropout=0"]
-# mesh: (config, overrides, the overrides that turn off the randomness it proves)
+NO_BERT_DROPOUT = [
+    "model.args.hidden_dropout_prob=0",
+    "model.args.attention_probs_dropout_prob=0",
+]
+# mesh: (config, overrides)
 MESHES = {
-    "ddp": (TRANSFORMER, [SMALL_TRANSFORMER], NO_DROPOUT),
-    "fsdp2": (TRANSFORMER, [SMALL_TRANSFORMER, "train.strategy=fsdp"], NO_DROPOUT),
-    "tp": (
-        BERT,
-        [*SMALL_BERT, "train.parallel.tp=2"],
-        ["model.args.hidden_dropout_prob=0", "model.args.attention_probs_dropout_prob=0"],
-    ),
-    "pp": (TRANSFORMER, [SMALL_TRANSFORMER, "train.parallel.pp=2"], NO_DROPOUT),
     # The data set's draws made in 2 loader workers per rank, which a resume starts afresh mid-epoch.
-    "ddp-2-workers": (
-        TRANSFORMER,
-        [SMALL_TRANSFORMER, "data.num_workers=2"],
-        ["data.args.noise=0"],
-    ),
+    "ddp-2-workers": (TRANSFORMER, [SMALL_TRANSFORMER, "data.num_workers=2"]),
+    "fsdp2": (TRANSFORMER, [SMALL_TRANSFORMER, "train.strategy=fsdp"]),
+    "tp": (BERT, [*SMALL_BERT, "train.parallel.tp=2"]),
+    "pp": (TRANSFORMER, [SMALL_TRANSFORMER, "train.parallel.pp=2"]),
 }
 # where: (the step after which rank 1 is killed, the checkpoint the restart resumes from, its epoch)
 KILLS = {"mid-epoch": (3, 2, 0), "epoch-end": (7, 6, 1)}
+# Every mesh mid-epoch; the epoch boundary (the loader's next epoch, reshuffled) once, under DDP.
 ROWS = [
-    *((mesh, where) for mesh in ("ddp", "fsdp2", "tp", "pp") for where in KILLS),
-    ("ddp-2-workers", "mid-epoch"),
+    *((mesh, "mid-epoch") for mesh in MESHES),
+    ("ddp-2-workers", "epoch-end"),
 ]
 
 
@@ -101,8 +109,8 @@ def noisy_digit_sequences(noise: float = 0.2, names: str = "plain") -> dict[str,
     return {"train": NoisySequences(splits["train"], noise), "val": splits["val"]}
 
 
-def train(workdir, mesh: str, name: str, extra=(), env=None, max_restarts=0):
-    config, overrides, _ = MESHES[mesh]
+def train(workdir, mesh: str, name: str, env=None, max_restarts=0):
+    config, overrides = MESHES[mesh]
     return run_cli(
         [
             "train",
@@ -113,7 +121,6 @@ def train(workdir, mesh: str, name: str, extra=(), env=None, max_restarts=0):
             f"--max-restarts={max_restarts}",
             *STEPS,
             *overrides,
-            *extra,
             f"train.run_name={name}",
         ],
         cwd=workdir,
@@ -127,6 +134,15 @@ def weights(workdir, name: str) -> dict[str, torch.Tensor]:
     return model_from_checkpoint(
         checkpoint.latest(workdir / "outputs" / name / "checkpoints")
     ).state_dict()
+
+
+def losses(workdir, name: str):
+    """Run `name`'s MLflow run and its train/loss history, (step, value) in step order."""
+    client = mlflow_client(workdir)
+    experiment = client.get_experiment_by_name("trainserve-digit-sequences").experiment_id
+    run = client.search_runs([experiment], filter_string=f"attributes.run_name = '{name}'")[0]
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    return run, sorted((m.step, m.value) for m in history)
 
 
 def differing(a: dict, b: dict) -> list[str]:
@@ -167,16 +183,13 @@ def test_a_kill_9_resumes_to_the_weights_of_an_uninterrupted_run(uninterrupted, 
         proc.stderr
     )
     assert differing(weights(workdir, f"{mesh}-straight"), weights(workdir, name)) == []
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", MESHES)
-def test_the_randomness_each_mesh_resumes_is_really_drawn(uninterrupted, mesh):
-    """Without this, a row could pass because nothing in its training step draws a random number: the run with
-    the mesh's dropout (the workers' noise) turned off, from the same seed, ends with other weights."""
-    workdir = uninterrupted(mesh)
-    train(workdir, mesh, f"{mesh}-turned-off", extra=MESHES[mesh][2])
-    assert differing(weights(workdir, f"{mesh}-straight"), weights(workdir, f"{mesh}-turned-off"))
+    # One MLflow run across the restart, each step's loss logged once (the replay is not logged
+    # again), and the losses the uninterrupted run logged.
+    run, logged = losses(workdir, name)
+    assert run.info.status == "FINISHED"
+    assert f"already holds metrics up to step {killed_at}" in proc.stderr
+    assert [step for step, _ in logged] == list(range(1, 8))
+    assert logged == losses(workdir, f"{mesh}-straight")[1]
 
 
 # --- the generators, in process ------------------------------------------------------------------
@@ -273,3 +286,59 @@ def test_loader_workers_draw_for_a_batch_what_the_batch_alone_decides():
     alone = tokens(iter(loader(1)), 5)
     assert all(map(torch.equal, drawn, [*drawn[:2], *tokens(iter(resumed), 3)]))
     assert all(map(torch.equal, drawn, alone))
+
+
+# --- the randomness the rows resume, in process ---------------------------------------------------
+
+
+def built(config: str, overrides: list[str]):
+    """The model and data a training of `config` builds: the file's data component, the mesh's model."""
+    cfg = load_config(config, [*STEPS, *overrides])
+    splits = build_data(cfg.data, cfg.task.name)
+    task = build_task(cfg.task, splits.classes)
+    spec, _ = model_spec(cfg.model, splits, task)
+    model = instantiate_model(spec)
+    # As training does: the probe also teaches the task the model's output layout.
+    probe(model, splits, task, spec.component)
+    return model, splits, task
+
+
+@pytest.mark.parametrize(
+    "config, overrides, turned_off",
+    [(TRANSFORMER, [SMALL_TRANSFORMER], NO_DROPOUT), (BERT, SMALL_BERT, NO_BERT_DROPOUT)],
+    ids=["transformer", "bert"],
+)
+def test_the_models_the_rows_train_draw_dropout_in_training(config, overrides, turned_off):
+    """Without this, a row could pass because nothing in its training step draws a random number: in
+    training mode the loss of a batch depends on the generator's state, and with the model's dropout
+    turned off it does not."""
+
+    def losses_under_two_seeds(extra: list[str]) -> list[torch.Tensor]:
+        model, splits, task = built(config, [*overrides, *extra])
+        inputs, targets = first_batch(splits.val, 8)
+        model.train()
+        drawn = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            drawn.append(task.loss(forward(model, inputs), targets))
+        return drawn
+
+    assert not torch.equal(*losses_under_two_seeds([]))
+    assert torch.equal(*losses_under_two_seeds(turned_off))
+
+
+def test_the_data_set_the_rows_read_draws_from_every_generator():
+    """An item of the training split is another item under other seeds of each of torch's, numpy's and
+    Python's generators, and the same item with the noise turned off."""
+    noisy, plain = noisy_digit_sequences()["train"], noisy_digit_sequences(noise=0)["train"]
+
+    def tokens(data, seeds) -> list[torch.Tensor]:
+        torch.manual_seed(seeds[0])
+        np.random.seed(seeds[1])
+        random.seed(seeds[2])
+        return [data[i][0]["tokens"] for i in range(16)]
+
+    seeds = (1, 1, 1)
+    for other in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        assert not all(map(torch.equal, tokens(noisy, seeds), tokens(noisy, other))), other
+        assert all(map(torch.equal, tokens(plain, seeds), tokens(plain, other))), other

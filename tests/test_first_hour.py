@@ -155,24 +155,12 @@ BROKEN = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 # --- 3. a misspelt registered model, alias or version: the names there are ---------------------------------------
 
 
-REGISTRY = """
-import mlflow
-client = mlflow.MlflowClient("sqlite:///mlflow.db")
-for name in ("resnet18-digits", "wine-mlp"):
-    client.create_registered_model(name)
-    version = client.create_model_version(name, source="file:///nowhere", run_id=None).version
-    client.set_registered_model_alias(name, "champion", version)
-"""
-
-
-def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tmp_path):
-    subprocess.run(
-        [sys.executable, "-c", REGISTRY], cwd=tmp_path, check=True, capture_output=True, timeout=120
-    )
-    store = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tiny_run):
+    # The session's tiny run registered resnet18-digits version 1 as @champion.
+    store = tiny_run.uri
 
     def error(*args: str) -> str:
-        proc = run_cli(list(args), cwd=tmp_path, check=False, timeout=120)
+        proc = run_cli(list(args), cwd=tiny_run.workdir, check=False, timeout=120)
         lines = error_lines(proc.stderr)
         assert proc.returncode != 0 and len(lines) == 1, proc.stderr
         return lines[0]
@@ -306,32 +294,43 @@ def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_saves_are_one_summary_line_unless_verbose(tmp_path):
-    args = [
-        "train",
-        "--config",
-        str(TINY),
-        "train.run_name=quiet",
-        "train.max_steps=6",
-        "checkpoint.every_n_steps=1",
-        "checkpoint.keep_last=2",
-    ]
-    console = run_cli(args, cwd=tmp_path, timeout=180).stderr
+def test_checkpoint_saves_are_one_summary_line_unless_verbose(tiny_run, tmp_path):
+    # Quiet: the session's tiny run (checkpoints at steps 6 and 12), its console as `pipeline run` left it.
+    console = tiny_run.proc.stderr
     assert "checkpoint saved" not in console, console
     summary = [line for line in console.splitlines() if "checkpoints to" in line]
-    kept = [p.name for p in checkpoint.list_complete(tmp_path / "outputs/quiet/checkpoints")]
+    kept = [p.name for p in checkpoint.list_complete(tiny_run.run_dir / "checkpoints")]
     assert len(summary) == 1 and re.search(
-        r"INFO pipeline\.checkpoint\.saver: saved 6 checkpoints to "
-        r"outputs/quiet/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
+        r"INFO pipeline\.checkpoint\.saver: saved 2 checkpoints to "
+        r"outputs/tiny/checkpoints \(\d+\.\d s in all\), kept (\d) \((.*)\)$",
         summary[0],
     ).groups() == (str(len(kept)), ", ".join(kept)), console
-    verbose = run_cli([*args, "--verbose", "train.run_name=loud"], cwd=tmp_path, timeout=180).stderr
+    verbose = run_cli(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            "train.run_name=loud",
+            "train.max_steps=3",
+            "train.eval_every=0",
+            "checkpoint.every_n_steps=1",
+            "checkpoint.keep_last=2",
+            "--verbose",
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    ).stderr
     assert (
         sum(
             "checkpoint saved: outputs/loud/checkpoints/step_" in line
             for line in verbose.splitlines()
         )
-        == 6
+        == 3
+    ), verbose
+    # The summary counts every save and names what keep_last left.
+    assert (
+        "saved 3 checkpoints to outputs/loud/checkpoints" in verbose
+        and "kept 2 (step_00000002, step_00000003)" in verbose
     ), verbose
 
 

@@ -5,14 +5,16 @@ CLI and by every torchrun worker, under real torchrun, a real MLflow store and a
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import requests
-import torch
-from conftest import REPO, mlflow_client, model_from_checkpoint, run_cli
+from conftest import REPO, mlflow_client, run_cli
 from serving_fixtures import ServerProcess, free_port
 
 from pipeline import checkpoint
@@ -48,21 +50,36 @@ EXAMPLES = {  # config -> (experiment, registered name, the task's validation me
     "digits_segmentation": ("trainserve-digit-masks", "digit-masks", "val/mean_iou"),
 }
 # Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts included); the
-# examples that only add a model or task shape run on one to keep the suite short.
+# examples that only add a model or task shape train in the command's own process to keep the suite short.
 RUN_ARGS = {
     "wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
-    "digit_sequences_bert": ["--nproc-per-node", "1"],
-    "digits_image_zoo": ["--nproc-per-node", "1"],
-    "digits_segmentation": ["--nproc-per-node", "1"],
+    "digits_image_zoo": [],
+    "digits_segmentation": [],
 }
+# The sequence examples' finished runs are the launch table's (tests/launches.py): the transformer's
+# through every stage under pipeline parallelism, BERT's under tensor parallelism, each on 2 ranks.
+FROM_THE_TABLE = {"digit_sequences_transformer": "pp", "digit_sequences_bert": "tp"}
 DYNAMIC_LENGTH = {"digit_sequences_transformer", "digit_sequences_bert"}
 ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
 
 
+@dataclasses.dataclass(frozen=True)
+class Example:
+    name: str
+    workdir: Path
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+
 @pytest.fixture(scope="module", params=list(EXAMPLES))
-def example(request, tmp_path_factory):
-    """`pipeline run --nproc-per-node 2 --serve-check` on an example, in a directory of its own."""
+def example(request, tmp_path_factory, launched) -> Example:
+    """`pipeline run --serve-check` on an example, in a directory of its own, run from elsewhere with
+    the example's package on PYTHONPATH."""
     name = request.param
+    if name in FROM_THE_TABLE:
+        row = FROM_THE_TABLE[name]
+        ran = launched(row)
+        return Example(name, ran.workdir, ran.proc, ran.workdir / "outputs" / row)
     workdir = tmp_path_factory.mktemp(name)
     proc = run_cli(
         [
@@ -84,11 +101,11 @@ def example(request, tmp_path_factory):
     assert proc.returncode == 0 or (
         proc.returncode == 1 and "failed its baseline gate" in proc.stderr
     ), f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
-    return name, workdir, proc
+    return Example(name, workdir, proc, workdir / "outputs/mine")
 
 
 def test_an_example_goes_through_every_stage_with_one_command(example):
-    name, workdir, proc = example
+    name, workdir, proc, run_dir = example.name, example.workdir, example.proc, example.run_dir
     experiment, registered, metric = EXAMPLES[name]
     assert "sample request: a real" in proc.stdout, proc.stdout[-2000:]
     assert "the server's answer equals the PyTorch model's" in proc.stdout, proc.stdout[-2000:]
@@ -115,7 +132,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         or f"code/{module.replace('.', '/')}/__init__.py" in code
     ), code
     # The model's arguments as built: what the data suggested is in the params and the checkpoint.
-    ckpt = checkpoint.latest(workdir / "outputs/mine/checkpoints")
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
     recorded = checkpoint.read_meta(ckpt)["model"]
     for key, value in recorded["args"].items():
         assert run.data.params[f"model.args.{key}"] == str(value)[:6000]
@@ -135,7 +152,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
             -1,
             -1,
         )
-    report = json.loads((workdir / "outputs/mine/onnx/export_report.json").read_text())
+    report = json.loads((run_dir / "onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == cfg.task.name
     assert [i["name"] for i in report["inputs"]] == [
         s["name"] for s in checkpoint.read_meta(ckpt)["inputs"]
@@ -156,7 +173,7 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         )
         assert "alcohol.max_abs" in set(figures[figures.gate == "parity.b7"].figure), figures
         assert "val/cultivar_accuracy" in run.data.metrics
-        best = json.loads((workdir / "outputs/mine/checkpoints/best.json").read_text())
+        best = json.loads((run_dir / "checkpoints/best.json").read_text())
         assert (
             best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"
         )  # checkpoint.monitor picks the 2nd
@@ -206,8 +223,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton
 
-    name, workdir, _ = example
-    onnx_path = workdir / "outputs/mine/onnx/model.onnx"
+    name = example.name
+    onnx_path = example.run_dir / "onnx/model.onnx"
     direct = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in direct.get_outputs()]
     samples = validation_requests(name, 6)
@@ -302,8 +319,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
 def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(example, tmp_path):
     """`pipeline export` of a user's weights on its own: model.json names the user's components, which are
     imported only when trusted (pipeline run trusted its own config's)."""
-    _, workdir, _ = example
-    weights = workdir / "outputs/mine/consolidated"
+    workdir = example.workdir
+    weights = example.run_dir / "consolidated"
     proc = run_cli(
         ["export", str(weights), "--output", str(tmp_path / "onnx"), "--no-register"],
         cwd=workdir,
@@ -351,92 +368,13 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
     ).exists()  # trusted and importable, it exports: pipeline run did
 
 
-def test_a_user_model_with_dict_inputs_resumes_bit_exactly_after_kill_9(tmp_path):
-    """Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica checks:
-    a rank SIGKILLed at step 9 under torchrun restarts, and the final weights are bit for bit the straight run's."""
-    common = [
-        "train",
-        "--config",
-        str(REPO / "configs/diabetes_mixed_inputs.yaml"),
-        "--nproc-per-node",
-        "2",
-        "train.max_steps=16",
-        "checkpoint.every_n_steps=6",
-        "checkpoint.keep_last=3",
-        "train.eval_every=0",
-        "train.log_every=4",
-        "train.precision=bf16",
-        "train.grad_accum_steps=2",
-        "train.consistency_every=4",
-        "tracking.system_metrics=false",
-    ]
-    run_cli([*common, "train.run_name=straight"], cwd=tmp_path, env=ON_PATH)
-    proc = run_cli(
-        [*common, "--max-restarts=1", "train.run_name=killed"],
-        cwd=tmp_path,
-        env={**ON_PATH, "TRAINSERVE_FAULT": "step:9:1"},
-    )
-    assert "SIGKILL to rank 1 at step 9" in proc.stderr and "resumed from" in proc.stderr
-    a = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/straight/checkpoints")
-    ).state_dict()
-    b = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/killed/checkpoints")
-    ).state_dict()
-    assert a.keys() == b.keys() and "embed.weight" in a
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def test_fsdp2_shards_a_user_transformer_by_train_fsdp_wrap_and_resumes_on_another_world_size(
-    tmp_path,
-):
-    # SGD, not the config's AdamW: Adam divides by the gradients' running size, so the last-bit differences
-    # of another summation order grow into ~1e-5 within a few steps and blur what the comparison checks.
-    common = [
-        "train",
-        "--config",
-        str(REPO / "configs/digit_sequences_transformer.yaml"),
-        "train.strategy=fsdp",
-        "train.max_steps=12",
-        "checkpoint.every_n_steps=6",
-        "train.eval_every=0",
-        "train.log_every=4",
-        "optim.name=sgd",
-        "optim.lr=0.05",
-        "tracking.system_metrics=false",
-    ]
-    proc = run_cli(
-        [*common, "--nproc-per-node", "2", "train.run_name=fsdp"], cwd=tmp_path, env=ON_PATH
-    )
-    assert "FSDP2 units: 2 x TransformerEncoderLayer, and the root" in proc.stderr
-    ckpt6 = tmp_path / "outputs/fsdp/checkpoints/step_00000006"
-    metadata = torch.distributed.checkpoint.FileSystemReader(str(ckpt6)).read_metadata()
-    chunks = metadata.state_dict_metadata["model.encoder.layers.0.linear1.weight"].chunks
-    assert len(chunks) == 2  # each rank holds half of a layer's weight
-    run_cli(
-        [*common, "--nproc-per-node", "1", "train.run_name=fsdp_on_one", "--resume", str(ckpt6)],
-        cwd=tmp_path,
-        env=ON_PATH,
-    )
-    a = model_from_checkpoint(checkpoint.latest(tmp_path / "outputs/fsdp/checkpoints")).state_dict()
-    b = model_from_checkpoint(
-        checkpoint.latest(tmp_path / "outputs/fsdp_on_one/checkpoints")
-    ).state_dict()
-    for key in a:  # same global batches; sums in another order
-        torch.testing.assert_close(
-            a[key], b[key], atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}"
-        )
-
-
 @pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
 def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
     """Export recorded the model's position limit (max_len 128; the data is 64 long); the server shows it and
     answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid expand shape"."""
     import onnx
 
-    _, workdir, _ = example
-    exported = workdir / "outputs/mine/onnx/model.onnx"
+    exported = example.run_dir / "onnx/model.onnx"
     meta = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
     assert json.loads(meta[lineage.MAX_LENGTHS]) == {"mask": {"1": 128}, "tokens": {"1": 128}}
     with ServerProcess("--model", str(exported), "--model-name", "seq") as server:

@@ -381,13 +381,11 @@ def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-def test_serve_check_fails_a_model_registered_below_its_baseline(tmp_path):
+def test_serve_check_fails_a_model_registered_below_its_baseline(tiny_run):
     """--serve-check printed "WRONG" and exited 0 for a chance-level model. The tiny config's 12 steps leave one
     (its BatchNorm statistics unsettled), registered only because the config allows it: the run says so, and
-    --serve-check exits 1 though the server answers."""
-    proc = run_cli(
-        ["run", "--config", str(TINY), "--serve-check", "serve.port=0"], cwd=tmp_path, check=False
-    )
+    --serve-check exits 1 though the server answers. (The session's tiny_run is that command.)"""
+    proc = tiny_run.proc
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (
         "is below the baseline: accuracy" in proc.stderr

@@ -12,7 +12,16 @@ import threading
 
 import pytest
 import torch
-from conftest import CPU1, TINY, checkpoint_meta, cli_env, mlp_spec, only_run, run_cli
+from conftest import (
+    CPU1,
+    TINY,
+    checkpoint_meta,
+    cli_env,
+    copy_run,
+    mlp_spec,
+    only_run,
+    run_cli,
+)
 
 from pipeline import checkpoint
 from pipeline.checkpoint import run_dir
@@ -256,26 +265,10 @@ def test_a_rank_0_killed_under_a_plain_torchrun_is_closed_by_the_next_command(tm
     assert run.data.tags[lineage.PROCESS].startswith("gone: ")
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A trained and consolidated tiny run, FINISHED."""
-    workdir = tmp_path_factory.mktemp("finished")
-    run_cli(
-        [
-            "train",
-            "--config",
-            str(TINY),
-            "model.name=mlp",
-            "model.args={hidden: [16]}",
-            "train.max_steps=4",
-            "train.eval_every=0",
-            "train.run_name=done",
-            "tracking.system_metrics=false",
-        ],
-        cwd=workdir,
-    )
-    run_cli(["consolidate", str(workdir / "outputs/done"), "--latest"], cwd=workdir)
-    return workdir
+@pytest.fixture
+def finished(tiny_run, tmp_path):
+    """A trained and consolidated run, FINISHED: a copy of the session's tiny run."""
+    return copy_run(tiny_run, tmp_path)
 
 
 @pytest.mark.slow
@@ -283,10 +276,10 @@ def finished(tmp_path_factory):
 def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_running(finished, how):
     """Export reopens the FINISHED training run to log the model. SIGTERM: the stage closes it with its own
     status on the way out. SIGKILL: nothing runs, and the next command puts the status back."""
-    workdir = finished
+    workdir = finished.workdir
     fault = "stage_export:0:0" + (":TERM" if how == "TERM" else "")
     proc = run_cli(
-        ["export", str(workdir / "outputs/done/consolidated")],
+        ["export", str(finished.run_dir / "consolidated")],
         cwd=workdir,
         env={"TRAINSERVE_FAULT": fault},
         check=False,
@@ -295,7 +288,7 @@ def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_runni
     client, run = only_run(workdir, "tiny")
     if how == "KILL":
         assert run.info.status == "RUNNING"
-        run_cli(["consolidate", str(workdir / "outputs/done"), "--latest"], cwd=workdir)
+        run_cli(["consolidate", str(finished.run_dir), "--latest"], cwd=workdir)
         client, run = only_run(workdir, "tiny")
     assert run.info.status == "FINISHED", how  # the training's own status, not FAILED, not RUNNING
     stages = lineage.read_stages(run.data.tags[lineage.STAGES])

@@ -86,14 +86,24 @@ def final_weights(workdir, name):
     ).state_dict()
 
 
+@pytest.fixture(scope="module")
+def straight(shards, tmp_path_factory):
+    """30 steps of 2 ranks x 2 loader workers from the shards, uninterrupted, and the ids each rank
+    trained on: the reference of the kill below, and the first leg of the elastic resume."""
+    workdir = tmp_path_factory.mktemp("stream")
+    log = workdir / "straight.jsonl"
+    train(workdir, shards, "straight", 2, 30, env={"TRAINSERVE_SAMPLE_LOG": str(log)})
+    return workdir, log
+
+
 @pytest.mark.slow
 def test_kill_9_mid_epoch_resumes_a_stream_of_2_ranks_x_2_workers_to_byte_identical_weights(
-    shards, tmp_path
+    shards, straight
 ):
-    straight_log, killed_log = tmp_path / "straight.jsonl", tmp_path / "killed.jsonl"
-    train(tmp_path, shards, "straight", 2, 30, env={"TRAINSERVE_SAMPLE_LOG": str(straight_log)})
+    workdir, straight_log = straight
+    killed_log = workdir / "killed.jsonl"
     proc = train(
-        tmp_path,
+        workdir,
         shards,
         "killed",
         2,
@@ -105,40 +115,32 @@ def test_kill_9_mid_epoch_resumes_a_stream_of_2_ranks_x_2_workers_to_byte_identi
     assert "resumed from" in proc.stderr and "step_00000010" in proc.stderr
     assert "the stream resumes at epoch 0, sample 320 of 1438" in proc.stderr
 
-    a, b = final_weights(tmp_path, "straight"), final_weights(tmp_path, "killed")
+    a, b = final_weights(workdir, "straight"), final_weights(workdir, "killed")
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
     # The same samples in the same micro-batches, the replayed ones (steps 11-17) included.
-    straight, killed = trained_ids(straight_log), trained_ids(killed_log)
-    assert straight == killed and len(straight) == 30
-    assert collections.Counter(map(len, straight.values())) == {32: 30}
+    straight_ids, killed_ids = trained_ids(straight_log), trained_ids(killed_log)
+    assert straight_ids == killed_ids and len(straight_ids) == 30
+    assert collections.Counter(map(len, straight_ids.values())) == {32: 30}
 
 
 @pytest.mark.slow
 def test_a_resume_at_another_world_size_trains_every_sample_of_the_epoch_exactly_once(
-    shards, tmp_path
+    shards, straight, tmp_path
 ):
-    """2 ranks, killed at step 15 (checkpoint 10) -> 1 rank, killed at step 25 (checkpoint 20) -> 2 ranks to the
-    epoch's end: the ids trained on, counted, are the epoch's first 44 x 32 positions, each once."""
-    logs = [tmp_path / f"leg{i}.jsonl" for i in range(3)]
-    first = train(
-        tmp_path,
-        shards,
-        "elastic",
-        2,
-        60,
-        env={"TRAINSERVE_FAULT": "step:15:0", "TRAINSERVE_SAMPLE_LOG": str(logs[0])},
-        check=False,
-    )
-    assert first.returncode != 0 and "SIGKILL to rank 0 at step 15" in first.stderr
+    """2 ranks (the straight run's step-10 checkpoint) -> 1 rank, killed at step 25 (checkpoint 20)
+    -> 2 ranks to the epoch's end: the ids trained on, counted, are the epoch's first 44 x 32
+    positions, each once."""
+    workdir, straight_log = straight
+    logs = [straight_log, tmp_path / "leg1.jsonl", tmp_path / "leg2.jsonl"]
     second = train(
-        tmp_path,
+        workdir,
         shards,
         "elastic",
         1,
         60,
-        resume="latest",
+        resume=str(workdir / "outputs/straight/checkpoints/step_00000010"),
         check=False,
         env={"TRAINSERVE_FAULT": "step:25:0", "TRAINSERVE_SAMPLE_LOG": str(logs[1])},
     )
@@ -147,7 +149,7 @@ def test_a_resume_at_another_world_size_trains_every_sample_of_the_epoch_exactly
     ]
     assert second.returncode != 0 and "SIGKILL to rank 0 at step 25" in second.stderr
     third = train(
-        tmp_path,
+        workdir,
         shards,
         "elastic",
         2,
