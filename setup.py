@@ -1,10 +1,13 @@
-"""The compiled parts, both optional (a failed build leaves a slower pure-Python path, never a failed install):
+"""The compiled parts, both optional (a failed build leaves a slower pure-Python path, never a
+failed install):
 
-- serving._ingest (serving/_ingest.c, needs only a C compiler and Python's headers): one pass over a request's
-  tensor bytes, the copy into the batch and the NaN/Inf check fused; without it numpy does both (two passes).
-- serving.grpc._native, the gRPC front end on grpc's C++ server (serving/grpc/native.cc): built where grpc's C++
-  library and pkg-config are installed (Debian/Ubuntu: `apt-get install libgrpc++-dev pkg-config`; scripts/setup
-  does it as root); elsewhere the server's gRPC runs on grpc.aio (`--grpc-engine auto`).
+- serving._ingest (serving/_ingest.c, needs only a C compiler and Python's headers): one pass over a
+  request's tensor bytes, the copy into the batch and the NaN/Inf check fused; without it numpy does
+  both (two passes).
+- serving.grpc._native, the gRPC front end on grpc's C++ server (serving/grpc/native.cc): built
+  where grpc's C++ library and pkg-config are installed (Debian/Ubuntu: `apt-get install
+  libgrpc++-dev pkg-config`; scripts/setup does it as root); elsewhere the server's gRPC runs on
+  grpc.aio (`--grpc-engine auto`).
 
 Everything else is in pyproject.toml.
 """
@@ -33,6 +36,7 @@ flags = grpc_flags()
 extensions = [
     Extension("serving._ingest", ["serving/_ingest.c"], extra_compile_args=["-O3"], optional=True)
 ]
+# a failed build leaves grpc.aio serving, not a failed install
 extensions += (
     []
     if flags is None
@@ -46,5 +50,5 @@ extensions += (
             optional=True,
         )
     ]
-)  # a failed build leaves grpc.aio serving, not a failed install
+)
 setup(ext_modules=extensions)

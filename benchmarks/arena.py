@@ -1,14 +1,15 @@
-"""How a front-end process should reserve its rows in the engine's shared batch buffers: itself, under
-the arena's process-shared lock (serving/arena.py, what the server does), or by a small record to the
-engine's process and its answer back. CPU per reservation, both processes counted.
+"""How a front-end process should reserve its rows in the engine's shared batch buffers: itself,
+under the arena's process-shared lock (serving/arena.py, what the server does), or by a small record
+to the engine's process and its answer back. CPU per reservation, both processes counted.
 
     lock      a front end's `arriving(rows=1)` and its place let go again (kill, forget), in a loop,
-              on an arena's placements: what a reservation costs it; the engine's process pays nothing
-    record    a front end sends a 32-byte record over a Unix socket and waits for the 32-byte answer;
-              the engine's process does the same reservation on its own placements for each record
-              and answers, on its event loop (asyncio protocols, as the server's channels are); 1 or
-              32 records at once (32: batched per loop turn, as a busy front end's would be); CPU of
-              both processes
+              on an arena's placements: what a reservation costs it; the engine's process pays
+              nothing
+    record    a front end sends a 32-byte record over a Unix socket and waits for the 32-byte
+              answer; the engine's process does the same reservation on its own placements for each
+              record and answers, on its event loop (asyncio protocols, as the server's channels
+              are); 1 or 32 records at once (32: batched per loop turn, as a busy front end's would
+              be); CPU of both processes
 
     python benchmarks/arena.py                     # 20,000 of each, 1 and 32 in flight
 """

@@ -1,27 +1,29 @@
 """A model over 2 GB through every stage, each stage's peak memory and time in one table.
 
-The model is configs/recommender_big_embedding.yaml (examples/recommender/): a ROWS x 128 fp32 item-embedding
-table (5M rows = 2.56 GB, in 16 row blocks) feeding a small MLP. In a fresh working directory with its own
-MLflow store, each stage runs as a user runs it, as its own process:
+The model is configs/recommender_big_embedding.yaml (examples/recommender/): a ROWS x 128 fp32
+item-embedding table (5M rows = 2.56 GB, in 16 row blocks) feeding a small MLP. In a fresh working
+directory with its own MLflow store, each stage runs as a user runs it, as its own process:
 
     train        pipeline train --nproc-per-node 2 (torchrun, gloo, CPU, FSDP2, plain SGD): per rank
     consolidate  pipeline consolidate RUN_DIR (the DCP shards -> model.safetensors)
-    export       pipeline export WEIGHTS_DIR (ONNX with external data, gates, MLflow model, registry version)
-    serve        python -m serving --model models:/NAME@champion (download, hash checks, onnxruntime), under
-                 SERVE_REQUESTS requests of random item bags
-    verify       pipeline verify models:/NAME@champion --server URL (every link of the chain, the server's too)
+    export       pipeline export WEIGHTS_DIR (ONNX with external data, gates, MLflow model, registry
+                 version)
+    serve        python -m serving --model models:/NAME@champion (download, hash checks,
+                 onnxruntime), under SERVE_REQUESTS requests of random item bags
+    verify       pipeline verify models:/NAME@champion --server URL (every link of the chain, the
+                 server's too)
 
-Peak memory is each process's own: `ru_maxrss` of the stage's process from wait4 (this driver imports nothing
-heavy, so what a child inherits across exec from it is a few MB); for the training ranks, which torchrun
-starts, their VmHWM (the kernel's high-water mark of the process's resident set) read from /proc every
-0.2 s while they run (the mark only grows, so the last reading is the peak up to then). Ratios are to the
-model's size (its safetensors file's tensors) and its largest tensor, both read from the file's header; the
-`baseline` row is a process with torch, onnxruntime and mlflow imported and nothing done: what every stage
-pays before it holds a byte of the model.
+Peak memory is each process's own: `ru_maxrss` of the stage's process from wait4 (this driver
+imports nothing heavy, so what a child inherits across exec from it is a few MB); for the training
+ranks, which torchrun starts, their VmHWM (the kernel's high-water mark of the process's resident
+set) read from /proc every 0.2 s while they run (the mark only grows, so the last reading is the
+peak up to then). Ratios are to the model's size (its safetensors file's tensors) and its largest
+tensor, both read from the file's header; the `baseline` row is a process with torch, onnxruntime
+and mlflow imported and nothing done: what every stage pays before it holds a byte of the model.
 
-Targets (issue 20): consolidation <= 1.5x the largest tensor; export (gates and registration in the same
-process), serving <= 1.3x the model; training reported per rank. Needs about 5x the model's size in free
-memory (two ranks) and 9x on disk; refuses to start with less memory unless --force.
+Targets (issue 20): consolidation <= 1.5x the largest tensor; export (gates and registration in the
+same process), serving <= 1.3x the model; training reported per rank. Needs about 5x the model's
+size in free memory (two ranks) and 9x on disk; refuses to start with less memory unless --force.
 
     .venv/bin/python benchmarks/big_model.py                 # 5M rows: 2.56 GB
     .venv/bin/python benchmarks/big_model.py --rows 600000   # the same path at 0.3 GB
@@ -82,7 +84,8 @@ def main() -> int:
         "PYTHONUNBUFFERED": "1",
         "TRAINSERVE_TRUSTED_COMPONENTS": "examples.recommender.*",
     }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the embedded store of the working directory
+    # the embedded store of the working directory
+    env.pop("MLFLOW_TRACKING_URI", None)
     rows = []
     try:
         rows.append(
@@ -100,7 +103,8 @@ def main() -> int:
             f"checkpoint.every_n_steps={args.steps}",
             "checkpoint.log_to_mlflow=none",
             "train.run_name=big",
-            # the same path at every size: at 0.3 GB the weights would otherwise stay inside model.onnx
+            # the same path at every size: at 0.3 GB the weights would otherwise stay inside
+            # model.onnx
             "export.external_data=always",
         ]
         seconds, ranks = measure_ranks(
@@ -136,7 +140,8 @@ def main() -> int:
 
 
 def measure(cmd: list[str], cwd: Path, env: dict) -> tuple[float, int]:
-    """(seconds, peak RSS in bytes) of one process run to its end; raises with its output if it failed."""
+    """(seconds, peak RSS in bytes) of one process run to its end; raises with its output if it
+    failed."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, rusage = _wait(proc)
@@ -146,8 +151,8 @@ def measure(cmd: list[str], cwd: Path, env: dict) -> tuple[float, int]:
 
 
 def measure_ranks(cmd: list[str], cwd: Path, env: dict) -> tuple[float, dict[int, int]]:
-    """(seconds, {rank: peak RSS}) of a command that starts torchrun ranks: every process below it that has
-    RANK in its environment, its VmHWM read until it exits."""
+    """(seconds, {rank: peak RSS}) of a command that starts torchrun ranks: every process below it
+    that has RANK in its environment, its VmHWM read until it exits."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     os.set_blocking(proc.stdout.fileno(), False)
@@ -166,8 +171,8 @@ def measure_ranks(cmd: list[str], cwd: Path, env: dict) -> tuple[float, dict[int
 
 
 def serve_and_verify(cwd: Path, env: dict, rows: int) -> tuple[float, int, tuple[float, int]]:
-    """The server from the registry: start until ready (its time), SERVE_REQUESTS inferences, then `pipeline
-    verify` against it; the server stopped by SIGTERM and its peak RSS read from wait4."""
+    """The server from the registry: start until ready (its time), SERVE_REQUESTS inferences, then
+    `pipeline verify` against it; the server stopped by SIGTERM and its peak RSS read from wait4."""
     port = _free_port()
     start = time.perf_counter()
     server = subprocess.Popen(
@@ -229,7 +234,8 @@ def serve_and_verify(cwd: Path, env: dict, rows: int) -> tuple[float, int, tuple
 
 
 def tensor_sizes(path: Path) -> tuple[int, int]:
-    """(bytes of all tensors, bytes of the largest) from a safetensors file's header, no tensor read."""
+    """(bytes of all tensors, bytes of the largest) from a safetensors file's header, no tensor
+    read."""
     with open(path, "rb") as f:
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
     sizes = [
@@ -244,8 +250,9 @@ def tensor_sizes(path: Path) -> tuple[int, int]:
 def print_table(
     rows: list[tuple[str, float, int]], size: int, largest: int, table_rows: int
 ) -> None:
-    """One line per stage: its peak and the ratios the targets are stated in, on the whole peak and on what it
-    holds over the baseline process (the imports alone), which at small sizes is most of a peak."""
+    """One line per stage: its peak and the ratios the targets are stated in, on the whole peak and
+    on what it holds over the baseline process (the imports alone), which at small sizes is most of
+    a peak."""
     targets = {
         "consolidate": ("<= 1.5x largest", largest, 1.5),
         "export+gates+register": ("<= 1.3x model", size, 1.3),

@@ -1,14 +1,16 @@
-"""What a checkpoint save costs the training step: synchronous vs `checkpoint.async_save`, in the same run.
+"""What a checkpoint save costs the training step: synchronous vs `checkpoint.async_save`, in the
+same run.
 
-A real 2-process torchrun (gloo, CPU, 1 thread per rank) trains the ResNet-18 of configs/digits_resnet18.yaml
-(width 0.5: 2.8 M parameters, with AdamW's moments a ~34 MB state; --width 1: ~135 MB) with DDP on random batches, and saves through the trainer's own
-Saver (pipeline/checkpoint/saver.py) in turns: a synchronous save, then an asynchronous one, round after
+A real 2-process torchrun (gloo, CPU, 1 thread per rank) trains the ResNet-18 of
+configs/digits_resnet18.yaml (width 0.5: 2.8 M parameters, with AdamW's moments a ~34 MB state;
+--width 1: ~135 MB) with DDP on random batches, and saves through the trainer's own Saver
+(pipeline/checkpoint/saver.py) in turns: a synchronous save, then an asynchronous one, round after
 round. Reported (rank 0, medians over rounds):
   - a step without a save;
-  - the step that saves: the step plus the save call (synchronous: the whole save; asynchronous: staging the
-    state to CPU memory and starting the write);
-  - the steps while the asynchronous write is in flight (the write and its hashing run in threads on the same
-    2 cores), and the step that publishes it (marker, rename);
+  - the step that saves: the step plus the save call (synchronous: the whole save; asynchronous:
+    staging the state to CPU memory and starting the write);
+  - the steps while the asynchronous write is in flight (the write and its hashing run in threads on
+    the same 2 cores), and the step that publishes it (marker, rename);
   - how many steps the asynchronous save stayed in flight.
 
     .venv/bin/python benchmarks/checkpoint_async.py [--image-size 8] [--width 0.5] [--batch 32] [--rounds 3]
@@ -97,8 +99,9 @@ def worker(args) -> None:
                 saver.poll()
                 elapsed = time.perf_counter() - t
                 flight += 1
-                # Every rank steps until every rank's save is published: a rank whose publish came a step
-                # earlier than another's would otherwise start the next save's collectives against its step.
+                # Every rank steps until every rank's save is published: a rank whose publish came a
+                # step earlier than another's would otherwise start the next save's collectives
+                # against its step.
                 done = torch.tensor([int(saver.pending is None)])
                 dist.all_reduce(done, op=dist.ReduceOp.MIN)
                 (times["async.publish_step"] if done.item() else times["async.in_flight"]).append(
@@ -108,8 +111,8 @@ def worker(args) -> None:
                     break
             if mode == "async":
                 times["async.steps_in_flight"].append(flight)
-                # This process's CPU time (every thread) from the saving step to the publish, less what as many
-                # plain steps take: what the save itself cost this rank's CPU.
+                # This process's CPU time (every thread) from the saving step to the publish, less
+                # what as many plain steps take: what the save itself cost this rank's CPU.
                 times["async.extra_cpu"].append(
                     time.process_time() - cpu - (flight + 1) * plain_cpu
                 )

@@ -1,8 +1,8 @@
 """Consolidation: ours vs `dcp_to_torch_save` vs the I/O floor, measured in the same run.
 
-The floor is what a consolidation that verifies its input cannot avoid: every shard byte read and hashed
-once (`sha256sum` of the checkpoint's files) plus the output's bytes written once (fsync'd). A plain read
-of the shards (`read`) is shown too, but it is no floor: it neither hashes nor writes.
+The floor is what a consolidation that verifies its input cannot avoid: every shard byte read and
+hashed once (`sha256sum` of the checkpoint's files) plus the output's bytes written once (fsync'd).
+A plain read of the shards (`read`) is shown too, but it is no floor: it neither hashes nor writes.
 
 For each size, a checkpoint of about that many GB (MLP weights + AdamW state, ~1/3 weights) is
 written by a real 2-process torchrun (gloo, CPU) through `pipeline.checkpoint.save`, then each
@@ -29,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MAKE = REPO / "tests" / "scripts" / "consolidate_make_checkpoint.py"
 MEASURE = REPO / "tests" / "scripts" / "consolidate_peak_rss.py"
-LAYERS = 6  # hidden layers of the MLP: a handful of big tensors, as in a real model's blocks
+# hidden layers of the MLP: a handful of big tensors, as in a real model's blocks
+LAYERS = 6
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -89,7 +90,8 @@ def measure(mode: str, ckpt: Path, out: Path, output_bytes: int = 0) -> dict:
 
 
 def model_tensor_bytes(ckpt: Path) -> tuple[int, int]:
-    """(the largest model tensor's bytes, all model tensors' bytes): the output is about the second."""
+    """(the largest model tensor's bytes, all model tensors' bytes): the output is about the
+    second."""
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -131,7 +133,8 @@ def main() -> None:
             ckpt = make_checkpoint(gigabytes, args.strategy, root)
             size = sum(f.stat().st_size for f in ckpt.iterdir())
             largest, output = model_tensor_bytes(ckpt)
-            measure("read", ckpt, root / "warm")  # warms the page cache; not reported
+            # warms the page cache; not reported
+            measure("read", ckpt, root / "warm")
             modes = ("floor", "read", "ours") + (() if args.skip_dcp else ("dcp_to_torch_save",))
             results = {mode: measure(mode, ckpt, root / mode, output) for mode in modes}
             for mode, r in results.items():

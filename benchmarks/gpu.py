@@ -1,27 +1,31 @@
-"""The GPU proofs, end to end, in one command (`scripts/gpu-check`): every GPU-only path of trainserve
-run for real, asserted, and a serving throughput table. Prints one row per proof and exits 1 on any
-FAIL. On a machine without a GPU it says so and exits 0 (`--dry-run-on-cpu` runs the same harness on
-the CPU instead, with the GPU-only rows skipped, to prove the harness itself).
+"""The GPU proofs, end to end, in one command (`scripts/gpu-check`): every GPU-only path of
+trainserve run for real, asserted, and a serving throughput table. Prints one row per proof and
+exits 1 on any FAIL. On a machine without a GPU it says so and exits 0 (`--dry-run-on-cpu` runs the
+same harness on the CPU instead, with the GPU-only rows skipped, to prove the harness itself).
 
 Proofs (each a real CLI call in a scratch directory, as a user types it):
   train.bf16            1 rank, NCCL, bf16 autocast, grad clipping and accumulation
-  train.fp16            1 rank, fp16 + GradScaler (the run must log train/loss_scale), clipping, accumulation
+  train.fp16            1 rank, fp16 + GradScaler (the run must log train/loss_scale), clipping,
+                        accumulation
   train.fsdp_nhwc       FSDP2 with channels_last on the small-image ResNet (BatchNorm under bf16)
   train.cpu_to_gpu      a checkpoint written on the CPU, resumed on the GPU
   export.cuda_gates     export's gates on the CUDA provider, the provider recorded in the report
-  serve.cuda            the server on the CUDA provider (asserted from /metrics, not assumed), warmed up
+  serve.cuda            the server on the CUDA provider (asserted from /metrics, not assumed),
+                        warmed up
   serve.parity          the CUDA server's answers vs onnxruntime's CPU provider on the same inputs
-  throughput            req/s, p50/p99, rows and milliseconds per model run at concurrency 1 and 32: CPU
-                        provider vs CUDA provider (batch buckets, the default) vs CUDA with one session for
-                        every batch size (--batch-buckets off) vs CUDA with TF32 vs the fp16 variant vs CUDA graphs
-  resnet50              a real-sized model (benchmarks/resnet50.py): ResNet-50 224x224 through the server on
-                        binary HTTP, gRPC and system shared memory at c=1/32/64, fp32, fp16 and CUDA graphs,
-                        against onnxruntime in-process (batch 1, 32) and PyTorch eager; ok when issue 31's targets
-                        are met (each said in a table), FAIL naming those that are not; needs torchvision
+  throughput            req/s, p50/p99, rows and milliseconds per model run at concurrency 1 and 32:
+                        CPU provider vs CUDA provider (batch buckets, the default) vs CUDA with one
+                        session for every batch size (--batch-buckets off) vs CUDA with TF32 vs the
+                        fp16 variant vs CUDA graphs
+  resnet50              a real-sized model (benchmarks/resnet50.py): ResNet-50 224x224 through the
+                        server on binary HTTP, gRPC and system shared memory at c=1/32/64, fp32,
+                        fp16 and CUDA graphs, against onnxruntime in-process (batch 1, 32) and
+                        PyTorch eager; ok when issue 31's targets are met (each said in a table),
+                        FAIL naming those that are not; needs torchvision
 
 What a proof needs and does not find (MLflow for the training runs, onnxruntime-gpu with a CUDA
-provider that loads for the export and serving rows) is a `skip` row that says what is missing, never
-a silent pass. A machine without MLflow takes the wheelhouse `scripts/gpu-wheelhouse` builds.
+provider that loads for the export and serving rows) is a `skip` row that says what is missing,
+never a silent pass. A machine without MLflow takes the wheelhouse `scripts/gpu-wheelhouse` builds.
 
     scripts/gpu-check                    # the proofs; ~3-5 min on one GPU
     scripts/gpu-check --quick            # shorter throughput runs
@@ -46,14 +50,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
-# Synthetic 8x8 images: a GPU machine may lack scikit-learn (the digits' source); the shapes are what matters.
+# Synthetic 8x8 images: a GPU machine may lack scikit-learn (the digits' source); the shapes are
+# what matters.
 DATA = ["data.name=synthetic", "data.args.size=8", "data.args.samples=512"]
 
 
 @dataclass
 class Row:
     name: str
-    status: str  # ok | FAIL | skip
+    # ok | FAIL | skip
+    status: str
     seconds: float
     detail: str
 
@@ -75,7 +81,8 @@ class Proofs:
         return row
 
     def amend(self, status: str, detail: str) -> None:
-        """The last row's verdict after a look past the command's output (printed again, as amended)."""
+        """The last row's verdict after a look past the command's output (printed again, as
+        amended)."""
         row = self.rows[-1]
         row.status, row.detail = status, detail
         print(f"{status:<5} {row.name:<18} {'':>7}  {detail} (amended)", flush=True)
@@ -257,7 +264,8 @@ def cuda_provider_loads() -> str:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
     )
     try:
-        # An explicit IR version: a newer onnx writes one the installed onnxruntime may not read yet.
+        # An explicit IR version: a newer onnx writes one the installed onnxruntime may not read
+        # yet.
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
         sess = ort.InferenceSession(
             model.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -339,8 +347,9 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
                 f"the server runs on {cuda and cuda['provider']}, not the CUDA provider",
             )
             p.add("serve.parity", "skip", started, "no CUDA server")
-        # Rows for what the server offers on a GPU: one session for every batch size (what batch buckets
-        # replace), TF32 allowed (ungated), the gated fp16 variant, each bucket a captured CUDA graph.
+        # Rows for what the server offers on a GPU: one session for every batch size (what batch
+        # buckets replace), TF32 allowed (ungated), the gated fp16 variant, each bucket a captured
+        # CUDA graph.
         for variant_args in (
             ["--batch-buckets", "off"],
             ["--allow-tf32"],
@@ -356,7 +365,8 @@ def export_and_serve(p: Proofs, quick: bool) -> None:
 def serve_and_measure(
     p: Proofs, onnx_path: Path, device: str, extra: list[str], quick: bool, table: list
 ) -> dict | None:
-    """Starts the server, reads its provider, asks 8 rows for parity, then measures concurrency 1 and 32."""
+    """Starts the server, reads its provider, asks 8 rows for parity, then measures concurrency 1
+    and 32."""
     import numpy as np
     import requests
 
@@ -462,8 +472,10 @@ def serve_and_measure(
 
 
 def engine_sums(metrics: str) -> dict[str, float]:
-    """Model runs, rows and seconds in them so far, from the server's /metrics: what the engine did."""
-    from serve import series_total  # benchmarks/serve.py's reader of a /metrics series
+    """Model runs, rows and seconds in them so far, from the server's /metrics: what the engine
+    did."""
+    # benchmarks/serve.py's reader of a /metrics series
+    from serve import series_total
 
     return {
         key: series_total(metrics, series)
@@ -476,9 +488,10 @@ def engine_sums(metrics: str) -> dict[str, float]:
 
 
 def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float, float, float]:
-    """Closed-loop load: `concurrency` clients, each one request at a time, for `seconds`. The clients are
-    threads of up to one process per 8 (at most half the CPUs): one Python process of HTTP clients tops out
-    below what the server does on a GPU (docs/benchmarks.md#benchmarksgpupy)."""
+    """Closed-loop load: `concurrency` clients, each one request at a time, for `seconds`. The
+    clients are threads of up to one process per 8 (at most half the CPUs): one Python process of
+    HTTP clients tops out below what the server does on a GPU
+    (docs/benchmarks.md#benchmarksgpupy)."""
     import multiprocessing
 
     import numpy as np
@@ -488,7 +501,8 @@ def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float,
     payload = json.dumps(body)
     if processes == 1:
         timed = _clients(url, payload, shares[0], seconds)
-    else:  # spawned, not forked: this process has CUDA initialised
+    else:
+        # spawned, not forked: this process has CUDA initialised
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             timed = [
                 x
@@ -508,8 +522,8 @@ def load(url: str, body: dict, concurrency: int, seconds: float) -> tuple[float,
 
 
 def _clients(url: str, payload: str, threads: int, seconds: float) -> list[tuple[float, float]]:
-    """`threads` clients in this process for `seconds`; (start, end) of each answered request, in wall-clock
-    seconds (comparable across processes, which start at slightly different times)."""
+    """`threads` clients in this process for `seconds`; (start, end) of each answered request, in
+    wall-clock seconds (comparable across processes, which start at slightly different times)."""
     import requests
 
     stop = time.time() + seconds
@@ -559,7 +573,8 @@ def resnet50_proof(p: Proofs, quick: bool) -> None:
         result = resnet50.run(
             p.device, 224 if gpu else 32, 2.0 if quick or not gpu else 5.0, p.workdir
         )
-    except Exception as exc:  # noqa: BLE001 - a proof that broke is a FAIL row, the others still run
+    except Exception as exc:  # noqa: BLE001
+        # a proof that broke is a FAIL row, the others still run
         p.add("resnet50", "FAIL", started, f"{type(exc).__name__}: {str(exc)[:300]}")
         return
     missed = [target for target, _, ok in result["verdicts"] if ok is False]
@@ -636,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     proofs = Proofs(workdir, device)
     try:
-        if "train" in only or "serve" in only:  # serve's model is train.bf16's
+        # serve's model is train.bf16's
+        if "train" in only or "serve" in only:
             train_proofs(proofs)
         if "serve" in only:
             export_and_serve(proofs, args.quick)

@@ -1,14 +1,17 @@
-"""What it costs the server to take a large tensor in: its own CPU per request, every thread of it counted.
+"""What it costs the server to take a large tensor in: its own CPU per request, every thread of it
+counted.
 
-A trivial ONNX model with, by default, a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request; `--image`
-sets another; the model reduces it to 10 logits, a small cost of onnxruntime per image: it must read it) is served by `python -m serving` with its default
-settings (and --grpc-port); a closed loop of C clients sends one image a request for S seconds, over each protocol:
+A trivial ONNX model with, by default, a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request;
+`--image` sets another; the model reduces it to 10 logits, a small cost of onnxruntime per image: it
+must read it) is served by `python -m serving` with its default settings (and --grpc-port); a closed
+loop of C clients sends one image a request for S seconds, over each protocol:
 
-    binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client) where installed,
-                     else the Python generator of benchmarks/serve.py
-    gRPC             ModelInfer, raw_input_contents; h2load where installed (C clients on one connection), else
-                     grpc.aio
-    binary HTTP,     the same over binary HTTP with the image as UINT8 pixel values (150 KB), to a second model of the
+    binary HTTP      V2 with Triton's binary tensor extension; h2load --h1 (nghttp2's C client)
+                     where installed, else the Python generator of benchmarks/serve.py
+    gRPC             ModelInfer, raw_input_contents; h2load where installed (C clients on one
+                     connection), else grpc.aio
+    binary HTTP,     the same over binary HTTP with the image as UINT8 pixel values (150 KB), to a
+                     second model of the
     UINT8            server that casts and scales them (what `export.uint8_inputs` makes of a model)
     shm HTTP / gRPC  the V2 system shared-memory extension driven by an unmodified tritonclient (http, grpc): the
                      input in a region the client registered, the output in another, a region pair per request in
@@ -20,23 +23,28 @@ engine's and each front end's), errors; with front ends, each front end's share 
 CPU. With the model's cost near zero, the CPU per request is what the front end, the batcher and
 the copies cost: what sets a GPU server's pace (docs/benchmarks.md#benchmarksingestpy).
 
-C references, pinned as the server is, each only receiving requests and answering a fixed message: what this
-machine's kernel and a server in C or C++ cost for those bytes, with no model, no checks and no Python.
-- nginx (where it and its echo module are installed: `apt-get install nginx-light libnginx-mod-http-echo`) gets the
-  binary HTTP rows' request, and a 300-byte POST (a shared-memory request's size);
-- grpc's own C++ server (benchmarks/grpc_floor.cc, compiled here where grpc++'s headers are, as scripts/setup
-  installs them for serving/grpc/native.cc) gets the gRPC rows' request: the same callback server and threads the
-  native gRPC engine runs on, with nothing after them.
-The binary HTTP and gRPC rows then give their CPU as a multiple of the reference's for the same bytes in the same
-run, a ratio that moves less from one run to the next on a shared VM than the milliseconds do.
+C references, pinned as the server is, each only receiving requests and answering a fixed message:
+what this machine's kernel and a server in C or C++ cost for those bytes, with no model, no checks
+and no Python.
+- nginx (where it and its echo module are installed: `apt-get install nginx-light
+  libnginx-mod-http-echo`) gets the binary HTTP rows' request, and a 300-byte POST (a shared-memory
+  request's size);
+- grpc's own C++ server (benchmarks/grpc_floor.cc, compiled here where grpc++'s headers are, as
+  scripts/setup installs them for serving/grpc/native.cc) gets the gRPC rows' request: the same
+  callback server and threads the native gRPC engine runs on, with nothing after them.
+The binary HTTP and gRPC rows then give their CPU as a multiple of the reference's for the same
+bytes in the same run, a ratio that moves less from one run to the next on a shared VM than the
+milliseconds do.
 
-Cores: by default the server is pinned to one core and the load generator to the other (`taskset`), so that
-neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the generator), which
-shows whether it takes more requests in with more cores. This machine has 2: compare rows of one run only. With
-602 KB requests one h2load thread sends at most ~2,500 a second here (nginx, which only receives them, gets no more):
-the generator, not the server, sets the pace on 2 cores; `--image 3x32x32` (12 KB) leaves the server the pace.
+Cores: by default the server is pinned to one core and the load generator to the other (`taskset`),
+so that neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the
+generator), which shows whether it takes more requests in with more cores. This machine has 2:
+compare rows of one run only. With 602 KB requests one h2load thread sends at most ~2,500 a second
+here (nginx, which only receives them, gets no more): the generator, not the server, sets the pace
+on 2 cores; `--image 3x32x32` (12 KB) leaves the server the pace.
 
-    python benchmarks/ingest.py                          # every protocol, c=32, 3 rounds of 5 s, medians
+    python benchmarks/ingest.py                          # every protocol, c=32, 3 rounds of 5 s,
+                                                         medians
     python benchmarks/ingest.py --quick                  # one round of 3 s
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --concurrency 32
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --image 3x32x32   # scaling, small images
@@ -51,10 +59,11 @@ is not the pace, and gRPC from `--grpc-connections` connections per generator (d
 kernel spreads connections, not streams, over the front ends). Below the table, the CPU per request
 of each count as a multiple of the first's, in the same run.
 
-`--against DIR` compares this tree's server with another checkout's (e.g. `git worktree add ../base main`, its
-extensions built with `python setup.py build_ext --inplace`): both servers run at once, pinned alike, and the rounds
-alternate between them, so that what this machine does meanwhile falls on both (one run of this 2-core VM and the
-next, an hour apart, differed by 20-65% with the same code: docs/benchmarks.md).
+`--against DIR` compares this tree's server with another checkout's (e.g.
+`git worktree add ../base main`, its extensions built with `python setup.py build_ext --inplace`):
+both servers run at once, pinned alike, and the rounds alternate between them, so that what this
+machine does meanwhile falls on both (one run of this 2-core VM and the next, an hour apart,
+differed by 20-65% with the same code: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -76,11 +85,13 @@ import numpy as np
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve as bench  # noqa: E402  (benchmarks/serve.py: the load generators and the V2 requests)
+# benchmarks/serve.py: the load generators and the V2 requests
+import serve as bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trivial"
-SHAPE = (1, 3, 224, 224)  # one image a request (--image sets it)
+# one image a request (--image sets it)
+SHAPE = (1, 3, 224, 224)
 MODEL_UINT8 = "trivial_uint8"
 PROTOCOLS = {
     "http": "binary HTTP",
@@ -89,13 +100,16 @@ PROTOCOLS = {
     "shm-http": "shm HTTP (tritonclient)",
     "shm-grpc": "shm gRPC (tritonclient)",
 }
-SHM_PROCESSES = 4  # tritonclient load processes
-MEDIANS = ("rps", "rows_per_run", "cpu_ms")  # what a row gives of its rounds
+# tritonclient load processes
+SHM_PROCESSES = 4
+# what a row gives of its rounds
+MEDIANS = ("rps", "rows_per_run", "cpu_ms")
 
 
 def trivial_model(path: Path, uint8: bool = False) -> None:
-    """1xSHAPE FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost) nothing. `uint8`:
-    its input UINT8 pixel values, cast and scaled by 1/255 first (as export.uint8_inputs makes a model's)."""
+    """1xSHAPE FP32 -> ReduceMean over H, W -> MatMul -> 10 logits: a model that costs (almost)
+    nothing. `uint8`: its input UINT8 pixel values, cast and scaled by 1/255 first (as
+    export.uint8_inputs makes a model's)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -178,7 +192,8 @@ def generator_on(cpus: str | None):
 
 
 class Server:
-    """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in `work`)."""
+    """`python -m serving` with HTTP and gRPC on free ports, ready when entered (its log in
+    `work`)."""
 
     def __init__(
         self,
@@ -254,7 +269,8 @@ class Server:
 
 
 class Nginx:
-    """nginx receiving requests and answering a fixed body: the rows' C reference (see the module's docstring)."""
+    """nginx receiving requests and answering a fixed body: the rows' C reference (see the module's
+    docstring)."""
 
     MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
 
@@ -307,7 +323,8 @@ http {{
         return None
 
     def __enter__(self):
-        log = self.dir / "logs" / "stderr.log"  # (what nginx says before its error_log is open)
+        # (what nginx says before its error_log is open)
+        log = self.dir / "logs" / "stderr.log"
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
         for _ in range(100):
             try:
@@ -326,8 +343,8 @@ http {{
         self.proc.wait(30)
 
     def measure(self, kind: str, c: int, seconds: float, work: Path, cpus: str | None) -> dict:
-        """The `kind` of request's body (nginx_body) POSTed by h2load as the binary HTTP rows' requests are; nginx's
-        CPU per request."""
+        """The `kind` of request's body (nginx_body) POSTed by h2load as the binary HTTP rows'
+        requests are; nginx's CPU per request."""
         request = b"POST / HTTP/1.1\r\nInference-Header-Content-Length: 0\r\n\r\n" + nginx_body(
             kind
         )
@@ -337,8 +354,9 @@ http {{
 
 
 class GrpcFloor:
-    """grpc's C++ callback server (benchmarks/grpc_floor.cc, compiled into `work`) receiving the gRPC rows' requests
-    and answering a fixed ModelInferResponse: their C++ reference (see the module's docstring)."""
+    """grpc's C++ callback server (benchmarks/grpc_floor.cc, compiled into `work`) receiving the
+    gRPC rows' requests and answering a fixed ModelInferResponse: their C++ reference (see the
+    module's docstring)."""
 
     SOURCE = Path(__file__).with_name("grpc_floor.cc")
 
@@ -387,7 +405,8 @@ class GrpcFloor:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        said = self.proc.stdout.readline()  # "ready" once it listens, else why not (and its exit)
+        # "ready" once it listens, else why not (and its exit)
+        said = self.proc.stdout.readline()
         if said.strip() != "ready":
             self.proc.kill()
             raise RuntimeError(
@@ -415,10 +434,12 @@ def reference_load(
     work: Path,
     cpus: str | None,
 ) -> dict:
-    """`request` sent by h2load (on `cpus`) to a C reference's `port`, after a warm-up: its CPU per request."""
+    """`request` sent by h2load (on `cpus`) to a C reference's `port`, after a warm-up: its CPU per
+    request."""
     grpc_port = port if which == bench.GRPC else 0
     with generator_on(cpus):
-        bench.h2load(which, request, port, grpc_port, MODEL, c, min(2.0, seconds), work)  # warm
+        # warm
+        bench.h2load(which, request, port, grpc_port, MODEL, c, min(2.0, seconds), work)
         cpu0 = cpu_seconds(pid)
         result = bench.h2load(which, request, port, grpc_port, MODEL, c, seconds, work)
         cpu = cpu_seconds(pid) - cpu0
@@ -432,9 +453,9 @@ def reference_load(
     }
 
 
-# The C references' rows, by the kind of request: (the row, what serves it); the reference row measured beside a
-# protocol's; and the protocols whose CPU is given as a multiple of it (a shm request's also has the model read
-# 602 KB that nginx's POST has not).
+# The C references' rows, by the kind of request: (the row, what serves it); the reference row
+# measured beside a protocol's; and the protocols whose CPU is given as a multiple of it (a shm
+# request's also has the model read 602 KB that nginx's POST has not).
 REFERENCE_ROWS = {
     "image": ("binary HTTP request, nginx only receiving it (C)", Nginx),
     "small": ("a 300-byte POST (a shm request's size), nginx only receiving it (C)", Nginx),
@@ -445,14 +466,15 @@ SAME_BYTES = {"http": "image", "grpc": "grpc"}
 
 
 def nginx_body(kind: str) -> bytes:
-    """The bytes an nginx row receives: the binary HTTP rows' body (its JSON header and the image), or 300 bytes."""
+    """The bytes an nginx row receives: the binary HTTP rows' body (its JSON header and the image),
+    or 300 bytes."""
     if kind == "small":
         return b"{" + b" " * 298 + b"}"
     request = bench.v2_request(bench.BINARY_HTTP, MODEL, image(), 0)
     return request.split(b"\r\n\r\n", 1)[1]
 
 
-# ---- load generators ------------------------------------------------------------------------------------------
+# ---- load generators -----------------------------------------------------------------------------
 
 
 # h2load processes at once, and gRPC connections each (main: --generators, --grpc-connections)
@@ -526,15 +548,14 @@ def shm_load(
     x: np.ndarray | None = None,
     out_bytes: int = 40,
 ) -> dict:
-    """c requests in flight from SHM_PROCESSES processes of threads, each thread a tritonclient of its own with a
-    region pair of its own: `x` (default the 224x224 image) into `model`'s input "input", its "logits" (`out_bytes`)
-    into the other region."""
+    """c requests in flight from SHM_PROCESSES processes of threads, each thread a tritonclient of
+    its own with a region pair of its own: `x` (default the 224x224 image) into `model`'s input
+    "input", its "logits" (`out_bytes`) into the other region."""
     x = image() if x is None else x
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    start = (
-        time.time() + 4.0
-    )  # all set up by then (clients made, regions registered, a first request answered)
+    # all set up by then (clients made, regions registered, a first request answered)
+    start = time.time() + 4.0
     per = [c // SHM_PROCESSES + (1 if i < c % SHM_PROCESSES else 0) for i in range(SHM_PROCESSES)]
     workers = [
         ctx.Process(
@@ -609,7 +630,8 @@ def _shm_worker(
         request.set_shared_memory(f"in-{tag}", x.nbytes)
         wanted = mod.InferRequestedOutput("logits", **({"binary_data": True} if mod is th else {}))
         wanted.set_shared_memory(f"out-{tag}", out_bytes)
-        client.infer(model, [request], outputs=[wanted])  # warm, and a check that it works
+        # warm, and a check that it works
+        client.infer(model, [request], outputs=[wanted])
         ready.wait()
         time.sleep(max(0.0, start - time.time()))
         n = errors = 0
@@ -618,7 +640,8 @@ def _shm_worker(
             try:
                 client.infer(model, [request], outputs=[wanted])
                 n += 1
-            except Exception as exc:  # noqa: BLE001 - counted
+            except Exception as exc:  # noqa: BLE001
+                # counted
                 errors += 1
                 first = first or f"{type(exc).__name__}: {exc}"
         with lock:
@@ -648,7 +671,7 @@ def pixels() -> np.ndarray:
     return np.rint(image() * 255).astype(np.uint8)
 
 
-# ---- measuring ------------------------------------------------------------------------------------------------
+# ---- measuring -----------------------------------------------------------------------------------
 
 
 def measure(
@@ -658,15 +681,15 @@ def measure(
         load = shm_load
     else:
         load = h2load_load if shutil.which("h2load") else python_load
-    load(protocol, server, c, min(2.0, seconds), work, cpus)  # warm (h2load: its first seconds)
+    # warm (h2load: its first seconds)
+    load(protocol, server, c, min(2.0, seconds), work, cpus)
     bench.wait_until_idle(server.port)
     runs0, rows0 = server.batches()
     pid = server.proc.pid
     cpu0 = processes_cpu(pid)
     result = load(protocol, server, c, seconds, work, cpus)
-    if (
-        "started" in result
-    ):  # the shm load began at a set time: the server's CPU is counted from its start
+    # the shm load began at a set time: the server's CPU is counted from its start
+    if "started" in result:
         cpu0 = processes_cpu(pid) if time.time() < result["started"] else cpu0
     cpu1 = processes_cpu(pid)
     # (each process that lived through the round: a front end replaced meanwhile would be left out)
@@ -692,8 +715,9 @@ def measure(
 def measure_references(
     kinds: list[str], work: Path, cpus: str | None, load_cpus: str | None, args
 ) -> dict:
-    """{kind: medians (and errors)} of the C references receiving each kind of request (REFERENCE_ROWS), pinned as
-    the server was; a reference that can't be run here is left out (said why)."""
+    """{kind: medians (and errors)} of the C references receiving each kind of request
+    (REFERENCE_ROWS), pinned as the server was; a reference that can't be run here is left out (said
+    why)."""
     found = {}
     for reference in dict.fromkeys(REFERENCE_ROWS[kind][1] for kind in kinds):
         theirs = [kind for kind in kinds if REFERENCE_ROWS[kind][1] is reference]
@@ -799,10 +823,11 @@ def main(argv: list[str] | None = None) -> int:
             f"--against {args.against}: not a checkout of this project (no serving/__main__.py there)"
         )
     roots = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
+    # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
     rows, reference_ms = (
         [],
         {},
-    )  # a C reference's CPU ms per request, by the kind of request (REFERENCE_ROWS)
+    )
     layout = "?"
     for cores in [c.strip() for c in args.cores.split(",")]:
         if cores == "1" and ncpu >= 2:
@@ -810,9 +835,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             server_cpus = load_cpus = None
         for protocol in protocols:
-            # A server of the one model the row sends to, as a server of one model is run: with several, a gRPC
-            # message still on its way (which names its model inside) makes no model's batch wait for it
-            # (Server.incoming).
+            # A server of the one model the row sends to, as a server of one model is run: with
+            # several, a gRPC message still on its way (which names its model inside) makes no
+            # model's batch wait for it (Server.incoming).
             model = MODEL_UINT8 if protocol == "http-uint8" else MODEL
             with contextlib.ExitStack() as servers:
                 started = [
@@ -830,9 +855,8 @@ def main(argv: list[str] | None = None) -> int:
                     for count in counts
                 ]
                 runs: dict[int, list[dict]] = {i: [] for i in range(len(started))}
-                for round_ in range(
-                    args.rounds
-                ):  # alternating, each server first every other round
+                # alternating, each server first every other round
+                for round_ in range(args.rounds):
                     for i in (
                         range(len(started)) if round_ % 2 == 0 else reversed(range(len(started)))
                     ):

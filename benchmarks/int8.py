@@ -1,4 +1,5 @@
-"""The int8 variant against the fp32 model of the same export: accuracy, file size, speed in-process and served.
+"""The int8 variant against the fp32 model of the same export: accuracy, file size, speed in-process
+and served.
 
 Input: an export's directory (`outputs/<run>/onnx/`, from e.g.
 `pipeline run --config configs/digits_resnet18.yaml --nproc-per-node 2 export.int8=true`), holding
@@ -6,13 +7,14 @@ model.onnx, model.int8.onnx and export_report.json. Prints one table:
 
   - accuracy on the validation split through onnxruntime, and PyTorch's (from the export's gates);
   - file size;
-  - in-process samples/s at batch 1 and 32: the server's Engine (same session options) called directly;
-  - served requests/s at concurrency 1 and 32: `python -m serving --model <file>` (one image a request, V2
-    binary over HTTP, the server batching as it does), driven by benchmarks/serve.py's load generator (a
-    Python asyncio closed loop on the same cores: compare rows of one run only).
+  - in-process samples/s at batch 1 and 32: the server's Engine (same session options) called
+    directly;
+  - served requests/s at concurrency 1 and 32: `python -m serving --model <file>` (one image a
+    request, V2 binary over HTTP, the server batching as it does), driven by benchmarks/serve.py's
+    load generator (a Python asyncio closed loop on the same cores: compare rows of one run only).
 
-The two models are measured in turns, round after round (medians), so that other work on the machine hits
-both alike.
+The two models are measured in turns, round after round (medians), so that other work on the machine
+hits both alike.
 
     .venv/bin/python benchmarks/int8.py outputs/<run>/onnx [--seconds 5] [--rounds 3]
 """
@@ -28,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve as loadgen  # noqa: E402 - benchmarks/serve.py: its server wrapper and load generator
+# benchmarks/serve.py: its server wrapper and load generator
+import serve as loadgen  # noqa: E402
 
 VARIANTS = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
 
@@ -42,14 +45,16 @@ def input_shape(path: Path) -> tuple[int, ...]:
 
 def inprocess(path: Path, shape: tuple[int, ...], batch: int, seconds: float) -> float:
     """Samples/s of the server's Engine on one batch, run back to back for `seconds`."""
+    # the measure export records, on the same Engine
     from pipeline.artifact.int8 import (
-        images_per_second,  # the measure export records, on the same Engine
+        images_per_second,
     )
     from serving.engine import Engine
 
     engine = Engine(str(path), device="cpu")
     feeds = {"input": np.random.default_rng(0).random((batch, *shape), dtype=np.float32)}
-    for _ in range(2):  # warm-up beyond the one images_per_second runs itself
+    # warm-up beyond the one images_per_second runs itself
+    for _ in range(2):
         engine.run(feeds)
     return images_per_second(engine, feeds, seconds)
 
@@ -73,9 +78,8 @@ def served(
     request = loadgen.v2_request(loadgen.BINARY_HTTP, "m", x, port)
     out = {}
     with loadgen.Server(cmd, port, "/v2/health/ready", log):
-        asyncio.run(
-            loadgen.measure(loadgen.BINARY_HTTP, request, port, None, 4, seconds=1.0)
-        )  # warm-up
+        # warm-up
+        asyncio.run(loadgen.measure(loadgen.BINARY_HTTP, request, port, None, 4, seconds=1.0))
         for c in concurrencies:
             r = asyncio.run(
                 loadgen.measure(loadgen.BINARY_HTTP, request, port, None, c, seconds=seconds)

@@ -1,34 +1,38 @@
 """Issue 34: the device meshes of `train.parallel` side by side on a transformer, the BERT example
-(configs/digit_sequences_bert.yaml, dropout off), each a real `pipeline train` torchrun launch at the same global
-batch (64) and seed, in one temporary working directory:
+(configs/digit_sequences_bert.yaml, dropout off), each a real `pipeline train` torchrun launch at
+the same global batch (64) and seed, in one temporary working directory:
 
   DDP 2          train.strategy=ddp, 2 processes: the baseline
   FSDP 2         train.strategy=fsdp, 2 processes (dp_shard=2)
   HSDP 2x2       train.strategy=fsdp dp_replicate=2 dp_shard=2, 4 processes
   TP 2           train.parallel.tp=2, 2 processes (one tensor-parallel group, no data parallelism)
   TP 2 x FSDP 2  train.strategy=fsdp tp=2 dp_shard=2, 4 processes
-  PP 2           train.parallel.pp=2, 2 processes (the model cut at its 2nd layer; 1F1B, 4 micro-batches of 16)
+  PP 2           train.parallel.pp=2, 2 processes (the model cut at its 2nd layer; 1F1B, 4
+                 micro-batches of 16)
   PP 2 x DDP 2   train.parallel.pp=2 dp_shard=2, 4 processes (each stage DDP over its 2 copies)
 
 For each (train.log_every=1, train.eval_every=0, tracking.system_metrics=false, OMP_NUM_THREADS=1):
 
-  step ms      the median over the steps after the first WARMUP of 1000 x global batch / `train/samples_per_s`
-               as logged to MLflow. With log_every=1 each logged window is exactly one optimizer step (the
-               forward, backward and optimizer step plus the loss's all-reduce across ranks; MLflow's own
-               logging falls outside the window). Not wall clock between metric timestamps.
-  peak RSS     the largest resident set of each rank's process (found by RANK in its environment; its own
-               children, if any, added) over the run, sampled with psutil every 50 ms from the launcher's
-               process tree, MB, listed by rank (rank 0 also holds the MLflow client and logs for the run).
+  step ms      the median over the steps after the first WARMUP of 1000 x global batch /
+               `train/samples_per_s` as logged to MLflow. With log_every=1 each logged window is
+               exactly one optimizer step (the forward, backward and optimizer step plus the loss's
+               all-reduce across ranks; MLflow's own logging falls outside the window). Not wall
+               clock between metric timestamps.
+  peak RSS     the largest resident set of each rank's process (found by RANK in its environment;
+               its own children, if any, added) over the run, sampled with psutil every 50 ms from
+               the launcher's process tree, MB, listed by rank (rank 0 also holds the MLflow client
+               and logs for the run).
   loss vs DDP  the first 20 logged `train/loss` values against DDP 2's at the same steps: max |diff| and max
                relative diff. The same global batches reach every mesh (the data order does not depend on the
                world size), so they differ only by the order of float sums: ~1e-6 is agreement.
 
-These are CPU figures over gloo on a small machine (the 4-process meshes share its cores, so their step times
-count oversubscription as much as the mesh): they prove that the meshes agree with DDP and how they spread
-memory, not GPU speed. The model is small (~80 k parameters: ~1 MB with AdamW's state), so a rank's RSS is
-mostly the runtime (Python, torch, transformers, gloo): sharding it saves nothing visible here, and the column
-shows that no mesh costs a rank more than DDP does. The load average is printed with the table (other work on the
-machine moves the step times); compare rows of one run only.
+These are CPU figures over gloo on a small machine (the 4-process meshes share its cores, so their
+step times count oversubscription as much as the mesh): they prove that the meshes agree with DDP
+and how they spread memory, not GPU speed. The model is small (~80 k parameters: ~1 MB with AdamW's
+state), so a rank's RSS is mostly the runtime (Python, torch, transformers, gloo): sharding it saves
+nothing visible here, and the column shows that no mesh costs a rank more than DDP does. The load
+average is printed with the table (other work on the machine moves the step times); compare rows of
+one run only.
 
     PYTHONPATH=. .venv/bin/python benchmarks/parallel.py            # 7 meshes x 30 steps: a few minutes on 2 cores
     PYTHONPATH=. .venv/bin/python benchmarks/parallel.py --quick    # DDP, HSDP 2x2, TP 2 and PP 2, 12 steps
@@ -52,11 +56,14 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 BERT = str(REPO / "configs/digit_sequences_bert.yaml")
 EXPERIMENT = "trainserve-digit-sequences"
-WARMUP = 5  # steps left out of the step time's median
-COMPARED = 20  # losses compared with DDP's
+# steps left out of the step time's median
+WARMUP = 5
+# losses compared with DDP's
+COMPARED = 20
 GLOBAL_BATCH = 64
 
-MESHES = [  # (name, processes, overrides)
+# (name, processes, overrides)
+MESHES = [
     ("DDP 2", 2, ["train.strategy=ddp"]),
     ("FSDP 2", 2, ["train.strategy=fsdp"]),
     (
@@ -79,8 +86,10 @@ QUICK = ["DDP 2", "HSDP 2x2", "TP 2", "PP 2"]
 def sample_ranks(
     root: psutil.Process, peaks: dict[int, float], stop: threading.Event, every: float = 0.05
 ):
-    """Every `every` s: each rank process's RSS (its children added), the largest kept per rank, in MB."""
-    ranks: dict[int, int] = {}  # pid -> rank
+    """Every `every` s: each rank process's RSS (its children added), the largest kept per rank, in
+    MB."""
+    # pid -> rank
+    ranks: dict[int, int] = {}
     while not stop.is_set():
         try:
             tree = root.children(recursive=True)
@@ -95,7 +104,8 @@ def sample_ranks(
                         or proc.parent() is None
                         or proc.parent().environ().get("RANK") is not None
                     ):
-                        continue  # not a rank, or a rank's child (counted with it)
+                        # not a rank, or a rank's child (counted with it)
+                        continue
                     ranks[proc.pid] = int(rank)
                 rss = proc.memory_info().rss
                 for child in proc.children(recursive=True):

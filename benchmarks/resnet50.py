@@ -1,21 +1,25 @@
-"""ResNet-50 224x224 on one GPU: the server on every protocol against onnxruntime itself (scripts/gpu-check's table).
+"""ResNet-50 224x224 on one GPU: the server on every protocol against onnxruntime itself
+(scripts/gpu-check's table).
 
-torchvision's ResNet-50 (random weights, 1x3x224x224 FP32, 602 KB an image) exported to ONNX with a dynamic batch,
-and its fp16 variant (pipeline.artifact.gates.to_fp16, the export's own converter; its answers are compared with
-fp32's and the largest gap printed). One table, one run:
+torchvision's ResNet-50 (random weights, 1x3x224x224 FP32, 602 KB an image) exported to ONNX with a
+dynamic batch, and its fp16 variant (pipeline.artifact.gates.to_fp16, the export's own converter;
+its answers are compared with fp32's and the largest gap printed). One table, one run:
 
-    anchors   onnxruntime in-process on the CUDA provider with the server's options (HEURISTIC, no TF32), numpy in
-              and out, batch 1 (img/s and the p50 of a run: the latency a server adds to) and batch 32; PyTorch
-              eager fp32 (no TF32) and bf16 autocast at batch 32, the input copied from pinned host memory
-    ours      `python -m serving --device cuda` with its defaults, then --variant fp16, then --cuda-graphs: V2 binary
-              over HTTP at c=1/32/64, gRPC (ModelInfer, raw_input_contents) at c=1/64, the V2 system shared-memory
-              extension through tritonclient.grpc at c=32 (a region pair per client); then --variant uint8 (the
-              image as UINT8 pixel values, 150 KB: pipeline.artifact.uint8_inputs) over HTTP and gRPC at c=64;
-              clients are closed loops in up to 8 processes, one image a request; rows and ms per model run from
-              the server's /metrics
+    anchors   onnxruntime in-process on the CUDA provider with the server's options (HEURISTIC, no
+              TF32), numpy in and out, batch 1 (img/s and the p50 of a run: the latency a server
+              adds to) and batch 32; PyTorch eager fp32 (no TF32) and bf16 autocast at batch 32, the
+              input copied from pinned host memory
+    ours      `python -m serving --device cuda` with its defaults, then --variant fp16, then
+              --cuda-graphs: V2 binary over HTTP at c=1/32/64, gRPC (ModelInfer, raw_input_contents)
+              at c=1/64, the V2 system shared-memory extension through tritonclient.grpc at c=32 (a
+              region pair per client); then --variant uint8 (the image as UINT8 pixel values,
+              150 KB: pipeline.artifact.uint8_inputs) over HTTP and gRPC at c=64; clients are closed
+              loops in up to 8 processes, one image a request; rows and ms per model run from the
+              server's /metrics
 
-and the verdicts of issue 31's targets: HTTP and gRPC at c=64 >= 0.9x in-process batch 32 with >= 24 rows a run;
-fp16 >= 1.8x the fp32 server; CUDA graphs >= 1.2x without at c=1; c=1 p50 <= in-process batch-1 p50 + 0.5 ms.
+and the verdicts of issue 31's targets: HTTP and gRPC at c=64 >= 0.9x in-process batch 32 with >= 24
+rows a run; fp16 >= 1.8x the fp32 server; CUDA graphs >= 1.2x without at c=1; c=1 p50 <= in-process
+batch-1 p50 + 0.5 ms.
 
     python benchmarks/resnet50.py                        # ~3-4 min on one H100
     python benchmarks/resnet50.py --quick                # 2 s a row
@@ -36,20 +40,23 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ingest  # noqa: E402  (benchmarks/ingest.py: the server process and the tritonclient shared-memory load)
-import serve as bench  # noqa: E402  (benchmarks/serve.py: the V2 requests and the closed-loop clients)
+# benchmarks/ingest.py: the server process and the tritonclient shared-memory load
+import ingest  # noqa: E402
+
+# benchmarks/serve.py: the V2 requests and the closed-loop clients
+import serve as bench  # noqa: E402
 
 MODEL = "resnet50"
 LOAD_PROCESSES = 8
 
 
-# ---- the model -------------------------------------------------------------------------------------------------
+# ---- the model -----------------------------------------------------------------------------------
 
 
 def network():
-    """(torchvision's ResNet-50 with random weights, its name); where torchvision does not import (this project's
-    CPU build machine: its torch is a CPU build PyPI's torchvision is not made for), the project's ResNet-18
-    stands in, for a run of the harness only."""
+    """(torchvision's ResNet-50 with random weights, its name); where torchvision does not import
+    (this project's CPU build machine: its torch is a CPU build PyPI's torchvision is not made for),
+    the project's ResNet-18 stands in, for a run of the harness only."""
     try:
         import torchvision
     except (ImportError, RuntimeError):
@@ -62,7 +69,8 @@ def network():
 
 
 def export(directory: Path, size: int) -> str:
-    """model.onnx (fp32) and model.fp16.onnx in `directory`, the layout of an exported model; the network's name."""
+    """model.onnx (fp32) and model.fp16.onnx in `directory`, the layout of an exported model; the
+    network's name."""
     import onnx
     import torch
 
@@ -80,11 +88,14 @@ def export(directory: Path, size: int) -> str:
     )
     try:
         torch.onnx.export(model, (torch.rand(2, 3, size, size),), str(path), dynamo=False, **kwargs)
-    except TypeError:  # a torch without the dynamo switch
+    except TypeError:
+        # a torch without the dynamo switch
         torch.onnx.export(model, (torch.rand(2, 3, size, size),), str(path), **kwargs)
     proto = onnx.load(str(path))
-    proto.ir_version = min(proto.ir_version, 10)  # what the installed onnxruntime reads
-    # A ResNet in eval mode is row-wise, said as export records it: the server batches only such a model.
+    # what the installed onnxruntime reads
+    proto.ir_version = min(proto.ir_version, 10)
+    # A ResNet in eval mode is row-wise, said as export records it: the server batches only such a
+    # model.
     onnx.helper.set_model_props(proto, {"trainserve.rows_independent": "by construction"})
     onnx.save(proto, str(path))
     onnx.save(to_fp16(proto), str(directory / "model.fp16.onnx"))
@@ -97,7 +108,8 @@ def export(directory: Path, size: int) -> str:
 
 
 def session(path: Path, device: str):
-    """An onnxruntime session with the server's provider options (serving/engine.py: HEURISTIC, no TF32)."""
+    """An onnxruntime session with the server's provider options (serving/engine.py: HEURISTIC, no
+    TF32)."""
     import onnxruntime as ort
 
     providers = (
@@ -112,7 +124,7 @@ def image(size: int, batch: int = 1, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).random((batch, 3, size, size), dtype=np.float32)
 
 
-# ---- anchors ---------------------------------------------------------------------------------------------------
+# ---- anchors -------------------------------------------------------------------------------------
 
 
 def ort_anchor(sess, batch: int, size: int, seconds: float) -> dict:
@@ -150,7 +162,7 @@ def torch_anchor(size: int, seconds: float, bf16: bool, device: str) -> dict:
     return {"img_s": 32 * n / (time.perf_counter() - start)}
 
 
-# ---- the server under load -------------------------------------------------------------------------------------
+# ---- the server under load -----------------------------------------------------------------------
 
 
 def _clients(
@@ -163,11 +175,13 @@ def _clients(
     seconds: float,
     results,
 ):
-    """One load process: n closed-loop clients from wall-clock `start` for `seconds`; their latencies (ms)."""
+    """One load process: n closed-loop clients from wall-clock `start` for `seconds`; their
+    latencies (ms)."""
 
     async def run():
         async with bench.open_clients(protocol, request, port, grpc_port, n) as clients:
-            await bench.closed_loop(clients, count=2 * n)  # connected and warm
+            # connected and warm
+            await bench.closed_loop(clients, count=2 * n)
             await asyncio.sleep(max(0.0, start - time.time()))
             return await bench.closed_loop(clients, seconds, keep_times=True)
 
@@ -177,7 +191,8 @@ def _clients(
 def closed_loops(
     protocol: str, server: ingest.Server, request: bytes, c: int, seconds: float
 ) -> dict:
-    ctx = multiprocessing.get_context("spawn")  # not forked: this process may hold a CUDA context
+    # not forked: this process may hold a CUDA context
+    ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     shares = [
         s
@@ -230,9 +245,8 @@ def measure(
     server: ingest.Server, protocol: str, c: int, size: int, seconds: float, uint8: bool = False
 ) -> dict:
     before = engine_sums(server)
-    x = (
-        np.rint(image(size) * 255).astype(np.uint8) if uint8 else image(size)
-    )  # pixel values: 150 KB at 224
+    # pixel values: 150 KB at 224
+    x = np.rint(image(size) * 255).astype(np.uint8) if uint8 else image(size)
     if protocol == "shm":
         result = ingest.shm_load(
             "shm-grpc", server, c, seconds, server.work, None, model=MODEL, x=x, out_bytes=4000
@@ -281,7 +295,8 @@ def serve_rows(
         )
     for label, extra, wanted in SERVERS:
         if device != "cuda" and ("fp16" in extra or "--cuda-graphs" in extra):
-            continue  # the GPU's: the server refuses them on a CPU
+            # the GPU's: the server refuses them on a CPU
+            continue
         server = ingest.Server(
             directory, work, None, ["--device", device, *extra], model_name=MODEL
         )
@@ -305,7 +320,7 @@ def serve_rows(
     return rows, by
 
 
-# ---- the verdicts ----------------------------------------------------------------------------------------------
+# ---- the verdicts --------------------------------------------------------------------------------
 
 
 def verdicts(anchor: dict, by: dict) -> list[tuple[str, str, bool | None]]:
@@ -353,11 +368,12 @@ def verdicts(anchor: dict, by: dict) -> list[tuple[str, str, bool | None]]:
     return out
 
 
-# ---- main ------------------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
 
 def run(device: str, size: int, seconds: float, work: Path) -> dict:
-    """The whole table; returns {"anchor", "rows", "verdicts", "lines"} (lines: the markdown printed)."""
+    """The whole table; returns {"anchor", "rows", "verdicts", "lines"} (lines: the markdown
+    printed)."""
     directory = work / MODEL
     name = export(directory, size)
     import onnxruntime as ort
@@ -381,7 +397,8 @@ def run(device: str, size: int, seconds: float, work: Path) -> dict:
             anchor["torch_bf16" if bf16 else "torch_fp32"] = torch_anchor(
                 size, seconds, bf16, device
             )
-        except Exception as exc:  # noqa: BLE001 - an anchor that can't run here is said, not fatal
+        except Exception as exc:  # noqa: BLE001
+            # an anchor that can't run here is said, not fatal
             print(
                 f"PyTorch eager {'bf16' if bf16 else 'fp32'}: not measured ({exc!r:.200})",
                 flush=True,

@@ -1,21 +1,25 @@
-"""Rollout benchmark: N replicas following models:/digits@champion, load at a fixed concurrency, the alias moves.
+"""Rollout benchmark: N replicas following models:/digits@champion, load at a fixed concurrency, the
+alias moves.
 
-The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow tracking server (`mlflow server`, SQLite
-and proxied artifacts, on the bridge's address: the replicas share no disk with it; --sqlite: a SQLite file and
-local artifacts every replica opens, as the test does) with two versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host (a network
-namespace of tests/hosts.py: own address, own working directory; where the machine can make them, else, or with
---loopback, on loopback ports, each in its own working and download directory), behind nginx (Debian package;
-`proxy_next_upstream off`, so a replica's failure reaches the client) or, with --no-nginx or without nginx, a
-client-side round robin. C client threads send one
-two-row V2 JSON request each in a closed loop; after --before s @champion moves from 1 to 2; the load goes on
-until every replica answered from version 2, then --after s more.
+The same fleet as tests/test_rollout.py (tests/fleet.py): a real MLflow tracking server
+(`mlflow server`, SQLite and proxied artifacts, on the bridge's address: the replicas share no disk
+with it; --sqlite: a SQLite file and local artifacts every replica opens, as the test does) with two
+versions of a tiny model, N `python -m serving --reload-interval R` processes, each on its own host
+(a network namespace of tests/hosts.py: own address, own working directory; where the machine can
+make them, else, or with --loopback, on loopback ports, each in its own working and download
+directory), behind nginx (Debian package; `proxy_next_upstream off`, so a replica's failure reaches
+the client) or, with --no-nginx or without nginx, a client-side round robin. C client threads send
+one two-row V2 JSON request each in a closed loop; after --before s @champion moves from 1 to 2; the
+load goes on until every replica answered from version 2, then --after s more.
 
-Printed, per replica: seconds from the alias move to its first answer from version 2 (its poll, download, load,
-warm-up and swap), the last answer from version 1 after the move (in-flight requests drained on the old
-session), answers per version (from the receipts, X-Model-Version), failed requests, and p99 latency of the
-requests sent before the move, during the rollout (from the move until the last replica switched) and after.
+Printed, per replica: seconds from the alias move to its first answer from version 2 (its poll,
+download, load, warm-up and swap), the last answer from version 1 after the move (in-flight requests
+drained on the old session), answers per version (from the receipts, X-Model-Version), failed
+requests, and p99 latency of the requests sent before the move, during the rollout (from the move
+until the last replica switched) and after.
 
-    python benchmarks/rollout.py                          # 3 replicas, concurrency 8, reload interval 2 s
+    python benchmarks/rollout.py                          # 3 replicas, concurrency 8, reload
+                                                          interval 2 s
     python benchmarks/rollout.py --replicas 2 --concurrency 4 --no-nginx --loopback
 
 Timings on a shared 2-core machine are noisy: compare rows of one run only.
@@ -35,8 +39,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import fleet  # noqa: E402  (tests/fleet.py: the replicas, the load, nginx)
-import hosts  # noqa: E402  (tests/hosts.py: network-namespace hosts)
+# tests/fleet.py: the replicas, the load, nginx
+import fleet  # noqa: E402
+
+# tests/hosts.py: network-namespace hosts
+import hosts  # noqa: E402
 
 
 def p99_ms(seconds: list[float]) -> str:
@@ -93,8 +100,8 @@ def table(
 def namespace_hosts(
     count: int, directory: Path, stack: contextlib.ExitStack
 ) -> tuple[list | None, str | None]:
-    """`count` namespace hosts (tests/hosts.py) and the bridge's address in the root namespace, removed when
-    `stack` closes; (None, None) where they can't be made."""
+    """`count` namespace hosts (tests/hosts.py) and the bridge's address in the root namespace,
+    removed when `stack` closes; (None, None) where they can't be made."""
     reason = hosts.namespaces_unavailable()
     if reason:
         print(f"replicas on loopback: {reason}", file=sys.stderr)
@@ -145,7 +152,8 @@ def main() -> None:
             registry = directory / "registry"
             registry.mkdir()
             server = None
-            if not args.sqlite:  # on the bridge's address, which every host reaches
+            # on the bridge's address, which every host reaches
+            if not args.sqlite:
                 server = stack.enter_context(
                     fleet.tracking_server(registry, gateway or "127.0.0.1")
                 )
@@ -160,7 +168,8 @@ def main() -> None:
                 )
             )
             urls = [s.url for s in servers]
-            if use_nginx:  # nginx names the replica that answered in X-Upstream (host:port)
+            # nginx names the replica that answered in X-Upstream (host:port)
+            if use_nginx:
                 names = {u.removeprefix("http://"): f"replica-{i}" for i, u in enumerate(urls)}
                 targets = [stack.enter_context(fleet.nginx(urls, directory))]
             else:

@@ -1,12 +1,14 @@
-"""Serving benchmarks: our server against others, its three protocols, one model under another's flood.
+"""Serving benchmarks: our server against others, its three protocols, one model under another's
+flood.
 
-Three measurements, chosen by flag: our server against in-process onnxruntime and `mlflow models serve`;
-our server's three protocols against each other; what one model's flood does to another model's latency.
+Three measurements, chosen by flag: our server against in-process onnxruntime and
+`mlflow models serve`; our server's three protocols against each other; what one model's flood does
+to another model's latency.
 
---servers (the default when no other measurement is asked). Same models (the 28x28 small-image ResNet-18
-and a tiny MLP, random weights), same load generator (wrk, Debian package `wrk`), the same JSON request of
-one image ({"inputs": [1x1x28x28]}) to every server's /invocations, at concurrency 1 and 32. Reports
-requests/s and p50/p99 latency of:
+--servers (the default when no other measurement is asked). Same models (the 28x28 small-image
+ResNet-18 and a tiny MLP, random weights), same load generator (wrk, Debian package `wrk`), the same
+JSON request of one image ({"inputs": [1x1x28x28]}) to every server's /invocations, at concurrency 1
+and 32. Reports requests/s and p50/p99 latency of:
   (a) onnxruntime in-process, at batch 1 and at the server's max batch size (a call is one batch);
   (b) our server (python -m serving);
   (c) `mlflow models serve --env-manager local` of the same model saved with the PyTorch flavor and
@@ -15,34 +17,39 @@ requests/s and p50/p99 latency of:
 --protocols. The ResNet (--protocol-models) on one server that also serves gRPC (--grpc-port), one
 image a request, at concurrency 1 and 32, over (b) V2 JSON over HTTP, V2 binary over HTTP (Triton's
 binary tensor extension, binary outputs too) and V2 over gRPC (ModelInfer, raw_input_contents); (a)
-in-process onnxruntime at batch 1 and 32 is the reference. Every request asks for all outputs. All three
-protocols are driven by ONE load generator, so that the client's cost is alike: a Python asyncio closed
-loop of N workers for S seconds; over HTTP each worker is one raw keep-alive HTTP/1.1 connection
-(prebuilt request bytes; the status line and headers read up to the blank line, then Content-Length
-bytes), over gRPC the N workers share one grpc.aio channel (HTTP/2 streams, as a gRPC client does) and
-send prebuilt serialized ModelInferRequest bytes (no serializers). Each protocol's first answer is
-checked against the torch model's output; the note gives the mean batch and the CPU ms per request of
-the generator and of the server. The Python generator costs much more CPU per request than wrk and runs
-on the same 2 cores as the server: its numbers are lower than wrk's, and only rows of one run compare.
-The ResNet's run dwarfs what a protocol costs; `--protocol-models resnet18,mlp` adds the tiny MLP,
-where the protocols' own costs show. Where `h2load` is installed (Debian package nghttp2-client), binary HTTP
-and gRPC at c=32 are also driven by it, a C client whose own cost is small: rows (b'), which tell whether the
-Python generator is what limits a protocol (what they told: docs/benchmarks.md#benchmarksservepy).
+in-process onnxruntime at batch 1 and 32 is the reference. Every request asks for all outputs. All
+three protocols are driven by ONE load generator, so that the client's cost is alike: a Python
+asyncio closed loop of N workers for S seconds; over HTTP each worker is one raw keep-alive HTTP/1.1
+connection (prebuilt request bytes; the status line and headers read up to the blank line, then
+Content-Length bytes), over gRPC the N workers share one grpc.aio channel (HTTP/2 streams, as a gRPC
+client does) and send prebuilt serialized ModelInferRequest bytes (no serializers). Each protocol's
+first answer is checked against the torch model's output; the note gives the mean batch and the CPU
+ms per request of the generator and of the server. The Python generator costs much more CPU per
+request than wrk and runs on the same 2 cores as the server: its numbers are lower than wrk's, and
+only rows of one run compare. The ResNet's run dwarfs what a protocol costs;
+`--protocol-models resnet18,mlp` adds the tiny MLP, where the protocols' own costs show. Where
+`h2load` is installed (Debian package nghttp2-client), binary HTTP and gRPC at c=32 are also driven
+by it, a C client whose own cost is small: rows (b'), which tell whether the Python generator is
+what limits a protocol (what they told: docs/benchmarks.md#benchmarksservepy).
 
---two-models. One server with `--model flooded=resnet18.onnx --model probed=mlp.onnx` (each model its
-own batcher; the one engine thread takes the models' runs in turn). A probe of single-image binary V2
-HTTP requests (sequential: the Python generator at concurrency 1, --probes of them) measures p50/p99 of
+--two-models. One server with `--model flooded=resnet18.onnx --model probed=mlp.onnx` (each model
+its own batcher; the one engine thread takes the models' runs in turn). A probe of single-image
+binary V2 HTTP requests (sequential: the Python generator at concurrency 1, --probes of them)
+measures p50/p99 of
   (a) `probed` with no other load;
-  (b) `probed` while wrk floods `flooded` at concurrency 32 (JSON V2 POSTs to /v2/models/flooded/infer);
+  (b) `probed` while wrk floods `flooded` at concurrency 32 (JSON V2 POSTs to
+      /v2/models/flooded/infer);
   (c) the baseline, what per-model batchers and turn-taking buy: the probe sent to `flooded` itself
       during the same flood, where it waits in the flood's queue; (a') is that probe with no load.
 The flood's own req/s (wrk's, over the probe's time) is printed with (b) and (c); after a flood the
-server drains before the next scenario. From the server's histograms: the probed model's mean queue time
-(until the engine thread began its run; in (a') and (c) those requests are mostly the flood's) and the
-flooded model's mean run time and rows: in (b) a probe waits for at most the flooded model's run in
-progress, and a sequential probe, sent just after its last answer, tends to arrive as one begins.
+server drains before the next scenario. From the server's histograms: the probed model's mean queue
+time (until the engine thread began its run; in (a') and (c) those requests are mostly the flood's)
+and the flooded model's mean run time and rows: in (b) a probe waits for at most the flooded model's
+run in progress, and a sequential probe, sent just after its last answer, tends to arrive as one
+begins.
 
-    python benchmarks/serve.py                          # --servers: ~7 min on 2 cores, 3 rounds, medians
+    python benchmarks/serve.py                          # --servers: ~7 min on 2 cores, 3 rounds,
+                                                        medians
     python benchmarks/serve.py --quick                  # ~1 min: one round of short runs, the ResNet only
     python benchmarks/serve.py --protocols              # ~2.5 min: 3 rounds of 5 s runs, medians
     python benchmarks/serve.py --two-models             # ~4.5 min: 3 rounds of 300 probes a scenario
@@ -76,7 +83,8 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {  # name -> (the built-in model component, its args): 28x28 one-channel images, 10 classes
+# name -> (the built-in model component, its args): 28x28 one-channel images, 10 classes
+MODELS = {
     "resnet18": (
         "pipeline.models:resnet18",
         {"num_classes": 10, "in_channels": 1, "width": 1.0, "mean": [0.286], "std": [0.353]},
@@ -110,16 +118,18 @@ def build_and_export(name: str, out_dir: Path):
     model = instantiate_model(ModelSpec(*MODELS[name])).eval()
     sample = torch.rand(2, 1, 28, 28)
     path = out_dir / f"{name}.onnx"
-    # A CNN in eval mode: its rows are its samples' own, said as export would record it (the server batches only
-    # a model whose rows are known to be independent).
+    # A CNN in eval mode: its rows are its samples' own, said as export would record it (the server
+    # batches only a model whose rows are known to be independent).
     metadata = {"trainserve.model_name": name, "trainserve.rows_independent": "by construction"}
     try:
         from pipeline.artifact.onnx_export import ExportHead, export
         from pipeline.tasks.classification import Classification
 
         head = ExportHead(model, Classification(None, 5, num_classes=10), ["input"], True)
-        export(head, {"input": sample}, {}, 18, metadata, path)  # saves it too
-    except ImportError:  # the exporter module is not there: the same graph by hand
+        # saves it too
+        export(head, {"input": sample}, {}, 18, metadata, path)
+    except ImportError:
+        # the exporter module is not there: the same graph by hand
         onnx.save(_export_locally(model, sample, metadata), str(path))
     return model, path
 
@@ -223,9 +233,8 @@ class Server:
 
     def __exit__(self, *exc):
         if self.proc.poll() is None:
-            os.killpg(
-                self.proc.pid, signal.SIGTERM
-            )  # mlflow serve starts uvicorn workers: the group
+            # mlflow serve starts uvicorn workers: the group
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -246,8 +255,8 @@ def wrk(url: str, body_path: Path, concurrency: int, seconds: float) -> dict:
 
 @contextlib.contextmanager
 def flood(url: str, body_path: Path, concurrency: int, limit_s: float = 600):
-    """wrk in the background for as long as the block runs (at most limit_s): SIGINT stops it and it prints
-    its summary, parsed into the yielded dict once the block ends."""
+    """wrk in the background for as long as the block runs (at most limit_s): SIGINT stops it and it
+    prints its summary, parsed into the yielded dict once the block ends."""
     proc = subprocess.Popen(
         wrk_command(url, body_path, concurrency, limit_s),
         stdout=subprocess.PIPE,
@@ -306,14 +315,14 @@ def _latency(out: str, pct: str) -> float:
 
 
 def batch_stats(port: int, model: str | None = None) -> tuple[float, float]:
-    """(rows, model runs) so far, from the server's batch-size histogram: summed over every model and
-    version, or over one model's versions."""
+    """(rows, model runs) so far, from the server's batch-size histogram: summed over every model
+    and version, or over one model's versions."""
     return histogram(port, "trainserve_batch_size", model)
 
 
 def histogram(port: int, name: str, model: str | None = None) -> tuple[float, float]:
-    """(sum, count) of one of the server's histograms, over all its label sets ({model="...",version="...",
-    ...}) or those of one model."""
+    """(sum, count) of one of the server's histograms, over all its label sets
+    ({model="...",version="...", ...}) or those of one model."""
     text = requests.get(f"http://127.0.0.1:{port}/metrics").text
     return series_total(text, f"{name}_sum", model), series_total(text, f"{name}_count", model)
 
@@ -327,8 +336,8 @@ def series_total(text: str, series: str, model: str | None = None) -> float:
 
 
 def wait_until_idle(port: int, quiet: float = 0.5, timeout: float = 60) -> None:
-    """Until nothing is queued and no model ran for `quiet` seconds: the requests a stopped flood left in the
-    server are answered before the next measurement begins."""
+    """Until nothing is queued and no model ran for `quiet` seconds: the requests a stopped flood
+    left in the server are answered before the next measurement begins."""
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         text = requests.get(f"http://127.0.0.1:{port}/metrics").text
@@ -380,9 +389,10 @@ class CallFailed(Exception):
 
 
 class HttpConnection:
-    """A minimal keep-alive HTTP/1.1 client on asyncio streams that sends one prebuilt request over and over:
-    the status line and headers are read up to the blank line, then Content-Length bytes of body. The
-    connection is opened on the first call, and again after a failure or a `Connection: close`."""
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams that sends one prebuilt request over
+    and over: the status line and headers are read up to the blank line, then Content-Length bytes
+    of body. The connection is opened on the first call, and again after a failure or a
+    `Connection: close`."""
 
     def __init__(self, port: int, request: bytes):
         self.port, self.request = port, request
@@ -414,8 +424,8 @@ class HttpConnection:
 
 
 class GrpcCall:
-    """ModelInfer with one prebuilt serialized request, on a shared grpc.aio channel (no serializers:
-    bytes in and out)."""
+    """ModelInfer with one prebuilt serialized request, on a shared grpc.aio channel (no
+    serializers: bytes in and out)."""
 
     def __init__(self, channel, request: bytes):
         self.infer = channel.unary_unary(
@@ -434,8 +444,9 @@ class GrpcCall:
 
 
 class GrpcStream:
-    """ModelStreamInfer: the workers share one stream (as tritonclient's start_stream/async_stream_infer); each
-    call writes the prebuilt request and waits for its answer, the server answering in the order of requests."""
+    """ModelStreamInfer: the workers share one stream (as tritonclient's
+    start_stream/async_stream_infer); each call writes the prebuilt request and waits for its
+    answer, the server answering in the order of requests."""
 
     def __init__(self, channel, request: bytes):
         self.stream = channel.stream_stream(
@@ -443,7 +454,8 @@ class GrpcStream:
         )()
         self.request = request
         self.waiting: collections.deque = collections.deque()
-        self.writing = asyncio.Lock()  # one write at a time on a stream
+        # one write at a time on a stream
+        self.writing = asyncio.Lock()
         self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -451,7 +463,8 @@ class GrpcStream:
         try:
             async for data in self.stream:
                 self.waiting.popleft().set_result(data)
-        except Exception as exc:  # noqa: BLE001 - every waiting call learns it
+        except Exception as exc:  # noqa: BLE001
+            # every waiting call learns it
             error = CallFailed(f"the stream failed: {exc}")
         while self.waiting:
             self.waiting.popleft().set_exception(error)
@@ -463,7 +476,8 @@ class GrpcStream:
             self.waiting.append(answer)
             await self.stream.write(self.request)
         data = await answer
-        if data[:1] == b"\x0a":  # field 1, error_message, comes first when set
+        # field 1, error_message, comes first when set
+        if data[:1] == b"\x0a":
             raise CallFailed(f"gRPC stream: {data[2:300].decode(errors='replace')}")
         return b"", data
 
@@ -475,10 +489,11 @@ class GrpcStream:
 async def closed_loop(
     clients: list, seconds: float | None = None, count: int | None = None, keep_times: bool = False
 ) -> dict:
-    """Each client is one worker that sends its next request as soon as its last answer came, for `seconds`
-    or until `count` answers in all: answers/s, p50/p99 ms of the good answers, errors (and the first), and
-    this process's CPU ms per request (the generator's cost, gRPC's own threads included); with `keep_times`,
-    every good answer's ms too (times_ms: to merge several processes' percentiles)."""
+    """Each client is one worker that sends its next request as soon as its last answer came, for
+    `seconds` or until `count` answers in all: answers/s, p50/p99 ms of the good answers, errors
+    (and the first), and this process's CPU ms per request (the generator's cost, gRPC's own threads
+    included); with `keep_times`, every good answer's ms too (times_ms: to merge several processes'
+    percentiles)."""
     times: list[float] = []
     errors: list[str] = []
     cpu = time.process_time()
@@ -548,7 +563,8 @@ JSON_HTTP, BINARY_HTTP, GRPC = "V2 JSON over HTTP", "V2 binary over HTTP", "V2 o
 GRPC_STREAM = "V2 over gRPC, one stream"
 PROTOCOLS = (JSON_HTTP, BINARY_HTTP, GRPC, GRPC_STREAM)
 GRPCS = (GRPC, GRPC_STREAM)
-STREAM_REQUESTS = 100  # requests in one ModelStreamInfer stream sent by h2load
+# requests in one ModelStreamInfer stream sent by h2load
+STREAM_REQUESTS = 100
 
 
 def http_request(port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
@@ -583,9 +599,8 @@ def v2_request(protocol: str, model: str, x: np.ndarray, port: int) -> bytes:
         return http_request(
             port, f"/v2/models/{model}/infer", v2_json_body(x), {"Content-Type": "application/json"}
         )
-    datatype = (
-        "UINT8" if x.dtype == np.uint8 else "FP32"
-    )  # (an image as pixel values: a uint8 variant's input)
+    # (an image as pixel values: a uint8 variant's input)
+    datatype = "UINT8" if x.dtype == np.uint8 else "FP32"
     raw = (
         np.ascontiguousarray(x) if datatype == "UINT8" else np.ascontiguousarray(x, "<f4")
     ).tobytes()
@@ -655,15 +670,16 @@ def answer_logits(protocol: str, head: bytes, body: bytes) -> np.ndarray:
 
 
 async def check_answer(protocol: str, client, want: np.ndarray, warm: int = 5) -> str:
-    """The first answer against the torch model's output (as check_prediction), then `warm` more requests to
-    warm the path up; what was found, in words (a failure is reported, not raised)."""
+    """The first answer against the torch model's output (as check_prediction), then `warm` more
+    requests to warm the path up; what was found, in words (a failure is reported, not raised)."""
     try:
         head, body = await client.call()
         got = answer_logits(protocol, head, body)
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-3, atol=1e-4)
     except AssertionError:
         return f"answer != torch (max abs diff {np.abs(got.reshape(want.shape) - want).max():.2g})"
-    except Exception as exc:  # noqa: BLE001 - reported in the table; the run goes on
+    except Exception as exc:  # noqa: BLE001
+        # reported in the table; the run goes on
         return f"first request failed: {type(exc).__name__}: {exc}"[:300]
     for _ in range(warm):
         with contextlib.suppress(CallFailed):
@@ -688,7 +704,8 @@ def run_model(name: str, work: Path, seconds: float, rounds: int, mlflow_servers
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
 
-    servers = {}  # system -> (Server, port)
+    # system -> (Server, port)
+    servers = {}
     port = free_port()
     servers["(b) trainserve (python -m serving)"] = (
         Server(
@@ -831,10 +848,11 @@ def tell_errors(r: dict, log: Path) -> None:
 
 
 def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
-    """One model over V2 JSON/HTTP, V2 binary/HTTP and V2/gRPC of one server, all driven by the Python
-    generator, and in-process onnxruntime; `rounds` rounds over all of them, medians reported. Where the native gRPC
-    engine is built, a second server on grpc.aio (`--grpc-engine aio`) is measured over gRPC in the same rounds: the
-    baseline that engine replaces."""
+    """One model over V2 JSON/HTTP, V2 binary/HTTP and V2/gRPC of one server, all driven by the
+    Python generator, and in-process onnxruntime; `rounds` rounds over all of them, medians
+    reported. Where the native gRPC engine is built, a second server on grpc.aio
+    (`--grpc-engine aio`) is measured over gRPC in the same rounds: the baseline that engine
+    replaces."""
     import torch
 
     from serving.grpc import native
@@ -887,7 +905,8 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
     loop = asyncio.new_event_loop()
     with contextlib.ExitStack() as stack:
         stack.enter_context(contextlib.closing(loop))
-        wires = []  # each server's prebuilt requests, one per protocol
+        # each server's prebuilt requests, one per protocol
+        wires = []
         for suffix, protocols, port, grpc_port, log, server in servers:
             stack.enter_context(server)
             wires.append(
@@ -930,9 +949,8 @@ def run_protocols(name: str, work: Path, seconds: float, rounds: int) -> list:
                             flush=True,
                         )
                         tell_errors(r, log)
-                if shutil.which(
-                    "h2load"
-                ):  # the same load from a C client: is the Python generator the limit?
+                # the same load from a C client: is the Python generator the limit?
+                if shutil.which("h2load"):
                     for protocol in [p for p in (BINARY_HTTP, *GRPCS) if p in protocols]:
                         before, server_cpu = batch_stats(port), cpu_seconds(server.proc.pid)
                         r = h2load(
@@ -988,20 +1006,20 @@ def h2load(
     work: Path,
     connections: int = 1,
 ) -> dict:
-    """The protocol's prebuilt request sent by h2load (nghttp2's C load generator, Debian package nghttp2-client),
-    closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections, over gRPC
-    `connections` connections (default one, as the Python generator's one channel) with
-    `concurrency` streams in all. h2load gives the mean latency, not
-    percentiles (p50/p99 are NaN), and sees HTTP statuses only: a gRPC error (a 200 with a non-zero
-    grpc-status trailer) is not counted, which is why the Python generator checks each protocol's answer first.
-    ModelStreamInfer: h2load sends a stream's whole body at once, so a "request" of its is a stream of
-    STREAM_REQUESTS requests, `concurrency // STREAM_REQUESTS + 1` streams at once (32 -> 100 requests in flight
-    on 1 stream... 132 on 2: a client that keeps its stream full); rates and counts are per request."""
+    """The protocol's prebuilt request sent by h2load (nghttp2's C load generator, Debian package
+    nghttp2-client), closed loop for `seconds`: over HTTP/1.1 `concurrency` keep-alive connections,
+    over gRPC `connections` connections (default one, as the Python generator's one channel) with
+    `concurrency` streams in all. h2load gives the mean latency, not percentiles (p50/p99 are NaN),
+    and sees HTTP statuses only: a gRPC error (a 200 with a non-zero grpc-status trailer) is not
+    counted, which is why the Python generator checks each protocol's answer first.
+    ModelStreamInfer: h2load sends a stream's whole body at once, so a "request" of its is a stream
+    of STREAM_REQUESTS requests, `concurrency // STREAM_REQUESTS + 1` streams at once (32 -> 100
+    requests in flight on 1 stream... 132 on 2: a client that keeps its stream full); rates and
+    counts are per request."""
     body_path = work / f"h2load-{model}-{protocol.replace(' ', '-').replace(',', '')}.bin"
     per_call = STREAM_REQUESTS if protocol == GRPC_STREAM else 1
-    if (
-        protocol in GRPCS
-    ):  # the gRPC frame: not compressed (0), the length (4 bytes, big-endian), the message
+    # the gRPC frame: not compressed (0), the length (4 bytes, big-endian), the message
+    if protocol in GRPCS:
         body_path.write_bytes((b"\0" + len(request).to_bytes(4, "big") + request) * per_call)
         streams = concurrency // STREAM_REQUESTS + 1 if protocol == GRPC_STREAM else concurrency
         method = MODEL_STREAM_INFER if protocol == GRPC_STREAM else MODEL_INFER
@@ -1060,7 +1078,8 @@ def h2load(
     }
 
 
-TWO_MODEL_SCENARIOS = (  # (scenario, the model probed, whether wrk floods `flooded` meanwhile)
+# (scenario, the model probed, whether wrk floods `flooded` meanwhile)
+TWO_MODEL_SCENARIOS = (
     ("(a) probe `probed` (mlp), no other load", "probed", False),
     ("(b) probe `probed` (mlp) while wrk floods `flooded` (resnet18) at c=32", "probed", True),
     ("(a') probe `flooded` (resnet18), no other load", "flooded", False),
@@ -1077,7 +1096,8 @@ def probe(
     flood_body: Path | None = None,
 ) -> dict:
     """`probes` sequential requests (the Python generator, concurrency 1), alone or while wrk floods
-    flood_url at concurrency 32 (from a second before the first probe to the last; then the server drains)."""
+    flood_url at concurrency 32 (from a second before the first probe to the last; then the server
+    drains)."""
     if flood_url is None:
         return {
             **loop.run_until_complete(measure(BINARY_HTTP, request, port, None, 1, count=probes)),
@@ -1085,15 +1105,18 @@ def probe(
             "flood_errors": 0,
         }
     with flood(flood_url, flood_body, 32) as flooding:
-        time.sleep(1)  # wrk's connections are open and the flood's queue is full
+        # wrk's connections are open and the flood's queue is full
+        time.sleep(1)
         r = loop.run_until_complete(measure(BINARY_HTTP, request, port, None, 1, count=probes))
-    wait_until_idle(port)  # the flood's last requests are not the next scenario's load
+    # the flood's last requests are not the next scenario's load
+    wait_until_idle(port)
     return {**r, "flood_rps": flooding["rps"], "flood_errors": flooding["errors"]}
 
 
 def scenario_histograms(port: int, probed: str) -> dict[str, tuple[float, float]]:
-    """The server's own view of a two-model scenario so far, (sum, count) each: the probed model's queue time
-    (until the engine thread began its run), the flooded model's run time and batch size."""
+    """The server's own view of a two-model scenario so far, (sum, count) each: the probed model's
+    queue time (until the engine thread began its run), the flooded model's run time and batch
+    size."""
     return {
         "probe_queue_ms": histogram(port, "trainserve_queue_duration_seconds", probed),
         "flood_run_ms": histogram(port, "trainserve_inference_duration_seconds", "flooded"),
@@ -1102,7 +1125,8 @@ def scenario_histograms(port: int, probed: str) -> dict[str, tuple[float, float]
 
 
 def histogram_means(before: dict, after: dict) -> dict[str, float]:
-    """Each histogram's mean between two readings (*_ms in milliseconds); NaN where nothing was observed."""
+    """Each histogram's mean between two readings (*_ms in milliseconds); NaN where nothing was
+    observed."""
     means = {}
     for key, (total, count) in before.items():
         mean = (
@@ -1115,8 +1139,9 @@ def histogram_means(before: dict, after: dict) -> dict[str, float]:
 
 
 def run_two_models(work: Path, probes: int, rounds: int) -> list:
-    """One server of two models; the probe's latency to one while wrk floods the other, against no flood
-    and against probing the flooded model itself; `rounds` rounds over the scenarios, medians reported."""
+    """One server of two models; the probe's latency to one while wrk floods the other, against no
+    flood and against probing the flooded model itself; `rounds` rounds over the scenarios, medians
+    reported."""
     import torch
 
     nets = {"flooded": build_and_export("resnet18", work), "probed": build_and_export("mlp", work)}
@@ -1262,8 +1287,9 @@ def print_targets(rows: list) -> None:
 
 
 def print_protocol_targets(rows: list) -> None:
-    """Issue 22's targets: every protocol at c=32 against in-process batch 32, and gRPC against binary HTTP (the
-    goal for small models: >= 1), from the Python generator and from h2load, for each gRPC engine measured."""
+    """Issue 22's targets: every protocol at c=32 against in-process batch 32, and gRPC against
+    binary HTTP (the goal for small models: >= 1), from the Python generator and from h2load, for
+    each gRPC engine measured."""
 
     def find(model, system, c=32):
         return next(

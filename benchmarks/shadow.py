@@ -1,11 +1,13 @@
 """What judging a challenger on live traffic costs the champion's clients: one run, two servers.
 
-The digits demo's ResNet-18 is trained twice with `pipeline run` (1 process): a champion (3 epochs) and a
-worse retrain (a few steps) that becomes @challenger. Two servers of the same registry run side by side,
-one plain (`--model models:/resnet18-digits@champion`) and one with `--shadow 1.0`, and are measured in
-turns, round after round (medians), with the same JSON V2 request of a real validation digit:
-  - concurrency 1: sequential requests from a Python client; the champion's p50 and p99 as the client
-    sees them (the mirror runs after the answer, but shares the one engine thread with the champion);
+The digits demo's ResNet-18 is trained twice with `pipeline run` (1 process): a champion (3 epochs)
+and a worse retrain (a few steps) that becomes @challenger. Two servers of the same registry run
+side by side, one plain (`--model models:/resnet18-digits@champion`) and one with `--shadow 1.0`,
+and are measured in turns, round after round (medians), with the same JSON V2 request of a real
+validation digit:
+  - concurrency 1: sequential requests from a Python client; the champion's p50 and p99 as the
+    client sees them (the mirror runs after the answer, but shares the one engine thread with the
+    champion);
   - saturation: wrk at concurrency 32; requests/s, p50, p99, and for the shadowing server how many
     mirrors ran (pairs) and how many were shed (the mirror is dropped whenever the champion has rows
     waiting or 64 mirrors are queued).
@@ -32,7 +34,8 @@ import requests
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from serve import Server, free_port, wrk  # noqa: E402  (the serving benchmark's server and wrk helpers)
+# the serving benchmark's server and wrk helpers
+from serve import Server, free_port, wrk  # noqa: E402
 
 NAME = "resnet18-digits"
 
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     url = f"http://127.0.0.1:{port}/v2/models/{NAME}/infer"
                     before = shadow_counts(port) if label == "shadow" else (0, 0)
                     one = sequential(url, body, args.requests)
-                    time.sleep(1.0)  # let the last mirrors finish before the next measurement
+                    # let the last mirrors finish before the next measurement
+                    time.sleep(1.0)
                     middle = shadow_counts(port) if label == "shadow" else (0, 0)
                     many = wrk(url, work / "body.json", 32, args.seconds)
                     time.sleep(1.0)

@@ -1,35 +1,38 @@
-"""The stream's memory does not grow with the data set: one epoch of the sharded StreamLoader at two data sizes,
-against the same data loaded map-style from memory.
+"""The stream's memory does not grow with the data set: one epoch of the sharded StreamLoader at two
+data sizes, against the same data loaded map-style from memory.
 
 Synthetic images (3x64x64 float32, 48 KiB a sample, random labels of 10 classes) are written with
-`pipeline.shards.format.write_split` (default shard and row-group sizes: ~256 MiB and ~4 MiB) at three sizes, by
-default ~0.5, 1 and 2 GB on disk (one at a time), under a temporary directory that is deleted at the end. For each size, in a
-fresh process each (nothing of one measurement is left in the next):
+`pipeline.shards.format.write_split` (default shard and row-group sizes: ~256 MiB and ~4 MiB) at
+three sizes, by default ~0.5, 1 and 2 GB on disk (one at a time), under a temporary directory that
+is deleted at the end. For each size, in a fresh process each (nothing of one measurement is left in
+the next):
 
-  stream     `ShardedStream(dir)` through `make_train_loader` (what `data.name=sharded` trains from): its
-             `StreamLoader`, 1 rank, batch 64, 2 loader workers, one epoch.
-  in memory  every row group read into one (N, 3, 64, 64) tensor first (an `ImageTensors`, as the built-in image
-             data sets hold their data), then the same `make_train_loader` (StatefulDataLoader,
-             DistributedSampler, 2 persistent workers), one epoch.
+  stream     `ShardedStream(dir)` through `make_train_loader` (what `data.name=sharded` trains
+             from): its `StreamLoader`, 1 rank, batch 64, 2 loader workers, one epoch.
+  in memory  every row group read into one (N, 3, 64, 64) tensor first (an `ImageTensors`, as the
+             built-in image data sets hold their data), then the same `make_train_loader`
+             (StatefulDataLoader, DistributedSampler, 2 persistent workers), one epoch.
 
-The loop touches nothing but the batch's size: samples/s is pure loading (worker start-up included, as the
-first epoch of a run pays it). Memory is of the process tree (the measured process and its loader workers),
-sampled by this driver every 50 ms with psutil while the process runs:
+The loop touches nothing but the batch's size: samples/s is pure loading (worker start-up included,
+as the first epoch of a run pays it). Memory is of the process tree (the measured process and its
+loader workers), sampled by this driver every 50 ms with psutil while the process runs:
 
-  peak RSS   the largest sum of the processes' resident sets. Forked workers share the parent's pages (the
-             in-memory data set, torch's libraries): each counts them again, so this over-states a tree.
-  peak PSS   the largest sum of their proportional set sizes (a page shared by k processes counts 1/k in
-             each): what the tree really holds; the figure to compare.
-  before     the measured process's RSS just before the epoch starts (imports done; for `in memory`, the
-             data loaded).
+  peak RSS   the largest sum of the processes' resident sets. Forked workers share the parent's
+             pages (the in-memory data set, torch's libraries): each counts them again, so this
+             over-states a tree.
+  peak PSS   the largest sum of their proportional set sizes (a page shared by k processes counts
+             1/k in each): what the tree really holds; the figure to compare.
+  before     the measured process's RSS just before the epoch starts (imports done; for `in memory`,
+             the data loaded).
   worker USS the largest unique set (pages no other process shares) of any one loader worker.
 
-The claim holds when doubling the data set (the last two sizes) moves the stream's peak PSS by at most
-GROWTH_MB (or 5%), and that peak is a small part of the largest data set; the growth from the smallest size is
-printed too (a worker's allocator keeps some of the row groups it freed, a level it reaches within seconds:
-a short epoch ends before it does).
+The claim holds when doubling the data set (the last two sizes) moves the stream's peak PSS by at
+most GROWTH_MB (or 5%), and that peak is a small part of the largest data set; the growth from the
+smallest size is printed too (a worker's allocator keeps some of the row groups it freed, a level it
+reaches within seconds: a short epoch ends before it does).
 
-    .venv/bin/python benchmarks/stream_data.py            # 0.5, 1 and 2 GB: ~2-3 min, 2.1 GB of disk at most
+    .venv/bin/python benchmarks/stream_data.py            # 0.5, 1 and 2 GB: ~2-3 min, 2.1 GB of
+                                                          disk at most
     .venv/bin/python benchmarks/stream_data.py --quick    # 0.05, 0.1 and 0.2 GB: a smoke run, ~30 s
 """
 
@@ -48,10 +51,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = (3, 64, 64)
-SAMPLE_BYTES = 4 * SHAPE[0] * SHAPE[1] * SHAPE[2]  # float32
+# float32
+SAMPLE_BYTES = 4 * SHAPE[0] * SHAPE[1] * SHAPE[2]
 CLASSES = 10
 BATCH = 64
-GROWTH_MB = 64  # the stream's peak PSS may grow this much (or 5%) when the data set doubles
+# the stream's peak PSS may grow this much (or 5%) when the data set doubles
+GROWTH_MB = 64
 RESULT = "RESULT "
 
 
@@ -81,7 +86,8 @@ def worker_load(a) -> None:
         from pipeline.shards import format as shard_format
 
         manifest = stream.manifest
-        x = torch.empty(manifest.rows, *SHAPE)  # filled in place: the data set, held once
+        # filled in place: the data set, held once
+        x = torch.empty(manifest.rows, *SHAPE)
         y = torch.empty(manifest.rows, dtype=torch.int64)
         reader = shard_format.ShardReader(manifest)
         at = 0
@@ -121,7 +127,8 @@ def worker_load(a) -> None:
 
 
 class TreeSampler(threading.Thread):
-    """The largest summed RSS and PSS of a process and its descendants, sampled every `interval` s."""
+    """The largest summed RSS and PSS of a process and its descendants, sampled every `interval`
+    s."""
 
     def __init__(self, pid: int, interval: float = 0.05):
         super().__init__(daemon=True)
@@ -197,7 +204,8 @@ def measure(directory: Path, loader: str, workers: int) -> dict:
 
 
 def write(directory: Path, gb: float) -> dict:
-    """~gb GB of random 3x64x64 images as a sharded split; its manifest's rows, shards, row groups and bytes."""
+    """~gb GB of random 3x64x64 images as a sharded split; its manifest's rows, shards, row groups
+    and bytes."""
     import torch
 
     from pipeline.shards.format import write_split
@@ -259,7 +267,8 @@ def main() -> None:
         return
 
     sizes = [float(s) for s in (a.gb or ("0.05,0.1,0.2" if a.quick else "0.5,1,2")).split(",")]
-    need = max(sizes) * 1e9 * 1.05  # one size on disk at a time
+    # one size on disk at a time
+    need = max(sizes) * 1e9 * 1.05
     tmp_parent = a.tmp or tempfile.gettempdir()
     free = shutil.disk_usage(tmp_parent).free
     if free < need + 2e9:
@@ -296,7 +305,8 @@ def main() -> None:
                         "load": f"{l0} -> {load_now()}",
                     }
                 )
-            shutil.rmtree(directory)  # one size on disk at a time
+            # one size on disk at a time
+            shutil.rmtree(directory)
     print(
         f"\n## one epoch, batch {BATCH}, {a.workers} workers   [total {time.perf_counter() - started:.0f} s, "
         f"load average at end {load_now()}]"

@@ -1,4 +1,5 @@
-"""Training throughput: our loop against a bare torch loop, fp32 against bf16, 2-process DDP against 1 process.
+"""Training throughput: our loop against a bare torch loop, fp32 against bf16, 2-process DDP against
+1 process.
 
 Same model (the small-image ResNet-18, one seeded init), same data in memory, global batch 64,
 SGD with Nesterov momentum and weight decay, same torch threads, on two inputs: the real 8x8 digits
@@ -7,9 +8,9 @@ configs/fashion_mnist_resnet18.yaml). Three sections:
 
   loop   In one process with 2 threads: our real `train_step` fed by our real loader
          (`make_train_loader` -> StatefulDataLoader, DistributedSampler, `chunked`), plus the
-         scheduler step and the grad norm every `log_every` steps as `train_loop` does them, against a
-         bare `zero_grad / cross_entropy / backward / step` over tensors sliced from memory; each at
-         fp32 and under bf16 autocast. Blocks of steps in adjacent (ours, bare) pairs, the order
+         scheduler step and the grad norm every `log_every` steps as `train_loop` does them, against
+         a bare `zero_grad / cross_entropy / backward / step` over tensors sliced from memory; each
+         at fp32 and under bf16 autocast. Blocks of steps in adjacent (ours, bare) pairs, the order
          flipped round after round. At 2 threads (one process on 2 cores) and at 1 thread: 2-thread
          runs collapse when anything else runs on the machine (OpenMP waits for the descheduled
          thread), so when the load average is above ~1 trust the 1-thread rows.
@@ -33,7 +34,8 @@ Other work on the machine slows every configuration of a round alike, so each ro
 over rounds and each ratio the median of the per-round ratios; the load average is printed with
 the table. Compare rows within one run, never with numbers from another run or machine.
 
-    .venv/bin/python benchmarks/train_throughput.py            # ~7 min on 2 idle cores, ~14 under load
+    .venv/bin/python benchmarks/train_throughput.py            # ~7 min on 2 idle cores, ~14 under
+                                                               load
     .venv/bin/python benchmarks/train_throughput.py --quick    # smoke run, tiny widths: ~1 min idle
     .venv/bin/python benchmarks/train_throughput.py --sections stream   # the stream rows alone: ~2-3 min
 """
@@ -55,7 +57,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 64
 LR = 0.05
-LOG_EVERY = 10  # as the train config's default: the grad norm is computed on logging steps
+# as the train config's default: the grad norm is computed on logging steps
+LOG_EVERY = 10
 INPUTS = {
     # size -> what it trains on and the ResNet width of the config that trains on it
     8: {"data": "digits", "width": 0.5},
@@ -63,14 +66,16 @@ INPUTS = {
 }
 # Per size: warm-up steps, steps per timed block, rounds. 28x28 steps take ~5-10x longer than 8x8.
 # Per section and size. loop: (warm-up steps, steps per timed block, rounds); stage: (max_steps,
-# log_every, rounds); ddp: (warm-up steps, steps per block, rounds). A 28x28 step costs ~5-10x an 8x8 one.
-# --quick shrinks the models (width / 8) as well: it checks the machinery, its numbers mean nothing.
+# log_every, rounds); ddp: (warm-up steps, steps per block, rounds). A 28x28 step costs ~5-10x an
+# 8x8 one. --quick shrinks the models (width / 8) as well: it checks the machinery, its numbers mean
+# nothing.
 PLANS = {
     "default": {
         "loop": {8: (4, 10, 6), 28: (2, 1, 6)},
         "stage": {8: (60, 10, 2), 28: (12, 3, 2)},
         "ddp": {8: (4, 10, 4), 28: (2, 2, 3)},
-        # 22 steps: one epoch of the digits (1437 samples); a 28x28 width-1 step at 1 thread takes ~1 s
+        # 22 steps: one epoch of the digits (1437 samples); a 28x28 width-1 step at 1 thread takes
+        # ~1 s
         "stream": {8: (6, 22, 6), 28: (1, 2, 4)},
     },
     "quick": {
@@ -96,7 +101,8 @@ def load_inputs(size: int):
 
 
 def build(train, width: float):
-    """The built-in ResNet-18 with the arguments the training set suggests, as `pipeline train` builds it."""
+    """The built-in ResNet-18 with the arguments the training set suggests, as `pipeline train`
+    builds it."""
     from pipeline.components.build import ModelSpec, instantiate_model
 
     return instantiate_model(
@@ -151,7 +157,8 @@ def our_stepper(model, splits, precision: str, info, batch_per_rank: int, num_wo
     def batches():
         epoch = 0
         while True:
-            set_epoch(loader, epoch)  # as train_loop: the sampler's epoch, or the stream's
+            # as train_loop: the sampler's epoch, or the stream's
+            set_epoch(loader, epoch)
             yield from chunked(loader, 1)
             epoch += 1
 
@@ -262,22 +269,21 @@ def worker_ddp(a) -> None:
             if not command or command[0] != "run":
                 break
             distributed.barrier(info)
-            elapsed = timed(
-                step_fn, int(command[1])
-            )  # DDP all-reduces every step: the ranks stay in lockstep
+            # DDP all-reduces every step: the ranks stay in lockstep
+            elapsed = timed(step_fn, int(command[1]))
             if info.is_main:
                 emit({"samples_per_s": int(command[1]) * BATCH / elapsed})
     finally:
         # DDP's reducer holds the group: drop it (and the stepper that holds it) first, or gloo's
         # destructor can hang the rank at exit (see pipeline.train.main).
         model = step_fn = None  # noqa: F841
-        distributed.teardown(
-            clean=sys.exc_info()[0] is None
-        )  # never wait for peers on an error path
+        # never wait for peers on an error path
+        distributed.teardown(clean=sys.exc_info()[0] is None)
 
 
 def write_shards(splits, directory: str):
-    """The training set written as a sharded split (default shard and row-group sizes), opened as a stream."""
+    """The training set written as a sharded split (default shard and row-group sizes), opened as a
+    stream."""
     from pipeline.shards.format import write_split
     from pipeline.shards.stream import ShardedStream
 
@@ -291,8 +297,8 @@ def write_shards(splits, directory: str):
 
 
 def worker_stream(a) -> None:
-    """Our loop fed from memory and from the stream of the same samples, for each loader-worker count:
-    blocks of steps in adjacent (memory, stream) pairs, the order flipped every round."""
+    """Our loop fed from memory and from the stream of the same samples, for each loader-worker
+    count: blocks of steps in adjacent (memory, stream) pairs, the order flipped every round."""
     import torch
 
     from pipeline import distributed
@@ -370,9 +376,8 @@ def worker_stage(a) -> None:
         ]
         result = main(load_config(None, overrides))
         history = mlflow.MlflowClient().get_metric_history(result.run_id, "train/samples_per_s")
-        return [m.value for m in sorted(history, key=lambda m: m.step)][
-            1:
-        ]  # the first window holds the warm-up
+        # the first window holds the warm-up
+        return [m.value for m in sorted(history, key=lambda m: m.step)][1:]
 
     def bare() -> list[float]:
         splits = load_inputs(a.size)
@@ -534,9 +539,8 @@ class Worker:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                os.killpg(
-                    self.proc.pid, signal.SIGKILL
-                )  # the group this worker started, ranks included
+                # the group this worker started, ranks included
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.err.close()
 
@@ -573,9 +577,11 @@ def section_ddp(size: int, plan, width: float, precision: str, env: dict) -> dic
     try:
         for name, cmd in configs.items():
             workers[name] = Worker(cmd, env)
-            ready = workers[name].result()  # one at a time: a warm-up must not slow another's
+            # one at a time: a warm-up must not slow another's
+            ready = workers[name].result()
             want = 2 if "DDP" in name else 1
-            if ready["ranks"] != want:  # count the ranks you got
+            # count the ranks you got
+            if ready["ranks"] != want:
                 raise SystemExit(f"{name}: got {ready['ranks']} ranks, expected {want}")
         names = list(configs)
         out = {n: [] for n in names}

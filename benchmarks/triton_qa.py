@@ -66,7 +66,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-HTTP_PORT, GRPC_PORT = 8000, 8001  # the addresses Triton's tests call (localhost:8000, :8001)
+# the addresses Triton's tests call (localhost:8000, :8001)
+HTTP_PORT, GRPC_PORT = 8000, 8001
 SUITES = (
     "L0_http",
     "L0_grpc",
@@ -79,16 +80,21 @@ SUITES = (
     "L0_client_timeout",
     "L0_scalar_io",
 )
-RUN_TIMEOUT_S = 1500  # one configuration's test file, at most
-SLOW_MODEL_S = 3.0  # custom_identity_int32's run (its config's execute_delay_ms: 3000)
-DELAYED_MODEL_S = 15.0  # execute_delayed_model's run (its time.sleep(15))
-# The generators' --onnx_opset (Triton's default, 0, is the installed onnx's newest) and its IR version.
+# one configuration's test file, at most
+RUN_TIMEOUT_S = 1500
+# custom_identity_int32's run (its config's execute_delay_ms: 3000)
+SLOW_MODEL_S = 3.0
+# execute_delayed_model's run (its time.sleep(15))
+DELAYED_MODEL_S = 15.0
+# The generators' --onnx_opset (Triton's default, 0, is the installed onnx's newest) and its IR
+# version.
 ONNX_OPSET, ONNX_IR_VERSION = 17, 8
 
 
 @dataclass
 class Run:
-    """One configuration of a test.sh: a test file (or some of its tests) against a server over a repository."""
+    """One configuration of a test.sh: a test file (or some of its tests) against a server over a
+    repository."""
 
     suite: str
     script: str
@@ -101,8 +107,10 @@ class Run:
     tests: list[str] = field(default_factory=list)
     # cases left out (not run, not counted): a class or test name, or a word in a test's name
     exclude: list[str] = field(default_factory=list)
-    flags: list[str] = field(default_factory=list)  # this server's, beyond the repository and ports
-    directory: str = "models"  # the repository's folder name (client_test.py names it)
+    # this server's, beyond the repository and ports
+    flags: list[str] = field(default_factory=list)
+    # the repository's folder name (client_test.py names it)
+    directory: str = "models"
     # each test in `tests` against a server of its own, in a process of its own (as
     # L0_shared_memory's test.sh)
     per_case: bool = False
@@ -115,9 +123,10 @@ class Run:
 # tests are in files of their own, not run). (The CUDA shared-memory tests of the aio files ask for
 # status, an invalid registration and an unregister: they need no GPU, and run.)
 LEFT_OUT = ["trace", "generate"]
-# Appended to the tests' copy of qa/common/test_util.py: the probes its tests ask which other backends'
-# models (TensorRT, libtorch, OpenVINO) and ensembles this environment has answer none, as BACKENDS=onnx and
-# ENSEMBLES=0 say to the tests that read them (infer_zero_test.py and infer_variable_test.py only ask these).
+# Appended to the tests' copy of qa/common/test_util.py: the probes its tests ask which other
+# backends' models (TensorRT, libtorch, OpenVINO) and ensembles this environment has answer none, as
+# BACKENDS=onnx and ENSEMBLES=0 say to the tests that read them (infer_zero_test.py and
+# infer_variable_test.py only ask these).
 ONNX_ONLY = """
 
 # (benchmarks/triton_qa.py of trainserve) ONNX models only in this environment:
@@ -198,7 +207,8 @@ EXAMPLE_MODELS = (
     "simple_sequence",
     "simple_dyna_sequence",
 )
-ONNX_NO_BF16 = f"{QA}/onnx_*"  # (bf16 models are not generated here: see `generate`)
+# (bf16 models are not generated here: see `generate`)
+ONNX_NO_BF16 = f"{QA}/onnx_*"
 SHM_ON = ["--shared-memory", "on"]
 SHM_OFF = ["--shared-memory", "off"]
 EXPLICIT = ["--model-control", "explicit"]
@@ -419,7 +429,7 @@ def runs() -> list[Run]:
     return found
 
 
-# ---- Triton's files and models ----------------------------------------------------------------------------------
+# ---- Triton's files and models -------------------------------------------------------------------
 
 
 def fetch_qa(repo: Path, commit: str, into: Path) -> Path:
@@ -434,8 +444,8 @@ def fetch_qa(repo: Path, commit: str, into: Path) -> Path:
 
 
 def generate(qa: Path, models: Path) -> None:
-    """Triton's ONNX QA repositories (as gen_qa_model_repository makes them), and the few models it takes
-    from elsewhere. Kept in `models` between runs of this script."""
+    """Triton's ONNX QA repositories (as gen_qa_model_repository makes them), and the few models it
+    takes from elsewhere. Kept in `models` between runs of this script."""
     common = qa / "common"
     opset = ["--onnx_opset", str(ONNX_OPSET)]
     steps = {
@@ -455,7 +465,8 @@ def generate(qa: Path, models: Path) -> None:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        # onnxruntime has no CPU kernels for their BF16 arithmetic (L0_infer removes them on its CPU target)
+        # onnxruntime has no CPU kernels for their BF16 arithmetic (L0_infer removes them on its CPU
+        # target)
         for bf16 in target.glob("*bf16*"):
             shutil.rmtree(bf16)
         for path in target.glob("*/*/model.onnx"):
@@ -471,9 +482,9 @@ def generate(qa: Path, models: Path) -> None:
 
 
 def readable_ir(path: Path) -> None:
-    """Triton generates its models with the onnx it pins (1.20.1); a newer onnx writes an IR version that this
-    onnxruntime may not read yet. The generators' ops are those of ONNX_OPSET: the model is stamped with that
-    opset's IR version (its graph is unchanged)."""
+    """Triton generates its models with the onnx it pins (1.20.1); a newer onnx writes an IR version
+    that this onnxruntime may not read yet. The generators' ops are those of ONNX_OPSET: the model
+    is stamped with that opset's IR version (its graph is unchanged)."""
     import onnx
 
     model = onnx.load(str(path))
@@ -483,7 +494,8 @@ def readable_ir(path: Path) -> None:
 
 
 def copy_model(source: Path, target: Path) -> None:
-    """A model directory under another name: its config.pbtxt's name follows (as test.sh's sed does)."""
+    """A model directory under another name: its config.pbtxt's name follows (as test.sh's sed
+    does)."""
     shutil.copytree(source, target)
     config = target / "config.pbtxt"
     if config.exists():
@@ -494,7 +506,8 @@ def copy_model(source: Path, target: Path) -> None:
 
 
 def sed(path: Path, pattern: str, replacement: str, count: int = 0) -> None:
-    """`sed -i s/pattern/replacement/` on a file (count 1: its first match only, as `0,/re/` does)."""
+    """`sed -i s/pattern/replacement/` on a file (count 1: its first match only, as `0,/re/`
+    does)."""
     path.write_text(re.sub(pattern, replacement, path.read_text(), count=count, flags=re.M))
 
 
@@ -521,12 +534,14 @@ def identity_onnx(path: Path, elem_type: int, dims: list) -> None:
     )
 
 
-# The models Triton's QA takes from its python and custom backends, from a download, or makes with sed in a
-# test.sh: each made here as its test.sh has it, or as an ONNX model of the same signature (name -> maker).
+# The models Triton's QA takes from its python and custom backends, from a download, or makes with
+# sed in a test.sh: each made here as its test.sh has it, or as an ONNX model of the same signature
+# (name -> maker).
 
 
 def simple_identity(models: Path, examples: Path, target: Path) -> None:
-    """Its python model is a BYTES identity, max_batch_size 8, [-1]: the generated onnx_zero_1_object."""
+    """Its python model is a BYTES identity, max_batch_size 8, [-1]: the generated
+    onnx_zero_1_object."""
     copy_model(models / IDENTITY / "onnx_zero_1_object", target)
 
 
@@ -556,7 +571,8 @@ def one_element_object(models: Path, examples: Path, target: Path) -> None:
 
 
 def queue_of_one(models: Path, examples: Path, target: Path) -> None:
-    """L0_http's test.sh: onnx_zero_1_float32 with a dynamic batcher that waits 1 s and queues 1 request."""
+    """L0_http's test.sh: onnx_zero_1_float32 with a dynamic batcher that waits 1 s and queues 1
+    request."""
     copy_model(models / IDENTITY / "onnx_zero_1_float32", target)
     with open(target / "config.pbtxt", "a") as config:
         config.write(
@@ -568,7 +584,8 @@ def queue_of_one(models: Path, examples: Path, target: Path) -> None:
 
 def densenet_onnx(models: Path, examples: Path, target: Path) -> None:
     """Triton's Dockerfile.QA downloads densenet-7.onnx; here a model of its signature (data_0 FP32
-    [1,3,224,224] -> fc6_1 [1,1000,1,1]: a pooling and a 1x1 convolution) with its config and labels."""
+    [1,3,224,224] -> fc6_1 [1,1000,1,1]: a pooling and a 1x1 convolution) with its config and
+    labels."""
     from onnx import TensorProto, helper, numpy_helper
 
     shutil.copytree(examples / "densenet_onnx", target)
@@ -586,8 +603,8 @@ def densenet_onnx(models: Path, examples: Path, target: Path) -> None:
 
 
 def string_dyna_sequence(models: Path, examples: Path, target: Path) -> None:
-    """L0_http's and L0_grpc's test.sh: simple_dyna_sequence renamed, its correlation id a string, run by the
-    dyna_sequence custom backend (here: simple_dyna_sequence's ONNX file stays)."""
+    """L0_http's and L0_grpc's test.sh: simple_dyna_sequence renamed, its correlation id a string,
+    run by the dyna_sequence custom backend (here: simple_dyna_sequence's ONNX file stays)."""
     copy_model(examples / "simple_dyna_sequence", target)
     config = target / "config.pbtxt"
     sed(config, "simple_dyna_sequence", target.name)
@@ -600,8 +617,8 @@ def string_dyna_sequence(models: Path, examples: Path, target: Path) -> None:
 
 
 def pt_identity(models: Path, examples: Path, target: Path) -> None:
-    """L0_input_validation's test.sh scripts torch.nn.Identity as a PyTorch model: here an FP32 identity of
-    its config's shape, with that config."""
+    """L0_input_validation's test.sh scripts torch.nn.Identity as a PyTorch model: here an FP32
+    identity of its config's shape, with that config."""
     from onnx import TensorProto
 
     identity_onnx(target / "1" / "model.onnx", TensorProto.FLOAT, [-1, 8])
@@ -614,7 +631,8 @@ def pt_identity(models: Path, examples: Path, target: Path) -> None:
 
 
 def custom_identity_int32(models: Path, examples: Path, target: Path) -> None:
-    """Its custom backend is an INT32 identity whose run takes SLOW_MODEL_S (execute_delay_ms: 3000)."""
+    """Its custom backend is an INT32 identity whose run takes SLOW_MODEL_S (execute_delay_ms:
+    3000)."""
     write_slow_model(target / "1" / "model.onnx", SLOW_MODEL_S, add_sub=False)
     (target / "config.pbtxt").write_text(
         'name: "custom_identity_int32"\nbackend: "onnxruntime"\nmax_batch_size: 1024\n'
@@ -632,9 +650,10 @@ def execute_delayed_model(models: Path, examples: Path, target: Path) -> None:
 
 
 def input_validation_model(models: Path, examples: Path, target: Path) -> None:
-    """qa/L0_input_validation/models' python models answer OUTPUT0 [1] and nothing else: here an ONNX model of
-    the same inputs (each FP32 [-1]; an `optional: true` one with a default in the file, as ONNX makes an input
-    optional) giving OUTPUT0 = [1], with its config (the test is of the server's input checks)."""
+    """qa/L0_input_validation/models' python models answer OUTPUT0 [1] and nothing else: here an
+    ONNX model of the same inputs (each FP32 [-1]; an `optional: true` one with a default in the
+    file, as ONNX makes an input optional) giving OUTPUT0 = [1], with its config (the test is of the
+    server's input checks)."""
     from onnx import TensorProto, helper, numpy_helper
 
     source = examples.parents[2] / "qa" / "L0_input_validation" / "models" / target.name
@@ -789,7 +808,7 @@ def build_repository(run: Run, models: Path, into: Path) -> Path:
     return repository
 
 
-# ---- the server -------------------------------------------------------------------------------------------------
+# ---- the server ----------------------------------------------------------------------------------
 
 
 class Server:
@@ -797,14 +816,17 @@ class Server:
 
     def __init__(self, repository: Path, flags: list[str], log: Path, root: Path = ROOT):
         self.repository, self.flags, self.log_path = repository, flags, log
-        self.root = root  # the checkout whose `serving` runs
+        # the checkout whose `serving` runs
+        self.root = root
         self.process: subprocess.Popen | None = None
-        self.note = ""  # how it was started, when not as asked
-        self.unloadable: dict[str, str] = {}  # model -> why it did not load
+        # how it was started, when not as asked
+        self.note = ""
+        # model -> why it did not load
+        self.unloadable: dict[str, str] = {}
 
     def _start(self, extra: list[str]) -> bool:
-        # Triton's default --model-control-mode is none (no load API); this server's, with a repository,
-        # is explicit
+        # Triton's default --model-control-mode is none (no load API); this server's, with a
+        # repository, is explicit
         control = [] if "--model-control" in self.flags + extra else ["--model-control", "none"]
         command = [
             PYTHON,
@@ -840,8 +862,8 @@ class Server:
         return False
 
     def start(self) -> None:
-        """Over the whole repository, as Triton starts; if that stops it, with nothing loaded and then each
-        model loaded on its own (the ones that fail are `unloadable`)."""
+        """Over the whole repository, as Triton starts; if that stops it, with nothing loaded and
+        then each model loaded on its own (the ones that fail are `unloadable`)."""
         models = sorted(p.name for p in self.repository.iterdir() if p.is_dir())
         if models and self._start([]):
             return
@@ -913,12 +935,14 @@ def ports_free() -> bool:
     return all(port_free(port) for port in (HTTP_PORT, GRPC_PORT, PROXY_PORT))
 
 
-PROXY_PORT = 8004  # the port the suites' nginx.conf listens on (the basic-auth tests call it)
+# the port the suites' nginx.conf listens on (the basic-auth tests call it)
+PROXY_PORT = 8004
 
 
 def start_proxy(conf: Path, prefix: Path) -> subprocess.Popen:
-    """The suite's nginx.conf (basic auth, user `username`, password `password`, in front of the server) run
-    in the foreground from `prefix`: its log, pid and password file there instead of the system's."""
+    """The suite's nginx.conf (basic auth, user `username`, password `password`, in front of the
+    server) run in the foreground from `prefix`: its log, pid and password file there instead of the
+    system's."""
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
     hashed = subprocess.run(
         ["openssl", "passwd", "-apr1", "password"], capture_output=True, text=True, check=True
@@ -954,18 +978,20 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(10)
 
 
-# ---- running and reading the tests ------------------------------------------------------------------------------
+# ---- running and reading the tests ---------------------------------------------------------------
 
 
 @dataclass
 class Outcome:
     run: Run
-    results: dict[str, tuple[str, str]]  # test -> (passed|failed|skipped, the failure's message)
+    # test -> (passed|failed|skipped, the failure's message)
+    results: dict[str, tuple[str, str]]
     note: str = ""
 
 
-# Runs a test file's unittest cases as its test.sh does (`python test.py`: their TestResultCollector needs
-# unittest's runner, not pytest's) and writes each case's outcome to a JSON file after every case.
+# Runs a test file's unittest cases as its test.sh does (`python test.py`: their TestResultCollector
+# needs unittest's runner, not pytest's) and writes each case's outcome to a JSON file after every
+# case.
 RUNNER = """
 import importlib, json, os, sys, unittest
 
@@ -1078,8 +1104,9 @@ def run_tests(
 
 
 def reason(test: str, message: str) -> str:
-    """A failure as a reason: the first of REASONS that matches "<test id> | <the last line of its traceback>"
-    (the server's or the assertion's words), else that line with numbers and names made alike."""
+    """A failure as a reason: the first of REASONS that matches "<test id> | <the last line of its
+    traceback>" (the server's or the assertion's words), else that line with numbers and names made
+    alike."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     text = lines[-1] if lines else message
     for pattern, reason_ in REASONS:

@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         prog=f"pipeline {stage}", allow_abbrev=False, description=STAGES[stage][1]
     )
     module.add_arguments(parser)
-    if (
-        "--verbose" not in parser._option_string_actions
-    ):  # `pipeline serve` has its own, the server's
+    # `pipeline serve` has its own, the server's
+    if "--verbose" not in parser._option_string_actions:
         parser.add_argument(
             "--verbose",
             action="store_true",
@@ -96,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(rest)
     from serving.console import set_verbose
 
-    set_verbose(args.verbose)  # before the stage sets up logging; its child processes inherit it
+    # before the stage sets up logging; its child processes inherit it
+    set_verbose(args.verbose)
     return module.cli(args) or 0
 
 

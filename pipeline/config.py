@@ -16,11 +16,13 @@ from typing import Any, Callable, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.errors import ConfigError  # noqa: F401 - raised here, defined with the others
+# raised here, defined with the others
+from pipeline.errors import ConfigError  # noqa: F401
 from pipeline.plan import BatchPlan, Degrees, Plan, deal_batch
 from pipeline.tasks import TASKS, task_class
 
-DEFAULT_OUTPUT_DIR = "outputs"  # runs, and what --run-id downloads, live under it
+# runs, and what --run-id downloads, live under it
+DEFAULT_OUTPUT_DIR = "outputs"
 
 
 class Section(BaseModel):
@@ -28,7 +30,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-# `model.name` / `data.name` shorthands for the built-in components (pipeline/models, pipeline/datasets).
+# `model.name` / `data.name` shorthands for the built-in components (pipeline/models,
+# pipeline/datasets).
 BUILTIN_MODELS = {"resnet18": "pipeline.models:resnet18", "mlp": "pipeline.models:mlp"}
 BUILTIN_DATA = {
     "digits": "pipeline.datasets:digits",
@@ -54,9 +57,11 @@ class ComponentSection(Section):
 
 
 def _shorthand(data: Any, key: str, builtin: dict[str, str]) -> Any:
-    """`name: X` stands for `component: <built-in X>`; naming another component as well contradicts it."""
+    """`name: X` stands for `component: <built-in X>`; naming another component as well contradicts
+    it."""
     if not isinstance(data, dict) or data.get("name") is None or data["name"] not in builtin:
-        return data  # an unknown name is refused by the field's Literal, with the allowed ones
+        # an unknown name is refused by the field's Literal, with the allowed ones
+        return data
     wanted = builtin[data["name"]]
     if data.get("component") not in (None, wanted):
         raise ValueError(
@@ -182,7 +187,8 @@ class TaskConfig(Section):
 
     @model_validator(mode="after")
     def _task_rules(self) -> "TaskConfig":
-        task_class(self.name).check_config(self)  # each task's own cross-field rules
+        # each task's own cross-field rules
+        task_class(self.name).check_config(self)
         return self
 
 
@@ -254,7 +260,8 @@ class ParallelConfig(Section):
     )
 
     def microbatches(self) -> int:
-        """The micro-batches of each rank's batch under pipeline parallelism (pp_microbatches; 0 = 2 x pp)."""
+        """The micro-batches of each rank's batch under pipeline parallelism (pp_microbatches; 0 =
+        2 x pp)."""
         return self.pp_microbatches or 2 * self.pp
 
     def degrees(self, world_size: int) -> Degrees:
@@ -352,7 +359,8 @@ class TrainConfig(Section):
     @field_validator("output_dir")
     @classmethod
     def _store_url(cls, value: str) -> str:
-        # s3://bucket/prefix: its form and s3fs checked here; credentials and the bucket when training starts.
+        # s3://bucket/prefix: its form and s3fs checked here; credentials and the bucket when
+        # training starts.
         from pipeline.checkpoint import object_store
 
         return str(object_store.check_url(value)) if object_store.is_url(value) else value
@@ -518,7 +526,8 @@ class ExportConfig(Section):
     @field_validator("int8", mode="before")
     @classmethod
     def _int8_bool(cls, value):
-        # YAML and `export.int8=true` give a bool: true asks for the variant, the graph picks the kind.
+        # YAML and `export.int8=true` give a bool: true asks for the variant, the graph picks the
+        # kind.
         return {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
@@ -678,7 +687,8 @@ def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
 
 
 def _unknown_key_message(dotted: str, origin: str = "") -> str:
-    """`origin`: where the key was written ("my.yaml:12", "override train.epoch=3"), put first as a compiler does."""
+    """`origin`: where the key was written ("my.yaml:12", "override train.epoch=3"), put first as a
+    compiler does."""
     origin = f"{origin}: " if origin else ""
     parts = dotted.split(".")
     cls: type[BaseModel] = Config
@@ -691,7 +701,8 @@ def _unknown_key_message(dotted: str, origin: str = "") -> str:
             hint = (
                 f" Did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
             )
-            if not close and "args" in fields:  # a component's own arguments live under args
+            # a component's own arguments live under args
+            if not close and "args" in fields:
                 hint = f" Did you mean '{prefix}.args.{part}' (the component's keyword arguments go under args)?"
             where = f"in section '{prefix}'" if prefix else "at the top level"
             return f"{origin}unknown config key '{dotted}' {where}.{hint} Allowed: {', '.join(allowed)}"
@@ -704,8 +715,9 @@ def _unknown_key_message(dotted: str, origin: str = "") -> str:
 def _format_validation_error(
     err: ValidationError, origin: "Callable[[tuple], str]" = lambda loc: ""
 ) -> str:
-    """One line for one error (the usual case: what the CLI prints after "error: "), else one line each.
-    `origin(loc)`: where the key at `loc` was written, '' if nowhere (a default, a rule across fields)."""
+    """One line for one error (the usual case: what the CLI prints after "error: "), else one line
+    each. `origin(loc)`: where the key at `loc` was written, '' if nowhere (a default, a rule across
+    fields)."""
     lines = []
     for e in err.errors():
         dotted = ".".join(str(p) for p in e["loc"])
@@ -740,7 +752,8 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
 
     try:
         walk(yaml.compose(text, Loader=yaml.SafeLoader), ())
-    except yaml.YAMLError:  # it loaded; its lines are a courtesy
+    except yaml.YAMLError:
+        # it loaded; its lines are a courtesy
         pass
     return lines
 
@@ -748,8 +761,8 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
 def _origin_of(
     path: Path | None, text: str, overrides: list[tuple[list[str], str]]
 ) -> Callable[[tuple], str]:
-    """loc -> where the key was written: the override that set it or the section above it (the command line wins,
-    as it does over the file), else the file and the line of its nearest key."""
+    """loc -> where the key was written: the override that set it or the section above it (the
+    command line wins, as it does over the file), else the file and the line of its nearest key."""
     lines = _key_lines(text) if path is not None else {}
 
     def origin(loc: tuple) -> str:
@@ -758,9 +771,8 @@ def _origin_of(
         )
         for keys, original in reversed(overrides):
             keys = tuple(keys)
-            if loc[: len(keys)] == keys or (
-                keys[: len(loc)] == loc and in_file != loc
-            ):  # it set the key, or made it
+            # it set the key, or made it
+            if loc[: len(keys)] == keys or (keys[: len(loc)] == loc and in_file != loc):
                 return f"override {original}"
         return f"{path}:{lines[in_file]}" if in_file else ""
 
@@ -831,8 +843,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             and keys[1] in ("name", "component")
             and isinstance(tree.get(keys[0]), dict)
         ):
-            # `model.component=...` on the command line replaces the file's `model.name` shorthand (and
-            # the other way round): the command line wins, as everywhere else.
+            # `model.component=...` on the command line replaces the file's `model.name` shorthand
+            # (and the other way round): the command line wins, as everywhere else.
             tree[keys[0]].pop("component" if keys[1] == "name" else "name", None)
     try:
         return Config.model_validate(tree)

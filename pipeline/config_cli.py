@@ -57,9 +57,8 @@ def markdown() -> str:
         return re.sub(r"<(?=[A-Za-z/])", r"\\<", text.replace("|", r"\|").replace("*", r"\*"))
 
     def code(value: object) -> str:
-        return (
-            "`" + repr(value).replace("|", r"\|") + "`"
-        )  # in a code span only the table's `|` needs escaping
+        # in a code span only the table's `|` needs escaping
+        return "`" + repr(value).replace("|", r"\|") + "`"
 
     def walk(cls: type[BaseModel], prefix: str, title: str) -> None:
         rows, nested = [], []

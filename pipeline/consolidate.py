@@ -1,13 +1,15 @@
 """`pipeline consolidate`: a sharded DCP checkpoint -> one `model.safetensors` + `model.json`.
 
-One process, no process group, bounded memory, one pass: every shard file is read front to back once and
-hashed as it is read (checked against the COMPLETE marker before anything is published), and the model's
-chunks, located by DCP's metadata, are written from the read buffer straight to their places in a
-safetensors file whose header was written first (components/shard_stream.py). The optimizer's bytes are
-hashed, never decoded. Peak memory (beyond the process baseline): about the largest stored chunk.
+One process, no process group, bounded memory, one pass: every shard file is read front to back once
+and hashed as it is read (checked against the COMPLETE marker before anything is published), and the
+model's chunks, located by DCP's metadata, are written from the read buffer straight to their places
+in a safetensors file whose header was written first (components/shard_stream.py). The optimizer's
+bytes are hashed, never decoded. Peak memory (beyond the process baseline): about the largest stored
+chunk.
 
-Chunks stored other than as dim-0 slices (no layout trainserve writes) take the older path: the shards
-hashed first, then the tensors loaded a few per `dcp.load` call (~2x the largest tensor for DDP).
+Chunks stored other than as dim-0 slices (no layout trainserve writes) take the older path: the
+shards hashed first, then the tensors loaded a few per `dcp.load` call (~2x the largest tensor for
+DDP).
 
 Outputs in `<out_dir>/`:
     model.safetensors   keys = the plain model's state_dict() keys, buffers included; floating
@@ -57,7 +59,8 @@ from pipeline.components.monitor import read_best
 from pipeline.config import DEFAULT_OUTPUT_DIR
 from pipeline.errors import (
     CheckpointError,
-    ConsolidateError,  # noqa: F401 - raised here, defined with the others
+    # raised here, defined with the others
+    ConsolidateError,  # noqa: F401
 )
 from pipeline.tools import logs, stopping
 from pipeline.tracking import TrackingError, close_if_orphaned, get_run, log_consolidated, use_store
@@ -65,15 +68,17 @@ from serving.lineage import file_sha256
 
 log = logging.getLogger(__name__)
 
+# the bundle's format: weights.py
 WEIGHTS, DESCRIPTION = (
     weights_bundle.WEIGHTS_FILE,
     weights_bundle.META_FILE,
-)  # the bundle's format: weights.py
+)
 ARTIFACT_PATH = "consolidated"
 # NaN/Inf are counted this many elements at a time: torch.isfinite on a whole tensor would
 # allocate a bool per element (a quarter of an fp32 tensor) on top of the tensor.
 FINITE_BLOCK = 1 << 20
-OUTPUTS = Path(DEFAULT_OUTPUT_DIR)  # where --run-id downloads and writes
+# where --run-id downloads and writes
+OUTPUTS = Path(DEFAULT_OUTPUT_DIR)
 
 
 def main(
@@ -90,8 +95,9 @@ def main(
 
     `checkpoint_path` is a checkpoint directory (step_*/), or a run directory: its best checkpoint
     (checkpoints/best.json), or with `latest=True` its newest complete one. Without a path, `run_id`
-    downloads the run's best checkpoint from MLflow (`latest`: its final one). Outputs go to `output`, else `<run_dir>/consolidated`, else (run id)
-    `outputs/<run_id>/consolidated`; they are logged to the source's MLflow run unless told not to.
+    downloads the run's best checkpoint from MLflow (`latest`: its final one). Outputs go to
+    `output`, else `<run_dir>/consolidated`, else (run id) `outputs/<run_id>/consolidated`; they are
+    logged to the source's MLflow run unless told not to.
     """
     started = time.perf_counter()
     if dtype not in DTYPES:
@@ -104,9 +110,8 @@ def main(
     if checkpoint_path is None:
         use_store(tracking_uri)
         ckpt = _download(run_id, latest)
-    elif is_url(
-        checkpoint_path
-    ):  # an object store: fetched (and verified) into outputs/downloaded/, then as local
+    elif is_url(checkpoint_path):
+        # an object store: fetched (and verified) into outputs/downloaded/, then as local
         from pipeline.checkpoint.store import fetch_checkpoint
 
         ckpt = fetch_checkpoint(str(checkpoint_path), OUTPUTS / "downloaded", latest)
@@ -114,25 +119,27 @@ def main(
         ckpt = resolve_checkpoint(Path(checkpoint_path), latest)
     meta = checkpoint.read_meta(ckpt)
     run_id = run_id or meta.get("mlflow_run_id")
-    if log_to_mlflow and run_id:  # fail in seconds on a bad store or run, not after the work
+    # fail in seconds on a bad store or run, not after the work
+    if log_to_mlflow and run_id:
         use_store(
             tracking_uri
             or ((meta.get("config") or {}).get("tracking") or {}).get("tracking_uri", "")
         )
         get_run(run_id)
-        close_if_orphaned(run_id)  # a training killed outright (plain torchrun) left it RUNNING
+        # a training killed outright (plain torchrun) left it RUNNING
+        close_if_orphaned(run_id)
     out_dir = Path(output) if output else default_output_dir(ckpt, run_id if fetched else None)
-    run_dir_owner.claim_for_output(
-        out_dir
-    )  # a training (or run) still writing there stops us, by name
+    # a training (or run) still writing there stops us, by name
+    run_dir_owner.claim_for_output(out_dir)
 
     reader = CachedMetadataReader(ckpt)
     specs = plan_tensors(ckpt, reader.metadata, meta, DTYPES[dtype])
     weights = out_dir / WEIGHTS
     tmp = _prepare_output(out_dir, total_size(specs))
     try:
-        # The one file every later stage trusts starts from intact shards: each is hashed against its marker
-        # (while it is read, in the one pass; a download was also verified as it arrived).
+        # The one file every later stage trusts starts from intact shards: each is hashed against
+        # its marker (while it is read, in the one pass; a download was also verified as it
+        # arrived).
         sha = write_weights(tmp, reader, specs, ckpt)
         verify_file(tmp, specs, manifest_of(ckpt, meta))
         description = weights_bundle.describe(meta, ckpt, specs, sha, dtype)
@@ -171,7 +178,8 @@ def resolve_checkpoint(path: Path, latest: bool = False) -> Path:
         checkpoint.verify_complete(path)
         return path
     if path.is_dir() and checkpoint.STEP_DIR.match(path.name):
-        checkpoint.verify_complete(path)  # names what is missing: no marker, no .metadata
+        # names what is missing: no marker, no .metadata
+        checkpoint.verify_complete(path)
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = checkpoint.latest(root)
     if found is None:
@@ -217,8 +225,9 @@ def _download(run_id: str, latest: bool) -> Path:
 def plan_tensors(
     ckpt: Path, metadata: Metadata, meta: dict, dtype: torch.dtype
 ) -> list[TensorSpec]:
-    """What the file will hold, in file order, after checking the checkpoint against the model's state
-    manifest recorded at save: same keys, same shapes, floating where the model is floating."""
+    """What the file will hold, in file order, after checking the checkpoint against the model's
+    state manifest recorded at save: same keys, same shapes, floating where the model is
+    floating."""
     expected = manifest_of(ckpt, meta)
     dcp_read.check_compatible(ckpt, {k: _Shape(v["shape"]) for k, v in expected.items()}, metadata)
     specs = []
@@ -339,8 +348,9 @@ def _batches(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
 def write_weights(
     tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path
 ) -> str:
-    """The model's tensors into `tmp`, every shard file verified against its marker's sha256; returns the
-    output's sha256. One pass over the shards (shard_stream) where the layout allows, else the dcp.load path."""
+    """The model's tensors into `tmp`, every shard file verified against its marker's sha256;
+    returns the output's sha256. One pass over the shards (shard_stream) where the layout allows,
+    else the dcp.load path."""
     layout = shard_stream.plan(reader.metadata, specs, {"format": "pt"})
     if layout is None:
         log.info(
@@ -352,8 +362,9 @@ def write_weights(
 
 
 def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Path) -> str:
-    """Each shard file read and hashed once, the model's chunks written to their places in `tmp` on the way;
-    then the shards' digests checked against the marker (before anything is published) and the output hashed."""
+    """Each shard file read and hashed once, the model's chunks written to their places in `tmp` on
+    the way; then the shards' digests checked against the marker (before anything is published) and
+    the output hashed."""
     header, pieces = layout
     listing = checkpoint.verify_complete(ckpt)
     try:
@@ -383,7 +394,8 @@ def write_weights_one_pass(tmp: Path, layout, specs: list[TensorSpec], ckpt: Pat
 def write_weights_via_dcp(
     tmp: Path, reader: CachedMetadataReader, specs: list[TensorSpec], ckpt: Path
 ) -> str:
-    """Streams the model's tensors into `tmp`, a few per `dcp.load` call; returns the file's sha256."""
+    """Streams the model's tensors into `tmp`, a few per `dcp.load` call; returns the file's
+    sha256."""
     stored = reader.metadata.state_dict_metadata
     try:
         writer = StreamingWriter(tmp, specs, {"format": "pt"})
@@ -392,7 +404,8 @@ def write_weights_via_dcp(
     try:
         for batch in _batches(specs):
             # Empty tensors built from the metadata: DCP loads into them in place, and it reads only
-            # the chunks they need, from whichever shard files hold them (any world size, DDP or FSDP).
+            # the chunks they need, from whichever shard files hold them (any world size, DDP or
+            # FSDP).
             state = {
                 f"model.{s.name}": torch.empty(
                     stored[f"model.{s.name}"].size, dtype=stored[f"model.{s.name}"].properties.dtype
@@ -402,11 +415,11 @@ def write_weights_via_dcp(
             _load(state, reader, ckpt)
             for s in batch:
                 tensor = state.pop(f"model.{s.name}").to(s.dtype)
-                _check_finite(
-                    s.name, tensor, ckpt
-                )  # after the cast: fp16 overflows to Inf past 65504
+                # after the cast: fp16 overflows to Inf past 65504
+                _check_finite(s.name, tensor, ckpt)
                 writer.write(s.name, tensor)
-                del tensor  # before the next one: one big tensor at a time
+                # before the next one: one big tensor at a time
+                del tensor
             _return_freed_memory()
         sha = writer.close()
     except OSError as exc:
@@ -415,7 +428,8 @@ def write_weights_via_dcp(
     except BaseException:
         writer.abort()
         raise
-    if file_sha256(tmp) != sha:  # what was streamed is what is on disk
+    # what was streamed is what is on disk
+    if file_sha256(tmp) != sha:
         raise ConsolidateError(
             f"'{tmp}' changed on disk while it was written (sha256 differs); try again"
         )
@@ -424,7 +438,8 @@ def write_weights_via_dcp(
 
 def _return_freed_memory() -> None:
     """glibc keeps freed blocks under its adaptive mmap threshold (up to 32 MB) in the heap, where
-    they stay resident: a batch of small tensors would add its size to the next big tensor's peak."""
+    they stay resident: a batch of small tensors would add its size to the next big tensor's
+    peak."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
@@ -432,7 +447,8 @@ def _return_freed_memory() -> None:
 def _find_malloc_trim():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+    except (OSError, AttributeError):
+        # not glibc (macOS, musl): nothing to trim
         return None
 
 
@@ -448,7 +464,8 @@ def _load(state: dict[str, torch.Tensor], reader: CachedMetadataReader, ckpt: Pa
                 planner=dcp_read.WeightsOnlyLoadPlanner(),
                 no_dist=True,
             )
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as exc:
+        # CheckpointException is a BaseException
         files = sorted(
             {
                 info.relative_path
@@ -477,7 +494,8 @@ def _nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
     if all(bool(torch.isfinite(block).all()) for block in flat.split(FINITE_BLOCK)):
         return 0, 0
     nan = inf = 0
-    for block in flat.split(FINITE_BLOCK):  # one pass: each block read once, for both counts
+    # one pass: each block read once, for both counts
+    for block in flat.split(FINITE_BLOCK):
         nan += int(torch.isnan(block).sum())
         inf += int(torch.isinf(block).sum())
     return nan, inf
@@ -507,8 +525,9 @@ def _write_error(exc: OSError, path: Path) -> ConsolidateError:
 
 
 def verify_file(path: Path, specs: list[TensorSpec], manifest: dict[str, dict]) -> None:
-    """Re-reads the written file's header: one safetensors accepts, and exactly the manifest's keys and shapes
-    (so the model loads it with strict=True; the tests load it). Its sha256 was taken from the disk already."""
+    """Re-reads the written file's header: one safetensors accepts, and exactly the manifest's keys
+    and shapes (so the model loads it with strict=True; the tests load it). Its sha256 was taken
+    from the disk already."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -544,7 +563,8 @@ def _publish(out_dir: Path, tmp_weights: Path, description: dict) -> None:
 
 
 def log_to_run(run_id: str, out_dir: Path, sha: str) -> None:
-    """Both files under `consolidated/` of the source run; the stage done, the weights' sha256 in its lineage."""
+    """Both files under `consolidated/` of the source run; the stage done, the weights' sha256 in
+    its lineage."""
     log_consolidated(run_id, out_dir, (WEIGHTS, DESCRIPTION), ARTIFACT_PATH, {"sha256": sha})
     log.info("logged %s and %s to run %s under %s/", WEIGHTS, DESCRIPTION, run_id, ARTIFACT_PATH)
 
@@ -591,7 +611,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     logs.configure()
-    stopping.exit_on_sigterm()  # a stop runs the `finally`s that remove temporaries
+    # a stop runs the `finally`s that remove temporaries
+    stopping.exit_on_sigterm()
     try:
         path = main(
             args.source,

@@ -1,12 +1,12 @@
-"""`pipeline data shard --config configs/X.yaml --out DIR|s3://bucket/prefix [key=value ...]`: a config's data,
-written as shards.
+"""`pipeline data shard --config configs/X.yaml --out DIR|s3://bucket/prefix [key=value ...]`: a
+config's data, written as shards.
 
-Builds the config's data component (checked as training checks it), writes its training and validation
-splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a manifest each; images with
-the transform that made them and, for validation, a few of their files), and
-prints the manifests' digests and the whole `pipeline run` command that trains from them
-(`data.name=sharded "data.args={root: OUT}"`): the way a map-style data set, or one too large to hash at
-every start, becomes a stream any number of ranks can read.
+Builds the config's data component (checked as training checks it), writes its training and
+validation splits under OUT/train and OUT/val (pipeline/shards/format.py: Parquet shards and a
+manifest each; images with the transform that made them and, for validation, a few of their files),
+and prints the manifests' digests and the whole `pipeline run` command that trains from them
+(`data.name=sharded "data.args={root: OUT}"`): the way a map-style data set, or one too large to
+hash at every start, becomes a stream any number of ranks can read.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def main(
             "data (indexable, with len()): give it the map-style form of the data"
         )
     written = {}
-    # Images: the transform travels with both splits; the validation split keeps the files it is proven on.
+    # Images: the transform travels with both splits; the validation split keeps the files it is
+    # proven on.
     transform = splits.preprocessing.to_json() if splits.preprocessing is not None else None
     for split in ("train", "val"):
         dataset = getattr(splits, split)
@@ -104,8 +105,8 @@ def main(
 
 
 def _profiled(dataset, profile: dict, every: int = 1024):
-    """(id, inputs, target) of each sample, read once; `profile` becomes the targets' profile (class counts or
-    statistics, data.target_profile) as they pass, for MLflow's dataset drawer."""
+    """(id, inputs, target) of each sample, read once; `profile` becomes the targets' profile (class
+    counts or statistics, data.target_profile) as they pass, for MLflow's dataset drawer."""
     from pipeline.components.data import leaves, merged_profile, target_profile
 
     targets = []
@@ -147,10 +148,11 @@ def cli(args) -> int:
 
 
 def train_command(config: str | None, overrides: list[str], out: str) -> str:
-    """The whole `pipeline run` command, one line for a shell, that trains from the shards in `out` with the
-    config the shards were written with: its overrides of the data's component and args give way to
-    `data.name=sharded` and a `data.args` mapping that replaces the file's (data.args.root=OUT alone
-    would keep the file's other args, such as the digits' val_fraction, which the shards don't take)."""
+    """The whole `pipeline run` command, one line for a shell, that trains from the shards in `out`
+    with the config the shards were written with: its overrides of the data's component and args
+    give way to `data.name=sharded` and a `data.args` mapping that replaces the file's
+    (data.args.root=OUT alone would keep the file's other args, such as the digits' val_fraction,
+    which the shards don't take)."""
     import shlex
 
     import yaml
@@ -171,8 +173,8 @@ def train_command(config: str | None, overrides: list[str], out: str) -> str:
 
 
 def program() -> list[str]:
-    """`pipeline` as this process was started: the script's path as typed (`.venv/bin/pipeline`), or the
-    interpreter with `-m pipeline`."""
+    """`pipeline` as this process was started: the script's path as typed (`.venv/bin/pipeline`), or
+    the interpreter with `-m pipeline`."""
     from pathlib import Path
 
     if Path(sys.argv[0]).name == "pipeline":

@@ -1,8 +1,8 @@
 """Every error a user can meet, in one place: each names what is wrong and what would be right.
 
-A stage's CLI answers these with one line on stderr and exit 2 (a failed gate or check: exit 1); anything
-else is a fault of ours, with its traceback. The modules that raise them re-export them under their old
-names.
+A stage's CLI answers these with one line on stderr and exit 2 (a failed gate or check: exit 1);
+anything else is a fault of ours, with its traceback. The modules that raise them re-export them
+under their old names.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class TrackingError(RuntimeError):
 
 
 class WeightsError(ValueError):
-    """The consolidated weights can't be used; the message says what is wrong and what was expected."""
+    """The consolidated weights can't be used; the message says what is wrong and what was
+    expected."""
 
 
 class ConsolidateError(RuntimeError):
@@ -57,9 +58,9 @@ class TaskError(ComponentError):
 
 
 def worker_message(exc: BaseException) -> str:
-    """The message of an error raised in a DataLoader worker process, without the wrapper torch re-raises it in
-    ("Caught DataError in DataLoader worker process 0. Original Traceback ...": the worker's message is the
-    traceback's last line); any other error's message as it is."""
+    """The message of an error raised in a DataLoader worker process, without the wrapper torch
+    re-raises it in ("Caught DataError in DataLoader worker process 0. Original Traceback ...": the
+    worker's message is the traceback's last line); any other error's message as it is."""
     text = str(exc)
     if not text.startswith("Caught ") or "Original Traceback" not in text:
         return text

@@ -1,21 +1,23 @@
-"""`pipeline export`: consolidated weights -> model.onnx behind gates -> MLflow model version + alias.
+"""`pipeline export`: consolidated weights -> model.onnx behind gates -> MLflow model version +
+alias.
 
 Input: a directory with `model.safetensors` and `model.json` (format trainserve-weights/2, written
 by `pipeline consolidate`), given as a path or fetched from a run's `consolidated/` artifacts.
 Output (default `<run_dir>/onnx/`, beside the weights): `model.onnx`, `export_report.json`, and the
-optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx` / `model.uint8.onnx`. fp16, int8
-and uint8 are also logged inside the registered MLflow model, beside model.onnx: `python -m serving --variant
-fp16|int8|uint8` serves one, and `--variant auto` the fastest for the server's provider, as export measured them
-here (`variants_measured` in the report, the version's tag lineage.FASTEST_VARIANTS); never uint8, whose
-clients send other bytes (UINT8 image inputs: pipeline/artifact/uint8_inputs.py).
+optional variants `model.optimized.onnx` / `model.fp16.onnx` / `model.int8.onnx` /
+`model.uint8.onnx`. fp16, int8 and uint8 are also logged inside the registered MLflow model, beside
+model.onnx: `python -m serving --variant fp16|int8|uint8` serves one, and `--variant auto` the
+fastest for the server's provider, as export measured them here (`variants_measured` in the report,
+the version's tag lineage.FASTEST_VARIANTS); never uint8, whose clients send other bytes (UINT8
+image inputs: pipeline/artifact/uint8_inputs.py).
 
-The int8 variant (export.int8, pipeline/artifact/int8.py) is gated like the others, with its own limits;
-unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not the export: it is
-an optional speed-up of a model that passed.
+The int8 variant (export.int8, pipeline/artifact/int8.py) is gated like the others, with its own
+limits; unlike them, its failure drops only it (named model.int8.rejected.onnx, never logged), not
+the export: it is an optional speed-up of a model that passed.
 
-Gates run on the CPU provider, and on the CUDA provider too (with the server's default options: TF32 off)
-when it really loads here; each gate records the provider it ran on, and fails if onnxruntime fell back
-to another one. The report's `providers` says which were gated, or why not.
+Gates run on the CPU provider, and on the CUDA provider too (with the server's default options: TF32
+off) when it really loads here; each gate records the provider it ran on, and fails if onnxruntime
+fell back to another one. The report's `providers` says which were gated, or why not.
 
 The model, its data and its task are rebuilt from the components model.json records; those are
 imported only when trusted (built in, $TRAINSERVE_TRUSTED_COMPONENTS, --trust, or the config
@@ -78,7 +80,9 @@ log = logging.getLogger("pipeline.export")
 REPORT_FORMAT = "trainserve-export-report/1"
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 DOWNLOADS = Path(DEFAULT_OUTPUT_DIR)
-DRIFT_SAMPLES = 2000  # training samples the drift baseline is computed on (quantiles settle well before)  # --run-id inputs land in outputs/<run_id>/consolidated, outputs beside them
+# training samples the drift baseline is computed on (quantiles settle well before)  # --run-id
+# inputs land in outputs/<run_id>/consolidated, outputs beside them
+DRIFT_SAMPLES = 2000
 
 
 @dataclass
@@ -87,7 +91,8 @@ class ExportResult:
     report: dict[str, Any]
     report_path: Path
     onnx_path: Path
-    model_version: str | None = None  # registry version, when registered
+    # registry version, when registered
+    model_version: str | None = None
     registered_model_name: str = ""
     failed: list[str] = field(default_factory=list)
 
@@ -106,9 +111,10 @@ def main(
     """Exports and gates one model; registers it when every gate passes.
 
     `weights_dir` or `run_id` (its `consolidated/` artifacts) names the input. The export settings
-    are the weights' own config section unless `export_cfg` is given; `overrides` ("export.atol=1e-5")
-    apply on top. `trusted`: component patterns to import besides the built-in and environment ones.
-    Raises WeightsError, TrackingError, ConfigError, DataError or ExportError on bad input.
+    are the weights' own config section unless `export_cfg` is given; `overrides`
+    ("export.atol=1e-5") apply on top. `trusted`: component patterns to import besides the built-in
+    and environment ones. Raises WeightsError, TrackingError, ConfigError, DataError or ExportError
+    on bad input.
     """
     # 1. Input: where the weights are, and which run they belong to. The store is checked first:
     #    an unreachable registry or a wrong run id fails in seconds, not after the export.
@@ -127,17 +133,19 @@ def main(
         if run_id:
             tracking.get_run(run_id)
     out = Path(output_dir) if output_dir else weights.directory.parent / "onnx"
-    run_dir_owner.claim_for_output(out)  # as consolidate: not under a live training's or run's feet
+    # as consolidate: not under a live training's or run's feet
+    run_dir_owner.claim_for_output(out)
     out.mkdir(parents=True, exist_ok=True)
     name = cfg.registered_model_name or default_model_name(weights)
 
-    # 2. The reference PyTorch model, its task, and the validation split it is judged on, all rebuilt
-    #    from the components model.json records (once trusted).
+    # 2. The reference PyTorch model, its task, and the validation split it is judged on, all
+    #    rebuilt from the components model.json records (once trusted).
     ref = rebuild(weights, trusted)
     task, splits = ref.task, ref.splits
     example = named(first_batch(splits.val, onnx_export.EXPORT_BATCH)[0])
     length_limits.warn_fixed_lengths(splits.val, cfg.dynamic_axes)
-    log.info("exporting %s", describe_source(weights.source))  # once the weights proved loadable
+    # once the weights proved loadable
+    log.info("exporting %s", describe_source(weights.source))
 
     # 3. Export a separate copy, so nothing the exporter does can touch the reference.
     metadata = onnx_export.metadata_for(
@@ -147,7 +155,8 @@ def main(
         {
             **lineage_of(weights).metadata(),
             lineage.OPSET: str(cfg.opset),
-            # What the outputs mean, for the server's shadow comparison and live metrics (it knows no tasks).
+            # What the outputs mean, for the server's shadow comparison and live metrics (it knows
+            # no tasks).
             lineage.DECISION: task.decision or "",
             lineage.PREDICTION: task.prediction or "",
             **image_metadata(splits, task, ref.head.output_names),
@@ -164,7 +173,8 @@ def main(
         onnx_path,
         cfg.external_data,
     )
-    gc.collect()  # the exporter's copy of the weights goes before onnxruntime maps its own
+    # the exporter's copy of the weights goes before onnxruntime maps its own
+    gc.collect()
     log.info(
         "exported with the %s exporter in %.1f s -> %s",
         exported.exporter,
@@ -172,11 +182,13 @@ def main(
         onnx_path,
     )
 
-    # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on the
-    #    CUDA provider too, with the server's options, when it runs here: that is what a GPU server runs.
+    # 4. Gates, then the optional variants, each with its own limits. On the CPU provider always; on
+    #    the CUDA provider too, with the server's options, when it runs here: that is what a GPU
+    #    server runs.
     batches, axes_failed = gates.parity_batches(splits.val, cfg.dynamic_axes, ref.head)
-    # Whether the rows are the samples' own (the server batches requests together only then), and the longest
-    # token inputs (the server's 400 past them): into the file's metadata, before any gate or variant reads it.
+    # Whether the rows are the samples' own (the server batches requests together only then), and
+    # the longest token inputs (the server's 400 past them): into the file's metadata, before any
+    # gate or variant reads it.
     rows = gates.rows_independent(ref.head, batches, cfg.atol, cfg.rtol)
     log.info("%s", rows["message"])
     if rows["independent"]:
@@ -189,16 +201,16 @@ def main(
         onnx_export.save(exported.model, onnx_path)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results |= gates.preprocessing(onnx_path, splits.val)
-    cpu_sess = gates.session(
-        onnx_path
-    )  # the gates' session; the drift baseline is computed with it too
+    # the gates' session; the drift baseline is computed with it too
+    cpu_sess = gates.session(onnx_path)
     kept: dict = {}
     results.update(run_gates(cpu_sess, ref, batches, cfg, kept=kept))
     if (
         "onnx" in kept
         and (found := baseline.gate(task, kept["onnx"], cfg, ref.head, splits.val)) is not None
     ):
-        results["baseline"] = found  # clearly better than the trivial predictor, or not registered
+        # clearly better than the trivial predictor, or not registered
+        results["baseline"] = found
     # the exported model's own figure (a confusion matrix), named by its checkpoint's step
     figure = (
         task.plot(
@@ -258,9 +270,8 @@ def main(
     if lineage.PREPROCESSING in metadata:
         report["preprocessing"] = metadata[lineage.PREPROCESSING]
     if figure:
-        report["figure"] = str(
-            figure
-        )  # the exported model's on the validation split (logged to the run's onnx/)
+        # the exported model's on the validation split (logged to the run's onnx/)
+        report["figure"] = str(figure)
     if int8_report is not None:
         report["int8"] = int8_report
     if measured:
@@ -279,7 +290,8 @@ def main(
             onnx_export.move(path, variants[variant])
         report["variants"] = {k: str(v) for k, v in variants.items()}
         report["rejected_model"] = str(onnx_path)
-    # champion vs challenger, on the same split, the same way (again at registration if the champion moved)
+    # champion vs challenger, on the same split, the same way (again at registration if the champion
+    # moved)
     compare = partial(
         promotion.decide,
         onnx_path,
@@ -342,9 +354,9 @@ def rederive(ref, onnx_path: Path, workdir: Path) -> tuple[list[str], str]:
 
 
 def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Path:
-    """The drift baseline the server compares its traffic with (serving/drift.py): features of every input
-    and of every output of the gated ONNX file's session `sess` (what the server will answer), on evenly
-    spaced samples of the training split."""
+    """The drift baseline the server compares its traffic with (serving/drift.py): features of every
+    input and of every output of the gated ONNX file's session `sess` (what the server will answer),
+    on evenly spaced samples of the training split."""
     from pipeline.components.data import eval_loader, spread_sample
 
     sample, how = spread_sample(train, samples)
@@ -357,10 +369,11 @@ def drift_reference(sess, train, path: Path, samples: int = DRIFT_SAMPLES) -> Pa
 
 
 def image_metadata(splits: Splits, task, output_names: list[str]) -> dict[str, str]:
-    """For a model of images whose data says how a file became its input: that transform (a server applies it
-    to the files it is sent; the `preprocessing` gate proves it), and the output whose row holds a score per class
-    (what the server's answer to an image ranks). {} for other data, and for images of formats a server does not
-    decode (TIFF: said in the log; the model then takes tensors only)."""
+    """For a model of images whose data says how a file became its input: that transform (a server
+    applies it to the files it is sent; the `preprocessing` gate proves it), and the output whose
+    row holds a score per class (what the server's answer to an image ranks). {} for other data, and
+    for images of formats a server does not decode (TIFF: said in the log; the model then takes
+    tensors only)."""
     if splits.preprocessing is None:
         return {}
     try:
@@ -384,7 +397,8 @@ def image_metadata(splits: Splits, task, output_names: list[str]) -> dict[str, s
 
 
 def describe_source(source: dict) -> str:
-    """Which checkpoint the weights are, as consolidate recorded it: the run's best, or which step."""
+    """Which checkpoint the weights are, as consolidate recorded it: the run's best, or which
+    step."""
     name = Path(str(source.get("checkpoint") or "?")).name
     metrics = source.get("val_metrics") or {}
     shown = ", ".join(f"val/{k} {v:.6g}" for k, v in list(metrics.items())[:2])
@@ -402,7 +416,8 @@ def default_model_name(weights: "Weights") -> str:
 
 
 def _download_weights(run_id: str) -> Path:
-    """The run's consolidated/ artifacts, into outputs/<run_id>/ (where `pipeline consolidate --run-id` writes)."""
+    """The run's consolidated/ artifacts, into outputs/<run_id>/ (where
+    `pipeline consolidate --run-id` writes)."""
     local = tracking.download_artifacts(run_id, "consolidated", DOWNLOADS / run_id)
     log.info("downloaded the consolidated weights of run %s to %s", run_id, local)
     return local
@@ -440,19 +455,22 @@ def config_digest(config_tree: dict) -> str:
 
 
 def _moved(graph, src: Path, dst: Path):
-    """The passed candidate renamed to `dst` with its data file, if any; the graph as saved there."""
+    """The passed candidate renamed to `dst` with its data file, if any; the graph as saved
+    there."""
     return onnx_export.move(src, dst) or graph
 
 
 def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> dict[str, dict]:
-    """fp16 runs where it is meant to: the CUDA provider (the server's options) when it runs here; else the CPU
-    provider, which runs fp16 nodes through casts to fp32 (so that gate mostly checks the conversion)."""
+    """fp16 runs where it is meant to: the CUDA provider (the server's options) when it runs here;
+    else the CPU provider, which runs fp16 nodes through casts to fp32 (so that gate mostly checks
+    the conversion)."""
     res = {"fp16.checker": gates.check_model(path)}
     provider = CUDA if on_cuda else CPU
     providers = [(CUDA, _cuda_options()), CPU] if on_cuda else [CPU]
     try:
         sess = gates.session(path, providers)
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own untyped errors
+    except Exception as exc:  # noqa: BLE001
+        # onnxruntime raises its own untyped errors
         res["fp16.parity"] = {
             "passed": False,
             "provider": provider,
@@ -466,9 +484,10 @@ def _fp16_gates(path: Path, ref, batches, cfg: ExportConfig, on_cuda: bool) -> d
 def _measure_variants(
     fp32_path: Path, variants: dict[str, Path], val, on_cuda: bool
 ) -> dict[str, dict]:
-    """Samples/s at batch 1 and 32, in this process through the server's Engine, of each servable variant that
-    passed, on each provider that serves it (fp32 and int8 on the CPU; fp32 and fp16 on CUDA when it runs here):
-    what `serve --variant auto` chooses by. A provider with nothing to choose between is not measured."""
+    """Samples/s at batch 1 and 32, in this process through the server's Engine, of each servable
+    variant that passed, on each provider that serves it (fp32 and int8 on the CPU; fp32 and fp16 on
+    CUDA when it runs here): what `serve --variant auto` chooses by. A provider with nothing to
+    choose between is not measured."""
     choices = {
         CPU: {"fp32": fp32_path} | ({"int8": variants["int8"]} if "int8" in variants else {})
     }
@@ -496,8 +515,8 @@ def _measure_variants(
 
 
 def int8_metrics(int8_report: dict | None) -> dict[str, float]:
-    """Whether the int8 variant passed (not part of export.passed: a failed int8 drops only itself) and how many
-    nodes stayed in float; its gates' figures are in the table (figures_table)."""
+    """Whether the int8 variant passed (not part of export.passed: a failed int8 drops only itself)
+    and how many nodes stayed in float; its gates' figures are in the table (figures_table)."""
     if not int8_report:
         return {}
     return {
@@ -507,12 +526,14 @@ def int8_metrics(int8_report: dict | None) -> dict[str, float]:
 
 
 def figures_table(report: dict) -> list[dict]:
-    """Every figure the export measured, a row each: the gates, the int8 variant's, and the comparison with the
-    champion (logged as the run's `onnx/gates.json`, a table the MLflow UI shows)."""
+    """Every figure the export measured, a row each: the gates, the int8 variant's, and the
+    comparison with the champion (logged as the run's `onnx/gates.json`, a table the MLflow UI
+    shows)."""
     rows = gates.table(report["gates"])
     if report.get("int8"):
         rows += gates.table(report["int8"]["gates"], "int8.")
-    if decision := report.get("promotion"):  # both sides' figures and the gain, as one more "gate"
+    # both sides' figures and the gain, as one more "gate"
+    if decision := report.get("promotion"):
         compared = {
             f"{who}.{key}": value
             for who in ("candidate", "champion")
@@ -548,8 +569,8 @@ def model_description(found: Lineage, alias: str) -> str:
 
 
 def export_lineage(found: Lineage, weights: Weights, report: dict) -> dict:
-    """Export's part of the run's lineage.json: the model's lineage, the checkpoint it came from, the exporter,
-    every file's sha256, and what the registry made of it."""
+    """Export's part of the run's lineage.json: the model's lineage, the checkpoint it came from,
+    the exporter, every file's sha256, and what the registry made of it."""
     decision = report.get("promotion") or {}
     return {
         "model": found.as_dict(),
@@ -568,8 +589,8 @@ def export_lineage(found: Lineage, weights: Weights, report: dict) -> dict:
 
 
 def version_description(report: dict, found: Lineage, decision: dict, alias: str) -> str:
-    """A registered version's description (Markdown, every outside word escaped): what the model is, where it came
-    from, its gates, and why it holds its alias."""
+    """A registered version's description (Markdown, every outside word escaped): what the model is,
+    where it came from, its gates, and why it holds its alias."""
     esc = tracking.markdown_escaped
     results = report["gates"]
     passed = sum(bool(g.get("passed")) for g in results.values())
@@ -597,17 +618,17 @@ def _cuda() -> bool:
 
 
 def _cuda_options() -> dict[str, str]:
-    """The CUDA provider's options a server runs with by default (serving.engine.GpuOptions): TF32 off, so
-    the CUDA gates hold it to the fp32 limits."""
+    """The CUDA provider's options a server runs with by default (serving.engine.GpuOptions): TF32
+    off, so the CUDA gates hold it to the fp32 limits."""
     from serving.engine import GpuOptions
 
     return GpuOptions().cuda()
 
 
 def _cuda_session(path: Path):
-    """(a session of `path` on the CUDA provider with the server's default options, "") when that provider
-    really runs here, else (None, why not). A GPU and onnxruntime-gpu are not enough: the provider's library
-    loads only when the CUDA and cuDNN libraries it was built for are found."""
+    """(a session of `path` on the CUDA provider with the server's default options, "") when that
+    provider really runs here, else (None, why not). A GPU and onnxruntime-gpu are not enough: the
+    provider's library loads only when the CUDA and cuDNN libraries it was built for are found."""
     if not _cuda():
         return None, (
             "no CUDA device here"
@@ -673,17 +694,18 @@ def _report(
     }
 
 
+# logged beside model.onnx; `optimized` stays the run's artifact
 SERVED_VARIANTS = (
     "fp16",
     "int8",
     "uint8",
-)  # logged beside model.onnx; `optimized` stays the run's artifact
+)
 
 
 def lineage_of(weights: Weights) -> Lineage:
-    """Where the weights came from, as the ONNX file's metadata and the registered version both say it: the server
-    reads it from the bytes it serves (receipts, /v2/models parameters), `pipeline verify` checks one against the
-    other and against model.json."""
+    """Where the weights came from, as the ONNX file's metadata and the registered version both say
+    it: the server reads it from the bytes it serves (receipts, /v2/models parameters),
+    `pipeline verify` checks one against the other and against model.json."""
     src = weights.source
     digests = (weights.meta.get("data") or {}).get("digests") or {}
     return Lineage(
@@ -701,15 +723,17 @@ def lineage_of(weights: Weights) -> Lineage:
 
 
 def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict[str, str]:
-    """The registered version's tags: the handful a person reads, and the sha256 of every file it carries (the
-    server checks what it downloads against them) and of the weights, config and data behind it."""
+    """The registered version's tags: the handful a person reads, and the sha256 of every file it
+    carries (the server checks what it downloads against them) and of the weights, config and data
+    behind it."""
     report = result.report
     files = {
         lineage.onnx_file("fp32"): result.onnx_path,
         **{lineage.onnx_file(v): p for v, p in variants.items() if v in SERVED_VARIANTS},
     }
     for path in list(files.values()):
-        if (data := onnx_export.data_file(path)) is not None:  # a graph's weights past 2 GB
+        # a graph's weights past 2 GB
+        if (data := onnx_export.data_file(path)) is not None:
             files[data.name] = data
     files[drift.FILE] = Path(report["drift_reference"])
     sha256 = {name: file_sha256(path) for name, path in files.items()} | found.digests()
@@ -718,7 +742,8 @@ def version_record(found: Lineage, result: ExportResult, variants: dict) -> dict
     # how an image file becomes its input, as its ONNX file records it
     if report.get("preprocessing"):
         tags[lineage.PREPROCESSING] = report["preprocessing"]
-    if report.get("fastest_variants"):  # what `serve --variant auto` reads
+    # what `serve --variant auto` reads
+    if report.get("fastest_variants"):
         tags[lineage.FASTEST_VARIANTS] = json.dumps(report["fastest_variants"], sort_keys=True)
     return tags
 
@@ -734,18 +759,20 @@ def _publish(
     register: bool,
     compare=None,
 ) -> None:
-    """Metrics and report always; the model, a registry version and the alias only when all gates pass."""
-    report, found = result.report, lineage_of(weights)  # (hashes model.json: once)
+    """Metrics and report always; the model, a registry version and the alias only when all gates
+    pass."""
+    # (hashes model.json: once)
+    report, found = result.report, lineage_of(weights)
     with tracking.stage_run("export", run_id, f"export-{result.registered_model_name}"):
-        # A few headline figures as metrics; every figure in one table (figures_table), logged once complete
+        # A few headline figures as metrics; every figure in one table (figures_table), logged once
+        # complete
         tracking.log_metrics(
             gates.headline(report["gates"])
             | promotion_metrics(report.get("promotion"))
             | int8_metrics(report.get("int8"))
         )
-        tracking.log_artifact(
-            result.report_path, "onnx"
-        )  # (a failed export's is final; a passed one's again below)
+        # (a failed export's is final; a passed one's again below)
+        tracking.log_artifact(result.report_path, "onnx")
         if report.get("figure") and Path(report["figure"]).is_file():
             tracking.log_artifact(Path(report["figure"]), "onnx")
         if not result.passed:
@@ -765,19 +792,19 @@ def _publish(
             data_file=onnx_export.data_file(result.onnx_path),
             step=weights.step,
         )
-        for variant in SERVED_VARIANTS:  # a server of this version picks one with --variant
+        # a server of this version picks one with --variant
+        for variant in SERVED_VARIANTS:
             if variant in variants:
                 tracking.log_beside_model(report["model_uri"], variants[variant])
-                if (
-                    data := onnx_export.data_file(variants[variant])
-                ) is not None:  # its weights, past 2 GB
+                # its weights, past 2 GB
+                if (data := onnx_export.data_file(variants[variant])) is not None:
                     tracking.log_beside_model(report["model_uri"], data)
-        tracking.log_beside_model(
-            report["model_uri"], Path(report["drift_reference"])
-        )  # the server's drift baseline
+        # the server's drift baseline
+        tracking.log_beside_model(report["model_uri"], Path(report["drift_reference"]))
         if register:
             tags = version_record(found, result, variants)
-            # One decision at a time per registered model, each against the holder at its turn (promotion.py).
+            # One decision at a time per registered model, each against the holder at its turn
+            # (promotion.py).
             result.model_version, alias, decision = promotion.promote_in_turn(
                 report["model_uri"],
                 result.registered_model_name,
@@ -810,10 +837,11 @@ def _publish(
                 if decision["promote"]
                 else f" (@{cfg.alias} stays at v{decision['champion']['version']})",
             )
-        tracking.set_tags({lineage.CHECKPOINT: found.checkpoint})  # the run's exported checkpoint
+        # the run's exported checkpoint
+        tracking.set_tags({lineage.CHECKPOINT: found.checkpoint})
         tracking.record_lineage("export", export_lineage(found, weights, report))
-        # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy people browse
-        # in MLflow is the one on disk.
+        # Logged once complete (the model's URI, the version, its alias and hashes filled): the copy
+        # people browse in MLflow is the one on disk.
         write_json(result.report_path, report)
         tracking.log_artifact(result.report_path, "onnx")
         tracking.log_table(figures_table(report), "onnx/gates.json")
@@ -896,11 +924,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace) -> int:
     logs.configure()
-    stopping.exit_on_sigterm()  # a stop mid-way closes the reopened run with its own status (tracking.stage_run)
+    # a stop mid-way closes the reopened run with its own status (tracking.stage_run)
+    stopping.exit_on_sigterm()
     weights_dir, overrides = args.weights_dir, list(args.overrides)
-    if (
-        weights_dir and "=" in weights_dir
-    ):  # argparse can't tell `export.x=1` from a path on its own
+    # argparse can't tell `export.x=1` from a path on its own
+    if weights_dir and "=" in weights_dir:
         overrides.insert(0, weights_dir)
         weights_dir = None
     try:

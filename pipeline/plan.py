@@ -1,11 +1,13 @@
-"""What a training run derives from train.* and the world size, worked out once before anything starts.
+"""What a training run derives from train.* and the world size, worked out once before anything
+starts.
 
     Degrees    the device mesh's degrees (ParallelConfig.degrees resolves dp_shard)
     BatchPlan  train.global_batch_size dealt over the data-parallel ranks, the accumulation steps
                and the pipeline's micro-batches (deal_batch)
     Plan       both: what config.check_runtime returns to train.main
 
-The mesh, the loaders, the pipeline's schedule and the loss read these; none divides the batch again.
+The mesh, the loaders, the pipeline's schedule and the loss read these; none divides the batch
+again.
 """
 
 from __future__ import annotations

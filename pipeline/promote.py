@@ -1,15 +1,16 @@
 """`pipeline promote NAME --server URL`: the challenger judged on live traffic becomes the champion.
 
-A server run with `--shadow FRACTION` mirrors a model's traffic to the version behind `@challenger` and
-judges the pair (`GET /v2/models/NAME/shadow`, serving/shadow.py). This command reads that verdict and,
-when it says `promote` for the very version the registry's `@challenger` names now, moves `@champion`
-to it, records the figures it was judged on as that version's tags (lineage.SHADOW_VERDICT and lineage.SHADOW), and drops
-`@challenger` (nothing is left to shadow). A promote verdict counts only when it rests on labels (the report's
-`decided_by`): agreement any inference client can steer never promotes. Any other verdict changes nothing and
-says why (exit 1); `--force` moves the alias whatever the verdict, recording it as forced.
+A server run with `--shadow FRACTION` mirrors a model's traffic to the version behind `@challenger`
+and judges the pair (`GET /v2/models/NAME/shadow`, serving/shadow.py). This command reads that
+verdict and, when it says `promote` for the very version the registry's `@challenger` names now,
+moves `@champion` to it, records the figures it was judged on as that version's tags
+(lineage.SHADOW_VERDICT and lineage.SHADOW), and drops `@challenger` (nothing is left to shadow). A
+promote verdict counts only when it rests on labels (the report's `decided_by`): agreement any
+inference client can steer never promotes. Any other verdict changes nothing and says why (exit 1);
+`--force` moves the alias whatever the verdict, recording it as forced.
 
-The move is checked after it is made: if another promotion moved `@champion` meanwhile, the command says
-so (exit 1) instead of reporting a promotion that did not hold.
+The move is checked after it is made: if another promotion moved `@champion` meanwhile, the command
+says so (exit 1) instead of reporting a promotion that did not hold.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ def main(
     tracking.use_store(tracking_uri)
     from serving.loader import registry_miss
 
-    if (
-        missing := registry_miss(name)
-    ) is not None:  # a misspelt name, said before the server is asked
+    # a misspelt name, said before the server is asked
+    if (missing := registry_miss(name)) is not None:
         raise PromoteError(missing)
     report = shadow_report(server, name, token)
     behind = tracking.alias_version(name, challenger)
@@ -142,7 +142,8 @@ def shadow_report(server: str, name: str, token: str = "") -> dict[str, Any]:
 
 
 def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
-    """The figures the version was judged on, as registry tags: the verdict, and every figure in one JSON record."""
+    """The figures the version was judged on, as registry tags: the verdict, and every figure in one
+    JSON record."""
     figures = {
         key: report.get(key)
         for key in (
@@ -165,9 +166,8 @@ def shadow_tags(report: dict[str, Any], forced: bool) -> dict[str, str]:
         )
         if key in report
     }
-    figures["reason"] = logs.clip(
-        str(figures.get("reason", "")), 2000
-    )  # the JSON whole, within a tag's length
+    # the JSON whole, within a tag's length
+    figures["reason"] = logs.clip(str(figures.get("reason", "")), 2000)
     return {
         lineage.SHADOW_VERDICT: str(report.get("verdict")) + (" (forced)" if forced else ""),
         lineage.SHADOW: json.dumps(figures, sort_keys=True, default=str),
@@ -229,7 +229,8 @@ def cli(args: argparse.Namespace) -> int:
 
 
 def rested_on(report: dict[str, Any]) -> str:
-    """What a verdict rested on, in a line: the traffic that decided it, which one client may have shaped."""
+    """What a verdict rested on, in a line: the traffic that decided it, which one client may have
+    shaped."""
     parts = [
         f"{report.get('distinct_inputs', report.get('pairs', 0))} distinct inputs paired",
         f"{report.get('repeated_inputs', 0)} repeats not counted",

@@ -26,7 +26,9 @@ from pipeline.checkpoint import object_store
 from pipeline.checkpoint import run_dir as run_dir_owner
 from pipeline.components.build import component_references, preflight
 from pipeline.config import Config, ConfigError, check_runtime, load_config, to_yaml
-from pipeline.errors import ServeCheckError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import ServeCheckError  # noqa: F401
 from pipeline.tools import logs, stopping
 from pipeline.tools.files import StateFileError, read_json, write_atomically
 from serving.codec import V2_DTYPES
@@ -43,9 +45,8 @@ def main(
 ) -> int:
     from pipeline import consolidate, export, train
 
-    if object_store.is_url(
-        cfg.train.output_dir
-    ):  # checked an s3:// URL at load; this stage's outputs are local files
+    # checked an s3:// URL at load; this stage's outputs are local files
+    if object_store.is_url(cfg.train.output_dir):
         raise ConfigError(
             f"pipeline run keeps every stage's outputs in one local run directory, and "
             f"train.output_dir={cfg.train.output_dir} is an object store: run the stages one by one "
@@ -59,11 +60,11 @@ def main(
     preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
     if (serve or serve_check) and cfg.serve.port:
         check_port_free(cfg.serve.host, cfg.serve.port)
-    run_dir_owner.claim(run_dir)  # this process owns the run directory through every stage
+    # this process owns the run directory through every stage
+    run_dir_owner.claim(run_dir)
     tracking.setup(cfg.tracking)
-    if train.read_run_id(
-        run_dir
-    ):  # left RUNNING by a process that died (SIGKILL, a rank 0 under torchrun)?
+    # left RUNNING by a process that died (SIGKILL, a rank 0 under torchrun)?
+    if train.read_run_id(run_dir):
         tracking.close_if_orphaned(train.read_run_id(run_dir))
 
     if force or not train_done(run_dir):
@@ -79,9 +80,8 @@ def main(
 
     weights = run_dir / "consolidated" / "model.safetensors"
     if force or not consolidated_from_chosen(run_dir):
-        weights = consolidate.main(
-            run_dir, tracking_uri=cfg.tracking.tracking_uri
-        )  # the best checkpoint
+        # the best checkpoint
+        weights = consolidate.main(run_dir, tracking_uri=cfg.tracking.tracking_uri)
     else:
         log.info(
             "consolidate: %s is already from the run's best checkpoint (--force to redo)", weights
@@ -129,7 +129,8 @@ def main(
     write_run_note(run_id, run_dir, weights, report, model_uri)
     log.info("done: %s -> %s (MLflow run %s)", run_dir, model_uri, run_id)
     below = (report["gates"].get("baseline") or {}).get("below_baseline")
-    if below:  # registered only because export.allow_below_baseline said so
+    # registered only because export.allow_below_baseline said so
+    if below:
         log.warning(
             "%s is below the baseline: %s", model_uri, report["gates"]["baseline"]["message"]
         )
@@ -158,7 +159,8 @@ def train_done(run_dir: Path) -> bool:
 
 
 def consolidated_from_chosen(run_dir: Path) -> bool:
-    """Whether consolidated/ holds the checkpoint consolidate would take now: the best (or newest)."""
+    """Whether consolidated/ holds the checkpoint consolidate would take now: the best (or
+    newest)."""
     from pipeline.consolidate import resolve_checkpoint
 
     meta_file = run_dir / "consolidated" / "model.json"
@@ -178,11 +180,12 @@ def passed_export(run_dir: Path, weights: Path, export_cfg) -> dict | None:
     report = read_json(report_file, "export again with --force")
     same_weights = report.get("weights", {}).get("sha256") == read_json(meta_file).get("sha256")
     wanted = export_cfg.model_dump(mode="json")
+    # empty name = the default, resolved in the report
     same_settings = all(
         report.get("export_config", {}).get(k) == v
         for k, v in wanted.items()
         if k != "registered_model_name" or v
-    )  # empty name = the default, resolved in the report
+    )
     if not (
         report.get("passed") and report.get("model_version") and same_weights and same_settings
     ):
@@ -259,8 +262,8 @@ def write_run_note(
 
 
 def serve_with_sample(cfg: Config, model_uri: str, weights_dir: Path, keep_serving: bool) -> int:
-    """Starts the server and proves it with a real validation sample: the served answer must equal the
-    PyTorch model's on the same inputs. Then serves (or stops)."""
+    """Starts the server and proves it with a real validation sample: the served answer must equal
+    the PyTorch model's on the same inputs. Then serves (or stops)."""
     s = cfg.serve
     port = s.port or tracking.free_port()
     cmd = [
@@ -295,9 +298,8 @@ def serve_with_sample(cfg: Config, model_uri: str, weights_dir: Path, keep_servi
             component_references(cfg.model, cfg.data, cfg.task),
         )
         wait_ready(base, server)
-        name = model_uri.split("/")[1].split("@")[
-            0
-        ]  # a registry model is served under its registered name
+        # a registry model is served under its registered name
+        name = model_uri.split("/")[1].split("@")[0]
         matches = sample.check(base, name)
         if not keep_serving:
             return 0 if matches else 1
@@ -322,8 +324,8 @@ class ServeSample:
     def prepare(
         cls, data_cfg, task_cfg, export_cfg, weights_dir: Path, trusted: list[str]
     ) -> "ServeSample":
-        """The first validation sample, and the PyTorch model's answer (rebuilt from model.json, whose
-        components are imported when they are the config's own or otherwise trusted)."""
+        """The first validation sample, and the PyTorch model's answer (rebuilt from model.json,
+        whose components are imported when they are the config's own or otherwise trusted)."""
         from pipeline.artifact import gates
         from pipeline.artifact.rebuild import rebuild
         from pipeline.artifact.weights import read_weights
@@ -388,9 +390,8 @@ class ServeSample:
         return parity["passed"]
 
 
-V2_DATATYPES = {
-    np.dtype(t): name for name, t in V2_DTYPES.items()
-}  # numpy dtype -> KServe V2 datatype
+# numpy dtype -> KServe V2 datatype
+V2_DATATYPES = {np.dtype(t): name for name, t in V2_DTYPES.items()}
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -4,4 +4,5 @@ The server lives in `serving/` and imports neither torch nor this package; this 
 hands it the command line.
 """
 
-from serving.cli import add_arguments, cli  # noqa: F401  (the stage interface pipeline.cli expects)
+# the stage interface pipeline.cli expects
+from serving.cli import add_arguments, cli  # noqa: F401

@@ -3,8 +3,8 @@
 The server's payload log (`--payload-log DIR`) records each sampled request with the request id its
 response carried in `X-Request-Id`, and the model version, run and weights hash that answered. This
 finds that record and walks on through the registry and the MLflow run: the version (its aliases and
-promotion), the training run, the checkpoint, the config and the data. Links it can't reach are said,
-not guessed.
+promotion), the training run, the checkpoint, the config and the data. Links it can't reach are
+said, not guessed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.errors import TraceError  # noqa: F401 - raised here, defined with the others
+# raised here, defined with the others
+from pipeline.errors import TraceError  # noqa: F401
 from pipeline.tools import logs
 from pipeline.tools.logs import first_line
 from serving import lineage
@@ -26,8 +27,8 @@ log = logging.getLogger("pipeline.trace")
 
 
 def find_requests(log_dir: Path, request_id: str) -> list[dict]:
-    """Every payload log record of `request_id`, oldest first. Clients choose their ids: one reused is found
-    as several records, and each is traced, never one silently in place of another."""
+    """Every payload log record of `request_id`, oldest first. Clients choose their ids: one reused
+    is found as several records, and each is traced, never one silently in place of another."""
     log_dir = Path(log_dir)
     files = sorted(log_dir.glob("*.jsonl")) if log_dir.is_dir() else []
     if not files:
@@ -35,7 +36,8 @@ def find_requests(log_dir: Path, request_id: str) -> list[dict]:
             f"no payload log files (*.jsonl) in {log_dir}: start the server with --payload-log "
             f"{log_dir} (requests are logged only while it is on, and only those sampled)"
         )
-    needle = json.dumps(request_id)  # as it appears in the JSON line
+    # as it appears in the JSON line
+    needle = json.dumps(request_id)
     found = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -44,7 +46,8 @@ def find_requests(log_dir: Path, request_id: str) -> list[dict]:
                     try:
                         record = json.loads(line)
                     except ValueError:
-                        continue  # a line cut short by a crash
+                        # a line cut short by a crash
+                        continue
                     if record.get("request_id") == request_id:
                         found.append(record)
     if not found:
@@ -80,7 +83,8 @@ def trace_record(request_id: str, record: dict, tracking_uri: str, echo) -> dict
     trail = {"record": record}
     try:
         trail |= walk_registry(model, tracking_uri, echo)
-    except Exception as exc:  # noqa: BLE001 - the store is gone or another one: say so, keep the record's facts
+    except Exception as exc:  # noqa: BLE001
+        # the store is gone or another one: say so, keep the record's facts
         echo(
             f"registry    not reachable ({first_line(exc)}); "
             f"the record names run {model.get('run_id') or '(none)'}"
@@ -89,8 +93,9 @@ def trace_record(request_id: str, record: dict, tracking_uri: str, echo) -> dict
 
 
 def registry_version(model: dict) -> tuple[str, str] | None:
-    """(registered name, version) the record's model was loaded from, or None when it was not a registry
-    version. A record of an older server names no source: its served name is taken as the registered one."""
+    """(registered name, version) the record's model was loaded from, or None when it was not a
+    registry version. A record of an older server names no source: its served name is taken as the
+    registered one."""
     source = model.get("source")
     if source is None:
         return model.get("name", "?"), str(model.get("version", "?"))
@@ -139,7 +144,8 @@ def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
                 f"models:/{name}@<alias>`"
             )
     found = Lineage.read(tags)
-    # The record's run is the one whose file answered; the registry's tag is what it should have been.
+    # The record's run is the one whose file answered; the registry's tag is what it should have
+    # been.
     run_id = model.get("run_id") or found.run_id
     if found.run_id and model.get("run_id") and found.run_id != model["run_id"]:
         echo(
@@ -171,9 +177,8 @@ def walk_registry(model: dict, tracking_uri: str, echo) -> dict:
         f"data        {found.data or run.data.params.get('data.component', '?')} {data_args or ''}".rstrip()
     )
     digests = found.data_sha256
-    if digests.get("train") and digests.get(
-        "val"
-    ):  # the run's MLflow datasets carry the same digests (pipeline verify checks it)
+    # the run's MLflow datasets carry the same digests (pipeline verify checks it)
+    if digests.get("train") and digests.get("val"):
         echo(
             f"datasets    train sha256 {digests['train'][:16]}, val sha256 {digests['val'][:16]} (the run's "
             "MLflow datasets)"

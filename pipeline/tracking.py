@@ -1,6 +1,7 @@
 """Every MLflow call the stages make, in one place.
 
-Calls that write run state are `uninterrupted`: a SIGTERM waits for them to finish (see stopping.py).
+Calls that write run state are `uninterrupted`: a SIGTERM waits for them to finish (see
+stopping.py).
 
 Embedded default: tracking in `sqlite:///<cwd>/mlflow.db` and artifacts in `<cwd>/mlartifacts`,
 nothing to start. A remote server (`http://...`) works the same way; it is checked before any
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
-from pipeline.errors import TrackingError  # noqa: F401 - raised here, defined with the others
+# raised here, defined with the others
+from pipeline.errors import TrackingError  # noqa: F401
 from pipeline.tools.faults import inject_fault
 from pipeline.tools.stopping import uninterrupted
 from serving import lineage
@@ -196,7 +198,8 @@ def free_port() -> int:
 
 def warn_without_gpu_metrics() -> bool:
     """MLflow samples NVIDIA GPUs only through pynvml (the nvidia-ml-py package) and otherwise skips
-    them with an INFO line nobody sees: say it once, as a warning, and how to get them. True if warned."""
+    them with an INFO line nobody sees: say it once, as a warning, and how to get them. True if
+    warned."""
     try:
         import pynvml  # noqa: F401
     except ImportError:
@@ -218,7 +221,8 @@ def start_run(
     gpu: bool = False,
 ) -> str:
     """Starts a run, or continues `run_id` (a resume keeps one run, not two); `skip_logged_steps`:
-    don't log again the steps it already holds (see `_logged_through`); `gpu`: training runs on CUDA."""
+    don't log again the steps it already holds (see `_logged_through`); `gpu`: training runs on
+    CUDA."""
     import mlflow
 
     if system_metrics and gpu:
@@ -261,8 +265,9 @@ def start_run(
     return run.info.run_id
 
 
-# A torchrun restart replays the steps between its checkpoint and the crash (bit-identically on CPU):
-# logged again, each would appear twice in the run's history. `start_run` sets this on such a restart.
+# A torchrun restart replays the steps between its checkpoint and the crash (bit-identically on
+# CPU): logged again, each would appear twice in the run's history. `start_run` sets this on such a
+# restart.
 _logged_through: int | None = None
 
 
@@ -276,7 +281,8 @@ def last_training_step_logged(run_id: str) -> int | None:
 
 @uninterrupted
 def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
-    """Logs to the active run; a step the continued run already holds is skipped (see `_logged_through`)."""
+    """Logs to the active run; a step the continued run already holds is skipped (see
+    `_logged_through`)."""
     import mlflow
 
     if step is not None and _logged_through is not None and step <= _logged_through:
@@ -295,16 +301,16 @@ def log_artifact(path: Path, artifact_path: str | None = None) -> None:
 
 
 def markdown_escaped(text: str) -> str:
-    """`text` as literal words in a description the MLflow UI renders as Markdown: "@champion" would become a
-    link to a code host's user page, `*` emphasis, `[..](..)` a link."""
+    """`text` as literal words in a description the MLflow UI renders as Markdown: "@champion" would
+    become a link to a code host's user page, `*` emphasis, `[..](..)` a link."""
     return re.sub(r"([\\`*_{}\[\]()#+!|<>@~-])", r"\\\1", text)
 
 
 def split_dataset(component: str, args: dict, found: dict, split: str, inputs: list[dict]):
-    """One split as an MLflow dataset: the data component and its args as the source, the content digest
-    (MLflow keeps 36 characters of it), the inputs as its schema (name, dtype, shape: one sample's, -1 first for
-    the batch) and a profile (samples, inputs, the targets' class counts or statistics), which the UI's dataset
-    drawer shows."""
+    """One split as an MLflow dataset: the data component and its args as the source, the content
+    digest (MLflow keeps 36 characters of it), the inputs as its schema (name, dtype, shape: one
+    sample's, -1 first for the batch) and a profile (samples, inputs, the targets' class counts or
+    statistics), which the UI's dataset drawer shows."""
     import numpy as np
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
@@ -321,10 +327,12 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
                 "targets": found.get("targets") or {},
             }
 
-        def to_dict(self):  # (MetaDataset's leaves the profile out)
+        # (MetaDataset's leaves the profile out)
+        def to_dict(self):
             return super().to_dict() | {"profile": json.dumps(self.profile)}
 
-    # A sharded split is its manifest (the digest is the manifest's: pipeline/shards/format.py): named beside the component.
+    # A sharded split is its manifest (the digest is the manifest's: pipeline/shards/format.py):
+    # named beside the component.
     shards = (
         {"manifest": found["manifest"], "shards": str(found["shards"])}
         if found.get("manifest")
@@ -357,8 +365,9 @@ def split_dataset(component: str, args: dict, found: dict, split: str, inputs: l
 
 @uninterrupted
 def log_table(rows: list[dict], artifact_file: str) -> None:
-    """`rows` (dicts of the same keys) as an MLflow table artifact of the active run, which the UI shows as one;
-    replaced, not appended to as mlflow.log_table would (an export run again would list both exports' rows)."""
+    """`rows` (dicts of the same keys) as an MLflow table artifact of the active run, which the UI
+    shows as one; replaced, not appended to as mlflow.log_table would (an export run again would
+    list both exports' rows)."""
     import mlflow
     import pandas as pd
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
@@ -366,9 +375,8 @@ def log_table(rows: list[dict], artifact_file: str) -> None:
     folder, _, name = artifact_file.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="trainserve-table-") as scratch:
         path = Path(scratch) / name
-        pd.DataFrame(rows).to_json(
-            path, orient="split", index=False
-        )  # (mlflow.log_table's own format)
+        # (mlflow.log_table's own format)
+        pd.DataFrame(rows).to_json(path, orient="split", index=False)
         mlflow.log_artifact(str(path), artifact_path=folder or None)
     listed = json.loads(
         mlflow.get_run(mlflow.active_run().info.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]")
@@ -381,15 +389,15 @@ def log_table(rows: list[dict], artifact_file: str) -> None:
 
 @uninterrupted
 def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: list[dict]) -> None:
-    """The run's training and validation splits as MLflow datasets (the run page's "Datasets", `split_dataset`);
-    the whole sha256 is the input's DATASET_SHA256 tag, beside the sample count."""
+    """The run's training and validation splits as MLflow datasets (the run page's "Datasets",
+    `split_dataset`); the whole sha256 is the input's DATASET_SHA256 tag, beside the sample
+    count."""
     import mlflow
 
     for split, found in digests.items():
         dataset = split_dataset(component, args, found, split, inputs)
-        samples = (
-            "unknown" if found["samples"] is None else str(found["samples"])
-        )  # a stream of the component's own
+        # a stream of the component's own
+        samples = "unknown" if found["samples"] is None else str(found["samples"])
         mlflow.log_input(
             dataset,
             context="training" if split == "train" else "validation",
@@ -421,7 +429,8 @@ def dataset_digests(run_id: str) -> dict[str, str]:
 
 
 def dataset_manifests(run_id: str) -> dict[str, str]:
-    """{"train"|"val": manifest location} of the sharded splits a run logged (their source names the manifest)."""
+    """{"train"|"val": manifest location} of the sharded splits a run logged (their source names the
+    manifest)."""
     found = {}
     for split, _, item in _logged_splits(run_id):
         try:
@@ -435,7 +444,8 @@ def dataset_manifests(run_id: str) -> dict[str, str]:
 
 @uninterrupted
 def log_code(files: dict[str, Path], packages: dict[str, str]) -> None:
-    """The run's component source under `code/` (see code_capture.py) and what it was installed with."""
+    """The run's component source under `code/` (see code_capture.py) and what it was installed
+    with."""
     import mlflow
 
     for name, path in files.items():
@@ -470,9 +480,9 @@ def set_tags(tags: dict[str, str], run_id: str | None = None) -> None:
 
 @uninterrupted
 def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> str | None:
-    """Ends this process's active run, if any, after marking `failed_stage` failed on it and dropping its
-    PROCESS tag (the process ends its run itself: nothing to close after it). The run's id, or None if there was
-    no active run."""
+    """Ends this process's active run, if any, after marking `failed_stage` failed on it and
+    dropping its PROCESS tag (the process ends its run itself: nothing to close after it). The run's
+    id, or None if there was no active run."""
     import mlflow
 
     global _logged_through
@@ -483,16 +493,17 @@ def end_run(status: str = "FINISHED", failed_stage: str | None = None) -> str | 
     if failed_stage:
         mark_stage(failed_stage, "failed")
     mlflow.end_run(status=status)
-    # After the run is ended: a process killed between the two leaves a stale PROCESS on an ended run, which
-    # close_if_orphaned never reads (it looks at RUNNING runs only); the other order could leave a RUNNING run
-    # that names no process, which nothing could close.
+    # After the run is ended: a process killed between the two leaves a stale PROCESS on an ended
+    # run, which close_if_orphaned never reads (it looks at RUNNING runs only); the other order
+    # could leave a RUNNING run that names no process, which nothing could close.
     release_process(run_id)
     return run_id
 
 
 def process_tag(status_before: str = "") -> dict[str, str]:
-    """The run's PROCESS tag while a stage runs: the process that made it RUNNING (host, pid, start time, command),
-    and the status a later stage's reopening found, to put back should that process die. Gone when it ends."""
+    """The run's PROCESS tag while a stage runs: the process that made it RUNNING (host, pid, start
+    time, command), and the status a later stage's reopening found, to put back should that process
+    die. Gone when it ends."""
     from pipeline.checkpoint.run_dir import this_process
 
     return {lineage.PROCESS: json.dumps({**this_process(), "status_before": status_before})}
@@ -509,8 +520,8 @@ def mark_stage(stage: str, state: str, run_id: str | None = None) -> None:
 
 
 def stage_state(run_id: str, stage: str) -> str:
-    """running | done | failed, or "" for a stage the run never started (a run of before the lineage contract: its
-    LEGACY_STAGE tag)."""
+    """running | done | failed, or "" for a stage the run never started (a run of before the lineage
+    contract: its LEGACY_STAGE tag)."""
     tags = get_run(run_id).data.tags
     return lineage.read_stages(tags.get(lineage.STAGES)).get(stage) or tags.get(
         lineage.LEGACY_STAGE + stage, ""
@@ -519,12 +530,14 @@ def stage_state(run_id: str, stage: str) -> str:
 
 @uninterrupted
 def release_process(run_id: str | None = None) -> None:
-    """Removes the PROCESS tag of a stage that ended: bookkeeping, not something to read on a finished run."""
+    """Removes the PROCESS tag of a stage that ended: bookkeeping, not something to read on a
+    finished run."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     run_id = run_id or mlflow.active_run().info.run_id
-    with contextlib.suppress(MlflowException):  # (already gone)
+    # (already gone)
+    with contextlib.suppress(MlflowException):
         mlflow.MlflowClient().delete_tag(run_id, lineage.PROCESS)
 
 
@@ -532,8 +545,8 @@ def release_process(run_id: str | None = None) -> None:
 def close_if_orphaned(run_id: str) -> str | None:
     """A run left RUNNING by a process that is gone (SIGKILL, the OOM killer, rank 0 under a plain
     torchrun, an export stopped mid-way): puts back the status a later stage found before reopening
-    it, else FAILED, and marks its running stage failed. Returns the status set, or None when the run
-    is not RUNNING or its owner is alive (or on another host, where nothing can be told)."""
+    it, else FAILED, and marks its running stage failed. Returns the status set, or None when the
+    run is not RUNNING or its owner is alive (or on another host, where nothing can be told)."""
     import mlflow
 
     from pipeline.checkpoint.run_dir import alive, describe
@@ -570,7 +583,8 @@ def close_if_orphaned(run_id: str) -> str | None:
 
 @uninterrupted
 def fail_if_running(run_id: str, stage: str) -> bool:
-    """Marks another process's run FAILED (and its `stage` failed) if it is still RUNNING; True if it was."""
+    """Marks another process's run FAILED (and its `stage` failed) if it is still RUNNING; True if
+    it was."""
     import mlflow
 
     client = mlflow.MlflowClient()
@@ -613,7 +627,8 @@ def log_consolidated(
 
 @contextlib.contextmanager
 def stage_run(stage: str, run_id: str | None, run_name: str):
-    """The active run a later stage logs to, as its id: `run_id` re-opened, else a new run `run_name`.
+    """The active run a later stage logs to, as its id: `run_id` re-opened, else a new run
+    `run_name`.
 
     Re-opening a training run marks it RUNNING; its own status (FINISHED, or FAILED) is put back on
     the way out, whatever happened inside. MLflow refusing a record becomes a TrackingError."""
@@ -624,9 +639,8 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
     if run is not None and close_if_orphaned(run.info.run_id):
         run = get_run(run_id)
     try:
-        if (
-            run is not None
-        ):  # who reopens it, and what to put back, recorded before it turns RUNNING
+        # who reopens it, and what to put back, recorded before it turns RUNNING
+        if run is not None:
             stages = lineage.read_stages(run.data.tags.get(lineage.STAGES)) | {stage: "running"}
             set_tags(
                 {**process_tag(run.info.status), lineage.STAGES: lineage.write_stages(stages)},
@@ -638,7 +652,8 @@ def stage_run(stage: str, run_id: str | None, run_name: str):
                 {**process_tag("FAILED"), lineage.STAGES: lineage.write_stages({stage: "running"})}
             )
         try:
-            inject_fault(f"stage_{stage}", 0)  # test hook: a stop while the run is reopened
+            # test hook: a stop while the run is reopened
+            inject_fault(f"stage_{stage}", 0)
             yield active
         except BaseException:
             end_run("FAILED", failed_stage=stage)
@@ -681,10 +696,10 @@ def log_onnx_model(
     data_file: Path | None = None,
     step: int = 0,
 ) -> str:
-    """The ONNX model as `model` of the active run, with its signature and one example; returns its URI.
-    `step`: the checkpoint's training step: MLflow links the run's metrics of that step (its validation metrics,
-    and through them the validation dataset) to the logged model.
-    `data_file`: the file `model` keeps its weights in (ONNX external data; `model` is then the graph only),
+    """The ONNX model as `model` of the active run, with its signature and one example; returns its
+    URI. `step`: the checkpoint's training step: MLflow links the run's metrics of that step (its
+    validation metrics, and through them the validation dataset) to the logged model. `data_file`:
+    the file `model` keeps its weights in (ONNX external data; `model` is then the graph only),
     logged beside model.onnx under its own name, the one the graph names."""
     import mlflow
 
@@ -692,9 +707,10 @@ def log_onnx_model(
         model,
         name="model",
         signature=signature,
-        # MLflow checks an example by running the model in onnxruntime before the data file can be put beside it
-        # (it fails, with a warning), and would hold another copy of the weights doing so; the export's gates ran
-        # the very file already. So a model with a data file is logged with its signature only.
+        # MLflow checks an example by running the model in onnxruntime before the data file can be
+        # put beside it (it fails, with a warning), and would hold another copy of the weights doing
+        # so; the export's gates ran the very file already. So a model with a data file is logged
+        # with its signature only.
         input_example=None if data_file else inputs,
         onnx_execution_providers=providers,
         # onnx + onnxruntime is all the model needs; inferring them spawns a process (~4 s).
@@ -711,10 +727,10 @@ def log_onnx_model(
 
 
 def _link_validation(model_id: str, step: int) -> None:
-    """The active run's metrics of `step` once more, now with the logged model and the split they were measured on:
-    val/* with the validation dataset, train/* (the last logged at or before `step`) with the training one. MLflow's
-    SQL store keeps no dataset on a run's metrics, and a logged model lists as "Datasets used" those of the metrics
-    linked to it."""
+    """The active run's metrics of `step` once more, now with the logged model and the split they
+    were measured on: val/* with the validation dataset, train/* (the last logged at or before
+    `step`) with the training one. MLflow's SQL store keeps no dataset on a run's metrics, and a
+    logged model lists as "Datasets used" those of the metrics linked to it."""
     import mlflow
 
     client = mlflow.MlflowClient()
@@ -740,12 +756,13 @@ def _link_validation(model_id: str, step: int) -> None:
 
 @uninterrupted
 def register_version(model_uri: str, name: str, alias: str | None, tags: dict[str, str]) -> str:
-    """A new version of registered model `name`, with `tags`, and `alias` (if any) moved to it; returns the
-    version. Version numbers are handed out atomically by the registry: promotion orders its decisions by them."""
+    """A new version of registered model `name`, with `tags`, and `alias` (if any) moved to it;
+    returns the version. Version numbers are handed out atomically by the registry: promotion orders
+    its decisions by them."""
     import mlflow
 
-    # MLflow prints "Successfully registered model"/"Created version" itself, past logging; export says
-    # it once in its own words ("registered NAME version N as @alias").
+    # MLflow prints "Successfully registered model"/"Created version" itself, past logging; export
+    # says it once in its own words ("registered NAME version N as @alias").
     with contextlib.redirect_stderr(io.StringIO()):
         version = mlflow.register_model(model_uri, name, tags=tags)
     if alias:
@@ -762,13 +779,14 @@ def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
         client.set_model_version_tag(name, version, key, value)
 
 
-DESCRIPTION_LIMIT = 5000  # MLflow's SQL stores keep a description in a String(5000)
+# MLflow's SQL stores keep a description in a String(5000)
+DESCRIPTION_LIMIT = 5000
 
 
 @uninterrupted
 def describe_version(name: str, version: str, description: str) -> None:
-    """The version's description, within what every MLflow store keeps (5,000 characters): past that, its middle is
-    cut, and its last paragraph (why it holds its alias, the newest) is kept."""
+    """The version's description, within what every MLflow store keeps (5,000 characters): past
+    that, its middle is cut, and its last paragraph (why it holds its alias, the newest) is kept."""
     import mlflow
 
     if len(description) > DESCRIPTION_LIMIT:
@@ -797,19 +815,18 @@ def describe_registered_model(name: str, description: str) -> None:
 
 @uninterrupted
 def record_lineage(section: str, value: dict, run_id: str | None = None) -> None:
-    """One stage's part of the run's whole lineage, in its one JSON artifact (lineage.RUN_FILE): the parts other
-    stages wrote are kept. The run's tags are the handful a person reads; this file is everything."""
+    """One stage's part of the run's whole lineage, in its one JSON artifact (lineage.RUN_FILE): the
+    parts other stages wrote are kept. The run's tags are the handful a person reads; this file is
+    everything."""
     import mlflow
 
     run_id = run_id or mlflow.active_run().info.run_id
     client = mlflow.MlflowClient()
     whole: dict = {}
-    if any(
-        a.path == lineage.RUN_FILE for a in client.list_artifacts(run_id)
-    ):  # else none yet; a failed read raises
-        with (
-            tempfile.TemporaryDirectory() as tmp
-        ):  # rather than rewrite the file with this part alone
+    # else none yet; a failed read raises
+    if any(a.path == lineage.RUN_FILE for a in client.list_artifacts(run_id)):
+        # rather than rewrite the file with this part alone
+        with tempfile.TemporaryDirectory() as tmp:
             whole = json.loads(
                 Path(client.download_artifacts(run_id, lineage.RUN_FILE, tmp)).read_text()
             )
@@ -840,7 +857,8 @@ def download_version_onnx(name: str, version: str, dest: Path) -> Path:
         )
     )
     try:
-        return find_onnx(local)  # the file a server of this version loads
+        # the file a server of this version loads
+        return find_onnx(local)
     except SourceError as exc:
         raise TrackingError(f"models:/{name}/{version}: {exc}") from None
 
@@ -884,8 +902,9 @@ def current_uri() -> str:
 
 
 def log_beside_model(model_uri: str, path: Path) -> None:
-    """`path` into the artifacts of the logged model `model_uri` (models:/<model id>), beside its model.onnx:
-    registered and downloaded with it (serving.loader picks a variant's file by name)."""
+    """`path` into the artifacts of the logged model `model_uri` (models:/<model id>), beside its
+    model.onnx: registered and downloaded with it (serving.loader picks a variant's file by
+    name)."""
     import mlflow
 
     mlflow.MlflowClient().log_model_artifact(model_uri.removeprefix("models:/"), str(path))

@@ -402,7 +402,8 @@ def held_elsewhere(manifest: dict, model) -> frozenset[str]:
 
 
 def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
-    """Rank 0 owns the run directory (see run_dir.py); every rank stops together if another run does."""
+    """Rank 0 owns the run directory (see run_dir.py); every rank stops together if another run
+    does."""
     error = None
     if info.is_main:
         try:
@@ -415,8 +416,8 @@ def claim_run_dir(run_dir: Path, info: DistInfo) -> None:
 
 
 def check_reachable_everywhere(run_dir: Path, info: DistInfo) -> None:
-    """A run directory on an object store: each rank (each host) reaches it with its own credentials and
-    endpoint; every rank stops together, with the first rank's reason, if one can't."""
+    """A run directory on an object store: each rank (each host) reaches it with its own credentials
+    and endpoint; every rank stops together, with the first rank's reason, if one can't."""
     if not object_store.is_url(run_dir):
         return
     try:
@@ -430,11 +431,12 @@ def check_reachable_everywhere(run_dir: Path, info: DistInfo) -> None:
 
 
 def check_shared(run_dir: Path, info: DistInfo) -> None:
-    """Every rank writes its own checkpoint shard into the run directory, and the marker, the resume and the
-    upload to MLflow need all of them in one place: a local train.output_dir must be one directory that every
-    rank sees (one host, or a filesystem all hosts mount). Rank 0 writes a nonce there; a rank that can't see
-    it is on a host with another disk, and the run stops before training instead of publishing checkpoints
-    that hold only rank 0's shard (which consolidation then can't read)."""
+    """Every rank writes its own checkpoint shard into the run directory, and the marker, the resume
+    and the upload to MLflow need all of them in one place: a local train.output_dir must be one
+    directory that every rank sees (one host, or a filesystem all hosts mount). Rank 0 writes a
+    nonce there; a rank that can't see it is on a host with another disk, and the run stops before
+    training instead of publishing checkpoints that hold only rank 0's shard (which consolidation
+    then can't read)."""
     if object_store.is_url(run_dir) or not info.distributed:
         return
     probe = None
@@ -486,24 +488,25 @@ def end_run_after_failure(run_dir: Path | None) -> None:
     """Close this process's MLflow run (if it has one) as KILLED (Ctrl-C) or FAILED (any other
     exception being handled), even if SIGTERM arrives meanwhile.
 
-    When a peer rank dies, this rank's collective fails at once (gloo; NCCL blocks until its timeout,
-    where only torchrun's SIGKILL ends the rank and the launcher closes the run) and torchrun's
-    SIGTERM follows within milliseconds. SIGTERM is ignored from here on (torchrun still escalates to SIGKILL after 30 s).
-    `main` calls this twice, from `except` and from `finally`, because the one SIGTERM can still land
-    before the first call ignores it; the second call then runs with SIGTERM ignored. Ending an ended
-    run is a no-op.
+    When a peer rank dies, this rank's collective fails at once (gloo; NCCL blocks until its
+    timeout, where only torchrun's SIGKILL ends the rank and the launcher closes the run) and
+    torchrun's SIGTERM follows within milliseconds. SIGTERM is ignored from here on (torchrun still
+    escalates to SIGKILL after 30 s). `main` calls this twice, from `except` and from `finally`,
+    because the one SIGTERM can still land before the first call ignores it; the second call then
+    runs with SIGTERM ignored. Ending an ended run is a no-op.
     """
     stopping.ignore_sigterm()
     status = "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
     try:
         ended = tracking.end_run(status, failed_stage="train")
-    except (
-        Exception
-    ) as exc:  # the failure being handled is the news; don't replace it with this one
+    except Exception as exc:
+        # the failure being handled is the news; don't replace it with this one
         log.error("could not mark the MLflow run %s: %s", status, exc)
         return
     if ended and run_dir is not None and not object_store.is_url(run_dir):
-        try:  # the launcher then need not open the store to close it (importing MLflow alone takes seconds)
+        # the launcher then need not open the store to close it (importing MLflow alone takes
+        # seconds)
+        try:
             write_run_record(run_dir, ended, status)
         except OSError as exc:
             log.error(
@@ -732,7 +735,8 @@ class MetricsLog:
 
 
 def resumed_at_epoch_end(run: Training, epoch: int) -> bool:
-    """A resume whose checkpoint was saved at its epoch's last step: that epoch rightly gives no step here."""
+    """A resume whose checkpoint was saved at its epoch's last step: that epoch rightly gives no
+    step here."""
     return epoch == run.epoch and run.step > 0
 
 
@@ -762,15 +766,16 @@ def mean_loss_over_ranks(
     info: DistInfo,
     layout: mesh.Layout | None = None,
 ) -> float:
-    """The mean training loss over the window's steps and every rank that computes one (a pipeline's earlier
-    stages add 0): collective, and the loop's one
-    read of the loss. Every rank raises TrainingDiverged here, at the same step, when any rank's loss
-    was NaN or infinite: a rank raising alone would leave its peers blocked in their next collective,
-    which under NCCL waits out the 10-minute timeout, beyond the reach of a SIGTERM handler, until
-    torchrun's SIGKILL ends them with their MLflow run still RUNNING."""
+    """The mean training loss over the window's steps and every rank that computes one (a pipeline's
+    earlier stages add 0): collective, and the loop's one read of the loss. Every rank raises
+    TrainingDiverged here, at the same step, when any rank's loss was NaN or infinite: a rank
+    raising alone would leave its peers blocked in their next collective, which under NCCL waits out
+    the 10-minute timeout, beyond the reach of a SIGTERM handler, until torchrun's SIGKILL ends them
+    with their MLflow run still RUNNING."""
     values = torch.zeros(1 + info.world_size, dtype=torch.float64, device=info.device)
     values[0] = window_loss
-    values[1 + info.rank] = (~torch.isfinite(window_loss)).double()  # which ranks, for the message
+    # which ranks, for the message
+    values[1 + info.rank] = (~torch.isfinite(window_loss)).double()
     total, *flags = distributed.sum_over_ranks(values, info).tolist()
     holders = info.world_size // (layout.pp if layout else 1)
     mean = total / (window_steps * holders)
@@ -785,7 +790,8 @@ def mean_loss_over_ranks(
 
 
 def chunked(loader, size: int):
-    """Groups of `size` micro-batches; a trailing incomplete group is dropped (drop_last semantics)."""
+    """Groups of `size` micro-batches; a trailing incomplete group is dropped (drop_last
+    semantics)."""
     batches = iter(loader)
     while True:
         group = list(itertools.islice(batches, size))
@@ -853,7 +859,8 @@ def train_step(learner: Learner, micro_batches, want_norm: bool) -> tuple[torch.
 def sync_context(model, last_micro_batch: bool):
     if isinstance(model, DDP):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    # FSDP2
+    if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
 
@@ -900,7 +907,8 @@ def evaluate(run: Training, step: int | None = None) -> tuple[dict[str, float], 
 
 
 def default_run_name(cfg: Config) -> str:
-    """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their checkpoints."""
+    """Stable across torchrun restarts (TORCHELASTIC_RUN_ID), so restarted workers find their
+    checkpoints."""
     if cfg.train.run_name:
         return cfg.train.run_name
     stem = (
@@ -915,8 +923,8 @@ def default_run_name(cfg: Config) -> str:
 
 def choose_resume(requested: str | None, ckpt_root: Path, restarts: int) -> str | None:
     """After torchrun restarts the workers (`restarts`: the job's count, every node's, see
-    distributed.job_restarts), continue from the run's newest complete checkpoint, even when the first
-    attempt was itself resumed from elsewhere (that one is older)."""
+    distributed.job_restarts), continue from the run's newest complete checkpoint, even when the
+    first attempt was itself resumed from elsewhere (that one is older)."""
     if restarts > 0 and (requested is None or checkpoint.latest(ckpt_root) is not None):
         log.info(
             "torchrun restart %d: resuming from the newest complete checkpoint, if any", restarts
@@ -926,14 +934,15 @@ def choose_resume(requested: str | None, ckpt_root: Path, restarts: int) -> str 
 
 
 def read_run_id(run_dir: Path) -> str | None:
-    """The MLflow run of this run directory, kept so a restart before the first checkpoint continues it."""
+    """The MLflow run of this run directory, kept so a restart before the first checkpoint continues
+    it."""
     record = read_run_record(run_dir)
     return record["run_id"] if record else None
 
 
 def read_run_record(run_dir: Path) -> dict | None:
-    """mlflow_run.json: {"run_id": the run directory's MLflow run} while a process has it open, and "ended": its
-    status once the process that had it ended it after a failure (write_run_record)."""
+    """mlflow_run.json: {"run_id": the run directory's MLflow run} while a process has it open, and
+    "ended": its status once the process that had it ended it after a failure (write_run_record)."""
     f = run_dir / "mlflow_run.json"
     if not f.exists():
         return None
@@ -994,8 +1003,9 @@ def restore_train_state(
 
 
 def saved_data_parallel(meta: dict) -> int:
-    """The ranks a checkpoint's data was dealt over. Checkpoints from before pipeline parallelism recorded only the
-    world size: their tensor-parallel groups (train.parallel.tp in their config) read one batch each."""
+    """The ranks a checkpoint's data was dealt over. Checkpoints from before pipeline parallelism
+    recorded only the world size: their tensor-parallel groups (train.parallel.tp in their config)
+    read one batch each."""
     state = meta["train_state"]
     if "data_parallel" in state:
         return state["data_parallel"]
@@ -1035,8 +1045,8 @@ def start_tracking(
     }
     resumed = run_id is not None
     if resumed:
-        # Before the run turns RUNNING again: an "ended" left by the failed attempt would tell the launcher this
-        # attempt closed it too, should it be killed before it can say otherwise.
+        # Before the run turns RUNNING again: an "ended" left by the failed attempt would tell the
+        # launcher this attempt closed it too, should it be killed before it can say otherwise.
         write_run_record(run_dir, run_id)
     run_id = tracking.start_run(
         run_dir.name,
@@ -1047,10 +1057,12 @@ def start_tracking(
         gpu=info.device.type == "cuda",
     )
     if resumed:
-        inject_fault("run_reopened", 0, info)  # test hook: killed as the run turns RUNNING again
+        # test hook: killed as the run turns RUNNING again
+        inject_fault("run_reopened", 0, info)
     tracking.mark_stage("train", "running")
     if not resumed:
-        # The config as given, and the model's arguments as built (those the data suggested included).
+        # The config as given, and the model's arguments as built (those the data suggested
+        # included).
         tracking.log_params(
             {**flatten(cfg), **{f"model.args.{k}": v for k, v in spec.args.items()}}
         )
@@ -1065,7 +1077,8 @@ def start_tracking(
     for why in code.skipped:
         log.warning("component code not logged: %s", why)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resumed:  # (a resumed run's was written above)
+    # (a resumed run's was written above)
+    if not resumed:
         write_run_record(run_dir, run_id)
     write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     return run_id
@@ -1206,13 +1219,12 @@ def torchrun_command(
 
 
 def launch_torchrun(args, cfg: Config) -> int:
-    """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts. This
-    launcher owns the run directory throughout, torchrun's restarts included."""
+    """Re-runs this stage under torchrun, with the run name fixed once for all ranks and restarts.
+    This launcher owns the run directory throughout, torchrun's restarts included."""
     run_name = cfg.train.run_name or default_run_name(cfg)
     run_dir = object_store.location(cfg.train.output_dir) / run_name
-    if not object_store.is_url(
-        run_dir
-    ):  # on an object store rank 0 holds the lease, restarts included
+    # on an object store rank 0 holds the lease, restarts included
+    if not object_store.is_url(run_dir):
         run_dir_owner.claim(run_dir)
     cmd = torchrun_command(
         args.nproc_per_node,
@@ -1229,7 +1241,8 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
     a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
     code = launch.run_torchrun(cmd)
     record = read_run_record(run_dir) if code else None
-    if record and not record.get("ended"):  # (ended: rank 0 closed it itself)
+    # (ended: rank 0 closed it itself)
+    if record and not record.get("ended"):
         run_id = record["run_id"]
         try:
             tracking.use_store(cfg.tracking.tracking_uri)
@@ -1239,7 +1252,8 @@ def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
                     f"marked MLflow run {run_id} FAILED",
                     file=sys.stderr,
                 )
-        except Exception as exc:  # the workers' failure is the news; don't bury it under this one
+        except Exception as exc:
+            # the workers' failure is the news; don't bury it under this one
             print(f"pipeline train: could not close MLflow run {run_id}: {exc}", file=sys.stderr)
     return code
 
@@ -1259,9 +1273,8 @@ def cli(args) -> int:
             tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
             if object_store.is_url(cfg.train.output_dir):
                 object_store.check_reachable(cfg.train.output_dir)
-            preflight(
-                cfg.data, cfg.task, cfg.model, cfg.train, cfg.export
-            )  # the data, task and model components, checked on real samples
+            # the data, task and model components, checked on real samples
+            preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
             return launch_torchrun(args, cfg)
         main(cfg, resume=args.resume)
         return 0
@@ -1279,8 +1292,8 @@ def cli(args) -> int:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 3
     except Exception:
-        # Another rank met bad input and said so (launch.say_error): this rank's failure, a collective
-        # whose peer left ("Connection closed by peer"), is its echo, not news.
+        # Another rank met bad input and said so (launch.say_error): this rank's failure, a
+        # collective whose peer left ("Connection closed by peer"), is its echo, not news.
         if launch.another_rank_said_why():
             return 2
         raise

@@ -1,11 +1,12 @@
 """`pipeline ui`: the MLflow UI over the same store the stages write to.
 
-With the embedded default (a SQLite file) it starts `mlflow server` on 127.0.0.1 and, once the server
-answers, prints the address to open: the runs of the experiment trained last, in MLflow's model-training
-mode, with each run's primary validation metric as a column (`#/experiments/ID/runs`; MLflow 3 opens an
-experiment on its GenAI traces page otherwise). With a remote tracking server the UI is that server, so it only says where to look.
-MLflow's start-up chatter (its log lines, Python warnings, the security-middleware note) is left out
-unless `--verbose`; its warnings and errors pass.
+With the embedded default (a SQLite file) it starts `mlflow server` on 127.0.0.1 and, once the
+server answers, prints the address to open: the runs of the experiment trained last, in MLflow's
+model-training mode, with each run's primary validation metric as a column (`#/experiments/ID/runs`;
+MLflow 3 opens an experiment on its GenAI traces page otherwise). With a remote tracking server the
+UI is that server, so it only says where to look. MLflow's start-up chatter (its log lines, Python
+warnings, the security-middleware note) is left out unless `--verbose`; its warnings and errors
+pass.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 
 from pipeline import tracking
 
-# MLflow keeps a page's columns in a "shared view" the UI reads from this experiment tag, named after
-# the address's viewStateShareKey (its share button writes the same).
+# MLflow keeps a page's columns in a "shared view" the UI reads from this experiment tag, named
+# after the address's viewStateShareKey (its share button writes the same).
 VIEW_TAG = "mlflow.sharedViewState."
 # What `mlflow server` prints at every start that says nothing to act on; --verbose shows it.
 CHATTER = re.compile(r"^\[MLflow\] Security middleware enabled with default settings")
@@ -91,7 +92,8 @@ def cli(args) -> int:
 
 
 def remote_address(uri: str) -> str:
-    """The runs address on a tracking server (runs_address), or the server's own where it can't be read."""
+    """The runs address on a tracking server (runs_address), or the server's own where it can't be
+    read."""
     import mlflow
 
     # Retries on a dead server would hide it for minutes, as in tracking.setup.
@@ -105,9 +107,9 @@ def remote_address(uri: str) -> str:
 
 def runs_address(tracking_uri: str, base: str) -> str:
     """The address of the runs list of the experiment with the newest run, showing the runs' primary
-    validation metrics (`val/<m>` for each `best/val_<m>` the monitor logged) as columns; the UI's home
-    when the store has no run. The columns are a shared view, an experiment tag, written here; where
-    the store refuses the tag, the runs list has MLflow's default columns."""
+    validation metrics (`val/<m>` for each `best/val_<m>` the monitor logged) as columns; the UI's
+    home when the store has no run. The columns are a shared view, an experiment tag, written here;
+    where the store refuses the tag, the runs list has MLflow's default columns."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri)
@@ -116,7 +118,8 @@ def runs_address(tracking_uri: str, base: str) -> str:
     if not newest:
         return f"{base}/"
     experiment = newest[0].info.experiment_id
-    # MLflow 3 opens in its GenAI mode (traces, judges, prompts) unless the address asks for model training.
+    # MLflow 3 opens in its GenAI mode (traces, judges, prompts) unless the address asks for model
+    # training.
     address = f"{base}/#/experiments/{experiment}/runs?workflowType=machine_learning"
     metrics = primary_metrics(client.search_runs([experiment], max_results=100))
     if not metrics:
@@ -139,8 +142,8 @@ def runs_address(tracking_uri: str, base: str) -> str:
 
 
 def primary_metrics(runs) -> list[str]:
-    """`val/<m>` for every `best/val_<m>` the runs logged (the metric their best checkpoint was chosen by),
-    the newest run's first."""
+    """`val/<m>` for every `best/val_<m>` the runs logged (the metric their best checkpoint was
+    chosen by), the newest run's first."""
     found: list[str] = []
     for run in runs:
         for key in sorted(run.data.metrics):
@@ -151,10 +154,10 @@ def primary_metrics(runs) -> list[str]:
 
 
 def run_until_stopped(cmd: list[str], health: str, ready: str, verbose: bool = False) -> int:
-    """Runs `mlflow server` and prints `ready` once `health` answers. `mlflow server` starts gunicorn or
-    uvicorn, which start workers: stopping only the process we started left them serving the port. So it
-    runs in a process group of its own, and SIGINT or SIGTERM to us stops the whole group (SIGKILL for
-    what is still there after 10 s)."""
+    """Runs `mlflow server` and prints `ready` once `health` answers. `mlflow server` starts
+    gunicorn or uvicorn, which start workers: stopping only the process we started left them serving
+    the port. So it runs in a process group of its own, and SIGINT or SIGTERM to us stops the whole
+    group (SIGKILL for what is still there after 10 s)."""
     proc = subprocess.Popen(
         cmd,
         env=server_env(verbose),
@@ -164,9 +167,10 @@ def run_until_stopped(cmd: list[str], health: str, ready: str, verbose: bool = F
         start_new_session=True,
     )
     threading.Thread(target=_pass_on, args=(proc.stdout, verbose), daemon=True).start()
-    # SIGINT too, explicitly: a process started in the background by a shell without job control (`cmd &` in a
-    # script, nohup, a CI runner) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it:
-    # Ctrl-C or `kill -INT` would leave the UI running (seen in a full test run; alone it passed).
+    # SIGINT too, explicitly: a process started in the background by a shell without job control
+    # (`cmd &` in a script, nohup, a CI runner) inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt for it: Ctrl-C or `kill -INT` would leave the UI running (seen in a full
+    # test run; alone it passed).
     previous = {
         sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)
     }
@@ -183,7 +187,8 @@ def run_until_stopped(cmd: list[str], health: str, ready: str, verbose: bool = F
 
 
 def _pass_on(output, verbose: bool) -> None:
-    """The server's output on our stderr, line by line, without its start-up chatter unless verbose."""
+    """The server's output on our stderr, line by line, without its start-up chatter unless
+    verbose."""
     for line in output:
         if verbose or not CHATTER.match(line):
             sys.stderr.write(line)
@@ -213,7 +218,8 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     _signal_group(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _group_alive(proc.pid) and time.monotonic() < deadline:
-        proc.poll()  # reap mlflow itself: a zombie leader still counts as a member of its group
+        # reap mlflow itself: a zombie leader still counts as a member of its group
+        proc.poll()
         time.sleep(0.1)
     _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -221,9 +227,8 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 def _signal_group(pgid: int, sig: int) -> None:
     try:
-        os.killpg(
-            pgid, sig
-        )  # the group outlives its leader: signal it even when mlflow itself is gone
+        # the group outlives its leader: signal it even when mlflow itself is gone
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
 

@@ -1,17 +1,20 @@
-"""`pipeline verify models:/<name>@<alias> [--server URL]`: re-proves the chain behind the served bytes.
+"""`pipeline verify models:/<name>@<alias> [--server URL]`: re-proves the chain behind the served
+bytes.
 
 One line per link, `ok`, `FAIL` or `skip` (a link whose artifact can't be reached is skipped, not
-failed, and says why); exit 1 on any FAIL, else 3 when a link was skipped (the chain is incomplete: not
-proven, not broken), 0 only when every link was checked:
+failed, and says why); exit 1 on any FAIL, else 3 when a link was skipped (the chain is incomplete:
+not proven, not broken), 0 only when every link was checked:
 
     registry     the alias -> a version, with the lineage tags export wrote
-    onnx         the registered ONNX file's sha256 equals the version's recorded one, and so does its
-                 external data file's (model.onnx.data, the weights of a graph past 2 GB) when it has one
-    lineage      the ONNX's own metadata (weights and model.json hashes, run) equals the version's tags
-    weights      the run's model.safetensors hashes to what its model.json says, and model.json to what
-                 the ONNX recorded
-    checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file), and
-                 consolidating it again gives byte-identical weights
+    onnx         the registered ONNX file's sha256 equals the version's recorded one, and so does
+                 its external data file's (model.onnx.data, the weights of a graph past 2 GB) when
+                 it has one
+    lineage      the ONNX's own metadata (weights and model.json hashes, run) equals the version's
+                 tags
+    weights      the run's model.safetensors hashes to what its model.json says, and model.json to
+                 what the ONNX recorded
+    checkpoint   the checkpoint the weights came from is intact (its marker's sha256 of every file),
+                 and consolidating it again gives byte-identical weights
     graph        the registered ONNX is, node for node and initializer for initializer, a
                  fresh export of those weights (metadata aside): the bytes that compute
                  answers come from the weights
@@ -21,12 +24,12 @@ The sha256 record (`onnx`) and the metadata (`lineage`) are the store's word: wh
 store can rewrite them with the file. `graph` is what ties the file to the weights, and `weights`
 and `checkpoint` tie those to the training run; verify proves the chain from the checkpoint to the
 served bytes, not who wrote the store (a checkpoint replaced with its marker is a chain that holds).
-    data         the content digests of the training and validation splits the version names are the ones its
-                 training run logged as its MLflow datasets, and the drift baseline registered beside the ONNX
-                 hashes to the version's recorded sha256
+    data         the content digests of the training and validation splits the version names are the
+                 ones its training run logged as its MLflow datasets, and the drift baseline
+                 registered beside the ONNX hashes to the version's recorded sha256
     server       (--server) the live server serves this version, with these weights, and says so in
-                 its model metadata and in the receipt headers of a real inference; the sha256 of the ONNX
-                 bytes it loaded (X-Model-Onnx-Sha256) is one the version records
+                 its model metadata and in the receipt headers of a real inference; the sha256 of
+                 the ONNX bytes it loaded (X-Model-Onnx-Sha256) is one the version records
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import VerifyError  # noqa: F401 - raised here, defined with the others
+# raised here, defined with the others
+from pipeline.errors import VerifyError  # noqa: F401
 from pipeline.tools import logs
 from pipeline.tools.logs import clip, first_line
 from serving import lineage
@@ -53,7 +57,8 @@ log = logging.getLogger("pipeline.verify")
 @dataclass
 class Link:
     name: str
-    status: str  # ok | FAIL | skip
+    # ok | FAIL | skip
+    status: str
     detail: str
 
     def line(self) -> str:
@@ -156,16 +161,16 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 
     try:
         path = tracking.download_version_onnx(name, version, tmp / "onnx")
-    except Exception as exc:  # noqa: BLE001 - whatever the store raises
+    except Exception as exc:  # noqa: BLE001
+        # whatever the store raises
         report(
             Link("onnx", "FAIL", f"models:/{name}/{version} can't be fetched: {first_line(exc)}")
         )
         return None, {}
     checked = [path]
     data_name = onnx_export.data_path(path).name
-    if (data := data_file_of(path)) is not None or lineage.recorded_sha256(
-        tags, data_name
-    ):  # weights past 2 GB
+    # weights past 2 GB
+    if (data := data_file_of(path)) is not None or lineage.recorded_sha256(tags, data_name):
         checked.append(data or onnx_export.data_path(path))
     said, ok = [], True
     for file in checked:
@@ -185,7 +190,8 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
         props = {
             p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props
         }
-    except Exception as exc:  # noqa: BLE001 - a damaged file
+    except Exception as exc:  # noqa: BLE001
+        # a damaged file
         report(Link("lineage", "FAIL", f"the ONNX file can't be parsed: {first_line(exc)}"))
         return path, {}
     said_file, said_version = Lineage.read(props), Lineage.read(tags)
@@ -208,8 +214,8 @@ def onnx_link(name: str, version: str, tags: dict, tmp: Path, report) -> tuple[P
 
 
 def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
-    """model.safetensors + model.json from the training run's consolidated/ artifacts (else the local
-    run directory), checked against each other and against what the ONNX recorded."""
+    """model.safetensors + model.json from the training run's consolidated/ artifacts (else the
+    local run directory), checked against each other and against what the ONNX recorded."""
     from pipeline import tracking
     from serving.lineage import file_sha256
 
@@ -264,18 +270,20 @@ def weights_link(tags: dict, props: dict, tmp: Path, report) -> Path | None:
 
 
 def _local_run_dir(run_id: str) -> Path:
-    """The run's directory on this machine, as its RUN_DIR tag names it (a version names no path)."""
+    """The run's directory on this machine, as its RUN_DIR tag names it (a version names no
+    path)."""
     from pipeline import tracking
 
     try:
         return Path(tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR) or "/nonexistent")
-    except Exception:  # noqa: BLE001 - no such run, the store unreachable
+    except Exception:  # noqa: BLE001
+        # no such run, the store unreachable
         return Path("/nonexistent")
 
 
 def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
-    """Where the checkpoint is reachable (its local path, else the run's uploaded copy): intact, and it
-    consolidates again to the very same bytes."""
+    """Where the checkpoint is reachable (its local path, else the run's uploaded copy): intact, and
+    it consolidates again to the very same bytes."""
     from pipeline import checkpoint, consolidate, tracking
     from serving.lineage import file_sha256
 
@@ -304,7 +312,8 @@ def checkpoint_link(weights_dir: Path, tmp: Path, report) -> None:
             dtype=meta.get("dtype", "fp32"),
             log_to_mlflow=False,
         )
-    except Exception as exc:  # noqa: BLE001 - CheckpointError names the file at fault
+    except Exception as exc:  # noqa: BLE001
+        # CheckpointError names the file at fault
         report(Link("checkpoint", "FAIL", first_line(exc)))
         return
     digest = file_sha256(again)
@@ -337,7 +346,8 @@ def model_links(
         return
     try:
         ref = export.reference(weights_dir, trusted)
-    except Exception as exc:  # noqa: BLE001 - an untrusted component, data that can't be read: said
+    except Exception as exc:  # noqa: BLE001
+        # an untrusted component, data that can't be read: said
         why = f"the model can't be rebuilt from the weights: {first_line(exc)}"
         report(Link("graph", "FAIL", why))
         report(Link("gates", "FAIL", f"could not run: {why}"))
@@ -354,7 +364,8 @@ def graph_link(ref, onnx_path: Path, tmp: Path, report) -> None:
 
     try:
         differences, exported = export.rederive(ref, onnx_path, tmp)
-    except Exception as exc:  # noqa: BLE001 - a graph that does not parse, an exporter failure
+    except Exception as exc:  # noqa: BLE001
+        # a graph that does not parse, an exporter failure
         report(Link("graph", "FAIL", f"could not export the weights again: {first_line(exc)}"))
         return
     if not differences:
@@ -394,7 +405,8 @@ def gates_link(ref, onnx_path: Path, report) -> None:
 
     try:
         results = export.regate(ref, onnx_path)
-    except Exception as exc:  # noqa: BLE001 - a broken file fails the gates with the reason
+    except Exception as exc:  # noqa: BLE001
+        # a broken file fails the gates with the reason
         report(Link("gates", "FAIL", f"could not run: {first_line(exc)}"))
         return
     failed = [f"{k}: {v['message']}" for k, v in results.items() if not v["passed"]]
@@ -410,8 +422,9 @@ def gates_link(ref, onnx_path: Path, report) -> None:
 
 
 def data_link(tags: dict, onnx_path: Path | None, report) -> None:
-    """The data behind the version: its split digests against the run's logged datasets; the drift baseline
-    (drift_reference.json, downloaded with the ONNX) against the version's recorded hash."""
+    """The data behind the version: its split digests against the run's logged datasets; the drift
+    baseline (drift_reference.json, downloaded with the ONNX) against the version's recorded
+    hash."""
     from pipeline import tracking
     from serving import drift
     from serving.lineage import file_sha256
@@ -428,7 +441,8 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
         return
     try:
         logged = tracking.dataset_digests(tags.get(lineage.RUN_ID, ""))
-    except Exception as exc:  # noqa: BLE001 - whatever the store raises
+    except Exception as exc:  # noqa: BLE001
+        # whatever the store raises
         report(Link("data", "skip", f"the run's datasets can't be read: {first_line(exc)}"))
         return
     problems = [
@@ -461,21 +475,24 @@ def data_link(tags: dict, onnx_path: Path | None, report) -> None:
 
 
 def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], list[str]]:
-    """A sharded split's digest is its manifest's (pipeline/shards/format.py): the manifests the run's datasets
-    name, read again where they are, must still have the digests the version records. (problems, notes)"""
+    """A sharded split's digest is its manifest's (pipeline/shards/format.py): the manifests the
+    run's datasets name, read again where they are, must still have the digests the version records.
+    (problems, notes)"""
     from pipeline import tracking
     from pipeline.shards import format as shard_format
 
     problems, notes = [], []
     try:
         manifests = tracking.dataset_manifests(run_id)
-    except Exception:  # noqa: BLE001 - the digests above already said whether the run can be read
+    except Exception:  # noqa: BLE001
+        # the digests above already said whether the run can be read
         return problems, notes
     for split, location in sorted(manifests.items()):
         try:
             manifest = shard_format.read_manifest(location)
             shard_format.check_against_store(manifest)
-        except Exception as exc:  # noqa: BLE001 - moved, unreachable store, damaged: said, not a crash
+        except Exception as exc:  # noqa: BLE001
+            # moved, unreachable store, damaged: said, not a crash
             notes.append(f"{split} manifest {location} not checked: {first_line(exc)}")
             continue
         if manifest.digest != recorded.get(split):
@@ -494,15 +511,17 @@ def manifest_checks(run_id: str, recorded: dict[str, str]) -> tuple[list[str], l
 def server_link(
     url: str, name: str, version: str, tags: dict, props: dict, token: str, report
 ) -> None:
-    """The server's own word (model metadata) and its receipts on a real inference, against the registry: the
-    weights the file claims, and the hash of the bytes the server loaded against the ones the version records
-    (model.onnx's or a variant's), since a file's claims are only as good as its bytes."""
+    """The server's own word (model metadata) and its receipts on a real inference, against the
+    registry: the weights the file claims, and the hash of the bytes the server loaded against the
+    ones the version records (model.onnx's or a variant's), since a file's claims are only as good
+    as its bytes."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = url.rstrip("/")
     try:
         meta = _get_json(f"{base}/v2/models/{name}", headers)
         receipt = _infer_receipt(base, name, meta, headers)
-    except Exception as exc:  # noqa: BLE001 - connection refused, 4xx, a non-JSON answer
+    except Exception as exc:  # noqa: BLE001
+        # connection refused, 4xx, a non-JSON answer
         report(Link("server", "FAIL", f"{base}: {first_line(exc)}"))
         return
     served = {
@@ -548,8 +567,9 @@ def _get_json(url: str, headers: dict) -> dict:
 
 
 def _infer_receipt(base: str, name: str, meta: dict, headers: dict) -> dict[str, str]:
-    """One V2 inference of zeros in the shapes the server declares (not the image files an image model also takes
-    in place of its input: parameters.image_input); returns its response headers."""
+    """One V2 inference of zeros in the shapes the server declares (not the image files an image
+    model also takes in place of its input: parameters.image_input); returns its response
+    headers."""
     import numpy as np
 
     from serving.codec import V2_DTYPES
@@ -616,7 +636,8 @@ def cli(args: argparse.Namespace) -> int:
     # imported first, so that the quiet levels configure sets are the last word.
     import torch  # noqa: F401
 
-    logs.configure(level=logging.WARNING)  # the links are the output
+    # the links are the output
+    logs.configure(level=logging.WARNING)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from pipeline.tracking import TrackingError
 
@@ -629,7 +650,8 @@ def cli(args: argparse.Namespace) -> int:
 
 
 def verdict(links: list[Link], model_uri: str) -> int:
-    """The last line and the exit code: a skipped link is no proof, so 'verified' needs every one checked."""
+    """The last line and the exit code: a skipped link is no proof, so 'verified' needs every one
+    checked."""
     broken = [link.name for link in links if link.status == "FAIL"]
     skipped = [link.name for link in links if link.status == "skip"]
     if broken:

@@ -32,7 +32,8 @@ from serving.staging import BUFFERS, PAGE, BatchBuffers
 
 try:
     from serving import _ingest
-except ImportError:  # not built: one process only (serving/front_ends.py refuses front ends)
+except ImportError:
+    # not built: one process only (serving/front_ends.py refuses front ends)
     _ingest = None
 
 WHY_NOT = (

@@ -368,10 +368,13 @@ class Batcher:
         with self._lock:
             if not self._closing:
                 if self._batch:
-                    return  # a run is under way: the engine looks at what is queued when it returns
+                    # a run is under way: the engine looks at what is queued when it returns
+                    return
                 next_batch = self._next_batch()
                 if next_batch is None or self._should_wait(self._runner, *next_batch[1:]):
-                    return  # nothing left (the engine took it); or waiting: its timer or a later kick tells it
+                    # nothing left (the engine took it); or waiting: its timer or a later kick tells
+                    # it
+                    return
         self._runner.ready(self)
 
     def _kick_coming(self) -> bool:
@@ -433,7 +436,8 @@ class Batcher:
                 return
             span, rows, oldest, open_ = next_batch
             if self.merge and rows < self.max_batch_size and self._kick_coming():
-                return  # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
+                # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
+                return
             if self._should_wait(runner, rows, oldest, open_):
                 return
             if span is not None:
@@ -447,7 +451,8 @@ class Batcher:
                 self._run_span(runner, span, jobs)
             else:
                 self._run_batch(runner, jobs)
-        except Exception as exc:  # noqa: BLE001 - a bug of ours: the batch's requests still get an answer
+        except Exception as exc:  # noqa: BLE001
+            # a bug of ours: the batch's requests still get an answer
             log.exception("running a batch failed")
             _deliver([(job, exc, True) for job in jobs])
         # (a BaseException, the thread being killed, leaves self._batch for runner_died to fail)
@@ -538,7 +543,8 @@ class Batcher:
         fails, each job runs again alone."""
         placements = self._placements
         outcome = self._timed_run(runner, jobs, lambda: self._run_rows(placements.batch(span)))
-        if outcome is None:  # timed out: its requests were failed by the watchdog
+        # timed out: its requests were failed by the watchdog
+        if outcome is None:
             return
         outputs, error, run = outcome
         if error is None:
@@ -564,7 +570,8 @@ class Batcher:
         self._one_by_one(runner, jobs, error)
 
     def _run_batch(self, runner, jobs: list[_Job]) -> None:
-        """Runs queued `jobs` as one batch and answers each; if it fails, each job runs again alone."""
+        """Runs queued `jobs` as one batch and answers each; if it fails, each job runs again
+        alone."""
         outcome = self._timed_run(
             runner,
             jobs,
@@ -572,7 +579,8 @@ class Batcher:
                 self._placements.gather([j.feeds for j in jobs], sum(j.rows for j in jobs))
             ),
         )
-        if outcome is None:  # timed out: its requests were failed by the watchdog
+        # timed out: its requests were failed by the watchdog
+        if outcome is None:
             return
         outputs, error, run = outcome
         if error is None:
@@ -636,7 +644,8 @@ class Batcher:
         runner.began(timed)
         try:
             outputs, error = run(), None
-        except Exception as exc:  # the model (or anything else) failed: the batch learns why
+        except Exception as exc:
+            # the model (or anything else) failed: the batch learns why
             outputs, error = None, exc
         finally:
             runner.ended()
@@ -652,15 +661,16 @@ class Batcher:
             )
             return None
         if self._on_batch is not None:
-            # Queue time runs until the engine thread began this run (other models' runs may go first);
-            # compute time is the run itself.
+            # Queue time runs until the engine thread began this run (other models' runs may go
+            # first); compute time is the run itself.
             try:
                 self._on_batch(
                     sum(j.rows for j in jobs),
                     ended - timed.started,
                     [timed.started - j.arrived for j in jobs],
                 )
-            except Exception:  # noqa: BLE001 - a metric must never fail an answer
+            except Exception:  # noqa: BLE001
+                # a metric must never fail an answer
                 log.exception("recording a batch's metrics failed")
         return outputs, error, timed
 
@@ -697,7 +707,8 @@ class Batcher:
             skipped: list[_Job] = []
             while self._queue and rows < self.max_batch_size:
                 job = self._queue[0]
-                if job.future.done():  # its caller gave up
+                # its caller gave up
+                if job.future.done():
                     self.queued_rows -= self._queue.popleft().rows
                     continue
                 if _layout(job.feeds) != layout:
@@ -739,7 +750,8 @@ def _layout(feeds: Feeds) -> tuple:
     except (
         AttributeError,
         TypeError,
-    ):  # not arrays (a caller's bug): merged with nothing, fails alone
+    ):
+        # not arrays (a caller's bug): merged with nothing, fails alone
         return (object(),)
 
 
@@ -756,13 +768,15 @@ def _deliver(answers: list[tuple[_Job, object, bool]]) -> None:
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that loop has closed (shutdown): nobody waits there any more
+    except RuntimeError:
+        # that loop has closed (shutdown): nobody waits there any more
         pass
 
 
 def _settle(items) -> None:
     for future, value, is_error in items:
-        if not future.done():  # the caller may have gone away
+        # the caller may have gone away
+        if not future.done():
             if is_error:
                 future.set_exception(value)
             else:

@@ -1,8 +1,8 @@
 """`python -m serving` and `pipeline serve`: flags and environment -> Settings -> a running server.
 
-main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface): 0 after a
-clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags, a port already taken
-or a model that cannot be loaded; 1 if the server could not start otherwise.
+main(argv) -> exit code (also `add_arguments(parser)` + `cli(args)`, the pipeline stage interface):
+0 after a clean shutdown (SIGTERM/SIGINT); 2, with one line `<command>: error: ...`, for bad flags,
+a port already taken or a model that cannot be loaded; 1 if the server could not start otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from serving.config import Settings
 
 log = logging.getLogger("serving")
 ENV_PREFIX = "TRAINSERVE_"
-REPEATABLE = {"model", "batching"}  # flags that may be given several times
+# flags that may be given several times
+REPEATABLE = {"model", "batching"}
 
 # flag -> (type, help). Every flag can also come from TRAINSERVE_<FLAG> (dashes -> underscores).
 FLAGS: dict[str, tuple[type, str]] = {
@@ -291,7 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let onnxruntime and MLflow speak for "
         "themselves, and show Python warnings [env TRAINSERVE_VERBOSE=1]",
     )
-    # Refusals start with the command the user typed: `pipeline serve: error: ...` or `python -m serving: ...`.
+    # Refusals start with the command the user typed: `pipeline serve: error: ...` or
+    # `python -m serving: ...`.
     parser.set_defaults(prog=parser.prog)
 
 
@@ -342,8 +344,9 @@ def cli(args: argparse.Namespace) -> int:
 
 
 class ServeError(Exception):
-    """The server can't start with these settings (a model that can't be loaded, a payload log directory
-    that can't be written): said in one line, exit 2, as every pipeline stage says a refusal."""
+    """The server can't start with these settings (a model that can't be loaded, a payload log
+    directory that can't be written): said in one line, exit 2, as every pipeline stage says a
+    refusal."""
 
 
 def refuse(args: argparse.Namespace, exc: Exception) -> int:
@@ -364,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits on --help and on errors; hand back its code instead
+    except SystemExit as exc:
+        # argparse exits on --help and on errors; hand back its code instead
         return int(exc.code or 0)
     return cli(args)
 
@@ -386,8 +390,8 @@ def check_ports_free(host: str, ports: list[int | None]) -> None:
 
 
 def raise_open_files_limit() -> None:
-    """Each client connection is a file descriptor: take the hard limit, not the soft 1024, so a burst of
-    connections (each closed by the read deadline if idle) does not starve new ones."""
+    """Each client connection is a file descriptor: take the hard limit, not the soft 1024, so a
+    burst of connections (each closed by the read deadline if idle) does not starve new ones."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -399,7 +403,8 @@ def raise_open_files_limit() -> None:
 
 
 def open_payload_log(settings: Settings):
-    """The payload log the settings ask for (not started), or None; PayloadLogError if DIR can't be used."""
+    """The payload log the settings ask for (not started), or None; PayloadLogError if DIR can't be
+    used."""
     if settings.payload_log is None:
         return None
     from serving.payload_log import PayloadLog
@@ -417,7 +422,8 @@ def open_payload_log(settings: Settings):
 def serve(settings: Settings) -> int:
     from serving.core import Server, open_models
 
-    # Registry calls (loading, following the alias) fail in seconds, not after MLflow's minutes of retries.
+    # Registry calls (loading, following the alias) fail in seconds, not after MLflow's minutes of
+    # retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from serving.engine import EngineError
@@ -429,7 +435,8 @@ def serve(settings: Settings) -> int:
     front_ends = (grpc_start(settings),) if settings.grpc_port is not None else ()
     # Before a model download, not after.
     check_ports_free(settings.host, [settings.port, settings.grpc_port])
-    try:  # before the model: a directory we can't write is found in a second, not after a long load
+    # before the model: a directory we can't write is found in a second, not after a long load
+    try:
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
         raise ServeError(exc) from None
@@ -524,26 +531,28 @@ def layout(server, http_loops: int) -> str:
 
 
 def keep_freed_memory() -> None:
-    """glibc gives large blocks (above 128 KiB at first) their own pages from the kernel and returns them when freed,
-    and trims the heap's free top back to the kernel: a server taking 602 KB tensors in had every message's memory
-    faulted in and zeroed again (clear_page: half of a gRPC request's CPU). Kept in the heap instead, reused; an
-    unload still hands memory back (malloc_trim, serving/repository.py)."""
+    """glibc gives large blocks (above 128 KiB at first) their own pages from the kernel and returns
+    them when freed, and trims the heap's free top back to the kernel: a server taking 602 KB
+    tensors in had every message's memory faulted in and zeroed again (clear_page: half of a gRPC
+    request's CPU). Kept in the heap instead, reused; an unload still hands memory back
+    (malloc_trim, serving/repository.py)."""
     import ctypes
 
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(
-            M_MMAP_THRESHOLD, 32 << 20
-        )  # glibc's largest: blocks up to 32 MiB come from the heap
+        # glibc's largest: blocks up to 32 MiB come from the heap
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
         libc.mallopt(M_TRIM_THRESHOLD, 512 << 20)
 
 
 def run(server) -> int:
-    """Serve until SIGTERM or SIGINT, then stop gracefully: 0; 1 if the HTTP port could not be bound."""
+    """Serve until SIGTERM or SIGINT, then stop gracefully: 0; 1 if the HTTP port could not be
+    bound."""
     try:
         import uvloop
-    except ImportError:  # the standard loop serves too, a little slower
+    except ImportError:
+        # the standard loop serves too, a little slower
         return asyncio.run(_serve(server))
     return uvloop.run(_serve(server))
 
@@ -575,8 +584,9 @@ async def _serve(server) -> int:
         log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in bound))
         log.info("laid out as: %s", layout(server, len(http.listeners)))
         await stop.wait()
-        # Not ready at once (load balancers stop sending), queued requests run without waiting out --max-delay-ms,
-        # gRPC drains alongside; connections still uploading close, the others after their answer.
+        # Not ready at once (load balancers stop sending), queued requests run without waiting out
+        # --max-delay-ms, gRPC drains alongside; connections still uploading close, the others after
+        # their answer.
         server.begin_shutdown()
         http.stop_accepting()
         await http.drain(settings.graceful_timeout)

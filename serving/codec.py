@@ -1,28 +1,31 @@
-"""Request bodies -> validated arrays, and arrays -> response bodies. Pure functions, no web framework.
+"""Request bodies -> validated arrays, and arrays -> response bodies. Pure functions, no web
+framework.
 
 Two protocols:
 - Open Inference Protocol (KServe V2) with Triton's binary tensor extension: a JSON header of
   `Inference-Header-Content-Length` bytes, then the raw little-endian bytes of every input whose
   parameters carry `binary_data_size`, in input order. Outputs come back the same way when asked
-  (`binary_data` per output, or `binary_data_output` for all). A header length of 0 is a raw binary request:
-  the body is a one-input model's input, its shape deduced from its size (`decode_raw`), every output binary.
-- MLflow's scoring protocol: exactly one of `inputs` (a tensor, or name -> tensor),
-  `instances` (a list of rows), `dataframe_split` / `dataframe_records` (one row per sample, either a
-  column per model input holding a tensor, or the sample's values flattened into columns).
+  (`binary_data` per output, or `binary_data_output` for all). A header length of 0 is a raw binary
+  request: the body is a one-input model's input, its shape deduced from its size (`decode_raw`),
+  every output binary.
+- MLflow's scoring protocol: exactly one of `inputs` (a tensor, or name -> tensor), `instances` (a
+  list of rows), `dataframe_split` / `dataframe_records` (one row per sample, either a column per
+  model input holding a tensor, or the sample's values flattened into columns).
 
-BYTES tensors (strings, onnxruntime's STRING) are numpy object arrays of `bytes`, one an element, from every
-encoding: JSON strings (UTF-8), binary data of a 4-byte little-endian length then the bytes per element
-(`bytes_elements` reads it, `serialized` writes it), gRPC's raw contents in the same form or `bytes_contents`.
-Outputs of them (a model's, or classification's) go out the same ways.
+BYTES tensors (strings, onnxruntime's STRING) are numpy object arrays of `bytes`, one an element,
+from every encoding: JSON strings (UTF-8), binary data of a 4-byte little-endian length then the
+bytes per element (`bytes_elements` reads it, `serialized` writes it), gRPC's raw contents in the
+same form or `bytes_contents`. Outputs of them (a model's, or classification's) go out the same
+ways.
 
-Every client mistake is a BadRequest (a 4xx) naming the field, never an exception of ours; as strict as
-Triton: objects where objects belong (`parameters`), JSON numbers for numeric datatypes (no strings,
-booleans or null coerced; whole numbers for integer types, in range), booleans for BOOL, an integer
-`binary_data_size`, never both `data` and binary data, no repeated inputs or outputs, a string `id`.
-Limits are checked before work: the declared rows and element count of every input (Python ints:
-no overflow) before any data is converted. NaN/Inf policy: refused with a 400 (JSON cannot carry them, but
-binary data can, and a too-large JSON number becomes Inf in FP32); checked by the engine as it copies each batch
-(serving/staging.py), where a pass over the values costs least.
+Every client mistake is a BadRequest (a 4xx) naming the field, never an exception of ours; as strict
+as Triton: objects where objects belong (`parameters`), JSON numbers for numeric datatypes (no
+strings, booleans or null coerced; whole numbers for integer types, in range), booleans for BOOL, an
+integer `binary_data_size`, never both `data` and binary data, no repeated inputs or outputs, a
+string `id`. Limits are checked before work: the declared rows and element count of every input
+(Python ints: no overflow) before any data is converted. NaN/Inf policy: refused with a 400 (JSON
+cannot carry them, but binary data can, and a too-large JSON number becomes Inf in FP32); checked by
+the engine as it copies each batch (serving/staging.py), where a pass over the values costs least.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ V2_DTYPES = {
     "FP64": np.float64,
     "BYTES": np.object_,
 }
-KNOWN_DATATYPES = (*V2_DTYPES, "BF16")  # the protocol's names; BF16 this server can't take
+# the protocol's names; BF16 this server can't take
+KNOWN_DATATYPES = (*V2_DTYPES, "BF16")
 MLFLOW_KEYS = ("inputs", "instances", "dataframe_split", "dataframe_records")
-MAX_DIM = 2**31  # no model dimension is larger; numpy refuses some that are (a 500 once)
+# no model dimension is larger; numpy refuses some that are (a 500 once)
+MAX_DIM = 2**31
 # JSON data nested more deeply than this is refused: no tensor has that many axes (numpy stops at
 # 64)
 MAX_DATA_DEPTH = 100
@@ -71,10 +76,10 @@ class BadRequest(Exception):
 class Limits:
     """What one request may ask for, checked before its data is converted."""
 
-    max_rows: int  # rows (samples) per request
-    max_body_bytes: (
-        int  # the body's own limit: no input can declare more elements than it could carry
-    )
+    # rows (samples) per request
+    max_rows: int
+    # the body's own limit: no input can declare more elements than it could carry
+    max_body_bytes: int
 
 
 @dataclass
@@ -82,15 +87,16 @@ class V2Request:
     feeds: dict[str, np.ndarray]
     rows: int
     request_id: str | None
-    outputs: list[tuple[str, bool]]  # (output name, as binary), in the order to answer
-    output_refs: dict = field(
-        default_factory=dict
-    )  # output name -> shm.Ref: written to shared memory instead
-    checked: bool = (
-        False  # every value was checked for NaN/Inf as it was copied in (needs no other pass)
-    )
-    placed: bool = False  # its inputs are rows of a batch buffer (serving/batcher.py)
-    # output name -> K: answered as its top K classes (the classification extension, serving/classification.py)
+    # (output name, as binary), in the order to answer
+    outputs: list[tuple[str, bool]]
+    # output name -> shm.Ref: written to shared memory instead
+    output_refs: dict = field(default_factory=dict)
+    # every value was checked for NaN/Inf as it was copied in (needs no other pass)
+    checked: bool = False
+    # its inputs are rows of a batch buffer (serving/batcher.py)
+    placed: bool = False
+    # output name -> K: answered as its top K classes (the classification extension,
+    # serving/classification.py)
     classification: dict[str, int] = field(default_factory=dict)
 
 
@@ -98,7 +104,8 @@ class V2Request:
 class MlflowRequest:
     feeds: dict[str, np.ndarray]
     rows: int
-    records: bool  # answer one object per row (dataframe inputs) instead of columns
+    # answer one object per row (dataframe inputs) instead of columns
+    records: bool
 
 
 def expected(specs: list[TensorSpec]) -> str:
@@ -109,9 +116,9 @@ def expected(specs: list[TensorSpec]) -> str:
 
 
 def given_inputs(inputs: list[TensorSpec], names) -> list[TensorSpec]:
-    """The inputs a request that names `names` is to give: `inputs`, where one that stands for another (an image
-    version's encoded images, for the tensor they become: serving/image_inputs.py) replaces it when named, and is
-    left out when not. BadRequest for a request that names both."""
+    """The inputs a request that names `names` is to give: `inputs`, where one that stands for
+    another (an image version's encoded images, for the tensor they become: serving/image_inputs.py)
+    replaces it when named, and is left out when not. BadRequest for a request that names both."""
     if not any(s.stands_for for s in inputs):
         return inputs
     names, left_out = set(names), set()
@@ -161,30 +168,33 @@ class V2Input:
     spec: TensorSpec
     shape: list[int]
     count: int
-    binary: (
-        int | None
-    )  # its binary data's byte count (binary_data_size), or None: JSON data, in `array`
+    # its binary data's byte count (binary_data_size), or None: JSON data, in `array`
+    binary: int | None
     array: np.ndarray | None = None
-    ref: object = None  # a shm.Ref: its data is in a shared memory region
+    # a shm.Ref: its data is in a shared memory region
+    ref: object = None
 
 
 @dataclass
 class V2Header:
-    """A V2 request's JSON header, checked, before its binary data has arrived: what each input's bytes are
-    (in the order they follow the header), the id and the outputs asked for."""
+    """A V2 request's JSON header, checked, before its binary data has arrived: what each input's
+    bytes are (in the order they follow the header), the id and the outputs asked for."""
 
     inputs: list[V2Input]
     request_id: str | None
     outputs: list[tuple[str, bool]]
-    output_refs: dict = field(default_factory=dict)  # output name -> shm.Ref
-    classification: dict[str, int] = field(default_factory=dict)  # output name -> K
+    # output name -> shm.Ref
+    output_refs: dict = field(default_factory=dict)
+    # output name -> K
+    classification: dict[str, int] = field(default_factory=dict)
 
     @property
     def binary_inputs(self) -> list[V2Input]:
         return [i for i in self.inputs if i.binary is not None]
 
 
-SEEN_HEADERS = 256  # checked V2 headers kept per model version (see parse_v2_header_once)
+# checked V2 headers kept per model version (see parse_v2_header_once)
+SEEN_HEADERS = 256
 
 
 def parse_v2_header_once(
@@ -197,9 +207,9 @@ def parse_v2_header_once(
     limits: Limits,
     model: str = "",
 ) -> V2Header:
-    """parse_v2_header, checked once per distinct header: a client sends the same one request after request (the
-    same shapes, regions, no id or the same), so `seen` (a model version's) keeps those without JSON data (small;
-    nothing in them is per request)."""
+    """parse_v2_header, checked once per distinct header: a client sends the same one request after
+    request (the same shapes, regions, no id or the same), so `seen` (a model version's) keeps those
+    without JSON data (small; nothing in them is per request)."""
     end = body_length if header_length is None else header_length
     key = (bytes(data[:end]) if len(data) != end else bytes(data), body_length)
     parsed = seen.get(key) if seen is not None else None
@@ -225,10 +235,11 @@ def decode_v2(
     place=None,
     model: str = "",
 ) -> V2Request:
-    """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are views of
-    `body`, not copies). `shared(ref, spec, count, into)` reads an input placed in shared memory
-    (serving/shm.py); `seen`: the model version's headers checked already (parse_v2_header_once); `place(rows)`:
-    the rows of a batch buffer that inputs all in shared memory may be read straight into, or None."""
+    """A whole V2 request body (JSON, or JSON header + binary data): its arrays (binary ones are
+    views of `body`, not copies). `shared(ref, spec, count, into)` reads an input placed in shared
+    memory (serving/shm.py); `seen`: the model version's headers checked already
+    (parse_v2_header_once); `place(rows)`: the rows of a batch buffer that inputs all in shared
+    memory may be read straight into, or None."""
     if header_length == 0:
         return decode_raw(body, inputs, output_names, limits, model)
     header = parse_v2_header_once(
@@ -253,8 +264,9 @@ def decode_v2(
 def decode_raw(
     body, inputs: list[TensorSpec], output_names: list[str], limits: Limits, model: str = ""
 ) -> V2Request:
-    """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data of a model's
-    one input, in the shape `raw_shape` deduces from its size; every output comes back as binary data."""
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data
+    of a model's one input, in the shape `raw_shape` deduces from its size; every output comes back
+    as binary data."""
     if len(inputs) != 1:
         raise BadRequest(
             "a raw binary request (Inference-Header-Content-Length: 0) carries one input. Raw request "
@@ -276,9 +288,10 @@ def decode_raw(
 
 
 def raw_shape(spec: TensorSpec, size: int) -> list[int]:
-    """The shape of a raw binary request's `size` bytes for input `spec`, as Triton deduces it: one row of a
-    batched model; its one dynamic axis (besides the batch axis) from the byte count; a BYTES input of shape [1]
-    is the body as its one element. An input of no rank takes the values as a list. BadRequest where it can't."""
+    """The shape of a raw binary request's `size` bytes for input `spec`, as Triton deduces it: one
+    row of a batched model; its one dynamic axis (besides the batch axis) from the byte count; a
+    BYTES input of shape [1] is the body as its one element. An input of no rank takes the values as
+    a list. BadRequest where it can't."""
     where = f"a raw binary request (Inference-Header-Content-Length: 0) for input '{spec.name}'"
     dims = list(spec.shape[1:]) if spec.batched else list(spec.shape) if spec.ranked else [-1]
     lead = [1] if spec.batched else []
@@ -327,9 +340,9 @@ def parse_v2_header(
     limits: Limits,
     model: str = "",
 ) -> V2Header:
-    """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary data) of a body
-    of `body_length` bytes: every field checked, each JSON input converted; the binary data's sizes checked
-    against what follows the header."""
+    """The JSON header (`data[:header_length]`, or all of `data` when the request has no binary
+    data) of a body of `body_length` bytes: every field checked, each JSON input converted; the
+    binary data's sizes checked against what follows the header."""
     if header_length is not None and not 0 <= header_length <= body_length:
         raise BadRequest(
             f"Inference-Header-Content-Length is {header_length}, but the body has "
@@ -469,7 +482,8 @@ def parse_v2_header(
 
 
 def bad_shape(name: str, shape, spec: TensorSpec) -> str:
-    """Why a declared shape is refused; where its sizes overflow, the overflow named as Triton names it."""
+    """Why a declared shape is refused; where its sizes overflow, the overflow named as Triton names
+    it."""
     rule = f"shape must be a list of non-negative integers below {MAX_DIM}"
     sizes = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
     if sizes and math.prod(shape) > 2**63 - 1:
@@ -486,13 +500,14 @@ def bad_shape(name: str, shape, spec: TensorSpec) -> str:
 
 
 def byte_size_mismatch(name: str, model: str, want: int, got: int) -> str:
-    """An input whose bytes are not what its shape takes, in Triton's words (its clients look for them)."""
+    """An input whose bytes are not what its shape takes, in Triton's words (its clients look for
+    them)."""
     return f"input byte size mismatch for input '{name}' for model '{model}'. Expected {want}, got {got}"
 
 
 def check_all_given(inputs: list[TensorSpec], given: list[str], model: str = "") -> None:
-    """BadRequest unless `given` names every input the model takes (one form of an input that has two:
-    given_inputs), in Triton's words too (its clients look for them)."""
+    """BadRequest unless `given` names every input the model takes (one form of an input that has
+    two: given_inputs), in Triton's words too (its clients look for them)."""
     wanted = given_inputs(inputs, given)
     if all(s.name in given for s in wanted):
         return
@@ -510,8 +525,9 @@ def duplicate_output(name: str) -> str:
 
 
 def classified(parameters: dict, name: str, ref) -> int:
-    """An output's classification count K (its top K classes come back as strings: serving/classification.py),
-    checked: a whole number, at least 1, and not with shared memory (Triton's rule too)."""
+    """An output's classification count K (its top K classes come back as strings:
+    serving/classification.py), checked: a whole number, at least 1, and not with shared memory
+    (Triton's rule too)."""
     value = parameters["classification"]
     if ref is not None:
         raise BadRequest(
@@ -527,8 +543,9 @@ def classified(parameters: dict, name: str, ref) -> int:
 
 
 def placed_rows(header: V2Header, inputs: list[TensorSpec], place) -> dict | None:
-    """The rows of a batch buffer a request's inputs can go straight into (`place(rows)`, serving/batcher.py),
-    when it can have them: every model input in the request and none of them JSON data, all with the same rows."""
+    """The rows of a batch buffer a request's inputs can go straight into (`place(rows)`,
+    serving/batcher.py), when it can have them: every model input in the request and none of them
+    JSON data, all with the same rows."""
     items = header.inputs
     given = given_inputs(inputs, [i.spec.name for i in items])
     # (BYTES elements have no fixed size: no rows of a buffer to go into)
@@ -551,10 +568,10 @@ def finish_v2(
     shared=None,
     views: dict | None = None,
 ) -> V2Request:
-    """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the input's
-    dtype; `shared(ref, spec, count, into)` reads one placed in shared memory, into its rows of a batch buffer
-    when `views` gives them): BOOL bytes checked, every array in its shape, the rows counted. (NaN and Inf are
-    refused by the engine, where each batch is copied anyway.)"""
+    """The request, once its binary inputs' data has arrived (`binary`: name -> flat array of the
+    input's dtype; `shared(ref, spec, count, into)` reads one placed in shared memory, into its rows
+    of a batch buffer when `views` gives them): BOOL bytes checked, every array in its shape, the
+    rows counted. (NaN and Inf are refused by the engine, where each batch is copied anyway.)"""
     feeds: dict[str, np.ndarray] = {}
     for item in header.inputs:
         name, spec = item.spec.name, item.spec
@@ -586,9 +603,9 @@ def finish_v2(
 
 
 def shared_tensor(shared, ref, spec: TensorSpec, count: int, into=None) -> np.ndarray:
-    """An input placed in shared memory, read by `shared(ref, spec, count, into)` (into its batch rows where
-    `into` gives them): a BYTES one as the region's bytes (its serialized elements, shared_memory_byte_size of
-    them), then its elements."""
+    """An input placed in shared memory, read by `shared(ref, spec, count, into)` (into its batch
+    rows where `into` gives them): a BYTES one as the region's bytes (its serialized elements,
+    shared_memory_byte_size of them), then its elements."""
     if not is_bytes(spec):
         return shared(ref, spec, count, into)
     raw = shared(ref, replace(spec, dtype=np.dtype(np.uint8), datatype="UINT8"), ref.byte_size)
@@ -600,8 +617,9 @@ def is_bytes(spec: TensorSpec) -> bool:
 
 
 def bytes_elements(data, count: int, name: str) -> np.ndarray:
-    """`count` BYTES elements from their binary form (each a 4-byte little-endian length, then that many bytes):
-    an object array of bytes. BadRequest naming the element for a length past the data, and for data left over."""
+    """`count` BYTES elements from their binary form (each a 4-byte little-endian length, then that
+    many bytes): an object array of bytes. BadRequest naming the element for a length past the data,
+    and for data left over."""
     view = memoryview(data).cast("B")
     out = np.empty(count, dtype=object)
     at = 0
@@ -629,8 +647,8 @@ def bytes_elements(data, count: int, name: str) -> np.ndarray:
 
 
 def serialized(array: np.ndarray) -> bytes:
-    """A BYTES tensor in its binary form: each element (bytes, or str as UTF-8) as a 4-byte little-endian length,
-    then its bytes."""
+    """A BYTES tensor in its binary form: each element (bytes, or str as UTF-8) as a 4-byte
+    little-endian length, then its bytes."""
     parts = []
     for element in array.reshape(-1):
         data = element.encode("utf-8") if isinstance(element, str) else bytes(element)
@@ -639,7 +657,8 @@ def serialized(array: np.ndarray) -> bytes:
 
 
 def json_strings(name: str, array: np.ndarray) -> list[str]:
-    """A BYTES output's elements as JSON strings; BadRequest for one that is not UTF-8 (binary data carries it)."""
+    """A BYTES output's elements as JSON strings; BadRequest for one that is not UTF-8 (binary data
+    carries it)."""
     try:
         return [e if isinstance(e, str) else bytes(e).decode("utf-8") for e in array.reshape(-1)]
     except UnicodeDecodeError:
@@ -650,14 +669,15 @@ def json_strings(name: str, array: np.ndarray) -> list[str]:
 
 
 def datatype_of(array: np.ndarray, spec_datatype: str) -> str:
-    """An output's datatype as answered: BYTES for strings (a model's, or classification's), else the model's."""
+    """An output's datatype as answered: BYTES for strings (a model's, or classification's), else
+    the model's."""
     return "BYTES" if array.dtype == object else spec_datatype
 
 
 @dataclass(frozen=True)
 class Ref:
-    """Where a request keeps one tensor in shared memory (serving/shm.py): a registered region's name, and the
-    byte size and offset inside it."""
+    """Where a request keeps one tensor in shared memory (serving/shm.py): a registered region's
+    name, and the byte size and offset inside it."""
 
     region: str
     byte_size: int
@@ -665,8 +685,8 @@ class Ref:
 
 
 def shm_ref(parameters, where: str) -> Ref | None:
-    """An input's or output's shared-memory placement from its V2 parameters (a dict: HTTP JSON, or gRPC's
-    parameters as plain values), or None."""
+    """An input's or output's shared-memory placement from its V2 parameters (a dict: HTTP JSON, or
+    gRPC's parameters as plain values), or None."""
     region = parameters.get("shared_memory_region")
     if region is None:
         return None
@@ -685,7 +705,8 @@ def shm_ref(parameters, where: str) -> Ref | None:
 
 
 def check_datatype(datatype, spec: TensorSpec) -> None:
-    """An input's declared datatype: one of the protocol's, and the model's (HTTP and gRPC alike)."""
+    """An input's declared datatype: one of the protocol's, and the model's (HTTP and gRPC
+    alike)."""
     if datatype not in KNOWN_DATATYPES:
         raise BadRequest(
             f"input '{spec.name}': datatype {datatype!r:.40} is not a KServe V2 datatype "
@@ -696,17 +717,16 @@ def check_datatype(datatype, spec: TensorSpec) -> None:
 
 
 def _check_size(name: str, shape: list[int], spec: TensorSpec, limits: Limits) -> int:
-    """The declared element count, refused before any data is touched when it can't be right: more rows
-    than a request may have, or more values than the body could carry."""
+    """The declared element count, refused before any data is touched when it can't be right: more
+    rows than a request may have, or more values than the body could carry."""
     if spec.batched and shape and shape[0] > limits.max_rows:
         raise BadRequest(
             f"input '{name}': {shape[0]} rows; this server takes at most {limits.max_rows} per request "
             "(--max-rows-per-request): split it"
         )
     count = math.prod(shape)
-    ceiling = limits.max_body_bytes // min(
-        spec.dtype.itemsize, 2
-    )  # JSON takes 2 bytes a value at the least
+    # JSON takes 2 bytes a value at the least
+    ceiling = limits.max_body_bytes // min(spec.dtype.itemsize, 2)
     if count > ceiling:
         raise BadRequest(
             f"input '{name}': shape {shape} declares {count} values, more than a body of at most "
@@ -724,8 +744,9 @@ def encode_v2(
     specs: list[TensorSpec],
     placed: dict[str, dict] | None = None,
 ) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when binary data follows it (else None). `placed`: the
-    outputs written to shared memory, with the parameters that say where (no data of theirs in the body)."""
+    """The response body, and the JSON header's length when binary data follows it (else None).
+    `placed`: the outputs written to shared memory, with the parameters that say where (no data of
+    theirs in the body)."""
     datatypes = {s.name: s.datatype for s in specs}
     described, blobs = [], []
     for name, binary in outputs:
@@ -807,7 +828,8 @@ def decode_mlflow(body: bytes, inputs: list[TensorSpec], limits: Limits) -> Mlfl
             feeds = _stack_records([dict(zip(columns, row)) for row in data], inputs, key)
         else:
             feeds = _flat_rows(data, inputs, key)
-    else:  # dataframe_records
+    else:
+        # dataframe_records
         if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
             raise BadRequest('"dataframe_records" must be a list of {column: value} objects')
         _check_rows(len(value), key, limits)
@@ -908,9 +930,9 @@ def _flat_rows(data: list, inputs: list[TensorSpec], key: str) -> dict[str, np.n
 
 
 def _json_tensor(data, spec: TensorSpec, where: str, count: int | None = None) -> np.ndarray:
-    """A JSON array (nested or flat) as `spec`'s dtype; its elements must be of the datatype's JSON kind.
-    `count`: the values the declared shape needs (V2), checked before any array is built. BYTES: strings, each
-    an element as its UTF-8 bytes."""
+    """A JSON array (nested or flat) as `spec`'s dtype; its elements must be of the datatype's JSON
+    kind. `count`: the values the declared shape needs (V2), checked before any array is built.
+    BYTES: strings, each an element as its UTF-8 bytes."""
     values = _leaves(
         data if isinstance(data, list) else [data], f"{where}: {spec.datatype} data", spec
     )
@@ -962,8 +984,8 @@ def _depth(data: list) -> int:
 
 
 def _json_bytes(data, values: list, spec: TensorSpec, where: str, count: int | None) -> np.ndarray:
-    """A BYTES input's JSON strings as an object array of their UTF-8 bytes: flat for V2 (`count`: its shape
-    declares it), else in the nesting's shape."""
+    """A BYTES input's JSON strings as an object array of their UTF-8 bytes: flat for V2 (`count`:
+    its shape declares it), else in the nesting's shape."""
     if count is not None and len(values) != count:
         raise BadRequest(
             f"{where}: the declared shape needs {count} values, data has {len(values)}"
@@ -987,8 +1009,8 @@ def _json_bytes(data, values: list, spec: TensorSpec, where: str, count: int | N
 
 
 def _leaves(data: list, where: str, spec: TensorSpec) -> list:
-    """Every value of a nested JSON array, in order (objects, nulls, and strings but for BYTES, are refused on the
-    way; so is nesting deeper than MAX_DATA_DEPTH)."""
+    """Every value of a nested JSON array, in order (objects, nulls, and strings but for BYTES, are
+    refused on the way; so is nesting deeper than MAX_DATA_DEPTH)."""
     text = is_bytes(spec)
     out: list = []
     stack = [iter(data)]
@@ -1014,8 +1036,8 @@ def _leaves(data: list, where: str, spec: TensorSpec) -> list:
 
 
 def shape_fits(spec: TensorSpec, shape) -> bool:
-    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size); any shape for an input
-    the graph gives no rank (onnxruntime judges it)."""
+    """`shape` has the input's rank and every fixed axis's size (-1 in the spec: any size); any
+    shape for an input the graph gives no rank (onnxruntime judges it)."""
     if not spec.ranked:
         return True
     return len(shape) == len(spec.shape) and all(w in (-1, g) for w, g in zip(spec.shape, shape))
@@ -1030,8 +1052,9 @@ def _check_shape(spec: TensorSpec, shape: list[int], where: str | None = None) -
 
 
 def _rows(feeds: dict[str, np.ndarray], inputs: list[TensorSpec]) -> int:
-    """The rows of a batched version's request (every input's first axis, one count); 1 for a version that runs each
-    request alone, whatever its tensors' shapes (empty ones too: the model judges them)."""
+    """The rows of a batched version's request (every input's first axis, one count); 1 for a
+    version that runs each request alone, whatever its tensors' shapes (empty ones too: the model
+    judges them)."""
     inputs = given_inputs(inputs, feeds)
     missing = [s.name for s in inputs if s.name not in feeds]
     if missing:
@@ -1053,7 +1076,8 @@ def dumps(obj) -> bytes:
 
 
 def _plain(obj):
-    """What orjson can't write natively (non-contiguous arrays, numpy scalars of some types, BYTES elements)."""
+    """What orjson can't write natively (non-contiguous arrays, numpy scalars of some types, BYTES
+    elements)."""
     if isinstance(obj, bytes):
         return obj.decode("utf-8", errors="replace")
     if isinstance(obj, (np.ndarray, np.generic)):

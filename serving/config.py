@@ -9,23 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-MAX_BODY_LIMIT = (
-    1 << 31
-) - 1  # --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+# --max-body-bytes at most: what grpc's channel arguments (C ints) hold
+MAX_BODY_LIMIT = (1 << 31) - 1
 # --front-ends at most (serving/placements.py counts arrivals for 64 processes, the engine's first)
 MAX_FRONT_ENDS = 32
-LARGE_ROW_BYTES = (
-    512 * 1024
-)  # models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
+# models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
+LARGE_ROW_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
 class Settings:
-    # The models: each `[NAME=]URI`, URI a path to an .onnx file, models:/name@alias, models:/name/3,
-    # runs:/<id>/<path>. A NAME given more than once is one model with several versions.
+    # The models: each `[NAME=]URI`, URI a path to an .onnx file, models:/name@alias,
+    # models:/name/3, runs:/<id>/<path>. A NAME given more than once is one model with several
+    # versions.
     model: str | tuple[str, ...] = ()
-    # Name clients use in /v2/models/{name} for a single --model without NAME=; default: registered name,
-    # ONNX metadata, file stem.
+    # Name clients use in /v2/models/{name} for a single --model without NAME=; default: registered
+    # name, ONNX metadata, file stem.
     model_name: str | None = None
     # A Triton-style model repository, DIR/NAME/VERSION/model.onnx.
     repository: str | None = None
@@ -35,8 +34,8 @@ class Settings:
     version_policy: str = "latest:1"
     # The model /invocations serves; None: the first --model (or the repository's first model).
     default_model: str | None = None
-    # Event loops taking HTTP requests in (the server's own and the rest in threads, one socket each on the port);
-    # None: see http_loops.
+    # Event loops taking HTTP requests in (the server's own and the rest in threads, one socket each
+    # on the port); None: see http_loops.
     http_threads: int | None = None
     # Front-end processes taking HTTP and gRPC requests in, on the same ports (SO_REUSEPORT),
     # writing tensors straight into the batch rows of the process started, which becomes the engine
@@ -44,78 +43,89 @@ class Settings:
     front_ends: int | None = None
     # Port of the KServe V2 gRPC endpoint; None: no gRPC.
     grpc_port: int | None = None
-    # What serves that port: native (grpc's C++ server, serving/grpc/native.cc: a unary call costs the event loop
-    # a third of grpc.aio's), aio (grpc.aio), auto: native when it was built (scripts/setup), else aio.
+    # What serves that port: native (grpc's C++ server, serving/grpc/native.cc: a unary call costs
+    # the event loop a third of grpc.aio's), aio (grpc.aio), auto: native when it was built
+    # (scripts/setup), else aio.
     grpc_engine: str = "auto"
-    # Whether clients may load and unload models (the V2 repository API): explicit, or none; None: explicit
-    # with --repository, none without (a server of fixed --model flags keeps them).
+    # Whether clients may load and unload models (the V2 repository API): explicit, or none; None:
+    # explicit with --repository, none without (a server of fixed --model flags keeps them).
     model_control: str | None = None
     # Interface to bind; 127.0.0.1 keeps the server private unless asked otherwise.
     host: str = "127.0.0.1"
     port: int = 8080
-    # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist and it loads, else CPU (with a
-    # warning); cpu; cuda: CUDA or refuse to start; tensorrt: TensorRT (needs TensorRT 10) or refuse.
+    # auto: CUDA when a GPU and onnxruntime's CUDA provider both exist and it loads, else CPU (with
+    # a warning); cpu; cuda: CUDA or refuse to start; tensorrt: TensorRT (needs TensorRT 10) or
+    # refuse.
     device: str = "auto"
-    # CUDA device index among those visible; CUDA_VISIBLE_DEVICES=N makes GPU N device 0 (preferred).
+    # CUDA device index among those visible; CUDA_VISIBLE_DEVICES=N makes GPU N device 0
+    # (preferred).
     device_id: int = 0
-    # Which file of a model directory is served: fp32 (model.onnx) or fp16 (model.fp16.onnx, GPU only).
+    # Which file of a model directory is served: fp32 (model.onnx) or fp16 (model.fp16.onnx, GPU
+    # only).
     variant: str = "fp32"
-    # How cuDNN picks convolution algorithms for each new input shape: HEURISTIC (no benchmark on the
-    # request path), EXHAUSTIVE (onnxruntime's default: benchmarks each new shape), DEFAULT.
+    # How cuDNN picks convolution algorithms for each new input shape: HEURISTIC (no benchmark on
+    # the request path), EXHAUSTIVE (onnxruntime's default: benchmarks each new shape), DEFAULT.
     cudnn_conv_algo_search: str = "HEURISTIC"
-    # Let CUDA run fp32 GEMMs and convolutions in TF32 (faster on Ampere+; the export gates certify fp32).
+    # Let CUDA run fp32 GEMMs and convolutions in TF32 (faster on Ampere+; the export gates certify
+    # fp32).
     allow_tf32: bool = False
-    # Run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; gated at load).
+    # Run each batch bucket's session as a captured CUDA graph (CUDA provider, batch buckets; gated
+    # at load).
     cuda_graphs: bool = False
     # Cap on onnxruntime's CUDA memory arena, in MiB; None: no cap.
     gpu_mem_limit_mb: float | None = None
-    # --device tensorrt: directory of the TensorRT engine and timing caches; None: ~/.cache/trainserve/tensorrt.
+    # --device tensorrt: directory of the TensorRT engine and timing caches; None:
+    # ~/.cache/trainserve/tensorrt.
     trt_cache_dir: str | None = None
     # onnxruntime intra-op threads; default: the CPUs this process may use.
     threads: int | None = None
-    # Most rows one model run gathers from concurrent requests: a cap, never a claim that a model's rows are
-    # independent (only its export's record, its config.pbtxt or --batching says that).
+    # Most rows one model run gathers from concurrent requests: a cap, never a claim that a model's
+    # rows are independent (only its export's record, its config.pbtxt or --batching says that).
     max_batch_size: int = 32
-    # Per model, NAME=on|off: whether requests to NAME share model runs (its rows independent along the first
-    # axis), over what its file records and its config.pbtxt says.
+    # Per model, NAME=on|off: whether requests to NAME share model runs (its rows independent along
+    # the first axis), over what its file records and its config.pbtxt says.
     batching: str | tuple[str, ...] = ()
-    # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine; why: the GPU section
-    # of serving/README.md): auto (powers of two up to --max-batch-size, on the CUDA provider only), off, or
-    # sizes like 1,8,32 (any provider but TensorRT; --max-batch-size is always the largest).
+    # Batch sizes a run is padded up to, an onnxruntime session each (serving.engine.Engine; why:
+    # the GPU section of serving/README.md): auto (powers of two up to --max-batch-size, on the CUDA
+    # provider only), off, or sizes like 1,8,32 (any provider but TensorRT; --max-batch-size is
+    # always the largest).
     batch_buckets: str = "auto"
     # How long a partial batch may wait for more rows; 0: never wait, run what is queued.
     max_delay_ms: float = 0.0
-    # How long a batch may wait for the requests already arriving when it could run (their head in, their body on
-    # its way); 0: never.
+    # How long a batch may wait for the requests already arriving when it could run (their head in,
+    # their body on its way); 0: never.
     arrival_wait_ms: float = 5.0
     # Rows allowed to wait; beyond it requests get 503 with Retry-After. Bounds memory.
     max_queue_rows: int = 1024
     # Largest request body, in bytes (after decompression too); beyond it 413.
     max_body_bytes: int = 16 * 1024 * 1024
-    # Largest HTTP request head (request line and headers), in bytes, counted as it arrives; beyond it 431.
+    # Largest HTTP request head (request line and headers), in bytes, counted as it arrives; beyond
+    # it 431.
     max_header_bytes: int = 32 * 1024
-    # What grpc's C++ server may hold in all (messages not yet whole, read buffers): its resource quota. Past it
-    # grpc stops reading, then closes the connections holding the most. None: 4 x --max-body-bytes, at least 1 GiB.
+    # What grpc's C++ server may hold in all (messages not yet whole, read buffers): its resource
+    # quota. Past it grpc stops reading, then closes the connections holding the most. None: 4 x
+    # --max-body-bytes, at least 1 GiB.
     grpc_memory_bytes: int | None = None
-    # The V2 shared-memory extensions (system; CUDA on a GPU): on, or off (their routes and methods refuse, 403).
+    # The V2 shared-memory extensions (system; CUDA on a GPU): on, or off (their routes and methods
+    # refuse, 403).
     shared_memory: str = "on"
     # Most MiB of shared memory one client (token) may have registered at once.
     max_shared_memory_mb: float = 4096.0
     # Most rows (samples) in one request; beyond it 400.
     max_rows_per_request: int = 256
-    # Bearer token required on every endpoint except health checks, or several, comma-separated, one per client (a
-    # client's shared-memory regions belong to its token); None: no auth.
+    # Bearer token required on every endpoint except health checks, or several, comma-separated, one
+    # per client (a client's shared-memory regions belong to its token); None: no auth.
     auth_token: str | None = None
-    # Bearer token POST /v2/models/NAME/feedback (labels, which steer the shadow verdict) needs, not the inference
-    # token; None: labels are taken only where no --auth-token is set either.
+    # Bearer token POST /v2/models/NAME/feedback (labels, which steer the shadow verdict) needs, not
+    # the inference token; None: labels are taken only where no --auth-token is set either.
     feedback_token: str | None = None
     # Seconds between polls of a models:/name@alias source for a new version; None: never.
     reload_interval: float | None = None
     # Seconds SIGTERM waits for in-flight requests before their connections are closed.
     graceful_timeout: float = 30.0
-    # Seconds a connection has to deliver a whole request (headers and body) from its first byte or from
-    # opening; a slower or idle one is closed (408 when a request had begun), so idle clients can't hold
-    # the server's connections. Keep-alive connections between requests close after 5 s.
+    # Seconds a connection has to deliver a whole request (headers and body) from its first byte or
+    # from opening; a slower or idle one is closed (408 when a request had begun), so idle clients
+    # can't hold the server's connections. Keep-alive connections between requests close after 5 s.
     read_timeout: float = 30.0
     # Seconds a request may wait in the queue and run; past it: 504.
     request_timeout: float = 60.0
@@ -125,35 +135,41 @@ class Settings:
     # Host header patterns accepted besides the defaults: loopback names when bound to a loopback
     # address (against DNS rebinding), anything when bound to all interfaces. Comma-separated.
     allowed_hosts: str | None = None
-    # Browser Origins allowed to call the server, comma-separated; default none: a request that carries
-    # another Origin header (a web page's cross-site request) gets 403. Clients other than browsers
-    # send no Origin.
+    # Browser Origins allowed to call the server, comma-separated; default none: a request that
+    # carries another Origin header (a web page's cross-site request) gets 403. Clients other than
+    # browsers send no Origin.
     allowed_origins: str | None = None
-    # Serve without a token on a non-loopback address (refused otherwise: anyone who can reach it could call it).
+    # Serve without a token on a non-loopback address (refused otherwise: anyone who can reach it
+    # could call it).
     allow_unauthenticated: bool = False
     log_level: str = "info"
-    # Directory of the payload log (JSON Lines of sampled requests and answers); None: no payload log.
+    # Directory of the payload log (JSON Lines of sampled requests and answers); None: no payload
+    # log.
     payload_log: str | None = None
-    # Fraction of requests logged, chosen by a hash of the request id (so a reader can tell which are in).
+    # Fraction of requests logged, chosen by a hash of the request id (so a reader can tell which
+    # are in).
     payload_log_sample: float = 1.0
     # Most MiB all payload files in the directory may take together; the oldest are deleted first.
     payload_log_max_mb: float = 100.0
     # A new payload file is begun when the current one would pass this many MiB.
     payload_log_file_mb: float = 10.0
-    # Log each closed payload file to the answering model's training run (its lineage run_id) in MLflow.
+    # Log each closed payload file to the answering model's training run (its lineage run_id) in
+    # MLflow.
     payload_log_mlflow: bool = False
-    # Drift: samples per model version whose input and output features are compared with the training data's
-    # (the reference export stored beside the model); 0: off. And the PSI above which a log line says so.
+    # Drift: samples per model version whose input and output features are compared with the
+    # training data's (the reference export stored beside the model); 0: off. And the PSI above
+    # which a log line says so.
     drift_window: int = 500
     drift_threshold: float = 0.2
     # Shadow: the fraction of a models:/NAME@alias model's requests mirrored to the version behind
     # --shadow-alias (loaded and followed as the alias moves), off the request path; 0: off.
     shadow: float = 0.0
     shadow_alias: str = "challenger"
-    # The shadow verdict's rule: pairs needed, top-1 agreement needed (decision outputs), the largest mean
+    # The shadow verdict's rule: pairs needed, top-1 agreement needed (decision outputs), the
+    # largest mean
     # |difference| per output (others), labels needed before they decide, how much worse a live metric may
-    # be, the largest challenger/champion p50 ratio, and the largest share of the labelled pairs one client
-    # address may have sent for labels to promote.
+    # be, the largest challenger/champion p50 ratio, and the largest share of the labelled pairs one
+    # client address may have sent for labels to promote.
     shadow_min_pairs: int = 200
     shadow_min_agreement: float = 0.95
     shadow_max_difference: float = float("inf")
@@ -184,7 +200,8 @@ class Settings:
         return found
 
     def shadow_sources(self):
-        """The --shadow-alias source of every --model that is a registry alias: the challengers to load."""
+        """The --shadow-alias source of every --model that is a registry alias: the challengers to
+        load."""
         from serving.repository import Source
 
         found = []
@@ -237,9 +254,8 @@ class Settings:
                 f"--grpc-memory-bytes must hold two messages of --max-body-bytes ({self.max_body_bytes}): "
                 f"at least {2 * self.max_body_bytes}, got {self.grpc_memory_bytes}"
             )
-        if (
-            self.max_body_bytes > MAX_BODY_LIMIT
-        ):  # grpc's message size limits are C ints (2 GiB - 1 at most)
+        # grpc's message size limits are C ints (2 GiB - 1 at most)
+        if self.max_body_bytes > MAX_BODY_LIMIT:
             raise ValueError(
                 f"--max-body-bytes must be at most {MAX_BODY_LIMIT} (2 GiB - 1: gRPC's message size limit "
                 f"is a 32-bit int), got {self.max_body_bytes}"
@@ -399,15 +415,16 @@ class Settings:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
     def http_loops(self, row_bytes: int) -> int:
-        """How many event loops take HTTP requests in: --http-threads, else one per usable CPU (at most 8) when the
-        models loaded at start have input rows of LARGE_ROW_BYTES or more (`row_bytes`: the largest, 0 when no row
-        is of one size), else one. By row, not by body: a request of many small rows still gets one loop.
+        """How many event loops take HTTP requests in: --http-threads, else one per usable CPU (at
+        most 8) when the models loaded at start have input rows of LARGE_ROW_BYTES or more
+        (`row_bytes`: the largest, 0 when no row is of one size), else one. By row, not by body: a
+        request of many small rows still gets one loop.
 
-        Why not always several: the loops share one GIL. What they do side by side is only the kernel's copy of a
-        body off the socket (done without the GIL); everything else a request costs in Python, they take turns at,
-        and each turn taken from the other loop costs a hand-off. A second loop pays only for rows large enough
-        that the copy is most of a request (hence LARGE_ROW_BYTES; the measurements:
-        docs/benchmarks.md#servingconfigpy)."""
+        Why not always several: the loops share one GIL. What they do side by side is only the
+        kernel's copy of a body off the socket (done without the GIL); everything else a request
+        costs in Python, they take turns at, and each turn taken from the other loop costs a
+        hand-off. A second loop pays only for rows large enough that the copy is most of a request
+        (hence LARGE_ROW_BYTES; the measurements: docs/benchmarks.md#servingconfigpy)."""
         if self.http_threads is not None:
             return self.http_threads
         if row_bytes < LARGE_ROW_BYTES:
@@ -441,7 +458,8 @@ class Settings:
         return [n.strip() for n in self.load_model.split(",") if n.strip()]
 
     def _check_device(self) -> None:
-        from serving.engine import (  # onnxruntime: not for `--help`
+        # onnxruntime: not for `--help`
+        from serving.engine import (
             CONV_ALGO_SEARCH,
             DEVICES,
         )
@@ -467,7 +485,8 @@ class Settings:
             raise ValueError(
                 f"--gpu-mem-limit-mb must be a positive number of MiB, got {self.gpu_mem_limit_mb}"
             )
-        self.bucket_sizes()  # its ValueError names what --batch-buckets takes
+        # its ValueError names what --batch-buckets takes
+        self.bucket_sizes()
         if self.batch_buckets not in ("auto", "off"):
             if self.device == "tensorrt":
                 raise ValueError(
@@ -499,9 +518,9 @@ class Settings:
                 )
 
     def bucket_sizes(self):
-        """The batch buckets asked for (a serving.engine.BatchBuckets): auto's powers of two for the CUDA provider
-        only, none for off, the sizes given for any provider; --max-batch-size always the largest. ValueError
-        for sizes that are not whole numbers from 1 to --max-batch-size."""
+        """The batch buckets asked for (a serving.engine.BatchBuckets): auto's powers of two for the
+        CUDA provider only, none for off, the sizes given for any provider; --max-batch-size always
+        the largest. ValueError for sizes that are not whole numbers from 1 to --max-batch-size."""
         from serving.engine import BatchBuckets
 
         if self.batch_buckets == "off":
@@ -530,7 +549,8 @@ class Settings:
         )
 
     def gpu_options(self):
-        """The CUDA / TensorRT provider options these settings ask for (a serving.engine.GpuOptions)."""
+        """The CUDA / TensorRT provider options these settings ask for (a
+        serving.engine.GpuOptions)."""
         from serving.engine import GpuOptions
 
         return GpuOptions(
@@ -570,9 +590,8 @@ class Settings:
             "--payload-log-max-mb": self.payload_log_max_mb,
             "--payload-log-file-mb": self.payload_log_file_mb,
         }.items():
-            if (
-                not 1 / 1024 <= value < float("inf")
-            ):  # a file must hold a record: 1 KiB at the least
+            # a file must hold a record: 1 KiB at the least
+            if not 1 / 1024 <= value < float("inf"):
                 raise ValueError(f"{flag} is a number of MiB, at least 1/1024 (1 KiB); got {value}")
         if self.payload_log_file_mb > self.payload_log_max_mb:
             raise ValueError(

@@ -1,5 +1,5 @@
-"""The console of every trainserve process (each pipeline stage, torchrun's workers, the server): one
-line per event in one format, third-party chatter off unless --verbose.
+"""The console of every trainserve process (each pipeline stage, torchrun's workers, the server):
+one line per event in one format, third-party chatter off unless --verbose.
 
 It lives in `serving/` because the server imports nothing from `pipeline/`, while the stages may
 import from here (pipeline/tools/logs.py calls `configure`). Quieting is done through each library's
@@ -58,7 +58,8 @@ def ort_severity() -> int:
 
 
 def clip(text: str, limit: int) -> str:
-    """`text`, or its first words within `limit` characters and " ...": a message is never cut mid-word."""
+    """`text`, or its first words within `limit` characters and " ...": a message is never cut
+    mid-word."""
     if len(text) <= limit:
         return text
     head = text[: limit + 1]
@@ -70,15 +71,15 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def escape_controls(text: str) -> str:
-    """`text` with its control characters (newlines, carriage returns, escape sequences; not tabs) written as
-    Python escapes: "a\nb" -> "a\\nb"."""
+    """`text` with its control characters (newlines, carriage returns, escape sequences; not tabs)
+    written as Python escapes: "a\nb" -> "a\\nb"."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class OneLine(logging.Formatter):
-    """Each event one line: control characters in the message (a client's model name, an exception's text with a
-    value of theirs in it) are escaped, so that no value can start a line of its own and pass for an entry of
-    ours; a traceback, appended after the message, stays as it is."""
+    """Each event one line: control characters in the message (a client's model name, an exception's
+    text with a value of theirs in it) are escaped, so that no value can start a line of its own and
+    pass for an entry of ours; a traceback, appended after the message, stays as it is."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape_controls(record.message)
@@ -99,7 +100,8 @@ def configure(rank: int | None = None, level: int | str = logging.INFO) -> None:
     """`[rank1] 12:00:01 INFO pipeline.train: ...` under torchrun, `12:00:01 INFO ...` otherwise."""
     loud = verbose()
     # MLflow configures its own handler and format at import unless told not to; its download bars
-    # are carriage returns in a file. Both set before mlflow is imported, here or in a child process.
+    # are carriage returns in a file. Both set before mlflow is imported, here or in a child
+    # process.
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     if not sys.stderr.isatty():
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -116,13 +118,16 @@ def configure(rank: int | None = None, level: int | str = logging.INFO) -> None:
     for name, quiet_level in QUIET.items():
         logger = logging.getLogger(name)
         logger.setLevel(logging.NOTSET if loud else quiet_level)
-        logger.handlers[:] = []  # a library's own handler would print in its own format
+        # a library's own handler would print in its own format
+        logger.handlers[:] = []
         logger.propagate = True
     if loud:
-        logging.captureWarnings(True)  # one line each, in our format
+        # one line each, in our format
+        logging.captureWarnings(True)
     else:
         # The torch exporter's and onnxscript's warnings ("Evaluation failed: ...") are about their
-        # internals; export's gates say whether the model is right. PYTHONWARNINGS for child processes.
+        # internals; export's gates say whether the model is right. PYTHONWARNINGS for child
+        # processes.
         warnings.simplefilter("ignore")
         os.environ.setdefault("PYTHONWARNINGS", "ignore")
     _quiet_onnxruntime(loud)

@@ -436,7 +436,8 @@ class Server:
         for observer in self.observers:
             try:
                 observer.answered(answer)
-            except Exception:  # noqa: BLE001 - what watches the answers must never fail one
+            except Exception:  # noqa: BLE001
+                # what watches the answers must never fail one
                 log.exception("%s failed on request %s", type(observer).__name__, answer.request_id)
 
     async def infer(
@@ -447,8 +448,9 @@ class Server:
         follow_swap: bool = True,
         arrival=None,
     ) -> tuple[dict[str, np.ndarray], Slot]:
-        """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the client
-        named no version) the one a reload put in its place before the request could be queued."""
+        """The outputs, and the slot whose model computed them: `slot`, or with `follow_swap` (the
+        client named no version) the one a reload put in its place before the request could be
+        queued."""
         # A 400 naming the limit, not onnxruntime's words.
         lengths.check(slot.model.info.max_lengths, feeds, slot.model.info.name)
         limit = self.settings.max_rows_per_request
@@ -622,7 +624,8 @@ class WarmUp:
         started = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, model.engine.run, feeds)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
+        except Exception as exc:  # noqa: BLE001
+            # see the docstring
             log.warning(
                 "%s version %s: warm-up with the last request answered failed (serving it anyway): "
                 "%s",
@@ -663,7 +666,8 @@ def decode_now(decode: Callable[[], Any]):
 
 
 def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The outputs as the request asked for them: those asked as classes, their top K (serving/classification.py)."""
+    """The outputs as the request asked for them: those asked as classes, their top K
+    (serving/classification.py)."""
     model = slot.model
     return classify(
         results,
@@ -674,13 +678,15 @@ def answered(slot: Slot, request, results: dict[str, np.ndarray]) -> dict[str, n
 
 
 def owned(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A request's feeds as arrays of their own, for what keeps them past its run (the payload log, the shadow
-    mirror): a request received into a batch buffer has views of rows the next batch reuses."""
+    """A request's feeds as arrays of their own, for what keeps them past its run (the payload log,
+    the shadow mirror): a request received into a batch buffer has views of rows the next batch
+    reuses."""
     return {name: np.array(x) for name, x in feeds.items()}
 
 
 def fits(specs, feeds: dict[str, np.ndarray]) -> bool:
-    """The feeds are the inputs `specs` describe: the same names, dtypes and ranks, and every fixed axis's size."""
+    """The feeds are the inputs `specs` describe: the same names, dtypes and ranks, and every fixed
+    axis's size."""
     return set(feeds) == {spec.name for spec in specs} and all(
         feeds[spec.name].dtype == spec.dtype and shape_fits(spec, feeds[spec.name].shape)
         for spec in specs
@@ -716,8 +722,8 @@ def say_unsent_receipt(name: str, info) -> None:
 
 
 def open_source(settings: Settings, source: Source, version: str | None = None) -> LoadedModel:
-    """One model source on the provider and variant the settings ask (an alias pinned at `version` when given).
-    A repository version directory is that version of its model."""
+    """One model source on the provider and variant the settings ask (an alias pinned at `version`
+    when given). A repository version directory is that version of its model."""
     s = settings
     # Settings.check: --model-name only beside a single unnamed --model.
     name = source.name or s.model_name
@@ -739,14 +745,14 @@ def open_source(settings: Settings, source: Source, version: str | None = None) 
 def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:
     """The batch sizes to run before serving.
 
-    Batch buckets (the CUDA provider's default): each bucket once, the size its session will only ever see.
-    Other GPU: every size the batcher forms from requests (1 to max_batch_size): each new input shape costs the
-    CUDA provider a cuDNN algorithm choice and allocations, and TensorRT an engine rebuild if the shape is
-    outside the range it has seen, so none of that may land on a request. The largest first, then 1:
-    TensorRT's profile then spans every size in between. A single request larger than max_batch_size runs
-    alone at its own size, unwarmed (bound it with --max-rows-per-request).
-    CPU: 1 and the largest; the CPU provider chooses no algorithm per shape, and the largest batch sizes
-    its memory arena.
+    Batch buckets (the CUDA provider's default): each bucket once, the size its session will only
+    ever see. Other GPU: every size the batcher forms from requests (1 to max_batch_size): each new
+    input shape costs the CUDA provider a cuDNN algorithm choice and allocations, and TensorRT an
+    engine rebuild if the shape is outside the range it has seen, so none of that may land on a
+    request. The largest first, then 1: TensorRT's profile then spans every size in between. A
+    single request larger than max_batch_size runs alone at its own size, unwarmed (bound it with
+    --max-rows-per-request). CPU: 1 and the largest; the CPU provider chooses no algorithm per
+    shape, and the largest batch sizes its memory arena.
     """
     if engine.buckets:
         return engine.buckets
@@ -756,8 +762,8 @@ def warm_up_sizes(engine: Engine, max_batch_size: int) -> tuple[int, ...]:
 
 
 def warmed(model: LoadedModel, sizes: tuple[int, ...]) -> bool:
-    """engine.warm_up at `sizes`; a run that shows the version's rows are not independent turned its batching off:
-    said in one line naming it, and the warm-up goes on unbatched."""
+    """engine.warm_up at `sizes`; a run that shows the version's rows are not independent turned its
+    batching off: said in one line naming it, and the warm-up goes on unbatched."""
     try:
         return model.engine.warm_up(sizes)
     except NotRowWise as exc:
@@ -766,8 +772,8 @@ def warmed(model: LoadedModel, sizes: tuple[int, ...]) -> bool:
 
 
 def batch_cap(model: LoadedModel, max_batch_size: int) -> int:
-    """The most rows a run of this version gathers: --max-batch-size, or its config.pbtxt's max_batch_size when
-    smaller."""
+    """The most rows a run of this version gathers: --max-batch-size, or its config.pbtxt's
+    max_batch_size when smaller."""
     own = model.info.max_batch_size
     return min(max_batch_size, own) if own else max_batch_size
 
@@ -792,8 +798,8 @@ def warm_up(model: LoadedModel, max_batch_size: int) -> None:
 
 
 def open_models(settings: Settings) -> list[tuple[Source, LoadedModel]]:
-    """Every model the settings load at start, opened and warmed up (blocking, before the server starts).
-    Raises the first failure: a server does not start half-loaded."""
+    """Every model the settings load at start, opened and warmed up (blocking, before the server
+    starts). Raises the first failure: a server does not start half-loaded."""
     repository = Repository(
         partial(open_source, settings),
         None,

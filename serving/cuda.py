@@ -1,9 +1,11 @@
-"""The few CUDA runtime calls the server makes itself, through ctypes (it never imports torch): pinning host
-buffers, and opening the device memory a same-host client shares (the V2 CUDA shared-memory extension).
+"""The few CUDA runtime calls the server makes itself, through ctypes (it never imports torch):
+pinning host buffers, and opening the device memory a same-host client shares (the V2 CUDA
+shared-memory extension).
 
-libcudart is the one onnxruntime's CUDA provider loads (onnxruntime.preload_dlls: the nvidia-* pip packages, else
-the system's); found by its soname. On a machine without it every call says so: `available()` is False, `pin`
-returns False (the buffer stays pageable, which is only slower), and the shared-memory calls raise CudaError.
+libcudart is the one onnxruntime's CUDA provider loads (onnxruntime.preload_dlls: the nvidia-* pip
+packages, else the system's); found by its soname. On a machine without it every call says so:
+`available()` is False, `pin` returns False (the buffer stays pageable, which is only slower), and
+the shared-memory calls raise CudaError.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import numpy as np
 
 log = logging.getLogger("serving.cuda")
 
-HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 1, 2, 3  # cudaMemcpyKind
-IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# cudaMemcpyKind
+HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 1, 2, 3
+# sizeof(cudaIpcMemHandle_t)
+IPC_HANDLE_BYTES = 64
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 _lock = threading.Lock()
 _runtime: ctypes.CDLL | None = None
 _looked = False
-_pinned: set[int] = set()  # addresses registered with cudaHostRegister
+# addresses registered with cudaHostRegister
+_pinned: set[int] = set()
 
 
 class CudaError(Exception):
@@ -60,8 +65,8 @@ def _check(code: int, what: str) -> None:
 
 
 def pin(array: np.ndarray) -> bool:
-    """Page-locks `array`'s memory (cudaHostRegister) so that copies to the device run at full speed; False where
-    CUDA cannot (no runtime, or the driver refused), leaving it pageable."""
+    """Page-locks `array`'s memory (cudaHostRegister) so that copies to the device run at full
+    speed; False where CUDA cannot (no runtime, or the driver refused), leaving it pageable."""
     lib = runtime()
     if lib is None or not array.nbytes:
         return False
@@ -70,7 +75,8 @@ def pin(array: np.ndarray) -> bool:
         ctypes.c_void_p(address), ctypes.c_size_t(array.nbytes), ctypes.c_uint(0)
     )
     if code != 0:
-        lib.cudaGetLastError()  # clear it: a failed registration is not sticky, but leave nothing behind
+        # clear it: a failed registration is not sticky, but leave nothing behind
+        lib.cudaGetLastError()
         log.debug(
             "cudaHostRegister of %d bytes failed (CUDA error %d): the buffer stays pageable",
             array.nbytes,
@@ -99,14 +105,16 @@ def set_device(device_id: int) -> None:
 
 
 def open_ipc_handle(handle: bytes, device_id: int) -> int:
-    """The device address of the memory another process exported with cudaIpcGetMemHandle (64 bytes)."""
+    """The device address of the memory another process exported with cudaIpcGetMemHandle (64
+    bytes)."""
     if len(handle) != IPC_HANDLE_BYTES:
         raise CudaError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
     lib = _need()
     set_device(device_id)
     pointer = ctypes.c_void_p()
     raw = (ctypes.c_char * IPC_HANDLE_BYTES).from_buffer_copy(handle)
-    # cudaIpcMemHandle_t is a struct passed by value: a 64-byte char array as the argument does that.
+    # cudaIpcMemHandle_t is a struct passed by value: a 64-byte char array as the argument does
+    # that.
     _check(
         lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(1)),
         "cudaIpcOpenMemHandle",

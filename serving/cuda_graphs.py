@@ -1,17 +1,19 @@
-"""Batch buckets run as CUDA graphs (--cuda-graphs): each bucket's session captures its whole run once and replays
-it, one launch instead of one per kernel (ResNet-50 has ~160; at batch 1 their launches are a large part of its
-~2.6 ms on an H100).
+"""Batch buckets run as CUDA graphs (--cuda-graphs): each bucket's session captures its whole run
+once and replays it, one launch instead of one per kernel (ResNet-50 has ~160; at batch 1 their
+launches are a large part of its ~2.6 ms on an H100).
 
-onnxruntime's CUDA provider captures a graph (`enable_cuda_graph`) only for a session whose inputs and outputs stay
-at the same device addresses run after run and whose every node runs on the CUDA provider: so each bucket has a
-session of its own, made with that option, and device memory of its own for its inputs and outputs, bound once
-(IOBinding). A run copies the batch from its (pinned) batch buffer into the bucket's device inputs, replays, and
-copies the outputs back. Batch buckets give each session one shape already (serving/engine.py), which is what a
-graph needs; Triton has no CUDA graphs for onnxruntime models (onnxruntime_backend #168).
+onnxruntime's CUDA provider captures a graph (`enable_cuda_graph`) only for a session whose inputs
+and outputs stay at the same device addresses run after run and whose every node runs on the CUDA
+provider: so each bucket has a session of its own, made with that option, and device memory of its
+own for its inputs and outputs, bound once (IOBinding). A run copies the batch from its (pinned)
+batch buffer into the bucket's device inputs, replays, and copies the outputs back. Batch buckets
+give each session one shape already (serving/engine.py), which is what a graph needs; Triton has no
+CUDA graphs for onnxruntime models (onnxruntime_backend #168).
 
-Gated when the model loads: every bucket's graph runs a probe batch and must answer what the plain session
-answers, within GRAPH_RTOL/GRAPH_ATOL, or the model is refused with the numbers; a graph onnxruntime cannot
-capture (a node on the CPU, an output shape it cannot know) is refused with onnxruntime's reason.
+Gated when the model loads: every bucket's graph runs a probe batch and must answer what the plain
+session answers, within GRAPH_RTOL/GRAPH_ATOL, or the model is refused with the numbers; a graph
+onnxruntime cannot capture (a node on the CPU, an output shape it cannot know) is refused with
+onnxruntime's reason.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
 log = logging.getLogger("serving.cuda_graphs")
+# a replay runs the captured kernels: it should match the plain run to rounding
 GRAPH_RTOL, GRAPH_ATOL = (
     1e-4,
     1e-5,
-)  # a replay runs the captured kernels: it should match the plain run to rounding
+)
 
 
 class GraphError(Exception):
-    """A bucket's session cannot run as a CUDA graph, or its graph answers differently from the plain run."""
+    """A bucket's session cannot run as a CUDA graph, or its graph answers differently from the
+    plain run."""
 
 
 class BucketGraph:
@@ -68,9 +72,8 @@ class BucketGraph:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The batch (exactly `size` rows, contiguous: a batch buffer's rows) through the graph."""
         for name, value in self.inputs.items():
-            value.update_inplace(
-                feeds[name]
-            )  # host -> device, into the address the graph was captured with
+            # host -> device, into the address the graph was captured with
+            value.update_inplace(feeds[name])
         self.session.run_with_iobinding(self.binding)
         return {name: value.numpy() for name, value in self.outputs.items()}
 
@@ -86,8 +89,8 @@ def open_graphs(
     plain: ort.InferenceSession,
     open_session,
 ) -> dict[int, BucketGraph]:
-    """A captured graph per bucket size, each checked against `plain` (the model's session without graphs) on a
-    probe batch. GraphError says which bucket and why."""
+    """A captured graph per bucket size, each checked against `plain` (the model's session without
+    graphs) on a probe batch. GraphError says which bucket and why."""
     providers = [("CUDAExecutionProvider", {**cuda_options, "enable_cuda_graph": "1"})]
     names = [spec.name for spec in outputs]
     graphs: dict[int, BucketGraph] = {}
@@ -96,13 +99,14 @@ def open_graphs(
         try:
             session = open_session(path, options, providers)
             graph = BucketGraph(session, inputs, outputs, size, device_id)
-            graph.run(probe)  # the first run captures
-            got = graph.run(probe)  # this one replays
+            # the first run captures
+            graph.run(probe)
+            # this one replays
+            got = graph.run(probe)
         except GraphError:
             raise
-        except (
-            Exception
-        ) as exc:  # onnxruntime's own reasons (a node outside the CUDA provider, ...)
+        except Exception as exc:
+            # onnxruntime's own reasons (a node outside the CUDA provider, ...)
             raise GraphError(
                 f"batch bucket {size}: onnxruntime could not run it as a CUDA graph: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
@@ -128,7 +132,8 @@ def open_graphs(
 
 
 def _probe(inputs, size: int) -> dict[str, np.ndarray]:
-    """A batch the model certainly takes: values in [0, 1) for floating-point inputs, zeros for the others."""
+    """A batch the model certainly takes: values in [0, 1) for floating-point inputs, zeros for the
+    others."""
     rng = np.random.default_rng(0)
     return {
         spec.name: (

@@ -1,25 +1,26 @@
 """Drift: how far the traffic a model version serves has moved from the data it was trained on.
 
-The reference (`drift_reference.json`, written at export beside model.onnx inside the registered model,
-its sha256 a version tag that `pipeline verify` checks) holds, for every input and every output, the
-distribution of a few features of each sample on the training split:
+The reference (`drift_reference.json`, written at export beside model.onnx inside the registered
+model, its sha256 a version tag that `pipeline verify` checks) holds, for every input and every
+output, the distribution of a few features of each sample on the training split:
 
     float tensors       one feature per channel (axis 1; the mean over any further axes: an image's
-                        per-channel intensity, a sequence's mean value), at most MAX_FEATURES of them,
-                        each cut into BINS bins at the training split's quantiles
+                        per-channel intensity, a sequence's mean value), at most MAX_FEATURES of
+                        them, each cut into BINS bins at the training split's quantiles
     integer / bool      the frequency of each value (tokens, categories), the MAX_CATEGORIES most
                         frequent kept and the rest pooled as "other"; every position of the sample counts
 
-The server keeps the bin of each of the last `window` samples per feature (`DriftWindow`) and reports
-the population stability index of each input and output, the largest over its features:
+The server keeps the bin of each of the last `window` samples per feature (`DriftWindow`) and
+reports the population stability index of each input and output, the largest over its features:
 
     PSI = sum over bins of (p_live - p_ref) * ln(p_live / p_ref)      (both floored at EPSILON)
 
 < 0.1: no shift worth a look; 0.1-0.2: a moderate one; > 0.2: a shift. With BINS = 10 and a window
-of 500 samples, data drawn like the training split stays near 0.02 (the statistic's own noise is about
-(BINS - 1) / window), and a feature moved by half its standard deviation reaches about 0.25.
+of 500 samples, data drawn like the training split stays near 0.02 (the statistic's own noise is
+about (BINS - 1) / window), and a feature moved by half its standard deviation reaches about 0.25.
 
-This module is the one that writes and reads the format; it needs numpy only (the server has no torch).
+This module is the one that writes and reads the format; it needs numpy only (the server has no
+torch).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from serving.lineage import UINT8_INPUTS
 
 log = logging.getLogger("serving.drift")
 FORMAT = "trainserve-drift/1"
-# A graph's inputs taken as UINT8 pixel values and scaled by 1/255 inside it (the uint8 variant's ONNX metadata,
-# written by pipeline/artifact/uint8_inputs.py): compared with the training data's [0, 1] values once scaled.
+# A graph's inputs taken as UINT8 pixel values and scaled by 1/255 inside it (the uint8 variant's
+# ONNX metadata, written by pipeline/artifact/uint8_inputs.py): compared with the training data's
+# [0, 1] values once scaled.
 PIXEL_INPUTS_KEY = UINT8_INPUTS
 FILE = "drift_reference.json"
 BINS = 10
@@ -53,7 +55,8 @@ CHECK_EVERY = 50
 
 
 def features(array: np.ndarray) -> np.ndarray:
-    """(samples, features) float64 of one float tensor batch: channel means (axis 1, the rest averaged)."""
+    """(samples, features) float64 of one float tensor batch: channel means (axis 1, the rest
+    averaged)."""
     a = np.asarray(array, dtype=np.float64)
     if a.ndim == 1:
         return a[:, None]
@@ -67,7 +70,8 @@ def is_categorical(dtype: np.dtype) -> bool:
 
 
 class ReferenceBuilder:
-    """Collects a sample of the training split, batch by batch, and makes the reference of each tensor."""
+    """Collects a sample of the training split, batch by batch, and makes the reference of each
+    tensor."""
 
     def __init__(self) -> None:
         self._parts: dict[tuple[str, str], list[np.ndarray]] = {}
@@ -102,7 +106,8 @@ def _numeric_reference(array: np.ndarray) -> dict[str, Any]:
     qs = np.linspace(0, 1, BINS + 1)[1:-1]
     edges, proportions = [], []
     for column in feats.T:
-        cut = np.unique(np.quantile(column, qs))  # ties (a constant feature) give fewer bins
+        # ties (a constant feature) give fewer bins
+        cut = np.unique(np.quantile(column, qs))
         edges.append(cut.tolist())
         counts = np.bincount(np.searchsorted(cut, column, side="right"), minlength=len(cut) + 1)
         proportions.append((counts / counts.sum()).tolist())
@@ -114,11 +119,12 @@ def _categorical_reference(array: np.ndarray) -> dict[str, Any]:
     order = np.argsort(-counts)[:MAX_CATEGORIES]
     kept = values[order]
     share = counts[order] / counts.sum()
+    # the last: every other value
     return {
         "kind": "categorical",
         "values": kept.tolist(),
         "proportions": [*share.tolist(), float(max(0.0, 1.0 - share.sum()))],
-    }  # the last: every other value
+    }
 
 
 def write(reference: dict[str, Any], path: Path) -> Path:
@@ -143,39 +149,41 @@ def psi(live: np.ndarray, reference: np.ndarray) -> float:
 
 
 class _Tensor:
-    """One input's or output's features: each sample's bin per feature in a ring of the last `window`."""
+    """One input's or output's features: each sample's bin per feature in a ring of the last
+    `window`."""
 
     def __init__(self, spec: dict[str, Any], window: int):
         self.kind = spec["kind"]
         if self.kind == "numeric":
             self.edges = [np.asarray(e) for e in spec["edges"]]
             self.reference = [np.asarray(p) for p in spec["proportions"]]
-            self.recent: deque = deque(maxlen=window)  # rows of bin indices, one per sample
+            # rows of bin indices, one per sample
+            self.recent: deque = deque(maxlen=window)
         else:
             self.values = np.asarray(spec["values"], dtype=np.int64)
-            self._order = np.argsort(
-                self.values
-            )  # for the sorted lookup of each position's category
+            # for the sorted lookup of each position's category
+            self._order = np.argsort(self.values)
             self._ranked = self.values[self._order]
             self.reference = [np.asarray(spec["proportions"])]
-            self.recent = deque(maxlen=window)  # per sample: counts per category (+ other)
+            # per sample: counts per category (+ other)
+            self.recent = deque(maxlen=window)
 
     def observe(self, array: np.ndarray) -> None:
         if self.kind == "numeric":
             feats = features(array)
-            n = min(
-                len(self.edges), feats.shape[1]
-            )  # a dynamic axis 1 may be shorter than the reference's
+            # a dynamic axis 1 may be shorter than the reference's
+            n = min(len(self.edges), feats.shape[1])
             if n < len(self.edges):
-                return  # a sample with fewer channels than the reference's: not comparable, not counted
+                # a sample with fewer channels than the reference's: not comparable, not counted
+                return
             bins = np.stack(
                 [np.searchsorted(self.edges[j], feats[:, j], side="right") for j in range(n)], 1
             )
             self.recent.extend(bins)
         else:
             flat = np.asarray(array).astype(np.int64).reshape(len(array), -1)
-            # Each position's category by a sorted lookup (no sample x position x category array): the index
-            # of its value among the kept ones, or the last bin, "other".
+            # Each position's category by a sorted lookup (no sample x position x category array):
+            # the index of its value among the kept ones, or the last bin, "other".
             at = np.clip(np.searchsorted(self._ranked, flat), 0, len(self._ranked) - 1)
             found = self._ranked[at] == flat
             category = np.where(found, self._order[at], len(self.values))
@@ -207,8 +215,8 @@ def pixel_inputs(metadata: dict[str, str]) -> list[str]:
 
 
 class DriftWindow:
-    """The last `window` samples of one model version against its reference; thread-safe (the engine thread
-    observes, the metrics scrape reads)."""
+    """The last `window` samples of one model version against its reference; thread-safe (the engine
+    thread observes, the metrics scrape reads)."""
 
     def __init__(
         self,
@@ -217,7 +225,8 @@ class DriftWindow:
         metadata: dict[str, str] | None = None,
     ):
         self.window = window
-        self._pixels = set(pixel_inputs(metadata or {}))  # UINT8 inputs: observed as value / 255
+        # UINT8 inputs: observed as value / 255
+        self._pixels = set(pixel_inputs(metadata or {}))
         self._lock = threading.Lock()
         self._tensors = {
             (kind, name): _Tensor(spec, window)
@@ -280,7 +289,8 @@ class Watch:
                 batches += 1
                 if batches % CHECK_EVERY == 0:
                     self._say(key, window)
-            except Exception:  # noqa: BLE001 - a statistic must never fail an answer
+            except Exception:  # noqa: BLE001
+                # a statistic must never fail an answer
                 log.exception("drift statistics of %s version %s failed", *key)
 
         return observe

@@ -1,8 +1,8 @@
-"""The onnxruntime engine: an InferenceSession (one per batch bucket, where asked), its inputs and outputs,
-and `run(feeds)`.
+"""The onnxruntime engine: an InferenceSession (one per batch bucket, where asked), its inputs and
+outputs, and `run(feeds)`.
 
-Knows nothing of HTTP or of how batches are formed. `run` is called from one worker thread at a time (the
-batcher's), so the engine holds no lock.
+Knows nothing of HTTP or of how batches are formed. `run` is called from one worker thread at a time
+(the batcher's), so the engine holds no lock.
 """
 
 from __future__ import annotations
@@ -57,14 +57,16 @@ _ORT_TYPES: dict[str, tuple[np.dtype, str]] = {
     "tensor(uint32)": (np.dtype(np.uint32), "UINT32"),
     "tensor(uint64)": (np.dtype(np.uint64), "UINT64"),
     "tensor(bool)": (np.dtype(np.bool_), "BOOL"),
-    # KServe V2's BYTES: each element a byte string of its own length (numpy objects: bytes in, str out of
-    # onnxruntime). Never in a batch buffer, whose rows are of one fixed size (see Engine.fixed_rows).
+    # KServe V2's BYTES: each element a byte string of its own length (numpy objects: bytes in, str
+    # out of onnxruntime). Never in a batch buffer, whose rows are of one fixed size (see
+    # Engine.fixed_rows).
     "tensor(string)": (np.dtype(object), "BYTES"),
 }
 
 
 def sent_shapes(parts: list[dict[str, np.ndarray]]) -> dict[str, list[int]]:
-    """Each input's shape in the requests' feeds `parts` as they are run together (their rows added up)."""
+    """Each input's shape in the requests' feeds `parts` as they are run together (their rows added
+    up)."""
     first = parts[0]
     return {
         name: list(x.shape)
@@ -79,25 +81,27 @@ class EngineError(Exception):
 
 
 class ModelInputError(EngineError):
-    """onnxruntime could not compute the model on these input values (an index past an embedding's size,
-    a value a Reshape can't take): the request's values, since inputs were validated against the model's
-    names, types and shapes before, and warm-up ran it on zeros."""
+    """onnxruntime could not compute the model on these input values (an index past an embedding's
+    size, a value a Reshape can't take): the request's values, since inputs were validated against
+    the model's names, types and shapes before, and warm-up ran it on zeros."""
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One model input or output. `shape` uses -1 for a dynamic axis; (-1,) for a tensor the graph gives no rank
-    (`ranked` False: it takes whatever shape onnxruntime accepts). `batched`: its first axis is the batch axis of
-    a version whose requests share runs (Engine.set_batching)."""
+    """One model input or output. `shape` uses -1 for a dynamic axis; (-1,) for a tensor the graph
+    gives no rank (`ranked` False: it takes whatever shape onnxruntime accepts). `batched`: its
+    first axis is the batch axis of a version whose requests share runs (Engine.set_batching)."""
 
     name: str
     dtype: np.dtype
-    datatype: str  # KServe V2 name: FP32, INT64, ...
+    # KServe V2 name: FP32, INT64, ...
+    datatype: str
     shape: tuple[int, ...]
     batched: bool = False
     ranked: bool = True
-    # The model input this request input is another form of (an image version's encoded image file, for the tensor
-    # it is decoded into: serving/image_inputs.py); a request gives one of the two. "" for the model's own inputs.
+    # The model input this request input is another form of (an image version's encoded image file,
+    # for the tensor it is decoded into: serving/image_inputs.py); a request gives one of the two.
+    # "" for the model's own inputs.
     stands_for: str = ""
 
     def describe(self) -> str:
@@ -121,10 +125,11 @@ def cuda_device_present() -> bool:
 
 
 def choose_provider(device: str) -> str:
-    """The execution provider for `device` (auto|cpu|cuda|tensorrt), or EngineError if a GPU one can't be had.
+    """The execution provider for `device` (auto|cpu|cuda|tensorrt), or EngineError if a GPU one
+    can't be had.
 
-    This is what the build and the machine offer; whether the provider really loads is only known once a
-    session exists (see Engine)."""
+    This is what the build and the machine offer; whether the provider really loads is only known
+    once a session exists (see Engine)."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -157,27 +162,28 @@ def choose_provider(device: str) -> str:
 
 @dataclass(frozen=True)
 class GpuOptions:
-    """How the CUDA provider (and TensorRT) runs, chosen here rather than left to onnxruntime's defaults.
+    """How the CUDA provider (and TensorRT) runs, chosen here rather than left to onnxruntime's
+    defaults.
 
-    `conv_algo_search`: onnxruntime's default, EXHAUSTIVE, benchmarks every cuDNN algorithm the first time
-    each input shape is seen, and the batcher forms up to --max-batch-size shapes: that search would land on
-    the request path. HEURISTIC asks cuDNN's heuristics instead (no benchmark, maybe a slower algorithm).
-    `tf32`: onnxruntime turns TF32 on by default for fp32 GEMM and convolutions on Ampere and newer (10-bit
-    mantissa). Off serves the fp32 numbers the export gates certify (they run the CUDA provider with these
-    defaults); on is faster and was not gated.
-    `gpu_mem_limit_mb`: cap on the CUDA memory arena (None: none), for a GPU shared with training. The arena
-    grows by what is asked (kSameAsRequested), not in powers of two, for the same reason.
-    `trt_cache_dir`: where the TensorRT provider keeps built engines and timing caches (building one takes
-    minutes); None: ~/.cache/trainserve/tensorrt. Engines are per GPU model and TensorRT version.
+    `conv_algo_search`: onnxruntime's default, EXHAUSTIVE, benchmarks every cuDNN algorithm the
+    first time each input shape is seen, and the batcher forms up to --max-batch-size shapes: that
+    search would land on the request path. HEURISTIC asks cuDNN's heuristics instead (no benchmark,
+    maybe a slower algorithm). `tf32`: onnxruntime turns TF32 on by default for fp32 GEMM and
+    convolutions on Ampere and newer (10-bit mantissa). Off serves the fp32 numbers the export gates
+    certify (they run the CUDA provider with these defaults); on is faster and was not gated.
+    `gpu_mem_limit_mb`: cap on the CUDA memory arena (None: none), for a GPU shared with training.
+    The arena grows by what is asked (kSameAsRequested), not in powers of two, for the same reason.
+    `trt_cache_dir`: where the TensorRT provider keeps built engines and timing caches (building one
+    takes minutes); None: ~/.cache/trainserve/tensorrt. Engines are per GPU model and TensorRT
+    version.
     """
 
     conv_algo_search: str = "HEURISTIC"
     tf32: bool = False
     gpu_mem_limit_mb: float | None = None
     trt_cache_dir: str | None = None
-    cuda_graphs: bool = (
-        False  # each batch bucket's session run as a captured CUDA graph (serving/cuda_graphs.py)
-    )
+    # each batch bucket's session run as a captured CUDA graph (serving/cuda_graphs.py)
+    cuda_graphs: bool = False
 
     def cuda(self, device_id: int = 0) -> dict[str, str]:
         """The CUDAExecutionProvider options (onnxruntime takes strings)."""
@@ -197,8 +203,8 @@ class GpuOptions:
         return options
 
     def tensorrt(self, device_id: int = 0) -> dict[str, str]:
-        """The TensorrtExecutionProvider options: engines and timings cached on disk, so that a restart
-        does not build them again."""
+        """The TensorrtExecutionProvider options: engines and timings cached on disk, so that a
+        restart does not build them again."""
         cache = self.trt_cache_dir or str(Path.home() / ".cache" / "trainserve" / "tensorrt")
         return {
             "device_id": str(device_id),
@@ -211,30 +217,33 @@ class GpuOptions:
 
 @dataclass(frozen=True)
 class BatchBuckets:
-    """Batch sizes a run is padded up to, an onnxruntime session each (see Engine and serving/README.md).
+    """Batch sizes a run is padded up to, an onnxruntime session each (see Engine and
+    serving/README.md).
 
-    `cuda_only`: `--batch-buckets auto`: only when the session really runs on the CUDA provider, the one that
-    pays for a change of input shape (decided by the Engine once it knows, so that `--device auto` falling
-    back to the CPU opens no more sessions)."""
+    `cuda_only`: `--batch-buckets auto`: only when the session really runs on the CUDA provider, the
+    one that pays for a change of input shape (decided by the Engine once it knows, so that
+    `--device auto` falling back to the CPU opens no more sessions)."""
 
     sizes: tuple[int, ...] = ()
     cuda_only: bool = False
 
 
 def preload_cuda_libraries() -> str:
-    """Loads the CUDA and cuDNN libraries onnxruntime's CUDA provider links against, from the nvidia-* pip
-    packages when they are installed, else from the system loader path; returns what onnxruntime reported
-    (its failures), "" when all loaded. Once per process.
+    """Loads the CUDA and cuDNN libraries onnxruntime's CUDA provider links against, from the
+    nvidia-* pip packages when they are installed, else from the system loader path; returns what
+    onnxruntime reported (its failures), "" when all loaded. Once per process.
 
-    The CUDA provider library has no RPATH: without this, a pip-only setup (no system CUDA) makes onnxruntime
-    fall back to the CPU provider. Not needed after `import torch` with a torch of the same CUDA major, but
-    the server never imports torch. onnxruntime prints its findings to stdout; they are captured here.
+    The CUDA provider library has no RPATH: without this, a pip-only setup (no system CUDA) makes
+    onnxruntime fall back to the CPU provider. Not needed after `import torch` with a torch of the
+    same CUDA major, but the server never imports torch. onnxruntime prints its findings to stdout;
+    they are captured here.
     """
     import onnxruntime as ort
 
     global _preload_report
     if _preload_report is None:
-        preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+        # onnxruntime >= 1.21
+        preload = getattr(ort, "preload_dlls", None)
         if preload is None:
             _preload_report = (
                 f"onnxruntime {ort.__version__} has no preload_dlls(): the CUDA libraries must be "
@@ -244,8 +253,10 @@ def preload_cuda_libraries() -> str:
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 try:
-                    preload()  # directory=None: the nvidia-* site packages, then the default loader paths
-                except Exception as exc:  # noqa: BLE001 - a bad install must not stop a fallback to CPU
+                    # directory=None: the nvidia-* site packages, then the default loader paths
+                    preload()
+                except Exception as exc:  # noqa: BLE001
+                    # a bad install must not stop a fallback to CPU
                     print(f"onnxruntime.preload_dlls() failed: {exc}")
             _preload_report = " ".join(printed.getvalue().split())
         if _preload_report:
@@ -257,8 +268,8 @@ _preload_report: str | None = None
 
 
 def tensorrt_libraries_missing() -> list[str]:
-    """The TensorRT libraries the TensorRT provider needs that cannot be loaded (from the loader path, or
-    from the tensorrt_libs pip package)."""
+    """The TensorRT libraries the TensorRT provider needs that cannot be loaded (from the loader
+    path, or from the tensorrt_libs pip package)."""
     spec = importlib.util.find_spec("tensorrt_libs")
     package_dir = Path(spec.origin).parent if spec and spec.origin else None
     missing = []
@@ -275,9 +286,9 @@ def tensorrt_libraries_missing() -> list[str]:
 
 
 def system_cuda_libraries_missing() -> list[str]:
-    """The libraries onnxruntime's CUDA provider needs that the system loader cannot find: what an image
-    that serves on CUDA without pip's nvidia-* packages must carry (the Dockerfile checks it at build time,
-    where get_available_providers() would list CUDA whatever is installed)."""
+    """The libraries onnxruntime's CUDA provider needs that the system loader cannot find: what an
+    image that serves on CUDA without pip's nvidia-* packages must carry (the Dockerfile checks it
+    at build time, where get_available_providers() would list CUDA whatever is installed)."""
     import onnxruntime as ort
 
     library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
@@ -290,9 +301,10 @@ def system_cuda_libraries_missing() -> list[str]:
 
 
 def missing_libraries(ldd_output: str, ldconfig_cache: str) -> list[str]:
-    """From `ldd <CUDA provider library>` and `ldconfig -p`: the linked libraries "not found", except the
-    driver's libcuda.so.1 (the NVIDIA container runtime mounts it when the container starts, so a build never
-    has it), then cuDNN 9 if the loader cache lacks it (the provider dlopen()s it: ldd does not list it)."""
+    """From `ldd <CUDA provider library>` and `ldconfig -p`: the linked libraries "not found",
+    except the driver's libcuda.so.1 (the NVIDIA container runtime mounts it when the container
+    starts, so a build never has it), then cuDNN 9 if the loader cache lacks it (the provider
+    dlopen()s it: ldd does not list it)."""
     missing = [
         line.split("=>")[0].strip() for line in ldd_output.splitlines() if "not found" in line
     ]
@@ -342,7 +354,8 @@ def usable_cpus() -> int:
     """CPUs this process may run on (affinity, cgroup cpusets), not the host's count."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+    except AttributeError:
+        # not on Linux
         return os.cpu_count() or 1
 
 
@@ -352,7 +365,8 @@ def _open_session(path: str, options: ort.SessionOptions, providers: list) -> or
 
     try:
         session = ort.InferenceSession(path, sess_options=options, providers=providers)
-    except Exception as exc:  # onnxruntime raises its own exception types for bad files
+    except Exception as exc:
+        # onnxruntime raises its own exception types for bad files
         raise EngineError(f"onnxruntime cannot load {path}: {exc}") from exc
     session.disable_fallback()
     return session
@@ -372,8 +386,9 @@ def _spec(arg, unranked: set[str]) -> TensorSpec:
 
 
 def unranked_tensors(path: str, args) -> set[str]:
-    """The names among `args` (onnxruntime's inputs and outputs) whose graph type has no shape at all. onnxruntime
-    reports those as [], as it does a scalar: the graph itself is read to tell them apart, only when one says []."""
+    """The names among `args` (onnxruntime's inputs and outputs) whose graph type has no shape at
+    all. onnxruntime reports those as [], as it does a scalar: the graph itself is read to tell them
+    apart, only when one says []."""
     if not any(not a.shape for a in args):
         return set()
     import onnx
@@ -387,8 +402,9 @@ def unranked_tensors(path: str, args) -> set[str]:
 
 
 def feed_values(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The feeds as onnxruntime's Python API takes them: a BYTES input's elements as str (it would run bytes
-    objects as their repr). ModelInputError for an element that is not UTF-8: a STRING tensor holds text."""
+    """The feeds as onnxruntime's Python API takes them: a BYTES input's elements as str (it would
+    run bytes objects as their repr). ModelInputError for an element that is not UTF-8: a STRING
+    tensor holds text."""
     out = feeds
     for name, x in feeds.items():
         if x.dtype != object or not x.size:
@@ -407,8 +423,8 @@ def feed_values(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def zeros(spec: TensorSpec, shape) -> np.ndarray:
-    """A warm-up value of the input's type: zeros; for strings "0" (what a Cast to a number takes, as text
-    does)."""
+    """A warm-up value of the input's type: zeros; for strings "0" (what a Cast to a number takes,
+    as text does)."""
     if spec.dtype == object:
         return np.full(shape, "0", dtype=object)
     return np.zeros(shape, dtype=spec.dtype)
@@ -417,27 +433,29 @@ def zeros(spec: TensorSpec, shape) -> np.ndarray:
 class Engine:
     """An onnxruntime session over one model file, with its tensor specs.
 
-    `batchable`: rows of different requests may be concatenated into one run. Only when the model's rows are
-    known to be independent along the first axis (`batching`: True, the operator's say-so; None, what the file's
-    metadata records: export checked it, lineage.ROWS_INDEPENDENT; False: never) and every input has a dynamic
-    first axis. Otherwise each request runs alone, exactly the tensors it was sent. Every run of a batched
-    version checks that each output's first axis is the rows it ran (padding included): a mismatch raises
-    NotRowWise and turns batching off for good (set_batching), so that no answer is ever cut from another's.
+    `batchable`: rows of different requests may be concatenated into one run. Only when the model's
+    rows are known to be independent along the first axis (`batching`: True, the operator's say-so;
+    None, what the file's metadata records: export checked it, lineage.ROWS_INDEPENDENT; False:
+    never) and every input has a dynamic first axis. Otherwise each request runs alone, exactly the
+    tensors it was sent. Every run of a batched version checks that each output's first axis is the
+    rows it ran (padding included): a mismatch raises NotRowWise and turns batching off for good
+    (set_batching), so that no answer is ever cut from another's.
 
-    `batch_buckets`: batch sizes a run is padded up to, each run by a session that only ever sees that shape:
-    the CUDA provider redoes its convolutions' cuDNN set-up at every change of a session's input shape, and
-    dynamic batching makes a new batch size nearly every run (figures: serving/README.md, GPUs). A run past
-    the largest bucket goes in chunks of it. Only for a model whose one dynamic axis, in and out, is the
-    batch axis; not under TensorRT (an engine build per session; its profile spans the sizes warmed up).
+    `batch_buckets`: batch sizes a run is padded up to, each run by a session that only ever sees
+    that shape: the CUDA provider redoes its convolutions' cuDNN set-up at every change of a
+    session's input shape, and dynamic batching makes a new batch size nearly every run (figures:
+    serving/README.md, GPUs). A run past the largest bucket goes in chunks of it. Only for a model
+    whose one dynamic axis, in and out, is the batch axis; not under TensorRT (an engine build per
+    session; its profile spans the sizes warmed up).
 
     `device_id` is the CUDA device among those the process sees: CUDA_VISIBLE_DEVICES=2 makes
     the host's third GPU device 0, which is the usual way to pick one. Ignored on CPU.
 
-    Invariant: `provider` is the provider the session really runs on. onnxruntime falls back to the CPU
-    when a GPU provider fails to load (missing libraries), printing a note nobody reads; here --device
-    cuda|tensorrt then raises EngineError, and auto goes on on the CPU with a warning. The session's own
-    run-time fallback (a provider error in a run retried on the CPU for good) is switched off: such a run
-    fails its requests instead of silently moving the server to the CPU.
+    Invariant: `provider` is the provider the session really runs on. onnxruntime falls back to the
+    CPU when a GPU provider fails to load (missing libraries), printing a note nobody reads; here
+    --device cuda|tensorrt then raises EngineError, and auto goes on on the CPU with a warning. The
+    session's own run-time fallback (a provider error in a run retried on the CPU for good) is
+    switched off: such a run fails its requests instead of silently moving the server to the CPU.
     """
 
     def __init__(
@@ -468,15 +486,14 @@ class Engine:
         # Idle pool threads spin by default, burning the cores the event loop needs to parse the
         # next request: with it on, the ResNet served at half the rate on 2 busy cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # Quiet unless --verbose: the placement warnings are noise, and a run's error is a client's 400,
-        # which the app logs once in our format.
+        # Quiet unless --verbose: the placement warnings are noise, and a run's error is a client's
+        # 400, which the app logs once in our format.
         options.log_severity_level = ort_severity()
         providers: list = [CPU]
         preload_report = ""
         if wanted in GPU_PROVIDERS:
-            preload_report = (
-                preload_cuda_libraries()
-            )  # before the session: the provider library needs them
+            # before the session: the provider library needs them
+            preload_report = preload_cuda_libraries()
             providers = [(CUDA, self.gpu.cuda(device_id)), CPU]
             if wanted == TENSORRT:
                 missing = tensorrt_libraries_missing()
@@ -488,9 +505,8 @@ class Engine:
                     )
                 providers.insert(0, (TENSORRT, self.gpu.tensorrt(device_id)))
         printed = io.StringIO()
-        with contextlib.redirect_stdout(
-            printed
-        ):  # onnxruntime prints its provider fallback on stdout
+        # onnxruntime prints its provider fallback on stdout
+        with contextlib.redirect_stdout(printed):
             self.session = _open_session(path, options, providers)
         self.provider = self.session.get_providers()[0]
         if self.provider != wanted:
@@ -513,10 +529,12 @@ class Engine:
         self.output_names = [o.name for o in self.outputs]
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.batchable = False
-        self.batching = ""  # why it is batched or not, for the log
+        # why it is batched or not, for the log
+        self.batching = ""
         self.buckets: tuple[int, ...] = ()
         self._bucket_sessions: dict[int, ort.InferenceSession] = {}
-        self._graphs: dict = {}  # bucket size -> cuda_graphs.BucketGraph (--cuda-graphs)
+        # bucket size -> cuda_graphs.BucketGraph (--cuda-graphs)
+        self._graphs: dict = {}
         self._bucket_args = (path, options, providers, batch_buckets or BatchBuckets())
         if batching is None:
             recorded = self.metadata.get(ROWS_INDEPENDENT, "")
@@ -537,15 +555,17 @@ class Engine:
 
     @property
     def batch_axis(self) -> bool:
-        """Every input has a known rank and a dynamic first axis: requests' rows could be concatenated there."""
+        """Every input has a known rank and a dynamic first axis: requests' rows could be
+        concatenated there."""
         return bool(self.inputs) and all(
             s.ranked and len(s.shape) >= 1 and s.shape[0] == -1 for s in self.inputs
         )
 
     def set_batching(self, on: bool, why: str) -> None:
-        """Whether requests' rows share runs from now on (`why`: for the log). On: EngineError for a model with no
-        batch axis; the batch buckets asked for are opened. Off (also while serving, on the engine thread, when a
-        run's outputs proved its rows are not independent): each request runs alone, no bucket pads it."""
+        """Whether requests' rows share runs from now on (`why`: for the log). On: EngineError for a
+        model with no batch axis; the batch buckets asked for are opened. Off (also while serving,
+        on the engine thread, when a run's outputs proved its rows are not independent): each
+        request runs alone, no bucket pads it."""
         if on and not self.batch_axis:
             first = next(s for s in self.inputs if not (s.ranked and s.shape and s.shape[0] == -1))
             raise EngineError(
@@ -563,7 +583,8 @@ class Engine:
     def _open_buckets(
         self, path: str, options: ort.SessionOptions, providers: list, asked: BatchBuckets
     ) -> None:
-        """One more session per bucket below the largest (the first session runs that one and longer runs)."""
+        """One more session per bucket below the largest (the first session runs that one and longer
+        runs)."""
         if self.gpu.cuda_graphs and (self.provider != CUDA or not asked.sizes):
             raise EngineError(
                 "--cuda-graphs runs each batch bucket as a CUDA graph: it needs the CUDA provider (this "
@@ -595,13 +616,11 @@ class Engine:
             )
             return
         if self.provider == CPU:
-            providers = [
-                CPU
-            ]  # --device auto fell back: the GPU provider would be tried (and said) again
+            # --device auto fell back: the GPU provider would be tried (and said) again
+            providers = [CPU]
         sizes = tuple(sorted(set(asked.sizes)))
-        if (
-            self.gpu.cuda_graphs
-        ):  # a graph session for every bucket, the largest too; the plain one checks them
+        # a graph session for every bucket, the largest too; the plain one checks them
+        if self.gpu.cuda_graphs:
             try:
                 self._graphs = open_graphs(
                     path,
@@ -631,23 +650,27 @@ class Engine:
         self.buckets = sizes
 
     def close(self) -> None:
-        """Drop the onnxruntime sessions (their weights and memory arenas) now, not when the last reference to
-        this engine goes: an unloaded model must give its memory back even while a late request still holds it."""
+        """Drop the onnxruntime sessions (their weights and memory arenas) now, not when the last
+        reference to this engine goes: an unloaded model must give its memory back even while a late
+        request still holds it."""
         self.session = None
         self._bucket_sessions = {}
         self._graphs = {}
 
     def bucket_for(self, rows: int) -> int:
-        """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them; `rows` itself
-        without buckets. Past the largest, `run` goes in chunks of it, the last one padded."""
+        """The batch size a run of `rows` rows is padded to: the smallest bucket that holds them;
+        `rows` itself without buckets. Past the largest, `run` goes in chunks of it, the last one
+        padded."""
         return next((size for size in self.buckets if size >= rows), rows)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One request's feeds (input name -> array, already validated against `inputs`) through the model."""
+        """One request's feeds (input name -> array, already validated against `inputs`) through the
+        model."""
         return self.run_parts([feeds])
 
     def run_parts(self, parts: list[dict[str, np.ndarray]], observe=None) -> dict[str, np.ndarray]:
-        """A batch of requests' feeds (of one layout) through the model: the outputs of all their rows, in order.
+        """A batch of requests' feeds (of one layout) through the model: the outputs of all their
+        rows, in order.
 
         The parts concatenated (one part: as it is), padded up to the batch bucket and run by that
         bucket's session; past the largest bucket (one large request) the run goes in chunks of it.
@@ -659,9 +682,8 @@ class Engine:
             for part in parts:
                 check_finite(part)
             feeds = concat(parts)
-            if size == rows or rows > (
-                self.buckets[-1] if self.buckets else rows
-            ):  # as it is, or in chunks
+            # as it is, or in chunks
+            if size == rows or rows > (self.buckets[-1] if self.buckets else rows):
                 outputs = self._run_unstaged(feeds, rows)
                 if self.batchable and not self.buckets:
                     self._check_rows(outputs, rows)
@@ -695,7 +717,8 @@ class Engine:
     def _run_sized(
         self, feeds: dict[str, np.ndarray], rows: int, size: int, observe
     ) -> dict[str, np.ndarray]:
-        """One run of `size` rows (a bucket's: its own session), the padding's rows cut off the outputs again."""
+        """One run of `size` rows (a bucket's: its own session), the padding's rows cut off the
+        outputs again."""
         session, graph = self._bucket_sessions.get(size, self.session), self._graphs.get(size)
         if session is None:
             raise EngineError("the model was unloaded")
@@ -715,11 +738,12 @@ class Engine:
 
     @contextlib.contextmanager
     def _mapped_errors(self, shapes: Callable[[], dict[str, list[int]]]):
-        """NaN/Inf and the errors onnxruntime raises for values it can't compute on -> ModelInputError (a 400),
-        naming each input's shape as sent (`shapes()`, without padding) beside the shape the model takes: its own
-        words are of a node deep inside ("Add node ... 3 by 4"). A node's failure (`Fail` too: two inputs of
-        lengths each fine alone but not together) is the request's, since inputs were checked against the model's
-        declared shapes; out of memory and everything else stay the server's problem."""
+        """NaN/Inf and the errors onnxruntime raises for values it can't compute on ->
+        ModelInputError (a 400), naming each input's shape as sent (`shapes()`, without padding)
+        beside the shape the model takes: its own words are of a node deep inside ("Add node ... 3
+        by 4"). A node's failure (`Fail` too: two inputs of lengths each fine alone but not
+        together) is the request's, since inputs were checked against the model's declared shapes;
+        out of memory and everything else stay the server's problem."""
         try:
             yield
         except NonFinite as exc:
@@ -744,11 +768,13 @@ class Engine:
             raise
 
     def _run_unstaged(self, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-        """One session run, or with batch buckets one run per chunk of the largest bucket, the last one padded."""
+        """One session run, or with batch buckets one run per chunk of the largest bucket, the last
+        one padded."""
+        # one look: close() may come from another thread
         session, buckets = (
             self.session,
             self._bucket_sessions,
-        )  # one look: close() may come from another thread
+        )
         if session is None:
             raise EngineError("the model was unloaded")
         if not self.buckets or not rows:
@@ -771,9 +797,9 @@ class Engine:
         start: int,
         rows: int,
     ) -> list:
-        """Rows start..start+rows of `feeds` by their bucket's session (`largest`'s for the largest), padded up
-        to its size with copies of the last row, and the padding's rows cut off the outputs again (every
-        output's first axis is the batch axis: see _open_buckets)."""
+        """Rows start..start+rows of `feeds` by their bucket's session (`largest`'s for the
+        largest), padded up to its size with copies of the last row, and the padding's rows cut off
+        the outputs again (every output's first axis is the batch axis: see _open_buckets)."""
         size = self.bucket_for(rows)
         part = {name: x[start : start + rows] for name, x in feeds.items()}
         if size != rows:
@@ -792,8 +818,9 @@ class Engine:
         return [outputs[name][:rows] for name in self.output_names]
 
     def _check_rows(self, outputs: dict[str, np.ndarray], rows: int) -> None:
-        """A batched version's run: every output's first axis is the `rows` it ran, or its rows are not independent
-        after all; then batching is off from now on (this is the engine thread), and NotRowWise names the shapes."""
+        """A batched version's run: every output's first axis is the `rows` it ran, or its rows are
+        not independent after all; then batching is off from now on (this is the engine thread), and
+        NotRowWise names the shapes."""
         wrong = {n: list(x.shape) for n, x in outputs.items() if not x.ndim or len(x) != rows}
         if wrong:
             self.set_batching(False, f"a run of {rows} rows gave outputs {wrong}")
@@ -806,8 +833,8 @@ class Engine:
 
     @property
     def row_bytes(self) -> int:
-        """The bytes of one row of every input together (of the whole inputs, for a model without a batch axis);
-        0 when an axis besides the batch one is dynamic (the size is the request's)."""
+        """The bytes of one row of every input together (of the whole inputs, for a model without a
+        batch axis); 0 when an axis besides the batch one is dynamic (the size is the request's)."""
         if (
             self.other_dynamic_axes
             or any(s.dtype == object for s in self.inputs)
@@ -818,13 +845,14 @@ class Engine:
 
     @property
     def other_dynamic_axes(self) -> bool:
-        """An input has a dynamic axis besides the batch one (a sequence length, an image size), or no rank."""
+        """An input has a dynamic axis besides the batch one (a sequence length, an image size), or
+        no rank."""
         return any(-1 in s.shape[1:] or not s.ranked for s in self.inputs)
 
     @property
     def fixed_rows(self) -> bool:
-        """Batched, and every input's row is of one fixed byte size (no other dynamic axis, no BYTES): what a batch
-        buffer holds."""
+        """Batched, and every input's row is of one fixed byte size (no other dynamic axis, no
+        BYTES): what a batch buffer holds."""
         return (
             self.batchable
             and not self.other_dynamic_axes
@@ -832,11 +860,11 @@ class Engine:
         )
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> bool:
-        """Run zeros through the model so that the first real request does not pay for allocation (and, on
-        a GPU, for cuDNN's choice of algorithms for that input shape).
+        """Run zeros through the model so that the first real request does not pay for allocation
+        (and, on a GPU, for cuDNN's choice of algorithms for that input shape).
 
-        Returns False (and runs nothing) when an input has a dynamic axis other than the first one (or no rank): no
-        size can be guessed for it safely.
+        Returns False (and runs nothing) when an input has a dynamic axis other than the first one
+        (or no rank): no size can be guessed for it safely.
         """
         if self.other_dynamic_axes:
             return False

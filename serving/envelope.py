@@ -1,6 +1,6 @@
-"""The envelope around every request, written once for every front end (HTTP, gRPC unary, each message of a gRPC
-stream): what became of it (a refusal -> a status and a message), the receipt naming the model version that
-answered, and the request's line in the metrics.
+"""The envelope around every request, written once for every front end (HTTP, gRPC unary, each
+message of a gRPC stream): what became of it (a refusal -> a status and a message), the receipt
+naming the model version that answered, and the request's line in the metrics.
 
     Auth          who may call what: the clients' tokens (--auth-token), the labels' own
                   (--feedback-token)
@@ -8,9 +8,11 @@ answered, and the request's line in the metrics.
                   that answered and the receipt naming it: X-Request-Id (the client's id echoed,
                   else a fresh one), X-Server-Request-Id (the server's own id of an answer,
                   random, never the client's: labels for the answer are posted under it), X-Model-*
-    Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps the status)
-    refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged once as a
-                  warning; a client gone is 499; anything else is ours, a 500 logged with its traceback
+    Refused       a refusal with an HTTP status, raised anywhere on the request's path (gRPC maps
+                  the status)
+    refusal(exc)  any exception as (status, message, headers): a client's mistake is its 4xx, logged
+                  once as a warning; a client gone is 499; anything else is ours, a 500 logged with
+                  its traceback
 
 A front end decides only how to carry these: HTTP puts the receipt in headers and the refusal in an
 {"error": ...} body, gRPC puts them in initial metadata and a status.
@@ -28,15 +30,16 @@ from serving.codec import BadRequest
 
 
 def source_of(peer) -> str:
-    """The client's host from what a front end knows of its connection: a socket's peername ((host, port, ...)) or
-    grpc's peer ("ipv4:127.0.0.1:50123", "ipv6:[::1]:50123"); "" when unknown."""
+    """The client's host from what a front end knows of its connection: a socket's peername ((host,
+    port, ...)) or grpc's peer ("ipv4:127.0.0.1:50123", "ipv6:[::1]:50123"); "" when unknown."""
     if isinstance(peer, (tuple, list)):
         return str(peer[0]) if peer else ""
     if not isinstance(peer, str):
         return ""
     family, _, address = peer.partition(":")
     if family not in ("ipv4", "ipv6"):
-        return peer  # a unix socket's path, or grpc's name for something else: the whole name
+        # a unix socket's path, or grpc's name for something else: the whole name
+        return peer
     host = address.rpartition(":")[0]
     return host.strip("[]").replace("%5B", "").replace("%5D", "")
 
@@ -47,13 +50,14 @@ _ids = iter(())
 
 
 def new_request_id() -> str:
-    """A fresh request id: 32 hex digits of the system's randomness (os.urandom), as a uuid4's hex is. No one can
-    tell the next from those seen (a prefix and a counter let a client predict other clients' ids: the shadow's
-    answers are kept under the server's ids, serving/shadow.py), and ids are unique across processes.
+    """A fresh request id: 32 hex digits of the system's randomness (os.urandom), as a uuid4's hex
+    is. No one can tell the next from those seen (a prefix and a counter let a client predict other
+    clients' ids: the shadow's answers are kept under the server's ids, serving/shadow.py), and ids
+    are unique across processes.
 
-    Read IDS_AT_ONCE ids' worth at a time: os.urandom lets go of the GIL, and the engine thread, waiting for it,
-    took it at each call (docs/benchmarks.md#servingenvelopepy).
-    Taking the next id of the list is atomic under the GIL; two threads refilling at once only read more. A forked
+    Read IDS_AT_ONCE ids' worth at a time: os.urandom lets go of the GIL, and the engine thread,
+    waiting for it, took it at each call (docs/benchmarks.md#servingenvelopepy). Taking the next id
+    of the list is atomic under the GIL; two threads refilling at once only read more. A forked
     child starts without the parent's (os.register_at_fork), whose ids it would hand out again."""
     global _ids
     try:
@@ -73,7 +77,8 @@ os.register_at_fork(after_in_child=_forget_ids)
 
 
 class Refused(Exception):
-    """A request refused, with the HTTP status that says why (4xx the client's, 5xx ours); gRPC maps it."""
+    """A request refused, with the HTTP status that says why (4xx the client's, 5xx ours); gRPC maps
+    it."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -140,7 +145,8 @@ class Auth:
 
 
 class ClientGone(Exception):
-    """The client went away before its request had arrived: its own doing, answered to nobody (499)."""
+    """The client went away before its request had arrived: its own doing, answered to nobody
+    (499)."""
 
 
 class Refusal(NamedTuple):
@@ -172,7 +178,8 @@ class Exchange:
         self.slot = None
         self.request_id: str | None = None
         self.server_id: str | None = None
-        # a Warning header's value for an answer given despite something off (serving/input_range.py)
+        # a Warning header's value for an answer given despite something off
+        # (serving/input_range.py)
         self.warning: str | None = None
 
     @property
@@ -181,8 +188,8 @@ class Exchange:
 
     @property
     def receipt(self) -> dict[str, str]:
-        """X-Request-Id, X-Server-Request-Id and the X-Model-* headers of the version that answered ({} before one
-        was chosen)."""
+        """X-Request-Id, X-Server-Request-Id and the X-Model-* headers of the version that answered
+        ({} before one was chosen)."""
         if self.slot is None:
             return {}
         if self.request_id is None and self.server_id is None:
@@ -201,9 +208,11 @@ class Exchange:
 
 
 def refusal(exc: BaseException, where: str, log: logging.Logger, label=str) -> Refusal:
-    """What `exc` tells the client. Client mistakes are logged once, in our words (`where -> label(status): why`);
-    a 5xx refusal (503, 504) is the server's load, counted in the metrics, not logged per request."""
-    if isinstance(exc, (Refused, BadRequest)):  # RepositoryError is a BadRequest
+    """What `exc` tells the client. Client mistakes are logged once, in our words
+    (`where -> label(status): why`); a 5xx refusal (503, 504) is the server's load, counted in the
+    metrics, not logged per request."""
+    # RepositoryError is a BadRequest
+    if isinstance(exc, (Refused, BadRequest)):
         status, message = exc.status, str(exc)
         if 400 <= status < 500:
             log.warning("%s -> %s: %s", where, label(status), message)

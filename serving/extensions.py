@@ -1,7 +1,7 @@
-"""The V2 protocol extensions beside inference, written once for both protocols: each operation takes plain
-values and returns plain data (or raises Refused / RepositoryError with the HTTP status that says why), and
-the front ends only carry them (serving/http/routes.py as JSON, serving/grpc/service.py as Triton's messages,
-the same field names).
+"""The V2 protocol extensions beside inference, written once for both protocols: each operation
+takes plain values and returns plain data (or raises Refused / RepositoryError with the HTTP status
+that says why), and the front ends only carry them (serving/http/routes.py as JSON,
+serving/grpc/service.py as Triton's messages, the same field names).
 
     extensions(server)                 what GET /v2 and gRPC ServerMetadata list
     model_config(server, name, v)      the model configuration extension (Triton's config.pbtxt, as JSON)
@@ -10,8 +10,8 @@ the same field names).
     repository_unload(server, name)    ... and unloading one
     statistics(server, name, v)        the statistics extension (serving/statistics.py has the figures)
 
-The repository operations change what is loaded: they run on the server's main event loop (HTTP's routes
-marked `main`; gRPC's handlers run there).
+The repository operations change what is loaded: they run on the server's main event loop (HTTP's
+routes marked `main`; gRPC's handlers run there).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ EXTENSIONS = (
     "cuda_shared_memory",
     "grpc",
 )
-INDEX_MAX_AGE_S = 1.0  # the index reuses a directory scan this recent; a load always scans afresh
+# the index reuses a directory scan this recent; a load always scans afresh
+INDEX_MAX_AGE_S = 1.0
 
 
 def extensions(server) -> list[str]:
@@ -52,8 +53,8 @@ def extensions(server) -> list[str]:
 
 def model_config(server, name: str, version: str | None) -> dict:
     """The version's configuration as Triton's config.pbtxt would give it (JSON field names of its
-    model_config.proto), as this server runs the version now: max_batch_size 0 unless its requests share
-    runs (then dims leave the batch axis out, as Triton's do)."""
+    model_config.proto), as this server runs the version now: max_batch_size 0 unless its requests
+    share runs (then dims leave the batch axis out, as Triton's do)."""
     slot = server.model_slot(name, version)
     engine = slot.model.engine
     batched = engine.batchable
@@ -85,7 +86,8 @@ def model_config(server, name: str, version: str | None) -> dict:
 
 
 def config_type(spec) -> str:
-    """A tensor's data_type as Triton's model configuration names it (BYTES is TYPE_STRING there)."""
+    """A tensor's data_type as Triton's model configuration names it (BYTES is TYPE_STRING
+    there)."""
     return "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
 
 
@@ -109,8 +111,8 @@ def check_control(server) -> None:
 
 
 async def repository_index(server, only_ready: bool) -> list[dict]:
-    """A row per loaded version ({name, version, state, reason}) and one per model with none loaded; models
-    added to the --repository directory since are listed (not loaded)."""
+    """A row per loaded version ({name, version, state, reason}) and one per model with none loaded;
+    models added to the --repository directory since are listed (not loaded)."""
     if server.settings.repository:
         try:
             await off_loop(
@@ -124,8 +126,9 @@ async def repository_index(server, only_ready: bool) -> list[dict]:
 
 
 async def repository_load(server, name: str, parameters: dict) -> None:
-    """Loads (or reloads) `name` from where this server was told models are. Triton's load parameters
-    (`config`, `file:<path>`) are refused: answering success while ignoring them would mislead."""
+    """Loads (or reloads) `name` from where this server was told models are. Triton's load
+    parameters (`config`, `file:<path>`) are refused: answering success while ignoring them would
+    mislead."""
     check_control(server)
     if parameters:
         raise Refused(
@@ -138,7 +141,8 @@ async def repository_load(server, name: str, parameters: dict) -> None:
         await server.repository.load(name)
     except RepositoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded: the client named it
+    except Exception as exc:  # noqa: BLE001
+        # a model that cannot be loaded: the client named it
         raise Refused(400, f"failed to load '{name}': {exc}") from None
 
 
@@ -148,8 +152,9 @@ async def repository_unload(server, name: str) -> None:
 
 
 def statistics(server, name: str | None, version: str | None) -> dict:
-    """`{"model_stats": [...]}` for every loaded version (no name), one model's loaded versions, or one
-    version (serving/statistics.py). A model or version that is not loaded: 404, as for inference."""
+    """`{"model_stats": [...]}` for every loaded version (no name), one model's loaded versions, or
+    one version (serving/statistics.py). A model or version that is not loaded: 404, as for
+    inference."""
     repository = server.repository
     if not name:
         if version:
@@ -158,7 +163,8 @@ def statistics(server, name: str | None, version: str | None) -> dict:
     elif version:
         slots = [(name, server.model_slot(name, version))]
     else:
-        server.model_slot(name, None)  # the 404 of a model not loaded, worded as for inference
+        # the 404 of a model not loaded, worded as for inference
+        server.model_slot(name, None)
         slots = sorted(
             ((n, slot) for n, slot in repository.slots() if n == name),
             key=lambda pair: version_key(pair[1].version),

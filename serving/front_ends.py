@@ -306,7 +306,8 @@ class FrontEnds:
                 follow_swap=bool(flags & FOLLOW_SWAP),
                 arrival=arrival,
             )
-        except Exception as exc:  # noqa: BLE001 - every failure goes back as its status
+        except Exception as exc:  # noqa: BLE001
+            # every failure goes back as its status
             self._refused(process, number, key, exchange, exc)
             return
         process.channel.send(
@@ -375,7 +376,8 @@ class FrontEnds:
         try:
             request = schema.METHODS[method][0].FromString(body)
             response = await self.grpc.call(method)(request, call)
-        except Exception as exc:  # noqa: BLE001 - its status goes back
+        except Exception as exc:  # noqa: BLE001
+            # its status goes back
             if isinstance(exc, (Refused, BadRequest)):
                 status, message = exc.status, str(exc)
             else:

@@ -1,17 +1,20 @@
-"""An image model's input preprocessing, as data, and the one function that applies it to a decoded image.
+"""An image model's input preprocessing, as data, and the one function that applies it to a decoded
+image.
 
-A `Preprocessing` says how an image file became the tensor a model was trained on: the Pillow mode it was
-converted to (`L`: 1 channel, `RGB`: 3, alpha dropped), the size it was resized to and how, the number its
-pixel values were divided by, the per-channel mean and std subtracted and divided by after that (none when
-the model normalizes inside its graph, as the built-in models do), and the layout of the result (`CHW`:
-channels first, or `HWC`). `apply` turns a decoded image into exactly that float32 array, one sample
-without a batch axis. The training data (`pipeline.datasets:image_folder`) reads its files through this
-same function, so a server that decodes an image and applies its model's description computes the tensor
-training computed, bit for bit. numpy and Pillow only: the server never imports torch.
+A `Preprocessing` says how an image file became the tensor a model was trained on: the Pillow mode
+it was converted to (`L`: 1 channel, `RGB`: 3, alpha dropped), the size it was resized to and how,
+the number its pixel values were divided by, the per-channel mean and std subtracted and divided by
+after that (none when the model normalizes inside its graph, as the built-in models do), and the
+layout of the result (`CHW`: channels first, or `HWC`). `apply` turns a decoded image into exactly
+that float32 array, one sample without a batch axis. The training data
+(`pipeline.datasets:image_folder`) reads its files through this same function, so a server that
+decodes an image and applies its model's description computes the tensor training computed, bit for
+bit. numpy and Pillow only: the server never imports torch.
 
-An exported model carries its description in its ONNX metadata (`lineage.PREPROCESSING`: `recorded` reads it,
-`record` writes it); `tensor` is what a server computes from a file's bytes: `decode` (the formats in FORMATS
-only, at most MAX_PIXELS pixels, read from the header before a pixel is decoded), then `apply`.
+An exported model carries its description in its ONNX metadata (`lineage.PREPROCESSING`: `recorded`
+reads it, `record` writes it); `tensor` is what a server computes from a file's bytes: `decode` (the
+formats in FORMATS only, at most MAX_PIXELS pixels, read from the header before a pixel is decoded),
+then `apply`.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ RESAMPLING = {
     "lanczos": Image.LANCZOS,
 }
 LAYOUTS = ("CHW", "HWC")
-# What a server decodes: the formats a folder of photos for image_folder holds, but TIFF (a large attack surface
-# for files from anyone).
+# What a server decodes: the formats a folder of photos for image_folder holds, but TIFF (a large
+# attack surface for files from anyone).
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")
 # The file names of those formats (what a folder of them holds).
 SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
-# Pixels of one image a server decodes at most (a 7000 x 7000 photo): a small file can declare any size, and its
-# decoded pixels would take that memory.
+# Pixels of one image a server decodes at most (a 7000 x 7000 photo): a small file can declare any
+# size, and its decoded pixels would take that memory.
 MAX_PIXELS = 50_000_000
 
 
@@ -117,7 +120,8 @@ class Preprocessing:
 
 
 def apply(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
-    """The float32 array, of `preprocessing.shape`, that `image` (decoded, any Pillow mode) becomes."""
+    """The float32 array, of `preprocessing.shape`, that `image` (decoded, any Pillow mode)
+    becomes."""
     p = preprocessing
     pixels = image.convert(p.mode).resize(p.size, RESAMPLING[p.resample])
     x = np.asarray(pixels, dtype=np.float32) / np.float32(p.divide_by)
@@ -129,8 +133,8 @@ def apply(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
 
 
 def decode(data: bytes) -> Image.Image:
-    """An encoded image file's bytes, opened: its header read, its pixels decoded when `apply` reads them.
-    ValueError naming what is wrong: not a file of FORMATS, or more than MAX_PIXELS pixels."""
+    """An encoded image file's bytes, opened: its header read, its pixels decoded when `apply` reads
+    them. ValueError naming what is wrong: not a file of FORMATS, or more than MAX_PIXELS pixels."""
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except UnidentifiedImageError:
@@ -149,14 +153,14 @@ def decode(data: bytes) -> Image.Image:
 
 
 def tensor(preprocessing: Preprocessing, data: bytes) -> np.ndarray:
-    """The float32 array training computed from an image file with these bytes: `decode`, then `applied`.
-    ValueError naming what is wrong with the file (truncated, damaged, not an image)."""
+    """The float32 array training computed from an image file with these bytes: `decode`, then
+    `applied`. ValueError naming what is wrong with the file (truncated, damaged, not an image)."""
     return applied(preprocessing, decode(data))
 
 
 def applied(preprocessing: Preprocessing, image: Image.Image) -> np.ndarray:
-    """`apply` on an image `decode` opened, which it then closes; ValueError naming a file whose pixels can't be
-    decoded (truncated, damaged)."""
+    """`apply` on an image `decode` opened, which it then closes; ValueError naming a file whose
+    pixels can't be decoded (truncated, damaged)."""
     try:
         with image:
             return apply(preprocessing, image)
@@ -172,8 +176,8 @@ def record(input_name: str, preprocessing: Preprocessing) -> str:
 
 
 def recorded(metadata: dict[str, str]) -> tuple[str, Preprocessing] | None:
-    """(input name, description) an ONNX file's metadata records, None when it records none. ValueError naming
-    what is wrong with a value that is not one `record` writes."""
+    """(input name, description) an ONNX file's metadata records, None when it records none.
+    ValueError naming what is wrong with a value that is not one `record` writes."""
     raw = metadata.get(PREPROCESSING)
     if not raw:
         return None

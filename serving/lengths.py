@@ -2,9 +2,9 @@
 metadata (lineage.MAX_LENGTHS, JSON `{"tokens": {"1": 128}}`), and the server's check of a request
 against it.
 
-Past that length a token model fails inside onnxruntime ("invalid expand shape" from a position table),
-which tells a client nothing; the server answers a 400 naming the limit instead, and shows the limits
-in the model's metadata.
+Past that length a token model fails inside onnxruntime ("invalid expand shape" from a position
+table), which tells a client nothing; the server answers a 400 naming the limit instead, and shows
+the limits in the model's metadata.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ METADATA_KEY = MAX_LENGTHS
 
 
 def read(metadata: Mapping[str, str]) -> dict[str, dict[int, int]]:
-    """{input: {axis: longest length}} from ONNX metadata; {} when absent or unreadable (a hand-made model)."""
+    """{input: {axis: longest length}} from ONNX metadata; {} when absent or unreadable (a hand-made
+    model)."""
     try:
         raw = json.loads(metadata.get(METADATA_KEY) or "{}")
         return {

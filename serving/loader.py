@@ -2,7 +2,8 @@
 
 Sources:
     path/to/model.onnx, or a directory holding one (e.g. a downloaded MLflow model)
-    models:/<name>@<alias>     a registered model by alias (the only source `--reload-interval` polls)
+    models:/<name>@<alias>     a registered model by alias (the only source `--reload-interval`
+                               polls)
     models:/<name>/<version>   a registered model version
     models:/<model id>         an MLflow logged model
     runs:/<run id>/<path>      an artifact of a run
@@ -56,21 +57,24 @@ _VERSION = re.compile(r"^models:/([^/@]+)/(\d+)$")
 _LOGGED = re.compile(r"^models:/([^/@]+)$")
 _RUN = re.compile(r"^runs:/([^/]+)/(.+)$")
 # The file of each variant in a model directory (the export logs them into the registered model).
+# uint8: image inputs as UINT8 pixel values (its clients send those)
 VARIANT_FILES = {
     "fp32": "model.onnx",
     "fp16": "model.fp16.onnx",
     "int8": "model.int8.onnx",
     "uint8": "model.uint8.onnx",
-}  # uint8: image inputs as UINT8 pixel values (its clients send those)
+}
 
 
 class SourceError(Exception):
-    """The model source cannot be parsed, found or fetched, or is not the file its registry version records."""
+    """The model source cannot be parsed, found or fetched, or is not the file its registry version
+    records."""
 
 
 def data_file_of(path: Path) -> Path | None:
-    """The external data file beside an ONNX file, as the export names it (`<file>.data`), if there is one. The
-    graph's own reference to it is covered by the ONNX file's hash; this file's bytes by its own."""
+    """The external data file beside an ONNX file, as the export names it (`<file>.data`), if there
+    is one. The graph's own reference to it is covered by the ONNX file's hash; this file's bytes by
+    its own."""
     data = path.with_name(path.name + ".data")
     return data if data.is_file() else None
 
@@ -81,21 +85,24 @@ class ModelInfo:
 
     name: str
     version: str
-    source: str  # the path or URI it was loaded from
+    # the path or URI it was loaded from
+    source: str
     labels: tuple[str, ...] | None = None
-    # Lineage.served(): what the file's metadata says of where it came from, plus the loaded bytes' onnx_sha256.
+    # Lineage.served(): what the file's metadata says of where it came from, plus the loaded bytes'
+    # onnx_sha256.
     lineage: dict[str, str] = field(default_factory=dict)
-    # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not recorded.
+    # {input: {axis: longest length}} the model was exported for (serving/lengths.py); {} if not
+    # recorded.
     max_lengths: dict[str, dict[int, int]] = field(default_factory=dict)
-    registered: str | None = (
-        None  # the registered model's name, for a registry source (the served name may differ)
-    )
-    # What the model's outputs mean, as export recorded it (never a task's name): the output whose argmax
-    # over axis 1 is its answer, and the one that carries its prediction; None when not recorded.
+    # the registered model's name, for a registry source (the served name may differ)
+    registered: str | None = None
+    # What the model's outputs mean, as export recorded it (never a task's name): the output whose
+    # argmax over axis 1 is its answer, and the one that carries its prediction; None when not
+    # recorded.
     decision: str | None = None
     prediction: str | None = None
-    # What its config.pbtxt says (a repository model): max_batch_size (a cap on its batches when > 0) and each
-    # output's class names (label_filename, for the classification extension).
+    # What its config.pbtxt says (a repository model): max_batch_size (a cap on its batches when >
+    # 0) and each output's class names (label_filename, for the classification extension).
     max_batch_size: int | None = None
     output_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Its dynamic_batching: how long a partial batch waits (ms), the most rows its queue holds
@@ -104,8 +111,9 @@ class ModelInfo:
     max_queue_rows: int | None = None
 
     def labels_for(self, output: str, classes: int) -> tuple[str, ...] | None:
-        """The class names of `output` whose rows hold `classes` values: its config's label file, else the labels
-        export recorded when there is one per value (a classifier's logits or probabilities), else None."""
+        """The class names of `output` whose rows hold `classes` values: its config's label file,
+        else the labels export recorded when there is one per value (a classifier's logits or
+        probabilities), else None."""
         if output in self.output_labels:
             return self.output_labels[output]
         if self.labels is not None and len(self.labels) == classes:
@@ -114,8 +122,8 @@ class ModelInfo:
 
     @property
     def resolved_source(self) -> str:
-        """Where this version's bytes came from, pinned: models:/<registered>/<version> for a registry source
-        (an alias moves; this does not), else the source as given."""
+        """Where this version's bytes came from, pinned: models:/<registered>/<version> for a
+        registry source (an alias moves; this does not), else the source as given."""
         return f"models:/{self.registered}/{self.version}" if self.registered else self.source
 
 
@@ -123,14 +131,17 @@ class ModelInfo:
 class LoadedModel:
     engine: Engine
     info: ModelInfo
-    workdir: str | None = None  # a download directory to delete when the model is dropped
-    variant: str = "fp32"  # which file of the model directory runs (VARIANT_FILES)
-    drift_reference: dict | None = (
-        None  # the training data's statistics beside the file (serving/drift.py)
-    )
-    # What it takes as encoded image files, when its export recorded its preprocessing (serving/image_inputs.py).
+    # a download directory to delete when the model is dropped
+    workdir: str | None = None
+    # which file of the model directory runs (VARIANT_FILES)
+    variant: str = "fp32"
+    # the training data's statistics beside the file (serving/drift.py)
+    drift_reference: dict | None = None
+    # What it takes as encoded image files, when its export recorded its preprocessing
+    # (serving/image_inputs.py).
     images: ImageInput | None = None
-    # Where its float inputs' training values lie, from the drift reference (serving/input_range.py), or None.
+    # Where its float inputs' training values lie, from the drift reference
+    # (serving/input_range.py), or None.
     ranges: InputRanges | None = None
 
     def discard(self) -> None:
@@ -139,7 +150,8 @@ class LoadedModel:
 
 
 def check_source(uri: str) -> str:
-    """The kind of `uri` ("file", "alias", "version", "logged", "run"), or SourceError explaining the forms."""
+    """The kind of `uri` ("file", "alias", "version", "logged", "run"), or SourceError explaining
+    the forms."""
     for kind, pattern in (
         ("alias", _ALIAS),
         ("version", _VERSION),
@@ -158,7 +170,8 @@ def check_source(uri: str) -> str:
 
 def _check_store() -> None:
     """An embedded store (sqlite file) that isn't there is the wrong working directory, not an empty
-    registry: say so, instead of letting MLflow create an empty mlflow.db and report the model missing."""
+    registry: say so, instead of letting MLflow create an empty mlflow.db and report the model
+    missing."""
     import mlflow
 
     uri = mlflow.get_registry_uri()
@@ -177,7 +190,8 @@ def alias_version(uri: str) -> str:
     _check_store()
     try:
         return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
-    except Exception as exc:  # MlflowException for an unknown name or alias, connection errors
+    except Exception as exc:
+        # MlflowException for an unknown name or alias, connection errors
         raise SourceError(
             registry_miss(name, alias=alias)
             or f"cannot resolve {uri} (registry {mlflow.get_registry_uri()}): {exc}"
@@ -185,10 +199,11 @@ def alias_version(uri: str) -> str:
 
 
 def registry_miss(name: str, alias: str | None = None, version: str | None = None) -> str | None:
-    """Why models:/<name>@<alias> (or /<version>) is not in the registry, with the names that are: "no registered
-    model 'resnet18-digit' in <store>; did you mean 'resnet18-digits'?", "resnet18-digits has no alias @champoin;
-    its aliases: @champion", "resnet18-digits has no version 7; its versions: 1, 2". None when all of it is there
-    (the failure was another) or the registry can't be asked (its own error says more)."""
+    """Why models:/<name>@<alias> (or /<version>) is not in the registry, with the names that are:
+    "no registered model 'resnet18-digit' in <store>; did you mean 'resnet18-digits'?",
+    "resnet18-digits has no alias @champoin; its aliases: @champion", "resnet18-digits has no
+    version 7; its versions: 1, 2". None when all of it is there (the failure was another) or the
+    registry can't be asked (its own error says more)."""
     import difflib
 
     import mlflow
@@ -201,9 +216,8 @@ def registry_miss(name: str, alias: str | None = None, version: str | None = Non
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                 return None
-            names = sorted(
-                m.name for m in client.search_registered_models()
-            )  # its first page: enough to hint
+            # its first page: enough to hint
+            names = sorted(m.name for m in client.search_registered_models())
             close = difflib.get_close_matches(name, names, n=3)
             hint = (
                 f"did you mean {' or '.join(repr(c) for c in close)}?"
@@ -227,7 +241,8 @@ def registry_miss(name: str, alias: str | None = None, version: str | None = Non
                     int(v.version) for v in client.search_model_versions(f"name='{name}'")
                 )
                 return f"{name} has no version {version}; its versions: {', '.join(map(str, versions)) or 'none'}"
-    except Exception:  # noqa: BLE001 - the registry can't be asked: the caller's message stands
+    except Exception:  # noqa: BLE001
+        # the registry can't be asked: the caller's message stands
         return None
     return None
 
@@ -246,15 +261,17 @@ def load_model(
     batching: dict[str, bool] | None = None,
     config: ModelConfig | None = None,
 ) -> LoadedModel:
-    """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name it.
+    """Fetch `uri` (pinned at `version` for an alias, when given), open it in an Engine, and name
+    it.
 
-    Name: `name` if given, else the registered name for registry models, else the model's
-    MODEL_NAME metadata, else the file stem. `variant` picks the file of a model directory
-    (VARIANT_FILES), or `auto` the fastest the export measured for the provider (_auto_variant); fp16 is served
-    on a GPU provider only (EngineError otherwise, before any download).
+    Name: `name` if given, else the registered name for registry models, else the model's MODEL_NAME
+    metadata, else the file stem. `variant` picks the file of a model directory (VARIANT_FILES), or
+    `auto` the fastest the export measured for the provider (_auto_variant); fp16 is served on a GPU
+    provider only (EngineError otherwise, before any download).
 
-    Whether its requests share runs (Engine's `batching`), first that holds: `batching` {name: on} (--batching
-    NAME=on|off), the repository's `config` (max_batch_size > 0 or 0), what the file records (export's check).
+    Whether its requests share runs (Engine's `batching`), first that holds: `batching` {name: on}
+    (--batching NAME=on|off), the repository's `config` (max_batch_size > 0 or 0), what the file
+    records (export's check).
     """
     kind = check_source(uri)
     if variant == "auto":
@@ -277,13 +294,13 @@ def load_model(
             else:
                 fetch_uri, version = uri, version or "1"
             path = find_onnx(Path(_download(fetch_uri, workdir)), variant)
-        # Hashed before onnxruntime reads it, and the hash is what the receipts name: the bytes that compute.
+        # Hashed before onnxruntime reads it, and the hash is what the receipts name: the bytes that
+        # compute.
         digest = file_sha256(path)
         if registered is not None:
             _check_recorded_hash(registered, version, onnx_file(variant), path, digest)
-            if (
-                data := data_file_of(path)
-            ) is not None:  # the weights of a graph past 2 GB: checked the same way
+            # the weights of a graph past 2 GB: checked the same way
+            if (data := data_file_of(path)) is not None:
                 _check_recorded_hash(registered, version, data.name, data, file_sha256(data))
         batching = batching or {}
         known = name or registered
@@ -310,9 +327,8 @@ def load_model(
             engine.set_batching(
                 batching[served], f"--batching {served}={'on' if batching[served] else 'off'}"
             )
-        if (
-            variant == "fp16" and engine.provider not in GPU_PROVIDERS
-        ):  # auto, and the GPU provider did not load
+        # auto, and the GPU provider did not load
+        if variant == "fp16" and engine.provider not in GPU_PROVIDERS:
             raise EngineError(
                 f"{_FP16_ON_CPU} (onnxruntime runs on {engine.provider} here: see the warning above)"
             )
@@ -368,8 +384,8 @@ def narrow_inputs(engine: Engine, config: ModelConfig) -> None:
 
 
 def _drift_reference(path: Path) -> dict | None:
-    """The drift reference export put beside the model file, if any; a broken one is said and skipped (drift
-    is then not measured): it must not keep a model from serving."""
+    """The drift reference export put beside the model file, if any; a broken one is said and
+    skipped (drift is then not measured): it must not keep a model from serving."""
     try:
         return drift.read(path.parent / drift.FILE)
     except (OSError, ValueError) as exc:
@@ -378,31 +394,30 @@ def _drift_reference(path: Path) -> dict | None:
 
 
 def _check_recorded_hash(registered: str, version: str, file: str, path: Path, digest: str) -> None:
-    """Refuse a registry file whose sha256 is not the one its version records (SHA256, under the file's name in a
-    version): the file's own metadata (its lineage, what receipts name) is no proof, anyone who can write the store
-    can change weights and keep it. A version that records none (registered by hand, not by `pipeline export`) is
-    served with a warning."""
+    """Refuse a registry file whose sha256 is not the one its version records (SHA256, under the
+    file's name in a version): the file's own metadata (its lineage, what receipts name) is no
+    proof, anyone who can write the store can change weights and keep it. A version that records
+    none (registered by hand, not by `pipeline export`) is served with a warning."""
     import mlflow
 
     try:
         tags = mlflow.MlflowClient().get_model_version(registered, version).tags
-    except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors
+    except Exception as exc:  # noqa: BLE001
+        # MlflowException, connection errors
         raise SourceError(
             f"cannot read models:/{registered}/{version}'s tags to check {path.name}: {exc}"
         ) from exc
     try:
         record = sha256_record(tags)
-    except (
-        ValueError
-    ) as exc:  # a record nobody can read proves nothing: refused, as a changed file is
+    except ValueError as exc:
+        # a record nobody can read proves nothing: refused, as a changed file is
         raise SourceError(
             f"models:/{registered}/{version}: {exc}; refusing to serve {path.name} unchecked (export "
             "the model again)"
         ) from None
     recorded = (record or {}).get(file, "")
-    if (
-        record is not None and not recorded
-    ):  # a version that records its files records every one it carries
+    # a version that records its files records every one it carries
+    if record is not None and not recorded:
         raise SourceError(
             f"{path.name} of models:/{registered}/{version} is not among the files the version records "
             f"({', '.join(sorted(k for k in record if '.' in k))}): added to the store after export; "
@@ -434,8 +449,9 @@ _FP16_ON_CPU = (
 
 
 def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> str:
-    """--variant auto: the variant the export measured fastest on `provider` among those that passed their gates
-    (the version's FASTEST_VARIANTS tag); fp32 where nothing was measured (not a registered version, or no variant)."""
+    """--variant auto: the variant the export measured fastest on `provider` among those that passed
+    their gates (the version's FASTEST_VARIANTS tag); fp32 where nothing was measured (not a
+    registered version, or no variant)."""
     if kind not in ("alias", "version"):
         log.info(
             "--variant auto: %s is not a registered version (no measurements to choose by): serving fp32",
@@ -448,7 +464,8 @@ def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> st
     version = version or (_VERSION.match(uri).group(2) if kind == "version" else alias_version(uri))
     try:
         tags = mlflow.MlflowClient().get_model_version(name, version).tags
-    except Exception as exc:  # MlflowException, connection errors
+    except Exception as exc:
+        # MlflowException, connection errors
         raise SourceError(
             f"cannot read {name} version {version} (registry {mlflow.get_registry_uri()}): {exc}"
         ) from exc
@@ -459,8 +476,9 @@ def _auto_variant(uri: str, kind: str, version: str | None, provider: str) -> st
         measured, chosen = {}, None
     why = "the fastest the export measured"
     if chosen is None and provider in GPU_PROVIDERS and recorded_sha256(tags, onnx_file("fp16")):
-        # The export ran where there was no GPU to measure on (a CPU machine): fp16 is a GPU's fast path (tensor
-        # cores, half the bytes; ResNet-50 on an H100: bf16 2.1x fp32), and the version's fp16 file passed its gates.
+        # The export ran where there was no GPU to measure on (a CPU machine): fp16 is a GPU's fast
+        # path (tensor cores, half the bytes; ResNet-50 on an H100: bf16 2.1x fp32), and the
+        # version's fp16 file passed its gates.
         chosen, why = "fp16", "the export measured nothing on a GPU; its gated fp16 variant"
     if chosen not in VARIANT_FILES:
         chosen, why = "fp32", why if measured else "no variant measured"
@@ -475,7 +493,8 @@ def _download(uri: str, dst: str) -> str:
     started = time.perf_counter()
     try:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)
-    except Exception as exc:  # mlflow raises MlflowException, OSError, ... depending on the store
+    except Exception as exc:
+        # mlflow raises MlflowException, OSError, ... depending on the store
         named = _VERSION.match(uri)
         raise SourceError(
             (named and registry_miss(named.group(1), version=named.group(2)))
@@ -496,9 +515,10 @@ def _download(uri: str, dst: str) -> str:
 def find_onnx(path: Path, variant: str = "fp32") -> Path:
     """The .onnx file at `path`: the file itself, or the `variant`'s one inside a (model) directory.
 
-    A directory holding one model (a downloaded MLflow model: model.onnx, and model.fp16.onnx when the export
-    made one; a run's onnx/ also has model.optimized.onnx) serves model.onnx for fp32 and model.fp16.onnx for
-    fp16. A directory with a single .onnx file of another name serves it as fp32.
+    A directory holding one model (a downloaded MLflow model: model.onnx, and model.fp16.onnx when
+    the export made one; a run's onnx/ also has model.optimized.onnx) serves model.onnx for fp32 and
+    model.fp16.onnx for fp16. A directory with a single .onnx file of another name serves it as
+    fp32.
     """
     if path.is_file():
         return path

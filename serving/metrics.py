@@ -15,7 +15,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-disable_created_metrics()  # the *_created series double the output and nobody graphs them
+# the *_created series double the output and nobody graphs them
+disable_created_metrics()
 
 LATENCY_BUCKETS = (
     0.001,
@@ -40,9 +41,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
-    """Every series of a model is labelled by `model` and `version` (model_info: `name`, `version`), so that one
-    server of many models can be read model by model; a request's time splits into queue time (waiting for its
-    batch to start: Triton's queue_duration) and compute time (the model run: compute_infer)."""
+    """Every series of a model is labelled by `model` and `version` (model_info: `name`, `version`),
+    so that one server of many models can be read model by model; a request's time splits into queue
+    time (waiting for its batch to start: Triton's queue_duration) and compute time (the model run:
+    compute_infer)."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -124,8 +126,9 @@ class Metrics:
             registry=r,
         )
         self.registry.register(_QueueCollector(queue_rows))
-        # Each request looks its series up here, not through prometheus_client's labels() (a lock and a tuple of
-        # strings each time): a request's own cost is what a server of small requests spends most on.
+        # Each request looks its series up here, not through prometheus_client's labels() (a lock
+        # and a tuple of strings each time): a request's own cost is what a server of small requests
+        # spends most on.
         self._children: dict[tuple, tuple] = {}
 
     def observe_request(
@@ -142,13 +145,13 @@ class Metrics:
         children[1].observe(seconds)
 
     def watch_drift(self, scores: Callable[[], dict[tuple[str, str, str, str], float]]) -> None:
-        """trainserve_input_drift / trainserve_output_drift{model,version,input|output}: the PSI of each tensor
-        over the version's sliding window, read at each scrape."""
+        """trainserve_input_drift / trainserve_output_drift{model,version,input|output}: the PSI of
+        each tensor over the version's sliding window, read at each scrape."""
         self.registry.register(_DriftCollector(scores))
 
     def watch_shadows(self, reports: Callable[[], dict[str, dict]]) -> None:
-        """trainserve_shadow_*{model}: pairs, dropped mirrors, challenger errors, agreement, latencies, the
-        verdict (one series with value 1), read at each scrape."""
+        """trainserve_shadow_*{model}: pairs, dropped mirrors, challenger errors, agreement,
+        latencies, the verdict (one series with value 1), read at each scrape."""
         self.registry.register(_ShadowCollector(reports))
 
     def watch_rows(self, rows: Callable[[], list[tuple[str, str, int, int]]]) -> None:
@@ -184,9 +187,9 @@ class Metrics:
             children[2].observe(wait)
 
     def set_models(self, served: list[tuple[str, str, str, str, str, str]]) -> None:
-        """What is loaded now: (name, version, provider, source, variant, options) per version. The run and request
-        series of a version no longer loaded go (an unloaded model or a replaced version leaves no stale series:
-        19 replaced versions left 19x20)."""
+        """What is loaded now: (name, version, provider, source, variant, options) per version. The
+        run and request series of a version no longer loaded go (an unloaded model or a replaced
+        version leaves no stale series: 19 replaced versions left 19x20)."""
         self.model_info.clear()
         self.engine_info.clear()
         for name, version, provider, source, variant, options in served:
@@ -207,7 +210,8 @@ class Metrics:
                     family.remove(*labels)
 
     def set_alias(self, model: str, alias: str, version: str, behind: bool) -> None:
-        for labels in list(self.alias._metrics):  # one series per alias: the version it names now
+        # one series per alias: the version it names now
+        for labels in list(self.alias._metrics):
             if labels[:2] == (model, alias):
                 self.alias.remove(*labels)
         self.alias.labels(model, alias, version).set(1)

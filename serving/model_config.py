@@ -1,4 +1,5 @@
-"""A Triton `config.pbtxt` beside a repository model (DIR/NAME/config.pbtxt): what this server takes from it.
+"""A Triton `config.pbtxt` beside a repository model (DIR/NAME/config.pbtxt): what this server takes
+from it.
 
 Read: `max_batch_size` (N > 0: the operator says the model's rows are independent along the first
 axis and caps a batch at N; 0: every request runs alone, exactly as sent), `version_policy` (which
@@ -15,8 +16,9 @@ Triton's ModelConfig (instance groups, dynamic batching, warm-up, ...) is allowe
 top-level name that is not one of ModelConfig's, a value of the wrong kind, or broken text is
 refused, naming the file, line and column.
 
-The text format is parsed with protobuf's own tokenizer into plain values (no message classes: Triton's
-model_config.proto is not shipped with this server); only the fields read here are given types.
+The text format is parsed with protobuf's own tokenizer into plain values (no message classes:
+Triton's model_config.proto is not shipped with this server); only the fields read here are given
+types.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class VersionPolicy:
     """Which versions of a repository model are loaded (Triton's ModelVersionPolicy): the `count`
     highest (latest), every one (all), or those listed that exist (specific)."""
 
-    kind: str  # latest | all | specific
+    # latest | all | specific
+    kind: str
     count: int = 1
     versions: tuple[str, ...] = ()
 
@@ -87,7 +90,8 @@ class VersionPolicy:
 
 
 class ConfigError(ValueError):
-    """A config.pbtxt that cannot be read as Triton's ModelConfig text, or that says something impossible."""
+    """A config.pbtxt that cannot be read as Triton's ModelConfig text, or that says something
+    impossible."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class ModelConfig:
     """What a config.pbtxt says that this server uses."""
 
     path: str
-    max_batch_size: int | None  # None: not given (Triton's default, 0)
+    # None: not given (Triton's default, 0)
+    max_batch_size: int | None
     # None: not given (the server's --version-policy decides)
     version_policy: VersionPolicy | None = None
     # (input name, the full shape requests may send: [-1] + dims when max_batch_size > 0, else dims)
@@ -104,14 +109,16 @@ class ModelConfig:
     # not given; a queue size of 0: no bound of its own)
     max_queue_delay_us: int | None = None
     max_queue_size: int | None = None
-    labels: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (output name, its class names)
+    # (output name, its class names)
+    labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def output_labels(self) -> dict[str, tuple[str, ...]]:
         return dict(self.labels)
 
 
 def read(model_dir: Path) -> ModelConfig | None:
-    """The model directory's config.pbtxt, or None when it has none. ConfigError names what is wrong."""
+    """The model directory's config.pbtxt, or None when it has none. ConfigError names what is
+    wrong."""
     path = Path(model_dir) / FILE
     if not path.is_file():
         return None
@@ -201,9 +208,10 @@ def _dynamic_batching(fields: dict, path: Path) -> tuple[int | None, int | None]
 def narrowed(
     path: str, name: str, graph: tuple[int, ...] | None, declared: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """The shape input `name` takes: the model file's (`graph`; None when it gives no rank) narrowed by the
-    config's `declared` (an axis either gives a size for is that size). ConfigError where they disagree: another
-    rank, or two different sizes for one axis (the config may narrow what the model takes, never widen it)."""
+    """The shape input `name` takes: the model file's (`graph`; None when it gives no rank) narrowed
+    by the config's `declared` (an axis either gives a size for is that size). ConfigError where
+    they disagree: another rank, or two different sizes for one axis (the config may narrow what the
+    model takes, never widen it)."""
     if graph is None:
         return declared
     fits = len(graph) == len(declared) and all(
@@ -222,7 +230,8 @@ POLICY_FORMS = "version_policy: { latest { num_versions: N } }, { all { } } or {
 
 
 def _version_policy(fields: dict, path: Path) -> VersionPolicy | None:
-    """The config's version_policy: exactly one of latest (N >= 1), all, specific (versions >= 0)."""
+    """The config's version_policy: exactly one of latest (N >= 1), all, specific (versions >=
+    0)."""
     values = fields.get("version_policy")
     if values is None:
         return None
@@ -287,8 +296,9 @@ def _scalar(fields: dict, name: str, kind: type, path: Path):
 
 
 def parse(text: str) -> dict[str, list]:
-    """Protobuf text format -> {field: [values]}: a value is an int, float, string, identifier (str of an enum or
-    bool), or a nested message as such a dict. ParseError (with line and column) for what is not that format."""
+    """Protobuf text format -> {field: [values]}: a value is an int, float, string, identifier (str
+    of an enum or bool), or a nested message as such a dict. ParseError (with line and column) for
+    what is not that format."""
     tokenizer = text_format.Tokenizer(text.splitlines())
     fields = _message(tokenizer, None)
     if not tokenizer.AtEnd():

@@ -1,14 +1,15 @@
-"""The payload log: a sample of requests and their answers, as JSON Lines, in a directory of bounded size.
+"""The payload log: a sample of requests and their answers, as JSON Lines, in a directory of bounded
+size.
 
-Opt-in (`--payload-log DIR`). The request path only decides whether a request is in the sample (a hash
-of its id) and hands the record's arrays to a bounded queue without waiting; a full queue drops the
-record and counts it. One writer thread turns records into JSON (the costly part, off the event loop),
-appends them to DIR/payloads-<UTC time>-<n>.jsonl (one open file per model version, at most
+Opt-in (`--payload-log DIR`). The request path only decides whether a request is in the sample (a
+hash of its id) and hands the record's arrays to a bounded queue without waiting; a full queue drops
+the record and counts it. One writer thread turns records into JSON (the costly part, off the event
+loop), appends them to DIR/payloads-<UTC time>-<n>.jsonl (one open file per model version, at most
 MAX_OPEN_FILES, so that versions answering in turn do not start a file each), starts a new file past
---payload-log-file-mb, and deletes the oldest payload files before a write would take the directory past
---payload-log-max-mb. The directory is made 0700 and the files 0600: they hold what clients sent. With
-`mlflow=True`, each file is logged, once closed, as an artifact under `payloads/` of the training run of
-the model that answered its requests.
+--payload-log-file-mb, and deletes the oldest payload files before a write would take the directory
+past --payload-log-max-mb. The directory is made 0700 and the files 0600: they hold what clients
+sent. With `mlflow=True`, each file is logged, once closed, as an artifact under `payloads/` of the
+training run of the model that answered its requests.
 
 One record per line:
     {"request_id": str, "time": "2025-01-31T12:00:00.123Z" (UTC, when answered),
@@ -20,14 +21,15 @@ One record per line:
      "outputs": {name: {...the same}} | null (failed), "error": str (only when failed)}
 
 Invariants (kept by the writer thread alone):
-- the payload files in DIR (ours, `payloads-*.jsonl`, including those of earlier runs) never add up to
-  more than `max_bytes`: the oldest closed ones are deleted before a write that would pass it;
+- the payload files in DIR (ours, `payloads-*.jsonl`, including those of earlier runs) never add up
+  to more than `max_bytes`: the oldest closed ones are deleted before a write that would pass it;
 - a file holds the records of one model version only, and is uploaded (mlflow) once, when closed;
-- a record of the sample is either written once or counted as dropped (`queue_full`, `too_large`: bigger
-  than one file may be, `error`: could not be written, e.g. a full disk). A failed write leaves no partial
-  line behind and never stops the writer; failures are logged once per streak, not once per record;
-- a directory removed while the server runs is noticed at the next write (a file with no link left is
-  abandoned), made again and said so in the log.
+- a record of the sample is either written once or counted as dropped (`queue_full`, `too_large`:
+  bigger than one file may be, `error`: could not be written, e.g. a full disk). A failed write
+  leaves no partial line behind and never stops the writer; failures are logged once per streak, not
+  once per record;
+- a directory removed while the server runs is noticed at the next write (a file with no link left
+  is abandoned), made again and said so in the log.
 
 One directory per server process: another writer's files count against the cap and get deleted.
 """
@@ -52,12 +54,14 @@ from serving.codec import dumps
 log = logging.getLogger("serving.payload_log")
 
 FILE_PATTERN = re.compile(r"^payloads-.+\.jsonl$")
-MAX_PENDING_RECORDS = 10_000  # records waiting for the writer; beyond: dropped
-MAX_PENDING_BYTES = (
-    64 << 20
-)  # array bytes held by waiting records (the queue's memory); beyond: dropped
-MAX_OPEN_FILES = 8  # versions written to at once; past it the least recently used file is closed
-ERROR_REPEAT_S = 60.0  # a streak of failed writes is logged at its start, then at most this often
+# records waiting for the writer; beyond: dropped
+MAX_PENDING_RECORDS = 10_000
+# array bytes held by waiting records (the queue's memory); beyond: dropped
+MAX_PENDING_BYTES = 64 << 20
+# versions written to at once; past it the least recently used file is closed
+MAX_OPEN_FILES = 8
+# a streak of failed writes is logged at its start, then at most this often
+ERROR_REPEAT_S = 60.0
 _STOP = object()
 
 
@@ -66,8 +70,8 @@ class PayloadLogError(Exception):
 
 
 def in_sample(request_id: str, fraction: float) -> bool:
-    """Whether `request_id` is in a `fraction` sample: decided by its hash alone, so anyone can tell which
-    ids are in (the first 8 hex digits of sha256(id), over 2^32, below `fraction`)."""
+    """Whether `request_id` is in a `fraction` sample: decided by its hash alone, so anyone can tell
+    which ids are in (the first 8 hex digits of sha256(id), over 2^32, below `fraction`)."""
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
@@ -89,10 +93,12 @@ class Record:
     """What the request path hands over: references only, nothing serialized yet."""
 
     request_id: str
-    time: float  # time.time() when answered
+    # time.time() when answered
+    time: float
     endpoint: str
     status: int
-    model: dict  # name, version, run_id, weights_sha256
+    # name, version, run_id, weights_sha256
+    model: dict
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray] | None
     error: str | None = None
@@ -104,8 +110,8 @@ class Record:
 
 
 class PayloadLog:
-    """The sample, the queue and the writer thread. `submit` is called on the event loop; everything else
-    that touches files runs in the writer thread (`start` .. `close`)."""
+    """The sample, the queue and the writer thread. `submit` is called on the event loop; everything
+    else that touches files runs in the writer thread (`start` .. `close`)."""
 
     def __init__(
         self,
@@ -131,7 +137,8 @@ class PayloadLog:
         self._queue: queue.Queue = queue.Queue(max_pending_records)
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
-        self._lock = threading.Lock()  # guards _pending_bytes (event loop adds, writer subtracts)
+        # guards _pending_bytes (event loop adds, writer subtracts)
+        self._lock = threading.Lock()
         self.written = 0
         self.dropped = {"queue_full": 0, "too_large": 0, "error": 0}
         try:
@@ -143,22 +150,21 @@ class PayloadLog:
             raise PayloadLogError(
                 f"cannot write the payload log to {self.directory}: {exc}"
             ) from None
-        # Files of earlier runs count against the cap (and are deleted first): the names sort by time.
+        # Files of earlier runs count against the cap (and are deleted first): the names sort by
+        # time.
         self._closed: list[tuple[Path, int]] = [
             (p, p.stat().st_size)
             for p in sorted(self.directory.iterdir())
             if FILE_PATTERN.match(p.name) and p.is_file()
         ]
-        self.bytes = sum(
-            size for _, size in self._closed
-        )  # in our files in the directory, the open ones included
-        self._open: dict[
-            tuple, _OpenFile
-        ] = {}  # model version -> its file; least recently written first
-        self._trim(0)  # a smaller cap than last time holds from the start
-        self._failing = (
-            0  # writes failed in a row (a full disk, a removed directory that can't be made)
-        )
+        # in our files in the directory, the open ones included
+        self.bytes = sum(size for _, size in self._closed)
+        # model version -> its file; least recently written first
+        self._open: dict[tuple, _OpenFile] = {}
+        # a smaller cap than last time holds from the start
+        self._trim(0)
+        # writes failed in a row (a full disk, a removed directory that can't be made)
+        self._failing = 0
         self._failure_logged = 0.0
         self._sequence = 0
         self._thread: threading.Thread | None = None
@@ -191,7 +197,8 @@ class PayloadLog:
         )
 
     def submit(self, record: Record) -> None:
-        """Queue a record for the writer, never waiting: when the queue is full it is dropped and counted."""
+        """Queue a record for the writer, never waiting: when the queue is full it is dropped and
+        counted."""
         size = record.nbytes
         with self._lock:
             if self._pending_bytes + size > self._max_pending_bytes and self._pending_bytes:
@@ -222,12 +229,13 @@ class PayloadLog:
         )
 
     def close(self, timeout: float = 60.0) -> None:
-        """Write what is queued, close (and upload) the open files, stop the thread. Blocks, at most about
-        `timeout` seconds: call it off the event loop, after the last request was answered."""
+        """Write what is queued, close (and upload) the open files, stop the thread. Blocks, at most
+        about `timeout` seconds: call it off the event loop, after the last request was answered."""
         if self._thread is None:
             return
         deadline = time.monotonic() + timeout
-        try:  # waits for room (nothing is dropped at shutdown), but not forever: the writer may be stuck
+        # waits for room (nothing is dropped at shutdown), but not forever: the writer may be stuck
+        try:
             self._queue.put(_STOP, timeout=timeout if self._thread.is_alive() else 0)
         except queue.Full:
             pass
@@ -250,7 +258,8 @@ class PayloadLog:
                 self._pending_bytes -= item.nbytes
             try:
                 self._write(item)
-            except Exception as exc:  # noqa: BLE001 - the writer outlives every failure: it counts them
+            except Exception as exc:  # noqa: BLE001
+                # the writer outlives every failure: it counts them
                 self.dropped["error"] += 1
                 self._failed(item, exc)
             else:
@@ -264,8 +273,8 @@ class PayloadLog:
                 log.exception("cannot close a payload log file in %s", self.directory)
 
     def _failed(self, record: Record, exc: Exception) -> None:
-        """Log a streak of failures at its start and then once a minute, not once per record: a full disk
-        fails every record, and a traceback each would flood the server's log."""
+        """Log a streak of failures at its start and then once a minute, not once per record: a full
+        disk fails every record, and a traceback each would flood the server's log."""
         self._failing += 1
         now = time.monotonic()
         if self._failing == 1 or now - self._failure_logged >= ERROR_REPEAT_S:
@@ -308,11 +317,13 @@ class PayloadLog:
         key = _model_key(record.model)
         current = self._open.pop(key, None)
         if current is not None:
-            self._open[key] = current  # now the most recently written
+            # now the most recently written
+            self._open[key] = current
             if current.size + len(line) > self.file_bytes:
                 self._close_file(key)
                 current = None
-        # The line's own file plus the line is at most file_bytes <= max_bytes: trimming always makes room.
+        # The line's own file plus the line is at most file_bytes <= max_bytes: trimming always
+        # makes room.
         self._trim(len(line), keep=key)
         if current is None:
             current = self._open_file(record.model)
@@ -321,8 +332,9 @@ class PayloadLog:
         self.written += 1
 
     def _check_directory(self) -> None:
-        """Notice a directory (or a file of ours) removed under us: records written to an unlinked file are
-        lost when it is closed, so such files are dropped now and the directory is made again."""
+        """Notice a directory (or a file of ours) removed under us: records written to an unlinked
+        file are lost when it is closed, so such files are dropped now and the directory is made
+        again."""
         gone = [key for key, f in self._open.items() if f.unlinked()]
         if not gone and self.directory.is_dir():
             return
@@ -348,8 +360,9 @@ class PayloadLog:
             )
 
     def _trim(self, incoming: int, keep: tuple | None = None) -> None:
-        """The cap: delete the oldest closed files until `incoming` more bytes fit; when only open files are
-        left, close the least recently written other than `keep`'s, so that it can go too."""
+        """The cap: delete the oldest closed files until `incoming` more bytes fit; when only open
+        files are left, close the least recently written other than `keep`'s, so that it can go
+        too."""
         while self.bytes + incoming > self.max_bytes:
             if self._closed:
                 path, size = self._closed.pop(0)
@@ -377,7 +390,8 @@ class PayloadLog:
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0),
             0o600,
         )
-        opened = _OpenFile(path, open(fd, "wb", buffering=0), model)  # noqa: SIM115 - closed in _close_file
+        # closed in _close_file
+        opened = _OpenFile(path, open(fd, "wb", buffering=0), model)  # noqa: SIM115
         self._open[_model_key(model)] = opened
         return opened
 
@@ -391,8 +405,8 @@ class PayloadLog:
             self._upload(f.path, f.model)
 
     def _upload(self, path: Path, model: dict) -> None:
-        """Log a closed file to the training run of the model that answered its requests; failures are
-        logged, never raised (the server goes on, the file stays in the directory)."""
+        """Log a closed file to the training run of the model that answered its requests; failures
+        are logged, never raised (the server goes on, the file stays in the directory)."""
         run_id = model.get("run_id")
         if not run_id:
             log.warning(
@@ -410,20 +424,21 @@ class PayloadLog:
                 self._mlflow_client = mlflow.MlflowClient()
             self._mlflow_client.log_artifact(run_id, str(path), artifact_path="payloads")
             log.info("logged %s to MLflow run %s under payloads/", path.name, run_id)
-        except Exception as exc:  # noqa: BLE001 - MlflowException, connection errors, ...
+        except Exception as exc:  # noqa: BLE001
+            # MlflowException, connection errors, ...
             log.warning("cannot log %s to MLflow run %s: %s", path.name, run_id, exc)
 
 
 class _OpenFile:
-    """One version's open payload file. Unbuffered: a record is one write, and readers (pipeline trace) see
-    it at once."""
+    """One version's open payload file. Unbuffered: a record is one write, and readers (pipeline
+    trace) see it at once."""
 
     def __init__(self, path: Path, file, model: dict):
         self.path, self.file, self.model, self.size = path, file, model, 0
 
     def append(self, line: bytes) -> None:
-        """Write `line` whole or not at all: a failed or short write (a full disk) is cut back off, so that
-        the file holds only complete lines."""
+        """Write `line` whole or not at all: a failed or short write (a full disk) is cut back off,
+        so that the file holds only complete lines."""
         try:
             written = self.file.write(line)
             if written != len(line):

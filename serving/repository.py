@@ -1,10 +1,12 @@
-"""The models one server serves: where each comes from, which versions are loaded, loading and unloading.
+"""The models one server serves: where each comes from, which versions are loaded, loading and
+unloading.
 
 Sources (flags):
     --model URI               one model, named as before (registered name, ONNX metadata, file stem)
-    --model NAME=URI          a model named NAME; NAME repeated with other URIs gives it more versions:
-                              `--model digits=models:/digits@champion --model digits=models:/digits@challenger`
-                              keeps the version behind every alias named loaded
+    --model NAME=URI          a model named NAME; NAME repeated with other URIs gives it more
+                              versions: `--model digits=models:/digits@champion --model
+                              digits=models:/digits@challenger` keeps the version behind every alias
+                              named loaded
     --repository DIR          DIR/NAME/VERSION/model.onnx, as Triton lays a repository out; which
                               versions of each model are loaded is its config.pbtxt's
                               version_policy, else the --version-policy (latest:N, all,
@@ -13,13 +15,14 @@ Sources (flags):
                               (serving/model_config.py)
 
 Every loaded version is a `Slot`: its model and the batcher in front of it, made and dropped as one.
-All slots share one engine thread (onnxruntime parallelizes inside a run; two runs at once on the same
-cores only fight), and a batcher has at most one run queued on that thread at a time, so the thread's
-FIFO queue takes the models' runs in turn: a flooded model gets every other run, never all of them
-(benchmarks/serve.py measures a probed model's p99 with and without a flood on its neighbour).
+All slots share one engine thread (onnxruntime parallelizes inside a run; two runs at once on the
+same cores only fight), and a batcher has at most one run queued on that thread at a time, so the
+thread's FIFO queue takes the models' runs in turn: a flooded model gets every other run, never all
+of them (benchmarks/serve.py measures a probed model's p99 with and without a flood on its
+neighbour).
 
-Loading (at start, or `POST /v2/repository/models/{name}/load`) runs off the event loop; a version is
-warmed up on the engine thread, between live batches, before any request can reach it. A reload
+Loading (at start, or `POST /v2/repository/models/{name}/load`) runs off the event loop; a version
+is warmed up on the engine thread, between live batches, before any request can reach it. A reload
 serves the old versions until the new ones are ready. Unloading stops routing to the model, answers
 what is queued, drops the sessions and hands the freed memory back to the system.
 """
@@ -60,12 +63,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 HIDDEN = re.compile(r"\.[A-Za-z0-9_.-]{0,127}")
 # Model states, as the V2 repository extension (and Triton) reports them.
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
-HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")  # printable ASCII: safe in a response header
+# printable ASCII: safe in a response header
+HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,128}")
 
 
 class RepositoryError(BadRequest):
-    """A model a client named that this server cannot find, load or unload; `status` is the HTTP answer
-    (a client's mistake like any other BadRequest: answered as one over HTTP and gRPC)."""
+    """A model a client named that this server cannot find, load or unload; `status` is the HTTP
+    answer (a client's mistake like any other BadRequest: answered as one over HTTP and gRPC)."""
 
 
 # ---- where models come from ---------------------------------------------------------------------
@@ -76,20 +80,23 @@ class Source:
     """One `--model`, or one version directory of the repository."""
 
     uri: str
-    name: str | None = (
-        None  # NAME= given (or the repository's directory name); else resolved when loaded
-    )
-    version: str | None = None  # a repository version directory's number
-    config: model_config.ModelConfig | None = None  # a repository model's config.pbtxt
+    # NAME= given (or the repository's directory name); else resolved when loaded
+    name: str | None = None
+    # a repository version directory's number
+    version: str | None = None
+    # a repository model's config.pbtxt
+    config: model_config.ModelConfig | None = None
 
     @cached_property
     def alias(self) -> str | None:
-        """The models:/name@alias this source follows, if it is one (read per request: parsed once)."""
+        """The models:/name@alias this source follows, if it is one (read per request: parsed
+        once)."""
         return self.uri if check_source(self.uri) == "alias" else None
 
 
 def not_a_name(name: str) -> str:
-    """Why `name` is not a model name, in Triton's words too where they apply (an empty name, a path)."""
+    """Why `name` is not a model name, in Triton's words too where they apply (an empty name, a
+    path)."""
     rule = "a model name is a letter or digit, then letters, digits, '_', '.', '-'; at most 128"
     if not name.strip():
         return f"Model name cannot be empty. Please enter a valid name to deploy. ({rule})"
@@ -102,8 +109,8 @@ def not_a_name(name: str) -> str:
 
 
 def parse_model_flag(value: str) -> Source:
-    """`NAME=URI` or `URI`. A NAME= prefix is a model name before the first '=' (no '/' or ':' in it), so a
-    path or URI with an '=' further on is still a plain URI."""
+    """`NAME=URI` or `URI`. A NAME= prefix is a model name before the first '=' (no '/' or ':' in
+    it), so a path or URI with an '=' further on is still a plain URI."""
     head, sep, rest = value.partition("=")
     if sep and "/" not in head and ":" not in head:
         if not NAME.fullmatch(head):
@@ -136,8 +143,8 @@ def parse_version_policy(text: str) -> VersionPolicy:
 
 
 def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
-    """{name: {version: version directory}} of DIR/NAME/VERSION/ directories holding an .onnx file. What is not
-    a model name or a version number is skipped with a warning, never guessed at."""
+    """{name: {version: version directory}} of DIR/NAME/VERSION/ directories holding an .onnx file.
+    What is not a model name or a version number is skipped with a warning, never guessed at."""
     root = Path(directory)
     if not root.is_dir():
         raise SourceError(
@@ -162,8 +169,8 @@ def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
                 )
                 continue
             files = list(version_dir.rglob("*.onnx"))
-            # A symlink out of the repository would serve whatever file it names: the repository is what the
-            # operator vetted, so nothing outside it is loaded through it.
+            # A symlink out of the repository would serve whatever file it names: the repository is
+            # what the operator vetted, so nothing outside it is loaded through it.
             outside = [
                 f
                 for f in [model_dir, version_dir, *files]
@@ -193,8 +200,8 @@ def scan_repository(directory: str | Path) -> dict[str, dict[str, Path]]:
 
 @dataclass
 class Slot:
-    """A loaded version and the batcher in front of it. `headers`: the receipt naming this version, for every
-    answer it computed."""
+    """A loaded version and the batcher in front of it. `headers`: the receipt naming this version,
+    for every answer it computed."""
 
     model: LoadedModel
     batcher: Batcher
@@ -220,13 +227,15 @@ def receipt_values(info: ModelInfo) -> dict[str, str]:
         "X-Model-Version": info.version,
         "X-Model-Run-Id": info.lineage.get("run_id", ""),
         "X-Model-Weights-Sha256": info.lineage.get("weights_sha256", ""),
-        # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the fact
+        # the file's own hash, as loaded: the weights' hash is the file's claim, this one is the
+        # fact
         "X-Model-Onnx-Sha256": info.lineage.get("onnx_sha256", ""),
     }
 
 
 def receipt_headers(info: ModelInfo) -> dict[str, str]:
-    """X-Model-* headers naming a model; a value that is empty, or unsafe in a header, is left out."""
+    """X-Model-* headers naming a model; a value that is empty, or unsafe in a header, is left
+    out."""
     return {k: v for k, v in receipt_values(info).items() if v and HEADER_SAFE.fullmatch(v)}
 
 
@@ -235,17 +244,18 @@ class Model:
     """One model name: where it comes from, its loaded versions, its state."""
 
     name: str
-    sources: list[Source] = field(
-        default_factory=list
-    )  # its --model flags; empty for a repository model
-    slots: dict[str, Slot] = field(default_factory=dict)  # version -> slot
+    # its --model flags; empty for a repository model
+    sources: list[Source] = field(default_factory=list)
+    # version -> slot
+    slots: dict[str, Slot] = field(default_factory=dict)
     state: str = UNAVAILABLE
     reason: str = "not loaded"
-    alias_versions: dict[str, str] = field(
-        default_factory=dict
-    )  # alias -> the version it names, as last read
-    alias_served: dict[str, str] = field(default_factory=dict)  # alias -> the version served for it
-    # alias -> why the version it names is not served (its load failed); cleared when the alias is served again
+    # alias -> the version it names, as last read
+    alias_versions: dict[str, str] = field(default_factory=dict)
+    # alias -> the version served for it
+    alias_served: dict[str, str] = field(default_factory=dict)
+    # alias -> why the version it names is not served (its load failed); cleared when the alias is
+    # served again
     alias_errors: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -280,12 +290,13 @@ def version_key(version: str) -> tuple:
 
 
 class Repository:
-    """Every model of one server, by name. Its coroutines run on the server's event loop; loads in threads.
+    """Every model of one server, by name. Its coroutines run on the server's event loop; loads in
+    threads.
 
-    open_source(source) -> LoadedModel: blocking, opens one source (pinned at a version for an alias).
-    make_batcher(model) -> Batcher: the batcher in front of a version.
-    warm_up(model): awaited before a version takes requests.
-    on_change(): called whenever what is loaded changed (the server updates its metrics).
+    open_source(source) -> LoadedModel: blocking, opens one source (pinned at a version for an
+    alias). make_batcher(model) -> Batcher: the batcher in front of a version. warm_up(model):
+    awaited before a version takes requests. on_change(): called whenever what is loaded changed
+    (the server updates its metrics).
     """
 
     def __init__(
@@ -321,8 +332,9 @@ class Repository:
         return model
 
     def describe(self, limit: int = 10) -> str:
-        """The models, the first `limit` named: a refusal carries this, and gRPC sends it in a trailer that a
-        client refuses past 8 KiB (300 names made NOT_FOUND arrive as RESOURCE_EXHAUSTED)."""
+        """The models, the first `limit` named: a refusal carries this, and gRPC sends it in a
+        trailer that a client refuses past 8 KiB (300 names made NOT_FOUND arrive as
+        RESOURCE_EXHAUSTED)."""
         names = [
             f"'{n}'" + ("" if m.state == READY else f" ({m.state.lower()})")
             for n, m in self.models.items()
@@ -335,7 +347,8 @@ class Repository:
         return ", ".join(names) if names else "no models"
 
     def slot(self, name: str, version: str | None) -> Slot:
-        """`name` at `version` (None: its default version); RepositoryError 404 when it is not loaded."""
+        """`name` at `version` (None: its default version); RepositoryError 404 when it is not
+        loaded."""
         model = self.model(name)
         if version is None:
             slot = model.default_slot()
@@ -392,10 +405,11 @@ class Repository:
     def add_repository_models(
         self, strict: bool = False, max_age: float = 0.0
     ) -> dict[str, dict[str, Path]]:
-        """(Re)read the repository directory (blocking: call it off the loop while serving): its models are
-        registered, unloaded until loaded. A directory named as a --model is an error at start (`strict`) and
-        skipped later, with one warning: a stray directory must not break loading every other model.
-        `max_age`: a scan at most that many seconds old will do (the index); loads always read it afresh."""
+        """(Re)read the repository directory (blocking: call it off the loop while serving): its
+        models are registered, unloaded until loaded. A directory named as a --model is an error at
+        start (`strict`) and skipped later, with one warning: a stray directory must not break
+        loading every other model. `max_age`: a scan at most that many seconds old will do (the
+        index); loads always read it afresh."""
         if self.directory is None:
             return {}
         found = self._scan(max_age)
@@ -417,9 +431,9 @@ class Repository:
         return found
 
     def _scan(self, max_age: float) -> dict[str, dict[str, Path]]:
-        """scan_repository, or its last result when younger than `max_age` s. One scan at a time: callers
-        arriving during one wait for it and take its result (300 models: ~20 ms a scan, 1,000 index calls made
-        1,000 scans and held liveness off for seconds)."""
+        """scan_repository, or its last result when younger than `max_age` s. One scan at a time:
+        callers arriving during one wait for it and take its result (300 models: ~20 ms a scan,
+        1,000 index calls made 1,000 scans and held liveness off for seconds)."""
         with self._scan_lock:
             at, found = self._last_scan
             if found is None or time.monotonic() - at > max_age:
@@ -428,7 +442,8 @@ class Repository:
             return {name: dict(versions) for name, versions in found.items()}
 
     def sources_of(self, name: str) -> list[Source]:
-        """What loading `name` opens: its --model sources, or its repository versions the policy selects."""
+        """What loading `name` opens: its --model sources, or its repository versions the policy
+        selects."""
         model = self.models.get(name)
         if model is not None and model.sources:
             return model.sources
@@ -469,7 +484,8 @@ class Repository:
         return [Source(str(found[v]), name, v, config) for v in versions]
 
     def open_all(self, sources: list[Source]) -> list[tuple[Source, LoadedModel]]:
-        """Open every source (blocking). All or nothing: on a failure those already open are dropped."""
+        """Open every source (blocking). All or nothing: on a failure those already open are
+        dropped."""
         opened: list[tuple[Source, LoadedModel]] = []
         try:
             for source in sources:
@@ -481,8 +497,9 @@ class Repository:
         return opened
 
     def place(self, opened: list[tuple[Source, LoadedModel]]) -> list[Slot]:
-        """Opened (and warmed) versions become the versions of their models, replacing what those served;
-        returns the replaced slots for the caller to close. A model's versions must differ."""
+        """Opened (and warmed) versions become the versions of their models, replacing what those
+        served; returns the replaced slots for the caller to close. A model's versions must
+        differ."""
         by_name: dict[str, list[tuple[Source, LoadedModel]]] = {}
         for source, loaded in opened:
             by_name.setdefault(loaded.info.name, []).append((source, loaded))
@@ -490,9 +507,8 @@ class Repository:
             seen: dict[str, Source] = {}
             for source, loaded in pairs:
                 other = seen.setdefault(loaded.info.version, source)
-                if other is not source and not (
-                    other.alias or source.alias
-                ):  # an alias may name a loaded version
+                # an alias may name a loaded version
+                if other is not source and not (other.alias or source.alias):
                     raise SourceError(
                         f"model '{name}': {other.uri} and {source.uri} are both version "
                         f"{loaded.info.version}; give each version of a model its own source (a "
@@ -501,18 +517,19 @@ class Repository:
         replaced: list[Slot] = []
         for name, pairs in by_name.items():
             model = self.models.setdefault(name, Model(name))
-            if (
-                pairs[0][0].version is None
-            ):  # --model sources: remembered, a later load reopens them
+            # --model sources: remembered, a later load reopens them
+            if pairs[0][0].version is None:
                 model.sources = [s for s, _ in pairs]
             replaced += model.slots.values()
             model.slots = {}
             for source, loaded in pairs:
                 slot = model.slots.get(loaded.info.version)
-                if slot is not None:  # an alias naming a version already loaded: one copy
+                # an alias naming a version already loaded: one copy
+                if slot is not None:
                     close_model(loaded)
                     if source.alias is None:
-                        slot.source = source  # pinned by a plain source: no alias move may drop it
+                        # pinned by a plain source: no alias move may drop it
+                        slot.source = source
                 else:
                     model.slots[loaded.info.version] = Slot(
                         loaded, self.make_batcher(loaded), source
@@ -528,8 +545,8 @@ class Repository:
     def open_at_start(
         self, sources: list[Source], repository_names: list[str] | None
     ) -> list[tuple[Source, LoadedModel]]:
-        """Open the --model sources and the repository models named (None: all of them), blocking, for `place`.
-        Raises the first failure: the server does not start half-loaded."""
+        """Open the --model sources and the repository models named (None: all of them), blocking,
+        for `place`. Raises the first failure: the server does not start half-loaded."""
         found = self.add_repository_models(strict=True)
         names = list(found) if repository_names is None else repository_names
         unknown = [n for n in names if n not in found]
@@ -550,8 +567,8 @@ class Repository:
         return opened
 
     def start(self) -> None:
-        """Start the batchers not started yet (on the running loop); one whose loop died stays down, so that
-        readiness keeps saying so."""
+        """Start the batchers not started yet (on the running loop); one whose loop died stays down,
+        so that readiness keeps saying so."""
         for _, slot in self.slots():
             if not slot.batcher.started:
                 slot.batcher.start()
@@ -559,8 +576,9 @@ class Repository:
     # ---- while serving ----
 
     async def load(self, name: str) -> None:
-        """Load (or reload) `name`: its versions are opened off the loop and warmed up before they take
-        requests; meanwhile the versions it served go on serving. RepositoryError, or the load's own error."""
+        """Load (or reload) `name`: its versions are opened off the loop and warmed up before they
+        take requests; meanwhile the versions it served go on serving. RepositoryError, or the
+        load's own error."""
         if HIDDEN.fullmatch(name) and name not in (".", "..") and self.directory:
             # a directory of that name would be hidden: never a model, so none is found (not refused
             # as a bad name: Triton takes such names, and finds no model)
@@ -572,7 +590,8 @@ class Repository:
             )
         if not NAME.fullmatch(name):
             raise RepositoryError(not_a_name(name))
-        sources = await off_loop(self.sources_of, name)  # may read the repository directory
+        # may read the repository directory
+        sources = await off_loop(self.sources_of, name)
         model = self.models[name]
         async with model.lock:
             if not model.slots:
@@ -596,7 +615,8 @@ class Repository:
             except BaseException as exc:
                 if not model.slots:
                     model.state, model.reason = UNAVAILABLE, clip(f"load failed: {exc}", 500)
-                else:  # still serving what it served: READY, and the index says the reload failed
+                else:
+                    # still serving what it served: READY, and the index says the reload failed
                     model.reason = clip(f"reload failed: {exc}", 500)
                 raise
             self.start()
@@ -606,13 +626,15 @@ class Repository:
                 ", ".join(model.slots),
                 time.perf_counter() - started,
             )
-            self.on_change()  # the new versions are announced now; the replaced ones drain, then leave
+            # the new versions are announced now; the replaced ones drain, then leave
+            self.on_change()
             await close_slots(replaced)
             if replaced:
                 self.on_change()
 
     async def unload(self, name: str) -> None:
-        """Stop serving `name`: new requests get 404, queued ones are answered, then its memory is freed."""
+        """Stop serving `name`: new requests get 404, queued ones are answered, then its memory is
+        freed."""
         model = self.model(name)
         async with model.lock:
             if not model.slots:
@@ -632,12 +654,13 @@ class Repository:
     async def move_alias(
         self, name: str, alias: str, version: str, loaded: LoadedModel | None
     ) -> None:
-        """`alias` of `name` now names `version`: `loaded` (warmed up) joins the model's versions, or None when
-        that version is already loaded for another alias. The version the alias served before leaves unless
-        another alias still serves it."""
+        """`alias` of `name` now names `version`: `loaded` (warmed up) joins the model's versions,
+        or None when that version is already loaded for another alias. The version the alias served
+        before leaves unless another alias still serves it."""
         model = self.models[name]
         async with model.lock:
-            if not model.slots:  # unloaded meanwhile
+            # unloaded meanwhile
+            if not model.slots:
                 if loaded is not None:
                     close_model(loaded)
                 return
@@ -646,20 +669,22 @@ class Repository:
                 source = next(s for s in model.sources if s.alias == alias)
                 slot = Slot(loaded, self.make_batcher(loaded), source)
                 slot.batcher.start()
-                if version in model.slots:  # loaded meanwhile for another alias: keep that one
+                # loaded meanwhile for another alias: keep that one
+                if version in model.slots:
                     stale.append(slot)
                 else:
                     model.slots[version] = slot
             previous = model.alias_served.get(alias)
             model.alias_served[alias] = version
             caught_up(model, alias)
+            # a pinned version stays
             if (
                 previous is not None
                 and previous != version
                 and previous in model.slots
                 and previous not in model.alias_served.values()
                 and model.slots[previous].source.alias is not None
-            ):  # a pinned version stays
+            ):
                 stale.append(model.slots.pop(previous))
             await close_slots(stale)
             self.on_change()
@@ -679,15 +704,17 @@ class Repository:
     async def follow(
         self, name: str, alias: str, interval: float, report: Callable[[str, str, str, str], None]
     ) -> None:
-        """Poll one alias every `interval` s. A new version is opened, warmed up and served; then the old one
-        leaves. A failed load is retried after interval x 2^failures (at most 10 min). `report(name, alias,
-        event, version)` with event "poll", "failed" or "moved" (for metrics)."""
+        """Poll one alias every `interval` s. A new version is opened, warmed up and served; then
+        the old one leaves. A failed load is retried after interval x 2^failures (at most 10 min).
+        `report(name, alias, event, version)` with event "poll", "failed" or "moved" (for
+        metrics)."""
         failures: dict[str, int] = {}
         retry_at: dict[str, float] = {}
         while True:
             await asyncio.sleep(interval)
             model = self.models.get(name)
-            if model is None or not model.slots:  # unloaded: nothing to follow until loaded again
+            # unloaded: nothing to follow until loaded again
+            if model is None or not model.slots:
                 continue
             source = next(s for s in model.sources if s.alias == alias)
             current = model.alias_served.get(alias)
@@ -701,13 +728,13 @@ class Repository:
             model.alias_versions[alias] = version
             report(name, alias, "poll", version)
             if version == current:
-                caught_up(
-                    model, alias
-                )  # moved back to what is served: an earlier failure no longer matters
+                # moved back to what is served: an earlier failure no longer matters
+                caught_up(model, alias)
                 continue
             if time.monotonic() < retry_at.get(version, 0.0):
                 continue
-            if version in model.slots:  # already served for another alias: no second copy
+            # already served for another alias: no second copy
+            if version in model.slots:
                 log.info(
                     "alias %s moved from version %s to %s, which is loaded", alias, current, version
                 )
@@ -722,7 +749,8 @@ class Repository:
                 except BaseException:
                     close_model(loaded)
                     raise
-            except Exception as exc:  # noqa: BLE001 - any failure of a load: keep serving, try again later
+            except Exception as exc:  # noqa: BLE001
+                # any failure of a load: keep serving, try again later
                 failures[version] = failures.get(version, 0) + 1
                 delay = min(interval * 2 ** failures[version], 600.0)
                 retry_at[version] = time.monotonic() + delay
@@ -735,7 +763,8 @@ class Repository:
                     current,
                     exc,
                 )
-                # Said where a client looks (the model's metadata and the repository index), not only in the log.
+                # Said where a client looks (the model's metadata and the repository index), not
+                # only in the log.
                 model.alias_errors[alias] = clip(
                     f"version {version} failed to load (attempt {failures[version]}, "
                     f"next in {delay:.0f} s): {exc}",
@@ -751,7 +780,8 @@ class Repository:
 def caught_up(model: Model, alias: str) -> None:
     """`alias` is served at the version it names: forget its failed load."""
     if model.alias_errors.pop(alias, None) is not None:
-        # The reason names one failing alias: the one just fixed may be it, so say what still fails, if anything.
+        # The reason names one failing alias: the one just fixed may be it, so say what still fails,
+        # if anything.
         model.reason = "; ".join(f"{other}: {error}" for other, error in model.alias_errors.items())
 
 
@@ -762,8 +792,9 @@ def close_model(model: LoadedModel) -> None:
 
 
 async def close_slots(slots: list[Slot]) -> None:
-    """Drain each slot's batcher (what is queued is answered), drop its session, and give the freed memory back
-    to the system: onnxruntime's weights and arena go back to the C heap, which glibc keeps unless trimmed."""
+    """Drain each slot's batcher (what is queued is answered), drop its session, and give the freed
+    memory back to the system: onnxruntime's weights and arena go back to the C heap, which glibc
+    keeps unless trimmed."""
     for slot in slots:
         await slot.batcher.close()
         close_model(slot.model)
@@ -780,8 +811,8 @@ def release_free_memory() -> bool:
 
 
 async def off_loop(fn, *args):
-    """`fn(*args)` in a daemon thread: unlike asyncio.to_thread's executor, nothing waits for it at exit
-    (a registry call stuck at shutdown held SIGTERM up past the container's grace period)."""
+    """`fn(*args)` in a daemon thread: unlike asyncio.to_thread's executor, nothing waits for it at
+    exit (a registry call stuck at shutdown held SIGTERM up past the container's grace period)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -792,13 +823,13 @@ async def off_loop(fn, *args):
     def work():
         try:
             result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+        except BaseException as exc:  # noqa: BLE001
+            # handed to the awaiting coroutine
             outcome = (future.set_exception, exc)
         else:
             outcome = (future.set_result, result)
-        with contextlib.suppress(
-            RuntimeError
-        ):  # the loop closed meanwhile (shutdown): nobody is waiting
+        # the loop closed meanwhile (shutdown): nobody is waiting
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(

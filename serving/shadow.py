@@ -1,34 +1,38 @@
-"""The challenger judged on live traffic: pairs of answers (the champion's, which the client got, and
-the challenger's, computed off the request path), labels that arrive later, and a verdict.
+"""The challenger judged on live traffic: pairs of answers (the champion's, which the client got,
+and the challenger's, computed off the request path), labels that arrive later, and a verdict.
 
 What a pair compares depends on what the model's metadata says it answers (never on a task's name):
     a decision output (lineage.DECISION: its argmax over axis 1 is the answer, a class per
         sample or per pixel)   top-1 agreement of the two
     every other output         the mean |champion - challenger| per output
 Both latencies are kept (the champion's as the client saw it, the challenger's run), and the
-challenger's errors are counted. Labels posted later (`feedback`) are joined with what both answered,
-within a bounded window, into live metrics for each: accuracy on the decision output, RMSE on the
-prediction output. Answers are kept under the server's own id of the request (envelope.new_request_id,
-random, the receipt's X-Server-Request-Id), never an id the client chose: no client can predict another's or
-send its own answers under it, and an id kept is never replaced by a later request's.
+challenger's errors are counted. Labels posted later (`feedback`) are joined with what both
+answered, within a bounded window, into live metrics for each: accuracy on the decision output, RMSE
+on the prediction output. Answers are kept under the server's own id of the request
+(envelope.new_request_id, random, the receipt's X-Server-Request-Id), never an id the client chose:
+no client can predict another's or send its own answers under it, and an id kept is never replaced
+by a later request's.
 
 The verdict, under `Rule` (the user's thresholds):
     reject     any challenger error; agreement below `min_agreement` (or a mean difference above
                `max_difference`), labels or not, from any number of clients; a challenger p50 above
-               `max_latency_ratio` x the champion's; with labels, a live metric worse than the champion's by more
-               than `tolerance`
-    promote    only on labels: at least `min_labels` of them on mirrored requests, the challenger's live metric
-               within `tolerance` of the champion's on the same requests, agreement at its floor
-    undecided  otherwise: fewer than `min_pairs` pairs; agreement alone (it can reject, never promote); labelled
-               pairs more than `max_source_share` of which one client address sent
+               `max_latency_ratio` x the champion's; with labels, a live metric worse than the
+               champion's by more than `tolerance`
+    promote    only on labels: at least `min_labels` of them on mirrored requests, the challenger's
+               live metric within `tolerance` of the champion's on the same requests, agreement at
+               its floor
+    undecided  otherwise: fewer than `min_pairs` pairs; agreement alone (it can reject, never
+               promote); labelled pairs more than `max_source_share` of which one client address
+               sent
 
-Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to "promote" for a
-7%-accurate challenger with near-copies of one input the two versions answer alike, from several addresses). The
-labels come from the holder of the feedback token (serving/envelope.py, Auth), are range-checked
-against the model's answers, and are joined only with answers the server kept under its own ids. What else no one
-client can shape: a pair counts once per distinct input (an input sent again is counted as repeated, not as
-another pair), the requests mirrored are the server's random draw, and the report says how many distinct inputs,
-and how many clients (by address), made the pairs and the labelled pairs, and the largest share one client sent.
+Why agreement alone never promotes: any inference client shapes it (a hostile review steered it to
+"promote" for a 7%-accurate challenger with near-copies of one input the two versions answer alike,
+from several addresses). The labels come from the holder of the feedback token (serving/envelope.py,
+Auth), are range-checked against the model's answers, and are joined only with answers the server
+kept under its own ids. What else no one client can shape: a pair counts once per distinct input (an
+input sent again is counted as repeated, not as another pair), the requests mirrored are the
+server's random draw, and the report says how many distinct inputs, and how many clients (by
+address), made the pairs and the labelled pairs, and the largest share one client sent.
 """
 
 from __future__ import annotations
@@ -55,12 +59,18 @@ log = logging.getLogger("serving.shadow")
 
 # Mirrored requests waiting for the challenger, per model: past it they are dropped.
 MIRROR_QUEUE = 64
-LATENCIES_KEPT = 2000  # per side, for the percentiles
-ANSWERS_KEPT = 10000  # request ids whose answers wait for a label
-ANSWER_BYTES_KEPT = 64 << 20  # and at most this much of them: per-pixel answers are big
-INPUTS_KEPT = 100_000  # digests of the inputs paired so far (a repeat beyond them counts as new)
-SOURCES_KEPT = 10_000  # clients counted by address; pairs of any further ones count as one more source, "other"
-# The verdict's basis (the report's "decided_by"): what `pipeline promote` checks a promote rests on.
+# per side, for the percentiles
+LATENCIES_KEPT = 2000
+# request ids whose answers wait for a label
+ANSWERS_KEPT = 10000
+# and at most this much of them: per-pixel answers are big
+ANSWER_BYTES_KEPT = 64 << 20
+# digests of the inputs paired so far (a repeat beyond them counts as new)
+INPUTS_KEPT = 100_000
+# clients counted by address; pairs of any further ones count as one more source, "other"
+SOURCES_KEPT = 10_000
+# The verdict's basis (the report's "decided_by"): what `pipeline promote` checks a promote rests
+# on.
 LABELS, AGREEMENT, DIFFERENCE, ERRORS, LATENCY, PAIRS = (
     "labels",
     "agreement",
@@ -84,10 +94,14 @@ def input_digest(feeds: dict[str, np.ndarray]) -> bytes:
 @dataclass
 class Rule:
     min_pairs: int = 200
-    min_agreement: float = 0.95  # decision outputs: top-1 agreement at least this
-    max_difference: float = math.inf  # other outputs: mean |difference| at most this (per output)
-    min_labels: int = 100  # labels needed before they decide
-    tolerance: float = 0.01  # labels: the challenger's live metric may be this much worse
+    # decision outputs: top-1 agreement at least this
+    min_agreement: float = 0.95
+    # other outputs: mean |difference| at most this (per output)
+    max_difference: float = math.inf
+    # labels needed before they decide
+    min_labels: int = 100
+    # labels: the challenger's live metric may be this much worse
+    tolerance: float = 0.01
     max_latency_ratio: float = math.inf
     # of the labelled pairs, the most one client (address) may have sent for labels to promote
     max_source_share: float = 0.5
@@ -110,7 +124,8 @@ class _Live:
     values: int = 0
 
     def add(self, answer: np.ndarray, label: np.ndarray, decides: bool) -> None:
-        """`answer`: the compact form `compact` keeps (decisions, or the prediction), as `label` is shaped."""
+        """`answer`: the compact form `compact` keeps (decisions, or the prediction), as `label` is
+        shaped."""
         self.samples += 1
         truth = np.asarray(label).reshape(answer.shape)
         if decides:
@@ -132,21 +147,23 @@ class _Live:
 
 @dataclass
 class ShadowState:
-    """Everything one champion/challenger pairing has seen; reset when either side's version changes."""
+    """Everything one champion/challenger pairing has seen; reset when either side's version
+    changes."""
 
     champion_version: str
     challenger_version: str
     decision: str | None
     prediction: str | None
-    classes: int | None = None  # the decision output's classes (axis 1), once an answer showed them
-    pairs: int = 0  # of distinct inputs
-    repeated: int = 0  # pairs of an input paired before: not counted again
-    inputs: OrderedDict = field(
-        default_factory=OrderedDict
-    )  # digests of the inputs paired (INPUTS_KEPT)
-    sources: dict = field(
-        default_factory=dict
-    )  # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
+    # the decision output's classes (axis 1), once an answer showed them
+    classes: int | None = None
+    # of distinct inputs
+    pairs: int = 0
+    # pairs of an input paired before: not counted again
+    repeated: int = 0
+    # digests of the inputs paired (INPUTS_KEPT)
+    inputs: OrderedDict = field(default_factory=OrderedDict)
+    # client address -> pairs of distinct inputs it sent (SOURCES_KEPT)
+    sources: dict = field(default_factory=dict)
     # client address -> labelled pairs of its requests (SOURCES_KEPT)
     labelled_sources: dict = field(default_factory=dict)
     dropped: int = 0
@@ -157,14 +174,15 @@ class ShadowState:
     difference_counts: dict[str, int] = field(default_factory=dict)
     champion_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     challenger_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
-    # the server's request id -> (champion's compact answer, challenger's or None, the client's address)
+    # the server's request id -> (champion's compact answer, challenger's or None, the client's
+    # address)
     answers: OrderedDict = field(default_factory=OrderedDict)
     answer_bytes: int = 0
-    labelled: OrderedDict = field(
-        default_factory=OrderedDict
-    )  # request ids already labelled (a late pair skips)
+    # request ids already labelled (a late pair skips)
+    labelled: OrderedDict = field(default_factory=OrderedDict)
     labels: int = 0
-    # the champion on every labelled request; the challenger, and the champion again, on the labelled pairs
+    # the champion on every labelled request; the challenger, and the champion again, on the
+    # labelled pairs
     live: dict[str, _Live] = field(
         default_factory=lambda: {
             "champion": _Live(),
@@ -203,7 +221,8 @@ class Shadow:
         if s is None or (
             versions is not None and (s.champion_version, s.challenger_version) != versions
         ):
-            return None  # news of a pairing that has since changed: not this one's
+            # news of a pairing that has since changed: not this one's
+            return None
         return s
 
     def dropped(self, versions: tuple[str, str] | None = None) -> None:
@@ -217,8 +236,8 @@ class Shadow:
                 s.errors += 1
 
     def compact(self, answer: dict[str, np.ndarray]) -> np.ndarray | None:
-        """What a label is scored against, kept small: the decision output's argmax (a class per sample or
-        per pixel), else the prediction output; None when the model declares neither."""
+        """What a label is scored against, kept small: the decision output's argmax (a class per
+        sample or per pixel), else the prediction output; None when the model declares neither."""
         s = self.state
         if s is None:
             return None
@@ -232,9 +251,10 @@ class Shadow:
         return None
 
     def _keep(self, s: ShadowState, request_id: str, kept: tuple) -> None:
-        """Keeps (champion's, challenger's, source) under the server's `request_id`. An id kept already is never
-        replaced (the server's ids are its own and random: a second request under one is no honest request); its
-        champion-only record only gains the challenger's answer, once."""
+        """Keeps (champion's, challenger's, source) under the server's `request_id`. An id kept
+        already is never replaced (the server's ids are its own and random: a second request under
+        one is no honest request); its champion-only record only gains the challenger's answer,
+        once."""
         old = s.answers.get(request_id)
         if old is not None:
             if old[1] is not None or kept[1] is None:
@@ -248,8 +268,8 @@ class Shadow:
             s.answer_bytes -= _nbytes(gone)
 
     def answered(self, request_id: str, champion: dict[str, np.ndarray]) -> None:
-        """The champion's answer to a request (`request_id`: the server's own id of it), kept (bounded in count and
-        bytes) for a label that may come."""
+        """The champion's answer to a request (`request_id`: the server's own id of it), kept
+        (bounded in count and bytes) for a label that may come."""
         with self._lock:
             s = self.state
             kept = self.compact(champion)
@@ -267,12 +287,14 @@ class Shadow:
         digest: bytes = b"",
         source: str = "",
     ) -> None:
-        """`digest`: input_digest of the request's inputs; a pair of an input paired before counts as repeated.
-        `source`: the client's address (envelope.source_of), whose share of the pairs the report gives."""
+        """`digest`: input_digest of the request's inputs; a pair of an input paired before counts
+        as repeated. `source`: the client's address (envelope.source_of), whose share of the pairs
+        the report gives."""
         with self._lock:
             s = self._current(versions)
             if s is None:
-                return  # a pair of a pairing that has since changed
+                # a pair of a pairing that has since changed
+                return
             s.champion_ms.append(champion_ms)
             s.challenger_ms.append(challenger_ms)
             if digest and digest in s.inputs:
@@ -307,15 +329,14 @@ class Shadow:
                             diff.size
                         )
             kept = self.compact(champion), self.compact(challenger), source
-            if (
-                kept[0] is not None and request_id not in s.labelled
-            ):  # labelled already: nothing left to join
+            # labelled already: nothing left to join
+            if kept[0] is not None and request_id not in s.labelled:
                 self._keep(s, request_id, kept)
 
     def feedback(self, labels: dict[str, np.ndarray]) -> dict[str, int]:
-        """True targets by the server's request id (X-Server-Request-Id), joined with the answers still in the
-        window; returns the counts. ValueError, before anything is counted, when a label's size is not its
-        answer's."""
+        """True targets by the server's request id (X-Server-Request-Id), joined with the answers
+        still in the window; returns the counts. ValueError, before anything is counted, when a
+        label's size is not its answer's."""
         with self._lock:
             s = self.state
             if s is None:
@@ -344,7 +365,8 @@ class Shadow:
                     s.labelled.popitem(last=False)
                 champion, challenger, source = kept
                 s.live["champion"].add(champion, label, decides)
-                if challenger is not None:  # the challenger answered only the mirrored sample
+                # the challenger answered only the mirrored sample
+                if challenger is not None:
                     s.live["challenger"].add(challenger, label, decides)
                     s.live["champion_on_pairs"].add(champion, label, decides)
                     if source not in s.labelled_sources and len(s.labelled_sources) >= SOURCES_KEPT:
@@ -404,8 +426,8 @@ class Shadow:
             return out
 
     def _verdict(self, r: dict[str, Any]) -> tuple[str, str, str]:
-        """(verdict, reason, what decided it). Agreement, differences, errors and latency can reject, from any
-        number of clients; only labels can promote."""
+        """(verdict, reason, what decided it). Agreement, differences, errors and latency can
+        reject, from any number of clients; only labels can promote."""
         rule = self.rule
         if r["challenger_errors"]:
             return (
@@ -473,7 +495,8 @@ class Shadow:
 
 
 def _check_label(request_id: str, label: np.ndarray, s: ShadowState) -> None:
-    """ValueError naming a label no answer of this model could match: not finite, or (a decision) not a class."""
+    """ValueError naming a label no answer of this model could match: not finite, or (a decision)
+    not a class."""
     if not np.isfinite(label).all():
         raise ValueError(f"the label of {request_id!r} holds NaN or Inf: send the true target")
     if s.decision and s.classes is not None:
@@ -623,7 +646,8 @@ class Mirror:
                 # The server's load, not the challenger's fault.
                 shadow.dropped(versions)
                 continue
-            except Exception as exc:  # noqa: BLE001 - a failing challenger is what is counted
+            except Exception as exc:  # noqa: BLE001
+                # a failing challenger is what is counted
                 log.warning(
                     "shadow: %s version %s failed request %s: %s",
                     name,

@@ -1,37 +1,42 @@
-"""The KServe V2 shared-memory extensions as Triton defines them and `tritonclient` speaks them: a client on the
-same host registers a region of its shared memory once, then sends each request's inputs, and takes its outputs,
-by region, offset and size instead of as bytes in the message. A large image then costs the server no bytes off
-a socket at all.
+"""The KServe V2 shared-memory extensions as Triton defines them and `tritonclient` speaks them: a
+client on the same host registers a region of its shared memory once, then sends each request's
+inputs, and takes its outputs, by region, offset and size instead of as bytes in the message. A
+large image then costs the server no bytes off a socket at all.
 
-    system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes): the server keeps
-             a descriptor of the object, never a mapping of it; an input is read with `preadv` straight into the
-             rows of the batch it runs in (or an array of its own), an output written with `pwritev`
-    cuda     device memory a client exported with cudaIpcGetMemHandle (tritonclient.utils.cuda_shared_memory):
-             opened with cudaIpcOpenMemHandle where the server runs on a GPU; refused (400) elsewhere
+    system   POSIX shared memory (`/dev/shm/<key>`, what tritonclient.utils.shared_memory makes):
+             the server keeps a descriptor of the object, never a mapping of it; an input is read
+             with `preadv` straight into the rows of the batch it runs in (or an array of its own),
+             an output written with `pwritev`
+    cuda     device memory a client exported with cudaIpcGetMemHandle
+             (tritonclient.utils.cuda_shared_memory): opened with cudaIpcOpenMemHandle where the
+             server runs on a GPU; refused (400) elsewhere
 
-Routes (HTTP; the same six as gRPC methods): `GET /v2/{system,cuda}sharedmemory[/region/NAME]/status`,
-`POST .../region/NAME/register`, `POST /v2/{system,cuda}sharedmemory[/region/NAME]/unregister`.
+Routes (HTTP; the same six as gRPC methods): `GET
+/v2/{system,cuda}sharedmemory[/region/NAME]/status`, `POST .../region/NAME/register`, `POST
+/v2/{system,cuda}sharedmemory[/region/NAME]/unregister`.
 
-Why a descriptor and not a mapping: the client owns the object and may shrink it (`ftruncate`) at any time; a
-mapping's pages past the new end then raise SIGBUS in whoever touches them, which kills the server. A read or
-write on the descriptor past the end is only short: a 400 naming the region.
+Why a descriptor and not a mapping: the client owns the object and may shrink it (`ftruncate`) at
+any time; a mapping's pages past the new end then raise SIGBUS in whoever touches them, which kills
+the server. A read or write on the descriptor past the end is only short: a 400 naming the region.
 
-As Triton does it: unregistering a name that is not registered succeeds (its client helper unregisters before it
-registers); a region a request in flight uses (`Use`: from the request's first look-up of it to its end) stays
-open and listed until the last such request ends, and is let go then; `--shared-memory off` answers status with
-an empty list and refuses register and unregister (403).
+As Triton does it: unregistering a name that is not registered succeeds (its client helper
+unregisters before it registers); a region a request in flight uses (`Use`: from the request's first
+look-up of it to its end) stays open and listed until the last such request ends, and is let go
+then; `--shared-memory off` answers status with an empty list and refuses register and unregister
+(403).
 
-Bounds: a region belongs to the token that registered it (the sha256 of the bearer token; one namespace for all
-when the server has no token, whatever Authorization header a request carries): another token neither sees,
-uses nor unregisters it. A client holds at most MAX_REGIONS regions and --max-shared-memory-mb of them; the
-server holds at most `max_regions` (MAX_REGIONS_TOTAL, or a quarter of its open-files limit where that is less)
-over every client, one descriptor each: past either count a registration is a 429, past the host's descriptors
-or memory a 503 with Retry-After. An input or output must lie inside its region (offset + byte size at most the
-registered size), and an input's byte size must be exactly its tensor's.
+Bounds: a region belongs to the token that registered it (the sha256 of the bearer token; one
+namespace for all when the server has no token, whatever Authorization header a request carries):
+another token neither sees, uses nor unregisters it. A client holds at most MAX_REGIONS regions and
+--max-shared-memory-mb of them; the server holds at most `max_regions` (MAX_REGIONS_TOTAL, or a
+quarter of its open-files limit where that is less) over every client, one descriptor each: past
+either count a registration is a 429, past the host's descriptors or memory a 503 with Retry-After.
+An input or output must lie inside its region (offset + byte size at most the registered size), and
+an input's byte size must be exactly its tensor's.
 
-Trust: a region names a shared-memory object by its key, and the server opens whatever its own user may open.
-The token is what keeps strangers out; give it only to same-host clients you trust with that (Triton's
-extension has the same property). `--shared-memory off` turns the extension off.
+Trust: a region names a shared-memory object by its key, and the server opens whatever its own user
+may open. The token is what keeps strangers out; give it only to same-host clients you trust with
+that (Triton's extension has the same property). `--shared-memory off` turns the extension off.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from serving import cuda
 from serving.codec import BadRequest, Ref, byte_size_mismatch, serialized
 from serving.envelope import Refused
 
-MAX_REGIONS = 256  # per client (token)
+# per client (token)
+MAX_REGIONS = 256
 # over every client: each system region holds one descriptor
 MAX_REGIONS_TOTAL = 4096
 SHM_DIR = "/dev/shm"
@@ -61,8 +67,9 @@ _CHUNK = 0x7FFFF000
 
 
 class Region:
-    """One registered region: a system region's descriptor (fd), or a CUDA region's device address. `users`: the
-    requests holding it now; `leaving`: unregistered while held, let go when the last of them ends."""
+    """One registered region: a system region's descriptor (fd), or a CUDA region's device address.
+    `users`: the requests holding it now; `leaving`: unregistered while held, let go when the last
+    of them ends."""
 
     __slots__ = (
         "name",
@@ -113,8 +120,9 @@ class Region:
 
 
 def owner_of(authorization: str, tokened: bool = True) -> str:
-    """Whose regions a request may use: its bearer token's, hashed (never kept); on a server without tokens
-    (`tokened` False) everyone's one namespace, "", whatever the request's Authorization header says."""
+    """Whose regions a request may use: its bearer token's, hashed (never kept); on a server without
+    tokens (`tokened` False) everyone's one namespace, "", whatever the request's Authorization
+    header says."""
     if not tokened:
         return ""
     token = authorization.partition(" ")[2].strip()
@@ -122,8 +130,8 @@ def owner_of(authorization: str, tokened: bool = True) -> str:
 
 
 def fd_budget() -> int:
-    """The regions the server may hold in all: MAX_REGIONS_TOTAL, or a quarter of the open-files limit where
-    that is less (the rest are for connections, models and logs)."""
+    """The regions the server may hold in all: MAX_REGIONS_TOTAL, or a quarter of the open-files
+    limit where that is less (the rest are for connections, models and logs)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return MAX_REGIONS_TOTAL
@@ -131,8 +139,9 @@ def fd_budget() -> int:
 
 
 class SharedMemory:
-    """Every client's registered regions, by owner and then by (kind, name). Calls come from event loops (one
-    or several) and the threads that decode requests: under a lock, none of them a scan of every region."""
+    """Every client's registered regions, by owner and then by (kind, name). Calls come from event
+    loops (one or several) and the threads that decode requests: under a lock, none of them a scan
+    of every region."""
 
     def __init__(
         self,
@@ -238,9 +247,9 @@ class SharedMemory:
         return Region(name, "cuda", byte_size, device_id=device_id, address=address)
 
     def unregister(self, authorization: str, kind: str, name: str | None = None) -> None:
-        """One region, or (no name) every region of this client of that kind. A name not registered is no error
-        (as Triton answers it). A region a request in flight holds is let go when the last such request ends;
-        until then it stays listed."""
+        """One region, or (no name) every region of this client of that kind. A name not registered
+        is no error (as Triton answers it). A region a request in flight holds is let go when the
+        last such request ends; until then it stays listed."""
         self._check_on(kind)
         owner = owner_of(authorization, self.tokened)
         gone = []
@@ -271,8 +280,8 @@ class SharedMemory:
         return region
 
     def status(self, authorization: str, kind: str, name: str | None = None) -> list[dict]:
-        """This client's regions of `kind` (a region unregistered while in use, too, until its requests end);
-        with the extension off, none (a named one: 404)."""
+        """This client's regions of `kind` (a region unregistered while in use, too, until its
+        requests end); with the extension off, none (a named one: 404)."""
         if kind not in ("system", "cuda"):
             raise BadRequest(f"unknown shared memory kind {kind!r}")
         owner = owner_of(authorization, self.tokened)
@@ -286,8 +295,8 @@ class SharedMemory:
             return [mine[key].status() for key in sorted(mine) if key[0] == kind]
 
     def close(self) -> None:
-        """Every region let go: now, or (one a request still holds) when that request ends; a descriptor closed
-        under a read could be another file's by the time the read runs."""
+        """Every region let go: now, or (one a request still holds) when that request ends; a
+        descriptor closed under a read could be another file's by the time the read runs."""
         gone = []
         with self._lock:
             for owner, mine in list(self._owners.items()):
@@ -352,8 +361,9 @@ class SharedMemory:
 
 
 class Use:
-    """The regions one request reads and writes: each held from the request's first look-up of it until `close`
-    (the request's end, answered or refused), so that an unregister meanwhile lets it go only then."""
+    """The regions one request reads and writes: each held from the request's first look-up of it
+    until `close` (the request's end, answered or refused), so that an unregister meanwhile lets it
+    go only then."""
 
     __slots__ = ("memory", "owner", "held", "model")
 
@@ -368,7 +378,8 @@ class Use:
         return region
 
     def hold(self, refs: dict[str, Ref]) -> None:
-        """The regions a request's outputs go to, held from now (its decode) to its end, as its inputs' are."""
+        """The regions a request's outputs go to, held from now (its decode) to its end, as its
+        inputs' are."""
         for ref in refs.values():
             self.region(ref.region)
 
@@ -378,8 +389,8 @@ class Use:
             self.memory._let_go(self.owner, held.values())
 
     def read(self, ref: Ref, spec, count: int, into: np.ndarray | None = None) -> np.ndarray:
-        """An input placed in shared memory, copied into `into` (a flat view of its rows in a batch buffer: the
-        only copy) or an array of its own."""
+        """An input placed in shared memory, copied into `into` (a flat view of its rows in a batch
+        buffer: the only copy) or an array of its own."""
         region = self.region(ref.region)
         want = count * spec.dtype.itemsize
         if ref.byte_size != want:
@@ -392,7 +403,8 @@ class Use:
         array = into if into is not None else np.empty(count, dtype=spec.dtype)
         if not want:
             return array
-        if region.kind == "cuda":  # copied to the host once: the batch is gathered there
+        # copied to the host once: the batch is gathered there
+        if region.kind == "cuda":
             cuda.copy(array.ctypes.data, region.address + ref.offset, want, cuda.DEVICE_TO_HOST)
             return array
         position = region.offset + ref.offset
@@ -429,8 +441,9 @@ class Use:
                 )
             elif array.nbytes:
                 position = region.offset + ref.offset
-                # Past the object's end a write would grow it: refused instead, as a read there is. (A shrink
-                # after this check only makes the write grow the object back; the server is never at risk.)
+                # Past the object's end a write would grow it: refused instead, as a read there is.
+                # (A shrink after this check only makes the write grow the object back; the server
+                # is never at risk.)
                 if _size(region) < position + array.nbytes:
                     raise _short(region, f"output '{name}'", position + array.nbytes)
                 _transfer(os.pwritev, region, memoryview(array.reshape(-1)).cast("B"), position)
@@ -483,8 +496,8 @@ def _open_system(name: str, key: str, offset: int, byte_size: int) -> Region:
 
 
 def _transfer(call, region: Region, buffer: memoryview, position: int) -> int:
-    """`call` (os.preadv or os.pwritev) over all of `buffer` from `position` of the region's object, in as many
-    calls as it takes; the bytes moved (fewer only where the object ends first)."""
+    """`call` (os.preadv or os.pwritev) over all of `buffer` from `position` of the region's object,
+    in as many calls as it takes; the bytes moved (fewer only where the object ends first)."""
     done = 0
     try:
         while done < len(buffer):

@@ -1,16 +1,17 @@
-"""A model's batch buffers: the host memory its batched runs read their inputs from, and the check that every
-floating-point value is finite (NaN and Inf are refused with a 400, request by request).
+"""A model's batch buffers: the host memory its batched runs read their inputs from, and the check
+that every floating-point value is finite (NaN and Inf are refused with a 400, request by request).
 
-A request is copied into a batch buffer once, when it has arrived, on the thread that took it in (its bytes are
-still in that core's cache), into the rows after the requests before it: the batch is assembled while the engine
-runs the previous one, and the engine runs the buffer as it is, no gather, no array allocated per batch; a
-bucket's padding is written in place. On the CUDA provider the buffers are pinned (page-locked: the
-host-to-device copy is a DMA at full speed, not staged through the driver's bounce buffer). Only for models whose
-every input has a fixed shape past the batch axis; other models' requests are concatenated as they come
-(`concat`).
+A request is copied into a batch buffer once, when it has arrived, on the thread that took it in
+(its bytes are still in that core's cache), into the rows after the requests before it: the batch is
+assembled while the engine runs the previous one, and the engine runs the buffer as it is, no
+gather, no array allocated per batch; a bucket's padding is written in place. On the CUDA provider
+the buffers are pinned (page-locked: the host-to-device copy is a DMA at full speed, not staged
+through the driver's bounce buffer). Only for models whose every input has a fixed shape past the
+batch axis; other models' requests are concatenated as they come (`concat`).
 
-The copy and the finite check are one pass (serving/_ingest.c; numpy's two passes where it is not built): over
-exactly the bytes that will run, so a value in shared memory a client changes afterwards is not what runs.
+The copy and the finite check are one pass (serving/_ingest.c; numpy's two passes where it is not
+built): over exactly the bytes that will run, so a value in shared memory a client changes
+afterwards is not what runs.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from serving import cuda
 
 try:
     from serving import _ingest
-except ImportError:  # not built (no C compiler at install): numpy does the same in two passes
+except ImportError:
+    # not built (no C compiler at install): numpy does the same in two passes
     _ingest = None
 
 log = logging.getLogger("serving.staging")
 Feeds = dict[str, np.ndarray]
-BUFFERS = 3  # one running, one assembling, one full and waiting
-MAX_BYTES = 1 << 30  # all of a model's batch buffers together; past it fewer buffers (at least one)
+# one running, one assembling, one full and waiting
+BUFFERS = 3
+# all of a model's batch buffers together; past it fewer buffers (at least one)
+MAX_BYTES = 1 << 30
 PAGE = 4096
 
 
@@ -44,12 +48,14 @@ class NonFinite(ValueError):
 
 
 def _width(dtype: np.dtype) -> int:
-    """The check's value width for a dtype: its size for floating point, 0 (no check) for the rest."""
+    """The check's value width for a dtype: its size for floating point, 0 (no check) for the
+    rest."""
     return dtype.itemsize if dtype.kind == "f" and dtype.itemsize in (2, 4, 8) else 0
 
 
 def finite_bytes(data: memoryview, width: int) -> bool:
-    """Whether the floating-point values of `width` bytes in `data` (a whole number of them) are all finite."""
+    """Whether the floating-point values of `width` bytes in `data` (a whole number of them) are all
+    finite."""
     if _ingest is not None:
         return _ingest.finite(data, width)
     return bool(np.isfinite(np.frombuffer(data, dtype=f"<f{width}")).all())
@@ -64,7 +70,8 @@ def all_finite(x: np.ndarray) -> bool:
 
 
 def copy_finite(destination: np.ndarray, source: np.ndarray) -> bool:
-    """destination[...] = source (same shape and dtype, destination contiguous); whether every value is finite."""
+    """destination[...] = source (same shape and dtype, destination contiguous); whether every value
+    is finite."""
     width = _width(source.dtype)
     if _ingest is not None and source.flags.c_contiguous:
         return _ingest.copy_finite(destination, source, width)
@@ -155,7 +162,8 @@ class BatchBuffers:
         return buffer
 
     def fits(self, feeds: Feeds, rows: int) -> bool:
-        """Whether a request's feeds have this layout (names, shapes past the batch axis, dtypes) and fit a buffer."""
+        """Whether a request's feeds have this layout (names, shapes past the batch axis, dtypes)
+        and fit a buffer."""
         if rows > self.capacity or len(feeds) != len(self.inputs):
             return False
         for name, dtype, shape in self.inputs:
@@ -165,25 +173,28 @@ class BatchBuffers:
         return True
 
     def views(self, index: int, start: int, rows: int) -> Feeds:
-        """Rows start..start+rows of buffer `index`, every input's (where a request's body may be received into)."""
+        """Rows start..start+rows of buffer `index`, every input's (where a request's body may be
+        received into)."""
         return {name: buffer[start : start + rows] for name, buffer in self._buffers[index].items()}
 
     def fill(self, index: int, start: int, rows: int, source: int) -> None:
-        """Rows start..start+rows of buffer `index` made copies of row `source` (a refused request's place in a run)."""
+        """Rows start..start+rows of buffer `index` made copies of row `source` (a refused request's
+        place in a run)."""
         for buffer in self._buffers[index].values():
             buffer[start : start + rows] = buffer[source]
 
     def put(self, index: int, start: int, feeds: Feeds) -> None:
-        """A request's rows into buffer `index` from row `start`; NonFinite if one of its values is NaN or Inf."""
+        """A request's rows into buffer `index` from row `start`; NonFinite if one of its values is
+        NaN or Inf."""
         buffer = self._buffers[index]
         for name, x in feeds.items():
             if not copy_finite(buffer[name][start : start + len(x)], x):
                 raise NonFinite(name)
 
     def batch(self, index: int, rows: int, size: int, start: int = 0) -> Feeds:
-        """Rows start..start+size of buffer `index`, the last size-rows of them padded with copies of the batch's last
-        row (a bucket's padding: values the model certainly takes, where a zero could be an index or a divisor it does
-        not expect)."""
+        """Rows start..start+size of buffer `index`, the last size-rows of them padded with copies
+        of the batch's last row (a bucket's padding: values the model certainly takes, where a zero
+        could be an index or a divisor it does not expect)."""
         out = {name: buffer[start : start + size] for name, buffer in self._buffers[index].items()}
         if size > rows:
             for view in out.values():
@@ -191,7 +202,8 @@ class BatchBuffers:
         return out
 
     def gather(self, index: int, parts: list[Feeds], rows: int, size: int) -> Feeds:
-        """Requests' feeds copied one after another into buffer `index` (checked), then as `batch`."""
+        """Requests' feeds copied one after another into buffer `index` (checked), then as
+        `batch`."""
         start = 0
         for part in parts:
             self.put(index, start, part)

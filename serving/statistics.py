@@ -1,27 +1,29 @@
 """Per model version statistics, as Triton's statistics extension reports them (KServe V2 extension:
 `GET /v2/models[/NAME[/versions/V]]/stats`, gRPC ModelStatistics).
 
-    VersionStatistics   one loaded version's counters (its batcher's `statistics`): fed by the batcher per model
-                        run (engine thread) and by the inference path per request (core.Server.answer); read
-                        by serving/extensions.py for both protocols
+    VersionStatistics   one loaded version's counters (its batcher's `statistics`): fed by the
+                        batcher per model run (engine thread) and by the inference path per request
+                        (core.Server.answer); read by serving/extensions.py for both protocols
 
 What each figure is here (Triton's meaning, mapped onto this server's path):
-- inference_count: the rows of every successful model run (a request of 8 rows counts 8; padding none);
-  execution_count: the successful model runs (a dynamic batch is one).
-- success / fail: each inference request that reached a model version, with its time from its arrival (an HTTP
-  request's head read, a gRPC message taken) until its answer was computed, or its refusal. Refusals before a
-  version is chosen (an unknown model) belong to no version and are counted nowhere.
-- queue: a request's wait from being queued on its version's batcher until the engine thread began its run.
+- inference_count: the rows of every successful model run (a request of 8 rows counts 8; padding
+  none); execution_count: the successful model runs (a dynamic batch is one).
+- success / fail: each inference request that reached a model version, with its time from its
+  arrival (an HTTP request's head read, a gRPC message taken) until its answer was computed, or its
+  refusal. Refusals before a version is chosen (an unknown model) belong to no version and are
+  counted nowhere.
+- queue: a request's wait from being queued on its version's batcher until the engine thread began
+  its run.
 - compute_input: assembling the run's rows on the engine thread (the turn taken to the run's start);
   compute_infer: the model run (gathering rows into the batch, padding, onnxruntime's run);
   compute_output: cutting each request's rows out of the outputs and handing them to its event loop.
   As in Triton, every request of a run is counted once with the run's whole duration of each phase.
-  Decoding a request's tensors and encoding its answer happen on the front end, outside these phases (in
-  Triton too): they are the part of `success` that perf_analyzer calls overhead.
+  Decoding a request's tensors and encoding its answer happen on the front end, outside these phases
+  (in Triton too): they are the part of `success` that perf_analyzer calls overhead.
 - batch_stats: per run size (rows), the runs of that size and their three phases.
-A shadow challenger's mirrored requests (serving/shadow.py) run on its batcher: they count in its runs, rows and
-phases, not as requests (no client asked them).
-Figures start at zero when a version is loaded (a reload starts them again, as in Triton).
+A shadow challenger's mirrored requests (serving/shadow.py) run on its batcher: they count in its
+runs, rows and phases, not as requests (no client asked them). Figures start at zero when a version
+is loaded (a reload starts them again, as in Triton).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
 class VersionStatistics:
-    """One version's counters. A model run's figures are written by the engine thread alone (the only thread
-    that runs a batcher's runs), with no lock; a request's end is written from any event loop, under a lock.
-    Readers take a copy: figures read while a run is written may miss that run, never count it twice."""
+    """One version's counters. A model run's figures are written by the engine thread alone (the
+    only thread that runs a batcher's runs), with no lock; a request's end is written from any event
+    loop, under a lock. Readers take a copy: figures read while a run is written may miss that run,
+    never count it twice."""
 
     __slots__ = ("_lock", "success", "fail", "last_answer", "runs")
 
@@ -43,16 +46,18 @@ class VersionStatistics:
         self._lock = threading.Lock()
         # [count, seconds] each
         self.success, self.fail = [0, 0.0], [0, 0.0]
-        self.last_answer = None  # time.perf_counter() of the last request answered
-        # (rows, requests) of a run -> [runs, input s, infer s, output s, queue s of all its requests]
+        # time.perf_counter() of the last request answered
+        self.last_answer = None
+        # (rows, requests) of a run -> [runs, input s, infer s, output s, queue s of all its
+        # requests]
         self.runs: dict[tuple[int, int], list] = {}
 
     def executed(
         self, rows: int, arrivals: list[float], taken: float, began: float, ran: float, done: float
     ) -> None:
-        """(engine thread) A successful model run of `rows` rows for requests queued at time.monotonic()
-        `arrivals`: the turn taken at `taken`, the run from `began` to `ran`, its answers handed out by
-        `done` (monotonic seconds)."""
+        """(engine thread) A successful model run of `rows` rows for requests queued at
+        time.monotonic() `arrivals`: the turn taken at `taken`, the run from `began` to `ran`, its
+        answers handed out by `done` (monotonic seconds)."""
         requests = len(arrivals)
         key = (rows, requests)
         figures = self.runs.get(key)
@@ -65,7 +70,8 @@ class VersionStatistics:
         figures[4] += began * requests - sum(arrivals)
 
     def answered(self, ok: bool, since: float) -> None:
-        """One request's end: answered (`ok`) or refused, `since` its arrival (time.perf_counter())."""
+        """One request's end: answered (`ok`) or refused, `since` its arrival
+        (time.perf_counter())."""
         now = time.perf_counter()
         counter = self.success if ok else self.fail
         with self._lock:

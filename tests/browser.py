@@ -1,6 +1,6 @@
-"""Headless Chromium (Debian's `chromium`) over the MLflow UI that `pipeline ui` starts: each page as the text a
-person reads once its scripts have run, and as a screenshot kept for CI (under $TRAINSERVE_TEST_ARTIFACTS, else
-test-artifacts/ in the repository)."""
+"""Headless Chromium (Debian's `chromium`) over the MLflow UI that `pipeline ui` starts: each page
+as the text a person reads once its scripts have run, and as a screenshot kept for CI (under
+$TRAINSERVE_TEST_ARTIFACTS, else test-artifacts/ in the repository)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ ARTIFACTS = Path(os.environ.get("TRAINSERVE_TEST_ARTIFACTS") or REPO / "test-art
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/setup installs it where it can
+        # scripts/setup installs it where it can
+        if os.geteuid() == 0 and shutil.which("apt-get"):
             raise AssertionError(
                 "chromium is not installed: run scripts/setup (it installs Debian's chromium)"
             )
@@ -39,9 +40,9 @@ def chromium() -> str:
 
 @contextlib.contextmanager
 def mlflow_ui(workdir: Path):
-    """`pipeline ui` over the store in `workdir` (its mlflow.db), on a free port; yields its base URL once it
-    has printed the address to open (`printed_address`), which must answer by then. Its output is kept in
-    `workdir`/ui.log."""
+    """`pipeline ui` over the store in `workdir` (its mlflow.db), on a free port; yields its base
+    URL once it has printed the address to open (`printed_address`), which must answer by then. Its
+    output is kept in `workdir`/ui.log."""
     port = free_port()
     log = workdir / "ui.log"
     with log.open("w") as out:
@@ -81,7 +82,8 @@ def printed_address(workdir: Path) -> str | None:
 
 
 def page(url: str, name: str) -> tuple[str, str]:
-    """(the page's visible text, its DOM) once its scripts have run; its screenshot saved as ARTIFACTS/<name>.png."""
+    """(the page's visible text, its DOM) once its scripts have run; its screenshot saved as
+    ARTIFACTS/<name>.png."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(
         prefix="trainserve-chromium-", ignore_cleanup_errors=True
@@ -103,7 +105,8 @@ def page(url: str, name: str) -> tuple[str, str]:
 
 
 def run_chromium(argv: list[str], timeout: float = 180) -> str:
-    """Chromium in a session of its own, its stdout; its helper processes (renderer, zygote) go with it."""
+    """Chromium in a session of its own, its stdout; its helper processes (renderer, zygote) go with
+    it."""
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -67,7 +67,8 @@ CPU1 = DistInfo(0, 1, 0, 1, torch.device("cpu"))
 
 
 def mlp_spec(hidden=(16,), classes: int = 10, image_size: int = 8) -> ModelSpec:
-    """The built-in MLP on 8x8 one-channel images, with the args the digits data set would fill in."""
+    """The built-in MLP on 8x8 one-channel images, with the args the digits data set would fill
+    in."""
     return ModelSpec(
         "pipeline.models:mlp",
         {
@@ -188,8 +189,8 @@ def run_lineage(run_id: str, client=None) -> dict:
 
 @contextlib.contextmanager
 def small_tmpfs(directory: Path, size: str):
-    """A tmpfs of `size` (e.g. "64k") mounted at `directory` for a full-disk test, unmounted after; skips the
-    test where it can't be mounted (not root, no mount)."""
+    """A tmpfs of `size` (e.g. "64k") mounted at `directory` for a full-disk test, unmounted after;
+    skips the test where it can't be mounted (not root, no mount)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
     directory.mkdir()
@@ -239,7 +240,8 @@ TINY_MODEL = "resnet18-digits"
 def tiny_run(tmp_path_factory) -> FinishedRun:
     """`pipeline run --config tests/configs/tiny.yaml --serve-check` once for the session, on one
     process: trained (checkpoints at steps 6 and 12), consolidated, exported, registered as
-    resnet18-digits v1 @champion, served and checked. Read only: `copy_run` for a test that writes."""
+    resnet18-digits v1 @champion, served and checked. Read only: `copy_run` for a test that
+    writes."""
     workdir = tmp_path_factory.mktemp("tiny_run")
     proc = run_cli(
         ["run", "--config", str(TINY), "--serve-check", "serve.port=0", "train.run_name=tiny"],

@@ -1,20 +1,26 @@
-"""A fleet of real server replicas following one registry alias, the load that runs against them while the
-alias moves, and nginx in front of them: shared by tests/test_rollout.py and benchmarks/rollout.py.
+"""A fleet of real server replicas following one registry alias, the load that runs against them
+while the alias moves, and nginx in front of them: shared by tests/test_rollout.py and
+benchmarks/rollout.py.
 
-    registered_versions(directory, count)   a real MLflow store (SQLite + local artifacts, or a tracking server)
-                                            with `count` versions of a tiny model 'digits', each recording its
-                                            file's sha256 as `pipeline export` does (replicas check it);
-                                            @champion -> 1
-    tracking_server(directory, address)     `mlflow server` (SQLite, proxied artifacts) for replicas on hosts
+    registered_versions(directory, count)   a real MLflow store (SQLite + local artifacts, or a
+                                            tracking server) with `count` versions of a tiny model
+                                            'digits', each recording its file's sha256 as
+                                            `pipeline export` does (replicas check it); @champion ->
+                                            1
+    tracking_server(directory, address)     `mlflow server` (SQLite, proxied artifacts) for replicas
+                                            on hosts
     replicas(n, tracking_uri, directory)    n `python -m serving` processes following models:/digits@champion,
                                             each in its own working directory with its own download directory
                                             (TMPDIR), on loopback ports or on namespace hosts (tests/hosts.py,
                                             each its own address); started at once, killed by PID
-    Load                                    client threads in a closed loop (HTTP, and gRPC for a target that is
-                                            one): every answer's status, receipt version and latency
-    ReadyWatch                              polls each replica's /v2/health/ready and its model's ready endpoint
-    nginx(upstreams, directory)             nginx (Debian package) as the balancer: its own config, prefix, pid and
-                                            log paths, in the foreground on a loopback port; killed by PID
+    Load                                    client threads in a closed loop (HTTP, and gRPC for a
+                                            target that is one): every answer's status, receipt
+                                            version and latency
+    ReadyWatch                              polls each replica's /v2/health/ready and its model's
+                                            ready endpoint
+    nginx(upstreams, directory)             nginx (Debian package) as the balancer: its own config,
+                                            prefix, pid and log paths, in the foreground on a
+                                            loopback port; killed by PID
 """
 
 from __future__ import annotations
@@ -41,9 +47,8 @@ from serving import lineage
 
 MODEL = "digits"
 ALIAS = f"models:/{MODEL}@champion"
-SHA_TAG = (
-    lineage.SHA256
-)  # what `pipeline export` records of model.onnx (serving/loader.py checks it): sha256_record
+# what `pipeline export` records of model.onnx (serving/loader.py checks it): sha256_record
+SHA_TAG = lineage.SHA256
 
 
 def sha256_record(digest: str) -> str:
@@ -52,9 +57,9 @@ def sha256_record(digest: str) -> str:
 
 
 def registered_versions(directory: Path, count: int, tracking_uri: str | None = None) -> str:
-    """`count` versions of 'digits' (different weights) in a real MLflow store: `tracking_uri` (a tracking
-    server), else a SQLite file and local artifacts under `directory`; returns the tracking URI. Each version
-    records the sha256 of its stored model.onnx, as the export does."""
+    """`count` versions of 'digits' (different weights) in a real MLflow store: `tracking_uri` (a
+    tracking server), else a SQLite file and local artifacts under `directory`; returns the tracking
+    URI. Each version records the sha256 of its stored model.onnx, as the export does."""
     import mlflow
     import onnx
 
@@ -63,7 +68,8 @@ def registered_versions(directory: Path, count: int, tracking_uri: str | None = 
     mlflow.set_tracking_uri(uri)
     try:
         client = mlflow.MlflowClient(uri)
-        # A tracking server stores artifacts where it serves them from; a SQLite store beside its file.
+        # A tracking server stores artifacts where it serves them from; a SQLite store beside its
+        # file.
         artifacts = None if tracking_uri else (directory / "artifacts").as_uri()
         experiment = mlflow.create_experiment("rollout", artifact_location=artifacts)
         for i in range(1, count + 1):
@@ -90,8 +96,9 @@ def registered_versions(directory: Path, count: int, tracking_uri: str | None = 
 
 @contextlib.contextmanager
 def tracking_server(directory: Path, address: str = "127.0.0.1"):
-    """`mlflow server` on `address` (SQLite metadata and proxied artifacts under `directory`): replicas on other
-    hosts reach the registry and the files over HTTP only. Yields its URL; stopped by PID."""
+    """`mlflow server` on `address` (SQLite metadata and proxied artifacts under `directory`):
+    replicas on other hosts reach the registry and the files over HTTP only. Yields its URL; stopped
+    by PID."""
     port = free_port()
     url = f"http://{address}:{port}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -125,9 +132,8 @@ def tracking_server(directory: Path, address: str = "127.0.0.1"):
                     f"mlflow server exited with {proc.returncode}:\n"
                     f"{(directory / 'mlflow-server.log').read_text()[-3000:]}"
                 )
-            with contextlib.suppress(
-                requests.RequestException
-            ):  # refused, or slow while it creates its tables
+            # refused, or slow while it creates its tables
+            with contextlib.suppress(requests.RequestException):
                 if requests.get(url + "/health", timeout=5).ok:
                     break
             if time.monotonic() > deadline:
@@ -136,7 +142,8 @@ def tracking_server(directory: Path, address: str = "127.0.0.1"):
         yield url
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # its uvicorn workers too
+            # its uvicorn workers too
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -177,17 +184,18 @@ def replicas(
     extra: tuple[str, ...] = (),
     hosts: list | None = None,
 ):
-    """`n` replicas following @champion, ready. On loopback each runs in directory/replica-<i>/ (its working
-    directory, its download directory, its log); given `hosts` (tests/hosts.py, network namespaces), replica i
-    runs on hosts[i], bound to its address, in its working directory. With `grpc_first` the first also listens
-    for gRPC (`.grpc` is address:port)."""
+    """`n` replicas following @champion, ready. On loopback each runs in directory/replica-<i>/ (its
+    working directory, its download directory, its log); given `hosts` (tests/hosts.py, network
+    namespaces), replica i runs on hosts[i], bound to its address, in its working directory. With
+    `grpc_first` the first also listens for gRPC (`.grpc` is address:port)."""
     fleet = []
     for i in range(n):
         host = hosts[i] if hosts else None
         home = host.workdir if host else directory / f"replica-{i}"
         (home / "tmp").mkdir(parents=True, exist_ok=True)
         address = host.address if host else "127.0.0.1"
-        # A private bridge: the address is not loopback, so the server asks for a token unless told not to.
+        # A private bridge: the address is not loopback, so the server asks for a token unless told
+        # not to.
         args = [
             "--model",
             ALIAS,
@@ -217,7 +225,8 @@ def replicas(
             server.__enter__()
             started.append(server)
 
-        with ThreadPoolExecutor(n) as pool:  # at once: each takes seconds to import and load
+        # at once: each takes seconds to import and load
+        with ThreadPoolExecutor(n) as pool:
             for future in [pool.submit(start, s) for s in fleet]:
                 future.result()
         yield fleet
@@ -228,25 +237,31 @@ def replicas(
                     server.__exit__(None, None, None)
 
 
-# ---- load -------------------------------------------------------------------------------------------
+# ---- load ----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Answer:
-    target: str  # the replica (or balancer) asked
-    replica: str  # the replica that answered (for a balancer: its X-Upstream header)
-    done: float  # monotonic time the answer arrived
+    # the replica (or balancer) asked
+    target: str
+    # the replica that answered (for a balancer: its X-Upstream header)
+    replica: str
+    # monotonic time the answer arrived
+    done: float
     seconds: float
-    status: int  # HTTP status; 0 for a connection error or a gRPC error
-    version: str  # the receipt's version ("" when none)
+    # HTTP status; 0 for a connection error or a gRPC error
+    status: int
+    # the receipt's version ("" when none)
+    version: str
     error: str = ""
 
 
 @dataclass
 class Load:
-    """`clients` threads, each in a closed loop over `targets` in turn (round robin), sending one request of
-    two rows to /v2/models/digits/infer; a target starting with "grpc:" is asked over gRPC (tritonclient).
-    Every answer is kept; the receipt (X-Model-Version header) must match the body's model_version."""
+    """`clients` threads, each in a closed loop over `targets` in turn (round robin), sending one
+    request of two rows to /v2/models/digits/infer; a target starting with "grpc:" is asked over
+    gRPC (tritonclient). Every answer is kept; the receipt (X-Model-Version header) must match the
+    body's model_version."""
 
     targets: list[str]
     clients: int = 3
@@ -325,7 +340,8 @@ class Load:
         image.set_data_from_numpy(self.x)
         try:
             result = client.infer(MODEL, [image], client_timeout=30)
-        except Exception as exc:  # noqa: BLE001 - every failure is counted as one
+        except Exception as exc:  # noqa: BLE001
+            # every failure is counted as one
             return Answer(
                 target, target, time.monotonic(), time.monotonic() - started, 0, "", repr(exc)[:300]
             )
@@ -354,7 +370,8 @@ def per_version(answers: list[Answer]) -> dict[str, dict[str, int]]:
 
 
 def converged(answers: list[Answer], moved: float, version: str) -> dict[str, float]:
-    """{replica: seconds from the alias move to its first answer from `version`} (replicas that gave one)."""
+    """{replica: seconds from the alias move to its first answer from `version`} (replicas that gave
+    one)."""
     first: dict[str, float] = {}
     for a in sorted(answers, key=lambda a: a.done):
         if a.status == 200 and a.version == version and a.replica not in first:
@@ -370,8 +387,8 @@ def wait_converged(
     limit: float,
     fail_fast: bool = False,
 ) -> dict[str, float]:
-    """Waits until every expected replica answered from `version` (at most `limit` s after the move); with
-    `fail_fast`, an AssertionError at the first failed request."""
+    """Waits until every expected replica answered from `version` (at most `limit` s after the
+    move); with `fail_fast`, an AssertionError at the first failed request."""
     while True:
         answers = load.snapshot()
         if fail_fast and failures(answers):
@@ -388,8 +405,8 @@ def wait_converged(
 
 
 class ReadyWatch:
-    """A thread asking each replica's /v2/health/ready and /v2/models/digits/ready every `every` s; `not_ready`
-    holds (url, status) of every answer that was not 200."""
+    """A thread asking each replica's /v2/health/ready and /v2/models/digits/ready every `every` s;
+    `not_ready` holds (url, status) of every answer that was not 200."""
 
     def __init__(self, urls: list[str], every: float = 0.05):
         self.paths = [
@@ -422,7 +439,7 @@ class ReadyWatch:
                     self.not_ready.append((url, status))
 
 
-# ---- nginx ------------------------------------------------------------------------------------------
+# ---- nginx ---------------------------------------------------------------------------------------
 
 NGINX_CONF = """\
 {user}worker_processes 1;
@@ -465,14 +482,16 @@ def nginx_missing() -> str | None:
 
 @contextlib.contextmanager
 def nginx(upstreams: list[str], directory: Path):
-    """nginx balancing round robin over `upstreams` (http://host:port), in the foreground on a loopback port,
-    with its config, pid, logs and temp files under `directory`; yields its URL. Killed by PID."""
+    """nginx balancing round robin over `upstreams` (http://host:port), in the foreground on a
+    loopback port, with its config, pid, logs and temp files under `directory`; yields its URL.
+    Killed by PID."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     prefix = directory / "nginx"
     prefix.mkdir(parents=True, exist_ok=True)
     port = free_port()
     servers = "\n".join(f"        server {u.removeprefix('http://')};" for u in upstreams)
-    # As root nginx runs its worker as `nobody`, which cannot enter a private temp directory: keep it root.
+    # As root nginx runs its worker as `nobody`, which cannot enter a private temp directory: keep
+    # it root.
     user = "user root;\n" if os.geteuid() == 0 else ""
     conf = prefix / "nginx.conf"
     conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, servers=servers, port=port))
@@ -509,7 +528,8 @@ def nginx(upstreams: list[str], directory: Path):
         yield url
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGQUIT)  # graceful: the master stops its workers
+            # graceful: the master stops its workers
+            proc.send_signal(signal.SIGQUIT)
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -1,10 +1,10 @@
 """Hosts for multi-machine tests, made as Linux network namespaces on one machine.
 
-Each host is a network namespace with its own address on a private /24, joined to a bridge in the root
-namespace through a veth pair, and its own empty working directory. Services started in the root
-namespace and bound to `network.gateway` (the bridge's address) are reachable from every host; hosts
-reach each other by address. Nothing names a host: these names do not resolve, as on machines without
-DNS, so a test passes addresses.
+Each host is a network namespace with its own address on a private /24, joined to a bridge in the
+root namespace through a veth pair, and its own empty working directory. Services started in the
+root namespace and bound to `network.gateway` (the bridge's address) are reachable from every host;
+hosts reach each other by address. Nothing names a host: these names do not resolve, as on machines
+without DNS, so a test passes addresses.
 
     def test_two_machines(hosts):
         network = hosts(2)                      # skips, with the reason, where namespaces can't be made
@@ -15,15 +15,15 @@ DNS, so a test passes addresses.
 The API, kept small on purpose (other tests run server replicas on these hosts):
   - `hosts(n)` (fixture): a `Network` of n hosts, all torn down when the test ends, failed or not
   - `Network.gateway`: the bridge's address in the root namespace; `Network.hosts`: the hosts
-  - `Host.name`, `.address`, `.interface` (the host's side of its link: "eth0", for GLOO_SOCKET_IFNAME),
-    `.workdir` (empty, the host's own)
+  - `Host.name`, `.address`, `.interface` (the host's side of its link: "eth0", for
+    GLOO_SOCKET_IFNAME), `.workdir` (empty, the host's own)
   - `Host.command(cmd)`: the argv that runs `cmd` inside the host (`ip netns exec NAME ...`)
-  - `Host.popen(cmd, env=..., **kw)` / `Host.run(cmd, env=..., timeout=...)`: start / run it there, in
-    `workdir` unless `cwd` is given; processes started with `popen` are killed at teardown.
+  - `Host.popen(cmd, env=..., **kw)` / `Host.run(cmd, env=..., timeout=...)`: start / run it there,
+    in `workdir` unless `cwd` is given; processes started with `popen` are killed at teardown.
 
-Trap: namespace, bridge and veth names are global to the machine, shared with every other test session
-running here, and interface names are at most 15 bytes. Each network takes a random tag for its names and
-a /24 no interface of the machine has yet.
+Trap: namespace, bridge and veth names are global to the machine, shared with every other test
+session running here, and interface names are at most 15 bytes. Each network takes a random tag for
+its names and a /24 no interface of the machine has yet.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def ip(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
 
 
-@dataclass(eq=False)  # a host is itself, not its fields: usable as a dict key
+# a host is itself, not its fields: usable as a dict key
+@dataclass(eq=False)
 class Host:
     """One machine: a network namespace, its address, its own working directory."""
 
@@ -66,7 +67,8 @@ class Host:
     def popen(
         self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, **kwargs
     ) -> subprocess.Popen:
-        """`cmd` started inside this host, in a session of its own (so teardown can kill its children)."""
+        """`cmd` started inside this host, in a session of its own (so teardown can kill its
+        children)."""
         proc = subprocess.Popen(
             self.command(cmd), env=env, cwd=cwd or self.workdir, start_new_session=True, **kwargs
         )
@@ -138,8 +140,8 @@ def free_subnet() -> ipaddress.IPv4Network:
 
 
 def make_network(count: int, root: Path, teardown: list) -> Network:
-    """`count` hosts on a fresh bridge; every undo step is appended to `teardown` as soon as it is needed,
-    so a failure half-way still removes what was made."""
+    """`count` hosts on a fresh bridge; every undo step is appended to `teardown` as soon as it is
+    needed, so a failure half-way still removes what was made."""
     tag = secrets.token_hex(3)
     subnet = free_subnet()
     addresses = [str(a) for a in subnet.hosts()]
@@ -154,7 +156,8 @@ def make_network(count: int, root: Path, teardown: list) -> Network:
         ip("netns", "add", name)
         host = Host(name, addresses[index + 1], root / name)
         teardown.append(lambda host=host: remove_host(host))
-        # Created with its peer inside the namespace already, so no other session ever sees a stray "eth0".
+        # Created with its peer inside the namespace already, so no other session ever sees a stray
+        # "eth0".
         ip("link", "add", outside, "type", "veth", "peer", "name", HOST_INTERFACE, "netns", name)
         ip("link", "set", outside, "master", bridge)
         ip("link", "set", outside, "up")
@@ -167,8 +170,8 @@ def make_network(count: int, root: Path, teardown: list) -> Network:
 
 
 def remove_host(host: Host) -> None:
-    """Kill what the test started there, then whatever is left inside the namespace (only our processes
-    can be in it), then the namespace; its veth pair goes with it."""
+    """Kill what the test started there, then whatever is left inside the namespace (only our
+    processes can be in it), then the namespace; its veth pair goes with it."""
     for proc in host.started:
         if proc.poll() is None:
             try:
@@ -189,7 +192,8 @@ def remove_host(host: Host) -> None:
 
 @pytest.fixture
 def hosts(tmp_path):
-    """`hosts(n)`: a Network of n namespace hosts, removed at teardown; skips where they can't be made."""
+    """`hosts(n)`: a Network of n namespace hosts, removed at teardown; skips where they can't be
+    made."""
     reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
@@ -205,9 +209,8 @@ def hosts(tmp_path):
         for undo in reversed(teardown):
             try:
                 undo()
-            except (
-                Exception
-            ) as exc:  # keep tearing down: one stuck host must not leave the rest behind
+            except Exception as exc:
+                # keep tearing down: one stuck host must not leave the rest behind
                 errors.append(exc)
         if errors:
             raise errors[0]

@@ -8,11 +8,12 @@ from torch import nn
 
 
 class OutlierNet(nn.Module):
-    """Three 3x3 convolutions on 8x8 images. The second's output carries one channel offset by `outlier` (its
-    bias; the third convolution ignores that channel: its weights there are masked to 0, so no gradient ever
-    moves the bias), harmless in float. int8 quantizes the third convolution's input with one scale (uint8 over
-    [0, ~outlier]), which rounds every other channel to a step or two: the third convolution is the sensitive
-    node, and the int8 variant passes only with it kept in float (its input is then not quantized at all)."""
+    """Three 3x3 convolutions on 8x8 images. The second's output carries one channel offset by
+    `outlier` (its bias; the third convolution ignores that channel: its weights there are masked to
+    0, so no gradient ever moves the bias), harmless in float. int8 quantizes the third
+    convolution's input with one scale (uint8 over [0, ~outlier]), which rounds every other channel
+    to a step or two: the third convolution is the sensitive node, and the int8 variant passes only
+    with it kept in float (its input is then not quantized at all)."""
 
     def __init__(
         self, num_classes: int = 10, in_channels: int = 1, width: int = 16, outlier: float = 2000.0

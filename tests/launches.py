@@ -1,8 +1,8 @@
-"""The configurations that must launch, in one table: a row is one `pipeline train` (or `pipeline run`)
-under torchrun, as small as proves that its configuration launches and does what it claims
-(tests/test_launches.py holds the claims). One runner, the session fixture `launched`, launches each
-row once; a row that compares with another, or resumes another's checkpoint, has that one launched
-first. Rows of one family share a config and a working directory (one MLflow store)."""
+"""The configurations that must launch, in one table: a row is one `pipeline train` (or
+`pipeline run`) under torchrun, as small as proves that its configuration launches and does what it
+claims (tests/test_launches.py holds the claims). One runner, the session fixture `launched`,
+launches each row once; a row that compares with another, or resumes another's checkpoint, has that
+one launched first. Rows of one family share a config and a working directory (one MLflow store)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ MIXED = str(REPO / "configs/diabetes_mixed_inputs.yaml")
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """Rows that share a config, its overrides and one working directory (one MLflow store), so that a
-    row's run is found by its name beside the run it is compared with."""
+    """Rows that share a config, its overrides and one working directory (one MLflow store), so that
+    a row's run is found by its name beside the run it is compared with."""
 
     config: str
     overrides: tuple[str, ...]
@@ -44,8 +44,8 @@ FAMILIES = {
         ),
         "tiny",
     ),
-    # 20 steps, every one logged; a checkpoint every 6 (a kill at step 9 resumes from step 6); gradients
-    # clipped (the norm spans every shard and stage).
+    # 20 steps, every one logged; a checkpoint every 6 (a kill at step 9 resumes from step 6);
+    # gradients clipped (the norm spans every shard and stage).
     "transformer": Family(
         TRANSFORMER,
         (
@@ -59,9 +59,9 @@ FAMILIES = {
         ),
         "trainserve-digit-sequences",
     ),
-    # FSDP2 on the transformer example, units by its train.fsdp_wrap. SGD, not the config's AdamW: Adam
-    # divides by the gradients' running size, so the last-bit differences of another summation order grow
-    # into ~1e-5 within a few steps and blur what the resume on one process checks.
+    # FSDP2 on the transformer example, units by its train.fsdp_wrap. SGD, not the config's AdamW:
+    # Adam divides by the gradients' running size, so the last-bit differences of another summation
+    # order grow into ~1e-5 within a few steps and blur what the resume on one process checks.
     "fsdp": Family(
         TRANSFORMER,
         (
@@ -96,7 +96,8 @@ FAMILIES = {
         ("train.max_steps=0", "train.epochs=2", "train.eval_every=0", "checkpoint.every_n_steps=0"),
         "tiny",
     ),
-    # Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica checks.
+    # Two named inputs (float32 and int64), AdamW, bf16 autocast, 2 micro-batches per step, replica
+    # checks.
     "mixed": Family(
         MIXED,
         (
@@ -206,8 +207,9 @@ LAUNCHES: dict[str, Launch] = {
         command="run",
         needs=("ddp",),
     ),
-    # Resumes pp's own step-12 checkpoint, so it continues pp's MLflow run (steps 13-20 logged again,
-    # the setup tag DDP's): pp's claim, before it in the table, is checked on the run as pp left it.
+    # Resumes pp's own step-12 checkpoint, so it continues pp's MLflow run (steps 13-20 logged
+    # again, the setup tag DDP's): pp's claim, before it in the table, is checked on the run as pp
+    # left it.
     "pp_then_ddp": Launch(
         "transformer",
         2,
@@ -250,9 +252,10 @@ LAUNCHES: dict[str, Launch] = {
 
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory):
-    """The runner: `launched(name)` launches row `name` (what it resumes and needs first) once for the
-    session, in its family's working directory, and returns it as `Launched`. Tests elsewhere that read
-    a finished run of one of these configurations read the row's (test_own_models: pp and tp)."""
+    """The runner: `launched(name)` launches row `name` (what it resumes and needs first) once for
+    the session, in its family's working directory, and returns it as `Launched`. Tests elsewhere
+    that read a finished run of one of these configurations read the row's (test_own_models: pp and
+    tp)."""
     done: dict[str, Launched] = {}
     workdirs: dict[str, Path] = {}
 

@@ -1,4 +1,5 @@
-"""An S3-compatible object store for tests: moto's standalone server (`moto_server`) as a real process.
+"""An S3-compatible object store for tests: moto's standalone server (`moto_server`) as a real
+process.
 
     with moto_s3(host="127.0.0.1") as store:      # or the `object_store` fixture
         env = {**os.environ, **store.env}           # AWS_ENDPOINT_URL, keys, region, MLFLOW_S3_ENDPOINT_URL
@@ -30,9 +31,11 @@ MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 
 @dataclass(frozen=True)
 class ObjectStore:
-    endpoint: str  # http://host:port, what AWS_ENDPOINT_URL is set to
+    # http://host:port, what AWS_ENDPOINT_URL is set to
+    endpoint: str
     bucket: str
-    env: dict[str, str]  # the standard variables a client process needs to reach the store
+    # the standard variables a client process needs to reach the store
+    env: dict[str, str]
 
     @property
     def url(self) -> str:
@@ -108,7 +111,8 @@ def moto_s3(
     log_dir: Path | None = None,
     start_timeout: float = 60.0,
 ):
-    """Start `moto_server` bound to `host` on a free port, create `bucket`, yield an ObjectStore; stop it."""
+    """Start `moto_server` bound to `host` on a free port, create `bucket`, yield an ObjectStore;
+    stop it."""
     if not MOTO_SERVER.exists() and shutil.which("moto_server") is None:
         raise RuntimeError(
             "moto_server not found: install the dev extra (pip install -e '.[dev]', it brings moto[server])"
@@ -148,17 +152,19 @@ def moto_s3(
 
 @pytest.fixture
 def object_store(tmp_path):
-    """A fresh moto_server on loopback with one bucket, for one test (import this name into a test module)."""
+    """A fresh moto_server on loopback with one bucket, for one test (import this name into a test
+    module)."""
     with moto_s3(host="127.0.0.1", log_dir=tmp_path) as store:
         yield store
 
 
 class FaultProxy:
-    """A forwarding HTTP proxy in front of a store that, once armed, lets the next PUT of an object whose key ends
-    in `suffix` reach the store and then answers the client 500 InternalError, as S3 may after a write it did
-    apply (botocore then retries it). With `deny`, it answers 403 AccessDenied to every request for a key ending
-    in `deny` and passes the rest through (a policy that lets a reader list a prefix but not read its objects).
-    A thread of this process; `endpoint` is where clients point instead.
+    """A forwarding HTTP proxy in front of a store that, once armed, lets the next PUT of an object
+    whose key ends in `suffix` reach the store and then answers the client 500 InternalError, as S3
+    may after a write it did apply (botocore then retries it). With `deny`, it answers 403
+    AccessDenied to every request for a key ending in `deny` and passes the rest through (a policy
+    that lets a reader list a prefix but not read its objects). A thread of this process; `endpoint`
+    is where clients point instead.
 
         with FaultProxy(store.endpoint) as proxy: ... proxy.arm() ... proxy.faults"""
 
@@ -209,10 +215,11 @@ class FaultProxy:
                     self.answer(500, "InternalError", "injected")
                     return
                 self.send_response(answer.status)
+                # a HEAD's Content-Length is the object's size: kept
                 for (
                     key,
                     value,
-                ) in answer.getheaders():  # a HEAD's Content-Length is the object's size: kept
+                ) in answer.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(key, value)
                 self.send_header(

@@ -35,13 +35,14 @@ def as_postgres(cmd: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def postgres():
-    """A throwaway PostgreSQL server on 127.0.0.1 with a database `mlflow`; yields its SQLAlchemy URI.
-    Skips the test where the server binaries are missing."""
+    """A throwaway PostgreSQL server on 127.0.0.1 with a database `mlflow`; yields its SQLAlchemy
+    URI. Skips the test where the server binaries are missing."""
     if not (POSTGRES_BIN / "initdb").exists():
         pytest.skip(
             f"PostgreSQL server binaries not found in {POSTGRES_BIN} (apt-get install postgresql-15)"
         )
-    # Not under tmp_path: pytest's base directory is private to its user, and the server runs as postgres.
+    # Not under tmp_path: pytest's base directory is private to its user, and the server runs as
+    # postgres.
     data = Path(tempfile.mkdtemp(prefix="trainserve-pg-"))
     if os.geteuid() == 0:
         shutil.chown(data, "postgres")
@@ -110,14 +111,16 @@ def mlflow_server(
     start_timeout: float = 120,
 ):
     """`mlflow server` on `host` (a free port), metadata in `backend_store`, artifacts proxied to
-    `artifacts_destination` (a folder or s3://bucket/prefix; for S3 `env` carries MLFLOW_S3_ENDPOINT_URL and
-    the AWS_* keys, read by the server only: clients go through the server). Yields the tracking URI."""
+    `artifacts_destination` (a folder or s3://bucket/prefix; for S3 `env` carries
+    MLFLOW_S3_ENDPOINT_URL and the AWS_* keys, read by the server only: clients go through the
+    server). Yields the tracking URI."""
     import requests
 
     port = free_port(host)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="trainserve-mlflow-"))
     log = workdir / f"mlflow-server-{port}.log"
-    # No server-side job runner: it starts a handful of huey consumers that nothing here uses, on 2 shared cores.
+    # No server-side job runner: it starts a handful of huey consumers that nothing here uses, on 2
+    # shared cores.
     server_env = {
         **os.environ,
         **(env or {}),

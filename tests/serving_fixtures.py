@@ -1,4 +1,5 @@
-"""Helpers for the serving tests: small real ONNX models and a real server process on a free port."""
+"""Helpers for the serving tests: small real ONNX models and a real server process on a free
+port."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def tiny_model(
     size: int = 8,
     classes: int = 3,
 ) -> Path:
-    """Flatten -> Gemm -> Softmax over [batch, 1, size, size] FP32, with the exporter's names and metadata."""
+    """Flatten -> Gemm -> Softmax over [batch, 1, size, size] FP32, with the exporter's names and
+    metadata."""
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(size * size, classes)).astype(np.float32)
     b = rng.normal(size=classes).astype(np.float32)
@@ -75,8 +77,8 @@ def heavy_model(
 
 
 def gather_model(path):
-    """`ids` INT64 [batch] -> `vectors` [batch, 3]: an embedding of 5 rows. An id past 4 makes onnxruntime
-    raise at run time, as a token id past a vocabulary does."""
+    """`ids` INT64 [batch] -> `vectors` [batch, 3]: an embedding of 5 rows. An id past 4 makes
+    onnxruntime raise at run time, as a token id past a vocabulary does."""
     table = np.arange(15, dtype=np.float32).reshape(5, 3)
     graph = helper.make_graph(
         [helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0)],
@@ -119,9 +121,10 @@ def two_input_model(path):
 
 
 def sum_model(path, *, rank: int = 1) -> Path:
-    """INPUT0, INPUT1, INPUT2 FP32 [-1] (`rank` 2: [-1, -1]) -> OUTPUT FP32 [1], the sum of every value sent: each
-    request's answer is its own three inputs' total, and no row of it is a row of any input. A model whose every
-    input has a dynamic first axis and whose rows are not independent (Triton serves it with max_batch_size 0)."""
+    """INPUT0, INPUT1, INPUT2 FP32 [-1] (`rank` 2: [-1, -1]) -> OUTPUT FP32 [1], the sum of every
+    value sent: each request's answer is its own three inputs' total, and no row of it is a row of
+    any input. A model whose every input has a dynamic first axis and whose rows are not independent
+    (Triton serves it with max_batch_size 0)."""
     dims = [["n", "m"][:rank] for _ in range(3)]
     graph = helper.make_graph(
         [
@@ -143,9 +146,9 @@ def sum_model(path, *, rank: int = 1) -> Path:
 
 
 def text_model(path, *, number: bool = False, batch: bool = True) -> Path:
-    """`TEXT` STRING [batch, 2] -> `ECHO`, the same strings (an Identity); `number`: -> `NUMBER` INT32 [batch, 2], the
-    strings read as integers (a Cast, as Triton's string models do). Its rows are independent, and its file says
-    so unless `batch` is False."""
+    """`TEXT` STRING [batch, 2] -> `ECHO`, the same strings (an Identity); `number`: -> `NUMBER`
+    INT32 [batch, 2], the strings read as integers (a Cast, as Triton's string models do). Its rows
+    are independent, and its file says so unless `batch` is False."""
     out = ("NUMBER", TensorProto.INT32) if number else ("ECHO", TensorProto.STRING)
     node = (
         helper.make_node("Cast", ["TEXT"], ["NUMBER"], to=TensorProto.INT32)
@@ -274,14 +277,14 @@ class ServerProcess:
         prefix: list[str] | None = None,
     ):
         self.port = free_port()
-        self.cwd = cwd or ROOT  # a replica of a fleet runs in its own directory
+        # a replica of a fleet runs in its own directory
+        self.cwd = cwd or ROOT
         self.url = f"http://{address}:{self.port}"
         self.args = ["--port", str(self.port), "--threads", "1", *args]
         if address != "127.0.0.1":
             self.args += ["--host", address]
-        self.prefix = (
-            prefix or []
-        )  # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
+        # what runs the server elsewhere: `ip netns exec HOST` for a namespace host
+        self.prefix = prefix or []
         # mlflow.set_tracking_uri() in an earlier in-process test leaves its store in
         # os.environ; a server finds the store its own test names, or its cwd's
         inherited = {
@@ -292,9 +295,8 @@ class ServerProcess:
         self.env = {**inherited, **(env or {})}
         self.log_path = log_path
         self.ready_timeout = ready_timeout
-        self.wait_ready = (
-            wait_ready  # False: until it answers at all (live), for a server not ready by design
-        )
+        # False: until it answers at all (live), for a server not ready by design
+        self.wait_ready = wait_ready
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":

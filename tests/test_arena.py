@@ -253,7 +253,8 @@ def test_a_process_killed_with_a_body_half_in_leaves_no_place_and_no_buffer(proc
     assert p.on_the_way()
     place = p.fill(ours.place, "ours")
     span = p.next_span()
-    assert [q.job for q in span.places] == ["ours"]  # the place still arriving ends the span
+    # the place still arriving ends the span
+    assert [q.job for q in span.places] == ["ours"]
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     assert p.gone(3)

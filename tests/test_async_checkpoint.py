@@ -1,5 +1,6 @@
-"""The asynchronous save's writer (dcp.AsyncWriter, through the trainer's Saver) in one process: what it
-publishes is the state of the step saved, and its background thread runs at the lowest CPU priority."""
+"""The asynchronous save's writer (dcp.AsyncWriter, through the trainer's Saver) in one process:
+what it publishes is the state of the step saved, and its background thread runs at the lowest CPU
+priority."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_an_async_save_publishes_the_staged_state_from_a_lowest_priority_thread(
     published = []
     try:
         saver.save(1, model, optimizer, {}, (), published.append)
-        with torch.no_grad():  # training goes on at once: the save holds its own copy
+        # training goes on at once: the save holds its own copy
+        with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
         nice = saver.writer.worker.submit(
@@ -38,9 +40,8 @@ def test_an_async_save_publishes_the_staged_state_from_a_lowest_priority_thread(
     finally:
         saver.close()
     assert published == [path] and path == checkpoint.latest(tmp_path)
-    if (
-        sys.platform == "linux"
-    ):  # a thread's own priority is Linux's; elsewhere the writer keeps training's
+    # a thread's own priority is Linux's; elsewhere the writer keeps training's
+    if sys.platform == "linux":
         assert nice.result() == AsyncWriter.NICE == 19
     restored = torch.nn.Linear(64, 8)
     checkpoint.load(path, restored, None, info)

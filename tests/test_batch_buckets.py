@@ -1,9 +1,11 @@
-"""Batch buckets: a run padded up to a fixed batch size, run by a session that only ever sees that size.
+"""Batch buckets: a run padded up to a fixed batch size, run by a session that only ever sees that
+size.
 
-On the CUDA provider (the server's default there) they keep dynamic batching from handing onnxruntime a new
-input shape nearly every run, each of which reruns cuDNN's set-up of every convolution (scripts/gpu-check
-measures it). Here, on the CPU, the padding itself is proven with explicit buckets: the rows a client sent
-come back, computed as without buckets, by the bucket's own session; and the server's flag and warm-up."""
+On the CUDA provider (the server's default there) they keep dynamic batching from handing
+onnxruntime a new input shape nearly every run, each of which reruns cuDNN's set-up of every
+convolution (scripts/gpu-check measures it). Here, on the CPU, the padding itself is proven with
+explicit buckets: the rows a client sent come back, computed as without buckets, by the bucket's own
+session; and the server's flag and warm-up."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def test_a_run_is_padded_to_its_bucket_by_that_buckets_session_and_answers_only_
         assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
-    # Past the largest bucket: chunks of it, the last one padded to its own bucket. No session sees a new shape.
+    # Past the largest bucket: chunks of it, the last one padded to its own bucket. No session sees
+    # a new shape.
     assert seen == [
         ("bucket 2", 2),
         ("bucket 2", 2),
@@ -73,7 +76,8 @@ def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tm
         str(two_input_model(tmp_path / "two.onnx")),
         device="cpu",
         threads=1,
-        batching=True,  # a hand-made model: its rows are independent, said here
+        # a hand-made model: its rows are independent, said here
+        batching=True,
         batch_buckets=BatchBuckets((4,)),
     )
     features = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -84,7 +88,8 @@ def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tm
         str(gather_model(tmp_path / "gather.onnx")),
         device="cpu",
         threads=1,
-        batching=True,  # a hand-made model: its rows are independent, said here
+        # a hand-made model: its rows are independent, said here
+        batching=True,
         batch_buckets=BatchBuckets((2, 8)),
     )
     assert gather.run({"ids": np.array([4, 0, 1])})["vectors"].tolist() == [
@@ -93,7 +98,8 @@ def test_padding_keeps_every_input_and_a_bad_value_is_still_the_clients_error(tm
         [3, 4, 5],
     ]
     with pytest.raises(ModelInputError, match="the model cannot compute on these input values"):
-        gather.run({"ids": np.array([1, 7, 2])})  # an id past the table, padded or not
+        # an id past the table, padded or not
+        gather.run({"ids": np.array([1, 7, 2])})
 
 
 def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch(tmp_path, caplog):
@@ -102,11 +108,13 @@ def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch
         str(two_axes_model(tmp_path / "m.onnx")),
         device="cpu",
         threads=1,
-        batching=True,  # a hand-made model: its rows are independent, said here
+        # a hand-made model: its rows are independent, said here
+        batching=True,
         batch_buckets=BatchBuckets((2, 4)),
     )
     assert engine.buckets == () and engine._bucket_sessions == {}
-    # An output without a batch axis (a sum over the batch): cutting padded rows off it is not possible.
+    # An output without a batch axis (a sum over the batch): cutting padded rows off it is not
+    # possible.
     graph = helper.make_graph(
         [helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0)],
         "sum",
@@ -124,8 +132,8 @@ def test_buckets_only_for_a_model_whose_one_dynamic_axis_in_and_out_is_the_batch
         batching=True,
     )
     assert engine.buckets == ()
-    # Declared batchable, it is not: the first run of 3 rows says so (its output has 4 values, not 3 rows), and
-    # from then on it runs as sent, unbatched.
+    # Declared batchable, it is not: the first run of 3 rows says so (its output has 4 values, not 3
+    # rows), and from then on it runs as sent, unbatched.
     with pytest.raises(
         NotRowWise, match=r"a batched run of 3 rows gave output\(s\) 'total' of shape \[4\]"
     ):
@@ -204,9 +212,8 @@ def test_the_server_pads_to_the_buckets_asked_and_refuses_bad_ones(tmp_path):
             answers = list(pool.map(ask, [1, 2, 3] * 8))
         log = server.log()
     assert "batch buckets 2,4 (a session each)" in log
-    assert (
-        "warm-up of 2 batch sizes" in log
-    )  # each bucket once: the size its session will only ever see
+    # each bucket once: the size its session will only ever see
+    assert "warm-up of 2 batch sizes" in log
     for rows, outputs in zip([1, 2, 3] * 8, answers):
         probabilities = next(o for o in outputs if o["name"] == "probabilities")
         assert probabilities["shape"] == [rows, 3]

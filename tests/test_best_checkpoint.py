@@ -1,4 +1,5 @@
-"""Best, not last: the best checkpoint is kept and taken downstream; early stopping stops every rank."""
+"""Best, not last: the best checkpoint is kept and taken downstream; early stopping stops every
+rank."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from serving import lineage
 def test_the_monitor_keeps_the_best_and_counts_evaluations_without_a_real_improvement():
     m = Monitor("rmse", "min", patience=2, min_delta=0.1)
     assert m.update({"rmse": 1.0}, 10)
-    assert m.update({"rmse": 0.95}, 20)  # better: the new best, but by less than min_delta
+    # better: the new best, but by less than min_delta
+    assert m.update({"rmse": 0.95}, 20)
     assert (m.best_step, m.bad_evals, m.stopped) == (20, 1, "")
-    assert not m.update({"rmse": float("nan")}, 30)  # a NaN is never better
+    # a NaN is never better
+    assert not m.update({"rmse": float("nan")}, 30)
     assert m.best_step == 20 and m.stopped.startswith(
         "early stopping at step 30: val/rmse did not improve"
     )
@@ -35,7 +38,8 @@ def test_the_monitor_keeps_the_best_and_counts_evaluations_without_a_real_improv
         first_nan.bad_evals,
     ) == (2, 0)
     other = Monitor("mae", "min")
-    other.restore(m.state())  # another metric's record starts fresh
+    # another metric's record starts fresh
+    other.restore(m.state())
     assert other.best_step is None
 
 
@@ -88,7 +92,8 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_the_best_survives_
     ranks = set(re.findall(r"\[rank([01])\].*early stopping at step", proc.stderr))
     assert ranks == {"0", "1"} and len(stopped_at) == 1, proc.stderr[-3000:]
     last = stopped_at.pop()
-    # What the rule says, from the logged history: the lowest loss so far, then `patience` evaluations without it.
+    # What the rule says, from the logged history: the lowest loss so far, then `patience`
+    # evaluations without it.
     best_step, best = min(((s, v) for s, v in history), key=lambda sv: (sv[1], sv[0]))
     assert last == best_step + patience * every < 30 and history[-1][0] == last
 

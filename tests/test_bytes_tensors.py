@@ -1,11 +1,13 @@
-"""BYTES tensors (KServe V2's string type, onnxruntime's STRING) in and out, over every encoding the protocols have.
+"""BYTES tensors (KServe V2's string type, onnxruntime's STRING) in and out, over every encoding the
+protocols have.
 
-KServe V2 and Triton's binary data extension: a BYTES tensor is a JSON array of strings; as binary data each
-element is a 4-byte little-endian length and then its bytes, elements in row-major order; over gRPC the same
-serialization in raw_input_contents / raw_output_contents, or `bytes_contents` (one entry an element). A length
-that runs past the data, or data left over after the last element, is a 400. The metadata names the datatype
-BYTES (and the configuration TYPE_STRING, as Triton's). A real `python -m serving`; tritonclient's clients, which
-serialize BYTES themselves, and hand-made bodies for what they never send.
+KServe V2 and Triton's binary data extension: a BYTES tensor is a JSON array of strings; as binary
+data each element is a 4-byte little-endian length and then its bytes, elements in row-major order;
+over gRPC the same serialization in raw_input_contents / raw_output_contents, or `bytes_contents`
+(one entry an element). A length that runs past the data, or data left over after the last element,
+is a 400. The metadata names the datatype BYTES (and the configuration TYPE_STRING, as Triton's). A
+real `python -m serving`; tritonclient's clients, which serialize BYTES themselves, and hand-made
+bodies for what they never send.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ STRINGS = np.array([["12", "-7"], ["ünï©ödé", ""]], dtype=object)
 
 
 def serialized(elements) -> bytes:
-    """Triton's binary form of a BYTES tensor: each element's 4-byte little-endian length, then its bytes."""
+    """Triton's binary form of a BYTES tensor: each element's 4-byte little-endian length, then its
+    bytes."""
     data = [e.encode() if isinstance(e, str) else e for e in elements]
     return b"".join(len(d).to_bytes(4, "little") + d for d in data)
 
@@ -73,7 +76,8 @@ def test_bytes_in_and_out_as_json(server):
     assert answer["outputs"] == [
         {"name": "ECHO", "datatype": "BYTES", "shape": [2, 2], "data": STRINGS.ravel().tolist()}
     ]
-    body["inputs"][0]["data"] = [["1", "2"], ["30", "-4"]]  # nested, as V2 allows
+    # nested, as V2 allows
+    body["inputs"][0]["data"] = [["1", "2"], ["30", "-4"]]
     answer = requests.post(f"{server.url}/v2/models/number/infer", json=body, timeout=30).json()
     assert answer["outputs"][0]["datatype"] == "INT32" and answer["outputs"][0]["data"] == [
         1,
@@ -106,7 +110,8 @@ def test_bytes_in_and_out_over_grpc_raw_and_typed(server):
     sent = np.array([[s.encode() for s in row] for row in STRINGS], dtype=object)
     with triton_grpc.InferenceServerClient(server.grpc) as client:
         tensor = triton_grpc.InferInput("TEXT", [2, 2], "BYTES")
-        tensor.set_data_from_numpy(sent)  # raw_input_contents, serialized
+        # raw_input_contents, serialized
+        tensor.set_data_from_numpy(sent)
         np.testing.assert_array_equal(client.infer("text", [tensor]).as_numpy("ECHO"), sent)
     request = schema.ModelInferRequest(model_name="number")
     typed = request.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 2])
@@ -187,8 +192,8 @@ def test_a_string_that_is_not_utf8_is_refused_for_a_string_input(server):
 
 
 def test_concurrent_bytes_requests_share_runs_and_each_gets_its_own_strings(server):
-    """The model's rows are independent (its file says so): requests are batched, strings and all, outside the
-    fixed-size batch buffers."""
+    """The model's rows are independent (its file says so): requests are batched, strings and all,
+    outside the fixed-size batch buffers."""
     start = threading.Barrier(12)
 
     def ask(i):
@@ -210,7 +215,8 @@ def test_concurrent_bytes_requests_share_runs_and_each_gets_its_own_strings(serv
         for sent, got in pool.map(ask, range(12)):
             np.testing.assert_array_equal(got, sent)
     text = requests.get(f"{server.url}/metrics", timeout=10).text
-    assert metric(text, "trainserve_batch_size_count", model="text") - runs < 12  # runs were shared
+    # runs were shared
+    assert metric(text, "trainserve_batch_size_count", model="text") - runs < 12
 
 
 def test_bytes_in_and_out_of_shared_memory_in_their_binary_form(server):

@@ -1,6 +1,6 @@
-"""A checkpoint save that runs out of disk space: one line that says so, the partial directory gone, the last
-complete checkpoint intact, and training's CLI exits 2 with that line, not a 65-line traceback. A real 1 MiB
-tmpfs (root only), unmounted afterwards."""
+"""A checkpoint save that runs out of disk space: one line that says so, the partial directory gone,
+the last complete checkpoint intact, and training's CLI exits 2 with that line, not a 65-line
+traceback. A real 1 MiB tmpfs (root only), unmounted afterwards."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_save_is_one_line_naming_disk_space(small_disk):
-    """The review: the run FAILED correctly, but with "unexpected pos 704 vs 598" in a 65-line traceback and no
-    word of disk space."""
+    """The review: the run FAILED correctly, but with "unexpected pos 704 vs 598" in a 65-line
+    traceback and no word of disk space."""
     root = small_disk / "run" / "checkpoints"
     small = instantiate_model(mlp_spec())
     first = checkpoint.save(
@@ -33,7 +33,8 @@ def test_a_full_disk_during_a_save_is_one_line_naming_disk_space(small_disk):
         CPU1,
         keep_last=3,
     )
-    spec = mlp_spec(hidden=(4096,))  # ~1.1 MiB of weights: more than the disk holds
+    # ~1.1 MiB of weights: more than the disk holds
+    spec = mlp_spec(hidden=(4096,))
     model = instantiate_model(spec)
     with pytest.raises(CheckpointError) as caught:
         checkpoint.save(
@@ -52,9 +53,8 @@ def test_a_full_disk_during_a_save_is_one_line_naming_disk_space(small_disk):
         and "step_00000001, is intact" in message
     )
     assert "\n" not in message and "unexpected pos" not in message, message
-    assert [p.name for p in root.iterdir()] == [
-        first.name
-    ]  # the partial .tmp-step_00000002 is gone
+    # the partial .tmp-step_00000002 is gone
+    assert [p.name for p in root.iterdir()] == [first.name]
     checkpoint.verify_checksums(first)
 
 

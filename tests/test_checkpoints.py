@@ -89,10 +89,11 @@ def straight(tmp_path_factory):
 def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_from_there(
     straight, tmp_path, monkeypatch
 ):
-    """The runs above with train.output_dir on an S3-compatible store (a real moto_server), saves asynchronous,
-    rank 0 killed after every shard of step 12 is on the store but before its marker: the restarted job (the
-    same job: it takes the run's lease over) drops that marker-less step, resumes from step 6 bit-exact, and
-    `consolidate --run-id` finds the checkpoints through the run's record of where they live."""
+    """The runs above with train.output_dir on an S3-compatible store (a real moto_server), saves
+    asynchronous, rank 0 killed after every shard of step 12 is on the store but before its marker:
+    the restarted job (the same job: it takes the run's lease over) drops that marker-less step,
+    resumes from step 6 bit-exact, and `consolidate --run-id` finds the checkpoints through the
+    run's record of where they live."""
     from object_store import moto_s3
     from safetensors.torch import load_file
 
@@ -132,9 +133,8 @@ def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_f
         assert {
             k.rsplit("/", 1)[1] for k in store.keys("runs/killed_s3/checkpoints/step_00000016/")
         } == {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainserve.json", "COMPLETE"}
-        assert not [
-            k for k in store.keys("runs/killed_s3/") if k.endswith("/.owner")
-        ]  # the lease released
+        # the lease released
+        assert not [k for k in store.keys("runs/killed_s3/") if k.endswith("/.owner")]
         assert not (workdir / "outputs" / "killed_s3").exists() and not (workdir / "s3:").exists()
 
         fetched = fetch_checkpoint(root / "step_00000016", tmp_path / "fetched")
@@ -156,9 +156,12 @@ def test_kill_9_mid_save_resumes_exactly_from_an_object_store_and_consolidates_f
 @pytest.mark.parametrize(
     "save, fault",
     [
-        ("sync", "save:12:0"),  # every shard written, before the marker and the rename
-        ("async", "save:12:0"),  # the background writes done on every rank, before the publish
-        ("async", "save_started:12:1"),  # one rank's background write in flight
+        # every shard written, before the marker and the rename
+        ("sync", "save:12:0"),
+        # the background writes done on every rank, before the publish
+        ("async", "save:12:0"),
+        # one rank's background write in flight
+        ("async", "save_started:12:1"),
     ],
 )
 def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straight, save, fault):
@@ -171,10 +174,10 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straig
     )
     where, step, rank = fault.split(":")
     assert f"SIGKILL to rank {rank} at {where} {step}" in proc.stderr, proc.stderr[-3000:]
-    assert (
-        "resumed from" in proc.stderr and "step_00000006" in proc.stderr
-    )  # not the half-written 12
-    # The asynchronous saves hold exactly what the synchronous ones do, and resume from them is bit-exact.
+    # not the half-written 12
+    assert "resumed from" in proc.stderr and "step_00000006" in proc.stderr
+    # The asynchronous saves hold exactly what the synchronous ones do, and resume from them is
+    # bit-exact.
     assert_bitwise_equal(weights(final(workdir, "straight")), weights(final(workdir, name)))
     assert sorted(
         p.name for p in checkpoint.list_complete(workdir / "outputs" / name / "checkpoints")
@@ -197,7 +200,8 @@ def save_one(root, step, spec=SPEC):
 def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
     good = save_one(tmp_path, 1)
     newer = save_one(tmp_path, 2)
-    (newer / checkpoint.MARKER).unlink()  # as if the save never finished
+    # as if the save never finished
+    (newer / checkpoint.MARKER).unlink()
     assert checkpoint.latest(tmp_path) == good
     with pytest.raises(CheckpointError, match="no COMPLETE marker"):
         checkpoint.verify_complete(newer)
@@ -212,9 +216,8 @@ def test_latest_skips_incomplete_and_load_refuses_broken_checkpoints(tmp_path):
 def test_a_marker_of_another_shape_is_a_broken_checkpoint_not_a_crash(tmp_path, marker):
     good = save_one(tmp_path, 1)
     newer = save_one(tmp_path, 2)
-    (newer / checkpoint.MARKER).write_text(
-        marker
-    )  # valid JSON, not a listing: written by someone else
+    # valid JSON, not a listing: written by someone else
+    (newer / checkpoint.MARKER).write_text(marker)
     with pytest.raises(CheckpointError, match="marker is not a listing of files and sizes"):
         checkpoint.verify_complete(newer)
     assert checkpoint.latest(tmp_path) == good
@@ -244,7 +247,8 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.set_experiment("resume")  # not an experiment id another test left active in this process
+    # not an experiment id another test left active in this process
+    mlflow.set_experiment("resume")
     ckpt = save_one(tmp_path / "run/checkpoints", 4)
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(ckpt), f"checkpoints/{ckpt.name}")
@@ -259,7 +263,8 @@ def test_resume_from_an_mlflow_run_id_downloads_its_newest_checkpoint(tmp_path, 
 
 @pytest.mark.slow
 def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pruning(tmp_path):
-    """keep_last=1 deletes each checkpoint as the next one lands, while it may still be uploading."""
+    """keep_last=1 deletes each checkpoint as the next one lands, while it may still be
+    uploading."""
     import json
 
     from conftest import only_run, run_lineage
@@ -285,7 +290,8 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     assert run_lineage(run.info.run_id, client)["training"]["checkpoint_upload_failures"] == []
     uploaded = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert uploaded == [f"checkpoints/step_{s:08d}" for s in sorted({4, best, 8, 12})]
-    for step_dir in uploaded:  # each upload is whole: the sizes its marker records
+    # each upload is whole: the sizes its marker records
+    for step_dir in uploaded:
         local = client.download_artifacts(run.info.run_id, step_dir, str(tmp_path / "dl"))
         checkpoint.verify_complete(local)
 
@@ -301,9 +307,8 @@ def test_log_to_mlflow_all_uploads_every_checkpoint_in_the_background_despite_pr
     )
     weights = tmp_path / proc.stdout.strip().splitlines()[-1]
     assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == 12
-    proc = run_cli(
-        ["consolidate", "--run-id", run.info.run_id], cwd=tmp_path
-    )  # the best, by default
+    # the best, by default
+    proc = run_cli(["consolidate", "--run-id", run.info.run_id], cwd=tmp_path)
     assert f"downloading checkpoints/step_{best:08d} (the best)" in proc.stderr
     assert json.loads((weights.parent / "model.json").read_text())["source"]["step"] == best
 
@@ -320,15 +325,15 @@ def test_a_background_upload_survives_its_checkpoint_being_pruned_and_reports_fa
     ckpt = save_one(tmp_path / "run/checkpoints", 4)
     uploads = BackgroundUploads(run_id, tmp_path / "run/checkpoints-uploading")
     uploads.submit(ckpt)
-    shutil.rmtree(ckpt)  # pruned by keep_last the moment the next checkpoint lands
+    # pruned by keep_last the moment the next checkpoint lands
+    shutil.rmtree(ckpt)
     assert uploads.finish() == {}
     local = client.download_artifacts(run_id, "checkpoints/step_00000004", str(tmp_path / "dl"))
     checkpoint.verify_complete(local)
     assert not (tmp_path / "run/checkpoints-uploading").exists()
 
-    to_nowhere = BackgroundUploads(
-        "0" * 32, tmp_path / "run/checkpoints-uploading"
-    )  # a run the store lacks
+    # a run the store lacks
+    to_nowhere = BackgroundUploads("0" * 32, tmp_path / "run/checkpoints-uploading")
     to_nowhere.submit(save_one(tmp_path / "run/checkpoints", 8))
     failed = to_nowhere.finish()
     assert list(failed) == ["step_00000008"] and "0" * 32 in failed["step_00000008"]

@@ -1,9 +1,10 @@
-"""The classification extension (Triton's protocol extension, `"parameters": {"classification": K}` on a requested
-output; over gRPC an int64_param): the output comes back as a BYTES tensor of its K highest values, each the string
-"value:index:label", or "value:index" where the class has no name; shape [rows, K] for a batched model (top K of
-each row), [K] for one that runs each request alone (top K of the whole tensor); K past the number of classes is
-the number of classes. Labels come from what the model's export recorded, or from its config.pbtxt's label file.
-A real server, tritonclient's clients (their `class_count`), and plain JSON.
+"""The classification extension (Triton's protocol extension, `"parameters": {"classification": K}`
+on a requested output; over gRPC an int64_param): the output comes back as a BYTES tensor of its K
+highest values, each the string "value:index:label", or "value:index" where the class has no name;
+shape [rows, K] for a batched model (top K of each row), [K] for one that runs each request alone
+(top K of the whole tensor); K past the number of classes is the number of classes. Labels come from
+what the model's export recorded, or from its config.pbtxt's label file. A real server,
+tritonclient's clients (their `class_count`), and plain JSON.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def server(tmp_path_factory):
     triton_config(
         repo / "named",
         'max_batch_size: 8\noutput [ { name: "logits" label_filename: "logits.txt" } ]\n',
-        labels={"logits.txt": ["zero", "one"]},  # fewer names than classes: the third has none
+        # fewer names than classes: the third has none
+        labels={"logits.txt": ["zero", "one"]},
     )
     grpc_port = free_port()
     srv = ServerProcess(
@@ -69,7 +71,8 @@ def images(rows: int) -> np.ndarray:
 
 
 def expected(scores: np.ndarray, k: int, labels=None) -> list[list[str]]:
-    """Each row's top k as the server must write them: highest first, the value as its dtype prints."""
+    """Each row's top k as the server must write them: highest first, the value as its dtype
+    prints."""
     rows = []
     for row in scores.reshape(len(scores), -1):
         order = sorted(range(len(row)), key=lambda i: -row[i])[:k]
@@ -109,7 +112,8 @@ def test_json_top_k_with_the_labels_export_recorded(server):
     got = np.array(outputs["probabilities"]["data"]).reshape(2, 2).tolist()
     assert got == expected(probabilities, 2, LABELS)
     for row, want in zip(got, probabilities):
-        for entry in row:  # as Triton's clients read them: the value is the output's at that index
+        # as Triton's clients read them: the value is the output's at that index
+        for entry in row:
             value, index, label = entry.split(":")
             assert np.float32(value) == want[int(index)] and label == LABELS[int(index)]
     assert outputs["logits"]["datatype"] == "FP32" and outputs["logits"]["shape"] == [2, 3]

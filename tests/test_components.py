@@ -1,8 +1,8 @@
 """The component contract: a user's model, data and task named in the config, imported the ordinary
 way, and every kind of bad component stopped before anything starts with one clear message.
 
-The user's project is a real module the test writes into a directory on sys.path; `preflight` is what
-`pipeline train/run --nproc-per-node` call before spawning torchrun.
+The user's project is a real module the test writes into a directory on sys.path; `preflight` is
+what `pipeline train/run --nproc-per-node` call before spawning torchrun.
 """
 
 from __future__ import annotations
@@ -349,8 +349,8 @@ def test_a_regression_task_on_a_users_model_passes(project):
 
 
 def test_a_component_named_by_an_artifact_is_not_imported_unless_trusted(project, monkeypatch):
-    """A model.json or checkpoint from a shared store could name any callable: `os:system` with a command.
-    It is refused before anything is imported; a user's module is imported once trusted."""
+    """A model.json or checkpoint from a shared store could name any callable: `os:system` with a
+    command. It is refused before anything is imported; a user's module is imported once trusted."""
     source = ArtifactSource("/store/run/consolidated/model.json")
     marker = project / "imported"
     (project / "sideeffect.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef Net(): pass\n")
@@ -359,14 +359,15 @@ def test_a_component_named_by_an_artifact_is_not_imported_unless_trusted(project
             check_trusted("model", reference, source)
     with pytest.raises(ComponentError) as err:
         instantiate_model(ModelSpec("sideeffect:Net", {}), source)
-    # The suggestion trusts that one reference, not a whole package (`torch.*` would trust torch:load).
+    # The suggestion trusts that one reference, not a whole package (`torch.*` would trust
+    # torch:load).
     assert (
         "TRAINSERVE_TRUSTED_COMPONENTS='sideeffect:Net'" in str(err.value) and not marker.exists()
     )
-    check_trusted("model", "pipeline.models:resnet18", source)  # built in
-    check_trusted(
-        "model", "userproj:Net", ArtifactSource("x", ("userproj:*",))
-    )  # --trust / pipeline run's config
+    # built in
+    check_trusted("model", "pipeline.models:resnet18", source)
+    # --trust / pipeline run's config
+    check_trusted("model", "userproj:Net", ArtifactSource("x", ("userproj:*",)))
     monkeypatch.setenv("TRAINSERVE_TRUSTED_COMPONENTS", "other.*, userproj:*")
     check_trusted("model", "userproj:Net", source)
     with pytest.raises(ComponentError):
@@ -385,18 +386,20 @@ def test_a_component_named_by_an_artifact_is_not_imported_unless_trusted(project
             "which is a module, not a class or function of 'pipeline.models'",
         ),
         ("pipeline.models.resnet:nn", "which is a module"),
+        # imported, not defined
         (
             "pipeline.models.resnet:Normalize",
             "which is defined in 'pipeline.models.layers'",
-        ),  # imported, not defined
+        ),
         ("pipeline.models:_private", "must be a public class or function"),
         ("pipeline.models:*", "is not a reference of the form"),
         ("pipeline.modelsx:resnet18", "which is not trusted here"),
     ],
 )
 def test_trusting_a_module_trusts_its_own_classes_and_functions_not_what_it_reaches(reference, why):
-    """A trusted pattern matches the module alone, and the reference must name what that module itself
-    defines: through `pipeline.models:resnet.torch.os.system` a model.json reached os.system before."""
+    """A trusted pattern matches the module alone, and the reference must name what that module
+    itself defines: through `pipeline.models:resnet.torch.os.system` a model.json reached os.system
+    before."""
     with pytest.raises(ComponentError, match=why.replace("(", "\\(")):
         instantiate_model(
             ModelSpec(reference, {"command": "echo owned > /tmp/owned"}),
@@ -429,7 +432,8 @@ def test_fsdp_units_follow_train_fsdp_wrap_or_the_repeated_block(project):
 
 @pytest.mark.slow
 def test_a_bad_component_stops_the_launcher_before_torchrun_starts(tmp_path):
-    """`pipeline train --nproc-per-node 2` with a typo in the model's args: one error, exit 2, no rank started."""
+    """`pipeline train --nproc-per-node 2` with a typo in the model's args: one error, exit 2, no
+    rank started."""
     (tmp_path / "userproj.py").write_text(textwrap.dedent(PROJECT))
     (tmp_path / "mine.yaml").write_text(
         "data: {component: userproj:tabular}\nmodel: {component: userproj:Net, args: {hiden: 4}}\n"
@@ -480,6 +484,5 @@ def test_every_untrusted_component_is_named_in_one_refusal_with_one_trust_to_cop
     assert message.endswith(f"--trust '{them}' (or TRAINSERVE_TRUSTED_COMPONENTS='{them}')")
     # What verify and every stage print of it: the whole refusal, the fix at its end included.
     assert first_line(err.value) == message and len(message) > 300
-    check_all_trusted(
-        references, ArtifactSource("model.json", (them,))
-    )  # the fix, pasted as it is, is enough
+    # the fix, pasted as it is, is enough
+    check_all_trusted(references, ArtifactSource("model.json", (them,)))

@@ -8,11 +8,14 @@ from pipeline.config import Config, ConfigError, check_runtime, describe, flatte
 
 def test_defaults_file_and_overrides_in_that_order():
     cfg = load_config(TINY, ["optim.lr=0.5", "train.max_steps=3", "model.args.hidden=[8, 4]"])
-    assert cfg.optim.lr == 0.5  # override beats the file's 0.05
+    # override beats the file's 0.05
+    assert cfg.optim.lr == 0.5
     assert cfg.train.max_steps == 3
     assert cfg.model.args["hidden"] == [8, 4]
-    assert cfg.model.args["width"] == 0.125  # from the file
-    assert cfg.optim.momentum == Config().optim.momentum  # default
+    # from the file
+    assert cfg.model.args["width"] == 0.125
+    # default
+    assert cfg.optim.momentum == Config().optim.momentum
 
 
 def test_every_shipped_config_loads():
@@ -80,7 +83,8 @@ def test_flatten_and_describe_cover_every_field():
     text = describe()
     for key in flat:
         assert key in text, key
-    assert "#  " not in text  # every field has a comment
+    # every field has a comment
+    assert "#  " not in text
 
 
 def test_docs_config_md_is_what_pipeline_config_describe_markdown_prints():
@@ -107,8 +111,10 @@ def test_built_in_names_are_shorthands_for_their_components(tmp_path):
         cfg.model.component == "pipeline.models:mlp"
         and cfg.data.component == "pipeline.datasets:synthetic"
     )
-    assert load_config(None).model.component == "pipeline.models:resnet18"  # the defaults
-    # In one file both is a contradiction; on the command line the later setting wins over the file's.
+    # the defaults
+    assert load_config(None).model.component == "pipeline.models:resnet18"
+    # In one file both is a contradiction; on the command line the later setting wins over the
+    # file's.
     (tmp_path / "both.yaml").write_text("model: {name: mlp, component: 'my.models:Net'}\n")
     with pytest.raises(
         ConfigError,

@@ -1,6 +1,6 @@
-"""serving/console.py, the one logging set-up of every stage and the server: progress as plain lines off a
-terminal, libraries and Python warnings quiet unless --verbose. (The quick start's whole console is held
-to it in test_pipeline_run.py; the server's in test_serving_messages.py.)"""
+"""serving/console.py, the one logging set-up of every stage and the server: progress as plain lines
+off a terminal, libraries and Python warnings quiet unless --verbose. (The quick start's whole
+console is held to it in test_pipeline_run.py; the server's in test_serving_messages.py.)"""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def test_progress_on_other_ranks_says_nothing(caplog):
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_libraries_and_warnings_are_quiet_unless_verbose(verbose):
-    """In a fresh process, as a stage starts: onnxscript's "Evaluation failed" warnings, MLflow's INFO lines,
-    Python warnings."""
+    """In a fresh process, as a stage starts: onnxscript's "Evaluation failed" warnings, MLflow's
+    INFO lines, Python warnings."""
     script = """
 import logging, warnings, io, sys
 from serving import console
@@ -65,10 +65,11 @@ print(said)
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
-    said = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own dict literal
+    # our own dict literal
+    said = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
     assert said["onnxscript"] is verbose and said["mlflow"] is verbose, said
-    assert not said["mlflow_handler"], said  # MLflow's own handler would print in its own format
-    assert ("UserWarning: from a library" in out.stderr) is verbose, (
-        out.stderr
-    )  # in our format when verbose
+    # MLflow's own handler would print in its own format
+    assert not said["mlflow_handler"], said
+    # in our format when verbose
+    assert ("UserWarning: from a library" in out.stderr) is verbose, out.stderr
     assert not out.stderr.strip() or verbose, out.stderr

@@ -77,7 +77,8 @@ def save_checkpoint(
 
 
 def rewrite(ckpt: Path, name: str, data: bytes) -> None:
-    """Replaces a file of a checkpoint and updates its COMPLETE marker, as if it had been saved so."""
+    """Replaces a file of a checkpoint and updates its COMPLETE marker, as if it had been saved
+    so."""
     (ckpt / name).write_bytes(data)
     marker = json.loads((ckpt / checkpoint.MARKER).read_text())
     marker["files"][name] = len(data)
@@ -122,7 +123,8 @@ def test_one_process_checkpoint_gives_the_models_state_dict_and_describes_it(ckp
 
     assert weights == ckpt.parent.parent.resolve() / "consolidated" / "model.safetensors"
     got = load_file(str(weights))
-    assert sorted(got) == sorted(live)  # exactly the model's keys, buffers included, no optimizer
+    # exactly the model's keys, buffers included, no optimizer
+    assert sorted(got) == sorted(live)
     for name, tensor in live.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert got["bn1.num_batches_tracked"].dtype == torch.int64
@@ -160,13 +162,11 @@ def test_a_run_directory_gives_its_best_checkpoint_and_latest_its_newest_complet
     save_checkpoint(run, step=3)
     save_checkpoint(run, step=5)
     shutil.copytree(run / "checkpoints" / "step_00000005", run / "checkpoints" / "step_00000007")
-    (
-        run / "checkpoints" / "step_00000007" / checkpoint.MARKER
-    ).unlink()  # a save that never finished
+    # a save that never finished
+    (run / "checkpoints" / "step_00000007" / checkpoint.MARKER).unlink()
 
-    code, out, _ = run_consolidate(
-        [str(run), "--no-log"], capsys
-    )  # no best.json: the newest complete
+    # no best.json: the newest complete
+    code, out, _ = run_consolidate([str(run), "--no-log"], capsys)
     assert code == 0 and out.strip() == str(run.resolve() / "consolidated" / "model.safetensors")
     assert json.loads((run / "consolidated" / "model.json").read_text())["source"]["step"] == 5
 
@@ -296,7 +296,8 @@ def test_nan_in_the_weights_stops_and_keeps_the_previous_consolidation(tmp_path)
 def test_a_temporary_left_by_a_killed_run_is_removed(ckpt, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    stale = out / ".model.safetensors.tmp-999999999"  # no such process
+    # no such process
+    stale = out / ".model.safetensors.tmp-999999999"
     stale.write_bytes(b"half a file")
     consolidate.main(ckpt, output=out, log_to_mlflow=False)
     assert not stale.exists()
@@ -330,7 +331,8 @@ def test_a_write_failing_midway_leaves_nothing_behind(ckpt, tmp_path):
     out = tmp_path / "out"
 
     def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+        # else the kernel kills the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
     proc = subprocess.run(
@@ -383,7 +385,8 @@ def test_logs_to_the_run_and_consolidates_from_a_run_id(tmp_path, monkeypatch):
         run_id = run.info.run_id
     ckpt, model = save_checkpoint(tmp_path / "trained", run_id=run_id)
     mlflow.MlflowClient().log_artifacts(run_id, str(ckpt), f"checkpoints/{ckpt.name}")
-    shutil.rmtree(tmp_path / "trained")  # another machine: only the run id is left
+    # another machine: only the run id is left
+    shutil.rmtree(tmp_path / "trained")
 
     weights = consolidate.main(run_id=run_id, tracking_uri=uri)
 
@@ -453,7 +456,8 @@ def test_two_process_checkpoint_gives_the_live_models_weights_and_outputs(two_pr
     metadata = consolidate.CachedMetadataReader(ckpt).metadata
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
-    if strategy == "fsdp":  # truly sharded: a weight stored as slices in both files
+    # truly sharded: a weight stored as slices in both files
+    if strategy == "fsdp":
         chunks = metadata.state_dict_metadata["model.fc.weight"].chunks
         assert len(chunks) == 2
 
@@ -490,7 +494,8 @@ BIG = ModelSpec(
 
 
 def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
-    """Peak resident memory over the process baseline, in bytes, measured in a fresh process (VmHWM)."""
+    """Peak resident memory over the process baseline, in bytes, measured in a fresh process
+    (VmHWM)."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "consolidate_peak_rss.py"), mode, str(ckpt), str(out)],
         capture_output=True,
@@ -506,9 +511,10 @@ def peak_rss(mode: str, ckpt: Path, out: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_memory_stays_under_the_bound_where_dcp_to_torch_save_does_not(tmp_path, strategy):
-    """Bound: half the largest tensor (64 MiB): the one pass streams each tensor through one 4 MiB buffer, so
-    what it holds does not grow with the tensors (reading a tensor whole would take 1x; dcp_to_torch_save holds
-    the whole checkpoint). Under FSDP every tensor is split between the two shard files and reassembled."""
+    """Bound: half the largest tensor (64 MiB): the one pass streams each tensor through one 4 MiB
+    buffer, so what it holds does not grow with the tensors (reading a tensor whole would take 1x;
+    dcp_to_torch_save holds the whole checkpoint). Under FSDP every tensor is split between the two
+    shard files and reassembled."""
     torchrun(
         "consolidate_make_checkpoint.py",
         "--strategy",

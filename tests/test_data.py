@@ -1,5 +1,5 @@
-"""Data: the built-in data sets (digits offline, Fashion-MNIST IDX files the test writes), the loaders
-that shard them, and clear errors."""
+"""Data: the built-in data sets (digits offline, Fashion-MNIST IDX files the test writes), the
+loaders that shard them, and clear errors."""
 
 import gzip
 import re
@@ -51,8 +51,9 @@ def test_digits_split_is_fixed_and_scaled():
 
 
 def test_digits_are_scikit_learns_without_importing_it(tmp_path):
-    """The built-in digits are read from the file scikit-learn ships: the same images and targets as its loader,
-    and scikit-learn stays unimported (its import was most of the data's start-up time)."""
+    """The built-in digits are read from the file scikit-learn ships: the same images and targets as
+    its loader, and scikit-learn stays unimported (its import was most of the data's start-up
+    time)."""
     code = (
         "import sys; from pipeline.datasets.digits import load_digits; images, target = load_digits(); "
         "assert 'sklearn' not in sys.modules, 'sklearn was imported'; "
@@ -145,9 +146,11 @@ def test_global_batches_are_the_same_samples_in_any_world_size_across_an_epoch()
         one, two = batches(1, epoch), batches(2, epoch)
         assert len(one) == len(two) == 1438 // 32
         for a, b in zip(one, two):
-            key = lambda t: sorted(map(tuple, t.flatten(1).tolist()))  # noqa: E731  (order within a batch is free)
+            # order within a batch is free
+            key = lambda t: sorted(map(tuple, t.flatten(1).tolist()))  # noqa: E731
             assert key(a) == key(b)
-    assert not torch.equal(batches(1, 0)[0], batches(1, 1)[0])  # and each epoch reshuffles
+    # and each epoch reshuffles
+    assert not torch.equal(batches(1, 0)[0], batches(1, 1)[0])
 
 
 def test_a_training_set_smaller_than_one_global_batch_is_refused():
@@ -165,8 +168,9 @@ def test_a_training_set_smaller_than_one_global_batch_is_refused():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_loader_position_moves_to_another_world_size_with_or_without_workers(workers):
-    """2 ranks stop after 3 batches; 1 rank resumed from rank 0's state (rescaled) continues with exactly
-    the samples the 2 ranks had not seen. With workers, torchdata nests the position in a snapshot."""
+    """2 ranks stop after 3 batches; 1 rank resumed from rank 0's state (rescaled) continues with
+    exactly the samples the 2 ranks had not seen. With workers, torchdata nests the position in a
+    snapshot."""
     s = digits(0.2, 0)["train"]
     loaders = [
         make_train_loader(
@@ -256,7 +260,8 @@ class Bag(torch.nn.Module):
 
 @pytest.fixture
 def sequences(tmp_path, monkeypatch):
-    """A user's project with sequences of different lengths, importable here and by the CLI (PYTHONPATH)."""
+    """A user's project with sequences of different lengths, importable here and by the CLI
+    (PYTHONPATH)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "seqdata.py").write_text(SEQUENCES)
@@ -270,8 +275,8 @@ def sequences(tmp_path, monkeypatch):
 
 
 def refused_by_the_cli(project, command: str, *overrides: str) -> str:
-    """`pipeline <command> --nproc-per-node 2` on the project: exit 2, one line on stderr, no process started;
-    returns the line."""
+    """`pipeline <command> --nproc-per-node 2` on the project: exit 2, one line on stderr, no
+    process started; returns the line."""
     proc = run_cli(
         [command, "--config", str(project / "seq.yaml"), "--nproc-per-node", "2", *overrides],
         cwd=project,
@@ -283,13 +288,15 @@ def refused_by_the_cli(project, command: str, *overrides: str) -> str:
     assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pipeline {command}: error: "), proc.stderr
-    assert not (project / "outputs").exists()  # nothing started: no run directory
+    # nothing started: no run directory
+    assert not (project / "outputs").exists()
     return lines[0]
 
 
 @pytest.mark.parametrize("command", ["run", "train"])
 def test_items_of_different_lengths_stop_before_any_process_starts(sequences, command):
-    """torchrun would start both ranks and each would fail in its first step (130 lines of tracebacks)."""
+    """torchrun would start both ranks and each would fail in its first step (130 lines of
+    tracebacks)."""
     message = refused_by_the_cli(sequences, command)
     assert (
         "data.component 'seqdata:data' split 'train': items 0 and 9 differ: input 'tokens' has shape [5] in "
@@ -328,14 +335,13 @@ def test_a_collate_fn_of_the_data_set_is_checked_and_used_by_every_loader(sequen
     from pipeline.config import load_config
 
     cfg = load_config(sequences / "seq.yaml", ["data.args.collate=pad"])
-    built = preflight(
-        cfg.data, cfg.task, cfg.model, cfg.train, cfg.export
-    )  # ragged, and padded by the data set
+    # ragged, and padded by the data set
+    built = preflight(cfg.data, cfg.task, cfg.model, cfg.train, cfg.export)
     inputs, target = first_batch(built.splits.val, 3)
-    assert inputs["tokens"].shape == (3, 7) and target.tolist() == [0, 1, 2]  # lengths 5, 6, 7
-    ((inputs, _),) = list(
-        eval_loader(eval_shard(built.splits.val, 0, 8), 4)
-    )  # through a Subset: items 0 and 8
+    # lengths 5, 6, 7
+    assert inputs["tokens"].shape == (3, 7) and target.tolist() == [0, 1, 2]
+    # through a Subset: items 0 and 8
+    ((inputs, _),) = list(eval_loader(eval_shard(built.splits.val, 0, 8), 4))
     assert inputs["tokens"].shape == (2, 5)
     loader = make_train_loader(
         built.splits.train, BatchPlan(rows=4, data_parallel=2), 0, 0, 0, False

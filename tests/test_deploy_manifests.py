@@ -1,12 +1,14 @@
 """deploy/'s Kubernetes manifests, checked offline (no cluster on CI's machines).
 
-1. Every document validates against its kind's schema in deploy/schemas/ (the upstream CRDs of KServe and the
-   training operator, Kubernetes' own for the core kinds; deploy/schemas/refresh.py says how they were made).
-2. Every command that runs our code parses with our real parsers, in the environment Kubernetes would give it:
-   values from the ConfigMaps and Secrets (secrets.example.yaml) the manifests name, `$(VAR)` expanded as the
-   kubelet does, KServe's `{{.Name}}` filled in and the InferenceService's args appended to its runtime's (as
-   KServe merges them), torchrun's settings from the PET_* variables the training operator sets. So a renamed
-   flag, config key or environment variable turns this red, not a pod in a cluster.
+1. Every document validates against its kind's schema in deploy/schemas/ (the upstream CRDs of
+   KServe and the training operator, Kubernetes' own for the core kinds; deploy/schemas/refresh.py
+   says how they were made).
+2. Every command that runs our code parses with our real parsers, in the environment Kubernetes
+   would give it: values from the ConfigMaps and Secrets (secrets.example.yaml) the manifests name,
+   `$(VAR)` expanded as the kubelet does, KServe's `{{.Name}}` filled in and the InferenceService's
+   args appended to its runtime's (as KServe merges them), torchrun's settings from the PET_*
+   variables the training operator sets. So a renamed flag, config key or environment variable turns
+   this red, not a pod in a cluster.
 3. What the manifests say about our server agrees with it: ports, probe paths, the model it follows.
 """
 
@@ -33,10 +35,11 @@ from conftest import REPO
 
 DEPLOY = REPO / "deploy"
 SCHEMAS = DEPLOY / "schemas"
+# deploy/ and the training run without the operator
 KUSTOMIZATIONS = [
     DEPLOY,
     DEPLOY / "indexed-job",
-]  # deploy/ and the training run without the operator
+]
 # Manifests applied by hand rather than by a kustomization (README.md says why and how).
 APPLIED_BY_HAND = {"secrets.example.yaml", "publish-job.yaml"}
 
@@ -45,7 +48,7 @@ class ManifestError(AssertionError):
     """A manifest that would not work; the message names the document and what is wrong."""
 
 
-# --- reading and validating --------------------------------------------------------------------------------
+# --- reading and validating -----------------------------------------------------------------------
 
 
 def load_documents() -> list[tuple[str, dict]]:
@@ -120,12 +123,13 @@ def containers(doc: dict) -> list[dict]:
     return found
 
 
-# --- what Kubernetes would do with a container -------------------------------------------------------------
+# --- what Kubernetes would do with a container ----------------------------------------------------
 
 
 def container_env(container: dict, docs, field_values: dict | None = None) -> dict[str, str]:
-    """The container's environment as the kubelet builds it: literal values, ConfigMap and Secret keys (the
-    Secrets of secrets.example.yaml), downward-API fields from `field_values`, CPU requests rounded up."""
+    """The container's environment as the kubelet builds it: literal values, ConfigMap and Secret
+    keys (the Secrets of secrets.example.yaml), downward-API fields from `field_values`, CPU
+    requests rounded up."""
     env: dict[str, str] = {}
     for entry in container.get("env", []):
         name, source = entry["name"], entry.get("valueFrom")
@@ -138,7 +142,8 @@ def container_env(container: dict, docs, field_values: dict | None = None) -> di
                 else ("Secret", source["secretKeyRef"])
             )
             holder = named(docs, kind, ref["name"])
-            encoded = kind == "Secret"  # a Secret's `data` is base64, its `stringData` plain
+            # a Secret's `data` is base64, its `stringData` plain
+            encoded = kind == "Secret"
             data = {
                 **{
                     k: base64.b64decode(v).decode() if encoded else v
@@ -174,9 +179,9 @@ def container_env(container: dict, docs, field_values: dict | None = None) -> di
 
 
 def expand(text: str, env: dict[str, str]) -> str:
-    """`$(VAR)` in a command, argument or env value, as Kubernetes expands it: a variable defined earlier in the
-    container's env is replaced, `$$` escapes, anything else is left as it is (and silently wrong in a pod:
-    `unexpanded` finds it)."""
+    """`$(VAR)` in a command, argument or env value, as Kubernetes expands it: a variable defined
+    earlier in the container's env is replaced, `$$` escapes, anything else is left as it is (and
+    silently wrong in a pod: `unexpanded` finds it)."""
     return re.sub(
         r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
         lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
@@ -199,7 +204,8 @@ def command_line(container: dict, env: dict[str, str]) -> list[str]:
 def environment(
     monkeypatch, env: dict[str, str], clear_prefixes=("TRAINSERVE_", "PET_", "MLFLOW_", "AWS_")
 ):
-    """Exactly this environment for our code, as in the container (nothing of ours leaks in from the test's)."""
+    """Exactly this environment for our code, as in the container (nothing of ours leaks in from the
+    test's)."""
     with monkeypatch.context() as patch:
         for name in [n for n in os.environ if n.startswith(clear_prefixes)]:
             patch.delenv(name)
@@ -230,7 +236,7 @@ def stage_parser(module) -> argparse.ArgumentParser:
     return parser
 
 
-# --- the checks, each on a list of documents (so a broken copy can be checked too) --------------------------
+# --- the checks, each on a list of documents (so a broken copy can be checked too) ----------------
 
 
 def check_schemas(docs) -> None:
@@ -245,8 +251,9 @@ def check_schemas(docs) -> None:
 
 
 def operator_env(job: dict) -> dict[str, str]:
-    """The PET_* variables the training operator (v1.9, pkg/controller.v1/pytorch/elastic.go and envvar.go) sets
-    in an elastic PyTorchJob's containers; torchrun reads each as the default of its flag."""
+    """The PET_* variables the training operator (v1.9, pkg/controller.v1/pytorch/elastic.go and
+    envvar.go) sets in an elastic PyTorchJob's containers; torchrun reads each as the default of its
+    flag."""
     spec, policy = job["spec"], job["spec"]["elasticPolicy"]
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     pytorch = next(c for c in worker["template"]["spec"]["containers"] if c["name"] == "pytorch")
@@ -271,8 +278,8 @@ def operator_env(job: dict) -> dict[str, str]:
 
 def launch_training(where: str, line: list[str], env: dict, monkeypatch, node_counts) -> tuple:
     """(torchrun's launch config, pipeline train's args, the run's config) for a container that runs
-    `torchrun ... -m pipeline.train ...` with this environment; pipeline train must accept the run at every
-    number of nodes in `node_counts`."""
+    `torchrun ... -m pipeline.train ...` with this environment; pipeline train must accept the run
+    at every number of nodes in `node_counts`."""
     import torch.distributed.run as torchrun
 
     from pipeline import train
@@ -282,7 +289,8 @@ def launch_training(where: str, line: list[str], env: dict, monkeypatch, node_co
         raise ManifestError(f"{where}: the container runs {line[0]!r}, not torchrun")
     with environment(monkeypatch, {**env, "OMP_NUM_THREADS": "1"}):
         parser = torchrun.get_args_parser()
-        parser.prog = "torchrun"  # not this process's name
+        # not this process's name
+        parser.prog = "torchrun"
         launch, _, worker_argv = torchrun.config_from_args(parse(parser, line[1:]))
         if worker_argv[:3] != ["-u", "-m", "pipeline.train"]:
             raise ManifestError(f"{where}: torchrun runs {worker_argv[:3]}, not -m pipeline.train")
@@ -310,7 +318,8 @@ def check_gpus(where: str, container: dict, nproc_per_node: int) -> None:
 
 
 def check_training_job(docs, monkeypatch) -> dict:
-    """The PyTorchJob's pods run `torchrun ... -m pipeline.train`, elastic within what `pipeline train` supports."""
+    """The PyTorchJob's pods run `torchrun ... -m pipeline.train`, elastic within what
+    `pipeline train` supports."""
     job = named(docs, "PyTorchJob")
     name, spec = job["metadata"]["name"], job["spec"]
     where = f"PyTorchJob {name}"
@@ -335,8 +344,8 @@ def check_training_job(docs, monkeypatch) -> dict:
 
 
 def check_indexed_training_job(docs, monkeypatch) -> dict:
-    """The Indexed Job's pods run the same, the rendezvous endpoint being pod 0's full DNS name under the
-    headless Service (see the manifest for why the full name)."""
+    """The Indexed Job's pods run the same, the rendezvous endpoint being pod 0's full DNS name
+    under the headless Service (see the manifest for why the full name)."""
     own = in_file(docs, "indexed-job/train-indexed-job.yaml")
     job, service = named(own, "Job"), named(own, "Service")
     name, spec, pod = job["metadata"]["name"], job["spec"], job["spec"]["template"]["spec"]
@@ -384,8 +393,9 @@ def check_indexed_training_job(docs, monkeypatch) -> dict:
 
 
 def served_container(docs) -> tuple[dict, dict, dict]:
-    """(InferenceService, ServingRuntime, the predictor's container as KServe builds it: the runtime's container
-    with the InferenceService's env merged by name and its args appended, `{{.Name}}` filled in)."""
+    """(InferenceService, ServingRuntime, the predictor's container as KServe builds it: the
+    runtime's container with the InferenceService's env merged by name and its args appended,
+    `{{.Name}}` filled in)."""
     isvc = named(docs, "InferenceService")
     model = isvc["spec"]["predictor"]["model"]
     runtime = named(docs, "ServingRuntime", model["runtime"])
@@ -414,8 +424,8 @@ def served_container(docs) -> tuple[dict, dict, dict]:
 
 
 def check_serving(docs, monkeypatch) -> dict:
-    """The runtime's container runs `python -m serving` with settings our server accepts, on the ports, probes
-    and model the manifests say."""
+    """The runtime's container runs `python -m serving` with settings our server accepts, on the
+    ports, probes and model the manifests say."""
     from serving import cli as serving_cli
     from serving.http.routes import table
 
@@ -445,9 +455,8 @@ def check_serving(docs, monkeypatch) -> dict:
             raise ManifestError(f"{where}: the server would refuse to start: {exc}") from None
         routes = {route.path for route in table()}
     ports = container["ports"]
-    if (
-        ports[0]["containerPort"] != settings.port
-    ):  # KServe sends its Service's port 80 to the first port
+    # KServe sends its Service's port 80 to the first port
+    if ports[0]["containerPort"] != settings.port:
         raise ManifestError(
             f"{where}: the first port is {ports[0]['containerPort']}, the server's HTTP port "
             f"{settings.port}"
@@ -472,7 +481,8 @@ def check_serving(docs, monkeypatch) -> dict:
 
 
 def check_tracking_server(docs, monkeypatch) -> dict:
-    """`mlflow server` on PostgreSQL and S3, reached where the ConfigMap's MLFLOW_TRACKING_URI says."""
+    """`mlflow server` on PostgreSQL and S3, reached where the ConfigMap's MLFLOW_TRACKING_URI
+    says."""
     from mlflow.cli import cli as mlflow_cli
 
     deployment = named(docs, "Deployment", "trainserve-mlflow")
@@ -484,7 +494,8 @@ def check_tracking_server(docs, monkeypatch) -> dict:
     with environment(monkeypatch, env):
         try:
             params = mlflow_cli.commands["server"].make_context("mlflow server", line[2:]).params
-        except Exception as exc:  # click's UsageError and its kin: the message says which flag
+        except Exception as exc:
+            # click's UsageError and its kin: the message says which flag
             raise ManifestError(f"mlflow server refuses {line[2:]}: {exc}") from None
     if (
         not params["backend_store_uri"].startswith("postgresql")
@@ -506,7 +517,7 @@ def check_tracking_server(docs, monkeypatch) -> dict:
     return params
 
 
-# --- the tests ---------------------------------------------------------------------------------------------
+# --- the tests ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -540,8 +551,8 @@ def test_each_kustomization_applies_every_manifest_beside_it_but_the_ones_applie
 
 
 def test_what_kubectl_apply_k_sends_validates_too():
-    """The kustomization rendered by kubectl's own kustomize (namespace, labels, images rewritten in the custom
-    resources too) is what reaches the cluster: it validates as the files do."""
+    """The kustomization rendered by kubectl's own kustomize (namespace, labels, images rewritten in
+    the custom resources too) is what reaches the cluster: it validates as the files do."""
     if shutil.which("kubectl") is None:
         pytest.skip(
             "kubectl is not installed: the rendered kustomization is not checked (the files are)"
@@ -650,7 +661,8 @@ def test_the_inference_service_runs_our_server_following_the_trained_models_cham
         and settings.reload_interval
         and settings.auth_token
     )
-    assert settings.threads == 2  # the CPU request
+    # the CPU request
+    assert settings.threads == 2
     # The model it follows is the one the training job's config registers and aliases.
     from pipeline.config import load_config
 
@@ -688,7 +700,7 @@ def test_the_publish_job_runs_consolidate_then_export_on_the_run(docs):
         assert args.run_id == "REPLACE_WITH_RUN_ID"
 
 
-# --- break it: the checks above can fail --------------------------------------------------------------------
+# --- break it: the checks above can fail ----------------------------------------------------------
 
 
 def renamed(doc: dict, path: list, new_key: str) -> dict:
@@ -747,9 +759,8 @@ def test_a_wrong_flag_or_config_key_is_refused(docs, monkeypatch):
             ),
             monkeypatch,
         )
-    with pytest.raises(
-        ManifestError, match="CHECKPOINT_URL"
-    ):  # a variable the container does not define
+    # a variable the container does not define
+    with pytest.raises(ManifestError, match="CHECKPOINT_URL"):
         check_training_job(
             with_arg(
                 docs,
@@ -767,9 +778,8 @@ def test_a_wrong_flag_or_config_key_is_refused(docs, monkeypatch):
 
 def test_an_indexed_job_whose_pods_cannot_meet_is_refused(docs, monkeypatch):
     short = "--rdzv-endpoint=$(JOB_NAME)-0.$(JOB_NAME):29400"
-    with pytest.raises(
-        ManifestError, match="pod 0's full name"
-    ):  # pod 0 would know it only through DNS
+    # pod 0 would know it only through DNS
+    with pytest.raises(ManifestError, match="pod 0's full name"):
         check_indexed_training_job(
             with_arg(
                 docs,

@@ -1,13 +1,14 @@
-"""Exact resume with randomness in every step: one rank killed with SIGKILL, torchrun restarts the job, and the
-resumed run ends with the weights of a run that was never interrupted, to the byte, under every mesh (DDP with
-loader workers, FSDP2, tensor and pipeline parallelism), killed mid-epoch, and under DDP also right after an
-epoch-boundary checkpoint.
+"""Exact resume with randomness in every step: one rank killed with SIGKILL, torchrun restarts the
+job, and the resumed run ends with the weights of a run that was never interrupted, to the byte,
+under every mesh (DDP with loader workers, FSDP2, tensor and pipeline parallelism), killed
+mid-epoch, and under DDP also right after an epoch-boundary checkpoint.
 
-The randomness: the model's dropout, and a data set that draws per item from torch's, numpy's and Python's
-generators, read in the training process or in loader workers. One table: a row is a mesh and where it is killed.
-Each mesh's uninterrupted run is shared by its rows. That the randomness is really drawn (dropout in training
-mode, the data set's noise), the generators, a checkpoint from before they were all saved, and the loaders' own
-seeds are checked in process at the end, in seconds."""
+The randomness: the model's dropout, and a data set that draws per item from torch's, numpy's and
+Python's generators, read in the training process or in loader workers. One table: a row is a mesh
+and where it is killed. Each mesh's uninterrupted run is shared by its rows. That the randomness is
+really drawn (dropout in training mode, the data set's noise), the generators, a checkpoint from
+before they were all saved, and the loaders' own seeds are checked in process at the end, in
+seconds."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from pipeline.tasks import build_task
 
 TRANSFORMER = str(REPO / "configs/digit_sequences_transformer.yaml")
 BERT = str(REPO / "configs/digit_sequences_bert.yaml")
-# 1,438 training samples in global batches of 400: 3 steps an epoch. A checkpoint every 2 steps: step 2 is
-# mid-epoch, step 6 ends the second epoch.
+# 1,438 training samples in global batches of 400: 3 steps an epoch. A checkpoint every 2 steps:
+# step 2 is mid-epoch, step 6 ends the second epoch.
 STEPS = [
     "train.max_steps=7",
     "train.global_batch_size=400",
@@ -63,7 +64,8 @@ NO_BERT_DROPOUT = [
 ]
 # mesh: (config, overrides)
 MESHES = {
-    # The data set's draws made in 2 loader workers per rank, which a resume starts afresh mid-epoch.
+    # The data set's draws made in 2 loader workers per rank, which a resume starts afresh
+    # mid-epoch.
     "ddp-2-workers": (TRANSFORMER, [SMALL_TRANSFORMER, "data.num_workers=2"]),
     "fsdp2": (TRANSFORMER, [SMALL_TRANSFORMER, "train.strategy=fsdp"]),
     "tp": (BERT, [*SMALL_BERT, "train.parallel.tp=2"]),
@@ -79,8 +81,9 @@ ROWS = [
 
 
 class NoisySequences(Dataset):
-    """The digit sequences with a random corruption per item, drawn from all three of a process's generators:
-    which tokens (torch), whether (Python's random) and by which token (numpy) they are replaced."""
+    """The digit sequences with a random corruption per item, drawn from all three of a process's
+    generators: which tokens (torch), whether (Python's random) and by which token (numpy) they are
+    replaced."""
 
     def __init__(self, inner: Dataset, noise: float):
         self.inner, self.noise = inner, noise
@@ -102,7 +105,8 @@ class NoisySequences(Dataset):
 
 
 def noisy_digit_sequences(noise: float = 0.2, names: str = "plain") -> dict[str, Dataset]:
-    """A data component: the example's digit sequences, the training split corrupted at random per item."""
+    """A data component: the example's digit sequences, the training split corrupted at random per
+    item."""
     from examples.digit_sequences.data import digit_sequences
 
     splits = digit_sequences(names=names)
@@ -130,7 +134,8 @@ def train(workdir, mesh: str, name: str, env=None, max_restarts=0):
 
 
 def weights(workdir, name: str) -> dict[str, torch.Tensor]:
-    """The final checkpoint's model, as consolidation reads it (every shard, resharded into one model)."""
+    """The final checkpoint's model, as consolidation reads it (every shard, resharded into one
+    model)."""
     return model_from_checkpoint(
         checkpoint.latest(workdir / "outputs" / name / "checkpoints")
     ).state_dict()
@@ -152,7 +157,8 @@ def differing(a: dict, b: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Each mesh's run straight through, trained once in one working directory (one MLflow store) for all rows."""
+    """Each mesh's run straight through, trained once in one working directory (one MLflow store)
+    for all rows."""
     workdir = tmp_path_factory.mktemp("exact-resume")
     done: set[str] = set()
 
@@ -200,8 +206,8 @@ def draws() -> tuple:
 
 
 def saved(tmp_path, monkeypatch=None, leave_out: str | None = None):
-    """A checkpoint of a small model saved now (without the generator `leave_out`, as an older version saved
-    it), and the draws that follow the save."""
+    """A checkpoint of a small model saved now (without the generator `leave_out`, as an older
+    version saved it), and the draws that follow the save."""
     from pipeline.checkpoint import dcp
 
     if leave_out:
@@ -223,8 +229,8 @@ def reseed_all(seed: int) -> None:
 
 
 def test_every_generator_of_the_training_process_is_restored_by_a_load(tmp_path):
-    """torch's, numpy's (its cached Gaussian too) and Python's `random`, with the second value of the pair
-    random.gauss draws (it caches one), which a resume used to drop."""
+    """torch's, numpy's (its cached Gaussian too) and Python's `random`, with the second value of
+    the pair random.gauss draws (it caches one), which a resume used to drop."""
     random.gauss(0, 1)
     np.random.standard_normal()
     path, spec, after_save = saved(tmp_path)
@@ -239,13 +245,15 @@ def test_a_checkpoint_saved_without_pythons_cached_gaussian_still_loads(tmp_path
     path, spec, after_save = saved(tmp_path, monkeypatch, leave_out="python_gauss")
     reseed_all(1)
     checkpoint.load(path, instantiate_model(spec), None, CPU1)
-    # Every generator as saved, but the pair's second Gaussian, which such a checkpoint does not hold.
+    # Every generator as saved, but the pair's second Gaussian, which such a checkpoint does not
+    # hold.
     assert draws()[:3] == after_save[:3]
 
 
 def test_the_loaders_leave_the_training_generators_alone():
-    """A DataLoader draws its workers' base seed from torch's default generator when it has none of its own, at
-    every iterator it creates; a resume creates its iterators at other points than the uninterrupted run did."""
+    """A DataLoader draws its workers' base seed from torch's default generator when it has none of
+    its own, at every iterator it creates; a resume creates its iterators at other points than the
+    uninterrupted run did."""
     from pipeline.components.data import eval_loader, first_batch, make_train_loader
     from pipeline.plan import BatchPlan
 
@@ -261,8 +269,8 @@ def test_the_loaders_leave_the_training_generators_alone():
 
 
 def test_loader_workers_draw_for_a_batch_what_the_batch_alone_decides():
-    """A resume starts fresh workers mid-epoch: what they draw for the rest of the epoch is what the first run's
-    workers drew; and what 2 workers draw, 1 draws."""
+    """A resume starts fresh workers mid-epoch: what they draw for the rest of the epoch is what the
+    first run's workers drew; and what 2 workers draw, 1 draws."""
     from pipeline.components.data import make_train_loader, restore_loader, set_epoch
     from pipeline.plan import BatchPlan
 
@@ -292,7 +300,8 @@ def test_loader_workers_draw_for_a_batch_what_the_batch_alone_decides():
 
 
 def built(config: str, overrides: list[str]):
-    """The model and data a training of `config` builds: the file's data component, the mesh's model."""
+    """The model and data a training of `config` builds: the file's data component, the mesh's
+    model."""
     cfg = load_config(config, [*STEPS, *overrides])
     splits = build_data(cfg.data, cfg.task.name)
     task = build_task(cfg.task, splits.classes)
@@ -328,8 +337,8 @@ def test_the_models_the_rows_train_draw_dropout_in_training(config, overrides, t
 
 
 def test_the_data_set_the_rows_read_draws_from_every_generator():
-    """An item of the training split is another item under other seeds of each of torch's, numpy's and
-    Python's generators, and the same item with the noise turned off."""
+    """An item of the training split is another item under other seeds of each of torch's, numpy's
+    and Python's generators, and the same item with the noise turned off."""
     noisy, plain = noisy_digit_sequences()["train"], noisy_digit_sequences(noise=0)["train"]
 
     def tokens(data, seeds) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""`pipeline export` on a briefly trained tiny ResNet, a real onnxruntime and a real MLflow SQLite store."""
+"""`pipeline export` on a briefly trained tiny ResNet, a real onnxruntime and a real MLflow SQLite
+store."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from pipeline.tracking import free_port
 from serving import lineage
 from serving.lineage import file_sha256 as sha256_file
 
-EXPERIMENT = "digits-tiny"  # not the default experiment: --run-id must follow the run into its own
+# not the default experiment: --run-id must follow the run into its own
+EXPERIMENT = "digits-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,8 @@ def store(tmp_path_factory) -> str:
 def write_weights(
     directory: Path, model: torch.nn.Module, cfg, spec: ModelSpec, labels, run_id: str | None
 ) -> Path:
-    """What `pipeline consolidate` writes: model.safetensors and model.json (trainserve-weights/2)."""
+    """What `pipeline consolidate` writes: model.safetensors and model.json
+    (trainserve-weights/2)."""
     directory.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(directory / "model.safetensors"))
@@ -105,9 +108,8 @@ def trained(tmp_path_factory, store):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    with (
-        torch.no_grad()
-    ):  # BatchNorm statistics over the whole training set: 30 steps of EMA are not enough
+    # BatchNorm statistics over the whole training set: 30 steps of EMA are not enough
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.reset_running_stats()
@@ -135,12 +137,12 @@ def trained(tmp_path_factory, store):
 def exported(trained, store, tmp_path_factory) -> ExportResult:
     """The whole stage once, as on another machine: weights from the run, both variants on."""
     client = mlflow.MlflowClient()
-    for name in ("model.safetensors", "model.json"):  # what `pipeline consolidate` logs to the run
+    # what `pipeline consolidate` logs to the run
+    for name in ("model.safetensors", "model.json"):
         client.log_artifact(trained["run_id"], str(trained["dir"] / name), "consolidated")
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(
-            tmp_path_factory.mktemp("elsewhere")
-        )  # --run-id downloads into ./outputs/<run_id>/
+        # --run-id downloads into ./outputs/<run_id>/
+        mp.chdir(tmp_path_factory.mktemp("elsewhere"))
         return main(
             run_id=trained["run_id"],
             tracking_uri=store,
@@ -161,9 +163,8 @@ def test_export_passes_every_gate_with_the_dynamo_exporter(exported, trained):
         )
     assert report["gates"]["parity.val"]["samples"] == len(trained["splits"].val)
     acc = report["gates"]["accuracy"]
-    assert (
-        acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50
-    )  # trained: well above chance (10%)
+    # trained: well above chance (10%)
+    assert acc["gap_pp"] <= 0.1 and acc["torch_accuracy_pct"] > 50
     assert json.loads(exported.report_path.read_text())["model_version"] == exported.model_version
     assert exported.onnx_path.resolve().parts[-4:] == (
         "outputs",
@@ -185,14 +186,15 @@ def test_graph_has_named_io_dynamic_batch_opset_and_metadata(exported):
     props = {p.key: p.value for p in model.metadata_props}
     assert props[lineage.MODEL_NAME] == "resnet18-digits"
     assert json.loads(props[lineage.LABELS]) == [str(d) for d in range(10)]
-    # Its rows are its samples' own (a ResNet in eval mode): the server may batch its requests together.
+    # Its rows are its samples' own (a ResNet in eval mode): the server may batch its requests
+    # together.
     assert props[lineage.ROWS_INDEPENDENT] == "1,7,64"
     assert exported.report["rows_independent"]["independent"]
 
 
 def test_the_exported_classifier_is_batched_and_answers_its_top_classes_by_name(exported, trained):
-    """Served as exported: its requests share runs (its file records independent rows), and the classification
-    extension answers with the class names export recorded."""
+    """Served as exported: its requests share runs (its file records independent rows), and the
+    classification extension answers with the class names export recorded."""
     import requests
 
     x = trained["val_x"][:2]
@@ -214,7 +216,8 @@ def test_the_exported_classifier_is_batched_and_answers_its_top_classes_by_name(
     assert config["max_batch_size"] == 32
     (out,) = answer["outputs"]
     assert out["datatype"] == "BYTES" and out["shape"] == [2, 3]
-    labels = [str(d) for d in range(10)]  # what the digits data names its classes
+    # what the digits data names its classes
+    labels = [str(d) for d in range(10)]
     for row, entries in zip(want, np.array(out["data"]).reshape(2, 3)):
         top = np.argsort(-row)[:3]
         assert [e.split(":")[1:] for e in entries] == [[str(i), labels[i]] for i in top]
@@ -238,7 +241,8 @@ def test_rows_are_independent_only_when_each_samples_output_is_its_own():
     batches = {f"b{n}": {"input": x[:n]} for n in (1, 7, 64)}
     linear = torch.nn.Linear(4, 3)
     assert gates.rows_independent(_Head(linear), batches, 1e-5, 1e-4)["independent"]
-    # Normalized over the batch, a summary of it: each answer depends on the other samples, or has no rows.
+    # Normalized over the batch, a summary of it: each answer depends on the other samples, or has
+    # no rows.
     centred = gates.rows_independent(_Head(lambda t: t - t.mean(0)), batches, 1e-5, 1e-4)
     assert not centred["independent"] and "the first 1 rows at batch 7 differ" in centred["message"]
     summed = gates.rows_independent(_Head(lambda t: t.sum(0)), batches, 1e-5, 1e-4)
@@ -270,14 +274,16 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     assert tags[lineage.STEP] == "30"
     assert lineage.recorded_sha256(tags, "config") == exported.report["weights"]["config_sha256"]
     assert lineage.recorded_sha256(tags, "model.onnx") == sha256_file(exported.onnx_path)
-    # A handful a person reads, no path of the machine that trained, and a description that says what it is.
+    # A handful a person reads, no path of the machine that trained, and a description that says
+    # what it is.
     trainserve_tags = {k: v for k, v in tags.items() if k.startswith(lineage.PREFIX)}
     assert len(trainserve_tags) <= 10, sorted(trainserve_tags)
     assert not [v for v in trainserve_tags.values() if str(Path.cwd()) in v or v.startswith("/")]
     assert "pipeline.models:resnet18" in version.description and "step 30" in version.description
     assert "passed parity.val" in version.description and "@champion" in version.description
     assert "@champion" in client.get_registered_model("resnet18-digits").description
-    # From the version back to the training run: its metrics, the stage, and at most 12 tags a person reads.
+    # From the version back to the training run: its metrics, the stage, and at most 12 tags a
+    # person reads.
     run = client.get_run(tags[lineage.RUN_ID])
     assert lineage.read_stages(run.data.tags[lineage.STAGES])["export"] == "done"
     assert len([k for k in run.data.tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(
@@ -291,7 +297,8 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     )
     assert whole["export"]["registered"]["version"] == exported.model_version
     assert run.data.metrics["export.passed"] == 1.0 and run.data.metrics["export.failed_gates"] == 0
-    # every gate's figures in one table the UI shows; a few headline ones as metrics, not dozens of one-bar charts
+    # every gate's figures in one table the UI shows; a few headline ones as metrics, not dozens of
+    # one-bar charts
     exported_metrics = [k for k in run.data.metrics if k.startswith(("export.", "compare."))]
     assert len(exported_metrics) <= 10, exported_metrics
     table = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
@@ -300,7 +307,8 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
         and table.passed.all()
     )
     assert table[(table.gate == "parity.b64") & (table.figure == "max_abs")].value.iloc[0] < 1e-3
-    # What a server does with models:/name@alias: the registered files load and give the same numbers.
+    # What a server does with models:/name@alias: the registered files load and give the same
+    # numbers.
     local = Path(mlflow.artifacts.download_artifacts("models:/resnet18-digits@champion"))
     served = gates.session(local / "model.onnx")
     feeds = {"input": trained["val_x"][:5]}
@@ -310,7 +318,8 @@ def test_registered_version_has_alias_and_lineage(exported, trained):
     )
     assert tags[lineage.MODEL] == "pipeline.models:resnet18"
     assert tags[lineage.DATA] == "pipeline.datasets:digits"
-    # The report the run's page shows is the one on disk, complete: version, alias, URI and hashes filled.
+    # The report the run's page shows is the one on disk, complete: version, alias, URI and hashes
+    # filled.
     stored = json.loads(
         Path(
             mlflow.artifacts.download_artifacts(
@@ -461,7 +470,8 @@ def test_failing_gate_exits_1_registers_nothing_and_reports_why(trained, store, 
         ]
     )
     err = capsys.readouterr().err
-    report_path = trained["dir"].parent / "onnx" / "export_report.json"  # default: <run_dir>/onnx
+    # default: <run_dir>/onnx
+    report_path = trained["dir"].parent / "onnx" / "export_report.json"
     assert code == 1 and "gate failed" in err and str(report_path) in err
     report = json.loads(report_path.read_text())
     assert not report["passed"] and "parity.val" in report["failed_gates"]
@@ -553,8 +563,9 @@ def test_variants_are_saved_and_each_gated_with_its_own_limits(exported, trained
         "onnx/model.optimized.onnx",
         "onnx/export_report.json",
     } <= logged
-    # Servable: inside the registered model beside model.onnx (`serving --variant fp16` picks it), and each
-    # gate names the provider it ran on (CUDA for fp16 only where the CUDA provider really loads).
+    # Servable: inside the registered model beside model.onnx (`serving --variant fp16` picks it),
+    # and each gate names the provider it ran on (CUDA for fp16 only where the CUDA provider really
+    # loads).
     local = Path(
         mlflow.artifacts.download_artifacts(f"models:/resnet18-digits/{exported.model_version}")
     )
@@ -587,7 +598,8 @@ def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(
     version = mlflow.MlflowClient().get_model_version("resnet18-digits", exported.model_version)
     assert lineage.recorded_sha256(version.tags, "model.uint8.onnx") == sha256_file(path)
 
-    # Served from the registry: UINT8 pixel values in, what the fp32 graph answers for those values / 255 out.
+    # Served from the registry: UINT8 pixel values in, what the fp32 graph answers for those values
+    # / 255 out.
     pixels = uint8_inputs.rounded(trained["val_x"][:3])
     want = run_onnx(exported.onnx_path, pixels.astype(np.float32) / 255)["probabilities"]
     with ServerProcess(
@@ -636,7 +648,8 @@ def test_the_uint8_variant_takes_pixel_values_is_gated_registered_and_served(
 
 def test_a_uint8_variant_is_refused_for_inputs_outside_0_1_or_not_in_the_graph(exported, trained):
     val = trained["splits"].val
-    normalized = ImageTensors(val.x * 4 - 1, val.y, val.classes)  # normalized outside the model
+    # normalized outside the model
+    normalized = ImageTensors(val.x * 4 - 1, val.y, val.classes)
     gate = uint8_inputs.range_gate(normalized, ["input"])
     assert (
         not gate["passed"]
@@ -661,20 +674,19 @@ def test_an_opset_the_dynamo_exporter_cannot_reach_falls_back_and_says_so(traine
         exported.exporter == "torchscript"
         and "opset 18, not the requested 17" in exported.fallback_reason
     )
-    assert (
-        onnx.load(str(tmp_path / "model.onnx")).opset_import == exported.model.opset_import
-    )  # what it wrote
+    # what it wrote
+    assert onnx.load(str(tmp_path / "model.onnx")).opset_import == exported.model.opset_import
     assert {o.domain: o.version for o in exported.model.opset_import}[""] == 17
-    assert (
-        exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param
-    )  # batch still dynamic
+    # batch still dynamic
+    assert exported.model.graph.input[0].type.tensor_type.shape.dim[0].dim_param
 
 
 # --- champion vs challenger --------------------------------------------------------------------
 
 
 def perturbed_weights(trained, directory: Path, scale: float) -> Path:
-    """The trained model with noise on its classifier: still exports and passes parity, but less accurate."""
+    """The trained model with noise on its classifier: still exports and passes parity, but less
+    accurate."""
     model = load_model(read_weights(trained["dir"]))
     with torch.no_grad():
         noise = torch.randn_like(model.fc.weight, generator=torch.Generator().manual_seed(7))
@@ -712,9 +724,8 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
     def champion() -> str:
         return str(client.get_model_version_by_alias(name, "champion").version)
 
-    first = export(
-        worse
-    )  # no champion yet: the first model takes the alias, and the report says so
+    # no champion yet: the first model takes the alias, and the report says so
+    first = export(worse)
     assert first["promotion"]["promote"] and first["promotion"]["reason"].startswith(
         f"first model: {name}"
     )
@@ -738,7 +749,8 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
         better["gates"]["accuracy"]["onnx_accuracy_pct"]
     )
 
-    again = export(worse)  # a worse retrain: registered, gated, but not promoted
+    # a worse retrain: registered, gated, but not promoted
+    again = export(worse)
     decision = again["promotion"]
     assert not decision["promote"] and again["alias"] == "challenger" and champion() == "2"
     assert (
@@ -759,9 +771,8 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
     run = client.get_run(trained["run_id"])
     figures = mlflow.load_table("onnx/gates.json", run_ids=[trained["run_id"]])
     compared = figures[(figures.gate == "compare") & (figures.figure == "champion.accuracy")]
-    assert list(compared.value) == [
-        pytest.approx(decision["champion"]["accuracy"])
-    ]  # this export's: replaced
+    # this export's: replaced
+    assert list(compared.value) == [pytest.approx(decision["champion"]["accuracy"])]
     assert run.data.metrics["compare.gain"] < 0 and run.data.tags[lineage.VERDICT].endswith(
         "not promoted"
     )
@@ -769,7 +780,8 @@ def test_a_worse_retrain_leaves_the_champion_and_a_better_one_takes_it(
     forced = export(worse, "export.promote=always")
     assert forced["promotion"]["promote"] and champion() == forced["model_version"] == "4"
 
-    # A champion that no longer loads: said so, and the candidate (which passed every gate) replaces it.
+    # A champion that no longer loads: said so, and the candidate (which passed every gate) replaces
+    # it.
     source = Path(client.get_model_version(name, "4").source)
     broken = next(
         p
@@ -949,15 +961,22 @@ def test_a_retrain_with_another_input_contract_leaves_the_champion_and_says_why(
 @pytest.mark.parametrize(
     "mine, theirs, mode, promote, tolerance, moves",
     [
-        (0.90, 0.90, "max", "if_not_worse", 0.0, True),  # equal: not worse
+        # equal: not worse
+        (0.90, 0.90, "max", "if_not_worse", 0.0, True),
         (0.89, 0.90, "max", "if_not_worse", 0.0, False),
-        (0.89, 0.90, "max", "if_not_worse", 0.02, True),  # within the tolerance
-        (0.90, 0.90, "max", "if_better", 0.0, False),  # equal is not better
-        (0.91, 0.90, "max", "if_better", 0.02, False),  # better, but not by more than the tolerance
+        # within the tolerance
+        (0.89, 0.90, "max", "if_not_worse", 0.02, True),
+        # equal is not better
+        (0.90, 0.90, "max", "if_better", 0.0, False),
+        # better, but not by more than the tolerance
+        (0.91, 0.90, "max", "if_better", 0.02, False),
         (0.93, 0.90, "max", "if_better", 0.02, True),
-        (1.5, 2.0, "min", "if_better", 0.0, True),  # a loss or RMSE: lower is better
+        # a loss or RMSE: lower is better
+        (1.5, 2.0, "min", "if_better", 0.0, True),
         (2.5, 2.0, "min", "if_not_worse", 0.0, False),
-        (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),  # a metric that failed never wins
+        # a metric that failed never wins
+        (float("nan"), 2.0, "min", "if_not_worse", 1e9, False),
+        # ...and a champion's that failed always loses
         (
             2.0,
             float("nan"),
@@ -965,7 +984,7 @@ def test_a_retrain_with_another_input_contract_leaves_the_champion_and_says_why(
             "if_better",
             0.0,
             True,
-        ),  # ...and a champion's that failed always loses
+        ),
         (0.1, 0.9, "max", "always", 0.0, True),
     ],
 )
@@ -977,14 +996,16 @@ def test_the_promotion_rule(mine, theirs, mode, promote, tolerance, moves):
 
 
 def test_a_model_no_better_than_the_trivial_predictor_is_not_registered(trained, store, tmp_path):
-    """The newcomer's mobilenet: BatchNorm statistics that had not settled, 11.7% on 10 classes, became @champion
-    because it was the first. The same weights with their running statistics back at their start: the baseline
-    gate names the trivial predictor, both figures and the BatchNorm cause, and nothing is registered; told, export
-    registers it and records it below the baseline."""
+    """The newcomer's mobilenet: BatchNorm statistics that had not settled, 11.7% on 10 classes,
+    became @champion because it was the first. The same weights with their running statistics back
+    at their start: the baseline gate names the trivial predictor, both figures and the BatchNorm
+    cause, and nothing is registered; told, export registers it and records it below the
+    baseline."""
     model = load_model(read_weights(trained["dir"]))
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
-            module.reset_running_stats()  # what a few steps of a slow running average leave
+            # what a few steps of a slow running average leave
+            module.reset_running_stats()
     unsettled = write_weights(
         tmp_path / "consolidated",
         model,

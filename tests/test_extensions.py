@@ -1,8 +1,9 @@
-"""The V2 extensions beside inference, alike over HTTP and gRPC, as Triton's protocol documents define them:
-model configuration, the model repository (index, load, unload) and statistics
-(docs/protocol/extension_{model_configuration,model_repository,statistics}.md of triton-inference-server).
-A real `python -m serving` process per gRPC engine (grpc's C++ server where it is built, and grpc.aio), a
-token, reached with unmodified tritonclient.http and tritonclient.grpc clients.
+"""The V2 extensions beside inference, alike over HTTP and gRPC, as Triton's protocol documents
+define them: model configuration, the model repository (index, load, unload) and statistics
+(docs/protocol/extension_{model_configuration,model_repository,statistics}.md of
+triton-inference-server). A real `python -m serving` process per gRPC engine (grpc's C++ server
+where it is built, and grpc.aio), a token, reached with unmodified tritonclient.http and
+tritonclient.grpc clients.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def test_grpc_repository_index_load_and_unload_as_over_http(server):
     assert files.status() == "StatusCode.INVALID_ARGUMENT" and "never from files" in files.message()
     assert not client.is_model_ready("heavy", headers=auth())
 
-    client.load_model("heavy", headers=auth())  # returns once loaded and warmed up
+    # returns once loaded and warmed up
+    client.load_model("heavy", headers=auth())
     assert client.is_model_ready("heavy", headers=auth())
     assert requests.get(server.url + "/v2/models/heavy/ready", headers=auth()).ok
     client.unload_model("heavy", headers=auth())
@@ -131,7 +133,8 @@ def test_grpc_repository_index_load_and_unload_as_over_http(server):
 
 
 def stats_of(server, protocol: str, name: str = "", version: str = "") -> dict:
-    """{(name, version): model_stat} as the extension reports it, over `protocol`, numbers as ints."""
+    """{(name, version): model_stat} as the extension reports it, over `protocol`, numbers as
+    ints."""
     if protocol == "http":
         path = "/v2/models" + (f"/{name}" if name else "")
         path += (f"/versions/{version}" if version else "") + "/stats"
@@ -197,7 +200,8 @@ def test_statistics_count_requests_rows_runs_and_failures_over_both_protocols(se
     assert after == stats_of(server, "http")
 
     tiny, was = after[("tiny", "2")], before[("tiny", "2")]
-    assert tiny["inference_count"] - was["inference_count"] == 4 * 3  # rows
+    # rows
+    assert tiny["inference_count"] - was["inference_count"] == 4 * 3
     # requests sent one after another: a run each
     assert tiny["execution_count"] - was["execution_count"] == 4
     assert duration(tiny, "success")[0] - duration(was, "success")[0] == 4
@@ -208,22 +212,26 @@ def test_statistics_count_requests_rows_runs_and_failures_over_both_protocols(se
         assert ns > duration(was, phase)[1], phase
     success_ns = duration(tiny, "success")[1] - duration(was, "success")[1]
     infer_ns = duration(tiny, "compute_infer")[1] - duration(was, "compute_infer")[1]
-    assert 0 < infer_ns < success_ns  # the run is part of each request's time
+    # the run is part of each request's time
+    assert 0 < infer_ns < success_ns
     sizes = {b["batch_size"]: b for b in tiny["batch_stats"]}
     assert 3 in sizes and sizes[3]["compute_infer"]["count"] >= 1
     assert sum(b["compute_infer"]["count"] for b in tiny["batch_stats"]) == tiny["execution_count"]
-    assert tiny["last_inference"] > 1.7e12  # milliseconds since the epoch
-    assert after[("tiny", "1")] == before[("tiny", "1")]  # the other version ran nothing
+    # milliseconds since the epoch
+    assert tiny["last_inference"] > 1.7e12
+    # the other version ran nothing
+    assert after[("tiny", "1")] == before[("tiny", "1")]
 
     gather, was = after[("gather", "1")], before[("gather", "1")]
     assert duration(gather, "fail")[0] - duration(was, "fail")[0] == 2
     assert duration(gather, "success") == duration(was, "success")
-    assert gather["execution_count"] == was["execution_count"]  # a failed run is no execution
+    # a failed run is no execution
+    assert gather["execution_count"] == was["execution_count"]
 
 
 def test_shared_memory_rpcs_answer_over_grpc_as_over_http(server):
-    """The six RPCs, built in one loop: each reaches serving/shm.py with its own kind and fields, and
-    answers what the same request answers over HTTP (an answer, or the same refusal)."""
+    """The six RPCs, built in one loop: each reaches serving/shm.py with its own kind and fields,
+    and answers what the same request answers over HTTP (an answer, or the same refusal)."""
 
     def over_grpc(channel, rpc: str, **fields) -> tuple[str, object]:
         request_class, response_class = schema.METHODS[rpc]
@@ -277,7 +285,8 @@ def test_shared_memory_rpcs_answer_over_grpc_as_over_http(server):
 
 
 def test_an_empty_request_id_is_no_id_as_perf_analyzer_sends_it(server):
-    """perf_analyzer's JSON header carries `"id": ""`: the request is answered, with an id of its own."""
+    """perf_analyzer's JSON header carries `"id": ""`: the request is answered, with an id of its
+    own."""
     body = {
         "id": "",
         "inputs": [{"name": "ids", "shape": [1], "datatype": "INT64", "data": [2]}],

@@ -1,7 +1,8 @@
-"""A model's weights in an ONNX external data file (model.onnx.data), the way a model past protobuf's 2 GB
-goes through export, the registry, the server and `pipeline verify`, forced on a small recommender
-(examples/recommender/, 4000 x 16 table) with `export.external_data=always`: the same code path as the
-2.5 GB run of benchmarks/big_model.py, in seconds. A real SQLite MLflow store, real onnxruntime, a real server."""
+"""A model's weights in an ONNX external data file (model.onnx.data), the way a model past
+protobuf's 2 GB goes through export, the registry, the server and `pipeline verify`, forced on a
+small recommender (examples/recommender/, 4000 x 16 table) with `export.external_data=always`: the
+same code path as the 2.5 GB run of benchmarks/big_model.py, in seconds. A real SQLite MLflow store,
+real onnxruntime, a real server."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory):
-    """The small recommender, its weights written as `pipeline consolidate` writes them, exported with its
-    weights in a data file and registered in a fresh store."""
+    """The small recommender, its weights written as `pipeline consolidate` writes them, exported
+    with its weights in a data file and registered in a fresh store."""
     root = tmp_path_factory.mktemp("external")
     uri = f"sqlite:///{root}/mlflow.db"
     mlflow.set_tracking_uri(uri)
@@ -90,7 +91,8 @@ def registered(tmp_path_factory):
             }
         )
     )
-    # untrained weights (what is tested is where they go): the baseline gate is told to let them through
+    # untrained weights (what is tested is where they go): the baseline gate is told to let them
+    # through
     result = export(
         weights,
         overrides=["export.external_data=always", "export.allow_below_baseline=true"],
@@ -104,14 +106,14 @@ def test_the_weights_go_to_a_data_file_named_by_the_graph_and_every_gate_passes(
     assert result.passed and result.model_version == "1", result.report["failures"]
     data = result.onnx_path.with_name("model.onnx.data")
     table = 4000 * 16 * 4
-    assert (
-        data.stat().st_size >= table and result.onnx_path.stat().st_size < table // 4
-    )  # the graph and metadata
+    # the graph and metadata
+    assert data.stat().st_size >= table and result.onnx_path.stat().st_size < table // 4
     graph = onnx.load(str(result.onnx_path), load_external_data=False)
     locations = {
         e.value for t in graph.graph.initializer for e in t.external_data if e.key == "location"
     }
-    assert locations == {"model.onnx.data"}  # renamed from the candidate's with the file
+    # renamed from the candidate's with the file
+    assert locations == {"model.onnx.data"}
     assert not list(result.onnx_path.parent.glob("model.candidate.onnx*"))
     tags = mlflow.MlflowClient().get_model_version(NAME, "1").tags
     assert (
@@ -161,9 +163,11 @@ def test_a_data_file_changed_in_the_store_is_refused_by_the_servers_loader_and_b
     tags = mlflow.MlflowClient().get_model_version(NAME, "1").tags
     reports: list = []
     try:
-        stored.write_bytes(original[:-4] + b"\0\0\0\1")  # one weight changed, the graph untouched
+        # one weight changed, the graph untouched
+        stored.write_bytes(original[:-4] + b"\0\0\0\1")
         mlflow.set_tracking_uri(registered["uri"])
-        # The server's loader, as the server at its start calls it (a server process was started above).
+        # The server's loader, as the server at its start calls it (a server process was started
+        # above).
         with pytest.raises(
             SourceError, match="model.onnx.data of models:/recommender-external/1 has sha256"
         ):
@@ -182,8 +186,9 @@ def test_a_data_file_changed_in_the_store_is_refused_by_the_servers_loader_and_b
 
 
 def test_the_exporter_lets_go_of_the_weights_once_they_are_written(tmp_path):
-    """onnxscript's rewrite rules keep the last graph they matched, and the graph the module's tensors: unless
-    export drops them, the exporter's copy of a 2.5 GB table stays in memory beside onnxruntime's."""
+    """onnxscript's rewrite rules keep the last graph they matched, and the graph the module's
+    tensors: unless export drops them, the exporter's copy of a 2.5 GB table stays in memory beside
+    onnxruntime's."""
     import gc
     import weakref
 
@@ -216,7 +221,8 @@ def test_the_exporter_lets_go_of_the_weights_once_they_are_written(tmp_path):
 
 
 def test_the_reference_model_uses_the_weights_file_mapped_not_copied(registered):
-    """load_model assigns the tensors safetensors maps: a model of N GB costs N GB once, as pages are read."""
+    """load_model assigns the tensors safetensors maps: a model of N GB costs N GB once, as pages
+    are read."""
     from pipeline.artifact.weights import load_model, read_weights
 
     weights = read_weights(registered["root"] / "consolidated")
@@ -227,9 +233,10 @@ def test_the_reference_model_uses_the_weights_file_mapped_not_copied(registered)
 
 
 def test_a_failed_dynamo_attempt_leaves_no_bytes_in_the_fallbacks_data_file(tmp_path, monkeypatch):
-    """The dynamo exporter writes graph + data file, then a check of its result fails: the TorchScript fallback
-    saves to the same names, and onnx appends to a data file that is there (a file twice the size, dead bytes
-    hashed and uploaded) unless the attempt's files are removed first."""
+    """The dynamo exporter writes graph + data file, then a check of its result fails: the
+    TorchScript fallback saves to the same names, and onnx appends to a data file that is there (a
+    file twice the size, dead bytes hashed and uploaded) unless the attempt's files are removed
+    first."""
     from pipeline.artifact import onnx_export
     from pipeline.components.build import ModelSpec
     from pipeline.tasks.classification import Classification

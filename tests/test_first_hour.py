@@ -1,6 +1,6 @@
-"""The first hour of a newcomer (shared/reviews/newcomer-d80ae6e.md), each friction replayed as they met it: the
-CLI in a subprocess, a server process and an HTTP request, scripts/setup as typed. Each answer must be one line
-that names what is wrong and the fix."""
+"""The first hour of a newcomer (shared/reviews/newcomer-d80ae6e.md), each friction replayed as they
+met it: the CLI in a subprocess, a server process and an HTTP request, scripts/setup as typed. Each
+answer must be one line that names what is wrong and the fix."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
 
-# --- 1. companion packages that match the installed torch; 7. no pip index noise -----------------------------------
+# --- 1. companion packages that match the installed torch; 7. no pip index noise ------------------
 
 
 def cpu_torch_only() -> None:
-    """These replay the CPU set-up, where no torchvision fits without PyTorch's CPU index; elsewhere (a CUDA torch)
-    `--with torchvision` would install one for real."""
+    """These replay the CPU set-up, where no torchvision fits without PyTorch's CPU index; elsewhere
+    (a CUDA torch) `--with torchvision` would install one for real."""
     import torch
 
     if (
@@ -57,9 +57,9 @@ def pip(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_setup_with_torchvision_removes_a_broken_one_and_refuses_saying_what_works(tmp_path):
-    """The review's order: a bare `pip install torch torchvision` left a torchvision that fails at import, then
-    `scripts/setup --with torchvision` refused but kept it. Now it removes it, says so, and refuses with the line
-    docs/install.md shows (one path, the same in docs/own-model.md)."""
+    """The review's order: a bare `pip install torch torchvision` left a torchvision that fails at
+    import, then `scripts/setup --with torchvision` refused but kept it. Now it removes it, says so,
+    and refuses with the line docs/install.md shows (one path, the same in docs/own-model.md)."""
     from test_setup_constraints import fake_wheel
 
     cpu_torch_only()
@@ -99,8 +99,8 @@ def test_setup_with_torchvision_removes_a_broken_one_and_refuses_saying_what_wor
     )
     # One path: docs/own-model.md sends the reader to install.md's, and installs no pair of its own.
     assert "install.md#torchvision" in own_model and "torchvision==" not in own_model
-    # The way the docs install any other package refuses it too, instead of installing the registry's CUDA build
-    # (pip resolves only: --dry-run).
+    # The way the docs install any other package refuses it too, instead of installing the
+    # registry's CUDA build (pip resolves only: --dry-run).
     proc = subprocess.run(
         [
             sys.executable,
@@ -123,18 +123,20 @@ def test_setup_with_torchvision_removes_a_broken_one_and_refuses_saying_what_wor
 
 
 def test_setup_shows_pips_errors_without_its_index_warnings(tmp_path):
-    """A configured index location that does not exist made pip say so once per package looked up: 166 lines of
-    a fresh set-up. A torch that is nowhere (resolved only, nothing changes) shows both kinds of line."""
+    """A configured index location that does not exist made pip say so once per package looked up:
+    166 lines of a fresh set-up. A torch that is nowhere (resolved only, nothing changes) shows both
+    kinds of line."""
     cpu_torch_only()
     proc = setup(
         env={"TORCH_VERSION": "0.0.1", "TORCH_CPU_INDEX": (tmp_path / "no-index").as_uri()}
     )
     assert proc.returncode != 0
+    # pip's own error, kept
     assert [
         line
         for line in proc.stderr.splitlines()
         if line.startswith("ERROR:") and "torch==0.0.1" in line
-    ], proc.stderr  # pip's own error, kept
+    ], proc.stderr
     assert "is ignored" not in proc.stdout + proc.stderr, proc.stderr
 
 
@@ -152,7 +154,7 @@ def cpu_torchvision() -> str:
 BROKEN = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 
 
-# --- 3. a misspelt registered model, alias or version: the names there are ---------------------------------------
+# --- 3. a misspelt registered model, alias or version: the names there are ------------------------
 
 
 def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tiny_run):
@@ -181,12 +183,13 @@ def test_a_misspelt_registry_name_alias_or_version_gets_the_names_there(tiny_run
     )
 
 
-# --- 4. a shape the model can't take: the shapes fed and the shapes it takes ---------------------------------------
+# --- 4. a shape the model can't take: the shapes fed and the shapes it takes ----------------------
 
 
 def mismatched_lengths_model(path: Path) -> Path:
-    """`a` and `b`, FP32 [batch, length] each, added: any length fits each input, but not two different ones,
-    which onnxruntime finds only at run time (as a sequence model's ids and mask of different lengths)."""
+    """`a` and `b`, FP32 [batch, length] each, added: any length fits each input, but not two
+    different ones, which onnxruntime finds only at run time (as a sequence model's ids and mask of
+    different lengths)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -245,7 +248,8 @@ def test_a_shape_the_model_cannot_take_is_named_with_the_shapes_sent_and_taken(t
         "model takes [-1,-1] FP32): "
     )
     assert errors[0].startswith(sent) and "3 by 4" in errors[0], errors[0]
-    assert errors[1] == errors[0] and sent in errors[2], errors  # one message for every front end
+    # one message for every front end
+    assert errors[1] == errors[0] and sent in errors[2], errors
 
 
 def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
@@ -261,7 +265,7 @@ def test_a_model_that_cannot_take_the_data_says_what_it_was_fed(tmp_path):
     ], proc.stderr
 
 
-# --- 5. a config key's error names the YAML file it is in ----------------------------------------------------------
+# --- 5. a config key's error names the YAML file it is in -----------------------------------------
 
 
 def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
@@ -290,12 +294,13 @@ def test_a_misspelt_key_in_a_config_file_names_the_file_and_line(tmp_path):
     assert "override train.epoch=3: unknown config key 'train.epoch'" in proc.stderr, proc.stderr
 
 
-# --- 6. checkpoint saves: one summary line, each save only at --verbose --------------------------------------------
+# --- 6. checkpoint saves: one summary line, each save only at --verbose ---------------------------
 
 
 @pytest.mark.slow
 def test_checkpoint_saves_are_one_summary_line_unless_verbose(tiny_run, tmp_path):
-    # Quiet: the session's tiny run (checkpoints at steps 6 and 12), its console as `pipeline run` left it.
+    # Quiet: the session's tiny run (checkpoints at steps 6 and 12), its console as `pipeline run`
+    # left it.
     console = tiny_run.proc.stderr
     assert "checkpoint saved" not in console, console
     summary = [line for line in console.splitlines() if "checkpoints to" in line]
@@ -334,12 +339,12 @@ def test_checkpoint_saves_are_one_summary_line_unless_verbose(tiny_run, tmp_path
     ), verbose
 
 
-# --- 2. an import error in an optional package is shown as itself ---------------------------------------------------
+# --- 2. an import error in an optional package is shown as itself ---------------------------------
 
 
 def broken_torchvision(directory: Path) -> Path:
-    """A torchvision as the registry's CUDA build is under a CPU torch: installed (so transformers imports it too),
-    and failing at import the way it does there."""
+    """A torchvision as the registry's CUDA build is under a CPU torch: installed (so transformers
+    imports it too), and failing at import the way it does there."""
     (directory / "torchvision").mkdir(parents=True)
     (directory / "torchvision" / "__init__.py").write_text(BROKEN)
     dist_info = directory / "torchvision-0.28.0.dist-info"
@@ -361,7 +366,8 @@ def test_a_broken_optional_package_is_named_with_its_fix(tmp_path):
 
     fix = fix.format(torch.__version__)
     # A transformers model: transformers imports torchvision on its way to the class, and said only
-    # "Could not import module 'BertForSequenceClassification'. Are this object's requirements defined correctly?"
+    # "Could not import module 'BertForSequenceClassification'. Are this object's requirements
+    # defined correctly?"
     proc = run_cli(
         ["run", "--config", str(REPO / "configs/digit_sequences_bert.yaml")],
         cwd=tmp_path,
@@ -396,8 +402,8 @@ NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
 
 
 def grey_photos(root: Path, count: int) -> Path:
-    """`count` of scikit-learn's real digits as grey 8x8 PNG files (Pillow mode L), a folder a class named as a
-    person would (`zero` ... `nine`)."""
+    """`count` of scikit-learn's real digits as grey 8x8 PNG files (Pillow mode L), a folder a class
+    named as a person would (`zero` ... `nine`)."""
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -424,9 +430,9 @@ def docs_image_folder_shard_command() -> list[str]:
 
 @pytest.mark.slow
 def test_grey_photos_shard_and_train_with_the_command_the_hint_prints(tmp_path):
-    """docs/data.md's image-folder command on grey PNGs, then the `pipeline run` command it prints, pasted into a
-    shell as printed (a tiny run's settings after it): the grey images stay 1-channel, and the run trains from
-    the shards and registers under the name given to the shard command."""
+    """docs/data.md's image-folder command on grey PNGs, then the `pipeline run` command it prints,
+    pasted into a shell as printed (a tiny run's settings after it): the grey images stay 1-channel,
+    and the run trains from the shards and registers under the name given to the shard command."""
     grey_photos(tmp_path / "photos", 300)
     work = tmp_path / "work"
     work.mkdir()
@@ -459,15 +465,16 @@ def test_grey_photos_shard_and_train_with_the_command_the_hint_prints(tmp_path):
 
 @pytest.mark.slow
 def test_a_corrupt_image_met_by_one_rank_of_two_is_one_line_and_exit_2(tmp_path):
-    """A truncated PNG in a map-style image folder, met by rank 1 as it hashes its part of the training split:
-    the line naming the file is all the user sees (no traceback from rank 0, whose collective lost its peer,
-    nor torchrun's report of the failed workers), and the exit code is 2."""
+    """A truncated PNG in a map-style image folder, met by rank 1 as it hashes its part of the
+    training split: the line naming the file is all the user sees (no traceback from rank 0, whose
+    collective lost its peer, nor torchrun's report of the failed workers), and the exit code is
+    2."""
     from pipeline.datasets.image_folder import image_folder, spread
 
     photos = grey_photos(tmp_path / "photos", 600)
     train = image_folder(str(photos))["train"]
-    # Rank r hashes positions r, r + 2, ... of the split; the positions the data set reads when it is built
-    # (its statistics) would stop the run in the launcher, before torchrun.
+    # Rank r hashes positions r, r + 2, ... of the split; the positions the data set reads when it
+    # is built (its statistics) would stop the run in the launcher, before torchrun.
     position = next(p for p in range(1, len(train), 2) if p not in spread(len(train)))
     bad = train.files[position][0]
     bad.write_bytes(bad.read_bytes()[:60])
@@ -485,7 +492,8 @@ def test_a_corrupt_image_met_by_one_rank_of_two_is_one_line_and_exit_2(tmp_path)
         check=False,
         timeout=300,
     )
-    # The ranks' progress before it ("[rank0] 12:00:01 INFO pipeline.train: world size 2, ...") is the run's log.
+    # The ranks' progress before it ("[rank0] 12:00:01 INFO pipeline.train: world size 2, ...") is
+    # the run's log.
     said = [
         line for line in error_lines(proc.stderr) if not re.match(r"\[rank\d\] [\d:]+ INFO ", line)
     ]
@@ -514,8 +522,9 @@ def test_bad_input_is_said_by_the_first_rank_only_and_the_others_know(
 def test_args_another_component_does_not_take_get_the_override_that_replaces_them(
     tmp_path, monkeypatch
 ):
-    """The digits config's `val_fraction` kept by `data.args.root=DIR` (a dotted override keeps the file's
-    other args): the error shows the override that drops it, and that override, pasted, works."""
+    """The digits config's `val_fraction` kept by `data.args.root=DIR` (a dotted override keeps the
+    file's other args): the error shows the override that drops it, and that override, pasted,
+    works."""
     import shlex
 
     from pipeline import data_cli

@@ -15,7 +15,8 @@ from pipeline.components.build import instantiate_model
 
 def test_parity_fails_on_nan_outputs_even_where_argmax_agrees():
     ref_logits = np.zeros((4, 10), np.float32)
-    ref_logits[:, 0] = 5.0  # class 0 everywhere: argmax of a NaN row is 0 too
+    # class 0 everywhere: argmax of a NaN row is 0 too
+    ref_logits[:, 0] = 5.0
     logits = ref_logits.copy()
     logits[2] = np.nan
     probs = np.full((4, 10), 0.1, np.float32)
@@ -40,7 +41,8 @@ def test_fp16_consolidation_refuses_values_that_overflow(tmp_path):
     spec = mlp_spec()
     model = instantiate_model(spec)
     with torch.no_grad():
-        model.head.weight[0, 0] = 1e5  # fine in fp32 and bf16, Inf in fp16
+        # fine in fp32 and bf16, Inf in fp16
+        model.head.weight[0, 0] = 1e5
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ckpt = checkpoint.save(
         tmp_path / "run/checkpoints", 1, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=1
@@ -76,8 +78,8 @@ class Rows(torch.utils.data.Dataset):
 
 
 def test_a_declared_dynamic_axis_the_model_cannot_vary_is_a_failed_gate():
-    """A weight of fixed length 16 along the 'dynamic' axis: the exporter may still mark it dynamic, but
-    no other length can run, so the gate must fail instead of there being no gate at all."""
+    """A weight of fixed length 16 along the 'dynamic' axis: the exporter may still mark it dynamic,
+    but no other length can run, so the gate must fail instead of there being no gate at all."""
     from pipeline.artifact.onnx_export import ExportHead
     from pipeline.tasks.regression import Regression
 
@@ -119,9 +121,9 @@ def test_the_metric_gate_has_an_absolute_floor_for_a_metric_near_zero():
 
 
 def test_the_baseline_gate_can_be_passed_on_imbalanced_classes_and_knows_no_baseline_for_constant_targets():
-    """98% of one class: 'majority + 5 points' would ask for 103%; half the headroom left is asked instead, and a
-    perfect model passes. Targets that never vary: nothing beats their mean, so there is no baseline (rather than a
-    square root of a rounding error's negative)."""
+    """98% of one class: 'majority + 5 points' would ask for 103%; half the headroom left is asked
+    instead, and a perfect model passes. Targets that never vary: nothing beats their mean, so there
+    is no baseline (rather than a square root of a rounding error's negative)."""
     from types import SimpleNamespace
 
     from pipeline.artifact import baseline
@@ -131,7 +133,8 @@ def test_the_baseline_gate_can_be_passed_on_imbalanced_classes_and_knows_no_base
     cfg = SimpleNamespace(baseline_margin=0.05, allow_below_baseline=False)
     task = Classification(["common", "rare"], top_k=1)
     state = task.new_state(torch.device("cpu"))
-    state["confusion"] += torch.tensor([[98.0, 0.0], [0.0, 2.0]], dtype=torch.float64)  # perfect
+    # perfect
+    state["confusion"] += torch.tensor([[98.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
     state["n"] += 100
     found = baseline.gate(task, state, cfg, torch.nn.Identity(), None)
     assert (

@@ -1,5 +1,6 @@
-"""scripts/gpu-check on a machine without a GPU: it says so and exits 0 (the proofs themselves need a GPU;
-`scripts/gpu-check --dry-run-on-cpu` runs their harness on the CPU, about 2 minutes, outside the suite)."""
+"""scripts/gpu-check on a machine without a GPU: it says so and exits 0 (the proofs themselves need
+a GPU; `scripts/gpu-check --dry-run-on-cpu` runs their harness on the CPU, about 2 minutes, outside
+the suite)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The GPU paths of serving and of the export gates, checked on a machine without a GPU.
 
-Where onnxruntime's own behaviour can be had here, it is the real one: asked for the CUDA provider on this
-CPU-only machine, onnxruntime-gpu really fails to load it (its CUDA 13 libraries are absent) and creates
-the session on the CPU provider, exactly what a GPU host without those libraries does. What only a GPU
-would show (a session that does come up on CUDA, the options it took) goes through a fake session that
-records what it was given.
+Where onnxruntime's own behaviour can be had here, it is the real one: asked for the CUDA provider
+on this CPU-only machine, onnxruntime-gpu really fails to load it (its CUDA 13 libraries are absent)
+and creates the session on the CPU provider, exactly what a GPU host without those libraries does.
+What only a GPU would show (a session that does come up on CUDA, the options it took) goes through a
+fake session that records what it was given.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class FakeSession:
         self.providers = providers
         self.fallback = True
         type(self).created.append({"path": path, "providers": providers, "options": sess_options})
-        self._real = REAL_SESSION(path, providers=[CPU])  # for the model's inputs and outputs
+        # for the model's inputs and outputs
+        self._real = REAL_SESSION(path, providers=[CPU])
 
     def disable_fallback(self):
         self.fallback = False
@@ -67,13 +68,15 @@ class FakeSession:
             if name in self.runs_on
         }
 
-    def __getattr__(self, name):  # get_inputs, get_outputs, get_modelmeta, run
+    # get_inputs, get_outputs, get_modelmeta, run
+    def __getattr__(self, name):
         return getattr(self._real, name)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """A GPU as choose_provider sees it, preload_dlls recorded, sessions faked (on CUDA unless told)."""
+    """A GPU as choose_provider sees it, preload_dlls recorded, sessions faked (on CUDA unless
+    told)."""
     events: list[str] = []
     monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
     monkeypatch.setattr(ort, "get_available_providers", lambda: [TENSORRT, CUDA, CPU])
@@ -99,8 +102,8 @@ def fake_gpu(monkeypatch):
 def test_device_cuda_whose_provider_does_not_load_refuses_naming_provider_cause_and_fix(
     tmp_path, monkeypatch
 ):
-    """The real onnxruntime-gpu on a host that has a GPU but not CUDA 13 / cuDNN 9 where it looks: the
-    session comes up on the CPU. Before the fix this served on the CPU with --device cuda."""
+    """The real onnxruntime-gpu on a host that has a GPU but not CUDA 13 / cuDNN 9 where it looks:
+    the session comes up on the CPU. Before the fix this served on the CPU with --device cuda."""
     monkeypatch.setattr(serving_engine, "cuda_device_present", lambda: True)
     if CUDA not in ort.get_available_providers():
         pytest.skip("this onnxruntime has no CUDA provider")
@@ -114,9 +117,8 @@ def test_device_cuda_whose_provider_does_not_load_refuses_naming_provider_cause_
     assert (
         "CUDA 13 and cuDNN 9" in message and "pip install 'onnxruntime-gpu[cuda,cudnn]'" in message
     )
-    assert (
-        "libcublasLt.so.13" in message
-    )  # what preload_dlls could not find, as onnxruntime said it
+    # what preload_dlls could not find, as onnxruntime said it
+    assert "libcublasLt.so.13" in message
 
 
 @no_real_gpu
@@ -166,7 +168,8 @@ def test_cuda_session_is_created_after_preload_with_explicit_options(tmp_path, f
             "gpu_mem_limit": str(512 << 20),
         },
     )
-    assert fake_gpu.events.count("preload") == 1  # once per process
+    # once per process
+    assert fake_gpu.events.count("preload") == 1
 
 
 def test_cpu_never_preloads_and_a_missing_preload_dlls_is_tolerated(
@@ -251,7 +254,7 @@ def test_compose_gpu_server_asks_for_cuda():
     )
 
 
-# ---- TensorRT -------------------------------------------------------------------------------------
+# ---- TensorRT ------------------------------------------------------------------------------------
 
 
 def test_tensorrt_without_a_gpu_is_refused(tmp_path):
@@ -268,7 +271,8 @@ def test_tensorrt_without_its_libraries_is_refused_naming_them(tmp_path, fake_gp
         EngineError, match=r"TensorRT 10 libraries libnvinfer\.so\.10, libnvonnxparser\.so\.10"
     ):
         Engine(str(tiny_model(tmp_path / "m.onnx")), device="tensorrt")
-    assert fake_gpu.session.created == []  # refused before any session
+    # refused before any session
+    assert fake_gpu.session.created == []
 
 
 def test_tensorrt_session_caches_its_engines(tmp_path, fake_gpu, monkeypatch):
@@ -288,10 +292,11 @@ def test_tensorrt_session_caches_its_engines(tmp_path, fake_gpu, monkeypatch):
         "trt_timing_cache_path": cache,
     }
     assert engine.provider == TENSORRT
+    # TensorRT did not come up: refused, not served on plain CUDA
     fake_gpu.session.runs_on = [
         CUDA,
         CPU,
-    ]  # TensorRT did not come up: refused, not served on plain CUDA
+    ]
     with pytest.raises(
         EngineError,
         match="created the session on CUDAExecutionProvider, not TensorrtExecutionProvider",
@@ -299,7 +304,7 @@ def test_tensorrt_session_caches_its_engines(tmp_path, fake_gpu, monkeypatch):
         Engine(str(tmp_path / "m.onnx"), device="tensorrt")
 
 
-# ---- A.6: the fp16 variant is servable ------------------------------------------------------------
+# ---- A.6: the fp16 variant is servable -----------------------------------------------------------
 
 
 def model_dir(tmp_path: Path, *names: str) -> Path:
@@ -338,8 +343,9 @@ def test_loader_picks_each_variants_file(tmp_path):
 
 
 def test_cuda_graphs_are_refused_with_the_reason_where_they_cannot_run(tmp_path, fake_gpu):
-    """A CUDA graph needs the CUDA provider and a batch bucket's one shape: a CPU session, or a model whose
-    buckets can't be made (another dynamic axis), is refused at load, never served another way."""
+    """A CUDA graph needs the CUDA provider and a batch bucket's one shape: a CPU session, or a
+    model whose buckets can't be made (another dynamic axis), is refused at load, never served
+    another way."""
     model = str(tiny_model(tmp_path / "m.onnx"))
     r = subprocess.run(
         [sys.executable, "-m", "serving", "--model", model, "--cuda-graphs", "--device", "cpu"],
@@ -349,9 +355,8 @@ def test_cuda_graphs_are_refused_with_the_reason_where_they_cannot_run(tmp_path,
         timeout=60,
     )
     assert r.returncode == 2 and "--cuda-graphs only apply to a GPU" in r.stderr, r.stderr
-    if (
-        not REAL_GPU
-    ):  # --device auto, which falls back to the CPU here: the engine refuses, naming why
+    # --device auto, which falls back to the CPU here: the engine refuses, naming why
+    if not REAL_GPU:
         r = subprocess.run(
             [sys.executable, "-m", "serving", "--model", model, "--cuda-graphs"],
             cwd=ROOT,
@@ -430,7 +435,8 @@ def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    # Not the experiment id another test left active in this process (it does not exist in this store).
+    # Not the experiment id another test left active in this process (it does not exist in this
+    # store).
     experiment = mlflow.create_experiment(
         "fp16-beside", artifact_location=(tmp_path / "artifacts").as_uri()
     )
@@ -460,7 +466,7 @@ def test_the_fp16_file_is_logged_inside_the_registered_model(tmp_path, monkeypat
     assert find_onnx(local, "fp16").read_bytes() == fp16.read_bytes()
 
 
-# ---- A.5 / A.6: every export gate records the provider it ran on ----------------------------------
+# ---- A.5 / A.6: every export gate records the provider it ran on ---------------------------------
 
 
 class Mean(torch.nn.Module):
@@ -486,13 +492,13 @@ def mean_export(tmp_path):
     path = tmp_path / "mean.onnx"
     onnx.save(model, str(path))
     x = torch.rand(20, 6, generator=torch.Generator().manual_seed(0))
-    val = torch.utils.data.TensorDataset(x, x.mean(1))  # (inputs, target) pairs
+    # (inputs, target) pairs
+    val = torch.utils.data.TensorDataset(x, x.mean(1))
     task = Regression()
     head = ExportHead(Mean(), task, ["input"], True)
     batches, _ = gates.parity_batches(val, {}, head, sizes=(1, 7))
-    ref = SimpleNamespace(
-        head=head, task=task, splits=SimpleNamespace(val=val)
-    )  # what rebuild() gives export
+    # what rebuild() gives export
+    ref = SimpleNamespace(head=head, task=task, splits=SimpleNamespace(val=val))
     return SimpleNamespace(path=path, model=model, ref=ref, batches=batches, cfg=ExportConfig())
 
 
@@ -508,8 +514,8 @@ def test_every_gate_records_the_provider_it_ran_on(mean_export):
 
 @no_real_gpu
 def test_a_gate_asked_for_cuda_that_onnxruntime_ran_on_the_cpu_fails_naming_it(mean_export):
-    """The real fallback: onnxruntime-gpu asked for [CUDA, CPU] here creates a CPU session. Before the fix
-    the gate measured the CPU and called it CUDA."""
+    """The real fallback: onnxruntime-gpu asked for [CUDA, CPU] here creates a CPU session. Before
+    the fix the gate measured the CPU and called it CUDA."""
     from pipeline import export
     from pipeline.artifact import gates
     from pipeline.artifact.rebuild import run_gates
@@ -538,7 +544,8 @@ def test_fp16_gate_asserts_and_records_its_provider(mean_export, tmp_path):
     on_cpu = export._fp16_gates(fp16, e.ref, e.batches, e.cfg, on_cuda=False)
     assert all(g["passed"] for g in on_cpu.values()), on_cpu
     assert {g["provider"] for k, g in on_cpu.items() if k != "fp16.checker"} == {CPU}
-    if CUDA in ort.get_available_providers():  # asked for CUDA, ran on the CPU: fails, naming it
+    # asked for CUDA, ran on the CPU: fails, naming it
+    if CUDA in ort.get_available_providers():
         on_cuda = export._fp16_gates(fp16, e.ref, e.batches, e.cfg, on_cuda=True)
         assert (
             not on_cuda["fp16.provider"]["passed"] and on_cuda["fp16.provider"]["provider"] == CPU
@@ -559,7 +566,7 @@ def test_export_gates_cuda_only_where_a_cuda_provider_really_runs(mean_export, m
         )
 
 
-# ---- A.7: warm-up ---------------------------------------------------------------------------------
+# ---- A.7: warm-up --------------------------------------------------------------------------------
 
 
 class RecordingEngine:
@@ -612,6 +619,7 @@ def test_on_cuda_the_server_pads_to_power_of_two_buckets_a_session_each_and_warm
         Settings(model=path, device="cuda", max_batch_size=8, batch_buckets="off"), source
     )
     assert model.engine.buckets == () and len(fake_gpu.session.created) == 1
+    # every size, as before
     assert serving_app.warm_up_sizes(model.engine, 8) == (
         8,
         1,
@@ -621,7 +629,7 @@ def test_on_cuda_the_server_pads_to_power_of_two_buckets_a_session_each_and_warm
         5,
         6,
         7,
-    )  # every size, as before
+    )
     assert Settings(model=path, max_batch_size=24).bucket_sizes() == BatchBuckets(
         (1, 2, 4, 8, 16, 24), cuda_only=True
     )
@@ -629,8 +637,8 @@ def test_on_cuda_the_server_pads_to_power_of_two_buckets_a_session_each_and_warm
         (4, 8)
     )
 
-    # --device auto whose CUDA provider does not load: the CPU, where auto's buckets do not pay: one session,
-    # no second try of the CUDA provider per bucket.
+    # --device auto whose CUDA provider does not load: the CPU, where auto's buckets do not pay: one
+    # session, no second try of the CUDA provider per bucket.
     fake_gpu.session.created.clear()
     fake_gpu.session.runs_on = [CPU]
     model = serving_app.open_source(Settings(model=path, device="auto", max_batch_size=8), source)
@@ -657,12 +665,11 @@ def test_a_reloads_warm_up_runs_on_the_engine_thread_one_size_at_a_time(tmp_path
     finally:
         server.executor.shutdown(wait=True)
     assert [sizes for sizes, _ in new.calls] == [(4,), (1,), (2,), (3,)]
-    assert {thread for _, thread in new.calls} == {
-        "engine_0"
-    }  # the thread every live batch runs on
+    # the thread every live batch runs on
+    assert {thread for _, thread in new.calls} == {"engine_0"}
 
 
-# ---- A.11: the image's build-time check looks at the libraries ------------------------------------
+# ---- A.11: the image's build-time check looks at the libraries -----------------------------------
 
 
 def test_missing_cuda_libraries_are_read_from_ldd_and_the_loader_cache():
@@ -682,7 +689,8 @@ def test_the_dockerfile_checks_the_libraries_not_the_provider_list():
     text = (ROOT / "Dockerfile").read_text()
     assert "system_cuda_libraries_missing" in text and "get_available_providers()," not in text
     if CUDA in ort.get_available_providers() and serving_engine.system_cuda_libraries_missing():
-        # Here the old check (the provider list) passes while the provider cannot load: the new one fails.
+        # Here the old check (the provider list) passes while the provider cannot load: the new one
+        # fails.
         code = re.search(
             r'&& (python -c "import sys; from serving\.engine import .*?)" \\\n    && rm',
             text,
@@ -706,9 +714,9 @@ def test_the_dockerfile_checks_the_libraries_not_the_provider_list():
 def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_nothing_there(
     tmp_path, monkeypatch, caplog
 ):
-    """An export on a CPU machine measures no GPU: `--variant auto` on a GPU then serves the version's gated fp16
-    file (the GPU's fast path) and says why; what the export did measure on the GPU decides when there is a
-    measurement; the CPU is never given fp16. A real SQLite registry."""
+    """An export on a CPU machine measures no GPU: `--variant auto` on a GPU then serves the
+    version's gated fp16 file (the GPU's fast path) and says why; what the export did measure on the
+    GPU decides when there is a measurement; the CPU is never given fp16. A real SQLite registry."""
     import mlflow
 
     from serving import lineage
@@ -717,9 +725,8 @@ def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_not
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(
-        uri
-    )  # (another test of this process may have set one: it wins over the variable)
+    # (another test of this process may have set one: it wins over the variable)
+    mlflow.set_tracking_uri(uri)
     try:
         client = mlflow.MlflowClient(uri)
         client.create_registered_model("m")
@@ -734,11 +741,9 @@ def test_variant_auto_on_a_gpu_takes_the_gated_fp16_when_the_export_measured_not
             assert _auto_variant("models:/m/1", "version", None, CUDA) == "fp16"
         assert "its gated fp16 variant" in caplog.text
         assert _auto_variant("models:/m/1", "version", None, CPU) == "fp32"
-        assert (
-            _auto_variant("models:/m/2", "version", None, CUDA) == "fp32"
-        )  # measured there: fp32 was faster
-        assert (
-            _auto_variant("models:/m/3", "version", None, CUDA) == "fp32"
-        )  # no fp16 file passed its gates
+        # measured there: fp32 was faster
+        assert _auto_variant("models:/m/2", "version", None, CUDA) == "fp32"
+        # no fp16 file passed its gates
+        assert _auto_variant("models:/m/3", "version", None, CUDA) == "fp32"
     finally:
         mlflow.set_tracking_uri(previous)

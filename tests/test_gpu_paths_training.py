@@ -1,7 +1,7 @@
-"""The training branches a GPU takes, proven on CPU by forcing them (review gpu-paths-a1205b7, A and B):
-FSDP2 with channels_last and with bf16 BatchNorm, precision=auto on old and new GPUs, a CPU checkpoint
-resumed on a GPU node, divergence as a collective, no host sync per step, GPU system metrics,
-torch.compile and persistent loader workers."""
+"""The training branches a GPU takes, proven on CPU by forcing them (review gpu-paths-a1205b7, A and
+B): FSDP2 with channels_last and with bf16 BatchNorm, precision=auto on old and new GPUs, a CPU
+checkpoint resumed on a GPU node, divergence as a collective, no host sync per step, GPU system
+metrics, torch.compile and persistent loader workers."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from pipeline.train import Learner, TrainingDiverged, mean_loss_over_ranks, new_
 
 @pytest.fixture
 def world_of_one(tmp_path):
-    """A real gloo process group of one in this process (FSDP2 needs its device mesh), destroyed after."""
+    """A real gloo process group of one in this process (FSDP2 needs its device mesh), destroyed
+    after."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         yield DistInfo(0, 1, 0, 1, torch.device("cpu"))
@@ -54,7 +55,8 @@ def batch(rows=8, size=8, seed=0):
 
 
 def spy_fully_shard(monkeypatch) -> list[tuple[nn.Module, bool, torch.dtype | None]]:
-    """Every fully_shard call: the module, whether all its parameters were contiguous, the policy's param dtype."""
+    """Every fully_shard call: the module, whether all its parameters were contiguous, the policy's
+    param dtype."""
     import torch.distributed.fsdp as fsdp
 
     calls = []
@@ -81,8 +83,9 @@ def spy_fully_shard(monkeypatch) -> list[tuple[nn.Module, bool, torch.dtype | No
 def test_fsdp_with_channels_last_shards_contiguous_weights_and_trains_on_nhwc_inputs(
     world_of_one, monkeypatch
 ):
-    """FSDP2 raises NotImplementedError on a non-contiguous parameter; a channels_last 3x3 conv weight is
-    one. The CUDA branch, forced on CPU: weights stay contiguous, the inputs go NHWC, a step trains."""
+    """FSDP2 raises NotImplementedError on a non-contiguous parameter; a channels_last 3x3 conv
+    weight is one. The CUDA branch, forced on CPU: weights stay contiguous, the inputs go NHWC, a
+    step trains."""
     monkeypatch.setattr(
         parallelize, "uses_channels_last", lambda cfg, info, model=None: cfg.channels_last
     )
@@ -131,7 +134,8 @@ def test_ddp_with_channels_last_still_puts_the_weights_in_nhwc(world_of_one, mon
 
 
 def spy_weight_dtypes(monkeypatch) -> dict[str, list]:
-    """The dtypes batch_norm and conv2d are called with: what the kernels see, after FSDP2's casts."""
+    """The dtypes batch_norm and conv2d are called with: what the kernels see, after FSDP2's
+    casts."""
     seen = {"bn": [], "conv": []}
     real_bn, real_conv = F.batch_norm, F.conv2d
 
@@ -149,8 +153,9 @@ def spy_weight_dtypes(monkeypatch) -> dict[str, list]:
 
 
 def test_fsdp_bf16_keeps_batchnorm_in_fp32_and_casts_the_convolutions(world_of_one, monkeypatch):
-    """A bf16 BatchNorm weight with its fp32 running statistics: 'expected scalar type BFloat16 but found
-    Float', on CPU as on CUDA. Each BatchNorm is its own fp32 unit; the convolutions still get bf16."""
+    """A bf16 BatchNorm weight with its fp32 running statistics: 'expected scalar type BFloat16 but
+    found Float', on CPU as on CUDA. Each BatchNorm is its own fp32 unit; the convolutions still get
+    bf16."""
     torch.manual_seed(0)
     model = parallelize.wrap_model(
         instantiate_model(resnet_spec()), TrainConfig(strategy="fsdp"), "bf16", world_of_one
@@ -173,14 +178,13 @@ def test_fsdp_bf16_keeps_batchnorm_in_fp32_and_casts_the_convolutions(world_of_o
     assert torch.isfinite(loss)
     assert len(seen["bn"]) == 20 and set(seen["bn"]) == {(torch.float32, torch.float32)}
     assert len(seen["conv"]) == 20 and set(seen["conv"]) == {torch.bfloat16}
-    assert all(
-        p.dtype == torch.float32 for p in model.parameters()
-    )  # the sharded masters stay fp32
+    # the sharded masters stay fp32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_fsdp_bf16_gives_sync_batchnorm_an_fp32_unit_too(world_of_one, monkeypatch):
-    """SyncBatchNorm (CUDA's train.sync_batchnorm) is a _BatchNorm as well. Its training forward has no CPU
-    kernel, so the eval forward shows the dtypes (it calls the same batch_norm)."""
+    """SyncBatchNorm (CUDA's train.sync_batchnorm) is a _BatchNorm as well. Its training forward has
+    no CPU kernel, so the eval forward shows the dtypes (it calls the same batch_norm)."""
     calls = spy_fully_shard(monkeypatch)
     model = nn.SyncBatchNorm.convert_sync_batchnorm(instantiate_model(resnet_spec()))
     model = parallelize.shard(model, [], "bf16")
@@ -188,7 +192,8 @@ def test_fsdp_bf16_gives_sync_batchnorm_an_fp32_unit_too(world_of_one, monkeypat
     assert len(norms) == 20 and all(
         dtype is None for m, _, dtype in calls if isinstance(m, nn.SyncBatchNorm)
     )
-    assert calls[len(norms)][2] == torch.bfloat16  # the blocks come after the norms they hold
+    # the blocks come after the norms they hold
+    assert calls[len(norms)][2] == torch.bfloat16
     seen = spy_weight_dtypes(monkeypatch)
     model.eval()
     with torch.no_grad(), amp.autocast("bf16", world_of_one.device):
@@ -208,8 +213,8 @@ def test_fsdp_bf16_gives_sync_batchnorm_an_fp32_unit_too(world_of_one, monkeypat
 def test_auto_precision_takes_bf16_only_where_the_gpu_has_it_natively(
     monkeypatch, capability, expected
 ):
-    """torch.cuda.is_bf16_supported() says yes on Volta/Turing too (it can allocate a bf16 tensor there);
-    faked here as torch 2.13 computes it."""
+    """torch.cuda.is_bf16_supported() says yes on Volta/Turing too (it can allocate a bf16 tensor
+    there); faked here as torch 2.13 computes it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -226,8 +231,9 @@ def test_auto_precision_takes_bf16_only_where_the_gpu_has_it_natively(
 
 
 def test_a_checkpoint_written_on_cpu_resumes_on_a_gpu_node(tmp_path, monkeypatch):
-    """On a GPU node the RNG state includes 'cuda'; a checkpoint saved on CPU has no rng.rank0.cuda, and
-    DCP refuses a requested key the checkpoint lacks. The other generators are restored all the same."""
+    """On a GPU node the RNG state includes 'cuda'; a checkpoint saved on CPU has no rng.rank0.cuda,
+    and DCP refuses a requested key the checkpoint lacks. The other generators are restored all the
+    same."""
     spec = mlp_spec()
     model = instantiate_model(spec)
     opt = torch.optim.AdamW(model.parameters())
@@ -236,9 +242,8 @@ def test_a_checkpoint_written_on_cpu_resumes_on_a_gpu_node(tmp_path, monkeypatch
     path = checkpoint.save(tmp_path, 1, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=1)
     after_save = torch.rand(4)
 
-    monkeypatch.setattr(
-        torch.cuda, "is_available", lambda: True
-    )  # a GPU node, as checkpoint.py sees it
+    # a GPU node, as checkpoint.py sees it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
     assert "cuda" in dcp_read.rng_state()
     monkeypatch.setattr(
@@ -268,8 +273,8 @@ def test_a_non_finite_window_raises_and_names_the_rank():
 
 
 def test_train_step_never_waits_for_the_device_unless_asked_for_the_norm(monkeypatch):
-    """A .item() per micro-batch (and one for the clipped norm) is a CUDA sync per step; the loop reads
-    the loss at its log steps only. Every way a tensor reaches the host is counted."""
+    """A .item() per micro-batch (and one for the clipped norm) is a CUDA sync per step; the loop
+    reads the loss at its log steps only. Every way a tensor reaches the host is counted."""
     reads = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
         real = getattr(torch.Tensor, name)
@@ -325,8 +330,9 @@ def poisoned_mlp(
     poison_rank: int = 1,
     poison_at: int = 6,
 ) -> nn.Module:
-    """Test component: the built-in MLP, whose training output on rank `poison_rank` is infinite from its
-    `poison_at`-th training forward on (the loss NaN). Evaluation and other ranks are untouched."""
+    """Test component: the built-in MLP, whose training output on rank `poison_rank` is infinite
+    from its `poison_at`-th training forward on (the loss NaN). Evaluation and other ranks are
+    untouched."""
     from pipeline.models import mlp
 
     class Poisoned(nn.Module):
@@ -348,9 +354,10 @@ def poisoned_mlp(
 
 @pytest.mark.slow
 def test_one_rank_diverging_stops_both_ranks_at_the_same_step_before_the_save(workdir):
-    """Rank 1's loss turns NaN at step 6, rank 0's is finite there. Rank 1 used to raise alone (under NCCL
-    its peer then hangs in the next collective until the timeout); both raise at step 6 now, where the
-    checkpoint was due and is not written. Straight under torchrun: the launcher's checks add 10 s."""
+    """Rank 1's loss turns NaN at step 6, rank 0's is finite there. Rank 1 used to raise alone
+    (under NCCL its peer then hangs in the next collective until the timeout); both raise at step 6
+    now, where the checkpoint was due and is not written. Straight under torchrun: the launcher's
+    checks add 10 s."""
     cmd = [
         sys.executable,
         "-m",
@@ -396,9 +403,8 @@ def test_a_gpu_run_without_pynvml_says_it_gets_no_gpu_metrics(tmp_path, monkeypa
     )
 
     def warnings_starting(gpu: bool, pynvml: types.ModuleType | None) -> list[str]:
-        monkeypatch.setitem(
-            sys.modules, "pynvml", pynvml
-        )  # None: `import pynvml` raises ImportError
+        # None: `import pynvml` raises ImportError
+        monkeypatch.setitem(sys.modules, "pynvml", pynvml)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=tracking.log.name):
             tracking.start_run("run", None, {}, system_metrics=True, gpu=gpu)
@@ -410,7 +416,8 @@ def test_a_gpu_run_without_pynvml_says_it_gets_no_gpu_metrics(tmp_path, monkeypa
         "pip install 'trainserve[gpu]' (nvidia-ml-py)"
     ]
     assert warnings_starting(gpu=True, pynvml=types.ModuleType("pynvml")) == []
-    assert warnings_starting(gpu=False, pynvml=None) == []  # a CPU run has no GPU to miss
+    # a CPU run has no GPU to miss
+    assert warnings_starting(gpu=False, pynvml=None) == []
 
 
 def test_the_gpu_extra_names_nvidia_ml_py():
@@ -450,10 +457,11 @@ def test_train_compile_without_a_compiler_is_refused_before_training(monkeypatch
 def test_a_compiled_model_trains_like_the_eager_one_and_keeps_its_parameter_names(
     world_of_one, strategy, monkeypatch
 ):
-    """Two steps of two micro-batches (DDP's no_sync, FSDP2's gradient-sync switch) on the MLP. Dynamo,
-    DDP's graph splitting and AOTAutograd run for real; only the code generation is left out: Inductor's
-    C++ build is slow even for this MLP (docs/benchmarks.md#teststest_gpu_paths_trainingpy), the
-    aot_eager backend keeps the test to seconds."""
+    """Two steps of two micro-batches (DDP's no_sync, FSDP2's gradient-sync switch) on the MLP.
+    Dynamo, DDP's graph splitting and AOTAutograd run for real; only the code generation is left
+    out: Inductor's C++ build is slow even for this MLP
+    (docs/benchmarks.md#teststest_gpu_paths_trainingpy), the aot_eager backend keeps the test to
+    seconds."""
     real = nn.Module.compile
     monkeypatch.setattr(
         nn.Module, "compile", lambda self, **kw: real(self, **{"backend": "aot_eager", **kw})
@@ -522,8 +530,9 @@ def test_train_loader_workers_outlive_the_epoch():
 
 
 def test_channels_last_auto_is_on_for_a_convolutional_model_on_cuda_only():
-    """The GPU's pace by default: train.channels_last=auto (the default) puts a model with 2-d convolutions in NHWC on
-    CUDA, leaves a model without them, and the CPU, alone; true and false are taken as they are."""
+    """The GPU's pace by default: train.channels_last=auto (the default) puts a model with 2-d
+    convolutions in NHWC on CUDA, leaves a model without them, and the CPU, alone; true and false
+    are taken as they are."""
     from types import SimpleNamespace
 
     from pipeline.config import TrainConfig

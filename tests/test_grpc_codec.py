@@ -44,8 +44,8 @@ SMALL_INTS = [spec("i8", np.int8, "INT8", (-1, 2)), spec("u16", np.uint16, "UINT
 ANY_SHAPE = [spec("t", np.float32, "FP32", (-1, -1, -1, -1, -1))]
 LIMITS = Limits(max_rows=64, max_body_bytes=1 << 20)
 
-# Triton's messages of the extensions this server answers over gRPC as over HTTP (its grpc_service.proto
-# and model_config.proto).
+# Triton's messages of the extensions this server answers over gRPC as over HTTP (its
+# grpc_service.proto and model_config.proto).
 TRITON_EXTENSION_MESSAGES = (
     "ModelConfigRequest",
     "ModelConfigResponse",
@@ -250,9 +250,10 @@ def test_schema_declares_kserve_messages_exactly():
         for m in OUR_MESSAGES
         if not m.GetOptions().map_entry
     }
-    # KServe's messages exactly, plus Triton's answer on a stream, its two more InferParameter kinds, its
-    # shared-memory messages and those of its extensions (model configuration, repository, statistics)
-    # (checked field by field against tritonclient's by test_every_message_matches_tritonclient).
+    # KServe's messages exactly, plus Triton's answer on a stream, its two more InferParameter
+    # kinds, its shared-memory messages and those of its extensions (model configuration,
+    # repository, statistics) (checked field by field against tritonclient's by
+    # test_every_message_matches_tritonclient).
     assert declared.pop("ModelStreamInferResponse") == {"error_message": 1, "infer_response": 2}
     triton_only = {name: fields for name, fields in declared.items() if "SharedMemory" in name}
     assert len(triton_only) == 14, sorted(triton_only)
@@ -302,7 +303,8 @@ def test_service_methods_match_tritonclient():
         assert request_class.DESCRIPTOR.full_name == theirs.input_type.full_name
         assert response_class.DESCRIPTOR.full_name == theirs.output_type.full_name
         assert getattr(schema, request_class.DESCRIPTOR.name) is request_class
-    assert list(schema.STREAMS) == ["ModelStreamInfer"]  # Triton's stream, beside KServe's six
+    # Triton's stream, beside KServe's six
+    assert list(schema.STREAMS) == ["ModelStreamInfer"]
     for method, (request_class, response_class) in schema.STREAMS.items():
         ours, theirs = ours_service.methods_by_name[method], theirs_service.methods_by_name[method]
         assert (
@@ -386,7 +388,8 @@ def test_answer_reads_back_through_tritonclient():
 
 
 def test_answer_is_contiguous_little_endian_and_id_optional():
-    probs = np.arange(6, dtype=">f4").reshape(3, 2).T  # big-endian, not contiguous
+    # big-endian, not contiguous
+    probs = np.arange(6, dtype=">f4").reshape(3, 2).T
     response = encode_infer("m", "1", None, {"probs": probs}, [("probs", True)], OUTPUTS)
     assert not response.id
     assert list(response.outputs[0].shape) == [2, 3]
@@ -448,7 +451,8 @@ def _without_last_input(request):
 
 
 def _huge_rows(request):
-    request.inputs[0].shape[0] = 10**9  # 16 GB of FP32 declared, 32 bytes sent
+    # 16 GB of FP32 declared, 32 bytes sent
+    request.inputs[0].shape[0] = 10**9
 
 
 def _huge_values(request):
@@ -674,13 +678,15 @@ def _base(kind: str) -> tuple[schema.ModelInferRequest, list[TensorSpec]]:
 )
 def test_refusal(kind, spoil, words):
     request, inputs = _base(kind)
-    decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)  # valid before it is spoiled
+    # valid before it is spoiled
+    decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)
     spoil(request)
     with pytest.raises(BadRequest) as refused:
         decode_infer(request, inputs, OUTPUT_NAMES, LIMITS)
     assert words in str(refused.value)
     assert refused.value.status == 400
-    assert len(str(refused.value)) < 1000  # gRPC carries it in a trailer
+    # gRPC carries it in a trailer
+    assert len(str(refused.value)) < 1000
 
 
 def test_declared_size_is_refused_before_any_allocation():
@@ -705,13 +711,17 @@ def _byte_mutation(rng: random.Random, seed: bytes) -> bytes:
     for _ in range(rng.randint(1, 4)):
         where = rng.randrange(len(data) + 1)
         choice = rng.randrange(4)
-        if choice == 0 and data:  # flip a byte
+        # flip a byte
+        if choice == 0 and data:
             data[min(where, len(data) - 1)] = rng.randrange(256)
-        elif choice == 1:  # cut
+        elif choice == 1:
+            # cut
             del data[where : where + rng.randint(1, 16)]
-        elif choice == 2:  # insert noise
+        elif choice == 2:
+            # insert noise
             data[where:where] = rng.randbytes(rng.randint(1, 8))
-        else:  # repeat a slice: fields given twice, shapes longer
+        else:
+            # repeat a slice: fields given twice, shapes longer
             data[where:where] = data[rng.randrange(len(data) + 1) :][: rng.randint(1, 24)]
     return bytes(data)
 
@@ -794,15 +804,17 @@ def test_fuzz_only_bad_request_or_decode_error():
             continue
         outcomes["accepted"] += 1
         assert 0 < decoded.rows <= LIMITS.max_rows
-        for s in inputs:  # what is accepted is what the model takes
+        # what is accepted is what the model takes
+        for s in inputs:
             assert decoded.feeds[s.name].dtype == s.dtype
             assert len(decoded.feeds[s.name].shape) == len(s.shape)
-    assert min(outcomes.values()) >= 30, outcomes  # every path was taken, often
+    # every path was taken, often
+    assert min(outcomes.values()) >= 30, outcomes
 
 
 def test_a_missing_input_of_an_image_version_names_the_tensor_not_both_forms():
-    """An image version takes the tensor or the file that stands for it (codec.given_inputs): a request
-    with neither is missing one input, the tensor, in Triton's words too."""
+    """An image version takes the tensor or the file that stands for it (codec.given_inputs): a
+    request with neither is missing one input, the tensor, in Triton's words too."""
     inputs = [
         spec("x", "float32", "FP32", (-1, 4)),
         replace(spec("image", "object", "BYTES", (-1,)), stands_for="x"),

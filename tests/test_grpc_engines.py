@@ -1,8 +1,8 @@
-"""Both engines of the gRPC port, `--grpc-engine native` (grpc's C++ server, serving/grpc/native.cc) and `aio`
-(grpc.aio), answer alike where a transport could differ: the receipt as initial metadata on an answer and on a
-refusal, an unknown method, a message over --max-body-bytes, a client that gives up mid-call, a stream. The rest of
-the gRPC tests run on `auto`, which is native wherever it is built, as CI's machine builds it. A real `python -m
-serving` process each, real grpc clients."""
+"""Both engines of the gRPC port, `--grpc-engine native` (grpc's C++ server, serving/grpc/native.cc)
+and `aio` (grpc.aio), answer alike where a transport could differ: the receipt as initial metadata
+on an answer and on a refusal, an unknown method, a message over --max-body-bytes, a client that
+gives up mid-call, a stream. The rest of the gRPC tests run on `auto`, which is native wherever it
+is built, as CI's machine builds it. A real `python -m serving` process each, real grpc clients."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ METHOD = "/inference.GRPCInferenceService/"
 
 
 def test_the_native_engine_is_built_wherever_grpcs_cpp_library_is_installed():
-    """So that a failed build (setup.py marks it optional) does not leave CI quietly testing grpc.aio twice."""
+    """So that a failed build (setup.py marks it optional) does not leave CI quietly testing
+    grpc.aio twice."""
     installed = (
         subprocess.run(["pkg-config", "--exists", "grpc++"], capture_output=True).returncode == 0
     )
@@ -43,7 +44,8 @@ def server(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     model = tiny_model(tmp / "tiny.onnx")
     port = free_port()
-    # --max-delay-ms: a lone request waits for company, so a client can give up while it is in the server
+    # --max-delay-ms: a lone request waits for company, so a client can give up while it is in the
+    # server
     with ServerProcess(
         "--model",
         str(model),
@@ -79,9 +81,8 @@ def test_receipt_as_initial_metadata_on_an_answer_and_on_a_refusal(server):
         body, call = infer.with_call(infer_request(id="r-1"), timeout=30)
         assert schema.ModelInferResponse.FromString(body).id == "r-1"
         assert dict(call.initial_metadata())["x-request-id"] == "r-1"
-        with pytest.raises(
-            grpc.RpcError
-        ) as refused:  # the version was chosen, then the shape refused
+        # the version was chosen, then the shape refused
+        with pytest.raises(grpc.RpcError) as refused:
             infer(infer_request(shape_tail=(1, 4, 8), id="r-2"), timeout=30)
     assert (
         refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -97,7 +98,8 @@ def test_an_unknown_method_is_unimplemented_at_once(server):
             channel.unary_unary(METHOD + "NoSuchMethod")(b"", timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
-        def later():  # a streaming client that sends nothing yet: answered before it does
+        # a streaming client that sends nothing yet: answered before it does
+        def later():
             time.sleep(5)
             yield b""
 
@@ -108,8 +110,8 @@ def test_an_unknown_method_is_unimplemented_at_once(server):
 
 
 def test_a_name_with_a_nul_is_not_found_and_the_server_still_stops(server):
-    """The review: the NUL in the status message (which names the unknown model) made the native engine's status
-    fail, and the call hung until its deadline."""
+    """The review: the NUL in the status message (which names the unknown model) made the native
+    engine's status fail, and the call hung until its deadline."""
     with grpc.insecure_channel(server.grpc) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             channel.unary_unary(METHOD + "ModelReady")(
@@ -124,7 +126,8 @@ def test_a_message_over_max_body_bytes_is_resource_exhausted_and_the_next_one_is
     ) as channel:
         infer = channel.unary_unary(METHOD + "ModelInfer")
         with pytest.raises(grpc.RpcError) as refused:
-            infer(infer_request(rows=5000), timeout=30)  # 1.3 MB against 1 MiB
+            # 1.3 MB against 1 MiB
+            infer(infer_request(rows=5000), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (
             schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name
@@ -136,7 +139,8 @@ def test_a_client_that_gives_up_mid_call_leaves_the_server_answering(server):
     with grpc.insecure_channel(server.grpc) as channel:
         infer = channel.unary_unary(METHOD + "ModelInfer")
         with pytest.raises(grpc.RpcError) as gone:
-            infer(infer_request(), timeout=0.3)  # it waits 1.5 s in the batcher for company
+            # it waits 1.5 s in the batcher for company
+            infer(infer_request(), timeout=0.3)
         assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert (
             schema.ModelInferResponse.FromString(infer(infer_request(), timeout=30)).model_name
@@ -192,17 +196,16 @@ def native_front_end(handle) -> tuple:
 
 
 def test_native_calls_cancelled_before_their_handler_began_are_ended_and_stop_returns():
-    """The review: calls whose client gave up while the event loop was busy came in with their cancellation in one
-    batch; their tasks were cancelled before they began, nothing ended the calls, and grpc's Shutdown waited for
-    them for ever."""
+    """The review: calls whose client gave up while the event loop was busy came in with their
+    cancellation in one batch; their tasks were cancelled before they began, nothing ended the
+    calls, and grpc's Shutdown waited for them for ever."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
 
     async def handle(data, context):
         if data == b"block":
-            time.sleep(
-                1.0
-            )  # the loop is stuck: meanwhile two calls arrive and their clients give up
+            # the loop is stuck: meanwhile two calls arrive and their clients give up
+            time.sleep(1.0)
         return b"ok"
 
     def client(target: str) -> list:
@@ -235,8 +238,8 @@ def test_native_calls_cancelled_before_their_handler_began_are_ended_and_stop_re
 
 
 def test_native_metadata_grpc_would_abort_on_is_refused_in_python():
-    """grpc's C++ core aborts the process on metadata it cannot send; the handler gets a ValueError instead, and
-    its call ends UNKNOWN, as a handler's failure does."""
+    """grpc's C++ core aborts the process on metadata it cannot send; the handler gets a ValueError
+    instead, and its call ends UNKNOWN, as a handler's failure does."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
 
@@ -265,10 +268,11 @@ def test_native_metadata_grpc_would_abort_on_is_refused_in_python():
 
 
 def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_dropped(monkeypatch):
-    """A stream's answers wait in C++ behind the write in flight, each holding one of the front end's places
-    (native.UNWRITTEN over all streams). A client that goes away mid-stream drops its queued answers: their places
-    must come back, or the next stream waits for ever. Here 40 places: two streams of 64 KiB answers cut after 5
-    (the rest pile up behind HTTP/2 flow control), then a whole stream of 300."""
+    """A stream's answers wait in C++ behind the write in flight, each holding one of the front
+    end's places (native.UNWRITTEN over all streams). A client that goes away mid-stream drops its
+    queued answers: their places must come back, or the next stream waits for ever. Here 40 places:
+    two streams of 64 KiB answers cut after 5 (the rest pile up behind HTTP/2 flow control), then a
+    whole stream of 300."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
     monkeypatch.setattr(native, "UNWRITTEN", 40)
@@ -284,7 +288,8 @@ def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_d
             for _ in range(2):
                 cut = talk(iter([b"go"]), timeout=30)
                 firsts.append(len([next(cut) for _ in range(5)]))
-                time.sleep(0.3)  # the handler fills its queue
+                # the handler fills its queue
+                time.sleep(0.3)
                 cut.cancel()
             whole = list(talk(iter([b"go"]), timeout=30))
             return firsts, len(whole)
@@ -301,11 +306,13 @@ def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_d
         )
         try:
             got = await asyncio.wait_for(asyncio.to_thread(client, f"127.0.0.1:{port}"), 60)
-            await asyncio.sleep(0.5)  # the last events
+            # the last events
+            await asyncio.sleep(0.5)
+            # (asyncio.Semaphore's count: every place back?)
             return (
                 got,
                 front_end.unwritten_places._value,
-            )  # (asyncio.Semaphore's count: every place back?)
+            )
         finally:
             await asyncio.wait_for(front_end.stop(0.5), 10)
 
@@ -313,8 +320,8 @@ def test_native_stream_answers_queued_in_cpp_give_their_places_back_written_or_d
 
 
 def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
-    """A ModelInfer call on a raw HTTP/2 connection with only the first half of its message sent; `finish()` sends the
-    rest and returns its grpc-status, `abandon()` closes the connection."""
+    """A ModelInfer call on a raw HTTP/2 connection with only the first half of its message sent;
+    `finish()` sends the rest and returns its grpc-status, `abandon()` closes the connection."""
     import socket
 
     import h2.config
@@ -363,11 +370,12 @@ def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
 def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(
     tmp_path, setup
 ):
-    """As for an HTTP body arriving (serving/batcher.py): a complete request's batch waits, at most --arrival-wait-ms,
-    for a ModelInfer message the native engine is still receiving, and they run as one batch (what that gained:
-    docs/benchmarks.md#teststest_grpc_enginespy). A message names its model inside, so only a server of one model version
-    waits: with two, one on its way to a model must not hold the other's batches. Nor where a token is required:
-    a call is counted from its headers, before its token is checked."""
+    """As for an HTTP body arriving (serving/batcher.py): a complete request's batch waits, at most
+    --arrival-wait-ms, for a ModelInfer message the native engine is still receiving, and they run
+    as one batch (what that gained: docs/benchmarks.md#teststest_grpc_enginespy). A message names
+    its model inside, so only a server of one model version waits: with two, one on its way to a
+    model must not hold the other's batches. Nor where a token is required: a call is counted from
+    its headers, before its token is checked."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
     model = tiny_model(tmp_path / "tiny.onnx")
@@ -387,7 +395,8 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         log_path=tmp_path / "server.log",
     ) as srv:
         half = _half_sent_call(port, infer_request(), metadata)
-        time.sleep(0.3)  # its first half in: the call has begun
+        # its first half in: the call has begun
+        time.sleep(0.3)
         answered = {}
 
         def lone_call() -> float:
@@ -400,28 +409,31 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
 
         caller = threading.Thread(target=lambda: answered.update(after=lone_call()))
         caller.start()
-        time.sleep(0.45)  # (the wait's cap, 1 s, leaves a loaded machine 0.55 s to send the rest)
+        # (the wait's cap, 1 s, leaves a loaded machine 0.55 s to send the rest)
+        time.sleep(0.45)
         status = half.finish()
         caller.join(30)
         headers = {"Authorization": "Bearer sesame"} if metadata else {}
         text = requests.get(srv.url + "/metrics", headers=headers).text
         runs = metric(text, "trainserve_batch_size_count", model="tiny")
         rows = metric(text, "trainserve_batch_size_sum", model="tiny")
-        _half_sent_call(
-            port, infer_request(), metadata
-        ).abandon()  # a call given up half-sent is no longer waited for
+        # a call given up half-sent is no longer waited for
+        _half_sent_call(port, infer_request(), metadata).abandon()
         time.sleep(0.3)
-        alone = lone_call()  # nothing on its way now: a lone call waits for nothing
+        # nothing on its way now: a lone call waits for nothing
+        alone = lone_call()
     assert status == "0" and alone < 0.6, (status, alone)
     if setup == "one model":
+        # one run of both
         assert answered["after"] > 0.3 and (runs, rows) == (1, 2), (
             answered,
             runs,
             rows,
-        )  # one run of both
+        )
     else:
+        # no wait, one run each
         assert answered["after"] < 0.3 and (runs, rows) == (2, 2), (
             answered,
             runs,
             rows,
-        )  # no wait, one run each
+        )

@@ -1,7 +1,7 @@
-"""The gRPC port under hostile or careless clients, as test_serving_hostile.py does for HTTP: silent connections
-are closed, a message built to cost memory is refused before it is parsed, a refusal stays small, a burst on one
-channel gets answers, not CANCELLED. A real `python -m serving` process, real sockets, real grpc clients, all on
-127.0.0.1."""
+"""The gRPC port under hostile or careless clients, as test_serving_hostile.py does for HTTP: silent
+connections are closed, a message built to cost memory is refused before it is parsed, a refusal
+stays small, a burst on one channel gets answers, not CANCELLED. A real `python -m serving` process,
+real sockets, real grpc clients, all on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ from serving.grpc import native, schema
 
 pytestmark = pytest.mark.slow
 
-PREFACE = (
-    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-)  # + an empty SETTINGS
+# + an empty SETTINGS
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 SETTINGS_ACK = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
 METHOD = "/inference.GRPCInferenceService/"
 
@@ -62,14 +61,16 @@ def call(target: str, method: str, message, timeout: float = 10.0) -> tuple[grpc
 
 
 def closed_by_server(sockets: list[socket.socket], deadline: float) -> int:
-    """Wait until the server has closed every socket (EOF or reset) or `deadline`; how many it closed."""
+    """Wait until the server has closed every socket (EOF or reset) or `deadline`; how many it
+    closed."""
     open_ = {s.fileno(): s for s in sockets}
     closed = 0
     while open_ and time.monotonic() < deadline:
         readable, _, _ = select.select(list(open_), [], [], 0.5)
         for fd in readable:
             try:
-                while open_[fd].recv(65536):  # the server's SETTINGS, PINGs and GOAWAY, then EOF
+                # the server's SETTINGS, PINGs and GOAWAY, then EOF
+                while open_[fd].recv(65536):
                     pass
             except BlockingIOError:
                 continue
@@ -86,17 +87,19 @@ def model(tmp_path_factory):
 
 
 def test_silent_grpc_connections_are_closed_like_http_ones(model, tmp_path):
-    """The review's H2: 2,000 handshaken silent gRPC connections were never closed (150 s), and ~20,000 took
-    every file descriptor. Here 200 of them (and 50 that never send a byte) are held; health and inference
-    answer at once over both protocols, and the server closes every one within --read-timeout plus gRPC's
-    GOAWAY grace."""
+    """The review's H2: 2,000 handshaken silent gRPC connections were never closed (150 s), and
+    ~20,000 took every file descriptor. Here 200 of them (and 50 that never send a byte) are held;
+    health and inference answer at once over both protocols, and the server closes every one within
+    --read-timeout plus gRPC's GOAWAY grace."""
     with grpc_server("--model", str(model), "--read-timeout", "2", tmp_path=tmp_path) as srv:
         handshaken = []
         for _ in range(200):
             s = socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5)
             s.sendall(PREFACE)
-            s.recv(65536)  # the server's SETTINGS
-            s.sendall(SETTINGS_ACK)  # a finished HTTP/2 handshake, then silence
+            # the server's SETTINGS
+            s.recv(65536)
+            # a finished HTTP/2 handshake, then silence
+            s.sendall(SETTINGS_ACK)
             s.setblocking(False)
             handshaken.append(s)
         silent = [socket.create_connection(("127.0.0.1", srv.grpc_port)) for _ in range(50)]
@@ -126,14 +129,13 @@ def vm_hwm(pid: int) -> float:
 
 
 def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(model, tmp_path):
-    """The review's H3: a 16 MiB ModelInferRequest of 8 million empty `inputs` was parsed on the event loop,
-    stalling liveness and taking many times its size (docs/benchmarks.md#teststest_grpc_hostilepy). Here four
-    at once are refused
-    (INVALID_ARGUMENT naming the limit) from a count of their fields, in a thread; liveness stays prompt and the
+    """The review's H3: a 16 MiB ModelInferRequest of 8 million empty `inputs` was parsed on the
+    event loop, stalling liveness and taking many times its size
+    (docs/benchmarks.md#teststest_grpc_hostilepy). Here four at once are refused (INVALID_ARGUMENT
+    naming the limit) from a count of their fields, in a thread; liveness stays prompt and the
     server's peak memory grows by little more than the messages' own bytes."""
-    message = b"\x0a\x04tiny" + b"\x2a\x00" * (
-        (8 << 20) - 512
-    )  # model_name, then empty InferInputTensors
+    # model_name, then empty InferInputTensors
+    message = b"\x0a\x04tiny" + b"\x2a\x00" * ((8 << 20) - 512)
     with grpc_server(
         "--model", str(model), "--max-body-bytes", str(17 << 20), tmp_path=tmp_path
     ) as srv:
@@ -166,7 +168,8 @@ def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(m
             for code, details in results.values()
         ), results
         assert max(latencies) < 0.5 and grown < 300, (latencies, grown)
-        # a real request still works, and so does one with a few thousand parameters short of the limit
+        # a real request still works, and so does one with a few thousand parameters short of the
+        # limit
         request = infer_request()
         for i in range(1000):
             request.parameters[f"p{i}"].int64_param = i
@@ -174,8 +177,9 @@ def test_a_message_of_millions_of_empty_entries_is_refused_before_it_is_parsed(m
 
 
 def test_not_found_stays_small_with_hundreds_of_models(model, tmp_path):
-    """The review: NOT_FOUND listed all 300 models, and the client got RESOURCE_EXHAUSTED (its metadata limit)
-    instead; the HTTP 404 was 17 KB. Here both name ten models and say how many more there are."""
+    """The review: NOT_FOUND listed all 300 models, and the client got RESOURCE_EXHAUSTED (its
+    metadata limit) instead; the HTTP 404 was 17 KB. Here both name ten models and say how many more
+    there are."""
     root = tmp_path / "repository"
     for i in range(300):
         (root / f"model-with-a-fairly-descriptive-name-{i:03d}" / "1").mkdir(parents=True)
@@ -204,8 +208,9 @@ def test_not_found_stays_small_with_hundreds_of_models(model, tmp_path):
 
 
 def test_a_burst_of_rpcs_on_one_channel_is_answered_not_cancelled(tmp_path):
-    """The review: 2,000 concurrent RPCs on one channel, three rounds: ~540 of 6,000 CANCELLED without reaching
-    the service. Here every RPC of a 2,000 burst is answered: OK, or UNAVAILABLE when the queue is full."""
+    """The review: 2,000 concurrent RPCs on one channel, three rounds: ~540 of 6,000 CANCELLED
+    without reaching the service. Here every RPC of a 2,000 burst is answered: OK, or UNAVAILABLE
+    when the queue is full."""
     heavy = heavy_model(tmp_path / "heavy.onnx")
     with grpc_server("--model", str(heavy), tmp_path=tmp_path) as srv:
         r = schema.ModelInferRequest(model_name="heavy")
@@ -239,14 +244,16 @@ def test_a_burst_of_rpcs_on_one_channel_is_answered_not_cancelled(tmp_path):
 
 
 def _literal(name: bytes, value: bytes) -> bytes:
-    """An HPACK header field, literal without indexing, a new name, no Huffman (both shorter than 127)."""
+    """An HPACK header field, literal without indexing, a new name, no Huffman (both shorter than
+    127)."""
     return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
 @pytest.mark.parametrize("engine", ["native", "aio"])
 def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path, engine):
-    """grpc's HTTP/2 parser logs a malformed header's value (no token needed), and a refusal names the model a
-    client asked for: each with a newline in it would start a line that reads as the server's own."""
+    """grpc's HTTP/2 parser logs a malformed header's value (no token needed), and a refusal names
+    the model a client asked for: each with a newline in it would start a line that reads as the
+    server's own."""
     forged = b"\n02:00:00 INFO serving.core: serving evil version 9 (FORGED LINE)"
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
@@ -263,9 +270,8 @@ def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path, e
                 (b":status", b"200" + forged),
             )
         )
-        headers = (
-            len(fields).to_bytes(3, "big") + b"\x01\x05" + (1).to_bytes(4, "big") + fields
-        )  # END_STREAM|HEADERS
+        # END_STREAM|HEADERS
+        headers = len(fields).to_bytes(3, "big") + b"\x01\x05" + (1).to_bytes(4, "big") + fields
         with socket.create_connection(("127.0.0.1", srv.grpc_port), timeout=5) as s:
             s.sendall(
                 b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -277,15 +283,15 @@ def test_a_client_cannot_write_a_line_of_its_own_into_the_log(model, tmp_path, e
         assert code == grpc.StatusCode.NOT_FOUND
         time.sleep(0.3)
         log = srv.log()
-    assert "FORGED LINE" in log  # both were logged...
-    assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[
-        -3000:
-    ]  # ...escaped
+    # both were logged...
+    assert "FORGED LINE" in log
+    # ...escaped
+    assert not [line for line in log.splitlines() if line.startswith("02:00:00")], log[-3000:]
 
 
 def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.socket]:
-    """`connections` HTTP/2 connections, each opening `calls` ModelInfer calls that send their headers and never
-    their message (no token either): the review's F1."""
+    """`connections` HTTP/2 connections, each opening `calls` ModelInfer calls that send their
+    headers and never their message (no token either): the review's F1."""
     fields = b"".join(
         _literal(n, v)
         for n, v in (
@@ -300,10 +306,11 @@ def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.s
     opened = []
     for _ in range(connections):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        # HEADERS, END_HEADERS, no END_STREAM
         frames = b"".join(
             len(fields).to_bytes(3, "big") + b"\x01\x04" + (2 * i + 1).to_bytes(4, "big") + fields
             for i in range(calls)
-        )  # HEADERS, END_HEADERS, no END_STREAM
+        )
         s.sendall(PREFACE + frames)
         s.setblocking(False)
         opened.append(s)
@@ -311,8 +318,8 @@ def _header_only_calls(port: int, connections: int, calls: int) -> list[socket.s
 
 
 def _ended_streams(sockets: list[socket.socket], deadline: float) -> int:
-    """How many streams of these connections the server has ended (trailers with END_STREAM, or RST_STREAM) by
-    `deadline`."""
+    """How many streams of these connections the server has ended (trailers with END_STREAM, or
+    RST_STREAM) by `deadline`."""
     ended, pending = set(), {s: b"" for s in sockets}
     while time.monotonic() < deadline:
         readable, _, _ = select.select(list(pending), [], [], 0.5)
@@ -338,9 +345,10 @@ def _ended_streams(sockets: list[socket.socket], deadline: float) -> int:
 
 @pytest.mark.parametrize("engine", ["native", "aio"])
 def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model, tmp_path, engine):
-    """33 connections x 128 calls that send only their headers, without a token, held every one of the 4,096
-    shared places: ServerLive was RESOURCE_EXHAUSTED for as long as the connections lived. A unary call now takes a
-    shared place only once its message is in, and one still waiting after --read-timeout is ended."""
+    """33 connections x 128 calls that send only their headers, without a token, held every one of
+    the 4,096 shared places: ServerLive was RESOURCE_EXHAUSTED for as long as the connections lived.
+    A unary call now takes a shared place only once its message is in, and one still waiting after
+    --read-timeout is ended."""
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
     with grpc_server(
@@ -356,9 +364,8 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
             )
             assert call(srv.grpc, "ModelInfer", infer_request())[0] == grpc.StatusCode.OK
             assert time.monotonic() - started < 2.0
-            assert (
-                _ended_streams(attack, time.monotonic() + 10) == 33 * 128
-            )  # every one answered, none left open
+            # every one answered, none left open
+            assert _ended_streams(attack, time.monotonic() + 10) == 33 * 128
             deadline = time.monotonic() + 3
             while (
                 ended := sum(
@@ -366,9 +373,11 @@ def test_calls_that_never_send_their_message_keep_no_one_out_and_are_ended(model
                     for n in re.findall(r"ended (\d+) call\(s\) whose request message", srv.log())
                 )
             ) < 33 * 128 and time.monotonic() < deadline:
-                time.sleep(0.2)  # (a line a second or a sweep, not a line a call)
-            # the native engine ends them all itself; on grpc.aio, grpc's core refuses those of a burst past its
-            # queue of calls the server has not yet taken (RESOURCE_EXHAUSTED) and this server ends the rest
+                # (a line a second or a sweep, not a line a call)
+                time.sleep(0.2)
+            # the native engine ends them all itself; on grpc.aio, grpc's core refuses those of a
+            # burst past its queue of calls the server has not yet taken (RESOURCE_EXHAUSTED) and
+            # this server ends the rest
             assert ended == 33 * 128 if engine == "native" else ended > 0, srv.log()[-2000:]
         finally:
             for s in attack:
@@ -388,18 +397,18 @@ def _rss_mib(pid: int) -> float:
 
 
 def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(model, tmp_path):
-    """The review's F1, memory: 128 calls announcing 16 MiB and sending 8 MiB, no token, held the server's memory
-    as long as the connections lived (docs/benchmarks.md#teststest_grpc_hostilepy). grpc's C++ server now has a resource quota
-    (--grpc-memory-bytes): past it grpc stops reading and closes the connections that hold the most. Here 2 x 64
-    calls try to leave 4 MiB each (512 MiB) under a quota of 64 MiB."""
+    """The review's F1, memory: 128 calls announcing 16 MiB and sending 8 MiB, no token, held the
+    server's memory as long as the connections lived (docs/benchmarks.md#teststest_grpc_hostilepy).
+    grpc's C++ server now has a resource quota (--grpc-memory-bytes): past it grpc stops reading and
+    closes the connections that hold the most. Here 2 x 64 calls try to leave 4 MiB each (512 MiB)
+    under a quota of 64 MiB."""
     import h2.config
     import h2.connection
     import h2.exceptions
 
     if not native.available():
-        pytest.skip(
-            native.WHY_NOT
-        )  # (grpc.aio has no resource quota in Python: there the bytes are bounded in time)
+        # (grpc.aio has no resource quota in Python: there the bytes are bounded in time)
+        pytest.skip(native.WHY_NOT)
     with grpc_server(
         "--model",
         str(model),
@@ -431,15 +440,15 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
                         ("te", "trailers"),
                     ],
                 )
-                c.send_data(
-                    stream, b"\x00" + ((16 << 20) - 1).to_bytes(4, "big")
-                )  # 16 MiB announced
+                # 16 MiB announced
+                c.send_data(stream, b"\x00" + ((16 << 20) - 1).to_bytes(4, "big"))
                 streams.append(stream)
             s.sendall(c.data_to_send())
             s.settimeout(0.5)
             stop = time.monotonic() + 20
             try:
-                for _ in range(256):  # 4 MiB a call, as the server's windows let it through
+                # 4 MiB a call, as the server's windows let it through
+                for _ in range(256):
                     for stream in streams:
                         while c.local_flow_control_window(stream) < len(chunk):
                             if time.monotonic() > stop:
@@ -462,11 +471,13 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
                 h2.exceptions.ProtocolError,
                 h2.exceptions.StreamClosedError,
             ):
-                pass  # the server stopped taking bytes, or closed the connection
+                # the server stopped taking bytes, or closed the connection
+                pass
         grown = _rss_mib(srv.proc.pid) - before
-        # While the quota is full a new call may be refused (RESOURCE_EXHAUSTED, grpc's "Buffers full": the price of
-        # the bound, seen in CI) or not read at all until it is (DEADLINE_EXCEEDED: seen once in 4 runs of the file
-        # beside other tests); once the attacker's connections are gone the server answers again.
+        # While the quota is full a new call may be refused (RESOURCE_EXHAUSTED, grpc's "Buffers
+        # full": the price of the bound, seen in CI) or not read at all until it is
+        # (DEADLINE_EXCEEDED: seen once in 4 runs of the file beside other tests); once the
+        # attacker's connections are gone the server answers again.
         assert call(srv.grpc, "ServerLive", schema.ServerLiveRequest(), timeout=5)[0] in (
             grpc.StatusCode.OK,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -482,7 +493,8 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
             time.sleep(0.2)
         assert live == (grpc.StatusCode.OK, ""), live
     print(f"sent {sent / 2**20:.0f} MiB of unfinished messages; RSS grew {grown:.0f} MiB")
-    # without the quota all 512 MiB stay (RSS +517 MiB); with it grpc holds about twice the quota at most (+120 to 130)
+    # without the quota all 512 MiB stay (RSS +517 MiB); with it grpc holds about twice the quota at
+    # most (+120 to 130)
     assert grown < 3 * 64, (sent / 2**20, grown)
 
 
@@ -490,9 +502,10 @@ def test_halves_of_messages_held_by_calls_without_a_token_are_bounded_in_bytes(m
 def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
     model, tmp_path, engine
 ):
-    """The review's F4: one connection with an HTTP/2 window of 0 (it takes no answer) on 128 ModelStreamInfer streams
-    of 40 requests each took the whole server's budget of unanswered stream requests (4,096), and every other
-    client's stream got no answer. A connection now holds at most service.CONNECTION_SHARE of them."""
+    """The review's F4: one connection with an HTTP/2 window of 0 (it takes no answer) on 128
+    ModelStreamInfer streams of 40 requests each took the whole server's budget of unanswered stream
+    requests (4,096), and every other client's stream got no answer. A connection now holds at most
+    service.CONNECTION_SHARE of them."""
     request = infer_request().SerializeToString()
     message = b"\x00" + len(request).to_bytes(4, "big") + request
     fields = b"".join(
@@ -506,9 +519,8 @@ def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
             (b"te", b"trailers"),
         )
     )
-    no_window = (
-        b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04" + (0).to_bytes(4, "big")
-    )  # INITIAL_WINDOW_SIZE 0
+    # INITIAL_WINDOW_SIZE 0
+    no_window = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04" + (0).to_bytes(4, "big")
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
     with grpc_server("--model", str(model), "--grpc-engine", engine, tmp_path=tmp_path) as srv:
@@ -529,7 +541,8 @@ def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
                     + data
                 )
             hog.setblocking(False)
-            time.sleep(2)  # its answers pile up, unwritten
+            # its answers pile up, unwritten
+            time.sleep(2)
             with grpc.insecure_channel(srv.grpc) as channel:
                 answers = channel.stream_stream(METHOD + "ModelStreamInfer")(
                     iter([request] * 5), timeout=10
@@ -545,9 +558,10 @@ def test_a_client_that_never_reads_its_stream_answers_stalls_itself_not_others(
 def test_an_object_shrunk_under_a_shared_memory_region_is_a_400_on_either_engine(
     model, tmp_path, engine
 ):
-    """A client shrinks (ftruncate) the object under its registered region, then asks for an inference from it
-    and for one into it: INVALID_ARGUMENT naming the region, and the server goes on (it died of SIGBUS); and
-    unregistering a name never registered succeeds, as Triton answers it."""
+    """A client shrinks (ftruncate) the object under its registered region, then asks for an
+    inference from it and for one into it: INVALID_ARGUMENT naming the region, and the server goes
+    on (it died of SIGBUS); and unregistering a name never registered succeeds, as Triton answers
+    it."""
     if engine == "native" and not native.available():
         pytest.skip(native.WHY_NOT)
     key = f"/trainserve-test-{os.getpid()}-shrunk-{engine}"

@@ -1,7 +1,7 @@
-"""Artifacts are untrusted input. The review's attack: anyone who can write to the MLflow store plants a
-checkpoint whose `.metadata` (or a non-tensor entry) is a pickle that runs a command when unpickled, with a
-COMPLETE marker whose sizes and checksums match (the attacker writes those too). Resume, consolidate
-and a download by run id must refuse it without running anything."""
+"""Artifacts are untrusted input. The review's attack: anyone who can write to the MLflow store
+plants a checkpoint whose `.metadata` (or a non-tensor entry) is a pickle that runs a command when
+unpickled, with a COMPLETE marker whose sizes and checksums match (the attacker writes those too).
+Resume, consolidate and a download by run id must refuse it without running anything."""
 
 from __future__ import annotations
 
@@ -56,9 +56,8 @@ def planted(tmp_path):
     ckpt, spec = saved(tmp_path / "run" / "checkpoints")
     ran = tmp_path / "RAN"
     as_the_attacker_rewrites(ckpt, ".metadata", pickle.dumps(Payload(ran)))
-    checkpoint.verify_checksums(
-        ckpt
-    )  # the marker vouches for the planted file: checksums prove nothing
+    # the marker vouches for the planted file: checksums prove nothing
+    checkpoint.verify_checksums(ckpt)
     return ckpt, spec, ran
 
 
@@ -86,8 +85,8 @@ def test_consolidate_refuses_a_hostile_metadata_without_running_it(planted, caps
 
 
 def test_a_hostile_checkpoint_in_the_store_is_refused_by_run_id(planted, tmp_path, monkeypatch):
-    """Planted in a run's artifacts: `consolidate --run-id` and `train --resume <run id>` download it (its
-    checksums verify) and refuse it."""
+    """Planted in a run's artifacts: `consolidate --run-id` and `train --resume <run id>` download
+    it (its checksums verify) and refuse it."""
     ckpt, spec, ran = planted
     monkeypatch.chdir(tmp_path)
     client = mlflow_client(tmp_path)
@@ -104,14 +103,14 @@ def test_a_hostile_checkpoint_in_the_store_is_refused_by_run_id(planted, tmp_pat
 
 
 def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
-    """Non-tensor entries (optimizer hyperparameters) are unpickled by DCP with weights_only=False."""
+    """Non-tensor entries (optimizer hyperparameters) are unpickled by DCP with
+    weights_only=False."""
     ran = tmp_path / "RAN"
     ckpt, spec = saved(tmp_path / "run" / "checkpoints", evil=Payload(ran))
     model = instantiate_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer.param_groups[0]["evil"] = (
-        0  # the key must be asked for, as a resume with that optimizer would
-    )
+    # the key must be asked for, as a resume with that optimizer would
+    optimizer.param_groups[0]["evil"] = 0
     with pytest.raises(
         CheckpointError,
         match=r"entry optim.param_groups.[\w.]+.evil refused, nothing in it was run",
@@ -130,9 +129,10 @@ def test_a_hostile_optimizer_entry_is_refused_on_resume(tmp_path):
 
 @pytest.mark.parametrize("escape", ["../", "absolute", "symlink"])
 def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path, escape, capsys):
-    """The review's M2: every model tensor's relative_path set to another run's shard (`../...`), marker
-    rewritten: the restricted unpickler admits it (DCP types only) and consolidate produced the other run's
-    weights byte for byte. Here consolidate and resume refuse it, naming the tensor and the path."""
+    """The review's M2: every model tensor's relative_path set to another run's shard (`../...`),
+    marker rewritten: the restricted unpickler admits it (DCP types only) and consolidate produced
+    the other run's weights byte for byte. Here consolidate and resume refuse it, naming the tensor
+    and the path."""
     ckpt, spec = saved(tmp_path / "run" / "checkpoints")
     other, _ = saved(tmp_path / "other" / "checkpoints")
     shard = next(other.glob("*.distcp"))

@@ -1,4 +1,5 @@
-"""The namespace hosts multi-machine tests run on: reachable by address, isolated, and removed after."""
+"""The namespace hosts multi-machine tests run on: reachable by address, isolated, and removed
+after."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hosts import hosts  # noqa: F401  (the fixture)
+# the fixture
+from hosts import hosts  # noqa: F401
 
 
 def test_hosts_reach_each_other_and_the_gateway_and_are_removed_after(hosts):  # noqa: F811
     network = hosts(2)
     a, b = network.hosts
     assert a.address != b.address and a.workdir != b.workdir and not any(a.workdir.iterdir())
-    with (
-        socket.socket() as root_service
-    ):  # a service of the root namespace, bound to the bridge's address
+    # a service of the root namespace, bound to the bridge's address
+    with socket.socket() as root_service:
         root_service.bind((network.gateway, 0))
         root_service.listen()
         port = root_service.getsockname()[1]

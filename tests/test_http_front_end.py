@@ -1,6 +1,6 @@
-"""The HTTP/1.1 front end (serving/http/) as raw clients see it, against a real server process: the head's size
-cap, pipelining, chunked bodies, 100-continue, HEAD, V2 binary bodies received in place (split anywhere, with a
-NaN, cut short), and several event loops (--http-threads)."""
+"""The HTTP/1.1 front end (serving/http/) as raw clients see it, against a real server process: the
+head's size cap, pipelining, chunked bodies, 100-continue, HEAD, V2 binary bodies received in place
+(split anywhere, with a NaN, cut short), and several event loops (--http-threads)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    # Two event loops (not the default for so small a model): what the tests below send crosses loops as it would
-    # on a server of large rows, answers coming back to the loop that asked.
+    # Two event loops (not the default for so small a model): what the tests below send crosses
+    # loops as it would on a server of large rows, answers coming back to the loop that asked.
     with ServerProcess(
         "--model",
         str(model),
@@ -108,7 +108,8 @@ def test_a_head_past_max_header_bytes_is_a_431_without_a_token_and_the_connectio
         assert (
             status == 431 and b"--max-header-bytes" in body and headers.get("connection") == "close"
         )
-        assert s.recv(10) == b""  # closed: its framing can't be trusted
+        # closed: its framing can't be trusted
+        assert s.recv(10) == b""
     # A head that never ends is refused as soon as it passes the cap, not buffered
     with connect(server) as s:
         s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
@@ -139,8 +140,8 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(server, mode
 
 
 def test_a_binary_body_split_anywhere_is_received_whole(server, model):
-    """A binary V2 body lands straight in its batch rows, read by read: a read that ends mid-header, mid-value
-    or between the header and the tensor must not matter."""
+    """A binary V2 body lands straight in its batch rows, read by read: a read that ends mid-header,
+    mid-value or between the header and the tensor must not matter."""
     x = image(2)
     request = binary_request(x)
     head_end = request.index(b"\r\n\r\n") + 4
@@ -198,7 +199,8 @@ def test_chunked_bodies_100_continue_and_head_are_http_as_clients_send_them(serv
         probabilities(answer), run_onnx(model, x)["probabilities"], atol=1e-6
     )
 
-    with connect(server) as s:  # the client waits for 100 Continue before it sends the body
+    # the client waits for 100 Continue before it sends the body
+    with connect(server) as s:
         s.sendall(
             f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n".encode()
@@ -218,16 +220,14 @@ def test_chunked_bodies_100_continue_and_head_are_http_as_clients_send_them(serv
         while data.count(b"HTTP/1.1 200") < 2:
             data += s.recv(4096)
         first, second = data.split(b"HTTP/1.1 200")[1:3]
-        assert first.endswith(
-            b"\r\n\r\n"
-        )  # HEAD: the headers, no body (the next response follows at once)
+        # HEAD: the headers, no body (the next response follows at once)
+        assert first.endswith(b"\r\n\r\n")
 
 
 def test_a_body_cut_short_by_a_client_that_leaves_frees_its_rows_for_the_next(server, model):
     request = binary_request(image(4))
-    for _ in range(
-        8
-    ):  # more than the batch buffers a version has: a place that leaked would run them out
+    # more than the batch buffers a version has: a place that leaked would run them out
+    for _ in range(8):
         with connect(server) as s:
             s.sendall(request[: len(request) - 100])
         time.sleep(0.05)
@@ -259,9 +259,9 @@ def test_how_many_event_loops_by_row_size_and_cpus(monkeypatch):
 def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(
     model, tmp_path, batch_axis
 ):
-    """The loops share the GIL: for small requests a second one costs more than it takes in (Settings.http_loops);
-    only a model whose rows are 512 KiB or more gets one per CPU unasked, with a batch axis or without one (a plain
-    torch.onnx.export of one image)."""
+    """The loops share the GIL: for small requests a second one costs more than it takes in
+    (Settings.http_loops); only a model whose rows are 512 KiB or more gets one per CPU unasked,
+    with a batch axis or without one (a plain torch.onnx.export of one image)."""
     cpus = len(os.sched_getaffinity(0))
     with ServerProcess("--model", str(model), log_path=tmp_path / "small.log") as srv:
         assert (
@@ -269,9 +269,8 @@ def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(
             in srv.log()
             or cpus == 1
         )
-    large = heavy_model(
-        tmp_path / "large.onnx", size=384, channels=1, layers=0
-    )  # 384x384 FP32: 576 KiB a row
+    # 384x384 FP32: 576 KiB a row
+    large = heavy_model(tmp_path / "large.onnx", size=384, channels=1, layers=0)
     if batch_axis == "fixed":
         graph = onnx.load(large)
         for value in (*graph.graph.input, *graph.graph.output):
@@ -311,7 +310,8 @@ def test_several_event_loops_share_the_port_and_say_so(model, tmp_path):
 
 @pytest.fixture(scope="module")
 def large_rows_server(tmp_path_factory):
-    """One event loop and a model of 256 KiB rows (1x256x256 FP32): bodies large enough to be waited for whole."""
+    """One event loop and a model of 256 KiB rows (1x256x256 FP32): bodies large enough to be waited
+    for whole."""
     model = tiny_model(tmp_path_factory.mktemp("large") / "large.onnx", size=256)
     with ServerProcess(
         "--model",
@@ -332,8 +332,9 @@ def read_calls(pid: int) -> int:
 
 
 def test_a_large_body_trickling_in_is_read_once_it_is_in_not_piece_by_piece(large_rows_server):
-    """A 512 KiB body sent in 16 pieces 10 ms apart: the loop is woken for it once the rest is in (SO_RCVLOWAT),
-    not for each piece (a read, a wake-up and two calls into the connection a piece)."""
+    """A 512 KiB body sent in 16 pieces 10 ms apart: the loop is woken for it once the rest is in
+    (SO_RCVLOWAT), not for each piece (a read, a wake-up and two calls into the connection a
+    piece)."""
     srv = large_rows_server
     x = np.random.default_rng(5).random((2, 1, 256, 256), dtype=np.float32)
     request = binary_request(x)
@@ -355,9 +356,10 @@ def test_a_large_body_trickling_in_is_read_once_it_is_in_not_piece_by_piece(larg
                 probabilities(body), run_onnx(srv.model, x)["probabilities"], atol=1e-5
             )
         reads = (read_calls(srv.proc.pid) - before) / requests_sent
-        # The body's first 100 KB, a pause (the server reads them and waits for the rest), then the rest at once: the
-        # last read ends the body while the server waits for that much. A small request after it on the same
-        # connection is read at once (the wait was for the body only), not when the 2 s --read-timeout ends it.
+        # The body's first 100 KB, a pause (the server reads them and waits for the rest), then the
+        # rest at once: the last read ends the body while the server waits for that much. A small
+        # request after it on the same connection is read at once (the wait was for the body only),
+        # not when the 2 s --read-timeout ends it.
         s.sendall(b"".join(pieces[:4]))
         time.sleep(0.1)
         s.sendall(b"".join(pieces[4:]))
@@ -370,14 +372,13 @@ def test_a_large_body_trickling_in_is_read_once_it_is_in_not_piece_by_piece(larg
 
 
 def test_a_large_body_cut_short_or_stalled_is_still_ended(large_rows_server):
-    """The read waits for the rest of the body, never for more: a client that leaves half-way frees the request's
-    rows; one that stalls half-way gets its 408 at --read-timeout."""
+    """The read waits for the rest of the body, never for more: a client that leaves half-way frees
+    the request's rows; one that stalls half-way gets its 408 at --read-timeout."""
     srv = large_rows_server
     x = np.random.default_rng(6).random((1, 1, 256, 256), dtype=np.float32)
     request = binary_request(x)
-    for _ in range(
-        8
-    ):  # more than the batch buffers a version has: a place that leaked would run them out
+    # more than the batch buffers a version has: a place that leaked would run them out
+    for _ in range(8):
         with connect(srv) as s:
             s.sendall(request[: len(request) // 2])
             time.sleep(0.05)
@@ -405,8 +406,8 @@ def test_a_large_body_cut_short_or_stalled_is_still_ended(large_rows_server):
 def test_bodies_are_waited_for_whole_only_on_kernels_that_do_it_without_hanging(
     monkeypatch, release, wakes
 ):
-    """A container runs on its host's kernel: below Linux 5.10 a body is not waited for with SO_RCVLOWAT
-    (why: docs/benchmarks.md#servinghttpconnectionpy)."""
+    """A container runs on its host's kernel: below Linux 5.10 a body is not waited for with
+    SO_RCVLOWAT (why: docs/benchmarks.md#servinghttpconnectionpy)."""
     from serving.http import connection
 
     monkeypatch.setattr(connection.platform, "system", lambda: "Linux")

@@ -1,7 +1,8 @@
-"""serving/images.py: an image model's preprocessing as data, and the function that applies it, the one
-`pipeline.datasets:image_folder` reads its files through. Real files of every kind a folder of photos holds
-(grey and colour PNG, JPEG, a palette GIF, an RGBA PNG, sizes that need resizing up and down), written with
-Pillow; the training transform as it was written before it became data is the reference."""
+"""serving/images.py: an image model's preprocessing as data, and the function that applies it, the
+one `pipeline.datasets:image_folder` reads its files through. Real files of every kind a folder of
+photos holds (grey and colour PNG, JPEG, a palette GIF, an RGBA PNG, sizes that need resizing up and
+down), written with Pillow; the training transform as it was written before it became data is the
+reference."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def photos(root):
 
 
 def as_training_wrote_it(path, mode: str, image_size: int) -> np.ndarray:
-    """image_folder's transform as it was written in pipeline/datasets/image_folder.py before it became data."""
+    """image_folder's transform as it was written in pipeline/datasets/image_folder.py before it
+    became data."""
     with Image.open(path) as image:
         pixels = image.convert(mode).resize((image_size, image_size), Image.BILINEAR)
     x = np.asarray(pixels, dtype=np.float32) / 255.0

@@ -1,8 +1,10 @@
-"""The int8 variant: quantized, gated, its sensitive nodes kept in float, registered and served, or rejected.
+"""The int8 variant: quantized, gated, its sensitive nodes kept in float, registered and served, or
+rejected.
 
-A small conv net (tests/int8_models.py) trained briefly on digits, with one activation whose range int8 cannot
-hold: the first quantization fails its gates, the export keeps the node that added the error in float, and
-the second passes. A real onnxruntime, a real MLflow SQLite store and the real server process.
+A small conv net (tests/int8_models.py) trained briefly on digits, with one activation whose range
+int8 cannot hold: the first quantization fails its gates, the export keeps the node that added the
+error in float, and the second passes. A real onnxruntime, a real MLflow SQLite store and the real
+server process.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory, store):
-    """OutlierNet trained 400 Adam steps on digits (~95% validation accuracy on this machine; 150 gave 90% on an
-    Intel Xeon and 71% on an AMD EPYC, whose near-tie decisions then flipped under int8), as consolidate writes it."""
+    """OutlierNet trained 400 Adam steps on digits (~95% validation accuracy on this machine; 150
+    gave 90% on an Intel Xeon and 71% on an AMD EPYC, whose near-tie decisions then flipped under
+    int8), as consolidate writes it."""
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(
         overrides=[
@@ -93,11 +96,13 @@ def test_the_sensitive_node_is_kept_in_float_and_the_variant_passes(exported):
     report = exported.report
     assert exported.passed and report["int8"]["passed"], report["int8"]
     rounds = report["int8"]["rounds"]
-    assert report["int8"]["mode"] == "static"  # auto: the graph has convolutions
-    # Fully quantized, the outlier tensor's one scale wipes out the other channels: the gates fail...
+    # auto: the graph has convolutions
+    assert report["int8"]["mode"] == "static"
+    # Fully quantized, the outlier tensor's one scale wipes out the other channels: the gates
+    # fail...
     assert rounds[0]["excluded"] == [] and "int8.parity.val" in rounds[0]["failed_gates"], rounds
-    # ...and the ranking names the third convolution (that tensor is its input) first: it and the convolution
-    # that produces the tensor are kept in float, and the next round passes.
+    # ...and the ranking names the third convolution (that tensor is its input) first: it and the
+    # convolution that produces the tensor are kept in float, and the next round passes.
     worst = report["int8"]["sensitivity"][0]
     excluded = report["int8"]["excluded"]
     assert worst["op"] == "Conv" and len(excluded) == 2 and excluded[0] == worst["node"], report[
@@ -113,9 +118,8 @@ def test_the_sensitive_node_is_kept_in_float_and_the_variant_passes(exported):
     for name in excluded:
         kept = next(n for n in quantized.graph.node if n.name == name)
         weight = next(i for i in quantized.graph.initializer if i.name == kept.input[1])
-        assert (
-            weight.data_type == onnx.TensorProto.FLOAT
-        )  # not fed by a DequantizeLinear: computed in float
+        # not fed by a DequantizeLinear: computed in float
+        assert weight.data_type == onnx.TensorProto.FLOAT
     assert any(
         n.op_type == "Conv" and n.input[0].endswith("DequantizeLinear_Output")
         for n in quantized.graph.node
@@ -180,7 +184,8 @@ def test_the_variant_is_registered_measured_and_served(exported, store, tmp_path
 def test_an_int8_that_fails_its_gates_is_rejected_and_named_so(weights, store, tmp_path):
     """No rounds of exclusion: the outlier's int8 fails, and only the variant is dropped."""
     result = export(weights, store, tmp_path, "outlier-rejected", "export.int8_exclusion_rounds=0")
-    assert result.passed and result.model_version  # the fp32 model is registered regardless
+    # the fp32 model is registered regardless
+    assert result.passed and result.model_version
     report = result.report["int8"]
     assert (
         not report["passed"]

@@ -4,12 +4,12 @@ DDP's averaging and micro-batch accumulation give the 1-process update; FSDP2 sh
 slices and resume on another world size; HSDP (dp_replicate x dp_shard), pipeline parallelism (alone
 and with data-parallel copies) and tensor parallelism agree with DDP at the same global batch and
 consolidate to DDP's layout; pipeline and tensor-parallel runs go through every stage to a served
-model; a kill -9 under HSDP resumes to byte-identical weights; bf16 autocast keeps fp32's accuracy; a
-model with dict inputs resumes bit-exactly under bf16 and accumulation.
+model; a kill -9 under HSDP resumes to byte-identical weights; bf16 autocast keeps fp32's accuracy;
+a model with dict inputs resumes bit-exactly under bf16 and accumulation.
 
 Elsewhere: a kill -9 under DDP, FSDP2, tensor and pipeline parallelism with dropout on
-(test_exact_resume); fault handling that is not a configuration, such as crashes mid-save, SIGTERM or
-a rank killed without restarts (test_checkpoints, test_train, test_run_directories,
+(test_exact_resume); fault handling that is not a configuration, such as crashes mid-save, SIGTERM
+or a rank killed without restarts (test_checkpoints, test_train, test_run_directories,
 test_streamed_data); refusals before anything starts (test_parallel_mesh)."""
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def assert_close_weights(a: dict, b: dict, atol: float, rtol: float) -> None:
 def assert_agrees_with_ddp(
     launched, name: str, ddp: str, experiment: str, steps: int, adam_lr: float | None = None
 ) -> None:
-    """Run `name`'s losses equal those of run `ddp` (the same global batches: the order is world-size-free) up
-    to the order of float sums, and its weights have DDP's keys, shapes and (nearly) values. Under Adam
-    (`adam_lr`), a weight moves by about the learning rate whatever its gradient's size, so a gradient near
-    zero that sums to the other sign in another order moves it the other way: there, at most 1% of a
-    tensor's elements may differ by more than 1e-4, and none by more than two steps."""
+    """Run `name`'s losses equal those of run `ddp` (the same global batches: the order is
+    world-size-free) up to the order of float sums, and its weights have DDP's keys, shapes and
+    (nearly) values. Under Adam (`adam_lr`), a weight moves by about the learning rate whatever its
+    gradient's size, so a gradient near zero that sums to the other sign in another order moves it
+    the other way: there, at most 1% of a tensor's elements may differ by more than 1e-4, and none
+    by more than two steps."""
     a, b = launched.losses(ddp, experiment), launched.losses(name, experiment)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
@@ -73,8 +74,8 @@ def assert_agrees_with_ddp(
 
 
 def assert_consolidates_to_the_trained_model(launched, name: str, tmp: Path) -> None:
-    """Consolidation of the row's newest checkpoint (every shard, resharded into one model) gives the
-    weights training resumes, under the model's own names: DDP's layout."""
+    """Consolidation of the row's newest checkpoint (every shard, resharded into one model) gives
+    the weights training resumes, under the model's own names: DDP's layout."""
     ckpt = checkpoint.latest(launched.workdir / "outputs" / name / "checkpoints")
     weights = load_file(str(consolidate.main(ckpt, output=tmp, log_to_mlflow=False)))
     assert_equal_weights(weights, model_from_checkpoint(ckpt).state_dict())
@@ -182,7 +183,8 @@ def pipeline_parallel_agrees_with_ddp_through_every_stage(launched, tmp_path):
     )
     # The mesh, in the runs list of the UI.
     assert run.data.tags[lineage.SETUP] == "2 x cpu, ddp, pp 2, fp32"
-    # Each stage wrote its own layers; DCP's index holds the whole model under the model's own names.
+    # Each stage wrote its own layers; DCP's index holds the whole model under the model's own
+    # names.
     ckpt = checkpoint.latest(ran.workdir / "outputs/pp/checkpoints")
     stored = (
         torch.distributed.checkpoint.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -193,7 +195,8 @@ def pipeline_parallel_agrees_with_ddp_through_every_stage(launched, tmp_path):
         "model.head.bias",
     } <= set(stored)
     assert_agrees_with_ddp(ran, "pp", "ddp", "trainserve-digit-sequences", 20, adam_lr=3e-3)
-    # Evaluation went through the stages too (padded to the traced batch): the same accuracy as DDP's.
+    # Evaluation went through the stages too (padded to the traced batch): the same accuracy as
+    # DDP's.
     accuracy = {
         name: ran.run(name, "trainserve-digit-sequences").data.metrics["val/accuracy"]
         for name in ("pp", "ddp")
@@ -202,10 +205,10 @@ def pipeline_parallel_agrees_with_ddp_through_every_stage(launched, tmp_path):
 
 
 def pipeline_checkpoint_resumes_under_ddp_where_it_stopped(launched, tmp_path):
-    """Elastic: pp=2's step-12 checkpoint (each stage's shard, 1 data-parallel rank) resumed by 2 DDP ranks
-    that deal the data over 2: each stage's keys found, and steps 13-20 are those of the uninterrupted DDP
-    run. (The resume continues the checkpoint's MLflow run, which then holds steps 13-20 twice: pp's and
-    DDP's.)"""
+    """Elastic: pp=2's step-12 checkpoint (each stage's shard, 1 data-parallel rank) resumed by 2
+    DDP ranks that deal the data over 2: each stage's keys found, and steps 13-20 are those of the
+    uninterrupted DDP run. (The resume continues the checkpoint's MLflow run, which then holds steps
+    13-20 twice: pp's and DDP's.)"""
     ran = launched("pp_then_ddp")
     assert "at step 12" in ran.proc.stderr
     run = ran.run("pp", "trainserve-digit-sequences")
@@ -218,8 +221,8 @@ def pipeline_checkpoint_resumes_under_ddp_where_it_stopped(launched, tmp_path):
 
 
 def pipeline_stages_with_ddp_over_their_copies_agree_with_ddp(launched, tmp_path):
-    """pp=2 x 2 data-parallel ranks: each stage DDP over its 2 copies (the replica check compares them
-    every 5 steps), the data dealt over the 2 data-parallel ranks."""
+    """pp=2 x 2 data-parallel ranks: each stage DDP over its 2 copies (the replica check compares
+    them every 5 steps), the data dealt over the 2 data-parallel ranks."""
     ran = launched("pp_dp")
     assert (
         "device mesh: 2 pipeline stages x 1 replicas x 2 shards x 1 tensor-parallel"
@@ -241,7 +244,8 @@ def fsdp_shards_hold_different_slices_and_consolidate_into_the_run(launched, tmp
     files = {info.relative_path for idx, info in metadata.storage_data.items() if idx.fqn == key}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
 
-    # `pipeline consolidate` of the run directory: the weights training resumes, logged to the same run.
+    # `pipeline consolidate` of the run directory: the weights training resumes, logged to the same
+    # run.
     run_dir = ran.workdir / "outputs/fsdp"
     proc = run_cli(["consolidate", str(run_dir), "--latest"], cwd=ran.workdir)
     weights = Path(proc.stdout.strip().splitlines()[-1])

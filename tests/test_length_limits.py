@@ -1,5 +1,6 @@
-"""Export's view of sequence lengths, on the real token example (examples/digit_sequences): the longest
-input it records for the server, and its warning for a token input exported at one fixed length."""
+"""Export's view of sequence lengths, on the real token example (examples/digit_sequences): the
+longest input it records for the server, and its warning for a token input exported at one fixed
+length."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def splits():
 
 
 def test_the_limit_is_the_models_position_table_not_the_data_length(splits):
-    """The data is 64 tokens long; the model positions up to max_len. The parity gate's batches (the real
-    ones export builds) are what the limit is taken from when the model has no position limit."""
+    """The data is 64 tokens long; the model positions up to max_len. The parity gate's batches (the
+    real ones export builds) are what the limit is taken from when the model has no position
+    limit."""
     model = SequenceClassifier(
         vocab_size=18, num_classes=10, dim=16, heads=2, layers=1, max_len=100
     )
@@ -37,17 +39,15 @@ def test_the_limit_is_the_models_position_table_not_the_data_length(splits):
     batches, failed = gates.parity_batches(splits["val"], AXES, head)
     assert not failed
     assert length_limits.limits(model, batches, AXES) == {"tokens": {1: 100}, "mask": {1: 100}}
-    plain = torch.nn.Sequential(
-        torch.nn.Embedding(17, 4)
-    )  # no position limit: what parity proved (97 = 64 + 33)
+    # no position limit: what parity proved (97 = 64 + 33)
+    plain = torch.nn.Sequential(torch.nn.Embedding(17, 4))
     proved = max(b["tokens"].shape[1] for b in batches.values())
     assert length_limits.limits(plain, batches, AXES) == {
         "tokens": {1: proved},
         "mask": {1: proved},
     }
-    assert (
-        length_limits.limits(model, batches, {}) == {}
-    )  # no dynamic axis: the graph's own shape says it
+    # no dynamic axis: the graph's own shape says it
+    assert length_limits.limits(model, batches, {}) == {}
 
     proto = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     assert length_limits.record(proto, model, batches, AXES)

@@ -1,6 +1,6 @@
-"""The lineage contract (serving/lineage.py) is the one place a `trainserve.*` key is spelled: the exporter writes
-through it and the loader, verify, trace and promote read through it. A new key written elsewhere would be a second
-contract nobody checks; this test finds it."""
+"""The lineage contract (serving/lineage.py) is the one place a `trainserve.*` key is spelled: the
+exporter writes through it and the loader, verify, trace and promote read through it. A new key
+written elsewhere would be a second contract nobody checks; this test finds it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from serving import lineage
 from serving.lineage import Lineage
 
 REPO = Path(__file__).resolve().parents[1]
-KEY = re.compile(r"""trainserve\.(?!json\b)[a-z_]""")  # trainserve.json is a file name, not a key
+# trainserve.json is a file name, not a key
+KEY = re.compile(r"""trainserve\.(?!json\b)[a-z_]""")
 LOGGER = re.compile(r"""getLogger\(["']trainserve\.""")
 
 
@@ -56,13 +57,13 @@ def test_the_file_and_the_version_say_the_same_lineage():
         lineage.SHA256: json.dumps({"model.onnx": "o" * 64, **said.digests()})
     }
     from_version = Lineage.read(tags)
-    assert from_version == Lineage(
-        **{**said.as_dict(), "weights_meta_sha256": ""}
-    )  # model.json's: the file's only
+    # model.json's: the file's only
+    assert from_version == Lineage(**{**said.as_dict(), "weights_meta_sha256": ""})
     assert lineage.recorded_sha256(tags, "model.onnx") == "o" * 64 and lineage.recorded_files(
         tags
     ) == {"model.onnx": "o" * 64}
-    assert not [v for v in said.version_tags().values() if "/" in v]  # no path on a version
+    # no path on a version
+    assert not [v for v in said.version_tags().values() if "/" in v]
 
 
 def test_stages_read_back_in_order():
@@ -77,7 +78,8 @@ def test_stages_read_back_in_order():
 
 
 def test_versions_and_files_of_before_the_contract_read_the_same():
-    """What the export recorded before `trainserve.sha256`, and the ONNX metadata keys it wrote, still read."""
+    """What the export recorded before `trainserve.sha256`, and the ONNX metadata keys it wrote,
+    still read."""
     old_tags = {
         "trainserve.onnx_sha256": "a",
         "trainserve.onnx_fp16_sha256": "b",
@@ -98,9 +100,8 @@ def test_versions_and_files_of_before_the_contract_read_the_same():
         "val": "v",
     }
     assert lineage.recorded_files(old_tags) == {"model.onnx": "a", "model.fp16.onnx": "b"}
-    assert (
-        lineage.sha256_record({"trainserve.run_id": "r"}) is None
-    )  # registered by hand: records nothing
+    # registered by hand: records nothing
+    assert lineage.sha256_record({"trainserve.run_id": "r"}) is None
     old_file = {
         "trainserve.checkpoint_step": "88",
         "trainserve.model_component": "m",

@@ -1,9 +1,9 @@
-"""After deployment, as a user lives it: a deliberately worse retrain becomes @challenger; a server with
---shadow 1.0 answers every client from the champion while it judges the challenger on the same traffic,
-rejects it, and labels posted later give both models' live accuracy; drift stays low for real digits and
-rises for shifted ones; a retrain as good as the champion agrees on every request, is judged `promote` once the
-labeller's labels say it is as accurate, and `pipeline promote` moves the alias. Real torchrun training, a real
-MLflow registry, a real server, real HTTP clients."""
+"""After deployment, as a user lives it: a deliberately worse retrain becomes @challenger; a server
+with --shadow 1.0 answers every client from the champion while it judges the challenger on the same
+traffic, rejects it, and labels posted later give both models' live accuracy; drift stays low for
+real digits and rises for shifted ones; a retrain as good as the champion agrees on every request,
+is judged `promote` once the labeller's labels say it is as accurate, and `pipeline promote` moves
+the alias. Real torchrun training, a real MLflow registry, a real server, real HTTP clients."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ NAME = "mlp-digits"
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    """v1: a good MLP (@champion); v2: the same trained for 2 steps only (@challenger: worse, not promoted)."""
+    """v1: a good MLP (@champion); v2: the same trained for 2 steps only (@challenger: worse, not
+    promoted)."""
     workdir = tmp_path_factory.mktemp("live")
     run_cli(["run", *MLP, "train.epochs=3", "train.run_name=good"], cwd=workdir)
     worse = run_cli(
@@ -44,7 +45,8 @@ def registry(tmp_path_factory):
             "run",
             *MLP,
             "train.max_steps=2",
-            "train.run_name=worse",  # maybe below the baseline: kept
+            # maybe below the baseline: kept
+            "train.run_name=worse",
             "export.allow_below_baseline=true",
         ],
         cwd=workdir,
@@ -54,8 +56,8 @@ def registry(tmp_path_factory):
 
 
 def digits(shift_sigmas: float = 0.0, count: int = 300):
-    """Real validation digits (the split training used), as float32 images, and their labels; shifted by a
-    multiple of the pixels' standard deviation when asked."""
+    """Real validation digits (the split training used), as float32 images, and their labels;
+    shifted by a multiple of the pixels' standard deviation when asked."""
     from pipeline.datasets.digits import digits as load
 
     val = load()["val"]
@@ -121,7 +123,8 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         "--drift-window",
         "300",
         "--shadow-max-source-share",
-        "1",  # (this test is the server's only client)
+        # (this test is the server's only client)
+        "1",
         env=env,
         log_path=tmp_path / "server.log",
     )
@@ -137,28 +140,26 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         assert correct / len(labels) > 0.9
         report = shadow_report(server.url, lambda r: r["pairs"] + r["dropped"] >= 300)
         assert report["challenger_version"] == "2" and report["challenger_errors"] == 0
-        assert report["pairs"] >= 250 and report["pairs"] + report["dropped"] == 300, (
-            report
-        )  # one client: few shed
+        # one client: few shed
+        assert report["pairs"] >= 250 and report["pairs"] + report["dropped"] == 300, report
         assert report["agreement"] < 0.5 and report["verdict"] == "reject", report
-        assert report["sources"] == 1 and report["largest_source_share"] == 1.0, (
-            report
-        )  # (all from 127.0.0.1)
+        # (all from 127.0.0.1)
+        assert report["sources"] == 1 and report["largest_source_share"] == 1.0, report
         assert (
             report["latency_ms"]["champion_p50"] > 0 and report["latency_ms"]["challenger_p50"] > 0
         )
-        # Labels that arrive later, under the server's ids of the answers: both models' live accuracy on the
-        # same requests.
+        # Labels that arrive later, under the server's ids of the answers: both models' live
+        # accuracy on the same requests.
         body = {"labels": [{"id": rid, "target": int(y)} for rid, y in zip(server_ids, labels)]}
         joined = requests.post(
             f"{server.url}/v2/models/{NAME}/feedback", json=body, timeout=30
         ).json()
-        assert (
-            joined["joined"] == 300 and joined["unknown"] == 0
-        )  # the champion's answers are all kept
+        # the champion's answers are all kept
+        assert joined["joined"] == 300 and joined["unknown"] == 0
         live = joined["report"]["live"]
         assert live["champion"]["accuracy"] > 0.9 > 0.5 > live["challenger"]["accuracy"]
-        # (labels or not, agreement below the rule's floor rejects: labels can't outvote what every request showed)
+        # (labels or not, agreement below the rule's floor rejects: labels can't outvote what every
+        # request showed)
         assert "agreement" in joined["report"]["reason"] and joined["report"]["verdict"] == "reject"
         print(
             "worse challenger:",
@@ -183,7 +184,8 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         refused = run_cli(["promote", NAME, "--server", server.url], cwd=workdir, check=False)
         assert refused.returncode == 1 and "the shadow verdict is reject" in refused.stderr
 
-        # Drift: real validation digits look like the training split; digits brightened by 0.5 sigma do not.
+        # Drift: real validation digits look like the training split; digits brightened by 0.5 sigma
+        # do not.
         calm = drift_of(server.url, "1")
         assert calm < 0.1, calm
         shifted, _ = digits(shift_sigmas=0.5)
@@ -193,9 +195,9 @@ def test_a_worse_challenger_is_rejected_on_live_traffic_and_an_equal_one_promote
         assert moved > 0.2 and moved > 3 * calm, (calm, moved)
         print(f"drift PSI: real validation digits {calm:.3f}, shifted by 0.5 sigma {moved:.3f}")
 
-        # A retrain as good as the champion (the same run again: the same weights), kept as @challenger by
-        # export.promote=if_better; the server follows the alias, judges it on new traffic: agreement alone
-        # leaves it undecided, the labeller's labels promote it.
+        # A retrain as good as the champion (the same run again: the same weights), kept as
+        # @challenger by export.promote=if_better; the server follows the alias, judges it on new
+        # traffic: agreement alone leaves it undecided, the labeller's labels promote it.
         run_cli(
             ["run", *MLP, "train.epochs=3", "train.run_name=again", "export.promote=if_better"],
             cwd=workdir,

@@ -1,7 +1,7 @@
-"""The model contract in its pure pieces: outputs named as the model returns them, the prediction found
-or the fix named, targets of any structure, segmentation's metrics and per-pixel decisions, parity per
-output. The end-to-end runs of the same models (a transformers classifier, a timm-shaped factory, two
-heads with a dict target, segmentation) are in test_own_models.py."""
+"""The model contract in its pure pieces: outputs named as the model returns them, the prediction
+found or the fix named, targets of any structure, segmentation's metrics and per-pixel decisions,
+parity per output. The end-to-end runs of the same models (a transformers classifier, a timm-shaped
+factory, two heads with a dict target, segmentation) are in test_own_models.py."""
 
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ WHERE = "model.component 'm' on 2 validation samples"
 
 
 @dataclasses.dataclass
-class Classified:  # a ModelOutput-like output: read as outputs.logits by a transformers-style loss
+# a ModelOutput-like output: read as outputs.logits by a transformers-style loss
+class Classified:
     logits: torch.Tensor
     embedding: torch.Tensor
 
 
 @dataclasses.dataclass
-class Heads:  # a dataclass output, as some libraries return
+# a dataclass output, as some libraries return
+class Heads:
     score: torch.Tensor
     box: torch.Tensor
     aux: torch.Tensor | None = None
@@ -44,13 +46,15 @@ def test_outputs_are_named_as_the_model_returns_them():
     assert layout_of((t, t), "logits", WHERE).names == ("output_0", "output_1")
     assert layout_of([t], "logits", WHERE).names == ("output_0",)
     assert layout_of({"a": t, "b": t}, "logits", WHERE).names == ("a", "b")
+    # None fields are absent
     assert layout_of(Heads(t, t), "logits", WHERE).names == (
         "score",
         "box",
-    )  # None fields are absent
+    )
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    hf = SequenceClassifierOutput(logits=t)  # loss, hidden_states, attentions: None
+    # loss, hidden_states, attentions: None
+    hf = SequenceClassifierOutput(logits=t)
     layout = layout_of(hf, "logits", WHERE)
     assert layout.names == ("logits",) and layout.flatten(hf)["logits"] is t
     assert layout_of((t, t), "logits", WHERE).rebuild({"output_0": 1, "output_1": 2}) == (1, 2)
@@ -145,8 +149,10 @@ def test_the_task_comes_from_the_registry_and_a_wrong_name_says_which_exist():
 
 def test_segmentation_mean_iou_and_pixel_accuracy_by_hand():
     task = Segmentation(["bg", "x", "y"])
-    target = torch.tensor([[[0, 0], [1, 1]]])  # 1 x 2 x 2
-    predicted = torch.tensor([[[0, 1], [1, 1]]])  # one bg pixel called x
+    # 1 x 2 x 2
+    target = torch.tensor([[[0, 0], [1, 1]]])
+    # one bg pixel called x
+    predicted = torch.tensor([[[0, 1], [1, 1]]])
     logits = torch.nn.functional.one_hot(predicted, 3).permute(0, 3, 1, 2).float() * 5
     task.check_output(logits, target, WHERE)
     state = task.new_state(torch.device("cpu"))
@@ -169,12 +175,14 @@ def test_segmentation_mean_iou_and_pixel_accuracy_by_hand():
 
 
 def test_decisions_are_compared_per_pixel_not_flattened():
-    """N x C x H x W: the argmax over the classes (axis 1) at each pixel. Flattening each sample first, as
-    the gates once did, compares one argmax over C*H*W values and misses a flipped pixel."""
+    """N x C x H x W: the argmax over the classes (axis 1) at each pixel. Flattening each sample
+    first, as the gates once did, compares one argmax over C*H*W values and misses a flipped
+    pixel."""
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(4, 3, 5, 5)).astype(np.float32)
     got = ref.copy()
-    n, h, w = 2, 1, 3  # flip one pixel's decision, far from the sample's largest value
+    # flip one pixel's decision, far from the sample's largest value
+    n, h, w = 2, 1, 3
     got[n, :, h, w] = (
         ref[n, ::-1, h, w] if ref[n, :, h, w].argmax() != 1 else np.roll(ref[n, :, h, w], 1)
     )
@@ -204,7 +212,8 @@ def test_parity_holds_every_output_and_names_the_one_that_moved():
 
 
 def test_targets_of_a_dict_come_back_from_every_rank_in_the_split_order():
-    """What gather_in_order does with the shards all_gather_object returns: rank r held samples r, r+W, ..."""
+    """What gather_in_order does with the shards all_gather_object returns: rank r held samples r,
+    r+W, ..."""
     shards = [
         {"cultivar": torch.tensor([0, 2, 4]), "alcohol": torch.tensor([0.0, 2.0, 4.0])},
         {"cultivar": torch.tensor([1, 3]), "alcohol": torch.tensor([1.0, 3.0])},
@@ -256,7 +265,8 @@ def test_a_custom_loss_and_metric_get_dicts_as_they_are():
 
 
 def test_num_classes_reaches_a_factory_that_takes_kwargs():
-    """timm.create_model(model_name, pretrained=False, **kwargs) names no num_classes: it goes through **kwargs."""
+    """timm.create_model(model_name, pretrained=False, **kwargs) names no num_classes: it goes
+    through **kwargs."""
     from pipeline.components.build import build_data, model_spec
 
     cfg = config_from_dict(
@@ -270,9 +280,8 @@ def test_num_classes_reaches_a_factory_that_takes_kwargs():
     splits = build_data(cfg.data, cfg.task.name)
     spec, from_data = model_spec(cfg.model, splits, build_task(cfg.task, splits.classes))
     assert from_data == {"num_classes": 10} and spec.args["num_classes"] == 10
-    assert (
-        "in_channels" not in spec.args
-    )  # the data's other hints go only to parameters the factory names
+    # the data's other hints go only to parameters the factory names
+    assert "in_channels" not in spec.args
 
 
 def test_each_task_checks_its_own_data():
@@ -287,8 +296,8 @@ def test_each_task_checks_its_own_data():
 def test_a_loss_reading_fields_as_attributes_works_in_training_and_in_evaluation(
     tmp_path, monkeypatch
 ):
-    """A transformers-style loss (`outputs.logits`) gets the ModelOutput in training and, in evaluation and the
-    export gates, the outputs rebuilt by name: both read the same way."""
+    """A transformers-style loss (`outputs.logits`) gets the ModelOutput in training and, in
+    evaluation and the export gates, the outputs rebuilt by name: both read the same way."""
     import sys
     import types
 

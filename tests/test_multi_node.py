@@ -1,12 +1,12 @@
-"""Two machines that share no disk train one run, as a user runs it on real ones: one torchrun per host
-(`--nnodes 2`, c10d rendezvous), checkpoints on an S3-compatible store, tracking on `mlflow server` over
-PostgreSQL with its artifacts in S3; one node's worker killed mid-run and the job resumed by torchrun's
-elastic restart; then consolidate, export, register, serve and verify, each through the tracking server
-from a host that trained nothing of it.
+"""Two machines that share no disk train one run, as a user runs it on real ones: one torchrun per
+host (`--nnodes 2`, c10d rendezvous), checkpoints on an S3-compatible store, tracking on
+`mlflow server` over PostgreSQL with its artifacts in S3; one node's worker killed mid-run and the
+job resumed by torchrun's elastic restart; then consolidate, export, register, serve and verify,
+each through the tracking server from a host that trained nothing of it.
 
-The hosts are network namespaces (tests/hosts.py): own address, own empty working directory; their names
-do not resolve, hence `--local-addr` and the c10d `is_host` setting. The services run in the root namespace,
-bound to the bridge's address.
+The hosts are network namespaces (tests/hosts.py): own address, own empty working directory; their
+names do not resolve, hence `--local-addr` and the c10d `is_host` setting. The services run in the
+root namespace, bound to the bridge's address.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import time
 
 import pytest
 from conftest import TINY, cli_env, run_lineage
-from hosts import hosts  # noqa: F401  (the fixture)
+
+# the fixture
+from hosts import hosts  # noqa: F401
 from object_store import moto_s3
 from services import mlflow_server, postgres
 
@@ -30,8 +32,10 @@ from serving import lineage
 
 pytestmark = pytest.mark.slow
 
-RDZV_PORT = 29400  # each host has its own port space: no other session can hold it there
-# The digits MLP, a few steps: checkpoints at 6, 12 and 18, the worker on the second host killed at step 9.
+# each host has its own port space: no other session can hold it there
+RDZV_PORT = 29400
+# The digits MLP, a few steps: checkpoints at 6, 12 and 18, the worker on the second host killed at
+# step 9.
 TRAINING = [
     "model.name=mlp",
     "model.args={hidden: [32]}",
@@ -40,7 +44,8 @@ TRAINING = [
     "train.eval_every=6",
     "checkpoint.every_n_steps=6",
     "train.device=cpu",
-    "train.threads_per_rank=1",  # as many threads on every rank, hosts or not: the same float sums
+    # as many threads on every rank, hosts or not: the same float sums
+    "train.threads_per_rank=1",
     "export.registered_model_name=digits-two-hosts",
 ]
 KILLED_AT = 9
@@ -55,7 +60,8 @@ def torchrun_on(
     env: dict,
     is_host: bool,
 ):
-    """The command a user types on each machine: the same on both but for --local-addr and is_host."""
+    """The command a user types on each machine: the same on both but for --local-addr and
+    is_host."""
     return host.popen(
         [
             sys.executable,
@@ -93,8 +99,8 @@ def torchrun_on(
 
 @contextlib.contextmanager
 def meanwhile(cmd: list[str], cwd, env: dict, log, timeout: float):
-    """`cmd` running in the root namespace while the block runs; it must then exit 0 within `timeout`.
-    Killed with its children (torchrun's workers) if the block fails."""
+    """`cmd` running in the root namespace while the block runs; it must then exit 0 within
+    `timeout`. Killed with its children (torchrun's workers) if the block fails."""
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -142,12 +148,14 @@ def metric_history(client, run_id: str, key: str) -> dict[int, float]:
 
 
 def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_tracking_server(
-    hosts,  # noqa: F811 (the fixture imported above)
+    # the fixture imported above
+    hosts,  # noqa: F811
     tmp_path,
 ):
     started, phases = time.monotonic(), {}
 
-    def phase(name: str) -> None:  # seconds per stage, printed at the end (pytest -rP shows them)
+    # seconds per stage, printed at the end (pytest -rP shows them)
+    def phase(name: str) -> None:
         phases[name] = round(time.monotonic() - started - sum(phases.values()), 1)
 
     network = hosts(2)
@@ -160,11 +168,12 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         ) as uri,
     ):
         phase("services")
-        # What each host is given: where the store and the tracking server are, and which interface gloo uses.
+        # What each host is given: where the store and the tracking server are, and which interface
+        # gloo uses.
         env = cli_env({**store.env, "GLOO_SOCKET_IFNAME": a.interface, "MLFLOW_TRACKING_URI": uri})
 
-        # The reference, trained meanwhile in the root namespace: two ranks on one machine, same seed,
-        # never interrupted.
+        # The reference, trained meanwhile in the root namespace: two ranks on one machine, same
+        # seed, never interrupted.
         local = tmp_path / "local"
         local.mkdir()
         with meanwhile(
@@ -187,7 +196,8 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
             local / "train.log",
             timeout=300,
         ):
-            # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its agent lives on).
+            # Two hosts, one process each; the second host's worker is SIGKILLed at step 9 (its
+            # agent lives on).
             rendezvous = f"{a.address}:{RDZV_PORT}"
             procs = {
                 a: torchrun_on(
@@ -210,8 +220,9 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         assert (
             f"SIGKILL to rank 1 at step {KILLED_AT}" in log_b and "torchrun restart 1" in log_b
         ), log_b[-4000:]
-        # Host A's agent restarted for the membership change (its own count stays 0): its rank resumed with
-        # host B's in that same restart, not after a refusal of its own that spent its restart.
+        # Host A's agent restarted for the membership change (its own count stays 0): its rank
+        # resumed with host B's in that same restart, not after a refusal of its own that spent its
+        # restart.
         assert "resumed from" in log_a and "pipeline train: [rank0] error" not in log_a, log_a[
             -4000:
         ]
@@ -226,7 +237,8 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         assert set(runs) == {"local", "two-hosts"}, set(runs)
         for run in runs.values():
             assert run.info.status == "FINISHED"
-        # One run across the restart, each step logged once, the same curve as two ranks on one machine.
+        # One run across the restart, each step logged once, the same curve as two ranks on one
+        # machine.
         losses = {
             name: metric_history(client, run.info.run_id, "train/loss")
             for name, run in runs.items()
@@ -279,8 +291,9 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
         version = client.get_model_version_by_alias("digits-two-hosts", "champion")
         assert version.run_id == run_id and version.tags[lineage.RUN_ID] == run_id
 
-        # Served on host B from the registry alias, asked from host A; then the chain re-proved from host A.
-        # On an address other than loopback the server starts only with a token (TRAINSERVE_AUTH_TOKEN).
+        # Served on host B from the registry alias, asked from host A; then the chain re-proved from
+        # host A. On an address other than loopback the server starts only with a token
+        # (TRAINSERVE_AUTH_TOKEN).
         token = {"TRAINSERVE_AUTH_TOKEN": "two-hosts-secret"}
         server = b.popen(
             [
@@ -337,7 +350,8 @@ def test_two_hosts_train_one_run_resume_a_killed_worker_and_ship_it_through_the_
     print("seconds per phase:", phases)
 
 
-# Run on host A: waits for the server on host B to be ready, sends one real 8x8 digit, prints headers + body.
+# Run on host A: waits for the server on host B to be ready, sends one real 8x8 digit, prints
+# headers + body.
 READY_AND_ASK = """
 import json, os, sys, time, requests
 base = sys.argv[1]

@@ -1,6 +1,7 @@
-"""A user's own model, data and task through every stage, the way docs/own-model.md tells a user to run them:
-the example projects in examples/ (trainserve never imports them itself), found on PYTHONPATH by the
-CLI and by every torchrun worker, under real torchrun, a real MLflow store and a real server."""
+"""A user's own model, data and task through every stage, the way docs/own-model.md tells a user to
+run them: the example projects in examples/ (trainserve never imports them itself), found on
+PYTHONPATH by the CLI and by every torchrun worker, under real torchrun, a real MLflow store and a
+real server."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ TINY = [
     "serve.port=0",
     "export.allow_below_baseline=true",
 ]
-EXAMPLES = {  # config -> (experiment, registered name, the task's validation metric)
+# config -> (experiment, registered name, the task's validation metric)
+EXAMPLES = {
     "diabetes_mlp": ("trainserve-diabetes", "diabetes-mlp", "val/rmse"),
     "diabetes_mixed_inputs": ("trainserve-diabetes", "diabetes-mixed", "val/mae"),
     "digit_sequences_transformer": (
@@ -49,8 +51,9 @@ EXAMPLES = {  # config -> (experiment, registered name, the task's validation me
     "digits_image_zoo": ("trainserve-digits", "digits-image-zoo", "val/accuracy"),
     "digits_segmentation": ("trainserve-digit-masks", "digit-masks", "val/mean_iou"),
 }
-# Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts included); the
-# examples that only add a model or task shape train in the command's own process to keep the suite short.
+# Two ranks prove the gathers (a custom metric sees every rank's outputs and targets, dicts
+# included); the examples that only add a model or task shape train in the command's own process to
+# keep the suite short.
 RUN_ARGS = {
     "wine_two_heads": ["--nproc-per-node", "2", "checkpoint.monitor=val/alcohol_rmse"],
     "digits_image_zoo": [],
@@ -60,7 +63,8 @@ RUN_ARGS = {
 # through every stage under pipeline parallelism, BERT's under tensor parallelism, each on 2 ranks.
 FROM_THE_TABLE = {"digit_sequences_transformer": "pp", "digit_sequences_bert": "tp"}
 DYNAMIC_LENGTH = {"digit_sequences_transformer", "digit_sequences_bert"}
-ON_PATH = {"PYTHONPATH": str(REPO)}  # the user's package on PYTHONPATH, run from elsewhere
+# the user's package on PYTHONPATH, run from elsewhere
+ON_PATH = {"PYTHONPATH": str(REPO)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +77,8 @@ class Example:
 
 @pytest.fixture(scope="module", params=list(EXAMPLES))
 def example(request, tmp_path_factory, launched) -> Example:
-    """`pipeline run --serve-check` on an example, in a directory of its own, run from elsewhere with
-    the example's package on PYTHONPATH."""
+    """`pipeline run --serve-check` on an example, in a directory of its own, run from elsewhere
+    with the example's package on PYTHONPATH."""
     name = request.param
     if name in FROM_THE_TABLE:
         row = FROM_THE_TABLE[name]
@@ -96,8 +100,8 @@ def example(request, tmp_path_factory, launched) -> Example:
         timeout=600,
         check=False,
     )
-    # 12 steps may leave a model no better than the trivial predictor: registered (TINY allows it), and
-    # --serve-check then exits 1 saying so, after the server's answer was checked as usual
+    # 12 steps may leave a model no better than the trivial predictor: registered (TINY allows it),
+    # and --serve-check then exits 1 saying so, after the server's answer was checked as usual
     assert proc.returncode == 0 or (
         proc.returncode == 1 and "failed its baseline gate" in proc.stderr
     ), f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
@@ -145,9 +149,8 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     assert all(s.shape[0] == -1 for s in inputs.values())
     if name == "digit_sequences_transformer":
         assert inputs["tokens"].shape == (-1, -1) and str(inputs["mask"].type) == "bool"
-    if (
-        name == "digit_sequences_bert"
-    ):  # the transformers model's forward takes these names as they are
+    # the transformers model's forward takes these names as they are
+    if name == "digit_sequences_bert":
         assert list(inputs) == ["input_ids", "attention_mask"] and inputs["input_ids"].shape == (
             -1,
             -1,
@@ -160,12 +163,12 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
     if name == "diabetes_mlp":
         assert "predicted_vs_actual.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
         assert report["gates"]["rmse"]["passed"] and report["outputs"] == ["prediction"]
-    if (
-        name == "digit_sequences_transformer"
-    ):  # two more lengths of the dynamic token axis were gated
+    # two more lengths of the dynamic token axis were gated
+    if name == "digit_sequences_transformer":
         assert sum(1 for g in report["gates"] if g.startswith("parity.tokens_1.len")) == 2
     outputs = {o.name for o in signature.outputs.inputs}
-    if name == "wine_two_heads":  # both heads exported by the dict's keys, each one gated
+    # both heads exported by the dict's keys, each one gated
+    if name == "wine_two_heads":
         assert report["outputs"] == ["cultivar_logits", "alcohol"] == sorted(outputs, reverse=True)
         assert set(report["gates"]["parity.val"]["outputs"]) == {"cultivar_logits", "alcohol"}
         figures = client.load_table(
@@ -174,13 +177,13 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
         assert "alcohol.max_abs" in set(figures[figures.gate == "parity.b7"].figure), figures
         assert "val/cultivar_accuracy" in run.data.metrics
         best = json.loads((run_dir / "checkpoints/best.json").read_text())
-        assert (
-            best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"
-        )  # checkpoint.monitor picks the 2nd
+        # checkpoint.monitor picks the 2nd
+        assert best["metric"] == "val/alcohol_rmse" and best["mode"] == "min"
+    # no wrapper, no num_classes in model.args
     if name in (
         "digit_sequences_bert",
         "digits_image_zoo",
-    ):  # no wrapper, no num_classes in model.args
+    ):
         assert (
             run.data.params["model.args.num_classes"] == "10"
             and "num_classes" not in cfg.model.args
@@ -189,9 +192,8 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
             report["outputs"] == ["logits", "probabilities"]
             and report["task"]["prediction"] == "logits"
         )
-    if (
-        name == "digit_sequences_bert"
-    ):  # its SequenceClassifierOutput, read by the field that carries logits
+    # its SequenceClassifierOutput, read by the field that carries logits
+    if name == "digit_sequences_bert":
         assert report["task"]["layout"] == {"kind": "mapping", "names": ["logits"]}
         assert sum(1 for g in report["gates"] if g.startswith("parity.input_ids_1.len")) == 2
     if name == "digits_segmentation":
@@ -205,9 +207,8 @@ def test_an_example_goes_through_every_stage_with_one_command(example):
 def validation_requests(name: str, rows: int) -> list[dict[str, np.ndarray]]:
     """Real validation samples of the example, one request each, as numpy inputs by name."""
     cfg = load_config(REPO / f"configs/{name}.yaml")
-    splits = build_data(
-        cfg.data, cfg.task.name
-    )  # examples/ is importable here: pytest runs from the repository
+    # examples/ is importable here: pytest runs from the repository
+    splits = build_data(cfg.data, cfg.task.name)
     inputs, _ = first_batch(splits.val, rows)
     named = inputs if isinstance(inputs, dict) else {"input": inputs}
     return [{k: v[i : i + 1].numpy() for k, v in named.items()} for i in range(rows)]
@@ -217,9 +218,9 @@ V2 = {"float32": "FP32", "int64": "INT64", "bool": "BOOL"}
 
 
 def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
-    """Every output by name over KServe V2 JSON, binary (tritonclient.http) and gRPC (tritonclient.grpc), and
-    /invocations with named inputs; for the sequence models, concurrent requests of different lengths, which
-    the batcher must never merge."""
+    """Every output by name over KServe V2 JSON, binary (tritonclient.http) and gRPC
+    (tritonclient.grpc), and /invocations with named inputs; for the sequence models, concurrent
+    requests of different lengths, which the batcher must never merge."""
     import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton
 
@@ -228,7 +229,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     direct = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in direct.get_outputs()]
     samples = validation_requests(name, 6)
-    if name in DYNAMIC_LENGTH:  # other lengths than training's 64, up to the model's 128
+    # other lengths than training's 64, up to the model's 128
+    if name in DYNAMIC_LENGTH:
         samples += [
             {k: np.ascontiguousarray(np.resize(v, (1, length))) for k, v in s.items()}
             for s in samples[:3]
@@ -244,7 +246,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
     ) as server:
         model = requests.get(f"{server.url}/v2/models/{EXAMPLES[name][1]}", timeout=5).json()
         assert [i["name"] for i in model["inputs"]] == list(samples[0])
-        assert [o["name"] for o in model["outputs"]] == outputs  # the metadata lists every output
+        # the metadata lists every output
+        assert [o["name"] for o in model["outputs"]] == outputs
 
         def v2_json(feeds):
             body = {
@@ -267,9 +270,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
                 for o in answer.json()["outputs"]
             }
 
-        with concurrent.futures.ThreadPoolExecutor(
-            8
-        ) as pool:  # concurrent: the batcher merges what fits
+        # concurrent: the batcher merges what fits
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(v2_json, samples))
         for feeds, answer in zip(samples, answers):
             for key, value in expected(feeds).items():
@@ -317,8 +319,8 @@ def test_the_served_answers_equal_onnxruntime_run_directly(example, tmp_path):
 
 @pytest.mark.parametrize("example", ["diabetes_mlp"], indirect=True)
 def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(example, tmp_path):
-    """`pipeline export` of a user's weights on its own: model.json names the user's components, which are
-    imported only when trusted (pipeline run trusted its own config's)."""
+    """`pipeline export` of a user's weights on its own: model.json names the user's components,
+    which are imported only when trusted (pipeline run trusted its own config's)."""
     workdir = example.workdir
     weights = example.run_dir / "consolidated"
     proc = run_cli(
@@ -339,8 +341,8 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
         )
     )
     assert not (tmp_path / "onnx" / "model.onnx").exists()
-    # Trusted with that --trust, copied as it is, but not installed here (no PYTHONPATH, run from elsewhere):
-    # the next error is not about trust; it says what the run logged.
+    # Trusted with that --trust, copied as it is, but not installed here (no PYTHONPATH, run from
+    # elsewhere): the next error is not about trust; it says what the run logged.
     run_id = json.loads((weights / "model.json").read_text())["source"]["mlflow_run_id"]
     lacking = run_cli(
         [
@@ -363,15 +365,15 @@ def test_a_users_export_is_refused_when_its_components_are_not_trusted_here(exam
         in lacking.stderr
     )
     assert "examples/diabetes/models.py" in lacking.stderr
-    assert not (
-        tmp_path / "onnx" / "model.onnx"
-    ).exists()  # trusted and importable, it exports: pipeline run did
+    # trusted and importable, it exports: pipeline run did
+    assert not (tmp_path / "onnx" / "model.onnx").exists()
 
 
 @pytest.mark.parametrize("example", ["digit_sequences_transformer"], indirect=True)
 def test_a_token_model_is_served_up_to_the_length_it_was_exported_for(example):
-    """Export recorded the model's position limit (max_len 128; the data is 64 long); the server shows it and
-    answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid expand shape"."""
+    """Export recorded the model's position limit (max_len 128; the data is 64 long); the server
+    shows it and answers a longer sequence with a 400 naming it, not with onnxruntime's "invalid
+    expand shape"."""
     import onnx
 
     exported = example.run_dir / "onnx/model.onnx"

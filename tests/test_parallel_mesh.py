@@ -1,8 +1,8 @@
-"""train.parallel: the device mesh's degrees checked before anything starts, and the pieces that build it
-(tensor-parallel plans, traced pipeline stages), in one process. The meshes themselves launch under torchrun
-in tests/test_launches.py (HSDP, pipeline parallelism alone and with data-parallel copies, tensor
-parallelism: each against DDP, each killed and resumed). What does not combine yet is refused with the
-reason."""
+"""train.parallel: the device mesh's degrees checked before anything starts, and the pieces that
+build it (tensor-parallel plans, traced pipeline stages), in one process. The meshes themselves
+launch under torchrun in tests/test_launches.py (HSDP, pipeline parallelism alone and with
+data-parallel copies, tensor parallelism: each against DDP, each killed and resumed). What does not
+combine yet is refused with the reason."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ STEPS = [
     "model.args={hidden: [64]}",
 ]
 TRANSFORMER = str(REPO / "configs/digit_sequences_transformer.yaml")
-ON_PATH = {"PYTHONPATH": str(REPO)}  # the examples' package
+# the examples' package
+ON_PATH = {"PYTHONPATH": str(REPO)}
 
 
 @pytest.mark.parametrize(
@@ -167,8 +168,8 @@ def test_a_models_own_plan_is_taken_and_checked():
 
 
 def test_heads_that_do_not_divide_over_the_tensor_parallel_ranks_are_refused():
-    """BERT's projections divide over tp=8 (64 features, 8 each) but its 4 heads of 16 do not: each rank would hold
-    half a head and fail inside the first forward's reshape."""
+    """BERT's projections divide over tp=8 (64 features, 8 each) but its 4 heads of 16 do not: each
+    rank would hold half a head and fail inside the first forward's reshape."""
     import transformers
 
     from pipeline.distributed.tensor_parallel import plan_for
@@ -206,8 +207,8 @@ def tiny_bert():
 
 
 def test_traced_stages_hold_the_models_own_keys_and_no_more():
-    """The tracer registers every buffer of a stage as persistent; BERT's position_ids is not, and a stage shard
-    holding it would not consolidate (a key the model's manifest lacks)."""
+    """The tracer registers every buffer of a stage as persistent; BERT's position_ids is not, and a
+    stage shard holding it would not consolidate (a key the model's manifest lacks)."""
     from pipeline.distributed.pipeline_parallel import trace
 
     model = tiny_bert()
@@ -235,9 +236,8 @@ def test_a_weight_two_stages_use_is_refused():
             self.blocks = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2)])
 
         def forward(self, tokens):
-            return (
-                self.blocks(self.embed(tokens)) @ self.embed.weight.T
-            )  # the head is the embedding
+            # the head is the embedding
+            return self.blocks(self.embed(tokens)) @ self.embed.weight.T
 
     with pytest.raises(
         ConfigError, match=r"embed.weight is used by more than one stage \(tied weights\)"
@@ -259,8 +259,9 @@ def test_a_batch_of_other_shapes_than_traced_is_named():
 
 
 def test_a_tensor_parallel_checkpoint_from_before_records_its_data_parallel_ranks():
-    """Before pipeline parallelism the train state held only the world size; a tp=2 run of 4 ranks dealt its data over
-    2, and a resume must count its position so (not over 4: it would skip half an epoch)."""
+    """Before pipeline parallelism the train state held only the world size; a tp=2 run of 4 ranks
+    dealt its data over 2, and a resume must count its position so (not over 4: it would skip half
+    an epoch)."""
     from pipeline.train import saved_data_parallel
 
     old = {"train_state": {"world_size": 4}, "config": {"train": {"parallel": {"tp": 2, "pp": 1}}}}

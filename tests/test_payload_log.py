@@ -1,6 +1,7 @@
-"""The payload log: a sample of requests and answers as JSON Lines, rotated, under a cap on the directory's
-size, never waited for by a request. Served end to end (a real `python -m serving`, real HTTP, load from
-threads), plus the writer on its own for what a server can't show on cue (a full queue)."""
+"""The payload log: a sample of requests and answers as JSON Lines, rotated, under a cap on the
+directory's size, never waited for by a request. Served end to end (a real `python -m serving`, real
+HTTP, load from threads), plus the writer on its own for what a server can't show on cue (a full
+queue)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ KIB = 1024
 
 
 def in_sample(request_id: str, fraction: float) -> bool:
-    """The documented rule, written out again: the first 8 hex digits of sha256(id) over 2^32, below fraction."""
+    """The documented rule, written out again: the first 8 hex digits of sha256(id) over 2^32, below
+    fraction."""
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
@@ -54,7 +56,8 @@ def total_bytes(directory: Path) -> int:
     for f in directory.iterdir():
         try:
             size += f.stat().st_size
-        except FileNotFoundError:  # deleted between listing and stat: the writer enforcing the cap
+        except FileNotFoundError:
+            # deleted between listing and stat: the writer enforcing the cap
             pass
     return size
 
@@ -77,8 +80,9 @@ def model(tmp_path_factory):
 
 
 def test_the_directory_stays_within_its_cap_under_load(model, tmp_path):
-    """400 requests of 8 rows from 16 threads: ~1 KiB records into a 64 KiB cap of 16 KiB files. Sampled while
-    the load runs, the directory never holds more than the cap; rotation happened, the oldest files went."""
+    """400 requests of 8 rows from 16 threads: ~1 KiB records into a 64 KiB cap of 16 KiB files.
+    Sampled while the load runs, the directory never holds more than the cap; rotation happened, the
+    oldest files went."""
     directory = tmp_path / "payloads"
     cap = 64 * KIB
     args = (
@@ -115,27 +119,29 @@ def test_the_directory_stays_within_its_cap_under_load(model, tmp_path):
             watcher.join()
         assert statuses == [200] * 400
         assert metric(text, "trainserve_payload_log_dropped_total", reason="queue_full") == 0
-        # Sampled every 2 ms while the load ran (how many times depends on how fast it ran: ~50 on 2 cores). A walk
-        # of the directory is not atomic: a file counted just before the writer deletes it and one counted after it
-        # grew can add up past the cap though the directory never held that much at once (seen: 72,706 bytes for a
-        # 65,536 cap in one CI run). What the writer can append during one walk is at most one file's worth, so the
-        # walk is held to the cap plus a file; the writer's own account (the metric) and the files at rest are exact.
+        # Sampled every 2 ms while the load ran (how many times depends on how fast it ran: ~50 on 2
+        # cores). A walk of the directory is not atomic: a file counted just before the writer
+        # deletes it and one counted after it grew can add up past the cap though the directory
+        # never held that much at once (seen: 72,706 bytes for a 65,536 cap in one CI run). What the
+        # writer can append during one walk is at most one file's worth, so the walk is held to the
+        # cap plus a file; the writer's own account (the metric) and the files at rest are exact.
         assert len(seen) >= 10 and max(seen) <= cap + 16 * KIB, (len(seen), max(seen))
         assert metric(text, "trainserve_payload_log_bytes") <= cap
         assert srv.terminate() == 0, srv.log()
     files = payload_files(directory)
     assert total_bytes(directory) <= cap and all(f.stat().st_size <= 16 * KIB for f in files)
     numbers = [int(f.stem.rsplit("-", 1)[1]) for f in files]
-    assert numbers[0] > 1 and numbers == list(range(numbers[0], numbers[0] + len(files))), (
-        numbers
-    )  # rotated, oldest gone
-    kept = records(directory)  # whole lines only: files are deleted whole
+    # rotated, oldest gone
+    assert numbers[0] > 1 and numbers == list(range(numbers[0], numbers[0] + len(files))), numbers
+    # whole lines only: files are deleted whole
+    kept = records(directory)
     assert 4 * len(files) < len(kept) < 400 and total_bytes(directory) > cap - 16 * KIB - 2 * KIB
 
 
 def test_every_request_of_the_sample_is_logged_once_and_no_other(model, tmp_path):
-    """300 requests, sample 0.3, ids from the X-Request-Id header, the V2 body, or the server; afterwards the
-    log holds exactly the sampled ids, once each, with their inputs, outputs and the version that answered."""
+    """300 requests, sample 0.3, ids from the X-Request-Id header, the V2 body, or the server;
+    afterwards the log holds exactly the sampled ids, once each, with their inputs, outputs and the
+    version that answered."""
     directory = tmp_path / "payloads"
     args = ("--model", str(model), "--payload-log", str(directory), "--payload-log-sample", "0.3")
     with ServerProcess(*args, log_path=tmp_path / "server.log") as srv:
@@ -156,16 +162,14 @@ def test_every_request_of_the_sample_is_logged_once_and_no_other(model, tmp_path
 
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(call, range(300)))
-        assert srv.terminate() == 0, (
-            srv.log()
-        )  # at once: what is still queued must be written at shutdown
+        # at once: what is still queued must be written at shutdown
+        assert srv.terminate() == 0, srv.log()
     sampled = {rid: (kind, x, y) for rid, kind, x, y in answers if in_sample(rid, 0.3)}
     assert len({rid for rid, *_ in answers}) == 300 and 60 < len(sampled) < 120
 
     logged = records(directory)
-    assert sorted(rec["request_id"] for rec in logged) == sorted(
-        sampled
-    )  # each once, none outside the sample
+    # each once, none outside the sample
+    assert sorted(rec["request_id"] for rec in logged) == sorted(sampled)
     for rec in logged:
         kind, x, y = sampled[rec["request_id"]]
         assert rec["status"] == 200 and rec["endpoint"] == (
@@ -263,7 +267,8 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
         tmp_path, sample=1.0, max_bytes=1 << 20, file_bytes=1 << 16, max_pending_records=5
     )
     started = time.perf_counter()
-    for i in range(8):  # the writer is not running: the queue fills
+    # the writer is not running: the queue fills
+    for i in range(8):
         log.submit(record(i))
     assert time.perf_counter() - started < 0.1
     assert log.stats()["dropped"]["queue_full"] == 3
@@ -306,9 +311,10 @@ def tiny_disk(tmp_path):
 
 
 def test_a_full_disk_drops_and_counts_and_never_holds_off_shutdown(model, tiny_disk, tmp_path):
-    """The review's H1: on a 64 KiB tmpfs the writer thread died on ENOSPC, nothing was counted as an error, and
-    SIGTERM hung (docs/benchmarks.md#teststest_payload_logpy). Here the writer counts each failed record, keeps going, logs the streak once (not a
-    traceback a record), and the server exits at once on SIGTERM; the files hold whole lines only."""
+    """The review's H1: on a 64 KiB tmpfs the writer thread died on ENOSPC, nothing was counted as
+    an error, and SIGTERM hung (docs/benchmarks.md#teststest_payload_logpy). Here the writer counts
+    each failed record, keeps going, logs the streak once (not a traceback a record), and the server
+    exits at once on SIGTERM; the files hold whole lines only."""
     args = (
         "--model",
         str(model),
@@ -348,13 +354,15 @@ def test_a_full_disk_drops_and_counts_and_never_holds_off_shutdown(model, tiny_d
     server_log = srv.log()
     assert "Traceback" not in server_log and "the disk is full" in server_log, server_log
     assert server_log.count("cannot write payload record") <= 2, server_log
-    records(tiny_disk)  # every line parses: no partial line left behind
+    # every line parses: no partial line left behind
+    records(tiny_disk)
 
 
 def test_a_removed_directory_is_made_again_and_files_are_private(model, tmp_path):
-    """The review's M4: after `rm -rf DIR` records went on being counted as written into the deleted file, then
-    every record failed with a traceback and the directory never came back; the files were 0644. Here the next
-    write notices, makes DIR again (0700) and writes there; files are 0600."""
+    """The review's M4: after `rm -rf DIR` records went on being counted as written into the deleted
+    file, then every record failed with a traceback and the directory never came back; the files
+    were 0644. Here the next write notices, makes DIR again (0700) and writes there; files are
+    0600."""
     import stat
 
     directory = tmp_path / "payloads"
@@ -383,7 +391,8 @@ def test_a_removed_directory_is_made_again_and_files_are_private(model, tmp_path
 
 
 def test_versions_answering_in_turn_share_one_file_each(tmp_path):
-    """The review's M4: 2,000 requests alternating two models made 1,024 files (a new one at each switch)."""
+    """The review's M4: 2,000 requests alternating two models made 1,024 files (a new one at each
+    switch)."""
     log = PayloadLog(tmp_path, sample=1.0, max_bytes=1 << 20, file_bytes=1 << 18)
     log.start()
     for i in range(200):

@@ -1,4 +1,5 @@
-"""`pipeline run` as the README tells users to run it (against a remote tracking server: tests/test_multi_node.py)."""
+"""`pipeline run` as the README tells users to run it (against a remote tracking server:
+tests/test_multi_node.py)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,15 @@ def wait_for_line(path: Path, proc: subprocess.Popen, prefix: str, timeout: floa
     raise AssertionError(f"no {prefix!r} after {timeout} s:\n{path.read_text()[-6000:]}")
 
 
-# Our log lines (`[rank0] 12:00:01 INFO pipeline.train: ...`, `12:00:01 WARNING serving.app: ...`) and the
-# sample request's three lines: anything else on the console is a library talking, or a Python warning.
+# Our log lines (`[rank0] 12:00:01 INFO pipeline.train: ...`, `12:00:01 WARNING serving.app: ...`)
+# and the sample request's three lines: anything else on the console is a library talking, or a
+# Python warning.
 OUR_LINE = re.compile(
     r"^(\[rank\d+\] )?\d\d:\d\d:\d\d (INFO|WARNING|ERROR) (pipeline|serving)(\.[\w.]+)?: \S"
 )
 SAMPLE_LINES = ("sample request: ", "  the server's answer ", "  POST http://")
-MAX_QUICK_START_LINES = 33  # 31 at 7ede3a0+: one summary line for the saves, not one per save
+# 31 at 7ede3a0+: one summary line for the saves, not one per save
+MAX_QUICK_START_LINES = 33
 
 
 def assert_console_is_clean(text: str) -> None:
@@ -67,8 +70,8 @@ def assert_console_is_clean(text: str) -> None:
 
 
 def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id: str) -> None:
-    """`pipeline ui` in headless Chromium: the run, the registered version and the logged model pages, as a person
-    reads them after the quick start (screenshots kept: tests/browser.py)."""
+    """`pipeline ui` in headless Chromium: the run, the registered version and the logged model
+    pages, as a person reads them after the quick start (screenshots kept: tests/browser.py)."""
     import browser
 
     step, checkpoint = version.tags[lineage.STEP], version.tags[lineage.CHECKPOINT]
@@ -77,9 +80,8 @@ def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id:
         text, dom = browser.page(
             f"{ui}/#/experiments/{experiment}/runs/{run.info.run_id}", "mlflow-run"
         )
-        assert re.search(r"Datasets digits-train \(\w+\) training", text), text[
-            :6000
-        ]  # its datasets
+        # its datasets
+        assert re.search(r"Datasets digits-train \(\w+\) training", text), text[:6000]
         tags = dict(
             re.findall(r"(trainserve\.\w+) : (.+?)(?= trainserve\.| Registered models)", text)
         )
@@ -88,36 +90,34 @@ def assert_the_mlflow_ui_shows_the_record(workdir: Path, run, version, model_id:
             and tags[lineage.VERDICT] == "resnet18-digits v1 @champion"
         ), tags
         assert re.search(r"Registered models\s+resnet18-digits\s+v1", text), text[:3000]
-        assert (
-            "github.com/champion" not in dom
-        )  # "@champion" in the description is not a user's link
+        # "@champion" in the description is not a user's link
+        assert "github.com/champion" not in dom
         text, dom = browser.page(
             f"{ui}/#/models/resnet18-digits/versions/{version.version}", "mlflow-version"
         )
-        assert "Version 1" in text and "champion" in text, text[:3000]  # the alias
+        # the alias
+        assert "Version 1" in text and "champion" in text, text[:3000]
+        # its description
         assert f"checkpoint {checkpoint} (step {step})" in text and re.search(
             r"Gates\s*:\s*\d+ of \d+ passed", text
-        ), text[:3000]  # its description
+        ), text[:3000]
         assert (
             "passed parity.val" in text
             and "first model: resnet18-digits has no @champion yet" in text
         ), text[:3000]
-        assert (
-            "github.com/champion" not in dom and "/tmp/" not in text
-        )  # no link to a stranger; no local path
-        assert "\\@" not in text, text[:3000]  # an escape shown as itself
+        # no link to a stranger; no local path
+        assert "github.com/champion" not in dom and "/tmp/" not in text
+        # an escape shown as itself
+        assert "\\@" not in text, text[:3000]
         text, _ = browser.page(
             f"{ui}/#/experiments/{experiment}/models/{model_id}", "mlflow-logged-model"
         )
-        assert re.search(r"Datasets used digits-train \(#\w+\) \+1", text), (
-            text
-        )  # both splits, not "None"
-        assert re.search(r"val/accuracy digits-val \(#\w+\)", text), (
-            text
-        )  # its metrics name their split
-        assert "val/accuracy" in text and "export.passed" not in text, text[
-            :3000
-        ]  # the step's metrics, not the gates'
+        # both splits, not "None"
+        assert re.search(r"Datasets used digits-train \(#\w+\) \+1", text), text
+        # its metrics name their split
+        assert re.search(r"val/accuracy digits-val \(#\w+\)", text), text
+        # the step's metrics, not the gates'
+        assert "val/accuracy" in text and "export.passed" not in text, text[:3000]
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -128,13 +128,16 @@ def test_readme_commands_are_what_ci_runs():
 
 
 def test_readme_quick_start_in_a_tiny_variant(tmp_path):
-    """The README's main job, verbatim but shorter, ending with a correct prediction of a real digit."""
+    """The README's main job, verbatim but shorter, ending with a correct prediction of a real
+    digit."""
     import browser
 
-    browser.chromium()  # (skips here, not half-way, where it can't be installed)
+    # (skips here, not half-way, where it can't be installed)
+    browser.chromium()
     command = shlex.split(readme_command("scripts/setup && ").split("&&", 1)[1])
     assert command[0] == ".venv/bin/pipeline"
-    (tmp_path / "configs").symlink_to(REPO / "configs")  # the README's relative config path
+    # the README's relative config path
+    (tmp_path / "configs").symlink_to(REPO / "configs")
     argv = [
         sys.executable,
         "-m",
@@ -144,7 +147,8 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
         "serve.port=0",
         "train.run_name=quick",
     ]
-    # The console to a file, as a user's `> log.txt` or CI sees it: held to console_is_clean at the end.
+    # The console to a file, as a user's `> log.txt` or CI sees it: held to console_is_clean at the
+    # end.
     console = tmp_path / "console.txt"
     with console.open("w") as out:
         proc = subprocess.Popen(
@@ -182,7 +186,8 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
             )
         ]
         assert verified.stdout.splitlines()[-1] == "verified: models:/resnet18-digits@champion"
-        os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C
+        # the user's Ctrl-C
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -200,10 +205,10 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     promotion = next(
         line for line in tags["mlflow.note.content"].splitlines() if line.startswith("- promotion:")
     )
-    assert "no \\@champion yet" in promotion, (
-        promotion
-    )  # Markdown-escaped: the UI made "@champion" a user's link
-    # The data behind the run: both splits as MLflow datasets, whose digests the registered version names.
+    # Markdown-escaped: the UI made "@champion" a user's link
+    assert "no \\@champion yet" in promotion, promotion
+    # The data behind the run: both splits as MLflow datasets, whose digests the registered version
+    # names.
     datasets = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run.inputs.dataset_inputs}
     assert set(datasets) == {"digits-train", "digits-val"}
     assert (
@@ -221,21 +226,20 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     assert metrics["val/accuracy"] * 100 == pytest.approx(
         metrics["export.accuracy.torch_accuracy_pct"], abs=1e-9
     )
-    assert len([k for k in metrics if k.startswith(("export.", "compare."))]) <= 10, sorted(
-        metrics
-    )  # the rest: table
-    # The logged model is the exported checkpoint's: MLflow links it to that step's validation metrics and, through
-    # them, to the validation dataset ("Datasets used"); the gates' figures stay the export's, not the model's.
+    # the rest: table
+    assert len([k for k in metrics if k.startswith(("export.", "compare."))]) <= 10, sorted(metrics)
+    # The logged model is the exported checkpoint's: MLflow links it to that step's validation
+    # metrics and, through them, to the validation dataset ("Datasets used"); the gates' figures
+    # stay the export's, not the model's.
     report = json.loads(
         Path(
             client.download_artifacts(run.info.run_id, "onnx/export_report.json", str(tmp_path))
         ).read_text()
     )
-    assert (
-        report["model_version"] == "1" and report["alias"] == "champion"
-    )  # the stored copy is the final one
-    # the exported model's confusion matrix beside it, its title naming the exported step (the run's own, at its
-    # root, is the newest checkpoint's and says so)
+    # the stored copy is the final one
+    assert report["model_version"] == "1" and report["alias"] == "champion"
+    # the exported model's confusion matrix beside it, its title naming the exported step (the run's
+    # own, at its root, is the newest checkpoint's and says so)
     assert Path(report["figure"]).name == "confusion_matrix.png"
     assert "onnx/confusion_matrix.png" in {
         a.path for a in client.list_artifacts(run.info.run_id, "onnx")
@@ -283,7 +287,8 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
     ):
         assert stage in again.stderr, again.stderr[-3000:]
 
-    # One flipped byte in any artifact of the chain breaks `pipeline verify` at that link, and only there.
+    # One flipped byte in any artifact of the chain breaks `pipeline verify` at that link, and only
+    # there.
     from pipeline import verify
 
     artifacts = tmp_path / "mlartifacts"
@@ -311,15 +316,17 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
 
 
 def own_model_block(after: str, lang: str) -> str:
-    """The first ```lang block after the text `after` in docs/own-model.md, the README's "Train your own model"."""
+    """The first ```lang block after the text `after` in docs/own-model.md, the README's "Train your
+    own model"."""
     text = (REPO / "docs" / "own-model.md").read_text()
     start = text.index(f"```{lang}\n", text.index(after)) + len(lang) + 4
     return text[start : text.index("```", start)]
 
 
 def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
-    """docs/own-model.md's complete example: its module and config written as it says, in a directory trainserve
-    has never seen, run with its command (shorter), then the first errors it lists, verbatim."""
+    """docs/own-model.md's complete example: its module and config written as it says, in a
+    directory trainserve has never seen, run with its command (shorter), then the first errors it
+    lists, verbatim."""
     (tmp_path / "my_project").mkdir()
     module = own_model_block("`my_project/tabular.py` in any directory", "python")
     (tmp_path / "my_project" / "tabular.py").write_text(module)
@@ -361,7 +368,8 @@ def test_readme_train_your_own_model_as_a_newcomer_follows_it(tmp_path):
 
 
 def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
-    """Found only after training, exporting and registering, it cost a whole run (and moved the alias)."""
+    """Found only after training, exporting and registering, it cost a whole run (and moved the
+    alias)."""
     import socket
 
     with socket.socket() as taken:
@@ -382,9 +390,10 @@ def test_a_taken_serve_port_stops_pipeline_run_before_it_trains(tmp_path):
 
 
 def test_serve_check_fails_a_model_registered_below_its_baseline(tiny_run):
-    """--serve-check printed "WRONG" and exited 0 for a chance-level model. The tiny config's 12 steps leave one
-    (its BatchNorm statistics unsettled), registered only because the config allows it: the run says so, and
-    --serve-check exits 1 though the server answers. (The session's tiny_run is that command.)"""
+    """--serve-check printed "WRONG" and exited 0 for a chance-level model. The tiny config's 12
+    steps leave one (its BatchNorm statistics unsettled), registered only because the config allows
+    it: the run says so, and --serve-check exits 1 though the server answers. (The session's
+    tiny_run is that command.)"""
     proc = tiny_run.proc
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (

@@ -71,7 +71,8 @@ def test_ed9b7ce_a_buffer_being_run_is_not_handed_out_when_its_last_other_place_
     assert c.place.group.index != a.place.group.index
     assert p.free_buffers() == []
     p.done(span)
-    assert p.free_buffers() == [a.place.group.index]  # A's buffer is back in the pool now
+    # A's buffer is back in the pool now
+    assert p.free_buffers() == [a.place.group.index]
 
 
 def test_6d27c5f_a_moved_request_runs_from_its_new_rows_not_the_buffer_it_left():
@@ -87,7 +88,8 @@ def test_6d27c5f_a_moved_request_runs_from_its_new_rows_not_the_buffer_it_left()
     c = received(p, 4.0)
     s.views["x"][:] = 3.0
     moved = p.fill(s.place, "S")
-    x = p.arriving(Owner(), rows=7)  # too big for C's buffer: takes the one S left
+    # too big for C's buffer: takes the one S left
+    x = p.arriving(Owner(), rows=7)
     assert x.place.group.index == s.place.group.index
     x.views["x"][:] = 99.0
     assert moved.views["x"].tolist() == [[3.0, 3.0]], "S's job reads another client's rows"
@@ -111,7 +113,8 @@ def test_696be8d_the_pool_is_not_closed_under_a_copy():
     assert jobs == ["J"] and reading["x"].tolist() == [[3.0, 3.0]] * 2
     assert pool._buffers
     p.done(span)
-    assert not pool._buffers  # closed now: every buffer is back
+    # closed now: every buffer is back
+    assert not pool._buffers
 
 
 def test_f6fbc8f_the_pool_is_not_closed_while_a_run_reads_it_when_a_copy_is_refused():
@@ -146,7 +149,8 @@ def test_73b1e9f_a_request_given_up_in_a_place_is_never_computed():
     dropped = p.drop(lambda job: job.startswith("gone"))
     span, jobs, reading = run_next(p)
     assert jobs == ["kept", "kept too"]
-    assert (span.start, span.rows) == (2, 6)  # not from row 0: the first one is not computed
+    # not from row 0: the first one is not computed
+    assert (span.start, span.rows) == (2, 6)
     assert reading["x"][:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
     assert dropped == ["gone", "gone too"]
 

@@ -1,7 +1,8 @@
-"""Exports that finish at once into one registered name: one promotion decision at a time, each against the
-champion of its turn, so that @champion ends on the best of them and every loser's report names whom it lost
-to. A real MLflow SQLite store and real logged models; the contenders run in threads, as concurrent exports'
-registry calls interleave. What stands in for measuring a model is its accuracy, read from a version tag."""
+"""Exports that finish at once into one registered name: one promotion decision at a time, each
+against the champion of its turn, so that @champion ends on the best of them and every loser's
+report names whom it lost to. A real MLflow SQLite store and real logged models; the contenders run
+in threads, as concurrent exports' registry calls interleave. What stands in for measuring a model
+is its accuracy, read from a version tag."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def logged_model(tmp_path, seed: int) -> str:
 
 
 def compare_as_export_does(name: str, accuracy: float):
-    """promotion.decide's shape, against whoever holds @champion when called; slow as a measurement is, so
-    that contenders' comparisons overlap."""
+    """promotion.decide's shape, against whoever holds @champion when called; slow as a measurement
+    is, so that contenders' comparisons overlap."""
 
     def compare() -> dict:
         holder = tracking.alias_version(name, "champion")
@@ -70,11 +71,11 @@ def compare_as_export_does(name: str, accuracy: float):
 def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_alias(
     store, tmp_path
 ):
-    """The review's H4: two exports at once both printed "registered ... as @champion"; @champion ended on the
-    worse one (0.2145 over 0.9248, never compared), and a 0.9721 candidate was replaced by a 0.9248 re-export.
-    Here four contenders all compare against the same champion (0.95) before any registers, then register at
-    once: @champion ends on the best, each decision was made against the holder of its turn, and none is left
-    pending."""
+    """The review's H4: two exports at once both printed "registered ... as @champion"; @champion
+    ended on the worse one (0.2145 over 0.9248, never compared), and a 0.9721 candidate was replaced
+    by a 0.9248 re-export. Here four contenders all compare against the same champion (0.95) before
+    any registers, then register at once: @champion ends on the best, each decision was made against
+    the holder of its turn, and none is left pending."""
     name = "racey"
     uris = [logged_model(tmp_path, seed) for seed in range(5)]
     version = tracking.register_version(uris[0], name, "champion", {ACCURACY_TAG: "0.95"})
@@ -87,12 +88,14 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
     def export(uri: str, accuracy: float) -> None:
         try:
             compare = compare_as_export_does(name, accuracy)
-            first = compare()  # every contender saw v1 as the champion
+            # every contender saw v1 as the champion
+            first = compare()
             start.wait()
             results[accuracy] = promotion.promote_in_turn(
                 uri, name, "champion", "challenger", {ACCURACY_TAG: str(accuracy)}, first, compare
             )
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # noqa: BLE001
+            # reported by the test
             errors.append(exc)
 
     threads = [
@@ -112,7 +115,8 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
         tags = store.get_model_version(name, version).tags
         assert tags[promotion.TAG] == ("promoted" if decision["promote"] else "not promoted")
         assert alias == ("champion" if decision["promote"] else "challenger")
-        if not decision["promote"]:  # a loser says whom it lost to, and that one was better
+        # a loser says whom it lost to, and that one was better
+        if not decision["promote"]:
             assert (
                 decision["champion"]["accuracy"] > accuracy
                 and f"@champion v{decision['champion']['version']}" in decision["reason"]
@@ -131,10 +135,11 @@ def test_concurrent_exports_are_compared_with_each_other_and_the_best_holds_the_
 def test_when_pipeline_promote_moves_the_alias_both_versions_records_say_who_holds_what(
     store, tmp_path
 ):
-    """The newcomer's friction 8, as `pipeline promote` leaves it: v1's page said "Why it holds @champion"
-    and its run's verdict "v1 @champion" after @champion had moved. The two records `pipeline promote`
-    writes through (the same as export's): the old holder names the new one; the promoted version's
-    "Why it holds @challenger" and its run's verdict say it holds @champion now."""
+    """The newcomer's friction 8, as `pipeline promote` leaves it: v1's page said "Why it holds
+    @champion" and its run's verdict "v1 @champion" after @champion had moved. The two records
+    `pipeline promote` writes through (the same as export's): the old holder names the new one; the
+    promoted version's "Why it holds @challenger" and its run's verdict say it holds @champion
+    now."""
     import mlflow
 
     name = "promoted-live"

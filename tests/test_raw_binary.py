@@ -1,13 +1,14 @@
 """Triton's raw binary request, and inputs of unknown rank.
 
-Raw binary (Triton's binary data extension): `Inference-Header-Content-Length: 0` says the body has no JSON header:
-it is all the data of a model's single input. Its shape is deduced from the byte count (one row of a batched
-model; the one dynamic axis, if any, from the count; a BYTES input of shape [1] takes the body as its one element),
-and every output comes back as binary data behind a JSON header. A model of several inputs, or a count that fills
-no shape, is a 400.
+Raw binary (Triton's binary data extension): `Inference-Header-Content-Length: 0` says the body has
+no JSON header: it is all the data of a model's single input. Its shape is deduced from the byte
+count (one row of a batched model; the one dynamic axis, if any, from the count; a BYTES input of
+shape [1] takes the body as its one element), and every output comes back as binary data behind a
+JSON header. A model of several inputs, or a count that fills no shape, is a 400.
 
-An ONNX input declared without any shape (not even a rank) takes a tensor of whatever shape the graph computes on;
-its metadata says [-1]. A real server; hand-made bodies (no client library sends raw binary requests).
+An ONNX input declared without any shape (not even a rank) takes a tensor of whatever shape the
+graph computes on; its metadata says [-1]. A real server; hand-made bodies (no client library sends
+raw binary requests).
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def test_an_input_of_unknown_rank_takes_any_shape_the_graph_computes_on(server):
 
 
 def test_a_request_missing_an_input_names_what_it_sent_and_what_it_lacks(server):
-    """Not a raw body: a V2 request (JSON, or a JSON header and binary data) without every input, refused in
-    Triton's words too (its clients look for them) with the inputs the model takes."""
+    """Not a raw body: a V2 request (JSON, or a JSON header and binary data) without every input,
+    refused in Triton's words too (its clients look for them) with the inputs the model takes."""
     url = f"{server.url}/v2/models/two/infer"
     features = {"name": "features", "shape": [1, 4], "datatype": "FP32"}
     said = (

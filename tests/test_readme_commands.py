@@ -1,6 +1,7 @@
-"""The READMEs and docs/ name only commands and flags that exist: every `pipeline <command>` and `python -m serving`
-they show, and every `--flag` after it or on its own, is checked against that command's real `--help`. The README
-stays one screenful with a table of contents, and every link in it and in docs/ leads somewhere."""
+"""The READMEs and docs/ name only commands and flags that exist: every `pipeline <command>` and
+`python -m serving` they show, and every `--flag` after it or on its own, is checked against that
+command's real `--help`. The README stays one screenful with a table of contents, and every link in
+it and in docs/ leads somewhere."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, cli_env
 
-README_LIMIT = 15 * 1024  # bytes: what is more goes to a page in docs/
-# The README, the server's, and the pages the README's topics moved to (docs/own-model.md, docs/cli.md, ...).
+# bytes: what is more goes to a page in docs/
+README_LIMIT = 15 * 1024
+# The README, the server's, and the pages the README's topics moved to (docs/own-model.md,
+# docs/cli.md, ...).
 READMES = [
     REPO / "README.md",
     REPO / "serving" / "README.md",
@@ -30,7 +33,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 OTHER_TOOLS = re.compile(
     r"\b(torchrun|pip|curl|docker|mlflow|git|tritonclient|grpcurl|perf_analyzer)\b"
 )
-# Other tools' flags that docs/docker.md names on their own in its prose (docker's, torchrun's, mlflow server's).
+# Other tools' flags that docs/docker.md names on their own in its prose (docker's, torchrun's,
+# mlflow server's).
 OTHER_TOOLS_FLAGS = {
     "--cap-add",
     "--ipc",
@@ -42,13 +46,16 @@ OTHER_TOOLS_FLAGS = {
 }
 # Flags of our scripts that are not `pipeline` commands, with the command whose --help lists them.
 SCRIPTS = {"--dry-run-on-cpu": ("scripts/gpu-check",)}
-WITH_HELP = {"scripts/gpu-check"}  # scripts with an argparse --help (benchmarks/gpu.py behind it)
-# Shell scripts that take a flag but no --help (they would set up at once): the flag is checked against their source.
+# scripts with an argparse --help (benchmarks/gpu.py behind it)
+WITH_HELP = {"scripts/gpu-check"}
+# Shell scripts that take a flag but no --help (they would set up at once): the flag is checked
+# against their source.
 READ_FOR_FLAGS = {"scripts/setup"}
 
 
 def chunks(text: str, inline: bool = True) -> list[str]:
-    """Code: each line of a fenced block (backslash continuations joined), and each `inline span`."""
+    """Code: each line of a fenced block (backslash continuations joined), and each
+    `inline span`."""
     found, block, pending = [], False, ""
     for line in text.splitlines():
         if line.startswith("```"):
@@ -107,9 +114,8 @@ def test_every_command_and_flag_the_readmes_name_exists():
     from pipeline.cli import STAGES
 
     commands, loose = named()
-    assert ("pipeline", "run") in commands and (
-        "python -m serving",
-    ) in commands  # the parser found them
+    # the parser found them
+    assert ("pipeline", "run") in commands and ("python -m serving",) in commands
     unknown = [
         " ".join(c)
         for c in commands
@@ -117,8 +123,8 @@ def test_every_command_and_flag_the_readmes_name_exists():
         or (c[0].startswith(("scripts/", "benchmarks/")) and not (REPO / c[0]).is_file())
     ]
     assert not unknown, f"the README names commands that don't exist: {unknown}"
-    # --help only where a flag is named, and never to scripts/setup, test or gpu-wheelhouse: they take no
-    # --help, and would set up, test or download.
+    # --help only where a flag is named, and never to scripts/setup, test or gpu-wheelhouse: they
+    # take no --help, and would set up, test or download.
     commands = {
         c: flags
         for c, flags in commands.items()
@@ -137,7 +143,8 @@ def test_every_command_and_flag_the_readmes_name_exists():
         commands
     )
     everything = [*commands, *{SCRIPTS[f] for f in loose if f in SCRIPTS}]
-    with ThreadPoolExecutor(4) as pool:  # each --help imports torch: 2-3 s
+    # each --help imports torch: 2-3 s
+    with ThreadPoolExecutor(4) as pool:
         helps = dict(zip(everything, pool.map(help_text, everything)))
     missing = [
         f"{' '.join(c)} {flag}"
@@ -180,7 +187,8 @@ def test_the_readmes_agree_with_the_code_and_point_only_inside_the_repository():
     readme, serving_readme = (r.read_text() for r in READMES[:2])
     engine = (REPO / "serving" / "engine.py").read_text()
     graphs = (REPO / "serving" / "cuda_graphs.py").read_text()
-    # What the serving README says: plain runs feed numpy batches (pinned buffers on CUDA), only --cuda-graphs binds.
+    # What the serving README says: plain runs feed numpy batches (pinned buffers on CUDA), only
+    # --cuda-graphs binds.
     assert (
         "io_binding" not in engine
         and "run_with_iobinding" not in engine
@@ -190,7 +198,8 @@ def test_the_readmes_agree_with_the_code_and_point_only_inside_the_repository():
     for path in READMES:
         for doc in re.findall(r"[\w./-]*[\w-]+\.md\b", path.read_text()):
             if path.name == "security.md" and re.match(r"(\.\./)?shared/reviews/", doc):
-                continue  # it cites the reviews its findings came from, kept beside the repository
+                # it cites the reviews its findings came from, kept beside the repository
+                continue
             where = REPO / doc if not doc.startswith("/") else None
             assert where is not None and (where.is_file() or (path.parent / doc).is_file()), (
                 f"{path.relative_to(REPO)} points to {doc}, which is not in the repository"
@@ -217,11 +226,13 @@ def links(text: str) -> list[str]:
 
 
 def broken_links(page) -> list[str]:
-    """Links of `page` to a file or folder that is not there, or to a heading its page does not have."""
+    """Links of `page` to a file or folder that is not there, or to a heading its page does not
+    have."""
     broken = []
     for target in links(page.read_text()):
         if re.match(r"[a-z]+:", target):
-            continue  # http(s), mailto: not ours to check offline
+            # http(s), mailto: not ours to check offline
+            continue
         path, _, anchor = target.partition("#")
         where = (page.parent / path).resolve() if path else page
         if not where.exists():
@@ -256,7 +267,8 @@ def test_every_link_in_the_readme_and_docs_leads_somewhere():
     readme_docs = [
         t.split("#")[0] for t in links((REPO / "README.md").read_text()) if t.startswith("docs/")
     ]
-    assert len(readme_docs) >= 8, readme_docs  # the README's map of docs/
+    # the README's map of docs/
+    assert len(readme_docs) >= 8, readme_docs
     for page in sorted((REPO / "docs").glob("*.md")):
         assert f"docs/{page.name}" in readme_docs, (
             f"README.md's map of docs/ does not name docs/{page.name}"
@@ -278,11 +290,11 @@ def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path, m
     assert [b.split()[0] for b in broken_links(page)] == ["other.md#nope", "gone.md"]
 
 
-# --- the commands the docs show, as a user pastes them -------------------------------------------------------------
+# --- the commands the docs show, as a user pastes them --------------------------------------------
 
 PASTED = re.compile(r"^(?:\S*/)?pipeline\s+(run|train|data|config)(?=\s|$)")
-# What the docs' commands name as the user's own, and a fresh clone lacks: made by the test, each stand-in beside
-# the path it replaces. `s3://...` is the docs' "or a directory".
+# What the docs' commands name as the user's own, and a fresh clone lacks: made by the test, each
+# stand-in beside the path it replaces. `s3://...` is the docs' "or a directory".
 STAND_INS = {
     "s3://my-bucket/data/digits": "digits-shards",
     "../shards/photos": "photo-shards",
@@ -296,9 +308,10 @@ PROVEN_ELSEWHERE = {
 
 
 def pasted_commands() -> list[tuple[str, str, str | None]]:
-    """(page, command, the error line the page shows it printing, if any) of every `pipeline run|train|data|config`
-    the README and docs/ show in a code block, as a user would paste it: the `$ ` prompt left out, `&&` chains
-    split; the comment after `#` is dropped by the shell."""
+    """(page, command, the error line the page shows it printing, if any) of every
+    `pipeline run|train|data|config` the README and docs/ show in a code block, as a user would
+    paste it: the `$ ` prompt left out, `&&` chains split; the comment after `#` is dropped by the
+    shell."""
     found = []
     for readme in READMES:
         lines = [re.sub(r"^\$\s+", "", c.strip()) for c in chunks(readme.read_text(), inline=False)]
@@ -314,9 +327,9 @@ def pasted_commands() -> list[tuple[str, str, str | None]]:
 
 
 def stand_ins(root: Path) -> dict[str, str]:
-    """The user's own files the docs' commands name, made small under `root`: a folder of grey PNG digits in
-    class folders, the four Fashion-MNIST files (random pixels); shards are written by the docs' own
-    `pipeline data shard` commands."""
+    """The user's own files the docs' commands name, made small under `root`: a folder of grey PNG
+    digits in class folders, the four Fashion-MNIST files (random pixels); shards are written by the
+    docs' own `pipeline data shard` commands."""
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -333,10 +346,10 @@ def stand_ins(root: Path) -> dict[str, str]:
 
 
 def check_as_written(argv: list[str]) -> None:
-    """What `pipeline <argv>` checks before it starts anything, in this process: the config and its overrides,
-    the launch's rules, and the data, task and model components on real samples (pipeline/components/build.py:
-    preflight); `pipeline data shard` runs for real (it takes seconds), writing the shards later commands
-    train from."""
+    """What `pipeline <argv>` checks before it starts anything, in this process: the config and its
+    overrides, the launch's rules, and the data, task and model components on real samples
+    (pipeline/components/build.py: preflight); `pipeline data shard` runs for real (it takes
+    seconds), writing the shards later commands train from."""
     import argparse
     import importlib
 
@@ -360,10 +373,10 @@ def check_as_written(argv: list[str]) -> None:
 
 
 def test_every_command_the_docs_show_passes_its_checks_as_written(tmp_path, monkeypatch):
-    """Each `pipeline run|train|data|config` the README and docs/ show, from the repository root as they say,
-    with a stand-in for the user's own files: a command that stops at its first check as written (the digits
-    config with `data.args.root=...`, which keeps the file's val_fraction) fails here. A command shown with its
-    error is run for real and must print that error."""
+    """Each `pipeline run|train|data|config` the README and docs/ show, from the repository root as
+    they say, with a stand-in for the user's own files: a command that stops at its first check as
+    written (the digits config with `data.args.root=...`, which keeps the file's val_fraction) fails
+    here. A command shown with its error is run for real and must print that error."""
     import shlex
 
     from pipeline.errors import ConfigError, DataError
@@ -373,7 +386,8 @@ def test_every_command_the_docs_show_passes_its_checks_as_written(tmp_path, monk
     assert {"README.md", "docs/data.md", "docs/cli.md", "docs/own-model.md"} <= pages, pages
     made = stand_ins(tmp_path)
     monkeypatch.chdir(REPO)
-    monkeypatch.syspath_prepend(str(REPO))  # `examples` is importable from the repository root
+    # `examples` is importable from the repository root
+    monkeypatch.syspath_prepend(str(REPO))
     failed, elsewhere = [], set()
     for page, command, error in commands:
         argv = shlex.split(command, comments=True)[1:]

@@ -1,7 +1,7 @@
-"""A registry version's bytes against its record: the server hashes the ONNX it loads and refuses one whose
-sha256 is not the one the version records (lineage.SHA256); every receipt names the hash of the bytes that computed
-it; `pipeline verify --server` compares those bytes, and says "incomplete" when a link could not be checked.
-A real MLflow SQLite store, real server processes."""
+"""A registry version's bytes against its record: the server hashes the ONNX it loads and refuses
+one whose sha256 is not the one the version records (lineage.SHA256); every receipt names the hash
+of the bytes that computed it; `pipeline verify --server` compares those bytes, and says
+"incomplete" when a link could not be checked. A real MLflow SQLite store, real server processes."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def stored_onnx(client, name: str, version: str) -> Path:
 
 
 def tamper(path: Path) -> None:
-    """The review's tamper_onnx.py: one bias changed inside the stored file, its metadata (lineage) left alone."""
+    """The review's tamper_onnx.py: one bias changed inside the stored file, its metadata (lineage)
+    left alone."""
     model = onnx.load(str(path))
     for init in model.graph.initializer:
         if init.name == "b":
@@ -53,8 +54,8 @@ def tamper(path: Path) -> None:
 
 @pytest.fixture
 def registry(tmp_path):
-    """'digits' v1 and v2, registered as `pipeline export` does (the stored file's sha256 as a version tag),
-    @champion -> 1."""
+    """'digits' v1 and v2, registered as `pipeline export` does (the stored file's sha256 as a
+    version tag), @champion -> 1."""
     import mlflow
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -97,9 +98,9 @@ def infer(url: str) -> requests.Response:
 
 
 def test_a_tampered_version_is_refused_and_the_old_one_keeps_serving(registry, tmp_path):
-    """The review's M1: a registered model.onnx with a changed bias was served, and its receipts named the
-    genuine weights. Here the alias moving to the tampered version fails to reload, naming both hashes; version 1
-    keeps serving; a fresh server of the tampered version does not start."""
+    """The review's M1: a registered model.onnx with a changed bias was served, and its receipts
+    named the genuine weights. Here the alias moving to the tampered version fails to reload, naming
+    both hashes; version 1 keeps serving; a fresh server of the tampered version does not start."""
     env, client = registry
     tamper(stored_onnx(client, "digits", "2"))
     with ServerProcess(
@@ -148,9 +149,10 @@ def test_a_tampered_version_is_refused_and_the_old_one_keeps_serving(registry, t
 
 
 def test_verify_server_compares_the_bytes_served_not_their_claims(tmp_path):
-    """`verify --server` printed ok for a server of a tampered file whose metadata names the genuine weights.
-    Here it fails on the bytes' hash; against the genuine file it is ok."""
-    props = lineage_metadata(1, "run-1")  # what the file claims: the weights it was exported from
+    """`verify --server` printed ok for a server of a tampered file whose metadata names the genuine
+    weights. Here it fails on the bytes' hash; against the genuine file it is ok."""
+    # what the file claims: the weights it was exported from
+    props = lineage_metadata(1, "run-1")
     genuine = affine_model(tmp_path / "genuine.onnx", 1, props)
     tags = {lineage.SHA256: json.dumps({"model.onnx": sha256(genuine)})}
     forged = tmp_path / "forged.onnx"
@@ -166,7 +168,8 @@ def test_verify_server_compares_the_bytes_served_not_their_claims(tmp_path):
 
 
 def test_verify_is_incomplete_when_a_link_could_not_run(capsys):
-    """The review: `verify` printed "verified" and exited 0 with weights, checkpoint and gates skipped."""
+    """The review: `verify` printed "verified" and exited 0 with weights, checkpoint and gates
+    skipped."""
     links = [
         verify.Link("registry", "ok", ""),
         verify.Link("weights", "skip", "consolidated/ is gone"),
@@ -182,10 +185,11 @@ def test_verify_is_incomplete_when_a_link_could_not_run(capsys):
 
 
 def test_trace_follows_the_resolved_source_and_every_record_of_a_reused_id(registry, tmp_path):
-    """The review's M3: `pipeline trace` took the served name for the registered one (so `--model
-    other=models:/digits@champion` could not be traced, and a file served as `digits` was traced to the
-    registry's digits), and of two requests sharing an X-Request-Id only the newest was found. Here the record
-    names the pinned source, trace follows it, and both records of a reused id are traced."""
+    """The review's M3: `pipeline trace` took the served name for the registered one (so
+    `--model other=models:/digits@champion` could not be traced, and a file served as `digits` was
+    traced to the registry's digits), and of two requests sharing an X-Request-Id only the newest
+    was found. Here the record names the pinned source, trace follows it, and both records of a
+    reused id are traced."""
     from conftest import run_cli
 
     env, client = registry
@@ -241,12 +245,13 @@ def test_trace_follows_the_resolved_source_and_every_record_of_a_reused_id(regis
 def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_file_it_does_not_list_refused(
     registry, tmp_path
 ):
-    """A version registered by the export before `trainserve.sha256` (its file's hash in trainserve.onnx_sha256) is
-    checked as before; a record that does not list the file served, or that can't be read, is refused, not served
-    with a warning."""
+    """A version registered by the export before `trainserve.sha256` (its file's hash in
+    trainserve.onnx_sha256) is checked as before; a record that does not list the file served, or
+    that can't be read, is refused, not served with a warning."""
     env, client = registry
     genuine = sha256(stored_onnx(client, "digits", "1"))
-    cases = {  # tags of version 1 -> what the server must say
+    # tags of version 1 -> what the server must say
+    cases = {
         "legacy, wrong": ({"trainserve.onnx_sha256": "0" * 64}, "but the version records"),
         "record without the file": (
             {lineage.SHA256: json.dumps({"drift_reference.json": "0" * 64})},
@@ -280,9 +285,8 @@ def test_a_version_recorded_before_the_lineage_contract_is_still_checked_and_a_f
             )
             assert run.returncode != 0 and said in run.stderr, (name, run.stderr[-2000:])
         client.delete_model_version_tag("digits", "1", lineage.SHA256)
-        client.set_model_version_tag(
-            "digits", "1", "trainserve.onnx_sha256", genuine
-        )  # legacy, right: served
+        # legacy, right: served
+        client.set_model_version_tag("digits", "1", "trainserve.onnx_sha256", genuine)
         with ServerProcess(
             "--model", "models:/digits/1", env=env, log_path=tmp_path / "legacy.log"
         ) as srv:

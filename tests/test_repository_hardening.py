@@ -1,6 +1,7 @@
-"""The repository API under the review's low findings: a symlink out of --repository is not followed, load
-parameters the server does not take are refused, the index does not rescan the directory on every call, and
-replaced versions leave no metric series behind. A real `python -m serving` process over real HTTP."""
+"""The repository API under the review's low findings: a symlink out of --repository is not
+followed, load parameters the server does not take are refused, the index does not rescan the
+directory on every call, and replaced versions leave no metric series behind. A real
+`python -m serving` process over real HTTP."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def load(url: str, name: str, body: dict | None = None) -> requests.Response:
 
 
 def test_symlinks_out_of_the_repository_and_unknown_load_parameters_are_refused(tmp_path):
-    """The review: a symlink inside --repository pointing outside was followed and loaded; load parameters named
-    `FILE:...` or `Config` were answered 200 and ignored."""
+    """The review: a symlink inside --repository pointing outside was followed and loaded; load
+    parameters named `FILE:...` or `Config` were answered 200 and ignored."""
     outside = tiny_model(tmp_path / "outside.onnx")
     root = tmp_path / "repo"
     (root / "linked" / "1").mkdir(parents=True)
@@ -69,9 +70,10 @@ def test_symlinks_out_of_the_repository_and_unknown_load_parameters_are_refused(
 
 
 def test_the_index_reuses_a_recent_scan_and_still_sees_new_models(tmp_path):
-    """The review: /v2/repository/index rescanned 300 models on every call: 1,000 calls took 20 s and held
-    liveness off (p50 333 ms, max 3.9 s). Here 400 calls from 8 threads reuse a scan at most a second old;
-    a model added to the directory is listed a second later, and loads at once."""
+    """The review: /v2/repository/index rescanned 300 models on every call: 1,000 calls took 20 s
+    and held liveness off (p50 333 ms, max 3.9 s). Here 400 calls from 8 threads reuse a scan at
+    most a second old; a model added to the directory is listed a second later, and loads at
+    once."""
     model = tiny_model(tmp_path / "tiny.onnx")
     root = repository(tmp_path / "repo", 300, model)
     with ServerProcess(
@@ -96,7 +98,8 @@ def test_the_index_reuses_a_recent_scan_and_still_sees_new_models(tmp_path):
         started = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
             calls = pool.map(call, range(400))
-            while len(live) < 20:  # while the calls run
+            # while the calls run
+            while len(live) < 20:
                 probe()
                 time.sleep(0.01)
             statuses = list(calls)
@@ -105,7 +108,8 @@ def test_the_index_reuses_a_recent_scan_and_still_sees_new_models(tmp_path):
         assert statuses == [200] * 400 and max(live) < 0.5 and took < 4, (took, max(live))
         (root / "newcomer" / "1").mkdir(parents=True)
         shutil.copy(model, root / "newcomer" / "1" / "model.onnx")
-        assert load(srv.url, "newcomer").status_code == 200  # a load reads the directory afresh
+        # a load reads the directory afresh
+        assert load(srv.url, "newcomer").status_code == 200
         (root / "latecomer" / "1").mkdir(parents=True)
         shutil.copy(model, root / "latecomer" / "1" / "model.onnx")
         time.sleep(1.1)

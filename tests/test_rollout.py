@@ -1,11 +1,12 @@
 """Replicas that roll to a new version with zero failed requests (issue 20).
 
-Real server processes following models:/digits@champion at --reload-interval 2, a real MLflow store (SQLite and
-local artifacts, versions registered through MLflow's API with the sha256 the export records), real HTTP and
-gRPC clients in closed loops while the alias moves. The fleets of two replicas run on two hosts (network
-namespaces from tests/hosts.py: each its own address and working directory) where this machine can make them
-(root, `ip netns`), else as separate processes on loopback, each with its own working and download directory.
-The hosts share the registry's SQLite file and artifact directory (the MLflow store), nothing else.
+Real server processes following models:/digits@champion at --reload-interval 2, a real MLflow store
+(SQLite and local artifacts, versions registered through MLflow's API with the sha256 the export
+records), real HTTP and gRPC clients in closed loops while the alias moves. The fleets of two
+replicas run on two hosts (network namespaces from tests/hosts.py: each its own address and working
+directory) where this machine can make them (root, `ip netns`), else as separate processes on
+loopback, each with its own working and download directory. The hosts share the registry's SQLite
+file and artifact directory (the MLflow store), nothing else.
 """
 
 from __future__ import annotations
@@ -15,26 +16,32 @@ import time
 import fleet
 import pytest
 import requests
-from hosts import hosts, namespaces_unavailable  # noqa: F401  (hosts: the fixture `machines` asks for)
+
+# hosts: the fixture `machines` asks for
+from hosts import hosts, namespaces_unavailable  # noqa: F401
 from serving_fixtures import metric
 
 pytestmark = pytest.mark.slow
 
-CONVERGE_LIMIT = 60.0  # the issue's bound at --reload-interval 2
-# A partial batch waits up to 20 ms for more rows: requests are nearly always queued on a replica's batcher when
-# its alias moves, so an old version dropped before its queue drained fails some of them.
+# the issue's bound at --reload-interval 2
+CONVERGE_LIMIT = 60.0
+# A partial batch waits up to 20 ms for more rows: requests are nearly always queued on a replica's
+# batcher when its alias moves, so an old version dropped before its queue drained fails some of
+# them.
 BATCHING = ("--max-batch-size", "8", "--max-delay-ms", "20")
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    """Versions 1-4 of 'digits': 1 and 2 good, 3 and 4 broken by the failure test; @champion -> 1."""
+    """Versions 1-4 of 'digits': 1 and 2 good, 3 and 4 broken by the failure test; @champion ->
+    1."""
     return fleet.registered_versions(tmp_path_factory.mktemp("rollout-registry"), 4)
 
 
 @pytest.fixture
 def machines(request):
-    """`machines(n)`: n namespace hosts for the replicas where this machine can make them, else None (loopback)."""
+    """`machines(n)`: n namespace hosts for the replicas where this machine can make them, else None
+    (loopback)."""
     reason = namespaces_unavailable()
     if reason:
         print(f"\nreplicas on loopback: {reason}")
@@ -43,8 +50,9 @@ def machines(request):
 
 
 def roll(load: fleet.Load, tracking_uri: str, version: str, expected: set[str]) -> dict[str, float]:
-    """Let the load run a moment on the old version, move @champion, wait for every replica to answer from
-    `version`, and let it run a moment on the new one. Returns {replica: seconds to converge}."""
+    """Let the load run a moment on the old version, move @champion, wait for every replica to
+    answer from `version`, and let it run a moment on the new one. Returns {replica: seconds to
+    converge}."""
     time.sleep(1.0)
     moved = fleet.move_alias(tracking_uri, version)
     seen = fleet.wait_converged(load, moved, version, expected, CONVERGE_LIMIT, fail_fast=True)
@@ -62,8 +70,8 @@ def check_rollout(answers, seen, old: str, new: str, expected: set[str]) -> None
     for replica, versions in tally.items():
         assert set(versions) == {old, new} and min(versions.values()) > 0, (replica, versions)
     assert max(seen.values()) <= CONVERGE_LIMIT
-    # Once a replica answered from the new version, no request sent after that was answered by the old one
-    # (in-flight ones drain on the old session, and may arrive just after).
+    # Once a replica answered from the new version, no request sent after that was answered by the
+    # old one (in-flight ones drain on the old session, and may arrive just after).
     for a in answers:
         if (
             a.status == 200
@@ -122,16 +130,16 @@ def test_nginx_in_front_of_two_replicas(registry, tmp_path, machines):
             ):
                 seen = roll(load, registry, "2", upstreams)
         answers = load.snapshot()
-        check_rollout(
-            answers, seen, "1", "2", upstreams
-        )  # every answer names the replica that gave it
+        # every answer names the replica that gave it
+        check_rollout(answers, seen, "1", "2", upstreams)
         assert watch.checks > 20 and not watch.not_ready, watch.not_ready[:5]
 
 
 def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(registry, tmp_path):
-    """@champion moves to version 3, whose stored file was changed after registration (its sha256 no longer
-    the recorded one), then to version 4, whose file is not ONNX at all but records its own hash (onnxruntime
-    refuses it): the replica answers every request from version 1, stays ready, and says why."""
+    """@champion moves to version 3, whose stored file was changed after registration (its sha256 no
+    longer the recorded one), then to version 4, whose file is not ONNX at all but records its own
+    hash (onnxruntime refuses it): the replica answers every request from version 1, stays ready,
+    and says why."""
     import mlflow
 
     client = mlflow.MlflowClient(registry)
@@ -197,8 +205,9 @@ def test_a_replica_whose_new_version_fails_to_load_keeps_serving_the_old_one(reg
 def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_request_answered(
     tmp_path, caplog
 ):
-    """Zeros can't warm up a model whose input has a dynamic axis besides the batch axis (no size to guess):
-    the new version runs the last request its model answered, through its own session, before it serves."""
+    """Zeros can't warm up a model whose input has a dynamic axis besides the batch axis (no size to
+    guess): the new version runs the last request its model answered, through its own session,
+    before it serves."""
     import asyncio
     import logging
     from types import SimpleNamespace
@@ -220,9 +229,8 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
         )
         async with server.lifespan():
             fresh = load_model(str(new), device="cpu", threads=1, name="dyn", version="2")
-            await server.warm_up.between_batches(
-                fresh
-            )  # nothing answered yet: nothing to warm it with
+            # nothing answered yet: nothing to warm it with
+            await server.warm_up.between_batches(fresh)
             answer = await server.answer(
                 server.slot,
                 SimpleNamespace(feeds={"x": x}, rows=2, request_id=None),
@@ -233,9 +241,8 @@ def test_a_new_version_with_another_dynamic_axis_is_warmed_up_with_the_last_requ
             np.testing.assert_allclose(answer.results["total"], x.sum(axis=1))
             await server.warm_up.between_batches(fresh)
             fresh.engine.close()
-            await server.warm_up.between_batches(
-                fresh
-            )  # a warm-up that fails is said, the version not refused
+            # a warm-up that fails is said, the version not refused
+            await server.warm_up.between_batches(fresh)
 
     with caplog.at_level(logging.INFO, logger="serving.core"):
         asyncio.run(scenario())

@@ -1,12 +1,13 @@
-"""Requests share a model run only when the model's rows are known to be independent, and every shared run is
-checked: never a silently wrong answer.
+"""Requests share a model run only when the model's rows are known to be independent, and every
+shared run is checked: never a silently wrong answer.
 
-A model is batched when its file records that export found its rows independent (lineage.ROWS_INDEPENDENT), when
-its repository config.pbtxt says max_batch_size > 0, or when the operator says `--batching NAME=on`; any other
-model runs each request alone, exactly the tensors it was sent. A batched run whose outputs do not have its rows on
-their first axis fails its requests with a 500 naming the model and the shapes, and that version runs unbatched
-from then on. The sum model (Triton's kind of model without a batch axis: three [-1] inputs summed into [1]) is the
-case that was answered wrongly with 200s. Real `python -m serving` processes, real tritonclient clients.
+A model is batched when its file records that export found its rows independent
+(lineage.ROWS_INDEPENDENT), when its repository config.pbtxt says max_batch_size > 0, or when the
+operator says `--batching NAME=on`; any other model runs each request alone, exactly the tensors it
+was sent. A batched run whose outputs do not have its rows on their first axis fails its requests
+with a 500 naming the model and the shapes, and that version runs unbatched from then on. The sum
+model (Triton's kind of model without a batch axis: three [-1] inputs summed into [1]) is the case
+that was answered wrongly with 200s. Real `python -m serving` processes, real tritonclient clients.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def sum_inputs(module, i: int, rank: int = 1, lengths=None) -> tuple[list, float
 
 
 def concurrently(ask, clients: int = CLIENTS) -> list:
-    """`ask(i)` from `clients` threads released together: their requests are in the server at once."""
+    """`ask(i)` from `clients` threads released together: their requests are in the server at
+    once."""
     start = threading.Barrier(clients)
 
     def one(i):
@@ -63,7 +65,8 @@ def concurrently(ask, clients: int = CLIENTS) -> list:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """Default flags: the sum model (no record, no config) and the tiny classifier (its export's record)."""
+    """Default flags: the sum model (no record, no config) and the tiny classifier (its export's
+    record)."""
     tmp = tmp_path_factory.mktemp("plain")
     grpc_port = free_port()
     with ServerProcess(
@@ -94,16 +97,16 @@ def test_sixteen_concurrent_requests_to_the_sum_model_each_get_their_own_sum(pla
         answers = concurrently(ask)
         right = sum(got == want for got, want in answers)
         assert right == CLIENTS, f"{ask.__name__}: {right} of {CLIENTS} right: {answers}"
-    # Exactly the tensors it was sent: inputs of three lengths, and empty ones, are the model's to sum.
+    # Exactly the tensors it was sent: inputs of three lengths, and empty ones, are the model's to
+    # sum.
     for lengths in ([1, 2, 3], [0, 4, 0]):
         inputs, want = sum_inputs(triton_http, 5, lengths=lengths)
         with triton_http.InferenceServerClient(plain.url.removeprefix("http://")) as client:
             assert client.infer("sum", inputs).as_numpy("OUTPUT").tolist() == [want]
     config = requests.get(f"{plain.url}/v2/models/sum/config", timeout=10).json()
     assert config["max_batch_size"] == 0
-    assert [i["dims"] for i in config["input"]] == [
-        [-1]
-    ] * 3  # the whole shape: no batch axis left out
+    # the whole shape: no batch axis left out
+    assert [i["dims"] for i in config["input"]] == [[-1]] * 3
     assert "sum version 1 from" in plain.log() and "one request a run: no record" in plain.log()
 
 
@@ -118,10 +121,11 @@ def test_a_model_whose_export_recorded_independent_rows_is_batched(plain):
 
 @pytest.fixture(scope="module")
 def declared(tmp_path_factory):
-    """A repository whose config.pbtxt files declare batching: two sum models of [-1, -1] inputs declared batchable
-    wrongly (no size for a warm-up to guess: only live traffic can show it), one of [-1] inputs declared batchable
-    wrongly (its warm-up shows it), and the tiny classifier capped at 4 and switched off; a partial batch waits
-    for company (--max-delay-ms), so that concurrent requests certainly share a run."""
+    """A repository whose config.pbtxt files declare batching: two sum models of [-1, -1] inputs
+    declared batchable wrongly (no size for a warm-up to guess: only live traffic can show it), one
+    of [-1] inputs declared batchable wrongly (its warm-up shows it), and the tiny classifier capped
+    at 4 and switched off; a partial batch waits for company (--max-delay-ms), so that concurrent
+    requests certainly share a run."""
     tmp = tmp_path_factory.mktemp("declared")
     repo = tmp / "repo"
     for name, rank, batch in (("wrong_http", 2, 16), ("wrong_grpc", 2, 16), ("warm", 1, 8)):
@@ -186,12 +190,14 @@ def test_a_model_declared_batchable_wrongly_gets_500s_never_a_wrong_200(declared
         model = "wrong_http" if ask is over_http else "wrong_grpc"
         assert f"model '{model}' version 1: a batched run of" in refused[0]
         assert "output(s) 'OUTPUT' of shape [1]" in refused[0], refused[0]
-        # From then on that version runs each request alone: every answer right, and its config says so.
+        # From then on that version runs each request alone: every answer right, and its config says
+        # so.
         again = concurrently(ask)
         assert all(got == want for got, want in again), again
         assert max_batch_size(declared, model) == 0
     log = declared.log()
-    assert log.count("batching is off for this version from now on") == 3, log  # each version once
+    # each version once
+    assert log.count("batching is off for this version from now on") == 3, log
     assert "ERROR serving.batcher: model 'wrong_http' version 1: a batched run of" in log
 
 
@@ -216,9 +222,12 @@ def test_a_warm_up_that_shows_rows_are_not_independent_turns_batching_off_before
 
 
 def test_config_pbtxt_and_the_flag_decide_and_max_batch_size_is_a_cap(declared):
-    assert max_batch_size(declared, "capped") == 4  # its config's cap, under --max-batch-size 32
-    assert max_batch_size(declared, "zero") == 0  # its record says batchable; its config says no
-    assert max_batch_size(declared, "flagged") == 0  # --batching flagged=off
+    # its config's cap, under --max-batch-size 32
+    assert max_batch_size(declared, "capped") == 4
+    # its record says batchable; its config says no
+    assert max_batch_size(declared, "zero") == 0
+    # --batching flagged=off
+    assert max_batch_size(declared, "flagged") == 0
     config = requests.get(f"{declared.url}/v2/models/capped/config", timeout=10).json()
     assert config["input"][0]["dims"] == [1, 8, 8]
     log = declared.log()

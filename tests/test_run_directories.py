@@ -1,5 +1,5 @@
-"""Run directories have one owner, state files survive crashes, checkpoints follow the timeline being
-trained, and MLflow runs are never left RUNNING by a process that is gone."""
+"""Run directories have one owner, state files survive crashes, checkpoints follow the timeline
+being trained, and MLflow runs are never left RUNNING by a process that is gone."""
 
 from __future__ import annotations
 
@@ -73,11 +73,13 @@ def test_a_run_directory_has_one_owner_and_a_dead_owner_lets_go(tmp_path):
     # the kernel dropped the lock with the process: the next claim succeeds and learns who had it
     previous = run_dir.claim(tmp_path / "run")
     assert previous["pid"] == other.pid and run_dir.alive(previous) is False
-    assert run_dir.owner_of(tmp_path / "run") is None  # this process holds it now
+    # this process holds it now
+    assert run_dir.owner_of(tmp_path / "run") is None
 
 
 def test_the_launchers_child_may_work_in_the_directory_its_launcher_owns(tmp_path):
-    """`pipeline run` and `pipeline train --nproc-per-node` claim, then spawn torchrun, whose rank 0 claims too."""
+    """`pipeline run` and `pipeline train --nproc-per-node` claim, then spawn torchrun, whose rank 0
+    claims too."""
     run_dir.claim(tmp_path / "mine")
     child = subprocess.run(
         [sys.executable, "-c", HOLD, str(tmp_path / "mine"), "0"],
@@ -96,13 +98,13 @@ def test_a_re_save_of_a_step_never_leaves_the_step_without_a_checkpoint(tmp_path
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = checkpoint.save(root, 5, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=2)
     inode = first.stat().st_ino
-    checkpoint.save(
-        root, 5, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=2
-    )  # atomic exchange
+    # atomic exchange
+    checkpoint.save(root, 5, model, opt, checkpoint_meta(model, spec), CPU1, keep_last=2)
     assert (
         sorted(p.name for p in root.iterdir()) == ["step_00000005"] and first.stat().st_ino != inode
     )
-    # Where the filesystem can't exchange, a crash between the two renames leaves `.old-step_N` alone:
+    # Where the filesystem can't exchange, a crash between the two renames leaves `.old-step_N`
+    # alone:
     os.replace(first, root / ".old-step_00000005")
     assert checkpoint.latest(root) == root / ".old-step_00000005"
     checkpoint.load(checkpoint.latest(root), instantiate_model(spec), None, CPU1)
@@ -115,8 +117,9 @@ def test_a_re_save_of_a_step_never_leaves_the_step_without_a_checkpoint(tmp_path
 
 @pytest.mark.slow
 def test_a_resume_from_an_older_step_sets_the_later_timeline_aside(tmp_path):
-    """keep_last=1 after a resume from step 6 of a run that reached 16: the new step 10 is kept (it was
-    deleted: 16 sorts later), 12 and 16 move aside, and latest / the run's final checkpoint are step 10."""
+    """keep_last=1 after a resume from step 6 of a run that reached 16: the new step 10 is kept (it
+    was deleted: 16 sorts later), 12 and 16 move aside, and latest / the run's final checkpoint are
+    step 10."""
     common = [
         "train",
         "--config",
@@ -151,7 +154,8 @@ def test_a_resume_from_an_older_step_sets_the_later_timeline_aside(tmp_path):
     ]
     client, run = only_run(tmp_path, "tiny")
     assert run.data.tags[lineage.LATEST] == "step_00000010"
-    # The run's artifacts hold step 16 (the first attempt's final upload) and step 10: a download takes 10.
+    # The run's artifacts hold step 16 (the first attempt's final upload) and step 10: a download
+    # takes 10.
     found = checkpoint_store.resolve_resume(
         run.info.run_id, tmp_path / "elsewhere" / "checkpoints", CPU1
     )
@@ -162,7 +166,8 @@ def test_a_resume_from_an_older_step_sets_the_later_timeline_aside(tmp_path):
 def test_a_damaged_state_file_is_an_error_that_names_it(tmp_path):
     run = tmp_path / "outputs" / "broken"
     run.mkdir(parents=True)
-    (run / "mlflow_run.json").write_text("")  # what a full disk left behind with write_text
+    # what a full disk left behind with write_text
+    (run / "mlflow_run.json").write_text("")
     proc = run_cli(
         ["run", "--config", str(TINY), "train.run_name=broken"], cwd=tmp_path, check=False
     )
@@ -178,6 +183,7 @@ def test_a_damaged_state_file_is_an_error_that_names_it(tmp_path):
 def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
     """The review's sweep: two runs sharing a directory deleted each other's checkpoints."""
     first = subprocess.Popen(
+        # each "checkpoint saved" line
         [
             sys.executable,
             "-m",
@@ -191,7 +197,7 @@ def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
             "train.run_name=busy",
             "tracking.system_metrics=false",
             "--verbose",
-        ],  # each "checkpoint saved" line
+        ],
         cwd=tmp_path,
         env=cli_env(),
         stdout=subprocess.PIPE,
@@ -200,9 +206,8 @@ def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
         start_new_session=True,
     )
     try:
-        watchdog = threading.Timer(
-            180, lambda: os.killpg(first.pid, signal.SIGKILL)
-        )  # should the line never come
+        # should the line never come
+        watchdog = threading.Timer(180, lambda: os.killpg(first.pid, signal.SIGKILL))
         watchdog.start()
         for line in first.stdout:
             if "checkpoint saved" in line:
@@ -215,19 +220,20 @@ def test_a_second_run_in_a_live_run_directory_stops_naming_the_owner(tmp_path):
             second = run_cli(argv, cwd=tmp_path, check=False, timeout=120)
             assert second.returncode == 2, second.stderr[-2000:]
             assert "outputs/busy is in use by pid" in second.stderr, second.stderr[-2000:]
-            assert "pipeline train --config" in second.stderr  # the owner's command
+            # the owner's command
+            assert "pipeline train --config" in second.stderr
     finally:
         os.killpg(first.pid, signal.SIGTERM)
         first.wait(timeout=90)
     assert first.returncode != 0
-    assert [
-        p.name for p in checkpoint.list_complete(tmp_path / "outputs/busy/checkpoints")
-    ]  # its checkpoints are intact
+    # its checkpoints are intact
+    assert [p.name for p in checkpoint.list_complete(tmp_path / "outputs/busy/checkpoints")]
 
 
 @pytest.mark.slow
 def test_a_rank_0_killed_under_a_plain_torchrun_is_closed_by_the_next_command(tmp_path):
-    """No launcher to close the run: the next stage that finds it RUNNING with its owner gone does."""
+    """No launcher to close the run: the next stage that finds it RUNNING with its owner gone
+    does."""
     cmd = [
         sys.executable,
         "-m",
@@ -251,7 +257,8 @@ def test_a_rank_0_killed_under_a_plain_torchrun_is_closed_by_the_next_command(tm
     )
     assert proc.returncode != 0 and "SIGKILL to rank 0 at step 8" in proc.stderr
     _, run = only_run(tmp_path, "tiny")
-    assert run.info.status == "RUNNING"  # what the review saw: nobody closes it
+    # what the review saw: nobody closes it
+    assert run.info.status == "RUNNING"
     closed = run_cli(["consolidate", str(tmp_path / "outputs/orphan"), "--latest"], cwd=tmp_path)
     assert (
         "was left RUNNING by pid" in closed.stderr
@@ -274,8 +281,9 @@ def finished(tiny_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["TERM", "KILL"])
 def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_running(finished, how):
-    """Export reopens the FINISHED training run to log the model. SIGTERM: the stage closes it with its own
-    status on the way out. SIGKILL: nothing runs, and the next command puts the status back."""
+    """Export reopens the FINISHED training run to log the model. SIGTERM: the stage closes it with
+    its own status on the way out. SIGKILL: nothing runs, and the next command puts the status
+    back."""
     workdir = finished.workdir
     fault = "stage_export:0:0" + (":TERM" if how == "TERM" else "")
     proc = run_cli(
@@ -290,7 +298,8 @@ def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_runni
         assert run.info.status == "RUNNING"
         run_cli(["consolidate", str(finished.run_dir), "--latest"], cwd=workdir)
         client, run = only_run(workdir, "tiny")
-    assert run.info.status == "FINISHED", how  # the training's own status, not FAILED, not RUNNING
+    # the training's own status, not FAILED, not RUNNING
+    assert run.info.status == "FINISHED", how
     stages = lineage.read_stages(run.data.tags[lineage.STAGES])
     assert stages["export"] == "failed" and stages["train"] == "done", stages
 
@@ -304,29 +313,32 @@ def test_an_export_stopped_while_it_holds_the_training_run_never_leaves_it_runni
             {"pretrained_model_name_or_path": "/models/bert-tiny/"},
             "bert-tiny-digits",
         ),
+        # nothing names the model: as written
         (
             "my_project.models:create_model",
             {"hidden": 8},
             "create-model-digits",
-        ),  # nothing names the model: as written
+        ),
+        # a class, not a factory
         (
             "pipeline.models:resnet18",
             {"name": "ignored"},
             "resnet18-digits",
-        ),  # a class, not a factory
+        ),
     ],
 )
 def test_run_names_come_from_the_model_a_factory_builds_and_the_data(component, args, stem):
-    """The review's `create-model-digits32-...` for timm's resnet10t: a run is named after its model."""
+    """The review's `create-model-digits32-...` for timm's resnet10t: a run is named after its
+    model."""
     cfg = load_config(None)
     cfg.model.component, cfg.model.args = component, args
     assert default_run_name(cfg).startswith(stem + "-")
 
 
 def test_consolidate_and_export_respect_a_live_owner_of_the_run_directory(tmp_path, capsys):
-    """The review: consolidate and export ignored the run-directory owner (only run and train took it), so
-    they could rewrite consolidated/ and onnx/ under a live training's feet. Here both stop, naming the owner;
-    once it is gone, consolidate goes ahead."""
+    """The review: consolidate and export ignored the run-directory owner (only run and train took
+    it), so they could rewrite consolidated/ and onnx/ under a live training's feet. Here both stop,
+    naming the owner; once it is gone, consolidate goes ahead."""
     from pipeline.cli import main as pipeline_cli
 
     spec = mlp_spec()
@@ -340,9 +352,8 @@ def test_consolidate_and_export_respect_a_live_owner_of_the_run_directory(tmp_pa
         CPU1,
         keep_last=5,
     )
-    assert (
-        pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 0
-    )  # no owner record yet: nobody's directory
+    # no owner record yet: nobody's directory
+    assert pipeline_cli(["consolidate", str(ckpt), "--no-log"]) == 0
     capsys.readouterr()
     other = holder(tmp_path / "run")
     try:

@@ -158,7 +158,8 @@ def test_tritonclient_binary_infer(server, model_path, rows):
         ]
         x = images(rows, seed=10 + rows)
         inp = triton.InferInput("input", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)  # binary_data=True by default
+        # binary_data=True by default
+        inp.set_data_from_numpy(x)
         result = client.infer("tiny", [inp], headers=dict(AUTH))
         want = run_onnx(model_path, x)
         np.testing.assert_allclose(
@@ -340,7 +341,8 @@ def test_cli_refuses_bad_flags_and_missing_model(tmp_path):
     assert r.returncode == 2 and "models:/<name>@<alias>" in r.stderr
     r = run("--model", "x.onnx", "--reload-interval", "5")
     assert r.returncode == 2 and "alias" in r.stderr
-    # A limit gRPC can't hold (its message sizes are C ints; 4 GiB wrapped to 0 and refused every ModelInfer)
+    # A limit gRPC can't hold (its message sizes are C ints; 4 GiB wrapped to 0 and refused every
+    # ModelInfer)
     r = run(
         "--model",
         str(tmp_path / "m.onnx"),
@@ -400,18 +402,20 @@ def test_concurrent_requests_are_batched(tmp_path):
     runs = metric(text, "trainserve_batch_size_count")
     rows = metric(text, "trainserve_batch_size_sum")
     single = metric(text, "trainserve_batch_size_bucket", le="1.0")
-    warm = 0  # warm-up runs are not observed
+    # warm-up runs are not observed
+    warm = 0
     assert rows == 128 + warm
     assert runs - single > 0, f"no batch larger than 1 in {runs} runs:\n{text}"
-    assert metric(text, "trainserve_batch_size_bucket", le="32.0") == runs  # never above the limit
+    # never above the limit
+    assert metric(text, "trainserve_batch_size_bucket", le="32.0") == runs
 
 
 @pytest.mark.slow
 def test_sigterm_answers_requests_in_flight_and_queue_limit_gives_503(tmp_path, model_path):
-    """Requests wait in the queue: a max delay of 60 s, far past the 10 s graceful timeout, holds the
-    partial batch. SIGTERM must answer every one of them at once (the batch stops waiting when shutdown
-    begins) and exit 0; before, they waited out the graceful timeout and were cut. One request beyond
-    the queue's rows gets 503 + Retry-After."""
+    """Requests wait in the queue: a max delay of 60 s, far past the 10 s graceful timeout, holds
+    the partial batch. SIGTERM must answer every one of them at once (the batch stops waiting when
+    shutdown begins) and exit 0; before, they waited out the graceful timeout and were cut. One
+    request beyond the queue's rows gets 503 + Retry-After."""
     args = (
         "--model",
         str(model_path),
@@ -463,8 +467,9 @@ def test_sigterm_answers_requests_in_flight_and_queue_limit_gives_503(tmp_path, 
 
 @pytest.mark.parametrize("loops", ["1", "2"])
 def test_server_refuses_a_busy_port(model_path, tmp_path, loops):
-    # With several event loops too, whose sockets carry SO_REUSEPORT (so that the kernel spreads connections over
-    # them), a second server on the port is refused, not let in beside them to take a share of the connections.
+    # With several event loops too, whose sockets carry SO_REUSEPORT (so that the kernel spreads
+    # connections over them), a second server on the port is refused, not let in beside them to take
+    # a share of the connections.
     with ServerProcess(
         "--model", str(model_path), "--http-threads", loops, log_path=tmp_path / "a.log"
     ) as srv:
@@ -504,9 +509,9 @@ def test_tritonclient_error_is_readable(server):
 
 
 def test_ready_turns_503_if_the_engine_thread_dies(model_path):
-    # In process: the server and its HTTP front end on a free port, asked with real HTTP. A server whose engine
-    # thread has ended (what no model run can do: killed here with an asynchronous SystemExit) must not tell a
-    # load balancer it is ready.
+    # In process: the server and its HTTP front end on a free port, asked with real HTTP. A server
+    # whose engine thread has ended (what no model run can do: killed here with an asynchronous
+    # SystemExit) must not tell a load balancer it is ready.
     import asyncio
     import ctypes
 
@@ -533,7 +538,8 @@ def test_ready_turns_503_if_the_engine_thread_dies(model_path):
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)
             )
-            server.executor.submit(lambda: None)  # wakes it: it dies on its next line of Python
+            # wakes it: it dies on its next line of Python
+            server.executor.submit(lambda: None)
             await loop.run_in_executor(None, thread.join, 5)
             statuses = [
                 await loop.run_in_executor(None, get, p)

@@ -1,5 +1,5 @@
-"""The batcher alone, with a real (slow) run function and the server's real engine thread (serving/runner.py): no
-HTTP, no onnxruntime."""
+"""The batcher alone, with a real (slow) run function and the server's real engine thread
+(serving/runner.py): no HTTP, no onnxruntime."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def executor():
 
 
 def kill(runner: Runner) -> None:
-    """What no exception of a run can do: the engine thread itself ends (an asynchronous SystemExit)."""
+    """What no exception of a run can do: the engine thread itself ends (an asynchronous
+    SystemExit)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(runner._thread.ident), ctypes.py_object(SystemExit)
     )
@@ -74,14 +75,16 @@ def test_idle_engine_runs_at_once_and_arrivals_during_a_run_form_the_next_batch(
         b = make(engine, executor)
         b.start()
         first = asyncio.create_task(b.submit(rows(1), 1))
-        await asyncio.sleep(0.05)  # the first run is under way
+        # the first run is under way
+        await asyncio.sleep(0.05)
         rest = [asyncio.create_task(b.submit(rows(v, v), 2)) for v in (2, 3, 4)]
         outs = await asyncio.gather(first, *rest)
         await b.close()
         return outs
 
     outs = run(main())
-    assert engine.batches == [1, 6]  # nobody waited for the first; the next three went together
+    # nobody waited for the first; the next three went together
+    assert engine.batches == [1, 6]
     assert [o["y"].tolist() for o in outs] == [[2], [4, 4], [6, 6], [8, 8]]
 
 
@@ -94,24 +97,27 @@ def test_what_a_loop_takes_in_in_one_turn_runs_as_one_batch_even_if_the_engine_c
         b = make(engine, executor)
         b.start()
         first = asyncio.create_task(b.submit(rows(1), 1))
-        await asyncio.sleep(0.02)  # the first run is under way
+        # the first run is under way
+        await asyncio.sleep(0.02)
 
-        async def busy_taking_in():  # a front end in the middle of its turn (a system call: the GIL given away)
-            time.sleep(
-                0.2
-            )  # the engine's run ends meanwhile; request 2 is queued, request 3 not yet
+        # a front end in the middle of its turn (a system call: the GIL given away)
+        async def busy_taking_in():
+            # the engine's run ends meanwhile; request 2 is queued, request 3 not yet
+            time.sleep(0.2)
 
+        # all three first run in the same turn of the loop
         turn = [
             asyncio.create_task(b.submit(rows(2), 1)),
             asyncio.create_task(busy_taking_in()),
             asyncio.create_task(b.submit(rows(3), 1)),
-        ]  # all three first run in the same turn of the loop
+        ]
         outs = await asyncio.gather(first, *turn)
         await b.close()
         return outs
 
     outs = run(main())
-    assert engine.batches == [1, 2]  # not [1, 1, 1]: the engine left the batch to the loop's turn
+    # not [1, 1, 1]: the engine left the batch to the loop's turn
+    assert engine.batches == [1, 2]
     assert [outs[0]["y"].tolist(), outs[1]["y"].tolist(), outs[3]["y"].tolist()] == [[2], [4], [6]]
 
 
@@ -128,20 +134,22 @@ class CountingRunner(Runner):
 
 
 def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_is_in():
-    """Each loop turn's kick decides whether the batch is due, rather than waking the engine to decide: every wake is
-    a thread switch and a GIL hand-off, and an engine woken at each kick of a busy loop would mostly go back to
-    sleep (docs/benchmarks.md#servingbatcherpy)."""
+    """Each loop turn's kick decides whether the batch is due, rather than waking the engine to
+    decide: every wake is a thread switch and a GIL hand-off, and an engine woken at each kick of a
+    busy loop would mostly go back to sleep (docs/benchmarks.md#servingbatcherpy)."""
     engine, runner = Engine(seconds=0.0), CountingRunner()
 
     async def main():
         b = make(engine, runner, arrival_wait_ms=3000)
         b.start()
-        arrivals = [b.arriving() for _ in range(3)]  # three bodies on their way
+        # three bodies on their way
+        arrivals = [b.arriving() for _ in range(3)]
         started = time.monotonic()
         first_two = []
         for value, arrival in zip((1, 2), arrivals):
             first_two.append(asyncio.create_task(b.submit(rows(value), 1, arrival)))
-            await asyncio.sleep(0.05)  # a turn of the loop of its own: its kick has run
+            # a turn of the loop of its own: its kick has run
+            await asyncio.sleep(0.05)
         told_while_waiting = runner.told
         last = await b.submit(rows(3), 1, arrivals[2])
         outs = await asyncio.gather(*first_two)
@@ -156,14 +164,17 @@ def test_the_engine_is_told_of_a_batch_waiting_for_arrivals_only_once_the_last_i
         told_while_waiting, outs, took = run(main())
     finally:
         runner.shutdown()
-    assert told_while_waiting == 0  # (each kick woke the engine before: 1)
+    # (each kick woke the engine before: 1)
+    assert told_while_waiting == 0
     assert engine.batches == [3] and outs == [[2], [4], [6]]
-    assert took < 1.5  # the last one in ended the 3 s wait
+    # the last one in ended the 3 s wait
+    assert took < 1.5
 
 
 def test_a_batch_waiting_for_an_arrival_that_is_refused_runs_at_once(executor):
-    """The last request a batch waited for is refused as it is queued (the queue is full): no kick follows it, and
-    the batch must not wait out the rest of its 3 s for a request that is not coming."""
+    """The last request a batch waited for is refused as it is queued (the queue is full): no kick
+    follows it, and the batch must not wait out the rest of its 3 s for a request that is not
+    coming."""
     engine = Engine(seconds=0.0)
 
     async def main():
@@ -171,10 +182,12 @@ def test_a_batch_waiting_for_an_arrival_that_is_refused_runs_at_once(executor):
         b.start()
         refused = b.arriving()
         started = time.monotonic()
-        waiting = asyncio.create_task(b.submit(rows(1), 1))  # waits for the request on its way
+        # waits for the request on its way
+        waiting = asyncio.create_task(b.submit(rows(1), 1))
         await asyncio.sleep(0.05)
         with pytest.raises(QueueFull):
-            await b.submit(rows(2, 3), 2, refused)  # 1 + 2 rows > 2
+            # 1 + 2 rows > 2
+            await b.submit(rows(2, 3), 2, refused)
         out = await waiting
         took = time.monotonic() - started
         await b.close()
@@ -182,23 +195,28 @@ def test_a_batch_waiting_for_an_arrival_that_is_refused_runs_at_once(executor):
 
     out, took = run(main())
     assert out == [2] and engine.batches == [1]
-    assert took < 1.5, took  # (the wait's 3 s before)
+    # (the wait's 3 s before)
+    assert took < 1.5, took
 
 
 def test_a_wait_whose_batch_was_given_up_does_not_hold_the_next_request(executor):
-    """A batch waited for a slow upload, and its only request was given up (its caller's deadline) before the wait
-    ran out. The next request, with the upload still on its way, waits at most its own arrival wait: the given-up
-    batch's ended wait had stayed behind and kept the next request's kick from being sent at all."""
+    """A batch waited for a slow upload, and its only request was given up (its caller's deadline)
+    before the wait ran out. The next request, with the upload still on its way, waits at most its
+    own arrival wait: the given-up batch's ended wait had stayed behind and kept the next request's
+    kick from being sent at all."""
     engine = Engine(seconds=0.0)
 
     async def main():
         b = make(engine, executor, arrival_wait_ms=300)
         b.start()
-        slow_upload = b.arriving()  # on its way all along
+        # on its way all along
+        slow_upload = b.arriving()
         given_up = asyncio.create_task(b.submit(rows(1), 1))
         await asyncio.sleep(0.05)
-        given_up.cancel()  # (a request deadline)
-        await asyncio.sleep(0.5)  # the wait ran out, with nothing left to run
+        # (a request deadline)
+        given_up.cancel()
+        # the wait ran out, with nothing left to run
+        await asyncio.sleep(0.5)
         started = time.monotonic()
         out = await asyncio.wait_for(b.submit(rows(2), 1), 5)
         took = time.monotonic() - started
@@ -208,9 +226,8 @@ def test_a_wait_whose_batch_was_given_up_does_not_hold_the_next_request(executor
 
     out, took = run(main())
     assert out == [4] and engine.batches == [1]
-    assert took < 1.5, (
-        took
-    )  # its own 300 ms wait for the upload; it waited for the upload's end before
+    # its own 300 ms wait for the upload; it waited for the upload's end before
+    assert took < 1.5, took
 
 
 def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
@@ -230,7 +247,8 @@ def test_batches_never_exceed_max_and_large_jobs_run_alone(executor):
         return outs
 
     outs = run(main())
-    assert engine.batches == [1, 3, 2, 6, 1]  # order kept; 3+2 > 4; the 6-row job alone
+    # order kept; 3+2 > 4; the 6-row job alone
+    assert engine.batches == [1, 3, 2, 6, 1]
     assert outs[3]["y"].tolist() == [6] * 6
 
 
@@ -243,7 +261,8 @@ def test_max_delay_gathers_a_partial_batch(executor):
         a = asyncio.create_task(b.submit(rows(1), 1))
         await asyncio.sleep(0.05)
         c = asyncio.create_task(b.submit(rows(2), 1))
-        d = asyncio.create_task(b.submit(rows(3), 1))  # fills the batch: runs before the delay ends
+        # fills the batch: runs before the delay ends
+        d = asyncio.create_task(b.submit(rows(3), 1))
         await asyncio.gather(a, c, d)
         await b.close()
 
@@ -258,7 +277,8 @@ def test_full_queue_refuses_and_close_drains(executor):
         b = make(engine, executor, max_queue_rows=4)
         b.start()
         running = asyncio.create_task(b.submit(rows(9), 1))
-        await asyncio.sleep(0.02)  # taken off the queue, running
+        # taken off the queue, running
+        await asyncio.sleep(0.02)
         queued = [asyncio.create_task(b.submit(rows(1, 1), 2)) for _ in range(2)]
         await asyncio.sleep(0)
         with pytest.raises(QueueFull):
@@ -273,8 +293,8 @@ def test_full_queue_refuses_and_close_drains(executor):
 
 
 def test_a_request_whose_values_fail_the_model_fails_alone_and_the_next_batch_still_runs(executor):
-    """7 and 1 are merged into one batch; 7 makes the model raise (as an index past an embedding's size
-    does): the batch runs again job by job, and only the request that carried 7 fails."""
+    """7 and 1 are merged into one batch; 7 makes the model raise (as an index past an embedding's
+    size does): the batch runs again job by job, and only the request that carried 7 fails."""
     engine = Engine(seconds=0.05, fail_on=7)
 
     async def main():
@@ -319,7 +339,8 @@ def test_mixed_trailing_shapes_never_merge_and_the_batcher_keeps_serving(executo
         b = make(engine, executor)
         b.start()
         blocker = asyncio.create_task(b.submit(x((1, 2), 0), 1))
-        await asyncio.sleep(0.02)  # under way: the next three queue up together
+        # under way: the next three queue up together
+        await asyncio.sleep(0.02)
         mixed = [
             asyncio.create_task(b.submit(feeds, 1))
             for feeds in (x((1, 2), 1), x((1, 3), 2), x((1, 2), 3), x((1, 2), 4, np.float64))
@@ -331,7 +352,8 @@ def test_mixed_trailing_shapes_never_merge_and_the_batcher_keeps_serving(executo
         return outs, later
 
     outs, later = run(main())
-    # (1,2) float32 rows merge (skipping the others, which keep their order); then (1,3); then float64.
+    # (1,2) float32 rows merge (skipping the others, which keep their order); then (1,3); then
+    # float64.
     assert engine.batches == [1, 2, 1, 1, 2]
     for out, (shape, value, dtype) in zip(
         outs,
@@ -359,14 +381,16 @@ def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(ex
         await asyncio.sleep(0.02)
         waiting = asyncio.create_task(b.submit(rows(2), 1))
         await asyncio.sleep(0)
-        kill(executor)  # the engine thread dies when the run under way returns
+        # the engine thread dies when the run under way returns
+        kill(executor)
         results = await asyncio.wait_for(
             asyncio.gather(running, waiting, return_exceptions=True), 5
         )
         assert not b.alive and b.queued_rows == 0
         with pytest.raises(BatcherClosed):
             await b.submit(rows(3), 1)
-        await b.close()  # returns, does not raise
+        # returns, does not raise
+        await b.close()
         return results
 
     results = run(main())
@@ -374,8 +398,8 @@ def test_a_dead_loop_fails_waiting_requests_refuses_new_ones_and_is_not_alive(ex
 
 
 def test_a_run_past_its_deadline_fails_its_requests_and_stalls_until_it_returns(executor):
-    """A wedged run (a hung GPU kernel): its requests get RunTimedOut at once, `stalled` says so while the
-    engine thread is still inside it, and the next request runs after it returns."""
+    """A wedged run (a hung GPU kernel): its requests get RunTimedOut at once, `stalled` says so
+    while the engine thread is still inside it, and the next request runs after it returns."""
     from serving.batcher import RunTimedOut
 
     engine = Engine(seconds=0.6)
@@ -391,7 +415,8 @@ def test_a_run_past_its_deadline_fails_its_requests_and_stalls_until_it_returns(
             await first
         failed_after = time.perf_counter() - started
         engine.seconds = 0.01
-        second = await b.submit(rows(3), 1)  # waits for the stalled run to return, then runs
+        # waits for the stalled run to return, then runs
+        second = await b.submit(rows(3), 1)
         await b.close()
         return stalled_meanwhile, failed_after, second, b.stalled
 
@@ -410,7 +435,8 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
         await asyncio.sleep(0.05)
         gave_up = asyncio.create_task(b.submit(rows(9, 9, 9), 3))
         await asyncio.sleep(0.01)
-        gave_up.cancel()  # what a request deadline does
+        # what a request deadline does
+        gave_up.cancel()
         kept = asyncio.create_task(b.submit(rows(2), 1))
         await blocker
         out = await kept
@@ -419,12 +445,12 @@ def test_a_request_whose_caller_gave_up_is_not_run(executor):
 
     out, queued = run(main())
     assert out["y"].tolist() == [4] and queued == 0
-    assert engine.batches == [1, 1]  # the 3 rows of the cancelled request never ran
+    # the 3 rows of the cancelled request never ran
+    assert engine.batches == [1, 1]
 
 
-X_OF_2_COLUMNS = types.SimpleNamespace(
-    name="x", dtype=np.dtype(np.float32), shape=(None, 2)
-)  # a model's input
+# a model's input
+X_OF_2_COLUMNS = types.SimpleNamespace(name="x", dtype=np.dtype(np.float32), shape=(None, 2))
 
 
 class TwoColumnBuffers(BatchBuffers):
@@ -458,15 +484,17 @@ def where(buffers: BatchBuffers, feeds) -> tuple[int, int]:
 
 
 def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is_given_up(executor):
-    """A batch buffer holds A (being run) and B (its body still arriving). B's client goes away mid-run: every
-    place of the buffer is now run or dead, but the engine still reads A's rows. The buffer was released then, and
-    the next request's body landed in A's rows while the model read them: A was answered from C's values."""
+    """A batch buffer holds A (being run) and B (its body still arriving). B's client goes away
+    mid-run: every place of the buffer is now run or dead, but the engine still reads A's rows. The
+    buffer was released then, and the next request's body landed in A's rows while the model read
+    them: A was answered from C's values."""
     buffers = two_column_buffers()
     running = threading.Event()
 
     def run_gathered(feeds, rows):
         running.set()
-        time.sleep(0.2)  # the model reading the rows meanwhile
+        # the model reading the rows meanwhile
+        time.sleep(0.2)
         return {"y": feeds["x"][:rows] * 2}
 
     async def main():
@@ -486,8 +514,10 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
         answer = asyncio.create_task(b.submit(a.views, 2, a))
         while not running.is_set():
             await asyncio.sleep(0.005)
-        gone.end()  # B's client disconnected mid-body
-        c = b.arriving(rows=2)  # the next request: its body lands in its place at once
+        # B's client disconnected mid-body
+        gone.end()
+        # the next request: its body lands in its place at once
+        c = b.arriving(rows=2)
         c.views["x"][:] = 7.0
         c.filled = True
         other = asyncio.create_task(b.submit(c.views, 2, c))
@@ -496,14 +526,15 @@ def test_a_buffer_being_run_is_not_handed_out_again_when_its_last_other_place_is
         return out
 
     a_out, c_out = run(main())
-    assert a_out.tolist() == [[2.0, 2.0], [2.0, 2.0]], a_out  # A's own values, not C's 7s
+    # A's own values, not C's 7s
+    assert a_out.tolist() == [[2.0, 2.0], [2.0, 2.0]], a_out
     assert c_out.tolist() == [[14.0, 14.0], [14.0, 14.0]]
 
 
 def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(executor):
-    """A request's place, job and future are freed when its buffer goes back to the pool, not left in a cycle (a
-    buffer's places pointed at it and it at them) for the collector: ~10 objects a request, and a collection every
-    ~2,000 requests that held the event loop 12 ms."""
+    """A request's place, job and future are freed when its buffer goes back to the pool, not left
+    in a cycle (a buffer's places pointed at it and it at them) for the collector: ~10 objects a
+    request, and a collection every ~2,000 requests that held the event loop 12 ms."""
     buffers = two_column_buffers()
 
     def run_gathered(feeds, rows):
@@ -520,7 +551,8 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
             run_gathered=run_gathered,
         )
         b.start()
-        for _ in range(5):  # copied into their places, and received into them
+        # copied into their places, and received into them
+        for _ in range(5):
             arrivals = [b.arriving(rows=1) for _ in range(3)]
             for arrival in arrivals:
                 arrival.views["x"][:] = 1.0
@@ -550,8 +582,9 @@ def test_requests_through_batch_buffers_leave_nothing_for_the_garbage_collector(
 
 
 def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
-    """Requests copied into a batch buffer's places: one whose caller gave up (a request deadline) before the run
-    is left out of it, at a span's start as anywhere it can be, not computed as padding."""
+    """Requests copied into a batch buffer's places: one whose caller gave up (a request deadline)
+    before the run is left out of it, at a span's start as anywhere it can be, not computed as
+    padding."""
     buffers = two_column_buffers()
     runs = []
 
@@ -572,27 +605,31 @@ def test_a_request_given_up_in_a_batch_buffer_is_not_computed(executor):
         b.start()
         gave_up = asyncio.create_task(b.submit({"x": np.full((2, 2), 9, np.float32)}, 2))
         kept = asyncio.create_task(b.submit({"x": np.full((2, 2), 1, np.float32)}, 2))
-        await asyncio.sleep(0)  # both copied into their places, rows 0-1 and 2-3
-        gave_up.cancel()  # in the same turn of the loop: before the engine takes the batch
+        # both copied into their places, rows 0-1 and 2-3
+        await asyncio.sleep(0)
+        # in the same turn of the loop: before the engine takes the batch
+        gave_up.cancel()
         out = await kept
         await b.close()
         return out["y"], b.queued_rows
 
     out, queued = run(main())
     assert out.tolist() == [[2.0, 2.0], [2.0, 2.0]] and queued == 0
-    assert runs == [(2, 2)], runs  # the kept request's rows only
+    # the kept request's rows only
+    assert runs == [(2, 2)], runs
 
 
 @pytest.mark.parametrize("merged_run_fails", [False, True])
 def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_instead_of_running_alone(
     executor, merged_run_fails
 ):
-    """A, B and S took places one after another in a buffer; A and B's bodies came in, S's was still arriving when
-    the arrival wait ran out, so A and B ran without it. S, in then, would have run alone (its buffer sealed, its
-    neighbours run): on a GPU a run of one row costs nearly what one of 16 does. It is copied next to C, the request
-    arriving in the next buffer, and runs with it. `merged_run_fails`: C's values fail that run, and each request
-    runs again alone; S's first buffer is back in the pool by then, another request's body in it, and S's answer
-    must still be from S's own values."""
+    """A, B and S took places one after another in a buffer; A and B's bodies came in, S's was still
+    arriving when the arrival wait ran out, so A and B ran without it. S, in then, would have run
+    alone (its buffer sealed, its neighbours run): on a GPU a run of one row costs nearly what one
+    of 16 does. It is copied next to C, the request arriving in the next buffer, and runs with it.
+    `merged_run_fails`: C's values fail that run, and each request runs again alone; S's first
+    buffer is back in the pool by then, another request's body in it, and S's answer must still be
+    from S's own values."""
     buffers = two_column_buffers()
     runs = []
 
@@ -634,8 +671,10 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
             arrival.views["x"][:] = value
             arrival.filled = True
             answers[name] = asyncio.create_task(b.submit(arrival.views, 1, arrival))
-        await answers["a"]  # after the arrival wait: A and B ran, S still arriving
-        c = b.arriving(rows=1)  # the next buffer's first place
+        # after the arrival wait: A and B ran, S still arriving
+        await answers["a"]
+        # the next buffer's first place
+        c = b.arriving(rows=1)
         straggler = first[2]
         straggler.views["x"][:] = 3.0
         straggler.filled = True
@@ -655,15 +694,18 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
     out, queued, free = run(main())
     c_answer = "model failed" if merged_run_fails else [[8.0, 8.0]]
     assert out == {"a": [[2.0, 2.0]], "b": [[4.0, 4.0]], "s": [[6.0, 6.0]], "c": c_answer}, out
-    assert [rows for _, _, rows in runs] == [2, 2], runs  # not [2, 1, 1]: S ran beside C
-    assert queued == 0 and free == 2  # both buffers back in the pool
+    # not [2, 1, 1]: S ran beside C
+    assert [rows for _, _, rows in runs] == [2, 2], runs
+    # both buffers back in the pool
+    assert queued == 0 and free == 2
 
 
 def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
     from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements, _stranded
 
     def buffer(*states: str, sealed: bool = True):
-        """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not run) or "S"."""
+        """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not
+        run) or "S"."""
         p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
         owner = types.SimpleNamespace(ended=lambda arrival: None)
         places = [p.arriving(owner, rows=1).place for _ in states]
@@ -677,20 +719,21 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
 
     assert _stranded(*buffer("ran", "S"))
     assert _stranded(*buffer("S"))
-    assert _stranded(
-        *buffer("ran", "dead", "S", "dead")
-    )  # the refused places around it run with nothing
-    assert not _stranded(*buffer("ran", "S", sealed=False))  # more places may come after it
-    assert not _stranded(*buffer("ran", "S", "arriving"))  # it runs with that one
-    assert not _stranded(
-        *buffer("job", "dead", "S")
-    )  # a refused place between is filler in their run
+    # the refused places around it run with nothing
+    assert _stranded(*buffer("ran", "dead", "S", "dead"))
+    # more places may come after it
+    assert not _stranded(*buffer("ran", "S", sealed=False))
+    # it runs with that one
+    assert not _stranded(*buffer("ran", "S", "arriving"))
+    # a refused place between is filler in their run
+    assert not _stranded(*buffer("job", "dead", "S"))
     assert not _stranded(*buffer("S", "dead", "job"))
 
 
 class HeldCopies(BatchBuffers):
-    """Two batch buffers of 8 rows of "x" (2 columns) whose copy of a request `held(feeds)` picks waits for `go_on`
-    (`copying` set meanwhile): the moment another loop is in the middle of a copy, held open."""
+    """Two batch buffers of 8 rows of "x" (2 columns) whose copy of a request `held(feeds)` picks
+    waits for `go_on` (`copying` set meanwhile): the moment another loop is in the middle of a copy,
+    held open."""
 
     def __init__(self, held):
         super().__init__([X_OF_2_COLUMNS], capacity=8, count=2)
@@ -717,9 +760,10 @@ def another_loop():
 
 
 def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(executor):
-    """A request is copied into its batch buffer place outside the batcher's lock. With several event loops, a
-    close (a model unloaded, the server stopping) on one loop came in the middle of another's copy, found nothing
-    pending and returned: the buffers were closed under the copy. It waits for the request, which is answered."""
+    """A request is copied into its batch buffer place outside the batcher's lock. With several
+    event loops, a close (a model unloaded, the server stopping) on one loop came in the middle of
+    another's copy, found nothing pending and returned: the buffers were closed under the copy. It
+    waits for the request, which is answered."""
     buffers = HeldCopies(held=lambda feeds: True)
 
     def run_gathered(feeds, rows):
@@ -754,8 +798,9 @@ def test_close_waits_for_a_request_another_loop_is_copying_into_its_place(execut
 
 
 def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refused(executor):
-    """Close came while a batch ran and another loop copied a request in; the copy found a NaN (refused). That refusal
-    found nothing left to run and woke close, the batch still running: the model would be closed under it."""
+    """Close came while a batch ran and another loop copied a request in; the copy found a NaN
+    (refused). That refusal found nothing left to run and woke close, the batch still running: the
+    model would be closed under it."""
     buffers = HeldCopies(held=lambda feeds: np.isnan(feeds["x"]).any())
     running = threading.Event()
 
@@ -798,8 +843,8 @@ def test_close_waits_for_the_batch_running_when_a_request_being_copied_is_refuse
 
 
 def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the_other():
-    # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO: while
-    # model A is flooded, a request to model B waits for at most the one A run ahead of it.
+    # Each model's batcher queues at most one run on the shared engine thread, whose queue is FIFO:
+    # while model A is flooded, a request to model B waits for at most the one A run ahead of it.
     order: list[str] = []
 
     def engine(label):
@@ -827,7 +872,8 @@ def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the
         flooded.start()
         probed.start()
         flood = [asyncio.ensure_future(flooded.submit(rows(i), 1)) for i in range(40)]
-        await asyncio.sleep(0.05)  # the flood is running
+        # the flood is running
+        await asyncio.sleep(0.05)
         started = time.monotonic()
         await probed.submit(rows(1.0), 1)
         probe_seconds = time.monotonic() - started
@@ -840,12 +886,9 @@ def test_two_models_on_one_engine_thread_take_turns_so_a_flood_cannot_starve_the
     probe_seconds, waits = run(main())
     b = order.index("B")
     assert order[:b].count("A") < 40 and "B" not in order[b + 1 :]
-    assert order[b - 1] == "A" and (
-        b + 1 == len(order) or order[b + 1] == "A"
-    )  # A resumes right after
-    assert probe_seconds < 0.1, (
-        probe_seconds
-    )  # one A run ahead (10 ms), not the flood's remaining 300+ ms
-    assert (
-        len(waits) == 1 and waits[0] < 0.1
-    )  # its queue time, until the engine thread began its run
+    # A resumes right after
+    assert order[b - 1] == "A" and (b + 1 == len(order) or order[b + 1] == "A")
+    # one A run ahead (10 ms), not the flood's remaining 300+ ms
+    assert probe_seconds < 0.1, probe_seconds
+    # its queue time, until the engine thread began its run
+    assert len(waits) == 1 and waits[0] < 0.1

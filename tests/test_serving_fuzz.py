@@ -1,7 +1,8 @@
-"""Property-based fuzzing of both protocols against a live server: whatever a client sends, the answer is
-never a 5xx and the server stays live. Hypothesis builds V2 bodies (JSON, and binary with a header length),
-and MLflow scoring bodies, from near-valid to absurd: wrong types in every field, odd shapes, huge and
-negative dimensions, strings and nulls for numbers, stray parameters, bytes that do not add up.
+"""Property-based fuzzing of both protocols against a live server: whatever a client sends, the
+answer is never a 5xx and the server stays live. Hypothesis builds V2 bodies (JSON, and binary with
+a header length), and MLflow scoring bodies, from near-valid to absurd: wrong types in every field,
+odd shapes, huge and negative dimensions, strings and nulls for numbers, stray parameters, bytes
+that do not add up.
 
 Bounded: a fixed number of examples per protocol and a fixed seed (derandomize), so CI sees the same
 requests every run; TRAINSERVE_FUZZ_RANDOM=1 explores new ones.
@@ -197,7 +198,8 @@ def test_v2_binary_bodies_never_get_a_5xx(server):
                 },
             )
         except requests.exceptions.InvalidHeader:
-            return  # a header value the client library itself refuses to send
+            # a header value the client library itself refuses to send
+            return
         check(response, (body, tail, length))
 
     fuzz()

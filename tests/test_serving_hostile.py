@@ -1,7 +1,7 @@
-"""The server under hostile or careless clients: every client mistake is a 4xx naming the field, never a
-5xx; limits hold before work; idle and slow connections can't hold it off; shutdown is bounded; a model
-run that hangs is a 504 and not-ready, not a stuck server. A real `python -m serving` process, real
-sockets, real HTTP, all on 127.0.0.1."""
+"""The server under hostile or careless clients: every client mistake is a 4xx naming the field,
+never a 5xx; limits hold before work; idle and slow connections can't hold it off; shutdown is
+bounded; a model run that hangs is a 504 and not-ready, not a stuck server. A real
+`python -m serving` process, real sockets, real HTTP, all on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def models(tmp_path_factory):
 
 
 def raw(port: int, request: bytes) -> bytes:
-    """One request as bytes on a socket; the whole response (status line, headers, body) as bytes."""
+    """One request as bytes on a socket; the whole response (status line, headers, body) as
+    bytes."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(request)
         reply = b""
@@ -76,8 +77,8 @@ def nested(values: list, depth: int) -> list:
     return values
 
 
-# name -> (path, body or (body, headers), the words the 400 must name). The first eight are the review's
-# 500s (finding 4), the rest Triton's rules (finding 11) and the limits (finding 5).
+# name -> (path, body or (body, headers), the words the 400 must name). The first eight are the
+# review's 500s (finding 4), the rest Triton's rules (finding 11) and the limits (finding 5).
 V2_CASES = {
     "input parameters not an object": (
         {"inputs": [fp32([1, 1, 8, 8], IMAGE, parameters=[1])]},
@@ -181,7 +182,8 @@ def test_every_malformed_request_is_a_400_that_names_the_field(tiny_server):
     # 64 axes).
     r = requests.post(url, json={"inputs": [fp32([1, 1, 8, 8], nested(IMAGE, 70))]}, timeout=30)
     assert r.status_code == 200, r.text[:300]
-    # The header length: a Unicode digit passed str.isdigit() and broke int(); 5000 digits broke int() too.
+    # The header length: a Unicode digit passed str.isdigit() and broke int(); 5000 digits broke
+    # int() too.
     for value in (b"\xb2", b"9" * 5000, b"-1", b"1e3"):
         reply = raw(
             tiny_server.port,
@@ -239,13 +241,15 @@ def test_two_dynamic_axes_and_integer_inputs_are_checked_too(models, tmp_path):
 
 
 def test_a_value_the_model_cannot_take_fails_its_own_request_only(models, tmp_path):
-    """An id past the embedding (onnxruntime raises inside Gather) was a 500, and failed every request
-    merged into the same batch. Now it is that request's 400, and the others are answered."""
+    """An id past the embedding (onnxruntime raises inside Gather) was a 500, and failed every
+    request merged into the same batch. Now it is that request's 400, and the others are
+    answered."""
     with ServerProcess(
         "--model",
         str(models["gather"]),
         "--batching",
-        "gather=on",  # an embedding's rows are independent: its requests may share a run
+        # an embedding's rows are independent: its requests may share a run
+        "gather=on",
         "--max-delay-ms",
         "300",
         log_path=tmp_path / "log",
@@ -261,9 +265,8 @@ def test_a_value_the_model_cannot_take_fails_its_own_request_only(models, tmp_pa
         assert "the model cannot compute on these input values" in answers[1].json()["error"]
         assert answers[2].json()["outputs"][0]["data"] == [6.0, 7.0, 8.0]
         text = requests.get(srv.url + "/metrics").text
-        assert (
-            metric(text, "trainserve_batch_size_bucket", le="4.0") >= 1
-        )  # they were merged, then split
+        # they were merged, then split
+        assert metric(text, "trainserve_batch_size_bucket", le="4.0") >= 1
         assert (
             metric(text, "trainserve_requests_total", route="/v2/models/{name}/infer", status="500")
             == 0
@@ -334,10 +337,10 @@ def rss_mib(pid: int) -> float:
 
 
 def test_request_heads_alone_cost_the_server_no_memory_for_their_bodies(tiny_server):
-    """The review's F2: a head declaring a 16 MiB body made the server allocate it, zero-filled, until the read
-    timeout (40 connections: +642 MiB, no body byte sent). Here 40 such heads (a JSON body, a binary V2 body
-    whose JSON header is that long, an /invocations body) raise the server's memory by less than 100 MiB, and
-    bodies that do arrive are answered."""
+    """The review's F2: a head declaring a 16 MiB body made the server allocate it, zero-filled,
+    until the read timeout (40 connections: +642 MiB, no body byte sent). Here 40 such heads (a JSON
+    body, a binary V2 body whose JSON header is that long, an /invocations body) raise the server's
+    memory by less than 100 MiB, and bodies that do arrive are answered."""
     heads = [
         b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Type: application/json\r\n",
         b"POST /v2/models/tiny/infer HTTP/1.1\r\nContent-Type: application/octet-stream\r\n"
@@ -364,9 +367,9 @@ def test_request_heads_alone_cost_the_server_no_memory_for_their_bodies(tiny_ser
 
 
 def test_idle_and_slow_connections_cannot_hold_the_server_off(models, tmp_path):
-    """The review's flood: 80 idle sockets made every endpoint answer 503 with --max-queue-rows 4. Here 300
-    idle and half-sent connections are held; health and inference answer at once, and the server closes
-    each one after --read-timeout (a half-sent request gets 408)."""
+    """The review's flood: 80 idle sockets made every endpoint answer 503 with --max-queue-rows 4.
+    Here 300 idle and half-sent connections are held; health and inference answer at once, and the
+    server closes each one after --read-timeout (a half-sent request gets 408)."""
     with ServerProcess(
         "--model",
         str(models["tiny"]),
@@ -395,7 +398,8 @@ def test_idle_and_slow_connections_cannot_hold_the_server_off(models, tmp_path):
             assert r.status_code == 200
             for s in idle[:5] + half[:5]:
                 s.settimeout(6)
-            assert all(s.recv(100) == b"" for s in idle[:5])  # closed by the server
+            # closed by the server
+            assert all(s.recv(100) == b"" for s in idle[:5])
             assert all(s.recv(200).startswith(b"HTTP/1.1 408") for s in half[:5])
         finally:
             for s in idle + half:
@@ -444,11 +448,11 @@ def test_a_model_run_past_its_deadline_is_a_504_and_the_server_not_ready_until_i
         r = requests.post(srv.url + "/invocations", json={"inputs": x.tolist()}, timeout=30)
         watcher.join()
         assert r.status_code == 504 and "--run-timeout" in r.json()["error"], r.text
-        assert 503 in readiness, readiness  # not ready while the run is stuck in the engine
+        # not ready while the run is stuck in the engine
+        assert 503 in readiness, readiness
         deadline = time.monotonic() + 30
-        while (
-            requests.get(srv.url + "/v2/health/ready").status_code != 200
-        ):  # ready again once it returned
+        # ready again once it returned
+        while requests.get(srv.url + "/v2/health/ready").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert requests.get(srv.url + "/v2/health/live").status_code == 200
@@ -457,9 +461,9 @@ def test_a_model_run_past_its_deadline_is_a_504_and_the_server_not_ready_until_i
 def test_a_request_not_answered_within_request_timeout_is_a_504_and_one_queued_behind_it_is_never_run(
     tmp_path,
 ):
-    """--request-timeout bounds a request's wait for its batch: the one being run and the one queued behind it both
-    get a 504 naming the flag at about the deadline (not when the run ends), the queued one is dropped unrun, and
-    the server answers the next request."""
+    """--request-timeout bounds a request's wait for its batch: the one being run and the one queued
+    behind it both get a 504 naming the flag at about the deadline (not when the run ends), the
+    queued one is dropped unrun, and the server answers the next request."""
     path = heavy_model(tmp_path / "heavy.onnx", channels=128, layers=6)
     with ServerProcess(
         "--model",
@@ -491,31 +495,37 @@ def test_a_request_not_answered_within_request_timeout_is_a_504_and_one_queued_b
                 time.sleep(0.02)
 
         before = runs(srv)
-        r, _ = ask(big)  # a first big run: its length, from the server's own metric
+        # a first big run: its length, from the server's own metric
+        r, _ = ask(big)
         assert r.status_code == 504, r.text[:200]
         runs_become(before + 1)
         text = requests.get(srv.url + "/metrics", timeout=10).text
         run_s = metric(text, "trainserve_inference_duration_seconds_sum") / metric(
             text, "trainserve_inference_duration_seconds_count"
         )
-        if run_s < 0.3:  # (0.7 s on the 2-core build machine, one onnxruntime thread)
+        # (0.7 s on the 2-core build machine, one onnxruntime thread)
+        if run_s < 0.3:
             pytest.skip(
                 f"a 64-row run takes {run_s:.2f} s here: too short to tell the deadline from the run's end"
             )
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(ask, big)
-            time.sleep(0.05)  # the second waits in the queue behind the first's run
+            # the second waits in the queue behind the first's run
+            time.sleep(0.05)
             second = pool.submit(ask, big)
             answers = [first.result(), second.result()]
         for r, t in answers:
             assert r.status_code == 504 and "--request-timeout" in r.json()["error"], r.text[:200]
+            # about the deadline, well before the run returned
             assert t < (0.15 + run_s) / 2 + 0.15, (
                 t,
                 run_s,
-            )  # about the deadline, well before the run returned
-        runs_become(before + 2)  # the first's run returns
+            )
+        # the first's run returns
+        runs_become(before + 2)
         time.sleep(2 * run_s)
-        assert runs(srv) == before + 2  # the second's never started
+        # the second's never started
+        assert runs(srv) == before + 2
         assert ask(small)[0].status_code == 200
 
 

@@ -1,7 +1,7 @@
-"""What a client and the operator read when a request is wrong, on a real server of three models: the
-limit a token model was exported for, which model /invocations serves, messages never cut mid-word, each
-client error logged once in our format and never as onnxruntime's own `[E:onnxruntime...]` line; and
-`pipeline serve`'s refusals in the stages' style."""
+"""What a client and the operator read when a request is wrong, on a real server of three models:
+the limit a token model was exported for, which model /invocations serves, messages never cut
+mid-word, each client error logged once in our format and never as onnxruntime's own
+`[E:onnxruntime...]` line; and `pipeline serve`'s refusals in the stages' style."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ LIMIT = 8
 
 
 def positions_model(path, limit: int = LIMIT):
-    """`ids` INT64 [batch, n] -> `out` [batch, n, 3]: ids plus a position table of `limit` rows, as a token
-    model's position embedding. Past `limit` onnxruntime fails inside (Gather out of bounds), as the review's
-    model did with "invalid expand shape"; export recorded the limit in lineage.MAX_LENGTHS."""
+    """`ids` INT64 [batch, n] -> `out` [batch, n, 3]: ids plus a position table of `limit` rows, as
+    a token model's position embedding. Past `limit` onnxruntime fails inside (Gather out of
+    bounds), as the review's model did with "invalid expand shape"; export recorded the limit in
+    lineage.MAX_LENGTHS."""
     graph = helper.make_graph(
         [
             helper.make_node("Shape", ["ids"], ["shape"]),
@@ -142,16 +143,14 @@ def test_client_errors_are_logged_once_in_our_format_never_by_onnxruntime(server
         timeout=30,
         json={"inputs": [{"name": "ids", "datatype": "INT64", "shape": [1], "data": [7]}]},
     )
-    assert (
-        past_vocabulary.status_code == 400
-    )  # onnxruntime itself fails: its own error line must stay quiet
+    # onnxruntime itself fails: its own error line must stay quiet
+    assert past_vocabulary.status_code == 400
     too_long = infer(server, "tokens", np.ones((1, LIMIT + 3), np.int64))
     assert too_long.status_code == 400
     ids = triton_grpc.InferInput("ids", [1, LIMIT + 4], "INT64")
     ids.set_data_from_numpy(np.ones((1, LIMIT + 4), np.int64))
-    with pytest.raises(
-        InferenceServerException
-    ) as refused:  # the same refusal over gRPC, logged the same way
+    # the same refusal over gRPC, logged the same way
+    with pytest.raises(InferenceServerException) as refused:
         triton_grpc.InferenceServerClient(server.grpc).infer("tokens", [ids])
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
     log = server.log()
@@ -191,14 +190,14 @@ def test_serve_refuses_in_one_line_and_exit_2_like_every_stage(command, tmp_path
         lines = proc.stderr.splitlines()
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr and lines[-1].startswith(f"{prog}: error: "), proc.stderr
-        if (
-            words != "invalid int value"
-        ):  # argparse's own usage line comes first for a malformed flag
+        # argparse's own usage line comes first for a malformed flag
+        if words != "invalid int value":
             assert len(lines) == 1, proc.stderr
 
 
 def test_verbose_lets_the_libraries_speak(tmp_path):
-    """Quiet by default (the fixture's log above holds only our lines); --verbose brings onnxruntime's back."""
+    """Quiet by default (the fixture's log above holds only our lines); --verbose brings
+    onnxruntime's back."""
     model = tiny_model(tmp_path / "tiny.onnx")
     for flags, heard in (([], False), (["--verbose"], True)):
         with ServerProcess("--model", str(model), *flags, log_path=tmp_path / "server.log") as srv:

@@ -1,9 +1,10 @@
-"""Prediction receipts: every inference answer names the request and the model version that computed it
-(X-Request-Id, X-Model-Name/-Version/-Run-Id/-Weights-Sha256), /v2/models/{name} shows the version's
-lineage, and across a hot reload the headers name the version that actually ran each request.
+"""Prediction receipts: every inference answer names the request and the model version that computed
+it (X-Request-Id, X-Model-Name/-Version/-Run-Id/-Weights-Sha256), /v2/models/{name} shows the
+version's lineage, and across a hot reload the headers name the version that actually ran each
+request.
 
-A real `python -m serving` process, real HTTP. The model computes y = x @ [1, 2, 3, 4] + 1000 * version, so
-an answer proves both which inputs and which version it came from."""
+A real `python -m serving` process, real HTTP. The model computes y = x @ [1, 2, 3, 4] + 1000 *
+version, so an answer proves both which inputs and which version it came from."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def lineage_metadata(version: int, run_id: str) -> dict[str, str]:
 
 
 def affine_model(path: Path, version: int, metadata: dict[str, str] | None = None) -> Path:
-    """`input` FP32 [batch, 4] -> `y` FP32 [batch, 1] = input @ W + 1000 * version, named 'affine'."""
+    """`input` FP32 [batch, 4] -> `y` FP32 [batch, 1] = input @ W + 1000 * version, named
+    'affine'."""
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["input", "W", "b"], ["y"])],
         "affine",
@@ -78,7 +80,8 @@ def ask(
     body_id: str | None = None,
     path: str | None = None,
 ):
-    """One inference request of `kind` (v2-json, v2-binary, invocations); returns (response, y or None, body)."""
+    """One inference request of `kind` (v2-json, v2-binary, invocations); returns (response, y or
+    None, body)."""
     headers = {"X-Request-Id": header_id} if header_id is not None else {}
     if kind == "invocations":
         r = http.post(
@@ -168,7 +171,8 @@ def test_every_inference_answer_names_the_request_and_the_model(served):
             if kind != "invocations":
                 assert body["id"] == "client-42"
         for kind in ("v2-json", "v2-binary"):
-            # the V2 body's id names the request when no header does; both: the header, and the body echoed
+            # the V2 body's id names the request when no header does; both: the header, and the body
+            # echoed
             r, _, body = ask(http, srv.url, kind, x, body_id="body-7")
             assert r.headers["X-Request-Id"] == "body-7" and body["id"] == "body-7"
             r, _, body = ask(http, srv.url, kind, x, header_id="hdr-1", body_id="body-8")
@@ -227,6 +231,7 @@ def test_refusals_carry_the_receipt_and_bad_request_ids_are_named(served):
 
 def test_model_metadata_shows_the_lineage_of_the_served_file(served, tmp_path):
     srv, meta, path = served
+    # the bytes loaded, not a claim of theirs
     want = {
         "run_id": "run-abc123",
         "checkpoint_step": "100",
@@ -237,7 +242,7 @@ def test_model_metadata_shows_the_lineage_of_the_served_file(served, tmp_path):
         "data_component": "pipeline.data:digits",
         "source": str(path),
         "onnx_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-    }  # the bytes loaded, not a claim of theirs
+    }
     for url in ("/v2/models/affine", "/v2/models/affine/versions/1"):
         assert requests.get(srv.url + url).json()["parameters"] == want
     # A hand-made file carries no lineage: only the source, and no empty headers.
@@ -263,8 +268,8 @@ def test_model_metadata_shows_the_lineage_of_the_served_file(served, tmp_path):
 
 @pytest.fixture
 def registry(tmp_path):
-    """A real MLflow SQLite store: 'affine' versions 1 and 2, each from its own training run (the run id in
-    the ONNX metadata, as the exporter writes it), alias 'live' -> 1."""
+    """A real MLflow SQLite store: 'affine' versions 1 and 2, each from its own training run (the
+    run id in the ONNX metadata, as the exporter writes it), alias 'live' -> 1."""
     import mlflow
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -315,14 +320,15 @@ def check_answer(
 
 @pytest.mark.slow
 def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tmp_path):
-    """Version 1, then 2 (with a request of version 1's queue answered after the swap), then 1 again under
-    load. Headers, V2 bodies, payload records and the payload files logged to each version's training run
-    all name the version whose numbers the answer carries."""
+    """Version 1, then 2 (with a request of version 1's queue answered after the swap), then 1 again
+    under load. Headers, V2 bodies, payload records and the payload files logged to each version's
+    training run all name the version whose numbers the answer carries."""
     import mlflow
 
     env, runs, client = registry
     payloads = tmp_path / "payloads"
-    # A one-row request waits up to 10 s for a second row (a batch is 2 rows); two-row requests run at once.
+    # A one-row request waits up to 10 s for a second row (a batch is 2 rows); two-row requests run
+    # at once.
     args = (
         "--model",
         "models:/affine@live",
@@ -333,12 +339,14 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
         "--max-delay-ms",
         "10000",
         "--batching",
-        "affine=on",  # a hand-made model: its rows are independent, said here
+        # a hand-made model: its rows are independent, said here
+        "affine=on",
         "--payload-log",
         str(payloads),
         "--payload-log-mlflow",
     )
-    answers: list[tuple[np.ndarray, np.ndarray, str, int]] = []  # (x, y, request id, version)
+    # (x, y, request id, version)
+    answers: list[tuple[np.ndarray, np.ndarray, str, int]] = []
     with (
         ServerProcess(*args, env=env, log_path=tmp_path / "server.log") as srv,
         requests.Session() as http,
@@ -349,8 +357,9 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
             assert r.status_code == 200 and check_answer(r, x, y, body, runs) == 1
             answers.append((x, y, r.headers["X-Request-Id"], 1))
 
-        # A request queued on version 1 when the alias moves is answered by version 1 after the swap, when the
-        # server serves version 2: its headers must name 1 (the model that ran it), not the one serving now.
+        # A request queued on version 1 when the alias moves is answered by version 1 after the
+        # swap, when the server serves version 2: its headers must name 1 (the model that ran it),
+        # not the one serving now.
         held: list = []
         x_held = inputs(1, seed=10)
         waiting = threading.Thread(
@@ -368,12 +377,12 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
         r, y, body = held[0]
         assert r.status_code == 200 and r.headers["X-Request-Id"] == "held"
         assert check_answer(r, x_held, y, body, runs) == 1
-        assert http.get(srv.url + "/v2/models/affine").json()["versions"] == [
-            "2"
-        ]  # what serves now
+        # what serves now
+        assert http.get(srv.url + "/v2/models/affine").json()["versions"] == ["2"]
         answers.append((x_held, y, "held", 1))
 
-        # Requests in flight on every endpoint while the alias moves back: each labelled by its own answer.
+        # Requests in flight on every endpoint while the alias moves back: each labelled by its own
+        # answer.
         stop = threading.Event()
         lock = threading.Lock()
         failures: list[str] = []
@@ -417,7 +426,8 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
         assert versions.count(2) > 0 and versions[-1] == 1, versions
         assert srv.terminate() == 0, srv.log()
 
-    # The payload log (every request: sample 1) names the same versions as the headers, once per request.
+    # The payload log (every request: sample 1) names the same versions as the headers, once per
+    # request.
     records = [
         json.loads(line)
         for f in sorted(payloads.glob("payloads-*.jsonl"))
@@ -438,7 +448,8 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
         assert len(rec["model"]["onnx_sha256"]) == 64
         np.testing.assert_array_equal(np.asarray(rec["outputs"]["y"]["data"], np.float32), y)
         np.testing.assert_array_equal(np.asarray(rec["inputs"]["input"]["data"], np.float32), x)
-    # Each file went to the training run of the version that answered its requests (a file holds one version).
+    # Each file went to the training run of the version that answered its requests (a file holds one
+    # version).
     logged: dict[str, int] = {}
     for version, run_id in runs.items():
         local = Path(
@@ -456,7 +467,8 @@ def test_headers_name_the_version_that_answered_across_a_hot_reload(registry, tm
                 logged[rid] = version
     assert len(logged) == len(answers)
 
-    # `pipeline trace` walks the held request (answered by version 1 after the swap) back to version 1's run.
+    # `pipeline trace` walks the held request (answered by version 1 after the swap) back to version
+    # 1's run.
     from conftest import run_cli
 
     traced = run_cli(

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    """Two versions of 'digits' (different weights), alias 'champion' -> 1. Yields (env, paths, run ids)."""
+    """Two versions of 'digits' (different weights), alias 'champion' -> 1. Yields (env, paths, run
+    ids)."""
     import mlflow
 
     tmp = tmp_path_factory.mktemp("registry")
@@ -74,7 +75,8 @@ def test_alias_is_served_and_reloaded_when_it_moves(registry, tmp_path):
     x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
     want = [run_onnx(p, x)["probabilities"] for p in paths]
     assert not np.allclose(want[0], want[1])
-    # A one-row request waits up to 10 s for a second row (a batch is 2); two-row requests run at once.
+    # A one-row request waits up to 10 s for a second row (a batch is 2); two-row requests run at
+    # once.
     args = (
         "--model",
         "models:/digits@champion",
@@ -87,13 +89,15 @@ def test_alias_is_served_and_reloaded_when_it_moves(registry, tmp_path):
     )
     with ServerProcess(*args, env=env, log_path=tmp_path / "log") as srv:
         meta = requests.get(srv.url + "/v2/models/digits").json()
-        assert meta["versions"] == ["1"], meta  # the registered name, not the ONNX metadata's
+        # the registered name, not the ONNX metadata's
+        assert meta["versions"] == ["1"], meta
         body = infer(srv.url, "digits", x)
         assert body["model_version"] == "1"
         np.testing.assert_allclose(probabilities(body), want[0], rtol=1e-5, atol=1e-6)
 
-        # A request waiting in the batch queue when the alias moves finishes on the old model: it waits
-        # for a second row for 10 s, so only the swap (which drains the old batcher) can release it early.
+        # A request waiting in the batch queue when the alias moves finishes on the old model: it
+        # waits for a second row for 10 s, so only the swap (which drains the old batcher) can
+        # release it early.
         held: list[dict] = []
         waiting = threading.Thread(target=lambda: held.append(infer(srv.url, "digits", x[:1])))
         waiting.start()
@@ -164,8 +168,9 @@ def test_unknown_alias_fails_clearly(registry, tmp_path):
 
 
 def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
-    """The alias moves to a version whose files can't be fetched for a while (the store away): the server
-    keeps serving the old one, says it is behind, counts the failures, and loads it once it can."""
+    """The alias moves to a version whose files can't be fetched for a while (the store away): the
+    server keeps serving the old one, says it is behind, counts the failures, and loads it once it
+    can."""
     import shutil
 
     import mlflow
@@ -185,7 +190,8 @@ def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
         env=env,
         log_path=tmp_path / "log",
     ) as srv:
-        shutil.move(files, aside)  # version 2's files are gone for now
+        # version 2's files are gone for now
+        shutil.move(files, aside)
         try:
             client.set_registered_model_alias("digits", "champion", "2")
             deadline = time.monotonic() + 30
@@ -225,8 +231,9 @@ def test_a_failed_reload_is_retried_and_shows_in_metrics(registry, tmp_path):
 
 
 def test_every_alias_named_keeps_its_version_loaded_under_one_model_name(registry, tmp_path):
-    # The version policy for registry models: `NAME=models:/m@a` repeated keeps the version behind every alias
-    # loaded; the first alias named is the default. When both aliases name one version, the other leaves.
+    # The version policy for registry models: `NAME=models:/m@a` repeated keeps the version behind
+    # every alias loaded; the first alias named is the default. When both aliases name one version,
+    # the other leaves.
     import mlflow
 
     env, paths, _ = registry
@@ -245,7 +252,8 @@ def test_every_alias_named_keeps_its_version_loaded_under_one_model_name(registr
     )
     with ServerProcess(*args, env=env, log_path=tmp_path / "log") as srv:
         assert requests.get(srv.url + "/v2/models/digits").json()["versions"] == ["1", "2"]
-        assert infer(srv.url, "digits", x)["model_version"] == "1"  # no version: the first alias's
+        # no version: the first alias's
+        assert infer(srv.url, "digits", x)["model_version"] == "1"
         for version in ("1", "2"):
             body = infer(srv.url, f"digits/versions/{version}", x)
             np.testing.assert_allclose(
@@ -272,7 +280,8 @@ def test_every_alias_named_keeps_its_version_loaded_under_one_model_name(registr
             == 1
         )
         assert metric(text, "trainserve_model_reloads_total", model="digits") == 1
-        assert "which is loaded" in srv.log()  # one copy of version 1, not a second load
+        # one copy of version 1, not a second load
+        assert "which is loaded" in srv.log()
     # Two aliases naming one version at start: one copy, both served.
     with ServerProcess(*args, env=env, log_path=tmp_path / "log2") as srv:
         assert requests.get(srv.url + "/v2/models/digits").json()["versions"] == ["1"]

@@ -1,9 +1,11 @@
-"""One server, many models, two protocols: a real `python -m serving` process with a model repository and a
-named --model, reached with unmodified tritonclient.http and tritonclient.grpc clients.
+"""One server, many models, two protocols: a real `python -m serving` process with a model
+repository and a named --model, reached with unmodified tritonclient.http and tritonclient.grpc
+clients.
 
-The server: `--repository` holding tiny/1, tiny/2, tiny/3 (three versions of an image classifier, the latest
-two loaded) and heavy/1 (not loaded at start: --load-model tiny), plus `--model mixed=...`, a model with two
-inputs of two dtypes as a user's own model has; a token; gRPC on a second port.
+The server: `--repository` holding tiny/1, tiny/2, tiny/3 (three versions of an image classifier,
+the latest two loaded) and heavy/1 (not loaded at start: --load-model tiny), plus
+`--model mixed=...`, a model with two inputs of two dtypes as a user's own model has; a token; gRPC
+on a second port.
 """
 
 from __future__ import annotations
@@ -32,17 +34,20 @@ from serving_fixtures import (
 from tritonclient.utils import InferenceServerException
 
 TOKEN = "repo-token"
-AUTH = {"authorization": f"Bearer {TOKEN}"}  # lower case: gRPC metadata keys must be
+# lower case: gRPC metadata keys must be
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def auth() -> dict[str, str]:
-    """A fresh copy for each call: tritonclient.http adds its own headers to the dict it is given."""
+    """A fresh copy for each call: tritonclient.http adds its own headers to the dict it is
+    given."""
     return dict(AUTH)
 
 
 def big_model(path: Path, megabytes: int = 64) -> Path:
-    """`ids` INT64 [batch] -> `vectors` [batch, 8]: rows of a 64 MiB embedding table, memory that loading takes
-    and unloading must give back (a Gather of an input: onnxruntime cannot fold the table away)."""
+    """`ids` INT64 [batch] -> `vectors` [batch, 8]: rows of a 64 MiB embedding table, memory that
+    loading takes and unloading must give back (a Gather of an input: onnxruntime cannot fold the
+    table away)."""
     table = (
         np.random.default_rng(0).normal(size=(megabytes * (1 << 20) // 32, 8)).astype(np.float32)
     )
@@ -69,7 +74,8 @@ def repo(tmp_path_factory):
     heavy_model(root / "heavy" / "1" / "model.onnx")
     (root / "big" / "1").mkdir(parents=True)
     big_model(root / "big" / "1" / "model.onnx")
-    (root / "not a name").mkdir()  # skipped with a warning, never served
+    # skipped with a warning, never served
+    (root / "not a name").mkdir()
     mixed = two_input_model(tmp_path_factory.mktemp("own") / "mixed.onnx")
     return root, mixed
 
@@ -138,8 +144,10 @@ def test_two_models_side_by_side_over_http_and_grpc_with_unmodified_triton_clien
         assert client.is_model_ready("tiny", headers=auth()) and client.is_model_ready(
             "mixed", headers=auth()
         )
-        assert client.is_server_ready() and client.is_server_live()  # health: no token
-    big = images(256, seed=3)  # 64 KiB of data: decoded in a thread, as a big HTTP body is
+        # health: no token
+        assert client.is_server_ready() and client.is_server_live()
+    # 64 KiB of data: decoded in a thread, as a big HTTP body is
+    big = images(256, seed=3)
     image = triton_grpc.InferInput("input", list(big.shape), "FP32")
     image.set_data_from_numpy(big)
     np.testing.assert_allclose(
@@ -179,9 +187,8 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
     x.set_data_from_numpy(images(1))
     wrong = triton_grpc.InferInput("input", [1, 1, 4, 8], "FP32")
     wrong.set_data_from_numpy(np.zeros((1, 1, 4, 8), np.float32))
-    huge = triton_grpc.InferInput(
-        "input", [300, 1, 8, 8], "FP32"
-    )  # 300 rows: over the server's 256
+    # 300 rows: over the server's 256
+    huge = triton_grpc.InferInput("input", [300, 1, 8, 8], "FP32")
     huge.set_data_from_numpy(np.zeros((300, 1, 8, 8), np.float32))
     cases = [
         (dict(model_name="tiny", inputs=[x]), "UNAUTHENTICATED", "bearer token"),
@@ -200,7 +207,8 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
         assert (
             refused.value.status() == f"StatusCode.{status}" and words in refused.value.message()
         ), (kwargs, refused.value)
-    # Bytes that are not a ModelInferRequest: INVALID_ARGUMENT from our parse, not INTERNAL from grpc's.
+    # Bytes that are not a ModelInferRequest: INVALID_ARGUMENT from our parse, not INTERNAL from
+    # grpc's.
     import grpc as grpc_lib
 
     with grpc_lib.insecure_channel(server.grpc) as channel:
@@ -212,6 +220,7 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
     assert (
         metric(text, "trainserve_requests_total", route="grpc ModelInfer", status="INTERNAL") == 0
     )
+    # labelled by the model once known
     assert (
         metric(
             text,
@@ -222,7 +231,7 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
             version="3",
         )
         >= 2
-    )  # labelled by the model once known
+    )
     assert (
         metric(
             text,
@@ -236,7 +245,8 @@ def test_grpc_answers_client_mistakes_with_their_status_never_internal(server):
 
 
 def tiny_request(**fields) -> bytes:
-    """A serialized ModelInferRequest of one image for `tiny` (our schema: what any gRPC client sends)."""
+    """A serialized ModelInferRequest of one image for `tiny` (our schema: what any gRPC client
+    sends)."""
     from serving.grpc import schema
 
     request = schema.ModelInferRequest(model_name="tiny", **fields)
@@ -246,7 +256,8 @@ def tiny_request(**fields) -> bytes:
 
 
 def test_grpc_receipt_comes_back_as_initial_metadata(server, repo):
-    """What a client learns of the version that answered a unary ModelInfer: the receipt as initial metadata."""
+    """What a client learns of the version that answered a unary ModelInfer: the receipt as initial
+    metadata."""
     import grpc as grpc_lib
 
     from serving.grpc import schema
@@ -265,9 +276,10 @@ def test_grpc_receipt_comes_back_as_initial_metadata(server, repo):
 def test_a_grpc_stream_answers_every_request_in_order_and_a_refused_one_does_not_end_it(
     server, repo
 ):
-    """ModelStreamInfer with tritonclient's own streaming API: requests for two models and two versions, two
-    refused among them, then more than the server's window of 128 at once; each answered in the order sent,
-    with its receipt in the answer's parameters; a refusal is an error for that request only."""
+    """ModelStreamInfer with tritonclient's own streaming API: requests for two models and two
+    versions, two refused among them, then more than the server's window of 128 at once; each
+    answered in the order sent, with its receipt in the answer's parameters; a refusal is an error
+    for that request only."""
     import queue
 
     from serving.grpc.service import STREAM_WINDOW
@@ -372,10 +384,11 @@ def test_a_grpc_stream_without_the_token_is_refused_and_a_malformed_message_refu
 def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_read_then_ends_it(
     tmp_path,
 ):
-    """200 requests on one stream while a batch waits for rows (--max-delay-ms 20 s): the server reads 128 (the
-    window) and no more. SIGTERM: those 128 are answered at once (the partial batch stops waiting), then the
-    stream ends UNAVAILABLE ("send the rest elsewhere") and the server exits without waiting out the graceful
-    timeout (before: 30 s, then every call cut, CANCELLED, the read requests unanswered)."""
+    """200 requests on one stream while a batch waits for rows (--max-delay-ms 20 s): the server
+    reads 128 (the window) and no more. SIGTERM: those 128 are answered at once (the partial batch
+    stops waiting), then the stream ends UNAVAILABLE ("send the rest elsewhere") and the server
+    exits without waiting out the graceful timeout (before: 30 s, then every call cut, CANCELLED,
+    the read requests unanswered)."""
     import queue
     import signal
     import time
@@ -403,7 +416,8 @@ def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_rea
         x = images(1)
         image = triton_grpc.InferInput("input", list(x.shape), "FP32")
         image.set_data_from_numpy(x)
-        for i in range(STREAM_WINDOW + 72):  # a partial batch: it would wait 20 s for more rows
+        # a partial batch: it would wait 20 s for more rows
+        for i in range(STREAM_WINDOW + 72):
             client.async_stream_infer("tiny", [image], request_id=f"s{i}")
 
         def queued() -> float:
@@ -415,7 +429,8 @@ def test_a_stream_reads_no_more_than_its_window_and_sigterm_answers_what_was_rea
         while queued() < STREAM_WINDOW and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        assert queued() == STREAM_WINDOW  # read, waiting in the batcher; the rest not read
+        # read, waiting in the batcher; the rest not read
+        assert queued() == STREAM_WINDOW
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         got = [answers.get(timeout=20) for _ in range(STREAM_WINDOW + 1)]
@@ -469,7 +484,8 @@ def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(serv
     )
     assert refused.status_code == 400 and "never from files" in refused.json()["error"]
 
-    http.load_model("heavy", headers=auth())  # returns once loaded and warmed up
+    # returns once loaded and warmed up
+    http.load_model("heavy", headers=auth())
     assert http.is_model_ready("heavy", headers=auth())
     x = triton_http.InferInput("input", [2, 1, 28, 28], "FP32")
     x.set_data_from_numpy(np.zeros((2, 1, 28, 28), np.float32))
@@ -485,9 +501,8 @@ def test_repository_api_loads_and_unloads_a_model_and_gives_its_memory_back(serv
     http.unload_model("heavy", headers=auth())
     assert not requests.get(server.url + "/v2/models/heavy/ready", headers=auth()).ok
     text = requests.get(server.url + "/metrics", headers=auth()).text
-    assert (
-        metric(text, "trainserve_inference_duration_seconds_count", model="heavy") == 0
-    )  # no stale series
+    # no stale series
+    assert metric(text, "trainserve_inference_duration_seconds_count", model="heavy") == 0
     with pytest.raises(InferenceServerException, match="unloaded"):
         http.infer("heavy", [x], headers=auth())
     rows = [r for r in http.get_model_repository_index(headers=auth()) if r["name"] == "heavy"]
@@ -601,8 +616,9 @@ def test_without_a_repository_clients_cannot_load_or_unload(repo, tmp_path):
 
 
 def test_a_load_of_a_name_no_model_has_is_not_found_in_tritons_words_too(server):
-    """A name that could be a model's but is not (one starting with '.' too: a hidden directory, never a
-    model, but no path) is not found, saying so in Triton's words (its clients look for them)."""
+    """A name that could be a model's but is not (one starting with '.' too: a hidden directory,
+    never a model, but no path) is not found, saying so in Triton's words (its clients look for
+    them)."""
     grpc = triton_grpc.InferenceServerClient(server.grpc)
     for name in ("model123", "model..1", "...", "..my_model", ".hidden"):
         with pytest.raises(InferenceServerException) as refused:
@@ -617,8 +633,8 @@ def test_a_load_of_a_name_no_model_has_is_not_found_in_tritons_words_too(server)
 
 
 def test_a_load_of_a_name_that_is_empty_or_a_path_is_refused_saying_so(server):
-    """Names a model directory can't have: refused before the repository is read, in Triton's words too (its
-    clients look for them) and with the rule."""
+    """Names a model directory can't have: refused before the repository is read, in Triton's words
+    too (its clients look for them) and with the rule."""
     grpc = triton_grpc.InferenceServerClient(server.grpc)
     cases = {
         "": "Model name cannot be empty. Please enter a valid name to deploy.",

@@ -1,7 +1,7 @@
 """scripts/setup pins the installed torch in .venv/constraints.txt, so installing more packages with
 `-c .venv/constraints.txt` can't quietly replace it (the newcomer review's `pip install timm`, which
-turned a CPU set-up into a 6.9 GB CUDA torch). Proved with real pip on two tiny local wheels: nothing
-is downloaded."""
+turned a CPU set-up into a 6.9 GB CUDA torch). Proved with real pip on two tiny local wheels:
+nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ CONSTRAINTS = REPO / ".venv" / "constraints.txt"
 def fake_wheel(
     directory: Path, name: str, version: str, requires: list[str] = (), files: dict[str, str] = {}
 ) -> Path:
-    """The smallest wheel pip's resolver accepts: metadata, and `files` ({path in the wheel: text})."""
+    """The smallest wheel pip's resolver accepts: metadata, and `files` ({path in the wheel:
+    text})."""
     dist_info = f"{name}-{version}.dist-info"
     path = directory / f"{name}-{version}-py3-none-any.whl"
     metadata = "".join(
@@ -65,7 +66,8 @@ def pip_dry_run(wheels: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def wheels(tmp_path):
-    """A 'torch' of another version, and a package that wants it (as timm's torchvision wanted torch 2.14.1)."""
+    """A 'torch' of another version, and a package that wants it (as timm's torchvision wanted torch
+    2.14.1)."""
     fake_wheel(tmp_path, "torch", "2.14.1")
     fake_wheel(tmp_path, "wants_other_torch", "1.0", ["torch==2.14.1"])
     return tmp_path
@@ -74,7 +76,8 @@ def wheels(tmp_path):
 def test_setup_pins_the_installed_torch_exactly():
     if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
         pytest.skip("not running in the .venv scripts/setup made")
-    # ...and beside a CPU torch its torchvision's CPU build (tests/test_first_hour.py: the registry's is a CUDA build)
+    # ...and beside a CPU torch its torchvision's CPU build (tests/test_first_hour.py: the
+    # registry's is a CUDA build)
     version, _, build = torch.__version__.partition("+")
     minor, patch = (int(p) for p in version.split(".")[1:3])
     assert CONSTRAINTS.read_text().split() == [f"torch=={torch.__version__}"] + (

@@ -1,5 +1,6 @@
-"""The pure pieces of live judgement: the shadow comparison's pairs, labels and verdict, and the drift
-statistic (the end-to-end story, with a real server and registry, is tests/test_live_judgement.py)."""
+"""The pure pieces of live judgement: the shadow comparison's pairs, labels and verdict, and the
+drift statistic (the end-to-end story, with a real server and registry, is
+tests/test_live_judgement.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ def logits(classes: np.ndarray, n_classes: int = 3) -> dict[str, np.ndarray]:
 
 
 def shadow_with_pairs(agree: int, disagree: int, rule: Rule | None = None) -> Shadow:
-    shadow = Shadow(
-        rule or Rule(min_pairs=10, min_labels=5, max_source_share=1.0)
-    )  # (pairs of no known client)
+    # (pairs of no known client)
+    shadow = Shadow(rule or Rule(min_pairs=10, min_labels=5, max_source_share=1.0))
     shadow.pairing("1", "2", "logits", None)
     for i in range(agree + disagree):
         champion = logits(np.array([i % 3]))
@@ -44,14 +44,15 @@ def test_the_verdict_waits_for_pairs_then_judges_agreement_then_labels():
     rejected = shadow_with_pairs(10, 10).report()
     assert rejected["verdict"] == "reject" and rejected["agreement"] == 0.5
     assert rejected["decided_by"] == "agreement"
-    # Labels decide once there are enough, after agreement: the challenger right as often as the champion
+    # Labels decide once there are enough, after agreement: the challenger right as often as the
+    # champion
     shadow = shadow_with_pairs(20, 0)
     shadow.feedback({f"r{i}": np.array([i % 3]) for i in range(20)})
     report = shadow.report()
     assert report["verdict"] == "promote" and report["decided_by"] == "labels", report
     assert "live accuracy 100.0% vs the champion's 100.0% on 20 labels" in report["reason"]
-    # here the two agree on 19 of 20 (95%, the rule's floor), the champion is always right and the challenger
-    # wrong once: 95% vs 100% is past the tolerance.
+    # here the two agree on 19 of 20 (95%, the rule's floor), the champion is always right and the
+    # challenger wrong once: 95% vs 100% is past the tolerance.
     shadow = shadow_with_pairs(19, 1)
     joined = shadow.feedback(
         {f"r{i}": np.array([i % 3]) for i in range(20)} | {"nobody": np.array([0])}
@@ -63,7 +64,8 @@ def test_the_verdict_waits_for_pairs_then_judges_agreement_then_labels():
         and report["live"]["challenger"]["accuracy"] == 0.95
     )
     assert report["verdict"] == "reject" and "live accuracy 95.0%" in report["reason"]
-    # ...and labels can't outvote agreement: every label saying the half-wrong challenger is right changes nothing
+    # ...and labels can't outvote agreement: every label saying the half-wrong challenger is right
+    # changes nothing
     shadow = shadow_with_pairs(10, 10)
     shadow.feedback({f"r{i}": np.array([(i + 1) % 3 if i >= 10 else i % 3]) for i in range(20)})
     report = shadow.report()
@@ -72,13 +74,14 @@ def test_the_verdict_waits_for_pairs_then_judges_agreement_then_labels():
 
 
 def test_agreement_alone_never_promotes_and_one_proxy_s_disagreement_rejects():
-    """The review's F3: agreement steered from 4 addresses (near-copies of an input both versions answer alike)
-    made a 7%-accurate challenger "promote"; and behind one proxy (every pair from one address) 600 pairs at
-    22.8% agreement stayed "undecided". Now agreement, from any number of clients, can reject; it never
-    promotes."""
+    """The review's F3: agreement steered from 4 addresses (near-copies of an input both versions
+    answer alike) made a 7%-accurate challenger "promote"; and behind one proxy (every pair from one
+    address) 600 pairs at 22.8% agreement stayed "undecided". Now agreement, from any number of
+    clients, can reject; it never promotes."""
 
     def judged(agree: int, total: int, sources: list[str]) -> dict:
-        shadow = Shadow(Rule())  # the server's defaults: 200 pairs, 95%, 100 labels, share 0.5
+        # the server's defaults: 200 pairs, 95%, 100 labels, share 0.5
+        shadow = Shadow(Rule())
         shadow.pairing("1", "2", "logits", None)
         for i in range(total):
             champion = logits(np.array([i % 3]))
@@ -98,9 +101,9 @@ def test_agreement_alone_never_promotes_and_one_proxy_s_disagreement_rejects():
 
 
 def test_a_request_id_used_again_never_replaces_the_answers_kept():
-    """The review's F3: the answers kept for an id were the last request's, and ids were a prefix and a counter,
-    so a client re-sent its own answers under the ids other clients had got. An id kept is kept: the server's
-    own ids never repeat, and one that does is no honest request's."""
+    """The review's F3: the answers kept for an id were the last request's, and ids were a prefix
+    and a counter, so a client re-sent its own answers under the ids other clients had got. An id
+    kept is kept: the server's own ids never repeat, and one that does is no honest request's."""
     shadow = Shadow(Rule(min_pairs=1, min_labels=1, max_source_share=1.0))
     shadow.pairing("1", "2", "logits", None)
     honest = logits(np.array([2]))
@@ -126,12 +129,13 @@ def test_server_request_ids_are_random_not_a_prefix_and_a_counter():
 
 
 def test_one_input_sent_again_and_again_counts_once():
-    """The review's agreement poisoning: one input both versions answer alike, sent 400 times, gave 99% agreement
-    over 405 pairs and "promote"; now it is one pair, and the others repeats."""
+    """The review's agreement poisoning: one input both versions answer alike, sent 400 times, gave
+    99% agreement over 405 pairs and "promote"; now it is one pair, and the others repeats."""
     shadow = Shadow(Rule(min_pairs=10))
     shadow.pairing("1", "2", "logits", None)
     same = input_digest({"input": np.zeros((1, 3), np.float32)})
-    for i in range(5):  # 5 distinct inputs the challenger gets wrong
+    # 5 distinct inputs the challenger gets wrong
+    for i in range(5):
         champion = logits(np.array([i % 3]))
         shadow.pair(
             f"d{i}",
@@ -148,15 +152,15 @@ def test_one_input_sent_again_and_again_counts_once():
         )
     report = shadow.report()
     assert report["distinct_inputs"] == 6 and report["repeated_inputs"] == 399
-    assert (
-        report["verdict"] == "undecided" and report["pairs"] == 6
-    )  # 6 distinct pairs < min_pairs 10
+    # 6 distinct pairs < min_pairs 10
+    assert report["verdict"] == "undecided" and report["pairs"] == 6
 
 
 def test_the_report_says_how_many_clients_sent_the_pairs_and_the_rule_bounds_one_s_share_of_labels():
-    """One client's traffic is not everyone's: the report gives the number of client addresses and the largest
-    share, of the pairs and of the labelled pairs; --shadow-max-source-share 0.5 keeps a verdict by labels
-    undecided while one client sent more than half of the labelled pairs (agreement rejects from any number)."""
+    """One client's traffic is not everyone's: the report gives the number of client addresses and
+    the largest share, of the pairs and of the labelled pairs; --shadow-max-source-share 0.5 keeps a
+    verdict by labels undecided while one client sent more than half of the labelled pairs
+    (agreement rejects from any number)."""
 
     def judged(sources: list[str]) -> dict:
         shadow = Shadow(Rule(min_pairs=10, min_labels=10, max_source_share=0.5))
@@ -186,9 +190,8 @@ def test_the_report_says_how_many_clients_sent_the_pairs_and_the_rule_bounds_one
     many = judged([f"10.0.0.{i % 4}" for i in range(20)])
     from serving.config import Settings
 
-    assert (
-        Settings(model="m.onnx").shadow_rule()["max_source_share"] == 0.5
-    )  # the server's default bounds it
+    # the server's default bounds it
+    assert Settings(model="m.onnx").shadow_rule()["max_source_share"] == 0.5
     assert (
         many["sources"] == 4
         and many["largest_labelled_source_share"] == 0.25
@@ -210,7 +213,8 @@ def test_labels_that_no_answer_could_match_are_refused_naming_the_first():
     ):
         with pytest.raises(ValueError, match=words):
             shadow.feedback({"r0": bad})
-    assert shadow.report()["labels"] == 0  # nothing counted
+    # nothing counted
+    assert shadow.report()["labels"] == 0
 
 
 def test_a_label_of_the_wrong_size_is_refused_and_counts_nothing():
@@ -218,15 +222,16 @@ def test_a_label_of_the_wrong_size_is_refused_and_counts_nothing():
     with pytest.raises(ValueError, match="the label of 'r3' has 2 values; its answer has 1"):
         shadow.feedback({"r1": np.array([1]), "r3": np.array([1, 2])})
     assert shadow.report()["labels"] == 0
-    assert (
-        shadow.feedback({"r1": np.array([1]), "r3": np.array([0])})["joined"] == 2
-    )  # nothing was lost
+    # nothing was lost
+    assert shadow.feedback({"r1": np.array([1]), "r3": np.array([0])})["joined"] == 2
 
 
 def test_news_of_an_old_pairing_does_not_count_against_a_new_challenger():
     shadow = shadow_with_pairs(20, 0)
-    shadow.pairing("1", "3", "logits", None)  # the alias moved on: a fresh comparison
-    shadow.error(("1", "2"))  # the old challenger's late failure
+    # the alias moved on: a fresh comparison
+    shadow.pairing("1", "3", "logits", None)
+    # the old challenger's late failure
+    shadow.error(("1", "2"))
     shadow.dropped(("1", "2"))
     shadow.pair("late", logits(np.array([0])), logits(np.array([1])), 1.0, 1.0, ("1", "2"))
     report = shadow.report()
@@ -239,7 +244,8 @@ def test_news_of_an_old_pairing_does_not_count_against_a_new_challenger():
 
 
 def test_answers_are_kept_small_and_bounded():
-    """Per-pixel answers would be megabytes each: only the decisions are kept, and the window is capped."""
+    """Per-pixel answers would be megabytes each: only the decisions are kept, and the window is
+    capped."""
     shadow = Shadow(Rule())
     shadow.pairing("1", "2", "logits", None)
     big = {"logits": RNG.normal(size=(1, 11, 64, 64)).astype(np.float32)}
@@ -269,7 +275,8 @@ def test_drift_stays_low_for_the_same_data_and_rises_for_a_half_sigma_shift():
             {"x": RNG.normal(size=(1, 6)), "tokens": RNG.integers(0, 20, size=(1, 32))}, {}
         )
         x = RNG.normal(size=(1, 6))
-        x[:, 2] += 0.5  # one feature moved by half its standard deviation
+        # one feature moved by half its standard deviation
+        x[:, 2] += 0.5
         shifted.observe({"x": x, "tokens": RNG.integers(0, 10, size=(1, 32))}, {})
     calm, moved = same.scores(), shifted.scores()
     assert calm[("inputs", "x")][0] < 0.1 and calm[("inputs", "tokens")][0] < 0.1, calm
@@ -277,15 +284,18 @@ def test_drift_stays_low_for_the_same_data_and_rises_for_a_half_sigma_shift():
 
 
 def test_pixel_values_of_a_uint8_variant_are_compared_with_the_training_data_once_scaled():
-    ref = reference({"image": RNG.random((2000, 3, 4, 4), dtype=np.float32)})  # trained on [0, 1]
+    # trained on [0, 1]
+    ref = reference({"image": RNG.random((2000, 3, 4, 4), dtype=np.float32)})
     scaled = drift.DriftWindow(ref, 500, {drift.PIXEL_INPUTS_KEY: "image"})
     unscaled = drift.DriftWindow(ref, 500)
     for _ in range(500):
-        pixels = np.rint(RNG.random((1, 3, 4, 4)) * 255).astype(np.uint8)  # what its clients send
+        # what its clients send
+        pixels = np.rint(RNG.random((1, 3, 4, 4)) * 255).astype(np.uint8)
         scaled.observe({"image": pixels}, {})
         unscaled.observe({"image": pixels}, {})
     assert scaled.scores()[("inputs", "image")][0] < 0.1
-    assert unscaled.scores()[("inputs", "image")][0] > 1.0  # what it would say without the metadata
+    # what it would say without the metadata
+    assert unscaled.scores()[("inputs", "image")][0] > 1.0
 
 
 def test_drift_skips_what_it_cannot_compare_instead_of_failing():
@@ -299,8 +309,9 @@ def test_drift_skips_what_it_cannot_compare_instead_of_failing():
 
 
 def test_labels_need_a_token_of_their_own(tmp_path):
-    """The review's label poisoning: labels shared the inference token. Now the feedback route takes only
-    --feedback-token, which answers nothing else; a server with an inference token but none for labels takes none."""
+    """The review's label poisoning: labels shared the inference token. Now the feedback route takes
+    only --feedback-token, which answers nothing else; a server with an inference token but none for
+    labels takes none."""
     import requests
     from serving_fixtures import ServerProcess, tiny_model
 
@@ -314,9 +325,8 @@ def test_labels_need_a_token_of_their_own(tmp_path):
         assert refused.status_code == 403 and "not the inference token" in refused.text
         assert requests.post(url, json=labels, timeout=10).status_code == 401
         past_auth = requests.post(url, json=labels, headers=bearer("label-secret"), timeout=10)
-        assert (
-            past_auth.status_code == 404 and "no shadow comparison" in past_auth.text
-        )  # (no --shadow here)
+        # (no --shadow here)
+        assert past_auth.status_code == 404 and "no shadow comparison" in past_auth.text
         assert (
             requests.get(
                 f"{srv.url}/v2/models/tiny", headers=bearer("label-secret"), timeout=10
@@ -337,10 +347,11 @@ def test_labels_need_a_token_of_their_own(tmp_path):
 
 @pytest.mark.slow
 def test_labels_join_the_server_s_own_ids_and_a_client_reusing_them_changes_nothing(tmp_path):
-    """A real server shadowing a registered challenger: every answer's receipt carries the server's own id
-    (X-Server-Request-Id, over HTTP and gRPC), random and never the client's; a client sending its requests under
-    other clients' ids (as X-Request-Id and the V2 "id") replaces none of their kept answers; 100% agreement alone
-    stays undecided, and the labeller's labels, posted under the server's ids, decide."""
+    """A real server shadowing a registered challenger: every answer's receipt carries the server's
+    own id (X-Server-Request-Id, over HTTP and gRPC), random and never the client's; a client
+    sending its requests under other clients' ids (as X-Request-Id and the V2 "id") replaces none of
+    their kept answers; 100% agreement alone stays undecided, and the labeller's labels, posted
+    under the server's ids, decide."""
     import grpc
     import mlflow
     import onnx
@@ -407,7 +418,8 @@ def test_labels_join_the_server_s_own_ids_and_a_client_reusing_them_changes_noth
             assert headers["X-Request-Id"] == f"honest-{i}"
             assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Server-Request-Id"]), headers
             honest[headers["X-Server-Request-Id"]] = answer
-        for i, server_id in enumerate(honest):  # other clients' ids, reused: their own answers
+        # other clients' ids, reused: their own answers
+        for i, server_id in enumerate(honest):
             ask(rng.random((1, 1, 8, 8), dtype=np.float32) * 4 - 2, server_id)
         message = schema.ModelInferRequest(model_name="digits", id="grpc-1")
         message.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
@@ -427,7 +439,8 @@ def test_labels_join_the_server_s_own_ids_and_a_client_reusing_them_changes_noth
         assert report["pairs"] >= 40 and report["agreement"] == 1.0, report
         assert report["verdict"] == "undecided" and "promoting takes labels" in report["reason"]
         labels = [{"id": k, "target": v} for k, v in honest.items()]
-        labels += [{"id": f"honest-{i}", "target": 0} for i in range(5)]  # a client's ids: unknown
+        # a client's ids: unknown
+        labels += [{"id": f"honest-{i}", "target": 0} for i in range(5)]
         joined = requests.post(
             f"{srv.url}/v2/models/digits/feedback",
             json={"labels": labels},

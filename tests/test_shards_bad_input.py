@@ -1,14 +1,16 @@
-"""Bad sharded input, as a user meets it: a missing or truncated shard, a shard changed in place, a shard of
-another schema, a manifest that promises more rows than a shard holds, a manifest that is missing or not one,
-`pipeline data shard` given what it can't do, and an object store that fails under a read of a shard, of the
-manifest or of the split's listing (not the data: told apart from damage, and nothing says to rewrite the
-split). Each is a DataError (the CLI: one line on stderr, exit 2) that names the shard (and the row group) and
-says what would be right, raised before training where a listing can tell, else at the step that reads the
-damage; and a resume that meets it leaves the checkpoint it resumed from as valid as it was.
+"""Bad sharded input, as a user meets it: a missing or truncated shard, a shard changed in place, a
+shard of another schema, a manifest that promises more rows than a shard holds, a manifest that is
+missing or not one, `pipeline data shard` given what it can't do, and an object store that fails
+under a read of a shard, of the manifest or of the split's listing (not the data: told apart from
+damage, and nothing says to rewrite the split). Each is a DataError (the CLI: one line on stderr,
+exit 2) that names the shard (and the row group) and says what would be right, raised before
+training where a listing can tell, else at the step that reads the damage; and a resume that meets
+it leaves the checkpoint it resumed from as valid as it was.
 
-The digits of tests/configs/tiny.yaml are written once by the CLI (train: 1438 rows in 5 shards of 6 row
-groups of 50, the last 238 rows; val: 359 in 2); each test damages its own copy. Most cases go through the
-data component and the training loader in-process (a CLI run costs seconds); the resume runs the CLI.
+The digits of tests/configs/tiny.yaml are written once by the CLI (train: 1438 rows in 5 shards of 6
+row groups of 50, the last 238 rows; val: 359 in 2); each test damages its own copy. Most cases go
+through the data component and the training loader in-process (a CLI run costs seconds); the resume
+runs the CLI.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pipeline.plan import BatchPlan
 from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
-BATCH = 32  # tiny.yaml's global batch, one process: step k+1 reads epoch positions [32k, 32k+32)
+# tiny.yaml's global batch, one process: step k+1 reads epoch positions [32k, 32k+32)
+BATCH = 32
 SHARD_ARGS = ["--rows-per-shard", "300", "--rows-per-group", "50"]
 
 
@@ -72,13 +75,12 @@ def shard_entry(body: dict, name: str) -> dict:
 
 
 def flip_a_byte(path: Path, group: int) -> None:
-    """One byte of row group `group`'s `input` values changed in place, the file's size unchanged: Parquet still
-    reads it (no compression, no page checksums), only the content digest can tell."""
+    """One byte of row group `group`'s `input` values changed in place, the file's size unchanged:
+    Parquet still reads it (no compression, no page checksums), only the content digest can tell."""
     meta = pq.ParquetFile(path).metadata.row_group(group).column(1)
     assert meta.path_in_schema == "input"
-    start = (
-        meta.dictionary_page_offset or meta.data_page_offset
-    )  # the chunk starts at its dictionary page
+    # the chunk starts at its dictionary page
+    start = meta.dictionary_page_offset or meta.data_page_offset
     data = bytearray(path.read_bytes())
     data[start + meta.total_compressed_size // 2] ^= 0x5A
     path.write_bytes(bytes(data))
@@ -87,8 +89,9 @@ def flip_a_byte(path: Path, group: int) -> None:
 def first_step_reading(
     split: Path, shard: int, group: int | None = None, after: int = 0
 ) -> int | None:
-    """The 0-based step (micro-batch k) of epoch 0, seed 0, at or after `after`, whose batch is the first from
-    there to read row group `group` of shard `shard` (any of its row groups: None); None if none does."""
+    """The 0-based step (micro-batch k) of epoch 0, seed 0, at or after `after`, whose batch is the
+    first from there to read row group `group` of shard `shard` (any of its row groups: None); None
+    if none does."""
     order = epoch_order(shard_format.read_manifest(split), 0, 0)
     for k in range(after, int(order.starts[-1]) // BATCH):
         first, stop = k * BATCH, (k + 1) * BATCH
@@ -104,8 +107,8 @@ def first_step_reading(
 
 
 def train_until_error(root: Path, workers: int = 0, check: bool = True) -> tuple[int, DataError]:
-    """The data component built as training builds it, its training loader iterated over epoch 0: (the
-    micro-batches it gave before the error, the error)."""
+    """The data component built as training builds it, its training loader iterated over epoch 0:
+    (the micro-batches it gave before the error, the error)."""
     train = sharded(str(root), check=check)["train"]
     loader = make_train_loader(train, BatchPlan(rows=BATCH), 0, 0, workers, False)
     given = 0
@@ -182,13 +185,13 @@ def test_a_truncated_shard_whose_manifest_was_made_to_agree_is_named_when_opened
 def test_a_shard_whose_footer_does_not_parse_is_named_as_not_a_shard_though_pyarrow_raises_oserror(
     shards: Path,
 ):
-    """pyarrow's judgement of a footer it can't decode is a plain OSError (its ArrowIOError is OSError), the class
-    a store's failure may have too: still the shard's bytes, still named as a damaged shard."""
+    """pyarrow's judgement of a footer it can't decode is a plain OSError (its ArrowIOError is
+    OSError), the class a store's failure may have too: still the shard's bytes, still named as a
+    damaged shard."""
     path = shards / "train/shard-00001.parquet"
     data = path.read_bytes()
-    path.write_bytes(
-        data[:-8] + (0).to_bytes(4, "little") + b"PAR1"
-    )  # the footer's length zeroed, the size kept
+    # the footer's length zeroed, the size kept
+    path.write_bytes(data[:-8] + (0).to_bytes(4, "little") + b"PAR1")
     given, error = train_until_error(shards)
     assert given == first_step_reading(shards / "train", 1)
     assert str(error).startswith(
@@ -206,13 +209,13 @@ def test_bytes_changed_in_place_are_named_with_the_row_group_at_the_step_that_re
 ):
     split = shards / "train"
     order = epoch_order(shard_format.read_manifest(split), 0, 0)
-    shard, group = order.blocks[
-        4
-    ]  # read first by a later step, not the first (that would prove less)
+    # read first by a later step, not the first (that would prove less)
+    shard, group = order.blocks[4]
     path = split / f"shard-{shard:05d}.parquet"
     size = path.stat().st_size
     flip_a_byte(path, group)
-    assert path.stat().st_size == size  # the listing can't tell
+    # the listing can't tell
+    assert path.stat().st_size == size
     step = first_step_reading(split, shard, group)
     assert step >= 3
     given, error = train_until_error(shards)
@@ -296,9 +299,8 @@ def test_a_manifest_with_more_rows_than_the_shard_holds_is_named_before_the_stre
         entry["row_groups"][-1]["rows"] += 20
 
     edit_manifest(split, more_rows)
-    given, error = train_until_error(
-        shards
-    )  # the sizes agree: the shard is opened, and its rows counted
+    # the sizes agree: the shard is opened, and its rows counted
+    given, error = train_until_error(shards)
     assert given == first_step_reading(split, 1)
     assert str(error) == (
         f"shard {split}/shard-00001.parquet holds 300 rows in 6 row groups; the manifest says "
@@ -402,7 +404,7 @@ def test_a_manifest_that_is_missing_or_not_one_is_named_before_training(shards: 
         sharded(str(shards))
 
 
-# --- (7) `pipeline data shard` given what it can't do ----------------------------------------------
+# --- (7) `pipeline data shard` given what it can't do ---------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -438,13 +440,14 @@ def test_pipeline_data_shard_refuses_bad_arguments_with_one_line(
     assert not (workdir / "shards").exists()
 
 
-# --- (8) an object store that fails under a read (a shard, the manifest, the listing): the store named --
+# --- (8) an object store that fails under a read (a shard, the manifest, the listing): the store
+# named --
 
 
 def store_failed(judged: str = "shard") -> str:
-    """The end of the store's message: what the store failed to read (the shard, the manifest, the shards' listing),
-    and what then: a shard read in training resumes from its checkpoint; the manifest and the listing are read
-    before any step, with no checkpoint to resume from."""
+    """The end of the store's message: what the store failed to read (the shard, the manifest, the
+    shards' listing), and what then: a shard read in training resumes from its checkpoint; the
+    manifest and the listing are read before any step, with no checkpoint to resume from."""
     then = (
         "retry the run: `--resume latest` resumes from its last checkpoint"
         if judged == "shard"
@@ -459,9 +462,10 @@ def store_failed(judged: str = "shard") -> str:
 
 @contextlib.contextmanager
 def a_store(tmp_path: Path, monkeypatch, written: Path | None = None):
-    """A moto_server of this test, its variables set in this process, the written splits under s3://<bucket>/data
-    when given. botocore tries a request once (AWS_MAX_ATTEMPTS=1, not 5 with backoff: a store that stopped
-    answers in milliseconds, not ~10 s). The server is stopped when the block ends."""
+    """A moto_server of this test, its variables set in this process, the written splits under
+    s3://<bucket>/data when given. botocore tries a request once (AWS_MAX_ATTEMPTS=1, not 5 with
+    backoff: a store that stopped answers in milliseconds, not ~10 s). The server is stopped when
+    the block ends."""
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with moto_s3(log_dir=tmp_path) as store:
         for name, value in store.env.items():
@@ -484,11 +488,11 @@ def test_a_store_that_stopped_answering_is_named_as_the_store_not_as_a_truncated
 ):
     with a_store(tmp_path, monkeypatch, written) as store:
         root = f"{store.url}/data"
-        train = sharded(root)[
-            "train"
-        ]  # the manifest read and the shards listed while the store answers
+        # the manifest read and the shards listed while the store answers
+        train = sharded(root)["train"]
         loader = make_train_loader(train, BatchPlan(rows=BATCH), 0, 0, 0, False)
-    # moto_server stopped: the first shard the stream opens is on an endpoint that refuses connections.
+    # moto_server stopped: the first shard the stream opens is on an endpoint that refuses
+    # connections.
     message = first_batch_error(loader)
     shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
     assert message.startswith(
@@ -509,9 +513,8 @@ def test_a_store_that_denies_the_shards_is_named_as_the_store_with_its_answer(
     ):
         monkeypatch.setenv("AWS_ENDPOINT_URL", denying.endpoint)
         root = f"{store.url}/data"
-        loader = make_train_loader(
-            sharded(root)["train"], BatchPlan(rows=BATCH), 0, 0, 0, False
-        )  # manifest and listing pass
+        # manifest and listing pass
+        loader = make_train_loader(sharded(root)["train"], BatchPlan(rows=BATCH), 0, 0, 0, False)
         message = first_batch_error(loader)
     shard = epoch_order(shard_format.read_manifest(written / "train"), 0, 0).blocks[0][0]
     assert message == (
@@ -525,7 +528,8 @@ def test_a_store_stopped_before_the_manifest_is_read_is_named_by_pipeline_train_
 ):
     with a_store(tmp_path, monkeypatch, written) as store:
         root = f"{store.url}/data"
-    # moto_server stopped before the run starts: the first request, the train split's manifest, is refused.
+    # moto_server stopped before the run starts: the first request, the train split's manifest, is
+    # refused.
     proc = run_cli(
         [
             "train",
@@ -560,7 +564,8 @@ def test_a_store_stopped_before_the_manifest_is_read_is_named_by_pipeline_train_
             "the shard manifest {root}/train/manifest.json could not be read from the object store at "
             "{endpoint} (PermissionError: Forbidden): {end}",
         ),
-        # A policy without s3:ListBucket: the manifest reads, the check's listing of the split is refused.
+        # A policy without s3:ListBucket: the manifest reads, the check's listing of the split is
+        # refused.
         (
             "/trainserve",
             "the listing of the split {root}/train could not be read from the object store at {endpoint} "
@@ -587,8 +592,8 @@ def test_a_store_that_denies_the_manifest_or_the_listing_is_named_as_the_store_w
 def test_a_store_stopped_between_the_manifest_and_the_listing_is_named_with_the_listing(
     written: Path, tmp_path: Path, monkeypatch
 ):
-    """sharded(root) reads a split's manifest and lists the split right after it (the check before training): the
-    store stops in between (moto_server stopped as the manifest's read returns)."""
+    """sharded(root) reads a split's manifest and lists the split right after it (the check before
+    training): the store stops in between (moto_server stopped as the manifest's read returns)."""
     with contextlib.ExitStack() as running:
         store = running.enter_context(a_store(tmp_path, monkeypatch, written))
         read = shard_format.read_manifest
@@ -613,21 +618,23 @@ def test_a_store_stopped_between_the_manifest_and_the_listing_is_named_with_the_
 def test_a_store_that_stopped_answering_mid_shard_is_named_with_the_row_group_not_as_damage(
     tmp_path: Path, monkeypatch
 ):
-    """s3fs fetches a shard's bytes as they are read, up to 50 MiB (its block) ahead: a row group past that,
-    read after the store went away, fails in the middle of a shard that opened and read fine."""
+    """s3fs fetches a shard's bytes as they are read, up to 50 MiB (its block) ahead: a row group
+    past that, read after the store went away, fails in the middle of a shard that opened and read
+    fine."""
     generator = torch.Generator().manual_seed(0)
     samples = (
         (i, torch.randn(16384, generator=generator), torch.tensor(i % 10)) for i in range(900)
     )
     with a_store(tmp_path, monkeypatch) as store:
         root = f"{store.url}/big"
-        # One shard of 15 row groups of 4 MiB (random values: no dictionary encoding shrinks them), the last (of
-        # 4 rows, at the end) past row group 0 and the 50 MiB s3fs fetches after it.
+        # One shard of 15 row groups of 4 MiB (random values: no dictionary encoding shrinks them),
+        # the last (of 4 rows, at the end) past row group 0 and the 50 MiB s3fs fetches after it.
         manifest = shard_format.write_split(samples, root, rows_per_shard=900, rows_per_group=64)
         assert manifest.shards[0].bytes > (4 << 20) + (50 << 20) + (1 << 20)
         reader = shard_format.ShardReader(shard_format.read_manifest(root))
         reader.read_group(0, 0)
-        # Deleted since it was opened, the store answering: the store says it is gone (a 404), and so do we.
+        # Deleted since it was opened, the store answering: the store says it is gone (a 404), and
+        # so do we.
         pristine = (
             store.client()
             .get_object(Bucket=store.bucket, Key="big/shard-00000.parquet")["Body"]
@@ -653,7 +660,7 @@ def test_a_store_that_stopped_answering_mid_shard_is_named_with_the_row_group_no
     assert "restore the shard" not in message
 
 
-# --- a resume that meets bad input: exit 2, the shard named, the checkpoint as valid as it was -----
+# --- a resume that meets bad input: exit 2, the shard named, the checkpoint as valid as it was ----
 
 
 def test_a_resume_that_meets_a_damaged_shard_stops_naming_it_and_its_checkpoint_stays_valid(
@@ -690,22 +697,23 @@ def test_a_resume_that_meets_a_damaged_shard_stops_naming_it_and_its_checkpoint_
     assert "train: step" not in proc.stderr
     shutil.move(kept, split / "shard-00004.parquet")
 
-    # A row group changed in place that the resumed run first reads at a later step: it trains up to it and stops
-    # there, naming shard and row group; what it saved before that step is complete.
+    # A row group changed in place that the resumed run first reads at a later step: it trains up to
+    # it and stops there, naming shard and row group; what it saved before that step is complete.
     order = epoch_order(shard_format.read_manifest(split), 0, 0)
     first = {}
     for shard, group in order.blocks:
+        # the data check reads the first rows in file order before training
         if (shard, group) != (
             0,
             0,
-        ):  # the data check reads the first rows in file order before training
+        ):
             first[(shard, group)] = first_step_reading(split, shard, group, after=4)
     (shard, group), k = max(
         ((b, k) for b, k in first.items() if k is not None and k < 8), key=lambda i: i[1]
     )
-    assert (
-        k >= 5
-    )  # micro-batch k is step k + 1: the resumed run trains steps 5..k (and saves step 6 if k > 5) first
+    # micro-batch k is step k + 1: the resumed run trains steps 5..k (and saves step 6 if k > 5)
+    # first
+    assert k >= 5
     path = split / f"shard-{shard:05d}.parquet"
     pristine = path.read_bytes()
     flip_a_byte(path, group)
@@ -716,12 +724,14 @@ def test_a_resume_that_meets_a_damaged_shard_stops_naming_it_and_its_checkpoint_
     assert f"shard {path} row group {group} does not match the manifest's digest" in line, line
     assert "resumed from" in proc.stderr and "step_00000004" in proc.stderr
     saved = sorted(p.name for p in ckpts.glob("step_*"))
-    newest = f"step_{k // 2 * 2:08d}"  # the last save before step k + 1, which read the damage
+    # the last save before step k + 1, which read the damage
+    newest = f"step_{k // 2 * 2:08d}"
     assert checkpoint.latest(ckpts).name == newest, (saved, k)
+    # nothing saved at or after the failing step
     assert all(int(name[5:]) <= k for name in saved), (
         saved,
         k,
-    )  # nothing saved at or after the failing step
+    )
     # The checkpoint from before the damage still loads, unchanged, and so does the newest.
     assert checkpoint.read_meta(ckpts / "step_00000004")["train_state"]["step"] == 4
     reloaded = model_from_checkpoint(ckpts / "step_00000004").state_dict()

@@ -142,8 +142,8 @@ def test_a_compressed_row_group_is_refused_before_it_is_decoded(tmp_path):
 def test_declared_row_counts_are_checked_against_the_footer_before_any_permutation(tmp_path):
     """Every row group declared at 20,000,000 rows (the file holds 32 each): the epoch's order
     permuted the declared rows before the shard was opened (what that cost the review:
-    docs/benchmarks.md#teststest_shards_hostilepy). Now the shard is opened and its footer counted first: a DataError, and no permutation
-    made."""
+    docs/benchmarks.md#teststest_shards_hostilepy). Now the shard is opened and its footer counted
+    first: a DataError, and no permutation made."""
     split = tmp_path / "train"
     write(split)
     n = 20_000_000

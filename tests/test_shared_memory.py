@@ -1,7 +1,7 @@
-"""The V2 system shared-memory extension as an unmodified tritonclient uses it, over HTTP and gRPC, against a real
-`python -m serving` process: register, status, infer with the input and the output in shared memory, unregister;
-and every misuse a clear 4xx (a region too small, an unknown one, another token's, a key that does not exist, the
-extension off, CUDA regions on a server without a GPU)."""
+"""The V2 system shared-memory extension as an unmodified tritonclient uses it, over HTTP and gRPC,
+against a real `python -m serving` process: register, status, infer with the input and the output in
+shared memory, unregister; and every misuse a clear 4xx (a region too small, an unknown one, another
+token's, a key that does not exist, the extension off, CUDA regions on a server without a GPU)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,8 @@ def client(server, protocol: str):
 
 
 def auth(token: str) -> dict[str, str]:
-    return {
-        "authorization": f"Bearer {token}"
-    }  # (gRPC metadata keys are lower case; HTTP takes any case)
+    # (gRPC metadata keys are lower case; HTTP takes any case)
+    return {"authorization": f"Bearer {token}"}
 
 
 @pytest.fixture
@@ -79,7 +78,8 @@ def infer(
     output: tuple[str, int] | None,
     shape=(2, 1, 8, 8),
 ):
-    """An inference with each input (name, region, byte size, offset) in shared memory; the output too if given."""
+    """An inference with each input (name, region, byte size, offset) in shared memory; the output
+    too if given."""
     mod = triton_http if protocol == "http" else triton_grpc
     tensors = []
     for region, size, offset in inputs:
@@ -120,7 +120,8 @@ def test_inputs_and_outputs_through_shared_memory_as_tritonclient_does_it(
     want = run_onnx(server.model, x)["probabilities"]
     inp, in_key = regions("in", x.nbytes + 64)
     out, out_key = regions("out", 64)
-    shm.set_shared_memory_region(inp, [np.zeros(16, np.float32), x])  # the tensor at offset 64
+    # the tensor at offset 64
+    shm.set_shared_memory_region(inp, [np.zeros(16, np.float32), x])
     c = client(server, protocol)
     c.register_system_shared_memory("in", in_key, x.nbytes + 64, headers=auth(ALICE))
     c.register_system_shared_memory("out", out_key, 64, headers=auth(ALICE))
@@ -179,7 +180,8 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         assert "Invalid offset + byte size for shared memory region 'small'" in message, message
         message = refused(lambda: infer(server, protocol, ALICE, [("small", x.nbytes, 100)], None))
         assert "Invalid offset for shared memory region 'small'" in message, message
-        if protocol == "http":  # (gRPC's offsets are int64)
+        # (gRPC's offsets are int64)
+        if protocol == "http":
             far = [("small", x.nbytes, 2**64 - 32)]
             message = refused(lambda: infer(server, protocol, ALICE, far, None))
             assert "Invalid offset for shared memory region 'small'" in message, message
@@ -207,7 +209,8 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         assert "no shared memory region 'big' is registered by this client" in message, message
         bobs = c.get_system_shared_memory_status(headers=auth(BOB))
         assert len(bobs if protocol == "http" else bobs.regions) == 0
-        # bob's unregister of the name succeeds, as any unknown name's does, and leaves alice's region be
+        # bob's unregister of the name succeeds, as any unknown name's does, and leaves alice's
+        # region be
         c.unregister_system_shared_memory("big", headers=auth(BOB))
         assert "big" in names(c, protocol, ALICE)
         # a name registered twice, a key that does not exist, a key that is a path
@@ -215,7 +218,8 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
             lambda: c.register_system_shared_memory("big", big_key, 8, headers=auth(ALICE))
         )
         assert "'big' already in manager: unregister it first or register" in message, message
-        if protocol == "grpc":  # (over HTTP the name is in the path: no route has an empty one)
+        # (over HTTP the name is in the path: no route has an empty one)
+        if protocol == "grpc":
             message = refused(
                 lambda: c.register_system_shared_memory("", big_key, 8, headers=auth(ALICE))
             )
@@ -247,7 +251,8 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
         # no token: 401 before anything
         message = refused(lambda: c.get_system_shared_memory_status())
         assert "bearer token" in message, message
-        # CUDA regions on a server without a GPU (the handle base64-encoded, as cuda_shared_memory.get_raw_handle gives it)
+        # CUDA regions on a server without a GPU (the handle base64-encoded, as
+        # cuda_shared_memory.get_raw_handle gives it)
         handle = base64.b64encode(b"\0" * 64)
         handle = handle.decode() if protocol == "http" else handle
         message = refused(
@@ -260,8 +265,8 @@ def test_every_misuse_of_shared_memory_is_a_clear_4xx(server, protocol, regions)
 
 
 def test_shared_memory_off_lists_none_and_refuses_registering_with_403(tmp_path, regions):
-    """As Triton with client shared memory off: status answers an empty list, register and unregister are
-    refused, over HTTP and gRPC."""
+    """As Triton with client shared memory off: status answers an empty list, register and
+    unregister are refused, over HTTP and gRPC."""
     model = tiny_model(tmp_path / "tiny.onnx")
     handle, key = regions("r", 64)
     grpc_port = free_port()
@@ -297,8 +302,9 @@ def test_shared_memory_off_lists_none_and_refuses_registering_with_403(tmp_path,
 def test_an_object_shrunk_under_its_region_is_a_400_naming_it_and_the_server_lives(
     server, protocol, regions
 ):
-    """A client shrinks (ftruncate) the object under its registered region: an input read from it, or an output
-    written to it, is a 400 naming the region, and the server goes on (it died of SIGBUS, exit 135)."""
+    """A client shrinks (ftruncate) the object under its registered region: an input read from it,
+    or an output written to it, is a 400 naming the region, and the server goes on (it died of
+    SIGBUS, exit 135)."""
     x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
     handle, key = regions("shrunk", 1 << 16)
     whole, whole_key = regions("whole", x.nbytes)
@@ -339,10 +345,10 @@ def test_unregistering_a_region_not_registered_succeeds_as_triton_answers_it(ser
 def test_a_region_in_use_stays_listed_until_its_request_ends_and_one_namespace_without_tokens(
     tmp_path, regions
 ):
-    """Unregistered while a request reads and writes it, a region stays listed (and its output is written)
-    until that request ends, then goes, over HTTP and gRPC as Triton does it. On a server without a token every
-    client shares one namespace, whatever Authorization header it makes up (each made-up one had 256 regions
-    of its own, one descriptor each)."""
+    """Unregistered while a request reads and writes it, a region stays listed (and its output is
+    written) until that request ends, then goes, over HTTP and gRPC as Triton does it. On a server
+    without a token every client shares one namespace, whatever Authorization header it makes up
+    (each made-up one had 256 regions of its own, one descriptor each)."""
     model = tiny_model(tmp_path / "tiny.onnx")
     grpc_port = free_port()
     x = np.random.default_rng(6).random((2, 1, 8, 8), dtype=np.float32)
@@ -395,8 +401,9 @@ def test_a_region_in_use_stays_listed_until_its_request_ends_and_one_namespace_w
 
 
 def test_the_server_bounds_every_client_s_regions_together_by_its_descriptors(tmp_path, regions):
-    """Regions over all tokens are bounded by a quarter of the server's open-files limit (and 4096): past it a
-    registration is a 429 naming the bound, never a 500, and the server's descriptors stay bounded."""
+    """Regions over all tokens are bounded by a quarter of the server's open-files limit (and 4096):
+    past it a registration is a 429 naming the bound, never a 500, and the server's descriptors stay
+    bounded."""
     model = tiny_model(tmp_path / "tiny.onnx")
     handle, key = regions("r", 64)
     with ServerProcess(

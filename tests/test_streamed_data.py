@@ -1,8 +1,9 @@
-"""Sharded, streamed training data (pipeline/shards/, data.name=sharded) through the real stages: `pipeline data
-shard` writes the digits as Parquet shards, torchrun trains from them with 2 ranks x 2 loader workers, a kill -9
-mid-epoch resumes to byte-identical weights, a resume at another world size trains every sample of the epoch
-exactly once (counted from the ids each rank trained on: TRAINSERVE_SAMPLE_LOG), and `pipeline run` trains,
-exports, registers, serves and verifies a model from shards on an S3 store (moto_server)."""
+"""Sharded, streamed training data (pipeline/shards/, data.name=sharded) through the real stages:
+`pipeline data shard` writes the digits as Parquet shards, torchrun trains from them with 2 ranks x
+2 loader workers, a kill -9 mid-epoch resumes to byte-identical weights, a resume at another world
+size trains every sample of the epoch exactly once (counted from the ids each rank trained on:
+TRAINSERVE_SAMPLE_LOG), and `pipeline run` trains, exports, registers, serves and verifies a model
+from shards on an S3 store (moto_server)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from pipeline import checkpoint
 from pipeline.shards import format as shard_format
 from pipeline.shards.stream import epoch_order
 
+# 1,438 training samples: 5 shards of 6 row groups
 ROWS = [
     "--rows-per-shard",
     "300",
     "--rows-per-group",
     "50",
-]  # 1,438 training samples: 5 shards of 6 row groups
-EPOCH_STEPS = 1438 // 32  # 44 steps of the global batch of 32 (drop_last)
+]
+# 44 steps of the global batch of 32 (drop_last)
+EPOCH_STEPS = 1438 // 32
 STREAM = [
     "data.name=sharded",
     "data.num_workers=2",
@@ -68,8 +71,9 @@ def train(
 
 
 def trained_ids(log) -> dict[tuple[int, int], list[int]]:
-    """{(epoch, micro-batch k): the sample ids of every rank, rank order} from a sample log, the last record of
-    each (epoch, k, rank) winning: a restart replays the steps after its checkpoint."""
+    """{(epoch, micro-batch k): the sample ids of every rank, rank order} from a sample log, the
+    last record of each (epoch, k, rank) winning: a restart replays the steps after its
+    checkpoint."""
     last: dict[tuple[int, int, int], dict] = {}
     for line in log.read_text().splitlines():
         record = json.loads(line)
@@ -160,14 +164,16 @@ def test_a_resume_at_another_world_size_trains_every_sample_of_the_epoch_exactly
     assert "the stream resumes at epoch 0, sample 640 of 1438" in third.stderr
 
     legs = [trained_ids(log) for log in logs]
-    # Each leg's steps up to the checkpoint the next one resumed from: 0-9 at 2 ranks, 10-19 at 1, 20-43 at 2.
+    # Each leg's steps up to the checkpoint the next one resumed from: 0-9 at 2 ranks, 10-19 at 1,
+    # 20-43 at 2.
     epoch = {
         **{k: v for k, v in legs[0].items() if k[1] < 10},
         **{k: v for k, v in legs[1].items() if k[1] < 20},
         **legs[2],
     }
     assert sorted(k for _, k in epoch) == list(range(EPOCH_STEPS))
-    assert {len(r) for (_, k), r in legs[1].items()} == {32}  # one rank took the whole micro-batch
+    # one rank took the whole micro-batch
+    assert {len(r) for (_, k), r in legs[1].items()} == {32}
     ids = [i for k in sorted(epoch) for i in epoch[k]]
     assert len(ids) == len(set(ids)) == EPOCH_STEPS * 32, "a sample lost or repeated"
     # ... and exactly the epoch's first 1,408 positions of the seeded order, in it.
@@ -283,8 +289,8 @@ def test_the_epoch_order_is_a_function_of_seed_and_epoch_alone_and_covers_every_
 
 @pytest.mark.slow
 def test_a_folder_of_image_files_becomes_shards_and_trains(tmp_path):
-    """Photos as they usually come, one sub-folder a class: read by pipeline.datasets:image_folder, written as
-    shards, trained from as a stream."""
+    """Photos as they usually come, one sub-folder a class: read by pipeline.datasets:image_folder,
+    written as shards, trained from as a stream."""
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -347,8 +353,9 @@ def test_a_folder_of_image_files_becomes_shards_and_trains(tmp_path):
 def test_loader_workers_live_across_epochs_and_read_each_epochs_own_order(
     shards, tmp_path, monkeypatch
 ):
-    """The workers are forked once (persistent); each epoch's order and start reach them through shared memory:
-    epoch 1 after a whole epoch 0, and a resume into the middle of epoch 1, yield what the order says."""
+    """The workers are forked once (persistent); each epoch's order and start reach them through
+    shared memory: epoch 1 after a whole epoch 0, and a resume into the middle of epoch 1, yield
+    what the order says."""
     from pipeline.datasets import sharded
     from pipeline.shards.stream import StreamLoader, _GroupCache
 
@@ -464,12 +471,13 @@ def test_a_stream_that_cannot_resume_or_has_no_length_is_refused_before_training
         check=False,
     )
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
-    assert "[rank" not in proc.stderr  # the launcher's one line, before any rank starts
+    # the launcher's one line, before any rank starts
+    assert "[rank" not in proc.stderr
 
 
 def test_the_data_check_reads_a_stream_of_its_own_without_moving_it(monkeypatch):
-    """check_splits reads a stream's first items to check them: a queue or cursor must not lose them to the check
-    (its state is put back), nor the first epoch start 8 samples in."""
+    """check_splits reads a stream's first items to check them: a queue or cursor must not lose them
+    to the check (its state is put back), nor the first epoch start 8 samples in."""
     import sys
 
     from pipeline.components.build import build_data

@@ -1,9 +1,10 @@
-"""Token classification (`task.name: token_classification`) as a user runs it: configs/digit_tokens_bert.yaml
-(a tag for every pixel token of the digits, padding tagged -100; a transformers BertForTokenClassification
-as it is) trained on 2 ranks under torchrun by `pipeline run --serve-check`, exported, gated, registered;
-the registered model served by a real server process and asked over V2 HTTP and gRPC; its per-token
-metrics checked against scikit-learn's. Before that the pure pieces: the metrics by hand, the refusals,
-the per-token decisions of the gates and the shadow, and the Task protocol against what the stages use."""
+"""Token classification (`task.name: token_classification`) as a user runs it:
+configs/digit_tokens_bert.yaml (a tag for every pixel token of the digits, padding tagged -100; a
+transformers BertForTokenClassification as it is) trained on 2 ranks under torchrun by
+`pipeline run --serve-check`, exported, gated, registered; the registered model served by a real
+server process and asked over V2 HTTP and gRPC; its per-token metrics checked against
+scikit-learn's. Before that the pure pieces: the metrics by hand, the refusals, the per-token
+decisions of the gates and the shadow, and the Task protocol against what the stages use."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def token_task(*overrides: str) -> TokenClassification:
 
 
 def batch(seed: int, rows: int = 5, length: int = 9, ignore: int = -100):
-    """Logits N x L x C and tags N x L, about a third of them `ignore` (and every tag of one row); the last tag is
-    predicted but never true (macro F1 counts it, with F1 0, as scikit-learn does)."""
+    """Logits N x L x C and tags N x L, about a third of them `ignore` (and every tag of one row);
+    the last tag is predicted but never true (macro F1 counts it, with F1 0, as scikit-learn
+    does)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, length, len(TAGS), generator=g)
     target = torch.randint(0, len(TAGS) - 1, (rows, length), generator=g)
@@ -55,7 +57,8 @@ def test_the_metrics_are_scikit_learns_over_the_tokens_kept_and_add_up_across_ra
     )
     for i, (logits, target) in enumerate(parts):
         task.update(whole, {"logits": logits}, target)
-        task.update(shards[i % 2], {"logits": logits}, target)  # two ranks' sums, then added up
+        # two ranks' sums, then added up
+        task.update(shards[i % 2], {"logits": logits}, target)
     summed = {k: shards[0][k] + shards[1][k] for k in whole}
     logits, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     kept = target != ignore
@@ -68,7 +71,8 @@ def test_the_metrics_are_scikit_learns_over_the_tokens_kept_and_add_up_across_ra
     for state in (whole, summed):
         got = task.metrics(state)
         assert list(got) == ["macro_f1", "token_accuracy", "loss"] and task.primary == "macro_f1"
-        for name, value in expected.items():  # the loss: float32 per batch, summed in float64
+        # the loss: float32 per batch, summed in float64
+        for name, value in expected.items():
             assert got[name] == pytest.approx(value, rel=1e-6 if name == "loss" else 1e-12), name
     # A batch whose tags are all left out adds nothing and trains on nothing (0, not NaN).
     assert task.loss(logits[:1], target[:1]).item() == 0.0
@@ -78,9 +82,8 @@ def test_the_metrics_are_scikit_learns_over_the_tokens_kept_and_add_up_across_ra
 def test_probabilities_have_the_classes_on_axis_1_and_the_gates_decide_per_token():
     task = token_task()
     logits, target = batch(0)
-    task.check_output(
-        {"logits": logits}, target, WHERE
-    )  # a transformers output: a mapping with `logits`
+    # a transformers output: a mapping with `logits`
+    task.check_output({"logits": logits}, target, WHERE)
     exported = task.exported({"logits": logits})
     assert list(exported) == ["logits", "probabilities"] == task.output_names
     assert exported["logits"].shape == (5, 9, 4) and exported["probabilities"].shape == (5, 4, 9)
@@ -89,31 +92,30 @@ def test_probabilities_have_the_classes_on_axis_1_and_the_gates_decide_per_token
 
     ref = {k: v.numpy() for k, v in exported.items()}
     moved = {k: v.copy() for k, v in ref.items()}
-    moved["probabilities"][2, :, 4] = np.eye(4)[
-        (ref["probabilities"][2, :, 4].argmax() + 1) % 4
-    ]  # one token flips
+    # one token flips
+    moved["probabilities"][2, :, 4] = np.eye(4)[(ref["probabilities"][2, :, 4].argmax() + 1) % 4]
     result = gates.compare(moved, ref, 1e-4, 1e-4, derived=task.derived, decision=task.decision)
-    assert (
-        result["argmax_agreement"] == pytest.approx(1 - 1 / 45) and not result["passed"]
-    )  # 1 of 5 x 9 tokens
+    # 1 of 5 x 9 tokens
+    assert result["argmax_agreement"] == pytest.approx(1 - 1 / 45) and not result["passed"]
 
 
 def test_the_shadow_compares_and_scores_a_class_per_token():
-    """The server knows only `trainserve.decision`: its argmax over axis 1 is the answer, a class per token."""
+    """The server knows only `trainserve.decision`: its argmax over axis 1 is the answer, a class
+    per token."""
     from serving.shadow import Rule, Shadow
 
     task = token_task()
     logits, target = batch(1, rows=1)
-    champion = {k: v.numpy() for k, v in task.exported(logits).items()}  # a lone tensor: `logits`
+    # a lone tensor: `logits`
+    champion = {k: v.numpy() for k, v in task.exported(logits).items()}
     challenger = {k: v.numpy() for k, v in task.exported(logits.flip(2)).items()}
     shadow = Shadow(Rule(min_pairs=1, min_labels=1, max_source_share=1))
     shadow.pairing("1", "2", task.decision, task.prediction)
     shadow.pair("r1", champion, challenger, 1.0, 1.0, ("1", "2"), b"x", "client")
     report = shadow.report()
     decided = champion["logits"].argmax(2)
-    assert report["agreement"] == float(
-        (decided == challenger["logits"].argmax(2)).mean()
-    )  # over 9 tokens
+    # over 9 tokens
+    assert report["agreement"] == float((decided == challenger["logits"].argmax(2)).mean())
     truth = decided.copy()
     truth[0, :3] = (truth[0, :3] + 1) % 4
     assert shadow.feedback({"r1": truth}) == {"joined": 1, "unknown": 0}
@@ -122,9 +124,8 @@ def test_the_shadow_compares_and_scores_a_class_per_token():
     with pytest.raises(
         ValueError, match="holds -100, not a class of this model: a class index is a whole number"
     ):
-        shadow.feedback(
-            {"r2": np.where(truth < 2, -100, truth)}
-        )  # the padding's -100 is no live label
+        # the padding's -100 is no live label
+        shadow.feedback({"r2": np.where(truth < 2, -100, truth)})
 
 
 @pytest.mark.parametrize(
@@ -151,9 +152,8 @@ def test_each_target_that_is_not_a_tag_per_token_is_refused_with_the_fix(target,
     with pytest.raises(DataError) as err:
         TokenClassification.check_target(target, TAGS, "item 0")
     assert expected in str(err.value), err.value
-    TokenClassification.check_target(
-        torch.tensor([0, 3, -100, -7]), TAGS, "item 0"
-    )  # negatives: the probe checks
+    # negatives: the probe checks
+    TokenClassification.check_target(torch.tensor([0, 3, -100, -7]), TAGS, "item 0")
 
 
 @pytest.mark.parametrize(
@@ -214,12 +214,11 @@ def test_settings_of_the_task_are_checked_when_the_config_is_loaded(overrides, e
 
 
 def stage_uses_of_task() -> set[str]:
-    """Every `task.<member>` (also `self.task.`, `ref.task.`) in the stages' code, f-strings included; not
-    `cfg.task.<key>`, a config's."""
+    """Every `task.<member>` (also `self.task.`, `ref.task.`) in the stages' code, f-strings
+    included; not `cfg.task.<key>`, a config's."""
     used = set()
-    for path in [
-        p for p in REPO.glob("pipeline/**/*.py") if "tasks" not in p.parts
-    ]:  # every room but the tasks
+    # every room but the tasks
+    for path in [p for p in REPO.glob("pipeline/**/*.py") if "tasks" not in p.parts]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 owner = node.value
@@ -236,13 +235,14 @@ def stage_uses_of_task() -> set[str]:
 def test_the_task_protocol_names_every_member_the_stages_use_and_every_task_has_them():
     members = {n for n in dir(Task) if not n.startswith("_")} | set(Task.__annotations__)
     used = stage_uses_of_task()
+    # the scan finds them
     assert {
         "update",
         "metric_gate",
         "decision",
         "describe",
         "probe_rows",
-    } <= used  # the scan finds them
+    } <= used
     assert used <= members, f"used by the stages but not in tasks.Task: {sorted(used - members)}"
     custom = [
         "task.loss.component=torch.nn:L1Loss",
@@ -256,7 +256,7 @@ def test_the_task_protocol_names_every_member_the_stages_use_and_every_task_has_
         assert not missing and task_class(name).from_config, (name, missing)
 
 
-# --- the example, through every stage ---------------------------------------------------------------
+# --- the example, through every stage -------------------------------------------------------------
 
 NAME = "digit-tokens-bert"
 RUN = [
@@ -312,7 +312,8 @@ def test_the_example_trains_exports_registers_and_serves_a_tag_per_token(example
     ), proc.stdout[-2000:]
     assert "the server's answer equals the PyTorch model's" in proc.stdout, proc.stdout[-2000:]
 
-    # Gated per token, registered, the figure drawn; the 2 ranks' validation metric is the one-process figure.
+    # Gated per token, registered, the figure drawn; the 2 ranks' validation metric is the
+    # one-process figure.
     report = json.loads((workdir / "outputs/tok/onnx/export_report.json").read_text())
     assert report["passed"] and report["task"]["name"] == "token_classification"
     assert report["task"]["ignore_index"] == -100 and report["outputs"] == [
@@ -321,15 +322,15 @@ def test_the_example_trains_exports_registers_and_serves_a_tag_per_token(example
     ]
     gate = report["gates"]["macro_f1"]
     assert gate["passed"] and report["gates"]["parity.val"]["argmax_agreement"] == 1
-    assert (
-        sum(1 for g in report["gates"] if g.startswith("parity.input_ids_1.len")) == 2
-    )  # other lengths gated
+    # other lengths gated
+    assert sum(1 for g in report["gates"] if g.startswith("parity.input_ids_1.len")) == 2
     trained = report["weights"]["source"]
     assert trained["world_size"] == 2
     assert trained["val_metrics"]["macro_f1"] == pytest.approx(
         gate["torch_macro_f1_pct"] / 100, abs=1e-12
     )
-    assert trained["val_metrics"]["token_accuracy"] > 0.75  # blank, the most frequent tag, is ~60%
+    # blank, the most frequent tag, is ~60%
+    assert trained["val_metrics"]["token_accuracy"] > 0.75
     client = mlflow_client(workdir)
     version = client.get_model_version_by_alias(NAME, "champion")
     run = client.get_run(version.run_id)
@@ -387,11 +388,12 @@ def test_the_example_trains_exports_registers_and_serves_a_tag_per_token(example
         )
         for key, value in want.items():
             np.testing.assert_allclose(first[key], value, rtol=1e-5, atol=1e-5)
+        # the length axis is dynamic
         assert over_http(slice(3, 5), length=40)["logits"].shape == (
             2,
             40,
             11,
-        )  # the length axis is dynamic
+        )
 
         over_grpc = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         feeds = []
@@ -404,8 +406,8 @@ def test_the_example_trains_exports_registers_and_serves_a_tag_per_token(example
         for key, value in want.items():
             np.testing.assert_allclose(result.as_numpy(key), value, rtol=1e-5, atol=1e-5)
 
-        # The whole validation split through the server: its per-token metrics are scikit-learn's on the tokens
-        # kept, and the ones export measured through onnxruntime.
+        # The whole validation split through the server: its per-token metrics are scikit-learn's on
+        # the tokens kept, and the ones export measured through onnxruntime.
         answers = [over_http(slice(i, i + 64)) for i in range(0, len(tags), 64)]
         predicted = np.concatenate([served_tags(a) for a in answers])
         kept = tags != -100
@@ -414,7 +416,8 @@ def test_the_example_trains_exports_registers_and_serves_a_tag_per_token(example
         assert accuracy_score(tags[kept], predicted[kept]) == pytest.approx(
             trained["val_metrics"]["token_accuracy"], abs=1e-9
         )
-        # Drift observed on every input and output; the validation split is drawn as the training split was.
+        # Drift observed on every input and output; the validation split is drawn as the training
+        # split was.
         metrics = requests.get(f"{server.url}/metrics", timeout=10).text
         drift = {
             line.split("{")[0] + " " + line.split('put="')[1].split('"')[0]: float(line.split()[-1])

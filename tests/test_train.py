@@ -45,7 +45,8 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert loss[-1] < 0.5 * loss[0], loss
     cfg = load_config(REPO / "configs/digits_resnet18.yaml", ["train.run_name=demo"])
     assert run.data.params["optim.lr"] == "0.1"
-    # The config's keys, and the model's arguments as built: the data filled in num_classes and the input stats.
+    # The config's keys, and the model's arguments as built: the data filled in num_classes and the
+    # input stats.
     assert set(flatten(cfg)) <= set(run.data.params)
     assert (
         run.data.params["model.args.width"] == "0.5"
@@ -58,13 +59,13 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
     assert tags[lineage.SETUP] == "2 x cpu, ddp, fp32" and lineage.read_stages(
         tags[lineage.STAGES]
     ) == {"train": "done"}
-    assert (
-        len(tags[lineage.GIT]) == 12 and lineage.PROCESS not in tags
-    )  # bookkeeping gone with the process
+    # bookkeeping gone with the process
+    assert len(tags[lineage.GIT]) == 12 and lineage.PROCESS not in tags
     assert len([k for k in tags if k.startswith(lineage.PREFIX)]) <= 12, sorted(tags)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "confusion_matrix.png", "checkpoints"} <= artifacts
-    assert "code" not in artifacts  # built-in components: nothing of the user's to keep
+    # built-in components: nothing of the user's to keep
+    assert "code" not in artifacts
     assert tags[lineage.MODEL] == "pipeline.models:resnet18"
     ckpts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     # The final checkpoint, and the best one when it is another (checkpoint.log_to_mlflow=last).
@@ -83,7 +84,8 @@ def test_demo_config_on_two_processes_reaches_95_percent_and_is_tracked(workdir)
 
 
 def test_two_torchrun_nodes_rendezvous_over_c10d(workdir):
-    """Multi-node as on a cluster, on one machine: two launchers, one process each, c10d on 127.0.0.1."""
+    """Multi-node as on a cluster, on one machine: two launchers, one process each, c10d on
+    127.0.0.1."""
     from pipeline.tracking import free_port
 
     port = free_port()
@@ -193,8 +195,8 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
     assert lineage.read_stages(run.data.tags[lineage.STAGES])["train"] == "failed"
     closed_by_launcher = f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr
     assert closed_by_launcher == (killed == 0), proc.stderr[-2000:]
-    # Rank 0 that closed its run says so in the run directory, and the launcher then leaves the store alone
-    # (opening it after torchrun took it 4.5 s, most of a failed launch's exit).
+    # Rank 0 that closed its run says so in the run directory, and the launcher then leaves the
+    # store alone (opening it after torchrun took it 4.5 s, most of a failed launch's exit).
     record = json.loads(next((workdir / "outputs").rglob("mlflow_run.json")).read_text())
     assert record == (
         {"run_id": run.info.run_id, "ended": "FAILED"}
@@ -202,8 +204,8 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
         else {"run_id": run.info.run_id}
     )
     if killed == 1:
-        # The same run directory again, its rank 0 killed outright just as it reopens the run: the record must not
-        # still say the run was ended, or the launcher would leave it RUNNING.
+        # The same run directory again, its rank 0 killed outright just as it reopens the run: the
+        # record must not still say the run was ended, or the launcher would leave it RUNNING.
         proc = run_cli(
             ["train", "--config", str(TINY), "--nproc-per-node", "2", "train.run_name=killed"],
             cwd=workdir,
@@ -220,10 +222,10 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
 def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(
     workdir, monkeypatch, delay
 ):
-    """The race behind a red CI run: a peer dies, this rank's collective fails, and torchrun's SIGTERM
-    lands while the run is being marked FAILED. Here SIGTERMs rain on an in-process `train.main`
-    from `delay` seconds after its run appears until it returns; whatever they interrupt, the run ends
-    FAILED and the stage exits 143."""
+    """The race behind a red CI run: a peer dies, this rank's collective fails, and torchrun's
+    SIGTERM lands while the run is being marked FAILED. Here SIGTERMs rain on an in-process
+    `train.main` from `delay` seconds after its run appears until it returns; whatever they
+    interrupt, the run ends FAILED and the stage exits 143."""
     import os
     import signal
     import threading
@@ -269,7 +271,8 @@ def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(
 
 def test_the_cpu_training_loop_does_not_page_fault_every_step(workdir):
     """With glibc's defaults the demo's loop faulted ~380 pages in per step (freed gradients and
-    activations handed back to the kernel, then touched again), 5-15% of its time on this machine."""
+    activations handed back to the kernel, then touched again), 5-15% of its time on this
+    machine."""
     import resource
 
     def child_faults(steps: int) -> int:
@@ -326,16 +329,19 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_fails_the_run(workd
         text=True,
         start_new_session=True,
     )
-    # Should the awaited line never come, this kills the launcher's group instead of waiting out 100000 steps.
+    # Should the awaited line never come, this kills the launcher's group instead of waiting out
+    # 100000 steps.
     watchdog = threading.Timer(180, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
     try:
-        for line in proc.stdout:  # wait until training runs: its run exists and steps are logged
+        # wait until training runs: its run exists and steps are logged
+        for line in proc.stdout:
             if "checkpoint saved" in line:
                 break
         else:
             raise AssertionError("training ended or was killed before its first checkpoint")
-        proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
+        # the launcher only, not its process group
+        proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=90)[0]
     finally:
         watchdog.cancel()

@@ -51,7 +51,8 @@ def test_loss_scaling_changes_nothing_but_the_scale():
         torch.amp.GradScaler("cpu", init_scale=2.0**12), clip=0.0, micro_batches=copy.deepcopy(data)
     )
     assert loss_a == loss_b
-    assert abs(norm_a - norm_b) < 1e-4 * norm_a  # the reported norm is of unscaled gradients
+    # the reported norm is of unscaled gradients
+    assert abs(norm_a - norm_b) < 1e-4 * norm_a
     for (name, a), b in zip(plain.named_parameters(), scaled.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
@@ -69,7 +70,8 @@ def test_clipping_bounds_the_true_gradient_norm_under_loss_scaling():
         clip=clip,
         micro_batches=copy.deepcopy(data),
     )
-    assert abs(reported - norm) < 1e-4 * norm  # clip_grad_norm_ returns the norm before clipping
+    # clip_grad_norm_ returns the norm before clipping
+    assert abs(reported - norm) < 1e-4 * norm
     # SGD without momentum state on step 1: the update is lr x the clipped gradient.
     update = torch.cat(
         [(p0 - p1).flatten() for p0, p1 in zip(start.parameters(), clipped.parameters())]

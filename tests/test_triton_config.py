@@ -27,8 +27,8 @@ from serving import model_config
 
 
 def scale_model(path, factor: float):
-    """`X` FP32 [-1] -> `Y` = X * factor: each version answers with its own factor, so the answer says which
-    version computed it."""
+    """`X` FP32 [-1] -> `Y` = X * factor: each version answers with its own factor, so the answer
+    says which version computed it."""
     graph = helper.make_graph(
         [helper.make_node("Mul", ["X", "factor"], ["Y"])],
         "scale",
@@ -158,7 +158,8 @@ def test_config_dims_narrow_the_shapes_a_request_may_send(server):
         tensor = module.InferInput("INPUT0", [3, 2], "FP32")
         tensor.set_data_from_numpy(x)
         np.testing.assert_array_equal(client.infer("narrow", [tensor]).as_numpy("OUTPUT0"), x)
-        # The model file takes [-1, -1]; its config says [-1, 2]: a [2, 3] request is refused, naming that.
+        # The model file takes [-1, -1]; its config says [-1, 2]: a [2, 3] request is refused,
+        # naming that.
         wide = module.InferInput("INPUT0", [2, 3], "FP32")
         wide.set_data_from_numpy(x.reshape(2, 3))
         with pytest.raises(InferenceServerException, match=r"\[-1,2\]") as refused:
@@ -168,7 +169,8 @@ def test_config_dims_narrow_the_shapes_a_request_may_send(server):
 
 def test_config_dynamic_batching_sets_the_models_own_wait_and_queue_bound(server):
     """max_queue_delay_microseconds: a lone request waits that long for others to share its run;
-    default_queue_policy.max_queue_size: what the queue holds past it is refused with a 503, retry later."""
+    default_queue_policy.max_queue_size: what the queue holds past it is refused with a 503, retry
+    later."""
     url = f"{server.url}/v2/models/queued/infer"
     body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
     first = {}
@@ -191,8 +193,8 @@ def test_config_dynamic_batching_sets_the_models_own_wait_and_queue_bound(server
 
 
 def test_a_model_whose_inputs_all_have_defaults_answers_a_request_of_none(server):
-    """(Triton's optional inputs: here an input the ONNX file gives a default, which onnxruntime does not list
-    as an input; the config's `optional: true` says the same.)"""
+    """(Triton's optional inputs: here an input the ONNX file gives a default, which onnxruntime
+    does not list as an input; the config's `optional: true` says the same.)"""
     answer = requests.post(
         f"{server.url}/v2/models/defaults/infer", json={"inputs": []}, timeout=30
     )

@@ -1,5 +1,5 @@
-"""`pipeline ui` stops what it started: a signal to its own pid leaves no mlflow, gunicorn or uvicorn
-process behind (they used to keep serving the port after the command was gone)."""
+"""`pipeline ui` stops what it started: a signal to its own pid leaves no mlflow, gunicorn or
+uvicorn process behind (they used to keep serving the port after the command was gone)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from serving_fixtures import free_port
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_pipeline_ui_stops_every_process_it_started(sig, tmp_path):
     port = free_port()
-    # A session of our own, so that a failing test can still clean up by group; the signal goes to the pid only.
-    # Started as a shell without job control starts a background command (`pipeline ui &` in a script, nohup, a
-    # CI runner): SIGINT ignored from the start, which Python keeps unless told otherwise.
+    # A session of our own, so that a failing test can still clean up by group; the signal goes to
+    # the pid only. Started as a shell without job control starts a background command
+    # (`pipeline ui &` in a script, nohup, a CI runner): SIGINT ignored from the start, which Python
+    # keeps unless told otherwise.
     ui = subprocess.Popen(
         [sys.executable, "-m", "pipeline", "ui", "--port", str(port)],
         cwd=tmp_path,
@@ -75,12 +76,14 @@ with mlflow.start_run(run_name="photos-resnet18-run"):
 
 @pytest.mark.slow
 def test_pipeline_ui_prints_once_it_answers_an_address_that_lists_the_training_runs(tmp_path):
-    """The address `pipeline ui` prints opens the training runs of the experiment trained last, with the
-    metric its best checkpoint was chosen by as a column, in MLflow's model-training mode: not MLflow 3's GenAI
-    traces page, and not its home page. MLflow's start-up chatter stays out of the terminal."""
+    """The address `pipeline ui` prints opens the training runs of the experiment trained last, with
+    the metric its best checkpoint was chosen by as a column, in MLflow's model-training mode: not
+    MLflow 3's GenAI traces page, and not its home page. MLflow's start-up chatter stays out of the
+    terminal."""
     import browser
 
-    browser.chromium()  # (skips here, not half-way, where it can't be installed)
+    # (skips here, not half-way, where it can't be installed)
+    browser.chromium()
     subprocess.run(
         [sys.executable, "-c", TRAINED], cwd=tmp_path, env=cli_env(), check=True, timeout=120
     )
@@ -94,4 +97,5 @@ def test_pipeline_ui_prints_once_it_answers_an_address_that_lists_the_training_r
     ), text[:3000]
     said = (tmp_path / "ui.log").read_text()
     assert not re.search(r"Registry store URI|Security middleware|Warning|INFO", said), said
-    assert len(said.splitlines()) == 2, said  # starting, then the address
+    # starting, then the address
+    assert len(said.splitlines()) == 2, said

@@ -1,23 +1,26 @@
-"""Rewrite deploy/schemas/*.json from the upstream schema files (see README.md there for where to get them).
+"""Rewrite deploy/schemas/*.json from the upstream schema files (see README.md there for where to
+get them).
 
     python deploy/schemas/refresh.py --kserve-crds DIR --training-operator-crds DIR --kubernetes DIR
 
     --kserve-crds              kserve/kserve's config/crd/full/ (serving.kserve.io_*.yaml)
-    --training-operator-crds   kubeflow/training-operator's manifests/base/crds/ (kubeflow.org_*.yaml)
-    --kubernetes               a `vX.Y.Z-local-strict/` folder of JSON schemas made from Kubernetes' OpenAPI
-                               spec by openapi2jsonschema (as kubernetes-validate ships them)
+    --training-operator-crds   kubeflow/training-operator's manifests/base/crds/
+                               (kubeflow.org_*.yaml)
+    --kubernetes               a `vX.Y.Z-local-strict/` folder of JSON schemas made from Kubernetes'
+                               OpenAPI spec by openapi2jsonschema (as kubernetes-validate ships
+                               them)
 
-Each output file is the schema of one kind at one version, named `<group>_<version>_<kind>.json` (the core group
-is empty: `v1_configmap.json`), which is how tests/test_deploy_manifests.py finds a document's schema. What is
-changed on the way, and why (validation is otherwise what upstream says):
+Each output file is the schema of one kind at one version, named `<group>_<version>_<kind>.json`
+(the core group is empty: `v1_configmap.json`), which is how tests/test_deploy_manifests.py finds a
+document's schema. What is changed on the way, and why (validation is otherwise what upstream says):
   - descriptions are dropped: they are most of the bytes and validate nothing;
   - Kubernetes' `$ref`s into `_definitions.json` are inlined, so each file stands alone;
-  - a CRD's structural schema is closed: `additionalProperties: false` wherever it lists `properties` and does
-    not say `x-kubernetes-preserve-unknown-fields`. That is what the API server does with an unknown field under
-    `fieldValidation=Strict` (kubectl's default since 1.27): refuses it, where the schema alone would let a
-    misspelled field through to be silently pruned;
-  - a CRD's `metadata` (upstream only `type: object`) gets Kubernetes' strict ObjectMeta, and its `status` goes
-    (controllers write it, manifests never do);
+  - a CRD's structural schema is closed: `additionalProperties: false` wherever it lists
+    `properties` and does not say `x-kubernetes-preserve-unknown-fields`. That is what the API
+    server does with an unknown field under `fieldValidation=Strict` (kubectl's default since 1.27):
+    refuses it, where the schema alone would let a misspelled field through to be silently pruned;
+  - a CRD's `metadata` (upstream only `type: object`) gets Kubernetes' strict ObjectMeta, and its
+    `status` goes (controllers write it, manifests never do);
   - `x-kubernetes-int-or-string: true` becomes an explicit integer-or-string choice.
 """
 
@@ -38,13 +41,14 @@ CRDS = {
     ],
     "training_operator": [("kubeflow.org_pytorchjobs.yaml", "v1")],
 }
+# the Kubernetes kinds our manifests use
 CORE_KINDS = [
     "configmap-v1.json",
     "secret-v1.json",
     "service-v1.json",
     "deployment-apps-v1.json",
     "job-batch-v1.json",
-]  # the Kubernetes kinds our manifests use
+]
 # How a kind's file points into _definitions.json, and how _definitions.json points within itself.
 DEFINITIONS_REFS = ("/api/_definitions.json#/$defs/", "#/$defs/")
 
@@ -67,8 +71,8 @@ def drop_descriptions(schema):
 
 
 def inline_refs(schema, definitions: dict, seen: tuple = ()):
-    """Every `$ref` into Kubernetes' `_definitions.json` replaced by the definition itself (the kinds used here
-    are not recursive; a cycle would be refused rather than expanded forever)."""
+    """Every `$ref` into Kubernetes' `_definitions.json` replaced by the definition itself (the
+    kinds used here are not recursive; a cycle would be refused rather than expanded forever)."""
     if isinstance(schema, list):
         return [inline_refs(item, definitions, seen) for item in schema]
     if not isinstance(schema, dict):
@@ -92,7 +96,8 @@ def inline_refs(schema, definitions: dict, seen: tuple = ()):
 
 
 def close_structural(schema):
-    """A CRD structural schema as the API server applies it with strict field validation (see the docstring)."""
+    """A CRD structural schema as the API server applies it with strict field validation (see the
+    docstring)."""
     if isinstance(schema, list):
         return [close_structural(item) for item in schema]
     if not isinstance(schema, dict):

@@ -1,4 +1,5 @@
-"""Data components: callables returning {"train": Dataset, "val": Dataset} of (inputs, target) items."""
+"""Data components: callables returning {"train": Dataset, "val": Dataset} of (inputs, target)
+items."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-SEX_COLUMN = 1  # in scikit-learn's (scaled) feature order: age, sex, bmi, bp, s1..s6
+# in scikit-learn's (scaled) feature order: age, sex, bmi, bp, s1..s6
+SEX_COLUMN = 1
 
 
 class Patients(Dataset):
-    """One patient per item: (inputs, progression), inputs a float tensor or a dict of named tensors."""
+    """One patient per item: (inputs, progression), inputs a float tensor or a dict of named
+    tensors."""
 
     def __init__(self, inputs, target: torch.Tensor):
         self.inputs, self.target = inputs, target
@@ -55,7 +58,8 @@ def features(val_fraction: float = 0.2, seed: int = 0) -> dict[str, Patients]:
 
 
 def mixed(val_fraction: float = 0.2, seed: int = 0) -> dict[str, Patients]:
-    """Two named inputs: `features`, the nine numeric ones (float32), and `sex`, a category (int64 0/1)."""
+    """Two named inputs: `features`, the nine numeric ones (float32), and `sex`, a category (int64
+    0/1)."""
 
     def inputs(x):
         numeric = np.delete(x, SEX_COLUMN, axis=1)

@@ -1,6 +1,7 @@
-"""A small fully convolutional network: N x 1 x H x W images in, N x C x H x W logits out. Which digit a
-stroke belongs to is not local, so a context branch (the whole image, pooled) is broadcast back to every
-pixel beside the local features: each pixel's logits see both where the stroke is and what it draws."""
+"""A small fully convolutional network: N x 1 x H x W images in, N x C x H x W logits out. Which
+digit a stroke belongs to is not local, so a context branch (the whole image, pooled) is broadcast
+back to every pixel beside the local features: each pixel's logits see both where the stroke is and
+what it draws."""
 
 from __future__ import annotations
 

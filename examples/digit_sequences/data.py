@@ -1,6 +1,6 @@
-"""A data component: {"train", "val"} data sets of ({"tokens": int64, "mask": bool}, label) items, or with
-`names="transformers"` ({"input_ids": int64, "attention_mask": int64}, label): the keyword arguments a
-Hugging Face model's forward takes."""
+"""A data component: {"train", "val"} data sets of ({"tokens": int64, "mask": bool}, label) items,
+or with `names="transformers"` ({"input_ids": int64, "attention_mask": int64}, label): the keyword
+arguments a Hugging Face model's forward takes."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-PAD = 0  # token 0 pads; intensity v is token v + 1
+# token 0 pads; intensity v is token v + 1
+PAD = 0
 VOCAB = 18
 
 
 class DigitSequences(Dataset):
-    """Each 8x8 image row by row, its trailing blank pixels dropped, so lengths vary (about 50 to 64);
-    padded to `length` with PAD and a mask that is True on real tokens."""
+    """Each 8x8 image row by row, its trailing blank pixels dropped, so lengths vary (about 50 to
+    64); padded to `length` with PAD and a mask that is True on real tokens."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, length: int, names: str = "plain"):
         flat = images.reshape(len(images), -1).astype(np.int64)

@@ -1,4 +1,5 @@
-"""A model component: token embeddings and a small TransformerEncoder, any sequence length up to max_len."""
+"""A model component: token embeddings and a small TransformerEncoder, any sequence length up to
+max_len."""
 
 from __future__ import annotations
 
@@ -29,5 +30,6 @@ class SequenceClassifier(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.encoder(self.embed(tokens) + self.position(positions), src_key_padding_mask=~mask)
         weights = mask.unsqueeze(-1).to(h.dtype)
-        pooled = (h * weights).sum(1) / weights.sum(1).clamp_min(1.0)  # the mean over real tokens
+        # the mean over real tokens
+        pooled = (h * weights).sum(1) / weights.sum(1).clamp_min(1.0)
         return self.head(pooled)

@@ -1,7 +1,8 @@
-"""A data component whose training split is a stream of its own (docs/data.md, "Your own stream"): the digits as an
-IterableDataset that deals itself over ranks and loader workers and keeps its position, as torchdata's Stateful
-protocol asks. Written the way a stream over a database cursor or a message queue would be; for files, write
-them as shards instead (`pipeline data shard`), which resume at any world size.
+"""A data component whose training split is a stream of its own (docs/data.md, "Your own stream"):
+the digits as an IterableDataset that deals itself over ranks and loader workers and keeps its
+position, as torchdata's Stateful protocol asks. Written the way a stream over a database cursor or
+a message queue would be; for files, write them as shards instead (`pipeline data shard`), which
+resume at any world size.
 
     data.component=examples.digit_stream.data:digit_stream
 """
@@ -14,8 +15,8 @@ from torch.utils.data import IterableDataset, TensorDataset, get_worker_info
 
 
 class DigitStream(IterableDataset):
-    """Each epoch a seeded shuffle of the samples; rank r takes every world-th of it, its worker w every
-    workers-th of those. The state is (epoch, samples this worker yielded in it)."""
+    """Each epoch a seeded shuffle of the samples; rank r takes every world-th of it, its worker w
+    every workers-th of those. The state is (epoch, samples this worker yielded in it)."""
 
     def __init__(
         self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict, seed: int = 0
@@ -32,7 +33,8 @@ class DigitStream(IterableDataset):
             else (0, 1)
         )
 
-    def __len__(self) -> int:  # the samples this rank's copy yields an epoch
+    # the samples this rank's copy yields an epoch
+    def __len__(self) -> int:
         rank, world = self._rank()
         return len(range(rank, len(self.y), world))
 
@@ -60,15 +62,16 @@ class DigitStream(IterableDataset):
 
 
 class UnsizedDigitStream(DigitStream):
-    __len__ = None  # a stream that does not know its length (len() raises TypeError): train.max_steps says how long
+    # a stream that does not know its length (len() raises TypeError): train.max_steps says how long
+    __len__ = None
 
 
 def digit_stream(
     seed: int = 0, stateful: bool = True, sized: bool = True, val_fraction: float = 0.2
 ) -> dict:
-    """scikit-learn's digits (8x8, intensities scaled to [0, 1]): the training split streamed, the validation split
-    map-style. `stateful=False` leaves out state_dict/load_state_dict, `sized=False` len(): to see trainserve refuse
-    such streams, or ask for train.max_steps."""
+    """scikit-learn's digits (8x8, intensities scaled to [0, 1]): the training split streamed, the
+    validation split map-style. `stateful=False` leaves out state_dict/load_state_dict,
+    `sized=False` len(): to see trainserve refuse such streams, or ask for train.max_steps."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -78,7 +81,8 @@ def digit_stream(
     n_val = int(round(len(y) * val_fraction))
     train_x, train_y = x[order[n_val:]], y[order[n_val:]]
     classes = [str(d) for d in range(10)]
-    # What the model takes from the data (the data contract's model_args): its input shape and normalization.
+    # What the model takes from the data (the data contract's model_args): its input shape and
+    # normalization.
     model_args = {
         "in_channels": 1,
         "image_size": 8,

@@ -1,7 +1,8 @@
-"""A model zoo with timm's factory shape: `create_model(model_name, pretrained=False, **kwargs)`, the
-keyword arguments (num_classes, in_chans, ...) passed on to the named architecture. trainserve fills
-`num_classes` from the training set's classes through **kwargs, as it would for `timm:create_model`
-(timm itself needs torchvision, whose PyPI wheels are CUDA builds: see the README)."""
+"""A model zoo with timm's factory shape: `create_model(model_name, pretrained=False, **kwargs)`,
+the keyword arguments (num_classes, in_chans, ...) passed on to the named architecture. trainserve
+fills `num_classes` from the training set's classes through **kwargs, as it would for
+`timm:create_model` (timm itself needs torchvision, whose PyPI wheels are CUDA builds: see the
+README)."""
 
 from __future__ import annotations
 

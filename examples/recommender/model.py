@@ -1,11 +1,12 @@
-"""A recommender-shaped model whose weights are almost all one large embedding table, cheap to compute:
-a bag of item ids -> the mean of their embeddings -> a small MLP -> click / no click.
+"""A recommender-shaped model whose weights are almost all one large embedding table, cheap to
+compute: a bag of item ids -> the mean of their embeddings -> a small MLP -> click / no click.
 
-The table is held as `blocks` row blocks (item ids [0, rows/blocks) in the first, and so on), each an
-`ItemBlock`, so that FSDP2 shards it as that many units (pipeline/distributed/parallelize.py picks the
-repeated class of the largest ModuleList): a rank then all-gathers, and holds the dense gradient of, a few
-blocks at a time instead of the whole table. Row-wise blocks are what recommender libraries (TorchRec's
-row-wise sharding) do for the same reason. The graph is plain Gather/Mul/Add: any ONNX runtime runs it.
+The table is held as `blocks` row blocks (item ids [0, rows/blocks) in the first, and so on), each
+an `ItemBlock`, so that FSDP2 shards it as that many units (pipeline/distributed/parallelize.py
+picks the repeated class of the largest ModuleList): a rank then all-gathers, and holds the dense
+gradient of, a few blocks at a time instead of the whole table. Row-wise blocks are what recommender
+libraries (TorchRec's row-wise sharding) do for the same reason. The graph is plain Gather/Mul/Add:
+any ONNX runtime runs it.
 """
 
 from __future__ import annotations
@@ -15,24 +16,26 @@ from torch import nn
 
 
 class ItemBlock(nn.Module):
-    """Rows [first, first + rows) of the table: adds the embeddings of the ids it holds to the running sum.
+    """Rows [first, first + rows) of the table: adds the embeddings of the ids it holds to the
+    running sum.
 
-    The sum is passed through every block on purpose: FSDP2 reduce-scatters a unit's gradient (and frees its
-    gathered weights) when the gradient reaches the unit's inputs, and a lookup's only input, the ids, takes
-    none; a block fed ids alone would keep its gathered weights and dense gradient until the end of the whole
-    backward, every block at once (2 x the table per rank). Fed the sum, each block is done as soon as its own
-    backward is, and only the first block waits for the end."""
+    The sum is passed through every block on purpose: FSDP2 reduce-scatters a unit's gradient (and
+    frees its gathered weights) when the gradient reaches the unit's inputs, and a lookup's only
+    input, the ids, takes none; a block fed ids alone would keep its gathered weights and dense
+    gradient until the end of the whole backward, every block at once (2 x the table per rank). Fed
+    the sum, each block is done as soon as its own backward is, and only the first block waits for
+    the end."""
 
     def __init__(self, first: int, rows: int, dim: int):
         super().__init__()
         self.first, self.rows = first, rows
         self.embedding = nn.Embedding(rows, dim)
-        nn.init.normal_(
-            self.embedding.weight, std=0.05
-        )  # near zero: the head learns faster from a small table
+        # near zero: the head learns faster from a small table
+        nn.init.normal_(self.embedding.weight, std=0.05)
 
     def forward(self, items: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        # Ids of other blocks are clamped to a row of this one and zeroed: every block runs on every batch.
+        # Ids of other blocks are clamped to a row of this one and zeroed: every block runs on every
+        # batch.
         local = items - self.first
         mine = (local >= 0) & (local < self.rows)
         rows = self.embedding(local.clamp(0, self.rows - 1)) * mine.unsqueeze(-1).to(

@@ -1,6 +1,6 @@
 """scikit-learn's wine data (178 wines, 13 measurements; it ships with scikit-learn) as a two-target
-problem: which of 3 cultivars a wine is, and its alcohol content. Inputs are the other 12 measurements,
-standardized; the target is a dict {"cultivar": int64, "alcohol": float32}."""
+problem: which of 3 cultivars a wine is, and its alcohol content. Inputs are the other 12
+measurements, standardized; the target is a dict {"cultivar": int64, "alcohol": float32}."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-ALCOHOL = 0  # the first of scikit-learn's wine features
+# the first of scikit-learn's wine features
+ALCOHOL = 0
 
 
 class Wines(Dataset):
@@ -37,7 +38,8 @@ def wine(val_fraction: float = 0.25, seed: int = 0) -> dict[str, Wines]:
     mean, std = features[train].mean(0), features[train].std(0)
     scaled = (features - mean) / std
     train_set = Wines(scaled[train], y[train], alcohol[train])
-    train_set.classes = [str(c) for c in data.target_names]  # a hint for the model: num_classes
+    # a hint for the model: num_classes
+    train_set.classes = [str(c) for c in data.target_names]
     train_set.model_args = {
         "in_features": scaled.shape[1],
         "alcohol_mean": float(alcohol[train].mean()),

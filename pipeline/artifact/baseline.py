@@ -1,10 +1,11 @@
-"""The baseline gate: the exported model must be clearly better, on the validation split, than the task's trivial
-predictor (the most frequent class, the targets' mean: `task.baseline`), or export registers nothing unless told
-(export.allow_below_baseline). A model at chance level once became @champion because it was the first.
+"""The baseline gate: the exported model must be clearly better, on the validation split, than the
+task's trivial predictor (the most frequent class, the targets' mean: `task.baseline`), or export
+registers nothing unless told (export.allow_below_baseline). A model at chance level once became
+@champion because it was the first.
 
-A model with BatchNorm layers whose running statistics have not settled scores well with batch statistics and
-poorly in eval mode (which is what is exported and served); when such a model falls below the baseline, the gate
-measures it both ways and says so.
+A model with BatchNorm layers whose running statistics have not settled scores well with batch
+statistics and poorly in eval mode (which is what is exported and served); when such a model falls
+below the baseline, the gate measures it both ways and says so.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from pipeline.artifact import gates
 
 
 def gate(task, state: dict, export_cfg, head: torch.nn.Module, val) -> dict[str, Any] | None:
-    """The gate's record, from the exported model's validation `state` (None where the task knows no baseline)."""
+    """The gate's record, from the exported model's validation `state` (None where the task knows no
+    baseline)."""
     found = task.baseline(state)
     if found is None:
         return None
     value, base, metric = task.metrics(state)[task.primary], found["value"], task.primary
     margin = export_cfg.baseline_margin
-    if (
-        task.mode == "max"
-    ):  # a fraction's margin shrinks near 1: past 95% for one class, half the headroom left
+    # a fraction's margin shrinks near 1: past 95% for one class, half the headroom left
+    if task.mode == "max":
         needed = min(base + margin, base + (1 - base) / 2) if 0 <= base <= 1 else base + margin
     else:
         needed = base * (1 - margin)
@@ -69,8 +70,8 @@ def gate(task, state: dict, export_cfg, head: torch.nn.Module, val) -> dict[str,
 
 
 def batch_statistics(task, head: torch.nn.Module, val) -> float | None:
-    """The primary metric of a copy of the model whose BatchNorm layers normalize with each batch's own statistics
-    (None for a model without BatchNorm)."""
+    """The primary metric of a copy of the model whose BatchNorm layers normalize with each batch's
+    own statistics (None for a model without BatchNorm)."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     from pipeline.components.data import eval_loader
@@ -86,12 +87,10 @@ def batch_statistics(task, head: torch.nn.Module, val) -> float | None:
     model_outputs = [n for n in trial.output_names if n not in task.derived]
     with torch.no_grad():
         for inputs, target in eval_loader(val, gates.VAL_BATCH):
-            feeds = gates.feeds_of(
-                inputs
-            )  # (gates.run_torch would put the BatchNorm layers back in eval mode)
-            if (
-                len(target) < 2
-            ):  # a batch of one has no statistics to normalize with (BatchNorm refuses it)
+            # (gates.run_torch would put the BatchNorm layers back in eval mode)
+            feeds = gates.feeds_of(inputs)
+            # a batch of one has no statistics to normalize with (BatchNorm refuses it)
+            if len(target) < 2:
                 continue
             out = dict(
                 zip(

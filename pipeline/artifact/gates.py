@@ -5,17 +5,17 @@ Each gate returns a dict that goes as-is into `export_report.json`:
 and `metrics(report)` flattens the numbers for MLflow. A gate never raises on a bad model: it
 measures and says by how much it missed, so the report explains every failure.
 
-Parity is measured on real validation inputs against the PyTorch model, through the same `ExportHead`
-the graph was exported from. Every output the model returns (each named: `logits`, `prediction`, a
-dict's keys, `output_0`...) is held to an allclose-style limit whose relative part is taken per sample
-against that sample's largest magnitude: an element-wise ratio explodes on values that happen to sit
-near zero and would fail for nothing. Outputs a task adds (`probabilities`) are reported (and limited
-for the fp16 variant), and where the task decides by an argmax over axis 1 (a class per sample or
-per pixel) the decisions must agree.
+Parity is measured on real validation inputs against the PyTorch model, through the same
+`ExportHead` the graph was exported from. Every output the model returns (each named: `logits`,
+`prediction`, a dict's keys, `output_0`...) is held to an allclose-style limit whose relative part
+is taken per sample against that sample's largest magnitude: an element-wise ratio explodes on
+values that happen to sit near zero and would fail for nothing. Outputs a task adds
+(`probabilities`) are reported (and limited for the fp16 variant), and where the task decides by an
+argmax over axis 1 (a class per sample or per pixel) the decisions must agree.
 
-An image model's recorded preprocessing (how a server turns an image file into its input) is proven on the
-validation split's own image files: decoded and transformed as a server does, they give the tensors training fed
-the model (`preprocessing`).
+An image model's recorded preprocessing (how a server turns an image file into its input) is proven
+on the validation split's own image files: decoded and transformed as a server does, they give the
+tensors training fed the model (`preprocessing`).
 
 The task's primary metric is computed on the whole validation split twice, through onnxruntime and
 through PyTorch, streaming batch by batch (the split need not fit in memory), and the two must agree
@@ -40,33 +40,33 @@ from pipeline.errors import DataError
 from pipeline.tools.logs import clip, first_line
 
 PARITY_BATCHES = (1, 7, 64)
-# The served transform of an image file against training's tensor (the same float32 computation, in numpy both
-# times: 0 but for a library that rounds otherwise).
+# The served transform of an image file against training's tensor (the same float32 computation, in
+# numpy both times: 0 but for a library that rounds otherwise).
 PREPROCESSING_ATOL = 1e-6
 VAL_BATCH = 64
 # fp16 keeps ~3 decimal digits: outputs of magnitude ~10 move by ~1e-2, so the fp16 variant's first
 # output is held to scaled limits; a classifier's probabilities and decisions carry its gate.
 FP16_PROB_ATOL = 1e-2
 FP16_MIN_AGREEMENT = 0.99
-FP16_ACCURACY_PP = (
-    1.0  # at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
-)
-FP16_METRIC_RTOL = (
-    1e-2  # at least this much room on another task's metric (export.metric_rtol if larger)
-)
-FP16_LOGIT_SCALE = (100, 10)  # export.atol and export.rtol are multiplied by these for fp16 outputs
-# int8 moves every output by whole quantization steps (~1% of a tensor's range per layer, compounding): outputs
-# are held to these multiples of export.atol/rtol, and the task's metric to its own int8 tolerance.
+# at least this much room on accuracy (export.accuracy_tolerance_pp if larger)
+FP16_ACCURACY_PP = 1.0
+# at least this much room on another task's metric (export.metric_rtol if larger)
+FP16_METRIC_RTOL = 1e-2
+# export.atol and export.rtol are multiplied by these for fp16 outputs
+FP16_LOGIT_SCALE = (100, 10)
+# int8 moves every output by whole quantization steps (~1% of a tensor's range per layer,
+# compounding): outputs are held to these multiples of export.atol/rtol, and the task's metric to
+# its own int8 tolerance.
 INT8_LOGIT_SCALE = (1000, 100)
 
 
 def session(model: onnx.ModelProto | str | Path, providers: list | None = None, threads: int = 0):
-    """An onnxruntime session; CPU unless told otherwise. `providers` as onnxruntime takes them: names, or
-    (name, options) pairs.
+    """An onnxruntime session; CPU unless told otherwise. `providers` as onnxruntime takes them:
+    names, or (name, options) pairs.
 
-    onnxruntime creates the session on the next provider when one fails to load, and retries a run that
-    fails in a provider on the CPU for good; a gate must know what it measured, so the second is switched
-    off here and the first is checked by `provider_gate`."""
+    onnxruntime creates the session on the next provider when one fails to load, and retries a run
+    that fails in a provider on the CPU for good; a gate must know what it measured, so the second
+    is switched off here and the first is checked by `provider_gate`."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -79,8 +79,9 @@ def session(model: onnx.ModelProto | str | Path, providers: list | None = None, 
 
 
 def provider_gate(sess, asked: str) -> dict:
-    """Whether `sess` runs on the provider `asked` for (its `get_providers()[0]`): a gate, which fails when
-    onnxruntime fell back to another provider: numbers measured there would certify nothing about `asked`."""
+    """Whether `sess` runs on the provider `asked` for (its `get_providers()[0]`): a gate, which
+    fails when onnxruntime fell back to another provider: numbers measured there would certify
+    nothing about `asked`."""
     ran = sess.get_providers()[0]
     if ran != asked:
         return {
@@ -104,10 +105,10 @@ def check_model(path: Path) -> dict:
 
 
 def preprocessing(onnx_path: Path, val) -> dict[str, dict]:
-    """{"preprocessing": gate} for a file that records how an image file becomes its input (serving/images.py):
-    the validation split's own image files (its `source_images()`), decoded and transformed as a server of this
-    file does, must give the tensors training fed the model for those samples, within PREPROCESSING_ATOL. {} for a
-    file that records none."""
+    """{"preprocessing": gate} for a file that records how an image file becomes its input
+    (serving/images.py): the validation split's own image files (its `source_images()`), decoded and
+    transformed as a server of this file does, must give the tensors training fed the model for
+    those samples, within PREPROCESSING_ATOL. {} for a file that records none."""
     from serving import images
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -189,7 +190,8 @@ def run_onnx(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The PyTorch reference on `feeds`: every output of the graph (`head.output_names`), as numpy."""
+    """The PyTorch reference on `feeds`: every output of the graph (`head.output_names`), as
+    numpy."""
     head.eval()
     outputs = head(*(torch.from_numpy(np.array(feeds[n])) for n in head.input_names))
     return {
@@ -201,9 +203,10 @@ def run_torch(head: torch.nn.Module, feeds: dict[str, np.ndarray]) -> dict[str, 
 class ParityStats:
     """Differences between ONNX and PyTorch outputs, per output, accumulated over batches.
 
-    Every output the model returns is held to atol/rtol; the ones a task derives in the graph (`derived`:
-    probabilities) are reported and limited by `prob_atol` only; the decision output's argmax over axis 1
-    (a class per sample, or per pixel) must agree on at least `min_agreement` of its positions."""
+    Every output the model returns is held to atol/rtol; the ones a task derives in the graph
+    (`derived`: probabilities) are reported and limited by `prob_atol` only; the decision output's
+    argmax over axis 1 (a class per sample, or per pixel) must agree on at least `min_agreement` of
+    its positions."""
 
     def __init__(self, names, derived=(), decision: str | None = None):
         self.derived = [n for n in derived if n in names]
@@ -224,9 +227,8 @@ class ParityStats:
         rtol: float,
     ) -> None:
         n = len(next(iter(ref_out.values())))
-        bad = np.zeros(
-            n, dtype=bool
-        )  # a sample counts once, however many of its outputs are NaN/Inf
+        # a sample counts once, however many of its outputs are NaN/Inf
+        bad = np.zeros(n, dtype=bool)
         for v in onnx_out.values():
             if np.issubdtype(v.dtype, np.floating):
                 bad |= (~np.isfinite(_rows(v))).any(axis=1)
@@ -258,9 +260,10 @@ class ParityStats:
         stats["max_rel"] = max(
             stats["max_rel"], float(np.nanmax(diff / scale)) if finite else np.inf
         )
-        # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|). Either
-        # limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and near-zero
-        # values make any relative measure explode. NaN counts as a miss (it compares false).
+        # allclose-style, per element: |diff| <= atol + rtol * (the sample's largest |value|).
+        # Either limit alone is wrong: logits of 180 legitimately differ by 1e-4 in fp32, and
+        # near-zero values make any relative measure explode. NaN counts as a miss (it compares
+        # false).
         excess = np.where(np.isnan(diff), np.inf, diff - (atol + rtol * scale))
         batch_worst = float(excess.max())
         if batch_worst > stats["max_excess"]:
@@ -350,12 +353,13 @@ def compare(
 def parity_batches(
     val, dynamic_axes: dict[str, list[int]], head: torch.nn.Module, sizes=PARITY_BATCHES
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict]]:
-    """The inputs parity is checked on, by gate name: the first validation samples at each batch size
-    (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7 cut to a
-    shorter length and tiled to a longer one (axes of equal length change together: a token axis and its
-    mask). A length the PyTorch model itself can't run (positions past its maximum) is replaced by
-    another shorter one. An axis declared dynamic that the PyTorch model can't run at two other lengths
-    is a failed gate (returned second): the graph would claim to take lengths it was never checked on."""
+    """The inputs parity is checked on, by gate name: the first validation samples at each batch
+    size (cycling through a split smaller than the batch), and for each dynamic axis the batch of 7
+    cut to a shorter length and tiled to a longer one (axes of equal length change together: a token
+    axis and its mask). A length the PyTorch model itself can't run (positions past its maximum) is
+    replaced by another shorter one. An axis declared dynamic that the PyTorch model can't run at
+    two other lengths is a failed gate (returned second): the graph would claim to take lengths it
+    was never checked on."""
     batches = {f"b{size}": feeds_of(first_batch(val, size)[0]) for size in sizes}
     failed: dict[str, dict] = {}
     base = batches.get("b7") or next(iter(batches.values()))
@@ -383,7 +387,8 @@ def parity_batches(
                 }
                 try:
                     run_torch(head, feeds)
-                except Exception as exc:  # noqa: BLE001 - the model's own limit (max positions): try another length
+                except Exception as exc:  # noqa: BLE001
+                    # the model's own limit (max positions): try another length
                     errors.append(
                         f"{other}: {type(exc).__name__}: {clip(str(exc).splitlines()[0], 120)}"
                         if str(exc)
@@ -407,10 +412,11 @@ def parity_batches(
 
 
 def rows_independent(head: torch.nn.Module, batches, atol: float, rtol: float) -> dict:
-    """Whether the model's rows are its samples' own, which the server's batching rests on: at each parity batch
-    size (b1, b7, b64: the first validation samples, so a smaller batch is the first rows of a larger one), every
-    output's first axis is the batch size, and a smaller batch's outputs are the larger one's first rows within
-    atol/rtol. Checked on the PyTorch model; the parity gates hold the graph to it at each of those sizes."""
+    """Whether the model's rows are its samples' own, which the server's batching rests on: at each
+    parity batch size (b1, b7, b64: the first validation samples, so a smaller batch is the first
+    rows of a larger one), every output's first axis is the batch size, and a smaller batch's
+    outputs are the larger one's first rows within atol/rtol. Checked on the PyTorch model; the
+    parity gates hold the graph to it at each of those sizes."""
     sizes = sorted(int(label[1:]) for label in batches if re.fullmatch(r"b[0-9]+", label))
     outputs = {size: run_torch(head, batches[f"b{size}"]) for size in sizes}
     misses = [
@@ -458,7 +464,8 @@ def parity(
     for label, feeds in batches.items():
         try:
             got = run_onnx(sess, feeds)
-        except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are untyped: a failing gate
+        except Exception as exc:  # noqa: BLE001
+            # onnxruntime's errors are untyped: a failing gate
             gates[f"parity.{label}"] = {"passed": False, "message": _ort_failure(exc, feeds)}
             continue
         gates[f"parity.{label}"] = compare(
@@ -485,9 +492,10 @@ def validation(
     kept: dict | None = None,
     **limits,
 ) -> dict[str, dict]:
-    """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by side,
-    a batch at a time, the task's metrics computed from each side's outputs. `kept`: given, it gets the ONNX
-    side's metric state ("onnx"), from which export draws the exported model's figure."""
+    """`parity.val` over the whole split and the task's metric gate: onnxruntime and PyTorch side by
+    side, a batch at a time, the task's metrics computed from each side's outputs. `kept`: given, it
+    gets the ONNX side's metric state ("onnx"), from which export draws the exported model's
+    figure."""
     from pipeline.components.data import eval_loader
 
     stats = ParityStats(head.output_names, task.derived, task.decision)
@@ -515,15 +523,17 @@ def validation(
     gate = task.metric_gate(
         task.metrics(onnx_state), task.metrics(torch_state), metric_tolerance, metric_atol
     )
+    # primary: known once measured
     return {
         "parity.val": stats.result(atol, rtol, **limits),
         task.primary: gate,
-    }  # primary: known once measured
+    }
 
 
 def metric_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:
-    """The limits of a task gated on a relative metric (regression, custom): export.metric_rtol, at least
-    FP16_METRIC_RTOL for fp16, export.int8_metric_rtol for int8 (outputs within INT8_LOGIT_SCALE x atol/rtol)."""
+    """The limits of a task gated on a relative metric (regression, custom): export.metric_rtol, at
+    least FP16_METRIC_RTOL for fp16, export.int8_metric_rtol for int8 (outputs within
+    INT8_LOGIT_SCALE x atol/rtol)."""
     if variant == "int8":
         return {
             "atol": export_cfg.atol * INT8_LOGIT_SCALE[0],
@@ -536,7 +546,8 @@ def metric_gate_limits(export_cfg, variant: str = "fp32") -> dict[str, Any]:
 
 
 def points_gate(name: str, got: float, ref: float, tolerance: float) -> dict:
-    """A fraction (accuracy, mean IoU) through onnxruntime vs PyTorch, within `tolerance` percentage points."""
+    """A fraction (accuracy, mean IoU) through onnxruntime vs PyTorch, within `tolerance` percentage
+    points."""
     gap = abs(got - ref) * 100
     passed = gap <= tolerance + 1e-9
     return {
@@ -554,7 +565,8 @@ def points_gate(name: str, got: float, ref: float, tolerance: float) -> dict:
 
 
 def relative_gate(name: str, got: float, ref: float, tolerance: float, atol: float = 0.0) -> dict:
-    """Any other metric through onnxruntime vs PyTorch, within `atol` + `tolerance` x |PyTorch's|."""
+    """Any other metric through onnxruntime vs PyTorch, within `atol` + `tolerance` x
+    |PyTorch's|."""
     difference = abs(got - ref)
     limit = atol + tolerance * abs(ref)
     passed = bool(difference <= limit and np.isfinite(got))
@@ -593,7 +605,8 @@ def _ort_failure(exc: Exception, feeds: dict[str, np.ndarray]) -> str:
 
 def ort_optimize(source: Path, destination: Path) -> Path:
     """onnxruntime's offline graph optimization, saved. EXTENDED fusions are tuned for the provider
-    they ran with (CPU here): serve the optimized file with that provider, the plain one elsewhere."""
+    they ran with (CPU here): serve the optimized file with that provider, the plain one
+    elsewhere."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -604,7 +617,8 @@ def ort_optimize(source: Path, destination: Path) -> Path:
 
 
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """fp16 weights and compute for GPU serving; inputs and outputs stay fp32 (casts at the edges)."""
+    """fp16 weights and compute for GPU serving; inputs and outputs stay fp32 (casts at the
+    edges)."""
     import onnx_ir as ir
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -617,8 +631,9 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def headline(gates: dict[str, dict]) -> dict[str, float]:
-    """The few gate figures a person reads on the run's page: passed, how many gates failed, the validation split's
-    parity, and the task's metric on both sides. Every figure of every gate is in the table (`table`)."""
+    """The few gate figures a person reads on the run's page: passed, how many gates failed, the
+    validation split's parity, and the task's metric on both sides. Every figure of every gate is in
+    the table (`table`)."""
     out = {
         "export.passed": float(all(g["passed"] for g in gates.values())),
         "export.failed_gates": float(sum(not g["passed"] for g in gates.values())),
@@ -627,10 +642,11 @@ def headline(gates: dict[str, dict]) -> dict[str, float]:
     for key in ("max_abs", "argmax_agreement"):
         if _number(val.get(key)):
             out[f"export.parity.val.{key}"] = float(val[key])
+    # the task's metric gate ("accuracy", "rmse", ...; not a variant's)
     for (
         name,
         gate,
-    ) in gates.items():  # the task's metric gate ("accuracy", "rmse", ...; not a variant's)
+    ) in gates.items():
         if "." not in name and name != "checker":
             out |= {
                 f"export.{name}.{key}": float(v)
@@ -641,8 +657,9 @@ def headline(gates: dict[str, dict]) -> dict[str, float]:
 
 
 def table(gates: dict[str, dict], prefix: str = "") -> list[dict[str, Any]]:
-    """Every gate and every number it measured, a row each (gate, passed, figure, value): the run's one table of
-    gate figures (tracking.log_table), where single-value metrics would be dozens of one-bar charts."""
+    """Every gate and every number it measured, a row each (gate, passed, figure, value): the run's
+    one table of gate figures (tracking.log_table), where single-value metrics would be dozens of
+    one-bar charts."""
     rows = []
     for name, gate in gates.items():
         figures = [(key, value) for key, value in gate.items() if _number(value)]

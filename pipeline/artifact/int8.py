@@ -1,20 +1,22 @@
 """The int8 variant: the gated fp32 graph quantized with onnxruntime.quantization, for CPU serving.
 
-Two kinds (export.int8): `static` quantizes weights and activations, the activations' ranges calibrated once
-on training samples; right for convolutions, whose activations are large and whose speed-up needs int8 on
-both sides. `dynamic` quantizes weights ahead and each activation per batch at run time; right for
-linear-heavy graphs (transformers, MLPs), where activation ranges vary from input to input. `auto` picks by
-the graph: a Conv present -> static, else dynamic.
+Two kinds (export.int8): `static` quantizes weights and activations, the activations' ranges
+calibrated once on training samples; right for convolutions, whose activations are large and whose
+speed-up needs int8 on both sides. `dynamic` quantizes weights ahead and each activation per batch
+at run time; right for linear-heavy graphs (transformers, MLPs), where activation ranges vary from
+input to input. `auto` picks by the graph: a Conv present -> static, else dynamic.
 
 Settings are those onnxruntime recommends for x86 CPUs without VNNI (AVX2: what users have): uint8
-activations, int8 weights per channel, weights in 7 bits (`reduce_range`): AVX2's u8 x s8 multiply-add
-(vpmaddubsw) saturates its int16 sums with full-range weights, and 7 bits rule that out. QDQ format: the CPU
-provider fuses each DequantizeLinear -> op -> QuantizeLinear into one int8 kernel.
+activations, int8 weights per channel, weights in 7 bits (`reduce_range`): AVX2's u8 x s8
+multiply-add (vpmaddubsw) saturates its int16 sums with full-range weights, and 7 bits rule that
+out. QDQ format: the CPU provider fuses each DequantizeLinear -> op -> QuantizeLinear into one int8
+kernel.
 
-When a gate fails, `sensitivity` ranks the quantized nodes by the error each adds (its output's error against
-fp32, per channel, less its nearest quantized ancestors'), and the export keeps the worst ones in float with
-the nodes that produce their inputs (`nodes_to_exclude`: in QDQ a producer quantizes its output for every
-consumer) and tries again, a bounded number of rounds; the report names what was kept in float.
+When a gate fails, `sensitivity` ranks the quantized nodes by the error each adds (its output's
+error against fp32, per channel, less its nearest quantized ancestors'), and the export keeps the
+worst ones in float with the nodes that produce their inputs (`nodes_to_exclude`: in QDQ a producer
+quantizes its output for every consumer) and tries again, a bounded number of rounds; the report
+names what was kept in float.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ log = logging.getLogger("pipeline.int8")
 
 FILE = "model.int8.onnx"
 REJECTED = "model.int8.rejected.onnx"
-# The nodes that carry a graph's arithmetic, and what quantization replaces: the candidates for exclusion.
+# The nodes that carry a graph's arithmetic, and what quantization replaces: the candidates for
+# exclusion.
 QUANTIZED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 CALIBRATION_BATCH = 32
 
@@ -51,8 +54,8 @@ def choose_mode(model: onnx.ModelProto, asked: str) -> str:
 
 
 def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
-    """`samples` training samples spread evenly over the split (a split may be ordered by class: its first
-    samples would calibrate on one class), as batches of feeds."""
+    """`samples` training samples spread evenly over the split (a split may be ordered by class: its
+    first samples would calibrate on one class), as batches of feeds."""
     from pipeline.components.data import spread_sample
 
     return [
@@ -62,8 +65,9 @@ def calibration_feeds(train, samples: int) -> list[dict[str, np.ndarray]]:
 
 
 def prepare(source: Path, destination: Path) -> Path:
-    """onnxruntime's pre-processing for quantization: shape inference and graph optimization (BatchNorm folded
-    into its Conv, so that each Conv quantizes as one node). Node names in it are what exclusions name."""
+    """onnxruntime's pre-processing for quantization: shape inference and graph optimization
+    (BatchNorm folded into its Conv, so that each Conv quantizes as one node). Node names in it are
+    what exclusions name."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     quant_pre_process(str(source), str(destination), skip_symbolic_shape=True)
@@ -78,8 +82,8 @@ def quantize(
     exclude: list[str],
     metadata: dict[str, str],
 ) -> Path:
-    """`prepared` quantized to `destination`, the nodes in `exclude` kept in float; the fp32 file's metadata
-    (model name, labels, lineage) copied over: the server names what it serves from it."""
+    """`prepared` quantized to `destination`, the nodes in `exclude` kept in float; the fp32 file's
+    metadata (model name, labels, lineage) copied over: the server names what it serves from it."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -121,7 +125,8 @@ def quantize(
         )
     model = onnx.load(str(destination))
     onnx.helper.set_model_props(model, metadata)
-    onnx_export.save(model, destination)  # the one writer of ONNX files: a data file past 2 GB
+    # the one writer of ONNX files: a data file past 2 GB
+    onnx_export.save(model, destination)
     return destination
 
 
@@ -136,9 +141,10 @@ def candidates(prepared: onnx.ModelProto, exclude: list[str]) -> list[onnx.NodeP
 def sensitivity(
     prepared_path: Path, quantized_path: Path, feeds: dict[str, np.ndarray], exclude: list[str]
 ) -> list[dict]:
-    """The quantized nodes, most harmful first: for each, the error (`channel_error`, against fp32 on `feeds`) of
-    its output as the next nodes see it, less the largest of its nearest quantized ancestors'. Errors compound
-    down the graph; the difference is what this node's own quantization added."""
+    """The quantized nodes, most harmful first: for each, the error (`channel_error`, against fp32
+    on `feeds`) of its output as the next nodes see it, less the largest of its nearest quantized
+    ancestors'. Errors compound down the graph; the difference is what this node's own quantization
+    added."""
     prepared, quantized = onnx.load(str(prepared_path)), onnx.load(str(quantized_path))
     nodes = candidates(prepared, exclude)
     pairs = _measured(nodes, prepared, quantized)
@@ -166,15 +172,17 @@ def sensitivity(
 
 
 def channel_error(got: np.ndarray, ref: np.ndarray) -> float:
-    """The mean over channels (axis 1) of each channel's relative L2 error. Per channel, not over the whole
-    tensor: one channel of large values (an outlier) sets the tensor's one quantization scale and dominates
-    its norm, while every other channel is rounded away: a whole-tensor error would call that small."""
+    """The mean over channels (axis 1) of each channel's relative L2 error. Per channel, not over
+    the whole tensor: one channel of large values (an outlier) sets the tensor's one quantization
+    scale and dominates its norm, while every other channel is rounded away: a whole-tensor error
+    would call that small."""
     ref = ref.astype(np.float64)
     got = got.astype(np.float64)
     if ref.ndim < 2:
         return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12))
     axes = (0, *range(2, ref.ndim))
-    floor = 1e-6 * max(np.linalg.norm(ref), 1e-12)  # a dead channel (all 0) is not infinitely wrong
+    # a dead channel (all 0) is not infinitely wrong
+    floor = 1e-6 * max(np.linalg.norm(ref), 1e-12)
     per = np.sqrt(((got - ref) ** 2).sum(axis=axes)) / np.maximum(
         np.sqrt((ref**2).sum(axis=axes)), floor
     )
@@ -182,9 +190,9 @@ def channel_error(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def with_producers(prepared: onnx.ModelProto, nodes: list[str], quantized: set[str]) -> list[str]:
-    """`nodes` and the nearest quantized nodes that produce their inputs (through ops that are not quantized
-    here: a Relu, a Reshape). In QDQ a producer quantizes its output for every consumer: a node's input stays
-    float only when its producer is kept in float too."""
+    """`nodes` and the nearest quantized nodes that produce their inputs (through ops that are not
+    quantized here: a Relu, a Reshape). In QDQ a producer quantizes its output for every consumer: a
+    node's input stays float only when its producer is kept in float too."""
     producer = {o: n for n in prepared.graph.node for o in n.output}
     by_name = {n.name: n for n in prepared.graph.node}
     out = list(nodes)
@@ -207,9 +215,10 @@ def with_producers(prepared: onnx.ModelProto, nodes: list[str], quantized: set[s
 def _measured(
     nodes, prepared: onnx.ModelProto, quantized: onnx.ModelProto
 ) -> dict[str, tuple[str, str]]:
-    """node -> (its output in the fp32 graph, the same value in the int8 graph). Quantization keeps node names
-    but may rename outputs: a Relu after a Conv is folded into its quantized range (the Conv then produces the
-    Relu's output, compared with the fp32 Relu's), and an output feeding a QuantizeLinear gets a suffix."""
+    """node -> (its output in the fp32 graph, the same value in the int8 graph). Quantization keeps
+    node names but may rename outputs: a Relu after a Conv is folded into its quantized range (the
+    Conv then produces the Relu's output, compared with the fp32 Relu's), and an output feeding a
+    QuantizeLinear gets a suffix."""
     in_fp32 = {o for n in prepared.graph.node for o in n.output}
     by_name = {n.name: n for n in quantized.graph.node}
     consumers: dict[str, list] = {}
@@ -222,8 +231,8 @@ def _measured(
         if q is None or not q.output:
             continue
         out = seen = q.output[0]
-        # The value the next nodes see: after its QuantizeLinear -> DequantizeLinear (which also applies a folded
-        # Relu: the quantized range starts at 0), when quantization put one there.
+        # The value the next nodes see: after its QuantizeLinear -> DequantizeLinear (which also
+        # applies a folded Relu: the quantized range starts at 0), when quantization put one there.
         qz = [c for c in consumers.get(out, []) if c.op_type == "QuantizeLinear"]
         dq = (
             [c for c in consumers.get(qz[0].output[0], []) if c.op_type == "DequantizeLinear"]
@@ -237,7 +246,8 @@ def _measured(
 
 
 def _nearest(model: onnx.ModelProto, marked: set[str]) -> dict[str, set[str]]:
-    """For each node named in `marked`, the marked nodes met first walking up the graph from its inputs."""
+    """For each node named in `marked`, the marked nodes met first walking up the graph from its
+    inputs."""
     producer = {o: n for n in model.graph.node for o in n.output}
     found: dict[str, set[str]] = {}
     for node in model.graph.node:
@@ -260,7 +270,8 @@ def _nearest(model: onnx.ModelProto, marked: set[str]) -> dict[str, set[str]]:
 def _intermediates(
     model: onnx.ModelProto, names: list[str], feeds: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """The values of the tensors `names` (those the graph computes) on `feeds`: each made a graph output."""
+    """The values of the tensors `names` (those the graph computes) on `feeds`: each made a graph
+    output."""
     produced = {o for n in model.graph.node for o in n.output}
     wanted = [t for t in names if t in produced]
     known = {v.name: v for v in model.graph.value_info}
@@ -273,7 +284,8 @@ def _intermediates(
 
 
 def images_per_second(engine, feeds: dict[str, np.ndarray], seconds: float) -> float:
-    """Samples per second of `engine` on `feeds` (one batch), run back to back for about `seconds`."""
+    """Samples per second of `engine` on `feeds` (one batch), run back to back for about
+    `seconds`."""
     rows = len(next(iter(feeds.values())))
     engine.run(feeds)
     runs, start = 0, time.perf_counter()
@@ -284,12 +296,12 @@ def images_per_second(engine, feeds: dict[str, np.ndarray], seconds: float) -> f
 
 
 def make_variant(fp32_path: Path, out: Path, ref, batches, cfg, metadata: dict[str, str]) -> dict:
-    """Quantizes the gated fp32 file and gates the result as export gates every variant (rebuild.run_gates,
-    the int8 limits); when a gate fails, keeps the nodes `sensitivity` ranks worst in float and tries again,
-    up to `cfg.int8_exclusion_rounds` more times (1, 2, 4... more nodes each round). Returns the variant's
-    report: passed, mode, path (`model.int8.onnx`, or `model.int8.rejected.onnx` when it failed: no one serves
-    that by accident), the last round's gates, each round's excluded nodes and failures, and the ranking that
-    chose them."""
+    """Quantizes the gated fp32 file and gates the result as export gates every variant
+    (rebuild.run_gates, the int8 limits); when a gate fails, keeps the nodes `sensitivity` ranks
+    worst in float and tries again, up to `cfg.int8_exclusion_rounds` more times (1, 2, 4... more
+    nodes each round). Returns the variant's report: passed, mode, path (`model.int8.onnx`, or
+    `model.int8.rejected.onnx` when it failed: no one serves that by accident), the last round's
+    gates, each round's excluded nodes and failures, and the ranking that chose them."""
     from pipeline.artifact.gates import check_model
     from pipeline.artifact.rebuild import run_gates
 
@@ -362,10 +374,10 @@ def measure(
     rounds: int = 3,
     seconds: float = 0.3,
 ) -> dict:
-    """{variant: {"batch<N>_per_s": samples/s}} for each file on one device, in this process, through the server's
-    own Engine (its session options: threads, no spinning) since the server is what `--variant auto` picks for.
-    Variants are measured in turns, `rounds` times, and the medians kept: other work on the machine then hits
-    each alike."""
+    """{variant: {"batch<N>_per_s": samples/s}} for each file on one device, in this process,
+    through the server's own Engine (its session options: threads, no spinning) since the server is
+    what `--variant auto` picks for. Variants are measured in turns, `rounds` times, and the medians
+    kept: other work on the machine then hits each alike."""
     from serving.engine import Engine, GpuOptions
 
     engines = {

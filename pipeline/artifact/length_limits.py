@@ -1,11 +1,11 @@
-"""Sequence lengths at export: the longest token input the ONNX model is good for, recorded in its metadata
-for the server (serving/lengths.py), and a warning when a token input's length varies in the data but the
-model is exported at one fixed length.
+"""Sequence lengths at export: the longest token input the ONNX model is good for, recorded in its
+metadata for the server (serving/lengths.py), and a warning when a token input's length varies in
+the data but the model is exported at one fixed length.
 
-The limit is the model's position limit when it has one (a position embedding table, or a `max_len`-like
-attribute, as Hugging Face's `config.max_position_embeddings`), else the longest length the parity gate
-proved. Only integer and boolean inputs (tokens, masks) are limited: an image model's dynamic height and
-width are not a sequence with a position table.
+The limit is the model's position limit when it has one (a position embedding table, or a
+`max_len`-like attribute, as Hugging Face's `config.max_position_embeddings`), else the longest
+length the parity gate proved. Only integer and boolean inputs (tokens, masks) are limited: an image
+model's dynamic height and width are not a sequence with a position table.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ POSITION_ATTRIBUTES = (
 
 
 def position_limit(model: torch.nn.Module) -> int | None:
-    """The longest sequence `model` can position, if it says: an attribute (on it or its `config`), else the
-    size of a position embedding table (an nn.Embedding whose name says position)."""
+    """The longest sequence `model` can position, if it says: an attribute (on it or its `config`),
+    else the size of a position embedding table (an nn.Embedding whose name says position)."""
     for holder in (model, getattr(model, "config", None)):
         for name in POSITION_ATTRIBUTES:
             value = getattr(holder, name, None)
@@ -51,7 +51,8 @@ def limits(
     batches: dict[str, dict[str, np.ndarray]],
     dynamic_axes: dict[str, list[int]],
 ) -> dict[str, dict[int, int]]:
-    """{input: {axis: longest}} for the integer and boolean inputs' dynamic axes past the batch axis."""
+    """{input: {axis: longest}} for the integer and boolean inputs' dynamic axes past the batch
+    axis."""
     by_position = position_limit(model)
     found: dict[str, dict[int, int]] = {}
     for name, axes in dynamic_axes.items():
@@ -72,7 +73,8 @@ def record(
     batches: dict[str, dict[str, np.ndarray]],
     dynamic_axes: dict[str, list[int]],
 ) -> bool:
-    """Writes the limits into `onnx_model`'s metadata; True when there were any (the file must be saved again)."""
+    """Writes the limits into `onnx_model`'s metadata; True when there were any (the file must be
+    saved again)."""
     found = limits(model, batches, dynamic_axes)
     if not found:
         return False
@@ -87,9 +89,9 @@ def record(
 
 
 def warn_fixed_lengths(dataset, dynamic_axes: dict[str, list[int]], samples: int = 64) -> list[str]:
-    """A warning for each integer (token) input with no dynamic axis whose length varies across the first
-    `samples` samples, as tensors of different lengths or as padding of different lengths: exported at one
-    length, the model refuses every other. Returns the inputs warned about."""
+    """A warning for each integer (token) input with no dynamic axis whose length varies across the
+    first `samples` samples, as tensors of different lengths or as padding of different lengths:
+    exported at one length, the model refuses every other. Returns the inputs warned about."""
     from pipeline.components.data import named
 
     lengths: dict[str, set[int]] = {}
@@ -117,9 +119,11 @@ def warn_fixed_lengths(dataset, dynamic_axes: dict[str, list[int]], samples: int
 
 
 def _unpadded_length(row: torch.Tensor) -> int:
-    """The length of a 1-D integer row without its trailing padding (a run of its last value, 2 or longer)."""
+    """The length of a 1-D integer row without its trailing padding (a run of its last value, 2 or
+    longer)."""
     values = row.tolist()
     end = len(values)
     while end > 1 and values[end - 2] == values[-1]:
         end -= 1
-    return len(values) if end in (1, len(values)) else end - 1  # a constant row is all content
+    # a constant row is all content
+    return len(values) if end in (1, len(values)) else end - 1

@@ -1,16 +1,19 @@
-"""PyTorch module -> ONNX graph: the exporter part of `pipeline export`, nothing about gates or MLflow.
+"""PyTorch module -> ONNX graph: the exporter part of `pipeline export`, nothing about gates or
+MLflow.
 
 The graph takes the model's named inputs (`input` for a lone tensor, the dict keys otherwise) with
 the dtypes and sample shapes of the validation data, a dynamic batch axis, and the dynamic axes
 `export.dynamic_axes` names; it returns every output of the model by name (a lone tensor as the task
 names it: `logits`, `prediction`, `output`; dict keys and ModelOutput fields as they are; tuples as
 `output_0`, `output_1`, ...) and the outputs the task adds (`probabilities`, the softmax inside the
-graph). Preprocessing that lives in the model (the built-ins' normalization buffers) is in the graph too.
+graph). Preprocessing that lives in the model (the built-ins' normalization buffers) is in the graph
+too.
 
-A graph whose weights pass protobuf's 2 GB limit (or any, with `export.external_data=always`) is written as
-`<file>.onnx` plus its weights in `<file>.onnx.data` beside it (ONNX external data): the exporter streams
-the weights there straight from the module's tensors, so no protobuf ever holds them (pytorch #132205,
-onnxruntime #7974). The two files travel together: `move` renames both, `data_file` names the second.
+A graph whose weights pass protobuf's 2 GB limit (or any, with `export.external_data=always`) is
+written as `<file>.onnx` plus its weights in `<file>.onnx.data` beside it (ONNX external data): the
+exporter streams the weights there straight from the module's tensors, so no protobuf ever holds
+them (pytorch #132205, onnxruntime #7974). The two files travel together: `move` renames both,
+`data_file` names the second.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import torch
 from torch import nn
 
 from pipeline.components.data import forward
-from pipeline.errors import ExportError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import ExportError  # noqa: F401
 from pipeline.tools.logs import clip
 from serving import lineage
 
@@ -42,8 +47,8 @@ EXPORT_BATCH = 2
 class ExportHead(nn.Module):
     """The model as the graph runs it: one positional argument per named input, in `input_names`
     order (a lone tensor, or the dict the model takes as keyword arguments), returning the graph's
-    outputs in `output_names` order (the task's `exported`: the model's, then the task's own). The task
-    must have seen the model's outputs (its probe) first."""
+    outputs in `output_names` order (the task's `exported`: the model's, then the task's own). The
+    task must have seen the model's outputs (its probe) first."""
 
     def __init__(self, model: nn.Module, task, input_names: list[str], single_input: bool):
         super().__init__()
@@ -62,15 +67,19 @@ class ExportHead(nn.Module):
         return tuple(exported[name] for name in self.output_names)
 
 
-# One protobuf holds at most 2 GB (and onnx refuses to serialize past it): weights past this go to a data file.
+# One protobuf holds at most 2 GB (and onnx refuses to serialize past it): weights past this go to a
+# data file.
 EXTERNAL_DATA_ABOVE = 1_800_000_000
 
 
 @dataclass
 class Exported:
-    model: onnx.ModelProto  # the graph as saved; without its weights when they are in a data file
-    exporter: str  # "dynamo" (torch.export + onnxscript) or "torchscript" (legacy fallback)
-    fallback_reason: str  # why dynamo was not used; "" when it was
+    # the graph as saved; without its weights when they are in a data file
+    model: onnx.ModelProto
+    # "dynamo" (torch.export + onnxscript) or "torchscript" (legacy fallback)
+    exporter: str
+    # why dynamo was not used; "" when it was
+    fallback_reason: str
     seconds: float
 
 
@@ -83,12 +92,14 @@ def export(
     path: Path,
     external_data: str = "auto",
 ) -> Exported:
-    """Exports `head` (eval mode, fp32) to `path` with the dynamo exporter, the legacy one only if that fails.
+    """Exports `head` (eval mode, fp32) to `path` with the dynamo exporter, the legacy one only if
+    that fails.
 
     `example`: one batch of real inputs by name; only dtypes and the sizes of fixed axes matter.
     `dynamic_axes`: input name -> axes besides the batch that vary (checked against the inputs).
     `metadata` goes into the graph's metadata_props (the server reads the model name and labels).
-    `external_data`: "always", or "auto" = when the weights pass EXTERNAL_DATA_ABOVE (see the module docstring).
+    `external_data`: "always", or "auto" = when the weights pass EXTERNAL_DATA_ABOVE (see the module
+    docstring).
     """
     from pipeline.components.build import check_dynamic_axes
 
@@ -106,12 +117,12 @@ def export(
             "dynamo",
         )
         exporter, reason = "dynamo", ""
-    except Exception as dynamo_exc:  # noqa: BLE001 - any exporter failure is a reason to try the other one
+    except Exception as dynamo_exc:  # noqa: BLE001
+        # any exporter failure is a reason to try the other one
         reason = _summary(dynamo_exc)
         log.warning("dynamo exporter failed (%s); falling back to the TorchScript exporter", reason)
-        remove_stale(
-            path
-        )  # the dynamo attempt may have written its data file before failing a check
+        # the dynamo attempt may have written its data file before failing a check
+        remove_stale(path)
         try:
             proto = _check_opset(
                 _export_torchscript(head, args, names, output_names, dynamic_axes, opset),
@@ -141,8 +152,9 @@ def export(
 
 
 def remove_stale(path: Path) -> None:
-    """The graph and data file an earlier attempt left at `path`: onnx appends to a data file that is there, so
-    the next save's file would carry the dead bytes too (loading fine, twice the size, hashed and uploaded)."""
+    """The graph and data file an earlier attempt left at `path`: onnx appends to a data file that
+    is there, so the next save's file would carry the dead bytes too (loading fine, twice the size,
+    hashed and uploaded)."""
     for stale in (path, data_path(path)):
         stale.unlink(missing_ok=True)
 
@@ -153,14 +165,14 @@ def weights_size(module: nn.Module) -> int:
 
 
 def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
-    """`proto` to `path`; its weights into `<path>.data` when `external` (or past EXTERNAL_DATA_ABOVE). A graph
-    whose weights are in a data file already (loaded without them) is written as it is, still naming that file."""
+    """`proto` to `path`; its weights into `<path>.data` when `external` (or past
+    EXTERNAL_DATA_ABOVE). A graph whose weights are in a data file already (loaded without them) is
+    written as it is, still naming that file."""
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     if any(uses_external_data(t) for t in _get_all_tensors(proto)):
-        onnx.save_model(
-            proto, str(path)
-        )  # names its data file already (onnx refuses to convert it again)
+        # names its data file already (onnx refuses to convert it again)
+        onnx.save_model(proto, str(path))
         return
     external = external or proto.ByteSize() > EXTERNAL_DATA_ABOVE
     onnx.save_model(
@@ -173,20 +185,20 @@ def save(proto: onnx.ModelProto, path: Path, external: bool = False) -> None:
 
 
 def with_weights(graph: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """`graph` (as saved at `path`) with its weights in memory: itself, or read again with its data file (for
-    the converters that make a variant of it)."""
+    """`graph` (as saved at `path`) with its weights in memory: itself, or read again with its data
+    file (for the converters that make a variant of it)."""
     return onnx.load(str(path)) if data_file(path) else graph
 
 
 def data_path(path: Path) -> Path:
-    """Where the export puts the weights of the graph at `path`: `<file>.onnx.data` beside it (the server's
-    loader, serving.loader.data_file_of, looks there)."""
+    """Where the export puts the weights of the graph at `path`: `<file>.onnx.data` beside it (the
+    server's loader, serving.loader.data_file_of, looks there)."""
     return path.with_name(path.name + ".data")
 
 
 def data_file(path: Path) -> Path | None:
-    """The external data file the ONNX graph at `path` names (beside it), or None when its weights are inline.
-    Reads the graph only, never the weights."""
+    """The external data file the ONNX graph at `path` names (beside it), or None when its weights
+    are inline. Reads the graph only, never the weights."""
     from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
     graph = onnx.load(str(path), load_external_data=False)
@@ -201,8 +213,9 @@ def data_file(path: Path) -> Path | None:
 
 
 def move(src: Path, dst: Path) -> onnx.ModelProto | None:
-    """Renames an ONNX file and its data file together (`dst` and `<dst>.data`), the graph rewritten to name the
-    new data file. Returns the graph as now saved (without its weights) when it has a data file, else None."""
+    """Renames an ONNX file and its data file together (`dst` and `<dst>.data`), the graph rewritten
+    to name the new data file. Returns the graph as now saved (without its weights) when it has a
+    data file, else None."""
     data = data_file(src)
     if data is None:
         src.replace(dst)
@@ -226,7 +239,8 @@ def example_batch(
     example: dict[str, torch.Tensor], dynamic_axes: dict[str, list[int]]
 ) -> dict[str, torch.Tensor]:
     """Rows of `example` as the export's example: EXPORT_BATCH rows or more, a count no dynamic axis
-    has as its length (torch.export assumes dynamic sizes that are equal in the example are equal)."""
+    has as its length (torch.export assumes dynamic sizes that are equal in the example are
+    equal)."""
     lengths = {example[n].shape[a] for n, axes in dynamic_axes.items() for a in axes}
     rows = EXPORT_BATCH
     while rows in lengths:
@@ -249,7 +263,8 @@ class OpsetMismatch(ExportError):
 
 def _check_opset(proto: onnx.ModelProto, opset: int, which: str) -> onnx.ModelProto:
     """The dynamo exporter builds opset 18 and converts down; when the converter fails it logs an
-    error and returns the opset-18 graph anyway. An opset chosen on purpose must be the one we get."""
+    error and returns the opset-18 graph anyway. An opset chosen on purpose must be the one we
+    get."""
     got = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     if got != opset:
         raise OpsetMismatch(
@@ -272,9 +287,8 @@ def _export_dynamo(
     # Dim.DYNAMIC: torch.export works out which dynamic sizes are equal (tokens and their mask).
     dynamic = torch.export.Dim.DYNAMIC
     shapes = tuple({0: dynamic, **{a: dynamic for a in dynamic_axes.get(n, [])}} for n in names)
-    with (
-        warnings.catch_warnings()
-    ):  # torch's own exporter trips a deprecation inside torch: not ours to fix
+    # torch's own exporter trips a deprecation inside torch: not ours to fix
+    with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning
         )
@@ -286,16 +300,18 @@ def _export_dynamo(
             opset_version=opset,
             input_names=names,
             output_names=list(output_names),
-            dynamic_shapes=(shapes,),  # one entry: forward's *inputs
+            # one entry: forward's *inputs
+            dynamic_shapes=(shapes,),
             optimize=True,
         )
     if not external:
         return program.model_proto
-    # Streamed from the module's own tensors to <path>.data, one at a time; the graph read back without them.
+    # Streamed from the module's own tensors to <path>.data, one at a time; the graph read back
+    # without them.
     program.save(str(path), external_data=True)
-    # onnxscript's rewrite rules keep the last graph they matched (module-level matchers: not freed with the
-    # program), and the graph holds the module's tensors: let go of them, or the exporter's copy of the weights
-    # stays in memory beside onnxruntime's.
+    # onnxscript's rewrite rules keep the last graph they matched (module-level matchers: not freed
+    # with the program), and the graph holds the module's tensors: let go of them, or the exporter's
+    # copy of the weights stays in memory beside onnxruntime's.
     for value in program.model.graph.initializers.values():
         value.const_value = None
     del program
@@ -316,9 +332,8 @@ def _export_torchscript(
     axes.update({o: {0: "batch"} for o in output_names})
     buffer = io.BytesIO()
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore", DeprecationWarning
-        )  # we know it's the legacy path: that is the point
+        # we know it's the legacy path: that is the point
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
             head,
             args,
@@ -352,9 +367,12 @@ def _name_dynamic_dims(
 
 
 _OP_PATTERNS = (
-    re.compile(r"No ONNX function found for <OpOverload\(op='([\w.:]+)'"),  # dynamo: no translation
-    re.compile(r"target=torch\.ops\.([\w.]+)"),  # dynamo: node that failed
-    re.compile(r"Exporting the operator '([\w:.]+)'"),  # TorchScript exporter
+    # dynamo: no translation
+    re.compile(r"No ONNX function found for <OpOverload\(op='([\w.:]+)'"),
+    # dynamo: node that failed
+    re.compile(r"target=torch\.ops\.([\w.]+)"),
+    # TorchScript exporter
+    re.compile(r"Exporting the operator '([\w:.]+)'"),
     re.compile(r"Unsupported FX nodes: \{([^}]*)\}"),
 )
 
@@ -377,7 +395,8 @@ def unsupported_ops(exc: BaseException) -> list[str]:
 
 def _summary(exc: BaseException) -> str:
     """One line: the exception type and the most specific line of its message."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # the exporter colours its messages
+    # the exporter colours its messages
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
     ops = unsupported_ops(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # The dynamo exporter puts the root cause under "## Exception summary".

@@ -14,7 +14,8 @@ def confusion_matrix_png(
     """`subject`: what the counts are of, the title's first words (which checkpoint, which step)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # no display on training machines
+    # no display on training machines
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     counts = confusion.numpy().astype(int)
@@ -25,7 +26,8 @@ def confusion_matrix_png(
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     accuracy = counts.trace() / max(1, counts.sum())
-    width = 1.0 + 0.55 * len(labels)  # inches: the title wraps to them rather than being cut
+    # inches: the title wraps to them rather than being cut
+    width = 1.0 + 0.55 * len(labels)
     ax.set_title(
         textwrap.fill(f"{subject}: {accuracy:.2%} of {counts.sum()}", max(20, int(width * 11))),
         fontsize=9,
@@ -53,7 +55,8 @@ def confusion_matrix_png(
 def predicted_vs_actual_png(
     predicted: torch.Tensor, actual: torch.Tensor, path: Path, title: str
 ) -> Path:
-    """Regression: validation samples (the first few thousand) as points; the diagonal is perfect."""
+    """Regression: validation samples (the first few thousand) as points; the diagonal is
+    perfect."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -18,13 +18,13 @@ Then a server following the alias can't serve it either, and the candidate takes
 that runs its own inputs but not this split's is not broken: it is another contract, or not
 comparable on this data. onnxruntime's error text is kept whole, on one line.
 
-One decision at a time per registered model: MLflow has no lock, but it numbers versions atomically. So
-the candidate is registered first (no alias, tagged lineage.PROMOTION=pending), waits until every
-lower-numbered pending version has decided, and only then compares against whoever holds the alias now
-(again, if it moved since the first comparison) and moves it. Two exports at once are thus compared with
-each other, never both promoted over a champion only one of them saw (`promote_in_turn`). When an
-alias moves, the version that held it and its run's verdict tag say which version holds it now
-(`record_alias_moved`).
+One decision at a time per registered model: MLflow has no lock, but it numbers versions atomically.
+So the candidate is registered first (no alias, tagged lineage.PROMOTION=pending), waits until every
+lower-numbered pending version has decided, and only then compares against whoever holds the alias
+now (again, if it moved since the first comparison) and moves it. Two exports at once are thus
+compared with each other, never both promoted over a champion only one of them saw
+(`promote_in_turn`). When an alias moves, the version that held it and its run's verdict tag say
+which version holds it now (`record_alias_moved`).
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ from serving import lineage
 
 log = logging.getLogger(__name__)
 
-MEASURE_THREADS = 2  # the same for both models: a fair latency comparison on any machine
+# the same for both models: a fair latency comparison on any machine
+MEASURE_THREADS = 2
 MEASURE_TIMEOUT_S = 600
-TAG = lineage.PROMOTION  # on a version: pending | promoted | not promoted
+# on a version: pending | promoted | not promoted
+TAG = lineage.PROMOTION
 PENDING = "pending"
-# A pending version older than this is an export that died mid-decision: its turn passes (two measurements
-# and the registry calls fit well within it).
+# A pending version older than this is an export that died mid-decision: its turn passes (two
+# measurements and the registry calls fit well within it).
 PENDING_STALE_S = 2 * MEASURE_TIMEOUT_S + 300
 TURN_POLL_S = 0.5
 # A holder's logged input example is read only below this size (export logs 2 rows).
@@ -74,7 +76,8 @@ def decide(
     tolerance: float,
     allow_contract_change: bool = False,
 ) -> dict[str, Any]:
-    """The comparison for export_report.json: {"promote": bool, "reason", "metric", "candidate", "champion", ...}."""
+    """The comparison for export_report.json: {"promote": bool, "reason", "metric", "candidate",
+    "champion", ...}."""
     from pipeline import tracking
 
     metric, mode = task.primary, task.mode
@@ -96,7 +99,8 @@ def decide(
         held = f"@{alias} v{holder}"
         try:
             champion = tracking.download_version_onnx(name, holder, Path(tmp) / "champion")
-        except Exception as exc:  # noqa: BLE001 - whatever the store raises
+        except Exception as exc:  # noqa: BLE001
+            # whatever the store raises
             return _broken(result, held, f"it can't be fetched: {one_line(exc)}")
         if broken := run_own_example(champion, Path(tmp) / "own.npz"):
             return _broken(result, held, broken)
@@ -258,7 +262,8 @@ def run_own_example(onnx_path: Path, npz: Path) -> str:
     model.onnx), else on zeros in its declared shapes (1 on a dynamic axis)."""
     try:
         feeds = own_example(onnx_path)
-    except Exception as exc:  # noqa: BLE001 - a file that does not parse as ONNX
+    except Exception as exc:  # noqa: BLE001
+        # a file that does not parse as ONNX
         return f"its graph can't be read ({one_line(exc)})"
     np.savez(npz, **{f"0/{k}": v for k, v in feeds.items()})
     try:
@@ -301,9 +306,10 @@ def promote_in_turn(
     decision: dict[str, Any],
     compare: Callable[[], dict[str, Any]],
 ) -> tuple[str, str, dict]:
-    """Register `model_uri` as a new version of `name` and move `alias` to it if it wins against the holder at
-    its turn (else `challenger_alias`). `decision` is the comparison made before registering; `compare` makes
-    it again, against whoever holds the alias then. Returns (version, the alias it got, the decision)."""
+    """Register `model_uri` as a new version of `name` and move `alias` to it if it wins against the
+    holder at its turn (else `challenger_alias`). `decision` is the comparison made before
+    registering; `compare` makes it again, against whoever holds the alias then. Returns (version,
+    the alias it got, the decision)."""
     from pipeline import tracking
 
     version = tracking.register_version(model_uri, name, None, tags | {TAG: PENDING})
@@ -367,7 +373,8 @@ def record_alias_moved(name: str, alias: str, old: str, new: str, why: str) -> N
             tracking.set_tags(
                 {lineage.VERDICT: f"{name} v{old}: @{alias} moved to v{new} ({when})"}, run_id
             )
-    except Exception as exc:  # noqa: BLE001 - the record of a move that is made
+    except Exception as exc:  # noqa: BLE001
+        # the record of a move that is made
         log.warning(
             "@%s moved from v%s to v%s, but v%s's record could not say so: %s",
             alias,
@@ -396,14 +403,16 @@ def record_alias_taken(name: str, version: str, old_alias: str, alias: str, why:
         verdict = tracking.run_tags(run_id).get(lineage.VERDICT, "") if run_id else ""
         if verdict.startswith(f"{name} v{version} @{old_alias}"):
             tracking.set_tags({lineage.VERDICT: f"{name} v{version} @{alias} ({why})"}, run_id)
-    except Exception as exc:  # noqa: BLE001 - the record of a move that is made
+    except Exception as exc:  # noqa: BLE001
+        # the record of a move that is made
         log.warning(
             "v%s's record could not say it holds @%s now: %s", version, alias, one_line(exc)
         )
 
 
 def _wait_for_turn(name: str, version: str) -> None:
-    """Until no lower-numbered version of `name` is pending (stale ones, of a dead export, don't count)."""
+    """Until no lower-numbered version of `name` is pending (stale ones, of a dead export, don't
+    count)."""
     from pipeline import tracking
 
     said = False
@@ -430,10 +439,12 @@ def _wait_for_turn(name: str, version: str) -> None:
 def verdict(
     mine: float, theirs: float, mode: str, promote: str, tolerance: float
 ) -> tuple[bool, float, str]:
-    """Whether the candidate's metric `mine` beats the champion's `theirs` as `promote` asks; the gain
-    (positive = better, in the metric's units) and the reason, with {} where the champion is named."""
+    """Whether the candidate's metric `mine` beats the champion's `theirs` as `promote` asks; the
+    gain (positive = better, in the metric's units) and the reason, with {} where the champion is
+    named."""
     gain = (mine - theirs) if mode == "max" else (theirs - mine)
-    if gain != gain:  # a metric that could not be computed (NaN) never wins, and always loses
+    # a metric that could not be computed (NaN) never wins, and always loses
+    if gain != gain:
         gain = float("-inf") if mine != mine else float("inf")
     moves = {"always": True, "if_better": gain > tolerance, "if_not_worse": gain >= -tolerance}[
         promote
@@ -452,7 +463,8 @@ def verdict(
 
 
 def _write_inputs(val, path: Path) -> tuple[Path, list]:
-    """The validation split's inputs, batch by batch, for the measuring processes; its targets stay here."""
+    """The validation split's inputs, batch by batch, for the measuring processes; its targets stay
+    here."""
     from pipeline.artifact.gates import VAL_BATCH, feeds_of
     from pipeline.components.data import eval_loader
 
@@ -465,8 +477,8 @@ def _write_inputs(val, path: Path) -> tuple[Path, list]:
 
 
 def measure(onnx_path: Path, inputs: Path, targets: list, task) -> dict[str, Any]:
-    """The task's metrics of one ONNX file on the split, with its latency and peak memory, measured in a
-    fresh process (which imports no torch: its memory is onnxruntime's and the model's)."""
+    """The task's metrics of one ONNX file on the split, with its latency and peak memory, measured
+    in a fresh process (which imports no torch: its memory is onnxruntime's and the model's)."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="trainserve-measure-") as tmp:
@@ -535,7 +547,8 @@ def _peak_rss_mb() -> float:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no /proc: an upper bound
+    # no /proc: an upper bound
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
@@ -552,7 +565,8 @@ def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[s
         for key in data.files:
             i, name = key.split("/", 1)
             batches.setdefault(int(i), {})[name] = data[key]
-    sess.run(names, batches[0])  # warm-up: first-run allocations are not latency
+    # warm-up: first-run allocations are not latency
+    sess.run(names, batches[0])
     outputs, times, rows = {}, [], 0
     for i in sorted(batches):
         start = time.perf_counter()
@@ -576,6 +590,7 @@ def _measure_here(onnx_path: str, inputs_path: str, outputs_path: str) -> dict[s
 if __name__ == "__main__":
     try:
         print(json.dumps(_measure_here(*sys.argv[1:4])))
-    except Exception as exc:  # noqa: BLE001 - onnxruntime's own errors: the parent says them whole
+    except Exception as exc:  # noqa: BLE001
+        # onnxruntime's own errors: the parent says them whole
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         sys.exit(1)

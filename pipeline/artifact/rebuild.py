@@ -1,5 +1,6 @@
-"""The PyTorch reference of a weights bundle, rebuilt once the same way for every stage that judges an
-ONNX file against it (export, `pipeline verify`, the serve check), and the gate runner they share.
+"""The PyTorch reference of a weights bundle, rebuilt once the same way for every stage that judges
+an ONNX file against it (export, `pipeline verify`, the serve check), and the gate runner they
+share.
 
 `rebuild` imports the components model.json names (only when trusted: model.json may come from a
 shared store), reads the validation split, builds the task from what training recorded of it, and
@@ -31,13 +32,14 @@ class Reference:
     weights: Weights
     splits: Splits
     task: Any
-    head: ExportHead  # the model as the graph runs it: named inputs in, the graph's outputs out
+    # the model as the graph runs it: named inputs in, the graph's outputs out
+    head: ExportHead
     source: ArtifactSource
     hint: str
 
     def fresh_head(self) -> ExportHead:
-        """Another copy of the model, for an exporter that may change what it is given: its tensors mapped from the
-        file again, so that none is shared with the reference."""
+        """Another copy of the model, for an exporter that may change what it is given: its tensors
+        mapped from the file again, so that none is shared with the reference."""
         return ExportHead(
             load_model(remapped(self.weights), self.source, self.hint),
             self.task,
@@ -49,13 +51,12 @@ class Reference:
 def rebuild(
     weights: Weights, trusted: Sequence[str] = (), data_cfg=None, task_cfg=None
 ) -> Reference:
-    """The reference model, task and validation split of `weights` (the data and task sections of its own
-    config unless given: `pipeline run` passes the config it was run with)."""
+    """The reference model, task and validation split of `weights` (the data and task sections of
+    its own config unless given: `pipeline run` passes the config it was run with)."""
     data_cfg, task_cfg = data_cfg or weights.config.data, task_cfg or weights.config.task
     source = ArtifactSource(str(weights.directory / META_FILE), tuple(trusted))
-    named = (
-        weights.config
-    )  # every component model.json names, refused all at once rather than one per try
+    # every component model.json names, refused all at once rather than one per try
+    named = weights.config
     check_all_trusted(
         recorded_components(named.model, named.data, named.task.loss, named.task.metric), source
     )
@@ -95,10 +96,11 @@ def run_gates(
     variant: str = "fp32",
     kept: dict | None = None,
 ) -> dict[str, dict]:
-    """Parity on the prepared batches, then parity and the task's metric over the whole split, each gate
-    recording the provider it ran on; a single failed `provider` gate if `sess` does not run on `provider`.
-    `variant` (fp32, fp16, int8): whose limits, as the task gives them (`gate_limits`): fp16 scales atol/rtol
-    and adds the task's own (probabilities, agreement); int8's are the task's entirely (atol, rtol included)."""
+    """Parity on the prepared batches, then parity and the task's metric over the whole split, each
+    gate recording the provider it ran on; a single failed `provider` gate if `sess` does not run on
+    `provider`. `variant` (fp32, fp16, int8): whose limits, as the task gives them (`gate_limits`):
+    fp16 scales atol/rtol and adds the task's own (probabilities, agreement); int8's are the task's
+    entirely (atol, rtol included)."""
     check = gates.provider_gate(sess, provider)
     if not check["passed"]:
         return {"provider": check}
@@ -108,8 +110,9 @@ def run_gates(
         atol, rtol = atol * gates.FP16_LOGIT_SCALE[0], rtol * gates.FP16_LOGIT_SCALE[1]
     atol, rtol = limits.pop("atol", atol), limits.pop("rtol", rtol)
     tolerance = limits.pop("tolerance")
-    # int8 flips a decision that sits near a tie: its agreement is a rate, held over the whole split (parity.val);
-    # on the batches of 1, 7 or 64 samples one flip would fail it, so those check the graph runs, finite.
+    # int8 flips a decision that sits near a tie: its agreement is a rate, held over the whole split
+    # (parity.val); on the batches of 1, 7 or 64 samples one flip would fail it, so those check the
+    # graph runs, finite.
     on_batches = (
         dict(limits, min_agreement=0.0)
         if variant == "int8" and "min_agreement" in limits
@@ -134,8 +137,9 @@ def run_gates(
 
 
 def gate_file(onnx_path: Path, ref: Reference, cfg) -> dict[str, dict]:
-    """Every gate export runs on the CPU provider, on a saved ONNX file: the checker, the dynamic axes, an image
-    model's preprocessing, parity and the metric. What `pipeline verify` re-runs on a registered version."""
+    """Every gate export runs on the CPU provider, on a saved ONNX file: the checker, the dynamic
+    axes, an image model's preprocessing, parity and the metric. What `pipeline verify` re-runs on a
+    registered version."""
     batches, axes_failed = gates.parity_batches(ref.splits.val, cfg.dynamic_axes, ref.head)
     results = {"checker": gates.check_model(onnx_path), **axes_failed}
     results |= gates.preprocessing(onnx_path, ref.splits.val)

@@ -71,7 +71,8 @@ def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None
         }
         offset += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
+    # pad so the data starts 8-byte aligned
+    raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -80,7 +81,8 @@ def total_size(specs: list[TensorSpec], metadata: dict[str, str] | None = None) 
 
 
 class StreamingWriter:
-    """Writes `specs` (already in file order) to `path`; call `write` once per tensor in that order."""
+    """Writes `specs` (already in file order) to `path`; call `write` once per tensor in that
+    order."""
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
         self.path = Path(path)
@@ -119,7 +121,8 @@ class StreamingWriter:
         self._next += 1
 
     def close(self) -> str:
-        """Flushes to disk (fsync) and returns the sha256 of the file; refuses an incomplete file."""
+        """Flushes to disk (fsync) and returns the sha256 of the file; refuses an incomplete
+        file."""
         try:
             if self._next != len(self._specs):
                 missing = [s.name for s in self._specs[self._next :]]

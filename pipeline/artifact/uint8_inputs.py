@@ -1,22 +1,25 @@
-"""The uint8-input variant: image inputs taken as UINT8 pixel values (0-255) and scaled to [0, 1] inside the graph.
+"""The uint8-input variant: image inputs taken as UINT8 pixel values (0-255) and scaled to [0, 1]
+inside the graph.
 
-A 224x224 RGB image is 602 KB as FP32 and 150 KB as UINT8: a quarter of the bytes to send, receive, check and copy
-to a GPU, for the images cameras and decoders give as bytes anyway. The variant (`model.uint8.onnx`,
-export.uint8_inputs) is the gated fp32 graph with each chosen input `x` replaced by a UINT8 input of the same name
-and shape, followed by Cast to float and Div by 255 feeding what `x` fed; outputs are unchanged. A model whose
-float input is not in [0, 1] (normalized outside the model) has no such variant: the data's range is a gate.
+A 224x224 RGB image is 602 KB as FP32 and 150 KB as UINT8: a quarter of the bytes to send, receive,
+check and copy to a GPU, for the images cameras and decoders give as bytes anyway. The variant
+(`model.uint8.onnx`, export.uint8_inputs) is the gated fp32 graph with each chosen input `x`
+replaced by a UINT8 input of the same name and shape, followed by Cast to float and Div by 255
+feeding what `x` fed; outputs are unchanged. A model whose float input is not in [0, 1] (normalized
+outside the model) has no such variant: the data's range is a gate.
 
 Its gates (all must pass, as for fp16; a failure fails the export and says which):
     uint8.range        every chosen input of the validation split lies in [0, 1]
     uint8.checker      onnx.checker on the file
-    uint8.parity.*     the variant on inputs rounded to 1/255 steps against PyTorch on the same rounded values,
-                       with the export's fp32 limits (the rewrite computes what the model computes)
+    uint8.parity.*     the variant on inputs rounded to 1/255 steps against PyTorch on the same
+                       rounded values, with the export's fp32 limits (the rewrite computes what the
+                       model computes)
     uint8.<metric>     that, over the whole split, with the export's tolerance
-    uint8.rounding     what rounding costs: the task's metric of the fp32 graph on the inputs as given against
-                       PyTorch's on the rounded ones, within the export's tolerance
+    uint8.rounding     what rounding costs: the task's metric of the fp32 graph on the inputs as
+                       given against PyTorch's on the rounded ones, within the export's tolerance
 
-The ONNX metadata names the scaled inputs (serving.drift.PIXEL_INPUTS_KEY, which reads it): the server's drift
-monitor scales them back before it compares them with the training data's statistics.
+The ONNX metadata names the scaled inputs (serving.drift.PIXEL_INPUTS_KEY, which reads it): the
+server's drift monitor scales them back before it compares them with the training data's statistics.
 """
 
 from __future__ import annotations
@@ -67,16 +70,19 @@ def rounded(x: np.ndarray) -> np.ndarray:
 
 
 def make(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """A copy of `model` whose inputs `names` are UINT8, cast and divided by 255 before what they fed."""
+    """A copy of `model` whose inputs `names` are UINT8, cast and divided by 255 before what they
+    fed."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
     nodes = []
     for name in names:
         scaled = f"{name}__from_uint8"
-        for node in graph.node:  # what read the float input now reads its scaled copy
+        # what read the float input now reads its scaled copy
+        for node in graph.node:
             node.input[:] = [scaled if i == name else i for i in node.input]
-        for output in graph.output:  # an input passed straight through stays what it was
+        # an input passed straight through stays what it was
+        for output in graph.output:
             if output.name == name:
                 raise ValueError(
                     f"input {name} is also an output of the graph: it cannot change its type"
@@ -103,8 +109,8 @@ def make(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 class RoundedFeeds:
-    """An onnxruntime session of the variant that takes the float feeds the data gives (what the gates feed),
-    rounded to UINT8 on the way in."""
+    """An onnxruntime session of the variant that takes the float feeds the data gives (what the
+    gates feed), rounded to UINT8 on the way in."""
 
     def __init__(self, sess, names: list[str]):
         self.sess, self.names = sess, set(names)
@@ -114,12 +120,14 @@ class RoundedFeeds:
             output_names, {k: rounded(v) if k in self.names else v for k, v in feeds.items()}
         )
 
-    def __getattr__(self, attr):  # get_outputs, get_providers, ...
+    # get_outputs, get_providers, ...
+    def __getattr__(self, attr):
         return getattr(self.sess, attr)
 
 
 class RoundedHead(torch.nn.Module):
-    """The PyTorch reference on the values the variant sees: each chosen input rounded to 1/255 steps."""
+    """The PyTorch reference on the values the variant sees: each chosen input rounded to 1/255
+    steps."""
 
     def __init__(self, head, names: list[str]):
         super().__init__()
@@ -166,8 +174,8 @@ def range_gate(val, names: list[str]) -> dict:
 def make_variant(
     exported_model: onnx.ModelProto, onnx_path: Path, out: Path, ref, batches, cfg, asked: list[str]
 ) -> tuple[Path | None, dict[str, dict]]:
-    """The variant beside `onnx_path` (the gated fp32 file) and its gates, `uint8.`-prefixed; (None, gates) when
-    it cannot be made."""
+    """The variant beside `onnx_path` (the gated fp32 file) and its gates, `uint8.`-prefixed; (None,
+    gates) when it cannot be made."""
     names, why_not = chosen(exported_model, asked)
     if why_not:
         return None, {"uint8.inputs": {"passed": False, "message": why_not}}
@@ -182,8 +190,8 @@ def make_variant(
     results.update(
         {f"uint8.{k}": v for k, v in run_gates(sess, rounding_ref, batches, cfg).items()}
     )
-    # What rounding costs the task: the fp32 graph on the inputs as given vs PyTorch on the rounded ones (the
-    # parity part is not a gate here: the inputs differ on purpose).
+    # What rounding costs the task: the fp32 graph on the inputs as given vs PyTorch on the rounded
+    # ones (the parity part is not a gate here: the inputs differ on purpose).
     limits = dict(ref.task.gate_limits(cfg, "fp32"))
     cost = gates.validation(
         gates.session(onnx_path),

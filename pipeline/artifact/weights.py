@@ -1,10 +1,11 @@
-"""The weights bundle: `model.safetensors` + `model.json` (format trainserve-weights/2). What model.json
-holds is said here (`describe`, which `pipeline consolidate` writes beside the weights it streamed); read
-and checked here for every stage that takes them (export, verify, the serve check), and the model rebuilt
-from them.
+"""The weights bundle: `model.safetensors` + `model.json` (format trainserve-weights/2). What
+model.json holds is said here (`describe`, which `pipeline consolidate` writes beside the weights it
+streamed); read and checked here for every stage that takes them (export, verify, the serve check),
+and the model rebuilt from them.
 
 model.json holds the config, the model's component and args, the task's facts, the data's inputs,
-the checkpoint it came from (`source`), and the sha256 of model.safetensors, which is checked on read.
+the checkpoint it came from (`source`), and the sha256 of model.safetensors, which is checked on
+read.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class Weights:
 
 
 def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: str) -> dict:
-    """model.json, as `pipeline consolidate` writes it beside the weights: everything export needs besides them.
-    `meta`: the checkpoint's own description (trainserve.json); `specs`: the tensors written; `sha`: the
-    weights file's sha256; `dtype`: what the tensors were cast to."""
+    """model.json, as `pipeline consolidate` writes it beside the weights: everything export needs
+    besides them. `meta`: the checkpoint's own description (trainserve.json); `specs`: the tensors
+    written; `sha`: the weights file's sha256; `dtype`: what the tensors were cast to."""
     return {
         "format": WEIGHTS_FORMAT,
         "config": meta.get("config"),
@@ -73,7 +74,8 @@ def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: s
             "world_size": meta.get("world_size"),
             "strategy": meta.get("strategy"),
             "mlflow_run_id": meta.get("mlflow_run_id"),
-            "val_metrics": meta.get("val_metrics"),  # of this step, when it was evaluated
+            # of this step, when it was evaluated
+            "val_metrics": meta.get("val_metrics"),
             "best": ((meta.get("train_state") or {}).get("monitor") or {}).get("best_step")
             == meta.get("step"),
         },
@@ -81,7 +83,8 @@ def describe(meta: dict, ckpt: Path, specs: list[TensorSpec], sha: str, dtype: s
 
 
 def read_weights(directory: Path) -> Weights:
-    """Reads and checks model.json + model.safetensors (format, checksum, config); loads tensors safely."""
+    """Reads and checks model.json + model.safetensors (format, checksum, config); loads tensors
+    safely."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -119,7 +122,8 @@ def read_weights(directory: Path) -> Weights:
             "the file was changed or truncated after consolidation"
         )
     config = config_from_dict(meta["config"])
-    try:  # mapped, not read: a tensor's pages are read (and count against the process) when touched
+    # mapped, not read: a tensor's pages are read (and count against the process) when touched
+    try:
         state_dict = load_file(str(weights_path))
     except (SafetensorError, OSError) as exc:
         raise WeightsError(f"{weights_path}: cannot be read as safetensors ({exc})") from None
@@ -132,8 +136,8 @@ def read_weights(directory: Path) -> Weights:
 def load_model(
     weights: Weights, source: ArtifactSource | None = None, missing_hint: str = ""
 ) -> torch.nn.Module:
-    """The model rebuilt from its recorded component and args, with the weights checked key by key and
-    shape by shape."""
+    """The model rebuilt from its recorded component and args, with the weights checked key by key
+    and shape by shape."""
     spec = ModelSpec(**weights.meta["model"])
     model = instantiate_model(spec, source, missing_hint)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -153,10 +157,11 @@ def load_model(
             f"{weights.directory / WEIGHTS_FILE} does not match the model its config describes "
             f"({spec.component} with args {_brief(spec.args)}): {shown}"
         )
-    # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if built so):
-    # the graph and its gates run at the precision the model was defined in. assign: the module takes the
-    # file's tensors themselves (mapped, see read_weights) instead of copying them into its freshly initialized
-    # ones, so a model of N GB costs N GB once, in pages read only as they are used (a lookup reads its rows).
+    # Weights consolidated as bf16/fp16 load in the model's own dtypes (fp32 for most, float64 if
+    # built so): the graph and its gates run at the precision the model was defined in. assign: the
+    # module takes the file's tensors themselves (mapped, see read_weights) instead of copying them
+    # into its freshly initialized ones, so a model of N GB costs N GB once, in pages read only as
+    # they are used (a lookup reads its rows).
     own = model.state_dict()
     model.load_state_dict(
         {k: v.to(own[k].dtype) for k, v in weights.state_dict.items()}, strict=True, assign=True
@@ -165,8 +170,9 @@ def load_model(
 
 
 def remapped(weights: Weights) -> Weights:
-    """`weights` with tensors of their own, mapped from the file again: a model built from them shares no tensor
-    with one built from `weights` (what one does to its weights, the other does not see)."""
+    """`weights` with tensors of their own, mapped from the file again: a model built from them
+    shares no tensor with one built from `weights` (what one does to its weights, the other does not
+    see)."""
     from safetensors.torch import load_file
 
     return replace(weights, state_dict=load_file(str(weights.directory / WEIGHTS_FILE)))

@@ -1,17 +1,20 @@
-"""The checkpoint format trainserve writes: torch.distributed.checkpoint (DCP), sharded, saved by every rank at once
-(synchronously, or in a background thread: checkpoint.async_save, AsyncWriter), published as layout.py says.
+"""The checkpoint format trainserve writes: torch.distributed.checkpoint (DCP), sharded, saved by
+every rank at once (synchronously, or in a background thread: checkpoint.async_save, AsyncWriter),
+published as layout.py says.
 
 Stored keys: `model.<fqn>` (plain module names, no `module.` prefix, whatever the strategy),
-`optim.state.<fqn>.<name>`, `optim.param_groups.<fqn>.<name>` (the optimizer state flattened by parameter, as
-torchtitan stores it: each pipeline stage's ranks save only their parameters' groups, and the nested layout's
-`optim.param_groups.0.*` of every stage would be one key, DCP keeping one stage's; checkpoints of the nested
-layout still load, dcp_read.py tells them apart), and `rng.rank<r>.*` per rank. An asynchronous save keeps the
-layout's invariant: its publish runs, in a background thread, only once every rank's write has finished.
+`optim.state.<fqn>.<name>`, `optim.param_groups.<fqn>.<name>` (the optimizer state flattened by
+parameter, as torchtitan stores it: each pipeline stage's ranks save only their parameters' groups,
+and the nested layout's `optim.param_groups.0.*` of every stage would be one key, DCP keeping one
+stage's; checkpoints of the nested layout still load, dcp_read.py tells them apart), and
+`rng.rank<r>.*` per rank. An asynchronous save keeps the layout's invariant: its publish runs, in a
+background thread, only once every rank's write has finished.
 
-On an object store every rank writes its shards straight into `step_N/` (DCP's FsspecWriter; each object appears
-whole when its PUT completes), then, after a barrier that every rank reaches only once its writes are done, rank 0
-writes trainserve.json and, last, the COMPLETE marker listing every object's name, size and sha256. A re-save of a
-step whose complete checkpoint is still there (nothing set it aside) withdraws that checkpoint first.
+On an object store every rank writes its shards straight into `step_N/` (DCP's FsspecWriter; each
+object appears whole when its PUT completes), then, after a barrier that every rank reaches only
+once its writes are done, rank 0 writes trainserve.json and, last, the COMPLETE marker listing every
+object's name, size and sha256. A re-save of a step whose complete checkpoint is still there
+(nothing set it aside) withdraws that checkpoint first.
 
 Reading one (`load`, DCP's metadata unpickled safely) is dcp_read.py.
 """
@@ -36,7 +39,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
-from pipeline.checkpoint.dcp_read import load, rng_state, single_process_quiet  # noqa: F401 - load: the format's reader
+
+# load: the format's reader
+from pipeline.checkpoint.dcp_read import load, rng_state, single_process_quiet  # noqa: F401
 from pipeline.checkpoint.layout import (
     MARKER,
     META,
@@ -50,28 +55,31 @@ from pipeline.checkpoint.layout import (
 )
 from pipeline.checkpoint.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo, barrier
-from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import CheckpointError  # noqa: F401
 from pipeline.tools.faults import inject_fault
 from serving.lineage import file_sha256
 
 log = logging.getLogger(__name__)
 
-FORMAT = "trainserve-dcp/2"  # /2: components (model/data/task references, state manifest)
+# /2: components (model/data/task references, state manifest)
+FORMAT = "trainserve-dcp/2"
 
 # --- state ----------------------------------------------------------------------------------
 
 
 @dataclass
 class PendingSave:
-    """A save whose shards are being written (`written` not yet done, when asynchronous) into `tmp`."""
+    """A save whose shards are being written (`written` not yet done, when asynchronous) into
+    `tmp`."""
 
     step: int
     tmp: Path
     final: Path
     meta: dict
-    written: Future | None = (
-        None  # asynchronous: done when this rank's shards are on disk and hashed
-    )
+    # asynchronous: done when this rank's shards are on disk and hashed
+    written: Future | None = None
 
 
 def start_save(
@@ -83,15 +91,15 @@ def start_save(
     info: DistInfo,
     background: "AsyncWriter | None" = None,
 ) -> PendingSave:
-    """Collective. Writes every rank's shards into a temporary directory; with `background`, returns once the
-    state is copied (staged) and the write goes on in a thread. `finish_save` publishes it. On an object store
-    the shards go straight into the step directory (no rename there: the marker publishes it, see above)."""
+    """Collective. Writes every rank's shards into a temporary directory; with `background`, returns
+    once the state is copied (staged) and the write goes on in a thread. `finish_save` publishes it.
+    On an object store the shards go straight into the step directory (no rename there: the marker
+    publishes it, see above)."""
     if is_url(root):
         root = StoreUrl(root)
         final = tmp = root / step_dir_name(step)
-        if (
-            info.is_main
-        ):  # what a crashed save left there (garbage), or a complete one being re-saved
+        # what a crashed save left there (garbage), or a complete one being re-saved
+        if info.is_main:
             run_dir.check_still_owned(root.parent)
             remove(final)
     else:
@@ -100,7 +108,8 @@ def start_save(
         tmp = root / f".tmp-{step_dir_name(step)}"
         if info.is_main:
             root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a crash: never part of a checkpoint
+            # left by a crash: never part of a checkpoint
+            if tmp.exists():
                 shutil.rmtree(tmp)
     barrier(info)
 
@@ -114,12 +123,13 @@ def start_save(
             if background is None:
                 dcp.save(state, **dcp_target(tmp), no_dist=not info.distributed)
             else:
-                pending.written = background.write(state, tmp, info)  # -> this rank's shard digests
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+                # -> this rank's shard digests
+                pending.written = background.write(state, tmp, info)
+    except (Exception, CheckpointException) as exc:
+        # CheckpointException is a BaseException
         raise _save_failed(exc, root, tmp, step, _tensor_bytes(state), info) from None
-    inject_fault(
-        "save_started", step, info
-    )  # test hook: a crash while the shards are being written
+    # test hook: a crash while the shards are being written
+    inject_fault("save_started", step, info)
     return pending
 
 
@@ -130,26 +140,26 @@ def finish_save(
     protect: tuple[int | None, ...] = (),
     group=None,
 ) -> Path:
-    """Collective (on `group`, default the training's). Once every rank's shards are written (an asynchronous
-    write waited for here, on each rank, before the barrier): hashes, trainserve.json, the COMPLETE marker last,
-    the atomic publish, pruning."""
+    """Collective (on `group`, default the training's). Once every rank's shards are written (an
+    asynchronous write waited for here, on each rank, before the barrier): hashes, trainserve.json,
+    the COMPLETE marker last, the atomic publish, pruning."""
     tmp, final, step, meta = pending.tmp, pending.final, pending.step, pending.meta
-    # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its thread).
+    # Each rank hashes the shards it wrote, all at once (an asynchronous write did so in its
+    # thread).
     mine = (
         pending.written.result() if pending.written is not None else shard_digests(tmp, info.rank)
     )
     _barrier(info, group)
-    inject_fault("save", step, info)  # test hook: a crash after the shards, before publishing
+    # test hook: a crash after the shards, before publishing
+    inject_fault("save", step, info)
     digests = _all_gather(mine, info, group)
     if info.is_main and is_url(final):
-        run_dir.check_still_owned(
-            final.parent.parent
-        )  # <run>/checkpoints/step_N: the run's lease, still ours
+        # <run>/checkpoints/step_N: the run's lease, still ours
+        run_dir.check_still_owned(final.parent.parent)
         _publish_on_store(final, step, meta, info, digests)
         prune(final.parent, keep_last, protect)
-        log.debug(
-            "checkpoint saved: %s", final
-        )  # said by the Saver: at --verbose, when slow, and once in all
+        # said by the Saver: at --verbose, when slow, and once in all
+        log.debug("checkpoint saved: %s", final)
     elif info.is_main:
         root = final.parent
         try:
@@ -165,9 +175,8 @@ def finish_save(
             raise _save_failed(exc, root, tmp, step, 0, info) from None
         publish(tmp, final)
         prune(root, keep_last, protect)
-        log.debug(
-            "checkpoint saved: %s", final
-        )  # said by the Saver: at --verbose, when slow, and once in all
+        # said by the Saver: at --verbose, when slow, and once in all
+        log.debug("checkpoint saved: %s", final)
     _barrier(info, group)
     return final
 
@@ -175,8 +184,9 @@ def finish_save(
 def _publish_on_store(
     final: StoreUrl, step: int, meta: dict, info: DistInfo, digests: list[dict]
 ) -> None:
-    """Every rank's shards are written (the caller's barrier): trainserve.json, then the marker, last, naming
-    every object with its size and sha256. Until the marker's PUT completes this is not a checkpoint."""
+    """Every rank's shards are written (the caller's barrier): trainserve.json, then the marker,
+    last, naming every object with its size and sha256. Until the marker's PUT completes this is not
+    a checkpoint."""
     object_store.write_json(
         final / META, {"format": FORMAT, "step": step, "world_size": info.world_size, **meta}
     )
@@ -184,7 +194,8 @@ def _publish_on_store(
     sha256 = {name: digest for per_rank in digests for name, digest in per_rank.items()}
     sha256.update({name: object_store.sha256(final / name) for name in files if name not in sha256})
     missing = sorted(set(sha256) - set(files))
-    if missing:  # a rank's PUT that did not land: never publish a checkpoint without it
+    # a rank's PUT that did not land: never publish a checkpoint without it
+    if missing:
         raise CheckpointError(
             f"saving checkpoint step {step} to {final}: {', '.join(missing)} written but not on "
             "the object store; the previous checkpoint is intact"
@@ -193,13 +204,14 @@ def _publish_on_store(
 
 
 def dcp_target(directory: Path) -> dict:
-    """Where dcp.save writes: a local directory by its path (DCP picks its FileSystemWriter); on an object store
-    DCP's FsspecWriter with our s3fs options and without fsync (meaningless there: a PUT is durable once it
-    returns, and DCP would fall back to a machine-wide sync()). No checkpoint_id with it: DCP would reset the
-    writer to that path with fsspec's default options."""
+    """Where dcp.save writes: a local directory by its path (DCP picks its FileSystemWriter); on an
+    object store DCP's FsspecWriter with our s3fs options and without fsync (meaningless there: a
+    PUT is durable once it returns, and DCP would fall back to a machine-wide sync()). No
+    checkpoint_id with it: DCP would reset the writer to that path with fsspec's default options."""
     if not is_url(directory):
         return {"checkpoint_id": str(directory)}
-    # torch 2.13 keeps DCP's fsspec storage in this module (not re-exported by torch.distributed.checkpoint).
+    # torch 2.13 keeps DCP's fsspec storage in this module (not re-exported by
+    # torch.distributed.checkpoint).
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return {
@@ -222,13 +234,13 @@ def _tensor_bytes(tree) -> int:
 def _save_failed(
     exc: BaseException, root: Path, tmp: Path, step: int, needed: int, info: DistInfo
 ) -> BaseException:
-    """What a failed save raises: on a full disk, one line that says so (DCP reports it as torch.save's
-    "unexpected pos 704 vs 598" inside a 65-line CheckpointException, no errno); else the error itself. The
-    partial directory goes either way: it was never published, and it holds the space a retry needs."""
+    """What a failed save raises: on a full disk, one line that says so (DCP reports it as
+    torch.save's "unexpected pos 704 vs 598" inside a 65-line CheckpointException, no errno); else
+    the error itself. The partial directory goes either way: it was never published, and it holds
+    the space a retry needs."""
     try:
-        free = shutil.disk_usage(
-            root
-        ).free  # before the partial files go: what the failed write left
+        # before the partial files go: what the failed write left
+        free = shutil.disk_usage(root).free
     except OSError:
         free = None
     if info.is_main:
@@ -296,25 +308,27 @@ def shard_digests(directory: Path, rank: int) -> dict[str, str]:
 
 
 class AsyncWriter:
-    """The asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory by DCP's stager,
-    pinned on CUDA, before `write` returns, so training may change it at once; one background thread then
-    writes the shard files (dcp.save), hashes them and, once every rank's are written, publishes the checkpoint
-    (`publish`), saves in order.
+    """The asynchronous save (checkpoint.async_save): the state is staged (copied) to CPU memory by
+    DCP's stager, pinned on CUDA, before `write` returns, so training may change it at once; one
+    background thread then writes the shard files (dcp.save), hashes them and, once every rank's are
+    written, publishes the checkpoint (`publish`), saves in order.
 
-    That thread runs at the lowest CPU priority (nice 19; Linux): on a machine whose cores the ranks keep busy,
-    a save's CPU time (serializing, writing, hashing) is taken from training whatever runs it, and at low
-    priority it is taken mostly where a rank waits (its all-reduce), spread over more steps instead of
-    slowing a few. DCP's own async_save runs the write in a thread it creates, which can't be given a priority;
-    its process-based saver (AsyncCheckpointerType.PROCESS) spawns a torch-importing process per rank at the
-    first save and stages through shared memory (64 MB in a default Docker container). Of the three, a step
-    while writing slows least with this thread (benchmarks/checkpoint_async.py; the figures:
-    docs/benchmarks.md#pipelinecheckpointdcppy). A thread keeps the GIL for the pickling parts of a write,
-    so the training thread still waits on it now and then.
+    That thread runs at the lowest CPU priority (nice 19; Linux): on a machine whose cores the ranks
+    keep busy, a save's CPU time (serializing, writing, hashing) is taken from training whatever
+    runs it, and at low priority it is taken mostly where a rank waits (its all-reduce), spread over
+    more steps instead of slowing a few. DCP's own async_save runs the write in a thread it creates,
+    which can't be given a priority; its process-based saver (AsyncCheckpointerType.PROCESS) spawns
+    a torch-importing process per rank at the first save and stages through shared memory (64 MB in
+    a default Docker container). Of the three, a step while writing slows least with this thread
+    (benchmarks/checkpoint_async.py; the figures: docs/benchmarks.md#pipelinecheckpointdcppy). A
+    thread keeps the GIL for the pickling parts of a write, so the training thread still waits on it
+    now and then.
 
-    The thread's collectives (DCP's planning and metadata exchange, the publish's barrier and digests) run on
-    a process group of their own: collectives from two threads on the training's group could interleave with
-    DDP's all-reduces and pair the wrong calls across ranks. Created collectively (every rank), closed at the
-    end of training. A crash before the publish leaves the previous checkpoint, as a synchronous save does."""
+    The thread's collectives (DCP's planning and metadata exchange, the publish's barrier and
+    digests) run on a process group of their own: collectives from two threads on the training's
+    group could interleave with DDP's all-reduces and pair the wrong calls across ranks. Created
+    collectively (every rank), closed at the end of training. A crash before the publish leaves the
+    previous checkpoint, as a synchronous save does."""
 
     NICE = 19
 
@@ -323,7 +337,8 @@ class AsyncWriter:
 
         self.group = torch.distributed.new_group(backend="gloo") if info.distributed else None
         cuda = info.device.type == "cuda"
-        # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a memcpy.
+        # Pinned buffers, kept across saves, make the copy from the GPU fast; on a CPU the copy is a
+        # memcpy.
         self.stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
@@ -338,15 +353,18 @@ class AsyncWriter:
         )
 
     def write(self, state: dict, directory: Path, info: DistInfo) -> Future:
-        """Stages `state` and starts writing it; the future gives this rank's shard digests once written."""
+        """Stages `state` and starts writing it; the future gives this rank's shard digests once
+        written."""
         staged = self.stager.stage(state)
-        if isinstance(staged, Future):  # async staging is off: this is for another stager
+        # async staging is off: this is for another stager
+        if isinstance(staged, Future):
             staged = staged.result()
         return self.worker.submit(self._write_and_hash, staged, directory, info)
 
     def _write_and_hash(self, staged: dict, directory: Path, info: DistInfo) -> dict[str, str]:
-        # One process: DCP's warning that it assumes one process is meant (a catch_warnings here, off the
-        # training thread, is safe only then: with no DDP, nothing else changes the filters meanwhile).
+        # One process: DCP's warning that it assumes one process is meant (a catch_warnings here,
+        # off the training thread, is safe only then: with no DDP, nothing else changes the filters
+        # meanwhile).
         with single_process_quiet() if not info.distributed else contextlib.nullcontext():
             dcp.save(
                 staged,
@@ -359,7 +377,8 @@ class AsyncWriter:
     def publish(
         self, pending: PendingSave, info: DistInfo, keep_last: int, protect: tuple
     ) -> Future:
-        """The publish of `pending` (finish_save on this writer's group), in the background: a future of its path."""
+        """The publish of `pending` (finish_save on this writer's group), in the background: a
+        future of its path."""
         return self.worker.submit(finish_save, pending, info, keep_last, protect, self.group)
 
     def close(self) -> None:
@@ -368,15 +387,18 @@ class AsyncWriter:
 
 
 def _lowest_priority() -> None:
-    """This thread at nice AsyncWriter.NICE (Linux: a thread's own priority); elsewhere it stays as it is."""
+    """This thread at nice AsyncWriter.NICE (Linux: a thread's own priority); elsewhere it stays as
+    it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), AsyncWriter.NICE)
     except (
         AttributeError,
         OSError,
-    ):  # no setpriority (Windows), or not allowed: same priority as training
+    ):
+        # no setpriority (Windows), or not allowed: same priority as training
         pass
 
 
-# What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the layout
-# helper, the checkpoint's path), and nothing else: any other global is a foreign or hostile file.
+# What a DCP `.metadata` pickle names (torch 2.13: its index dataclasses, torch.Size, dtypes, the
+# layout helper, the checkpoint's path), and nothing else: any other global is a foreign or hostile
+# file.

@@ -1,8 +1,9 @@
-"""Reading a DCP checkpoint (dcp.py writes them), safely: checkpoints are untrusted input (a shared MLflow store
-lets others write them, and the marker's checksums are written by whoever wrote the files), so nothing in one is
-unpickled with arbitrary globals. DCP's `.metadata` goes through an unpickler that admits only DCP's metadata types,
-and its non-tensor entries (optimizer hyperparameters) through torch.load(weights_only=True); DCP's own reader
-already loads tensors that way. DCP reshards on load: a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
+"""Reading a DCP checkpoint (dcp.py writes them), safely: checkpoints are untrusted input (a shared
+MLflow store lets others write them, and the marker's checksums are written by whoever wrote the
+files), so nothing in one is unpickled with arbitrary globals. DCP's `.metadata` goes through an
+unpickler that admits only DCP's metadata types, and its non-tensor entries (optimizer
+hyperparameters) through torch.load(weights_only=True); DCP's own reader already loads tensors that
+way. DCP reshards on load: a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import pipeline.checkpoint.object_store as object_store
 from pipeline.checkpoint.layout import META, read_meta
 from pipeline.checkpoint.object_store import StoreUrl, is_url
 from pipeline.distributed import DistInfo
-from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import CheckpointError  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
 def single_process_quiet():
-    """DCP warns that one process without a process group is 'assumed' single-process; it is meant."""
+    """DCP warns that one process without a process group is 'assumed' single-process; it is
+    meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
@@ -45,10 +49,11 @@ def single_process_quiet():
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's generators, each whole: torch's CPU generator and this rank's CUDA device's (which
-    also carries DTensor's random ops: torch's tensor-parallel RNG tracker keeps its offsets in it, no state
-    of its own), numpy's global MT19937 with its cached Gaussian, Python's `random` with its own
-    (`python_gauss`: [1, value] when random.gauss holds the second of a pair, else [0, 0])."""
+    """This process's generators, each whole: torch's CPU generator and this rank's CUDA device's
+    (which also carries DTensor's random ops: torch's tensor-parallel RNG tracker keeps its offsets
+    in it, no state of its own), numpy's global MT19937 with its cached Gaussian, Python's `random`
+    with its own (`python_gauss`: [1, value] when random.gauss holds the second of a pair, else [0,
+    0])."""
     np_state = np.random.get_state()
     python_version, python_keys, gauss_next = random.getstate()
     return {
@@ -108,7 +113,8 @@ _METADATA_TYPES = {
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
-    """A checkpoint file names something a checkpoint never holds; it was refused before running it."""
+    """A checkpoint file names something a checkpoint never holds; it was refused before running
+    it."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -137,7 +143,8 @@ def read_metadata_safely(path: Path) -> Metadata:
             f"checkpoint '{path}': .metadata refused, nothing in it was run: {exc} (a foreign or "
             "hostile file; use a checkpoint your own training wrote)"
         ) from None
-    except Exception as exc:  # a corrupt or truncated .metadata unpickles with any error
+    except Exception as exc:
+        # a corrupt or truncated .metadata unpickles with any error
         raise CheckpointError(
             f"checkpoint '{path}': .metadata can't be read ({type(exc).__name__}: {exc})"
         ) from exc
@@ -152,13 +159,12 @@ def read_metadata_safely(path: Path) -> Metadata:
 
 
 def _check_storage_paths(path: Path, metadata: Metadata) -> None:
-    """Every tensor's data is read from a file inside the checkpoint. DCP writes its shard files there and
-    names them relative to it; the unpickler admits any string, and DCP's reader joins it to the directory, so
-    an absolute or `../` relative_path would read another run's (or any) file, which the marker's checksums,
-    covering only the checkpoint's own files, never see."""
-    root = (
-        Path("/checkpoint") if is_url(path) else path.resolve()
-    )  # on a store: the names alone are judged
+    """Every tensor's data is read from a file inside the checkpoint. DCP writes its shard files
+    there and names them relative to it; the unpickler admits any string, and DCP's reader joins it
+    to the directory, so an absolute or `../` relative_path would read another run's (or any) file,
+    which the marker's checksums, covering only the checkpoint's own files, never see."""
+    # on a store: the names alone are judged
+    root = Path("/checkpoint") if is_url(path) else path.resolve()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         relative = getattr(info, "relative_path", None)
         where = getattr(index, "fqn", index)
@@ -178,8 +184,8 @@ def _check_storage_paths(path: Path, metadata: Metadata) -> None:
 
 class CachedMetadataReader(FileSystemReader):
     """A FileSystemReader that reads `.metadata` once, safely (see read_metadata_safely). `dcp.load`
-    reads it on every call, and with the optimizer's thousands of entries that is a cost each call pays
-    again (docs/benchmarks.md#pipelinecheckpointdcp_readpy)."""
+    reads it on every call, and with the optimizer's thousands of entries that is a cost each call
+    pays again (docs/benchmarks.md#pipelinecheckpointdcp_readpy)."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
@@ -191,7 +197,8 @@ class CachedMetadataReader(FileSystemReader):
 
 
 def metadata_reader(path: Path) -> FileSystemReader:
-    """The reader `load` uses: CachedMetadataReader, or on an object store the same over DCP's FsspecReader."""
+    """The reader `load` uses: CachedMetadataReader, or on an object store the same over DCP's
+    FsspecReader."""
     if not is_url(path):
         return CachedMetadataReader(path)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -207,9 +214,9 @@ def metadata_reader(path: Path) -> FileSystemReader:
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that a non-tensor entry (an optimizer hyperparameter) must first load
-    with torch.load(weights_only=True), which refuses any global a plain state dict never holds. DCP's
-    own planner unpickles these with weights_only=False."""
+    """DCP's load planner, except that a non-tensor entry (an optimizer hyperparameter) must first
+    load with torch.load(weights_only=True), which refuses any global a plain state dict never
+    holds. DCP's own planner unpickles these with weights_only=False."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -229,8 +236,9 @@ def check_compatible(
     metadata: Metadata,
     held_elsewhere: frozenset[str] = frozenset(),
 ) -> None:
-    """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial load. A pipeline
-    stage loads its own keys; those of the other stages (`held_elsewhere`) are expected in the checkpoint."""
+    """Refuses a checkpoint whose model keys or shapes differ from the model's: never a partial
+    load. A pipeline stage loads its own keys; those of the other stages (`held_elsewhere`) are
+    expected in the checkpoint."""
     stored = {
         k[len("model.") :]: tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
@@ -262,13 +270,15 @@ def load(
     info: DistInfo,
     held_elsewhere: frozenset[str] = frozenset(),
 ) -> dict:
-    """Collective. Loads model (+ optimizer, + this rank's RNG when present) in place; returns the meta.
+    """Collective. Loads model (+ optimizer, + this rank's RNG when present) in place; returns the
+    meta.
 
     DCP reshards on load, so a checkpoint written by N ranks loads into M ranks, DDP or FSDP.
     """
     path = path if is_url(path) else Path(path)
     meta = read_meta(path)
-    reader = metadata_reader(path)  # .metadata unpickled once, for the check and for the load
+    # .metadata unpickled once, for the check and for the load
+    reader = metadata_reader(path)
     metadata = reader.metadata
     options = StateDictOptions(
         strict=True, flatten_optimizer_state_dict=optimizer_flattened(metadata)
@@ -284,14 +294,16 @@ def load(
         state["optim"] = optim_sd
     rng_key = f"rank{info.rank}"
     # Only the generators the checkpoint holds: DCP refuses to load a key it lacks, and a checkpoint
-    # written on CPU has no `cuda` state for a resume on a GPU node (which then keeps its fresh CUDA seed).
+    # written on CPU has no `cuda` state for a resume on a GPU node (which then keeps its fresh CUDA
+    # seed).
     stored = {
         k.removeprefix(f"rng.{rng_key}.")
         for k in metadata.state_dict_metadata
         if k.startswith(f"rng.{rng_key}.")
     }
     has_rng = bool(stored)
-    if has_rng:  # a rank that did not exist in the saving world keeps its fresh seed
+    # a rank that did not exist in the saving world keeps its fresh seed
+    if has_rng:
         state["rng"] = {rng_key: {name: t for name, t in rng_state().items() if name in stored}}
     try:
         with single_process_quiet():
@@ -301,7 +313,8 @@ def load(
                 planner=WeightsOnlyLoadPlanner(),
                 no_dist=not info.distributed,
             )
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
+    except (Exception, CheckpointException) as exc:
+        # DCP's is a BaseException; name the checkpoint
         raise CheckpointError(
             f"checkpoint '{path}' could not be read: {first_failure(exc)}"
         ) from exc
@@ -318,8 +331,9 @@ def load(
 
 
 def optimizer_flattened(metadata: Metadata) -> bool:
-    """Whether the optimizer state was saved by parameter (`optim.param_groups.<fqn>.lr`, what dcp.py writes) or
-    nested (`optim.param_groups.<i>.params`, checkpoints written before pipeline parallelism)."""
+    """Whether the optimizer state was saved by parameter (`optim.param_groups.<fqn>.lr`, what
+    dcp.py writes) or nested (`optim.param_groups.<i>.params`, checkpoints written before pipeline
+    parallelism)."""
     return not any(
         k.startswith("optim.param_groups.") and k.endswith(".params")
         for k in metadata.state_dict_metadata

@@ -1,8 +1,9 @@
-"""The checkpoint formats, one module each, and the registry that names them: a format is a module with
-`FORMAT` (the name its checkpoints record in trainserve.json), `start_save`/`finish_save` (a collective save, in
-two halves so that it may write in the background) and `load` (a collective load into a model and optimizer).
-Saving uses the newest format; reading uses the one the checkpoint names. Adding a format is one module and one
-line below; the storage layout around it (layout.py) and everything above it (saver, store, consolidate) stay.
+"""The checkpoint formats, one module each, and the registry that names them: a format is a module
+with `FORMAT` (the name its checkpoints record in trainserve.json), `start_save`/`finish_save` (a
+collective save, in two halves so that it may write in the background) and `load` (a collective load
+into a model and optimizer). Saving uses the newest format; reading uses the one the checkpoint
+names. Adding a format is one module and one line below; the storage layout around it (layout.py)
+and everything above it (saver, store, consolidate) stay.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class CheckpointFormat(Protocol):
     ) -> dict: ...
 
 
-# name -> module; the first is the one saved. trainserve-dcp/1 (before components) is read by the same code.
+# name -> module; the first is the one saved. trainserve-dcp/1 (before components) is read by the
+# same code.
 FORMATS: dict[str, ModuleType] = {dcp.FORMAT: dcp, "trainserve-dcp/1": dcp}
 WRITTEN = next(iter(FORMATS.values()))
 
@@ -79,8 +81,8 @@ def save(
     keep_last: int,
     protect: tuple[int | None, ...] = (),
 ) -> Path:
-    """Collective: every rank calls it. Returns the published directory. Keeps the newest `keep_last`
-    checkpoints and those of the steps in `protect` (the best one)."""
+    """Collective: every rank calls it. Returns the published directory. Keeps the newest
+    `keep_last` checkpoints and those of the steps in `protect` (the best one)."""
     return WRITTEN.finish_save(
         WRITTEN.start_save(root, step, model, optimizer, meta, info), info, keep_last, protect
     )
@@ -93,6 +95,7 @@ def load(
     info: DistInfo,
     held_elsewhere: frozenset[str] = frozenset(),
 ) -> dict:
-    """Collective. Loads the model (and optimizer, and this rank's RNG where present) in place; returns the meta.
-    `held_elsewhere`: the model's keys that other ranks' pipeline stages hold (the checkpoint has them too)."""
+    """Collective. Loads the model (and optimizer, and this rank's RNG where present) in place;
+    returns the meta. `held_elsewhere`: the model's keys that other ranks' pipeline stages hold (the
+    checkpoint has them too)."""
     return of(path).load(path, model, optimizer, info, held_elsewhere)

@@ -1,20 +1,24 @@
-"""The storage layout of checkpoints, the same on local disk and on an object store, whatever the format writes
-inside a step directory:
+"""The storage layout of checkpoints, the same on local disk and on an object store, whatever the
+format writes inside a step directory:
 
     <run_dir>/checkpoints/
-        step_00000120/            a complete checkpoint (published by rename; on a store, by its marker)
-            trainserve.json       its own description: format, step, config, components, the model's state
-                                  manifest, code, train state (rank 0), the step's validation metrics
+        step_00000120/            a complete checkpoint (published by rename; on a store, by its
+                                  marker)
+            trainserve.json       its own description: format, step, config, components, the model's
+                                  state manifest, code, train state (rank 0), the step's validation
+                                  metrics
             COMPLETE              the marker, written last: every file's name, size and sha256
-            ...                   the format's files (DCP: .metadata and one __<rank>_0.distcp per rank)
+            ...                   the format's files (DCP: .metadata and one __<rank>_0.distcp per
+                                  rank)
         best.json                 the best checkpoint so far (monitor.py): never pruned
         .tmp-step_00000140/       a save in progress; never loaded, removed by the next save
 
-Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it is not a checkpoint;
-a crash at any point of a save leaves the previous checkpoint intact. On an object store (train.output_dir=s3://...,
-object_store.py) there is no rename, so a checkpoint is published by its marker alone: listing, `latest`, resume and
-consolidation take only step directories whose marker matches the objects present, and a step directory without one
-is garbage that the next save of that step (or pruning) removes, marker first.
+Invariant: a directory named step_* holds a COMPLETE marker whose sizes match the files, or it is
+not a checkpoint; a crash at any point of a save leaves the previous checkpoint intact. On an object
+store (train.output_dir=s3://..., object_store.py) there is no rename, so a checkpoint is published
+by its marker alone: listing, `latest`, resume and consolidation take only step directories whose
+marker matches the objects present, and a step directory without one is garbage that the next save
+of that step (or pruning) removes, marker first.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from pathlib import Path
 import pipeline.checkpoint.object_store as object_store
 import pipeline.checkpoint.run_dir as run_dir
 from pipeline.checkpoint.object_store import StoreUrl, is_url
-from pipeline.errors import CheckpointError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import CheckpointError  # noqa: F401
 from serving.lineage import file_sha256
 
 log = logging.getLogger(__name__)
@@ -85,8 +91,9 @@ def verify_complete(path: Path) -> dict:
 
 
 def check_listing(where, listing, present: dict[str, int]) -> dict:
-    """The marker `listing` against the files `present` (name -> size) in the checkpoint `where`, local or on
-    an object store: every file it names there at its size, .metadata among them. Returns the listing."""
+    """The marker `listing` against the files `present` (name -> size) in the checkpoint `where`,
+    local or on an object store: every file it names there at its size, .metadata among them.
+    Returns the listing."""
     for name, size in marker_files(listing, where).items():
         if name not in present:
             raise CheckpointError(f"checkpoint '{where}': file '{name}' is missing")
@@ -101,8 +108,9 @@ def check_listing(where, listing, present: dict[str, int]) -> dict:
 
 
 def marker_files(listing, where) -> dict[str, int]:
-    """The marker's {file name: size}, its shape checked: a marker is untrusted input, and valid JSON of another
-    shape ({} or []) must read as a broken checkpoint, not end the caller in a KeyError."""
+    """The marker's {file name: size}, its shape checked: a marker is untrusted input, and valid
+    JSON of another shape ({} or []) must read as a broken checkpoint, not end the caller in a
+    KeyError."""
     files = listing.get("files") if isinstance(listing, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(k, str) and type(v) is int for k, v in files.items()
@@ -114,7 +122,8 @@ def marker_files(listing, where) -> dict[str, int]:
 
 
 def _verify_complete_on_store(url: StoreUrl) -> dict:
-    """verify_complete for a step directory on an object store: the marker against the objects present."""
+    """verify_complete for a step directory on an object store: the marker against the objects
+    present."""
     present = object_store.files(url)
     if not present:
         raise CheckpointError(f"checkpoint '{url}' does not exist (no objects under it)")
@@ -143,7 +152,8 @@ def verify_checksums(path: Path) -> None:
 
 
 def check_digests(path: Path, listing: dict, digests: dict[str, str]) -> None:
-    """The files' sha256 `digests` (however they were computed) against the marker `listing` recorded."""
+    """The files' sha256 `digests` (however they were computed) against the marker `listing`
+    recorded."""
     recorded = listing.get("sha256")
     if recorded is None:
         log.warning(
@@ -161,9 +171,9 @@ def check_digests(path: Path, listing: dict, digests: dict[str, str]) -> None:
 
 
 def list_complete(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning. A
-    re-save that died between its two renames (where RENAME_EXCHANGE is missing) left `.old-step_N` and
-    no `step_N`: that one is a checkpoint of step N and counts."""
+    """Complete checkpoints under `root`, oldest first. Incomplete ones are skipped with a warning.
+    A re-save that died between its two renames (where RENAME_EXCHANGE is missing) left
+    `.old-step_N` and no `step_N`: that one is a checkpoint of step N and counts."""
     if is_url(root):
         return _list_complete_on_store(StoreUrl(root))
     root = Path(root)
@@ -176,7 +186,8 @@ def list_complete(root: Path) -> list[Path]:
             and STEP_DIR.match(child.name[len(OLD) :])
             and not (root / child.name[len(OLD) :]).exists()
         ):
-            pass  # the previous save of a step whose re-save did not finish
+            # the previous save of a step whose re-save did not finish
+            pass
         elif not STEP_DIR.match(child.name):
             continue
         try:
@@ -189,7 +200,8 @@ def list_complete(root: Path) -> list[Path]:
 
 def _list_complete_on_store(root: StoreUrl) -> list[StoreUrl]:
     found = []
-    for name in object_store.children(root):  # sorted: step numbers are zero-padded
+    # sorted: step numbers are zero-padded
+    for name in object_store.children(root):
         if not STEP_DIR.match(name):
             continue
         try:
@@ -201,8 +213,8 @@ def _list_complete_on_store(root: StoreUrl) -> list[StoreUrl]:
 
 
 def clear_incomplete(root: StoreUrl) -> list[str]:
-    """On an object store, the step directories without a matching marker (saves a crash cut short): garbage,
-    removed by the run directory's next owner before it saves anything."""
+    """On an object store, the step directories without a matching marker (saves a crash cut short):
+    garbage, removed by the run directory's next owner before it saves anything."""
     run_dir.check_still_owned(root.parent)
     complete = {p.name for p in list_complete(root)}
     garbage = [
@@ -222,14 +234,16 @@ def clear_incomplete(root: StoreUrl) -> list[str]:
 
 
 def remove(path: Path) -> None:
-    """A checkpoint directory gone; on an object store its marker first, so a removal cut short is garbage."""
+    """A checkpoint directory gone; on an object store its marker first, so a removal cut short is
+    garbage."""
     if is_url(path):
         object_store.remove_tree(path, first=MARKER)
     else:
         shutil.rmtree(path, ignore_errors=True)
 
 
-OLD = ".old-"  # a step directory on its way out during a re-save
+# a step directory on its way out during a re-save
+OLD = ".old-"
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -246,14 +260,15 @@ def publish(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint
-    shutil.rmtree(
-        root / f"{OLD}{final.name}", ignore_errors=True
-    )  # one a crashed re-save left behind
+    # the replaced checkpoint
+    shutil.rmtree(tmp, ignore_errors=True)
+    # one a crashed re-save left behind
+    shutil.rmtree(root / f"{OLD}{final.name}", ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swaps two paths (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    """Atomically swaps two paths (Linux renameat2 with RENAME_EXCHANGE); False where
+    unsupported."""
     import ctypes
 
     try:
@@ -275,7 +290,8 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
     ]
     if not later:
         return []
-    if is_url(root):  # copied aside (marker last), then removed (marker first)
+    # copied aside (marker last), then removed (marker first)
+    if is_url(root):
         aside = StoreUrl(root).parent / "checkpoints.abandoned" / time.strftime("%Y%m%d-%H%M%S")
         for path in later:
             object_store.copy_tree(path, aside / path.name, last=MARKER)
@@ -325,8 +341,10 @@ def read_meta(path: Path) -> dict:
 
 
 def prune(root: Path, keep_last: int, protect: tuple[int | None, ...]) -> None:
-    """Keeps the newest `keep_last` complete checkpoints and those of the steps in `protect` (the best one)."""
+    """Keeps the newest `keep_last` complete checkpoints and those of the steps in `protect` (the
+    best one)."""
     kept = {step_dir_name(s) for s in protect if s is not None}
-    for old in list_complete(root)[:-keep_last]:  # by step: the timeline a resume left is set aside
+    # by step: the timeline a resume left is set aside
+    for old in list_complete(root)[:-keep_last]:
         if old.name.removeprefix(OLD) not in kept:
             remove(old)

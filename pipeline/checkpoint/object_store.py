@@ -1,16 +1,18 @@
 """A run directory on an object store: `train.output_dir=s3://bucket/prefix`, through fsspec (s3fs).
 
-Two hosts that share no disk still share a bucket: every rank writes its own checkpoint shard there (DCP's
-FsspecWriter), a restarted job resumes from there (FsspecReader), and consolidate/export fetch a complete
-checkpoint from there. How a checkpoint is published without a rename, and how one job owns the run, is
-said where it is done: layout.py and dcp.py (the marker written last) and run_dir.py (the owner record).
+Two hosts that share no disk still share a bucket: every rank writes its own checkpoint shard there
+(DCP's FsspecWriter), a restarted job resumes from there (FsspecReader), and consolidate/export
+fetch a complete checkpoint from there. How a checkpoint is published without a rename, and how one
+job owns the run, is said where it is done: layout.py and dcp.py (the marker written last) and
+run_dir.py (the owner record).
 
 The endpoint and credentials come only from the standard variables boto3/s3fs read themselves
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or a credentials
 file): nothing of ours. Any S3-compatible server works (MinIO, moto_server, AWS S3).
 
-Locations on the store are `StoreUrl`s (a str with `.name`, `.parent` and `/`), local ones `Path`s; code
-that serves both asks `is_url(location)`. Listings are never cached: another host writes the same prefixes.
+Locations on the store are `StoreUrl`s (a str with `.name`, `.parent` and `/`), local ones `Path`s;
+code that serves both asks `is_url(location)`. Listings are never cached: another host writes the
+same prefixes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import PurePosixPath
 from pipeline.errors import ConfigError
 
 SCHEMES = ("s3",)
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules, in short
+# S3's bucket naming rules, in short
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 class StoreUrl(str):
@@ -41,7 +44,8 @@ class StoreUrl(str):
     def parent(self) -> "StoreUrl":
         return StoreUrl(self.rstrip("/").rsplit("/", 1)[0])
 
-    def resolve(self) -> "StoreUrl":  # already absolute: what a run records as where it lives
+    # already absolute: what a run records as where it lives
+    def resolve(self) -> "StoreUrl":
         return self
 
     @property
@@ -49,7 +53,8 @@ class StoreUrl(str):
         """bucket/key, as fsspec names it (no scheme)."""
         return self.split("://", 1)[1].rstrip("/")
 
-    # What the run-directory code asks of a location, answered by the store ("directories" are prefixes).
+    # What the run-directory code asks of a location, answered by the store ("directories" are
+    # prefixes).
     def exists(self) -> bool:
         return exists(self)
 
@@ -63,7 +68,8 @@ class StoreUrl(str):
         return read_bytes(self).decode()
 
     def write_text(self, text: str) -> None:
-        """One PUT: the object appears whole or not at all (what a local file needs a rename for)."""
+        """One PUT: the object appears whole or not at all (what a local file needs a rename
+        for)."""
         write_bytes(self, text.encode())
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
@@ -125,7 +131,8 @@ def endpoint_name() -> str:
 
 
 def check_reachable(url: str, what: str = "train.output_dir") -> None:
-    """Credentials, endpoint and bucket, before anything runs: one clear line instead of a botocore traceback."""
+    """Credentials, endpoint and bucket, before anything runs: one clear line instead of a botocore
+    traceback."""
     import botocore.session
 
     url = check_url(url, what)
@@ -137,8 +144,8 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
     endpoint = endpoint_name()
     bucket, _, prefix = url.key.partition("/")
     try:
-        # One key under the run's prefix, not a listing of the bucket: a policy may allow only prefix/*, and a
-        # large bucket's top level takes pages to list.
+        # One key under the run's prefix, not a listing of the bucket: a policy may allow only
+        # prefix/*, and a large bucket's top level takes pages to list.
         filesystem().call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
     except FileNotFoundError:
         raise ConfigError(
@@ -149,7 +156,8 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
             f"{what}={url}: access to bucket '{bucket}' on {endpoint} was refused ({exc}); check "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
         ) from None
-    except Exception as exc:  # connection refused, DNS, TLS: botocore's zoo of errors
+    except Exception as exc:
+        # connection refused, DNS, TLS: botocore's zoo of errors
         raise ConfigError(
             f"{what}={url}: the object store at {endpoint} can't be reached ({type(exc).__name__}: "
             f"{str(exc)[:200]}); check AWS_ENDPOINT_URL"
@@ -158,9 +166,10 @@ def check_reachable(url: str, what: str = "train.output_dir") -> None:
 
 
 def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
-    """The run directory's single owner rests on a create that fails when the object exists (If-None-Match: *;
-    run_dir.py). A server that ignores the header would let two jobs both "create" the lease, and one that
-    answers otherwise than S3 does would end a claim in a traceback: tried once here, on a probe object."""
+    """The run directory's single owner rests on a create that fails when the object exists
+    (If-None-Match: *; run_dir.py). A server that ignores the header would let two jobs both
+    "create" the lease, and one that answers otherwise than S3 does would end a claim in a
+    traceback: tried once here, on a probe object."""
     import uuid
 
     probe = url / f".trainserve-write-probe-{uuid.uuid4().hex}"
@@ -169,7 +178,8 @@ def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
         try:
             write_bytes(probe, b"2", mode="create")
         except FileExistsError:
-            return  # refused, as S3 (AWS, MinIO, moto) does
+            # refused, as S3 (AWS, MinIO, moto) does
+            return
         except OSError as exc:
             raise ConfigError(
                 f"{what}={url}: the object store at {endpoint} answered a conditional write "
@@ -182,7 +192,8 @@ def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
             "there. Use a store that does (AWS S3, MinIO, Ceph RGW recent releases), or a local "
             "train.output_dir"
         ) from None
-    except OSError as exc:  # the first create: no write access, or a server that rejects the header
+    except OSError as exc:
+        # the first create: no write access, or a server that rejects the header
         raise ConfigError(
             f"{what}={url}: creating an object under it on {endpoint} failed ({type(exc).__name__}: "
             f"{str(exc)[:200]}); the run needs write access to its prefix and S3's conditional "
@@ -196,9 +207,9 @@ def check_conditional_writes(url: StoreUrl, endpoint: str, what: str) -> None:
 
 
 def storage_options() -> dict:
-    """s3fs's options, for our calls and DCP's: the listings cache off (a listing cached here would miss what
-    another rank or host wrote), and the endpoint named, so that fsspec's cache of filesystem instances (keyed
-    by these options) never hands out one made for another endpoint."""
+    """s3fs's options, for our calls and DCP's: the listings cache off (a listing cached here would
+    miss what another rank or host wrote), and the endpoint named, so that fsspec's cache of
+    filesystem instances (keyed by these options) never hands out one made for another endpoint."""
     return {"use_listings_cache": False, "endpoint_url": os.environ.get("AWS_ENDPOINT_URL") or None}
 
 
@@ -209,7 +220,8 @@ def filesystem():
 
 
 def _quiet_clients() -> None:
-    """botocore announces at INFO where it found the credentials and endpoint, on every rank, every start."""
+    """botocore announces at INFO where it found the credentials and endpoint, on every rank, every
+    start."""
     import logging
 
     for name in ("botocore", "aiobotocore", "s3fs"):
@@ -231,9 +243,10 @@ def read_bytes(url: str) -> bytes:
 
 
 def write_bytes(url: str, data: bytes, **conditions) -> dict | None:
-    """One PUT: the object appears whole or not at all. `conditions`: mode="create" (If-None-Match: *),
-    IfMatch=<ETag>."""
-    return filesystem().pipe_file(StoreUrl(url).key, data, **conditions)  # S3's answer: its ETag
+    """One PUT: the object appears whole or not at all. `conditions`: mode="create" (If-None-Match:
+    *), IfMatch=<ETag>."""
+    # S3's answer: its ETag
+    return filesystem().pipe_file(StoreUrl(url).key, data, **conditions)
 
 
 def write_json(url: str, payload) -> None:
@@ -241,7 +254,8 @@ def write_json(url: str, payload) -> None:
 
 
 def _entries(url: str) -> list[dict]:
-    """What is directly under `url` (a "directory"), as listed now (never from a cache); none if nothing is."""
+    """What is directly under `url` (a "directory"), as listed now (never from a cache); none if
+    nothing is."""
     try:
         return filesystem().ls(StoreUrl(url).key, detail=True, refresh=True)
     except FileNotFoundError:
@@ -261,8 +275,8 @@ def children(url: str) -> list[str]:
 
 
 def remove_tree(url: str, first: str | None = None) -> None:
-    """Every object under `url`; `first` (a name in it) goes before the rest, so that a removal cut short
-    leaves no object that makes the rest look valid (a checkpoint's marker)."""
+    """Every object under `url`; `first` (a name in it) goes before the rest, so that a removal cut
+    short leaves no object that makes the rest look valid (a checkpoint's marker)."""
     fs = filesystem()
     key = StoreUrl(url).key
     if first and fs.exists(f"{key}/{first}"):
@@ -272,7 +286,8 @@ def remove_tree(url: str, first: str | None = None) -> None:
 
 
 def copy_tree(source: str, destination: str, last: str | None = None) -> None:
-    """Every object under `source` to `destination` (server-side copies), `last` (a name) after the rest."""
+    """Every object under `source` to `destination` (server-side copies), `last` (a name) after the
+    rest."""
     fs = filesystem()
     src, dst = StoreUrl(source).key, StoreUrl(destination).key
     for name in sorted(files(source), key=lambda n: n == last):
@@ -289,8 +304,8 @@ def fetch(url: str, local) -> None:
 
 
 def sha256(url: str, block: int = 8 << 20) -> str:
-    """Read in blocks: a shard is as big as a rank's share of the model, and hashing it whole would hold it in
-    memory once more after every save."""
+    """Read in blocks: a shard is as big as a rank's share of the model, and hashing it whole would
+    hold it in memory once more after every save."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -313,9 +328,10 @@ def _bucket_and_key(url: str) -> tuple[str, str]:
 
 
 def last_written(url: str) -> tuple[str, float] | None:
-    """(ETag, seconds since the object was last written) of one object, None if there is none. The age is the
-    store's own: its answer's Date header minus the object's LastModified, both from the store's clock, so
-    the hosts' clocks, however far apart, do not enter into it (to within the header's one second)."""
+    """(ETag, seconds since the object was last written) of one object, None if there is none. The
+    age is the store's own: its answer's Date header minus the object's LastModified, both from the
+    store's clock, so the hosts' clocks, however far apart, do not enter into it (to within the
+    header's one second)."""
     bucket, key = _bucket_and_key(url)
     try:
         head = filesystem().call_s3("head_object", Bucket=bucket, Key=key)
@@ -326,10 +342,10 @@ def last_written(url: str) -> tuple[str, float] | None:
 
 
 def remove_if_unchanged(url: str, tag: str) -> bool:
-    """Deletes the object only while its ETag is `tag` (a conditional delete, If-Match: S3 has them since 2025-09);
-    False, and nothing deleted, when it was written since or is gone. The ETag is compared first too: a store
-    that ignores If-Match on a delete, or a botocore too old to send it (then a plain delete), still leaves an
-    object written since."""
+    """Deletes the object only while its ETag is `tag` (a conditional delete, If-Match: S3 has them
+    since 2025-09); False, and nothing deleted, when it was written since or is gone. The ETag is
+    compared first too: a store that ignores If-Match on a delete, or a botocore too old to send it
+    (then a plain delete), still leaves an object written since."""
     from botocore.exceptions import ParamValidationError
 
     if etag(url) != tag:
@@ -338,13 +354,13 @@ def remove_if_unchanged(url: str, tag: str) -> bool:
     fs = filesystem()
     try:
         fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=tag)
-    except ParamValidationError:  # this botocore does not know IfMatch on DeleteObject
+    except ParamValidationError:
+        # this botocore does not know IfMatch on DeleteObject
         fs.call_s3("delete_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
         return False
-    except (
-        OSError
-    ) as exc:  # s3fs's translation of the store's answer; the answer itself is its cause
+    except OSError as exc:
+        # s3fs's translation of the store's answer; the answer itself is its cause
         answer = getattr(exc.__cause__, "response", None) or {}
         if answer.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             return False

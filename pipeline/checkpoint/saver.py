@@ -1,16 +1,17 @@
-"""The training loop's checkpoint saves: synchronous, or asynchronous (checkpoint.async_save) with one save in
-flight at a time.
+"""The training loop's checkpoint saves: synchronous, or asynchronous (checkpoint.async_save) with
+one save in flight at a time.
 
-Asynchronous: a save returns once the state is staged in CPU memory; the shards are written, hashed and, once
-every rank's are written, published as a synchronous save is (COMPLETE marker, atomic rename:
-formats.WRITTEN.finish_save) by background threads with their own process group. Each step `poll` looks (no
-collective) whether this rank's publish is done, and runs what follows a publish (best.json, the MLflow
-upload). A save waits for the one before it, and `close` for the last. A crash before the publish leaves the
-previous checkpoint, as it would mid-way through a synchronous save.
+Asynchronous: a save returns once the state is staged in CPU memory; the shards are written, hashed
+and, once every rank's are written, published as a synchronous save is (COMPLETE marker, atomic
+rename: formats.WRITTEN.finish_save) by background threads with their own process group. Each step
+`poll` looks (no collective) whether this rank's publish is done, and runs what follows a publish
+(best.json, the MLflow upload). A save waits for the one before it, and `close` for the last. A
+crash before the publish leaves the previous checkpoint, as it would mid-way through a synchronous
+save.
 
-The console hears of the saves once, at the end ("saved 6 checkpoints to outputs/x/checkpoints, kept 2 (...)");
-each save gets its own line at --verbose, or when it was slow (SLOW_SAVE_S): in a short run they were a fifth
-of the console.
+The console hears of the saves once, at the end ("saved 6 checkpoints to outputs/x/checkpoints, kept
+2 (...)"); each save gets its own line at --verbose, or when it was slow (SLOW_SAVE_S): in a short
+run they were a fifth of the console.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from serving.console import verbose
 
 log = logging.getLogger(__name__)
 
-SLOW_SAVE_S = 10.0  # a save this long (staging, writing and publishing) is said at once: it is time the run lost
+# a save this long (staging, writing and publishing) is said at once: it is time the run lost
+SLOW_SAVE_S = 10.0
 
 
 class Saver:
@@ -62,11 +64,12 @@ class Saver:
         protect: tuple[int | None, ...],
         then: Callable[[Path], None],
     ) -> None:
-        """Collective. Saves the state of `step`; `then(path)` once it is published (at once when synchronous)."""
+        """Collective. Saves the state of `step`; `then(path)` once it is published (at once when
+        synchronous)."""
         self.finish()
         started = time.perf_counter()
-        # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the exit in a
-        # CheckpointException, and a stop right after a complete save loses nothing.
+        # A SIGTERM (preemption, docker stop) lets the save finish: DCP would otherwise wrap the
+        # exit in a CheckpointException, and a stop right after a complete save loses nothing.
         with stopping.deferred():
             pending = formats.WRITTEN.start_save(
                 self.root, step, model, optimizer, meta, self.info, self.writer
@@ -83,7 +86,8 @@ class Saver:
         )
 
     def poll(self) -> None:
-        """Each step: what follows the publish of the save in flight, once it is done (a local look)."""
+        """Each step: what follows the publish of the save in flight, once it is done (a local
+        look)."""
         if self.pending is not None and self.pending[0].done():
             self.finish()
 
@@ -94,10 +98,10 @@ class Saver:
         published, then, started = self.pending
         self.pending = None
         with stopping.deferred():
-            path = published.result()  # raises what the write or the publish raised
-        self._published(
-            path, time.perf_counter() - started
-        )  # asynchronous: until this rank saw it published
+            # raises what the write or the publish raised
+            path = published.result()
+        # asynchronous: until this rank saw it published
+        self._published(path, time.perf_counter() - started)
         then(path)
         return path
 
@@ -107,7 +111,8 @@ class Saver:
             log.info("checkpoint saved: %s (%.1f s)", path, seconds)
 
     def close(self) -> None:
-        """Collective: the last save published, the background threads and staging buffers freed; the summary said."""
+        """Collective: the last save published, the background threads and staging buffers freed;
+        the summary said."""
         try:
             self.finish()
         finally:
@@ -127,6 +132,6 @@ class Saver:
 
 
 def snapshot(obj):
-    """A shallow copy, for a callback that runs after the save is published: what it records must be the
-    state of the step saved, not of a later one."""
+    """A shallow copy, for a callback that runs after the save is published: what it records must be
+    the state of the step saved, not of a later one."""
     return copy.copy(obj)

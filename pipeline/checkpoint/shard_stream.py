@@ -1,23 +1,24 @@
-"""One pass over a DCP checkpoint's files: every byte read and hashed once, the model's tensors copied into a
-safetensors file on the way.
+"""One pass over a DCP checkpoint's files: every byte read and hashed once, the model's tensors
+copied into a safetensors file on the way.
 
-The I/O floor of a consolidation that verifies its input is reading and hashing every shard byte once and
-writing the output once. DCP's own reader (dcp.load) re-reads what verification already read, materializes
-each stored chunk and then copies it into the destination tensor. Here each shard file is read front to
-back, hashed as it is read; the byte ranges DCP's metadata names for model tensors are read into one buffer,
-and the tensor found inside (a `torch.save` blob: a zip whose stored, uncompressed `data/<key>` entry holds the
-raw bytes) is streamed to its place in the output with `pwrite`, CHUNK bytes at a time through one reused
-buffer: each block is hashed, checked (NaN/Inf) and written from that buffer, so peak memory is a few MiB
-whatever the tensor's size. Only a chunk that must be converted (a dtype cast, strides that are not the
-plain row-major ones) is read whole into one buffer first (peak: about that stored chunk). The blob's zip
-directory and pickle (a few hundred bytes) are read with `pread` beside the front-to-back pass: the only
-bytes read twice.
+The I/O floor of a consolidation that verifies its input is reading and hashing every shard byte
+once and writing the output once. DCP's own reader (dcp.load) re-reads what verification already
+read, materializes each stored chunk and then copies it into the destination tensor. Here each shard
+file is read front to back, hashed as it is read; the byte ranges DCP's metadata names for model
+tensors are read into one buffer, and the tensor found inside (a `torch.save` blob: a zip whose
+stored, uncompressed `data/<key>` entry holds the raw bytes) is streamed to its place in the output
+with `pwrite`, CHUNK bytes at a time through one reused buffer: each block is hashed, checked
+(NaN/Inf) and written from that buffer, so peak memory is a few MiB whatever the tensor's size. Only
+a chunk that must be converted (a dtype cast, strides that are not the plain row-major ones) is read
+whole into one buffer first (peak: about that stored chunk). The blob's zip directory and pickle (a
+few hundred bytes) are read with `pread` beside the front-to-back pass: the only bytes read twice.
 
-Handled layouts: chunks that are slices along dim 0 (DDP's whole tensors, FSDP2's row shards), stored with no
-storage transforms. `plan` returns None for anything else and the caller takes the dcp.load path.
+Handled layouts: chunks that are slices along dim 0 (DDP's whole tensors, FSDP2's row shards),
+stored with no storage transforms. `plan` returns None for anything else and the caller takes the
+dcp.load path.
 
-The blob's pickle is read by an unpickler that admits only what a saved tensor's pickle names (its rebuild
-function, a storage class, an OrderedDict of hooks): a checkpoint is untrusted input.
+The blob's pickle is read by an unpickler that admits only what a saved tensor's pickle names (its
+rebuild function, a storage class, an OrderedDict of hooks): a checkpoint is untrusted input.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ import torch
 from pipeline.artifact.safetensors_writer import TensorSpec, header_bytes
 from pipeline.errors import CheckpointError
 
-BLOCK = (
-    1 << 20
-)  # bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
-# Bytes of a tensor read, hashed, checked and written at a time: big enough that a syscall and a NaN check per
-# block cost nothing beside the bytes, small beside a model's big tensors (peak memory is this, not a tensor).
+# bytes read (and hashed) at a time between the tensors' ranges: small beside a tensor
+BLOCK = 1 << 20
+# Bytes of a tensor read, hashed, checked and written at a time: big enough that a syscall and a NaN
+# check per block cost nothing beside the bytes, small beside a model's big tensors (peak memory is
+# this, not a tensor).
 CHUNK = 4 << 20
 
 
@@ -49,27 +50,33 @@ CHUNK = 4 << 20
 class Piece:
     """One stored chunk of a model tensor: where it is in its shard file and where its bytes go."""
 
-    name: str  # the tensor's key in the output
-    file: str  # the shard file, relative to the checkpoint
-    offset: int  # of the chunk's blob in that file
+    # the tensor's key in the output
+    name: str
+    # the shard file, relative to the checkpoint
+    file: str
+    # of the chunk's blob in that file
+    offset: int
     length: int
-    sizes: tuple[int, ...]  # the chunk's shape
+    # the chunk's shape
+    sizes: tuple[int, ...]
     stored: torch.dtype
     out_dtype: torch.dtype
-    out_position: int  # byte offset in the output file
+    # byte offset in the output file
+    out_position: int
 
 
 def plan(
     metadata, specs: list[TensorSpec], file_metadata: dict[str, str]
 ) -> tuple[bytes, list[Piece]] | None:
-    """(the output's header, every chunk to copy), or None when a chunk is not a dim-0 slice of a plain stored
-    tensor. `specs` in file order, as the header lays them out."""
+    """(the output's header, every chunk to copy), or None when a chunk is not a dim-0 slice of a
+    plain stored tensor. `specs` in file order, as the header lays them out."""
     header = header_bytes(specs, file_metadata)
+    # None: a non-tensor entry (an optimizer hyperparameter)
     by_chunk = {
         (idx.fqn, tuple(idx.offset)): info
         for idx, info in metadata.storage_data.items()
         if idx.offset is not None
-    }  # None: a non-tensor entry (an optimizer hyperparameter)
+    }
     pieces, position = [], len(header)
     for spec in specs:
         md = metadata.state_dict_metadata[f"model.{spec.name}"]
@@ -99,7 +106,8 @@ def plan(
                 )
             )
             rows += sizes[0] if sizes else 1
-        if rows != (size[0] if size else 1):  # the chunks must cover the tensor exactly once
+        # the chunks must cover the tensor exactly once
+        if rows != (size[0] if size else 1):
             return None
         position += spec.nbytes
     return header, pieces
@@ -108,15 +116,17 @@ def plan(
 def copy_hashed(
     ckpt: Path, header: bytes, pieces: list[Piece], out_fd: int, nonfinite, refuse, release=None
 ) -> dict[str, str]:
-    """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's tensor (in
-    the output dtype) at its place in `out_fd`. `nonfinite(tensor) -> (NaN count, Inf count)` is asked of every
-    block written, and `refuse(name, nan, inf, dtype)` (which raises) is called for a piece that holds any;
-    `release()` after a piece read whole (returns its freed buffer to the OS). Returns {file: sha256}."""
+    """Reads every file of `ckpt` once, front to back, hashing it; writes `header` and each piece's
+    tensor (in the output dtype) at its place in `out_fd`. `nonfinite(tensor) -> (NaN count, Inf
+    count)` is asked of every block written, and `refuse(name, nan, inf, dtype)` (which raises) is
+    called for a piece that holds any; `release()` after a piece read whole (returns its freed
+    buffer to the OS). Returns {file: sha256}."""
     os.pwrite(out_fd, header, 0)
     by_file: dict[str, list[Piece]] = {}
     for p in pieces:
         by_file.setdefault(p.file, []).append(p)
-    block = memoryview(bytearray(CHUNK))  # the one buffer every streamed tensor passes through
+    # the one buffer every streamed tensor passes through
+    block = memoryview(bytearray(CHUNK))
     digests = {}
     for path in sorted(f for f in Path(ckpt).iterdir() if f.is_file()):
         sha = hashlib.sha256()
@@ -161,8 +171,8 @@ def _stream_piece(
     refuse,
     ckpt: Path,
 ) -> None:
-    """`f` at the piece's blob: hashes its bytes up to the tensor's, then the tensor's, CHUNK at a time through
-    `block` (hashed, counted, written), then the blob's rest."""
+    """`f` at the piece's blob: hashes its bytes up to the tensor's, then the tensor's, CHUNK at a
+    time through `block` (hashed, counted, written), then the blob's rest."""
     if not _hash_span(f, sha, stored.start):
         raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
     itemsize = piece.stored.itemsize
@@ -172,7 +182,8 @@ def _stream_piece(
         want = min(step, stored.nbytes - done)
         view = block[:want]
         got = 0
-        while got < want:  # a regular file reads short only at its end
+        # a regular file reads short only at its end
+        while got < want:
             n = f.readinto(view[got:])
             if not n:
                 raise _truncated(ckpt, piece.file, f"it ends inside tensor '{piece.name}'")
@@ -197,8 +208,10 @@ def _copy_whole(f, sha, piece: Piece, out_fd: int, nonfinite, refuse, ckpt: Path
     tensor = tensor_in_blob(
         buf, piece.stored, f"checkpoint '{ckpt}': tensor '{piece.name}' in {piece.file}"
     )
-    tensor = tensor.to(piece.out_dtype).contiguous()  # no copy when it already is both
-    nan, inf = nonfinite(tensor)  # after the cast: fp16 overflows to Inf past 65504
+    # no copy when it already is both
+    tensor = tensor.to(piece.out_dtype).contiguous()
+    # after the cast: fp16 overflows to Inf past 65504
+    nan, inf = nonfinite(tensor)
     if nan or inf:
         refuse(piece.name, nan, inf, piece.out_dtype)
     _pwrite_all(
@@ -210,13 +223,14 @@ def _copy_whole(f, sha, piece: Piece, out_fd: int, nonfinite, refuse, ckpt: Path
 
 def _pwrite_all(fd: int, data, position: int) -> None:
     written = 0
-    while written < len(data):  # pwrite may write less than asked
+    # pwrite may write less than asked
+    while written < len(data):
         written += os.pwrite(fd, data[written:], position + written)
 
 
 def _hash_span(f, sha, length: int | None) -> bool:
-    """Hashes the next `length` bytes of `f` (None: to its end) in BLOCK-sized reads into one buffer; False
-    when the file ends first."""
+    """Hashes the next `length` bytes of `f` (None: to its end) in BLOCK-sized reads into one
+    buffer; False when the file ends first."""
     view = memoryview(bytearray(min(BLOCK, length) if length is not None else BLOCK))
     left = length
     while left is None or left > 0:
@@ -237,8 +251,9 @@ def _truncated(ckpt: Path, name: str, how: str) -> CheckpointError:
 
 
 class _Admitted(pickle.Unpickler):
-    """What `torch.save` of one tensor pickles, and nothing else: `_rebuild_tensor_v2(storage, offset, size,
-    stride, requires_grad, hooks[, metadata])`, the storage as a persistent id, an OrderedDict of hooks."""
+    """What `torch.save` of one tensor pickles, and nothing else: `_rebuild_tensor_v2(storage,
+    offset, size, stride, requires_grad, hooks[, metadata])`, the storage as a persistent id, an
+    OrderedDict of hooks."""
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -265,16 +280,20 @@ class _Admitted(pickle.Unpickler):
 class _Stored:
     """Where a `torch.save` blob keeps its tensor's bytes, and how the tensor lies in them."""
 
-    start: int  # of the storage's bytes, from the blob's start
-    nbytes: int  # the storage's bytes
-    offset: int  # the tensor's, in elements, and its sizes and strides
+    # of the storage's bytes, from the blob's start
+    start: int
+    # the storage's bytes
+    nbytes: int
+    # the tensor's, in elements, and its sizes and strides
+    offset: int
     sizes: tuple[int, ...]
     stride: tuple[int, ...]
     itemsize: int
 
     @property
     def streamable(self) -> bool:
-        """The storage holds exactly the tensor's elements, in row-major order: its bytes are the output's."""
+        """The storage holds exactly the tensor's elements, in row-major order: its bytes are the
+        output's."""
         row_major, numel = [], 1
         for size in reversed(self.sizes):
             row_major.insert(0, numel)
@@ -292,8 +311,9 @@ class _Stored:
 
 
 def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Stored:
-    """Reads a `torch.save` blob's zip directory and pickle through `blob` (a seekable reader of the blob alone):
-    where its tensor's bytes are and how the tensor lies in them. Checks what it can without the bytes."""
+    """Reads a `torch.save` blob's zip directory and pickle through `blob` (a seekable reader of the
+    blob alone): where its tensor's bytes are and how the tensor lies in them. Checks what it can
+    without the bytes."""
     try:
         archive = zipfile.ZipFile(blob)
         pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
@@ -313,7 +333,8 @@ def _stored_tensor(blob: io.RawIOBase, dtype: torch.dtype, where: str) -> _Store
         ) from None
     if member.compress_type != zipfile.ZIP_STORED or member.file_size % dtype.itemsize:
         raise CheckpointError(f"{where}: its bytes are compressed or not whole {dtype} items")
-    h = member.header_offset  # the local header: 30 bytes, then the name and an extra field
+    # the local header: 30 bytes, then the name and an extra field
+    h = member.header_offset
     blob.seek(h)
     local = blob.read(30)
     if len(local) != 30:
@@ -342,8 +363,8 @@ def tensor_in_blob(buf: bytearray, dtype: torch.dtype, where: str) -> torch.Tens
 
 
 class _Seekable(io.RawIOBase):
-    """A read-only, seekable stream of `length` bytes: zipfile reads a stored tensor's directory through it.
-    Subclasses say where the bytes come from (`_read_at`)."""
+    """A read-only, seekable stream of `length` bytes: zipfile reads a stored tensor's directory
+    through it. Subclasses say where the bytes come from (`_read_at`)."""
 
     def __init__(self, length: int):
         self.length, self.pos = length, 0
@@ -377,8 +398,8 @@ class _Seekable(io.RawIOBase):
 
 
 class _Window(_Seekable):
-    """`length` bytes of a file from `base`, by pread: the file's own position (the front-to-back hashing pass)
-    never moves."""
+    """`length` bytes of a file from `base`, by pread: the file's own position (the front-to-back
+    hashing pass) never moves."""
 
     def __init__(self, fd: int, base: int, length: int):
         super().__init__(length)

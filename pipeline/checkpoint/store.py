@@ -1,14 +1,14 @@
 """Where a checkpoint comes from and goes besides the run directory: the tracking server. Uploads a
-checkpoint to a run's `checkpoints/` artifacts (marker last), finds and downloads a run's complete one,
-and resolves `--resume` (latest, a path, a run directory, or a run id) to a checkpoint.
+checkpoint to a run's `checkpoints/` artifacts (marker last), finds and downloads a run's complete
+one, and resolves `--resume` (latest, a path, a run directory, or a run id) to a checkpoint.
 
-A run whose directory is on an object store (train.output_dir=s3://...) keeps its checkpoints there, and
-its MLflow run says where (tag lineage.RUN_DIR): a run id, or an s3://... path, is fetched from there
-into a local directory (`fetch_checkpoint`, marker and checksums verified), which consolidation then reads
-as any local checkpoint.
+A run whose directory is on an object store (train.output_dir=s3://...) keeps its checkpoints there,
+and its MLflow run says where (tag lineage.RUN_DIR): a run id, or an s3://... path, is fetched from
+there into a local directory (`fetch_checkpoint`, marker and checksums verified), which
+consolidation then reads as any local checkpoint.
 
-Kept apart from layout.py and dcp.py (the checkpoint on disk) and tracking.py (MLflow runs, metrics, the
-registry): this is the one module that knows both.
+Kept apart from layout.py and dcp.py (the checkpoint on disk) and tracking.py (MLflow runs, metrics,
+the registry): this is the one module that knows both.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def resolve_resume(resume: str, checkpoint_root: Path, info: DistInfo) -> Path |
 
 
 def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
-    if resume == "auto":  # after a torchrun restart: the newest, or none yet (start over)
+    # after a torchrun restart: the newest, or none yet (start over)
+    if resume == "auto":
         return checkpoint.latest(checkpoint_root)
     if resume == "latest":
         found = checkpoint.latest(checkpoint_root)
@@ -83,9 +84,8 @@ def _resolve_on_main(resume: str, checkpoint_root: Path) -> Path | None:
         return found
     if re.fullmatch(r"[0-9a-f]{32}", resume):
         where = tracking.get_run(resume).data.tags.get(lineage.RUN_DIR, "")
-        if object_store.is_url(
-            where
-        ):  # its checkpoints are on a store every rank reads: no download
+        # its checkpoints are on a store every rank reads: no download
+        if object_store.is_url(where):
             return _choose_on_store(
                 object_store.check_url(where, f"the run's {lineage.RUN_DIR}"), latest=False
             )
@@ -110,9 +110,8 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     import mlflow
 
     where = tracking.get_run(run_id).data.tags.get(lineage.RUN_DIR, "")
-    if object_store.is_url(
-        where
-    ):  # trained with its run directory on an object store: fetched from there
+    # trained with its run directory on an object store: fetched from there
+    if object_store.is_url(where):
         log.info("run %s keeps its checkpoints in %s", run_id, where)
         return fetch_checkpoint(where, dest / run_id, latest)
     client = mlflow.MlflowClient()
@@ -136,7 +135,8 @@ def download_checkpoint(run_id: str, dest: Path, latest: bool = False) -> Path:
     # The run's final checkpoint when it names one: after a resume from an older step, a higher step
     # uploaded earlier belongs to the abandoned timeline.
     tags = tracking.get_run(run_id).data.tags
-    # (a run trained before the lineage contract named them otherwise: LEGACY_RUN, the latest as a path)
+    # (a run trained before the lineage contract named them otherwise: LEGACY_RUN, the latest as a
+    # path)
     final = f"checkpoints/{tags.get(lineage.LATEST) or Path(tags.get(lineage.LEGACY_RUN['checkpoint'], '')).name}"
     best_name = tags.get(lineage.BEST) or tags.get(lineage.LEGACY_RUN["best"], "")
     best = f"checkpoints/{best_name}"
@@ -183,8 +183,8 @@ def log_checkpoint(path: Path, run_id: str) -> None:
 
 
 def _choose_on_store(url: object_store.StoreUrl, latest: bool) -> object_store.StoreUrl:
-    """A step directory as given; of a run directory (or its checkpoints/), the best (best.json) unless
-    `latest`, else the newest complete one. Verified against its marker."""
+    """A step directory as given; of a run directory (or its checkpoints/), the best (best.json)
+    unless `latest`, else the newest complete one. Verified against its marker."""
     from pipeline.components.monitor import read_best
 
     if checkpoint.STEP_DIR.match(url.name) or (url / checkpoint.MARKER).exists():
@@ -210,13 +210,15 @@ def _still_complete(url) -> bool:
 
 
 def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
-    """A checkpoint on an object store (a step directory, or a run directory: its best unless `latest`) copied
-    into `dest/<run>/<step>/`, and verified there against its marker's sizes and checksums."""
+    """A checkpoint on an object store (a step directory, or a run directory: its best unless
+    `latest`) copied into `dest/<run>/<step>/`, and verified there against its marker's sizes and
+    checksums."""
     chosen = _choose_on_store(object_store.check_url(url, "the checkpoint"), latest)
     run = chosen.parent.parent.name if chosen.parent.name == "checkpoints" else chosen.parent.name
     local = Path(dest) / run / chosen.name
-    # Into a directory of this fetch's own, renamed into place once verified: two fetches of one checkpoint
-    # never delete each other's files, and a fetch cut short leaves no half copy under the checkpoint's name.
+    # Into a directory of this fetch's own, renamed into place once verified: two fetches of one
+    # checkpoint never delete each other's files, and a fetch cut short leaves no half copy under
+    # the checkpoint's name.
     local.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".fetch-{chosen.name}-", dir=local.parent))
     try:
@@ -225,9 +227,8 @@ def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
             object_store.fetch(chosen, staging)
             checkpoint.verify_checksums(staging)
         except (FileNotFoundError, checkpoint.CheckpointError) as exc:
-            if _still_complete(
-                chosen
-            ):  # damaged on the store or in transfer: said of the checkpoint, not our copy
+            # damaged on the store or in transfer: said of the checkpoint, not our copy
+            if _still_complete(chosen):
                 raise checkpoint.CheckpointError(
                     str(exc).replace(str(staging), str(chosen))
                 ) from None
@@ -237,7 +238,8 @@ def fetch_checkpoint(url: str, dest: Path, latest: bool = False) -> Path:
                 "still training and pruned it; fetch again (its newest complete "
                 "checkpoint), or once the run has finished"
             ) from None
-        shutil.rmtree(local, ignore_errors=True)  # an older copy
+        # an older copy
+        shutil.rmtree(local, ignore_errors=True)
         staging.rename(local)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -3,8 +3,9 @@
 Uploading a large checkpoint takes minutes. Done on rank 0 inside the loop it would stall every rank
 and, past the process group's 10-minute timeout, abort the job. So rank 0 snapshots each new
 checkpoint by hard links (pruning by `keep_last` may delete the original while it uploads) and one
-daemon thread uploads the snapshots in order. A rank that dies mid-upload leaves a checkpoint without
-its marker in MLflow, which `checkpoint_store.download_checkpoint` never takes for a complete one.
+daemon thread uploads the snapshots in order. A rank that dies mid-upload leaves a checkpoint
+without its marker in MLflow, which `checkpoint_store.download_checkpoint` never takes for a
+complete one.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ def snapshot(source: Path, destination: Path) -> Path:
 
 
 class BackgroundUploads:
-    """`submit(checkpoint)` returns at once; `finish()` waits for all of them and reports failures."""
+    """`submit(checkpoint)` returns at once; `finish()` waits for all of them and reports
+    failures."""
 
     def __init__(self, run_id: str, staging: Path):
         self.run_id, self.staging = run_id, staging
-        shutil.rmtree(staging, ignore_errors=True)  # snapshots a killed attempt left behind
-        self.failed: dict[str, str] = {}  # checkpoint name -> error
+        # snapshots a killed attempt left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        # checkpoint name -> error
+        self.failed: dict[str, str] = {}
         self.submitted: set[str] = set()
         self._todo: queue.Queue[Path | None] = queue.Queue()
         # A daemon: a failing rank exits without waiting for uploads (the marker goes up last).
@@ -63,9 +67,8 @@ class BackgroundUploads:
             try:
                 checkpoint_store.log_checkpoint(snap, self.run_id)
                 log.info("uploaded checkpoint %s to MLflow run %s", snap.name, self.run_id)
-            except (
-                Exception
-            ) as exc:  # the next checkpoint may well go up; the caller decides at the end
+            except Exception as exc:
+                # the next checkpoint may well go up; the caller decides at the end
                 self.failed[snap.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("checkpoint %s was not uploaded to MLflow: %s", snap.name, exc)
             finally:

@@ -1,16 +1,17 @@
 """What a run is made of, built from its config: the data splits, the task and the model.
 
-Every stage builds through here: the launcher before it spawns a process (`preflight`), each training
-rank, and export from what a checkpoint recorded (`rebuild_*`, with the trust check of reference.py).
-A model is rebuilt from its `ModelSpec` alone: the reference and the explicit args it was called with,
-the ones the data suggested included, recorded with every checkpoint and `model.json`.
+Every stage builds through here: the launcher before it spawns a process (`preflight`), each
+training rank, and export from what a checkpoint recorded (`rebuild_*`, with the trust check of
+reference.py). A model is rebuilt from its `ModelSpec` alone: the reference and the explicit args it
+was called with, the ones the data suggested included, recorded with every checkpoint and
+`model.json`.
 
 The model's arguments: `model.args`, plus, for parameters the model's callable takes and args omits,
-what the training set suggests: what its task derives from it (`num_classes` from its `classes`,
-for any task that predicts classes, and for a factory that takes `**kwargs` as timm's `create_model`
-does), and its `model_args` dict (input sizes, normalization statistics). They must be plain values (numbers,
-strings, lists, dicts): they travel as JSON, and the model is built from the JSON form, so training
-and every rebuild see the same values.
+what the training set suggests: what its task derives from it (`num_classes` from its `classes`, for
+any task that predicts classes, and for a factory that takes `**kwargs` as timm's `create_model`
+does), and its `model_args` dict (input sizes, normalization statistics). They must be plain values
+(numbers, strings, lists, dicts): they travel as JSON, and the model is built from the JSON form, so
+training and every rebuild see the same values.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ from pipeline.tasks.base import TaskError
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = 2
-PROBE_MAX_PARAMETERS = (
-    200_000_000  # the launcher skips its test forward above this (each rank still does one)
-)
+# the launcher skips its test forward above this (each rank still does one)
+PROBE_MAX_PARAMETERS = 200_000_000
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ class Built:
     splits: Splits
     task: Any
     model_spec: ModelSpec
-    suggested: dict[str, Any]  # the args that came from the data, for the log
+    # the args that came from the data, for the log
+    suggested: dict[str, Any]
 
 
 def build_data(
@@ -79,7 +80,8 @@ def build_data(
     source: ArtifactSource | None = None,
     missing_hint: str = "",
 ) -> Splits:
-    """`source`: the artifact the config was read back from, if it was (see reference.py on trust)."""
+    """`source`: the artifact the config was read back from, if it was (see reference.py on
+    trust)."""
     fn = resolve("data", data_cfg.component, missing_hint, source)
     returned = call("data", data_cfg.component, fn, data_cfg.args)
     return check_splits(returned, data_cfg.component, task_class(task_name))
@@ -92,9 +94,8 @@ def model_spec(model_cfg: ModelConfig, splits: Splits, task) -> tuple[ModelSpec,
     from_task = task.suggest(splits.classes)
     suggested = {**splits.model_hints, **from_task}
     accepted = accepted_parameters(fn)
-    if takes_kwargs(
-        fn
-    ):  # a factory such as timm.create_model(name, **kwargs) passes num_classes on
+    # a factory such as timm.create_model(name, **kwargs) passes num_classes on
+    if takes_kwargs(fn):
         accepted |= set(from_task)
     from_data = {k: v for k, v in suggested.items() if k in accepted and k not in model_cfg.args}
     args = plain_args({**from_data, **model_cfg.args})
@@ -102,7 +103,8 @@ def model_spec(model_cfg: ModelConfig, splits: Splits, task) -> tuple[ModelSpec,
 
 
 def plain_args(args: dict[str, Any]) -> dict[str, Any]:
-    """`args` as JSON has them (tensors and arrays as lists); ComponentError for what JSON can't hold."""
+    """`args` as JSON has them (tensors and arrays as lists); ComponentError for what JSON can't
+    hold."""
 
     def plain(value: Any, key: str) -> Any:
         if torch.is_tensor(value) or hasattr(value, "tolist"):
@@ -142,9 +144,10 @@ def instantiate_model(
 
 
 def probe(model: torch.nn.Module, splits: Splits, task, component: str) -> None:
-    """One forward of a few real validation samples (eval mode, no grad): the model takes the inputs,
-    its output fits the task, the loss is a finite number, and a custom metric gives numbers. Teaches
-    a classification task without `classes` its number of classes, a custom task its primary metric."""
+    """One forward of a few real validation samples (eval mode, no grad): the model takes the
+    inputs, its output fits the task, the loss is a finite number, and a custom metric gives
+    numbers. Teaches a classification task without `classes` its number of classes, a custom task
+    its primary metric."""
     rows = min(len(splits.val), task.probe_rows)
     inputs, target = first_batch(splits.val, rows)
     was_training = model.training
@@ -198,10 +201,10 @@ def preflight(
     train_cfg: TrainConfig,
     export_cfg: ExportConfig,
 ) -> Built:
-    """Everything a training rank builds, checked in the launcher before any process is spawned: a bad
-    component is one message here instead of one per rank after torchrun started. Settings that name
-    parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here too, not
-    after training."""
+    """Everything a training rank builds, checked in the launcher before any process is spawned: a
+    bad component is one message here instead of one per rank after torchrun started. Settings that
+    name parts of the model or its inputs (train.fsdp_wrap, export.dynamic_axes) are checked here
+    too, not after training."""
     splits = build_data(data_cfg, task_cfg.name)
     if isinstance(splits.train, IterableDataset):
         check_length(splits.train, train_cfg.max_steps)
@@ -209,24 +212,27 @@ def preflight(
     spec, suggested = model_spec(model_cfg, splits, task)
     check_dynamic_axes(export_cfg.dynamic_axes, {s.name: len(s.shape) + 1 for s in splits.inputs})
     try:
-        with torch.device("meta"):  # shapes without memory: the size decides whether to probe here
+        # shapes without memory: the size decides whether to probe here
+        with torch.device("meta"):
             shapes_only = instantiate_model(spec)
         size = sum(p.numel() for p in shapes_only.parameters())
     except ComponentError:
+        # some constructors can't run on the meta device; the real one below says why
         shapes_only, size = (
             None,
             0,
-        )  # some constructors can't run on the meta device; the real one below says why
+        )
     if train_cfg.fsdp_wrap and shapes_only is not None:
-        fsdp_units(shapes_only, train_cfg.fsdp_wrap)  # names classes the model has
+        # names classes the model has
+        fsdp_units(shapes_only, train_cfg.fsdp_wrap)
     if train_cfg.parallel.tp > 1 and shapes_only is not None:
-        tensor_parallel.plan_for(
-            shapes_only, train_cfg.parallel.tp
-        )  # a plan, and one that fits the model
+        # a plan, and one that fits the model
+        tensor_parallel.plan_for(shapes_only, train_cfg.parallel.tp)
     if train_cfg.parallel.pp > 1 and shapes_only is not None:
+        # stages
         pipeline_parallel.split_points(
             shapes_only, train_cfg.parallel.pp, train_cfg.parallel.pp_split
-        )  # stages
+        )
     if size <= PROBE_MAX_PARAMETERS:
         probe(instantiate_model(spec), splits, task, spec.component)
     else:
@@ -256,8 +262,8 @@ def check_dynamic_axes(dynamic_axes: dict[str, list[int]], ranks: dict[str, int]
 def component_references(
     model_cfg: ModelConfig, data_cfg: DataConfig, task_cfg: TaskConfig
 ) -> list[str]:
-    """Every component a config names: what a run logs the code of, and what `pipeline run` trusts when
-    its own model.json names them back."""
+    """Every component a config names: what a run logs the code of, and what `pipeline run` trusts
+    when its own model.json names them back."""
     return [
         model_cfg.component,
         data_cfg.component,
@@ -266,8 +272,8 @@ def component_references(
 
 
 def state_manifest(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Every key of the plain model's state_dict with its shape and dtype: what consolidation checks the
-    checkpoint and its output against, without importing the model's code."""
+    """Every key of the plain model's state_dict with its shape and dtype: what consolidation checks
+    the checkpoint and its output against, without importing the model's code."""
     return {
         name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for name, t in model.state_dict().items()

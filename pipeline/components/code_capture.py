@@ -31,9 +31,12 @@ ARTIFACT_DIR = "code"
 
 @dataclass
 class CodeSnapshot:
-    files: dict[str, Path] = field(default_factory=dict)  # artifact path under code/ -> local file
-    packages: dict[str, str] = field(default_factory=dict)  # installed distribution -> version
-    skipped: list[str] = field(default_factory=list)  # why something was not captured
+    # artifact path under code/ -> local file
+    files: dict[str, Path] = field(default_factory=dict)
+    # installed distribution -> version
+    packages: dict[str, str] = field(default_factory=dict)
+    # why something was not captured
+    skipped: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
         """For checkpoints and model.json: every file's sha256, and the installed packages."""
@@ -44,8 +47,9 @@ class CodeSnapshot:
 
 
 def capture(references: list[str]) -> CodeSnapshot:
-    """What to log for the modules `references` name (already imported by the run), and for the other
-    local modules the run imported from the same directories (a helper package beside the model's)."""
+    """What to log for the modules `references` name (already imported by the run), and for the
+    other local modules the run imported from the same directories (a helper package beside the
+    model's)."""
     snapshot = CodeSnapshot()
     installed = _installed_roots()
     bases: set[Path] = set()
@@ -87,7 +91,8 @@ def capture(references: list[str]) -> CodeSnapshot:
     return snapshot
 
 
-OWN = {"pipeline", "serving", "__main__"}  # trainserve's own code, and the script that runs it
+# trainserve's own code, and the script that runs it
+OWN = {"pipeline", "serving", "__main__"}
 
 
 def _origin(top: str) -> Path | None:

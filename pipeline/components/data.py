@@ -1,18 +1,20 @@
-"""Data: the splits a data component returns, checked once, and the loaders every stage reads them with.
+"""Data: the splits a data component returns, checked once, and the loaders every stage reads them
+with.
 
 The contract (README, "Train your own model"): `data.component(**data.args)` returns
 `{"train": Dataset, "val": Dataset}` of map-style data sets whose items are `(inputs, target)`:
 `inputs` a tensor or a dict of named tensors (any dtype), `target` what the task takes (its
 `check_target`: an int64 class index for classification, a float tensor for regression, an H x W
-mask for segmentation, a tensor or a dict/tuple of tensors for custom). The
-training set may carry `classes` (class names) and `model_args` (keyword arguments it suggests for
-the model: input sizes, normalization statistics), and images may carry `preprocessing` (how an image file
-becomes the lone input: serving/images.py; export records it with the model, so that a server takes image files;
-its validation set then gives `source_images()`, (index, file suffix, file bytes) of samples spread over it, the
-files their inputs were made from, which an export gate proves the recorded transform on). Data sets need not fit
-in memory: every stage reads them through a DataLoader with `data.num_workers` and the default collate, which
-stacks the items of a batch: they must have one shape, or the data set gives a `collate_fn` attribute (a batch of
-items -> one (inputs, target) batch, e.g. padding each batch to its longest item), which every loader uses.
+mask for segmentation, a tensor or a dict/tuple of tensors for custom). The training set may carry
+`classes` (class names) and `model_args` (keyword arguments it suggests for the model: input sizes,
+normalization statistics), and images may carry `preprocessing` (how an image file becomes the lone
+input: serving/images.py; export records it with the model, so that a server takes image files; its
+validation set then gives `source_images()`, (index, file suffix, file bytes) of samples spread over
+it, the files their inputs were made from, which an export gate proves the recorded transform on).
+Data sets need not fit in memory: every stage reads them through a DataLoader with
+`data.num_workers` and the default collate, which stacks the items of a batch: they must have one
+shape, or the data set gives a `collate_fn` attribute (a batch of items -> one (inputs, target)
+batch, e.g. padding each batch to its longest item), which every loader uses.
 
 A lone tensor input is named `input` wherever a name is needed (the ONNX graph, the server); dict
 inputs keep their keys and reach the model as keyword arguments, `model(**inputs)`.
@@ -34,7 +36,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.components import own_stream
 from pipeline.components.random_streams import WorkerSeeded, loader_generator
-from pipeline.errors import DataError  # noqa: F401 - raised here, defined with the others
+
+# raised here, defined with the others
+from pipeline.errors import DataError  # noqa: F401
 from pipeline.plan import BatchPlan
 from pipeline.shards.stream import ShardedStream, ShardRows, StreamLoader, identity_of
 from pipeline.tools.logs import first_line
@@ -45,8 +49,8 @@ EVAL_BATCH = 256
 
 
 class PreBatched(tuple):
-    """What a data set's `__getitems__` returns when it gathered the batch itself (one index operation
-    instead of collating single samples): `collate` passes it through."""
+    """What a data set's `__getitems__` returns when it gathered the batch itself (one index
+    operation instead of collating single samples): `collate` passes it through."""
 
 
 def collate(batch):
@@ -54,7 +58,8 @@ def collate(batch):
 
 
 def collate_of(dataset: Dataset):
-    """The collate a loader of `dataset` uses: its own `collate_fn` (a Subset's, the wrapped set's), else ours."""
+    """The collate a loader of `dataset` uses: its own `collate_fn` (a Subset's, the wrapped set's),
+    else ours."""
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
     return getattr(dataset, "collate_fn", None) or collate
@@ -62,7 +67,8 @@ def collate_of(dataset: Dataset):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One named model input as a sample of the validation set has it (shape without the batch axis)."""
+    """One named model input as a sample of the validation set has it (shape without the batch
+    axis)."""
 
     name: str
     dtype: torch.dtype
@@ -83,11 +89,13 @@ class Splits:
     train: Dataset
     val: Dataset
     classes: list[str] | None = None
-    model_hints: dict[str, Any] = field(default_factory=dict)  # the training set's `model_args`
+    # the training set's `model_args`
+    model_hints: dict[str, Any] = field(default_factory=dict)
     inputs: list[InputSpec] = field(default_factory=list)
-    single_input: bool = True  # a lone tensor (named `input`), not a dict
-    # How an image file became the lone input (serving/images.py), when the data says: export records it with the
-    # model, and a server then takes image files for it.
+    # a lone tensor (named `input`), not a dict
+    single_input: bool = True
+    # How an image file became the lone input (serving/images.py), when the data says: export
+    # records it with the model, and a server then takes image files for it.
     preprocessing: Preprocessing | None = None
 
     @property
@@ -149,7 +157,8 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
     first_inputs = None
     for split, ds in (("train", train), ("val", val)):
         items = {}
-        # A stream is checked on its first items as it yields them; a map-style split on items spread over it.
+        # A stream is checked on its first items as it yields them; a map-style split on items
+        # spread over it.
         read = dict(enumerate(_first_items(ds, where))) if isinstance(ds, IterableDataset) else None
         for index in read if read is not None else _spread(len(ds)):
             inputs, target = items[index] = _check_item(
@@ -171,8 +180,8 @@ def check_splits(returned: Any, reference: str, task) -> Splits:
 
 
 def _check_preprocessing(found: Preprocessing, val_inputs, where: str) -> None:
-    """The training set's `preprocessing` (how an image file becomes its lone input) makes the inputs it
-    describes."""
+    """The training set's `preprocessing` (how an image file becomes its lone input) makes the
+    inputs it describes."""
     if not (
         torch.is_tensor(val_inputs)
         and val_inputs.dtype == torch.float32
@@ -190,7 +199,8 @@ def _check_preprocessing(found: Preprocessing, val_inputs, where: str) -> None:
 
 
 def _spread(n: int, count: int = 8) -> list[int]:
-    """Up to `count` indices spread over 0..n-1, first and last included: the items the check reads."""
+    """Up to `count` indices spread over 0..n-1, first and last included: the items the check
+    reads."""
     return sorted({round(i * (n - 1) / (count - 1)) for i in range(count)})
 
 
@@ -209,8 +219,9 @@ def _first_items(ds: IterableDataset, where: str, count: int = 8) -> list:
 
 
 def _check_stacks(ds: Dataset, items: dict[int, tuple], where: str) -> None:
-    """The items read make one batch, as the loaders will batch them (the data set's `__getitems__` and
-    `collate_fn` if it has them): items that do not stack would fail inside every rank's first step."""
+    """The items read make one batch, as the loaders will batch them (the data set's `__getitems__`
+    and `collate_fn` if it has them): items that do not stack would fail inside every rank's first
+    step."""
     collate_fn = collate_of(ds)
     indices = list(items)
     try:
@@ -232,7 +243,8 @@ def _check_stacks(ds: Dataset, items: dict[int, tuple], where: str) -> None:
 
 
 def _shape_difference(items: dict[int, tuple]) -> str:
-    """'0 and 57 differ: input 'tokens' has shape [5] in item 0, [8] in item 57'; empty if every part has one shape."""
+    """'0 and 57 differ: input 'tokens' has shape [5] in item 0, [8] in item 57'; empty if every
+    part has one shape."""
     parts = {
         index: {**_parts(inputs, "the input"), **_parts(target, "the target")}
         for index, (inputs, target) in items.items()
@@ -382,8 +394,8 @@ def _signature(inputs: Any) -> dict[str, str]:
 
 
 def to_device(inputs, device: torch.device, channels_last: bool = False):
-    """A batch's inputs (or targets: a tensor, or a dict/tuple of them) on `device`; 4-d float inputs go
-    NHWC when the model is channels_last, or every conv would convert them."""
+    """A batch's inputs (or targets: a tensor, or a dict/tuple of them) on `device`; 4-d float
+    inputs go NHWC when the model is channels_last, or every conv would convert them."""
 
     def move(t):
         if isinstance(t, dict):
@@ -438,14 +450,14 @@ def make_train_loader(
 
     DistributedSampler gives rank r the indices perm[r::world] of one seeded permutation per epoch,
     so the union of all ranks' k-th batches is perm[k*B:(k+1)*B] whatever the world size: the same
-    global batches for 1, 2 or 8 processes, which is what makes a resume at another world size exact.
-    `drop_last` on both, so every step sees a full global batch. torchdata's StatefulDataLoader
-    keeps the position inside the epoch for checkpoints, and the workers' base seed with it (rank 0's
-    state stands for every rank's: the loader's own generator, random_streams.py, is seeded alike on all).
-    Its workers seed their generators before each batch from the batch (WorkerSeeded), so the ranks draw
-    apart on their own batches, and the ranks of a tensor-parallel group or a pipeline, which read one
-    batch, draw alike; unless the data set keeps a state of its own (state_dict), which torchdata then
-    saves per worker as it is.
+    global batches for 1, 2 or 8 processes, which is what makes a resume at another world size
+    exact. `drop_last` on both, so every step sees a full global batch. torchdata's
+    StatefulDataLoader keeps the position inside the epoch for checkpoints, and the workers' base
+    seed with it (rank 0's state stands for every rank's: the loader's own generator,
+    random_streams.py, is seeded alike on all). Its workers seed their generators before each batch
+    from the batch (WorkerSeeded), so the ranks draw apart on their own batches, and the ranks of a
+    tensor-parallel group or a pipeline, which read one batch, draw alike; unless the data set keeps
+    a state of its own (state_dict), which torchdata then saves per worker as it is.
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -488,8 +500,8 @@ def make_train_loader(
     # torchdata 0.11 calls a deprecated torch API; harmless
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        # persistent_workers: the loop iterates the loader once per epoch, and without it every epoch
-        # would fork (and warm up) the workers anew.
+        # persistent_workers: the loop iterates the loader once per epoch, and without it every
+        # epoch would fork (and warm up) the workers anew.
         return StatefulDataLoader(
             WorkerSeeded(dataset)
             if num_workers > 0 and not own_stream.is_stateful(dataset)
@@ -514,8 +526,8 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int) -> Subset:
 def eval_loader(
     dataset: Dataset, batch_size: int = EVAL_BATCH, num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
-    """In order, every sample once, the last batch partial; its own generator (loader_generator), the
-    same for every evaluation."""
+    """In order, every sample once, the last batch partial; its own generator (loader_generator),
+    the same for every evaluation."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -528,7 +540,8 @@ def eval_loader(
 
 
 def first_batch(dataset: Dataset, rows: int):
-    """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets) batch."""
+    """The first `rows` samples (cycling through a smaller set) as one collated (inputs, targets)
+    batch."""
     indices = [i % len(dataset) for i in range(rows)]
     loader = DataLoader(
         Subset(dataset, indices),
@@ -542,20 +555,21 @@ def first_batch(dataset: Dataset, rows: int):
 def split_digest(
     dataset: Dataset, num_workers: int = 0, info=None, source: dict | None = None
 ) -> dict[str, Any]:
-    """{"sha256", "samples", "targets"}: a digest of every sample's inputs and targets (names, dtypes, shapes, bytes),
-    and what the targets hold (target_profile: class counts, or a number's statistics) for the MLflow dataset's profile.
-    Each rank hashes its own samples (r, r+W, ..., as `eval_shard` deals them), one digest per sample; the
-    split's is the sha256 of them all in the split's order: the same data gives the same digest on any
-    machine and any number of ranks, and no rank reads the whole split alone (`info`: the process group)."""
+    """{"sha256", "samples", "targets"}: a digest of every sample's inputs and targets (names,
+    dtypes, shapes, bytes), and what the targets hold (target_profile: class counts, or a number's
+    statistics) for the MLflow dataset's profile. Each rank hashes its own samples (r, r+W, ..., as
+    `eval_shard` deals them), one digest per sample; the split's is the sha256 of them all in the
+    split's order: the same data gives the same digest on any machine and any number of ranks, and
+    no rank reads the whole split alone (`info`: the process group)."""
     import hashlib
 
     from pipeline.distributed import DistInfo, all_gather_object
 
-    if isinstance(dataset, (ShardedStream, ShardRows)):  # its manifest's digest, no sample read
+    # its manifest's digest, no sample read
+    if isinstance(dataset, (ShardedStream, ShardRows)):
         return identity_of(dataset.manifest)
-    if isinstance(
-        dataset, IterableDataset
-    ):  # a stream of the component's own: not read through to hash it
+    # a stream of the component's own: not read through to hash it
+    if isinstance(dataset, IterableDataset):
         described = json.dumps(
             {
                 "stream": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
@@ -573,9 +587,11 @@ def split_digest(
         }
     info = info or DistInfo.cpu_alone()
     mine: list[bytes] = []
-    profile: dict[str, Any] = {}  # of the targets seen so far (each batch's first target)
-    # A data set's own collate may pad each batch to its longest item: one item a batch, or the padding, and
-    # with it the digest, would depend on which items share a batch, and so on the number of ranks.
+    # of the targets seen so far (each batch's first target)
+    profile: dict[str, Any] = {}
+    # A data set's own collate may pad each batch to its longest item: one item a batch, or the
+    # padding, and with it the digest, would depend on which items share a batch, and so on the
+    # number of ranks.
     batch = EVAL_BATCH if collate_of(dataset) is collate else 1
     for inputs, target in eval_loader(
         eval_shard(dataset, info.rank, info.world_size), batch, num_workers
@@ -607,8 +623,9 @@ def split_digest(
 
 
 def target_profile(targets: list[torch.Tensor]) -> dict[str, Any]:
-    """What a split's (first) target holds: {"classes": {class: count}} for integer targets (negative values, an
-    ignore index, left out), else {"count", "sum", "sum_sq", "min", "max"} of its values."""
+    """What a split's (first) target holds: {"classes": {class: count}} for integer targets
+    (negative values, an ignore index, left out), else {"count", "sum", "sum_sq", "min", "max"} of
+    its values."""
     if not targets:
         return {}
     values = torch.cat([t.reshape(-1) for t in targets])
@@ -627,8 +644,8 @@ def target_profile(targets: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def merged_profile(profiles: list[dict[str, Any]], totals: bool = False) -> dict[str, Any]:
-    """target_profiles (of batches, of ranks) as one: class counts, or the values' count, mean, std, min and max
-    (`totals`: the sums still, to merge again)."""
+    """target_profiles (of batches, of ranks) as one: class counts, or the values' count, mean, std,
+    min and max (`totals`: the sums still, to merge again)."""
     profiles = [p for p in profiles if p]
     if not profiles:
         return {}
@@ -659,8 +676,8 @@ def merged_profile(profiles: list[dict[str, Any]], totals: bool = False) -> dict
 
 
 def leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors of a tensor, or of a (nested) dict/tuple/list of them (a target as the data returns it), in
-    order."""
+    """The tensors of a tensor, or of a (nested) dict/tuple/list of them (a target as the data
+    returns it), in order."""
     if torch.is_tensor(value):
         return [value]
     if isinstance(value, dict):
@@ -671,8 +688,8 @@ def leaves(value: Any) -> list[torch.Tensor]:
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in it), and
-    the epoch its workers seed each batch with (WorkerSeeded)."""
+    """The loader's shuffle for `epoch` (a stream's loader keeps the position a resume restored in
+    it), and the epoch its workers seed each batch with (WorkerSeeded)."""
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
         return
@@ -682,9 +699,12 @@ def set_epoch(loader, epoch: int) -> None:
 
 
 def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int) -> None:
-    """The loader at the position a checkpoint saved (`saved_world` ranks saved it, `world` resume)."""
-    set_epoch(loader, epoch)  # the position is within this epoch's shuffle
-    if hasattr(loader, "set_epoch"):  # a stream: its loader knows its own state's world sizes
+    """The loader at the position a checkpoint saved (`saved_world` ranks saved it, `world`
+    resume)."""
+    # the position is within this epoch's shuffle
+    set_epoch(loader, epoch)
+    # a stream: its loader knows its own state's world sizes
+    if hasattr(loader, "set_epoch"):
         loader.load_state_dict(state)
     elif state.get("kind"):
         raise DataError(
@@ -696,9 +716,10 @@ def restore_loader(loader, state: dict, epoch: int, saved_world: int, world: int
 
 
 def spread_sample(dataset: Dataset, count: int) -> tuple[Dataset, str]:
-    """About `count` samples spread evenly over a split (it may be ordered by class: its first samples would
-    show one class), as a map-style data set, and how they were taken, in words; a sharded stream's come from a
-    bounded number of its row groups, a stream of the component's own gives its first ones."""
+    """About `count` samples spread evenly over a split (it may be ordered by class: its first
+    samples would show one class), as a map-style data set, and how they were taken, in words; a
+    sharded stream's come from a bounded number of its row groups, a stream of the component's own
+    gives its first ones."""
     if isinstance(dataset, ShardedStream):
         sample = _Listed(dataset.sample(count), collate_of(dataset))
         return (
@@ -735,7 +756,8 @@ def rescale_loader_state(state: dict, saved_world: int, world: int) -> dict:
     """
     if saved_world == world:
         return state
-    state = json.loads(json.dumps(state))  # a copy
+    # a copy
+    state = json.loads(json.dumps(state))
     main = (state.get("_snapshot") or {}).get("_main_snapshot") or state
     inner = main.get("_sampler_iter_state") or {}
     if "samples_yielded" not in inner:

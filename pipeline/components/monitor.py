@@ -1,11 +1,12 @@
-"""Best, not last: which evaluation has been the best so far, and whether training should stop early.
+"""Best, not last: which evaluation has been the best so far, and whether training should stop
+early.
 
-Every rank sees the same reduced validation metrics, and the decision to stop is broadcast from rank 0
-anyway, so all ranks stop at the same step. The monitor's state travels in each checkpoint's train
+Every rank sees the same reduced validation metrics, and the decision to stop is broadcast from rank
+0 anyway, so all ranks stop at the same step. The monitor's state travels in each checkpoint's train
 state: a resume (or a torchrun restart) continues with the same best and the same patience count.
 
-On disk (or on the object store), `checkpoints/best.json` names the best checkpoint; checkpoint saves never prune it, and
-consolidate/export take it unless told `--latest`.
+On disk (or on the object store), `checkpoints/best.json` names the best checkpoint; checkpoint
+saves never prune it, and consolidate/export take it unless told `--latest`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pipeline.tools.files import StateFileError, read_json, write_json
 
 log = logging.getLogger(__name__)
 
-BEST_FILE = "best.json"  # in <run_dir>/checkpoints/
+# in <run_dir>/checkpoints/
+BEST_FILE = "best.json"
 
 # Whether more is better, for the metrics the built-in tasks report (a custom task's primary metric
 # carries its own mode; its other metrics need checkpoint.mode).
@@ -31,14 +33,19 @@ KNOWN_MODES = {"accuracy": "max", "r2": "max", "loss": "min", "rmse": "min", "ma
 
 @dataclass
 class Monitor:
-    metric: str  # a validation metric's name, as the task reports it ("accuracy")
-    mode: str  # "max" or "min"
-    patience: int = 0  # evaluations without an improvement of min_delta before stopping; 0 = never
+    # a validation metric's name, as the task reports it ("accuracy")
+    metric: str
+    # "max" or "min"
+    mode: str
+    # evaluations without an improvement of min_delta before stopping; 0 = never
+    patience: int = 0
     min_delta: float = 0.0
     best_value: float | None = None
     best_step: int | None = None
-    bad_evals: int = 0  # evaluations since the last improvement of more than min_delta
-    stopped: str = ""  # why training stopped early, once it has
+    # evaluations since the last improvement of more than min_delta
+    bad_evals: int = 0
+    # why training stopped early, once it has
+    stopped: str = ""
 
     def update(self, metrics: dict[str, float], step: int) -> bool:
         """Takes one evaluation's metrics; True when it is the best so far (strictly better)."""
@@ -48,7 +55,8 @@ class Monitor:
                 f"it reports {', '.join(sorted(metrics))}"
             )
         value = float(metrics[self.metric])
-        # A NaN is never the best, not even the first: it would compare worse than nothing ever after.
+        # A NaN is never the best, not even the first: it would compare worse than nothing ever
+        # after.
         best = not math.isnan(value) and (
             self.best_value is None or self._better(value, self.best_value, 0.0)
         )
@@ -77,7 +85,8 @@ class Monitor:
         return asdict(self)
 
     def restore(self, state: dict | None) -> None:
-        """The state a checkpoint saved; a checkpoint from before monitoring (or of another metric) starts fresh."""
+        """The state a checkpoint saved; a checkpoint from before monitoring (or of another metric)
+        starts fresh."""
         if not state or state.get("metric") != self.metric or state.get("mode") != self.mode:
             return
         self.best_value, self.best_step = state.get("best_value"), state.get("best_step")
@@ -85,7 +94,8 @@ class Monitor:
 
 
 def build_monitor(ckpt_cfg, train_cfg, task) -> Monitor:
-    """checkpoint.monitor (default: the task's primary metric) and its mode; train.early_stopping."""
+    """checkpoint.monitor (default: the task's primary metric) and its mode;
+    train.early_stopping."""
     metric = (ckpt_cfg.monitor or task.primary).removeprefix("val/")
     mode = ckpt_cfg.mode
     if mode == "auto":
@@ -114,7 +124,8 @@ def write_best(ckpt_root: Path, monitor: Monitor, checkpoint_dir: Path) -> None:
 
 
 def read_best(ckpt_root: Path) -> dict | None:
-    """best.json, if the run wrote one and its checkpoint is still there (else None, with a warning)."""
+    """best.json, if the run wrote one and its checkpoint is still there (else None, with a
+    warning)."""
     path = location(ckpt_root) / BEST_FILE
     if not path.is_file():
         return None

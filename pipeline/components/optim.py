@@ -24,7 +24,8 @@ def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
 def lr_factor(
     step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float
 ) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then cosine or flat."""
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then cosine or
+    flat."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":

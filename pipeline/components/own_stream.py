@@ -1,20 +1,22 @@
-"""A data component's own training stream: an IterableDataset that implements torchdata's Stateful protocol.
+"""A data component's own training stream: an IterableDataset that implements torchdata's Stateful
+protocol.
 
 Such a stream deals itself: each rank's copy yields that rank's samples (the stream reads
-`torch.distributed.get_rank()` and `get_worker_info()` to split itself over ranks and loader workers), and its
-`state_dict()` / `load_state_dict()` hold its position. torchdata's StatefulDataLoader batches it and keeps each
-worker's state; every rank's state goes into the checkpoint, so a resume, at the world size and
-`data.num_workers` it was saved with, continues exactly where each rank stopped. (The sharded source,
-pipeline/shards, needs neither: its position is the same on every rank, at any world size.)
+`torch.distributed.get_rank()` and `get_worker_info()` to split itself over ranks and loader
+workers), and its `state_dict()` / `load_state_dict()` hold its position. torchdata's
+StatefulDataLoader batches it and keeps each worker's state; every rank's state goes into the
+checkpoint, so a resume, at the world size and `data.num_workers` it was saved with, continues
+exactly where each rank stopped. (The sharded source, pipeline/shards, needs neither: its position
+is the same on every rank, at any world size.)
 
-- **Refused**: a stream without `state_dict` / `load_state_dict`, which could only be resumed by reading its
-  batches again and skipping them, and a resume at another world size or number of workers (the saved states
-  are per rank and per worker); each with the reason.
-- **Epochs**: a stream with `len()` (the samples each rank's copy yields an epoch) has epochs; one without
-  needs train.max_steps. `set_epoch(epoch)`, if it has one, is called at each epoch's start.
-- **Lockstep**: ranks must train the same number of steps, or one would wait forever in a collective: every
-  micro-batch is agreed on by all ranks (one small all-reduce), and the epoch ends for all at the first rank
-  whose stream ends.
+- **Refused**: a stream without `state_dict` / `load_state_dict`, which could only be resumed by
+  reading its batches again and skipping them, and a resume at another world size or number of
+  workers (the saved states are per rank and per worker); each with the reason.
+- **Epochs**: a stream with `len()` (the samples each rank's copy yields an epoch) has epochs; one
+  without needs train.max_steps. `set_epoch(epoch)`, if it has one, is called at each epoch's start.
+- **Lockstep**: ranks must train the same number of steps, or one would wait forever in a
+  collective: every micro-batch is agreed on by all ranks (one small all-reduce), and the epoch ends
+  for all at the first rank whose stream ends.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def check_length(dataset, max_steps: int) -> None:
 
 
 def first_items(dataset, count: int) -> list:
-    """The stream's first `count` items, read without moving it: its state put back after (a queue or a cursor
-    would otherwise lose them to the check)."""
+    """The stream's first `count` items, read without moving it: its state put back after (a queue
+    or a cursor would otherwise lose them to the check)."""
     import itertools
 
     state = dataset.state_dict() if is_stateful(dataset) else None
@@ -70,8 +72,9 @@ def first_items(dataset, count: int) -> list:
 
 class OwnStreamLoader:
     """Batches of the stream on this rank. Its workers' base seed comes from a generator of its own,
-    re-seeded from (seed, rank, epoch) at each epoch: a function of the epoch alone, so a resume's epochs
-    draw the seeds the uninterrupted run's did (torchdata restores the seed of the epoch it resumes in)."""
+    re-seeded from (seed, rank, epoch) at each epoch: a function of the epoch alone, so a resume's
+    epochs draw the seeds the uninterrupted run's did (torchdata restores the seed of the epoch it
+    resumes in)."""
 
     def __init__(
         self, dataset, batch: int, workers: int, pin_memory: bool, collate_fn, info, seed: int = 0
@@ -80,9 +83,11 @@ class OwnStreamLoader:
 
         self.dataset, self.batch, self.workers, self.info = dataset, batch, workers, info
         self.seed, self.epoch = seed, 0
-        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API; harmless
+        # torchdata 0.11 calls a deprecated torch API; harmless
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")
-            # Workers forked each epoch (not persistent): each takes the epoch `set_epoch` gave the stream.
+            # Workers forked each epoch (not persistent): each takes the epoch `set_epoch` gave the
+            # stream.
             self.loader = StatefulDataLoader(
                 dataset,
                 batch_size=batch,
@@ -93,8 +98,9 @@ class OwnStreamLoader:
                 generator=loader_generator(seed, info.rank, 0),
             )
 
-        # Each rank's copy may hold a sample more or less: every rank trains the steps the shortest one has, or
-        # their step counts (and with them the evaluations and the schedule) would part and a collective hang.
+        # Each rank's copy may hold a sample more or less: every rank trains the steps the shortest
+        # one has, or their step counts (and with them the evaluations and the schedule) would part
+        # and a collective hang.
         self.length = None
         if has_length(dataset):
             mine = torch.tensor([len(dataset) // batch], dtype=torch.float64, device=info.device)
@@ -129,7 +135,8 @@ class OwnStreamLoader:
         return bool(flag.item())
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's loader state (each worker's stream state inside it), gathered: a collective."""
+        """Every rank's loader state (each worker's stream state inside it), gathered: a
+        collective."""
         from pipeline.distributed import all_gather_object
 
         return {

@@ -1,17 +1,20 @@
-"""The random streams a training step draws from, kept apart so that a resume continues each exactly.
+"""The random streams a training step draws from, kept apart so that a resume continues each
+exactly.
 
 - The training process's generators (dropout, and whatever a model, a task, or a data set read with
-  data.num_workers=0 draws): torch's default generator of each rank and its CUDA device's, Python's `random`
-  and numpy's global one. A checkpoint holds each rank's state of all of them (checkpoint/dcp_read.py:
-  rng_state), and a resume sets it immediately before its first step.
-- The loaders' own generators: a DataLoader draws its workers' base seed from its generator each time it
-  creates an iterator, torch's default one when it has none, and a resumed run creates its iterators at other
-  points than the uninterrupted run did. So no loader here draws from the training's generators: each has a
-  generator of its own, seeded from a key of its own (`loader_generator`).
-- A loader worker's generators: a worker process is seeded once when it starts, and a resume starts fresh
-  workers mid-epoch. So before each batch of the training set a worker seeds its generators from the batch
-  itself (`WorkerSeeded`): what a data set draws for a batch, a random augmentation, is a function of
-  (base seed, epoch, the batch's indices), whatever the worker read before and however many workers there are.
+  data.num_workers=0 draws): torch's default generator of each rank and its CUDA device's, Python's
+  `random` and numpy's global one. A checkpoint holds each rank's state of all of them
+  (checkpoint/dcp_read.py: rng_state), and a resume sets it immediately before its first step.
+- The loaders' own generators: a DataLoader draws its workers' base seed from its generator each
+  time it creates an iterator, torch's default one when it has none, and a resumed run creates its
+  iterators at other points than the uninterrupted run did. So no loader here draws from the
+  training's generators: each has a generator of its own, seeded from a key of its own
+  (`loader_generator`).
+- A loader worker's generators: a worker process is seeded once when it starts, and a resume starts
+  fresh workers mid-epoch. So before each batch of the training set a worker seeds its generators
+  from the batch itself (`WorkerSeeded`): what a data set draws for a batch, a random augmentation,
+  is a function of (base seed, epoch, the batch's indices), whatever the worker read before and
+  however many workers there are.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ def _words(key, n: int) -> int:
 
 
 class WorkerSeeded(Dataset):
-    """A map-style training set as its loader's workers read it: in a worker, each batch is read after
-    seed_worker_batch(the loader's base seed, the epoch, its indices); in the training process, as it is. The
-    epoch lives in shared memory: the loader's persistent workers see the one `set_epoch` writes."""
+    """A map-style training set as its loader's workers read it: in a worker, each batch is read
+    after seed_worker_batch(the loader's base seed, the epoch, its indices); in the training
+    process, as it is. The epoch lives in shared memory: the loader's persistent workers see the one
+    `set_epoch` writes."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset

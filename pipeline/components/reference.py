@@ -6,17 +6,18 @@ a nested one, e.g. `my_project.models:Net.small`). It is then called with the se
 `args`. Nothing is evaluated from a string, and the working directory is never changed.
 
 Every failure is a `ComponentError` naming the config key, the reference, the Python error and what
-would be right: a module that can't be imported, a missing attribute, something not callable, args the
-callable's signature does not take, or an exception raised while it runs.
+would be right: a module that can't be imported, a missing attribute, something not callable, args
+the callable's signature does not take, or an exception raised while it runs.
 
 Trust. A reference in the user's own config is imported as asked. A reference read back from an
-artifact (a checkpoint's `trainserve.json` or a `model.json`, which a shared MLflow store lets others
-write) is imported only when its module matches a trusted pattern (the built-ins, $TRAINSERVE_TRUSTED_COMPONENTS,
---trust, the components of the config `pipeline run` was given): importing and calling what a store
-names runs code (`os:system` with args `{"command": ...}`). And it must name what that module defines:
-an attribute path through another module (`pipeline.models:resnet.torch.os.system`), a private
-name, or a name the module merely imported from elsewhere is refused, so that trusting a module
-trusts its own classes and functions, not everything reachable from it.
+artifact (a checkpoint's `trainserve.json` or a `model.json`, which a shared MLflow store lets
+others write) is imported only when its module matches a trusted pattern (the built-ins,
+$TRAINSERVE_TRUSTED_COMPONENTS, --trust, the components of the config `pipeline run` was given):
+importing and calling what a store names runs code (`os:system` with args `{"command": ...}`). And
+it must name what that module defines: an attribute path through another module
+(`pipeline.models:resnet.torch.os.system`), a private name, or a name the module merely imported
+from elsewhere is refused, so that trusting a module trusts its own classes and functions, not
+everything reachable from it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from pipeline.errors import ComponentError, ConfigError  # noqa: F401 - raised here, defined with the others
+# raised here, defined with the others
+from pipeline.errors import ComponentError, ConfigError  # noqa: F401
 
 REFERENCE = re.compile(
     r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"
@@ -43,7 +45,8 @@ TRUST_ENV = "TRAINSERVE_TRUSTED_COMPONENTS"
 
 
 def split_reference(key: str, reference: str) -> tuple[str, str]:
-    """('module.path', 'attribute') of a well-formed reference, else a ComponentError with an example."""
+    """('module.path', 'attribute') of a well-formed reference, else a ComponentError with an
+    example."""
     match = REFERENCE.match(reference or "")
     if match:
         return match["module"], match["attribute"]
@@ -61,8 +64,9 @@ def resolve(
     key: str, reference: str, missing_hint: str = "", source: "ArtifactSource | None" = None
 ) -> Any:
     """The object `reference` names, imported the ordinary way; `missing_hint` is added when its
-    module can't be found (e.g. where the run logged the code). `source`: the artifact the reference was
-    read from, if it was: then it must be trusted before anything is imported (see the module docstring)."""
+    module can't be found (e.g. where the run logged the code). `source`: the artifact the reference
+    was read from, if it was: then it must be trusted before anything is imported (see the module
+    docstring)."""
     module_name, attribute = split_reference(key, reference)
     check_trusted(key, reference, source)
     _make_working_directory_importable()
@@ -79,9 +83,8 @@ def resolve(
             f"{key}.component '{reference}': importing '{module_name}' failed inside it "
             f"(ModuleNotFoundError: {exc})"
         ) from exc
-    except (
-        Exception
-    ) as exc:  # a syntax error or an exception raised at import time in the user's module
+    except Exception as exc:
+        # a syntax error or an exception raised at import time in the user's module
         raise ComponentError(
             f"{key}.component '{reference}': importing '{module_name}' raised "
             f"{type(exc).__name__}: {_with_cause(exc, module_name)}"
@@ -138,8 +141,8 @@ def _defined_under(obj: Any, module_name: str) -> bool:
 
 
 def call(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = "") -> Any:
-    """`fn(**args)`: arguments its signature does not take (the message ends with `hint`), and exceptions
-    it raises, become one ComponentError naming the key and the reference."""
+    """`fn(**args)`: arguments its signature does not take (the message ends with `hint`), and
+    exceptions it raises, become one ComponentError naming the key and the reference."""
     check_arguments(key, reference, fn, args, hint)
     try:
         return fn(**args)
@@ -152,9 +155,9 @@ def call(key: str, reference: str, fn: Any, args: dict[str, Any], hint: str = ""
         ) from exc
 
 
-# An extension built against another torch than the installed one: its operators can't register, its symbols
-# don't resolve (torchvision from the registry, a CUDA build, under a CPU torch: "operator torchvision::nms does
-# not exist").
+# An extension built against another torch than the installed one: its operators can't register, its
+# symbols don't resolve (torchvision from the registry, a CUDA build, under a CPU torch: "operator
+# torchvision::nms does not exist").
 _BUILT_FOR_ANOTHER_TORCH = re.compile(
     r"operator \S+ does not exist|undefined symbol|compiled (with|against|for) "
     r"(a )?(different|another|torch|pytorch)",
@@ -163,30 +166,34 @@ _BUILT_FOR_ANOTHER_TORCH = re.compile(
 
 
 def _with_cause(exc: BaseException, module_name: str) -> str:
-    """`exc`'s text, and when an import deep inside it failed in another installed package (a broken optional
-    package: transformers says only "Could not import module 'BertForTokenClassification'", whatever the
-    reason), that failure and its fix: the one thing the user must act on, which the outer message hides."""
+    """`exc`'s text, and when an import deep inside it failed in another installed package (a broken
+    optional package: transformers says only "Could not import module 'BertForTokenClassification'",
+    whatever the reason), that failure and its fix: the one thing the user must act on, which the
+    outer message hides."""
     root = exc
     while (
         nxt := root.__cause__ or (None if root.__suppress_context__ else root.__context__)
     ) is not None:
         root = nxt
+    # the modules being imported when it was raised, outermost first
     bodies = [
         f.f_globals.get("__name__", "")
         for f, _ in traceback.walk_tb(root.__traceback__)
         if f.f_code.co_name == "<module>"
-    ]  # the modules being imported when it was raised, outermost first
+    ]
     package = bodies[-1].partition(".")[0] if bodies else ""
     text = str(exc).strip() or type(exc).__name__
     if not package or package in ("__main__", "importlib"):
         return text
     dist = next(iter(importlib.metadata.packages_distributions().get(package, [])), None)
     version = _installed_version(dist) if dist else None
-    if version is None:  # not an installed package: the user's own code, said as it is
+    # not an installed package: the user's own code, said as it is
+    if version is None:
         return text
     same = package == module_name.partition(".")[0]
     built_for_another_torch = _BUILT_FOR_ANOTHER_TORCH.search(str(root))
-    if same and not built_for_another_torch:  # the named package's own failure: its text says it
+    # the named package's own failure: its text says it
+    if same and not built_for_another_torch:
         return text
     cause = (
         ""
@@ -226,13 +233,15 @@ def check_arguments(
 ) -> None:
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature: let the call speak
+    except (TypeError, ValueError):
+        # some builtins have no signature: let the call speak
         return
     try:
         signature.bind(**args)
     except TypeError as exc:
         given = ", ".join(sorted(args)) or "none"
-        missing = "missing" in str(exc)  # a required parameter: the data may be what should give it
+        # a required parameter: the data may be what should give it
+        missing = "missing" in str(exc)
         closest = _closest(args, signature)
         raise ComponentError(
             f"{key}.args do not fit {reference}{plain_signature(signature)}: {exc}"
@@ -243,8 +252,9 @@ def check_arguments(
 
 def _replacement(key: str, args: dict[str, Any], signature: inspect.Signature) -> str:
     """ ": 'data.args={root: DIR}' on the command line replaces the whole mapping ..." when `args` hold keys
-    the signature does not take: the override that drops them. A dotted override (data.args.root=DIR) sets
-    one key and keeps the config file's others, which is how a stray key usually gets in."""
+    the signature does not take: the override that drops them. A dotted override
+    (data.args.root=DIR) sets one key and keeps the config file's others, which is how a stray key
+    usually gets in."""
     import shlex
 
     import yaml
@@ -258,7 +268,8 @@ def _replacement(key: str, args: dict[str, Any], signature: inspect.Signature) -
         return ""
     try:
         mapping = yaml.safe_dump(kept, default_flow_style=True, width=1 << 30).strip()
-    except yaml.YAMLError:  # not plain values: no override can be written for them
+    except yaml.YAMLError:
+        # not plain values: no override can be written for them
         return ""
     return (
         f": {shlex.quote(f'{key}.args={mapping}')} on the command line replaces the whole mapping "
@@ -309,16 +320,17 @@ def takes_kwargs(fn: Any) -> bool:
 
 @dataclass(frozen=True)
 class ArtifactSource:
-    """Where references were read back from (a checkpoint, a model.json), and the patterns this process
-    trusts besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS (e.g. the config `pipeline run` was given)."""
+    """Where references were read back from (a checkpoint, a model.json), and the patterns this
+    process trusts besides the built-ins and $TRAINSERVE_TRUSTED_COMPONENTS (e.g. the config
+    `pipeline run` was given)."""
 
     where: str
     trusted: tuple[str, ...] = ()
 
 
 def trusted_patterns(extra: Iterable[str] = ()) -> list[str]:
-    """The built-ins, $TRAINSERVE_TRUSTED_COMPONENTS and `extra` (--trust, each repeatable): all of them
-    comma-separated lists, read the same way."""
+    """The built-ins, $TRAINSERVE_TRUSTED_COMPONENTS and `extra` (--trust, each repeatable): all of
+    them comma-separated lists, read the same way."""
     return [
         *BUILTIN_PATTERNS,
         *split_patterns(os.environ.get(TRUST_ENV, "")),
@@ -332,8 +344,9 @@ def split_patterns(*texts: str) -> list[str]:
 
 
 def matches(reference: str, pattern: str) -> bool:
-    """`pattern` is `module-glob` or `module-glob:attribute-glob`; the module glob is matched against the
-    module alone (`my_project.*` is any module below my_project), never across the colon."""
+    """`pattern` is `module-glob` or `module-glob:attribute-glob`; the module glob is matched
+    against the module alone (`my_project.*` is any module below my_project), never across the
+    colon."""
     module, _, attribute = reference.partition(":")
     module_glob, _, attribute_glob = pattern.partition(":")
     return (
@@ -343,14 +356,15 @@ def matches(reference: str, pattern: str) -> bool:
 
 
 def check_trusted(key: str, reference: str, source: ArtifactSource | None) -> None:
-    """Refuses a reference read from an artifact unless its module is built in or explicitly trusted;
-    `source` None means the reference came from the user's own config."""
+    """Refuses a reference read from an artifact unless its module is built in or explicitly
+    trusted; `source` None means the reference came from the user's own config."""
     check_all_trusted({key: reference}, source)
 
 
 def check_all_trusted(references: dict[str, str], source: ArtifactSource | None) -> None:
-    """`check_trusted` for every component an artifact names ({key: reference}) at once: the refusal lists
-    all the untrusted ones with one `--trust` that covers them, so the next refusal does not follow the fix."""
+    """`check_trusted` for every component an artifact names ({key: reference}) at once: the refusal
+    lists all the untrusted ones with one `--trust` that covers them, so the next refusal does not
+    follow the fix."""
     if source is None:
         return
     patterns = trusted_patterns(source.trusted)
@@ -371,19 +385,22 @@ def check_all_trusted(references: dict[str, str], source: ArtifactSource | None)
 
 
 def recorded_components(*sections: Any) -> dict[str, str]:
-    """{key: reference} of config sections that name a component (each has KEY and component; None skipped)."""
+    """{key: reference} of config sections that name a component (each has KEY and component; None
+    skipped)."""
     return {s.KEY: s.component for s in sections if s is not None and getattr(s, "component", None)}
 
 
-# Arguments by which a factory names the model it builds: timm's create_model(model_name=...), Hugging
-# Face's from_pretrained(pretrained_model_name_or_path=...), torchvision's get_model(name=...).
+# Arguments by which a factory names the model it builds: timm's create_model(model_name=...),
+# Hugging Face's from_pretrained(pretrained_model_name_or_path=...), torchvision's
+# get_model(name=...).
 NAMING_ARGS = ("model_name", "pretrained_model_name_or_path", "arch", "architecture", "name")
 FACTORY = re.compile(r"^(create|make|build|get|load|new)(_|$)")
 
 
 def model_short_name(reference: str, args: dict[str, Any] | None = None) -> str:
     """A name for runs: the model a factory builds (`timm:create_model` with model_name resnet10t ->
-    `resnet10t`, `transformers:AutoModel.from_pretrained` with a path -> its last part), else `short_name`."""
+    `resnet10t`, `transformers:AutoModel.from_pretrained` with a path -> its last part), else
+    `short_name`."""
     attribute = reference.rpartition(":")[2].rpartition(".")[2]
     named = next(
         (v for k in NAMING_ARGS if isinstance(v := (args or {}).get(k), str) and v.strip()), None
@@ -402,7 +419,8 @@ def short_name(reference: str) -> str:
 
 def _make_working_directory_importable() -> None:
     """`python -m` puts the working directory first on sys.path, a console script (`pipeline`) does
-    not; the contract says a component may live there. Appended, so it shadows no installed package."""
+    not; the contract says a component may live there. Appended, so it shadows no installed
+    package."""
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)

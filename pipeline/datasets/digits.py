@@ -13,8 +13,8 @@ from pipeline.datasets.images import ImageTensors, image_splits
 
 
 def digits(val_fraction: float = 0.2, split_seed: int = 0) -> dict[str, ImageTensors]:
-    """A fixed, seeded train/validation split (`split_seed` is independent of train.seed); intensities
-    0..16 scaled to [0, 1]."""
+    """A fixed, seeded train/validation split (`split_seed` is independent of train.seed);
+    intensities 0..16 scaled to [0, 1]."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     images, target = load_digits()
@@ -29,16 +29,18 @@ def digits(val_fraction: float = 0.2, split_seed: int = 0) -> dict[str, ImageTen
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """(images N x 8 x 8, targets N) as scikit-learn's load_digits gives them, read from the CSV file it ships
-    without importing scikit-learn: importing it (scipy and all) made load_digits cost 1.1 s against 0.02 s for
-    the file alone, in every process that loads the data (each rank, and a launcher's pre-run check)."""
+    """(images N x 8 x 8, targets N) as scikit-learn's load_digits gives them, read from the CSV
+    file it ships without importing scikit-learn: importing it (scipy and all) made load_digits cost
+    1.1 s against 0.02 s for the file alone, in every process that loads the data (each rank, and a
+    launcher's pre-run check)."""
     spec = importlib.util.find_spec("sklearn")
     csv = (
         Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
         if spec is not None and spec.submodule_search_locations
         else None
     )
-    if csv is None or not csv.is_file():  # another layout of scikit-learn: its own loader
+    # another layout of scikit-learn: its own loader
+    if csv is None or not csv.is_file():
         from sklearn.datasets import load_digits as sklearn_load_digits
 
         data = sklearn_load_digits()

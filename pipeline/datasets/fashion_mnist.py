@@ -77,7 +77,8 @@ def _find(directory: Path, stem: str) -> Path | None:
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Reads one IDX file (the MNIST format), gzipped or not, checking its header against its size."""
+    """Reads one IDX file (the MNIST format), gzipped or not, checking its header against its
+    size."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:

@@ -32,8 +32,8 @@ GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
 
 
 class ImageFiles(Dataset):
-    """The files, each read through `preprocessing` (serving/images.py: the description an exported model
-    can carry, applied by the same function a server applies)."""
+    """The files, each read through `preprocessing` (serving/images.py: the description an exported
+    model can carry, applied by the same function a server applies)."""
 
     def __init__(
         self, files: list[tuple[Path, int]], classes: list[str], preprocessing: Preprocessing
@@ -55,8 +55,9 @@ class ImageFiles(Dataset):
         return torch.from_numpy(x), torch.tensor(label, dtype=torch.int64)
 
     def source_images(self) -> list[tuple[int, str, bytes]]:
-        """(index, file suffix, file bytes) of up to SOURCE_IMAGES samples spread over the split: the files their
-        inputs are made from (the export gate decodes them as a server does; `pipeline data shard` keeps them)."""
+        """(index, file suffix, file bytes) of up to SOURCE_IMAGES samples spread over the split:
+        the files their inputs are made from (the export gate decodes them as a server does;
+        `pipeline data shard` keeps them)."""
         found = []
         for i in spread(len(self.files), SOURCE_IMAGES):
             path = self.files[i][0]
@@ -74,8 +75,8 @@ def image_folder(
     val_fraction: float = 0.2,
     split_seed: int = 0,
 ) -> dict[str, ImageFiles]:
-    """A fixed, seeded train/validation split of the files (`split_seed`, independent of train.seed);
-    `mode` None: the images' own (own_mode)."""
+    """A fixed, seeded train/validation split of the files (`split_seed`, independent of
+    train.seed); `mode` None: the images' own (own_mode)."""
     folder = Path(root)
     if not folder.is_dir():
         raise DataError(
@@ -105,7 +106,8 @@ def image_folder(
     mode = mode or own_mode([f for f, _ in files])
     perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(split_seed)).tolist()
     n_val = max(1, int(round(len(files) * val_fraction)))
-    # Pixel values in [0, 1], channels first; the built-in models normalize inside (model_args below).
+    # Pixel values in [0, 1], channels first; the built-in models normalize inside (model_args
+    # below).
     preprocessing = Preprocessing(mode=mode, size=(image_size, image_size), resample="bilinear")
     train = ImageFiles([files[i] for i in perm[n_val:]], classes, preprocessing)
     val = ImageFiles([files[i] for i in perm[:n_val]], classes, preprocessing)
@@ -120,8 +122,8 @@ def image_folder(
 
 
 def own_mode(files: list[Path]) -> str:
-    """L when every one of up to STATS_SAMPLES images spread over `files` is grey (GREY_MODES), else RGB:
-    only their headers are read."""
+    """L when every one of up to STATS_SAMPLES images spread over `files` is grey (GREY_MODES), else
+    RGB: only their headers are read."""
     from PIL import Image, UnidentifiedImageError
 
     for i in spread(len(files)):

@@ -9,8 +9,8 @@ from pipeline.components.data import PreBatched
 
 
 class ImageTensors(Dataset):
-    """A map-style data set of (image, label) with a batched `__getitems__`: the DataLoader gathers a
-    batch with one index operation instead of collating 64 single samples."""
+    """A map-style data set of (image, label) with a batched `__getitems__`: the DataLoader gathers
+    a batch with one index operation instead of collating 64 single samples."""
 
     def __init__(
         self, x: torch.Tensor, y: torch.Tensor, classes: list[str], model_args: dict | None = None
@@ -38,8 +38,8 @@ def image_splits(
     val_y: torch.Tensor,
     classes: list[str],
 ) -> dict[str, ImageTensors]:
-    """The two splits; the training set suggests the model's input shape and its own statistics, which
-    the built-in models normalize with inside the graph (so clients send raw intensities)."""
+    """The two splits; the training set suggests the model's input shape and its own statistics,
+    which the built-in models normalize with inside the graph (so clients send raw intensities)."""
     suggested = {
         "in_channels": train_x.shape[1],
         "image_size": train_x.shape[2],

@@ -1,4 +1,5 @@
-"""Random images of a chosen shape and random labels: for benchmarks, where only the shapes matter."""
+"""Random images of a chosen shape and random labels: for benchmarks, where only the shapes
+matter."""
 
 from __future__ import annotations
 

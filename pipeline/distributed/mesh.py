@@ -1,10 +1,11 @@
-"""The device mesh of train.parallel: which ranks replicate, shard, or split the model's tensors, and where
-this rank sits in it.
+"""The device mesh of train.parallel: which ranks replicate, shard, or split the model's tensors,
+and where this rank sits in it.
 
-Ranks are laid out as torchtitan lays them, row-major over (pp, dp_replicate, dp_shard, tp): the `tp` ranks of a
-tensor-parallel group are neighbours (one node's fast links), the data-parallel ranks stride over them, and the
-pipeline stages are the outermost (their point-to-point sends cross the slow links best). The data is dealt
-over the data-parallel ranks only: every rank of a tensor-parallel group and of a pipeline reads the same batch.
+Ranks are laid out as torchtitan lays them, row-major over (pp, dp_replicate, dp_shard, tp): the
+`tp` ranks of a tensor-parallel group are neighbours (one node's fast links), the data-parallel
+ranks stride over them, and the pipeline stages are the outermost (their point-to-point sends cross
+the slow links best). The data is dealt over the data-parallel ranks only: every rank of a
+tensor-parallel group and of a pipeline reads the same batch.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ def data_parallel(mesh):
 
 
 def replica_group(strategy: str, info: DistInfo, device_mesh):
-    """The process group of the ranks that hold the same tensors as this one (DDP's replicas, a pipeline stage's
-    data-parallel copies, HSDP's replicas of a shard, a tensor-parallel group's copies of what it does not split):
-    what the replica check compares over (replicas.check skips the tensor-parallel halves). None where no other
-    rank holds a copy (one rank; FSDP2 alone; tensor parallelism beside FSDP2, which shards the rest)."""
+    """The process group of the ranks that hold the same tensors as this one (DDP's replicas, a
+    pipeline stage's data-parallel copies, HSDP's replicas of a shard, a tensor-parallel group's
+    copies of what it does not split): what the replica check compares over (replicas.check skips
+    the tensor-parallel halves). None where no other rank holds a copy (one rank; FSDP2 alone;
+    tensor parallelism beside FSDP2, which shards the rest)."""
     import torch.distributed as dist
 
     if not info.distributed:
@@ -114,8 +116,9 @@ def replica_group(strategy: str, info: DistInfo, device_mesh):
 
 
 def stage_group(device_mesh):
-    """The ranks of this rank's pipeline stage (they hold its buffers); None (the world) without a pipeline. A stage's
-    ranks are its data-parallel copies: pipeline parallelism does not combine with tensor parallelism or HSDP yet."""
+    """The ranks of this rank's pipeline stage (they hold its buffers); None (the world) without a
+    pipeline. A stage's ranks are its data-parallel copies: pipeline parallelism does not combine
+    with tensor parallelism or HSDP yet."""
     if device_mesh is None or device_mesh["pp"].size() == 1:
         return None
     return device_mesh["dp_shard"].get_group()

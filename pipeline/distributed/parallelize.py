@@ -1,6 +1,6 @@
-"""The model on its device and across ranks: SyncBatchNorm, memory format, tensor parallelism (tensor_parallel.py,
-on the device mesh of mesh.py), DDP or FSDP2 (HSDP on a mesh with replicas). A pipeline's stage
-(pipeline_parallel.py) is wrapped here the same way.
+"""The model on its device and across ranks: SyncBatchNorm, memory format, tensor parallelism
+(tensor_parallel.py, on the device mesh of mesh.py), DDP or FSDP2 (HSDP on a mesh with replicas). A
+pipeline's stage (pipeline_parallel.py) is wrapped here the same way.
 
 FSDP2 shards the model in units: each unit's parameters are all-gathered just before its forward
 and freed after, so a unit should be one repeated block (a transformer layer, a residual block).
@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None) -> bool:
-    """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want it. `auto`
-    (the default) turns it on for a model with 2-d convolutions, which train faster in channels_last on a GPU
-    (docs/benchmarks.md#pipelinedistributedparallelizepy); a model without convolutions gains nothing from it."""
+    """NHWC inputs (and, under DDP, weights): CUDA only, where cuDNN's tensor-core convolutions want
+    it. `auto` (the default) turns it on for a model with 2-d convolutions, which train faster in
+    channels_last on a GPU (docs/benchmarks.md#pipelinedistributedparallelizepy); a model without
+    convolutions gains nothing from it."""
     if info.device.type != "cuda" or train_cfg.channels_last is False:
         return False
     if train_cfg.channels_last is True:
@@ -42,9 +43,9 @@ def uses_channels_last(train_cfg, info: DistInfo, model: nn.Module | None = None
 def wrap_model(
     model: nn.Module, train_cfg, precision: str, info: DistInfo, device_mesh=None
 ) -> nn.Module:
-    """`model` (the whole model, or this rank's pipeline stage) on its device, split over the mesh's tensor-parallel
-    ranks and wrapped for its data-parallel ones: DDP (over the whole world, or the stage's copies on a mesh) or
-    FSDP2 (HSDP on a mesh with replicas)."""
+    """`model` (the whole model, or this rank's pipeline stage) on its device, split over the mesh's
+    tensor-parallel ranks and wrapped for its data-parallel ones: DDP (over the whole world, or the
+    stage's copies on a mesh) or FSDP2 (HSDP on a mesh with replicas)."""
     if train_cfg.sync_batchnorm and info.distributed:
         if info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -62,11 +63,13 @@ def wrap_model(
         if device_mesh["tp"].size() > 1:
             tensor_parallel.parallelize(model, device_mesh["tp"], device_mesh["tp"].size())
         if device_mesh["dp_replicate"].size() * device_mesh["dp_shard"].size() == 1:
-            return model  # no data-parallel ranks: nothing to wrap (the replicated rest is the same on every rank)
+            # no data-parallel ranks: nothing to wrap (the replicated rest is the same on every
+            # rank)
+            return model
     if train_cfg.strategy == "fsdp":
         # FSDP2 refuses non-contiguous parameters (NotImplementedError in fully_shard), and its
-        # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs go
-        # NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
+        # all-gathered parameters are contiguous anyway: the weights stay NCHW and only the inputs
+        # go NHWC (see data.to_device), which is enough for cuDNN to pick its channels_last kernels.
         return shard(
             model,
             train_cfg.fsdp_wrap,
@@ -87,14 +90,16 @@ def wrap_model(
     if train_cfg.compile:
         # In place (the parameter names stay those of the checkpoints) and after DDP: compiling the
         # DDP module lets TorchDynamo's DDPOptimizer split the graph at the gradient buckets, so the
-        # all-reduces still overlap the backward; a model compiled inside DDP reduces only at the end.
+        # all-reduces still overlap the backward; a model compiled inside DDP reduces only at the
+        # end.
         model.compile()
     return model
 
 
 def check_compiler(device_type: str) -> None:
-    """torch.compile builds native code at the first step: Triton's launcher with a C compiler on CUDA,
-    Inductor's kernels with a C++ compiler on CPU. Without one it fails deep inside the first step."""
+    """torch.compile builds native code at the first step: Triton's launcher with a C compiler on
+    CUDA, Inductor's kernels with a C++ compiler on CPU. Without one it fails deep inside the first
+    step."""
     import shutil
 
     names = ("cc", "gcc", "clang") if device_type == "cuda" else ("c++", "g++", "clang++")
@@ -112,11 +117,11 @@ def shard(
 ) -> nn.Module:
     """FSDP2: every unit (see the module docstring) and the root, innermost first.
 
-    With bf16/fp16, each BatchNorm (SyncBatchNorm included) is a unit of its own with an fp32 policy,
-    sharded before the blocks that hold it: under the blocks' policy its weight would be cast to
-    bf16 while its running statistics stay fp32, and batch_norm refuses the mix ("expected scalar
-    type BFloat16 but found Float"), on CUDA and CPU alike (torchtitan #674). It computes on the
-    blocks' low-precision activations all the same, as autocast's BatchNorm does.
+    With bf16/fp16, each BatchNorm (SyncBatchNorm included) is a unit of its own with an fp32
+    policy, sharded before the blocks that hold it: under the blocks' policy its weight would be
+    cast to bf16 while its running statistics stay fp32, and batch_norm refuses the mix ("expected
+    scalar type BFloat16 but found Float"), on CUDA and CPU alike (torchtitan #674). It computes on
+    the blocks' low-precision activations all the same, as autocast's BatchNorm does.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -136,10 +141,10 @@ def shard(
     )
     for norm in norms:
         fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
-    for unit in units:  # innermost first: a unit inside another is sharded before its parent
-        if (
-            compile_units
-        ):  # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
+    # innermost first: a unit inside another is sharded before its parent
+    for unit in units:
+        # per block, before its hooks (torchtitan's order); Dynamo skips FSDP2's hooks
+        if compile_units:
             unit.compile()
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     if compile_units and not units:
@@ -167,7 +172,8 @@ def fsdp_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
 
 
 def repeated_block(model: nn.Module) -> str | None:
-    """The class repeated most among the children of the largest ModuleList/Sequential, by parameters."""
+    """The class repeated most among the children of the largest ModuleList/Sequential, by
+    parameters."""
     best, best_size = None, 0
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):

@@ -27,7 +27,8 @@ class DistInfo:
 
     @classmethod
     def cpu_alone(cls) -> "DistInfo":
-        """A world of one process on the CPU: for reductions done outside training (export, promotion)."""
+        """A world of one process on the CPU: for reductions done outside training (export,
+        promotion)."""
         return cls(0, 1, 0, 1, torch.device("cpu"))
 
     @property
@@ -43,7 +44,8 @@ def usable_cpus() -> int:
     """Cores this process may run on (cgroup/affinity), not the host's count."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
+    except AttributeError:
+        # not Linux
         return os.cpu_count() or 1
 
 
@@ -60,8 +62,9 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = pick_device(device_request, local_rank)
 
-    # Oversubscribed CPU threads make gloo ranks collapse (docs/benchmarks.md#pipelinedistributedprocess_grouppy):
-    # give each local rank its share of the usable cores.
+    # Oversubscribed CPU threads make gloo ranks collapse
+    # (docs/benchmarks.md#pipelinedistributedprocess_grouppy): give each local rank its share of the
+    # usable cores.
     threads = threads_per_rank or max(1, usable_cpus() // local_world_size)
     torch.set_num_threads(threads)
     if device.type == "cpu":
@@ -86,19 +89,21 @@ def setup(device_request: str, threads_per_rank: int) -> DistInfo:
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+# glibc's ceiling on 64-bit
+MMAP_THRESHOLD_MAX = 32 << 20
 
 
 def keep_freed_memory() -> bool:
     """Stops glibc from handing freed tensor memory back to the kernel between training steps.
 
-    With its defaults, the gradients freed by `zero_grad(set_to_none=True)` and the activations freed
-    by backward go back to the kernel (heap trimming, per-allocation mmap), and every step faults
-    them in again, which slows every step (docs/benchmarks.md#pipelinedistributedprocess_grouppy).
-    Allocations up to 32 MiB now stay in the heap and the heap is never trimmed,
-    much as jemalloc or tcmalloc behave (PyTorch's CPU tuning guide preloads one; this needs nothing
-    installed). The rank keeps its peak heap until it exits. Returns False where the C library is
-    not glibc, or when the user set MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ themselves.
+    With its defaults, the gradients freed by `zero_grad(set_to_none=True)` and the activations
+    freed by backward go back to the kernel (heap trimming, per-allocation mmap), and every step
+    faults them in again, which slows every step
+    (docs/benchmarks.md#pipelinedistributedprocess_grouppy). Allocations up to 32 MiB now stay in
+    the heap and the heap is never trimmed, much as jemalloc or tcmalloc behave (PyTorch's CPU
+    tuning guide preloads one; this needs nothing installed). The rank keeps its peak heap until it
+    exits. Returns False where the C library is not glibc, or when the user set
+    MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ themselves.
     """
     import ctypes
 
@@ -107,33 +112,35 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl, macOS, Windows
+    except (OSError, AttributeError):
+        # musl, macOS, Windows
         return False
     return bool(
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
     )
 
 
-ATTEMPT_STORE_KEY = "trainserve/attempt_store"  # in torchrun's agent store: "<port> <nonce>" of this attempt's store
+# in torchrun's agent store: "<port> <nonce>" of this attempt's store
+ATTEMPT_STORE_KEY = "trainserve/attempt_store"
 STORE_TIMEOUT = timedelta(minutes=10)
 
 
 def attempt_store(rank: int, world_size: int) -> dist.Store:
     """A store of this attempt's own, for the process group: no key of a dead attempt can be in it.
 
-    torchrun's agent store outlives the workers, and `env://` shares it across restarts unprefixed: a
-    restarted rank can read the dead attempt's gloo address of a peer before the peer re-registers, and
-    fail with "Connection refused" (seen here when rank 0 was killed). A prefix per TORCHELASTIC_RESTART_COUNT
-    fixed that on one machine only: the count is each node's own (torch counts a failure restart, not a
-    membership change), so after one node's worker died the two nodes' ranks waited under different
-    prefixes until the timeout. So rank 0 starts a fresh store on a free port and announces it in the agent
-    store with a nonce; the others connect to the announced one that answers with that nonce (a stale
-    announcement points at a dead rank 0's port, or at a reused port holding another nonce).
+    torchrun's agent store outlives the workers, and `env://` shares it across restarts unprefixed:
+    a restarted rank can read the dead attempt's gloo address of a peer before the peer
+    re-registers, and fail with "Connection refused" (seen here when rank 0 was killed). A prefix
+    per TORCHELASTIC_RESTART_COUNT fixed that on one machine only: the count is each node's own
+    (torch counts a failure restart, not a membership change), so after one node's worker died the
+    two nodes' ranks waited under different prefixes until the timeout. So rank 0 starts a fresh
+    store on a free port and announces it in the agent store with a nonce; the others connect to the
+    announced one that answers with that nonce (a stale announcement points at a dead rank 0's port,
+    or at a reused port holding another nonce).
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    ):  # rank 0 hosts MASTER_PORT's store: new per attempt
+    # rank 0 hosts MASTER_PORT's store: new per attempt
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return dist.TCPStore(
             addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT, multi_tenant=True
         )
@@ -150,12 +157,12 @@ def attempt_store(rank: int, world_size: int) -> dist.Store:
 
 
 def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.Store:
-    """The store rank 0 of this attempt announced (see attempt_store), once it answers with its nonce."""
+    """The store rank 0 of this attempt announced (see attempt_store), once it answers with its
+    nonce."""
     deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
     while time.monotonic() < deadline:
-        port, nonce = (
-            agent.get(ATTEMPT_STORE_KEY).decode().split()
-        )  # waits for the first announcement
+        # waits for the first announcement
+        port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
         try:
             own = dist.TCPStore(
                 addr, int(port), world_size, is_master=False, timeout=timedelta(seconds=2)
@@ -166,7 +173,8 @@ def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.St
         except (
             RuntimeError,
             dist.DistStoreError,
-        ):  # a dead attempt's port: rank 0 has not announced yet
+        ):
+            # a dead attempt's port: rank 0 has not announced yet
             pass
         time.sleep(0.2)
     raise TimeoutError(
@@ -176,10 +184,12 @@ def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.St
 
 
 def job_restarts(info: DistInfo) -> int:
-    """How many times torchrun restarted this job's workers: the most any node counted. Each node's agent
-    counts only its own failure restarts (TORCHELASTIC_RESTART_COUNT); a node restarted because another
-    node's worker died counts 0, yet its ranks resume with everyone else's. Collective."""
-    # On the group's own device: NCCL reduces only CUDA tensors (a CPU tensor there fails every rank at start).
+    """How many times torchrun restarted this job's workers: the most any node counted. Each node's
+    agent counts only its own failure restarts (TORCHELASTIC_RESTART_COUNT); a node restarted
+    because another node's worker died counts 0, yet its ranks resume with everyone else's.
+    Collective."""
+    # On the group's own device: NCCL reduces only CUDA tensors (a CPU tensor there fails every rank
+    # at start).
     count = torch.tensor(
         [int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], device=info.device
     )

@@ -16,13 +16,15 @@ class ReplicaDivergence(RuntimeError):
 
 
 def named_state(model: torch.nn.Module):
-    module = getattr(model, "module", model)  # DDP wraps the model; names are the plain ones
+    # DDP wraps the model; names are the plain ones
+    module = getattr(model, "module", model)
     yield from module.named_parameters()
     yield from module.named_buffers()
 
 
 def split_over_tensor_parallel_ranks(t) -> bool:
-    """A DTensor sharded over the mesh's `tp` dimension: each rank holds another part, not a copy."""
+    """A DTensor sharded over the mesh's `tp` dimension: each rank holds another part, not a
+    copy."""
     if not hasattr(t, "placements"):
         return False
     names = t.device_mesh.mesh_dim_names or ()
@@ -38,9 +40,8 @@ def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
         if split_over_tensor_parallel_ranks(tensor):
             continue
         t = tensor.detach()
-        t = (
-            t.to_local() if hasattr(t, "to_local") else t
-        )  # HSDP: this rank's shard, the same on each replica
+        # HSDP: this rank's shard, the same on each replica
+        t = t.to_local() if hasattr(t, "to_local") else t
         names.append(name)
         # Sum and sum of squares in float64: a one-ulp change in a float32 element shows up.
         d = t.double()
@@ -49,10 +50,10 @@ def checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
 
 
 def sync_buffers(model: torch.nn.Module, group=None) -> None:
-    """The first rank's buffers on every rank of `group` (the world, or the ranks of one pipeline stage, whose
-    buffers are the stage's). DDP does this at the start of each forward, so after a
-    step BatchNorm's running statistics still hold each rank's own batch; sync before comparing
-    or saving, so that every copy is the one the next forward would use."""
+    """The first rank's buffers on every rank of `group` (the world, or the ranks of one pipeline
+    stage, whose buffers are the stage's). DDP does this at the start of each forward, so after a
+    step BatchNorm's running statistics still hold each rank's own batch; sync before comparing or
+    saving, so that every copy is the one the next forward would use."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     module = getattr(model, "module", model)
@@ -61,8 +62,8 @@ def sync_buffers(model: torch.nn.Module, group=None) -> None:
 
 
 def check(model: torch.nn.Module, step: int, group=None) -> None:
-    """Collective over `group` (the ranks that hold copies of the same tensors; None: the world): every rank
-    calls it at the same step. Raises ReplicaDivergence on all of them."""
+    """Collective over `group` (the ranks that hold copies of the same tensors; None: the world):
+    every rank calls it at the same step. Raises ReplicaDivergence on all of them."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     names, local = checksums(model)

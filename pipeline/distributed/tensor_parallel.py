@@ -1,17 +1,20 @@
-"""Tensor parallelism (train.parallel.tp): a model's attention and MLP projections split over `tp` ranks with
-DTensor's `parallelize_module`, Megatron's pattern: the first projection of a pair column-wise (each rank
-computes its share of the heads or hidden units), the second row-wise (the partial sums all-reduced), so what
-flows between blocks is a whole, replicated tensor and the rest of the model is untouched.
+"""Tensor parallelism (train.parallel.tp): a model's attention and MLP projections split over `tp`
+ranks with DTensor's `parallelize_module`, Megatron's pattern: the first projection of a pair
+column-wise (each rank computes its share of the heads or hidden units), the second row-wise (the
+partial sums all-reduced), so what flows between blocks is a whole, replicated tensor and the rest
+of the model is untouched.
 
 The plan comes from, in order:
-  1. the model itself: a `tensor_parallel_plan()` method returning {module name: "colwise" | "rowwise"} (or
-     DTensor ParallelStyle objects), for a user's own model;
+  1. the model itself: a `tensor_parallel_plan()` method returning {module name: "colwise" |
+     "rowwise"} (or DTensor ParallelStyle objects), for a user's own model;
   2. the families we know by their module names (FAMILIES): Hugging Face BERT-style encoders
-     (`attention.self.query/key/value` -> `attention.output.dense`, `intermediate.dense` -> `output.dense`)
-     and LLaMA-style decoders (`self_attn.q/k/v_proj` -> `o_proj`, `mlp.gate/up_proj` -> `down_proj`);
-and a model that matches none is refused with what was looked for. Attention that reshapes its projections
-with the head count taken from the local width (Hugging Face's `view(..., -1, head_dim)`) runs unchanged on a
-rank's share of the heads; `nn.MultiheadAttention` packs q, k and v in one parameter and has no plan.
+     (`attention.self.query/key/value` -> `attention.output.dense`, `intermediate.dense` ->
+     `output.dense`) and LLaMA-style decoders (`self_attn.q/k/v_proj` -> `o_proj`,
+     `mlp.gate/up_proj` -> `down_proj`);
+and a model that matches none is refused with what was looked for. Attention that reshapes its
+projections with the head count taken from the local width (Hugging Face's
+`view(..., -1, head_dim)`) runs unchanged on a rank's share of the heads; `nn.MultiheadAttention`
+packs q, k and v in one parameter and has no plan.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# (family, [(regex on the module's full name, style)]): a family applies when all its patterns match something.
+# (family, [(regex on the module's full name, style)]): a family applies when all its patterns match
+# something.
 FAMILIES = [
     (
         "BERT-style encoder (Hugging Face)",
@@ -49,8 +53,9 @@ FAMILIES = [
 
 
 def plan_for(model: nn.Module, tp: int) -> tuple[str, dict[str, str]]:
-    """(where the plan came from, {module name: "colwise" | "rowwise"}), checked against the model: every named
-    module is an nn.Linear whose split dimension divides by `tp`. ConfigError when the model has no plan."""
+    """(where the plan came from, {module name: "colwise" | "rowwise"}), checked against the model:
+    every named module is an nn.Linear whose split dimension divides by `tp`. ConfigError when the
+    model has no plan."""
     own = getattr(model, "tensor_parallel_plan", None)
     if callable(own):
         source, plan = f"{type(model).__name__}.tensor_parallel_plan()", dict(own())
@@ -107,8 +112,9 @@ def plan_for(model: nn.Module, tp: int) -> tuple[str, dict[str, str]]:
 
 
 def check_heads(model: nn.Module, tp: int) -> None:
-    """A Hugging Face model's attention heads (and key/value heads, under grouped-query attention) divide over the
-    tensor-parallel ranks: each rank computes whole heads, or its first forward fails inside a reshape."""
+    """A Hugging Face model's attention heads (and key/value heads, under grouped-query attention)
+    divide over the tensor-parallel ranks: each rank computes whole heads, or its first forward
+    fails inside a reshape."""
     config = getattr(model, "config", None)
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
@@ -142,12 +148,13 @@ def parallelize(model: nn.Module, tp_mesh, tp: int) -> nn.Module:
 
 
 def keep_generators_per_rank(tp_mesh) -> None:
-    """DTensor's random ops on a GPU (dropout on a DTensor: a plan's own styles that keep DTensor outputs) go
-    through torch's RNG tracker, which keeps its offsets in each rank's CUDA generator (a checkpoint holds it).
-    torch creates the tracker at the first such op and sets every rank's generator to rank 0's there; in a
-    resume that op comes after each rank restored its own generator, which rank 0's would overwrite. Created
-    here, at setup, without that sync: the ranks' generators start alike anyway (train.seed on every rank).
-    On a CPU mesh there is no tracker: each rank draws from its own generator."""
+    """DTensor's random ops on a GPU (dropout on a DTensor: a plan's own styles that keep DTensor
+    outputs) go through torch's RNG tracker, which keeps its offsets in each rank's CUDA generator
+    (a checkpoint holds it). torch creates the tracker at the first such op and sets every rank's
+    generator to rank 0's there; in a resume that op comes after each rank restored its own
+    generator, which rank 0's would overwrite. Created here, at setup, without that sync: the ranks'
+    generators start alike anyway (train.seed on every rank). On a CPU mesh there is no tracker:
+    each rank draws from its own generator."""
     # torch 2.13 keeps the tracker in this private module.
     from torch.distributed.tensor import _random as dtensor_random
 

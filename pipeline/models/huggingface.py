@@ -1,11 +1,12 @@
 """A Hugging Face transformers model built from a config, with no weights downloaded and no wrapper:
 `model.component: pipeline.models.huggingface:from_config` with `args: {architecture:
-BertForSequenceClassification, hidden_size: 64, ...}`. Its output (a `SequenceClassifierOutput`) goes
-through every stage as it is: the tasks find `logits` in it, export names each field.
+BertForSequenceClassification, hidden_size: 64, ...}`. Its output (a `SequenceClassifierOutput`)
+goes through every stage as it is: the tasks find `logits` in it, export names each field.
 
-`num_classes` (which trainserve fills from the training set's classes) becomes the config's `num_labels`,
-and `vocab_size` (a data set's `model_args` may suggest it) the config's own; every other argument is
-a field of the architecture's config class (`BertConfig` for Bert...). Needs `pip install transformers`.
+`num_classes` (which trainserve fills from the training set's classes) becomes the config's
+`num_labels`, and `vocab_size` (a data set's `model_args` may suggest it) the config's own; every
+other argument is a field of the architecture's config class (`BertConfig` for Bert...). Needs
+`pip install transformers`.
 """
 
 from __future__ import annotations

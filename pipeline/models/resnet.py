@@ -1,4 +1,5 @@
-"""Small-image ResNet-18 (CIFAR-style): a 3x3 stride-1 stem, no max-pool, 4 stages x 2 basic blocks."""
+"""Small-image ResNet-18 (CIFAR-style): a 3x3 stride-1 stem, no max-pool, 4 stages x 2 basic
+blocks."""
 
 from __future__ import annotations
 
@@ -66,5 +67,6 @@ def resnet18(
     std: Sequence[float] | None = None,
 ) -> SmallImageResNet18:
     """`width` scales the channels: 1.0 gives 64/128/256/512, 0.125 gives 8/16/32/64 (tiny tests).
-    `mean`/`std`: per-channel input statistics, normalized inside the model (None: inputs as they are)."""
+    `mean`/`std`: per-channel input statistics, normalized inside the model (None: inputs as they
+    are)."""
     return SmallImageResNet18(in_channels, num_classes, width, mean, std)

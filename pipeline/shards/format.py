@@ -3,29 +3,32 @@
 One module writes and reads this format. A split is a directory (or an `s3://` prefix) holding
 
     manifest.json         what the split is: its schema, its shards, their rows and digests
-    shard-00000.parquet   rows of samples: `id` (the sample's index in the split it was written from)
-    shard-00001.parquet   and one column per tensor of the sample: `input` or `input.<name>`, `target`
+    shard-00000.parquet   rows of samples: `id` (the sample's index in the split it was written
+                          from)
+    shard-00001.parquet   and one column per tensor of the sample: `input` or `input.<name>`,
+                          `target`
     ...                   or `target.<key>` / `target.<i>`, raw little-endian bytes
 
-A tensor column of one shape in every row is `fixed_size_binary` (a row group's values are one contiguous
-buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside a `<column>.shape`
-list column. Each shard's row groups are the blocks the stream shuffles and reads (stream.py): a reader
-fetches the row groups it needs, never a whole shard, and checks each against the content digest the
-manifest holds for it. The split's identity is the manifest's digest: the sha256 of its schema, of
-every shard's name, rows, size and file sha256, of every row group's rows and content digest, and of
-the class names and model arguments, computed from the manifest alone (`manifest_digest`), which is
-what MLflow's dataset inputs, a checkpoint's data position, `trace` and `verify` carry for it:
-whatever a reader checks or hands to the model is inside it.
+A tensor column of one shape in every row is `fixed_size_binary` (a row group's values are one
+contiguous buffer: a batch decodes with one `frombuffer`); one whose shape varies is `binary` beside
+a `<column>.shape` list column. Each shard's row groups are the blocks the stream shuffles and reads
+(stream.py): a reader fetches the row groups it needs, never a whole shard, and checks each against
+the content digest the manifest holds for it. The split's identity is the manifest's digest: the
+sha256 of its schema, of every shard's name, rows, size and file sha256, of every row group's rows
+and content digest, and of the class names and model arguments, computed from the manifest alone
+(`manifest_digest`), which is what MLflow's dataset inputs, a checkpoint's data position, `trace`
+and `verify` carry for it: whatever a reader checks or hands to the model is inside it.
 
-Images written from a data set that says how a file became its input (`preprocessing`, serving/images.py) keep
-that transform in the manifest, and the validation split keeps a few of the files beside its shards
-(`example-<id>.<suffix>`, each with its sha256): export records the transform with the model and its gate proves
-it on those files (`read_examples`), so a model trained from the shards serves images as training made them.
-Both are in the identity when present (the transform is what a server applies to every image; the files are what
-the gate checks); a manifest without them has the digest it had before they existed.
+Images written from a data set that says how a file became its input (`preprocessing`,
+serving/images.py) keep that transform in the manifest, and the validation split keeps a few of the
+files beside its shards (`example-<id>.<suffix>`, each with its sha256): export records the
+transform with the model and its gate proves it on those files (`read_examples`), so a model trained
+from the shards serves images as training made them. Both are in the identity when present (the
+transform is what a server applies to every image; the files are what the gate checks); a manifest
+without them has the digest it had before they existed.
 
-Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and credentials
-of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
+Locations: a local path, or `s3://bucket/prefix` through fsspec (s3fs, with the endpoint and
+credentials of the standard AWS_* variables, as checkpoints use: checkpoint/object_store.py).
 """
 
 from __future__ import annotations
@@ -48,14 +51,18 @@ import torch
 from pipeline.checkpoint.object_store import endpoint_name
 from pipeline.errors import DataError
 
-FORMAT = "trainserve-shards/1"  # (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
+# (not a lineage key: serving/lineage.py owns the dotted trainserve. names)
+FORMAT = "trainserve-shards/1"
 MANIFEST = "manifest.json"
-ROW_GROUP_BYTES = 4 << 20  # a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+# a row group: the unit the stream shuffles and reads (~4 MiB of samples)
+ROW_GROUP_BYTES = 4 << 20
 # Arrow's fixed_size_binary holds at most this many bytes a value: a fixed-shape column's row, at
 # most.
 MAX_ROW_BYTES = 2**31 - 1
-SHARD_BYTES = 256 << 20  # a shard file: a few hundred MiB, as object stores like them
-# An image file kept beside an image split's shards (`read_examples`) is named this, then its sample's id.
+# a shard file: a few hundred MiB, as object stores like them
+SHARD_BYTES = 256 << 20
+# An image file kept beside an image split's shards (`read_examples`) is named this, then its
+# sample's id.
 EXAMPLE_PREFIX = "example-"
 _SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
 
@@ -88,7 +95,8 @@ def join(location: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class Column:
-    """One tensor of a sample: its column name, dtype and shape (None: it varies, a shape column holds it)."""
+    """One tensor of a sample: its column name, dtype and shape (None: it varies, a shape column
+    holds it)."""
 
     name: str
     dtype: str
@@ -117,8 +125,9 @@ class Column:
 
 
 def structure_of(inputs: Any, target: Any) -> dict:
-    """How a sample's tensors nest, so the reader rebuilds `(inputs, target)` as the writer was given it:
-    inputs a tensor or {name: tensor}; the target a tensor, {key: tensor} or a tuple of tensors."""
+    """How a sample's tensors nest, so the reader rebuilds `(inputs, target)` as the writer was
+    given it: inputs a tensor or {name: tensor}; the target a tensor, {key: tensor} or a tuple of
+    tensors."""
 
     def shape_of(value: Any, what: str):
         if torch.is_tensor(value):
@@ -188,8 +197,10 @@ class Shard:
     name: str
     rows: int
     bytes: int
-    sha256: str  # of the file
-    row_groups: list[dict] = field(default_factory=list)  # [{"rows": n, "sha256": content digest}]
+    # of the file
+    sha256: str
+    # [{"rows": n, "sha256": content digest}]
+    row_groups: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -203,19 +214,19 @@ class Shard:
 
 @dataclass
 class Manifest:
-    location: str  # the directory or prefix the shards are in
+    # the directory or prefix the shards are in
+    location: str
     columns: list[Column]
     structure: dict
     shards: list[Shard]
     classes: list[str] | None = None
     model_args: dict = field(default_factory=dict)
-    targets: dict = field(
-        default_factory=dict
-    )  # the targets' profile (data.target_profile), for MLflow's dataset
-    source: dict = field(
-        default_factory=dict
-    )  # what the shards were written from (component, args, split)
-    # {"transform": serving/images.py Preprocessing, "examples": [{"id", "file", "sha256"}]}, or {}: images only
+    # the targets' profile (data.target_profile), for MLflow's dataset
+    targets: dict = field(default_factory=dict)
+    # what the shards were written from (component, args, split)
+    source: dict = field(default_factory=dict)
+    # {"transform": serving/images.py Preprocessing, "examples": [{"id", "file", "sha256"}]}, or {}:
+    # images only
     preprocessing: dict = field(default_factory=dict)
 
     @property
@@ -224,7 +235,8 @@ class Manifest:
 
     @cached_property
     def row_groups(self) -> list[tuple[int, int, int]]:
-        """(shard index, row group index, rows) of every row group, in file order (read per sample: kept)."""
+        """(shard index, row group index, rows) of every row group, in file order (read per sample:
+        kept)."""
         return [
             (s, g, group["rows"])
             for s, shard in enumerate(self.shards)
@@ -283,12 +295,13 @@ def manifest_location(location: str) -> tuple[str, str]:
 
 
 def read_manifest(location: str) -> Manifest:
-    """The manifest of the split at `location` (its directory or its manifest.json); DataError when it is missing
-    or not one."""
+    """The manifest of the split at `location` (its directory or its manifest.json); DataError when
+    it is missing or not one."""
     directory, path = manifest_location(location)
     again = "write the split again with `pipeline data shard`"
     fs, key = filesystem(path)
-    try:  # the read, then the parse: a store that failed is told from a file that is not a manifest
+    # the read, then the parse: a store that failed is told from a file that is not a manifest
+    try:
         with fs.open(key, "rb") as f:
             data = f.read()
     except FileNotFoundError:
@@ -297,14 +310,14 @@ def read_manifest(location: str) -> Manifest:
             f"--out {directory.rsplit('/', 1)[0] if '/' in directory else directory}`"
         ) from None
     except Exception as exc:
-        if "://" not in path and isinstance(
-            exc, OSError
-        ):  # a directory of that name, no permission
+        # a directory of that name, no permission
+        if "://" not in path and isinstance(exc, OSError):
             raise DataError(
                 f"can't read the shard manifest {path} ({type(exc).__name__}: {exc}); it must be a "
                 f"readable file, the manifest.json `pipeline data shard` writes"
             ) from None
-        # The store answered no (no connection, denied, timed out): botocore's own exceptions are not OSError.
+        # The store answered no (no connection, denied, timed out): botocore's own exceptions are
+        # not OSError.
         raise DataError(
             _store_failed(f"the shard manifest {path}", path, exc, "manifest", BEFORE_TRAINING)
         ) from None
@@ -348,8 +361,8 @@ def read_manifest(location: str) -> Manifest:
 
 
 def _manifest_problem(manifest: Manifest) -> str | None:
-    """What is wrong with a parsed manifest's own shape (None: nothing): shards must be files of the split's
-    directory whose rows are their row groups' rows, the columns of numpy dtypes."""
+    """What is wrong with a parsed manifest's own shape (None: nothing): shards must be files of the
+    split's directory whose rows are their row groups' rows, the columns of numpy dtypes."""
     for col in manifest.columns:
         try:
             np.dtype(col.dtype)
@@ -406,8 +419,9 @@ def _manifest_problem(manifest: Manifest) -> str | None:
 
 
 def _preprocessing_problem(manifest: Manifest) -> str | None:
-    """What is wrong with a manifest's preprocessing entry (None: nothing): a transform serving/images.py reads,
-    which makes the input column's shape; examples that are files of the split's own directory."""
+    """What is wrong with a manifest's preprocessing entry (None: nothing): a transform
+    serving/images.py reads, which makes the input column's shape; examples that are files of the
+    split's own directory."""
     from serving.images import Preprocessing
 
     entry = manifest.preprocessing
@@ -440,8 +454,8 @@ def _preprocessing_problem(manifest: Manifest) -> str | None:
 
 
 def read_examples(manifest: Manifest) -> list[tuple[int, str, bytes]]:
-    """(id, file suffix, file bytes) of the image files an image split keeps beside its shards, each checked
-    against its sha256; DataError naming a file that is missing or changed."""
+    """(id, file suffix, file bytes) of the image files an image split keeps beside its shards, each
+    checked against its sha256; DataError naming a file that is missing or changed."""
     found = []
     for example in manifest.preprocessing.get("examples", []):
         path = join(manifest.location, example["file"])
@@ -464,7 +478,8 @@ def read_examples(manifest: Manifest) -> list[tuple[int, str, bytes]]:
 
 
 def _structure_columns(structure: Any) -> list[str] | None:
-    """The column names a manifest's structure nests (None: it is not a structure `structure_of` writes)."""
+    """The column names a manifest's structure nests (None: it is not a structure `structure_of`
+    writes)."""
     if not isinstance(structure, dict):
         return None
     names: list[str] = []
@@ -482,8 +497,8 @@ def _structure_columns(structure: Any) -> list[str] | None:
 
 
 def check_against_store(manifest: Manifest) -> None:
-    """Every shard the manifest names is in the store, at the size it names: one listing, before training
-    reads a row (a missing or truncated shard would otherwise surface mid-epoch)."""
+    """Every shard the manifest names is in the store, at the size it names: one listing, before
+    training reads a row (a missing or truncated shard would otherwise surface mid-epoch)."""
     fs, key = filesystem(manifest.location)
     try:
         listing = {
@@ -496,7 +511,8 @@ def check_against_store(manifest: Manifest) -> None:
             f"manifest names ({', '.join(s.name for s in manifest.shards[:3])}"
             f"{', ...' if len(manifest.shards) > 3 else ''})"
         ) from None
-    except Exception as exc:  # the store answered no (no connection, denied ListBucket, timed out)
+    except Exception as exc:
+        # the store answered no (no connection, denied ListBucket, timed out)
         raise DataError(
             _store_failed(
                 f"the listing of the split {manifest.location}",
@@ -538,10 +554,11 @@ def write_split(
     preprocessing: dict | None = None,
     examples: list[tuple[int, str, bytes]] = (),
 ) -> Manifest:
-    """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written last: a split
-    without its manifest is not a split). Shard and row-group sizes default to ~256 MiB and ~4 MiB of
-    samples. `preprocessing`: an image split's transform (serving/images.py Preprocessing.to_json), and
-    `examples` (id, file suffix, file bytes) the image files of samples it keeps beside its shards."""
+    """Writes `(id, inputs, target)` samples as shards and a manifest under `location` (written
+    last: a split without its manifest is not a split). Shard and row-group sizes default to
+    ~256 MiB and ~4 MiB of samples. `preprocessing`: an image split's transform (serving/images.py
+    Preprocessing.to_json), and `examples` (id, file suffix, file bytes) the image files of samples
+    it keeps beside its shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -566,8 +583,8 @@ def write_split(
         rows_per_group, SHARD_BYTES // sample_bytes // rows_per_group * rows_per_group
     )
 
-    # Shapes vary? Look through the first shard's worth before fixing the schema (a later shape change is
-    # caught per sample below and named).
+    # Shapes vary? Look through the first shard's worth before fixing the schema (a later shape
+    # change is caught per sample below and named).
     for item in samples:
         buffered.append(item)
         if len(buffered) >= rows_per_shard:
@@ -733,8 +750,8 @@ def _write_shard(
 
 
 def content_digest(table, columns: list[Column]) -> str:
-    """The sha256 of a row group's values (ids, then each column's bytes and shapes), as decoded: what a
-    reader checks the row group it read against, whatever Parquet's encoding of it."""
+    """The sha256 of a row group's values (ids, then each column's bytes and shapes), as decoded:
+    what a reader checks the row group it read against, whatever Parquet's encoding of it."""
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(table.column("id").to_numpy()).tobytes())
     for col in columns:
@@ -750,7 +767,8 @@ def content_digest(table, columns: list[Column]) -> str:
 
 
 def _fixed_values(array, width: int) -> memoryview:
-    """The contiguous bytes of a fixed_size_binary array's rows (its offset into the buffer honoured)."""
+    """The contiguous bytes of a fixed_size_binary array's rows (its offset into the buffer
+    honoured)."""
     data = array.buffers()[1]
     return memoryview(data)[array.offset * width : (array.offset + len(array)) * width]
 
@@ -759,9 +777,10 @@ def _fixed_values(array, width: int) -> memoryview:
 
 
 class ShardReader:
-    """Reads the row groups of one split's shards, each checked against the manifest: the shard's schema
-    and row counts when it is opened, a row group's content digest when it is read. Open shards are kept
-    (a worker reads a shard's row groups one after another); at most `keep` at once."""
+    """Reads the row groups of one split's shards, each checked against the manifest: the shard's
+    schema and row counts when it is opened, a row group's content digest when it is read. Open
+    shards are kept (a worker reads a shard's row groups one after another); at most `keep` at
+    once."""
 
     def __init__(self, manifest: Manifest, keep: int = 2):
         self.manifest = manifest
@@ -783,19 +802,20 @@ class ShardReader:
             handle = _StoreFile(self._fs.open(key, "rb"))
         except FileNotFoundError:
             raise DataError(self._missing(path)) from None
-        except IsADirectoryError as exc:  # a directory of that name: not a shard
+        except IsADirectoryError as exc:
+            # a directory of that name: not a shard
             raise DataError(_unreadable(path, shard, exc)) from None
-        except (
-            Exception
-        ) as exc:  # the store answered no (an S3 HEAD: no connection, denied, timed out)
+        except Exception as exc:
+            # the store answered no (an S3 HEAD: no connection, denied, timed out)
             raise DataError(_store_failed(f"shard {path}", path, exc)) from None
         try:
             pf = pq.ParquetFile(handle)
         except Exception as exc:
             handle.close()
-            # The store's own exception (a read that failed) or pyarrow's judgement of the bytes it was given
-            # (ArrowInvalid: no footer, not Parquet; OSError: a footer that does not parse).
-            if isinstance(handle.failure, FileNotFoundError):  # deleted since it was opened
+            # The store's own exception (a read that failed) or pyarrow's judgement of the bytes it
+            # was given (ArrowInvalid: no footer, not Parquet; OSError: a footer that does not
+            # parse). deleted since it was opened
+            if isinstance(handle.failure, FileNotFoundError):
                 raise DataError(self._missing(path)) from None
             raise DataError(
                 _store_failed(f"shard {path}", path, handle.failure)
@@ -836,7 +856,8 @@ class ShardReader:
         )
 
     def read_group(self, shard_index: int, group: int) -> dict[str, Any]:
-        """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor; else a list)}."""
+        """{"id": int64 array, column name: decoded tensor (fixed shape: one (rows, *shape) tensor;
+        else a list)}."""
         opened = self._file(shard_index)
         shard = self.manifest.shards[shard_index]
         path = join(self.manifest.location, shard.name)
@@ -849,11 +870,11 @@ class ShardReader:
             table = opened.pf.read_row_group(group)
         except Exception as exc:
             where = f"shard {path} row group {group}"
-            if isinstance(opened.handle.failure, FileNotFoundError):  # deleted since it was opened
+            # deleted since it was opened
+            if isinstance(opened.handle.failure, FileNotFoundError):
                 raise DataError(self._missing(path)) from None
-            if (
-                opened.handle.failure is not None
-            ):  # the store failed mid-shard (s3fs fetches ranges as read)
+            # the store failed mid-shard (s3fs fetches ranges as read)
+            if opened.handle.failure is not None:
                 raise DataError(
                     _store_failed(where, self.manifest.location, opened.handle.failure)
                 ) from None
@@ -875,11 +896,12 @@ class ShardReader:
 
 
 class _StoreFile:
-    """A shard's file as pyarrow reads it, keeping the exception the store raised (`failure`). pyarrow re-raises
-    a Python file's own exception object, and its own judgement of bytes that are not Parquet is ArrowInvalid or,
-    for a footer that does not parse, a plain OSError (ArrowIOError is OSError), as s3fs's errors may be: what
-    tells a store that failed from a shard that is damaged is whether the file raised, not the exception's class.
-    Only what pyarrow's PythonFile calls (no `__fspath__`, no `read_buffer`: it probes for both)."""
+    """A shard's file as pyarrow reads it, keeping the exception the store raised (`failure`).
+    pyarrow re-raises a Python file's own exception object, and its own judgement of bytes that are
+    not Parquet is ArrowInvalid or, for a footer that does not parse, a plain OSError (ArrowIOError
+    is OSError), as s3fs's errors may be: what tells a store that failed from a shard that is
+    damaged is whether the file raised, not the exception's class. Only what pyarrow's PythonFile
+    calls (no `__fspath__`, no `read_buffer`: it probes for both)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -967,9 +989,8 @@ def _unreadable(path: str, shard: Shard, exc: BaseException) -> str:
     )
 
 
-BEFORE_TRAINING = (
-    "run the command again"  # what a store's failure under a read before any step asks of the user
-)
+# what a store's failure under a read before any step asks of the user
+BEFORE_TRAINING = "run the command again"
 
 
 def _store_failed(
@@ -979,10 +1000,11 @@ def _store_failed(
     judged: str = "shard",
     then: str = "retry the run: `--resume latest` resumes from its last checkpoint",
 ) -> str:
-    """`what` (a shard at `location`, one of its row groups, the split's manifest or its listing) unread because
-    the store failed under the read (connection refused, timed out, access denied, an I/O error): the bytes of
-    `judged` (the shard, the manifest, the shards) were never judged, so nothing here says to rewrite them. `then`:
-    what to do once the store answers (a read before training has no checkpoint to resume from)."""
+    """`what` (a shard at `location`, one of its row groups, the split's manifest or its listing)
+    unread because the store failed under the read (connection refused, timed out, access denied, an
+    I/O error): the bytes of `judged` (the shard, the manifest, the shards) were never judged, so
+    nothing here says to rewrite them. `then`: what to do once the store answers (a read before
+    training has no checkpoint to resume from)."""
     error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     if "://" in str(location):
         return (
@@ -998,7 +1020,8 @@ def _store_failed(
 
 
 def _schema_difference(schema, columns: list[Column]) -> str | None:
-    """How a shard's Arrow schema differs from the manifest's columns (None: it doesn't), in words."""
+    """How a shard's Arrow schema differs from the manifest's columns (None: it doesn't), in
+    words."""
     import pyarrow as pa
 
     wanted: dict[str, Any] = {"id": pa.int64()}
@@ -1014,9 +1037,8 @@ def _schema_difference(schema, columns: list[Column]) -> str | None:
             f"{[c.name for c in columns]} of the first shard)"
         )
 
-    def same(
-        actual, expected
-    ) -> bool:  # a list's item field may be named otherwise after a Parquet round trip
+    # a list's item field may be named otherwise after a Parquet round trip
+    def same(actual, expected) -> bool:
         if pa.types.is_list(actual) and pa.types.is_list(expected):
             return actual.value_type == expected.value_type
         return actual == expected
@@ -1047,7 +1069,8 @@ class _Open:
 
 
 def decode(table, columns: list[Column]) -> dict[str, Any]:
-    """A row group's columns as numpy views of Arrow's buffers (no copy yet: `take` copies the rows it takes)."""
+    """A row group's columns as numpy views of Arrow's buffers (no copy yet: `take` copies the rows
+    it takes)."""
     out: dict[str, Any] = {"id": table.column("id").to_numpy()}
     for col in columns:
         array = table.column(col.name).combine_chunks()
@@ -1068,8 +1091,8 @@ def decode(table, columns: list[Column]) -> dict[str, Any]:
 
 
 def take(group: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    """Rows `rows` of a decoded row group, as tensors of their own (a fixed-shape column: one (rows, *shape)
-    tensor, gathered by numpy in one copy; a varying one: a list)."""
+    """Rows `rows` of a decoded row group, as tensors of their own (a fixed-shape column: one (rows,
+    *shape) tensor, gathered by numpy in one copy; a varying one: a list)."""
     out: dict[str, Any] = {"id": group["id"][rows]}
     for name, value in group.items():
         if name == "id":
@@ -1090,8 +1113,9 @@ def samples_of(taken: dict[str, Any], structure: dict) -> Iterator[tuple[int, tu
 
 
 def batch_of(parts: list[dict[str, Any]], structure: dict):
-    """One collated (inputs, target) batch of consecutive `take`s, as the default collate would stack their samples,
-    or None when a column varies in shape or the target is a tuple (then the samples are collated one by one)."""
+    """One collated (inputs, target) batch of consecutive `take`s, as the default collate would
+    stack their samples, or None when a column varies in shape or the target is a tuple (then the
+    samples are collated one by one)."""
     if structure["target"] != "tensor" and "dict" not in structure["target"]:
         return None
     names = [n for n in parts[0] if n != "id"]

@@ -1,19 +1,21 @@
-"""A sharded split read as a stream: shuffled per epoch without a buffer, dealt to ranks and loader workers,
-its position the whole of its state.
+"""A sharded split read as a stream: shuffled per epoch without a buffer, dealt to ranks and loader
+workers, its position the whole of its state.
 
-The order of epoch e is a function of (seed, e) alone: the shards in a seeded order, each shard's row groups in
-a seeded order, each row group's rows in a seeded order (format.py: a row group is the unit that is read). The
-epoch is that sequence of positions 0..N-1. Micro-batch k is positions [k*M, (k+1)*M) with M the global
-micro-batch (per-rank batch x world size); rank r takes its contiguous part [k*M + r*B, k*M + (r+1)*B), so
-that each rank reads the row groups of its own part. Loader worker w of a rank makes the rank's micro-batches
-k = start + w, start + w + workers, ... in which order the DataLoader hands them out, so the batches are
-the same with 0, 1 or 4 workers. The workers live across epochs (persistent); where each epoch starts
-reaches them through a tensor in shared memory.
+The order of epoch e is a function of (seed, e) alone: the shards in a seeded order, each shard's
+row groups in a seeded order, each row group's rows in a seeded order (format.py: a row group is the
+unit that is read). The epoch is that sequence of positions 0..N-1. Micro-batch k is positions [k*M,
+(k+1)*M) with M the global micro-batch (per-rank batch x world size); rank r takes its contiguous
+part [k*M + r*B, k*M + (r+1)*B), so that each rank reads the row groups of its own part. Loader
+worker w of a rank makes the rank's micro-batches k = start + w, start + w + workers, ... in which
+order the DataLoader hands them out, so the batches are the same with 0, 1 or 4 workers. The workers
+live across epochs (persistent); where each epoch starts reaches them through a tensor in shared
+memory.
 
-So the position (epoch, samples consumed: k*M) is the state, and it is the same on every rank: rank 0's
-stands for all. A resume at another world size with the same global batch continues at the same k, every
-sample of the epoch seen exactly once; nothing is buffered, so nothing is lost or repeated. The memory a
-worker holds is one decoded row group and its shard's open file, whatever the size of the data.
+So the position (epoch, samples consumed: k*M) is the state, and it is the same on every rank: rank
+0's stands for all. A resume at another world size with the same global batch continues at the same
+k, every sample of the epoch seen exactly once; nothing is buffered, so nothing is lost or repeated.
+The memory a worker holds is one decoded row group and its shard's open file, whatever the size of
+the data.
 """
 
 from __future__ import annotations
@@ -37,20 +39,23 @@ from serving.images import Preprocessing
 
 log = logging.getLogger(__name__)
 
-SAMPLE_GROUPS = 32  # a bounded sample of the stream (drift reference, int8 calibration) reads at most this many row groups
+# a bounded sample of the stream (drift reference, int8 calibration) reads at most this many row
+# groups
+SAMPLE_GROUPS = 32
 
 
 @dataclass(frozen=True)
 class Deal:
-    """How one rank reads the stream: its per-rank batch, its place in the world, the seed; and where the epoch
-    to read starts, (epoch, micro-batches already consumed), in a tensor in shared memory: the loader's
-    workers live across epochs, and read it anew at the start of each."""
+    """How one rank reads the stream: its per-rank batch, its place in the world, the seed; and
+    where the epoch to read starts, (epoch, micro-batches already consumed), in a tensor in shared
+    memory: the loader's workers live across epochs, and read it anew at the start of each."""
 
     batch: int
     rank: int
     world: int
     seed: int
-    where: torch.Tensor  # int64 [epoch, start]
+    # int64 [epoch, start]
+    where: torch.Tensor
 
     @property
     def micro_batch(self) -> int:
@@ -58,9 +63,10 @@ class Deal:
 
 
 class ShardedStream(IterableDataset):
-    """The training split of a sharded data set. Iterated alone it yields its samples `(inputs, target)` in
-    file order (what the data checks read); dealt (`dealt(...)`, what the training loader does) it yields this
-    rank's collated micro-batches of the epoch's shuffled order."""
+    """The training split of a sharded data set. Iterated alone it yields its samples
+    `(inputs, target)` in file order (what the data checks read); dealt (`dealt(...)`, what the
+    training loader does) it yields this rank's collated micro-batches of the epoch's shuffled
+    order."""
 
     def __init__(self, location: str, check: bool = True):
         self.manifest = opened(self, location, check)
@@ -97,8 +103,9 @@ class ShardedStream(IterableDataset):
             reader.close()
 
     def sample(self, count: int) -> list[tuple[Any, Any]]:
-        """About `count` samples spread over the split, read from at most SAMPLE_GROUPS row groups (the drift
-        reference and int8 calibration take them): bounded reads, the same samples every time."""
+        """About `count` samples spread over the split, read from at most SAMPLE_GROUPS row groups
+        (the drift reference and int8 calibration take them): bounded reads, the same samples every
+        time."""
         groups = [(s, g) for s, g, _ in self.manifest.row_groups]
         picked = [
             groups[round(i * (len(groups) - 1) / max(1, min(SAMPLE_GROUPS, len(groups)) - 1))]
@@ -125,8 +132,8 @@ class ShardedStream(IterableDataset):
 
 
 class ShardRows(Dataset):
-    """The validation split of a sharded data set, map-style: sample i in file order, read a row group at a
-    time (a loader in order reads each row group once)."""
+    """The validation split of a sharded data set, map-style: sample i in file order, read a row
+    group at a time (a loader in order reads each row group once)."""
 
     def __init__(self, location: str, check: bool = True):
         self.manifest = opened(self, location, check)
@@ -141,9 +148,8 @@ class ShardRows(Dataset):
             raise IndexError(f"sample {index} of a split of {len(self)}")
         index %= len(self)
         block = int(np.searchsorted(self._starts, index, side="right")) - 1
-        if (
-            self._cache is None or self._cache.pid != os.getpid()
-        ):  # a forked worker opens its own files
+        # a forked worker opens its own files
+        if self._cache is None or self._cache.pid != os.getpid():
             self._cache = _GroupCache(self.manifest)
         group = self._cache.get(*self.manifest.row_groups[block][:2])
         row = np.array([index - self._starts[block]])
@@ -151,18 +157,20 @@ class ShardRows(Dataset):
             shard_format.samples_of(shard_format.take(group, row), self.manifest.structure)
         )[1]
 
-    def __getstate__(self):  # a spawned worker process opens its own files
+    # a spawned worker process opens its own files
+    def __getstate__(self):
         return {**self.__dict__, "_cache": None}
 
     def source_images(self) -> list[tuple[int, str, bytes]]:
-        """(index, file suffix, file bytes) of the image files kept beside the shards (the data contract's,
-        pipeline/components/data.py): sample `id` of a validation split written in order is its index."""
+        """(index, file suffix, file bytes) of the image files kept beside the shards (the data
+        contract's, pipeline/components/data.py): sample `id` of a validation split written in order
+        is its index."""
         return shard_format.read_examples(self.manifest)
 
 
 def opened(split, location: str, check: bool) -> shard_format.Manifest:
-    """The manifest of the split at `location`, checked against the store when `check`; its class names given to
-    `split` (the data contract's `classes`)."""
+    """The manifest of the split at `location`, checked against the store when `check`; its class
+    names given to `split` (the data contract's `classes`)."""
     manifest = shard_format.read_manifest(location)
     if check:
         shard_format.check_against_store(manifest)
@@ -174,7 +182,8 @@ def opened(split, location: str, check: bool) -> shard_format.Manifest:
 
 
 def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
-    """The split's lineage, from the manifest alone: what `data.split_digest` gives for a sharded split."""
+    """The split's lineage, from the manifest alone: what `data.split_digest` gives for a sharded
+    split."""
     return {
         "sha256": manifest.digest,
         "samples": manifest.rows,
@@ -189,16 +198,19 @@ def identity_of(manifest: shard_format.Manifest) -> dict[str, Any]:
 
 @dataclass
 class EpochOrder:
-    """The epoch's blocks (shard, row group) in order, where each starts, and how to read positions."""
+    """The epoch's blocks (shard, row group) in order, where each starts, and how to read
+    positions."""
 
     manifest: shard_format.Manifest
     seed: int
     epoch: int
     blocks: list[tuple[int, int]]
-    starts: np.ndarray  # starts[i]: the epoch position of block i's first row; starts[-1] = N
+    # starts[i]: the epoch position of block i's first row; starts[-1] = N
+    starts: np.ndarray
 
     def takes(self, reader: "_GroupCache", first: int, stop: int) -> list[dict]:
-        """The rows at positions first..stop-1 of the epoch, one `take` per row group they lie in."""
+        """The rows at positions first..stop-1 of the epoch, one `take` per row group they lie
+        in."""
         out = []
         position = first
         while position < stop:
@@ -228,8 +240,8 @@ class EpochOrder:
     def read_batch(
         self, reader: "_GroupCache", first: int, stop: int, collate
     ) -> tuple[list[int], Any]:
-        """(ids, the collated batch) of positions first..stop-1: stacked column by column where the columns allow,
-        else sample by sample through `collate`."""
+        """(ids, the collated batch) of positions first..stop-1: stacked column by column where the
+        columns allow, else sample by sample through `collate`."""
         takes = self.takes(reader, first, stop)
         ids = [int(i) for taken in takes for i in taken["id"]]
         batch = shard_format.batch_of(takes, self.manifest.structure)
@@ -260,7 +272,8 @@ def row_order(seed: int, epoch: int, shard: int, group: int, rows: int) -> np.nd
 
 
 def _rng(*key: int) -> np.random.Generator:
-    """A generator of the key alone (numpy's PCG64 from a SeedSequence: the same numbers on every machine)."""
+    """A generator of the key alone (numpy's PCG64 from a SeedSequence: the same numbers on every
+    machine)."""
     return np.random.default_rng([int(k) for k in key])
 
 
@@ -286,7 +299,8 @@ class _GroupCache:
 
     def get(self, shard: int, group: int) -> dict:
         if self.key != (shard, group):
-            self.group, self.key = None, None  # the old one freed before the new one is decoded
+            # the old one freed before the new one is decoded
+            self.group, self.key = None, None
             self.group, self.key = self.reader.read_group(shard, group), (shard, group)
         return self.group
 
@@ -298,8 +312,9 @@ class _GroupCache:
 
 
 class StreamLoader:
-    """The training loader of a sharded stream: this rank's micro-batches of each epoch, through a DataLoader
-    with `workers` processes, and the position (epoch, samples consumed) that a checkpoint keeps."""
+    """The training loader of a sharded stream: this rank's micro-batches of each epoch, through a
+    DataLoader with `workers` processes, and the position (epoch, samples consumed) that a
+    checkpoint keeps."""
 
     def __init__(
         self,
@@ -314,9 +329,8 @@ class StreamLoader:
         self.stream, self.batch, self.rank, self.world, self.seed = stream, batch, rank, world, seed
         self.workers, self.pin_memory = workers, pin_memory
         self.epoch, self.position = 0, 0
-        self._where = torch.zeros(
-            2, dtype=torch.int64
-        ).share_memory_()  # what the workers read: Deal.where
+        # what the workers read: Deal.where
+        self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._loader = None
 
     @property
@@ -332,8 +346,9 @@ class StreamLoader:
             self.epoch, self.position = epoch, 0
 
     def __iter__(self):
-        # What a worker imports to read Parquet (pyarrow imports pandas as it reads a row group), imported here
-        # before the workers fork: each would otherwise import them itself before its first batch.
+        # What a worker imports to read Parquet (pyarrow imports pandas as it reads a row group),
+        # imported here before the workers fork: each would otherwise import them itself before its
+        # first batch.
         import pyarrow.parquet  # noqa: F401
         from torch.utils.data import DataLoader
 
@@ -343,12 +358,11 @@ class StreamLoader:
             pass
 
         self._where[0], self._where[1] = self.epoch, self.position // self.micro_batch
-        if (
-            self._loader is None
-        ):  # persistent workers: forked once, told where each epoch starts through _where
+        # persistent workers: forked once, told where each epoch starts through _where
+        if self._loader is None:
             deal = Deal(self.batch, self.rank, self.world, self.seed, self._where)
-            # Its own generator: the iterator's draw of a worker seed leaves training's stream alone (the
-            # workers draw nothing: the order is a function of the seed and the epoch).
+            # Its own generator: the iterator's draw of a worker seed leaves training's stream alone
+            # (the workers draw nothing: the order is a function of the seed and the epoch).
             self._loader = DataLoader(
                 self.stream.dealt(deal),
                 batch_size=None,
@@ -363,9 +377,8 @@ class StreamLoader:
                 ids, micro_batch = next(batches)
             except StopIteration:
                 return
-            except (
-                DataError
-            ) as exc:  # a shard named by a worker: its message, not torch's wrapper around it
+            except DataError as exc:
+                # a shard named by a worker: its message, not torch's wrapper around it
                 raise DataError(worker_message(exc)) from None
             record_samples(
                 {

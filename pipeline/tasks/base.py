@@ -1,5 +1,6 @@
-"""What every task shares: the outputs a model returns, named; targets of any structure; the sums and
-gathers that make validation metrics exact across ranks; a loss or metric component made callable.
+"""What every task shares: the outputs a model returns, named; targets of any structure; the sums
+and gathers that make validation metrics exact across ranks; a loss or metric component made
+callable.
 
 A model may return a tensor, a tuple or list of tensors, a dict of tensors, or a `ModelOutput`-like
 object (a mapping or a dataclass of tensors, as Hugging Face transformers returns). `OutputLayout`
@@ -37,7 +38,8 @@ TENSOR, SEQUENCE, MAPPING = "tensor", "sequence", "mapping"
 class OutputLayout:
     """How a model's return value is structured, and the name of each of its tensors."""
 
-    kind: str  # TENSOR, SEQUENCE or MAPPING
+    # TENSOR, SEQUENCE or MAPPING
+    kind: str
     names: tuple[str, ...]
 
     def flatten(self, output: Any) -> dict[str, torch.Tensor]:
@@ -50,9 +52,10 @@ class OutputLayout:
         return {name: fields[name] for name in self.names}
 
     def rebuild(self, named: Mapping[str, Any]) -> Any:
-        """The model's structure again from {name: value}: a tensor, a tuple, or for a mapping or dataclass
-        output `Fields`, which reads as both `outputs["logits"]` and `outputs.logits`, as a transformers
-        ModelOutput does: a loss written either way works in training and in evaluation alike."""
+        """The model's structure again from {name: value}: a tensor, a tuple, or for a mapping or
+        dataclass output `Fields`, which reads as both `outputs["logits"]` and `outputs.logits`, as
+        a transformers ModelOutput does: a loss written either way works in training and in
+        evaluation alike."""
         if self.kind == TENSOR:
             return named[self.names[0]]
         if self.kind == SEQUENCE:
@@ -115,7 +118,8 @@ def layout_of(output: Any, single_name: str, where: str) -> OutputLayout:
 
 
 def _mapping_of(output: Any) -> dict[str, Any]:
-    """The fields of a dict, a ModelOutput (an OrderedDict of its non-None fields) or a dataclass."""
+    """The fields of a dict, a ModelOutput (an OrderedDict of its non-None fields) or a
+    dataclass."""
     if isinstance(output, Mapping):
         return {k: v for k, v in output.items() if v is not None}
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
@@ -130,8 +134,8 @@ def _mapping_of(output: Any) -> dict[str, Any]:
 def pick_output(
     layout: OutputLayout, wanted: str, preferred: tuple[str, ...], task: str, where: str
 ) -> str:
-    """The output that carries the task's prediction: `task.output` when set, else the only one, else the
-    first of `preferred` the model returns (`logits` of a transformers classifier)."""
+    """The output that carries the task's prediction: `task.output` when set, else the only one,
+    else the first of `preferred` the model returns (`logits` of a transformers classifier)."""
     if wanted:
         if wanted not in layout.names:
             raise TaskError(
@@ -167,7 +171,8 @@ def shape_of(value: Any) -> str:
 
 
 def component_callable(section, arity: int, source: ArtifactSource | None) -> Callable:
-    """A loss or metric component: a class is instantiated with args; a function gets args on every call."""
+    """A loss or metric component: a class is instantiated with args; a function gets args on every
+    call."""
     key = section.KEY
     obj = resolve(key, section.component, source=source)
     if inspect.isclass(obj):
@@ -185,7 +190,8 @@ def component_callable(section, arity: int, source: ArtifactSource | None) -> Ca
             f"{key}: {section.component}{plain_signature(inspect.signature(obj))} can't be called as "
             f"(outputs, target, **args) with args {section.args}: {exc}"
         ) from None
-    except ValueError:  # no signature to check
+    except ValueError:
+        # no signature to check
         pass
     return functools.partial(obj, **section.args)
 
@@ -194,7 +200,8 @@ def component_callable(section, arity: int, source: ArtifactSource | None) -> Ca
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """`fn` on every tensor of a tensor, tuple/list or dict of them (a target as the data returns it)."""
+    """`fn` on every tensor of a tensor, tuple/list or dict of them (a target as the data returns
+    it)."""
     if torch.is_tensor(value):
         return fn(value)
     if isinstance(value, Mapping):
@@ -234,8 +241,8 @@ def reduce_sums(state: dict[str, Any], info) -> None:
 
 
 def gather_in_order(parts: list[Any], info) -> Any:
-    """This rank's rows (samples r, r+W, ... of the split) from every rank, back in the split's order; `parts`
-    are batches of a tensor or of a tuple/dict of tensors."""
+    """This rank's rows (samples r, r+W, ... of the split) from every rank, back in the split's
+    order; `parts` are batches of a tensor or of a tuple/dict of tensors."""
     mine = concat(parts) if parts else None
     if not info.distributed:
         return mine
@@ -268,23 +275,27 @@ def _interleave(shards: list[Any], like: Any, world: int) -> Any:
 
 
 class ModelOutputs:
-    """What a task learns from the probe's forward and keeps: the layout of the model's outputs, and the
-    one that carries its prediction. Mixed into every task; `single_name` names a lone tensor,
-    `preferred` is tried when several are returned and `task.output` is unset, `derived` are outputs the
-    task computes in the graph from the prediction (`derive`)."""
+    """What a task learns from the probe's forward and keeps: the layout of the model's outputs, and
+    the one that carries its prediction. Mixed into every task; `single_name` names a lone tensor,
+    `preferred` is tried when several are returned and `task.output` is unset, `derived` are outputs
+    the task computes in the graph from the prediction (`derive`)."""
 
     single_name = "output"
     preferred: tuple[str, ...] = ()
     derived: tuple[str, ...] = ()
-    decides = False  # the prediction's argmax over axis 1 is the answer (classes)
+    # the prediction's argmax over axis 1 is the answer (classes)
+    decides = False
     needs_prediction = True
-    wanted = ""  # task.output
-    _layout: OutputLayout | None = None  # learned by the probe, or recorded with the weights
+    # task.output
+    wanted = ""
+    # learned by the probe, or recorded with the weights
+    _layout: OutputLayout | None = None
     _prediction: str | None = None
 
     @property
     def layout(self) -> OutputLayout:
-        """Until a probe or the recorded facts say otherwise: a lone tensor (the built-in models' layout)."""
+        """Until a probe or the recorded facts say otherwise: a lone tensor (the built-in models'
+        layout)."""
         return self._layout or OutputLayout(TENSOR, (self.single_name,))
 
     @property
@@ -344,8 +355,8 @@ def suggest_num_classes(classes: list[str] | None) -> dict[str, Any]:
 
 
 def refuse_others_settings(task_cfg, own: tuple[str, ...] = ()) -> None:
-    """Settings of other tasks, refused by name: given to this one they would do nothing. `own`: the ones it
-    takes itself."""
+    """Settings of other tasks, refused by name: given to this one they would do nothing. `own`: the
+    ones it takes itself."""
     given = [
         k
         for k in ("metric", "metric_mode")

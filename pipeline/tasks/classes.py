@@ -1,18 +1,18 @@
-"""What the tasks that predict classes share: classification (a class per sample), segmentation (per pixel)
-and token classification (per token).
+"""What the tasks that predict classes share: classification (a class per sample), segmentation (per
+pixel) and token classification (per token).
 
-The model's prediction is logits with a score per class (its lone tensor, `task.output`, or `logits`, as a
-transformers model returns them); the loss is cross-entropy unless `task.loss` names another; validation
-sums a confusion matrix (exact across ranks: every rank adds its counts), drawn as the run's figure; the
-graph also returns `probabilities`, the softmax over the classes, laid out with the classes on axis 1:
-that is what `decision` means to the gates and to the server (its argmax over axis 1 is the answer), so
-a class per sample, per pixel and per token are decided, compared and scored the same way. The gates hold
-the primary metric (a fraction) within export.accuracy_tolerance_pp points; `num_classes` follows from
-the training set's `classes`.
+The model's prediction is logits with a score per class (its lone tensor, `task.output`, or
+`logits`, as a transformers model returns them); the loss is cross-entropy unless `task.loss` names
+another; validation sums a confusion matrix (exact across ranks: every rank adds its counts), drawn
+as the run's figure; the graph also returns `probabilities`, the softmax over the classes, laid out
+with the classes on axis 1: that is what `decision` means to the gates and to the server (its argmax
+over axis 1 is the answer), so a class per sample, per pixel and per token are decided, compared and
+scored the same way. The gates hold the primary metric (a fraction) within
+export.accuracy_tolerance_pp points; `num_classes` follows from the training set's `classes`.
 
-A subclass says what its target and logits look like (`check_target`, `check_output`), its settings from
-the config (`options`), what it counts on a validation batch (`update`, over `new_state`) and reports
-(`metrics`), and how one served answer reads (`describe`).
+A subclass says what its target and logits look like (`check_target`, `check_output`), its settings
+from the config (`options`), what it counts on a validation batch (`update`, over `new_state`) and
+reports (`metrics`), and how one served answer reads (`describe`).
 """
 
 from __future__ import annotations
@@ -35,19 +35,20 @@ from pipeline.tasks.base import (
     suggest_num_classes,
 )
 
-MAX_CONFUSION_PLOT = 50  # classes beyond which a confusion matrix is unreadable
+# classes beyond which a confusion matrix is unreadable
+MAX_CONFUSION_PLOT = 50
 
 
 class ClassTask(ModelOutputs):
     mode = "max"
-    probe_rows = 2  # validation samples a first forward checks the model on
+    # validation samples a first forward checks the model on
+    probe_rows = 2
     single_name, preferred, derived, decides = "logits", ("logits",), ("probabilities",), True
 
     def __init__(self, classes: list[str] | None, loss=None, num_classes: int | None = None):
         self.classes = classes
-        self.num_classes = (
-            len(classes) if classes else num_classes
-        )  # else learned by the probe, or recorded
+        # else learned by the probe, or recorded
+        self.num_classes = len(classes) if classes else num_classes
         self._loss = loss
 
     @classmethod
@@ -133,9 +134,10 @@ class ClassTask(ModelOutputs):
     # --- export ----------------------------------------------------------------------------------
 
     def gate_limits(self, export_cfg, variant: str = "fp32") -> dict[str, Any]:
-        """The primary metric within export.accuracy_tolerance_pp; for fp16, probabilities and decisions carry
-        the gate; for int8, decisions alone (logits move by whole quantization steps, so no element-wise limit:
-        atol is infinite) and the metric within export.int8_accuracy_tolerance_pp."""
+        """The primary metric within export.accuracy_tolerance_pp; for fp16, probabilities and
+        decisions carry the gate; for int8, decisions alone (logits move by whole quantization
+        steps, so no element-wise limit: atol is infinite) and the metric within
+        export.int8_accuracy_tolerance_pp."""
         if variant == "int8":
             return {
                 "atol": float("inf"),
@@ -158,8 +160,8 @@ class ClassTask(ModelOutputs):
         )
 
     def baseline(self, state: dict) -> dict[str, Any]:
-        """Always the most frequent class (per sample, pixel or token): its confusion matrix is the true counts in
-        one column, scored by this task's own metrics."""
+        """Always the most frequent class (per sample, pixel or token): its confusion matrix is the
+        true counts in one column, scored by this task's own metrics."""
         counts = state["confusion"].sum(1)
         majority = int(counts.argmax())
         trivial = torch.zeros_like(state["confusion"])
@@ -179,7 +181,8 @@ def check_index(value: int, classes: list[str] | None, where: str) -> None:
 
 
 def check_class_count(found: int, expected: int | None, where: str, per: str = "sample") -> int:
-    """The model's number of class scores, against the data's classes (None: the model says how many)."""
+    """The model's number of class scores, against the data's classes (None: the model says how
+    many)."""
     if expected is not None and found != expected:
         raise TaskError(
             f"{where}: the model returns {found} logits per {per} but the data has {expected} classes "

@@ -1,5 +1,5 @@
-"""classification: one class per sample. Cross-entropy; accuracy, top-k accuracy (k < classes), loss;
-a confusion matrix. The prediction is the model's lone tensor, `task.output`, or `logits` (a
+"""classification: one class per sample. Cross-entropy; accuracy, top-k accuracy (k < classes),
+loss; a confusion matrix. The prediction is the model's lone tensor, `task.output`, or `logits` (a
 transformers classifier's output as it is); the graph also returns `probabilities`, its softmax.
 What it shares with the other tasks that predict classes: classes.py."""
 
@@ -31,7 +31,8 @@ class Classification(ClassTask):
 
     @staticmethod
     def check_target(target: Any, classes: list[str] | None, where: str) -> None:
-        """An int64 class index (a 0-d torch.long tensor or an int) inside the training set's classes."""
+        """An int64 class index (a 0-d torch.long tensor or an int) inside the training set's
+        classes."""
         if isinstance(target, bool) or not (
             isinstance(target, int)
             or (torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 0)
@@ -43,7 +44,8 @@ class Classification(ClassTask):
         check_index(int(target), classes, where)
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
-        """After one forward on real samples: logits (batch, classes) that fit the data's classes."""
+        """After one forward on real samples: logits (batch, classes) that fit the data's
+        classes."""
         logits = self.learn_outputs(output, target, where)[self.prediction]
         rows = len(target)
         if logits.dim() != 2:
@@ -93,7 +95,8 @@ class Classification(ClassTask):
 
 
 def _fix(target: Any) -> str:
-    """What to change for a target that is not a class index: the task it fits, else how to make one."""
+    """What to change for a target that is not a class index: the task it fits, else how to make
+    one."""
     if torch.is_tensor(target) and target.is_floating_point():
         return "; for regression targets set task.name=regression"
     if torch.is_tensor(target) and not target.is_floating_point() and target.dim() == 1:

@@ -1,8 +1,9 @@
-"""custom: the user's `task.loss` and `task.metric`. Both receive the model's outputs and the targets as
-they are: a tensor, a tuple, or a dict (a ModelOutput reaches the loss as itself and the metric as a
-dict of its fields); a target may be a tensor or a dict/tuple of tensors. The metric returns a number
-or {name: number}, each logged as val/<name>; the first is the primary one (checkpoint.monitor can
-name another). The graph exports every output of the model (a lone tensor as `output`)."""
+"""custom: the user's `task.loss` and `task.metric`. Both receive the model's outputs and the
+targets as they are: a tensor, a tuple, or a dict (a ModelOutput reaches the loss as itself and the
+metric as a dict of its fields); a target may be a tensor or a dict/tuple of tensors. The metric
+returns a number or {name: number}, each logged as val/<name>; the first is the primary one
+(checkpoint.monitor can name another). The graph exports every output of the model (a lone tensor as
+`output`)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ from pipeline.tasks.base import (
 
 class Custom(ModelOutputs):
     name = "custom"
-    probe_rows = 16  # a metric may need more than a couple of samples (an AUC needs both classes)
+    # a metric may need more than a couple of samples (an AUC needs both classes)
+    probe_rows = 16
     single_name, needs_prediction = "output", False
 
     def __init__(self, loss, metric, mode: str, metric_name: str):
         self._loss, self._metric = loss, metric
         self.mode = mode
-        self.primary = metric_name  # until the metric returns a dict: then its first key
+        # until the metric returns a dict: then its first key
+        self.primary = metric_name
 
     @classmethod
     def from_config(cls, task_cfg, classes, source, recorded: dict) -> "Custom":
@@ -89,7 +92,8 @@ class Custom(ModelOutputs):
             raise TaskError(
                 f"{where}: task.loss must return a scalar tensor, got {shape_of(value)}"
             )
-        try:  # as evaluation and the export gates will call it: on outputs rebuilt from their names
+        # as evaluation and the export gates will call it: on outputs rebuilt from their names
+        try:
             self._loss(self.layout.rebuild(_float32(named)), target)
         except Exception as exc:
             raise TaskError(
@@ -102,7 +106,8 @@ class Custom(ModelOutputs):
         return self._loss(output, target)
 
     def check_metric(self, output: Any, target: Any, where: str) -> None:
-        """The metric runs on the probe's outputs and gives numbers; its first name becomes the primary."""
+        """The metric runs on the probe's outputs and gives numbers; its first name becomes the
+        primary."""
         named = _float32(self.named(output))
         self._named(self._call_metric(self.layout.rebuild(named), target, where), where)
 

@@ -1,6 +1,6 @@
-"""regression: real values per sample. Mean squared error; RMSE, MAE, R2 (averaged over target columns),
-loss; a predicted-vs-actual plot. The prediction is the model's lone tensor (exported as `prediction`)
-or the output `task.output` names."""
+"""regression: real values per sample. Mean squared error; RMSE, MAE, R2 (averaged over target
+columns), loss; a predicted-vs-actual plot. The prediction is the model's lone tensor (exported as
+`prediction`) or the output `task.output` names."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from pipeline.tasks.base import (
     shape_of,
 )
 
-PLOT_POINTS = 2000  # predicted-vs-actual points kept for the plot, over all ranks
+# predicted-vs-actual points kept for the plot, over all ranks
+PLOT_POINTS = 2000
 
 
 class Regression(ModelOutputs):
@@ -37,9 +38,8 @@ class Regression(ModelOutputs):
 
     def __init__(self, loss=None, columns: int | None = None):
         self._loss = loss
-        self.columns = (
-            columns  # target values per sample: learned from the data by the probe, or recorded
-        )
+        # target values per sample: learned from the data by the probe, or recorded
+        self.columns = columns
 
     @classmethod
     def from_config(cls, task_cfg, classes, source, recorded: dict) -> "Regression":
@@ -155,7 +155,8 @@ class Regression(ModelOutputs):
     def metrics(self, state: dict) -> dict[str, float]:
         n = state["n"].item()
         sse, sy, syy = state["sse"], state["sy"], state["syy"]
-        total = syy - sy * sy / n  # sum of squares about the mean, per column
+        # sum of squares about the mean, per column
+        total = syy - sy * sy / n
         r2 = torch.where(total > 0, 1 - sse / total.clamp_min(1e-300), torch.zeros_like(total))
         return {
             "rmse": math.sqrt(sse.sum().item() / (n * len(sse))),
@@ -184,12 +185,11 @@ class Regression(ModelOutputs):
         )
 
     def baseline(self, state: dict) -> dict[str, Any] | None:
-        """Always the split's mean: its squared error is the targets' sum of squares about their mean; None for
-        targets that do not vary (nothing beats the mean there)."""
+        """Always the split's mean: its squared error is the targets' sum of squares about their
+        mean; None for targets that do not vary (nothing beats the mean there)."""
         n = state["n"]
-        about_mean = (state["syy"] - state["sy"] * state["sy"] / n).clamp_min(
-            0
-        )  # (rounding: never below 0)
+        # (rounding: never below 0)
+        about_mean = (state["syy"] - state["sy"] * state["sy"] / n).clamp_min(0)
         if not bool((about_mean > 1e-12 * state["syy"].abs().clamp_min(1e-300)).any()):
             return None
         return {
@@ -205,7 +205,8 @@ class Regression(ModelOutputs):
 
 
 def _aligned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The prediction in the target's shape: (batch, 1) outputs for (batch,) targets are squeezed."""
+    """The prediction in the target's shape: (batch, 1) outputs for (batch,) targets are
+    squeezed."""
     if output.shape == target.shape:
         return output
     if target.dim() == 1 and output.dim() == 2 and output.shape == (len(target), 1):

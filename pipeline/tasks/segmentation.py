@@ -1,9 +1,9 @@
 """segmentation: one class per pixel. The model returns N x C x H x W logits (its lone tensor,
 `task.output`, or `logits`), the data N x H x W int64 class indices (H x W per sample). Per-pixel
 cross-entropy; mean IoU (over the classes present in the target or the prediction), pixel accuracy,
-loss; a per-pixel confusion matrix. The graph also returns per-pixel `probabilities` (softmax over C),
-and the gates count agreement of the per-pixel argmax, not of a flattened one. What it shares with the
-other tasks that predict classes: classes.py."""
+loss; a per-pixel confusion matrix. The graph also returns per-pixel `probabilities` (softmax over
+C), and the gates count agreement of the per-pixel argmax, not of a flattened one. What it shares
+with the other tasks that predict classes: classes.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
 """token_classification: one class per token. The model returns N x L x C logits (its lone tensor,
-`task.output`, or `logits`: a transformers `...ForTokenClassification` as it is), the data N x L int64
-class indices (L per sample), the positions to leave out (padding, a word's later sub-tokens) marked with
-`task.ignore_index` (-100, as Hugging Face labels them). Cross-entropy over the tokens kept; macro F1 (the
-mean, over the classes present in the targets or the predictions, of 2 TP / (2 TP + FP + FN)), per-token
-accuracy and loss, all over the tokens kept; a per-token confusion matrix. Macro F1 is the primary metric:
-accuracy is mostly the most frequent tag's.
+`task.output`, or `logits`: a transformers `...ForTokenClassification` as it is), the data N x L
+int64 class indices (L per sample), the positions to leave out (padding, a word's later sub-tokens)
+marked with `task.ignore_index` (-100, as Hugging Face labels them). Cross-entropy over the tokens
+kept; macro F1 (the mean, over the classes present in the targets or the predictions, of 2 TP / (2
+TP + FP + FN)), per-token accuracy and loss, all over the tokens kept; a per-token confusion matrix.
+Macro F1 is the primary metric: accuracy is mostly the most frequent tag's.
 
-The graph also returns `probabilities`, N x C x L: the classes on axis 1, as every task that predicts
-classes lays them out (classes.py), so the gates count agreement of the per-token argmax and the server's
-shadow compares and scores a class per token. The logits stay as the model returns them, N x L x C."""
+The graph also returns `probabilities`, N x C x L: the classes on axis 1, as every task that
+predicts classes lays them out (classes.py), so the gates count agreement of the per-token argmax
+and the server's shadow compares and scores a class per token. The logits stay as the model returns
+them, N x L x C."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from pipeline.components.data import DataError
 from pipeline.tasks.base import TaskError, describe_value, refuse_others_settings, shape_of
 from pipeline.tasks.classes import ClassTask, add_confusion, check_class_count
 
-IGNORE_INDEX = (
-    -100
-)  # torch's cross-entropy default, and what Hugging Face tokenizers' alignments write
+# torch's cross-entropy default, and what Hugging Face tokenizers' alignments write
+IGNORE_INDEX = -100
 
 
 class TokenClassification(ClassTask):
@@ -58,8 +58,8 @@ class TokenClassification(ClassTask):
 
     @staticmethod
     def check_target(target: Any, classes: list[str] | None, where: str) -> None:
-        """A 1-d int64 tensor, one class index per token inside the training set's classes, or negative: left
-        out (which negative value task.ignore_index is, the probe checks)."""
+        """A 1-d int64 tensor, one class index per token inside the training set's classes, or
+        negative: left out (which negative value task.ignore_index is, the probe checks)."""
         if not (torch.is_tensor(target) and target.dtype == torch.int64 and target.dim() == 1):
             one = isinstance(target, int) or (torch.is_tensor(target) and target.dim() == 0)
             raise DataError(
@@ -79,8 +79,8 @@ class TokenClassification(ClassTask):
         return {**super().facts(), "ignore_index": self.ignore_index}
 
     def check_output(self, output: Any, target: torch.Tensor, where: str) -> None:
-        """After one forward on real samples: logits (batch, length, classes) for targets (batch, length), and
-        targets that are class indices of the model or the ignore index."""
+        """After one forward on real samples: logits (batch, length, classes) for targets (batch,
+        length), and targets that are class indices of the model or the ignore index."""
         logits = self.learn_outputs(output, target, where)[self.prediction]
         if logits.dim() != 3 or logits.shape[:2] != target.shape:
             hint = ""
@@ -108,7 +108,8 @@ class TokenClassification(ClassTask):
             )
 
     def class_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """task.loss when given, else the mean cross-entropy over the tokens kept (0, not NaN, when none is)."""
+        """task.loss when given, else the mean cross-entropy over the tokens kept (0, not NaN, when
+        none is)."""
         if self._loss:
             return self._loss(logits, target)
         total = F.cross_entropy(
@@ -118,7 +119,8 @@ class TokenClassification(ClassTask):
 
     @property
     def decision(self) -> str:
-        """The output whose argmax over axis 1 is the answer: `probabilities`, not the logits (classes last)."""
+        """The output whose argmax over axis 1 is the answer: `probabilities`, not the logits
+        (classes last)."""
         return "probabilities"
 
     def derive(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,9 +137,8 @@ class TokenClassification(ClassTask):
     def metrics(self, state: dict) -> dict[str, float]:
         confusion = state["confusion"]
         hits = confusion.diagonal()
-        counted = confusion.sum(0) + confusion.sum(
-            1
-        )  # predicted + actual, per class: 2 TP + FP + FN
+        # predicted + actual, per class: 2 TP + FP + FN
+        counted = confusion.sum(0) + confusion.sum(1)
         present = counted > 0
         tokens = max(confusion.sum().item(), 1.0)
         return {

@@ -10,8 +10,9 @@ log = logging.getLogger(__name__)
 
 
 def inject_fault(where: str, step: int, info=None) -> None:
-    """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank>[:TERM] makes that rank die by
-    SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point, on the first attempt only."""
+    """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank>[:TERM] makes that rank
+    die by SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point, on the first
+    attempt only."""
     fault = os.environ.get("TRAINSERVE_FAULT", "")
     if not fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
@@ -24,12 +25,13 @@ def inject_fault(where: str, step: int, info=None) -> None:
 
 
 def record_samples(record: dict) -> None:
-    """Test hook for the data-order proofs: TRAINSERVE_SAMPLE_LOG=<file> makes each rank append one JSON line
-    per micro-batch it trains on (its epoch, index, rank and sample ids), so a test counts the ids a run,
-    and a resume at another world size, actually trained on."""
+    """Test hook for the data-order proofs: TRAINSERVE_SAMPLE_LOG=<file> makes each rank append one
+    JSON line per micro-batch it trains on (its epoch, index, rank and sample ids), so a test counts
+    the ids a run, and a resume at another world size, actually trained on."""
     path = os.environ.get("TRAINSERVE_SAMPLE_LOG")
     if path:
         import json
 
-        with open(path, "a") as f:  # one short line a write: O_APPEND keeps the ranks' lines whole
+        # one short line a write: O_APPEND keeps the ranks' lines whole
+        with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -1,11 +1,11 @@
-"""Small state files (mlflow_run.json, config.yaml, export_report.json): written atomically, read with
-an error that names the file.
+"""Small state files (mlflow_run.json, config.yaml, export_report.json): written atomically, read
+with an error that names the file.
 
 `Path.write_text` truncates first: a full disk or a crash mid-write leaves an empty file, and every
 later command died on it with a JSONDecodeError traceback. Here the new content goes to a temporary
-file beside it, is fsynced, and replaces the old one by rename: a reader sees the old file or the new
-one, never a part. On an object store (a run directory at s3://...) one PUT does the same: the object
-appears whole or not at all.
+file beside it, is fsynced, and replaces the old one by rename: a reader sees the old file or the
+new one, never a part. On an object store (a run directory at s3://...) one PUT does the same: the
+object appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from typing import Any
 
 
 class StateFileError(RuntimeError):
-    """A state file is missing, damaged or not what it should be; the message names it and the fix."""
+    """A state file is missing, damaged or not what it should be; the message names it and the
+    fix."""
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """`path`: a local path, or a location on an object store (object_store.StoreUrl, whose write_text is one
-    atomic PUT)."""
+    """`path`: a local path, or a location on an object store (object_store.StoreUrl, whose
+    write_text is one atomic PUT)."""
     if not isinstance(path, Path) and hasattr(path, "write_text"):
         path.write_text(text)
         return
@@ -44,7 +45,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def _local(path) -> Path:
-    if "://" in str(path):  # a URL as a plain string would become a local file named "s3:/..."
+    # a URL as a plain string would become a local file named "s3:/..."
+    if "://" in str(path):
         raise TypeError(
             f"{path}: a location on an object store is an object_store.StoreUrl (object_store.location)"
         )
@@ -56,8 +58,8 @@ def write_json(path: Path, payload: Any) -> None:
 
 
 def read_json(path: Path, fix: str = "") -> Any:
-    """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it). `path`: a local path,
-    or a location on an object store (object_store.StoreUrl)."""
+    """The file's JSON, or StateFileError naming the file (and `fix`, what to do about it). `path`:
+    a local path, or a location on an object store (object_store.StoreUrl)."""
     path = path if hasattr(path, "read_text") else _local(path)
     try:
         return json.loads(path.read_text())

@@ -1,6 +1,7 @@
 """Logging for every stage: one line per event, rank-prefixed in training, libraries quiet.
 
-The set-up itself is serving/console.py's, shared with the server (which imports nothing from here)."""
+The set-up itself is serving/console.py's, shared with the server (which imports nothing from
+here)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ __all__ = ["clip", "configure", "first_line"]
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception as one line for a message: its text's first line, whole (a refusal's fix is at its
-    end), else its type."""
+    """An exception as one line for a message: its text's first line, whole (a refusal's fix is at
+    its end), else its type."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

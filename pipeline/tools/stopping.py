@@ -4,7 +4,8 @@ torchrun stops the surviving ranks with SIGTERM when one dies; preemption and `d
 same. The train stage turns the signal into `SystemExit` so its failure path marks the MLflow run
 FAILED. An exception raised at an arbitrary bytecode is dangerous inside MLflow, though: landing in
 a SQLAlchemy transaction it left the SQLite store locked, the FAILED status could not be written,
-and the run stayed RUNNING (a red CI run). So inside `deferred()` the exit waits for the block to end.
+and the run stayed RUNNING (a red CI run). So inside `deferred()` the exit waits for the block to
+end.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import signal
 import sys
 import threading
 
-_depth = 0  # how many deferred() blocks the main thread is in
-_pending: int | None = None  # a signal that arrived inside one
+# how many deferred() blocks the main thread is in
+_depth = 0
+# a signal that arrived inside one
+_pending: int | None = None
 
 
 def exit_on_sigterm():
@@ -26,7 +29,8 @@ def exit_on_sigterm():
 
 def _on_sigterm(signum, _frame) -> None:
     global _pending
-    # One exit is enough: a second SIGTERM must not cut short the failure path the first one started.
+    # One exit is enough: a second SIGTERM must not cut short the failure path the first one
+    # started.
     ignore_sigterm()
     if _depth:
         _pending = signum

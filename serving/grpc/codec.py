@@ -5,20 +5,21 @@ The gRPC twin of serving/codec.py's decode_v2/encode_v2, as strict and built on 
 field and what it should be; nothing else is raised, whatever the message holds.
 
 An input's data comes one of two ways, never both:
-- `raw_input_contents`: one blob per input, for every input or for none, in the order of
-  `inputs`; little-endian, exactly count * itemsize bytes (BYTES: each element's 4-byte length, then its
-  bytes). What tritonclient sends, and the only way for FP16 (the protocol has no typed field for it).
+- `raw_input_contents`: one blob per input, for every input or for none, in the order of `inputs`;
+  little-endian, exactly count * itemsize bytes (BYTES: each element's 4-byte length, then its
+  bytes). What tritonclient sends, and the only way for FP16 (the protocol has no typed field for
+  it).
 - the input's `contents`, in the one field of its datatype (FP32 -> fp32_contents, INT8/16/32 ->
-  int_contents, BYTES -> bytes_contents, ...), as many values as the shape has elements, in range of the
-  datatype.
+  int_contents, BYTES -> bytes_contents, ...), as many values as the shape has elements, in range of
+  the datatype.
 
 The answer always carries outputs as `raw_output_contents`, in the order of `outputs`: what Triton
-does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position); BYTES ones
-serialized as their input is.
-Inputs and outputs may be placed in shared memory (parameters shared_memory_region, _byte_size, _offset: the
-V2 shared-memory extensions, serving/shm.py); raw_input_contents then carries the other inputs only, in order.
-An output's `classification` parameter (int64_param K > 0) asks for its top-K classes (serving/classification.py);
-the other client parameters (binary_data, request-level priority, timeout, ...) are ignored.
+does, and what tritonclient's InferResult.as_numpy reads (it pairs the two lists by position); BYTES
+ones serialized as their input is. Inputs and outputs may be placed in shared memory (parameters
+shared_memory_region, _byte_size, _offset: the V2 shared-memory extensions, serving/shm.py);
+raw_input_contents then carries the other inputs only, in order. An output's `classification`
+parameter (int64_param K > 0) asks for its top-K classes (serving/classification.py); the other
+client parameters (binary_data, request-level priority, timeout, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ from serving.grpc.schema import (
 )
 from serving.staging import NonFinite
 
-MAX_RANK = 32  # as over HTTP
-# Fields a ModelInferRequest may hold at its top level and inside its inputs and outputs together: a real
-# request has a handful per model input and output. Counted on the wire before any message is built,
-# because an empty repeated entry costs far more in memory than on the wire (docs/benchmarks.md#servinggrpccodecpy).
+# as over HTTP
+MAX_RANK = 32
+# Fields a ModelInferRequest may hold at its top level and inside its inputs and outputs together: a
+# real request has a handful per model input and output. Counted on the wire before any message is
+# built, because an empty repeated entry costs far more in memory than on the wire
+# (docs/benchmarks.md#servinggrpccodecpy).
 MAX_FIELDS = 4096
-# ModelInferRequest's fields worth counting inside: inputs (5) and outputs (6). Their own fields are counted
-# but not descended into (contents' packed numbers are one field each).
+# ModelInferRequest's fields worth counting inside: inputs (5) and outputs (6). Their own fields are
+# counted but not descended into (contents' packed numbers are one field each).
 _NESTED_COUNTED = (5, 6)
 
 # V2 datatype -> the InferTensorContents field that carries it typed, and that field's own
@@ -87,9 +90,10 @@ _CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
 
 
 def check_field_count(data: bytes, limit: int = MAX_FIELDS) -> None:
-    """Refuse a ModelInferRequest of more than `limit` fields (top level, inputs and outputs together)
-    before it is parsed. Reads only tags and lengths, and stops at the limit: a few thousand steps at most,
-    whatever the message holds. Malformed wire data is left for the parser to refuse."""
+    """Refuse a ModelInferRequest of more than `limit` fields (top level, inputs and outputs
+    together) before it is parsed. Reads only tags and lengths, and stops at the limit: a few
+    thousand steps at most, whatever the message holds. Malformed wire data is left for the parser
+    to refuse."""
     count = 0
     stack = [(0, len(data), True)]
     while stack:
@@ -120,7 +124,8 @@ def check_field_count(data: bytes, limit: int = MAX_FIELDS) -> None:
                     stack.append((pos, min(pos + length, end), False))
                 pos += length
             else:
-                return  # groups and invalid wire types: the parser's to refuse
+                # groups and invalid wire types: the parser's to refuse
+                return
             if pos is None:
                 return
 
@@ -146,12 +151,12 @@ def decode_infer(
     raw=None,
     place=None,
 ) -> V2Request:
-    """The request's inputs as arrays of the model's dtypes, checked against `inputs` and
-    `limits`; its requested outputs (all of the model's when none are named). `shared(ref, spec, count, into)`
-    reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they came apart
-    from the message (the native engine keeps them, and copies each once: `copy_into`, NaN/Inf checked on the way);
-    then `place(rows)` may give the rows of a batch buffer to copy them, and inputs in shared memory, straight
-    into (serving/batcher.py)."""
+    """The request's inputs as arrays of the model's dtypes, checked against `inputs` and `limits`;
+    its requested outputs (all of the model's when none are named). `shared(ref, spec, count, into)`
+    reads an input placed in shared memory (serving/shm.py). `raw`: the raw_input_contents when they
+    came apart from the message (the native engine keeps them, and copies each once: `copy_into`,
+    NaN/Inf checked on the way); then `place(rows)` may give the rows of a batch buffer to copy
+    them, and inputs in shared memory, straight into (serving/batcher.py)."""
     given = request.inputs
     if not given:
         check_all_given(inputs, [], request.model_name)
@@ -161,7 +166,8 @@ def decode_infer(
         )
     raw = request.raw_input_contents if raw is None else raw
     refs = [shm_ref(_plain(item.parameters), f"input '{item.name[:80]}'") for item in given]
-    carried = sum(ref is None for ref in refs)  # inputs whose data is in the message
+    # inputs whose data is in the message
+    carried = sum(ref is None for ref in refs)
     if raw and len(raw) != carried:
         raise BadRequest(
             f"the request has {len(raw)} raw_input_contents for {carried} "
@@ -169,7 +175,8 @@ def decode_infer(
             "inputs, or for none (typed contents)"
         )
     by_name = {s.name: s for s in inputs}
-    declared: dict[str, tuple] = {}  # name -> (spec, shape, count, ref, raw index or None, item)
+    # name -> (spec, shape, count, ref, raw index or None, item)
+    declared: dict[str, tuple] = {}
     index = 0
     for item, ref in zip(given, refs):
         spec = by_name.get(item.name)
@@ -238,9 +245,9 @@ def decode_infer(
 
 
 def _placed(declared: dict, inputs: list[TensorSpec], raw, place) -> dict | None:
-    """The batch buffer rows every input can be copied straight into: only for raw contents the native engine kept
-    (bytes the message parser made are copied once already) and inputs in shared memory (read into them), every
-    model input one of those, all of one row count."""
+    """The batch buffer rows every input can be copied straight into: only for raw contents the
+    native engine kept (bytes the message parser made are copied once already) and inputs in shared
+    memory (read into them), every model input one of those, all of one row count."""
     if place is None or len(declared) != len(given_inputs(inputs, declared)):
         return None
     # (BYTES elements have no fixed size: no rows of a buffer to go into)
@@ -281,9 +288,10 @@ def _checked_shape(item: ModelInferRequest.InferInputTensor, spec: TensorSpec) -
 def _raw_tensor(
     blob, index: int, spec: TensorSpec, count: int, destination: np.ndarray | None = None
 ) -> np.ndarray:
-    """raw_input_contents[index] as `spec`'s dtype: bytes the message parser made, read in place (read-only, like
-    the HTTP path's binary data); or contents the native engine kept, copied once into `destination` (or an array
-    of their own) with the NaN/Inf check on the way. BYTES: its serialized elements, read one by one."""
+    """raw_input_contents[index] as `spec`'s dtype: bytes the message parser made, read in place
+    (read-only, like the HTTP path's binary data); or contents the native engine kept, copied once
+    into `destination` (or an array of their own) with the NaN/Inf check on the way. BYTES: its
+    serialized elements, read one by one."""
     if is_bytes(spec):
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             data = np.empty(len(blob), dtype=np.uint8)
@@ -298,7 +306,8 @@ def _raw_tensor(
             raise BadRequest(str(NonFinite(spec.name)))
     if spec.dtype == np.bool_ and array.view(np.uint8).max(initial=0) > 1:
         raise BadRequest(f"input '{spec.name}': BOOL raw data must be bytes 0 or 1")
-    return array.astype(spec.dtype, copy=False)  # a no-op on little-endian machines
+    # a no-op on little-endian machines
+    return array.astype(spec.dtype, copy=False)
 
 
 def _typed_tensor(
@@ -363,9 +372,10 @@ def _reshaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
 def _requested_outputs(
     requested: Iterable[ModelInferRequest.InferRequestedOutputTensor], output_names: list[str]
 ) -> tuple[list[tuple[str, bool]], dict, dict[str, int]]:
-    """(name, True) per requested output in the order asked, or every output when none are
-    (the answer always carries raw data, so Triton's binary_data has nothing to choose); those to be written to
-    shared memory instead, {name: Ref}; and those asked for as their top K classes, {name: K}."""
+    """(name, True) per requested output in the order asked, or every output when none are (the
+    answer always carries raw data, so Triton's binary_data has nothing to choose); those to be
+    written to shared memory instead, {name: Ref}; and those asked for as their top K classes,
+    {name: K}."""
     if not requested:
         return [(name, True) for name in output_names], {}, {}
     outputs: list[tuple[str, bool]] = []
@@ -418,9 +428,8 @@ def encode_infer(
         tensor = response.outputs.add(
             name=name, datatype=datatype_of(array, datatypes[name]), shape=list(array.shape)
         )
-        if (
-            placed and name in placed
-        ):  # written to shared memory: where, and an empty place among the raw contents
+        # written to shared memory: where, and an empty place among the raw contents
+        if placed and name in placed:
             for key, value in placed[name].items():
                 if isinstance(value, str):
                     tensor.parameters[key].string_param = value

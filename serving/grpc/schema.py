@@ -12,10 +12,11 @@ protoc's `*_pb2.py`:
   use tritonclient as the reference client). The wire format depends only on field numbers and
   types, so their messages and ours read each other's bytes.
 
-Fields and numbers are KServe's `grpc_predict_v2.proto`, with what Triton's `grpc_service.proto` adds that
-this server answers: `double_param`/`uint64_param` in InferParameter, the ModelStreamInfer stream, the six
-shared-memory RPCs, ModelConfig (the part of its model_config.proto this server fills in), the repository
-RPCs (RepositoryIndex, RepositoryModelLoad/Unload) and ModelStatistics, as Triton numbers them. proto3: repeated scalars are packed, as both of theirs are.
+Fields and numbers are KServe's `grpc_predict_v2.proto`, with what Triton's `grpc_service.proto`
+adds that this server answers: `double_param`/`uint64_param` in InferParameter, the ModelStreamInfer
+stream, the six shared-memory RPCs, ModelConfig (the part of its model_config.proto this server
+fills in), the repository RPCs (RepositoryIndex, RepositoryModelLoad/Unload) and ModelStatistics, as
+Triton numbers them. proto3: repeated scalars are packed, as both of theirs are.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
         "map<string,InferParameter> parameters = 4",
         "InferTensorContents contents = 5",
     ),
-    # Triton's streaming answer (its grpc_service.proto; not in KServe's minimal proto): one per request
-    # on a ModelStreamInfer stream, the answer or why there is none.
+    # Triton's streaming answer (its grpc_service.proto; not in KServe's minimal proto): one per
+    # request on a ModelStreamInfer stream, the answer or why there is none.
     "ModelStreamInferResponse": (
         "string error_message = 1",
         "ModelInferResponse infer_response = 2",
@@ -142,7 +143,8 @@ _MESSAGES: dict[str, tuple[str, ...]] = {
     "CudaSharedMemoryRegisterResponse": (),
     "CudaSharedMemoryUnregisterRequest": ("string name = 1",),
     "CudaSharedMemoryUnregisterResponse": (),
-    # Triton's model configuration (its model_config.proto), the part this server fills in (ModelConfig RPC).
+    # Triton's model configuration (its model_config.proto), the part this server fills in
+    # (ModelConfig RPC).
     "ModelConfigRequest": ("string name = 1", "string version = 2"),
     "ModelConfigResponse": ("ModelConfig config = 1",),
     "ModelConfig": (
@@ -287,7 +289,8 @@ _RPCS = (
     "CudaSharedMemoryRegister",
     "CudaSharedMemoryUnregister",
 )
-# Triton's bidirectional stream, RPC -> (request message, response message): as in its grpc_service.proto.
+# Triton's bidirectional stream, RPC -> (request message, response message): as in its
+# grpc_service.proto.
 _STREAMS = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 
 _F = descriptor_pb2.FieldDescriptorProto
@@ -390,7 +393,8 @@ def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
-POOL = descriptor_pool.DescriptorPool()  # ours alone: see the module docstring
+# ours alone: see the module docstring
+POOL = descriptor_pool.DescriptorPool()
 FILE = POOL.AddSerializedFile(file_descriptor_proto().SerializeToString())
 
 

@@ -1,32 +1,35 @@
-"""KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, a front end of the server's core.
+"""KServe V2 over gRPC: the protocol's GRPCInferenceService on a second port, a front end of the
+server's core.
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, and the extensions HTTP has:
-ModelConfig, RepositoryIndex, RepositoryModelLoad/Unload, ModelStatistics (each serving/extensions.py's one
-operation, its JSON answer carried as Triton's message of the same field names) and the six shared-memory
-RPCs, in the same event loop as the HTTP server. The handlers below take bytes and give bytes; what carries them is grpc's C++ server
-(serving/grpc/native.py, `--grpc-engine native`, the default where it is built) or grpc.aio, and start_grpc picks
-one. A ModelInfer request becomes a call of the core's one inference path
-(serving/core.py: version, receipt, decode with serving/grpc/codec.py, infer on the same batcher as HTTP,
-payload log, shadow), so the protocols share batches, limits, metrics and the payload log. An unmodified
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, and the
+extensions HTTP has: ModelConfig, RepositoryIndex, RepositoryModelLoad/Unload, ModelStatistics (each
+serving/extensions.py's one operation, its JSON answer carried as Triton's message of the same field
+names) and the six shared-memory RPCs, in the same event loop as the HTTP server. The handlers below
+take bytes and give bytes; what carries them is grpc's C++ server (serving/grpc/native.py,
+`--grpc-engine native`, the default where it is built) or grpc.aio, and start_grpc picks one. A
+ModelInfer request becomes a call of the core's one inference path (serving/core.py: version,
+receipt, decode with serving/grpc/codec.py, infer on the same batcher as HTTP, payload log, shadow),
+so the protocols share batches, limits, metrics and the payload log. An unmodified
 `tritonclient.grpc` client works.
 
 As over HTTP: the bearer token (metadata `authorization: Bearer <token>`) on all but ServerLive and
-ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
-RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the receipt (x-request-id,
-x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256, x-model-onnx-sha256) comes back as
-initial metadata, and the response's `id` echoes the request's.
+ServerReady; every client mistake is a 4xx-like status (INVALID_ARGUMENT, NOT_FOUND,
+UNAUTHENTICATED, RESOURCE_EXHAUSTED for a message over --max-body-bytes), never INTERNAL; the
+receipt (x-request-id, x-model-name, x-model-version, x-model-run-id, x-model-weights-sha256,
+x-model-onnx-sha256) comes back as initial metadata, and the response's `id` echoes the request's.
 
-ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_stream/async_stream_infer,
-perf_analyzer --streaming): many ModelInferRequests on one call, each through the same inference path,
-answered in the order they came, each as a ModelStreamInferResponse holding the answer or an
-`error_message` ("<STATUS>: why"); a refused request does not end the stream (a message over
---max-body-bytes does: grpc's limit holds for the whole call, before a handler sees it). Why it is there: on
-grpc.aio a unary call costs about four event-loop turns and twenty system calls on the loop thread (accept the
-call, read its message, send the receipt, send the answer and status, learn it closed), a request on a stream
-one read and one write: for a tiny model half the server CPU. On the native engine both cost less than a binary
-HTTP request, the stream least (README, "Benchmarks"). The token is checked once, from the stream's metadata; per-message metadata does not exist
-in gRPC, so each answer carries its receipt in `infer_response.parameters` (the same keys and values as the
-unary call's initial metadata).
+ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's
+start_stream/async_stream_infer, perf_analyzer --streaming): many ModelInferRequests on one call,
+each through the same inference path, answered in the order they came, each as a
+ModelStreamInferResponse holding the answer or an `error_message` ("<STATUS>: why"); a refused
+request does not end the stream (a message over --max-body-bytes does: grpc's limit holds for the
+whole call, before a handler sees it). Why it is there: on grpc.aio a unary call costs about four
+event-loop turns and twenty system calls on the loop thread (accept the call, read its message, send
+the receipt, send the answer and status, learn it closed), a request on a stream one read and one
+write: for a tiny model half the server CPU. On the native engine both cost less than a binary HTTP
+request, the stream least (README, "Benchmarks"). The token is checked once, from the stream's
+metadata; per-message metadata does not exist in gRPC, so each answer carries its receipt in
+`infer_response.parameters` (the same keys and values as the unary call's initial metadata).
 """
 
 from __future__ import annotations
@@ -64,20 +67,25 @@ STATUS_CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-OPEN = {"ServerLive", "ServerReady"}  # health checks: no token, as over HTTP
-# Parsed in a thread above this, two at a time: a message of typed contents (a list of numbers per value) is
-# slow to parse; raw bytes cost only a copy, less than a hop to a thread and back (docs/benchmarks.md#servinggrpcservicepy).
+# health checks: no token, as over HTTP
+OPEN = {"ServerLive", "ServerReady"}
+# Parsed in a thread above this, two at a time: a message of typed contents (a list of numbers per
+# value) is slow to parse; raw bytes cost only a copy, less than a hop to a thread and back
+# (docs/benchmarks.md#servinggrpcservicepy).
 BIG_MESSAGE = 1 << 20
-# Connections: HTTP closes one idle for --read-timeout; gRPC's own options do the same here (a GOAWAY and the
-# close: 250 silent connections were all closed 2.2 s after opening with --read-timeout 2), and bound what one
-# connection may hold.
-MAX_CONNECTION_AGE_S = 3600  # then a GOAWAY: clients reconnect, so no connection is held for ever
-# Concurrent RPCs on one connection; a client queues the rest itself. Unbounded, a burst of 2,000 on one
-# channel had ~150 of them CANCELLED before reaching the service.
+# Connections: HTTP closes one idle for --read-timeout; gRPC's own options do the same here (a
+# GOAWAY and the close: 250 silent connections were all closed 2.2 s after opening with
+# --read-timeout 2), and bound what one connection may hold. then a GOAWAY: clients reconnect, so no
+# connection is held for ever
+MAX_CONNECTION_AGE_S = 3600
+# Concurrent RPCs on one connection; a client queues the rest itself. Unbounded, a burst of 2,000 on
+# one channel had ~150 of them CANCELLED before reaching the service.
 MAX_STREAMS_PER_CONNECTION = 128
-MAX_CONCURRENT_RPCS = 4096  # over all connections; past it RESOURCE_EXHAUSTED at once
-# Of the stream requests the server holds (MAX_CONCURRENT_RPCS, read and not yet answered), one connection's streams
-# may hold this many: a client that does not read its answers stalls its own streams, not every other client's.
+# over all connections; past it RESOURCE_EXHAUSTED at once
+MAX_CONCURRENT_RPCS = 4096
+# Of the stream requests the server holds (MAX_CONCURRENT_RPCS, read and not yet answered), one
+# connection's streams may hold this many: a client that does not read its answers stalls its own
+# streams, not every other client's.
 CONNECTION_SHARE = 512
 # Requests of one stream being answered at once. Past it the stream is not read until the oldest is
 # answered: HTTP/2 flow control then holds the client back instead of the server queueing for it.
@@ -96,7 +104,8 @@ def label(status: int) -> str:
 
 
 class Service:
-    """The RPCs, over the HTTP app's Server (its repository, batchers, limits, metrics, payload log)."""
+    """The RPCs, over the HTTP app's Server (its repository, batchers, limits, metrics, payload
+    log)."""
 
     def __init__(self, server):
         self.server = server
@@ -140,7 +149,8 @@ class Service:
 
     async def ModelConfig(self, request, call: "Call"):
         config = extensions.model_config(self.server, request.name, request.version or None)
-        # (fields this schema does not declare are left out: the message is Triton's part we fill in)
+        # (fields this schema does not declare are left out: the message is Triton's part we fill
+        # in)
         return json_format.ParseDict(
             {"config": config}, schema.ModelConfigResponse(), ignore_unknown_fields=True
         )
@@ -185,16 +195,16 @@ class Service:
         engine = slot.model.engine
         arrival = None
 
+        # raw contents the native engine kept: copied straight into the batch they run in
         def place(
             rows: int,
-        ):  # raw contents the native engine kept: copied straight into the batch they run in
+        ):
             nonlocal arrival
             arrival = slot.batcher.arriving(rows)
             return arrival.views
 
-        typed = not (
-            request.raw_input_contents or call.raw
-        )  # typed contents: a list of numbers to convert
+        # typed contents: a list of numbers to convert
+        typed = not (request.raw_input_contents or call.raw)
         try:
             decoded = await server.decode(
                 partial(
@@ -222,7 +232,8 @@ class Service:
             )
         finally:
             if arrival is not None:
-                arrival.end()  # (queued: ended already; refused: its place freed)
+                # (queued: ended already; refused: its place freed)
+                arrival.end()
         placed = regions.write(decoded.output_refs, answer.results) if decoded.output_refs else None
         info = answer.slot.model.info
         return codec.encode_infer(
@@ -242,8 +253,8 @@ class Service:
 
     @functools.cached_property
     def shared_memory(self) -> dict:
-        """Triton's shared-memory RPCs, {System,Cuda}SharedMemory{Status,Register,Unregister} (serving/shm.py does
-        the work), built in one loop as routes.py builds their HTTP routes."""
+        """Triton's shared-memory RPCs, {System,Cuda}SharedMemory{Status,Register,Unregister}
+        (serving/shm.py does the work), built in one loop as routes.py builds their HTTP routes."""
         calls = {}
         for kind, fields in SHM_FIELDS.items():
             rpc = f"{kind.capitalize()}SharedMemory"
@@ -261,7 +272,8 @@ class Service:
         return calls
 
 
-# A region's description in each kind's Register message (after its name): what serving/shm.py registers.
+# A region's description in each kind's Register message (after its name): what serving/shm.py
+# registers.
 SHM_FIELDS = {
     "system": ("key", "offset", "byte_size"),
     "cuda": ("raw_handle", "device_id", "byte_size"),
@@ -301,7 +313,8 @@ def _request_id(given: str | None) -> str:
 
 
 class Call:
-    """What a handler learns about its call (metadata in, its envelope's Exchange), whichever engine carries it."""
+    """What a handler learns about its call (metadata in, its envelope's Exchange), whichever engine
+    carries it."""
 
     __slots__ = ("metadata", "size", "endpoint", "exchange", "raw")
 
@@ -314,12 +327,13 @@ class Call:
         raw=None,
     ):
         self.metadata = metadata
-        self.size = size  # of the message on the wire
-        self.endpoint = endpoint  # as the payload log names it
+        # of the message on the wire
+        self.size = size
+        # as the payload log names it
+        self.endpoint = endpoint
         self.exchange = exchange
-        self.raw = (
-            raw  # raw_input_contents handed over apart from the message (native engine), else None
-        )
+        # raw_input_contents handed over apart from the message (native engine), else None
+        self.raw = raw
 
     @property
     def authorization(self) -> str:
@@ -338,7 +352,8 @@ def _metadata(context) -> dict[str, str]:
 def _parse(request_class, data: bytes):
     """The message, or INVALID_ARGUMENT (not INTERNAL) for bytes that are not one."""
     if request_class is schema.ModelInferRequest:
-        codec.check_field_count(data)  # before any message is built: their count is the cost
+        # before any message is built: their count is the cost
+        codec.check_field_count(data)
     try:
         return request_class.FromString(data)
     except DecodeError as exc:
@@ -355,17 +370,17 @@ async def _parsed(server, request_class, data: bytes):
 
 
 def _handler(server, service: Service, method: str, request_class):
-    """One RPC in its envelope: bytes in (parsed here, so a malformed message is INVALID_ARGUMENT, not
-    INTERNAL), the token, every failure its status, the receipt as initial metadata, the metrics."""
+    """One RPC in its envelope: bytes in (parsed here, so a malformed message is INVALID_ARGUMENT,
+    not INTERNAL), the token, every failure its status, the receipt as initial metadata, the
+    metrics."""
     call = service.call(method)
     where = f"gRPC {method}"
 
     async def handle(data, context):
         exchange = Exchange(f"grpc {method}", source_of(context.peer()))
         raw = None
-        if isinstance(
-            data, tuple
-        ):  # the native engine: (the message without its raw contents, the contents)
+        # the native engine: (the message without its raw contents, the contents)
+        if isinstance(data, tuple):
             data, raw = data
         info = Call(
             _metadata(context), len(data) + sum(len(r) for r in raw or ()), exchange, raw=raw
@@ -376,7 +391,8 @@ def _handler(server, service: Service, method: str, request_class):
                 server.auth.check(info.authorization)
             request = await _parsed(server, request_class, data)
             response = await call(request, info)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status; ours are logged
+        except Exception as exc:  # noqa: BLE001
+            # every failure becomes a status; ours are logged
             found = refusal(exc, where, log, label)
             status, message = found.status, found.message
         if exchange.receipt:
@@ -386,7 +402,8 @@ def _handler(server, service: Service, method: str, request_class):
             await context.abort(code_of(status), message)
         return response.SerializeToString()
 
-    return grpc.unary_unary_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
+    # no (de)serializers: bytes in and out
+    return grpc.unary_unary_rpc_method_handler(handle)
 
 
 class _Streams:
@@ -398,36 +415,35 @@ class _Streams:
 
     def close(self) -> None:
         self.closing = True
-        for reader in list(
-            self.readers
-        ):  # a cancelled reader leaves the set (its done callback) later
+        # a cancelled reader leaves the set (its done callback) later
+        for reader in list(self.readers):
             reader.cancel()
 
 
 def _retrieve(task: asyncio.Future) -> None:
-    """A done callback: a stream's reader that nobody awaits any more (the client went away) still has its error
-    looked at."""
+    """A done callback: a stream's reader that nobody awaits any more (the client went away) still
+    has its error looked at."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("a stream task ended with %r after its stream", task.exception())
 
 
 def _stream_handler(server, service: Service, streams: _Streams):
-    """ModelStreamInfer (see the module's docstring): a reader task takes requests off the stream and starts
-    each one's answer; this handler writes the answers in the order the requests came. A request holds a place
-    of its stream's window (STREAM_WINDOW) from before it is read until its answer is written, and one of the
-    server's (MAX_CONCURRENT_RPCS, shared by every stream) and of its connection's (CONNECTION_SHARE) from when it is
-    read: the reader waits for all three, so a stream whose answers are not taken holds its client back (one
-    connection at most an eighth of the server's), and all streams together hold at most as many requests as the
-    server takes unary calls. ("Written" is when the transport took the answer: grpc.aio's one
-    write at a time; on the native engine each stream also has up to native.READ_AHEAD requests read ahead of
-    this handler and native.WRITE_AHEAD answers queued, and all streams at most native.UNWRITTEN of those.) At
-    shutdown the readers stop: what was read is answered, then the stream ends with UNAVAILABLE, so that the
-    client knows to send the rest elsewhere."""
+    """ModelStreamInfer (see the module's docstring): a reader task takes requests off the stream
+    and starts each one's answer; this handler writes the answers in the order the requests came. A
+    request holds a place of its stream's window (STREAM_WINDOW) from before it is read until its
+    answer is written, and one of the server's (MAX_CONCURRENT_RPCS, shared by every stream) and of
+    its connection's (CONNECTION_SHARE) from when it is read: the reader waits for all three, so a
+    stream whose answers are not taken holds its client back (one connection at most an eighth of
+    the server's), and all streams together hold at most as many requests as the server takes unary
+    calls. ("Written" is when the transport took the answer: grpc.aio's one write at a time; on the
+    native engine each stream also has up to native.READ_AHEAD requests read ahead of this handler
+    and native.WRITE_AHEAD answers queued, and all streams at most native.UNWRITTEN of those.) At
+    shutdown the readers stop: what was read is answered, then the stream ends with UNAVAILABLE, so
+    that the client knows to send the rest elsewhere."""
     route = "grpc ModelStreamInfer"
     everywhere = asyncio.Semaphore(MAX_CONCURRENT_RPCS)
-    shares: dict[
-        str, list
-    ] = {}  # a connection (peer) -> [its CONNECTION_SHARE semaphore, its open streams]
+    # a connection (peer) -> [its CONNECTION_SHARE semaphore, its open streams]
+    shares: dict[str, list] = {}
 
     def share_of(peer: str) -> asyncio.Semaphore:
         entry = shares.setdefault(peer, [asyncio.Semaphore(CONNECTION_SHARE), 0])
@@ -443,9 +459,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
     async def answer(data, metadata: dict[str, str], source: str) -> bytes:
         exchange = Exchange(route, source)
         raw = None
-        if isinstance(
-            data, tuple
-        ):  # the native engine: (the message without its raw contents, the contents)
+        # the native engine: (the message without its raw contents, the contents)
+        if isinstance(data, tuple):
             data, raw = data
         info = Call(
             metadata, len(data) + sum(len(r) for r in raw or ()), exchange, endpoint=route, raw=raw
@@ -456,17 +471,20 @@ def _stream_handler(server, service: Service, streams: _Streams):
             message = schema.ModelStreamInferResponse(
                 infer_response=await service.ModelInfer(request, info)
             )
-        except Exception as exc:  # noqa: BLE001 - a refused request is answered; the stream goes on
+        except Exception as exc:  # noqa: BLE001
+            # a refused request is answered; the stream goes on
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             status = found.status
             message = schema.ModelStreamInferResponse(
                 error_message=f"{label(status)}: {found.message}"
             )
-            if request is not None:  # what the client needs to tell which request it was
+            # what the client needs to tell which request it was
+            if request is not None:
                 message.infer_response.model_name = request.model_name
                 message.infer_response.model_version = request.model_version
                 message.infer_response.id = request.id
-        for key, value in info.receipt:  # with a refusal too, once the version was chosen, as unary
+        # with a refusal too, once the version was chosen, as unary
+        for key, value in info.receipt:
             message.infer_response.parameters[key].string_param = value
         exchange.finish(server.metrics, "OK" if status == 200 else label(status))
         return message.SerializeToString()
@@ -478,8 +496,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
         window: asyncio.Semaphore,
         share: asyncio.Semaphore,
     ) -> bool:
-        """Starts each request's answer, in order, and queues it; None last. True when a stop cut the reading
-        short (the client's further requests were not read)."""
+        """Starts each request's answer, in order, and queues it; None last. True when a stop cut
+        the reading short (the client's further requests were not read)."""
         cut = False
         source = source_of(context.peer())
         try:
@@ -499,8 +517,9 @@ def _stream_handler(server, service: Service, streams: _Streams):
                 except BaseException:
                     window.release()
                     raise
-                # No await between starting the answer and queueing it: a cancelled reader loses none. (An answer
-                # ends with bytes, a refusal too: nothing for a done callback to look at.)
+                # No await between starting the answer and queueing it: a cancelled reader loses
+                # none. (An answer ends with bytes, a refusal too: nothing for a done callback to
+                # look at.)
                 answers.put_nowait(asyncio.ensure_future(answer(data, metadata, source)))
         except asyncio.CancelledError:
             if not streams.closing:
@@ -512,12 +531,12 @@ def _stream_handler(server, service: Service, streams: _Streams):
 
     async def handle(unused_requests, context: grpc.aio.ServicerContext):
         metadata = _metadata(context)
-        metadata.pop(
-            "x-request-id", None
-        )  # one id for many requests would not be an id: each gets its own
+        # one id for many requests would not be an id: each gets its own
+        metadata.pop("x-request-id", None)
         try:
             server.auth.check(metadata.get("authorization", ""))
-        except Exception as exc:  # noqa: BLE001 - the stream is refused as a whole
+        except Exception as exc:  # noqa: BLE001
+            # the stream is refused as a whole
             found = refusal(exc, "gRPC ModelStreamInfer", log, label)
             Exchange(route).finish(server.metrics, label(found.status))
             await context.abort(code_of(found.status), found.message)
@@ -526,7 +545,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
                 grpc.StatusCode.UNAVAILABLE,
                 "the server is shutting down; open the stream elsewhere",
             )
-        answers: asyncio.Queue = asyncio.Queue()  # bounded by the window
+        # bounded by the window
+        answers: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         peer = context.peer()
         share = share_of(peer)
@@ -543,7 +563,8 @@ def _stream_handler(server, service: Service, streams: _Streams):
                     share.release()
                     everywhere.release()
             cut = await reader
-        finally:  # also when the client went away: nothing more to answer
+        finally:
+            # also when the client went away: nothing more to answer
             reader.cancel()
             while not answers.empty():
                 if (left := answers.get_nowait()) is not None:
@@ -559,22 +580,25 @@ def _stream_handler(server, service: Service, streams: _Streams):
                 "this stream was answered; send the rest on a stream to another server",
             )
 
-    return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: bytes in and out
+    # no (de)serializers: bytes in and out
+    return grpc.stream_stream_rpc_method_handler(handle)
 
 
 class _Admission:
-    """grpc.aio's side of what native.cc does before a call reaches the handlers above. grpc.aio's own
-    `maximum_concurrent_rpcs` counts a call from its headers: 33 connections x 128 calls that sent headers and no
-    message (no token needed) held all of its places, ServerLive's included, for as long as they lived (the
-    review's F1). Here a unary call is taken in as a client stream, so that it is seen at once: it waits at most
-    --read-timeout for its message, holding no shared place while it waits (grpc's max_concurrent_streams bounds
-    such calls per connection), and takes one of MAX_CONCURRENT_RPCS only with its message in; a stream takes its
-    place at once, as on the native engine (its token is checked before it reads)."""
+    """grpc.aio's side of what native.cc does before a call reaches the handlers above. grpc.aio's
+    own `maximum_concurrent_rpcs` counts a call from its headers: 33 connections x 128 calls that
+    sent headers and no message (no token needed) held all of its places, ServerLive's included, for
+    as long as they lived (the review's F1). Here a unary call is taken in as a client stream, so
+    that it is seen at once: it waits at most --read-timeout for its message, holding no shared
+    place while it waits (grpc's max_concurrent_streams bounds such calls per connection), and takes
+    one of MAX_CONCURRENT_RPCS only with its message in; a stream takes its place at once, as on the
+    native engine (its token is checked before it reads)."""
 
     def __init__(self, first_message_s: float):
         self.first_message_s = first_message_s
         self.active = 0
-        self.ended = 0  # calls ended for want of a message, not yet logged (one line a second, not one a call)
+        # calls ended for want of a message, not yet logged (one line a second, not one a call)
+        self.ended = 0
 
     def take(self) -> bool:
         if self.active >= MAX_CONCURRENT_RPCS:
@@ -645,7 +669,8 @@ class _Admission:
 
 
 class GrpcFrontEnd:
-    """The running grpc.aio server, as the core stops it: the streams' reading first, then the server."""
+    """The running grpc.aio server, as the core stops it: the streams' reading first, then the
+    server."""
 
     layout = "gRPC on grpc.aio (on the server's loop)"
 
@@ -653,7 +678,8 @@ class GrpcFrontEnd:
         self.aio, self.streams = aio, streams
 
     def receiving(self) -> int:
-        """ModelInfer messages on their way: none that this engine shows (it hands a call over with its message)."""
+        """ModelInfer messages on their way: none that this engine shows (it hands a call over with
+        its message)."""
         return 0
 
     async def stop(self, grace: float | None) -> None:
@@ -665,18 +691,20 @@ def _options(settings, shared_port: bool = False) -> dict[str, int]:
     """grpc's channel arguments for the server, the same for either engine."""
     idle_ms = int(settings.read_timeout * 1000)
     return {
-        "grpc.max_receive_message_length": settings.max_body_bytes,  # past it: RESOURCE_EXHAUSTED
+        # past it: RESOURCE_EXHAUSTED
+        "grpc.max_receive_message_length": settings.max_body_bytes,
         "grpc.max_send_message_length": -1,
         # a port another process holds is an error, not shared, but among front-end processes
         "grpc.so_reuseport": int(shared_port),
-        # Without these a silent client keeps a connection (a file descriptor) for ever: 20,000 of them
-        # took every descriptor, HTTP's included. Idle = no RPC in flight, as HTTP's --read-timeout.
+        # Without these a silent client keeps a connection (a file descriptor) for ever: 20,000 of
+        # them took every descriptor, HTTP's included. Idle = no RPC in flight, as HTTP's
+        # --read-timeout.
         "grpc.max_connection_idle_ms": idle_ms,
-        "grpc.server_handshake_timeout_ms": idle_ms,  # one that never finishes its HTTP/2 handshake
+        # one that never finishes its HTTP/2 handshake
+        "grpc.server_handshake_timeout_ms": idle_ms,
         "grpc.max_connection_age_ms": MAX_CONNECTION_AGE_S * 1000,
-        "grpc.max_connection_age_grace_ms": int(
-            settings.graceful_timeout * 1000
-        ),  # in-flight RPCs finish
+        # in-flight RPCs finish
+        "grpc.max_connection_age_grace_ms": int(settings.graceful_timeout * 1000),
         "grpc.max_concurrent_streams": MAX_STREAMS_PER_CONNECTION,
     }
 
@@ -702,7 +730,8 @@ async def start_grpc(server, service: Service | None = None, shared_port: bool =
         else f"{settings.host}:{settings.grpc_port}"
     )
     if settings.grpc_engine == "native" or (settings.grpc_engine == "auto" and native.available()):
-        # grpc's resource quota (native.cc): what unfinished messages may hold in all, by anyone, token or not
+        # grpc's resource quota (native.cc): what unfinished messages may hold in all, by anyone,
+        # token or not
         quota = {"trainserve-memory-quota": settings.grpc_memory()}
         front_end = native.NativeFrontEnd(
             address,
@@ -723,9 +752,8 @@ async def start_grpc(server, service: Service | None = None, shared_port: bool =
         method: admission.stream(h) if h.stream_stream else admission.unary(h)
         for method, h in handlers.items()
     }
-    aio = grpc.aio.server(
-        options=list(_options(settings, shared_port).items())
-    )  # (no maximum_concurrent_rpcs: see _Admission)
+    # (no maximum_concurrent_rpcs: see _Admission)
+    aio = grpc.aio.server(options=list(_options(settings, shared_port).items()))
     aio.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(schema.SERVICE, admitted),))
     try:
         bound = aio.add_insecure_port(address)

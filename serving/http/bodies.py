@@ -1,21 +1,25 @@
-"""Where a request body goes as it arrives (the connection asks its body for memory to receive into).
+"""Where a request body goes as it arrives (the connection asks its body for memory to receive
+into).
 
     Bytes       the whole body in one buffer of its Content-Length (most routes)
     Chunked     a chunked body, as the HTTP parser hands its pieces over, up to the limit
-    Discard     a body nobody will read (a request refused when its head arrived), dropped as it comes
-    V2Binary    a KServe V2 request with binary tensor data: the JSON header into a small buffer, checked as soon as
-                it is whole, then each input's bytes straight into the rows of the batch buffer it will run in (or
-                into an array of its own when there is none to be had): the kernel's copy off the socket is the
-                only one; no body joined, no decode, no gather into a batch
+    Discard     a body nobody will read (a request refused when its head arrived), dropped as it
+                comes
+    V2Binary    a KServe V2 request with binary tensor data: the JSON header into a small buffer,
+                checked as soon as it is whole, then each input's bytes straight into the rows of
+                the batch buffer it will run in (or into an array of its own when there is none to
+                be had): the kernel's copy off the socket is the only one; no body joined, no
+                decode, no gather into a batch
 
-A body is `direct` when the connection may receive into its memory itself (`view`/`wrote`); bytes that arrived
-with the head are handed in with `take`. `done` once every byte is in; an error found on the way (a malformed V2
-header) is kept in `error`, the rest of the body still read and dropped, so that the client reads the refusal.
+A body is `direct` when the connection may receive into its memory itself (`view`/`wrote`); bytes
+that arrived with the head are handed in with `take`. `done` once every byte is in; an error found
+on the way (a malformed V2 header) is kept in `error`, the rest of the body still read and dropped,
+so that the client reads the refusal.
 
-Memory for a body becomes resident only as its bytes land in it (`receiving`): a head declares a size, and a
-buffer of that size zero-filled at once would be resident before a byte arrives (40 connections sending only
-heads that declared 16 MiB held 642 MiB until their read timeout). What is received is still received once, into
-the memory it is read from.
+Memory for a body becomes resident only as its bytes land in it (`receiving`): a head declares a
+size, and a buffer of that size zero-filled at once would be resident before a byte arrives (40
+connections sending only heads that declared 16 MiB held 642 MiB until their read timeout). What is
+received is still received once, into the memory it is read from.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from serving import codec
 from serving.codec import BadRequest, Limits, V2Header, V2Request
 from serving.staging import NonFinite, finite_bytes
 
-_SCRATCH = memoryview(bytearray(1 << 16))  # what discarded bytes are received into (never read)
+# what discarded bytes are received into (never read)
+_SCRATCH = memoryview(bytearray(1 << 16))
 
 
 def receiving(nbytes: int) -> memoryview:
-    """`nbytes` of writable memory for a body to be received into, never written before the body's bytes are:
-    malloc's fresh pages become resident only when touched (a bytearray is zero-filled, every page touched at
-    once), and pages it reuses were resident already."""
+    """`nbytes` of writable memory for a body to be received into, never written before the body's
+    bytes are: malloc's fresh pages become resident only when touched (a bytearray is zero-filled,
+    every page touched at once), and pages it reuses were resident already."""
     return memoryview(np.empty(nbytes, np.uint8))
 
 
@@ -91,8 +96,8 @@ class Discard:
 
 
 class Chunked:
-    """Pieces of a chunked body from the HTTP parser (the connection feeds it the raw bytes); past `limit` the
-    body is refused (413) and the connection closed."""
+    """Pieces of a chunked body from the HTTP parser (the connection feeds it the raw bytes); past
+    `limit` the body is refused (413) and the connection closed."""
 
     direct = False
 
@@ -113,9 +118,9 @@ class Chunked:
 
 
 class V2Binary:
-    """A V2 request body of `length` bytes whose first `header_length` are its JSON header (Triton's binary tensor
-    extension). The header is checked against `specs` as soon as it is whole; the binary data then lands in the
-    arrays the request's feeds will be."""
+    """A V2 request body of `length` bytes whose first `header_length` are its JSON header (Triton's
+    binary tensor extension). The header is checked against `specs` as soon as it is whole; the
+    binary data then lands in the arrays the request's feeds will be."""
 
     direct = True
 
@@ -130,24 +135,29 @@ class V2Binary:
         seen: dict | None = None,
         model: str = "",
     ):
-        self.model = model  # its name, for refusals
-        self.place = (
-            place  # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
-        )
-        self.seen = seen  # headers of this model already checked (see _parse), or None
+        # its name, for refusals
+        self.model = model
+        # (rows) -> views of a batch buffer's rows to receive the inputs into, or None
+        self.place = place
+        # headers of this model already checked (see _parse), or None
+        self.seen = seen
         self.header = receiving(header_length)
         self.length = length
         self.specs, self.output_names, self.limits = specs, output_names, limits
-        self.filled = 0  # bytes of the body in so far
+        # bytes of the body in so far
+        self.filled = 0
         self.parsed: V2Header | None = None
         self.arrays: dict[str, np.ndarray] = {}
-        self._targets: list[
-            tuple[memoryview, int, str]
-        ] = []  # the binary inputs' bytes, their check's value width
-        self._at = 0  # bytes into the current target
-        self._checked = 0  # of which checked for NaN and Inf (see `wrote`)
-        self.nonfinite: str | None = None  # the first input found to hold NaN or Inf
-        self.placed = False  # received into a batch buffer's rows
+        # the binary inputs' bytes, their check's value width
+        self._targets: list[tuple[memoryview, int, str]] = []
+        # bytes into the current target
+        self._at = 0
+        # of which checked for NaN and Inf (see `wrote`)
+        self._checked = 0
+        # the first input found to hold NaN or Inf
+        self.nonfinite: str | None = None
+        # received into a batch buffer's rows
+        self.placed = False
         # those rows (inputs in shared memory are read into theirs at `finish`)
         self.views: dict | None = None
         self.error: Exception | None = None
@@ -174,9 +184,9 @@ class V2Binary:
             if self.filled == len(self.header):
                 self._parse()
         else:
-            # Each read's values checked for NaN and Inf as they land, while they are in this core's cache: checked
-            # once the whole body was in, they had been pushed out by the other uploads read meanwhile (58 us for a
-            # 602 KB image under load, against 13).
+            # Each read's values checked for NaN and Inf as they land, while they are in this core's
+            # cache: checked once the whole body was in, they had been pushed out by the other
+            # uploads read meanwhile (58 us for a 602 KB image under load, against 13).
             target, width, name = self._targets[0]
             self._at += n
             whole = self._at - self._at % width if width else self._at
@@ -243,9 +253,9 @@ class V2Binary:
                 self._targets.append((memoryview(array).cast("B"), width, item.spec.name))
 
     def _placed(self) -> dict | None:
-        """The rows of a batch buffer this request's inputs go straight into, when it can have them: every model
-        input sent as binary data or placed in shared memory (read into them at `finish`), all with the same rows
-        (see serving/batcher.py)."""
+        """The rows of a batch buffer this request's inputs go straight into, when it can have them:
+        every model input sent as binary data or placed in shared memory (read into them at
+        `finish`), all with the same rows (see serving/batcher.py)."""
         if self.place is None:
             return None
         return codec.placed_rows(self.parsed, self.specs, self.place)
@@ -258,16 +268,16 @@ class V2Binary:
         return self.length - len(self.header)
 
     def finish(self, shared=None) -> V2Request:
-        """The decoded request: its arrays in their shapes (BOOL bytes checked; NaN and Inf refused, found as they
-        arrived); `shared` reads the inputs placed in shared memory."""
+        """The decoded request: its arrays in their shapes (BOOL bytes checked; NaN and Inf refused,
+        found as they arrived); `shared` reads the inputs placed in shared memory."""
         if self.nonfinite is not None:
             raise BadRequest(str(NonFinite(self.nonfinite)))
         return codec.finish_v2(self.parsed, self.arrays, self.specs, shared, self.views)
 
     @property
     def checked(self) -> bool:
-        """Every value of its binary data was checked as it arrived (it needs no other pass): none of its inputs
-        is read from shared memory at `finish`."""
+        """Every value of its binary data was checked as it arrived (it needs no other pass): none
+        of its inputs is read from shared memory at `finish`."""
         return (
             self.parsed is not None
             and self.nonfinite is None

@@ -1,17 +1,19 @@
-"""The HTTP front end of one server: its listeners (one event loop each), their connections, their shutdown.
+"""The HTTP front end of one server: its listeners (one event loop each), their connections, their
+shutdown.
 
-Ingest scales past one core for large bodies: --http-threads event loops (the server's own and that many more in
-threads; by default one per usable CPU when the models' input rows are 512 KiB or more, else one: see
-Settings.http_loops), each accepting on its own socket bound to the same port (SO_REUSEPORT: the kernel spreads
-connections over them). A loop's thread spends most of a large request in the kernel, receiving its body, and
-holds no GIL there: the loops take those in side by side (the rest of a request they take turns at, on the one
-GIL, which is why small requests get one loop), and each hands its requests to the same batchers
-(serving/batcher.py), whose answers come back to the loop that asked. The routes that change what is loaded
-(the repository API) run on the server's own loop, where its model locks live.
+Ingest scales past one core for large bodies: --http-threads event loops (the server's own and that
+many more in threads; by default one per usable CPU when the models' input rows are 512 KiB or more,
+else one: see Settings.http_loops), each accepting on its own socket bound to the same port
+(SO_REUSEPORT: the kernel spreads connections over them). A loop's thread spends most of a large
+request in the kernel, receiving its body, and holds no GIL there: the loops take those in side by
+side (the rest of a request they take turns at, on the one GIL, which is why small requests get one
+loop), and each hands its requests to the same batchers (serving/batcher.py), whose answers come
+back to the loop that asked. The routes that change what is loaded (the repository API) run on the
+server's own loop, where its model locks live.
 
-What every connection shares lives here (the core, the route table, the limits, the Host and Origin rules); each
-connection (serving/http/connection.py) reads its requests and answers them through the routes
-(serving/http/routes.py).
+What every connection shares lives here (the core, the route table, the limits, the Host and Origin
+rules); each connection (serving/http/connection.py) reads its requests and answers them through the
+routes (serving/http/routes.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from serving.http.routes import Router, table
 from serving.http.wire import Request, Response, error_response, too_large
 
 log = logging.getLogger("serving.http")
-SWEEP_S = 0.25  # how often connection deadlines are looked at
+# how often connection deadlines are looked at
+SWEEP_S = 0.25
 
 
 class Listener:
@@ -60,8 +63,8 @@ class Listener:
         return [s.getsockname() for s in self.server.sockets]
 
     async def _sweep(self) -> None:
-        """Closes the connections past their deadline (serving/http/connection.py), every SWEEP_S at most: a
-        deadline is enforced within that much of when it falls."""
+        """Closes the connections past their deadline (serving/http/connection.py), every SWEEP_S at
+        most: a deadline is enforced within that much of when it falls."""
         interval = min(SWEEP_S, self.site.read_timeout / 4)
         while True:
             await asyncio.sleep(interval)
@@ -104,14 +107,15 @@ class HttpFrontEnd:
         self._hosts_seen: dict[str, bool] = {}
         self._origins = settings.origins()
         self.closing = False
-        self.loop: asyncio.AbstractEventLoop | None = None  # the server's own
+        # the server's own
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.listeners: list[Listener] = []
 
     def check_origin(self, request: Request) -> None:
-        """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin not allowed."""
-        host = request.headers.get(
-            "host", ""
-        )  # absent only without HTTP/1.1 (never from a browser)
+        """Cross-site requests: a Host this server does not go by (DNS rebinding), a browser Origin
+        not allowed."""
+        # absent only without HTTP/1.1 (never from a browser)
+        host = request.headers.get("host", "")
         if host and not self._host_ok(host):
             raise Refused(
                 403, f"Host {host!r} is not one this server answers; add it with --allowed-hosts"
@@ -129,7 +133,8 @@ class HttpFrontEnd:
         if known is None:
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             known = any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in self._hosts)
-            if len(self._hosts_seen) >= 1024:  # bounded: any client may send any Host
+            # bounded: any client may send any Host
+            if len(self._hosts_seen) >= 1024:
                 self._hosts_seen.clear()
             self._hosts_seen[host] = known
         return known
@@ -160,7 +165,8 @@ class HttpFrontEnd:
                     )
                 )
             return await route.handler(self.server, request, exchange)
-        except Exception as exc:  # noqa: BLE001 - the envelope: every failure becomes its status
+        except Exception as exc:  # noqa: BLE001
+            # the envelope: every failure becomes its status
             found = refusal(exc, f"{request.method} {request.path}", log)
             return error_response(found.status, found.message, found.headers)
 
@@ -178,7 +184,8 @@ class HttpFrontEnd:
             if route is None:
                 raise unrouted(method, path, allowed)
             taken = self.admit(route, request, exchange, len(body), False)
-        except Exception as exc:  # noqa: BLE001 - refused on its head, as a connection refuses it
+        except Exception as exc:  # noqa: BLE001
+            # refused on its head, as a connection refuses it
             found = refusal(exc, f"{method} {path}", log)
             return error_response(found.status, found.message, found.headers), exchange
         if taken is not None:
@@ -209,7 +216,8 @@ class HttpFrontEnd:
         main = Listener(self, self.loop)
         bound = await main.start(host, port, reuse_port=reuse_port or loops > 1)
         self.listeners.append(main)
-        port = bound[0][1]  # (a port 0 asked for: the others bind the one this got)
+        # (a port 0 asked for: the others bind the one this got)
+        port = bound[0][1]
         for n in range(1, loops):
             loop = new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name=f"http_{n}", daemon=True)
@@ -226,15 +234,15 @@ class HttpFrontEnd:
         return bound
 
     def stop_accepting(self) -> None:
-        """No new connections; idle ones and those still receiving a request close now, the others after their
-        answer."""
+        """No new connections; idle ones and those still receiving a request close now, the others
+        after their answer."""
         self.closing = True
         for listener in self.listeners:
             listener.call(listener.stop_accepting)
 
     async def drain(self, timeout: float) -> None:
-        """Wait (at most `timeout` s) for the connections answering a request to close, then close the rest and
-        stop the other loops."""
+        """Wait (at most `timeout` s) for the connections answering a request to close, then close
+        the rest and stop the other loops."""
         deadline = self.loop.time() + timeout
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.02)

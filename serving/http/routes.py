@@ -1,21 +1,24 @@
-"""The HTTP routes: one table, and a plain function per route, `handler(server, request, exchange) -> Response`.
+"""The HTTP routes: one table, and a plain function per route, `handler(server, request, exchange)
+-> Response`.
 
-    KServe V2   GET  /v2, /v2/health/live, /v2/health/ready
-                GET  /v2/models/{name}[/versions/{v}], .../ready, .../config, .../stats; /v2/models/stats
-                POST /v2/models/{name}[/versions/{v}]/infer
+    KServe V2   GET  /v2, /v2/health/live, /v2/health/ready GET  /v2/models/{name}[/versions/{v}],
+                .../ready, .../config, .../stats; /v2/models/stats POST
+                /v2/models/{name}[/versions/{v}]/infer
                      /v2/{system,cuda}sharedmemory[/region/{region}]/status|register|unregister (serving/shm.py)
     MLflow      POST /invocations; GET /ping, /health, /version
     Shadow      GET  /v2/models/{name}/shadow (--shadow); POST /v2/models/{name}/feedback (labels)
     Repository  POST /v2/repository/index, /v2/repository/models/{name}/load, .../unload
-The extensions' operations (config, repository, statistics) are serving/extensions.py's, shared with gRPC.
+The extensions' operations (config, repository, statistics) are serving/extensions.py's, shared with
+gRPC.
     Prometheus  GET  /metrics
 
-A route that takes a body names where it goes (`body(server, request, exchange, length, chunked)`, called when
-the head has arrived, after the token was checked): its checks that need no body run there, so that a refused
-request costs no body, and an inference route picks its model version then (a 404 before any byte of the body).
-Every route but the health checks needs the bearer token when one is set. Inference refuses the content types a
-web page can send cross-site without a CORS preflight (text/plain, forms). Everything else of the envelope
-(refusal -> status, receipt, metrics) is the connection's (serving/http/connection.py), written once.
+A route that takes a body names where it goes (`body(server, request, exchange, length, chunked)`,
+called when the head has arrived, after the token was checked): its checks that need no body run
+there, so that a refused request costs no body, and an inference route picks its model version then
+(a 404 before any byte of the body). Every route but the health checks needs the bearer token when
+one is set. Inference refuses the content types a web page can send cross-site without a CORS
+preflight (text/plain, forms). Everything else of the envelope (refusal -> status, receipt, metrics)
+is the connection's (serving/http/connection.py), written once.
 """
 
 from __future__ import annotations
@@ -43,17 +46,17 @@ from serving.repository import version_key
 
 # What a web page can POST cross-site without a CORS preflight: never an inference request.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
-FEEDBACK_MAX = 10000  # labels in one feedback request
-# A binary V2 request's last step (NaN/Inf over its arrays) runs on the event loop up to this many bytes: it costs
-# ~25 us for a 602 KB image, less than a hop to a thread and back.
+# labels in one feedback request
+FEEDBACK_MAX = 10000
+# A binary V2 request's last step (NaN/Inf over its arrays) runs on the event loop up to this many
+# bytes: it costs ~25 us for a 602 KB image, less than a hop to a thread and back.
 FINISH_INLINE_BYTES = 4 << 20
-SEEN_BODY_BYTES = (
-    4096  # a JSON body this small (shared-memory requests) is looked up among the headers seen
-)
+# a JSON body this small (shared-memory requests) is looked up among the headers seen
+SEEN_BODY_BYTES = 4096
 Handler = Callable[[Server, Request, Exchange], Awaitable[Response]]
 
 
-# ---- bodies: where each route's body goes, and its checks made when the head arrived ---------------------------
+# ---- bodies: where each route's body goes, and its checks made when the head arrived -------------
 
 
 def content_encoding(request: Request) -> str:
@@ -71,8 +74,8 @@ def whole_body(server: Server, request: Request, exchange: Exchange, length: int
 
 
 def body_bytes(server: Server, request: Request) -> bytes:
-    """The request's body, inflated when it came gzip- or deflate-encoded (bounded: a small compressed body
-    must not inflate past the limit)."""
+    """The request's body, inflated when it came gzip- or deflate-encoded (bounded: a small
+    compressed body must not inflate past the limit)."""
     data = request.body
     encoding = content_encoding(request)
     if encoding == "identity":
@@ -110,8 +113,8 @@ def header_length(request: Request) -> int | None:
 
 
 def v2_body(server: Server, request: Request, exchange: Exchange, length: int, chunked: bool):
-    """A V2 inference request: its version (404 before the body), id, content type and header length checked; a
-    binary request's body straight into its arrays (bodies.V2Binary)."""
+    """A V2 inference request: its version (404 before the body), id, content type and header length
+    checked; a binary request's body straight into its arrays (bodies.V2Binary)."""
     # The receipt from here on: the version, then the header's id (else the body's, or a fresh one).
     slot = exchange.slot = server.model_slot(request.params["name"], request.params.get("version"))
     exchange.request_id = request_id(request)
@@ -130,8 +133,8 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     # A batch about to run waits for it a little (Batcher).
     request.arrival = arrival = slot.batcher.arriving()
     engine, inputs = slot.model.engine, image_inputs.request_inputs(slot.model)
-    # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES ones are read
-    # from the whole body, element by element: codec.decode_v2).
+    # Straight into the arrays the request runs in: for inputs of a fixed size an element (BYTES
+    # ones are read from the whole body, element by element: codec.decode_v2).
     if (
         json_length is not None
         and not chunked
@@ -152,9 +155,8 @@ def v2_body(server: Server, request: Request, exchange: Exchange, length: int, c
     return whole_body(server, request, exchange, length, chunked)
 
 
-_SEEN: "weakref.WeakKeyDictionary" = (
-    weakref.WeakKeyDictionary()
-)  # engine -> its V2 headers already checked
+# engine -> its V2 headers already checked
+_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _seen_headers(engine) -> dict:
@@ -187,7 +189,7 @@ def invocations_body(
     return whole_body(server, request, exchange, length, chunked)
 
 
-# ---- KServe V2 ------------------------------------------------------------------------------------------------
+# ---- KServe V2 -----------------------------------------------------------------------------------
 
 
 async def v2_server(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -231,24 +233,24 @@ async def model_metadata(server: Server, request: Request, exchange: Exchange) -
     if "version" in request.params:
         body["versions"] = [info.version]
     parameters = {"labels": list(info.labels)} if info.labels is not None else {}
-    parameters.update(info.lineage)  # the version's lineage, from the file's metadata
+    # the version's lineage, from the file's metadata
+    parameters.update(info.lineage)
     parameters["source"] = info.source
     # what its image input is: what a file becomes, and how to send one
     if slot.model.images is not None:
         parameters["image_input"] = slot.model.images.describe()
-    if info.max_lengths:  # the longest inputs it was exported for: longer ones get a 400
+    # the longest inputs it was exported for: longer ones get a 400
+    if info.max_lengths:
         parameters["max_lengths"] = {
             name: {str(a): n for a, n in axes.items()} for name, axes in info.max_lengths.items()
         }
     alias = slot.source.alias
-    if (
-        alias is not None and server.settings.reload_interval
-    ):  # following an alias: what it names, and whether served
+    # following an alias: what it names, and whether served
+    if alias is not None and server.settings.reload_interval:
         named = model.alias_versions.get(alias, info.version)
         parameters["alias"] = {"source": alias, "version": named, "behind": model.behind(alias)}
-        if (
-            alias in model.alias_errors
-        ):  # behind because its load failed: why, and that the old one serves
+        # behind because its load failed: why, and that the old one serves
+        if alias in model.alias_errors:
             parameters["alias"]["error"] = model.alias_errors[alias]
     body["parameters"] = parameters
     return json_response(body)
@@ -258,7 +260,8 @@ async def model_ready(server: Server, request: Request, exchange: Exchange) -> R
     name = request.params["name"]
     model = server.repository.models.get(name)
     if model is None or "version" in request.params:
-        _slot(server, request)  # the 404, worded as for every other model route
+        # the 404, worded as for every other model route
+        _slot(server, request)
     ok = server.model_ready(model)
     return json_response({"name": name, "ready": ok}, 200 if ok else 503)
 
@@ -340,7 +343,7 @@ async def _v2_infer(server: Server, request: Request, exchange: Exchange, region
     )
 
 
-# ---- MLflow scoring -------------------------------------------------------------------------------------------
+# ---- MLflow scoring ------------------------------------------------------------------------------
 
 
 async def invocations(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -397,7 +400,7 @@ async def version(server: Server, request: Request, exchange: Exchange) -> Respo
     )
 
 
-# ---- the challenger on live traffic ----------------------------------------------------------------------------
+# ---- the challenger on live traffic --------------------------------------------------------------
 
 
 async def shadow(server: Server, request: Request, exchange: Exchange) -> Response:
@@ -405,8 +408,9 @@ async def shadow(server: Server, request: Request, exchange: Exchange) -> Respon
 
 
 async def feedback(server: Server, request: Request, exchange: Exchange) -> Response:
-    """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]}, joined with
-    what the champion and the challenger answered for those requests (serving/shadow.py)."""
+    """Labels that arrived later: {"labels": [{"id": "<X-Server-Request-Id>", "target": ...}, ...]},
+    joined with what the champion and the challenger answered for those requests
+    (serving/shadow.py)."""
     comparison = server.mirror.comparison(request.params["name"])
     parsed = codec.parse_json(body_bytes(server, request))
     items = parsed.get("labels") if isinstance(parsed, dict) else None
@@ -434,14 +438,15 @@ async def feedback(server: Server, request: Request, exchange: Exchange) -> Resp
             raise Refused(
                 400, f"labels[{i}].target must be a number or a (nested) list of numbers"
             ) from None
-    try:  # off the loop: thousands of per-pixel labels are real work
+    # off the loop: thousands of per-pixel labels are real work
+    try:
         joined = await asyncio.to_thread(comparison.feedback, labels)
     except ValueError as exc:
         raise Refused(400, str(exc)) from None
     return json_response(joined | {"report": await asyncio.to_thread(comparison.report)})
 
 
-# ---- V2 repository extension ------------------------------------------------------------------------------------
+# ---- V2 repository extension ---------------------------------------------------------------------
 
 
 def control_body(server: Server, request: Request) -> dict:
@@ -482,7 +487,7 @@ async def metrics(server: Server, request: Request, exchange: Exchange) -> Respo
     return Response(200, server.metrics.render(), server.metrics.content_type)
 
 
-# ---- V2 shared memory (serving/shm.py): system, and CUDA on a GPU ---------------------------------------------
+# ---- V2 shared memory (serving/shm.py): system, and CUDA on a GPU --------------------------------
 
 
 async def shm_status(kind: str, server: Server, request: Request, exchange: Exchange) -> Response:
@@ -550,21 +555,23 @@ async def shm_unregister(
     return json_response({})
 
 
-# ---- the table ----------------------------------------------------------------------------------------------------
+# ---- the table -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Route:
     method: str
-    path: str  # the pattern, as the metrics name the route
+    # the pattern, as the metrics name the route
+    path: str
     handler: Handler
-    open: bool = False  # no token needed (health checks)
+    # no token needed (health checks)
+    open: bool = False
     # The feedback token, not the inference token (Auth.check_labels).
     labels: bool = False
-    body: Callable | None = (
-        None  # where its body goes: (server, request, exchange, length, chunked) -> a body
-    )
-    main: bool = False  # run on the server's own event loop (it changes what is loaded: the model locks live there)
+    # where its body goes: (server, request, exchange, length, chunked) -> a body
+    body: Callable | None = None
+    # run on the server's own event loop (it changes what is loaded: the model locks live there)
+    main: bool = False
 
 
 def table() -> list[Route]:
@@ -623,7 +630,8 @@ def table() -> list[Route]:
 
 
 class Router:
-    """Paths to routes: segments compared, `{param}` segments taken as parameters. HEAD is answered as GET."""
+    """Paths to routes: segments compared, `{param}` segments taken as parameters. HEAD is answered
+    as GET."""
 
     def __init__(self, routes: list[Route]):
         self.routes = routes
@@ -634,17 +642,17 @@ class Router:
             self._by_length.setdefault(len(segments), []).append((segments, route))
 
     def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
-        """(route, parameters, whether the path exists for another method); the paths clients repeat (one model's
-        infer) are looked up once."""
+        """(route, parameters, whether the path exists for another method); the paths clients repeat
+        (one model's infer) are looked up once."""
         found = self._seen.get((method, path))
         if found is None:
             found = self._match(method, path)
-            if (
-                len(self._seen) >= 4096
-            ):  # paths name models: bounded, a client sending random ones can't grow it
+            # paths name models: bounded, a client sending random ones can't grow it
+            if len(self._seen) >= 4096:
                 self._seen.clear()
             self._seen[(method, path)] = found
-        return found  # (the parameters are shared by the requests of one path: handlers only read them)
+        # (the parameters are shared by the requests of one path: handlers only read them)
+        return found
 
     def _match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
         wanted = "GET" if method == "HEAD" else method

@@ -13,13 +13,15 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Reques
 
 @dataclass(slots=True)
 class Request:
-    """One request: its head as parsed, the route's parameters, and its body once arrived (bytes, or what the
-    route's body sink made of it)."""
+    """One request: its head as parsed, the route's parameters, and its body once arrived (bytes, or
+    what the route's body sink made of it)."""
 
     method: str
-    path: str  # percent-decoded
+    # percent-decoded
+    path: str
     query: str
-    headers: dict[str, str]  # lower-case names; a repeated header's values joined with ", "
+    # lower-case names; a repeated header's values joined with ", "
+    headers: dict[str, str]
     params: dict[str, str] = field(default_factory=dict)
     body: object = b""
     # The batcher's note that this request's body is on its way (Batcher.arriving).
@@ -59,8 +61,8 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def too_large(headers, size: str, limit: int, how: str = "") -> str:
-    """The 413 of a body past --max-body-bytes, in Triton's words too ('request JSON size of ... exceeds the
-    maximum allowed input size of ...'), which its clients look for."""
+    """The 413 of a body past --max-body-bytes, in Triton's words too ('request JSON size of ...
+    exceeds the maximum allowed input size of ...'), which its clients look for."""
     kind = "JSON" if "json" in headers.get("content-type", "").lower() else "body"
     return (
         f"request {kind} size of {size}{how} exceeds the maximum allowed input size of {limit} "

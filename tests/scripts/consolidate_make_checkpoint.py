@@ -38,7 +38,8 @@ def input_shape(spec: ModelSpec) -> tuple[int, int, int]:
 def wrap(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
     if strategy == "ddp":
         return DistributedDataParallel(model)
-    for child in model.children():  # one FSDP unit per top-level block that has parameters
+    # one FSDP unit per top-level block that has parameters
+    for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child)
     return fully_shard(model)
@@ -62,7 +63,8 @@ def main() -> None:
         manifest = state_manifest(plain)
         model = wrap(plain, args.strategy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        torch.manual_seed(1 + info.rank)  # each rank its own batches, as a DistributedSampler gives
+        # each rank its own batches, as a DistributedSampler gives
+        torch.manual_seed(1 + info.rank)
         for _ in range(args.steps):
             x = torch.rand(8, *input_shape(spec))
             y = torch.randint(0, spec.args["num_classes"], (8,))
@@ -97,7 +99,8 @@ def main() -> None:
             torch.manual_seed(123)
             x = torch.rand(16, *input_shape(spec))
             with torch.no_grad():
-                y = model(x)  # collective under FSDP: every rank runs it
+                # collective under FSDP: every rank runs it
+                y = model(x)
             if info.is_main:
                 save_file(
                     {k: v.contiguous() for k, v in full.items()}, str(out / "live.safetensors")

@@ -2,14 +2,14 @@
 
     python consolidate_peak_rss.py {ours|dcp_to_torch_save|read|floor} CHECKPOINT_DIR OUT_DIR [OUTPUT_BYTES]
 
-`baseline` is the resident size once everything is imported, just before the work starts;
-`peak` is this process image's high-water mark (VmHWM) after it; `seconds` the work's time.
-`ru_maxrss` (getrusage) is reported too but not used: Linux carries it across execve, so a child
-spawned by a big process starts at its parent's peak (a child of a big pytest reports the pytest's).
-Mode `read` reads every shard file once in 8 MiB blocks (from the page cache, here: no hashing, no writing).
-Mode `floor` is what any consolidation that verifies its input must do at least: every shard byte read and
-hashed once (`sha256sum` of the checkpoint's files, the real tool) plus the output's bytes written once
-(OUTPUT_BYTES, fsync'd, as consolidation fsyncs its file).
+`baseline` is the resident size once everything is imported, just before the work starts; `peak` is
+this process image's high-water mark (VmHWM) after it; `seconds` the work's time. `ru_maxrss`
+(getrusage) is reported too but not used: Linux carries it across execve, so a child spawned by a
+big process starts at its parent's peak (a child of a big pytest reports the pytest's). Mode `read`
+reads every shard file once in 8 MiB blocks (from the page cache, here: no hashing, no writing).
+Mode `floor` is what any consolidation that verifies its input must do at least: every shard byte
+read and hashed once (`sha256sum` of the checkpoint's files, the real tool) plus the output's bytes
+written once (OUTPUT_BYTES, fsync'd, as consolidation fsyncs its file).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import psutil
-import safetensors.torch  # noqa: F401  (imported up front so it is part of the baseline)
+
+# imported up front so it is part of the baseline
+import safetensors.torch  # noqa: F401
 import torch  # noqa: F401
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -56,14 +58,17 @@ def peak_rss() -> int:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:  # not Linux: there ru_maxrss is the process's own
+                    # kB
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        # not Linux: there ru_maxrss is the process's own
         pass
     return ru_maxrss()
 
 
 def ru_maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:

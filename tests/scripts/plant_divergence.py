@@ -18,10 +18,12 @@ def caught_divergence(rank: int) -> bool:
         {"num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]},
     )
     model = DDP(instantiate_model(spec))
-    replicas.check(model, step=1)  # identical replicas pass
+    # identical replicas pass
+    replicas.check(model, step=1)
     if rank == 1:
         with torch.no_grad():
-            model.module.head.weight[3, 5] += 1e-6  # a tiny, silent corruption on one rank
+            # a tiny, silent corruption on one rank
+            model.module.head.weight[3, 5] += 1e-6
     try:
         replicas.check(model, step=2)
     except replicas.ReplicaDivergence as exc:
@@ -29,7 +31,8 @@ def caught_divergence(rank: int) -> bool:
         return True
     print(f"rank {rank}: divergence NOT caught", flush=True)
     return False
-    # DDP (and its hold on the process group) is gone when this returns: before teardown, as in train.main.
+    # DDP (and its hold on the process group) is gone when this returns: before teardown, as in
+    # train.main.
 
 
 info = distributed.setup("cpu", 1)
