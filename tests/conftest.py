@@ -101,6 +101,32 @@ def model_from_checkpoint(ckpt: Path) -> torch.nn.Module:
     return model
 
 
+# Where mlflow.set_tracking_uri() / set_registry_uri() keep the store besides os.environ.
+MLFLOW_GLOBALS = (
+    ("MLFLOW_TRACKING_URI", "mlflow.tracking._tracking_service.utils", "_tracking_uri"),
+    ("MLFLOW_REGISTRY_URI", "mlflow.tracking._model_registry.utils", "_registry_uri"),
+)
+
+
+@pytest.fixture(autouse=True)
+def mlflow_store_left_as_found():
+    """mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ and a module global: a
+    test calling a stage in-process would otherwise hand its store, deleted with its directory, to
+    every later in-process stage and subprocess."""
+    before = [
+        (key, os.environ.get(key), module, name, getattr(sys.modules.get(module), name, None))
+        for key, module, name in MLFLOW_GLOBALS
+    ]
+    yield
+    for key, value, module, name, held in before:
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+        if module in sys.modules:
+            setattr(sys.modules[module], name, held)
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
