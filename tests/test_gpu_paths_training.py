@@ -290,33 +290,18 @@ def test_train_step_never_waits_for_the_device_unless_asked_for_the_norm(monkeyp
     model = instantiate_model(mlp_spec())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = amp.grad_scaler("fp32", CPU1.device)
-    loss, norm = train_step(
-        Learner(
-            model=model,
-            optimizer=opt,
-            scaler=scaler,
-            device=CPU1.device,
-            precision="fp32",
-            loss_fn=F.cross_entropy,
-            clip_grad_norm=1.0,
-        ),
-        [batch(seed=1), batch(seed=2)],
-        want_norm=False,
+    learner = Learner(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        device=CPU1.device,
+        precision="fp32",
+        loss_fn=F.cross_entropy,
+        clip_grad_norm=1.0,
     )
+    loss, norm = train_step(learner, [batch(seed=1), batch(seed=2)], want_norm=False)
     assert reads == [] and loss.dtype == torch.float64 and norm != norm
-    _, norm = train_step(
-        Learner(
-            model=model,
-            optimizer=opt,
-            scaler=scaler,
-            device=CPU1.device,
-            precision="fp32",
-            loss_fn=F.cross_entropy,
-            clip_grad_norm=1.0,
-        ),
-        [batch(seed=3)],
-        want_norm=True,
-    )
+    _, norm = train_step(learner, [batch(seed=3)], want_norm=True)
     assert reads == ["item"] and norm > 0
 
 
