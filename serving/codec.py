@@ -64,6 +64,19 @@ MAX_DIM = 2**31
 MAX_DATA_DEPTH = 100
 
 
+# What a decoder raises on a request it did not foresee: still the client's malformed request, a
+# 400, never a 500.
+UNFORESEEN = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    MemoryError,
+)
+
+
 class BadRequest(Exception):
     """The client sent something we can't use. `status` is the 4xx to answer with."""
 

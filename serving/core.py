@@ -41,7 +41,7 @@ import numpy as np
 from serving import drift, image_inputs, input_range, lengths
 from serving.batcher import Batcher, BatcherClosed, NotRowWise, QueueFull, RunTimedOut
 from serving.classification import classify
-from serving.codec import BadRequest, Limits, shape_fits
+from serving.codec import UNFORESEEN, BadRequest, Limits, shape_fits
 from serving.config import Settings
 from serving.console import clip
 from serving.engine import GPU_PROVIDERS, Engine, ModelInputError
@@ -650,15 +650,7 @@ def decode_now(decode: Callable[[], Any]):
         return decode()
     except BadRequest:
         raise
-    except (
-        ValueError,
-        TypeError,
-        KeyError,
-        IndexError,
-        AttributeError,
-        OverflowError,
-        MemoryError,
-    ) as exc:
+    except UNFORESEEN as exc:
         log.debug("a request the decoder did not foresee", exc_info=True)
         raise BadRequest(
             f"malformed request: {type(exc).__name__}: {clip(str(exc), 200)}"

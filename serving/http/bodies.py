@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from serving import codec
-from serving.codec import BadRequest, Limits, V2Header, V2Request
+from serving.codec import UNFORESEEN, BadRequest, Limits, V2Header, V2Request
 from serving.staging import NonFinite, finite_bytes
 
 # what discarded bytes are received into (never read)
@@ -226,15 +226,7 @@ class V2Binary:
             )
         except BadRequest as exc:
             self.error = exc
-        except (
-            ValueError,
-            TypeError,
-            KeyError,
-            IndexError,
-            AttributeError,
-            OverflowError,
-            MemoryError,
-        ) as exc:
+        except UNFORESEEN as exc:
             self.error = BadRequest(f"malformed request: {type(exc).__name__}: {str(exc)[:200]}")
         if self.error is not None:
             self._discard = Discard(self.length - self.filled)
