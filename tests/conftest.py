@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -60,6 +61,39 @@ def pytest_configure(config):
     if root and not config.option.basetemp and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
         # pytest's basetemp comes from tempfile.gettempdir(), which returns this once set.
         tempfile.tempdir = root
+
+
+# The modules that read the launch table's rows (tests/launches.py): one worker runs them all, so each
+# row launches once a session.
+LAUNCH_TABLE_READERS = ("test_launches.py", "test_own_models.py")
+# The groups that take minutes, longest first: handed out first, so that the workers end together
+# rather than one waiting out the last long module. Re-rank from CI's --durations when they change.
+LONGEST_FIRST = (
+    "launch-table",
+    "test_streamed_data.py",
+    "test_exact_resume.py",
+    "test_checkpoints.py",
+    "test_train.py",
+    "test_pipeline_run.py",
+    "test_run_directories.py",
+    "test_first_hour.py",
+    "test_export.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's `--dist loadgroup` (scripts/test): a module's tests go to one worker (its
+    module-scoped servers and runs are made once), the launch table's readers to one, and the
+    longest groups go first. Within a group, and among the others, the order is the collection's."""
+    groups: dict[str, list] = {}
+    for item in items:
+        module = Path(item.fspath).name
+        group = "launch-table" if module in LAUNCH_TABLE_READERS else module
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
+    ordered = sorted(groups, key=lambda group: rank.get(group, len(rank)))
+    items[:] = [item for group in ordered for item in groups[group]]
 
 
 TINY = REPO / "tests" / "configs" / "tiny.yaml"
@@ -267,19 +301,48 @@ def tiny_run(tmp_path_factory) -> FinishedRun:
     """`pipeline run --config tests/configs/tiny.yaml --serve-check` once for the session, on one
     process: trained (checkpoints at steps 6 and 12), consolidated, exported, registered as
     resnet18-digits v1 @champion, served and checked. Read only: `copy_run` for a test that
-    writes."""
-    workdir = tmp_path_factory.mktemp("tiny_run")
-    proc = run_cli(
-        ["run", "--config", str(TINY), "--serve-check", "serve.port=0", "train.run_name=tiny"],
-        cwd=workdir,
-        check=False,
-    )
-    assert proc.returncode == 1 and "failed its baseline gate" in proc.stderr, (
-        f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
-    )
+    writes. Under pytest-xdist the first worker to ask trains it, in the directory the workers'
+    own temporary directories share, and the others wait for it and read the same run."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    workdir, record = shared / "tiny_run", shared / "tiny_run.json"
+    with (shared / "tiny_run.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir()
+            proc = run_cli(
+                ["run", "--config", str(TINY), "--serve-check", "serve.port=0"]
+                + ["train.run_name=tiny"],
+                cwd=workdir,
+                check=False,
+            )
+            assert proc.returncode == 1 and "failed its baseline gate" in proc.stderr, (
+                f"exited {proc.returncode}\n{proc.stderr[-4000:]}"
+            )
+            record.write_text(json.dumps(dataclasses.asdict(Console.of(proc))))
+    proc = Console(**json.loads(record.read_text())).completed()
     before = tree_digest(workdir)
     yield FinishedRun(workdir, "tiny", proc)
     assert tree_digest(workdir) == before, "a test changed the session's tiny_run: use copy_run"
+
+
+@dataclasses.dataclass(frozen=True)
+class Console:
+    """A command's CompletedProcess as the workers pass it on (JSON)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @classmethod
+    def of(cls, proc: subprocess.CompletedProcess) -> Console:
+        return cls([str(a) for a in proc.args], proc.returncode, proc.stdout, proc.stderr)
+
+    def completed(self) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(self.args, self.returncode, self.stdout, self.stderr)
 
 
 def tree_digest(root: Path) -> dict[str, str]:
