@@ -54,9 +54,9 @@ def scratch_root() -> str | None:
 
 def pytest_configure(config):
     """tmp_path and the working directories the CLI runs in (their MLflow stores, checkpoints and
-    outputs) go to memory. On a disk, SQLite syncs every MLflow write: a fresh store alone is ~1,200
-    fdatasyncs, 2-3 s of waiting on this machine's disk, which tests nothing. Subprocesses keep the
-    system's TMPDIR for their own temporary files. A --basetemp given on the command line wins."""
+    outputs) go to memory. On a disk, SQLite syncs every MLflow write, and a fresh store alone waits
+    seconds on those syncs, which tests nothing. Subprocesses keep the system's TMPDIR for their own
+    temporary files. A --basetemp given on the command line wins."""
     root = scratch_root()
     if root and not config.option.basetemp and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
         # pytest's basetemp comes from tempfile.gettempdir(), which returns this once set.
