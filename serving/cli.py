@@ -427,7 +427,7 @@ def serve(settings: Settings) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from serving.engine import EngineError
-    from serving.loader import SourceError
+    from serving.loader import SourceError, sweep_orphaned_downloads
     from serving.payload_log import PayloadLogError
     from serving.repository import RepositoryError
 
@@ -440,6 +440,8 @@ def serve(settings: Settings) -> int:
         payload_log = open_payload_log(settings)
     except PayloadLogError as exc:
         raise ServeError(exc) from None
+    if removed := sweep_orphaned_downloads():
+        log.info("removed %d model download(s) left by servers no longer running", len(removed))
     try:
         models = open_models(settings)
     except (SourceError, EngineError, RepositoryError) as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -147,6 +148,47 @@ class LoadedModel:
     def discard(self) -> None:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# A downloaded version's files live in a directory named for the process that holds them (its PID
+# namespace and PID): a server killed with SIGKILL cannot remove its own, so the next one started on
+# the machine does (sweep_orphaned_downloads).
+DOWNLOADS_PREFIX = "trainserve-model-"
+
+
+def _workdir_prefix(pid: int | None = None) -> str:
+    return f"{DOWNLOADS_PREFIX}{_pid_namespace()}-{pid or os.getpid()}-"
+
+
+def _pid_namespace() -> str:
+    try:
+        # "pid:[4026531836]" -> its inode: servers in other containers sharing the directory are
+        # never judged by PIDs of this one
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        return "0"
+
+
+def sweep_orphaned_downloads() -> list[str]:
+    """Remove the download directories, in the temporary directory, of servers of this PID namespace
+    that are no longer running; returns the directories removed."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{DOWNLOADS_PREFIX}{_pid_namespace()}-*-*"):
+        pid = path.name.removeprefix(f"{DOWNLOADS_PREFIX}{_pid_namespace()}-").split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_source(uri: str) -> str:
@@ -284,7 +326,7 @@ def load_model(
         if kind == "file":
             path, version = find_onnx(Path(uri), variant), version or "1"
         else:
-            workdir = tempfile.mkdtemp(prefix="trainserve-model-")
+            workdir = tempfile.mkdtemp(prefix=_workdir_prefix())
             if kind in ("alias", "version"):
                 registered = (_ALIAS.match(uri) or _VERSION.match(uri)).group(1)
                 if kind == "version":

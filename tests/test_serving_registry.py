@@ -286,3 +286,30 @@ def test_every_alias_named_keeps_its_version_loaded_under_one_model_name(registr
     with ServerProcess(*args, env=env, log_path=tmp_path / "log2") as srv:
         assert requests.get(srv.url + "/v2/models/digits").json()["versions"] == ["1"]
         assert infer(srv.url, "digits", x)["model_version"] == "1"
+
+
+def test_a_killed_servers_download_is_removed_by_the_next_server_and_a_running_ones_kept(
+    registry, tmp_path
+):
+    """SIGKILL leaves a server's model download in the temporary directory; the next server started
+    there removes it, and leaves a running server's alone."""
+    env, _, _ = registry
+    downloads = tmp_path / "tmp"
+    downloads.mkdir()
+    env = {**env, "TMPDIR": str(downloads)}
+
+    def of(server) -> list[Path]:
+        return [p for p in downloads.iterdir() if f"-{server.proc.pid}-" in p.name]
+
+    source = ("--model", "models:/digits@champion")
+    with ServerProcess(*source, env=env, log_path=tmp_path / "a.log") as killed:
+        with ServerProcess(*source, env=env, log_path=tmp_path / "b.log") as running:
+            assert of(killed) and of(running), sorted(downloads.iterdir())
+            killed.proc.kill()
+            killed.proc.wait(10)
+            assert of(killed)
+            with ServerProcess(*source, env=env, log_path=tmp_path / "c.log") as third:
+                assert not of(killed) and of(running) and of(third)
+                assert "removed 1 model download(s) left by servers no longer running" in (
+                    third.log()
+                )
