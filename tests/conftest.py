@@ -81,19 +81,38 @@ LONGEST_FIRST = (
 )
 
 
+def worker_group(nodeid: str) -> str:
+    """The tests one pytest-xdist worker runs together: a module's (its module-scoped servers and
+    runs are made once), and the launch table's readers'."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return "launch-table" if module in LAUNCH_TABLE_READERS else module
+
+
 def pytest_collection_modifyitems(config, items):
-    """For pytest-xdist's `--dist loadgroup` (scripts/test): a module's tests go to one worker (its
-    module-scoped servers and runs are made once), the launch table's readers to one, and the
-    longest groups go first. Within a group, and among the others, the order is the collection's."""
+    """The longest groups first (LONGEST_FIRST); within a group, and among the others, the order is
+    the collection's."""
     groups: dict[str, list] = {}
     for item in items:
-        module = Path(item.fspath).name
-        group = "launch-table" if module in LAUNCH_TABLE_READERS else module
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
+        groups.setdefault(worker_group(item.nodeid), []).append(item)
     rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
     ordered = sorted(groups, key=lambda group: rank.get(group, len(rank)))
     items[:] = [item for group in ordered for item in groups[group]]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (scripts/test) with worker_group as the scope, handed out in the
+    collection's order (with --no-loadscope-reorder). xdist's own `loadgroup` would take marks, but
+    it renames node ids in a way pytest 9 no longer reads."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)
 
 
 TINY = REPO / "tests" / "configs" / "tiny.yaml"
