@@ -66,8 +66,8 @@ def pytest_configure(config):
 # The modules that read the launch table's rows (tests/launches.py): one worker runs them all, so each
 # row launches once a session.
 LAUNCH_TABLE_READERS = ("test_launches.py", "test_own_models.py")
-# The groups that take minutes, longest first: handed out first, so that the workers end together
-# rather than one waiting out the last long module. Re-rank from CI's --durations when they change.
+# The groups that take most of a minute or more, longest first: handed out first, so that the workers
+# end together rather than one waiting out a long module handed out last. Re-rank from CI's --durations when they change.
 LONGEST_FIRST = (
     "launch-table",
     "test_streamed_data.py",
@@ -78,6 +78,18 @@ LONGEST_FIRST = (
     "test_run_directories.py",
     "test_first_hour.py",
     "test_export.py",
+    "test_ui.py",
+    "test_consolidate.py",
+    "test_live_judgement.py",
+    "test_front_ends.py",
+    "test_token_classification.py",
+    "test_multi_node.py",
+    "test_int8.py",
+    "test_shards_bad_input.py",
+    "test_image_requests.py",
+    "test_rollout.py",
+    "test_registry_integrity.py",
+    "test_best_checkpoint.py",
 )
 
 

@@ -143,7 +143,7 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
         "-m",
         "pipeline",
         *command[1:],
-        "train.epochs=3",
+        "train.epochs=2",
         "serve.port=0",
         "train.run_name=quick",
     ]
@@ -275,7 +275,7 @@ def test_readme_quick_start_in_a_tiny_variant(tmp_path):
             "configs/digits_resnet18.yaml",
             "--nproc-per-node",
             "2",
-            "train.epochs=3",
+            "train.epochs=2",
             "train.run_name=quick",
         ],
         cwd=tmp_path,
