@@ -182,6 +182,7 @@ def sweep_orphaned_downloads() -> list[str]:
 
 
 def _running(pid: int) -> bool:
+    # pipeline/checkpoint/run_dir.py's pid_alive, written again: serving/ imports nothing of pipeline/
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
