@@ -156,8 +156,8 @@ class LoadedModel:
 DOWNLOADS_PREFIX = "trainserve-model-"
 
 
-def _workdir_prefix(pid: int | None = None) -> str:
-    return f"{DOWNLOADS_PREFIX}{_pid_namespace()}-{pid or os.getpid()}-"
+def _workdir_prefix() -> str:
+    return f"{DOWNLOADS_PREFIX}{_pid_namespace()}-{os.getpid()}-"
 
 
 def _pid_namespace() -> str:
@@ -172,9 +172,9 @@ def _pid_namespace() -> str:
 def sweep_orphaned_downloads() -> list[str]:
     """Remove the download directories, in the temporary directory, of servers of this PID namespace
     that are no longer running; returns the directories removed."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{DOWNLOADS_PREFIX}{_pid_namespace()}-*-*"):
-        pid = path.name.removeprefix(f"{DOWNLOADS_PREFIX}{_pid_namespace()}-").split("-", 1)[0]
+    removed, ours = [], f"{DOWNLOADS_PREFIX}{_pid_namespace()}-"
+    for path in Path(tempfile.gettempdir()).glob(f"{ours}*-*"):
+        pid = path.name.removeprefix(ours).split("-", 1)[0]
         if pid.isdigit() and not _running(int(pid)) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))

@@ -67,7 +67,8 @@ def pytest_configure(config):
 # row launches once a session.
 LAUNCH_TABLE_READERS = ("test_launches.py", "test_own_models.py")
 # The groups that take most of a minute or more, longest first: handed out first, so that the workers
-# end together rather than one waiting out a long module handed out last. Re-rank from CI's --durations when they change.
+# end together rather than one waiting out a long module handed out last. Re-rank them from CI's
+# --durations when they change.
 LONGEST_FIRST = (
     "launch-table",
     "test_streamed_data.py",
