@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,6 +67,22 @@ def spare(server) -> float:
     """Whether a spare front end waits to replace one that dies (its /metrics)."""
     text = requests.get(server.url + "/metrics", timeout=10).text
     return metric(text, "trainserve_front_ends", state="spare")
+
+
+def own_dev_shm(folder: Path) -> list[str]:
+    """What starts a server with its own /dev/shm (`folder`, bound there in a mount namespace of its
+    own): whatever it leaves there is its, not another test worker's (PostgreSQL's, say). The
+    server no longer sees the rest of /dev/shm, where tmp_path may be: see model_off_dev_shm."""
+    folder.mkdir(exist_ok=True)
+    script = 'mount --bind "$0" /dev/shm && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(folder)]
+
+
+@pytest.fixture
+def model_off_dev_shm():
+    """The tiny model where a server with its own /dev/shm still finds it."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
+        yield tiny_model(Path(folder) / "tiny.onnx")
 
 
 def wait_for(condition, seconds: float, what: str):
@@ -318,15 +335,22 @@ def test_a_version_swapped_under_load_fails_no_request(tmp_path):
 
 
 @pytest.mark.slow
-def test_front_ends_killed_under_load_are_replaced_and_fail_only_their_own_requests(tmp_path):
+def test_front_ends_killed_under_load_are_replaced_and_fail_only_their_own_requests(
+    tmp_path, model_off_dev_shm
+):
     """20 times, one of two front ends is SIGKILLed while six clients send requests: only
     connections to it fail (a connection error, never a status from the server), another process
     listens in its place within 2 s, the engine lets go of its rows (no buffer is left taken, no
     arrival waited for), and nothing is left in /dev/shm."""
-    before = set(os.listdir("/dev/shm"))
-    model = tiny_model(tmp_path / "tiny.onnx")
+    shm = tmp_path / "shm"
+    model = model_off_dev_shm
     with ServerProcess(
-        "--model", str(model), "--front-ends", "2", log_path=tmp_path / "log"
+        "--model",
+        str(model),
+        "--front-ends",
+        "2",
+        log_path=tmp_path / "log",
+        prefix=own_dev_shm(shm),
     ) as server:
         engine = server.proc.pid
         replaced = []
@@ -353,18 +377,23 @@ def test_front_ends_killed_under_load_are_replaced_and_fail_only_their_own_reque
         text = requests.get(server.url + "/metrics").text
         assert metric(text, "trainserve_batch_buffers_in_use") == 0, text
         assert metric(text, "trainserve_requests_arriving") == 0, text
-    assert set(os.listdir("/dev/shm")) == before
+    assert os.listdir(shm) == []
 
 
 @pytest.mark.slow
-def test_the_engine_killed_takes_its_front_ends_down(tmp_path):
+def test_the_engine_killed_takes_its_front_ends_down(tmp_path, model_off_dev_shm):
     """20 times, the engine of two front ends is SIGKILLed: its exit is not 0, both front ends are
     gone within 2 s (none is left holding the port), and nothing is left in /dev/shm."""
-    before = set(os.listdir("/dev/shm"))
-    model = tiny_model(tmp_path / "tiny.onnx")
+    shm = tmp_path / "shm"
+    model = model_off_dev_shm
     for _ in range(20):
         with ServerProcess(
-            "--model", str(model), "--front-ends", "2", log_path=tmp_path / "log"
+            "--model",
+            str(model),
+            "--front-ends",
+            "2",
+            log_path=tmp_path / "log",
+            prefix=own_dev_shm(shm),
         ) as server:
             pids = front_ends(server.proc.pid)
             assert len(pids) == 3
@@ -373,7 +402,7 @@ def test_the_engine_killed_takes_its_front_ends_down(tmp_path):
             wait_for(
                 lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 2, "front ends gone"
             )
-    assert set(os.listdir("/dev/shm")) == before
+    assert os.listdir(shm) == []
 
 
 def test_sigterm_drains_every_process(tmp_path):
