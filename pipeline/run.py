@@ -226,8 +226,8 @@ def run_train(cfg: Config, run_dir: Path, nproc_per_node: int, force: bool) -> i
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "requested_config.yaml"
     write_atomically(resolved, to_yaml(cfg))
-    cmd = train.torchrun_command(nproc_per_node, 0, str(resolved), resume, [])
-    return train.run_torchrun(cmd, cfg, run_dir)
+    argv = train.torchrun_arguments(nproc_per_node, 0, str(resolved), resume, [])
+    return train.run_torchrun(argv, cfg, run_dir)
 
 
 def write_run_note(

@@ -1204,16 +1204,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def torchrun_command(
+def torchrun_arguments(
     nproc_per_node: int,
     max_restarts: int,
     config: str | None,
     resume: str | None,
     overrides: list[str],
 ) -> list[str]:
-    """This stage under torchrun on this machine."""
+    """torchrun's arguments for this stage on this machine."""
     arguments = (["--config", config] if config else []) + (["--resume", resume] if resume else [])
-    return launch.torchrun_command(
+    return launch.torchrun_arguments(
         "pipeline.train", nproc_per_node, max_restarts, [*arguments, *overrides]
     )
 
@@ -1226,20 +1226,20 @@ def launch_torchrun(args, cfg: Config) -> int:
     # on an object store rank 0 holds the lease, restarts included
     if not object_store.is_url(run_dir):
         run_dir_owner.claim(run_dir)
-    cmd = torchrun_command(
+    argv = torchrun_arguments(
         args.nproc_per_node,
         args.max_restarts,
         args.config,
         args.resume,
         [*args.overrides, f"train.run_name={run_name}"],
     )
-    return run_torchrun(cmd, cfg, run_dir)
+    return run_torchrun(argv, cfg, run_dir)
 
 
-def run_torchrun(cmd: list[str], cfg: Config, run_dir: Path) -> int:
+def run_torchrun(argv: list[str], cfg: Config, run_dir: Path) -> int:
     """torchrun's exit code. When it failed, also closes an MLflow run that rank 0 left RUNNING:
     a SIGKILL (the OOM killer, torchrun's escalation after 30 s) gives rank 0 no chance to."""
-    code = launch.run_torchrun(cmd)
+    code = launch.run_torchrun(argv)
     record = read_run_record(run_dir) if code else None
     # (ended: rank 0 closed it itself)
     if record and not record.get("ended"):

@@ -1,14 +1,18 @@
-"""Launching a stage under torchrun on this machine: the command, its environment, and a launcher
-that passes a SIGTERM on to torchrun (so the workers stop gracefully) and returns torchrun's exit
-code. Multi-node jobs start torchrun themselves (c10d rendezvous); a stage then just runs in each
-worker.
+"""Launching a stage under torchrun on this machine: torchrun's arguments, and torchrun's agent run
+in this process (`run_torchrun`), which returns its exit code. Multi-node jobs start torchrun
+themselves (c10d rendezvous); a stage then just runs in each worker.
+
+torchrun's agent runs here rather than in a process of its own because that process would only
+import torch again to wait on the workers (a few CPU-seconds a launch). A SIGTERM (docker stop, a
+scheduler) or Ctrl-C reaches the agent's own handlers, which stop the workers gracefully, each
+closing its run; the handlers, the environment and the thread name the agent changes are put back
+when it returns.
 
 Bad input met by one rank is said once: the first rank to meet it writes its one line to the
 launch's error file (`TRAINSERVE_ERROR_FILE`, made by `run_torchrun`) and prints it; the other
 ranks, whose collectives then fail with "Connection closed by peer", find the file and exit quietly
-with the same code, and torchrun, run through this module (`python -m pipeline.distributed.launch`),
-exits with it too, without its report of the failed workers. Any other failure is reported by
-torchrun as before.
+with the same code, and the launch returns it too, without torchrun's report of the failed workers.
+Any other failure is reported by torchrun as before.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from pipeline.tools import stopping
 
 ERROR_FILE = "TRAINSERVE_ERROR_FILE"
 # The exit code of bad input everywhere in the CLI (pipeline/errors.py).
@@ -32,15 +37,12 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def torchrun_command(
+def torchrun_arguments(
     module: str, nproc_per_node: int, max_restarts: int, arguments: list[str]
 ) -> list[str]:
-    """`python -m module arguments...` under torchrun on this machine (`--standalone`: a private
-    rendezvous), torchrun itself run through this module's `torchrun()`."""
+    """torchrun's arguments for `python -m module arguments...` on this machine (`--standalone`: a
+    private rendezvous)."""
     return [
-        sys.executable,
-        "-m",
-        "pipeline.distributed.launch",
         "--standalone",
         f"--nproc-per-node={nproc_per_node}",
         f"--max-restarts={max_restarts}",
@@ -50,31 +52,36 @@ def torchrun_command(
     ]
 
 
-def torchrun_env(error_file: str | None = None) -> dict[str, str]:
-    # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if error_file:
-        env[ERROR_FILE] = error_file
-    return env
+# The signals torchrun's agent takes over (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
-def run_torchrun(cmd: list[str]) -> int:
-    """torchrun's exit code (USER_ERROR when a rank met bad input and said so). docker stop / a
-    scheduler's SIGTERM reaches only this launcher: it is passed on, so torchrun stops the workers
-    gracefully (each closes its run) rather than losing them with us."""
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun with `argv` (torchrun_arguments), its agent in this process: 0, USER_ERROR when a
+    rank met bad input and said so, else 1 (a worker failed, or a signal stopped the workers)."""
+    from torch.multiprocessing import _get_thread_name, _set_thread_name
+
     folder = tempfile.mkdtemp(prefix="trainserve-launch-")
+    # The workers inherit this process's environment.
+    environment = dict(os.environ)
+    os.environ.update(torchrun_env(os.path.join(folder, "error")))
+    handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    thread_name = _get_thread_name()
     try:
-        torchrun = subprocess.Popen(cmd, env=torchrun_env(os.path.join(folder, "error")))
-        previous = signal.signal(signal.SIGTERM, lambda *_: torchrun.send_signal(signal.SIGTERM))
-        try:
-            return torchrun.wait()
-        except KeyboardInterrupt:
-            # Ctrl-C reached torchrun too (same process group): let it finish
-            return torchrun.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return torchrun(argv)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        _set_thread_name(thread_name)
+        os.environ.clear()
+        os.environ.update(environment)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def torchrun_env(error_file: str) -> dict[str, str]:
+    """What torchrun's workers get on top of this process's environment."""
+    # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERROR_FILE: error_file}
 
 
 def _attempt_file() -> str | None:
@@ -105,14 +112,15 @@ def say_error(line: str) -> None:
 def another_rank_said_why(wait: float = 10.0) -> bool:
     """Whether another rank of this launch has said why it stopped (say_error). A rank asks when its
     own collective failed: the rank that met bad input leaves the process group before it says so,
-    so the answer may take a moment to appear."""
+    so the answer may take a moment to appear. Not after torchrun's SIGTERM, though: torchrun
+    stops the other ranks once one has exited, and a rank says why before it exits."""
     path = _attempt_file()
     if not path:
         return False
     deadline = time.monotonic() + wait
     while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            return False
+        if time.monotonic() > deadline or stopping.sigterm_received():
+            return os.path.exists(path)
         time.sleep(0.05)
     return True
 
@@ -135,24 +143,32 @@ class _QuietOnceSaid(logging.Filter):
 
 
 def torchrun(argv: list[str]) -> int:
-    """torchrun (`torch.distributed.run`) with `argv`, returning USER_ERROR without its report of
-    the failed workers when a rank said why it stopped; any other failure is raised as torchrun
-    raises it."""
+    """torchrun (`torch.distributed.run`) with `argv`: 0, USER_ERROR without torchrun's report of
+    the failed workers when a rank said why it stopped, else 1 with torchrun's report."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     quiet = _QuietOnceSaid(os.environ.get(ERROR_FILE))
-    for name in ("", "torch", "torch.distributed"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(quiet)
+    handlers = [
+        handler
+        for name in ("", "torch", "torch.distributed")
+        for handler in logging.getLogger(name).handlers
+    ]
+    for handler in handlers:
+        handler.addFilter(quiet)
     try:
         run(parse_args(argv))
-    except ChildFailedError:
+    except ChildFailedError as failed:
         if quiet.said():
             return USER_ERROR
-        raise
+        print(f"torchrun: {failed}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as stopped:
+        # The agent has stopped the workers (SIGTERM, then SIGKILL after its grace period).
+        print(f"torchrun: stopped the workers on {stopped.sigval.name}", file=sys.stderr)
+        return 1
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(torchrun(sys.argv[1:]))
