@@ -218,6 +218,35 @@ def test_a_rank_killed_without_restarts_leaves_the_run_failed_not_running(workdi
         assert f"marked MLflow run {run.info.run_id} FAILED" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_rank_whose_peer_died_stops_waiting_for_its_reason_at_torchruns_sigterm(
+    tmp_path, monkeypatch
+):
+    """A rank whose collective failed waits for the peer's one line about bad input, but not once
+    torchrun's SIGTERM came (ignored while the run is closed) with no line written: a peer killed
+    outright says nothing, and each such failure (or restart) would wait out the whole wait."""
+    import os
+    import signal
+    import threading
+
+    from pipeline.distributed import launch
+    from pipeline.tools import stopping
+
+    monkeypatch.setenv(launch.ERROR_FILE, str(tmp_path / "error"))
+    previous = signal.getsignal(signal.SIGTERM)
+    stopping.ignore_sigterm()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        assert not launch.another_rank_said_why(wait=60)
+        assert time.monotonic() - started < 10
+        # A line written before the SIGTERM is still found.
+        (tmp_path / "error.0").write_text("pipeline train: [rank1] error: ...\n")
+        assert launch.another_rank_said_why(wait=60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.setattr(stopping, "_received", False)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
 def test_sigterms_raining_on_a_training_rank_never_leave_its_run_running(
     workdir, monkeypatch, delay

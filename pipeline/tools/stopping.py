@@ -20,6 +20,9 @@ import threading
 _depth = 0
 # a signal that arrived inside one
 _pending: int | None = None
+# Whether a SIGTERM has arrived, ignored or not: a rank waiting to hear why a peer stopped
+# (launch.another_rank_said_why) need not wait once torchrun has asked it to stop.
+_received = False
 
 
 def exit_on_sigterm():
@@ -28,7 +31,8 @@ def exit_on_sigterm():
 
 
 def _on_sigterm(signum, _frame) -> None:
-    global _pending
+    global _pending, _received
+    _received = True
     # One exit is enough: a second SIGTERM must not cut short the failure path the first one
     # started.
     ignore_sigterm()
@@ -39,7 +43,17 @@ def _on_sigterm(signum, _frame) -> None:
 
 
 def ignore_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """SIGTERM does nothing from here on but say that it came (sigterm_received)."""
+    signal.signal(signal.SIGTERM, _note_sigterm)
+
+
+def _note_sigterm(_signum, _frame) -> None:
+    global _received
+    _received = True
+
+
+def sigterm_received() -> bool:
+    return _received
 
 
 @contextlib.contextmanager
