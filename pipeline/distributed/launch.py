@@ -79,9 +79,16 @@ def run_torchrun(argv: list[str]) -> int:
 
 
 def torchrun_env(error_file: str) -> dict[str, str]:
-    """What torchrun's workers get on top of this process's environment."""
-    # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERROR_FILE: error_file}
+    """What torchrun's agent and workers get on top of this process's environment."""
+    return {
+        # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        ERROR_FILE: error_file,
+        # The workers' rank 0 holds their store, not the agent: with the agent in this process,
+        # the store it shares stopped taking connections after a restart, and the restarted
+        # workers waited 2 s twice on it (torch 2.13).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
 def _attempt_file() -> str | None:
