@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -73,6 +74,8 @@ def own_dev_shm(folder: Path) -> list[str]:
     """What starts a server with its own /dev/shm (`folder`, bound there in a mount namespace of its
     own): whatever it leaves there is its, not another test worker's (PostgreSQL's, say). The
     server no longer sees the rest of /dev/shm, where tmp_path may be: see model_off_dev_shm."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a mount namespace of the server's own needs root and unshare (util-linux)")
     folder.mkdir(exist_ok=True)
     script = 'mount --bind "$0" /dev/shm && exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(folder)]

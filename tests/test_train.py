@@ -232,10 +232,13 @@ def test_a_rank_whose_peer_died_stops_waiting_for_its_reason_at_torchruns_sigter
     from pipeline.tools import stopping
 
     monkeypatch.setenv(launch.ERROR_FILE, str(tmp_path / "error"))
+    # (another test of this process may have had a SIGTERM noted)
+    monkeypatch.setattr(stopping, "_received", False)
     previous = signal.getsignal(signal.SIGTERM)
     stopping.ignore_sigterm()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     try:
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        timer.start()
         started = time.monotonic()
         assert not launch.another_rank_said_why(wait=60)
         assert time.monotonic() - started < 10
@@ -243,8 +246,10 @@ def test_a_rank_whose_peer_died_stops_waiting_for_its_reason_at_torchruns_sigter
         (tmp_path / "error.0").write_text("pipeline train: [rank1] error: ...\n")
         assert launch.another_rank_said_why(wait=60)
     finally:
+        # the SIGTERM sent, or never sent, before the default handler is back
+        timer.cancel()
+        timer.join()
         signal.signal(signal.SIGTERM, previous)
-        monkeypatch.setattr(stopping, "_received", False)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])

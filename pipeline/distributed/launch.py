@@ -3,10 +3,10 @@ in this process (`run_torchrun`), which returns its exit code. Multi-node jobs s
 themselves (c10d rendezvous); a stage then just runs in each worker.
 
 torchrun's agent runs here rather than in a process of its own because that process would only
-import torch again to wait on the workers (a few CPU-seconds a launch). A SIGTERM (docker stop, a
-scheduler) or Ctrl-C reaches the agent's own handlers, which stop the workers gracefully, each
-closing its run; the handlers, the environment and the thread name the agent changes are put back
-when it returns.
+import torch again to wait on the workers (a few CPU-seconds a launch). Once the workers start, a
+SIGTERM (docker stop, a scheduler) or Ctrl-C reaches the agent's own handlers, which stop the
+workers gracefully, each closing its run; before that, this process's own handlers apply. The
+handlers the agent installed, the environment and the thread name are put back when it returns.
 
 Bad input met by one rank is said once: the first rank to meet it writes its one line to the
 launch's error file (`TRAINSERVE_ERROR_FILE`, made by `run_torchrun`) and prints it; the other
@@ -52,43 +52,39 @@ def torchrun_arguments(
     ]
 
 
-# The signals torchrun's agent takes over (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
-AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
 def run_torchrun(argv: list[str]) -> int:
     """torchrun with `argv` (torchrun_arguments), its agent in this process: 0, USER_ERROR when a
     rank met bad input and said so, else 1 (a worker failed, or a signal stopped the workers)."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
     from torch.multiprocessing import _get_thread_name, _set_thread_name
 
     folder = tempfile.mkdtemp(prefix="trainserve-launch-")
-    # The workers inherit this process's environment.
     environment = dict(os.environ)
+    # The workers inherit this process's environment.
     os.environ.update(torchrun_env(os.path.join(folder, "error")))
-    handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
     thread_name = _get_thread_name()
     try:
         return torchrun(argv)
     finally:
+        # Only the agent's handlers (--signals-to-handle): one this process set meanwhile stays.
         for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) is _terminate_process_handler:
+                signal.signal(sig, handler)
         _set_thread_name(thread_name)
-        os.environ.clear()
-        os.environ.update(environment)
+        # Key by key, not cleared and refilled: another thread may read the environment meanwhile.
+        for key in set(os.environ) - set(environment):
+            del os.environ[key]
+        for key, value in environment.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def torchrun_env(error_file: str) -> dict[str, str]:
-    """What torchrun's agent and workers get on top of this process's environment."""
-    return {
-        # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        ERROR_FILE: error_file,
-        # The workers' rank 0 holds their store, not the agent: with the agent in this process,
-        # the store it shares stopped taking connections after a restart, and the restarted
-        # workers waited 2 s twice on it (torch 2.13).
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    """What torchrun's workers get on top of this process's environment."""
+    # torchrun sets OMP_NUM_THREADS=1 with a warning; each rank sets its threads itself anyway.
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERROR_FILE: error_file}
 
 
 def _attempt_file() -> str | None:
@@ -151,7 +147,8 @@ class _QuietOnceSaid(logging.Filter):
 
 def torchrun(argv: list[str]) -> int:
     """torchrun (`torch.distributed.run`) with `argv`: 0, USER_ERROR without torchrun's report of
-    the failed workers when a rank said why it stopped, else 1 with torchrun's report."""
+    the failed workers when a rank said why it stopped, else 1 with torchrun's report (or, for a
+    failure of the agent itself, one line)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -173,7 +170,18 @@ def torchrun(argv: list[str]) -> int:
         return 1
     except SignalException as stopped:
         # The agent has stopped the workers (SIGTERM, then SIGKILL after its grace period).
-        print(f"torchrun: stopped the workers on {stopped.sigval.name}", file=sys.stderr)
+        print(
+            f"torchrun: stopped the workers on {stopped.sigval.name}", file=sys.stderr, flush=True
+        )
+        return 1
+    except KeyboardInterrupt:
+        # Ctrl-C before the agent took SIGINT over: no worker had started.
+        print("torchrun: interrupted before the workers started", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:
+        # The agent's own failure (the rendezvous, a worker group in a bad state): the launcher
+        # goes on to close a run left RUNNING, as it did when torchrun was a process of its own.
+        print(f"torchrun: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         for handler in handlers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -163,6 +164,10 @@ def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.St
     while time.monotonic() < deadline:
         # waits for the first announcement
         port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
+        # A dead attempt's port refuses at once; a store client would retry it for its 2 s.
+        if not _listening(addr, int(port)):
+            time.sleep(0.05)
+            continue
         try:
             own = dist.TCPStore(
                 addr, int(port), world_size, is_master=False, timeout=timedelta(seconds=2)
@@ -181,6 +186,14 @@ def join_attempt_store(agent: dist.Store, addr: str, world_size: int) -> dist.St
         f"rank 0 announced no live store at {addr} in {STORE_TIMEOUT} (agent store key "
         f"{ATTEMPT_STORE_KEY}): did rank 0 start?"
     )
+
+
+def _listening(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def job_restarts(info: DistInfo) -> int:
