@@ -81,6 +81,13 @@ def own_dev_shm(folder: Path) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(folder)]
 
 
+def two_front_ends_own_dev_shm(model: Path, shm: Path, log: Path) -> ServerProcess:
+    """A server of `model` with 2 front ends and a /dev/shm of its own (`shm`, own_dev_shm)."""
+    return ServerProcess(
+        "--model", str(model), "--front-ends", "2", log_path=log, prefix=own_dev_shm(shm)
+    )
+
+
 @pytest.fixture
 def model_off_dev_shm():
     """The tiny model where a server with its own /dev/shm still finds it."""
@@ -346,15 +353,7 @@ def test_front_ends_killed_under_load_are_replaced_and_fail_only_their_own_reque
     listens in its place within 2 s, the engine lets go of its rows (no buffer is left taken, no
     arrival waited for), and nothing is left in /dev/shm."""
     shm = tmp_path / "shm"
-    model = model_off_dev_shm
-    with ServerProcess(
-        "--model",
-        str(model),
-        "--front-ends",
-        "2",
-        log_path=tmp_path / "log",
-        prefix=own_dev_shm(shm),
-    ) as server:
+    with two_front_ends_own_dev_shm(model_off_dev_shm, shm, tmp_path / "log") as server:
         engine = server.proc.pid
         replaced = []
         with Load(server.url) as load:
@@ -388,16 +387,8 @@ def test_the_engine_killed_takes_its_front_ends_down(tmp_path, model_off_dev_shm
     """20 times, the engine of two front ends is SIGKILLed: its exit is not 0, both front ends are
     gone within 2 s (none is left holding the port), and nothing is left in /dev/shm."""
     shm = tmp_path / "shm"
-    model = model_off_dev_shm
     for _ in range(20):
-        with ServerProcess(
-            "--model",
-            str(model),
-            "--front-ends",
-            "2",
-            log_path=tmp_path / "log",
-            prefix=own_dev_shm(shm),
-        ) as server:
+        with two_front_ends_own_dev_shm(model_off_dev_shm, shm, tmp_path / "log") as server:
             pids = front_ends(server.proc.pid)
             assert len(pids) == 3
             server.proc.send_signal(signal.SIGKILL)
