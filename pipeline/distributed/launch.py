@@ -149,7 +149,6 @@ def torchrun(argv: list[str]) -> int:
     """torchrun (`torch.distributed.run`) with `argv`: 0, USER_ERROR without torchrun's report of
     the failed workers when a rank said why it stopped, else 1 with torchrun's report (or, for a
     failure of the agent itself, one line)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -168,22 +167,25 @@ def torchrun(argv: list[str]) -> int:
             return USER_ERROR
         print(f"torchrun: {failed}", file=sys.stderr, flush=True)
         return 1
-    except SignalException as stopped:
-        # The agent has stopped the workers (SIGTERM, then SIGKILL after its grace period).
-        print(
-            f"torchrun: stopped the workers on {stopped.sigval.name}", file=sys.stderr, flush=True
-        )
-        return 1
-    except KeyboardInterrupt:
-        # Ctrl-C before the agent took SIGINT over: no worker had started.
-        print("torchrun: interrupted before the workers started", file=sys.stderr, flush=True)
-        return 1
-    except Exception as exc:
-        # The agent's own failure (the rendezvous, a worker group in a bad state): the launcher
-        # goes on to close a run left RUNNING, as it did when torchrun was a process of its own.
-        print(f"torchrun: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    except (Exception, KeyboardInterrupt) as exc:
+        # A signal (the agent has stopped the workers), an early Ctrl-C or the agent's own failure:
+        # one line, and the launcher goes on to close a run left RUNNING.
+        print(f"torchrun: {_why_stopped(exc)}", file=sys.stderr, flush=True)
         return 1
     finally:
         for handler in handlers:
             handler.removeFilter(quiet)
     return 0
+
+
+def _why_stopped(exc: BaseException) -> str:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if isinstance(exc, SignalException):
+        # SIGTERM to the workers, then SIGKILL after the agent's grace period
+        return f"stopped the workers on {exc.sigval.name}"
+    if isinstance(exc, KeyboardInterrupt):
+        # before the agent took SIGINT over: no worker had started
+        return "interrupted before the workers started"
+    # the rendezvous, a worker group in a bad state
+    return f"{type(exc).__name__}: {exc}"

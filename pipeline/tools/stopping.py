@@ -31,8 +31,8 @@ def exit_on_sigterm():
 
 
 def _on_sigterm(signum, _frame) -> None:
-    global _pending, _received
-    _received = True
+    global _pending
+    _note_sigterm(signum, _frame)
     # One exit is enough: a second SIGTERM must not cut short the failure path the first one
     # started.
     ignore_sigterm()
