@@ -398,15 +398,35 @@ def log_datasets(component: str, args: dict, digests: dict[str, dict], inputs: l
         dataset = split_dataset(component, args, found, split, inputs)
         # a stream of the component's own
         samples = "unknown" if found["samples"] is None else str(found["samples"])
-        mlflow.log_input(
-            dataset,
-            context="training" if split == "train" else "validation",
-            tags={
-                lineage.DATASET_SHA256: found["sha256"],
-                lineage.DATASET_SAMPLES: samples,
-                lineage.DATASET_INPUTS: json.dumps(inputs)[:5000],
-            },
+        _log_input_beside_others(
+            lambda: mlflow.log_input(
+                dataset,
+                context="training" if split == "train" else "validation",
+                tags={
+                    lineage.DATASET_SHA256: found["sha256"],
+                    lineage.DATASET_SAMPLES: samples,
+                    lineage.DATASET_INPUTS: json.dumps(inputs)[:5000],
+                },
+            )
         )
+
+
+def _log_input_beside_others(log_input, tries: int = 3) -> None:
+    """`log_input()`, again where another run logged the same dataset at the same moment. MLflow's
+    store looks the dataset up, then inserts it: two runs of one experiment (a sweep, two jobs on
+    one tracking server) can both miss it, and the second insert fails on the datasets' unique
+    key, its transaction rolled back. The first run's row is there by then: the next try links it."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(tries):
+        try:
+            return log_input()
+        except MlflowException as exc:
+            said = str(exc).lower()
+            raced = "datasets" in said and ("unique" in said or "duplicate" in said)
+            if not raced or attempt == tries - 1:
+                raise
+            log.info("another run logged the same dataset at the same moment; logging it again")
 
 
 def _logged_splits(run_id: str):
