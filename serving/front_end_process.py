@@ -57,6 +57,7 @@ from serving.http import routes
 from serving.http.wire import Response
 from serving.metrics import Metrics
 from serving.placements import Arrival, Placements
+from serving.receiving import ReceivingCounts
 from serving.staging import NonFinite, check_finite, copy_finite
 
 log = logging.getLogger("serving.front_end")
@@ -221,6 +222,8 @@ class Remote:
         self.models: dict[str, dict] = {}
         self.default_model: str | None = None
         self.described = "no models"
+        # the gRPC calls this process is receiving, counted where the engine reads them (SETUP)
+        self.receiving: ReceivingCounts | None = None
         self._waiting: dict[int, asyncio.Future] = {}
         self._number = 0
         # the versions' rows this turn handed requests of over (Placements.turn_begun)
@@ -242,20 +245,23 @@ class Remote:
             log_as(self.owner, self.settings.log_level)
             self.auth = Auth(self.settings.tokens(), self.settings.feedback_token)
             self.limits = Limits(self.settings.max_rows_per_request, self.settings.max_body_bytes)
-            self._versions(setup["versions"])
+            # the versions' new arenas, then the gRPC calls' counts (serving/receiving.py)
+            fds = arena.receive(self.side)
+            self.receiving = ReceivingCounts.open(fds.pop())
+            self._versions(setup["versions"], fds)
             self.set_up.set_result(None)
         elif kind == channel.VERSIONS:
-            self._versions(channel.unjson(fields))
+            table = channel.unjson(fields)
+            self._versions(table, arena.receive(self.side) if table["arenas"] else [])
         elif kind == channel.ASK_METRICS:
             number = struct.unpack_from("<I", fields)[0]
             self.channel.send(channel.METRICS, struct.pack("<I", number), self.metrics.render())
         elif kind == channel.DRAIN:
             self.drained.set()
 
-    def _versions(self, table: dict) -> None:
-        """The engine's models now: each version's rows mapped (new ones' descriptors from the
+    def _versions(self, table: dict, fds: list[int]) -> None:
+        """The engine's models now: each version's rows mapped (new ones' descriptors, from the
         side socket, in the table's order), those gone let go."""
-        fds = arena.receive(self.side) if table["arenas"] else []
         slots = {}
         for described in table["versions"]:
             slot = self.slots.get(described["key"])
@@ -622,8 +628,11 @@ async def _serve(channel_fd: int, side_fd: int) -> int:
     if settings.grpc_port is not None:
         from serving.grpc import service
 
+        counter = remote.receiving.of(remote.owner)
         remote.listening.append(
-            await service.start_grpc(remote, forwarding_service(remote), shared_port=True)
+            await service.start_grpc(
+                remote, forwarding_service(remote), shared_port=True, counter=counter
+            )
         )
     remote.channel.send(
         channel.LISTENING, channel.json({"http": [list(a) for a in bound], "pid": os.getpid()})

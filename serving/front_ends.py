@@ -14,7 +14,9 @@ pool is, and the front ends map it. Per front end, what it says (serving/channel
               process (serving/http/front_end.py answer_whole); /metrics adds every front end's
               counts to the engine's own (serving/metrics.py merged)
 What it is told: its settings and the versions at start (SETUP), the versions again on every load,
-unload and alias move (VERSIONS), the new arenas' descriptors over its side socket.
+unload and alias move (VERSIONS), the new arenas' descriptors over its side socket, and with SETUP
+the memfd where its grpc threads count the ModelInfer calls they are receiving, which the engine's
+batches wait for (serving/receiving.py).
 
 Invariants:
 - a version's rows live as long as a front end may still write into them: the engine keeps a
@@ -44,6 +46,7 @@ from serving.envelope import Exchange, Refused, refusal
 from serving.front_end_process import COUNTED, ENDED, FOLLOW_SWAP, INLINE, PLACED, REPLIED, SUBMIT
 from serving.metrics import merged
 from serving.processes import Processes
+from serving.receiving import ReceivingCounts
 
 log = logging.getLogger("serving.front_ends")
 # how long the engine waits for a front end's /metrics counts
@@ -85,6 +88,8 @@ class FrontEnds:
         self._numbers = 0
         self.http = None
         self.grpc = None
+        # the gRPC calls each front end is receiving (Server.incoming)
+        self._receiving: ReceivingCounts | None = None
 
     # ---- the server's hooks ----
 
@@ -131,6 +136,7 @@ class FrontEnds:
         server.repository.on_change = changed
         server.metrics.watch_front_ends(lambda: (self.processes.states(), self.processes.replaced))
         self._versions()
+        self._receiving = ReceivingCounts.create(self.count)
         await self.processes.start()
         return self
 
@@ -143,12 +149,15 @@ class FrontEnds:
         )
 
     def receiving(self) -> int:
-        return 0
+        """ModelInfer calls the front ends' grpc threads are receiving (serving/receiving.py)."""
+        return self._receiving.total() if self._receiving is not None else 0
 
     async def stop(self, grace: float | None) -> None:
         await self.processes.stop(grace or 0)
         for rows in self._arenas.values():
             rows.close()
+        if self._receiving is not None:
+            self._receiving.close()
 
     # ---- the versions ----
 
@@ -236,7 +245,9 @@ class FrontEnds:
             {"owner": process.owner, "settings": settings, "versions": found["table"]}
         )
         self._tasks[process.owner] = set()
-        return fields, found["fds"]
+        # (a dead front end's calls, if it had this number, never come)
+        self._receiving.zero(process.owner)
+        return fields, [*found["fds"], self._receiving.fd]
 
     # ---- what the front ends say ----
 
@@ -411,9 +422,10 @@ class FrontEnds:
     def _gone(self, process) -> None:
         """Its places still arriving are dead, its arrivals forgotten, its requests answered to
         nobody; batches that waited for its arrivals are looked at again."""
+        receiving = self._receiving.zero(process.owner)
         for slot in list(self._slots.values()):
             batcher = slot.batcher
-            if batcher.placements.gone(process.owner):
+            if batcher.placements.gone(process.owner) or receiving:
                 batcher.look_again()
         for task in self._tasks.pop(process.owner, set()):
             task.cancel()

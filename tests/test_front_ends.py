@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import requests
@@ -424,6 +425,56 @@ def test_sigterm_drains_every_process(tmp_path):
             thread.join(60)
         assert [r.status_code for r in answers] == [200] * 4
         assert not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
+def test_a_front_end_killed_while_receiving_a_grpc_message_leaves_no_batch_waiting(tmp_path):
+    """A ModelInfer message half-sent to a front end holds the engine's batches for it, at most
+    --arrival-wait-ms (serving/receiving.py); the front ends killed (both: whichever held it), no
+    batch waits for it any more."""
+    from test_grpc_engines import METHOD, _half_sent_call, infer_request
+
+    from serving.grpc import native
+
+    if not native.available():
+        pytest.skip(native.WHY_NOT)
+    port = free_port()
+
+    def lone_call() -> float:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            begun = time.monotonic()
+            channel.unary_unary(METHOD + "ModelInfer")(infer_request(), timeout=30)
+            return time.monotonic() - begun
+
+    model = tiny_model(tmp_path / "tiny.onnx")
+    with ServerProcess(
+        "--model",
+        f"tiny={model}",
+        "--front-ends",
+        "2",
+        "--grpc-port",
+        str(port),
+        "--arrival-wait-ms",
+        "1000",
+        log_path=tmp_path / "log",
+    ) as server:
+        engine = server.proc.pid
+        half = _half_sent_call(port, infer_request())
+        # its first half in: the call has begun
+        time.sleep(0.3)
+        held = lone_call()
+        # (those listening on the HTTP port: each front end takes both protocols in)
+        pids = front_ends(engine, server.port)
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda: len([p for p in front_ends(engine, server.port) if p not in pids]) == 2,
+            30,
+            "two new front ends listening",
+        )
+        half.abandon()
+        alone = lone_call()
+    assert held > 0.9 and alone < 0.6, (held, alone)
 
 
 def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):

@@ -366,7 +366,9 @@ def _half_sent_call(port: int, message: bytes, metadata: tuple = ()):
     return types.SimpleNamespace(finish=finish, abandon=s.close)
 
 
-@pytest.mark.parametrize("setup", ["one model", "two models", "a token required"])
+@pytest.mark.parametrize(
+    "setup", ["one model", "one model, two front ends", "two models", "a token required"]
+)
 def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model_is_loaded(
     tmp_path, setup
 ):
@@ -375,7 +377,8 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
     as one batch (what that gained: docs/benchmarks.md#teststest_grpc_enginespy). A message names
     its model inside, so only a server of one model version waits: with two, one on its way to a
     model must not hold the other's batches. Nor where a token is required: a call is counted from
-    its headers, before its token is checked."""
+    its headers, before its token is checked. With front-end processes, the message may be on its
+    way to either (serving/receiving.py) and the lone call taken by the other."""
     if not native.available():
         pytest.skip(native.WHY_NOT)
     model = tiny_model(tmp_path / "tiny.onnx")
@@ -383,6 +386,7 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         ["--model", f"tiny={model}"]
         + (["--model", f"other={model}"] if setup == "two models" else [])
         + (["--auth-token", "sesame"] if setup == "a token required" else [])
+        + (["--front-ends", "2"] if "front ends" in setup else [])
     )
     metadata = (("authorization", "Bearer sesame"),) if setup == "a token required" else ()
     port = free_port()
@@ -423,7 +427,7 @@ def test_a_batch_waits_for_a_modelinfer_message_still_on_its_way_where_one_model
         # nothing on its way now: a lone call waits for nothing
         alone = lone_call()
     assert status == "0" and alone < 0.6, (status, alone)
-    if setup == "one model":
+    if setup.startswith("one model"):
         # one run of both
         assert answered["after"] > 0.3 and (runs, rows) == (1, 2), (
             answered,

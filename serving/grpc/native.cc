@@ -80,7 +80,16 @@ struct Bridge {
   std::unordered_map<std::string, Method> methods;  // full method name -> how its messages go
   int max_calls = 0;
   std::atomic<int> active{0};  // calls holding one of the max_calls shared places (see Slot)
-  std::atomic<int> receiving{0};  // split (ModelInfer) calls begun whose message is not all in yet (see `receiving`)
+  // Split (ModelInfer) calls begun whose message is not all in yet (see `receiving`): counted in `receiving_here`, or,
+  // in a front-end process, in its int of memory the engine maps too (`start`'s counter), which the engine's batches
+  // read. GCC's __atomic builtins on a plain int: what C++20's atomic_ref does, on memory two processes share.
+  int receiving_here = 0;
+  int* receiving_at = &receiving_here;
+  Py_buffer counter{};  // the buffer receiving_at points into, held while the bridge lives (counter.obj: none)
+  void CountReceiving(int change) { __atomic_add_fetch(receiving_at, change, __ATOMIC_RELAXED); }
+  ~Bridge() {  // (with the GIL: in start, or the capsule's destructor)
+    if (counter.obj != nullptr) PyBuffer_Release(&counter);
+  }
   std::atomic<uint64_t> next_id{1};
   int efd = -1;
 
@@ -134,7 +143,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     } else {
       if (split_) {
         receiving_ = true;
-        bridge->receiving++;
+        bridge->CountReceiving(1);
       }
       StartRead(&in_);  // the call is announced with its message
     }
@@ -259,7 +268,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   // first (End may leave the Finish itself to OnWriteDone, after a stream's queued answers).
   bool Claim() { return !finished_.exchange(true); }
   void Received() {
-    if (receiving_.exchange(false)) bridge_->receiving--;
+    if (receiving_.exchange(false)) bridge_->CountReceiving(-1);
   }
 
   void ReadOn() {  // under calls_mu
@@ -299,7 +308,7 @@ class Call : public grpc::ServerGenericBidiReactor {
   std::optional<grpc::Status> ending_;      // the status, once the queued answers are written (under calls_mu)
   int credits_ = 0;       // messages Python will still take (under calls_mu)
   std::atomic<bool> finished_{false};
-  std::atomic<bool> receiving_{false};  // counted in bridge->receiving
+  std::atomic<bool> receiving_{false};  // counted in bridge->receiving_at
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
 };
@@ -350,19 +359,31 @@ void destroy(PyObject* capsule) {
   delete bridge;
 }
 
-// start(address, methods: {full name: mode (1: a stream, 2: split its messages)}, options: {name: int}, max_calls) ->
-// (bridge, eventfd);
+// start(address, methods: {full name: mode (1: a stream, 2: split its messages)}, options: {name: int}, max_calls,
+// counter=None) -> (bridge, eventfd); `counter`: a writable buffer of at least one aligned C int, where the calls
+// still receiving their message are counted instead (a front end's, in memory its engine reads: `receiving`).
 // OSError if the address cannot be bound.
 PyObject* start(PyObject*, PyObject* args) {
   const char* address;
   PyObject* methods;
   PyObject* options;
   int max_calls;
-  if (!PyArg_ParseTuple(args, "sO!O!i", &address, &PyDict_Type, &methods, &PyDict_Type, &options, &max_calls)) {
+  PyObject* counter = Py_None;
+  if (!PyArg_ParseTuple(args, "sO!O!i|O", &address, &PyDict_Type, &methods, &PyDict_Type, &options, &max_calls,
+                        &counter)) {
     return nullptr;
   }
   auto bridge = std::make_unique<Bridge>();
   bridge->max_calls = max_calls;
+  if (counter != Py_None) {
+    if (PyObject_GetBuffer(counter, &bridge->counter, PyBUF_WRITABLE) < 0) return nullptr;
+    auto where = reinterpret_cast<uintptr_t>(bridge->counter.buf);
+    if (bridge->counter.len < static_cast<Py_ssize_t>(sizeof(int)) || where % alignof(int) != 0) {
+      PyErr_SetString(PyExc_ValueError, "the receiving counter must be a writable buffer of one aligned C int");
+      return nullptr;
+    }
+    bridge->receiving_at = static_cast<int*>(bridge->counter.buf);
+  }
   PyObject *key, *value;
   Py_ssize_t position = 0;
   while (PyDict_Next(methods, &position, &key, &value)) {
@@ -852,11 +873,11 @@ PyObject* stop(PyObject*, PyObject* args) {
 PyObject* receiving(PyObject*, PyObject* capsule) {
   Bridge* bridge = bridge_of(capsule);
   if (bridge == nullptr) return nullptr;
-  return PyLong_FromLong(bridge->receiving.load());
+  return PyLong_FromLong(__atomic_load_n(bridge->receiving_at, __ATOMIC_RELAXED));
 }
 
 PyMethodDef methods[] = {
-    {"start", start, METH_VARARGS, "start(address, methods, options, max_calls) -> (bridge, eventfd)"},
+    {"start", start, METH_VARARGS, "start(address, methods, options, max_calls, counter=None) -> (bridge, eventfd)"},
     {"drain", drain, METH_O, "drain(bridge) -> [(kind, call, a, b, ...)]"},
     {"copy_raw", copy_raw, METH_VARARGS, "copy_raw(raw, index, destination, width) -> all finite"},
     {"start_read", start_read, METH_VARARGS, "start_read(bridge, call, more) -> bool"},

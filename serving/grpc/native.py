@@ -254,6 +254,7 @@ class NativeFrontEnd:
         streams,
         split: frozenset[str] = frozenset(),
         first_message_s: float = 30.0,
+        counter=None,
     ):
         self.loop = asyncio.get_running_loop()
         # a unary call whose message has not come by then is ended
@@ -276,7 +277,9 @@ class NativeFrontEnd:
             name: int(stream) | (2 if name.rpartition("/")[2] in split else 0)
             for name, (stream, _) in self.methods.items()
         }
-        self.bridge, self.efd = _native.start(address, modes, options, max_calls)
+        # (`counter`: a front end's int of serving/receiving.py, where its calls still receiving
+        # are counted for the engine, instead of in the bridge)
+        self.bridge, self.efd = _native.start(address, modes, options, max_calls, counter)
         self.loop.add_reader(self.efd, self._drain)
         self._sweeping = self.loop.call_later(self._sweep_every, self._sweep)
 

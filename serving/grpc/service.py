@@ -709,11 +709,15 @@ def _options(settings, shared_port: bool = False) -> dict[str, int]:
     }
 
 
-async def start_grpc(server, service: Service | None = None, shared_port: bool = False):
+async def start_grpc(
+    server, service: Service | None = None, shared_port: bool = False, counter=None
+):
     """The gRPC server on --host:--grpc-port, started on the engine --grpc-engine picks
     (serving/grpc/native.py: grpc's C++ server; or grpc.aio), both running the handlers above (of
     `service`, default Service(server)); `await it.stop(grace)` at shutdown. OSError if the port
-    cannot be bound. `shared_port`: other processes serve it too (front ends, SO_REUSEPORT)."""
+    cannot be bound. `shared_port`: other processes serve it too (front ends, SO_REUSEPORT);
+    `counter`: where grpc's C++ server counts the calls it is receiving (a front end's int of
+    serving/receiving.py; grpc.aio counts none)."""
     from serving.grpc import native
 
     settings = server.settings
@@ -742,6 +746,7 @@ async def start_grpc(server, service: Service | None = None, shared_port: bool =
             streams,
             split=frozenset({"ModelInfer", "ModelStreamInfer"}),
             first_message_s=settings.read_timeout,
+            counter=counter,
         )
         log.info("KServe V2 gRPC on %s (grpc's C++ server)", address)
         return front_end
