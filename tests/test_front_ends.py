@@ -41,9 +41,10 @@ def front_ends(engine: int, port: int | None = None) -> list[int]:
     found = []
     for task in Path(f"/proc/{engine}/task").iterdir():
         for pid in (task / "children").read_text().split():
+            # (a process gone since the listing: its /proc entry vanished, or is a reaped zombie's)
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 continue
             if b"serving.front_end_process" in command:
                 if port is None or listening(int(pid), port):
@@ -54,13 +55,17 @@ def front_ends(engine: int, port: int | None = None) -> list[int]:
 def listening(pid: int, port: int) -> bool:
     """Whether process `pid` holds a socket listening on `port` (from /proc/net/tcp)."""
     inodes = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+    try:
+        table = Path(f"/proc/{pid}/net/tcp").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    for line in table.splitlines()[1:]:
         fields = line.split()
         if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
             inodes.add(fields[9])
     try:
         links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
     return any(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
 
