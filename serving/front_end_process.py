@@ -248,6 +248,8 @@ class Remote:
             # the versions' new arenas, then the gRPC calls' counts (serving/receiving.py)
             fds = arena.receive(self.side)
             self.receiving = ReceivingCounts.open(fds.pop())
+            # (the mapping stays; the descriptor is not needed past it, as an arena's)
+            self.receiving.close()
             self._versions(setup["versions"], fds)
             self.set_up.set_result(None)
         elif kind == channel.VERSIONS:
