@@ -12,9 +12,12 @@ log = logging.getLogger(__name__)
 def inject_fault(where: str, step: int, info=None) -> None:
     """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank>[:TERM] makes that rank
     die by SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point, on the first
-    attempt only."""
-    fault = os.environ.get("TRAINSERVE_FAULT", "")
-    if not fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    attempt only. A comma-separated list holds one fault per attempt: the Nth for torchrun's Nth
+    restart, an empty one for none."""
+    faults = os.environ.get("TRAINSERVE_FAULT", "").split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    fault = faults[attempt] if attempt < len(faults) else ""
+    if not fault:
         return
     f_where, f_step, f_rank, *how = fault.split(":")
     rank = info.rank if info is not None else 0
