@@ -47,6 +47,8 @@ def test_a_signal_to_pipeline_ui_stops_every_process_it_started(sig, tmp_path):
             raise AssertionError("the MLflow UI did not answer")
         started = psutil.Process(ui.pid).children(recursive=True)
         assert started, "pipeline ui started no process"
+        # The server and its web worker, without MLflow's job runner (its huey consumers).
+        assert not [p.cmdline() for p in started if "huey" in " ".join(p.cmdline())]
         os.kill(ui.pid, sig)
         assert ui.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(started, timeout=5)
