@@ -57,8 +57,8 @@ def command(tracking_uri: str, host: str, port: int, verbose: bool = False) -> l
 
 def server_env(verbose: bool) -> dict[str, str]:
     # MLflow's job runner serves its GenAI jobs (scorers, prompt optimisation), which nothing here
-    # starts: a pool of huey consumers, 11 processes and ~2.1 GB resident in all instead of 3 and
-    # ~0.7 GB. A user who wants it sets the variable.
+    # starts, with a pool of huey consumer processes (what it costs: docs/cli.md, `pipeline ui`).
+    # A user who wants it sets the variable.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     if verbose:
         return env

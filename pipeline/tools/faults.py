@@ -11,9 +11,9 @@ log = logging.getLogger(__name__)
 
 def inject_fault(where: str, step: int, info=None) -> None:
     """Test hook for crash recovery: TRAINSERVE_FAULT=<where>:<step>:<rank>[:TERM] makes that rank
-    die by SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point, on the first
-    attempt only. A comma-separated list holds one fault per attempt: the Nth for torchrun's Nth
-    restart, an empty one for none."""
+    die by SIGKILL (a real kill -9, nothing caught), or receive SIGTERM, at that point. It holds one
+    fault per attempt, comma-separated: the first for the first attempt, the Nth for torchrun's Nth
+    restart; an empty one, or none left, for none."""
     faults = os.environ.get("TRAINSERVE_FAULT", "").split(",")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fault = faults[attempt] if attempt < len(faults) else ""
