@@ -26,6 +26,11 @@ at most `arrival_wait_ms` from when it could first have run: taking a large body
 loop time, and many clients uploading at once would otherwise make batches of the one or two that
 happened to be complete. The wait ends by itself when every client in flight has
 its request in (no more can arrive before an answer goes out), and never starts for a lone client.
+A run takes consecutive rows of a buffer, so a request still arriving ends it, and the buffer's
+rest (requests that came in behind the straggler, in rows reserved before the run sealed it) waits
+likewise, for its own places still arriving only, at most `arrival_wait_ms` again: they then run
+as one, not a few rows at a time (front-end processes, whose requests take places in turn, leave
+such rests often).
 Requests on their way for which no model is named yet (`incoming`: ModelInfer messages grpc's C++
 server is still receiving, whose model is named inside; the server counts them only where one model
 version is loaded and no token is required) make the batch wait likewise. `max_delay_ms` > 0 lets a
@@ -63,6 +68,10 @@ from serving.staging import check_finite
 from serving.statistics import VersionStatistics
 
 Feeds = dict[str, np.ndarray]
+# what may still join a batch (Batcher._next_batch): requests arriving anywhere (its buffer takes
+# places, or it is the queue's); only places of its own buffer still arriving (a sealed buffer's
+# rest); nothing
+ANY_ARRIVAL, OWN_ARRIVALS, NOTHING = range(3)
 log = logging.getLogger("serving.batcher")
 
 
@@ -276,9 +285,12 @@ class Batcher:
             self._placements.leave(arrival)
 
     def _forget(self, arrival: Arrival) -> bool:
-        """(under _lock) True if the batch waited for this one, the last on its way: the engine is
+        """(under _lock) True if the batch may have waited for this one: the last on its way, or one
+        in a sealed buffer (whose rest waits for its own places only: OWN_ARRIVALS). The engine is
         to look again (submit kicks its loop for it, whether the request is queued or refused)."""
-        return self._placements.forget(arrival) and self._wait_until is not None
+        last = self._placements.forget(arrival)
+        sealed = arrival.place is not None and arrival.place.group.sealed
+        return (last or sealed) and self._wait_until is not None
 
     async def submit(self, feeds: Feeds, rows: int, arrival: Arrival | None = None) -> Feeds:
         """Queue `rows` rows and wait for their outputs (same row order). `arrival`: this request's
@@ -434,11 +446,11 @@ class Batcher:
             if next_batch is None:
                 self._settle_drained()
                 return
-            span, rows, oldest, open_ = next_batch
+            span, rows, oldest, joining = next_batch
             if self.merge and rows < self.max_batch_size and self._kick_coming():
                 # a loop is taking requests in: what it takes this turn joins the batch (see _kick)
                 return
-            if self._should_wait(runner, rows, oldest, open_):
+            if self._should_wait(runner, rows, oldest, joining):
                 return
             if span is not None:
                 jobs = self._placements.take(span)
@@ -466,12 +478,12 @@ class Batcher:
         if more:
             runner.ready(self)
 
-    def _next_batch(self) -> tuple[Span | None, int, float, bool] | None:
+    def _next_batch(self) -> tuple[Span | None, int, float, int] | None:
         """(under _lock) What the next run would take: (the span of places (Placements.next_span),
-        or None for the queue; its rows; its oldest request's arrival; whether its buffer still
-        takes places). The span or the queue, whichever holds the oldest request. None when nothing
-        is queued, and then no wait is left standing either: one whose requests were given up would
-        keep the next request's kick from being sent (see submit)."""
+        or None for the queue; its rows; its oldest request's arrival; what may still join it,
+        ANY_ARRIVAL, OWN_ARRIVALS or NOTHING). The span or the queue, whichever holds the oldest
+        request. None when nothing is queued, and then no wait is left standing either: one whose
+        requests were given up would keep the next request's kick from being sent (see submit)."""
         span = self._placements.next_span()
         head = self._queue[0] if self._queue else None
         if span is None and head is None:
@@ -479,25 +491,32 @@ class Batcher:
             return None
         oldest_placed = min(job.arrived for job in span.jobs) if span is not None else 0.0
         if span is not None and (head is None or oldest_placed <= head.arrived):
-            return span, span.rows, oldest_placed, span.open
-        return None, self.queued_rows, head.arrived, True
+            if span.open:
+                joining = ANY_ARRIVAL
+            else:
+                joining = OWN_ARRIVALS if span.arriving else NOTHING
+            return span, span.rows, oldest_placed, joining
+        return None, self.queued_rows, head.arrived, ANY_ARRIVAL
 
-    def _should_wait(self, runner, rows: int, oldest: float, open_: bool) -> bool:
+    def _should_wait(self, runner, rows: int, oldest: float, joining: int) -> bool:
         """(under _lock) Whether the batch waits: out --max-delay-ms, or for requests arriving (see
         the module's docstring); asks for a turn when the wait ends at the latest."""
-        if self._closing or not self.merge or rows >= self.max_batch_size or not open_:
+        if self._closing or not self.merge or rows >= self.max_batch_size or joining == NOTHING:
             self._wait_until = None
             return False
         now = time.monotonic()
-        if self.max_delay > 0 and oldest + self.max_delay > now:
+        if joining == ANY_ARRIVAL and self.max_delay > 0 and oldest + self.max_delay > now:
             # (asked once, however often it is asked)
             if self._delay_until != oldest + self.max_delay:
                 self._delay_until = oldest + self.max_delay
                 runner.ready_at(self, self._delay_until)
             return True
-        if self.arrival_wait <= 0 or not (
-            self._placements.on_the_way() or (self._incoming is not None and self._incoming())
-        ):
+        arriving = (
+            joining == OWN_ARRIVALS
+            or self._placements.on_the_way()
+            or (self._incoming is not None and self._incoming())
+        )
+        if self.arrival_wait <= 0 or not arriving:
             self._wait_until = None
             return False
         if self._wait_until is None:

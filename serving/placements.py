@@ -226,6 +226,12 @@ class Span:
         """Its buffer still takes places: requests arriving there may join its run."""
         return not self.group.sealed
 
+    @property
+    def arriving(self) -> bool:
+        """A place of its buffer is still arriving: it may join the span's run, which in a sealed
+        buffer would otherwise leave it a run of its own."""
+        return any(p.state in (RESERVED, COPYING) for p in self.group.places)
+
 
 class Gathered:
     """A run's inputs: `feeds` of a batch bucket's rows, the first `rows` of them the requests' and

@@ -700,6 +700,78 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
     assert queued == 0 and free == 2
 
 
+@pytest.mark.parametrize("straggler", ["comes in", "goes away", "never comes"])
+def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(executor, straggler):
+    """A, S and B took places one after another in a buffer; A's and B's bodies came in, S's was
+    still arriving when the arrival wait ran out, so A ran without it (a run takes consecutive
+    rows). B, behind S in a buffer now sealed, waits for S, the one request that can still join
+    its run, rather than running alone at once: S and B then run as one (front-end processes, whose
+    requests take places in turn, left a third of their runs at 4 rows this way). S's client going
+    away ends the wait at once; S never coming, the arrival wait. C, arriving in the next buffer, is
+    no reason to wait."""
+    buffers = two_column_buffers()
+    runs = []
+
+    def run_gathered(feeds, rows):
+        runs.append(feeds["x"][:rows, 0].tolist())
+        return {"y": feeds["x"][:rows] * 2}
+
+    async def main():
+        b = Batcher(
+            lambda parts: {"y": concat(parts)["x"] * 2},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_gathered=run_gathered,
+            arrival_wait_ms=300,
+        )
+        b.start()
+        a, s, b_ = (b.arriving(rows=1) for _ in range(3))
+        answers = {}
+        for name, arrival, value in (("a", a, 1.0), ("b", b_, 2.0)):
+            arrival.views["x"][:] = value
+            arrival.filled = True
+            answers[name] = asyncio.create_task(b.submit(arrival.views, 1, arrival))
+        # A runs once the arrival wait is out, alone: S, still arriving, ends its span
+        await answers["a"]
+        ran_a = time.monotonic()
+        # on its way in the next buffer: S is not the last on its way
+        c = b.arriving(rows=1)
+        await asyncio.sleep(0.05)
+        # B waits for S
+        assert not answers["b"].done()
+        if straggler == "comes in":
+            s.views["x"][:] = 3.0
+            s.filled = True
+            answers["s"] = asyncio.create_task(b.submit(s.views, 1, s))
+        elif straggler == "goes away":
+            s.end()
+        await answers["b"]
+        waited = time.monotonic() - ran_a
+        if "s" in answers:
+            assert (await answers["s"])["y"].tolist() == [[6.0, 6.0]]
+        assert (await answers["b"])["y"].tolist() == [[4.0, 4.0]]
+        if straggler == "never comes":
+            s.end()
+        c.end()
+        await b.close()
+        return waited
+
+    waited = run(main())
+    if straggler == "comes in":
+        # not [[1], [2], [3]]: B alone, then S alone
+        assert runs == [[1.0], [3.0, 2.0]], runs
+    else:
+        assert runs == [[1.0], [2.0]], runs
+    if straggler == "never comes":
+        assert 0.25 <= waited < 1.0, waited
+    else:
+        # at once, not at the wait's end
+        assert waited < 0.2, waited
+
+
 def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
     from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements, _stranded
 
