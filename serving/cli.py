@@ -55,7 +55,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "front-ends": (
         int,
         "front-end processes taking HTTP and gRPC requests in on the same ports, writing tensors "
-        "straight into the batch rows of this process, the engine (default 0: one process)",
+        "straight into the batch rows of this process, the engine (default: one per 4 CPUs this "
+        "process may use, at most 8, from 8 CPUs and when a model loaded at start has input rows "
+        "of 512 KiB or more; else 0, one process)",
     ),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (
@@ -447,7 +449,9 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
     rows = None
-    processes = front_end_processes(settings)
+    # (a model's image files go to the engine whole, decoded there: no front end takes them in)
+    tensor_rows = [model.engine.row_bytes for _, model in models if model.images is None]
+    processes = front_end_processes(settings, max(tensor_rows, default=0))
     if processes is not None:
         # the front ends take HTTP and gRPC in; this process is their engine
         front_ends, rows = (processes.start,), processes.placements_for
@@ -462,13 +466,14 @@ def serve(settings: Settings) -> int:
     return run(server)
 
 
-def front_end_processes(settings: Settings):
-    """The front-end processes the settings ask for (serving/front_ends.py),
-    said in the log with why; None for one process. ServeError where --front-ends asks for them and
-    this install can't run them."""
+def front_end_processes(settings: Settings, row_bytes: int):
+    """The front-end processes the settings ask for, or the default's for models of `row_bytes`
+    (the largest input row of those loaded at start that take tensors, not image files;
+    Settings.front_end_processes), said in the log with why; None for one process. ServeError where --front-ends asks for them and this install
+    can't run them."""
     from serving.arena import WHY_NOT
 
-    count, why = settings.front_end_processes()
+    count, why = settings.front_end_processes(row_bytes, WHY_NOT)
     if count and WHY_NOT:
         raise ServeError(f"--front-ends {count}: {WHY_NOT}; or --front-ends 0")
     log.info(

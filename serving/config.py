@@ -13,8 +13,13 @@ from dataclasses import dataclass, fields
 MAX_BODY_LIMIT = (1 << 31) - 1
 # --front-ends at most (serving/placements.py counts arrivals for 64 processes, the engine's first)
 MAX_FRONT_ENDS = 32
-# models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops)
+# models' input rows from this size get an HTTP event loop per CPU (Settings.http_loops), and on a
+# host of FRONT_END_CPUS usable CPUs or more, a front-end process per CPUS_PER_FRONT_END CPUs, at
+# most DEFAULT_FRONT_ENDS_MAX (Settings.front_end_processes)
 LARGE_ROW_BYTES = 512 * 1024
+FRONT_END_CPUS = 8
+CPUS_PER_FRONT_END = 4
+DEFAULT_FRONT_ENDS_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -433,15 +438,42 @@ class Settings:
 
         return max(1, min(8, usable_cpus()))
 
-    def front_end_processes(self) -> tuple[int, str]:
+    def front_end_processes(self, row_bytes: int, why_not: str = "") -> tuple[int, str]:
         """How many front-end processes take requests in, and why, in words for the log:
-        --front-ends, else none (one process). Front ends are asked for, never chosen: a front end
-        takes a request in for about what the single process does, and the engine's process adds
-        a record and an answer per request, which pays only where one interpreter is the limit
-        (large bodies, cores to spare beside the engine and its runs)."""
+        --front-ends; else, where the models loaded at start have input rows of LARGE_ROW_BYTES or
+        more (`row_bytes`: the largest, as for http_loops) and this process may use FRONT_END_CPUS
+        CPUs or more, one per CPUS_PER_FRONT_END of them (at most DEFAULT_FRONT_ENDS_MAX); else none
+        (one process). A front end takes a request in for about what one process does, and the
+        engine's process adds a record and an answer per request: that pays only where one
+        interpreter is the limit, for large bodies with cores to spare beside the engine and its
+        runs (docs/benchmarks.md#servingconfigpy). `why_not`: why this install can't run them
+        (arena.WHY_NOT), which the default then says."""
         if self.front_ends is not None:
             return self.front_ends, "--front-ends"
-        return 0, "the default; --front-ends N for N front-end processes"
+        if self.http_threads is not None:
+            return 0, "--http-threads asks for event loops in one process"
+        from serving.engine import usable_cpus
+
+        cpus = usable_cpus()
+        if row_bytes < LARGE_ROW_BYTES:
+            return 0, (
+                f"no model loaded at start takes tensor rows of {LARGE_ROW_BYTES >> 10} KiB or more: "
+                "a front end's hand-over would cost more than one interpreter's limit; --front-ends "
+                "N sets them"
+            )
+        if cpus < FRONT_END_CPUS:
+            return 0, (
+                f"{cpus} CPU{'s' if cpus > 1 else ''} usable: front ends pay from {FRONT_END_CPUS}, "
+                "with cores to spare beside the engine; --front-ends N sets them"
+            )
+        if why_not:
+            return 0, f"{why_not}; the default would start front ends on {cpus} CPUs"
+        count = min(DEFAULT_FRONT_ENDS_MAX, cpus // CPUS_PER_FRONT_END)
+        return count, (
+            f"{cpus} CPUs usable and model rows of {row_bytes >> 10} KiB: one per "
+            f"{CPUS_PER_FRONT_END} CPUs, at most {DEFAULT_FRONT_ENDS_MAX}, so that one interpreter "
+            "is not the limit; --front-ends 0 for one process"
+        )
 
     def tokens(self) -> list[bytes]:
         """The bearer tokens clients may send (none: no auth)."""

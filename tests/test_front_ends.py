@@ -512,9 +512,35 @@ def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):
         assert r.status_code in (400, 403, 503), r.text[:200]
 
 
-def test_one_process_unless_front_ends_are_asked_for():
-    """Front ends are opt-in: the default is one process whatever the CPUs and the rows' size."""
-    from serving.config import Settings
+def test_front_ends_by_default_only_for_tensor_rows_of_512_kib_on_8_cpus_or_more(monkeypatch):
+    """A front end costs more CPU a request than one process: the default starts them only where
+    one interpreter would be the limit, large rows and cores to spare, and says why not otherwise."""
+    import serving.engine
+    from serving.config import LARGE_ROW_BYTES, Settings
 
-    assert Settings().front_end_processes()[0] == 0
-    assert Settings(front_ends=2).front_end_processes() == (2, "--front-ends")
+    large, small = LARGE_ROW_BYTES, LARGE_ROW_BYTES - 1
+    for cpus, row_bytes, count in (
+        (16, large, 4),
+        (8, large, 2),
+        (64, large, 8),
+        (7, large, 0),
+        (2, large, 0),
+        (64, small, 0),
+        (64, 0, 0),
+    ):
+        monkeypatch.setattr(serving.engine, "usable_cpus", lambda: cpus)
+        assert Settings().front_end_processes(row_bytes)[0] == count, (cpus, row_bytes)
+    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 16)
+    assert Settings().front_end_processes(large)[1].startswith("16 CPUs usable and model rows of")
+    assert Settings(front_ends=2).front_end_processes(0) == (2, "--front-ends")
+    assert Settings(front_ends=0).front_end_processes(large) == (0, "--front-ends")
+    assert Settings(http_threads=2).front_end_processes(large)[0] == 0
+    # an install that can't run them: one process, and why
+    count, why = Settings().front_end_processes(large, "serving._ingest is not built")
+    assert count == 0 and why.startswith("serving._ingest is not built")
+    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 2)
+    assert "2 CPUs usable: front ends pay from 8" in Settings().front_end_processes(large)[1]
+    assert (
+        "no model loaded at start takes tensor rows of 512 KiB"
+        in (Settings().front_end_processes(small)[1])
+    )

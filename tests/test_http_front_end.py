@@ -261,13 +261,19 @@ def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(
 ):
     """The loops share the GIL: for small requests a second one costs more than it takes in
     (Settings.http_loops); only a model whose rows are 512 KiB or more gets one per CPU unasked,
-    with a batch axis or without one (a plain torch.onnx.export of one image)."""
+    with a batch axis or without one (a plain torch.onnx.export of one image). The rows' size
+    decides the front-end processes too (Settings.front_end_processes): from 8 CPUs, a front end
+    per 4 of them in place of the loops."""
     cpus = len(os.sched_getaffinity(0))
     with ServerProcess("--model", str(model), log_path=tmp_path / "small.log") as srv:
         assert (
             "HTTP on 1 event loop (no model loaded at start has rows of 512 KiB or more"
             in srv.log()
             or cpus == 1
+        )
+        assert (
+            "front ends: none, one process (no model loaded at start takes tensor rows of 512 KiB"
+            in srv.log()
         )
     # 384x384 FP32: 576 KiB a row
     large = heavy_model(tmp_path / "large.onnx", size=384, channels=1, layers=0)
@@ -277,7 +283,11 @@ def test_one_event_loop_by_default_and_one_per_cpu_for_models_of_large_rows(
             value.type.tensor_type.shape.dim[0].dim_value = 1
         onnx.save(graph, large)
     with ServerProcess("--model", str(large), log_path=tmp_path / "large.log") as srv:
-        assert f"HTTP on {min(8, cpus)} event loop" in srv.log()
+        if cpus < 8:
+            assert f"front ends: none, one process ({cpus} CPU" in srv.log()
+            assert f"HTTP on {min(8, cpus)} event loop" in srv.log()
+        else:
+            assert f"front ends: {min(8, cpus // 4)} processes ({cpus} CPUs usable" in srv.log()
         x = np.random.default_rng(0).random((1, 1, 384, 384), dtype=np.float32)
         with connect(srv) as s:
             s.sendall(binary_request(x, model="heavy"))
