@@ -345,6 +345,9 @@ class Batcher:
                     if not self._dead:
                         self.queued_rows -= rows
                     self._settle_drained()
+                if copy.group.sealed:
+                    # the rest of its buffer may have waited for it (OWN_ARRIVALS)
+                    self._kick(loop)
                 raise
             with self._lock:
                 if self._dead:
@@ -356,8 +359,10 @@ class Batcher:
             self._wait_until is None
             or not placements.on_the_way()
             or self.queued_rows >= self.max_batch_size
+            or (copy is not None and copy.group.sealed)
         ):
-            # (a batch waiting for arrivals is told when they are in: see _forget)
+            # (a batch waiting for arrivals is told when they are in: see _forget; the rest of a
+            # sealed buffer, when a copy into it is done)
             self._kick(loop)
         return await job.future
 
@@ -493,8 +498,11 @@ class Batcher:
         if span is not None and (head is None or oldest_placed <= head.arrived):
             if span.open:
                 joining = ANY_ARRIVAL
+            elif span.arriving and self.queued_rows - span.rows < self.max_batch_size:
+                joining = OWN_ARRIVALS
             else:
-                joining = OWN_ARRIVALS if span.arriving else NOTHING
+                # (a full batch complete behind it: the engine does not sit idle for its rest)
+                joining = NOTHING
             return span, span.rows, oldest_placed, joining
         return None, self.queued_rows, head.arrived, ANY_ARRIVAL
 

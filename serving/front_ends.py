@@ -421,12 +421,12 @@ class FrontEnds:
 
     def _gone(self, process) -> None:
         """Its places still arriving are dead, its arrivals forgotten, its requests answered to
-        nobody; batches that waited for its arrivals are looked at again."""
-        receiving = self._receiving.zero(process.owner)
+        nobody; every batch is looked at again (one may have waited for its arrivals, its gRPC
+        messages, or its place in a sealed buffer)."""
+        self._receiving.zero(process.owner)
         for slot in list(self._slots.values()):
-            batcher = slot.batcher
-            if batcher.placements.gone(process.owner) or receiving:
-                batcher.look_again()
+            slot.batcher.placements.gone(process.owner)
+            slot.batcher.look_again()
         for task in self._tasks.pop(process.owner, set()):
             task.cancel()
 

@@ -208,14 +208,16 @@ class Arrival:
 class Span:
     """Consecutive places of one buffer, from a job to a job, that a run takes: rows
     start..start+rows (a dead place among them is filler). `after`: the index of the place after it;
-    `free_up_to` (set by `take`): the row up to which the buffer is free after it, for padding."""
+    `free_up_to` (set by `take`): the row up to which the buffer is free after it, for padding;
+    `arriving`: a place still arriving may yet join its run (next to it, past dead places only)."""
 
-    __slots__ = ("group", "places", "after", "start", "rows", "free_up_to")
+    __slots__ = ("group", "places", "after", "start", "rows", "free_up_to", "arriving")
 
-    def __init__(self, group: _Group, places: list[Place], after: int):
+    def __init__(self, group: _Group, places: list[Place], after: int, arriving: bool = False):
         self.group, self.places, self.after = group, places, after
         self.start, self.rows = places[0].start, sum(p.rows for p in places)
         self.free_up_to = self.start + self.rows
+        self.arriving = arriving
 
     @property
     def jobs(self) -> list:
@@ -225,12 +227,6 @@ class Span:
     def open(self) -> bool:
         """Its buffer still takes places: requests arriving there may join its run."""
         return not self.group.sealed
-
-    @property
-    def arriving(self) -> bool:
-        """A place of its buffer is still arriving: it may join the span's run, which in a sealed
-        buffer would otherwise leave it a run of its own."""
-        return any(p.state in (RESERVED, COPYING) for p in self.group.places)
 
 
 class Gathered:
@@ -436,8 +432,9 @@ class Placements:
 
     def next_span(self) -> Span | None:
         """The first run of consecutive places not run yet, each complete (FILLED or DEAD), from its
-        first job to its last. Dead places before it are marked run on the way (a dead place between
-        two jobs stays: the rows run must be contiguous)."""
+        first job to its last. Dead places before it are marked run on the way, unless a place
+        still arriving is before them (a dead place between two jobs stays: the rows run must be
+        contiguous). Its `arriving`: whether a place still arriving may join it (_joinable)."""
         with self._lock:
             merging = self.merging
             for group in self._groups():
@@ -452,16 +449,19 @@ class Placements:
                         # (no longer merging: places reserved before run one at a time)
                         if not merging and places[j - 1].state == FILLED:
                             break
-                    # dead at its start: never computed
+                    # dead at its start: never computed; marked run unless a place still
+                    # arriving is before it, which may yet run with the span across it
+                    after_arriving = i > 0 and places[i - 1].state in (RESERVED, COPYING)
                     while i < j and places[i].state == DEAD:
-                        places[i].state = RAN
+                        if not after_arriving:
+                            places[i].state = RAN
                         i += 1
                     # nor at its end (left to a later look)
                     while j > i and places[j - 1].state == DEAD:
                         j -= 1
                     if i < j:
-                        return Span(group, places[i:j], j)
-                    # (all of it dead: marked run above, and i is past it)
+                        return Span(group, places[i:j], j, _joinable(places, i, j))
+                    # (all of it dead: i is past it)
         return None
 
     def pending(self) -> bool:
@@ -726,6 +726,18 @@ class Placements:
             )
         ):
             self.buffers.close()
+
+
+def _joinable(places: list[Place], i: int, j: int) -> bool:
+    """Whether a place still arriving may join the run of places[i:j]: the nearest place on either
+    side that is not dead is arriving (a place that ran is a boundary)."""
+    for side in (reversed(places[:i]), places[j:]):
+        for other in side:
+            if other.state != DEAD:
+                if other.state in (RESERVED, COPYING):
+                    return True
+                break
+    return False
 
 
 def _stranded(place: Place, places: list[Place]) -> bool:

@@ -706,7 +706,7 @@ def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(e
     still arriving when the arrival wait ran out, so A ran without it (a run takes consecutive
     rows). B, behind S in a buffer now sealed, waits for S, the one request that can still join
     its run, rather than running alone at once: S and B then run as one (front-end processes, whose
-    requests take places in turn, left a third of their runs at 4 rows this way). S's client going
+    requests take places in turn, leave such rests often). S's client going
     away ends the wait at once; S never coming, the arrival wait. C, arriving in the next buffer, is
     no reason to wait."""
     buffers = two_column_buffers()
@@ -800,6 +800,83 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
     # a refused place between is filler in their run
     assert not _stranded(*buffer("job", "dead", "S"))
     assert not _stranded(*buffer("S", "dead", "job"))
+
+
+def test_the_rest_of_a_buffer_does_not_wait_with_a_full_batch_complete_behind_it(executor):
+    """B waits for S (see above) only while the engine has nothing better to run: a full batch
+    complete in the next buffer runs after B at once, not after S's wait."""
+    buffers = two_column_buffers()
+    runs = []
+
+    def run_gathered(feeds, rows):
+        runs.append(feeds["x"][:rows, 0].tolist())
+        return {"y": feeds["x"][:rows] * 2}
+
+    async def main():
+        b = Batcher(
+            lambda parts: {"y": concat(parts)["x"] * 2},
+            executor,
+            max_batch_size=8,
+            max_delay_ms=0,
+            max_queue_rows=64,
+            buffers=buffers,
+            run_gathered=run_gathered,
+            arrival_wait_ms=300,
+        )
+        b.start()
+        a, s, b_ = (b.arriving(rows=1) for _ in range(3))
+        answers = []
+        for arrival, value in ((a, 1.0), (b_, 2.0)):
+            arrival.views["x"][:] = value
+            arrival.filled = True
+            answers.append(asyncio.create_task(b.submit(arrival.views, 1, arrival)))
+        await answers[0]
+        started = time.monotonic()
+        full = [b.arriving(rows=1) for _ in range(8)]
+        for arrival in full:
+            arrival.views["x"][:] = 5.0
+            arrival.filled = True
+        answers += [asyncio.create_task(b.submit(x.views, 1, x)) for x in full]
+        await asyncio.gather(*answers[1:])
+        took = time.monotonic() - started
+        s.end()
+        await b.close()
+        return took
+
+    took = run(main())
+    assert runs == [[1.0], [2.0], [5.0] * 8], runs
+    assert took < 0.2, took
+
+
+def test_a_span_waits_only_for_places_still_arriving_next_to_it():
+    """Span.arriving: a place still arriving joins a span's run only across dead places; one beyond
+    a place that ran never can. A dead place just after one still arriving is not marked run."""
+    from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements
+
+    def span(*states: str):
+        """The next span of a sealed buffer of these places ("ran", "job", "arriving", "dead")."""
+        p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
+        owner = types.SimpleNamespace(ended=lambda arrival: None)
+        places = [p.arriving(owner, rows=1).place for _ in states]
+        named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED}
+        for place, state in zip(places, states):
+            place.state = named[state]
+            place.job = object() if state == "job" else None
+        places[0].group.sealed = True
+        return p.next_span(), places
+
+    assert span("ran", "arriving", "job")[0].arriving
+    assert span("job", "arriving")[0].arriving
+    assert span("arriving", "dead", "job")[0].arriving
+    # beyond a place that ran: it can never join
+    assert not span("arriving", "ran", "job")[0].arriving
+    assert not span("arriving", "ran", "dead", "job", "ran", "arriving")[0].arriving
+    assert not span("ran", "job", "dead")[0].arriving
+    # the dead place stays a boundary the straggler can cross, not one that ran
+    found, places = span("arriving", "dead", "job")
+    assert [p.k for p in found.places] == [2] and places[1].state == DEAD
+    found, places = span("ran", "dead", "job")
+    assert places[1].state == RAN
 
 
 class HeldCopies(BatchBuffers):
