@@ -57,8 +57,8 @@ the rounds alternating between them as with --against; the load then comes from 
 h2load processes at once (default 2), each with its share of the connections, so that one generator
 is not the pace, and gRPC from `--grpc-connections` connections per generator (default 8: the
 kernel spreads connections, not streams, over the front ends, by a hash of each: 8 connections in
-all are split 2 to 6 or worse in over a quarter of rounds, and the front end of 6 sets the pace). Below the table,
-the CPU per request of each count as a multiple of the first's, in the same run.
+all are split 2 to 6 or worse in over a quarter of rounds, and the front end of 6 sets the pace).
+Below the table, the CPU per request of each count as a multiple of the first's, in the same run.
 
 `--against DIR` compares this tree's server with another checkout's (e.g.
 `git worktree add ../base main`, its extensions built with `python setup.py build_ext --inplace`):

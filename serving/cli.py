@@ -15,7 +15,13 @@ import os
 import signal
 import sys
 
-from serving.config import Settings
+from serving.config import (
+    CPUS_PER_FRONT_END,
+    DEFAULT_FRONT_ENDS_MAX,
+    FRONT_END_CPUS,
+    LARGE_ROW_BYTES,
+    Settings,
+)
 
 log = logging.getLogger("serving")
 ENV_PREFIX = "TRAINSERVE_"
@@ -55,9 +61,11 @@ FLAGS: dict[str, tuple[type, str]] = {
     "front-ends": (
         int,
         "front-end processes taking HTTP and gRPC requests in on the same ports, writing tensors "
-        "straight into the batch rows of this process, the engine (default: one per 4 CPUs this "
-        "process may use, at most 8, from 8 CPUs and when a model loaded at start has input rows "
-        "of 512 KiB or more; else 0, one process)",
+        f"straight into the batch rows of this process, the engine (default: one per "
+        f"{CPUS_PER_FRONT_END} CPUs this process may use, at most {DEFAULT_FRONT_ENDS_MAX}, from "
+        f"{FRONT_END_CPUS} CPUs and when a model loaded at start has batch rows of "
+        f"{LARGE_ROW_BYTES >> 10} KiB or more, unless --http-threads is given; else 0, one "
+        "process)",
     ),
     "grpc-port": (int, "also serve KServe V2 over gRPC on this port (default: no gRPC)"),
     "grpc-engine": (
@@ -134,7 +142,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "arrival-wait-ms": (
         float,
         "how long a batch may wait for the requests whose bodies were already arriving when "
-        "it could run (default 5; 0: never)",
+        "it could run; the requests behind a straggler in its batch buffer wait for it once "
+        "more (default 5; 0: never)",
     ),
     "max-queue-rows": (int, "rows allowed to wait before 503 (default 1024)"),
     "max-body-bytes": (int, "largest request body (default 16 MiB)"),
@@ -449,9 +458,14 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
     rows = None
-    # (a model's image files go to the engine whole, decoded there: no front end takes them in)
-    tensor_rows = [model.engine.row_bytes for _, model in models if model.images is None]
-    processes = front_end_processes(settings, max(tensor_rows, default=0))
+    # Only rows a front end receives straight into the batch rows count: a model's image files go
+    # to the engine whole, and rows of varying size, or of a model run alone, come inline.
+    arena_rows = [
+        model.engine.row_bytes
+        for _, model in models
+        if model.images is None and model.engine.fixed_rows and model.engine.batchable
+    ]
+    processes = front_end_processes(settings, max(arena_rows, default=0))
     if processes is not None:
         # the front ends take HTTP and gRPC in; this process is their engine
         front_ends, rows = (processes.start,), processes.placements_for
@@ -468,9 +482,9 @@ def serve(settings: Settings) -> int:
 
 def front_end_processes(settings: Settings, row_bytes: int):
     """The front-end processes the settings ask for, or the default's for models of `row_bytes`
-    (the largest input row of those loaded at start that take tensors, not image files;
-    Settings.front_end_processes), said in the log with why; None for one process. ServeError where --front-ends asks for them and this install
-    can't run them."""
+    (the largest batch row of the models loaded at start that front ends would receive;
+    Settings.front_end_processes), said in the log with why; None for one process. ServeError
+    where --front-ends asks for them and this install can't run them."""
     from serving.arena import WHY_NOT
 
     count, why = settings.front_end_processes(row_bytes, WHY_NOT)
@@ -508,7 +522,6 @@ def largest_row_bytes(server) -> int:
 
 def layout(server, http_loops: int) -> str:
     """How the server is laid out over threads and cores, in one line for its log."""
-    from serving.config import LARGE_ROW_BYTES
     from serving.engine import usable_cpus
 
     slots = [slot for _, slot in server.repository.slots()]

@@ -440,10 +440,10 @@ class Settings:
 
     def front_end_processes(self, row_bytes: int, why_not: str = "") -> tuple[int, str]:
         """How many front-end processes take requests in, and why, in words for the log:
-        --front-ends; else, where the models loaded at start have input rows of LARGE_ROW_BYTES or
-        more (`row_bytes`: the largest, as for http_loops) and this process may use FRONT_END_CPUS
-        CPUs or more, one per CPUS_PER_FRONT_END of them (at most DEFAULT_FRONT_ENDS_MAX); else none
-        (one process). A front end takes a request in for about what one process does, and the
+        --front-ends; else, where the models loaded at start have batch rows of LARGE_ROW_BYTES or
+        more that front ends receive (`row_bytes`: the largest) and this process may use
+        FRONT_END_CPUS CPUs or more, one per CPUS_PER_FRONT_END of them (at most
+        DEFAULT_FRONT_ENDS_MAX); else none (one process). A front end takes a request in for about what one process does, and the
         engine's process adds a record and an answer per request: that pays only where one
         interpreter is the limit, for large bodies with cores to spare beside the engine and its
         runs (docs/benchmarks.md#servingconfigpy). `why_not`: why this install can't run them
@@ -457,14 +457,14 @@ class Settings:
         cpus = usable_cpus()
         if row_bytes < LARGE_ROW_BYTES:
             return 0, (
-                f"no model loaded at start takes tensor rows of {LARGE_ROW_BYTES >> 10} KiB or more: "
-                "a front end's hand-over would cost more than one interpreter's limit; --front-ends "
-                "N sets them"
+                f"no model loaded at start has batch rows of {LARGE_ROW_BYTES >> 10} KiB or "
+                "more for front ends to receive: for smaller ones a front end costs more than it "
+                "saves; --front-ends N sets them"
             )
         if cpus < FRONT_END_CPUS:
             return 0, (
-                f"{cpus} CPU{'s' if cpus > 1 else ''} usable: front ends pay from {FRONT_END_CPUS}, "
-                "with cores to spare beside the engine; --front-ends N sets them"
+                f"{cpus} CPU{'s' if cpus > 1 else ''} usable: front ends pay from "
+                f"{FRONT_END_CPUS}, with cores to spare beside the engine; --front-ends N sets them"
             )
         if why_not:
             return 0, f"{why_not}; the default would start front ends on {cpus} CPUs"

@@ -512,7 +512,7 @@ def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):
         assert r.status_code in (400, 403, 503), r.text[:200]
 
 
-def test_front_ends_by_default_only_for_tensor_rows_of_512_kib_on_8_cpus_or_more(monkeypatch):
+def test_front_ends_by_default_only_for_batch_rows_of_512_kib_on_8_cpus_or_more(monkeypatch):
     """A front end costs more CPU a request than one process: the default starts them only where
     one interpreter would be the limit, large rows and cores to spare, and says why not otherwise."""
     import serving.engine
@@ -541,6 +541,66 @@ def test_front_ends_by_default_only_for_tensor_rows_of_512_kib_on_8_cpus_or_more
     monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 2)
     assert "2 CPUs usable: front ends pay from 8" in Settings().front_end_processes(large)[1]
     assert (
-        "no model loaded at start takes tensor rows of 512 KiB"
+        "no model loaded at start has batch rows of 512 KiB"
         in (Settings().front_end_processes(small)[1])
     )
+
+
+def test_a_cpu_quota_caps_the_cpus_the_default_counts(tmp_path):
+    """A container limited to half a CPU on a host of many: the server counts 1 CPU (the quota,
+    rounded up), not the host's, for its front ends, event loops and onnxruntime threads. A real
+    cgroup of this machine (v1's cpu controller, or v2's cpu.max)."""
+    import subprocess
+    import sys
+
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        group = v1 / f"trainserve-test-{os.getpid()}"
+        limit = ("cpu.cfs_quota_us", "50000")
+    elif "cpu" in (v2 / "cgroup.subtree_control").read_text(errors="replace").split():
+        group = v2 / f"trainserve-test-{os.getpid()}"
+        limit = ("cpu.max", "50000 100000")
+    else:
+        pytest.skip("no cgroup cpu controller this process can write (needs root)")
+    try:
+        group.mkdir()
+        (group / limit[0]).write_text(limit[1])
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup here: {exc}")
+    try:
+        code = (
+            "from serving.config import LARGE_ROW_BYTES, Settings; "
+            "from serving.engine import usable_cpus; "
+            "print(usable_cpus()); print(Settings().front_end_processes(LARGE_ROW_BYTES)[1])"
+        )
+        out = subprocess.run(
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"',
+                sys.executable,
+                code,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+    finally:
+        group.rmdir()
+    assert out[0] == "1", out
+    assert out[1].startswith("1 CPU usable: front ends pay from 8"), out
+
+
+def test_cgroup_v2_quotas_are_read_from_the_process_cgroup_and_its_parents(tmp_path):
+    """cpu.max on a parent is a limit too: the tightest counts; "max" is none."""
+    from serving.engine import cpu_quota
+
+    own = tmp_path / "cgroup"
+    own.write_text("0::/pod/app\n")
+    (tmp_path / "pod" / "app").mkdir(parents=True)
+    (tmp_path / "pod" / "app" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(str(tmp_path), str(own)) is None
+    (tmp_path / "pod" / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(str(tmp_path), str(own)) == (250000, 100000)
+    (tmp_path / "pod" / "app" / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(str(tmp_path), str(own)) == (150000, 100000)
