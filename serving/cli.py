@@ -522,7 +522,7 @@ def largest_row_bytes(server) -> int:
 
 def layout(server, http_loops: int) -> str:
     """How the server is laid out over threads and cores, in one line for its log."""
-    from serving.engine import usable_cpus
+    from serving.cpus import usable_cpus
 
     slots = [slot for _, slot in server.repository.slots()]
     loops = f"HTTP on {http_loops} event loop{'s' if http_loops > 1 else ''}"

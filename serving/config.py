@@ -434,7 +434,7 @@ class Settings:
             return self.http_threads
         if row_bytes < LARGE_ROW_BYTES:
             return 1
-        from serving.engine import usable_cpus
+        from serving.cpus import usable_cpus
 
         return max(1, min(8, usable_cpus()))
 
@@ -452,7 +452,7 @@ class Settings:
             return self.front_ends, "--front-ends"
         if self.http_threads is not None:
             return 0, "--http-threads asks for event loops in one process"
-        from serving.engine import usable_cpus
+        from serving.cpus import usable_cpus
 
         cpus = usable_cpus()
         if row_bytes < LARGE_ROW_BYTES:

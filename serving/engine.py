@@ -25,6 +25,7 @@ import numpy as np
 
 from serving.batcher import NotRowWise
 from serving.console import clip, ort_severity
+from serving.cpus import usable_cpus
 from serving.cuda_graphs import GraphError, open_graphs
 from serving.lineage import ROWS_INDEPENDENT
 from serving.staging import BatchBuffers, NonFinite, check_finite, concat, nbytes, rows_of
@@ -348,61 +349,6 @@ def _not_on_gpu(device: str, wanted: str, ran: str, preload_report: str, printed
         + (f". onnxruntime said: {clip(said, 600)}" if said else "")
         + (". --device auto would serve on the CPU instead" if device != "auto" else "")
     )
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (affinity, cgroup cpusets), at most its cgroups' CPU quota
-    rounded up (a container's CPU limit: threads past it are throttled), not the host's count."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        # not on Linux
-        return os.cpu_count() or 1
-    quota = cpu_quota()
-    return cpus if quota is None else max(1, min(cpus, -(-quota[0] // quota[1])))
-
-
-def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> tuple | None:
-    """The tightest CPU quota of this process's cgroup and its parents, as (quota, period) in
-    microseconds (cgroup v2's cpu.max, v1's cpu.cfs_quota_us and cpu.cfs_period_us); None where
-    none is set or none can be read."""
-    try:
-        lines = Path(own).read_text().splitlines()
-    except OSError:
-        return None
-    tightest = None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            # cgroup v2: "quota period" or "max period"
-            files = [(os.path.join(root, "unified"), "cpu.max"), (root, "cpu.max")]
-        elif "cpu" in controllers.split(","):
-            files = [(os.path.join(root, controllers), "cpu.cfs_quota_us")]
-            files += [(os.path.join(root, "cpu"), "cpu.cfs_quota_us")]
-        else:
-            continue
-        for base, name in files:
-            for quota in _quotas(base, path, name):
-                if tightest is None or quota[0] * tightest[1] < tightest[0] * quota[1]:
-                    tightest = quota
-    return tightest
-
-
-def _quotas(base: str, path: str, name: str):
-    """Each quota set on `path` and its parents under `base` (a cgroup mount)."""
-    parts = [p for p in path.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        directory = os.path.join(base, *parts[:depth])
-        try:
-            if name == "cpu.max":
-                quota, period = Path(directory, name).read_text().split()
-            else:
-                quota = Path(directory, name).read_text().strip()
-                period = Path(directory, "cpu.cfs_period_us").read_text().strip()
-            if quota not in ("max", "-1"):
-                yield int(quota), int(period)
-        except (OSError, ValueError):
-            continue
 
 
 def _open_session(path: str, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:

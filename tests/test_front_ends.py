@@ -7,6 +7,7 @@ killed at any moment."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -515,7 +516,7 @@ def test_the_auth_token_and_cuda_regions_hold_in_front_ends(tmp_path):
 def test_front_ends_by_default_only_for_batch_rows_of_512_kib_on_8_cpus_or_more(monkeypatch):
     """A front end costs more CPU a request than one process: the default starts them only where
     one interpreter would be the limit, large rows and cores to spare, and says why not otherwise."""
-    import serving.engine
+    import serving.cpus
     from serving.config import LARGE_ROW_BYTES, Settings
 
     large, small = LARGE_ROW_BYTES, LARGE_ROW_BYTES - 1
@@ -528,9 +529,9 @@ def test_front_ends_by_default_only_for_batch_rows_of_512_kib_on_8_cpus_or_more(
         (64, small, 0),
         (64, 0, 0),
     ):
-        monkeypatch.setattr(serving.engine, "usable_cpus", lambda: cpus)
+        monkeypatch.setattr(serving.cpus, "usable_cpus", lambda: cpus)
         assert Settings().front_end_processes(row_bytes)[0] == count, (cpus, row_bytes)
-    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(serving.cpus, "usable_cpus", lambda: 16)
     assert Settings().front_end_processes(large)[1].startswith("16 CPUs usable and model rows of")
     assert Settings(front_ends=2).front_end_processes(0) == (2, "--front-ends")
     assert Settings(front_ends=0).front_end_processes(large) == (0, "--front-ends")
@@ -538,7 +539,7 @@ def test_front_ends_by_default_only_for_batch_rows_of_512_kib_on_8_cpus_or_more(
     # an install that can't run them: one process, and why
     count, why = Settings().front_end_processes(large, "serving._ingest is not built")
     assert count == 0 and why.startswith("serving._ingest is not built")
-    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(serving.cpus, "usable_cpus", lambda: 2)
     assert "2 CPUs usable: front ends pay from 8" in Settings().front_end_processes(large)[1]
     assert (
         "no model loaded at start has batch rows of 512 KiB"
@@ -546,31 +547,31 @@ def test_front_ends_by_default_only_for_batch_rows_of_512_kib_on_8_cpus_or_more(
     )
 
 
-def test_a_cpu_quota_caps_the_cpus_the_default_counts(tmp_path):
-    """A container limited to half a CPU on a host of many: the server counts 1 CPU (the quota,
+def test_a_cpu_quota_caps_the_cpus_the_default_counts():
+    """A container limited to half a CPU on a host of several: the server counts 1 CPU (the quota,
     rounded up), not the host's, for its front ends, event loops and onnxruntime threads. A real
     cgroup of this machine (v1's cpu controller, or v2's cpu.max)."""
     import subprocess
     import sys
 
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: a quota of half of one counts 1 with or without the cap")
     v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-    if (v1 / "cpu.cfs_quota_us").exists():
-        group = v1 / f"trainserve-test-{os.getpid()}"
-        limit = ("cpu.cfs_quota_us", "50000")
-    elif "cpu" in (v2 / "cgroup.subtree_control").read_text(errors="replace").split():
-        group = v2 / f"trainserve-test-{os.getpid()}"
-        limit = ("cpu.max", "50000 100000")
-    else:
-        pytest.skip("no cgroup cpu controller this process can write (needs root)")
     try:
+        if (v1 / "cpu.cfs_quota_us").exists():
+            group, limit = v1 / f"trainserve-test-{os.getpid()}", ("cpu.cfs_quota_us", "50000")
+        elif "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
+            group, limit = v2 / f"trainserve-test-{os.getpid()}", ("cpu.max", "50000 100000")
+        else:
+            raise OSError("no cpu controller in the subtree")
         group.mkdir()
-        (group / limit[0]).write_text(limit[1])
     except OSError as exc:
-        pytest.skip(f"cannot make a cgroup here: {exc}")
+        pytest.skip(f"no cgroup with a CPU quota can be made here (needs root): {exc}")
     try:
+        (group / limit[0]).write_text(limit[1])
         code = (
             "from serving.config import LARGE_ROW_BYTES, Settings; "
-            "from serving.engine import usable_cpus; "
+            "from serving.cpus import usable_cpus; "
             "print(usable_cpus()); print(Settings().front_end_processes(LARGE_ROW_BYTES)[1])"
         )
         out = subprocess.run(
@@ -584,16 +585,22 @@ def test_a_cpu_quota_caps_the_cpus_the_default_counts(tmp_path):
             capture_output=True,
             text=True,
             check=True,
+            timeout=60,
+            cwd=Path(__file__).parent.parent,
         ).stdout.splitlines()
     finally:
-        group.rmdir()
+        # (the process exec'd in it was reaped: the group is empty)
+        with contextlib.suppress(OSError):
+            group.rmdir()
     assert out[0] == "1", out
     assert out[1].startswith("1 CPU usable: front ends pay from 8"), out
 
 
-def test_cgroup_v2_quotas_are_read_from_the_process_cgroup_and_its_parents(tmp_path):
-    """cpu.max on a parent is a limit too: the tightest counts; "max" is none."""
-    from serving.engine import cpu_quota
+def test_cgroup_quotas_are_read_from_the_process_cgroups_and_their_parents(tmp_path, monkeypatch):
+    """cpu.max on a parent is a limit too: the tightest counts; "max" is none (v2). v1's quota and
+    period files likewise. A quota of 1.5 CPUs counts 2; lines that say nothing are passed over."""
+    import serving.cpus
+    from serving.cpus import cpu_quota
 
     own = tmp_path / "cgroup"
     own.write_text("0::/pod/app\n")
@@ -604,3 +611,15 @@ def test_cgroup_v2_quotas_are_read_from_the_process_cgroup_and_its_parents(tmp_p
     assert cpu_quota(str(tmp_path), str(own)) == (250000, 100000)
     (tmp_path / "pod" / "app" / "cpu.max").write_text("150000 100000\n")
     assert cpu_quota(str(tmp_path), str(own)) == (150000, 100000)
+    # v1: a cpu,cpuacct mount, the quota on the process's own group; junk around it
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "job").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "job" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu,cpuacct" / "job" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    own.write_text("garbage\n4:memory:/x\n2:cpu,cpuacct:/job\n")
+    assert cpu_quota(str(v1), str(own)) == (150000, 100000)
+    monkeypatch.setattr(serving.cpus, "cpu_quota", lambda: (150000, 100000))
+    assert serving.cpus.usable_cpus() == min(2, len(os.sched_getaffinity(0)))
+    assert cpu_quota(str(v1), str(tmp_path / "no-such-file")) is None

@@ -241,17 +241,17 @@ def test_a_body_cut_short_by_a_client_that_leaves_frees_its_rows_for_the_next(se
 
 
 def test_how_many_event_loops_by_row_size_and_cpus(monkeypatch):
-    import serving.engine
+    import serving.cpus
     from serving.config import LARGE_ROW_BYTES, Settings
 
-    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(serving.cpus, "usable_cpus", lambda: 16)
     assert [Settings().http_loops(n) for n in (0, LARGE_ROW_BYTES - 1, LARGE_ROW_BYTES)] == [
         1,
         1,
         8,
     ]
     assert Settings(http_threads=3).http_loops(0) == 3
-    monkeypatch.setattr(serving.engine, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(serving.cpus, "usable_cpus", lambda: 1)
     assert Settings().http_loops(LARGE_ROW_BYTES) == 1
 
 

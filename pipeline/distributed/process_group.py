@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from serving.cpus import usable_cpus
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -39,15 +41,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
-
-
-def usable_cpus() -> int:
-    """Cores this process may run on (cgroup/affinity), not the host's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        # not Linux
-        return os.cpu_count() or 1
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
