@@ -340,12 +340,14 @@ class Batcher:
                 placements.copy(copy, feeds)
             except BaseException:
                 with self._lock:
+                    # (read before the place dies: its buffer may then be handed out again)
+                    sealed = copy.group.sealed
                     placements.kill(copy)
                     # (else runner_died counted it out with everything)
                     if not self._dead:
                         self.queued_rows -= rows
                     self._settle_drained()
-                if copy.group.sealed:
+                if sealed:
                     # the rest of its buffer may have waited for it (OWN_ARRIVALS)
                     self._kick(loop)
                 raise
@@ -498,10 +500,10 @@ class Batcher:
         if span is not None and (head is None or oldest_placed <= head.arrived):
             if span.open:
                 joining = ANY_ARRIVAL
-            elif span.arriving and self.queued_rows - span.rows < self.max_batch_size:
+            elif span.arriving and self._complete_rows() - span.rows < self.max_batch_size:
                 joining = OWN_ARRIVALS
             else:
-                # (a full batch complete behind it: the engine does not sit idle for its rest)
+                # (a full batch could run behind it: the engine does not sit idle for its rest)
                 joining = NOTHING
             return span, span.rows, oldest_placed, joining
         return None, self.queued_rows, head.arrived, ANY_ARRIVAL
@@ -534,6 +536,10 @@ class Batcher:
             return True
         self._wait_until = None
         return False
+
+    def _complete_rows(self) -> int:
+        """(under _lock) Rows of the requests that could run now: queued, or filled in a place."""
+        return sum(job.rows for job in self._queue) + self._placements.filled_rows()
 
     def _pending(self) -> bool:
         """(under _lock) Jobs to run: queued, or complete in a place not run yet."""

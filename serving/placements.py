@@ -464,6 +464,11 @@ class Placements:
                     # (all of it dead: i is past it)
         return None
 
+    def filled_rows(self) -> int:
+        """The rows of the places filled and not run yet."""
+        with self._lock:
+            return sum(p.rows for g in self._groups() for p in g.places if p.state == FILLED)
+
     def pending(self) -> bool:
         """Whether a place holds a job not run yet."""
         with self._lock:
