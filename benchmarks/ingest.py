@@ -1,4 +1,4 @@
-"""What it costs the server to take a large tensor in: its own CPU per request, every thread of it
+r"""What it costs the server to take a large tensor in: its own CPU per request, every thread of it
 counted.
 
 A trivial ONNX model with, by default, a ResNet-50-shaped input (1x3x224x224 FP32, 602 KB a request;
@@ -37,8 +37,9 @@ bytes in the same run, a ratio that moves less from one run to the next on a sha
 milliseconds do.
 
 Cores: by default the server is pinned to one core and the load generator to the other (`taskset`),
-so that neither's CPU is the other's; `--cores 1,2` adds the server on both cores (shared with the
-generator), which shows whether it takes more requests in with more cores. This machine has 2:
+so that neither's CPU is the other's; `--cores K` pins the server to K cores and the generator to
+the rest, or, with K all of them, shares them; `--cores 1,2` adds the server on both cores (shared
+with the generator), which shows whether it takes more requests in with more cores. This machine has 2:
 compare rows of one run only. With 602 KB requests one h2load thread sends at most ~2,500 a second
 here (nginx, which only receives them, gets no more): the generator, not the server, sets the pace
 on 2 cores; `--image 3x32x32` (12 KB) leaves the server the pace.
@@ -50,6 +51,8 @@ on 2 cores; `--image 3x32x32` (12 KB) leaves the server the pace.
     python benchmarks/ingest.py --protocols http,grpc --cores 1,2 --image 3x32x32   # scaling, small images
     python benchmarks/ingest.py --against ../base --protocols http --rounds 8 --seconds 3
     python benchmarks/ingest.py --protocols http,grpc --front-ends 1,2   # front-end processes
+    python benchmarks/ingest.py --protocols http --front-ends 1,2,4,8 --cores 8 --generators 8 \
+        --concurrency 256 --rounds 2 --seconds 4     # their scaling, on 16 cores (issue 50)
 
 `--front-ends 1,2,...`: a server of each count of front-end processes (`--front-ends N`: the process
 started is the engine, N processes take requests in, serving/front_ends.py), all started at once,
@@ -750,8 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cores",
         default="1",
-        help="the server on 1 core (the generator on another), 2 (all, "
-        "shared with the generator), or both: 1,2",
+        help="the server on this many cores and the generator on the others, or on all of them "
+        "(shared with the generator): one count or several, e.g. 1,2 on 2 cores, or 8 of 16 "
+        "for the front ends' scaling",
     )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument(
@@ -815,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--image {args.image}: give channels x height x width, e.g. 3x224x224")
     ncpu = len(os.sched_getaffinity(0))
+    cores_counts = [c.strip() for c in args.cores.split(",")]
+    if not all(c.isdigit() and 1 <= int(c) <= ncpu for c in cores_counts):
+        parser.error(f"--cores {args.cores}: give counts of cores from 1 to {ncpu}, like 1,2")
     work = Path(tempfile.mkdtemp(prefix="ingest-"))
     models = {MODEL: work / "trivial.onnx", MODEL_UINT8: work / "trivial_uint8.onnx"}
     trivial_model(models[MODEL])
@@ -830,11 +837,16 @@ def main(argv: list[str] | None = None) -> int:
         {},
     )
     layout = "?"
-    for cores in [c.strip() for c in args.cores.split(",")]:
-        if cores == "1" and ncpu >= 2:
-            server_cpus, load_cpus = str(ncpu - 1), ",".join(map(str, range(ncpu - 1)))
+    for cores in cores_counts:
+        # the server on the last `cores` CPUs and the generator on the others; or, with them all,
+        # everything shared
+        if int(cores) < ncpu:
+            server_cpus = ",".join(map(str, range(ncpu - int(cores), ncpu)))
+            load_cpus = ",".join(map(str, range(ncpu - int(cores))))
+            cores_text = f"{cores} core{'s' if int(cores) > 1 else ''}"
         else:
             server_cpus = load_cpus = None
+            cores_text = f"{ncpu} cores (shared)"
         for protocol in protocols:
             # A server of the one model the row sends to, as a server of one model is run: with
             # several, a gRPC message still on its way (which names its model inside) makes no
@@ -889,12 +901,12 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(
                         (
                             PROTOCOLS[protocol],
-                            code + ("1 core" if server_cpus else f"{ncpu} cores (shared)"),
+                            code + cores_text,
                             runs[i][0]["generator"],
                             med,
                             errors,
                             next((r["first_error"] for r in runs[i] if r["first_error"]), None),
-                            SAME_BYTES.get(protocol) if server_cpus else None,
+                            (SAME_BYTES.get(protocol), cores_text) if server_cpus else None,
                         )
                     )
                     each = ", ".join(f"{1e3 * r['cpu_ms']:.0f}" for r in runs[i])
@@ -912,9 +924,9 @@ def main(argv: list[str] | None = None) -> int:
             else []
         )
         for kind, med in measure_references(kinds, work, server_cpus, load_cpus, args).items():
-            reference_ms[kind] = med["cpu_ms"]
+            reference_ms[kind, cores_text] = med["cpu_ms"]
             rows.append(
-                (REFERENCE_ROWS[kind][0], "1 core", "h2load", med, med["errors"], None, None)
+                (REFERENCE_ROWS[kind][0], cores_text, "h2load", med, med["errors"], None, None)
             )
     print(f"\nServer (default settings, the FP32 model's): {layout}")
     print(
@@ -945,14 +957,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     if len(counts) > 1:
         print()
-        for name in dict.fromkeys(row[0] for row in rows):
-            mine = [row for row in rows if row[0] == name and "front end" in row[1]]
-            if len(mine) > 1:
-                first = mine[0][3]["cpu_ms"]
+        # each protocol on each count of cores: its front-end counts against the first
+        for name, cores_text in dict.fromkeys((row[0], row[1].split(", ")[-1]) for row in rows):
+            mine = [
+                row
+                for row in rows
+                if row[0] == name and row[1].endswith(", " + cores_text) and "front end" in row[1]
+            ]
+            if len(mine) < 2:
+                continue
+            first = mine[0][3]
+            for what, key in (("CPU per request", "cpu_ms"), ("req/s", "rps")):
                 said = ", ".join(
-                    f"{row[1].split(',')[0]} {row[3]['cpu_ms'] / first:.2f}x" for row in mine[1:]
+                    f"{row[1].split(',')[0]} {row[3][key] / first[key]:.2f}x" for row in mine[1:]
                 )
-                print(f"{name}: CPU per request against {mine[0][1].split(',')[0]}'s: {said}")
+                print(f"{name}, {cores_text}: {what} against {mine[0][1].split(',')[0]}'s: {said}")
     return 0
 
 
