@@ -40,6 +40,8 @@ And around them:
                 ctypes
     config.py   Settings, the typed knobs; cli.py: flags and environment -> Settings -> a running
                 server
+    cpus.py     how many CPUs this process may use (affinity, the cgroups' CPU quota): the
+                server's threads and processes, and training's threads per rank
 
 Entry points: `python -m serving ...`, and `serving.cli.main(argv)` for `pipeline serve`.
 This package imports neither torch nor `pipeline`: a server needs the ONNX file, not the trainer.
