@@ -700,6 +700,36 @@ def test_a_request_still_arriving_when_its_buffer_ran_joins_the_next_batch_inste
     assert queued == 0 and free == 2
 
 
+def rest_batcher(executor) -> tuple[Batcher, list]:
+    """A batcher of two buffers of 8 rows, a 300 ms arrival wait, and the first column of each
+    run's rows, in order."""
+    runs = []
+
+    def run_gathered(feeds, rows):
+        runs.append(feeds["x"][:rows, 0].tolist())
+        return {"y": feeds["x"][:rows] * 2}
+
+    b = Batcher(
+        lambda parts: {"y": concat(parts)["x"] * 2},
+        executor,
+        max_batch_size=8,
+        max_delay_ms=0,
+        max_queue_rows=64,
+        buffers=two_column_buffers(),
+        run_gathered=run_gathered,
+        arrival_wait_ms=300,
+    )
+    b.start()
+    return b, runs
+
+
+def received(b: Batcher, arrival, value: float) -> asyncio.Task:
+    """An arrival's body in its place, submitted."""
+    arrival.views["x"][:] = value
+    arrival.filled = True
+    return asyncio.create_task(b.submit(arrival.views, 1, arrival))
+
+
 @pytest.mark.parametrize("straggler", ["comes in", "goes away", "never comes"])
 def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(executor, straggler):
     """A, S and B took places one after another in a buffer; A's and B's bodies came in, S's was
@@ -709,31 +739,11 @@ def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(e
     requests take places in turn, leave such rests often). S's client going
     away ends the wait at once; S never coming, the arrival wait. C, arriving in the next buffer, is
     no reason to wait."""
-    buffers = two_column_buffers()
-    runs = []
-
-    def run_gathered(feeds, rows):
-        runs.append(feeds["x"][:rows, 0].tolist())
-        return {"y": feeds["x"][:rows] * 2}
 
     async def main():
-        b = Batcher(
-            lambda parts: {"y": concat(parts)["x"] * 2},
-            executor,
-            max_batch_size=8,
-            max_delay_ms=0,
-            max_queue_rows=64,
-            buffers=buffers,
-            run_gathered=run_gathered,
-            arrival_wait_ms=300,
-        )
-        b.start()
+        b, runs = rest_batcher(executor)
         a, s, b_ = (b.arriving(rows=1) for _ in range(3))
-        answers = {}
-        for name, arrival, value in (("a", a, 1.0), ("b", b_, 2.0)):
-            arrival.views["x"][:] = value
-            arrival.filled = True
-            answers[name] = asyncio.create_task(b.submit(arrival.views, 1, arrival))
+        answers = {"a": received(b, a, 1.0), "b": received(b, b_, 2.0)}
         # A runs once the arrival wait is out, alone: S, still arriving, ends its span
         await answers["a"]
         ran_a = time.monotonic()
@@ -743,9 +753,7 @@ def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(e
         # B waits for S
         assert not answers["b"].done()
         if straggler == "comes in":
-            s.views["x"][:] = 3.0
-            s.filled = True
-            answers["s"] = asyncio.create_task(b.submit(s.views, 1, s))
+            answers["s"] = received(b, s, 3.0)
         elif straggler == "goes away":
             s.end()
         await answers["b"]
@@ -757,9 +765,9 @@ def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(e
             s.end()
         c.end()
         await b.close()
-        return waited
+        return waited, runs
 
-    waited = run(main())
+    waited, runs = run(main())
     if straggler == "comes in":
         # not [[1], [2], [3]]: B alone, then S alone
         assert runs == [[1.0], [3.0, 2.0]], runs
@@ -772,22 +780,28 @@ def test_the_rest_of_a_buffer_that_ran_waits_for_its_own_places_still_arriving(e
         assert waited < 0.2, waited
 
 
+def sealed_buffer(*states: str, sealed: bool = True):
+    """Placements of one buffer whose places are in these states: "ran", "job" (in, not run yet),
+    "arriving", "dead" (refused, not run) or "S" (arriving: the one a test looks at)."""
+    from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements
+
+    p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
+    owner = types.SimpleNamespace(ended=lambda arrival: None)
+    places = [p.arriving(owner, rows=1).place for _ in states]
+    named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED, "S": RESERVED}
+    for place, state in zip(places, states):
+        place.state = named[state]
+        place.job = object() if state == "job" else None
+    places[0].group.sealed = sealed
+    return p, places
+
+
 def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it():
-    from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements, _stranded
+    from serving.placements import _stranded
 
     def buffer(*states: str, sealed: bool = True):
-        """A buffer's places, each "ran", "job" (in, not run yet), "arriving", "dead" (refused, not
-        run) or "S"."""
-        p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
-        owner = types.SimpleNamespace(ended=lambda arrival: None)
-        places = [p.arriving(owner, rows=1).place for _ in states]
-        named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED, "S": RESERVED}
-        for place, state in zip(places, states):
-            place.state = named[state]
-            place.job = object() if state == "job" else None
-        places[0].group.sealed = sealed
-        s = places[states.index("S")]
-        return s, places
+        places = sealed_buffer(*states, sealed=sealed)[1]
+        return places[states.index("S")], places
 
     assert _stranded(*buffer("ran", "S"))
     assert _stranded(*buffer("S"))
@@ -805,45 +819,22 @@ def test_a_place_is_moved_only_when_nothing_left_in_its_buffer_can_run_with_it()
 def test_the_rest_of_a_buffer_does_not_wait_with_a_full_batch_complete_behind_it(executor):
     """B waits for S (see above) only while the engine has nothing better to run: a full batch
     complete in the next buffer runs after B at once, not after S's wait."""
-    buffers = two_column_buffers()
-    runs = []
-
-    def run_gathered(feeds, rows):
-        runs.append(feeds["x"][:rows, 0].tolist())
-        return {"y": feeds["x"][:rows] * 2}
 
     async def main():
-        b = Batcher(
-            lambda parts: {"y": concat(parts)["x"] * 2},
-            executor,
-            max_batch_size=8,
-            max_delay_ms=0,
-            max_queue_rows=64,
-            buffers=buffers,
-            run_gathered=run_gathered,
-            arrival_wait_ms=300,
-        )
-        b.start()
+        b, runs = rest_batcher(executor)
         a, s, b_ = (b.arriving(rows=1) for _ in range(3))
-        answers = []
-        for arrival, value in ((a, 1.0), (b_, 2.0)):
-            arrival.views["x"][:] = value
-            arrival.filled = True
-            answers.append(asyncio.create_task(b.submit(arrival.views, 1, arrival)))
+        answers = [received(b, a, 1.0), received(b, b_, 2.0)]
         await answers[0]
         started = time.monotonic()
         full = [b.arriving(rows=1) for _ in range(8)]
-        for arrival in full:
-            arrival.views["x"][:] = 5.0
-            arrival.filled = True
-        answers += [asyncio.create_task(b.submit(x.views, 1, x)) for x in full]
+        answers += [received(b, x, 5.0) for x in full]
         await asyncio.gather(*answers[1:])
         took = time.monotonic() - started
         s.end()
         await b.close()
-        return took
+        return took, runs
 
-    took = run(main())
+    took, runs = run(main())
     assert runs == [[1.0], [2.0], [5.0] * 8], runs
     assert took < 0.2, took
 
@@ -851,18 +842,11 @@ def test_the_rest_of_a_buffer_does_not_wait_with_a_full_batch_complete_behind_it
 def test_a_span_waits_only_for_places_still_arriving_next_to_it():
     """Span.arriving: a place still arriving joins a span's run only across dead places; one beyond
     a place that ran never can. A dead place just after one still arriving is not marked run."""
-    from serving.placements import DEAD, FILLED, RAN, RESERVED, Placements
+    from serving.placements import DEAD, RAN
 
     def span(*states: str):
-        """The next span of a sealed buffer of these places ("ran", "job", "arriving", "dead")."""
-        p = Placements(BatchBuffers([X_OF_2_COLUMNS], capacity=8, count=1), 8)
-        owner = types.SimpleNamespace(ended=lambda arrival: None)
-        places = [p.arriving(owner, rows=1).place for _ in states]
-        named = {"ran": RAN, "dead": DEAD, "job": FILLED, "arriving": RESERVED}
-        for place, state in zip(places, states):
-            place.state = named[state]
-            place.job = object() if state == "job" else None
-        places[0].group.sealed = True
+        """The next span of a sealed buffer of these places, and its places."""
+        p, places = sealed_buffer(*states)
         return p.next_span(), places
 
     assert span("ran", "arriving", "job")[0].arriving
