@@ -44,6 +44,12 @@ WHY_NOT = (
 )
 
 
+def has_rows(model) -> bool:
+    """Whether a version's requests are received into an arena's rows (a batched model of fixed
+    row shapes); the others' tensors come inline with their records."""
+    return model.engine.fixed_rows and model.engine.batchable
+
+
 class Spec:
     """An input as the arena lays it out: name, dtype, shape (the batch axis first)."""
 

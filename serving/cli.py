@@ -458,12 +458,14 @@ def serve(settings: Settings) -> int:
     except (SourceError, EngineError, RepositoryError) as exc:
         raise ServeError(f"cannot serve: {exc}") from None
     rows = None
-    # Only rows a front end receives straight into the batch rows count: a model's image files go
-    # to the engine whole, and rows of varying size, or of a model run alone, come inline.
+    # Only rows a front end receives straight into the batch rows count (arena.has_rows), and not
+    # a model's that takes image files: those go to the engine whole.
+    from serving import arena
+
     arena_rows = [
         model.engine.row_bytes
         for _, model in models
-        if model.images is None and model.engine.fixed_rows and model.engine.batchable
+        if model.images is None and arena.has_rows(model)
     ]
     processes = front_end_processes(settings, max(arena_rows, default=0))
     if processes is not None:

@@ -443,11 +443,11 @@ class Settings:
         --front-ends; else, where the models loaded at start have batch rows of LARGE_ROW_BYTES or
         more that front ends receive (`row_bytes`: the largest) and this process may use
         FRONT_END_CPUS CPUs or more, one per CPUS_PER_FRONT_END of them (at most
-        DEFAULT_FRONT_ENDS_MAX); else none (one process). A front end takes a request in for about what one process does, and the
-        engine's process adds a record and an answer per request: that pays only where one
-        interpreter is the limit, for large bodies with cores to spare beside the engine and its
-        runs (docs/benchmarks.md#servingconfigpy). `why_not`: why this install can't run them
-        (arena.WHY_NOT), which the default then says."""
+        DEFAULT_FRONT_ENDS_MAX); else none (one process). A front end takes a request in for about
+        what one process does, and the engine's process adds a record and an answer per request:
+        that pays only where one interpreter is the limit, for large bodies with cores to spare
+        beside the engine and its runs (docs/benchmarks.md#servingconfigpy). `why_not`: why this
+        install can't run them (arena.WHY_NOT), which the default then says."""
         if self.front_ends is not None:
             return self.front_ends, "--front-ends"
         if self.http_threads is not None:

@@ -95,8 +95,8 @@ class FrontEnds:
 
     def placements_for(self, model, capacity: int, bucket_for):
         """A new version's rows in an arena the front ends map (None for a version whose rows
-        vary in size: its requests' tensors come with their records)."""
-        if not model.engine.fixed_rows or not model.engine.batchable:
+        vary in size, or a model run alone: its requests' tensors come with their records)."""
+        if not arena.has_rows(model):
             return None
         from serving.engine import GPU_PROVIDERS
 
